@@ -1,0 +1,42 @@
+//! Devices, streams, events, element types and stream-safe buffers.
+//!
+//! This is the bottom crate of the workspace: the one definition of [`Stream`], [`Event`],
+//! [`DType`]/[`Element`] and [`Buffer`] that the allocator, collectives, flat-parameter and FSDP
+//! crates share, so that the same runtime code drives CPU streams (worker threads) and, through a
+//! later backend of the same types, CUDA streams.
+//!
+//! ```
+//! use fsdp_device::{Buffer, DType, Stream, AccessMode};
+//! use std::time::Duration;
+//!
+//! // Issue asynchronous work that fills a buffer on a CPU stream…
+//! let buf = Buffer::zeros(DType::F32, 3).unwrap();
+//! let comm = Stream::cpu("comm");
+//! let ticket = buf.access(AccessMode::Exclusive); // taken now, in program order
+//! comm.enqueue(move || {
+//!     let mut guard = ticket.acquire(Duration::from_secs(10)).unwrap();
+//!     let p = guard.as_ptr() as *mut f32;
+//!     // SAFETY: exclusive access to 3 host f32 elements.
+//!     unsafe { for i in 0..3 { p.add(i).write(i as f32) } }
+//! }).unwrap();
+//! // …and read it on the host: the read waits for the work issued before it.
+//! assert_eq!(buf.to_vec::<f32>().unwrap(), vec![0.0, 1.0, 2.0]);
+//! ```
+
+pub mod buffer;
+mod device;
+pub mod dtype;
+mod error;
+pub mod stream;
+
+pub use buffer::{
+    AccessGuard, AccessMode, AccessTicket, Buffer, HostStorage, ReadGuard, Storage, WriteGuard,
+    HOST_ALIGN,
+};
+pub use device::Device;
+pub use dtype::{DType, Element};
+pub use error::DeviceError;
+pub use stream::{Event, Stream, StreamId, DEFAULT_TIMEOUT};
+
+#[doc(hidden)]
+pub use half;
