@@ -1,1 +1,50 @@
-//! wip
+//! Collectives with an equal-size all-gather at their core.
+//!
+//! This crate gives Rust training code what PyTorch FSDP gets from NCCL: a [`Communicator`]
+//! trait with NCCL's semantics (`all_gather_base`, `reduce_scatter_base`, `all_reduce`,
+//! `broadcast`, `reduce`, `barrier`, unequal `all_gather`, `split`), a 2-D mesh helper for hybrid
+//! sharding ([`mesh_2d`]), and backends. The [`ring`] backend — ranks as threads of one process —
+//! is the embedded default.
+//!
+//! Guarantees, on every backend:
+//! - every collective is enqueued on the communicator's [`Stream`](fsdp_device::Stream) and
+//!   returns a [`Work`]; waiting is bounded by a timeout;
+//! - arguments are checked on every rank before data moves: lengths, element types, reduce ops,
+//!   roots or operations that differ across ranks fail on every rank with an error that names the
+//!   ranks and what differed ([`CollectiveError::Mismatch`]);
+//! - a peer that leaves (its communicator is dropped, its thread panics) or never arrives makes
+//!   the others fail within the timeout, never hang;
+//! - reductions are deterministic: bitwise identical on every rank and in every run.
+//!
+//! ```
+//! use fsdp_collectives::{ring, Communicator};
+//! use fsdp_device::{Buffer, DType};
+//!
+//! // Three ranks as threads; each contributes 2 elements; everyone gets all 6.
+//! let gathered = ring::run_ranks(3, ring::RingOptions::default(), |comm| {
+//!     let r = comm.rank() as f32;
+//!     let input = Buffer::from_slice(&[r, r + 0.5]).unwrap();
+//!     let output = Buffer::zeros(DType::F32, 2 * comm.world_size()).unwrap();
+//!     let work = comm.all_gather_base(&input, &output).unwrap();
+//!     work.wait().unwrap();
+//!     output.to_vec::<f32>().unwrap()
+//! })
+//! .unwrap();
+//! for out in gathered {
+//!     assert_eq!(out, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+//! }
+//! ```
+
+mod communicator;
+mod error;
+pub mod flavors;
+mod mesh;
+mod op;
+mod work;
+
+pub use communicator::Communicator;
+pub use error::{CollectiveError, Result};
+pub use flavors::ring;
+pub use mesh::{mesh_2d, HybridMesh};
+pub use op::ReduceOp;
+pub use work::{Work, WorkCompleter};

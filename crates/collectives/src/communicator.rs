@@ -1,0 +1,63 @@
+//! The backend-independent interface.
+
+use fsdp_device::{Buffer, Stream};
+
+use crate::{ReduceOp, Result, Work};
+
+/// A group of ranks that run collectives together (NCCL's `ncclComm_t`, PyTorch's
+/// `ProcessGroup`).
+///
+/// Every collective is *issued* by the call: arguments are checked on this rank (an error is
+/// returned at once, and the peers are told so that they fail too instead of waiting), the buffers
+/// are queued for access in program order, and the work is enqueued on the communicator's
+/// [`stream`](Communicator::stream). The returned [`Work`] completes when the stream has run it.
+/// Before any data moves, the ranks compare what they issued; a difference in operation, element
+/// type, length, reduce op or root fails the collective on every rank with a
+/// [`Mismatch`](crate::CollectiveError::Mismatch) naming the ranks and the calls.
+///
+/// Buffers are [`Buffer`]s of the backend's device. Semantics are NCCL's:
+/// - `all_gather_base`: `output[r*n..(r+1)*n] = input` of rank `r`, with `n = input.len()`.
+/// - `reduce_scatter_base`: `output = ⊕_i input_i[r*n..(r+1)*n]`, `n = output.len()`.
+/// - `all_reduce`: every rank's `buf = ⊕_i buf_i`.
+/// - `broadcast`: every rank's `buf = buf_root`.
+/// - `reduce`: `buf_root = ⊕_i buf_i`; other ranks' buffers are unchanged.
+pub trait Communicator: Send {
+    /// This rank's index in the group, `0..world_size`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// The stream collectives are enqueued on.
+    fn stream(&self) -> &Stream;
+
+    /// Equal-size all-gather into one preallocated output of `world_size × input.len()`.
+    fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work>;
+
+    /// Equal-size reduce-scatter: `input.len() == world_size × output.len()`.
+    fn reduce_scatter_base(&self, input: &Buffer, output: &Buffer, op: ReduceOp) -> Result<Work>;
+
+    /// All-reduce in place.
+    fn all_reduce(&self, buf: &Buffer, op: ReduceOp) -> Result<Work>;
+
+    /// Broadcast `root`'s buffer to every rank, in place.
+    fn broadcast(&self, buf: &Buffer, root: usize) -> Result<Work>;
+
+    /// Reduce every rank's buffer into `root`'s, in place.
+    fn reduce(&self, buf: &Buffer, op: ReduceOp, root: usize) -> Result<Work>;
+
+    /// Complete once every rank has reached the barrier.
+    fn barrier(&self) -> Result<Work>;
+
+    /// All-gather of inputs whose lengths may differ across ranks: `outputs[i]` receives rank
+    /// `i`'s input, so `outputs.len() == world_size` and `outputs[rank].len() == input.len()`.
+    /// Implemented by padding every input to the largest length and running
+    /// [`all_gather_base`](Communicator::all_gather_base) into a temporary buffer, then copying
+    /// out — which is why equal-size collectives into one flat buffer are the fast path.
+    fn all_gather(&self, input: &Buffer, outputs: &[Buffer]) -> Result<Work>;
+
+    /// Split the group into sub-groups (`ncclCommSplit`): the ranks that pass the same `color`
+    /// form a new group, ordered by `(key, rank)`; `None` joins no group. Every rank of this
+    /// group must call it. Blocks until the split is done.
+    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Box<dyn Communicator>>>;
+}

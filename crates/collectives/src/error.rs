@@ -1,0 +1,99 @@
+//! The crate's error type.
+
+use std::time::Duration;
+
+use fsdp_device::DeviceError;
+
+/// Why a collective failed. Every variant names the rank that reports it; errors about peers
+/// name the peers too.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// The arguments of a call are wrong on this rank (detected before anything was issued).
+    #[error("rank {rank}: invalid argument to {op}: {reason}")]
+    InvalidArgument {
+        /// The rank that made the call.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The ranks did not issue the same collective with the same arguments (length, element type,
+    /// reduce op, root or operation), or a peer issued it with invalid arguments. Reported on
+    /// every rank before any data moved; the communicator stays usable.
+    #[error("rank {rank}: collective #{seq} does not match across ranks: {details}")]
+    Mismatch {
+        /// The reporting rank.
+        rank: usize,
+        /// The sequence number of the collective on this communicator (from 0).
+        seq: u64,
+        /// Each distinct call and the ranks that made it.
+        details: String,
+    },
+    /// A wait ran past the communicator's timeout.
+    #[error("rank {rank}: {op} (collective #{seq}) timed out after {waited:?}: {waiting_for}")]
+    Timeout {
+        /// The reporting rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// How long the wait lasted.
+        waited: Duration,
+        /// What did not arrive (e.g. "ranks [2] did not reach this collective").
+        waiting_for: String,
+    },
+    /// A peer's communicator was dropped (or its thread died) while this rank needed it.
+    #[error(
+        "rank {rank}: {op} (collective #{seq}) failed: rank {peer} has left the group \
+         (its communicator was dropped or its thread panicked)"
+    )]
+    PeerDeparted {
+        /// The reporting rank.
+        rank: usize,
+        /// The rank that left.
+        peer: usize,
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// The communicator was aborted by an earlier failure (a timeout or a departed peer, on this
+    /// rank or another) and can no longer be used, like an NCCL communicator after
+    /// `ncclCommAbort`.
+    #[error("rank {rank}: communicator aborted: {reason}")]
+    Aborted {
+        /// The reporting rank.
+        rank: usize,
+        /// The failure that aborted the group.
+        reason: String,
+    },
+    /// A stream or buffer error.
+    #[error("rank {rank}: {source}")]
+    Device {
+        /// The reporting rank.
+        rank: usize,
+        /// The underlying error.
+        #[source]
+        source: DeviceError,
+    },
+}
+
+impl CollectiveError {
+    /// The rank that reported the error.
+    pub fn rank(&self) -> usize {
+        match self {
+            CollectiveError::InvalidArgument { rank, .. }
+            | CollectiveError::Mismatch { rank, .. }
+            | CollectiveError::Timeout { rank, .. }
+            | CollectiveError::PeerDeparted { rank, .. }
+            | CollectiveError::Aborted { rank, .. }
+            | CollectiveError::Device { rank, .. } => *rank,
+        }
+    }
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;

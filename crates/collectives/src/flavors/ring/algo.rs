@@ -1,0 +1,526 @@
+//! The ring algorithms, run by each rank's communication-stream thread.
+//!
+//! Data moves by *pulling*: a rank publishes the address of a segment that is ready (in its input,
+//! its output or one of its scratch slots) to its successor, which copies — or reduces — it into
+//! memory the successor owns, then acknowledges. A rank therefore writes only its own buffers,
+//! and each byte crosses between ranks exactly once (NCCL's P2P-read protocol, on threads).
+//!
+//! Segments are processed in segment-major order (for each segment: the N-1 ring steps), which
+//! pipelines the steps of different segments across ranks so that moving and reducing overlap.
+//! Reductions write partial sums into `slots` scratch slots; a slot is reused only after the
+//! successor acknowledged reading it. With at least two slots this cannot deadlock: the rank
+//! furthest behind can always progress (its predecessor has published what it needs, its
+//! successor has consumed all but at most one of its slots).
+//!
+//! Safety protocol for published addresses (what makes the `unsafe` below sound):
+//! 1. An address is published only after the board exchange, i.e. once every rank holds the
+//!    access guards of its buffers for this collective, and it points into memory the publisher
+//!    does not write again until the successor acknowledged it (inputs are never written; an
+//!    output block or a slot is written once before it is published).
+//! 2. A rank finishes (and releases its guards) only after every address it published was
+//!    acknowledged, or — on failure — after its successor said it released them or left.
+//! 3. Channel send/receive gives the happens-before edge between the publisher's writes and the
+//!    successor's reads, and between the successor's reads and the acknowledgement.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::RecvTimeoutError;
+use fsdp_device::Element;
+
+use super::board::{Board, OpDesc};
+use super::{Ack, Links, Msg, SendPtr};
+use crate::op::{combine_in_place, combine_into};
+use crate::ReduceOp;
+
+/// How often a blocked rank checks whether the group was aborted.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Why the data phase failed.
+#[derive(Debug)]
+pub(crate) enum DataError {
+    Timeout { waiting_for: String },
+    Departed { peer: usize },
+    Aborted { reason: String },
+    Protocol { reason: String },
+}
+
+/// Element offsets of the blocks (chunks) that a collective moves around the ring, and their
+/// segmentation.
+pub(crate) struct Chunks {
+    starts: Vec<usize>,
+    lens: Vec<usize>,
+    /// Elements per segment.
+    seg: usize,
+    /// Segments per chunk (of the longest chunk).
+    pub num_segs: usize,
+}
+
+impl Chunks {
+    /// `n` chunks of `len` elements each, back to back.
+    pub fn equal(n: usize, len: usize, seg: usize) -> Chunks {
+        Chunks::from_lens(vec![len; n], seg)
+    }
+
+    /// `total` elements cut into `n` chunks whose lengths differ by at most one.
+    pub fn balanced(n: usize, total: usize, seg: usize) -> Chunks {
+        let lens = (0..n)
+            .map(|c| (c + 1) * total / n - c * total / n)
+            .collect();
+        Chunks::from_lens(lens, seg)
+    }
+
+    /// One chunk of `total` elements.
+    pub fn whole(total: usize, seg: usize) -> Chunks {
+        Chunks::from_lens(vec![total], seg)
+    }
+
+    fn from_lens(lens: Vec<usize>, seg: usize) -> Chunks {
+        let mut starts = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for &l in &lens {
+            starts.push(at);
+            at += l;
+        }
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        Chunks {
+            starts,
+            lens,
+            seg,
+            num_segs: longest.div_ceil(seg),
+        }
+    }
+
+    /// Start of chunk `c`.
+    pub fn start(&self, c: usize) -> usize {
+        self.starts[c]
+    }
+
+    /// (offset inside chunk `c`, length) of segment `g`; the length may be 0.
+    fn seg(&self, c: usize, g: usize) -> (usize, usize) {
+        let off = (g * self.seg).min(self.lens[c]);
+        (off, (self.lens[c] - off).min(self.seg))
+    }
+}
+
+/// One rank's view of the ring during one collective.
+pub(crate) struct Ctx<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub seq: u64,
+    pub deadline: Instant,
+    pub timeout: Duration,
+    pub board: &'a Board,
+    pub links: &'a Links,
+    /// Scratch slots: `num_slots` slots of `slot_bytes` each.
+    pub scratch: *mut u8,
+    pub slot_bytes: usize,
+    pub num_slots: usize,
+    /// What every rank issued (from the board exchange).
+    descs: Vec<OpDesc>,
+    /// For each published, unacknowledged message: whether it occupies a slot.
+    outstanding: VecDeque<bool>,
+    free_slots: usize,
+    next_slot: usize,
+}
+
+impl<'a> Ctx<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        rank: usize,
+        world: usize,
+        seq: u64,
+        timeout: Duration,
+        board: &'a Board,
+        links: &'a Links,
+        scratch: *mut u8,
+        slot_bytes: usize,
+        num_slots: usize,
+        descs: Vec<OpDesc>,
+    ) -> Ctx<'a> {
+        Ctx {
+            rank,
+            world,
+            seq,
+            deadline: Instant::now() + timeout,
+            timeout,
+            board,
+            links,
+            scratch,
+            slot_bytes,
+            num_slots,
+            descs,
+            outstanding: VecDeque::new(),
+            free_slots: num_slots,
+            next_slot: 0,
+        }
+    }
+
+    /// What every rank issued for this collective, by rank.
+    pub fn exchanged_descs(&self) -> &[OpDesc] {
+        &self.descs
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn check_abort(&self, waiting_for: impl FnOnce() -> String) -> Result<(), DataError> {
+        if let Some(reason) = self.board.aborted() {
+            return Err(DataError::Aborted { reason });
+        }
+        if Instant::now() >= self.deadline {
+            return Err(DataError::Timeout {
+                waiting_for: waiting_for(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Publish `bytes` at `ptr` to the successor.
+    fn send(&mut self, ptr: *const u8, bytes: usize, uses_slot: bool) -> Result<(), DataError> {
+        let msg = Msg {
+            seq: self.seq,
+            ptr: SendPtr(ptr),
+            bytes,
+        };
+        self.links
+            .to_next
+            .send(msg)
+            .map_err(|_| DataError::Departed { peer: self.next() })?;
+        self.outstanding.push_back(uses_slot);
+        Ok(())
+    }
+
+    /// The next segment published by the predecessor: (address, bytes).
+    fn recv(&mut self, expect_bytes: usize) -> Result<*const u8, DataError> {
+        loop {
+            let wait = POLL.min(self.deadline.saturating_duration_since(Instant::now()));
+            match self.links.from_prev.recv_timeout(wait) {
+                Ok(msg) => {
+                    if msg.seq != self.seq || msg.bytes != expect_bytes {
+                        return Err(DataError::Protocol {
+                            reason: format!(
+                                "expected {expect_bytes} bytes of collective #{} from rank {}, \
+                                 got {} bytes of #{}",
+                                self.seq,
+                                self.prev(),
+                                msg.bytes,
+                                msg.seq
+                            ),
+                        });
+                    }
+                    return Ok(msg.ptr.0);
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(DataError::Departed { peer: self.prev() })
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    let prev = self.prev();
+                    self.check_abort(|| format!("data from rank {prev}"))?
+                }
+            }
+        }
+    }
+
+    /// Tell the predecessor its last segment has been read.
+    fn ack_prev(&self) -> Result<(), DataError> {
+        self.links
+            .ack_to_prev
+            .send(Ack::Done(self.seq))
+            .map_err(|_| DataError::Departed { peer: self.prev() })
+    }
+
+    /// Wait for one acknowledgement from the successor.
+    fn recv_ack(&mut self) -> Result<(), DataError> {
+        loop {
+            let wait = POLL.min(self.deadline.saturating_duration_since(Instant::now()));
+            match self.links.acks_from_next.recv_timeout(wait) {
+                Ok(Ack::Done(_)) => {
+                    if let Some(true) = self.outstanding.pop_front() {
+                        self.free_slots += 1;
+                    }
+                    return Ok(());
+                }
+                Ok(Ack::Released(_)) => {
+                    return Err(DataError::Aborted {
+                        reason: format!("rank {} gave up on collective #{}", self.next(), self.seq),
+                    })
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(DataError::Departed { peer: self.next() })
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    let next = self.next();
+                    self.check_abort(|| format!("rank {next} to read this rank's data"))?
+                }
+            }
+        }
+    }
+
+    /// A free scratch slot (waiting for the successor to release one if needed).
+    fn acquire_slot(&mut self) -> Result<*mut u8, DataError> {
+        while self.free_slots == 0 {
+            self.recv_ack()?;
+        }
+        self.free_slots -= 1;
+        let slot = self.next_slot;
+        self.next_slot = (self.next_slot + 1) % self.num_slots;
+        Ok(self.scratch.wrapping_add(slot * self.slot_bytes))
+    }
+
+    /// Wait until the successor acknowledged everything this rank published.
+    pub fn drain(&mut self) -> Result<(), DataError> {
+        while !self.outstanding.is_empty() {
+            self.recv_ack()?;
+        }
+        Ok(())
+    }
+
+    /// After a failure: tell the predecessor this rank no longer reads its memory, then wait until
+    /// the successor no longer reads ours. Returns false if that could not be established within
+    /// the timeout (the caller must then leak its buffers rather than free them).
+    pub fn release(&mut self) -> bool {
+        let _ = self.links.ack_to_prev.send(Ack::Released(self.seq));
+        let deadline = Instant::now() + self.timeout;
+        while !self.outstanding.is_empty() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return false;
+            }
+            match self.links.acks_from_next.recv_timeout(wait) {
+                Ok(Ack::Done(_)) => {
+                    self.outstanding.pop_front();
+                }
+                Ok(Ack::Released(_)) | Err(RecvTimeoutError::Disconnected) => return true,
+                Err(RecvTimeoutError::Timeout) => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Copy `bytes` from `src` to `dst`.
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `bytes` bytes, without overlap, and nothing may
+/// write `src` or access `dst` concurrently.
+unsafe fn copy(src: *const u8, dst: *mut u8, bytes: usize) {
+    if bytes > 0 && src != dst as *const u8 {
+        // SAFETY: guaranteed by the caller.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) }
+    }
+}
+
+/// Ring all-gather: block `c` of the output (at `chunks.start(c)`) receives rank `c`'s block.
+/// This rank's block is read from `own` (which may be the output block itself).
+///
+/// # Safety
+/// `own` must hold this rank's block and `out` the whole output, both valid under guards held
+/// for the whole call per the module's protocol; `own` is either disjoint from `out` or exactly
+/// this rank's block of it.
+pub(crate) unsafe fn all_gather<T: Element>(
+    ctx: &mut Ctx<'_>,
+    own: *const u8,
+    out: *mut u8,
+    chunks: &Chunks,
+) -> Result<(), DataError> {
+    let (n, r) = (ctx.world, ctx.rank);
+    let esz = std::mem::size_of::<T>();
+    let at = |c: usize, off: usize| out.wrapping_add((chunks.start(c) + off) * esz);
+    for g in 0..chunks.num_segs {
+        let (off, len) = chunks.seg(r, g);
+        let src = own.wrapping_add(off * esz);
+        if n > 1 {
+            ctx.send(src, len * esz, false)?;
+        }
+        // SAFETY: own block and its output place are valid for len elements; the output block of
+        // this rank is written only here and read by the successor only after it is published
+        // below (it is not published: the successor reads `own`), so no one else touches it.
+        unsafe { copy(src, at(r, off), len * esz) };
+        for s in 0..n - 1 {
+            let b = (r + n - s - 1) % n;
+            let (off, len) = chunks.seg(b, g);
+            let p = ctx.recv(len * esz)?;
+            let dst = at(b, off);
+            // SAFETY: `p` was published by the predecessor for exactly these bytes and stays
+            // unwritten until we acknowledge; `dst` is this rank's own output, not yet published.
+            unsafe { copy(p, dst, len * esz) };
+            if s + 2 < n {
+                ctx.send(dst, len * esz, false)?;
+            }
+            ctx.ack_prev()?;
+        }
+    }
+    ctx.drain()
+}
+
+/// Ring reduce-scatter: chunk `c` of `input` is reduced over all ranks; this rank's chunk lands
+/// in `own_out` (which may be its chunk of `input`, for in-place operation).
+///
+/// # Safety
+/// As for [`all_gather`]; `input` holds every chunk, `own_out` has room for this rank's chunk.
+pub(crate) unsafe fn reduce_scatter<T: Element>(
+    ctx: &mut Ctx<'_>,
+    op: ReduceOp,
+    input: *mut u8,
+    own_out: *mut u8,
+    chunks: &Chunks,
+) -> Result<(), DataError> {
+    let (n, r) = (ctx.world, ctx.rank);
+    let esz = std::mem::size_of::<T>();
+    let at = |c: usize, off: usize| input.wrapping_add((chunks.start(c) + off) * esz);
+    if n == 1 {
+        let (_, len) = (0, chunks.lens[0]);
+        // SAFETY: the single chunk is the whole input; own_out has room for it.
+        unsafe { copy(input, own_out, len * esz) };
+        return Ok(());
+    }
+    for g in 0..chunks.num_segs {
+        let c0 = (r + n - 1) % n;
+        let (off, len) = chunks.seg(c0, g);
+        ctx.send(at(c0, off), len * esz, false)?;
+        for s in 0..n - 1 {
+            let c = (r + 2 * n - s - 2) % n;
+            let (off, len) = chunks.seg(c, g);
+            let p = ctx.recv(len * esz)?;
+            // SAFETY: the predecessor published `len` elements at `p` and leaves them unwritten
+            // until acknowledged; T-aligned because every segment offset is a whole number of
+            // elements from an aligned base.
+            let acc = unsafe { std::slice::from_raw_parts(p as *const T, len) };
+            let mine_ptr = at(c, off);
+            if s + 2 < n {
+                let slot = ctx.acquire_slot()?;
+                // SAFETY: the slot is ours and acknowledged by the successor (not being read);
+                // our input chunk is only ever read.
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(slot as *mut T, len);
+                    let mine = std::slice::from_raw_parts(mine_ptr as *const T, len);
+                    combine_into(op, dst, acc, mine, None);
+                }
+                ctx.send(slot, len * esz, true)?;
+            } else {
+                let dst_ptr = own_out.wrapping_add(off * esz);
+                // SAFETY: this rank's output segment, written only here and never published
+                // during this collective; in place it coincides with `mine` exactly.
+                unsafe {
+                    if dst_ptr == mine_ptr {
+                        let dst = std::slice::from_raw_parts_mut(dst_ptr as *mut T, len);
+                        combine_in_place(op, dst, acc, Some(n));
+                    } else {
+                        let dst = std::slice::from_raw_parts_mut(dst_ptr as *mut T, len);
+                        let mine = std::slice::from_raw_parts(mine_ptr as *const T, len);
+                        combine_into(op, dst, acc, mine, Some(n));
+                    }
+                }
+            }
+            ctx.ack_prev()?;
+        }
+    }
+    ctx.drain()
+}
+
+/// Pipelined chain broadcast from `root` along the ring.
+///
+/// # Safety
+/// `buf` valid for `total` elements under this rank's guard for the whole call.
+pub(crate) unsafe fn broadcast<T: Element>(
+    ctx: &mut Ctx<'_>,
+    buf: *mut u8,
+    total: usize,
+    root: usize,
+    seg: usize,
+) -> Result<(), DataError> {
+    let (n, r) = (ctx.world, ctx.rank);
+    let esz = std::mem::size_of::<T>();
+    let pos = (r + n - root) % n;
+    let chunks = Chunks::whole(total, seg);
+    for g in 0..chunks.num_segs {
+        let (off, len) = chunks.seg(0, g);
+        let at = buf.wrapping_add(off * esz);
+        if pos == 0 {
+            if n > 1 {
+                ctx.send(at, len * esz, false)?;
+            }
+        } else {
+            let p = ctx.recv(len * esz)?;
+            // SAFETY: published by the predecessor, unwritten until acknowledged; `at` is ours.
+            unsafe { copy(p, at, len * esz) };
+            if pos + 1 < n {
+                ctx.send(at, len * esz, false)?;
+            }
+            ctx.ack_prev()?;
+        }
+    }
+    ctx.drain()
+}
+
+/// Pipelined chain reduce into `root`: the chain starts at `root + 1` and ends at `root`.
+///
+/// # Safety
+/// `buf` valid for `total` elements under this rank's guard for the whole call.
+pub(crate) unsafe fn reduce<T: Element>(
+    ctx: &mut Ctx<'_>,
+    op: ReduceOp,
+    buf: *mut u8,
+    total: usize,
+    root: usize,
+    seg: usize,
+) -> Result<(), DataError> {
+    let (n, r) = (ctx.world, ctx.rank);
+    let esz = std::mem::size_of::<T>();
+    let pos = (r + n - root - 1) % n;
+    let chunks = Chunks::whole(total, seg);
+    for g in 0..chunks.num_segs {
+        let (off, len) = chunks.seg(0, g);
+        let mine_ptr = buf.wrapping_add(off * esz);
+        if pos == 0 {
+            if n > 1 {
+                ctx.send(mine_ptr, len * esz, false)?;
+            }
+            continue;
+        }
+        let p = ctx.recv(len * esz)?;
+        // SAFETY: as in reduce_scatter.
+        let acc = unsafe { std::slice::from_raw_parts(p as *const T, len) };
+        if pos + 1 < n {
+            let slot = ctx.acquire_slot()?;
+            // SAFETY: free slot of ours; our buffer is only read on non-root ranks.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(slot as *mut T, len);
+                let mine = std::slice::from_raw_parts(mine_ptr as *const T, len);
+                combine_into(op, dst, acc, mine, None);
+            }
+            ctx.send(slot, len * esz, true)?;
+        } else {
+            // SAFETY: the root's own buffer, never published in a reduce.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(mine_ptr as *mut T, len);
+                combine_in_place(op, dst, acc, Some(n));
+            }
+        }
+        ctx.ack_prev()?;
+    }
+    ctx.drain()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balanced_chunks_cover_everything() {
+        let c = Chunks::balanced(3, 10, 2);
+        assert_eq!(c.lens, vec![3, 3, 4]);
+        assert_eq!(c.starts, vec![0, 3, 6]);
+        assert_eq!(c.num_segs, 2);
+        assert_eq!(c.seg(0, 1), (2, 1));
+        assert_eq!(c.seg(2, 1), (2, 2));
+        let e = Chunks::equal(2, 0, 4);
+        assert_eq!(e.num_segs, 0);
+    }
+}

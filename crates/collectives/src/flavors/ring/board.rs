@@ -1,0 +1,296 @@
+//! The rendezvous board of a ring group: before any data moves, every rank posts a description
+//! of the collective it issued; each rank then compares all of them. The board also records which
+//! ranks have left and whether the group was aborted, so that no wait outlives a dead peer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fsdp_device::DType;
+
+use super::Links;
+use crate::ReduceOp;
+
+/// What one rank issued.
+#[derive(Clone, Debug)]
+pub(crate) struct OpDesc {
+    pub op: &'static str,
+    pub dtype: Option<DType>,
+    /// Elements per rank (the collective's natural unit).
+    pub count: usize,
+    pub reduce: Option<ReduceOp>,
+    pub root: Option<usize>,
+    /// Per-rank input lengths of an unequal all-gather.
+    pub sizes: Option<Vec<usize>>,
+    /// Why this rank's call was invalid, if it was.
+    pub invalid: Option<String>,
+    /// Per-rank split arguments (color, key): not compared across ranks.
+    pub split: Option<(Option<u32>, usize)>,
+}
+
+impl OpDesc {
+    pub fn new(op: &'static str) -> OpDesc {
+        OpDesc {
+            op,
+            dtype: None,
+            count: 0,
+            reduce: None,
+            root: None,
+            sizes: None,
+            invalid: None,
+            split: None,
+        }
+    }
+
+    /// Everything that must agree across ranks, as text.
+    pub fn signature(&self) -> String {
+        let mut s = format!("{}(", self.op);
+        let mut parts = Vec::new();
+        if let Some(d) = self.dtype {
+            parts.push(format!("dtype={d}"));
+        }
+        if self.sizes.is_none() && self.op != "barrier" && self.op != "split" {
+            parts.push(format!("count={}", self.count));
+        }
+        if let Some(op) = self.reduce {
+            parts.push(format!("op={op}"));
+        }
+        if let Some(root) = self.root {
+            parts.push(format!("root={root}"));
+        }
+        if let Some(sizes) = &self.sizes {
+            parts.push(format!("sizes={sizes:?}"));
+        }
+        s.push_str(&parts.join(", "));
+        s.push(')');
+        s
+    }
+}
+
+/// Compare the descriptions of all ranks; `Err(details)` names the ranks and what differed.
+pub(crate) fn compare(descs: &[OpDesc]) -> Result<(), String> {
+    let invalid: Vec<String> = descs
+        .iter()
+        .enumerate()
+        .filter_map(|(r, d)| {
+            d.invalid
+                .as_ref()
+                .map(|why| format!("rank {r} issued {} with invalid arguments: {why}", d.op))
+        })
+        .collect();
+    if !invalid.is_empty() {
+        return Err(invalid.join("; "));
+    }
+    let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (r, d) in descs.iter().enumerate() {
+        groups.entry(d.signature()).or_default().push(r);
+    }
+    if groups.len() == 1 {
+        return Ok(());
+    }
+    let mut by_first: Vec<(Vec<usize>, String)> = groups.into_iter().map(|(s, r)| (r, s)).collect();
+    by_first.sort();
+    Err(by_first
+        .into_iter()
+        .map(|(ranks, sig)| {
+            if ranks.len() == 1 {
+                format!("rank {} issued {sig}", ranks[0])
+            } else {
+                format!("ranks {ranks:?} issued {sig}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; "))
+}
+
+/// Why an exchange did not complete.
+#[derive(Debug)]
+pub(crate) enum ExchangeFail {
+    Timeout {
+        missing: Vec<usize>,
+        waited: Duration,
+    },
+    Departed {
+        peer: usize,
+    },
+    Aborted {
+        reason: String,
+    },
+}
+
+struct Slot {
+    descs: Vec<Option<OpDesc>>,
+    unread: usize,
+}
+
+/// A sub-group being created by `split`: its board and each member's links, taken once.
+pub(crate) struct PendingSplit {
+    pub board: Arc<Board>,
+    pub links: Vec<Option<Links>>,
+}
+
+#[derive(Default)]
+struct State {
+    slots: HashMap<u64, Slot>,
+    departed: Vec<bool>,
+    aborted: Option<String>,
+    splits: HashMap<(u64, u32), PendingSplit>,
+}
+
+pub(crate) struct Board {
+    world: usize,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Board {
+    pub fn new(world: usize) -> Board {
+        Board {
+            world,
+            state: Mutex::new(State {
+                departed: vec![false; world],
+                ..State::default()
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Post `desc` for collective `seq` and wait until every rank has posted (or a peer left, the
+    /// group was aborted, or `timeout` passed).
+    pub fn exchange(
+        &self,
+        rank: usize,
+        seq: u64,
+        desc: OpDesc,
+        timeout: Duration,
+    ) -> Result<Vec<OpDesc>, ExchangeFail> {
+        let deadline = Instant::now() + timeout;
+        let world = self.world;
+        let mut st = self.lock();
+        if let Some(reason) = &st.aborted {
+            return Err(ExchangeFail::Aborted {
+                reason: reason.clone(),
+            });
+        }
+        {
+            let slot = st.slots.entry(seq).or_insert_with(|| Slot {
+                descs: vec![None; world],
+                unread: world,
+            });
+            slot.descs[rank] = Some(desc);
+        }
+        self.cv.notify_all();
+        loop {
+            let slot = st
+                .slots
+                .get(&seq)
+                .expect("slot lives until every rank read it");
+            if slot.descs.iter().all(Option::is_some) {
+                let descs: Vec<OpDesc> = slot.descs.iter().flatten().cloned().collect();
+                let slot = st.slots.get_mut(&seq).expect("present");
+                slot.unread -= 1;
+                if slot.unread == 0 {
+                    st.slots.remove(&seq);
+                }
+                return Ok(descs);
+            }
+            if let Some(reason) = &st.aborted {
+                return Err(ExchangeFail::Aborted {
+                    reason: reason.clone(),
+                });
+            }
+            if let Some(peer) = (0..world).find(|&p| st.departed[p] && slot.descs[p].is_none()) {
+                return Err(ExchangeFail::Departed { peer });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = (0..world).filter(|&p| slot.descs[p].is_none()).collect();
+                return Err(ExchangeFail::Timeout {
+                    missing,
+                    waited: timeout,
+                });
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Mark the group as unusable; every waiter wakes up and fails.
+    pub fn abort(&self, reason: String) {
+        let mut st = self.lock();
+        if st.aborted.is_none() {
+            st.aborted = Some(reason);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    pub fn aborted(&self) -> Option<String> {
+        self.lock().aborted.clone()
+    }
+
+    /// Record that `rank` left the group.
+    pub fn depart(&self, rank: usize) {
+        self.lock().departed[rank] = true;
+        self.cv.notify_all();
+    }
+
+    /// Run `f` on the pending split `(seq, color)`, creating it with `create` if this is the first
+    /// member to arrive.
+    pub fn with_split<R>(
+        &self,
+        key: (u64, u32),
+        create: impl FnOnce() -> PendingSplit,
+        f: impl FnOnce(&mut PendingSplit) -> R,
+    ) -> R {
+        let mut st = self.lock();
+        let pending = st.splits.entry(key).or_insert_with(create);
+        let out = f(pending);
+        if pending.links.iter().all(Option::is_none) {
+            st.splits.remove(&key);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(op: &'static str, count: usize) -> OpDesc {
+        OpDesc {
+            count,
+            dtype: Some(DType::F32),
+            ..OpDesc::new(op)
+        }
+    }
+
+    #[test]
+    fn compare_names_ranks_and_calls() {
+        assert!(compare(&[d("all_reduce", 4), d("all_reduce", 4)]).is_ok());
+        let err =
+            compare(&[d("all_reduce", 4), d("all_reduce", 5), d("all_reduce", 4)]).unwrap_err();
+        assert!(
+            err.contains("ranks [0, 2] issued all_reduce(dtype=float32, count=4"),
+            "{err}"
+        );
+        assert!(
+            err.contains("rank 1 issued all_reduce(dtype=float32, count=5"),
+            "{err}"
+        );
+        let mut bad = d("broadcast", 3);
+        bad.invalid = Some("root 7 >= world size 2".into());
+        let err = compare(&[d("broadcast", 3), bad]).unwrap_err();
+        assert!(
+            err.contains("rank 1 issued broadcast with invalid arguments: root 7"),
+            "{err}"
+        );
+    }
+}

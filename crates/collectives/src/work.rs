@@ -1,0 +1,154 @@
+//! Handles to issued collectives.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fsdp_device::Event;
+
+use crate::{CollectiveError, Result};
+
+#[derive(Default)]
+struct State {
+    result: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl State {
+    fn lock(&self) -> MutexGuard<'_, Option<Result<()>>> {
+        self.result.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A collective issued on a communicator's stream (PyTorch's `Work`). It completes when the
+/// stream has run the collective; waiting is bounded by a timeout. Dropping or forgetting a
+/// `Work` is always safe: the stream owns the buffers it touches until it is done with them.
+pub struct Work {
+    state: Arc<State>,
+    event: Event,
+    op: &'static str,
+    rank: usize,
+    timeout: Duration,
+}
+
+impl fmt::Debug for Work {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Work")
+            .field("op", &self.op)
+            .field("rank", &self.rank)
+            .field("completed", &self.is_completed())
+            .finish()
+    }
+}
+
+/// The producer side of a [`Work`]: the stream task that runs the collective sets the result.
+/// If it is dropped without a result (the task panicked or was discarded), the work fails.
+pub struct WorkCompleter {
+    state: Option<Arc<State>>,
+    op: &'static str,
+    rank: usize,
+}
+
+impl fmt::Debug for WorkCompleter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WorkCompleter({} on rank {})", self.op, self.rank)
+    }
+}
+
+impl WorkCompleter {
+    /// Publish the result and wake the waiters.
+    pub fn complete(mut self, result: Result<()>) {
+        if let Some(state) = self.state.take() {
+            *state.lock() = Some(result);
+            state.cv.notify_all();
+        }
+    }
+}
+
+impl Drop for WorkCompleter {
+    fn drop(&mut self) {
+        if let Some(state) = self.state.take() {
+            *state.lock() = Some(Err(CollectiveError::Aborted {
+                rank: self.rank,
+                reason: format!("the stream task running {} ended without a result", self.op),
+            }));
+            state.cv.notify_all();
+        }
+    }
+}
+
+impl Work {
+    /// A pending work and the completer that finishes it. `event` must be recorded on the
+    /// stream right after the task that owns the completer.
+    pub fn pending(
+        op: &'static str,
+        rank: usize,
+        timeout: Duration,
+    ) -> (WorkCompleter, impl FnOnce(Event) -> Work) {
+        let state = Arc::new(State::default());
+        let completer = WorkCompleter {
+            state: Some(state.clone()),
+            op,
+            rank,
+        };
+        (completer, move |event| Work {
+            state,
+            event,
+            op,
+            rank,
+            timeout,
+        })
+    }
+
+    /// The operation's name.
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// An event that completes with the work, for `other_stream.wait_event(work.event())`.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// Whether the work has finished (successfully or not). Never blocks.
+    pub fn is_completed(&self) -> bool {
+        self.state.lock().is_some()
+    }
+
+    /// The result if finished, without blocking.
+    pub fn poll(&self) -> Option<Result<()>> {
+        self.state.lock().clone()
+    }
+
+    /// Wait for the result, up to the communicator's timeout.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_timeout(self.timeout)
+    }
+
+    /// Wait for the result, up to `timeout`.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock();
+        loop {
+            if let Some(r) = st.as_ref() {
+                return r.clone();
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CollectiveError::Timeout {
+                    rank: self.rank,
+                    op: self.op,
+                    seq: u64::MAX,
+                    waited: timeout,
+                    waiting_for: "the work to finish on the communication stream".into(),
+                });
+            }
+            st = self
+                .state
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
