@@ -120,9 +120,10 @@ impl Work {
         self.state.lock().clone()
     }
 
-    /// Wait for the result, up to the communicator's timeout.
+    /// Wait for the result, up to twice the communicator's timeout: the collective itself fails
+    /// within one timeout of starting, and work issued before it on the stream within another.
     pub fn wait(&self) -> Result<()> {
-        self.wait_timeout(self.timeout)
+        self.wait_timeout(self.timeout.saturating_mul(2))
     }
 
     /// Wait for the result, up to `timeout`.

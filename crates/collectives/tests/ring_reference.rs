@@ -4,6 +4,8 @@
 //! Inputs are chosen so that every reduction is exact in every element type (small integers for
 //! sums, powers of two for products), so the reference may reduce in any order.
 
+#![allow(clippy::needless_range_loop)] // index arithmetic mirrors the collectives' definitions
+
 use fsdp_collectives::{mesh_2d, ring, Communicator, ReduceOp};
 use fsdp_device::{with_element, Buffer, DType, Element};
 use proptest::prelude::*;

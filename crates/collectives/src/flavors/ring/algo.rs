@@ -109,7 +109,6 @@ pub(crate) struct Ctx<'a> {
     pub world: usize,
     pub seq: u64,
     pub deadline: Instant,
-    pub timeout: Duration,
     pub board: &'a Board,
     pub links: &'a Links,
     /// Scratch slots: `num_slots` slots of `slot_bytes` each.
@@ -143,7 +142,6 @@ impl<'a> Ctx<'a> {
             world,
             seq,
             deadline: Instant::now() + timeout,
-            timeout,
             board,
             links,
             scratch,
@@ -284,9 +282,9 @@ impl<'a> Ctx<'a> {
     /// After a failure: tell the predecessor this rank no longer reads its memory, then wait until
     /// the successor no longer reads ours. Returns false if that could not be established within
     /// the timeout (the caller must then leak its buffers rather than free them).
-    pub fn release(&mut self) -> bool {
+    pub fn release(&mut self, grace: Duration) -> bool {
         let _ = self.links.ack_to_prev.send(Ack::Released(self.seq));
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + grace;
         while !self.outstanding.is_empty() {
             let wait = deadline.saturating_duration_since(Instant::now());
             if wait.is_zero() {
@@ -310,7 +308,7 @@ impl<'a> Ctx<'a> {
 /// `src` must be readable and `dst` writable for `bytes` bytes, without overlap, and nothing may
 /// write `src` or access `dst` concurrently.
 unsafe fn copy(src: *const u8, dst: *mut u8, bytes: usize) {
-    if bytes > 0 && src != dst as *const u8 {
+    if bytes > 0 && !std::ptr::eq(src, dst) {
         // SAFETY: guaranteed by the caller.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) }
     }

@@ -438,6 +438,9 @@ fn run_collective(
 ) -> Result<()> {
     let (rank, world, op) = (shared.rank, shared.world, desc.op);
     let timeout = shared.opts.timeout;
+    // One budget for the whole collective: buffers, rendezvous and data.
+    let deadline = Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
     let mut local_failure = None;
     let guards = match access {
         Some(a) => match a.acquire(timeout) {
@@ -452,7 +455,7 @@ fn run_collective(
     };
     let descs = shared
         .board
-        .exchange(rank, seq, desc, timeout)
+        .exchange(rank, seq, desc, left())
         .map_err(|f| exchange_error(shared, op, seq, f))?;
     if let Some(why) = local_failure {
         return Err(CollectiveError::Device {
@@ -470,7 +473,7 @@ fn run_collective(
         rank,
         world,
         seq,
-        timeout,
+        left(),
         &shared.board,
         links,
         scratch.as_ptr(),
@@ -487,7 +490,7 @@ fn run_collective(
         Ok(()) => Ok(()),
         Err(e) => {
             let err = data_error(shared, op, seq, e);
-            if !ctx.release() {
+            if !ctx.release(timeout) {
                 // A peer may still read these buffers: leak them rather than free them under it.
                 std::mem::forget(guards);
                 tracing::error!(
