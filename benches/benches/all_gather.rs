@@ -4,6 +4,9 @@
 //!
 //! `FSDP_BENCH_MAX_MIB` caps the largest size (default 256).
 
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
