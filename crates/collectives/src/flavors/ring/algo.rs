@@ -167,6 +167,14 @@ impl<'a> Ctx<'a> {
         (self.rank + 1) % self.world
     }
 
+    /// A peer's endpoint is gone: report the abort that made it leave, if there was one.
+    fn departed(&self, peer: usize) -> DataError {
+        match self.board.aborted() {
+            Some(reason) => DataError::Aborted { reason },
+            None => DataError::Departed { peer },
+        }
+    }
+
     fn check_abort(&self, waiting_for: impl FnOnce() -> String) -> Result<(), DataError> {
         if let Some(reason) = self.board.aborted() {
             return Err(DataError::Aborted { reason });
@@ -189,7 +197,7 @@ impl<'a> Ctx<'a> {
         self.links
             .to_next
             .send(msg)
-            .map_err(|_| DataError::Departed { peer: self.next() })?;
+            .map_err(|_| self.departed(self.next()))?;
         self.outstanding.push_back(uses_slot);
         Ok(())
     }
@@ -214,9 +222,7 @@ impl<'a> Ctx<'a> {
                     }
                     return Ok(msg.ptr.0);
                 }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(DataError::Departed { peer: self.prev() })
-                }
+                Err(RecvTimeoutError::Disconnected) => return Err(self.departed(self.prev())),
                 Err(RecvTimeoutError::Timeout) => {
                     let prev = self.prev();
                     self.check_abort(|| format!("data from rank {prev}"))?
@@ -230,7 +236,7 @@ impl<'a> Ctx<'a> {
         self.links
             .ack_to_prev
             .send(Ack::Done(self.seq))
-            .map_err(|_| DataError::Departed { peer: self.prev() })
+            .map_err(|_| self.departed(self.prev()))
     }
 
     /// Wait for one acknowledgement from the successor.
@@ -249,9 +255,7 @@ impl<'a> Ctx<'a> {
                         reason: format!("rank {} gave up on collective #{}", self.next(), self.seq),
                     })
                 }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(DataError::Departed { peer: self.next() })
-                }
+                Err(RecvTimeoutError::Disconnected) => return Err(self.departed(self.next())),
                 Err(RecvTimeoutError::Timeout) => {
                     let next = self.next();
                     self.check_abort(|| format!("rank {next} to read this rank's data"))?

@@ -855,3 +855,75 @@ fn build_split(
     let links = links.expect("each member takes its links once");
     RingCommunicator::from_parts(new_rank, new_world, opts, sub_board, links).map(Some)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank that fails in the middle of the data phase (after its peers published addresses
+    /// into their buffers) aborts the group; every rank returns an error quickly and the
+    /// release handshake lets each free its buffers.
+    #[test]
+    fn failure_during_data_phase_aborts_and_releases() {
+        let opts = RingOptions::default()
+            .with_timeout(Duration::from_secs(20))
+            .with_segment_bytes(16);
+        let comms = new_group(3, opts).unwrap();
+        let results: Vec<(Result<()>, Duration)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        let t0 = Instant::now();
+                        let world = comm.world_size();
+                        let input = Buffer::from_slice(&[1.0f32; 64]).unwrap();
+                        let output = Buffer::zeros(DType::F32, 64 * world).unwrap();
+                        let mut desc = OpDesc::new("all_gather_base");
+                        desc.dtype = Some(DType::F32);
+                        desc.count = 64;
+                        let access = Access {
+                            tickets: vec![
+                                input.access(AccessMode::Shared),
+                                output.access(AccessMode::Exclusive),
+                            ],
+                        };
+                        let rank = comm.rank();
+                        let body: Body = Box::new(move |ctx, guards| {
+                            if rank == 1 {
+                                return Err(DataError::Protocol {
+                                    reason: "injected failure".into(),
+                                });
+                            }
+                            let chunks = Chunks::equal(3, 64, 4);
+                            // SAFETY: guards held as in all_gather_base.
+                            unsafe {
+                                algo::all_gather::<f32>(
+                                    ctx,
+                                    ptr(&guards[0]),
+                                    ptr(&guards[1]),
+                                    &chunks,
+                                )
+                            }
+                        });
+                        let r = comm.issue(desc, Ok(access), body).and_then(|w| w.wait());
+                        // The group is aborted for every later call.
+                        assert!(matches!(
+                            comm.barrier(),
+                            Err(CollectiveError::Aborted { .. })
+                        ));
+                        (r, t0.elapsed())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (r, took)) in results.iter().enumerate() {
+            let err = r.as_ref().unwrap_err();
+            assert!(
+                err.to_string().contains("injected failure"),
+                "rank {rank}: {err}"
+            );
+            assert!(*took < Duration::from_secs(3), "rank {rank} took {took:?}");
+        }
+    }
+}
