@@ -1,0 +1,1087 @@
+//! The caching allocator and its block handles.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use fsdp_device::{Buffer, DType, Device, Storage, DEFAULT_TIMEOUT};
+
+use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
+use crate::{
+    allocation_size, round_size, AllocError, MemorySource, MemoryStats, PoolKind, LARGE_BUFFER,
+    MIN_BLOCK_SIZE, SMALL_SIZE,
+};
+
+/// A cap on the bytes the allocator keeps in segments (like PyTorch's
+/// `set_per_process_memory_fraction`). Requests that would pass it are treated as if the source
+/// had run out of memory: the cache is freed and the request retried, then it fails.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MemoryLimit {
+    /// At most this many bytes.
+    Bytes(usize),
+    /// At most this fraction (0 to 1) of the source's
+    /// [`total_memory`](MemorySource::total_memory).
+    Fraction(f64),
+}
+
+/// Options of a [`CachingAllocator`].
+///
+/// ```
+/// use fsdp_allocator::{AllocatorConfig, MemoryLimit};
+/// let config = AllocatorConfig::default()
+///     .with_memory_limit(MemoryLimit::Fraction(0.5))
+///     .with_max_split_size(64 << 20);
+/// assert_eq!(config.max_split_size, Some(64 << 20));
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct AllocatorConfig {
+    /// A cap on reserved bytes; none by default.
+    pub memory_limit: Option<MemoryLimit>,
+    /// Blocks of at least this size are never split, and cached blocks of at least this size
+    /// serve only requests of at least this size that waste less than
+    /// [`LARGE_BUFFER`](crate::LARGE_BUFFER). Must exceed `LARGE_BUFFER` (as in PyTorch's
+    /// `max_split_size_mb > 20`). None (unlimited) by default.
+    pub max_split_size: Option<usize>,
+    /// How long the allocator waits for record-stream events when it must free its cache
+    /// (out-of-memory retry, [`empty_cache`](CachingAllocator::empty_cache), drop). Default:
+    /// [`fsdp_device::DEFAULT_TIMEOUT`].
+    pub sync_timeout: Duration,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            memory_limit: None,
+            max_split_size: None,
+            sync_timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl AllocatorConfig {
+    /// The defaults: no limit, no `max_split_size`, the default timeout.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Set a memory limit.
+    pub fn with_memory_limit(mut self, limit: MemoryLimit) -> Self {
+        self.memory_limit = Some(limit);
+        self
+    }
+
+    /// Set `max_split_size` (bytes).
+    pub fn with_max_split_size(mut self, bytes: usize) -> Self {
+        self.max_split_size = Some(bytes);
+        self
+    }
+
+    /// Set the timeout of waits for record-stream events.
+    pub fn with_sync_timeout(mut self, timeout: Duration) -> Self {
+        self.sync_timeout = timeout;
+        self
+    }
+
+    fn validate(&self) -> Result<(), AllocError> {
+        if let Some(m) = self.max_split_size {
+            if m <= LARGE_BUFFER {
+                return Err(AllocError::InvalidConfig(format!(
+                    "max_split_size must exceed {LARGE_BUFFER} bytes (20 MiB), got {m}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn resolve_limit(limit: Option<MemoryLimit>, total: usize) -> Result<Option<usize>, AllocError> {
+    match limit {
+        None => Ok(None),
+        Some(MemoryLimit::Bytes(b)) => Ok(Some(b)),
+        Some(MemoryLimit::Fraction(f)) => {
+            if (0.0..=1.0).contains(&f) {
+                Ok(Some((f * total as f64).floor() as usize))
+            } else {
+                Err(AllocError::InvalidConfig(format!(
+                    "memory fraction must lie in [0, 1], got {f}"
+                )))
+            }
+        }
+    }
+}
+
+/// An address that may cross threads: the allocator only computes with it, and a block's bytes
+/// belong to the one handle that holds them.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+
+// SAFETY: a SendPtr is an address, never dereferenced by the allocator; access to the memory is
+// governed by the Block handle that owns it.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+type BlockId = usize;
+/// Free-pool order, as in PyTorch: stream, then size, then address.
+type FreeKey = (u64, usize, usize);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BState {
+    Free,
+    Allocated,
+    Pending,
+}
+
+struct BlockEntry<St> {
+    addr: usize,
+    size: usize,
+    requested: usize,
+    segment: usize,
+    stream: u64,
+    pool: PoolKind,
+    prev: Option<BlockId>,
+    next: Option<BlockId>,
+    state: BState,
+    /// Record-stream events still to complete (pending state).
+    event_count: usize,
+    /// Streams other than the allocation stream that used the block.
+    uses: Vec<(u64, St)>,
+}
+
+struct Segment {
+    base: SendPtr,
+    size: usize,
+    stream: u64,
+    pool: PoolKind,
+    /// The block at the segment's start.
+    head: BlockId,
+}
+
+struct PendingEvent<E> {
+    event: Arc<E>,
+    block: BlockId,
+}
+
+struct State<S: MemorySource> {
+    blocks: Vec<Option<BlockEntry<S::Stream>>>,
+    free_ids: Vec<BlockId>,
+    segments: Vec<Option<Segment>>,
+    free_segment_ids: Vec<usize>,
+    /// Cached free blocks of the small and large pools.
+    pools: [BTreeMap<FreeKey, BlockId>; 2],
+    /// Record-stream events per used stream, in record order.
+    events: HashMap<u64, VecDeque<PendingEvent<S::Event>>>,
+    outstanding: usize,
+    stats: MemoryStats,
+    limit: Option<usize>,
+    max_split_size: Option<usize>,
+}
+
+impl<S: MemorySource> State<S> {
+    fn new(limit: Option<usize>, max_split_size: Option<usize>) -> Self {
+        State {
+            blocks: Vec::new(),
+            free_ids: Vec::new(),
+            segments: Vec::new(),
+            free_segment_ids: Vec::new(),
+            pools: [BTreeMap::new(), BTreeMap::new()],
+            events: HashMap::new(),
+            outstanding: 0,
+            stats: MemoryStats {
+                max_split_size: max_split_size.map(|m| m as u64),
+                ..MemoryStats::default()
+            },
+            limit,
+            max_split_size,
+        }
+    }
+
+    fn blk(&self, id: BlockId) -> &BlockEntry<S::Stream> {
+        self.blocks[id]
+            .as_ref()
+            .expect("block ids in use refer to live entries")
+    }
+
+    fn blk_mut(&mut self, id: BlockId) -> &mut BlockEntry<S::Stream> {
+        self.blocks[id]
+            .as_mut()
+            .expect("block ids in use refer to live entries")
+    }
+
+    fn seg(&self, id: usize) -> &Segment {
+        self.segments[id]
+            .as_ref()
+            .expect("segment ids in use refer to live segments")
+    }
+
+    fn add_block(&mut self, e: BlockEntry<S::Stream>) -> BlockId {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.blocks[id] = Some(e);
+                id
+            }
+            None => {
+                self.blocks.push(Some(e));
+                self.blocks.len() - 1
+            }
+        }
+    }
+
+    fn remove_block(&mut self, id: BlockId) -> BlockEntry<S::Stream> {
+        let e = self.blocks[id].take().expect("removed block is live");
+        self.free_ids.push(id);
+        e
+    }
+
+    fn key(b: &BlockEntry<S::Stream>) -> FreeKey {
+        (b.stream, b.size, b.addr)
+    }
+
+    fn insert_free(&mut self, id: BlockId) {
+        let b = self.blk(id);
+        let (pool, key) = (b.pool.index(), Self::key(b));
+        self.pools[pool].insert(key, id);
+    }
+
+    fn remove_free(&mut self, id: BlockId) {
+        let b = self.blk(id);
+        let (pool, key) = (b.pool.index(), Self::key(b));
+        self.pools[pool].remove(&key);
+    }
+
+    fn is_oversize(&self, size: usize) -> bool {
+        self.max_split_size.is_some_and(|m| size >= m)
+    }
+
+    fn is_unsplit(&self, id: BlockId) -> bool {
+        let b = self.blk(id);
+        b.prev.is_none() && b.next.is_none()
+    }
+
+    /// Count (`add`) or uncount a free block of a split segment in the inactive-split stats.
+    fn track_inactive(&mut self, id: BlockId, add: bool) {
+        let b = self.blk(id);
+        if b.state != BState::Free || (b.prev.is_none() && b.next.is_none()) {
+            return;
+        }
+        let (pool, size) = (b.pool, b.size as u64);
+        if add {
+            self.stats.inactive_split.increase(pool, 1);
+            self.stats.inactive_split_bytes.increase(pool, size);
+        } else {
+            self.stats.inactive_split.decrease(pool, 1);
+            self.stats.inactive_split_bytes.decrease(pool, size);
+        }
+    }
+
+    /// Best fit among the cached blocks of `stream` in `pool`; removes it from the pool.
+    fn get_free_block(&mut self, pool: PoolKind, stream: u64, size: usize) -> Option<BlockId> {
+        let (&(s, bsize, addr), &id) =
+            self.pools[pool.index()].range((stream, size, 0)..).next()?;
+        if s != stream {
+            return None;
+        }
+        if let Some(m) = self.max_split_size {
+            // An oversize block does not serve a small request, nor a large one it exceeds by
+            // a whole large segment or more.
+            if (bsize >= m && size < m) || (size >= m && bsize >= size + LARGE_BUFFER) {
+                return None;
+            }
+        }
+        self.pools[pool.index()].remove(&(s, bsize, addr));
+        Some(id)
+    }
+
+    fn should_split(&self, pool: PoolKind, block_size: usize, size: usize) -> bool {
+        let remaining = block_size - size;
+        match pool {
+            PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
+            PoolKind::Large => !self.is_oversize(size) && remaining > SMALL_SIZE,
+        }
+    }
+
+    /// A new segment of `size` bytes as one free block (not yet in its pool); `Ok(None)` when
+    /// the limit or the source refuses it.
+    fn alloc_segment(
+        &mut self,
+        source: &S,
+        size: usize,
+        pool: PoolKind,
+        stream: u64,
+        is_retry: bool,
+    ) -> Result<Option<BlockId>, AllocError> {
+        if is_retry {
+            self.stats.num_alloc_retries += 1;
+        }
+        if let Some(limit) = self.limit {
+            let reserved = self.stats.reserved_bytes.all.current as usize;
+            if reserved.checked_add(size).is_none_or(|r| r > limit) {
+                return Ok(None);
+            }
+        }
+        let base = match source.allocate(size) {
+            Ok(p) => p,
+            Err(AllocError::SourceOutOfMemory { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let seg_id = match self.free_segment_ids.pop() {
+            Some(i) => i,
+            None => {
+                self.segments.push(None);
+                self.segments.len() - 1
+            }
+        };
+        let id = self.add_block(BlockEntry {
+            addr: base.as_ptr().addr(),
+            size,
+            requested: 0,
+            segment: seg_id,
+            stream,
+            pool,
+            prev: None,
+            next: None,
+            state: BState::Free,
+            event_count: 0,
+            uses: Vec::new(),
+        });
+        self.segments[seg_id] = Some(Segment {
+            base: SendPtr(base.as_ptr()),
+            size,
+            stream,
+            pool,
+            head: id,
+        });
+        self.stats.segment.increase(pool, 1);
+        self.stats.reserved_bytes.increase(pool, size as u64);
+        self.stats.num_device_alloc += 1;
+        if self.is_oversize(size) {
+            self.stats.oversize_segments.increase(1);
+        }
+        Ok(Some(id))
+    }
+
+    /// Hand out free block `id` (already out of its pool) for a request of `requested` bytes,
+    /// `rounded` after rounding: split off the remainder if worth it, update the statistics.
+    fn take_block(&mut self, id: BlockId, rounded: usize, requested: usize) {
+        self.track_inactive(id, false);
+        let b = self.blk(id);
+        let pool = b.pool;
+        if self.should_split(pool, b.size, rounded) {
+            let rem = BlockEntry {
+                addr: b.addr + rounded,
+                size: b.size - rounded,
+                requested: 0,
+                segment: b.segment,
+                stream: b.stream,
+                pool,
+                prev: Some(id),
+                next: b.next,
+                state: BState::Free,
+                event_count: 0,
+                uses: Vec::new(),
+            };
+            let next = b.next;
+            let rid = self.add_block(rem);
+            if let Some(n) = next {
+                self.blk_mut(n).prev = Some(rid);
+            }
+            let b = self.blk_mut(id);
+            b.next = Some(rid);
+            b.size = rounded;
+            self.insert_free(rid);
+            self.track_inactive(rid, true);
+        }
+        let b = self.blk_mut(id);
+        b.state = BState::Allocated;
+        b.requested = requested;
+        let size = b.size as u64;
+        let s = &mut self.stats;
+        s.allocation.increase(pool, 1);
+        s.allocated_bytes.increase(pool, size);
+        s.active.increase(pool, 1);
+        s.active_bytes.increase(pool, size);
+        s.requested_bytes.increase(pool, requested as u64);
+        if self.is_oversize(size as usize) {
+            self.stats.oversize_allocations.increase(1);
+        }
+    }
+
+    /// The handle of `id` was dropped.
+    fn free(&mut self, source: &S, id: BlockId) {
+        let b = self.blk_mut(id);
+        let (pool, size) = (b.pool, b.size);
+        let uses = std::mem::take(&mut b.uses);
+        self.stats.allocation.decrease(pool, 1);
+        self.stats.allocated_bytes.decrease(pool, size as u64);
+        if self.is_oversize(size) {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        if uses.is_empty() {
+            self.free_block(id);
+            return;
+        }
+        let mut count = 0;
+        for (key, stream) in &uses {
+            count += 1;
+            match source.record_event(stream) {
+                Ok(event) => {
+                    self.events
+                        .entry(*key)
+                        .or_default()
+                        .push_back(PendingEvent {
+                            event: Arc::new(event),
+                            block: id,
+                        });
+                    self.outstanding += 1;
+                }
+                // Without an event the block can never be known to be unused: it stays pending
+                // (and is counted as active) for good.
+                Err(e) => tracing::error!(
+                    "record_stream: could not record an event ({e}); leaking a block of {size} bytes"
+                ),
+            }
+        }
+        let b = self.blk_mut(id);
+        b.state = BState::Pending;
+        b.event_count = count;
+    }
+
+    /// Return `id` to its pool, merging it with free neighbours.
+    fn free_block(&mut self, id: BlockId) {
+        let b = self.blk_mut(id);
+        let (pool, size, requested) = (b.pool, b.size as u64, b.requested as u64);
+        b.state = BState::Free;
+        b.requested = 0;
+        b.event_count = 0;
+        b.uses.clear();
+        self.stats.active.decrease(pool, 1);
+        self.stats.active_bytes.decrease(pool, size);
+        self.stats.requested_bytes.decrease(pool, requested);
+
+        if let Some(p) = self.blk(id).prev {
+            if self.blk(p).state == BState::Free {
+                self.track_inactive(p, false);
+                self.remove_free(p);
+                let pe = self.remove_block(p);
+                let b = self.blk_mut(id);
+                b.addr = pe.addr;
+                b.size += pe.size;
+                b.prev = pe.prev;
+                let seg = b.segment;
+                match pe.prev {
+                    Some(pp) => self.blk_mut(pp).next = Some(id),
+                    None => {
+                        if let Some(s) = self.segments[seg].as_mut() {
+                            s.head = id;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(n) = self.blk(id).next {
+            if self.blk(n).state == BState::Free {
+                self.track_inactive(n, false);
+                self.remove_free(n);
+                let ne = self.remove_block(n);
+                let b = self.blk_mut(id);
+                b.size += ne.size;
+                b.next = ne.next;
+                if let Some(nn) = ne.next {
+                    self.blk_mut(nn).prev = Some(id);
+                }
+            }
+        }
+        self.insert_free(id);
+        self.track_inactive(id, true);
+    }
+
+    /// Return the blocks whose record-stream events have all completed to their pools.
+    fn process_events(&mut self, source: &S) -> Result<(), AllocError> {
+        if self.outstanding == 0 {
+            return Ok(());
+        }
+        let mut done = Vec::new();
+        let mut error = None;
+        for queue in self.events.values_mut() {
+            // Events of one stream complete in record order.
+            while let Some(front) = queue.front() {
+                match source.query_event(&front.event) {
+                    Ok(true) => {
+                        done.push(front.block);
+                        queue.pop_front();
+                    }
+                    Ok(false) => break,
+                    Err(e) => {
+                        error = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        self.events.retain(|_, q| !q.is_empty());
+        self.outstanding -= done.len();
+        for id in done {
+            let b = self.blk_mut(id);
+            b.event_count -= 1;
+            if b.event_count == 0 {
+                self.free_block(id);
+            }
+        }
+        error.map_or(Ok(()), Err)
+    }
+
+    fn pending_events(&self) -> Vec<Arc<S::Event>> {
+        self.events
+            .values()
+            .flat_map(|q| q.iter().map(|p| p.event.clone()))
+            .collect()
+    }
+
+    /// Give the segment of the unsplit free block `id` back to the source.
+    fn release_block(&mut self, source: &S, id: BlockId) {
+        self.remove_free(id);
+        let b = self.remove_block(id);
+        let Some(seg) = self.segments[b.segment].take() else {
+            return;
+        };
+        self.free_segment_ids.push(b.segment);
+        // SAFETY: the segment came from `source.allocate(seg.size)` and is released once (its
+        // slot was just emptied). Its one block is free: no handle holds it and every
+        // record-stream event of it has completed.
+        unsafe {
+            source.free(
+                std::ptr::NonNull::new(seg.base.0).expect("segments are non-null"),
+                seg.size,
+            )
+        };
+        self.stats.segment.decrease(seg.pool, 1);
+        self.stats
+            .reserved_bytes
+            .decrease(seg.pool, seg.size as u64);
+        self.stats.num_device_free += 1;
+        if self.is_oversize(seg.size) {
+            self.stats.oversize_segments.decrease(1);
+        }
+    }
+
+    /// Free every cached block that is a whole segment, in both pools and all streams.
+    fn release_cached_blocks(&mut self, source: &S) {
+        let ids: Vec<BlockId> = self
+            .pools
+            .iter()
+            .flat_map(|p| p.values().copied())
+            .filter(|&id| self.is_unsplit(id))
+            .collect();
+        for id in ids {
+            self.release_block(source, id);
+        }
+    }
+
+    /// With `max_split_size` set: free oversize cached blocks of `stream` (one large enough,
+    /// else the largest ones) so that a request of `size` bytes may fit.
+    fn release_available_cached_blocks(
+        &mut self,
+        source: &S,
+        pool: PoolKind,
+        stream: u64,
+        size: usize,
+    ) -> bool {
+        let Some(m) = self.max_split_size else {
+            return false;
+        };
+        let key_size = size.max(m);
+        let map = &self.pools[pool.index()];
+        let single = map
+            .range((stream, key_size, 0)..)
+            .take_while(|(k, _)| k.0 == stream)
+            .map(|(_, &id)| id)
+            .find(|&id| self.is_unsplit(id));
+        if let Some(id) = single {
+            self.release_block(source, id);
+            return true;
+        }
+        let largest_first: Vec<(usize, BlockId)> = map
+            .range((stream, m, 0)..(stream, key_size, 0))
+            .rev()
+            .filter(|(_, &id)| self.is_unsplit(id))
+            .map(|(k, &id)| (k.1, id))
+            .collect();
+        let mut released = 0;
+        for (bsize, id) in largest_first {
+            if released >= size {
+                break;
+            }
+            self.release_block(source, id);
+            released += bsize;
+        }
+        released >= size
+    }
+
+    fn oom_error(&self, source: &S, requested: usize) -> AllocError {
+        AllocError::OutOfMemory {
+            device: source.device(),
+            requested,
+            allocated: self.stats.allocated_bytes.all.current as usize,
+            reserved: self.stats.reserved_bytes.all.current as usize,
+            device_total: source.total_memory(),
+            device_free: source.free_memory(),
+            limit: self.limit,
+        }
+    }
+
+    fn snapshot(&self, device: Device) -> Snapshot {
+        let mut segs: Vec<&Segment> = self.segments.iter().flatten().collect();
+        segs.sort_by_key(|s| s.base.0.addr());
+        let segments = segs
+            .into_iter()
+            .map(|seg| {
+                let mut blocks = Vec::new();
+                let mut cur = Some(seg.head);
+                while let Some(id) = cur {
+                    let b = self.blk(id);
+                    blocks.push(BlockSnapshot {
+                        address: b.addr as u64,
+                        size: b.size as u64,
+                        requested_size: b.requested as u64,
+                        state: match b.state {
+                            BState::Allocated => BlockState::ActiveAllocated,
+                            BState::Pending => BlockState::ActivePendingFree,
+                            BState::Free => BlockState::Inactive,
+                        },
+                    });
+                    cur = b.next;
+                }
+                let sum = |f: &dyn Fn(&BlockSnapshot) -> bool,
+                           v: &dyn Fn(&BlockSnapshot) -> u64| {
+                    blocks.iter().filter(|b| f(b)).map(v).sum::<u64>()
+                };
+                let active = |b: &BlockSnapshot| b.state != BlockState::Inactive;
+                SegmentSnapshot {
+                    address: seg.base.0.addr() as u64,
+                    total_size: seg.size as u64,
+                    allocated_size: sum(&|b| b.state == BlockState::ActiveAllocated, &|b| b.size),
+                    active_size: sum(&active, &|b| b.size),
+                    requested_size: sum(&active, &|b| b.requested_size),
+                    stream: seg.stream,
+                    segment_type: seg.pool,
+                    blocks,
+                }
+            })
+            .collect();
+        Snapshot {
+            device: device.to_string(),
+            segments,
+        }
+    }
+}
+
+struct Shared<S: MemorySource> {
+    source: S,
+    config: AllocatorConfig,
+    state: Mutex<State<S>>,
+}
+
+impl<S: MemorySource> Shared<S> {
+    fn lock(&self) -> MutexGuard<'_, State<S>> {
+        // A panic while the lock was held leaves the bookkeeping as it was at that point; the
+        // allocator keeps going rather than turning every later drop into a panic.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wait (without the lock) for `events`, within the configured timeout in all.
+    fn wait_events(&self, events: &[Arc<S::Event>]) -> Result<(), AllocError> {
+        let deadline = Instant::now() + self.config.sync_timeout;
+        for ev in events {
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.source.synchronize_event(ev, left)?;
+        }
+        Ok(())
+    }
+
+    /// Wait for every pending record-stream event and return those blocks to their pools
+    /// (PyTorch's `synchronize_and_free_events`). Takes and returns the lock.
+    fn synchronize_and_free_events<'a>(
+        &'a self,
+        st: MutexGuard<'a, State<S>>,
+    ) -> Result<MutexGuard<'a, State<S>>, AllocError> {
+        let pending = st.pending_events();
+        drop(st);
+        // Stream work may itself free blocks (drop handles), so the wait must not hold the lock.
+        let waited = self.wait_events(&pending);
+        drop(pending);
+        let mut st = self.lock();
+        waited?;
+        st.stats.num_sync_all_streams += 1;
+        st.process_events(&self.source)?;
+        Ok(st)
+    }
+}
+
+impl<S: MemorySource> Drop for Shared<S> {
+    fn drop(&mut self) {
+        // No handle is left (each holds an Arc to this), but blocks freed with record_stream may
+        // still be in use by their streams: wait for them before returning memory.
+        let Shared {
+            source,
+            config,
+            state,
+        } = self;
+        let st = state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let deadline = Instant::now() + config.sync_timeout;
+        for ev in st.pending_events() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Err(e) = source.synchronize_event(&ev, left) {
+                tracing::warn!("allocator dropped while record-stream events pend: {e}");
+                break;
+            }
+        }
+        if let Err(e) = st.process_events(source) {
+            tracing::warn!("allocator drop: {e}");
+        }
+        st.release_cached_blocks(source);
+        let left = st.segments.iter().flatten().count();
+        if left > 0 {
+            tracing::warn!("allocator dropped: leaking {left} segments still used by streams");
+        }
+    }
+}
+
+/// A per-stream caching allocator over a [`MemorySource`], modelled on PyTorch's CUDA caching
+/// allocator. Cloning gives another handle to the same allocator (one per device, shared by
+/// every thread).
+///
+/// See the [crate documentation](crate) for the rules it follows.
+pub struct CachingAllocator<S: MemorySource> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S: MemorySource> Clone for CachingAllocator<S> {
+    fn clone(&self) -> Self {
+        CachingAllocator {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: MemorySource> fmt::Debug for CachingAllocator<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("device", &self.shared.source.device())
+            .field("config", &self.shared.config)
+            .field("memory_limit", &self.memory_limit())
+            .finish()
+    }
+}
+
+impl<S: MemorySource> CachingAllocator<S> {
+    /// An allocator over `source`. Fails if the configuration is out of range.
+    pub fn new(source: S, config: AllocatorConfig) -> Result<Self, AllocError> {
+        config.validate()?;
+        let limit = resolve_limit(config.memory_limit, source.total_memory())?;
+        let state = State::new(limit, config.max_split_size);
+        Ok(CachingAllocator {
+            shared: Arc::new(Shared {
+                source,
+                config,
+                state: Mutex::new(state),
+            }),
+        })
+    }
+
+    /// The memory source.
+    pub fn source(&self) -> &S {
+        &self.shared.source
+    }
+
+    /// The options given at creation (the memory limit may have changed since: see
+    /// [`memory_limit`](CachingAllocator::memory_limit)).
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.shared.config
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> Device {
+        self.shared.source.device()
+    }
+
+    /// The current memory limit in bytes, if any.
+    pub fn memory_limit(&self) -> Option<usize> {
+        self.shared.lock().limit
+    }
+
+    /// Change the memory limit (PyTorch's `set_per_process_memory_fraction`). It applies to
+    /// later segment allocations; memory already reserved stays.
+    pub fn set_memory_limit(&self, limit: Option<MemoryLimit>) -> Result<(), AllocError> {
+        let limit = resolve_limit(limit, self.shared.source.total_memory())?;
+        self.shared.lock().limit = limit;
+        Ok(())
+    }
+
+    /// Allocate at least `size` bytes for use on `stream`.
+    ///
+    /// Served, in order: from the best-fitting cached block of `stream`'s pool; from a new
+    /// segment; (with `max_split_size`) from a new segment after freeing oversize cached blocks;
+    /// from a new segment after waiting for pending record-stream events and freeing every
+    /// cached whole segment (counted in `num_alloc_retries`). Otherwise it fails with
+    /// [`AllocError::OutOfMemory`] (counted in `num_ooms`).
+    pub fn allocate(&self, size: usize, stream: &S::Stream) -> Result<Block<S>, AllocError> {
+        let sh = &*self.shared;
+        sh.source.validate_stream(stream)?;
+        let key = S::stream_key(stream);
+        let sizes = round_size(size).and_then(|r| Some((r, allocation_size(r)?)));
+        let mut st = sh.lock();
+        let Some((rounded, seg_size)) = sizes else {
+            // Larger than any address space: no amount of freeing helps.
+            st.stats.num_ooms += 1;
+            return Err(st.oom_error(&sh.source, size));
+        };
+        let pool = PoolKind::for_size(rounded);
+        st.process_events(&sh.source)?;
+        let id = match st.get_free_block(pool, key, rounded) {
+            Some(id) => id,
+            None => match st.alloc_segment(&sh.source, seg_size, pool, key, false)? {
+                Some(id) => id,
+                None => {
+                    let mut got = None;
+                    if st.release_available_cached_blocks(&sh.source, pool, key, rounded) {
+                        got = st.alloc_segment(&sh.source, seg_size, pool, key, false)?;
+                    }
+                    match got {
+                        Some(id) => id,
+                        None => {
+                            st = sh.synchronize_and_free_events(st)?;
+                            st.release_cached_blocks(&sh.source);
+                            match st.alloc_segment(&sh.source, seg_size, pool, key, true)? {
+                                Some(id) => id,
+                                None => {
+                                    st.stats.num_ooms += 1;
+                                    return Err(st.oom_error(&sh.source, size));
+                                }
+                            }
+                        }
+                    }
+                }
+            },
+        };
+        st.take_block(id, rounded, size);
+        let b = st.blk(id);
+        let seg = st.seg(b.segment);
+        let ptr = seg.base.0.wrapping_add(b.addr - seg.base.0.addr());
+        let block = Block {
+            shared: self.shared.clone(),
+            id,
+            ptr: SendPtr(ptr),
+            size: b.size,
+            requested: size,
+            stream: key,
+            pool,
+        };
+        drop(st);
+        Ok(block)
+    }
+
+    /// Allocate a [`Buffer`] of `len` elements of `dtype` on `stream`; the buffer owns the
+    /// block and returns it to the allocator when its last clone drops.
+    pub fn allocate_buffer(
+        &self,
+        dtype: DType,
+        len: usize,
+        stream: &S::Stream,
+    ) -> Result<Buffer, AllocError> {
+        let bytes = len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+            AllocError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
+        })?;
+        self.allocate(bytes, stream)?.into_buffer(dtype)
+    }
+
+    /// Return to their pools the freed blocks whose record-stream events have completed (done
+    /// at every allocation anyway).
+    pub fn process_events(&self) -> Result<(), AllocError> {
+        self.shared.lock().process_events(&self.shared.source)
+    }
+
+    /// Wait for pending record-stream events (up to the configured timeout), then give every
+    /// cached whole segment back to the source (PyTorch's `empty_cache`).
+    pub fn empty_cache(&self) -> Result<(), AllocError> {
+        let sh = &*self.shared;
+        let mut st = sh.synchronize_and_free_events(sh.lock())?;
+        st.release_cached_blocks(&sh.source);
+        Ok(())
+    }
+
+    /// The statistics.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.shared.lock().stats.clone()
+    }
+
+    /// Set every peak to the current value.
+    pub fn reset_peak_stats(&self) {
+        self.shared.lock().stats.reset_peak();
+    }
+
+    /// Zero the totals allocated/freed and the counters (`num_alloc_retries`, `num_ooms`, ...).
+    pub fn reset_accumulated_stats(&self) {
+        self.shared.lock().stats.reset_accumulated();
+    }
+
+    /// Every segment and block.
+    pub fn snapshot(&self) -> Snapshot {
+        self.shared.lock().snapshot(self.shared.source.device())
+    }
+}
+
+/// Memory handed out by a [`CachingAllocator`]: it returns to the allocator when dropped (to
+/// its stream's pool at once, or, if [`record_stream`](Block::record_stream) named other
+/// streams, once their work issued before the drop has completed).
+///
+/// A block is `Send` and `Sync`, and implements [`fsdp_device::Storage`], so a
+/// [`Buffer`] can be built over it ([`into_buffer`](Block::into_buffer),
+/// [`shared_buffer`](Block::shared_buffer)).
+pub struct Block<S: MemorySource> {
+    shared: Arc<Shared<S>>,
+    id: BlockId,
+    ptr: SendPtr,
+    size: usize,
+    requested: usize,
+    stream: u64,
+    pool: PoolKind,
+}
+
+impl<S: MemorySource> fmt::Debug for Block<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Block")
+            .field("device", &self.device())
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("size", &self.size)
+            .field("requested", &self.requested)
+            .field("stream", &self.stream)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+impl<S: MemorySource> Block<S> {
+    /// Size in bytes after rounding (what the block occupies).
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Bytes asked for.
+    pub fn requested_size(&self) -> usize {
+        self.requested
+    }
+
+    /// The address (host or device, per [`device`](Block::device)). It stays valid while the
+    /// handle lives; work on other streams that uses it past the drop must be declared with
+    /// [`record_stream`](Block::record_stream) (or keep the handle alive).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.0
+    }
+
+    /// The address as a number.
+    pub fn addr(&self) -> u64 {
+        self.ptr.0.addr() as u64
+    }
+
+    /// The key of the stream it was allocated on (its pool).
+    pub fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    /// The pool it came from.
+    pub fn pool(&self) -> PoolKind {
+        self.pool
+    }
+
+    /// The device of the memory.
+    pub fn device(&self) -> Device {
+        self.shared.source.device()
+    }
+
+    /// The allocator it belongs to.
+    pub fn allocator(&self) -> CachingAllocator<S> {
+        CachingAllocator {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Declare that `stream` uses the block: when the block is freed, an event is recorded on
+    /// `stream`, and the memory is reused only once it completes. Uses on the allocation stream
+    /// need no event and are ignored.
+    pub fn record_stream(&self, stream: &S::Stream) -> Result<(), AllocError> {
+        let key = S::stream_key(stream);
+        if key == self.stream {
+            return Ok(());
+        }
+        self.shared.source.validate_stream(stream)?;
+        let mut st = self.shared.lock();
+        let uses = &mut st.blk_mut(self.id).uses;
+        if !uses.iter().any(|(k, _)| *k == key) {
+            uses.push((key, stream.clone()));
+        }
+        Ok(())
+    }
+
+    /// A buffer of `requested_size / dtype.size_in_bytes()` elements over the block, which it
+    /// owns.
+    pub fn into_buffer(self, dtype: DType) -> Result<Buffer, AllocError> {
+        Ok(Buffer::from_storage(Box::new(self), dtype)?)
+    }
+
+    /// A buffer over a shared block: the memory returns to the allocator once `this` and every
+    /// buffer are gone, and `this` can still [`record_stream`](Block::record_stream).
+    pub fn shared_buffer(this: &Arc<Self>, dtype: DType) -> Result<Buffer, AllocError> {
+        Ok(Buffer::from_storage(
+            Box::new(SharedBlock(this.clone())),
+            dtype,
+        )?)
+    }
+}
+
+impl<S: MemorySource> Drop for Block<S> {
+    fn drop(&mut self) {
+        let sh = &*self.shared;
+        sh.lock().free(&sh.source, self.id);
+    }
+}
+
+// SAFETY: the `requested` bytes at `ptr` (within the block's `size`) belong to this handle
+// alone until it drops: the allocator hands a block to one handle and reuses it only after the
+// drop and the completion of every record-stream event. The address is fixed, a multiple of 512
+// from a SEGMENT_ALIGN-aligned segment start, and for host sources points to initialised host
+// memory (MemorySource's contract).
+unsafe impl<S: MemorySource> Storage for Block<S> {
+    fn device(&self) -> Device {
+        self.shared.source.device()
+    }
+    fn byte_len(&self) -> usize {
+        self.requested
+    }
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr.0
+    }
+}
+
+/// A shared [`Block`] as a [`Storage`] (see [`Block::shared_buffer`]).
+pub struct SharedBlock<S: MemorySource>(pub Arc<Block<S>>);
+
+impl<S: MemorySource> fmt::Debug for SharedBlock<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("SharedBlock").field(&self.0).finish()
+    }
+}
+
+// SAFETY: as for Block, which the Arc keeps alive (and its memory reserved) while this lives.
+unsafe impl<S: MemorySource> Storage for SharedBlock<S> {
+    fn device(&self) -> Device {
+        self.0.device()
+    }
+    fn byte_len(&self) -> usize {
+        self.0.requested
+    }
+    fn as_ptr(&self) -> *mut u8 {
+        self.0.ptr.0
+    }
+}

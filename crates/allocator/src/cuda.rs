@@ -1,0 +1,187 @@
+//! The CUDA memory source (feature `cuda`): segments from `cuMemAlloc`/`cuMemFree`, record-stream
+//! events from CUDA events, through cudarc with the driver loaded at run time.
+//!
+//! ```no_run
+//! use fsdp_allocator::cuda::{CudaAllocator, CudaSource};
+//! use fsdp_allocator::AllocatorConfig;
+//!
+//! match CudaSource::new(0) {
+//!     Err(e) => println!("skipped: {e}"),
+//!     Ok(source) => {
+//!         let stream = source.context().new_stream().unwrap();
+//!         let alloc = CudaAllocator::new(source, AllocatorConfig::default()).unwrap();
+//!         let block = alloc.allocate(1 << 20, &stream).unwrap();
+//!         println!("{block:?}");
+//!     }
+//! }
+//! ```
+
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream, DriverError};
+use fsdp_device::Device;
+
+use crate::{AllocError, Block, CachingAllocator, MemorySource};
+
+/// A caching allocator over CUDA device memory.
+pub type CudaAllocator = CachingAllocator<CudaSource>;
+/// A block of CUDA device memory.
+pub type CudaBlock = Block<CudaSource>;
+
+/// Whether the CUDA driver library can be loaded (no CUDA call is made).
+pub fn driver_present() -> bool {
+    // SAFETY: this only tries to open the driver's shared library by its usual names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn source_err(op: &'static str) -> impl Fn(DriverError) -> AllocError {
+    move |e| AllocError::Source {
+        op,
+        message: format!("{e:?}"),
+    }
+}
+
+/// Device memory of one GPU, in the GPU's primary context.
+pub struct CudaSource {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    total: usize,
+}
+
+impl fmt::Debug for CudaSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaSource")
+            .field("ordinal", &self.ordinal)
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+impl CudaSource {
+    /// The source of GPU `ordinal`. Fails with [`AllocError::NoDevice`] (never panics) when the
+    /// driver library is missing, no GPU is present, or the ordinal is out of range.
+    pub fn new(ordinal: usize) -> Result<CudaSource, AllocError> {
+        if !driver_present() {
+            return Err(AllocError::NoDevice(
+                "no CUDA driver (libcuda) could be loaded".to_string(),
+            ));
+        }
+        // cudarc panics if a driver symbol is missing; report that as an error too.
+        let ctx = catch_unwind(AssertUnwindSafe(|| CudaContext::new(ordinal)))
+            .map_err(|_| {
+                AllocError::NoDevice("the CUDA driver could not be initialised".to_string())
+            })?
+            .map_err(|e| AllocError::NoDevice(format!("CUDA device {ordinal}: {e:?}")))?;
+        let total = ctx.total_mem().map_err(source_err("cuDeviceTotalMem"))?;
+        Ok(CudaSource {
+            ctx,
+            ordinal,
+            total,
+        })
+    }
+
+    /// The context: make streams for the allocator with `context().new_stream()`.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+// SAFETY: segments come from cuMemAlloc (256-byte aligned or better, hence SEGMENT_ALIGN) and are
+// owned by the caller until cuMemFree; cuMemFree waits for the device's pending work on them;
+// stream keys are the CUstream handles, distinct for live streams; CUDA events complete only
+// after the work recorded before them.
+unsafe impl MemorySource for CudaSource {
+    type Stream = Arc<CudaStream>;
+    type Event = CudaEvent;
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn total_memory(&self) -> usize {
+        self.total
+    }
+
+    fn free_memory(&self) -> usize {
+        self.ctx.mem_get_info().map(|(free, _)| free).unwrap_or(0)
+    }
+
+    fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(source_err("cuCtxSetCurrent"))?;
+        // SAFETY: the context is current on this thread; the memory is device memory that this
+        // crate never reads on the host.
+        match unsafe { result::malloc_sync(bytes) } {
+            Ok(dptr) => NonNull::new(std::ptr::without_provenance_mut::<u8>(dptr as usize))
+                .ok_or(AllocError::SourceOutOfMemory { bytes }),
+            Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
+                Err(AllocError::SourceOutOfMemory { bytes })
+            }
+            Err(e) => Err(source_err("cuMemAlloc")(e)),
+        }
+    }
+
+    unsafe fn free(&self, ptr: NonNull<u8>, _bytes: usize) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!("cuMemFree: could not bind the context: {e:?}; leaking the segment");
+            return;
+        }
+        // SAFETY: by the caller's contract the pointer came from `allocate` (cuMemAlloc) and is
+        // freed once.
+        if let Err(e) = unsafe { result::free_sync(ptr.as_ptr().addr() as u64) } {
+            tracing::error!("cuMemFree failed: {e:?}");
+        }
+    }
+
+    fn stream_key(stream: &Arc<CudaStream>) -> u64 {
+        stream.cu_stream().addr() as u64
+    }
+
+    fn validate_stream(&self, stream: &Arc<CudaStream>) -> Result<(), AllocError> {
+        if **stream.context() == *self.ctx {
+            Ok(())
+        } else {
+            Err(AllocError::InvalidArgument(format!(
+                "a stream of CUDA device {} used with the allocator of device {}",
+                stream.context().ordinal(),
+                self.ordinal
+            )))
+        }
+    }
+
+    fn record_event(&self, stream: &Arc<CudaStream>) -> Result<CudaEvent, AllocError> {
+        stream
+            .record_event(None)
+            .map_err(source_err("cuEventRecord"))
+    }
+
+    fn query_event(&self, event: &CudaEvent) -> Result<bool, AllocError> {
+        event.try_is_complete().map_err(source_err("cuEventQuery"))
+    }
+
+    fn synchronize_event(&self, event: &CudaEvent, timeout: Duration) -> Result<(), AllocError> {
+        // cuEventSynchronize has no timeout: poll, backing off from spinning to short sleeps.
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(1);
+        loop {
+            if self.query_event(event)? {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(AllocError::Timeout {
+                    what: "a CUDA record-stream event".to_string(),
+                    waited,
+                });
+            }
+            std::thread::sleep(pause.min(timeout - waited));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}

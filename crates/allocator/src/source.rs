@@ -1,0 +1,263 @@
+//! Memory sources: where the allocator's segments come from, and the streams and events that
+//! `record_stream` uses.
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use fsdp_device::{Device, DeviceError, Event, Stream};
+
+use crate::AllocError;
+
+/// Alignment of every segment a source hands out (the allocator's blocks are multiples of 512
+/// bytes from a segment's start, so they keep it).
+pub const SEGMENT_ALIGN: usize = 512;
+
+/// A provider of raw memory segments, with the stream and event types of its device.
+///
+/// # Safety
+/// The allocator hands the memory out as [`Block`](crate::Block)s that implement
+/// [`fsdp_device::Storage`], so implementors guarantee that:
+/// - [`allocate`](MemorySource::allocate) returns the address of `bytes` bytes, aligned to
+///   [`SEGMENT_ALIGN`], that nothing else uses until they are passed to
+///   [`free`](MemorySource::free); for [`Device::Cpu`] these are host bytes valid for reads and
+///   writes and initialised (so that a [`Buffer`](fsdp_device::Buffer) may read them); for a
+///   CUDA device, a device address;
+/// - [`stream_key`](MemorySource::stream_key) gives distinct keys to distinct live streams;
+/// - an event reports complete ([`query_event`](MemorySource::query_event) returns `true` or
+///   [`synchronize_event`](MemorySource::synchronize_event) returns `Ok`) only once all work
+///   enqueued on its stream before [`record_event`](MemorySource::record_event) has finished.
+pub unsafe trait MemorySource: Send + Sync + 'static {
+    /// The device's stream type.
+    type Stream: Clone + Send + Sync + 'static;
+    /// The device's event type.
+    type Event: Send + Sync + 'static;
+
+    /// The device the memory lives on.
+    fn device(&self) -> Device;
+
+    /// Total capacity in bytes (the base of a fractional memory limit).
+    fn total_memory(&self) -> usize;
+
+    /// Bytes the source could still provide (for out-of-memory messages).
+    fn free_memory(&self) -> usize;
+
+    /// Obtain a segment of `bytes` bytes. Lack of memory is reported as
+    /// [`AllocError::SourceOutOfMemory`], which the allocator answers by freeing its cache and
+    /// retrying.
+    fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError>;
+
+    /// Return a segment.
+    ///
+    /// # Safety
+    /// `ptr` and `bytes` come from one successful [`allocate`](MemorySource::allocate) call, are
+    /// freed once, and no work of any stream uses the memory any more.
+    unsafe fn free(&self, ptr: NonNull<u8>, bytes: usize);
+
+    /// The key of the stream's pool; blocks are only reused by requests on the same stream.
+    fn stream_key(stream: &Self::Stream) -> u64;
+
+    /// Reject a stream that does not belong to this source's device.
+    fn validate_stream(&self, stream: &Self::Stream) -> Result<(), AllocError> {
+        let _ = stream;
+        Ok(())
+    }
+
+    /// Record an event at the current end of `stream`.
+    fn record_event(&self, stream: &Self::Stream) -> Result<Self::Event, AllocError>;
+
+    /// Whether the event has completed, without waiting.
+    fn query_event(&self, event: &Self::Event) -> Result<bool, AllocError>;
+
+    /// Wait for the event, up to `timeout` ([`AllocError::Timeout`] past it).
+    fn synchronize_event(&self, event: &Self::Event, timeout: Duration) -> Result<(), AllocError>;
+}
+
+/// Real host memory (zero-initialised, [`SEGMENT_ALIGN`]-aligned, its pages touched only when
+/// used) with a capacity limit; its
+/// streams and events are [`fsdp_device::Stream`] and [`fsdp_device::Event`].
+pub struct HostSource {
+    capacity: usize,
+    used: AtomicUsize,
+}
+
+impl fmt::Debug for HostSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostSource")
+            .field("capacity", &self.capacity)
+            .field("used", &self.used())
+            .finish()
+    }
+}
+
+/// Bytes before a host segment holding the offset back to the raw allocation.
+const HEADER: usize = std::mem::size_of::<usize>();
+
+/// The raw allocation behind a host segment of `bytes` bytes. Its 16-byte alignment (not
+/// SEGMENT_ALIGN) lets `alloc_zeroed` use `calloc`, whose large blocks are fresh zero pages:
+/// reserving a segment does not touch its memory (an over-aligned layout would be zeroed by
+/// hand, page by page).
+fn raw_layout(bytes: usize) -> Option<Layout> {
+    Layout::from_size_align(bytes.checked_add(SEGMENT_ALIGN)?, 16).ok()
+}
+
+impl HostSource {
+    /// A source that hands out at most `capacity` bytes at a time.
+    pub fn new(capacity: usize) -> HostSource {
+        HostSource {
+            capacity,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    /// The capacity given at creation.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes currently handed out.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn unreserve(&self, bytes: usize) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: segments are SEGMENT_ALIGN-aligned ranges inside zeroed allocations of the global
+// allocator, so they are initialised host memory owned by the caller until `free`; stream keys are
+// fsdp-device's process-unique stream ids; host events complete only when their stream's work up
+// to the recorded point has run (a panicked task also counts as run: it no longer touches
+// memory).
+unsafe impl MemorySource for HostSource {
+    type Stream = Stream;
+    type Event = Event;
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn total_memory(&self) -> usize {
+        self.capacity
+    }
+
+    fn free_memory(&self) -> usize {
+        self.capacity.saturating_sub(self.used())
+    }
+
+    fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        if bytes == 0 {
+            return Err(AllocError::InvalidArgument(
+                "a segment of 0 bytes".to_string(),
+            ));
+        }
+        let oom = AllocError::SourceOutOfMemory { bytes };
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                used.checked_add(bytes).filter(|&u| u <= self.capacity)
+            })
+            .map_err(|_| oom.clone())?;
+        let Some(layout) = raw_layout(bytes) else {
+            self.unreserve(bytes);
+            return Err(oom);
+        };
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(raw) = NonNull::new(raw) else {
+            self.unreserve(bytes);
+            return Err(oom);
+        };
+        // The segment starts at the first SEGMENT_ALIGN boundary at least one header past the
+        // raw start: raw is 16-aligned, so that offset lies in [16, SEGMENT_ALIGN] and the
+        // segment ends within the SEGMENT_ALIGN extra bytes.
+        let offset =
+            (raw.as_ptr().addr() + HEADER).next_multiple_of(SEGMENT_ALIGN) - raw.as_ptr().addr();
+        let seg = raw.as_ptr().wrapping_add(offset);
+        // SAFETY: seg - HEADER >= raw and seg - HEADER + HEADER <= raw + layout.size(), so the
+        // header lies inside the allocation; seg is SEGMENT_ALIGN-aligned, so the header is
+        // aligned for usize.
+        unsafe { seg.sub(HEADER).cast::<usize>().write(offset) };
+        Ok(NonNull::new(seg).unwrap_or(raw))
+    }
+
+    unsafe fn free(&self, ptr: NonNull<u8>, bytes: usize) {
+        // SAFETY: by the caller's contract `ptr` came from `allocate(bytes)`, which wrote the
+        // offset to the raw allocation in the header before it and allocated `raw_layout(bytes)`
+        // (valid then, so valid now) there; it is freed once.
+        unsafe {
+            let header = ptr.as_ptr().sub(HEADER);
+            let offset = header.cast::<usize>().read();
+            let raw = ptr.as_ptr().sub(offset);
+            if let Some(layout) = raw_layout(bytes) {
+                std::alloc::dealloc(raw, layout);
+            }
+        }
+        self.unreserve(bytes);
+    }
+
+    fn stream_key(stream: &Stream) -> u64 {
+        stream.id().as_u64()
+    }
+
+    fn validate_stream(&self, stream: &Stream) -> Result<(), AllocError> {
+        if stream.device() == Device::Cpu {
+            Ok(())
+        } else {
+            Err(AllocError::InvalidArgument(format!(
+                "stream `{}` runs on {}, not on the host",
+                stream.name(),
+                stream.device()
+            )))
+        }
+    }
+
+    fn record_event(&self, stream: &Stream) -> Result<Event, AllocError> {
+        Ok(stream.record_event())
+    }
+
+    fn query_event(&self, event: &Event) -> Result<bool, AllocError> {
+        Ok(event.query())
+    }
+
+    fn synchronize_event(&self, event: &Event, timeout: Duration) -> Result<(), AllocError> {
+        match event.synchronize_timeout(timeout) {
+            // A failed task has finished too: the memory is no longer in use.
+            Ok(()) | Err(DeviceError::StreamFailed { .. }) => Ok(()),
+            Err(DeviceError::Timeout { what, waited }) => Err(AllocError::Timeout { what, waited }),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_source_respects_capacity_and_alignment() {
+        let src = HostSource::new(4 << 20);
+        let a = src.allocate(2 << 20).unwrap();
+        assert_eq!(a.as_ptr() as usize % SEGMENT_ALIGN, 0);
+        let b = src.allocate(2 << 20).unwrap();
+        assert_eq!(src.used(), 4 << 20);
+        assert!(matches!(
+            src.allocate(512),
+            Err(AllocError::SourceOutOfMemory { bytes: 512 })
+        ));
+        assert!(matches!(
+            src.allocate(usize::MAX),
+            Err(AllocError::SourceOutOfMemory { .. })
+        ));
+        assert!(src.allocate(0).is_err());
+        // SAFETY: both came from `allocate` with these sizes and are freed once.
+        unsafe {
+            src.free(a, 2 << 20);
+            src.free(b, 2 << 20);
+        }
+        assert_eq!(src.used(), 0);
+        assert_eq!(src.free_memory(), 4 << 20);
+    }
+}
