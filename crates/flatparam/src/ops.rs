@@ -100,12 +100,16 @@ impl FlatParamLayout {
             if start >= end {
                 continue;
             }
-            out[pos - base..start - base].fill(zero);
+            if start > pos {
+                out[pos - base..start - base].fill(zero);
+            }
             out[start - base..end - base]
                 .copy_from_slice(&data.as_ref()[start - p.offset()..end - p.offset()]);
             pos = end;
         }
-        out[pos - base..].fill(zero);
+        if pos < range.end {
+            out[pos - base..].fill(zero);
+        }
     }
 
     /// Flatten the parameters (one slice per parameter of [`params`](Self::params), in order,
@@ -139,7 +143,23 @@ impl FlatParamLayout {
     ) -> Result<()> {
         self.check_params(params)?;
         self.check_flat(flat.len())?;
-        self.write_range(params, 0..self.padded_numel(), flat);
+        // The whole buffer: one copy per parameter, zeros in the gaps (the general
+        // `write_range` clips every parameter to the range, which costs at small sizes).
+        let zero = T::zeroed();
+        let mut rest = flat;
+        let mut pos = 0;
+        for (p, data) in self.params().iter().zip(params) {
+            let gap = p.offset() - pos;
+            let (gap_out, tail) = std::mem::take(&mut rest).split_at_mut(gap);
+            if gap > 0 {
+                gap_out.fill(zero);
+            }
+            let (out, tail) = tail.split_at_mut(p.numel());
+            out.copy_from_slice(data.as_ref());
+            rest = tail;
+            pos = p.offset() + p.numel();
+        }
+        rest.fill(zero);
         Ok(())
     }
 
