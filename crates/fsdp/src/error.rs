@@ -1,0 +1,118 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the fsdp crate. Bad input is reported here, never by a panic.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FsdpError {
+    /// A model configuration is not usable (zero sizes, `n_embd` not divisible by `n_head`, ...).
+    #[error("invalid GPT configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A parameter (or gradient) was asked for by a name the store does not hold.
+    #[error("unknown parameter `{name}`")]
+    UnknownParameter {
+        /// The name asked for.
+        name: String,
+    },
+    /// A parameter or gradient slice does not have the number of elements its shape requires.
+    #[error("parameter `{name}` has {actual} elements, its shape needs {expected}")]
+    ParameterLength {
+        /// The parameter's name.
+        name: String,
+        /// Elements its shape requires.
+        expected: usize,
+        /// Elements the slice has.
+        actual: usize,
+    },
+    /// A block index is not below `n_layer`.
+    #[error("layer {layer} does not exist: the model has {n_layer} layers")]
+    LayerOutOfRange {
+        /// The index asked for.
+        layer: usize,
+        /// Number of transformer blocks.
+        n_layer: usize,
+    },
+    /// A token id (input or target) is not below the vocabulary size.
+    #[error("token id {token} is out of the vocabulary (size {vocab_size})")]
+    TokenOutOfVocab {
+        /// The offending id.
+        token: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
+    /// The shape of a batch or of an activation does not fit the model or the stage.
+    #[error("invalid batch or activation shape: {reason}")]
+    InvalidShape {
+        /// What does not fit.
+        reason: String,
+    },
+    /// The global batch size cannot be split evenly over the ranks.
+    #[error("global batch size {batch_size} is not divisible by the world size {world_size}")]
+    BatchNotDivisible {
+        /// Rows in the global batch.
+        batch_size: usize,
+        /// Number of ranks.
+        world_size: usize,
+    },
+    /// A rank is not below the world size (or the world size is zero).
+    #[error("rank {rank} is not valid in a world of size {world_size}")]
+    InvalidRank {
+        /// The rank given.
+        rank: usize,
+        /// The world size given.
+        world_size: usize,
+    },
+    /// A token file's length in bytes is odd, so it is not a sequence of u16 token ids.
+    #[error("token file {path} has {bytes} bytes, an odd number: not a file of u16 token ids")]
+    TokenFileOddLength {
+        /// The file.
+        path: PathBuf,
+        /// Its length in bytes.
+        bytes: u64,
+    },
+    /// A token stream has too few tokens for the requested sequence length.
+    #[error("token stream has {len} tokens, at least {needed} are needed ({reason})")]
+    TokenStreamTooShort {
+        /// Tokens in the stream.
+        len: usize,
+        /// Tokens needed.
+        needed: usize,
+        /// What they are needed for.
+        reason: String,
+    },
+    /// Reading a file failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Slices handed to an optimizer (parameter, gradient, state) differ in length.
+    #[error(
+        "optimizer slices differ in length: {what} has {actual} elements, the parameter {expected}"
+    )]
+    OptimizerLength {
+        /// Which slice.
+        what: &'static str,
+        /// The parameter's length.
+        expected: usize,
+        /// The slice's length.
+        actual: usize,
+    },
+    /// An optimizer hyperparameter or step number is out of its valid range.
+    #[error("invalid optimizer setting {name} = {value}: {reason}")]
+    InvalidHyperparameter {
+        /// The setting's name (`lr`, `beta1`, `step`, ...).
+        name: &'static str,
+        /// Its value.
+        value: f64,
+        /// The valid range.
+        reason: &'static str,
+    },
+}
