@@ -127,6 +127,86 @@ type BlockId = usize;
 /// Free-pool order, as in PyTorch: stream, then size, then address.
 type FreeKey = (u64, usize, usize);
 
+/// The cached free blocks of one pool in [`FreeKey`] order: a sorted vector while short (the
+/// common case: a binary search and a short move, no node allocations), a B-tree once long.
+#[derive(Default)]
+struct FreeList {
+    vec: Vec<(FreeKey, BlockId)>,
+    tree: Option<BTreeMap<FreeKey, BlockId>>,
+}
+
+impl FreeList {
+    /// Above this many entries the vector becomes a tree...
+    const TO_TREE: usize = 256;
+    /// ...and below this many the tree becomes a vector again.
+    const TO_VEC: usize = 64;
+
+    #[inline]
+    fn insert(&mut self, key: FreeKey, id: BlockId) {
+        match &mut self.tree {
+            Some(t) => {
+                t.insert(key, id);
+            }
+            None => {
+                let i = self.vec.partition_point(|(k, _)| *k < key);
+                self.vec.insert(i, (key, id));
+                if self.vec.len() > Self::TO_TREE {
+                    self.tree = Some(self.vec.drain(..).collect());
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, key: &FreeKey) {
+        match &mut self.tree {
+            Some(t) => {
+                t.remove(key);
+                if t.len() < Self::TO_VEC {
+                    self.vec.extend(t.iter().map(|(k, v)| (*k, *v)));
+                    self.tree = None;
+                }
+            }
+            None => {
+                if let Ok(i) = self.vec.binary_search_by(|(k, _)| k.cmp(key)) {
+                    self.vec.remove(i);
+                }
+            }
+        }
+    }
+
+    /// The first entry at or after `key`.
+    #[inline]
+    fn first_from(&self, key: FreeKey) -> Option<(FreeKey, BlockId)> {
+        match &self.tree {
+            Some(t) => t.range(key..).next().map(|(k, v)| (*k, *v)),
+            None => {
+                let i = self.vec.partition_point(|(k, _)| *k < key);
+                self.vec.get(i).copied()
+            }
+        }
+    }
+
+    /// The entries in `lo..hi`, in order.
+    fn range(&self, lo: FreeKey, hi: FreeKey) -> Vec<(FreeKey, BlockId)> {
+        match &self.tree {
+            Some(t) => t.range(lo..hi).map(|(k, v)| (*k, *v)).collect(),
+            None => {
+                let a = self.vec.partition_point(|(k, _)| *k < lo);
+                let b = self.vec.partition_point(|(k, _)| *k < hi);
+                self.vec[a..b.max(a)].to_vec()
+            }
+        }
+    }
+
+    fn ids(&self) -> Vec<BlockId> {
+        match &self.tree {
+            Some(t) => t.values().copied().collect(),
+            None => self.vec.iter().map(|(_, id)| *id).collect(),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BState {
     Free,
@@ -146,8 +226,9 @@ struct BlockEntry<St> {
     state: BState,
     /// Record-stream events still to complete (pending state).
     event_count: usize,
-    /// Streams other than the allocation stream that used the block.
-    uses: Vec<(u64, St)>,
+    /// Streams other than the allocation stream that used the block (rare: boxed to keep
+    /// entries small).
+    uses: Option<Box<[(u64, St)]>>,
 }
 
 struct Segment {
@@ -170,7 +251,7 @@ struct State<S: MemorySource> {
     segments: Vec<Option<Segment>>,
     free_segment_ids: Vec<usize>,
     /// Cached free blocks of the small and large pools.
-    pools: [BTreeMap<FreeKey, BlockId>; 2],
+    pools: [FreeList; 2],
     /// Record-stream events per used stream, in record order.
     events: HashMap<u64, VecDeque<PendingEvent<S::Event>>>,
     outstanding: usize,
@@ -186,7 +267,7 @@ impl<S: MemorySource> State<S> {
             free_ids: Vec::new(),
             segments: Vec::new(),
             free_segment_ids: Vec::new(),
-            pools: [BTreeMap::new(), BTreeMap::new()],
+            pools: [FreeList::default(), FreeList::default()],
             events: HashMap::new(),
             outstanding: 0,
             stats: MemoryStats {
@@ -198,12 +279,14 @@ impl<S: MemorySource> State<S> {
         }
     }
 
+    #[inline]
     fn blk(&self, id: BlockId) -> &BlockEntry<S::Stream> {
         self.blocks[id]
             .as_ref()
             .expect("block ids in use refer to live entries")
     }
 
+    #[inline]
     fn blk_mut(&mut self, id: BlockId) -> &mut BlockEntry<S::Stream> {
         self.blocks[id]
             .as_mut()
@@ -216,6 +299,7 @@ impl<S: MemorySource> State<S> {
             .expect("segment ids in use refer to live segments")
     }
 
+    #[inline]
     fn add_block(&mut self, e: BlockEntry<S::Stream>) -> BlockId {
         match self.free_ids.pop() {
             Some(id) => {
@@ -229,20 +313,16 @@ impl<S: MemorySource> State<S> {
         }
     }
 
+    #[inline]
     fn remove_block(&mut self, id: BlockId) -> BlockEntry<S::Stream> {
         let e = self.blocks[id].take().expect("removed block is live");
         self.free_ids.push(id);
         e
     }
 
+    #[inline]
     fn key(b: &BlockEntry<S::Stream>) -> FreeKey {
         (b.stream, b.size, b.addr)
-    }
-
-    fn insert_free(&mut self, id: BlockId) {
-        let b = self.blk(id);
-        let (pool, key) = (b.pool.index(), Self::key(b));
-        self.pools[pool].insert(key, id);
     }
 
     fn remove_free(&mut self, id: BlockId) {
@@ -251,6 +331,7 @@ impl<S: MemorySource> State<S> {
         self.pools[pool].remove(&key);
     }
 
+    #[inline]
     fn is_oversize(&self, size: usize) -> bool {
         self.max_split_size.is_some_and(|m| size >= m)
     }
@@ -260,26 +341,9 @@ impl<S: MemorySource> State<S> {
         b.prev.is_none() && b.next.is_none()
     }
 
-    /// Count (`add`) or uncount a free block of a split segment in the inactive-split stats.
-    fn track_inactive(&mut self, id: BlockId, add: bool) {
-        let b = self.blk(id);
-        if b.state != BState::Free || (b.prev.is_none() && b.next.is_none()) {
-            return;
-        }
-        let (pool, size) = (b.pool, b.size as u64);
-        if add {
-            self.stats.inactive_split.increase(pool, 1);
-            self.stats.inactive_split_bytes.increase(pool, size);
-        } else {
-            self.stats.inactive_split.decrease(pool, 1);
-            self.stats.inactive_split_bytes.decrease(pool, size);
-        }
-    }
-
     /// Best fit among the cached blocks of `stream` in `pool`; removes it from the pool.
     fn get_free_block(&mut self, pool: PoolKind, stream: u64, size: usize) -> Option<BlockId> {
-        let (&(s, bsize, addr), &id) =
-            self.pools[pool.index()].range((stream, size, 0)..).next()?;
+        let ((s, bsize, addr), id) = self.pools[pool.index()].first_from((stream, size, 0))?;
         if s != stream {
             return None;
         }
@@ -344,7 +408,7 @@ impl<S: MemorySource> State<S> {
             next: None,
             state: BState::Free,
             event_count: 0,
-            uses: Vec::new(),
+            uses: None,
         });
         self.segments[seg_id] = Some(Segment {
             base: SendPtr(base.as_ptr()),
@@ -362,27 +426,43 @@ impl<S: MemorySource> State<S> {
         Ok(Some(id))
     }
 
+    /// Count or uncount a free block of `size` bytes of a split segment in the inactive-split
+    /// statistics.
+    #[inline]
+    fn inactive_split(&mut self, pool: PoolKind, size: usize, add: bool) {
+        if add {
+            self.stats.inactive_split.increase(pool, 1);
+            self.stats.inactive_split_bytes.increase(pool, size as u64);
+        } else {
+            self.stats.inactive_split.decrease(pool, 1);
+            self.stats.inactive_split_bytes.decrease(pool, size as u64);
+        }
+    }
+
     /// Hand out free block `id` (already out of its pool) for a request of `requested` bytes,
     /// `rounded` after rounding: split off the remainder if worth it, update the statistics.
     fn take_block(&mut self, id: BlockId, rounded: usize, requested: usize) {
-        self.track_inactive(id, false);
         let b = self.blk(id);
-        let pool = b.pool;
-        if self.should_split(pool, b.size, rounded) {
+        let (pool, size, addr, next) = (b.pool, b.size, b.addr, b.next);
+        let (segment, stream) = (b.segment, b.stream);
+        if b.prev.is_some() || next.is_some() {
+            self.inactive_split(pool, size, false);
+        }
+        let size = if self.should_split(pool, size, rounded) {
             let rem = BlockEntry {
-                addr: b.addr + rounded,
-                size: b.size - rounded,
+                addr: addr + rounded,
+                size: size - rounded,
                 requested: 0,
-                segment: b.segment,
-                stream: b.stream,
+                segment,
+                stream,
                 pool,
                 prev: Some(id),
-                next: b.next,
+                next,
                 state: BState::Free,
                 event_count: 0,
-                uses: Vec::new(),
+                uses: None,
             };
-            let next = b.next;
+            let key = Self::key(&rem);
             let rid = self.add_block(rem);
             if let Some(n) = next {
                 self.blk_mut(n).prev = Some(rid);
@@ -390,21 +470,24 @@ impl<S: MemorySource> State<S> {
             let b = self.blk_mut(id);
             b.next = Some(rid);
             b.size = rounded;
-            self.insert_free(rid);
-            self.track_inactive(rid, true);
-        }
+            self.pools[pool.index()].insert(key, rid);
+            self.inactive_split(pool, size - rounded, true);
+            rounded
+        } else {
+            size
+        };
         let b = self.blk_mut(id);
         b.state = BState::Allocated;
         b.requested = requested;
-        let size = b.size as u64;
-        let s = &mut self.stats;
+        let oversize = self.is_oversize(size);
+        let (size, s) = (size as u64, &mut self.stats);
         s.allocation.increase(pool, 1);
         s.allocated_bytes.increase(pool, size);
         s.active.increase(pool, 1);
         s.active_bytes.increase(pool, size);
         s.requested_bytes.increase(pool, requested as u64);
-        if self.is_oversize(size as usize) {
-            self.stats.oversize_allocations.increase(1);
+        if oversize {
+            s.oversize_allocations.increase(1);
         }
     }
 
@@ -412,18 +495,18 @@ impl<S: MemorySource> State<S> {
     fn free(&mut self, source: &S, id: BlockId) {
         let b = self.blk_mut(id);
         let (pool, size) = (b.pool, b.size);
-        let uses = std::mem::take(&mut b.uses);
+        let uses = b.uses.take();
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if self.is_oversize(size) {
             self.stats.oversize_allocations.decrease(1);
         }
-        if uses.is_empty() {
+        let Some(uses) = uses else {
             self.free_block(id);
             return;
-        }
+        };
         let mut count = 0;
-        for (key, stream) in &uses {
+        for (key, stream) in uses.iter() {
             count += 1;
             match source.record_event(stream) {
                 Ok(event) => {
@@ -448,53 +531,57 @@ impl<S: MemorySource> State<S> {
         b.event_count = count;
     }
 
-    /// Return `id` to its pool, merging it with free neighbours.
+    /// Return `id` (allocated or pending) to its pool, merging it with free neighbours.
     fn free_block(&mut self, id: BlockId) {
         let b = self.blk_mut(id);
-        let (pool, size, requested) = (b.pool, b.size as u64, b.requested as u64);
-        b.state = BState::Free;
-        b.requested = 0;
-        b.event_count = 0;
-        b.uses.clear();
-        self.stats.active.decrease(pool, 1);
-        self.stats.active_bytes.decrease(pool, size);
-        self.stats.requested_bytes.decrease(pool, requested);
+        let (pool, requested, segment) = (b.pool, b.requested as u64, b.segment);
+        let (mut addr, mut size, mut prev, mut next) = (b.addr, b.size, b.prev, b.next);
+        b.uses = None;
+        let s = &mut self.stats;
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, size as u64);
+        s.requested_bytes.decrease(pool, requested);
 
-        if let Some(p) = self.blk(id).prev {
-            if self.blk(p).state == BState::Free {
-                self.track_inactive(p, false);
-                self.remove_free(p);
-                let pe = self.remove_block(p);
-                let b = self.blk_mut(id);
-                b.addr = pe.addr;
-                b.size += pe.size;
-                b.prev = pe.prev;
-                let seg = b.segment;
-                match pe.prev {
-                    Some(pp) => self.blk_mut(pp).next = Some(id),
-                    None => {
-                        if let Some(s) = self.segments[seg].as_mut() {
-                            s.head = id;
-                        }
+        // A free neighbour is in its pool and, having a neighbour, counted as inactive split.
+        if let Some(p) = prev.filter(|&p| self.blk(p).state == BState::Free) {
+            let pe = self.remove_block(p);
+            self.pools[pool.index()].remove(&Self::key(&pe));
+            self.inactive_split(pool, pe.size, false);
+            addr = pe.addr;
+            size += pe.size;
+            prev = pe.prev;
+            match prev {
+                Some(pp) => self.blk_mut(pp).next = Some(id),
+                None => {
+                    if let Some(seg) = self.segments[segment].as_mut() {
+                        seg.head = id;
                     }
                 }
             }
         }
-        if let Some(n) = self.blk(id).next {
-            if self.blk(n).state == BState::Free {
-                self.track_inactive(n, false);
-                self.remove_free(n);
-                let ne = self.remove_block(n);
-                let b = self.blk_mut(id);
-                b.size += ne.size;
-                b.next = ne.next;
-                if let Some(nn) = ne.next {
-                    self.blk_mut(nn).prev = Some(id);
-                }
+        if let Some(n) = next.filter(|&n| self.blk(n).state == BState::Free) {
+            let ne = self.remove_block(n);
+            self.pools[pool.index()].remove(&Self::key(&ne));
+            self.inactive_split(pool, ne.size, false);
+            size += ne.size;
+            next = ne.next;
+            if let Some(nn) = next {
+                self.blk_mut(nn).prev = Some(id);
             }
         }
-        self.insert_free(id);
-        self.track_inactive(id, true);
+        let b = self.blk_mut(id);
+        b.state = BState::Free;
+        b.requested = 0;
+        b.event_count = 0;
+        b.addr = addr;
+        b.size = size;
+        b.prev = prev;
+        b.next = next;
+        let key = Self::key(b);
+        self.pools[pool.index()].insert(key, id);
+        if prev.is_some() || next.is_some() {
+            self.inactive_split(pool, size, true);
+        }
     }
 
     /// Return the blocks whose record-stream events have all completed to their pools.
@@ -571,7 +658,7 @@ impl<S: MemorySource> State<S> {
         let ids: Vec<BlockId> = self
             .pools
             .iter()
-            .flat_map(|p| p.values().copied())
+            .flat_map(|p| p.ids())
             .filter(|&id| self.is_unsplit(id))
             .collect();
         for id in ids {
@@ -592,21 +679,22 @@ impl<S: MemorySource> State<S> {
             return false;
         };
         let key_size = size.max(m);
-        let map = &self.pools[pool.index()];
-        let single = map
-            .range((stream, key_size, 0)..)
-            .take_while(|(k, _)| k.0 == stream)
-            .map(|(_, &id)| id)
+        let list = &self.pools[pool.index()];
+        let single = list
+            .range((stream, key_size, 0), (stream, usize::MAX, usize::MAX))
+            .into_iter()
+            .map(|(_, id)| id)
             .find(|&id| self.is_unsplit(id));
         if let Some(id) = single {
             self.release_block(source, id);
             return true;
         }
-        let largest_first: Vec<(usize, BlockId)> = map
-            .range((stream, m, 0)..(stream, key_size, 0))
+        let largest_first: Vec<(usize, BlockId)> = list
+            .range((stream, m, 0), (stream, key_size, 0))
+            .into_iter()
             .rev()
-            .filter(|(_, &id)| self.is_unsplit(id))
-            .map(|(k, &id)| (k.1, id))
+            .filter(|&(_, id)| self.is_unsplit(id))
+            .map(|(k, id)| (k.1, id))
             .collect();
         let mut released = 0;
         for (bsize, id) in largest_first {
@@ -838,7 +926,9 @@ impl<S: MemorySource> CachingAllocator<S> {
             return Err(st.oom_error(&sh.source, size));
         };
         let pool = PoolKind::for_size(rounded);
-        st.process_events(&sh.source)?;
+        if st.outstanding > 0 {
+            st.process_events(&sh.source)?;
+        }
         let id = match st.get_free_block(pool, key, rounded) {
             Some(id) => id,
             None => match st.alloc_segment(&sh.source, seg_size, pool, key, false)? {
@@ -1018,8 +1108,10 @@ impl<S: MemorySource> Block<S> {
         self.shared.source.validate_stream(stream)?;
         let mut st = self.shared.lock();
         let uses = &mut st.blk_mut(self.id).uses;
-        if !uses.iter().any(|(k, _)| *k == key) {
-            uses.push((key, stream.clone()));
+        if !uses.iter().flat_map(|u| u.iter()).any(|(k, _)| *k == key) {
+            let mut v = uses.take().map(Vec::from).unwrap_or_default();
+            v.push((key, stream.clone()));
+            *uses = Some(v.into_boxed_slice());
         }
         Ok(())
     }
@@ -1083,5 +1175,57 @@ unsafe impl<S: MemorySource> Storage for SharedBlock<S> {
     }
     fn as_ptr(&self) -> *mut u8 {
         self.0.ptr.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_list_matches_a_btree_through_vector_and_tree_forms() {
+        let mut list = FreeList::default();
+        let mut model: BTreeMap<FreeKey, BlockId> = BTreeMap::new();
+        let mut x = 12345u64;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            x >> 33
+        };
+        let check = |list: &FreeList, model: &BTreeMap<FreeKey, BlockId>, probe: FreeKey| {
+            assert_eq!(
+                list.first_from(probe),
+                model.range(probe..).next().map(|(k, v)| (*k, *v))
+            );
+            let hi = (probe.0, probe.1 + 4096, 0);
+            let want: Vec<_> = model.range(probe..hi).map(|(k, v)| (*k, *v)).collect();
+            assert_eq!(list.range(probe, hi), want);
+            assert_eq!(list.ids(), model.values().copied().collect::<Vec<_>>());
+        };
+        // Grow past TO_TREE, shrink below TO_VEC, twice.
+        for round in 0..2 {
+            for i in 0..600 {
+                let key = (next() % 3, (next() % 64) as usize * 512, i * 512 + round);
+                list.insert(key, i);
+                model.insert(key, i);
+                if i % 50 == 0 {
+                    check(&list, &model, (next() % 3, (next() % 64) as usize * 512, 0));
+                }
+            }
+            assert!(list.tree.is_some());
+            let keys: Vec<FreeKey> = model.keys().copied().collect();
+            for (j, k) in keys.iter().enumerate() {
+                if j % 20 != 0 {
+                    list.remove(k);
+                    model.remove(k);
+                }
+                if j % 40 == 0 {
+                    check(&list, &model, (next() % 3, (next() % 64) as usize * 512, 0));
+                }
+            }
+            assert!(list.tree.is_none());
+            check(&list, &model, (0, 0, 0));
+        }
     }
 }

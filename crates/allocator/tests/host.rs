@@ -437,3 +437,34 @@ fn dropping_the_allocator_waits_for_pending_blocks() {
     drop(alloc); // waits for stream 1's work before freeing the segment
     assert!(h.stream(1).query());
 }
+
+#[test]
+fn hundreds_of_free_blocks_in_one_pool() {
+    // Beyond a few hundred cached blocks the pool's free list changes representation.
+    let h = HostHarness::new(BIG);
+    let alloc = h.allocator(AllocatorConfig::default());
+    let s = h.stream(0);
+    let mut blocks: Vec<Option<HostBlock>> = (0..1200)
+        .map(|_| Some(alloc.allocate(512, s).unwrap()))
+        .collect();
+    for b in blocks.iter_mut().skip(1).step_by(2) {
+        b.take(); // 600 separate 512-byte holes
+    }
+    let st = alloc.memory_stats();
+    assert_eq!(st.inactive_split.small_pool.current, 600); // the last hole joined the rest
+    let live: Vec<&HostBlock> = blocks.iter().flatten().collect();
+    check_invariants(&alloc, &live);
+    // Best fit: the holes, lowest address first, before the segment's large rest.
+    let first_hole = blocks[1]
+        .is_none()
+        .then(|| blocks[0].as_ref().unwrap().addr() + 512);
+    let refill: Vec<HostBlock> = (0..500).map(|_| alloc.allocate(512, s).unwrap()).collect();
+    assert_eq!(Some(refill[0].addr()), first_hole);
+    let mut live: Vec<&HostBlock> = blocks.iter().flatten().collect();
+    live.extend(refill.iter());
+    check_invariants(&alloc, &live);
+    drop(refill);
+    blocks.clear();
+    check_invariants::<HostSource>(&alloc, &[]);
+    assert_eq!(alloc.snapshot().segments[0].blocks.len(), 1);
+}
