@@ -164,6 +164,20 @@ macro_rules! native_element {
 native_element!(f32, DType::F32);
 native_element!(f64, DType::F64);
 
+/// Round an `f64` to `f32` towards zero, setting the last bit when inexact ("round to odd").
+/// A second rounding to any format with at least two fewer significand bits is then correct.
+fn f64_to_f32_round_to_odd(v: f64) -> f32 {
+    let nearest = v as f32;
+    if !nearest.is_finite() || nearest as f64 == v {
+        return nearest;
+    }
+    let mut bits = nearest.to_bits();
+    if (nearest as f64).abs() > v.abs() {
+        bits -= 1; // sign-magnitude: one step towards zero
+    }
+    f32::from_bits(bits | 1)
+}
+
 macro_rules! half_element {
     ($t:ty, $dtype:expr) => {
         impl Element for $t {
@@ -174,7 +188,9 @@ macro_rules! half_element {
             }
             #[inline]
             fn from_f64(v: f64) -> Self {
-                <$t>::from_f64(v)
+                // f64 -> f32 rounded to odd, then to nearest even: one correct rounding (the
+                // direct conversion of `half` rounds twice).
+                <$t>::from_f32(f64_to_f32_round_to_odd(v))
             }
             #[inline]
             fn to_f32(self) -> f32 {
@@ -268,6 +284,24 @@ mod tests {
         assert_eq!(a.add(b), bf16::from_f32(1.0)); // ties to even
         let c = bf16::from_f32(3.0 / 256.0);
         assert_eq!(a.add(c).to_f32(), 1.0 + 1.0 / 64.0);
+    }
+
+    #[test]
+    fn from_f64_rounds_once() {
+        let v = 1.0 + 2f64.powi(-8) + 2f64.powi(-40); // just above the bf16 tie at 1 + 2^-8
+        assert_eq!(<bf16 as Element>::from_f64(v).to_f64(), 1.0078125);
+        let w = 1.0 + 2f64.powi(-11) + 2f64.powi(-40); // just above the f16 tie
+        assert_eq!(<f16 as Element>::from_f64(w).to_f64(), 1.0 + 2f64.powi(-10));
+        assert_eq!(
+            <f16 as Element>::from_f64(-w).to_f64(),
+            -(1.0 + 2f64.powi(-10))
+        );
+        assert_eq!(
+            <bf16 as Element>::from_f64(1.0 + 2f64.powi(-8)).to_f64(),
+            1.0
+        ); // exact tie: even
+        assert!(<bf16 as Element>::from_f64(f64::NAN).is_nan());
+        assert_eq!(<f16 as Element>::from_f64(1e10).to_f64(), f64::INFINITY);
     }
 
     #[test]
