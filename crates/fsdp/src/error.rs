@@ -115,4 +115,10 @@ pub enum FsdpError {
         /// The valid range.
         reason: &'static str,
     },
+    /// A unit plan (from a wrap policy) is inconsistent.
+    #[error("invalid FSDP unit plan: {reason}")]
+    InvalidPlan {
+        /// What is wrong with it.
+        reason: String,
+    },
 }

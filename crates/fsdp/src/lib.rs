@@ -46,5 +46,6 @@ pub mod data;
 mod error;
 pub mod model;
 pub mod optim;
+pub mod units;
 
 pub use error::FsdpError;
