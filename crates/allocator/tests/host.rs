@@ -109,15 +109,34 @@ impl Harness for HostHarness {
     }
 }
 
+/// Operations per random run (a few under Miri, which interprets every step).
+fn ops_len(n: usize) -> usize {
+    if cfg!(miri) {
+        30
+    } else {
+        n
+    }
+}
+
 const BIG: usize = 1 << 36; // virtual capacity: pages are only touched where tests write
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 200, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 1 } else { 24 },
+        max_shrink_iters: 200,
+        // Under Miri's isolation the regression file cannot be located.
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    })]
 
     /// Thousands of random allocate / free / record_stream / stall / release / empty_cache
     /// operations on three streams, with every invariant checked after each.
     #[test]
-    fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 300)) {
+    fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), ops_len(300))) {
         let h = HostHarness::new(BIG);
         let alloc = h.allocator(AllocatorConfig::default().with_sync_timeout(Duration::from_secs(30)));
         let summary = run_ops(&h, &alloc, &ops, Duration::from_secs(20));
@@ -127,7 +146,7 @@ proptest! {
     /// The same under a tight memory limit (and `max_split_size`): retries, releases of
     /// oversize blocks and out-of-memory errors happen while events are pending.
     #[test]
-    fn random_ops_under_a_memory_limit(ops in prop::collection::vec(op_strategy(), 250)) {
+    fn random_ops_under_a_memory_limit(ops in prop::collection::vec(op_strategy(), ops_len(250))) {
         let h = HostHarness::new(BIG);
         let alloc = h.allocator(
             AllocatorConfig::default()
@@ -140,6 +159,7 @@ proptest! {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "too long for Miri")]
 fn random_ops_report() {
     // A fixed long run, to print what the random workload exercises.
     let mut runner = proptest::test_runner::TestRunner::deterministic();
@@ -171,6 +191,10 @@ fn random_ops_report() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "a timing scenario: interpreted, the CPU no longer runs ahead of the streams"
+)]
 fn paper_scenario_rate_limiter_removes_retries() {
     paper_scenario_both(&HostHarness::new(BIG), "host");
 }
@@ -374,6 +398,7 @@ fn stream_work_may_free_blocks_while_the_allocator_waits() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "too long for Miri")]
 fn many_threads_share_one_allocator() {
     let h = HostHarness::new(BIG);
     let alloc = h.allocator(AllocatorConfig::default());
