@@ -349,8 +349,8 @@ impl<S: MemorySource> State<S> {
         }
         if let Some(m) = self.max_split_size {
             // An oversize block does not serve a small request, nor a large one it exceeds by
-            // a whole large segment or more.
-            if (bsize >= m && size < m) || (size >= m && bsize >= size + LARGE_BUFFER) {
+            // a whole large segment or more (bsize >= size: it was found at or after it).
+            if (bsize >= m && size < m) || (size >= m && bsize - size >= LARGE_BUFFER) {
                 return None;
             }
         }

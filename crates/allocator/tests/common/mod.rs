@@ -533,6 +533,12 @@ pub fn max_split_scenario<H: Harness>(h: &H) {
     assert_ne!(e.addr(), c_addr);
     assert_eq!(e.size(), 34 * MIB);
     check_invariants(&alloc, &[&small, &b, &e]);
+    for size in [usize::MAX, usize::MAX - 4 * MIB, 1 << 62] {
+        assert!(matches!(
+            alloc.allocate(size, s),
+            Err(AllocError::OutOfMemory { .. })
+        ));
+    }
     drop((small, b, e));
 
     // Without max_split_size, the same cached 40 MiB block is split for a small request.
