@@ -121,4 +121,22 @@ pub enum FsdpError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A collective of the FSDP runtime failed.
+    #[error(transparent)]
+    Collective(#[from] fsdp_collectives::CollectiveError),
+    /// A flat-parameter layout or view operation failed.
+    #[error(transparent)]
+    FlatParam(#[from] fsdp_flatparam::FlatParamError),
+    /// The caching allocator could not serve an unsharded buffer.
+    #[error(transparent)]
+    Alloc(#[from] fsdp_allocator::AllocError),
+    /// A device buffer or stream operation failed.
+    #[error(transparent)]
+    Device(#[from] fsdp_device::DeviceError),
+    /// An FSDP runtime configuration is not usable (strategy, mesh, limits).
+    #[error("invalid FSDP configuration: {reason}")]
+    InvalidFsdpConfig {
+        /// What is wrong with it.
+        reason: String,
+    },
 }

@@ -46,6 +46,7 @@ pub mod data;
 mod error;
 pub mod model;
 pub mod optim;
+pub mod runtime;
 pub mod units;
 
 pub use error::FsdpError;

@@ -1,0 +1,183 @@
+//! The FSDP runtime: sharded data-parallel training of the reference GPT over a communicator.
+//!
+//! [`FsdpGpt`] is one rank of a training job. It is built from a communicator (the ring backend
+//! in tests: ranks as threads), the model configuration, a [`UnitPlan`](crate::units::UnitPlan)
+//! from a wrap policy, the full initial parameters (the same on every rank) and an
+//! [`FsdpConfig`]. Each unit becomes one flat parameter ([`fsdp_flatparam::FlatParamLayout`])
+//! over the sharding factor `F` of the strategy (see [`ShardingStrategy`]); the rank keeps its
+//! `f32` shard, a gradient shard and the AdamW state of its shard.
+//!
+//! [`FsdpGpt::step`] runs one training step: forward through the stages (embedding, blocks,
+//! head), all-gathering each unit's parameters on the communication stream before the stage that
+//! reads them and freeing ("resharding") them per strategy; backward in reverse, re-gathering
+//! with the configured [`BackwardPrefetch`], accumulating gradients straight into a flat
+//! unsharded gradient buffer of the unit's layout, reduce-scattering it (hybrid: then an
+//! all-reduce of the shard across replicas; `NO_SHARD`: an all-reduce); then AdamW on the
+//! shards. Every issued collective and every free is recorded as a [`ScheduleEvent`].
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use fsdp::model::{init_params, named_params, GptConfig};
+//! use fsdp::optim::AdamWConfig;
+//! use fsdp::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
+//! use fsdp::units::gpt_block_plan;
+//! use fsdp::data::{get_batch, synthetic_corpus};
+//! use fsdp_collectives::{ring, Communicator};
+//!
+//! let cfg = GptConfig::new(2, 2, 32, 16, 96).unwrap();
+//! let params = named_params(&cfg, init_params(&cfg, 0)).unwrap();
+//! let tokens = synthetic_corpus(5_000, 96, 1);
+//! let opt = AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+//! let losses = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+//!     let rank = comm.rank();
+//!     let config = FsdpConfig::new(ShardingStrategy::FullShard);
+//!     let mut fsdp = FsdpGpt::new(Box::new(comm), cfg, &gpt_block_plan(&cfg), &params, config, opt)
+//!         .unwrap();
+//!     let batch = get_batch(&tokens, 0, 4, 16, rank, 2).unwrap();
+//!     fsdp.step(&batch, 4 * 16).unwrap()
+//! })
+//! .unwrap();
+//! assert_eq!(losses[0], losses[1]); // the global loss, on every rank
+//! ```
+
+mod gpt;
+
+pub use gpt::FsdpGpt;
+
+/// How parameters, gradients and optimizer state are sharded (PyTorch's `ShardingStrategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ShardingStrategy {
+    /// ZeRO-3: shard over all ranks; parameters are freed after forward and after backward
+    /// (except the root unit after forward).
+    FullShard,
+    /// ZeRO-2: shard over all ranks; parameters stay unsharded from forward until after backward.
+    ShardGradOp,
+    /// DDP: no sharding (`F = 1`), gradients are all-reduced.
+    NoShard,
+    /// `FullShard` inside a node (`ranks_per_node` ranks), replicated across nodes:
+    /// reduce-scatter in the node, then all-reduce of the shard across nodes.
+    HybridShard,
+    /// `ShardGradOp` inside a node, replicated across nodes.
+    HybridShardZero2,
+}
+
+impl ShardingStrategy {
+    /// Every strategy, in declaration order.
+    pub const ALL: [ShardingStrategy; 5] = [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ];
+
+    /// Whether non-root units free their unsharded parameters after forward.
+    pub fn reshard_after_forward(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        )
+    }
+
+    /// Whether the strategy uses a `replicate × shard` mesh.
+    pub fn is_hybrid(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
+        )
+    }
+}
+
+/// When backward issues the next unit's all-gather (PyTorch's `BackwardPrefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BackwardPrefetch {
+    /// Before computing the current unit's gradients (`BACKWARD_PRE`, the default).
+    #[default]
+    Pre,
+    /// After the current unit's parameters are freed, before its reduce-scatter
+    /// (`BACKWARD_POST`).
+    Post,
+    /// No prefetch: the all-gather is issued when the unit is needed.
+    None,
+}
+
+/// Options of the runtime (PyTorch's `FullyShardedDataParallel` arguments).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FsdpConfig {
+    /// The sharding strategy.
+    pub strategy: ShardingStrategy,
+    /// Backward prefetch; default [`BackwardPrefetch::Pre`].
+    pub backward_prefetch: BackwardPrefetch,
+    /// Explicit forward prefetch (the next unit of the order recorded in the first step is
+    /// all-gathered before the current unit computes); default off.
+    pub forward_prefetch: bool,
+    /// At most this many all-gathered unsharded buffers of units that will be freed in the
+    /// current pass may be alive at once: a prefetch that would exceed it is not issued (the
+    /// unit is gathered when needed). `None` disables the limiter. Default `Some(2)`.
+    pub limit_all_gathers: Option<usize>,
+    /// Ranks per node for the hybrid strategies (the shard group size); `None` means one node
+    /// of all ranks. Ignored by the other strategies.
+    pub ranks_per_node: Option<usize>,
+    /// Capacity in bytes of the rank's host memory source behind its caching allocator.
+    /// Default 4 GiB (reserved lazily, segment by segment).
+    pub memory_capacity: usize,
+}
+
+impl FsdpConfig {
+    /// The defaults with `strategy`.
+    pub fn new(strategy: ShardingStrategy) -> Self {
+        FsdpConfig {
+            strategy,
+            backward_prefetch: BackwardPrefetch::Pre,
+            forward_prefetch: false,
+            limit_all_gathers: Some(2),
+            ranks_per_node: None,
+            memory_capacity: 4 << 30,
+        }
+    }
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig::new(ShardingStrategy::FullShard)
+    }
+}
+
+/// The kind of a recorded schedule event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScheduleKind {
+    /// An all-gather of the unit's parameters was issued.
+    AllGather,
+    /// The unit's unsharded parameters were freed (resharded).
+    Free,
+    /// A reduce-scatter of the unit's gradient was issued.
+    ReduceScatter,
+    /// An all-reduce of the unit's gradient (shard) was issued.
+    AllReduce,
+}
+
+/// Forward or backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The forward pass.
+    Forward,
+    /// The backward pass.
+    Backward,
+}
+
+/// One issued collective or free, in issue order (see [`FsdpGpt::schedule`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScheduleEvent {
+    /// The training step (counted from 1).
+    pub step: u64,
+    /// The pass it was issued in.
+    pub phase: Phase,
+    /// The unit's index in the plan.
+    pub unit: usize,
+    /// What was issued.
+    pub kind: ScheduleKind,
+    /// Whether an all-gather was a prefetch (issued ahead of the stage that needs it).
+    pub prefetch: bool,
+    /// All-gathered buffers counted by the limiter that are alive after this event.
+    pub in_flight: usize,
+}
