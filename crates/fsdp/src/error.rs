@@ -139,4 +139,41 @@ pub enum FsdpError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A module tree handed to the wrap planner is malformed (child names, duplicates, ties).
+    #[error("invalid module tree: {reason}")]
+    InvalidModuleTree {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An ignored module path names no module of the model.
+    #[error("ignored module `{path}` is not a module of the model")]
+    UnknownModule {
+        /// The path given.
+        path: String,
+    },
+    /// A parameter is declared tied to a parameter the model does not have.
+    #[error("parameter `{param}` is tied to `{tied_to}`, which is not a parameter of the model")]
+    UnknownTiedParameter {
+        /// The tied alias.
+        param: String,
+        /// The name it is tied to.
+        tied_to: String,
+    },
+    /// A wrap policy (or the ignored modules) would put two names of one storage in different
+    /// FSDP units, or one in an ignored module and the other not.
+    #[error(
+        "tied parameters `{param}` (in {param_unit}) and `{tied_to}` (in {tied_to_unit}) would \
+         land in different FSDP units; tied parameters must share one flat parameter: wrap a \
+         common ancestor instead, or ignore both"
+    )]
+    TiedParametersSplit {
+        /// The tied alias, e.g. `lm_head.weight`.
+        param: String,
+        /// Where it would land (`the root unit`, `unit `...``, `ignored module `...``).
+        param_unit: String,
+        /// The parameter it is tied to, e.g. `transformer.wte.weight`.
+        tied_to: String,
+        /// Where that one would land.
+        tied_to_unit: String,
+    },
 }

@@ -48,5 +48,6 @@ pub mod model;
 pub mod optim;
 pub mod runtime;
 pub mod units;
+pub mod wrap;
 
 pub use error::FsdpError;
