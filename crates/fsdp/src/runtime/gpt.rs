@@ -155,8 +155,9 @@ pub struct FsdpGpt {
     /// First and last forward stage that reads each unit.
     first_stage: Vec<usize>,
     last_stage: Vec<usize>,
-    /// Unit order of the first forward pass (for forward prefetch).
-    forward_order: Option<Vec<usize>>,
+    /// The units of each stage in the order the first forward pass ran them (for forward
+    /// prefetch).
+    forward_order: Option<Vec<Vec<usize>>>,
     in_flight: usize,
     phase: Phase,
     step: u64,
@@ -616,17 +617,16 @@ impl FsdpGpt {
         Ok(Views { parts })
     }
 
-    /// The next unit to prefetch in forward after stage `s` (from the recorded order).
-    fn next_forward_unit(&self, s: usize) -> Option<usize> {
-        let order = self.forward_order.as_ref()?;
-        let pos = self.stage_units[s]
-            .iter()
-            .filter_map(|u| order.iter().position(|o| o == u))
-            .max()?;
-        order[pos + 1..]
-            .iter()
+    /// The units to prefetch in forward while the `s`-th stage computes: those of the next
+    /// stage of the order recorded in the first step that are not unsharded.
+    fn next_forward_units(&self, s: usize) -> Vec<usize> {
+        let Some(next) = self.forward_order.as_ref().and_then(|o| o.get(s + 1)) else {
+            return Vec::new();
+        };
+        next.iter()
             .copied()
-            .find(|&u| self.units[u].full.is_none() && self.units[u].factor > 1)
+            .filter(|&u| self.units[u].full.is_none() && self.units[u].factor > 1)
+            .collect()
     }
 
     /// Drop every unsharded buffer and pending work (after a failed step).
@@ -680,15 +680,14 @@ impl FsdpGpt {
         let mut head: Option<(f32, HeadCache)> = None;
         for s in 0..n_stages {
             for i in 0..self.stage_units[s].len() {
-                let u = self.stage_units[s][i];
-                self.gather(u, false)?;
-                if recording && !order.contains(&u) {
-                    order.push(u);
-                }
+                self.gather(self.stage_units[s][i], false)?;
+            }
+            if recording {
+                order.push(self.stage_units[s].clone());
             }
             if self.config.forward_prefetch {
-                if let Some(next) = self.next_forward_unit(s) {
-                    self.prefetch(next)?;
+                for u in self.next_forward_units(s) {
+                    self.prefetch(u)?;
                 }
             }
             self.wait_gathers(s)?;
