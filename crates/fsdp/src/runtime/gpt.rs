@@ -279,6 +279,14 @@ impl FsdpGpt {
         if !plan.ignored.is_empty() {
             unit_specs.push((plan.ignored.iter().collect(), 1, true));
         }
+        // Shards, gradient shards and unsharded buffers all come from the rank's caching
+        // allocator, so that its statistics show the strategy's memory (the AdamW state and
+        // the activations are plain vectors).
+        let compute = Stream::inline("compute");
+        let alloc = HostAllocator::new(
+            HostSource::new(config.memory_capacity),
+            AllocatorConfig::default(),
+        )?;
         let mut units = Vec::with_capacity(unit_specs.len());
         for (i, (ps, f, replicated_all)) in unit_specs.into_iter().enumerate() {
             if ps.is_empty() {
@@ -309,8 +317,11 @@ impl FsdpGpt {
             }
             let flat = layout.flatten(&values)?;
             let rank = if f == 1 { 0 } else { shard_rank };
-            let shard = Buffer::from_slice(layout.shard(&flat, rank)?)?;
-            let grad_shard = Buffer::zeros(DType::F32, layout.shard_numel())?;
+            let shard = alloc.allocate_buffer(DType::F32, layout.shard_numel(), &compute)?;
+            shard.copy_from_slice(layout.shard(&flat, rank)?)?;
+            drop(flat);
+            let grad_shard = alloc.allocate_buffer(DType::F32, layout.shard_numel(), &compute)?;
+            grad_shard.write::<f32>()?.fill(0.0);
             let index = layout
                 .params()
                 .iter()
@@ -378,16 +389,12 @@ impl FsdpGpt {
                 last_stage[u] = s;
             }
         }
-        let alloc = HostAllocator::new(
-            HostSource::new(config.memory_capacity),
-            AllocatorConfig::default(),
-        )?;
         Ok(FsdpGpt {
             cfg,
             config,
             optim,
             groups,
-            compute: Stream::inline("compute"),
+            compute,
             alloc,
             units,
             stages,
