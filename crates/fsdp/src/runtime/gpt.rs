@@ -69,8 +69,13 @@ struct Unit {
     replicated_all: bool,
     /// The rank's `f32` shard (padding included).
     shard: Buffer,
-    /// The rank's reduced gradient shard (for `factor == 1`: the accumulation buffer itself).
+    /// The rank's reduced gradient shard, accumulated over micro-batches until the optimizer
+    /// step.
     grad_shard: Buffer,
+    /// Whether `grad_shard` holds zeros (then a reduction writes it directly).
+    grad_shard_zero: bool,
+    /// The pending reduction of this unsharded unit replaces `grad_shard` (which held zeros).
+    replace_shard: bool,
     adam: AdamWState,
     /// The unsharded parameters while gathered (for `factor == 1`: always the shard).
     full: Option<Buffer>,
@@ -78,17 +83,13 @@ struct Unit {
     gather: Option<Work>,
     /// Whether the limiter counts `full`.
     counted: bool,
-    /// The unsharded gradient during backward (`factor > 1`).
+    /// The unsharded gradient during backward (kept across micro-batches under `no_sync`).
     full_grad: Option<Buffer>,
 }
 
 impl Unit {
     fn grad_target(&self) -> Option<&Buffer> {
-        if self.factor == 1 {
-            Some(&self.grad_shard)
-        } else {
-            self.full_grad.as_ref()
-        }
+        self.full_grad.as_ref()
     }
 }
 
@@ -163,6 +164,12 @@ pub struct FsdpGpt {
     step: u64,
     schedule: Vec<ScheduleEvent>,
     pending: Vec<Work>,
+    /// Reduced gradients to add into the units' gradient shards once `pending` completed.
+    pending_grads: Vec<(usize, Buffer)>,
+    /// Inside a [`no_sync`](FsdpGpt::no_sync) scope.
+    no_sync: bool,
+    /// Optimizer steps taken.
+    optimizer_steps: u64,
 }
 
 impl std::fmt::Debug for FsdpGpt {
@@ -336,6 +343,8 @@ impl FsdpGpt {
                 replicated_all,
                 shard,
                 grad_shard,
+                grad_shard_zero: true,
+                replace_shard: false,
                 gather: None,
                 counted: false,
                 full_grad: None,
@@ -407,6 +416,9 @@ impl FsdpGpt {
             step: 0,
             schedule: Vec::new(),
             pending: Vec::new(),
+            pending_grads: Vec::new(),
+            no_sync: false,
+            optimizer_steps: 0,
         })
     }
 
@@ -554,7 +566,11 @@ impl FsdpGpt {
     fn ensure_grads(&mut self, s: usize) -> Result<(), FsdpError> {
         for &u in &self.stage_units[s] {
             let unit = &mut self.units[u];
-            if unit.factor > 1 && unit.full_grad.is_none() {
+            if unit.full_grad.is_none() && unit.factor == 1 && unit.grad_shard_zero {
+                // An unsharded unit whose gradient shard is still zero accumulates in it
+                // directly (reduced in place).
+                unit.full_grad = Some(unit.grad_shard.clone());
+            } else if unit.full_grad.is_none() {
                 let g = self.alloc.allocate_buffer(
                     DType::F32,
                     unit.layout.padded_numel(),
@@ -567,22 +583,38 @@ impl FsdpGpt {
         Ok(())
     }
 
-    /// Issue the gradient reduction of unit `u`.
+    /// Issue the gradient reduction of unit `u` (nothing under `no_sync`: the unsharded
+    /// gradient is kept and accumulates).
     fn reduce(&mut self, u: usize) -> Result<(), FsdpError> {
+        if self.no_sync {
+            return Ok(());
+        }
         let unit = &mut self.units[u];
-        if unit.factor > 1 {
-            let g = unit
-                .full_grad
-                .take()
-                .ok_or_else(|| internal("reduce of a unit without gradients"))?;
+        let g = unit
+            .full_grad
+            .take()
+            .ok_or_else(|| internal("reduce of a unit without gradients"))?;
+        // Where the reduced shard lands: straight in the gradient shard when it holds zeros,
+        // otherwise in a new buffer added into it once the reduction completed.
+        let direct = unit.grad_shard_zero;
+        let target = if unit.factor > 1 {
             let group = self
                 .groups
                 .shard()
                 .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-            let w = group.reduce_scatter_base(&g, &unit.grad_shard, ReduceOp::Sum)?;
+            let out = if direct {
+                unit.grad_shard.clone()
+            } else {
+                self.alloc
+                    .allocate_buffer(DType::F32, unit.layout.shard_numel(), group.stream())?
+            };
+            let w = group.reduce_scatter_base(&g, &out, ReduceOp::Sum)?;
             self.pending.push(w);
             self.record(u, ScheduleKind::ReduceScatter, false);
-        }
+            out
+        } else {
+            g
+        };
         let unit = &self.units[u];
         let group = if unit.replicated_all {
             self.groups.world_multi()
@@ -590,9 +622,36 @@ impl FsdpGpt {
             self.groups.replicate()
         };
         if let Some(group) = group {
-            let w = group.all_reduce(&unit.grad_shard, ReduceOp::Sum)?;
+            let w = group.all_reduce(&target, ReduceOp::Sum)?;
             self.pending.push(w);
             self.record(u, ScheduleKind::AllReduce, false);
+        }
+        if !(direct && self.units[u].factor > 1) {
+            self.pending_grads.push((u, target));
+        }
+        let unit = &mut self.units[u];
+        unit.grad_shard_zero = false;
+        unit.replace_shard = direct && unit.factor == 1;
+        Ok(())
+    }
+
+    /// Wait for the issued reductions and accumulate their results into the gradient shards.
+    fn finish_reductions(&mut self) -> Result<(), FsdpError> {
+        for w in std::mem::take(&mut self.pending) {
+            w.wait()?;
+        }
+        for (u, g) in std::mem::take(&mut self.pending_grads) {
+            let unit = &mut self.units[u];
+            if std::mem::take(&mut unit.replace_shard) {
+                // The first reduction of an unsharded unit: its buffer becomes the shard.
+                unit.grad_shard = g;
+                continue;
+            }
+            let add = g.read::<f32>()?;
+            let mut acc = unit.grad_shard.write::<f32>()?;
+            for (a, b) in acc.iter_mut().zip(add.iter()) {
+                *a += *b;
+            }
         }
         Ok(())
     }
@@ -645,21 +704,44 @@ impl FsdpGpt {
             unit.gather = None;
             unit.counted = false;
             unit.full_grad = None;
+            unit.replace_shard = false;
         }
         self.in_flight = 0;
         self.pending.clear();
+        self.pending_grads.clear();
     }
 
     /// One training step on this rank's part `batch` of a global batch of `global_tokens`
-    /// tokens: forward, backward, gradient reduction and AdamW on the shards. Returns the loss
-    /// of the global batch (the mean cross-entropy over all its tokens), the same on every
-    /// rank. Every rank must call it.
+    /// tokens: [`forward_backward`](Self::forward_backward) then
+    /// [`optimizer_step`](Self::optimizer_step). Returns the loss of the global batch (the mean
+    /// cross-entropy over all its tokens), the same on every rank. Every rank must call it.
+    ///
+    /// # Errors
+    /// As [`forward_backward`](Self::forward_backward) and
+    /// [`optimizer_step`](Self::optimizer_step).
+    pub fn step(&mut self, batch: &Batch, global_tokens: usize) -> Result<f32, FsdpError> {
+        let loss = self.forward_backward(batch, global_tokens)?;
+        self.optimizer_step()?;
+        Ok(loss)
+    }
+
+    /// Forward and backward of this rank's part `batch` of a (micro-)batch; `global_tokens` is
+    /// the loss normaliser: the token count of everything the next optimizer step averages
+    /// over (all ranks, all micro-batches). Outside [`no_sync`](Self::no_sync) the gradients
+    /// are reduced and **added** into the gradient shards (communication every micro-batch);
+    /// inside, the unsharded gradients are kept and accumulate until a call outside the scope
+    /// reduces them. Returns this micro-batch's share of the global loss, summed over ranks
+    /// (the same on every rank). Every rank must call it.
     ///
     /// # Errors
     /// An invalid batch, a failing collective or allocation. After an error the unsharded
-    /// buffers are dropped; the shards keep the values of the last completed step unless the
-    /// error came from the optimizer.
-    pub fn step(&mut self, batch: &Batch, global_tokens: usize) -> Result<f32, FsdpError> {
+    /// buffers are dropped and the gradient shards may hold a partial accumulation: call
+    /// [`zero_grad`](Self::zero_grad) before training on.
+    pub fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        global_tokens: usize,
+    ) -> Result<f32, FsdpError> {
         self.step += 1;
         let r = self.step_inner(batch, global_tokens);
         if r.is_err() {
@@ -668,16 +750,119 @@ impl FsdpGpt {
         r
     }
 
+    /// Run `f` with gradient synchronisation off (PyTorch's `no_sync()`): backward passes
+    /// inside keep the unsharded gradients and accumulate into them; the first
+    /// [`forward_backward`](Self::forward_backward) after the scope reduces the accumulated
+    /// gradients. Costs one unsharded gradient buffer per unit meanwhile.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = std::mem::replace(&mut self.no_sync, true);
+        let r = f(self);
+        self.no_sync = before;
+        r
+    }
+
+    /// AdamW on every shard with the accumulated gradient shards, then
+    /// [`zero_grad`](Self::zero_grad).
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] when unsharded gradients are still unreduced (the last
+    /// backward ran under `no_sync`); an optimizer error.
+    pub fn optimizer_step(&mut self) -> Result<(), FsdpError> {
+        self.check_reduced()?;
+        for unit in &mut self.units {
+            let g = unit.grad_shard.read::<f32>()?;
+            let mut p = unit.shard.write::<f32>()?;
+            unit.adam.step(&self.optim, &mut p, &g)?;
+        }
+        self.optimizer_steps += 1;
+        self.zero_grad()
+    }
+
+    /// Number of optimizer steps taken.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    /// Zero the gradient shards and drop unreduced unsharded gradients.
+    ///
+    /// # Errors
+    /// A failing buffer access.
+    pub fn zero_grad(&mut self) -> Result<(), FsdpError> {
+        for unit in &mut self.units {
+            unit.grad_shard.write::<f32>()?.fill(0.0);
+            unit.grad_shard_zero = true;
+            unit.full_grad = None;
+        }
+        Ok(())
+    }
+
+    fn check_reduced(&self) -> Result<(), FsdpError> {
+        if self.units.iter().any(|u| u.full_grad.is_some()) {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: "gradients accumulated under no_sync are not reduced yet: run the last \
+                         micro-batch outside no_sync before the optimizer step"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Clip the gradients by their global L2 norm (PyTorch's `FSDP.clip_grad_norm_`): the
+    /// squared norms of the rank's gradient shards are summed over the ranks that hold
+    /// distinct shards (the shard group; nothing for `NO_SHARD` and ignored parameters, whose
+    /// gradients are replicated), and every gradient is scaled by
+    /// `max_norm / (total_norm + 1e-6)` when that is below 1. Returns the total norm before
+    /// clipping. Call it after the last [`forward_backward`](Self::forward_backward) of a step.
+    /// Every rank must call it.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] for a negative or non-finite `max_norm`; unreduced
+    /// gradients as in [`optimizer_step`](Self::optimizer_step); a failing collective.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(FsdpError::InvalidHyperparameter {
+                name: "max_norm",
+                value: max_norm,
+                reason: "must be finite and non-negative",
+            });
+        }
+        self.check_reduced()?;
+        let sq = |b: &Buffer| -> Result<f64, FsdpError> {
+            Ok(b.read::<f32>()?
+                .iter()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum())
+        };
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for unit in &self.units {
+            if unit.factor > 1 {
+                sharded += sq(&unit.grad_shard)?;
+            } else {
+                replicated += sq(&unit.grad_shard)?;
+            }
+        }
+        if let Some(group) = self.groups.shard() {
+            let b = Buffer::from_slice(&[sharded])?;
+            group.all_reduce(&b, ReduceOp::Sum)?.wait()?;
+            sharded = b.to_vec::<f64>()?[0];
+        }
+        let total = (sharded + replicated).sqrt();
+        let coef = max_norm / (total + 1e-6);
+        if coef < 1.0 {
+            let c = coef as f32;
+            for unit in &self.units {
+                for g in unit.grad_shard.write::<f32>()?.iter_mut() {
+                    *g *= c;
+                }
+            }
+        }
+        Ok(total)
+    }
+
     fn step_inner(&mut self, batch: &Batch, global_tokens: usize) -> Result<f32, FsdpError> {
         let cfg = self.cfg;
         let shape = batch.shape;
         let n_stages = self.stages.len();
-        for unit in &self.units {
-            if unit.factor == 1 {
-                unit.grad_shard.write::<f32>()?.fill(0.0);
-            }
-        }
-
         // Forward.
         self.phase = Phase::Forward;
         let recording = self.forward_order.is_none();
@@ -791,14 +976,7 @@ impl FsdpGpt {
             }
             None => local_loss,
         };
-        for w in std::mem::take(&mut self.pending) {
-            w.wait()?;
-        }
-        for unit in &mut self.units {
-            let g = unit.grad_shard.read::<f32>()?;
-            let mut p = unit.shard.write::<f32>()?;
-            unit.adam.step(&self.optim, &mut p, &g)?;
-        }
+        self.finish_reductions()?;
         Ok(loss)
     }
 

@@ -15,6 +15,12 @@
 //! all-reduce of the shard across replicas; `NO_SHARD`: an all-reduce); then AdamW on the
 //! shards. Every issued collective and every free is recorded as a [`ScheduleEvent`].
 //!
+//! For gradient accumulation, [`FsdpGpt::forward_backward`] runs one micro-batch and adds its
+//! reduced gradients into the gradient shards (communication every micro-batch), or, inside
+//! [`FsdpGpt::no_sync`], keeps the unsharded gradients until a micro-batch outside the scope
+//! reduces them; [`FsdpGpt::clip_grad_norm`] clips by the global norm over the shards and
+//! [`FsdpGpt::optimizer_step`] applies AdamW and zeroes the gradients.
+//!
 //! ```
 //! use std::collections::HashMap;
 //! use fsdp::model::{init_params, named_params, GptConfig};
