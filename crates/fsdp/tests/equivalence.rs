@@ -21,7 +21,7 @@ use std::time::Duration;
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{forward_backward, init_params, named_params, zeros_like_params, GptConfig};
 use fsdp::optim::{AdamWConfig, AdamWState};
-use fsdp::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, ShardingStrategy};
+use fsdp::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::units::gpt_block_plan;
 use fsdp_collectives::{ring, Communicator};
 
@@ -205,6 +205,17 @@ fn prefetch_variants_match_single_process() {
                 );
             }
         }
+    }
+    // Record-stream protection instead of held references only.
+    for (strategy, world, per_node) in [
+        (ShardingStrategy::FullShard, 4, None),
+        (ShardingStrategy::HybridShardZero2, 4, Some(2)),
+    ] {
+        let config = FsdpConfig {
+            cross_stream: CrossStreamSafety::RecordStream,
+            ..with(strategy, BackwardPrefetch::Pre, true, per_node)
+        };
+        check(&s, &reference, world, config);
     }
     // No limiter, and a limiter of one buffer.
     for limit in [None, Some(1)] {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{init_params, named_params, GptConfig};
 use fsdp::optim::AdamWConfig;
-use fsdp::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, ShardingStrategy};
+use fsdp::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::units::gpt_block_plan;
 use fsdp_collectives::{ring, Communicator};
 
@@ -55,6 +55,12 @@ fn step_times() {
         forward_prefetch: true,
         ..FsdpConfig::new(ShardingStrategy::FullShard)
     });
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::NoShard] {
+        configs.push(FsdpConfig {
+            cross_stream: CrossStreamSafety::RecordStream,
+            ..FsdpConfig::new(strategy)
+        });
+    }
     for config in configs {
         let out = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
             let rank = comm.rank();
@@ -73,20 +79,23 @@ fn step_times() {
                 mean,
                 stats.allocated_bytes.all.peak,
                 stats.reserved_bytes.all.peak,
+                stats.active_bytes.all.peak,
                 stats.num_alloc_retries,
             )
         })
         .unwrap();
-        let (mean, peak, reserved, retries) = out[0];
+        let (mean, peak, reserved, active, retries) = out[0];
         println!(
-            "{:?} bwd {:?} fwd_prefetch {} limit {:?}: {:.1} ms/step, peak allocated {} KiB, \
-             peak reserved {} KiB, retries {}",
+            "{:?} bwd {:?} fwd_prefetch {} limit {:?} {:?}: {:.1} ms/step, peak allocated {} \
+             KiB, active {} KiB, reserved {} KiB, retries {}",
             config.strategy,
             config.backward_prefetch,
             config.forward_prefetch,
             config.limit_all_gathers,
+            config.cross_stream,
             mean.as_secs_f64() * 1e3,
             peak >> 10,
+            active >> 10,
             reserved >> 10,
             retries
         );

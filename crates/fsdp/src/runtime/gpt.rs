@@ -8,7 +8,10 @@ use fsdp_collectives::{mesh_2d, Communicator, HybridMesh, ReduceOp, Work};
 use fsdp_device::{Buffer, DType, Stream};
 use fsdp_flatparam::FlatParamLayout;
 
-use super::{BackwardPrefetch, FsdpConfig, Phase, ScheduleEvent, ScheduleKind, ShardingStrategy};
+use super::{
+    BackwardPrefetch, CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind,
+    ShardingStrategy,
+};
 use crate::data::Batch;
 use crate::model::{
     self, block_param_specs, embed_param_specs, head_param_specs, param_specs, BlockCache,
@@ -126,6 +129,25 @@ impl<G: DerefMut<Target = [f32]>> Grads for Views<'_, G> {
         }
         Err(FsdpError::UnknownParameter { name: name.into() })
     }
+}
+
+/// An `f32` buffer of `len` elements from `alloc` on `stream`, used also on `other` (with
+/// [`CrossStreamSafety::RecordStream`]: recorded on it).
+fn alloc_f32(
+    alloc: &HostAllocator,
+    len: usize,
+    stream: &Stream,
+    other: &Stream,
+    safety: CrossStreamSafety,
+) -> Result<Buffer, FsdpError> {
+    let bytes = len
+        .checked_mul(4)
+        .ok_or_else(|| internal("buffer size overflows"))?;
+    let block = alloc.allocate(bytes, stream)?;
+    if safety == CrossStreamSafety::RecordStream {
+        block.record_stream(other)?;
+    }
+    Ok(block.into_buffer(DType::F32)?)
 }
 
 fn internal(reason: &str) -> FsdpError {
@@ -508,9 +530,13 @@ impl FsdpGpt {
             .groups
             .shard()
             .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-        let out =
-            self.alloc
-                .allocate_buffer(DType::F32, unit.layout.padded_numel(), group.stream())?;
+        let out = alloc_f32(
+            &self.alloc,
+            unit.layout.padded_numel(),
+            group.stream(),
+            &self.compute,
+            self.config.cross_stream,
+        )?;
         let work = group.all_gather_base(&unit.shard, &out)?;
         let counted = self.counts(u);
         let unit = &mut self.units[u];
@@ -571,10 +597,16 @@ impl FsdpGpt {
                 // directly (reduced in place).
                 unit.full_grad = Some(unit.grad_shard.clone());
             } else if unit.full_grad.is_none() {
-                let g = self.alloc.allocate_buffer(
-                    DType::F32,
+                let comm = self
+                    .groups
+                    .shard()
+                    .map_or_else(|| self.groups.world.stream(), |g| g.stream());
+                let g = alloc_f32(
+                    &self.alloc,
                     unit.layout.padded_numel(),
                     &self.compute,
+                    comm,
+                    self.config.cross_stream,
                 )?;
                 g.write::<f32>()?.fill(0.0);
                 unit.full_grad = Some(g);
@@ -605,8 +637,13 @@ impl FsdpGpt {
             let out = if direct {
                 unit.grad_shard.clone()
             } else {
-                self.alloc
-                    .allocate_buffer(DType::F32, unit.layout.shard_numel(), group.stream())?
+                alloc_f32(
+                    &self.alloc,
+                    unit.layout.shard_numel(),
+                    group.stream(),
+                    &self.compute,
+                    self.config.cross_stream,
+                )?
             };
             let w = group.reduce_scatter_base(&g, &out, ReduceOp::Sum)?;
             self.pending.push(w);

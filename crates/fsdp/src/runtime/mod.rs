@@ -107,6 +107,21 @@ pub enum BackwardPrefetch {
     None,
 }
 
+/// How a buffer allocated on one stream and used on another is kept from being reused while
+/// the other stream may still touch it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CrossStreamSafety {
+    /// Held references (as PyTorch's newer FSDP does with events): a collective keeps clones of
+    /// its buffers (access tickets) until it has run, so the block returns to the allocator
+    /// only after the last stream work on it. The default.
+    #[default]
+    HeldReferences,
+    /// Held references plus `record_stream` on the other stream (PyTorch's FSDP1): at the free,
+    /// the allocator also records an event on that stream and reuses the block only once the
+    /// event completed, i.e. after all work issued on that stream before the free.
+    RecordStream,
+}
+
 /// Options of the runtime (PyTorch's `FullyShardedDataParallel` arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FsdpConfig {
@@ -127,6 +142,9 @@ pub struct FsdpConfig {
     /// Capacity in bytes of the rank's host memory source behind its caching allocator.
     /// Default 4 GiB (reserved lazily, segment by segment).
     pub memory_capacity: usize,
+    /// Cross-stream lifetime protection of unsharded buffers; default
+    /// [`CrossStreamSafety::HeldReferences`].
+    pub cross_stream: CrossStreamSafety,
 }
 
 impl FsdpConfig {
@@ -139,6 +157,7 @@ impl FsdpConfig {
             limit_all_gathers: Some(2),
             ranks_per_node: None,
             memory_capacity: 4 << 30,
+            cross_stream: CrossStreamSafety::HeldReferences,
         }
     }
 }
