@@ -58,13 +58,13 @@ fn full_shard_uses_less_than_shard_grad_op_less_than_no_shard() {
     // embedding) plus the two blocks alive at once under BACKWARD_PRE (current and prefetched)
     // with the current block's gradient. Each buffer rounds up to 512 bytes.
     //
-    // Two more block buffers whose lifetime the streams extend (the nondeterministic extra
-    // memory that the seeds attribute to record-stream; here: held references): the previous
-    // block's gradient while its reduce-scatter is still running on the communication stream,
-    // and the previous block's gathered parameters while a slower peer has not yet
-    // acknowledged the ring segments it read from them. The stream order bounds both to one
-    // unit: the next all-gather the host waits for runs after that reduce-scatter, and the
-    // peer completes it only after acknowledging the previous one.
+    // Two more block gradients whose lifetime the communication stream extends (the
+    // nondeterministic extra memory that the seeds attribute to record-stream; here the
+    // collective holds references): the stream runs AG(i-1), RS(i), AG(i-2), RS(i-1), ... in
+    // issue order and the host only waits for the all-gather it needs, so when it allocates
+    // for block i-2 (its gradient, the prefetch of block i-3) it has waited for AG(i-1) only,
+    // and the reduce-scatters of blocks i and i-1 may both still hold their unsharded
+    // gradients. It cannot be three: waiting for AG(i-2) at block i-2 orders RS(i) before.
     let plan = gpt_block_plan(&cfg);
     let bytes = |n: usize| (4 * n).next_multiple_of(512) as u64;
     let padded = |u: &UnitSpec| u.numel().next_multiple_of(WORLD);
