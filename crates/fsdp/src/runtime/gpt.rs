@@ -475,7 +475,7 @@ impl FsdpGpt {
         self.units.len()
     }
 
-    /// Steps taken.
+    /// Forward/backward passes run so far (micro-batches; the `step` of [`ScheduleEvent`]s).
     pub fn steps(&self) -> u64 {
         self.step
     }

@@ -193,7 +193,7 @@ pub enum Phase {
 /// One issued collective or free, in issue order (see [`FsdpGpt::schedule`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ScheduleEvent {
-    /// The training step (counted from 1).
+    /// The forward/backward pass (micro-batch) it belongs to, counted from 1.
     pub step: u64,
     /// The pass it was issued in.
     pub phase: Phase,
