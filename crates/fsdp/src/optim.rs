@@ -300,3 +300,104 @@ pub fn sgd_step(
     }
     Ok(())
 }
+
+/// The optimizer a sharded runtime applies to each shard: `torch.optim.AdamW` or
+/// `torch.optim.SGD`. Both are element-wise, so a shard update equals the update of the whole
+/// tensor restricted to the shard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum OptimizerConfig {
+    /// AdamW (decoupled weight decay, bias correction).
+    AdamW(AdamWConfig),
+    /// SGD (momentum, dampening, L2 weight decay, Nesterov).
+    Sgd(SgdConfig),
+}
+
+impl From<AdamWConfig> for OptimizerConfig {
+    fn from(cfg: AdamWConfig) -> Self {
+        OptimizerConfig::AdamW(cfg)
+    }
+}
+
+impl From<SgdConfig> for OptimizerConfig {
+    fn from(cfg: SgdConfig) -> Self {
+        OptimizerConfig::Sgd(cfg)
+    }
+}
+
+impl OptimizerConfig {
+    /// Checks the hyperparameters.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        match self {
+            OptimizerConfig::AdamW(c) => c.validate(),
+            OptimizerConfig::Sgd(c) => c.validate(),
+        }
+    }
+}
+
+/// The state of one flat slice under an [`OptimizerConfig`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum OptimizerState {
+    /// AdamW's step count and moments.
+    AdamW(AdamWState),
+    /// SGD's step count and momentum buffer (empty without momentum).
+    Sgd {
+        /// Steps taken so far.
+        step: u64,
+        /// The momentum buffer.
+        momentum_buffer: Vec<f32>,
+    },
+}
+
+impl OptimizerState {
+    /// Zero state for `len` elements.
+    pub fn new(cfg: &OptimizerConfig, len: usize) -> Self {
+        match cfg {
+            OptimizerConfig::AdamW(_) => OptimizerState::AdamW(AdamWState::new(len)),
+            OptimizerConfig::Sgd(c) => OptimizerState::Sgd {
+                step: 0,
+                momentum_buffer: if c.momentum == 0.0 {
+                    Vec::new()
+                } else {
+                    vec![0.0; len]
+                },
+            },
+        }
+    }
+
+    /// Takes one step and counts it.
+    ///
+    /// # Errors
+    /// As [`adamw_step`] / [`sgd_step`], or [`FsdpError::InvalidHyperparameter`] when the state
+    /// was made for the other optimizer; the state is unchanged then.
+    pub fn step(
+        &mut self,
+        cfg: &OptimizerConfig,
+        param: &mut [f32],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        match (self, cfg) {
+            (OptimizerState::AdamW(state), OptimizerConfig::AdamW(c)) => state.step(c, param, grad),
+            (
+                OptimizerState::Sgd {
+                    step,
+                    momentum_buffer,
+                },
+                OptimizerConfig::Sgd(c),
+            ) => {
+                sgd_step(c, *step + 1, param, grad, momentum_buffer)?;
+                *step += 1;
+                Ok(())
+            }
+            _ => Err(FsdpError::InvalidHyperparameter {
+                name: "optimizer",
+                value: f64::NAN,
+                reason: "the state was created for another optimizer",
+            }),
+        }
+    }
+}

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{forward_backward, init_params, named_params, zeros_like_params, GptConfig};
-use fsdp::optim::{AdamWConfig, AdamWState};
+use fsdp::optim::{AdamWConfig, OptimizerConfig, OptimizerState, SgdConfig};
 use fsdp::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::units::gpt_block_plan;
 use fsdp_collectives::{ring, Communicator};
@@ -33,7 +33,7 @@ struct Setup {
     cfg: GptConfig,
     tokens: Vec<u16>,
     init: HashMap<String, Vec<f32>>,
-    opt: AdamWConfig,
+    opt: OptimizerConfig,
 }
 
 fn setup() -> Setup {
@@ -48,16 +48,17 @@ fn setup() -> Setup {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
-        },
+        }
+        .into(),
     }
 }
 
 /// Single-process training on whole tensors.
 fn reference(s: &Setup) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
     let mut params = s.init.clone();
-    let mut states: HashMap<String, AdamWState> = params
+    let mut states: HashMap<String, OptimizerState> = params
         .iter()
-        .map(|(k, v)| (k.clone(), AdamWState::new(v.len())))
+        .map(|(k, v)| (k.clone(), OptimizerState::new(&s.opt, v.len())))
         .collect();
     let mut losses = Vec::new();
     for k in 0..STEPS {
@@ -229,5 +230,32 @@ fn prefetch_variants_match_single_process() {
             )
         };
         check(&s, &reference, 4, config);
+    }
+}
+
+#[test]
+fn sgd_with_momentum_matches_single_process() {
+    // torch.optim.SGD(lr=0.05, momentum=0.9, weight_decay=0.01) on the shards: element-wise, so
+    // every strategy equals single-process SGD.
+    let mut s = setup();
+    s.opt = SgdConfig {
+        weight_decay: 0.01,
+        ..SgdConfig::with_momentum(0.05, 0.9)
+    }
+    .into();
+    let reference = reference(&s);
+    assert!(reference.0[4] < reference.0[0], "{:?}", reference.0);
+    for (strategy, world, per_node) in [
+        (ShardingStrategy::FullShard, 3, None),
+        (ShardingStrategy::ShardGradOp, 4, None),
+        (ShardingStrategy::NoShard, 2, None),
+        (ShardingStrategy::HybridShard, 4, Some(2)),
+    ] {
+        check(
+            &s,
+            &reference,
+            world,
+            with(strategy, BackwardPrefetch::Pre, false, per_node),
+        );
     }
 }

@@ -17,7 +17,7 @@ use crate::model::{
     self, block_param_specs, embed_param_specs, head_param_specs, param_specs, BlockCache,
     GptConfig, Grads, HeadCache, Params,
 };
-use crate::optim::{AdamWConfig, AdamWState};
+use crate::optim::{OptimizerConfig, OptimizerState};
 use crate::units::UnitPlan;
 use crate::FsdpError;
 
@@ -79,7 +79,7 @@ struct Unit {
     grad_shard_zero: bool,
     /// The pending reduction of this unsharded unit replaces `grad_shard` (which held zeros).
     replace_shard: bool,
-    adam: AdamWState,
+    optim_state: OptimizerState,
     /// The unsharded parameters while gathered (for `factor == 1`: always the shard).
     full: Option<Buffer>,
     /// The all-gather filling `full`, until waited for.
@@ -167,7 +167,7 @@ fn internal(reason: &str) -> FsdpError {
 pub struct FsdpGpt {
     cfg: GptConfig,
     config: FsdpConfig,
-    optim: AdamWConfig,
+    optim: OptimizerConfig,
     groups: Groups,
     compute: Stream,
     alloc: HostAllocator,
@@ -222,8 +222,9 @@ impl FsdpGpt {
         plan: &UnitPlan,
         params: &HashMap<String, Vec<f32>>,
         config: FsdpConfig,
-        optim: AdamWConfig,
+        optim: impl Into<OptimizerConfig>,
     ) -> Result<Self, FsdpError> {
+        let optim: OptimizerConfig = optim.into();
         cfg.validate()?;
         optim.validate()?;
         plan.validate()?;
@@ -357,7 +358,7 @@ impl FsdpGpt {
                 .map(|p| (p.name().to_string(), p.range()))
                 .collect();
             units.push(Unit {
-                adam: AdamWState::new(layout.shard_numel()),
+                optim_state: OptimizerState::new(&optim, layout.shard_numel()),
                 full: (f == 1).then(|| shard.clone()),
                 layout,
                 index,
@@ -798,7 +799,7 @@ impl FsdpGpt {
         r
     }
 
-    /// AdamW on every shard with the accumulated gradient shards, then
+    /// The optimizer (AdamW or SGD) on every shard with the accumulated gradient shards, then
     /// [`zero_grad`](Self::zero_grad).
     ///
     /// # Errors
@@ -809,7 +810,7 @@ impl FsdpGpt {
         for unit in &mut self.units {
             let g = unit.grad_shard.read::<f32>()?;
             let mut p = unit.shard.write::<f32>()?;
-            unit.adam.step(&self.optim, &mut p, &g)?;
+            unit.optim_state.step(&self.optim, &mut p, &g)?;
         }
         self.optimizer_steps += 1;
         self.zero_grad()

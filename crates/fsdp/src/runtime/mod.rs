@@ -5,7 +5,7 @@
 //! from a wrap policy, the full initial parameters (the same on every rank) and an
 //! [`FsdpConfig`]. Each unit becomes one flat parameter ([`fsdp_flatparam::FlatParamLayout`])
 //! over the sharding factor `F` of the strategy (see [`ShardingStrategy`]); the rank keeps its
-//! `f32` shard, a gradient shard and the AdamW state of its shard.
+//! `f32` shard, a gradient shard and the optimizer state (AdamW or SGD) of its shard.
 //!
 //! [`FsdpGpt::step`] runs one training step: forward through the stages (embedding, blocks,
 //! head), all-gathering each unit's parameters on the communication stream before the stage that
