@@ -965,13 +965,17 @@ impl FsdpGpt {
                 let u = self.stage_units[s][i];
                 self.gather(u, false)?;
             }
-            self.ensure_grads(s)?;
             if self.config.backward_prefetch == BackwardPrefetch::Pre && s > 0 {
                 for i in 0..self.stage_units[s - 1].len() {
                     self.prefetch(self.stage_units[s - 1][i])?;
                 }
             }
             self.wait_gathers(s)?;
+            // Gradient buffers only after the wait: the communication stream runs in issue
+            // order, so every reduce-scatter issued before the all-gathers just waited for has
+            // completed and released its unsharded gradient — at most one earlier gradient is
+            // still in flight (the seeds' bound of two units' gradients).
+            self.ensure_grads(s)?;
             {
                 let p = self.param_views(s)?;
                 let mut g = self.grad_views(s)?;
