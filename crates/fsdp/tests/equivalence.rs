@@ -10,9 +10,9 @@
 //! scores), so the computed gradient is rounding noise that AdamW amplifies by `1/eps` and no
 //! other summation order reproduces; it is held to a noise bound (`|b_k| < 1e-5`) instead.
 //!
-//! To keep the run short, the full strategy × world matrix runs with the defaults (PRE, no
-//! forward prefetch); the prefetch variants (PRE/POST/none × forward prefetch on/off) run on
-//! FULL_SHARD at world 3, SHARD_GRAD_OP at world 2 and HYBRID_SHARD over 2×2 — the
+//! The full product strategy × world size × BACKWARD_PRE/POST × forward prefetch off/on runs
+//! (80 trainings); BACKWARD_PREFETCH none, record-stream protection and the limiter settings
+//! run on FULL_SHARD at world 3, SHARD_GRAD_OP at world 2 and HYBRID_SHARD over 2×2 — the
 //! configurations where the all-gathers actually move data and the order differs.
 
 use std::collections::HashMap;
@@ -153,18 +153,27 @@ fn every_strategy_and_world_size_matches_single_process() {
     let reference = reference(&s);
     // The model learns: the loss falls over the five steps.
     assert!(reference.0[4] < reference.0[0], "{:?}", reference.0);
+    // The full product: strategy x world size x BACKWARD_PRE/POST x forward prefetch off/on.
+    let variants = [
+        (BackwardPrefetch::Pre, false),
+        (BackwardPrefetch::Pre, true),
+        (BackwardPrefetch::Post, false),
+        (BackwardPrefetch::Post, true),
+    ];
     for strategy in [
         ShardingStrategy::FullShard,
         ShardingStrategy::ShardGradOp,
         ShardingStrategy::NoShard,
     ] {
         for world in 1..=4 {
-            check(
-                &s,
-                &reference,
-                world,
-                with(strategy, BackwardPrefetch::Pre, false, None),
-            );
+            for (prefetch, forward) in variants {
+                check(
+                    &s,
+                    &reference,
+                    world,
+                    with(strategy, prefetch, forward, None),
+                );
+            }
         }
     }
     for strategy in [
@@ -173,12 +182,14 @@ fn every_strategy_and_world_size_matches_single_process() {
     ] {
         // 2 nodes of 2 ranks; 2 nodes of 1 rank (pure replication); one node of 2; world 1.
         for (world, per_node) in [(4, 2), (2, 1), (2, 2), (1, 1)] {
-            check(
-                &s,
-                &reference,
-                world,
-                with(strategy, BackwardPrefetch::Pre, false, Some(per_node)),
-            );
+            for (prefetch, forward) in variants {
+                check(
+                    &s,
+                    &reference,
+                    world,
+                    with(strategy, prefetch, forward, Some(per_node)),
+                );
+            }
         }
     }
 }
