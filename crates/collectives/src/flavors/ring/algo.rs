@@ -306,6 +306,81 @@ impl<'a> Ctx<'a> {
     }
 }
 
+impl Ctx<'_> {
+    /// One receiving step of a copy (all-gather, broadcast): copy the predecessor's next
+    /// segment into `dst`, publish `dst` to the successor if `forward`, acknowledge.
+    ///
+    /// # Safety
+    /// `dst` must be this rank's own memory, valid for `bytes` bytes under its guard, not
+    /// published before this call and not written again during the collective once forwarded.
+    unsafe fn recv_copy(
+        &mut self,
+        dst: *mut u8,
+        bytes: usize,
+        forward: bool,
+    ) -> Result<(), DataError> {
+        let p = self.recv(bytes)?;
+        // SAFETY: `p` was published by the predecessor for exactly these bytes and stays
+        // unwritten until we acknowledge; `dst` is ours and unpublished (caller's contract).
+        unsafe { copy(p, dst, bytes) };
+        if forward {
+            self.send(dst, bytes, false)?;
+        }
+        self.ack_prev()
+    }
+
+    /// One receiving step of a reduction (reduce-scatter, reduce): combine the predecessor's
+    /// next partial with `len` elements of this rank's `mine`, either into a free scratch slot
+    /// that is then published (`last == None`), or — the last step — into `last.0` followed by
+    /// the final step over `last.1` ranks; then acknowledge.
+    ///
+    /// # Safety
+    /// `mine` must hold `len` elements this rank only reads during the collective, or exactly
+    /// coincide with `last.0`; `last.0` must be this rank's own, never-published memory valid
+    /// for `len` elements.
+    unsafe fn recv_reduce<T: Element>(
+        &mut self,
+        op: ReduceOp,
+        mine: *const u8,
+        len: usize,
+        last: Option<(*mut u8, usize)>,
+    ) -> Result<(), DataError> {
+        let bytes = len * std::mem::size_of::<T>();
+        let p = self.recv(bytes)?;
+        // SAFETY: the predecessor published `len` elements at `p` and leaves them unwritten
+        // until acknowledged; T-aligned because every segment offset is a whole number of
+        // elements from an aligned base.
+        let acc = unsafe { std::slice::from_raw_parts(p as *const T, len) };
+        match last {
+            None => {
+                let slot = self.acquire_slot()?;
+                // SAFETY: the slot is ours and acknowledged by the successor (not being read);
+                // `mine` is only read (caller's contract).
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(slot as *mut T, len);
+                    let mine = std::slice::from_raw_parts(mine as *const T, len);
+                    combine_into(op, dst, acc, mine, None);
+                }
+                self.send(slot, bytes, true)?;
+            }
+            Some((dst_ptr, n)) => {
+                // SAFETY: this rank's own segment, never published during this collective; in
+                // place it coincides with `mine` exactly (caller's contract).
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(dst_ptr as *mut T, len);
+                    if std::ptr::eq(dst_ptr, mine) {
+                        combine_in_place(op, dst, acc, Some(n));
+                    } else {
+                        let mine = std::slice::from_raw_parts(mine as *const T, len);
+                        combine_into(op, dst, acc, mine, Some(n));
+                    }
+                }
+            }
+        }
+        self.ack_prev()
+    }
+}
+
 /// Copy `bytes` from `src` to `dst`.
 ///
 /// # Safety
@@ -347,15 +422,8 @@ pub(crate) unsafe fn all_gather<T: Element>(
         for s in 0..n - 1 {
             let b = (r + n - s - 1) % n;
             let (off, len) = chunks.seg(b, g);
-            let p = ctx.recv(len * esz)?;
-            let dst = at(b, off);
-            // SAFETY: `p` was published by the predecessor for exactly these bytes and stays
-            // unwritten until we acknowledge; `dst` is this rank's own output, not yet published.
-            unsafe { copy(p, dst, len * esz) };
-            if s + 2 < n {
-                ctx.send(dst, len * esz, false)?;
-            }
-            ctx.ack_prev()?;
+            // SAFETY: block `b` of this rank's output, written once here, then only read.
+            unsafe { ctx.recv_copy(at(b, off), len * esz, s + 2 < n)? };
         }
     }
     ctx.drain()
@@ -389,38 +457,10 @@ pub(crate) unsafe fn reduce_scatter<T: Element>(
         for s in 0..n - 1 {
             let c = (r + 2 * n - s - 2) % n;
             let (off, len) = chunks.seg(c, g);
-            let p = ctx.recv(len * esz)?;
-            // SAFETY: the predecessor published `len` elements at `p` and leaves them unwritten
-            // until acknowledged; T-aligned because every segment offset is a whole number of
-            // elements from an aligned base.
-            let acc = unsafe { std::slice::from_raw_parts(p as *const T, len) };
-            let mine_ptr = at(c, off);
-            if s + 2 < n {
-                let slot = ctx.acquire_slot()?;
-                // SAFETY: the slot is ours and acknowledged by the successor (not being read);
-                // our input chunk is only ever read.
-                unsafe {
-                    let dst = std::slice::from_raw_parts_mut(slot as *mut T, len);
-                    let mine = std::slice::from_raw_parts(mine_ptr as *const T, len);
-                    combine_into(op, dst, acc, mine, None);
-                }
-                ctx.send(slot, len * esz, true)?;
-            } else {
-                let dst_ptr = own_out.wrapping_add(off * esz);
-                // SAFETY: this rank's output segment, written only here and never published
-                // during this collective; in place it coincides with `mine` exactly.
-                unsafe {
-                    if dst_ptr == mine_ptr {
-                        let dst = std::slice::from_raw_parts_mut(dst_ptr as *mut T, len);
-                        combine_in_place(op, dst, acc, Some(n));
-                    } else {
-                        let dst = std::slice::from_raw_parts_mut(dst_ptr as *mut T, len);
-                        let mine = std::slice::from_raw_parts(mine_ptr as *const T, len);
-                        combine_into(op, dst, acc, mine, Some(n));
-                    }
-                }
-            }
-            ctx.ack_prev()?;
+            let last = (s + 2 == n).then(|| (own_out.wrapping_add(off * esz), n));
+            // SAFETY: our input chunk is only read (or, in place, is exactly the output
+            // segment); the output segment is ours and never published.
+            unsafe { ctx.recv_reduce::<T>(op, at(c, off), len, last)? };
         }
     }
     ctx.drain()
@@ -449,13 +489,8 @@ pub(crate) unsafe fn broadcast<T: Element>(
                 ctx.send(at, len * esz, false)?;
             }
         } else {
-            let p = ctx.recv(len * esz)?;
-            // SAFETY: published by the predecessor, unwritten until acknowledged; `at` is ours.
-            unsafe { copy(p, at, len * esz) };
-            if pos + 1 < n {
-                ctx.send(at, len * esz, false)?;
-            }
-            ctx.ack_prev()?;
+            // SAFETY: this rank's own buffer segment, written once here, then only read.
+            unsafe { ctx.recv_copy(at, len * esz, pos + 1 < n)? };
         }
     }
     ctx.drain()
@@ -486,26 +521,9 @@ pub(crate) unsafe fn reduce<T: Element>(
             }
             continue;
         }
-        let p = ctx.recv(len * esz)?;
-        // SAFETY: as in reduce_scatter.
-        let acc = unsafe { std::slice::from_raw_parts(p as *const T, len) };
-        if pos + 1 < n {
-            let slot = ctx.acquire_slot()?;
-            // SAFETY: free slot of ours; our buffer is only read on non-root ranks.
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut(slot as *mut T, len);
-                let mine = std::slice::from_raw_parts(mine_ptr as *const T, len);
-                combine_into(op, dst, acc, mine, None);
-            }
-            ctx.send(slot, len * esz, true)?;
-        } else {
-            // SAFETY: the root's own buffer, never published in a reduce.
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut(mine_ptr as *mut T, len);
-                combine_in_place(op, dst, acc, Some(n));
-            }
-        }
-        ctx.ack_prev()?;
+        let last = (pos + 1 == n).then_some((mine_ptr, n));
+        // SAFETY: non-root ranks only read their buffer; the root's is its own, never published.
+        unsafe { ctx.recv_reduce::<T>(op, mine_ptr, len, last)? };
     }
     ctx.drain()
 }
