@@ -176,4 +176,12 @@ pub enum FsdpError {
         /// Where that one would land.
         tied_to_unit: String,
     },
+    /// A checkpoint file or directory cannot be written or read, or does not match the model.
+    #[error("checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What is wrong (names the tensor where one is at fault).
+        reason: String,
+    },
 }

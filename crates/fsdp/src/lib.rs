@@ -42,6 +42,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod checkpoint;
 pub mod data;
 mod error;
 pub mod model;
