@@ -48,6 +48,7 @@ mod error;
 pub mod model;
 pub mod optim;
 pub mod runtime;
+pub mod trace;
 pub mod units;
 pub mod wrap;
 

@@ -18,6 +18,7 @@ use crate::model::{
     GptConfig, Grads, HeadCache, Params,
 };
 use crate::optim::{OptimizerConfig, OptimizerState};
+use crate::trace::{now_us, SpanKind, TraceEvent, Tracer};
 use crate::units::UnitPlan;
 use crate::FsdpError;
 
@@ -150,6 +151,22 @@ fn alloc_f32(
     Ok(block.into_buffer(DType::F32)?)
 }
 
+/// Issue a collective through `f`, with a communication span on `stream` when tracing.
+fn traced<T>(
+    tracer: Option<&Tracer>,
+    stream: &Stream,
+    kind: SpanKind,
+    step: u64,
+    units: Vec<usize>,
+    bytes: usize,
+    f: impl FnOnce() -> Result<T, FsdpError>,
+) -> Result<T, FsdpError> {
+    match tracer {
+        Some(t) => t.comm(stream, kind, step, units, bytes as u64, f),
+        None => f(),
+    }
+}
+
 fn internal(reason: &str) -> FsdpError {
     FsdpError::InvalidFsdpConfig {
         reason: format!("internal runtime state: {reason}"),
@@ -192,6 +209,8 @@ pub struct FsdpGpt {
     no_sync: bool,
     /// Optimizer steps taken.
     optimizer_steps: u64,
+    /// The timeline trace sink, when [`FsdpConfig::trace`] is on.
+    tracer: Option<Tracer>,
 }
 
 impl std::fmt::Debug for FsdpGpt {
@@ -442,6 +461,7 @@ impl FsdpGpt {
             pending_grads: Vec::new(),
             no_sync: false,
             optimizer_steps: 0,
+            tracer: config.trace.then(Tracer::default),
         })
     }
 
@@ -484,6 +504,65 @@ impl FsdpGpt {
     /// The collectives and frees issued so far, in issue order.
     pub fn schedule(&self) -> &[ScheduleEvent] {
         &self.schedule
+    }
+
+    /// The timeline trace recorded so far (empty unless [`FsdpConfig::trace`] is on): compute
+    /// spans per stage, communication spans per collective (those run so far by the
+    /// communication streams) and allocator counters. Write it with
+    /// [`crate::trace::write_chrome_trace`].
+    pub fn trace_events(&self) -> Vec<TraceEvent> {
+        self.tracer.as_ref().map_or_else(Vec::new, Tracer::events)
+    }
+
+    /// Forget the recorded trace.
+    pub fn clear_trace(&self) {
+        if let Some(t) = &self.tracer {
+            t.clear();
+        }
+    }
+
+    /// When tracing: sample the allocator counters and return the time (a compute span's
+    /// begin).
+    fn trace_begin(&self) -> f64 {
+        match &self.tracer {
+            Some(t) => {
+                let now = now_us();
+                self.trace_counter(t, now);
+                now
+            }
+            None => 0.0,
+        }
+    }
+
+    fn trace_counter(&self, t: &Tracer, time_us: f64) {
+        let st = self.alloc.memory_stats();
+        t.push(TraceEvent::Counter {
+            time_us,
+            allocated: st.allocated_bytes.all.current,
+            reserved: st.reserved_bytes.all.current,
+        });
+    }
+
+    /// When tracing: record the compute span of stage `s` begun at `begin_us`.
+    fn trace_end(&self, kind: SpanKind, s: usize, begin_us: f64) {
+        if let Some(t) = &self.tracer {
+            let end_us = now_us();
+            let stage = match self.stages[s] {
+                Stage::Embed => "embed".to_string(),
+                Stage::Block(l) => format!("block {l}"),
+                Stage::Head => "head".to_string(),
+            };
+            t.push(TraceEvent::Span {
+                kind,
+                name: format!("{} {stage}", kind.as_str()),
+                step: self.step,
+                units: self.stage_units[s].clone(),
+                begin_us,
+                end_us,
+                bytes: None,
+            });
+            self.trace_counter(t, end_us);
+        }
     }
 
     /// Forget the recorded schedule.
@@ -538,7 +617,15 @@ impl FsdpGpt {
             &self.compute,
             self.config.cross_stream,
         )?;
-        let work = group.all_gather_base(&unit.shard, &out)?;
+        let work = traced(
+            self.tracer.as_ref(),
+            group.stream(),
+            SpanKind::AllGather,
+            self.step,
+            vec![u],
+            unit.layout.shard_numel() * 4,
+            || Ok(group.all_gather_base(&unit.shard, &out)?),
+        )?;
         let counted = self.counts(u);
         let unit = &mut self.units[u];
         unit.full = Some(out);
@@ -646,7 +733,15 @@ impl FsdpGpt {
                     self.config.cross_stream,
                 )?
             };
-            let w = group.reduce_scatter_base(&g, &out, ReduceOp::Sum)?;
+            let w = traced(
+                self.tracer.as_ref(),
+                group.stream(),
+                SpanKind::ReduceScatter,
+                self.step,
+                vec![u],
+                unit.layout.shard_numel() * 4,
+                || Ok(group.reduce_scatter_base(&g, &out, ReduceOp::Sum)?),
+            )?;
             self.pending.push(w);
             self.record(u, ScheduleKind::ReduceScatter, false);
             out
@@ -660,7 +755,15 @@ impl FsdpGpt {
             self.groups.replicate()
         };
         if let Some(group) = group {
-            let w = group.all_reduce(&target, ReduceOp::Sum)?;
+            let w = traced(
+                self.tracer.as_ref(),
+                group.stream(),
+                SpanKind::AllReduce,
+                self.step,
+                vec![u],
+                target.len() * 4,
+                || Ok(group.all_reduce(&target, ReduceOp::Sum)?),
+            )?;
             self.pending.push(w);
             self.record(u, ScheduleKind::AllReduce, false);
         }
@@ -921,6 +1024,7 @@ impl FsdpGpt {
                 }
             }
             self.wait_gathers(s)?;
+            let t0 = self.trace_begin();
             {
                 let p = self.param_views(s)?;
                 match self.stages[s] {
@@ -943,6 +1047,7 @@ impl FsdpGpt {
                     }
                 }
             }
+            self.trace_end(SpanKind::Forward, s, t0);
             if self.config.strategy.reshard_after_forward() {
                 for i in 0..self.stage_units[s].len() {
                     let u = self.stage_units[s][i];
@@ -976,6 +1081,7 @@ impl FsdpGpt {
             // completed and released its unsharded gradient — at most one earlier gradient is
             // still in flight (the seeds' bound of two units' gradients).
             self.ensure_grads(s)?;
+            let t0 = self.trace_begin();
             {
                 let p = self.param_views(s)?;
                 let mut g = self.grad_views(s)?;
@@ -990,6 +1096,7 @@ impl FsdpGpt {
                     Stage::Embed => model::embed_backward(&cfg, &mut g, &batch.inputs, shape, &dx)?,
                 }
             }
+            self.trace_end(SpanKind::Backward, s, t0);
             let done: Vec<usize> = self.stage_units[s]
                 .iter()
                 .copied()
@@ -1013,7 +1120,16 @@ impl FsdpGpt {
         let loss = match self.groups.world_multi() {
             Some(world) => {
                 let b = Buffer::from_slice(&[local_loss])?;
-                world.all_reduce(&b, ReduceOp::Sum)?.wait()?;
+                traced(
+                    self.tracer.as_ref(),
+                    world.stream(),
+                    SpanKind::AllReduce,
+                    self.step,
+                    Vec::new(),
+                    4,
+                    || Ok(world.all_reduce(&b, ReduceOp::Sum)?),
+                )?
+                .wait()?;
                 b.to_vec::<f32>()?[0]
             }
             None => local_loss,

@@ -145,6 +145,9 @@ pub struct FsdpConfig {
     /// Cross-stream lifetime protection of unsharded buffers; default
     /// [`CrossStreamSafety::HeldReferences`].
     pub cross_stream: CrossStreamSafety,
+    /// Record a timeline trace (compute and communication spans, allocator counters; see
+    /// [`crate::trace`] and [`FsdpGpt::trace_events`]). Default off (then nothing is recorded).
+    pub trace: bool,
 }
 
 impl FsdpConfig {
@@ -158,6 +161,7 @@ impl FsdpConfig {
             ranks_per_node: None,
             memory_capacity: 4 << 30,
             cross_stream: CrossStreamSafety::HeldReferences,
+            trace: false,
         }
     }
 }
