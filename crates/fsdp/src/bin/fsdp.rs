@@ -1,0 +1,630 @@
+//! `fsdp`: sharded GPT training on the embedded CPU ring backend (ranks are threads).
+//!
+//! `fsdp train` trains the reference GPT with FSDP and shows a progress bar and a summary;
+//! every option is checked before any rank starts, and an invalid one ends with a single
+//! `error: ...` line and a non-zero exit status.
+
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use fsdp::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
+use fsdp::model::{init_params, named_params, GptConfig};
+use fsdp::optim::AdamWConfig;
+use fsdp::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, ScheduleKind, ShardingStrategy};
+use fsdp::units::UnitPlan;
+use fsdp::wrap::{gpt_module_tree, plan_units, WrapOptions, WrapPolicy};
+use fsdp::FsdpError;
+use fsdp_collectives::{ring, Communicator};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Length of the generated corpus used when no `--data` file is given.
+const SYNTHETIC_LEN: usize = 200_000;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "fsdp",
+    version,
+    about = "Fully sharded data parallel GPT training on the CPU ring backend (ranks are threads)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a GPT with FSDP and print a summary.
+    Train(TrainArgs),
+}
+
+/// The model, the sharding and the wrap policy (shared by the subcommands).
+#[derive(Args, Debug, Clone)]
+struct ModelArgs {
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    n_layer: usize,
+    /// Attention heads per block.
+    #[arg(long, default_value_t = 4)]
+    n_head: usize,
+    /// Embedding width.
+    #[arg(long, default_value_t = 128)]
+    n_embd: usize,
+    /// Context length (also the training sequence length).
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
+    /// Vocabulary size (at most 65536: tokens are u16).
+    #[arg(long, default_value_t = 256)]
+    vocab_size: usize,
+    /// Number of ranks (threads on the ring backend).
+    #[arg(long, default_value_t = 4)]
+    ranks: usize,
+    /// full-shard, shard-grad-op, no-shard, hybrid-shard or hybrid-shard-zero2.
+    #[arg(long, default_value = "full-shard", value_parser = parse_strategy)]
+    strategy: ShardingStrategy,
+    /// Ranks per node for the hybrid strategies (default: all ranks on one node).
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
+    /// Backward prefetch: pre, post or none.
+    #[arg(long, default_value = "pre", value_parser = parse_prefetch)]
+    backward_prefetch: BackwardPrefetch,
+    /// Prefetch the next unit's all-gather in forward (from the second step).
+    #[arg(long)]
+    forward_prefetch: bool,
+    /// At most N all-gathered buffers in flight, or `off`.
+    #[arg(long, default_value = "2", value_parser = parse_limit)]
+    limit_all_gathers: Limit,
+    /// Wrap policy: `block` (one unit per transformer block) or `size:N` (modules of at
+    /// least N parameters).
+    #[arg(long, default_value = "block", value_parser = parse_wrap)]
+    wrap: Wrap,
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Global batch size in rows (over all ranks and micro-batches).
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Micro-batches per optimizer step (gradients accumulated under no_sync).
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 250)]
+    steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9)]
+    beta1: f64,
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.95)]
+    beta2: f64,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f64,
+    /// Clip the global gradient norm to this value (default: no clipping).
+    #[arg(long)]
+    grad_clip: Option<f64>,
+    /// Seed of the initial weights and of the generated corpus.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Training tokens: little-endian u16 (nanoGPT's train.bin); default: a generated corpus.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Initial weights (safetensors, nanoGPT names and shapes).
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Write the final weights here (safetensors, nanoGPT names and shapes).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Write a CSV of step, loss, tokens/s and rank 0's peak allocated bytes.
+    #[arg(long)]
+    loss_log: Option<PathBuf>,
+    /// Write a Chrome trace (JSON) of compute and communication per rank.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+}
+
+/// `--limit-all-gathers`.
+#[derive(Debug, Clone, Copy)]
+struct Limit(Option<usize>);
+
+/// `--wrap`.
+#[derive(Debug, Clone, Copy)]
+enum Wrap {
+    Block,
+    Size(usize),
+}
+
+fn parse_strategy(s: &str) -> Result<ShardingStrategy, String> {
+    Ok(match s {
+        "full-shard" => ShardingStrategy::FullShard,
+        "shard-grad-op" => ShardingStrategy::ShardGradOp,
+        "no-shard" => ShardingStrategy::NoShard,
+        "hybrid-shard" => ShardingStrategy::HybridShard,
+        "hybrid-shard-zero2" => ShardingStrategy::HybridShardZero2,
+        _ => {
+            return Err(
+                "unknown strategy (expected full-shard, shard-grad-op, no-shard, \
+                        hybrid-shard or hybrid-shard-zero2)"
+                    .into(),
+            )
+        }
+    })
+}
+
+fn parse_prefetch(s: &str) -> Result<BackwardPrefetch, String> {
+    Ok(match s {
+        "pre" => BackwardPrefetch::Pre,
+        "post" => BackwardPrefetch::Post,
+        "none" => BackwardPrefetch::None,
+        _ => return Err("expected pre, post or none".into()),
+    })
+}
+
+fn parse_limit(s: &str) -> Result<Limit, String> {
+    if s == "off" {
+        return Ok(Limit(None));
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(Limit(Some(n))),
+        _ => Err("expected a number of at least 1 or `off`".into()),
+    }
+}
+
+fn parse_wrap(s: &str) -> Result<Wrap, String> {
+    if s == "block" {
+        return Ok(Wrap::Block);
+    }
+    match s.strip_prefix("size:").map(str::parse::<usize>) {
+        Some(Ok(n)) if n >= 1 => Ok(Wrap::Size(n)),
+        _ => Err("expected `block` or `size:N` with N at least 1".into()),
+    }
+}
+
+fn strategy_name(s: ShardingStrategy) -> &'static str {
+    match s {
+        ShardingStrategy::FullShard => "FULL_SHARD",
+        ShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
+        ShardingStrategy::NoShard => "NO_SHARD",
+        ShardingStrategy::HybridShard => "HYBRID_SHARD",
+        ShardingStrategy::HybridShardZero2 => "HYBRID_SHARD_ZERO2",
+    }
+}
+
+/// An error for the user: printed as one `error: ...` line.
+#[derive(Debug)]
+struct CliError(String);
+
+impl From<FsdpError> for CliError {
+    fn from(e: FsdpError) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+impl From<fsdp_collectives::CollectiveError> for CliError {
+    fn from(e: fsdp_collectives::CollectiveError) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+fn fail(msg: impl Into<String>) -> CliError {
+    CliError(msg.into())
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+                || matches!(
+                    e.kind(),
+                    ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                )
+            {
+                let _ = e.print();
+                return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                    ExitCode::from(2)
+                } else {
+                    ExitCode::SUCCESS
+                };
+            }
+            // clap's first line is the error itself ("error: ..."); the rest is usage help.
+            let text = e.render().to_string();
+            let line = text.lines().next().unwrap_or("error: invalid arguments");
+            eprintln!("{line}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = match cli.command {
+        Command::Train(args) => train(&args),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError(msg)) => {
+            // One line, whatever the message holds.
+            eprintln!("error: {}", msg.replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The model configuration, the FSDP configuration and the unit plan, validated.
+struct Setup {
+    cfg: GptConfig,
+    config: FsdpConfig,
+    plan: UnitPlan,
+}
+
+fn setup(m: &ModelArgs) -> Result<Setup, CliError> {
+    if m.ranks == 0 {
+        return Err(fail("--ranks must be at least 1"));
+    }
+    if m.vocab_size > usize::from(u16::MAX) + 1 {
+        return Err(fail(format!(
+            "--vocab-size {} is larger than 65536 (tokens are u16)",
+            m.vocab_size
+        )));
+    }
+    let cfg = GptConfig::new(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size)?;
+    let mut config = FsdpConfig::new(m.strategy);
+    config.backward_prefetch = m.backward_prefetch;
+    config.forward_prefetch = m.forward_prefetch;
+    config.limit_all_gathers = m.limit_all_gathers.0;
+    match (m.strategy.is_hybrid(), m.ranks_per_node) {
+        (true, Some(0)) => return Err(fail("--ranks-per-node must be at least 1")),
+        (true, Some(n)) if m.ranks % n != 0 => {
+            return Err(fail(format!(
+                "--ranks {} is not divisible by --ranks-per-node {n}",
+                m.ranks
+            )))
+        }
+        (true, n) => config.ranks_per_node = n,
+        (false, Some(_)) => {
+            return Err(fail(format!(
+                "--ranks-per-node applies only to hybrid strategies, not {}",
+                strategy_name(m.strategy)
+            )))
+        }
+        (false, None) => {}
+    }
+    let policy = match m.wrap {
+        Wrap::Block => WrapPolicy::module_type(["Block"]),
+        Wrap::Size(n) => WrapPolicy::size(n),
+    };
+    let plan = plan_units(&gpt_module_tree(&cfg), &WrapOptions::new(policy))?;
+    Ok(Setup { cfg, config, plan })
+}
+
+/// What each rank reports at the end.
+struct RankReport {
+    /// Per step: the global loss, the step's seconds and the peak allocated bytes so far.
+    losses: Vec<(f32, f64, u64)>,
+    peak_allocated: u64,
+    peak_reserved: u64,
+    num_alloc_retries: u64,
+    all_gathered: u64,
+    reduce_scattered: u64,
+    all_reduced: u64,
+    final_params: Option<HashMap<String, Vec<f32>>>,
+}
+
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Write `contents` to `path` atomically: a temporary file in the same directory, fsync,
+/// rename.
+fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), CliError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| fail(format!("{} is not a file path", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let io = |e: std::io::Error| fail(format!("cannot write {}: {e}", path.display()));
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(contents).map_err(io)?;
+        f.sync_all().map_err(io)?;
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(e)
+    })
+}
+
+/// The initial parameters: a checkpoint or the seeded initialisation.
+fn initial_params(
+    args: &TrainArgs,
+    cfg: &GptConfig,
+) -> Result<HashMap<String, Vec<f32>>, CliError> {
+    match &args.init_from {
+        Some(path) => load_checkpoint(path, cfg),
+        None => Ok(named_params(cfg, init_params(cfg, args.seed))?),
+    }
+}
+
+fn load_checkpoint(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32>>, CliError> {
+    Ok(fsdp::checkpoint::load_full(path, cfg)?)
+}
+
+fn save_checkpoint(
+    path: &Path,
+    cfg: &GptConfig,
+    params: &HashMap<String, Vec<f32>>,
+) -> Result<(), CliError> {
+    Ok(fsdp::checkpoint::save_full(path, cfg, params)?)
+}
+
+fn train(args: &TrainArgs) -> Result<(), CliError> {
+    // ---- Validate everything before any rank starts.
+    let Setup { cfg, config, plan } = setup(&args.model)?;
+    let world = args.model.ranks;
+    let t = cfg.block_size;
+    if args.batch_size == 0 {
+        return Err(fail("--batch-size must be at least 1"));
+    }
+    if args.grad_accum == 0 {
+        return Err(fail("--grad-accum must be at least 1"));
+    }
+    if args.batch_size % args.grad_accum != 0 {
+        return Err(fail(format!(
+            "--batch-size {} is not divisible by --grad-accum {}",
+            args.batch_size, args.grad_accum
+        )));
+    }
+    let micro = args.batch_size / args.grad_accum;
+    if micro % world != 0 {
+        return Err(fail(format!(
+            "--batch-size {} ({} rows per micro-batch) is not divisible by --ranks {world}",
+            args.batch_size, micro
+        )));
+    }
+    if args.steps == 0 {
+        return Err(fail("--steps must be at least 1"));
+    }
+    if let Some(c) = args.grad_clip {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(fail("--grad-clip must be a positive number"));
+        }
+    }
+    let opt = AdamWConfig {
+        lr: args.lr,
+        beta1: args.beta1,
+        beta2: args.beta2,
+        eps: args.eps,
+        weight_decay: args.weight_decay,
+    };
+    opt.validate()?;
+    if args.trace.is_some() {
+        return Err(fail("--trace is not yet available"));
+    }
+    let tokens = match &args.data {
+        Some(path) => {
+            let toks = read_token_file(path)?;
+            check_stream_len(toks.len(), t)
+                .map_err(|e| fail(format!("data file {} is too short: {e}", path.display())))?;
+            if let Some(&bad) = toks.iter().find(|&&x| usize::from(x) >= cfg.vocab_size) {
+                return Err(fail(format!(
+                    "data file {} holds token {bad}, outside the vocabulary of {}",
+                    path.display(),
+                    cfg.vocab_size
+                )));
+            }
+            toks
+        }
+        None => synthetic_corpus(SYNTHETIC_LEN, cfg.vocab_size as u16, args.seed),
+    };
+    let params = initial_params(args, &cfg)?;
+    // Check the output paths' directories now rather than after training.
+    for p in [&args.save, &args.loss_log].into_iter().flatten() {
+        if let Some(d) = p.parent() {
+            if !d.as_os_str().is_empty() && !d.is_dir() {
+                return Err(fail(format!(
+                    "{}: directory {} does not exist",
+                    p.display(),
+                    d.display()
+                )));
+            }
+        }
+    }
+
+    // ---- Train.
+    let global_tokens = args.batch_size * t;
+    let steps = args.steps;
+    let accum = args.grad_accum;
+    let want_params = args.save.is_some();
+    let tty = std::io::stderr().is_terminal();
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mem_now: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
+    println!(
+        "fsdp train: {} ranks, {}, GPT {} layers × {} heads × {} wide ({} parameters, {} units), \
+         batch {} × {} tokens{}",
+        world,
+        strategy_name(config.strategy),
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.num_params(),
+        plan.units.len(),
+        args.batch_size,
+        t,
+        if accum > 1 {
+            format!(" in {accum} micro-batches")
+        } else {
+            String::new()
+        }
+    );
+    let start = Instant::now();
+    let run = |comm: ring::RingCommunicator| -> Result<RankReport, FsdpError> {
+        let rank = comm.rank();
+        let mut model = FsdpGpt::new(Box::new(comm), cfg, &plan, &params, config, opt)?;
+        let mut losses = Vec::with_capacity(steps);
+        let (mut ag, mut rs, mut ar) = (0u64, 0u64, 0u64);
+        for step in 0..steps {
+            let t0 = Instant::now();
+            let mut loss = 0.0f32;
+            for m in 0..accum {
+                let k = (step * accum + m) as u64;
+                let batch = get_batch(&tokens, k, micro, t, rank, world)?;
+                let l = if m + 1 < accum {
+                    model.no_sync(|f| f.forward_backward(&batch, global_tokens))?
+                } else {
+                    model.forward_backward(&batch, global_tokens)?
+                };
+                loss += l;
+            }
+            if let Some(c) = args.grad_clip {
+                model.clip_grad_norm(c)?;
+            }
+            model.optimizer_step()?;
+            let dt = t0.elapsed().as_secs_f64();
+            // Communication volume from the recorded schedule and the units' layouts.
+            for e in model.schedule() {
+                let Some(layout) = model.layout(e.unit) else {
+                    continue;
+                };
+                let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as u64;
+                match e.kind {
+                    ScheduleKind::AllGather => ag += bytes(layout.padded_numel()),
+                    ScheduleKind::ReduceScatter => rs += bytes(layout.padded_numel()),
+                    ScheduleKind::AllReduce => ar += bytes(layout.shard_numel()),
+                    ScheduleKind::Free => {}
+                }
+            }
+            model.clear_schedule();
+            let stats = model.memory_stats();
+            mem_now[rank].store(stats.allocated_bytes.all.peak, Ordering::Relaxed);
+            losses.push((loss, dt, stats.allocated_bytes.all.peak));
+            if rank == 0 {
+                let mem: Vec<String> = mem_now
+                    .iter()
+                    .map(|a| human_bytes(a.load(Ordering::Relaxed)))
+                    .collect();
+                let tps = global_tokens as f64 / dt;
+                let msg = format!(
+                    "step {step} loss {loss:.4} {tps:.0} tok/s peak alloc/rank [{}]",
+                    mem.join(", ")
+                );
+                if tty {
+                    bar.set_message(msg);
+                    bar.inc(1);
+                } else if step == 0 || (step + 1) % (steps / 10).max(1) == 0 {
+                    println!("{msg}");
+                }
+            }
+        }
+        let final_params = if want_params {
+            let p = model.full_params()?;
+            (rank == 0).then_some(p)
+        } else {
+            None
+        };
+        let stats = model.memory_stats();
+        Ok(RankReport {
+            losses,
+            peak_allocated: stats.allocated_bytes.all.peak,
+            peak_reserved: stats.reserved_bytes.all.peak,
+            num_alloc_retries: stats.num_alloc_retries,
+            all_gathered: ag,
+            reduce_scattered: rs,
+            all_reduced: ar,
+            final_params,
+        })
+    };
+    let results = ring::run_ranks(world, ring::RingOptions::default(), run)?;
+    let elapsed = start.elapsed();
+    bar.finish_and_clear();
+    let mut reports = Vec::with_capacity(world);
+    for r in results {
+        reports.push(r?);
+    }
+
+    // ---- Outputs.
+    let rank0 = &reports[0];
+    if let Some(path) = &args.loss_log {
+        let mut csv = String::from("step,loss,tokens_per_s,peak_allocated_bytes_rank0\n");
+        for (i, (loss, dt, peak)) in rank0.losses.iter().enumerate() {
+            csv.push_str(&format!(
+                "{i},{loss:.8},{:.1},{peak}\n",
+                global_tokens as f64 / dt
+            ));
+        }
+        write_atomic(path, csv.as_bytes())?;
+    }
+    if let Some(path) = &args.save {
+        let params = rank0
+            .final_params
+            .as_ref()
+            .ok_or_else(|| fail("rank 0 returned no parameters"))?;
+        save_checkpoint(path, &cfg, params)?;
+    }
+    print_summary(&reports, elapsed, global_tokens, steps);
+    Ok(())
+}
+
+fn print_summary(reports: &[RankReport], elapsed: Duration, global_tokens: usize, steps: usize) {
+    let losses = &reports[0].losses;
+    let first = losses.first().map_or(f32::NAN, |l| l.0);
+    let last = losses.last().map_or(f32::NAN, |l| l.0);
+    let secs = elapsed.as_secs_f64();
+    println!(
+        "done: {steps} steps in {secs:.1} s ({:.0} tokens/s); loss {first:.4} -> {last:.4}",
+        (global_tokens * steps) as f64 / secs
+    );
+    println!(
+        "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}",
+        "rank",
+        "peak allocated",
+        "peak reserved",
+        "alloc retries",
+        "all-gathered",
+        "reduce-scattered",
+        "all-reduced"
+    );
+    for (rank, r) in reports.iter().enumerate() {
+        println!(
+            "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}",
+            rank,
+            human_bytes(r.peak_allocated),
+            human_bytes(r.peak_reserved),
+            r.num_alloc_retries,
+            human_bytes(r.all_gathered),
+            human_bytes(r.reduce_scattered),
+            human_bytes(r.all_reduced)
+        );
+    }
+}
