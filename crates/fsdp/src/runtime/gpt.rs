@@ -24,6 +24,9 @@ use crate::FsdpError;
 
 const WTE: &str = "transformer.wte.weight";
 
+#[path = "shards.rs"]
+mod shards;
+
 /// The process groups of a rank.
 struct Groups {
     strategy: ShardingStrategy,
