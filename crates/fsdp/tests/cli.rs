@@ -363,3 +363,40 @@ fn bad_checkpoints_give_one_error_line() {
     assert_one_error(&out, "garbage.safetensors");
     assert!(!save.exists(), "no output after a failed start");
 }
+
+#[test]
+fn trace_option_writes_a_chrome_trace_of_every_rank() {
+    let path = tmp("trace.json");
+    let out = train(&[
+        "--ranks",
+        "2",
+        "--batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--trace",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    for rank in 0..2u64 {
+        let mine = |ph: &str| {
+            events
+                .iter()
+                .filter(|e| e["pid"].as_u64() == Some(rank) && e["ph"] == ph)
+                .count()
+        };
+        assert!(mine("X") > 0 && mine("C") > 0, "rank {rank}");
+    }
+    // A trace to a directory that does not exist is refused before training.
+    assert_one_error(
+        &train(&["--trace", "/nonexistent-dir/trace.json"]),
+        "does not exist",
+    );
+}

@@ -318,6 +318,7 @@ struct RankReport {
     reduce_scattered: u64,
     all_reduced: u64,
     final_params: Option<HashMap<String, Vec<f32>>>,
+    trace: Vec<fsdp::trace::TraceEvent>,
 }
 
 fn human_bytes(b: u64) -> String {
@@ -425,9 +426,6 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
         weight_decay: args.weight_decay,
     };
     opt.validate()?;
-    if args.trace.is_some() {
-        return Err(fail("--trace is not yet available"));
-    }
     let tokens = match &args.data {
         Some(path) => {
             let toks = read_token_file(path)?;
@@ -446,7 +444,10 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
     };
     let params = initial_params(args, &cfg)?;
     // Check the output paths' directories now rather than after training.
-    for p in [&args.save, &args.loss_log].into_iter().flatten() {
+    for p in [&args.save, &args.loss_log, &args.trace]
+        .into_iter()
+        .flatten()
+    {
         if let Some(d) = p.parent() {
             if !d.as_os_str().is_empty() && !d.is_dir() {
                 return Err(fail(format!(
@@ -463,6 +464,8 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
     let steps = args.steps;
     let accum = args.grad_accum;
     let want_params = args.save.is_some();
+    let mut config = config;
+    config.trace = args.trace.is_some();
     let tty = std::io::stderr().is_terminal();
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
@@ -554,7 +557,9 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
             None
         };
         let stats = model.memory_stats();
+        let trace = model.trace_events();
         Ok(RankReport {
+            trace,
             losses,
             peak_allocated: stats.allocated_bytes.all.peak,
             peak_reserved: stats.reserved_bytes.all.peak,
@@ -591,6 +596,13 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
             .as_ref()
             .ok_or_else(|| fail("rank 0 returned no parameters"))?;
         save_checkpoint(path, &cfg, params)?;
+    }
+    if let Some(path) = &args.trace {
+        let per_rank: Vec<Vec<fsdp::trace::TraceEvent>> = reports
+            .iter_mut()
+            .map(|r| std::mem::take(&mut r.trace))
+            .collect();
+        fsdp::trace::write_chrome_trace(path, &per_rank)?;
     }
     print_summary(&reports, elapsed, global_tokens, steps);
     Ok(())
