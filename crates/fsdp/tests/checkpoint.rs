@@ -625,3 +625,65 @@ fn load_sharded_errors_are_clear() {
     let e = message(load_sharded(&temp_dir("sharded-empty"), &cfg).unwrap_err());
     assert!(e.contains("not a sharded checkpoint"), "{e}");
 }
+
+#[test]
+fn save_full_of_the_golden_init_matches_pytorchs_file() {
+    // PyTorch's `safetensors.torch.save_file` wrote the fixture; ours has the same tensors in the
+    // same order at the same offsets with the same bytes (only the metadata `format = pt` differs).
+    let cfg = cfg();
+    let fixture = fs::read(common::fixture("gpt_tiny_init.safetensors")).unwrap();
+    let dir = temp_dir("golden-bytes");
+    let path = dir.join("init.safetensors");
+    save_full(
+        &path,
+        &cfg,
+        &load_full(&common::fixture("gpt_tiny_init.safetensors"), &cfg).unwrap(),
+    )
+    .unwrap();
+    let ours = fs::read(&path).unwrap();
+    let header =
+        |b: &[u8]| usize::try_from(u64::from_le_bytes(b[..8].try_into().unwrap())).unwrap();
+    let (hf, ho) = (header(&fixture), header(&ours));
+    assert_eq!(&ours[8 + ho..], &fixture[8 + hf..], "tensor data");
+    let (_, mf) = safetensors::SafeTensors::read_metadata(&fixture).unwrap();
+    let (_, mo) = safetensors::SafeTensors::read_metadata(&ours).unwrap();
+    let infos = |m: &safetensors::tensor::Metadata| {
+        let mut v: Vec<_> = m
+            .tensors()
+            .into_iter()
+            .map(|(k, i)| (k, i.dtype, i.shape.clone(), i.data_offsets))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    assert_eq!(infos(&mo), infos(&mf));
+}
+
+#[test]
+fn a_failed_sharded_save_fails_on_every_rank() {
+    let (cfg, init) = small();
+    let dir = temp_dir("sharded-fail");
+    // The target "directory" is a regular file: no rank can write.
+    let target = dir.join("not-a-dir");
+    fs::write(&target, b"x").unwrap();
+    let plan = gpt_block_plan(&cfg);
+    let results = ring::run_ranks(2, ring_opts(), |comm| {
+        FsdpGpt::new(
+            Box::new(comm),
+            cfg,
+            &plan,
+            &init,
+            FsdpConfig::new(ShardingStrategy::FullShard),
+            opt(),
+        )
+        .unwrap()
+        .save_sharded(&target)
+        .map_err(|e| e.to_string())
+    })
+    .unwrap();
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(e.contains("not-a-dir"), "{e}");
+    }
+    assert_eq!(fs::read(&target).unwrap(), b"x");
+}
