@@ -47,6 +47,7 @@ pub mod data;
 mod error;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod runtime;
 pub mod trace;
 pub mod units;
