@@ -400,3 +400,30 @@ fn trace_option_writes_a_chrome_trace_of_every_rank() {
         "does not exist",
     );
 }
+
+#[test]
+fn plan_prints_the_table_and_rejects_invalid_options() {
+    let mut args = vec!["plan"];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&["--ranks", "4", "--batch-size", "8"]);
+    let out = fsdp(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("transformer.h.1"), "{stdout}");
+    assert!(stdout.contains("peak allocated"), "{stdout}");
+
+    let out = fsdp(&[
+        "plan",
+        "--strategy",
+        "hybrid-shard",
+        "--ranks-per-node",
+        "3",
+    ]);
+    assert_one_error(&out, "not divisible by --ranks-per-node 3");
+    let out = fsdp(&["plan", "--ranks", "4", "--batch-size", "6"]);
+    assert_one_error(&out, "not divisible by --ranks 4");
+}

@@ -1,7 +1,7 @@
 //! `fsdp`: sharded GPT training on the embedded CPU ring backend (ranks are threads).
 //!
 //! `fsdp train` trains the reference GPT with FSDP and shows a progress bar and a summary;
-//! every option is checked before any rank starts, and an invalid one ends with a single
+//! `fsdp plan` prints the memory and communication plan of the same options; every option is checked before any rank starts, and an invalid one ends with a single
 //! `error: ...` line and a non-zero exit status.
 
 use std::collections::HashMap;
@@ -40,6 +40,21 @@ struct Cli {
 enum Command {
     /// Train a GPT with FSDP and print a summary.
     Train(TrainArgs),
+    /// Print the memory plan: per unit the parameters, the per-rank payload of each collective
+    /// and the collectives per step; per rank the predicted peak memory by category.
+    Plan(PlanArgs),
+}
+
+#[derive(Args, Debug)]
+struct PlanArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Global batch size in rows (over all ranks and micro-batches).
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Micro-batches per optimizer step (the plan is for one micro-batch).
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
 }
 
 /// The model, the sharding and the wrap policy (shared by the subcommands).
@@ -249,6 +264,7 @@ fn main() -> ExitCode {
     };
     let r = match cli.command {
         Command::Train(args) => train(&args),
+        Command::Plan(args) => print_plan(&args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -386,30 +402,45 @@ fn save_checkpoint(
     Ok(fsdp::checkpoint::save_full(path, cfg, params)?)
 }
 
+/// Rows per micro-batch (all ranks) for `batch_size` rows in `grad_accum` micro-batches on
+/// `world` ranks.
+fn micro_batch(batch_size: usize, grad_accum: usize, world: usize) -> Result<usize, CliError> {
+    if batch_size == 0 {
+        return Err(fail("--batch-size must be at least 1"));
+    }
+    if grad_accum == 0 {
+        return Err(fail("--grad-accum must be at least 1"));
+    }
+    if batch_size % grad_accum != 0 {
+        return Err(fail(format!(
+            "--batch-size {batch_size} is not divisible by --grad-accum {grad_accum}"
+        )));
+    }
+    let micro = batch_size / grad_accum;
+    if micro % world != 0 {
+        return Err(fail(format!(
+            "--batch-size {batch_size} ({micro} rows per micro-batch) is not divisible by \
+             --ranks {world}"
+        )));
+    }
+    Ok(micro)
+}
+
+fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
+    let Setup { cfg, config, plan } = setup(&args.model)?;
+    let world = args.model.ranks;
+    let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
+    let p = fsdp::plan::plan(&cfg, world, &config, &plan, micro / world, cfg.block_size)?;
+    print!("{p}");
+    Ok(())
+}
+
 fn train(args: &TrainArgs) -> Result<(), CliError> {
     // ---- Validate everything before any rank starts.
     let Setup { cfg, config, plan } = setup(&args.model)?;
     let world = args.model.ranks;
     let t = cfg.block_size;
-    if args.batch_size == 0 {
-        return Err(fail("--batch-size must be at least 1"));
-    }
-    if args.grad_accum == 0 {
-        return Err(fail("--grad-accum must be at least 1"));
-    }
-    if args.batch_size % args.grad_accum != 0 {
-        return Err(fail(format!(
-            "--batch-size {} is not divisible by --grad-accum {}",
-            args.batch_size, args.grad_accum
-        )));
-    }
-    let micro = args.batch_size / args.grad_accum;
-    if micro % world != 0 {
-        return Err(fail(format!(
-            "--batch-size {} ({} rows per micro-batch) is not divisible by --ranks {world}",
-            args.batch_size, micro
-        )));
-    }
+    let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {
         return Err(fail("--steps must be at least 1"));
     }
@@ -535,7 +566,10 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
             if rank == 0 {
                 let mem: Vec<String> = mem_now
                     .iter()
-                    .map(|a| human_bytes(a.load(Ordering::Relaxed)))
+                    .map(|a| match a.load(Ordering::Relaxed) {
+                        0 => "-".to_string(),
+                        b => human_bytes(b),
+                    })
                     .collect();
                 let tps = global_tokens as f64 / dt;
                 let msg = format!(
