@@ -89,7 +89,7 @@ pub enum TraceEvent {
         /// The forward/backward pass (micro-batch) counted from 1.
         step: u64,
         /// The units involved (a compute stage's units, or the collective's unit; empty for the
-        /// loss all-reduce).
+        /// all-reduces of the loss and of the squared gradient norm).
         units: Vec<usize>,
         /// Begin, microseconds since the epoch of [`now_us`].
         begin_us: f64,
@@ -150,7 +150,8 @@ impl Tracer {
         let r = issue()?;
         let name = match units.as_slice() {
             [u] => format!("{} unit {u}", kind.as_str()),
-            [] => format!("{} loss", kind.as_str()),
+            [] if bytes == 4 => format!("{} loss", kind.as_str()),
+            [] => format!("{} grad norm", kind.as_str()),
             _ => format!("{} units {units:?}", kind.as_str()),
         };
         let sink = self.clone();

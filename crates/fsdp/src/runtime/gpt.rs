@@ -987,7 +987,16 @@ impl FsdpGpt {
         }
         if let Some(group) = self.groups.shard() {
             let b = Buffer::from_slice(&[sharded])?;
-            group.all_reduce(&b, ReduceOp::Sum)?.wait()?;
+            traced(
+                self.tracer.as_ref(),
+                group.stream(),
+                SpanKind::AllReduce,
+                self.step,
+                Vec::new(),
+                8,
+                || Ok(group.all_reduce(&b, ReduceOp::Sum)?),
+            )?
+            .wait()?;
             sharded = b.to_vec::<f64>()?[0];
         }
         let total = (sharded + replicated).sqrt();
