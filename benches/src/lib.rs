@@ -19,11 +19,19 @@ pub enum Flavor {
     List,
     /// `all_gather` with unequal input sizes (rank r contributes in proportion to r + 1).
     Unequal,
+    /// `all_gather_base` in place: the input is this rank's block of the output (what FSDP does
+    /// when the shard lives inside the unsharded buffer), so no local copy is needed.
+    BaseInPlace,
 }
 
 impl Flavor {
     /// Every flavour.
-    pub const ALL: [Flavor; 3] = [Flavor::Base, Flavor::List, Flavor::Unequal];
+    pub const ALL: [Flavor; 4] = [
+        Flavor::Base,
+        Flavor::BaseInPlace,
+        Flavor::List,
+        Flavor::Unequal,
+    ];
 
     /// Short name.
     pub fn name(self) -> &'static str {
@@ -31,6 +39,7 @@ impl Flavor {
             Flavor::Base => "base",
             Flavor::List => "list",
             Flavor::Unequal => "unequal",
+            Flavor::BaseInPlace => "in-place",
         }
     }
 }
@@ -56,7 +65,7 @@ enum Cmd {
 fn input_len(job: &Job, world: usize, r: usize) -> usize {
     let total = job.out_bytes / 4;
     match job.flavor {
-        Flavor::Base | Flavor::List => total / world,
+        Flavor::Base | Flavor::BaseInPlace | Flavor::List => total / world,
         Flavor::Unequal => {
             // proportional to r + 1, summing to about `total`
             let weight = world * (world + 1) / 2;
@@ -77,9 +86,19 @@ fn prepare(comm: &ring::RingCommunicator, job: &Job) -> RankBuffers {
     let mut outputs = Vec::new();
     for _ in 0..job.count {
         let n = input_len(job, world, r);
+        if job.flavor == Flavor::BaseInPlace {
+            let out = Buffer::zeros(DType::F32, n * world).expect("output");
+            let own = out.slice(r * n..(r + 1) * n).expect("own block");
+            own.copy_from_slice(&vec![r as f32; n]).expect("input");
+            inputs.push(own);
+            outputs.push(vec![out]);
+            continue;
+        }
         inputs.push(Buffer::from_slice(&vec![r as f32; n]).expect("input"));
         outputs.push(match job.flavor {
-            Flavor::Base => vec![Buffer::zeros(DType::F32, n * world).expect("output")],
+            Flavor::Base | Flavor::BaseInPlace => {
+                vec![Buffer::zeros(DType::F32, n * world).expect("output")]
+            }
             Flavor::List | Flavor::Unequal => (0..world)
                 .map(|q| Buffer::zeros(DType::F32, input_len(job, world, q)).expect("output"))
                 .collect(),
@@ -93,7 +112,7 @@ fn run_once(comm: &ring::RingCommunicator, job: &Job, bufs: &RankBuffers) {
     for (input, outs) in bufs.inputs.iter().zip(&bufs.outputs) {
         works.push(
             match job.flavor {
-                Flavor::Base => comm.all_gather_base(input, &outs[0]),
+                Flavor::Base | Flavor::BaseInPlace => comm.all_gather_base(input, &outs[0]),
                 Flavor::List | Flavor::Unequal => comm.all_gather(input, outs),
             }
             .expect("issue all-gather"),

@@ -55,7 +55,9 @@ fn main() {
     println!(
         "All-gather, ring backend, f32; S = total output bytes; algbw = S/t; busbw = algbw*(n-1)/n"
     );
-    println!("ideal = one thread memcpy of (n-1)*S bytes; efficiency = ideal / time (base only)");
+    println!(
+        "ideal = one thread memcpy of (n-1)*S bytes; efficiency = ideal / time (base and in-place)"
+    );
     println!();
     println!(
         "{:>5} {:>9} {:>8} {:>12} {:>11} {:>11} {:>12} {:>10}",
@@ -82,11 +84,14 @@ fn main() {
                 });
                 let t = bench.median_per_iter(target, reps);
                 let (alg, bus) = bandwidths(s, world, t);
-                let eff = if flavor == Flavor::Base {
-                    base_t = Some(t);
-                    format!("{:.2}", ideal.as_secs_f64() / t.as_secs_f64())
-                } else {
-                    String::new()
+                let eff = match flavor {
+                    Flavor::Base | Flavor::BaseInPlace => {
+                        if flavor == Flavor::Base {
+                            base_t = Some(t);
+                        }
+                        format!("{:.2}", ideal.as_secs_f64() / t.as_secs_f64())
+                    }
+                    _ => String::new(),
                 };
                 println!(
                     "{:>5} {:>9} {:>8} {:>12.1} {:>11.2} {:>11.2} {:>12.1} {:>10}",
@@ -96,7 +101,7 @@ fn main() {
                     t.as_secs_f64() * 1e6,
                     alg,
                     bus,
-                    if flavor == Flavor::Base {
+                    if matches!(flavor, Flavor::Base | Flavor::BaseInPlace) {
                         ideal.as_secs_f64() * 1e6
                     } else {
                         f64::NAN
