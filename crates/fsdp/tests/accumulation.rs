@@ -8,6 +8,8 @@
 //! FULL_SHARD at world 3, SHARD_GRAD_OP at world 4, NO_SHARD at world 2, HYBRID_SHARD over 2×2,
 //! and once combined with `no_sync` accumulation.
 
+mod common;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -37,13 +39,7 @@ fn setup() -> Setup {
         cfg,
         tokens: synthetic_corpus(20_000, 96, 11),
         init: named_params(&cfg, init_params(&cfg, 3)).unwrap(),
-        opt: AdamWConfig {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
+        opt: common::adamw(),
     }
 }
 

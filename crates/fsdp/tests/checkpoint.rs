@@ -377,13 +377,7 @@ const BATCH: usize = 12;
 const SEQ: usize = 16;
 
 fn opt() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
+    common::adamw()
 }
 
 fn ring_opts() -> ring::RingOptions {

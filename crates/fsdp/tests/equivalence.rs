@@ -15,12 +15,14 @@
 //! run on FULL_SHARD at world 3, SHARD_GRAD_OP at world 2 and HYBRID_SHARD over 2×2 — the
 //! configurations where the all-gathers actually move data and the order differs.
 
+mod common;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{forward_backward, init_params, named_params, zeros_like_params, GptConfig};
-use fsdp::optim::{AdamWConfig, OptimizerConfig, OptimizerState, SgdConfig};
+use fsdp::optim::{OptimizerConfig, OptimizerState, SgdConfig};
 use fsdp::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::units::gpt_block_plan;
 use fsdp_collectives::{ring, Communicator};
@@ -42,14 +44,7 @@ fn setup() -> Setup {
         cfg,
         tokens: synthetic_corpus(20_000, 96, 7),
         init: named_params(&cfg, init_params(&cfg, 42)).unwrap(),
-        opt: AdamWConfig {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        }
-        .into(),
+        opt: common::adamw().into(),
     }
 }
 

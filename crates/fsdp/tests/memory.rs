@@ -3,11 +3,12 @@
 //! activations are plain vectors and not counted) order FULL_SHARD < SHARD_GRAD_OP < NO_SHARD
 //! on an 8-block model at world 4, and FULL_SHARD's peak stays within the seeds' bound.
 
+mod common;
+
 use std::time::Duration;
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{init_params, named_params, GptConfig};
-use fsdp::optim::AdamWConfig;
 use fsdp::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::units::{gpt_block_plan, UnitSpec};
 use fsdp_collectives::{ring, Communicator};
@@ -18,13 +19,7 @@ const WORLD: usize = 4;
 fn peak(cfg: GptConfig, strategy: ShardingStrategy) -> u64 {
     let init = named_params(&cfg, init_params(&cfg, 5)).unwrap();
     let tokens = synthetic_corpus(4_000, 96, 3);
-    let opt = AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let opt = common::adamw();
     let plan = gpt_block_plan(&cfg);
     let opts = ring::RingOptions::default().with_timeout(Duration::from_secs(60));
     ring::run_ranks(WORLD, opts, |comm| {

@@ -3,11 +3,12 @@
 //! (hybrid: 2 nodes × 2 ranks) on an 8-block model, and its collective counts per step match
 //! the runtime's recorded schedule.
 
+mod common;
+
 use std::time::Duration;
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{init_params, named_params, GptConfig};
-use fsdp::optim::AdamWConfig;
 use fsdp::plan::plan;
 use fsdp::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, Phase, ScheduleKind, ShardingStrategy};
 use fsdp::units::gpt_block_plan;
@@ -22,13 +23,7 @@ const SEQ: usize = 16;
 fn measure(cfg: GptConfig, config: FsdpConfig) -> Vec<(u64, (usize, usize, usize, usize))> {
     let init = named_params(&cfg, init_params(&cfg, 5)).unwrap();
     let tokens = synthetic_corpus(4_000, cfg.vocab_size as u16, 3);
-    let opt = AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let opt = common::adamw();
     let plan = gpt_block_plan(&cfg);
     let opts = ring::RingOptions::default().with_timeout(Duration::from_secs(60));
     ring::run_ranks(WORLD, opts, |comm| {

@@ -5,12 +5,13 @@
 //! current unit is freed; the limiter bounds the buffers in flight; each strategy issues the
 //! collectives it should.
 
+mod common;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{init_params, named_params, GptConfig};
-use fsdp::optim::AdamWConfig;
 use fsdp::runtime::{
     BackwardPrefetch, FsdpConfig, FsdpGpt, Phase, ScheduleEvent, ScheduleKind, ShardingStrategy,
 };
@@ -26,13 +27,7 @@ fn schedule(world: usize, config: FsdpConfig) -> Vec<ScheduleEvent> {
     let cfg = GptConfig::new(LAYERS, 2, 16, 8, 64).unwrap();
     let init: HashMap<String, Vec<f32>> = named_params(&cfg, init_params(&cfg, 1)).unwrap();
     let tokens = synthetic_corpus(4_000, 64, 3);
-    let opt = AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let opt = common::adamw();
     let plan = gpt_block_plan(&cfg);
     let opts = ring::RingOptions::default().with_timeout(Duration::from_secs(60));
     let mut all = ring::run_ranks(world, opts, |comm| {

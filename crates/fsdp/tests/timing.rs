@@ -2,11 +2,12 @@
 //! `cargo test -p fsdp --test timing -- --ignored --nocapture`). Ranks are threads and the
 //! communication streams are worker threads, so the figures depend on the cores available.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{init_params, named_params, GptConfig};
-use fsdp::optim::AdamWConfig;
 use fsdp::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::units::gpt_block_plan;
 use fsdp_collectives::{ring, Communicator};
@@ -17,13 +18,7 @@ fn step_times() {
     let cfg = GptConfig::new(4, 4, 128, 64, 512).unwrap();
     let init = named_params(&cfg, init_params(&cfg, 0)).unwrap();
     let tokens = synthetic_corpus(50_000, 512, 1);
-    let opt = AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let opt = common::adamw();
     let plan = gpt_block_plan(&cfg);
     let (rows, seq, steps) = (8, 64, 6);
     let world = 2;

@@ -11,12 +11,13 @@
 //! retries the run (up to 3 times) before failing, so a single unlucky scheduling of the two
 //! rank threads plus their communication threads on 2 cores cannot fail it.
 
+mod common;
+
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use fsdp::data::{get_batch, synthetic_corpus};
 use fsdp::model::{init_params, named_params, GptConfig};
-use fsdp::optim::AdamWConfig;
 use fsdp::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp::trace::{write_chrome_trace, TraceEvent};
 use fsdp::units::gpt_block_plan;
@@ -28,13 +29,7 @@ const WORLD: usize = 2;
 fn run(cfg: GptConfig) -> Vec<Vec<TraceEvent>> {
     let init = named_params(&cfg, init_params(&cfg, 1)).unwrap();
     let tokens = synthetic_corpus(20_000, cfg.vocab_size as u16, 2);
-    let opt = AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let opt = common::adamw();
     let plan = gpt_block_plan(&cfg);
     let opts = ring::RingOptions::default().with_timeout(Duration::from_secs(60));
     ring::run_ranks(WORLD, opts, |comm| {
@@ -219,13 +214,7 @@ fn tracing_off_records_nothing_and_an_empty_trace_is_valid_json() {
     let cfg = GptConfig::new(1, 2, 32, 16, 96).unwrap();
     let init = named_params(&cfg, init_params(&cfg, 0)).unwrap();
     let tokens = synthetic_corpus(2_000, 96, 1);
-    let opt = AdamWConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let opt = common::adamw();
     let events = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
         let rank = comm.rank();
         let config = FsdpConfig::new(ShardingStrategy::FullShard);
