@@ -70,6 +70,55 @@ pub enum CollectiveError {
         /// The failure that aborted the group.
         reason: String,
     },
+    /// The rendezvous could not complete in time: the listed ranks never arrived (never connected
+    /// to the store or never published what the others wait for).
+    #[error(
+        "rank {rank}: rendezvous timed out after {waited:?}: ranks {missing:?} never arrived ({what})"
+    )]
+    MissingRanks {
+        /// The reporting rank.
+        rank: usize,
+        /// The ranks that did not arrive.
+        missing: Vec<usize>,
+        /// How long the wait lasted.
+        waited: Duration,
+        /// What was waited for (e.g. "keys tcp/addr/{r} in the store").
+        what: String,
+    },
+    /// An operation of the rendezvous store failed: the port is taken, the server cannot be
+    /// reached, a key did not appear in time, the connection broke.
+    #[error("rank {rank}: store {op} failed: {reason}")]
+    Store {
+        /// The reporting rank.
+        rank: usize,
+        /// The store operation (`bind`, `connect`, `set`, `get`, `wait`, `add`, ...).
+        op: &'static str,
+        /// What went wrong, with the address or keys involved.
+        reason: String,
+    },
+    /// The backend's library reported an error (NCCL's or MPI's error string is kept).
+    #[error("rank {rank}: {backend} error in {op}: {reason}")]
+    Backend {
+        /// The reporting rank.
+        rank: usize,
+        /// The backend (`"nccl"`, `"mpi"`, `"tcp"`).
+        backend: &'static str,
+        /// The operation that failed.
+        op: &'static str,
+        /// The library's own description of the error.
+        reason: String,
+    },
+    /// The requested backend cannot be used here: its library is not installed or could not be
+    /// loaded, no device is present, or this build does not include it (cargo feature off).
+    #[error("rank {rank}: backend {backend} is not available: {reason}")]
+    Unavailable {
+        /// The reporting rank.
+        rank: usize,
+        /// The backend.
+        backend: &'static str,
+        /// Why, and what to do about it.
+        reason: String,
+    },
     /// A stream or buffer error.
     #[error("rank {rank}: {source}")]
     Device {
@@ -90,6 +139,10 @@ impl CollectiveError {
             | CollectiveError::Timeout { rank, .. }
             | CollectiveError::PeerDeparted { rank, .. }
             | CollectiveError::Aborted { rank, .. }
+            | CollectiveError::MissingRanks { rank, .. }
+            | CollectiveError::Store { rank, .. }
+            | CollectiveError::Backend { rank, .. }
+            | CollectiveError::Unavailable { rank, .. }
             | CollectiveError::Device { rank, .. } => *rank,
         }
     }

@@ -36,15 +36,22 @@
 //! ```
 
 mod communicator;
+mod env;
 mod error;
 pub mod flavors;
+pub mod launch;
 mod mesh;
 mod op;
+pub mod store;
 mod work;
 
 pub use communicator::Communicator;
 pub use error::{CollectiveError, Result};
-pub use flavors::ring;
+pub use flavors::{ring, tcp};
+#[cfg(feature = "mpi")]
+pub use flavors::mpi;
+#[cfg(feature = "nccl")]
+pub use flavors::nccl;
 pub use mesh::{mesh_2d, HybridMesh};
 pub use op::ReduceOp;
 pub use work::{Work, WorkCompleter};

@@ -1,0 +1,3 @@
+//! Runs every collective of the MPI backend against the host reference (being written).
+
+fn main() {}

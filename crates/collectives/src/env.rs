@@ -1,0 +1,1 @@
+//! Building a communicator from the environment (being written).

@@ -1,0 +1,1 @@
+//! The nccl backend (being written).

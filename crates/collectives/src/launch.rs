@@ -1,0 +1,1 @@
+//! The process launcher (being written).

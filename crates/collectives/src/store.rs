@@ -1,0 +1,1 @@
+//! The rendezvous key-value store (being written).
