@@ -1,0 +1,248 @@
+//! Building a rank's ring connections through the store.
+//!
+//! Each rank binds a listener (port 0), publishes `ip:port` under `fsdp/tcp/<group>/addr/<rank>`,
+//! connects to its successor and sends its hello without waiting, then accepts its predecessor,
+//! checks its hello and answers, and finally reads its successor's answer. Writing the hello
+//! before accepting is what keeps a ring of ranks that all connect first from waiting on each
+//! other. Every step is bounded by one deadline.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::link::{read_by, write_all_by, AbortState, Links};
+use super::wire::{self, Hello};
+use super::TcpOptions;
+use crate::store::TcpStore;
+use crate::{CollectiveError, Result};
+
+/// How often an idle accept looks again.
+const ACCEPT_POLL: Duration = Duration::from_millis(2);
+
+fn addr_key(group: &str, rank: usize) -> String {
+    format!("fsdp/tcp/{group}/addr/{rank}")
+}
+
+/// The local address of the interface that routes to the store's host: the address other ranks
+/// can reach this one on, if they can reach the store. Loopback when nothing better is known.
+fn listen_ip(store: &TcpStore, opts: &TcpOptions) -> IpAddr {
+    if let Some(ip) = opts.listen_ip {
+        return ip;
+    }
+    let routed = || -> io::Result<IpAddr> {
+        let target = store
+            .address()
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::other("the store's address did not resolve"))?;
+        if target.ip().is_loopback() {
+            return Ok(target.ip());
+        }
+        let any: SocketAddr = if target.is_ipv4() {
+            (Ipv4Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        };
+        // A UDP "connect" sends nothing; it only picks the route and thereby the local address.
+        let probe = UdpSocket::bind(any)?;
+        probe.connect(target)?;
+        Ok(probe.local_addr()?.ip())
+    };
+    match routed() {
+        Ok(ip) if !ip.is_unspecified() => ip,
+        _ => Ipv4Addr::LOCALHOST.into(),
+    }
+}
+
+/// Connect `rank` of the ring `group` of `world` ranks; `None` for a group of one.
+pub(crate) fn connect_ring(
+    store: &TcpStore,
+    group: &str,
+    rank: usize,
+    world: usize,
+    opts: &TcpOptions,
+    abort: Arc<AbortState>,
+) -> Result<Option<Links>> {
+    if world == 1 {
+        return Ok(None);
+    }
+    let timeout = opts.timeout;
+    let deadline = Instant::now() + timeout;
+    let next = (rank + 1) % world;
+    let prev = (rank + world - 1) % world;
+    let backend = |op: &'static str, reason: String| CollectiveError::Backend {
+        rank,
+        backend: "tcp",
+        op,
+        reason,
+    };
+
+    let ip = listen_ip(store, opts);
+    let listener = TcpListener::bind((ip, 0))
+        .map_err(|e| backend("bind", format!("cannot listen on {ip} (port 0): {e}")))?;
+    let my_addr = listener
+        .local_addr()
+        .map_err(|e| backend("bind", e.to_string()))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| backend("bind", e.to_string()))?;
+    store.set(&addr_key(group, rank), my_addr.to_string().as_bytes())?;
+
+    // The successor's address.
+    let key = addr_key(group, next);
+    let left = deadline.saturating_duration_since(Instant::now());
+    let next_addr = match store.get_timeout(&key, left) {
+        Ok(v) => v,
+        Err(CollectiveError::Store { op: "get", .. }) => {
+            return Err(CollectiveError::MissingRanks {
+                rank,
+                missing: vec![next],
+                waited: timeout,
+                what: format!(
+                    "key {key} in the store (the listening address of rank {next}, group {group})"
+                ),
+            })
+        }
+        Err(e) => return Err(e),
+    };
+    let next_addr: SocketAddr = std::str::from_utf8(&next_addr)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| {
+            backend(
+                "connect",
+                format!("key {key} holds {next_addr:?}, not a socket address"),
+            )
+        })?;
+
+    // Connect and say hello (without waiting for the answer).
+    let mut to_next = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(CollectiveError::MissingRanks {
+                rank,
+                missing: vec![next],
+                waited: timeout,
+                what: format!("rank {next} to accept a connection at {next_addr} (group {group})"),
+            });
+        }
+        match TcpStream::connect_timeout(&next_addr, left) {
+            Ok(s) => break s,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                std::thread::sleep(ACCEPT_POLL.min(left));
+            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => continue,
+            Err(e) => {
+                return Err(backend(
+                    "connect",
+                    format!("connecting to rank {next} at {next_addr}: {e}"),
+                ))
+            }
+        }
+    };
+    let hello = Hello {
+        group: group.to_string(),
+        world: world as u64,
+        from: rank as u64,
+        to: next as u64,
+    };
+    write_all_by(&mut to_next, &hello.encode(), deadline).map_err(|e| {
+        backend(
+            "connect",
+            format!("sending the handshake to rank {next} at {next_addr}: {e}"),
+        )
+    })?;
+
+    // Accept the predecessor and check who it is.
+    let mut from_prev = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(CollectiveError::MissingRanks {
+                        rank,
+                        missing: vec![prev],
+                        waited: timeout,
+                        what: format!("a connection from rank {prev} to {my_addr} (group {group})"),
+                    });
+                }
+                std::thread::sleep(ACCEPT_POLL);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(backend("accept", format!("on {my_addr}: {e}"))),
+        }
+    };
+    let peer = from_prev
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "an unknown address".into());
+    from_prev
+        .set_nonblocking(false)
+        .map_err(|e| backend("accept", e.to_string()))?;
+    read_by(&from_prev, deadline).map_err(|e| backend("accept", e.to_string()))?;
+    let expected = Hello {
+        group: group.to_string(),
+        world: world as u64,
+        from: prev as u64,
+        to: rank as u64,
+    };
+    let refusal = match Hello::read(&mut from_prev) {
+        Err(why) => Some(why),
+        Ok(h) if h != expected => Some(format!(
+            "expected rank {prev} of group {group} (world {world}) connecting to rank {rank}, \
+             got rank {} of group {} (world {}) connecting to rank {}",
+            h.from, h.group, h.world, h.to
+        )),
+        Ok(_) => None,
+    };
+    let _ = write_all_by(
+        &mut from_prev,
+        &wire::encode_reply(refusal.as_deref()),
+        deadline,
+    );
+    if let Some(why) = refusal {
+        return Err(backend(
+            "accept",
+            format!("refused the connection from {peer}: {why}"),
+        ));
+    }
+
+    // The successor's answer.
+    read_by(&to_next, deadline).map_err(|e| backend("connect", e.to_string()))?;
+    match wire::read_reply(&mut to_next) {
+        Ok(None) => {}
+        Ok(Some(why)) => {
+            return Err(backend(
+                "connect",
+                format!("rank {next} at {next_addr} refused the connection: {why}"),
+            ))
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Err(CollectiveError::MissingRanks {
+                rank,
+                missing: vec![next],
+                waited: timeout,
+                what: format!("rank {next} to answer the handshake (group {group})"),
+            })
+        }
+        Err(e) => {
+            return Err(backend(
+                "connect",
+                format!("reading the answer of rank {next} at {next_addr}: {e}"),
+            ))
+        }
+    }
+    // The predecessor has read our address (it connected): the key is no longer needed.
+    let _ = store.delete_key(&addr_key(group, rank));
+
+    let max_payload = opts.segment_bytes.max(8) + (1 << 20) + world * 16;
+    Links::start(rank, to_next, from_prev, abort, max_payload)
+        .map_err(|e| backend("connect", format!("starting the connection reader: {e}")))
+        .map(Some)
+}

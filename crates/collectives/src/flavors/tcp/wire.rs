@@ -1,0 +1,478 @@
+//! What goes over the sockets: the connection handshake, the frame header, call descriptions.
+//!
+//! Every integer of the protocol itself (handshake fields, frame headers, descriptions) is
+//! little-endian. Element data is sent in the machine's native byte order, which is
+//! little-endian on every platform this crate supports; the handshake carries a byte-order probe
+//! and the element sizes, and refuses a peer that differs, so that elements are never
+//! misread.
+
+use std::io::{self, Read, Write};
+
+use fsdp_device::{DType, Element};
+
+use crate::flavors::common::OpDesc;
+use crate::ReduceOp;
+
+/// First bytes of every connection.
+pub(crate) const MAGIC: [u8; 8] = *b"FSDPTCP\x01";
+/// Protocol version.
+pub(crate) const VERSION: u32 = 1;
+/// Written in native order: a peer of the other byte order reads it reversed.
+const ENDIAN_PROBE: u32 = 0x0102_0304;
+
+/// Frame kinds.
+pub(crate) const KIND_DESC: u8 = 1;
+pub(crate) const KIND_DATA: u8 = 2;
+pub(crate) const KIND_ABORT: u8 = 3;
+
+/// Bytes of a frame header: kind (1), seq (8), origin rank (4), payload bytes (8).
+pub(crate) const HEADER_BYTES: usize = 21;
+
+/// Element sizes of f32, f64, bf16, f16 on this machine.
+fn element_sizes() -> [u8; 4] {
+    [
+        std::mem::size_of::<f32>() as u8,
+        std::mem::size_of::<f64>() as u8,
+        std::mem::size_of::<fsdp_device::half::bf16>() as u8,
+        std::mem::size_of::<fsdp_device::half::f16>() as u8,
+    ]
+}
+
+/// What a connecting rank says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub group: String,
+    pub world: u64,
+    pub from: u64,
+    pub to: u64,
+}
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(&MAGIC);
+        w.u32(VERSION);
+        w.buf.extend_from_slice(&ENDIAN_PROBE.to_ne_bytes());
+        w.bytes(&element_sizes());
+        w.u64(self.world);
+        w.u64(self.from);
+        w.u64(self.to);
+        w.str(&self.group);
+        w.buf
+    }
+
+    /// Read a hello from `r`; a connection that is not one of ours, or that comes from a machine
+    /// of another byte order or element layout, is an error saying so.
+    pub fn read(r: &mut impl Read) -> Result<Hello, String> {
+        let mut fixed = [0u8; 8 + 4 + 4 + 4 + 8 * 3 + 4];
+        r.read_exact(&mut fixed)
+            .map_err(|e| format!("reading the handshake: {e}"))?;
+        if fixed[..8] != MAGIC {
+            return Err(format!(
+                "not an fsdp tcp connection (first bytes {:02x?}, expected {:02x?})",
+                &fixed[..8],
+                MAGIC
+            ));
+        }
+        let mut rd = Reader::new(&fixed[8..]);
+        let version = rd.u32()?;
+        if version != VERSION {
+            return Err(format!(
+                "protocol version {version}, this rank speaks version {VERSION}"
+            ));
+        }
+        let probe = u32::from_ne_bytes(rd.take(4)?.try_into().expect("4 bytes"));
+        if probe != ENDIAN_PROBE {
+            return Err(
+                "the peer has a different byte order (element data is sent in native order)".into(),
+            );
+        }
+        let sizes = rd.take(4)?;
+        if sizes != element_sizes() {
+            return Err(format!(
+                "the peer's element sizes (f32, f64, bf16, f16) are {sizes:?}, ours are {:?}",
+                element_sizes()
+            ));
+        }
+        let world = rd.u64()?;
+        let from = rd.u64()?;
+        let to = rd.u64()?;
+        let glen = rd.u32()? as usize;
+        if glen > 4096 {
+            return Err(format!("group name of {glen} bytes"));
+        }
+        let mut g = vec![0u8; glen];
+        r.read_exact(&mut g)
+            .map_err(|e| format!("reading the handshake: {e}"))?;
+        let group = String::from_utf8(g).map_err(|_| "group name is not UTF-8".to_string())?;
+        Ok(Hello {
+            group,
+            world,
+            from,
+            to,
+        })
+    }
+}
+
+/// The acceptor's answer: empty for "accepted", else why not.
+pub(crate) fn encode_reply(refusal: Option<&str>) -> Vec<u8> {
+    let mut w = Writer::default();
+    match refusal {
+        None => w.u8(0),
+        Some(why) => {
+            w.u8(1);
+            w.str(why);
+        }
+    }
+    w.buf
+}
+
+/// Read the acceptor's answer: `Ok(None)` accepted, `Ok(Some(why))` refused.
+pub(crate) fn read_reply(r: &mut impl Read) -> io::Result<Option<String>> {
+    let mut status = [0u8; 1];
+    r.read_exact(&mut status)?;
+    if status[0] == 0 {
+        return Ok(None);
+    }
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = (u32::from_le_bytes(len) as usize).min(1 << 16);
+    let mut why = vec![0u8; len];
+    r.read_exact(&mut why)?;
+    Ok(Some(String::from_utf8_lossy(&why).into_owned()))
+}
+
+/// A frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: u8,
+    pub seq: u64,
+    pub origin: u32,
+    pub len: u64,
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut h = [0u8; HEADER_BYTES];
+        h[0] = self.kind;
+        h[1..9].copy_from_slice(&self.seq.to_le_bytes());
+        h[9..13].copy_from_slice(&self.origin.to_le_bytes());
+        h[13..21].copy_from_slice(&self.len.to_le_bytes());
+        h
+    }
+
+    pub fn decode(h: &[u8; HEADER_BYTES]) -> Header {
+        Header {
+            kind: h[0],
+            seq: u64::from_le_bytes(h[1..9].try_into().expect("8 bytes")),
+            origin: u32::from_le_bytes(h[9..13].try_into().expect("4 bytes")),
+            len: u64::from_le_bytes(h[13..21].try_into().expect("8 bytes")),
+        }
+    }
+}
+
+/// A received payload, 8-byte aligned so that it can be read as elements of any [`DType`].
+pub(crate) struct Payload {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Payload {
+    pub fn zeroed(len: usize) -> Payload {
+        Payload {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: `words` holds at least `len` initialised bytes; u8 has no alignment needs.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
+    }
+
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for `as_bytes`, and `self` is borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.len) }
+    }
+
+    /// The payload as `len / size_of::<T>()` elements (a trailing partial element is ignored;
+    /// callers check the length first).
+    pub fn as_elems<T: Element>(&self) -> &[T] {
+        const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>()) };
+        // SAFETY: the storage is u64-aligned, which satisfies T's alignment (checked above);
+        // every bit pattern is a valid T (Element: bytemuck::Pod); the length stays inside the
+        // initialised bytes.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.words.as_ptr().cast::<T>(),
+                self.len / std::mem::size_of::<T>(),
+            )
+        }
+    }
+}
+
+/// Operations a description may name (decoding maps the text back to these).
+const OPS: [&str; 8] = [
+    "all_gather_base",
+    "reduce_scatter_base",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "all_gather",
+    "split",
+];
+
+/// Serialise a call description.
+pub(crate) fn encode_desc(d: &OpDesc) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.str(d.op);
+    w.u8(match d.dtype {
+        None => 0,
+        Some(t) => 1 + DType::ALL.iter().position(|&x| x == t).expect("known") as u8,
+    });
+    w.u64(d.count as u64);
+    w.u8(match d.reduce {
+        None => 0,
+        Some(op) => 1 + ReduceOp::ALL.iter().position(|&x| x == op).expect("known") as u8,
+    });
+    w.opt_u64(d.root.map(|r| r as u64));
+    match &d.sizes {
+        None => w.u8(0),
+        Some(s) => {
+            w.u8(1);
+            w.u64(s.len() as u64);
+            for &x in s {
+                w.u64(x as u64);
+            }
+        }
+    }
+    match &d.invalid {
+        None => w.u8(0),
+        Some(why) => {
+            w.u8(1);
+            w.str(why);
+        }
+    }
+    match d.split {
+        None => w.u8(0),
+        Some((color, key)) => {
+            w.u8(1);
+            match color {
+                None => w.u8(0),
+                Some(c) => {
+                    w.u8(1);
+                    w.u32(c);
+                }
+            }
+            w.u64(key as u64);
+        }
+    }
+    w.buf
+}
+
+/// Parse a call description written by [`encode_desc`].
+pub(crate) fn decode_desc(b: &[u8]) -> Result<OpDesc, String> {
+    let mut r = Reader::new(b);
+    let name = r.str()?;
+    let op = OPS
+        .iter()
+        .copied()
+        .find(|&o| o == name)
+        .ok_or_else(|| format!("unknown operation {name:?} in a call description"))?;
+    let mut d = OpDesc::new(op);
+    d.dtype = match r.u8()? {
+        0 => None,
+        i => Some(
+            *DType::ALL
+                .get(i as usize - 1)
+                .ok_or_else(|| format!("unknown element type code {i}"))?,
+        ),
+    };
+    d.count = r.usize()?;
+    d.reduce = match r.u8()? {
+        0 => None,
+        i => Some(
+            *ReduceOp::ALL
+                .get(i as usize - 1)
+                .ok_or_else(|| format!("unknown reduce op code {i}"))?,
+        ),
+    };
+    d.root = r.opt_u64()?.map(|x| x as usize);
+    if r.u8()? == 1 {
+        let n = r.usize()?;
+        if n > b.len() {
+            return Err(format!("{n} sizes in a description of {} bytes", b.len()));
+        }
+        d.sizes = Some((0..n).map(|_| r.usize()).collect::<Result<_, _>>()?);
+    }
+    if r.u8()? == 1 {
+        d.invalid = Some(r.str()?);
+    }
+    if r.u8()? == 1 {
+        let color = match r.u8()? {
+            0 => None,
+            _ => Some(r.u32()?),
+        };
+        d.split = Some((color, r.usize()?));
+    }
+    if r.at != b.len() {
+        return Err(format!(
+            "{} trailing bytes after a call description",
+            b.len() - r.at
+        ));
+    }
+    Ok(d)
+}
+
+/// Write `header` then `payload` to `w`, in as few system calls as possible.
+pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -> io::Result<()> {
+    let h = header.encode();
+    let mut done = 0;
+    while done < h.len() {
+        let n = w.write_vectored(&[io::IoSlice::new(&h[done..]), io::IoSlice::new(payload)])?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        done += n;
+    }
+    let sent = done - h.len();
+    w.write_all(&payload[sent..])
+}
+
+#[derive(Default)]
+struct Writer {
+    buf: Vec<u8>,
+}
+
+impl Writer {
+    fn bytes(&mut self, b: &[u8]) {
+        self.buf.extend_from_slice(b);
+    }
+    fn u8(&mut self, x: u8) {
+        self.buf.push(x);
+    }
+    fn u32(&mut self, x: u32) {
+        self.buf.extend_from_slice(&x.to_le_bytes());
+    }
+    fn u64(&mut self, x: u64) {
+        self.buf.extend_from_slice(&x.to_le_bytes());
+    }
+    fn opt_u64(&mut self, x: Option<u64>) {
+        match x {
+            None => self.u8(0),
+            Some(v) => {
+                self.u8(1);
+                self.u64(v);
+            }
+        }
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.bytes(s.as_bytes());
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(b: &'a [u8]) -> Self {
+        Reader { b, at: 0 }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| "truncated message".to_string())?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn usize(&mut self) -> Result<usize, String> {
+        let v = self.u64()?;
+        usize::try_from(v).map_err(|_| format!("value {v} does not fit this machine's usize"))
+    }
+    fn opt_u64(&mut self) -> Result<Option<u64>, String> {
+        match self.u8()? {
+            0 => Ok(None),
+            _ => Ok(Some(self.u64()?)),
+        }
+    }
+    fn str(&mut self) -> Result<String, String> {
+        let n = self.u32()? as usize;
+        let s = self.take(n)?;
+        String::from_utf8(s.to_vec()).map_err(|_| "text is not UTF-8".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptions_round_trip() {
+        let mut d = OpDesc::new("all_gather");
+        d.dtype = Some(DType::BF16);
+        d.count = 7;
+        d.reduce = Some(ReduceOp::Max);
+        d.root = Some(3);
+        d.sizes = Some(vec![1, 2, 3]);
+        d.invalid = Some("bad".into());
+        d.split = Some((Some(9), 4));
+        let back = decode_desc(&encode_desc(&d)).unwrap();
+        assert_eq!(back.signature(), d.signature());
+        assert_eq!(back.invalid, d.invalid);
+        assert_eq!(back.split, d.split);
+        assert_eq!(back.op, "all_gather");
+        let plain = decode_desc(&encode_desc(&OpDesc::new("barrier"))).unwrap();
+        assert_eq!(plain.signature(), "barrier()");
+        assert!(decode_desc(&[1, 0, 0, 0, b'x']).is_err());
+    }
+
+    #[test]
+    fn hello_round_trips_and_rejects_strangers() {
+        let h = Hello {
+            group: "g1".into(),
+            world: 3,
+            from: 2,
+            to: 0,
+        };
+        let bytes = h.encode();
+        assert_eq!(Hello::read(&mut &bytes[..]).unwrap(), h);
+        let err = Hello::read(&mut &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n....................."[..])
+            .unwrap_err();
+        assert!(err.contains("not an fsdp tcp connection"), "{err}");
+        let mut swapped = bytes.clone();
+        swapped[12..16].reverse();
+        let err = Hello::read(&mut &swapped[..]).unwrap_err();
+        assert!(err.contains("byte order"), "{err}");
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let h = Header {
+            kind: KIND_DATA,
+            seq: 1 << 40,
+            origin: 7,
+            len: 12345,
+        };
+        assert_eq!(Header::decode(&h.encode()), h);
+    }
+}
