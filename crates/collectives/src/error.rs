@@ -119,6 +119,18 @@ pub enum CollectiveError {
         /// Why, and what to do about it.
         reason: String,
     },
+    /// The launcher could not start or supervise the processes of a job: invalid options, a
+    /// program that cannot be started (not found, not executable), output that cannot be
+    /// forwarded. A child that *fails* is not this error but a report
+    /// ([`LaunchReport`](crate::launch::LaunchReport)).
+    #[error("rank {rank}: launch failed: {reason}")]
+    Launch {
+        /// The rank whose process it concerns (the node's first rank for errors about the
+        /// whole launch).
+        rank: usize,
+        /// What went wrong.
+        reason: String,
+    },
     /// A stream or buffer error.
     #[error("rank {rank}: {source}")]
     Device {
@@ -143,6 +155,7 @@ impl CollectiveError {
             | CollectiveError::Store { rank, .. }
             | CollectiveError::Backend { rank, .. }
             | CollectiveError::Unavailable { rank, .. }
+            | CollectiveError::Launch { rank, .. }
             | CollectiveError::Device { rank, .. } => *rank,
         }
     }
