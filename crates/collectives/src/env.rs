@@ -1,1 +1,380 @@
-//! Building a communicator from the environment (being written).
+//! Building a communicator from the launcher's environment (`torch.distributed.init_process_group`
+//! with `init_method="env://"`).
+//!
+//! A launcher (`fsdp launch`, `torchrun`, or a job scheduler) starts one process per rank and sets
+//! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`.
+//! [`init_from_env`] reads them, meets the other ranks at the rendezvous [`TcpStore`] (rank 0
+//! hosts it at `MASTER_ADDR:MASTER_PORT`), waits until every rank has arrived — a rank that never
+//! does is named in a [`MissingRanks`](CollectiveError::MissingRanks) error within the timeout —
+//! and builds the requested [`Backend`]. Under `mpirun` the MPI backend needs none of these
+//! variables: MPI knows the ranks.
+//!
+//! ```no_run
+//! use fsdp_collectives::{init_from_env, Backend, Communicator, InitOptions};
+//!
+//! // Run under `fsdp launch --nproc-per-node 2 -- <this program>`.
+//! let comm = init_from_env(Backend::Tcp, &InitOptions::default()).unwrap();
+//! println!("rank {} of {}", comm.rank(), comm.world_size());
+//! ```
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use fsdp_device::DEFAULT_TIMEOUT;
+
+use crate::store::{StoreOptions, TcpStore};
+use crate::{tcp, CollectiveError, Communicator, Result};
+
+/// The backends that [`init_from_env`] can build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// The [`tcp`](crate::tcp) backend: host buffers, ranks are processes (what Gloo is to
+    /// PyTorch).
+    Tcp,
+    /// The `nccl` backend: CUDA buffers, one GPU per rank (`LOCAL_RANK` picks the device).
+    /// Needs the cargo feature `nccl`.
+    Nccl,
+    /// The `mpi` backend: host buffers, ranks started by `mpirun`. Needs the cargo feature `mpi`.
+    Mpi,
+}
+
+impl Backend {
+    /// The backend's name as accepted by [`FromStr`]: `tcp`, `nccl` or `mpi`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Tcp => "tcp",
+            Backend::Nccl => "nccl",
+            Backend::Mpi => "mpi",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = String;
+
+    /// `tcp` (alias `gloo`), `nccl` or `mpi`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "tcp" | "gloo" => Ok(Backend::Tcp),
+            "nccl" => Ok(Backend::Nccl),
+            "mpi" => Ok(Backend::Mpi),
+            _ => Err(format!("unknown backend {s:?} (expected tcp, nccl or mpi)")),
+        }
+    }
+}
+
+/// Options of [`init_from_env`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InitOptions {
+    /// Bound of the rendezvous (connecting to the store, waiting for every rank) and of every
+    /// wait of the communicator built. Default: [`DEFAULT_TIMEOUT`].
+    pub timeout: Duration,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        InitOptions {
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl InitOptions {
+    /// These options with another timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// What a launcher tells a rank, read from `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+/// `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// This process's rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank on this machine (`LOCAL_RANK`; default: `rank`).
+    pub local_rank: usize,
+    /// Ranks on this machine (`LOCAL_WORLD_SIZE`; default: `world_size`).
+    pub local_world_size: usize,
+    /// Host of the rendezvous store (`MASTER_ADDR`; default `127.0.0.1`).
+    pub master_addr: String,
+    /// Port of the rendezvous store (`MASTER_PORT`; default 29500).
+    pub master_port: u16,
+}
+
+impl LaunchEnv {
+    /// Read the process's environment. `Ok(None)` when neither `RANK` nor `WORLD_SIZE` is set
+    /// (not started by a launcher); an error names the variable that is missing or malformed.
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
+        LaunchEnv::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Read the variables through `lookup` (for tests, or another source than the environment).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        let rank_s = lookup("RANK");
+        let world_s = lookup("WORLD_SIZE");
+        if rank_s.is_none() && world_s.is_none() {
+            return Ok(None);
+        }
+        // The rank for error messages: the parsed RANK when it parses.
+        let guess = rank_s
+            .as_deref()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        let bad = |reason: String| CollectiveError::InvalidArgument {
+            rank: guess,
+            op: "init_from_env",
+            reason,
+        };
+        let num = |name: &str, v: Option<String>| -> Result<Option<usize>> {
+            match v {
+                None => Ok(None),
+                Some(s) => s
+                    .trim()
+                    .parse::<usize>()
+                    .map(Some)
+                    .map_err(|_| bad(format!("{name}={s:?} is not a non-negative integer"))),
+            }
+        };
+        let rank =
+            num("RANK", rank_s)?.ok_or_else(|| bad("WORLD_SIZE is set but RANK is not".into()))?;
+        let world_size = num("WORLD_SIZE", world_s)?
+            .ok_or_else(|| bad("RANK is set but WORLD_SIZE is not".into()))?;
+        if world_size == 0 {
+            return Err(bad("WORLD_SIZE=0: a group needs at least one rank".into()));
+        }
+        if rank >= world_size {
+            return Err(bad(format!(
+                "RANK={rank} is not below WORLD_SIZE={world_size}"
+            )));
+        }
+        let local_rank = num("LOCAL_RANK", lookup("LOCAL_RANK"))?.unwrap_or(rank);
+        let local_world_size =
+            num("LOCAL_WORLD_SIZE", lookup("LOCAL_WORLD_SIZE"))?.unwrap_or(world_size);
+        if local_rank >= local_world_size {
+            return Err(bad(format!(
+                "LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}"
+            )));
+        }
+        let master_addr = lookup("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        if master_addr.trim().is_empty() {
+            return Err(bad("MASTER_ADDR is empty".into()));
+        }
+        let master_port = match lookup("MASTER_PORT") {
+            None => 29500,
+            Some(s) => match s.trim().parse::<u16>() {
+                Ok(p) if p != 0 => p,
+                _ => {
+                    return Err(bad(format!(
+                        "MASTER_PORT={s:?} is not a port number (1-65535)"
+                    )))
+                }
+            },
+        };
+        Ok(Some(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+        }))
+    }
+
+    /// Connect to the rendezvous store (rank 0 hosts it) and wait until every rank has connected;
+    /// the ranks that do not arrive within `timeout` are named in the error.
+    pub fn rendezvous(&self, timeout: Duration) -> Result<TcpStore> {
+        let opts = StoreOptions::new(
+            self.master_addr.clone(),
+            self.master_port,
+            self.rank,
+            self.world_size,
+        )
+        .with_timeout(timeout);
+        let store = TcpStore::new(opts)?;
+        store.barrier("init_from_env", timeout)?;
+        Ok(store)
+    }
+}
+
+/// Build a communicator of `backend` for this process from the launcher's environment (see the
+/// [module documentation](self)). For [`Backend::Mpi`] the ranks are MPI's (`mpirun`); for the
+/// others `RANK` and `WORLD_SIZE` must be set.
+pub fn init_from_env(backend: Backend, opts: &InitOptions) -> Result<Box<dyn Communicator>> {
+    if backend == Backend::Mpi {
+        return init_mpi(opts);
+    }
+    let env = LaunchEnv::from_env()?.ok_or_else(|| CollectiveError::InvalidArgument {
+        rank: 0,
+        op: "init_from_env",
+        reason: "RANK and WORLD_SIZE are not set: start the program with a launcher \
+                 (`fsdp launch --nproc-per-node N -- ...`, torchrun) or set them"
+            .into(),
+    })?;
+    let store = env.rendezvous(opts.timeout)?;
+    match backend {
+        Backend::Tcp => {
+            let comm = tcp::TcpCommunicator::new(
+                &store,
+                tcp::TcpOptions::default().with_timeout(opts.timeout),
+            )?;
+            Ok(Box::new(comm))
+        }
+        Backend::Nccl => init_nccl(&store, &env, opts),
+        Backend::Mpi => unreachable!("handled above"),
+    }
+}
+
+#[cfg(feature = "nccl")]
+fn init_nccl(
+    store: &TcpStore,
+    env: &LaunchEnv,
+    opts: &InitOptions,
+) -> Result<Box<dyn Communicator>> {
+    use crate::nccl::{NcclCommunicator, NcclOptions};
+    let comm = NcclCommunicator::new(
+        store,
+        env.local_rank,
+        NcclOptions::default().with_timeout(opts.timeout),
+    )?;
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn init_nccl(_: &TcpStore, env: &LaunchEnv, _: &InitOptions) -> Result<Box<dyn Communicator>> {
+    Err(CollectiveError::Unavailable {
+        rank: env.rank,
+        backend: "nccl",
+        reason: "this build of fsdp-collectives does not include it (enable the cargo feature \
+                 `nccl`)"
+            .into(),
+    })
+}
+
+#[cfg(feature = "mpi")]
+fn init_mpi(opts: &InitOptions) -> Result<Box<dyn Communicator>> {
+    use crate::mpi::{MpiCommunicator, MpiOptions};
+    let comm = MpiCommunicator::world(MpiOptions::default().with_timeout(opts.timeout))?;
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(_: &InitOptions) -> Result<Box<dyn Communicator>> {
+    Err(CollectiveError::Unavailable {
+        rank: 0,
+        backend: "mpi",
+        reason: "this build of fsdp-collectives does not include it (enable the cargo feature \
+                 `mpi`)"
+            .into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn no_launcher_is_none() {
+        assert_eq!(LaunchEnv::from_lookup(lookup(&[])).unwrap(), None);
+    }
+
+    #[test]
+    fn full_environment_is_read() {
+        let env = LaunchEnv::from_lookup(lookup(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            env,
+            LaunchEnv {
+                rank: 3,
+                world_size: 4,
+                local_rank: 1,
+                local_world_size: 2,
+                master_addr: "10.0.0.1".into(),
+                master_port: 1234,
+            }
+        );
+    }
+
+    #[test]
+    fn defaults_follow_torchrun() {
+        let env = LaunchEnv::from_lookup(lookup(&[("RANK", "1"), ("WORLD_SIZE", "2")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((env.local_rank, env.local_world_size), (1, 2));
+        assert_eq!(
+            (env.master_addr.as_str(), env.master_port),
+            ("127.0.0.1", 29500)
+        );
+    }
+
+    #[test]
+    fn bad_variables_are_named() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("RANK", "0")], "RANK is set but WORLD_SIZE is not"),
+            (&[("WORLD_SIZE", "2")], "WORLD_SIZE is set but RANK is not"),
+            (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK=\"x\""),
+            (
+                &[("RANK", "2"), ("WORLD_SIZE", "2")],
+                "RANK=2 is not below WORLD_SIZE=2",
+            ),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE=0"),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT=\"70000\"",
+            ),
+            (
+                &[
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK=2",
+            ),
+        ];
+        for (vars, want) in cases {
+            let err = LaunchEnv::from_lookup(lookup(vars)).unwrap_err();
+            assert!(err.to_string().contains(want), "{vars:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn backend_names_round_trip() {
+        for b in [Backend::Tcp, Backend::Nccl, Backend::Mpi] {
+            assert_eq!(b.name().parse::<Backend>().unwrap(), b);
+        }
+        assert_eq!("gloo".parse::<Backend>().unwrap(), Backend::Tcp);
+        assert!("ring"
+            .parse::<Backend>()
+            .unwrap_err()
+            .contains("expected tcp, nccl or mpi"));
+    }
+}

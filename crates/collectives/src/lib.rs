@@ -46,6 +46,7 @@ pub mod store;
 mod work;
 
 pub use communicator::Communicator;
+pub use env::{init_from_env, Backend, InitOptions, LaunchEnv};
 pub use error::{CollectiveError, Result};
 pub use flavors::{ring, tcp};
 #[cfg(feature = "mpi")]
