@@ -1,6 +1,8 @@
 //! Bad input and faults on the tcp backend: every case fails on every rank involved with an
 //! error that names the ranks and what went wrong, within the timeout — never a hang.
 
+#![allow(clippy::needless_range_loop)] // ranks index the per-rank results
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
