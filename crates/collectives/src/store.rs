@@ -25,6 +25,10 @@
 //!   [`wait`](TcpStore::wait) never blocks another thread's [`set`](TcpStore::set) through the
 //!   same handle.
 //!
+//! The store is meant for rendezvous data — addresses, unique ids, counters, small blobs. Values
+//! of up to 1 GiB are accepted, but every byte goes through rank 0's process and is copied a few
+//! times on the way: it is no channel for bulk data.
+//!
 //! # Lifetime of the server
 //! The server lives exactly as long as rank 0's store: it stops when the last clone of the
 //! handle created with `is_server = true` is dropped. Dropping it closes the listening socket and
@@ -297,10 +301,14 @@ impl TcpStore {
             .u64(millis(timeout))
             .finish();
         match self.request("get", &req, Some(timeout))? {
-            Reply::Ok(body) => {
+            Reply::Ok(mut body) => {
                 let mut d = Dec::new(&body);
-                let value = d.bytes().map_err(|e| self.protocol("get", e))?.to_vec();
-                Ok(value)
+                d.bytes()
+                    .and_then(|_| d.end())
+                    .map_err(|e| self.protocol("get", e))?;
+                // The value is the body after its 4-byte length.
+                body.drain(..4);
+                Ok(body)
             }
             Reply::TimedOut(_) => Err(self.store_err(
                 "get",
@@ -479,7 +487,7 @@ impl TcpStore {
                     e => e.to_string(),
                 })
             })
-            .and_then(|frame| Reply::decode(&frame).map_err(|e| format!("bad reply: {e}")));
+            .and_then(|frame| Reply::decode(frame).map_err(|e| format!("bad reply: {e}")));
         match result {
             Ok(reply) => {
                 lock(&self.inner.pool).push(conn);
@@ -631,7 +639,7 @@ fn handshake(
         FrameError::TimedOut => "no answer to the greeting (is this a store server?)".into(),
         e => format!("greeting failed: {e}"),
     })?;
-    match Reply::decode(&frame) {
+    match Reply::decode(frame) {
         Ok(Reply::Ok(_)) => Ok(stream),
         Ok(Reply::Error(msg)) => Err(format!("the server refused the greeting: {msg}")),
         _ => Err("unexpected answer to the greeting (is this a store server?)".into()),
@@ -1067,10 +1075,14 @@ impl Reply {
         }
     }
 
-    fn decode(frame: &[u8]) -> std::result::Result<Reply, String> {
-        let mut d = Dec::new(frame);
+    fn decode(frame: Vec<u8>) -> std::result::Result<Reply, String> {
+        let mut d = Dec::new(&frame);
         match d.u8()? {
-            REPLY_OK => Ok(Reply::Ok(frame[1..].to_vec())),
+            REPLY_OK => {
+                let mut body = frame;
+                body.drain(..1);
+                Ok(Reply::Ok(body))
+            }
             REPLY_ERROR => Ok(Reply::Error(d.string()?)),
             REPLY_TIMED_OUT => Ok(Reply::TimedOut(d.strings()?)),
             other => Err(format!("unknown reply status {other}")),
@@ -1250,10 +1262,18 @@ impl fmt::Display for FrameError {
 }
 
 fn write_frame(stream: &mut TcpStream, payload: &[u8]) -> io::Result<()> {
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    frame.extend_from_slice(payload);
-    stream.write_all(&frame)?;
+    let header = (payload.len() as u32).to_be_bytes();
+    if payload.len() <= 64 << 10 {
+        // One segment for small messages.
+        let mut frame = Vec::with_capacity(4 + payload.len());
+        frame.extend_from_slice(&header);
+        frame.extend_from_slice(payload);
+        stream.write_all(&frame)?;
+    } else {
+        // No copy of large ones.
+        stream.write_all(&header)?;
+        stream.write_all(payload)?;
+    }
     stream.flush()
 }
 
@@ -1380,7 +1400,7 @@ mod tests {
             Reply::Error("no".into()),
             Reply::TimedOut(vec!["k/1".into(), "k/2".into()]),
         ] {
-            let back = Reply::decode(&reply.encode()).unwrap();
+            let back = Reply::decode(reply.encode()).unwrap();
             assert_eq!(format!("{back:?}"), format!("{reply:?}"));
         }
     }
@@ -1391,8 +1411,8 @@ mod tests {
         assert!(Dec::new(&[0, 0, 0, 9, 1]).bytes().is_err());
         assert!(Dec::new(&[255, 255, 255, 255]).strings().is_err());
         assert!(Op::from_u8(99).is_err());
-        assert!(Reply::decode(&[]).is_err());
-        assert!(Reply::decode(&[7]).is_err());
+        assert!(Reply::decode(vec![]).is_err());
+        assert!(Reply::decode(vec![7]).is_err());
         let shared = Shared {
             keys: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
