@@ -84,8 +84,11 @@ use crate::{CollectiveError, Result};
 const MAX_FRAME: usize = 1 << 30;
 /// Greeting that identifies the protocol (and its version).
 const MAGIC: &[u8] = b"fsdp-collectives-store/1";
-/// How often idle server threads look at the stop flag.
+/// How often the acceptor looks for new connections and the stop flag.
 const POLL: Duration = Duration::from_millis(50);
+/// How often idle connection threads and waits look at the stop flag (a fallback: stopping the
+/// server shuts their sockets down and wakes the waits).
+const IDLE_POLL: Duration = Duration::from_millis(500);
 /// Extra time a client gives the server to answer after a server-side wait's deadline.
 const REPLY_MARGIN: Duration = Duration::from_secs(2);
 /// Bound of the server's drop: how long it waits for its connection threads to end.
@@ -655,6 +658,8 @@ struct Shared {
     stop: AtomicBool,
     live_conns: Mutex<usize>,
     conns_done: Condvar,
+    /// A handle to every open connection, to shut them down when the server stops.
+    open: Mutex<HashMap<u64, TcpStream>>,
     io_timeout: Duration,
 }
 
@@ -714,6 +719,7 @@ impl Server {
             stop: AtomicBool::new(false),
             live_conns: Mutex::new(0),
             conns_done: Condvar::new(),
+            open: Mutex::new(HashMap::new()),
             io_timeout: opts.timeout,
         });
         let acceptor = {
@@ -744,7 +750,11 @@ impl Drop for Server {
         if let Some(acceptor) = self.acceptor.take() {
             let _ = acceptor.join();
         }
-        // Connection threads see the flag within POLL; wait for them, but boundedly.
+        // Wake the connection threads blocked in reads (and tell their clients at once).
+        for conn in lock(&self.shared.open).values() {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+        // Connection threads end within IDLE_POLL at most; wait for them, but boundedly.
         let deadline = deadline_after(DROP_GRACE);
         let mut live = lock(&self.shared.live_conns);
         while *live > 0 {
@@ -767,11 +777,17 @@ impl Drop for Server {
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut next_id = 0u64;
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
+                let id = next_id;
+                next_id += 1;
                 *lock(&shared.live_conns) += 1;
-                let guard = ConnGuard(Arc::clone(&shared));
+                if let Ok(handle) = stream.try_clone() {
+                    lock(&shared.open).insert(id, handle);
+                }
+                let guard = ConnGuard(Arc::clone(&shared), id);
                 let spawned = std::thread::Builder::new()
                     .name(format!("store-conn-{peer}"))
                     .spawn(move || {
@@ -794,10 +810,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 /// Counts a connection thread out, even if it panics.
-struct ConnGuard(Arc<Shared>);
+struct ConnGuard(Arc<Shared>, u64);
 
 impl Drop for ConnGuard {
     fn drop(&mut self) {
+        lock(&self.0.open).remove(&self.1);
         let mut live = lock(&self.0.live_conns);
         *live = live.saturating_sub(1);
         self.0.conns_done.notify_all();
@@ -997,7 +1014,7 @@ fn wait_for<'a>(
         }
         keys = shared
             .changed
-            .wait_timeout(keys, left.min(POLL))
+            .wait_timeout(keys, left.min(IDLE_POLL))
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
@@ -1317,7 +1334,7 @@ fn read_full(
 }
 
 /// One successful read of at least one byte, waiting until `deadline` (and, with `stop`, in
-/// slices of [`POLL`] that look at the flag).
+/// slices of [`IDLE_POLL`] that look at the flag).
 fn read_some(
     stream: &mut TcpStream,
     buf: &mut [u8],
@@ -1336,12 +1353,12 @@ fn read_some(
                     return Err(FrameError::TimedOut);
                 }
                 if stop.is_some() {
-                    left.min(POLL)
+                    left.min(IDLE_POLL)
                 } else {
                     left
                 }
             }
-            None => POLL,
+            None => IDLE_POLL,
         };
         stream
             .set_read_timeout(Some(slice.max(Duration::from_millis(1))))
@@ -1419,6 +1436,7 @@ mod tests {
             stop: AtomicBool::new(false),
             live_conns: Mutex::new(0),
             conns_done: Condvar::new(),
+            open: Mutex::new(HashMap::new()),
             io_timeout: Duration::from_secs(1),
         };
         assert!(matches!(handle(&shared, &[]), Reply::Error(_)));
