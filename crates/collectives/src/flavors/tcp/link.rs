@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 
-use super::wire::{self, Header, Payload, HEADER_BYTES, KIND_ABORT, KIND_DATA, KIND_DESC};
+use super::wire::{
+    self, Header, Payload, PayloadPool, HEADER_BYTES, KIND_ABORT, KIND_DATA, KIND_DESC,
+};
 
 /// How often the reader thread looks at its stop flag while the socket is idle.
 const READER_POLL: Duration = Duration::from_millis(200);
@@ -251,6 +253,7 @@ fn reader_loop(
     let closed = |why: String| {
         let _ = tx.send(Incoming::Closed(why));
     };
+    let pool = Arc::new(PayloadPool::default());
     loop {
         let mut h = [0u8; HEADER_BYTES];
         match read_full(&mut s, &mut h, &stop) {
@@ -279,7 +282,7 @@ fn reader_loop(
                 header.kind
             ));
         }
-        let mut payload = Payload::zeroed(len);
+        let mut payload = pool.take(len);
         match read_full(&mut s, payload.as_bytes_mut(), &stop) {
             Ok(true) => {}
             Ok(false) if len == 0 => {}

@@ -7,6 +7,7 @@
 //! misread.
 
 use std::io::{self, Read, Write};
+use std::sync::{Arc, Mutex};
 
 use fsdp_device::{DType, Element};
 
@@ -172,19 +173,55 @@ impl Header {
 }
 
 /// A received payload, 8-byte aligned so that it can be read as elements of any [`DType`].
+/// Its storage goes back to its pool when it is dropped.
 pub(crate) struct Payload {
     words: Vec<u64>,
     len: usize,
+    pool: Option<Arc<PayloadPool>>,
+}
+
+/// Storage of dropped payloads, reused by the reader thread so that a steady stream of
+/// segments does not allocate (and zero) a fresh buffer per frame.
+#[derive(Default)]
+pub(crate) struct PayloadPool {
+    free: Mutex<Vec<Vec<u64>>>,
+}
+
+/// Buffers a pool keeps at most.
+const POOL_KEEP: usize = 16;
+
+impl PayloadPool {
+    /// A payload of `len` bytes (contents unspecified: the caller overwrites all of them).
+    pub fn take(self: &Arc<Self>, len: usize) -> Payload {
+        let words_len = len.div_ceil(8);
+        let mut words = {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            match free.iter().position(|w| w.capacity() >= words_len) {
+                Some(i) => free.swap_remove(i),
+                None => Vec::new(),
+            }
+        };
+        words.resize(words_len, 0);
+        Payload {
+            words,
+            len,
+            pool: Some(self.clone()),
+        }
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            let mut free = pool.free.lock().unwrap_or_else(|e| e.into_inner());
+            if free.len() < POOL_KEEP && self.words.capacity() > 0 {
+                free.push(std::mem::take(&mut self.words));
+            }
+        }
+    }
 }
 
 impl Payload {
-    pub fn zeroed(len: usize) -> Payload {
-        Payload {
-            words: vec![0u64; len.div_ceil(8)],
-            len,
-        }
-    }
-
     pub fn len(&self) -> usize {
         self.len
     }
