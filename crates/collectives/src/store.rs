@@ -553,7 +553,7 @@ impl TcpStore {
     fn server_err(&self, op: &'static str, msg: String) -> CollectiveError {
         self.store_err(
             op,
-            format!("the store server at {} refused: {msg}", self.inner.address),
+            format!("the store server at {} reports: {msg}", self.inner.address),
         )
     }
 
@@ -901,7 +901,7 @@ fn execute(shared: &Shared, frame: &[u8]) -> std::result::Result<Reply, String> 
             d.end()?;
             match wait_for(shared, std::slice::from_ref(&key), timeout) {
                 Ok(keys) => Reply::Ok(Enc::body().bytes(&keys[&key]).finish()),
-                Err(missing) => Reply::TimedOut(missing),
+                Err(reply) => reply,
             }
         }
         Op::TryGet => {
@@ -965,7 +965,7 @@ fn execute(shared: &Shared, frame: &[u8]) -> std::result::Result<Reply, String> 
             d.end()?;
             match wait_for(shared, &wanted, timeout) {
                 Ok(_) => Reply::Ok(Vec::new()),
-                Err(missing) => Reply::TimedOut(missing),
+                Err(reply) => reply,
             }
         }
         Op::Check => {
@@ -990,13 +990,13 @@ fn execute(shared: &Shared, frame: &[u8]) -> std::result::Result<Reply, String> 
     Ok(reply)
 }
 
-/// Waits until every key in `wanted` is present, up to `timeout`; on timeout (or when the
-/// server stops) the keys still missing.
+/// Waits until every key in `wanted` is present, up to `timeout`; on timeout the keys still
+/// missing, as a [`Reply::TimedOut`]; when the server stops, a [`Reply::Error`] that says so.
 fn wait_for<'a>(
     shared: &'a Shared,
     wanted: &[String],
     timeout: Duration,
-) -> std::result::Result<MutexGuard<'a, HashMap<String, Vec<u8>>>, Vec<String>> {
+) -> std::result::Result<MutexGuard<'a, HashMap<String, Vec<u8>>>, Reply> {
     let deadline = deadline_after(timeout);
     let mut keys = lock(&shared.keys);
     loop {
@@ -1008,9 +1008,15 @@ fn wait_for<'a>(
         if missing.is_empty() {
             return Ok(keys);
         }
+        if shared.stop.load(Ordering::SeqCst) {
+            return Err(Reply::Error(format!(
+                "the server is stopping (rank 0's store was dropped) while keys {missing:?} \
+                 were awaited"
+            )));
+        }
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-            return Err(missing);
+        if left.is_zero() {
+            return Err(Reply::TimedOut(missing));
         }
         keys = shared
             .changed
