@@ -94,7 +94,9 @@ pub(crate) fn connect_ring(
     let left = deadline.saturating_duration_since(Instant::now());
     let next_addr = match store.get_timeout(&key, left) {
         Ok(v) => v,
-        Err(CollectiveError::Store { op: "get", .. }) => {
+        Err(CollectiveError::Store {
+            op: "get", reason, ..
+        }) if reason.contains("did not appear") => {
             return Err(CollectiveError::MissingRanks {
                 rank,
                 missing: vec![next],

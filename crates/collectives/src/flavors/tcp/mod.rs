@@ -25,6 +25,34 @@
 //! [`Aborted`](CollectiveError::Aborted) naming it; after any failure the communicator is
 //! aborted and every later call returns `Aborted`.
 //!
+//! # Protocol
+//! - Store keys: `fsdp/tcp/instances/<rank>` (a counter: the k-th communicator a rank creates
+//!   from the store joins group `g<k>`), `fsdp/tcp/<group>/addr/<rank>` (`ip:port` of the rank's
+//!   listener, deleted once its predecessor has connected). A split of group `G` at its
+//!   collective `#s` forms group `G.s.<color>` for each color.
+//! - Handshake, connector to acceptor: magic, version, a byte-order probe, element sizes, world
+//!   size, sender and receiver rank, group name; the acceptor answers "accepted" or why not.
+//! - Frames: kind (description, data, abort), collective sequence number, origin rank, payload
+//!   length, payload. Protocol integers are little-endian.
+//!
+//! # Example
+//! In real use each rank is a process that meets the others through the store (under `launch`,
+//! `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` give the store's address and the rank):
+//! ```no_run
+//! use fsdp_collectives::store::{StoreOptions, TcpStore};
+//! use fsdp_collectives::{tcp, Communicator, ReduceOp};
+//! use fsdp_device::Buffer;
+//!
+//! let (rank, world) = (0, 2); // from the launcher's environment
+//! let store = TcpStore::new(StoreOptions::new("10.0.0.1", 29500, rank, world))?;
+//! let comm = tcp::TcpCommunicator::new(&store, tcp::TcpOptions::default())?;
+//! let grads = Buffer::from_slice(&[1.0f32; 1024])?;
+//! comm.all_reduce(&grads, ReduceOp::Avg)?.wait()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Several ranks as threads of one process, over loopback ([`run_local_ranks`], for tests and
+//! examples):
 //! ```
 //! use fsdp_collectives::{tcp, Communicator, ReduceOp};
 //! use fsdp_device::Buffer;
