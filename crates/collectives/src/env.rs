@@ -209,9 +209,11 @@ impl LaunchEnv {
     }
 }
 
-/// Build a communicator of `backend` for this process from the launcher's environment (see the
-/// [module documentation](self)). For [`Backend::Mpi`] the ranks are MPI's (`mpirun`); for the
-/// others `RANK` and `WORLD_SIZE` must be set.
+/// Build a communicator of `backend` for this process from the launcher's environment
+/// ([`LaunchEnv`]): meet the other ranks at the rendezvous store, wait until every rank has arrived
+/// (the missing ranks are named in a [`MissingRanks`](CollectiveError::MissingRanks) error after
+/// `opts.timeout`), then connect the backend. For [`Backend::Mpi`] the ranks are MPI's
+/// (`mpirun`); for the others `RANK` and `WORLD_SIZE` must be set.
 pub fn init_from_env(backend: Backend, opts: &InitOptions) -> Result<Box<dyn Communicator>> {
     if backend == Backend::Mpi {
         return init_mpi(opts);

@@ -42,7 +42,7 @@ pub enum CollectiveError {
         seq: u64,
         /// How long the wait lasted.
         waited: Duration,
-        /// What did not arrive (e.g. "ranks [2] did not reach this collective").
+        /// What did not arrive (e.g. `ranks [2] did not reach this collective`).
         waiting_for: String,
     },
     /// A peer's communicator was dropped (or its thread died) while this rank needed it.
