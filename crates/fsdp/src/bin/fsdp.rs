@@ -1,10 +1,14 @@
-//! `fsdp`: sharded GPT training on the embedded CPU ring backend (ranks are threads).
+//! `fsdp`: sharded GPT training on the CPU — ranks as threads on the embedded ring backend, or
+//! as processes started by `fsdp launch` (TCP backend) or `mpirun` (MPI backend).
 //!
 //! `fsdp train` trains the reference GPT with FSDP and shows a progress bar and a summary;
-//! `fsdp plan` prints the memory and communication plan of the same options; every option is checked before any rank starts, and an invalid one ends with a single
-//! `error: ...` line and a non-zero exit status.
+//! `fsdp plan` prints the memory and communication plan of the same options; `fsdp launch`
+//! starts one process per rank with the launcher's environment (like `torchrun`). Every option
+//! is checked before any rank starts, and an invalid one ends with a single `error: ...` line and
+//! a non-zero exit status.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -19,7 +23,9 @@ use fsdp::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, ScheduleKind, Shardin
 use fsdp::units::UnitPlan;
 use fsdp::wrap::{gpt_module_tree, plan_units, WrapOptions, WrapPolicy};
 use fsdp::FsdpError;
-use fsdp_collectives::{ring, Communicator};
+use fsdp_collectives::launch::{self, LaunchOptions};
+use fsdp_collectives::{init_from_env, ring, Backend, Communicator, InitOptions, LaunchEnv};
+use fsdp_device::{Buffer, DType};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Length of the generated corpus used when no `--data` file is given.
@@ -29,7 +35,8 @@ const SYNTHETIC_LEN: usize = 200_000;
 #[command(
     name = "fsdp",
     version,
-    about = "Fully sharded data parallel GPT training on the CPU ring backend (ranks are threads)"
+    about = "Fully sharded data parallel GPT training on the CPU: ranks as threads (ring backend) \
+             or as processes (`fsdp launch`, mpirun)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -43,6 +50,27 @@ enum Command {
     /// Print the memory plan: per unit the parameters, the per-rank payload of each collective
     /// and the collectives per step; per rank the predicted peak memory by category.
     Plan(PlanArgs),
+    /// Start one process per rank, like `torchrun --nproc-per-node N`: sets RANK, WORLD_SIZE,
+    /// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, prefixes each line of output
+    /// with the rank, and when one process fails ends the others and exits with its status.
+    /// `fsdp launch -n 2 train ...` runs this program's `train` in every process.
+    Launch(LaunchArgs),
+}
+
+#[derive(Args, Debug)]
+struct LaunchArgs {
+    /// Processes (ranks) to start on this machine.
+    #[arg(long, short = 'n')]
+    nproc_per_node: usize,
+    /// Address of the rendezvous store, hosted by rank 0.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store (0: pick a free one).
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// The program to start and its arguments (`train ...` or `plan ...`: this program).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<OsString>,
 }
 
 #[derive(Args, Debug)]
@@ -75,9 +103,10 @@ struct ModelArgs {
     /// Vocabulary size (at most 65536: tokens are u16).
     #[arg(long, default_value_t = 256)]
     vocab_size: usize,
-    /// Number of ranks (threads on the ring backend).
-    #[arg(long, default_value_t = 4)]
-    ranks: usize,
+    /// Number of ranks: threads on the ring backend (default 4). Under a launcher the world
+    /// size comes from the launcher, and this option, if given, must agree with it.
+    #[arg(long)]
+    ranks: Option<usize>,
     /// full-shard, shard-grad-op, no-shard, hybrid-shard or hybrid-shard-zero2.
     #[arg(long, default_value = "full-shard", value_parser = parse_strategy)]
     strategy: ShardingStrategy,
@@ -145,9 +174,37 @@ struct TrainArgs {
     /// Write a CSV of step, loss, tokens/s and rank 0's peak allocated bytes.
     #[arg(long)]
     loss_log: Option<PathBuf>,
-    /// Write a Chrome trace (JSON) of compute and communication per rank.
+    /// Write a Chrome trace (JSON) of compute and communication per rank (under a launcher,
+    /// each rank N > 0 writes its own file, named with `.rankN` before the extension).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Communication backend: `ring` (ranks as threads of this process; the default), `tcp`
+    /// (ranks as processes; the default under `fsdp launch` or torchrun) or `mpi` (under
+    /// `mpirun`; the default there when this program is built with the feature `mpi`).
+    #[arg(long, value_parser = parse_backend)]
+    backend: Option<TrainBackend>,
+}
+
+/// `--backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TrainBackend {
+    Ring,
+    Process(Backend),
+}
+
+fn parse_backend(s: &str) -> Result<TrainBackend, String> {
+    if s == "ring" {
+        return Ok(TrainBackend::Ring);
+    }
+    match s.parse::<Backend>() {
+        Ok(Backend::Nccl) => Err(
+            "nccl needs CUDA buffers, and the trainer's runtime computes \
+                                  on the CPU: use tcp or mpi"
+                .into(),
+        ),
+        Ok(b) => Ok(TrainBackend::Process(b)),
+        Err(_) => Err("expected ring, tcp or mpi".into()),
+    }
 }
 
 /// `--limit-all-gathers`.
@@ -265,6 +322,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Train(args) => train(&args),
         Command::Plan(args) => print_plan(&args),
+        Command::Launch(args) => return run_launch(args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -283,8 +341,11 @@ struct Setup {
     plan: UnitPlan,
 }
 
-fn setup(m: &ModelArgs) -> Result<Setup, CliError> {
-    if m.ranks == 0 {
+/// Ranks when none are given and no launcher says otherwise.
+const DEFAULT_RANKS: usize = 4;
+
+fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
+    if world == 0 {
         return Err(fail("--ranks must be at least 1"));
     }
     if m.vocab_size > usize::from(u16::MAX) + 1 {
@@ -300,10 +361,9 @@ fn setup(m: &ModelArgs) -> Result<Setup, CliError> {
     config.limit_all_gathers = m.limit_all_gathers.0;
     match (m.strategy.is_hybrid(), m.ranks_per_node) {
         (true, Some(0)) => return Err(fail("--ranks-per-node must be at least 1")),
-        (true, Some(n)) if m.ranks % n != 0 => {
+        (true, Some(n)) if world % n != 0 => {
             return Err(fail(format!(
-                "--ranks {} is not divisible by --ranks-per-node {n}",
-                m.ranks
+                "--ranks {world} is not divisible by --ranks-per-node {n}"
             )))
         }
         (true, n) => config.ranks_per_node = n,
@@ -427,8 +487,8 @@ fn micro_batch(batch_size: usize, grad_accum: usize, world: usize) -> Result<usi
 }
 
 fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
-    let Setup { cfg, config, plan } = setup(&args.model)?;
-    let world = args.model.ranks;
+    let world = args.model.ranks.unwrap_or(DEFAULT_RANKS);
+    let Setup { cfg, config, plan } = setup(&args.model, world)?;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     let p = fsdp::plan::plan(&cfg, world, &config, &plan, micro / world, cfg.block_size)?;
     print!("{p}");
@@ -437,8 +497,12 @@ fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
 
 fn train(args: &TrainArgs) -> Result<(), CliError> {
     // ---- Validate everything before any rank starts.
-    let Setup { cfg, config, plan } = setup(&args.model)?;
-    let world = args.model.ranks;
+    let mode = train_mode(args)?;
+    let world = match &mode {
+        Mode::Threads(n) => *n,
+        Mode::Process { world, .. } => *world,
+    };
+    let Setup { cfg, config, plan } = setup(&args.model, world)?;
     let t = cfg.block_size;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {
@@ -503,8 +567,25 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    // Under a launcher this process is one rank: meet the others now (validation is done).
+    let process_comm = match &mode {
+        Mode::Threads(_) => None,
+        Mode::Process { backend, .. } => {
+            let comm = init_from_env(*backend, &InitOptions::default())?;
+            if comm.world_size() != world {
+                return Err(fail(format!(
+                    "rank {}: the {backend} backend has {} ranks, the launcher said {world}",
+                    comm.rank(),
+                    comm.world_size()
+                )));
+            }
+            Some(comm)
+        }
+    };
+    let leader = process_comm.as_ref().is_none_or(|c| c.rank() == 0);
     let mem_now: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
-    println!(
+    if leader {
+        println!(
         "fsdp train: {} ranks, {}, GPT {} layers × {} heads × {} wide ({} parameters, {} units), \
          batch {} × {} tokens{}",
         world,
@@ -521,11 +602,12 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
         } else {
             String::new()
         }
-    );
+        );
+    }
     let start = Instant::now();
-    let run = |comm: ring::RingCommunicator| -> Result<RankReport, FsdpError> {
+    let run = |comm: Box<dyn Communicator>| -> Result<RankReport, FsdpError> {
         let rank = comm.rank();
-        let mut model = FsdpGpt::new(Box::new(comm), cfg, &plan, &params, config, opt)?;
+        let mut model = FsdpGpt::new(comm, cfg, &plan, &params, config, opt)?;
         let mut losses = Vec::with_capacity(steps);
         let (mut ag, mut rs, mut ar) = (0u64, 0u64, 0u64);
         for step in 0..steps {
@@ -604,13 +686,42 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
             final_params,
         })
     };
-    let results = ring::run_ranks(world, ring::RingOptions::default(), run)?;
-    let elapsed = start.elapsed();
-    bar.finish_and_clear();
     let mut reports = Vec::with_capacity(world);
-    for r in results {
-        reports.push(r?);
+    let elapsed;
+    match process_comm {
+        None => {
+            let results =
+                ring::run_ranks(world, ring::RingOptions::default(), |c| run(Box::new(c)))?;
+            elapsed = start.elapsed();
+            for r in results {
+                reports.push(r?);
+            }
+        }
+        Some(comm) => {
+            // A second group over the same ranks carries the end-of-run statistics, since the
+            // model owns the first.
+            let stats_comm = comm
+                .split(Some(0), comm.rank())?
+                .ok_or_else(|| fail("splitting the statistics group returned no group"))?;
+            let rank = comm.rank();
+            let mut own = run(comm)?;
+            elapsed = start.elapsed();
+            let others = gather_rank_stats(stats_comm.as_ref(), &own)?;
+            if let Some(path) = &args.trace {
+                if rank > 0 {
+                    let per_rank = vec![std::mem::take(&mut own.trace)];
+                    fsdp::trace::write_chrome_trace(&rank_path(path, rank), &per_rank)?;
+                }
+            }
+            if rank != 0 {
+                bar.finish_and_clear();
+                return Ok(());
+            }
+            reports.push(own);
+            reports.extend(others.into_iter().skip(1));
+        }
     }
+    bar.finish_and_clear();
 
     // ---- Outputs.
     let rank0 = &reports[0];
@@ -632,14 +743,163 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
         save_checkpoint(path, &cfg, params)?;
     }
     if let Some(path) = &args.trace {
+        // Under a launcher only rank 0's events are here (the others wrote their own files).
         let per_rank: Vec<Vec<fsdp::trace::TraceEvent>> = reports
             .iter_mut()
             .map(|r| std::mem::take(&mut r.trace))
+            .filter(|t| !t.is_empty())
             .collect();
         fsdp::trace::write_chrome_trace(path, &per_rank)?;
     }
     print_summary(&reports, elapsed, global_tokens, steps);
     Ok(())
+}
+
+/// How `train` runs its ranks.
+enum Mode {
+    /// Ranks as threads of this process on the ring backend.
+    Threads(usize),
+    /// This process is one rank of `world`, started by a launcher or by mpirun.
+    Process { backend: Backend, world: usize },
+}
+
+/// The world size under mpirun, from the variables Open MPI, MPICH and Slurm's PMI set.
+fn mpi_world_from_env() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+}
+
+fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
+    let launched = LaunchEnv::from_env()?;
+    let backend = match args.backend {
+        Some(b) => b,
+        None if launched.is_some() => TrainBackend::Process(Backend::Tcp),
+        None if cfg!(feature = "mpi") && mpi_world_from_env().is_some() => {
+            TrainBackend::Process(Backend::Mpi)
+        }
+        None => TrainBackend::Ring,
+    };
+    let given = args.model.ranks;
+    let world = match backend {
+        TrainBackend::Ring => return Ok(Mode::Threads(given.unwrap_or(DEFAULT_RANKS))),
+        TrainBackend::Process(Backend::Mpi) => mpi_world_from_env().ok_or_else(|| {
+            fail("--backend mpi: not started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE unset)")
+        })?,
+        TrainBackend::Process(b) => match &launched {
+            Some(env) => env.world_size,
+            None => {
+                return Err(fail(format!(
+                    "--backend {b}: RANK and WORLD_SIZE are not set; start the ranks with \
+                     `fsdp launch --nproc-per-node N train ...`"
+                )))
+            }
+        },
+    };
+    if let Some(n) = given {
+        if n != world {
+            return Err(fail(format!(
+                "--ranks {n} disagrees with the launcher's world size {world}"
+            )));
+        }
+    }
+    let TrainBackend::Process(backend) = backend else {
+        unreachable!("ring returned above")
+    };
+    Ok(Mode::Process { backend, world })
+}
+
+/// `path` with `.rankN` before its extension.
+fn rank_path(path: &Path, rank: usize) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Every rank's memory and traffic figures, gathered on every rank (for rank 0's summary).
+fn gather_rank_stats(
+    comm: &dyn Communicator,
+    own: &RankReport,
+) -> Result<Vec<RankReport>, CliError> {
+    // f64 holds these integers exactly (all far below 2^53).
+    let mine = [
+        own.peak_allocated,
+        own.peak_reserved,
+        own.num_alloc_retries,
+        own.all_gathered,
+        own.reduce_scattered,
+        own.all_reduced,
+    ]
+    .map(|v| v as f64);
+    let world = comm.world_size();
+    let input = Buffer::from_slice(&mine).map_err(|e| fail(e.to_string()))?;
+    let output = Buffer::zeros(DType::F64, mine.len() * world).map_err(|e| fail(e.to_string()))?;
+    comm.all_gather_base(&input, &output)?.wait()?;
+    let all = output.to_vec::<f64>().map_err(|e| fail(e.to_string()))?;
+    Ok(all
+        .chunks(mine.len())
+        .map(|v| RankReport {
+            losses: Vec::new(),
+            peak_allocated: v[0] as u64,
+            peak_reserved: v[1] as u64,
+            num_alloc_retries: v[2] as u64,
+            all_gathered: v[3] as u64,
+            reduce_scattered: v[4] as u64,
+            all_reduced: v[5] as u64,
+            final_params: None,
+            trace: Vec::new(),
+        })
+        .collect())
+}
+
+/// `fsdp launch`: the exit status is the first failed rank's, or success.
+fn run_launch(args: LaunchArgs) -> ExitCode {
+    let mut command = args.command.into_iter();
+    let Some(first) = command.next() else {
+        eprintln!("error: launch: no program given");
+        return ExitCode::FAILURE;
+    };
+    let mut rest: Vec<OsString> = command.collect();
+    // `train ...` / `plan ...`: this program's subcommands.
+    let program = if first == "train" || first == "plan" {
+        match std::env::current_exe() {
+            Ok(exe) => {
+                rest.insert(0, first);
+                exe.into_os_string()
+            }
+            Err(e) => {
+                eprintln!("error: launch: cannot find this program's path: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        first
+    };
+    if args.nproc_per_node == 0 {
+        eprintln!("error: launch: --nproc-per-node must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    let opts = LaunchOptions::new(args.nproc_per_node, program)
+        .with_args(rest)
+        .with_master(args.master_addr, args.master_port);
+    match launch::run(&opts) {
+        Ok(report) => {
+            if let Some((rank, status)) = report.first_failure() {
+                eprintln!("error: launch: rank {rank} failed ({status}); the others were ended");
+            }
+            // Statuses outside 0..=255 (none on Unix) become 1.
+            ExitCode::from(u8::try_from(report.exit_code()).unwrap_or(1))
+        }
+        Err(e) => {
+            eprintln!("error: launch: {}", e.to_string().replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn print_summary(reports: &[RankReport], elapsed: Duration, global_tokens: usize, steps: usize) {
