@@ -654,19 +654,11 @@ fn check_rc(rc: c_int, rank: usize, op: &'static str, call: &str) -> Result<()> 
 fn comm_rank_size(comm: ffi::MPI_Comm, rank: usize, op: &'static str) -> Result<(usize, usize)> {
     let (mut r, mut n): (c_int, c_int) = (0, 0);
     // SAFETY: valid communicator and out-pointers.
-    check_rc(
-        unsafe { ffi::MPI_Comm_rank(comm, &mut r) },
-        rank,
-        op,
-        "MPI_Comm_rank",
-    )?;
+    let rc = unsafe { ffi::MPI_Comm_rank(comm, &mut r) };
+    check_rc(rc, rank, op, "MPI_Comm_rank")?;
     // SAFETY: as above.
-    check_rc(
-        unsafe { ffi::MPI_Comm_size(comm, &mut n) },
-        rank,
-        op,
-        "MPI_Comm_size",
-    )?;
+    let rc = unsafe { ffi::MPI_Comm_size(comm, &mut n) };
+    check_rc(rc, rank, op, "MPI_Comm_size")?;
     Ok((r as usize, n as usize))
 }
 
