@@ -72,10 +72,21 @@ impl<'a> Ctx<'a> {
             origin: origin as u32,
             len: bytes.len() as u64,
         };
-        self.links()?
+        let links = self.links()?;
+        // A peer's abort notice may be waiting: report it rather than what it caused here.
+        if let Some(reason) = links.aborted() {
+            return Err(DataError::Aborted { reason });
+        }
+        links
             .out()
             .send(&header, bytes, self.deadline)
             .map_err(|f| match f {
+                SendFail::NoTime => DataError::Timeout {
+                    waiting_for: format!(
+                        "time to send to rank {}: the collective's time ran out before",
+                        self.next()
+                    ),
+                },
                 SendFail::Timeout => DataError::Timeout {
                     waiting_for: format!(
                         "rank {} to take this rank's data (its socket stayed full)",
@@ -95,8 +106,11 @@ impl<'a> Ctx<'a> {
         waiting_for: impl FnOnce() -> String,
     ) -> Result<(Header, Payload), DataError> {
         let (h, p) = self.links()?.recv(self.deadline).map_err(|f| match f {
-            RecvFail::Timeout => DataError::Timeout {
-                waiting_for: waiting_for(),
+            RecvFail::Timeout => match self.links.and_then(Links::aborted) {
+                Some(reason) => DataError::Aborted { reason },
+                None => DataError::Timeout {
+                    waiting_for: waiting_for(),
+                },
             },
             RecvFail::Closed(why) => DataError::Departed {
                 peer: self.prev(),

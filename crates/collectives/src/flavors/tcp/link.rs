@@ -71,6 +71,8 @@ pub(crate) enum Incoming {
 
 /// Why a send failed.
 pub(crate) enum SendFail {
+    /// The collective's time was already spent before the write started.
+    NoTime,
     /// The successor did not take the data in time.
     Timeout,
     /// The successor's connection is gone: the OS error.
@@ -99,7 +101,7 @@ impl Outgoing {
         let mut s = self.lock();
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(SendFail::Timeout);
+            return Err(SendFail::NoTime);
         }
         s.set_write_timeout(Some(left))
             .map_err(|e| SendFail::Departed(e.to_string()))?;
@@ -132,6 +134,7 @@ impl Outgoing {
 /// A rank's links to its neighbours.
 pub(crate) struct Links {
     rank: usize,
+    abort: Arc<AbortState>,
     out: Arc<Outgoing>,
     out_sock: TcpStream,
     in_sock: TcpStream,
@@ -160,13 +163,14 @@ impl Links {
         let (tx, rx) = unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let reader = {
-            let (out, stop) = (out.clone(), stop.clone());
+            let (out, stop, abort) = (out.clone(), stop.clone(), abort.clone());
             std::thread::Builder::new()
                 .name(format!("tcp-reader:{rank}"))
                 .spawn(move || reader_loop(rank, from_prev, out, abort, tx, stop, max_payload))?
         };
         Ok(Links {
             rank,
+            abort,
             out,
             out_sock,
             in_sock,
@@ -178,6 +182,11 @@ impl Links {
 
     pub fn out(&self) -> &Outgoing {
         &self.out
+    }
+
+    /// Why the communicator was aborted (by this rank or by a notice from a peer), if it was.
+    pub fn aborted(&self) -> Option<String> {
+        self.abort.get()
     }
 
     /// The next frame from the predecessor, waiting until `deadline`.

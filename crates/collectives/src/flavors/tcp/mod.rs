@@ -845,3 +845,79 @@ fn retag_rank(e: CollectiveError, rank: usize) -> CollectiveError {
         other => other,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank that stalls in the middle of the data phase (after the description exchange): its
+    /// successor times out naming the data it waited for, the abort travels around the ring,
+    /// every rank fails within about one timeout, and the group stays aborted.
+    #[test]
+    fn stall_in_the_data_phase_times_out_naming_the_data() {
+        let timeout = Duration::from_millis(400);
+        let opts = TcpOptions::default()
+            .with_timeout(timeout)
+            .with_segment_bytes(16);
+        let res = run_local_ranks(3, opts, |comm| {
+            let t0 = Instant::now();
+            let world = comm.world_size();
+            let input = Buffer::from_slice(&[1.0f32; 64]).unwrap();
+            let output = Buffer::zeros(DType::F32, 64 * world).unwrap();
+            let mut desc = OpDesc::new("all_gather_base");
+            desc.dtype = Some(DType::F32);
+            desc.count = 64;
+            let access = Access {
+                tickets: vec![
+                    input.access(AccessMode::Shared),
+                    output.access(AccessMode::Exclusive),
+                ],
+            };
+            let rank = comm.rank();
+            let body: Body = Box::new(move |ctx, guards, _| {
+                if rank == 1 {
+                    std::thread::sleep(Duration::from_millis(1200));
+                }
+                let chunks = Chunks::equal(3, 64, 4);
+                // SAFETY: guards held as in all_gather_base.
+                unsafe { algo::all_gather::<f32>(ctx, ptr(&guards[0]), ptr(&guards[1]), &chunks) }
+            });
+            let r = comm
+                .issue(desc, Ok(access), body)
+                .and_then(|w| w.wait_timeout(Duration::from_secs(5)));
+            let took = t0.elapsed();
+            assert!(matches!(
+                comm.barrier(),
+                Err(CollectiveError::Aborted { .. })
+            ));
+            (r, took)
+        })
+        .unwrap();
+        // Rank 2 waits for rank 1's data and times out (or, if rank 0 timed out a moment
+        // earlier, gets its notice); rank 0 waits for rank 2's; rank 1 learns of the abort from
+        // the notice that went round the ring while it stalled. Every message names the data
+        // that did not arrive.
+        let timeouts = res
+            .iter()
+            .filter(|(r, _)| matches!(r, Err(CollectiveError::Timeout { .. })))
+            .count();
+        assert!(timeouts >= 1, "{res:?}");
+        assert!(
+            matches!(&res[1].0, Err(CollectiveError::Aborted { .. })),
+            "rank 1: {:?}",
+            res[1].0
+        );
+        for (rank, (r, took)) in res.iter().enumerate() {
+            let err = r.as_ref().unwrap_err();
+            assert!(
+                err.to_string().contains("data from rank"),
+                "rank {rank}: {err}"
+            );
+            let bound = if rank == 1 { 3000 } else { 1500 };
+            assert!(
+                *took < Duration::from_millis(bound),
+                "rank {rank} took {took:?}"
+            );
+        }
+    }
+}
