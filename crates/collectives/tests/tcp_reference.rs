@@ -450,3 +450,36 @@ fn in_place_all_gather_and_reduce_scatter() {
     )
     .unwrap();
 }
+
+#[test]
+fn every_rank_sending_a_huge_segment_at_once_does_not_deadlock() {
+    // One 16 MiB segment per message: far more than a socket buffer holds, sent by every rank at
+    // the same moment. Blocking writes alone would deadlock here; the reader threads drain.
+    let elems = 4 << 20;
+    let opts = tcp::TcpOptions::default()
+        .with_segment_bytes(elems * 4)
+        .with_timeout(std::time::Duration::from_secs(60));
+    let out = tcp::run_local_ranks(3, opts, |comm| {
+        let r = comm.rank();
+        let input = Buffer::from_slice(&vec![r as f32; elems]).unwrap();
+        let output = Buffer::zeros(DType::F32, 3 * elems).unwrap();
+        comm.all_gather_base(&input, &output)
+            .unwrap()
+            .wait()
+            .unwrap();
+        comm.all_reduce(&input, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let got = output.to_vec::<f32>().unwrap();
+        let gathered_ok = (0..3).all(|q| {
+            got[q * elems..(q + 1) * elems]
+                .iter()
+                .all(|&x| x == q as f32)
+        });
+        let summed_ok = input.to_vec::<f32>().unwrap().iter().all(|&x| x == 3.0);
+        (gathered_ok, summed_ok)
+    })
+    .unwrap();
+    assert_eq!(out, vec![(true, true); 3]);
+}

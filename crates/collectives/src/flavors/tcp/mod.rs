@@ -166,8 +166,9 @@ impl Shared {
     }
 }
 
-/// One rank of a tcp group. Not `Sync`: use it from one thread (its collectives run on its own
-/// communication stream).
+/// One rank of a tcp group. Its collectives run on its own communication stream in the order
+/// they were issued; every rank must issue the same collectives in the same order (issue them
+/// from one thread, or order the threads that do).
 pub struct TcpCommunicator {
     shared: Arc<Shared>,
     stream: Stream,
