@@ -198,14 +198,31 @@ fn mpirun_two_processes_matches_two_threads() {
     };
     compare("mpi", &[], 2, false, |train| {
         let mut cmd = Command::new(mpirun);
-        cmd.args(["--oversubscribe", "-np", "2"])
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE")
-            .arg(env!("CARGO_BIN_EXE_fsdp"))
-            .args(["train", "--backend", "mpi"])
-            .args(train);
+        // Open MPI's options (CI installs Open MPI): loopback only, no core binding on a
+        // 2-core machine.
+        cmd.args([
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "--mca",
+            "btl",
+            "self,tcp",
+            "--mca",
+            "btl_tcp_if_include",
+            "lo",
+            "--mca",
+            "oob_tcp_if_include",
+            "lo",
+            "-np",
+            "2",
+        ])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .arg(env!("CARGO_BIN_EXE_fsdp"))
+        .args(["train", "--backend", "mpi"])
+        .args(train);
         cmd.output().expect("running mpirun")
     });
 }
