@@ -45,10 +45,10 @@ pub enum CollectiveError {
         /// What did not arrive (e.g. `ranks [2] did not reach this collective`).
         waiting_for: String,
     },
-    /// A peer's communicator was dropped (or its thread died) while this rank needed it.
+    /// A peer's communicator was dropped (or its thread or process died) while this rank needed it.
     #[error(
         "rank {rank}: {op} (collective #{seq}) failed: rank {peer} has left the group \
-         (its communicator was dropped or its thread panicked)"
+         (its communicator was dropped, its thread panicked or its process exited)"
     )]
     PeerDeparted {
         /// The reporting rank.
