@@ -48,11 +48,11 @@ mod work;
 pub use communicator::Communicator;
 pub use env::{init_from_env, Backend, InitOptions, LaunchEnv};
 pub use error::{CollectiveError, Result};
-pub use flavors::{ring, tcp};
 #[cfg(feature = "mpi")]
 pub use flavors::mpi;
 #[cfg(feature = "nccl")]
 pub use flavors::nccl;
+pub use flavors::{ring, tcp};
 pub use mesh::{mesh_2d, HybridMesh};
 pub use op::ReduceOp;
 pub use work::{Work, WorkCompleter};
