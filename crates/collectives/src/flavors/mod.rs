@@ -6,6 +6,7 @@
 //! - `nccl` (cargo feature `nccl`): NCCL through cudarc, on CUDA buffers.
 //! - `mpi` (cargo feature `mpi`): MPI through rsmpi, on host buffers, across machines.
 
+mod check;
 mod common;
 #[cfg(feature = "mpi")]
 pub mod mpi;

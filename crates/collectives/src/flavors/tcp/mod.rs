@@ -78,12 +78,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fsdp_device::{
-    with_element, AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device, Storage, Stream,
-    DEFAULT_TIMEOUT,
+    with_element, AccessGuard, Buffer, DType, Device, Storage, Stream, DEFAULT_TIMEOUT,
 };
 
 use self::algo::{Ctx, DataError};
 use self::link::{AbortState, Links};
+use crate::flavors::check::{Access, Placement};
 use crate::flavors::common::{compare, Chunks, OpDesc};
 use crate::store::{StoreOptions, TcpStore};
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
@@ -234,23 +234,6 @@ pub fn run_local_ranks<T: Send>(
     results.into_iter().collect()
 }
 
-/// The buffers a collective touches, checked out in program order at issue time.
-struct Access {
-    tickets: Vec<AccessTicket>,
-}
-
-impl Access {
-    fn acquire(self, timeout: Duration) -> std::result::Result<Vec<AccessGuard>, String> {
-        let deadline = Instant::now() + timeout;
-        let mut guards = Vec::with_capacity(self.tickets.len());
-        for t in self.tickets {
-            let left = deadline.saturating_duration_since(Instant::now());
-            guards.push(t.acquire(left).map_err(|e| e.to_string())?);
-        }
-        Ok(guards)
-    }
-}
-
 type Body = Box<
     dyn FnOnce(&Ctx<'_>, &[AccessGuard], &[OpDesc]) -> std::result::Result<(), DataError> + Send,
 >;
@@ -360,31 +343,12 @@ impl TcpCommunicator {
         }
     }
 
-    fn check_host(&self, bufs: &[&Buffer]) -> std::result::Result<DType, String> {
-        let dtype = bufs[0].dtype();
-        for b in bufs {
-            if b.device() != Device::Cpu {
-                return Err(format!(
-                    "the tcp backend works on host buffers, got a buffer on {}",
-                    b.device()
-                ));
-            }
-            if b.dtype() != dtype {
-                return Err(format!(
-                    "buffers of different element types ({} and {})",
-                    dtype,
-                    b.dtype()
-                ));
-            }
+    /// Where this backend's buffers live.
+    fn placement(&self) -> Placement {
+        Placement {
+            backend: "tcp",
+            device: Device::Cpu,
         }
-        Ok(dtype)
-    }
-
-    fn check_root(&self, root: usize) -> std::result::Result<(), String> {
-        if root >= self.shared.world {
-            return Err(format!("root {root} >= world size {}", self.shared.world));
-        }
-        Ok(())
     }
 }
 
@@ -505,34 +469,8 @@ impl Communicator for TcpCommunicator {
         let mut desc = OpDesc::new("all_gather_base");
         desc.dtype = Some(input.dtype());
         desc.count = n;
-        let check = (|| {
-            self.check_host(&[input, output])?;
-            if Some(output.len()) != n.checked_mul(world) {
-                return Err(format!(
-                    "output has {} elements, expected world size {world} x input {n} = {}",
-                    output.len(),
-                    n.saturating_mul(world)
-                ));
-            }
-            let own_block = output
-                .slice(rank * n..(rank + 1) * n)
-                .map_err(|e| e.to_string())?;
-            if input.overlaps(output) {
-                if input.byte_range() != own_block.byte_range() || !input.same_storage(output) {
-                    return Err("input overlaps output other than as this rank's block".into());
-                }
-                return Ok(Access {
-                    tickets: vec![output.access(AccessMode::Exclusive)],
-                });
-            }
-            Ok(Access {
-                tickets: vec![
-                    input.access(AccessMode::Shared),
-                    output.access(AccessMode::Exclusive),
-                ],
-            })
-        })();
-        let in_place = input.overlaps(output);
+        let check = self.placement().all_gather_base(rank, world, input, output);
+        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
         let seg = self.shared.seg_elems(input.dtype());
         let dtype = input.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
@@ -557,34 +495,10 @@ impl Communicator for TcpCommunicator {
         desc.dtype = Some(input.dtype());
         desc.count = n;
         desc.reduce = Some(op);
-        let in_place = input.overlaps(output);
-        let check = (|| {
-            self.check_host(&[input, output])?;
-            if Some(input.len()) != n.checked_mul(world) {
-                return Err(format!(
-                    "input has {} elements, expected world size {world} x output {n} = {}",
-                    input.len(),
-                    n.saturating_mul(world)
-                ));
-            }
-            if in_place {
-                let own = input
-                    .slice(rank * n..(rank + 1) * n)
-                    .map_err(|e| e.to_string())?;
-                if own.byte_range() != output.byte_range() || !input.same_storage(output) {
-                    return Err("output overlaps input other than as this rank's chunk".into());
-                }
-                return Ok(Access {
-                    tickets: vec![input.access(AccessMode::Exclusive)],
-                });
-            }
-            Ok(Access {
-                tickets: vec![
-                    input.access(AccessMode::Shared),
-                    output.access(AccessMode::Exclusive),
-                ],
-            })
-        })();
+        let check = self
+            .placement()
+            .reduce_scatter_base(rank, world, input, output);
+        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
         let seg = self.shared.seg_elems(input.dtype());
         let dtype = input.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
@@ -608,9 +522,7 @@ impl Communicator for TcpCommunicator {
         desc.dtype = Some(buf.dtype());
         desc.count = total;
         desc.reduce = Some(op);
-        let check = self.check_host(&[buf]).map(|_| Access {
-            tickets: vec![buf.access(AccessMode::Exclusive)],
-        });
+        let check = self.placement().all_reduce(buf);
         let seg = self.shared.seg_elems(buf.dtype());
         let dtype = buf.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
@@ -635,15 +547,8 @@ impl Communicator for TcpCommunicator {
         desc.count = total;
         desc.root = Some(root);
         let check = self
-            .check_host(&[buf])
-            .and_then(|_| self.check_root(root))
-            .map(|_| Access {
-                tickets: vec![buf.access(if rank == root {
-                    AccessMode::Shared
-                } else {
-                    AccessMode::Exclusive
-                })],
-            });
+            .placement()
+            .broadcast(rank, self.shared.world, buf, root);
         let seg = self.shared.seg_elems(buf.dtype());
         let dtype = buf.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
@@ -662,16 +567,7 @@ impl Communicator for TcpCommunicator {
         desc.count = total;
         desc.reduce = Some(op);
         desc.root = Some(root);
-        let check = self
-            .check_host(&[buf])
-            .and_then(|_| self.check_root(root))
-            .map(|_| Access {
-                tickets: vec![buf.access(if rank == root {
-                    AccessMode::Exclusive
-                } else {
-                    AccessMode::Shared
-                })],
-            });
+        let check = self.placement().reduce(rank, self.shared.world, buf, root);
         let seg = self.shared.seg_elems(buf.dtype());
         let dtype = buf.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
@@ -685,7 +581,7 @@ impl Communicator for TcpCommunicator {
     fn barrier(&self) -> Result<Work> {
         // The description exchange alone is the barrier: it completes once every rank posted.
         let body: Body = Box::new(|_, _, _| Ok(()));
-        self.issue(OpDesc::new("barrier"), Ok(Access { tickets: vec![] }), body)
+        self.issue(OpDesc::new("barrier"), Ok(Access::none()), body)
     }
 
     fn all_gather(&self, input: &Buffer, outputs: &[Buffer]) -> Result<Work> {
@@ -695,34 +591,7 @@ impl Communicator for TcpCommunicator {
         desc.dtype = Some(input.dtype());
         desc.count = input.len();
         desc.sizes = Some(sizes.clone());
-        let check = (|| {
-            if outputs.len() != world {
-                return Err(format!(
-                    "{} output buffers given, expected one per rank ({world})",
-                    outputs.len()
-                ));
-            }
-            let mut all: Vec<&Buffer> = vec![input];
-            all.extend(outputs.iter());
-            self.check_host(&all)?;
-            if sizes[rank] != input.len() {
-                return Err(format!(
-                    "outputs[{rank}] has {} elements but this rank's input has {}",
-                    sizes[rank],
-                    input.len()
-                ));
-            }
-            for (i, a) in all.iter().enumerate() {
-                for b in &all[i + 1..] {
-                    if a.overlaps(b) {
-                        return Err("input and output buffers must not overlap".into());
-                    }
-                }
-            }
-            let mut tickets = vec![input.access(AccessMode::Shared)];
-            tickets.extend(outputs.iter().map(|o| o.access(AccessMode::Exclusive)));
-            Ok(Access { tickets })
-        })();
+        let check = self.placement().all_gather(rank, world, input, outputs);
         let dtype = input.dtype();
         let esz = dtype.size_in_bytes();
         let max = sizes.iter().copied().max().unwrap_or(0);
@@ -778,7 +647,7 @@ impl TcpCommunicator {
             let _ = tx.send((ctx.seq, descs.to_vec()));
             Ok(())
         });
-        let work = self.issue(desc, Ok(Access { tickets: vec![] }), body)?;
+        let work = self.issue(desc, Ok(Access::none()), body)?;
         work.wait()?;
         let (seq, descs) = rx.try_recv().map_err(|_| CollectiveError::Aborted {
             rank,
@@ -869,12 +738,10 @@ mod tests {
             let mut desc = OpDesc::new("all_gather_base");
             desc.dtype = Some(DType::F32);
             desc.count = 64;
-            let access = Access {
-                tickets: vec![
-                    input.access(AccessMode::Shared),
-                    output.access(AccessMode::Exclusive),
-                ],
-            };
+            let access = comm
+                .placement()
+                .all_gather_base(comm.rank(), world, &input, &output)
+                .unwrap();
             let rank = comm.rank();
             let body: Body = Box::new(move |ctx, guards, _| {
                 if rank == 1 {

@@ -1,0 +1,327 @@
+//! Argument checks shared by every backend. They run on the issuing rank before anything is
+//! enqueued and give either the buffer accesses the collective needs — tickets taken now, in
+//! program order, so that the stream task runs after earlier work on the same buffers — or the
+//! reason the call is invalid (which the backends still post, so that peers fail at once).
+//!
+//! The rules are NCCL's: one element type per call, `output = world × input` for all-gather
+//! base and `input = world × output` for reduce-scatter base, buffers may overlap only in the
+//! in-place forms (all-gather input = this rank's block of the output, reduce-scatter output =
+//! this rank's chunk of the input), roots below the world size.
+
+use std::time::{Duration, Instant};
+
+use fsdp_device::{AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device};
+
+/// Why a call is invalid, for [`CollectiveError::InvalidArgument`](crate::CollectiveError).
+pub(crate) type Check<T> = std::result::Result<T, String>;
+
+/// The buffers a collective touches, checked out in program order at issue time.
+pub(crate) struct Access {
+    pub(crate) tickets: Vec<AccessTicket>,
+    /// Whether the call is in place (all-gather / reduce-scatter base with overlapping buffers).
+    pub(crate) in_place: bool,
+}
+
+impl Access {
+    fn new(tickets: Vec<AccessTicket>) -> Access {
+        Access {
+            tickets,
+            in_place: false,
+        }
+    }
+
+    /// No buffers (barrier, split).
+    pub(crate) fn none() -> Access {
+        Access::new(Vec::new())
+    }
+
+    /// Wait for every ticket, all within `timeout`.
+    pub(crate) fn acquire(self, timeout: Duration) -> Check<Vec<AccessGuard>> {
+        let deadline = Instant::now() + timeout;
+        let mut guards = Vec::with_capacity(self.tickets.len());
+        for t in self.tickets {
+            let left = deadline.saturating_duration_since(Instant::now());
+            guards.push(t.acquire(left).map_err(|e| e.to_string())?);
+        }
+        Ok(guards)
+    }
+}
+
+/// Where a backend's buffers must live, and its name for the messages.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Placement {
+    pub(crate) backend: &'static str,
+    pub(crate) device: Device,
+}
+
+impl Placement {
+    /// Every buffer on this placement's device, all of one element type (returned).
+    pub(crate) fn buffers(self, bufs: &[&Buffer]) -> Check<DType> {
+        let dtype = bufs.first().map_or(DType::F32, |b| b.dtype());
+        for b in bufs {
+            if b.device() != self.device {
+                let wanted = match self.device {
+                    Device::Cpu => "host buffers".to_string(),
+                    d => format!("buffers on {d}"),
+                };
+                return Err(format!(
+                    "the {} backend works on {wanted}, got a buffer on {}",
+                    self.backend,
+                    b.device()
+                ));
+            }
+            if b.dtype() != dtype {
+                return Err(format!(
+                    "buffers of different element types ({} and {})",
+                    dtype,
+                    b.dtype()
+                ));
+            }
+        }
+        Ok(dtype)
+    }
+
+    /// `all_gather_base(input, output)` on `rank` of `world`.
+    pub(crate) fn all_gather_base(
+        self,
+        rank: usize,
+        world: usize,
+        input: &Buffer,
+        output: &Buffer,
+    ) -> Check<Access> {
+        self.buffers(&[input, output])?;
+        let n = input.len();
+        if Some(output.len()) != n.checked_mul(world) {
+            return Err(format!(
+                "output has {} elements, expected world size {world} x input {n} = {}",
+                output.len(),
+                n.saturating_mul(world)
+            ));
+        }
+        if input.overlaps(output) {
+            let own_block = output
+                .slice(rank * n..(rank + 1) * n)
+                .map_err(|e| e.to_string())?;
+            if input.byte_range() != own_block.byte_range() || !input.same_storage(output) {
+                return Err("input overlaps output other than as this rank's block".into());
+            }
+            return Ok(Access {
+                tickets: vec![output.access(AccessMode::Exclusive)],
+                in_place: true,
+            });
+        }
+        Ok(Access::new(vec![
+            input.access(AccessMode::Shared),
+            output.access(AccessMode::Exclusive),
+        ]))
+    }
+
+    /// `reduce_scatter_base(input, output, _)` on `rank` of `world`.
+    pub(crate) fn reduce_scatter_base(
+        self,
+        rank: usize,
+        world: usize,
+        input: &Buffer,
+        output: &Buffer,
+    ) -> Check<Access> {
+        self.buffers(&[input, output])?;
+        let n = output.len();
+        if Some(input.len()) != n.checked_mul(world) {
+            return Err(format!(
+                "input has {} elements, expected world size {world} x output {n} = {}",
+                input.len(),
+                n.saturating_mul(world)
+            ));
+        }
+        if input.overlaps(output) {
+            let own = input
+                .slice(rank * n..(rank + 1) * n)
+                .map_err(|e| e.to_string())?;
+            if own.byte_range() != output.byte_range() || !input.same_storage(output) {
+                return Err("output overlaps input other than as this rank's chunk".into());
+            }
+            return Ok(Access {
+                tickets: vec![input.access(AccessMode::Exclusive)],
+                in_place: true,
+            });
+        }
+        Ok(Access::new(vec![
+            input.access(AccessMode::Shared),
+            output.access(AccessMode::Exclusive),
+        ]))
+    }
+
+    /// `all_reduce(buf, _)`: the buffer is read and written.
+    pub(crate) fn all_reduce(self, buf: &Buffer) -> Check<Access> {
+        self.buffers(&[buf])?;
+        Ok(Access::new(vec![buf.access(AccessMode::Exclusive)]))
+    }
+
+    /// `broadcast(buf, root)`: the root only reads its buffer, the others write theirs.
+    pub(crate) fn broadcast(
+        self,
+        rank: usize,
+        world: usize,
+        buf: &Buffer,
+        root: usize,
+    ) -> Check<Access> {
+        self.buffers(&[buf])?;
+        check_root(root, world)?;
+        let mode = if rank == root {
+            AccessMode::Shared
+        } else {
+            AccessMode::Exclusive
+        };
+        Ok(Access::new(vec![buf.access(mode)]))
+    }
+
+    /// `reduce(buf, _, root)`: the root writes its buffer, the others only read theirs.
+    pub(crate) fn reduce(
+        self,
+        rank: usize,
+        world: usize,
+        buf: &Buffer,
+        root: usize,
+    ) -> Check<Access> {
+        self.buffers(&[buf])?;
+        check_root(root, world)?;
+        let mode = if rank == root {
+            AccessMode::Exclusive
+        } else {
+            AccessMode::Shared
+        };
+        Ok(Access::new(vec![buf.access(mode)]))
+    }
+
+    /// The unequal `all_gather(input, outputs)`: one output per rank, this rank's of the input's
+    /// length, no overlaps. Tickets: the input, then the outputs in rank order.
+    pub(crate) fn all_gather(
+        self,
+        rank: usize,
+        world: usize,
+        input: &Buffer,
+        outputs: &[Buffer],
+    ) -> Check<Access> {
+        if outputs.len() != world {
+            return Err(format!(
+                "{} output buffers given, expected one per rank ({world})",
+                outputs.len()
+            ));
+        }
+        let mut all: Vec<&Buffer> = vec![input];
+        all.extend(outputs.iter());
+        self.buffers(&all)?;
+        if outputs[rank].len() != input.len() {
+            return Err(format!(
+                "outputs[{rank}] has {} elements but this rank's input has {}",
+                outputs[rank].len(),
+                input.len()
+            ));
+        }
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                if a.overlaps(b) {
+                    return Err("input and output buffers must not overlap".into());
+                }
+            }
+        }
+        let mut tickets = vec![input.access(AccessMode::Shared)];
+        tickets.extend(outputs.iter().map(|o| o.access(AccessMode::Exclusive)));
+        Ok(Access::new(tickets))
+    }
+}
+
+/// A root below the world size.
+pub(crate) fn check_root(root: usize, world: usize) -> Check<()> {
+    if root >= world {
+        return Err(format!("root {root} >= world size {world}"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOST: Placement = Placement {
+        backend: "test",
+        device: Device::Cpu,
+    };
+
+    #[test]
+    fn all_gather_base_sizes_and_in_place() {
+        let out = Buffer::zeros(DType::F32, 6).unwrap();
+        let inp = Buffer::zeros(DType::F32, 2).unwrap();
+        let a = HOST.all_gather_base(1, 3, &inp, &out).unwrap();
+        assert_eq!((a.tickets.len(), a.in_place), (2, false));
+        let own = out.slice(2..4).unwrap();
+        let a = HOST.all_gather_base(1, 3, &own, &out).unwrap();
+        assert_eq!((a.tickets.len(), a.in_place), (1, true));
+        let wrong_block = out.slice(0..2).unwrap();
+        let e = HOST
+            .all_gather_base(1, 3, &wrong_block, &out)
+            .err()
+            .unwrap();
+        assert!(e.contains("other than as this rank's block"), "{e}");
+        let e = HOST.all_gather_base(0, 2, &inp, &out).err().unwrap();
+        assert!(
+            e.contains("output has 6 elements, expected world size 2 x input 2 = 4"),
+            "{e}"
+        );
+        let half = Buffer::zeros(DType::BF16, 2).unwrap();
+        let e = HOST.all_gather_base(0, 3, &half, &out).err().unwrap();
+        assert!(e.contains("different element types"), "{e}");
+    }
+
+    #[test]
+    fn reduce_scatter_base_sizes_and_in_place() {
+        let inp = Buffer::zeros(DType::F64, 8).unwrap();
+        let out = Buffer::zeros(DType::F64, 2).unwrap();
+        assert!(!HOST.reduce_scatter_base(3, 4, &inp, &out).unwrap().in_place);
+        let own = inp.slice(6..8).unwrap();
+        assert!(HOST.reduce_scatter_base(3, 4, &inp, &own).unwrap().in_place);
+        let other = inp.slice(0..2).unwrap();
+        let e = HOST.reduce_scatter_base(3, 4, &inp, &other).err().unwrap();
+        assert!(e.contains("other than as this rank's chunk"), "{e}");
+        let e = HOST.reduce_scatter_base(0, 3, &inp, &out).err().unwrap();
+        assert!(
+            e.contains("input has 8 elements, expected world size 3 x output 2 = 6"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn roots_devices_and_unequal_outputs() {
+        let b = Buffer::zeros(DType::F32, 3).unwrap();
+        assert!(HOST
+            .broadcast(0, 2, &b, 2)
+            .err()
+            .unwrap()
+            .contains("root 2 >= world size 2"));
+        assert!(HOST.reduce(1, 2, &b, 1).is_ok());
+        let gpu = Placement {
+            backend: "nccl",
+            device: Device::Cuda(0),
+        };
+        let e = gpu.all_reduce(&b).err().unwrap();
+        assert_eq!(
+            e,
+            "the nccl backend works on buffers on cuda:0, got a buffer on cpu"
+        );
+        let outs = [
+            Buffer::zeros(DType::F32, 1).unwrap(),
+            Buffer::zeros(DType::F32, 3).unwrap(),
+        ];
+        assert_eq!(HOST.all_gather(1, 2, &b, &outs).unwrap().tickets.len(), 3);
+        let e = HOST.all_gather(0, 2, &b, &outs).err().unwrap();
+        assert!(
+            e.contains("outputs[0] has 1 elements but this rank's input has 3"),
+            "{e}"
+        );
+        let e = HOST.all_gather(0, 3, &b, &outs).err().unwrap();
+        assert!(
+            e.contains("2 output buffers given, expected one per rank (3)"),
+            "{e}"
+        );
+    }
+}
