@@ -98,10 +98,10 @@ use std::time::{Duration, Instant};
 use ::mpi::environment::{self, Threading, Universe};
 use ::mpi::ffi;
 use fsdp_device::{
-    with_element, AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device, Element, Stream,
-    DEFAULT_TIMEOUT,
+    with_element, AccessGuard, Buffer, DType, Device, Element, Stream, DEFAULT_TIMEOUT,
 };
 
+use crate::flavors::check::{Access, Placement};
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
 
 const BACKEND: &str = "mpi";
@@ -594,7 +594,7 @@ impl MpiCommunicator {
         };
         let check = match desc.invalid.clone() {
             Some(why) => Err(why),
-            None => Ok(Access { tickets: vec![] }),
+            None => Ok(Access::none()),
         };
         desc.invalid = None;
         let (tx, rx) = crossbeam_channel::bounded::<Result<Option<MpiCommunicator>>>(1);
@@ -968,11 +968,6 @@ fn compare(descs: &[Desc]) -> std::result::Result<(), String> {
 // ---------------------------------------------------------------------------------------------
 // Issuing and running collectives.
 
-/// The buffers a collective touches, checked out in program order at issue time.
-struct Access {
-    tickets: Vec<AccessTicket>,
-}
-
 /// What a collective's body gets: the communicator, the deadline and scratch memory that is
 /// leaked (never freed under MPI) if the collective times out.
 struct Ctx<'a> {
@@ -1086,31 +1081,12 @@ impl MpiCommunicator {
         }
     }
 
-    fn check_host(&self, bufs: &[&Buffer]) -> std::result::Result<DType, String> {
-        let dtype = bufs[0].dtype();
-        for b in bufs {
-            if b.device() != Device::Cpu {
-                return Err(format!(
-                    "the mpi backend works on host buffers, got a buffer on {}",
-                    b.device()
-                ));
-            }
-            if b.dtype() != dtype {
-                return Err(format!(
-                    "buffers of different element types ({} and {})",
-                    dtype,
-                    b.dtype()
-                ));
-            }
+    /// Where this backend's buffers live.
+    fn placement(&self) -> Placement {
+        Placement {
+            backend: "mpi",
+            device: Device::Cpu,
         }
-        Ok(dtype)
-    }
-
-    fn check_root(&self, root: usize) -> std::result::Result<(), String> {
-        if root >= self.inner.world {
-            return Err(format!("root {root} >= world size {}", self.inner.world));
-        }
-        Ok(())
     }
 }
 
@@ -1354,35 +1330,9 @@ impl Communicator for MpiCommunicator {
         let mut desc = Desc::new(OpKind::AllGatherBase);
         desc.dtype = Some(input.dtype());
         desc.count = n;
-        let in_place = input.overlaps(output);
-        let check = (|| {
-            self.check_host(&[input, output])?;
-            if Some(output.len()) != n.checked_mul(world) {
-                return Err(format!(
-                    "output has {} elements, expected world size {world} x input {n} = {}",
-                    output.len(),
-                    n.saturating_mul(world)
-                ));
-            }
-            c_count(n, "input")?;
-            let own_block = output
-                .slice(rank * n..(rank + 1) * n)
-                .map_err(|e| e.to_string())?;
-            if in_place {
-                if input.byte_range() != own_block.byte_range() || !input.same_storage(output) {
-                    return Err("input overlaps output other than as this rank's block".into());
-                }
-                return Ok(Access {
-                    tickets: vec![output.access(AccessMode::Exclusive)],
-                });
-            }
-            Ok(Access {
-                tickets: vec![
-                    input.access(AccessMode::Shared),
-                    output.access(AccessMode::Exclusive),
-                ],
-            })
-        })();
+        let check = c_count(n, "input")
+            .and_then(|_| self.placement().all_gather_base(rank, world, input, output));
+        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
         let dtype = input.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
             if n == 0 {
@@ -1428,35 +1378,11 @@ impl Communicator for MpiCommunicator {
         desc.dtype = Some(input.dtype());
         desc.count = n;
         desc.reduce = Some(op);
-        let in_place = input.overlaps(output);
-        let check = (|| {
-            self.check_host(&[input, output])?;
-            if Some(input.len()) != n.checked_mul(world) {
-                return Err(format!(
-                    "input has {} elements, expected world size {world} x output {n} = {}",
-                    input.len(),
-                    n.saturating_mul(world)
-                ));
-            }
-            c_count(n, "output")?;
-            if in_place {
-                let own = input
-                    .slice(rank * n..(rank + 1) * n)
-                    .map_err(|e| e.to_string())?;
-                if own.byte_range() != output.byte_range() || !input.same_storage(output) {
-                    return Err("output overlaps input other than as this rank's chunk".into());
-                }
-                return Ok(Access {
-                    tickets: vec![input.access(AccessMode::Exclusive)],
-                });
-            }
-            Ok(Access {
-                tickets: vec![
-                    input.access(AccessMode::Shared),
-                    output.access(AccessMode::Exclusive),
-                ],
-            })
-        })();
+        let check = c_count(n, "output").and_then(|_| {
+            self.placement()
+                .reduce_scatter_base(rank, world, input, output)
+        });
+        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
         let dtype = input.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
             if n == 0 {
@@ -1525,12 +1451,7 @@ impl Communicator for MpiCommunicator {
         desc.dtype = Some(buf.dtype());
         desc.count = n;
         desc.reduce = Some(op);
-        let check = self
-            .check_host(&[buf])
-            .and_then(|_| c_count(n, "buffer"))
-            .map(|_| Access {
-                tickets: vec![buf.access(AccessMode::Exclusive)],
-            });
+        let check = c_count(n, "buffer").and_then(|_| self.placement().all_reduce(buf));
         let dtype = buf.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
             if n == 0 {
@@ -1583,17 +1504,10 @@ impl Communicator for MpiCommunicator {
         desc.dtype = Some(buf.dtype());
         desc.count = n;
         desc.root = Some(root);
-        let check = self
-            .check_host(&[buf])
-            .and_then(|_| self.check_root(root))
-            .and_then(|_| c_count(n, "buffer"))
-            .map(|_| Access {
-                tickets: vec![buf.access(if rank == root {
-                    AccessMode::Shared
-                } else {
-                    AccessMode::Exclusive
-                })],
-            });
+        let check = c_count(n, "buffer").and_then(|_| {
+            self.placement()
+                .broadcast(rank, self.inner.world, buf, root)
+        });
         let dtype = buf.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
             if n == 0 {
@@ -1627,17 +1541,8 @@ impl Communicator for MpiCommunicator {
         desc.count = n;
         desc.reduce = Some(op);
         desc.root = Some(root);
-        let check = self
-            .check_host(&[buf])
-            .and_then(|_| self.check_root(root))
-            .and_then(|_| c_count(n, "buffer"))
-            .map(|_| Access {
-                tickets: vec![buf.access(if rank == root {
-                    AccessMode::Exclusive
-                } else {
-                    AccessMode::Shared
-                })],
-            });
+        let check =
+            c_count(n, "buffer").and_then(|_| self.placement().reduce(rank, world, buf, root));
         let dtype = buf.dtype();
         let body: Body = Box::new(move |ctx, guards, _| {
             if n == 0 {
@@ -1700,11 +1605,7 @@ impl Communicator for MpiCommunicator {
     fn barrier(&self) -> Result<Work> {
         // The exchange of descriptions is itself the barrier.
         let body: Body = Box::new(|_, _, _| Ok(()));
-        self.issue(
-            Desc::new(OpKind::Barrier),
-            Ok(Access { tickets: vec![] }),
-            body,
-        )
+        self.issue(Desc::new(OpKind::Barrier), Ok(Access::none()), body)
     }
 
     fn all_gather(&self, input: &Buffer, outputs: &[Buffer]) -> Result<Work> {
@@ -1714,35 +1615,8 @@ impl Communicator for MpiCommunicator {
         desc.dtype = Some(input.dtype());
         desc.count = input.len();
         desc.sizes = Some(sizes_fingerprint(&sizes));
-        let check = (|| {
-            if outputs.len() != world {
-                return Err(format!(
-                    "{} output buffers given, expected one per rank ({world})",
-                    outputs.len()
-                ));
-            }
-            let mut all: Vec<&Buffer> = vec![input];
-            all.extend(outputs.iter());
-            self.check_host(&all)?;
-            if sizes[rank] != input.len() {
-                return Err(format!(
-                    "outputs[{rank}] has {} elements but this rank's input has {}",
-                    sizes[rank],
-                    input.len()
-                ));
-            }
-            c_count(sizes.iter().sum(), "the total output")?;
-            for (i, a) in all.iter().enumerate() {
-                for b in &all[i + 1..] {
-                    if a.overlaps(b) {
-                        return Err("input and output buffers must not overlap".into());
-                    }
-                }
-            }
-            let mut tickets = vec![input.access(AccessMode::Shared)];
-            tickets.extend(outputs.iter().map(|o| o.access(AccessMode::Exclusive)));
-            Ok(Access { tickets })
-        })();
+        let check = c_count(sizes.iter().sum(), "the total output")
+            .and_then(|_| self.placement().all_gather(rank, world, input, outputs));
         let dtype = input.dtype();
         let body: Body = Box::new(move |ctx, guards, descs| {
             // The exchange already compared the sizes: descs[i].count is rank i's length.
