@@ -83,11 +83,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result as cu, CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 use fsdp_device::{
-    AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device, Element, Stream, DEFAULT_TIMEOUT,
+    AccessGuard, AccessMode, AccessTicket, Buffer, Device, Element, Stream, DEFAULT_TIMEOUT,
 };
 
 use self::desc::{Desc, DESC_BYTES};
 pub use self::ffi::version;
+use crate::flavors::check::Placement;
 use crate::store::TcpStore;
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
 
@@ -981,32 +982,12 @@ impl NcclCommunicator {
         }
     }
 
-    /// Device and element-type checks shared by every collective.
-    fn check_bufs(&self, bufs: &[&Buffer]) -> std::result::Result<DType, String> {
-        let dev = Device::Cuda(self.inner.ordinal);
-        let dtype = bufs[0].dtype();
-        for b in bufs {
-            if b.device() != dev {
-                return Err(format!(
-                    "this NCCL communicator works on buffers of {dev}, got a buffer on {}",
-                    b.device()
-                ));
-            }
-            if b.dtype() != dtype {
-                return Err(format!(
-                    "buffers of different element types ({dtype} and {})",
-                    b.dtype()
-                ));
-            }
+    /// Where this communicator's buffers live.
+    fn placement(&self) -> Placement {
+        Placement {
+            backend: "nccl",
+            device: Device::Cuda(self.inner.ordinal),
         }
-        Ok(dtype)
-    }
-
-    fn check_root(&self, root: usize) -> std::result::Result<(), String> {
-        if root >= self.inner.world {
-            return Err(format!("root {root} >= world size {}", self.inner.world));
-        }
-        Ok(())
     }
 
     fn check_op(op: ReduceOp) -> std::result::Result<sys::ncclRedOp_t, String> {
@@ -1188,29 +1169,10 @@ impl Communicator for NcclCommunicator {
         desc.dtype = Some(input.dtype());
         desc.count = n as u64;
         let in_place = input.overlaps(output);
-        let check = (|| {
-            self.check_bufs(&[input, output])?;
-            if Some(output.len()) != n.checked_mul(world) {
-                return Err(format!(
-                    "output has {} elements, expected world size {world} x input {n} = {}",
-                    output.len(),
-                    n.saturating_mul(world)
-                ));
-            }
-            if in_place {
-                let own = output
-                    .slice(rank * n..(rank + 1) * n)
-                    .map_err(|e| e.to_string())?;
-                if input.byte_range() != own.byte_range() || !input.same_storage(output) {
-                    return Err("input overlaps output other than as this rank's block".into());
-                }
-                return Ok(vec![output.access(AccessMode::Exclusive)]);
-            }
-            Ok(vec![
-                input.access(AccessMode::Shared),
-                output.access(AccessMode::Exclusive),
-            ])
-        })();
+        let check = self
+            .placement()
+            .all_gather_base(rank, world, input, output)
+            .map(|a| a.tickets);
         let dtype = input.dtype();
         let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
             if n == 0 {
@@ -1249,30 +1211,11 @@ impl Communicator for NcclCommunicator {
         desc.reduce = Some(op);
         let in_place = input.overlaps(output);
         let nop = Self::check_op(op);
-        let check = (|| {
-            self.check_bufs(&[input, output])?;
-            nop.clone()?;
-            if Some(input.len()) != n.checked_mul(world) {
-                return Err(format!(
-                    "input has {} elements, expected world size {world} x output {n} = {}",
-                    input.len(),
-                    n.saturating_mul(world)
-                ));
-            }
-            if in_place {
-                let own = input
-                    .slice(rank * n..(rank + 1) * n)
-                    .map_err(|e| e.to_string())?;
-                if own.byte_range() != output.byte_range() || !input.same_storage(output) {
-                    return Err("output overlaps input other than as this rank's chunk".into());
-                }
-                return Ok(vec![input.access(AccessMode::Exclusive)]);
-            }
-            Ok(vec![
-                input.access(AccessMode::Shared),
-                output.access(AccessMode::Exclusive),
-            ])
-        })();
+        let check = nop.clone().and_then(|_| {
+            self.placement()
+                .reduce_scatter_base(rank, world, input, output)
+                .map(|a| a.tickets)
+        });
         let dtype = input.dtype();
         let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
             let nop = nop.map_err(|r| inner.backend("reduce_scatter_base", r))?;
@@ -1311,10 +1254,9 @@ impl Communicator for NcclCommunicator {
         desc.count = n as u64;
         desc.reduce = Some(op);
         let nop = Self::check_op(op);
-        let check = self
-            .check_bufs(&[buf])
-            .and_then(|_| nop.clone())
-            .map(|_| vec![buf.access(AccessMode::Exclusive)]);
+        let check = nop
+            .clone()
+            .and_then(|_| self.placement().all_reduce(buf).map(|a| a.tickets));
         let dtype = buf.dtype();
         let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
             let nop = nop.map_err(|r| inner.backend("all_reduce", r))?;
@@ -1348,15 +1290,9 @@ impl Communicator for NcclCommunicator {
         desc.count = n as u64;
         desc.root = Some(root as u64);
         let check = self
-            .check_bufs(&[buf])
-            .and_then(|_| self.check_root(root))
-            .map(|_| {
-                vec![buf.access(if rank == root {
-                    AccessMode::Shared
-                } else {
-                    AccessMode::Exclusive
-                })]
-            });
+            .placement()
+            .broadcast(rank, self.inner.world, buf, root)
+            .map(|a| a.tickets);
         let dtype = buf.dtype();
         let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
             if n == 0 {
@@ -1391,17 +1327,11 @@ impl Communicator for NcclCommunicator {
         desc.reduce = Some(op);
         desc.root = Some(root as u64);
         let nop = Self::check_op(op);
-        let check = self
-            .check_bufs(&[buf])
-            .and_then(|_| self.check_root(root))
-            .and_then(|_| nop.clone())
-            .map(|_| {
-                vec![buf.access(if rank == root {
-                    AccessMode::Exclusive
-                } else {
-                    AccessMode::Shared
-                })]
-            });
+        let check = nop.clone().and_then(|_| {
+            self.placement()
+                .reduce(rank, self.inner.world, buf, root)
+                .map(|a| a.tickets)
+        });
         let dtype = buf.dtype();
         let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
             let nop = nop.map_err(|r| inner.backend("reduce", r))?;
@@ -1445,22 +1375,6 @@ impl Communicator for NcclCommunicator {
         let esz = dtype.size_in_bytes();
         let max = sizes.iter().copied().max().unwrap_or(0);
         let check = (|| {
-            if outputs.len() != world {
-                return Err(format!(
-                    "{} output buffers given, expected one per rank ({world})",
-                    outputs.len()
-                ));
-            }
-            let mut all: Vec<&Buffer> = vec![input];
-            all.extend(outputs.iter());
-            self.check_bufs(&all)?;
-            if sizes[rank] != input.len() {
-                return Err(format!(
-                    "outputs[{rank}] has {} elements but this rank's input has {}",
-                    sizes[rank],
-                    input.len()
-                ));
-            }
             if max
                 .checked_mul(esz)
                 .and_then(|b| b.checked_mul(world + 1))
@@ -1468,16 +1382,9 @@ impl Communicator for NcclCommunicator {
             {
                 return Err("the padded temporary buffer would overflow usize".into());
             }
-            for (i, a) in all.iter().enumerate() {
-                for b in &all[i + 1..] {
-                    if a.overlaps(b) {
-                        return Err("input and output buffers must not overlap".into());
-                    }
-                }
-            }
-            let mut tickets = vec![input.access(AccessMode::Shared)];
-            tickets.extend(outputs.iter().map(|o| o.access(AccessMode::Exclusive)));
-            Ok(tickets)
+            self.placement()
+                .all_gather(rank, world, input, outputs)
+                .map(|a| a.tickets)
         })();
         let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
             if max == 0 {
