@@ -4,7 +4,11 @@
 //! trait with NCCL's semantics (`all_gather_base`, `reduce_scatter_base`, `all_reduce`,
 //! `broadcast`, `reduce`, `barrier`, unequal `all_gather`, `split`), a 2-D mesh helper for hybrid
 //! sharding ([`mesh_2d`]), and backends. The [`ring`] backend — ranks as threads of one process —
-//! is the embedded default.
+//! is the embedded default; [`tcp`] runs ranks as processes (bitwise the ring's results), `nccl`
+//! (feature `nccl`) on GPUs through cudarc, `mpi` (feature `mpi`) under `mpirun`. Processes meet
+//! through the rendezvous [`store::TcpStore`]; [`init_from_env`] builds a communicator from the
+//! launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...) and [`launch`] starts the
+//! processes, like `torchrun`.
 //!
 //! Guarantees, on every backend:
 //! - every collective is enqueued on the communicator's [`Stream`](fsdp_device::Stream) and
