@@ -763,9 +763,10 @@ enum Mode {
     Process { backend: Backend, world: usize },
 }
 
-/// The world size under mpirun, from the variables Open MPI, MPICH and Slurm's PMI set.
+/// The world size under mpirun, from the variables that Open MPI (`OMPI_COMM_WORLD_SIZE`) and
+/// PMI-based launchers such as MPICH's (`PMI_SIZE`) set.
 fn mpi_world_from_env() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"]
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
         .iter()
         .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
 }
