@@ -782,13 +782,16 @@ fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
         None => TrainBackend::Ring,
     };
     let given = args.model.ranks;
-    let world = match backend {
+    let (backend, world) = match backend {
         TrainBackend::Ring => return Ok(Mode::Threads(given.unwrap_or(DEFAULT_RANKS))),
-        TrainBackend::Process(Backend::Mpi) => mpi_world_from_env().ok_or_else(|| {
-            fail("--backend mpi: not started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE unset)")
-        })?,
+        TrainBackend::Process(Backend::Mpi) => {
+            let world = mpi_world_from_env().ok_or_else(|| {
+                fail("--backend mpi: not started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE unset)")
+            })?;
+            (Backend::Mpi, world)
+        }
         TrainBackend::Process(b) => match &launched {
-            Some(env) => env.world_size,
+            Some(env) => (b, env.world_size),
             None => {
                 return Err(fail(format!(
                     "--backend {b}: RANK and WORLD_SIZE are not set; start the ranks with \
@@ -804,9 +807,6 @@ fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
             )));
         }
     }
-    let TrainBackend::Process(backend) = backend else {
-        unreachable!("ring returned above")
-    };
     Ok(Mode::Process { backend, world })
 }
 
