@@ -4,40 +4,11 @@
 //! Inputs are chosen so that every reduction is exact in every element type (small integers for
 //! sums, powers of two for products), so the reference may reduce in any order.
 
-#![allow(clippy::needless_range_loop)] // index arithmetic mirrors the collectives' definitions
-
 use fsdp_collectives::{mesh_2d, ring, Communicator, ReduceOp};
-use fsdp_device::{with_element, Buffer, DType, Element};
+use fsdp_device::{Buffer, DType};
 use proptest::prelude::*;
 
-fn val(op: ReduceOp, rank: usize, i: usize) -> f64 {
-    match op {
-        ReduceOp::Product => [1.0, -1.0, 2.0, 0.5][(rank * 3 + i) % 4],
-        _ => ((rank * 7 + i * 13) % 17) as f64 - 8.0,
-    }
-}
-
-fn make(dtype: DType, vals: &[f64]) -> Buffer {
-    with_element!(dtype, T => {
-        let v: Vec<T> = vals.iter().map(|&x| T::from_f64(x)).collect();
-        Buffer::from_slice(&v).unwrap()
-    })
-}
-
-fn read(buf: &Buffer) -> Vec<f64> {
-    with_element!(buf.dtype(), T => buf.to_vec::<T>().unwrap().into_iter().map(|x| x.to_f64()).collect())
-}
-
-/// The reduction of element `i` over `world` ranks, computed in the element type.
-fn reduced(dtype: DType, op: ReduceOp, world: usize, i: usize) -> f64 {
-    with_element!(dtype, T => {
-        let mut acc = T::from_f64(val(op, 0, i));
-        for r in 1..world {
-            acc = op.combine(acc, T::from_f64(val(op, r, i)));
-        }
-        op.finish(acc, world).to_f64()
-    })
-}
+mod support;
 
 /// Run every collective once on a group of `world` ranks and check each rank's results.
 fn check_all(
@@ -49,96 +20,7 @@ fn check_all(
     opts: ring::RingOptions,
 ) {
     ring::run_ranks(world, opts, |comm| {
-        let r = comm.rank();
-        let mine: Vec<f64> = (0..len).map(|i| val(op, r, i)).collect();
-
-        // all_gather_base: output[q*len + i] = val(q, i)
-        let input = make(dtype, &mine);
-        let output = Buffer::zeros(dtype, world * len).unwrap();
-        let ag = comm.all_gather_base(&input, &output).unwrap();
-
-        // reduce_scatter_base: each rank contributes world*len values val(r, j)
-        let rs_in = make(
-            dtype,
-            &(0..world * len).map(|j| val(op, r, j)).collect::<Vec<_>>(),
-        );
-        let rs_out = Buffer::zeros(dtype, len).unwrap();
-        let rs = comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap();
-
-        // all_reduce over a length not divisible by the world size
-        let ar = make(dtype, &mine);
-        let ar_w = comm.all_reduce(&ar, op).unwrap();
-
-        // broadcast from root, reduce to root
-        let bc = make(dtype, &mine);
-        let bc_w = comm.broadcast(&bc, root).unwrap();
-        let red = make(dtype, &mine);
-        let red_w = comm.reduce(&red, op, root).unwrap();
-
-        // unequal all_gather: rank q contributes len + q elements
-        let sizes: Vec<usize> = (0..world).map(|q| len + q).collect();
-        let ug_in = make(
-            dtype,
-            &(0..sizes[r]).map(|i| val(op, r, i)).collect::<Vec<_>>(),
-        );
-        let ug_out: Vec<Buffer> = sizes
-            .iter()
-            .map(|&s| Buffer::zeros(dtype, s).unwrap())
-            .collect();
-        let ug = comm.all_gather(&ug_in, &ug_out).unwrap();
-
-        let bar = comm.barrier().unwrap();
-        for w in [&ag, &rs, &ar_w, &bc_w, &red_w, &ug, &bar] {
-            w.wait().unwrap();
-        }
-
-        let got = read(&output);
-        for q in 0..world {
-            for i in 0..len {
-                let want = with_element!(dtype, T => T::from_f64(val(op, q, i)).to_f64());
-                assert_eq!(
-                    got[q * len + i],
-                    want,
-                    "all_gather_base rank {r} block {q} elem {i}"
-                );
-            }
-        }
-        let got = read(&rs_out);
-        for i in 0..len {
-            assert_eq!(
-                got[i],
-                reduced(dtype, op, world, r * len + i),
-                "reduce_scatter rank {r} elem {i}"
-            );
-        }
-        let got = read(&ar);
-        for i in 0..len {
-            assert_eq!(
-                got[i],
-                reduced(dtype, op, world, i),
-                "all_reduce rank {r} elem {i}"
-            );
-        }
-        let got = read(&bc);
-        for i in 0..len {
-            assert_eq!(got[i], val(op, root, i), "broadcast rank {r} elem {i}");
-        }
-        let got = read(&red);
-        for i in 0..len {
-            let want = if r == root {
-                reduced(dtype, op, world, i)
-            } else {
-                val(op, r, i)
-            };
-            assert_eq!(got[i], want, "reduce rank {r} elem {i}");
-        }
-        for (q, o) in ug_out.iter().enumerate() {
-            let got = read(o);
-            assert_eq!(got.len(), sizes[q]);
-            for (i, g) in got.iter().enumerate() {
-                assert_eq!(*g, val(op, q, i), "all_gather rank {r} from {q} elem {i}");
-            }
-        }
+        support::check_every_collective(&comm, dtype, len, op, root)
     })
     .unwrap();
 }

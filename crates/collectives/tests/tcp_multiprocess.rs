@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 
 use fsdp_collectives::store::{StoreOptions, TcpStore};
 use fsdp_collectives::{ring, tcp, CollectiveError, Communicator, ReduceOp};
-use fsdp_device::{with_element, Buffer, DType, Element};
+use fsdp_device::{Buffer, DType};
+
+mod support;
+use support::{check_every_collective, reductions};
 
 const ROLE: &str = "FSDP_TCP_MP_ROLE";
 const PORT: &str = "FSDP_TCP_MP_PORT";
@@ -104,162 +107,6 @@ fn child_comm(opts: tcp::TcpOptions) -> (TcpStore, tcp::TcpCommunicator) {
     (store, comm)
 }
 
-fn val(op: ReduceOp, rank: usize, i: usize) -> f64 {
-    match op {
-        ReduceOp::Product => [1.0, -1.0, 2.0, 0.5][(rank * 3 + i) % 4],
-        _ => ((rank * 7 + i * 13) % 17) as f64 - 8.0,
-    }
-}
-
-fn make(dtype: DType, vals: &[f64]) -> Buffer {
-    with_element!(dtype, T => {
-        let v: Vec<T> = vals.iter().map(|&x| T::from_f64(x)).collect();
-        Buffer::from_slice(&v).unwrap()
-    })
-}
-
-fn read(buf: &Buffer) -> Vec<f64> {
-    with_element!(buf.dtype(), T => buf.to_vec::<T>().unwrap().into_iter().map(|x| x.to_f64()).collect())
-}
-
-fn reduced(dtype: DType, op: ReduceOp, world: usize, i: usize) -> f64 {
-    with_element!(dtype, T => {
-        let mut acc = T::from_f64(val(op, 0, i));
-        for r in 1..world {
-            acc = op.combine(acc, T::from_f64(val(op, r, i)));
-        }
-        op.finish(acc, world).to_f64()
-    })
-}
-
-/// Every collective once, checked against the host reference.
-fn check_all(comm: &dyn Communicator, dtype: DType, op: ReduceOp, len: usize, root: usize) {
-    let (r, world) = (comm.rank(), comm.world_size());
-    let mine: Vec<f64> = (0..len).map(|i| val(op, r, i)).collect();
-    let input = make(dtype, &mine);
-    let output = Buffer::zeros(dtype, world * len).unwrap();
-    let rs_in = make(
-        dtype,
-        &(0..world * len).map(|j| val(op, r, j)).collect::<Vec<_>>(),
-    );
-    let rs_out = Buffer::zeros(dtype, len).unwrap();
-    let ar = make(dtype, &mine);
-    let bc = make(dtype, &mine);
-    let red = make(dtype, &mine);
-    let sizes: Vec<usize> = (0..world).map(|q| len + 2 * q).collect();
-    let ug_in = make(
-        dtype,
-        &(0..sizes[r]).map(|i| val(op, r, i)).collect::<Vec<_>>(),
-    );
-    let ug_out: Vec<Buffer> = sizes
-        .iter()
-        .map(|&s| Buffer::zeros(dtype, s).unwrap())
-        .collect();
-    let works = vec![
-        comm.all_gather_base(&input, &output).unwrap(),
-        comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap(),
-        comm.all_reduce(&ar, op).unwrap(),
-        comm.broadcast(&bc, root).unwrap(),
-        comm.reduce(&red, op, root).unwrap(),
-        comm.all_gather(&ug_in, &ug_out).unwrap(),
-        comm.barrier().unwrap(),
-    ];
-    for w in works {
-        w.wait().unwrap();
-    }
-    let what = format!("{dtype} {op} rank {r}");
-    let got = read(&output);
-    for q in 0..world {
-        for i in 0..len {
-            let want = with_element!(dtype, T => T::from_f64(val(op, q, i)).to_f64());
-            assert_eq!(
-                got[q * len + i],
-                want,
-                "all_gather_base {what} block {q} elem {i}"
-            );
-        }
-    }
-    let got = read(&rs_out);
-    for i in 0..len {
-        assert_eq!(
-            got[i],
-            reduced(dtype, op, world, r * len + i),
-            "reduce_scatter {what} {i}"
-        );
-    }
-    let got = read(&ar);
-    for i in 0..len {
-        assert_eq!(
-            got[i],
-            reduced(dtype, op, world, i),
-            "all_reduce {what} elem {i}"
-        );
-    }
-    let got = read(&bc);
-    for i in 0..len {
-        assert_eq!(got[i], val(op, root, i), "broadcast {what} elem {i}");
-    }
-    let got = read(&red);
-    for i in 0..len {
-        let want = if r == root {
-            reduced(dtype, op, world, i)
-        } else {
-            val(op, r, i)
-        };
-        assert_eq!(got[i], want, "reduce {what} elem {i}");
-    }
-    for (q, o) in ug_out.iter().enumerate() {
-        let got = read(o);
-        assert_eq!(got.len(), sizes[q]);
-        for (i, g) in got.iter().enumerate() {
-            assert_eq!(*g, val(op, q, i), "all_gather {what} from {q} elem {i}");
-        }
-    }
-}
-
-/// Order-sensitive data: values of very different magnitudes and signs.
-fn noisy(seed: u64, i: usize) -> f64 {
-    let mut x = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add((i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
-    x ^= x >> 31;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 29;
-    let mant = (x >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
-    mant * 2f64.powi(((x >> 3) % 24) as i32 - 12)
-}
-
-/// The bits of all-reduce, reduce-scatter and reduce results for every type and op.
-fn reductions(comm: &dyn Communicator, len: usize) -> Vec<Vec<u8>> {
-    let (r, world) = (comm.rank(), comm.world_size());
-    let mut out = Vec::new();
-    for (di, dtype) in DType::ALL.into_iter().enumerate() {
-        for (oi, op) in ReduceOp::ALL.into_iter().enumerate() {
-            let seed = (r as u64 + 1) * 1000 + di as u64 * 10 + oi as u64;
-            let data = |n: usize, salt: u64| -> Vec<f64> {
-                (0..n).map(|i| noisy(seed ^ (salt << 32), i)).collect()
-            };
-            let ar = make(dtype, &data(len, 1));
-            let rs_in = make(dtype, &data(world * len, 2));
-            let rs_out = Buffer::zeros(dtype, len).unwrap();
-            let red = make(dtype, &data(len, 3));
-            let ws = [
-                comm.all_reduce(&ar, op).unwrap(),
-                comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap(),
-                comm.reduce(&red, op, 0).unwrap(),
-            ];
-            for w in ws {
-                w.wait().unwrap();
-            }
-            for b in [&ar, &rs_out, &red] {
-                // f64 holds every element type exactly, NaN aside (there is none in this data).
-                out.push(read(b).iter().flat_map(|x| x.to_le_bytes()).collect());
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn three_processes_run_every_collective() {
     if std::env::var(ROLE).as_deref() == Ok("collectives") {
@@ -270,8 +117,8 @@ fn three_processes_run_every_collective() {
         let r = comm.rank();
         for (di, dtype) in DType::ALL.into_iter().enumerate() {
             for (oi, op) in ReduceOp::ALL.into_iter().enumerate() {
-                check_all(&comm, dtype, op, 37, (di + oi) % WORLD);
-                check_all(&comm, dtype, op, 0, 0);
+                check_every_collective(&comm, dtype, 37, op, (di + oi) % WORLD);
+                check_every_collective(&comm, dtype, 0, op, 0);
             }
         }
         // The same reductions in-process on the ring backend: this rank's results must be

@@ -6,40 +6,12 @@
 //! Reference inputs are chosen so that every reduction is exact in every element type (small
 //! integers for sums, powers of two for products), so the reference may reduce in any order.
 
-#![allow(clippy::needless_range_loop)] // index arithmetic mirrors the collectives' definitions
-
 use fsdp_collectives::{mesh_2d, ring, tcp, Communicator, ReduceOp};
-use fsdp_device::{with_element, Buffer, DType, Element};
+use fsdp_device::{Buffer, DType};
 use proptest::prelude::*;
 
-fn val(op: ReduceOp, rank: usize, i: usize) -> f64 {
-    match op {
-        ReduceOp::Product => [1.0, -1.0, 2.0, 0.5][(rank * 3 + i) % 4],
-        _ => ((rank * 7 + i * 13) % 17) as f64 - 8.0,
-    }
-}
-
-fn make(dtype: DType, vals: &[f64]) -> Buffer {
-    with_element!(dtype, T => {
-        let v: Vec<T> = vals.iter().map(|&x| T::from_f64(x)).collect();
-        Buffer::from_slice(&v).unwrap()
-    })
-}
-
-fn read(buf: &Buffer) -> Vec<f64> {
-    with_element!(buf.dtype(), T => buf.to_vec::<T>().unwrap().into_iter().map(|x| x.to_f64()).collect())
-}
-
-/// The reduction of element `i` over `world` ranks, computed in the element type.
-fn reduced(dtype: DType, op: ReduceOp, world: usize, i: usize) -> f64 {
-    with_element!(dtype, T => {
-        let mut acc = T::from_f64(val(op, 0, i));
-        for r in 1..world {
-            acc = op.combine(acc, T::from_f64(val(op, r, i)));
-        }
-        op.finish(acc, world).to_f64()
-    })
-}
+mod support;
+use support::*;
 
 /// Run every collective once on a tcp group of `world` ranks and check each rank's results.
 fn check_all(
@@ -51,91 +23,7 @@ fn check_all(
     opts: tcp::TcpOptions,
 ) {
     tcp::run_local_ranks(world, opts, |comm| {
-        let r = comm.rank();
-        let mine: Vec<f64> = (0..len).map(|i| val(op, r, i)).collect();
-
-        let input = make(dtype, &mine);
-        let output = Buffer::zeros(dtype, world * len).unwrap();
-        let ag = comm.all_gather_base(&input, &output).unwrap();
-
-        let rs_in = make(
-            dtype,
-            &(0..world * len).map(|j| val(op, r, j)).collect::<Vec<_>>(),
-        );
-        let rs_out = Buffer::zeros(dtype, len).unwrap();
-        let rs = comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap();
-
-        let ar = make(dtype, &mine);
-        let ar_w = comm.all_reduce(&ar, op).unwrap();
-
-        let bc = make(dtype, &mine);
-        let bc_w = comm.broadcast(&bc, root).unwrap();
-        let red = make(dtype, &mine);
-        let red_w = comm.reduce(&red, op, root).unwrap();
-
-        let sizes: Vec<usize> = (0..world).map(|q| len + q).collect();
-        let ug_in = make(
-            dtype,
-            &(0..sizes[r]).map(|i| val(op, r, i)).collect::<Vec<_>>(),
-        );
-        let ug_out: Vec<Buffer> = sizes
-            .iter()
-            .map(|&s| Buffer::zeros(dtype, s).unwrap())
-            .collect();
-        let ug = comm.all_gather(&ug_in, &ug_out).unwrap();
-
-        let bar = comm.barrier().unwrap();
-        for w in [&ag, &rs, &ar_w, &bc_w, &red_w, &ug, &bar] {
-            w.wait().unwrap();
-        }
-
-        let got = read(&output);
-        for q in 0..world {
-            for i in 0..len {
-                let want = with_element!(dtype, T => T::from_f64(val(op, q, i)).to_f64());
-                assert_eq!(
-                    got[q * len + i],
-                    want,
-                    "all_gather_base rank {r} block {q} elem {i}"
-                );
-            }
-        }
-        let got = read(&rs_out);
-        for i in 0..len {
-            assert_eq!(
-                got[i],
-                reduced(dtype, op, world, r * len + i),
-                "reduce_scatter rank {r} elem {i}"
-            );
-        }
-        let got = read(&ar);
-        for i in 0..len {
-            assert_eq!(
-                got[i],
-                reduced(dtype, op, world, i),
-                "all_reduce rank {r} elem {i}"
-            );
-        }
-        let got = read(&bc);
-        for i in 0..len {
-            assert_eq!(got[i], val(op, root, i), "broadcast rank {r} elem {i}");
-        }
-        let got = read(&red);
-        for i in 0..len {
-            let want = if r == root {
-                reduced(dtype, op, world, i)
-            } else {
-                val(op, r, i)
-            };
-            assert_eq!(got[i], want, "reduce rank {r} elem {i}");
-        }
-        for (q, o) in ug_out.iter().enumerate() {
-            let got = read(o);
-            assert_eq!(got.len(), sizes[q]);
-            for (i, g) in got.iter().enumerate() {
-                assert_eq!(*g, val(op, q, i), "all_gather rank {r} from {q} elem {i}");
-            }
-        }
+        support::check_every_collective(&comm, dtype, len, op, root)
     })
     .unwrap();
 }
@@ -178,84 +66,6 @@ fn a_large_message_with_default_segments() {
         1,
         tcp::TcpOptions::default(),
     );
-}
-
-/// Deterministic values of very different magnitudes and signs, so that the result of a
-/// reduction depends on its order; a few NaNs and infinities too.
-fn noisy(seed: u64, i: usize) -> f64 {
-    let mut x = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add((i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
-    x ^= x >> 31;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 29;
-    match x % 211 {
-        0 => f64::NAN,
-        1 => f64::INFINITY,
-        _ => {
-            let mant = (x >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
-            mant * 2f64.powi(((x >> 3) % 24) as i32 - 12)
-        }
-    }
-}
-
-/// The raw bits of every element.
-fn bits(buf: &Buffer) -> Vec<u64> {
-    match buf.dtype() {
-        DType::F32 => buf
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::F64 => buf
-            .to_vec::<f64>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect(),
-        DType::BF16 => buf
-            .to_vec::<half::bf16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-        DType::F16 => buf
-            .to_vec::<half::f16>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits() as u64)
-            .collect(),
-    }
-}
-
-/// Every reducing collective for every element type and op on random data; the bits of each
-/// result, in call order.
-fn reductions(comm: &dyn Communicator, len: usize) -> Vec<Vec<u64>> {
-    let (r, world) = (comm.rank(), comm.world_size());
-    let mut out = Vec::new();
-    for (di, dtype) in DType::ALL.into_iter().enumerate() {
-        for (oi, op) in ReduceOp::ALL.into_iter().enumerate() {
-            let seed = (r as u64 + 1) * 1000 + di as u64 * 10 + oi as u64;
-            let data = |n: usize, salt: u64| -> Vec<f64> {
-                (0..n).map(|i| noisy(seed ^ (salt << 32), i)).collect()
-            };
-            let ar = make(dtype, &data(len, 1));
-            let rs_in = make(dtype, &data(world * len, 2));
-            let rs_out = Buffer::zeros(dtype, len).unwrap();
-            let red = make(dtype, &data(len, 3));
-            let w1 = comm.all_reduce(&ar, op).unwrap();
-            let w2 = comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap();
-            let w3 = comm.reduce(&red, op, world - 1).unwrap();
-            for w in [w1, w2, w3] {
-                w.wait().unwrap();
-            }
-            out.push(bits(&ar));
-            out.push(bits(&rs_out));
-            out.push(bits(&red));
-        }
-    }
-    out
 }
 
 #[test]
