@@ -1,4 +1,7 @@
-//! Argument checks shared by every backend. They run on the issuing rank before anything is
+//! What every backend does when a collective is issued: the argument checks, and enqueueing the
+//! task under the next sequence number ([`enqueue_collective`]).
+//!
+//! The argument checks run on the issuing rank before anything is
 //! enqueued and give either the buffer accesses the collective needs — tickets taken now, in
 //! program order, so that the stream task runs after earlier work on the same buffers — or the
 //! reason the call is invalid (which the backends still post, so that peers fail at once).
@@ -8,9 +11,12 @@
 //! in-place forms (all-gather input = this rank's block of the output, reduce-scatter output =
 //! this rank's chunk of the input), roots below the world size.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use fsdp_device::{AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device};
+use fsdp_device::{AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device, Stream};
+
+use crate::{CollectiveError, Work};
 
 /// Why a call is invalid, for [`CollectiveError::InvalidArgument`](crate::CollectiveError).
 pub(crate) type Check<T> = std::result::Result<T, String>;
@@ -229,6 +235,27 @@ impl Placement {
         tickets.extend(outputs.iter().map(|o| o.access(AccessMode::Exclusive)));
         Ok(Access::new(tickets))
     }
+}
+
+/// Enqueue `task` on `stream` under the next sequence number of `next_seq` (taken, and passed
+/// to the task, only if the enqueue succeeds) and return its [`Work`]. Holding the counter's lock
+/// across the enqueue keeps sequence numbers in stream order when several threads issue.
+pub(crate) fn enqueue_collective(
+    stream: &Stream,
+    next_seq: &Mutex<u64>,
+    rank: usize,
+    op: &'static str,
+    timeout: Duration,
+    task: impl FnOnce(u64) -> crate::Result<()> + Send + 'static,
+) -> crate::Result<Work> {
+    let mut next = next_seq.lock().unwrap_or_else(|e| e.into_inner());
+    let seq = *next;
+    let (completer, make_work) = Work::pending(op, rank, timeout);
+    stream
+        .enqueue(move || completer.complete(task(seq)))
+        .map_err(|source| CollectiveError::Device { rank, source })?;
+    *next += 1;
+    Ok(make_work(stream.record_event()))
 }
 
 /// A root below the world size.

@@ -92,7 +92,7 @@
 use std::ffi::{c_int, c_void};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ::mpi::environment::{self, Threading, Universe};
@@ -101,7 +101,7 @@ use fsdp_device::{
     with_element, AccessGuard, Buffer, DType, Device, Element, Stream, DEFAULT_TIMEOUT,
 };
 
-use crate::flavors::check::{Access, Placement};
+use crate::flavors::check::{enqueue_collective, Access, Placement};
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
 
 const BACKEND: &str = "mpi";
@@ -446,10 +446,6 @@ impl CommInner {
         if a.is_none() {
             *a = Some(reason);
         }
-    }
-
-    fn next_seq(&self) -> MutexGuard<'_, u64> {
-        self.next_seq.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -1062,19 +1058,15 @@ impl MpiCommunicator {
                 (None, Some(self.invalid(op, reason)))
             }
         };
-        let mut next_seq = inner.next_seq();
-        let seq = *next_seq;
-        let (completer, make_work) = Work::pending(op, rank, inner.opts.timeout);
         let task_inner = inner.clone();
-        self.stream
-            .enqueue(move || {
-                let result = run_collective(&task_inner, seq, desc, access, body);
-                completer.complete(result);
-            })
-            .map_err(|source| CollectiveError::Device { rank, source })?;
-        *next_seq += 1;
-        let work = make_work(self.stream.record_event());
-        drop(next_seq);
+        let work = enqueue_collective(
+            &self.stream,
+            &inner.next_seq,
+            rank,
+            op,
+            inner.opts.timeout,
+            move |seq| run_collective(&task_inner, seq, desc, access, body),
+        )?;
         match local_error {
             Some(e) => Err(e),
             None => Ok(work),

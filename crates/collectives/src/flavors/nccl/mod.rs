@@ -88,7 +88,7 @@ use fsdp_device::{
 
 use self::desc::{Desc, DESC_BYTES};
 pub use self::ffi::version;
-use crate::flavors::check::Placement;
+use crate::flavors::check::{enqueue_collective, Placement};
 use crate::store::TcpStore;
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
 
@@ -962,20 +962,19 @@ impl NcclCommunicator {
                 return Err(e.clone());
             }
         }
-        let mut next_seq = lock(&self.next_seq);
-        let seq = *next_seq;
-        desc.seq = seq;
-        let (completer, make_work) = Work::pending(op, rank, inner.opts.timeout);
         let task_inner = inner.clone();
-        self.stream
-            .enqueue(move || {
-                let result = task_inner.run(seq, desc, tickets, launch);
-                completer.complete(result);
-            })
-            .map_err(|source| CollectiveError::Device { rank, source })?;
-        *next_seq += 1;
-        let work = make_work(self.stream.record_event());
-        drop(next_seq);
+        let work = enqueue_collective(
+            &self.stream,
+            &self.next_seq,
+            rank,
+            op,
+            inner.opts.timeout,
+            move |seq| {
+                let mut desc = desc;
+                desc.seq = seq;
+                task_inner.run(seq, desc, tickets, launch)
+            },
+        )?;
         match local_error {
             Some(e) => Err(e),
             None => Ok(work),

@@ -83,7 +83,7 @@ use fsdp_device::{
 
 use self::algo::{Ctx, DataError};
 use self::link::{AbortState, Links};
-use crate::flavors::check::{Access, Placement};
+use crate::flavors::check::{enqueue_collective, Access, Placement};
 use crate::flavors::common::{compare, Chunks, OpDesc};
 use crate::store::{StoreOptions, TcpStore};
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
@@ -324,19 +324,15 @@ impl TcpCommunicator {
                 (None, Some(self.invalid(op, reason)))
             }
         };
-        let mut next_seq = shared.next_seq.lock().unwrap_or_else(|e| e.into_inner());
-        let seq = *next_seq;
-        let (completer, make_work) = Work::pending(op, rank, timeout);
         let task_shared = shared.clone();
-        self.stream
-            .enqueue(move || {
-                let result = run_collective(&task_shared, seq, desc, access, body);
-                completer.complete(result);
-            })
-            .map_err(|source| CollectiveError::Device { rank, source })?;
-        *next_seq += 1;
-        let work = make_work(self.stream.record_event());
-        drop(next_seq);
+        let work = enqueue_collective(
+            &self.stream,
+            &shared.next_seq,
+            rank,
+            op,
+            timeout,
+            move |seq| run_collective(&task_shared, seq, desc, access, body),
+        )?;
         match local_error {
             Some(e) => Err(e),
             None => Ok(work),
