@@ -1,6 +1,6 @@
 //! The caching allocator and its block handles.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -124,8 +124,12 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 type BlockId = usize;
-/// Free-pool order, as in PyTorch: stream, then size, then address.
-type FreeKey = (u64, usize, usize);
+/// Free-pool order: stream, then size, then position — the segment's serial number (its
+/// allocation order), then the address inside it. PyTorch breaks ties between equal sizes by
+/// address alone; here the segment's age comes first, so that no decision depends on where the
+/// source placed its segments: the same calls make the same splits, merges and statistics on
+/// every source (host, CUDA, meta) and in every run.
+type FreeKey = (u64, usize, u64, usize);
 
 /// The cached free blocks of one pool in [`FreeKey`] order: a sorted vector while short (the
 /// common case: a binary search and a short move, no node allocations), a B-tree once long.
@@ -216,6 +220,8 @@ enum BState {
 
 struct BlockEntry<St> {
     addr: usize,
+    /// The serial number of its segment (see [`FreeKey`]).
+    serial: u64,
     size: usize,
     requested: usize,
     segment: usize,
@@ -252,9 +258,13 @@ struct State<S: MemorySource> {
     free_segment_ids: Vec<usize>,
     /// Cached free blocks of the small and large pools.
     pools: [FreeList; 2],
-    /// Record-stream events per used stream, in record order.
-    events: HashMap<u64, VecDeque<PendingEvent<S::Event>>>,
+    /// Record-stream events per used stream, in record order. Ordered by stream key (not a hash
+    /// map), so that completed events free their blocks in the same order in every run: the
+    /// order changes the merges in between and so the peaks of the statistics.
+    events: BTreeMap<u64, VecDeque<PendingEvent<S::Event>>>,
     outstanding: usize,
+    /// Serial number of the next segment.
+    next_serial: u64,
     stats: MemoryStats,
     limit: Option<usize>,
     max_split_size: Option<usize>,
@@ -268,8 +278,9 @@ impl<S: MemorySource> State<S> {
             segments: Vec::new(),
             free_segment_ids: Vec::new(),
             pools: [FreeList::default(), FreeList::default()],
-            events: HashMap::new(),
+            events: BTreeMap::new(),
             outstanding: 0,
+            next_serial: 0,
             stats: MemoryStats {
                 max_split_size: max_split_size.map(|m| m as u64),
                 ..MemoryStats::default()
@@ -322,7 +333,7 @@ impl<S: MemorySource> State<S> {
 
     #[inline]
     fn key(b: &BlockEntry<S::Stream>) -> FreeKey {
-        (b.stream, b.size, b.addr)
+        (b.stream, b.size, b.serial, b.addr)
     }
 
     fn remove_free(&mut self, id: BlockId) {
@@ -343,7 +354,8 @@ impl<S: MemorySource> State<S> {
 
     /// Best fit among the cached blocks of `stream` in `pool`; removes it from the pool.
     fn get_free_block(&mut self, pool: PoolKind, stream: u64, size: usize) -> Option<BlockId> {
-        let ((s, bsize, addr), id) = self.pools[pool.index()].first_from((stream, size, 0))?;
+        let (key, id) = self.pools[pool.index()].first_from((stream, size, 0, 0))?;
+        let (s, bsize) = (key.0, key.1);
         if s != stream {
             return None;
         }
@@ -354,7 +366,7 @@ impl<S: MemorySource> State<S> {
                 return None;
             }
         }
-        self.pools[pool.index()].remove(&(s, bsize, addr));
+        self.pools[pool.index()].remove(&key);
         Some(id)
     }
 
@@ -397,8 +409,11 @@ impl<S: MemorySource> State<S> {
                 self.segments.len() - 1
             }
         };
+        let serial = self.next_serial;
+        self.next_serial += 1;
         let id = self.add_block(BlockEntry {
             addr: base.as_ptr().addr(),
+            serial,
             size,
             requested: 0,
             segment: seg_id,
@@ -443,7 +458,7 @@ impl<S: MemorySource> State<S> {
     /// `rounded` after rounding: split off the remainder if worth it, update the statistics.
     fn take_block(&mut self, id: BlockId, rounded: usize, requested: usize) {
         let b = self.blk(id);
-        let (pool, size, addr, next) = (b.pool, b.size, b.addr, b.next);
+        let (pool, size, addr, serial, next) = (b.pool, b.size, b.addr, b.serial, b.next);
         let (segment, stream) = (b.segment, b.stream);
         if b.prev.is_some() || next.is_some() {
             self.inactive_split(pool, size, false);
@@ -451,6 +466,7 @@ impl<S: MemorySource> State<S> {
         let size = if self.should_split(pool, size, rounded) {
             let rem = BlockEntry {
                 addr: addr + rounded,
+                serial,
                 size: size - rounded,
                 requested: 0,
                 segment,
@@ -681,7 +697,10 @@ impl<S: MemorySource> State<S> {
         let key_size = size.max(m);
         let list = &self.pools[pool.index()];
         let single = list
-            .range((stream, key_size, 0), (stream, usize::MAX, usize::MAX))
+            .range(
+                (stream, key_size, 0, 0),
+                (stream, usize::MAX, u64::MAX, usize::MAX),
+            )
             .into_iter()
             .map(|(_, id)| id)
             .find(|&id| self.is_unsplit(id));
@@ -690,7 +709,7 @@ impl<S: MemorySource> State<S> {
             return true;
         }
         let largest_first: Vec<(usize, BlockId)> = list
-            .range((stream, m, 0), (stream, key_size, 0))
+            .range((stream, m, 0, 0), (stream, key_size, 0, 0))
             .into_iter()
             .rev()
             .filter(|&(_, id)| self.is_unsplit(id))
@@ -1143,7 +1162,8 @@ impl<S: MemorySource> Drop for Block<S> {
 // alone until it drops: the allocator hands a block to one handle and reuses it only after the
 // drop and the completion of every record-stream event. The address is fixed, a multiple of 512
 // from a SEGMENT_ALIGN-aligned segment start, and for host sources points to initialised host
-// memory (MemorySource's contract).
+// memory; for meta sources it is an identifier only, and `device` reports Device::Meta, so the
+// buffers over it never dereference it (MemorySource's contract).
 unsafe impl<S: MemorySource> Storage for Block<S> {
     fn device(&self) -> Device {
         self.shared.source.device()
@@ -1198,7 +1218,7 @@ mod tests {
                 list.first_from(probe),
                 model.range(probe..).next().map(|(k, v)| (*k, *v))
             );
-            let hi = (probe.0, probe.1 + 4096, 0);
+            let hi = (probe.0, probe.1 + 4096, 0, 0);
             let want: Vec<_> = model.range(probe..hi).map(|(k, v)| (*k, *v)).collect();
             assert_eq!(list.range(probe, hi), want);
             assert_eq!(list.ids(), model.values().copied().collect::<Vec<_>>());
@@ -1206,11 +1226,20 @@ mod tests {
         // Grow past TO_TREE, shrink below TO_VEC, twice.
         for round in 0..2 {
             for i in 0..600 {
-                let key = (next() % 3, (next() % 64) as usize * 512, i * 512 + round);
+                let key = (
+                    next() % 3,
+                    (next() % 64) as usize * 512,
+                    next() % 4,
+                    i * 512 + round,
+                );
                 list.insert(key, i);
                 model.insert(key, i);
                 if i % 50 == 0 {
-                    check(&list, &model, (next() % 3, (next() % 64) as usize * 512, 0));
+                    check(
+                        &list,
+                        &model,
+                        (next() % 3, (next() % 64) as usize * 512, 0, 0),
+                    );
                 }
             }
             assert!(list.tree.is_some());
@@ -1221,11 +1250,15 @@ mod tests {
                     model.remove(k);
                 }
                 if j % 40 == 0 {
-                    check(&list, &model, (next() % 3, (next() % 64) as usize * 512, 0));
+                    check(
+                        &list,
+                        &model,
+                        (next() % 3, (next() % 64) as usize * 512, 0, 0),
+                    );
                 }
             }
             assert!(list.tree.is_none());
-            check(&list, &model, (0, 0, 0));
+            check(&list, &model, (0, 0, 0, 0));
         }
     }
 }

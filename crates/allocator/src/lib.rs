@@ -6,7 +6,10 @@
 //!   come from the small pool, carved from [`SMALL_BUFFER`] (2 MiB) segments; larger ones from
 //!   the large pool, in [`LARGE_BUFFER`] (20 MiB) segments below [`MIN_LARGE_ALLOC`] (10 MiB) and
 //!   otherwise in segments of the request rounded up to [`ROUND_LARGE`] (2 MiB).
-//! - A request is served by the smallest cached free block of the *same stream* that fits; the
+//! - A request is served by the smallest cached free block of the *same stream* that fits (among
+//!   equal sizes, the one of the oldest segment, then the lowest address in it — not the lowest
+//!   address overall as in PyTorch, so that no decision depends on where the source placed its
+//!   segments: a [`MetaAllocator`] makes exactly the decisions of a [`HostAllocator`]); the
 //!   block is split when the rest is worth keeping (small pool: at least 512 B; large pool: more
 //!   than 1 MiB), and freed blocks merge with free neighbours of their segment.
 //! - [`Block::record_stream`]: a block used on other streams returns to its pool only once events
@@ -20,8 +23,11 @@
 //!   least that size.
 //!
 //! Memory sources: [`HostSource`] (real host memory with a capacity, with
-//! [`fsdp_device::Stream`]s and [`fsdp_device::Event`]s), and with the `cuda` feature
-//! `cuda::CudaSource` (`cuMemAlloc`/`cuMemFree` and CUDA events, loaded at run time).
+//! [`fsdp_device::Stream`]s and [`fsdp_device::Event`]s), [`MetaSource`] (no memory: fake
+//! addresses under a capacity, for [`Device::Meta`](fsdp_device::Device::Meta) — the same
+//! decisions and statistics as a `HostSource` of that capacity, without the bytes), and with the
+//! `cuda` feature `cuda::CudaSource` (`cuMemAlloc`/`cuMemFree` and CUDA events, loaded at run
+//! time).
 //!
 //! ```
 //! use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource};
@@ -68,13 +74,18 @@ mod stats;
 pub use allocator::{AllocatorConfig, Block, CachingAllocator, MemoryLimit, SharedBlock};
 pub use error::AllocError;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-pub use source::{HostSource, MemorySource, SEGMENT_ALIGN};
+pub use source::{HostSource, MemorySource, MetaSource, SEGMENT_ALIGN};
 pub use stats::{MemoryStats, PoolKind, Stat, StatArray};
 
 /// A caching allocator over host memory.
 pub type HostAllocator = CachingAllocator<HostSource>;
 /// A block of host memory.
 pub type HostBlock = Block<HostSource>;
+/// A caching allocator over no memory ([`fsdp_device::Device::Meta`]): real statistics, fake
+/// addresses.
+pub type MetaAllocator = CachingAllocator<MetaSource>;
+/// A block of a [`MetaAllocator`]: its buffers are meta buffers.
+pub type MetaBlock = Block<MetaSource>;
 
 /// Every size rounds up to a multiple of this (and at least this).
 pub const MIN_BLOCK_SIZE: usize = 512;

@@ -24,7 +24,10 @@ pub const SEGMENT_ALIGN: usize = 512;
 ///   [`SEGMENT_ALIGN`], that nothing else uses until they are passed to
 ///   [`free`](MemorySource::free); for [`Device::Cpu`] these are host bytes valid for reads and
 ///   writes and initialised (so that a [`Buffer`](fsdp_device::Buffer) may read them); for a
-///   CUDA device, a device address;
+///   CUDA device, a device address; for [`Device::Meta`] the address is only an identifier,
+///   never dereferenced (no bytes need exist: the allocator itself never reads or writes segment
+///   memory, and buffers over meta blocks refuse host access), but distinct live segments must
+///   still not overlap, since blocks are told apart and split by address;
 /// - [`stream_key`](MemorySource::stream_key) gives distinct keys to distinct live streams;
 /// - an event reports complete ([`query_event`](MemorySource::query_event) returns `true` or
 ///   [`synchronize_event`](MemorySource::synchronize_event) returns `Ok`) only once all work
@@ -73,6 +76,43 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
 
     /// Wait for the event, up to `timeout` ([`AllocError::Timeout`] past it).
     fn synchronize_event(&self, event: &Self::Event, timeout: Duration) -> Result<(), AllocError>;
+}
+
+/// [`MemorySource::validate_stream`] of the sources whose streams are CPU streams.
+fn validate_cpu_stream(stream: &Stream) -> Result<(), AllocError> {
+    if stream.device() == Device::Cpu {
+        Ok(())
+    } else {
+        Err(AllocError::InvalidArgument(format!(
+            "stream `{}` runs on {}, not on the host",
+            stream.name(),
+            stream.device()
+        )))
+    }
+}
+
+/// [`MemorySource::synchronize_event`] of the sources whose events are CPU events.
+fn synchronize_cpu_event(event: &Event, timeout: Duration) -> Result<(), AllocError> {
+    match event.synchronize_timeout(timeout) {
+        // A failed task has finished too: the memory is no longer in use.
+        Ok(()) | Err(DeviceError::StreamFailed { .. }) => Ok(()),
+        Err(DeviceError::Timeout { what, waited }) => Err(AllocError::Timeout { what, waited }),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Reserve `bytes` of `capacity` in `used`, or fail with [`AllocError::SourceOutOfMemory`].
+fn reserve(used: &AtomicUsize, capacity: usize, bytes: usize) -> Result<(), AllocError> {
+    if bytes == 0 {
+        return Err(AllocError::InvalidArgument(
+            "a segment of 0 bytes".to_string(),
+        ));
+    }
+    used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+        u.checked_add(bytes).filter(|&u| u <= capacity)
+    })
+    .map(|_| ())
+    .map_err(|_| AllocError::SourceOutOfMemory { bytes })
 }
 
 /// Real host memory (zero-initialised, [`SEGMENT_ALIGN`]-aligned, its pages touched only when
@@ -149,17 +189,8 @@ unsafe impl MemorySource for HostSource {
     }
 
     fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
-        if bytes == 0 {
-            return Err(AllocError::InvalidArgument(
-                "a segment of 0 bytes".to_string(),
-            ));
-        }
+        reserve(&self.used, self.capacity, bytes)?;
         let oom = AllocError::SourceOutOfMemory { bytes };
-        self.used
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-                used.checked_add(bytes).filter(|&u| u <= self.capacity)
-            })
-            .map_err(|_| oom.clone())?;
         let Some(layout) = raw_layout(bytes) else {
             self.unreserve(bytes);
             return Err(oom);
@@ -203,15 +234,7 @@ unsafe impl MemorySource for HostSource {
     }
 
     fn validate_stream(&self, stream: &Stream) -> Result<(), AllocError> {
-        if stream.device() == Device::Cpu {
-            Ok(())
-        } else {
-            Err(AllocError::InvalidArgument(format!(
-                "stream `{}` runs on {}, not on the host",
-                stream.name(),
-                stream.device()
-            )))
-        }
+        validate_cpu_stream(stream)
     }
 
     fn record_event(&self, stream: &Stream) -> Result<Event, AllocError> {
@@ -223,12 +246,142 @@ unsafe impl MemorySource for HostSource {
     }
 
     fn synchronize_event(&self, event: &Event, timeout: Duration) -> Result<(), AllocError> {
-        match event.synchronize_timeout(timeout) {
-            // A failed task has finished too: the memory is no longer in use.
-            Ok(()) | Err(DeviceError::StreamFailed { .. }) => Ok(()),
-            Err(DeviceError::Timeout { what, waited }) => Err(AllocError::Timeout { what, waited }),
-            Err(e) => Err(e.into()),
+        synchronize_cpu_event(event, timeout)
+    }
+}
+
+/// No memory at all, for [`Device::Meta`] (the FSDP plan's allocator): segments are *fake
+/// addresses* — distinct, [`SEGMENT_ALIGN`]-aligned, never overlapping, never dereferenced —
+/// handed out under a capacity limit exactly as [`HostSource`] hands out memory, so that a
+/// [`CachingAllocator`](crate::CachingAllocator) over it makes the same decisions (splits,
+/// merges, cache hits, retries, out-of-memory errors) and keeps the same
+/// [`MemoryStats`](crate::MemoryStats) as one over a `HostSource` of the same capacity. Its
+/// streams and events are [`fsdp_device::Stream`] and [`fsdp_device::Event`], and blocks turn into
+/// [`Device::Meta`] buffers, whose host access is an error.
+///
+/// Addresses come from a counter that starts at [`MetaSource::BASE`] and only grows (a freed
+/// range is not handed out again), so an address is never reused within one source; the
+/// counter cannot run out on a 64-bit target.
+///
+/// ```
+/// use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
+/// use fsdp_device::{DType, Device, Stream};
+///
+/// // 80 GiB of "memory" on a machine that has none to spare.
+/// let alloc = MetaAllocator::new(MetaSource::new(80 << 30), AllocatorConfig::default())?;
+/// let block = alloc.allocate(30 << 30, &Stream::inline("compute"))?;
+/// assert_eq!(alloc.memory_stats().reserved_bytes.all.current, 30 << 30);
+/// let buf = block.into_buffer(DType::F32)?;
+/// assert_eq!((buf.device(), buf.len()), (Device::Meta, (30 << 30) / 4));
+/// assert!(buf.to_vec::<f32>().is_err()); // no data to read
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct MetaSource {
+    capacity: usize,
+    used: AtomicUsize,
+    /// The next address to hand out.
+    next: AtomicUsize,
+}
+
+impl fmt::Debug for MetaSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetaSource")
+            .field("capacity", &self.capacity)
+            .field("used", &self.used())
+            .finish()
+    }
+}
+
+impl MetaSource {
+    /// The first address handed out (a multiple of [`SEGMENT_ALIGN`], far from 0).
+    pub const BASE: usize = 1 << 28;
+
+    /// A source that hands out at most `capacity` bytes at a time.
+    pub fn new(capacity: usize) -> MetaSource {
+        MetaSource {
+            capacity,
+            used: AtomicUsize::new(0),
+            next: AtomicUsize::new(Self::BASE),
         }
+    }
+
+    /// The capacity given at creation.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes currently handed out.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+// SAFETY: Device::Meta asks only for distinct, non-overlapping, SEGMENT_ALIGN-aligned addresses:
+// each segment is a fresh range [a, a + bytes) of a counter that starts at a multiple of
+// SEGMENT_ALIGN, advances by whole multiples of it and never goes back, so no two segments ever
+// overlap; nothing dereferences them (the allocator only computes with addresses, and a Block's
+// Storage reports Device::Meta, whose buffers refuse host access). Stream keys and events are
+// HostSource's: process-unique stream ids, and events that complete only once their stream's
+// work up to the recorded point has run.
+unsafe impl MemorySource for MetaSource {
+    type Stream = Stream;
+    type Event = Event;
+
+    fn device(&self) -> Device {
+        Device::Meta
+    }
+
+    fn total_memory(&self) -> usize {
+        self.capacity
+    }
+
+    fn free_memory(&self) -> usize {
+        self.capacity.saturating_sub(self.used())
+    }
+
+    fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        reserve(&self.used, self.capacity, bytes)?;
+        let span = bytes.checked_next_multiple_of(SEGMENT_ALIGN);
+        let addr = span.and_then(|span| {
+            self.next
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| {
+                    a.checked_add(span)
+                })
+                .ok()
+        });
+        match addr.and_then(|a| NonNull::new(std::ptr::without_provenance_mut::<u8>(a))) {
+            Some(ptr) => Ok(ptr),
+            None => {
+                // The address counter ran out (only possible on a small address space).
+                self.used.fetch_sub(bytes, Ordering::Relaxed);
+                Err(AllocError::SourceOutOfMemory { bytes })
+            }
+        }
+    }
+
+    unsafe fn free(&self, _ptr: NonNull<u8>, bytes: usize) {
+        // Nothing to release but the capacity: the address is never handed out again.
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    fn stream_key(stream: &Stream) -> u64 {
+        stream.id().as_u64()
+    }
+
+    fn validate_stream(&self, stream: &Stream) -> Result<(), AllocError> {
+        validate_cpu_stream(stream)
+    }
+
+    fn record_event(&self, stream: &Stream) -> Result<Event, AllocError> {
+        Ok(stream.record_event())
+    }
+
+    fn query_event(&self, event: &Event) -> Result<bool, AllocError> {
+        Ok(event.query())
+    }
+
+    fn synchronize_event(&self, event: &Event, timeout: Duration) -> Result<(), AllocError> {
+        synchronize_cpu_event(event, timeout)
     }
 }
 
@@ -259,5 +412,55 @@ mod tests {
         }
         assert_eq!(src.used(), 0);
         assert_eq!(src.free_memory(), 4 << 20);
+    }
+
+    #[test]
+    fn meta_source_hands_out_distinct_aligned_fake_addresses_within_capacity() {
+        let src = MetaSource::new(4 << 20);
+        assert_eq!(src.device(), Device::Meta);
+        let a = src.allocate(2 << 20).unwrap();
+        let b = src.allocate(1000).unwrap(); // rounded up to SEGMENT_ALIGN for the next one
+        let c = src.allocate(512).unwrap();
+        assert_eq!(a.as_ptr().addr(), MetaSource::BASE);
+        assert_eq!(b.as_ptr().addr(), MetaSource::BASE + (2 << 20));
+        assert_eq!(c.as_ptr().addr(), MetaSource::BASE + (2 << 20) + 1024);
+        for p in [a, b, c] {
+            assert_eq!(p.as_ptr().addr() % SEGMENT_ALIGN, 0);
+        }
+        assert_eq!(src.used(), (2 << 20) + 1512);
+        assert!(matches!(
+            src.allocate(2 << 20),
+            Err(AllocError::SourceOutOfMemory { bytes }) if bytes == 2 << 20
+        ));
+        assert!(matches!(
+            src.allocate(usize::MAX),
+            Err(AllocError::SourceOutOfMemory { .. })
+        ));
+        assert!(matches!(
+            src.allocate(0),
+            Err(AllocError::InvalidArgument(_))
+        ));
+        assert_eq!(src.used(), (2 << 20) + 1512, "failures reserve nothing");
+        // SAFETY: each came from `allocate` with this size and is freed once.
+        unsafe {
+            src.free(a, 2 << 20);
+            src.free(b, 1000);
+            src.free(c, 512);
+        }
+        assert_eq!((src.used(), src.free_memory()), (0, 4 << 20));
+        // Freed addresses are not handed out again.
+        let d = src.allocate(4 << 20).unwrap();
+        assert_eq!(d.as_ptr().addr(), MetaSource::BASE + (2 << 20) + 1536);
+        // SAFETY: as above.
+        unsafe { src.free(d, 4 << 20) };
+        // The counter running out is an out-of-memory error that reserves nothing.
+        let src = MetaSource::new(usize::MAX);
+        src.next.store(usize::MAX - 1023, Ordering::Relaxed);
+        assert!(matches!(
+            src.allocate(2048),
+            Err(AllocError::SourceOutOfMemory { bytes: 2048 })
+        ));
+        assert_eq!(src.used(), 0);
+        assert!(src.validate_stream(&Stream::inline("x")).is_ok());
     }
 }

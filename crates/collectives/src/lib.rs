@@ -5,12 +5,15 @@
 //! `broadcast`, `reduce`, `barrier`, unequal `all_gather`, `split`), a 2-D mesh helper for hybrid
 //! sharding ([`mesh_2d`]), and backends. The [`ring`] backend — ranks as threads of one process —
 //! is the embedded default; [`tcp`] runs ranks as processes (bitwise the ring's results), `nccl`
-//! (feature `nccl`) on GPUs through cudarc, `mpi` (feature `mpi`) under `mpirun`. Processes meet
-//! through the rendezvous [`store::TcpStore`]; [`init_from_env`] builds a communicator from the
-//! launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...) and [`launch`] starts the
-//! processes, like `torchrun`.
+//! (feature `nccl`) on GPUs through cudarc, `mpi` (feature `mpi`) under `mpirun`, and [`dryrun`]
+//! checks arguments and completes at once without moving data (on buffers of any device, the
+//! meta device included: what a plan of a run needs, with [`dryrun::dry_run_mesh`] for hybrid
+//! sharding). Processes meet through the rendezvous [`store::TcpStore`]; [`init_from_env`] builds
+//! a communicator from the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...) and
+//! [`launch`] starts the processes, like `torchrun`.
 //!
-//! Guarantees, on every backend:
+//! Guarantees, on every backend but the dry run (which checks each rank's arguments alone and
+//! returns completed work):
 //! - every collective is enqueued on the communicator's [`Stream`](fsdp_device::Stream) and
 //!   returns a [`Work`]; waiting is bounded by a timeout;
 //! - arguments are checked on every rank before data moves: lengths, element types, reduce ops,
@@ -56,7 +59,7 @@ pub use error::{CollectiveError, Result};
 pub use flavors::mpi;
 #[cfg(feature = "nccl")]
 pub use flavors::nccl;
-pub use flavors::{ring, tcp};
+pub use flavors::{dryrun, ring, tcp};
 pub use mesh::{mesh_2d, HybridMesh};
 pub use op::ReduceOp;
 pub use work::{Work, WorkCompleter};

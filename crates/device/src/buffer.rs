@@ -29,7 +29,10 @@ pub const HOST_ALIGN: usize = 64;
 /// Implementors guarantee that [`as_ptr`](Storage::as_ptr) returns the same address for the whole
 /// life of the value, that the `byte_len` bytes from it stay valid (allocated and not used by
 /// anything else) until the value is dropped, and that the address is aligned to at least 8 bytes.
-/// For [`Device::Cpu`] the address is a host pointer; for a CUDA device, a device pointer.
+/// For [`Device::Cpu`] the address is a host pointer; for a CUDA device, a device pointer; for
+/// [`Device::Meta`] the address is only an identifier: no bytes exist behind it and it is never
+/// dereferenced (host access refuses buffers that are not on the CPU, and code that touches a
+/// buffer's memory through an [`AccessGuard`] checks its device first).
 pub unsafe trait Storage: Send + Sync + 'static {
     /// Where the memory lives.
     fn device(&self) -> Device;
@@ -93,6 +96,44 @@ unsafe impl Storage for HostStorage {
     }
     fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+}
+
+/// Storage on [`Device::Meta`]: a size and no bytes, like the storage of PyTorch's meta tensors.
+/// Buffers over it have shapes, lengths, slices and access tickets, but their elements cannot
+/// be read or written (host access is a [`DeviceError::Unsupported`]).
+///
+/// ```
+/// use fsdp_device::{Buffer, DType, Device, DeviceError};
+/// let buf = Buffer::meta(DType::F32, 1 << 40).unwrap(); // 4 TiB, and no memory
+/// assert_eq!((buf.device(), buf.byte_len()), (Device::Meta, 4 << 40));
+/// assert!(matches!(buf.to_vec::<f32>(), Err(DeviceError::Unsupported { .. })));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetaStorage {
+    len: usize,
+}
+
+impl MetaStorage {
+    /// Storage of `byte_len` bytes that do not exist.
+    pub fn new(byte_len: usize) -> MetaStorage {
+        MetaStorage { len: byte_len }
+    }
+}
+
+// SAFETY: for Device::Meta the trait asks only for a fixed, aligned address: `as_ptr` is always
+// HOST_ALIGN (a dangling, well-aligned address without provenance, like `NonNull::dangling`),
+// which identifies no memory and is never dereferenced — Buffer's host access refuses meta
+// buffers, and the backends that touch memory through guards check the device first.
+unsafe impl Storage for MetaStorage {
+    fn device(&self) -> Device {
+        Device::Meta
+    }
+    fn byte_len(&self) -> usize {
+        self.len
+    }
+    fn as_ptr(&self) -> *mut u8 {
+        std::ptr::without_provenance_mut(HOST_ALIGN)
     }
 }
 
@@ -192,6 +233,16 @@ impl Buffer {
         let buf = Buffer::zeros(T::DTYPE, data.len())?;
         buf.write::<T>()?.copy_from_slice(data);
         Ok(buf)
+    }
+
+    /// A buffer of `len` elements of `dtype` on [`Device::Meta`]: it has a length, a byte size,
+    /// slices and access tickets, but no memory ([`MetaStorage`]); reading or writing its
+    /// elements is an error.
+    pub fn meta(dtype: DType, len: usize) -> Result<Buffer, DeviceError> {
+        let bytes = len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+            DeviceError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
+        })?;
+        Buffer::from_storage(Box::new(MetaStorage::new(bytes)), dtype)
     }
 
     /// A buffer over `storage`, as many whole elements of `dtype` as fit.
@@ -469,8 +520,9 @@ impl AccessGuard {
         self.mode
     }
 
-    /// Address of the first element (host or device address, per the buffer's device). Valid
-    /// while the guard lives; writing through it is allowed only for an exclusive guard.
+    /// Address of the first element (host or device address, per the buffer's device; for
+    /// [`Device::Meta`] an identifier that must never be dereferenced). Valid while the guard
+    /// lives; writing through it is allowed only for an exclusive guard.
     pub fn as_ptr(&self) -> *mut u8 {
         let base = self.buffer.shared.storage.as_ptr();
         base.wrapping_add(self.buffer.offset * self.buffer.dtype.size_in_bytes())
@@ -592,6 +644,79 @@ mod tests {
         assert!(matches!(err, DeviceError::Timeout { .. }));
         drop(held);
         assert_eq!(buf.to_vec::<f32>().unwrap()[4], 1.0);
+    }
+
+    #[test]
+    fn meta_buffers_have_sizes_but_refuse_host_access() {
+        let buf = Buffer::meta(DType::F32, 1 << 40).unwrap();
+        assert_eq!(buf.device(), Device::Meta);
+        assert_eq!(buf.device().to_string(), "meta");
+        assert_eq!((buf.len(), buf.byte_len()), (1 << 40, 4 << 40));
+        let tail = buf.slice(8..16).unwrap();
+        assert!(tail.same_storage(&buf) && tail.overlaps(&buf));
+        assert_eq!(tail.byte_range(), 32..64);
+        let unsupported = |e: DeviceError| {
+            assert_eq!(
+                e,
+                DeviceError::Unsupported {
+                    op: "host access to a buffer",
+                    device: "meta".into()
+                }
+            );
+            assert_eq!(
+                e.to_string(),
+                "host access to a buffer is not supported on meta"
+            );
+        };
+        unsupported(tail.read::<f32>().unwrap_err());
+        unsupported(tail.write::<f32>().unwrap_err());
+        unsupported(tail.to_vec::<f32>().unwrap_err());
+        unsupported(tail.copy_from_slice(&[0.0f32; 8]).unwrap_err());
+        unsupported(
+            tail.read_timeout::<f32>(Duration::from_millis(1))
+                .unwrap_err(),
+        );
+        unsupported(
+            tail.write_timeout::<f32>(Duration::from_millis(1))
+                .unwrap_err(),
+        );
+        // The other checks still come first.
+        assert!(matches!(
+            tail.read::<f64>(),
+            Err(DeviceError::DTypeMismatch { .. })
+        ));
+        assert!(matches!(
+            tail.copy_from_slice(&[0.0f32; 3]),
+            Err(DeviceError::InvalidArgument(_))
+        ));
+        // Tickets order work on meta buffers like on any other (nothing dereferences them).
+        let g = tail
+            .access(AccessMode::Exclusive)
+            .acquire(Duration::from_secs(1))
+            .unwrap();
+        assert!(matches!(
+            buf.access(AccessMode::Shared)
+                .acquire(Duration::from_millis(10)),
+            Err(DeviceError::Timeout { .. })
+        ));
+        assert_eq!(g.as_ptr().addr(), HOST_ALIGN + 32);
+        drop(g);
+        assert!(buf
+            .access(AccessMode::Shared)
+            .acquire(Duration::from_millis(10))
+            .is_ok());
+        // Sizes that do not fit are errors, empty ones are fine.
+        assert!(matches!(
+            Buffer::meta(DType::F64, usize::MAX / 4),
+            Err(DeviceError::InvalidArgument(_))
+        ));
+        assert!(Buffer::meta(DType::BF16, 0).unwrap().is_empty());
+        let storage = MetaStorage::new(24);
+        assert_eq!((storage.device(), storage.byte_len()), (Device::Meta, 24));
+        assert_eq!(storage.as_ptr().addr() % HOST_ALIGN, 0);
+        assert!(!storage.as_ptr().is_null());
+        let b = Buffer::from_storage(Box::new(storage), DType::F64).unwrap();
+        assert_eq!(b.len(), 3);
     }
 
     #[test]

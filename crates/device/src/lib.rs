@@ -3,7 +3,8 @@
 //! This is the bottom crate of the workspace: the one definition of [`Stream`], [`Event`],
 //! [`DType`]/[`Element`] and [`Buffer`] that the allocator, collectives, flat-parameter and FSDP
 //! crates share, so that the same runtime code drives CPU streams (worker threads) and, through a
-//! later backend of the same types, CUDA streams.
+//! later backend of the same types, CUDA streams. Buffers on [`Device::Meta`] ([`Buffer::meta`])
+//! have lengths and sizes but no memory, to run code for its shapes and memory use alone.
 //!
 //! ```
 //! use fsdp_device::{Buffer, DType, Stream, AccessMode};
@@ -30,8 +31,8 @@ mod error;
 pub mod stream;
 
 pub use buffer::{
-    AccessGuard, AccessMode, AccessTicket, Buffer, HostStorage, ReadGuard, Storage, WriteGuard,
-    HOST_ALIGN,
+    AccessGuard, AccessMode, AccessTicket, Buffer, HostStorage, MetaStorage, ReadGuard, Storage,
+    WriteGuard, HOST_ALIGN,
 };
 pub use device::Device;
 pub use dtype::{DType, Element};

@@ -1,14 +1,6 @@
 //! Checkpoints in the safetensors format.
 //!
-//! - **Full checkpoints** ([`save_full`], [`load_full`]): the whole model state with nanoGPT's
-//!   parameter names and shapes, `f32` little-endian, so that PyTorch reads it:
-//!   `model.load_state_dict(safetensors.torch.load_file(path), strict=False)` or
-//!   `safetensors.torch.load_model(model, path)`. The tied `lm_head.weight` is **omitted**, as
-//!   `safetensors.torch.save_model` does for shared tensors: it is the same storage as
-//!   `transformer.wte.weight`, which the model re-ties on load. (A strict `load_state_dict` of
-//!   the plain dictionary needs `sd["lm_head.weight"] = sd["transformer.wte.weight"]` first.)
-//!   [`load_full`] accepts an `lm_head.weight` that equals `transformer.wte.weight`.
-//! - **Sharded checkpoints** ([`FsdpGpt::save_sharded`](crate::runtime::FsdpGpt::save_sharded),
+//! - **Sharded checkpoints** ([`Fsdp::save_sharded`](crate::engine::Fsdp::save_sharded),
 //!   [`load_sharded`], [`load_sharded_checkpoint`]): a directory with one safetensors file per
 //!   rank, `rank-RRRRR-of-WWWWW.safetensors` ([`shard_file_name`]), holding that rank's flat
 //!   shard of every FSDP unit (`unit.U.param`) and its optimizer state shards (`unit.U.exp_avg`,
@@ -18,9 +10,11 @@
 //!   shard sizes, each parameter's name, shape and flat offset). Every rank writes its file,
 //!   replicas included (NO_SHARD, hybrid strategies), so each file is self-contained; loading
 //!   uses the lowest rank's copy of each shard. [`load_sharded`] reassembles the full tensors from
-//!   any world size's files and `FsdpGpt::new` reshards them for the new world;
-//!   [`FsdpGpt::load_optimizer_state`](crate::runtime::FsdpGpt::load_optimizer_state) then
+//!   any world size's files and [`Fsdp::new`](crate::engine::Fsdp::new) reshards them for the new
+//!   world; [`Fsdp::load_optimizer_state`](crate::engine::Fsdp::load_optimizer_state) then
 //!   restores the optimizer state, so training resumes where it stopped.
+//! - **Building blocks for full checkpoints** of a model: [`write_atomic`], [`serialize_f32`],
+//!   [`read_bytes`], [`parse`] and [`tensor_f32`] (F32, BF16 and F16 tensors read as `f32`).
 //!
 //! Every file is written atomically ([`write_atomic`]): to a temporary file in the same
 //! directory, flushed and `fsync`ed, then renamed over the target, so a crash mid-save leaves the
@@ -35,15 +29,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use crate::model::{param_specs, GptConfig};
+use crate::engine::OptimizerSetup;
+use crate::optim::{LrSchedule, ParamGroupOptions};
+use crate::units::ParamSpec;
 use crate::FsdpError;
 
-/// The name PyTorch's `state_dict` gives the tied output projection.
-pub const LM_HEAD: &str = "lm_head.weight";
-/// The token embedding `lm_head.weight` is tied to.
-pub const WTE: &str = "transformer.wte.weight";
-
-fn err(path: &Path, reason: impl Into<String>) -> FsdpError {
+/// A [`FsdpError::Checkpoint`] naming `path`.
+pub fn err(path: &Path, reason: impl Into<String>) -> FsdpError {
     FsdpError::Checkpoint {
         path: path.to_path_buf(),
         reason: reason.into(),
@@ -95,12 +87,12 @@ pub fn write_atomic(
 }
 
 /// Little-endian bytes of `f32` values.
-pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
+pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
 /// Converts an IEEE half-precision value to `f32` (exactly).
-fn f16_to_f32(bits: u16) -> f32 {
+pub(crate) fn f16_to_f32(bits: u16) -> f32 {
     let sign = u32::from(bits >> 15) << 31;
     let exp = u32::from((bits >> 10) & 0x1f);
     let man = u32::from(bits & 0x3ff);
@@ -118,11 +110,7 @@ fn f16_to_f32(bits: u16) -> f32 {
 }
 
 /// A tensor's values as `f32`: F32 as is, BF16 and F16 converted exactly.
-pub(crate) fn tensor_f32(
-    path: &Path,
-    name: &str,
-    view: &TensorView<'_>,
-) -> Result<Vec<f32>, FsdpError> {
+pub fn tensor_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, FsdpError> {
     let data = view.data();
     Ok(match view.dtype() {
         Dtype::F32 => data
@@ -146,19 +134,20 @@ pub(crate) fn tensor_f32(
     })
 }
 
-/// Reads and parses a safetensors file (the bytes stay owned by the caller).
-pub(crate) fn read_bytes(path: &Path) -> Result<Vec<u8>, FsdpError> {
+/// Reads a file's bytes (errors name the file).
+pub fn read_bytes(path: &Path) -> Result<Vec<u8>, FsdpError> {
     fs::read(path).map_err(|e| err(path, format!("cannot read: {e}")))
 }
 
-pub(crate) fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, FsdpError> {
+/// Parses safetensors bytes read from `path` (the bytes stay owned by the caller).
+pub fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, FsdpError> {
     SafeTensors::deserialize(bytes)
         .map_err(|e| err(path, format!("not a safetensors file ({e:?})")))
 }
 
 /// Serializes named `f32` tensors (with their shapes) and optional metadata into safetensors
 /// bytes.
-pub(crate) fn serialize_f32(
+pub fn serialize_f32(
     path: &Path,
     tensors: &[(String, Vec<usize>, Vec<u8>)],
     metadata: Option<HashMap<String, String>>,
@@ -172,161 +161,6 @@ pub(crate) fn serialize_f32(
         })
         .collect::<Result<Vec<_>, _>>()?;
     safetensors::serialize(views, &metadata).map_err(|e| err(path, format!("{e:?}")))
-}
-
-/// Checks `params` against the model: every parameter of `cfg` with its number of elements, and
-/// nothing else except an `lm_head.weight` equal to `transformer.wte.weight`.
-fn check_params(
-    path: &Path,
-    cfg: &GptConfig,
-    params: &HashMap<String, Vec<f32>>,
-) -> Result<(), FsdpError> {
-    let specs = param_specs(cfg);
-    for s in &specs {
-        let v = params
-            .get(&s.name)
-            .ok_or_else(|| err(path, format!("missing tensor `{}`", s.name)))?;
-        if v.len() != s.numel() {
-            return Err(err(
-                path,
-                format!(
-                    "tensor `{}` has {} elements; its shape {:?} needs {}",
-                    s.name,
-                    v.len(),
-                    s.shape,
-                    s.numel()
-                ),
-            ));
-        }
-    }
-    for (name, v) in params {
-        if name == LM_HEAD {
-            if params.get(WTE) != Some(v) {
-                return Err(err(
-                    path,
-                    format!("tensor `{LM_HEAD}` differs from `{WTE}` (they are tied)"),
-                ));
-            }
-        } else if !specs.iter().any(|s| &s.name == name) {
-            return Err(err(
-                path,
-                format!("unexpected tensor `{name}`: not a parameter of the model"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Writes the full model state to `path`: every parameter of `cfg` under nanoGPT's name and
-/// shape, `f32` little-endian, with metadata `format = pt`. The tied `lm_head.weight` is omitted
-/// (see the [module docs](self)); if `params` holds it, it must equal `transformer.wte.weight`.
-///
-/// The parameters are validated (names and sizes) before anything is written, and the file is
-/// written atomically ([`write_atomic`]).
-pub fn save_full(
-    path: &Path,
-    cfg: &GptConfig,
-    params: &HashMap<String, Vec<f32>>,
-) -> Result<(), FsdpError> {
-    cfg.validate()?;
-    check_params(path, cfg, params)?;
-    let tensors: Vec<_> = param_specs(cfg)
-        .into_iter()
-        .map(|s| {
-            let bytes = f32_bytes(&params[&s.name]);
-            (s.name, s.shape, bytes)
-        })
-        .collect();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = serialize_f32(path, &tensors, Some(metadata))?;
-    write_atomic(path, |w| w.write_all(&bytes))
-}
-
-/// Reads a full checkpoint written by [`save_full`] or by PyTorch (`safetensors.torch`), e.g. the
-/// golden `gpt_tiny_init.safetensors`.
-///
-/// Every parameter of `cfg` must be present with its exact shape; any other tensor is an error,
-/// except `lm_head.weight` when it equals `transformer.wte.weight` (and nanoGPT's causal-mask
-/// buffers `transformer.h.N.attn.bias` of shape `[1, 1, block_size, block_size]`, written by
-/// nanoGPT without flash attention, which are skipped). Tensors may be F32, BF16 or F16 (converted
-/// to `f32` exactly). Errors name the file and the tensor at fault.
-///
-/// Each rank keeps only its shard by passing the returned map to
-/// [`FsdpGpt::new`](crate::runtime::FsdpGpt::new).
-pub fn load_full(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
-    cfg.validate()?;
-    let bytes = read_bytes(path)?;
-    let st = parse(path, &bytes)?;
-    let specs = param_specs(cfg);
-    let mut out = HashMap::with_capacity(specs.len());
-    for s in &specs {
-        let view = st
-            .tensor(&s.name)
-            .map_err(|_| err(path, format!("missing tensor `{}`", s.name)))?;
-        if view.shape() != s.shape.as_slice() {
-            return Err(err(
-                path,
-                format!(
-                    "tensor `{}` has shape {:?}, expected {:?}",
-                    s.name,
-                    view.shape(),
-                    s.shape
-                ),
-            ));
-        }
-        out.insert(s.name.clone(), tensor_f32(path, &s.name, &view)?);
-    }
-    // Report unexpected names in a stable (sorted) order.
-    let names: BTreeMap<&String, ()> = st.names().into_iter().map(|n| (n, ())).collect();
-    for name in names.keys() {
-        let name = name.as_str();
-        if out.contains_key(name) {
-            continue;
-        }
-        let view = st.tensor(name).map_err(|e| err(path, format!("{e:?}")))?;
-        if name == LM_HEAD {
-            let wte = &specs[0];
-            if view.shape() != wte.shape.as_slice() {
-                return Err(err(
-                    path,
-                    format!(
-                        "tensor `{LM_HEAD}` has shape {:?}, expected {:?} (tied to `{WTE}`)",
-                        view.shape(),
-                        wte.shape
-                    ),
-                ));
-            }
-            let v = tensor_f32(path, name, &view)?;
-            if out.get(WTE) != Some(&v) {
-                return Err(err(
-                    path,
-                    format!(
-                        "tensor `{LM_HEAD}` differs from `{WTE}`; this model ties them, untied \
-                         weights are not supported"
-                    ),
-                ));
-            }
-        } else if is_mask_buffer(cfg, name, view.shape()) {
-            // nanoGPT's non-flash causal mask: a buffer, not a parameter.
-        } else {
-            return Err(err(
-                path,
-                format!("unexpected tensor `{name}`: not a parameter of the model"),
-            ));
-        }
-    }
-    Ok(out)
-}
-
-fn is_mask_buffer(cfg: &GptConfig, name: &str, shape: &[usize]) -> bool {
-    let Some(rest) = name.strip_prefix("transformer.h.") else {
-        return false;
-    };
-    let Some(layer) = rest.strip_suffix(".attn.bias") else {
-        return false;
-    };
-    layer.parse::<usize>().is_ok_and(|l| l < cfg.n_layer)
-        && shape == [1, 1, cfg.block_size, cfg.block_size]
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -347,7 +181,7 @@ pub fn shard_file_name(rank: usize, world: usize) -> String {
 /// One parameter inside a unit's unsharded flat buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardParam {
-    /// nanoGPT's name.
+    /// The parameter's name.
     pub name: String,
     /// Its shape.
     pub shape: Vec<usize>,
@@ -377,7 +211,7 @@ pub struct ShardLayout {
 pub(crate) type UnitTensors = Vec<(&'static str, Vec<f32>)>;
 
 /// What one rank contributes to a sharded checkpoint (built by
-/// [`FsdpGpt::save_sharded`](crate::runtime::FsdpGpt::save_sharded)).
+/// [`Fsdp::save_sharded`](crate::engine::Fsdp::save_sharded)).
 #[derive(Debug, Clone)]
 pub(crate) struct RankShards {
     pub rank: usize,
@@ -392,6 +226,87 @@ pub(crate) struct RankShards {
     /// Per unit: its layout and its tensors (`param`, `exp_avg`, `exp_avg_sq`,
     /// `momentum_buffer`), each `shard_numel` long.
     pub units: Vec<(ShardLayout, UnitTensors)>,
+    /// The optimizer groups and learning-rate schedule.
+    pub setup: OptimizerSetup,
+}
+
+/// The optimizer setup as JSON.
+fn setup_json(s: &OptimizerSetup) -> serde_json::Value {
+    use serde_json::json;
+    let schedule = match s.lr_schedule {
+        LrSchedule::Constant => json!({ "kind": "constant" }),
+        LrSchedule::Cosine {
+            warmup_iters,
+            lr_decay_iters,
+            min_lr,
+        } => json!({
+            "kind": "cosine",
+            "warmup_iters": warmup_iters,
+            "lr_decay_iters": lr_decay_iters,
+            "min_lr": min_lr,
+        }),
+    };
+    let group_of: BTreeMap<&String, &usize> = s.group_of.iter().collect();
+    json!({
+        "groups": s.groups.iter().map(|g| json!({
+            "weight_decay": g.weight_decay,
+            "lr_scale": g.lr_scale,
+        })).collect::<Vec<_>>(),
+        "group_of": group_of,
+        "lr_schedule": schedule,
+    })
+}
+
+fn get_f64(path: &Path, v: &serde_json::Value, key: &str) -> Result<f64, FsdpError> {
+    v.get(key)
+        .and_then(serde_json::Value::as_f64)
+        .ok_or_else(|| err(path, format!("layout metadata: missing or invalid `{key}`")))
+}
+
+/// The optimizer setup read back from JSON.
+fn parse_setup(path: &Path, v: &serde_json::Value) -> Result<OptimizerSetup, FsdpError> {
+    let mut groups = Vec::new();
+    for g in get_array(path, v, "groups")? {
+        groups.push(ParamGroupOptions {
+            weight_decay: match g.get("weight_decay") {
+                Some(serde_json::Value::Null) | None => None,
+                Some(_) => Some(get_f64(path, g, "weight_decay")?),
+            },
+            lr_scale: get_f64(path, g, "lr_scale")?,
+        });
+    }
+    let mut group_of = HashMap::new();
+    if let Some(m) = v.get("group_of").and_then(serde_json::Value::as_object) {
+        for (name, i) in m {
+            let i = i
+                .as_u64()
+                .and_then(|i| usize::try_from(i).ok())
+                .ok_or_else(|| err(path, format!("layout metadata: invalid group of `{name}`")))?;
+            group_of.insert(name.clone(), i);
+        }
+    }
+    let sched = v
+        .get("lr_schedule")
+        .ok_or_else(|| err(path, "layout metadata: missing `lr_schedule`"))?;
+    let lr_schedule = match get_str(path, sched, "kind")? {
+        "constant" => LrSchedule::Constant,
+        "cosine" => LrSchedule::Cosine {
+            warmup_iters: get_u64(path, sched, "warmup_iters")?,
+            lr_decay_iters: get_u64(path, sched, "lr_decay_iters")?,
+            min_lr: get_f64(path, sched, "min_lr")?,
+        },
+        other => {
+            return Err(err(
+                path,
+                format!("layout metadata: unknown learning-rate schedule `{other}`"),
+            ))
+        }
+    };
+    Ok(OptimizerSetup {
+        groups,
+        group_of,
+        lr_schedule,
+    })
 }
 
 fn layout_json(s: &RankShards) -> serde_json::Value {
@@ -404,6 +319,7 @@ fn layout_json(s: &RankShards) -> serde_json::Value {
         "optimizer": s.optimizer,
         "optimizer_step": s.optimizer_step,
         "optimizer_steps": s.optimizer_steps,
+        "optimizer_setup": setup_json(&s.setup),
         "units": s.units.iter().map(|(l, tensors)| json!({
             "unit": l.unit,
             "factor": l.factor,
@@ -449,6 +365,9 @@ pub struct FullOptimizerState {
     pub step: u64,
     /// The runtime's count of optimizer steps.
     pub optimizer_steps: u64,
+    /// The optimizer groups and the learning-rate schedule (its position is
+    /// `optimizer_steps`).
+    pub setup: OptimizerSetup,
     /// Buffer kind (`exp_avg`, `exp_avg_sq`, `momentum_buffer`) → parameter name → values.
     pub buffers: HashMap<String, HashMap<String, Vec<f32>>>,
 }
@@ -506,6 +425,7 @@ struct ParsedFile {
     optimizer: String,
     optimizer_step: u64,
     optimizer_steps: u64,
+    setup: OptimizerSetup,
     units: Vec<ParsedUnit>,
 }
 
@@ -606,18 +526,27 @@ fn parse_rank_file(path: &Path, rank: usize, world: usize) -> Result<ParsedFile,
         optimizer: get_str(path, &v, "optimizer")?.to_string(),
         optimizer_step: get_u64(path, &v, "optimizer_step")?,
         optimizer_steps: get_u64(path, &v, "optimizer_steps")?,
+        // Checkpoints from before optimizer groups: one group, constant learning rate.
+        setup: match v.get("optimizer_setup") {
+            Some(s) => parse_setup(path, s)?,
+            None => OptimizerSetup::default(),
+        },
         units,
         bytes,
     })
 }
 
 /// Reads a sharded checkpoint written by
-/// [`FsdpGpt::save_sharded`](crate::runtime::FsdpGpt::save_sharded) at any world size and
-/// reassembles every parameter: `FsdpGpt::new` then reshards them for the new world.
+/// [`Fsdp::save_sharded`](crate::engine::Fsdp::save_sharded) at any world size and
+/// reassembles every parameter of `specs`: [`Fsdp::new`](crate::engine::Fsdp::new) then
+/// reshards them for the new world.
 ///
-/// Equivalent to `load_sharded_checkpoint(dir, cfg)?.params`.
-pub fn load_sharded(dir: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
-    Ok(load_sharded_checkpoint(dir, cfg)?.params)
+/// Equivalent to `load_sharded_checkpoint(dir, specs)?.params`.
+pub fn load_sharded(
+    dir: &Path,
+    specs: &[ParamSpec],
+) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+    Ok(load_sharded_checkpoint(dir, specs)?.params)
 }
 
 /// Reads a sharded checkpoint and reassembles the parameters and the optimizer state.
@@ -630,9 +559,8 @@ pub fn load_sharded(dir: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f
 /// directory.
 pub fn load_sharded_checkpoint(
     dir: &Path,
-    cfg: &GptConfig,
+    specs: &[ParamSpec],
 ) -> Result<ShardedCheckpoint, FsdpError> {
-    cfg.validate()?;
     let entries = fs::read_dir(dir).map_err(|e| err(dir, format!("cannot read directory: {e}")))?;
     let mut found: BTreeMap<usize, (usize, PathBuf)> = BTreeMap::new();
     let mut worlds = Vec::new();
@@ -717,7 +645,6 @@ pub fn load_sharded_checkpoint(
         .map(|f| parse(&f.path, &f.bytes))
         .collect::<Result<Vec<_>, _>>()?;
 
-    let specs = param_specs(cfg);
     let mut params: HashMap<String, Vec<f32>> = HashMap::new();
     let mut buffers: HashMap<String, HashMap<String, Vec<f32>>> = HashMap::new();
     for (ui, unit) in first.units.iter().enumerate() {
@@ -773,7 +700,7 @@ pub fn load_sharded_checkpoint(
         .iter()
         .flat_map(|u| u.layout.params.iter().map(|p| (p.name.as_str(), &p.shape)))
         .collect();
-    for s in &specs {
+    for s in specs {
         match shapes.get(s.name.as_str()) {
             None => return Err(err(dir, format!("missing tensor `{}`", s.name))),
             Some(shape) if **shape != s.shape => {
@@ -803,6 +730,7 @@ pub fn load_sharded_checkpoint(
         optimizer: first.optimizer.clone(),
         step: first.optimizer_step,
         optimizer_steps: first.optimizer_steps,
+        setup: first.setup.clone(),
         buffers,
     });
     Ok(ShardedCheckpoint {

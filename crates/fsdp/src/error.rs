@@ -7,7 +7,7 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum FsdpError {
     /// A model configuration is not usable (zero sizes, `n_embd` not divisible by `n_head`, ...).
-    #[error("invalid GPT configuration: {reason}")]
+    #[error("invalid model configuration: {reason}")]
     InvalidConfig {
         /// What is wrong with it.
         reason: String,

@@ -1,31 +1,31 @@
-//! Memory and communication plan of an FSDP configuration, predicted without training.
+//! Memory and communication plan of an FSDP configuration, from a dry run of the engine
+//! itself.
 //!
-//! [`plan`] lists per unit the parameter count, the per-rank payload of each collective
-//! (`unit params × 4 bytes / F`, padding included) and the number of collectives per training
-//! step (one forward and backward of a batch), and predicts per rank the peak of the bytes the
-//! runtime's caching allocator holds. The prediction replays the runtime's schedule
-//! ([`FsdpGpt`](crate::runtime::FsdpGpt)) for two steps (the second with forward prefetch, when
-//! on): every all-gather output and unsharded gradient is allocated where the runtime
-//! allocates it, each buffer rounded up to 512 bytes as the allocator does; a reduce-scatter
-//! keeps its unsharded gradient until the host waits for an all-gather issued after it (the
-//! communication stream runs in issue order) or the step's reductions are waited for. The
-//! allocator holds the parameter and gradient shards and the unsharded buffers; the optimizer
-//! state (AdamW: two `f32` per shard element) and the activations (the model's caches, an
-//! estimate) live in plain host memory and are reported separately.
+//! [`plan`] builds the real [`Fsdp`] engine for every rank over a dry-run communicator
+//! ([`fsdp_collectives::dryrun`]: argument checks, no data, completes at once) and a caching
+//! allocator over the meta device ([`fsdp_allocator::MetaSource`]: sizes and addresses, no
+//! bytes), and runs two training steps of hooks over the model's [`Span`]s (the second with the
+//! execution order recorded in the first) with an optimizer step after each. The allocator's
+//! peak is therefore exactly the peak a real run reaches: same allocations, same frees, same
+//! order, same rounding and caching. The plan lists per unit the parameter count, the per-rank
+//! payload of each collective and the number of collectives of the second step (read from the
+//! engine's schedule), and per rank the peak of the allocator's bytes with its breakdown. The
+//! optimizer state (AdamW: two `f32` per shard element) lives in plain host memory and is
+//! reported separately; so are the activations, which only the model can estimate
+//! ([`MemoryPlan::with_activations`]).
 
 use std::fmt;
+use std::sync::Arc;
 
-use crate::model::{block_param_specs, embed_param_specs, head_param_specs, GptConfig};
-use crate::runtime::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
+use fsdp_collectives::dryrun::{dry_run_mesh, DryRunCommunicator};
+
+use crate::engine::{
+    Fsdp, FsdpConfig, ParamInit, Phase, ProcessGroups, ScheduleKind, ShardingStrategy, Span,
+};
+use crate::optim::AdamWConfig;
 use crate::units::UnitPlan;
 use crate::FsdpError;
-
-/// The allocator's rounding of one buffer (its `MIN_BLOCK_SIZE`).
-const ROUND: usize = 512;
-
-fn buf(numel: usize) -> u64 {
-    (numel * 4).max(1).next_multiple_of(ROUND) as u64
-}
 
 /// One unit of the plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,8 +69,8 @@ pub struct RankMemory {
     pub peak_allocated: u64,
     /// Optimizer state in host memory (AdamW: `exp_avg` and `exp_avg_sq` of the shards).
     pub optimizer_state: u64,
-    /// Activations kept for backward in host memory (estimate of the model's caches at the end
-    /// of forward).
+    /// Activations kept for backward in host memory (the model's estimate, see
+    /// [`MemoryPlan::with_activations`]; 0 when none was given).
     pub activations: u64,
 }
 
@@ -106,149 +106,37 @@ impl MemoryPlan {
             )
         })
     }
-}
 
-/// Simulated unit state.
-#[derive(Clone, Default)]
-struct SimUnit {
-    full: bool,
-    /// Issue index of the pending all-gather.
-    gather: Option<u64>,
-    counted: bool,
-    grad: bool,
-}
-
-struct Sim<'a> {
-    padded: &'a [usize],
-    factor: &'a [usize],
-    config: &'a FsdpConfig,
-    units: Vec<SimUnit>,
-    in_flight: usize,
-    forward: bool,
-    issued: u64,
-    /// Reduce-scatters holding an unsharded gradient: (bytes, issue index).
-    pending: Vec<(u64, u64)>,
-    params: u64,
-    grads: u64,
-    peak: (u64, u64, u64),
-    base: u64,
-}
-
-impl Sim<'_> {
-    fn note(&mut self) {
-        let total = self.params + self.grads;
-        if total > self.peak.0 {
-            self.peak = (total, self.params, self.grads);
+    /// The plan with every rank's activation estimate set to `bytes` (the model's estimate of
+    /// what its forward keeps for backward).
+    pub fn with_activations(mut self, bytes: u64) -> Self {
+        for m in &mut self.per_rank {
+            m.activations = bytes;
         }
-    }
-
-    fn counts(&self, u: usize) -> bool {
-        !self.forward || (u != 0 && self.config.strategy.reshard_after_forward())
-    }
-
-    fn gather(&mut self, u: usize) {
-        if self.units[u].full || self.factor[u] == 1 {
-            return;
-        }
-        self.params += buf(self.padded[u]);
-        let counted = self.counts(u);
-        let s = &mut self.units[u];
-        s.full = true;
-        s.gather = Some(self.issued);
-        s.counted = counted;
-        self.issued += 1;
-        if counted {
-            self.in_flight += 1;
-        }
-        self.note();
-    }
-
-    fn prefetch(&mut self, u: usize) {
-        if self.units[u].full || self.factor[u] == 1 {
-            return;
-        }
-        if let Some(limit) = self.config.limit_all_gathers {
-            if self.counts(u) && self.in_flight >= limit {
-                return;
-            }
-        }
-        self.gather(u);
-    }
-
-    fn free(&mut self, u: usize) {
-        if self.factor[u] == 1 || !self.units[u].full {
-            return;
-        }
-        self.params -= buf(self.padded[u]);
-        let s = &mut self.units[u];
-        s.full = false;
-        s.gather = None;
-        if std::mem::take(&mut s.counted) {
-            self.in_flight -= 1;
-        }
-    }
-
-    fn wait(&mut self, us: &[usize]) {
-        for &u in us {
-            if let Some(k) = self.units[u].gather.take() {
-                let before: u64 = self.pending.iter().map(|p| p.0).sum();
-                self.pending.retain(|&(_, i)| i > k);
-                let after: u64 = self.pending.iter().map(|p| p.0).sum();
-                self.grads -= before - after;
-            }
-        }
-    }
-
-    fn reduce(&mut self, u: usize) {
-        if !std::mem::take(&mut self.units[u].grad) || self.factor[u] == 1 {
-            // An unsharded unit's gradient is its gradient shard (reduced in place).
-            return;
-        }
-        self.pending.push((buf(self.padded[u]), self.issued));
-        self.issued += 1;
+        self
     }
 }
 
-/// Plan `config` for the model `cfg` with `units` at `world` ranks, each with a batch of
-/// `batch_per_rank` sequences of `seq` tokens (one micro-batch per step).
+/// Plan `config` for a model whose units are `units` and whose compute spans are `spans`, at
+/// `world` ranks (see the [module](self) documentation).
 ///
 /// # Errors
-/// The model configuration's validation errors, [`FsdpError::InvalidPlan`]
-/// for a plan that does not cover the model, [`FsdpError::InvalidFsdpConfig`] for a world of 0,
-/// a `ranks_per_node` that does not divide the world, a limit of 0, or a batch of 0 rows or a
-/// `seq` of 0 or above the block size.
+/// [`FsdpError::InvalidPlan`] for a plan without units or a span reading an unknown
+/// parameter; [`FsdpError::InvalidFsdpConfig`] for a world of 0, a `ranks_per_node` that does
+/// not divide the world, a limit of 0; the engine's errors (an allocation beyond
+/// [`FsdpConfig::memory_capacity`] is an out-of-memory error, as it would be in training).
 pub fn plan(
-    cfg: &GptConfig,
+    units: &UnitPlan,
+    spans: &[Span],
     world: usize,
     config: &FsdpConfig,
-    units: &UnitPlan,
-    batch_per_rank: usize,
-    seq: usize,
 ) -> Result<MemoryPlan, FsdpError> {
-    cfg.validate()?;
-    units.validate()?;
     let bad = |reason: String| FsdpError::InvalidFsdpConfig { reason };
     if world == 0 {
         return Err(bad("the world size must be at least 1".into()));
     }
-    if config.limit_all_gathers == Some(0) {
-        return Err(bad("limit_all_gathers must be at least 1 (or None)".into()));
-    }
-    if batch_per_rank == 0 || seq == 0 || seq > cfg.block_size {
-        return Err(bad(format!(
-            "a batch of {batch_per_rank} rows of {seq} tokens (block size {})",
-            cfg.block_size
-        )));
-    }
-    if units.units.is_empty() {
-        return Err(FsdpError::InvalidPlan {
-            reason: "the plan has no unit".into(),
-        });
-    }
     let strategy = config.strategy;
-    let (factor, replicas) = match strategy {
-        ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => (world, 1),
-        ShardingStrategy::NoShard => (1, world),
+    let per_node = match strategy {
         ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
             let per_node = config.ranks_per_node.unwrap_or(world);
             if per_node == 0 || world % per_node != 0 {
@@ -256,209 +144,62 @@ pub fn plan(
                     "ranks_per_node {per_node} does not divide the world size {world}"
                 )));
             }
-            (per_node, world / per_node)
+            Some(per_node)
         }
+        _ => None,
     };
-
-    // Units (ignored parameters: a last unsharded unit, all-reduced over the world).
-    let mut names: Vec<String> = units
-        .units
-        .iter()
-        .map(|u| {
-            if u.name.is_empty() {
-                "(root)".to_string()
-            } else {
-                u.name.clone()
-            }
-        })
-        .collect();
-    let mut numel: Vec<usize> = units.units.iter().map(|u| u.numel()).collect();
-    let mut factors = vec![factor; numel.len()];
-    let mut replicated_all = vec![false; numel.len()];
-    if !units.ignored.is_empty() {
-        names.push("(ignored)".into());
-        numel.push(units.ignored.iter().map(|p| p.numel()).sum());
-        factors.push(1);
-        replicated_all.push(true);
-    }
-    let n = numel.len();
-    let padded: Vec<usize> = (0..n)
-        .map(|u| numel[u].next_multiple_of(factors[u]))
-        .collect();
-    let owner = |name: &str| -> Result<usize, FsdpError> {
-        if let Some(u) = units.unit_of(name) {
-            return Ok(u);
+    let mut per_rank = Vec::with_capacity(world);
+    let mut rows = Vec::new();
+    let mut factor = 1;
+    let mut replicas = 1;
+    for rank in 0..world {
+        let comm = DryRunCommunicator::new(rank, world)?;
+        let mesh = match per_node {
+            Some(n) => Some(dry_run_mesh(rank, world / n, n)?),
+            None => None,
+        };
+        let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
+        let pool = MetaAllocator::new(
+            MetaSource::new(config.memory_capacity),
+            AllocatorConfig::default(),
+        )?;
+        let mut fsdp = Fsdp::with_parts(
+            groups,
+            Arc::new(pool),
+            units,
+            ParamInit::Meta,
+            *config,
+            AdamWConfig::default().into(),
+        )?;
+        let sharded_state = fsdp.memory_stats().allocated_bytes.all.current;
+        for _ in 0..2 {
+            fsdp.dry_run_pass(spans)?;
+            fsdp.optimizer_step()?;
         }
-        if units.ignored.iter().any(|p| p.name == name) {
-            return Ok(units.units.len());
-        }
-        Err(FsdpError::InvalidPlan {
-            reason: format!("parameter `{name}` is in no unit"),
-        })
-    };
-
-    // Stages (embed, blocks, head + tied wte) and the units they read.
-    let mut stage_names: Vec<Vec<String>> =
-        vec![embed_param_specs(cfg).into_iter().map(|p| p.name).collect()];
-    for l in 0..cfg.n_layer {
-        stage_names.push(
-            block_param_specs(cfg, l)
-                .into_iter()
-                .map(|p| p.name)
-                .collect(),
-        );
-    }
-    let mut head: Vec<String> = head_param_specs(cfg).into_iter().map(|p| p.name).collect();
-    head.push("transformer.wte.weight".into());
-    stage_names.push(head);
-    let mut stage_units = Vec::with_capacity(stage_names.len());
-    for ns in &stage_names {
-        let mut us = ns.iter().map(|s| owner(s)).collect::<Result<Vec<_>, _>>()?;
-        us.sort_unstable();
-        us.dedup();
-        stage_units.push(us);
-    }
-    let n_stages = stage_units.len();
-    let mut first_stage = vec![usize::MAX; n];
-    let mut last_stage = vec![0; n];
-    for (s, us) in stage_units.iter().enumerate() {
-        for &u in us {
-            first_stage[u] = first_stage[u].min(s);
-            last_stage[u] = s;
-        }
-    }
-
-    // Collective counts per step, as the runtime issues them.
-    let shard_group = factor > 1;
-    let rows: Vec<UnitPlanRow> = (0..n)
-        .map(|u| {
-            let sharded = factors[u] > 1 && shard_group;
-            let ar_group = if replicated_all[u] { world } else { replicas };
-            let shard_numel = padded[u] / factors[u];
-            UnitPlanRow {
-                unit: u,
-                name: names[u].clone(),
-                params: numel[u],
-                factor: factors[u],
-                shard_numel,
-                shard_bytes: if sharded { shard_numel as u64 * 4 } else { 0 },
-                all_reduce_bytes: if ar_group > 1 {
-                    shard_numel as u64 * 4
-                } else {
-                    0
-                },
-                forward_all_gathers: usize::from(sharded),
-                backward_all_gathers: usize::from(
-                    sharded && u != 0 && strategy.reshard_after_forward(),
-                ),
-                reduce_scatters: usize::from(sharded),
-                all_reduces: usize::from(ar_group > 1),
-            }
-        })
-        .collect();
-
-    // Replay two steps of the runtime's allocations.
-    let sharded_state: u64 = (0..n).map(|u| 2 * buf(padded[u] / factors[u])).sum();
-    let mut sim = Sim {
-        padded: &padded,
-        factor: &factors,
-        config,
-        units: vec![SimUnit::default(); n],
-        in_flight: 0,
-        forward: true,
-        issued: 0,
-        pending: Vec::new(),
-        params: 0,
-        grads: 0,
-        peak: (0, 0, 0),
-        base: sharded_state,
-    };
-    for step in 0..2 {
-        sim.forward = true;
-        for s in 0..n_stages {
-            for &u in &stage_units[s] {
-                sim.gather(u);
-            }
-            if config.forward_prefetch && step > 0 {
-                if let Some(next) = stage_units.get(s + 1) {
-                    for &u in next {
-                        sim.prefetch(u);
-                    }
-                }
-            }
-            sim.wait(&stage_units[s]);
-            if strategy.reshard_after_forward() {
-                for &u in &stage_units[s] {
-                    if u != 0 && last_stage[u] == s {
-                        sim.free(u);
-                    }
-                }
-            }
-        }
-        sim.forward = false;
-        for s in (0..n_stages).rev() {
-            for &u in &stage_units[s] {
-                sim.gather(u);
-            }
-            if config.backward_prefetch == BackwardPrefetch::Pre && s > 0 {
-                for &u in &stage_units[s - 1] {
-                    sim.prefetch(u);
-                }
-            }
-            sim.wait(&stage_units[s]);
-            for &u in &stage_units[s] {
-                if !sim.units[u].grad {
-                    sim.units[u].grad = true;
-                    if factors[u] > 1 {
-                        sim.grads += buf(padded[u]);
-                    }
-                }
-            }
-            sim.note();
-            let done: Vec<usize> = stage_units[s]
+        let peak = fsdp.memory_stats().allocated_bytes.all.peak;
+        let (sampled, params) = fsdp.ctx.peak_sample;
+        let unsharded_params = if sampled == peak { params } else { 0 };
+        per_rank.push(RankMemory {
+            sharded_state,
+            unsharded_params,
+            unsharded_grads: peak.saturating_sub(sharded_state + unsharded_params),
+            peak_allocated: peak,
+            optimizer_state: fsdp
+                .param_groups()
                 .iter()
-                .copied()
-                .filter(|&u| first_stage[u] == s)
-                .collect();
-            for &u in &done {
-                sim.free(u);
-            }
-            if config.backward_prefetch == BackwardPrefetch::Post && s > 0 {
-                for &u in &stage_units[s - 1] {
-                    sim.prefetch(u);
-                }
-            }
-            for &u in &done {
-                sim.reduce(u);
-            }
+                .map(|g| 8 * g.layout().shard_numel() as u64)
+                .sum(),
+            activations: 0,
+        });
+        if rank == 0 {
+            factor = fsdp.sharding_factor();
+            replicas = fsdp
+                .process_groups()
+                .replicate()
+                .map_or(1, |g| g.world_size());
+            rows = unit_rows(&fsdp);
         }
-        sim.grads -= sim.pending.iter().map(|p| p.0).sum::<u64>();
-        sim.pending.clear();
     }
-    let (peak, params_peak, grads_peak) = sim.peak;
-
-    // Host memory: AdamW state of the shards, and the activations at the end of forward.
-    let optimizer_state: u64 = (0..n).map(|u| 8 * (padded[u] / factors[u]) as u64).sum();
-    let (b, t, e, h, v) = (
-        batch_per_rank as u64,
-        seq as u64,
-        cfg.n_embd as u64,
-        cfg.n_head as u64,
-        cfg.vocab_size as u64,
-    );
-    let tokens = b * t;
-    let per_block = 16 * tokens * e + 4 * tokens + b * h * t * t;
-    let head_cache = 2 * tokens * e + 2 * tokens + tokens * v + tokens;
-    let activations = 4 * (cfg.n_layer as u64 * per_block + head_cache + tokens * e);
-
-    let mem = RankMemory {
-        sharded_state: sim.base,
-        unsharded_params: params_peak,
-        unsharded_grads: grads_peak,
-        peak_allocated: sim.base + peak,
-        optimizer_state,
-        activations,
-    };
     Ok(MemoryPlan {
         strategy,
         world,
@@ -466,8 +207,46 @@ pub fn plan(
         replicas,
         units: rows,
         loss_all_reduces: usize::from(world > 1),
-        per_rank: vec![mem; world],
+        per_rank,
     })
+}
+
+/// Per-unit rows from the engine's layouts and the schedule of its last step.
+fn unit_rows(fsdp: &Fsdp) -> Vec<UnitPlanRow> {
+    let step = fsdp.steps();
+    let count = |u: usize, phase: Option<Phase>, kind: ScheduleKind| {
+        fsdp.schedule()
+            .iter()
+            .filter(|e| e.step == step && e.unit == u && e.kind == kind)
+            .filter(|e| phase.is_none_or(|p| e.phase == p))
+            .count()
+    };
+    fsdp.param_groups()
+        .iter()
+        .enumerate()
+        .map(|(u, g)| {
+            let l = g.layout();
+            let shard_bytes = l.shard_numel() as u64 * 4;
+            let all_reduces = count(u, None, ScheduleKind::AllReduce);
+            UnitPlanRow {
+                unit: u,
+                name: if g.name().is_empty() {
+                    "(root)".to_string()
+                } else {
+                    g.name().to_string()
+                },
+                params: l.unpadded_numel(),
+                factor: g.factor(),
+                shard_numel: l.shard_numel(),
+                shard_bytes: if g.factor() > 1 { shard_bytes } else { 0 },
+                all_reduce_bytes: if all_reduces > 0 { shard_bytes } else { 0 },
+                forward_all_gathers: count(u, Some(Phase::Forward), ScheduleKind::AllGather),
+                backward_all_gathers: count(u, Some(Phase::Backward), ScheduleKind::AllGather),
+                reduce_scatters: count(u, None, ScheduleKind::ReduceScatter),
+                all_reduces,
+            }
+        })
+        .collect()
 }
 
 fn human(bytes: u64) -> String {
@@ -567,7 +346,7 @@ impl fmt::Display for MemoryPlan {
             f,
             "(peak allocated: the caching allocator's bytes: parameter and gradient shards, \
              unsharded parameters and gradients at the peak, 512-byte rounding; optimizer state \
-             (AdamW) and activations (estimate) are host memory outside the allocator)"
+             (AdamW) and activations (the model's estimate) are host memory outside the allocator)"
         )
     }
 }

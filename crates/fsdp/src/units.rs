@@ -1,11 +1,34 @@
 //! FSDP units: which parameters each flat parameter holds.
 //!
-//! A [`UnitPlan`] is what a wrap policy produces and what the runtime consumes: the units in
+//! A [`UnitPlan`] is what a wrap policy produces and what the engine consumes: the units in
 //! forward order (the root unit first), each with the parameters it owns, plus the parameters of
 //! ignored modules (kept unsharded and replicated).
 
-use crate::model::{block_param_specs, embed_param_specs, head_param_specs, GptConfig, ParamSpec};
 use crate::FsdpError;
+
+/// One parameter of a model: its name (PyTorch's `named_parameters()` name) and shape.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ParamSpec {
+    /// The full name, e.g. `transformer.h.0.attn.c_attn.weight`.
+    pub name: String,
+    /// The shape, row-major (`[out, in]` for a Linear weight, as PyTorch).
+    pub shape: Vec<usize>,
+}
+
+impl ParamSpec {
+    /// A parameter named `name` of shape `shape`.
+    pub fn new(name: impl Into<String>, shape: Vec<usize>) -> Self {
+        ParamSpec {
+            name: name.into(),
+            shape,
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
 
 /// One FSDP unit: a module subtree's parameters minus those of nested units.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,45 +79,5 @@ impl UnitPlan {
             }
         }
         Ok(())
-    }
-}
-
-/// The plan of the module-type policy "every transformer block" for the reference GPT: the root
-/// unit owns `wte` (tied with `lm_head`), `wpe` and `ln_f`; unit `transformer.h.{i}` owns block
-/// `i`.
-pub fn gpt_block_plan(cfg: &GptConfig) -> UnitPlan {
-    let mut root = embed_param_specs(cfg);
-    root.extend(head_param_specs(cfg));
-    let mut units = vec![UnitSpec {
-        name: String::new(),
-        params: root,
-    }];
-    for layer in 0..cfg.n_layer {
-        units.push(UnitSpec {
-            name: format!("transformer.h.{layer}"),
-            params: block_param_specs(cfg, layer),
-        });
-    }
-    UnitPlan {
-        units,
-        ignored: Vec::new(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_plan_covers_every_parameter_once() {
-        let cfg = GptConfig::new(3, 2, 16, 8, 50).unwrap();
-        let plan = gpt_block_plan(&cfg);
-        plan.validate().unwrap();
-        assert_eq!(plan.units.len(), 4);
-        let total: usize = plan.units.iter().map(UnitSpec::numel).sum();
-        assert_eq!(total, cfg.num_params());
-        assert_eq!(plan.unit_of("transformer.wte.weight"), Some(0));
-        assert_eq!(plan.unit_of("transformer.h.2.mlp.c_fc.bias"), Some(3));
-        assert_eq!(plan.unit_of("lm_head.weight"), None);
     }
 }

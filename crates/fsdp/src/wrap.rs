@@ -1,8 +1,8 @@
 //! The model as a tree of modules, and the wrap policies that turn it into FSDP units.
 //!
 //! A [`Module`] is a named node (its full dotted path, as PyTorch's `named_modules()`) with a
-//! type name, its own parameters and its children. [`gpt_module_tree`] builds the reference GPT's
-//! tree exactly as nanoGPT's `model.py` nests its modules.
+//! type name, its own parameters and its children, built with [`Module::new`] and its builder
+//! methods to mirror how a PyTorch model nests its modules.
 //!
 //! [`plan_units`] applies a [`WrapPolicy`] to a tree and returns the [`UnitPlan`] the runtime
 //! consumes, following PyTorch's `_recursive_wrap`:
@@ -13,10 +13,10 @@
 //!   that no nested unit already took (tied parameters counted once, ignored modules left out);
 //! - the **root** is always a unit: it owns whatever no nested unit took;
 //! - each unit owns the parameters of its subtree minus those of nested units, in pre-order
-//!   (nanoGPT's `named_parameters()` order), and the units are listed root first, then in
+//!   (PyTorch's `named_parameters()` order), and the units are listed root first, then in
 //!   pre-order (forward order);
 //! - parameters of **ignored modules** stay unsharded and replicated ([`UnitPlan::ignored`]);
-//! - **tied parameters** (one storage under two names, like nanoGPT's `lm_head.weight` and
+//! - **tied parameters** (one storage under two names, like a language model's `lm_head.weight` and
 //!   `transformer.wte.weight`) must land in one unit: a policy that separates them is an error
 //!   ([`FsdpError::TiedParametersSplit`]) naming both parameters and both units.
 //!
@@ -28,7 +28,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::model::{GptConfig, ParamSpec};
+use crate::units::ParamSpec;
 use crate::units::{UnitPlan, UnitSpec};
 use crate::FsdpError;
 
@@ -50,7 +50,7 @@ pub struct ModuleParam {
     /// The shape, row-major.
     pub shape: Vec<usize>,
     /// The full name of the parameter this one shares storage with, if it is a tied alias
-    /// (nanoGPT's `lm_head.weight` is tied to `transformer.wte.weight`). The target must be a
+    /// (a language model's `lm_head.weight` tied to `transformer.wte.weight`). The target must be a
     /// parameter of the same tree that is not itself an alias, with the same shape.
     pub tied_to: Option<String>,
 }
@@ -182,8 +182,8 @@ impl Module {
             .collect()
     }
 
-    /// The subtree's parameters as [`ParamSpec`]s, tied aliases left out, in pre-order: for
-    /// [`gpt_module_tree`] this is exactly [`crate::model::param_specs`].
+    /// The subtree's parameters as [`ParamSpec`]s, tied aliases left out, in pre-order
+    /// (PyTorch's `named_parameters()`).
     pub fn named_parameters(&self) -> Vec<ParamSpec> {
         self.all_params()
             .into_iter()
@@ -217,108 +217,6 @@ fn join(prefix: &str, local: &str) -> String {
     } else {
         format!("{prefix}.{local}")
     }
-}
-
-/// The reference GPT's module tree, exactly as nanoGPT's `model.py` nests it (bias on, dropout
-/// modules included although they hold no parameter):
-///
-/// ```text
-/// ""                      GPT
-/// ├─ transformer          ModuleDict
-/// │  ├─ wte               Embedding          weight [V, E]
-/// │  ├─ wpe               Embedding          weight [T, E]
-/// │  ├─ drop              Dropout
-/// │  ├─ h                 ModuleList
-/// │  │  └─ {i}            Block
-/// │  │     ├─ ln_1        LayerNorm          weight, bias [E]
-/// │  │     ├─ attn        CausalSelfAttention
-/// │  │     │  ├─ c_attn   Linear             weight [3E, E], bias [3E]
-/// │  │     │  ├─ c_proj   Linear             weight [E, E], bias [E]
-/// │  │     │  ├─ attn_dropout   Dropout
-/// │  │     │  └─ resid_dropout  Dropout
-/// │  │     ├─ ln_2        LayerNorm          weight, bias [E]
-/// │  │     └─ mlp         MLP
-/// │  │        ├─ c_fc     Linear             weight [4E, E], bias [4E]
-/// │  │        ├─ gelu     GELU
-/// │  │        ├─ c_proj   Linear             weight [E, 4E], bias [E]
-/// │  │        └─ dropout  Dropout
-/// │  └─ ln_f              LayerNorm          weight, bias [E]
-/// └─ lm_head              Linear             weight [V, E], tied to transformer.wte.weight
-/// ```
-///
-/// Its parameters in pre-order, the tied alias left out ([`Module::named_parameters`]), are
-/// [`crate::model::param_specs`].
-pub fn gpt_module_tree(cfg: &GptConfig) -> Module {
-    let e = cfg.n_embd;
-    let linear = |name: String, out_f: usize, in_f: usize| {
-        Module::new(name, "Linear")
-            .with_param("weight", vec![out_f, in_f])
-            .with_param("bias", vec![out_f])
-    };
-    let layer_norm = |name: String| {
-        Module::new(name, "LayerNorm")
-            .with_param("weight", vec![e])
-            .with_param("bias", vec![e])
-    };
-    let dropout = |name: String| Module::new(name, "Dropout");
-
-    let transformer = Module::new("transformer", "ModuleDict");
-    let wte = Module::new(transformer.child_path("wte"), "Embedding")
-        .with_param("weight", vec![cfg.vocab_size, e]);
-    let wte_weight = wte.param_full_name("weight");
-    let wpe = Module::new(transformer.child_path("wpe"), "Embedding")
-        .with_param("weight", vec![cfg.block_size, e]);
-    let drop = dropout(transformer.child_path("drop"));
-
-    let mut h = Module::new(transformer.child_path("h"), "ModuleList");
-    for layer in 0..cfg.n_layer {
-        let block = Module::new(h.child_path(&layer.to_string()), "Block");
-        let attn = Module::new(block.child_path("attn"), "CausalSelfAttention");
-        let attn = Module {
-            children: vec![
-                linear(attn.child_path("c_attn"), 3 * e, e),
-                linear(attn.child_path("c_proj"), e, e),
-                dropout(attn.child_path("attn_dropout")),
-                dropout(attn.child_path("resid_dropout")),
-            ],
-            ..attn
-        };
-        let mlp = Module::new(block.child_path("mlp"), "MLP");
-        let mlp = Module {
-            children: vec![
-                linear(mlp.child_path("c_fc"), 4 * e, e),
-                Module::new(mlp.child_path("gelu"), "GELU"),
-                linear(mlp.child_path("c_proj"), e, 4 * e),
-                dropout(mlp.child_path("dropout")),
-            ],
-            ..mlp
-        };
-        let block = Module {
-            children: vec![
-                layer_norm(block.child_path("ln_1")),
-                attn,
-                layer_norm(block.child_path("ln_2")),
-                mlp,
-            ],
-            ..block
-        };
-        h.children.push(block);
-    }
-    let ln_f = layer_norm(transformer.child_path("ln_f"));
-    let transformer = transformer
-        .with_child(wte)
-        .with_child(wpe)
-        .with_child(drop)
-        .with_child(h)
-        .with_child(ln_f);
-
-    let root = Module::new("", "GPT");
-    let lm_head = Module::new(root.child_path("lm_head"), "Linear").with_tied_param(
-        "weight",
-        vec![cfg.vocab_size, e],
-        wte_weight,
-    );
-    root.with_child(transformer).with_child(lm_head)
 }
 
 /// The signature of a custom wrap policy: called with a (non-root, non-ignored) module and its
@@ -750,7 +648,7 @@ impl<'a> Planner<'a> {
 /// construction).
 ///
 /// The root is always a unit and owns every parameter that no nested unit took; each unit owns
-/// the parameters of its subtree minus those of nested units, in pre-order (nanoGPT's
+/// the parameters of its subtree minus those of nested units, in pre-order (PyTorch's
 /// `named_parameters()` order); the units are listed root first, then in pre-order. Tied aliases
 /// are not listed (the unit holding the target holds the storage). Units that would own no
 /// parameter are dropped, except the root. Parameters of ignored modules go to
@@ -767,30 +665,33 @@ impl<'a> Planner<'a> {
 ///
 /// # Example
 ///
-/// One unit per transformer block of the reference GPT, and the same with the size policy:
+/// A model with two blocks and a head tied to the embedding: a module-type policy makes each block a unit, and
+/// the root keeps the embedding and the head tied to it.
 ///
 /// ```
-/// use fsdp::model::GptConfig;
-/// use fsdp::units::gpt_block_plan;
-/// use fsdp::wrap::{gpt_module_tree, plan_units, WrapOptions, WrapPolicy};
+/// use fsdp::wrap::{plan_units, Module, WrapOptions, WrapPolicy};
 ///
 /// # fn main() -> Result<(), fsdp::FsdpError> {
-/// let cfg = GptConfig::new(2, 2, 8, 4, 16)?;
-/// let tree = gpt_module_tree(&cfg);
+/// let block = |name: &str| Module::new(name, "Block").with_param("weight", vec![8, 8]);
+/// let tree = Module::new("", "Net")
+///     .with_child(Module::new("embed", "Embedding").with_param("weight", vec![10, 4]))
+///     .with_child(block("b0"))
+///     .with_child(block("b1"))
+///     .with_child(Module::new("head", "Linear").with_tied_param("weight", vec![10, 4], "embed.weight"));
 ///
 /// let plan = plan_units(&tree, &WrapOptions::new(WrapPolicy::module_type(["Block"])))?;
-/// assert_eq!(plan, gpt_block_plan(&cfg));
-/// assert_eq!(plan.units[1].name, "transformer.h.0");
+/// let names: Vec<&str> = plan.units.iter().map(|u| u.name.as_str()).collect();
+/// assert_eq!(names, ["", "b0", "b1"]);
+/// assert_eq!(plan.unit_of("embed.weight"), Some(0));
 ///
-/// // A block of width 8 holds 12·8² + 13·8 = 872 elements: a threshold of 872 wraps each block
-/// // (nothing inside a block reaches it), and the root keeps wte, wpe and ln_f.
-/// let by_size = plan_units(&tree, &WrapOptions::new(WrapPolicy::size(872)))?;
-/// assert_eq!(by_size, plan);
+/// // 64 elements per block, 40 in the embedding: the size policy with a threshold of 64 gives
+/// // the same units.
+/// assert_eq!(plan_units(&tree, &WrapOptions::new(WrapPolicy::size(64)))?, plan);
 ///
-/// // Wrapping `lm_head` alone would split it from the embedding it is tied to.
-/// let err = plan_units(&tree, &WrapOptions::new(WrapPolicy::custom(|m, _| m.name == "lm_head")))
+/// // Wrapping `head` alone would split it from the embedding it is tied to.
+/// let err = plan_units(&tree, &WrapOptions::new(WrapPolicy::custom(|m, _| m.name == "head")))
 ///     .unwrap_err();
-/// assert!(err.to_string().contains("lm_head.weight"));
+/// assert!(err.to_string().contains("head.weight"));
 /// # Ok(())
 /// # }
 /// ```
@@ -801,75 +702,6 @@ pub fn plan_units(model: &Module, options: &WrapOptions) -> Result<UnitPlan, Fsd
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::param_specs;
-
-    fn small() -> GptConfig {
-        GptConfig::new(2, 2, 8, 4, 16).unwrap()
-    }
-
-    #[test]
-    fn gpt_tree_parameters_are_param_specs() {
-        for cfg in [
-            small(),
-            GptConfig::tiny(),
-            GptConfig::new(3, 1, 4, 7, 11).unwrap(),
-        ] {
-            let tree = gpt_module_tree(&cfg);
-            assert_eq!(tree.named_parameters(), param_specs(&cfg));
-            assert_eq!(tree.numel(), cfg.num_params());
-            let all = tree.all_params();
-            let (last, p) = all.last().unwrap();
-            assert_eq!(last, "lm_head.weight");
-            assert_eq!(p.tied_to.as_deref(), Some("transformer.wte.weight"));
-            assert_eq!(all.len(), param_specs(&cfg).len() + 1);
-        }
-    }
-
-    #[test]
-    fn gpt_tree_paths_and_types() {
-        let tree = gpt_module_tree(&small());
-        let m = |p: &str| tree.find(p).unwrap().type_name.clone();
-        assert_eq!(m(""), "GPT");
-        assert_eq!(m("transformer"), "ModuleDict");
-        assert_eq!(m("transformer.h"), "ModuleList");
-        assert_eq!(m("transformer.h.1"), "Block");
-        assert_eq!(m("transformer.h.1.attn"), "CausalSelfAttention");
-        assert_eq!(m("transformer.h.1.attn.c_attn"), "Linear");
-        assert_eq!(m("transformer.h.1.mlp"), "MLP");
-        assert_eq!(m("transformer.h.0.mlp.gelu"), "GELU");
-        assert_eq!(m("transformer.ln_f"), "LayerNorm");
-        assert_eq!(m("transformer.wpe"), "Embedding");
-        assert_eq!(m("lm_head"), "Linear");
-        // Pre-order of named_modules(), children in registration order.
-        let names: Vec<_> = tree.modules().iter().map(|m| m.name.clone()).collect();
-        assert_eq!(
-            names[..8],
-            [
-                "",
-                "transformer",
-                "transformer.wte",
-                "transformer.wpe",
-                "transformer.drop",
-                "transformer.h",
-                "transformer.h.0",
-                "transformer.h.0.ln_1"
-            ]
-        );
-        assert_eq!(names.last().unwrap(), "lm_head");
-        // An alias alone counts in full; with its target, once.
-        assert_eq!(tree.find("lm_head").unwrap().numel(), 16 * 8);
-        assert!(tree.find("nope").is_none());
-    }
-
-    #[test]
-    fn no_policy_gives_one_root_unit() {
-        let cfg = small();
-        let plan = plan_units(&gpt_module_tree(&cfg), &WrapOptions::default()).unwrap();
-        assert_eq!(plan.units.len(), 1);
-        assert_eq!(plan.units[0].name, "");
-        assert_eq!(plan.units[0].params, param_specs(&cfg));
-        assert!(plan.ignored.is_empty());
-    }
 
     #[test]
     fn malformed_trees_are_errors() {

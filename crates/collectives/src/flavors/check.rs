@@ -56,17 +56,37 @@ impl Access {
 /// Where a backend's buffers must live, and its name for the messages.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Placement {
-    pub(crate) backend: &'static str,
-    pub(crate) device: Device,
+    backend: &'static str,
+    /// The one device the buffers must be on; `None`: any device (the dry run, which never
+    /// touches their memory).
+    device: Option<Device>,
 }
 
 impl Placement {
-    /// Every buffer on this placement's device, all of one element type (returned).
+    /// The checks of a backend whose buffers must all be on `device`.
+    pub(crate) const fn on(backend: &'static str, device: Device) -> Placement {
+        Placement {
+            backend,
+            device: Some(device),
+        }
+    }
+
+    /// The same checks without the device's: for a backend that accepts buffers on any device
+    /// (including [`Device::Meta`]), because it never touches their memory.
+    pub(crate) const fn any_device(backend: &'static str) -> Placement {
+        Placement {
+            backend,
+            device: None,
+        }
+    }
+
+    /// Every buffer on this placement's device (if it has one), all of one element type
+    /// (returned).
     pub(crate) fn buffers(self, bufs: &[&Buffer]) -> Check<DType> {
         let dtype = bufs.first().map_or(DType::F32, |b| b.dtype());
         for b in bufs {
-            if b.device() != self.device {
-                let wanted = match self.device {
+            if let Some(device) = self.device.filter(|&d| b.device() != d) {
+                let wanted = match device {
                     Device::Cpu => "host buffers".to_string(),
                     d => format!("buffers on {d}"),
                 };
@@ -270,10 +290,8 @@ pub(crate) fn check_root(root: usize, world: usize) -> Check<()> {
 mod tests {
     use super::*;
 
-    const HOST: Placement = Placement {
-        backend: "test",
-        device: Device::Cpu,
-    };
+    const HOST: Placement = Placement::on("test", Device::Cpu);
+    const ANY: Placement = Placement::any_device("dryrun");
 
     #[test]
     fn all_gather_base_sizes_and_in_place() {
@@ -326,10 +344,7 @@ mod tests {
             .unwrap()
             .contains("root 2 >= world size 2"));
         assert!(HOST.reduce(1, 2, &b, 1).is_ok());
-        let gpu = Placement {
-            backend: "nccl",
-            device: Device::Cuda(0),
-        };
+        let gpu = Placement::on("nccl", Device::Cuda(0));
         let e = gpu.all_reduce(&b).err().unwrap();
         assert_eq!(
             e,
@@ -348,6 +363,59 @@ mod tests {
         let e = HOST.all_gather(0, 3, &b, &outs).err().unwrap();
         assert!(
             e.contains("2 output buffers given, expected one per rank (3)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn any_device_skips_only_the_device_check() {
+        let meta = |n| Buffer::meta(DType::F32, n).unwrap();
+        let e = HOST.all_reduce(&meta(3)).err().unwrap();
+        assert_eq!(
+            e,
+            "the test backend works on host buffers, got a buffer on meta"
+        );
+        // Meta, host and mixed buffers pass...
+        assert!(ANY.all_reduce(&meta(3)).is_ok());
+        assert!(ANY.all_gather_base(1, 3, &meta(2), &meta(6)).is_ok());
+        let host_in = Buffer::zeros(DType::F32, 2).unwrap();
+        assert!(ANY.all_gather_base(1, 3, &host_in, &meta(6)).is_ok());
+        let out = meta(6);
+        let own = out.slice(2..4).unwrap();
+        assert!(ANY.all_gather_base(1, 3, &own, &out).unwrap().in_place);
+        // ...and every other rule still holds.
+        for (any, host) in [
+            (
+                ANY.all_gather_base(0, 2, &meta(2), &meta(6)),
+                HOST.all_gather_base(0, 2, &host_in, &Buffer::zeros(DType::F32, 6).unwrap()),
+            ),
+            (
+                ANY.reduce_scatter_base(0, 3, &meta(8), &meta(2)),
+                HOST.reduce_scatter_base(
+                    0,
+                    3,
+                    &Buffer::zeros(DType::F32, 8).unwrap(),
+                    &Buffer::zeros(DType::F32, 2).unwrap(),
+                ),
+            ),
+            (
+                ANY.broadcast(0, 2, &meta(1), 2),
+                HOST.broadcast(0, 2, &host_in, 2),
+            ),
+        ] {
+            assert_eq!(any.err().unwrap(), host.err().unwrap());
+        }
+        let e = ANY
+            .all_gather_base(1, 3, &out.slice(0..2).unwrap(), &out)
+            .err()
+            .unwrap();
+        assert!(e.contains("other than as this rank's block"), "{e}");
+        let e = ANY
+            .buffers(&[&meta(2), &Buffer::meta(DType::BF16, 2).unwrap()])
+            .err()
+            .unwrap();
+        assert!(
+            e.contains("different element types (float32 and bfloat16)"),
             "{e}"
         );
     }

@@ -5,9 +5,13 @@
 //!   bootstrapped through the rendezvous [`store`](crate::store) — what Gloo is to PyTorch.
 //! - `nccl` (cargo feature `nccl`): NCCL through cudarc, on CUDA buffers.
 //! - `mpi` (cargo feature `mpi`): MPI through rsmpi, on host buffers, across machines.
+//! - [`dryrun`]: no data and no peers — every collective checks its arguments as the others do
+//!   and completes at once, on buffers of any device (meta included); the FSDP plan drives the
+//!   real engine over it.
 
 mod check;
 mod common;
+pub mod dryrun;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

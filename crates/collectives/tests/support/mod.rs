@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the collectives' definitions
 
-use fsdp_collectives::{Communicator, ReduceOp};
+use fsdp_collectives::{CollectiveError, Communicator, ReduceOp, Work};
 use fsdp_device::{with_element, Buffer, DType, Element};
 
 /// Element `i` of rank `rank`'s input for `op`: small integers (sums are exact in every element
@@ -219,5 +219,142 @@ pub fn reductions(comm: &dyn Communicator, len: usize) -> Vec<Vec<u64>> {
             out.push(bits(&red));
         }
     }
+    out
+}
+
+/// A buffer maker: host buffers for the backends that move data, meta (or host) buffers for the
+/// dry run.
+pub type MakeBuffer<'a> = &'a dyn Fn(DType, usize) -> Buffer;
+
+/// Host buffers of zeros.
+pub fn host_buffer(dtype: DType, len: usize) -> Buffer {
+    Buffer::zeros(dtype, len).unwrap()
+}
+
+/// Buffers on the meta device.
+pub fn meta_buffer(dtype: DType, len: usize) -> Buffer {
+    Buffer::meta(dtype, len).unwrap()
+}
+
+/// Issue, on a group of at least 2 ranks, every kind of call that breaks a rule of the
+/// arguments (each rank issues the same kind, with its own rank's geometry), and return each
+/// case's name and error. Each must fail on the issuing rank with
+/// [`CollectiveError::InvalidArgument`], on every backend, with the same reason.
+pub fn invalid_calls(
+    comm: &dyn Communicator,
+    buf: MakeBuffer<'_>,
+) -> Vec<(&'static str, CollectiveError)> {
+    let (w, r) = (comm.world_size(), comm.rank());
+    assert!(w >= 2, "the overlap cases need another rank's block");
+    let f32s = |n| buf(DType::F32, n);
+    let other = (r + 1) % w;
+    let mut out = Vec::new();
+    let mut case = |name: &'static str, res: Result<Work, CollectiveError>| match res {
+        Ok(_) => panic!("rank {r}: {name} was accepted"),
+        Err(e) => out.push((name, e)),
+    };
+
+    case(
+        "all_gather_base: output size",
+        comm.all_gather_base(&f32s(4), &f32s(4 * w + 1)),
+    );
+    case(
+        "all_gather_base: element types",
+        comm.all_gather_base(&f32s(4), &buf(DType::BF16, 4 * w)),
+    );
+    let ag_out = f32s(4 * w);
+    case(
+        "all_gather_base: input overlaps another rank's block",
+        comm.all_gather_base(&ag_out.slice(other * 4..other * 4 + 4).unwrap(), &ag_out),
+    );
+    case(
+        "reduce_scatter_base: input size",
+        comm.reduce_scatter_base(&f32s(4 * w + 2), &f32s(4), ReduceOp::Sum),
+    );
+    case(
+        "reduce_scatter_base: element types",
+        comm.reduce_scatter_base(&buf(DType::F64, 4 * w), &f32s(4), ReduceOp::Avg),
+    );
+    let rs_in = f32s(4 * w);
+    case(
+        "reduce_scatter_base: output overlaps another rank's chunk",
+        comm.reduce_scatter_base(
+            &rs_in,
+            &rs_in.slice(other * 4..other * 4 + 4).unwrap(),
+            ReduceOp::Max,
+        ),
+    );
+    case("broadcast: root", comm.broadcast(&f32s(3), w));
+    case("reduce: root", comm.reduce(&f32s(3), ReduceOp::Sum, w + 3));
+    let short: Vec<Buffer> = (0..w - 1).map(|_| f32s(2)).collect();
+    case(
+        "all_gather: one output per rank",
+        comm.all_gather(&f32s(2), &short),
+    );
+    let mut outs: Vec<Buffer> = (0..w).map(|_| f32s(2)).collect();
+    outs[r] = f32s(3);
+    case(
+        "all_gather: this rank's output length",
+        comm.all_gather(&f32s(2), &outs),
+    );
+    let mut outs: Vec<Buffer> = (0..w).map(|_| f32s(2)).collect();
+    outs[other] = outs[r].clone();
+    case(
+        "all_gather: overlapping outputs",
+        comm.all_gather(&f32s(2), &outs),
+    );
+    let mut outs: Vec<Buffer> = (0..w).map(|_| f32s(2)).collect();
+    outs[other] = buf(DType::F16, 2);
+    case(
+        "all_gather: element types",
+        comm.all_gather(&f32s(2), &outs),
+    );
+    out
+}
+
+/// Issue every collective with valid arguments (the in-place forms included, empty buffers and
+/// every element type), and return each call's name and work.
+pub fn valid_calls(comm: &dyn Communicator, buf: MakeBuffer<'_>) -> Vec<(String, Work)> {
+    let (w, r) = (comm.world_size(), comm.rank());
+    let mut out = Vec::new();
+    for dtype in DType::ALL {
+        for n in [0, 5] {
+            let name = |op: &str| format!("{op}({dtype}, {n})");
+            let mut call = |op: &str, res: Result<Work, CollectiveError>| {
+                out.push((
+                    name(op),
+                    res.unwrap_or_else(|e| panic!("{}: {e}", name(op))),
+                ));
+            };
+            call(
+                "all_gather_base",
+                comm.all_gather_base(&buf(dtype, n), &buf(dtype, w * n)),
+            );
+            let full = buf(dtype, w * n);
+            call(
+                "all_gather_base in place",
+                comm.all_gather_base(&full.slice(r * n..(r + 1) * n).unwrap(), &full),
+            );
+            call(
+                "reduce_scatter_base",
+                comm.reduce_scatter_base(&buf(dtype, w * n), &buf(dtype, n), ReduceOp::Sum),
+            );
+            let full = buf(dtype, w * n);
+            call(
+                "reduce_scatter_base in place",
+                comm.reduce_scatter_base(
+                    &full,
+                    &full.slice(r * n..(r + 1) * n).unwrap(),
+                    ReduceOp::Avg,
+                ),
+            );
+            call("all_reduce", comm.all_reduce(&buf(dtype, n), ReduceOp::Max));
+            call("broadcast", comm.broadcast(&buf(dtype, n), w - 1));
+            call("reduce", comm.reduce(&buf(dtype, n), ReduceOp::Product, 0));
+            let outs: Vec<Buffer> = (0..w).map(|q| buf(dtype, n + q)).collect();
+            call("all_gather", comm.all_gather(&buf(dtype, n + r), &outs));
+        }
+    }
+    out.push(("barrier".into(), comm.barrier().unwrap()));
     out
 }

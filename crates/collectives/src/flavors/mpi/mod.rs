@@ -1075,10 +1075,7 @@ impl MpiCommunicator {
 
     /// Where this backend's buffers live.
     fn placement(&self) -> Placement {
-        Placement {
-            backend: "mpi",
-            device: Device::Cpu,
-        }
+        Placement::on("mpi", Device::Cpu)
     }
 }
 

@@ -983,10 +983,7 @@ impl NcclCommunicator {
 
     /// Where this communicator's buffers live.
     fn placement(&self) -> Placement {
-        Placement {
-            backend: "nccl",
-            device: Device::Cuda(self.inner.ordinal),
-        }
+        Placement::on("nccl", Device::Cuda(self.inner.ordinal))
     }
 
     fn check_op(op: ReduceOp) -> std::result::Result<sys::ncclRedOp_t, String> {

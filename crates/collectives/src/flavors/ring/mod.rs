@@ -313,10 +313,7 @@ impl RingCommunicator {
 
     /// Where this backend's buffers live.
     fn placement(&self) -> Placement {
-        Placement {
-            backend: "ring",
-            device: Device::Cpu,
-        }
+        Placement::on("ring", Device::Cpu)
     }
 }
 

@@ -341,10 +341,7 @@ impl TcpCommunicator {
 
     /// Where this backend's buffers live.
     fn placement(&self) -> Placement {
-        Placement {
-            backend: "tcp",
-            device: Device::Cpu,
-        }
+        Placement::on("tcp", Device::Cpu)
     }
 }
 

@@ -1,0 +1,315 @@
+//! State shared by all param groups of a rank (FSDP2's `FSDPCommContext` and the cross-group
+//! parts of `FSDPState`): the process groups, the streams, the caching allocator, the
+//! all-gather limiter, the recorded schedule, the tracer and the recorded execution order.
+
+use std::sync::Arc;
+
+use fsdp_collectives::{mesh_2d, Communicator, HybridMesh, Work};
+use fsdp_device::{Buffer, DType, Device, Stream};
+
+use super::config::{
+    CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind, ShardingStrategy,
+};
+use super::pool::MemoryPool;
+use crate::trace::{now_us, SpanKind, TraceEvent, Tracer};
+use crate::FsdpError;
+
+/// The process groups of a rank: the world, and for the hybrid strategies a
+/// `replicate × shard` mesh.
+pub struct ProcessGroups {
+    strategy: ShardingStrategy,
+    world: Box<dyn Communicator>,
+    mesh: Option<HybridMesh>,
+}
+
+impl std::fmt::Debug for ProcessGroups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroups")
+            .field("strategy", &self.strategy)
+            .field("rank", &self.world.rank())
+            .field("world_size", &self.world.world_size())
+            .field("mesh", &self.mesh)
+            .finish()
+    }
+}
+
+impl ProcessGroups {
+    /// The groups of `strategy` over `world`: the hybrid strategies split it into a mesh of
+    /// `world / ranks_per_node` replicas of `ranks_per_node` ranks (a collective: every rank
+    /// calls it).
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] when `ranks_per_node` does not divide the world size;
+    /// a failing split.
+    pub fn new(
+        world: Box<dyn Communicator>,
+        strategy: ShardingStrategy,
+        ranks_per_node: Option<usize>,
+    ) -> Result<Self, FsdpError> {
+        let mesh = if strategy.is_hybrid() {
+            let n = world.world_size();
+            let per_node = ranks_per_node.unwrap_or(n);
+            if per_node == 0 || n % per_node != 0 {
+                return Err(FsdpError::InvalidFsdpConfig {
+                    reason: format!("ranks_per_node {per_node} does not divide the world size {n}"),
+                });
+            }
+            Some(mesh_2d(world.as_ref(), n / per_node, per_node)?)
+        } else {
+            None
+        };
+        Ok(ProcessGroups {
+            strategy,
+            world,
+            mesh,
+        })
+    }
+
+    /// Groups from a mesh built elsewhere (for example a dry run's, which cannot split).
+    pub fn with_mesh(
+        world: Box<dyn Communicator>,
+        strategy: ShardingStrategy,
+        mesh: Option<HybridMesh>,
+    ) -> Self {
+        ProcessGroups {
+            strategy,
+            world,
+            mesh,
+        }
+    }
+
+    /// The whole group.
+    pub fn world(&self) -> &dyn Communicator {
+        self.world.as_ref()
+    }
+
+    /// The group parameters are sharded over, when it has more than one rank.
+    pub fn shard(&self) -> Option<&dyn Communicator> {
+        let g: &dyn Communicator = match self.strategy {
+            ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => self.world.as_ref(),
+            ShardingStrategy::NoShard => return None,
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
+                self.mesh.as_ref()?.shard.as_ref()
+            }
+        };
+        (g.world_size() > 1).then_some(g)
+    }
+
+    /// The group a shard is replicated over (gradients all-reduced), when it has more than one
+    /// rank.
+    pub fn replicate(&self) -> Option<&dyn Communicator> {
+        let g: &dyn Communicator = match self.strategy {
+            ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => return None,
+            ShardingStrategy::NoShard => self.world.as_ref(),
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
+                self.mesh.as_ref()?.replicate.as_ref()
+            }
+        };
+        (g.world_size() > 1).then_some(g)
+    }
+
+    /// The world, when it has more than one rank.
+    pub fn world_multi(&self) -> Option<&dyn Communicator> {
+        (self.world.world_size() > 1).then_some(self.world.as_ref())
+    }
+
+    /// The sharding factor `F` and this rank's shard index.
+    pub fn factor_and_index(&self) -> (usize, usize) {
+        self.shard().map_or((1, 0), |g| (g.world_size(), g.rank()))
+    }
+}
+
+/// A gradient reduction in flight: its work, and the unsharded gradient its reduce-scatter
+/// reads, held until the host waits for a collective issued after it on the same stream (so
+/// the memory is released at the same point whatever the backend).
+pub(crate) struct PendingReduce {
+    pub(crate) work: Work,
+    pub(crate) issued: u64,
+    pub(crate) holds: Option<Buffer>,
+}
+
+/// The cross-group state of one rank (see the [module](self) documentation).
+pub struct CommContext {
+    pub(crate) config: FsdpConfig,
+    pub(crate) groups: ProcessGroups,
+    pub(crate) compute: Stream,
+    pub(crate) pool: Arc<dyn MemoryPool>,
+    /// All-gathered buffers counted by the limiter.
+    pub(crate) in_flight: usize,
+    /// Collectives issued so far (an issue index, for release points).
+    pub(crate) issued: u64,
+    pub(crate) pending: Vec<PendingReduce>,
+    pub(crate) phase: Phase,
+    /// Forward/backward passes begun.
+    pub(crate) step: u64,
+    pub(crate) schedule: Vec<ScheduleEvent>,
+    pub(crate) tracer: Option<Tracer>,
+    /// Bytes of the all-gathered (unsharded) parameter buffers held now.
+    pub(crate) unsharded_bytes: u64,
+    /// At the highest allocated total seen after an allocation: (total, unsharded parameter
+    /// bytes).
+    pub(crate) peak_sample: (u64, u64),
+}
+
+impl std::fmt::Debug for CommContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommContext")
+            .field("groups", &self.groups)
+            .field("in_flight", &self.in_flight)
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+impl CommContext {
+    pub(crate) fn new(
+        config: FsdpConfig,
+        groups: ProcessGroups,
+        pool: Arc<dyn MemoryPool>,
+    ) -> Self {
+        CommContext {
+            config,
+            groups,
+            compute: Stream::inline("compute"),
+            pool,
+            in_flight: 0,
+            issued: 0,
+            pending: Vec::new(),
+            phase: Phase::Forward,
+            step: 0,
+            schedule: Vec::new(),
+            tracer: config.trace.then(Tracer::default),
+            unsharded_bytes: 0,
+            peak_sample: (0, 0),
+        }
+    }
+
+    /// Whether buffers hold no bytes (a dry run on the meta device): the engine then moves no
+    /// data and only allocates.
+    pub(crate) fn is_meta(&self) -> bool {
+        self.pool.device() == Device::Meta
+    }
+
+    /// An `f32` buffer allocated on `stream` and used also on `other` (recorded there with
+    /// [`CrossStreamSafety::RecordStream`]).
+    pub(crate) fn alloc(
+        &self,
+        numel: usize,
+        stream: &Stream,
+        other: &Stream,
+    ) -> Result<Buffer, FsdpError> {
+        let also = (self.config.cross_stream == CrossStreamSafety::RecordStream).then_some(other);
+        self.pool.allocate(DType::F32, numel, stream, also)
+    }
+
+    /// Note the allocator's current total after an allocation (for the memory breakdown of a
+    /// plan: which part of the peak are unsharded parameters).
+    pub(crate) fn sample_peak(&mut self) {
+        let now = self.pool.memory_stats().allocated_bytes.all.current;
+        if now > self.peak_sample.0 {
+            self.peak_sample = (now, self.unsharded_bytes);
+        }
+    }
+
+    /// An `f32` buffer on the compute stream only.
+    pub(crate) fn alloc_local(&self, numel: usize) -> Result<Buffer, FsdpError> {
+        self.pool.allocate(DType::F32, numel, &self.compute, None)
+    }
+
+    /// Fill `buf` with `value` (nothing on the meta device).
+    pub(crate) fn fill(&self, buf: &Buffer, value: f32) -> Result<(), FsdpError> {
+        if !self.is_meta() {
+            buf.write::<f32>()?.fill(value);
+        }
+        Ok(())
+    }
+
+    /// Record a schedule event.
+    pub(crate) fn record(&mut self, unit: usize, kind: ScheduleKind, prefetch: bool) {
+        self.schedule.push(ScheduleEvent {
+            step: self.step,
+            phase: self.phase,
+            unit,
+            kind,
+            prefetch,
+            in_flight: self.in_flight,
+        });
+    }
+
+    /// Next issue index.
+    pub(crate) fn next_issue(&mut self) -> u64 {
+        self.issued += 1;
+        self.issued
+    }
+
+    /// Release the gradients held by reductions issued before collective `issued` (which the
+    /// host just waited for: its stream ran them first).
+    pub(crate) fn release_before(&mut self, issued: u64) {
+        for p in &mut self.pending {
+            if p.issued < issued {
+                p.holds = None;
+            }
+        }
+    }
+
+    /// Issue a collective through `f`, with a communication span on `stream` when tracing.
+    pub(crate) fn traced<T>(
+        &self,
+        stream: &Stream,
+        kind: SpanKind,
+        units: Vec<usize>,
+        bytes: usize,
+        f: impl FnOnce() -> Result<T, FsdpError>,
+    ) -> Result<T, FsdpError> {
+        match &self.tracer {
+            Some(t) => t.comm(stream, kind, self.step, units, bytes as u64, f),
+            None => f(),
+        }
+    }
+
+    /// When tracing: sample the allocator counters and return the time (a compute span's
+    /// begin).
+    pub(crate) fn trace_begin(&self) -> f64 {
+        match &self.tracer {
+            Some(t) => {
+                let now = now_us();
+                self.trace_counter(t, now);
+                now
+            }
+            None => 0.0,
+        }
+    }
+
+    fn trace_counter(&self, t: &Tracer, time_us: f64) {
+        let st = self.pool.memory_stats();
+        t.push(TraceEvent::Counter {
+            time_us,
+            allocated: st.allocated_bytes.all.current,
+            reserved: st.reserved_bytes.all.current,
+        });
+    }
+
+    /// When tracing: record a compute span named `name` over `units`, begun at `begin_us`.
+    pub(crate) fn trace_end(&self, kind: SpanKind, name: &str, units: &[usize], begin_us: f64) {
+        if let Some(t) = &self.tracer {
+            let end_us = now_us();
+            t.push(TraceEvent::Span {
+                kind,
+                name: format!("{} {name}", kind.as_str()),
+                step: self.step,
+                units: units.to_vec(),
+                begin_us,
+                end_us,
+                bytes: None,
+            });
+            self.trace_counter(t, end_us);
+        }
+    }
+}
+
+/// The error of an engine state that should be impossible.
+pub(crate) fn internal(reason: &str) -> FsdpError {
+    FsdpError::InvalidFsdpConfig {
+        reason: format!("internal engine state: {reason}"),
+    }
+}

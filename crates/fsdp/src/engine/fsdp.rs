@@ -1,0 +1,515 @@
+//! [`Fsdp`]: one rank's engine — construction of the param groups from a unit plan, and the
+//! hooks a training loop calls around each unit.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
+use fsdp_collectives::Communicator;
+use fsdp_flatparam::FlatParamLayout;
+
+use super::comm_context::{internal, CommContext, ProcessGroups};
+use super::config::{BackwardPrefetch, FsdpConfig, Phase, ScheduleEvent};
+use super::materialize::{init_shard, ParamInit};
+use super::optim_groups::OptimizerSetup;
+use super::order::ExecOrder;
+use super::param_group::{GroupDtypes, ParamGroup};
+use super::pool::MemoryPool;
+use super::reduce::{finish_reductions, foreach_reduce, PendingGrads};
+use super::views::{GradViews, ParamEntry, ParamId, ParamTable, ParamViews};
+use crate::optim::{OptimizerConfig, OptimizerState, ShardGroups};
+use crate::trace::TraceEvent;
+use crate::units::UnitPlan;
+use crate::wrap::{plan_units, Module, WrapOptions};
+use crate::FsdpError;
+
+/// One rank of a fully sharded data-parallel job (see the [module](super) documentation).
+pub struct Fsdp {
+    pub(crate) ctx: CommContext,
+    pub(crate) groups: Vec<ParamGroup>,
+    pub(crate) table: ParamTable,
+    pub(crate) optim: OptimizerConfig,
+    order: ExecOrder,
+    pending_grads: PendingGrads,
+    /// Inside a [`no_sync`](Fsdp::no_sync) scope.
+    pub(crate) no_sync: bool,
+    /// Optimizer steps taken.
+    pub(crate) optimizer_steps: u64,
+    /// A forward/backward pass is under way.
+    pass_open: bool,
+    /// Optimizer groups and learning-rate schedule.
+    pub(crate) setup: OptimizerSetup,
+}
+
+impl std::fmt::Debug for Fsdp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fsdp")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("config", &self.ctx.config)
+            .field("units", &self.groups.len())
+            .field("step", &self.ctx.step)
+            .finish()
+    }
+}
+
+impl Fsdp {
+    /// Build this rank's engine over `comm` with the units of `plan`, the parameters' initial
+    /// values from `init`, and the rank's host caching allocator of
+    /// [`FsdpConfig::memory_capacity`] bytes. Every rank of `comm` must call it with the same
+    /// plan and configuration (the hybrid strategies split `comm` into a mesh).
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidPlan`] for a plan without units, with an empty unit or a parameter
+    /// in two places; [`FsdpError::InvalidFsdpConfig`] for a limit of 0 or a `ranks_per_node`
+    /// that does not divide the world size; an invalid optimizer setting; missing or mis-sized
+    /// initial values; a failing collective or allocation.
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        plan: &UnitPlan,
+        init: ParamInit<'_>,
+        config: FsdpConfig,
+        optim: impl Into<OptimizerConfig>,
+    ) -> Result<Self, FsdpError> {
+        check_config(&config)?;
+        let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
+        let pool = HostAllocator::new(
+            HostSource::new(config.memory_capacity),
+            AllocatorConfig::default(),
+        )?;
+        Fsdp::with_parts(groups, Arc::new(pool), plan, init, config, optim.into())
+    }
+
+    /// Build the engine from a module tree and a wrap policy: the units are
+    /// [`plan_units`]`(model, wrap)`; otherwise as [`Fsdp::new`].
+    ///
+    /// # Errors
+    /// The wrap policy's errors ([`plan_units`]) and those of [`Fsdp::new`].
+    pub fn from_module(
+        comm: Box<dyn Communicator>,
+        model: &Module,
+        wrap: &WrapOptions,
+        init: ParamInit<'_>,
+        config: FsdpConfig,
+        optim: impl Into<OptimizerConfig>,
+    ) -> Result<Self, FsdpError> {
+        let plan = plan_units(model, wrap)?;
+        Fsdp::new(comm, &plan, init, config, optim)
+    }
+
+    /// Build the engine from process groups and a memory pool made by the caller (a dry run's
+    /// groups and meta allocator, a CUDA allocator, an allocator with other options).
+    ///
+    /// # Errors
+    /// As [`Fsdp::new`].
+    pub fn with_parts(
+        groups: ProcessGroups,
+        pool: Arc<dyn MemoryPool>,
+        plan: &UnitPlan,
+        init: ParamInit<'_>,
+        config: FsdpConfig,
+        optim: OptimizerConfig,
+    ) -> Result<Self, FsdpError> {
+        check_config(&config)?;
+        optim.validate()?;
+        plan.validate()?;
+        if plan.units.is_empty() {
+            return Err(FsdpError::InvalidPlan {
+                reason: "the plan has no unit".into(),
+            });
+        }
+        let ctx = CommContext::new(config, groups, pool);
+        let (factor, shard_rank) = ctx.groups.factor_and_index();
+
+        // One flat parameter per unit; the ignored parameters form a last, unsharded unit.
+        let mut specs: Vec<(String, Vec<&crate::units::ParamSpec>, usize, bool)> = plan
+            .units
+            .iter()
+            .map(|u| (u.name.clone(), u.params.iter().collect(), factor, false))
+            .collect();
+        if !plan.ignored.is_empty() {
+            specs.push(("(ignored)".into(), plan.ignored.iter().collect(), 1, true));
+        }
+        let mut groups = Vec::with_capacity(specs.len());
+        let mut table = ParamTable::default();
+        for (i, (name, ps, f, replicated_all)) in specs.into_iter().enumerate() {
+            if ps.is_empty() {
+                return Err(FsdpError::InvalidPlan {
+                    reason: format!("unit {i} owns no parameter"),
+                });
+            }
+            let mut b = FlatParamLayout::builder(f);
+            for p in &ps {
+                b = b.param(p.name.clone(), &p.shape);
+            }
+            let layout = b.build()?;
+            let shard_index = if f == 1 { 0 } else { shard_rank };
+            // Shards, gradient shards and unsharded buffers all come from the rank's caching
+            // allocator, so that its statistics show the strategy's memory (the optimizer
+            // state and the activations are plain vectors).
+            let shard = ctx.alloc_local(layout.shard_numel())?;
+            init_shard(&init, &ctx, &layout, shard_index, &shard)?;
+            let grad_shard = ctx.alloc_local(layout.shard_numel())?;
+            ctx.fill(&grad_shard, 0.0)?;
+            for p in layout.params() {
+                table.push(ParamEntry {
+                    name: p.name().to_string(),
+                    shape: p.shape().to_vec(),
+                    group: i,
+                    range: p.range(),
+                });
+            }
+            groups.push(ParamGroup {
+                index: i,
+                name,
+                optim_state: OptimizerState::new(&optim, layout.shard_numel()),
+                segments: ShardGroups::single(layout.shard_numel()),
+                full: (f == 1).then(|| shard.clone()),
+                dtypes: GroupDtypes::default(),
+                layout,
+                factor: f,
+                shard_index,
+                replicated_all,
+                shard,
+                grad_shard,
+                grad_shard_zero: true,
+                replace_shard: false,
+                gather: None,
+                counted: false,
+                full_grad: None,
+            });
+        }
+        let n = groups.len();
+        Ok(Fsdp {
+            ctx,
+            groups,
+            table,
+            optim,
+            order: ExecOrder::new(n),
+            pending_grads: Vec::new(),
+            no_sync: false,
+            optimizer_steps: 0,
+            pass_open: false,
+            setup: OptimizerSetup::default(),
+        })
+    }
+
+    /// This rank's index in the world.
+    pub fn rank(&self) -> usize {
+        self.ctx.groups.world().rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.ctx.groups.world().world_size()
+    }
+
+    /// The sharding factor `F` of the units (1 for `NO_SHARD` or a shard group of one rank).
+    pub fn sharding_factor(&self) -> usize {
+        self.ctx.groups.factor_and_index().0
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.ctx.config
+    }
+
+    /// The process groups.
+    pub fn process_groups(&self) -> &ProcessGroups {
+        &self.ctx.groups
+    }
+
+    /// The param groups (one per unit; ignored parameters form a last, unsharded one).
+    pub fn param_groups(&self) -> &[ParamGroup] {
+        &self.groups
+    }
+
+    /// The flat-parameter layout of unit `unit`.
+    pub fn layout(&self, unit: usize) -> Option<&FlatParamLayout> {
+        self.groups.get(unit).map(|g| &g.layout)
+    }
+
+    /// Number of flat parameters (the plan's units, plus one for ignored parameters if any).
+    pub fn num_units(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// The handle of parameter `name`, for allocation-free access through [`ParamViews::get`]
+    /// and [`GradViews::get_mut`].
+    ///
+    /// # Errors
+    /// [`FsdpError::UnknownParameter`].
+    pub fn param_id(&self, name: &str) -> Result<ParamId, FsdpError> {
+        self.table.id(name)
+    }
+
+    /// The unit that owns parameter `name`.
+    ///
+    /// # Errors
+    /// [`FsdpError::UnknownParameter`].
+    pub fn unit_of(&self, name: &str) -> Result<usize, FsdpError> {
+        Ok(self.table.entries[self.table.id(name)?.0].group)
+    }
+
+    /// Every parameter's name and shape, in unit order.
+    pub fn named_shapes(&self) -> impl Iterator<Item = (&str, &[usize])> + '_ {
+        self.table
+            .entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.shape.as_slice()))
+    }
+
+    /// Forward/backward passes begun so far (micro-batches; the `step` of [`ScheduleEvent`]s).
+    pub fn steps(&self) -> u64 {
+        self.ctx.step
+    }
+
+    /// Number of optimizer steps taken.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    /// The collectives and frees issued so far, in issue order.
+    pub fn schedule(&self) -> &[ScheduleEvent] {
+        &self.ctx.schedule
+    }
+
+    /// Forget the recorded schedule.
+    pub fn clear_schedule(&mut self) {
+        self.ctx.schedule.clear();
+    }
+
+    /// The timeline trace recorded so far (empty unless [`FsdpConfig::trace`] is on): compute
+    /// spans, communication spans per collective (those run so far by the communication
+    /// streams) and allocator counters. Write it with [`crate::trace::write_chrome_trace`].
+    pub fn trace_events(&self) -> Vec<TraceEvent> {
+        self.ctx
+            .tracer
+            .as_ref()
+            .map_or_else(Vec::new, |t| t.events())
+    }
+
+    /// Forget the recorded trace.
+    pub fn clear_trace(&self) {
+        if let Some(t) = &self.ctx.tracer {
+            t.clear();
+        }
+    }
+
+    /// The statistics of the rank's caching allocator (shards, unsharded parameters and
+    /// gradients).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.ctx.pool.memory_stats()
+    }
+
+    /// Reset the allocator's peak statistics.
+    pub fn reset_peak_memory_stats(&self) {
+        self.ctx.pool.reset_peak_stats();
+    }
+
+    fn check_unit(&self, u: usize) -> Result<(), FsdpError> {
+        if u >= self.groups.len() {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "unit {u} does not exist (the engine has {})",
+                    self.groups.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn begin_pass(&mut self) {
+        if !self.pass_open {
+            self.pass_open = true;
+            self.ctx.step += 1;
+            self.ctx.phase = Phase::Forward;
+            self.order.begin_pass();
+        }
+    }
+
+    /// Before unit `u`'s first forward computation of a pass: all-gather its parameters
+    /// (unless gathered), prefetch the next unit of the recorded forward order when forward
+    /// prefetch is on (in the first pass, before an order is recorded: the next unit in
+    /// definition order), and wait for `u`'s gather. The first pre-forward of a pass begins it.
+    ///
+    /// # Errors
+    /// An unknown unit, a failing allocation or collective.
+    pub fn pre_forward(&mut self, u: usize) -> Result<(), FsdpError> {
+        self.check_unit(u)?;
+        self.begin_pass();
+        self.order.on_pre_forward(u);
+        self.groups[u].unshard(&mut self.ctx, false)?;
+        if self.ctx.config.forward_prefetch {
+            if let Some(next) = self.order.next_forward(u) {
+                self.groups[next].prefetch(&mut self.ctx)?;
+            }
+        }
+        self.groups[u].wait_for_unshard(&mut self.ctx)
+    }
+
+    /// After unit `u`'s last forward computation of a pass: reshard it when the strategy frees
+    /// parameters after forward (the root unit, unit 0, stays unsharded for backward).
+    ///
+    /// # Errors
+    /// An unknown unit.
+    pub fn post_forward(&mut self, u: usize) -> Result<(), FsdpError> {
+        self.check_unit(u)?;
+        self.order.on_post_forward(u);
+        if self.ctx.config.strategy.reshard_after_forward() && u != 0 {
+            self.groups[u].reshard(&mut self.ctx);
+        }
+        Ok(())
+    }
+
+    /// Before unit `u`'s first backward computation: all-gather it again if it was resharded,
+    /// prefetch the next unit of the backward order (the reverse of the recorded post-forward
+    /// order) with [`BackwardPrefetch::Pre`], wait, and allocate its unsharded gradient.
+    ///
+    /// # Errors
+    /// An unknown unit, a failing allocation or collective.
+    pub fn pre_backward(&mut self, u: usize) -> Result<(), FsdpError> {
+        self.check_unit(u)?;
+        if !self.pass_open {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!("pre_backward({u}) outside a pass: run the forward hooks first"),
+            });
+        }
+        if self.ctx.phase == Phase::Forward {
+            self.ctx.phase = Phase::Backward;
+            self.order.end_forward();
+        }
+        self.order.on_pre_backward(u);
+        self.groups[u].unshard(&mut self.ctx, false)?;
+        if self.ctx.config.backward_prefetch == BackwardPrefetch::Pre {
+            if let Some(next) = self.order.next_backward(u) {
+                self.groups[next].prefetch(&mut self.ctx)?;
+            }
+        }
+        self.groups[u].wait_for_unshard(&mut self.ctx)?;
+        // Gradient buffers only after the wait: the communication stream runs in issue order,
+        // so the reduce-scatters issued before that gather have completed and released their
+        // unsharded gradients.
+        self.groups[u].ensure_grad(&mut self.ctx)
+    }
+
+    /// After unit `u`'s last backward computation: reshard it, prefetch the next unit with
+    /// [`BackwardPrefetch::Post`], and issue its gradient reduction (none inside
+    /// [`no_sync`](Self::no_sync): the unsharded gradient is kept and accumulates).
+    ///
+    /// # Errors
+    /// An unknown unit, a failing allocation or collective.
+    pub fn post_backward(&mut self, u: usize) -> Result<(), FsdpError> {
+        self.check_unit(u)?;
+        self.groups[u].reshard(&mut self.ctx);
+        if self.ctx.config.backward_prefetch == BackwardPrefetch::Post {
+            if let Some(next) = self.order.next_backward(u) {
+                self.groups[next].prefetch(&mut self.ctx)?;
+            }
+        }
+        if self.no_sync {
+            return Ok(());
+        }
+        foreach_reduce(&mut self.groups[u], &mut self.ctx, &mut self.pending_grads)
+    }
+
+    /// After the last post-backward hook: wait for the issued reductions, add them into the
+    /// gradient shards, and end the pass.
+    ///
+    /// # Errors
+    /// A failed collective.
+    pub fn finalize_backward(&mut self) -> Result<(), FsdpError> {
+        self.pass_open = false;
+        finish_reductions(&mut self.groups, &mut self.ctx, &mut self.pending_grads)
+    }
+
+    /// Drop every unsharded buffer and pending work, and end the pass (after a failed step;
+    /// the gradient shards may hold a partial accumulation: [`zero_grad`](Self::zero_grad)).
+    pub fn abort_pass(&mut self) {
+        for g in &mut self.groups {
+            g.reset_transient(&mut self.ctx);
+        }
+        self.ctx.in_flight = 0;
+        self.ctx.pending.clear();
+        self.pending_grads.clear();
+        self.pass_open = false;
+    }
+
+    /// Read views of the unsharded parameters of `units` (each must be unsharded: between its
+    /// pre-forward and post-forward, or pre-backward and post-backward hooks; or unsharded for
+    /// good: `F = 1`).
+    ///
+    /// # Errors
+    /// A unit that is sharded, an unknown unit, a failing buffer access.
+    pub fn param_views(&self, units: &[usize]) -> Result<ParamViews<'_>, FsdpError> {
+        let mut guards: Vec<_> = (0..self.groups.len()).map(|_| None).collect();
+        for &u in units {
+            self.check_unit(u)?;
+            let full =
+                self.groups[u]
+                    .full
+                    .as_ref()
+                    .ok_or_else(|| FsdpError::InvalidFsdpConfig {
+                        reason: format!(
+                            "unit {u} is sharded: its pre-forward/pre-backward hook did not run"
+                        ),
+                    })?;
+            guards[u] = Some(full.read::<f32>()?);
+        }
+        Ok(ParamViews::new(&self.table, guards))
+    }
+
+    /// Write views of the unsharded gradients of `units` (between their pre-backward and
+    /// post-backward hooks).
+    ///
+    /// # Errors
+    /// A unit without gradient buffer, an unknown unit, a failing buffer access.
+    pub fn grad_views(&self, units: &[usize]) -> Result<GradViews<'_>, FsdpError> {
+        let mut guards: Vec<_> = (0..self.groups.len()).map(|_| None).collect();
+        for &u in units {
+            self.check_unit(u)?;
+            let g = self.groups[u].full_grad.as_ref().ok_or_else(|| {
+                internal("a unit's gradients are not allocated: run pre_backward")
+            })?;
+            guards[u] = Some(g.write::<f32>()?);
+        }
+        Ok(GradViews::new(&self.table, guards))
+    }
+
+    /// The full parameters by name, gathered from the shards (a collective: every rank must
+    /// call it). PyTorch's `FULL_STATE_DICT` of the parameters.
+    ///
+    /// # Errors
+    /// A failing collective.
+    pub fn full_state_dict(&self) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+        let mut out = HashMap::new();
+        for g in &self.groups {
+            let flat = if g.factor == 1 {
+                g.shard.to_vec::<f32>()?
+            } else {
+                let group = self
+                    .ctx
+                    .groups
+                    .shard()
+                    .ok_or_else(|| internal("a sharded unit without a shard group"))?;
+                let full =
+                    fsdp_device::Buffer::zeros(fsdp_device::DType::F32, g.layout.padded_numel())?;
+                group.all_gather_base(&g.shard, &full)?.wait()?;
+                full.to_vec::<f32>()?
+            };
+            for p in g.layout.params() {
+                out.insert(p.name().to_string(), flat[p.range()].to_vec());
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn check_config(config: &FsdpConfig) -> Result<(), FsdpError> {
+    if config.limit_all_gathers == Some(0) {
+        return Err(FsdpError::InvalidFsdpConfig {
+            reason: "limit_all_gathers must be at least 1 (or None)".into(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,233 @@
+//! The [`FsdpModel`] trait, for models that let the engine drive forward and backward, and the
+//! driver [`Fsdp::forward_backward`].
+//!
+//! A model is a sequence of compute [`Span`]s in forward execution order; each span reads some
+//! parameters (hence some units). The driver calls `pre_forward(u)` before the first span
+//! that reads unit `u` and `post_forward(u)` after its last; in backward, which runs the spans
+//! in reverse, `pre_backward(u)` before the first (the forward's last) and `post_backward(u)`
+//! after the last (the forward's first). Activations pass between spans in the model's own
+//! [`FsdpModel::Tape`].
+
+use super::fsdp::Fsdp;
+use crate::trace::SpanKind;
+use crate::FsdpError;
+
+use super::views::{Grads, Params};
+
+/// One compute span of a model: a name (for traces) and the parameters it reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span {
+    /// A display name, e.g. `block 2`.
+    pub name: String,
+    /// The parameters the span reads (storage names: a tied alias by its target's name).
+    pub params: Vec<String>,
+}
+
+impl Span {
+    /// A span named `name` reading `params`.
+    pub fn new<I, S>(name: impl Into<String>, params: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Span {
+            name: name.into(),
+            params: params.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+/// A model the engine can drive (forward, loss, backward), span by span. Parameters are read
+/// through [`Params`] and gradients written through [`Grads`], so the same model runs on the
+/// engine's views of unsharded flat buffers and on plain maps (a single-process reference).
+pub trait FsdpModel {
+    /// What one forward/backward pass consumes (this rank's part of a batch).
+    type Batch: ?Sized;
+    /// The activations of one pass, handed between spans (a fresh `Default` per pass).
+    type Tape: Default;
+
+    /// The compute spans in forward execution order.
+    fn spans(&self) -> Vec<Span>;
+
+    /// Forward of span `span`.
+    ///
+    /// # Errors
+    /// The model's errors.
+    fn forward(
+        &self,
+        span: usize,
+        params: &dyn Params,
+        batch: &Self::Batch,
+        tape: &mut Self::Tape,
+    ) -> Result<(), FsdpError>;
+
+    /// This rank's share of the loss, after the last span's forward. The driver returns the
+    /// sum over ranks: normalise by the global batch (e.g. divide a sum of per-example losses
+    /// by the global number of examples) so that the sum is the global mean.
+    ///
+    /// # Errors
+    /// The model's errors.
+    fn loss(&self, tape: &Self::Tape) -> Result<f32, FsdpError>;
+
+    /// Backward of span `span`: **add** the gradients of its parameters into `grads`, and hand
+    /// the gradients of its inputs to the spans before it through the tape.
+    ///
+    /// # Errors
+    /// The model's errors.
+    fn backward(
+        &self,
+        span: usize,
+        params: &dyn Params,
+        grads: &mut dyn Grads,
+        batch: &Self::Batch,
+        tape: &mut Self::Tape,
+    ) -> Result<(), FsdpError>;
+}
+
+/// The units each span reads, and the first and last span of each unit.
+pub(crate) struct SpanUnits {
+    pub(crate) units: Vec<Vec<usize>>,
+    first: Vec<usize>,
+    last: Vec<usize>,
+}
+
+impl SpanUnits {
+    fn opens(&self, s: usize) -> impl Iterator<Item = usize> + '_ {
+        self.units[s]
+            .iter()
+            .copied()
+            .filter(move |&u| self.first[u] == s)
+    }
+
+    fn closes(&self, s: usize) -> impl Iterator<Item = usize> + '_ {
+        self.units[s]
+            .iter()
+            .copied()
+            .filter(move |&u| self.last[u] == s)
+    }
+}
+
+impl Fsdp {
+    pub(crate) fn span_units(&self, spans: &[Span]) -> Result<SpanUnits, FsdpError> {
+        let n = self.num_units();
+        let mut units = Vec::with_capacity(spans.len());
+        let (mut first, mut last) = (vec![usize::MAX; n], vec![0; n]);
+        for (s, span) in spans.iter().enumerate() {
+            let mut us = span
+                .params
+                .iter()
+                .map(|p| self.unit_of(p))
+                .collect::<Result<Vec<_>, _>>()?;
+            us.sort_unstable();
+            us.dedup();
+            for &u in &us {
+                first[u] = first[u].min(s);
+                last[u] = s;
+            }
+            units.push(us);
+        }
+        Ok(SpanUnits { units, first, last })
+    }
+
+    /// One forward and backward pass of `model` on this rank's `batch`, driving the hooks
+    /// around its spans. Outside [`no_sync`](Self::no_sync) the gradients are reduced and
+    /// **added** into the gradient shards; inside, the unsharded gradients are kept and
+    /// accumulate. Returns the sum over ranks of the model's [`loss`](FsdpModel::loss) (the same
+    /// on every rank). Every rank must call it.
+    ///
+    /// # Errors
+    /// The model's errors, a failing collective or allocation. After an error the unsharded
+    /// buffers are dropped and the gradient shards may hold a partial accumulation: call
+    /// [`zero_grad`](Self::zero_grad) before training on.
+    pub fn forward_backward<M: FsdpModel>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<f32, FsdpError> {
+        let r = self.forward_backward_inner(model, batch);
+        if r.is_err() {
+            self.abort_pass();
+        }
+        r
+    }
+
+    /// [`forward_backward`](Self::forward_backward) then the
+    /// [`optimizer_step`](Self::optimizer_step).
+    ///
+    /// # Errors
+    /// As those two.
+    pub fn step<M: FsdpModel>(&mut self, model: &M, batch: &M::Batch) -> Result<f32, FsdpError> {
+        let loss = self.forward_backward(model, batch)?;
+        self.optimizer_step()?;
+        Ok(loss)
+    }
+
+    fn forward_backward_inner<M: FsdpModel>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<f32, FsdpError> {
+        let spans = model.spans();
+        let su = self.span_units(&spans)?;
+        let mut tape = M::Tape::default();
+        for (s, span) in spans.iter().enumerate() {
+            for u in su.opens(s) {
+                self.pre_forward(u)?;
+            }
+            let t0 = self.ctx.trace_begin();
+            model.forward(s, &self.param_views(&su.units[s])?, batch, &mut tape)?;
+            self.ctx
+                .trace_end(SpanKind::Forward, &span.name, &su.units[s], t0);
+            for u in su.closes(s) {
+                self.post_forward(u)?;
+            }
+        }
+        let local = model.loss(&tape)?;
+        for (s, span) in spans.iter().enumerate().rev() {
+            for u in su.closes(s) {
+                self.pre_backward(u)?;
+            }
+            let t0 = self.ctx.trace_begin();
+            {
+                let p = self.param_views(&su.units[s])?;
+                let mut g = self.grad_views(&su.units[s])?;
+                model.backward(s, &p, &mut g, batch, &mut tape)?;
+            }
+            self.ctx
+                .trace_end(SpanKind::Backward, &span.name, &su.units[s], t0);
+            for u in su.opens(s) {
+                self.post_backward(u)?;
+            }
+        }
+        drop(tape);
+        let loss = self.all_reduce_loss(local)?;
+        self.finalize_backward()?;
+        Ok(loss)
+    }
+
+    /// One pass of the hooks over `spans` with no computation (a dry run on the meta device:
+    /// the allocations, collectives and frees of a real pass, in the same order).
+    ///
+    /// # Errors
+    /// An unknown parameter, a failing allocation or collective.
+    pub fn dry_run_pass(&mut self, spans: &[Span]) -> Result<(), FsdpError> {
+        let su = self.span_units(spans)?;
+        for s in 0..spans.len() {
+            for u in su.opens(s) {
+                self.pre_forward(u)?;
+            }
+            for u in su.closes(s) {
+                self.post_forward(u)?;
+            }
+        }
+        for s in (0..spans.len()).rev() {
+            for u in su.closes(s) {
+                self.pre_backward(u)?;
+            }
+            for u in su.opens(s) {
+                self.post_backward(u)?;
+            }
+        }
+        self.finalize_backward()
+    }
+}

@@ -1,0 +1,253 @@
+//! One unit's flat parameter on one rank (FSDP2's `FSDPParamGroup`, with FSDP1's one flat
+//! buffer per unit): its shard, gradient shard and optimizer state, and the unsharded buffers
+//! while gathered. `unshard` issues the all-gather, `wait_for_unshard` waits for it,
+//! `reshard` frees the unsharded parameters.
+
+use fsdp_collectives::Work;
+use fsdp_device::{Buffer, DType};
+use fsdp_flatparam::FlatParamLayout;
+
+use super::comm_context::{internal, CommContext};
+use super::config::{Phase, ScheduleKind};
+use crate::optim::{OptimizerState, ShardGroups};
+use crate::trace::SpanKind;
+use crate::FsdpError;
+
+/// The element types of a param group, as run-time values: the sharded parameters (the
+/// optimizer's master weights), the unsharded parameters the model reads (what the all-gather
+/// moves), and the gradients as reduced. Only `f32` throughout is supported so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupDtypes {
+    /// The dtype of the shard and of the optimizer state.
+    pub shard: DType,
+    /// The dtype of the unsharded parameters (all-gathered).
+    pub param: DType,
+    /// The dtype gradients are reduced in.
+    pub reduce: DType,
+}
+
+impl Default for GroupDtypes {
+    fn default() -> Self {
+        GroupDtypes {
+            shard: DType::F32,
+            param: DType::F32,
+            reduce: DType::F32,
+        }
+    }
+}
+
+/// One unit's flat parameter on this rank (see the [module](self) documentation).
+pub struct ParamGroup {
+    /// The unit's index.
+    pub(crate) index: usize,
+    /// The unit's module path (`""` for the root, `"(ignored)"` for ignored parameters).
+    pub(crate) name: String,
+    pub(crate) layout: FlatParamLayout,
+    pub(crate) dtypes: GroupDtypes,
+    /// The sharding factor of the unit (1: never gathered, the shard is the whole parameter).
+    pub(crate) factor: usize,
+    /// Which of the `factor` shards this rank holds.
+    pub(crate) shard_index: usize,
+    /// Ignored parameters: replicated on every rank, gradients all-reduced over the world.
+    pub(crate) replicated_all: bool,
+    /// The rank's shard (padding included).
+    pub(crate) shard: Buffer,
+    /// The rank's reduced gradient shard, accumulated over micro-batches until the optimizer
+    /// step.
+    pub(crate) grad_shard: Buffer,
+    /// Whether `grad_shard` holds zeros (then a reduction writes it directly).
+    pub(crate) grad_shard_zero: bool,
+    /// The pending reduction of this unsharded unit replaces `grad_shard` (which held zeros).
+    pub(crate) replace_shard: bool,
+    pub(crate) optim_state: OptimizerState,
+    /// The optimizer groups of the shard's elements.
+    pub(crate) segments: ShardGroups,
+    /// The unsharded parameters while gathered (for `factor == 1`: always the shard).
+    pub(crate) full: Option<Buffer>,
+    /// The all-gather filling `full` and its issue index, until waited for.
+    pub(crate) gather: Option<(Work, u64)>,
+    /// Whether the limiter counts `full`.
+    pub(crate) counted: bool,
+    /// The unsharded gradient during backward (kept across micro-batches under `no_sync`).
+    pub(crate) full_grad: Option<Buffer>,
+}
+
+impl std::fmt::Debug for ParamGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParamGroup")
+            .field("index", &self.index)
+            .field("name", &self.name)
+            .field("factor", &self.factor)
+            .field("numel", &self.layout.unpadded_numel())
+            .field("unsharded", &self.full.is_some())
+            .finish()
+    }
+}
+
+impl ParamGroup {
+    /// The unit's index.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The unit's module path.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The flat-parameter layout.
+    pub fn layout(&self) -> &FlatParamLayout {
+        &self.layout
+    }
+
+    /// The element types.
+    pub fn dtypes(&self) -> GroupDtypes {
+        self.dtypes
+    }
+
+    /// The sharding factor.
+    pub fn factor(&self) -> usize {
+        self.factor
+    }
+
+    /// Whether the unsharded parameters are (being) gathered.
+    pub fn is_unsharded(&self) -> bool {
+        self.full.is_some()
+    }
+
+    /// Whether the limiter counts this unit's gathered buffer in the current pass (it will be
+    /// freed before the pass ends): all units in backward, non-root units in forward when the
+    /// strategy reshards after forward.
+    fn counts(&self, ctx: &CommContext) -> bool {
+        match ctx.phase {
+            Phase::Forward => self.index != 0 && ctx.config.strategy.reshard_after_forward(),
+            Phase::Backward => true,
+        }
+    }
+
+    /// Issue the all-gather of the unit unless it is unsharded already (`prefetch`: issued
+    /// ahead of the compute that needs it; recorded as such).
+    ///
+    /// # Errors
+    /// A failing allocation or collective.
+    pub fn unshard(&mut self, ctx: &mut CommContext, prefetch: bool) -> Result<(), FsdpError> {
+        if self.full.is_some() || self.factor == 1 {
+            return Ok(());
+        }
+        let group = ctx
+            .groups
+            .shard()
+            .ok_or_else(|| internal("a sharded unit without a shard group"))?;
+        let out = ctx.alloc(self.layout.padded_numel(), group.stream(), &ctx.compute)?;
+        let work = ctx.traced(
+            group.stream(),
+            SpanKind::AllGather,
+            vec![self.index],
+            self.layout.shard_numel() * self.dtypes.param.size_in_bytes(),
+            || Ok(group.all_gather_base(&self.shard, &out)?),
+        )?;
+        let issued = ctx.next_issue();
+        let counted = self.counts(ctx);
+        ctx.unsharded_bytes += block_bytes(&out);
+        self.full = Some(out);
+        self.gather = Some((work, issued));
+        self.counted = counted;
+        if counted {
+            ctx.in_flight += 1;
+        }
+        ctx.record(self.index, ScheduleKind::AllGather, prefetch);
+        ctx.sample_peak();
+        Ok(())
+    }
+
+    /// Prefetch: [`unshard`](Self::unshard) unless the limiter is full
+    /// ([`FsdpConfig::limit_all_gathers`](super::FsdpConfig::limit_all_gathers)), in which
+    /// case the unit is gathered when needed.
+    ///
+    /// # Errors
+    /// As [`unshard`](Self::unshard).
+    pub fn prefetch(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
+        if self.full.is_some() || self.factor == 1 {
+            return Ok(());
+        }
+        if let Some(limit) = ctx.config.limit_all_gathers {
+            if self.counts(ctx) && ctx.in_flight >= limit {
+                return Ok(());
+            }
+        }
+        self.unshard(ctx, true)
+    }
+
+    /// Wait for the unit's all-gather, if one is pending. The communication stream runs in
+    /// issue order, so the reductions issued before it are complete too: their unsharded
+    /// gradients are released.
+    ///
+    /// # Errors
+    /// A failed or timed-out collective.
+    pub fn wait_for_unshard(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
+        if let Some((w, issued)) = self.gather.take() {
+            w.wait()?;
+            ctx.release_before(issued);
+        }
+        Ok(())
+    }
+
+    /// Free (reshard) the unsharded parameters; nothing for an unsharded (`F = 1`) unit.
+    pub fn reshard(&mut self, ctx: &mut CommContext) {
+        if self.factor == 1 {
+            return;
+        }
+        let Some(full) = self.full.take() else {
+            return;
+        };
+        ctx.unsharded_bytes -= block_bytes(&full);
+        self.gather = None;
+        if std::mem::take(&mut self.counted) {
+            ctx.in_flight -= 1;
+        }
+        ctx.record(self.index, ScheduleKind::Free, false);
+    }
+
+    /// Allocate and zero the unsharded gradient, unless it exists (accumulating under
+    /// `no_sync`). An unsharded unit whose gradient shard still holds zeros accumulates in it
+    /// directly (reduced in place).
+    ///
+    /// # Errors
+    /// A failing allocation.
+    pub(crate) fn ensure_grad(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
+        if self.full_grad.is_some() {
+            return Ok(());
+        }
+        if self.factor == 1 && self.grad_shard_zero {
+            self.full_grad = Some(self.grad_shard.clone());
+            return Ok(());
+        }
+        let comm = ctx
+            .groups
+            .shard()
+            .map_or_else(|| ctx.groups.world().stream(), |g| g.stream());
+        let g = ctx.alloc(self.layout.padded_numel(), &ctx.compute, comm)?;
+        ctx.fill(&g, 0.0)?;
+        self.full_grad = Some(g);
+        ctx.sample_peak();
+        Ok(())
+    }
+
+    /// Drop the unsharded buffers and pending work (after a failed step).
+    pub(crate) fn reset_transient(&mut self, ctx: &mut CommContext) {
+        if self.factor > 1 {
+            if let Some(full) = self.full.take() {
+                ctx.unsharded_bytes -= block_bytes(&full);
+            }
+        }
+        self.gather = None;
+        self.counted = false;
+        self.full_grad = None;
+        self.replace_shard = false;
+    }
+}
+
+/// The allocator's size of a buffer's block (its rounding of the request).
+fn block_bytes(b: &Buffer) -> u64 {
+    fsdp_allocator::round_size(b.byte_len()).unwrap_or(usize::MAX) as u64
+}

@@ -1,0 +1,72 @@
+//! The engine's view of a caching allocator: any [`CachingAllocator`] whose memory source uses
+//! the CPU streams of `fsdp_device` (host memory, or the meta source of a dry run), behind one
+//! object-safe trait so that the engine is not generic over the source.
+
+use fsdp_allocator::{CachingAllocator, MemorySource, MemoryStats};
+use fsdp_device::{Buffer, DType, Device, Stream};
+
+use crate::FsdpError;
+
+/// Where the engine's shards and unsharded buffers come from (PyTorch's per-device caching
+/// allocator). Implemented for every [`CachingAllocator`] over a source whose streams are
+/// [`fsdp_device::Stream`]s.
+pub trait MemoryPool: Send + Sync {
+    /// The device the memory lives on ([`Device::Meta`] in a dry run: sizes without bytes).
+    fn device(&self) -> Device;
+
+    /// A buffer of `numel` elements of `dtype` allocated on `stream`; when `also_on` is given,
+    /// the block is also recorded on that stream (`record_stream`), so that after its free the
+    /// memory is reused only once the work issued there before the free has completed.
+    ///
+    /// # Errors
+    /// Out of memory (after the allocator's retry) or an invalid size.
+    fn allocate(
+        &self,
+        dtype: DType,
+        numel: usize,
+        stream: &Stream,
+        also_on: Option<&Stream>,
+    ) -> Result<Buffer, FsdpError>;
+
+    /// The allocator's statistics (PyTorch's `memory_stats()`).
+    fn memory_stats(&self) -> MemoryStats;
+
+    /// Reset the peak statistics.
+    fn reset_peak_stats(&self);
+}
+
+impl<S> MemoryPool for CachingAllocator<S>
+where
+    S: MemorySource<Stream = Stream>,
+{
+    fn device(&self) -> Device {
+        CachingAllocator::device(self)
+    }
+
+    fn allocate(
+        &self,
+        dtype: DType,
+        numel: usize,
+        stream: &Stream,
+        also_on: Option<&Stream>,
+    ) -> Result<Buffer, FsdpError> {
+        let bytes = numel.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+            FsdpError::InvalidFsdpConfig {
+                reason: format!("a buffer of {numel} elements of {dtype} overflows usize"),
+            }
+        })?;
+        let block = CachingAllocator::allocate(self, bytes, stream)?;
+        if let Some(other) = also_on {
+            block.record_stream(other)?;
+        }
+        Ok(block.into_buffer(dtype)?)
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        CachingAllocator::memory_stats(self)
+    }
+
+    fn reset_peak_stats(&self) {
+        CachingAllocator::reset_peak_stats(self);
+    }
+}

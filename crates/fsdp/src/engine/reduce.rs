@@ -1,0 +1,126 @@
+//! Gradient reduction of a param group as one function (FSDP2's `foreach_reduce`):
+//! reduce-scatter over the shard group, then the all-reduce of the shard over the replicas
+//! (hybrid strategies), or the all-reduce over the world for unsharded units (`NO_SHARD`,
+//! ignored parameters); and the accumulation of the reduced shards once they arrive.
+
+use fsdp_collectives::ReduceOp;
+use fsdp_device::Buffer;
+
+use super::comm_context::{internal, CommContext, PendingReduce};
+use super::config::ScheduleKind;
+use super::param_group::ParamGroup;
+use crate::trace::SpanKind;
+use crate::FsdpError;
+
+/// Reduced gradients to add into the groups' gradient shards once the reductions completed.
+pub(crate) type PendingGrads = Vec<(usize, Buffer)>;
+
+/// Issue the reduction of `group`'s unsharded gradient (which it hands over). The reduced
+/// shard lands straight in the gradient shard when that holds zeros, otherwise in a new buffer
+/// that [`finish_reductions`] adds into it.
+///
+/// # Errors
+/// A failing allocation or collective.
+pub(crate) fn foreach_reduce(
+    group: &mut ParamGroup,
+    ctx: &mut CommContext,
+    pending_grads: &mut PendingGrads,
+) -> Result<(), FsdpError> {
+    let g = group
+        .full_grad
+        .take()
+        .ok_or_else(|| internal("reduce of a unit without gradients"))?;
+    let u = group.index;
+    let direct = group.grad_shard_zero;
+    let target = if group.factor > 1 {
+        let shard_group = ctx
+            .groups
+            .shard()
+            .ok_or_else(|| internal("a sharded unit without a shard group"))?;
+        let out = if direct {
+            group.grad_shard.clone()
+        } else {
+            ctx.alloc(
+                group.layout.shard_numel(),
+                shard_group.stream(),
+                &ctx.compute,
+            )?
+        };
+        let work = ctx.traced(
+            shard_group.stream(),
+            SpanKind::ReduceScatter,
+            vec![u],
+            group.layout.shard_numel() * group.dtypes.reduce.size_in_bytes(),
+            || Ok(shard_group.reduce_scatter_base(&g, &out, ReduceOp::Sum)?),
+        )?;
+        let issued = ctx.next_issue();
+        ctx.sample_peak();
+        ctx.pending.push(PendingReduce {
+            work,
+            issued,
+            holds: Some(g),
+        });
+        ctx.record(u, ScheduleKind::ReduceScatter, false);
+        out
+    } else {
+        g
+    };
+    let replicas = if group.replicated_all {
+        ctx.groups.world_multi()
+    } else {
+        ctx.groups.replicate()
+    };
+    if let Some(replicas) = replicas {
+        let work = ctx.traced(
+            replicas.stream(),
+            SpanKind::AllReduce,
+            vec![u],
+            target.len() * group.dtypes.reduce.size_in_bytes(),
+            || Ok(replicas.all_reduce(&target, ReduceOp::Sum)?),
+        )?;
+        let issued = ctx.next_issue();
+        ctx.pending.push(PendingReduce {
+            work,
+            issued,
+            holds: None,
+        });
+        ctx.record(u, ScheduleKind::AllReduce, false);
+    }
+    if !(direct && group.factor > 1) {
+        pending_grads.push((u, target));
+    }
+    group.grad_shard_zero = false;
+    group.replace_shard = direct && group.factor == 1;
+    Ok(())
+}
+
+/// Wait for the issued reductions and accumulate their results into the gradient shards.
+///
+/// # Errors
+/// A failed collective or buffer access.
+pub(crate) fn finish_reductions(
+    groups: &mut [ParamGroup],
+    ctx: &mut CommContext,
+    pending_grads: &mut PendingGrads,
+) -> Result<(), FsdpError> {
+    for p in std::mem::take(&mut ctx.pending) {
+        p.work.wait()?;
+    }
+    for (u, g) in std::mem::take(pending_grads) {
+        let group = &mut groups[u];
+        if std::mem::take(&mut group.replace_shard) {
+            // The first reduction of an unsharded unit: its buffer becomes the shard.
+            group.grad_shard = g;
+            continue;
+        }
+        if ctx.is_meta() {
+            continue;
+        }
+        let add = g.read::<f32>()?;
+        let mut acc = group.grad_shard.write::<f32>()?;
+        for (a, b) in acc.iter_mut().zip(add.iter()) {
+            *a += *b;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,192 @@
+//! Sharded checkpoints of the engine: every rank writes its own shards and the layout, and a
+//! checkpoint written at one world size loads at another (see [`crate::checkpoint`]).
+
+use std::path::Path;
+
+use fsdp_collectives::ReduceOp;
+
+use super::fsdp::Fsdp;
+use crate::checkpoint::{
+    write_rank_shards, FullOptimizerState, RankShards, ShardLayout, ShardParam,
+};
+use crate::optim::{AdamWState, OptimizerState};
+use crate::FsdpError;
+
+impl Fsdp {
+    /// Writes a sharded checkpoint into `dir` (created if needed). **Collective**: every rank
+    /// calls it; each writes `rank-RRRRR-of-WWWWW.safetensors` atomically, holding its shard of
+    /// every unit's flat parameter (`unit.U.param`), its optimizer state shards
+    /// (`unit.U.exp_avg` and `unit.U.exp_avg_sq` for AdamW, `unit.U.momentum_buffer` for SGD
+    /// with momentum) and, as JSON under the metadata key
+    /// [`LAYOUT_KEY`](crate::checkpoint::LAYOUT_KEY), the layout: world size, strategy,
+    /// optimizer step, and per unit the sharding factor F, which shard the file holds, the
+    /// padded and shard sizes and every parameter's name, shape and flat offset.
+    ///
+    /// With replicated shards (NO_SHARD, the hybrid strategies' replicas, ignored parameters),
+    /// every rank still writes its copy, so each file is self-contained;
+    /// [`load_sharded`](crate::checkpoint::load_sharded) uses the lowest rank's copy.
+    ///
+    /// Call it between steps (gradients are not saved). The ranks agree on the outcome: if any
+    /// rank fails to write, every rank returns an error (that rank's with the cause).
+    pub fn save_sharded(&self, dir: &Path) -> Result<(), FsdpError> {
+        let result = self.write_shards(dir);
+        // Agree on success, so no rank goes on believing a partial checkpoint was written.
+        let flag = self.ctx.alloc_local(1)?;
+        flag.copy_from_slice(&[if result.is_ok() { 0f32 } else { 1.0 }])?;
+        self.ctx
+            .groups
+            .world()
+            .all_reduce(&flag, ReduceOp::Sum)?
+            .wait()?;
+        let failed = flag.to_vec::<f32>()?[0];
+        result?;
+        if failed > 0.0 {
+            return Err(FsdpError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("{failed} rank(s) could not write their shards"),
+            });
+        }
+        Ok(())
+    }
+
+    fn write_shards(&self, dir: &Path) -> Result<(), FsdpError> {
+        let mut optimizer = "none";
+        let mut optimizer_step = 0;
+        let mut units = Vec::with_capacity(self.groups.len());
+        for (u, unit) in self.groups.iter().enumerate() {
+            let l = &unit.layout;
+            let layout = ShardLayout {
+                unit: u,
+                factor: unit.factor,
+                shard_index: unit.shard_index,
+                padded_numel: l.padded_numel(),
+                shard_numel: l.shard_numel(),
+                params: l
+                    .params()
+                    .iter()
+                    .map(|p| ShardParam {
+                        name: p.name().to_string(),
+                        shape: p.shape().to_vec(),
+                        offset: p.offset(),
+                    })
+                    .collect(),
+            };
+            let mut tensors = vec![("param", unit.shard.to_vec::<f32>()?)];
+            match &unit.optim_state {
+                OptimizerState::AdamW(s) => {
+                    optimizer = "adamw";
+                    optimizer_step = s.step;
+                    tensors.push(("exp_avg", s.exp_avg.clone()));
+                    tensors.push(("exp_avg_sq", s.exp_avg_sq.clone()));
+                }
+                OptimizerState::Sgd {
+                    step,
+                    momentum_buffer,
+                } => {
+                    optimizer = "sgd";
+                    optimizer_step = *step;
+                    if !momentum_buffer.is_empty() {
+                        tensors.push(("momentum_buffer", momentum_buffer.clone()));
+                    }
+                }
+                #[allow(unreachable_patterns)]
+                _ => {
+                    return Err(FsdpError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: "this optimizer's state cannot be checkpointed".into(),
+                    })
+                }
+            }
+            units.push((layout, tensors));
+        }
+        write_rank_shards(
+            dir,
+            &RankShards {
+                rank: self.rank(),
+                world: self.world_size(),
+                strategy: format!("{:?}", self.ctx.config.strategy),
+                optimizer,
+                optimizer_step,
+                optimizer_steps: self.optimizer_steps,
+                units,
+                setup: self.setup.clone(),
+            },
+        )
+    }
+
+    /// Loads optimizer state reassembled from a sharded checkpoint
+    /// ([`load_sharded_checkpoint`](crate::checkpoint::load_sharded_checkpoint)), keeping this
+    /// rank's shard of every buffer: with the parameters passed to [`Fsdp::new`], training
+    /// resumes exactly where the checkpoint left it, at any world size. Local (no collective).
+    ///
+    /// # Errors
+    /// [`FsdpError::Checkpoint`] when the state belongs to another optimizer or misses a
+    /// parameter's buffer; this rank's state is then unchanged.
+    pub fn load_optimizer_state(&mut self, state: &FullOptimizerState) -> Result<(), FsdpError> {
+        let bad = |reason: String| FsdpError::Checkpoint {
+            path: "<optimizer state>".into(),
+            reason,
+        };
+        let mut new_states = Vec::with_capacity(self.groups.len());
+        for unit in &self.groups {
+            let l = &unit.layout;
+            let rank = unit.shard_index;
+            let shard_of = |kind: &str| -> Result<Vec<f32>, FsdpError> {
+                let map = state
+                    .buffers
+                    .get(kind)
+                    .ok_or_else(|| bad(format!("no `{kind}` buffers")))?;
+                let values = l
+                    .params()
+                    .iter()
+                    .map(|p| {
+                        map.get(p.name())
+                            .filter(|v| v.len() == p.numel())
+                            .ok_or_else(|| {
+                                bad(format!(
+                                    "`{kind}` of `{}` is missing or mis-sized",
+                                    p.name()
+                                ))
+                            })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let flat = l.flatten::<f32, _>(&values)?;
+                Ok(l.shard(&flat, rank)?.to_vec())
+            };
+            let new = match (&unit.optim_state, state.optimizer.as_str()) {
+                (OptimizerState::AdamW(_), "adamw") => {
+                    let mut s = AdamWState::new(l.shard_numel());
+                    s.step = state.step;
+                    s.exp_avg = shard_of("exp_avg")?;
+                    s.exp_avg_sq = shard_of("exp_avg_sq")?;
+                    OptimizerState::AdamW(s)
+                }
+                (
+                    OptimizerState::Sgd {
+                        momentum_buffer, ..
+                    },
+                    "sgd",
+                ) => OptimizerState::Sgd {
+                    step: state.step,
+                    momentum_buffer: if momentum_buffer.is_empty() {
+                        Vec::new()
+                    } else {
+                        shard_of("momentum_buffer")?
+                    },
+                },
+                (_, other) => {
+                    return Err(bad(format!(
+                        "the checkpoint holds `{other}` state, not this runtime's optimizer's"
+                    )))
+                }
+            };
+            new_states.push(new);
+        }
+        self.apply_setup(state.setup.clone())?;
+        for (unit, s) in self.groups.iter_mut().zip(new_states) {
+            unit.optim_state = s;
+        }
+        self.optimizer_steps = state.optimizer_steps;
+        Ok(())
+    }
+}

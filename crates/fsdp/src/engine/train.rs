@@ -1,0 +1,153 @@
+//! The optimizer side of the engine: `no_sync`, gradient clipping by the global norm, the
+//! optimizer step on the shards, and the loss all-reduce.
+
+use fsdp_collectives::ReduceOp;
+use fsdp_device::Buffer;
+
+use super::fsdp::Fsdp;
+use crate::trace::SpanKind;
+use crate::FsdpError;
+
+impl Fsdp {
+    /// Run `f` with gradient synchronisation off (PyTorch's `no_sync()`): backward passes
+    /// inside keep the unsharded gradients and accumulate into them; the first backward after
+    /// the scope reduces the accumulated gradients. Costs one unsharded gradient buffer per
+    /// unit meanwhile.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = std::mem::replace(&mut self.no_sync, true);
+        let r = f(self);
+        self.no_sync = before;
+        r
+    }
+
+    /// Turn gradient synchronisation off (`true`) or on, returning the previous setting: the
+    /// scope-free form of [`no_sync`](Self::no_sync) for wrappers.
+    pub fn set_no_sync(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.no_sync, on)
+    }
+
+    /// The optimizer (AdamW or SGD) on every shard with the accumulated gradient shards, each
+    /// element with its parameter group's options and the scheduled learning rate
+    /// ([`set_param_groups`](Self::set_param_groups), [`set_lr_schedule`](Self::set_lr_schedule)),
+    /// then [`zero_grad`](Self::zero_grad).
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] when unsharded gradients are still unreduced (the last
+    /// backward ran under `no_sync`); an optimizer error.
+    pub fn optimizer_step(&mut self) -> Result<(), FsdpError> {
+        self.check_reduced()?;
+        if !self.ctx.is_meta() {
+            let lr = self.lr();
+            for g in &mut self.groups {
+                let grad = g.grad_shard.read::<f32>()?;
+                let mut p = g.shard.write::<f32>()?;
+                g.optim_state.step_grouped(
+                    &self.optim,
+                    lr,
+                    &self.setup.groups,
+                    &g.segments,
+                    &mut p,
+                    &grad,
+                )?;
+            }
+        }
+        self.optimizer_steps += 1;
+        self.zero_grad()
+    }
+
+    /// Zero the gradient shards and drop unreduced unsharded gradients.
+    ///
+    /// # Errors
+    /// A failing buffer access.
+    pub fn zero_grad(&mut self) -> Result<(), FsdpError> {
+        for g in &mut self.groups {
+            self.ctx.fill(&g.grad_shard, 0.0)?;
+            g.grad_shard_zero = true;
+            g.full_grad = None;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_reduced(&self) -> Result<(), FsdpError> {
+        if self.groups.iter().any(|g| g.full_grad.is_some()) {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: "gradients accumulated under no_sync are not reduced yet: run the last \
+                         micro-batch outside no_sync before the optimizer step"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Clip the gradients by their global L2 norm (PyTorch's `FSDP.clip_grad_norm_`): the
+    /// squared norms of the rank's gradient shards are summed over the ranks that hold
+    /// distinct shards (the shard group; nothing for `NO_SHARD` and ignored parameters, whose
+    /// gradients are replicated), and every gradient is scaled by
+    /// `max_norm / (total_norm + 1e-6)` when that is below 1. Returns the total norm before
+    /// clipping. Call it after the last backward of a step. Every rank must call it.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] for a negative or non-finite `max_norm`; unreduced
+    /// gradients as in [`optimizer_step`](Self::optimizer_step); a failing collective.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(FsdpError::InvalidHyperparameter {
+                name: "max_norm",
+                value: max_norm,
+                reason: "must be finite and non-negative",
+            });
+        }
+        self.check_reduced()?;
+        let sq = |b: &Buffer| -> Result<f64, FsdpError> {
+            Ok(b.read::<f32>()?
+                .iter()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum())
+        };
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for g in &self.groups {
+            if g.factor > 1 {
+                sharded += sq(&g.grad_shard)?;
+            } else {
+                replicated += sq(&g.grad_shard)?;
+            }
+        }
+        if let Some(group) = self.ctx.groups.shard() {
+            let b = Buffer::from_slice(&[sharded])?;
+            self.ctx
+                .traced(group.stream(), SpanKind::AllReduce, Vec::new(), 8, || {
+                    Ok(group.all_reduce(&b, ReduceOp::Sum)?)
+                })?
+                .wait()?;
+            sharded = b.to_vec::<f64>()?[0];
+        }
+        let total = (sharded + replicated).sqrt();
+        let coef = max_norm / (total + 1e-6);
+        if coef < 1.0 {
+            let c = coef as f32;
+            for g in &self.groups {
+                for x in g.grad_shard.write::<f32>()?.iter_mut() {
+                    *x *= c;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// The sum over all ranks of `local` (a loss): one all-reduce of 4 bytes over the world.
+    ///
+    /// # Errors
+    /// A failing collective.
+    pub fn all_reduce_loss(&self, local: f32) -> Result<f32, FsdpError> {
+        let Some(world) = self.ctx.groups.world_multi() else {
+            return Ok(local);
+        };
+        let b = Buffer::from_slice(&[local])?;
+        self.ctx
+            .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
+                Ok(world.all_reduce(&b, ReduceOp::Sum)?)
+            })?
+            .wait()?;
+        Ok(b.to_vec::<f32>()?[0])
+    }
+}

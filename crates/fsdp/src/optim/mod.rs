@@ -1,0 +1,438 @@
+//! Optimizers as functions over flat `f32` slices (parameter, gradient, state), so that they
+//! run unchanged on a whole tensor, a flat parameter or one rank's shard of it: both updates are
+//! element-wise.
+//!
+//! - [`adamw_step`]: exactly `torch.optim.AdamW`'s single-tensor update (decoupled weight
+//!   decay, bias correction), in the same order of operations.
+//! - [`sgd_step`]: `torch.optim.SGD` with momentum, dampening, weight decay and Nesterov.
+//! - [`LrSchedule`]: nanoGPT's learning-rate schedule (linear warmup, cosine decay).
+//! - [`ParamGroupOptions`], [`ShardGroups`] and [`OptimizerState::step_grouped`]: PyTorch's
+//!   `param_groups` (per-group weight decay and learning rate) inside one flat shard, with
+//!   nanoGPT's rule ([`decay_2d_only`]: weight decay on matrices only).
+
+mod groups;
+mod schedule;
+
+pub use groups::{
+    decay_2d_only, decay_2d_only_group, ParamGroupOptions, ShardGroups, DECAY_GROUP,
+    NO_DECAY_GROUP, SKIP_GROUP,
+};
+pub use schedule::LrSchedule;
+
+use crate::FsdpError;
+
+/// `torch.optim.AdamW`'s hyperparameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay of the first moment (`betas[0]`).
+    pub beta1: f64,
+    /// Decay of the second moment (`betas[1]`).
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay: each step multiplies the parameter by `1 − lr·weight_decay`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    /// PyTorch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    fn default() -> Self {
+        AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// Checks the ranges PyTorch checks: `lr ≥ 0`, `eps ≥ 0`, `0 ≤ beta < 1`,
+    /// `weight_decay ≥ 0`.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        non_negative("lr", self.lr)?;
+        non_negative("eps", self.eps)?;
+        non_negative("weight_decay", self.weight_decay)?;
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(FsdpError::InvalidHyperparameter {
+                    name,
+                    value: b,
+                    reason: "must be in [0, 1)",
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn non_negative(name: &'static str, value: f64) -> Result<(), FsdpError> {
+    if value.is_nan() || value < 0.0 {
+        return Err(FsdpError::InvalidHyperparameter {
+            name,
+            value,
+            reason: "must be a number ≥ 0",
+        });
+    }
+    Ok(())
+}
+
+fn same_len(what: &'static str, expected: usize, actual: usize) -> Result<(), FsdpError> {
+    if expected != actual {
+        return Err(FsdpError::OptimizerLength {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+fn check_step(step: u64) -> Result<(), FsdpError> {
+    if step == 0 {
+        return Err(FsdpError::InvalidHyperparameter {
+            name: "step",
+            value: 0.0,
+            reason: "steps are counted from 1",
+        });
+    }
+    Ok(())
+}
+
+/// One AdamW step on `param` with `grad`, exactly as `torch.optim.AdamW` (single-tensor
+/// implementation, `amsgrad=False`, `maximize=False`) at step number `step` (1 for the first
+/// step; PyTorch increments its step counter before the update):
+///
+/// ```text
+/// param      *= 1 − lr·weight_decay
+/// exp_avg    = lerp(exp_avg, grad, 1 − beta1)
+/// exp_avg_sq = beta2·exp_avg_sq + (1 − beta2)·grad²
+/// denom      = √exp_avg_sq / √(1 − beta2^step) + eps
+/// param     -= lr / (1 − beta1^step) · exp_avg / denom
+/// ```
+///
+/// The scalar factors are computed in `f64` (Python floats) and applied in `f32`, as PyTorch
+/// does for `f32` tensors. `exp_avg` and `exp_avg_sq` start at zero.
+///
+/// # Errors
+/// [`FsdpError::OptimizerLength`] if the slices differ in length,
+/// [`FsdpError::InvalidHyperparameter`] for a bad setting or `step == 0`. Nothing is changed
+/// then.
+pub fn adamw_step(
+    cfg: &AdamWConfig,
+    step: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+) -> Result<(), FsdpError> {
+    cfg.validate()?;
+    check_step(step)?;
+    same_len("grad", param.len(), grad.len())?;
+    same_len("exp_avg", param.len(), exp_avg.len())?;
+    same_len("exp_avg_sq", param.len(), exp_avg_sq.len())?;
+
+    let decay = (1.0 - cfg.lr * cfg.weight_decay) as f32;
+    let w1 = 1.0 - cfg.beta1; // lerp weight
+    let w1f = w1 as f32;
+    let beta2 = cfg.beta2 as f32;
+    let one_minus_beta2 = (1.0 - cfg.beta2) as f32;
+    let steps = step as f64;
+    let bias_correction1 = 1.0 - cfg.beta1.powf(steps);
+    let bias_correction2 = 1.0 - cfg.beta2.powf(steps);
+    let step_size = (cfg.lr / bias_correction1) as f32;
+    let bc2_sqrt = bias_correction2.sqrt() as f32;
+    let eps = cfg.eps as f32;
+
+    for (((p, &g), m), v) in param
+        .iter_mut()
+        .zip(grad)
+        .zip(exp_avg.iter_mut())
+        .zip(exp_avg_sq.iter_mut())
+    {
+        *p *= decay;
+        // torch.lerp: start + w·(end − start) for w < 0.5, else end − (end − start)·(1 − w).
+        *m = if w1 < 0.5 {
+            *m + w1f * (g - *m)
+        } else {
+            g - (g - *m) * (1.0 - w1f)
+        };
+        *v = *v * beta2 + one_minus_beta2 * (g * g);
+        let denom = v.sqrt() / bc2_sqrt + eps;
+        *p += -step_size * (*m / denom);
+    }
+    Ok(())
+}
+
+/// A flat slice's AdamW state (step count and moments) with [`AdamWState::step`] to update it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamWState {
+    /// Steps taken so far.
+    pub step: u64,
+    /// First moment.
+    pub exp_avg: Vec<f32>,
+    /// Second moment.
+    pub exp_avg_sq: Vec<f32>,
+}
+
+impl AdamWState {
+    /// Zero state for `len` elements.
+    pub fn new(len: usize) -> Self {
+        AdamWState {
+            step: 0,
+            exp_avg: vec![0.0; len],
+            exp_avg_sq: vec![0.0; len],
+        }
+    }
+
+    /// Takes one [`adamw_step`] and counts it.
+    ///
+    /// # Errors
+    /// As [`adamw_step`]; the state is unchanged then.
+    pub fn step(
+        &mut self,
+        cfg: &AdamWConfig,
+        param: &mut [f32],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        adamw_step(
+            cfg,
+            self.step + 1,
+            param,
+            grad,
+            &mut self.exp_avg,
+            &mut self.exp_avg_sq,
+        )?;
+        self.step += 1;
+        Ok(())
+    }
+}
+
+/// `torch.optim.SGD`'s hyperparameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0: plain SGD, no buffer used).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
+    pub nesterov: bool,
+}
+
+impl SgdConfig {
+    /// SGD with momentum and nothing else (dampening 0, no weight decay, not Nesterov).
+    pub fn with_momentum(lr: f64, momentum: f64) -> Self {
+        SgdConfig {
+            lr,
+            momentum,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+
+    /// Checks the ranges PyTorch checks.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        non_negative("lr", self.lr)?;
+        non_negative("momentum", self.momentum)?;
+        non_negative("weight_decay", self.weight_decay)?;
+        if self.dampening.is_nan() {
+            return Err(FsdpError::InvalidHyperparameter {
+                name: "dampening",
+                value: self.dampening,
+                reason: "must be a number",
+            });
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(FsdpError::InvalidHyperparameter {
+                name: "momentum",
+                value: self.momentum,
+                reason: "Nesterov momentum needs momentum > 0 and dampening 0",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One SGD step, exactly as `torch.optim.SGD` at step number `step` (1 for the first):
+///
+/// ```text
+/// d   = grad + weight_decay·param
+/// buf = d                                   (first step)
+/// buf = momentum·buf + (1 − dampening)·d     (later steps)
+/// d   = d + momentum·buf if nesterov, else buf
+/// param -= lr·d
+/// ```
+///
+/// With `momentum == 0` the buffer is not used (it may be empty).
+///
+/// # Errors
+/// [`FsdpError::OptimizerLength`] if the slices differ in length,
+/// [`FsdpError::InvalidHyperparameter`] for a bad setting or `step == 0`. Nothing is changed
+/// then.
+pub fn sgd_step(
+    cfg: &SgdConfig,
+    step: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    momentum_buffer: &mut [f32],
+) -> Result<(), FsdpError> {
+    cfg.validate()?;
+    check_step(step)?;
+    same_len("grad", param.len(), grad.len())?;
+    let lr = cfg.lr as f32;
+    let wd = cfg.weight_decay as f32;
+    if cfg.momentum == 0.0 {
+        for (p, &g) in param.iter_mut().zip(grad) {
+            let d = if wd != 0.0 { g + wd * *p } else { g };
+            *p += -lr * d;
+        }
+        return Ok(());
+    }
+    same_len("momentum_buffer", param.len(), momentum_buffer.len())?;
+    let mom = cfg.momentum as f32;
+    let damp = (1.0 - cfg.dampening) as f32;
+    for ((p, &g), b) in param.iter_mut().zip(grad).zip(momentum_buffer.iter_mut()) {
+        let d = if wd != 0.0 { g + wd * *p } else { g };
+        *b = if step == 1 { d } else { *b * mom + damp * d };
+        let upd = if cfg.nesterov { d + mom * *b } else { *b };
+        *p += -lr * upd;
+    }
+    Ok(())
+}
+
+/// The optimizer a sharded runtime applies to each shard: `torch.optim.AdamW` or
+/// `torch.optim.SGD`. Both are element-wise, so a shard update equals the update of the whole
+/// tensor restricted to the shard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum OptimizerConfig {
+    /// AdamW (decoupled weight decay, bias correction).
+    AdamW(AdamWConfig),
+    /// SGD (momentum, dampening, L2 weight decay, Nesterov).
+    Sgd(SgdConfig),
+}
+
+impl From<AdamWConfig> for OptimizerConfig {
+    fn from(cfg: AdamWConfig) -> Self {
+        OptimizerConfig::AdamW(cfg)
+    }
+}
+
+impl From<SgdConfig> for OptimizerConfig {
+    fn from(cfg: SgdConfig) -> Self {
+        OptimizerConfig::Sgd(cfg)
+    }
+}
+
+impl OptimizerConfig {
+    /// The configured (base) learning rate: what [`LrSchedule::lr_at`] scales.
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerConfig::AdamW(c) => c.lr,
+            OptimizerConfig::Sgd(c) => c.lr,
+        }
+    }
+
+    /// Checks the hyperparameters.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        match self {
+            OptimizerConfig::AdamW(c) => c.validate(),
+            OptimizerConfig::Sgd(c) => c.validate(),
+        }
+    }
+}
+
+/// The state of one flat slice under an [`OptimizerConfig`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum OptimizerState {
+    /// AdamW's step count and moments.
+    AdamW(AdamWState),
+    /// SGD's step count and momentum buffer (empty without momentum).
+    Sgd {
+        /// Steps taken so far.
+        step: u64,
+        /// The momentum buffer.
+        momentum_buffer: Vec<f32>,
+    },
+}
+
+impl OptimizerState {
+    /// Zero state for `len` elements.
+    pub fn new(cfg: &OptimizerConfig, len: usize) -> Self {
+        match cfg {
+            OptimizerConfig::AdamW(_) => OptimizerState::AdamW(AdamWState::new(len)),
+            OptimizerConfig::Sgd(c) => OptimizerState::Sgd {
+                step: 0,
+                momentum_buffer: if c.momentum == 0.0 {
+                    Vec::new()
+                } else {
+                    vec![0.0; len]
+                },
+            },
+        }
+    }
+
+    /// Steps taken so far. This is also the 0-based index of the next step, the `iter` that
+    /// [`LrSchedule::lr_at`] takes for it.
+    pub fn steps(&self) -> u64 {
+        match self {
+            OptimizerState::AdamW(s) => s.step,
+            OptimizerState::Sgd { step, .. } => *step,
+        }
+    }
+
+    /// Takes one step and counts it.
+    ///
+    /// # Errors
+    /// As [`adamw_step`] / [`sgd_step`], or [`FsdpError::InvalidHyperparameter`] when the state
+    /// was made for the other optimizer; the state is unchanged then.
+    pub fn step(
+        &mut self,
+        cfg: &OptimizerConfig,
+        param: &mut [f32],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        match (self, cfg) {
+            (OptimizerState::AdamW(state), OptimizerConfig::AdamW(c)) => state.step(c, param, grad),
+            (
+                OptimizerState::Sgd {
+                    step,
+                    momentum_buffer,
+                },
+                OptimizerConfig::Sgd(c),
+            ) => {
+                sgd_step(c, *step + 1, param, grad, momentum_buffer)?;
+                *step += 1;
+                Ok(())
+            }
+            _ => Err(state_mismatch()),
+        }
+    }
+}
+
+/// The error for an [`OptimizerState`] used with the other optimizer's config.
+fn state_mismatch() -> FsdpError {
+    FsdpError::InvalidHyperparameter {
+        name: "optimizer",
+        value: f64::NAN,
+        reason: "the state was created for another optimizer",
+    }
+}

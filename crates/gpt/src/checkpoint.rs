@@ -1,0 +1,200 @@
+//! Full checkpoints of the reference GPT in safetensors ([`save_full`], [`load_full`]): the
+//! whole model state with nanoGPT's parameter names and shapes, `f32` little-endian, so that
+//! PyTorch reads it: `model.load_state_dict(safetensors.torch.load_file(path), strict=False)` or
+//! `safetensors.torch.load_model(model, path)`. The tied `lm_head.weight` is **omitted**, as
+//! `safetensors.torch.save_model` does for shared tensors: it is the same storage as
+//! `transformer.wte.weight`, which the model re-ties on load. (A strict `load_state_dict` of the
+//! plain dictionary needs `sd["lm_head.weight"] = sd["transformer.wte.weight"]` first.)
+//! [`load_full`] accepts an `lm_head.weight` that equals `transformer.wte.weight`.
+//!
+//! Sharded checkpoints are the engine's ([`fsdp::checkpoint`]); files are written atomically
+//! ([`fsdp::checkpoint::write_atomic`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use fsdp::checkpoint::{
+    err, f32_bytes, load_sharded_checkpoint, parse, read_bytes, serialize_f32, tensor_f32,
+    write_atomic, ShardedCheckpoint,
+};
+use fsdp::FsdpError;
+
+use crate::model::{param_specs, GptConfig};
+
+/// The name PyTorch's `state_dict` gives the tied output projection.
+pub const LM_HEAD: &str = "lm_head.weight";
+/// The token embedding `lm_head.weight` is tied to.
+pub const WTE: &str = "transformer.wte.weight";
+
+/// Checks `params` against the model: every parameter of `cfg` with its number of elements, and
+/// nothing else except an `lm_head.weight` equal to `transformer.wte.weight`.
+fn check_params(
+    path: &Path,
+    cfg: &GptConfig,
+    params: &HashMap<String, Vec<f32>>,
+) -> Result<(), FsdpError> {
+    let specs = param_specs(cfg);
+    for s in &specs {
+        let v = params
+            .get(&s.name)
+            .ok_or_else(|| err(path, format!("missing tensor `{}`", s.name)))?;
+        if v.len() != s.numel() {
+            return Err(err(
+                path,
+                format!(
+                    "tensor `{}` has {} elements; its shape {:?} needs {}",
+                    s.name,
+                    v.len(),
+                    s.shape,
+                    s.numel()
+                ),
+            ));
+        }
+    }
+    for (name, v) in params {
+        if name == LM_HEAD {
+            if params.get(WTE) != Some(v) {
+                return Err(err(
+                    path,
+                    format!("tensor `{LM_HEAD}` differs from `{WTE}` (they are tied)"),
+                ));
+            }
+        } else if !specs.iter().any(|s| &s.name == name) {
+            return Err(err(
+                path,
+                format!("unexpected tensor `{name}`: not a parameter of the model"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Writes the full model state to `path`: every parameter of `cfg` under nanoGPT's name and
+/// shape, `f32` little-endian, with metadata `format = pt`. The tied `lm_head.weight` is omitted
+/// (see the [module docs](self)); if `params` holds it, it must equal `transformer.wte.weight`.
+///
+/// The parameters are validated (names and sizes) before anything is written, and the file is
+/// written atomically ([`write_atomic`]).
+pub fn save_full(
+    path: &Path,
+    cfg: &GptConfig,
+    params: &HashMap<String, Vec<f32>>,
+) -> Result<(), FsdpError> {
+    cfg.validate()?;
+    check_params(path, cfg, params)?;
+    let tensors: Vec<_> = param_specs(cfg)
+        .into_iter()
+        .map(|s| {
+            let bytes = f32_bytes(&params[&s.name]);
+            (s.name, s.shape, bytes)
+        })
+        .collect();
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = serialize_f32(path, &tensors, Some(metadata))?;
+    write_atomic(path, |w| w.write_all(&bytes))
+}
+
+/// Reads a full checkpoint written by [`save_full`] or by PyTorch (`safetensors.torch`), e.g. the
+/// golden `gpt_tiny_init.safetensors`.
+///
+/// Every parameter of `cfg` must be present with its exact shape; any other tensor is an error,
+/// except `lm_head.weight` when it equals `transformer.wte.weight` (and nanoGPT's causal-mask
+/// buffers `transformer.h.N.attn.bias` of shape `[1, 1, block_size, block_size]`, written by
+/// nanoGPT without flash attention, which are skipped). Tensors may be F32, BF16 or F16 (converted
+/// to `f32` exactly). Errors name the file and the tensor at fault.
+///
+/// Each rank keeps only its shard by passing the returned map to
+/// [`FsdpGpt::new`](crate::runtime::FsdpGpt::new) (or to [`fsdp::ParamInit::Full`]).
+pub fn load_full(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+    cfg.validate()?;
+    let bytes = read_bytes(path)?;
+    let st = parse(path, &bytes)?;
+    let specs = param_specs(cfg);
+    let mut out = HashMap::with_capacity(specs.len());
+    for s in &specs {
+        let view = st
+            .tensor(&s.name)
+            .map_err(|_| err(path, format!("missing tensor `{}`", s.name)))?;
+        if view.shape() != s.shape.as_slice() {
+            return Err(err(
+                path,
+                format!(
+                    "tensor `{}` has shape {:?}, expected {:?}",
+                    s.name,
+                    view.shape(),
+                    s.shape
+                ),
+            ));
+        }
+        out.insert(s.name.clone(), tensor_f32(path, &s.name, &view)?);
+    }
+    // Report unexpected names in a stable (sorted) order.
+    let names: BTreeMap<&String, ()> = st.names().into_iter().map(|n| (n, ())).collect();
+    for name in names.keys() {
+        let name = name.as_str();
+        if out.contains_key(name) {
+            continue;
+        }
+        let view = st.tensor(name).map_err(|e| err(path, format!("{e:?}")))?;
+        if name == LM_HEAD {
+            let wte = &specs[0];
+            if view.shape() != wte.shape.as_slice() {
+                return Err(err(
+                    path,
+                    format!(
+                        "tensor `{LM_HEAD}` has shape {:?}, expected {:?} (tied to `{WTE}`)",
+                        view.shape(),
+                        wte.shape
+                    ),
+                ));
+            }
+            let v = tensor_f32(path, name, &view)?;
+            if out.get(WTE) != Some(&v) {
+                return Err(err(
+                    path,
+                    format!(
+                        "tensor `{LM_HEAD}` differs from `{WTE}`; this model ties them, untied \
+                         weights are not supported"
+                    ),
+                ));
+            }
+        } else if is_mask_buffer(cfg, name, view.shape()) {
+            // nanoGPT's non-flash causal mask: a buffer, not a parameter.
+        } else {
+            return Err(err(
+                path,
+                format!("unexpected tensor `{name}`: not a parameter of the model"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn is_mask_buffer(cfg: &GptConfig, name: &str, shape: &[usize]) -> bool {
+    let Some(rest) = name.strip_prefix("transformer.h.") else {
+        return false;
+    };
+    let Some(layer) = rest.strip_suffix(".attn.bias") else {
+        return false;
+    };
+    layer.parse::<usize>().is_ok_and(|l| l < cfg.n_layer)
+        && shape == [1, 1, cfg.block_size, cfg.block_size]
+}
+
+/// Reads a sharded checkpoint of the GPT `cfg` (see [`fsdp::checkpoint::load_sharded`]).
+///
+/// # Errors
+/// An invalid configuration, and those of [`load_sharded_checkpoint`].
+pub fn load_sharded(dir: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+    Ok(load_sharded_gpt(dir, cfg)?.params)
+}
+
+/// Reads a sharded checkpoint of the GPT `cfg` with its optimizer state (see
+/// [`load_sharded_checkpoint`]).
+///
+/// # Errors
+/// An invalid configuration, and those of [`load_sharded_checkpoint`].
+pub fn load_sharded_gpt(dir: &Path, cfg: &GptConfig) -> Result<ShardedCheckpoint, FsdpError> {
+    cfg.validate()?;
+    load_sharded_checkpoint(dir, &param_specs(cfg))
+}
