@@ -33,3 +33,9 @@ pub mod wrap;
 
 pub use engine::{Fsdp, FsdpConfig, FsdpModel, Grads, ParamInit, Params, ShardingStrategy};
 pub use error::FsdpError;
+
+/// The README's Rust examples ("Shard your own model", "Using the collectives"), run as
+/// doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

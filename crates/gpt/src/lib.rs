@@ -45,6 +45,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod init;
 pub mod model;
 pub mod plan;
 pub mod runtime;

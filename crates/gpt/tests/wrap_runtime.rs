@@ -360,10 +360,11 @@ fn multi_unit_stages_train_like_single_process() {
 }
 
 #[test]
-fn a_plan_with_an_empty_root_is_a_clear_error() {
-    // Everything the root module owns directly ignored: the root unit owns no parameter. The
-    // wrap module keeps it (PyTorch's root FSDP instance would simply have no flat parameter);
-    // the runtime holds the root to own the tied `wte` and refuses the plan with an error.
+fn a_plan_with_an_empty_root_trains_like_single_process() {
+    // Everything the root module owns directly ignored: the root unit owns no parameter, and
+    // has nothing to shard (as PyTorch's root FSDP instance without a flat parameter). The
+    // engine skips it: the blocks are the units, the ignored parameters (the tied `wte`
+    // included) are replicated and all-reduced.
     let options = WrapOptions::new(WrapPolicy::module_type(["Block"]))
         .with_ignored_module("transformer.wte")
         .with_ignored_module("transformer.wpe")
@@ -371,22 +372,31 @@ fn a_plan_with_an_empty_root_is_a_clear_error() {
         .with_ignored_module("lm_head");
     let plan = plan(options);
     assert!(plan.units[0].params.is_empty());
-    let errors = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
-        FsdpGpt::new(
-            Box::new(comm),
-            cfg(),
-            &plan,
-            &init(),
-            FsdpConfig::new(ShardingStrategy::FullShard),
-            adamw(),
-        )
-        .unwrap_err()
-    })
-    .unwrap();
-    for e in errors {
-        assert!(
-            matches!(&e, FsdpError::InvalidPlan { reason } if reason.contains("owns no parameter")),
-            "{e}"
-        );
+    let reference = reference();
+    for (world, config) in [
+        (
+            2,
+            config(
+                ShardingStrategy::FullShard,
+                None,
+                BackwardPrefetch::Pre,
+                true,
+                Some(2),
+            ),
+        ),
+        (
+            4,
+            config(
+                ShardingStrategy::HybridShard,
+                Some(2),
+                BackwardPrefetch::Post,
+                false,
+                Some(2),
+            ),
+        ),
+    ] {
+        let runs = run(&plan, world, config);
+        assert_eq!(runs[0].units, plan.units.len()); // the blocks and the ignored unit
+        check_against_reference(&format!("empty root, world {world}"), &runs, &reference);
     }
 }

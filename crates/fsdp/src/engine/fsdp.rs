@@ -113,18 +113,21 @@ impl Fsdp {
         check_config(&config)?;
         optim.validate()?;
         plan.validate()?;
-        if plan.units.is_empty() {
+        if plan.units.iter().all(|u| u.params.is_empty()) && plan.ignored.is_empty() {
             return Err(FsdpError::InvalidPlan {
-                reason: "the plan has no unit".into(),
+                reason: "the plan has no parameter".into(),
             });
         }
         let ctx = CommContext::new(config, groups, pool);
         let (factor, shard_rank) = ctx.groups.factor_and_index();
 
-        // One flat parameter per unit; the ignored parameters form a last, unsharded unit.
+        // One flat parameter per unit that owns parameters (a unit without any, such as a root
+        // whose parameters all went to nested units, has nothing to shard, as in PyTorch); the
+        // ignored parameters form a last, unsharded unit.
         let mut specs: Vec<(String, Vec<&crate::units::ParamSpec>, usize, bool)> = plan
             .units
             .iter()
+            .filter(|u| !u.params.is_empty())
             .map(|u| (u.name.clone(), u.params.iter().collect(), factor, false))
             .collect();
         if !plan.ignored.is_empty() {
@@ -133,11 +136,6 @@ impl Fsdp {
         let mut groups = Vec::with_capacity(specs.len());
         let mut table = ParamTable::default();
         for (i, (name, ps, f, replicated_all)) in specs.into_iter().enumerate() {
-            if ps.is_empty() {
-                return Err(FsdpError::InvalidPlan {
-                    reason: format!("unit {i} owns no parameter"),
-                });
-            }
             let mut b = FlatParamLayout::builder(f);
             for p in &ps {
                 b = b.param(p.name.clone(), &p.shape);
@@ -349,14 +347,15 @@ impl Fsdp {
     }
 
     /// After unit `u`'s last forward computation of a pass: reshard it when the strategy frees
-    /// parameters after forward (the root unit, unit 0, stays unsharded for backward).
+    /// parameters after forward (the root unit — the plan's unit named `""` — stays unsharded
+    /// for backward, which starts with it).
     ///
     /// # Errors
     /// An unknown unit.
     pub fn post_forward(&mut self, u: usize) -> Result<(), FsdpError> {
         self.check_unit(u)?;
         self.order.on_post_forward(u);
-        if self.ctx.config.strategy.reshard_after_forward() && u != 0 {
+        if self.ctx.config.strategy.reshard_after_forward() && !self.groups[u].is_root() {
             self.groups[u].reshard(&mut self.ctx);
         }
         Ok(())

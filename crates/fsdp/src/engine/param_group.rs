@@ -95,6 +95,12 @@ impl ParamGroup {
         &self.name
     }
 
+    /// Whether this is the root unit (module path `""`): it stays unsharded between forward
+    /// and backward.
+    pub fn is_root(&self) -> bool {
+        self.name.is_empty() && !self.replicated_all
+    }
+
     /// The flat-parameter layout.
     pub fn layout(&self) -> &FlatParamLayout {
         &self.layout
@@ -120,7 +126,7 @@ impl ParamGroup {
     /// strategy reshards after forward.
     fn counts(&self, ctx: &CommContext) -> bool {
         match ctx.phase {
-            Phase::Forward => self.index != 0 && ctx.config.strategy.reshard_after_forward(),
+            Phase::Forward => !self.is_root() && ctx.config.strategy.reshard_after_forward(),
             Phase::Backward => true,
         }
     }

@@ -55,13 +55,11 @@ pub(crate) fn read_shard(
             ),
         });
     }
-    out.fill(0.0);
-    let mut bytes = Vec::new();
-    for (i, info) in layout.shard_param_infos(shard_index)?.iter().enumerate() {
-        if !info.in_shard {
-            continue;
-        }
-        let p = layout.param(i)?;
+    // Every parameter's entry is checked on every rank, not only those with a piece in this
+    // rank's shard, so that a missing or mis-shaped tensor fails on every rank alike (a rank
+    // that constructed would otherwise wait in its first collective for the ones that failed).
+    let mut entries = Vec::with_capacity(layout.num_params());
+    for p in layout.params() {
         let t = header
             .get(p.name())
             .ok_or_else(|| err(path, format!("missing tensor `{}`", p.name())))?;
@@ -108,6 +106,15 @@ pub(crate) fn read_shard(
                 ))
             }
         };
+        entries.push((dtype, size, begin));
+    }
+    out.fill(0.0);
+    let mut bytes = Vec::new();
+    let pieces = layout.shard_param_infos(shard_index)?;
+    for ((p, info), &(dtype, size, begin)) in layout.params().iter().zip(&pieces).zip(&entries) {
+        if !info.in_shard {
+            continue;
+        }
         let dst = &mut out[info.shard_range()];
         let first = info.intra_param_start_idx as u64;
         for (c, chunk) in dst.chunks_mut(CHUNK).enumerate() {

@@ -26,7 +26,9 @@ use fsdp_collectives::launch::{self, LaunchOptions};
 use fsdp_collectives::{init_from_env, ring, Backend, Communicator, InitOptions, LaunchEnv};
 use fsdp_device::{Buffer, DType};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
-use fsdp_gpt::model::{init_params, named_params, GptConfig};
+use fsdp::ParamInit;
+use fsdp_gpt::init::gpt2_init;
+use fsdp_gpt::model::{param_specs, GptConfig};
 use fsdp_gpt::runtime::{BackwardPrefetch, FsdpConfig, FsdpGpt, ScheduleKind, ShardingStrategy};
 use fsdp_gpt::tree::gpt_module_tree;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -495,14 +497,22 @@ fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), CliError> {
     })
 }
 
-/// The initial parameters: a checkpoint or the seeded initialisation.
+/// The initial parameters of a checkpoint, or `None` for the sharded seeded initialisation
+/// (each rank draws only its own shards; the same model at every world size).
 fn initial_params(
     args: &TrainArgs,
     cfg: &GptConfig,
-) -> Result<HashMap<String, Vec<f32>>, CliError> {
+) -> Result<Option<HashMap<String, Vec<f32>>>, CliError> {
     match &args.init_from {
-        Some(path) => load_checkpoint(path, cfg),
-        None => Ok(named_params(cfg, init_params(cfg, args.seed))?),
+        Some(path) => Ok(Some(load_checkpoint(path, cfg)?)),
+        None => {
+            // Check the rule covers every parameter before any rank starts.
+            let rule = gpt2_init(cfg.n_layer);
+            for p in param_specs(cfg) {
+                rule(&p.name, &p.shape)?;
+            }
+            Ok(None)
+        }
     }
 }
 
@@ -596,6 +606,7 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
         None => synthetic_corpus(SYNTHETIC_LEN, cfg.vocab_size as u16, args.seed),
     };
     let params = initial_params(args, &cfg)?;
+    let seed = args.seed;
     // Check the output paths' directories now rather than after training.
     for p in [&args.save, &args.loss_log, &args.trace]
         .into_iter()
@@ -665,7 +676,12 @@ fn train(args: &TrainArgs) -> Result<(), CliError> {
     let start = Instant::now();
     let run = |comm: Box<dyn Communicator>| -> Result<RankReport, FsdpError> {
         let rank = comm.rank();
-        let mut model = FsdpGpt::new(comm, cfg, &plan, &params, config, opt)?;
+        let rule = gpt2_init(cfg.n_layer);
+        let init = match &params {
+            Some(p) => ParamInit::Full(p),
+            None => ParamInit::Seeded { seed, rule: &rule },
+        };
+        let mut model = FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)?;
         model.set_lr_schedule(schedule)?;
         if decay_2d_only {
             model.set_param_groups(decay_2d_only_groups(opt.weight_decay), |_, shape| {
