@@ -27,7 +27,6 @@ use common::*;
 use fsdp::optim::AdamWState;
 use fsdp::units::UnitPlan;
 use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
-use fsdp::FsdpError;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_gpt::data::get_batch;
 use fsdp_gpt::model::{

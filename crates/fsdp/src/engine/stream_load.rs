@@ -72,12 +72,14 @@ pub(crate) fn read_shard(
         if shape.as_deref() != Some(p.shape()) {
             return Err(err(
                 path,
-                format!(
-                    "tensor `{}` has shape {:?}, expected {:?}",
-                    p.name(),
-                    shape,
-                    p.shape()
-                ),
+                match &shape {
+                    Some(shape) => format!(
+                        "tensor `{}` has shape {shape:?}, expected {:?}",
+                        p.name(),
+                        p.shape()
+                    ),
+                    None => format!("tensor `{}` has no valid shape", p.name()),
+                },
             ));
         }
         let dtype = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("");
