@@ -117,8 +117,22 @@ const BIG: usize = 1 << 36;
 
 // ---- The shared scenarios, on the meta source ----------------------------------------------
 
+/// `cases` random cases (one under Miri, which interprets every step).
+fn config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases: if cfg!(miri) { 1 } else { cases },
+        // Under Miri's isolation the regression file cannot be located.
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(config(12))]
 
     #[test]
     fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 300)) {
@@ -142,6 +156,7 @@ proptest! {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "too long for Miri")]
 fn paper_scenario_rate_limiter_removes_retries() {
     paper_scenario_both(&MetaHarness::new(BIG), "meta");
 }
@@ -345,7 +360,7 @@ fn host_and_meta_agree(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(config(24))]
 
     /// Plenty of memory: caching, splitting and merging.
     #[test]
@@ -372,6 +387,7 @@ proptest! {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "too long for Miri")]
 fn a_long_run_at_the_capacity_exercises_retries_and_out_of_memory() {
     use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::deterministic();

@@ -439,4 +439,3 @@ pub fn fill_shard(
     }
     Ok(())
 }
-

@@ -355,4 +355,3 @@ fn invalid_rules_are_errors() {
         Err(FsdpError::InvalidShape { .. })
     ));
 }
-

@@ -529,9 +529,6 @@ fn invalid_schedule_options_are_one_error_line() {
         ]),
         "warmup",
     );
-    assert_one_error(
-        &with(&["--lr-schedule", "cosine", "--min-lr=-1"]),
-        "min_lr",
-    );
+    assert_one_error(&with(&["--lr-schedule", "cosine", "--min-lr=-1"]), "min_lr");
     assert_one_error(&with(&["--lr-schedule", "linear"]), "constant or cosine");
 }

@@ -64,7 +64,6 @@ fn gpt2_rule_follows_nanogpt() {
     ));
 }
 
-
 #[test]
 fn gpt2_unit_sharded_matches_whole_model() {
     // A block unit of a tiny GPT, sharded over 3 ranks, against every tensor materialised.

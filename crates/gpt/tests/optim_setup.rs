@@ -70,6 +70,9 @@ fn reference() -> (Vec<f32>, HashMap<String, Vec<f32>>) {
     (losses, params)
 }
 
+/// What a rank returns: its losses, the full parameters and the next step's learning rate.
+type RankRun = (Vec<f32>, HashMap<String, Vec<f32>>, f64);
+
 /// FSDP training of steps `from..to` at `world`, from the parameters `start` (and, when given,
 /// the sharded checkpoint in `resume`); saves a sharded checkpoint into `save` at the end.
 fn train(
@@ -79,7 +82,7 @@ fn train(
     resume: Option<&PathBuf>,
     (from, to): (u64, u64),
     save: Option<&PathBuf>,
-) -> Vec<(Vec<f32>, HashMap<String, Vec<f32>>, f64)> {
+) -> Vec<RankRun> {
     let cfg = cfg();
     let toks = tokens();
     let plan = gpt_block_plan(&cfg);

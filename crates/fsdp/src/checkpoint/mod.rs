@@ -1,0 +1,169 @@
+//! Checkpoints in the safetensors format.
+//!
+//! - **Sharded checkpoints** ([`Fsdp::save_sharded`](crate::engine::Fsdp::save_sharded),
+//!   [`load_sharded`], [`load_sharded_checkpoint`]): a directory with one safetensors file per
+//!   rank, `rank-RRRRR-of-WWWWW.safetensors` ([`shard_file_name`]), holding that rank's flat
+//!   shard of every FSDP unit (`unit.U.param`) and its optimizer state shards (`unit.U.exp_avg`,
+//!   `unit.U.exp_avg_sq` for AdamW, `unit.U.momentum_buffer` for SGD with momentum), with the
+//!   layout as JSON under the metadata key [`LAYOUT_KEY`] (world size, strategy, optimizer step,
+//!   and per unit its [`ShardLayout`]: sharding factor F, which shard the file holds, padded and
+//!   shard sizes, each parameter's name, shape and flat offset). Every rank writes its file,
+//!   replicas included (NO_SHARD, hybrid strategies), so each file is self-contained; loading
+//!   uses the lowest rank's copy of each shard. [`load_sharded`] reassembles the full tensors from
+//!   any world size's files and [`Fsdp::new`](crate::engine::Fsdp::new) reshards them for the new
+//!   world; [`Fsdp::load_optimizer_state`](crate::engine::Fsdp::load_optimizer_state) then
+//!   restores the optimizer state, so training resumes where it stopped.
+//! - **Building blocks for full checkpoints** of a model: [`write_atomic`], [`serialize_f32`],
+//!   [`read_bytes`], [`parse`] and [`tensor_f32`] (F32, BF16 and F16 tensors read as `f32`).
+//!
+//! Every file is written atomically ([`write_atomic`]): to a temporary file in the same
+//! directory, flushed and `fsync`ed, then renamed over the target, so a crash mid-save leaves the
+//! previous file intact.
+
+mod sharded;
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::FsdpError;
+
+pub use sharded::{
+    load_sharded, load_sharded_checkpoint, shard_file_name, FullOptimizerState, ShardLayout,
+    ShardParam, ShardedCheckpoint, LAYOUT_KEY,
+};
+pub(crate) use sharded::{write_rank_shards, RankShards};
+
+/// A [`FsdpError::Checkpoint`] naming `path`.
+pub fn err(path: &Path, reason: impl Into<String>) -> FsdpError {
+    FsdpError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Writes `path` atomically: `write` fills a temporary file in the same directory, which is then
+/// flushed, `fsync`ed and renamed over `path` (and the directory `fsync`ed, where the platform
+/// allows). If `write` or any step fails, the temporary file is removed and `path` keeps its
+/// previous content.
+pub fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> Result<(), FsdpError> {
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| err(path, "the path names no file"))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}-{}",
+        file_name.to_string_lossy(),
+        std::process::id(),
+        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = (|| -> io::Result<()> {
+        let file = File::options().write(true).create_new(true).open(&tmp)?;
+        let mut w = BufWriter::new(file);
+        write(&mut w)?;
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, path)?;
+        // Make the rename durable. Opening a directory is not possible everywhere (Windows):
+        // the rename itself is still atomic there.
+        if let Ok(d) = File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    result.map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        err(path, format!("cannot write: {e}"))
+    })
+}
+
+/// Little-endian bytes of `f32` values.
+pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Converts an IEEE half-precision value to `f32` (exactly).
+pub(crate) fn f16_to_f32(bits: u16) -> f32 {
+    let sign = u32::from(bits >> 15) << 31;
+    let exp = u32::from((bits >> 10) & 0x1f);
+    let man = u32::from(bits & 0x3ff);
+    let out = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: m · 2^-24.
+            let v = m as f32 * f32::from_bits(0x3380_0000); // 2^-24
+            return if sign != 0 { -v } else { v };
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(out)
+}
+
+/// A tensor's values as `f32`: F32 as is, BF16 and F16 converted exactly.
+pub fn tensor_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, FsdpError> {
+    let data = view.data();
+    Ok(match view.dtype() {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+        other => {
+            return Err(err(
+                path,
+                format!("tensor `{name}` has dtype {other:?}; expected F32, BF16 or F16"),
+            ))
+        }
+    })
+}
+
+/// Reads a file's bytes (errors name the file).
+pub fn read_bytes(path: &Path) -> Result<Vec<u8>, FsdpError> {
+    fs::read(path).map_err(|e| err(path, format!("cannot read: {e}")))
+}
+
+/// Parses safetensors bytes read from `path` (the bytes stay owned by the caller).
+pub fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>, FsdpError> {
+    SafeTensors::deserialize(bytes)
+        .map_err(|e| err(path, format!("not a safetensors file ({e:?})")))
+}
+
+/// Serializes named `f32` tensors (with their shapes) and optional metadata into safetensors
+/// bytes.
+pub fn serialize_f32(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>, FsdpError> {
+    let views = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.as_str(), v))
+                .map_err(|e| err(path, format!("tensor `{name}`: {e:?}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize(views, &metadata).map_err(|e| err(path, format!("{e:?}")))
+}

@@ -1,0 +1,286 @@
+//! The command line: clap's structures of `fsdp train`, `fsdp plan` and `fsdp launch`, and the
+//! parsers of their option values.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use fsdp_collectives::Backend;
+use fsdp_gpt::runtime::{BackwardPrefetch, ShardingStrategy};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "fsdp",
+    version,
+    about = "Fully sharded data parallel GPT training on the CPU: ranks as threads (ring backend) \
+             or as processes (`fsdp launch`, mpirun)"
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+// Parsed once per run: the size of `TrainArgs` does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand, Debug)]
+pub(crate) enum Command {
+    /// Train a GPT with FSDP and print a summary.
+    Train(TrainArgs),
+    /// Print the memory plan: per unit the parameters, the per-rank payload of each collective
+    /// and the collectives per step; per rank the predicted peak memory by category.
+    Plan(PlanArgs),
+    /// Start one process per rank, like `torchrun --nproc-per-node N`: sets RANK, WORLD_SIZE,
+    /// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, prefixes each line of output
+    /// with the rank, and when one process fails ends the others and exits with its status.
+    /// `fsdp launch -n 2 train ...` runs this program's `train` in every process.
+    Launch(LaunchArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct LaunchArgs {
+    /// Processes (ranks) to start on this machine.
+    #[arg(long, short = 'n')]
+    pub(crate) nproc_per_node: usize,
+    /// Address of the rendezvous store, hosted by rank 0.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) master_addr: String,
+    /// Port of the rendezvous store (0: pick a free one).
+    #[arg(long, default_value_t = 29500)]
+    pub(crate) master_port: u16,
+    /// The program to start and its arguments (`train ...` or `plan ...`: this program).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    pub(crate) command: Vec<OsString>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PlanArgs {
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+    /// Global batch size in rows (over all ranks and micro-batches).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) batch_size: usize,
+    /// Micro-batches per optimizer step (the plan is for one micro-batch).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) grad_accum: usize,
+}
+
+/// The model, the sharding and the wrap policy (shared by the subcommands).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ModelArgs {
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) n_layer: usize,
+    /// Attention heads per block.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) n_head: usize,
+    /// Embedding width.
+    #[arg(long, default_value_t = 128)]
+    pub(crate) n_embd: usize,
+    /// Context length (also the training sequence length).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) block_size: usize,
+    /// Vocabulary size (at most 65536: tokens are u16).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) vocab_size: usize,
+    /// Number of ranks: threads on the ring backend (default 4). Under a launcher the world
+    /// size comes from the launcher, and this option, if given, must agree with it.
+    #[arg(long)]
+    pub(crate) ranks: Option<usize>,
+    /// full-shard, shard-grad-op, no-shard, hybrid-shard or hybrid-shard-zero2.
+    #[arg(long, default_value = "full-shard", value_parser = parse_strategy)]
+    pub(crate) strategy: ShardingStrategy,
+    /// Ranks per node for the hybrid strategies (default: all ranks on one node).
+    #[arg(long)]
+    pub(crate) ranks_per_node: Option<usize>,
+    /// Backward prefetch: pre, post or none.
+    #[arg(long, default_value = "pre", value_parser = parse_prefetch)]
+    pub(crate) backward_prefetch: BackwardPrefetch,
+    /// Prefetch the next unit's all-gather in forward (from the second step).
+    #[arg(long)]
+    pub(crate) forward_prefetch: bool,
+    /// At most N all-gathered buffers in flight, or `off`.
+    #[arg(long, default_value = "2", value_parser = parse_limit)]
+    pub(crate) limit_all_gathers: Limit,
+    /// Wrap policy: `block` (one unit per transformer block) or `size:N` (modules of at
+    /// least N parameters).
+    #[arg(long, default_value = "block", value_parser = parse_wrap)]
+    pub(crate) wrap: Wrap,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct TrainArgs {
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+    /// Global batch size in rows (over all ranks and micro-batches).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) batch_size: usize,
+    /// Micro-batches per optimizer step (gradients accumulated under no_sync).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) grad_accum: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 250)]
+    pub(crate) steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub(crate) lr: f64,
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9)]
+    pub(crate) beta1: f64,
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.95)]
+    pub(crate) beta2: f64,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub(crate) eps: f64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) weight_decay: f64,
+    /// Decay only the parameters of 2 or more dimensions (nanoGPT's `configure_optimizers`:
+    /// weights decay; biases and LayerNorm parameters do not).
+    #[arg(long)]
+    pub(crate) decay_2d_only: bool,
+    /// Learning-rate schedule: `constant`, or `cosine` (nanoGPT's `get_lr`: linear warmup for
+    /// --warmup-iters steps, cosine decay to --min-lr at --lr-decay-iters, then --min-lr).
+    #[arg(long, default_value = "constant", value_parser = parse_schedule_kind)]
+    pub(crate) lr_schedule: ScheduleKindArg,
+    /// Warmup steps of the cosine schedule.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) warmup_iters: u64,
+    /// Step at which the cosine schedule reaches --min-lr (default: --steps).
+    #[arg(long)]
+    pub(crate) lr_decay_iters: Option<u64>,
+    /// Final learning rate of the cosine schedule (default: --lr / 10, as nanoGPT).
+    #[arg(long)]
+    pub(crate) min_lr: Option<f64>,
+    /// Clip the global gradient norm to this value (default: no clipping).
+    #[arg(long)]
+    pub(crate) grad_clip: Option<f64>,
+    /// Seed of the initial weights and of the generated corpus.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Training tokens: little-endian u16 (nanoGPT's train.bin); default: a generated corpus.
+    #[arg(long)]
+    pub(crate) data: Option<PathBuf>,
+    /// Initial weights (safetensors, nanoGPT names and shapes).
+    #[arg(long)]
+    pub(crate) init_from: Option<PathBuf>,
+    /// Write the final weights here (safetensors, nanoGPT names and shapes).
+    #[arg(long)]
+    pub(crate) save: Option<PathBuf>,
+    /// Write a CSV of step, loss, tokens/s and rank 0's peak allocated bytes.
+    #[arg(long)]
+    pub(crate) loss_log: Option<PathBuf>,
+    /// Write a Chrome trace (JSON) of compute and communication per rank (under a launcher,
+    /// each rank N > 0 writes its own file, named with `.rankN` before the extension).
+    #[arg(long)]
+    pub(crate) trace: Option<PathBuf>,
+    /// Communication backend: `ring` (ranks as threads of this process; the default), `tcp`
+    /// (ranks as processes; the default under `fsdp launch` or torchrun) or `mpi` (under
+    /// `mpirun`; the default there when this program is built with the feature `mpi`).
+    #[arg(long, value_parser = parse_backend)]
+    pub(crate) backend: Option<TrainBackend>,
+}
+
+/// `--lr-schedule`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ScheduleKindArg {
+    Constant,
+    Cosine,
+}
+
+fn parse_schedule_kind(s: &str) -> Result<ScheduleKindArg, String> {
+    match s {
+        "constant" => Ok(ScheduleKindArg::Constant),
+        "cosine" => Ok(ScheduleKindArg::Cosine),
+        other => Err(format!("`{other}`: expected constant or cosine")),
+    }
+}
+
+/// `--backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TrainBackend {
+    Ring,
+    Process(Backend),
+}
+
+fn parse_backend(s: &str) -> Result<TrainBackend, String> {
+    if s == "ring" {
+        return Ok(TrainBackend::Ring);
+    }
+    match s.parse::<Backend>() {
+        Ok(Backend::Nccl) => Err(
+            "nccl needs CUDA buffers, and the trainer's runtime computes \
+                                  on the CPU: use tcp or mpi"
+                .into(),
+        ),
+        Ok(b) => Ok(TrainBackend::Process(b)),
+        Err(_) => Err("expected ring, tcp or mpi".into()),
+    }
+}
+
+/// `--limit-all-gathers`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limit(pub(crate) Option<usize>);
+
+/// `--wrap`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Wrap {
+    Block,
+    Size(usize),
+}
+
+fn parse_strategy(s: &str) -> Result<ShardingStrategy, String> {
+    Ok(match s {
+        "full-shard" => ShardingStrategy::FullShard,
+        "shard-grad-op" => ShardingStrategy::ShardGradOp,
+        "no-shard" => ShardingStrategy::NoShard,
+        "hybrid-shard" => ShardingStrategy::HybridShard,
+        "hybrid-shard-zero2" => ShardingStrategy::HybridShardZero2,
+        _ => {
+            return Err(
+                "unknown strategy (expected full-shard, shard-grad-op, no-shard, \
+                        hybrid-shard or hybrid-shard-zero2)"
+                    .into(),
+            )
+        }
+    })
+}
+
+fn parse_prefetch(s: &str) -> Result<BackwardPrefetch, String> {
+    Ok(match s {
+        "pre" => BackwardPrefetch::Pre,
+        "post" => BackwardPrefetch::Post,
+        "none" => BackwardPrefetch::None,
+        _ => return Err("expected pre, post or none".into()),
+    })
+}
+
+fn parse_limit(s: &str) -> Result<Limit, String> {
+    if s == "off" {
+        return Ok(Limit(None));
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(Limit(Some(n))),
+        _ => Err("expected a number of at least 1 or `off`".into()),
+    }
+}
+
+fn parse_wrap(s: &str) -> Result<Wrap, String> {
+    if s == "block" {
+        return Ok(Wrap::Block);
+    }
+    match s.strip_prefix("size:").map(str::parse::<usize>) {
+        Some(Ok(n)) if n >= 1 => Ok(Wrap::Size(n)),
+        _ => Err("expected `block` or `size:N` with N at least 1".into()),
+    }
+}
+
+pub(crate) fn strategy_name(s: ShardingStrategy) -> &'static str {
+    match s {
+        ShardingStrategy::FullShard => "FULL_SHARD",
+        ShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
+        ShardingStrategy::NoShard => "NO_SHARD",
+        ShardingStrategy::HybridShard => "HYBRID_SHARD",
+        ShardingStrategy::HybridShardZero2 => "HYBRID_SHARD_ZERO2",
+    }
+}

@@ -1,0 +1,85 @@
+//! `fsdp`: sharded GPT training on the CPU — ranks as threads on the embedded ring backend, or
+//! as processes started by `fsdp launch` (TCP backend) or `mpirun` (MPI backend).
+//!
+//! `fsdp train` trains the reference GPT with FSDP and shows a progress bar and a summary;
+//! `fsdp plan` prints the memory and communication plan of the same options; `fsdp launch`
+//! starts one process per rank with the launcher's environment (like `torchrun`). Every option
+//! is checked before any rank starts, and an invalid one ends with a single `error: ...` line and
+//! a non-zero exit status.
+
+mod args;
+mod launch_cmd;
+mod output;
+mod plan_cmd;
+mod setup;
+mod train;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use fsdp::FsdpError;
+
+use args::{Cli, Command};
+use launch_cmd::run_launch;
+use plan_cmd::print_plan;
+use train::train;
+
+/// An error for the user: printed as one `error: ...` line.
+#[derive(Debug)]
+struct CliError(String);
+
+impl From<FsdpError> for CliError {
+    fn from(e: FsdpError) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+impl From<fsdp_collectives::CollectiveError> for CliError {
+    fn from(e: fsdp_collectives::CollectiveError) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+fn fail(msg: impl Into<String>) -> CliError {
+    CliError(msg.into())
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+                || matches!(
+                    e.kind(),
+                    ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                )
+            {
+                let _ = e.print();
+                return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                    ExitCode::from(2)
+                } else {
+                    ExitCode::SUCCESS
+                };
+            }
+            // clap's first line is the error itself ("error: ..."); the rest is usage help.
+            let text = e.render().to_string();
+            let line = text.lines().next().unwrap_or("error: invalid arguments");
+            eprintln!("{line}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = match cli.command {
+        Command::Train(args) => train(&args),
+        Command::Plan(args) => print_plan(&args),
+        Command::Launch(args) => return run_launch(args),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError(msg)) => {
+            // One line, whatever the message holds.
+            eprintln!("error: {}", msg.replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}

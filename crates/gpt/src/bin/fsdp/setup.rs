@@ -1,0 +1,87 @@
+//! The model, FSDP configuration and unit plan shared by `fsdp train` and `fsdp plan`, checked.
+
+use fsdp::units::UnitPlan;
+use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
+use fsdp_gpt::model::GptConfig;
+use fsdp_gpt::runtime::FsdpConfig;
+use fsdp_gpt::tree::gpt_module_tree;
+
+use crate::args::{strategy_name, ModelArgs, Wrap};
+use crate::{fail, CliError};
+
+/// The model configuration, the FSDP configuration and the unit plan, validated.
+pub(crate) struct Setup {
+    pub(crate) cfg: GptConfig,
+    pub(crate) config: FsdpConfig,
+    pub(crate) plan: UnitPlan,
+}
+
+/// Ranks when none are given and no launcher says otherwise.
+pub(crate) const DEFAULT_RANKS: usize = 4;
+
+pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
+    if world == 0 {
+        return Err(fail("--ranks must be at least 1"));
+    }
+    if m.vocab_size > usize::from(u16::MAX) + 1 {
+        return Err(fail(format!(
+            "--vocab-size {} is larger than 65536 (tokens are u16)",
+            m.vocab_size
+        )));
+    }
+    let cfg = GptConfig::new(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size)?;
+    let mut config = FsdpConfig::new(m.strategy);
+    config.backward_prefetch = m.backward_prefetch;
+    config.forward_prefetch = m.forward_prefetch;
+    config.limit_all_gathers = m.limit_all_gathers.0;
+    match (m.strategy.is_hybrid(), m.ranks_per_node) {
+        (true, Some(0)) => return Err(fail("--ranks-per-node must be at least 1")),
+        (true, Some(n)) if world % n != 0 => {
+            return Err(fail(format!(
+                "--ranks {world} is not divisible by --ranks-per-node {n}"
+            )))
+        }
+        (true, n) => config.ranks_per_node = n,
+        (false, Some(_)) => {
+            return Err(fail(format!(
+                "--ranks-per-node applies only to hybrid strategies, not {}",
+                strategy_name(m.strategy)
+            )))
+        }
+        (false, None) => {}
+    }
+    let policy = match m.wrap {
+        Wrap::Block => WrapPolicy::module_type(["Block"]),
+        Wrap::Size(n) => WrapPolicy::size(n),
+    };
+    let plan = plan_units(&gpt_module_tree(&cfg), &WrapOptions::new(policy))?;
+    Ok(Setup { cfg, config, plan })
+}
+
+/// Rows per micro-batch (all ranks) for `batch_size` rows in `grad_accum` micro-batches on
+/// `world` ranks.
+pub(crate) fn micro_batch(
+    batch_size: usize,
+    grad_accum: usize,
+    world: usize,
+) -> Result<usize, CliError> {
+    if batch_size == 0 {
+        return Err(fail("--batch-size must be at least 1"));
+    }
+    if grad_accum == 0 {
+        return Err(fail("--grad-accum must be at least 1"));
+    }
+    if batch_size % grad_accum != 0 {
+        return Err(fail(format!(
+            "--batch-size {batch_size} is not divisible by --grad-accum {grad_accum}"
+        )));
+    }
+    let micro = batch_size / grad_accum;
+    if micro % world != 0 {
+        return Err(fail(format!(
+            "--batch-size {batch_size} ({micro} rows per micro-batch) is not divisible by \
+             --ranks {world}"
+        )));
+    }
+    Ok(micro)
+}
