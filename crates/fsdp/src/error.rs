@@ -159,12 +159,13 @@ pub enum FsdpError {
         /// The name it is tied to.
         tied_to: String,
     },
-    /// A wrap policy (or the ignored modules) would put two names of one storage in different
-    /// FSDP units, or one in an ignored module and the other not.
+    /// A wrap policy (or the ignored modules) would put a tied alias in a unit that is not
+    /// its target's unit nor nested in it, or one of them in an ignored module and the other
+    /// not.
     #[error(
         "tied parameters `{param}` (in {param_unit}) and `{tied_to}` (in {tied_to_unit}) would \
-         land in different FSDP units; tied parameters must share one flat parameter: wrap a \
-         common ancestor instead, or ignore both"
+         land in unrelated FSDP units; a shared storage must belong to the lowest common \
+         ancestor unit of its users: wrap a common ancestor of both, or ignore both"
     )]
     TiedParametersSplit {
         /// The tied alias, e.g. `lm_head.weight`.

@@ -316,6 +316,15 @@ fn multi_unit_stages_train_like_single_process() {
             2,
         ),
         (
+            // `lm_head`'s unit holds only the tied alias and is dropped: the storage stays in
+            // the root, the lowest common ancestor of the embedding and the head.
+            "blocks and lm_head",
+            WrapOptions::new(WrapPolicy::custom(|m, _| {
+                m.type_name == "Block" || m.name == "lm_head"
+            })),
+            3,
+        ),
+        (
             "blocks, wte and lm_head ignored",
             WrapOptions::new(block())
                 .with_ignored_module("transformer.wte")

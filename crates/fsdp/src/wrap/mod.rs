@@ -16,9 +16,13 @@
 //!   (PyTorch's `named_parameters()` order), and the units are listed root first, then in
 //!   pre-order (forward order);
 //! - parameters of **ignored modules** stay unsharded and replicated ([`UnitPlan::ignored`]);
-//! - **tied parameters** (one storage under two names, like a language model's `lm_head.weight` and
-//!   `transformer.wte.weight`) must land in one unit: a policy that separates them is an error
-//!   ([`FsdpError::TiedParametersSplit`]) naming both parameters and both units.
+//! - **tied parameters** (one storage under two names, like a language model's `lm_head.weight`
+//!   and `transformer.wte.weight`): the storage belongs to its target's unit, and an alias may
+//!   lie in that unit or in a unit nested in it — the lowest common ancestor of the users owns
+//!   the shared storage, as PyTorch advises for shared parameters; the engine keeps that unit
+//!   unsharded while the nested users run (their spans name the storage). A policy that puts
+//!   alias and target in unrelated units (siblings, or the target nested below the alias) is an
+//!   error ([`FsdpError::TiedParametersSplit`]) naming both parameters and both units.
 //!
 //! A unit that would own no parameter (a wrapped module whose parameters all went to nested
 //! units, or a parameter-less module) is dropped from the plan: in PyTorch such an FSDP instance

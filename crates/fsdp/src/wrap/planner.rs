@@ -243,6 +243,8 @@ impl<'a> Planner<'a> {
         }
         // The root unit exists even when the whole model is ignored.
         let mut unit_nodes: Vec<usize> = vec![0];
+        // The unit enclosing each unit (the root encloses itself).
+        let mut unit_parent: Vec<usize> = vec![0];
         let mut owner = vec![Owner::Unit(0); self.nodes.len()];
         let mut parent_owner: Vec<Option<Owner>> = vec![None; self.nodes.len()];
         for i in 0..self.nodes.len() {
@@ -252,6 +254,12 @@ impl<'a> Planner<'a> {
                 Owner::Unit(0)
             } else if self.is_unit[i] {
                 unit_nodes.push(i);
+                // A unit inside an ignored module cannot exist (ignored subtrees are not
+                // entered); its enclosing unit is the nearest unit above it.
+                unit_parent.push(match parent_owner[i] {
+                    Some(Owner::Unit(k)) => k,
+                    _ => 0,
+                });
                 Owner::Unit(unit_nodes.len() - 1)
             } else {
                 parent_owner[i].unwrap_or(Owner::Unit(0))
@@ -268,15 +276,31 @@ impl<'a> Planner<'a> {
         };
         let ignored = |o: Owner| matches!(o, Owner::Ignored(_));
 
-        // Tied parameters must share one owner (any ignored module counts as one: replicated).
+        // Whether unit `outer` encloses unit `inner` (or is it).
+        let encloses = |outer: usize, mut inner: usize| loop {
+            if inner == outer {
+                return true;
+            }
+            if inner == 0 {
+                return false;
+            }
+            inner = unit_parent[inner];
+        };
+        // A tied alias must lie in its target's unit or in a unit nested in it: the storage
+        // then belongs to the lowest common ancestor of its users, which stays unsharded while
+        // they run (PyTorch's advice for shared parameters). Any ignored module counts as one
+        // owner (replicated).
         for (idx, p) in self.params.iter().enumerate() {
             if p.storage == idx {
                 continue;
             }
             let target = &self.params[p.storage];
             let (a, b) = (owner[p.node], owner[target.node]);
-            let same = a == b || (ignored(a) && ignored(b));
-            if !same {
+            let ok = match (a, b) {
+                (Owner::Unit(alias), Owner::Unit(storage)) => encloses(storage, alias),
+                _ => a == b || (ignored(a) && ignored(b)),
+            };
+            if !ok {
                 return Err(FsdpError::TiedParametersSplit {
                     param: p.full.clone(),
                     param_unit: label(a),
@@ -330,8 +354,8 @@ impl<'a> Planner<'a> {
 /// [`UnitPlan::ignored`], in pre-order.
 ///
 /// # Errors
-/// - [`FsdpError::TiedParametersSplit`] when a tied alias and its target would land in different
-///   units, or one in an ignored module and the other not;
+/// - [`FsdpError::TiedParametersSplit`] when a tied alias would land in a unit that is neither
+///   its target's unit nor nested in it, or one of them in an ignored module and the other not;
 /// - [`FsdpError::UnknownModule`] for an ignored module path that is not in the tree;
 /// - [`FsdpError::UnknownTiedParameter`] for a tie to a parameter the tree does not have;
 /// - [`FsdpError::InvalidModuleTree`] for a malformed tree: a child's name that is not its
@@ -363,8 +387,13 @@ impl<'a> Planner<'a> {
 /// // the same units.
 /// assert_eq!(plan_units(&tree, &WrapOptions::new(WrapPolicy::size(64)))?, plan);
 ///
-/// // Wrapping `head` alone would split it from the embedding it is tied to.
-/// let err = plan_units(&tree, &WrapOptions::new(WrapPolicy::custom(|m, _| m.name == "head")))
+/// // Wrapping `head` alone is fine: the shared storage stays with the embedding in the root,
+/// // the lowest common ancestor of its users (and `head`, which owns nothing else, is dropped).
+/// let head = plan_units(&tree, &WrapOptions::new(WrapPolicy::custom(|m, _| m.name == "head")))?;
+/// assert_eq!(head.units.len(), 1);
+///
+/// // Wrapping `embed` alone would put the storage below its other user, `head`, in the root.
+/// let err = plan_units(&tree, &WrapOptions::new(WrapPolicy::custom(|m, _| m.name == "embed")))
 ///     .unwrap_err();
 /// assert!(err.to_string().contains("head.weight"));
 /// # Ok(())
