@@ -117,6 +117,15 @@ const BIG: usize = 1 << 36;
 
 // ---- The shared scenarios, on the meta source ----------------------------------------------
 
+/// Operations per random run (a few under Miri, which interprets every step).
+fn ops_len(n: usize) -> usize {
+    if cfg!(miri) {
+        30
+    } else {
+        n
+    }
+}
+
 /// `cases` random cases (one under Miri, which interprets every step).
 fn config(cases: u32) -> ProptestConfig {
     ProptestConfig {
@@ -135,7 +144,7 @@ proptest! {
     #![proptest_config(config(12))]
 
     #[test]
-    fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), 300)) {
+    fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), ops_len(300))) {
         let h = MetaHarness::new(BIG);
         let alloc = h.allocator(AllocatorConfig::default().with_sync_timeout(Duration::from_secs(30)));
         let summary = run_ops(&h, &alloc, &ops, Duration::from_secs(20));
@@ -143,7 +152,7 @@ proptest! {
     }
 
     #[test]
-    fn random_ops_under_a_memory_limit(ops in prop::collection::vec(op_strategy(), 250)) {
+    fn random_ops_under_a_memory_limit(ops in prop::collection::vec(op_strategy(), ops_len(250))) {
         let h = MetaHarness::new(BIG);
         let alloc = h.allocator(
             AllocatorConfig::default()
@@ -364,20 +373,20 @@ proptest! {
 
     /// Plenty of memory: caching, splitting and merging.
     #[test]
-    fn same_decisions_as_host_memory(steps in prop::collection::vec(step_strategy(), 400)) {
+    fn same_decisions_as_host_memory(steps in prop::collection::vec(step_strategy(), ops_len(400))) {
         host_and_meta_agree(4 << 30, AllocatorConfig::default(), &steps);
     }
 
     /// At the source's capacity: retries and out-of-memory errors.
     #[test]
-    fn same_decisions_at_the_capacity(steps in prop::collection::vec(step_strategy(), 400)) {
+    fn same_decisions_at_the_capacity(steps in prop::collection::vec(step_strategy(), ops_len(400))) {
         host_and_meta_agree(128 * MIB, AllocatorConfig::default(), &steps);
     }
 
     /// Under a memory limit with `max_split_size`: oversize blocks released first.
     #[test]
     fn same_decisions_under_a_limit_with_max_split_size(
-        steps in prop::collection::vec(step_strategy(), 400)
+        steps in prop::collection::vec(step_strategy(), ops_len(400))
     ) {
         let config = AllocatorConfig::default()
             .with_memory_limit(MemoryLimit::Bytes(100 * MIB))
@@ -391,7 +400,7 @@ proptest! {
 fn a_long_run_at_the_capacity_exercises_retries_and_out_of_memory() {
     use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let steps = prop::collection::vec(step_strategy(), 3000)
+    let steps = prop::collection::vec(step_strategy(), ops_len(3000))
         .new_tree(&mut runner)
         .unwrap()
         .current();

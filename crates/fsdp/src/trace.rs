@@ -1,14 +1,15 @@
-//! Timeline traces of the runtime: compute and communication spans and memory counters per
+//! Timeline traces of the engine: compute and communication spans and memory counters per
 //! rank, written as Chrome trace JSON (Trace Event Format, opens in Perfetto and
 //! `chrome://tracing`).
 //!
-//! Enable tracing with [`FsdpConfig::trace`](crate::runtime::FsdpConfig::trace); after training,
-//! collect every rank's [`FsdpGpt::trace_events`](crate::runtime::FsdpGpt::trace_events) and
+//! Enable tracing with [`FsdpConfig::trace`](crate::engine::FsdpConfig::trace); after training,
+//! collect every rank's [`Fsdp::trace_events`](crate::engine::Fsdp::trace_events) and
 //! write them with [`write_chrome_trace`]. All timestamps come from one process-wide clock
 //! ([`now_us`]), so ranks running as threads share a time axis.
 //!
-//! - Compute spans: forward and backward of every stage (embedding, each block, head), with the
-//!   units the stage reads, measured on the rank's compute stream (its thread).
+//! - Compute spans: forward and backward of every span of the model (e.g. an embedding, each
+//!   transformer block, a head), with the units the span reads, measured on the rank's compute
+//!   stream (its thread).
 //! - Communication spans: every all-gather, reduce-scatter and all-reduce, with its per-rank
 //!   payload in bytes, measured when the communication stream runs it (timestamp-recording
 //!   tasks enqueued right before and after the collective on the same in-order stream).

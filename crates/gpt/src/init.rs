@@ -6,7 +6,7 @@ use fsdp::init::Init;
 use fsdp::FsdpError;
 
 /// nanoGPT's initialisation of the reference GPT-2 (`GPT._init_weights` plus its `c_proj`
-/// special case), as a rule for [`fill_shard`]:
+/// special case), as a rule for [`fsdp::init::fill_shard`]:
 ///
 /// - every `*.bias` → [`Init::Zeros`] (Linear biases are zeroed, LayerNorm biases default to 0);
 /// - LayerNorm weights (names containing `ln_` and ending `.weight`, 1-D) → [`Init::Ones`]

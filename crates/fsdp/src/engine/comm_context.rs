@@ -1,6 +1,7 @@
 //! State shared by all param groups of a rank (FSDP2's `FSDPCommContext` and the cross-group
 //! parts of `FSDPState`): the process groups, the streams, the caching allocator, the
-//! all-gather limiter, the recorded schedule, the tracer and the recorded execution order.
+//! all-gather limiter, pending reductions, the recorded schedule, the tracer and the recorded
+//! execution order.
 
 use std::sync::Arc;
 
@@ -10,6 +11,7 @@ use fsdp_device::{Buffer, DType, Device, Stream};
 use super::config::{
     CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind, ShardingStrategy,
 };
+use super::order::ExecOrder;
 use super::pool::MemoryPool;
 use crate::trace::{now_us, SpanKind, TraceEvent, Tracer};
 use crate::FsdpError;
@@ -128,7 +130,7 @@ pub(crate) struct PendingReduce {
     pub(crate) holds: Option<Buffer>,
 }
 
-/// The cross-group state of one rank (see the [module](self) documentation).
+/// The cross-group state of one rank (see the [engine](super) documentation).
 pub struct CommContext {
     pub(crate) config: FsdpConfig,
     pub(crate) groups: ProcessGroups,
@@ -149,6 +151,8 @@ pub struct CommContext {
     /// At the highest allocated total seen after an allocation: (total, unsharded parameter
     /// bytes).
     pub(crate) peak_sample: (u64, u64),
+    /// The recorded execution order (prefetch follows it).
+    pub(crate) order: ExecOrder,
 }
 
 impl std::fmt::Debug for CommContext {
@@ -181,6 +185,7 @@ impl CommContext {
             tracer: config.trace.then(Tracer::default),
             unsharded_bytes: 0,
             peak_sample: (0, 0),
+            order: ExecOrder::default(),
         }
     }
 

@@ -29,7 +29,6 @@ pub struct Fsdp {
     pub(crate) groups: Vec<ParamGroup>,
     pub(crate) table: ParamTable,
     pub(crate) optim: OptimizerConfig,
-    order: ExecOrder,
     pending_grads: PendingGrads,
     /// Inside a [`no_sync`](Fsdp::no_sync) scope.
     pub(crate) no_sync: bool,
@@ -177,13 +176,13 @@ impl Fsdp {
                 full_grad: None,
             });
         }
-        let n = groups.len();
+        let mut ctx = ctx;
+        ctx.order = ExecOrder::new(groups.len());
         Ok(Fsdp {
             ctx,
             groups,
             table,
             optim,
-            order: ExecOrder::new(n),
             pending_grads: Vec::new(),
             no_sync: false,
             optimizer_steps: 0,
@@ -322,7 +321,7 @@ impl Fsdp {
             self.pass_open = true;
             self.ctx.step += 1;
             self.ctx.phase = Phase::Forward;
-            self.order.begin_pass();
+            self.ctx.order.begin_pass();
         }
     }
 
@@ -336,10 +335,10 @@ impl Fsdp {
     pub fn pre_forward(&mut self, u: usize) -> Result<(), FsdpError> {
         self.check_unit(u)?;
         self.begin_pass();
-        self.order.on_pre_forward(u);
+        self.ctx.order.on_pre_forward(u);
         self.groups[u].unshard(&mut self.ctx, false)?;
         if self.ctx.config.forward_prefetch {
-            if let Some(next) = self.order.next_forward(u) {
+            if let Some(next) = self.ctx.order.next_forward(u) {
                 self.groups[next].prefetch(&mut self.ctx)?;
             }
         }
@@ -354,7 +353,7 @@ impl Fsdp {
     /// An unknown unit.
     pub fn post_forward(&mut self, u: usize) -> Result<(), FsdpError> {
         self.check_unit(u)?;
-        self.order.on_post_forward(u);
+        self.ctx.order.on_post_forward(u);
         if self.ctx.config.strategy.reshard_after_forward() && !self.groups[u].is_root() {
             self.groups[u].reshard(&mut self.ctx);
         }
@@ -376,12 +375,12 @@ impl Fsdp {
         }
         if self.ctx.phase == Phase::Forward {
             self.ctx.phase = Phase::Backward;
-            self.order.end_forward();
+            self.ctx.order.end_forward();
         }
-        self.order.on_pre_backward(u);
+        self.ctx.order.on_pre_backward(u);
         self.groups[u].unshard(&mut self.ctx, false)?;
         if self.ctx.config.backward_prefetch == BackwardPrefetch::Pre {
-            if let Some(next) = self.order.next_backward(u) {
+            if let Some(next) = self.ctx.order.next_backward(u) {
                 self.groups[next].prefetch(&mut self.ctx)?;
             }
         }
@@ -402,7 +401,7 @@ impl Fsdp {
         self.check_unit(u)?;
         self.groups[u].reshard(&mut self.ctx);
         if self.ctx.config.backward_prefetch == BackwardPrefetch::Post {
-            if let Some(next) = self.order.next_backward(u) {
+            if let Some(next) = self.ctx.order.next_backward(u) {
                 self.groups[next].prefetch(&mut self.ctx)?;
             }
         }

@@ -36,7 +36,7 @@ impl Default for GroupDtypes {
     }
 }
 
-/// One unit's flat parameter on this rank (see the [module](self) documentation).
+/// One unit's flat parameter on this rank (see the [engine](super) documentation).
 pub struct ParamGroup {
     /// The unit's index.
     pub(crate) index: usize,
