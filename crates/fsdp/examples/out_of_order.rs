@@ -17,14 +17,15 @@
 //!
 //! `cargo run -p fsdp --example out_of_order`: FULL_SHARD, forward prefetch, 2 ranks (threads).
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::collections::HashMap;
 
-use fsdp::engine::{Fsdp, FsdpConfig, FsdpModel, ParamInit, ScheduleKind, ShardingStrategy, Span};
-use fsdp::init::{materialize, Init};
-use fsdp::optim::AdamWConfig;
-use fsdp::wrap::{Module, WrapOptions, WrapPolicy};
-use fsdp::{FsdpError, Grads, Params};
-use fsdp_collectives::{ring, Communicator};
+use common::{acc, mm, Batch, R};
+use fsdp::engine::{FsdpConfig, FsdpModel, ScheduleKind, ShardingStrategy, Span};
+use fsdp::wrap::{plan_units, Module, WrapOptions, WrapPolicy};
+use fsdp::{Grads, Params};
 
 /// Widths of input, blocks and output: unit sizes 55 (root), 133 (`a`, `b`, `d`), 67 (`c`),
 /// none a multiple of 2, 3 or 4, so shards are padded at every world size.
@@ -33,7 +34,6 @@ pub(crate) const H: usize = 11;
 pub(crate) const O: usize = 5;
 /// The blocks in execution order.
 pub(crate) const EXEC: [&str; 4] = ["c", "a", "d", "b"];
-type R<T = ()> = Result<T, FsdpError>;
 
 /// The module tree: blocks registered `a, b, c, d` (`c` reads the input), then the head.
 pub(crate) fn tree() -> Module {
@@ -54,61 +54,15 @@ pub(crate) fn wrap() -> WrapOptions {
     WrapOptions::new(WrapPolicy::module_type(["Block"]))
 }
 
-/// Initial values: normal, std `1/√(last dim)`, mean 1 for the gains.
+/// Initial values: normal, std `1/√(last dim)`, mean 1 for the gains and 0 for the rest.
 pub(crate) fn init_params(tree: &Module) -> HashMap<String, Vec<f32>> {
-    let mut out = HashMap::new();
-    for p in tree.named_parameters() {
-        let mean = if p.name.ends_with("gain") { 1.0 } else { 0.0 };
-        let std = 1.0 / (p.shape[p.shape.len() - 1] as f64).sqrt();
-        let value = materialize(&p.name, &p.shape, &Init::Normal { mean, std }, 11).unwrap();
-        out.insert(p.name, value);
-    }
-    out
+    let mean = |name: &str| if name.ends_with("gain") { 1.0 } else { 0.0 };
+    common::init_params(tree, 11, mean)
 }
 
-/// Inputs `x` `[n, I]` and targets `y` `[n, O]`, row-major.
-pub(crate) struct Batch {
-    pub(crate) x: Vec<f32>,
-    pub(crate) y: Vec<f32>,
-}
-
-/// Rank `rank`'s slice of a `global`-example batch split evenly over `world` ranks (the
-/// generator is counter-based: the same examples whatever the split).
+/// Rank `rank`'s slice of a `global`-example batch split evenly over `world` ranks.
 pub(crate) fn batch(global: usize, rank: usize, world: usize) -> Batch {
-    let (n, first, (low, high)) = (global / world, rank * (global / world), (-1.0, 1.0));
-    let data = |name: &str, w: usize| {
-        let mut v = vec![0.0; n * w];
-        let fill = Init::Uniform { low, high }.fill(5, name, (first * w) as u64, &mut v);
-        fill.map(|()| v).unwrap()
-    };
-    Batch {
-        x: data("x", I),
-        y: data("y", O),
-    }
-}
-
-/// Each row of `x` times `W` (`[r, c]`), or times `Wᵀ` if `t`.
-fn mm(x: &[f32], w: &[f32], r: usize, t: bool) -> Vec<f32> {
-    let c = w.len() / r;
-    let (n_in, n_out) = if t { (r, c) } else { (c, r) };
-    let mut out = vec![0.0; x.len() / n_in * n_out];
-    for (x, o) in x.chunks(n_in).zip(out.chunks_mut(n_out)) {
-        for (i, j) in (0..r).flat_map(|i| (0..c).map(move |j| (i, j))) {
-            let (to, from) = if t { (j, i) } else { (i, j) };
-            o[to] += w[i * c + j] * x[from];
-        }
-    }
-    out
-}
-
-/// `gw += Σ_rows g ⊗ x` (`gw` is `[r, c]`); for a bias (`c = 1`, `x` empty) `gw += Σ_rows g`.
-fn acc(gw: &mut [f32], g: &[f32], x: &[f32], r: usize) {
-    let c = gw.len() / r;
-    for (k, g) in g.chunks(r).enumerate() {
-        for (i, j) in (0..r).flat_map(|i| (0..c).map(move |j| (i, j))) {
-            gw[i * c + j] += g[i] * x.get(k * c + j).unwrap_or(&1.0);
-        }
-    }
+    common::batch(5, (I, O), global, rank, world)
 }
 
 /// `acc += v` (an empty `acc` counts as zeros).
@@ -205,22 +159,11 @@ impl FsdpModel for SkipNet {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (tree, global, world) = (tree(), 12, 2);
     let (init, model) = (init_params(&tree), SkipNet { global });
-    let ranks = ring::run_ranks(world, ring::RingOptions::default(), |comm| -> R {
-        let batch = batch(global, comm.rank(), world);
-        let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
-        config.forward_prefetch = true;
-        let opt = AdamWConfig {
-            lr: 1e-2,
-            ..AdamWConfig::default()
-        };
-        let init = ParamInit::Full(&init);
-        let mut fsdp = Fsdp::from_module(Box::new(comm), &tree, &wrap(), init, config, opt)?;
-        for step in 0..6 {
-            let loss = fsdp.step(&model, &batch)?;
-            if fsdp.rank() == 0 {
-                println!("step {step}: loss {loss:.6}");
-            }
-        }
+    let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
+    config.forward_prefetch = true;
+    let batch = |rank| batch(global, rank, world);
+    let plan = plan_units(&tree, &wrap())?;
+    common::train(&model, &plan, &init, batch, world, config, |fsdp| {
         let gathers = fsdp
             .schedule()
             .iter()
@@ -232,7 +175,5 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 e.phase
             );
         }
-        Ok(())
-    })?;
-    Ok(ranks.into_iter().collect::<R>()?)
+    })
 }

@@ -9,22 +9,23 @@
 //! ```
 //!
 //! A custom wrap policy wraps `body`, `body.enc` and `body.dec`; `S` belongs to `body` through
-//! its child `body.shared`. The `enc` and `dec` spans list `S` by its storage name next to
-//! their own parameters, so the engine keeps unit `body` gathered from `enc` to `dec` and
-//! reduces its gradient once both uses have added to it. The tie is not declared as an alias
-//! (`Module::with_tied_param`) in `body.enc` or `body.dec`: the planner wants an alias and its
-//! target in one unit and rejects that tree with `FsdpError::TiedParametersSplit`.
+//! its child `body.shared`, and `body.enc.proj` and `body.dec.proj` are tied aliases of it
+//! (`Module::with_tied_param`): the planner keeps the storage in `body`, the lowest common
+//! ancestor unit of its two users. The `enc` and `dec` spans list `S` by its storage name next
+//! to their own parameters, so the engine keeps unit `body` gathered from `enc` to `dec` and
+//! reduces its gradient once both uses have added to it.
 //!
 //! `cargo run -p fsdp --example tied_mlp`: FULL_SHARD on 2 ranks (threads), AdamW, 6 steps.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::collections::HashMap;
 
-use fsdp::engine::{Fsdp, FsdpConfig, FsdpModel, ParamInit, ShardingStrategy, Span};
-use fsdp::init::{materialize, Init};
-use fsdp::optim::AdamWConfig;
+use common::{acc, mm, Batch, R};
+use fsdp::engine::{FsdpConfig, FsdpModel, ShardingStrategy, Span};
 use fsdp::wrap::{plan_units, Module, WrapOptions, WrapPolicy};
-use fsdp::{FsdpError, Grads, Params};
-use fsdp_collectives::{ring, Communicator};
+use fsdp::{Grads, Params};
 
 /// Widths of input, inner layer, `S` and output: unit sizes 65, 121, 77, 77, none a multiple
 /// of 2, 3 or 4, so shards are padded at every world size.
@@ -33,15 +34,22 @@ pub(crate) const D: usize = 6;
 pub(crate) const H: usize = 11;
 pub(crate) const O: usize = 5;
 pub(crate) const SHARED: &str = "body.shared.weight";
-type R<T = ()> = Result<T, FsdpError>;
 
 /// The module tree (a Linear's weight is `[out, in]`).
 pub(crate) fn tree() -> Module {
     let lin = |n: &str, ty: &str, r, c| Module::new(n, ty).with_param("weight", vec![r, c]);
     let body = Module::new("body", "Body")
         .with_child(lin("body.shared", "Linear", H, H))
-        .with_child(lin("body.enc", "Enc", H, D).with_param("bias", vec![H]))
-        .with_child(lin("body.dec", "Dec", D, H).with_param("bias", vec![H]));
+        .with_child(
+            lin("body.enc", "Enc", H, D)
+                .with_param("bias", vec![H])
+                .with_tied_param("proj", vec![H, H], SHARED),
+        )
+        .with_child(
+            lin("body.dec", "Dec", D, H)
+                .with_param("bias", vec![H])
+                .with_tied_param("proj", vec![H, H], SHARED),
+        );
     Module::new("", "TiedMlp")
         .with_child(lin("inp", "Linear", D, I).with_param("bias", vec![D]))
         .with_child(body)
@@ -54,61 +62,14 @@ pub(crate) fn wrap() -> WrapOptions {
     WrapOptions::new(WrapPolicy::custom(units))
 }
 
-/// Initial values: normal with std `1/√(last dim)`.
+/// Initial values: normal with std `1/√(last dim)`, mean 0.
 pub(crate) fn init_params(tree: &Module) -> HashMap<String, Vec<f32>> {
-    let mut out = HashMap::new();
-    for p in tree.named_parameters() {
-        let std = 1.0 / (p.shape[p.shape.len() - 1] as f64).sqrt();
-        let init = Init::Normal { mean: 0.0, std };
-        let value = materialize(&p.name, &p.shape, &init, 7).unwrap();
-        out.insert(p.name, value);
-    }
-    out
+    common::init_params(tree, 7, |_| 0.0)
 }
 
-/// Inputs `x` `[n, I]` and targets `y` `[n, O]`, row-major.
-pub(crate) struct Batch {
-    pub(crate) x: Vec<f32>,
-    pub(crate) y: Vec<f32>,
-}
-
-/// Rank `rank`'s slice of a `global`-example batch split evenly over `world` ranks (the
-/// generator is counter-based: the same examples whatever the split).
+/// Rank `rank`'s slice of a `global`-example batch split evenly over `world` ranks.
 pub(crate) fn batch(global: usize, rank: usize, world: usize) -> Batch {
-    let (n, first, (low, high)) = (global / world, rank * (global / world), (-1.0, 1.0));
-    let data = |name: &str, w: usize| {
-        let mut v = vec![0.0; n * w];
-        let fill = Init::Uniform { low, high }.fill(3, name, (first * w) as u64, &mut v);
-        fill.map(|()| v).unwrap()
-    };
-    Batch {
-        x: data("x", I),
-        y: data("y", O),
-    }
-}
-
-/// Each row of `x` times `W` (`[r, c]`), or times `Wᵀ` if `t`.
-fn mm(x: &[f32], w: &[f32], r: usize, t: bool) -> Vec<f32> {
-    let c = w.len() / r;
-    let (n_in, n_out) = if t { (r, c) } else { (c, r) };
-    let mut out = vec![0.0; x.len() / n_in * n_out];
-    for (x, o) in x.chunks(n_in).zip(out.chunks_mut(n_out)) {
-        for (i, j) in (0..r).flat_map(|i| (0..c).map(move |j| (i, j))) {
-            let (to, from) = if t { (j, i) } else { (i, j) };
-            o[to] += w[i * c + j] * x[from];
-        }
-    }
-    out
-}
-
-/// `gw += Σ_rows g ⊗ x` (`gw` is `[r, c]`); for a bias (`c = 1`, `x` empty) `gw += Σ_rows g`.
-fn acc(gw: &mut [f32], g: &[f32], x: &[f32], r: usize) {
-    let c = gw.len() / r;
-    for (k, g) in g.chunks(r).enumerate() {
-        for (i, j) in (0..r).flat_map(|i| (0..c).map(move |j| (i, j))) {
-            gw[i * c + j] += g[i] * x.get(k * c + j).unwrap_or(&1.0);
-        }
-    }
+    common::batch(3, (I, O), global, rank, world)
 }
 
 /// Rows `+ b`.
@@ -226,27 +187,13 @@ impl FsdpModel for TiedMlp {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (tree, global, world) = (tree(), 12, 2);
-    for u in plan_units(&tree, &wrap())?.units {
+    let plan = plan_units(&tree, &wrap())?;
+    for u in &plan.units {
         let names: Vec<&str> = u.params.iter().map(|p| p.name.as_str()).collect();
         println!("unit {:?}: {} elements {names:?}", u.name, u.numel());
     }
     let (init, model) = (init_params(&tree), TiedMlp { global });
-    let ranks = ring::run_ranks(world, ring::RingOptions::default(), |comm| -> R {
-        let batch = batch(global, comm.rank(), world);
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let opt = AdamWConfig {
-            lr: 1e-2,
-            ..AdamWConfig::default()
-        };
-        let init = ParamInit::Full(&init);
-        let mut fsdp = Fsdp::from_module(Box::new(comm), &tree, &wrap(), init, config, opt)?;
-        for step in 0..6 {
-            let loss = fsdp.step(&model, &batch)?;
-            if fsdp.rank() == 0 {
-                println!("step {step}: loss {loss:.6}");
-            }
-        }
-        Ok(())
-    })?;
-    Ok(ranks.into_iter().collect::<R>()?)
+    let config = FsdpConfig::new(ShardingStrategy::FullShard);
+    let batch = |rank| batch(global, rank, world);
+    common::train(&model, &plan, &init, batch, world, config, |_| {})
 }

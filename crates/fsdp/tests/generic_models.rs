@@ -23,7 +23,7 @@ use fsdp::engine::{
     ShardingStrategy, Span,
 };
 use fsdp::optim::{AdamWConfig, AdamWState};
-use fsdp::wrap::{plan_units, Module, ModuleParam, WrapOptions};
+use fsdp::wrap::{plan_units, Module, WrapOptions, WrapPolicy};
 use fsdp::{FsdpError, Grads, Params};
 use fsdp_collectives::{ring, Communicator};
 
@@ -31,7 +31,9 @@ use fsdp_collectives::{ring, Communicator};
 #[path = "../examples/tied_mlp.rs"]
 mod tied_mlp;
 
-#[allow(dead_code)]
+// Each example includes `examples/common/mod.rs` as its own module: loaded a second time here
+// (`out_of_order::common` next to `tied_mlp::common`), on purpose.
+#[allow(dead_code, clippy::duplicate_mod)]
 #[path = "../examples/out_of_order.rs"]
 mod out_of_order;
 
@@ -318,14 +320,23 @@ fn tied_mlp_shared_weight_lives_in_the_common_ancestors_unit() {
 /// weight as aliases inside `body.enc` (a unit of its own) is an error, which is why the
 /// example's tree declares no alias and its spans name the storage.
 #[test]
-fn tied_mlp_alias_inside_a_wrapped_user_is_rejected() {
-    let mut tree = tied_mlp::tree();
-    let enc = &mut tree.children[1].children[1];
-    assert_eq!(enc.name, "body.enc");
-    let h = tied_mlp::H;
-    enc.params
-        .push(ModuleParam::tied("proj", vec![h, h], tied_mlp::SHARED));
-    match plan_units(&tree, &tied_mlp::wrap()) {
+fn tied_mlp_aliases_nested_in_the_storage_unit_are_accepted_siblings_are_not() {
+    // The example's tree: both aliases lie in units nested in `body`, which owns the storage.
+    let plan = plan_units(&tied_mlp::tree(), &tied_mlp::wrap()).unwrap();
+    let body = plan.units.iter().position(|u| u.name == "body").unwrap();
+    assert_eq!(plan.unit_of(tied_mlp::SHARED), Some(body));
+    assert!(plan
+        .units
+        .iter()
+        .all(|u| u.params.iter().all(|p| !p.name.ends_with(".proj"))));
+    // Wrapping `body.shared` too puts the storage in a sibling of its users' units: rejected.
+    let siblings = WrapOptions::new(WrapPolicy::custom(|m, _| {
+        matches!(
+            m.name.as_str(),
+            "body" | "body.shared" | "body.enc" | "body.dec"
+        )
+    }));
+    match plan_units(&tied_mlp::tree(), &siblings) {
         Err(FsdpError::TiedParametersSplit { param, tied_to, .. }) => {
             assert_eq!(param, "body.enc.proj");
             assert_eq!(tied_to, tied_mlp::SHARED);
@@ -441,27 +452,37 @@ fn out_of_order_schedule_follows_the_execution_order() {
     }
 }
 
-/// A model whose span `span` also lists a parameter the engine does not have.
-struct ExtraSpanParam<'a, M> {
-    inner: &'a M,
-    span: usize,
-}
-
-/// A model that reads a parameter the engine does not have in forward or backward of a span.
-struct FailsIn<'a, M> {
-    inner: &'a M,
-    phase: Phase,
-    span: usize,
-}
-
 const MISSING: &str = "no.such.weight";
 
-impl<M: FsdpModel> FsdpModel for ExtraSpanParam<'_, M> {
+/// How a [`Faulty`] model goes wrong with a parameter the engine does not have ([`MISSING`]).
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// Span `n` also lists it.
+    Listed(usize),
+    /// The forward or backward (`Phase`) of span `n` reads it.
+    Read(Phase, usize),
+}
+
+/// `inner` with a [`Fault`].
+struct Faulty<'a, M> {
+    inner: &'a M,
+    fault: Fault,
+}
+
+impl<M> Faulty<'_, M> {
+    fn reads_in(&self, phase: Phase, s: usize) -> bool {
+        matches!(self.fault, Fault::Read(p, n) if (p, n) == (phase, s))
+    }
+}
+
+impl<M: FsdpModel> FsdpModel for Faulty<'_, M> {
     type Batch = M::Batch;
     type Tape = M::Tape;
     fn spans(&self) -> Vec<Span> {
         let mut spans = self.inner.spans();
-        spans[self.span].params.push(MISSING.into());
+        if let Fault::Listed(n) = self.fault {
+            spans[n].params.push(MISSING.into());
+        }
         spans
     }
     fn forward(
@@ -471,37 +492,7 @@ impl<M: FsdpModel> FsdpModel for ExtraSpanParam<'_, M> {
         b: &M::Batch,
         t: &mut M::Tape,
     ) -> Result<(), FsdpError> {
-        self.inner.forward(s, p, b, t)
-    }
-    fn loss(&self, t: &M::Tape) -> Result<f32, FsdpError> {
-        self.inner.loss(t)
-    }
-    fn backward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        g: &mut dyn Grads,
-        b: &M::Batch,
-        t: &mut M::Tape,
-    ) -> Result<(), FsdpError> {
-        self.inner.backward(s, p, g, b, t)
-    }
-}
-
-impl<M: FsdpModel> FsdpModel for FailsIn<'_, M> {
-    type Batch = M::Batch;
-    type Tape = M::Tape;
-    fn spans(&self) -> Vec<Span> {
-        self.inner.spans()
-    }
-    fn forward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        b: &M::Batch,
-        t: &mut M::Tape,
-    ) -> Result<(), FsdpError> {
-        if (self.phase, self.span) == (Phase::Forward, s) {
+        if self.reads_in(Phase::Forward, s) {
             p.param(MISSING)?;
         }
         self.inner.forward(s, p, b, t)
@@ -517,7 +508,7 @@ impl<M: FsdpModel> FsdpModel for FailsIn<'_, M> {
         b: &M::Batch,
         t: &mut M::Tape,
     ) -> Result<(), FsdpError> {
-        if (self.phase, self.span) == (Phase::Backward, s) {
+        if self.reads_in(Phase::Backward, s) {
             g.grad_mut(MISSING)?;
         }
         self.inner.backward(s, p, g, b, t)
@@ -526,6 +517,42 @@ impl<M: FsdpModel> FsdpModel for FailsIn<'_, M> {
 
 fn is_missing(r: Result<f32, FsdpError>) -> bool {
     matches!(r, Err(FsdpError::UnknownParameter { ref name }) if name == MISSING)
+}
+
+/// `STEPS` steps on `world` ranks with `config`, the steps in `failing` preceded by a pass of
+/// the model with `fault`, which must fail with `UnknownParameter` on every rank (a fault read
+/// in a pass is followed by `zero_grad`); the runs must match `reference`, as if the failed
+/// passes had not happened.
+fn train_past_failures<M: FsdpModel + Sync>(
+    what: &str,
+    s: &Setup<M>,
+    reference: &(Vec<f32>, Map),
+    world: usize,
+    config: FsdpConfig,
+    fault: Fault,
+    failing: [usize; 2],
+) where
+    M::Batch: Sized,
+{
+    let bad = Faulty {
+        inner: &s.model,
+        fault,
+    };
+    let runs = run_ranks(s, world, config, |fsdp, batch| {
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            if failing.contains(&step) {
+                let r = fsdp.forward_backward(&bad, batch);
+                assert!(is_missing(r), "{what} step {step}");
+                if let Fault::Read(..) = fault {
+                    fsdp.zero_grad().unwrap();
+                }
+            }
+            losses.push(fsdp.step(&s.model, batch).unwrap());
+        }
+        losses
+    });
+    compare(what, &runs, reference);
 }
 
 /// A span naming an unknown parameter fails `forward_backward` with `UnknownParameter` on
@@ -541,23 +568,10 @@ where
     ] {
         let mut config = FsdpConfig::new(strategy);
         config.forward_prefetch = true;
-        let bad = ExtraSpanParam {
-            inner: &s.model,
-            span,
-        };
-        let runs = run_ranks(s, world, config, |fsdp, batch| {
-            let mut losses = Vec::new();
-            for step in 0..STEPS {
-                if step < 2 {
-                    // Before the first pass (no order recorded) and after it.
-                    let r = fsdp.forward_backward(&bad, batch);
-                    assert!(is_missing(r), "step {step}");
-                }
-                losses.push(fsdp.step(&s.model, batch).unwrap());
-            }
-            losses
-        });
-        compare(&label(world, &config), &runs, &reference);
+        let what = label(world, &config);
+        // Before the first pass (no order recorded) and after it.
+        let fault = Fault::Listed(span);
+        train_past_failures(&what, s, &reference, world, config, fault, [0, 1]);
     }
 }
 
@@ -591,26 +605,10 @@ where
             let mut config = FsdpConfig::new(strategy);
             config.forward_prefetch = true;
             config.ranks_per_node = ranks_per_node;
-            let bad = FailsIn {
-                inner: &s.model,
-                phase,
-                span,
-            };
-            let runs = run_ranks(s, world, config, |fsdp, batch| {
-                let mut losses = Vec::new();
-                for step in 0..STEPS {
-                    if step == 0 || step == 2 {
-                        // Before any order is recorded, and after.
-                        let r = fsdp.forward_backward(&bad, batch);
-                        assert!(is_missing(r), "{name} {phase:?} step {step}");
-                        fsdp.zero_grad().unwrap();
-                    }
-                    losses.push(fsdp.step(&s.model, batch).unwrap());
-                }
-                losses
-            });
             let what = format!("{name} failing in {phase:?}, {}", label(world, &config));
-            compare(&what, &runs, &reference);
+            // Before any order is recorded, and after.
+            let fault = Fault::Read(phase, span);
+            train_past_failures(&what, s, &reference, world, config, fault, [0, 2]);
         }
     }
 }
