@@ -89,6 +89,14 @@ impl ParamTable {
         self.entries.push(e);
     }
 
+    pub(crate) fn entry(&self, id: ParamId) -> Result<&ParamEntry, FsdpError> {
+        self.entries
+            .get(id.0)
+            .ok_or_else(|| FsdpError::UnknownParameter {
+                name: format!("#{}", id.0),
+            })
+    }
+
     pub(crate) fn id(&self, name: &str) -> Result<ParamId, FsdpError> {
         self.by_name
             .get(name)
@@ -114,13 +122,7 @@ impl<'a> ParamViews<'a> {
     /// # Errors
     /// [`FsdpError::UnknownParameter`] when its unit is not among these views' units.
     pub fn get(&self, id: ParamId) -> Result<&[f32], FsdpError> {
-        let e = self
-            .table
-            .entries
-            .get(id.0)
-            .ok_or_else(|| FsdpError::UnknownParameter {
-                name: format!("#{}", id.0),
-            })?;
+        let e = self.table.entry(id)?;
         match self.guards.get(e.group) {
             Some(Some(g)) => Ok(&g[e.range.clone()]),
             _ => Err(FsdpError::UnknownParameter {
@@ -152,13 +154,7 @@ impl<'a> GradViews<'a> {
     /// # Errors
     /// [`FsdpError::UnknownParameter`] when its unit is not among these views' units.
     pub fn get_mut(&mut self, id: ParamId) -> Result<&mut [f32], FsdpError> {
-        let e = self
-            .table
-            .entries
-            .get(id.0)
-            .ok_or_else(|| FsdpError::UnknownParameter {
-                name: format!("#{}", id.0),
-            })?;
+        let e = self.table.entry(id)?;
         match self.guards.get_mut(e.group) {
             Some(Some(g)) => Ok(&mut g[e.range.clone()]),
             _ => Err(FsdpError::UnknownParameter {
