@@ -78,57 +78,122 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     fn synchronize_event(&self, event: &Self::Event, timeout: Duration) -> Result<(), AllocError>;
 }
 
-/// [`MemorySource::validate_stream`] of the sources whose streams are CPU streams.
-fn validate_cpu_stream(stream: &Stream) -> Result<(), AllocError> {
-    if stream.device() == Device::Cpu {
-        Ok(())
-    } else {
-        Err(AllocError::InvalidArgument(format!(
-            "stream `{}` runs on {}, not on the host",
-            stream.name(),
-            stream.device()
-        )))
+/// A capacity limit and the bytes handed out under it: the accounting of [`HostSource`] and
+/// [`MetaSource`].
+struct Capacity {
+    capacity: usize,
+    used: AtomicUsize,
+}
+
+impl Capacity {
+    fn new(capacity: usize) -> Capacity {
+        Capacity {
+            capacity,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn free(&self) -> usize {
+        self.capacity.saturating_sub(self.used())
+    }
+
+    /// Reserve `bytes`, or fail with [`AllocError::SourceOutOfMemory`] (reserving nothing).
+    fn reserve(&self, bytes: usize) -> Result<(), AllocError> {
+        if bytes == 0 {
+            return Err(AllocError::InvalidArgument(
+                "a segment of 0 bytes".to_string(),
+            ));
+        }
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                u.checked_add(bytes).filter(|&u| u <= self.capacity)
+            })
+            .map(|_| ())
+            .map_err(|_| AllocError::SourceOutOfMemory { bytes })
+    }
+
+    /// Give back `bytes` reserved before.
+    fn unreserve(&self, bytes: usize) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// The `Debug` of the source `name`, which shows its capacity and use.
+    fn debug(&self, f: &mut fmt::Formatter<'_>, name: &str) -> fmt::Result {
+        f.debug_struct(name)
+            .field("capacity", &self.capacity)
+            .field("used", &self.used())
+            .finish()
     }
 }
 
-/// [`MemorySource::synchronize_event`] of the sources whose events are CPU events.
-fn synchronize_cpu_event(event: &Event, timeout: Duration) -> Result<(), AllocError> {
-    match event.synchronize_timeout(timeout) {
-        // A failed task has finished too: the memory is no longer in use.
-        Ok(()) | Err(DeviceError::StreamFailed { .. }) => Ok(()),
-        Err(DeviceError::Timeout { what, waited }) => Err(AllocError::Timeout { what, waited }),
-        Err(e) => Err(e.into()),
-    }
-}
+/// The [`MemorySource`] items of [`HostSource`] and [`MetaSource`] that do not depend on their
+/// memory: their capacity (a [`Capacity`] in the field `limit`), and their streams and events,
+/// fsdp-device's CPU [`Stream`]s (keyed by their process-unique ids) and [`Event`]s. Expanded
+/// inside each `unsafe impl`, whose `// SAFETY:` comment answers for these items too.
+macro_rules! capacity_and_cpu_streams {
+    () => {
+        type Stream = Stream;
+        type Event = Event;
 
-/// Reserve `bytes` of `capacity` in `used`, or fail with [`AllocError::SourceOutOfMemory`].
-fn reserve(used: &AtomicUsize, capacity: usize, bytes: usize) -> Result<(), AllocError> {
-    if bytes == 0 {
-        return Err(AllocError::InvalidArgument(
-            "a segment of 0 bytes".to_string(),
-        ));
-    }
-    used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
-        u.checked_add(bytes).filter(|&u| u <= capacity)
-    })
-    .map(|_| ())
-    .map_err(|_| AllocError::SourceOutOfMemory { bytes })
+        fn total_memory(&self) -> usize {
+            self.limit.capacity
+        }
+
+        fn free_memory(&self) -> usize {
+            self.limit.free()
+        }
+
+        fn stream_key(stream: &Stream) -> u64 {
+            stream.id().as_u64()
+        }
+
+        fn validate_stream(&self, stream: &Stream) -> Result<(), AllocError> {
+            if stream.device() == Device::Cpu {
+                Ok(())
+            } else {
+                Err(AllocError::InvalidArgument(format!(
+                    "stream `{}` runs on {}, not on the host",
+                    stream.name(),
+                    stream.device()
+                )))
+            }
+        }
+
+        fn record_event(&self, stream: &Stream) -> Result<Event, AllocError> {
+            Ok(stream.record_event())
+        }
+
+        fn query_event(&self, event: &Event) -> Result<bool, AllocError> {
+            Ok(event.query())
+        }
+
+        fn synchronize_event(&self, event: &Event, timeout: Duration) -> Result<(), AllocError> {
+            match event.synchronize_timeout(timeout) {
+                // A failed task has finished too: the memory is no longer in use.
+                Ok(()) | Err(DeviceError::StreamFailed { .. }) => Ok(()),
+                Err(DeviceError::Timeout { what, waited }) => {
+                    Err(AllocError::Timeout { what, waited })
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
+    };
 }
 
 /// Real host memory (zero-initialised, [`SEGMENT_ALIGN`]-aligned, its pages touched only when
 /// used) with a capacity limit; its
 /// streams and events are [`fsdp_device::Stream`] and [`fsdp_device::Event`].
 pub struct HostSource {
-    capacity: usize,
-    used: AtomicUsize,
+    limit: Capacity,
 }
 
 impl fmt::Debug for HostSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostSource")
-            .field("capacity", &self.capacity)
-            .field("used", &self.used())
-            .finish()
+        self.limit.debug(f, "HostSource")
     }
 }
 
@@ -147,58 +212,44 @@ impl HostSource {
     /// A source that hands out at most `capacity` bytes at a time.
     pub fn new(capacity: usize) -> HostSource {
         HostSource {
-            capacity,
-            used: AtomicUsize::new(0),
+            limit: Capacity::new(capacity),
         }
     }
 
     /// The capacity given at creation.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.limit.capacity
     }
 
     /// Bytes currently handed out.
     pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    fn unreserve(&self, bytes: usize) {
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        self.limit.used()
     }
 }
 
 // SAFETY: segments are SEGMENT_ALIGN-aligned ranges inside zeroed allocations of the global
-// allocator, so they are initialised host memory owned by the caller until `free`; stream keys are
-// fsdp-device's process-unique stream ids; host events complete only when their stream's work up
-// to the recorded point has run (a panicked task also counts as run: it no longer touches
-// memory).
+// allocator, so they are initialised host memory owned by the caller until `free`; stream keys
+// (from `capacity_and_cpu_streams!`) are fsdp-device's process-unique stream ids; host events
+// complete only when their stream's work up to the recorded point has run (a panicked task also
+// counts as run: it no longer touches memory).
 unsafe impl MemorySource for HostSource {
-    type Stream = Stream;
-    type Event = Event;
+    capacity_and_cpu_streams!();
 
     fn device(&self) -> Device {
         Device::Cpu
     }
 
-    fn total_memory(&self) -> usize {
-        self.capacity
-    }
-
-    fn free_memory(&self) -> usize {
-        self.capacity.saturating_sub(self.used())
-    }
-
     fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
-        reserve(&self.used, self.capacity, bytes)?;
+        self.limit.reserve(bytes)?;
         let oom = AllocError::SourceOutOfMemory { bytes };
         let Some(layout) = raw_layout(bytes) else {
-            self.unreserve(bytes);
+            self.limit.unreserve(bytes);
             return Err(oom);
         };
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let Some(raw) = NonNull::new(raw) else {
-            self.unreserve(bytes);
+            self.limit.unreserve(bytes);
             return Err(oom);
         };
         // The segment starts at the first SEGMENT_ALIGN boundary at least one header past the
@@ -226,27 +277,7 @@ unsafe impl MemorySource for HostSource {
                 std::alloc::dealloc(raw, layout);
             }
         }
-        self.unreserve(bytes);
-    }
-
-    fn stream_key(stream: &Stream) -> u64 {
-        stream.id().as_u64()
-    }
-
-    fn validate_stream(&self, stream: &Stream) -> Result<(), AllocError> {
-        validate_cpu_stream(stream)
-    }
-
-    fn record_event(&self, stream: &Stream) -> Result<Event, AllocError> {
-        Ok(stream.record_event())
-    }
-
-    fn query_event(&self, event: &Event) -> Result<bool, AllocError> {
-        Ok(event.query())
-    }
-
-    fn synchronize_event(&self, event: &Event, timeout: Duration) -> Result<(), AllocError> {
-        synchronize_cpu_event(event, timeout)
+        self.limit.unreserve(bytes);
     }
 }
 
@@ -277,18 +308,14 @@ unsafe impl MemorySource for HostSource {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct MetaSource {
-    capacity: usize,
-    used: AtomicUsize,
+    limit: Capacity,
     /// The next address to hand out.
     next: AtomicUsize,
 }
 
 impl fmt::Debug for MetaSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MetaSource")
-            .field("capacity", &self.capacity)
-            .field("used", &self.used())
-            .finish()
+        self.limit.debug(f, "MetaSource")
     }
 }
 
@@ -299,20 +326,19 @@ impl MetaSource {
     /// A source that hands out at most `capacity` bytes at a time.
     pub fn new(capacity: usize) -> MetaSource {
         MetaSource {
-            capacity,
-            used: AtomicUsize::new(0),
+            limit: Capacity::new(capacity),
             next: AtomicUsize::new(Self::BASE),
         }
     }
 
     /// The capacity given at creation.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.limit.capacity
     }
 
     /// Bytes currently handed out.
     pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
+        self.limit.used()
     }
 }
 
@@ -321,26 +347,17 @@ impl MetaSource {
 // SEGMENT_ALIGN, advances by whole multiples of it and never goes back, so no two segments ever
 // overlap; nothing dereferences them (the allocator only computes with addresses, and a Block's
 // Storage reports Device::Meta, whose buffers refuse host access). Stream keys and events are
-// HostSource's: process-unique stream ids, and events that complete only once their stream's
-// work up to the recorded point has run.
+// HostSource's (the same `capacity_and_cpu_streams!` items): process-unique stream ids, and
+// events that complete only once their stream's work up to the recorded point has run.
 unsafe impl MemorySource for MetaSource {
-    type Stream = Stream;
-    type Event = Event;
+    capacity_and_cpu_streams!();
 
     fn device(&self) -> Device {
         Device::Meta
     }
 
-    fn total_memory(&self) -> usize {
-        self.capacity
-    }
-
-    fn free_memory(&self) -> usize {
-        self.capacity.saturating_sub(self.used())
-    }
-
     fn allocate(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
-        reserve(&self.used, self.capacity, bytes)?;
+        self.limit.reserve(bytes)?;
         let span = bytes.checked_next_multiple_of(SEGMENT_ALIGN);
         let addr = span.and_then(|span| {
             self.next
@@ -353,7 +370,7 @@ unsafe impl MemorySource for MetaSource {
             Some(ptr) => Ok(ptr),
             None => {
                 // The address counter ran out (only possible on a small address space).
-                self.used.fetch_sub(bytes, Ordering::Relaxed);
+                self.limit.unreserve(bytes);
                 Err(AllocError::SourceOutOfMemory { bytes })
             }
         }
@@ -361,27 +378,7 @@ unsafe impl MemorySource for MetaSource {
 
     unsafe fn free(&self, _ptr: NonNull<u8>, bytes: usize) {
         // Nothing to release but the capacity: the address is never handed out again.
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
-    fn stream_key(stream: &Stream) -> u64 {
-        stream.id().as_u64()
-    }
-
-    fn validate_stream(&self, stream: &Stream) -> Result<(), AllocError> {
-        validate_cpu_stream(stream)
-    }
-
-    fn record_event(&self, stream: &Stream) -> Result<Event, AllocError> {
-        Ok(stream.record_event())
-    }
-
-    fn query_event(&self, event: &Event) -> Result<bool, AllocError> {
-        Ok(event.query())
-    }
-
-    fn synchronize_event(&self, event: &Event, timeout: Duration) -> Result<(), AllocError> {
-        synchronize_cpu_event(event, timeout)
+        self.limit.unreserve(bytes);
     }
 }
 

@@ -12,7 +12,7 @@ use common::*;
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 use fsdp_allocator::cuda::{CudaAllocator, CudaBlock, CudaSource};
-use fsdp_allocator::{AllocError, AllocatorConfig, MemoryLimit};
+use fsdp_allocator::{AllocError, AllocatorConfig};
 use fsdp_device::{Device, Storage};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -70,8 +70,6 @@ impl CudaHarness {
             .unwrap();
     }
 }
-
-const PATTERN: usize = 64;
 
 impl Harness for CudaHarness {
     type Src = CudaSource;
@@ -155,21 +153,13 @@ fn cuda_random_ops_keep_every_invariant() {
     });
     runner
         .run(&prop::collection::vec(op_strategy(), 300), |ops| {
-            let alloc =
-                h.allocator(AllocatorConfig::default().with_sync_timeout(Duration::from_secs(30)));
-            run_ops(&h, &alloc, &ops, Duration::from_secs(20));
+            random_ops_scenario(&h, &ops);
             Ok(())
         })
         .unwrap();
     runner
         .run(&prop::collection::vec(op_strategy(), 250), |ops| {
-            let alloc = h.allocator(
-                AllocatorConfig::default()
-                    .with_memory_limit(MemoryLimit::Bytes(96 * MIB))
-                    .with_max_split_size(22 * MIB)
-                    .with_sync_timeout(Duration::from_secs(30)),
-            );
-            run_ops(&h, &alloc, &ops, Duration::from_millis(3));
+            random_ops_limited_scenario(&h, &ops);
             Ok(())
         })
         .unwrap();

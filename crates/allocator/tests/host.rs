@@ -2,84 +2,28 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use crossbeam_channel::Sender;
 use fsdp_allocator::{
     AllocError, AllocatorConfig, HostAllocator, HostBlock, HostSource, MemoryLimit, MemoryStats,
     SEGMENT_ALIGN,
 };
-use fsdp_device::{AccessMode, DType, Event, Stream};
+use fsdp_device::{AccessMode, DType, Stream};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
-/// Three worker streams and gates to hold them up.
-struct HostHarness {
-    streams: [Stream; 3],
-    gates: [Mutex<Vec<Sender<()>>>; 3],
-    capacity: usize,
-}
+/// Real host memory: the scenarios' bytes go into the blocks themselves.
+#[derive(Default)]
+struct HostMemory;
 
-impl HostHarness {
-    fn new(capacity: usize) -> Self {
-        HostHarness {
-            streams: [Stream::cpu("s0"), Stream::cpu("s1"), Stream::cpu("s2")],
-            gates: Default::default(),
-            capacity,
-        }
-    }
-}
-
-const PATTERN: usize = 64;
-
-impl Harness for HostHarness {
+impl CpuMemory for HostMemory {
     type Src = HostSource;
-    type Marker = Event;
 
-    fn allocator(&self, config: AllocatorConfig) -> HostAllocator {
-        HostAllocator::new(HostSource::new(self.capacity), config).unwrap()
-    }
-
-    fn stream(&self, i: usize) -> &Stream {
-        &self.streams[i]
-    }
-
-    fn stall(&self, i: usize, max: Duration) {
-        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
-        self.gates[i].lock().unwrap().push(tx);
-        self.streams[i]
-            .enqueue(move || {
-                let _ = rx.recv_timeout(max);
-            })
-            .unwrap();
-    }
-
-    fn release(&self, i: usize) {
-        self.gates[i].lock().unwrap().clear();
-    }
-
-    fn busy(&self, i: usize, d: Duration) {
-        self.streams[i].enqueue(move || thread::sleep(d)).unwrap();
-    }
-
-    fn wait_for(&self, waiter: usize, on: usize) {
-        let ev = self.streams[on].record_event();
-        self.streams[waiter].wait_event(&ev).unwrap();
-    }
-
-    fn marker(&self, i: usize) -> Event {
-        self.streams[i].record_event()
-    }
-
-    fn marker_done(&self, m: &Event) -> bool {
-        m.query()
-    }
-
-    fn marker_wait(&self, m: &Event, timeout: Duration) {
-        m.synchronize_timeout(timeout).unwrap();
+    fn source(capacity: usize) -> HostSource {
+        HostSource::new(capacity)
     }
 
     fn write_pattern(&self, b: &HostBlock, byte: u8) {
@@ -103,58 +47,31 @@ impl Harness for HostHarness {
         };
         head.iter().chain(tail).all(|&x| x == byte)
     }
-
-    fn synchronize(&self, i: usize) {
-        self.streams[i].synchronize().unwrap();
-    }
 }
 
-/// Operations per random run (a few under Miri, which interprets every step).
-fn ops_len(n: usize) -> usize {
-    if cfg!(miri) {
-        30
-    } else {
-        n
-    }
-}
+/// Three worker streams and gates to hold them up, over real host memory.
+type HostHarness = CpuHarness<HostMemory>;
 
 const BIG: usize = 1 << 36; // virtual capacity: pages are only touched where tests write
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) { 1 } else { 24 },
         max_shrink_iters: 200,
-        // Under Miri's isolation the regression file cannot be located.
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
+        ..proptest_config(24)
     })]
 
     /// Thousands of random allocate / free / record_stream / stall / release / empty_cache
     /// operations on three streams, with every invariant checked after each.
     #[test]
     fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), ops_len(300))) {
-        let h = HostHarness::new(BIG);
-        let alloc = h.allocator(AllocatorConfig::default().with_sync_timeout(Duration::from_secs(30)));
-        let summary = run_ops(&h, &alloc, &ops, Duration::from_secs(20));
+        let summary = random_ops_scenario(&HostHarness::new(BIG), &ops);
         prop_assert_eq!(summary.ooms, 0);
     }
 
-    /// The same under a tight memory limit (and `max_split_size`): retries, releases of
-    /// oversize blocks and out-of-memory errors happen while events are pending.
+    /// The same under a tight memory limit (and `max_split_size`).
     #[test]
     fn random_ops_under_a_memory_limit(ops in prop::collection::vec(op_strategy(), ops_len(250))) {
-        let h = HostHarness::new(BIG);
-        let alloc = h.allocator(
-            AllocatorConfig::default()
-                .with_memory_limit(MemoryLimit::Bytes(96 * MIB))
-                .with_max_split_size(22 * MIB)
-                .with_sync_timeout(Duration::from_secs(30)),
-        );
-        run_ops(&h, &alloc, &ops, Duration::from_millis(3));
+        random_ops_limited_scenario(&HostHarness::new(BIG), &ops);
     }
 }
 

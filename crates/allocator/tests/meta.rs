@@ -7,160 +7,67 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::thread;
-use std::time::Duration;
 
 use common::*;
-use crossbeam_channel::Sender;
 use fsdp_allocator::{
     AllocError, AllocatorConfig, Block, BlockState, CachingAllocator, HostAllocator, HostSource,
     MemoryLimit, MemorySource, MetaAllocator, MetaBlock, MetaSource, PoolKind, Snapshot,
     SEGMENT_ALIGN,
 };
-use fsdp_device::{DType, Device, DeviceError, Event, Stream};
+use fsdp_device::{DType, Device, DeviceError, Stream};
 use proptest::prelude::*;
 
-/// Three worker streams and gates to hold them up, as in the host tests; the bytes that the
-/// scenarios write into blocks are kept in a map keyed by (fake) address, so that overlapping
-/// live blocks would still be caught.
-struct MetaHarness {
-    streams: [Stream; 3],
-    gates: [Mutex<Vec<Sender<()>>>; 3],
-    capacity: usize,
-    memory: Mutex<HashMap<u64, u8>>,
+/// No memory: the bytes that the scenarios write into blocks are kept in a map keyed by (fake)
+/// address, so that overlapping live blocks would still be caught.
+#[derive(Default)]
+struct MetaMemory(Mutex<HashMap<u64, u8>>);
+
+/// The addresses of the first and last (up to) [`PATTERN`] bytes of the block.
+fn pattern_addrs(b: &MetaBlock) -> impl Iterator<Item = u64> {
+    let (start, size) = (b.addr(), b.size() as u64);
+    let n = (PATTERN as u64).min(size);
+    (start..start + n).chain(start + size - n..start + size)
 }
 
-impl MetaHarness {
-    fn new(capacity: usize) -> Self {
-        MetaHarness {
-            streams: [Stream::cpu("s0"), Stream::cpu("s1"), Stream::cpu("s2")],
-            gates: Default::default(),
-            capacity,
-            memory: Mutex::default(),
-        }
-    }
-
-    /// The addresses of the first and last (up to) 64 bytes of the block.
-    fn pattern_addrs(b: &MetaBlock) -> impl Iterator<Item = u64> {
-        let (start, size) = (b.addr(), b.size() as u64);
-        let n = 64.min(size);
-        (start..start + n).chain(start + size - n..start + size)
-    }
-}
-
-impl Harness for MetaHarness {
+impl CpuMemory for MetaMemory {
     type Src = MetaSource;
-    type Marker = Event;
 
-    fn allocator(&self, config: AllocatorConfig) -> MetaAllocator {
-        MetaAllocator::new(MetaSource::new(self.capacity), config).unwrap()
-    }
-
-    fn stream(&self, i: usize) -> &Stream {
-        &self.streams[i]
-    }
-
-    fn stall(&self, i: usize, max: Duration) {
-        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
-        self.gates[i].lock().unwrap().push(tx);
-        self.streams[i]
-            .enqueue(move || {
-                let _ = rx.recv_timeout(max);
-            })
-            .unwrap();
-    }
-
-    fn release(&self, i: usize) {
-        self.gates[i].lock().unwrap().clear();
-    }
-
-    fn busy(&self, i: usize, d: Duration) {
-        self.streams[i].enqueue(move || thread::sleep(d)).unwrap();
-    }
-
-    fn wait_for(&self, waiter: usize, on: usize) {
-        let ev = self.streams[on].record_event();
-        self.streams[waiter].wait_event(&ev).unwrap();
-    }
-
-    fn marker(&self, i: usize) -> Event {
-        self.streams[i].record_event()
-    }
-
-    fn marker_done(&self, m: &Event) -> bool {
-        m.query()
-    }
-
-    fn marker_wait(&self, m: &Event, timeout: Duration) {
-        m.synchronize_timeout(timeout).unwrap();
+    fn source(capacity: usize) -> MetaSource {
+        MetaSource::new(capacity)
     }
 
     fn write_pattern(&self, b: &MetaBlock, byte: u8) {
-        let mut mem = self.memory.lock().unwrap();
-        for a in Self::pattern_addrs(b) {
+        let mut mem = self.0.lock().unwrap();
+        for a in pattern_addrs(b) {
             mem.insert(a, byte);
         }
     }
 
     fn check_pattern(&self, b: &MetaBlock, byte: u8) -> bool {
-        let mem = self.memory.lock().unwrap();
-        Self::pattern_addrs(b).all(|a| mem.get(&a) == Some(&byte))
-    }
-
-    fn synchronize(&self, i: usize) {
-        self.streams[i].synchronize().unwrap();
+        let mem = self.0.lock().unwrap();
+        pattern_addrs(b).all(|a| mem.get(&a) == Some(&byte))
     }
 }
 
-const MIB: usize = 1 << 20;
+/// Three worker streams and gates to hold them up, as in the host tests, over no memory.
+type MetaHarness = CpuHarness<MetaMemory>;
+
 const BIG: usize = 1 << 36;
 
 // ---- The shared scenarios, on the meta source ----------------------------------------------
 
-/// Operations per random run (a few under Miri, which interprets every step).
-fn ops_len(n: usize) -> usize {
-    if cfg!(miri) {
-        30
-    } else {
-        n
-    }
-}
-
-/// `cases` random cases (one under Miri, which interprets every step).
-fn config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: if cfg!(miri) { 1 } else { cases },
-        // Under Miri's isolation the regression file cannot be located.
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
-    }
-}
-
 proptest! {
-    #![proptest_config(config(12))]
+    #![proptest_config(proptest_config(12))]
 
     #[test]
     fn random_ops_keep_every_invariant(ops in prop::collection::vec(op_strategy(), ops_len(300))) {
-        let h = MetaHarness::new(BIG);
-        let alloc = h.allocator(AllocatorConfig::default().with_sync_timeout(Duration::from_secs(30)));
-        let summary = run_ops(&h, &alloc, &ops, Duration::from_secs(20));
+        let summary = random_ops_scenario(&MetaHarness::new(BIG), &ops);
         prop_assert_eq!(summary.ooms, 0);
     }
 
     #[test]
     fn random_ops_under_a_memory_limit(ops in prop::collection::vec(op_strategy(), ops_len(250))) {
-        let h = MetaHarness::new(BIG);
-        let alloc = h.allocator(
-            AllocatorConfig::default()
-                .with_memory_limit(MemoryLimit::Bytes(96 * MIB))
-                .with_max_split_size(22 * MIB)
-                .with_sync_timeout(Duration::from_secs(30)),
-        );
-        run_ops(&h, &alloc, &ops, Duration::from_millis(3));
+        random_ops_limited_scenario(&MetaHarness::new(BIG), &ops);
     }
 }
 
@@ -369,7 +276,7 @@ fn host_and_meta_agree(
 }
 
 proptest! {
-    #![proptest_config(config(24))]
+    #![proptest_config(proptest_config(24))]
 
     /// Plenty of memory: caching, splitting and merging.
     #[test]

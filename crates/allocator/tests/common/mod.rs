@@ -1,18 +1,24 @@
-//! Scenarios shared by the host tests and the CUDA tests: each runs against any memory source
+//! Scenarios shared by the host, meta and CUDA tests: each runs against any memory source
 //! through a [`Harness`] that provides three streams and ways to hold them up.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::sync::Mutex;
+use std::thread;
 use std::time::Duration;
 
+use crossbeam_channel::Sender;
 use fsdp_allocator::{
     AllocError, AllocatorConfig, Block, BlockState, CachingAllocator, MemoryLimit, MemorySource,
     MemoryStats, PoolKind, SegmentSnapshot, Snapshot, Stat, StatArray, SMALL_BUFFER, SMALL_SIZE,
 };
+use fsdp_device::{Event, Stream};
 use proptest::prelude::*;
 
 pub const MIB: usize = 1 << 20;
 pub const KIB: usize = 1 << 10;
+/// How many bytes at each end of a block [`Harness::write_pattern`] writes.
+pub const PATTERN: usize = 64;
 
 /// Streams and device operations for one memory source.
 pub trait Harness {
@@ -39,9 +45,9 @@ pub trait Harness {
     fn marker_done(&self, m: &Self::Marker) -> bool;
     /// Wait for the marker.
     fn marker_wait(&self, m: &Self::Marker, timeout: Duration);
-    /// Write `byte` into the first and last 64 bytes of the block (synchronously).
+    /// Write `byte` into the first and last [`PATTERN`] bytes of the block (synchronously).
     fn write_pattern(&self, b: &Block<Self::Src>, byte: u8);
-    /// Whether the first and last 64 bytes still hold `byte`.
+    /// Whether the first and last [`PATTERN`] bytes still hold `byte`.
     fn check_pattern(&self, b: &Block<Self::Src>, byte: u8) -> bool;
     /// Wait for everything enqueued on stream `i`.
     fn synchronize(&self, i: usize);
@@ -56,6 +62,123 @@ pub trait Harness {
         for i in 0..3 {
             self.synchronize(i);
         }
+    }
+}
+
+/// What a [`CpuHarness`] leaves to its memory source: the source, and how the scenarios' bytes
+/// are written into and read from its blocks.
+pub trait CpuMemory: Default {
+    /// The source under test, with fsdp-device's CPU streams and events.
+    type Src: MemorySource<Stream = Stream, Event = Event>;
+    /// A fresh source of `capacity` bytes.
+    fn source(capacity: usize) -> Self::Src;
+    /// [`Harness::write_pattern`].
+    fn write_pattern(&self, b: &Block<Self::Src>, byte: u8);
+    /// [`Harness::check_pattern`].
+    fn check_pattern(&self, b: &Block<Self::Src>, byte: u8) -> bool;
+}
+
+/// The harness of a source whose streams are fsdp-device's CPU streams: three worker streams
+/// and gates to hold them up, over the memory `M`.
+pub struct CpuHarness<M: CpuMemory> {
+    streams: [Stream; 3],
+    gates: [Mutex<Vec<Sender<()>>>; 3],
+    capacity: usize,
+    memory: M,
+}
+
+impl<M: CpuMemory> CpuHarness<M> {
+    /// A harness whose allocators get sources of `capacity` bytes.
+    pub fn new(capacity: usize) -> Self {
+        CpuHarness {
+            streams: [Stream::cpu("s0"), Stream::cpu("s1"), Stream::cpu("s2")],
+            gates: Default::default(),
+            capacity,
+            memory: M::default(),
+        }
+    }
+}
+
+impl<M: CpuMemory> Harness for CpuHarness<M> {
+    type Src = M::Src;
+    type Marker = Event;
+
+    fn allocator(&self, config: AllocatorConfig) -> CachingAllocator<M::Src> {
+        CachingAllocator::new(M::source(self.capacity), config).unwrap()
+    }
+
+    fn stream(&self, i: usize) -> &Stream {
+        &self.streams[i]
+    }
+
+    fn stall(&self, i: usize, max: Duration) {
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        self.gates[i].lock().unwrap().push(tx);
+        self.streams[i]
+            .enqueue(move || {
+                let _ = rx.recv_timeout(max);
+            })
+            .unwrap();
+    }
+
+    fn release(&self, i: usize) {
+        self.gates[i].lock().unwrap().clear();
+    }
+
+    fn busy(&self, i: usize, d: Duration) {
+        self.streams[i].enqueue(move || thread::sleep(d)).unwrap();
+    }
+
+    fn wait_for(&self, waiter: usize, on: usize) {
+        let ev = self.streams[on].record_event();
+        self.streams[waiter].wait_event(&ev).unwrap();
+    }
+
+    fn marker(&self, i: usize) -> Event {
+        self.streams[i].record_event()
+    }
+
+    fn marker_done(&self, m: &Event) -> bool {
+        m.query()
+    }
+
+    fn marker_wait(&self, m: &Event, timeout: Duration) {
+        m.synchronize_timeout(timeout).unwrap();
+    }
+
+    fn write_pattern(&self, b: &Block<M::Src>, byte: u8) {
+        self.memory.write_pattern(b, byte);
+    }
+
+    fn check_pattern(&self, b: &Block<M::Src>, byte: u8) -> bool {
+        self.memory.check_pattern(b, byte)
+    }
+
+    fn synchronize(&self, i: usize) {
+        self.streams[i].synchronize().unwrap();
+    }
+}
+
+/// Operations per random run: `n`, or a few under Miri, which interprets every step.
+pub fn ops_len(n: usize) -> usize {
+    if cfg!(miri) {
+        30
+    } else {
+        n
+    }
+}
+
+/// `cases` random cases (one under Miri, which interprets every step).
+pub fn proptest_config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases: if cfg!(miri) { 1 } else { cases },
+        // Under Miri's isolation the regression file cannot be located.
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
     }
 }
 
@@ -348,6 +471,25 @@ pub fn run_ops<H: Harness>(
     assert_eq!(stats.num_device_alloc, stats.num_device_free);
     assert!(alloc.snapshot().segments.is_empty());
     summary
+}
+
+/// `ops` with plenty of memory, on a fresh allocator of `h`.
+pub fn random_ops_scenario<H: Harness>(h: &H, ops: &[Op]) -> RunSummary {
+    let alloc = h.allocator(AllocatorConfig::default().with_sync_timeout(Duration::from_secs(30)));
+    run_ops(h, &alloc, ops, Duration::from_secs(20))
+}
+
+/// `ops` under a tight memory limit (and `max_split_size`), on a fresh allocator of `h`:
+/// retries, releases of oversize blocks and out-of-memory errors happen while events are
+/// pending.
+pub fn random_ops_limited_scenario<H: Harness>(h: &H, ops: &[Op]) -> RunSummary {
+    let alloc = h.allocator(
+        AllocatorConfig::default()
+            .with_memory_limit(MemoryLimit::Bytes(96 * MIB))
+            .with_max_split_size(22 * MIB)
+            .with_sync_timeout(Duration::from_secs(30)),
+    );
+    run_ops(h, &alloc, ops, Duration::from_millis(3))
 }
 
 /// The FSDP paper's producer/consumer pattern: for each of `layers` units, the CPU allocates an
