@@ -2,9 +2,9 @@
 //! and flatparam crates, shaped like PyTorch's FSDP2 with FSDP1's flat parameters.
 //!
 //! - [`engine`]: the engine — [`Fsdp`] (hooks `pre_forward` / `post_forward` / `pre_backward` /
-//!   `post_backward` / `finalize_backward`, `no_sync`, `clip_grad_norm`, `optimizer_step`,
-//!   state dicts), its param groups and comm context, and the [`FsdpModel`] trait for models
-//!   that let the engine drive them.
+//!   `post_backward` / `finalize_backward`, `no_sync`, `grad_norm`, `clip_grad_norm`,
+//!   `optimizer_step`, `skip_step`, state dicts), its param groups and comm context, and the
+//!   [`FsdpModel`] trait for models that let the engine drive them.
 //! - [`wrap`] and [`units`]: a model's module tree and the wrap policies (module type, size,
 //!   custom, ignored modules, tied parameters) that turn it into FSDP units.
 //! - [`plan`]: the memory and communication plan of a configuration, from a dry run of the

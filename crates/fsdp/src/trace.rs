@@ -16,7 +16,6 @@
 //! - Counters: the allocator's allocated and reserved bytes at every compute span boundary.
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -274,37 +273,15 @@ pub fn chrome_trace_json(per_rank: &[Vec<TraceEvent>]) -> String {
     out
 }
 
-/// Write [`chrome_trace_json`] of `per_rank` to `path` atomically: a temporary file in the same
-/// directory is written, synced and renamed over `path`.
+/// Write [`chrome_trace_json`] of `per_rank` to `path` with
+/// [`checkpoint::write_output`](crate::checkpoint::write_output): a regular file (or a symbolic
+/// link's target) is replaced atomically — a temporary file in the same directory is written,
+/// synced and renamed over it — and a character device or a FIFO is written into directly.
 ///
 /// # Errors
-/// [`FsdpError::Io`] when the file cannot be written or renamed.
+/// [`FsdpError::Checkpoint`] naming `path` when it may not be written (a directory, a block
+/// device, a socket; a missing or read-only directory) or the write fails.
 pub fn write_chrome_trace(path: &Path, per_rank: &[Vec<TraceEvent>]) -> Result<(), FsdpError> {
     let json = chrome_trace_json(per_rank);
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| FsdpError::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "the trace path has no file name",
-            ),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    let tmp = path.with_file_name(format!(".{file_name}.tmp{}", std::process::id()));
-    let r = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(json.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = r {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(FsdpError::Io {
-            path: path.to_path_buf(),
-            source: e,
-        });
-    }
-    Ok(())
+    crate::checkpoint::write_output(path, |w| w.write_all(json.as_bytes()))
 }

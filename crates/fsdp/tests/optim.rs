@@ -224,3 +224,100 @@ fn optimizer_errors_change_nothing() {
     assert!(sgd_step(&nesterov_bad, 1, &mut p, &[1.0, 1.0], &mut [0.0; 2]).is_err());
     assert_eq!(p, [1.0, 2.0]);
 }
+
+#[test]
+fn non_finite_hyperparameters_are_errors_huge_finite_ones_are_not() {
+    let adamw = AdamWConfig::default();
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        for (name, cfg) in [
+            ("lr", AdamWConfig { lr: bad, ..adamw }),
+            (
+                "beta1",
+                AdamWConfig {
+                    beta1: bad,
+                    ..adamw
+                },
+            ),
+            (
+                "beta2",
+                AdamWConfig {
+                    beta2: bad,
+                    ..adamw
+                },
+            ),
+            ("eps", AdamWConfig { eps: bad, ..adamw }),
+            (
+                "weight_decay",
+                AdamWConfig {
+                    weight_decay: bad,
+                    ..adamw
+                },
+            ),
+        ] {
+            let err = cfg.validate().unwrap_err();
+            assert!(
+                matches!(err, FsdpError::InvalidHyperparameter { name: n, .. } if n == name),
+                "AdamW {name} = {bad}: {err:?}"
+            );
+        }
+        let sgd = SgdConfig::with_momentum(0.1, 0.9);
+        for (name, cfg) in [
+            ("lr", SgdConfig { lr: bad, ..sgd }),
+            (
+                "momentum",
+                SgdConfig {
+                    momentum: bad,
+                    ..sgd
+                },
+            ),
+            (
+                "weight_decay",
+                SgdConfig {
+                    weight_decay: bad,
+                    ..sgd
+                },
+            ),
+            (
+                "dampening",
+                SgdConfig {
+                    dampening: bad,
+                    ..sgd
+                },
+            ),
+        ] {
+            let err = cfg.validate().unwrap_err();
+            assert!(
+                matches!(err, FsdpError::InvalidHyperparameter { name: n, .. } if n == name),
+                "SGD {name} = {bad}: {err:?}"
+            );
+        }
+    }
+    // `lr = inf`: the message says why.
+    let err = AdamWConfig {
+        lr: f64::INFINITY,
+        ..adamw
+    }
+    .validate()
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid optimizer setting lr = inf: must be a finite number ≥ 0"
+    );
+    // Huge but finite settings are valid (their steps may overflow: the trainer checks the
+    // loss and the gradient norm at run time).
+    let huge = AdamWConfig {
+        lr: 1e30,
+        eps: 1e300,
+        weight_decay: 1e30,
+        ..adamw
+    };
+    huge.validate().unwrap();
+    SgdConfig {
+        lr: 1e300,
+        momentum: 1e30,
+        dampening: -1e30,
+        ..SgdConfig::with_momentum(0.1, 0.9)
+    }
+    .validate()
+    .unwrap();
+}

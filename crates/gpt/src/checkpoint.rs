@@ -26,8 +26,8 @@ pub const LM_HEAD: &str = "lm_head.weight";
 /// The token embedding `lm_head.weight` is tied to.
 pub const WTE: &str = "transformer.wte.weight";
 
-/// Checks `params` against the model: every parameter of `cfg` with its number of elements, and
-/// nothing else except an `lm_head.weight` equal to `transformer.wte.weight`.
+/// Checks `params` against the model: every parameter of `cfg` with its number of elements and
+/// finite values, and nothing else except an `lm_head.weight` equal to `transformer.wte.weight`.
 fn check_params(
     path: &Path,
     cfg: &GptConfig,
@@ -50,6 +50,7 @@ fn check_params(
                 ),
             ));
         }
+        check_finite(path, &s.name, v)?;
     }
     for (name, v) in params {
         if name == LM_HEAD {
@@ -73,8 +74,10 @@ fn check_params(
 /// shape, `f32` little-endian, with metadata `format = pt`. The tied `lm_head.weight` is omitted
 /// (see the [module docs](self)); if `params` holds it, it must equal `transformer.wte.weight`.
 ///
-/// The parameters are validated (names and sizes) before anything is written, and the file is
-/// written atomically ([`write_atomic`]).
+/// The parameters are validated (names, sizes, and finite values: a NaN or an infinity is an
+/// error naming the tensor, since [`load_full`] would refuse the file) before anything is
+/// written, and the file is written atomically ([`write_atomic`]), so an existing file is
+/// either replaced whole or left as it was.
 pub fn save_full(
     path: &Path,
     cfg: &GptConfig,
@@ -101,7 +104,8 @@ pub fn save_full(
 /// except `lm_head.weight` when it equals `transformer.wte.weight` (and nanoGPT's causal-mask
 /// buffers `transformer.h.N.attn.bias` of shape `[1, 1, block_size, block_size]`, written by
 /// nanoGPT without flash attention, which are skipped). Tensors may be F32, BF16 or F16 (converted
-/// to `f32` exactly). Errors name the file and the tensor at fault.
+/// to `f32` exactly) and must hold finite values (a NaN or an infinity is an error, "tensor `X`
+/// holds NaN or infinite values"). Errors name the file and the tensor at fault.
 ///
 /// Each rank keeps only its shard by passing the returned map to
 /// [`FsdpGpt::new`](crate::runtime::FsdpGpt::new) (or to [`fsdp::ParamInit::Full`]).
@@ -126,7 +130,9 @@ pub fn load_full(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32
                 ),
             ));
         }
-        out.insert(s.name.clone(), tensor_f32(path, &s.name, &view)?);
+        let values = tensor_f32(path, &s.name, &view)?;
+        check_finite(path, &s.name, &values)?;
+        out.insert(s.name.clone(), values);
     }
     // Report unexpected names in a stable (sorted) order.
     let names: BTreeMap<&String, ()> = st.names().into_iter().map(|n| (n, ())).collect();
@@ -168,6 +174,18 @@ pub fn load_full(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32
         }
     }
     Ok(out)
+}
+
+/// A tensor with a NaN or an infinity is an error naming it: training from it (or saving it)
+/// would only spread them.
+fn check_finite(path: &Path, name: &str, values: &[f32]) -> Result<(), FsdpError> {
+    if values.iter().all(|x| x.is_finite()) {
+        return Ok(());
+    }
+    Err(err(
+        path,
+        format!("tensor `{name}` holds NaN or infinite values"),
+    ))
 }
 
 fn is_mask_buffer(cfg: &GptConfig, name: &str, shape: &[usize]) -> bool {

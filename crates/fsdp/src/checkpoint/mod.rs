@@ -16,23 +16,35 @@
 //! - **Building blocks for full checkpoints** of a model: [`write_atomic`], [`serialize_f32`],
 //!   [`read_bytes`], [`parse`] and [`tensor_f32`] (F32, BF16 and F16 tensors read as `f32`).
 //!
-//! Every file is written atomically ([`write_atomic`]): to a temporary file in the same
-//! directory, flushed and `fsync`ed, then renamed over the target, so a crash mid-save leaves the
-//! previous file intact.
+//! - **Output files** that never damage what is there: [`check_output_path`] says before any
+//!   work starts whether a path may be written ([`OutputKind`]: absent, a regular file, or for
+//!   streams a character device or a FIFO; a directory, a block device or a socket is an
+//!   error), [`write_atomic`] replaces a regular file atomically and [`write_output`] also
+//!   writes into a stream directly. Symbolic links are followed ([`resolve_output_path`]) and
+//!   stay links.
+//!
+//! Every file is written atomically ([`write_atomic`]): to a temporary file
+//! `.NAME.fsdp-tmp.PID.N` in the same directory, flushed and `fsync`ed, then renamed over the
+//! target, so a crash mid-save leaves the previous file intact; the temporaries that dead
+//! writers left behind are removed by the next write of the same file
+//! ([`remove_stale_temporaries`]).
 
+mod output;
 mod sharded;
 
 use std::collections::HashMap;
-use std::fs::{self, File};
-use std::io::{self, BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::fs;
+use std::path::Path;
 
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
 use crate::FsdpError;
 
+pub use output::{
+    check_output_path, remove_stale_temporaries, resolve_output_path, write_atomic, write_output,
+    OutputKind, PROBE_MARKER, TEMPORARY_MARKER,
+};
 pub use sharded::{
     load_sharded, load_sharded_checkpoint, shard_file_name, FullOptimizerState, ShardLayout,
     ShardParam, ShardedCheckpoint, LAYOUT_KEY,
@@ -45,50 +57,6 @@ pub fn err(path: &Path, reason: impl Into<String>) -> FsdpError {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
-}
-
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// Writes `path` atomically: `write` fills a temporary file in the same directory, which is then
-/// flushed, `fsync`ed and renamed over `path` (and the directory `fsync`ed, where the platform
-/// allows). If `write` or any step fails, the temporary file is removed and `path` keeps its
-/// previous content.
-pub fn write_atomic(
-    path: &Path,
-    write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
-) -> Result<(), FsdpError> {
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| err(path, "the path names no file"))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        file_name.to_string_lossy(),
-        std::process::id(),
-        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| -> io::Result<()> {
-        let file = File::options().write(true).create_new(true).open(&tmp)?;
-        let mut w = BufWriter::new(file);
-        write(&mut w)?;
-        let file = w.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, path)?;
-        // Make the rename durable. Opening a directory is not possible everywhere (Windows):
-        // the rename itself is still atomic there.
-        if let Ok(d) = File::open(&dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    result.map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        err(path, format!("cannot write: {e}"))
-    })
 }
 
 /// Little-endian bytes of `f32` values.

@@ -13,9 +13,10 @@
 //!   [`Fsdp::post_forward`], [`Fsdp::pre_backward`], [`Fsdp::post_backward`],
 //!   [`Fsdp::finalize_backward`], with [`Fsdp::param_views`] / [`Fsdp::grad_views`] to read the
 //!   unsharded parameters and write the gradients; or a model implementing [`FsdpModel`] and
-//!   [`Fsdp::forward_backward`]. Then [`Fsdp::no_sync`], [`Fsdp::clip_grad_norm`],
-//!   [`Fsdp::optimizer_step`] (AdamW or SGD on the shards), [`Fsdp::full_state_dict`] and
-//!   sharded checkpoints ([`Fsdp::save_sharded`]).
+//!   [`Fsdp::forward_backward`]. Then [`Fsdp::no_sync`], [`Fsdp::grad_norm`],
+//!   [`Fsdp::clip_grad_norm`], [`Fsdp::optimizer_step`] (AdamW or SGD on the shards) or
+//!   [`Fsdp::skip_step`], [`Fsdp::full_state_dict`] and sharded checkpoints
+//!   ([`Fsdp::save_sharded`]).
 //!
 //! Prefetching follows the recorded execution order, not the definition order: backward
 //! prefetch ([`BackwardPrefetch`]) takes the next unit of the reversed post-forward order of the

@@ -1,5 +1,5 @@
-//! The optimizer side of the engine: `no_sync`, gradient clipping by the global norm, the
-//! optimizer step on the shards, and the loss all-reduce.
+//! The optimizer side of the engine: `no_sync`, the global gradient norm and clipping by it,
+//! the optimizer step on the shards (or skipping it), and the loss all-reduce.
 
 use fsdp_collectives::ReduceOp;
 use fsdp_device::Buffer;
@@ -79,24 +79,19 @@ impl Fsdp {
         Ok(())
     }
 
-    /// Clip the gradients by their global L2 norm (PyTorch's `FSDP.clip_grad_norm_`): the
-    /// squared norms of the rank's gradient shards are summed over the ranks that hold
-    /// distinct shards (the shard group; nothing for `NO_SHARD` and ignored parameters, whose
-    /// gradients are replicated), and every gradient is scaled by
-    /// `max_norm / (total_norm + 1e-6)` when that is below 1. Returns the total norm before
-    /// clipping. Call it after the last backward of a step. Every rank must call it.
+    /// The global L2 norm of the gradients (what [`clip_grad_norm`](Self::clip_grad_norm)
+    /// returns, without clipping): the squared norms of the rank's gradient shards are summed
+    /// over the ranks that hold distinct shards (the shard group; nothing for `NO_SHARD` and
+    /// ignored parameters, whose gradients are replicated). Every rank gets the same value,
+    /// bitwise, so a check of it (`is_finite`) takes the same branch on every rank without
+    /// further communication. NaN or infinite gradients give a NaN or infinite norm. Call it
+    /// after the last backward of a step. Every rank must call it (one all-reduce of 8 bytes
+    /// over the shard group).
     ///
     /// # Errors
-    /// [`FsdpError::InvalidHyperparameter`] for a negative or non-finite `max_norm`; unreduced
-    /// gradients as in [`optimizer_step`](Self::optimizer_step); a failing collective.
-    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
-        if !(max_norm.is_finite() && max_norm >= 0.0) {
-            return Err(FsdpError::InvalidHyperparameter {
-                name: "max_norm",
-                value: max_norm,
-                reason: "must be finite and non-negative",
-            });
-        }
+    /// Unreduced gradients as in [`optimizer_step`](Self::optimizer_step); a failing
+    /// collective.
+    pub fn grad_norm(&self) -> Result<f64, FsdpError> {
         self.check_reduced()?;
         let sq = |b: &Buffer| -> Result<f64, FsdpError> {
             Ok(b.read::<f32>()?
@@ -121,9 +116,30 @@ impl Fsdp {
                 .wait()?;
             sharded = b.to_vec::<f64>()?[0];
         }
-        let total = (sharded + replicated).sqrt();
+        Ok((sharded + replicated).sqrt())
+    }
+
+    /// Clip the gradients by their global L2 norm (PyTorch's `FSDP.clip_grad_norm_`): the
+    /// norm of [`grad_norm`](Self::grad_norm), and every gradient is scaled by
+    /// `max_norm / (total_norm + 1e-6)` when that is below 1. Returns the total norm before
+    /// clipping. A non-finite norm leaves the gradients unchanged (check the returned value, and
+    /// [`skip_step`](Self::skip_step) or stop). Call it after the last backward of a step. Every
+    /// rank must call it.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] for a negative or non-finite `max_norm`; those of
+    /// [`grad_norm`](Self::grad_norm).
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(FsdpError::InvalidHyperparameter {
+                name: "max_norm",
+                value: max_norm,
+                reason: "must be finite and non-negative",
+            });
+        }
+        let total = self.grad_norm()?;
         let coef = max_norm / (total + 1e-6);
-        if coef < 1.0 {
+        if total.is_finite() && coef < 1.0 {
             let c = coef as f32;
             for g in &self.groups {
                 for x in g.grad_shard.write::<f32>()?.iter_mut() {
@@ -132,6 +148,20 @@ impl Fsdp {
             }
         }
         Ok(total)
+    }
+
+    /// Skip this step's optimizer step and discard its gradients, as PyTorch's `GradScaler`
+    /// skips the `optimizer.step()` of a step whose gradients overflowed: the parameters, the
+    /// optimizer state (its step count included) and the learning-rate schedule's position
+    /// ([`optimizer_steps`](Self::optimizer_steps)) are unchanged, and the gradients are zeroed
+    /// as by [`zero_grad`](Self::zero_grad), unreduced `no_sync` gradients included. Local: no
+    /// collective, so ranks that agree to skip (e.g. on a non-finite global
+    /// [`grad_norm`](Self::grad_norm) or loss, which every rank sees alike) stay in step.
+    ///
+    /// # Errors
+    /// A failing buffer access.
+    pub fn skip_step(&mut self) -> Result<(), FsdpError> {
+        self.zero_grad()
     }
 
     /// The sum over all ranks of `local` (a loss): one all-reduce of 4 bytes over the world.

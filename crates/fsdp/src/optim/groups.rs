@@ -63,7 +63,7 @@ impl ParamGroupOptions {
         }
     }
 
-    /// Checks `weight_decay ≥ 0` (when given) and `lr_scale` finite and `≥ 0`.
+    /// Checks `weight_decay` (when given) and `lr_scale` finite and `≥ 0`.
     ///
     /// # Errors
     /// [`FsdpError::InvalidHyperparameter`] naming the bad setting (`weight_decay` or

@@ -51,7 +51,8 @@ impl Default for AdamWConfig {
 
 impl AdamWConfig {
     /// Checks the ranges PyTorch checks: `lr ≥ 0`, `eps ≥ 0`, `0 ≤ beta < 1`,
-    /// `weight_decay ≥ 0`.
+    /// `weight_decay ≥ 0`, and that each is finite (PyTorch accepts `lr = inf`, which turns
+    /// every parameter into NaN or infinity at the first step).
     ///
     /// # Errors
     /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
@@ -72,12 +73,13 @@ impl AdamWConfig {
     }
 }
 
+/// `value` must be finite and `≥ 0` (NaN and infinities are errors).
 fn non_negative(name: &'static str, value: f64) -> Result<(), FsdpError> {
-    if value.is_nan() || value < 0.0 {
+    if !(value.is_finite() && value >= 0.0) {
         return Err(FsdpError::InvalidHyperparameter {
             name,
             value,
-            reason: "must be a number ≥ 0",
+            reason: "must be a finite number ≥ 0",
         });
     }
     Ok(())
@@ -241,7 +243,8 @@ impl SgdConfig {
         }
     }
 
-    /// Checks the ranges PyTorch checks.
+    /// Checks the ranges PyTorch checks (`lr`, `momentum`, `weight_decay` `≥ 0`; Nesterov
+    /// needs momentum and no dampening), and that every setting is finite.
     ///
     /// # Errors
     /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
@@ -249,11 +252,11 @@ impl SgdConfig {
         non_negative("lr", self.lr)?;
         non_negative("momentum", self.momentum)?;
         non_negative("weight_decay", self.weight_decay)?;
-        if self.dampening.is_nan() {
+        if !self.dampening.is_finite() {
             return Err(FsdpError::InvalidHyperparameter {
                 name: "dampening",
                 value: self.dampening,
-                reason: "must be a number",
+                reason: "must be a finite number",
             });
         }
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {

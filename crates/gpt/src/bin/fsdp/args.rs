@@ -152,9 +152,16 @@ pub(crate) struct TrainArgs {
     /// Final learning rate of the cosine schedule (default: --lr / 10, as nanoGPT).
     #[arg(long)]
     pub(crate) min_lr: Option<f64>,
-    /// Clip the global gradient norm to this value (default: no clipping).
+    /// Clip the global gradient norm to this value; 0 means no clipping, as nanoGPT's
+    /// `grad_clip = 0.0` (default: no clipping).
     #[arg(long)]
     pub(crate) grad_clip: Option<f64>,
+    /// Skip up to N steps whose global loss or gradient norm is NaN or infinite (no optimizer
+    /// step; their gradients are discarded, as PyTorch's GradScaler skips an overflowing step)
+    /// instead of stopping; the (N+1)-th such step stops the run with an error (0: the first
+    /// one does).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) skip_nonfinite: usize,
     /// Seed of the initial weights and of the generated corpus.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,

@@ -10,6 +10,7 @@
 mod args;
 mod launch_cmd;
 mod output;
+mod paths;
 mod plan_cmd;
 mod setup;
 mod train;

@@ -1,17 +1,99 @@
-//! What `fsdp train` writes: the loss log, the final weights, the Chrome trace and the summary
-//! of every rank's memory and traffic.
+//! What `fsdp train` writes: the loss log (as training goes), the final weights, the Chrome
+//! trace and the summary of every rank's memory and traffic.
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use fsdp::checkpoint::{check_output_path, resolve_output_path};
 
 use fsdp_collectives::Communicator;
 use fsdp_device::{Buffer, DType};
 use fsdp_gpt::model::GptConfig;
 
 use crate::args::TrainArgs;
+use crate::paths::output_error;
 use crate::{fail, CliError};
+
+/// The first line of the loss log.
+pub(crate) const LOSS_LOG_HEADER: &str = "step,loss,tokens_per_s,peak_allocated_bytes_rank0";
+
+/// The loss log (`--loss-log`), written by rank 0 as training goes: the header when it is
+/// created, then one line `step,loss,tokens_per_s,peak_allocated_bytes_rank0` per step, each
+/// handed to the system at once (one `write`, no buffering), so a run that is killed or fails
+/// keeps every finished step as a complete line. A regular file (or a symbolic link's target) is
+/// written in place — an existing file is truncated when training starts — and a character
+/// device or a FIFO is written into directly. A failed write stops the log and is reported when
+/// training ends (the other outputs are still written).
+pub(crate) struct LossLog {
+    path: PathBuf,
+    file: File,
+    regular: bool,
+    error: Option<std::io::Error>,
+}
+
+impl LossLog {
+    /// Opens (creates or truncates) the log at `path` and writes its header. A FIFO waits here
+    /// for its reader.
+    pub(crate) fn create(path: &Path) -> Result<Self, CliError> {
+        let named = |e| output_error("--loss-log", e);
+        let kind = check_output_path(path, true).map_err(named)?;
+        let target = resolve_output_path(path).map_err(named)?;
+        let regular = !kind.is_stream();
+        let file = File::options()
+            .write(true)
+            .create(regular)
+            .truncate(regular)
+            .open(&target)
+            .map_err(|e| fail(format!("--loss-log {}: cannot open: {e}", path.display())))?;
+        let mut log = LossLog {
+            path: path.to_path_buf(),
+            file,
+            regular,
+            error: None,
+        };
+        log.write(&format!("{LOSS_LOG_HEADER}\n"));
+        match log.error.take() {
+            Some(e) => Err(log.write_error(e)),
+            None => Ok(log),
+        }
+    }
+
+    /// Writes the line of one finished step.
+    pub(crate) fn step(&mut self, step: usize, loss: f32, tokens_per_s: f64, peak: u64) {
+        self.write(&format!("{step},{loss:.8},{tokens_per_s:.1},{peak}\n"));
+    }
+
+    fn write(&mut self, line: &str) {
+        if self.error.is_none() {
+            if let Err(e) = self.file.write_all(line.as_bytes()) {
+                self.error = Some(e);
+            }
+        }
+    }
+
+    fn write_error(&self, e: std::io::Error) -> CliError {
+        fail(format!(
+            "--loss-log {}: cannot write: {e}",
+            self.path.display()
+        ))
+    }
+
+    /// Ends the log: a regular file is synced to its disk; a write that failed is the error.
+    pub(crate) fn finish(mut self) -> Result<(), CliError> {
+        if self.regular && self.error.is_none() {
+            if let Err(e) = self.file.sync_all() {
+                self.error = Some(e);
+            }
+        }
+        match self.error.take() {
+            Some(e) => Err(self.write_error(e)),
+            None => Ok(()),
+        }
+    }
+}
 
 /// What each rank reports at the end.
 pub(crate) struct RankReport {
@@ -42,60 +124,22 @@ pub(crate) fn human_bytes(b: u64) -> String {
     }
 }
 
-/// Write `contents` to `path` atomically: a temporary file in the same directory, fsync,
-/// rename.
-fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), CliError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| fail(format!("{} is not a file path", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let io = |e: std::io::Error| fail(format!("cannot write {}: {e}", path.display()));
-    {
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(contents).map_err(io)?;
-        f.sync_all().map_err(io)?;
-    }
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io(e)
-    })
-}
-
 fn save_checkpoint(
     path: &Path,
     cfg: &GptConfig,
     params: &HashMap<String, Vec<f32>>,
 ) -> Result<(), CliError> {
-    Ok(fsdp_gpt::checkpoint::save_full(path, cfg, params)?)
+    fsdp_gpt::checkpoint::save_full(path, cfg, params).map_err(|e| output_error("--save", e))
 }
 
-/// The outputs of a finished run, from rank 0's report (and every report's trace): the loss log,
-/// the final weights and the Chrome trace.
+/// The outputs of a finished run, from rank 0's report (and every report's trace): the final
+/// weights and the Chrome trace (the loss log is written as training goes: [`LossLog`]).
 pub(crate) fn write_outputs(
     args: &TrainArgs,
     cfg: &GptConfig,
     reports: &mut [RankReport],
-    global_tokens: usize,
 ) -> Result<(), CliError> {
     let rank0 = &reports[0];
-    if let Some(path) = &args.loss_log {
-        let mut csv = String::from("step,loss,tokens_per_s,peak_allocated_bytes_rank0\n");
-        for (i, (loss, dt, peak)) in rank0.losses.iter().enumerate() {
-            csv.push_str(&format!(
-                "{i},{loss:.8},{:.1},{peak}\n",
-                global_tokens as f64 / dt
-            ));
-        }
-        write_atomic(path, csv.as_bytes())?;
-    }
     if let Some(path) = &args.save {
         let params = rank0
             .final_params
@@ -110,21 +154,9 @@ pub(crate) fn write_outputs(
             .map(|r| std::mem::take(&mut r.trace))
             .filter(|t| !t.is_empty())
             .collect();
-        fsdp::trace::write_chrome_trace(path, &per_rank)?;
+        fsdp::trace::write_chrome_trace(path, &per_rank).map_err(|e| output_error("--trace", e))?;
     }
     Ok(())
-}
-
-/// `path` with `.rankN` before its extension.
-pub(crate) fn rank_path(path: &Path, rank: usize) -> PathBuf {
-    let stem = path
-        .file_stem()
-        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
-    let name = match path.extension() {
-        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
-        None => format!("{stem}.rank{rank}"),
-    };
-    path.with_file_name(name)
 }
 
 /// Every rank's memory and traffic figures, gathered on every rank (for rank 0's summary).

@@ -4,13 +4,13 @@
 use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use fsdp::optim::{
     decay_2d_only as decay_2d_only_groups, decay_2d_only_group, AdamWConfig, LrSchedule,
 };
-use fsdp::FsdpError;
 use fsdp::ParamInit;
 use fsdp_collectives::{init_from_env, ring, Backend, Communicator, InitOptions, LaunchEnv};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
@@ -21,8 +21,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{strategy_name, ScheduleKindArg, TrainArgs, TrainBackend};
 use crate::output::{
-    gather_rank_stats, human_bytes, print_summary, rank_path, write_outputs, RankReport,
+    gather_rank_stats, human_bytes, print_summary, write_outputs, LossLog, RankReport,
 };
+use crate::paths::{check_output_paths, output_error, rank_trace_path};
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::{fail, CliError};
 
@@ -86,11 +87,17 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     if args.steps == 0 {
         return Err(fail("--steps must be at least 1"));
     }
-    if let Some(c) = args.grad_clip {
-        if !(c.is_finite() && c > 0.0) {
-            return Err(fail("--grad-clip must be a positive number"));
+    // `--grad-clip 0` is no clipping (nanoGPT's `grad_clip = 0.0`).
+    let grad_clip = match args.grad_clip {
+        Some(c) if !(c.is_finite() && c >= 0.0) => {
+            return Err(fail(format!(
+                "--grad-clip {c}: must be a finite number ≥ 0 (0: no clipping)"
+            )))
         }
-    }
+        Some(0.0) => None,
+        c => c,
+    };
+    let skip_nonfinite = args.skip_nonfinite;
     let opt = AdamWConfig {
         lr: args.lr,
         beta1: args.beta1,
@@ -119,21 +126,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     };
     let params = initial_params(args, &cfg)?;
     let seed = args.seed;
-    // Check the output paths' directories now rather than after training.
-    for p in [&args.save, &args.loss_log, &args.trace]
-        .into_iter()
-        .flatten()
-    {
-        if let Some(d) = p.parent() {
-            if !d.as_os_str().is_empty() && !d.is_dir() {
-                return Err(fail(format!(
-                    "{}: directory {} does not exist",
-                    p.display(),
-                    d.display()
-                )));
-            }
-        }
-    }
+    // Check the output paths now rather than after training: what each names (a directory or a
+    // device is never replaced) and that its directory is writable.
+    check_output_paths(args, world, matches!(mode, Mode::Process { .. }))?;
 
     // ---- Train.
     let global_tokens = args.batch_size * t;
@@ -164,6 +159,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
     };
     let leader = process_comm.as_ref().is_none_or(|c| c.rank() == 0);
+    // Rank 0 writes the loss log as training goes, so a run that stops keeps its finished steps.
+    let loss_log = match &args.loss_log {
+        Some(path) if leader => Some(Mutex::new(LossLog::create(path)?)),
+        _ => None,
+    };
     let mem_now: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
     if leader {
         println!(
@@ -186,7 +186,8 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         );
     }
     let start = Instant::now();
-    let run = |comm: Box<dyn Communicator>| -> Result<RankReport, FsdpError> {
+    let skipped_steps = AtomicUsize::new(0);
+    let run = |comm: Box<dyn Communicator>| -> Result<RankReport, CliError> {
         let rank = comm.rank();
         let rule = gpt2_init(cfg.n_layer);
         let init = match &params {
@@ -202,6 +203,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         let mut losses = Vec::with_capacity(steps);
         let (mut ag, mut rs, mut ar) = (0u64, 0u64, 0u64);
+        let mut skipped = 0usize;
         for step in 0..steps {
             let t0 = Instant::now();
             let mut loss = 0.0f32;
@@ -215,10 +217,34 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 };
                 loss += l;
             }
-            if let Some(c) = args.grad_clip {
-                model.clip_grad_norm(c)?;
+            let norm = match grad_clip {
+                Some(c) => model.clip_grad_norm(c)?,
+                None => model.grad_norm()?,
+            };
+            // The global loss and gradient norm are bitwise the same on every rank, so every
+            // rank takes the same branch without further communication.
+            match nonfinite(loss, norm) {
+                None => model.optimizer_step()?,
+                Some(what) if skipped < skip_nonfinite => {
+                    // Recorded below like any step (its loss as it is).
+                    skipped += 1;
+                    model.skip_step()?;
+                    if rank == 0 {
+                        let msg = format!(
+                            "step {step}: {what}: skipped ({skipped} of --skip-nonfinite \
+                             {skip_nonfinite})"
+                        );
+                        if tty {
+                            bar.println(msg);
+                        } else {
+                            println!("{msg}");
+                        }
+                    }
+                }
+                Some(what) => {
+                    return Err(nonfinite_error(step, &what, skipped, skip_nonfinite));
+                }
             }
-            model.optimizer_step()?;
             let dt = t0.elapsed().as_secs_f64();
             // Communication volume from the recorded schedule and the units' layouts.
             for e in model.schedule() {
@@ -237,6 +263,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             let stats = model.memory_stats();
             mem_now[rank].store(stats.allocated_bytes.all.peak, Ordering::Relaxed);
             losses.push((loss, dt, stats.allocated_bytes.all.peak));
+            if let (0, Some(log)) = (rank, &loss_log) {
+                let peak = stats.allocated_bytes.all.peak;
+                let mut log = log.lock().unwrap_or_else(PoisonError::into_inner);
+                log.step(step, loss, global_tokens as f64 / dt, peak);
+            }
             if rank == 0 {
                 let mem: Vec<String> = mem_now
                     .iter()
@@ -264,6 +295,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         } else {
             None
         };
+        if rank == 0 {
+            skipped_steps.store(skipped, Ordering::Relaxed);
+        }
         let stats = model.memory_stats();
         let trace = model.trace_events();
         Ok(RankReport {
@@ -302,7 +336,8 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             if let Some(path) = &args.trace {
                 if rank > 0 {
                     let per_rank = vec![std::mem::take(&mut own.trace)];
-                    fsdp::trace::write_chrome_trace(&rank_path(path, rank), &per_rank)?;
+                    fsdp::trace::write_chrome_trace(&rank_trace_path(path, rank), &per_rank)
+                        .map_err(|e| output_error("--trace", e))?;
                 }
             }
             if rank != 0 {
@@ -316,9 +351,49 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     bar.finish_and_clear();
 
     // ---- Outputs.
-    write_outputs(args, &cfg, &mut reports, global_tokens)?;
+    write_outputs(args, &cfg, &mut reports)?;
+    if let Some(log) = loss_log {
+        log.into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .finish()?;
+    }
     print_summary(&reports, elapsed, global_tokens, steps);
+    let skipped = skipped_steps.load(Ordering::Relaxed);
+    if skipped > 0 {
+        println!(
+            "skipped {skipped} non-finite step(s) (no optimizer step; gradients discarded; \
+             --skip-nonfinite {skip_nonfinite})"
+        );
+    }
     Ok(())
+}
+
+/// What is non-finite in a step, if anything: the global loss (checked first) or the global
+/// gradient norm.
+fn nonfinite(loss: f32, grad_norm: f64) -> Option<String> {
+    if !loss.is_finite() {
+        Some(format!("the loss is {loss}"))
+    } else if !grad_norm.is_finite() {
+        Some(format!("the gradient norm is {grad_norm}"))
+    } else {
+        None
+    }
+}
+
+/// The error that stops a run at a non-finite step (before its optimizer step, so no output
+/// is written from non-finite parameters).
+fn nonfinite_error(step: usize, what: &str, skipped: usize, skip_nonfinite: usize) -> CliError {
+    if skip_nonfinite == 0 {
+        fail(format!(
+            "step {step}: {what} (non-finite); training stopped and nothing was saved \
+             (--skip-nonfinite N skips up to N such steps)"
+        ))
+    } else {
+        fail(format!(
+            "step {step}: {what} (non-finite) after {skipped} skipped non-finite step(s) \
+             (--skip-nonfinite {skip_nonfinite}); training stopped and nothing was saved"
+        ))
+    }
 }
 
 /// How `train` runs its ranks.
