@@ -24,6 +24,13 @@
 //! child succeeds, the report says so and the exit code is 0. A program that cannot be started
 //! is [`CollectiveError::Launch`], after the ranks already started are stopped.
 //!
+//! On Linux the children die with the launcher: each gets `SIGKILL` when the launcher ends,
+//! however it ends (`kill -9` included), through `prctl(PR_SET_PDEATHSIG, SIGKILL)` set in the
+//! child before it executes the program; a child whose launcher died before that was set exits
+//! at once instead of starting. So a killed launcher leaves no orphan ranks. (The signal follows
+//! the *thread* that started the child, which is the caller of [`run`] and outlives the
+//! children: [`run`] returns only after they ended.)
+//!
 //! Limits: processes that a child started itself (grandchildren) are not killed; if they keep the
 //! child's output open, the launcher stops forwarding it about two seconds after the children
 //! ended instead of waiting. Children share the launcher's process group, so `Ctrl-C` in a
@@ -345,6 +352,7 @@ where
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -583,6 +591,34 @@ fn launcher_message(sink: &Sink, msg: &str) {
     let mut w = sink.lock().unwrap_or_else(|e| e.into_inner());
     let _ = writeln!(w, "[launcher] {msg}").and_then(|()| w.flush());
 }
+
+/// Makes the child started by `cmd` die with this process (Linux; elsewhere nothing): the
+/// child asks for `SIGKILL` on its parent's death, then checks that its parent is still this
+/// process — if the launcher died before the request took effect, the child was re-parented
+/// already and no signal will come, so it exits before executing the program.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let launcher = libc::pid_t::try_from(std::process::id()).unwrap_or(0);
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: `prctl` and `getppid` are system calls, and building an `io::Error`
+    // from an error number does not allocate. It touches no memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                // The launcher is gone: do not start an orphan rank.
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_cmd: &mut Command) {}
 
 fn outcome_of(status: ExitStatus) -> RankOutcome {
     if let Some(code) = status.code() {

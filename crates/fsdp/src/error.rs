@@ -177,6 +177,18 @@ pub enum FsdpError {
         /// Where that one would land.
         tied_to_unit: String,
     },
+    /// A host buffer (optimizer state, activations, a batch) could not be allocated: the
+    /// system refused the memory, or the size is beyond what one allocation can hold.
+    #[error(
+        "out of host memory: cannot allocate {bytes} bytes ({}) for {what}",
+        human_bytes(*bytes)
+    )]
+    HostOutOfMemory {
+        /// What the buffer was for.
+        what: String,
+        /// The bytes asked for (`u64::MAX` when the size itself overflows).
+        bytes: u64,
+    },
     /// A checkpoint file or directory cannot be written or read, or does not match the model.
     #[error("checkpoint {}: {reason}", path.display())]
     Checkpoint {
@@ -185,4 +197,40 @@ pub enum FsdpError {
         /// What is wrong (names the tensor where one is at fault).
         reason: String,
     },
+}
+
+/// `bytes` in binary units with one decimal (`1.5 GiB`), or `N B` below 1 KiB.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+/// A vector of `len` copies of `value`, allocated fallibly: when the system refuses the memory
+/// (or `len` elements do not fit in one allocation) the result is
+/// [`FsdpError::HostOutOfMemory`] naming `what` and the bytes asked, not an abort. Use it for
+/// buffers whose size comes from the user (optimizer state, activations, batches).
+///
+/// # Errors
+/// [`FsdpError::HostOutOfMemory`].
+pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> Result<Vec<T>, FsdpError> {
+    let mut v = Vec::new();
+    if v.try_reserve_exact(len).is_err() {
+        let bytes = (len as u128).saturating_mul(std::mem::size_of::<T>() as u128);
+        return Err(FsdpError::HostOutOfMemory {
+            what: what.to_string(),
+            bytes: u64::try_from(bytes).unwrap_or(u64::MAX),
+        });
+    }
+    v.resize(len, value);
+    Ok(v)
 }

@@ -32,7 +32,7 @@ pub mod units;
 pub mod wrap;
 
 pub use engine::{Fsdp, FsdpConfig, FsdpModel, Grads, ParamInit, Params, ShardingStrategy};
-pub use error::FsdpError;
+pub use error::{human_bytes, try_filled_vec, FsdpError};
 
 /// The README's Rust examples ("Shard your own model", "Using the collectives"), run as
 /// doctests.

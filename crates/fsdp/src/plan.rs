@@ -1,18 +1,33 @@
 //! Memory and communication plan of an FSDP configuration, from a dry run of the engine
 //! itself.
 //!
-//! [`plan`] builds the real [`Fsdp`] engine for every rank over a dry-run communicator
+//! [`plan`] builds the real [`Fsdp`] engine of a rank over a dry-run communicator
 //! ([`fsdp_collectives::dryrun`]: argument checks, no data, completes at once) and a caching
 //! allocator over the meta device ([`fsdp_allocator::MetaSource`]: sizes and addresses, no
 //! bytes), and runs two training steps of hooks over the model's [`Span`]s (the second with the
 //! execution order recorded in the first) with an optimizer step after each. The allocator's
 //! peak is therefore exactly the peak a real run reaches: same allocations, same frees, same
-//! order, same rounding and caching. The plan lists per unit the parameter count, the per-rank
+//! order, same rounding and caching (the reserved peak too, when the allocator's capacity is
+//! the real run's). The plan lists per unit the parameter count, the per-rank
 //! payload of each collective and the number of collectives of the second step (read from the
-//! engine's schedule), and per rank the peak of the allocator's bytes with its breakdown. The
+//! engine's schedule), and per rank the peaks of the allocator's bytes with their breakdown.
+//! [`plan_accumulated`] plans steps of several micro-batches accumulated under `no_sync`. The
 //! optimizer state (AdamW: two `f32` per shard element) lives in plain host memory and is
 //! reported separately; so are the activations, which only the model can estimate
 //! ([`MemoryPlan::with_activations`]).
+//!
+//! The dry run is of **rank 0 only**, and its figures are every rank's: the plan is exact for
+//! all ranks because every rank holds equal-sized shards (a flat parameter is padded to a
+//! multiple of the sharding factor; unsharded units are whole on every rank) and runs the same
+//! schedule (the same hooks in the same order, the same collectives with the same sizes, the
+//! same allocator decisions, which never depend on addresses). A plan therefore costs the same
+//! at 4 ranks as at 100 000, and holds nothing per rank but the [`MemoryPlan::per_rank`] vector.
+//!
+//! [`available_memory`] tells how much memory this process may still take (the smaller of
+//! `/proc/meminfo`'s `MemAvailable` and the cgroup limits), to compare with a plan's
+//! [`RankMemory::total`].
+
+mod available;
 
 use std::fmt;
 use std::sync::Arc;
@@ -25,7 +40,12 @@ use crate::engine::{
 };
 use crate::optim::AdamWConfig;
 use crate::units::UnitPlan;
-use crate::FsdpError;
+use crate::{human_bytes, try_filled_vec, FsdpError};
+
+pub use available::{
+    available_memory, available_memory_from, cgroup_headroom, parse_cgroup_paths,
+    parse_meminfo_available, AvailableMemory, CgroupPaths, CgroupVersion,
+};
 
 /// One unit of the plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,11 +87,24 @@ pub struct RankMemory {
     pub unsharded_grads: u64,
     /// Predicted peak of allocated bytes: the sum of the three above.
     pub peak_allocated: u64,
+    /// Predicted peak of the allocator's reserved bytes (its segments: what it takes from the
+    /// system, at least `peak_allocated`).
+    pub peak_reserved: u64,
     /// Optimizer state in host memory (AdamW: `exp_avg` and `exp_avg_sq` of the shards).
     pub optimizer_state: u64,
     /// Activations kept for backward in host memory (the model's estimate, see
     /// [`MemoryPlan::with_activations`]; 0 when none was given).
     pub activations: u64,
+}
+
+impl RankMemory {
+    /// The rank's predicted memory: the allocator's reserved peak, the optimizer state and the
+    /// activations; `None` if the sum overflows `u64`.
+    pub fn total(&self) -> Option<u64> {
+        self.peak_reserved
+            .checked_add(self.optimizer_state)?
+            .checked_add(self.activations)
+    }
 }
 
 /// The plan: per-unit communication and per-rank memory.
@@ -118,22 +151,46 @@ impl MemoryPlan {
 }
 
 /// Plan `config` for a model whose units are `units` and whose compute spans are `spans`, at
-/// `world` ranks (see the [module](self) documentation).
+/// `world` ranks (see the [module](self) documentation): one micro-batch per step.
 ///
 /// # Errors
 /// [`FsdpError::InvalidPlan`] for a plan without units or a span reading an unknown
 /// parameter; [`FsdpError::InvalidFsdpConfig`] for a world of 0, a `ranks_per_node` that does
-/// not divide the world, a limit of 0; the engine's errors (an allocation beyond
-/// [`FsdpConfig::memory_capacity`] is an out-of-memory error, as it would be in training).
+/// not divide the world, a limit of 0, sizes that overflow `u64`; the engine's errors (an
+/// allocation beyond [`FsdpConfig::memory_capacity`] is an out-of-memory error, as it would be
+/// in training); [`FsdpError::HostOutOfMemory`] when even the per-rank vector of an absurd
+/// world size cannot be allocated.
 pub fn plan(
     units: &UnitPlan,
     spans: &[Span],
     world: usize,
     config: &FsdpConfig,
 ) -> Result<MemoryPlan, FsdpError> {
+    plan_accumulated(units, spans, world, config, 1)
+}
+
+/// [`plan`] with `micro_batches` micro-batches per optimizer step, gradients accumulated under
+/// [`no_sync`](Fsdp::no_sync) as a training loop does (all but the last micro-batch): each
+/// unit then holds an unsharded gradient between the passes, which the plan includes. Three
+/// passes per step are enough to reach the peak of any number of micro-batches (the first
+/// under `no_sync`, a later one under `no_sync` that starts with the gradients held, and the
+/// reducing one); further ones repeat the second.
+///
+/// # Errors
+/// As [`plan`]; [`FsdpError::InvalidFsdpConfig`] for 0 micro-batches.
+pub fn plan_accumulated(
+    units: &UnitPlan,
+    spans: &[Span],
+    world: usize,
+    config: &FsdpConfig,
+    micro_batches: usize,
+) -> Result<MemoryPlan, FsdpError> {
     let bad = |reason: String| FsdpError::InvalidFsdpConfig { reason };
     if world == 0 {
         return Err(bad("the world size must be at least 1".into()));
+    }
+    if micro_batches == 0 {
+        return Err(bad("a step needs at least one micro-batch".into()));
     }
     let strategy = config.strategy;
     let per_node = match strategy {
@@ -148,58 +205,73 @@ pub fn plan(
         }
         _ => None,
     };
-    let mut per_rank = Vec::with_capacity(world);
-    let mut rows = Vec::new();
-    let mut factor = 1;
-    let mut replicas = 1;
-    for rank in 0..world {
-        let comm = DryRunCommunicator::new(rank, world)?;
-        let mesh = match per_node {
-            Some(n) => Some(dry_run_mesh(rank, world / n, n)?),
-            None => None,
-        };
-        let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
-        let pool = MetaAllocator::new(
-            MetaSource::new(config.memory_capacity),
-            AllocatorConfig::default(),
-        )?;
-        let mut fsdp = Fsdp::with_parts(
-            groups,
-            Arc::new(pool),
-            units,
-            ParamInit::Meta,
-            *config,
-            AdamWConfig::default().into(),
-        )?;
-        let sharded_state = fsdp.memory_stats().allocated_bytes.all.current;
-        for _ in 0..2 {
-            fsdp.dry_run_pass(spans)?;
-            fsdp.optimizer_step()?;
+    // Rank 0 stands for every rank (see the module documentation).
+    let rank = 0;
+    let comm = DryRunCommunicator::new(rank, world)?;
+    let mesh = match per_node {
+        Some(n) => Some(dry_run_mesh(rank, world / n, n)?),
+        None => None,
+    };
+    let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
+    let pool = MetaAllocator::new(
+        MetaSource::new(config.memory_capacity),
+        AllocatorConfig::default(),
+    )?;
+    let mut fsdp = Fsdp::with_parts(
+        groups,
+        Arc::new(pool),
+        units,
+        ParamInit::Meta,
+        *config,
+        AdamWConfig::default().into(),
+    )?;
+    let sharded_state = fsdp.memory_stats().allocated_bytes.all.current;
+    let passes = micro_batches.min(3);
+    for _ in 0..2 {
+        for m in 0..passes {
+            if m + 1 < passes {
+                fsdp.no_sync(|f| f.dry_run_pass(spans))?;
+            } else {
+                fsdp.dry_run_pass(spans)?;
+            }
         }
-        let peak = fsdp.memory_stats().allocated_bytes.all.peak;
-        let (sampled, params) = fsdp.ctx.peak_sample;
-        let unsharded_params = if sampled == peak { params } else { 0 };
-        per_rank.push(RankMemory {
-            sharded_state,
-            unsharded_params,
-            unsharded_grads: peak.saturating_sub(sharded_state + unsharded_params),
-            peak_allocated: peak,
-            optimizer_state: fsdp
-                .param_groups()
-                .iter()
-                .map(|g| 8 * g.layout().shard_numel() as u64)
-                .sum(),
-            activations: 0,
-        });
-        if rank == 0 {
-            factor = fsdp.sharding_factor();
-            replicas = fsdp
-                .process_groups()
-                .replicate()
-                .map_or(1, |g| g.world_size());
-            rows = unit_rows(&fsdp);
-        }
+        fsdp.optimizer_step()?;
     }
+    let stats = fsdp.memory_stats();
+    let peak = stats.allocated_bytes.all.peak;
+    let (sampled, params) = fsdp.ctx.peak_sample;
+    let unsharded_params = if sampled == peak { params } else { 0 };
+    let overflow = |what: &str| bad(format!("the {what} overflows u64"));
+    // AdamW: exp_avg and exp_avg_sq, 4 bytes each per shard element.
+    let optimizer_state = fsdp
+        .param_groups()
+        .iter()
+        .try_fold(0u64, |acc, g| {
+            (g.layout().shard_numel() as u64)
+                .checked_mul(8)
+                .and_then(|b| acc.checked_add(b))
+        })
+        .ok_or_else(|| overflow("optimizer state's size"))?;
+    let unsharded_grads = sharded_state
+        .checked_add(unsharded_params)
+        .map(|held| peak.saturating_sub(held))
+        .ok_or_else(|| overflow("memory breakdown"))?;
+    let memory = RankMemory {
+        sharded_state,
+        unsharded_params,
+        unsharded_grads,
+        peak_allocated: peak,
+        peak_reserved: stats.reserved_bytes.all.peak,
+        optimizer_state,
+        activations: 0,
+    };
+    let factor = fsdp.sharding_factor();
+    let replicas = fsdp
+        .process_groups()
+        .replicate()
+        .map_or(1, |g| g.world_size());
+    let rows = unit_rows(&fsdp);
+    drop(fsdp);
     Ok(MemoryPlan {
         strategy,
         world,
@@ -207,27 +279,35 @@ pub fn plan(
         replicas,
         units: rows,
         loss_all_reduces: usize::from(world > 1),
-        per_rank,
+        per_rank: try_filled_vec(world, memory, "the plan's per-rank memory")?,
     })
 }
 
 /// Per-unit rows from the engine's layouts and the schedule of its last step.
 fn unit_rows(fsdp: &Fsdp) -> Vec<UnitPlanRow> {
     let step = fsdp.steps();
-    let count = |u: usize, phase: Option<Phase>, kind: ScheduleKind| {
-        fsdp.schedule()
-            .iter()
-            .filter(|e| e.step == step && e.unit == u && e.kind == kind)
-            .filter(|e| phase.is_none_or(|p| e.phase == p))
-            .count()
-    };
+    // One pass over the schedule: per unit (forward all-gathers, backward all-gathers,
+    // reduce-scatters, all-reduces) of the last step.
+    let mut counts = vec![[0usize; 4]; fsdp.param_groups().len()];
+    for e in fsdp.schedule().iter().filter(|e| e.step == step) {
+        let Some(c) = counts.get_mut(e.unit) else {
+            continue;
+        };
+        match (e.kind, e.phase) {
+            (ScheduleKind::AllGather, Phase::Forward) => c[0] += 1,
+            (ScheduleKind::AllGather, Phase::Backward) => c[1] += 1,
+            (ScheduleKind::ReduceScatter, _) => c[2] += 1,
+            (ScheduleKind::AllReduce, _) => c[3] += 1,
+            (ScheduleKind::Free, _) => {}
+        }
+    }
     fsdp.param_groups()
         .iter()
+        .zip(counts)
         .enumerate()
-        .map(|(u, g)| {
+        .map(|(u, (g, [fwd, bwd, rs, ar]))| {
             let l = g.layout();
-            let shard_bytes = l.shard_numel() as u64 * 4;
-            let all_reduces = count(u, None, ScheduleKind::AllReduce);
+            let shard_bytes = (l.shard_numel() as u64).saturating_mul(4);
             UnitPlanRow {
                 unit: u,
                 name: if g.name().is_empty() {
@@ -239,29 +319,14 @@ fn unit_rows(fsdp: &Fsdp) -> Vec<UnitPlanRow> {
                 factor: g.factor(),
                 shard_numel: l.shard_numel(),
                 shard_bytes: if g.factor() > 1 { shard_bytes } else { 0 },
-                all_reduce_bytes: if all_reduces > 0 { shard_bytes } else { 0 },
-                forward_all_gathers: count(u, Some(Phase::Forward), ScheduleKind::AllGather),
-                backward_all_gathers: count(u, Some(Phase::Backward), ScheduleKind::AllGather),
-                reduce_scatters: count(u, None, ScheduleKind::ReduceScatter),
-                all_reduces,
+                all_reduce_bytes: if ar > 0 { shard_bytes } else { 0 },
+                forward_all_gathers: fwd,
+                backward_all_gathers: bwd,
+                reduce_scatters: rs,
+                all_reduces: ar,
             }
         })
         .collect()
-}
-
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
 }
 
 impl fmt::Display for MemoryPlan {
@@ -308,7 +373,9 @@ impl fmt::Display for MemoryPlan {
             "{:>4}  {:<24} {:>12} {:>3} {:>14} {:>14}  {fa:>6} {ba:>6} {rs:>3} {ar:>3}",
             "",
             "total per step",
-            self.units.iter().map(|u| u.params).sum::<usize>(),
+            self.units
+                .iter()
+                .fold(0usize, |a, u| a.saturating_add(u.params)),
             "",
             "",
             ""
@@ -321,32 +388,54 @@ impl fmt::Display for MemoryPlan {
         writeln!(f)?;
         writeln!(
             f,
-            "{:>4}  {:>14} {:>14} {:>14} {:>16} | {:>14} {:>14}",
-            "rank",
+            "{:>11}  {:>13} {:>10} {:>10} {:>14} {:>13} | {:>10} {:>11} | {:>10}",
+            "ranks",
             "sharded state",
             "unsharded",
             "gradients",
             "peak allocated",
+            "peak reserved",
             "optimizer",
-            "activations"
+            "activations",
+            "total"
         )?;
-        for (r, m) in self.per_rank.iter().enumerate() {
+        // Consecutive ranks with equal figures share a row (all of them, as planned).
+        let mut first = 0;
+        while first < self.per_rank.len() {
+            let m = &self.per_rank[first];
+            let last = first
+                + self.per_rank[first..]
+                    .iter()
+                    .take_while(|n| *n == m)
+                    .count()
+                - 1;
+            let ranks = if last == first {
+                first.to_string()
+            } else {
+                format!("{first}-{last}")
+            };
             writeln!(
                 f,
-                "{r:>4}  {:>14} {:>14} {:>14} {:>16} | {:>14} {:>14}",
-                human(m.sharded_state),
-                human(m.unsharded_params),
-                human(m.unsharded_grads),
-                human(m.peak_allocated),
-                human(m.optimizer_state),
-                human(m.activations)
+                "{ranks:>11}  {:>13} {:>10} {:>10} {:>14} {:>13} | {:>10} {:>11} | {:>10}",
+                human_bytes(m.sharded_state),
+                human_bytes(m.unsharded_params),
+                human_bytes(m.unsharded_grads),
+                human_bytes(m.peak_allocated),
+                human_bytes(m.peak_reserved),
+                human_bytes(m.optimizer_state),
+                human_bytes(m.activations),
+                m.total()
+                    .map_or_else(|| "overflow".to_string(), human_bytes)
             )?;
+            first = last + 1;
         }
         writeln!(
             f,
-            "(peak allocated: the caching allocator's bytes: parameter and gradient shards, \
-             unsharded parameters and gradients at the peak, 512-byte rounding; optimizer state \
-             (AdamW) and activations (the model's estimate) are host memory outside the allocator)"
+            "(per rank; peak allocated: the caching allocator's bytes: parameter and gradient \
+             shards, unsharded parameters and gradients at the peak, 512-byte rounding; peak \
+             reserved: its segments; optimizer state (AdamW) and activations (the model's \
+             estimate) are host memory outside the allocator; total: reserved + optimizer + \
+             activations)"
         )
     }
 }

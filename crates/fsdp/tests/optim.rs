@@ -321,3 +321,31 @@ fn non_finite_hyperparameters_are_errors_huge_finite_ones_are_not() {
     .validate()
     .unwrap();
 }
+
+/// The fallible constructors of the optimizer state: a size no allocation can hold is an
+/// error naming the buffer and the bytes asked, not an abort.
+#[test]
+fn optimizer_state_too_large_to_allocate_is_an_error() {
+    use fsdp::optim::{OptimizerConfig, OptimizerState};
+    let huge = 1usize << 61; // 2^63 bytes of f32: beyond any allocation
+    let e = AdamWState::try_new(huge).unwrap_err();
+    assert!(
+        matches!(&e, FsdpError::HostOutOfMemory { bytes, what }
+            if *bytes == 1 << 63 && what.contains("AdamW")),
+        "{e}"
+    );
+    assert!(e.to_string().contains("9223372036854775808 bytes"), "{e}");
+    let sgd = OptimizerConfig::from(SgdConfig::with_momentum(0.1, 0.9));
+    let e = OptimizerState::try_new(&sgd, huge).unwrap_err();
+    assert!(e.to_string().contains("momentum"), "{e}");
+    // Without momentum SGD keeps no buffer: nothing to allocate.
+    let plain = OptimizerConfig::from(SgdConfig::with_momentum(0.1, 0.0));
+    assert!(OptimizerState::try_new(&plain, huge).is_ok());
+    // Sizes that fit are the zero state of `new`.
+    assert_eq!(AdamWState::try_new(5).unwrap(), AdamWState::new(5));
+    let adamw = OptimizerConfig::from(AdamWConfig::default());
+    assert_eq!(
+        OptimizerState::try_new(&adamw, 3).unwrap(),
+        OptimizerState::new(&adamw, 3)
+    );
+}

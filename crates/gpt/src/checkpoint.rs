@@ -71,7 +71,8 @@ fn check_params(
 }
 
 /// Writes the full model state to `path`: every parameter of `cfg` under nanoGPT's name and
-/// shape, `f32` little-endian, with metadata `format = pt`. The tied `lm_head.weight` is omitted
+/// shape, `f32` little-endian, with metadata `format = pt` and the model sizes ([`SIZE_KEYS`],
+/// read back by [`read_sizes`]). The tied `lm_head.weight` is omitted
 /// (see the [module docs](self)); if `params` holds it, it must equal `transformer.wte.weight`.
 ///
 /// The parameters are validated (names, sizes, and finite values: a NaN or an infinity is an
@@ -92,9 +93,125 @@ pub fn save_full(
             (s.name, s.shape, bytes)
         })
         .collect();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    for (key, value) in SIZE_KEYS.into_iter().zip(sizes_of(cfg)) {
+        metadata.insert(key.to_string(), value.to_string());
+    }
     let bytes = serialize_f32(path, &tensors, Some(metadata))?;
     write_atomic(path, |w| w.write_all(&bytes))
+}
+
+/// The metadata keys under which [`save_full`] records the model sizes (decimal strings), in
+/// [`GptConfig`]'s order: `n_layer`, `n_head`, `n_embd`, `block_size`, `vocab_size`.
+pub const SIZE_KEYS: [&str; 5] = ["n_layer", "n_head", "n_embd", "block_size", "vocab_size"];
+
+/// The sizes of `cfg` in [`SIZE_KEYS`] order.
+fn sizes_of(cfg: &GptConfig) -> [usize; 5] {
+    [
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.block_size,
+        cfg.vocab_size,
+    ]
+}
+
+/// The model sizes a full checkpoint holds, as far as they are known ([`read_sizes`]), in
+/// [`SIZE_KEYS`] order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CheckpointSizes {
+    /// `n_layer`, `n_head`, `n_embd`, `block_size`, `vocab_size`: each from the metadata, or
+    /// inferred from the tensor shapes, or `None` when neither tells (`n_head` never can be
+    /// inferred).
+    pub sizes: [Option<usize>; 5],
+    /// Which of them come from the metadata (the others were inferred from shapes).
+    pub from_metadata: [bool; 5],
+}
+
+/// Largest safetensors header read (the format's own limit is 100 MB).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Reads the model sizes of a full checkpoint from its header only (the tensors are not read):
+/// the metadata [`save_full`] writes ([`SIZE_KEYS`]) and, for the sizes it does not hold (files
+/// of PyTorch or of older versions), what the shapes tell: `vocab_size` and `n_embd` from
+/// `transformer.wte.weight`, `block_size` from `transformer.wpe.weight`, `n_layer` from the
+/// highest block index `transformer.h.N.` plus one. `n_head` cannot be inferred.
+///
+/// # Errors
+/// [`FsdpError::Checkpoint`] naming `path`: it cannot be read, it is not a safetensors file,
+/// or a size in its metadata is not a positive integer.
+pub fn read_sizes(path: &Path) -> Result<CheckpointSizes, FsdpError> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| err(path, format!("cannot read: {e}")))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|e| err(path, format!("not a safetensors file ({e})")))?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER {
+        return Err(err(
+            path,
+            format!("not a safetensors file (a header of {n} bytes)"),
+        ));
+    }
+    let mut header = Vec::new();
+    file.take(n)
+        .read_to_end(&mut header)
+        .map_err(|e| err(path, format!("cannot read: {e}")))?;
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| err(path, format!("not a safetensors file (header: {e})")))?;
+    let Some(header) = header.as_object() else {
+        return Err(err(
+            path,
+            "not a safetensors file (its header is not a map)",
+        ));
+    };
+    let mut out = CheckpointSizes::default();
+    let metadata = header.get("__metadata__").and_then(|m| m.as_object());
+    for (i, key) in SIZE_KEYS.iter().enumerate() {
+        let Some(v) = metadata.and_then(|m| m.get(*key)) else {
+            continue;
+        };
+        let size = v
+            .as_str()
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&s| s > 0)
+            .ok_or_else(|| {
+                err(
+                    path,
+                    format!("metadata `{key}` is {v}, not a positive size"),
+                )
+            })?;
+        out.sizes[i] = Some(size);
+        out.from_metadata[i] = true;
+    }
+    let shape = |name: &str| -> Option<Vec<usize>> {
+        let dims = header.get(name)?.get("shape")?.as_array()?;
+        dims.iter()
+            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+            .collect()
+    };
+    let mut inferred: [Option<usize>; 5] = [None; 5];
+    if let Some([v, e]) = shape(WTE).as_deref() {
+        inferred[4] = Some(*v);
+        inferred[2] = Some(*e);
+    }
+    if let Some([b, _]) = shape("transformer.wpe.weight").as_deref() {
+        inferred[3] = Some(*b);
+    }
+    inferred[0] = header
+        .keys()
+        .filter_map(|k| {
+            let rest = k.strip_prefix("transformer.h.")?;
+            rest.split_once('.')?.0.parse::<usize>().ok()
+        })
+        .max()
+        .map(|n| n + 1);
+    for (slot, guess) in out.sizes.iter_mut().zip(inferred) {
+        if slot.is_none() {
+            *slot = guess.filter(|&g| g > 0);
+        }
+    }
+    Ok(out)
 }
 
 /// Reads a full checkpoint written by [`save_full`] or by PyTorch (`safetensors.torch`), e.g. the

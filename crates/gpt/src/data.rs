@@ -146,8 +146,23 @@ pub fn get_batch(
     }
     check_stream_len(tokens.len(), seq_len)?;
     let rows = batch_size / world_size;
-    let mut inputs = Vec::with_capacity(rows * seq_len);
-    let mut targets = Vec::with_capacity(rows * seq_len);
+    let n = rows
+        .checked_mul(seq_len)
+        .ok_or_else(|| FsdpError::InvalidShape {
+            reason: format!("{rows} rows of {seq_len} tokens overflow usize"),
+        })?;
+    let mut inputs = Vec::new();
+    let mut targets = Vec::new();
+    for (v, what) in [
+        (&mut inputs, "batch inputs"),
+        (&mut targets, "batch targets"),
+    ] {
+        v.try_reserve_exact(n)
+            .map_err(|_| FsdpError::HostOutOfMemory {
+                what: format!("the {what} ({rows} rows of {seq_len} tokens)"),
+                bytes: (n as u64).saturating_mul(4),
+            })?;
+    }
     for i in 0..rows {
         let start = row_start(tokens.len(), k, batch_size, rank * rows + i, seq_len)?;
         inputs.extend(tokens[start..start + seq_len].iter().map(|&t| u32::from(t)));

@@ -156,3 +156,86 @@ fn per_unit_payloads_and_counts() {
     assert!(plan(&cfg, 4, &c, &units, 0, 16).is_err());
     assert!(plan(&cfg, 4, &c, &units, 2, 17).is_err());
 }
+
+/// With gradient accumulation under `no_sync`, the planned peak (which holds the unsharded
+/// gradients between micro-batches) equals the measured one, and the reserved peak too; one
+/// micro-batch is the plain plan.
+#[test]
+fn predicted_peak_with_accumulation_equals_the_measured_peak() {
+    let cfg = GptConfig::new(4, 2, 32, 16, 96).unwrap();
+    let units = gpt_block_plan(&cfg);
+    let init = named_params(&cfg, init_params(&cfg, 5)).unwrap();
+    let tokens = synthetic_corpus(4_000, 96, 3);
+    let opt = common::adamw();
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::NoShard] {
+        let config = FsdpConfig {
+            ranks_per_node: Some(2),
+            ..FsdpConfig::new(strategy)
+        };
+        for micro in [1usize, 2, 4] {
+            let p = fsdp_gpt::plan::plan_accumulated(
+                &cfg,
+                WORLD,
+                &config,
+                &units,
+                ROWS / WORLD,
+                SEQ,
+                micro,
+            )
+            .unwrap();
+            if micro == 1 {
+                assert_eq!(
+                    p,
+                    plan(&cfg, WORLD, &config, &units, ROWS / WORLD, SEQ).unwrap()
+                );
+            }
+            let opts = ring::RingOptions::default().with_timeout(Duration::from_secs(60));
+            let measured = ring::run_ranks(WORLD, opts, |comm| {
+                let rank = comm.rank();
+                let mut f = FsdpGpt::new(Box::new(comm), cfg, &units, &init, config, opt).unwrap();
+                for step in 0..2 {
+                    for m in 0..micro {
+                        let k = (step * micro + m) as u64;
+                        let batch = get_batch(&tokens, k, ROWS, SEQ, rank, WORLD).unwrap();
+                        if m + 1 < micro {
+                            f.no_sync(|f| f.forward_backward(&batch, ROWS * SEQ * micro))
+                                .unwrap();
+                        } else {
+                            f.forward_backward(&batch, ROWS * SEQ * micro).unwrap();
+                        }
+                    }
+                    f.optimizer_step().unwrap();
+                }
+                let s = f.memory_stats();
+                (s.allocated_bytes.all.peak, s.reserved_bytes.all.peak)
+            })
+            .unwrap();
+            for (rank, (allocated, reserved)) in measured.into_iter().enumerate() {
+                let m = &p.per_rank[rank];
+                assert_eq!(
+                    (m.peak_allocated, m.peak_reserved),
+                    (allocated, reserved),
+                    "{strategy:?}, {micro} micro-batches, rank {rank}"
+                );
+            }
+        }
+    }
+}
+
+/// The plan is of one rank, whatever the world size: 100 000 ranks plan in well under a
+/// second, every rank with the same figures.
+#[test]
+fn a_huge_world_plans_quickly() {
+    let cfg = GptConfig::new(1, 2, 32, 16, 96).unwrap();
+    let units = gpt_block_plan(&cfg);
+    let t0 = std::time::Instant::now();
+    let c = FsdpConfig::new(ShardingStrategy::FullShard);
+    let p = plan(&cfg, 100_000, &c, &units, 1, SEQ).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(p.per_rank.len(), 100_000);
+    assert!(p.per_rank.iter().all(|m| *m == p.per_rank[0]));
+    // One row for all of them.
+    let table = p.to_string();
+    assert!(table.contains("0-99999"), "{table}");
+    assert!(table.lines().count() < 20, "{table}");
+}

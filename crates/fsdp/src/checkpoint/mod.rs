@@ -13,6 +13,9 @@
 //!   any world size's files and [`Fsdp::new`](crate::engine::Fsdp::new) reshards them for the new
 //!   world; [`Fsdp::load_optimizer_state`](crate::engine::Fsdp::load_optimizer_state) then
 //!   restores the optimizer state, so training resumes where it stopped.
+//! - **Periodic checkpoints** ([`CheckpointDir`]): one directory of `step-K` checkpoints, each
+//!   complete or absent — the ranks write into `step-K.tmp`, one process commits it by renaming
+//!   it to `step-K`, and older ones are removed only after that ([`dir`] describes the protocol).
 //! - **Building blocks for full checkpoints** of a model: [`write_atomic`], [`serialize_f32`],
 //!   [`read_bytes`], [`parse`] and [`tensor_f32`] (F32, BF16 and F16 tensors read as `f32`).
 //!
@@ -29,6 +32,7 @@
 //! writers left behind are removed by the next write of the same file
 //! ([`remove_stale_temporaries`]).
 
+pub mod dir;
 mod output;
 mod sharded;
 
@@ -41,6 +45,7 @@ use safetensors::SafeTensors;
 
 use crate::FsdpError;
 
+pub use dir::{step_dir_name, CheckpointDir, Committed, STAGING_SUFFIX};
 pub use output::{
     check_output_path, remove_stale_temporaries, resolve_output_path, write_atomic, write_output,
     OutputKind, PROBE_MARKER, TEMPORARY_MARKER,
@@ -133,5 +138,44 @@ pub fn serialize_f32(
                 .map_err(|e| err(path, format!("tensor `{name}`: {e:?}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    safetensors::serialize(views, &metadata).map_err(|e| err(path, format!("{e:?}")))
+    let mut bytes =
+        safetensors::serialize(views, &metadata).map_err(|e| err(path, format!("{e:?}")))?;
+    if let Some(m) = &metadata {
+        sort_metadata(&mut bytes, m);
+    }
+    Ok(bytes)
+}
+
+/// Rewrites the metadata map in a serialized safetensors file in key order. safetensors writes
+/// it in `HashMap` order, which differs from run to run, so the same tensors and metadata would
+/// give different bytes. The sorted map has the same entries, hence the same length: it
+/// replaces the original in place, and nothing else in the file moves.
+fn sort_metadata(bytes: &mut [u8], metadata: &HashMap<String, String>) {
+    const KEY: &[u8] = b"\"__metadata__\":";
+    let sorted: std::collections::BTreeMap<&String, &String> = metadata.iter().collect();
+    let Ok(json) = serde_json::to_string(&sorted) else {
+        return;
+    };
+    let Some(len) = bytes
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .and_then(|b| usize::try_from(u64::from_le_bytes(b)).ok())
+    else {
+        return;
+    };
+    let Some(header) = bytes.get_mut(8..8usize.saturating_add(len)) else {
+        return;
+    };
+    let Some(pos) = header.windows(KEY.len()).position(|w| w == KEY) else {
+        return;
+    };
+    let (start, end) = (pos + KEY.len(), pos + KEY.len() + json.len());
+    // Replace only what is exactly the same map.
+    let same = header
+        .get(start..end)
+        .and_then(|m| serde_json::from_slice::<HashMap<String, String>>(m).ok())
+        .is_some_and(|m| m == *metadata);
+    if same {
+        header[start..end].copy_from_slice(json.as_bytes());
+    }
 }

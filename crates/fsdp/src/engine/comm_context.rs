@@ -141,6 +141,10 @@ pub struct CommContext {
     /// Collectives issued so far (an issue index, for release points).
     pub(crate) issued: u64,
     pub(crate) pending: Vec<PendingReduce>,
+    /// Every pending reduction issued before this index has released its gradient
+    /// ([`release_before`](Self::release_before)): issue indices only grow, and `pending` is
+    /// in issue order, so a release touches only the entries not released yet.
+    pub(crate) released_before: u64,
     pub(crate) phase: Phase,
     /// Forward/backward passes begun.
     pub(crate) step: u64,
@@ -179,6 +183,7 @@ impl CommContext {
             in_flight: 0,
             issued: 0,
             pending: Vec::new(),
+            released_before: 0,
             phase: Phase::Forward,
             step: 0,
             schedule: Vec::new(),
@@ -250,11 +255,16 @@ impl CommContext {
     /// Release the gradients held by reductions issued before collective `issued` (which the
     /// host just waited for: its stream ran them first).
     pub(crate) fn release_before(&mut self, issued: u64) {
-        for p in &mut self.pending {
-            if p.issued < issued {
-                p.holds = None;
-            }
+        if issued <= self.released_before {
+            return;
         }
+        let from = self.released_before;
+        let start = self.pending.partition_point(|p| p.issued < from);
+        let end = self.pending.partition_point(|p| p.issued < issued);
+        for p in &mut self.pending[start..end] {
+            p.holds = None;
+        }
+        self.released_before = issued;
     }
 
     /// Issue a collective through `f`, with a communication span on `stream` when tracing.

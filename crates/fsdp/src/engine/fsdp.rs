@@ -156,10 +156,29 @@ impl Fsdp {
                     range: p.range(),
                 });
             }
+            // A dry run (meta device) moves no data and never steps the optimizer: its state
+            // stays empty, so a plan of a model larger than this machine's memory allocates
+            // nothing in proportion to it (the plan reports the state's size from the layout).
+            let state_numel = if ctx.is_meta() {
+                0
+            } else {
+                layout.shard_numel()
+            };
+            let optim_state =
+                OptimizerState::try_new(&optim, state_numel).map_err(|e| match e {
+                    FsdpError::HostOutOfMemory { what, bytes } => FsdpError::HostOutOfMemory {
+                        what: format!(
+                            "{what} of unit {}",
+                            if name.is_empty() { "(root)" } else { &name },
+                        ),
+                        bytes,
+                    },
+                    e => e,
+                })?;
             groups.push(ParamGroup {
                 index: i,
                 name,
-                optim_state: OptimizerState::new(&optim, layout.shard_numel()),
+                optim_state,
                 segments: ShardGroups::single(layout.shard_numel()),
                 full: (f == 1).then(|| shard.clone()),
                 dtypes: GroupDtypes::default(),

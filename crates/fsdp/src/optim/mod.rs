@@ -185,12 +185,29 @@ pub struct AdamWState {
 
 impl AdamWState {
     /// Zero state for `len` elements.
+    ///
+    /// # Panics
+    /// Aborts when the memory cannot be allocated, as `vec!` does; [`AdamWState::try_new`]
+    /// returns an error instead.
     pub fn new(len: usize) -> Self {
         AdamWState {
             step: 0,
             exp_avg: vec![0.0; len],
             exp_avg_sq: vec![0.0; len],
         }
+    }
+
+    /// Zero state for `len` elements, allocated fallibly.
+    ///
+    /// # Errors
+    /// [`FsdpError::HostOutOfMemory`] naming the moment and its bytes when the memory cannot be
+    /// allocated.
+    pub fn try_new(len: usize) -> Result<Self, FsdpError> {
+        Ok(AdamWState {
+            step: 0,
+            exp_avg: crate::try_filled_vec(len, 0.0, "the AdamW state (exp_avg)")?,
+            exp_avg_sq: crate::try_filled_vec(len, 0.0, "the AdamW state (exp_avg_sq)")?,
+        })
     }
 
     /// Takes one [`adamw_step`] and counts it.
@@ -378,7 +395,30 @@ pub enum OptimizerState {
 }
 
 impl OptimizerState {
+    /// Zero state for `len` elements, allocated fallibly (what the engine uses).
+    ///
+    /// # Errors
+    /// [`FsdpError::HostOutOfMemory`] naming the buffer and its bytes when the memory cannot be
+    /// allocated.
+    pub fn try_new(cfg: &OptimizerConfig, len: usize) -> Result<Self, FsdpError> {
+        Ok(match cfg {
+            OptimizerConfig::AdamW(_) => OptimizerState::AdamW(AdamWState::try_new(len)?),
+            OptimizerConfig::Sgd(c) => OptimizerState::Sgd {
+                step: 0,
+                momentum_buffer: if c.momentum == 0.0 {
+                    Vec::new()
+                } else {
+                    crate::try_filled_vec(len, 0.0, "the SGD momentum buffer")?
+                },
+            },
+        })
+    }
+
     /// Zero state for `len` elements.
+    ///
+    /// # Panics
+    /// Aborts when the memory cannot be allocated, as `vec!` does; [`OptimizerState::try_new`]
+    /// returns an error instead.
     pub fn new(cfg: &OptimizerConfig, len: usize) -> Self {
         match cfg {
             OptimizerConfig::AdamW(_) => OptimizerState::AdamW(AdamWState::new(len)),

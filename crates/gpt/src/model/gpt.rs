@@ -18,6 +18,13 @@ const WPE: &str = "transformer.wpe.weight";
 const LNF_W: &str = "transformer.ln_f.weight";
 const LNF_B: &str = "transformer.ln_f.bias";
 
+/// `len` zeros for the buffer `what` of the forward or backward, allocated fallibly: an
+/// allocation the system refuses is [`FsdpError::HostOutOfMemory`] naming the buffer and its
+/// bytes, not an abort.
+fn zeros(len: usize, what: &str) -> Result<Vec<f32>, FsdpError> {
+    fsdp::try_filled_vec(len, 0.0, &format!("the GPT buffer `{what}`"))
+}
+
 /// Reads parameter `name` and checks it has `len` elements.
 fn fetch<'a, P: Params + ?Sized>(
     params: &'a P,
@@ -85,6 +92,22 @@ fn check_shape(cfg: &GptConfig, shape: BatchShape) -> Result<(), FsdpError> {
             reason: format!(
                 "sequence length {} exceeds the block size {}",
                 shape.seq_len, cfg.block_size
+            ),
+        });
+    }
+    // The element counts of the largest buffers (MLP activations, logits, attention
+    // probabilities) must be representable, so that no size computation below overflows.
+    let (rows, t, e) = (shape.rows, shape.seq_len, cfg.n_embd);
+    let fits = (|| {
+        let n = rows.checked_mul(t)?;
+        n.checked_mul(e.checked_mul(4)?)?;
+        n.checked_mul(cfg.vocab_size)?;
+        rows.checked_mul(cfg.n_head)?.checked_mul(t)?.checked_mul(t)
+    })();
+    if fits.is_none() {
+        return Err(FsdpError::InvalidShape {
+            reason: format!(
+                "a batch of {rows} rows of {t} tokens: the activations' sizes overflow usize"
             ),
         });
     }
@@ -165,7 +188,7 @@ pub fn embed_forward<P: Params + ?Sized>(
     let e = cfg.n_embd;
     let wte = fetch(params, WTE, cfg.vocab_size * e)?;
     let wpe = fetch(params, WPE, cfg.block_size * e)?;
-    let mut x = vec![0.0; shape.tokens() * e];
+    let mut x = zeros(shape.tokens() * e, "x")?;
     embedding_forward(inputs, shape.seq_len, wte, wpe, e, &mut x);
     Ok(x)
 }
@@ -317,9 +340,9 @@ pub fn block_forward<P: Params + ?Sized>(
     let p = block_params(cfg, params, layer)?;
     let (n, e, h, t) = (shape.tokens(), cfg.n_embd, cfg.n_head, shape.seq_len);
 
-    let mut ln1_mean = vec![0.0; n];
-    let mut ln1_rstd = vec![0.0; n];
-    let mut h1 = vec![0.0; n * e];
+    let mut ln1_mean = zeros(n, "ln1_mean")?;
+    let mut ln1_rstd = zeros(n, "ln1_rstd")?;
+    let mut h1 = zeros(n * e, "h1")?;
     layernorm_forward(
         &x,
         p.ln1_w,
@@ -331,20 +354,20 @@ pub fn block_forward<P: Params + ?Sized>(
         &mut ln1_mean,
         &mut ln1_rstd,
     );
-    let mut qkv = vec![0.0; n * 3 * e];
+    let mut qkv = zeros(n * 3 * e, "qkv")?;
     linear_forward(&h1, p.attn_w, Some(p.attn_b), n, e, 3 * e, &mut qkv);
-    let mut att = vec![0.0; shape.rows * h * t * t];
-    let mut y = vec![0.0; n * e];
+    let mut att = zeros(shape.rows * h * t * t, "att")?;
+    let mut y = zeros(n * e, "y")?;
     attention_forward(&qkv, shape.rows, t, h, e, &mut att, &mut y);
-    let mut x2 = vec![0.0; n * e];
+    let mut x2 = zeros(n * e, "x2")?;
     linear_forward(&y, p.aproj_w, Some(p.aproj_b), n, e, e, &mut x2);
     for (o, &r) in x2.iter_mut().zip(&x) {
         *o += r;
     }
 
-    let mut ln2_mean = vec![0.0; n];
-    let mut ln2_rstd = vec![0.0; n];
-    let mut h2 = vec![0.0; n * e];
+    let mut ln2_mean = zeros(n, "ln2_mean")?;
+    let mut ln2_rstd = zeros(n, "ln2_rstd")?;
+    let mut h2 = zeros(n * e, "h2")?;
     layernorm_forward(
         &x2,
         p.ln2_w,
@@ -356,11 +379,11 @@ pub fn block_forward<P: Params + ?Sized>(
         &mut ln2_mean,
         &mut ln2_rstd,
     );
-    let mut fc = vec![0.0; n * 4 * e];
+    let mut fc = zeros(n * 4 * e, "fc")?;
     linear_forward(&h2, p.fc_w, Some(p.fc_b), n, e, 4 * e, &mut fc);
-    let mut g = vec![0.0; n * 4 * e];
+    let mut g = zeros(n * 4 * e, "g")?;
     gelu_forward(&fc, &mut g);
-    let mut out = vec![0.0; n * e];
+    let mut out = zeros(n * e, "out")?;
     linear_forward(&g, p.mproj_w, Some(p.mproj_b), n, 4 * e, e, &mut out);
     for (o, &r) in out.iter_mut().zip(&x2) {
         *o += r;
@@ -431,9 +454,9 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
         grad(grads, &name("mlp.c_proj.weight"), 4 * e * e)?,
     );
     linear_backward_bias(dy, n, e, grad(grads, &name("mlp.c_proj.bias"), e)?);
-    let mut dg = vec![0.0; n * 4 * e];
+    let mut dg = zeros(n * 4 * e, "dg")?;
     linear_backward_input(dy, p.mproj_w, n, 4 * e, e, &mut dg);
-    let mut dfc = vec![0.0; n * 4 * e];
+    let mut dfc = zeros(n * 4 * e, "dfc")?;
     gelu_backward(&c.fc, &dg, &mut dfc);
     drop(dg);
     linear_backward_weight(
@@ -445,7 +468,7 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
         grad(grads, &name("mlp.c_fc.weight"), 4 * e * e)?,
     );
     linear_backward_bias(&dfc, n, 4 * e, grad(grads, &name("mlp.c_fc.bias"), 4 * e)?);
-    let mut dh2 = vec![0.0; n * e];
+    let mut dh2 = zeros(n * e, "dh2")?;
     linear_backward_input(&dfc, p.fc_w, n, e, 4 * e, &mut dh2);
     drop(dfc);
     layernorm_backward_input(
@@ -458,8 +481,8 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
         e,
         &mut dx2,
     );
-    let mut dw = vec![0.0; e];
-    let mut db = vec![0.0; e];
+    let mut dw = zeros(e, "dw")?;
+    let mut db = zeros(e, "db")?;
     layernorm_backward_params(
         &c.x2,
         &c.ln2_mean,
@@ -483,9 +506,9 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
         grad(grads, &name("attn.c_proj.weight"), e * e)?,
     );
     linear_backward_bias(&dx2, n, e, grad(grads, &name("attn.c_proj.bias"), e)?);
-    let mut dyatt = vec![0.0; n * e];
+    let mut dyatt = zeros(n * e, "dyatt")?;
     linear_backward_input(&dx2, p.aproj_w, n, e, e, &mut dyatt);
-    let mut dqkv = vec![0.0; n * 3 * e];
+    let mut dqkv = zeros(n * 3 * e, "dqkv")?;
     attention_backward(&c.qkv, &c.att, &dyatt, shape.rows, t, h, e, &mut dqkv);
     drop(dyatt);
     linear_backward_weight(
@@ -502,7 +525,7 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
         3 * e,
         grad(grads, &name("attn.c_attn.bias"), 3 * e)?,
     );
-    let mut dh1 = vec![0.0; n * e];
+    let mut dh1 = zeros(n * e, "dh1")?;
     linear_backward_input(&dqkv, p.attn_w, n, e, 3 * e, &mut dh1);
     drop(dqkv);
     let mut dx = dx2;
@@ -571,9 +594,9 @@ pub fn head_forward<P: Params + ?Sized>(
     let lnf_w = fetch(params, LNF_W, e)?;
     let lnf_b = fetch(params, LNF_B, e)?;
     let wte = fetch(params, WTE, v * e)?;
-    let mut mean = vec![0.0; n];
-    let mut rstd = vec![0.0; n];
-    let mut hf = vec![0.0; n * e];
+    let mut mean = zeros(n, "mean")?;
+    let mut rstd = zeros(n, "rstd")?;
+    let mut hf = zeros(n * e, "hf")?;
     layernorm_forward(
         &x,
         lnf_w,
@@ -585,9 +608,9 @@ pub fn head_forward<P: Params + ?Sized>(
         &mut mean,
         &mut rstd,
     );
-    let mut logits = vec![0.0; n * v];
+    let mut logits = zeros(n * v, "logits")?;
     linear_forward(&hf, wte, None, n, e, v, &mut logits);
-    let mut probs = vec![0.0; n * v];
+    let mut probs = zeros(n * v, "probs")?;
     let sum = cross_entropy_forward(&logits, targets, n, v, &mut probs);
     drop(logits);
     let loss = (sum / global_tokens as f64) as f32;
@@ -638,13 +661,13 @@ pub fn head_backward<P: Params + ?Sized, G: Grads + ?Sized>(
     grad(grads, WTE, v * e)?;
 
     let scale = (f64::from(dloss) / cache.global_tokens as f64) as f32;
-    let mut dlogits = vec![0.0; n * v];
+    let mut dlogits = zeros(n * v, "dlogits")?;
     cross_entropy_backward(&cache.probs, &cache.targets, n, v, scale, &mut dlogits);
     linear_backward_weight(&dlogits, &cache.hf, n, e, v, grad(grads, WTE, v * e)?);
-    let mut dhf = vec![0.0; n * e];
+    let mut dhf = zeros(n * e, "dhf")?;
     linear_backward_input(&dlogits, wte, n, e, v, &mut dhf);
     drop(dlogits);
-    let mut dx = vec![0.0; n * e];
+    let mut dx = zeros(n * e, "dx")?;
     layernorm_backward_input(
         &cache.x,
         &cache.mean,
@@ -655,8 +678,8 @@ pub fn head_backward<P: Params + ?Sized, G: Grads + ?Sized>(
         e,
         &mut dx,
     );
-    let mut dw = vec![0.0; e];
-    let mut db = vec![0.0; e];
+    let mut dw = zeros(e, "dw")?;
+    let mut db = zeros(e, "db")?;
     layernorm_backward_params(
         &cache.x,
         &cache.mean,

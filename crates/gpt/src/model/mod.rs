@@ -127,20 +127,26 @@ impl GptConfig {
                 self.vocab_size
             ));
         }
-        let e = self.n_embd;
-        let fits = (|| {
-            let emb = self
-                .vocab_size
-                .checked_add(self.block_size)?
-                .checked_mul(e)?;
-            let block = e.checked_mul(e)?.checked_mul(12)?.checked_add(13 * e)?;
-            emb.checked_add(block.checked_mul(self.n_layer)?)?
-                .checked_add(2 * e)
-        })();
-        if fits.is_none() {
+        if self.checked_num_params().is_none() {
             return bad("the number of parameters overflows usize".to_string());
         }
         Ok(())
+    }
+
+    /// The number of parameters, computed without listing them, or `None` when it overflows
+    /// `usize`: `(V + T)·E` for the embeddings, `12·E² + 13·E` per block, `2·E` for `ln_f`.
+    pub fn checked_num_params(&self) -> Option<usize> {
+        let e = self.n_embd;
+        let emb = self
+            .vocab_size
+            .checked_add(self.block_size)?
+            .checked_mul(e)?;
+        let block = e
+            .checked_mul(e)?
+            .checked_mul(12)?
+            .checked_add(e.checked_mul(13)?)?;
+        emb.checked_add(block.checked_mul(self.n_layer)?)?
+            .checked_add(e.checked_mul(2)?)
     }
 
     /// Width of one attention head, `n_embd / n_head`.
@@ -148,9 +154,11 @@ impl GptConfig {
         self.n_embd / self.n_head
     }
 
-    /// Total number of parameters (the tied `lm_head` counted once).
+    /// Total number of parameters (the tied `lm_head` counted once), the sum of
+    /// [`param_specs`]' sizes; saturates at `usize::MAX` for a configuration that
+    /// [`validate`](Self::validate) refuses.
     pub fn num_params(&self) -> usize {
-        param_specs(self).iter().map(ParamSpec::numel).sum()
+        self.checked_num_params().unwrap_or(usize::MAX)
     }
 }
 

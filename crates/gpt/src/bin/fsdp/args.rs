@@ -59,12 +59,19 @@ pub(crate) struct PlanArgs {
     /// Global batch size in rows (over all ranks and micro-batches).
     #[arg(long, default_value_t = 16)]
     pub(crate) batch_size: usize,
-    /// Micro-batches per optimizer step (the plan is for one micro-batch).
+    /// Micro-batches per optimizer step (gradients accumulated under no_sync: the plan holds
+    /// the unsharded gradients kept between micro-batches).
     #[arg(long, default_value_t = 1)]
     pub(crate) grad_accum: usize,
+    /// The memory to check the plan against, as `fsdp train --memory-limit` (default: the
+    /// memory available, detected).
+    #[arg(long, value_name = "BYTES", value_parser = crate::admission::parse_bytes)]
+    pub(crate) memory_limit: Option<u64>,
 }
 
-/// The model, the sharding and the wrap policy (shared by the subcommands).
+/// The model, the sharding and the wrap policy (shared by the subcommands). `fsdp train` takes
+/// the five model sizes not given from `--resume`'s checkpoint or `--init-from`'s file (its
+/// metadata, else its tensor shapes; `--n-head` only from metadata), else the defaults.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct ModelArgs {
     /// Transformer blocks.
@@ -107,7 +114,7 @@ pub(crate) struct ModelArgs {
     pub(crate) wrap: Wrap,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub(crate) struct TrainArgs {
     #[command(flatten)]
     pub(crate) model: ModelArgs,
@@ -186,6 +193,35 @@ pub(crate) struct TrainArgs {
     /// `mpirun`; the default there when this program is built with the feature `mpi`).
     #[arg(long, value_parser = parse_backend)]
     pub(crate) backend: Option<TrainBackend>,
+    /// Memory available to this run, replacing the detected figure (the smaller of
+    /// /proc/meminfo's MemAvailable and the cgroup limit's headroom): in bytes, or with a
+    /// suffix K, M, G, T (powers of 1024), e.g. 512M or 2G. Thread mode: for this process;
+    /// under a launcher: for the ranks of this host. Before any allocation the plan's
+    /// prediction (every rank's allocator peak, optimizer state and activations) is checked
+    /// against it, and each rank's allocator gets its share as capacity.
+    #[arg(long, value_name = "BYTES", value_parser = crate::admission::parse_bytes)]
+    pub(crate) memory_limit: Option<u64>,
+    /// Write a sharded checkpoint (parameters, optimizer state, step, data position and the
+    /// run's options) into DIR/step-K every --checkpoint-every steps; each is complete or absent.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (with --checkpoint-dir; on --resume, the checkpoint's by
+    /// default).
+    #[arg(long, value_name = "N")]
+    pub(crate) checkpoint_every: Option<usize>,
+    /// Complete checkpoints kept in --checkpoint-dir: older ones are removed once a new one is
+    /// complete.
+    #[arg(long, value_name = "K", default_value_t = 2)]
+    pub(crate) keep_checkpoints: usize,
+    /// Continue the run of the newest complete checkpoint DIR/step-K, at any number of ranks:
+    /// the options not given are the checkpoint's, those given that define the run must agree
+    /// with it, and checkpoints go on into DIR unless --checkpoint-dir says otherwise.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) resume: Option<PathBuf>,
+    /// The ids of the options given on the command line (not defaults), filled in after
+    /// parsing: options not given may be taken from --resume's checkpoint or --init-from's file.
+    #[arg(skip)]
+    pub(crate) explicit: Vec<String>,
 }
 
 /// `--lr-schedule`.

@@ -7,20 +7,21 @@
 //! is checked before any rank starts, and an invalid one ends with a single `error: ...` line and
 //! a non-zero exit status.
 
+mod admission;
 mod args;
 mod launch_cmd;
 mod output;
 mod paths;
 mod plan_cmd;
+mod resume;
 mod setup;
 mod train;
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use fsdp::FsdpError;
 
-use args::{Cli, Command};
+use args::Command;
 use launch_cmd::run_launch;
 use plan_cmd::print_plan;
 use train::train;
@@ -46,7 +47,9 @@ fn fail(msg: impl Into<String>) -> CliError {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // clap's parser, which also records the options given (`--resume` and `--init-from` fill
+    // in the others).
+    let cli = match resume::parse_cli() {
         Ok(c) => c,
         Err(e) => {
             use clap::error::ErrorKind;

@@ -61,6 +61,62 @@ impl LossLog {
         }
     }
 
+    /// Opens the log of a run resumed at step `start` (`--resume`): an existing log keeps its
+    /// header and its complete lines of steps before `start` (the lines of steps the resumed
+    /// run repeats are dropped), and the new lines follow; an absent one is created with its
+    /// header, and a character device or a FIFO gets the header. An existing file whose first
+    /// line is not the loss log's header is an error (it is not written).
+    pub(crate) fn resume(path: &Path, start: usize) -> Result<Self, CliError> {
+        use std::io::{Read, Seek, SeekFrom};
+        let named = |e| output_error("--loss-log", e);
+        let kind = check_output_path(path, true).map_err(named)?;
+        if kind.is_stream() || !resolve_output_path(path).map_err(named)?.exists() {
+            return Self::create(path);
+        }
+        let target = resolve_output_path(path).map_err(named)?;
+        let cannot = |what: &str, e: std::io::Error| {
+            fail(format!("--loss-log {}: cannot {what}: {e}", path.display()))
+        };
+        let mut file = File::options()
+            .read(true)
+            .write(true)
+            .open(&target)
+            .map_err(|e| cannot("open", e))?;
+        let mut text = String::new();
+        file.read_to_string(&mut text)
+            .map_err(|e| cannot("read", e))?;
+        if text.is_empty() {
+            drop(file);
+            return Self::create(path);
+        }
+        let header = format!("{LOSS_LOG_HEADER}\n");
+        if !text.starts_with(&header) {
+            return Err(fail(format!(
+                "--loss-log {}: its first line is not `{LOSS_LOG_HEADER}`: not a loss log to \
+                 continue (give another path)",
+                path.display()
+            )));
+        }
+        // Complete lines of steps before `start`, in order.
+        let mut keep = header.len();
+        for line in text[header.len()..].split_inclusive('\n') {
+            let step = line.split(',').next().and_then(|s| s.parse::<usize>().ok());
+            match step {
+                Some(s) if s < start && line.ends_with('\n') => keep += line.len(),
+                _ => break,
+            }
+        }
+        file.set_len(keep as u64)
+            .and_then(|()| file.seek(SeekFrom::End(0)).map(drop))
+            .map_err(|e| cannot("write", e))?;
+        Ok(LossLog {
+            path: path.to_path_buf(),
+            file,
+            regular: true,
+            error: None,
+        })
+    }
+
     /// Writes the line of one finished step.
     pub(crate) fn step(&mut self, step: usize, loss: f32, tokens_per_s: f64, peak: u64) {
         self.write(&format!("{step},{loss:.8},{tokens_per_s:.1},{peak}\n"));
@@ -207,7 +263,7 @@ pub(crate) fn print_summary(
     let secs = elapsed.as_secs_f64();
     println!(
         "done: {steps} steps in {secs:.1} s ({:.0} tokens/s); loss {first:.4} -> {last:.4}",
-        (global_tokens * steps) as f64 / secs
+        global_tokens as f64 * steps as f64 / secs
     );
     println!(
         "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}",

@@ -19,16 +19,18 @@ use fsdp_gpt::model::{param_specs, GptConfig};
 use fsdp_gpt::runtime::{FsdpGpt, ScheduleKind};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::admission::{self, ProcessData, Sharing};
 use crate::args::{strategy_name, ScheduleKindArg, TrainArgs, TrainBackend};
 use crate::output::{
     gather_rank_stats, human_bytes, print_summary, write_outputs, LossLog, RankReport,
 };
 use crate::paths::{check_output_paths, output_error, rank_trace_path};
+use crate::resume::{self, Checkpointer, Resolved};
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::{fail, CliError};
 
 /// Length of the generated corpus used when no `--data` file is given.
-const SYNTHETIC_LEN: usize = 200_000;
+pub(crate) const SYNTHETIC_LEN: usize = 200_000;
 
 /// The learning-rate schedule of the options, validated.
 fn lr_schedule(args: &TrainArgs) -> Result<LrSchedule, CliError> {
@@ -76,17 +78,63 @@ fn load_checkpoint(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f
 
 pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     // ---- Validate everything before any rank starts.
+    // The options not given come from --resume's checkpoint or --init-from's file.
+    let Resolved {
+        args,
+        resume,
+        checkpoints,
+    } = resume::resolve(args)?;
+    let args = &args;
     let mode = train_mode(args)?;
     let world = match &mode {
         Mode::Threads(n) => *n,
         Mode::Process { world, .. } => *world,
     };
+    let sharing = match &mode {
+        Mode::Threads(_) => Sharing::Threads,
+        Mode::Process { .. } => Sharing::Launched,
+    };
+    // A cheap lower bound of the memory, before the module tree and the plan are built.
+    admission::precheck(&args.model, world, sharing, args.memory_limit)?;
     let Setup { cfg, config, plan } = setup(&args.model, world)?;
     let t = cfg.block_size;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {
         return Err(fail("--steps must be at least 1"));
     }
+    if args.steps.checked_mul(args.grad_accum).is_none() {
+        return Err(fail(format!(
+            "--steps {} × --grad-accum {} micro-batches overflow a 64-bit count",
+            args.steps, args.grad_accum
+        )));
+    }
+    let global_tokens = args.batch_size.checked_mul(t).ok_or_else(|| {
+        fail(format!(
+            "--batch-size {} × --block-size {t} tokens overflow a 64-bit count",
+            args.batch_size
+        ))
+    })?;
+    // Memory admission, before any allocation: the plan's prediction of every rank sharing
+    // this memory against the memory available; each rank's allocator gets its share.
+    let data = ProcessData::new(
+        args.data.as_deref(),
+        SYNTHETIC_LEN,
+        cfg.num_params(),
+        args.init_from.is_some(),
+        resume.is_some(),
+        args.save.is_some(),
+    )?;
+    let capacity = admission::admit(
+        &cfg,
+        &config,
+        &plan,
+        world,
+        micro,
+        args.grad_accum,
+        sharing,
+        &data,
+        args.memory_limit,
+    )?;
     // `--grad-clip 0` is no clipping (nanoGPT's `grad_clip = 0.0`).
     let grad_clip = match args.grad_clip {
         Some(c) if !(c.is_finite() && c >= 0.0) => {
@@ -124,18 +172,32 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
         None => synthetic_corpus(SYNTHETIC_LEN, cfg.vocab_size as u16, args.seed),
     };
-    let params = initial_params(args, &cfg)?;
+    if let Some(r) = &resume {
+        r.check_tokens(tokens.len())?;
+    }
+    // A resumed run starts from the checkpoint's parameters and optimizer state at its step.
+    let (params, resume_optimizer) = match &resume {
+        Some(r) => {
+            let (p, o) = r.load(&cfg)?;
+            (Some(p), Some(o))
+        }
+        None => (initial_params(args, &cfg)?, None),
+    };
+    let (start_step, start_skipped) = resume.as_ref().map_or((0, 0), |r| (r.step, r.skipped));
+    let checkpointer = checkpoints
+        .as_ref()
+        .map(|plan| Checkpointer::new(plan, args, tokens.len(), world));
     let seed = args.seed;
     // Check the output paths now rather than after training: what each names (a directory or a
     // device is never replaced) and that its directory is writable.
     check_output_paths(args, world, matches!(mode, Mode::Process { .. }))?;
 
     // ---- Train.
-    let global_tokens = args.batch_size * t;
     let steps = args.steps;
     let accum = args.grad_accum;
     let want_params = args.save.is_some();
     let mut config = config;
+    config.memory_capacity = capacity;
     config.trace = args.trace.is_some();
     let tty = std::io::stderr().is_terminal();
     let bar = ProgressBar::new(steps as u64);
@@ -159,9 +221,14 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         }
     };
     let leader = process_comm.as_ref().is_none_or(|c| c.rank() == 0);
-    // Rank 0 writes the loss log as training goes, so a run that stops keeps its finished steps.
-    let loss_log = match &args.loss_log {
-        Some(path) if leader => Some(Mutex::new(LossLog::create(path)?)),
+    if let (true, Some(c)) = (leader, &checkpointer) {
+        c.prepare()?;
+    }
+    // Rank 0 writes the loss log as training goes, so a run that stops keeps its finished steps
+    // (a resumed run keeps the lines of the steps before its start).
+    let loss_log = match (&args.loss_log, &resume) {
+        (Some(path), None) if leader => Some(Mutex::new(LossLog::create(path)?)),
+        (Some(path), Some(r)) if leader => Some(Mutex::new(LossLog::resume(path, r.step)?)),
         _ => None,
     };
     let mem_now: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
@@ -184,7 +251,15 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             String::new()
         }
         );
+        if let Some(r) = &resume {
+            println!(
+                "resuming from {} at step {} of {steps}",
+                r.path.display(),
+                r.step
+            );
+        }
     }
+    bar.set_position(start_step as u64);
     let start = Instant::now();
     let skipped_steps = AtomicUsize::new(0);
     let run = |comm: Box<dyn Communicator>| -> Result<RankReport, CliError> {
@@ -194,26 +269,36 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             Some(p) => ParamInit::Full(p),
             None => ParamInit::Seeded { seed, rule: &rule },
         };
-        let mut model = FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)?;
+        let mut model = FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)
+            .map_err(admission::on_rank(rank))?;
         model.set_lr_schedule(schedule)?;
         if decay_2d_only {
             model.set_param_groups(decay_2d_only_groups(opt.weight_decay), |_, shape| {
                 decay_2d_only_group(shape)
             })?;
         }
-        let mut losses = Vec::with_capacity(steps);
+        if let Some(state) = &resume_optimizer {
+            model.load_optimizer_state(state)?;
+        }
+        // Grown step by step: --steps is the user's number, not a size to reserve.
+        let mut losses = Vec::new();
         let (mut ag, mut rs, mut ar) = (0u64, 0u64, 0u64);
-        let mut skipped = 0usize;
-        for step in 0..steps {
+        let mut skipped = start_skipped;
+        for step in start_step..steps {
             let t0 = Instant::now();
             let mut loss = 0.0f32;
             for m in 0..accum {
                 let k = (step * accum + m) as u64;
-                let batch = get_batch(&tokens, k, micro, t, rank, world)?;
+                let batch = get_batch(&tokens, k, micro, t, rank, world)
+                    .map_err(admission::on_rank(rank))?;
                 let l = if m + 1 < accum {
-                    model.no_sync(|f| f.forward_backward(&batch, global_tokens))?
+                    model
+                        .no_sync(|f| f.forward_backward(&batch, global_tokens))
+                        .map_err(admission::on_rank(rank))?
                 } else {
-                    model.forward_backward(&batch, global_tokens)?
+                    model
+                        .forward_backward(&batch, global_tokens)
+                        .map_err(admission::on_rank(rank))?
                 };
                 loss += l;
             }
@@ -251,11 +336,13 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 let Some(layout) = model.layout(e.unit) else {
                     continue;
                 };
-                let bytes = |n: usize| (n * std::mem::size_of::<f32>()) as u64;
+                let bytes = |n: usize| (n as u64).saturating_mul(4);
                 match e.kind {
-                    ScheduleKind::AllGather => ag += bytes(layout.padded_numel()),
-                    ScheduleKind::ReduceScatter => rs += bytes(layout.padded_numel()),
-                    ScheduleKind::AllReduce => ar += bytes(layout.shard_numel()),
+                    ScheduleKind::AllGather => ag = ag.saturating_add(bytes(layout.padded_numel())),
+                    ScheduleKind::ReduceScatter => {
+                        rs = rs.saturating_add(bytes(layout.padded_numel()))
+                    }
+                    ScheduleKind::AllReduce => ar = ar.saturating_add(bytes(layout.shard_numel())),
                     ScheduleKind::Free => {}
                 }
             }
@@ -287,6 +374,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 } else if step == 0 || (step + 1) % (steps / 10).max(1) == 0 {
                     println!("{msg}");
                 }
+            }
+            if let Some(c) = checkpointer.as_ref().filter(|c| c.due(step + 1)) {
+                c.save(&model, step + 1, skipped)?;
             }
         }
         let final_params = if want_params {
@@ -357,7 +447,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             .unwrap_or_else(PoisonError::into_inner)
             .finish()?;
     }
-    print_summary(&reports, elapsed, global_tokens, steps);
+    print_summary(&reports, elapsed, global_tokens, steps - start_step);
     let skipped = skipped_steps.load(Ordering::Relaxed);
     if skipped > 0 {
         println!(

@@ -1,0 +1,517 @@
+//! Memory admission: before `fsdp train` allocates anything, the plan (a dry run of the engine,
+//! [`fsdp_gpt::plan::plan_accumulated`]) predicts every rank's memory — the caching allocator's
+//! reserved peak, the AdamW state and the activations — and the ranks that share this memory
+//! add up: all ranks in thread mode (they are threads of this process), the ranks of this host
+//! under a launcher. Every rank holds equal-sized shards and runs the same schedule, so the
+//! ranks of one host need exactly `LOCAL_WORLD_SIZE` times one rank's figure; no exchange
+//! through the rendezvous store is needed (and none happens before the check: a rank that
+//! refuses ends before it meets the others, and the launcher ends them). Data held once per
+//! process (the token corpus, `--init-from`'s or `--resume`'s full tensors, the full parameters
+//! `--save` gathers on every rank) are added.
+//!
+//! The total is compared with the memory available: the smaller of `/proc/meminfo`'s
+//! `MemAvailable` and the cgroup limits' headroom ([`fsdp::plan::available_memory`]), or
+//! `--memory-limit` when given, which replaces the detected figure. Above it, the run stops
+//! with one error line giving both figures and a hint. Admitted, each rank's caching allocator
+//! gets its share of the available memory (less its optimizer state and activations) as
+//! capacity, so the allocator enforces what was admitted.
+//!
+//! A cheap lower bound (16 bytes per parameter of a rank's shard: parameter, gradient and the
+//! two AdamW moments) is checked first, before the module tree and the plan are built, so
+//! that an absurd model is refused without building anything in proportion to it.
+
+use std::path::Path;
+
+use fsdp::plan::{available_memory, AvailableMemory, MemoryPlan};
+use fsdp::units::UnitPlan;
+use fsdp::{human_bytes, FsdpError};
+use fsdp_collectives::LaunchEnv;
+use fsdp_gpt::model::GptConfig;
+use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
+
+use crate::args::ModelArgs;
+use crate::{fail, CliError};
+
+/// Parses a byte count: a whole number with an optional binary suffix `K`, `M`, `G`, `T` or
+/// `P` (`KiB`, `MB`, `G`... are the same: powers of 1024), e.g. `512M`, `2G`, `1048576`.
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+    let (num, suffix) = t.split_at(digits);
+    let num: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}`: expected bytes, e.g. 1048576, 512M or 2G"))?;
+    let suffix = suffix.trim();
+    let upper = suffix.to_ascii_uppercase();
+    let unit = upper
+        .strip_suffix("IB")
+        .or_else(|| upper.strip_suffix('B'))
+        .unwrap_or(&upper);
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        "P" => 50,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit `{suffix}` (expected K, M, G, T or P, powers of 1024)"
+            ))
+        }
+    };
+    num.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("`{s}` overflows 64-bit bytes"))
+}
+
+/// The error of rank `rank` as the program reports it: an allocation failure (the caching
+/// allocator's, or a host buffer's) is prefixed with the rank, which its message lacks.
+pub(crate) fn on_rank(rank: usize) -> impl Fn(FsdpError) -> CliError {
+    move |e| match e {
+        FsdpError::Alloc(_) | FsdpError::HostOutOfMemory { .. } => {
+            fail(format!("rank {rank}: {e}"))
+        }
+        e => e.into(),
+    }
+}
+
+/// Which ranks share the memory checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sharing {
+    /// All `world` ranks are threads of this process.
+    Threads,
+    /// This process is one rank; the ranks of this host are `LOCAL_WORLD_SIZE`.
+    Launched,
+}
+
+impl Sharing {
+    /// The ranks that share this memory, and how to name them.
+    fn ranks(self, world: usize) -> (usize, String) {
+        match self {
+            Sharing::Threads => (
+                world,
+                if world == 1 {
+                    "1 rank in this process".to_string()
+                } else {
+                    format!("{world} ranks as threads of this process")
+                },
+            ),
+            Sharing::Launched => {
+                let local = local_ranks().unwrap_or(world).clamp(1, world);
+                (
+                    local,
+                    if local == 1 {
+                        "the 1 rank of this host".to_string()
+                    } else {
+                        format!("the {local} ranks of this host")
+                    },
+                )
+            }
+        }
+    }
+}
+
+/// The ranks on this host under a launcher: `LOCAL_WORLD_SIZE` (torchrun, `fsdp launch`), or
+/// under mpirun Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE` or MPICH's `MPI_LOCALNRANKS`.
+fn local_ranks() -> Option<usize> {
+    if let Ok(Some(env)) = LaunchEnv::from_env() {
+        return Some(env.local_world_size);
+    }
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+}
+
+/// The memory available: `--memory-limit` when given, else the detected figure (`None`: it
+/// cannot be read on this system).
+pub(crate) fn available(limit: Option<u64>) -> Option<AvailableMemory> {
+    match limit {
+        Some(bytes) => Some(AvailableMemory {
+            bytes,
+            source: "--memory-limit".into(),
+        }),
+        None => available_memory(),
+    }
+}
+
+fn overflow(what: &str) -> CliError {
+    fail(format!(
+        "the memory this run needs overflows 64-bit bytes ({what}): the model or the batch is \
+         too large"
+    ))
+}
+
+/// `n` bytes as `1.5 GiB (1610612736 bytes)`.
+fn both(n: u64) -> String {
+    format!("{} ({n} bytes)", human_bytes(n))
+}
+
+/// `available` as `1.5 GiB (1610612736 bytes, <source>)`.
+fn avail(a: &AvailableMemory) -> String {
+    format!("{} ({} bytes, {})", human_bytes(a.bytes), a.bytes, a.source)
+}
+
+/// The data held once per process besides the ranks' own memory.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ProcessData {
+    /// The token corpus.
+    pub(crate) corpus: u64,
+    /// Full tensors kept for the whole run: `--init-from`'s parameters, or `--resume`'s
+    /// parameters and optimizer state.
+    pub(crate) checkpoint: u64,
+    /// Full parameters gathered at the end by each rank for `--save`.
+    pub(crate) save_per_rank: u64,
+}
+
+impl ProcessData {
+    /// The corpus of `--data` (its size on disk; unreadable: 0, the read reports it) or the
+    /// generated one of `generated` tokens, with `params` parameters loaded by `--init-from`
+    /// (`init_from`) or `--resume` (parameters and both AdamW moments), and gathered for
+    /// `--save`.
+    pub(crate) fn new(
+        data: Option<&Path>,
+        generated: usize,
+        params: usize,
+        init_from: bool,
+        resume: bool,
+        save: bool,
+    ) -> Result<ProcessData, CliError> {
+        let corpus = match data {
+            Some(p) => std::fs::metadata(p).map_or(0, |m| m.len()),
+            None => (generated as u64).saturating_mul(2),
+        };
+        let param_bytes = (params as u64)
+            .checked_mul(4)
+            .ok_or_else(|| overflow("the parameters"))?;
+        let checkpoint = match (resume, init_from) {
+            (true, _) => param_bytes.checked_mul(3),
+            (false, true) => Some(param_bytes),
+            (false, false) => Some(0),
+        }
+        .ok_or_else(|| overflow("the checkpoint"))?;
+        Ok(ProcessData {
+            corpus,
+            checkpoint,
+            save_per_rank: if save { param_bytes } else { 0 },
+        })
+    }
+
+    /// The bytes of one process holding `ranks` ranks.
+    fn bytes(&self, ranks: usize) -> Option<u64> {
+        self.corpus
+            .checked_add(self.checkpoint)?
+            .checked_add(self.save_per_rank.checked_mul(ranks as u64)?)
+    }
+}
+
+/// What the ranks sharing this memory need, predicted.
+#[derive(Debug, Clone)]
+pub(crate) struct Prediction {
+    /// The ranks sharing the memory and how they are named.
+    ranks: usize,
+    who: String,
+    /// One rank's allocator (reserved) peak, optimizer state and activations.
+    allocator: u64,
+    optimizer: u64,
+    activations: u64,
+    per_rank: u64,
+    /// Data of the processes sharing the memory (see [`ProcessData`]).
+    data: u64,
+    /// Whether `data` includes full tensors (checkpoints, `--save`).
+    data_has_tensors: bool,
+    /// Everything.
+    pub(crate) total: u64,
+    strategy: ShardingStrategy,
+    sharing: Sharing,
+    world: usize,
+}
+
+impl Prediction {
+    /// The prediction of `plan` for `world` ranks shared as `sharing`, with `data` per process.
+    pub(crate) fn new(
+        plan: &MemoryPlan,
+        world: usize,
+        sharing: Sharing,
+        d: &ProcessData,
+    ) -> Result<Prediction, CliError> {
+        let m = plan
+            .per_rank
+            .first()
+            .ok_or_else(|| fail("the memory plan has no rank"))?;
+        let per_rank = m.total().ok_or_else(|| overflow("one rank's memory"))?;
+        let (ranks, who) = sharing.ranks(world);
+        // Thread mode: one process holds every rank; under a launcher one process per rank.
+        let data = match sharing {
+            Sharing::Threads => d.bytes(ranks),
+            Sharing::Launched => d.bytes(1).and_then(|b| b.checked_mul(ranks as u64)),
+        }
+        .ok_or_else(|| overflow("the data"))?;
+        let total = per_rank
+            .checked_mul(ranks as u64)
+            .and_then(|b| b.checked_add(data))
+            .ok_or_else(|| overflow("all ranks"))?;
+        Ok(Prediction {
+            ranks,
+            who,
+            allocator: m.peak_reserved,
+            optimizer: m.optimizer_state,
+            activations: m.activations,
+            per_rank,
+            data,
+            data_has_tensors: d.checkpoint > 0 || d.save_per_rank > 0,
+            total,
+            strategy: plan.strategy,
+            sharing,
+            world,
+        })
+    }
+
+    /// `predicted X (N bytes) for <who> (each rank ...; plus ... of data)`.
+    fn describe(&self) -> String {
+        let mut s = format!(
+            "predicted {} for {} (each rank {}: allocator peak {} + optimizer state {} + \
+             activations {}",
+            both(self.total),
+            self.who,
+            human_bytes(self.per_rank),
+            human_bytes(self.allocator),
+            human_bytes(self.optimizer),
+            human_bytes(self.activations)
+        );
+        if self.data > 0 {
+            s += &format!(
+                "; plus {} of data (the token corpus{})",
+                human_bytes(self.data),
+                if self.data_has_tensors {
+                    ", full tensors of --init-from, --resume or --save"
+                } else {
+                    ""
+                }
+            );
+        }
+        s.push(')');
+        s
+    }
+
+    /// Whether the prediction fits in `available`.
+    pub(crate) fn fits(&self, available: &AvailableMemory) -> bool {
+        self.total <= available.bytes
+    }
+
+    /// The error line of a prediction above `available`, with a hint.
+    fn refusal(&self, available: &AvailableMemory) -> CliError {
+        fail(format!(
+            "not enough memory: {}, available {}; hint: {}",
+            self.describe(),
+            avail(available),
+            self.hint()
+        ))
+    }
+
+    /// What would lower the prediction.
+    fn hint(&self) -> String {
+        let mut h = Vec::new();
+        if self.strategy != ShardingStrategy::FullShard {
+            h.push("a sharded strategy (--strategy full-shard)".to_string());
+        }
+        // Activations matter when they are a tenth of a rank's memory or more.
+        if self.activations > 0 && self.activations >= self.per_rank / 10 {
+            h.push("a smaller --batch-size (or a larger --grad-accum)".to_string());
+        }
+        match self.sharing {
+            Sharing::Threads if self.world > 1 => h.push(
+                "fewer --ranks in one process (its ranks share its memory) or more ranks as \
+                 processes on several hosts"
+                    .to_string(),
+            ),
+            _ => h.push("more ranks, on more hosts".to_string()),
+        }
+        h.push("a smaller model".to_string());
+        h.join(", ")
+    }
+
+    /// The capacity of each rank's caching allocator: its share of `available` (after the
+    /// processes' data), less its optimizer state and activations. At least the planned
+    /// reserved peak when the prediction fits.
+    fn capacity(&self, available: u64) -> usize {
+        let share = available.saturating_sub(self.data) / self.ranks.max(1) as u64;
+        let cap = share
+            .saturating_sub(self.optimizer)
+            .saturating_sub(self.activations)
+            .max(self.allocator);
+        usize::try_from(cap).unwrap_or(usize::MAX)
+    }
+
+    /// A line for `fsdp plan`: the prediction, the available memory, and whether it fits.
+    pub(crate) fn report(&self, available: Option<&AvailableMemory>) -> String {
+        match available {
+            Some(a) => format!(
+                "memory: {}; available {}: {}",
+                self.describe(),
+                avail(a),
+                if self.fits(a) {
+                    "fits".to_string()
+                } else {
+                    format!("does not fit (hint: {})", self.hint())
+                }
+            ),
+            None => format!(
+                "memory: {}; available: unknown on this system (give --memory-limit)",
+                self.describe()
+            ),
+        }
+    }
+}
+
+/// Bytes of the host structures that describe one transformer block (module tree, unit plan,
+/// spans, the engine's parameter table and schedule): a lower bound (a plan measures about
+/// 13 KiB per block).
+const BLOCK_DESCRIPTION_BYTES: u64 = 4096;
+
+/// The lower bound checked before anything is built: every rank holds at least its shard of
+/// every parameter with its gradient and two AdamW moments (16 bytes per element), in all
+/// ranks sharing the memory, and the process describes every block. `Ok` when it fits (or
+/// when the sizes are invalid, which the setup reports).
+pub(crate) fn precheck(
+    m: &ModelArgs,
+    world: usize,
+    sharing: Sharing,
+    limit: Option<u64>,
+) -> Result<(), CliError> {
+    let Ok(cfg) = GptConfig::new(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size) else {
+        return Ok(());
+    };
+    if world == 0 || m.vocab_size > usize::from(u16::MAX) + 1 {
+        return Ok(());
+    }
+    let factor = match m.strategy {
+        ShardingStrategy::NoShard => 1,
+        ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
+            m.ranks_per_node.unwrap_or(world).max(1)
+        }
+        _ => world,
+    };
+    let (ranks, who) = sharing.ranks(world);
+    let shard = (cfg.num_params() as u64).div_ceil(factor as u64);
+    let per_rank = shard.checked_mul(16);
+    let blocks = (cfg.n_layer as u64).saturating_mul(BLOCK_DESCRIPTION_BYTES);
+    let Some(total) = per_rank
+        .and_then(|b| b.checked_mul(ranks as u64))
+        .and_then(|b| b.checked_add(blocks))
+    else {
+        return Err(overflow("the parameters"));
+    };
+    let Some(available) = available(limit) else {
+        return Ok(());
+    };
+    if total <= available.bytes {
+        return Ok(());
+    }
+    let p = Prediction {
+        ranks,
+        who,
+        allocator: 0,
+        optimizer: 0,
+        activations: 0,
+        per_rank: per_rank.unwrap_or(u64::MAX),
+        data: blocks,
+        data_has_tensors: false,
+        total,
+        strategy: m.strategy,
+        sharing,
+        world,
+    };
+    Err(fail(format!(
+        "not enough memory: predicted at least {} for {} (each rank at least {}: 16 bytes for \
+         each of the {shard} elements of its shard, the parameter, its gradient and two AdamW \
+         moments; plus at least {} to describe the {} blocks), available {}; hint: {}",
+        both(total),
+        p.who,
+        human_bytes(p.per_rank),
+        human_bytes(blocks),
+        cfg.n_layer,
+        avail(&available),
+        p.hint()
+    )))
+}
+
+/// Admission of a training run (see the [module](self) documentation): plans `config` for
+/// `cfg` and `units` at `world` ranks with micro-batches of `micro` rows (all ranks) in
+/// `grad_accum` per step, and returns the capacity to give each rank's caching allocator.
+///
+/// # Errors
+/// One line when the prediction exceeds the memory available, or overflows; the plan's errors.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn admit(
+    cfg: &GptConfig,
+    config: &FsdpConfig,
+    units: &UnitPlan,
+    world: usize,
+    micro: usize,
+    grad_accum: usize,
+    sharing: Sharing,
+    data: &ProcessData,
+    limit: Option<u64>,
+) -> Result<usize, CliError> {
+    let p = predict(cfg, config, units, world, micro, grad_accum, sharing, data)?;
+    match available(limit) {
+        Some(a) if !p.fits(&a) => Err(p.refusal(&a)),
+        Some(a) => Ok(p.capacity(a.bytes)),
+        // Unknown: no check; the allocator keeps the larger of its default and the plan's peak.
+        None => Ok(config
+            .memory_capacity
+            .max(usize::try_from(p.allocator).unwrap_or(usize::MAX))),
+    }
+}
+
+/// The plan of `config` with an unbounded allocator (the peak it reaches when nothing limits
+/// it), as a [`Prediction`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn predict(
+    cfg: &GptConfig,
+    config: &FsdpConfig,
+    units: &UnitPlan,
+    world: usize,
+    micro: usize,
+    grad_accum: usize,
+    sharing: Sharing,
+    data: &ProcessData,
+) -> Result<Prediction, CliError> {
+    let unbounded = FsdpConfig {
+        memory_capacity: usize::MAX,
+        ..*config
+    };
+    let plan = fsdp_gpt::plan::plan_accumulated(
+        cfg,
+        world,
+        &unbounded,
+        units,
+        micro / world,
+        cfg.block_size,
+        grad_accum,
+    )?;
+    Prediction::new(&plan, world, sharing, data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_with_suffixes() {
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert_eq!(parse_bytes("1M"), Ok(1 << 20));
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2G"), Ok(2 << 30));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("2gb"), Ok(2 << 30));
+        assert_eq!(parse_bytes("3k"), Ok(3 << 10));
+        assert_eq!(parse_bytes("7B"), Ok(7));
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("M").is_err());
+        assert!(parse_bytes("1.5G").is_err());
+        assert!(parse_bytes("2X").is_err());
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("16384P").unwrap_err().contains("overflows"));
+    }
+}

@@ -1,0 +1,756 @@
+//! Periodic checkpoints and resuming (`--checkpoint-dir`, `--checkpoint-every`,
+//! `--keep-checkpoints`, `--resume`), and the options `fsdp train` reads from files: the model
+//! sizes of `--init-from`, and every option that defines the run from `--resume`'s checkpoint.
+//!
+//! A checkpoint is the engine's sharded checkpoint (one file per rank: parameters, optimizer
+//! state with its groups and learning-rate schedule, all keyed by parameter name) plus
+//! [`RUN_FILE`], the run: the step K reached, the data position, the skipped non-finite steps,
+//! and the options that define the run (model sizes, strategy, AdamW and schedule settings,
+//! gradient clipping, batch, gradient accumulation, seed, data, `--init-from`). It is written
+//! with the `step-K` protocol of [`fsdp::checkpoint::CheckpointDir`]: every rank writes and
+//! `fsync`s its file into `DIR/step-K.tmp` and the ranks agree that all succeeded; rank 0 then
+//! writes [`RUN_FILE`] atomically, renames the directory to `DIR/step-K`, `fsync`s `DIR`, and
+//! removes older checkpoints beyond `--keep-checkpoints` and staging directories of crashed
+//! runs; the ranks agree again, so a failure stops every rank.
+//!
+//! `--resume DIR` starts from the newest complete `DIR/step-K` at any number of ranks (the
+//! checkpoint is resharded on load; as threads, the checkpoint's number unless `--ranks` is
+//! given) at step K with the same data positions, so at the same number of ranks the steps and
+//! losses are bitwise those of an uninterrupted run. The options not given are the
+//! checkpoint's (`--steps` and the checkpoint settings included); a run-defining option given
+//! must equal the checkpoint's, else the error names both values.
+
+use std::collections::HashMap;
+use std::fmt::Display;
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
+use fsdp::checkpoint::{write_atomic, CheckpointDir, FullOptimizerState};
+use fsdp::Fsdp;
+use fsdp_gpt::model::GptConfig;
+use fsdp_gpt::runtime::ShardingStrategy;
+use serde_json::{json, Map, Value};
+
+use crate::args::{Cli, Command, ScheduleKindArg, TrainArgs, TrainBackend};
+use crate::{fail, CliError};
+
+/// The run's metadata in each checkpoint directory (JSON).
+pub(crate) const RUN_FILE: &str = "run.json";
+
+/// The `format` of [`RUN_FILE`].
+const RUN_FORMAT: &str = "fsdp-train-run";
+/// The version of [`RUN_FILE`]'s layout.
+const RUN_VERSION: u64 = 1;
+
+/// Parses the command line like `Cli::try_parse`, and records which options of `fsdp train`
+/// were given (rather than defaulted) in [`TrainArgs::explicit`].
+pub(crate) fn parse_cli() -> Result<Cli, clap::Error> {
+    let matches = Cli::command().try_get_matches()?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    if let (Command::Train(args), Some(("train", sub))) = (&mut cli.command, matches.subcommand()) {
+        args.explicit = sub
+            .ids()
+            .filter(|id| sub.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+            .map(|id| id.as_str().to_string())
+            .collect();
+    }
+    Ok(cli)
+}
+
+/// The options of `fsdp train` after reading `--resume`'s checkpoint and `--init-from`'s
+/// sizes, with what resuming and checkpointing need.
+pub(crate) struct Resolved {
+    /// The options: those given, then the checkpoint's or the file's, then the defaults.
+    pub(crate) args: TrainArgs,
+    /// Where the run resumes, with `--resume`.
+    pub(crate) resume: Option<ResumePoint>,
+    /// Where and how often checkpoints are written.
+    pub(crate) checkpoints: Option<CheckpointPlan>,
+}
+
+/// The checkpoint a run resumes from.
+pub(crate) struct ResumePoint {
+    /// `DIR/step-K`.
+    pub(crate) path: PathBuf,
+    /// K: the steps done; the resumed run starts at step K.
+    pub(crate) step: usize,
+    /// The non-finite steps skipped before K (they count against `--skip-nonfinite`).
+    pub(crate) skipped: usize,
+    /// Tokens of the data the checkpoint was trained on.
+    data_tokens: usize,
+}
+
+/// `--checkpoint-dir`, `--checkpoint-every` and `--keep-checkpoints`, checked.
+#[derive(Clone)]
+pub(crate) struct CheckpointPlan {
+    pub(crate) dir: PathBuf,
+    pub(crate) every: usize,
+    pub(crate) keep: usize,
+}
+
+impl ResumePoint {
+    /// The parameters and the optimizer state of the checkpoint, reassembled for `cfg` (at
+    /// any world size; the engine reshards them).
+    pub(crate) fn load(
+        &self,
+        cfg: &GptConfig,
+    ) -> Result<(HashMap<String, Vec<f32>>, FullOptimizerState), CliError> {
+        let ck = fsdp_gpt::checkpoint::load_sharded_gpt(&self.path, cfg)
+            .map_err(|e| fail(format!("--resume: {e}")))?;
+        let optimizer = ck.optimizer.ok_or_else(|| {
+            fail(format!(
+                "--resume {}: the checkpoint holds no optimizer state",
+                self.path.display()
+            ))
+        })?;
+        Ok((ck.params, optimizer))
+    }
+
+    /// The data read for the resumed run must be the checkpoint's: the same number of tokens.
+    pub(crate) fn check_tokens(&self, tokens: usize) -> Result<(), CliError> {
+        if tokens != self.data_tokens {
+            return Err(fail(format!(
+                "--resume {}: the data has {tokens} tokens, the checkpoint's had {}",
+                self.path.display(),
+                self.data_tokens
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The command-line spelling of a strategy.
+fn strategy_option(s: ShardingStrategy) -> &'static str {
+    match s {
+        ShardingStrategy::FullShard => "full-shard",
+        ShardingStrategy::ShardGradOp => "shard-grad-op",
+        ShardingStrategy::NoShard => "no-shard",
+        ShardingStrategy::HybridShard => "hybrid-shard",
+        ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
+    }
+}
+
+fn strategy_from_option(s: &str) -> Option<ShardingStrategy> {
+    [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ]
+    .into_iter()
+    .find(|&x| strategy_option(x) == s)
+}
+
+fn schedule_option(s: ScheduleKindArg) -> &'static str {
+    match s {
+        ScheduleKindArg::Constant => "constant",
+        ScheduleKindArg::Cosine => "cosine",
+    }
+}
+
+/// A path made absolute and canonical when it exists (as given otherwise), for comparing and
+/// recording inputs.
+fn canonical(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// `--grad-clip` as the run uses it: `None` for no clipping (`--grad-clip 0` included).
+fn effective_grad_clip(c: Option<f64>) -> Option<f64> {
+    c.filter(|&c| c != 0.0)
+}
+
+/// The options that define a run, as [`RUN_FILE`] records them (`config`). `data_tokens` is
+/// the length of the token stream; `steps` resolves the cosine schedule's default.
+fn run_config(args: &TrainArgs, data_tokens: usize) -> Value {
+    let m = &args.model;
+    let cosine = args.lr_schedule == ScheduleKindArg::Cosine;
+    json!({
+        "n_layer": m.n_layer,
+        "n_head": m.n_head,
+        "n_embd": m.n_embd,
+        "block_size": m.block_size,
+        "vocab_size": m.vocab_size,
+        "strategy": strategy_option(m.strategy),
+        "lr": args.lr,
+        "beta1": args.beta1,
+        "beta2": args.beta2,
+        "eps": args.eps,
+        "weight_decay": args.weight_decay,
+        "decay_2d_only": args.decay_2d_only,
+        "lr_schedule": schedule_option(args.lr_schedule),
+        "warmup_iters": args.warmup_iters,
+        // The cosine schedule's defaults resolved, so that a resumed run with another --steps
+        // keeps the schedule.
+        "lr_decay_iters": if cosine {
+            Some(args.lr_decay_iters.unwrap_or(args.steps as u64))
+        } else {
+            args.lr_decay_iters
+        },
+        "min_lr": if cosine { Some(args.min_lr.unwrap_or(args.lr / 10.0)) } else { args.min_lr },
+        "grad_clip": effective_grad_clip(args.grad_clip),
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "seed": args.seed,
+        "data": args.data.as_deref().map(|p| path_string(&canonical(p))),
+        "data_tokens": data_tokens,
+        "init_from": args.init_from.as_deref().map(|p| path_string(&canonical(p))),
+    })
+}
+
+/// Reads fields of a JSON object, errors naming the file and the field.
+struct Fields<'a> {
+    file: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn new(file: &'a Path, v: &'a Value) -> Result<Self, CliError> {
+        let map = v
+            .as_object()
+            .ok_or_else(|| fail(format!("{}: not a JSON object", file.display())))?;
+        Ok(Fields { file, map })
+    }
+
+    fn bad(&self, key: &str) -> CliError {
+        fail(format!(
+            "{}: missing or invalid `{key}`",
+            self.file.display()
+        ))
+    }
+
+    fn get(&self, key: &str) -> Result<&'a Value, CliError> {
+        self.map.get(key).ok_or_else(|| self.bad(key))
+    }
+
+    fn u64(&self, key: &str) -> Result<u64, CliError> {
+        self.get(key)?.as_u64().ok_or_else(|| self.bad(key))
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, CliError> {
+        usize::try_from(self.u64(key)?).map_err(|_| self.bad(key))
+    }
+
+    fn f64(&self, key: &str) -> Result<f64, CliError> {
+        self.get(key)?.as_f64().ok_or_else(|| self.bad(key))
+    }
+
+    fn bool(&self, key: &str) -> Result<bool, CliError> {
+        self.get(key)?.as_bool().ok_or_else(|| self.bad(key))
+    }
+
+    fn str(&self, key: &str) -> Result<&'a str, CliError> {
+        self.get(key)?.as_str().ok_or_else(|| self.bad(key))
+    }
+
+    /// `null` is `None`.
+    fn opt<T>(
+        &self,
+        key: &str,
+        f: impl FnOnce(&Value) -> Option<T>,
+    ) -> Result<Option<T>, CliError> {
+        match self.get(key)? {
+            Value::Null => Ok(None),
+            v => f(v).map(Some).ok_or_else(|| self.bad(key)),
+        }
+    }
+
+    fn object(&self, key: &str) -> Result<Fields<'a>, CliError> {
+        Fields::new(self.file, self.get(key)?)
+    }
+}
+
+/// Options are reconciled with a source (a checkpoint or an `--init-from` file): one given
+/// on the command line must equal the source's value (else an error naming both); one not
+/// given takes it.
+struct Reconcile<'a> {
+    explicit: &'a [String],
+    /// `the checkpoint DIR/step-K` or `--init-from FILE`.
+    source: String,
+}
+
+impl Reconcile<'_> {
+    fn given(&self, id: &str) -> bool {
+        self.explicit.iter().any(|e| e == id)
+    }
+
+    fn error(&self, option: &str, given: &str, saved: &str) -> CliError {
+        fail(format!(
+            "{option} {given} disagrees with {}, which has {saved}",
+            self.source
+        ))
+    }
+
+    /// A plain value (`--n-layer 2`).
+    fn value<T: PartialEq + Display>(
+        &self,
+        id: &str,
+        arg: &mut T,
+        saved: T,
+    ) -> Result<(), CliError> {
+        let option = format!("--{}", id.replace('_', "-"));
+        if !self.given(id) {
+            *arg = saved;
+        } else if *arg != saved {
+            return Err(self.error(&option, &arg.to_string(), &format!("{option} {saved}")));
+        }
+        Ok(())
+    }
+
+    /// An optional value (`--grad-clip 1` or none).
+    fn optional<T: PartialEq + Display>(
+        &self,
+        id: &str,
+        arg: &mut Option<T>,
+        saved: Option<T>,
+    ) -> Result<(), CliError> {
+        let option = format!("--{}", id.replace('_', "-"));
+        let show = |v: &Option<T>| match v {
+            Some(v) => format!("{option} {v}"),
+            None => format!("no {option}"),
+        };
+        if !self.given(id) {
+            *arg = saved;
+        } else if *arg != saved {
+            let given = arg.as_ref().map_or_else(String::new, ToString::to_string);
+            return Err(self.error(&option, &given, &show(&saved)));
+        }
+        Ok(())
+    }
+}
+
+/// Reads the options of `args` from `--resume`'s checkpoint and `--init-from`'s sizes, and
+/// checks the checkpoint options. Nothing is written.
+pub(crate) fn resolve(args: &TrainArgs) -> Result<Resolved, CliError> {
+    let mut out = args.clone();
+    let resume = match &args.resume {
+        Some(dir) => Some(resume_from(dir, &mut out)?),
+        None => {
+            if out.init_from.is_some() {
+                sizes_from_init(&mut out)?;
+            }
+            None
+        }
+    };
+    let checkpoints = checkpoint_plan(&out, resume.as_ref().map(|r| &r.1))?;
+    Ok(Resolved {
+        args: out,
+        resume: resume.map(|r| r.0),
+        checkpoints,
+    })
+}
+
+/// What a checkpoint says about checkpointing: `checkpoint_every`, `keep_checkpoints`, and the
+/// directory it lies in.
+struct SavedPlan {
+    root: PathBuf,
+    every: usize,
+    keep: usize,
+}
+
+fn checkpoint_plan(
+    args: &TrainArgs,
+    saved: Option<&SavedPlan>,
+) -> Result<Option<CheckpointPlan>, CliError> {
+    if args.checkpoint_every == Some(0) {
+        return Err(fail("--checkpoint-every must be at least 1"));
+    }
+    if args.keep_checkpoints == 0 {
+        return Err(fail("--keep-checkpoints must be at least 1"));
+    }
+    let keep_given = args.explicit.iter().any(|e| e == "keep_checkpoints");
+    let plan = match (saved, &args.checkpoint_dir, args.checkpoint_every) {
+        // Resuming: the checkpoint's directory and settings unless given.
+        (Some(s), dir, every) => Some(CheckpointPlan {
+            dir: dir.clone().unwrap_or_else(|| s.root.clone()),
+            every: every.unwrap_or(s.every),
+            keep: if keep_given {
+                args.keep_checkpoints
+            } else {
+                s.keep
+            },
+        }),
+        (None, Some(dir), Some(every)) => Some(CheckpointPlan {
+            dir: dir.clone(),
+            every,
+            keep: args.keep_checkpoints,
+        }),
+        (None, Some(_), None) => return Err(fail("--checkpoint-dir needs --checkpoint-every N")),
+        (None, None, Some(_)) => {
+            return Err(fail(
+                "--checkpoint-every needs --checkpoint-dir DIR (or --resume DIR)",
+            ))
+        }
+        (None, None, None) if keep_given => {
+            return Err(fail("--keep-checkpoints needs --checkpoint-dir DIR"))
+        }
+        (None, None, None) => None,
+    };
+    if let Some(p) = &plan {
+        check_checkpoint_dir(p, saved.map(|s| s.root.as_path()))?;
+    }
+    Ok(plan)
+}
+
+/// The checkpoint directory, before any rank starts: absent (it is created) or a directory,
+/// writable, and holding no checkpoint of another run (unless it is the directory the run
+/// resumes from).
+fn check_checkpoint_dir(
+    plan: &CheckpointPlan,
+    resumed_from: Option<&Path>,
+) -> Result<(), CliError> {
+    let dir = &plan.dir;
+    let named = |reason: String| fail(format!("--checkpoint-dir {}: {reason}", dir.display()));
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(named(format!("cannot inspect: {e}"))),
+        Ok(m) if !m.is_dir() => return Err(named("is not a directory".into())),
+        Ok(_) => {}
+    }
+    let same = resumed_from.is_some_and(|r| canonical(r) == canonical(dir));
+    if !same {
+        let complete = CheckpointDir::new(dir)
+            .complete()
+            .map_err(|e| named(e.to_string()))?;
+        if !complete.is_empty() {
+            let names: Vec<String> = complete.iter().map(|(k, _)| format!("step-{k}")).collect();
+            return Err(named(format!(
+                "already holds checkpoints of another run ({}); continue it with --resume {} or \
+                 choose another directory",
+                names.join(", "),
+                dir.display()
+            )));
+        }
+    }
+    let probe = dir.join(format!(".fsdp-probe.{}", std::process::id()));
+    match std::fs::File::options()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(named(format!("is not writable ({e})"))),
+    }
+}
+
+/// Finds the newest complete checkpoint in `dir`, reads its [`RUN_FILE`] and reconciles the
+/// options of `out` with it.
+fn resume_from(dir: &Path, out: &mut TrainArgs) -> Result<(ResumePoint, SavedPlan), CliError> {
+    let named = |reason: String| fail(format!("--resume {}: {reason}", dir.display()));
+    let ckpts = CheckpointDir::new(dir);
+    let latest = ckpts.latest().map_err(|e| match e {
+        fsdp::FsdpError::Checkpoint { reason, .. } => named(reason),
+        other => named(other.to_string()),
+    })?;
+    let Some((step, path)) = latest else {
+        let staging = ckpts.staging().unwrap_or_default();
+        return Err(named(match staging.last() {
+            Some((_, p)) => format!(
+                "no complete checkpoint ({} was never completed)",
+                p.file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+            ),
+            None => "no complete checkpoint (no step-K directory)".into(),
+        }));
+    };
+    let file = path.join(RUN_FILE);
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| named(format!("cannot read {}: {e}", file.display())))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| named(format!("{} is not valid JSON: {e}", file.display())))?;
+    let run = Fields::new(&file, &v)?;
+    if run.str("format")? != RUN_FORMAT || run.u64("version")? != RUN_VERSION {
+        return Err(named(format!(
+            "{} is not a run file of this version ({RUN_FORMAT} {RUN_VERSION})",
+            file.display()
+        )));
+    }
+    let saved_step = run.usize("step")?;
+    if saved_step as u64 != step {
+        return Err(named(format!(
+            "{} says step {saved_step}, its directory step {step}",
+            file.display()
+        )));
+    }
+    let c = run.object("config")?;
+    let explicit = std::mem::take(&mut out.explicit);
+    let r = Reconcile {
+        explicit: &explicit,
+        source: format!("the checkpoint {}", path.display()),
+    };
+    let m = &mut out.model;
+    r.value("n_layer", &mut m.n_layer, c.usize("n_layer")?)?;
+    r.value("n_head", &mut m.n_head, c.usize("n_head")?)?;
+    r.value("n_embd", &mut m.n_embd, c.usize("n_embd")?)?;
+    r.value("block_size", &mut m.block_size, c.usize("block_size")?)?;
+    r.value("vocab_size", &mut m.vocab_size, c.usize("vocab_size")?)?;
+    let saved_strategy = c.str("strategy")?;
+    let strategy = strategy_from_option(saved_strategy).ok_or_else(|| c.bad("strategy"))?;
+    if r.given("strategy") && m.strategy != strategy {
+        return Err(r.error(
+            "--strategy",
+            strategy_option(m.strategy),
+            &format!("--strategy {saved_strategy}"),
+        ));
+    }
+    m.strategy = strategy;
+    r.value("lr", &mut out.lr, c.f64("lr")?)?;
+    r.value("beta1", &mut out.beta1, c.f64("beta1")?)?;
+    r.value("beta2", &mut out.beta2, c.f64("beta2")?)?;
+    r.value("eps", &mut out.eps, c.f64("eps")?)?;
+    r.value(
+        "weight_decay",
+        &mut out.weight_decay,
+        c.f64("weight_decay")?,
+    )?;
+    let decay = c.bool("decay_2d_only")?;
+    if r.given("decay_2d_only") && !decay {
+        return Err(fail(format!(
+            "--decay-2d-only disagrees with {}, which has no --decay-2d-only",
+            r.source
+        )));
+    }
+    out.decay_2d_only = decay;
+    let schedule = match c.str("lr_schedule")? {
+        "constant" => ScheduleKindArg::Constant,
+        "cosine" => ScheduleKindArg::Cosine,
+        _ => return Err(c.bad("lr_schedule")),
+    };
+    if r.given("lr_schedule") && out.lr_schedule != schedule {
+        return Err(r.error(
+            "--lr-schedule",
+            schedule_option(out.lr_schedule),
+            &format!("--lr-schedule {}", schedule_option(schedule)),
+        ));
+    }
+    out.lr_schedule = schedule;
+    r.value(
+        "warmup_iters",
+        &mut out.warmup_iters,
+        c.u64("warmup_iters")?,
+    )?;
+    r.optional(
+        "lr_decay_iters",
+        &mut out.lr_decay_iters,
+        c.opt("lr_decay_iters", Value::as_u64)?,
+    )?;
+    r.optional("min_lr", &mut out.min_lr, c.opt("min_lr", Value::as_f64)?)?;
+    out.grad_clip = effective_grad_clip(out.grad_clip);
+    r.optional(
+        "grad_clip",
+        &mut out.grad_clip,
+        c.opt("grad_clip", Value::as_f64)?,
+    )?;
+    r.value("batch_size", &mut out.batch_size, c.usize("batch_size")?)?;
+    r.value("grad_accum", &mut out.grad_accum, c.usize("grad_accum")?)?;
+    r.value("seed", &mut out.seed, c.u64("seed")?)?;
+    // Inputs are compared as canonical paths.
+    let saved_data = c.opt("data", |v| v.as_str().map(PathBuf::from))?;
+    if r.given("data") {
+        let given = out.data.as_deref().map(canonical);
+        if given != saved_data {
+            let shown = |p: &Option<PathBuf>| match p {
+                Some(p) => format!("--data {}", p.display()),
+                None => "a generated corpus (no --data)".to_string(),
+            };
+            let arg = out.data.as_deref().map(path_string).unwrap_or_default();
+            return Err(r.error("--data", &arg, &shown(&saved_data)));
+        }
+    }
+    out.data = saved_data;
+    let saved_init = c.opt("init_from", |v| v.as_str().map(PathBuf::from))?;
+    if let Some(given) = &out.init_from {
+        if Some(canonical(given)) != saved_init {
+            let shown = saved_init.as_ref().map_or_else(
+                || "no --init-from".to_string(),
+                |p| format!("--init-from {}", p.display()),
+            );
+            return Err(r.error("--init-from", &path_string(given), &shown));
+        }
+    }
+    // The weights come from the checkpoint.
+    out.init_from = None;
+    // Ranks as threads: as many as the checkpoint's unless given (a launcher or mpirun sets
+    // its own world size).
+    if !r.given("ranks") && runs_as_threads(out) {
+        out.model.ranks = Some(run.usize("world_size")?);
+    }
+    if !r.given("steps") {
+        out.steps = run.usize("steps")?;
+    }
+    if step as usize >= out.steps {
+        return Err(named(format!(
+            "the newest checkpoint {} is at step {step}, and --steps is {}: nothing is left to \
+             train (give a larger --steps)",
+            path.display(),
+            out.steps
+        )));
+    }
+    if run.usize("data_position")? != step as usize * out.grad_accum {
+        return Err(named(format!(
+            "{} says data position {}, but step {step} of {} micro-batches is at {}",
+            file.display(),
+            run.usize("data_position")?,
+            out.grad_accum,
+            step as usize * out.grad_accum
+        )));
+    }
+    let point = ResumePoint {
+        step: step as usize,
+        skipped: run.usize("skipped_steps")?,
+        data_tokens: c.usize("data_tokens")?,
+        path,
+    };
+    let saved = SavedPlan {
+        root: dir.to_path_buf(),
+        every: run.usize("checkpoint_every")?.max(1),
+        keep: run.usize("keep_checkpoints")?.max(1),
+    };
+    out.explicit = explicit;
+    Ok((point, saved))
+}
+
+/// Whether the ranks will be threads of this process (no launcher, no mpirun, no process
+/// backend asked for).
+fn runs_as_threads(args: &TrainArgs) -> bool {
+    let launched = !matches!(fsdp_collectives::LaunchEnv::from_env(), Ok(None));
+    let mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some());
+    matches!(args.backend, None | Some(TrainBackend::Ring)) && !launched && !mpirun
+}
+
+/// Takes the model sizes not given from the `--init-from` file (its metadata, else its
+/// shapes); a size given that disagrees with the file's is an error naming both.
+fn sizes_from_init(out: &mut TrainArgs) -> Result<(), CliError> {
+    let Some(path) = out.init_from.clone() else {
+        return Ok(());
+    };
+    let sizes = match fsdp_gpt::checkpoint::read_sizes(&path) {
+        Ok(s) => s,
+        // An unreadable file is reported when it is loaded, naming the tensor or the file.
+        Err(_) => return Ok(()),
+    };
+    let r = Reconcile {
+        explicit: &out.explicit,
+        source: format!("--init-from {}", path.display()),
+    };
+    let m = &mut out.model;
+    let slots: [(&str, &mut usize); 5] = [
+        ("n_layer", &mut m.n_layer),
+        ("n_head", &mut m.n_head),
+        ("n_embd", &mut m.n_embd),
+        ("block_size", &mut m.block_size),
+        ("vocab_size", &mut m.vocab_size),
+    ];
+    for ((id, arg), file) in slots.into_iter().zip(sizes.sizes) {
+        if let Some(v) = file {
+            r.value(id, arg, v)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes the checkpoints of one rank's run (see the [module documentation](self)).
+pub(crate) struct Checkpointer {
+    plan: CheckpointPlan,
+    dir: CheckpointDir,
+    /// [`RUN_FILE`]'s fields that do not change from step to step.
+    base: Map<String, Value>,
+    grad_accum: usize,
+}
+
+impl Checkpointer {
+    /// The checkpoints of the run of `args` (resolved) on `world` ranks over `data_tokens`
+    /// tokens.
+    pub(crate) fn new(
+        plan: &CheckpointPlan,
+        args: &TrainArgs,
+        data_tokens: usize,
+        world: usize,
+    ) -> Self {
+        let mut base = Map::new();
+        base.insert("format".into(), json!(RUN_FORMAT));
+        base.insert("version".into(), json!(RUN_VERSION));
+        base.insert("world_size".into(), json!(world));
+        base.insert("steps".into(), json!(args.steps));
+        base.insert("checkpoint_every".into(), json!(plan.every));
+        base.insert("keep_checkpoints".into(), json!(plan.keep));
+        base.insert("config".into(), run_config(args, data_tokens));
+        Checkpointer {
+            plan: plan.clone(),
+            dir: CheckpointDir::new(&plan.dir),
+            base,
+            grad_accum: args.grad_accum,
+        }
+    }
+
+    /// Creates the directory and removes the staging directories of crashed runs. Call it in
+    /// one process (rank 0) before training: every other rank writes its first checkpoint only
+    /// after a step, whose collectives need rank 0, so after this.
+    pub(crate) fn prepare(&self) -> Result<(), CliError> {
+        self.dir
+            .prepare()
+            .map(drop)
+            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))
+    }
+
+    /// Whether a checkpoint is due after `done` steps.
+    pub(crate) fn due(&self, done: usize) -> bool {
+        done % self.plan.every == 0
+    }
+
+    /// Writes the checkpoint of step `done` (steps done) with `skipped` non-finite steps
+    /// skipped so far. **Collective**: every rank calls it.
+    pub(crate) fn save(&self, model: &Fsdp, done: usize, skipped: usize) -> Result<(), CliError> {
+        let step = done as u64;
+        let staging = self.dir.staging_path(step);
+        // Every rank writes and fsyncs its file; the ranks agree that all succeeded.
+        model
+            .save_sharded(&staging)
+            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
+        // Rank 0 completes the checkpoint; the ranks agree on that too.
+        let committed = if model.rank() == 0 {
+            self.commit(step, done, skipped)
+        } else {
+            Ok(())
+        };
+        let failed = model.all_reduce_loss(if committed.is_ok() { 0.0 } else { 1.0 })?;
+        committed?;
+        if failed > 0.0 {
+            return Err(fail(format!(
+                "--checkpoint-dir {}: rank 0 could not complete the checkpoint of step {done}",
+                self.plan.dir.display()
+            )));
+        }
+        Ok(())
+    }
+
+    fn commit(&self, step: u64, done: usize, skipped: usize) -> Result<(), CliError> {
+        let staging = self.dir.staging_path(step);
+        let mut run = self.base.clone();
+        run.insert("step".into(), json!(done));
+        // Micro-batches consumed: the next step reads global batch `done * grad_accum`.
+        run.insert("data_position".into(), json!(done * self.grad_accum));
+        run.insert("skipped_steps".into(), json!(skipped));
+        let text = serde_json::to_string_pretty(&Value::Object(run))
+            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
+        write_atomic(&staging.join(RUN_FILE), |w| {
+            w.write_all(text.as_bytes())?;
+            w.write_all(b"\n")
+        })
+        .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
+        self.dir
+            .commit(step, self.plan.keep)
+            .map(drop)
+            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))
+    }
+}
