@@ -9,11 +9,13 @@
 
 mod admission;
 mod args;
+mod checkpointing;
 mod launch_cmd;
 mod output;
 mod paths;
 mod plan_cmd;
 mod resume;
+mod run_config;
 mod setup;
 mod train;
 

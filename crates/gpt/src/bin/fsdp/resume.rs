@@ -1,17 +1,8 @@
 //! Periodic checkpoints and resuming (`--checkpoint-dir`, `--checkpoint-every`,
 //! `--keep-checkpoints`, `--resume`), and the options `fsdp train` reads from files: the model
 //! sizes of `--init-from`, and every option that defines the run from `--resume`'s checkpoint.
-//!
-//! A checkpoint is the engine's sharded checkpoint (one file per rank: parameters, optimizer
-//! state with its groups and learning-rate schedule, all keyed by parameter name) plus
-//! [`RUN_FILE`], the run: the step K reached, the data position, the skipped non-finite steps,
-//! and the options that define the run (model sizes, strategy, AdamW and schedule settings,
-//! gradient clipping, batch, gradient accumulation, seed, data, `--init-from`). It is written
-//! with the `step-K` protocol of [`fsdp::checkpoint::CheckpointDir`]: every rank writes and
-//! `fsync`s its file into `DIR/step-K.tmp` and the ranks agree that all succeeded; rank 0 then
-//! writes [`RUN_FILE`] atomically, renames the directory to `DIR/step-K`, `fsync`s `DIR`, and
-//! removes older checkpoints beyond `--keep-checkpoints` and staging directories of crashed
-//! runs; the ranks agree again, so a failure stops every rank.
+//! Writing the checkpoints is [`crate::checkpointing`]; their [`RUN_FILE`] is
+//! [`crate::run_config`].
 //!
 //! `--resume DIR` starts from the newest complete `DIR/step-K` at any number of ranks (the
 //! checkpoint is resharded on load; as threads, the checkpoint's number unless `--ranks` is
@@ -26,22 +17,17 @@ use std::path::{Path, PathBuf};
 
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches};
-use fsdp::checkpoint::{write_atomic, CheckpointDir, FullOptimizerState};
-use fsdp::Fsdp;
+use fsdp::checkpoint::{CheckpointDir, FullOptimizerState};
 use fsdp_gpt::model::GptConfig;
-use fsdp_gpt::runtime::ShardingStrategy;
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
 use crate::args::{Cli, Command, ScheduleKindArg, TrainArgs, TrainBackend};
+use crate::checkpointing::CheckpointPlan;
+use crate::run_config::{
+    canonical, effective_grad_clip, path_string, schedule_option, strategy_from_option,
+    strategy_option, Fields, RUN_FILE, RUN_FORMAT, RUN_VERSION,
+};
 use crate::{fail, CliError};
-
-/// The run's metadata in each checkpoint directory (JSON).
-pub(crate) const RUN_FILE: &str = "run.json";
-
-/// The `format` of [`RUN_FILE`].
-const RUN_FORMAT: &str = "fsdp-train-run";
-/// The version of [`RUN_FILE`]'s layout.
-const RUN_VERSION: u64 = 1;
 
 /// Parses the command line like `Cli::try_parse`, and records which options of `fsdp train`
 /// were given (rather than defaulted) in [`TrainArgs::explicit`].
@@ -81,14 +67,6 @@ pub(crate) struct ResumePoint {
     data_tokens: usize,
 }
 
-/// `--checkpoint-dir`, `--checkpoint-every` and `--keep-checkpoints`, checked.
-#[derive(Clone)]
-pub(crate) struct CheckpointPlan {
-    pub(crate) dir: PathBuf,
-    pub(crate) every: usize,
-    pub(crate) keep: usize,
-}
-
 impl ResumePoint {
     /// The parameters and the optimizer state of the checkpoint, reassembled for `cfg` (at
     /// any world size; the engine reshards them).
@@ -117,151 +95,6 @@ impl ResumePoint {
             )));
         }
         Ok(())
-    }
-}
-
-/// The command-line spelling of a strategy.
-fn strategy_option(s: ShardingStrategy) -> &'static str {
-    match s {
-        ShardingStrategy::FullShard => "full-shard",
-        ShardingStrategy::ShardGradOp => "shard-grad-op",
-        ShardingStrategy::NoShard => "no-shard",
-        ShardingStrategy::HybridShard => "hybrid-shard",
-        ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
-    }
-}
-
-fn strategy_from_option(s: &str) -> Option<ShardingStrategy> {
-    [
-        ShardingStrategy::FullShard,
-        ShardingStrategy::ShardGradOp,
-        ShardingStrategy::NoShard,
-        ShardingStrategy::HybridShard,
-        ShardingStrategy::HybridShardZero2,
-    ]
-    .into_iter()
-    .find(|&x| strategy_option(x) == s)
-}
-
-fn schedule_option(s: ScheduleKindArg) -> &'static str {
-    match s {
-        ScheduleKindArg::Constant => "constant",
-        ScheduleKindArg::Cosine => "cosine",
-    }
-}
-
-/// A path made absolute and canonical when it exists (as given otherwise), for comparing and
-/// recording inputs.
-fn canonical(p: &Path) -> PathBuf {
-    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
-}
-
-fn path_string(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
-
-/// `--grad-clip` as the run uses it: `None` for no clipping (`--grad-clip 0` included).
-fn effective_grad_clip(c: Option<f64>) -> Option<f64> {
-    c.filter(|&c| c != 0.0)
-}
-
-/// The options that define a run, as [`RUN_FILE`] records them (`config`). `data_tokens` is
-/// the length of the token stream; `steps` resolves the cosine schedule's default.
-fn run_config(args: &TrainArgs, data_tokens: usize) -> Value {
-    let m = &args.model;
-    let cosine = args.lr_schedule == ScheduleKindArg::Cosine;
-    json!({
-        "n_layer": m.n_layer,
-        "n_head": m.n_head,
-        "n_embd": m.n_embd,
-        "block_size": m.block_size,
-        "vocab_size": m.vocab_size,
-        "strategy": strategy_option(m.strategy),
-        "lr": args.lr,
-        "beta1": args.beta1,
-        "beta2": args.beta2,
-        "eps": args.eps,
-        "weight_decay": args.weight_decay,
-        "decay_2d_only": args.decay_2d_only,
-        "lr_schedule": schedule_option(args.lr_schedule),
-        "warmup_iters": args.warmup_iters,
-        // The cosine schedule's defaults resolved, so that a resumed run with another --steps
-        // keeps the schedule.
-        "lr_decay_iters": if cosine {
-            Some(args.lr_decay_iters.unwrap_or(args.steps as u64))
-        } else {
-            args.lr_decay_iters
-        },
-        "min_lr": if cosine { Some(args.min_lr.unwrap_or(args.lr / 10.0)) } else { args.min_lr },
-        "grad_clip": effective_grad_clip(args.grad_clip),
-        "batch_size": args.batch_size,
-        "grad_accum": args.grad_accum,
-        "seed": args.seed,
-        "data": args.data.as_deref().map(|p| path_string(&canonical(p))),
-        "data_tokens": data_tokens,
-        "init_from": args.init_from.as_deref().map(|p| path_string(&canonical(p))),
-    })
-}
-
-/// Reads fields of a JSON object, errors naming the file and the field.
-struct Fields<'a> {
-    file: &'a Path,
-    map: &'a Map<String, Value>,
-}
-
-impl<'a> Fields<'a> {
-    fn new(file: &'a Path, v: &'a Value) -> Result<Self, CliError> {
-        let map = v
-            .as_object()
-            .ok_or_else(|| fail(format!("{}: not a JSON object", file.display())))?;
-        Ok(Fields { file, map })
-    }
-
-    fn bad(&self, key: &str) -> CliError {
-        fail(format!(
-            "{}: missing or invalid `{key}`",
-            self.file.display()
-        ))
-    }
-
-    fn get(&self, key: &str) -> Result<&'a Value, CliError> {
-        self.map.get(key).ok_or_else(|| self.bad(key))
-    }
-
-    fn u64(&self, key: &str) -> Result<u64, CliError> {
-        self.get(key)?.as_u64().ok_or_else(|| self.bad(key))
-    }
-
-    fn usize(&self, key: &str) -> Result<usize, CliError> {
-        usize::try_from(self.u64(key)?).map_err(|_| self.bad(key))
-    }
-
-    fn f64(&self, key: &str) -> Result<f64, CliError> {
-        self.get(key)?.as_f64().ok_or_else(|| self.bad(key))
-    }
-
-    fn bool(&self, key: &str) -> Result<bool, CliError> {
-        self.get(key)?.as_bool().ok_or_else(|| self.bad(key))
-    }
-
-    fn str(&self, key: &str) -> Result<&'a str, CliError> {
-        self.get(key)?.as_str().ok_or_else(|| self.bad(key))
-    }
-
-    /// `null` is `None`.
-    fn opt<T>(
-        &self,
-        key: &str,
-        f: impl FnOnce(&Value) -> Option<T>,
-    ) -> Result<Option<T>, CliError> {
-        match self.get(key)? {
-            Value::Null => Ok(None),
-            v => f(v).map(Some).ok_or_else(|| self.bad(key)),
-        }
-    }
-
-    fn object(&self, key: &str) -> Result<Fields<'a>, CliError> {
-        Fields::new(self.file, self.get(key)?)
     }
 }
 
@@ -657,100 +490,4 @@ fn sizes_from_init(out: &mut TrainArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
-}
-
-/// Writes the checkpoints of one rank's run (see the [module documentation](self)).
-pub(crate) struct Checkpointer {
-    plan: CheckpointPlan,
-    dir: CheckpointDir,
-    /// [`RUN_FILE`]'s fields that do not change from step to step.
-    base: Map<String, Value>,
-    grad_accum: usize,
-}
-
-impl Checkpointer {
-    /// The checkpoints of the run of `args` (resolved) on `world` ranks over `data_tokens`
-    /// tokens.
-    pub(crate) fn new(
-        plan: &CheckpointPlan,
-        args: &TrainArgs,
-        data_tokens: usize,
-        world: usize,
-    ) -> Self {
-        let mut base = Map::new();
-        base.insert("format".into(), json!(RUN_FORMAT));
-        base.insert("version".into(), json!(RUN_VERSION));
-        base.insert("world_size".into(), json!(world));
-        base.insert("steps".into(), json!(args.steps));
-        base.insert("checkpoint_every".into(), json!(plan.every));
-        base.insert("keep_checkpoints".into(), json!(plan.keep));
-        base.insert("config".into(), run_config(args, data_tokens));
-        Checkpointer {
-            plan: plan.clone(),
-            dir: CheckpointDir::new(&plan.dir),
-            base,
-            grad_accum: args.grad_accum,
-        }
-    }
-
-    /// Creates the directory and removes the staging directories of crashed runs. Call it in
-    /// one process (rank 0) before training: every other rank writes its first checkpoint only
-    /// after a step, whose collectives need rank 0, so after this.
-    pub(crate) fn prepare(&self) -> Result<(), CliError> {
-        self.dir
-            .prepare()
-            .map(drop)
-            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))
-    }
-
-    /// Whether a checkpoint is due after `done` steps.
-    pub(crate) fn due(&self, done: usize) -> bool {
-        done % self.plan.every == 0
-    }
-
-    /// Writes the checkpoint of step `done` (steps done) with `skipped` non-finite steps
-    /// skipped so far. **Collective**: every rank calls it.
-    pub(crate) fn save(&self, model: &Fsdp, done: usize, skipped: usize) -> Result<(), CliError> {
-        let step = done as u64;
-        let staging = self.dir.staging_path(step);
-        // Every rank writes and fsyncs its file; the ranks agree that all succeeded.
-        model
-            .save_sharded(&staging)
-            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
-        // Rank 0 completes the checkpoint; the ranks agree on that too.
-        let committed = if model.rank() == 0 {
-            self.commit(step, done, skipped)
-        } else {
-            Ok(())
-        };
-        let failed = model.all_reduce_loss(if committed.is_ok() { 0.0 } else { 1.0 })?;
-        committed?;
-        if failed > 0.0 {
-            return Err(fail(format!(
-                "--checkpoint-dir {}: rank 0 could not complete the checkpoint of step {done}",
-                self.plan.dir.display()
-            )));
-        }
-        Ok(())
-    }
-
-    fn commit(&self, step: u64, done: usize, skipped: usize) -> Result<(), CliError> {
-        let staging = self.dir.staging_path(step);
-        let mut run = self.base.clone();
-        run.insert("step".into(), json!(done));
-        // Micro-batches consumed: the next step reads global batch `done * grad_accum`.
-        run.insert("data_position".into(), json!(done * self.grad_accum));
-        run.insert("skipped_steps".into(), json!(skipped));
-        let text = serde_json::to_string_pretty(&Value::Object(run))
-            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
-        write_atomic(&staging.join(RUN_FILE), |w| {
-            w.write_all(text.as_bytes())?;
-            w.write_all(b"\n")
-        })
-        .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
-        self.dir
-            .commit(step, self.plan.keep)
-            .map(drop)
-            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))
-    }
 }

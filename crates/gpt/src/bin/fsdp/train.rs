@@ -21,11 +21,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::admission::{self, ProcessData, Sharing};
 use crate::args::{strategy_name, ScheduleKindArg, TrainArgs, TrainBackend};
+use crate::checkpointing::Checkpointer;
 use crate::output::{
     gather_rank_stats, human_bytes, print_summary, write_outputs, LossLog, RankReport,
 };
 use crate::paths::{check_output_paths, output_error, rank_trace_path};
-use crate::resume::{self, Checkpointer, Resolved};
+use crate::resume::{self, Resolved};
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::{fail, CliError};
 

@@ -1,0 +1,163 @@
+//! [`RUN_FILE`], the run record in each checkpoint directory: its format and version, the
+//! options that define a run as it records them (`config`), and reading its fields back.
+
+use std::path::{Path, PathBuf};
+
+use fsdp_gpt::runtime::ShardingStrategy;
+use serde_json::{json, Map, Value};
+
+use crate::args::{ScheduleKindArg, TrainArgs};
+use crate::{fail, CliError};
+
+/// The run's metadata in each checkpoint directory (JSON).
+pub(crate) const RUN_FILE: &str = "run.json";
+
+/// The `format` of [`RUN_FILE`].
+pub(crate) const RUN_FORMAT: &str = "fsdp-train-run";
+/// The version of [`RUN_FILE`]'s layout.
+pub(crate) const RUN_VERSION: u64 = 1;
+
+/// The command-line spelling of a strategy.
+pub(crate) fn strategy_option(s: ShardingStrategy) -> &'static str {
+    match s {
+        ShardingStrategy::FullShard => "full-shard",
+        ShardingStrategy::ShardGradOp => "shard-grad-op",
+        ShardingStrategy::NoShard => "no-shard",
+        ShardingStrategy::HybridShard => "hybrid-shard",
+        ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
+    }
+}
+
+pub(crate) fn strategy_from_option(s: &str) -> Option<ShardingStrategy> {
+    [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ]
+    .into_iter()
+    .find(|&x| strategy_option(x) == s)
+}
+
+pub(crate) fn schedule_option(s: ScheduleKindArg) -> &'static str {
+    match s {
+        ScheduleKindArg::Constant => "constant",
+        ScheduleKindArg::Cosine => "cosine",
+    }
+}
+
+/// A path made absolute and canonical when it exists (as given otherwise), for comparing and
+/// recording inputs.
+pub(crate) fn canonical(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+pub(crate) fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// `--grad-clip` as the run uses it: `None` for no clipping (`--grad-clip 0` included).
+pub(crate) fn effective_grad_clip(c: Option<f64>) -> Option<f64> {
+    c.filter(|&c| c != 0.0)
+}
+
+/// The options that define a run, as [`RUN_FILE`] records them (`config`). `data_tokens` is
+/// the length of the token stream; `steps` resolves the cosine schedule's default.
+pub(crate) fn run_config(args: &TrainArgs, data_tokens: usize) -> Value {
+    let m = &args.model;
+    let cosine = args.lr_schedule == ScheduleKindArg::Cosine;
+    json!({
+        "n_layer": m.n_layer,
+        "n_head": m.n_head,
+        "n_embd": m.n_embd,
+        "block_size": m.block_size,
+        "vocab_size": m.vocab_size,
+        "strategy": strategy_option(m.strategy),
+        "lr": args.lr,
+        "beta1": args.beta1,
+        "beta2": args.beta2,
+        "eps": args.eps,
+        "weight_decay": args.weight_decay,
+        "decay_2d_only": args.decay_2d_only,
+        "lr_schedule": schedule_option(args.lr_schedule),
+        "warmup_iters": args.warmup_iters,
+        // The cosine schedule's defaults resolved, so that a resumed run with another --steps
+        // keeps the schedule.
+        "lr_decay_iters": if cosine {
+            Some(args.lr_decay_iters.unwrap_or(args.steps as u64))
+        } else {
+            args.lr_decay_iters
+        },
+        "min_lr": if cosine { Some(args.min_lr.unwrap_or(args.lr / 10.0)) } else { args.min_lr },
+        "grad_clip": effective_grad_clip(args.grad_clip),
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "seed": args.seed,
+        "data": args.data.as_deref().map(|p| path_string(&canonical(p))),
+        "data_tokens": data_tokens,
+        "init_from": args.init_from.as_deref().map(|p| path_string(&canonical(p))),
+    })
+}
+
+/// Reads fields of a JSON object, errors naming the file and the field.
+pub(crate) struct Fields<'a> {
+    file: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    pub(crate) fn new(file: &'a Path, v: &'a Value) -> Result<Self, CliError> {
+        let map = v
+            .as_object()
+            .ok_or_else(|| fail(format!("{}: not a JSON object", file.display())))?;
+        Ok(Fields { file, map })
+    }
+
+    pub(crate) fn bad(&self, key: &str) -> CliError {
+        fail(format!(
+            "{}: missing or invalid `{key}`",
+            self.file.display()
+        ))
+    }
+
+    pub(crate) fn get(&self, key: &str) -> Result<&'a Value, CliError> {
+        self.map.get(key).ok_or_else(|| self.bad(key))
+    }
+
+    pub(crate) fn u64(&self, key: &str) -> Result<u64, CliError> {
+        self.get(key)?.as_u64().ok_or_else(|| self.bad(key))
+    }
+
+    pub(crate) fn usize(&self, key: &str) -> Result<usize, CliError> {
+        usize::try_from(self.u64(key)?).map_err(|_| self.bad(key))
+    }
+
+    pub(crate) fn f64(&self, key: &str) -> Result<f64, CliError> {
+        self.get(key)?.as_f64().ok_or_else(|| self.bad(key))
+    }
+
+    pub(crate) fn bool(&self, key: &str) -> Result<bool, CliError> {
+        self.get(key)?.as_bool().ok_or_else(|| self.bad(key))
+    }
+
+    pub(crate) fn str(&self, key: &str) -> Result<&'a str, CliError> {
+        self.get(key)?.as_str().ok_or_else(|| self.bad(key))
+    }
+
+    /// `null` is `None`.
+    pub(crate) fn opt<T>(
+        &self,
+        key: &str,
+        f: impl FnOnce(&Value) -> Option<T>,
+    ) -> Result<Option<T>, CliError> {
+        match self.get(key)? {
+            Value::Null => Ok(None),
+            v => f(v).map(Some).ok_or_else(|| self.bad(key)),
+        }
+    }
+
+    pub(crate) fn object(&self, key: &str) -> Result<Fields<'a>, CliError> {
+        Fields::new(self.file, self.get(key)?)
+    }
+}
