@@ -8,11 +8,17 @@
 //! enough (a host with hundreds of GiB), the test passes `--memory-limit 16G` instead, which
 //! replaces the detected figure.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+// Exactly one `error: ...` line containing every needle, exit status 1 (not an abort, 134, or
+// a signal) and no panic; returns the line.
+use common::cli::one_error_status_1 as one_error;
+use common::cli::{command, ONE_LAYER};
 use fsdp::plan::{
     available_memory, available_memory_from, cgroup_headroom, parse_cgroup_paths,
     parse_meminfo_available, CgroupPaths, CgroupVersion,
@@ -20,10 +26,7 @@ use fsdp::plan::{
 
 fn fsdp(args: &[&str]) -> (Output, Duration) {
     let t0 = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(args)
-        .output()
-        .expect("running the fsdp binary");
+    let out = common::cli::fsdp(args);
     (out, t0.elapsed())
 }
 
@@ -37,28 +40,12 @@ fn refused_anywhere<'a>(args: &[&'a str], needed: u64) -> Vec<&'a str> {
     v
 }
 
-/// Exactly one stderr line, `error: ...` containing every needle, exit status 1 (not an abort,
-/// 134, or a signal) and no panic; returns the line.
-fn one_error(out: &Output, needles: &[&str]) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{:?}; stderr: {stderr}",
-        out.status
-    );
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "not one error line: {stderr:?}");
-    assert!(lines[0].starts_with("error: "), "{stderr:?}");
-    for n in needles {
-        assert!(
-            lines[0].contains(n),
-            "{:?} does not mention {n:?}",
-            lines[0]
-        );
-    }
-    lines[0].to_string()
+/// `train`, the [`ONE_LAYER`] model, then `extra`.
+fn one_layer_train<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["train"];
+    args.extend_from_slice(&ONE_LAYER);
+    args.extend_from_slice(extra);
+    args
 }
 
 const GIB: u64 = 1 << 30;
@@ -67,22 +54,18 @@ const GIB: u64 = 1 << 30;
 fn a_hundred_thousand_ranks_are_refused_at_once() {
     let args = refused_anywhere(
         &[
-            "train",
-            "--ranks",
-            "100000",
-            "--batch-size",
-            "100000",
-            "--steps",
-            "1",
-            "--n-layer",
-            "1",
-            "--n-embd",
-            "32",
-            "--n-head",
-            "2",
-            "--block-size",
-            "16",
-        ],
+            &[
+                "train",
+                "--ranks",
+                "100000",
+                "--batch-size",
+                "100000",
+                "--steps",
+                "1",
+            ][..],
+            &ONE_LAYER,
+        ]
+        .concat(),
         400 * GIB,
     );
     let (out, took) = fsdp(&args);
@@ -123,21 +106,12 @@ fn sizes_that_overflow_are_one_error() {
     let (out, _) = fsdp(&["train", "--n-embd", "4294967296", "--n-head", "1"]);
     one_error(&out, &["overflows"]);
     // The activations of a huge batch overflow 64 bits (the shards alone fit).
-    let (out, _) = fsdp(&[
-        "train",
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "32",
-        "--n-head",
-        "2",
-        "--block-size",
-        "16",
+    let (out, _) = fsdp(&one_layer_train(&[
         "--ranks",
         "1",
         "--batch-size",
         "18446744073709551615",
-    ]);
+    ]));
     one_error(&out, &["overflow"]);
     // --memory-limit beyond 64 bits: the parser's error (exit status 2).
     let (out, _) = fsdp(&["train", "--memory-limit", "99999999999T"]);
@@ -152,20 +126,12 @@ fn sizes_that_overflow_are_one_error() {
 
 #[test]
 fn the_largest_step_count_trains_or_is_an_error_but_never_panics() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args([
-            "train",
-            "--steps",
-            "18446744073709551615",
-            "--n-layer",
-            "1",
-            "--n-embd",
-            "32",
-            "--n-head",
-            "2",
-            "--block-size",
-            "16",
-        ])
+    let args = [
+        &["train", "--steps", "18446744073709551615"][..],
+        &ONE_LAYER,
+    ]
+    .concat();
+    let mut child = command(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -214,22 +180,12 @@ fn memory_limit_refuses_below_the_need_and_trains_above_it() {
     );
     println!("{line}");
     // Comfortably above the need of a small model (17.4 MiB), then just below it.
-    let small = [
-        "train",
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "32",
-        "--n-head",
-        "2",
-        "--block-size",
-        "16",
+    let (out, _) = fsdp(&one_layer_train(&[
         "--steps",
         "2",
-    ];
-    let mut args = small.to_vec();
-    args.extend(["--memory-limit", "256M"]);
-    let (out, _) = fsdp(&args);
+        "--memory-limit",
+        "256M",
+    ]));
     assert!(
         out.status.success(),
         "{}",
@@ -237,9 +193,7 @@ fn memory_limit_refuses_below_the_need_and_trains_above_it() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("done: 2 steps"));
     // Past the cheap lower bound (the shards), refused by the full plan's prediction.
-    let mut args = small.to_vec();
-    args.extend(["--memory-limit", "16M"]);
-    let (out, _) = fsdp(&args);
+    let (out, _) = fsdp(&one_layer_train(&["--steps", "2", "--memory-limit", "16M"]));
     let line = one_error(
         &out,
         &[

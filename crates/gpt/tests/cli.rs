@@ -3,80 +3,27 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
+use std::process::Output;
 
+use common::cli::{
+    fsdp, one_error, read_losses, small_train_args, write_safetensors, ONE_LAYER, SMALL_MODEL,
+    TWO_RANKS,
+};
 use common::{check_final_weights, expected_losses, fixture, LOSS_TOL};
-use safetensors::tensor::TensorView;
-
-fn fsdp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(args)
-        .output()
-        .expect("running the fsdp binary")
-}
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli");
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    common::cli::tmp("cli", name)
 }
 
-/// A small, fast configuration (the defaults take about a minute).
-const SMALL: [&str; 10] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--vocab-size",
-    "64",
-];
-
 fn train(extra: &[&str]) -> Output {
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(extra);
-    fsdp(&args)
+    fsdp(&small_train_args(&[], extra))
 }
 
 /// Exactly one stderr line, `error: ...` containing `needle`, a non-zero exit status, and no
 /// panic.
 fn assert_one_error(out: &Output, needle: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "exit status 0; stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "not one error line: {stderr:?}");
-    assert!(lines[0].starts_with("error: "), "{stderr:?}");
-    assert!(
-        lines[0].contains(needle),
-        "error line {:?} does not mention {needle:?}",
-        lines[0]
-    );
-}
-
-fn read_losses(path: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(path).unwrap();
-    let mut lines = text.lines();
-    assert_eq!(
-        lines.next(),
-        Some("step,loss,tokens_per_s,peak_allocated_bytes_rank0")
-    );
-    lines
-        .enumerate()
-        .map(|(i, l)| {
-            let f: Vec<&str> = l.split(',').collect();
-            assert_eq!(f.len(), 4, "{l}");
-            assert_eq!(f[0].parse::<usize>().unwrap(), i);
-            assert!(f[2].parse::<f64>().unwrap() > 0.0);
-            assert!(f[3].parse::<u64>().unwrap() > 0);
-            f[1].parse::<f64>().unwrap()
-        })
-        .collect()
+    one_error(out, &[needle]);
 }
 
 #[test]
@@ -201,25 +148,6 @@ fn invalid_options_give_one_error_line_and_a_non_zero_status() {
     );
 }
 
-/// Writes `tensors` (name, shape, values) as an f32 safetensors file.
-fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((n, shape, _), b)| {
-            (
-                n.clone(),
-                TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
-}
-
 /// The golden configuration of `tests/fixtures/README.md`.
 fn golden_args<'a>(
     ranks: &'a str,
@@ -228,16 +156,10 @@ fn golden_args<'a>(
     save: &'a str,
     data: &'a str,
 ) -> Vec<&'a str> {
-    vec![
-        "train",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "16",
+    // The sizes of `SMALL_MODEL` but the fixtures' vocabulary of 96.
+    let mut args = vec!["train"];
+    args.extend_from_slice(&SMALL_MODEL[..8]);
+    args.extend_from_slice(&[
         "--vocab-size",
         "96",
         "--batch-size",
@@ -264,7 +186,8 @@ fn golden_args<'a>(
         save,
         "--data",
         data,
-    ]
+    ]);
+    args
 }
 
 #[test]
@@ -367,16 +290,13 @@ fn bad_checkpoints_give_one_error_line() {
 #[test]
 fn trace_option_writes_a_chrome_trace_of_every_rank() {
     let path = tmp("trace.json");
-    let out = train(&[
-        "--ranks",
-        "2",
-        "--batch-size",
-        "4",
-        "--steps",
-        "2",
-        "--trace",
-        path.to_str().unwrap(),
-    ]);
+    let out = train(
+        &[
+            &TWO_RANKS[..],
+            &["--steps", "2", "--trace", path.to_str().unwrap()],
+        ]
+        .concat(),
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -404,7 +324,7 @@ fn trace_option_writes_a_chrome_trace_of_every_rank() {
 #[test]
 fn plan_prints_the_table_and_rejects_invalid_options() {
     let mut args = vec!["plan"];
-    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&SMALL_MODEL);
     args.extend_from_slice(&["--ranks", "4", "--batch-size", "8"]);
     let out = fsdp(&args);
     assert!(
@@ -429,24 +349,12 @@ fn plan_prints_the_table_and_rejects_invalid_options() {
 }
 
 /// A small model and batch for the optimizer option tests.
-const SMALL_OPT: [&str; 12] = [
-    "--n-layer",
-    "1",
-    "--n-embd",
-    "32",
-    "--n-head",
-    "2",
-    "--block-size",
-    "16",
-    "--vocab-size",
-    "64",
-    "--batch-size",
-    "4",
-];
+const SMALL_OPT: [&str; 4] = ["--vocab-size", "64", "--batch-size", "4"];
 
 fn small_run(name: &str, ranks: &str, extra: &[&str]) -> Vec<f64> {
     let log = tmp(name);
     let mut args = vec!["train", "--steps", "6", "--ranks", ranks];
+    args.extend(ONE_LAYER);
     args.extend(SMALL_OPT);
     args.extend(extra);
     let log_s = log.to_str().unwrap().to_string();
@@ -512,6 +420,7 @@ fn the_seeded_initialisation_is_the_same_model_at_every_world_size() {
 fn invalid_schedule_options_are_one_error_line() {
     let with = |extra: &[&str]| {
         let mut args = vec!["train", "--steps", "2"];
+        args.extend(ONE_LAYER);
         args.extend(SMALL_OPT);
         args.extend(extra);
         fsdp(&args)

@@ -2,61 +2,29 @@
 //! (MPI backend, with the cargo feature `mpi`) gives the same per-step losses as the in-process
 //! ring run of the same configuration (ranks as threads).
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn fsdp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(args)
-        // The thread run must not think it was launched, whatever the caller's environment.
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .output()
-        .expect("running the fsdp binary")
-}
+use std::path::{Path, PathBuf};
+#[cfg(feature = "mpi")]
+use std::process::Command;
+use std::process::Output;
+
+// The thread run must not think it was launched, whatever the caller's environment: `fsdp`
+// removes `RANK` and `WORLD_SIZE`.
+use common::cli::{fsdp, loss_column, ok, small_train_args, SMALL_MODEL};
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("multiprocess");
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    common::cli::tmp("multiprocess", name)
 }
 
-/// A small, fast configuration.
-const SMALL: [&str; 16] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--vocab-size",
-    "64",
-    "--batch-size",
-    "8",
-    "--steps",
-    "6",
-    "--seed",
-    "3",
-];
+/// The batch, length and seed of the runs, after `SMALL_MODEL`.
+const SMALL: [&str; 6] = ["--batch-size", "8", "--steps", "6", "--seed", "3"];
 
-fn losses(path: &PathBuf) -> Vec<f64> {
-    let text = std::fs::read_to_string(path).unwrap();
-    text.lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+fn losses(path: &Path) -> Vec<f64> {
+    loss_column(path)
+        .iter()
+        .map(|l| l.parse().unwrap())
         .collect()
-}
-
-fn assert_ok(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed: {}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Train with ranks as threads, then with ranks as processes; the loss logs must agree.
@@ -70,22 +38,21 @@ fn compare(
 ) {
     let threads_log = tmp(&format!("{name}-threads.csv"));
     let world_s = world.to_string();
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(extra);
+    let mut args = small_train_args(&SMALL, extra);
     args.extend_from_slice(&["--ranks", &world_s, "--loss-log"]);
     let threads_log_s = threads_log.to_str().unwrap().to_string();
     args.push(&threads_log_s);
     let out = fsdp(&args);
-    assert_ok(&out, "the thread run");
+    ok(&out, "the thread run");
 
     let procs_log = tmp(&format!("{name}-processes.csv"));
     let procs_log_s = procs_log.to_str().unwrap().to_string();
-    let mut train = SMALL.to_vec();
+    let mut train = SMALL_MODEL.to_vec();
+    train.extend_from_slice(&SMALL);
     train.extend_from_slice(extra);
     train.extend_from_slice(&["--loss-log", &procs_log_s]);
     let out = processes(&train);
-    assert_ok(&out, "the process run");
+    ok(&out, "the process run");
     let stdout = String::from_utf8_lossy(&out.stdout);
 
     let a = losses(&threads_log);

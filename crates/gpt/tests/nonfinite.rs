@@ -4,89 +4,32 @@
 //! such steps instead; non-finite hyperparameters and checkpoint tensors are one-line errors
 //! before training; `--grad-clip 0` is no clipping.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
+// Exactly one `error: ...` line containing every needle, exit status 1, no panic.
+use common::cli::one_error_status_1 as assert_one_error;
+use common::cli::{fsdp, loss_column, loss_log_rows, s, small_train_args, text, write_safetensors};
 use fsdp_gpt::model::{param_specs, GptConfig};
-use safetensors::tensor::TensorView;
-
-fn fsdp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(args)
-        .output()
-        .expect("running the fsdp binary")
-}
 
 /// A fresh directory of its own for each test.
 fn dir(test: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("nonfinite")
-        .join(test);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::cli::scratch("nonfinite", test)
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-/// A small, fast configuration (as tests/cli.rs).
-const SMALL: [&str; 10] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--vocab-size",
-    "64",
-];
-
+/// The model of `SMALL_MODEL`.
 fn small_cfg() -> GptConfig {
     GptConfig::new(2, 2, 32, 16, 64).unwrap()
 }
 
 fn train(extra: &[&str]) -> Output {
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(extra);
-    fsdp(&args)
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+    fsdp(&small_train_args(&[], extra))
 }
 
 fn assert_ok(out: &Output) -> String {
-    let stdout = text(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\nstderr: {}",
-        text(&out.stderr)
-    );
-    stdout
-}
-
-/// Exactly one stderr line, `error: ...` containing every one of `needles`, exit status 1,
-/// and no panic. Returns the line.
-fn assert_one_error(out: &Output, needles: &[&str]) -> String {
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "not one error line: {stderr:?}");
-    assert!(lines[0].starts_with("error: "), "{stderr:?}");
-    for needle in needles {
-        assert!(
-            lines[0].contains(needle),
-            "error line {:?} does not mention {needle:?}",
-            lines[0]
-        );
-    }
-    lines[0].to_string()
+    common::cli::ok(out, "the run")
 }
 
 /// The error line names the step and a non-finite value.
@@ -107,29 +50,9 @@ fn assert_nonfinite_error(out: &Output, step: Option<usize>) -> String {
 /// The losses of a loss log (the loss column parsed; `NaN` and `inf` included).
 fn logged_losses(path: &Path) -> Vec<f64> {
     let text = std::fs::read_to_string(path).unwrap();
-    let mut lines = text.lines();
-    assert_eq!(
-        lines.next(),
-        Some("step,loss,tokens_per_s,peak_allocated_bytes_rank0")
-    );
-    lines
-        .enumerate()
-        .map(|(i, l)| {
-            let f: Vec<&str> = l.split(',').collect();
-            assert_eq!(f.len(), 4, "{l}");
-            assert_eq!(f[0].parse::<usize>().unwrap(), i, "{l}");
-            f[1].parse::<f64>().unwrap()
-        })
-        .collect()
-}
-
-/// The loss column of a loss log as written (for bitwise comparisons).
-fn loss_column(path: &Path) -> Vec<String> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(1).unwrap().to_string())
+    loss_log_rows(&text)
+        .iter()
+        .map(|f| f[1].parse::<f64>().unwrap())
         .collect()
 }
 
@@ -245,25 +168,6 @@ fn non_finite_hyperparameters_are_one_error_line_before_training() {
         assert_one_error(&train(&["--lr", "inf"]), &[]),
         "error: invalid optimizer setting lr = inf: must be a finite number ≥ 0"
     );
-}
-
-/// Writes `tensors` (name, shape, values) as an f32 safetensors file, whatever the values.
-fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((n, shape, _), b)| {
-            (
-                n.clone(),
-                TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
 }
 
 #[test]

@@ -6,6 +6,8 @@
 
 #![cfg(unix)]
 
+mod common;
+
 use std::fs;
 use std::io::Read;
 use std::os::unix::fs::FileTypeExt;
@@ -13,41 +15,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// A small, fast configuration (as in tests/cli.rs).
-const SMALL: [&str; 14] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--vocab-size",
-    "64",
-    "--ranks",
-    "2",
-    "--batch-size",
-    "4",
-];
+use common::cli::{command, one_error, parse_losses, s, small_train_args, SMALL_MODEL, TWO_RANKS};
 
-const HEADER: &str = "step,loss,tokens_per_s,peak_allocated_bytes_rank0";
+/// Two ranks and a small batch, after `SMALL_MODEL`.
+const SMALL: [&str; 4] = TWO_RANKS;
 
-fn command(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_fsdp"));
-    c.args(args)
-        // A thread run, whatever the caller's environment.
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    c
-}
+const HEADER: &str = common::cli::LOSS_LOG_HEADER;
 
 /// Runs `fsdp train SMALL extra`, killed (and failed) after `limit` (a FIFO that is opened by
 /// mistake would block forever).
 fn train_within(extra: &[&str], limit: Duration) -> Output {
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(extra);
+    let args = small_train_args(&SMALL, extra);
     let mut child = command(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -91,48 +69,21 @@ fn train(extra: &[&str]) -> Output {
 
 /// A fresh, empty directory for one test.
 fn scratch(test: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("outputs")
-        .join(test);
-    let _ = fs::remove_dir_all(&d);
-    fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
+    common::cli::scratch("outputs", test)
 }
 
 fn ok(out: &Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    common::cli::ok(out, "the run")
 }
 
 /// Exactly one stderr line, `error: ...` containing every needle, a non-zero exit status, no
 /// panic — and no training: no step was reported. Returns the line.
 fn one_error_before_training(out: &Output, needles: &[&str]) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = one_error(out, needles);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success(), "exit status 0; stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "not one error line: {stderr:?}");
-    assert!(lines[0].starts_with("error: "), "{stderr:?}");
-    for n in needles {
-        assert!(
-            lines[0].contains(n),
-            "{:?} does not mention {n:?}",
-            lines[0]
-        );
-    }
     assert!(!stdout.contains("step"), "training started: {stdout}");
-    println!("{}", lines[0]);
-    lines[0].to_string()
+    println!("{line}");
+    line
 }
 
 /// Runs a tool (`mkfifo`, `mknod`); false, with a message, when it is missing or fails.
@@ -170,21 +121,9 @@ fn file_type(p: &Path) -> fs::FileType {
 
 /// The data lines of a loss log, each parsed; every line complete and numbered from 0.
 fn parse_log(text: &str) -> Vec<f64> {
-    let mut lines = text.lines();
-    assert_eq!(lines.next(), Some(HEADER), "{text:?}");
-    lines
-        .enumerate()
-        .map(|(i, l)| {
-            let f: Vec<&str> = l.split(',').collect();
-            assert_eq!(f.len(), 4, "{l:?}");
-            assert_eq!(f[0].parse::<usize>().unwrap(), i, "{l:?}");
-            assert!(f[2].parse::<f64>().unwrap() > 0.0, "{l:?}");
-            assert!(f[3].parse::<u64>().unwrap() > 0, "{l:?}");
-            let loss = f[1].parse::<f64>().unwrap();
-            assert!(loss.is_finite(), "{l:?}");
-            loss
-        })
-        .collect()
+    let losses = parse_losses(text);
+    assert!(losses.iter().all(|l| l.is_finite()), "{text:?}");
+    losses
 }
 
 #[test]
@@ -387,9 +326,7 @@ fn the_loss_log_of_a_killed_run_keeps_complete_lines() {
     let log = d.join("loss.csv");
     // An existing file is truncated when training starts.
     fs::write(&log, b"old content\n").unwrap();
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(&["--steps", "100000", "--loss-log", s(&log)]);
+    let args = small_train_args(&SMALL, &["--steps", "100000", "--loss-log", s(&log)]);
     let mut child = command(&args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -424,7 +361,7 @@ fn rank_trace_files_are_checked_before_any_rank_starts() {
     // Rank 1's trace file would be t.rank1.json: a directory.
     fs::create_dir(d.join("t.rank1.json")).unwrap();
     let mut args = vec!["launch", "-n", "2", "--master-port", "0", "train"];
-    args.extend_from_slice(&SMALL[..10]);
+    args.extend_from_slice(&SMALL_MODEL);
     args.extend_from_slice(&["--batch-size", "4", "--steps", "1", "--trace", s(&trace)]);
     let out = command(&args).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

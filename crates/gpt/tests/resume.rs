@@ -7,98 +7,35 @@
 
 #![cfg(unix)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// A small, fast model and batch (as in tests/multiprocess.rs).
-const SMALL: [&str; 14] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--vocab-size",
-    "64",
-    "--batch-size",
-    "8",
-    "--seed",
-    "3",
-];
+use common::cli::{command, fsdp, ok, one_error, s, small_train_args, LOSS_LOG_HEADER, TWO_RANKS};
+
+/// The batch and seed of the runs, after `SMALL_MODEL` (as in tests/multiprocess.rs).
+const SMALL: [&str; 4] = ["--batch-size", "8", "--seed", "3"];
 
 /// How long a run may take to reach the steps a test waits for.
 const PATIENCE: Duration = Duration::from_secs(300);
 
-fn command(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_fsdp"));
-    c.args(args)
-        // A thread run (or a launcher), whatever the caller's environment.
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE");
-    c
-}
-
-fn fsdp(args: &[&str]) -> Output {
-    command(args).output().expect("running the fsdp binary")
-}
-
-/// `fsdp train SMALL extra`.
+/// `fsdp train SMALL_MODEL SMALL extra`.
 fn train(extra: &[&str]) -> Output {
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(extra);
-    fsdp(&args)
+    fsdp(&small_train_args(&SMALL, extra))
 }
 
 /// A fresh directory for one test, unique to this process.
 fn scratch(test: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("resume")
-        .join(format!("{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn ok(out: &Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed: {}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// One `error: ...` line on stderr containing every needle, and a non-zero status.
-fn one_error(out: &Output, needles: &[&str]) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "expected a failure: {stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "one line expected: {stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
-    for n in needles {
-        assert!(lines[0].contains(n), "`{n}` not in: {stderr}");
-    }
-    lines[0].to_string()
+    common::cli::scratch("resume", &format!("{test}-{}", std::process::id()))
 }
 
 /// The step and loss columns of a loss log, as written (bitwise comparable).
 fn step_loss(log: &Path) -> Vec<(usize, String)> {
     let text = std::fs::read_to_string(log).unwrap();
     let mut lines = text.lines();
-    assert_eq!(
-        lines.next(),
-        Some("step,loss,tokens_per_s,peak_allocated_bytes_rank0")
-    );
+    assert_eq!(lines.next(), Some(LOSS_LOG_HEADER));
     lines
         .map(|l| {
             let mut f = l.split(',');
@@ -118,7 +55,7 @@ fn logged_steps(log: &Path) -> usize {
 /// Starts `args` in the background and kills it (`SIGKILL`) once `log` holds at least
 /// `steps` steps.
 fn kill_after(args: &[&str], log: &Path, steps: usize) {
-    let mut child: Child = command(args)
+    let mut child = command(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -187,47 +124,51 @@ fn assert_bitwise(resumed: &Path, reference: &Path, steps: usize, what: &str) {
     println!("{what}: steps 0..{steps} bitwise equal to the uninterrupted run");
 }
 
-#[test]
-fn a_killed_thread_run_resumes_bitwise() {
-    let d = scratch("threads");
+/// A fresh directory for one test (see [`scratch`]), and in it the paths of its checkpoints,
+/// its loss log and the loss log of the uninterrupted reference run.
+fn run_dirs(test: &str) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let d = scratch(test);
     let (ck, log, reference) = (d.join("ck"), d.join("log.csv"), d.join("ref.csv"));
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL);
+    (d, ck, log, reference)
+}
+
+/// Starts `prefix train SMALL_MODEL SMALL config` for ever, checkpointing every 3 steps into
+/// `ck` and logging into `log`, and kills it after 5 steps.
+fn kill_a_checkpointing_run(prefix: &[&str], config: &[&str], ck: &Path, log: &Path) {
+    let mut args = prefix.to_vec();
+    args.extend(small_train_args(&SMALL, config));
     args.extend_from_slice(&[
-        "--ranks",
-        "4",
         "--steps",
         "100000",
         "--checkpoint-dir",
-        s(&ck),
+        s(ck),
         "--checkpoint-every",
         "3",
         "--loss-log",
-        s(&log),
+        s(log),
     ]);
-    kill_after(&args, &log, 5);
-    let (complete, _) = checkpoints(&ck);
-    let k = *complete.last().expect("a complete checkpoint");
-    assert!(k >= 3 && k % 3 == 0, "{complete:?}");
-    let steps = k as usize + 5;
+    kill_after(&args, log, 5);
+}
+
+/// The newest complete checkpoint in `ck`.
+fn last_checkpoint(ck: &Path) -> u64 {
+    *checkpoints(ck).0.last().expect("a complete checkpoint")
+}
+
+/// `prefix train --resume ck config --steps steps --loss-log log`.
+fn resume(prefix: &[&str], config: &[&str], ck: &Path, steps: usize, log: &Path) -> Output {
+    let steps = steps.to_string();
+    let mut args = prefix.to_vec();
+    args.extend_from_slice(&["train", "--resume", s(ck)]);
+    args.extend_from_slice(config);
+    args.extend_from_slice(&["--steps", &steps, "--loss-log", s(log)]);
+    fsdp(&args)
+}
+
+/// Runs the same `steps` uninterrupted on 4 threads, logging into `reference`, and checks that
+/// `log`, resumed at step `k`, equals it bitwise.
+fn assert_resumed_bitwise(log: &Path, reference: &Path, k: u64, steps: usize, what: &str) {
     let steps_s = steps.to_string();
-    // Every option but the length comes from the checkpoint.
-    let out = fsdp(&[
-        "train",
-        "--resume",
-        s(&ck),
-        "--ranks",
-        "4",
-        "--steps",
-        &steps_s,
-        "--loss-log",
-        s(&log),
-    ]);
-    let stdout = ok(&out, "the resumed run");
-    assert!(
-        stdout.contains(&format!("at step {k} of {steps}")),
-        "{stdout}"
-    );
     ok(
         &train(&[
             "--ranks",
@@ -235,36 +176,40 @@ fn a_killed_thread_run_resumes_bitwise() {
             "--steps",
             &steps_s,
             "--loss-log",
-            s(&reference),
+            s(reference),
         ]),
         "the uninterrupted run",
     );
     assert_bitwise(
-        &log,
-        &reference,
+        log,
+        reference,
         steps,
-        &format!("4 threads, killed, resumed at step {k}"),
+        &format!("{what}, resumed at step {k}"),
     );
+}
+
+#[test]
+fn a_killed_thread_run_resumes_bitwise() {
+    let (d, ck, log, reference) = run_dirs("threads");
+    kill_a_checkpointing_run(&[], &["--ranks", "4"], &ck, &log);
+    let k = last_checkpoint(&ck);
+    assert!(k >= 3 && k % 3 == 0, "{:?}", checkpoints(&ck).0);
+    let steps = k as usize + 5;
+    // Every option but the length comes from the checkpoint.
+    let out = resume(&[], &["--ranks", "4"], &ck, steps, &log);
+    let stdout = ok(&out, "the resumed run");
+    assert!(
+        stdout.contains(&format!("at step {k} of {steps}")),
+        "{stdout}"
+    );
+    assert_resumed_bitwise(&log, &reference, k, steps, "4 threads, killed");
     let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn a_killed_launcher_leaves_no_ranks_and_the_run_resumes_bitwise() {
-    let d = scratch("processes");
-    let (ck, log, reference) = (d.join("ck"), d.join("log.csv"), d.join("ref.csv"));
-    let mut args = vec!["launch", "-n", "4", "--master-port", "0", "train"];
-    args.extend_from_slice(&SMALL);
-    args.extend_from_slice(&[
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        s(&ck),
-        "--checkpoint-every",
-        "3",
-        "--loss-log",
-        s(&log),
-    ]);
-    kill_after(&args, &log, 5);
+    let (d, ck, log, reference) = run_dirs("processes");
+    kill_a_checkpointing_run(&["launch", "-n", "4", "--master-port", "0"], &[], &ck, &log);
     // The ranks die with their launcher (parent-death signal): none is left within seconds.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -282,50 +227,24 @@ fn a_killed_launcher_leaves_no_ranks_and_the_run_resumes_bitwise() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let (complete, _) = checkpoints(&ck);
-    let k = *complete.last().expect("a complete checkpoint");
+    let k = last_checkpoint(&ck);
     let steps = k as usize + 4;
-    let steps_s = steps.to_string();
-    let out = fsdp(&[
-        "launch",
-        "-n",
-        "4",
-        "--master-port",
-        "0",
-        "train",
-        "--resume",
-        s(&ck),
-        "--steps",
-        &steps_s,
-        "--loss-log",
-        s(&log),
-    ]);
+    let out = resume(
+        &["launch", "-n", "4", "--master-port", "0"],
+        &[],
+        &ck,
+        steps,
+        &log,
+    );
     ok(&out, "the resumed process run");
     // The TCP backend reduces in the ring's order: the thread run is the reference.
-    ok(
-        &train(&[
-            "--ranks",
-            "4",
-            "--steps",
-            &steps_s,
-            "--loss-log",
-            s(&reference),
-        ]),
-        "the uninterrupted run",
-    );
-    assert_bitwise(
-        &log,
-        &reference,
-        steps,
-        &format!("4 processes, launcher killed, resumed at step {k}"),
-    );
+    assert_resumed_bitwise(&log, &reference, k, steps, "4 processes, launcher killed");
     let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn a_checkpoint_of_four_ranks_resumes_on_two() {
-    let d = scratch("reshard");
-    let (ck, log, reference) = (d.join("ck"), d.join("log.csv"), d.join("ref.csv"));
+    let (d, ck, log, reference) = run_dirs("reshard");
     ok(
         &train(&[
             "--ranks",
@@ -343,17 +262,7 @@ fn a_checkpoint_of_four_ranks_resumes_on_two() {
     );
     assert_eq!(checkpoints(&ck).0, vec![3]);
     ok(
-        &fsdp(&[
-            "train",
-            "--resume",
-            s(&ck),
-            "--ranks",
-            "2",
-            "--steps",
-            "8",
-            "--loss-log",
-            s(&log),
-        ]),
+        &resume(&[], &["--ranks", "2"], &ck, 8, &log),
         "the 2-rank resumed run",
     );
     ok(
@@ -483,33 +392,33 @@ fn checkpoint_housekeeping_and_resume_errors() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `before`, two ranks and a batch of 4 rows, then `after`.
+fn on_two_ranks<'a>(before: &[&'a str], after: &[&'a str]) -> Vec<&'a str> {
+    [before, &TWO_RANKS, after].concat()
+}
+
 #[test]
 fn init_from_reads_the_model_sizes() {
     let d = scratch("init-from");
     let model = d.join("model.safetensors");
     // A model of non-default sizes, saved with its sizes as metadata.
     ok(
-        &fsdp(&[
-            "train",
-            "--n-layer",
-            "3",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "48",
-            "--block-size",
-            "16",
-            "--vocab-size",
-            "80",
-            "--ranks",
-            "2",
-            "--batch-size",
-            "4",
-            "--steps",
-            "1",
-            "--save",
-            s(&model),
-        ]),
+        &fsdp(&on_two_ranks(
+            &[
+                "train",
+                "--n-layer",
+                "3",
+                "--n-head",
+                "2",
+                "--n-embd",
+                "48",
+                "--block-size",
+                "16",
+                "--vocab-size",
+                "80",
+            ],
+            &["--steps", "1", "--save", s(&model)],
+        )),
         "saving a model",
     );
     let sizes = fsdp_gpt::checkpoint::read_sizes(&model).unwrap();
@@ -519,17 +428,10 @@ fn init_from_reads_the_model_sizes() {
     );
     assert_eq!(sizes.from_metadata, [true; 5]);
     let stdout = ok(
-        &fsdp(&[
-            "train",
-            "--init-from",
-            s(&model),
-            "--ranks",
-            "2",
-            "--batch-size",
-            "4",
-            "--steps",
-            "2",
-        ]),
+        &fsdp(&on_two_ranks(
+            &["train", "--init-from", s(&model)],
+            &["--steps", "2"],
+        )),
         "training from it without the size options",
     );
     assert!(
@@ -550,25 +452,15 @@ fn init_from_reads_the_model_sizes() {
     );
     println!("{line}");
     // A file without metadata (PyTorch's): the sizes its shapes tell, never n_head.
-    let fixture =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt_tiny_init.safetensors");
+    let fixture = common::fixture("gpt_tiny_init.safetensors");
     let sizes = fsdp_gpt::checkpoint::read_sizes(&fixture).unwrap();
     assert_eq!(sizes.sizes, [Some(2), None, Some(32), Some(16), Some(96)]);
     assert_eq!(sizes.from_metadata, [false; 5]);
     let stdout = ok(
-        &fsdp(&[
-            "train",
-            "--init-from",
-            s(&fixture),
-            "--n-head",
-            "2",
-            "--ranks",
-            "2",
-            "--batch-size",
-            "4",
-            "--steps",
-            "1",
-        ]),
+        &fsdp(&on_two_ranks(
+            &["train", "--init-from", s(&fixture), "--n-head", "2"],
+            &["--steps", "1"],
+        )),
         "training from a file without metadata",
     );
     assert!(

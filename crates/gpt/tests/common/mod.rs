@@ -1,10 +1,13 @@
 //! Helpers shared by the golden tests (`golden.rs`, `golden_fsdp.rs`, `wrap_runtime.rs`): the
 //! PyTorch fixtures in `tests/fixtures`, their configuration (tiny GPT, global batch 8 × 16,
 //! AdamW lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1), the tolerances and the
-//! comparison rules, the key-bias rule included.
+//! comparison rules, the key-bias rule included. [`cli`]: the helpers of the tests that run
+//! the `fsdp` binary.
 
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]
+
+pub mod cli;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -453,30 +453,7 @@ pub(crate) fn admit(
     data: &ProcessData,
     limit: Option<u64>,
 ) -> Result<usize, CliError> {
-    let p = predict(cfg, config, units, world, micro, grad_accum, sharing, data)?;
-    match available(limit) {
-        Some(a) if !p.fits(&a) => Err(p.refusal(&a)),
-        Some(a) => Ok(p.capacity(a.bytes)),
-        // Unknown: no check; the allocator keeps the larger of its default and the plan's peak.
-        None => Ok(config
-            .memory_capacity
-            .max(usize::try_from(p.allocator).unwrap_or(usize::MAX))),
-    }
-}
-
-/// The plan of `config` with an unbounded allocator (the peak it reaches when nothing limits
-/// it), as a [`Prediction`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn predict(
-    cfg: &GptConfig,
-    config: &FsdpConfig,
-    units: &UnitPlan,
-    world: usize,
-    micro: usize,
-    grad_accum: usize,
-    sharing: Sharing,
-    data: &ProcessData,
-) -> Result<Prediction, CliError> {
+    // The plan with an unbounded allocator: the peak it reaches when nothing limits it.
     let unbounded = FsdpConfig {
         memory_capacity: usize::MAX,
         ..*config
@@ -490,7 +467,15 @@ pub(crate) fn predict(
         cfg.block_size,
         grad_accum,
     )?;
-    Prediction::new(&plan, world, sharing, data)
+    let p = Prediction::new(&plan, world, sharing, data)?;
+    match available(limit) {
+        Some(a) if !p.fits(&a) => Err(p.refusal(&a)),
+        Some(a) => Ok(p.capacity(a.bytes)),
+        // Unknown: no check; the allocator keeps the larger of its default and the plan's peak.
+        None => Ok(config
+            .memory_capacity
+            .max(usize::try_from(p.allocator).unwrap_or(usize::MAX))),
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,197 @@
+//! Helpers shared by the tests that run the `fsdp` binary as a process (`cli.rs`,
+//! `nonfinite.rs`, `outputs.rs`, `resume.rs`, `admission.rs`, `multiprocess.rs`): running it,
+//! small fast configurations, scratch directories, the checks of its error lines and the
+//! parsing of its loss logs.
+
+// Each test crate that includes this module uses a different subset of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::tensor::TensorView;
+
+/// A small, fast model (the defaults take about a minute).
+pub const SMALL_MODEL: [&str; 10] = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "16",
+    "--vocab-size",
+    "64",
+];
+
+/// A one-layer model (default vocabulary), smaller still.
+pub const ONE_LAYER: [&str; 8] = [
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "16",
+];
+
+/// Two ranks and a global batch of 4 rows.
+pub const TWO_RANKS: [&str; 4] = ["--ranks", "2", "--batch-size", "4"];
+
+/// The header line of a loss log.
+pub const LOSS_LOG_HEADER: &str = "step,loss,tokens_per_s,peak_allocated_bytes_rank0";
+
+/// The `fsdp` binary with `args`, as a thread run (or a launcher), whatever the caller's
+/// environment (`RANK` and `WORLD_SIZE` removed).
+pub fn command(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fsdp"));
+    c.args(args).env_remove("RANK").env_remove("WORLD_SIZE");
+    c
+}
+
+/// Runs `fsdp args` to the end.
+pub fn fsdp(args: &[&str]) -> Output {
+    command(args).output().expect("running the fsdp binary")
+}
+
+/// `train`, then [`SMALL_MODEL`], then `config`, then `extra`.
+pub fn small_train_args<'a>(config: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["train"];
+    args.extend_from_slice(&SMALL_MODEL);
+    args.extend_from_slice(config);
+    args.extend_from_slice(extra);
+    args
+}
+
+/// `name` in the directory `group` under the cargo target's scratch directory (created, never
+/// emptied).
+pub fn tmp(group: &str, name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(group);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// A fresh, empty directory `group/test` under the cargo target's scratch directory.
+pub fn scratch(group: &str, test: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(group)
+        .join(test);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A successful run (`what` names it in the failure message); returns its stdout.
+pub fn ok(out: &Output, what: &str) -> String {
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        text(&out.stderr)
+    );
+    stdout
+}
+
+/// Exactly one stderr line, `error: ...` containing every one of `needles`, a non-zero exit
+/// status, and no panic. Returns the line.
+pub fn one_error(out: &Output, needles: &[&str]) -> String {
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "exit status 0; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "not one error line: {stderr:?}");
+    assert!(lines[0].starts_with("error: "), "{stderr:?}");
+    for needle in needles {
+        assert!(
+            lines[0].contains(needle),
+            "error line {:?} does not mention {needle:?}",
+            lines[0]
+        );
+    }
+    lines[0].to_string()
+}
+
+/// [`one_error`] with exit status 1 (not an abort, 134, or a signal).
+pub fn one_error_status_1(out: &Output, needles: &[&str]) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{:?}; stderr: {}",
+        out.status,
+        text(&out.stderr)
+    );
+    one_error(out, needles)
+}
+
+/// The data rows of a loss log, split into fields: the header checked, four fields a row,
+/// the rows numbered from 0.
+pub fn loss_log_rows(text: &str) -> Vec<Vec<&str>> {
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(LOSS_LOG_HEADER), "{text:?}");
+    lines
+        .enumerate()
+        .map(|(i, l)| {
+            let f: Vec<&str> = l.split(',').collect();
+            assert_eq!(f.len(), 4, "{l:?}");
+            assert_eq!(f[0].parse::<usize>().unwrap(), i, "{l:?}");
+            f
+        })
+        .collect()
+}
+
+/// The losses of a loss log's text, every row with a positive throughput and peak memory.
+pub fn parse_losses(text: &str) -> Vec<f64> {
+    loss_log_rows(text)
+        .into_iter()
+        .map(|f| {
+            assert!(f[2].parse::<f64>().unwrap() > 0.0, "{f:?}");
+            assert!(f[3].parse::<u64>().unwrap() > 0, "{f:?}");
+            f[1].parse::<f64>().unwrap()
+        })
+        .collect()
+}
+
+/// [`parse_losses`] of the loss log at `path`.
+pub fn read_losses(path: &Path) -> Vec<f64> {
+    parse_losses(&std::fs::read_to_string(path).unwrap())
+}
+
+/// The loss column of a loss log as written (for bitwise comparisons).
+pub fn loss_column(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(1).unwrap().to_string())
+        .collect()
+}
+
+/// Writes `tensors` (name, shape, values) as an f32 safetensors file, whatever the values.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, shape, _), b)| {
+            (
+                n.clone(),
+                TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+}
