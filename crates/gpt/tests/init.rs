@@ -6,6 +6,7 @@ use fsdp::init::{fill_shard, materialize, Init};
 use fsdp::FsdpError;
 use fsdp_flatparam::FlatParamLayout;
 use fsdp_gpt::init::gpt2_init;
+use fsdp_gpt::model::{block_param_specs, GptConfig};
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -68,23 +69,11 @@ fn gpt2_rule_follows_nanogpt() {
 fn gpt2_unit_sharded_matches_whole_model() {
     // A block unit of a tiny GPT, sharded over 3 ranks, against every tensor materialised.
     let e = 8;
-    let names: Vec<(String, Vec<usize>)> = [
-        ("ln_1.weight", vec![e]),
-        ("ln_1.bias", vec![e]),
-        ("attn.c_attn.weight", vec![3 * e, e]),
-        ("attn.c_attn.bias", vec![3 * e]),
-        ("attn.c_proj.weight", vec![e, e]),
-        ("attn.c_proj.bias", vec![e]),
-        ("ln_2.weight", vec![e]),
-        ("ln_2.bias", vec![e]),
-        ("mlp.c_fc.weight", vec![4 * e, e]),
-        ("mlp.c_fc.bias", vec![4 * e]),
-        ("mlp.c_proj.weight", vec![e, 4 * e]),
-        ("mlp.c_proj.bias", vec![e]),
-    ]
-    .into_iter()
-    .map(|(s, shape)| (format!("transformer.h.1.{s}"), shape))
-    .collect();
+    let cfg = GptConfig::new(2, 2, e, 4, 16).unwrap();
+    let names: Vec<(String, Vec<usize>)> = block_param_specs(&cfg, 1)
+        .into_iter()
+        .map(|p| (p.name, p.shape))
+        .collect();
     let rule = gpt2_init(2);
     let seed = 2024;
     let reference: Vec<Vec<f32>> = names

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fsdp::checkpoint::{check_output_path, resolve_output_path};
+use fsdp::human_bytes;
 
 use fsdp_collectives::Communicator;
 use fsdp_device::{Buffer, DType};
@@ -163,21 +164,6 @@ pub(crate) struct RankReport {
     pub(crate) all_reduced: u64,
     pub(crate) final_params: Option<HashMap<String, Vec<f32>>>,
     pub(crate) trace: Vec<fsdp::trace::TraceEvent>,
-}
-
-pub(crate) fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }
 
 fn save_checkpoint(

@@ -11,7 +11,7 @@ use std::time::Instant;
 use fsdp::optim::{
     decay_2d_only as decay_2d_only_groups, decay_2d_only_group, AdamWConfig, LrSchedule,
 };
-use fsdp::ParamInit;
+use fsdp::{human_bytes, ParamInit};
 use fsdp_collectives::{init_from_env, ring, Backend, Communicator, InitOptions, LaunchEnv};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
 use fsdp_gpt::init::gpt2_init;
@@ -22,9 +22,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::admission::{self, ProcessData, Sharing};
 use crate::args::{strategy_name, ScheduleKindArg, TrainArgs, TrainBackend};
 use crate::checkpointing::Checkpointer;
-use crate::output::{
-    gather_rank_stats, human_bytes, print_summary, write_outputs, LossLog, RankReport,
-};
+use crate::output::{gather_rank_stats, print_summary, write_outputs, LossLog, RankReport};
 use crate::paths::{check_output_paths, output_error, rank_trace_path};
 use crate::resume::{self, Resolved};
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
