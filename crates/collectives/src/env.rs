@@ -226,16 +226,36 @@ pub fn init_from_env(backend: Backend, opts: &InitOptions) -> Result<Box<dyn Com
             .into(),
     })?;
     let store = env.rendezvous(opts.timeout)?;
+    init_with_store(backend, &store, &env, opts)
+}
+
+/// Build a communicator of `backend` over a store this process already met the other ranks
+/// at ([`LaunchEnv::rendezvous`]), for a program that uses the store itself before the
+/// communicator exists (the `fsdp` program's ranks add up their predicted memory there).
+/// [`init_from_env`] is [`LaunchEnv::rendezvous`] followed by this. [`Backend::Mpi`] needs no
+/// store: it is an [`InvalidArgument`](CollectiveError::InvalidArgument) error here.
+pub fn init_with_store(
+    backend: Backend,
+    store: &TcpStore,
+    env: &LaunchEnv,
+    opts: &InitOptions,
+) -> Result<Box<dyn Communicator>> {
     match backend {
         Backend::Tcp => {
             let comm = tcp::TcpCommunicator::new(
-                &store,
+                store,
                 tcp::TcpOptions::default().with_timeout(opts.timeout),
             )?;
             Ok(Box::new(comm))
         }
-        Backend::Nccl => init_nccl(&store, &env, opts),
-        Backend::Mpi => unreachable!("handled above"),
+        Backend::Nccl => init_nccl(store, env, opts),
+        Backend::Mpi => Err(CollectiveError::InvalidArgument {
+            rank: env.rank,
+            op: "init_with_store",
+            reason: "the mpi backend meets its ranks through MPI, not a store: use \
+                     init_from_env(Backend::Mpi, ..)"
+                .into(),
+        }),
     }
 }
 

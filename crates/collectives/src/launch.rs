@@ -11,6 +11,7 @@
 //! | `WORLD_SIZE` | `nnodes * nproc_per_node` |
 //! | `LOCAL_RANK` | `0..nproc_per_node` |
 //! | `LOCAL_WORLD_SIZE` | `nproc_per_node` |
+//! | `GROUP_RANK`, `GROUP_WORLD_SIZE` | `node_rank` and `nnodes`, as torchrun sets them (a node's identity) |
 //! | `MASTER_ADDR`, `MASTER_PORT` | the rendezvous address (rank 0's store) |
 //!
 //! Each line a child writes to its standard output (error) is written to the launcher's standard
@@ -347,6 +348,8 @@ where
             .env("WORLD_SIZE", world_size.to_string())
             .env("LOCAL_RANK", local_rank.to_string())
             .env("LOCAL_WORLD_SIZE", opts.nproc_per_node.to_string())
+            .env("GROUP_RANK", opts.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", opts.nnodes.to_string())
             .env("MASTER_ADDR", &opts.master_addr)
             .env("MASTER_PORT", master_port.to_string())
             .stdin(Stdio::null())

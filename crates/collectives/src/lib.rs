@@ -53,7 +53,7 @@ pub mod store;
 mod work;
 
 pub use communicator::Communicator;
-pub use env::{init_from_env, Backend, InitOptions, LaunchEnv};
+pub use env::{init_from_env, init_with_store, Backend, InitOptions, LaunchEnv};
 pub use error::{CollectiveError, Result};
 #[cfg(feature = "mpi")]
 pub use flavors::mpi;

@@ -110,9 +110,12 @@ pub(crate) struct TiedMlp {
     pub(crate) global: usize,
 }
 
-/// Activations `h0, a1, h1, a2, h2, y`, the loss, and the gradient flowing back (`g`).
+/// The input as the model read it (`x`, cast to the parameter dtype under a mixed-precision
+/// policy with `cast_forward_inputs`), activations `h0, a1, h1, a2, h2, y`, the loss, and the
+/// gradient flowing back (`g`).
 #[derive(Default)]
 pub(crate) struct Tape {
+    x: Vec<f32>,
     h: [Vec<f32>; 6],
     g: Vec<f32>,
     loss: f32,
@@ -134,7 +137,13 @@ impl FsdpModel for TiedMlp {
     fn forward(&self, s: usize, p: &dyn Params, b: &Batch, t: &mut Tape) -> R {
         let h = &mut t.h;
         match s {
-            0 => h[0] = tanh(linear(p, "inp", &b.x)?),
+            0 => {
+                t.x = b.x.clone();
+                if let Some(mp) = p.mixed_precision() {
+                    mp.cast_forward_input(&mut t.x);
+                }
+                h[0] = tanh(linear(p, "inp", &t.x)?);
+            }
             1 => {
                 h[1] = linear(p, "body.enc", &h[0])?;
                 h[2] = tanh(mm(&h[1], p.param(SHARED)?, H, false));
@@ -148,10 +157,17 @@ impl FsdpModel for TiedMlp {
             }
             _ => {
                 h[5] = linear(p, "head", &h[4])?;
+                let mp = p.mixed_precision();
+                if let Some(mp) = mp {
+                    mp.cast_output(&mut h[5]);
+                }
                 let res: Vec<f32> = h[5].iter().zip(&b.y).map(|(y, y0)| y - y0).collect();
                 let n = self.global as f32;
                 t.loss = res.iter().map(|r| r * r / n).sum();
                 t.g = res.iter().map(|r| 2.0 * r / n).collect(); // dy
+                if let Some(mp) = mp {
+                    mp.cast_output_grad(&mut t.g);
+                }
             }
         }
         Ok(())
@@ -161,7 +177,7 @@ impl FsdpModel for TiedMlp {
         Ok(t.loss)
     }
 
-    fn backward(&self, s: usize, p: &dyn Params, g: &mut dyn Grads, b: &Batch, t: &mut Tape) -> R {
+    fn backward(&self, s: usize, p: &dyn Params, g: &mut dyn Grads, _: &Batch, t: &mut Tape) -> R {
         let h = &t.h;
         t.g = match s {
             3 => linear_back(p, g, "head", &t.g, &h[4])?,
@@ -179,7 +195,7 @@ impl FsdpModel for TiedMlp {
                 let da1 = mm(&dz, p.param(SHARED)?, H, true);
                 linear_back(p, g, "body.enc", &da1, &h[0])?
             }
-            _ => linear_back(p, g, "inp", &dtanh(&t.g, &h[0]), &b.x)?,
+            _ => linear_back(p, g, "inp", &dtanh(&t.g, &h[0]), &t.x)?,
         };
         Ok(())
     }

@@ -13,8 +13,12 @@
 //! engine's schedule), and per rank the peaks of the allocator's bytes with their breakdown.
 //! [`plan_accumulated`] plans steps of several micro-batches accumulated under `no_sync`. The
 //! optimizer state (AdamW: two `f32` per shard element) lives in plain host memory and is
-//! reported separately; so are the activations, which only the model can estimate
-//! ([`MemoryPlan::with_activations`]).
+//! reported separately; so are the activations (host vectors of the model's tape), which the
+//! dry run counts when the model declares per span what its forward and backward hold
+//! ([`plan_with_activations`], [`SpanActivations`]; activation checkpointing included, see
+//! [`crate::engine::checkpointing`]): their peak, and the peak of the allocator's bytes plus the
+//! activations held at the same moment, are then a real run's
+//! ([`Fsdp::activation_stats`]), byte for byte.
 //!
 //! The dry run is of **rank 0 only**, and its figures are every rank's: the plan is exact for
 //! all ranks because every rank holds equal-sized shards (a flat parameter is padded to a
@@ -37,8 +41,9 @@ use fsdp_collectives::dryrun::{dry_run_mesh, DryRunCommunicator};
 
 use crate::engine::{
     Fsdp, FsdpConfig, ParamInit, Phase, ProcessGroups, ScheduleKind, ShardingStrategy, Span,
+    SpanActivations,
 };
-use crate::optim::AdamWConfig;
+use crate::optim::{AdamWConfig, OptimizerConfig};
 use crate::units::UnitPlan;
 use crate::{human_bytes, try_filled_vec, FsdpError};
 
@@ -60,10 +65,14 @@ pub struct UnitPlanRow {
     pub factor: usize,
     /// Elements of the rank's shard (padded numel / `F`).
     pub shard_numel: usize,
-    /// Per-rank payload in bytes of an all-gather or reduce-scatter (`shard_numel × 4`; 0 when
-    /// the unit is not sharded).
+    /// Per-rank payload in bytes of an all-gather (`shard_numel` × the size of `param_dtype`;
+    /// 0 when the unit is not sharded).
     pub shard_bytes: u64,
-    /// Per-rank payload in bytes of the gradient all-reduce (0 when there is none).
+    /// Per-rank payload in bytes of a reduce-scatter (`shard_numel` × the size of
+    /// `reduce_dtype`; 0 when the unit is not sharded).
+    pub reduce_scatter_bytes: u64,
+    /// Per-rank payload in bytes of the gradient all-reduce, in `reduce_dtype` (0 when there is
+    /// none).
     pub all_reduce_bytes: u64,
     /// All-gathers in forward per step.
     pub forward_all_gathers: usize,
@@ -92,9 +101,16 @@ pub struct RankMemory {
     pub peak_reserved: u64,
     /// Optimizer state in host memory (AdamW: `exp_avg` and `exp_avg_sq` of the shards).
     pub optimizer_state: u64,
-    /// Activations kept for backward in host memory (the model's estimate, see
-    /// [`MemoryPlan::with_activations`]; 0 when none was given).
+    /// The peak of the activations kept for backward in host memory (the model's tape: the
+    /// dry run's count from the spans' declarations, [`plan_with_activations`], which a run
+    /// measures as [`ActivationStats::peak`](crate::engine::ActivationStats::peak); or an
+    /// estimate given to [`MemoryPlan::with_activations`]; 0 when none was given).
     pub activations: u64,
+    /// Predicted peak of the allocator's allocated bytes plus the activations held at the same
+    /// moment ([`ActivationStats::peak_allocated`](crate::engine::ActivationStats)): the
+    /// rank's peak allocated memory including activations (`peak_allocated` when no
+    /// activations were declared).
+    pub peak_allocated_with_activations: u64,
 }
 
 impl RankMemory {
@@ -124,6 +140,8 @@ pub struct MemoryPlan {
     pub loss_all_reduces: usize,
     /// The predicted memory of each rank.
     pub per_rank: Vec<RankMemory>,
+    /// Spans recomputed per pass (activation checkpointing; 0 when off).
+    pub recomputed_spans: usize,
 }
 
 impl MemoryPlan {
@@ -141,10 +159,13 @@ impl MemoryPlan {
     }
 
     /// The plan with every rank's activation estimate set to `bytes` (the model's estimate of
-    /// what its forward keeps for backward).
+    /// what its forward keeps for backward), and the peak allocated with activations bounded
+    /// by `peak_allocated + bytes` (an estimate does not say when it is held; prefer
+    /// [`plan_with_activations`], which counts both exactly).
     pub fn with_activations(mut self, bytes: u64) -> Self {
         for m in &mut self.per_rank {
             m.activations = bytes;
+            m.peak_allocated_with_activations = m.peak_allocated.saturating_add(bytes);
         }
         self
     }
@@ -185,6 +206,58 @@ pub fn plan_accumulated(
     config: &FsdpConfig,
     micro_batches: usize,
 ) -> Result<MemoryPlan, FsdpError> {
+    plan_with_activations(units, spans, &[], world, config, micro_batches)
+}
+
+/// [`plan_accumulated`] of a model that declares its activations: `activations` holds one
+/// [`SpanActivations`] per span (what its forward and backward add to the tape, and what a
+/// checkpointed span drops and recomputes), or is empty (no activations counted). The dry run
+/// applies them where a real pass measures its tape, with the spans of the units that
+/// [`FsdpConfig::activation_checkpointing`] checkpoints run as checkpointed (a span whose
+/// `recomputable` is `None` never is, so declaring `None` leaves a span out): the plan's
+/// [`RankMemory::activations`] and [`RankMemory::peak_allocated_with_activations`] are then a
+/// real run's figures.
+///
+/// # Errors
+/// As [`plan_accumulated`]; [`FsdpError::InvalidFsdpConfig`] when `activations` is neither
+/// empty nor one per span, or when the declared bytes go below 0 or above `u64::MAX`.
+pub fn plan_with_activations(
+    units: &UnitPlan,
+    spans: &[Span],
+    activations: &[SpanActivations],
+    world: usize,
+    config: &FsdpConfig,
+    micro_batches: usize,
+) -> Result<MemoryPlan, FsdpError> {
+    let adamw = AdamWConfig::default().into();
+    plan_with_optimizer(
+        units,
+        spans,
+        activations,
+        world,
+        config,
+        micro_batches,
+        &adamw,
+    )
+}
+
+/// [`plan_with_activations`] with the run's optimizer: its state's bytes per shard element
+/// ([`OptimizerConfig::state_bytes_per_element`]) give [`RankMemory::optimizer_state`], and
+/// under AnyPrecisionAdamW the shards are held in `param_dtype` (see
+/// [`Fsdp`](crate::Fsdp)), which the allocator figures show.
+///
+/// # Errors
+/// As [`plan_with_activations`]; an invalid optimizer configuration.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_with_optimizer(
+    units: &UnitPlan,
+    spans: &[Span],
+    activations: &[SpanActivations],
+    world: usize,
+    config: &FsdpConfig,
+    micro_batches: usize,
+    optim: &OptimizerConfig,
+) -> Result<MemoryPlan, FsdpError> {
     let bad = |reason: String| FsdpError::InvalidFsdpConfig { reason };
     if world == 0 {
         return Err(bad("the world size must be at least 1".into()));
@@ -223,32 +296,36 @@ pub fn plan_accumulated(
         units,
         ParamInit::Meta,
         *config,
-        AdamWConfig::default().into(),
+        *optim,
     )?;
     let sharded_state = fsdp.memory_stats().allocated_bytes.all.current;
     let passes = micro_batches.min(3);
     for _ in 0..2 {
         for m in 0..passes {
             if m + 1 < passes {
-                fsdp.no_sync(|f| f.dry_run_pass(spans))?;
+                fsdp.no_sync(|f| f.dry_run_pass_with(spans, activations))?;
             } else {
-                fsdp.dry_run_pass(spans)?;
+                fsdp.dry_run_pass_with(spans, activations)?;
             }
         }
         fsdp.optimizer_step()?;
     }
     let stats = fsdp.memory_stats();
+    let act = fsdp.activation_stats();
+    let passes_run = 2 * passes as u64;
+    let recomputed_spans = usize::try_from(act.recomputations / passes_run).unwrap_or(usize::MAX);
     let peak = stats.allocated_bytes.all.peak;
     let (sampled, params) = fsdp.ctx.peak_sample;
     let unsharded_params = if sampled == peak { params } else { 0 };
     let overflow = |what: &str| bad(format!("the {what} overflows u64"));
-    // AdamW: exp_avg and exp_avg_sq, 4 bytes each per shard element.
+    // The optimizer's state per shard element (AdamW: exp_avg and exp_avg_sq, 4 bytes each).
+    let per_element = optim.state_bytes_per_element() as u64;
     let optimizer_state = fsdp
         .param_groups()
         .iter()
         .try_fold(0u64, |acc, g| {
             (g.layout().shard_numel() as u64)
-                .checked_mul(8)
+                .checked_mul(per_element)
                 .and_then(|b| acc.checked_add(b))
         })
         .ok_or_else(|| overflow("optimizer state's size"))?;
@@ -263,7 +340,8 @@ pub fn plan_accumulated(
         peak_allocated: peak,
         peak_reserved: stats.reserved_bytes.all.peak,
         optimizer_state,
-        activations: 0,
+        activations: act.peak,
+        peak_allocated_with_activations: act.peak_allocated,
     };
     let factor = fsdp.sharding_factor();
     let replicas = fsdp
@@ -280,6 +358,7 @@ pub fn plan_accumulated(
         units: rows,
         loss_all_reduces: usize::from(world > 1),
         per_rank: try_filled_vec(world, memory, "the plan's per-rank memory")?,
+        recomputed_spans,
     })
 }
 
@@ -307,7 +386,9 @@ fn unit_rows(fsdp: &Fsdp) -> Vec<UnitPlanRow> {
         .enumerate()
         .map(|(u, (g, [fwd, bwd, rs, ar]))| {
             let l = g.layout();
-            let shard_bytes = (l.shard_numel() as u64).saturating_mul(4);
+            let n = l.shard_numel() as u64;
+            let shard_bytes = n.saturating_mul(g.dtypes().param.size_in_bytes() as u64);
+            let reduce_bytes = n.saturating_mul(g.dtypes().reduce.size_in_bytes() as u64);
             UnitPlanRow {
                 unit: u,
                 name: if g.name().is_empty() {
@@ -319,7 +400,8 @@ fn unit_rows(fsdp: &Fsdp) -> Vec<UnitPlanRow> {
                 factor: g.factor(),
                 shard_numel: l.shard_numel(),
                 shard_bytes: if g.factor() > 1 { shard_bytes } else { 0 },
-                all_reduce_bytes: if ar > 0 { shard_bytes } else { 0 },
+                reduce_scatter_bytes: if g.factor() > 1 { reduce_bytes } else { 0 },
+                all_reduce_bytes: if ar > 0 { reduce_bytes } else { 0 },
                 forward_all_gathers: fwd,
                 backward_all_gathers: bwd,
                 reduce_scatters: rs,
@@ -339,12 +421,13 @@ impl fmt::Display for MemoryPlan {
         writeln!(f)?;
         writeln!(
             f,
-            "{:>4}  {:<24} {:>12} {:>3} {:>14} {:>14}  {:>6} {:>6} {:>3} {:>3}",
+            "{:>4}  {:<24} {:>12} {:>3} {:>11} {:>11} {:>11}  {:>6} {:>6} {:>3} {:>3}",
             "unit",
             "name",
             "params",
             "F",
-            "AG/RS bytes",
+            "AG bytes",
+            "RS bytes",
             "AR bytes",
             "fwd AG",
             "bwd AG",
@@ -354,12 +437,13 @@ impl fmt::Display for MemoryPlan {
         for u in &self.units {
             writeln!(
                 f,
-                "{:>4}  {:<24} {:>12} {:>3} {:>14} {:>14}  {:>6} {:>6} {:>3} {:>3}",
+                "{:>4}  {:<24} {:>12} {:>3} {:>11} {:>11} {:>11}  {:>6} {:>6} {:>3} {:>3}",
                 u.unit,
                 u.name,
                 u.params,
                 u.factor,
                 u.shard_bytes,
+                u.reduce_scatter_bytes,
                 u.all_reduce_bytes,
                 u.forward_all_gathers,
                 u.backward_all_gathers,
@@ -370,12 +454,13 @@ impl fmt::Display for MemoryPlan {
         let (fa, ba, rs, ar) = self.collective_counts();
         writeln!(
             f,
-            "{:>4}  {:<24} {:>12} {:>3} {:>14} {:>14}  {fa:>6} {ba:>6} {rs:>3} {ar:>3}",
+            "{:>4}  {:<24} {:>12} {:>3} {:>11} {:>11} {:>11}  {fa:>6} {ba:>6} {rs:>3} {ar:>3}",
             "",
             "total per step",
             self.units
                 .iter()
                 .fold(0usize, |a, u| a.saturating_add(u.params)),
+            "",
             "",
             "",
             ""
@@ -433,9 +518,28 @@ impl fmt::Display for MemoryPlan {
             f,
             "(per rank; peak allocated: the caching allocator's bytes: parameter and gradient \
              shards, unsharded parameters and gradients at the peak, 512-byte rounding; peak \
-             reserved: its segments; optimizer state (AdamW) and activations (the model's \
-             estimate) are host memory outside the allocator; total: reserved + optimizer + \
-             activations)"
-        )
+             reserved: its segments; optimizer state (AdamW) and activations (the peak of \
+             the model's saved activations, its tape) are host memory outside the allocator; \
+             total: reserved + optimizer + activations)"
+        )?;
+        if let Some(m) = self.per_rank.first().filter(|m| m.activations > 0) {
+            writeln!(
+                f,
+                "activations: peak {} per rank{}; peak allocated with activations {} (the \
+                 allocator's bytes plus the activations held at the same moment)",
+                human_bytes(m.activations),
+                if self.recomputed_spans > 0 {
+                    format!(
+                        " with activation checkpointing ({} spans recomputed per pass, no \
+                         extra collective)",
+                        self.recomputed_spans
+                    )
+                } else {
+                    String::new()
+                },
+                human_bytes(m.peak_allocated_with_activations)
+            )?;
+        }
+        Ok(())
     }
 }

@@ -3,6 +3,13 @@
 //! `lm_head`), and [`FsdpGpt`] is one rank's engine with the model, with the step API of a
 //! language-model trainer (`step(batch, global_tokens)`).
 //!
+//! The blocks can be checkpointed ([`FsdpConfig::activation_checkpointing`],
+//! [`Fsdp::set_activation_checkpointing`]): a checkpointed block keeps only its input and is
+//! recomputed before its backward; the embedding and the head always keep their activations.
+//! The tape's bytes ([`GptTape::bytes`]: the blocks' saved activations or kept inputs, the
+//! head's, and the activation or gradient handed between spans) are what the engine counts
+//! ([`Fsdp::activation_stats`]) and what [`crate::plan::span_activations`] declares to the plan.
+//!
 //! ```
 //! use fsdp_gpt::model::{init_params, named_params, GptConfig};
 //! use fsdp_gpt::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
@@ -73,13 +80,62 @@ impl GptModel {
     }
 }
 
-/// The activations of one pass of the GPT.
+/// The activations of one pass of the GPT: the activation handed forward (`x`), each block's
+/// saved activations (or only its input when checkpointed), the head's saved activations and
+/// loss, and the gradient handed backward (`dx`).
 #[derive(Debug, Default)]
 pub struct GptTape {
     x: Vec<f32>,
-    caches: Vec<BlockCache>,
+    blocks: Vec<BlockSaved>,
     head: Option<(f32, HeadCache)>,
     dx: Vec<f32>,
+}
+
+/// What a block keeps for its backward.
+#[derive(Debug)]
+enum BlockSaved {
+    /// Everything its backward reads.
+    Full(Box<BlockCache>),
+    /// Only its input (activation checkpointing: recomputed before its backward).
+    Input(Vec<f32>),
+}
+
+const F32: u64 = std::mem::size_of::<f32>() as u64;
+
+impl GptTape {
+    /// Bytes of the blocks' saved activations: their caches, or their inputs when
+    /// checkpointed.
+    pub fn block_bytes(&self) -> u64 {
+        self.blocks
+            .iter()
+            .map(|b| match b {
+                BlockSaved::Full(c) => c.bytes() as u64,
+                BlockSaved::Input(x) => x.len() as u64 * F32,
+            })
+            .sum()
+    }
+
+    /// Bytes of the head's saved activations (its input, `ln_f` output and statistics, the
+    /// softmax of the logits and the targets), 0 outside forward's end and the head's backward.
+    pub fn head_bytes(&self) -> u64 {
+        self.head.as_ref().map_or(0, |(_, h)| h.bytes() as u64)
+    }
+
+    /// Bytes of the activation handed forward and the gradient handed backward.
+    pub fn handoff_bytes(&self) -> u64 {
+        (self.x.len() + self.dx.len()) as u64 * F32
+    }
+
+    /// Every byte above: what the engine counts ([`FsdpModel::tape_bytes`]).
+    pub fn bytes(&self) -> u64 {
+        self.block_bytes() + self.head_bytes() + self.handoff_bytes()
+    }
+}
+
+fn no_cache() -> FsdpError {
+    FsdpError::InvalidShape {
+        reason: "a block without its cache".into(),
+    }
 }
 
 fn names(specs: Vec<model::ParamSpec>) -> impl Iterator<Item = String> {
@@ -119,7 +175,7 @@ impl FsdpModel for GptModel {
             0 => t.x = model::embed_forward(cfg, p, &b.inputs, shape)?,
             s if s <= cfg.n_layer => {
                 let (y, c) = model::block_forward(cfg, p, s - 1, std::mem::take(&mut t.x), shape)?;
-                t.caches.push(c);
+                t.blocks.push(BlockSaved::Full(Box::new(c)));
                 t.x = y;
             }
             _ => {
@@ -157,19 +213,66 @@ impl FsdpModel for GptModel {
         match span {
             0 => model::embed_backward(cfg, g, &b.inputs, b.shape, &t.dx)?,
             s if s <= cfg.n_layer => {
-                let c = t.caches.pop().ok_or_else(|| FsdpError::InvalidShape {
-                    reason: "a block without its cache".into(),
-                })?;
+                let Some(BlockSaved::Full(c)) = t.blocks.pop() else {
+                    return Err(no_cache());
+                };
                 t.dx = model::block_backward(cfg, p, g, s - 1, &c, &t.dx)?;
             }
             _ => {
-                let (_, head) = t.head.as_ref().ok_or_else(|| FsdpError::InvalidShape {
+                // The head's activations are dropped after its backward (as autograd frees a
+                // node's saved tensors).
+                let (_, head) = t.head.take().ok_or_else(|| FsdpError::InvalidShape {
                     reason: "the head did not run".into(),
                 })?;
-                t.dx = model::head_backward(cfg, p, g, head, 1.0)?;
+                t.dx = model::head_backward(cfg, p, g, &head, 1.0)?;
             }
         }
         Ok(())
+    }
+
+    /// The blocks can be checkpointed; the embedding and the head cannot.
+    fn checkpointable(&self, span: usize) -> bool {
+        (1..=self.cfg.n_layer).contains(&span)
+    }
+
+    fn discard_saved(&self, span: usize, t: &mut GptTape) -> Result<(), FsdpError> {
+        if !self.checkpointable(span) {
+            return Err(FsdpError::InvalidShape {
+                reason: format!("span {span} of the GPT cannot be checkpointed"),
+            });
+        }
+        match t.blocks.pop() {
+            Some(BlockSaved::Full(c)) if c.layer() == span - 1 => {
+                t.blocks.push(BlockSaved::Input((*c).into_input()));
+                Ok(())
+            }
+            _ => Err(no_cache()),
+        }
+    }
+
+    fn recompute(
+        &self,
+        span: usize,
+        p: &dyn Params,
+        b: &Batch,
+        t: &mut GptTape,
+    ) -> Result<(), FsdpError> {
+        if !self.checkpointable(span) {
+            return Err(FsdpError::InvalidShape {
+                reason: format!("span {span} of the GPT cannot be recomputed"),
+            });
+        }
+        let Some(BlockSaved::Input(x)) = t.blocks.pop() else {
+            return Err(no_cache());
+        };
+        // The block's output (the next block's input, kept there) is not needed again.
+        let (_, c) = model::block_forward(&self.cfg, p, span - 1, x, b.shape)?;
+        t.blocks.push(BlockSaved::Full(Box::new(c)));
+        Ok(())
+    }
+
+    fn tape_bytes(&self, t: &GptTape) -> u64 {
+        t.bytes()
     }
 }
 

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 // Exactly one `error: ...` line containing every needle, exit status 1 (not an abort, 134, or
 // a signal) and no panic; returns the line.
 use common::cli::one_error_status_1 as one_error;
-use common::cli::{command, ONE_LAYER};
+use common::cli::{command, ok, ONE_LAYER};
+use fsdp::human_bytes;
 use fsdp::plan::{
     available_memory, available_memory_from, cgroup_headroom, parse_cgroup_paths,
     parse_meminfo_available, CgroupPaths, CgroupVersion,
@@ -299,4 +300,199 @@ fn meminfo_and_cgroup_texts_are_parsed() {
     let a = available_memory_from(files).unwrap();
     assert_eq!(a.bytes, 1_000_000_000);
     assert!(a.source.contains("cgroup v2") && a.source.contains("/sys/fs/cgroup/job"));
+}
+
+/// `fsdp launch -n 2 train`, the [`ONE_LAYER`] model, one step, `--memory-limit limit`.
+fn launched(limit: &str) -> Output {
+    let mut args = vec!["launch", "-n", "2", "--master-port", "0"];
+    args.extend(one_layer_train(&["--steps", "1", "--memory-limit", limit]));
+    fsdp(&args).0
+}
+
+/// The error lines of the ranks (`[rank N] error: rank N: ...`), at least one; each checked
+/// to name its own rank.
+fn rank_errors(out: &Output) -> Vec<String> {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let lines: Vec<String> = stderr
+        .lines()
+        .filter(|l| l.starts_with("[rank ") && l.contains("] error: "))
+        .map(str::to_string)
+        .collect();
+    assert!(!lines.is_empty(), "no rank's error line: {stderr}");
+    for l in &lines {
+        let rank = &l["[rank ".len()..l.find(']').unwrap()];
+        assert!(
+            l.contains(&format!("] error: rank {rank}: ")),
+            "the line does not name its rank: {l}"
+        );
+    }
+    lines
+}
+
+/// `N` of `predicted X (N bytes) for the 2 ranks of node 0` in `line`.
+fn host_total(line: &str) -> u64 {
+    let end = line
+        .find(" bytes) for the 2 ranks of node 0 (")
+        .unwrap_or_else(|| panic!("no host total in {line}"));
+    let start = line[..end].rfind('(').unwrap() + 1;
+    line[start..end].parse().unwrap()
+}
+
+#[test]
+fn under_a_launcher_the_ranks_of_a_host_add_up_their_predictions() {
+    // Far below the need: refused by the plan's prediction (the lower bound fits), which gives
+    // the host's total in bytes.
+    let out = launched("1M");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let line = &rank_errors(&out)[0];
+    assert!(
+        line.contains("not enough memory") && line.contains("allocator peak"),
+        "{line}"
+    );
+    let total = host_total(line);
+    // The two ranks predict the same, so each one's share is half the total: one byte below
+    // the total, each rank fits alone but the host's sum does not.
+    let (share, limit) = (total / 2, total - 1);
+    assert!(share <= limit);
+    let out = launched(&limit.to_string());
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let lines = rank_errors(&out);
+    for l in &lines {
+        for needle in [
+            "not enough memory: predicted",
+            &format!("({total} bytes) for the 2 ranks of node 0 (rank 0 "),
+            ", rank 1 ",
+            "; this rank ",
+            &format!(
+                "available {} ({limit} bytes, --memory-limit)",
+                human_bytes(limit)
+            ),
+            "hint: ",
+        ] {
+            assert!(l.contains(needle), "{l:?} does not mention {needle:?}");
+        }
+    }
+    println!("{}", lines[0]);
+    // Exactly the sum: admitted, and trains.
+    let out = launched(&total.to_string());
+    let stdout = ok(&out, "the run at the host's total");
+    assert!(stdout.contains("done: 1 steps"), "{stdout}");
+}
+
+/// A port that was free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn a_rank_that_fails_before_the_admission_stops_the_others_of_its_host() {
+    // Two ranks started as a launcher would, but by the test: no launcher ends the other rank
+    // when one fails, so the other must stop by itself, well before the store's timeout.
+    for failing in [0, 1] {
+        let port = free_port().to_string();
+        let mut children: Vec<_> = (0..2)
+            .map(|rank| {
+                // The failing rank's batch does not split over 2 ranks: it fails after the
+                // ranks met at the store and added up their lower bounds.
+                let batch = if rank == failing { "3" } else { "4" };
+                let rank = rank.to_string();
+                command(&one_layer_train(&["--steps", "1", "--batch-size", batch]))
+                    .envs([
+                        ("RANK", rank.as_str()),
+                        ("WORLD_SIZE", "2"),
+                        ("LOCAL_RANK", rank.as_str()),
+                        ("LOCAL_WORLD_SIZE", "2"),
+                        ("GROUP_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", port.as_str()),
+                    ])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("running the fsdp binary")
+            })
+            .collect();
+        let t0 = Instant::now();
+        while children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) {
+            if t0.elapsed() > Duration::from_secs(60) {
+                for c in &mut children {
+                    let _ = c.kill();
+                }
+                panic!("rank {failing} failed and a rank was still running after 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let outs: Vec<Output> = children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let cause = "--batch-size 3 (3 rows per micro-batch) is not divisible by --ranks 2";
+        one_error(&outs[failing], &[cause]);
+        let other = 1 - failing;
+        let line = one_error(
+            &outs[other],
+            &[
+                &format!(
+                    "rank {other}: rank {failing} of node 0 failed before the memory admission: "
+                ),
+                cause,
+            ],
+        );
+        println!("{:?}: {line}", t0.elapsed());
+    }
+}
+
+#[test]
+fn an_allocation_the_system_refuses_is_an_error_naming_the_rank_and_the_bytes() {
+    if !cfg!(target_os = "linux") {
+        println!("skipped: needs Linux (ulimit -v)");
+        return;
+    }
+    // Admitted by --memory-limit, but the process may map only 2 GiB: the logits of a large
+    // batch (16384 tokens × 50304 classes, 3.1 GiB) cannot be allocated.
+    let mut args = vec![
+        "-c",
+        "ulimit -v 2097152 && exec \"$0\" \"$@\"",
+        env!("CARGO_BIN_EXE_fsdp"),
+        "train",
+    ];
+    args.extend([
+        "--ranks",
+        "1",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--block-size",
+        "256",
+        "--vocab-size",
+        "50304",
+        "--batch-size",
+        "64",
+        "--steps",
+        "1",
+        "--memory-limit",
+        "64G",
+    ]);
+    let out = std::process::Command::new("sh")
+        .args(&args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let line = one_error(
+        &out,
+        &[
+            "rank 0: out of host memory: cannot allocate 3296722944 bytes (3.1 GiB)",
+            "logits",
+        ],
+    );
+    println!("{line}");
 }

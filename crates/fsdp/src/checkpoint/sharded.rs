@@ -352,7 +352,11 @@ fn parse_rank_file(path: &Path, rank: usize, world: usize) -> Result<ParsedFile,
             ));
         }
         for p in &layout.params {
-            let end = p.shape.iter().product::<usize>().checked_add(p.offset);
+            let end = p
+                .shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .and_then(|n| n.checked_add(p.offset));
             if end.is_none_or(|e| e > layout.padded_numel) {
                 return Err(err(
                     path,
@@ -496,7 +500,20 @@ pub fn load_sharded_checkpoint(
     for (ui, unit) in first.units.iter().enumerate() {
         let l = &unit.layout;
         for kind in &unit.tensors {
-            let mut flat = Vec::with_capacity(l.padded_numel);
+            // Sized by the file: reserved fallibly, so that a corrupt or crafted layout is an
+            // error rather than an abort (the shards' shapes are checked below).
+            let mut flat: Vec<f32> = Vec::new();
+            flat.try_reserve_exact(l.padded_numel).map_err(|_| {
+                err(
+                    &first.path,
+                    format!(
+                        "unit {} says {} elements ({} bytes), which cannot be allocated",
+                        l.unit,
+                        l.padded_numel,
+                        (l.padded_numel as u128) * 4
+                    ),
+                )
+            })?;
             for s in 0..l.factor {
                 let (fi, file) = files
                     .iter()
@@ -585,4 +602,76 @@ pub fn load_sharded_checkpoint(
         params,
         optimizer,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-rank checkpoint in a fresh directory whose only unit has `layout` and a `param`
+    /// tensor of `values`.
+    fn crafted(test: &str, layout: ShardLayout, values: Vec<f32>) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("fsdp-sharded-{test}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let shards = RankShards {
+            rank: 0,
+            world: 1,
+            strategy: "FULL_SHARD".into(),
+            optimizer: "none",
+            optimizer_step: 0,
+            optimizer_steps: 0,
+            units: vec![(layout, vec![("param", values)])],
+            setup: OptimizerSetup::default(),
+        };
+        write_rank_shards(&dir, &shards).unwrap();
+        dir
+    }
+
+    fn w_spec() -> Vec<ParamSpec> {
+        vec![ParamSpec::new("w", vec![4])]
+    }
+
+    #[test]
+    fn a_huge_layout_is_an_error_naming_the_file_not_an_abort() {
+        // 2^61 elements: 2^63 bytes, more than any allocation may hold.
+        let huge = 1usize << 61;
+        let layout = ShardLayout {
+            unit: 0,
+            factor: 1,
+            shard_index: 0,
+            padded_numel: huge,
+            shard_numel: huge,
+            params: vec![ShardParam {
+                name: "w".into(),
+                shape: vec![4],
+                offset: 0,
+            }],
+        };
+        let dir = crafted("huge", layout, vec![1.0; 4]);
+        let e = load_sharded_checkpoint(&dir, &w_spec()).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("rank-00000-of-00001.safetensors"), "{msg}");
+        assert!(msg.contains("cannot be allocated"), "{msg}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_parameter_shape_that_overflows_is_an_error() {
+        let layout = ShardLayout {
+            unit: 0,
+            factor: 1,
+            shard_index: 0,
+            padded_numel: 4,
+            shard_numel: 4,
+            params: vec![ShardParam {
+                name: "w".into(),
+                shape: vec![1 << 40, 1 << 40],
+                offset: 0,
+            }],
+        };
+        let dir = crafted("overflow", layout, vec![1.0; 4]);
+        let e = load_sharded_checkpoint(&dir, &w_spec()).unwrap_err();
+        assert!(e.to_string().contains("lies outside"), "{e}");
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

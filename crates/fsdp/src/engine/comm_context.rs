@@ -208,8 +208,20 @@ impl CommContext {
         stream: &Stream,
         other: &Stream,
     ) -> Result<Buffer, FsdpError> {
+        self.alloc_typed(DType::F32, numel, stream, other)
+    }
+
+    /// A buffer of `dtype` allocated on `stream` and used also on `other` (as
+    /// [`alloc`](Self::alloc)).
+    pub(crate) fn alloc_typed(
+        &self,
+        dtype: DType,
+        numel: usize,
+        stream: &Stream,
+        other: &Stream,
+    ) -> Result<Buffer, FsdpError> {
         let also = (self.config.cross_stream == CrossStreamSafety::RecordStream).then_some(other);
-        self.pool.allocate(DType::F32, numel, stream, also)
+        self.pool.allocate(dtype, numel, stream, also)
     }
 
     /// Note the allocator's current total after an allocation (for the memory breakdown of a

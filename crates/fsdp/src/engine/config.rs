@@ -1,6 +1,8 @@
 //! The engine's options and the records it keeps: sharding strategies, prefetch policies,
 //! cross-stream safety, [`FsdpConfig`] and the schedule of issued collectives.
 
+use super::mixed_precision::{GradientDivide, MixedPrecisionPolicy};
+
 /// How parameters, gradients and optimizer state are sharded (PyTorch's `ShardingStrategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ShardingStrategy {
@@ -99,6 +101,19 @@ pub struct FsdpConfig {
     /// Record a timeline trace (compute and communication spans, allocator counters; see
     /// [`crate::trace`] and [`Fsdp::trace_events`](super::Fsdp::trace_events)). Default off (then nothing is recorded).
     pub trace: bool,
+    /// Activation checkpointing of every unit: spans of the model driven by
+    /// [`Fsdp::forward_backward`](super::Fsdp::forward_backward) that it can recompute keep only
+    /// their input in forward and are recomputed right before their backward, with no extra
+    /// collective (override per unit with
+    /// [`Fsdp::set_activation_checkpointing`](super::Fsdp::set_activation_checkpointing); see
+    /// [`checkpointing`](super::checkpointing)). Default off.
+    pub activation_checkpointing: bool,
+    /// The mixed-precision policy of every unit (override per unit with
+    /// [`Fsdp::set_mixed_precision`](super::Fsdp::set_mixed_precision)); default full `f32`.
+    pub mixed_precision: MixedPrecisionPolicy,
+    /// Who divides the summed gradients by the data-parallel size; default
+    /// [`GradientDivide::Model`] (the model's loss is normalised over the global batch).
+    pub gradient_divide: GradientDivide,
 }
 
 impl FsdpConfig {
@@ -113,6 +128,9 @@ impl FsdpConfig {
             memory_capacity: 4 << 30,
             cross_stream: CrossStreamSafety::HeldReferences,
             trace: false,
+            activation_checkpointing: false,
+            mixed_precision: MixedPrecisionPolicy::default(),
+            gradient_divide: GradientDivide::Model,
         }
     }
 }

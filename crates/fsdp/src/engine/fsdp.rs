@@ -6,14 +6,18 @@ use std::sync::Arc;
 
 use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
 use fsdp_collectives::Communicator;
+use fsdp_device::DType;
 use fsdp_flatparam::FlatParamLayout;
 
+use super::checkpointing::Activations;
 use super::comm_context::{internal, CommContext, ProcessGroups};
 use super::config::{BackwardPrefetch, FsdpConfig, Phase, ScheduleEvent};
+use super::grad_scaler::{apply_loss_scale, GradScaler};
 use super::materialize::{init_shard, ParamInit};
+use super::mixed_precision::{load_exact, MixedPrecisionPolicy};
 use super::optim_groups::OptimizerSetup;
 use super::order::ExecOrder;
-use super::param_group::{GroupDtypes, ParamGroup};
+use super::param_group::{cast_buffer, GroupDtypes, ParamGroup};
 use super::pool::MemoryPool;
 use super::reduce::{finish_reductions, foreach_reduce, PendingGrads};
 use super::views::{GradViews, ParamEntry, ParamId, ParamTable, ParamViews};
@@ -38,6 +42,10 @@ pub struct Fsdp {
     pass_open: bool,
     /// Optimizer groups and learning-rate schedule.
     pub(crate) setup: OptimizerSetup,
+    /// Dynamic loss scaling ([`Fsdp::set_grad_scaler`]).
+    pub(crate) grad_scaler: Option<GradScaler>,
+    /// Activation checkpointing and the activation meter (checkpointing.rs).
+    pub(crate) activations: Activations,
 }
 
 impl std::fmt::Debug for Fsdp {
@@ -71,6 +79,7 @@ impl Fsdp {
         optim: impl Into<OptimizerConfig>,
     ) -> Result<Self, FsdpError> {
         check_config(&config)?;
+        config.mixed_precision.validate()?;
         let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
         let pool = HostAllocator::new(
             HostSource::new(config.memory_capacity),
@@ -117,6 +126,9 @@ impl Fsdp {
                 reason: "the plan has no parameter".into(),
             });
         }
+        // The pool reports its allocations to the activation meter (checkpointing.rs).
+        let (pool, activations) = Activations::wrap(pool);
+        let shard_dtype = shard_dtype(&optim, &config)?;
         let ctx = CommContext::new(config, groups, pool);
         let (factor, shard_rank) = ctx.groups.factor_and_index();
 
@@ -144,8 +156,25 @@ impl Fsdp {
             // Shards, gradient shards and unsharded buffers all come from the rank's caching
             // allocator, so that its statistics show the strategy's memory (the optimizer
             // state and the activations are plain vectors).
-            let shard = ctx.alloc_local(layout.shard_numel())?;
-            init_shard(&init, &ctx, &layout, shard_index, &shard)?;
+            let shard = if shard_dtype == DType::F32 {
+                let shard = ctx.alloc_local(layout.shard_numel())?;
+                init_shard(&init, &ctx, &layout, shard_index, &shard)?;
+                shard
+            } else {
+                // Low-precision shards (AnyPrecisionAdamW): initialised in f32, then rounded.
+                let wide = ctx.alloc_local(layout.shard_numel())?;
+                init_shard(&init, &ctx, &layout, shard_index, &wide)?;
+                let shard = ctx.alloc_typed(
+                    shard_dtype,
+                    layout.shard_numel(),
+                    &ctx.compute,
+                    &ctx.compute,
+                )?;
+                if !ctx.is_meta() {
+                    cast_buffer(&wide, &shard)?;
+                }
+                shard
+            };
             let grad_shard = ctx.alloc_local(layout.shard_numel())?;
             ctx.fill(&grad_shard, 0.0)?;
             for p in layout.params() {
@@ -181,7 +210,13 @@ impl Fsdp {
                 optim_state,
                 segments: ShardGroups::single(layout.shard_numel()),
                 full: (f == 1).then(|| shard.clone()),
-                dtypes: GroupDtypes::default(),
+                dtypes: GroupDtypes {
+                    shard: shard_dtype,
+                    param: config.mixed_precision.param_dtype,
+                    reduce: config.mixed_precision.reduce_dtype(),
+                },
+                policy: config.mixed_precision,
+                rounded: None,
                 layout,
                 factor: f,
                 shard_index,
@@ -191,6 +226,7 @@ impl Fsdp {
                 grad_shard_zero: true,
                 replace_shard: false,
                 gather: None,
+                gather_input: None,
                 counted: false,
                 full_grad: None,
             });
@@ -207,6 +243,8 @@ impl Fsdp {
             optimizer_steps: 0,
             pass_open: false,
             setup: OptimizerSetup::default(),
+            grad_scaler: None,
+            activations,
         })
     }
 
@@ -341,7 +379,39 @@ impl Fsdp {
             self.ctx.step += 1;
             self.ctx.phase = Phase::Forward;
             self.ctx.order.begin_pass();
+            // Shards may have changed since the last pass: round them again.
+            for g in &mut self.groups {
+                g.rounded = None;
+            }
         }
+    }
+
+    /// Whether a forward/backward pass is open.
+    pub(crate) fn pass_is_open(&self) -> bool {
+        self.pass_open
+    }
+
+    /// Set unit `u`'s policy (checked by the caller).
+    pub(crate) fn set_group_policy(
+        &mut self,
+        u: usize,
+        policy: MixedPrecisionPolicy,
+    ) -> Result<(), FsdpError> {
+        let g = &mut self.groups[u];
+        if g.dtypes.shard != DType::F32 && g.dtypes.shard != policy.param_dtype {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "unit {u} stores its parameters in {} (the optimizer's dtype): its \
+                     param_dtype must be {} too, not {}",
+                    g.dtypes.shard, g.dtypes.shard, policy.param_dtype
+                ),
+            });
+        }
+        g.policy = policy;
+        g.dtypes.param = policy.param_dtype;
+        g.dtypes.reduce = policy.reduce_dtype();
+        g.rounded = None;
+        Ok(())
     }
 
     /// Before unit `u`'s first forward computation of a pass: all-gather its parameters
@@ -361,7 +431,8 @@ impl Fsdp {
                 self.groups[next].prefetch(&mut self.ctx)?;
             }
         }
-        self.groups[u].wait_for_unshard(&mut self.ctx)
+        self.groups[u].wait_for_unshard(&mut self.ctx)?;
+        self.groups[u].ensure_rounded(&mut self.ctx)
     }
 
     /// After unit `u`'s last forward computation of a pass: reshard it when the strategy frees
@@ -404,6 +475,7 @@ impl Fsdp {
             }
         }
         self.groups[u].wait_for_unshard(&mut self.ctx)?;
+        self.groups[u].ensure_rounded(&mut self.ctx)?;
         // Gradient buffers only after the wait: the communication stream runs in issue order,
         // so the reduce-scatters issued before that gather have completed and released their
         // unsharded gradients.
@@ -412,7 +484,9 @@ impl Fsdp {
 
     /// After unit `u`'s last backward computation: reshard it, prefetch the next unit with
     /// [`BackwardPrefetch::Post`], and issue its gradient reduction (none inside
-    /// [`no_sync`](Self::no_sync): the unsharded gradient is kept and accumulates).
+    /// [`no_sync`](Self::no_sync): the unsharded gradient is kept and accumulates). With a grad
+    /// scaler ([`set_grad_scaler`](Self::set_grad_scaler)) the unsharded gradient is first
+    /// multiplied by the scale.
     ///
     /// # Errors
     /// An unknown unit, a failing allocation or collective.
@@ -426,6 +500,11 @@ impl Fsdp {
         }
         if self.no_sync {
             return Ok(());
+        }
+        // Loss scaling (grad_scaler.rs): the gradient times the scale, right before reduction.
+        let scale = self.backward_loss_scale()?;
+        if let Some(g) = &self.groups[u].full_grad {
+            apply_loss_scale(&self.ctx, g, scale)?;
         }
         foreach_reduce(&mut self.groups[u], &mut self.ctx, &mut self.pending_grads)
     }
@@ -464,8 +543,7 @@ impl Fsdp {
             self.check_unit(u)?;
             let full =
                 self.groups[u]
-                    .full
-                    .as_ref()
+                    .compute_params()
                     .ok_or_else(|| FsdpError::InvalidFsdpConfig {
                         reason: format!(
                             "unit {u} is sharded: its pre-forward/pre-backward hook did not run"
@@ -473,7 +551,8 @@ impl Fsdp {
                     })?;
             guards[u] = Some(full.read::<f32>()?);
         }
-        Ok(ParamViews::new(&self.table, guards))
+        let policy = units.first().map(|&u| self.groups[u].policy);
+        Ok(ParamViews::new(&self.table, guards, policy))
     }
 
     /// Write views of the unsharded gradients of `units` (between their pre-backward and
@@ -501,24 +580,42 @@ impl Fsdp {
     pub fn full_state_dict(&self) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
         let mut out = HashMap::new();
         for g in &self.groups {
-            let flat = if g.factor == 1 {
-                g.shard.to_vec::<f32>()?
+            let full = if g.factor == 1 {
+                g.shard.clone()
             } else {
                 let group = self
                     .ctx
                     .groups
                     .shard()
                     .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-                let full =
-                    fsdp_device::Buffer::zeros(fsdp_device::DType::F32, g.layout.padded_numel())?;
+                let full = fsdp_device::Buffer::zeros(g.shard.dtype(), g.layout.padded_numel())?;
                 group.all_gather_base(&g.shard, &full)?.wait()?;
-                full.to_vec::<f32>()?
+                full
             };
+            let mut flat = crate::try_filled_vec(full.len(), 0.0f32, "the full state dict")?;
+            load_exact(&full, &mut flat)?;
             for p in g.layout.params() {
                 out.insert(p.name().to_string(), flat[p.range()].to_vec());
             }
         }
         Ok(out)
+    }
+}
+
+/// The dtype of the shards: `f32` master weights, except under AnyPrecisionAdamW, which keeps
+/// none: its shards are stored in `param_dtype` (bf16: pure-bf16 training).
+fn shard_dtype(optim: &OptimizerConfig, config: &FsdpConfig) -> Result<DType, FsdpError> {
+    let p = config.mixed_precision.param_dtype;
+    match optim {
+        OptimizerConfig::AnyPrecisionAdamW(_) if p == DType::F16 => {
+            Err(FsdpError::InvalidFsdpConfig {
+                reason: "AnyPrecisionAdamW stores the shards in param_dtype: float16 is not \
+                         supported (use bfloat16 or float32)"
+                    .into(),
+            })
+        }
+        OptimizerConfig::AnyPrecisionAdamW(_) => Ok(p),
+        _ => Ok(DType::F32),
     }
 }
 

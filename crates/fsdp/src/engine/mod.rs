@@ -14,9 +14,11 @@
 //!   [`Fsdp::finalize_backward`], with [`Fsdp::param_views`] / [`Fsdp::grad_views`] to read the
 //!   unsharded parameters and write the gradients; or a model implementing [`FsdpModel`] and
 //!   [`Fsdp::forward_backward`]. Then [`Fsdp::no_sync`], [`Fsdp::grad_norm`],
-//!   [`Fsdp::clip_grad_norm`], [`Fsdp::optimizer_step`] (AdamW or SGD on the shards) or
+//!   [`Fsdp::clip_grad_norm`], [`Fsdp::optimizer_step`] (AdamW, SGD or AnyPrecisionAdamW on
+//!   the shards) or
 //!   [`Fsdp::skip_step`], [`Fsdp::full_state_dict`] and sharded checkpoints
-//!   ([`Fsdp::save_sharded`]).
+//!   ([`Fsdp::save_sharded`]). Dynamic loss scaling for fp16 ([`GradScaler`], PyTorch's
+//!   `ShardedGradScaler`): [`Fsdp::set_grad_scaler`].
 //!
 //! Prefetching follows the recorded execution order, not the definition order: backward
 //! prefetch ([`BackwardPrefetch`]) takes the next unit of the reversed post-forward order of the
@@ -26,6 +28,22 @@
 //! them in issue order; a reduce-scatter's unsharded gradient is released when the host waits
 //! for a collective issued after it (or at [`Fsdp::finalize_backward`]), so memory is the same
 //! whatever the backend and is predicted exactly by a dry run ([`crate::plan`]).
+//!
+//! Mixed precision ([`MixedPrecisionPolicy`] in [`FsdpConfig::mixed_precision`], per unit with
+//! [`Fsdp::set_mixed_precision`]): shards cast to `param_dtype` before the all-gather, gradients
+//! rounded to it and reduced in `reduce_dtype`, `f32` master weights — or none under
+//! AnyPrecisionAdamW, whose shards are stored in `param_dtype`. The exact definition, and the
+//! division by the data-parallel size ([`GradientDivide`]), are in [`mixed_precision`]
+//! (its module documentation).
+//!
+//! Activation checkpointing ([`checkpointing`]): per unit
+//! ([`Fsdp::set_activation_checkpointing`], or every unit with
+//! [`FsdpConfig::activation_checkpointing`]), the driven model's spans keep only their input in
+//! forward and are recomputed right before their backward from the parameters already
+//! unsharded for it (no extra collective: the same schedule, bitwise the same results). The
+//! model's tape is counted ([`FsdpModel::tape_bytes`], [`Fsdp::activation_stats`]: current and
+//! peak activation bytes and the peak of allocated plus activation bytes) and predicted by the
+//! plan from per-span declarations ([`SpanActivations`]).
 //!
 //! # Example
 //!
@@ -74,10 +92,13 @@
 //! assert_eq!(w[0], w[1]);
 //! ```
 
+pub mod checkpointing;
 mod comm_context;
 mod config;
 mod fsdp;
+mod grad_scaler;
 mod materialize;
+pub mod mixed_precision;
 mod model;
 mod optim_groups;
 mod order;
@@ -89,13 +110,20 @@ mod stream_load;
 mod train;
 mod views;
 
+pub use checkpointing::{ActivationStats, SpanActivations};
 pub use comm_context::{CommContext, ProcessGroups};
 pub use config::{
     BackwardPrefetch, CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind,
     ShardingStrategy,
 };
 pub use fsdp::Fsdp;
+pub use grad_scaler::{
+    load_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState, GRAD_SCALER_FILE,
+};
 pub use materialize::ParamInit;
+pub use mixed_precision::{
+    divide_factors, round_slice, round_to, DivideFactors, GradientDivide, MixedPrecisionPolicy,
+};
 pub use model::{FsdpModel, Span};
 pub use optim_groups::OptimizerSetup;
 pub use param_group::{GroupDtypes, ParamGroup};

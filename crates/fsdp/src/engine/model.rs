@@ -6,8 +6,11 @@
 //! that reads unit `u` and `post_forward(u)` after its last; in backward, which runs the spans
 //! in reverse, `pre_backward(u)` before the first (the forward's last) and `post_backward(u)`
 //! after the last (the forward's first). Activations pass between spans in the model's own
-//! [`FsdpModel::Tape`].
+//! [`FsdpModel::Tape`]. Checkpointed spans keep only their input and are recomputed right
+//! before their backward, and the tape's bytes are counted: see
+//! [`checkpointing`](super::checkpointing).
 
+use super::checkpointing::SpanRun;
 use super::fsdp::Fsdp;
 use crate::trace::SpanKind;
 use crate::FsdpError;
@@ -82,6 +85,59 @@ pub trait FsdpModel {
         batch: &Self::Batch,
         tape: &mut Self::Tape,
     ) -> Result<(), FsdpError>;
+
+    /// Whether span `span` can be checkpointed: [`discard_saved`](Self::discard_saved) and
+    /// [`recompute`](Self::recompute) are implemented for it. Default: no span can (the
+    /// engine then never checkpoints this model; see [`checkpointing`](super::checkpointing)).
+    fn checkpointable(&self, span: usize) -> bool {
+        let _ = span;
+        false
+    }
+
+    /// Right after the [`forward`](Self::forward) of a checkpointed span: drop what it saved in
+    /// the tape for its backward, keeping only what [`recompute`](Self::recompute) needs (its
+    /// input). What it handed on to later spans stays.
+    ///
+    /// # Errors
+    /// The model's errors; by default, that the span cannot be checkpointed.
+    fn discard_saved(&self, span: usize, tape: &mut Self::Tape) -> Result<(), FsdpError> {
+        let _ = tape;
+        Err(not_checkpointable(span))
+    }
+
+    /// Right before the [`backward`](Self::backward) of a checkpointed span, with the same
+    /// parameter views the backward gets (already unsharded for it: no collective): re-run the
+    /// span's forward from the input [`discard_saved`](Self::discard_saved) kept, so that the
+    /// tape holds exactly what the forward saved (bitwise, for bitwise equal results). What the
+    /// forward handed on to later spans is not produced again (or is dropped).
+    ///
+    /// # Errors
+    /// The model's errors; by default, that the span cannot be checkpointed.
+    fn recompute(
+        &self,
+        span: usize,
+        params: &dyn Params,
+        batch: &Self::Batch,
+        tape: &mut Self::Tape,
+    ) -> Result<(), FsdpError> {
+        let _ = (params, batch, tape);
+        Err(not_checkpointable(span))
+    }
+
+    /// The bytes of activations `tape` holds now, measured from its buffers' lengths: what the
+    /// spans saved for backward (or kept for recomputation) and what passes between spans.
+    /// The engine counts it in its activation statistics
+    /// ([`Fsdp::activation_stats`]). Default 0 (not counted).
+    fn tape_bytes(&self, tape: &Self::Tape) -> u64 {
+        let _ = tape;
+        0
+    }
+}
+
+fn not_checkpointable(span: usize) -> FsdpError {
+    FsdpError::InvalidFsdpConfig {
+        reason: format!("span {span} of the model cannot be checkpointed"),
+    }
 }
 
 /// The units each span reads, and the first and last span of each unit.
@@ -92,14 +148,14 @@ pub(crate) struct SpanUnits {
 }
 
 impl SpanUnits {
-    fn opens(&self, s: usize) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn opens(&self, s: usize) -> impl Iterator<Item = usize> + '_ {
         self.units[s]
             .iter()
             .copied()
             .filter(move |&u| self.first[u] == s)
     }
 
-    fn closes(&self, s: usize) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn closes(&self, s: usize) -> impl Iterator<Item = usize> + '_ {
         self.units[s]
             .iter()
             .copied()
@@ -147,6 +203,8 @@ impl Fsdp {
         let r = self.forward_backward_inner(model, batch);
         if r.is_err() {
             self.abort_pass();
+            // The pass's tape is gone.
+            self.note_tape(0);
         }
         r
     }
@@ -169,6 +227,7 @@ impl Fsdp {
     ) -> Result<f32, FsdpError> {
         let spans = model.spans();
         let su = self.span_units(&spans)?;
+        let runs = self.span_runs(&su, |s| model.checkpointable(s));
         let mut tape = M::Tape::default();
         for (s, span) in spans.iter().enumerate() {
             for u in su.opens(s) {
@@ -176,6 +235,11 @@ impl Fsdp {
             }
             let t0 = self.ctx.trace_begin();
             model.forward(s, &self.param_views(&su.units[s])?, batch, &mut tape)?;
+            self.note_model_tape(model, &tape);
+            if runs[s] == SpanRun::Checkpointed {
+                model.discard_saved(s, &mut tape)?;
+                self.note_model_tape(model, &tape);
+            }
             self.ctx
                 .trace_end(SpanKind::Forward, &span.name, &su.units[s], t0);
             for u in su.closes(s) {
@@ -187,19 +251,33 @@ impl Fsdp {
             for u in su.closes(s) {
                 self.pre_backward(u)?;
             }
-            let t0 = self.ctx.trace_begin();
             {
                 let p = self.param_views(&su.units[s])?;
+                if runs[s] == SpanRun::Checkpointed {
+                    // The units' parameters are unsharded for backward: recomputation reads
+                    // them and issues no collective.
+                    let t0 = self.ctx.trace_begin();
+                    model.recompute(s, &p, batch, &mut tape)?;
+                    self.note_recompute();
+                    self.note_model_tape(model, &tape);
+                    let name = format!("{} (recompute)", span.name);
+                    self.ctx
+                        .trace_end(SpanKind::Forward, &name, &su.units[s], t0);
+                }
+                let t0 = self.ctx.trace_begin();
                 let mut g = self.grad_views(&su.units[s])?;
                 model.backward(s, &p, &mut g, batch, &mut tape)?;
+                drop(g);
+                self.note_model_tape(model, &tape);
+                self.ctx
+                    .trace_end(SpanKind::Backward, &span.name, &su.units[s], t0);
             }
-            self.ctx
-                .trace_end(SpanKind::Backward, &span.name, &su.units[s], t0);
             for u in su.opens(s) {
                 self.post_backward(u)?;
             }
         }
         drop(tape);
+        self.note_tape(0);
         let loss = self.all_reduce_loss(local)?;
         self.finalize_backward()?;
         Ok(loss)
@@ -211,23 +289,6 @@ impl Fsdp {
     /// # Errors
     /// An unknown parameter, a failing allocation or collective.
     pub fn dry_run_pass(&mut self, spans: &[Span]) -> Result<(), FsdpError> {
-        let su = self.span_units(spans)?;
-        for s in 0..spans.len() {
-            for u in su.opens(s) {
-                self.pre_forward(u)?;
-            }
-            for u in su.closes(s) {
-                self.post_forward(u)?;
-            }
-        }
-        for s in (0..spans.len()).rev() {
-            for u in su.closes(s) {
-                self.pre_backward(u)?;
-            }
-            for u in su.opens(s) {
-                self.post_backward(u)?;
-            }
-        }
-        self.finalize_backward()
+        self.dry_run_pass_with(spans, &[])
     }
 }

@@ -9,13 +9,14 @@ use fsdp_flatparam::FlatParamLayout;
 
 use super::comm_context::{internal, CommContext};
 use super::config::{Phase, ScheduleKind};
+use super::mixed_precision::{load, load_exact, store_exact, MixedPrecisionPolicy};
 use crate::optim::{OptimizerState, ShardGroups};
 use crate::trace::SpanKind;
 use crate::FsdpError;
 
 /// The element types of a param group, as run-time values: the sharded parameters (the
 /// optimizer's master weights), the unsharded parameters the model reads (what the all-gather
-/// moves), and the gradients as reduced. Only `f32` throughout is supported so far.
+/// moves), and the gradients as reduced (see [`MixedPrecisionPolicy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GroupDtypes {
     /// The dtype of the shard and of the optimizer state.
@@ -44,6 +45,8 @@ pub struct ParamGroup {
     pub(crate) name: String,
     pub(crate) layout: FlatParamLayout,
     pub(crate) dtypes: GroupDtypes,
+    /// The unit's mixed-precision policy (`dtypes.param`/`dtypes.reduce` follow it).
+    pub(crate) policy: MixedPrecisionPolicy,
     /// The sharding factor of the unit (1: never gathered, the shard is the whole parameter).
     pub(crate) factor: usize,
     /// Which of the `factor` shards this rank holds.
@@ -66,10 +69,16 @@ pub struct ParamGroup {
     pub(crate) full: Option<Buffer>,
     /// The all-gather filling `full` and its issue index, until waited for.
     pub(crate) gather: Option<(Work, u64)>,
+    /// The shard cast to `param_dtype` that the pending all-gather reads (mixed precision),
+    /// held until the wait so that its release does not depend on when the stream ran.
+    pub(crate) gather_input: Option<Buffer>,
     /// Whether the limiter counts `full`.
     pub(crate) counted: bool,
     /// The unsharded gradient during backward (kept across micro-batches under `no_sync`).
     pub(crate) full_grad: Option<Buffer>,
+    /// For an unsharded (`F = 1`) unit whose `param_dtype` is not `f32`: the shard rounded
+    /// to `param_dtype`, which the model reads during the current pass.
+    pub(crate) rounded: Option<Buffer>,
 }
 
 impl std::fmt::Debug for ParamGroup {
@@ -111,6 +120,11 @@ impl ParamGroup {
         self.dtypes
     }
 
+    /// Bytes of the optimizer state of the shard (host memory, outside the allocator).
+    pub fn optimizer_state_bytes(&self) -> usize {
+        self.optim_state.size_in_bytes()
+    }
+
     /// The sharding factor.
     pub fn factor(&self) -> usize {
         self.factor
@@ -144,14 +158,26 @@ impl ParamGroup {
             .groups
             .shard()
             .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-        let out = ctx.alloc(self.layout.padded_numel(), group.stream(), &ctx.compute)?;
+        let p = self.dtypes.param;
+        // Mixed precision: the shard is cast to `param_dtype` before the all-gather.
+        let input = if self.shard.dtype() == p {
+            self.shard.clone()
+        } else {
+            let b = ctx.alloc_typed(p, self.layout.shard_numel(), group.stream(), &ctx.compute)?;
+            if !ctx.is_meta() {
+                cast_buffer(&self.shard, &b)?;
+            }
+            b
+        };
+        let out = ctx.alloc_typed(p, self.layout.padded_numel(), group.stream(), &ctx.compute)?;
         let work = ctx.traced(
             group.stream(),
             SpanKind::AllGather,
             vec![self.index],
-            self.layout.shard_numel() * self.dtypes.param.size_in_bytes(),
-            || Ok(group.all_gather_base(&self.shard, &out)?),
+            self.layout.shard_numel() * p.size_in_bytes(),
+            || Ok(group.all_gather_base(&input, &out)?),
         )?;
+        self.gather_input = (self.shard.dtype() != p).then_some(input);
         let issued = ctx.next_issue();
         let counted = self.counts(ctx);
         ctx.unsharded_bytes += block_bytes(&out);
@@ -194,8 +220,54 @@ impl ParamGroup {
         if let Some((w, issued)) = self.gather.take() {
             w.wait()?;
             ctx.release_before(issued);
+            self.gather_input = None;
+            self.widen(ctx)?;
         }
         Ok(())
+    }
+
+    /// Mixed precision on the CPU: replace the gathered `param_dtype` buffer by its exact
+    /// `f32` widening, which the model reads (the low-precision buffer is freed).
+    fn widen(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
+        let Some(full) = self.full.as_ref() else {
+            return Ok(());
+        };
+        if full.dtype() == DType::F32 {
+            return Ok(());
+        }
+        let wide = ctx.alloc_local(full.len())?;
+        if !ctx.is_meta() {
+            load_exact(full, &mut wide.write::<f32>()?)?;
+        }
+        ctx.unsharded_bytes += block_bytes(&wide);
+        ctx.unsharded_bytes -= block_bytes(full);
+        self.full = Some(wide);
+        ctx.sample_peak();
+        Ok(())
+    }
+
+    /// For an unsharded (`F = 1`) unit with a low-precision `param_dtype`: the shard rounded
+    /// to it, once per pass (see [`MixedPrecisionPolicy`]).
+    pub(crate) fn ensure_rounded(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
+        if self.factor != 1 || self.dtypes.param == DType::F32 || self.rounded.is_some() {
+            return Ok(());
+        }
+        let r = ctx.alloc_local(self.shard.len())?;
+        if !ctx.is_meta() {
+            let p = self.dtypes.param;
+            let mut w = r.write::<f32>()?;
+            load(&self.shard, |i, v| {
+                w[i] = super::mixed_precision::round_to(p, v)
+            })?;
+        }
+        self.rounded = Some(r);
+        ctx.sample_peak();
+        Ok(())
+    }
+
+    /// The buffer the model reads while the unit is unsharded.
+    pub(crate) fn compute_params(&self) -> Option<&Buffer> {
+        self.rounded.as_ref().or(self.full.as_ref())
     }
 
     /// Free (reshard) the unsharded parameters; nothing for an unsharded (`F = 1`) unit.
@@ -208,6 +280,7 @@ impl ParamGroup {
         };
         ctx.unsharded_bytes -= block_bytes(&full);
         self.gather = None;
+        self.gather_input = None;
         if std::mem::take(&mut self.counted) {
             ctx.in_flight -= 1;
         }
@@ -224,7 +297,7 @@ impl ParamGroup {
         if self.full_grad.is_some() {
             return Ok(());
         }
-        if self.factor == 1 && self.grad_shard_zero {
+        if self.factor == 1 && self.grad_shard_zero && super::reduce::reduces_in_place(self, ctx) {
             self.full_grad = Some(self.grad_shard.clone());
             return Ok(());
         }
@@ -247,10 +320,22 @@ impl ParamGroup {
             }
         }
         self.gather = None;
+        self.gather_input = None;
         self.counted = false;
         self.full_grad = None;
         self.replace_shard = false;
+        self.rounded = None;
     }
+}
+
+/// Cast `src` into `dst` (any dtypes, same length), rounding once to `dst`'s dtype.
+pub(crate) fn cast_buffer(src: &Buffer, dst: &Buffer) -> Result<(), FsdpError> {
+    if src.dtype() == DType::F32 {
+        return store_exact(dst, &src.read::<f32>()?);
+    }
+    let mut wide = crate::try_filled_vec(src.len(), 0.0f32, "a cast buffer")?;
+    load_exact(src, &mut wide)?;
+    store_exact(dst, &wide)
 }
 
 /// The allocator's size of a buffer's block (its rounding of the request).

@@ -4,16 +4,56 @@
 //! ignored parameters); and the accumulation of the reduced shards once they arrive.
 
 use fsdp_collectives::ReduceOp;
-use fsdp_device::Buffer;
+use fsdp_device::{Buffer, DType};
 
 use super::comm_context::{internal, CommContext, PendingReduce};
 use super::config::ScheduleKind;
+use super::mixed_precision::{
+    accumulate_reduced, divide_factors, fill_reduce_input, DivideFactors,
+};
 use super::param_group::ParamGroup;
 use crate::trace::SpanKind;
 use crate::FsdpError;
 
-/// Reduced gradients to add into the groups' gradient shards once the reductions completed.
-pub(crate) type PendingGrads = Vec<(usize, Buffer)>;
+/// Reduced gradients to add into the groups' gradient shards once the reductions completed:
+/// the unit, the reduced buffer (in the reduce dtype) and the post-divide factor.
+pub(crate) type PendingGrads = Vec<(usize, Buffer, Option<f32>)>;
+
+/// The data-parallel size of a unit's gradient: the ranks whose gradients it sums.
+fn data_parallel_size(group: &ParamGroup, ctx: &CommContext) -> usize {
+    let size = |c: Option<&dyn fsdp_collectives::Communicator>| c.map_or(1, |c| c.world_size());
+    if group.replicated_all {
+        return ctx.groups.world().world_size();
+    }
+    let shard = if group.factor > 1 {
+        size(ctx.groups.shard())
+    } else {
+        1
+    };
+    shard * size(ctx.groups.replicate())
+}
+
+/// The division factors of `group`'s reduction.
+fn reduce_factors(group: &ParamGroup, ctx: &CommContext) -> DivideFactors {
+    divide_factors(
+        ctx.config.gradient_divide,
+        group.dtypes.reduce,
+        data_parallel_size(group, ctx),
+    )
+}
+
+/// Whether the reduction runs on the `f32` gradient itself (nothing to cast or divide).
+fn is_plain(group: &ParamGroup, factors: DivideFactors) -> bool {
+    group.dtypes.param == DType::F32
+        && group.dtypes.reduce == DType::F32
+        && factors == DivideFactors::NONE
+}
+
+/// Whether `group`'s unsharded gradient is reduced as it is (so an unsharded unit may
+/// accumulate straight into its gradient shard).
+pub(crate) fn reduces_in_place(group: &ParamGroup, ctx: &CommContext) -> bool {
+    is_plain(group, reduce_factors(group, ctx))
+}
 
 /// Issue the reduction of `group`'s unsharded gradient (which it hands over). The reduced
 /// shard lands straight in the gradient shard when that holds zeros, otherwise in a new buffer
@@ -31,7 +71,24 @@ pub(crate) fn foreach_reduce(
         .take()
         .ok_or_else(|| internal("reduce of a unit without gradients"))?;
     let u = group.index;
-    let direct = group.grad_shard_zero;
+    let factors = reduce_factors(group, ctx);
+    let plain = is_plain(group, factors);
+    // Mixed precision or a division: the reduction runs on a copy in the reduce dtype (the
+    // gradient rounded to the parameter dtype, pre-divided); the f32 gradient is freed.
+    let g = if plain {
+        g
+    } else {
+        let comm = ctx
+            .groups
+            .shard()
+            .map_or_else(|| ctx.groups.world().stream(), |c| c.stream());
+        let send = ctx.alloc_typed(group.dtypes.reduce, g.len(), &ctx.compute, comm)?;
+        if !ctx.is_meta() {
+            fill_reduce_input(&g.read::<f32>()?, &send, group.dtypes.param, factors)?;
+        }
+        send
+    };
+    let direct = group.grad_shard_zero && plain;
     let target = if group.factor > 1 {
         let shard_group = ctx
             .groups
@@ -40,7 +97,8 @@ pub(crate) fn foreach_reduce(
         let out = if direct {
             group.grad_shard.clone()
         } else {
-            ctx.alloc(
+            ctx.alloc_typed(
+                group.dtypes.reduce,
                 group.layout.shard_numel(),
                 shard_group.stream(),
                 &ctx.compute,
@@ -87,7 +145,7 @@ pub(crate) fn foreach_reduce(
         ctx.record(u, ScheduleKind::AllReduce, false);
     }
     if !(direct && group.factor > 1) {
-        pending_grads.push((u, target));
+        pending_grads.push((u, target, factors.post_divide));
     }
     group.grad_shard_zero = false;
     group.replace_shard = direct && group.factor == 1;
@@ -106,7 +164,7 @@ pub(crate) fn finish_reductions(
     for p in std::mem::take(&mut ctx.pending) {
         p.work.wait()?;
     }
-    for (u, g) in std::mem::take(pending_grads) {
+    for (u, g, post_divide) in std::mem::take(pending_grads) {
         let group = &mut groups[u];
         if std::mem::take(&mut group.replace_shard) {
             // The first reduction of an unsharded unit: its buffer becomes the shard.
@@ -114,6 +172,11 @@ pub(crate) fn finish_reductions(
             continue;
         }
         if ctx.is_meta() {
+            continue;
+        }
+        if g.dtype() != DType::F32 || post_divide.is_some() {
+            let mut acc = group.grad_shard.write::<f32>()?;
+            accumulate_reduced(&g, &mut acc, post_divide, false)?;
             continue;
         }
         let add = g.read::<f32>()?;

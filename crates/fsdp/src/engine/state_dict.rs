@@ -10,7 +10,24 @@ use crate::checkpoint::{
     write_rank_shards, FullOptimizerState, RankShards, ShardLayout, ShardParam,
 };
 use crate::optim::{AdamWState, OptimizerState};
-use crate::FsdpError;
+use crate::{try_filled_vec, FsdpError};
+
+/// A copy of `src`, allocated fallibly ([`FsdpError::HostOutOfMemory`] naming `what` when the
+/// memory cannot be had): the shard-sized copies a checkpoint is written from.
+fn try_copy(src: &[f32], what: &str) -> Result<Vec<f32>, FsdpError> {
+    let mut v = try_filled_vec(src.len(), 0.0, what)?;
+    v.copy_from_slice(src);
+    Ok(v)
+}
+
+/// How a unit is named in messages.
+fn unit_name(name: &str) -> &str {
+    if name.is_empty() {
+        "(root)"
+    } else {
+        name
+    }
+}
 
 impl Fsdp {
     /// Writes a sharded checkpoint into `dir` (created if needed). **Collective**: every rank
@@ -26,10 +43,17 @@ impl Fsdp {
     /// every rank still writes its copy, so each file is self-contained;
     /// [`load_sharded`](crate::checkpoint::load_sharded) uses the lowest rank's copy.
     ///
+    /// With a grad scaler ([`Fsdp::set_grad_scaler`]), rank 0 also writes its state into
+    /// [`GRAD_SCALER_FILE`](super::GRAD_SCALER_FILE) (read back by
+    /// [`load_grad_scaler_state`](super::load_grad_scaler_state)); without, it removes a stale
+    /// one.
+    ///
     /// Call it between steps (gradients are not saved). The ranks agree on the outcome: if any
     /// rank fails to write, every rank returns an error (that rank's with the cause).
     pub fn save_sharded(&self, dir: &Path) -> Result<(), FsdpError> {
-        let result = self.write_shards(dir);
+        let result = self
+            .write_shards(dir)
+            .and_then(|()| self.write_grad_scaler_state(dir));
         // Agree on success, so no rank goes on believing a partial checkpoint was written.
         let flag = self.ctx.alloc_local(1)?;
         flag.copy_from_slice(&[if result.is_ok() { 0f32 } else { 1.0 }])?;
@@ -71,13 +95,23 @@ impl Fsdp {
                     })
                     .collect(),
             };
-            let mut tensors = vec![("param", unit.shard.to_vec::<f32>()?)];
+            // Shard-sized copies, allocated fallibly.
+            let copy = |kind: &str, src: &[f32]| {
+                let what = format!(
+                    "the `{kind}` shard of unit {} written to a checkpoint",
+                    unit_name(&unit.name)
+                );
+                try_copy(src, &what)
+            };
+            let mut param = try_filled_vec(unit.shard.len(), 0.0, "a parameter shard")?;
+            super::mixed_precision::load_exact(&unit.shard, &mut param)?;
+            let mut tensors = vec![("param", param)];
             match &unit.optim_state {
                 OptimizerState::AdamW(s) => {
                     optimizer = "adamw";
                     optimizer_step = s.step;
-                    tensors.push(("exp_avg", s.exp_avg.clone()));
-                    tensors.push(("exp_avg_sq", s.exp_avg_sq.clone()));
+                    tensors.push(("exp_avg", copy("exp_avg", &s.exp_avg)?));
+                    tensors.push(("exp_avg_sq", copy("exp_avg_sq", &s.exp_avg_sq)?));
                 }
                 OptimizerState::Sgd {
                     step,
@@ -86,7 +120,8 @@ impl Fsdp {
                     optimizer = "sgd";
                     optimizer_step = *step;
                     if !momentum_buffer.is_empty() {
-                        tensors.push(("momentum_buffer", momentum_buffer.clone()));
+                        tensors
+                            .push(("momentum_buffer", copy("momentum_buffer", momentum_buffer)?));
                     }
                 }
                 #[allow(unreachable_patterns)]
@@ -150,17 +185,22 @@ impl Fsdp {
                             })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                let flat = l.flatten::<f32, _>(&values)?;
-                Ok(l.shard(&flat, rank)?.to_vec())
+                // Only this rank's shard is built, allocated fallibly; never the unit's
+                // unsharded buffer.
+                let what = format!(
+                    "the `{kind}` state loaded for unit {}",
+                    unit_name(&unit.name)
+                );
+                let mut shard = try_filled_vec(l.shard_numel(), 0.0, &what)?;
+                l.flatten_shard_into::<f32, _>(&values, rank, &mut shard)?;
+                Ok(shard)
             };
             let new = match (&unit.optim_state, state.optimizer.as_str()) {
-                (OptimizerState::AdamW(_), "adamw") => {
-                    let mut s = AdamWState::new(l.shard_numel());
-                    s.step = state.step;
-                    s.exp_avg = shard_of("exp_avg")?;
-                    s.exp_avg_sq = shard_of("exp_avg_sq")?;
-                    OptimizerState::AdamW(s)
-                }
+                (OptimizerState::AdamW(_), "adamw") => OptimizerState::AdamW(AdamWState {
+                    step: state.step,
+                    exp_avg: shard_of("exp_avg")?,
+                    exp_avg_sq: shard_of("exp_avg_sq")?,
+                }),
                 (
                     OptimizerState::Sgd {
                         momentum_buffer, ..

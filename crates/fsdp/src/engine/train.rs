@@ -29,17 +29,39 @@ impl Fsdp {
     /// The optimizer (AdamW or SGD) on every shard with the accumulated gradient shards, each
     /// element with its parameter group's options and the scheduled learning rate
     /// ([`set_param_groups`](Self::set_param_groups), [`set_lr_schedule`](Self::set_lr_schedule)),
-    /// then [`zero_grad`](Self::zero_grad).
+    /// then [`zero_grad`](Self::zero_grad). With a grad scaler
+    /// ([`set_grad_scaler`](Self::set_grad_scaler)) the gradients are first unscaled (unless
+    /// [`unscale_grads`](Self::unscale_grads) did it), a step whose gradients overflowed on any
+    /// rank is skipped on every rank (as [`skip_step`](Self::skip_step), counted in
+    /// [`GradScaler::skipped_steps`](super::GradScaler::skipped_steps)), and the scale is updated.
+    /// Every rank must call it.
     ///
     /// # Errors
     /// [`FsdpError::InvalidFsdpConfig`] when unsharded gradients are still unreduced (the last
-    /// backward ran under `no_sync`); an optimizer error.
+    /// backward ran under `no_sync`); an optimizer error; with a grad scaler, a failing
+    /// collective.
     pub fn optimizer_step(&mut self) -> Result<(), FsdpError> {
         self.check_reduced()?;
+        if self.grad_scaler_skips()? {
+            return Ok(());
+        }
         if !self.ctx.is_meta() {
             let lr = self.lr();
             for g in &mut self.groups {
                 let grad = g.grad_shard.read::<f32>()?;
+                if g.shard.dtype() == fsdp_device::DType::BF16 {
+                    // AnyPrecisionAdamW on bf16 shards (no f32 master weights).
+                    let mut p = g.shard.write::<half::bf16>()?;
+                    g.optim_state.step_grouped_bf16(
+                        &self.optim,
+                        lr,
+                        &self.setup.groups,
+                        &g.segments,
+                        &mut p,
+                        &grad,
+                    )?;
+                    continue;
+                }
                 let mut p = g.shard.write::<f32>()?;
                 g.optim_state.step_grouped(
                     &self.optim,
@@ -52,6 +74,7 @@ impl Fsdp {
             }
         }
         self.optimizer_steps += 1;
+        self.grad_scaler_stepped();
         self.zero_grad()
     }
 
@@ -64,6 +87,9 @@ impl Fsdp {
             self.ctx.fill(&g.grad_shard, 0.0)?;
             g.grad_shard_zero = true;
             g.full_grad = None;
+        }
+        if let Some(s) = &mut self.grad_scaler {
+            s.reset_step();
         }
         Ok(())
     }
@@ -86,13 +112,16 @@ impl Fsdp {
     /// bitwise, so a check of it (`is_finite`) takes the same branch on every rank without
     /// further communication. NaN or infinite gradients give a NaN or infinite norm. Call it
     /// after the last backward of a step. Every rank must call it (one all-reduce of 8 bytes
-    /// over the shard group).
+    /// over the shard group). With a grad scaler the gradients are unscaled first
+    /// ([`unscale_grads`](Self::unscale_grads)), so the norm is the true gradients' (infinite
+    /// or NaN after an overflow).
     ///
     /// # Errors
     /// Unreduced gradients as in [`optimizer_step`](Self::optimizer_step); a failing
     /// collective.
     pub fn grad_norm(&self) -> Result<f64, FsdpError> {
         self.check_reduced()?;
+        self.unscale_shared()?;
         let sq = |b: &Buffer| -> Result<f64, FsdpError> {
             Ok(b.read::<f32>()?
                 .iter()
@@ -156,11 +185,16 @@ impl Fsdp {
     /// ([`optimizer_steps`](Self::optimizer_steps)) are unchanged, and the gradients are zeroed
     /// as by [`zero_grad`](Self::zero_grad), unreduced `no_sync` gradients included. Local: no
     /// collective, so ranks that agree to skip (e.g. on a non-finite global
-    /// [`grad_norm`](Self::grad_norm) or loss, which every rank sees alike) stay in step.
+    /// [`grad_norm`](Self::grad_norm) or loss, which every rank sees alike) stay in step. With
+    /// a grad scaler, skipping a step whose unscaled gradients overflowed (seen by
+    /// [`grad_norm`](Self::grad_norm), [`clip_grad_norm`](Self::clip_grad_norm) or
+    /// [`unscale_grads`](Self::unscale_grads)) is the scaler's skip, as in
+    /// [`optimizer_step`](Self::optimizer_step): counted, and the scale backs off.
     ///
     /// # Errors
     /// A failing buffer access.
     pub fn skip_step(&mut self) -> Result<(), FsdpError> {
+        self.grad_scaler_on_skip();
         self.zero_grad()
     }
 

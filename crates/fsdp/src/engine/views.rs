@@ -12,6 +12,7 @@ use std::ops::Range;
 
 use fsdp_device::{ReadGuard, WriteGuard};
 
+use super::mixed_precision::MixedPrecisionPolicy;
 use crate::FsdpError;
 
 /// Read access to parameters by name. Implement it over views of flat buffers to run a model on
@@ -23,6 +24,13 @@ pub trait Params {
     /// # Errors
     /// [`FsdpError::UnknownParameter`] when it is not held here.
     fn param(&self, name: &str) -> Result<&[f32], FsdpError>;
+
+    /// The mixed-precision policy of the parameters these views show, for a model that casts
+    /// its inputs and outputs ([`MixedPrecisionPolicy::cast_forward_input`],
+    /// [`MixedPrecisionPolicy::cast_output`]); `None` (the default) outside the engine.
+    fn mixed_precision(&self) -> Option<MixedPrecisionPolicy> {
+        None
+    }
 }
 
 /// Write access to gradients by name. Backward code **adds** into these slices (PyTorch
@@ -110,11 +118,20 @@ pub struct ParamViews<'a> {
     table: &'a ParamTable,
     /// Indexed by group; `Some` for the groups these views cover.
     guards: Vec<Option<ReadGuard<f32>>>,
+    policy: Option<MixedPrecisionPolicy>,
 }
 
 impl<'a> ParamViews<'a> {
-    pub(crate) fn new(table: &'a ParamTable, guards: Vec<Option<ReadGuard<f32>>>) -> Self {
-        ParamViews { table, guards }
+    pub(crate) fn new(
+        table: &'a ParamTable,
+        guards: Vec<Option<ReadGuard<f32>>>,
+        policy: Option<MixedPrecisionPolicy>,
+    ) -> Self {
+        ParamViews {
+            table,
+            guards,
+            policy,
+        }
     }
 
     /// The values of parameter `id`.
@@ -135,6 +152,11 @@ impl<'a> ParamViews<'a> {
 impl Params for ParamViews<'_> {
     fn param(&self, name: &str) -> Result<&[f32], FsdpError> {
         self.get(self.table.id(name)?)
+    }
+
+    /// The policy of the first unit the views cover.
+    fn mixed_precision(&self) -> Option<MixedPrecisionPolicy> {
+        self.policy
     }
 }
 

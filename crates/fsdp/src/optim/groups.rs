@@ -4,17 +4,20 @@
 //! padding). PyTorch's optimizers take `param_groups`, each with its own `weight_decay` and `lr`;
 //! nanoGPT uses two (weight decay on matrices, none on biases and LayerNorm weights). Here a
 //! [`ShardGroups`] records which contiguous runs of a shard belong to which group, and
-//! [`OptimizerState::step_grouped`] applies [`adamw_step`] / [`sgd_step`] run by run with the
-//! run's [`ParamGroupOptions`]. Both updates are element-wise, so this equals updating every
-//! original parameter with its own group's settings.
+//! [`OptimizerState::step_grouped`] (`f32` parameters) or [`OptimizerState::step_grouped_bf16`]
+//! (bf16 parameters, AnyPrecisionAdamW) applies the optimizer run by run with the run's
+//! [`ParamGroupOptions`]. Every update is element-wise, so this equals updating every original
+//! parameter with its own group's settings.
 
 use std::ops::Range;
 
+use fsdp_device::half::bf16;
 use fsdp_flatparam::FlatParamLayout;
 
 use super::{
-    adamw_step, non_negative, same_len, sgd_step, state_mismatch, AdamWConfig, OptimizerConfig,
-    OptimizerState, SgdConfig,
+    adamw_step, non_negative, same_len, sgd_step, state_mismatch, AdamWConfig,
+    AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, OptimizerConfig, OptimizerState, ParamElement,
+    SgdConfig,
 };
 use crate::FsdpError;
 
@@ -97,6 +100,13 @@ impl ParamGroupOptions {
                 weight_decay: self.weight_decay.unwrap_or(c.weight_decay),
                 ..c
             }),
+            OptimizerConfig::AnyPrecisionAdamW(c) => {
+                OptimizerConfig::AnyPrecisionAdamW(AnyPrecisionAdamWConfig {
+                    lr,
+                    weight_decay: self.weight_decay.unwrap_or(c.weight_decay),
+                    ..c
+                })
+            }
         }
     }
 }
@@ -280,7 +290,8 @@ impl ShardGroups {
 
 impl OptimizerState {
     /// Takes one step over a shard made of parameter groups and counts it once: each run of
-    /// `segments` is updated by [`adamw_step`] / [`sgd_step`] with its group's learning rate
+    /// `segments` is updated by [`adamw_step`] / [`sgd_step`] / AnyPrecisionAdamW (its state
+    /// in its dtypes, the `f32` parameter rounded to `f32`) with its group's learning rate
     /// `lr · lr_scale` and weight decay (the config's when the group's is `None`); runs of
     /// [`SKIP_GROUP`] (padding, frozen parameters) are left untouched, state included. `lr`
     /// replaces the config's learning rate (pass `schedule.lr_at(cfg.lr(), state.steps())`, or
@@ -307,21 +318,7 @@ impl OptimizerState {
         param: &mut [f32],
         grad: &[f32],
     ) -> Result<(), FsdpError> {
-        cfg.validate()?;
-        non_negative("lr", lr)?;
-        for g in groups {
-            g.validate()?;
-        }
-        segments.check_groups(groups.len())?;
-        same_len("grad", param.len(), grad.len())?;
-        same_len("shard groups", param.len(), segments.len())?;
-        let configs = groups
-            .iter()
-            .map(|g| {
-                let c = g.apply(cfg, lr);
-                c.validate().map(|()| c)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let configs = group_configs(cfg, lr, groups, segments, param.len(), grad.len())?;
 
         match (self, cfg) {
             (OptimizerState::AdamW(state), OptimizerConfig::AdamW(_)) => {
@@ -376,7 +373,126 @@ impl OptimizerState {
                 *step = next;
                 Ok(())
             }
+            (OptimizerState::AnyPrecisionAdamW(state), OptimizerConfig::AnyPrecisionAdamW(c)) => {
+                any_precision_grouped(state, c, &configs, segments, param, grad)
+            }
             _ => Err(state_mismatch()),
         }
     }
+
+    /// [`step_grouped`](Self::step_grouped) for a **bf16** parameter shard (pure-bf16
+    /// training, no `f32` master weights) with its `f32` gradient shard: the state must be
+    /// AnyPrecisionAdamW's. Each run of `segments` is updated with its group's learning rate
+    /// `lr · lr_scale` and weight decay, all runs with the same step number; [`SKIP_GROUP`]
+    /// runs are left untouched, state included; the step is counted once. The operations and
+    /// their bf16 roundings are torchdistx's (see [`AnyPrecisionAdamWState::step`]).
+    ///
+    /// ```
+    /// use fsdp::optim::{AnyPrecisionAdamWConfig, OptimizerConfig, OptimizerState};
+    /// use fsdp::optim::{ParamGroupOptions, ShardGroups};
+    /// use fsdp_device::half::bf16;
+    ///
+    /// let cfg = OptimizerConfig::from(AnyPrecisionAdamWConfig::default());
+    /// let mut state = OptimizerState::try_new(&cfg, 4)?;
+    /// let mut shard = vec![bf16::from_f32(1.0); 4];
+    /// let grad = [1.0f32; 4];
+    /// state.step_grouped_bf16(
+    ///     &cfg,
+    ///     cfg.lr(),
+    ///     &[ParamGroupOptions::default()],
+    ///     &ShardGroups::single(4),
+    ///     &mut shard,
+    ///     &grad,
+    /// )?;
+    /// assert_eq!(state.steps(), 1);
+    /// // 1 − 1e-3 rounds back to 1 in bf16; the Kahan compensation keeps the −1e-3.
+    /// assert_eq!(shard[0], bf16::from_f32(1.0));
+    /// # Ok::<(), fsdp::FsdpError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`step_grouped`](Self::step_grouped), checked before anything changes; a state or
+    /// config of AdamW or SGD (which update `f32` parameters) is
+    /// [`FsdpError::InvalidHyperparameter`] (`optimizer`).
+    pub fn step_grouped_bf16(
+        &mut self,
+        cfg: &OptimizerConfig,
+        lr: f64,
+        groups: &[ParamGroupOptions],
+        segments: &ShardGroups,
+        param: &mut [bf16],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        let configs = group_configs(cfg, lr, groups, segments, param.len(), grad.len())?;
+        match (self, cfg) {
+            (OptimizerState::AnyPrecisionAdamW(state), OptimizerConfig::AnyPrecisionAdamW(c)) => {
+                any_precision_grouped(state, c, &configs, segments, param, grad)
+            }
+            (OptimizerState::AdamW(_) | OptimizerState::Sgd { .. }, _) => {
+                Err(FsdpError::InvalidHyperparameter {
+                    name: "optimizer",
+                    value: f64::NAN,
+                    reason: "bf16 parameter shards need AnyPrecisionAdamW (AdamW and SGD update \
+                             f32 parameters)",
+                })
+            }
+            _ => Err(state_mismatch()),
+        }
+    }
+}
+
+/// The checks shared by the grouped steps (`cfg`, `lr`, every group and its index, the lengths
+/// of `grad` and `segments`), then each group's config: `cfg` with the group's learning rate
+/// and weight decay.
+fn group_configs(
+    cfg: &OptimizerConfig,
+    lr: f64,
+    groups: &[ParamGroupOptions],
+    segments: &ShardGroups,
+    param_len: usize,
+    grad_len: usize,
+) -> Result<Vec<OptimizerConfig>, FsdpError> {
+    cfg.validate()?;
+    non_negative("lr", lr)?;
+    for g in groups {
+        g.validate()?;
+    }
+    segments.check_groups(groups.len())?;
+    same_len("grad", param_len, grad_len)?;
+    same_len("shard groups", param_len, segments.len())?;
+    groups
+        .iter()
+        .map(|g| {
+            let c = g.apply(cfg, lr);
+            c.validate().map(|()| c)
+        })
+        .collect()
+}
+
+/// AnyPrecisionAdamW over the runs of `segments`, each with its group's config (`configs`, from
+/// [`group_configs`] of the same base config, so every group has the state's dtypes).
+fn any_precision_grouped<P: ParamElement>(
+    state: &mut AnyPrecisionAdamWState,
+    cfg: &AnyPrecisionAdamWConfig,
+    configs: &[OptimizerConfig],
+    segments: &ShardGroups,
+    param: &mut [P],
+    grad: &[f32],
+) -> Result<(), FsdpError> {
+    state.check(cfg, param.len())?;
+    let step = state.step + 1;
+    for (range, group) in segments.segments() {
+        let Some(OptimizerConfig::AnyPrecisionAdamW(c)) = configs.get(*group) else {
+            continue; // SKIP_GROUP
+        };
+        state.update_range(
+            c,
+            step,
+            range.clone(),
+            &mut param[range.clone()],
+            &grad[range.clone()],
+        )?;
+    }
+    state.step = step;
+    Ok(())
 }

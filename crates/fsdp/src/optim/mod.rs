@@ -1,18 +1,24 @@
-//! Optimizers as functions over flat `f32` slices (parameter, gradient, state), so that they
-//! run unchanged on a whole tensor, a flat parameter or one rank's shard of it: both updates are
+//! Optimizers as functions over flat slices (parameter, gradient, state), so that they run
+//! unchanged on a whole tensor, a flat parameter or one rank's shard of it: every update is
 //! element-wise.
 //!
 //! - [`adamw_step`]: exactly `torch.optim.AdamW`'s single-tensor update (decoupled weight
 //!   decay, bias correction), in the same order of operations.
 //! - [`sgd_step`]: `torch.optim.SGD` with momentum, dampening, weight decay and Nesterov.
+//! - [`AnyPrecisionAdamWState`]: torchdistx's `AnyPrecisionAdamW` (state in bf16 or another
+//!   dtype, Kahan-compensated updates) for pure-bf16 parameter shards
+//!   ([`OptimizerState::step_grouped_bf16`]) as well as `f32` ones.
 //! - [`LrSchedule`]: nanoGPT's learning-rate schedule (linear warmup, cosine decay).
 //! - [`ParamGroupOptions`], [`ShardGroups`] and [`OptimizerState::step_grouped`]: PyTorch's
 //!   `param_groups` (per-group weight decay and learning rate) inside one flat shard, with
 //!   nanoGPT's rule ([`decay_2d_only`]: weight decay on matrices only).
 
+mod any_precision;
 mod groups;
 mod schedule;
 
+use any_precision::ParamElement;
+pub use any_precision::{AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, PrecisionVec};
 pub use groups::{
     decay_2d_only, decay_2d_only_group, ParamGroupOptions, ShardGroups, DECAY_GROUP,
     NO_DECAY_GROUP, SKIP_GROUP,
@@ -20,6 +26,7 @@ pub use groups::{
 pub use schedule::LrSchedule;
 
 use crate::FsdpError;
+use fsdp_device::DType;
 
 /// `torch.optim.AdamW`'s hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -334,9 +341,9 @@ pub fn sgd_step(
     Ok(())
 }
 
-/// The optimizer a sharded runtime applies to each shard: `torch.optim.AdamW` or
-/// `torch.optim.SGD`. Both are element-wise, so a shard update equals the update of the whole
-/// tensor restricted to the shard.
+/// The optimizer a sharded runtime applies to each shard: `torch.optim.AdamW`,
+/// `torch.optim.SGD` or torchdistx's `AnyPrecisionAdamW`. All are element-wise, so a shard
+/// update equals the update of the whole tensor restricted to the shard.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub enum OptimizerConfig {
@@ -344,6 +351,15 @@ pub enum OptimizerConfig {
     AdamW(AdamWConfig),
     /// SGD (momentum, dampening, L2 weight decay, Nesterov).
     Sgd(SgdConfig),
+    /// torchdistx's AnyPrecisionAdamW: state in configurable dtypes, optional Kahan summation;
+    /// for bf16 parameter shards ([`OptimizerState::step_grouped_bf16`]) or `f32` ones.
+    AnyPrecisionAdamW(AnyPrecisionAdamWConfig),
+}
+
+impl From<AnyPrecisionAdamWConfig> for OptimizerConfig {
+    fn from(cfg: AnyPrecisionAdamWConfig) -> Self {
+        OptimizerConfig::AnyPrecisionAdamW(cfg)
+    }
 }
 
 impl From<AdamWConfig> for OptimizerConfig {
@@ -364,6 +380,7 @@ impl OptimizerConfig {
         match self {
             OptimizerConfig::AdamW(c) => c.lr,
             OptimizerConfig::Sgd(c) => c.lr,
+            OptimizerConfig::AnyPrecisionAdamW(c) => c.lr,
         }
     }
 
@@ -375,7 +392,47 @@ impl OptimizerConfig {
         match self {
             OptimizerConfig::AdamW(c) => c.validate(),
             OptimizerConfig::Sgd(c) => c.validate(),
+            OptimizerConfig::AnyPrecisionAdamW(c) => c.validate(),
         }
+    }
+
+    /// Bytes of optimizer state per shard element (the parameter not included): AdamW 8
+    /// (`exp_avg`, `exp_avg_sq` in `f32`), SGD 4 with momentum and 0 without,
+    /// AnyPrecisionAdamW the sizes of its state dtypes (6 for the all-bf16 default with Kahan
+    /// summation, see [`AnyPrecisionAdamWConfig::state_bytes_per_element`]).
+    ///
+    /// ```
+    /// use fsdp::optim::{AdamWConfig, AnyPrecisionAdamWConfig, OptimizerConfig};
+    ///
+    /// assert_eq!(OptimizerConfig::from(AdamWConfig::default()).state_bytes_per_element(), 8);
+    /// let bf16 = OptimizerConfig::from(AnyPrecisionAdamWConfig::default());
+    /// assert_eq!(bf16.state_bytes_per_element(), 6);
+    /// ```
+    pub fn state_bytes_per_element(&self) -> usize {
+        match self {
+            OptimizerConfig::AdamW(_) => 2 * std::mem::size_of::<f32>(),
+            OptimizerConfig::Sgd(c) if c.momentum == 0.0 => 0,
+            OptimizerConfig::Sgd(_) => std::mem::size_of::<f32>(),
+            OptimizerConfig::AnyPrecisionAdamW(c) => c.state_bytes_per_element(),
+        }
+    }
+
+    /// Bytes per shard element of the sharded parameter (of `param_dtype`) and its optimizer
+    /// state together, what the plan counts per sharded parameter element: 12 for AdamW on
+    /// `f32` parameters, 8 for the default AnyPrecisionAdamW on bf16 parameters (2 for the
+    /// parameter, 2 each for `exp_avg`, `exp_avg_sq` and the Kahan compensation).
+    ///
+    /// ```
+    /// use fsdp::optim::{AdamWConfig, AnyPrecisionAdamWConfig, OptimizerConfig};
+    /// use fsdp_device::DType;
+    ///
+    /// let adamw = OptimizerConfig::from(AdamWConfig::default());
+    /// assert_eq!(adamw.sharded_bytes_per_param(DType::F32), 12);
+    /// let pure_bf16 = OptimizerConfig::from(AnyPrecisionAdamWConfig::default());
+    /// assert_eq!(pure_bf16.sharded_bytes_per_param(DType::BF16), 8);
+    /// ```
+    pub fn sharded_bytes_per_param(&self, param_dtype: DType) -> usize {
+        param_dtype.size_in_bytes() + self.state_bytes_per_element()
     }
 }
 
@@ -392,6 +449,8 @@ pub enum OptimizerState {
         /// The momentum buffer.
         momentum_buffer: Vec<f32>,
     },
+    /// AnyPrecisionAdamW's step count, moments and compensation, in their configured dtypes.
+    AnyPrecisionAdamW(AnyPrecisionAdamWState),
 }
 
 impl OptimizerState {
@@ -411,6 +470,9 @@ impl OptimizerState {
                     crate::try_filled_vec(len, 0.0, "the SGD momentum buffer")?
                 },
             },
+            OptimizerConfig::AnyPrecisionAdamW(c) => {
+                OptimizerState::AnyPrecisionAdamW(AnyPrecisionAdamWState::try_new(c, len)?)
+            }
         })
     }
 
@@ -418,7 +480,8 @@ impl OptimizerState {
     ///
     /// # Panics
     /// Aborts when the memory cannot be allocated, as `vec!` does; [`OptimizerState::try_new`]
-    /// returns an error instead.
+    /// returns an error instead. For AnyPrecisionAdamW it panics when the memory cannot be
+    /// allocated or the config does not validate (an `f64` state dtype).
     pub fn new(cfg: &OptimizerConfig, len: usize) -> Self {
         match cfg {
             OptimizerConfig::AdamW(_) => OptimizerState::AdamW(AdamWState::new(len)),
@@ -430,6 +493,9 @@ impl OptimizerState {
                     vec![0.0; len]
                 },
             },
+            OptimizerConfig::AnyPrecisionAdamW(c) => OptimizerState::AnyPrecisionAdamW(
+                AnyPrecisionAdamWState::try_new(c, len).unwrap_or_else(|e| panic!("{e}")),
+            ),
         }
     }
 
@@ -439,14 +505,42 @@ impl OptimizerState {
         match self {
             OptimizerState::AdamW(s) => s.step,
             OptimizerState::Sgd { step, .. } => *step,
+            OptimizerState::AnyPrecisionAdamW(s) => s.step,
         }
     }
 
-    /// Takes one step and counts it.
+    /// Bytes of the state's buffers (what the sharded optimizer state occupies in host memory).
+    ///
+    /// ```
+    /// use fsdp::optim::{AdamWConfig, AnyPrecisionAdamWConfig, OptimizerState};
+    ///
+    /// let adamw = OptimizerState::try_new(&AdamWConfig::default().into(), 10)?;
+    /// assert_eq!(adamw.size_in_bytes(), 80);
+    /// let any = OptimizerState::try_new(&AnyPrecisionAdamWConfig::default().into(), 10)?;
+    /// assert_eq!(any.size_in_bytes(), 60);
+    /// # Ok::<(), fsdp::FsdpError>(())
+    /// ```
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            OptimizerState::AdamW(s) => {
+                (s.exp_avg.len() + s.exp_avg_sq.len()) * std::mem::size_of::<f32>()
+            }
+            OptimizerState::Sgd {
+                momentum_buffer, ..
+            } => std::mem::size_of_val(momentum_buffer.as_slice()),
+            OptimizerState::AnyPrecisionAdamW(s) => s.size_in_bytes(),
+        }
+    }
+
+    /// Takes one step on `f32` parameters and counts it. AnyPrecisionAdamW then keeps its state
+    /// in its dtypes and rounds the parameter to `f32` (torchdistx on `f32` parameters); for
+    /// bf16 parameters use [`AnyPrecisionAdamWState::step`] or
+    /// [`step_grouped_bf16`](Self::step_grouped_bf16).
     ///
     /// # Errors
-    /// As [`adamw_step`] / [`sgd_step`], or [`FsdpError::InvalidHyperparameter`] when the state
-    /// was made for the other optimizer; the state is unchanged then.
+    /// As [`adamw_step`] / [`sgd_step`] / [`AnyPrecisionAdamWState::step`], or
+    /// [`FsdpError::InvalidHyperparameter`] when the state was made for another optimizer; the
+    /// state is unchanged then.
     pub fn step(
         &mut self,
         cfg: &OptimizerConfig,
@@ -465,6 +559,9 @@ impl OptimizerState {
                 sgd_step(c, *step + 1, param, grad, momentum_buffer)?;
                 *step += 1;
                 Ok(())
+            }
+            (OptimizerState::AnyPrecisionAdamW(state), OptimizerConfig::AnyPrecisionAdamW(c)) => {
+                state.step_slice(c, param, grad)
             }
             _ => Err(state_mismatch()),
         }

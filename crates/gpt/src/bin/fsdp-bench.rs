@@ -8,9 +8,11 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
+use fsdp::engine::{MixedPrecisionPolicy, ScheduleKind};
 use fsdp::optim::{AdamWConfig, AdamWState};
-use fsdp::FsdpError;
+use fsdp::{human_bytes, FsdpError};
 use fsdp_collectives::{ring, Communicator};
+use fsdp_device::DType;
 use fsdp_gpt::data::{get_batch, synthetic_corpus};
 use fsdp_gpt::model::{forward_backward, init_params, named_params, zeros_like_params, GptConfig};
 use fsdp_gpt::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
@@ -43,6 +45,11 @@ struct Args {
     /// Timed steps per configuration (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     steps: usize,
+    /// Instead of the strategies: FULL_SHARD at world 4 with f32 parameters against the
+    /// mixed-precision policies (bf16 and f16 parameters, reduced in f32 or their own dtype):
+    /// median step time and the bytes all-gathered and reduce-scattered per step and rank.
+    #[arg(long)]
+    mixed_precision: bool,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -98,7 +105,25 @@ fn single_process(
     Ok((median(&mut times), bytes))
 }
 
-/// Median step seconds (rank 0) and the largest per-rank peak allocated bytes.
+/// Rank 0's per-step bytes all-gathered and reduce-scattered (the last step's schedule).
+fn step_bytes(m: &FsdpGpt) -> (u64, u64) {
+    let (mut ag, mut rs) = (0u64, 0u64);
+    for e in m.schedule() {
+        let Some(g) = m.param_groups().get(e.unit) else {
+            continue;
+        };
+        let n = g.layout().padded_numel() as u64;
+        match e.kind {
+            ScheduleKind::AllGather => ag += n * g.dtypes().param.size_in_bytes() as u64,
+            ScheduleKind::ReduceScatter => rs += n * g.dtypes().reduce.size_in_bytes() as u64,
+            _ => {}
+        }
+    }
+    (ag, rs)
+}
+
+/// Median step seconds (rank 0), the largest per-rank peak allocated bytes, and rank 0's
+/// bytes all-gathered and reduce-scattered in one step.
 fn fsdp_run(
     cfg: &GptConfig,
     params: &HashMap<String, Vec<f32>>,
@@ -107,16 +132,18 @@ fn fsdp_run(
     steps: usize,
     world: usize,
     config: FsdpConfig,
-) -> Result<(f64, u64), FsdpError> {
+) -> Result<(f64, u64, (u64, u64)), FsdpError> {
     let plan = gpt_block_plan(cfg);
     let per_rank = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
         let rank = comm.rank();
         let mut m = FsdpGpt::new(Box::new(comm), *cfg, &plan, params, config, OPT)?;
         let mut times = Vec::new();
+        let mut bytes = (0, 0);
         for k in 0..=steps {
             let t0 = Instant::now();
             let batch = get_batch(tokens, k as u64, b, cfg.block_size, rank, world)?;
             m.step(&batch, b * cfg.block_size)?;
+            bytes = step_bytes(&m);
             m.clear_schedule();
             if k > 0 {
                 times.push(t0.elapsed().as_secs_f64());
@@ -125,6 +152,7 @@ fn fsdp_run(
         Ok::<_, FsdpError>((
             median(&mut times),
             m.memory_stats().allocated_bytes.all.peak,
+            bytes,
         ))
     })?;
     let mut out = Vec::with_capacity(world);
@@ -132,7 +160,45 @@ fn fsdp_run(
         out.push(r?);
     }
     let peak = out.iter().map(|r| r.1).max().unwrap_or(0);
-    Ok((out[0].0, peak))
+    Ok((out[0].0, peak, out[0].2))
+}
+
+/// FULL_SHARD at world 4: f32 against the mixed-precision policies.
+fn precision_table(
+    cfg: &GptConfig,
+    params: &HashMap<String, Vec<f32>>,
+    tokens: &[u16],
+    a: &Args,
+) -> Result<(), FsdpError> {
+    println!(
+        "| param dtype | reduce dtype | step (ms) | step ratio | all-gathered / step | \
+         reduce-scattered / step | all-gather ratio | peak allocated / rank |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    let policies = [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F32),
+        (DType::F16, DType::F16),
+    ];
+    let mut base = None;
+    for (p, r) in policies {
+        let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
+        config.mixed_precision = MixedPrecisionPolicy::new(p, Some(r));
+        let (t, mem, (ag, rs)) = fsdp_run(cfg, params, tokens, a.batch_size, a.steps, 4, config)?;
+        let (t0, ag0) = *base.get_or_insert((t, ag));
+        println!(
+            "| {p} | {r} | {:.1} | {:.2} | {} | {} | {:.2} | {} |",
+            t * 1e3,
+            t / t0,
+            human_bytes(ag),
+            human_bytes(rs),
+            ag as f64 / ag0 as f64,
+            human_bytes(mem)
+        );
+    }
+    Ok(())
 }
 
 fn name(s: ShardingStrategy) -> &'static str {
@@ -172,6 +238,9 @@ fn run(a: &Args) -> Result<(), FsdpError> {
         a.steps,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    if a.mixed_precision {
+        return precision_table(&cfg, &params, &tokens, a);
+    }
     let (t_ref, mem_ref) = single_process(&cfg, &params, &tokens, b, a.steps)?;
     println!(
         "| configuration | world | step (ms) | tokens/s | peak allocated / rank | step ratio | tokens/s ratio | memory ratio |"
@@ -192,7 +261,7 @@ fn run(a: &Args) -> Result<(), FsdpError> {
             } else {
                 name(s).to_string()
             };
-            let (t, mem) = fsdp_run(&cfg, &params, &tokens, b, a.steps, world, config)?;
+            let (t, mem, _) = fsdp_run(&cfg, &params, &tokens, b, a.steps, world, config)?;
             println!(
                 "| {label} | {world} | {:.1} | {:.0} | {} KiB | {:.2} | {:.2} | {:.2} |",
                 t * 1e3,

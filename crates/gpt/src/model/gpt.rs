@@ -25,6 +25,13 @@ fn zeros(len: usize, what: &str) -> Result<Vec<f32>, FsdpError> {
     fsdp::try_filled_vec(len, 0.0, &format!("the GPT buffer `{what}`"))
 }
 
+/// A copy of `src` for the buffer `what`, allocated fallibly as [`zeros`].
+fn copied<T: Copy + Default>(src: &[T], what: &str) -> Result<Vec<T>, FsdpError> {
+    let mut v = fsdp::try_filled_vec(src.len(), T::default(), &format!("the GPT buffer `{what}`"))?;
+    v.copy_from_slice(src);
+    Ok(v)
+}
+
 /// Reads parameter `name` and checks it has `len` elements.
 fn fetch<'a, P: Params + ?Sized>(
     params: &'a P,
@@ -275,6 +282,12 @@ impl BlockCache {
         ];
         f.iter().map(|v| v.len()).sum::<usize>() * std::mem::size_of::<f32>()
     }
+
+    /// The block's input, the rest dropped (what activation checkpointing keeps: the block's
+    /// forward recomputes the rest from it).
+    pub fn into_input(self) -> Vec<f32> {
+        self.x
+    }
 }
 
 /// The values of one block's parameters, in [`block_param_specs`] order.
@@ -444,7 +457,7 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
     let name = |s: &str| super::block_param(layer, s);
 
     // MLP: out = x2 + c_proj(gelu(c_fc(h2))).
-    let mut dx2 = dy.to_vec();
+    let mut dx2 = copied(dy, "dx2")?;
     linear_backward_weight(
         dy,
         &c.g,
@@ -563,6 +576,13 @@ impl HeadCache {
     pub fn global_tokens(&self) -> usize {
         self.global_tokens
     }
+
+    /// Bytes of activations kept: the input, the `ln_f` output and statistics, the softmax of
+    /// the logits (`f32`) and the targets (`u32`).
+    pub fn bytes(&self) -> usize {
+        let f = [&self.x, &self.mean, &self.rstd, &self.hf, &self.probs];
+        (f.iter().map(|v| v.len()).sum::<usize>() + self.targets.len()) * 4
+    }
 }
 
 /// Head stage forward: `ln_f`, the tied `lm_head` (`logits = ln_f(x)·wteᵀ`) and the
@@ -622,7 +642,7 @@ pub fn head_forward<P: Params + ?Sized>(
         rstd,
         hf,
         probs,
-        targets: targets.to_vec(),
+        targets: copied(targets, "targets")?,
     };
     Ok((loss, cache))
 }
@@ -732,7 +752,7 @@ pub fn forward_backward<P: Params + ?Sized, G: Grads + ?Sized>(
     check_tokens(cfg, &batch.inputs, shape, "inputs")?;
     check_grads(grads, &param_specs(cfg))?;
     let mut x = embed_forward(cfg, params, &batch.inputs, shape)?;
-    let mut caches = Vec::with_capacity(cfg.n_layer);
+    let mut caches = Vec::new();
     for layer in 0..cfg.n_layer {
         let (y, cache) = block_forward(cfg, params, layer, x, shape)?;
         caches.push(cache);

@@ -192,9 +192,12 @@ impl Mat {
         .expect("strided matrix lies inside its slice")
     }
 
-    /// Its elements copied into a new column-major buffer, and the matrix there.
-    fn to_col_major<T: Real>(self, s: &[T]) -> (Vec<T>, Mat) {
-        let mut out = vec![T::zero(); self.rows * self.cols];
+    /// Its elements copied into a new column-major buffer, and the matrix there; `None` when
+    /// the memory for the copy cannot be had.
+    fn to_col_major<T: Real>(self, s: &[T]) -> Option<(Vec<T>, Mat)> {
+        let mut out = Vec::new();
+        out.try_reserve_exact(self.rows * self.cols).ok()?;
+        out.resize(self.rows * self.cols, T::zero());
         let (r, c) = (self.rows, self.cols);
         if self.cs == 1 {
             // Contiguous rows: for each band of 16 columns (whose output, 16 columns of `r`
@@ -238,31 +241,35 @@ impl Mat {
             rs: 1,
             cs: self.rows,
         };
-        (out, m)
+        Some((out, m))
     }
 }
 
 /// `c = alpha·a·b + beta·c` through `matrixmultiply`, first copying `a` to column-major and `b`
 /// to row-major order when they are not: `matrixmultiply` packs operands in those orders, and
 /// for the small products of this model its strided packing costs several times the copy.
+/// When the memory for a copy cannot be had, the operand is used in place (slower; the same
+/// result bit for bit, since `matrixmultiply` packs every operand whatever its strides).
 #[allow(clippy::too_many_arguments)]
 fn mat_mul<T: Real>(alpha: T, a: &[T], am: Mat, b: &[T], bm: Mat, beta: T, c: &mut [T], cm: Mat) {
     let a_copy;
     let av = if am.rs == 1 || am.rows <= 1 {
         am.view(a)
-    } else {
-        let (buf, m) = am.to_col_major(a);
+    } else if let Some((buf, m)) = am.to_col_major(a) {
         a_copy = buf;
         m.view(&a_copy)
+    } else {
+        am.view(a)
     };
     let b_copy;
     let bv = if bm.cs == 1 || bm.cols <= 1 {
         bm.view(b)
-    } else {
+    } else if let Some((buf, m)) = bm.t().to_col_major(b) {
         // Row-major `b` is column-major `bᵀ`.
-        let (buf, m) = bm.t().to_col_major(b);
         b_copy = buf;
         m.t().view(&b_copy)
+    } else {
+        bm.view(b)
     };
     general_mat_mul(alpha, &av, &bv, beta, &mut cm.view_mut(c));
 }

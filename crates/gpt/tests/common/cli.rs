@@ -1,7 +1,7 @@
 //! Helpers shared by the tests that run the `fsdp` binary as a process (`cli.rs`,
-//! `nonfinite.rs`, `outputs.rs`, `resume.rs`, `admission.rs`, `multiprocess.rs`): running it,
-//! small fast configurations, scratch directories, the checks of its error lines and the
-//! parsing of its loss logs.
+//! `nonfinite.rs`, `outputs.rs`, `resume.rs`, `admission.rs`, `multiprocess.rs`,
+//! `grad_scaler_cli.rs`): running it, small fast configurations, scratch directories, the checks
+//! of its error lines and the parsing of its loss logs.
 
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]

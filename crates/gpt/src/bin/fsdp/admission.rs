@@ -1,20 +1,22 @@
 //! Memory admission: before `fsdp train` allocates anything, the plan (a dry run of the engine,
 //! [`fsdp_gpt::plan::plan_accumulated`]) predicts every rank's memory — the caching allocator's
 //! reserved peak, the AdamW state and the activations — and the ranks that share this memory
-//! add up: all ranks in thread mode (they are threads of this process), the ranks of this host
-//! under a launcher. Every rank holds equal-sized shards and runs the same schedule, so the
-//! ranks of one host need exactly `LOCAL_WORLD_SIZE` times one rank's figure; no exchange
-//! through the rendezvous store is needed (and none happens before the check: a rank that
-//! refuses ends before it meets the others, and the launcher ends them). Data held once per
+//! add up: all ranks in thread mode (they are threads of this process); under a launcher the
+//! ranks of this host, which meet at the rendezvous store ([`HostGroup`], [`crate::host_admission`]): each publishes its
+//! own prediction and the memory it sees, and each adds up the same figures, so every rank of
+//! the host reaches the same verdict. (Under mpirun, which has no store before the
+//! communicator, the ranks of this host are counted as `LOCAL_WORLD_SIZE` times one rank's
+//! figure: every rank holds equal-sized shards and runs the same schedule.) Data held once per
 //! process (the token corpus, `--init-from`'s or `--resume`'s full tensors, the full parameters
 //! `--save` gathers on every rank) are added.
 //!
 //! The total is compared with the memory available: the smaller of `/proc/meminfo`'s
 //! `MemAvailable` and the cgroup limits' headroom ([`fsdp::plan::available_memory`]), or
-//! `--memory-limit` when given, which replaces the detected figure. Above it, the run stops
-//! with one error line giving both figures and a hint. Admitted, each rank's caching allocator
-//! gets its share of the available memory (less its optimizer state and activations) as
-//! capacity, so the allocator enforces what was admitted.
+//! `--memory-limit` when given, which replaces the detected figure (under a launcher, the
+//! smallest figure a rank of the host saw). Above it, the run stops with one error line giving
+//! both figures and a hint. Admitted, each rank's caching allocator gets its share of the
+//! available memory (less its optimizer state and activations) as capacity, so the allocator
+//! enforces what was admitted.
 //!
 //! A cheap lower bound (16 bytes per parameter of a rank's shard: parameter, gradient and the
 //! two AdamW moments) is checked first, before the module tree and the plan are built, so
@@ -30,6 +32,7 @@ use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
 
 use crate::args::ModelArgs;
+use crate::host_admission::{list_shares, HostGroup, Share, LOWER_BOUND, PLAN};
 use crate::{fail, CliError};
 
 /// Parses a byte count: a whole number with an optional binary suffix `K`, `M`, `G`, `T` or
@@ -76,18 +79,33 @@ pub(crate) fn on_rank(rank: usize) -> impl Fn(FsdpError) -> CliError {
 }
 
 /// Which ranks share the memory checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Sharing {
+#[derive(Clone, Copy)]
+pub(crate) enum Sharing<'a> {
     /// All `world` ranks are threads of this process.
     Threads,
-    /// This process is one rank; the ranks of this host are `LOCAL_WORLD_SIZE`.
+    /// This process is one rank; the ranks of this host are `LOCAL_WORLD_SIZE`, each assumed
+    /// to need what this one needs (mpirun: no store to add up their predictions).
     Launched,
+    /// This process is one rank; the ranks of this host add up their predictions through the
+    /// rendezvous store.
+    Host(&'a HostGroup),
 }
 
-impl Sharing {
-    /// The ranks that share this memory, and how to name them.
+impl Sharing<'_> {
+    /// A refusal: under [`Sharing::Host`] the line names the rank (each rank of the host says
+    /// it).
+    fn refuse(self, msg: String) -> CliError {
+        match self {
+            Sharing::Host(h) => fail(format!("rank {}: {msg}", h.env().rank)),
+            _ => fail(msg),
+        }
+    }
+
+    /// The ranks whose memory this process predicts, and how to name them (under
+    /// [`Sharing::Host`], this rank alone: the host's sum comes from the store).
     fn ranks(self, world: usize) -> (usize, String) {
         match self {
+            Sharing::Host(h) => (1, format!("rank {}", h.env().rank)),
             Sharing::Threads => (
                 world,
                 if world == 1 {
@@ -134,7 +152,7 @@ pub(crate) fn available(limit: Option<u64>) -> Option<AvailableMemory> {
     }
 }
 
-fn overflow(what: &str) -> CliError {
+pub(crate) fn overflow(what: &str) -> CliError {
     fail(format!(
         "the memory this run needs overflows 64-bit bytes ({what}): the model or the batch is \
          too large"
@@ -205,8 +223,8 @@ impl ProcessData {
 }
 
 /// What the ranks sharing this memory need, predicted.
-#[derive(Debug, Clone)]
-pub(crate) struct Prediction {
+#[derive(Clone)]
+pub(crate) struct Prediction<'a> {
     /// The ranks sharing the memory and how they are named.
     ranks: usize,
     who: String,
@@ -215,25 +233,28 @@ pub(crate) struct Prediction {
     optimizer: u64,
     activations: u64,
     per_rank: u64,
-    /// Data of the processes sharing the memory (see [`ProcessData`]).
+    /// Data of the processes sharing the memory (see [`ProcessData`]); under
+    /// [`Sharing::Host`], of this rank's process.
     data: u64,
     /// Whether `data` includes full tensors (checkpoints, `--save`).
     data_has_tensors: bool,
     /// Everything.
     pub(crate) total: u64,
+    /// Under [`Sharing::Host`], once added up: this rank's own figure and every rank's.
+    shares: Option<(u64, Vec<Share>)>,
     strategy: ShardingStrategy,
-    sharing: Sharing,
+    sharing: Sharing<'a>,
     world: usize,
 }
 
-impl Prediction {
+impl<'a> Prediction<'a> {
     /// The prediction of `plan` for `world` ranks shared as `sharing`, with `data` per process.
     pub(crate) fn new(
         plan: &MemoryPlan,
         world: usize,
-        sharing: Sharing,
+        sharing: Sharing<'a>,
         d: &ProcessData,
-    ) -> Result<Prediction, CliError> {
+    ) -> Result<Prediction<'a>, CliError> {
         let m = plan
             .per_rank
             .first()
@@ -243,7 +264,9 @@ impl Prediction {
         // Thread mode: one process holds every rank; under a launcher one process per rank.
         let data = match sharing {
             Sharing::Threads => d.bytes(ranks),
-            Sharing::Launched => d.bytes(1).and_then(|b| b.checked_mul(ranks as u64)),
+            Sharing::Launched | Sharing::Host(_) => {
+                d.bytes(1).and_then(|b| b.checked_mul(ranks as u64))
+            }
         }
         .ok_or_else(|| overflow("the data"))?;
         let total = per_rank
@@ -260,16 +283,30 @@ impl Prediction {
             data,
             data_has_tensors: d.checkpoint > 0 || d.save_per_rank > 0,
             total,
+            shares: None,
             strategy: plan.strategy,
             sharing,
             world,
         })
     }
 
+    /// Under [`Sharing::Host`]: the host's total from every rank's `shares` (this rank's
+    /// own figure is `self.total` until now).
+    fn add_up(&mut self, host: &HostGroup, shares: Vec<Share>, total: u64) {
+        self.ranks = shares.len();
+        self.who = host.who();
+        self.shares = Some((self.total, shares));
+        self.total = total;
+    }
+
     /// `predicted X (N bytes) for <who> (each rank ...; plus ... of data)`.
     fn describe(&self) -> String {
+        let each = match &self.shares {
+            Some((_, shares)) => format!("{}; this rank", list_shares(shares)),
+            None => "each rank".to_string(),
+        };
         let mut s = format!(
-            "predicted {} for {} (each rank {}: allocator peak {} + optimizer state {} + \
+            "predicted {} for {} ({each} {}: allocator peak {} + optimizer state {} + \
              activations {}",
             both(self.total),
             self.who,
@@ -300,7 +337,7 @@ impl Prediction {
 
     /// The error line of a prediction above `available`, with a hint.
     fn refusal(&self, available: &AvailableMemory) -> CliError {
-        fail(format!(
+        self.sharing.refuse(format!(
             "not enough memory: {}, available {}; hint: {}",
             self.describe(),
             avail(available),
@@ -334,7 +371,16 @@ impl Prediction {
     /// processes' data), less its optimizer state and activations. At least the planned
     /// reserved peak when the prediction fits.
     fn capacity(&self, available: u64) -> usize {
-        let share = available.saturating_sub(self.data) / self.ranks.max(1) as u64;
+        let share = match &self.shares {
+            // In proportion to this rank's part of the host's total, less its process's data.
+            Some((own, _)) => {
+                let part = u128::from(available) * u128::from(*own) / u128::from(self.total.max(1));
+                u64::try_from(part)
+                    .unwrap_or(u64::MAX)
+                    .saturating_sub(self.data)
+            }
+            None => available.saturating_sub(self.data) / self.ranks.max(1) as u64,
+        };
         let cap = share
             .saturating_sub(self.optimizer)
             .saturating_sub(self.activations)
@@ -370,66 +416,83 @@ const BLOCK_DESCRIPTION_BYTES: u64 = 4096;
 
 /// The lower bound checked before anything is built: every rank holds at least its shard of
 /// every parameter with its gradient and two AdamW moments (16 bytes per element), in all
-/// ranks sharing the memory, and the process describes every block. `Ok` when it fits (or
+/// ranks sharing the memory, and every process describes every block. `Ok` when it fits (or
 /// when the sizes are invalid, which the setup reports).
 pub(crate) fn precheck(
     m: &ModelArgs,
     world: usize,
-    sharing: Sharing,
+    sharing: Sharing<'_>,
     limit: Option<u64>,
 ) -> Result<(), CliError> {
-    let Ok(cfg) = GptConfig::new(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size) else {
-        return Ok(());
-    };
-    if world == 0 || m.vocab_size > usize::from(u16::MAX) + 1 {
-        return Ok(());
-    }
-    let factor = match m.strategy {
-        ShardingStrategy::NoShard => 1,
-        ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
-            m.ranks_per_node.unwrap_or(world).max(1)
+    // (elements of a rank's shard, bytes of a rank, bytes of a process, layers), or `None`
+    // when the sizes are invalid.
+    let bound = match GptConfig::new(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size) {
+        Ok(cfg) if world > 0 && m.vocab_size <= usize::from(u16::MAX) + 1 => {
+            let factor = match m.strategy {
+                ShardingStrategy::NoShard => 1,
+                ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
+                    m.ranks_per_node.unwrap_or(world).max(1)
+                }
+                _ => world,
+            };
+            let shard = (cfg.num_params() as u64).div_ceil(factor as u64);
+            let per_rank = shard
+                .checked_mul(16)
+                .ok_or_else(|| overflow("the parameters"))?;
+            let blocks = (cfg.n_layer as u64).saturating_mul(BLOCK_DESCRIPTION_BYTES);
+            Some((shard, per_rank, blocks, cfg.n_layer))
         }
-        _ => world,
+        _ => None,
     };
     let (ranks, who) = sharing.ranks(world);
-    let shard = (cfg.num_params() as u64).div_ceil(factor as u64);
-    let per_rank = shard.checked_mul(16);
-    let blocks = (cfg.n_layer as u64).saturating_mul(BLOCK_DESCRIPTION_BYTES);
-    let Some(total) = per_rank
-        .and_then(|b| b.checked_mul(ranks as u64))
-        .and_then(|b| b.checked_add(blocks))
-    else {
-        return Err(overflow("the parameters"));
+    let own = match bound {
+        Some((_, per_rank, blocks, _)) => per_rank
+            .checked_mul(ranks as u64)
+            .and_then(|b| b.checked_add(blocks))
+            .ok_or_else(|| overflow("the parameters"))?,
+        None => 0,
     };
-    let Some(available) = available(limit) else {
+    let (total, available, shares, who) = match sharing {
+        Sharing::Host(h) => {
+            let shares = h.exchange(LOWER_BOUND, own, available(limit))?;
+            let (total, available) = h.add_up(&shares)?;
+            (total, available, Some(shares), h.who())
+        }
+        _ => (own, available(limit), None, who),
+    };
+    let (Some((shard, per_rank, blocks, n_layer)), Some(available)) = (bound, available) else {
         return Ok(());
     };
     if total <= available.bytes {
         return Ok(());
     }
+    let each = match &shares {
+        Some(s) => format!("{}; this rank", list_shares(s)),
+        None => "each rank".to_string(),
+    };
     let p = Prediction {
         ranks,
         who,
         allocator: 0,
         optimizer: 0,
         activations: 0,
-        per_rank: per_rank.unwrap_or(u64::MAX),
+        per_rank,
         data: blocks,
         data_has_tensors: false,
         total,
+        shares: None,
         strategy: m.strategy,
         sharing,
         world,
     };
-    Err(fail(format!(
-        "not enough memory: predicted at least {} for {} (each rank at least {}: 16 bytes for \
+    Err(sharing.refuse(format!(
+        "not enough memory: predicted at least {} for {} ({each} at least {}: 16 bytes for \
          each of the {shard} elements of its shard, the parameter, its gradient and two AdamW \
-         moments; plus at least {} to describe the {} blocks), available {}; hint: {}",
+         moments; plus at least {} to describe the {n_layer} blocks), available {}; hint: {}",
         both(total),
         p.who,
-        human_bytes(p.per_rank),
+        human_bytes(per_rank),
         human_bytes(blocks),
-        cfg.n_layer,
         avail(&available),
         p.hint()
     )))
@@ -449,7 +512,7 @@ pub(crate) fn admit(
     world: usize,
     micro: usize,
     grad_accum: usize,
-    sharing: Sharing,
+    sharing: Sharing<'_>,
     data: &ProcessData,
     limit: Option<u64>,
 ) -> Result<usize, CliError> {
@@ -467,8 +530,17 @@ pub(crate) fn admit(
         cfg.block_size,
         grad_accum,
     )?;
-    let p = Prediction::new(&plan, world, sharing, data)?;
-    match available(limit) {
+    let mut p = Prediction::new(&plan, world, sharing, data)?;
+    let available = match sharing {
+        Sharing::Host(h) => {
+            let shares = h.exchange(PLAN, p.total, available(limit))?;
+            let (total, available) = h.add_up(&shares)?;
+            p.add_up(h, shares, total);
+            available
+        }
+        _ => available(limit),
+    };
+    match available {
         Some(a) if !p.fits(&a) => Err(p.refusal(&a)),
         Some(a) => Ok(p.capacity(a.bytes)),
         // Unknown: no check; the allocator keeps the larger of its default and the plan's peak.

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use fsdp_collectives::Backend;
+use fsdp_device::DType;
 use fsdp_gpt::runtime::{BackwardPrefetch, ShardingStrategy};
 
 #[derive(Parser, Debug)]
@@ -112,6 +113,20 @@ pub(crate) struct ModelArgs {
     /// least N parameters).
     #[arg(long, default_value = "block", value_parser = parse_wrap)]
     pub(crate) wrap: Wrap,
+    /// Activation checkpointing of every transformer block: a block keeps only its input in
+    /// forward and is recomputed right before its backward, with the parameters already
+    /// gathered for it (no extra all-gather; the same losses and weights, bitwise). Lowers the
+    /// activations' peak from every block's saved activations to their inputs plus one block's.
+    #[arg(long)]
+    pub(crate) activation_checkpointing: bool,
+    /// Mixed precision: the dtype parameters are all-gathered and read in (f32, bf16 or f16;
+    /// the sharded master weights and the optimizer stay f32).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub(crate) param_dtype: DType,
+    /// Mixed precision: the dtype gradients are reduced in (f32, bf16 or f16; default: the
+    /// parameter dtype, as PyTorch).
+    #[arg(long, value_parser = parse_dtype)]
+    pub(crate) reduce_dtype: Option<DType>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -169,6 +184,19 @@ pub(crate) struct TrainArgs {
     /// one does).
     #[arg(long, default_value_t = 0)]
     pub(crate) skip_nonfinite: usize,
+    /// Dynamic loss scaling for fp16, as PyTorch's ShardedGradScaler: `on` or `off` (default:
+    /// on with --param-dtype f16, off otherwise). Gradients are multiplied by the scale before
+    /// their reduction and unscaled on the shards; a step whose gradients overflow on any rank
+    /// is skipped on every rank (not counted against --skip-nonfinite) and the scale halved;
+    /// after --growth-interval steps without overflow it doubles.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub(crate) grad_scaler: Option<bool>,
+    /// The grad scaler's initial scale (default 65536, i.e. 2^16).
+    #[arg(long, value_name = "SCALE", allow_negative_numbers = true)]
+    pub(crate) init_scale: Option<f64>,
+    /// Steps without overflow after which the grad scaler doubles its scale (default 2000).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub(crate) growth_interval: Option<u32>,
     /// Seed of the initial weights and of the generated corpus.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -239,6 +267,15 @@ fn parse_schedule_kind(s: &str) -> Result<ScheduleKindArg, String> {
     }
 }
 
+/// `--grad-scaler`.
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err("expected on or off".into()),
+    }
+}
+
 /// `--backend`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum TrainBackend {
@@ -270,6 +307,15 @@ pub(crate) struct Limit(pub(crate) Option<usize>);
 pub(crate) enum Wrap {
     Block,
     Size(usize),
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "f32" | "fp32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "fp16" | "float16" => Ok(DType::F16),
+        _ => Err(format!("unknown dtype {s:?} (expected f32, bf16 or f16)")),
+    }
 }
 
 fn parse_strategy(s: &str) -> Result<ShardingStrategy, String> {

@@ -10,6 +10,7 @@
 mod admission;
 mod args;
 mod checkpointing;
+mod host_admission;
 mod launch_cmd;
 mod output;
 mod paths;
@@ -18,6 +19,7 @@ mod resume;
 mod run_config;
 mod setup;
 mod train;
+mod train_checks;
 
 use std::process::ExitCode;
 

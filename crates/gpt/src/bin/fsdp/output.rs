@@ -159,6 +159,8 @@ pub(crate) struct RankReport {
     pub(crate) peak_allocated: u64,
     pub(crate) peak_reserved: u64,
     pub(crate) num_alloc_retries: u64,
+    /// The model's activations (peak, peak with the allocator's bytes, recomputations).
+    pub(crate) activations: fsdp::engine::ActivationStats,
     pub(crate) all_gathered: u64,
     pub(crate) reduce_scattered: u64,
     pub(crate) all_reduced: u64,
@@ -214,6 +216,9 @@ pub(crate) fn gather_rank_stats(
         own.all_gathered,
         own.reduce_scattered,
         own.all_reduced,
+        own.activations.peak,
+        own.activations.peak_allocated,
+        own.activations.recomputations,
     ]
     .map(|v| v as f64);
     let world = comm.world_size();
@@ -231,6 +236,12 @@ pub(crate) fn gather_rank_stats(
             all_gathered: v[3] as u64,
             reduce_scattered: v[4] as u64,
             all_reduced: v[5] as u64,
+            activations: fsdp::engine::ActivationStats {
+                current: 0,
+                peak: v[6] as u64,
+                peak_allocated: v[7] as u64,
+                recomputations: v[8] as u64,
+            },
             final_params: None,
             trace: Vec::new(),
         })
@@ -252,25 +263,40 @@ pub(crate) fn print_summary(
         global_tokens as f64 * steps as f64 / secs
     );
     println!(
-        "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}",
+        "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}  {:>11}  {:>14}",
         "rank",
         "peak allocated",
         "peak reserved",
         "alloc retries",
         "all-gathered",
         "reduce-scattered",
-        "all-reduced"
+        "all-reduced",
+        "activations",
+        "alloc + activ."
     );
     for (rank, r) in reports.iter().enumerate() {
         println!(
-            "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}",
+            "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}  {:>11}  {:>14}",
             rank,
             human_bytes(r.peak_allocated),
             human_bytes(r.peak_reserved),
             r.num_alloc_retries,
             human_bytes(r.all_gathered),
             human_bytes(r.reduce_scattered),
-            human_bytes(r.all_reduced)
+            human_bytes(r.all_reduced),
+            human_bytes(r.activations.peak),
+            human_bytes(r.activations.peak_allocated)
+        );
+    }
+    println!(
+        "(activations: the peak of the model's saved activations (host memory); alloc + \
+         activ.: the peak of the allocator's bytes plus the activations held at the same moment)"
+    );
+    if let Some(r) = reports.first().filter(|r| r.activations.recomputations > 0) {
+        println!(
+            "activation checkpointing: {} block forwards recomputed by each rank, no extra \
+             all-gather",
+            r.activations.recomputations
         );
     }
 }

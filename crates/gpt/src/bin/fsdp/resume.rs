@@ -18,14 +18,15 @@ use std::path::{Path, PathBuf};
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches};
 use fsdp::checkpoint::{CheckpointDir, FullOptimizerState};
+use fsdp::engine::{load_grad_scaler_state, GradScalerState, GRAD_SCALER_FILE};
 use fsdp_gpt::model::GptConfig;
 use serde_json::Value;
 
 use crate::args::{Cli, Command, ScheduleKindArg, TrainArgs, TrainBackend};
 use crate::checkpointing::CheckpointPlan;
 use crate::run_config::{
-    canonical, effective_grad_clip, path_string, schedule_option, strategy_from_option,
-    strategy_option, Fields, RUN_FILE, RUN_FORMAT, RUN_VERSION,
+    canonical, dtype_from_option, dtype_option, effective_grad_clip, path_string, schedule_option,
+    strategy_from_option, strategy_option, Fields, RUN_FILE, RUN_FORMAT, RUN_VERSION,
 };
 use crate::{fail, CliError};
 
@@ -65,6 +66,8 @@ pub(crate) struct ResumePoint {
     pub(crate) skipped: usize,
     /// Tokens of the data the checkpoint was trained on.
     data_tokens: usize,
+    /// Whether the checkpoint's run had the grad scaler on (then it holds its state).
+    grad_scaler: bool,
 }
 
 impl ResumePoint {
@@ -83,6 +86,22 @@ impl ResumePoint {
             ))
         })?;
         Ok((ck.params, optimizer))
+    }
+
+    /// The grad scaler's state saved with the checkpoint ([`GRAD_SCALER_FILE`]), for a run
+    /// with the scaler on: `None` for a checkpoint written without a scaler (which predates the
+    /// recording of `--grad-scaler`: the scaler then starts at its initial scale).
+    pub(crate) fn grad_scaler_state(&self) -> Result<Option<GradScalerState>, CliError> {
+        let state =
+            load_grad_scaler_state(&self.path).map_err(|e| fail(format!("--resume: {e}")))?;
+        if state.is_none() && self.grad_scaler {
+            return Err(fail(format!(
+                "--resume {}: the checkpoint's run had the grad scaler on, but it holds no \
+                 {GRAD_SCALER_FILE}",
+                self.path.display()
+            )));
+        }
+        Ok(state)
     }
 
     /// The data read for the resumed run must be the checkpoint's: the same number of tokens.
@@ -385,6 +404,7 @@ fn resume_from(dir: &Path, out: &mut TrainArgs) -> Result<(ResumePoint, SavedPla
     r.value("batch_size", &mut out.batch_size, c.usize("batch_size")?)?;
     r.value("grad_accum", &mut out.grad_accum, c.usize("grad_accum")?)?;
     r.value("seed", &mut out.seed, c.u64("seed")?)?;
+    let grad_scaler = precision_from(&r, &c, out)?;
     // Inputs are compared as canonical paths.
     let saved_data = c.opt("data", |v| v.as_str().map(PathBuf::from))?;
     if r.given("data") {
@@ -440,6 +460,7 @@ fn resume_from(dir: &Path, out: &mut TrainArgs) -> Result<(ResumePoint, SavedPla
         step: step as usize,
         skipped: run.usize("skipped_steps")?,
         data_tokens: c.usize("data_tokens")?,
+        grad_scaler,
         path,
     };
     let saved = SavedPlan {
@@ -449,6 +470,79 @@ fn resume_from(dir: &Path, out: &mut TrainArgs) -> Result<(ResumePoint, SavedPla
     };
     out.explicit = explicit;
     Ok((point, saved))
+}
+
+/// Reconciles `--param-dtype`, `--reduce-dtype` and the grad scaler's options with the
+/// checkpoint's `config` (`c`; a checkpoint written before they were recorded leaves them as
+/// given). Returns whether the checkpoint's run had the grad scaler on.
+fn precision_from(
+    r: &Reconcile<'_>,
+    c: &Fields<'_>,
+    out: &mut TrainArgs,
+) -> Result<bool, CliError> {
+    let dtype = |key: &str, v: &Value| match v {
+        Value::Null => Ok(None),
+        v => v
+            .as_str()
+            .and_then(dtype_from_option)
+            .map(Some)
+            .ok_or_else(|| c.bad(key)),
+    };
+    let m = &mut out.model;
+    if c.has("param_dtype") {
+        let saved =
+            dtype("param_dtype", c.get("param_dtype")?)?.ok_or_else(|| c.bad("param_dtype"))?;
+        if r.given("param_dtype") && m.param_dtype != saved {
+            return Err(r.error(
+                "--param-dtype",
+                dtype_option(m.param_dtype),
+                &format!("--param-dtype {}", dtype_option(saved)),
+            ));
+        }
+        m.param_dtype = saved;
+    }
+    if c.has("reduce_dtype") {
+        let saved = dtype("reduce_dtype", c.get("reduce_dtype")?)?;
+        if r.given("reduce_dtype") && m.reduce_dtype != saved {
+            let shown = saved.map_or_else(
+                || "no --reduce-dtype".to_string(),
+                |d| format!("--reduce-dtype {}", dtype_option(d)),
+            );
+            let given = m.reduce_dtype.map_or("", dtype_option);
+            return Err(r.error("--reduce-dtype", given, &shown));
+        }
+        m.reduce_dtype = saved;
+    }
+    if !c.has("grad_scaler") {
+        return Ok(false);
+    }
+    let saved = match c.get("grad_scaler")? {
+        Value::Null => None,
+        _ => {
+            let g = c.object("grad_scaler")?;
+            let interval =
+                u32::try_from(g.u64("growth_interval")?).map_err(|_| g.bad("growth_interval"))?;
+            Some((g.f64("init_scale")?, interval))
+        }
+    };
+    let on_off = |on: bool| if on { "on" } else { "off" };
+    match out.grad_scaler {
+        Some(on) if r.given("grad_scaler") && on != saved.is_some() => {
+            return Err(r.error(
+                "--grad-scaler",
+                on_off(on),
+                &format!("--grad-scaler {}", on_off(saved.is_some())),
+            ))
+        }
+        _ => out.grad_scaler = Some(saved.is_some()),
+    }
+    r.optional("init_scale", &mut out.init_scale, saved.map(|s| s.0))?;
+    r.optional(
+        "growth_interval",
+        &mut out.growth_interval,
+        saved.map(|s| s.1),
+    )?;
+    Ok(saved.is_some())
 }
 
 /// Whether the ranks will be threads of this process (no launcher, no mpirun, no process

@@ -3,10 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
+use fsdp_device::DType;
 use fsdp_gpt::runtime::ShardingStrategy;
 use serde_json::{json, Map, Value};
 
 use crate::args::{ScheduleKindArg, TrainArgs};
+use crate::train_checks::grad_scaler_on;
 use crate::{fail, CliError};
 
 /// The run's metadata in each checkpoint directory (JSON).
@@ -39,6 +41,27 @@ pub(crate) fn strategy_from_option(s: &str) -> Option<ShardingStrategy> {
     .into_iter()
     .find(|&x| strategy_option(x) == s)
 }
+
+/// The command-line spelling of a dtype (`--param-dtype`, `--reduce-dtype`).
+pub(crate) fn dtype_option(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F64 => "f64",
+    }
+}
+
+pub(crate) fn dtype_from_option(s: &str) -> Option<DType> {
+    [DType::F32, DType::BF16, DType::F16]
+        .into_iter()
+        .find(|&d| dtype_option(d) == s)
+}
+
+/// The grad scaler's initial scale and growth interval when none is given
+/// (`torch.amp.GradScaler`'s).
+pub(crate) const DEFAULT_INIT_SCALE: f64 = 65536.0;
+pub(crate) const DEFAULT_GROWTH_INTERVAL: u32 = 2000;
 
 pub(crate) fn schedule_option(s: ScheduleKindArg) -> &'static str {
     match s {
@@ -97,6 +120,14 @@ pub(crate) fn run_config(args: &TrainArgs, data_tokens: usize) -> Value {
         "data": args.data.as_deref().map(|p| path_string(&canonical(p))),
         "data_tokens": data_tokens,
         "init_from": args.init_from.as_deref().map(|p| path_string(&canonical(p))),
+        // Mixed precision and the grad scaler (absent from checkpoints written before them:
+        // such a checkpoint takes these options as given).
+        "param_dtype": dtype_option(m.param_dtype),
+        "reduce_dtype": m.reduce_dtype.map(dtype_option),
+        "grad_scaler": grad_scaler_on(args).then(|| json!({
+            "init_scale": args.init_scale.unwrap_or(DEFAULT_INIT_SCALE),
+            "growth_interval": args.growth_interval.unwrap_or(DEFAULT_GROWTH_INTERVAL),
+        })),
     })
 }
 
@@ -119,6 +150,11 @@ impl<'a> Fields<'a> {
             "{}: missing or invalid `{key}`",
             self.file.display()
         ))
+    }
+
+    /// Whether the object has `key` (for fields that older files lack).
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.map.contains_key(key)
     }
 
     pub(crate) fn get(&self, key: &str) -> Result<&'a Value, CliError> {

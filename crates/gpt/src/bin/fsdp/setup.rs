@@ -1,5 +1,6 @@
 //! The model, FSDP configuration and unit plan shared by `fsdp train` and `fsdp plan`, checked.
 
+use fsdp::engine::MixedPrecisionPolicy;
 use fsdp::units::UnitPlan;
 use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
 use fsdp_gpt::model::GptConfig;
@@ -34,6 +35,8 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
     config.backward_prefetch = m.backward_prefetch;
     config.forward_prefetch = m.forward_prefetch;
     config.limit_all_gathers = m.limit_all_gathers.0;
+    config.mixed_precision = MixedPrecisionPolicy::new(m.param_dtype, m.reduce_dtype);
+    config.activation_checkpointing = m.activation_checkpointing;
     match (m.strategy.is_hybrid(), m.ranks_per_node) {
         (true, Some(0)) => return Err(fail("--ranks-per-node must be at least 1")),
         (true, Some(n)) if world % n != 0 => {

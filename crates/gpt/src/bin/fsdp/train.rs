@@ -1,79 +1,35 @@
 //! `fsdp train`: checks every option, starts the ranks (threads on the ring backend, or this
 //! process as one rank under a launcher), trains and writes the outputs.
 
-use std::collections::HashMap;
 use std::io::IsTerminal;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use fsdp::optim::{
-    decay_2d_only as decay_2d_only_groups, decay_2d_only_group, AdamWConfig, LrSchedule,
-};
+use fsdp::engine::{GradScaler, GradScalerState};
+use fsdp::optim::{decay_2d_only as decay_2d_only_groups, decay_2d_only_group, AdamWConfig};
 use fsdp::{human_bytes, ParamInit};
-use fsdp_collectives::{init_from_env, ring, Backend, Communicator, InitOptions, LaunchEnv};
+use fsdp_collectives::{init_from_env, init_with_store, ring, Backend, Communicator, InitOptions};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
 use fsdp_gpt::init::gpt2_init;
-use fsdp_gpt::model::{param_specs, GptConfig};
 use fsdp_gpt::runtime::{FsdpGpt, ScheduleKind};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::admission::{self, ProcessData, Sharing};
-use crate::args::{strategy_name, ScheduleKindArg, TrainArgs, TrainBackend};
+use crate::admission::{self, Sharing};
+use crate::args::{strategy_name, TrainArgs};
 use crate::checkpointing::Checkpointer;
+use crate::host_admission::HostGroup;
 use crate::output::{gather_rank_stats, print_summary, write_outputs, LossLog, RankReport};
 use crate::paths::{check_output_paths, output_error, rank_trace_path};
 use crate::resume::{self, Resolved};
-use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
+use crate::setup::Setup;
+use crate::train_checks::{
+    admit_run, grad_scaler_config, initial_params, lr_schedule, train_mode, Admitted, Mode,
+};
 use crate::{fail, CliError};
 
 /// Length of the generated corpus used when no `--data` file is given.
 pub(crate) const SYNTHETIC_LEN: usize = 200_000;
-
-/// The learning-rate schedule of the options, validated.
-fn lr_schedule(args: &TrainArgs) -> Result<LrSchedule, CliError> {
-    let cosine_only =
-        args.warmup_iters > 0 || args.lr_decay_iters.is_some() || args.min_lr.is_some();
-    let s = match args.lr_schedule {
-        ScheduleKindArg::Constant if cosine_only => {
-            return Err(fail(
-                "--warmup-iters, --lr-decay-iters and --min-lr need --lr-schedule cosine",
-            ))
-        }
-        ScheduleKindArg::Constant => LrSchedule::Constant,
-        ScheduleKindArg::Cosine => LrSchedule::Cosine {
-            warmup_iters: args.warmup_iters,
-            lr_decay_iters: args.lr_decay_iters.unwrap_or(args.steps as u64),
-            min_lr: args.min_lr.unwrap_or(args.lr / 10.0),
-        },
-    };
-    s.validate()?;
-    Ok(s)
-}
-
-/// The initial parameters of a checkpoint, or `None` for the sharded seeded initialisation
-/// (each rank draws only its own shards; the same model at every world size).
-fn initial_params(
-    args: &TrainArgs,
-    cfg: &GptConfig,
-) -> Result<Option<HashMap<String, Vec<f32>>>, CliError> {
-    match &args.init_from {
-        Some(path) => Ok(Some(load_checkpoint(path, cfg)?)),
-        None => {
-            // Check the rule covers every parameter before any rank starts.
-            let rule = gpt2_init(cfg.n_layer);
-            for p in param_specs(cfg) {
-                rule(&p.name, &p.shape)?;
-            }
-            Ok(None)
-        }
-    }
-}
-
-fn load_checkpoint(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f32>>, CliError> {
-    Ok(fsdp_gpt::checkpoint::load_full(path, cfg)?)
-}
 
 pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     // ---- Validate everything before any rank starts.
@@ -89,51 +45,32 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         Mode::Threads(n) => *n,
         Mode::Process { world, .. } => *world,
     };
-    let sharing = match &mode {
-        Mode::Threads(_) => Sharing::Threads,
-        Mode::Process { .. } => Sharing::Launched,
+    let init_options = InitOptions::default();
+    // Under a launcher (not mpirun) the ranks meet at the rendezvous store now, before anything
+    // is allocated: the ranks of this host add up their predicted memory there.
+    let host = match &mode {
+        Mode::Process { backend, .. } if *backend != Backend::Mpi => {
+            Some(HostGroup::join(init_options.timeout)?)
+        }
+        _ => None,
     };
-    // A cheap lower bound of the memory, before the module tree and the plan are built.
-    admission::precheck(&args.model, world, sharing, args.memory_limit)?;
-    let Setup { cfg, config, plan } = setup(&args.model, world)?;
-    let t = cfg.block_size;
-    let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
-    if args.steps == 0 {
-        return Err(fail("--steps must be at least 1"));
+    let sharing = match (&mode, &host) {
+        (Mode::Threads(_), _) => Sharing::Threads,
+        (Mode::Process { .. }, Some(h)) => Sharing::Host(h),
+        (Mode::Process { .. }, None) => Sharing::Launched,
+    };
+    let admitted = admit_run(args, world, sharing, resume.is_some());
+    // A rank that stops here tells the other ranks of its host, which would wait for it.
+    if let (Err(e), Some(h)) = (&admitted, &host) {
+        h.abandon(e);
     }
-    if args.steps.checked_mul(args.grad_accum).is_none() {
-        return Err(fail(format!(
-            "--steps {} × --grad-accum {} micro-batches overflow a 64-bit count",
-            args.steps, args.grad_accum
-        )));
-    }
-    let global_tokens = args.batch_size.checked_mul(t).ok_or_else(|| {
-        fail(format!(
-            "--batch-size {} × --block-size {t} tokens overflow a 64-bit count",
-            args.batch_size
-        ))
-    })?;
-    // Memory admission, before any allocation: the plan's prediction of every rank sharing
-    // this memory against the memory available; each rank's allocator gets its share.
-    let data = ProcessData::new(
-        args.data.as_deref(),
-        SYNTHETIC_LEN,
-        cfg.num_params(),
-        args.init_from.is_some(),
-        resume.is_some(),
-        args.save.is_some(),
-    )?;
-    let capacity = admission::admit(
-        &cfg,
-        &config,
-        &plan,
-        world,
+    let Admitted {
+        setup: Setup { cfg, config, plan },
         micro,
-        args.grad_accum,
-        sharing,
-        &data,
-        args.memory_limit,
-    )?;
+        global_tokens,
+        capacity,
+    } = admitted?;
+    let t = cfg.block_size;
     // `--grad-clip 0` is no clipping (nanoGPT's `grad_clip = 0.0`).
     let grad_clip = match args.grad_clip {
         Some(c) if !(c.is_finite() && c >= 0.0) => {
@@ -145,6 +82,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         c => c,
     };
     let skip_nonfinite = args.skip_nonfinite;
+    let scaler = grad_scaler_config(args)?;
     let opt = AdamWConfig {
         lr: args.lr,
         beta1: args.beta1,
@@ -183,6 +121,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         None => (initial_params(args, &cfg)?, None),
     };
     let (start_step, start_skipped) = resume.as_ref().map_or((0, 0), |r| (r.step, r.skipped));
+    // A resumed run with the scaler on continues from the checkpoint's scale.
+    let scaler_state = match (&resume, &scaler) {
+        (Some(r), Some(_)) => r.grad_scaler_state()?,
+        _ => None,
+    };
     let checkpointer = checkpoints
         .as_ref()
         .map(|plan| Checkpointer::new(plan, args, tokens.len(), world));
@@ -208,7 +151,10 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let process_comm = match &mode {
         Mode::Threads(_) => None,
         Mode::Process { backend, .. } => {
-            let comm = init_from_env(*backend, &InitOptions::default())?;
+            let comm = match &host {
+                Some(h) => init_with_store(*backend, h.store(), h.env(), &init_options)?,
+                None => init_from_env(*backend, &init_options)?,
+            };
             if comm.world_size() != world {
                 return Err(fail(format!(
                     "rank {}: the {backend} backend has {} ranks, the launcher said {world}",
@@ -261,6 +207,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     bar.set_position(start_step as u64);
     let start = Instant::now();
     let skipped_steps = AtomicUsize::new(0);
+    let final_scaler: Mutex<Option<GradScalerState>> = Mutex::new(None);
     let run = |comm: Box<dyn Communicator>| -> Result<RankReport, CliError> {
         let rank = comm.rank();
         let rule = gpt2_init(cfg.n_layer);
@@ -271,13 +218,19 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         let mut model = FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)
             .map_err(admission::on_rank(rank))?;
         model.set_lr_schedule(schedule)?;
+        model.set_grad_scaler(scaler)?;
+        if let Some(state) = scaler_state {
+            model.set_grad_scaler_state(state)?;
+        }
         if decay_2d_only {
             model.set_param_groups(decay_2d_only_groups(opt.weight_decay), |_, shape| {
                 decay_2d_only_group(shape)
             })?;
         }
         if let Some(state) = &resume_optimizer {
-            model.load_optimizer_state(state)?;
+            model
+                .load_optimizer_state(state)
+                .map_err(admission::on_rank(rank))?;
         }
         // Grown step by step: --steps is the user's number, not a size to reserve.
         let mut losses = Vec::new();
@@ -305,9 +258,14 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 Some(c) => model.clip_grad_norm(c)?,
                 None => model.grad_norm()?,
             };
+            // Gradients that overflowed under the grad scaler (on any rank: the flag is agreed
+            // over the world) are the scaler's to skip: `optimizer_step` skips the step and
+            // backs the scale off. The non-finite rule then applies to the loss and the
+            // unscaled gradients.
+            let overflow = model.grad_scaler().and_then(GradScaler::found_inf) == Some(true);
             // The global loss and gradient norm are bitwise the same on every rank, so every
             // rank takes the same branch without further communication.
-            match nonfinite(loss, norm) {
+            match nonfinite(loss, norm, overflow) {
                 None => model.optimizer_step()?,
                 Some(what) if skipped < skip_nonfinite => {
                     // Recorded below like any step (its loss as it is).
@@ -330,18 +288,27 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 }
             }
             let dt = t0.elapsed().as_secs_f64();
-            // Communication volume from the recorded schedule and the units' layouts.
+            // Communication volume from the recorded schedule and the units' layouts and
+            // dtypes (mixed precision: parameters gathered in `param_dtype`, gradients reduced
+            // in `reduce_dtype`).
             for e in model.schedule() {
-                let Some(layout) = model.layout(e.unit) else {
+                let Some(g) = model.param_groups().get(e.unit) else {
                     continue;
                 };
-                let bytes = |n: usize| (n as u64).saturating_mul(4);
+                let (layout, d) = (g.layout(), g.dtypes());
+                let bytes = |n: usize, t: fsdp_device::DType| {
+                    (n as u64).saturating_mul(t.size_in_bytes() as u64)
+                };
                 match e.kind {
-                    ScheduleKind::AllGather => ag = ag.saturating_add(bytes(layout.padded_numel())),
-                    ScheduleKind::ReduceScatter => {
-                        rs = rs.saturating_add(bytes(layout.padded_numel()))
+                    ScheduleKind::AllGather => {
+                        ag = ag.saturating_add(bytes(layout.padded_numel(), d.param))
                     }
-                    ScheduleKind::AllReduce => ar = ar.saturating_add(bytes(layout.shard_numel())),
+                    ScheduleKind::ReduceScatter => {
+                        rs = rs.saturating_add(bytes(layout.padded_numel(), d.reduce))
+                    }
+                    ScheduleKind::AllReduce => {
+                        ar = ar.saturating_add(bytes(layout.shard_numel(), d.reduce))
+                    }
                     ScheduleKind::Free => {}
                 }
             }
@@ -386,6 +353,8 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         };
         if rank == 0 {
             skipped_steps.store(skipped, Ordering::Relaxed);
+            *final_scaler.lock().unwrap_or_else(PoisonError::into_inner) =
+                model.grad_scaler().map(GradScaler::state);
         }
         let stats = model.memory_stats();
         let trace = model.trace_events();
@@ -395,6 +364,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             peak_allocated: stats.allocated_bytes.all.peak,
             peak_reserved: stats.reserved_bytes.all.peak,
             num_alloc_retries: stats.num_alloc_retries,
+            activations: model.activation_stats(),
             all_gathered: ag,
             reduce_scattered: rs,
             all_reduced: ar,
@@ -454,15 +424,37 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
              --skip-nonfinite {skip_nonfinite})"
         );
     }
+    let final_scaler = final_scaler
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(s) = final_scaler {
+        println!(
+            "grad scaler: final scale {}, {} overflowing step(s) skipped (no optimizer step; \
+             scale backed off)",
+            show_scale(s.scale),
+            s.skipped_steps
+        );
+    }
     Ok(())
 }
 
+/// A scale as the summary shows it: an integer in full (`65536`), else in scientific notation.
+fn show_scale(s: f32) -> String {
+    if s.fract() == 0.0 && s.abs() < 1e9 {
+        format!("{s}")
+    } else {
+        format!("{s:e}")
+    }
+}
+
 /// What is non-finite in a step, if anything: the global loss (checked first) or the global
-/// gradient norm.
-fn nonfinite(loss: f32, grad_norm: f64) -> Option<String> {
+/// gradient norm. The norm is not checked when the grad scaler found an overflow
+/// (`scaler_overflow`): that step is the scaler's to skip. The loss is always checked: it is
+/// computed before any scaling, so a non-finite loss is not the scale's doing.
+fn nonfinite(loss: f32, grad_norm: f64, scaler_overflow: bool) -> Option<String> {
     if !loss.is_finite() {
         Some(format!("the loss is {loss}"))
-    } else if !grad_norm.is_finite() {
+    } else if !scaler_overflow && !grad_norm.is_finite() {
         Some(format!("the gradient norm is {grad_norm}"))
     } else {
         None
@@ -483,59 +475,4 @@ fn nonfinite_error(step: usize, what: &str, skipped: usize, skip_nonfinite: usiz
              (--skip-nonfinite {skip_nonfinite}); training stopped and nothing was saved"
         ))
     }
-}
-
-/// How `train` runs its ranks.
-enum Mode {
-    /// Ranks as threads of this process on the ring backend.
-    Threads(usize),
-    /// This process is one rank of `world`, started by a launcher or by mpirun.
-    Process { backend: Backend, world: usize },
-}
-
-/// The world size under mpirun, from the variables that Open MPI (`OMPI_COMM_WORLD_SIZE`) and
-/// PMI-based launchers such as MPICH's (`PMI_SIZE`) set.
-fn mpi_world_from_env() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
-}
-
-fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
-    let launched = LaunchEnv::from_env()?;
-    let backend = match args.backend {
-        Some(b) => b,
-        None if launched.is_some() => TrainBackend::Process(Backend::Tcp),
-        None if cfg!(feature = "mpi") && mpi_world_from_env().is_some() => {
-            TrainBackend::Process(Backend::Mpi)
-        }
-        None => TrainBackend::Ring,
-    };
-    let given = args.model.ranks;
-    let (backend, world) = match backend {
-        TrainBackend::Ring => return Ok(Mode::Threads(given.unwrap_or(DEFAULT_RANKS))),
-        TrainBackend::Process(Backend::Mpi) => {
-            let world = mpi_world_from_env().ok_or_else(|| {
-                fail("--backend mpi: not started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE unset)")
-            })?;
-            (Backend::Mpi, world)
-        }
-        TrainBackend::Process(b) => match &launched {
-            Some(env) => (b, env.world_size),
-            None => {
-                return Err(fail(format!(
-                    "--backend {b}: RANK and WORLD_SIZE are not set; start the ranks with \
-                     `fsdp launch --nproc-per-node N train ...`"
-                )))
-            }
-        },
-    };
-    if let Some(n) = given {
-        if n != world {
-            return Err(fail(format!(
-                "--ranks {n} disagrees with the launcher's world size {world}"
-            )));
-        }
-    }
-    Ok(Mode::Process { backend, world })
 }

@@ -1,0 +1,584 @@
+//! Dynamic loss scaling for fp16 training: PyTorch's `ShardedGradScaler`
+//! (`torch.distributed.fsdp.sharded_grad_scaler`), i.e. `torch.amp.GradScaler` with the
+//! found-inf flag agreed over all ranks.
+//!
+//! The engine's use of it is described on [`GradScaler`].
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use fsdp_collectives::ReduceOp;
+use fsdp_device::{Buffer, DType, Element};
+
+use super::comm_context::CommContext;
+use super::fsdp::Fsdp;
+use crate::trace::SpanKind;
+use crate::FsdpError;
+
+/// The name of the file, in a sharded checkpoint's directory, that holds the grad scaler's
+/// state (JSON, written by rank 0 when a scaler is set).
+pub const GRAD_SCALER_FILE: &str = "grad_scaler.json";
+
+/// The settings of dynamic loss scaling, with `torch.amp.GradScaler`'s defaults
+/// ([`Default`]): initial scale `2^16`, growth factor 2, backoff factor ½, growth interval 2000.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradScalerConfig {
+    /// The scale of the first step (`init_scale`).
+    pub init_scale: f32,
+    /// The scale is multiplied by this after `growth_interval` consecutive steps without
+    /// overflow (`growth_factor`, > 1). The product is taken in `f64` and rounded to `f32`, as
+    /// torch's `_amp_update_scale_` does, and a product that would be infinite is not applied.
+    pub growth_factor: f64,
+    /// The scale is multiplied by this on an overflow (`backoff_factor`, in (0, 1)).
+    pub backoff_factor: f64,
+    /// Consecutive steps without overflow before the scale grows (`growth_interval`, ≥ 1).
+    pub growth_interval: u32,
+    /// Off: [`Fsdp::set_grad_scaler`] with a disabled configuration removes the scaler (without
+    /// checking the other settings), as a disabled `GradScaler` is a no-op in PyTorch.
+    pub enabled: bool,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        GradScalerConfig {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            enabled: true,
+        }
+    }
+}
+
+impl GradScalerConfig {
+    /// Check the settings.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] for an `init_scale` that is not finite and positive,
+    /// a `growth_factor` that is not finite and above 1, a `backoff_factor` not strictly between
+    /// 0 and 1, or a `growth_interval` of 0.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        let bad = |name, value, reason| {
+            Err(FsdpError::InvalidHyperparameter {
+                name,
+                value,
+                reason,
+            })
+        };
+        let init = f64::from(self.init_scale);
+        if !(init.is_finite() && init > 0.0) {
+            return bad("init_scale", init, "must be finite and positive");
+        }
+        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+            return bad(
+                "growth_factor",
+                self.growth_factor,
+                "must be finite and greater than 1",
+            );
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return bad(
+                "backoff_factor",
+                self.backoff_factor,
+                "must lie strictly between 0 and 1",
+            );
+        }
+        if self.growth_interval == 0 {
+            return bad("growth_interval", 0.0, "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// The state of a grad scaler as a checkpoint holds it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradScalerState {
+    /// The current scale.
+    pub scale: f32,
+    /// Consecutive steps without overflow since the last growth or backoff.
+    pub growth_tracker: u32,
+    /// Optimizer steps skipped for an overflow so far.
+    pub skipped_steps: u64,
+}
+
+/// Dynamic loss scaling: the scale, the growth tracker, the count of skipped steps, and
+/// whether this step's gradients were unscaled. Set on an engine with
+/// [`Fsdp::set_grad_scaler`].
+///
+/// # What the engine does
+///
+/// - **Scaling.** Instead of scaling the loss before backward, the engine multiplies each unit's
+///   unsharded gradient by the current [`scale`](GradScaler::scale) right before its reduction
+///   (in [`Fsdp::post_backward`]). Every backward operation is linear in its upstream
+///   gradient, so for a power-of-two scale (the default: `2^16`, grown by 2 and backed off by
+///   ½) the product equals, bitwise, the gradient a backward of `scale · loss`
+///   would produce in `f32`: multiplying by a power of two is exact, and each rounded operation
+///   of the scaled backward is the unscaled one times the scale — unless a value overflows (which
+///   is what the scaler detects) or lies in the subnormal range of one of the two computations
+///   (where the scaled one is the more accurate: that is the purpose of loss scaling). What is
+///   reduced over the ranks (and, with `f16` gradients, rounded to `f16`) is therefore the
+///   scaled gradient, as in PyTorch.
+/// - **Unscaling** ([`Fsdp::unscale_grads`], PyTorch's `scaler.unscale_(optimizer)`): every
+///   gradient shard is multiplied by `inv_scale = 1 / scale` (computed in `f64` and rounded to
+///   `f32`, as torch's `_scale.double().reciprocal().float()`), each rank notes whether any
+///   element of its shards is NaN or infinite (`_amp_foreach_non_finite_check_and_unscale_`;
+///   checked after the multiplication, which also catches an unscaling that overflows — possible
+///   only once the scale fell below 1 — where torch checks before), and the flags are all-reduced over the world as a sum (as `ShardedGradScaler` does: any
+///   non-zero means skip), so every rank decides alike although an overflow may lie in one
+///   rank's shard only. Idempotent within a step. [`Fsdp::grad_norm`] and
+///   [`Fsdp::clip_grad_norm`] unscale first, so the norm and the clipping see the true
+///   gradients; the order unscale → clip → step of PyTorch's recipe is thus automatic.
+/// - **Step** ([`Fsdp::optimizer_step`], PyTorch's `scaler.step(optimizer)` then
+///   `scaler.update()`): unscale if not done yet; on an overflow the optimizer step is skipped
+///   on every rank (parameters, optimizer state and learning-rate schedule unchanged, gradients
+///   zeroed, [`skipped_steps`](GradScaler::skipped_steps) counted), otherwise the optimizer
+///   steps; then the scale is updated identically everywhere ([`GradScaler::update`]).
+///   [`Fsdp::skip_step`] after an overflow seen by the unscaling (e.g. a trainer that skips on a
+///   non-finite [`grad_norm`](Fsdp::grad_norm)) is the same skip: it backs the scale off too.
+///
+/// The scaler's state (scale, growth tracker, skipped steps) is saved with a sharded checkpoint
+/// ([`Fsdp::save_sharded`] writes [`GRAD_SCALER_FILE`]) and restored with
+/// [`load_grad_scaler_state`] and [`Fsdp::set_grad_scaler_state`].
+#[derive(Debug)]
+pub struct GradScaler {
+    config: GradScalerConfig,
+    scale: f32,
+    growth_tracker: u32,
+    skipped_steps: u64,
+    /// `Some(found_inf)` once this step's gradients are unscaled (behind a lock, because
+    /// [`Fsdp::grad_norm`] unscales through a shared reference).
+    unscaled: Mutex<Option<bool>>,
+}
+
+impl Clone for GradScaler {
+    fn clone(&self) -> Self {
+        GradScaler {
+            config: self.config,
+            scale: self.scale,
+            growth_tracker: self.growth_tracker,
+            skipped_steps: self.skipped_steps,
+            unscaled: Mutex::new(*self.lock()),
+        }
+    }
+}
+
+impl GradScaler {
+    /// A scaler at `config.init_scale`, growth tracker 0.
+    ///
+    /// # Errors
+    /// Those of [`GradScalerConfig::validate`].
+    pub fn new(config: GradScalerConfig) -> Result<Self, FsdpError> {
+        config.validate()?;
+        Ok(GradScaler {
+            config,
+            scale: config.init_scale,
+            growth_tracker: 0,
+            skipped_steps: 0,
+            unscaled: Mutex::new(None),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<bool>> {
+        self.unscaled.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &GradScalerConfig {
+        &self.config
+    }
+
+    /// The current scale (PyTorch's `get_scale()`): the factor of the gradients of the next
+    /// backward passes.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// `1 / scale`, computed in `f64` and rounded to `f32` as torch does.
+    pub fn inv_scale(&self) -> f32 {
+        (1.0 / f64::from(self.scale)) as f32
+    }
+
+    /// Consecutive steps without overflow since the last growth or backoff (PyTorch's
+    /// `_growth_tracker`).
+    pub fn growth_tracker(&self) -> u32 {
+        self.growth_tracker
+    }
+
+    /// Optimizer steps skipped because of an overflow.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    /// Whether this step's gradients, once unscaled, held a NaN or an infinity on some rank:
+    /// `None` while they are still scaled (before [`Fsdp::unscale_grads`], [`Fsdp::grad_norm`]
+    /// or [`Fsdp::clip_grad_norm`] of this step, and after the step).
+    pub fn found_inf(&self) -> Option<bool> {
+        *self.lock()
+    }
+
+    /// The state a checkpoint holds.
+    pub fn state(&self) -> GradScalerState {
+        GradScalerState {
+            scale: self.scale,
+            growth_tracker: self.growth_tracker,
+            skipped_steps: self.skipped_steps,
+        }
+    }
+
+    /// Update the scale after a step, exactly as torch's `_amp_update_scale_`: on an overflow
+    /// (`found_inf`) the scale is multiplied by the backoff factor and the tracker reset to 0;
+    /// otherwise the tracker counts the step, and when it reaches the growth interval the scale
+    /// is multiplied by the growth factor (only if the result is finite) and the tracker reset.
+    /// Both products are taken in `f64` and rounded to `f32`. (The tracker is compared with `≥`
+    /// where torch has `==`: the same, except for a restored tracker above the interval.)
+    /// Counts nothing else: the engine counts [`skipped_steps`](Self::skipped_steps).
+    pub fn update(&mut self, found_inf: bool) {
+        if found_inf {
+            self.scale = (f64::from(self.scale) * self.config.backoff_factor) as f32;
+            self.growth_tracker = 0;
+        } else {
+            let successful = self.growth_tracker.saturating_add(1);
+            if successful >= self.config.growth_interval {
+                let grown = (f64::from(self.scale) * self.config.growth_factor) as f32;
+                if grown.is_finite() {
+                    self.scale = grown;
+                }
+                self.growth_tracker = 0;
+            } else {
+                self.growth_tracker = successful;
+            }
+        }
+        *self
+            .unscaled
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// Forget this step's unscaling (the gradients were zeroed).
+    pub(crate) fn reset_step(&mut self) {
+        *self
+            .unscaled
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = None;
+    }
+}
+
+/// Multiply the unsharded gradient `buffer` by `scale` in place, before its reduction: the loss
+/// scaling described on [`GradScaler`]. Nothing for a scale of 1 or on the meta device.
+/// Each element's product is rounded once to the buffer's element type (exact for a
+/// power-of-two scale unless it overflows).
+///
+/// # Errors
+/// A failing buffer access.
+pub(crate) fn apply_loss_scale(
+    ctx: &CommContext,
+    buffer: &Buffer,
+    scale: f32,
+) -> Result<(), FsdpError> {
+    if scale == 1.0 || ctx.is_meta() {
+        return Ok(());
+    }
+    fn mul<T: Element>(b: &Buffer, s: f64) -> Result<(), FsdpError> {
+        for x in b.write::<T>()?.iter_mut() {
+            // Exact in f64 for every element type, then rounded once.
+            *x = T::from_f64(x.to_f64() * s);
+        }
+        Ok(())
+    }
+    let s = f64::from(scale);
+    match buffer.dtype() {
+        DType::F32 => mul::<f32>(buffer, s),
+        DType::F64 => mul::<f64>(buffer, s),
+        DType::BF16 => mul::<fsdp_device::half::bf16>(buffer, s),
+        DType::F16 => mul::<fsdp_device::half::f16>(buffer, s),
+    }
+}
+
+/// Read the grad scaler's state saved with the sharded checkpoint in `dir`
+/// ([`GRAD_SCALER_FILE`]): `None` when the checkpoint was saved without a scaler.
+///
+/// # Errors
+/// [`FsdpError::Checkpoint`] for an unreadable or malformed file.
+pub fn load_grad_scaler_state(dir: &Path) -> Result<Option<GradScalerState>, FsdpError> {
+    let path = dir.join(GRAD_SCALER_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(crate::checkpoint::err(&path, format!("cannot read: {e}"))),
+    };
+    let bad = |what: &str| crate::checkpoint::err(&path, format!("grad scaler state: {what}"));
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(&format!("not valid JSON: {e}")))?;
+    let scale = v
+        .get("scale")
+        .and_then(serde_json::Value::as_f64)
+        .map(|s| s as f32)
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .ok_or_else(|| bad("missing or invalid `scale`"))?;
+    let growth_tracker = v
+        .get("growth_tracker")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|t| u32::try_from(t).ok())
+        .ok_or_else(|| bad("missing or invalid `growth_tracker`"))?;
+    let skipped_steps = v
+        .get("skipped_steps")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| bad("missing or invalid `skipped_steps`"))?;
+    Ok(Some(GradScalerState {
+        scale,
+        growth_tracker,
+        skipped_steps,
+    }))
+}
+
+impl Fsdp {
+    /// Turn dynamic loss scaling on with `config` (a fresh scaler at its initial scale), or off
+    /// (`None`, or a configuration with `enabled: false`). See [`GradScaler`] for what the engine
+    /// then does at each step. Call it between steps (no gradient held).
+    /// Every rank must set the same configuration.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] for an invalid configuration
+    /// ([`GradScalerConfig::validate`]); [`FsdpError::InvalidFsdpConfig`] when gradients of the
+    /// current step are held (they were produced with the previous scale). Nothing changes on
+    /// an error.
+    ///
+    /// # Example
+    ///
+    /// `loss = w · x` on one rank, so `w`'s gradient is `x`; the scale grows after every step
+    /// without overflow (`growth_interval: 1`), and an infinite gradient skips its step:
+    ///
+    /// ```
+    /// use std::collections::HashMap;
+    /// use fsdp::engine::{Fsdp, FsdpConfig, FsdpModel, GradScalerConfig, ParamInit, ShardingStrategy, Span};
+    /// use fsdp::optim::SgdConfig;
+    /// use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
+    /// use fsdp::{FsdpError, Grads, Params};
+    /// use fsdp_collectives::ring;
+    ///
+    /// struct Linear;
+    /// impl FsdpModel for Linear {
+    ///     type Batch = f32; // x
+    ///     type Tape = ();
+    ///     fn spans(&self) -> Vec<Span> { vec![Span::new("w", ["w"])] }
+    ///     fn forward(&self, _: usize, _: &dyn Params, _: &f32, _: &mut ()) -> Result<(), FsdpError> { Ok(()) }
+    ///     fn loss(&self, _: &()) -> Result<f32, FsdpError> { Ok(0.0) }
+    ///     fn backward(&self, _: usize, _: &dyn Params, g: &mut dyn Grads, x: &f32, _: &mut ()) -> Result<(), FsdpError> {
+    ///         g.grad_mut("w")?[0] += *x;
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let unit = UnitSpec { name: "w".into(), params: vec![ParamSpec::new("w", vec![1])] };
+    /// let plan = UnitPlan { units: vec![unit], ignored: vec![] };
+    /// let init = HashMap::from([("w".to_string(), vec![1.0f32])]);
+    /// let out = ring::run_ranks(1, ring::RingOptions::default(), |comm| {
+    ///     let config = FsdpConfig::new(ShardingStrategy::FullShard);
+    ///     let sgd = SgdConfig::with_momentum(0.5, 0.0);
+    ///     let mut fsdp = Fsdp::new(Box::new(comm), &plan, ParamInit::Full(&init), config, sgd).unwrap();
+    ///     let scaler = GradScalerConfig { growth_interval: 1, ..GradScalerConfig::default() };
+    ///     fsdp.set_grad_scaler(Some(scaler)).unwrap();
+    ///     fsdp.step(&Linear, &1.0).unwrap(); // w = 1 − 0.5 · 1; the scale grows to 2^17
+    ///     fsdp.step(&Linear, &f32::INFINITY).unwrap(); // skipped; the scale backs off to 2^16
+    ///     let s = fsdp.grad_scaler().unwrap();
+    ///     (fsdp.full_state_dict().unwrap()["w"][0], s.scale(), s.skipped_steps(), fsdp.optimizer_steps())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out[0], (0.5, 65536.0, 1, 1));
+    /// ```
+    pub fn set_grad_scaler(&mut self, config: Option<GradScalerConfig>) -> Result<(), FsdpError> {
+        // A disabled configuration is not checked, as torch checks only an enabled one.
+        let scaler = match config {
+            Some(c) if c.enabled => Some(GradScaler::new(c)?),
+            _ => None,
+        };
+        if self
+            .groups
+            .iter()
+            .any(|g| !g.grad_shard_zero || g.full_grad.is_some())
+        {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: "set the grad scaler between steps: gradients of this step are held \
+                         (step, skip_step or zero_grad first)"
+                    .into(),
+            });
+        }
+        self.grad_scaler = scaler;
+        Ok(())
+    }
+
+    /// The grad scaler, when one is on ([`set_grad_scaler`](Self::set_grad_scaler)).
+    pub fn grad_scaler(&self) -> Option<&GradScaler> {
+        self.grad_scaler.as_ref()
+    }
+
+    /// Restore a grad scaler's state (from [`load_grad_scaler_state`]) into the scaler set by
+    /// [`set_grad_scaler`](Self::set_grad_scaler). Local: every rank loads the same state.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] without a scaler; [`FsdpError::InvalidHyperparameter`]
+    /// for a scale that is not finite and positive.
+    pub fn set_grad_scaler_state(&mut self, state: GradScalerState) -> Result<(), FsdpError> {
+        let Some(s) = self.grad_scaler.as_mut() else {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: "no grad scaler to restore: set_grad_scaler first".into(),
+            });
+        };
+        if !(state.scale.is_finite() && state.scale > 0.0) {
+            return Err(FsdpError::InvalidHyperparameter {
+                name: "scale",
+                value: f64::from(state.scale),
+                reason: "must be finite and positive",
+            });
+        }
+        s.scale = state.scale;
+        s.growth_tracker = state.growth_tracker;
+        s.skipped_steps = state.skipped_steps;
+        s.reset_step();
+        Ok(())
+    }
+
+    /// Unscale the gradient shards of this step (PyTorch's `scaler.unscale_(optimizer)`):
+    /// multiply them by [`inv_scale`](GradScaler::inv_scale) and agree over the world whether
+    /// any rank's shards hold a NaN or an infinity; returns that flag (the same on every rank).
+    /// Idempotent until the step ([`optimizer_step`](Self::optimizer_step),
+    /// [`skip_step`](Self::skip_step) or [`zero_grad`](Self::zero_grad)); called by
+    /// [`grad_norm`](Self::grad_norm), [`clip_grad_norm`](Self::clip_grad_norm) and
+    /// [`optimizer_step`](Self::optimizer_step) when the caller did not. Without a scaler:
+    /// nothing, `false`. Call it after the last backward of a step: a backward after it is an
+    /// error. Every rank must call it (one all-reduce of 4 bytes over the world, none when no
+    /// gradient was produced).
+    ///
+    /// # Errors
+    /// Unreduced `no_sync` gradients ([`FsdpError::InvalidFsdpConfig`]); a failing collective.
+    pub fn unscale_grads(&mut self) -> Result<bool, FsdpError> {
+        self.check_reduced()?;
+        self.unscale_shared()
+    }
+
+    /// [`unscale_grads`](Self::unscale_grads) through a shared reference (the gradient shards
+    /// are written through their buffers' access tickets).
+    pub(crate) fn unscale_shared(&self) -> Result<bool, FsdpError> {
+        let Some(scaler) = &self.grad_scaler else {
+            return Ok(false);
+        };
+        let mut unscaled = scaler.lock();
+        if let Some(found) = *unscaled {
+            return Ok(found);
+        }
+        // No gradient since the last step (every rank alike): nothing to unscale or agree on,
+        // and a backward may still follow.
+        if self.groups.iter().all(|g| g.grad_shard_zero) {
+            return Ok(false);
+        }
+        let mut local = false;
+        if !self.ctx.is_meta() {
+            let inv = scaler.inv_scale();
+            for g in &self.groups {
+                for x in g.grad_shard.write::<f32>()?.iter_mut() {
+                    *x *= inv;
+                    // Checked after unscaling: a non-finite scaled value stays non-finite, and
+                    // an unscaling that overflows (possible once the scale fell below 1, which
+                    // torch lets through) is caught too.
+                    local |= !x.is_finite();
+                }
+            }
+        }
+        let mut found = local;
+        if let Some(world) = self.ctx.groups.world_multi() {
+            let b = Buffer::from_slice(&[if local { 1f32 } else { 0.0 }])?;
+            self.ctx
+                .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
+                    Ok(world.all_reduce(&b, ReduceOp::Sum)?)
+                })?
+                .wait()?;
+            found = b.to_vec::<f32>()?[0] != 0.0;
+        }
+        *unscaled = Some(found);
+        Ok(found)
+    }
+
+    /// The factor of the unsharded gradients before their reduction: the scale, or 1 without
+    /// a scaler.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] when this step's gradients were already unscaled.
+    pub(crate) fn backward_loss_scale(&self) -> Result<f32, FsdpError> {
+        match &self.grad_scaler {
+            None => Ok(1.0),
+            Some(s) if s.found_inf().is_some() => Err(FsdpError::InvalidFsdpConfig {
+                reason: "a backward after the gradients were unscaled (by unscale_grads, \
+                         grad_norm or clip_grad_norm): step, skip_step or zero_grad first"
+                    .into(),
+            }),
+            Some(s) => Ok(s.scale),
+        }
+    }
+
+    /// In [`optimizer_step`](Self::optimizer_step), after the reduction check: with a scaler,
+    /// unscale, and on an overflow skip the step (gradients zeroed, skip counted, scale backed
+    /// off) and return `true`.
+    pub(crate) fn grad_scaler_skips(&mut self) -> Result<bool, FsdpError> {
+        if self.grad_scaler.is_none() || !self.unscale_shared()? {
+            return Ok(false);
+        }
+        if let Some(s) = &mut self.grad_scaler {
+            s.skipped_steps += 1;
+            s.update(true);
+        }
+        self.zero_grad()?;
+        Ok(true)
+    }
+
+    /// After an optimizer step that was taken: the scale's update without overflow.
+    pub(crate) fn grad_scaler_stepped(&mut self) {
+        if let Some(s) = &mut self.grad_scaler {
+            s.update(false);
+        }
+    }
+
+    /// In [`skip_step`](Self::skip_step), before the gradients are zeroed: a step whose
+    /// unscaled gradients overflowed is the scaler's skip (counted, scale backed off); any
+    /// other skip leaves the scaler as it is.
+    pub(crate) fn grad_scaler_on_skip(&mut self) {
+        if let Some(s) = &mut self.grad_scaler {
+            if s.found_inf() == Some(true) {
+                s.skipped_steps += 1;
+                s.update(true);
+            }
+        }
+    }
+
+    /// Rank 0 writes the scaler's state into the sharded checkpoint `dir`
+    /// ([`GRAD_SCALER_FILE`]), or removes a stale one when no scaler is set.
+    pub(crate) fn write_grad_scaler_state(&self, dir: &Path) -> Result<(), FsdpError> {
+        if self.rank() != 0 {
+            return Ok(());
+        }
+        let path = dir.join(GRAD_SCALER_FILE);
+        let Some(s) = &self.grad_scaler else {
+            return match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(crate::checkpoint::err(
+                    &path,
+                    format!("cannot remove a stale file: {e}"),
+                )),
+                _ => Ok(()),
+            };
+        };
+        let c = s.config();
+        let text = serde_json::json!({
+            "format": "fsdp-grad-scaler",
+            "scale": f64::from(s.scale),
+            "growth_tracker": s.growth_tracker,
+            "skipped_steps": s.skipped_steps,
+            "config": {
+                "init_scale": f64::from(c.init_scale),
+                "growth_factor": c.growth_factor,
+                "backoff_factor": c.backoff_factor,
+                "growth_interval": c.growth_interval,
+            },
+        })
+        .to_string();
+        crate::checkpoint::write_atomic(&path, |w| w.write_all(text.as_bytes()))
+    }
+}

@@ -1,0 +1,755 @@
+//! torchdistx's `AnyPrecisionAdamW` over flat shards: AdamW whose parameters and optimizer
+//! state may be stored in low precision (pure-bf16 training), with an optional Kahan
+//! compensation buffer that keeps the small updates a bf16 parameter would otherwise lose.
+//!
+//! [`AnyPrecisionAdamWState`] documents the operations and where each is rounded.
+
+use std::ops::Range;
+
+use fsdp_device::half::{bf16, f16};
+use fsdp_device::{DType, Element};
+
+use super::{check_step, non_negative, same_len};
+use crate::FsdpError;
+
+/// `AnyPrecisionAdamW`'s hyperparameters (torchdistx), including the dtypes of its state.
+///
+/// # Defaults
+///
+/// [`AnyPrecisionAdamWConfig::default`] is torchdistx's recipe for *pure-bf16* training (its
+/// docstring's "To train in pure BF16"): both moments and the compensation buffer in bf16 and
+/// Kahan summation on. torchdistx's own constructor defaults differ (momentum in f32, Kahan
+/// off); set the fields to get them.
+///
+/// # Example
+///
+/// ```
+/// use fsdp::optim::AnyPrecisionAdamWConfig;
+/// use fsdp_device::DType;
+///
+/// let cfg = AnyPrecisionAdamWConfig { lr: 3e-4, weight_decay: 0.1, ..Default::default() };
+/// cfg.validate()?;
+/// assert!(cfg.use_kahan_summation);
+/// assert_eq!(cfg.momentum_dtype, DType::BF16);
+/// // Two bf16 moments and a bf16 compensation buffer: 6 bytes per element.
+/// assert_eq!(cfg.state_bytes_per_element(), 6);
+/// # Ok::<(), fsdp::FsdpError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AnyPrecisionAdamWConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay of the first moment (`betas[0]`).
+    pub beta1: f64,
+    /// Decay of the second moment (`betas[1]`).
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay: each step multiplies the parameter by `1 − lr·weight_decay`
+    /// (uncompensated, as torchdistx does).
+    pub weight_decay: f64,
+    /// Kahan summation of the parameter update into a compensation buffer, so that updates
+    /// below the parameter's precision accumulate instead of being rounded away.
+    pub use_kahan_summation: bool,
+    /// Storage dtype of the first moment `exp_avg` (f32, bf16 or f16).
+    pub momentum_dtype: DType,
+    /// Storage dtype of the second moment `exp_avg_sq` (f32, bf16 or f16).
+    pub variance_dtype: DType,
+    /// Storage dtype of the Kahan compensation buffer (f32, bf16 or f16); unused without Kahan
+    /// summation.
+    pub compensation_buffer_dtype: DType,
+}
+
+impl Default for AnyPrecisionAdamWConfig {
+    /// Pure-bf16 training: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0 (torchdistx's
+    /// defaults), Kahan summation on, every state buffer in bf16.
+    fn default() -> Self {
+        AnyPrecisionAdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            use_kahan_summation: true,
+            momentum_dtype: DType::BF16,
+            variance_dtype: DType::BF16,
+            compensation_buffer_dtype: DType::BF16,
+        }
+    }
+}
+
+impl AnyPrecisionAdamWConfig {
+    /// Checks what [`AdamWConfig::validate`](super::AdamWConfig::validate) checks (`lr`, `eps`,
+    /// `weight_decay` finite and `≥ 0`, `0 ≤ beta < 1`) and that each state dtype is `f32`,
+    /// `bf16` or `f16` (the update computes in `f32`, so an `f64` state would not be an `f64`
+    /// computation; the compensation dtype is checked only with Kahan summation on).
+    ///
+    /// ```
+    /// use fsdp::{optim::AnyPrecisionAdamWConfig, FsdpError};
+    /// use fsdp_device::DType;
+    ///
+    /// let bad = AnyPrecisionAdamWConfig { beta2: 1.0, ..Default::default() };
+    /// assert!(matches!(
+    ///     bad.validate(),
+    ///     Err(FsdpError::InvalidHyperparameter { name: "beta2", .. })
+    /// ));
+    /// let f64_state = AnyPrecisionAdamWConfig {
+    ///     variance_dtype: DType::F64,
+    ///     ..Default::default()
+    /// };
+    /// assert!(f64_state.validate().is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] naming the first bad setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        non_negative("lr", self.lr)?;
+        non_negative("eps", self.eps)?;
+        non_negative("weight_decay", self.weight_decay)?;
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(FsdpError::InvalidHyperparameter {
+                    name,
+                    value: b,
+                    reason: "must be in [0, 1)",
+                });
+            }
+        }
+        check_dtype("momentum_dtype", self.momentum_dtype)?;
+        check_dtype("variance_dtype", self.variance_dtype)?;
+        if self.use_kahan_summation {
+            check_dtype("compensation_buffer_dtype", self.compensation_buffer_dtype)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of optimizer state per shard element: `exp_avg`, `exp_avg_sq` and, with Kahan
+    /// summation, the compensation buffer, each at its dtype's size (6 for the default
+    /// all-bf16 state; 4 without Kahan summation). The parameter itself is not included: see
+    /// [`sharded_bytes_per_param`](super::OptimizerConfig::sharded_bytes_per_param).
+    ///
+    /// ```
+    /// use fsdp::optim::AnyPrecisionAdamWConfig;
+    ///
+    /// let no_kahan = AnyPrecisionAdamWConfig { use_kahan_summation: false, ..Default::default() };
+    /// assert_eq!(no_kahan.state_bytes_per_element(), 4);
+    /// ```
+    pub fn state_bytes_per_element(&self) -> usize {
+        let compensation = if self.use_kahan_summation {
+            self.compensation_buffer_dtype.size_in_bytes()
+        } else {
+            0
+        };
+        self.momentum_dtype.size_in_bytes() + self.variance_dtype.size_in_bytes() + compensation
+    }
+}
+
+/// A state dtype must be one the update rounds to from `f32`.
+fn check_dtype(name: &'static str, dtype: DType) -> Result<(), FsdpError> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(()),
+        DType::F64 => Err(FsdpError::InvalidHyperparameter {
+            name,
+            value: f64::NAN,
+            reason: "must be float32, bfloat16 or float16 (the update computes in float32)",
+        }),
+    }
+}
+
+/// A flat optimizer-state buffer stored in one of the dtypes [`AnyPrecisionAdamWConfig`]
+/// allows. Values are read exactly (widened to `f32`) and written rounded to nearest even.
+///
+/// ```
+/// use fsdp::optim::PrecisionVec;
+/// use fsdp_device::DType;
+///
+/// let v = PrecisionVec::from_f32(DType::BF16, &[1.0, 0.1])?;
+/// assert_eq!(v.dtype(), DType::BF16);
+/// // 0.1 rounded to bf16 (8 significant bits).
+/// assert_eq!(v.to_f32_vec(), vec![1.0, 0.10009765625]);
+/// assert_eq!(v.size_in_bytes(), 4);
+/// # Ok::<(), fsdp::FsdpError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub enum PrecisionVec {
+    /// `f32` elements.
+    F32(Vec<f32>),
+    /// `bf16` elements.
+    BF16(Vec<bf16>),
+    /// `f16` elements.
+    F16(Vec<f16>),
+}
+
+impl PrecisionVec {
+    /// `len` zeros of `dtype`, allocated fallibly.
+    ///
+    /// # Errors
+    /// [`FsdpError::HostOutOfMemory`] naming `what` when the memory cannot be allocated;
+    /// [`FsdpError::InvalidHyperparameter`] for `f64`.
+    pub fn try_zeros(dtype: DType, len: usize, what: &str) -> Result<Self, FsdpError> {
+        Ok(match dtype {
+            DType::F32 => PrecisionVec::F32(crate::try_filled_vec(len, 0.0, what)?),
+            DType::BF16 => PrecisionVec::BF16(crate::try_filled_vec(len, bf16::ZERO, what)?),
+            DType::F16 => PrecisionVec::F16(crate::try_filled_vec(len, f16::ZERO, what)?),
+            DType::F64 => return Err(check_dtype("dtype", dtype).unwrap_err()),
+        })
+    }
+
+    /// `values` rounded to `dtype` (nearest even), e.g. to load a checkpointed state.
+    ///
+    /// # Errors
+    /// [`FsdpError::HostOutOfMemory`] when the memory cannot be allocated;
+    /// [`FsdpError::InvalidHyperparameter`] for `f64`.
+    pub fn from_f32(dtype: DType, values: &[f32]) -> Result<Self, FsdpError> {
+        let mut v = PrecisionVec::try_zeros(dtype, values.len(), "an AnyPrecisionAdamW state")?;
+        match &mut v {
+            PrecisionVec::F32(d) => d.copy_from_slice(values),
+            PrecisionVec::BF16(d) => d.iter_mut().zip(values).for_each(|(d, &x)| {
+                *d = bf16::from_f32(x);
+            }),
+            PrecisionVec::F16(d) => d.iter_mut().zip(values).for_each(|(d, &x)| {
+                *d = f16::from_f32(x);
+            }),
+        }
+        Ok(v)
+    }
+
+    /// The storage dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            PrecisionVec::F32(_) => DType::F32,
+            PrecisionVec::BF16(_) => DType::BF16,
+            PrecisionVec::F16(_) => DType::F16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            PrecisionVec::F32(v) => v.len(),
+            PrecisionVec::BF16(v) => v.len(),
+            PrecisionVec::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of the elements (`len · dtype size`).
+    pub fn size_in_bytes(&self) -> usize {
+        self.len() * self.dtype().size_in_bytes()
+    }
+
+    /// The values widened to `f32` (exact).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            PrecisionVec::F32(v) => v.clone(),
+            PrecisionVec::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            PrecisionVec::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
+/// The state of one flat slice under [`AnyPrecisionAdamWConfig`]: step count, moments and (with
+/// Kahan summation) the compensation buffer, each in its configured dtype, as torchdistx's
+/// `state[p]`. All buffers start at zero.
+///
+/// # What is computed, and where it is rounded
+///
+/// The update follows torchdistx's `AnyPrecisionAdamW.step`
+/// (`src/python/torchdistx/optimizers/anyprecision_optimizer.py`) operation by operation. Each
+/// line of the listing below is one PyTorch tensor operation; PyTorch evaluates each in `f32`
+/// (its "opmath" type for bf16 and f16, and the promoted type where an `f32` gradient meets a
+/// bf16 state) from the exactly widened operands and rounds the result **once**, to nearest
+/// even, to the dtype of the tensor it writes. Here every operation does the same: compute in
+/// `f32`, round to the storage dtype (`P` for the parameter, `M` momentum, `V` variance, `C`
+/// compensation; rounding to `f32` is the identity). Python-float hyperparameters are rounded
+/// from `f64` to `f32` once, as PyTorch's CPU kernels read the scalar operand of `mul`,
+/// `addcmul` and `addcdiv` into `f32` — except `add_(eps)`, whose scalar PyTorch first converts
+/// to the tensor's dtype (`V(eps)`: bf16's 1.0012e-8, and 0 for f16, whose smallest subnormal
+/// is 6e-8).
+///
+/// ```text
+/// // scalars: state["step"] is a float32 tensor, so these are f32 tensor operations
+/// bias_correction1 = 1 − f32(beta1)^f32(step)          (powf, then subtraction, each in f32)
+/// step_size        = (1 / bias_correction1) · f32(lr)   (`lr / t` is `t.reciprocal() * lr`)
+/// denom_correction = √(1 − f32(beta2)^f32(step))        (`** 0.5` is sqrt)
+///
+/// // element-wise, g the f32 gradient
+/// p  = P(p · f32(1 − lr·weight_decay))                 p.mul_(1 - lr*wd)   (only if wd ≠ 0)
+/// m  = M(m · f32(beta1))                               exp_avg.mul_(beta1)
+/// m  = M(fma(f32(1 − beta1), g, m))                    .add_(grad, alpha=1 - beta1)
+/// v  = V(v · f32(beta2))                               exp_avg_sq.mul_(beta2)
+/// v  = V(fma(f32(1 − beta2) · g, g, v))                .addcmul_(grad, grad, value=1 - beta2)
+/// d  = V(√v)                                           exp_avg_sq.sqrt()
+/// d  = V(d / denom_correction)                         / denom_correction
+/// d  = V(d + V(eps))                                   .add_(eps, alpha=1)
+/// with Kahan summation:
+///   c  = C(c + (−step_size · m) / d)                   comp.addcdiv_(exp_avg, d, value=-step_size)
+///   t  = p                                             temp = p.detach().clone()
+///   p  = P(p + c)                                      p.add_(comp)
+///   t  = P(t − p)                                      temp.sub_(p)
+///   c  = C(c + t)                                      comp.add_(temp)
+/// without:
+///   p  = P(p + (−step_size · m) / d)                   p.addcdiv_(exp_avg, d, value=-step_size)
+/// ```
+///
+/// Products and sums are evaluated as PyTorch's CPU kernels write them (`add`:
+/// `self + alpha·other`, `addcmul`: `self + value·t1·t2`, `addcdiv`: `self + value·t1/t2`).
+/// Where the gradient takes part it is `f32`, so PyTorch runs its `f32` kernel, whose final
+/// multiply-add is fused (`fma`, one rounding: PyTorch's AVX2/AVX512 CPU kernels, vectorized
+/// and scalar, compute so, as CUDA's compiler does); the division in `addcdiv` is a true
+/// division. This is bitwise PyTorch's CPU result (tested against golden values from PyTorch
+/// 2.15 on an AVX512 CPU, `crates/fsdp/tests/data/any_precision/`). A PyTorch built without
+/// FMA (its DEFAULT CPU kernels) rounds the product separately, and CUDA divides by
+/// `denom_correction` as a multiplication by its reciprocal: each can move an `f32`
+/// intermediate by one `f32` ulp and so, rarely, a stored value by one ulp of its dtype.
+///
+/// The step counter is a `u64` here; torchdistx keeps it in a float32 tensor, which is exact up
+/// to 2²⁴ steps (beyond that torchdistx's counter stops growing; here the count is rounded to
+/// `f32` for the powers, which only matters for a `beta` within about 1e-6 of 1, where
+/// `beta^(2²⁴)` is still above f32's resolution of 1).
+///
+/// Weight decay is applied to the (bf16) parameter directly and is not compensated, exactly as
+/// in torchdistx: with a bf16 parameter, a decay factor within half an ulp of 1 does nothing.
+///
+/// # Example
+///
+/// ```
+/// use fsdp::optim::{AnyPrecisionAdamWConfig, AnyPrecisionAdamWState};
+/// use fsdp_device::half::bf16;
+///
+/// let cfg = AnyPrecisionAdamWConfig { lr: 1e-2, ..Default::default() };
+/// let mut state = AnyPrecisionAdamWState::try_new(&cfg, 2)?;
+/// let mut param = [bf16::from_f32(1.0), bf16::from_f32(-1.0)];
+/// state.step(&cfg, &mut param, &[0.5, -0.5])?;
+/// assert_eq!(state.step, 1);
+/// // The first Adam step moves each parameter by about lr against its gradient sign.
+/// assert!(param[0].to_f32() < 1.0 && param[1].to_f32() > -1.0);
+/// assert_eq!(state.size_in_bytes(), 2 * 6);
+/// # Ok::<(), fsdp::FsdpError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnyPrecisionAdamWState {
+    /// Steps taken so far.
+    pub step: u64,
+    /// First moment, in the config's `momentum_dtype`.
+    pub exp_avg: PrecisionVec,
+    /// Second moment, in the config's `variance_dtype`.
+    pub exp_avg_sq: PrecisionVec,
+    /// Kahan compensation, in the config's `compensation_buffer_dtype`; `None` without Kahan
+    /// summation (torchdistx allocates it only then).
+    pub compensation: Option<PrecisionVec>,
+}
+
+impl AnyPrecisionAdamWState {
+    /// Zero state for `len` elements in the dtypes of `cfg`, allocated fallibly.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] for a bad `cfg`; [`FsdpError::HostOutOfMemory`]
+    /// naming the buffer and its bytes when the memory cannot be allocated.
+    pub fn try_new(cfg: &AnyPrecisionAdamWConfig, len: usize) -> Result<Self, FsdpError> {
+        cfg.validate()?;
+        Ok(AnyPrecisionAdamWState {
+            step: 0,
+            exp_avg: PrecisionVec::try_zeros(
+                cfg.momentum_dtype,
+                len,
+                "the AnyPrecisionAdamW state (exp_avg)",
+            )?,
+            exp_avg_sq: PrecisionVec::try_zeros(
+                cfg.variance_dtype,
+                len,
+                "the AnyPrecisionAdamW state (exp_avg_sq)",
+            )?,
+            compensation: if cfg.use_kahan_summation {
+                Some(PrecisionVec::try_zeros(
+                    cfg.compensation_buffer_dtype,
+                    len,
+                    "the AnyPrecisionAdamW state (compensation)",
+                )?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Bytes of the state buffers (the step count aside).
+    pub fn size_in_bytes(&self) -> usize {
+        self.exp_avg.size_in_bytes()
+            + self.exp_avg_sq.size_in_bytes()
+            + self
+                .compensation
+                .as_ref()
+                .map_or(0, PrecisionVec::size_in_bytes)
+    }
+
+    /// Takes one step on a bf16 parameter slice with its `f32` gradient (see the
+    /// [type's docs](Self) for the exact operations and roundings) and counts it.
+    ///
+    /// # Errors
+    /// Checked before anything changes (the state and `param` are then unchanged):
+    /// [`FsdpError::InvalidHyperparameter`] for a bad setting, or a state whose dtypes or
+    /// compensation buffer do not match `cfg`; [`FsdpError::OptimizerLength`] if `grad` or a
+    /// state buffer does not have `param.len()` elements.
+    pub fn step(
+        &mut self,
+        cfg: &AnyPrecisionAdamWConfig,
+        param: &mut [bf16],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        self.step_slice(cfg, param, grad)
+    }
+
+    /// [`step`](Self::step) for any parameter element type the update rounds to (bf16 here,
+    /// `f32` through [`OptimizerState::step`](super::OptimizerState::step)).
+    pub(super) fn step_slice<P: ParamElement>(
+        &mut self,
+        cfg: &AnyPrecisionAdamWConfig,
+        param: &mut [P],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        let step = self.step + 1;
+        self.check(cfg, param.len())?;
+        self.update_range(cfg, step, 0..param.len(), param, grad)?;
+        self.step = step;
+        Ok(())
+    }
+
+    /// Checks `cfg`, the state's dtypes against it and every buffer's length against `len`.
+    pub(super) fn check(&self, cfg: &AnyPrecisionAdamWConfig, len: usize) -> Result<(), FsdpError> {
+        cfg.validate()?;
+        self.check_matches(cfg)?;
+        same_len("exp_avg", len, self.exp_avg.len())?;
+        same_len("exp_avg_sq", len, self.exp_avg_sq.len())?;
+        if let Some(c) = &self.compensation {
+            same_len("compensation", len, c.len())?;
+        }
+        Ok(())
+    }
+
+    /// The state was made for `cfg`'s dtypes, and has a compensation buffer if `cfg` uses one.
+    pub(super) fn check_matches(&self, cfg: &AnyPrecisionAdamWConfig) -> Result<(), FsdpError> {
+        let dtype_mismatch = |name| FsdpError::InvalidHyperparameter {
+            name,
+            value: f64::NAN,
+            reason: "the optimizer state was created with another dtype",
+        };
+        if self.exp_avg.dtype() != cfg.momentum_dtype {
+            return Err(dtype_mismatch("momentum_dtype"));
+        }
+        if self.exp_avg_sq.dtype() != cfg.variance_dtype {
+            return Err(dtype_mismatch("variance_dtype"));
+        }
+        if cfg.use_kahan_summation {
+            match &self.compensation {
+                None => {
+                    return Err(FsdpError::InvalidHyperparameter {
+                        name: "use_kahan_summation",
+                        value: 1.0,
+                        reason: "the optimizer state was created without a compensation buffer",
+                    })
+                }
+                Some(c) if c.dtype() != cfg.compensation_buffer_dtype => {
+                    return Err(dtype_mismatch("compensation_buffer_dtype"))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Updates elements `range` of the state with `param` and `grad` (both `range.len()` long)
+    /// at step number `step`, without counting the step. The caller has run
+    /// [`check`](Self::check) (with the state's full length) for a config of the same dtypes.
+    pub(super) fn update_range<P: ParamElement>(
+        &mut self,
+        cfg: &AnyPrecisionAdamWConfig,
+        step: u64,
+        range: Range<usize>,
+        param: &mut [P],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
+        check_step(step)?;
+        same_len("grad", param.len(), grad.len())?;
+        same_len("state range", param.len(), range.len())?;
+        let s = Scalars::new(cfg, step);
+        let comp = if cfg.use_kahan_summation {
+            self.compensation.as_mut()
+        } else {
+            None
+        };
+        macro_rules! each {
+            ($buf:expr, $x:ident => $body:expr) => {
+                match $buf {
+                    PrecisionVec::F32($x) => $body,
+                    PrecisionVec::BF16($x) => $body,
+                    PrecisionVec::F16($x) => $body,
+                }
+            };
+        }
+        let r = range;
+        each!(&mut self.exp_avg, m => each!(&mut self.exp_avg_sq, v => match comp {
+            None => {
+                let (m, v) = (&mut m[r.clone()], &mut v[r.clone()]);
+                update::<P, _, _, f32>(&s, param, grad, m, v, None)
+            }
+            Some(c) => each!(c, c => update(
+                &s,
+                param,
+                grad,
+                &mut m[r.clone()],
+                &mut v[r.clone()],
+                Some(&mut c[r.clone()]),
+            )),
+        }));
+        Ok(())
+    }
+}
+
+/// Parameter element types the update rounds to: `bf16` (pure-bf16 training), `f16` and `f32`
+/// (not `f64`, which would need `f64` arithmetic).
+pub(crate) trait ParamElement: Element {}
+impl ParamElement for bf16 {}
+impl ParamElement for f16 {}
+impl ParamElement for f32 {}
+
+/// `x` rounded to `T` (nearest even) and widened back to `f32`: one PyTorch operation writing a
+/// `T` tensor. The identity for `f32`.
+#[inline(always)]
+fn round<T: Element>(x: f32) -> f32 {
+    T::from_f32(x).to_f32()
+}
+
+/// The step's scalars, in `f32` as torchdistx computes them (its step count is a float32
+/// tensor; the hyperparameters are Python floats read into `f32` by the kernels).
+#[derive(Debug, Clone, Copy)]
+struct Scalars {
+    /// `f32(1 − lr·weight_decay)` (computed in `f64`, as Python does), `None` without decay.
+    decay: Option<f32>,
+    beta1: f32,
+    /// `alpha = 1 − beta1` of `exp_avg.add_`.
+    one_minus_beta1: f32,
+    beta2: f32,
+    /// `value = 1 − beta2` of `exp_avg_sq.addcmul_`.
+    one_minus_beta2: f32,
+    denom_correction: f32,
+    eps: f32,
+    /// `value = −step_size` of `addcdiv_`.
+    neg_step_size: f32,
+}
+
+impl Scalars {
+    fn new(cfg: &AnyPrecisionAdamWConfig, step: u64) -> Self {
+        // torch.tensor(0.0) += 1 per step: a float32 count.
+        let step = step as f32;
+        // `beta ** step` is torch.pow(Scalar, Tensor): the base read into f32, std::pow(float,
+        // float); `1 - t` is rsub in f32.
+        let bias_correction1 = 1.0f32 - (cfg.beta1 as f32).powf(step);
+        // `lr / t` is Tensor.__rtruediv__: `t.reciprocal() * lr`, two f32 roundings.
+        let step_size = (1.0f32 / bias_correction1) * cfg.lr as f32;
+        // `t ** 0.5` is sqrt.
+        let denom_correction = (1.0f32 - (cfg.beta2 as f32).powf(step)).sqrt();
+        Scalars {
+            // torchdistx: `if weight_decay: p.data.mul_(1 - lr * weight_decay)`.
+            decay: (cfg.weight_decay != 0.0).then_some((1.0 - cfg.lr * cfg.weight_decay) as f32),
+            beta1: cfg.beta1 as f32,
+            one_minus_beta1: (1.0 - cfg.beta1) as f32,
+            beta2: cfg.beta2 as f32,
+            one_minus_beta2: (1.0 - cfg.beta2) as f32,
+            denom_correction,
+            eps: cfg.eps as f32,
+            // `-step_size` negates the f32 tensor (exact); as a Scalar it is read back into f32.
+            neg_step_size: -step_size,
+        }
+    }
+}
+
+/// The element-wise update (see the module docs): `P`, `M`, `V`, `C` are the storage types of
+/// parameter, momentum, variance and compensation; every line is one PyTorch operation,
+/// computed in `f32` and rounded once to the type it writes.
+fn update<P: Element, M: Element, V: Element, C: Element>(
+    s: &Scalars,
+    param: &mut [P],
+    grad: &[f32],
+    exp_avg: &mut [M],
+    exp_avg_sq: &mut [V],
+    compensation: Option<&mut [C]>,
+) {
+    // `add_(eps)` converts its scalar to the tensor's dtype.
+    let eps = round::<V>(s.eps);
+    // Everything up to the denominator, for one element: returns (p, m, d) with the new
+    // parameter after weight decay, the new momentum and the denominator, and stores m and v.
+    let moments = |p: &mut P, g: f32, m: &mut M, v: &mut V| -> (f32, f32, f32) {
+        let mut pf = p.to_f32();
+        if let Some(decay) = s.decay {
+            // p.mul_(1 - lr*wd)
+            pf = round::<P>(pf * decay);
+        }
+        // exp_avg.mul_(beta1).add_(grad, alpha=1-beta1)
+        let mut mf = round::<M>(m.to_f32() * s.beta1);
+        mf = round::<M>(s.one_minus_beta1.mul_add(g, mf));
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2)
+        let mut vf = round::<V>(v.to_f32() * s.beta2);
+        vf = round::<V>((s.one_minus_beta2 * g).mul_add(g, vf));
+        *m = M::from_f32(mf);
+        *v = V::from_f32(vf);
+        // (exp_avg_sq.sqrt() / denom_correction).add_(eps, alpha=1)
+        let mut d = round::<V>(vf.sqrt());
+        d = round::<V>(d / s.denom_correction);
+        d = round::<V>(d + eps);
+        (pf, mf, d)
+    };
+    match compensation {
+        Some(comp) => {
+            for ((((p, &g), m), v), c) in param
+                .iter_mut()
+                .zip(grad)
+                .zip(exp_avg.iter_mut())
+                .zip(exp_avg_sq.iter_mut())
+                .zip(comp.iter_mut())
+            {
+                let (pf, mf, d) = moments(p, g, m, v);
+                // compensation.addcdiv_(exp_avg, centered_variance, value=-step_size)
+                let cf = round::<C>(c.to_f32() + s.neg_step_size * mf / d);
+                let temp = pf; // temp_buffer = p.detach().clone()
+                let pn = round::<P>(pf + cf); // p.data.add_(compensation)
+                let t = round::<P>(temp - pn); // temp_buffer.sub_(p.data)
+                *c = C::from_f32(cf + t); // compensation.add_(temp_buffer)
+                *p = P::from_f32(pn);
+            }
+        }
+        None => {
+            for (((p, &g), m), v) in param
+                .iter_mut()
+                .zip(grad)
+                .zip(exp_avg.iter_mut())
+                .zip(exp_avg_sq.iter_mut())
+            {
+                let (pf, mf, d) = moments(p, g, m, v);
+                // p.data.addcdiv_(exp_avg, centered_variance, value=-step_size)
+                *p = P::from_f32(pf + s.neg_step_size * mf / d);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+
+    #[test]
+    fn scalars_follow_torchdistx() {
+        let cfg = AnyPrecisionAdamWConfig {
+            lr: 1e-3,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        let s = Scalars::new(&cfg, 1);
+        // bias_correction1 = 1 - f32(0.9) = 0.100000024 (f32), its reciprocal times f32(1e-3).
+        let bc1 = 1.0f32 - 0.9f32;
+        assert_eq!(s.neg_step_size, -((1.0f32 / bc1) * 1e-3f32));
+        assert_eq!(s.denom_correction, (1.0f32 - 0.999f32).sqrt());
+        assert_eq!(s.decay, Some((1.0f64 - 1e-4) as f32));
+        assert_eq!(
+            Scalars::new(&AnyPrecisionAdamWConfig::default(), 3).decay,
+            None
+        );
+        // Late steps: both corrections are exactly 1.
+        let late = Scalars::new(&cfg, 1_000_000);
+        assert_eq!(late.denom_correction, 1.0);
+        assert_eq!(late.neg_step_size, -1e-3f32);
+    }
+
+    /// The derivation of the stall test in miniature: updates of 2⁻¹² from 1.0 (half an ulp
+    /// below 1.0 is 2⁻⁹) are all exact in the compensation, so after k steps p + c = 1 − k·2⁻¹²
+    /// exactly, with p the bf16 nearest to it.
+    #[test]
+    fn kahan_update_is_exact_for_representable_steps() {
+        // Converged moments (m = v = 1 with g = 1), past the bias correction.
+        let cfg = AnyPrecisionAdamWConfig {
+            lr: 2f64.powi(-12),
+            ..Default::default()
+        };
+        let mut st = AnyPrecisionAdamWState::try_new(&cfg, 1).unwrap();
+        st.step = 1_000_000;
+        st.exp_avg = PrecisionVec::BF16(vec![b(1.0)]);
+        st.exp_avg_sq = PrecisionVec::BF16(vec![b(1.0)]);
+        let mut p = [b(1.0)];
+        for k in 1..=9 {
+            st.step(&cfg, &mut p, &[1.0]).unwrap();
+            let c = st.compensation.as_ref().unwrap().to_f32_vec()[0];
+            let exact = 1.0 - k as f32 * 2f32.powi(-12);
+            assert_eq!(p[0].to_f32() + c, exact, "step {k}");
+            assert_eq!(p[0], b(exact), "step {k}");
+        }
+        // Nine steps: p moved one ulp down, the compensation holds the remainder 7·2⁻¹².
+        assert_eq!(p[0].to_f32(), 1.0 - 2f32.powi(-8));
+        assert_eq!(
+            st.compensation.unwrap().to_f32_vec(),
+            vec![7.0 * 2f32.powi(-12)]
+        );
+        assert_eq!(st.exp_avg.to_f32_vec(), vec![1.0]);
+        assert_eq!(st.exp_avg_sq.to_f32_vec(), vec![1.0]);
+    }
+
+    #[test]
+    fn without_kahan_small_updates_are_lost() {
+        let cfg = AnyPrecisionAdamWConfig {
+            lr: 2f64.powi(-12),
+            use_kahan_summation: false,
+            ..Default::default()
+        };
+        let mut st = AnyPrecisionAdamWState::try_new(&cfg, 1).unwrap();
+        assert!(st.compensation.is_none());
+        st.step = 1_000_000;
+        st.exp_avg = PrecisionVec::BF16(vec![b(1.0)]);
+        st.exp_avg_sq = PrecisionVec::BF16(vec![b(1.0)]);
+        let mut p = [b(1.0)];
+        for _ in 0..100 {
+            st.step(&cfg, &mut p, &[1.0]).unwrap();
+        }
+        assert_eq!(p[0], b(1.0));
+    }
+
+    #[test]
+    fn f32_state_and_parameter_is_plain_f32_arithmetic() {
+        let cfg = AnyPrecisionAdamWConfig {
+            use_kahan_summation: false,
+            momentum_dtype: DType::F32,
+            variance_dtype: DType::F32,
+            ..Default::default()
+        };
+        let mut st = AnyPrecisionAdamWState::try_new(&cfg, 1).unwrap();
+        let mut p = [0.5f32];
+        st.step_slice(&cfg, &mut p, &[0.25]).unwrap();
+        let s = Scalars::new(&cfg, 1);
+        let m = s.one_minus_beta1.mul_add(0.25, 0.0f32 * 0.9);
+        let v = (s.one_minus_beta2 * 0.25).mul_add(0.25, 0.0f32 * s.beta2);
+        let d = v.sqrt() / s.denom_correction + s.eps;
+        assert_eq!(p[0], 0.5 + s.neg_step_size * m / d);
+        assert_eq!(st.exp_avg, PrecisionVec::F32(vec![m]));
+    }
+
+    #[test]
+    fn precision_vec_round_trips() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let v = PrecisionVec::from_f32(dtype, &[1.5, -0.25, 0.0]).unwrap();
+            assert_eq!(v.dtype(), dtype);
+            assert_eq!(v.len(), 3);
+            assert_eq!(v.to_f32_vec(), vec![1.5, -0.25, 0.0]);
+            assert_eq!(v.size_in_bytes(), 3 * dtype.size_in_bytes());
+        }
+        assert!(PrecisionVec::try_zeros(DType::F64, 1, "x").is_err());
+        assert!(matches!(
+            PrecisionVec::try_zeros(DType::BF16, usize::MAX / 2, "the test buffer"),
+            Err(FsdpError::HostOutOfMemory { .. })
+        ));
+    }
+}
