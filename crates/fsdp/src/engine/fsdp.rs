@@ -1,7 +1,6 @@
 //! [`Fsdp`]: one rank's engine — construction of the param groups from a unit plan, and the
 //! hooks a training loop calls around each unit.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
@@ -14,7 +13,7 @@ use super::comm_context::{internal, CommContext, ProcessGroups};
 use super::config::{BackwardPrefetch, FsdpConfig, Phase, ScheduleEvent};
 use super::grad_scaler::{apply_loss_scale, GradScaler};
 use super::materialize::{init_shard, ParamInit};
-use super::mixed_precision::{load_exact, MixedPrecisionPolicy};
+use super::mixed_precision::MixedPrecisionPolicy;
 use super::optim_groups::OptimizerSetup;
 use super::order::ExecOrder;
 use super::param_group::{cast_buffer, GroupDtypes, ParamGroup};
@@ -570,35 +569,6 @@ impl Fsdp {
             guards[u] = Some(g.write::<f32>()?);
         }
         Ok(GradViews::new(&self.table, guards))
-    }
-
-    /// The full parameters by name, gathered from the shards (a collective: every rank must
-    /// call it). PyTorch's `FULL_STATE_DICT` of the parameters.
-    ///
-    /// # Errors
-    /// A failing collective.
-    pub fn full_state_dict(&self) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
-        let mut out = HashMap::new();
-        for g in &self.groups {
-            let full = if g.factor == 1 {
-                g.shard.clone()
-            } else {
-                let group = self
-                    .ctx
-                    .groups
-                    .shard()
-                    .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-                let full = fsdp_device::Buffer::zeros(g.shard.dtype(), g.layout.padded_numel())?;
-                group.all_gather_base(&g.shard, &full)?.wait()?;
-                full
-            };
-            let mut flat = crate::try_filled_vec(full.len(), 0.0f32, "the full state dict")?;
-            load_exact(&full, &mut flat)?;
-            for p in g.layout.params() {
-                out.insert(p.name().to_string(), flat[p.range()].to_vec());
-            }
-        }
-        Ok(out)
     }
 }
 

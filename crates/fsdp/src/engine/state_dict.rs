@@ -1,11 +1,14 @@
 //! Sharded checkpoints of the engine: every rank writes its own shards and the layout, and a
 //! checkpoint written at one world size loads at another (see [`crate::checkpoint`]).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp_collectives::ReduceOp;
 
+use super::comm_context::internal;
 use super::fsdp::Fsdp;
+use super::mixed_precision::load_exact;
 use crate::checkpoint::{
     write_rank_shards, FullOptimizerState, RankShards, ShardLayout, ShardParam,
 };
@@ -104,7 +107,7 @@ impl Fsdp {
                 try_copy(src, &what)
             };
             let mut param = try_filled_vec(unit.shard.len(), 0.0, "a parameter shard")?;
-            super::mixed_precision::load_exact(&unit.shard, &mut param)?;
+            load_exact(&unit.shard, &mut param)?;
             let mut tensors = vec![("param", param)];
             match &unit.optim_state {
                 OptimizerState::AdamW(s) => {
@@ -228,5 +231,36 @@ impl Fsdp {
         }
         self.optimizer_steps = state.optimizer_steps;
         Ok(())
+    }
+}
+
+impl Fsdp {
+    /// The full parameters by name, gathered from the shards (a collective: every rank must
+    /// call it). PyTorch's `FULL_STATE_DICT` of the parameters.
+    ///
+    /// # Errors
+    /// A failing collective.
+    pub fn full_state_dict(&self) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+        let mut out = HashMap::new();
+        for g in &self.groups {
+            let full = if g.factor == 1 {
+                g.shard.clone()
+            } else {
+                let group = self
+                    .ctx
+                    .groups
+                    .shard()
+                    .ok_or_else(|| internal("a sharded unit without a shard group"))?;
+                let full = fsdp_device::Buffer::zeros(g.shard.dtype(), g.layout.padded_numel())?;
+                group.all_gather_base(&g.shard, &full)?.wait()?;
+                full
+            };
+            let mut flat = crate::try_filled_vec(full.len(), 0.0f32, "the full state dict")?;
+            load_exact(&full, &mut flat)?;
+            for p in g.layout.params() {
+                out.insert(p.name().to_string(), flat[p.range()].to_vec());
+            }
+        }
+        Ok(out)
     }
 }
