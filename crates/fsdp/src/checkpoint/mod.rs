@@ -4,7 +4,8 @@
 //!   [`load_sharded`], [`load_sharded_checkpoint`]): a directory with one safetensors file per
 //!   rank, `rank-RRRRR-of-WWWWW.safetensors` ([`shard_file_name`]), holding that rank's flat
 //!   shard of every FSDP unit (`unit.U.param`) and its optimizer state shards (`unit.U.exp_avg`,
-//!   `unit.U.exp_avg_sq` for AdamW, `unit.U.momentum_buffer` for SGD with momentum), with the
+//!   `unit.U.exp_avg_sq` for AdamW, `unit.U.momentum_buffer` for SGD with momentum, and for
+//!   AnyPrecisionAdamW its moments and `unit.U.compensation` written exactly as f32), with the
 //!   layout as JSON under the metadata key [`LAYOUT_KEY`] (world size, strategy, optimizer step,
 //!   and per unit its [`ShardLayout`]: sharding factor F, which shard the file holds, padded and
 //!   shard sizes, each parameter's name, shape and flat offset). Every rank writes its file,

@@ -12,7 +12,7 @@ use super::mixed_precision::load_exact;
 use crate::checkpoint::{
     write_rank_shards, FullOptimizerState, RankShards, ShardLayout, ShardParam,
 };
-use crate::optim::{AdamWState, OptimizerState};
+use crate::optim::{AdamWState, AnyPrecisionAdamWState, OptimizerState, PrecisionVec};
 use crate::{try_filled_vec, FsdpError};
 
 /// A copy of `src`, allocated fallibly ([`FsdpError::HostOutOfMemory`] naming `what` when the
@@ -127,6 +127,17 @@ impl Fsdp {
                             .push(("momentum_buffer", copy("momentum_buffer", momentum_buffer)?));
                     }
                 }
+                OptimizerState::AnyPrecisionAdamW(s) => {
+                    // The states are written as f32, exactly (every state dtype widens
+                    // exactly); loading rounds nothing.
+                    optimizer = "anyprecision_adamw";
+                    optimizer_step = s.step;
+                    tensors.push(("exp_avg", s.exp_avg.to_f32_vec()));
+                    tensors.push(("exp_avg_sq", s.exp_avg_sq.to_f32_vec()));
+                    if let Some(c) = &s.compensation {
+                        tensors.push(("compensation", c.to_f32_vec()));
+                    }
+                }
                 #[allow(unreachable_patterns)]
                 _ => {
                     return Err(FsdpError::Checkpoint {
@@ -217,6 +228,20 @@ impl Fsdp {
                         shard_of("momentum_buffer")?
                     },
                 },
+                (OptimizerState::AnyPrecisionAdamW(cur), "anyprecision_adamw") => {
+                    let typed = |kind: &str, dtype| -> Result<PrecisionVec, FsdpError> {
+                        PrecisionVec::from_f32(dtype, &shard_of(kind)?)
+                    };
+                    OptimizerState::AnyPrecisionAdamW(AnyPrecisionAdamWState {
+                        step: state.step,
+                        exp_avg: typed("exp_avg", cur.exp_avg.dtype())?,
+                        exp_avg_sq: typed("exp_avg_sq", cur.exp_avg_sq.dtype())?,
+                        compensation: match &cur.compensation {
+                            Some(c) => Some(typed("compensation", c.dtype())?),
+                            None => None,
+                        },
+                    })
+                }
                 (_, other) => {
                     return Err(bad(format!(
                         "the checkpoint holds `{other}` state, not this runtime's optimizer's"
