@@ -518,7 +518,7 @@ impl fmt::Display for MemoryPlan {
             f,
             "(per rank; peak allocated: the caching allocator's bytes: parameter and gradient \
              shards, unsharded parameters and gradients at the peak, 512-byte rounding; peak \
-             reserved: its segments; optimizer state (AdamW) and activations (the peak of \
+             reserved: its segments; the optimizer's state and activations (the peak of \
              the model's saved activations, its tape) are host memory outside the allocator; \
              total: reserved + optimizer + activations)"
         )?;

@@ -1,10 +1,13 @@
 //! The memory and communication plan of training the reference GPT: the engine's dry run
-//! ([`fsdp::plan::plan_with_activations`]) over the GPT's spans, with the bytes each span adds
+//! ([`fsdp::plan::plan_with_optimizer`]) over the GPT's spans, with the bytes each span adds
 //! to the tape ([`span_activations`]), so that the activations' peak — with or without
 //! activation checkpointing ([`FsdpConfig::activation_checkpointing`]) — and the peak of the
-//! allocator's bytes plus the activations are the run's, byte for byte.
+//! allocator's bytes plus the activations are the run's, byte for byte. [`plan`] and
+//! [`plan_accumulated`] plan AdamW; [`plan_with_optimizer`] any [`OptimizerConfig`] (its state,
+//! and under AnyPrecisionAdamW the shards held in `param_dtype`).
 
 use fsdp::engine::SpanActivations;
+use fsdp::optim::{AdamWConfig, OptimizerConfig};
 use fsdp::plan::MemoryPlan;
 use fsdp::units::UnitPlan;
 use fsdp::{FsdpConfig, FsdpError, FsdpModel};
@@ -48,6 +51,66 @@ pub fn plan_accumulated(
     seq: usize,
     micro_batches: usize,
 ) -> Result<MemoryPlan, FsdpError> {
+    let adamw = AdamWConfig::default().into();
+    plan_with_optimizer(
+        cfg,
+        world,
+        config,
+        units,
+        batch_per_rank,
+        seq,
+        micro_batches,
+        &adamw,
+    )
+}
+
+/// [`plan_accumulated`] of a run with the optimizer `optim` ([`fsdp::plan::plan_with_optimizer`]):
+/// [`RankMemory::optimizer_state`] is its state
+/// ([`OptimizerConfig::state_bytes_per_element`] per shard element), and under
+/// AnyPrecisionAdamW the shards are held in the policy's `param_dtype` (no `f32` master
+/// weights), as a run holds them.
+///
+/// ```
+/// use fsdp::optim::{AdamWConfig, AnyPrecisionAdamWConfig, OptimizerConfig};
+/// use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
+/// use fsdp_device::DType;
+/// use fsdp_gpt::model::GptConfig;
+/// use fsdp_gpt::plan::plan_with_optimizer;
+/// use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
+/// use fsdp_gpt::tree::gpt_module_tree;
+///
+/// let cfg = GptConfig::new(2, 2, 32, 16, 64)?;
+/// let units = plan_units(
+///     &gpt_module_tree(&cfg),
+///     &WrapOptions::new(WrapPolicy::module_type(["Block"])),
+/// )?;
+/// let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
+/// config.mixed_precision.param_dtype = DType::BF16;
+/// let plan = |optim: OptimizerConfig| plan_with_optimizer(&cfg, 2, &config, &units, 2, 16, 1, &optim);
+/// let adamw = plan(AdamWConfig::default().into())?;
+/// let pure_bf16 = plan(AnyPrecisionAdamWConfig::default().into())?;
+/// // Two bf16 moments and a bf16 compensation against two f32 moments.
+/// assert_eq!(
+///     pure_bf16.per_rank[0].optimizer_state * 8,
+///     adamw.per_rank[0].optimizer_state * 6
+/// );
+/// # Ok::<(), fsdp::FsdpError>(())
+/// ```
+///
+/// # Errors
+/// As [`plan_accumulated`]; an invalid optimizer configuration, or AnyPrecisionAdamW with
+/// `f16` parameters.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_with_optimizer(
+    cfg: &GptConfig,
+    world: usize,
+    config: &FsdpConfig,
+    units: &UnitPlan,
+    batch_per_rank: usize,
+    seq: usize,
+    micro_batches: usize,
+    optim: &OptimizerConfig,
+) -> Result<MemoryPlan, FsdpError> {
     let model = GptModel::new(*cfg, 1)?;
     if batch_per_rank == 0 || seq == 0 || seq > cfg.block_size {
         return Err(FsdpError::InvalidFsdpConfig {
@@ -65,13 +128,14 @@ pub fn plan_accumulated(
             ),
         })?;
     crate::runtime::check_plan(cfg, units)?;
-    fsdp::plan::plan_with_activations(
+    fsdp::plan::plan_with_optimizer(
         units,
         &model.spans(),
         &activations,
         world,
         config,
         micro_batches,
+        optim,
     )
 }
 

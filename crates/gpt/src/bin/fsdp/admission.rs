@@ -1,6 +1,7 @@
 //! Memory admission: before `fsdp train` allocates anything, the plan (a dry run of the engine,
-//! [`fsdp_gpt::plan::plan_accumulated`]) predicts every rank's memory — the caching allocator's
-//! reserved peak, the AdamW state and the activations — and the ranks that share this memory
+//! [`fsdp_gpt::plan::plan_with_optimizer`]) predicts every rank's memory — the caching
+//! allocator's reserved peak, the optimizer state (AdamW's, or AnyPrecisionAdamW's with its
+//! shards in `--param-dtype`) and the activations — and the ranks that share this memory
 //! add up: all ranks in thread mode (they are threads of this process); under a launcher the
 //! ranks of this host, which meet at the rendezvous store ([`HostGroup`], [`crate::host_admission`]): each publishes its
 //! own prediction and the memory it sees, and each adds up the same figures, so every rank of
@@ -18,12 +19,14 @@
 //! available memory (less its optimizer state and activations) as capacity, so the allocator
 //! enforces what was admitted.
 //!
-//! A cheap lower bound (16 bytes per parameter of a rank's shard: parameter, gradient and the
-//! two AdamW moments) is checked first, before the module tree and the plan are built, so
-//! that an absurd model is refused without building anything in proportion to it.
+//! A cheap lower bound (per element of a rank's shard: the parameter, its f32 gradient and the
+//! optimizer state; 16 bytes for AdamW) is checked first, before the module tree and the plan
+//! are built, so that an absurd model is refused without building anything in proportion to
+//! it.
 
 use std::path::Path;
 
+use fsdp::optim::OptimizerConfig;
 use fsdp::plan::{available_memory, AvailableMemory, MemoryPlan};
 use fsdp::units::UnitPlan;
 use fsdp::{human_bytes, FsdpError};
@@ -184,14 +187,14 @@ pub(crate) struct ProcessData {
 impl ProcessData {
     /// The corpus of `--data` (its size on disk; unreadable: 0, the read reports it) or the
     /// generated one of `generated` tokens, with `params` parameters loaded by `--init-from`
-    /// (`init_from`) or `--resume` (parameters and both AdamW moments), and gathered for
-    /// `--save`.
+    /// (`init_from`) or `--resume` (parameters and the optimizer's buffers: both AdamW moments,
+    /// or AnyPrecisionAdamW's moments and compensation, read as f32), and gathered for `--save`.
     pub(crate) fn new(
         data: Option<&Path>,
         generated: usize,
         params: usize,
         init_from: bool,
-        resume: bool,
+        resume: Option<&OptimizerConfig>,
         save: bool,
     ) -> Result<ProcessData, CliError> {
         let corpus = match data {
@@ -202,9 +205,11 @@ impl ProcessData {
             .checked_mul(4)
             .ok_or_else(|| overflow("the parameters"))?;
         let checkpoint = match (resume, init_from) {
-            (true, _) => param_bytes.checked_mul(3),
-            (false, true) => Some(param_bytes),
-            (false, false) => Some(0),
+            (Some(optim), _) => {
+                param_bytes.checked_mul(1 + crate::optimizer::checkpoint_buffers(optim))
+            }
+            (None, true) => Some(param_bytes),
+            (None, false) => Some(0),
         }
         .ok_or_else(|| overflow("the checkpoint"))?;
         Ok(ProcessData {
@@ -415,15 +420,19 @@ impl<'a> Prediction<'a> {
 const BLOCK_DESCRIPTION_BYTES: u64 = 4096;
 
 /// The lower bound checked before anything is built: every rank holds at least its shard of
-/// every parameter with its gradient and two AdamW moments (16 bytes per element), in all
-/// ranks sharing the memory, and every process describes every block. `Ok` when it fits (or
-/// when the sizes are invalid, which the setup reports).
+/// every parameter with its f32 gradient and the optimizer's state (`optim`; 16 bytes per
+/// element for AdamW), in all ranks sharing the memory, and every process describes every
+/// block. `Ok` when it fits (or when the sizes are invalid, which the setup reports).
 pub(crate) fn precheck(
     m: &ModelArgs,
+    optim: &OptimizerConfig,
     world: usize,
     sharing: Sharing<'_>,
     limit: Option<u64>,
 ) -> Result<(), CliError> {
+    // The parameter (in the dtype of the shards), its state and its f32 gradient.
+    let element = crate::optimizer::shard_dtype(optim, m.param_dtype);
+    let element = (optim.sharded_bytes_per_param(element) + 4) as u64;
     // (elements of a rank's shard, bytes of a rank, bytes of a process, layers), or `None`
     // when the sizes are invalid.
     let bound = match GptConfig::new(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size) {
@@ -437,7 +446,7 @@ pub(crate) fn precheck(
             };
             let shard = (cfg.num_params() as u64).div_ceil(factor as u64);
             let per_rank = shard
-                .checked_mul(16)
+                .checked_mul(element)
                 .ok_or_else(|| overflow("the parameters"))?;
             let blocks = (cfg.n_layer as u64).saturating_mul(BLOCK_DESCRIPTION_BYTES);
             Some((shard, per_rank, blocks, cfg.n_layer))
@@ -486,9 +495,10 @@ pub(crate) fn precheck(
         world,
     };
     Err(sharing.refuse(format!(
-        "not enough memory: predicted at least {} for {} ({each} at least {}: 16 bytes for \
-         each of the {shard} elements of its shard, the parameter, its gradient and two AdamW \
-         moments; plus at least {} to describe the {n_layer} blocks), available {}; hint: {}",
+        "not enough memory: predicted at least {} for {} ({each} at least {}: {element} bytes \
+         for each of the {shard} elements of its shard, the parameter, its gradient and the \
+         optimizer state; plus at least {} to describe the {n_layer} blocks), available {}; \
+         hint: {}",
         both(total),
         p.who,
         human_bytes(per_rank),
@@ -500,7 +510,8 @@ pub(crate) fn precheck(
 
 /// Admission of a training run (see the [module](self) documentation): plans `config` for
 /// `cfg` and `units` at `world` ranks with micro-batches of `micro` rows (all ranks) in
-/// `grad_accum` per step, and returns the capacity to give each rank's caching allocator.
+/// `grad_accum` per step and the optimizer `optim`, and returns the capacity to give each
+/// rank's caching allocator.
 ///
 /// # Errors
 /// One line when the prediction exceeds the memory available, or overflows; the plan's errors.
@@ -512,6 +523,7 @@ pub(crate) fn admit(
     world: usize,
     micro: usize,
     grad_accum: usize,
+    optim: &OptimizerConfig,
     sharing: Sharing<'_>,
     data: &ProcessData,
     limit: Option<u64>,
@@ -521,7 +533,7 @@ pub(crate) fn admit(
         memory_capacity: usize::MAX,
         ..*config
     };
-    let plan = fsdp_gpt::plan::plan_accumulated(
+    let plan = fsdp_gpt::plan::plan_with_optimizer(
         cfg,
         world,
         &unbounded,
@@ -529,6 +541,7 @@ pub(crate) fn admit(
         micro / world,
         cfg.block_size,
         grad_accum,
+        optim,
     )?;
     let mut p = Prediction::new(&plan, world, sharing, data)?;
     let available = match sharing {

@@ -57,6 +57,8 @@ pub(crate) struct LaunchArgs {
 pub(crate) struct PlanArgs {
     #[command(flatten)]
     pub(crate) model: ModelArgs,
+    #[command(flatten)]
+    pub(crate) optim: OptimizerArgs,
     /// Global batch size in rows (over all ranks and micro-batches).
     #[arg(long, default_value_t = 16)]
     pub(crate) batch_size: usize,
@@ -120,7 +122,8 @@ pub(crate) struct ModelArgs {
     #[arg(long)]
     pub(crate) activation_checkpointing: bool,
     /// Mixed precision: the dtype parameters are all-gathered and read in (f32, bf16 or f16;
-    /// the sharded master weights and the optimizer stay f32).
+    /// the sharded master weights and the optimizer stay f32, except under --optimizer
+    /// anyprecision-adamw, which stores the shards in this dtype: f32 or bf16).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub(crate) param_dtype: DType,
     /// Mixed precision: the dtype gradients are reduced in (f32, bf16 or f16; default: the
@@ -129,10 +132,52 @@ pub(crate) struct ModelArgs {
     pub(crate) reduce_dtype: Option<DType>,
 }
 
+/// The optimizer (shared by `fsdp train` and `fsdp plan`, whose memory depends on it).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct OptimizerArgs {
+    /// `adamw` (torch.optim.AdamW on f32 master shards: 8 bytes of state per element) or
+    /// `anyprecision-adamw` (torchdistx's AnyPrecisionAdamW: the shards stored in
+    /// --param-dtype, so with bf16 pure-bf16 training without f32 master weights; moments and
+    /// Kahan compensation in --optimizer-state-dtype). --lr, --beta1, --beta2, --eps and
+    /// --weight-decay apply to both.
+    #[arg(long, default_value = "adamw", value_parser = parse_optimizer)]
+    pub(crate) optimizer: OptimizerKind,
+    /// AnyPrecisionAdamW: Kahan summation of the parameter update into a compensation buffer,
+    /// so that updates below the parameter's precision accumulate (default: on).
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub(crate) kahan_summation: Option<bool>,
+    /// AnyPrecisionAdamW: the dtype of its momentum, variance and compensation buffers, bf16
+    /// or f32 (default: bf16).
+    #[arg(long, value_name = "bf16|f32", value_parser = parse_state_dtype)]
+    pub(crate) optimizer_state_dtype: Option<DType>,
+}
+
+/// `--optimizer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OptimizerKind {
+    AdamW,
+    AnyPrecisionAdamW,
+}
+
+fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
+    crate::optimizer::kind_from_option(s)
+        .ok_or_else(|| "expected adamw or anyprecision-adamw".into())
+}
+
+fn parse_state_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f32" | "fp32" | "float32" => Ok(DType::F32),
+        _ => Err("expected bf16 or f32".into()),
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TrainArgs {
     #[command(flatten)]
     pub(crate) model: ModelArgs,
+    #[command(flatten)]
+    pub(crate) optim: OptimizerArgs,
     /// Global batch size in rows (over all ranks and micro-batches).
     #[arg(long, default_value_t = 16)]
     pub(crate) batch_size: usize,
@@ -142,19 +187,19 @@ pub(crate) struct TrainArgs {
     /// Optimizer steps.
     #[arg(long, default_value_t = 250)]
     pub(crate) steps: usize,
-    /// AdamW learning rate.
+    /// Learning rate (of either --optimizer).
     #[arg(long, default_value_t = 3e-3)]
     pub(crate) lr: f64,
-    /// AdamW beta1.
+    /// Decay of the first moment (betas[0]).
     #[arg(long, default_value_t = 0.9)]
     pub(crate) beta1: f64,
-    /// AdamW beta2.
+    /// Decay of the second moment (betas[1]).
     #[arg(long, default_value_t = 0.95)]
     pub(crate) beta2: f64,
-    /// AdamW epsilon.
+    /// Epsilon, added to the denominator.
     #[arg(long, default_value_t = 1e-8)]
     pub(crate) eps: f64,
-    /// AdamW decoupled weight decay.
+    /// Decoupled weight decay.
     #[arg(long, default_value_t = 0.1)]
     pub(crate) weight_decay: f64,
     /// Decay only the parameters of 2 or more dimensions (nanoGPT's `configure_optimizers`:
@@ -267,7 +312,7 @@ fn parse_schedule_kind(s: &str) -> Result<ScheduleKindArg, String> {
     }
 }
 
-/// `--grad-scaler`.
+/// `--grad-scaler`, `--kahan-summation`.
 fn parse_on_off(s: &str) -> Result<bool, String> {
     match s {
         "on" => Ok(true),

@@ -5,9 +5,9 @@
 //! state with its groups and learning-rate schedule, all keyed by parameter name; with the grad
 //! scaler on, its state in [`fsdp::engine::GRAD_SCALER_FILE`]) plus [`RUN_FILE`], the run: the
 //! step K reached, the data position, the skipped non-finite steps, and the options that define
-//! the run (model sizes, strategy, AdamW and schedule settings, gradient clipping, batch,
-//! gradient accumulation, seed, data, `--init-from`, mixed precision and the grad scaler's
-//! settings). It is written
+//! the run (model sizes, strategy, the optimizer (`--optimizer` and its settings) and the
+//! schedule, gradient clipping, batch, gradient accumulation, seed, data, `--init-from`, mixed
+//! precision and the grad scaler's settings). It is written
 //! with the `step-K` protocol of [`fsdp::checkpoint::CheckpointDir`]: every rank writes and
 //! `fsync`s its file into `DIR/step-K.tmp` and the ranks agree that all succeeded; rank 0 then
 //! writes [`RUN_FILE`] atomically, renames the directory to `DIR/step-K`, `fsync`s `DIR`, and

@@ -12,6 +12,7 @@ mod args;
 mod checkpointing;
 mod host_admission;
 mod launch_cmd;
+mod optimizer;
 mod output;
 mod paths;
 mod plan_cmd;

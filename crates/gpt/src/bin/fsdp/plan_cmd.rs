@@ -1,16 +1,20 @@
 //! `fsdp plan`: the memory and communication plan of the options, and whether the ranks fit in
-//! the memory available (as threads of one process, as `fsdp train` runs them).
+//! the memory available (as threads of one process, as `fsdp train` runs them). With the
+//! optimizer's lines: its state per rank and per shard element, and the sharded state per
+//! parameter (the parameter in the dtype of the shards and its optimizer state).
 
 use fsdp_gpt::runtime::FsdpConfig;
 
 use crate::admission::{available, Prediction, ProcessData, Sharing};
 use crate::args::PlanArgs;
+use crate::optimizer::{describe, plan_optimizer, sharded_state_line};
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::train::SYNTHETIC_LEN;
 use crate::CliError;
 
 pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
     let world = args.model.ranks.unwrap_or(DEFAULT_RANKS);
+    let optim = plan_optimizer(&args.optim, args.model.param_dtype)?;
     let Setup { cfg, config, plan } = setup(&args.model, world)?;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     // The peak the allocator reaches when nothing limits it (training gives it the admitted
@@ -19,7 +23,7 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
         memory_capacity: usize::MAX,
         ..config
     };
-    let p = fsdp_gpt::plan::plan_accumulated(
+    let p = fsdp_gpt::plan::plan_with_optimizer(
         &cfg,
         world,
         &unbounded,
@@ -27,9 +31,20 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
         micro / world,
         cfg.block_size,
         args.grad_accum,
+        &optim,
     )?;
     print!("{p}");
-    let data = ProcessData::new(None, SYNTHETIC_LEN, cfg.num_params(), false, false, false)?;
+    let param_dtype = args.model.param_dtype;
+    let per_element = optim.state_bytes_per_element();
+    let shard_elements: usize = p.units.iter().map(|u| u.shard_numel).sum();
+    let state = p.per_rank.first().map_or(0, |m| m.optimizer_state);
+    println!("optimizer: {}", describe(&optim, param_dtype));
+    println!(
+        "optimizer state: {state} bytes per rank ({per_element} bytes per shard element × \
+         {shard_elements} elements)"
+    );
+    println!("{}", sharded_state_line(&optim, param_dtype));
+    let data = ProcessData::new(None, SYNTHETIC_LEN, cfg.num_params(), false, None, false)?;
     let prediction = Prediction::new(&p, world, Sharing::Threads, &data)?;
     println!();
     println!(

@@ -120,18 +120,18 @@ impl ResumePoint {
 /// Options are reconciled with a source (a checkpoint or an `--init-from` file): one given
 /// on the command line must equal the source's value (else an error naming both); one not
 /// given takes it.
-struct Reconcile<'a> {
+pub(crate) struct Reconcile<'a> {
     explicit: &'a [String],
     /// `the checkpoint DIR/step-K` or `--init-from FILE`.
     source: String,
 }
 
 impl Reconcile<'_> {
-    fn given(&self, id: &str) -> bool {
+    pub(crate) fn given(&self, id: &str) -> bool {
         self.explicit.iter().any(|e| e == id)
     }
 
-    fn error(&self, option: &str, given: &str, saved: &str) -> CliError {
+    pub(crate) fn error(&self, option: &str, given: &str, saved: &str) -> CliError {
         fail(format!(
             "{option} {given} disagrees with {}, which has {saved}",
             self.source
@@ -405,6 +405,7 @@ fn resume_from(dir: &Path, out: &mut TrainArgs) -> Result<(ResumePoint, SavedPla
     r.value("grad_accum", &mut out.grad_accum, c.usize("grad_accum")?)?;
     r.value("seed", &mut out.seed, c.u64("seed")?)?;
     let grad_scaler = precision_from(&r, &c, out)?;
+    crate::optimizer::reconcile(&r, &c, &mut out.optim)?;
     // Inputs are compared as canonical paths.
     let saved_data = c.opt("data", |v| v.as_str().map(PathBuf::from))?;
     if r.given("data") {

@@ -90,7 +90,7 @@ pub(crate) fn effective_grad_clip(c: Option<f64>) -> Option<f64> {
 pub(crate) fn run_config(args: &TrainArgs, data_tokens: usize) -> Value {
     let m = &args.model;
     let cosine = args.lr_schedule == ScheduleKindArg::Cosine;
-    json!({
+    let mut config = json!({
         "n_layer": m.n_layer,
         "n_head": m.n_head,
         "n_embd": m.n_embd,
@@ -128,7 +128,15 @@ pub(crate) fn run_config(args: &TrainArgs, data_tokens: usize) -> Value {
             "init_scale": args.init_scale.unwrap_or(DEFAULT_INIT_SCALE),
             "growth_interval": args.growth_interval.unwrap_or(DEFAULT_GROWTH_INTERVAL),
         })),
-    })
+    });
+    // The optimizer and its settings (absent from checkpoints written before --optimizer:
+    // such a checkpoint is AdamW's).
+    if let Some(map) = config.as_object_mut() {
+        for (key, value) in crate::optimizer::record(&args.optim) {
+            map.insert(key.into(), value);
+        }
+    }
+    config
 }
 
 /// Reads fields of a JSON object, errors naming the file and the field.

@@ -7,7 +7,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use fsdp::engine::{GradScaler, GradScalerState};
-use fsdp::optim::{decay_2d_only as decay_2d_only_groups, decay_2d_only_group, AdamWConfig};
+use fsdp::optim::{decay_2d_only as decay_2d_only_groups, decay_2d_only_group};
 use fsdp::{human_bytes, ParamInit};
 use fsdp_collectives::{init_from_env, init_with_store, ring, Backend, Communicator, InitOptions};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
@@ -66,6 +66,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     }
     let Admitted {
         setup: Setup { cfg, config, plan },
+        optim: opt,
         micro,
         global_tokens,
         capacity,
@@ -83,14 +84,6 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     };
     let skip_nonfinite = args.skip_nonfinite;
     let scaler = grad_scaler_config(args)?;
-    let opt = AdamWConfig {
-        lr: args.lr,
-        beta1: args.beta1,
-        beta2: args.beta2,
-        eps: args.eps,
-        weight_decay: args.weight_decay,
-    };
-    opt.validate()?;
     let schedule = lr_schedule(args)?;
     let decay_2d_only = args.decay_2d_only;
     let tokens = match &args.data {
@@ -196,6 +189,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             String::new()
         }
         );
+        println!(
+            "optimizer: {}; {}",
+            crate::optimizer::describe(&opt, config.mixed_precision.param_dtype),
+            crate::optimizer::sharded_state_line(&opt, config.mixed_precision.param_dtype)
+        );
         if let Some(r) = &resume {
             println!(
                 "resuming from {} at step {} of {steps}",
@@ -223,7 +221,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             model.set_grad_scaler_state(state)?;
         }
         if decay_2d_only {
-            model.set_param_groups(decay_2d_only_groups(opt.weight_decay), |_, shape| {
+            model.set_param_groups(decay_2d_only_groups(args.weight_decay), |_, shape| {
                 decay_2d_only_group(shape)
             })?;
         }

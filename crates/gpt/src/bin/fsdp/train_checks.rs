@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp::engine::GradScalerConfig;
-use fsdp::optim::LrSchedule;
+use fsdp::optim::{LrSchedule, OptimizerConfig};
 use fsdp_collectives::{Backend, LaunchEnv};
 use fsdp_device::DType;
 use fsdp_gpt::init::gpt2_init;
@@ -63,10 +63,12 @@ fn load_checkpoint(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f
     Ok(fsdp_gpt::checkpoint::load_full(path, cfg)?)
 }
 
-/// What [`admit_run`] gives: the model, FSDP configuration and unit plan, the rows of a
-/// micro-batch (all ranks), the tokens of a step (all ranks) and each rank's allocator capacity.
+/// What [`admit_run`] gives: the model, FSDP configuration and unit plan, the optimizer, the
+/// rows of a micro-batch (all ranks), the tokens of a step (all ranks) and each rank's
+/// allocator capacity.
 pub(crate) struct Admitted {
     pub(crate) setup: Setup,
+    pub(crate) optim: OptimizerConfig,
     pub(crate) micro: usize,
     pub(crate) global_tokens: usize,
     pub(crate) capacity: usize,
@@ -81,8 +83,11 @@ pub(crate) fn admit_run(
     sharing: Sharing<'_>,
     resumed: bool,
 ) -> Result<Admitted, CliError> {
+    // The optimizer decides what a shard element holds (AnyPrecisionAdamW: the shards in
+    // --param-dtype), so it is checked first.
+    let optim = crate::optimizer::train_optimizer(args)?;
     // A cheap lower bound of the memory, before the module tree and the plan are built.
-    admission::precheck(&args.model, world, sharing, args.memory_limit)?;
+    admission::precheck(&args.model, &optim, world, sharing, args.memory_limit)?;
     let setup = setup(&args.model, world)?;
     let t = setup.cfg.block_size;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
@@ -108,7 +113,7 @@ pub(crate) fn admit_run(
         SYNTHETIC_LEN,
         setup.cfg.num_params(),
         args.init_from.is_some(),
-        resumed,
+        resumed.then_some(&optim),
         args.save.is_some(),
     )?;
     let capacity = admission::admit(
@@ -118,12 +123,14 @@ pub(crate) fn admit_run(
         world,
         micro,
         args.grad_accum,
+        &optim,
         sharing,
         &data,
         args.memory_limit,
     )?;
     Ok(Admitted {
         setup,
+        optim,
         micro,
         global_tokens,
         capacity,
