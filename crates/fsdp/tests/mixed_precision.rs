@@ -250,6 +250,34 @@ fn model(world: usize, config: &FsdpConfig) -> TiedMlp {
     }
 }
 
+/// The tied-MLP example's engine on one rank.
+fn tied_engine_result(
+    comm: ring::RingCommunicator,
+    init: &Map,
+    config: FsdpConfig,
+    optim: OptimizerConfig,
+) -> Result<Fsdp, FsdpError> {
+    let tree = tied_mlp::tree();
+    let wrap = tied_mlp::wrap();
+    Fsdp::from_module(
+        Box::new(comm),
+        &tree,
+        &wrap,
+        ParamInit::Full(init),
+        config,
+        optim,
+    )
+}
+
+fn tied_engine(
+    comm: ring::RingCommunicator,
+    init: &Map,
+    config: FsdpConfig,
+    optim: impl Into<OptimizerConfig>,
+) -> Fsdp {
+    tied_engine_result(comm, init, config, optim.into()).unwrap()
+}
+
 fn ring_options() -> ring::RingOptions {
     let mut options = ring::RingOptions::default();
     options.timeout = Duration::from_secs(60);
@@ -263,19 +291,10 @@ fn engine(
     config: FsdpConfig,
     init: &Map,
 ) -> (Vec<f32>, Map, Vec<(ScheduleKind, usize)>) {
-    let tree = tied_mlp::tree();
     let runs = ring::run_ranks(world, ring_options(), |comm| {
         let rank = comm.rank();
         let batch = tied_mlp::batch(GLOBAL, rank, world);
-        let mut fsdp = Fsdp::from_module(
-            Box::new(comm),
-            &tree,
-            &tied_mlp::wrap(),
-            ParamInit::Full(init),
-            config,
-            adamw(),
-        )
-        .unwrap();
+        let mut fsdp = tied_engine(comm, init, config, adamw());
         let m = model(world, &config);
         let losses: Vec<f32> = (0..STEPS).map(|_| fsdp.step(&m, &batch).unwrap()).collect();
         let kinds = fsdp
@@ -431,15 +450,7 @@ fn bf16_halves_the_bytes_all_gathered() {
         config.trace = true;
         ring::run_ranks(2, ring_options(), |comm| {
             let batch = tied_mlp::batch(GLOBAL, comm.rank(), 2);
-            let mut fsdp = Fsdp::from_module(
-                Box::new(comm),
-                &tree,
-                &tied_mlp::wrap(),
-                ParamInit::Full(&init),
-                config,
-                adamw(),
-            )
-            .unwrap();
+            let mut fsdp = tied_engine(comm, &init, config, adamw());
             fsdp.step(&TiedMlp { global: GLOBAL }, &batch).unwrap();
             let bytes = |k: fsdp::trace::SpanKind| -> u64 {
                 fsdp.trace_events()
@@ -500,17 +511,10 @@ fn a_float64_policy_is_refused_by_name() {
     let tree = tied_mlp::tree();
     let init = tied_mlp::init_params(&tree);
     let err = ring::run_ranks(1, ring_options(), |comm| {
-        Fsdp::from_module(
-            Box::new(comm),
-            &tree,
-            &tied_mlp::wrap(),
-            ParamInit::Full(&init),
-            config,
-            adamw(),
-        )
-        .map(|_| ())
-        .unwrap_err()
-        .to_string()
+        tied_engine_result(comm, &init, config, adamw().into())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
     })
     .unwrap();
     assert!(err[0].contains("reduce_dtype float64"), "{}", err[0]);
@@ -538,15 +542,7 @@ fn any_precision_adamw_trains_pure_bf16_shards() {
         config.mixed_precision = policy;
         let runs = ring::run_ranks(world, ring_options(), |comm| {
             let batch = tied_mlp::batch(GLOBAL, comm.rank(), world);
-            let mut fsdp = Fsdp::from_module(
-                Box::new(comm),
-                &tree,
-                &tied_mlp::wrap(),
-                ParamInit::Full(&init),
-                config,
-                OptimizerConfig::from(any_precision()),
-            )
-            .unwrap();
+            let mut fsdp = tied_engine(comm, &init, config, OptimizerConfig::from(any_precision()));
             assert!(fsdp
                 .param_groups()
                 .iter()
@@ -626,15 +622,7 @@ fn any_precision_sharded_state_is_8_bytes_per_parameter() {
         config.mixed_precision = policy;
         let (numel, bytes) = ring::run_ranks(2, ring_options(), |comm| {
             let batch = tied_mlp::batch(GLOBAL, comm.rank(), 2);
-            let mut fsdp = Fsdp::from_module(
-                Box::new(comm),
-                &tree,
-                &tied_mlp::wrap(),
-                ParamInit::Full(&init),
-                config,
-                optim,
-            )
-            .unwrap();
+            let mut fsdp = tied_engine(comm, &init, config, optim);
             fsdp.step(&TiedMlp { global: GLOBAL }, &batch).unwrap();
             fsdp.param_groups().iter().fold((0, 0), |(n, b), g| {
                 let s = g.layout().shard_numel();
@@ -675,15 +663,7 @@ fn any_precision_state_survives_a_sharded_checkpoint() {
     let run = |world: usize, init: &Map, steps: usize, save: bool, state| {
         ring::run_ranks(world, ring_options(), |comm| {
             let batch = tied_mlp::batch(GLOBAL, comm.rank(), world);
-            let mut fsdp = Fsdp::from_module(
-                Box::new(comm),
-                &tree,
-                &tied_mlp::wrap(),
-                ParamInit::Full(init),
-                config,
-                OptimizerConfig::from(any_precision()),
-            )
-            .unwrap();
+            let mut fsdp = tied_engine(comm, init, config, OptimizerConfig::from(any_precision()));
             if let Some(s) = &state {
                 fsdp.load_optimizer_state(s).unwrap();
             }
