@@ -69,6 +69,7 @@
 
 mod connect;
 mod link;
+mod shm;
 mod transport;
 pub(crate) mod wire;
 
@@ -81,7 +82,7 @@ use fsdp_device::DEFAULT_TIMEOUT;
 
 use self::link::AbortState;
 use self::transport::{Tcp, TcpControl};
-use crate::flavors::engine::{engine_communicator, Engine, EngineParts};
+use crate::flavors::engine::{engine_communicator, Control, Engine, EngineParts, Transport};
 use crate::store::{StoreOptions, TcpStore};
 use crate::{CollectiveError, Result};
 
@@ -99,6 +100,33 @@ pub struct TcpOptions {
     /// The address this rank listens on for its predecessor. Default (`None`): the local address
     /// of the interface that routes to the store's host (loopback for a store on loopback).
     pub listen_ip: Option<IpAddr>,
+    /// How the ranks' data moves. Default: [`ProcessTransport::Auto`].
+    pub transport: ProcessTransport,
+}
+
+/// The transport of a process group: the same ring engine moves the data either through shared
+/// memory (processes of one node) or through TCP sockets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProcessTransport {
+    /// `FSDP_TRANSPORT` (`shm` or `tcp`) if set; otherwise shared memory when every rank of the
+    /// group runs on one node (the same `GROUP_RANK`, as `fsdp launch` sets it), TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP sockets (any hosts).
+    Tcp,
+    /// Shared memory under `/dev/shm` (ranks of one host).
+    Shm,
+}
+
+impl ProcessTransport {
+    /// `shm` or `tcp` (`Auto` has no name).
+    pub fn name(self) -> &'static str {
+        match self {
+            ProcessTransport::Shm => "shm",
+            _ => "tcp",
+        }
+    }
 }
 
 impl Default for TcpOptions {
@@ -107,6 +135,7 @@ impl Default for TcpOptions {
             timeout: DEFAULT_TIMEOUT,
             segment_bytes: 512 << 10,
             listen_ip: None,
+            transport: ProcessTransport::Auto,
         }
     }
 }
@@ -121,6 +150,12 @@ impl TcpOptions {
     /// These options with another segment size.
     pub fn with_segment_bytes(mut self, bytes: usize) -> Self {
         self.segment_bytes = bytes;
+        self
+    }
+
+    /// These options with another transport.
+    pub fn with_transport(mut self, transport: ProcessTransport) -> Self {
+        self.transport = transport;
         self
     }
 
@@ -142,6 +177,7 @@ pub struct TcpCommunicator {
     group: String,
     opts: TcpOptions,
     store: TcpStore,
+    transport: ProcessTransport,
 }
 
 impl fmt::Debug for TcpCommunicator {
@@ -228,31 +264,56 @@ impl TcpCommunicator {
         world: usize,
         opts: TcpOptions,
     ) -> Result<TcpCommunicator> {
-        let abort = Arc::new(AbortState::default());
-        let links =
-            connect::connect_ring(&store, &group, rank, world, &opts, abort.clone())?.map(Arc::new);
-        tracing::debug!(rank, world, %group, "tcp communicator connected");
+        let kind = choose_transport(&store, &group, rank, world, opts.transport)?;
+        let (transport, control): (Box<dyn Transport>, Arc<dyn Control>) = match kind {
+            ProcessTransport::Shm if world > 1 => {
+                let (t, c) = shm::connect(
+                    &store,
+                    &group,
+                    rank,
+                    world,
+                    opts.segment_bytes,
+                    opts.timeout,
+                )?;
+                (Box::new(t), Arc::new(c))
+            }
+            _ => {
+                let abort = Arc::new(AbortState::default());
+                let links =
+                    connect::connect_ring(&store, &group, rank, world, &opts, abort.clone())?
+                        .map(Arc::new);
+                let control = TcpControl {
+                    rank,
+                    group: group.clone(),
+                    abort,
+                    links: links.clone(),
+                };
+                (Box::new(Tcp::new(rank, world, links)), Arc::new(control))
+            }
+        };
+        tracing::debug!(rank, world, %group, transport = kind.name(), "communicator connected");
         let engine = Engine::new(EngineParts {
             rank,
             world,
             backend: "tcp",
-            stream_name: format!("tcp-comm:{rank}/{world}"),
+            stream_name: format!("{}-comm:{rank}/{world}", kind.name()),
             timeout: opts.timeout,
             segment_bytes: opts.segment_bytes,
-            transport: Box::new(Tcp::new(rank, world, links.clone())),
-            control: Arc::new(TcpControl {
-                rank,
-                group: group.clone(),
-                abort,
-                links,
-            }),
+            transport,
+            control,
         });
         Ok(TcpCommunicator {
             engine,
             group,
             opts,
             store,
+            transport: kind,
         })
+    }
+
+    /// The transport this group's data moves over (`Shm` or `Tcp`).
+    pub fn transport(&self) -> ProcessTransport {
+        self.transport
     }
 
     /// The options of the group.
@@ -269,6 +330,47 @@ impl TcpCommunicator {
     pub fn aborted(&self) -> Option<String> {
         self.engine.aborted()
     }
+}
+
+/// Resolve [`ProcessTransport::Auto`]: `FSDP_TRANSPORT`, else shared memory when every rank
+/// posts the same node (`GROUP_RANK`) to the store.
+fn choose_transport(
+    store: &TcpStore,
+    group: &str,
+    rank: usize,
+    world: usize,
+    asked: ProcessTransport,
+) -> Result<ProcessTransport> {
+    if asked != ProcessTransport::Auto {
+        return Ok(asked);
+    }
+    match std::env::var("FSDP_TRANSPORT").ok().as_deref() {
+        Some("shm") => return Ok(ProcessTransport::Shm),
+        Some("tcp") => return Ok(ProcessTransport::Tcp),
+        Some(other) if !other.is_empty() => {
+            return Err(CollectiveError::InvalidArgument {
+                rank,
+                op: "tcp::TcpCommunicator::new",
+                reason: format!("FSDP_TRANSPORT={other:?} (expected shm or tcp)"),
+            })
+        }
+        _ => {}
+    }
+    if world == 1 {
+        return Ok(ProcessTransport::Tcp);
+    }
+    let node = std::env::var("GROUP_RANK").unwrap_or_default();
+    store.set(&format!("fsdp/tcp/{group}/node/{rank}"), node.as_bytes())?;
+    let mut same = !node.is_empty();
+    for r in 0..world {
+        let theirs = store.get(&format!("fsdp/tcp/{group}/node/{r}"))?;
+        same &= theirs == node.as_bytes();
+    }
+    Ok(if same {
+        ProcessTransport::Shm
+    } else {
+        ProcessTransport::Tcp
+    })
 }
 
 fn check_options(rank: usize, opts: &TcpOptions) -> Result<()> {
