@@ -356,12 +356,13 @@ fn choose_transport(
         }
         _ => {}
     }
-    if world == 1 {
+    // Ranks not started by a launcher (no node identity) talk TCP, as they always did.
+    let node = std::env::var("GROUP_RANK").unwrap_or_default();
+    if world == 1 || node.is_empty() {
         return Ok(ProcessTransport::Tcp);
     }
-    let node = std::env::var("GROUP_RANK").unwrap_or_default();
     store.set(&format!("fsdp/tcp/{group}/node/{rank}"), node.as_bytes())?;
-    let mut same = !node.is_empty();
+    let mut same = true;
     for r in 0..world {
         let theirs = store.get(&format!("fsdp/tcp/{group}/node/{r}"))?;
         same &= theirs == node.as_bytes();
