@@ -12,6 +12,7 @@
 mod check;
 mod common;
 pub mod dryrun;
+mod engine;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

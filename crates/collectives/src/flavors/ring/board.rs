@@ -6,22 +6,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::Links;
-pub(crate) use crate::flavors::common::{compare, OpDesc};
+use super::threads::Links;
+#[cfg(test)]
+use crate::flavors::common::compare;
+pub(crate) use crate::flavors::common::OpDesc;
 
 /// Why an exchange did not complete.
 #[derive(Debug)]
 pub(crate) enum ExchangeFail {
-    Timeout {
-        missing: Vec<usize>,
-        waited: Duration,
-    },
-    Departed {
-        peer: usize,
-    },
-    Aborted {
-        reason: String,
-    },
+    Timeout { missing: Vec<usize> },
+    Departed { peer: usize },
+    Aborted { reason: String },
 }
 
 struct Slot {
@@ -115,10 +110,7 @@ impl Board {
             let now = Instant::now();
             if now >= deadline {
                 let missing = (0..world).filter(|&p| slot.descs[p].is_none()).collect();
-                return Err(ExchangeFail::Timeout {
-                    missing,
-                    waited: timeout,
-                });
+                return Err(ExchangeFail::Timeout { missing });
             }
             st = self
                 .cv

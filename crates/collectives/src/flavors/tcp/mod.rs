@@ -67,26 +67,24 @@
 //! assert!(sums.iter().all(|v| v == &vec![6.0; 4]));
 //! ```
 
-mod algo;
 mod connect;
 mod link;
-mod wire;
+mod shm;
+mod transport;
+pub(crate) mod wire;
 
 use std::fmt;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use fsdp_device::{
-    with_element, AccessGuard, Buffer, DType, Device, Storage, Stream, DEFAULT_TIMEOUT,
-};
+use fsdp_device::DEFAULT_TIMEOUT;
 
-use self::algo::{Ctx, DataError};
-use self::link::{AbortState, Links};
-use crate::flavors::check::{enqueue_collective, Access, Placement};
-use crate::flavors::common::{compare, Chunks, OpDesc};
+use self::link::AbortState;
+use self::transport::{Tcp, TcpControl};
+use crate::flavors::engine::{engine_communicator, Control, Engine, EngineParts, Transport};
 use crate::store::{StoreOptions, TcpStore};
-use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
+use crate::{CollectiveError, Result};
 
 /// Options of a tcp communicator.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,6 +100,33 @@ pub struct TcpOptions {
     /// The address this rank listens on for its predecessor. Default (`None`): the local address
     /// of the interface that routes to the store's host (loopback for a store on loopback).
     pub listen_ip: Option<IpAddr>,
+    /// How the ranks' data moves. Default: [`ProcessTransport::Auto`].
+    pub transport: ProcessTransport,
+}
+
+/// The transport of a process group: the same ring engine moves the data either through shared
+/// memory (processes of one node) or through TCP sockets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProcessTransport {
+    /// `FSDP_TRANSPORT` (`shm` or `tcp`) if set; otherwise shared memory when every rank of the
+    /// group runs on one node (the same `GROUP_RANK`, as `fsdp launch` sets it), TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP sockets (any hosts).
+    Tcp,
+    /// Shared memory under `/dev/shm` (ranks of one host).
+    Shm,
+}
+
+impl ProcessTransport {
+    /// `shm` or `tcp` (`Auto` has no name).
+    pub fn name(self) -> &'static str {
+        match self {
+            ProcessTransport::Shm => "shm",
+            _ => "tcp",
+        }
+    }
 }
 
 impl Default for TcpOptions {
@@ -110,6 +135,7 @@ impl Default for TcpOptions {
             timeout: DEFAULT_TIMEOUT,
             segment_bytes: 512 << 10,
             listen_ip: None,
+            transport: ProcessTransport::Auto,
         }
     }
 }
@@ -127,6 +153,12 @@ impl TcpOptions {
         self
     }
 
+    /// These options with another transport.
+    pub fn with_transport(mut self, transport: ProcessTransport) -> Self {
+        self.transport = transport;
+        self
+    }
+
     /// These options with another listening address.
     pub fn with_listen_ip(mut self, ip: IpAddr) -> Self {
         self.listen_ip = Some(ip);
@@ -134,44 +166,18 @@ impl TcpOptions {
     }
 }
 
-struct Shared {
-    rank: usize,
-    world: usize,
+/// One rank of a tcp group: the ring engine over a process transport. Its
+/// collectives run on its own communication stream in the order they were issued; every rank
+/// must issue the same collectives in the same order (issue them from one thread, or order the
+/// threads that do).
+pub struct TcpCommunicator {
+    engine: Engine,
     /// Name of the group, unique in the store (`g<k>` for the k-th group a rank creates from the
     /// store, `<parent>.<seq>.<color>` for a split).
     group: String,
     opts: TcpOptions,
     store: TcpStore,
-    /// `None` for a group of one rank.
-    links: Option<Links>,
-    abort: Arc<AbortState>,
-    /// Sequence number of the next collective, taken together with the enqueue.
-    next_seq: Mutex<u64>,
-}
-
-impl Shared {
-    fn seg_elems(&self, dtype: DType) -> usize {
-        (self.opts.segment_bytes / dtype.size_in_bytes()).max(1)
-    }
-
-    /// Abort the group for `reason`: later calls fail, and the successor is told (it passes the
-    /// notice on around the ring).
-    fn abort(&self, seq: u64, reason: String) {
-        if self.abort.set(reason.clone()) {
-            tracing::warn!(rank = self.rank, group = %self.group, %reason, "tcp communicator aborted");
-            if let Some(l) = &self.links {
-                l.out().send_abort(seq, self.rank, &reason);
-            }
-        }
-    }
-}
-
-/// One rank of a tcp group. Its collectives run on its own communication stream in the order
-/// they were issued; every rank must issue the same collectives in the same order (issue them
-/// from one thread, or order the threads that do).
-pub struct TcpCommunicator {
-    shared: Arc<Shared>,
-    stream: Stream,
+    transport: ProcessTransport,
 }
 
 impl fmt::Debug for TcpCommunicator {
@@ -179,7 +185,9 @@ impl fmt::Debug for TcpCommunicator {
         write!(
             f,
             "TcpCommunicator(rank {}/{}, group {})",
-            self.shared.rank, self.shared.world, self.shared.group
+            self.engine.rank(),
+            self.engine.world_size(),
+            self.group
         )
     }
 }
@@ -234,10 +242,6 @@ pub fn run_local_ranks<T: Send>(
     results.into_iter().collect()
 }
 
-type Body = Box<
-    dyn FnOnce(&Ctx<'_>, &[AccessGuard], &[OpDesc]) -> std::result::Result<(), DataError> + Send,
->;
-
 impl TcpCommunicator {
     /// Join the group of every rank of `store`: rank and world size are the store's. Every rank
     /// must call it (the k-th call on each rank forms the k-th group). Blocks until this rank is
@@ -260,89 +264,114 @@ impl TcpCommunicator {
         world: usize,
         opts: TcpOptions,
     ) -> Result<TcpCommunicator> {
-        let abort = Arc::new(AbortState::default());
-        let links = connect::connect_ring(&store, &group, rank, world, &opts, abort.clone())?;
-        let stream = Stream::cpu_with_timeout(format!("tcp-comm:{rank}/{world}"), opts.timeout);
-        tracing::debug!(rank, world, %group, "tcp communicator connected");
+        let kind = choose_transport(&store, &group, rank, world, opts.transport)?;
+        let (transport, control): (Box<dyn Transport>, Arc<dyn Control>) = match kind {
+            ProcessTransport::Shm if world > 1 => {
+                let (t, c) = shm::connect(
+                    &store,
+                    &group,
+                    rank,
+                    world,
+                    opts.segment_bytes,
+                    opts.timeout,
+                )?;
+                (Box::new(t), Arc::new(c))
+            }
+            _ => {
+                let abort = Arc::new(AbortState::default());
+                let links =
+                    connect::connect_ring(&store, &group, rank, world, &opts, abort.clone())?
+                        .map(Arc::new);
+                let control = TcpControl {
+                    rank,
+                    group: group.clone(),
+                    abort,
+                    links: links.clone(),
+                };
+                (Box::new(Tcp::new(rank, world, links)), Arc::new(control))
+            }
+        };
+        tracing::debug!(rank, world, %group, transport = kind.name(), "communicator connected");
+        let engine = Engine::new(EngineParts {
+            rank,
+            world,
+            backend: "tcp",
+            stream_name: format!("{}-comm:{rank}/{world}", kind.name()),
+            timeout: opts.timeout,
+            segment_bytes: opts.segment_bytes,
+            transport,
+            control,
+        });
         Ok(TcpCommunicator {
-            shared: Arc::new(Shared {
-                rank,
-                world,
-                group,
-                opts,
-                store,
-                links,
-                abort,
-                next_seq: Mutex::new(0),
-            }),
-            stream,
+            engine,
+            group,
+            opts,
+            store,
+            transport: kind,
         })
+    }
+
+    /// The transport this group's data moves over (`Shm` or `Tcp`).
+    pub fn transport(&self) -> ProcessTransport {
+        self.transport
     }
 
     /// The options of the group.
     pub fn options(&self) -> &TcpOptions {
-        &self.shared.opts
+        &self.opts
     }
 
     /// The group's name in the store (unique per group; sub-groups extend their parent's).
     pub fn group_name(&self) -> &str {
-        &self.shared.group
+        &self.group
     }
 
     /// Why the communicator was aborted, if it was.
     pub fn aborted(&self) -> Option<String> {
-        self.shared.abort.get()
+        self.engine.aborted()
     }
+}
 
-    fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {
-        CollectiveError::InvalidArgument {
-            rank: self.shared.rank,
-            op,
-            reason,
-        }
+/// Resolve [`ProcessTransport::Auto`]: `FSDP_TRANSPORT`, else shared memory when every rank
+/// posts the same node (`GROUP_RANK`) to the store.
+fn choose_transport(
+    store: &TcpStore,
+    group: &str,
+    rank: usize,
+    world: usize,
+    asked: ProcessTransport,
+) -> Result<ProcessTransport> {
+    if asked != ProcessTransport::Auto {
+        return Ok(asked);
     }
-
-    /// Issue a collective: take a sequence number, enqueue the task and return its work. When
-    /// `check` failed, the task still posts the (invalid) description so that the peers fail at
-    /// once instead of waiting, and the error is returned here.
-    fn issue(
-        &self,
-        mut desc: OpDesc,
-        check: std::result::Result<Access, String>,
-        body: Body,
-    ) -> Result<Work> {
-        let shared = &self.shared;
-        let (rank, op) = (shared.rank, desc.op);
-        if let Some(reason) = shared.abort.get() {
-            return Err(CollectiveError::Aborted { rank, reason });
+    match std::env::var("FSDP_TRANSPORT").ok().as_deref() {
+        Some("shm") => return Ok(ProcessTransport::Shm),
+        Some("tcp") => return Ok(ProcessTransport::Tcp),
+        Some(other) if !other.is_empty() => {
+            return Err(CollectiveError::InvalidArgument {
+                rank,
+                op: "tcp::TcpCommunicator::new",
+                reason: format!("FSDP_TRANSPORT={other:?} (expected shm or tcp)"),
+            })
         }
-        let timeout = shared.opts.timeout;
-        let (access, local_error) = match check {
-            Ok(a) => (Some(a), None),
-            Err(reason) => {
-                desc.invalid = Some(reason.clone());
-                (None, Some(self.invalid(op, reason)))
-            }
-        };
-        let task_shared = shared.clone();
-        let work = enqueue_collective(
-            &self.stream,
-            &shared.next_seq,
-            rank,
-            op,
-            timeout,
-            move |seq| run_collective(&task_shared, seq, desc, access, body),
-        )?;
-        match local_error {
-            Some(e) => Err(e),
-            None => Ok(work),
-        }
+        _ => {}
     }
-
-    /// Where this backend's buffers live.
-    fn placement(&self) -> Placement {
-        Placement::on("tcp", Device::Cpu)
+    // Ranks not started by a launcher (no node identity) talk TCP, as they always did.
+    let node = std::env::var("GROUP_RANK").unwrap_or_default();
+    if world == 1 || node.is_empty() {
+        return Ok(ProcessTransport::Tcp);
     }
+    store.set(&format!("fsdp/tcp/{group}/node/{rank}"), node.as_bytes())?;
+    let mut same = true;
+    for r in 0..world {
+        let theirs = store.get(&format!("fsdp/tcp/{group}/node/{r}"))?;
+        same &= theirs == node.as_bytes();
+    }
+    Ok(if same {
+        ProcessTransport::Shm
+    } else {
+        ProcessTransport::Tcp
+    })
 }
 
 fn check_options(rank: usize, opts: &TcpOptions) -> Result<()> {
@@ -360,324 +389,30 @@ fn check_options(rank: usize, opts: &TcpOptions) -> Result<()> {
     Ok(())
 }
 
-/// Describe a failure of the exchange or the data phase as this crate's error, and abort the
-/// group.
-fn fail(shared: &Shared, op: &'static str, seq: u64, e: DataError) -> CollectiveError {
-    let rank = shared.rank;
-    let err = match e {
-        DataError::Timeout { waiting_for } => CollectiveError::Timeout {
-            rank,
-            op,
-            seq,
-            waited: shared.opts.timeout,
-            waiting_for,
-        },
-        DataError::Departed { peer, why } => {
-            tracing::debug!(rank, peer, %why, "tcp: peer connection lost");
-            match shared.abort.get() {
-                // The peer left because the group was aborted: report that.
-                Some(reason) => CollectiveError::Aborted { rank, reason },
-                None => CollectiveError::PeerDeparted {
-                    rank,
-                    peer,
-                    op,
-                    seq,
-                },
-            }
-        }
-        DataError::Aborted { reason } => CollectiveError::Aborted { rank, reason },
-        DataError::Protocol { reason } => CollectiveError::Aborted {
-            rank,
-            reason: format!("protocol error in {op} (collective #{seq}): {reason}"),
-        },
-    };
-    shared.abort(seq, err.to_string());
-    err
-}
-
-/// The stream task of one collective: take the buffers, compare descriptions with the peers, move
-/// the data.
-fn run_collective(
-    shared: &Shared,
-    seq: u64,
-    mut desc: OpDesc,
-    access: Option<Access>,
-    body: Body,
-) -> Result<()> {
-    let (rank, world, op) = (shared.rank, shared.world, desc.op);
-    if let Some(reason) = shared.abort.get() {
-        return Err(CollectiveError::Aborted { rank, reason });
-    }
-    let timeout = shared.opts.timeout;
-    // One budget for the whole collective: buffers, description exchange and data.
-    let deadline = Instant::now() + timeout;
-    let mut local_failure = None;
-    let guards = match access {
-        Some(a) => match a.acquire(timeout) {
-            Ok(g) => g,
-            Err(why) => {
-                desc.invalid = Some(format!("its buffers stayed busy: {why}"));
-                local_failure = Some(why);
-                Vec::new()
-            }
-        },
-        None => Vec::new(),
-    };
-    let ctx = Ctx::new(rank, world, seq, deadline, shared.links.as_ref());
-    let descs = ctx.exchange(&desc).map_err(|e| fail(shared, op, seq, e))?;
-    if let Some(why) = local_failure {
-        return Err(CollectiveError::Device {
-            rank,
-            source: fsdp_device::DeviceError::Timeout {
-                what: format!("access to the buffers of {op}: {why}"),
-                waited: timeout,
-            },
-        });
-    }
-    compare(&descs).map_err(|details| CollectiveError::Mismatch { rank, seq, details })?;
-    body(&ctx, &guards, &descs).map_err(|e| fail(shared, op, seq, e))
-}
-
-/// Pointer to a guard's first element.
-fn ptr(g: &AccessGuard) -> *mut u8 {
-    g.as_ptr()
-}
-
-impl Communicator for TcpCommunicator {
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.shared.world
-    }
-
-    fn stream(&self) -> &Stream {
-        &self.stream
-    }
-
-    fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work> {
-        let (world, rank) = (self.shared.world, self.shared.rank);
-        let n = input.len();
-        let mut desc = OpDesc::new("all_gather_base");
-        desc.dtype = Some(input.dtype());
-        desc.count = n;
-        let check = self.placement().all_gather_base(rank, world, input, output);
-        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
-        let seg = self.shared.seg_elems(input.dtype());
-        let dtype = input.dtype();
-        let body: Body = Box::new(move |ctx, guards, _| {
-            let out = ptr(&guards[guards.len() - 1]);
-            let chunks = Chunks::equal(world, n, seg);
-            let own = if in_place {
-                out.wrapping_add(chunks.start(rank) * dtype.size_in_bytes())
-            } else {
-                ptr(&guards[0])
-            };
-            // SAFETY: guards give this rank exclusive use of the output and shared use of the
-            // input for the whole call; sizes were checked at issue time.
-            with_element!(dtype, T => unsafe { algo::all_gather::<T>(ctx, own, out, &chunks) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    fn reduce_scatter_base(&self, input: &Buffer, output: &Buffer, op: ReduceOp) -> Result<Work> {
-        let (world, rank) = (self.shared.world, self.shared.rank);
-        let n = output.len();
-        let mut desc = OpDesc::new("reduce_scatter_base");
-        desc.dtype = Some(input.dtype());
-        desc.count = n;
-        desc.reduce = Some(op);
-        let check = self
-            .placement()
-            .reduce_scatter_base(rank, world, input, output);
-        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
-        let seg = self.shared.seg_elems(input.dtype());
-        let dtype = input.dtype();
-        let body: Body = Box::new(move |ctx, guards, _| {
-            let inp = ptr(&guards[0]);
-            let chunks = Chunks::equal(world, n, seg);
-            let out = if in_place {
-                inp.wrapping_add(chunks.start(rank) * dtype.size_in_bytes())
-            } else {
-                ptr(&guards[1])
-            };
-            // SAFETY: guards cover input (shared, or exclusive in place) and output (exclusive).
-            with_element!(dtype, T => unsafe { algo::reduce_scatter::<T>(ctx, op, inp, out, &chunks) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    fn all_reduce(&self, buf: &Buffer, op: ReduceOp) -> Result<Work> {
-        let (world, rank) = (self.shared.world, self.shared.rank);
-        let total = buf.len();
-        let mut desc = OpDesc::new("all_reduce");
-        desc.dtype = Some(buf.dtype());
-        desc.count = total;
-        desc.reduce = Some(op);
-        let check = self.placement().all_reduce(buf);
-        let seg = self.shared.seg_elems(buf.dtype());
-        let dtype = buf.dtype();
-        let body: Body = Box::new(move |ctx, guards, _| {
-            let p = ptr(&guards[0]);
-            let chunks = Chunks::balanced(world, total, seg);
-            let own = p.wrapping_add(chunks.start(rank) * dtype.size_in_bytes());
-            // SAFETY: exclusive guard over the whole buffer; reduce-scatter in place, then
-            // all-gather in place — the ring backend's all-reduce, in the same order.
-            with_element!(dtype, T => unsafe {
-                algo::reduce_scatter::<T>(ctx, op, p, own, &chunks)?;
-                algo::all_gather::<T>(ctx, own, p, &chunks)
-            })
-        });
-        self.issue(desc, check, body)
-    }
-
-    fn broadcast(&self, buf: &Buffer, root: usize) -> Result<Work> {
-        let rank = self.shared.rank;
-        let total = buf.len();
-        let mut desc = OpDesc::new("broadcast");
-        desc.dtype = Some(buf.dtype());
-        desc.count = total;
-        desc.root = Some(root);
-        let check = self
-            .placement()
-            .broadcast(rank, self.shared.world, buf, root);
-        let seg = self.shared.seg_elems(buf.dtype());
-        let dtype = buf.dtype();
-        let body: Body = Box::new(move |ctx, guards, _| {
-            let p = ptr(&guards[0]);
-            // SAFETY: the root only reads its buffer (shared guard); others own theirs.
-            with_element!(dtype, T => unsafe { algo::broadcast::<T>(ctx, p, total, root, seg) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    fn reduce(&self, buf: &Buffer, op: ReduceOp, root: usize) -> Result<Work> {
-        let rank = self.shared.rank;
-        let total = buf.len();
-        let mut desc = OpDesc::new("reduce");
-        desc.dtype = Some(buf.dtype());
-        desc.count = total;
-        desc.reduce = Some(op);
-        desc.root = Some(root);
-        let check = self.placement().reduce(rank, self.shared.world, buf, root);
-        let seg = self.shared.seg_elems(buf.dtype());
-        let dtype = buf.dtype();
-        let body: Body = Box::new(move |ctx, guards, _| {
-            let p = ptr(&guards[0]);
-            // SAFETY: non-root ranks only read their buffer; the root owns its exclusively.
-            with_element!(dtype, T => unsafe { algo::reduce::<T>(ctx, op, p, total, root, seg) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    fn barrier(&self) -> Result<Work> {
-        // The description exchange alone is the barrier: it completes once every rank posted.
-        let body: Body = Box::new(|_, _, _| Ok(()));
-        self.issue(OpDesc::new("barrier"), Ok(Access::none()), body)
-    }
-
-    fn all_gather(&self, input: &Buffer, outputs: &[Buffer]) -> Result<Work> {
-        let (world, rank) = (self.shared.world, self.shared.rank);
-        let sizes: Vec<usize> = outputs.iter().map(Buffer::len).collect();
-        let mut desc = OpDesc::new("all_gather");
-        desc.dtype = Some(input.dtype());
-        desc.count = input.len();
-        desc.sizes = Some(sizes.clone());
-        let check = self.placement().all_gather(rank, world, input, outputs);
-        let dtype = input.dtype();
-        let esz = dtype.size_in_bytes();
-        let max = sizes.iter().copied().max().unwrap_or(0);
-        let seg = self.shared.seg_elems(dtype);
-        let body: Body = Box::new(move |ctx, guards, _| {
-            // Pad every input to the largest, all-gather base into one flat buffer, copy out.
-            let tmp = fsdp_device::HostStorage::zeroed(max * esz * (world + 1)).map_err(|e| {
-                DataError::Protocol {
-                    reason: e.to_string(),
-                }
-            })?;
-            let padded_in = tmp.as_ptr();
-            let flat = padded_in.wrapping_add(max * esz);
-            // SAFETY: `tmp` is private to this task and sized for the padded input plus the flat
-            // output; guards[0] is this rank's input of sizes[rank] elements.
-            unsafe { std::ptr::copy_nonoverlapping(ptr(&guards[0]), padded_in, sizes[rank] * esz) };
-            let chunks = Chunks::equal(world, max, seg);
-            // SAFETY: as for all_gather_base, with private input and output.
-            with_element!(dtype, T => unsafe { algo::all_gather::<T>(ctx, padded_in, flat, &chunks) })?;
-            for (i, g) in guards[1..].iter().enumerate() {
-                // SAFETY: exclusive guard over outputs[i] (sizes[i] elements); block i of the
-                // flat buffer holds at least that many.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        flat.wrapping_add(i * max * esz),
-                        ptr(g),
-                        sizes[i] * esz,
-                    )
-                };
-            }
-            Ok(())
-        });
-        self.issue(desc, check, body)
-    }
-
-    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Box<dyn Communicator>>> {
-        Ok(self
-            .split_tcp(color, key)?
-            .map(|c| Box::new(c) as Box<dyn Communicator>))
-    }
-}
-
 impl TcpCommunicator {
-    /// [`Communicator::split`] returning the concrete type. The ranks exchange `(color, key)` as
-    /// a collective on this group; the members of each color then connect a new ring through the
-    /// store, under a name unique to this group, this split and the color.
+    /// [`Communicator::split`](crate::Communicator::split) returning the concrete type. The ranks
+    /// exchange `(color, key)` as a collective on this group; the members of each color then
+    /// connect a new ring through the store, under a name unique to this group, this split and
+    /// the color.
     pub fn split_tcp(&self, color: Option<u32>, key: usize) -> Result<Option<TcpCommunicator>> {
-        let rank = self.shared.rank;
-        let mut desc = OpDesc::new("split");
-        desc.split = Some((color, key));
-        let (tx, rx) = crossbeam_channel::bounded::<(u64, Vec<OpDesc>)>(1);
-        let body: Body = Box::new(move |ctx, _, descs| {
-            let _ = tx.send((ctx.seq, descs.to_vec()));
-            Ok(())
-        });
-        let work = self.issue(desc, Ok(Access::none()), body)?;
-        work.wait()?;
-        let (seq, descs) = rx.try_recv().map_err(|_| CollectiveError::Aborted {
-            rank,
-            reason: "split ended without a result".into(),
-        })?;
-        let Some(color) = color else {
+        let rank = self.engine.rank();
+        let Some(plan) = self.engine.split_plan(color, key)? else {
             return Ok(None);
         };
-        let mut members: Vec<(usize, usize)> = descs
-            .iter()
-            .enumerate()
-            .filter_map(|(r, d)| match d.split {
-                Some((Some(c), key)) if c == color => Some((key, r)),
-                _ => None,
-            })
-            .collect();
-        members.sort();
-        let new_world = members.len();
-        let new_rank = members
-            .iter()
-            .position(|&(_, r)| r == rank)
-            .ok_or_else(|| CollectiveError::Aborted {
-                rank,
-                reason: "split: this rank is missing from its own color".into(),
-            })?;
-        let group = format!("{}.{seq}.{color}", self.shared.group);
+        let group = format!("{}.{}.{}", self.group, plan.seq, plan.color);
         TcpCommunicator::connect(
-            self.shared.store.clone(),
+            self.store.clone(),
             group,
-            new_rank,
-            new_world,
-            self.shared.opts.clone(),
+            plan.new_rank,
+            plan.new_world,
+            self.opts.clone(),
         )
         .map(Some)
         .map_err(|e| retag_rank(e, rank))
     }
 }
+
+engine_communicator!(TcpCommunicator, split_tcp);
 
 /// Errors of connecting a sub-group carry the sub-group rank; report this group's rank instead,
 /// naming the sub-group rank in the text where it matters.
@@ -712,6 +447,12 @@ fn retag_rank(e: CollectiveError, rank: usize) -> CollectiveError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flavors::check::Placement;
+    use crate::flavors::common::{Chunks, OpDesc};
+    use crate::flavors::engine::{algo, Body};
+    use crate::Communicator;
+    use fsdp_device::{Buffer, DType, Device};
+    use std::time::Instant;
 
     /// A rank that stalls in the middle of the data phase (after the description exchange): its
     /// successor times out naming the data it waited for, the abort travels around the ring,
@@ -731,20 +472,22 @@ mod tests {
             let mut desc = OpDesc::new("all_gather_base");
             desc.dtype = Some(DType::F32);
             desc.count = 64;
-            let access = comm
-                .placement()
+            let access = Placement::on("tcp", Device::Cpu)
                 .all_gather_base(comm.rank(), world, &input, &output)
                 .unwrap();
             let rank = comm.rank();
-            let body: Body = Box::new(move |ctx, guards, _| {
+            let body: Body = Box::new(move |t, guards, ctx, _| {
                 if rank == 1 {
                     std::thread::sleep(Duration::from_millis(1200));
                 }
                 let chunks = Chunks::equal(3, 64, 4);
                 // SAFETY: guards held as in all_gather_base.
-                unsafe { algo::all_gather::<f32>(ctx, ptr(&guards[0]), ptr(&guards[1]), &chunks) }
+                unsafe {
+                    algo::all_gather::<f32>(t, ctx, guards[0].as_ptr(), guards[1].as_ptr(), &chunks)
+                }
             });
             let r = comm
+                .engine
                 .issue(desc, Ok(access), body)
                 .and_then(|w| w.wait_timeout(Duration::from_secs(5)));
             let took = t0.elapsed();

@@ -9,7 +9,7 @@
 use std::io::{self, Read, Write};
 use std::sync::{Arc, Mutex};
 
-use fsdp_device::{DType, Element};
+use fsdp_device::DType;
 
 use crate::flavors::common::OpDesc;
 use crate::ReduceOp;
@@ -234,21 +234,6 @@ impl Payload {
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as for `as_bytes`, and `self` is borrowed mutably.
         unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.len) }
-    }
-
-    /// The payload as `len / size_of::<T>()` elements (a trailing partial element is ignored;
-    /// callers check the length first).
-    pub fn as_elems<T: Element>(&self) -> &[T] {
-        const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>()) };
-        // SAFETY: the storage is u64-aligned, which satisfies T's alignment (checked above);
-        // every bit pattern is a valid T (Element: bytemuck::Pod); the length stays inside the
-        // initialised bytes.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.words.as_ptr().cast::<T>(),
-                self.len / std::mem::size_of::<T>(),
-            )
-        }
     }
 }
 

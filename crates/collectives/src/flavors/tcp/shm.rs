@@ -1,0 +1,712 @@
+//! The shared-memory transport of the ring engine, for ranks that are processes of one host
+//! (NCCL's SHM transport, on CPUs).
+//!
+//! Rank 0 of the group creates a file under `/dev/shm` named after itself (pid, clock) and the
+//! group — so two jobs, or two groups of one job, never share one — and publishes its path in
+//! the store; every rank maps it, and once all have, rank 0 unlinks the name (the mapping lives
+//! until the last rank unmaps it; a rank that fails during set-up removes the file on drop).
+//!
+//! Layout: a header (abort flag and reason), then one channel per rank `r` for `r → r+1`: a
+//! `head` counter (messages published, written by `r`), a `tail` counter (messages consumed,
+//! written by `r+1`), the writer's pid and departure flag, and `SLOTS` slots of a header and
+//! `slot_bytes` of data. Waits spin briefly, then sleep on the counter with `futex`, waking every
+//! `POLL` to check the deadline, the abort flag and whether the peer's process still lives.
+//!
+//! Data moves either inline (copied into the slot, copied out: two copies per hop) or — when the
+//! kernel allows cross-memory attach — by address: the sender publishes where the segment lies in
+//! its own memory and the receiver copies it straight into its buffer with `process_vm_readv`
+//! (one copy per hop, the thread ring's pull protocol across processes). Partial sums of
+//! reductions are always computed straight into the sender's slot, so the receiver reduces from
+//! shared memory without a copy.
+
+use std::fs::{File, OpenOptions};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::flavors::common::OpDesc;
+use crate::flavors::engine::{exchange_around_ring, Control, DataError, Transport};
+use crate::store::TcpStore;
+use crate::{CollectiveError, Result};
+
+const MAGIC: u64 = 0x6673_6470_5f73_686d; // "fsdp_shm"
+const SLOTS: usize = 4;
+const POLL: Duration = Duration::from_millis(20);
+const HEADER: usize = 4096;
+const REASON_MAX: usize = 2048;
+const SLOT_HEADER: usize = 64;
+const CHANNEL_HEADER: usize = 256;
+
+const KIND_DESC: u32 = 1;
+const KIND_INLINE: u32 = 2;
+const KIND_REMOTE: u32 = 3;
+
+/// A mapped shared file.
+pub(crate) struct Mapping {
+    base: *mut u8,
+    len: usize,
+    world: usize,
+    slot_bytes: usize,
+    /// The file's path while it still has a name (rank 0 until every rank mapped it).
+    path: Option<PathBuf>,
+}
+
+// SAFETY: the mapping is plain shared memory; every shared field is accessed through atomics or
+// under the slot protocol (a slot is written only by its channel's writer while it is free, read
+// only by the reader while it is published).
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base` and `len` are the mapping made in `map`.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn io_err(rank: usize, what: &str, e: std::io::Error) -> CollectiveError {
+    CollectiveError::Backend {
+        rank,
+        backend: "tcp",
+        op: "shm::connect",
+        reason: format!("{what}: {e}"),
+    }
+}
+
+impl Mapping {
+    fn size(world: usize, slot_bytes: usize) -> usize {
+        HEADER + world * (CHANNEL_HEADER + SLOTS * (SLOT_HEADER + slot_bytes))
+    }
+
+    fn map(file: &File, world: usize, slot_bytes: usize, rank: usize) -> Result<Mapping> {
+        use std::os::fd::AsRawFd;
+        let len = Mapping::size(world, slot_bytes);
+        // SAFETY: mapping a file we opened read-write, of at least `len` bytes.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io_err(rank, "mmap", std::io::Error::last_os_error()));
+        }
+        Ok(Mapping {
+            base: base.cast(),
+            len,
+            world,
+            slot_bytes,
+            path: None,
+        })
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: in bounds and 4-aligned (every offset used is); shared memory accessed only
+        // atomically at these offsets.
+        unsafe { &*self.base.add(off).cast::<AtomicU32>() }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: as for `u32_at`, 8-aligned.
+        unsafe { &*self.base.add(off).cast::<AtomicU64>() }
+    }
+
+    fn channel(&self, r: usize) -> usize {
+        HEADER + r * (CHANNEL_HEADER + SLOTS * (SLOT_HEADER + self.slot_bytes))
+    }
+
+    fn head(&self, r: usize) -> &AtomicU32 {
+        self.u32_at(self.channel(r))
+    }
+
+    fn tail(&self, r: usize) -> &AtomicU32 {
+        self.u32_at(self.channel(r) + 64)
+    }
+
+    fn pid(&self, r: usize) -> &AtomicU32 {
+        self.u32_at(self.channel(r) + 128)
+    }
+
+    fn departed(&self, r: usize) -> &AtomicU32 {
+        self.u32_at(self.channel(r) + 132)
+    }
+
+    /// Slot `i` of channel `r`: (header, data).
+    fn slot(&self, r: usize, i: usize) -> (usize, *mut u8) {
+        let h = self.channel(r) + CHANNEL_HEADER + i * (SLOT_HEADER + self.slot_bytes);
+        (h, self.base.wrapping_add(h + SLOT_HEADER))
+    }
+
+    fn aborted(&self) -> Option<String> {
+        let flag = self.u32_at(8);
+        let mut spins = 0;
+        loop {
+            match flag.load(Ordering::Acquire) {
+                0 => return None,
+                2 => break,
+                _ if spins > 1000 => return Some("aborted".into()),
+                _ => {
+                    spins += 1;
+                    std::thread::yield_now();
+                }
+            }
+        }
+        let n = (self.u32_at(12).load(Ordering::Acquire) as usize).min(REASON_MAX);
+        // SAFETY: the reason was written before the flag turned 2 and is never written again.
+        let bytes = unsafe { std::slice::from_raw_parts(self.base.add(16), n) };
+        Some(String::from_utf8_lossy(bytes).into_owned())
+    }
+
+    fn abort(&self, reason: &str) -> bool {
+        let flag = self.u32_at(8);
+        if flag
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        let b = reason.as_bytes();
+        let n = b.len().min(REASON_MAX);
+        // SAFETY: only the winner of the flag writes the reason, once.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(16), n) };
+        self.u32_at(12).store(n as u32, Ordering::Release);
+        flag.store(2, Ordering::Release);
+        for r in 0..self.world {
+            futex_wake(self.head(r));
+            futex_wake(self.tail(r));
+        }
+        true
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a valid, aligned u32 of shared memory (no PRIVATE flag: the word is
+    // shared between processes).
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        )
+    };
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid, aligned u32.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    pid == 0 || unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || {
+        std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+}
+
+/// Whether cross-memory attach works here (a read of our own memory through the syscall).
+fn cma_works() -> bool {
+    if std::env::var("FSDP_SHM_CMA").is_ok_and(|v| v == "0") {
+        return false;
+    }
+    let src = [7u8; 8];
+    let mut dst = [0u8; 8];
+    // SAFETY: both iovecs describe local arrays of 8 bytes.
+    let n = unsafe { vm_read(std::process::id(), src.as_ptr(), dst.as_mut_ptr(), 8) };
+    n == 8 && dst == src
+}
+
+/// Copy `bytes` from `remote` in process `pid` to local `dst`; the bytes copied (or -1).
+///
+/// # Safety
+/// `dst` writable for `bytes` bytes.
+unsafe fn vm_read(pid: u32, remote: *const u8, dst: *mut u8, bytes: usize) -> isize {
+    let local = libc::iovec {
+        iov_base: dst.cast(),
+        iov_len: bytes,
+    };
+    let remote = libc::iovec {
+        iov_base: remote.cast_mut().cast(),
+        iov_len: bytes,
+    };
+    // SAFETY: the local iovec is writable (caller's contract); the kernel checks the remote one.
+    unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) }
+}
+
+/// Abort control of a shared-memory group: the flag and reason live in the mapping.
+pub(crate) struct ShmControl {
+    map: Arc<Mapping>,
+    rank: usize,
+}
+
+impl Control for ShmControl {
+    fn aborted(&self) -> Option<String> {
+        self.map.aborted()
+    }
+
+    fn abort(&self, _seq: u64, reason: String) {
+        if self.map.abort(&reason) {
+            tracing::warn!(rank = self.rank, %reason, "shm communicator aborted");
+        }
+    }
+}
+
+/// One rank's shared-memory transport.
+pub(crate) struct Shm {
+    map: Arc<Mapping>,
+    rank: usize,
+    world: usize,
+    cma: bool,
+    seq: u64,
+    deadline: Instant,
+    /// Staging for data sent by address but needed in memory (reductions).
+    staging: Vec<u64>,
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        self.map.departed(self.rank).store(1, Ordering::Release);
+        futex_wake(self.map.tail(self.prev()));
+        futex_wake(self.map.head(self.rank));
+    }
+}
+
+/// Map the group's shared file: rank 0 creates it, the others open it; every rank's transport
+/// and the group's abort control.
+pub(crate) fn connect(
+    store: &TcpStore,
+    group: &str,
+    rank: usize,
+    world: usize,
+    segment_bytes: usize,
+    timeout: Duration,
+) -> Result<(Shm, ShmControl)> {
+    let slot_bytes = segment_bytes.max(64 << 10).next_multiple_of(64);
+    let size = Mapping::size(world, slot_bytes);
+    let key = format!("fsdp/shm/{group}/path");
+    let mapped_key = format!("fsdp/shm/{group}/mapped");
+    let (file, path) = if rank == 0 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let path = PathBuf::from(format!(
+            "/dev/shm/fsdp-{}-{nanos:x}-{group}",
+            std::process::id()
+        ));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| io_err(rank, &format!("creating {}", path.display()), e))?;
+        let cleanup = scopeguard(path.clone());
+        file.set_len(size as u64)
+            .map_err(|e| io_err(rank, "sizing the shared file", e))?;
+        store.set(&key, path.to_string_lossy().as_bytes())?;
+        std::mem::forget(cleanup);
+        (file, Some(path))
+    } else {
+        let p = store.get_timeout(&key, timeout)?;
+        let path = PathBuf::from(String::from_utf8_lossy(&p).into_owned());
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err(rank, &format!("opening {}", path.display()), e))?;
+        (file, None)
+    };
+    let mut map = Mapping::map(&file, world, slot_bytes, rank);
+    if let (Err(_), Some(p)) = (&map, &path) {
+        let _ = std::fs::remove_file(p);
+    }
+    if let Ok(m) = &mut map {
+        m.path = path;
+    }
+    let mut map = map?;
+    if rank == 0 {
+        map.u64_at(0).store(MAGIC, Ordering::Release);
+    }
+    map.pid(rank).store(std::process::id(), Ordering::Release);
+    store.add(&mapped_key, 1)?;
+    if rank == 0 {
+        // Every rank has the file open: take its name away, so nothing is left behind.
+        let deadline = Instant::now() + timeout;
+        while store.add(&mapped_key, 0)? < world as i64 {
+            if Instant::now() >= deadline {
+                return Err(CollectiveError::MissingRanks {
+                    rank,
+                    missing: Vec::new(),
+                    waited: timeout,
+                    what: format!("ranks to map the shared file of group {group}"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if let Some(p) = map.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+    let map = Arc::new(map);
+    let cma = cma_works();
+    Ok((
+        Shm {
+            map: map.clone(),
+            rank,
+            world,
+            cma,
+            seq: 0,
+            deadline: Instant::now(),
+            staging: Vec::new(),
+        },
+        ShmControl { map, rank },
+    ))
+}
+
+/// Removes a path when dropped (undone with `mem::forget`).
+struct PathGuard(PathBuf);
+impl Drop for PathGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+fn scopeguard(p: PathBuf) -> PathGuard {
+    PathGuard(p)
+}
+
+/// What a wait is for.
+enum Wait {
+    /// The predecessor to publish (reader side).
+    Data,
+    /// The successor to consume (writer side).
+    Room,
+}
+
+impl Shm {
+    fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    /// Wait until `ready(value)` holds for `word`, checking abort, deadline and the peer.
+    fn wait(
+        &self,
+        word: &AtomicU32,
+        ready: impl Fn(u32) -> bool,
+        what: Wait,
+        waiting_for: impl Fn() -> String,
+    ) -> std::result::Result<(), DataError> {
+        let mut spins = 0u32;
+        loop {
+            let v = word.load(Ordering::Acquire);
+            if ready(v) {
+                return Ok(());
+            }
+            if spins < 200 {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            if let Some(reason) = self.map.aborted() {
+                return Err(DataError::Aborted { reason });
+            }
+            let peer = match what {
+                Wait::Data => self.prev(),
+                Wait::Room => self.next(),
+            };
+            if self.map.departed(peer).load(Ordering::Acquire) != 0
+                || !alive(self.map.pid(peer).load(Ordering::Acquire))
+            {
+                return Err(DataError::Departed {
+                    peer,
+                    why: "its process left the shared-memory ring".into(),
+                });
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(DataError::Timeout {
+                    waiting_for: waiting_for(),
+                });
+            }
+            futex_wait(word, v, POLL.min(left));
+        }
+    }
+
+    /// Wait for a free slot of this rank's channel; its index and data pointer.
+    fn claim(&self) -> std::result::Result<(u32, usize, *mut u8), DataError> {
+        let r = self.rank;
+        let head = self.map.head(r).load(Ordering::Relaxed);
+        let next = self.next();
+        self.wait(
+            self.map.tail(r),
+            |tail| head.wrapping_sub(tail) < SLOTS as u32,
+            Wait::Room,
+            || format!("rank {next} to read this rank's data"),
+        )?;
+        let (h, data) = self.map.slot(r, head as usize % SLOTS);
+        Ok((head, h, data))
+    }
+
+    fn publish(&self, head: u32, h: usize, kind: u32, origin: usize, len: usize, addr: u64) {
+        self.map.u64_at(h).store(self.seq, Ordering::Relaxed);
+        self.map.u32_at(h + 8).store(kind, Ordering::Relaxed);
+        self.map
+            .u32_at(h + 12)
+            .store(origin as u32, Ordering::Relaxed);
+        self.map.u64_at(h + 16).store(len as u64, Ordering::Relaxed);
+        self.map.u64_at(h + 24).store(addr, Ordering::Relaxed);
+        let w = self.map.head(self.rank);
+        w.store(head.wrapping_add(1), Ordering::Release);
+        futex_wake(w);
+    }
+
+    /// Wait for the predecessor's next message: (slot header offset, data, kind, origin, len,
+    /// addr). The slot stays the reader's until [`consume`](Self::consume).
+    #[allow(clippy::type_complexity)]
+    fn peek(
+        &self,
+        kind: u32,
+        waiting_for: impl Fn() -> String,
+    ) -> std::result::Result<(*mut u8, u32, usize, usize, u64), DataError> {
+        let p = self.prev();
+        let tail = self.map.tail(p).load(Ordering::Relaxed);
+        self.wait(
+            self.map.head(p),
+            |head| head != tail,
+            Wait::Data,
+            waiting_for,
+        )?;
+        let (h, data) = self.map.slot(p, tail as usize % SLOTS);
+        let seq = self.map.u64_at(h).load(Ordering::Relaxed);
+        let k = self.map.u32_at(h + 8).load(Ordering::Relaxed);
+        let origin = self.map.u32_at(h + 12).load(Ordering::Relaxed) as usize;
+        let len = self.map.u64_at(h + 16).load(Ordering::Relaxed) as usize;
+        let addr = self.map.u64_at(h + 24).load(Ordering::Relaxed);
+        let data_kind = k == KIND_INLINE || k == KIND_REMOTE;
+        if seq != self.seq || (k != kind && !(kind == KIND_INLINE && data_kind)) {
+            return Err(DataError::Protocol {
+                reason: format!(
+                    "expected a message of kind {kind} of collective #{} from rank {p}, got kind \
+                     {k} of #{seq}",
+                    self.seq
+                ),
+            });
+        }
+        Ok((data, k, origin, len, addr))
+    }
+
+    fn consume(&self) {
+        let w = self.map.tail(self.prev());
+        w.store(w.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
+        futex_wake(w);
+    }
+
+    fn check_len(&self, len: usize, expect: usize) -> std::result::Result<(), DataError> {
+        if len != expect {
+            return Err(DataError::Protocol {
+                reason: format!(
+                    "expected {expect} bytes of collective #{} from rank {}, got {len}",
+                    self.seq,
+                    self.prev()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Bring a remote segment into local memory at `dst`.
+    fn pull(&self, addr: u64, dst: *mut u8, bytes: usize) -> std::result::Result<(), DataError> {
+        let pid = self.map.pid(self.prev()).load(Ordering::Acquire);
+        let mut done = 0;
+        while done < bytes {
+            // SAFETY: `dst` is writable for `bytes` (callers pass their own memory or staging).
+            let n = unsafe {
+                vm_read(
+                    pid,
+                    (addr as usize + done) as *const u8,
+                    dst.wrapping_add(done),
+                    bytes - done,
+                )
+            };
+            if n <= 0 {
+                return Err(DataError::Departed {
+                    peer: self.prev(),
+                    why: format!(
+                        "process_vm_readv failed: {}",
+                        std::io::Error::last_os_error()
+                    ),
+                });
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
+    fn max_inline(&self) -> usize {
+        self.map.slot_bytes
+    }
+}
+
+impl Transport for Shm {
+    fn exchange(
+        &mut self,
+        seq: u64,
+        own: &OpDesc,
+        deadline: Instant,
+    ) -> std::result::Result<Vec<OpDesc>, DataError> {
+        self.seq = seq;
+        self.deadline = deadline;
+        let this = &*self;
+        exchange_around_ring(
+            self.rank,
+            self.world,
+            own,
+            &mut |origin, bytes| {
+                if bytes.len() > this.max_inline() {
+                    return Err(DataError::Protocol {
+                        reason: format!("a description of {} bytes", bytes.len()),
+                    });
+                }
+                let (head, h, data) = this.claim()?;
+                // SAFETY: the claimed slot is ours until published; room checked above.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), data, bytes.len()) };
+                this.publish(head, h, KIND_DESC, origin, bytes.len(), 0);
+                Ok(())
+            },
+            &mut |origin| {
+                let (data, _, got, len, _) = this.peek(KIND_DESC, || {
+                    format!("rank [{origin}] did not reach this collective")
+                })?;
+                // SAFETY: the published slot holds `len` bytes until consumed.
+                let v = unsafe { std::slice::from_raw_parts(data, len.min(this.max_inline())) }
+                    .to_vec();
+                this.consume();
+                Ok((got, v))
+            },
+        )
+    }
+
+    fn begin(&mut self, seq: u64, deadline: Instant) {
+        self.seq = seq;
+        self.deadline = deadline;
+    }
+
+    unsafe fn send(&mut self, src: *const u8, bytes: usize) -> std::result::Result<(), DataError> {
+        let (head, h, data) = self.claim()?;
+        if self.cma && bytes > 0 {
+            self.publish(head, h, KIND_REMOTE, self.rank, bytes, src as u64);
+        } else {
+            // SAFETY: `src` readable (caller's contract); the slot holds segment_bytes.
+            unsafe { crate::flavors::engine::copy(src, data, bytes) };
+            self.publish(head, h, KIND_INLINE, self.rank, bytes, 0);
+        }
+        Ok(())
+    }
+
+    fn recv(
+        &mut self,
+        bytes: usize,
+        f: &mut dyn FnMut(*const u8),
+    ) -> std::result::Result<(), DataError> {
+        let prev = self.prev();
+        let (data, kind, _, len, addr) =
+            self.peek(KIND_INLINE, || format!("data from rank {prev}"))?;
+        self.check_len(len, bytes)?;
+        if kind == KIND_REMOTE {
+            let mut staging = std::mem::take(&mut self.staging);
+            staging.resize(bytes.div_ceil(8), 0);
+            let r = self.pull(addr, staging.as_mut_ptr().cast(), bytes);
+            self.consume();
+            if r.is_ok() {
+                f(staging.as_ptr().cast());
+            }
+            self.staging = staging;
+            return r;
+        }
+        f(data);
+        self.consume();
+        Ok(())
+    }
+
+    unsafe fn recv_copy(
+        &mut self,
+        dst: *mut u8,
+        bytes: usize,
+    ) -> std::result::Result<(), DataError> {
+        let prev = self.prev();
+        let (data, kind, _, len, addr) =
+            self.peek(KIND_INLINE, || format!("data from rank {prev}"))?;
+        self.check_len(len, bytes)?;
+        let r = if kind == KIND_REMOTE {
+            self.pull(addr, dst, bytes)
+        } else {
+            // SAFETY: the slot holds `bytes` published bytes; `dst` is ours.
+            unsafe { crate::flavors::engine::copy(data, dst, bytes) };
+            Ok(())
+        };
+        self.consume();
+        r
+    }
+
+    fn recv_forward(
+        &mut self,
+        bytes: usize,
+        f: &mut dyn FnMut(*const u8, *mut u8),
+    ) -> std::result::Result<(), DataError> {
+        let prev = self.prev();
+        let (data, kind, _, len, addr) =
+            self.peek(KIND_INLINE, || format!("data from rank {prev}"))?;
+        self.check_len(len, bytes)?;
+        let acc: *const u8 = if kind == KIND_REMOTE {
+            let mut staging = std::mem::take(&mut self.staging);
+            staging.resize(bytes.div_ceil(8), 0);
+            let r = self.pull(addr, staging.as_mut_ptr().cast(), bytes);
+            let p = staging.as_ptr().cast();
+            self.staging = staging;
+            r?;
+            p
+        } else {
+            data
+        };
+        let (head, h, out) = self.claim()?;
+        f(acc, out);
+        self.publish(head, h, KIND_INLINE, self.rank, bytes, 0);
+        self.consume();
+        Ok(())
+    }
+
+    fn drain(&mut self) -> std::result::Result<(), DataError> {
+        let r = self.rank;
+        let head = self.map.head(r).load(Ordering::Relaxed);
+        let next = self.next();
+        self.wait(
+            self.map.tail(r),
+            |tail| tail == head,
+            Wait::Room,
+            || format!("rank {next} to read this rank's data"),
+        )
+    }
+
+    fn release(&mut self, _grace: Duration) -> bool {
+        // A reader of this rank's memory (process_vm_readv) only ever writes its own memory:
+        // freeing ours under it cannot corrupt anything of ours.
+        true
+    }
+}
