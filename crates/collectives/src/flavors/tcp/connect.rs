@@ -67,7 +67,7 @@ pub(crate) fn connect_ring(
     if world == 1 {
         return Ok(None);
     }
-    let timeout = opts.timeout;
+    let timeout = opts.connect_timeout.unwrap_or(opts.timeout);
     let deadline = Instant::now() + timeout;
     let next = (rank + 1) % world;
     let prev = (rank + world - 1) % world;

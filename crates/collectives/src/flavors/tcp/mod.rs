@@ -102,6 +102,9 @@ pub struct TcpOptions {
     /// The address this rank listens on for its predecessor. Default (`None`): the local address
     /// of the interface that routes to the store's host (loopback for a store on loopback).
     pub listen_ip: Option<IpAddr>,
+    /// Bound of connecting to the neighbours (communicator set-up), when it should differ from
+    /// [`timeout`](Self::timeout) (`fsdp train --init-timeout`). Default: `None`, the timeout.
+    pub connect_timeout: Option<Duration>,
 }
 
 impl Default for TcpOptions {
@@ -110,6 +113,7 @@ impl Default for TcpOptions {
             timeout: DEFAULT_TIMEOUT,
             segment_bytes: 512 << 10,
             listen_ip: None,
+            connect_timeout: None,
         }
     }
 }
@@ -124,6 +128,12 @@ impl TcpOptions {
     /// These options with another segment size.
     pub fn with_segment_bytes(mut self, bytes: usize) -> Self {
         self.segment_bytes = bytes;
+        self
+    }
+
+    /// These options with another bound of connecting (communicator set-up).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = Some(timeout);
         self
     }
 
