@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use fsdp_device::DEFAULT_TIMEOUT;
 
+use crate::auth::{self, JobToken};
 use crate::store::{StoreOptions, TcpStore};
 use crate::{tcp, CollectiveError, Communicator, Result};
 
@@ -170,6 +171,10 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// Port of the rendezvous store (`MASTER_PORT`; default 29500).
     pub master_port: u16,
+    /// The job's secret (`FSDP_JOB_TOKEN`, else the file named by `FSDP_JOB_TOKEN_FILE`).
+    pub token: Option<JobToken>,
+    /// The job's id (`FSDP_JOB_ID`, set by `fsdp launch`).
+    pub job_id: Option<String>,
 }
 
 impl LaunchEnv {
@@ -241,6 +246,25 @@ impl LaunchEnv {
                 }
             },
         };
+        let token = match (lookup(auth::TOKEN_ENV), lookup(auth::TOKEN_FILE_ENV)) {
+            (Some(t), _) => {
+                Some(JobToken::new(t).map_err(|e| bad(format!("{}: {e}", auth::TOKEN_ENV)))?)
+            }
+            (None, Some(path)) => {
+                let bytes = std::fs::read(&path).map_err(|e| {
+                    bad(format!(
+                        "{}={path}: cannot read it: {e}",
+                        auth::TOKEN_FILE_ENV
+                    ))
+                })?;
+                Some(
+                    JobToken::new(bytes)
+                        .map_err(|e| bad(format!("{}={path}: {e}", auth::TOKEN_FILE_ENV)))?,
+                )
+            }
+            (None, None) => None,
+        };
+        let job_id = lookup(auth::JOB_ID_ENV).filter(|j| !j.trim().is_empty());
         Ok(Some(LaunchEnv {
             rank,
             world_size,
@@ -248,6 +272,8 @@ impl LaunchEnv {
             local_world_size,
             master_addr,
             master_port,
+            token,
+            job_id,
         }))
     }
 
@@ -260,7 +286,9 @@ impl LaunchEnv {
             self.rank,
             self.world_size,
         )
-        .with_timeout(timeout);
+        .with_timeout(timeout)
+        .with_token(self.token.clone())
+        .with_job_id(self.job_id.clone());
         let store = TcpStore::new(opts)?;
         store.barrier("init_from_env", timeout)?;
         Ok(store)
@@ -401,6 +429,8 @@ mod tests {
                 local_world_size: 2,
                 master_addr: "10.0.0.1".into(),
                 master_port: 1234,
+                token: None,
+                job_id: None,
             }
         );
     }
