@@ -411,10 +411,12 @@ where
     // The job's identity: a secret (unless the user gave one) and an id, for every rank.
     let inherited = |k: &str| opts.env.iter().any(|(n, _)| n == k) || std::env::var_os(k).is_some();
     let mut identity: Vec<(&str, String)> = Vec::new();
-    if !inherited(crate::auth::TOKEN_ENV) && !inherited(crate::auth::TOKEN_FILE_ENV) {
-        if opts.nnodes == 1 {
-            identity.push((crate::auth::TOKEN_ENV, crate::auth::generate_token()));
-        }
+    // Several nodes must share one token: the user gives it (FSDP_JOB_TOKEN).
+    if !inherited(crate::auth::TOKEN_ENV)
+        && !inherited(crate::auth::TOKEN_FILE_ENV)
+        && opts.nnodes == 1
+    {
+        identity.push((crate::auth::TOKEN_ENV, crate::auth::generate_token()));
     }
     if !inherited(crate::auth::JOB_ID_ENV) && opts.nnodes == 1 {
         identity.push((crate::auth::JOB_ID_ENV, crate::auth::generate_job_id()));
