@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use fsdp_device::DEFAULT_TIMEOUT;
 
+use crate::auth::{self, JobToken};
 use crate::store::{StoreOptions, TcpStore};
 use crate::{tcp, CollectiveError, Communicator, Result};
 
@@ -75,24 +76,82 @@ impl FromStr for Backend {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct InitOptions {
-    /// Bound of the rendezvous (connecting to the store, waiting for every rank) and of every
-    /// wait of the communicator built. Default: [`DEFAULT_TIMEOUT`].
+    /// Bound of every wait of the communicator built (its collectives). Default:
+    /// [`DEFAULT_TIMEOUT`].
     pub timeout: Duration,
+    /// Bound of the rendezvous (connecting to the store, waiting for every rank, the store's
+    /// operations) and of the communicator's set-up (connecting to its peers). Default: `None`,
+    /// [`timeout`](Self::timeout).
+    pub init_timeout: Option<Duration>,
 }
 
 impl Default for InitOptions {
     fn default() -> Self {
         InitOptions {
             timeout: DEFAULT_TIMEOUT,
+            init_timeout: None,
         }
     }
 }
 
 impl InitOptions {
-    /// These options with another timeout.
+    /// These options with another timeout (of collectives; also of the rendezvous unless
+    /// [`with_init_timeout`](Self::with_init_timeout) says otherwise).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// These options with another bound of the rendezvous and the communicator's set-up.
+    pub fn with_init_timeout(mut self, timeout: Duration) -> Self {
+        self.init_timeout = Some(timeout);
+        self
+    }
+
+    /// The bound of the rendezvous and set-up: [`init_timeout`](Self::init_timeout), else
+    /// [`timeout`](Self::timeout).
+    pub fn effective_init_timeout(&self) -> Duration {
+        self.init_timeout.unwrap_or(self.timeout)
+    }
+
+    /// The options of the environment: `FSDP_TIMEOUT` and `FSDP_INIT_TIMEOUT` (seconds, as
+    /// `fsdp launch --timeout/--init-timeout` set them) over the defaults.
+    pub fn from_env() -> Result<InitOptions> {
+        let mut o = InitOptions::default();
+        if let Some(t) = seconds_from_env(TIMEOUT_ENV)? {
+            o.timeout = t;
+        }
+        if let Some(t) = seconds_from_env(INIT_TIMEOUT_ENV)? {
+            o.init_timeout = Some(t);
+        }
+        Ok(o)
+    }
+}
+
+/// The variable that gives the collectives' timeout in seconds (`fsdp launch --timeout`).
+pub const TIMEOUT_ENV: &str = "FSDP_TIMEOUT";
+/// The variable that gives the rendezvous' and set-up's timeout in seconds
+/// (`fsdp launch --init-timeout`).
+pub const INIT_TIMEOUT_ENV: &str = "FSDP_INIT_TIMEOUT";
+
+/// Parses a positive number of seconds (`"2.5"`): the message names what is wrong.
+pub fn parse_seconds(s: &str) -> std::result::Result<Duration, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1e9 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
+}
+
+fn seconds_from_env(name: &str) -> Result<Option<Duration>> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => parse_seconds(&v)
+            .map(Some)
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: 0,
+                op: "init_from_env",
+                reason: format!("{name}: {e}"),
+            }),
     }
 }
 
@@ -112,6 +171,10 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// Port of the rendezvous store (`MASTER_PORT`; default 29500).
     pub master_port: u16,
+    /// The job's secret (`FSDP_JOB_TOKEN`, else the file named by `FSDP_JOB_TOKEN_FILE`).
+    pub token: Option<JobToken>,
+    /// The job's id (`FSDP_JOB_ID`, set by `fsdp launch`).
+    pub job_id: Option<String>,
 }
 
 impl LaunchEnv {
@@ -183,6 +246,25 @@ impl LaunchEnv {
                 }
             },
         };
+        let token = match (lookup(auth::TOKEN_ENV), lookup(auth::TOKEN_FILE_ENV)) {
+            (Some(t), _) => {
+                Some(JobToken::new(t).map_err(|e| bad(format!("{}: {e}", auth::TOKEN_ENV)))?)
+            }
+            (None, Some(path)) => {
+                let bytes = std::fs::read(&path).map_err(|e| {
+                    bad(format!(
+                        "{}={path}: cannot read it: {e}",
+                        auth::TOKEN_FILE_ENV
+                    ))
+                })?;
+                Some(
+                    JobToken::new(bytes)
+                        .map_err(|e| bad(format!("{}={path}: {e}", auth::TOKEN_FILE_ENV)))?,
+                )
+            }
+            (None, None) => None,
+        };
+        let job_id = lookup(auth::JOB_ID_ENV).filter(|j| !j.trim().is_empty());
         Ok(Some(LaunchEnv {
             rank,
             world_size,
@@ -190,6 +272,8 @@ impl LaunchEnv {
             local_world_size,
             master_addr,
             master_port,
+            token,
+            job_id,
         }))
     }
 
@@ -202,7 +286,9 @@ impl LaunchEnv {
             self.rank,
             self.world_size,
         )
-        .with_timeout(timeout);
+        .with_timeout(timeout)
+        .with_token(self.token.clone())
+        .with_job_id(self.job_id.clone());
         let store = TcpStore::new(opts)?;
         store.barrier("init_from_env", timeout)?;
         Ok(store)
@@ -225,7 +311,7 @@ pub fn init_from_env(backend: Backend, opts: &InitOptions) -> Result<Box<dyn Com
                  (`fsdp launch --nproc-per-node N -- ...`, torchrun) or set them"
             .into(),
     })?;
-    let store = env.rendezvous(opts.timeout)?;
+    let store = env.rendezvous(opts.effective_init_timeout())?;
     init_with_store(backend, &store, &env, opts)
 }
 
@@ -244,7 +330,9 @@ pub fn init_with_store(
         Backend::Tcp => {
             let comm = tcp::TcpCommunicator::new(
                 store,
-                tcp::TcpOptions::default().with_timeout(opts.timeout),
+                tcp::TcpOptions::default()
+                    .with_timeout(opts.timeout)
+                    .with_connect_timeout(opts.effective_init_timeout()),
             )?;
             Ok(Box::new(comm))
         }
@@ -341,6 +429,8 @@ mod tests {
                 local_world_size: 2,
                 master_addr: "10.0.0.1".into(),
                 master_port: 1234,
+                token: None,
+                job_id: None,
             }
         );
     }

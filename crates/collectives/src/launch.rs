@@ -70,6 +70,55 @@ const POLL: Duration = Duration::from_millis(20);
 const REAP_GRACE: Duration = Duration::from_secs(5);
 /// How long output is still forwarded after the children ended.
 const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+/// How long the launcher waits, when every failure so far blames a peer, for the rank that
+/// really failed to be seen before it stops the others.
+const SETTLE: Duration = Duration::from_millis(1500);
+
+/// The variable that names a rank's error file: a rank that fails may write there one line of
+/// JSON, `{"rank":N,"peer_left":true|false,"message":"..."}` (see [`write_error_file`]); the
+/// launcher reads `peer_left` to tell a primary failure from one caused by a peer leaving.
+pub const ERROR_FILE_ENV: &str = "FSDP_ERROR_FILE";
+
+/// Whether an error message (of this crate's errors, possibly wrapped) says that the rank failed
+/// because a peer left: a departed peer, a communicator aborted by another rank's failure, the
+/// store's connection closed or reset by rank 0's exit.
+pub fn message_blames_a_peer(message: &str) -> bool {
+    const PHRASES: [&str; 7] = [
+        "has left the group",
+        "communicator aborted",
+        "closed by the other side",
+        "closed in mid-message",
+        "Connection reset",
+        "Broken pipe",
+        "the server is stopping",
+    ];
+    PHRASES.iter().any(|p| message.contains(p))
+}
+
+/// Writes this rank's error file if the launcher asked for one ([`ERROR_FILE_ENV`]): its rank,
+/// whether `message` blames a peer ([`message_blames_a_peer`]), and the message. Errors of the
+/// write are ignored (the launcher then goes by time alone).
+pub fn write_error_file(message: &str) {
+    let Some(path) = std::env::var_os(ERROR_FILE_ENV) else {
+        return;
+    };
+    let rank = std::env::var("RANK").unwrap_or_default();
+    let rank: i64 = rank.trim().parse().unwrap_or(-1);
+    let escaped: String = message
+        .chars()
+        .flat_map(|c| match c {
+            '"' => vec!['\\', '"'],
+            '\\' => vec!['\\', '\\'],
+            c if c.is_control() => vec![' '],
+            c => vec![c],
+        })
+        .collect();
+    let line = format!(
+        "{{\"rank\":{rank},\"peer_left\":{},\"message\":\"{escaped}\"}}\n",
+        message_blames_a_peer(message)
+    );
+    let _ = std::fs::write(path, line);
+}
 
 /// What to launch and how (see the [module documentation](self)).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -221,11 +270,12 @@ impl RankOutcome {
 }
 
 impl fmt::Display for RankOutcome {
+    /// `exited with status 1`, `killed by signal 9, status 137`, `stopped by the launcher`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RankOutcome::Exited(c) => write!(f, "exited with status {c}"),
-            RankOutcome::Signaled(s) => write!(f, "was killed by signal {s}"),
-            RankOutcome::Stopped => f.write_str("was stopped by the launcher"),
+            RankOutcome::Signaled(s) => write!(f, "killed by signal {s}, status {}", 128 + s),
+            RankOutcome::Stopped => f.write_str("stopped by the launcher"),
         }
     }
 }
@@ -242,6 +292,9 @@ pub struct RankExit {
     pub outcome: RankOutcome,
     /// How long after the launch it ended.
     pub elapsed: Duration,
+    /// Whether the rank said (in its error file, [`ERROR_FILE_ENV`]) that it failed because a
+    /// peer left: its failure is *secondary*, a consequence of another rank's.
+    pub peer_left: bool,
 }
 
 /// The outcome of [`run`].
@@ -250,7 +303,10 @@ pub struct RankExit {
 pub struct LaunchReport {
     /// Every rank of this node, by local rank.
     pub ranks: Vec<RankExit>,
-    /// Index (local rank) in [`ranks`](Self::ranks) of the rank that failed first, if any.
+    /// Index (local rank) in [`ranks`](Self::ranks) of the rank whose failure was *primary*, if
+    /// one failed: the first to fail by time among the ranks that did not fail because a peer
+    /// left (see the [module documentation](self)); if every failed rank blames a peer, the
+    /// first of them.
     pub first_failed: Option<usize>,
     /// Whether the job was stopped because it ran past
     /// [`max_duration`](LaunchOptions::max_duration).
@@ -265,10 +321,25 @@ impl LaunchReport {
         !self.timed_out && self.ranks.iter().all(|r| r.outcome.success())
     }
 
-    /// The rank (global) that failed first and how it ended, if one failed.
+    /// The rank (global) whose failure was primary and how it ended, if one failed.
     pub fn first_failure(&self) -> Option<(usize, RankOutcome)> {
         self.first_failed
             .map(|i| (self.ranks[i].rank, self.ranks[i].outcome))
+    }
+
+    /// The ranks (global) that failed on their own, other than the primary one: mostly ranks
+    /// that failed because a peer left.
+    pub fn secondary_failures(&self) -> Vec<usize> {
+        self.ranks
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| {
+                Some(*i) != self.first_failed
+                    && !r.outcome.success()
+                    && r.outcome != RankOutcome::Stopped
+            })
+            .map(|(_, r)| r.rank)
+            .collect()
     }
 
     /// The status the launcher should exit with: 0 when every rank succeeded, else that of the
@@ -288,7 +359,11 @@ impl LaunchReport {
 impl fmt::Display for LaunchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some((rank, outcome)) = self.first_failure() {
-            write!(f, "rank {rank} {outcome}")?;
+            write!(f, "rank {rank} failed ({outcome})")?;
+            let secondary = self.secondary_failures();
+            if !secondary.is_empty() {
+                write!(f, "; ranks {secondary:?} failed after it (secondary)")?;
+            }
             let stopped: Vec<usize> = self
                 .ranks
                 .iter()
@@ -332,6 +407,20 @@ where
     };
     let out: Sink = Arc::new(Mutex::new(Box::new(out)));
     let err: Sink = Arc::new(Mutex::new(Box::new(err)));
+    let errors = ErrorFiles::create();
+    // The job's identity: a secret (unless the user gave one) and an id, for every rank.
+    let inherited = |k: &str| opts.env.iter().any(|(n, _)| n == k) || std::env::var_os(k).is_some();
+    let mut identity: Vec<(&str, String)> = Vec::new();
+    // Several nodes must share one token: the user gives it (FSDP_JOB_TOKEN).
+    if !inherited(crate::auth::TOKEN_ENV)
+        && !inherited(crate::auth::TOKEN_FILE_ENV)
+        && opts.nnodes == 1
+    {
+        identity.push((crate::auth::TOKEN_ENV, crate::auth::generate_token()));
+    }
+    if !inherited(crate::auth::JOB_ID_ENV) && opts.nnodes == 1 {
+        identity.push((crate::auth::JOB_ID_ENV, crate::auth::generate_job_id()));
+    }
     let start = Instant::now();
 
     let mut job = Job {
@@ -352,9 +441,14 @@ where
             .env("GROUP_WORLD_SIZE", opts.nnodes.to_string())
             .env("MASTER_ADDR", &opts.master_addr)
             .env("MASTER_PORT", master_port.to_string())
+            .envs(identity.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if let Some(path) = errors.path(rank) {
+            let _ = std::fs::remove_file(&path);
+            cmd.env(ERROR_FILE_ENV, path);
+        }
         die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
@@ -377,6 +471,7 @@ where
             local_rank,
             child,
             outcome: None,
+            peer_left: false,
         });
     }
     tracing::debug!(
@@ -386,19 +481,17 @@ where
         "launched"
     );
 
-    let mut first_failed = None;
+    let mut first_seen: Option<Instant> = None;
     let mut timed_out = false;
     loop {
-        for (i, p) in job.procs.iter_mut().enumerate() {
-            if p.outcome.is_some() {
-                continue;
-            }
+        for p in job.procs.iter_mut().filter(|p| p.outcome.is_none()) {
             match p.child.try_wait() {
                 Ok(Some(status)) => {
                     let outcome = outcome_of(status);
                     p.outcome = Some((outcome, start.elapsed()));
-                    if !outcome.success() && first_failed.is_none() {
-                        first_failed = Some(i);
+                    if !outcome.success() {
+                        p.peer_left = errors.says_peer_left(p.rank);
+                        first_seen.get_or_insert_with(Instant::now);
                     }
                 }
                 Ok(None) => {}
@@ -406,30 +499,41 @@ where
                     // Cannot happen for a child we own; treat it as lost.
                     tracing::warn!(rank = p.rank, error = %e, "cannot query a child");
                     p.outcome = Some((RankOutcome::Stopped, start.elapsed()));
-                    if first_failed.is_none() {
-                        first_failed = Some(i);
-                    }
+                    first_seen.get_or_insert_with(Instant::now);
                 }
             }
         }
         if job.procs.iter().all(|p| p.outcome.is_some()) {
             break;
         }
-        if let Some(i) = first_failed {
-            let p = &job.procs[i];
-            let outcome = p.outcome.map(|o| o.0).unwrap_or(RankOutcome::Stopped);
-            let others: Vec<usize> = job
+        if let Some(seen) = first_seen {
+            // Every failure so far blames a peer: give the peer that really failed a moment to
+            // be seen with its own status before the others are killed.
+            let only_secondary = job
                 .procs
                 .iter()
-                .filter(|q| q.outcome.is_none())
-                .map(|q| q.rank)
-                .collect();
-            launcher_message(
-                &err,
-                &format!("rank {} {outcome}; stopping ranks {others:?}", p.rank),
-            );
-            job.stop_all(start);
-            break;
+                .filter(|p| p.outcome.is_some_and(|(o, _)| !o.success()))
+                .all(|p| p.peer_left);
+            if !only_secondary || seen.elapsed() >= SETTLE {
+                let primary = primary_failure(&job.procs);
+                let p = &job.procs[primary.unwrap_or(0)];
+                let outcome = p.outcome.map(|o| o.0).unwrap_or(RankOutcome::Stopped);
+                let others: Vec<usize> = job
+                    .procs
+                    .iter()
+                    .filter(|q| q.outcome.is_none())
+                    .map(|q| q.rank)
+                    .collect();
+                launcher_message(
+                    &err,
+                    &format!(
+                        "rank {} failed ({outcome}); stopping ranks {others:?}",
+                        p.rank
+                    ),
+                );
+                job.stop_all(start);
+                break;
+            }
         }
         if opts.max_duration.is_some_and(|m| start.elapsed() >= m) {
             launcher_message(
@@ -445,6 +549,7 @@ where
         }
         std::thread::sleep(POLL);
     }
+    let first_failed = primary_failure(&job.procs);
     job.finish_output(&err);
 
     let ranks = job
@@ -457,6 +562,7 @@ where
                 local_rank: p.local_rank,
                 outcome,
                 elapsed,
+                peer_left: p.peer_left,
             }
         })
         .collect();
@@ -475,6 +581,70 @@ struct Proc {
     local_rank: usize,
     child: Child,
     outcome: Option<(RankOutcome, Duration)>,
+    /// Its error file says it failed because a peer left.
+    peer_left: bool,
+}
+
+/// The index of the rank whose failure was primary: the earliest failure (by the time the
+/// launcher saw it, then by rank) among the ranks that do not blame a peer; if all of them do,
+/// the earliest of those. Ranks the launcher stopped are not failures.
+fn primary_failure(procs: &[Proc]) -> Option<usize> {
+    let failed = |p: &Proc| {
+        p.outcome
+            .is_some_and(|(o, _)| !o.success() && o != RankOutcome::Stopped)
+    };
+    let earliest = |secondary: bool| {
+        procs
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| failed(p) && p.peer_left == secondary)
+            .min_by_key(|(_, p)| (p.outcome.map(|o| o.1), p.rank))
+            .map(|(i, _)| i)
+    };
+    earliest(false).or_else(|| earliest(true))
+}
+
+/// The error files of the ranks ([`ERROR_FILE_ENV`]): a directory of this launch, removed at
+/// the end.
+struct ErrorFiles {
+    dir: Option<std::path::PathBuf>,
+}
+
+impl ErrorFiles {
+    fn create() -> ErrorFiles {
+        let dir = std::env::temp_dir().join(format!(
+            "fsdp-launch-{}-{}",
+            std::process::id(),
+            crate::auth::generate_job_id()
+        ));
+        match std::fs::create_dir_all(&dir) {
+            Ok(()) => ErrorFiles { dir: Some(dir) },
+            Err(e) => {
+                tracing::warn!(error = %e, "no error files: ranks' failures are told apart by time only");
+                ErrorFiles { dir: None }
+            }
+        }
+    }
+
+    fn path(&self, rank: usize) -> Option<std::path::PathBuf> {
+        self.dir
+            .as_ref()
+            .map(|d| d.join(format!("rank-{rank}.json")))
+    }
+
+    fn says_peer_left(&self, rank: usize) -> bool {
+        self.path(rank)
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .is_some_and(|text| text.contains("\"peer_left\":true"))
+    }
+}
+
+impl Drop for ErrorFiles {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 /// The running children and their output forwarders; stops the children on drop.
@@ -503,6 +673,13 @@ impl Job {
 
     /// Kills every child still running and reaps it (boundedly).
     fn stop_all(&mut self, start: Instant) {
+        // One that ended on its own since the last look keeps its real status (a `kill -9`
+        // from outside included).
+        for p in self.procs.iter_mut().filter(|p| p.outcome.is_none()) {
+            if let Ok(Some(status)) = p.child.try_wait() {
+                p.outcome = Some((outcome_of(status), start.elapsed()));
+            }
+        }
         for p in self.procs.iter_mut().filter(|p| p.outcome.is_none()) {
             let _ = p.child.kill();
         }

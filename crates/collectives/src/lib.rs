@@ -42,6 +42,7 @@
 //! }
 //! ```
 
+pub mod auth;
 mod communicator;
 mod env;
 mod error;
@@ -53,7 +54,10 @@ pub mod store;
 mod work;
 
 pub use communicator::Communicator;
-pub use env::{init_from_env, init_with_store, Backend, InitOptions, LaunchEnv};
+pub use env::{
+    init_from_env, init_with_store, parse_seconds, Backend, InitOptions, LaunchEnv,
+    INIT_TIMEOUT_ENV, TIMEOUT_ENV,
+};
 pub use error::{CollectiveError, Result};
 #[cfg(feature = "mpi")]
 pub use flavors::mpi;

@@ -78,12 +78,16 @@ use std::time::{Duration, Instant};
 
 use fsdp_device::DEFAULT_TIMEOUT;
 
+use crate::auth::{self, JobToken};
 use crate::{CollectiveError, Result};
 
 /// Largest frame accepted on either side.
 const MAX_FRAME: usize = 1 << 30;
 /// Greeting that identifies the protocol (and its version).
-const MAGIC: &[u8] = b"fsdp-collectives-store/1";
+const MAGIC: &[u8] = b"fsdp-collectives-store/2";
+/// Labels of the two directions of the challenge-response.
+const SERVER_LABEL: &str = "fsdp-store/server-proof";
+const CLIENT_LABEL: &str = "fsdp-store/client-proof";
 /// How often the acceptor looks for new connections and the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 /// How often idle connection threads and waits look at the stop flag (a fallback: stopping the
@@ -115,6 +119,12 @@ pub struct StoreOptions {
     /// Bound of connecting (with retry), of [`TcpStore::get`] and of every socket read and
     /// write. Default: [`DEFAULT_TIMEOUT`] (300 s).
     pub timeout: Duration,
+    /// The job's secret: every connection proves it knows it, and checks that the server does
+    /// (see [`crate::auth`]). Default: none (then the server binds only loopback addresses).
+    pub token: Option<JobToken>,
+    /// The job's id: a client of another job is refused. Default: none (the server makes one
+    /// up; a client then accepts the server's).
+    pub job_id: Option<String>,
 }
 
 impl StoreOptions {
@@ -128,7 +138,21 @@ impl StoreOptions {
             world_size,
             is_server: rank == 0,
             timeout: DEFAULT_TIMEOUT,
+            token: None,
+            job_id: None,
         }
+    }
+
+    /// These options with the job's secret.
+    pub fn with_token(mut self, token: Option<JobToken>) -> Self {
+        self.token = token;
+        self
+    }
+
+    /// These options with the job's id.
+    pub fn with_job_id(mut self, job_id: Option<String>) -> Self {
+        self.job_id = job_id.filter(|j| !j.is_empty());
+        self
     }
 
     /// These options with another timeout.
@@ -161,6 +185,10 @@ struct Inner {
     port: u16,
     /// The server address the first connection reached; further connections go there.
     peer: SocketAddr,
+    /// Who this client says it is at each greeting.
+    me: Identity,
+    /// The job's id (the server's).
+    job_id: String,
     /// Idle connections. Declared before `server` so that they close first on drop.
     pool: Mutex<Vec<TcpStream>>,
     server: Option<Server>,
@@ -228,7 +256,16 @@ impl TcpStore {
             (None, opts.port, None)
         };
         let address = format!("{}:{}", opts.host, port);
-        let (stream, peer) = connect_with_retry(&opts.host, port, peer, rank, opts.timeout)
+        let me = Identity {
+            rank,
+            world_size: opts.world_size,
+            job_id: match &server {
+                Some(s) => Some(s.shared.job_id.clone()),
+                None => opts.job_id.clone(),
+            },
+            token: opts.token.clone(),
+        };
+        let (stream, peer, job_id) = connect_with_retry(&opts.host, port, peer, &me, opts.timeout)
             .map_err(|reason| CollectiveError::Store {
                 rank,
                 op: "connect",
@@ -243,6 +280,8 @@ impl TcpStore {
                 address,
                 port,
                 peer,
+                me,
+                job_id,
                 pool: Mutex::new(vec![stream]),
                 server,
             }),
@@ -272,6 +311,16 @@ impl TcpStore {
     /// The store's timeout (bound of [`get`](Self::get) and of socket reads and writes).
     pub fn timeout(&self) -> Duration {
         self.inner.timeout
+    }
+
+    /// The job's id (the store host's).
+    pub fn job_id(&self) -> &str {
+        &self.inner.job_id
+    }
+
+    /// The job's secret, if the job has one.
+    pub fn job_token(&self) -> Option<&JobToken> {
+        self.inner.me.token.as_ref()
     }
 
     /// Whether this handle runs the server.
@@ -515,7 +564,11 @@ impl TcpStore {
         let deadline = deadline_after(self.inner.timeout);
         let stream = TcpStream::connect_timeout(&self.inner.peer, self.inner.timeout)
             .map_err(|e| e.to_string())
-            .and_then(|s| handshake(s, self.inner.rank, deadline));
+            .and_then(|s| {
+                handshake(s, &self.inner.me, deadline)
+                    .map(|(s, _)| s)
+                    .map_err(|e| e.message())
+            });
         stream.map_err(|e| {
             self.store_err(
                 op,
@@ -576,9 +629,9 @@ fn connect_with_retry(
     host: &str,
     port: u16,
     known: Option<SocketAddr>,
-    rank: usize,
+    me: &Identity,
     timeout: Duration,
-) -> std::result::Result<(TcpStream, SocketAddr), String> {
+) -> std::result::Result<(TcpStream, SocketAddr, String), String> {
     let start = Instant::now();
     let deadline = deadline_after(timeout);
     let mut backoff = Duration::from_millis(10);
@@ -602,9 +655,14 @@ fn connect_with_retry(
                 break;
             }
             match TcpStream::connect_timeout(&addr, remaining.min(CONNECT_SLICE)) {
-                Ok(stream) => match handshake(stream, rank, deadline) {
-                    Ok(stream) => return Ok((stream, addr)),
-                    Err(e) => last_error = format!("{addr}: {e}"),
+                Ok(stream) => match handshake(stream, me, deadline) {
+                    Ok((stream, job)) => return Ok((stream, addr, job)),
+                    // Refused (another job, a wrong token, another WORLD_SIZE): retrying
+                    // cannot help.
+                    Err(HandshakeError::Refused(e)) => {
+                        return Err(format!("the store server at {addr} ({host}:{port}): {e}"))
+                    }
+                    Err(HandshakeError::Failed(e)) => last_error = format!("{addr}: {e}"),
                 },
                 Err(e) => last_error = format!("{addr}: {e}"),
             }
@@ -623,30 +681,126 @@ fn connect_with_retry(
     }
 }
 
-/// Configures a fresh connection and exchanges the greeting.
+/// Who a client says it is at the greeting.
+#[derive(Clone, Debug)]
+struct Identity {
+    rank: usize,
+    world_size: usize,
+    job_id: Option<String>,
+    token: Option<JobToken>,
+}
+
+/// Why a greeting failed.
+enum HandshakeError {
+    /// The other side refused (or failed to prove itself): final.
+    Refused(String),
+    /// The connection failed: worth another try.
+    Failed(String),
+}
+
+impl HandshakeError {
+    fn message(self) -> String {
+        match self {
+            HandshakeError::Refused(m) | HandshakeError::Failed(m) => m,
+        }
+    }
+}
+
+/// Configures a fresh connection and runs the greeting: hello with a nonce; the server's nonce,
+/// job id and proof; this client's proof; the server's verdict. Returns the server's job id.
 fn handshake(
     mut stream: TcpStream,
-    rank: usize,
+    me: &Identity,
     deadline: Instant,
-) -> std::result::Result<TcpStream, String> {
+) -> std::result::Result<(TcpStream, String), HandshakeError> {
+    use HandshakeError::{Failed, Refused};
     let io_timeout = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
-    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Failed(e.to_string()))?;
     stream
         .set_write_timeout(Some(io_timeout))
-        .map_err(|e| e.to_string())?;
-    let hello = Enc::new(Op::Hello).bytes(MAGIC).u64(rank as u64).finish();
-    write_frame(&mut stream, &hello).map_err(|e| format!("greeting failed: {e}"))?;
-    let frame = read_frame(&mut stream, Some(deadline), None).map_err(|e| match e {
-        FrameError::TimedOut => "no answer to the greeting (is this a store server?)".into(),
-        e => format!("greeting failed: {e}"),
-    })?;
-    match Reply::decode(frame) {
-        Ok(Reply::Ok(_)) => Ok(stream),
-        Ok(Reply::Error(msg)) => Err(format!("the server refused the greeting: {msg}")),
-        _ => Err("unexpected answer to the greeting (is this a store server?)".into()),
+        .map_err(|e| Failed(e.to_string()))?;
+    let cnonce = auth::nonce();
+    let hello = Enc::new(Op::Hello)
+        .bytes(MAGIC)
+        .u64(me.rank as u64)
+        .u64(me.world_size as u64)
+        .bytes(me.job_id.as_deref().unwrap_or("").as_bytes())
+        .u8(me.token.is_some().into())
+        .bytes(&cnonce)
+        .finish();
+    let exchange = |stream: &mut TcpStream,
+                    msg: &[u8]|
+     -> std::result::Result<Vec<u8>, HandshakeError> {
+        write_frame(stream, msg).map_err(|e| Failed(format!("greeting failed: {e}")))?;
+        let frame = read_frame(stream, Some(deadline), None).map_err(|e| match e {
+            FrameError::TimedOut => {
+                Failed("no answer to the greeting (is this a store server?)".into())
+            }
+            e => Failed(format!("greeting failed: {e}")),
+        })?;
+        match Reply::decode(frame) {
+            Ok(Reply::Ok(body)) => Ok(body),
+            Ok(Reply::Error(msg)) => Err(Refused(format!("the server refused this rank: {msg}"))),
+            _ => Err(Failed(
+                "unexpected answer to the greeting (is this a store server?)".into(),
+            )),
+        }
+    };
+    let body = exchange(&mut stream, &hello)?;
+    let bad = |e: String| Failed(format!("malformed answer to the greeting: {e}"));
+    let mut d = Dec::new(&body);
+    let snonce = d.bytes().map_err(bad)?.to_vec();
+    let server_job = String::from_utf8_lossy(d.bytes().map_err(bad)?).into_owned();
+    let server_token = d.u8().map_err(bad)? != 0;
+    let sproof = d.bytes().map_err(bad)?.to_vec();
+    match (me.token.is_some(), server_token) {
+        (true, false) => {
+            return Err(Refused(
+                "the store has no job token but this rank has one (FSDP_JOB_TOKEN): it belongs to another job"
+                    .into(),
+            ))
+        }
+        (false, true) => {
+            return Err(Refused(
+                "the store requires the job token and this rank has none: set FSDP_JOB_TOKEN (or FSDP_JOB_TOKEN_FILE) to the job's token"
+                    .into(),
+            ))
+        }
+        _ => {}
     }
+    if let Some(mine) = &me.job_id {
+        if *mine != server_job {
+            return Err(Refused(format!(
+                "the store belongs to job {server_job}, this rank is of job {mine} (two jobs \
+                 started on one port?)"
+            )));
+        }
+    }
+    let proof = auth::tag(
+        me.token.as_ref(),
+        CLIENT_LABEL,
+        &[&snonce, &cnonce, server_job.as_bytes()],
+    );
+    // The server judges this proof first (so that it logs a wrong token), then the client
+    // judges the server's.
+    exchange(&mut stream, &proof)?;
+    if !auth::verify(
+        me.token.as_ref(),
+        SERVER_LABEL,
+        &[&cnonce, &snonce, server_job.as_bytes()],
+        &sproof,
+    ) {
+        return Err(Refused(
+            "the server did not prove that it knows the job token: it is another job's store, \
+             or the tokens differ"
+                .into(),
+        ));
+    }
+    Ok((stream, server_job))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -661,6 +815,14 @@ struct Shared {
     /// A handle to every open connection, to shut them down when the server stops.
     open: Mutex<HashMap<u64, TcpStream>>,
     io_timeout: Duration,
+    /// The server's rank and world size, the job's id and token.
+    rank: usize,
+    world_size: usize,
+    job_id: String,
+    token: Option<JobToken>,
+    /// Set when a rank of this job was refused for a reason that dooms the job (another
+    /// WORLD_SIZE): every wait then fails at once with it.
+    fatal: Mutex<Option<String>>,
 }
 
 struct Server {
@@ -681,6 +843,15 @@ impl Server {
             .to_socket_addrs()
             .map_err(|e| bind_err(format!("cannot resolve {address}: {e}")))?
             .collect();
+        if opts.token.is_none() {
+            if let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                return Err(bind_err(format!(
+                    "refusing to listen on {address} ({open}) without a job token: it is not a \
+                     loopback address, so anyone who reaches it could join the job; set \
+                     FSDP_JOB_TOKEN (or FSDP_JOB_TOKEN_FILE) on every rank"
+                )));
+            }
+        }
         let mut last = None;
         let mut listener = None;
         for addr in &addrs {
@@ -721,6 +892,11 @@ impl Server {
             conns_done: Condvar::new(),
             open: Mutex::new(HashMap::new()),
             io_timeout: opts.timeout,
+            rank: opts.rank,
+            world_size: opts.world_size,
+            job_id: opts.job_id.clone().unwrap_or_else(auth::generate_job_id),
+            token: opts.token.clone(),
+            fatal: Mutex::new(None),
         });
         let acceptor = {
             let shared = Arc::clone(&shared);
@@ -830,7 +1006,10 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         tracing::warn!(%peer, error = %e, "store server cannot configure a connection");
         return;
     }
-    let mut greeted = false;
+    if !server_greeting(&mut stream, peer, shared) {
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
     loop {
         let frame = match read_frame(&mut stream, None, Some((&shared.stop, shared.io_timeout))) {
             Ok(f) => f,
@@ -840,20 +1019,7 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                 break;
             }
         };
-        let reply = if greeted {
-            handle(shared, &frame)
-        } else {
-            match greet(&frame) {
-                Ok(()) => {
-                    greeted = true;
-                    Reply::Ok(Vec::new())
-                }
-                Err(msg) => {
-                    let _ = write_frame(&mut stream, &Reply::Error(msg).encode());
-                    break;
-                }
-            }
-        };
+        let reply = handle(shared, &frame);
         if let Err(e) = write_frame(&mut stream, &reply.encode()) {
             tracing::debug!(%peer, error = %e, "store server cannot reply");
             break;
@@ -862,16 +1028,122 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-fn greet(frame: &[u8]) -> std::result::Result<(), String> {
-    let mut d = Dec::new(frame);
-    let op = d.u8()?;
-    if op != Op::Hello as u8 || d.bytes()? != MAGIC {
-        return Err(format!(
-            "not a client of this store (expected the greeting {:?})",
-            String::from_utf8_lossy(MAGIC)
-        ));
+/// The server's side of the greeting (see [`handshake`]); `false` when the client was
+/// refused (told why, and logged with its address).
+fn server_greeting(stream: &mut TcpStream, peer: SocketAddr, shared: &Shared) -> bool {
+    let refuse = |stream: &mut TcpStream, msg: String| {
+        tracing::warn!(%peer, reason = %msg, "store refused a connection");
+        let _ = write_frame(stream, &Reply::Error(msg).encode());
+        false
+    };
+    let frame = match read_frame(stream, None, Some((&shared.stop, shared.io_timeout))) {
+        Ok(f) => f,
+        Err(FrameError::Closed) | Err(FrameError::Stopped) => return false,
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "store connection dropped before its greeting");
+            return false;
+        }
+    };
+    let hello = (|| -> std::result::Result<_, String> {
+        let mut d = Dec::new(&frame);
+        if d.u8()? != Op::Hello as u8 || d.bytes()? != MAGIC {
+            return Err(String::new());
+        }
+        let rank = d.u64()?;
+        let world = d.u64()?;
+        let job = String::from_utf8_lossy(d.bytes()?).into_owned();
+        let has_token = d.u8()? != 0;
+        let cnonce = d.bytes()?.to_vec();
+        d.end()?;
+        Ok((rank, world, job, has_token, cnonce))
+    })();
+    let Ok((rank, world, job, has_token, cnonce)) = hello else {
+        return refuse(
+            stream,
+            format!(
+                "not a client of this store (expected the greeting {:?})",
+                String::from_utf8_lossy(MAGIC)
+            ),
+        );
+    };
+    match (shared.token.is_some(), has_token) {
+        (true, false) => {
+            return refuse(
+                stream,
+                format!(
+                    "rank {rank} has no job token and this store requires one: set \
+                     FSDP_JOB_TOKEN (or FSDP_JOB_TOKEN_FILE) to the job's token"
+                ),
+            )
+        }
+        (false, true) => {
+            return refuse(
+                stream,
+                format!("rank {rank} has a job token and this store has none: another job?"),
+            )
+        }
+        _ => {}
     }
-    Ok(())
+    let snonce = auth::nonce();
+    let job_id = shared.job_id.as_bytes();
+    let sproof = auth::tag(
+        shared.token.as_ref(),
+        SERVER_LABEL,
+        &[&cnonce, &snonce, job_id],
+    );
+    let challenge = Reply::Ok(
+        Enc::body()
+            .bytes(&snonce)
+            .bytes(job_id)
+            .u8(shared.token.is_some().into())
+            .bytes(&sproof)
+            .finish(),
+    );
+    if write_frame(stream, &challenge.encode()).is_err() {
+        return false;
+    }
+    let proof = match read_frame(stream, Some(deadline_after(shared.io_timeout)), None) {
+        Ok(p) => p,
+        // The client gave up (it refused the server, or went away).
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "store client left during its greeting");
+            return false;
+        }
+    };
+    if !auth::verify(
+        shared.token.as_ref(),
+        CLIENT_LABEL,
+        &[&snonce, &cnonce, job_id],
+        &proof,
+    ) {
+        return refuse(
+            stream,
+            format!("rank {rank} did not prove that it knows the job token (wrong token)"),
+        );
+    }
+    if !job.is_empty() && job != shared.job_id {
+        return refuse(
+            stream,
+            format!(
+                "rank {rank} is of job {job}, this store belongs to job {} (two jobs started on \
+                 one port?)",
+                shared.job_id
+            ),
+        );
+    }
+    if world != shared.world_size as u64 {
+        let msg = format!(
+            "rank {rank} says WORLD_SIZE {world}, rank {} (the store's host) says {}",
+            shared.rank, shared.world_size
+        );
+        {
+            let _keys = lock(&shared.keys);
+            lock(&shared.fatal).get_or_insert_with(|| msg.clone());
+            shared.changed.notify_all();
+        }
+        return refuse(stream, msg);
+    }
+    write_frame(stream, &Reply::Ok(Vec::new()).encode()).is_ok()
 }
 
 /// Executes one request.
@@ -1007,6 +1279,11 @@ fn wait_for<'a>(
             .collect();
         if missing.is_empty() {
             return Ok(keys);
+        }
+        if let Some(fatal) = lock(&shared.fatal).clone() {
+            return Err(Reply::Error(format!(
+                "the job cannot start: {fatal} (while keys {missing:?} were awaited)"
+            )));
         }
         if shared.stop.load(Ordering::SeqCst) {
             return Err(Reply::Error(format!(
@@ -1444,6 +1721,11 @@ mod tests {
             conns_done: Condvar::new(),
             open: Mutex::new(HashMap::new()),
             io_timeout: Duration::from_secs(1),
+            rank: 0,
+            world_size: 1,
+            job_id: "test".into(),
+            token: None,
+            fatal: Mutex::new(None),
         };
         assert!(matches!(handle(&shared, &[]), Reply::Error(_)));
         assert!(matches!(

@@ -140,12 +140,12 @@ fn a_failing_rank_stops_the_others_quickly() {
     assert!(err.contains(&"[rank 1] failing".to_string()), "{err:?}");
     assert!(
         err.iter()
-            .any(|l| l == "[launcher] rank 1 exited with status 3; stopping ranks [0, 2]"),
+            .any(|l| l == "[launcher] rank 1 failed (exited with status 3); stopping ranks [0, 2]"),
         "{err:?}"
     );
     assert_eq!(
         report.to_string(),
-        "rank 1 exited with status 3; ranks [0, 2] were stopped"
+        "rank 1 failed (exited with status 3); ranks [0, 2] were stopped"
     );
 }
 

@@ -5,8 +5,15 @@
 //! checks its hello and answers, and finally reads its successor's answer. Writing the hello
 //! before accepting is what keeps a ring of ranks that all connect first from waiting on each
 //! other. Every step is bounded by one deadline.
+//!
+//! Then both sides prove that they know the job's token ([`crate::auth`]; an empty key when the
+//! job has none): the connector's hello carries a nonce, the acceptor's answer carries its own
+//! nonce and its HMAC over both, the connector checks it and answers with its HMAC, and the
+//! acceptor's last byte accepts or refuses it. The context of each HMAC names the group, the
+//! world and the two ranks, so a proof cannot be replayed on another link. A link whose peer
+//! fails to prove itself is refused, and the refusal is logged with the peer's address.
 
-use std::io;
+use std::io::{self, Read};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,11 +21,27 @@ use std::time::{Duration, Instant};
 use super::link::{read_by, write_all_by, AbortState, Links};
 use super::wire::{self, Hello};
 use super::TcpOptions;
+use crate::auth::{self, JobToken, NONCE_BYTES, TAG_BYTES};
 use crate::store::TcpStore;
 use crate::{CollectiveError, Result};
 
 /// How often an idle accept looks again.
 const ACCEPT_POLL: Duration = Duration::from_millis(2);
+
+const ACCEPTOR_LABEL: &str = "fsdp-link/acceptor-proof";
+const CONNECTOR_LABEL: &str = "fsdp-link/connector-proof";
+
+/// What the link's proofs are bound to: the group, its size and the link's direction.
+fn link_context(group: &str, world: usize, from: usize, to: usize) -> String {
+    format!("{group}/{world}/{from}->{to}")
+}
+
+fn read_array<const N: usize>(s: &mut TcpStream, deadline: Instant) -> io::Result<[u8; N]> {
+    read_by(s, deadline)?;
+    let mut a = [0u8; N];
+    s.read_exact(&mut a)?;
+    Ok(a)
+}
 
 fn addr_key(group: &str, rank: usize) -> String {
     format!("fsdp/tcp/{group}/addr/{rank}")
@@ -67,7 +90,9 @@ pub(crate) fn connect_ring(
     if world == 1 {
         return Ok(None);
     }
-    let timeout = opts.timeout;
+    let timeout = opts.connect_timeout.unwrap_or(opts.timeout);
+    let token: Option<JobToken> = store.job_token().cloned();
+    let token = token.as_ref();
     let deadline = Instant::now() + timeout;
     let next = (rank + 1) % world;
     let prev = (rank + world - 1) % world;
@@ -149,7 +174,13 @@ pub(crate) fn connect_ring(
         from: rank as u64,
         to: next as u64,
     };
-    write_all_by(&mut to_next, &hello.encode(), deadline).map_err(|e| {
+    let cnonce = auth::nonce();
+    write_all_by(
+        &mut to_next,
+        &[hello.encode(), cnonce.to_vec()].concat(),
+        deadline,
+    )
+    .map_err(|e| {
         backend(
             "connect",
             format!("sending the handshake to rank {next} at {next_addr}: {e}"),
@@ -189,7 +220,13 @@ pub(crate) fn connect_ring(
         from: prev as u64,
         to: rank as u64,
     };
-    let refusal = match Hello::read(&mut from_prev) {
+    let mut prev_nonce = [0u8; NONCE_BYTES];
+    let refusal = match Hello::read(&mut from_prev).and_then(|h| {
+        match from_prev.read_exact(&mut prev_nonce) {
+            Ok(()) => Ok(h),
+            Err(e) => Err(format!("reading the handshake's nonce: {e}")),
+        }
+    }) {
         Err(why) => Some(why),
         Ok(h) if h != expected => Some(format!(
             "expected rank {prev} of group {group} (world {world}) connecting to rank {rank}, \
@@ -198,12 +235,20 @@ pub(crate) fn connect_ring(
         )),
         Ok(_) => None,
     };
-    let _ = write_all_by(
-        &mut from_prev,
-        &wire::encode_reply(refusal.as_deref()),
-        deadline,
-    );
+    let snonce = auth::nonce();
+    let prev_ctx = link_context(group, world, prev, rank);
+    let mut answer = wire::encode_reply(refusal.as_deref());
+    if refusal.is_none() {
+        answer.extend_from_slice(&snonce);
+        answer.extend_from_slice(&auth::tag(
+            token,
+            ACCEPTOR_LABEL,
+            &[&prev_nonce, &snonce, prev_ctx.as_bytes()],
+        ));
+    }
+    let _ = write_all_by(&mut from_prev, &answer, deadline);
     if let Some(why) = refusal {
+        tracing::warn!(rank, %peer, reason = %why, "tcp: refused a data-link connection");
         return Err(backend(
             "accept",
             format!("refused the connection from {peer}: {why}"),
@@ -239,6 +284,75 @@ pub(crate) fn connect_ring(
                 format!("reading the answer of rank {next} at {next_addr}: {e}"),
             ))
         }
+    }
+    // The successor's proof, and ours.
+    let next_ctx = link_context(group, world, rank, next);
+    let proved = read_array::<NONCE_BYTES>(&mut to_next, deadline)
+        .and_then(|sn| read_array::<TAG_BYTES>(&mut to_next, deadline).map(|proof| (sn, proof)));
+    let (next_nonce, next_proof) = proved.map_err(|e| {
+        backend(
+            "connect",
+            format!("reading the proof of rank {next} at {next_addr}: {e}"),
+        )
+    })?;
+    if !auth::verify(
+        token,
+        ACCEPTOR_LABEL,
+        &[&cnonce, &next_nonce, next_ctx.as_bytes()],
+        &next_proof,
+    ) {
+        tracing::warn!(rank, peer = %next_addr, "tcp: a data-link peer failed to prove the job token");
+        return Err(backend(
+            "connect",
+            format!(
+                "the listener at {next_addr} (rank {next}'s address) did not prove that it knows \
+                 the job token: wrong or missing FSDP_JOB_TOKEN"
+            ),
+        ));
+    }
+    let my_proof = auth::tag(
+        token,
+        CONNECTOR_LABEL,
+        &[&next_nonce, &cnonce, next_ctx.as_bytes()],
+    );
+    write_all_by(&mut to_next, &my_proof, deadline).map_err(|e| {
+        backend(
+            "connect",
+            format!("sending the proof to rank {next} at {next_addr}: {e}"),
+        )
+    })?;
+    // The predecessor's proof.
+    let prev_proof = read_array::<TAG_BYTES>(&mut from_prev, deadline)
+        .map_err(|e| backend("accept", format!("reading the proof of {peer}: {e}")))?;
+    let prev_ok = auth::verify(
+        token,
+        CONNECTOR_LABEL,
+        &[&snonce, &prev_nonce, prev_ctx.as_bytes()],
+        &prev_proof,
+    );
+    let _ = write_all_by(&mut from_prev, &[u8::from(!prev_ok)], deadline);
+    if !prev_ok {
+        tracing::warn!(rank, %peer, "tcp: refused a data-link connection: wrong job token");
+        return Err(backend(
+            "accept",
+            format!(
+                "refused the connection from {peer}: it did not prove that it knows the job \
+                 token (wrong or missing FSDP_JOB_TOKEN)"
+            ),
+        ));
+    }
+    // The successor's verdict on our proof.
+    let verdict = read_array::<1>(&mut to_next, deadline).map_err(|e| {
+        backend(
+            "connect",
+            format!("reading the verdict of rank {next} at {next_addr}: {e}"),
+        )
+    })?;
+    if verdict[0] != 0 {
+        return Err(backend(
+            "connect",
+            format!("rank {next} at {next_addr} refused the connection: wrong job token"),
+        ));
     }
     // The predecessor has read our address (it connected): the key is no longer needed.
     let _ = store.delete_key(&addr_key(group, rank));

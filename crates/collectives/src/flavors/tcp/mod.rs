@@ -102,6 +102,9 @@ pub struct TcpOptions {
     pub listen_ip: Option<IpAddr>,
     /// How the ranks' data moves. Default: [`ProcessTransport::Auto`].
     pub transport: ProcessTransport,
+    /// Bound of connecting to the neighbours (communicator set-up), when it should differ from
+    /// [`timeout`](Self::timeout) (`fsdp train --init-timeout`). Default: `None`, the timeout.
+    pub connect_timeout: Option<Duration>,
 }
 
 /// The transport of a process group: the same ring engine moves the data either through shared
@@ -136,6 +139,7 @@ impl Default for TcpOptions {
             segment_bytes: 512 << 10,
             listen_ip: None,
             transport: ProcessTransport::Auto,
+            connect_timeout: None,
         }
     }
 }
@@ -156,6 +160,12 @@ impl TcpOptions {
     /// These options with another transport.
     pub fn with_transport(mut self, transport: ProcessTransport) -> Self {
         self.transport = transport;
+        self
+    }
+
+    /// These options with another bound of connecting (communicator set-up).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = Some(timeout);
         self
     }
 

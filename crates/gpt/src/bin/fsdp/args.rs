@@ -3,6 +3,7 @@
 
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use fsdp_collectives::Backend;
@@ -48,6 +49,14 @@ pub(crate) struct LaunchArgs {
     /// Port of the rendezvous store (0: pick a free one).
     #[arg(long, default_value_t = 29500)]
     pub(crate) master_port: u16,
+    /// Timeout of every collective of the ranks, in seconds (passed as FSDP_TIMEOUT; default
+    /// 300).
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub(crate) timeout: Option<Duration>,
+    /// Timeout of the rendezvous and the communicator's set-up, in seconds (passed as
+    /// FSDP_INIT_TIMEOUT; default: --timeout).
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub(crate) init_timeout: Option<Duration>,
     /// The program to start and its arguments (`train ...` or `plan ...`: this program).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub(crate) command: Vec<OsString>,
@@ -266,6 +275,14 @@ pub(crate) struct TrainArgs {
     /// `mpirun`; the default there when this program is built with the feature `mpi`).
     #[arg(long, value_parser = parse_backend)]
     pub(crate) backend: Option<TrainBackend>,
+    /// Timeout of every collective, in seconds: a peer that does not reach a collective in
+    /// time fails it on every rank (default: FSDP_TIMEOUT, else 300).
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub(crate) timeout: Option<Duration>,
+    /// Timeout of the rendezvous (every rank meeting at the store) and of the communicator's
+    /// set-up, in seconds (default: FSDP_INIT_TIMEOUT, else --timeout).
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub(crate) init_timeout: Option<Duration>,
     /// Memory available to this run, replacing the detected figure (the smaller of
     /// /proc/meminfo's MemAvailable and the cgroup limit's headroom): in bytes, or with a
     /// suffix K, M, G, T (powers of 1024), e.g. 512M or 2G. Thread mode: for this process;
@@ -341,6 +358,11 @@ fn parse_backend(s: &str) -> Result<TrainBackend, String> {
         Ok(b) => Ok(TrainBackend::Process(b)),
         Err(_) => Err("expected ring, tcp or mpi".into()),
     }
+}
+
+/// `--timeout`, `--init-timeout`: seconds.
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    fsdp_collectives::parse_seconds(s)
 }
 
 /// `--limit-all-gathers`.

@@ -86,6 +86,9 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(CliError(msg)) => {
+            // Under `fsdp launch`: tell the launcher whether this failure was caused by a peer
+            // leaving (secondary) or is this rank's own.
+            fsdp_collectives::launch::write_error_file(&msg);
             // One line, whatever the message holds.
             eprintln!("error: {}", msg.replace('\n', " "));
             ExitCode::FAILURE

@@ -45,12 +45,18 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         Mode::Threads(n) => *n,
         Mode::Process { world, .. } => *world,
     };
-    let init_options = InitOptions::default();
+    let mut init_options = InitOptions::from_env()?;
+    if let Some(t) = args.timeout {
+        init_options.timeout = t;
+    }
+    if let Some(t) = args.init_timeout {
+        init_options.init_timeout = Some(t);
+    }
     // Under a launcher (not mpirun) the ranks meet at the rendezvous store now, before anything
     // is allocated: the ranks of this host add up their predicted memory there.
     let host = match &mode {
         Mode::Process { backend, .. } if *backend != Backend::Mpi => {
-            Some(HostGroup::join(init_options.timeout)?)
+            Some(HostGroup::join(init_options.effective_init_timeout())?)
         }
         _ => None,
     };

@@ -153,6 +153,10 @@ fn mpi_world_from_env() -> Option<usize> {
         .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
 }
 
+/// The error of `--backend ring` under a launcher (which would run a whole job per process).
+pub(crate) const RING_UNDER_LAUNCHER: &str = "--backend ring runs every rank as a thread of one \
+     process; under fsdp launch use the default (tcp)";
+
 pub(crate) fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
     let launched = LaunchEnv::from_env()?;
     let backend = match args.backend {
@@ -165,6 +169,7 @@ pub(crate) fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
     };
     let given = args.model.ranks;
     let (backend, world) = match backend {
+        TrainBackend::Ring if launched.is_some() => return Err(fail(RING_UNDER_LAUNCHER)),
         TrainBackend::Ring => return Ok(Mode::Threads(given.unwrap_or(DEFAULT_RANKS))),
         TrainBackend::Process(Backend::Mpi) => {
             let world = mpi_world_from_env().ok_or_else(|| {
