@@ -207,7 +207,14 @@ mod tests {
         assert!(!shown.contains("hunter2"), "{shown}");
         assert_eq!(t, JobToken::new("hunter2").unwrap());
         assert!(JobToken::new(" \n").is_err());
-        assert_eq!(generate_token().len(), 64);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri isolates /dev/urandom and the clock")]
+    fn generated_tokens_are_64_hex_digits_and_differ() {
+        let t = generate_token();
+        assert_eq!(t.len(), 64);
+        assert!(t.bytes().all(|b| b.is_ascii_hexdigit()), "{t}");
         assert_ne!(generate_token(), generate_token());
     }
 }
