@@ -434,6 +434,11 @@ impl Shm {
             if self.map.departed(peer).load(Ordering::Acquire) != 0
                 || !alive(self.map.pid(peer).load(Ordering::Acquire))
             {
+                // The peer may have done what we wait for and then left (the last reader of a
+                // run acknowledges its final segment and exits): look once more.
+                if ready(word.load(Ordering::Acquire)) {
+                    return Ok(());
+                }
                 return Err(DataError::Departed {
                     peer,
                     why: "its process left the shared-memory ring".into(),
