@@ -290,8 +290,53 @@ impl LaunchEnv {
         .with_token(self.token.clone())
         .with_job_id(self.job_id.clone());
         let store = TcpStore::new(opts)?;
-        store.barrier("init_from_env", timeout)?;
+        store
+            .barrier("init_from_env", timeout)
+            .map_err(|e| self.name_missing_nodes(e))?;
         Ok(store)
+    }
+
+    /// Add the nodes of the missing ranks to a [`MissingRanks`](CollectiveError::MissingRanks)
+    /// error when the job spans several nodes (`LOCAL_WORLD_SIZE` ranks each, in rank order, as
+    /// torchrun and `fsdp launch` number them): "node 1 (ranks [2, 3]) never arrived".
+    fn name_missing_nodes(&self, e: CollectiveError) -> CollectiveError {
+        let per_node = self.local_world_size;
+        match e {
+            CollectiveError::MissingRanks {
+                rank,
+                missing,
+                waited,
+                what,
+            } if per_node > 0 && per_node < self.world_size && !missing.is_empty() => {
+                let nodes = self.world_size.div_ceil(per_node);
+                let mut by_node: Vec<String> = Vec::new();
+                for node in 0..nodes {
+                    let ranks: Vec<usize> = missing
+                        .iter()
+                        .copied()
+                        .filter(|r| r / per_node == node)
+                        .collect();
+                    if ranks.is_empty() {
+                        continue;
+                    }
+                    let whole = ranks.len() == per_node.min(self.world_size - node * per_node);
+                    by_node.push(format!(
+                        "node {node} {} (ranks {ranks:?})",
+                        if whole { "never arrived" } else { "in part" }
+                    ));
+                }
+                CollectiveError::MissingRanks {
+                    rank,
+                    missing,
+                    waited,
+                    what: format!(
+                        "{what}; by node of {per_node} ranks (LOCAL_WORLD_SIZE) out of {nodes}: {}",
+                        by_node.join(", ")
+                    ),
+                }
+            }
+            other => other,
+        }
     }
 }
 

@@ -134,7 +134,7 @@ impl Sharing<'_> {
 
 /// The ranks on this host under a launcher: `LOCAL_WORLD_SIZE` (torchrun, `fsdp launch`), or
 /// under mpirun Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE` or MPICH's `MPI_LOCALNRANKS`.
-fn local_ranks() -> Option<usize> {
+pub(crate) fn local_ranks() -> Option<usize> {
     if let Ok(Some(env)) = LaunchEnv::from_env() {
         return Some(env.local_world_size);
     }

@@ -31,10 +31,12 @@ pub(crate) enum Command {
     /// Print the memory plan: per unit the parameters, the per-rank payload of each collective
     /// and the collectives per step; per rank the predicted peak memory by category.
     Plan(PlanArgs),
-    /// Start one process per rank, like `torchrun --nproc-per-node N`: sets RANK, WORLD_SIZE,
-    /// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, prefixes each line of output
-    /// with the rank, and when one process fails ends the others and exits with its status.
-    /// `fsdp launch -n 2 train ...` runs this program's `train` in every process.
+    /// Start one process per rank, like `torchrun --nnodes N --node-rank R --nproc-per-node P`:
+    /// sets RANK (R·P + LOCAL_RANK), WORLD_SIZE (N·P), LOCAL_RANK, LOCAL_WORLD_SIZE (P),
+    /// GROUP_RANK (R), MASTER_ADDR and MASTER_PORT, prefixes each line of output with the rank,
+    /// and when one process fails ends the others and exits with its status. `fsdp launch -n 2
+    /// train ...` runs this program's `train` in every process; run it once per node for
+    /// several nodes.
     Launch(LaunchArgs),
 }
 
@@ -43,7 +45,16 @@ pub(crate) struct LaunchArgs {
     /// Processes (ranks) to start on this machine.
     #[arg(long, short = 'n')]
     pub(crate) nproc_per_node: usize,
-    /// Address of the rendezvous store, hosted by rank 0.
+    /// Nodes (machines) of the job: run `fsdp launch` once on each, with the same options and
+    /// its own --node-rank. Off loopback the nodes must share a job token (FSDP_JOB_TOKEN or
+    /// FSDP_JOB_TOKEN_FILE).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) nnodes: usize,
+    /// This node's index in 0..--nnodes; node 0's rank 0 hosts the rendezvous store.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) node_rank: usize,
+    /// Address of the rendezvous store, hosted by rank 0 (node 0): an address of node 0 that
+    /// every node reaches when --nnodes is more than 1.
     #[arg(long, default_value = "127.0.0.1")]
     pub(crate) master_addr: String,
     /// Port of the rendezvous store (0: pick a free one).
@@ -108,7 +119,9 @@ pub(crate) struct ModelArgs {
     /// full-shard, shard-grad-op, no-shard, hybrid-shard or hybrid-shard-zero2.
     #[arg(long, default_value = "full-shard", value_parser = parse_strategy)]
     pub(crate) strategy: ShardingStrategy,
-    /// Ranks per node for the hybrid strategies (default: all ranks on one node).
+    /// Ranks per node for the hybrid strategies: each node's ranks shard, the nodes replicate
+    /// (default: the launcher's LOCAL_WORLD_SIZE under `fsdp launch`, torchrun or mpirun; all
+    /// ranks on one node otherwise).
     #[arg(long)]
     pub(crate) ranks_per_node: Option<usize>,
     /// Backward prefetch: pre, post or none.

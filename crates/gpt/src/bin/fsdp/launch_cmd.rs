@@ -10,6 +10,10 @@ use crate::args::LaunchArgs;
 
 /// `fsdp launch`: the exit status is the first failed rank's, or success.
 pub(crate) fn run_launch(args: LaunchArgs) -> ExitCode {
+    if let Err(e) = check_nodes(&args) {
+        eprintln!("error: launch: {e}");
+        return ExitCode::from(2);
+    }
     let mut command = args.command.into_iter();
     let Some(first) = command.next() else {
         eprintln!("error: launch: no program given");
@@ -44,7 +48,8 @@ pub(crate) fn run_launch(args: LaunchArgs) -> ExitCode {
     }
     let mut opts = LaunchOptions::new(args.nproc_per_node, program)
         .with_args(rest)
-        .with_master(args.master_addr, args.master_port);
+        .with_master(args.master_addr, args.master_port)
+        .with_nodes(args.nnodes, args.node_rank);
     if let Some(t) = args.timeout {
         opts = opts.with_env(TIMEOUT_ENV, t.as_secs_f64().to_string());
     }
@@ -72,6 +77,50 @@ pub(crate) fn run_launch(args: LaunchArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The multi-node options make sense: a node rank in range, and a job token when the nodes
+/// meet off loopback (the store refuses a non-loopback address without one, but only after the
+/// ranks started; and every node must hold the same token, which the launcher cannot invent).
+fn check_nodes(args: &LaunchArgs) -> Result<(), String> {
+    if args.nnodes == 0 {
+        return Err("--nnodes must be at least 1".into());
+    }
+    if args.node_rank >= args.nnodes {
+        return Err(format!(
+            "--node-rank {} is out of range for --nnodes {} (0..{})",
+            args.node_rank, args.nnodes, args.nnodes
+        ));
+    }
+    if args.nnodes > 1 {
+        if args.master_port == 0 {
+            return Err(format!(
+                "--master-port 0 (a free port) works on one node only: the other {} nodes could                  not know it; give the same explicit port to every node",
+                args.nnodes - 1
+            ));
+        }
+        let loopback = args
+            .master_addr
+            .parse::<std::net::IpAddr>()
+            .map(|a| a.is_loopback())
+            .unwrap_or(args.master_addr == "localhost");
+        let token = [
+            fsdp_collectives::auth::TOKEN_ENV,
+            fsdp_collectives::auth::TOKEN_FILE_ENV,
+        ]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
+        if !loopback && !token {
+            return Err(format!(
+                "--nnodes {} with --master-addr {} needs a job token shared by every node: set                  {} (or {} to a file holding it) to the same secret on each node",
+                args.nnodes,
+                args.master_addr,
+                fsdp_collectives::auth::TOKEN_ENV,
+                fsdp_collectives::auth::TOKEN_FILE_ENV
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `train`'s arguments ask for `--backend ring` (`--backend ring` or `--backend=ring`).

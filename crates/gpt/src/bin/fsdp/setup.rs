@@ -37,7 +37,22 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
     config.limit_all_gathers = m.limit_all_gathers.0;
     config.mixed_precision = MixedPrecisionPolicy::new(m.param_dtype, m.reduce_dtype);
     config.activation_checkpointing = m.activation_checkpointing;
-    match (m.strategy.is_hybrid(), m.ranks_per_node) {
+    // Under a launcher the hybrid strategies shard inside each node: the ranks per node are
+    // the launcher's LOCAL_WORLD_SIZE (torchrun, `fsdp launch`) or mpirun's local size.
+    let ranks_per_node = match (m.strategy.is_hybrid(), m.ranks_per_node) {
+        (true, None) => crate::admission::local_ranks().filter(|&n| n > 0 && n < world),
+        (_, n) => n,
+    };
+    if m.ranks_per_node.is_none() {
+        if let Some(n) = ranks_per_node {
+            if world % n != 0 {
+                return Err(fail(format!(
+                    "{world} ranks are not divisible by the launcher's {n} ranks per node                      (LOCAL_WORLD_SIZE): give --ranks-per-node"
+                )));
+            }
+        }
+    }
+    match (m.strategy.is_hybrid(), ranks_per_node) {
         (true, Some(0)) => return Err(fail("--ranks-per-node must be at least 1")),
         (true, Some(n)) if world % n != 0 => {
             return Err(fail(format!(

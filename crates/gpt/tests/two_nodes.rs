@@ -1,0 +1,294 @@
+//! Two nodes × two ranks: `fsdp launch --nnodes 2` on two hosts made of network namespaces joined
+//! by a veth pair (`scripts/two-hosts.sh`), so that the ranks of different nodes really talk over
+//! a network link, not loopback or shared memory.
+//!
+//! Needs root and iproute2's `ip`; each test says `skipped: ...` and passes otherwise. Every test
+//! removes its namespaces when it ends, also when it fails.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::cli::{fsdp, loss_column, ok, small_train_args, text, SMALL_MODEL};
+
+const HOST0: &str = "10.77.0.1";
+const TOKEN: &str = "two-nodes-test-token-0123456789";
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/two-hosts.sh")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    common::cli::tmp("two_nodes", name)
+}
+
+/// Two hosts, removed on drop.
+struct Hosts {
+    name: String,
+}
+
+impl Hosts {
+    /// Create them, or the reason this machine cannot.
+    fn up() -> Result<Hosts, String> {
+        let uid = Command::new("id").arg("-u").output().map(|o| text(&o.stdout));
+        if uid.ok().as_deref().map(str::trim) != Some("0") {
+            return Err("not root (network namespaces need CAP_NET_ADMIN)".into());
+        }
+        if Command::new("ip").arg("-V").output().is_err() {
+            return Err("iproute2's `ip` is not installed".into());
+        }
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "fn{}x{}",
+            std::process::id() % 100_000,
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let hosts = Hosts { name };
+        let out = hosts.script(&["up"]);
+        if !out.status.success() {
+            return Err(format!(
+                "cannot create network namespaces: {}",
+                text(&out.stderr).trim()
+            ));
+        }
+        Ok(hosts)
+    }
+
+    fn script(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new("bash");
+        cmd.arg(script()).arg(args[0]).arg(&self.name).args(&args[1..]);
+        cmd.output().expect("run scripts/two-hosts.sh")
+    }
+
+    /// `fsdp launch --nnodes 2 --node-rank NODE -n 2 ... train TRAIN` on host `node`, with
+    /// `token` as the job token.
+    fn launch(&self, node: usize, token: &str, launch: &[&str], train: &[String]) -> Child {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &format!("{}-{node}", self.name)])
+            .arg(env!("CARGO_BIN_EXE_fsdp"))
+            .args(["launch", "--nnodes", "2", "--node-rank", &node.to_string()])
+            .args(["-n", "2", "--master-addr", HOST0, "--master-port", "29450"])
+            .args(launch)
+            .arg("train")
+            .args(train)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("FSDP_JOB_TOKEN_FILE")
+            .env("FSDP_JOB_TOKEN", token)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd.spawn().expect("start fsdp launch in a namespace")
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = self.script(&["down"]);
+    }
+}
+
+macro_rules! hosts_or_skip {
+    () => {
+        match Hosts::up() {
+            Ok(h) => h,
+            Err(why) => {
+                println!("skipped: {why}");
+                return;
+            }
+        }
+    };
+}
+
+/// Wait for a child with a bound; kill it past the bound and fail.
+fn finish(child: Child, bound: Duration, what: &str) -> (Output, Duration) {
+    let start = Instant::now();
+    let pid = child.id();
+    let killer = std::thread::spawn(move || {
+        let deadline = start + bound;
+        while Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+            if std::fs::metadata(format!("/proc/{pid}")).is_err() {
+                return false;
+            }
+        }
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        true
+    });
+    let out = child.wait_with_output().expect("wait for fsdp launch");
+    let took = start.elapsed();
+    let killed = killer.join().unwrap();
+    assert!(
+        !killed || took < bound,
+        "{what} ran past {bound:?} and was killed; stderr:\n{}",
+        text(&out.stderr)
+    );
+    (out, took)
+}
+
+const SMALL: [&str; 6] = ["--batch-size", "8", "--steps", "6", "--seed", "5"];
+
+/// Train on 4 threads and on 2 nodes × 2 processes; the loss logs must be bitwise equal.
+fn compare(name: &str, threads_extra: &[&str], nodes_extra: &[&str]) {
+    let hosts = hosts_or_skip!();
+    let threads_log = tmp(&format!("{name}-threads.csv"));
+    let mut args = small_train_args(&SMALL, threads_extra);
+    args.extend_from_slice(&["--ranks", "4", "--loss-log", threads_log.to_str().unwrap()]);
+    ok(&fsdp(&args), "the thread run");
+
+    let nodes_log = tmp(&format!("{name}-nodes.csv"));
+    let mut train: Vec<String> = SMALL_MODEL.iter().map(|s| s.to_string()).collect();
+    train.extend(SMALL.iter().chain(nodes_extra).map(|s| s.to_string()));
+    train.extend(["--loss-log".into(), nodes_log.to_str().unwrap().into()]);
+    let timeouts = ["--timeout", "60", "--init-timeout", "60"];
+    let node1 = hosts.launch(1, TOKEN, &timeouts, &train);
+    let node0 = hosts.launch(0, TOKEN, &timeouts, &train);
+    let (out0, _) = finish(node0, Duration::from_secs(120), "node 0");
+    let (out1, _) = finish(node1, Duration::from_secs(120), "node 1");
+    let stdout0 = ok(&out0, "node 0");
+    ok(&out1, "node 1");
+    assert!(
+        stdout0.contains("fsdp train: 4 ranks"),
+        "node 0 did not run a 4-rank job:\n{stdout0}"
+    );
+    let a = loss_column(&threads_log);
+    let b = loss_column(&nodes_log);
+    println!("{name}: 4 threads {a:?}\n{name}: 2 nodes × 2 processes {b:?}");
+    assert_eq!(a.len(), 6);
+    assert_eq!(a, b, "the two-node run's losses differ from the threads'");
+}
+
+#[test]
+fn full_shard_across_two_nodes_equals_four_threads() {
+    compare("full-shard", &[], &[]);
+}
+
+/// HYBRID_SHARD shards inside each node and replicates across them; under the launcher the
+/// ranks per node come from LOCAL_WORLD_SIZE, with no option.
+#[test]
+fn hybrid_shard_across_two_nodes_equals_four_threads() {
+    compare(
+        "hybrid",
+        &["--strategy", "hybrid-shard", "--ranks-per-node", "2"],
+        &["--strategy", "hybrid-shard"],
+    );
+}
+
+fn long_train() -> Vec<String> {
+    let mut train: Vec<String> = SMALL_MODEL.iter().map(|s| s.to_string()).collect();
+    train.extend(["--batch-size", "8", "--steps", "100000"].map(String::from));
+    train
+}
+
+/// The link between the nodes goes down mid-run: every rank of both nodes fails within the
+/// collective timeout, and each node names a rank of the other node it waited for.
+#[test]
+fn link_down_fails_every_rank_on_both_nodes_naming_the_peer() {
+    let hosts = hosts_or_skip!();
+    let timeouts = ["--timeout", "5", "--init-timeout", "60"];
+    let train = long_train();
+    let node1 = hosts.launch(1, TOKEN, &timeouts, &train);
+    let node0 = hosts.launch(0, TOKEN, &timeouts, &train);
+    // Let training start (the rendezvous and a few steps), then cut the link.
+    std::thread::sleep(Duration::from_secs(4));
+    let out = hosts.script(&["link", "down"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let cut = Instant::now();
+    let (out0, _) = finish(node0, Duration::from_secs(60), "node 0");
+    let (out1, _) = finish(node1, Duration::from_secs(60), "node 1");
+    let after = cut.elapsed();
+    println!("both nodes ended {after:?} after the link went down");
+    assert!(
+        after < Duration::from_secs(30),
+        "the nodes took {after:?} to fail after the link went down (timeout 5 s)"
+    );
+    for (node, out, peers) in [(0, &out0, [2, 3]), (1, &out1, [0, 1])] {
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "node {node} succeeded:\n{err}");
+        assert!(
+            err.contains("timed out after 5s"),
+            "node {node} did not report the timeout:\n{err}"
+        );
+        // Both of the node's ranks failed (one primary, the other secondary).
+        let ranks = [2 * node, 2 * node + 1];
+        for r in ranks {
+            assert!(
+                err.contains(&format!("[rank {r}] error: rank {r}:")),
+                "rank {r} of node {node} did not fail with an error:\n{err}"
+            );
+        }
+        assert!(
+            peers.iter().any(|p| err.contains(&format!("rank {p}"))
+                || err.contains(&format!("rank [{p}]"))),
+            "node {node} named none of the other node's ranks {peers:?}:\n{err}"
+        );
+    }
+}
+
+/// Node 1 never starts: node 0 fails after the rendezvous timeout naming node 1 and its ranks.
+#[test]
+fn a_node_that_never_starts_is_named() {
+    let hosts = hosts_or_skip!();
+    let timeouts = ["--timeout", "60", "--init-timeout", "3"];
+    let node0 = hosts.launch(0, TOKEN, &timeouts, &long_train());
+    let (out, took) = finish(node0, Duration::from_secs(60), "node 0");
+    let err = text(&out.stderr);
+    println!("node 0 alone failed after {took:?}:\n{err}");
+    assert!(!out.status.success());
+    assert!(
+        err.contains("ranks [2, 3] never arrived")
+            && err.contains("node 1 never arrived (ranks [2, 3])"),
+        "node 0 did not name node 1 and its ranks:\n{err}"
+    );
+}
+
+/// A node with another job token is refused at once by the store on node 0.
+#[test]
+fn a_node_with_a_wrong_token_is_refused() {
+    let hosts = hosts_or_skip!();
+    let timeouts = ["--timeout", "60", "--init-timeout", "20"];
+    let node0 = hosts.launch(0, TOKEN, &timeouts, &long_train());
+    let node1 = hosts.launch(1, "another-job-token-9876543210", &timeouts, &long_train());
+    let (out1, took1) = finish(node1, Duration::from_secs(60), "node 1");
+    let (out0, _) = finish(node0, Duration::from_secs(60), "node 0");
+    let err1 = text(&out1.stderr);
+    println!("node 1 (wrong token) failed after {took1:?}:\n{err1}");
+    assert!(!out1.status.success() && !out0.status.success());
+    assert!(
+        err1.contains("refused") && err1.contains("job token"),
+        "node 1 was not refused for its token:\n{err1}"
+    );
+    assert!(
+        took1 < Duration::from_secs(15),
+        "node 1 was refused only after {took1:?}"
+    );
+}
+
+/// `--nnodes 2` off loopback without a job token is an error before any rank starts.
+#[test]
+fn several_nodes_off_loopback_need_a_token() {
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(["launch", "--nnodes", "2", "--node-rank", "0", "-n", "1"])
+        .args(["--master-addr", "10.77.0.1", "--master-port", "29451", "train"])
+        .env_remove("FSDP_JOB_TOKEN")
+        .env_remove("FSDP_JOB_TOKEN_FILE")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("needs a job token") && err.contains("FSDP_JOB_TOKEN"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(["launch", "--nnodes", "2", "--node-rank", "2", "-n", "1", "train"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--node-rank 2 is out of range for --nnodes 2"), "{err}");
+}
