@@ -9,6 +9,11 @@
 #                                     at once, remove everything afterwards (also on failure or
 #                                     interruption); exit with the first non-zero status
 #   scripts/two-hosts.sh link NAME up|down    bring the link between the hosts up or down
+#   TWO_HOSTS_NAME=NAME scripts/two-hosts.sh agent ADDR CMD...
+#                                     Open MPI's remote-shell agent (`--mca plm_rsh_agent
+#                                     "bash scripts/two-hosts.sh agent"`): runs the command line
+#                                     CMD in the namespace of the host with address ADDR, as ssh
+#                                     would on that host; mpirun runs in host 0's namespace
 #
 # Needs root and iproute2. Each pair of namespaces has its own network stack, so several pairs
 # can use the same addresses at once; only the names must differ (NAME: at most 10 characters).
@@ -88,5 +93,13 @@ case "$cmd" in
         echo "two-hosts: host 0 exited with $s0, host 1 with $s1" >&2
         [ "$s0" != 0 ] && exit "$s0"
         exit "$s1";;
-    *) die "usage: two-hosts.sh up|down|link|exec|run NAME ...";;
+    agent)
+        n=${TWO_HOSTS_NAME:-}; check "$n"; addr=${1:-}; shift || true
+        case "$addr" in
+            "$ADDR0") h=0;; "$ADDR1") h=1;;
+            *) die "agent: unknown host '$addr' (the hosts are $ADDR0 and $ADDR1)";;
+        esac
+        # Like ssh: the remote command is one line for the remote shell.
+        exec ip netns exec "$n-$h" sh -c "$*";;
+    *) die "usage: two-hosts.sh up|down|link|exec|run|agent NAME ...";;
 esac

@@ -33,7 +33,10 @@ struct Hosts {
 impl Hosts {
     /// Create them, or the reason this machine cannot.
     fn up() -> Result<Hosts, String> {
-        let uid = Command::new("id").arg("-u").output().map(|o| text(&o.stdout));
+        let uid = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| text(&o.stdout));
         if uid.ok().as_deref().map(str::trim) != Some("0") {
             return Err("not root (network namespaces need CAP_NET_ADMIN)".into());
         }
@@ -59,7 +62,10 @@ impl Hosts {
 
     fn script(&self, args: &[&str]) -> Output {
         let mut cmd = Command::new("bash");
-        cmd.arg(script()).arg(args[0]).arg(&self.name).args(&args[1..]);
+        cmd.arg(script())
+            .arg(args[0])
+            .arg(&self.name)
+            .args(&args[1..]);
         cmd.output().expect("run scripts/two-hosts.sh")
     }
 
@@ -271,7 +277,13 @@ fn a_node_with_a_wrong_token_is_refused() {
 fn several_nodes_off_loopback_need_a_token() {
     let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
         .args(["launch", "--nnodes", "2", "--node-rank", "0", "-n", "1"])
-        .args(["--master-addr", "10.77.0.1", "--master-port", "29451", "train"])
+        .args([
+            "--master-addr",
+            "10.77.0.1",
+            "--master-port",
+            "29451",
+            "train",
+        ])
         .env_remove("FSDP_JOB_TOKEN")
         .env_remove("FSDP_JOB_TOKEN_FILE")
         .env_remove("RANK")
@@ -285,10 +297,87 @@ fn several_nodes_off_loopback_need_a_token() {
         "{err}"
     );
     let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(["launch", "--nnodes", "2", "--node-rank", "2", "-n", "1", "train"])
+        .args([
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "-n",
+            "1",
+            "train",
+        ])
         .output()
         .unwrap();
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("--node-rank 2 is out of range for --nnodes 2"), "{err}");
+    assert!(
+        err.contains("--node-rank 2 is out of range for --nnodes 2"),
+        "{err}"
+    );
+}
+
+/// The MPI backend across the two hosts: `mpirun` in host 0's namespace starts host 1's ranks
+/// through `scripts/two-hosts.sh agent` (Open MPI's remote-shell agent, in place of ssh); MPI
+/// reduces in its own order, so the losses agree with the threads' to rounding.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpirun_across_two_nodes_matches_four_threads() {
+    match Command::new("mpirun").arg("--version").output() {
+        Ok(o) if o.status.success() => {}
+        _ => {
+            println!("skipped: mpirun not found");
+            return;
+        }
+    }
+    let hosts = hosts_or_skip!();
+    let threads_log = tmp("mpi-threads.csv");
+    let mut args = small_train_args(&SMALL, &[]);
+    args.extend_from_slice(&["--ranks", "4", "--loss-log", threads_log.to_str().unwrap()]);
+    ok(&fsdp(&args), "the thread run");
+
+    let mpi_log = tmp("mpi-nodes.csv");
+    let agent = format!("bash {}", script().display());
+    let child = Command::new("ip")
+        .args(["netns", "exec", &format!("{}-0", hosts.name), "mpirun"])
+        .args(["--mca", "plm_rsh_agent", &format!("{agent} agent")])
+        .args(["--mca", "oob_tcp_if_include", "10.77.0.0/24"])
+        .args(["--mca", "btl", "self,tcp"])
+        .args(["--mca", "btl_tcp_if_include", "10.77.0.0/24"])
+        .args(["--bind-to", "none", "--oversubscribe"])
+        .args(["-H", "10.77.0.1:2,10.77.0.2:2", "-np", "4"])
+        .args(["-x", "PATH"])
+        .arg(env!("CARGO_BIN_EXE_fsdp"))
+        .args(["train", "--backend", "mpi"])
+        .args(SMALL_MODEL)
+        .args(SMALL)
+        .args(["--loss-log", mpi_log.to_str().unwrap()])
+        .env("TWO_HOSTS_NAME", &hosts.name)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start mpirun");
+    let (out, _) = finish(child, Duration::from_secs(120), "mpirun");
+    ok(&out, "mpirun across the two hosts");
+    let a: Vec<f64> = loss_column(&threads_log)
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let b: Vec<f64> = loss_column(&mpi_log)
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    println!("mpi: 4 threads {a:?}\nmpi: 2 hosts × 2 MPI processes {b:?}");
+    assert_eq!(a.len(), 6);
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 1e-6 * x.abs(),
+            "losses differ: {a:?} vs {b:?}"
+        );
+    }
 }
