@@ -5,7 +5,8 @@
 //! instead (`nvidia/cu13/lib/libnvrtc.so.13` for CUDA 13, `nvidia/cuda_nvrtc/lib` for CUDA 12,
 //! `nvidia/nccl/lib/libnccl.so.2`). [`load_nvrtc`] finds the library there and opens it by its
 //! full path first: glibc then answers cudarc's later `dlopen("libnvrtc.so.13")` with the
-//! loaded library, whose `DT_SONAME` is that name.
+//! loaded library, whose `DT_SONAME` is that name. NVRTC's builtins library
+//! (`libnvrtc-builtins.so.13.0`, which NVRTC opens by name) is opened from the same folder.
 //!
 //! Where to look, in order:
 //! 1. `FSDP_NVRTC_LIB` / `FSDP_NCCL_LIB`: the full path of the library (an error if it does not
@@ -109,11 +110,30 @@ fn open(path: &Path, library: &str) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// Open the files of `dir` whose names start with `prefix` (NVRTC opens its builtins library,
+/// `libnvrtc-builtins.so.13.0`, by name when it compiles).
+fn open_companions(dir: &Path, prefix: &str) -> Result<(), DeviceError> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    for f in files {
+        open(&f, prefix)?;
+    }
+    Ok(())
+}
+
 fn probe(
     library: &str,
     env_var: &str,
     present: fn() -> bool,
     site_file: &str,
+    companion: Option<&str>,
 ) -> Result<Found, DeviceError> {
     let path = if let Some(path) = env::var_os(env_var) {
         PathBuf::from(path)
@@ -130,6 +150,9 @@ fn probe(
         })?
     };
     open(&path, library)?;
+    if let (Some(prefix), Some(dir)) = (companion, path.parent()) {
+        open_companions(dir, prefix)?;
+    }
     if !present() {
         return Err(DeviceError::LibraryNotFound {
             library: library.into(),
@@ -153,7 +176,13 @@ pub fn load_nvrtc() -> Result<Found, DeviceError> {
         .get_or_init(|| {
             // SAFETY: only tries to dlopen the library by cudarc's names.
             let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
-            probe(NVRTC_SONAME, "FSDP_NVRTC_LIB", present, NVRTC_SONAME)
+            probe(
+                NVRTC_SONAME,
+                "FSDP_NVRTC_LIB",
+                present,
+                NVRTC_SONAME,
+                Some("libnvrtc-builtins.so"),
+            )
         })
         .clone()
 }
@@ -168,7 +197,7 @@ pub fn load_nccl() -> Result<Found, DeviceError> {
         .get_or_init(|| {
             // SAFETY: only tries to dlopen the library by cudarc's names.
             let present = || unsafe { cudarc::nccl::sys::is_culib_present() };
-            probe("libnccl.so", "FSDP_NCCL_LIB", present, NCCL_SONAME)
+            probe("libnccl.so", "FSDP_NCCL_LIB", present, NCCL_SONAME, None)
         })
         .clone()
 }
