@@ -12,7 +12,7 @@ pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
 
 use std::fmt::Debug;
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use fsdp_device::DType;
 use half::{bf16, f16};
 
@@ -84,7 +84,16 @@ compute!(f64);
 
 /// An element type of the kernels: f32, f64, bf16, f16.
 pub trait KernelFloat:
-    Copy + PartialEq + Default + Debug + Send + Sync + DeviceRepr + sealed::Sealed + 'static
+    Copy
+    + PartialEq
+    + Default
+    + Debug
+    + Send
+    + Sync
+    + DeviceRepr
+    + ValidAsZeroBits
+    + sealed::Sealed
+    + 'static
 {
     /// The suffix of its kernels (`f32`, `bf16`, …).
     const NAME: &'static str;
