@@ -44,6 +44,22 @@ pub enum DeviceError {
     /// A length, range or alignment did not fit.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A CUDA driver call failed (feature `cuda`).
+    #[error("CUDA {op} failed: {message}")]
+    Cuda {
+        /// The driver call.
+        op: &'static str,
+        /// The driver's error.
+        message: String,
+    },
+    /// A shared library (CUDA driver, NVRTC, NCCL) could not be found or loaded.
+    #[error("{library} not found: {detail}")]
+    LibraryNotFound {
+        /// The library's name.
+        library: String,
+        /// Where it was looked for, or why it did not load.
+        detail: String,
+    },
     /// Host memory could not be allocated.
     #[error("could not allocate {bytes} bytes of host memory")]
     OutOfMemory {

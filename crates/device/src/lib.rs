@@ -2,8 +2,8 @@
 //!
 //! This is the bottom crate of the workspace: the one definition of [`Stream`], [`Event`],
 //! [`DType`]/[`Element`] and [`Buffer`] that the allocator, collectives, flat-parameter and FSDP
-//! crates share, so that the same runtime code drives CPU streams (worker threads) and, through a
-//! later backend of the same types, CUDA streams. Buffers on [`Device::Meta`] ([`Buffer::meta`])
+//! crates share, so that the same runtime code drives CPU streams (worker threads) and, with the
+//! `cuda` feature, CUDA streams and events ([`cuda`]). Buffers on [`Device::Meta`] ([`Buffer::meta`])
 //! have lengths and sizes but no memory, to run code for its shapes and memory use alone.
 //!
 //! ```
@@ -25,6 +25,8 @@
 //! ```
 
 pub mod buffer;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod device;
 pub mod dtype;
 mod error;

@@ -2,7 +2,11 @@
 //!
 //! A [`Stream`] is an ordered queue of work; an [`Event`] marks a point in it. The API follows
 //! CUDA's (`record`, `query`, `synchronize`, `stream.wait_event`) so that the same runtime code can
-//! drive CPU streams (here) and CUDA streams (a later backend of the same type).
+//! drive CPU streams (here) and CUDA streams (`crate::cuda`, feature `cuda`).
+//!
+//! With the `cuda` feature a third kind wraps a cudarc `CudaStream` (`Stream::cuda`, see
+//! `crate::cuda`): its events are CUDA events and `wait_event` between two CUDA streams is a
+//! GPU-side wait.
 //!
 //! Two CPU flavours exist:
 //! - [`Stream::cpu`]: a worker thread runs the enqueued closures in order, asynchronously to the
@@ -132,12 +136,15 @@ enum Kind {
         thread: Option<JoinHandle<()>>,
     },
     Inline,
+    /// A CUDA stream (feature `cuda`); `progress` only carries the name.
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<cudarc::driver::CudaStream>),
 }
 
-struct StreamInner {
-    id: StreamId,
-    device: Device,
-    timeout: Duration,
+pub(crate) struct StreamInner {
+    pub(crate) id: StreamId,
+    pub(crate) device: Device,
+    pub(crate) timeout: Duration,
     progress: Arc<Progress>,
     kind: Kind,
 }
@@ -177,7 +184,7 @@ impl Drop for StreamInner {
 /// ```
 #[derive(Clone)]
 pub struct Stream {
-    inner: Arc<StreamInner>,
+    pub(crate) inner: Arc<StreamInner>,
 }
 
 impl fmt::Debug for Stream {
@@ -264,6 +271,39 @@ impl Stream {
         }
     }
 
+    /// A stream of another kind than the CPU ones (the CUDA constructor uses it).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_cuda(
+        name: String,
+        device: Device,
+        timeout: Duration,
+        stream: Arc<cudarc::driver::CudaStream>,
+    ) -> Stream {
+        Stream {
+            inner: Arc::new(StreamInner {
+                id: StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed)),
+                device,
+                timeout,
+                progress: Arc::new(Progress {
+                    name,
+                    state: Mutex::new(ProgressState::default()),
+                    cv: Condvar::new(),
+                }),
+                kind: Kind::Cuda(stream),
+            }),
+        }
+    }
+
+    /// The cudarc stream behind a CUDA stream (`None` for CPU streams), to launch kernels and
+    /// copies on.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        match &self.inner.kind {
+            Kind::Cuda(s) => Some(s),
+            _ => None,
+        }
+    }
+
     /// The stream's process-unique id.
     pub fn id(&self) -> StreamId {
         self.inner.id
@@ -291,10 +331,16 @@ impl Stream {
 
     /// Append `work` to the stream. On a worker stream it runs later, after everything enqueued
     /// before it; on an inline stream it runs now. A panic inside `work` is caught and becomes
-    /// the stream's sticky error.
+    /// the stream's sticky error. CUDA streams run no host closures
+    /// ([`DeviceError::Unsupported`]).
     pub fn enqueue(&self, work: impl FnOnce() + Send + 'static) -> Result<(), DeviceError> {
         let progress = &self.inner.progress;
         match &self.inner.kind {
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => Err(DeviceError::Unsupported {
+                op: "enqueue of a host closure",
+                device: self.inner.device.to_string(),
+            }),
             Kind::Inline => {
                 progress.lock().enqueued += 1;
                 let result = catch_unwind(AssertUnwindSafe(work)).map_err(|p| panic_message(&*p));
@@ -327,10 +373,31 @@ impl Stream {
     /// Make all work enqueued after this call wait until `event` completes (its recorded point on
     /// its own stream has run). On a worker stream this enqueues a wait bounded by this stream's
     /// timeout, whose expiry becomes the stream's sticky error; on an inline stream it blocks the
-    /// caller (bounded the same way) and returns the error directly.
+    /// caller (bounded the same way) and returns the error directly. A CUDA stream waits for a
+    /// CUDA event on the GPU (`cuStreamWaitEvent`, the host does not block) and for a CPU event
+    /// on the host, bounded by its timeout.
     pub fn wait_event(&self, event: &Event) -> Result<(), DeviceError> {
-        let Some((progress, target)) = event.point() else {
-            return Ok(());
+        let point = event.lock().clone();
+        let (progress, target) = match point {
+            None => return Ok(()),
+            Some(EventPoint::Cpu {
+                progress, target, ..
+            }) => (progress, target),
+            #[cfg(feature = "cuda")]
+            Some(EventPoint::Cuda(p)) => {
+                return match &self.inner.kind {
+                    Kind::Cuda(s) => p.stream_wait(s),
+                    Kind::Inline => p.synchronize(self.inner.timeout),
+                    Kind::Worker { .. } => {
+                        let timeout = self.inner.timeout;
+                        self.enqueue(move || {
+                            if let Err(e) = p.synchronize(timeout) {
+                                panic!("wait_event failed: {e}");
+                            }
+                        })
+                    }
+                };
+            }
         };
         if Arc::ptr_eq(&progress, &self.inner.progress) {
             return Ok(()); // same stream: already ordered
@@ -341,6 +408,8 @@ impl Stream {
         let timeout = self.inner.timeout;
         match &self.inner.kind {
             Kind::Inline => progress.wait_for(target, timeout),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => progress.wait_for(target, timeout),
             Kind::Worker { .. } => self.enqueue(move || {
                 if let Err(e) = progress.wait_for(target, timeout) {
                     panic!("wait_event failed: {e}");
@@ -381,10 +450,16 @@ pub struct Event {
 }
 
 #[derive(Clone)]
-struct EventPoint {
-    progress: Arc<Progress>,
-    target: u64,
-    timeout: Duration,
+enum EventPoint {
+    /// A task count of a CPU stream.
+    Cpu {
+        progress: Arc<Progress>,
+        target: u64,
+        timeout: Duration,
+    },
+    /// A CUDA event of the pool, recorded on a CUDA stream.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaPoint),
 }
 
 impl fmt::Debug for Event {
@@ -392,7 +467,11 @@ impl fmt::Debug for Event {
         let point = self.lock().clone();
         match point {
             None => f.write_str("Event(unrecorded)"),
-            Some(p) => write!(f, "Event({} @ task {})", p.progress.name, p.target),
+            Some(EventPoint::Cpu {
+                progress, target, ..
+            }) => write!(f, "Event({} @ task {target})", progress.name),
+            #[cfg(feature = "cuda")]
+            Some(EventPoint::Cuda(p)) => write!(f, "Event({p:?})"),
         }
     }
 }
@@ -407,45 +486,63 @@ impl Event {
         self.point.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn point(&self) -> Option<(Arc<Progress>, u64)> {
-        self.lock().as_ref().map(|p| (p.progress.clone(), p.target))
-    }
-
     /// Mark the current end of `stream`: the event completes once everything enqueued on it so
-    /// far has run.
+    /// far has run. On a CUDA stream this records a CUDA event taken from the device's event
+    /// pool; a failure to record is reported by [`synchronize`](Event::synchronize).
     pub fn record(&self, stream: &Stream) {
-        let progress = stream.inner.progress.clone();
-        let target = progress.lock().enqueued;
-        *self.lock() = Some(EventPoint {
-            progress,
-            target,
-            timeout: stream.inner.timeout,
-        });
+        let point = match &stream.inner.kind {
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(s) => {
+                EventPoint::Cuda(crate::cuda::CudaPoint::record(s, stream.inner.timeout))
+            }
+            _ => {
+                let progress = stream.inner.progress.clone();
+                let target = progress.lock().enqueued;
+                EventPoint::Cpu {
+                    progress,
+                    target,
+                    timeout: stream.inner.timeout,
+                }
+            }
+        };
+        *self.lock() = Some(point);
     }
 
     /// Whether the recorded point has been reached (true if never recorded).
     pub fn query(&self) -> bool {
-        match self.point() {
+        let point = self.lock().clone();
+        match point {
             None => true,
-            Some((progress, target)) => progress.lock().completed >= target,
+            Some(EventPoint::Cpu {
+                progress, target, ..
+            }) => progress.lock().completed >= target,
+            #[cfg(feature = "cuda")]
+            Some(EventPoint::Cuda(p)) => p.query(),
         }
     }
 
     /// Block until the point is reached, up to the recording stream's timeout. Fails if a task
-    /// before the point panicked.
+    /// before the point panicked (a CUDA error for CUDA events).
     pub fn synchronize(&self) -> Result<(), DeviceError> {
-        let timeout = self.lock().as_ref().map(|p| p.timeout);
-        match timeout {
-            None => Ok(()),
-            Some(t) => self.synchronize_timeout(t),
-        }
+        let timeout = match &*self.lock() {
+            None => return Ok(()),
+            Some(EventPoint::Cpu { timeout, .. }) => *timeout,
+            #[cfg(feature = "cuda")]
+            Some(EventPoint::Cuda(p)) => p.timeout(),
+        };
+        self.synchronize_timeout(timeout)
     }
 
     /// Block until the point is reached or `timeout` passes.
     pub fn synchronize_timeout(&self, timeout: Duration) -> Result<(), DeviceError> {
-        match self.point() {
+        let point = self.lock().clone();
+        match point {
             None => Ok(()),
-            Some((progress, target)) => progress.wait_for(target, timeout),
+            Some(EventPoint::Cpu {
+                progress, target, ..
+            }) => progress.wait_for(target, timeout),
+            #[cfg(feature = "cuda")]
+            Some(EventPoint::Cuda(p)) => p.synchronize(timeout),
         }
     }
 }

@@ -1,0 +1,131 @@
+//! CUDA streams and events (cargo feature `cuda`), over cudarc.
+//!
+//! - [`context`]: one `CudaContext` (the device's primary context) per device per process,
+//!   shared by every stream, event and kernel module of the process, with cudarc's event
+//!   tracking disabled: the runtime orders work itself with [`Stream`]/[`Event`], and cudarc's
+//!   tracking would record an event per slice use and synchronise the whole context when the
+//!   first stream is created (a deadlock while a peer thread's NCCL kernel spins).
+//! - [`Stream::cuda`]: a non-blocking CUDA stream behind the same [`Stream`] type as the CPU
+//!   streams. [`Event::record`] on it records a CUDA event taken from a per-device pool (as
+//!   PyTorch's `CUDAEvent` pool: no `cuEventCreate`/`cuEventDestroy` per record),
+//!   [`Stream::wait_event`] between CUDA streams is `cuStreamWaitEvent` (GPU-side, the host does
+//!   not block), and every host wait (`synchronize`) polls `cuEventQuery` up to a timeout
+//!   instead of blocking in `cuEventSynchronize` without one.
+//! - [`libs`]: finds NVRTC and NCCL in Python packages' `site-packages` when they are not on the
+//!   loader path.
+//!
+//! Because event tracking is off, a cudarc `CudaSlice` allocated through these contexts does
+//! not order itself across streams: make the consuming stream [`wait_event`](Stream::wait_event)
+//! on an event recorded after the producing work, and keep the slice alive until the last work
+//! that uses it has completed.
+
+mod events;
+pub mod libs;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use cudarc::driver::{CudaContext, CudaStream};
+pub(crate) use events::CudaPoint;
+pub use events::{pooled_events, PooledEvent};
+
+use crate::{Device, DeviceError, Stream, DEFAULT_TIMEOUT};
+
+/// The process's contexts, by device ordinal.
+static CONTEXTS: Mutex<Vec<Option<Arc<CudaContext>>>> = Mutex::new(Vec::new());
+
+pub(crate) fn driver_error(op: &'static str, e: impl std::fmt::Debug) -> DeviceError {
+    DeviceError::Cuda {
+        op,
+        message: format!("{e:?}"),
+    }
+}
+
+/// Whether the CUDA driver library can be loaded and how many devices it sees; the error says
+/// why not (no `libcuda.so`, no device, a driver error). Tests print it when they skip.
+///
+/// # Errors
+/// [`DeviceError::LibraryNotFound`] without a driver, [`DeviceError::Cuda`] when it fails or
+/// sees no device.
+pub fn device_count() -> Result<usize, DeviceError> {
+    // SAFETY: only tries to dlopen the driver library by its names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(DeviceError::LibraryNotFound {
+            library: "libcuda.so (the CUDA driver)".into(),
+            detail: "not on the loader path".into(),
+        });
+    }
+    let n = catch_unwind(|| {
+        cudarc::driver::result::init()?;
+        CudaContext::device_count()
+    })
+    .map_err(|_| driver_error("cuInit", "panicked while loading the driver"))?
+    .map_err(|e| driver_error("cuDeviceGetCount", e))?;
+    if n <= 0 {
+        return Err(driver_error("cuDeviceGetCount", "no CUDA device"));
+    }
+    Ok(n as usize)
+}
+
+/// The process's context on device `ordinal` (its primary context), created on first use with
+/// event tracking disabled. Every caller gets the same `Arc`.
+///
+/// # Errors
+/// As [`device_count`]; [`DeviceError::InvalidArgument`] for an ordinal past the last device.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, DeviceError> {
+    let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(Some(ctx)) = all.get(ordinal) {
+        return Ok(ctx.clone());
+    }
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(DeviceError::InvalidArgument(format!(
+            "cuda:{ordinal} does not exist ({count} CUDA devices)"
+        )));
+    }
+    let ctx = catch_unwind(AssertUnwindSafe(|| CudaContext::new(ordinal)))
+        .map_err(|_| driver_error("cuDevicePrimaryCtxRetain", "panicked"))?
+        .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+    // SAFETY: the context was just created, so no slice of it exists whose tracking could be
+    // left half-on; from here on the runtime orders cross-stream work with events (module docs).
+    unsafe { ctx.disable_event_tracking() };
+    if all.len() <= ordinal {
+        all.resize(ordinal + 1, None);
+    }
+    all[ordinal] = Some(ctx.clone());
+    Ok(ctx)
+}
+
+impl Stream {
+    /// A new non-blocking CUDA stream on device `ordinal` with the [`DEFAULT_TIMEOUT`] for host
+    /// waits.
+    ///
+    /// # Errors
+    /// As [`context`]; [`DeviceError::Cuda`] when the stream cannot be created.
+    pub fn cuda(ordinal: usize, name: impl Into<String>) -> Result<Stream, DeviceError> {
+        Stream::cuda_with_timeout(ordinal, name, DEFAULT_TIMEOUT)
+    }
+
+    /// A new non-blocking CUDA stream whose host waits (`synchronize`, waits on CPU events) are
+    /// bounded by `timeout`.
+    ///
+    /// # Errors
+    /// As [`Stream::cuda`].
+    pub fn cuda_with_timeout(
+        ordinal: usize,
+        name: impl Into<String>,
+        timeout: Duration,
+    ) -> Result<Stream, DeviceError> {
+        let ctx = context(ordinal)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        Ok(Stream::from_cuda(
+            name.into(),
+            Device::Cuda(ordinal),
+            timeout,
+            stream,
+        ))
+    }
+}

@@ -1,0 +1,46 @@
+// The sum of squares of an f32 shard in f64 (for the global gradient norm), in a fixed order
+// that does not depend on the GPU: block b sums elements [b*CHUNK, (b+1)*CHUNK), thread t of
+// it the elements b*CHUNK + t + k*BLOCK (k = 0..ITEMS), then a shared-memory tree halves the
+// 256 partial sums; a second single-block pass reduces the block sums the same way (thread t
+// sums block sums t, t + BLOCK, ...). The host twin follows the same order, so the results
+// are bitwise equal. Squares of f32 values are exact in f64.
+
+#define NORM_BLOCK 256
+#define NORM_ITEMS 16
+
+__device__ __forceinline__ void tree_sum(double* sh, u32 t) {
+    for (u32 s = NORM_BLOCK / 2; s > 0; s >>= 1) {
+        __syncthreads();
+        if (t < s) sh[t] = __dadd_rn(sh[t], sh[t + s]);
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+    sum_squares_f32(const float* x, u64 n, double* block_sums) {
+    __shared__ double sh[NORM_BLOCK];
+    u32 t = threadIdx.x;
+    u64 base = (u64)blockIdx.x * (NORM_BLOCK * NORM_ITEMS);
+    double acc = 0.0;
+    for (u32 k = 0; k < NORM_ITEMS; k++) {
+        u64 i = base + t + (u64)k * NORM_BLOCK;
+        if (i < n) {
+            double v = (double)x[i];
+            acc = __dadd_rn(acc, __dmul_rn(v, v));
+        }
+    }
+    sh[t] = acc;
+    tree_sum(sh, t);
+    if (t == 0) block_sums[blockIdx.x] = sh[0];
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+    sum_f64_final(const double* block_sums, u64 count, double* out) {
+    __shared__ double sh[NORM_BLOCK];
+    u32 t = threadIdx.x;
+    double acc = 0.0;
+    for (u64 i = t; i < count; i += NORM_BLOCK) acc = __dadd_rn(acc, block_sums[i]);
+    sh[t] = acc;
+    tree_sum(sh, t);
+    if (t == 0) out[0] = sh[0];
+}

@@ -1,0 +1,55 @@
+//! Twin of `sum_squares_f32` + `sum_f64_final`: the sum of squares of an f32 shard in f64, in
+//! the kernels' fixed order (see `cu/norm.cu`).
+
+/// Threads per block of the norm kernels.
+pub const NORM_BLOCK: usize = 256;
+/// Elements each thread sums in the first pass.
+pub const NORM_ITEMS: usize = 16;
+
+/// The shared-memory tree of one block: halve until one value is left.
+fn tree(mut sh: Vec<f64>) -> f64 {
+    let mut s = NORM_BLOCK / 2;
+    while s > 0 {
+        for t in 0..s {
+            sh[t] += sh[t + s];
+        }
+        s /= 2;
+    }
+    sh[0]
+}
+
+/// The block sums of the first pass (one per `NORM_BLOCK · NORM_ITEMS` elements).
+pub(crate) fn block_sums(x: &[f32]) -> Vec<f64> {
+    let chunk = NORM_BLOCK * NORM_ITEMS;
+    x.chunks(chunk)
+        .map(|c| {
+            let sh = (0..NORM_BLOCK)
+                .map(|t| {
+                    let mut acc = 0.0f64;
+                    for k in 0..NORM_ITEMS {
+                        if let Some(&v) = c.get(t + k * NORM_BLOCK) {
+                            let v = f64::from(v);
+                            acc += v * v;
+                        }
+                    }
+                    acc
+                })
+                .collect();
+            tree(sh)
+        })
+        .collect()
+}
+
+/// The sum of squares of `x` in f64, summed in the kernels' order (bitwise equal to them).
+pub fn sum_of_squares(x: &[f32]) -> f64 {
+    let sums = block_sums(x);
+    let sh = (0..NORM_BLOCK)
+        .map(|t| {
+            sums.iter()
+                .skip(t)
+                .step_by(NORM_BLOCK)
+                .fold(0.0, |a, &b| a + b)
+        })
+        .collect();
+    tree(sh)
+}

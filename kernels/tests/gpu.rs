@@ -1,0 +1,281 @@
+//! Every kernel on the GPU against its host twin: bitwise for casts, axpby, memset, the ring's
+//! reductions, SGD and the sum of squares (NaN results: both NaN), AdamW within 1 ulp (0
+//! expected: the kernels round every operation as the twin does). Without a GPU each test
+//! prints `skipped: no GPU (<reason>)` and passes; with one, NVRTC must be found
+//! (`fsdp_device::cuda::libs`).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DeviceRepr, ValidAsZeroBits};
+use fsdp_device::Stream;
+use fsdp_kernels::host::{self, AdamW, AdamWScalars, KernelFloat, ReduceKind, Sgd, SgdScalars};
+use fsdp_kernels::{launch, KernelError};
+use half::{bf16, f16};
+
+fn gpu(test: &str) -> Option<Arc<CudaStream>> {
+    if let Err(e) = fsdp_device::cuda::device_count() {
+        println!("{test}: skipped: no GPU ({e})");
+        return None;
+    }
+    let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
+    Some(s.cuda_stream().expect("a CUDA stream").clone())
+}
+
+/// Values with every kind of exponent, signs, zeros, infinities, NaNs and subnormals.
+fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut state = seed;
+    (0..n)
+        .map(|i| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            match i % 101 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => f64::INFINITY,
+                3 => f64::NAN,
+                4 => 3e-6,  // an f16 subnormal
+                5 => 1e-40, // an f32 subnormal
+                _ => {
+                    let unit = (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+                    unit * 2f64.powi(((z & 0x3f) as i32) - 32)
+                }
+            }
+        })
+        .collect()
+}
+
+fn as_t<T: KernelFloat>(v: &[f64]) -> Vec<T> {
+    v.iter()
+        .map(|&x| {
+            if T::NAME == "f64" {
+                T::store(<T::C as host::Compute>::from_f64(x))
+            } else {
+                T::store(<T::C as host::Compute>::from_f64(x as f32 as f64))
+            }
+        })
+        .collect()
+}
+
+fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> cudarc::driver::CudaSlice<T> {
+    s.clone_htod(v).unwrap()
+}
+
+fn down<T: DeviceRepr + ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    d: &cudarc::driver::CudaSlice<T>,
+) -> Vec<T> {
+    let v = s.clone_dtoh(d).unwrap();
+    s.synchronize().unwrap();
+    v
+}
+
+fn assert_same<T: KernelFloat>(what: &str, gpu: &[T], host: &[T]) {
+    assert_eq!(gpu.len(), host.len());
+    for (i, (a, b)) in gpu.iter().zip(host).enumerate() {
+        assert!(
+            a.bits() == b.bits() || (a.is_nan() && b.is_nan()),
+            "{what} [{i}]: GPU {a:?} ({:#x}) vs host {b:?} ({:#x})",
+            a.bits(),
+            b.bits()
+        );
+    }
+}
+
+fn cast_pair<S: host::CastFloat, D: host::CastFloat>(s: &Arc<CudaStream>) {
+    let src: Vec<S> = as_t(&values(100_003, 11));
+    let mut want = vec![D::default(); src.len()];
+    host::cast(&src, &mut want).unwrap();
+    let d_src = up(s, &src);
+    let mut d_dst = s.alloc_zeros::<D>(src.len()).unwrap();
+    launch::cast(s, &d_src, &mut d_dst).unwrap();
+    let got = down(s, &d_dst);
+    // Casts are integer operations on the bits: equal bits, NaNs included.
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(a.bits(), b.bits(), "cast {}->{} [{i}]", S::NAME, D::NAME);
+    }
+}
+
+#[test]
+fn casts_equal_their_twins() {
+    let Some(s) = gpu("casts_equal_their_twins") else {
+        return;
+    };
+    cast_pair::<f32, bf16>(&s);
+    cast_pair::<f32, f16>(&s);
+    cast_pair::<bf16, f32>(&s);
+    cast_pair::<f16, f32>(&s);
+    cast_pair::<bf16, f16>(&s);
+    cast_pair::<f16, bf16>(&s);
+    let (a, mut b) = (up(&s, &[1.0f32; 4]), s.alloc_zeros::<bf16>(3).unwrap());
+    assert!(matches!(
+        launch::cast(&s, &a, &mut b),
+        Err(KernelError::Length { .. })
+    ));
+}
+
+fn reduce_type<T: KernelFloat>(s: &Arc<CudaStream>) {
+    let n = 70_001;
+    let acc: Vec<T> = as_t(&values(n, 21));
+    let x: Vec<T> = as_t(&values(n, 22));
+    let (d_acc, d_x) = (up(s, &acc), up(s, &x));
+    for op in ReduceKind::ALL {
+        for finish in [None, Some(3u32)] {
+            let mut want = vec![T::default(); n];
+            host::reduce(op, &mut want, &acc, &x, finish).unwrap();
+            let mut d_dst = s.alloc_zeros::<T>(n).unwrap();
+            launch::reduce(s, op, &mut d_dst, &d_acc, &d_x, finish).unwrap();
+            assert_same(
+                &format!("{op:?} {finish:?} {}", T::NAME),
+                &down(s, &d_dst),
+                &want,
+            );
+            let mut d_in = up(s, &x);
+            launch::reduce_in_place(s, op, &mut d_in, &d_acc, finish).unwrap();
+            assert_same(
+                &format!("in place {op:?} {}", T::NAME),
+                &down(s, &d_in),
+                &want,
+            );
+        }
+    }
+}
+
+#[test]
+fn ring_reductions_equal_their_twins() {
+    let Some(s) = gpu("ring_reductions_equal_their_twins") else {
+        return;
+    };
+    reduce_type::<f32>(&s);
+    reduce_type::<f64>(&s);
+    reduce_type::<bf16>(&s);
+    reduce_type::<f16>(&s);
+}
+
+fn axpby_memset_type<T: KernelFloat>(s: &Arc<CudaStream>) {
+    let n = 50_000;
+    let x: Vec<T> = as_t(&values(n, 31));
+    let y: Vec<T> = as_t(&values(n, 32));
+    let alpha = <T::C as host::Compute>::from_f64(0.37);
+    let beta = <T::C as host::Compute>::from_f64(-1.3);
+    let mut want = y.clone();
+    host::axpby(alpha, &x, beta, &mut want).unwrap();
+    let (d_x, mut d_y) = (up(s, &x), up(s, &y));
+    launch::axpby(s, alpha, &d_x, beta, &mut d_y).unwrap();
+    assert_same(&format!("axpby {}", T::NAME), &down(s, &d_y), &want);
+    let v = T::store(<T::C as host::Compute>::from_f64(-2.75));
+    launch::memset(s, &mut d_y, v).unwrap();
+    assert_same(&format!("memset {}", T::NAME), &down(s, &d_y), &vec![v; n]);
+}
+
+#[test]
+fn axpby_and_memset_equal_their_twins() {
+    let Some(s) = gpu("axpby_and_memset_equal_their_twins") else {
+        return;
+    };
+    axpby_memset_type::<f32>(&s);
+    axpby_memset_type::<f64>(&s);
+    axpby_memset_type::<bf16>(&s);
+    axpby_memset_type::<f16>(&s);
+}
+
+fn grads(n: usize, seed: u64) -> Vec<f32> {
+    values(n, seed)
+        .into_iter()
+        .map(|v| {
+            if v.is_finite() {
+                (v * 1e3) as f32
+            } else {
+                0.25
+            }
+        })
+        .collect()
+}
+
+fn ulps(a: f32, b: f32) -> u32 {
+    let key = |x: f32| {
+        let i = x.to_bits() as i32;
+        if i < 0 {
+            i32::MIN.wrapping_sub(i)
+        } else {
+            i
+        }
+    };
+    key(a).wrapping_sub(key(b)).unsigned_abs()
+}
+
+fn adamw_state<S: host::MomentFloat>(s: &Arc<CudaStream>) -> u32 {
+    let n = 100_000;
+    let cfg = AdamW {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut p = grads(n, 41);
+    let (mut m, mut v) = (vec![S::default(); n], vec![S::default(); n]);
+    let (mut dp, mut dm, mut dv) = (up(s, &p), up(s, &m), up(s, &v));
+    let mut worst = 0;
+    for step in 1..=5 {
+        let g = grads(n, 50 + step);
+        let sc = AdamWScalars::new(&cfg, step).unwrap();
+        host::adamw(&sc, &mut p, &g, &mut m, &mut v).unwrap();
+        launch::adamw(s, &sc, &mut dp, &up(s, &g), &mut dm, &mut dv).unwrap();
+        let gp = down(s, &dp);
+        for i in 0..n {
+            worst = worst.max(ulps(gp[i], p[i]));
+        }
+        assert!(worst <= 1, "AdamW ({}) differs by {worst} ulps", S::NAME);
+        assert_same("exp_avg", &down(s, &dm), &m);
+        assert_same("exp_avg_sq", &down(s, &dv), &v);
+    }
+    worst
+}
+
+#[test]
+fn optimizers_equal_their_twins() {
+    let Some(s) = gpu("optimizers_equal_their_twins") else {
+        return;
+    };
+    let w32 = adamw_state::<f32>(&s);
+    let w16 = adamw_state::<bf16>(&s);
+    println!("AdamW: at most {w32} ulps (f32 state), {w16} ulps (bf16 state)");
+    let n = 30_000;
+    for (momentum, wd, nesterov) in [(0.0, 0.0, false), (0.9, 0.01, false), (0.9, 0.0, true)] {
+        let cfg = Sgd {
+            lr: 0.1,
+            momentum,
+            dampening: 0.0,
+            weight_decay: wd,
+            nesterov,
+        };
+        let (mut p, mut b) = (grads(n, 61), vec![0.0f32; n]);
+        let (mut dp, mut db) = (up(&s, &p), up(&s, &b));
+        for step in 1..=3 {
+            let g = grads(n, 70 + step);
+            let sc = SgdScalars::new(&cfg, step).unwrap();
+            host::sgd(&sc, &mut p, &g, &mut b).unwrap();
+            launch::sgd(&s, &sc, &mut dp, &up(&s, &g), &mut db).unwrap();
+            assert_same(&format!("sgd {cfg:?}"), &down(&s, &dp), &p);
+            assert_same("momentum", &down(&s, &db), &b);
+        }
+    }
+}
+
+#[test]
+fn sum_of_squares_equals_its_twin() {
+    let Some(s) = gpu("sum_of_squares_equals_its_twin") else {
+        return;
+    };
+    for n in [0usize, 1, 4095, 4096, 4097, 1_000_003, 1 << 24] {
+        let x = grads(n, 81);
+        let want = host::sum_of_squares(&x);
+        let mut out = s.alloc_zeros::<f64>(1).unwrap();
+        launch::sum_of_squares(&s, &up(&s, &x), &mut out).unwrap();
+        let got = down(&s, &out)[0];
+        assert_eq!(got.to_bits(), want.to_bits(), "n {n}: {got} vs {want}");
+    }
+}

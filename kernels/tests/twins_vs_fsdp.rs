@@ -1,0 +1,113 @@
+//! The AdamW and SGD twins against the host optimizers of `fsdp::optim` (PyTorch's formulas),
+//! bitwise, over several steps and settings.
+
+use fsdp::optim::{adamw_step, sgd_step, AdamWConfig, SgdConfig};
+use fsdp_kernels::host::{self, AdamW, AdamWScalars, Sgd, SgdScalars};
+use half::bf16;
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+            ((x >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * if i % 7 == 0 { 40.0 } else { 1.0 }
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn adamw_twin_equals_fsdp_bitwise() {
+    let n = 3001;
+    for (beta1, wd) in [(0.9, 0.01), (0.3, 0.0), (0.5, 0.1)] {
+        let cfg = AdamWConfig {
+            lr: 3e-3,
+            beta1,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: wd,
+        };
+        let k = AdamW {
+            lr: cfg.lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
+        };
+        let (mut p_ref, mut m_ref, mut v_ref) = (data(n, 1), vec![0.0; n], vec![0.0; n]);
+        let (mut p, mut m, mut v) = (p_ref.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+        // bf16 moments: the reference widens them, takes fsdp's step, and rounds them back.
+        let (mut pb_ref, mut mb_ref, mut vb_ref) = (data(n, 1), vec![0.0f32; n], vec![0.0; n]);
+        let (mut pb, mut mb, mut vb) = (pb_ref.clone(), vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+        for step in 1..=5u64 {
+            let g = data(n, 100 + step as u32);
+            adamw_step(&cfg, step, &mut p_ref, &g, &mut m_ref, &mut v_ref).unwrap();
+            let s = AdamWScalars::new(&k, step).unwrap();
+            host::adamw(&s, &mut p, &g, &mut m, &mut v).unwrap();
+            assert_eq!(bits(&p), bits(&p_ref), "param, beta1 {beta1}, step {step}");
+            assert_eq!(bits(&m), bits(&m_ref));
+            assert_eq!(bits(&v), bits(&v_ref));
+
+            adamw_step(&cfg, step, &mut pb_ref, &g, &mut mb_ref, &mut vb_ref).unwrap();
+            for x in mb_ref.iter_mut().chain(vb_ref.iter_mut()) {
+                *x = bf16::from_f32(*x).to_f32();
+            }
+            host::adamw(&s, &mut pb, &g, &mut mb, &mut vb).unwrap();
+            assert_eq!(bits(&pb), bits(&pb_ref), "bf16 state, step {step}");
+            let widen = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+            assert_eq!(bits(&widen(&mb)), bits(&mb_ref));
+            assert_eq!(bits(&widen(&vb)), bits(&vb_ref));
+        }
+    }
+    assert!(AdamWScalars::new(
+        &AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0
+        },
+        0
+    )
+    .is_err());
+}
+
+#[test]
+fn sgd_twin_equals_fsdp_bitwise() {
+    let n = 2049;
+    let configs = [
+        (0.0, 0.0, 0.0, false),
+        (0.0, 0.0, 0.01, false),
+        (0.9, 0.0, 0.0, false),
+        (0.9, 0.1, 0.01, false),
+        (0.9, 0.0, 0.01, true),
+    ];
+    for (momentum, dampening, weight_decay, nesterov) in configs {
+        let cfg = SgdConfig {
+            lr: 0.05,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        };
+        let k = Sgd {
+            lr: cfg.lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        };
+        let (mut p_ref, mut b_ref) = (data(n, 7), vec![0.0f32; n]);
+        let (mut p, mut b) = (p_ref.clone(), vec![0.0f32; n]);
+        for step in 1..=4u64 {
+            let g = data(n, 200 + step as u32);
+            sgd_step(&cfg, step, &mut p_ref, &g, &mut b_ref).unwrap();
+            let s = SgdScalars::new(&k, step).unwrap();
+            host::sgd(&s, &mut p, &g, &mut b).unwrap();
+            assert_eq!(bits(&p), bits(&p_ref), "{cfg:?} step {step}");
+            assert_eq!(bits(&b), bits(&b_ref));
+        }
+    }
+}

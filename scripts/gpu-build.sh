@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build every GPU test and bench binary here (no GPU needed) into gpu-bin/ (git-ignored), with
+# a MANIFEST that scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain.
+#
+#   scripts/gpu-build.sh [OUT_DIR]        # default: gpu-bin
+#
+# Each binary is stripped of debug information (they travel to the GPU machine); MANIFEST has
+# one line per binary: `<file> <test|bench> <what it checks>`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-gpu-bin}"
+export CARGO_INCREMENTAL=0 CARGO_TERM_COLOR=never
+
+# package, features, kind (test|bench), target name, what it checks
+targets=(
+    "fsdp-device|cuda|test|cuda|CUDA streams and events: GPU-side waits, event pool, timeouts"
+    "fsdp-kernels||test|gpu|every kernel against its host twin"
+    "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
+    "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
+    "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
+    "fsdp-collectives|nccl|test|nccl|the NCCL backend against the host reference"
+    "fsdp-collectives|nccl|bench|nccl_all_gather|NCCL all-gather base bandwidth"
+)
+
+rm -rf "$out"
+mkdir -p "$out"
+: >"$out/MANIFEST"
+for t in "${targets[@]}"; do
+    IFS='|' read -r pkg features kind name what <<<"$t"
+    args=(-p "$pkg" --no-run --message-format=json)
+    [ -n "$features" ] && args+=(--features "$features")
+    if [ "$kind" = test ]; then
+        args=(test "${args[@]}" --test "$name")
+    else
+        args=(bench "${args[@]}" --bench "$name")
+    fi
+    echo "== cargo ${args[*]}" >&2
+    exe=$(cargo "${args[@]}" \
+        | jq -r --arg n "$name" 'select(.reason == "compiler-artifact" and .target.name == $n
+                                         and .executable != null) | .executable' \
+        | tail -n 1)
+    if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+        echo "no executable for $pkg $kind $name" >&2
+        exit 1
+    fi
+    file="${pkg}--${kind}--${name}"
+    cp "$exe" "$out/$file"
+    strip --strip-debug "$out/$file"
+    printf '%s %s %s\n' "$file" "$kind" "$what" >>"$out/MANIFEST"
+done
+cp scripts/gpu-check.sh "$out/"
+(cd "$out" && sha256sum -- *--* >SHA256SUMS)
+echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
+cat "$out/MANIFEST" >&2

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Run every binary that scripts/gpu-build.sh built, on a GPU machine (no Rust toolchain
+# needed), and write a report.
+#
+#   scripts/gpu-check.sh [BIN_DIR] [REPORT_DIR]   # defaults: gpu-bin, $OUT or gpu-report
+#
+# NVRTC and NCCL come from the Python packages' site-packages (PyTorch's CUDA wheels:
+# nvidia/cu13/lib/libnvrtc.so.13, nvidia/nccl/lib/libnccl.so.2) when they are not on the
+# loader path: their folders go on LD_LIBRARY_PATH, FSDP_NVRTC_LIB names NVRTC, and a
+# temporary folder holds a `libnccl.so` link (cudarc opens NCCL by that name, the wheel ships
+# only libnccl.so.2). Each binary runs with a timeout (FSDP_GPU_TIMEOUT seconds, default 240);
+# its output goes to REPORT_DIR/<binary>.log and a summary to REPORT_DIR/report.md.
+set -uo pipefail
+bin_dir="$(cd "${1:-gpu-bin}" && pwd)"
+report="${2:-${OUT:-gpu-report}}"
+mkdir -p "$report"
+report="$(cd "$report" && pwd)"
+limit="${FSDP_GPU_TIMEOUT:-240}"
+
+sites=""
+if command -v python3 >/dev/null 2>&1; then
+    sites=$(python3 -c 'import site,sys
+p=[]
+try: p=site.getsitepackages()+[site.getusersitepackages()]
+except Exception: pass
+print("\n".join(p+sys.path))' 2>/dev/null)
+fi
+find_lib() { # $1: file name
+    local s f
+    for s in $sites; do
+        for f in "$s"/nvidia/*/lib/"$1"; do
+            [ -f "$f" ] && { echo "$f"; return 0; }
+        done
+    done
+    timeout 60 find / -xdev -name "$1" -path '*nvidia*' 2>/dev/null | head -n 1
+}
+nvrtc="${FSDP_NVRTC_LIB:-$(find_lib libnvrtc.so.13)}"
+nccl="$(find_lib libnccl.so.2)"
+links="$(mktemp -d)"
+trap 'rm -rf "$links"' EXIT
+ld="$links"
+if [ -n "$nccl" ]; then
+    ln -s "$nccl" "$links/libnccl.so"
+    ld="$ld:$(dirname "$nccl")"
+fi
+if [ -n "$nvrtc" ]; then
+    export FSDP_NVRTC_LIB="$nvrtc"
+    ld="$ld:$(dirname "$nvrtc")"
+fi
+export LD_LIBRARY_PATH="$ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+{
+    echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
+    echo "NVRTC: ${nvrtc:-not found}"
+    echo "NCCL:  ${nccl:-not found}"
+    echo '```'
+    echo
+    echo "| binary | exit | seconds | result | skipped |"
+    echo "| --- | --- | --- | --- | --- |"
+} >"$report/report.md"
+
+failed=0
+while read -r file kind what; do
+    [ -z "$file" ] && continue
+    args=()
+    if [ "$kind" = test ]; then args=(--nocapture --test-threads=1); else args=(--bench); fi
+    echo "== $file ($what)"
+    start=$(date +%s%N)
+    (cd "$bin_dir" && timeout "$limit" "./$file" "${args[@]}") >"$report/$file.log" 2>&1
+    rc=$?
+    ms=$((($(date +%s%N) - start) / 1000000))
+    secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
+    result=$(grep -E '^test result:' "$report/$file.log" | tail -n 1 | cut -c14-60)
+    [ -z "$result" ] && result=$(tail -n 1 "$report/$file.log" | cut -c1-60)
+    skipped=$(grep -c 'skipped' "$report/$file.log")
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    echo "| $file | $rc | $secs | $result | $skipped |" >>"$report/report.md"
+    tail -n 3 "$report/$file.log"
+done <"$bin_dir/MANIFEST"
+
+{
+    echo
+    echo "$failed binaries failed. Logs: one per binary beside this file."
+    echo
+    echo "## Skips, figures and failures"
+    echo '```'
+    grep -hE 'skipped|GB/s|ulps|µs|us/|busbw|panicked|FAILED' "$report"/*.log | head -n 200
+    echo '```'
+} >>"$report/report.md"
+cat "$report/report.md"
+[ "$failed" -eq 0 ]
