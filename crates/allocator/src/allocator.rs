@@ -282,7 +282,7 @@ impl<S: MemorySource> State<S> {
             outstanding: 0,
             next_serial: 0,
             stats: MemoryStats {
-                max_split_size: max_split_size.map(|m| m as u64),
+                max_split_size: max_split_size.map_or(-1, |m| i64::try_from(m).unwrap_or(i64::MAX)),
                 ..MemoryStats::default()
             },
             limit,
@@ -441,16 +441,21 @@ impl<S: MemorySource> State<S> {
         Ok(Some(id))
     }
 
-    /// Count or uncount a free block of `size` bytes of a split segment in the inactive-split
-    /// statistics.
+    /// Apply a net change of `blocks` free blocks and `bytes` bytes to the inactive-split
+    /// statistics. Like PyTorch, only the net change of one operation is counted, so that the
+    /// `allocated`/`freed` totals match its own.
     #[inline]
-    fn inactive_split(&mut self, pool: PoolKind, size: usize, add: bool) {
-        if add {
-            self.stats.inactive_split.increase(pool, 1);
-            self.stats.inactive_split_bytes.increase(pool, size as u64);
-        } else {
-            self.stats.inactive_split.decrease(pool, 1);
-            self.stats.inactive_split_bytes.decrease(pool, size as u64);
+    fn inactive_split_change(&mut self, pool: PoolKind, blocks: i64, bytes: i64) {
+        let s = &mut self.stats;
+        if blocks > 0 {
+            s.inactive_split.increase(pool, blocks as u64);
+        } else if blocks < 0 {
+            s.inactive_split.decrease(pool, blocks.unsigned_abs());
+        }
+        if bytes > 0 {
+            s.inactive_split_bytes.increase(pool, bytes as u64);
+        } else if bytes < 0 {
+            s.inactive_split_bytes.decrease(pool, bytes.unsigned_abs());
         }
     }
 
@@ -460,10 +465,18 @@ impl<S: MemorySource> State<S> {
         let b = self.blk(id);
         let (pool, size, addr, serial, next) = (b.pool, b.size, b.addr, b.serial, b.next);
         let (segment, stream) = (b.segment, b.stream);
-        if b.prev.is_some() || next.is_some() {
-            self.inactive_split(pool, size, false);
+        let already_split = b.prev.is_some() || next.is_some();
+        let split = self.should_split(pool, size, rounded);
+        // The net change of the inactive-split statistics, as PyTorch counts it: an already
+        // split free block that is shrunk loses `rounded` bytes, one handed out whole leaves the
+        // count; splitting an unsplit block adds its remainder.
+        match (already_split, split) {
+            (true, true) => self.inactive_split_change(pool, 0, -(rounded as i64)),
+            (true, false) => self.inactive_split_change(pool, -1, -(size as i64)),
+            (false, true) => self.inactive_split_change(pool, 1, (size - rounded) as i64),
+            (false, false) => {}
         }
-        let size = if self.should_split(pool, size, rounded) {
+        let size = if split {
             let rem = BlockEntry {
                 addr: addr + rounded,
                 serial,
@@ -487,7 +500,6 @@ impl<S: MemorySource> State<S> {
             b.next = Some(rid);
             b.size = rounded;
             self.pools[pool.index()].insert(key, rid);
-            self.inactive_split(pool, size - rounded, true);
             rounded
         } else {
             size
@@ -559,10 +571,12 @@ impl<S: MemorySource> State<S> {
         s.requested_bytes.decrease(pool, requested);
 
         // A free neighbour is in its pool and, having a neighbour, counted as inactive split.
+        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         if let Some(p) = prev.filter(|&p| self.blk(p).state == BState::Free) {
             let pe = self.remove_block(p);
             self.pools[pool.index()].remove(&Self::key(&pe));
-            self.inactive_split(pool, pe.size, false);
+            net_blocks -= 1;
+            net_bytes -= pe.size as i64;
             addr = pe.addr;
             size += pe.size;
             prev = pe.prev;
@@ -578,7 +592,8 @@ impl<S: MemorySource> State<S> {
         if let Some(n) = next.filter(|&n| self.blk(n).state == BState::Free) {
             let ne = self.remove_block(n);
             self.pools[pool.index()].remove(&Self::key(&ne));
-            self.inactive_split(pool, ne.size, false);
+            net_blocks -= 1;
+            net_bytes -= ne.size as i64;
             size += ne.size;
             next = ne.next;
             if let Some(nn) = next {
@@ -596,8 +611,10 @@ impl<S: MemorySource> State<S> {
         let key = Self::key(b);
         self.pools[pool.index()].insert(key, id);
         if prev.is_some() || next.is_some() {
-            self.inactive_split(pool, size, true);
+            net_blocks += 1;
+            net_bytes += size as i64;
         }
+        self.inactive_split_change(pool, net_blocks, net_bytes);
     }
 
     /// Return the blocks whose record-stream events have all completed to their pools.
@@ -726,10 +743,11 @@ impl<S: MemorySource> State<S> {
         released >= size
     }
 
-    fn oom_error(&self, source: &S, requested: usize) -> AllocError {
+    fn oom_error(&self, source: &S, requested: usize, allocation_size: usize) -> AllocError {
         AllocError::OutOfMemory {
             device: source.device(),
             requested,
+            allocation_size,
             allocated: self.stats.allocated_bytes.all.current as usize,
             reserved: self.stats.reserved_bytes.all.current as usize,
             device_total: source.total_memory(),
@@ -942,7 +960,7 @@ impl<S: MemorySource> CachingAllocator<S> {
         let Some((rounded, seg_size)) = sizes else {
             // Larger than any address space: no amount of freeing helps.
             st.stats.num_ooms += 1;
-            return Err(st.oom_error(&sh.source, size));
+            return Err(st.oom_error(&sh.source, size, size));
         };
         let pool = PoolKind::for_size(rounded);
         if st.outstanding > 0 {
@@ -966,7 +984,7 @@ impl<S: MemorySource> CachingAllocator<S> {
                                 Some(id) => id,
                                 None => {
                                     st.stats.num_ooms += 1;
-                                    return Err(st.oom_error(&sh.source, size));
+                                    return Err(st.oom_error(&sh.source, size, seg_size));
                                 }
                             }
                         }
