@@ -147,6 +147,10 @@ impl Fsdp {
         let mut table = ParamTable::default();
         for (i, (name, ps, f, replicated_all)) in specs.into_iter().enumerate() {
             let mut b = FlatParamLayout::builder(f);
+            if config.use_orig_params {
+                // PyTorch's `_get_aligned_numel`: 16 bytes of the unsharded dtype.
+                b = b.align_bytes(16, config.mixed_precision.param_dtype);
+            }
             for p in &ps {
                 b = b.param(p.name.clone(), &p.shape);
             }
