@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use fsdp_device::{Buffer, DType, Device, Storage, DEFAULT_TIMEOUT};
 
+use crate::history::{History, HistoryConfig, TraceAction, TraceEntry};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::{
     allocation_size, round_size, AllocError, MemorySource, MemoryStats, PoolKind, LARGE_BUFFER,
@@ -268,6 +269,8 @@ struct State<S: MemorySource> {
     stats: MemoryStats,
     limit: Option<usize>,
     max_split_size: Option<usize>,
+    /// The memory history, while recording.
+    history: Option<History>,
 }
 
 impl<S: MemorySource> State<S> {
@@ -287,6 +290,7 @@ impl<S: MemorySource> State<S> {
             },
             limit,
             max_split_size,
+            history: None,
         }
     }
 
@@ -438,6 +442,11 @@ impl<S: MemorySource> State<S> {
         if self.is_oversize(size) {
             self.stats.oversize_segments.increase(1);
         }
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.frames(None);
+            let addr = base.as_ptr().addr() as u64;
+            h.record(TraceAction::SegmentAlloc, addr, size as u64, stream, frames);
+        }
         Ok(Some(id))
     }
 
@@ -524,6 +533,11 @@ impl<S: MemorySource> State<S> {
         let b = self.blk_mut(id);
         let (pool, size) = (b.pool, b.size);
         let uses = b.uses.take();
+        let (addr, requested, stream) = (b.addr as u64, b.requested as u64, b.stream);
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.frames(None);
+            h.record(TraceAction::FreeRequested, addr, requested, stream, frames);
+        }
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if self.is_oversize(size) {
@@ -565,6 +579,17 @@ impl<S: MemorySource> State<S> {
         let (pool, requested, segment) = (b.pool, b.requested as u64, b.segment);
         let (mut addr, mut size, mut prev, mut next) = (b.addr, b.size, b.prev, b.next);
         b.uses = None;
+        let stream = b.stream;
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.block_frames.remove(&id).unwrap_or_default();
+            h.record(
+                TraceAction::FreeCompleted,
+                addr as u64,
+                requested,
+                stream,
+                frames,
+            );
+        }
         let s = &mut self.stats;
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, size as u64);
@@ -684,6 +709,17 @@ impl<S: MemorySource> State<S> {
         if self.is_oversize(seg.size) {
             self.stats.oversize_segments.decrease(1);
         }
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.frames(None);
+            let addr = seg.base.0.addr() as u64;
+            h.record(
+                TraceAction::SegmentFree,
+                addr,
+                seg.size as u64,
+                seg.stream,
+                frames,
+            );
+        }
     }
 
     /// Free every cached block that is a whole segment, in both pools and all streams.
@@ -743,6 +779,33 @@ impl<S: MemorySource> State<S> {
         released >= size
     }
 
+    /// Count an out-of-memory failure, record it in the history, and build its error.
+    fn oom(
+        &mut self,
+        source: &S,
+        requested: usize,
+        allocation_size: usize,
+        stream: u64,
+    ) -> AllocError {
+        self.stats.num_ooms += 1;
+        let err = self.oom_error(source, requested, allocation_size);
+        if let (Some(h), AllocError::OutOfMemory { device_free, .. }) =
+            (self.history.as_mut(), &err)
+        {
+            let frames = h.frames(None);
+            h.push(TraceEntry {
+                action: TraceAction::Oom,
+                addr: *device_free as u64,
+                size: allocation_size as u64,
+                stream,
+                time_us: crate::history::now_us(),
+                frames,
+                device_free: Some(*device_free as u64),
+            });
+        }
+        err
+    }
+
     fn oom_error(&self, source: &S, requested: usize, allocation_size: usize) -> AllocError {
         AllocError::OutOfMemory {
             device: source.device(),
@@ -766,6 +829,12 @@ impl<S: MemorySource> State<S> {
                 let mut cur = Some(seg.head);
                 while let Some(id) = cur {
                     let b = self.blk(id);
+                    let frames = match (&self.history, b.state) {
+                        (Some(h), BState::Allocated | BState::Pending) => {
+                            h.block_frames.get(&id).cloned().unwrap_or_default()
+                        }
+                        _ => Vec::new(),
+                    };
                     blocks.push(BlockSnapshot {
                         address: b.addr as u64,
                         size: b.size as u64,
@@ -775,6 +844,7 @@ impl<S: MemorySource> State<S> {
                             BState::Pending => BlockState::ActivePendingFree,
                             BState::Free => BlockState::Inactive,
                         },
+                        frames,
                     });
                     cur = b.next;
                 }
@@ -791,6 +861,7 @@ impl<S: MemorySource> State<S> {
                     requested_size: sum(&active, &|b| b.requested_size),
                     stream: seg.stream,
                     segment_type: seg.pool,
+                    is_expandable: false,
                     blocks,
                 }
             })
@@ -798,6 +869,11 @@ impl<S: MemorySource> State<S> {
         Snapshot {
             device: device.to_string(),
             segments,
+            device_traces: self
+                .history
+                .as_ref()
+                .map(History::entries)
+                .unwrap_or_default(),
         }
     }
 }
@@ -951,7 +1027,9 @@ impl<S: MemorySource> CachingAllocator<S> {
     /// from a new segment after waiting for pending record-stream events and freeing every
     /// cached whole segment (counted in `num_alloc_retries`). Otherwise it fails with
     /// [`AllocError::OutOfMemory`] (counted in `num_ooms`).
+    #[track_caller]
     pub fn allocate(&self, size: usize, stream: &S::Stream) -> Result<Block<S>, AllocError> {
+        let location = std::panic::Location::caller();
         let sh = &*self.shared;
         sh.source.validate_stream(stream)?;
         let key = S::stream_key(stream);
@@ -959,8 +1037,7 @@ impl<S: MemorySource> CachingAllocator<S> {
         let mut st = sh.lock();
         let Some((rounded, seg_size)) = sizes else {
             // Larger than any address space: no amount of freeing helps.
-            st.stats.num_ooms += 1;
-            return Err(st.oom_error(&sh.source, size, size));
+            return Err(st.oom(&sh.source, size, size, key));
         };
         let pool = PoolKind::for_size(rounded);
         if st.outstanding > 0 {
@@ -983,8 +1060,7 @@ impl<S: MemorySource> CachingAllocator<S> {
                             match st.alloc_segment(&sh.source, seg_size, pool, key, true)? {
                                 Some(id) => id,
                                 None => {
-                                    st.stats.num_ooms += 1;
-                                    return Err(st.oom_error(&sh.source, size, seg_size));
+                                    return Err(st.oom(&sh.source, size, seg_size, key));
                                 }
                             }
                         }
@@ -993,6 +1069,12 @@ impl<S: MemorySource> CachingAllocator<S> {
             },
         };
         st.take_block(id, rounded, size);
+        let addr = st.blk(id).addr as u64;
+        if let Some(h) = st.history.as_mut() {
+            let frames = h.frames(Some(location));
+            h.block_frames.insert(id, frames.clone());
+            h.record(TraceAction::Alloc, addr, size as u64, key, frames);
+        }
         let b = st.blk(id);
         let seg = st.seg(b.segment);
         let ptr = seg.base.0.wrapping_add(b.addr - seg.base.0.addr());
@@ -1011,6 +1093,7 @@ impl<S: MemorySource> CachingAllocator<S> {
 
     /// Allocate a [`Buffer`] of `len` elements of `dtype` on `stream`; the buffer owns the
     /// block and returns it to the allocator when its last clone drops.
+    #[track_caller]
     pub fn allocate_buffer(
         &self,
         dtype: DType,
@@ -1053,7 +1136,26 @@ impl<S: MemorySource> CachingAllocator<S> {
         self.shared.lock().stats.reset_accumulated();
     }
 
-    /// Every segment and block.
+    /// Start (`Some`) or stop (`None`) recording the memory history (PyTorch's
+    /// `torch.cuda.memory._record_memory_history`): every alloc, free and segment event, with
+    /// a timestamp, the stream and a short call stack (see [`memory_context`](crate::memory_context)),
+    /// shown by [`snapshot`](CachingAllocator::snapshot) as `device_traces`. Starting again
+    /// keeps the events so far under the new options; stopping drops them.
+    pub fn record_memory_history(&self, config: Option<HistoryConfig>) {
+        let mut st = self.shared.lock();
+        match (config, st.history.as_mut()) {
+            (None, _) => st.history = None,
+            (Some(c), None) => st.history = Some(History::new(c)),
+            (Some(c), Some(h)) => h.set_config(c),
+        }
+    }
+
+    /// Whether the memory history is being recorded.
+    pub fn is_recording_history(&self) -> bool {
+        self.shared.lock().history.is_some()
+    }
+
+    /// Every segment and block, and the recorded memory history (if recording).
     pub fn snapshot(&self) -> Snapshot {
         self.shared.lock().snapshot(self.shared.source.device())
     }

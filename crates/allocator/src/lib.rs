@@ -67,12 +67,18 @@ mod allocator;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+mod history;
+mod pickle;
 mod snapshot;
 mod source;
 mod stats;
 
 pub use allocator::{AllocatorConfig, Block, CachingAllocator, MemoryLimit, SharedBlock};
 pub use error::AllocError;
+pub use history::{
+    memory_context, Frame, HistoryConfig, MemoryContextGuard, TraceAction, TraceEntry,
+};
+pub use pickle::{to_pickle, PyValue};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use source::{HostSource, MemorySource, MetaSource, SEGMENT_ALIGN};
 pub use stats::{MemoryStats, PoolKind, Stat, StatArray};
