@@ -11,6 +11,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::panic::Location;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -124,10 +125,22 @@ thread_local! {
     static CONTEXT: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
 }
 
+/// How many allocators of the process record their history: while none does, naming frames
+/// costs nothing.
+static RECORDING: AtomicUsize = AtomicUsize::new(0);
+
+pub(crate) fn recording_started() {
+    RECORDING.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn recording_stopped() {
+    RECORDING.fetch_sub(1, Ordering::Relaxed);
+}
+
 /// Name a frame of the call stacks recorded on this thread until the guard drops (PyTorch's
 /// Python frames; here the caller says what it is doing, e.g. "unit 3 all-gather"). Frames
-/// nest; the innermost comes first in a recorded stack. Costs a string push when recording is
-/// off, nothing more.
+/// nest; the innermost comes first in a recorded stack. While no allocator records its
+/// history, nothing is kept (see [`memory_context_with`] to skip building the name too).
 ///
 /// ```
 /// use fsdp_allocator::{memory_context, AllocatorConfig, HistoryConfig, MetaAllocator, MetaSource};
@@ -148,9 +161,18 @@ thread_local! {
 /// # Ok::<(), fsdp_allocator::AllocError>(())
 /// ```
 pub fn memory_context(name: impl Into<String>) -> MemoryContextGuard {
-    let name = name.into();
-    CONTEXT.with(|c| c.borrow_mut().push(name));
+    memory_context_with(|| name.into())
+}
+
+/// [`memory_context`] with the name built only while some allocator records its history.
+pub fn memory_context_with(name: impl FnOnce() -> String) -> MemoryContextGuard {
+    let pushed = RECORDING.load(Ordering::Relaxed) > 0;
+    if pushed {
+        let name = name();
+        CONTEXT.with(|c| c.borrow_mut().push(name));
+    }
     MemoryContextGuard {
+        pushed,
         _not_send: std::marker::PhantomData,
     }
 }
@@ -159,14 +181,17 @@ pub fn memory_context(name: impl Into<String>) -> MemoryContextGuard {
 #[must_use = "the frame is popped when the guard drops"]
 #[derive(Debug)]
 pub struct MemoryContextGuard {
+    pushed: bool,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for MemoryContextGuard {
     fn drop(&mut self) {
-        CONTEXT.with(|c| {
-            c.borrow_mut().pop();
-        });
+        if self.pushed {
+            CONTEXT.with(|c| {
+                c.borrow_mut().pop();
+            });
+        }
     }
 }
 

@@ -364,6 +364,20 @@ impl Fsdp {
         self.ctx.pool.reset_peak_stats();
     }
 
+    /// Start (`Some`) or stop (`None`) recording the allocator's memory history (PyTorch's
+    /// `torch.cuda.memory._record_memory_history`); the engine names its allocations' frames
+    /// ("unit N (name) all-gather", "unit N (name) gradient").
+    pub fn record_memory_history(&self, config: Option<fsdp_allocator::HistoryConfig>) {
+        self.ctx.pool.record_memory_history(config);
+    }
+
+    /// The allocator's segments, blocks and recorded history (PyTorch's
+    /// `torch.cuda.memory._snapshot()`; write it with
+    /// [`Snapshot::write_pickle`](fsdp_allocator::Snapshot::write_pickle)), if the pool has them.
+    pub fn memory_snapshot(&self) -> Option<fsdp_allocator::Snapshot> {
+        self.ctx.pool.snapshot()
+    }
+
     fn check_unit(&self, u: usize) -> Result<(), FsdpError> {
         if u >= self.groups.len() {
             return Err(FsdpError::InvalidFsdpConfig {
