@@ -1015,33 +1015,28 @@ impl<S: MemorySource> CachingAllocator<S> {
         }
         let id = match st.get_free_block(pool, key, rounded) {
             Some(id) => id,
-            None => match {
+            None => {
                 if st.gc_active() {
                     st.garbage_collect(&sh.source);
                 }
-                st.new_block(&sh.source, rounded, seg_size, pool, key, false)?
-            } {
-                Some(id) => id,
-                None => {
-                    let mut got = None;
-                    if st.release_available_cached_blocks(&sh.source, pool, key, rounded) {
-                        got = st.new_block(&sh.source, rounded, seg_size, pool, key, false)?;
-                    }
-                    match got {
-                        Some(id) => id,
-                        None => {
-                            st = sh.synchronize_and_free_events(st)?;
-                            st.release_cached_blocks(&sh.source);
-                            match st.new_block(&sh.source, rounded, seg_size, pool, key, true)? {
-                                Some(id) => id,
-                                None => {
-                                    return Err(st.oom(&sh.source, size, seg_size, key));
-                                }
-                            }
+                let mut got = st.new_block(&sh.source, rounded, seg_size, pool, key, false)?;
+                if got.is_none()
+                    && st.release_available_cached_blocks(&sh.source, pool, key, rounded)
+                {
+                    got = st.new_block(&sh.source, rounded, seg_size, pool, key, false)?;
+                }
+                match got {
+                    Some(id) => id,
+                    None => {
+                        st = sh.synchronize_and_free_events(st)?;
+                        st.release_cached_blocks(&sh.source);
+                        match st.new_block(&sh.source, rounded, seg_size, pool, key, true)? {
+                            Some(id) => id,
+                            None => return Err(st.oom(&sh.source, size, seg_size, key)),
                         }
                     }
                 }
-            },
+            }
         };
         st.take_block(id, rounded, size);
         let addr = st.blk(id).addr as u64;

@@ -234,7 +234,43 @@ fn torch_memory_viz_renders_the_snapshot() {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("{}", String::from_utf8_lossy(&out.stdout));
-    for p in [path, html] {
+
+    // tools/memory_viz_html.py: the same page with MemoryViz.js and d3 inlined (stand-ins
+    // here with the real files' import lines), nothing left to fetch.
+    let dir = std::env::temp_dir();
+    let viz = dir.join(format!("fsdp-viz-{}.js", std::process::id()));
+    let d3 = dir.join(format!("fsdp-d3-{}.js", std::process::id()));
+    std::fs::write(
+        &viz,
+        "'use strict';\nimport * as d3 from \"https://cdn.skypack.dev/d3@5\";\n\
+         import {axisLeft} from \"https://cdn.skypack.dev/d3-axis@1\";\n\
+         export function add_local_files(files, kind) { window.viz_loaded = [files.length, kind]; }\n",
+    )
+    .unwrap();
+    std::fs::write(&d3, "window.d3 = {axisLeft: 1}; // d3 stand-in\n").unwrap();
+    let tool = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/memory_viz_html.py");
+    let out = Command::new(&python)
+        .arg(tool)
+        .arg(&path)
+        .arg("-o")
+        .arg(&html)
+        .arg("--memory-viz-js")
+        .arg(&viz)
+        .arg("--d3")
+        .arg(&d3)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "memory_viz_html.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(!page.contains("https://"), "{page}");
+    assert!(page.contains("d3 stand-in") && page.contains("const d3 = window.d3;"));
+    assert!(page.contains("const {axisLeft} = window.d3;"));
+    assert!(page.contains("function add_local_files") && page.contains("snapshot.pickle"));
+    for p in [path, html, viz, d3] {
         let _ = std::fs::remove_file(p);
     }
 }
