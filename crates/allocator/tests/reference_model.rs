@@ -299,21 +299,34 @@ fn run(ops: &[Op], divisions: usize, max_split: Option<usize>) -> Result<(), Tes
     Ok(())
 }
 
+/// Operations per run: 400, or a few under Miri, which interprets every step.
+const OPS: usize = if cfg!(miri) { 30 } else { 400 };
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, max_shrink_iters: 100, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 1 } else { 12 },
+        max_shrink_iters: 100,
+        // Under Miri's isolation the regression file cannot be located.
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    })]
 
     #[test]
-    fn allocator_matches_the_reference_model(ops in prop::collection::vec(op(), 400)) {
+    fn allocator_matches_the_reference_model(ops in prop::collection::vec(op(), OPS)) {
         run(&ops, 0, None)?;
     }
 
     #[test]
-    fn with_roundup_power2_divisions(ops in prop::collection::vec(op(), 400)) {
+    fn with_roundup_power2_divisions(ops in prop::collection::vec(op(), OPS)) {
         run(&ops, 4, None)?;
     }
 
     #[test]
-    fn with_max_split_size(ops in prop::collection::vec(op(), 400)) {
+    fn with_max_split_size(ops in prop::collection::vec(op(), OPS)) {
         run(&ops, 0, Some(24 * MIB))?;
     }
 }
