@@ -4,7 +4,8 @@
 //!
 //! The mapped part is always a prefix of the range: new pages go at its end, and only free
 //! pages at its end are unmapped (by `empty_cache` and the out-of-memory retry). PyTorch can
-//! also unmap free pages in the middle of a segment; that is not done here.
+//! also unmap free pages in the middle of a segment, and its best fit counts the unmapped
+//! space after a free tail as part of that block; neither is done here.
 
 use std::ptr::NonNull;
 
