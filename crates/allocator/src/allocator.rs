@@ -3,114 +3,20 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use fsdp_device::{Buffer, DType, Device, Storage, DEFAULT_TIMEOUT};
+use fsdp_device::{Buffer, DType, Device, Storage};
 
+mod expandable;
+mod gc;
+
+use crate::config::resolve_limit;
+use crate::history::{History, HistoryConfig, TraceAction, TraceEntry};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::{
-    allocation_size, round_size, AllocError, MemorySource, MemoryStats, PoolKind, LARGE_BUFFER,
-    MIN_BLOCK_SIZE, SMALL_SIZE,
+    allocation_size, AllocError, AllocatorConfig, MemoryLimit, MemorySource, MemoryStats, PoolKind,
+    LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_SIZE,
 };
-
-/// A cap on the bytes the allocator keeps in segments (like PyTorch's
-/// `set_per_process_memory_fraction`). Requests that would pass it are treated as if the source
-/// had run out of memory: the cache is freed and the request retried, then it fails.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum MemoryLimit {
-    /// At most this many bytes.
-    Bytes(usize),
-    /// At most this fraction (0 to 1) of the source's
-    /// [`total_memory`](MemorySource::total_memory).
-    Fraction(f64),
-}
-
-/// Options of a [`CachingAllocator`].
-///
-/// ```
-/// use fsdp_allocator::{AllocatorConfig, MemoryLimit};
-/// let config = AllocatorConfig::default()
-///     .with_memory_limit(MemoryLimit::Fraction(0.5))
-///     .with_max_split_size(64 << 20);
-/// assert_eq!(config.max_split_size, Some(64 << 20));
-/// ```
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct AllocatorConfig {
-    /// A cap on reserved bytes; none by default.
-    pub memory_limit: Option<MemoryLimit>,
-    /// Blocks of at least this size are never split, and cached blocks of at least this size
-    /// serve only requests of at least this size that waste less than
-    /// [`LARGE_BUFFER`](crate::LARGE_BUFFER). Must exceed `LARGE_BUFFER` (as in PyTorch's
-    /// `max_split_size_mb > 20`). None (unlimited) by default.
-    pub max_split_size: Option<usize>,
-    /// How long the allocator waits for record-stream events when it must free its cache
-    /// (out-of-memory retry, [`empty_cache`](CachingAllocator::empty_cache), drop). Default:
-    /// [`fsdp_device::DEFAULT_TIMEOUT`].
-    pub sync_timeout: Duration,
-}
-
-impl Default for AllocatorConfig {
-    fn default() -> Self {
-        AllocatorConfig {
-            memory_limit: None,
-            max_split_size: None,
-            sync_timeout: DEFAULT_TIMEOUT,
-        }
-    }
-}
-
-impl AllocatorConfig {
-    /// The defaults: no limit, no `max_split_size`, the default timeout.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Set a memory limit.
-    pub fn with_memory_limit(mut self, limit: MemoryLimit) -> Self {
-        self.memory_limit = Some(limit);
-        self
-    }
-
-    /// Set `max_split_size` (bytes).
-    pub fn with_max_split_size(mut self, bytes: usize) -> Self {
-        self.max_split_size = Some(bytes);
-        self
-    }
-
-    /// Set the timeout of waits for record-stream events.
-    pub fn with_sync_timeout(mut self, timeout: Duration) -> Self {
-        self.sync_timeout = timeout;
-        self
-    }
-
-    fn validate(&self) -> Result<(), AllocError> {
-        if let Some(m) = self.max_split_size {
-            if m <= LARGE_BUFFER {
-                return Err(AllocError::InvalidConfig(format!(
-                    "max_split_size must exceed {LARGE_BUFFER} bytes (20 MiB), got {m}"
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-fn resolve_limit(limit: Option<MemoryLimit>, total: usize) -> Result<Option<usize>, AllocError> {
-    match limit {
-        None => Ok(None),
-        Some(MemoryLimit::Bytes(b)) => Ok(Some(b)),
-        Some(MemoryLimit::Fraction(f)) => {
-            if (0.0..=1.0).contains(&f) {
-                Ok(Some((f * total as f64).floor() as usize))
-            } else {
-                Err(AllocError::InvalidConfig(format!(
-                    "memory fraction must lie in [0, 1], got {f}"
-                )))
-            }
-        }
-    }
-}
 
 /// An address that may cross threads: the allocator only computes with it, and a block's bytes
 /// belong to the one handle that holds them.
@@ -235,6 +141,9 @@ struct BlockEntry<St> {
     /// Streams other than the allocation stream that used the block (rare: boxed to keep
     /// entries small).
     uses: Option<Box<[(u64, St)]>>,
+    /// The pool's cache-lookup count when the block was last cached (garbage collection's
+    /// age, PyTorch's `gc_count_base`).
+    gc_base: u64,
 }
 
 struct Segment {
@@ -244,6 +153,15 @@ struct Segment {
     pool: PoolKind,
     /// The block at the segment's start.
     head: BlockId,
+    /// For an expandable segment, the size of its reserved address range (`size` is the mapped
+    /// part, at its start); 0 for an ordinary segment.
+    reserved: usize,
+}
+
+impl Segment {
+    fn is_expandable(&self) -> bool {
+        self.reserved > 0
+    }
 }
 
 struct PendingEvent<E> {
@@ -268,10 +186,26 @@ struct State<S: MemorySource> {
     stats: MemoryStats,
     limit: Option<usize>,
     max_split_size: Option<usize>,
+    /// The memory history, while recording.
+    history: Option<History>,
+    /// `garbage_collection_threshold`, if set.
+    gc_threshold: Option<f64>,
+    /// Cache lookups per pool while garbage collection is active (PyTorch's
+    /// `get_free_blocks_call_count`).
+    gc_calls: [u64; 2],
+    /// Whether new memory comes from expandable segments.
+    expandable: bool,
+    /// The expandable segment of each (stream, pool index).
+    expandable_segs: BTreeMap<(u64, usize), usize>,
 }
 
 impl<S: MemorySource> State<S> {
-    fn new(limit: Option<usize>, max_split_size: Option<usize>) -> Self {
+    fn new(
+        limit: Option<usize>,
+        max_split_size: Option<usize>,
+        gc_threshold: Option<f64>,
+        expandable: bool,
+    ) -> Self {
         State {
             blocks: Vec::new(),
             free_ids: Vec::new(),
@@ -282,11 +216,16 @@ impl<S: MemorySource> State<S> {
             outstanding: 0,
             next_serial: 0,
             stats: MemoryStats {
-                max_split_size: max_split_size.map(|m| m as u64),
+                max_split_size: max_split_size.map_or(-1, |m| i64::try_from(m).unwrap_or(i64::MAX)),
                 ..MemoryStats::default()
             },
             limit,
             max_split_size,
+            history: None,
+            gc_threshold,
+            gc_calls: [0; 2],
+            expandable,
+            expandable_segs: BTreeMap::new(),
         }
     }
 
@@ -354,6 +293,9 @@ impl<S: MemorySource> State<S> {
 
     /// Best fit among the cached blocks of `stream` in `pool`; removes it from the pool.
     fn get_free_block(&mut self, pool: PoolKind, stream: u64, size: usize) -> Option<BlockId> {
+        if self.gc_active() {
+            self.gc_calls[pool.index()] += 1;
+        }
         let (key, id) = self.pools[pool.index()].first_from((stream, size, 0, 0))?;
         let (s, bsize) = (key.0, key.1);
         if s != stream {
@@ -370,9 +312,11 @@ impl<S: MemorySource> State<S> {
         Some(id)
     }
 
-    fn should_split(&self, pool: PoolKind, block_size: usize, size: usize) -> bool {
+    fn should_split(&self, pool: PoolKind, block_size: usize, size: usize, exp: bool) -> bool {
         let remaining = block_size - size;
         match pool {
+            // PyTorch splits every block of expandable segments at 512-byte granularity.
+            _ if exp => remaining >= MIN_BLOCK_SIZE,
             PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
             PoolKind::Large => !self.is_oversize(size) && remaining > SMALL_SIZE,
         }
@@ -424,6 +368,7 @@ impl<S: MemorySource> State<S> {
             state: BState::Free,
             event_count: 0,
             uses: None,
+            gc_base: 0,
         });
         self.segments[seg_id] = Some(Segment {
             base: SendPtr(base.as_ptr()),
@@ -431,6 +376,7 @@ impl<S: MemorySource> State<S> {
             stream,
             pool,
             head: id,
+            reserved: 0,
         });
         self.stats.segment.increase(pool, 1);
         self.stats.reserved_bytes.increase(pool, size as u64);
@@ -438,19 +384,29 @@ impl<S: MemorySource> State<S> {
         if self.is_oversize(size) {
             self.stats.oversize_segments.increase(1);
         }
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.frames(None);
+            let addr = base.as_ptr().addr() as u64;
+            h.record(TraceAction::SegmentAlloc, addr, size as u64, stream, frames);
+        }
         Ok(Some(id))
     }
 
-    /// Count or uncount a free block of `size` bytes of a split segment in the inactive-split
-    /// statistics.
+    /// Apply a net change of `blocks` free blocks and `bytes` bytes to the inactive-split
+    /// statistics. Like PyTorch, only the net change of one operation is counted, so that the
+    /// `allocated`/`freed` totals match its own.
     #[inline]
-    fn inactive_split(&mut self, pool: PoolKind, size: usize, add: bool) {
-        if add {
-            self.stats.inactive_split.increase(pool, 1);
-            self.stats.inactive_split_bytes.increase(pool, size as u64);
-        } else {
-            self.stats.inactive_split.decrease(pool, 1);
-            self.stats.inactive_split_bytes.decrease(pool, size as u64);
+    fn inactive_split_change(&mut self, pool: PoolKind, blocks: i64, bytes: i64) {
+        let s = &mut self.stats;
+        if blocks > 0 {
+            s.inactive_split.increase(pool, blocks as u64);
+        } else if blocks < 0 {
+            s.inactive_split.decrease(pool, blocks.unsigned_abs());
+        }
+        if bytes > 0 {
+            s.inactive_split_bytes.increase(pool, bytes as u64);
+        } else if bytes < 0 {
+            s.inactive_split_bytes.decrease(pool, bytes.unsigned_abs());
         }
     }
 
@@ -460,10 +416,22 @@ impl<S: MemorySource> State<S> {
         let b = self.blk(id);
         let (pool, size, addr, serial, next) = (b.pool, b.size, b.addr, b.serial, b.next);
         let (segment, stream) = (b.segment, b.stream);
-        if b.prev.is_some() || next.is_some() {
-            self.inactive_split(pool, size, false);
+        let already_split = b.prev.is_some() || next.is_some();
+        let exp = self.seg(segment).is_expandable();
+        let split = self.should_split(pool, size, rounded, exp);
+        // The net change of the inactive-split statistics, as PyTorch counts it: an already
+        // split free block that is shrunk loses `rounded` bytes, one handed out whole leaves the
+        // count; splitting an unsplit block adds its remainder. Expandable segments are left
+        // out, as in PyTorch (their free pages can always be given back).
+        match (already_split, split) {
+            _ if exp => {}
+            (true, true) => self.inactive_split_change(pool, 0, -(rounded as i64)),
+            (true, false) => self.inactive_split_change(pool, -1, -(size as i64)),
+            (false, true) => self.inactive_split_change(pool, 1, (size - rounded) as i64),
+            (false, false) => {}
         }
-        let size = if self.should_split(pool, size, rounded) {
+        let gc_base = self.gc_calls[pool.index()];
+        let size = if split {
             let rem = BlockEntry {
                 addr: addr + rounded,
                 serial,
@@ -477,6 +445,7 @@ impl<S: MemorySource> State<S> {
                 state: BState::Free,
                 event_count: 0,
                 uses: None,
+                gc_base,
             };
             let key = Self::key(&rem);
             let rid = self.add_block(rem);
@@ -487,7 +456,6 @@ impl<S: MemorySource> State<S> {
             b.next = Some(rid);
             b.size = rounded;
             self.pools[pool.index()].insert(key, rid);
-            self.inactive_split(pool, size - rounded, true);
             rounded
         } else {
             size
@@ -512,6 +480,11 @@ impl<S: MemorySource> State<S> {
         let b = self.blk_mut(id);
         let (pool, size) = (b.pool, b.size);
         let uses = b.uses.take();
+        let (addr, requested, stream) = (b.addr as u64, b.requested as u64, b.stream);
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.frames(None);
+            h.record(TraceAction::FreeRequested, addr, requested, stream, frames);
+        }
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size as u64);
         if self.is_oversize(size) {
@@ -553,16 +526,29 @@ impl<S: MemorySource> State<S> {
         let (pool, requested, segment) = (b.pool, b.requested as u64, b.segment);
         let (mut addr, mut size, mut prev, mut next) = (b.addr, b.size, b.prev, b.next);
         b.uses = None;
+        let stream = b.stream;
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.block_frames.remove(&id).unwrap_or_default();
+            h.record(
+                TraceAction::FreeCompleted,
+                addr as u64,
+                requested,
+                stream,
+                frames,
+            );
+        }
         let s = &mut self.stats;
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, size as u64);
         s.requested_bytes.decrease(pool, requested);
 
         // A free neighbour is in its pool and, having a neighbour, counted as inactive split.
+        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         if let Some(p) = prev.filter(|&p| self.blk(p).state == BState::Free) {
             let pe = self.remove_block(p);
             self.pools[pool.index()].remove(&Self::key(&pe));
-            self.inactive_split(pool, pe.size, false);
+            net_blocks -= 1;
+            net_bytes -= pe.size as i64;
             addr = pe.addr;
             size += pe.size;
             prev = pe.prev;
@@ -578,17 +564,20 @@ impl<S: MemorySource> State<S> {
         if let Some(n) = next.filter(|&n| self.blk(n).state == BState::Free) {
             let ne = self.remove_block(n);
             self.pools[pool.index()].remove(&Self::key(&ne));
-            self.inactive_split(pool, ne.size, false);
+            net_blocks -= 1;
+            net_bytes -= ne.size as i64;
             size += ne.size;
             next = ne.next;
             if let Some(nn) = next {
                 self.blk_mut(nn).prev = Some(id);
             }
         }
+        let gc_base = self.gc_calls[pool.index()];
         let b = self.blk_mut(id);
         b.state = BState::Free;
         b.requested = 0;
         b.event_count = 0;
+        b.gc_base = gc_base;
         b.addr = addr;
         b.size = size;
         b.prev = prev;
@@ -596,7 +585,11 @@ impl<S: MemorySource> State<S> {
         let key = Self::key(b);
         self.pools[pool.index()].insert(key, id);
         if prev.is_some() || next.is_some() {
-            self.inactive_split(pool, size, true);
+            net_blocks += 1;
+            net_bytes += size as i64;
+        }
+        if !self.seg(segment).is_expandable() {
+            self.inactive_split_change(pool, net_blocks, net_bytes);
         }
     }
 
@@ -644,6 +637,11 @@ impl<S: MemorySource> State<S> {
 
     /// Give the segment of the unsplit free block `id` back to the source.
     fn release_block(&mut self, source: &S, id: BlockId) {
+        let seg = self.blk(id).segment;
+        if self.seg(seg).is_expandable() {
+            self.unmap_tail(source, seg);
+            return;
+        }
         self.remove_free(id);
         let b = self.remove_block(id);
         let Some(seg) = self.segments[b.segment].take() else {
@@ -667,10 +665,23 @@ impl<S: MemorySource> State<S> {
         if self.is_oversize(seg.size) {
             self.stats.oversize_segments.decrease(1);
         }
+        if let Some(h) = self.history.as_mut() {
+            let frames = h.frames(None);
+            let addr = seg.base.0.addr() as u64;
+            h.record(
+                TraceAction::SegmentFree,
+                addr,
+                seg.size as u64,
+                seg.stream,
+                frames,
+            );
+        }
     }
 
-    /// Free every cached block that is a whole segment, in both pools and all streams.
+    /// Free every cached block that is a whole segment, in both pools and all streams, and the
+    /// free pages at the end of every expandable segment.
     fn release_cached_blocks(&mut self, source: &S) {
+        self.unmap_free_tails(source);
         let ids: Vec<BlockId> = self
             .pools
             .iter()
@@ -726,10 +737,38 @@ impl<S: MemorySource> State<S> {
         released >= size
     }
 
-    fn oom_error(&self, source: &S, requested: usize) -> AllocError {
+    /// Count an out-of-memory failure, record it in the history, and build its error.
+    fn oom(
+        &mut self,
+        source: &S,
+        requested: usize,
+        allocation_size: usize,
+        stream: u64,
+    ) -> AllocError {
+        self.stats.num_ooms += 1;
+        let err = self.oom_error(source, requested, allocation_size);
+        if let (Some(h), AllocError::OutOfMemory { device_free, .. }) =
+            (self.history.as_mut(), &err)
+        {
+            let frames = h.frames(None);
+            h.push(TraceEntry {
+                action: TraceAction::Oom,
+                addr: *device_free as u64,
+                size: allocation_size as u64,
+                stream,
+                time_us: crate::history::now_us(),
+                frames,
+                device_free: Some(*device_free as u64),
+            });
+        }
+        err
+    }
+
+    fn oom_error(&self, source: &S, requested: usize, allocation_size: usize) -> AllocError {
         AllocError::OutOfMemory {
             device: source.device(),
             requested,
+            allocation_size,
             allocated: self.stats.allocated_bytes.all.current as usize,
             reserved: self.stats.reserved_bytes.all.current as usize,
             device_total: source.total_memory(),
@@ -748,6 +787,12 @@ impl<S: MemorySource> State<S> {
                 let mut cur = Some(seg.head);
                 while let Some(id) = cur {
                     let b = self.blk(id);
+                    let frames = match (&self.history, b.state) {
+                        (Some(h), BState::Allocated | BState::Pending) => {
+                            h.block_frames.get(&id).cloned().unwrap_or_default()
+                        }
+                        _ => Vec::new(),
+                    };
                     blocks.push(BlockSnapshot {
                         address: b.addr as u64,
                         size: b.size as u64,
@@ -757,6 +802,7 @@ impl<S: MemorySource> State<S> {
                             BState::Pending => BlockState::ActivePendingFree,
                             BState::Free => BlockState::Inactive,
                         },
+                        frames,
                     });
                     cur = b.next;
                 }
@@ -773,6 +819,7 @@ impl<S: MemorySource> State<S> {
                     requested_size: sum(&active, &|b| b.requested_size),
                     stream: seg.stream,
                     segment_type: seg.pool,
+                    is_expandable: seg.is_expandable(),
                     blocks,
                 }
             })
@@ -780,6 +827,11 @@ impl<S: MemorySource> State<S> {
         Snapshot {
             device: device.to_string(),
             segments,
+            device_traces: self
+                .history
+                .as_ref()
+                .map(History::entries)
+                .unwrap_or_default(),
         }
     }
 }
@@ -848,6 +900,9 @@ impl<S: MemorySource> Drop for Shared<S> {
             tracing::warn!("allocator drop: {e}");
         }
         st.release_cached_blocks(source);
+        if st.history.take().is_some() {
+            crate::history::recording_stopped();
+        }
         let left = st.segments.iter().flatten().count();
         if left > 0 {
             tracing::warn!("allocator dropped: leaking {left} segments still used by streams");
@@ -887,7 +942,13 @@ impl<S: MemorySource> CachingAllocator<S> {
     pub fn new(source: S, config: AllocatorConfig) -> Result<Self, AllocError> {
         config.validate()?;
         let limit = resolve_limit(config.memory_limit, source.total_memory())?;
-        let state = State::new(limit, config.max_split_size);
+        let expandable = config.expandable_segments && source.supports_expandable_segments();
+        let state = State::new(
+            limit,
+            config.max_split_size,
+            config.garbage_collection_threshold,
+            expandable,
+        );
         Ok(CachingAllocator {
             shared: Arc::new(Shared {
                 source,
@@ -933,16 +994,20 @@ impl<S: MemorySource> CachingAllocator<S> {
     /// from a new segment after waiting for pending record-stream events and freeing every
     /// cached whole segment (counted in `num_alloc_retries`). Otherwise it fails with
     /// [`AllocError::OutOfMemory`] (counted in `num_ooms`).
+    #[track_caller]
     pub fn allocate(&self, size: usize, stream: &S::Stream) -> Result<Block<S>, AllocError> {
+        let location = std::panic::Location::caller();
         let sh = &*self.shared;
         sh.source.validate_stream(stream)?;
         let key = S::stream_key(stream);
-        let sizes = round_size(size).and_then(|r| Some((r, allocation_size(r)?)));
+        let sizes = sh
+            .config
+            .round_size(size)
+            .and_then(|r| Some((r, allocation_size(r)?)));
         let mut st = sh.lock();
         let Some((rounded, seg_size)) = sizes else {
             // Larger than any address space: no amount of freeing helps.
-            st.stats.num_ooms += 1;
-            return Err(st.oom_error(&sh.source, size));
+            return Err(st.oom(&sh.source, size, size, key));
         };
         let pool = PoolKind::for_size(rounded);
         if st.outstanding > 0 {
@@ -950,31 +1015,36 @@ impl<S: MemorySource> CachingAllocator<S> {
         }
         let id = match st.get_free_block(pool, key, rounded) {
             Some(id) => id,
-            None => match st.alloc_segment(&sh.source, seg_size, pool, key, false)? {
-                Some(id) => id,
-                None => {
-                    let mut got = None;
-                    if st.release_available_cached_blocks(&sh.source, pool, key, rounded) {
-                        got = st.alloc_segment(&sh.source, seg_size, pool, key, false)?;
-                    }
-                    match got {
-                        Some(id) => id,
-                        None => {
-                            st = sh.synchronize_and_free_events(st)?;
-                            st.release_cached_blocks(&sh.source);
-                            match st.alloc_segment(&sh.source, seg_size, pool, key, true)? {
-                                Some(id) => id,
-                                None => {
-                                    st.stats.num_ooms += 1;
-                                    return Err(st.oom_error(&sh.source, size));
-                                }
-                            }
+            None => {
+                if st.gc_active() {
+                    st.garbage_collect(&sh.source);
+                }
+                let mut got = st.new_block(&sh.source, rounded, seg_size, pool, key, false)?;
+                if got.is_none()
+                    && st.release_available_cached_blocks(&sh.source, pool, key, rounded)
+                {
+                    got = st.new_block(&sh.source, rounded, seg_size, pool, key, false)?;
+                }
+                match got {
+                    Some(id) => id,
+                    None => {
+                        st = sh.synchronize_and_free_events(st)?;
+                        st.release_cached_blocks(&sh.source);
+                        match st.new_block(&sh.source, rounded, seg_size, pool, key, true)? {
+                            Some(id) => id,
+                            None => return Err(st.oom(&sh.source, size, seg_size, key)),
                         }
                     }
                 }
-            },
+            }
         };
         st.take_block(id, rounded, size);
+        let addr = st.blk(id).addr as u64;
+        if let Some(h) = st.history.as_mut() {
+            let frames = h.frames(Some(location));
+            h.block_frames.insert(id, frames.clone());
+            h.record(TraceAction::Alloc, addr, size as u64, key, frames);
+        }
         let b = st.blk(id);
         let seg = st.seg(b.segment);
         let ptr = seg.base.0.wrapping_add(b.addr - seg.base.0.addr());
@@ -993,6 +1063,7 @@ impl<S: MemorySource> CachingAllocator<S> {
 
     /// Allocate a [`Buffer`] of `len` elements of `dtype` on `stream`; the buffer owns the
     /// block and returns it to the allocator when its last clone drops.
+    #[track_caller]
     pub fn allocate_buffer(
         &self,
         dtype: DType,
@@ -1035,7 +1106,33 @@ impl<S: MemorySource> CachingAllocator<S> {
         self.shared.lock().stats.reset_accumulated();
     }
 
-    /// Every segment and block.
+    /// Start (`Some`) or stop (`None`) recording the memory history (PyTorch's
+    /// `torch.cuda.memory._record_memory_history`): every alloc, free and segment event, with
+    /// a timestamp, the stream and a short call stack (see [`memory_context`](crate::memory_context)),
+    /// shown by [`snapshot`](CachingAllocator::snapshot) as `device_traces`. Starting again
+    /// keeps the events so far under the new options; stopping drops them.
+    pub fn record_memory_history(&self, config: Option<HistoryConfig>) {
+        let mut st = self.shared.lock();
+        match (config, st.history.as_mut()) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                st.history = None;
+                crate::history::recording_stopped();
+            }
+            (Some(c), None) => {
+                st.history = Some(History::new(c));
+                crate::history::recording_started();
+            }
+            (Some(c), Some(h)) => h.set_config(c),
+        }
+    }
+
+    /// Whether the memory history is being recorded.
+    pub fn is_recording_history(&self) -> bool {
+        self.shared.lock().history.is_some()
+    }
+
+    /// Every segment and block, and the recorded memory history (if recording).
     pub fn snapshot(&self) -> Snapshot {
         self.shared.lock().snapshot(self.shared.source.device())
     }

@@ -28,6 +28,8 @@ use fsdp_device::Device;
 
 use crate::{AllocError, Block, CachingAllocator, MemorySource};
 
+mod vmm;
+
 /// A caching allocator over CUDA device memory.
 pub type CudaAllocator = CachingAllocator<CudaSource>;
 /// A block of CUDA device memory.
@@ -51,6 +53,8 @@ pub struct CudaSource {
     ctx: Arc<CudaContext>,
     ordinal: usize,
     total: usize,
+    /// The physical pages of expandable segments.
+    pages: vmm::Pages,
 }
 
 impl fmt::Debug for CudaSource {
@@ -78,10 +82,14 @@ impl CudaSource {
             })?
             .map_err(|e| AllocError::NoDevice(format!("CUDA device {ordinal}: {e:?}")))?;
         let total = ctx.total_mem().map_err(source_err("cuDeviceTotalMem"))?;
+        ctx.bind_to_thread()
+            .map_err(source_err("cuCtxSetCurrent"))?;
+        let pages = vmm::Pages::new(ordinal);
         Ok(CudaSource {
             ctx,
             ordinal,
             total,
+            pages,
         })
     }
 
@@ -94,7 +102,9 @@ impl CudaSource {
 // SAFETY: segments come from cuMemAlloc (256-byte aligned or better, hence SEGMENT_ALIGN) and are
 // owned by the caller until cuMemFree; cuMemFree waits for the device's pending work on them;
 // stream keys are the CUstream handles, distinct for live streams; CUDA events complete only
-// after the work recorded before them.
+// after the work recorded before them. Expandable segments: cuMemAddressReserve ranges
+// (granularity-aligned) that overlap nothing else, whose chunks are device memory once
+// cuMemMap and cuMemSetAccess succeeded.
 unsafe impl MemorySource for CudaSource {
     type Stream = Arc<CudaStream>;
     type Event = CudaEvent;
@@ -137,6 +147,48 @@ unsafe impl MemorySource for CudaSource {
         if let Err(e) = unsafe { result::free_sync(ptr.as_ptr().addr() as u64) } {
             tracing::error!("cuMemFree failed: {e:?}");
         }
+    }
+
+    fn supports_expandable_segments(&self) -> bool {
+        self.pages.supported()
+    }
+
+    fn reserve_address_range(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(source_err("cuCtxSetCurrent"))?;
+        self.pages.reserve(bytes)
+    }
+
+    unsafe fn map_range(
+        &self,
+        base: NonNull<u8>,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<(), AllocError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(source_err("cuCtxSetCurrent"))?;
+        // SAFETY: forwarded from the caller (pages of 2 or 20 MiB: whole chunks).
+        unsafe { self.pages.map(base, offset, bytes) }
+    }
+
+    unsafe fn unmap_range(&self, base: NonNull<u8>, offset: usize, bytes: usize) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!("cuMemUnmap: could not bind the context: {e:?}; leaking pages");
+            return;
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.pages.unmap(base, offset, bytes) }
+    }
+
+    unsafe fn release_address_range(&self, base: NonNull<u8>, bytes: usize) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!("cuMemAddressFree: could not bind the context: {e:?}");
+            return;
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.pages.release(base, bytes) }
     }
 
     fn stream_key(stream: &Arc<CudaStream>) -> u64 {

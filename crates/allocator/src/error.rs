@@ -12,12 +12,15 @@ use crate::format_size;
 pub enum AllocError {
     /// The allocator could not serve a request even after freeing its cache and retrying. The
     /// message reads like PyTorch's `CUDA out of memory` error.
-    #[error("{}", oom_message(*.device, *.requested, *.allocated, *.reserved, *.device_total, *.device_free, *.limit))]
+    #[error("{}", oom_message(*.device, *.allocation_size, *.allocated, *.reserved, *.device_total, *.device_free, *.limit))]
     OutOfMemory {
         /// The device whose memory ran out.
         device: Device,
         /// Bytes asked for (before rounding).
         requested: usize,
+        /// Bytes the allocator tried to reserve for the request: the size of the segment it
+        /// needed (PyTorch's "Tried to allocate"), or the request itself when it overflows.
+        allocation_size: usize,
         /// Bytes held by live blocks when the request failed.
         allocated: usize,
         /// Bytes held in segments (allocated, pending or cached) when the request failed.
@@ -69,28 +72,35 @@ pub enum AllocError {
     Json(String),
 }
 
+/// The message of PyTorch's `CUDA out of memory` error (`CUDACachingAllocator.cpp`), with the
+/// same facts: the size it tried to reserve, the device, its total and free memory, the limit
+/// (PyTorch's "allowed" memory of a memory fraction), what the allocator holds, and the hint at
+/// the options that fight fragmentation.
 fn oom_message(
     device: Device,
-    requested: usize,
+    tried: usize,
     allocated: usize,
     reserved: usize,
     device_total: usize,
     device_free: usize,
     limit: Option<usize>,
 ) -> String {
-    let limit = match limit {
-        Some(l) => format!(
-            "The caching allocator is limited to {} by its memory limit. ",
-            format_size(l)
-        ),
+    let (kind, name) = match device {
+        Device::Cuda(i) => ("CUDA".to_string(), format!("GPU {i}")),
+        d => (d.to_string(), format!("Device {d}")),
+    };
+    let allowed = match limit {
+        Some(l) => format!("{} allowed; ", format_size(l)),
         None => String::new(),
     };
     format!(
-        "{device} out of memory. Tried to allocate {}. The device has a total capacity of {} of \
-         which {} is free. {limit}Of the allocated memory {} is allocated by the caching \
-         allocator, and {} is reserved by it but unallocated. If reserved but unallocated memory \
-         is large try setting max_split_size to avoid fragmentation.",
-        format_size(requested),
+        "{kind} out of memory. Tried to allocate {}. {name} has a total capacity of {} of which \
+         {} is free. {allowed}Of the allocated memory {} is allocated by the caching allocator, \
+         and {} is reserved by the caching allocator but unallocated. If reserved but \
+         unallocated memory is large try setting max_split_size (PyTorch's max_split_size_mb) \
+         or expandable_segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) to avoid \
+         fragmentation.",
+        format_size(tried),
         format_size(device_total),
         format_size(device_free),
         format_size(allocated),

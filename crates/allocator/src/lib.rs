@@ -64,15 +64,25 @@
 //! ```
 
 mod allocator;
+mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+mod history;
+mod pickle;
 mod snapshot;
 mod source;
 mod stats;
+mod vmm;
 
-pub use allocator::{AllocatorConfig, Block, CachingAllocator, MemoryLimit, SharedBlock};
+pub use allocator::{Block, CachingAllocator, SharedBlock};
+pub use config::{AllocatorConfig, MemoryLimit, ROUNDUP_POWER2_INTERVALS};
 pub use error::AllocError;
+pub use history::{
+    memory_context, memory_context_with, Frame, HistoryConfig, MemoryContextGuard, TraceAction,
+    TraceEntry,
+};
+pub use pickle::{to_pickle, PyValue};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use source::{HostSource, MemorySource, MetaSource, SEGMENT_ALIGN};
 pub use stats::{MemoryStats, PoolKind, Stat, StatArray};

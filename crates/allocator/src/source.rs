@@ -31,7 +31,13 @@ pub const SEGMENT_ALIGN: usize = 512;
 /// - [`stream_key`](MemorySource::stream_key) gives distinct keys to distinct live streams;
 /// - an event reports complete ([`query_event`](MemorySource::query_event) returns `true` or
 ///   [`synchronize_event`](MemorySource::synchronize_event) returns `Ok`) only once all work
-///   enqueued on its stream before [`record_event`](MemorySource::record_event) has finished.
+///   enqueued on its stream before [`record_event`](MemorySource::record_event) has finished;
+/// - with [`supports_expandable_segments`](MemorySource::supports_expandable_segments),
+///   [`reserve_address_range`](MemorySource::reserve_address_range) returns a
+///   [`SEGMENT_ALIGN`]-aligned range that overlaps no other range or segment, and after
+///   [`map_range`](MemorySource::map_range) returns `Ok` its bytes are memory as
+///   [`allocate`](MemorySource::allocate)'s (initialised host bytes for [`Device::Cpu`]) until
+///   they are unmapped.
 pub unsafe trait MemorySource: Send + Sync + 'static {
     /// The device's stream type.
     type Stream: Clone + Send + Sync + 'static;
@@ -76,6 +82,55 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
 
     /// Wait for the event, up to `timeout` ([`AllocError::Timeout`] past it).
     fn synchronize_event(&self, event: &Self::Event, timeout: Duration) -> Result<(), AllocError>;
+
+    /// Whether the source can reserve address ranges and map memory into them (expandable
+    /// segments). The default: no, and the other virtual-memory methods fail.
+    fn supports_expandable_segments(&self) -> bool {
+        false
+    }
+
+    /// Reserve `bytes` of address space with no memory behind it.
+    fn reserve_address_range(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        Err(AllocError::InvalidArgument(format!(
+            "{} has no virtual memory to reserve {bytes} bytes in",
+            self.device()
+        )))
+    }
+
+    /// Map `bytes` of memory at `offset` of a reserved range (lack of memory:
+    /// [`AllocError::SourceOutOfMemory`]).
+    ///
+    /// # Safety
+    /// `base` comes from [`reserve_address_range`](MemorySource::reserve_address_range) of a
+    /// range that holds `offset..offset + bytes`, none of it mapped; both are multiples of the
+    /// allocator's page size (2 MiB or 20 MiB).
+    unsafe fn map_range(
+        &self,
+        base: NonNull<u8>,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<(), AllocError> {
+        let _ = (base, offset);
+        Err(AllocError::SourceOutOfMemory { bytes })
+    }
+
+    /// Unmap memory mapped by [`map_range`](MemorySource::map_range).
+    ///
+    /// # Safety
+    /// `offset..offset + bytes` of the range at `base` was mapped by `map_range` calls (whole
+    /// pages), and no work of any stream uses it any more.
+    unsafe fn unmap_range(&self, base: NonNull<u8>, offset: usize, bytes: usize) {
+        let _ = (base, offset, bytes);
+    }
+
+    /// Give back a reserved range.
+    ///
+    /// # Safety
+    /// `base` and `bytes` come from one `reserve_address_range` call, nothing of it is mapped,
+    /// and it is released once.
+    unsafe fn release_address_range(&self, base: NonNull<u8>, bytes: usize) {
+        let _ = (base, bytes);
+    }
 }
 
 /// A capacity limit and the bytes handed out under it: the accounting of [`HostSource`] and
@@ -265,6 +320,41 @@ unsafe impl MemorySource for HostSource {
         Ok(NonNull::new(seg).unwrap_or(raw))
     }
 
+    fn supports_expandable_segments(&self) -> bool {
+        // Miri does not model mmap/mprotect.
+        !cfg!(miri)
+    }
+
+    fn reserve_address_range(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        crate::vmm::reserve(bytes)
+    }
+
+    unsafe fn map_range(
+        &self,
+        base: NonNull<u8>,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<(), AllocError> {
+        self.limit.reserve(bytes)?;
+        // SAFETY: forwarded from the caller: the pages lie in a range reserved by `reserve`.
+        let mapped = unsafe { crate::vmm::commit(base, offset, bytes) };
+        if mapped.is_err() {
+            self.limit.unreserve(bytes);
+        }
+        mapped
+    }
+
+    unsafe fn unmap_range(&self, base: NonNull<u8>, offset: usize, bytes: usize) {
+        // SAFETY: forwarded from the caller: committed pages that nothing uses.
+        unsafe { crate::vmm::decommit(base, offset, bytes) };
+        self.limit.unreserve(bytes);
+    }
+
+    unsafe fn release_address_range(&self, base: NonNull<u8>, bytes: usize) {
+        // SAFETY: forwarded from the caller.
+        unsafe { crate::vmm::release(base, bytes) };
+    }
+
     unsafe fn free(&self, ptr: NonNull<u8>, bytes: usize) {
         // SAFETY: by the caller's contract `ptr` came from `allocate(bytes)`, which wrote the
         // offset to the raw allocation in the header before it and allocated `raw_layout(bytes)`
@@ -378,6 +468,37 @@ unsafe impl MemorySource for MetaSource {
 
     unsafe fn free(&self, _ptr: NonNull<u8>, bytes: usize) {
         // Nothing to release but the capacity: the address is never handed out again.
+        self.limit.unreserve(bytes);
+    }
+
+    fn supports_expandable_segments(&self) -> bool {
+        true
+    }
+
+    fn reserve_address_range(&self, bytes: usize) -> Result<NonNull<u8>, AllocError> {
+        // A fresh range of the counter, as for a segment, with no capacity taken.
+        let span = bytes.checked_next_multiple_of(SEGMENT_ALIGN);
+        let addr = span.and_then(|span| {
+            self.next
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| {
+                    a.checked_add(span)
+                })
+                .ok()
+        });
+        addr.and_then(|a| NonNull::new(std::ptr::without_provenance_mut::<u8>(a)))
+            .ok_or(AllocError::SourceOutOfMemory { bytes })
+    }
+
+    unsafe fn map_range(
+        &self,
+        _base: NonNull<u8>,
+        _offset: usize,
+        bytes: usize,
+    ) -> Result<(), AllocError> {
+        self.limit.reserve(bytes)
+    }
+
+    unsafe fn unmap_range(&self, _base: NonNull<u8>, _offset: usize, bytes: usize) {
         self.limit.unreserve(bytes);
     }
 }

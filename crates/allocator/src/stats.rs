@@ -125,7 +125,7 @@ impl StatArray {
 /// `active_bytes - allocated_bytes` is the memory waiting for other streams. *Inactive split*
 /// blocks are cached free blocks that are part of a split segment (fragmentation). *Reserved*
 /// bytes are held in segments obtained from the memory source.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryStats {
     /// Number of allocated blocks.
     pub allocation: StatArray,
@@ -159,11 +159,41 @@ pub struct MemoryStats {
     pub num_device_alloc: u64,
     /// Segments returned to the memory source.
     pub num_device_free: u64,
-    /// The `max_split_size` option, if set.
-    pub max_split_size: Option<u64>,
+    /// The `max_split_size` option in bytes, −1 when unset (as PyTorch reports it: always
+    /// present).
+    pub max_split_size: i64,
+}
+
+impl Default for MemoryStats {
+    fn default() -> Self {
+        MemoryStats {
+            allocation: StatArray::default(),
+            segment: StatArray::default(),
+            active: StatArray::default(),
+            inactive_split: StatArray::default(),
+            allocated_bytes: StatArray::default(),
+            reserved_bytes: StatArray::default(),
+            active_bytes: StatArray::default(),
+            inactive_split_bytes: StatArray::default(),
+            requested_bytes: StatArray::default(),
+            oversize_allocations: Stat::default(),
+            oversize_segments: Stat::default(),
+            num_alloc_retries: 0,
+            num_ooms: 0,
+            num_sync_all_streams: 0,
+            num_device_alloc: 0,
+            num_device_free: 0,
+            max_split_size: -1,
+        }
+    }
 }
 
 impl MemoryStats {
+    /// The `max_split_size` option, if set.
+    pub fn max_split_size(&self) -> Option<u64> {
+        u64::try_from(self.max_split_size).ok()
+    }
+
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
         [
             &mut self.allocation,
@@ -204,8 +234,10 @@ impl MemoryStats {
     }
 
     /// The statistics as a flat map with PyTorch's keys, e.g. `"allocated_bytes.all.current"`,
-    /// `"active.large_pool.peak"`, `"num_alloc_retries"`.
-    pub fn as_map(&self) -> BTreeMap<String, u64> {
+    /// `"active.large_pool.peak"`, `"num_alloc_retries"`, `"max_split_size"` (−1 when unset).
+    /// Values saturate at `i64::MAX`.
+    pub fn as_map(&self) -> BTreeMap<String, i64> {
+        let v = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
         let mut m = BTreeMap::new();
         let arrays: [(&str, &StatArray); 9] = [
             ("allocation", &self.allocation),
@@ -219,10 +251,10 @@ impl MemoryStats {
             ("requested_bytes", &self.requested_bytes),
         ];
         let mut put = |prefix: String, s: &Stat| {
-            m.insert(format!("{prefix}.current"), s.current);
-            m.insert(format!("{prefix}.peak"), s.peak);
-            m.insert(format!("{prefix}.allocated"), s.allocated);
-            m.insert(format!("{prefix}.freed"), s.freed);
+            m.insert(format!("{prefix}.current"), v(s.current));
+            m.insert(format!("{prefix}.peak"), v(s.peak));
+            m.insert(format!("{prefix}.allocated"), v(s.allocated));
+            m.insert(format!("{prefix}.freed"), v(s.freed));
         };
         for (name, a) in arrays {
             put(format!("{name}.all"), &a.all);
@@ -231,14 +263,12 @@ impl MemoryStats {
         }
         put("oversize_allocations".into(), &self.oversize_allocations);
         put("oversize_segments".into(), &self.oversize_segments);
-        m.insert("num_alloc_retries".into(), self.num_alloc_retries);
-        m.insert("num_ooms".into(), self.num_ooms);
-        m.insert("num_sync_all_streams".into(), self.num_sync_all_streams);
-        m.insert("num_device_alloc".into(), self.num_device_alloc);
-        m.insert("num_device_free".into(), self.num_device_free);
-        if let Some(s) = self.max_split_size {
-            m.insert("max_split_size".into(), s);
-        }
+        m.insert("num_alloc_retries".into(), v(self.num_alloc_retries));
+        m.insert("num_ooms".into(), v(self.num_ooms));
+        m.insert("num_sync_all_streams".into(), v(self.num_sync_all_streams));
+        m.insert("num_device_alloc".into(), v(self.num_device_alloc));
+        m.insert("num_device_free".into(), v(self.num_device_free));
+        m.insert("max_split_size".into(), self.max_split_size);
         m
     }
 }
@@ -265,7 +295,8 @@ mod tests {
         let map = m.as_map();
         assert_eq!(map["allocated_bytes.large_pool.current"], 5);
         assert_eq!(map["num_alloc_retries"], 0);
-        assert!(!map.contains_key("max_split_size"));
+        assert_eq!(map["max_split_size"], -1, "always present, -1 when unset");
+        assert_eq!(m.max_split_size(), None);
         m.reset_accumulated();
         assert_eq!(m.allocated_bytes.all.allocated, 0);
         assert_eq!(m.allocated_bytes.all.current, 11);

@@ -151,6 +151,7 @@ fn devless(e: &AllocError) -> String {
     match e {
         AllocError::OutOfMemory {
             requested,
+            allocation_size,
             allocated,
             reserved,
             device_total,
@@ -158,7 +159,10 @@ fn devless(e: &AllocError) -> String {
             limit,
             ..
         } => {
-            format!("oom {requested} {allocated} {reserved} {device_total} {device_free} {limit:?}")
+            format!(
+                "oom {requested} {allocation_size} {allocated} {reserved} {device_total} \
+                 {device_free} {limit:?}"
+            )
         }
         e => e.to_string(),
     }
@@ -343,7 +347,7 @@ fn out_of_memory_and_retries_match_at_the_capacity() {
     let err = meta.allocate(80 * MIB, &Stream::inline("s")).unwrap_err();
     assert!(
         err.to_string().starts_with(
-            "meta out of memory. Tried to allocate 80.00 MiB. The device has a total capacity \
+            "meta out of memory. Tried to allocate 80.00 MiB. Device meta has a total capacity \
              of 64.00 MiB of which 64.00 MiB is free."
         ),
         "{err}"

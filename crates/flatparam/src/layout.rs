@@ -77,8 +77,10 @@ impl SharedParamInfo {
 /// exclusive, so that `flat_param_data[intra_param_start_idx..intra_param_end_idx]` is the piece.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ShardParamInfo {
-    /// Whether any element of the parameter lies in the shard (never for a zero-element
-    /// parameter).
+    /// Whether the parameter is listed in the shard: any element of it lies there. A
+    /// zero-element parameter at offset `s` is listed, with 0 elements, exactly as PyTorch's
+    /// `_get_shard_metadata` does: in the shard that holds both element `s - 1` and element
+    /// `s` of the flat parameter, so in no shard when `s` is 0 or falls on a shard boundary.
     pub in_shard: bool,
     /// Offset of the piece inside the shard: `shard[offset_in_shard..offset_in_shard +
     /// numel_in_shard]`.
@@ -108,9 +110,12 @@ impl ShardParamInfo {
 pub enum SegmentKind {
     /// The parameter of this index in [`FlatParamLayout::params`].
     Param(usize),
-    /// Padding inserted before a parameter so that its offset is aligned.
+    /// Padding inserted before a parameter so that its offset is aligned, and, with alignment
+    /// on, after the last parameter up to a multiple of the world size: PyTorch
+    /// (`use_orig_params`) makes that padding part of the flat parameter itself.
     AlignmentPadding,
-    /// Padding at the end so that the total is a multiple of the world size.
+    /// Padding at the end so that the total is a multiple of the world size (alignment off:
+    /// PyTorch adds it when sharding, as `_shard_numel_padded`).
     EndPadding,
 }
 
@@ -192,15 +197,18 @@ impl FlatParamLayoutBuilder {
     }
 
     /// Start every parameter at an offset that is a multiple of `bytes` when the flat parameter
-    /// holds `dtype` elements (PyTorch pads to 16 bytes with `use_orig_params`). `bytes` must be
-    /// a non-zero multiple of the element size. Off by default.
+    /// holds `dtype` elements (PyTorch pads to 16 bytes of the unsharded dtype with
+    /// `use_orig_params`). `bytes` must be a non-zero multiple of the element size. Off by
+    /// default. As in PyTorch, an alignment of more than one element also pads the flat
+    /// parameter itself to a multiple of the world size (alignment padding, no end padding).
     pub fn align_bytes(mut self, bytes: usize, dtype: DType) -> Self {
         self.align = AlignSpec::Bytes { bytes, dtype };
         self
     }
 
     /// Start every parameter at an offset that is a multiple of `numel` elements (non-zero).
-    /// `1`, the default, means no alignment.
+    /// `1`, the default, means no alignment; more also pads the flat parameter to a multiple of
+    /// the world size, as [`align_bytes`](Self::align_bytes) does.
     pub fn align_numel(mut self, numel: usize) -> Self {
         self.align = AlignSpec::Numel(numel);
         self
@@ -296,6 +304,14 @@ impl FlatParamLayoutBuilder {
         let padding_overflow = || FlatParamError::NumelOverflow {
             what: "padding".into(),
         };
+        if align_numel > 1 {
+            // PyTorch's `_init_flat_param_and_metadata` with `_aligned_numel > 0` appends a
+            // padding tensor up to a multiple of the world size: the flat parameter then needs
+            // no padding when sharded.
+            total = total
+                .checked_next_multiple_of(world_size)
+                .ok_or_else(padding_overflow)?;
+        }
         let padded_numel = total
             .checked_next_multiple_of(world_size)
             .ok_or_else(padding_overflow)?;
@@ -440,7 +456,9 @@ impl FlatParamLayout {
             })
     }
 
-    /// Elements up to the end of the last parameter (parameters and alignment gaps).
+    /// Elements of the flat parameter before end padding: up to the end of the last parameter
+    /// (parameters and alignment gaps), and with alignment on, the alignment padding up to a
+    /// multiple of the world size (PyTorch's `_unpadded_unsharded_size`).
     pub fn unpadded_numel(&self) -> usize {
         self.unpadded_numel
     }
@@ -451,7 +469,7 @@ impl FlatParamLayout {
         self.padded_numel
     }
 
-    /// Padding elements at the end (fewer than the world size).
+    /// Padding elements at the end (fewer than the world size; 0 with alignment on).
     pub fn end_padding_numel(&self) -> usize {
         self.padded_numel - self.unpadded_numel
     }
@@ -515,7 +533,7 @@ impl FlatParamLayout {
 
     /// The ranks whose shards hold part of parameter `index`, in order, with the piece each
     /// holds. The pieces cover the parameter exactly once, in order; a zero-element parameter
-    /// has none.
+    /// has one empty piece or none (see [`ShardParamInfo::in_shard`]).
     ///
     /// # Errors
     /// [`ParamIndexOutOfRange`](FlatParamError::ParamIndexOutOfRange).
@@ -530,10 +548,16 @@ impl FlatParamLayout {
             .collect())
     }
 
-    /// The ranks whose shards intersect `p` (empty for a zero-element parameter).
+    /// The ranks whose shards list `p` (see [`ShardParamInfo::in_shard`]).
     pub(crate) fn ranks_holding(&self, p: &ParamInfo) -> Range<usize> {
         if p.numel == 0 {
-            return 0..0;
+            // Listed where both element offset - 1 and element offset lie.
+            return match self.shard_numel {
+                n if n > 0 && p.offset % n != 0 && p.offset < self.padded_numel => {
+                    p.offset / n..p.offset / n + 1
+                }
+                _ => 0..0,
+            };
         }
         // numel > 0 implies padded_numel > 0, hence shard_numel > 0.
         let first = p.offset / self.shard_numel;
@@ -559,6 +583,13 @@ impl FlatParamLayout {
                 range: p.range(),
             });
             pos = p.offset + p.numel;
+        }
+        if self.unpadded_numel > pos {
+            out.push(Segment {
+                kind: SegmentKind::AlignmentPadding,
+                range: pos..self.unpadded_numel,
+            });
+            pos = self.unpadded_numel;
         }
         if self.padded_numel > pos {
             out.push(Segment {
@@ -604,6 +635,18 @@ pub(crate) fn byte_range(range: Range<usize>, dtype: DType) -> Range<usize> {
 }
 
 fn piece(p: &ParamInfo, shard: &Range<usize>) -> ShardParamInfo {
+    if p.numel == 0 {
+        // PyTorch: inclusive bounds [s, s - 1] meet the shard [a, b] when a <= s - 1 and
+        // s <= b.
+        if shard.start < p.offset && p.offset < shard.end {
+            return ShardParamInfo {
+                in_shard: true,
+                offset_in_shard: p.offset - shard.start,
+                ..ShardParamInfo::default()
+            };
+        }
+        return ShardParamInfo::default();
+    }
     let start = p.offset.max(shard.start);
     let end = (p.offset + p.numel).min(shard.end);
     if start >= end {

@@ -371,12 +371,13 @@ impl FlatParamLayout {
             .enumerate()
             .skip_while(move |(_, p)| p.offset() + p.numel() <= shard.start)
             .take_while(move |(_, p)| p.offset() < shard.end)
-            .filter(|(_, p)| p.numel() > 0)
+            // A zero-element parameter is listed as PyTorch lists it (ShardParamInfo::in_shard).
+            .filter(move |(_, p)| p.numel() > 0 || p.offset() > shard.start)
     }
 
     /// The pieces of the parameters that lie in `rank`'s shard, viewed inside that shard (of
-    /// [`shard_numel`](Self::shard_numel) elements), in parameter order; parameters with no
-    /// element in the shard are left out.
+    /// [`shard_numel`](Self::shard_numel) elements), in parameter order; parameters the shard does not list
+    /// ([`ShardParamInfo::in_shard`](crate::ShardParamInfo::in_shard)) are left out.
     ///
     /// # Errors
     /// [`RankOutOfRange`](FlatParamError::RankOutOfRange),

@@ -8,7 +8,8 @@ use half::bf16;
 #[test]
 fn sixteen_byte_alignment_matches_pytorch_use_orig_params() {
     // PyTorch with use_orig_params pads before each parameter to 16 bytes (4 f32 elements),
-    // then pads the total to a multiple of the world size.
+    // then pads the flat parameter itself to a multiple of the world size (a padding tensor in
+    // `_init_flat_param_and_metadata`): alignment padding, no end padding when sharding.
     let layout = FlatParamLayout::builder(3)
         .param("a", &[3])
         .param("b", &[5])
@@ -19,10 +20,10 @@ fn sixteen_byte_alignment_matches_pytorch_use_orig_params() {
     assert_eq!(layout.align_numel(), 4);
     let offsets: Vec<usize> = layout.params().iter().map(|p| p.offset()).collect();
     assert_eq!(offsets, [0, 4, 12]);
-    assert_eq!(layout.unpadded_numel(), 16);
+    assert_eq!(layout.unpadded_numel(), 18);
     assert_eq!(layout.padded_numel(), 18);
     assert_eq!(layout.shard_numel(), 6);
-    assert_eq!(layout.end_padding_numel(), 2);
+    assert_eq!(layout.end_padding_numel(), 0);
     assert_eq!(
         layout.segments(),
         [
@@ -47,14 +48,14 @@ fn sixteen_byte_alignment_matches_pytorch_use_orig_params() {
                 range: 12..16
             },
             Segment {
-                kind: SegmentKind::EndPadding,
+                kind: SegmentKind::AlignmentPadding,
                 range: 16..18
             },
         ]
     );
     assert_eq!(layout.padding_ranges(), [3..4, 9..12, 16..18]);
     assert_eq!(layout.numel_padded_in_shard(0).unwrap(), 0);
-    assert_eq!(layout.numel_padded_in_shard(2).unwrap(), 2);
+    assert_eq!(layout.numel_padded_in_shard(2).unwrap(), 0);
     // Byte ranges for device code.
     assert_eq!(layout.param_byte_range(1, DType::F32).unwrap(), 16..36);
     assert_eq!(layout.param_byte_range(1, DType::BF16).unwrap(), 8..18);
@@ -123,7 +124,9 @@ fn shard_param_infos_of_a_parameter_spanning_ranks() {
 }
 
 #[test]
-fn zero_element_parameters_are_in_no_shard_but_have_views() {
+fn zero_element_parameters_are_listed_as_pytorch_lists_them() {
+    // "empty" sits at offset 3; shards of 2 are [0, 2) and [2, 4): rank 1 holds elements 2
+    // and 3, so PyTorch's `_get_shard_metadata` lists it there with 0 elements.
     let layout = FlatParamLayout::builder(2)
         .param("a", &[3])
         .param("empty", &[4, 0])
@@ -131,10 +134,16 @@ fn zero_element_parameters_are_in_no_shard_but_have_views() {
         .build()
         .unwrap();
     assert_eq!(layout.params()[1].range(), 3..3);
-    assert!(layout.param_pieces(1).unwrap().is_empty());
-    for rank in 0..2 {
-        assert!(!layout.shard_param_info(1, rank).unwrap().in_shard);
-    }
+    let listed = ShardParamInfo {
+        in_shard: true,
+        offset_in_shard: 1,
+        numel_in_shard: 0,
+        intra_param_start_idx: 0,
+        intra_param_end_idx: 0,
+    };
+    assert_eq!(layout.param_pieces(1).unwrap(), [(1, listed)]);
+    assert!(!layout.shard_param_info(1, 0).unwrap().in_shard);
+    assert_eq!(layout.shard_param_info(1, 1).unwrap(), listed);
     let flat = layout
         .flatten(&[vec![1.0f32; 3], vec![], vec![2.0]])
         .unwrap();
@@ -147,7 +156,7 @@ fn zero_element_parameters_are_in_no_shard_but_have_views() {
             .unwrap(),
         Vec::<f32>::new()
     );
-    // Only parameters with elements in the shard are viewed in it.
+    // The shard's views are the parameters it lists, the empty one included.
     let shard1 = layout.shard(&flat, 1).unwrap();
     let names: Vec<&str> = layout
         .shard_views(shard1, 1)
@@ -155,7 +164,58 @@ fn zero_element_parameters_are_in_no_shard_but_have_views() {
         .iter()
         .map(|v| v.name())
         .collect();
-    assert_eq!(names, ["a", "b"]);
+    assert_eq!(names, ["a", "empty", "b"]);
+
+    // At offset 0, or on a shard boundary, or at the very end: in no shard.
+    // (elements before, elements after, world size): shards of 2, 2, 3, and the end of 3.
+    for (before, after, world) in [(0, 4, 2), (2, 2, 2), (6, 3, 3), (3, 0, 1)] {
+        let mut b = FlatParamLayout::builder(world);
+        if before > 0 {
+            b = b.param("x", &[before]);
+        }
+        b = b.param("empty", &[0]);
+        if after > 0 {
+            b = b.param("y", &[after]);
+        }
+        let layout = b.build().unwrap();
+        let i = layout.index_of("empty").unwrap();
+        assert!(
+            layout.param_pieces(i).unwrap().is_empty(),
+            "offset {before}, world {world}"
+        );
+        for r in 0..world {
+            assert!(!layout.shard_param_info(i, r).unwrap().in_shard);
+        }
+    }
+}
+
+#[test]
+fn alignment_padding_is_counted_as_pytorch_counts_it() {
+    // [3, 5, 7] aligned to 4 elements on 4 ranks: 3 | pad 1 | 5 | pad 3 | 7 = 19 elements,
+    // then PyTorch pads the flat parameter to 20; no rank has end padding.
+    let layout = FlatParamLayout::builder(4)
+        .param("a", &[3])
+        .param("b", &[5])
+        .param("c", &[7])
+        .align_numel(4)
+        .build()
+        .unwrap();
+    assert_eq!(layout.unpadded_numel(), 20);
+    assert_eq!(layout.padded_numel(), 20);
+    assert_eq!(layout.end_padding_numel(), 0);
+    for r in 0..4 {
+        assert_eq!(layout.numel_padded_in_shard(r).unwrap(), 0);
+    }
+    assert_eq!(layout.padding_ranges(), [3..4, 9..12, 19..20]);
+    // Without alignment: 15 elements, 1 of end padding on rank 3.
+    let plain = FlatParamLayout::builder(4)
+        .param("a", &[3])
+        .param("b", &[5])
+        .param("c", &[7])
+        .build()
+        .unwrap();
+    assert_eq!((plain.unpadded_numel(), plain.padded_numel()), (15, 16));
+    assert_eq!(plain.numel_padded_in_shard(3).unwrap(), 1);
 }
 
 #[test]

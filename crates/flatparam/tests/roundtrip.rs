@@ -210,7 +210,12 @@ fn pieces_and_padding(case: &Case) -> Result<(), TestCaseError> {
         let mut next = 0;
         let mut last_rank = None;
         for &(rank, piece) in &pieces {
-            prop_assert!(piece.in_shard && piece.numel_in_shard > 0);
+            prop_assert!(piece.in_shard && (piece.numel_in_shard > 0 || p.numel() == 0));
+            if p.numel() == 0 {
+                // PyTorch lists it in the shard holding elements offset - 1 and offset.
+                prop_assert!(p.offset() > rank * n && p.offset() < (rank + 1) * n);
+                prop_assert_eq!(pieces.len(), 1);
+            }
             prop_assert!(last_rank.is_none_or(|r| rank > r));
             prop_assert_eq!(piece.intra_param_start_idx, next);
             prop_assert_eq!(
@@ -272,14 +277,21 @@ fn pieces_and_padding(case: &Case) -> Result<(), TestCaseError> {
                 prop_assert_eq!(s.range.start % align, 0);
             }
             SegmentKind::AlignmentPadding => {
-                prop_assert!(align > 1 && s.range.len() < align && !s.range.is_empty());
-                prop_assert!(matches!(
-                    segments.get(k + 1).map(|s| s.kind),
-                    Some(SegmentKind::Param(_))
-                ));
+                prop_assert!(align > 1 && !s.range.is_empty());
+                match segments.get(k + 1).map(|s| s.kind) {
+                    Some(SegmentKind::Param(_)) => prop_assert!(s.range.len() < align),
+                    // With alignment, PyTorch pads the flat parameter to the world size.
+                    None => {
+                        prop_assert!(s.range.len() < ws);
+                        prop_assert_eq!(s.range.end, layout.unpadded_numel());
+                        prop_assert_eq!(layout.unpadded_numel() % ws, 0);
+                    }
+                    other => prop_assert!(false, "alignment padding before {:?}", other),
+                }
             }
             SegmentKind::EndPadding => {
                 prop_assert_eq!(k, segments.len() - 1);
+                prop_assert_eq!(align, 1, "alignment leaves no end padding");
                 prop_assert_eq!(s.range.start, layout.unpadded_numel());
                 prop_assert!(!s.range.is_empty() && s.range.len() < ws);
             }

@@ -158,6 +158,9 @@ fn simulate(plan: &UnitPlan, world: usize, config: &FsdpConfig, init: &Map) -> (
         for unit in plan.units.iter().filter(|u| !u.params.is_empty()) {
             let factor = if s > 1 { s } else { 1 };
             let mut b = FlatParamLayout::builder(factor);
+            if config.use_orig_params {
+                b = b.align_bytes(16, p_dt);
+            }
             for p in &unit.params {
                 b = b.param(p.name.clone(), &p.shape);
             }
@@ -376,6 +379,54 @@ fn every_strategy_world_and_policy_equals_the_simulation_bitwise() {
         }
     }
     assert_eq!(checked, 28 * 4 * 2);
+}
+
+/// `use_orig_params`: the flat parameters are aligned to 16 bytes of `param_dtype` (4 `f32`
+/// or 8 `bf16` elements) and padded to the shard group size, as PyTorch lays them out, and
+/// training equals the simulation over that layout bit for bit.
+#[test]
+fn use_orig_params_aligns_to_the_param_dtype_and_equals_the_simulation() {
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    for world in [1, 3, 4] {
+        for (policy, align) in [
+            (MixedPrecisionPolicy::default(), 4),
+            (MixedPrecisionPolicy::new(DType::BF16, None), 8),
+        ] {
+            let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
+            config.mixed_precision = policy;
+            config.use_orig_params = true;
+            let layouts: Vec<(usize, usize, usize)> =
+                ring::run_ranks(world, ring_options(), |comm| {
+                    let fsdp = tied_engine(comm, &init, config, adamw());
+                    (0..fsdp.num_units())
+                        .filter_map(|u| fsdp.layout(u))
+                        .map(|l| (l.align_numel(), l.unpadded_numel(), l.end_padding_numel()))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap()
+                .remove(0);
+            assert!(!layouts.is_empty());
+            for (a, unpadded, end) in layouts {
+                assert_eq!(a, align, "world {world} {policy:?}");
+                assert_eq!((unpadded % world, end), (0, 0), "world {world} {policy:?}");
+            }
+            let (want_losses, want) = simulate(&plan, world, &config, &init);
+            let (losses, got, _) = engine(world, config, &init);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "world {world} {policy:?}: parameters"
+            );
+            let lb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                lb(&losses),
+                lb(&want_losses),
+                "world {world} {policy:?}: losses"
+            );
+        }
+    }
 }
 
 /// At world 1 with `reduce_dtype` f32: a single-process f32 run whose parameters are rounded

@@ -300,7 +300,7 @@ pub fn check_snapshot_against_stats(snap: &Snapshot, stats: &MemoryStats) {
             assert!(s.peak >= s.current, "{name} ({pool:?}) peak");
         }
     }
-    if let Some(m) = stats.max_split_size {
+    if let Some(m) = stats.max_split_size() {
         let over = |size: u64| size >= m;
         let n_alloc = snap
             .blocks()
@@ -596,12 +596,16 @@ pub fn oom_scenario<H: Harness>(h: &H) {
         "{msg}"
     );
     assert!(msg.contains("total capacity of"), "{msg}");
-    assert!(msg.contains("limited to 64.00 MiB"), "{msg}");
+    assert!(msg.contains("64.00 MiB allowed; "), "{msg}");
     assert!(
         msg.contains(
             "Of the allocated memory 40.00 MiB is allocated by the caching allocator, and 0 bytes \
-             is reserved by it but unallocated."
+             is reserved by the caching allocator but unallocated."
         ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("max_split_size") && msg.contains("expandable_segments"),
         "{msg}"
     );
     let st = alloc.memory_stats();
@@ -610,11 +614,29 @@ pub fn oom_scenario<H: Harness>(h: &H) {
         (1, 1, 1)
     );
 
+    // PyTorch reports the size it tried to reserve: 30 MiB + 1 B needs a 32 MiB segment.
+    let err = alloc.allocate(30 * MIB + 1, s).unwrap_err();
+    match &err {
+        AllocError::OutOfMemory {
+            requested,
+            allocation_size,
+            ..
+        } => assert_eq!((*requested, *allocation_size), (30 * MIB + 1, 32 * MIB)),
+        e => panic!("expected out of memory, got {e}"),
+    }
+    assert!(
+        err.to_string()
+            .contains("out of memory. Tried to allocate 32.00 MiB."),
+        "{err}"
+    );
+    let st = alloc.memory_stats();
+    assert_eq!((st.num_ooms, st.num_alloc_retries), (2, 2));
+
     // A cached whole segment is given back and the request retried successfully.
     drop(a);
     let b = alloc.allocate(50 * MIB, s).unwrap();
     let st = alloc.memory_stats();
-    assert_eq!((st.num_ooms, st.num_alloc_retries), (1, 2));
+    assert_eq!((st.num_ooms, st.num_alloc_retries), (2, 3));
     assert_eq!(st.reserved_bytes.all.current, 50 * MIB as u64);
     assert_eq!(st.num_device_free, 1);
     drop(b);
@@ -628,7 +650,7 @@ pub fn oom_scenario<H: Harness>(h: &H) {
         msg.contains("2.00 MiB is allocated by the caching allocator, and 18.00 MiB is reserved"),
         "{msg}"
     );
-    assert_eq!(alloc.memory_stats().num_ooms, 2);
+    assert_eq!(alloc.memory_stats().num_ooms, 3);
     check_invariants(&alloc, &[&small]);
 
     // Absurd sizes fail cleanly.
@@ -638,7 +660,7 @@ pub fn oom_scenario<H: Harness>(h: &H) {
             Err(AllocError::OutOfMemory { .. })
         ));
     }
-    assert_eq!(alloc.memory_stats().num_ooms, 5);
+    assert_eq!(alloc.memory_stats().num_ooms, 6);
     check_invariants(&alloc, &[&small]);
 }
 
@@ -654,7 +676,8 @@ pub fn max_split_scenario<H: Harness>(h: &H) {
     let st = alloc.memory_stats();
     assert_eq!(st.oversize_allocations.current, 1);
     assert_eq!(st.oversize_segments.current, 1);
-    assert_eq!(st.max_split_size, Some(msp as u64));
+    assert_eq!(st.max_split_size, msp as i64);
+    assert_eq!(st.as_map()["max_split_size"], msp as i64);
     drop(a);
     // A small request does not take the cached oversize block.
     let small = alloc.allocate(4 * MIB, s).unwrap();

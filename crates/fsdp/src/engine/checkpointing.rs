@@ -176,6 +176,14 @@ impl MemoryPool for MeteredPool {
         self.inner.reset_peak_stats();
         self.meter.reset_peaks(self.allocated_now());
     }
+
+    fn record_memory_history(&self, config: Option<fsdp_allocator::HistoryConfig>) {
+        self.inner.record_memory_history(config);
+    }
+
+    fn snapshot(&self) -> Option<fsdp_allocator::Snapshot> {
+        self.inner.snapshot()
+    }
 }
 
 /// The engine's checkpointing choices and activation meter.

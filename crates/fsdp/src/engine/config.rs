@@ -114,6 +114,13 @@ pub struct FsdpConfig {
     /// Who divides the summed gradients by the data-parallel size; default
     /// [`GradientDivide::Model`] (the model's loss is normalised over the global batch).
     pub gradient_divide: GradientDivide,
+    /// Align every parameter in its flat parameter as PyTorch does with `use_orig_params`:
+    /// to 16 bytes of the unsharded dtype, the `param_dtype` of
+    /// [`mixed_precision`](Self::mixed_precision) (4 elements for `f32`, 8 for `bf16`), with
+    /// the flat parameter padded to a multiple of the shard group size
+    /// ([`FlatParamLayoutBuilder::align_bytes`](fsdp_flatparam::FlatParamLayoutBuilder::align_bytes)).
+    /// Default off.
+    pub use_orig_params: bool,
 }
 
 impl FsdpConfig {
@@ -131,6 +138,7 @@ impl FsdpConfig {
             activation_checkpointing: false,
             mixed_precision: MixedPrecisionPolicy::default(),
             gradient_divide: GradientDivide::Model,
+            use_orig_params: false,
         }
     }
 }

@@ -147,6 +147,10 @@ impl Fsdp {
         let mut table = ParamTable::default();
         for (i, (name, ps, f, replicated_all)) in specs.into_iter().enumerate() {
             let mut b = FlatParamLayout::builder(f);
+            if config.use_orig_params {
+                // PyTorch's `_get_aligned_numel`: 16 bytes of the unsharded dtype.
+                b = b.align_bytes(16, config.mixed_precision.param_dtype);
+            }
             for p in &ps {
                 b = b.param(p.name.clone(), &p.shape);
             }
@@ -358,6 +362,20 @@ impl Fsdp {
     /// Reset the allocator's peak statistics.
     pub fn reset_peak_memory_stats(&self) {
         self.ctx.pool.reset_peak_stats();
+    }
+
+    /// Start (`Some`) or stop (`None`) recording the allocator's memory history (PyTorch's
+    /// `torch.cuda.memory._record_memory_history`); the engine names its allocations' frames
+    /// ("unit N (name) all-gather", "unit N (name) gradient").
+    pub fn record_memory_history(&self, config: Option<fsdp_allocator::HistoryConfig>) {
+        self.ctx.pool.record_memory_history(config);
+    }
+
+    /// The allocator's segments, blocks and recorded history (PyTorch's
+    /// `torch.cuda.memory._snapshot()`; write it with
+    /// [`Snapshot::write_pickle`](fsdp_allocator::Snapshot::write_pickle)), if the pool has them.
+    pub fn memory_snapshot(&self) -> Option<fsdp_allocator::Snapshot> {
+        self.ctx.pool.snapshot()
     }
 
     fn check_unit(&self, u: usize) -> Result<(), FsdpError> {

@@ -159,6 +159,9 @@ impl ParamGroup {
             .shard()
             .ok_or_else(|| internal("a sharded unit without a shard group"))?;
         let p = self.dtypes.param;
+        let _frame = fsdp_allocator::memory_context_with(|| {
+            format!("unit {} ({}) all-gather", self.index, self.name)
+        });
         // Mixed precision: the shard is cast to `param_dtype` before the all-gather.
         let input = if self.shard.dtype() == p {
             self.shard.clone()
@@ -305,6 +308,9 @@ impl ParamGroup {
             .groups
             .shard()
             .map_or_else(|| ctx.groups.world().stream(), |g| g.stream());
+        let _frame = fsdp_allocator::memory_context_with(|| {
+            format!("unit {} ({}) gradient", self.index, self.name)
+        });
         let g = ctx.alloc(self.layout.padded_numel(), &ctx.compute, comm)?;
         ctx.fill(&g, 0.0)?;
         self.full_grad = Some(g);

@@ -2,7 +2,7 @@
 //! the CPU streams of `fsdp_device` (host memory, or the meta source of a dry run), behind one
 //! object-safe trait so that the engine is not generic over the source.
 
-use fsdp_allocator::{CachingAllocator, MemorySource, MemoryStats};
+use fsdp_allocator::{CachingAllocator, HistoryConfig, MemorySource, MemoryStats, Snapshot};
 use fsdp_device::{Buffer, DType, Device, Stream};
 
 use crate::FsdpError;
@@ -33,6 +33,17 @@ pub trait MemoryPool: Send + Sync {
 
     /// Reset the peak statistics.
     fn reset_peak_stats(&self);
+
+    /// Start (`Some`) or stop (`None`) recording the allocator's memory history (see
+    /// [`CachingAllocator::record_memory_history`]). Pools without one ignore it.
+    fn record_memory_history(&self, config: Option<HistoryConfig>) {
+        let _ = config;
+    }
+
+    /// The allocator's segments, blocks and recorded history, if it has them.
+    fn snapshot(&self) -> Option<Snapshot> {
+        None
+    }
 }
 
 impl<S> MemoryPool for CachingAllocator<S>
@@ -68,5 +79,13 @@ where
 
     fn reset_peak_stats(&self) {
         CachingAllocator::reset_peak_stats(self);
+    }
+
+    fn record_memory_history(&self, config: Option<HistoryConfig>) {
+        CachingAllocator::record_memory_history(self, config);
+    }
+
+    fn snapshot(&self) -> Option<Snapshot> {
+        Some(CachingAllocator::snapshot(self))
     }
 }

@@ -283,6 +283,13 @@ pub(crate) struct TrainArgs {
     /// each rank N > 0 writes its own file, named with `.rankN` before the extension).
     #[arg(long)]
     pub(crate) trace: Option<PathBuf>,
+    /// Record rank 0's memory history (every allocation, free and segment of its caching
+    /// allocator, with the engine's frames such as "unit 3 (h.0) all-gather") and write its
+    /// snapshot here at the end, in the pickle layout of PyTorch's
+    /// `torch.cuda.memory._snapshot()`: draw it with
+    /// `python -m torch.cuda._memory_viz trace_plot FILE -o out.html`.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) memory_snapshot: Option<PathBuf>,
     /// Communication backend: `ring` (ranks as threads of this process; the default), `tcp`
     /// (ranks as processes; the default under `fsdp launch` or torchrun) or `mpi` (under
     /// `mpirun`; the default there when this program is built with the feature `mpi`).

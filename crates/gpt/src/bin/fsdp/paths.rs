@@ -73,6 +73,9 @@ pub(crate) fn check_output_paths(
     if let Some(p) = &args.loss_log {
         outputs.push(("--loss-log".into(), p.clone(), true));
     }
+    if let Some(p) = &args.memory_snapshot {
+        outputs.push(("--memory-snapshot".into(), p.clone(), true));
+    }
     if let Some(p) = &args.trace {
         outputs.push(("--trace".into(), p.clone(), true));
         if launched {

@@ -221,6 +221,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         };
         let mut model = FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)
             .map_err(admission::on_rank(rank))?;
+        if rank == 0 && args.memory_snapshot.is_some() {
+            model
+                .engine()
+                .record_memory_history(Some(fsdp_allocator::HistoryConfig::default()));
+        }
         model.set_lr_schedule(schedule)?;
         model.set_grad_scaler(scaler)?;
         if let Some(state) = scaler_state {
@@ -359,6 +364,14 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             skipped_steps.store(skipped, Ordering::Relaxed);
             *final_scaler.lock().unwrap_or_else(PoisonError::into_inner) =
                 model.grad_scaler().map(GradScaler::state);
+        }
+        if let (0, Some(path)) = (rank, &args.memory_snapshot) {
+            let snapshot = model.engine().memory_snapshot().ok_or_else(|| {
+                fail("--memory-snapshot: the rank's memory pool keeps no snapshot")
+            })?;
+            snapshot
+                .write_pickle(path)
+                .map_err(|e| fail(format!("--memory-snapshot: {e}")))?;
         }
         let stats = model.memory_stats();
         let trace = model.trace_events();
