@@ -1,0 +1,1 @@
+//! PyTorch's TCPStore wire protocol.
