@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, JobToken};
 use crate::{CollectiveError, Result};
 
+use super::torch_wire;
 use super::wire::{deadline_after, lock, read_frame, write_frame, Dec, Enc, FrameError, Op, Reply};
 use super::{
-    TcpStore, CLIENT_LABEL, CONNECT_SLICE, MAGIC, MAX_BACKOFF, MAX_FRAME, REPLY_MARGIN,
-    SERVER_LABEL,
+    StoreProtocol, TcpStore, CLIENT_LABEL, CONNECT_SLICE, MAGIC, MAX_BACKOFF, MAX_FRAME,
+    REPLY_MARGIN, SERVER_LABEL,
 };
 
 impl TcpStore {
@@ -47,6 +48,35 @@ impl TcpStore {
                 op,
                 format!(
                     "connection to the store server at {} (rank 0) failed: {e}",
+                    self.inner.address
+                ),
+            )),
+        }
+    }
+
+    /// Runs `f` on a connection to a PyTorch server (PyTorch's protocol), with a deadline of
+    /// `wait` plus a margin when the query waits on the server, else of the store's timeout.
+    pub(super) fn torch_call<T>(
+        &self,
+        op: &'static str,
+        wait: Option<Duration>,
+        f: impl FnOnce(&mut TcpStream, Instant) -> std::result::Result<T, String>,
+    ) -> Result<T> {
+        let within = match wait {
+            Some(w) => w.saturating_add(REPLY_MARGIN),
+            None => self.inner.timeout,
+        };
+        let mut conn = self.take_conn(op)?;
+        let _ = conn.set_write_timeout(Some(within.max(Duration::from_millis(1))));
+        match f(&mut conn, deadline_after(within)) {
+            Ok(v) => {
+                lock(&self.inner.pool).push(conn);
+                Ok(v)
+            }
+            Err(e) => Err(self.store_err(
+                op,
+                format!(
+                    "connection to the PyTorch store server at {} failed: {e}",
                     self.inner.address
                 ),
             )),
@@ -184,6 +214,7 @@ pub(super) struct Identity {
     pub(super) world_size: usize,
     pub(super) job_id: Option<String>,
     pub(super) token: Option<JobToken>,
+    pub(super) protocol: StoreProtocol,
 }
 
 /// Why a greeting failed.
@@ -210,6 +241,12 @@ pub(super) fn handshake(
     deadline: Instant,
 ) -> std::result::Result<(TcpStream, String), HandshakeError> {
     use HandshakeError::{Failed, Refused};
+    if me.protocol == StoreProtocol::Torch {
+        return match torch_wire::client_greeting(&mut stream, deadline) {
+            Ok(()) => Ok((stream, me.job_id.clone().unwrap_or_else(|| "torch".into()))),
+            Err(e) => Err(Failed(e)),
+        };
+    }
     let io_timeout = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));

@@ -68,6 +68,7 @@
 //! ```
 
 mod client;
+mod ops;
 mod server;
 mod torch_wire;
 mod wire;
@@ -84,7 +85,6 @@ use crate::{CollectiveError, Result};
 
 use client::{connect_with_retry, Identity};
 use server::Server;
-use wire::{millis, Dec, Enc, Op, Reply};
 
 /// Largest frame accepted on either side.
 const MAX_FRAME: usize = 1 << 30;
@@ -130,6 +130,28 @@ pub struct StoreOptions {
     /// The job's id: a client of another job is refused. Default: none (the server makes one
     /// up; a client then accepts the server's).
     pub job_id: Option<String>,
+    /// The protocol this client speaks (default: [`StoreProtocol::Fsdp`]). The server always
+    /// serves both.
+    pub protocol: StoreProtocol,
+    /// Prepended to every key this handle reads or writes (default [`TCPSTORE_KEY_PREFIX`],
+    /// what PyTorch's `TCPStore` prepends, so that a key `k` is the same key for this handle and
+    /// for a Python `TCPStore` on the same server).
+    pub key_prefix: String,
+}
+
+/// What PyTorch's `TCPStore` prepends to every key (its `keyPrefix_`).
+pub const TCPSTORE_KEY_PREFIX: &str = "/";
+
+/// The wire protocol a client speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreProtocol {
+    /// This crate's protocol: frames with status replies, a greeting with the job's id and the
+    /// token's challenge-response, server-side waits with a deadline.
+    Fsdp,
+    /// PyTorch's `TCPStore` protocol (no authentication): to join a store that PyTorch hosts,
+    /// e.g. torchrun's agent store. A handle with it cannot run the server.
+    Torch,
 }
 
 impl StoreOptions {
@@ -145,7 +167,22 @@ impl StoreOptions {
             timeout: DEFAULT_TIMEOUT,
             token: None,
             job_id: None,
+            protocol: StoreProtocol::Fsdp,
+            key_prefix: TCPSTORE_KEY_PREFIX.into(),
         }
+    }
+
+    /// These options with another client protocol.
+    pub fn with_protocol(mut self, protocol: StoreProtocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
+    /// These options with another key prefix (the whole prefix: include
+    /// [`TCPSTORE_KEY_PREFIX`] to stay in PyTorch's key space).
+    pub fn with_key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into();
+        self
     }
 
     /// These options with the job's secret.
@@ -196,6 +233,8 @@ struct Inner {
     job_id: String,
     /// Idle connections. Declared before `server` so that they close first on drop.
     pool: Mutex<Vec<TcpStream>>,
+    /// Prepended to every key.
+    key_prefix: String,
     server: Option<Server>,
 }
 
@@ -246,6 +285,13 @@ impl TcpStore {
                 "a client needs the server's port (0 is only valid for the server)".into(),
             ));
         }
+        if opts.is_server && opts.protocol == StoreProtocol::Torch {
+            return Err(invalid(
+                "a handle that speaks PyTorch's protocol joins a PyTorch server; it cannot run \
+                 the server (ours serves PyTorch clients anyway)"
+                    .into(),
+            ));
+        }
 
         let (server, port, peer) = if opts.is_server {
             let server = Server::start(&opts)?;
@@ -269,6 +315,7 @@ impl TcpStore {
                 None => opts.job_id.clone(),
             },
             token: opts.token.clone(),
+            protocol: opts.protocol,
         };
         let (stream, peer, job_id) = connect_with_retry(&opts.host, port, peer, &me, opts.timeout)
             .map_err(|reason| CollectiveError::Store {
@@ -288,6 +335,7 @@ impl TcpStore {
                 me,
                 job_id,
                 pool: Mutex::new(vec![stream]),
+                key_prefix: opts.key_prefix,
                 server,
             }),
         })
@@ -331,199 +379,5 @@ impl TcpStore {
     /// Whether this handle runs the server.
     pub fn is_server(&self) -> bool {
         self.inner.server.is_some()
-    }
-
-    /// Sets `key` to `value` (replacing any value) and wakes the ranks waiting for it.
-    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.check_size("set", key.len() + value.len())?;
-        let req = Enc::new(Op::Set)
-            .bytes(key.as_bytes())
-            .bytes(value)
-            .finish();
-        self.request("set", &req, None)?.expect_ok(self, "set")?;
-        Ok(())
-    }
-
-    /// The value of `key`, waiting up to [`timeout`](Self::timeout) for it to be set.
-    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
-        self.get_timeout(key, self.inner.timeout)
-    }
-
-    /// The value of `key`, waiting up to `timeout` for it to be set. On timeout:
-    /// [`CollectiveError::Store`] (`op: "get"`) naming the key.
-    pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.check_size("get", key.len())?;
-        let req = Enc::new(Op::Get)
-            .bytes(key.as_bytes())
-            .u64(millis(timeout))
-            .finish();
-        match self.request("get", &req, Some(timeout))? {
-            Reply::Ok(mut body) => {
-                let mut d = Dec::new(&body);
-                d.bytes()
-                    .and_then(|_| d.end())
-                    .map_err(|e| self.protocol("get", e))?;
-                // The value is the body after its 4-byte length.
-                body.drain(..4);
-                Ok(body)
-            }
-            Reply::TimedOut(_) => Err(self.store_err(
-                "get",
-                format!(
-                    "key {key:?} did not appear within {timeout:?} (store at {})",
-                    self.inner.address
-                ),
-            )),
-            Reply::Error(msg) => Err(self.server_err("get", msg)),
-        }
-    }
-
-    /// The value of `key` if it is set, without waiting.
-    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.check_size("try_get", key.len())?;
-        let req = Enc::new(Op::TryGet).bytes(key.as_bytes()).finish();
-        let body = self
-            .request("try_get", &req, None)?
-            .expect_ok(self, "try_get")?;
-        let mut d = Dec::new(&body);
-        let present = d.u8().map_err(|e| self.protocol("try_get", e))?;
-        let value = d.bytes().map_err(|e| self.protocol("try_get", e))?;
-        Ok((present != 0).then(|| value.to_vec()))
-    }
-
-    /// Adds `delta` to the integer counter `key` (absent counts as 0) and returns the new value.
-    /// The value is stored as decimal text, so [`get`](Self::get) of a counter gives e.g. `b"5"`.
-    /// A key that holds something else than an integer is an error.
-    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        self.check_size("add", key.len())?;
-        let req = Enc::new(Op::Add).bytes(key.as_bytes()).i64(delta).finish();
-        let body = self.request("add", &req, None)?.expect_ok(self, "add")?;
-        Dec::new(&body).i64().map_err(|e| self.protocol("add", e))
-    }
-
-    /// Atomically replaces the value of `key` by `desired` if it equals `expected`, and returns
-    /// the value after the operation (PyTorch's semantics): `desired` when it was swapped, else
-    /// the current value. If the key is absent and `expected` is empty, the key is created with
-    /// `desired`; if it is absent and `expected` is not empty, nothing is set and `expected` is
-    /// returned.
-    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        self.check_size("compare_set", key.len() + expected.len() + desired.len())?;
-        let req = Enc::new(Op::CompareSet)
-            .bytes(key.as_bytes())
-            .bytes(expected)
-            .bytes(desired)
-            .finish();
-        let body = self
-            .request("compare_set", &req, None)?
-            .expect_ok(self, "compare_set")?;
-        let mut d = Dec::new(&body);
-        Ok(d.bytes()
-            .map_err(|e| self.protocol("compare_set", e))?
-            .to_vec())
-    }
-
-    /// Waits up to `timeout` until every key of `keys` is set. On timeout:
-    /// [`CollectiveError::Store`] (`op: "wait"`) naming the keys still missing.
-    pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        match self.wait_missing("wait", keys, timeout)? {
-            None => Ok(()),
-            Some(missing) => Err(self.store_err(
-                "wait",
-                format!(
-                    "keys {missing:?} did not appear within {timeout:?} ({} of {} keys present; \
-                     store at {})",
-                    keys.len() - missing.len(),
-                    keys.len(),
-                    self.inner.address
-                ),
-            )),
-        }
-    }
-
-    /// Whether every key of `keys` is set (no waiting).
-    pub fn check(&self, keys: &[&str]) -> Result<bool> {
-        self.check_size("check", keys.iter().map(|k| k.len() + 4).sum())?;
-        let req = Enc::new(Op::Check).strs(keys).finish();
-        let body = self
-            .request("check", &req, None)?
-            .expect_ok(self, "check")?;
-        Ok(Dec::new(&body)
-            .u8()
-            .map_err(|e| self.protocol("check", e))?
-            != 0)
-    }
-
-    /// Deletes `key`; returns whether it existed.
-    pub fn delete_key(&self, key: &str) -> Result<bool> {
-        self.check_size("delete_key", key.len())?;
-        let req = Enc::new(Op::Delete).bytes(key.as_bytes()).finish();
-        let body = self
-            .request("delete_key", &req, None)?
-            .expect_ok(self, "delete_key")?;
-        Ok(Dec::new(&body)
-            .u8()
-            .map_err(|e| self.protocol("delete_key", e))?
-            != 0)
-    }
-
-    /// The number of keys in the store (including barrier and counter keys).
-    pub fn num_keys(&self) -> Result<usize> {
-        let req = Enc::new(Op::NumKeys).finish();
-        let body = self
-            .request("num_keys", &req, None)?
-            .expect_ok(self, "num_keys")?;
-        let n = Dec::new(&body)
-            .u64()
-            .map_err(|e| self.protocol("num_keys", e))?;
-        Ok(usize::try_from(n).unwrap_or(usize::MAX))
-    }
-
-    /// Waits until every rank `0..world_size` has reached the barrier `name`: sets
-    /// `{name}/{rank}`, then waits up to `timeout` for the keys of all ranks. On timeout:
-    /// [`CollectiveError::MissingRanks`] listing exactly the ranks whose keys are absent.
-    ///
-    /// The keys stay in the store, so a barrier name can be used once: use a fresh name (e.g.
-    /// with a counter) for each barrier.
-    pub fn barrier(&self, name: &str, timeout: Duration) -> Result<()> {
-        let keys: Vec<String> = (0..self.inner.world_size)
-            .map(|r| format!("{name}/{r}"))
-            .collect();
-        self.set(&keys[self.inner.rank], b"1")?;
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        match self.wait_missing("barrier", &refs, timeout)? {
-            None => Ok(()),
-            Some(missing_keys) => {
-                let mut missing: Vec<usize> = missing_keys
-                    .iter()
-                    .filter_map(|k| keys.iter().position(|x| x == k))
-                    .collect();
-                missing.sort_unstable();
-                Err(CollectiveError::MissingRanks {
-                    rank: self.inner.rank,
-                    missing,
-                    waited: timeout,
-                    what: format!(
-                        "barrier {name:?}: keys {name}/{{rank}} in the store at {}",
-                        self.inner.address
-                    ),
-                })
-            }
-        }
-    }
-
-    /// Server-side wait; `Some(missing keys)` on timeout.
-    fn wait_missing(
-        &self,
-        op: &'static str,
-        keys: &[&str],
-        timeout: Duration,
-    ) -> Result<Option<Vec<String>>> {
-        self.check_size(op, keys.iter().map(|k| k.len() + 4).sum())?;
-        let req = Enc::new(Op::Wait).strs(keys).u64(millis(timeout)).finish();
-        match self.request(op, &req, Some(timeout))? {
-            Reply::Ok(_) => Ok(None),
-            Reply::TimedOut(missing) => Ok(Some(missing)),
-            Reply::Error(msg) => Err(self.server_err(op, msg)),
-        }
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, JobToken};
 use crate::{CollectiveError, Result};
 
+use super::torch_wire;
 use super::wire::{deadline_after, lock, read_frame, write_frame, Dec, Enc, FrameError, Op, Reply};
 use super::{StoreOptions, CLIENT_LABEL, DROP_GRACE, IDLE_POLL, MAGIC, POLL, SERVER_LABEL};
 // ---------------------------------------------------------------------------------------------
@@ -217,6 +218,14 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
         tracing::warn!(%peer, error = %e, "store server cannot configure a connection");
         return;
     }
+    match peek_start(&mut stream, shared) {
+        Some(first) if torch_wire::looks_like_torch(&first) => {
+            torch_wire::serve(stream, peer, shared);
+            return;
+        }
+        Some(_) => {}
+        None => return,
+    }
     if !server_greeting(&mut stream, peer, shared) {
         let _ = stream.shutdown(Shutdown::Both);
         return;
@@ -237,6 +246,31 @@ pub(super) fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: 
         }
     }
     let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// The first two bytes of a connection, without consuming them; `None` when the client left,
+/// the server stopped, or nothing came within the I/O timeout.
+fn peek_start(stream: &mut TcpStream, shared: &Shared) -> Option<[u8; 2]> {
+    let deadline = deadline_after(shared.io_timeout);
+    let mut buf = [0u8; 2];
+    let _ = stream.set_read_timeout(Some(IDLE_POLL));
+    while !shared.stop.load(Ordering::SeqCst) && Instant::now() < deadline {
+        match stream.peek(&mut buf) {
+            Ok(0) => return None,
+            Ok(2) => return Some(buf),
+            // One byte so far: give the second a moment.
+            Ok(_) => std::thread::sleep(Duration::from_millis(1)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return None,
+        }
+    }
+    None
 }
 
 /// The server's side of the greeting (see [`handshake`]); `false` when the client was
@@ -386,6 +420,44 @@ pub(super) fn execute(shared: &Shared, frame: &[u8]) -> std::result::Result<Repl
                 Ok(keys) => Reply::Ok(Enc::body().bytes(&keys[&key]).finish()),
                 Err(reply) => reply,
             }
+        }
+        Op::MultiGet => {
+            let wanted = d.strings()?;
+            let timeout = Duration::from_millis(d.u64()?);
+            d.end()?;
+            match wait_for(shared, &wanted, timeout) {
+                Ok(keys) => {
+                    let mut e = Enc::body().u32(wanted.len() as u32);
+                    for k in &wanted {
+                        e = e.bytes(&keys[k]);
+                    }
+                    Reply::Ok(e.finish())
+                }
+                Err(reply) => reply,
+            }
+        }
+        Op::Append => {
+            let key = d.string()?;
+            let value = d.bytes()?;
+            d.end()?;
+            lock(&shared.keys)
+                .entry(key)
+                .or_default()
+                .extend_from_slice(value);
+            shared.changed.notify_all();
+            Reply::Ok(Vec::new())
+        }
+        Op::MultiSet => {
+            let n = d.u64()?;
+            let mut pairs = Vec::new();
+            for _ in 0..n {
+                let key = d.string()?;
+                pairs.push((key, d.bytes()?.to_vec()));
+            }
+            d.end()?;
+            lock(&shared.keys).extend(pairs);
+            shared.changed.notify_all();
+            Reply::Ok(Vec::new())
         }
         Op::TryGet => {
             let key = d.string()?;

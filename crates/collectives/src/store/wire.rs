@@ -26,6 +26,9 @@ pub(super) enum Op {
     Check = 8,
     Delete = 9,
     NumKeys = 10,
+    Append = 11,
+    MultiGet = 12,
+    MultiSet = 13,
 }
 
 impl Op {
@@ -41,6 +44,9 @@ impl Op {
             8 => Op::Check,
             9 => Op::Delete,
             10 => Op::NumKeys,
+            11 => Op::Append,
+            12 => Op::MultiGet,
+            13 => Op::MultiSet,
             other => return Err(format!("unknown operation code {other}")),
         })
     }
@@ -121,6 +127,11 @@ impl Enc {
 
     pub(super) fn u8(mut self, v: u8) -> Enc {
         self.0.push(v);
+        self
+    }
+
+    pub(super) fn u32(mut self, v: u32) -> Enc {
+        self.0.extend_from_slice(&v.to_be_bytes());
         self
     }
 
