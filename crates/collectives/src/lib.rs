@@ -51,6 +51,7 @@ pub mod launch;
 mod mesh;
 mod op;
 pub mod store;
+pub mod torchelastic;
 mod work;
 
 pub use communicator::Communicator;
