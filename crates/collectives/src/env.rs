@@ -273,8 +273,8 @@ impl LaunchEnv {
             (None, None) => None,
         };
         let job_id = lookup(auth::JOB_ID_ENV).filter(|j| !j.trim().is_empty());
-        let use_agent_store = lookup(torchelastic::USE_AGENT_STORE_ENV)
-            .is_some_and(|v| torchelastic::says_true(&v));
+        let use_agent_store =
+            lookup(torchelastic::USE_AGENT_STORE_ENV).is_some_and(|v| torchelastic::says_true(&v));
         let restart_count = num(
             torchelastic::RESTART_COUNT_ENV,
             lookup(torchelastic::RESTART_COUNT_ENV),

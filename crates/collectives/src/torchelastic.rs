@@ -28,7 +28,10 @@ pub const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
 /// wrap it in `PrefixStore("/worker/attempt_{n}")` over a `TCPStore` (which prepends `/`), so
 /// their key `k` is `//worker/attempt_{n}/k` on the wire, and so is ours.
 pub fn attempt_key_prefix(restart_count: usize) -> String {
-    format!("{}/worker/attempt_{restart_count}/", crate::store::TCPSTORE_KEY_PREFIX)
+    format!(
+        "{}/worker/attempt_{restart_count}/",
+        crate::store::TCPSTORE_KEY_PREFIX
+    )
 }
 
 /// Whether `value` of [`USE_AGENT_STORE_ENV`] says yes (PyTorch writes `True`).
