@@ -178,3 +178,8 @@ mod tests {
         assert_eq!(format_size(5 << 29), "2.50 GiB");
     }
 }
+
+/// The README's examples, run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

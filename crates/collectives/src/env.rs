@@ -18,14 +18,15 @@
 //! ```
 
 use std::fmt;
+use std::net::ToSocketAddrs;
 use std::str::FromStr;
 use std::time::Duration;
 
 use fsdp_device::DEFAULT_TIMEOUT;
 
 use crate::auth::{self, JobToken};
-use crate::store::{StoreOptions, TcpStore};
-use crate::{tcp, CollectiveError, Communicator, Result};
+use crate::store::{StoreOptions, StoreProtocol, TcpStore};
+use crate::{tcp, torchelastic, CollectiveError, Communicator, Result};
 
 /// The backends that [`init_from_env`] can build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -156,8 +157,10 @@ fn seconds_from_env(name: &str) -> Result<Option<Duration>> {
 }
 
 /// What a launcher tells a rank, read from `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-/// `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`.
+/// `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (and, under torchrun,
+/// `TORCHELASTIC_USE_AGENT_STORE` and `TORCHELASTIC_RESTART_COUNT`).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LaunchEnv {
     /// This process's rank, `0..world_size`.
     pub rank: usize,
@@ -175,6 +178,11 @@ pub struct LaunchEnv {
     pub token: Option<JobToken>,
     /// The job's id (`FSDP_JOB_ID`, set by `fsdp launch`).
     pub job_id: Option<String>,
+    /// Whether torchrun's agent hosts the store (`TORCHELASTIC_USE_AGENT_STORE=True`): then
+    /// every rank joins it as a PyTorch client (see [`crate::torchelastic`]).
+    pub use_agent_store: bool,
+    /// torchrun's attempt (`TORCHELASTIC_RESTART_COUNT`; default 0).
+    pub restart_count: usize,
 }
 
 impl LaunchEnv {
@@ -265,6 +273,13 @@ impl LaunchEnv {
             (None, None) => None,
         };
         let job_id = lookup(auth::JOB_ID_ENV).filter(|j| !j.trim().is_empty());
+        let use_agent_store =
+            lookup(torchelastic::USE_AGENT_STORE_ENV).is_some_and(|v| torchelastic::says_true(&v));
+        let restart_count = num(
+            torchelastic::RESTART_COUNT_ENV,
+            lookup(torchelastic::RESTART_COUNT_ENV),
+        )?
+        .unwrap_or(0);
         Ok(Some(LaunchEnv {
             rank,
             world_size,
@@ -274,12 +289,65 @@ impl LaunchEnv {
             master_port,
             token,
             job_id,
+            use_agent_store,
+            restart_count,
         }))
     }
 
-    /// Connect to the rendezvous store (rank 0 hosts it) and wait until every rank has connected;
-    /// the ranks that do not arrive within `timeout` are named in the error.
+    /// Connect to the rendezvous store (rank 0 hosts it; under torchrun with
+    /// [`use_agent_store`](Self::use_agent_store) every rank joins the agent's store under the
+    /// attempt's prefix) and wait until every rank has connected; the ranks that do not arrive
+    /// within `timeout` are named in the error.
     pub fn rendezvous(&self, timeout: Duration) -> Result<TcpStore> {
+        let store = if self.use_agent_store {
+            self.join_agent_store(timeout)?
+        } else {
+            self.open_store(timeout)?
+        };
+        store
+            .barrier("init_from_env", timeout)
+            .map_err(|e| self.name_missing_nodes(e))?;
+        Ok(store)
+    }
+
+    /// torchrun's agent store, as a PyTorch client. Without a job token the data links are
+    /// unauthenticated: only a loopback `MASTER_ADDR` is accepted then.
+    fn join_agent_store(&self, timeout: Duration) -> Result<TcpStore> {
+        if self.token.is_none() {
+            let open = (self.master_addr.as_str(), self.master_port)
+                .to_socket_addrs()
+                .map(|mut a| a.find(|a| !a.ip().is_loopback()))
+                .unwrap_or(None);
+            if let Some(open) = open {
+                return Err(CollectiveError::InvalidArgument {
+                    rank: self.rank,
+                    op: "init_from_env",
+                    reason: format!(
+                        "under torchrun's agent store, MASTER_ADDR={} ({open}) is not a loopback \
+                         address and there is no job token: the links between ranks would be \
+                         unauthenticated; set FSDP_JOB_TOKEN (or FSDP_JOB_TOKEN_FILE) in \
+                         torchrun's environment",
+                        self.master_addr
+                    ),
+                });
+            }
+        }
+        let opts = StoreOptions::new(
+            self.master_addr.clone(),
+            self.master_port,
+            self.rank,
+            self.world_size,
+        )
+        .with_server(false)
+        .with_protocol(StoreProtocol::Torch)
+        .with_key_prefix(torchelastic::attempt_key_prefix(self.restart_count))
+        .with_timeout(timeout)
+        .with_token(self.token.clone())
+        .with_job_id(self.job_id.clone());
+        TcpStore::new(opts)
+    }
+
+    fn open_store(&self, timeout: Duration) -> Result<TcpStore> {
         let opts = StoreOptions::new(
             self.master_addr.clone(),
             self.master_port,
@@ -289,11 +357,7 @@ impl LaunchEnv {
         .with_timeout(timeout)
         .with_token(self.token.clone())
         .with_job_id(self.job_id.clone());
-        let store = TcpStore::new(opts)?;
-        store
-            .barrier("init_from_env", timeout)
-            .map_err(|e| self.name_missing_nodes(e))?;
-        Ok(store)
+        TcpStore::new(opts)
     }
 
     /// Add the nodes of the missing ranks to a [`MissingRanks`](CollectiveError::MissingRanks)
@@ -476,6 +540,8 @@ mod tests {
                 master_port: 1234,
                 token: None,
                 job_id: None,
+                use_agent_store: false,
+                restart_count: 0,
             }
         );
     }

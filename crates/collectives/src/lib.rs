@@ -51,6 +51,7 @@ pub mod launch;
 mod mesh;
 mod op;
 pub mod store;
+pub mod torchelastic;
 mod work;
 
 pub use communicator::Communicator;
@@ -67,3 +68,8 @@ pub use flavors::{dryrun, ring, tcp};
 pub use mesh::{mesh_2d, HybridMesh};
 pub use op::ReduceOp;
 pub use work::{Work, WorkCompleter};
+
+/// The README's examples, run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -43,3 +43,8 @@ pub use stream::{Event, Stream, StreamId, DEFAULT_TIMEOUT};
 
 #[doc(hidden)]
 pub use half;
+
+/// The README's examples, run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

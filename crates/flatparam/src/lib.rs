@@ -111,3 +111,8 @@ pub use layout::{
     SharedParamInfo,
 };
 pub use view::{ParamView, ParamViewMut, ShardParamView, ShardParamViewMut};
+
+/// The README's examples, run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -34,8 +34,7 @@ pub mod wrap;
 pub use engine::{Fsdp, FsdpConfig, FsdpModel, Grads, ParamInit, Params, ShardingStrategy};
 pub use error::{human_bytes, try_filled_vec, FsdpError};
 
-/// The README's Rust examples ("Shard your own model", "Using the collectives"), run as
-/// doctests.
-#[doc = include_str!("../../../README.md")]
+/// The README's example ("Shard your own model"), run as a doctest.
+#[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;

@@ -244,7 +244,7 @@ pub fn plan_with_activations(
 /// [`plan_with_activations`] with the run's optimizer: its state's bytes per shard element
 /// ([`OptimizerConfig::state_bytes_per_element`]) give [`RankMemory::optimizer_state`], and
 /// under AnyPrecisionAdamW the shards are held in `param_dtype` (see
-/// [`Fsdp`](crate::Fsdp)), which the allocator figures show.
+/// [`Fsdp`]), which the allocator figures show.
 ///
 /// # Errors
 /// As [`plan_with_activations`]; an invalid optimizer configuration.

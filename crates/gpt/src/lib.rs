@@ -50,3 +50,8 @@ pub mod model;
 pub mod plan;
 pub mod runtime;
 pub mod tree;
+
+/// The README's examples, run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

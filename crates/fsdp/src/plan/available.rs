@@ -20,7 +20,7 @@ pub struct AvailableMemory {
     pub source: String,
 }
 
-/// The memory this process may still take (see the [module](self) documentation), or `None`
+/// The memory this process may still take (from `/proc/meminfo` and the cgroup limit), or `None`
 /// where neither `/proc/meminfo` nor a cgroup limit can be read (not Linux).
 pub fn available_memory() -> Option<AvailableMemory> {
     available_memory_from(|p| std::fs::read_to_string(p).ok())

@@ -1,7 +1,7 @@
 //! The ring backend: ranks are threads of one process, the project's embedded default.
 //!
 //! [`new_group`] returns one [`RingCommunicator`] per rank; move each into its own thread. Each
-//! communicator owns a CPU worker [`Stream`] (its communication stream) that runs the collectives
+//! communicator owns a CPU worker [`Stream`](fsdp_device::Stream) (its communication stream) that runs the collectives
 //! in issue order with real ring algorithms: all-gather in N-1 steps passing one block to the
 //! neighbour, reduce-scatter in N-1 steps reducing as it goes, all-reduce as reduce-scatter then
 //! all-gather, broadcast and reduce as pipelined chains; large messages are cut into segments that

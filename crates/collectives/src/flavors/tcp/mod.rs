@@ -11,7 +11,7 @@
 //! The collectives are the ring backend's algorithms over the sockets — same chunks, same
 //! segment-major pipelining, same reduction order — so results are **bitwise identical** to the
 //! [`ring`](crate::ring) backend's for every operation and element type. As there, they run on
-//! the communicator's CPU worker [`Stream`] in issue order, the ranks compare descriptions of
+//! the communicator's CPU worker [`Stream`](fsdp_device::Stream) in issue order, the ranks compare descriptions of
 //! each call before data moves (a difference fails every rank with the same
 //! [`Mismatch`](CollectiveError::Mismatch)), and every wait is bounded by
 //! [`TcpOptions::timeout`].
@@ -91,7 +91,7 @@ use crate::{CollectiveError, Result};
 #[non_exhaustive]
 pub struct TcpOptions {
     /// Bound of every wait: connecting, peers reaching a collective, each socket read and write,
-    /// buffers becoming free, and the default of [`Work::wait`]. Default: [`DEFAULT_TIMEOUT`]
+    /// buffers becoming free, and the default of [`Work::wait`](crate::Work::wait). Default: [`DEFAULT_TIMEOUT`]
     /// (300 s).
     pub timeout: Duration,
     /// Bytes per pipelined segment (rounded down to whole elements; at least one element).

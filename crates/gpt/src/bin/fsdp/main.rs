@@ -19,6 +19,7 @@ mod plan_cmd;
 mod resume;
 mod run_config;
 mod setup;
+mod signals;
 mod train;
 mod train_checks;
 
@@ -78,6 +79,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    signals::install_under_torchrun();
     let r = match cli.command {
         Command::Train(args) => train(&args),
         Command::Plan(args) => print_plan(&args),
@@ -89,6 +91,8 @@ fn main() -> ExitCode {
             // Under `fsdp launch`: tell the launcher whether this failure was caused by a peer
             // leaving (secondary) or is this rank's own.
             fsdp_collectives::launch::write_error_file(&msg);
+            // Under torchrun: its error file, for the summary's root cause.
+            fsdp_collectives::torchelastic::write_error_file(&msg);
             // One line, whatever the message holds.
             eprintln!("error: {}", msg.replace('\n', " "));
             ExitCode::FAILURE

@@ -180,7 +180,8 @@ impl Reconcile<'_> {
 /// checks the checkpoint options. Nothing is written.
 pub(crate) fn resolve(args: &TrainArgs) -> Result<Resolved, CliError> {
     let mut out = args.clone();
-    let resume = match &args.resume {
+    let resume_dir = args.resume.clone().or(restarted_from(args)?);
+    let resume = match &resume_dir {
         Some(dir) => Some(resume_from(dir, &mut out)?),
         None => {
             if out.init_from.is_some() {
@@ -195,6 +196,28 @@ pub(crate) fn resolve(args: &TrainArgs) -> Result<Resolved, CliError> {
         resume: resume.map(|r| r.0),
         checkpoints,
     })
+}
+
+/// Under torchrun, a restarted attempt (`TORCHELASTIC_RESTART_COUNT` > 0) with
+/// `--checkpoint-dir` resumes from that directory's newest complete checkpoint, if it has one.
+fn restarted_from(args: &TrainArgs) -> Result<Option<PathBuf>, CliError> {
+    let restart = std::env::var(fsdp_collectives::torchelastic::RESTART_COUNT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| restart > 0) else {
+        return Ok(None);
+    };
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    let complete = CheckpointDir::new(dir).complete().map_err(|e| {
+        fail(format!(
+            "--checkpoint-dir {} (restart {restart} under torchrun): {e}",
+            dir.display()
+        ))
+    })?;
+    Ok((!complete.is_empty()).then(|| dir.clone()))
 }
 
 /// What a checkpoint says about checkpointing: `checkpoint_every`, `keep_checkpoints`, and the
