@@ -8,8 +8,8 @@
 
 use fsdp_device::Element;
 
+pub(crate) use super::chunks::Chunks;
 use super::{copy, Ctx, DataError, Transport};
-pub(crate) use crate::flavors::common::Chunks;
 use crate::op::{combine_in_place, combine_into};
 use crate::ReduceOp;
 
