@@ -3,21 +3,18 @@
 //! entered; every rank's dump exists, parses, and holds the collectives it ran with their states.
 //! On ranks as threads, and as processes over tcp and over shared memory.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use fsdp_collectives::store::{StoreOptions, TcpStore};
 use fsdp_collectives::{ring, tcp, CollectiveError, Communicator, ReduceOp};
 use fsdp_device::Buffer;
 
+mod support;
+use support::procs;
+
 const WORLD: usize = 3;
 const TIMEOUT: Duration = Duration::from_secs(1);
-const ROLE: &str = "FSDP_FR_TEST_ROLE";
-const PORT: &str = "FSDP_FR_TEST_PORT";
-const RANK: &str = "FSDP_FR_TEST_RANK";
 const DIR_ENV: &str = "FSDP_FLIGHT_RECORDER_DIR";
 const BEHIND: &str =
     "rank 2 is behind (lowest progress: last entered #1, last completed #1) and never entered \
@@ -113,7 +110,7 @@ fn check_dumps(dir: &Path) {
 
 #[test]
 fn threads_skip_a_collective() {
-    if std::env::var(ROLE).is_ok() {
+    if procs::role().is_some() {
         return;
     }
     let dir = fresh_dir("threads");
@@ -139,18 +136,11 @@ fn threads_skip_a_collective() {
 
 /// In a child: one rank over `transport`; in the parent: three children, then the dumps.
 fn processes(test: &str, transport: tcp::ProcessTransport) {
-    if let Ok(role) = std::env::var(ROLE) {
+    if let Some(role) = procs::role() {
         if role != test {
             return;
         }
-        let port: u16 = std::env::var(PORT).unwrap().parse().unwrap();
-        let rank: usize = std::env::var(RANK).unwrap().parse().unwrap();
-        let store = TcpStore::new(
-            StoreOptions::new("127.0.0.1", port, rank, WORLD)
-                .with_server(false)
-                .with_timeout(Duration::from_secs(60)),
-        )
-        .unwrap();
+        let (rank, store) = procs::child_store(WORLD, Duration::from_secs(60));
         let opts = tcp::TcpOptions::default()
             .with_transport(transport)
             .with_timeout(TIMEOUT);
@@ -167,36 +157,9 @@ fn processes(test: &str, transport: tcp::ProcessTransport) {
         return;
     }
     let dir = fresh_dir(test);
-    let server = TcpStore::new(
-        StoreOptions::new("127.0.0.1", 0, 0, WORLD).with_timeout(Duration::from_secs(60)),
-    )
-    .unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let children: Vec<_> = (0..WORLD)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["--exact", test, "--nocapture", "--test-threads=1"])
-                .env(ROLE, test)
-                .env(PORT, server.port().to_string())
-                .env(RANK, rank.to_string())
-                .env(DIR_ENV, &dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (rank, mut c) in children.into_iter().enumerate() {
-        let mut out = String::new();
-        let _ = c.stdout.take().unwrap().read_to_string(&mut out);
-        let _ = c.stderr.take().unwrap().read_to_string(&mut out);
-        let status = c.wait().unwrap();
-        assert!(
-            status.success() && out.contains("failed as expected"),
-            "rank {rank} ({test}): {status}\n{out}"
-        );
-    }
+    let envs = [(DIR_ENV, dir.as_os_str())];
+    let results = procs::run_children(test, test, WORLD, &envs, Duration::from_secs(60));
+    procs::assert_all_said(test, &results, "failed as expected");
     check_dumps(&dir);
     std::fs::remove_dir_all(&dir).unwrap();
 }
