@@ -5,7 +5,12 @@
 //! mpirun -np 3 target/release/examples/mpi_reference             # every collective, op, dtype
 //! mpirun -np 3 target/release/examples/mpi_reference --mismatch  # mismatched calls fail cleanly
 //! mpirun -np 3 target/release/examples/mpi_reference --timeout   # a missing rank times out
+//! mpirun -np 3 target/release/examples/mpi_reference --conformance  # the shared suite
 //! ```
+//!
+//! `--conformance` runs the conformance cases every backend runs (`tests/support/cases.rs`);
+//! the timeout case is `--timeout` here (MPI's message cannot name the missing rank, and a
+//! process whose MPI operation timed out must end without finalizing MPI).
 //!
 //! Each rank builds deterministic inputs for every rank of its group (values `k/2` with
 //! `|k| <= 10`, so that sums and products over up to three ranks are exact in `f32` and `f64`),
@@ -20,6 +25,10 @@ use fsdp_collectives::mpi::{MpiCommunicator, MpiOptions};
 use fsdp_collectives::{CollectiveError, Communicator, ReduceOp};
 use fsdp_device::half::bf16;
 use fsdp_device::{with_element, Buffer, DType, Element};
+
+#[allow(dead_code)]
+#[path = "../tests/support/mod.rs"]
+mod support;
 
 /// Counts checks and records failures.
 struct Checker {
@@ -496,8 +505,16 @@ fn main() -> ExitCode {
         "" => run_full(&comm, &mut chk),
         "--mismatch" => run_mismatch(&comm, &mut chk),
         "--timeout" => run_timeout(&comm, &mut chk, timeout),
+        "--conformance" => {
+            let expect = support::cases::Expect {
+                bitwise_ring: false,
+            };
+            support::cases::suite(&comm, &expect);
+            chk.check(true, String::new);
+            println!("rank {}: conformant", comm.rank());
+        }
         other => {
-            eprintln!("mpi_reference: unknown mode {other:?} (use --mismatch or --timeout)");
+            eprintln!("mpi_reference: unknown mode {other:?} (use --mismatch, --timeout or --conformance)");
             return ExitCode::FAILURE;
         }
     }

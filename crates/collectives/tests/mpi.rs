@@ -1,6 +1,6 @@
 //! The MPI backend under `mpirun -np 3` on loopback: runs the `mpi_reference` example (every
 //! collective, op, dtype, several lengths and sub-groups against a host reference), its mismatch
-//! mode and its timeout mode.
+//! mode, its timeout mode, and the conformance cases every backend runs (`--conformance`).
 //!
 //! Needs `mpirun` on the PATH and the example built next to this test (`cargo test --features
 //! mpi` builds it; `MPI_REFERENCE_BIN` overrides the path). Otherwise each test prints
@@ -234,4 +234,19 @@ fn missing_rank_times_out_np3() {
         );
     }
     assert!(run.took < Duration::from_secs(30), "took {:?}", run.took);
+}
+
+#[test]
+fn conformance_np3() {
+    let Some(run) = mpirun(&["--conformance"], Duration::from_secs(240)) else {
+        return;
+    };
+    assert!(run.success, "mpirun failed:\n{}", run.output);
+    for r in 0..3 {
+        assert!(
+            run.output.contains(&format!("rank {r}: conformant")),
+            "rank {r}:\n{}",
+            run.output
+        );
+    }
 }

@@ -10,7 +10,7 @@
 //!   real engine over it.
 
 mod check;
-mod common;
+mod desc;
 pub mod dryrun;
 mod engine;
 #[cfg(feature = "mpi")]

@@ -6,6 +6,9 @@
 #![allow(dead_code)]
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the collectives' definitions
 
+pub mod cases;
+pub mod procs;
+
 use fsdp_collectives::{CollectiveError, Communicator, ReduceOp, Work};
 use fsdp_device::{with_element, Buffer, DType, Element};
 

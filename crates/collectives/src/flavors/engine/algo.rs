@@ -8,8 +8,8 @@
 
 use fsdp_device::Element;
 
+pub(crate) use super::chunks::Chunks;
 use super::{copy, Ctx, DataError, Transport};
-pub(crate) use crate::flavors::common::Chunks;
 use crate::op::{combine_in_place, combine_into};
 use crate::ReduceOp;
 
@@ -157,6 +157,47 @@ pub(crate) unsafe fn reduce_scatter<T: Element>(
     t.drain()
 }
 
+/// A rank's place in a chain along the ring.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Link {
+    /// Starts each segment (and is alone in a group of one).
+    First,
+    /// Receives each segment and passes it on.
+    Middle,
+    /// Ends each segment.
+    Last,
+}
+
+/// Moves one segment of a chain: `(transport, link, address, elements)`.
+type ChainStep<'a> =
+    dyn FnMut(&mut dyn Transport, Link, *mut u8, usize) -> Result<(), DataError> + 'a;
+
+/// A pipelined chain along the ring over `buf` (`total` elements of `esz` bytes, in segments of
+/// `seg` elements): this rank is at position `pos` of `n`; `step(t, link, at, len)` moves one
+/// segment (`len` elements at `at`).
+fn chain(
+    t: &mut dyn Transport,
+    n: usize,
+    pos: usize,
+    buf: *mut u8,
+    (total, seg, esz): (usize, usize, usize),
+    step: &mut ChainStep<'_>,
+) -> Result<(), DataError> {
+    let link = if pos == 0 {
+        Link::First
+    } else if pos + 1 == n {
+        Link::Last
+    } else {
+        Link::Middle
+    };
+    let chunks = Chunks::whole(total, seg);
+    for g in 0..chunks.num_segs {
+        let (off, len) = chunks.seg(0, g);
+        step(t, link, buf.wrapping_add(off * esz), len)?;
+    }
+    t.drain()
+}
+
 /// Pipelined chain broadcast from `root` along the ring.
 ///
 /// # Safety
@@ -173,26 +214,26 @@ pub(crate) unsafe fn broadcast<T: Element>(
     let (n, r) = (ctx.world, ctx.rank);
     let esz = std::mem::size_of::<T>();
     let pos = (r + n - root) % n;
-    let chunks = Chunks::whole(total, seg);
-    for g in 0..chunks.num_segs {
-        let (off, len) = chunks.seg(0, g);
-        let at = buf.wrapping_add(off * esz);
-        // SAFETY: the root only reads its buffer; the others write each segment once, here,
-        // before sending it on.
-        unsafe {
-            if pos == 0 {
-                if n > 1 {
-                    t.send(at, len * esz)?;
+    chain(
+        t,
+        n,
+        pos,
+        buf,
+        (total, seg, esz),
+        &mut |t, link, at, len| {
+            // SAFETY: the root only reads its buffer; the others write each segment once, here,
+            // before sending it on.
+            unsafe {
+                if link != Link::First {
+                    t.recv_copy(at, len * esz)?;
                 }
-            } else {
-                t.recv_copy(at, len * esz)?;
-                if pos + 1 < n {
+                if link != Link::Last && n > 1 {
                     t.send(at, len * esz)?;
                 }
             }
-        }
-    }
-    t.drain()
+            Ok(())
+        },
+    )
 }
 
 /// Pipelined chain reduce into `root`: the chain starts at `root + 1` and ends at `root`.
@@ -212,26 +253,24 @@ pub(crate) unsafe fn reduce<T: Element>(
     let (n, r) = (ctx.world, ctx.rank);
     let esz = std::mem::size_of::<T>();
     let pos = (r + n - root - 1) % n;
-    let chunks = Chunks::whole(total, seg);
-    for g in 0..chunks.num_segs {
-        let (off, len) = chunks.seg(0, g);
-        let mine = buf.wrapping_add(off * esz);
-        if pos == 0 {
-            if n > 1 {
-                // SAFETY: a non-root rank's buffer, only read.
-                unsafe { t.send(mine, len * esz)? };
-            }
-        } else if pos + 1 == n {
-            // SAFETY: the root's own buffer, never sent.
-            t.recv(len * esz, &mut |acc| unsafe {
-                finish::<T>(op, acc, mine, mine, len, n)
-            })?;
-        } else {
+    chain(
+        t,
+        n,
+        pos,
+        buf,
+        (total, seg, esz),
+        &mut |t, link, mine, len| match link {
             // SAFETY: a non-root rank's buffer, only read.
-            unsafe { reduce_forward::<T>(t, op, mine, len)? };
-        }
-    }
-    t.drain()
+            Link::First if n > 1 => unsafe { t.send(mine, len * esz) },
+            Link::First => Ok(()),
+            // SAFETY: the root's own buffer, never sent.
+            Link::Last => t.recv(len * esz, &mut |acc| unsafe {
+                finish::<T>(op, acc, mine, mine, len, n)
+            }),
+            // SAFETY: a non-root rank's buffer, only read.
+            Link::Middle => unsafe { reduce_forward::<T>(t, op, mine, len) },
+        },
+    )
 }
 
 #[cfg(test)]

@@ -17,16 +17,22 @@
 //! the ring, the chunk's owner applying the final step).
 
 pub(crate) mod algo;
+mod chunks;
+mod collectives;
+mod communicator;
+pub(crate) mod recorder;
+
+pub(crate) use self::communicator::engine_communicator;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_device::{with_element, AccessGuard, Buffer, DType, Device, HostStorage, Storage, Stream};
+use fsdp_device::{AccessGuard, DType, Device, Stream};
 
-use self::algo::Chunks;
+use self::recorder::{FlightRecorder, ProgressBoard, RecorderParts};
 use super::check::{enqueue_collective, Access, Placement};
-use super::common::{compare, OpDesc};
-use crate::{CollectiveError, ReduceOp, Result, Work};
+use super::desc::{compare, OpDesc};
+use crate::{CollectiveError, Result, Work};
 
 /// Why the description exchange or the data phase failed.
 #[derive(Debug)]
@@ -139,12 +145,11 @@ pub(crate) fn exchange_around_ring(
     send: &mut SendDesc<'_>,
     recv: &mut RecvDesc<'_>,
 ) -> std::result::Result<Vec<OpDesc>, DataError> {
-    use super::tcp::wire::{decode_desc, encode_desc};
     let (n, r) = (world, rank);
     let mut descs: Vec<Option<OpDesc>> = vec![None; n];
     descs[r] = Some(own.clone());
     if n > 1 {
-        send(r, &encode_desc(own))?;
+        send(r, &own.encode())?;
     }
     for s in 1..n {
         let origin = (r + n - s) % n;
@@ -154,7 +159,7 @@ pub(crate) fn exchange_around_ring(
                 reason: format!("expected the description of rank {origin}, got one of rank {got}"),
             });
         }
-        let d = decode_desc(&bytes).map_err(|reason| DataError::Protocol {
+        let d = OpDesc::decode(&bytes).map_err(|reason| DataError::Protocol {
             reason: format!("description of rank {origin}: {reason}"),
         })?;
         descs[origin] = Some(d);
@@ -177,6 +182,11 @@ pub(crate) struct EngineParts {
     pub segment_bytes: usize,
     pub transport: Box<dyn Transport>,
     pub control: Arc<dyn Control>,
+    /// The group's name (dumps of sub-groups carry it) and whether every rank starts with it.
+    pub group: String,
+    pub root_group: bool,
+    /// Where the ranks publish their progress for the flight recorder.
+    pub progress: Option<Arc<dyn ProgressBoard>>,
 }
 
 struct Core {
@@ -189,6 +199,7 @@ struct Core {
     control: Arc<dyn Control>,
     /// Sequence number of the next collective, taken together with the enqueue.
     next_seq: Mutex<u64>,
+    recorder: Option<Arc<FlightRecorder>>,
 }
 
 impl Core {
@@ -198,6 +209,23 @@ impl Core {
 
     fn seg_elems(&self, dtype: DType) -> usize {
         (self.segment_bytes / dtype.size_in_bytes()).max(1)
+    }
+
+    /// On the first failure: dump the flight recorder and return `reason` with what the dump
+    /// found (the rank that is behind, where the dump is).
+    fn dumped(&self, reason: String) -> String {
+        match self.recorder.as_ref().and_then(|r| r.dump(&reason)) {
+            Some(found) => format!("{reason}; {found}"),
+            None => reason,
+        }
+    }
+
+    /// The communicator was aborted: the error, after a dump.
+    fn aborted_error(&self, reason: String) -> CollectiveError {
+        CollectiveError::Aborted {
+            rank: self.rank,
+            reason: self.dumped(reason),
+        }
     }
 }
 
@@ -226,18 +254,17 @@ pub(crate) struct Engine {
     stream: Stream,
 }
 
-/// The outcome of a split's exchange: the sub-group this rank joins.
-pub(crate) struct SplitPlan {
-    /// The collective's sequence number in the parent group (unique per split).
-    pub seq: u64,
-    pub color: u32,
-    pub new_rank: usize,
-    pub new_world: usize,
-}
-
 impl Engine {
     pub fn new(parts: EngineParts) -> Engine {
         let stream = Stream::cpu_with_timeout(parts.stream_name, parts.timeout);
+        let recorder = FlightRecorder::from_env(RecorderParts {
+            rank: parts.rank,
+            world: parts.world,
+            backend: parts.backend,
+            group: parts.group,
+            root_group: parts.root_group,
+            progress: parts.progress,
+        });
         Engine {
             core: Arc::new(Core {
                 rank: parts.rank,
@@ -248,6 +275,7 @@ impl Engine {
                 transport: Mutex::new(parts.transport),
                 control: parts.control,
                 next_seq: Mutex::new(0),
+                recorder,
             }),
             stream,
         }
@@ -286,7 +314,7 @@ impl Engine {
         let core = &self.core;
         let (rank, op) = (core.rank, desc.op);
         if let Some(reason) = core.control.aborted() {
-            return Err(CollectiveError::Aborted { rank, reason });
+            return Err(core.aborted_error(reason));
         }
         let (access, local_error) = match check {
             Ok(a) => (Some(a), None),
@@ -298,6 +326,12 @@ impl Engine {
                 )
             }
         };
+        if let Some(r) = &core.recorder {
+            // The sequence number enqueue_collective takes (issues on one communicator are
+            // serialised by its owner, which is `Send` but not `Sync`).
+            let seq = *core.next_seq.lock().unwrap_or_else(|e| e.into_inner());
+            r.scheduled(seq, &desc);
+        }
         let task_core = core.clone();
         let work = enqueue_collective(
             &self.stream,
@@ -312,246 +346,44 @@ impl Engine {
             None => Ok(work),
         }
     }
-
-    pub fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work> {
-        let (world, rank) = (self.core.world, self.core.rank);
-        let n = input.len();
-        let mut desc = OpDesc::new("all_gather_base");
-        desc.dtype = Some(input.dtype());
-        desc.count = n;
-        let check = self.placement().all_gather_base(rank, world, input, output);
-        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
-        let seg = self.core.seg_elems(input.dtype());
-        let dtype = input.dtype();
-        let body: Body = Box::new(move |t, guards, ctx, _| {
-            let out = ptr(&guards[guards.len() - 1]);
-            let chunks = Chunks::equal(world, n, seg);
-            let own = if in_place {
-                out.wrapping_add(chunks.start(rank) * dtype.size_in_bytes())
-            } else {
-                ptr(&guards[0])
-            };
-            // SAFETY: guards give this rank exclusive use of the output and shared use of the
-            // input for the whole call; sizes were checked at issue time.
-            with_element!(dtype, T => unsafe { algo::all_gather::<T>(t, ctx, own, out, &chunks) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    pub fn reduce_scatter_base(
-        &self,
-        input: &Buffer,
-        output: &Buffer,
-        op: ReduceOp,
-    ) -> Result<Work> {
-        let (world, rank) = (self.core.world, self.core.rank);
-        let n = output.len();
-        let mut desc = OpDesc::new("reduce_scatter_base");
-        desc.dtype = Some(input.dtype());
-        desc.count = n;
-        desc.reduce = Some(op);
-        let check = self
-            .placement()
-            .reduce_scatter_base(rank, world, input, output);
-        let in_place = check.as_ref().is_ok_and(|a| a.in_place);
-        let seg = self.core.seg_elems(input.dtype());
-        let dtype = input.dtype();
-        let body: Body = Box::new(move |t, guards, ctx, _| {
-            let inp = ptr(&guards[0]);
-            let chunks = Chunks::equal(world, n, seg);
-            let out = if in_place {
-                inp.wrapping_add(chunks.start(rank) * dtype.size_in_bytes())
-            } else {
-                ptr(&guards[1])
-            };
-            // SAFETY: guards cover input (shared, or exclusive in place) and output (exclusive).
-            with_element!(dtype, T => unsafe {
-                algo::reduce_scatter::<T>(t, ctx, op, inp, out, &chunks)
-            })
-        });
-        self.issue(desc, check, body)
-    }
-
-    pub fn all_reduce(&self, buf: &Buffer, op: ReduceOp) -> Result<Work> {
-        let (world, rank) = (self.core.world, self.core.rank);
-        let total = buf.len();
-        let mut desc = OpDesc::new("all_reduce");
-        desc.dtype = Some(buf.dtype());
-        desc.count = total;
-        desc.reduce = Some(op);
-        let check = self.placement().all_reduce(buf);
-        let seg = self.core.seg_elems(buf.dtype());
-        let dtype = buf.dtype();
-        let body: Body = Box::new(move |t, guards, ctx, _| {
-            let p = ptr(&guards[0]);
-            let chunks = Chunks::balanced(world, total, seg);
-            let own = p.wrapping_add(chunks.start(rank) * dtype.size_in_bytes());
-            // SAFETY: exclusive guard over the whole buffer; reduce-scatter in place, then
-            // all-gather in place (each phase drains before the next).
-            with_element!(dtype, T => unsafe {
-                algo::reduce_scatter::<T>(t, ctx, op, p, own, &chunks)?;
-                algo::all_gather::<T>(t, ctx, own, p, &chunks)
-            })
-        });
-        self.issue(desc, check, body)
-    }
-
-    pub fn broadcast(&self, buf: &Buffer, root: usize) -> Result<Work> {
-        let (world, rank) = (self.core.world, self.core.rank);
-        let total = buf.len();
-        let mut desc = OpDesc::new("broadcast");
-        desc.dtype = Some(buf.dtype());
-        desc.count = total;
-        desc.root = Some(root);
-        let check = self.placement().broadcast(rank, world, buf, root);
-        let seg = self.core.seg_elems(buf.dtype());
-        let dtype = buf.dtype();
-        let body: Body = Box::new(move |t, guards, ctx, _| {
-            let p = ptr(&guards[0]);
-            // SAFETY: the root only reads its buffer (shared guard); others own theirs.
-            with_element!(dtype, T => unsafe { algo::broadcast::<T>(t, ctx, p, total, root, seg) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    pub fn reduce(&self, buf: &Buffer, op: ReduceOp, root: usize) -> Result<Work> {
-        let (world, rank) = (self.core.world, self.core.rank);
-        let total = buf.len();
-        let mut desc = OpDesc::new("reduce");
-        desc.dtype = Some(buf.dtype());
-        desc.count = total;
-        desc.reduce = Some(op);
-        desc.root = Some(root);
-        let check = self.placement().reduce(rank, world, buf, root);
-        let seg = self.core.seg_elems(buf.dtype());
-        let dtype = buf.dtype();
-        let body: Body = Box::new(move |t, guards, ctx, _| {
-            let p = ptr(&guards[0]);
-            // SAFETY: non-root ranks only read their buffer; the root owns its exclusively.
-            with_element!(dtype, T => unsafe { algo::reduce::<T>(t, ctx, op, p, total, root, seg) })
-        });
-        self.issue(desc, check, body)
-    }
-
-    pub fn barrier(&self) -> Result<Work> {
-        // The description exchange alone is the barrier: it completes once every rank posted.
-        let body: Body = Box::new(|_, _, _, _| Ok(()));
-        self.issue(OpDesc::new("barrier"), Ok(Access::none()), body)
-    }
-
-    pub fn all_gather(&self, input: &Buffer, outputs: &[Buffer]) -> Result<Work> {
-        let (world, rank) = (self.core.world, self.core.rank);
-        let sizes: Vec<usize> = outputs.iter().map(Buffer::len).collect();
-        let mut desc = OpDesc::new("all_gather");
-        desc.dtype = Some(input.dtype());
-        desc.count = input.len();
-        desc.sizes = Some(sizes.clone());
-        let check = self.placement().all_gather(rank, world, input, outputs);
-        let dtype = input.dtype();
-        let esz = dtype.size_in_bytes();
-        let max = sizes.iter().copied().max().unwrap_or(0);
-        let seg = self.core.seg_elems(dtype);
-        let body: Body = Box::new(move |t, guards, ctx, _| {
-            // Pad every input to the largest, all-gather base into one flat buffer, copy out.
-            let tmp =
-                HostStorage::zeroed(max * esz * (world + 1)).map_err(|e| DataError::Protocol {
-                    reason: e.to_string(),
-                })?;
-            let padded_in = tmp.as_ptr();
-            let flat = padded_in.wrapping_add(max * esz);
-            // SAFETY: `tmp` is private to this task and sized for the padded input plus the flat
-            // output; guards[0] is this rank's input of sizes[rank] elements.
-            unsafe { copy(ptr(&guards[0]), padded_in, sizes[rank] * esz) };
-            let chunks = Chunks::equal(world, max, seg);
-            // SAFETY: as for all_gather_base, with private input and output.
-            with_element!(dtype, T => unsafe {
-                algo::all_gather::<T>(t, ctx, padded_in, flat, &chunks)
-            })?;
-            for (i, g) in guards[1..].iter().enumerate() {
-                // SAFETY: exclusive guard over outputs[i] (sizes[i] elements); block i of the
-                // flat buffer holds at least that many.
-                unsafe { copy(flat.wrapping_add(i * max * esz), ptr(g), sizes[i] * esz) };
-            }
-            Ok(())
-        });
-        self.issue(desc, check, body)
-    }
-
-    /// The collective half of `split`: every rank posts `(color, key)`; returns the sub-group
-    /// this rank joins (`None` for no color). The backend then builds it.
-    pub fn split_plan(&self, color: Option<u32>, key: usize) -> Result<Option<SplitPlan>> {
-        let rank = self.core.rank;
-        let mut desc = OpDesc::new("split");
-        desc.split = Some((color, key));
-        let (tx, rx) = crossbeam_channel::bounded::<(u64, Vec<OpDesc>)>(1);
-        let body: Body = Box::new(move |_, _, ctx, descs| {
-            let _ = tx.send((ctx.seq, descs.to_vec()));
-            Ok(())
-        });
-        let work = self.issue(desc, Ok(Access::none()), body)?;
-        work.wait()?;
-        let (seq, descs) = rx.try_recv().map_err(|_| CollectiveError::Aborted {
-            rank,
-            reason: "split ended without a result".into(),
-        })?;
-        let Some(color) = color else {
-            return Ok(None);
-        };
-        let mut members: Vec<(usize, usize)> = descs
-            .iter()
-            .enumerate()
-            .filter_map(|(r, d)| match d.split {
-                Some((Some(c), key)) if c == color => Some((key, r)),
-                _ => None,
-            })
-            .collect();
-        members.sort();
-        let new_rank = members
-            .iter()
-            .position(|&(_, r)| r == rank)
-            .ok_or_else(|| CollectiveError::Aborted {
-                rank,
-                reason: "split: this rank is missing from its own color".into(),
-            })?;
-        Ok(Some(SplitPlan {
-            seq,
-            color,
-            new_rank,
-            new_world: members.len(),
-        }))
-    }
 }
 
 /// Describe a failure of the exchange or the data phase as this crate's error, and abort the
 /// group.
 fn fail(core: &Core, op: &'static str, seq: u64, e: DataError) -> CollectiveError {
     let rank = core.rank;
+    if let Some(r) = &core.recorder {
+        // Failed before the dump below shows it.
+        r.ended(seq, false);
+    }
     let err = match e {
         DataError::Timeout { waiting_for } => CollectiveError::Timeout {
             rank,
             op,
             seq,
             waited: core.timeout,
-            waiting_for,
+            waiting_for: core.dumped(waiting_for),
         },
         DataError::Departed { peer, why } => {
             tracing::debug!(rank, peer, %why, "ring: peer lost");
             match core.control.aborted() {
                 // The peer left because the group was aborted: report that.
-                Some(reason) => CollectiveError::Aborted { rank, reason },
-                None => CollectiveError::PeerDeparted {
-                    rank,
-                    peer,
-                    op,
-                    seq,
-                },
+                Some(reason) => core.aborted_error(reason),
+                None => {
+                    core.dumped(format!("rank {peer} left during {op} (collective #{seq})"));
+                    CollectiveError::PeerDeparted {
+                        rank,
+                        peer,
+                        op,
+                        seq,
+                    }
+                }
             }
         }
-        DataError::Aborted { reason } => CollectiveError::Aborted { rank, reason },
-        DataError::Protocol { reason } => CollectiveError::Aborted {
-            rank,
-            reason: format!("protocol error in {op} (collective #{seq}): {reason}"),
-        },
+        DataError::Aborted { reason } => core.aborted_error(reason),
+        DataError::Protocol { reason } => core.aborted_error(format!(
+            "protocol error in {op} (collective #{seq}): {reason}"
+        )),
     };
     core.control.abort(seq, err.to_string());
     err
@@ -562,13 +394,31 @@ fn fail(core: &Core, op: &'static str, seq: u64, e: DataError) -> CollectiveErro
 fn run_collective(
     core: &Core,
     seq: u64,
+    desc: OpDesc,
+    access: Option<Access>,
+    body: Body,
+) -> Result<()> {
+    if let Some(r) = &core.recorder {
+        r.started(seq, desc.op);
+    }
+    let out = run_started(core, seq, desc, access, body);
+    if let Some(r) = &core.recorder {
+        r.ended(seq, out.is_ok());
+    }
+    out
+}
+
+/// [`run_collective`] once it is recorded as started.
+fn run_started(
+    core: &Core,
+    seq: u64,
     mut desc: OpDesc,
     access: Option<Access>,
     body: Body,
 ) -> Result<()> {
     let (rank, world, op) = (core.rank, core.world, desc.op);
     if let Some(reason) = core.control.aborted() {
-        return Err(CollectiveError::Aborted { rank, reason });
+        return Err(core.aborted_error(reason));
     }
     let timeout = core.timeout;
     // One budget for the whole collective: buffers, description exchange and data.
@@ -587,6 +437,7 @@ fn run_collective(
     };
     let mut transport = core.transport();
     let t: &mut dyn Transport = &mut **transport;
+    desc.seq = seq;
     let descs = t
         .exchange(seq, &desc, deadline)
         .map_err(|e| fail(core, op, seq, e))?;
@@ -599,7 +450,7 @@ fn run_collective(
             },
         });
     }
-    compare(&descs).map_err(|details| CollectiveError::Mismatch { rank, seq, details })?;
+    compare(&descs, seq).map_err(|details| CollectiveError::Mismatch { rank, seq, details })?;
     t.begin(seq, deadline);
     match body(t, &guards, Ctx { rank, world, seq }, &descs) {
         Ok(()) => Ok(()),
@@ -618,83 +469,3 @@ fn run_collective(
         }
     }
 }
-
-/// Pointer to a guard's first element.
-fn ptr(g: &AccessGuard) -> *mut u8 {
-    g.as_ptr()
-}
-
-/// Implement [`Communicator`](crate::Communicator) for a backend type wrapping an [`Engine`] in
-/// its `engine` field; `$split` is its inherent split returning `Result<Option<Self>>`.
-macro_rules! engine_communicator {
-    ($ty:ty, $split:ident) => {
-        impl $crate::Communicator for $ty {
-            fn rank(&self) -> usize {
-                self.engine.rank()
-            }
-            fn world_size(&self) -> usize {
-                self.engine.world_size()
-            }
-            fn stream(&self) -> &fsdp_device::Stream {
-                self.engine.stream()
-            }
-            fn all_gather_base(
-                &self,
-                input: &fsdp_device::Buffer,
-                output: &fsdp_device::Buffer,
-            ) -> $crate::Result<$crate::Work> {
-                self.engine.all_gather_base(input, output)
-            }
-            fn reduce_scatter_base(
-                &self,
-                input: &fsdp_device::Buffer,
-                output: &fsdp_device::Buffer,
-                op: $crate::ReduceOp,
-            ) -> $crate::Result<$crate::Work> {
-                self.engine.reduce_scatter_base(input, output, op)
-            }
-            fn all_reduce(
-                &self,
-                buf: &fsdp_device::Buffer,
-                op: $crate::ReduceOp,
-            ) -> $crate::Result<$crate::Work> {
-                self.engine.all_reduce(buf, op)
-            }
-            fn broadcast(
-                &self,
-                buf: &fsdp_device::Buffer,
-                root: usize,
-            ) -> $crate::Result<$crate::Work> {
-                self.engine.broadcast(buf, root)
-            }
-            fn reduce(
-                &self,
-                buf: &fsdp_device::Buffer,
-                op: $crate::ReduceOp,
-                root: usize,
-            ) -> $crate::Result<$crate::Work> {
-                self.engine.reduce(buf, op, root)
-            }
-            fn barrier(&self) -> $crate::Result<$crate::Work> {
-                self.engine.barrier()
-            }
-            fn all_gather(
-                &self,
-                input: &fsdp_device::Buffer,
-                outputs: &[fsdp_device::Buffer],
-            ) -> $crate::Result<$crate::Work> {
-                self.engine.all_gather(input, outputs)
-            }
-            fn split(
-                &self,
-                color: Option<u32>,
-                key: usize,
-            ) -> $crate::Result<Option<Box<dyn $crate::Communicator>>> {
-                Ok(self
-                    .$split(color, key)?
-                    .map(|c| Box::new(c) as Box<dyn $crate::Communicator>))
-            }
-        }
-    };
-}
-pub(crate) use engine_communicator;

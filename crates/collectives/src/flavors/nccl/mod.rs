@@ -32,18 +32,18 @@
 //!
 //! # Validation
 //! Every call is checked before NCCL sees it (cudarc does not): each buffer is on this
-//! communicator's GPU, element types agree, lengths fit (`output = world × input` for
-//! all-gather, `input = world × output` for reduce-scatter), the root is a rank, and buffers
-//! overlap only in the in-place forms NCCL accepts (all-gather input = this rank's block of the
-//! output; reduce-scatter output = this rank's chunk of the input). NCCL itself cannot tell that
-//! ranks disagree (a different length on one rank makes it hang or write out of bounds), so with
-//! [`NcclOptions::verify`] on (the default) the ranks all-gather a 64-byte description of each
-//! call first and compare it: a difference in operation, element type, length, reduce op or root
-//! fails the collective on every rank with [`CollectiveError::Mismatch`] before data moves, and a
-//! call that failed validation on one rank fails on the others too instead of hanging — the same
-//! guarantee as the ring backend. The check costs one 64-byte all-gather per collective (a few
-//! microseconds on one node), negligible for FSDP's megabyte collectives; turn it off for latency
-//! measurements.
+//! communicator's GPU, element types agree, lengths fit (`output = world × input` for all-gather,
+//! `input = world × output` for reduce-scatter), the root is a rank, and buffers overlap only in
+//! the in-place forms NCCL accepts (all-gather input = this rank's block of the output;
+//! reduce-scatter output = this rank's chunk of the input). NCCL itself cannot tell that ranks
+//! disagree (a different length on one rank makes it hang or write out of bounds), so with
+//! [`NcclOptions::verify`] on (the default) the ranks all-gather a 192-byte description of each
+//! call first (the description every backend shares) and compare it: a difference in operation,
+//! element type, length, reduce op or root fails the collective on every rank with
+//! [`CollectiveError::Mismatch`] before data moves, and a call that failed validation on one rank
+//! fails on the others too instead of hanging — the same guarantee as the ring backend. The check
+//! costs one 192-byte all-gather per collective (a few microseconds on one node), negligible for
+//! FSDP's megabyte collectives; turn it off for latency measurements.
 //!
 //! Reductions are NCCL's: not bitwise deterministic across algorithms or world sizes the way the
 //! ring backend's are, and `Min`/`Max` do not propagate NaN.
@@ -70,7 +70,6 @@
 //! # }
 //! ```
 
-mod desc;
 mod ffi;
 
 use std::ffi::c_void;
@@ -86,9 +85,9 @@ use fsdp_device::{
     AccessGuard, AccessMode, AccessTicket, Buffer, Device, Element, Stream, DEFAULT_TIMEOUT,
 };
 
-use self::desc::{Desc, DESC_BYTES};
 pub use self::ffi::version;
 use crate::flavors::check::{enqueue_collective, Placement};
+use crate::flavors::desc::{self, OpDesc as Desc, Sizes, FIXED_BYTES as DESC_BYTES};
 use crate::store::TcpStore;
 use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
 
@@ -476,7 +475,7 @@ impl Inner {
             });
         };
         let off = rank * DESC_BYTES;
-        let bytes = desc.encode();
+        let bytes = desc.encode_fixed();
         let (dev, host) = (s.dev, s.host);
         let result = (|| {
             // SAFETY: `host` is pinned memory of `world * DESC_BYTES` bytes owned by this
@@ -521,7 +520,9 @@ impl Inner {
         // SAFETY: the copies have completed (event waited for); nothing else touches `host`.
         let all = unsafe { std::slice::from_raw_parts(host, world * DESC_BYTES) };
         let raw: Vec<&[u8]> = all.chunks(DESC_BYTES).collect();
-        desc::compare(&raw).map_err(|details| CollectiveError::Mismatch { rank, seq, details })
+        desc::decode_all_fixed(&raw)
+            .and_then(|descs| desc::compare(&descs, seq))
+            .map_err(|details| CollectiveError::Mismatch { rank, seq, details })
     }
 
     /// The proxy task of one collective.
@@ -545,7 +546,7 @@ impl Inner {
             match t.acquire(left) {
                 Ok(g) => guards.push(g),
                 Err(e) => {
-                    desc.invalid = true;
+                    desc.invalid = Some(format!("its buffers stayed busy: {e}"));
                     local_failure = Some(e.to_string());
                     guards.clear();
                     break;
@@ -567,7 +568,7 @@ impl Inner {
                 },
             });
         }
-        if desc.invalid {
+        if desc.invalid.is_some() {
             // The caller already got the InvalidArgument error; the peers got a Mismatch.
             return Err(CollectiveError::InvalidArgument {
                 rank,
@@ -953,7 +954,7 @@ impl NcclCommunicator {
         let (tickets, local_error) = match check {
             Ok(t) => (Some(t), None),
             Err(reason) => {
-                desc.invalid = true;
+                desc.invalid = Some(reason.clone());
                 (None, Some(self.invalid(op, reason)))
             }
         };
@@ -1163,7 +1164,7 @@ impl Communicator for NcclCommunicator {
         let n = input.len();
         let mut desc = Desc::new("all_gather_base");
         desc.dtype = Some(input.dtype());
-        desc.count = n as u64;
+        desc.count = n;
         let in_place = input.overlaps(output);
         let check = self
             .placement()
@@ -1203,7 +1204,7 @@ impl Communicator for NcclCommunicator {
         let n = output.len();
         let mut desc = Desc::new("reduce_scatter_base");
         desc.dtype = Some(input.dtype());
-        desc.count = n as u64;
+        desc.count = n;
         desc.reduce = Some(op);
         let in_place = input.overlaps(output);
         let nop = Self::check_op(op);
@@ -1247,7 +1248,7 @@ impl Communicator for NcclCommunicator {
         let n = buf.len();
         let mut desc = Desc::new("all_reduce");
         desc.dtype = Some(buf.dtype());
-        desc.count = n as u64;
+        desc.count = n;
         desc.reduce = Some(op);
         let nop = Self::check_op(op);
         let check = nop
@@ -1283,8 +1284,8 @@ impl Communicator for NcclCommunicator {
         let n = buf.len();
         let mut desc = Desc::new("broadcast");
         desc.dtype = Some(buf.dtype());
-        desc.count = n as u64;
-        desc.root = Some(root as u64);
+        desc.count = n;
+        desc.root = Some(root);
         let check = self
             .placement()
             .broadcast(rank, self.inner.world, buf, root)
@@ -1319,9 +1320,9 @@ impl Communicator for NcclCommunicator {
         let n = buf.len();
         let mut desc = Desc::new("reduce");
         desc.dtype = Some(buf.dtype());
-        desc.count = n as u64;
+        desc.count = n;
         desc.reduce = Some(op);
-        desc.root = Some(root as u64);
+        desc.root = Some(root);
         let nop = Self::check_op(op);
         let check = nop.clone().and_then(|_| {
             self.placement()
@@ -1365,8 +1366,8 @@ impl Communicator for NcclCommunicator {
         let sizes: Vec<usize> = outputs.iter().map(Buffer::len).collect();
         let mut desc = Desc::new("all_gather");
         desc.dtype = Some(input.dtype());
-        desc.count = input.len() as u64;
-        desc.sizes = Some(desc::hash_sizes(&sizes));
+        desc.count = input.len();
+        desc.sizes = Some(Sizes::List(sizes.clone()));
         let dtype = input.dtype();
         let esz = dtype.size_in_bytes();
         let max = sizes.iter().copied().max().unwrap_or(0);

@@ -7,9 +7,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::threads::Links;
-#[cfg(test)]
-use crate::flavors::common::compare;
-pub(crate) use crate::flavors::common::OpDesc;
+pub(crate) use crate::flavors::desc::OpDesc;
+use crate::flavors::engine::recorder::{Progress, ProgressBoard, SharedProgress};
 
 /// Why an exchange did not complete.
 #[derive(Debug)]
@@ -42,6 +41,8 @@ pub(crate) struct Board {
     world: usize,
     state: Mutex<State>,
     cv: Condvar,
+    /// The flight recorder's progress of each rank.
+    progress: SharedProgress,
 }
 
 impl Board {
@@ -53,6 +54,7 @@ impl Board {
                 ..State::default()
             }),
             cv: Condvar::new(),
+            progress: SharedProgress::new(world),
         }
     }
 
@@ -158,38 +160,12 @@ impl Board {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use fsdp_device::DType;
-
-    fn d(op: &'static str, count: usize) -> OpDesc {
-        OpDesc {
-            count,
-            dtype: Some(DType::F32),
-            ..OpDesc::new(op)
-        }
+impl ProgressBoard for Board {
+    fn publish(&self, rank: usize, p: &Progress) {
+        self.progress.publish(rank, p);
     }
 
-    #[test]
-    fn compare_names_ranks_and_calls() {
-        assert!(compare(&[d("all_reduce", 4), d("all_reduce", 4)]).is_ok());
-        let err =
-            compare(&[d("all_reduce", 4), d("all_reduce", 5), d("all_reduce", 4)]).unwrap_err();
-        assert!(
-            err.contains("ranks [0, 2] issued all_reduce(dtype=float32, count=4"),
-            "{err}"
-        );
-        assert!(
-            err.contains("rank 1 issued all_reduce(dtype=float32, count=5"),
-            "{err}"
-        );
-        let mut bad = d("broadcast", 3);
-        bad.invalid = Some("root 7 >= world size 2".into());
-        let err = compare(&[d("broadcast", 3), bad]).unwrap_err();
-        assert!(
-            err.contains("rank 1 issued broadcast with invalid arguments: root 7"),
-            "{err}"
-        );
+    fn read(&self) -> Vec<Option<Progress>> {
+        self.progress.read()
     }
 }

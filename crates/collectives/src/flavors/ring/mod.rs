@@ -81,6 +81,8 @@ pub struct RingCommunicator {
     engine: Engine,
     board: Arc<Board>,
     opts: RingOptions,
+    /// `ring` for a group of `new_group`, `<parent>.<seq>.<color>` for a split.
+    group: String,
 }
 
 impl fmt::Debug for RingCommunicator {
@@ -118,7 +120,14 @@ pub fn new_group(world_size: usize, opts: RingOptions) -> Result<Vec<RingCommuni
         .into_iter()
         .enumerate()
         .map(|(rank, links)| {
-            RingCommunicator::from_parts(rank, world_size, opts.clone(), board.clone(), links)
+            RingCommunicator::from_parts(
+                rank,
+                world_size,
+                opts.clone(),
+                board.clone(),
+                links,
+                "ring".into(),
+            )
         })
         .collect()
 }
@@ -156,6 +165,7 @@ impl RingCommunicator {
         opts: RingOptions,
         board: Arc<Board>,
         links: Links,
+        group: String,
     ) -> Result<RingCommunicator> {
         let transport = Threads::new(
             rank,
@@ -175,11 +185,15 @@ impl RingCommunicator {
             segment_bytes: opts.segment_bytes,
             transport: Box::new(transport),
             control: board.clone(),
+            root_group: !group.contains('.'),
+            group: group.clone(),
+            progress: Some(board.clone()),
         });
         Ok(RingCommunicator {
             engine,
             board,
             opts,
+            group,
         })
     }
 
@@ -203,8 +217,16 @@ impl RingCommunicator {
             |p| (p.board.clone(), p.links[new_rank].take()),
         );
         let links = links.expect("each member takes its links once");
-        RingCommunicator::from_parts(new_rank, new_world, self.opts.clone(), sub_board, links)
-            .map(Some)
+        let group = format!("{}.{}.{}", self.group, plan.seq, plan.color);
+        RingCommunicator::from_parts(
+            new_rank,
+            new_world,
+            self.opts.clone(),
+            sub_board,
+            links,
+            group,
+        )
+        .map(Some)
     }
 }
 
@@ -214,7 +236,8 @@ engine_communicator!(RingCommunicator, split_ring);
 mod tests {
     use super::*;
     use crate::flavors::check::Placement;
-    use crate::flavors::common::{Chunks, OpDesc};
+    use crate::flavors::desc::OpDesc;
+    use crate::flavors::engine::algo::Chunks;
     use crate::flavors::engine::{algo, Body, DataError};
     use crate::Communicator;
     use fsdp_device::{Buffer, DType, Device};

@@ -27,7 +27,7 @@ use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use fsdp_device::{HostStorage, Storage};
 
 use super::board::{Board, ExchangeFail};
-use crate::flavors::common::OpDesc;
+use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::{Control, DataError, Transport};
 
 /// How often a blocked rank checks whether the group was aborted.

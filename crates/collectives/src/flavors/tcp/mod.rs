@@ -69,6 +69,7 @@
 
 mod connect;
 mod link;
+mod progress;
 mod shm;
 mod transport;
 pub(crate) mod wire;
@@ -311,6 +312,11 @@ impl TcpCommunicator {
             segment_bytes: opts.segment_bytes,
             transport,
             control,
+            root_group: !group.contains('.'),
+            group: group.clone(),
+            progress: Some(Arc::new(progress::StoreProgress::new(
+                &store, &group, rank, world,
+            ))),
         });
         Ok(TcpCommunicator {
             engine,
@@ -458,7 +464,8 @@ fn retag_rank(e: CollectiveError, rank: usize) -> CollectiveError {
 mod tests {
     use super::*;
     use crate::flavors::check::Placement;
-    use crate::flavors::common::{Chunks, OpDesc};
+    use crate::flavors::desc::OpDesc;
+    use crate::flavors::engine::algo::Chunks;
     use crate::flavors::engine::{algo, Body};
     use crate::Communicator;
     use fsdp_device::{Buffer, DType, Device};

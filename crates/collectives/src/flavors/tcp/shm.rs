@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::flavors::common::OpDesc;
+use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::{exchange_around_ring, Control, DataError, Transport};
 use crate::store::TcpStore;
 use crate::{CollectiveError, Result};

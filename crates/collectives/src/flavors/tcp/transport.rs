@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::link::{AbortState, Links, RecvFail, SendFail};
 use super::wire::{Header, Payload, KIND_ABORT, KIND_DATA, KIND_DESC};
-use crate::flavors::common::OpDesc;
+use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::{exchange_around_ring, Control, DataError, Transport};
 
 /// Abort state of a tcp group: set once, and the successor is told (it passes the notice on

@@ -1,4 +1,5 @@
-//! What goes over the sockets: the connection handshake, the frame header, call descriptions.
+//! What goes over the sockets: the connection handshake, the frame header, and the little-endian
+//! writer and reader that call descriptions ([`OpDesc`](crate::flavors::desc::OpDesc)) use too.
 //!
 //! Every integer of the protocol itself (handshake fields, frame headers, descriptions) is
 //! little-endian. Element data is sent in the machine's native byte order, which is
@@ -8,11 +9,6 @@
 
 use std::io::{self, Read, Write};
 use std::sync::{Arc, Mutex};
-
-use fsdp_device::DType;
-
-use crate::flavors::common::OpDesc;
-use crate::ReduceOp;
 
 /// First bytes of every connection.
 pub(crate) const MAGIC: [u8; 8] = *b"FSDPTCP\x01";
@@ -237,120 +233,6 @@ impl Payload {
     }
 }
 
-/// Operations a description may name (decoding maps the text back to these).
-const OPS: [&str; 8] = [
-    "all_gather_base",
-    "reduce_scatter_base",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "barrier",
-    "all_gather",
-    "split",
-];
-
-/// Serialise a call description.
-pub(crate) fn encode_desc(d: &OpDesc) -> Vec<u8> {
-    let mut w = Writer::default();
-    w.str(d.op);
-    w.u8(match d.dtype {
-        None => 0,
-        Some(t) => 1 + DType::ALL.iter().position(|&x| x == t).expect("known") as u8,
-    });
-    w.u64(d.count as u64);
-    w.u8(match d.reduce {
-        None => 0,
-        Some(op) => 1 + ReduceOp::ALL.iter().position(|&x| x == op).expect("known") as u8,
-    });
-    w.opt_u64(d.root.map(|r| r as u64));
-    match &d.sizes {
-        None => w.u8(0),
-        Some(s) => {
-            w.u8(1);
-            w.u64(s.len() as u64);
-            for &x in s {
-                w.u64(x as u64);
-            }
-        }
-    }
-    match &d.invalid {
-        None => w.u8(0),
-        Some(why) => {
-            w.u8(1);
-            w.str(why);
-        }
-    }
-    match d.split {
-        None => w.u8(0),
-        Some((color, key)) => {
-            w.u8(1);
-            match color {
-                None => w.u8(0),
-                Some(c) => {
-                    w.u8(1);
-                    w.u32(c);
-                }
-            }
-            w.u64(key as u64);
-        }
-    }
-    w.buf
-}
-
-/// Parse a call description written by [`encode_desc`].
-pub(crate) fn decode_desc(b: &[u8]) -> Result<OpDesc, String> {
-    let mut r = Reader::new(b);
-    let name = r.str()?;
-    let op = OPS
-        .iter()
-        .copied()
-        .find(|&o| o == name)
-        .ok_or_else(|| format!("unknown operation {name:?} in a call description"))?;
-    let mut d = OpDesc::new(op);
-    d.dtype = match r.u8()? {
-        0 => None,
-        i => Some(
-            *DType::ALL
-                .get(i as usize - 1)
-                .ok_or_else(|| format!("unknown element type code {i}"))?,
-        ),
-    };
-    d.count = r.usize()?;
-    d.reduce = match r.u8()? {
-        0 => None,
-        i => Some(
-            *ReduceOp::ALL
-                .get(i as usize - 1)
-                .ok_or_else(|| format!("unknown reduce op code {i}"))?,
-        ),
-    };
-    d.root = r.opt_u64()?.map(|x| x as usize);
-    if r.u8()? == 1 {
-        let n = r.usize()?;
-        if n > b.len() {
-            return Err(format!("{n} sizes in a description of {} bytes", b.len()));
-        }
-        d.sizes = Some((0..n).map(|_| r.usize()).collect::<Result<_, _>>()?);
-    }
-    if r.u8()? == 1 {
-        d.invalid = Some(r.str()?);
-    }
-    if r.u8()? == 1 {
-        let color = match r.u8()? {
-            0 => None,
-            _ => Some(r.u32()?),
-        };
-        d.split = Some((color, r.usize()?));
-    }
-    if r.at != b.len() {
-        return Err(format!(
-            "{} trailing bytes after a call description",
-            b.len() - r.at
-        ));
-    }
-    Ok(d)
-}
-
 /// Write `header` then `payload` to `w`, in as few system calls as possible.
 pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -> io::Result<()> {
     let h = header.encode();
@@ -366,25 +248,29 @@ pub(crate) fn write_frame(w: &mut impl Write, header: &Header, payload: &[u8]) -
     w.write_all(&payload[sent..])
 }
 
+/// Builds a little-endian message.
 #[derive(Default)]
-struct Writer {
+pub(crate) struct Writer {
     buf: Vec<u8>,
 }
 
 impl Writer {
-    fn bytes(&mut self, b: &[u8]) {
+    pub(crate) fn into_bytes(self) -> Vec<u8> {
+        self.buf
+    }
+    pub(crate) fn bytes(&mut self, b: &[u8]) {
         self.buf.extend_from_slice(b);
     }
-    fn u8(&mut self, x: u8) {
+    pub(crate) fn u8(&mut self, x: u8) {
         self.buf.push(x);
     }
-    fn u32(&mut self, x: u32) {
+    pub(crate) fn u32(&mut self, x: u32) {
         self.buf.extend_from_slice(&x.to_le_bytes());
     }
-    fn u64(&mut self, x: u64) {
+    pub(crate) fn u64(&mut self, x: u64) {
         self.buf.extend_from_slice(&x.to_le_bytes());
     }
-    fn opt_u64(&mut self, x: Option<u64>) {
+    pub(crate) fn opt_u64(&mut self, x: Option<u64>) {
         match x {
             None => self.u8(0),
             Some(v) => {
@@ -393,22 +279,29 @@ impl Writer {
             }
         }
     }
-    fn str(&mut self, s: &str) {
+    pub(crate) fn str(&mut self, s: &str) {
         self.u32(s.len() as u32);
         self.bytes(s.as_bytes());
     }
 }
 
-struct Reader<'a> {
+/// Reads a message built by [`Writer`].
+pub(crate) struct Reader<'a> {
     b: &'a [u8],
     at: usize,
 }
 
 impl<'a> Reader<'a> {
-    fn new(b: &'a [u8]) -> Self {
+    pub(crate) fn at_end(&self) -> bool {
+        self.at == self.b.len()
+    }
+    pub(crate) fn remaining(&self) -> usize {
+        self.b.len() - self.at
+    }
+    pub(crate) fn new(b: &'a [u8]) -> Self {
         Reader { b, at: 0 }
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
         let end = self
             .at
             .checked_add(n)
@@ -418,26 +311,26 @@ impl<'a> Reader<'a> {
         self.at = end;
         Ok(s)
     }
-    fn u8(&mut self) -> Result<u8, String> {
+    pub(crate) fn u8(&mut self) -> Result<u8, String> {
         Ok(self.take(1)?[0])
     }
-    fn u32(&mut self) -> Result<u32, String> {
+    pub(crate) fn u32(&mut self) -> Result<u32, String> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
     }
-    fn u64(&mut self) -> Result<u64, String> {
+    pub(crate) fn u64(&mut self) -> Result<u64, String> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
     }
-    fn usize(&mut self) -> Result<usize, String> {
+    pub(crate) fn usize(&mut self) -> Result<usize, String> {
         let v = self.u64()?;
         usize::try_from(v).map_err(|_| format!("value {v} does not fit this machine's usize"))
     }
-    fn opt_u64(&mut self) -> Result<Option<u64>, String> {
+    pub(crate) fn opt_u64(&mut self) -> Result<Option<u64>, String> {
         match self.u8()? {
             0 => Ok(None),
             _ => Ok(Some(self.u64()?)),
         }
     }
-    fn str(&mut self) -> Result<String, String> {
+    pub(crate) fn str(&mut self) -> Result<String, String> {
         let n = self.u32()? as usize;
         let s = self.take(n)?;
         String::from_utf8(s.to_vec()).map_err(|_| "text is not UTF-8".to_string())
@@ -447,26 +340,6 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn descriptions_round_trip() {
-        let mut d = OpDesc::new("all_gather");
-        d.dtype = Some(DType::BF16);
-        d.count = 7;
-        d.reduce = Some(ReduceOp::Max);
-        d.root = Some(3);
-        d.sizes = Some(vec![1, 2, 3]);
-        d.invalid = Some("bad".into());
-        d.split = Some((Some(9), 4));
-        let back = decode_desc(&encode_desc(&d)).unwrap();
-        assert_eq!(back.signature(), d.signature());
-        assert_eq!(back.invalid, d.invalid);
-        assert_eq!(back.split, d.split);
-        assert_eq!(back.op, "all_gather");
-        let plain = decode_desc(&encode_desc(&OpDesc::new("barrier"))).unwrap();
-        assert_eq!(plain.signature(), "barrier()");
-        assert!(decode_desc(&[1, 0, 0, 0, b'x']).is_err());
-    }
 
     #[test]
     fn hello_round_trips_and_rejects_strangers() {

@@ -1,0 +1,100 @@
+//! The flight recorder's progress board for ranks that are processes: each rank's progress is a
+//! key of the rendezvous store (`fsdp/tcp/<group>/progress/<rank>`), written by a background
+//! thread that coalesces updates (at most one write per [`PERIOD`]), so that a collective costs
+//! no store round trip.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::flavors::engine::recorder::{Progress, ProgressBoard};
+use crate::store::TcpStore;
+
+/// Least time between two writes of one rank's progress.
+const PERIOD: Duration = Duration::from_millis(20);
+
+#[derive(Default)]
+struct Pending {
+    latest: Option<String>,
+    closed: bool,
+}
+
+/// One rank's view of the progress board of a group of processes.
+pub(crate) struct StoreProgress {
+    store: TcpStore,
+    group: String,
+    world: usize,
+    pending: Arc<(Mutex<Pending>, Condvar)>,
+}
+
+fn key(group: &str, rank: usize) -> String {
+    format!("fsdp/tcp/{group}/progress/{rank}")
+}
+
+impl StoreProgress {
+    /// Start the publisher of `rank`'s progress in `group`.
+    pub fn new(store: &TcpStore, group: &str, rank: usize, world: usize) -> StoreProgress {
+        let pending = Arc::new((Mutex::new(Pending::default()), Condvar::new()));
+        let (p, s, k) = (pending.clone(), store.clone(), key(group, rank));
+        let spawned = std::thread::Builder::new()
+            .name(format!("fsdp-progress-{rank}"))
+            .spawn(move || publisher(&p, &s, &k));
+        if let Err(e) = spawned {
+            tracing::warn!(rank, %e, "flight recorder: no progress publisher");
+        }
+        StoreProgress {
+            store: store.clone(),
+            group: group.to_string(),
+            world,
+            pending,
+        }
+    }
+}
+
+/// Write the latest progress whenever it changes, at most once per [`PERIOD`], until closed or
+/// the store fails (the job is ending then).
+fn publisher(pending: &(Mutex<Pending>, Condvar), store: &TcpStore, key: &str) {
+    let (lock, cv) = pending;
+    loop {
+        let value = {
+            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+            while p.latest.is_none() && !p.closed {
+                p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            }
+            if p.closed {
+                return;
+            }
+            p.latest.take().expect("checked")
+        };
+        if let Err(e) = store.set(key, value.as_bytes()) {
+            tracing::debug!(%e, "flight recorder: progress not published; publisher stops");
+            return;
+        }
+        let p = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = cv.wait_timeout_while(p, PERIOD, |p| !p.closed);
+    }
+}
+
+impl Drop for StoreProgress {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.pending;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+        cv.notify_all();
+    }
+}
+
+impl ProgressBoard for StoreProgress {
+    fn publish(&self, _rank: usize, p: &Progress) {
+        let (lock, cv) = &*self.pending;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).latest = Some(p.encode());
+        cv.notify_all();
+    }
+
+    fn read(&self) -> Vec<Option<Progress>> {
+        (0..self.world)
+            .map(|r| {
+                let v = self.store.try_get(&key(&self.group, r)).ok().flatten()?;
+                Progress::decode(std::str::from_utf8(&v).ok()?)
+            })
+            .collect()
+    }
+}
