@@ -5,7 +5,7 @@ use super::layers::{
 };
 use super::stage::{
     check_activation, check_grads, check_layer, check_shape, copied, fetch, layer_norm,
-    layer_norm_backward, linear_backward, zeros,
+    layer_norm_backward, linear_backward, zeros, LayerNormSaved,
 };
 use super::{block_param_specs, BatchShape, GptConfig, Grads, Params};
 use fsdp::FsdpError;
@@ -221,53 +221,30 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
 
     // MLP: out = x2 + c_proj(gelu(c_fc(h2))).
     let mut dx2 = copied(dy, "dx2")?;
-    let names = |w: &str, b: &str| [name(w), name(b)];
-    let [w, b] = names("mlp.c_proj.weight", "mlp.c_proj.bias");
-    let dg = linear_backward(grads, [&w, &b], dy, &c.g, p.mproj_w, n, 4 * e, e, "dg")?;
+    let module = name("mlp.c_proj");
+    let dg = linear_backward(grads, &module, dy, &c.g, p.mproj_w, n, 4 * e, e, "dg")?;
     let mut dfc = zeros(n * 4 * e, "dfc")?;
     gelu_backward(&c.fc, &dg, &mut dfc);
     drop(dg);
-    let [w, b] = names("mlp.c_fc.weight", "mlp.c_fc.bias");
-    let dh2 = linear_backward(grads, [&w, &b], &dfc, &c.h2, p.fc_w, n, e, 4 * e, "dh2")?;
+    let module = name("mlp.c_fc");
+    let dh2 = linear_backward(grads, &module, &dfc, &c.h2, p.fc_w, n, e, 4 * e, "dh2")?;
     drop(dfc);
-    let [w, b] = names("ln_2.weight", "ln_2.bias");
-    let (mean, rstd) = (&c.ln2_mean, &c.ln2_rstd);
-    layer_norm_backward(
-        grads,
-        [&w, &b],
-        &c.x2,
-        mean,
-        rstd,
-        p.ln2_w,
-        &dh2,
-        n,
-        e,
-        &mut dx2,
-    )?;
+    let saved = LayerNormSaved::new(&c.x2, &c.ln2_mean, &c.ln2_rstd);
+    let module = name("ln_2");
+    layer_norm_backward(grads, &module, saved, p.ln2_w, &dh2, n, e, &mut dx2)?;
 
     // Attention: x2 = x + c_proj(attn(c_attn(h1))).
-    let [w, b] = names("attn.c_proj.weight", "attn.c_proj.bias");
-    let dyatt = linear_backward(grads, [&w, &b], &dx2, &c.y, p.aproj_w, n, e, e, "dyatt")?;
+    let module = name("attn.c_proj");
+    let dyatt = linear_backward(grads, &module, &dx2, &c.y, p.aproj_w, n, e, e, "dyatt")?;
     let mut dqkv = zeros(n * 3 * e, "dqkv")?;
     attention_backward(&c.qkv, &c.att, &dyatt, shape.rows, t, h, e, &mut dqkv);
     drop(dyatt);
-    let [w, b] = names("attn.c_attn.weight", "attn.c_attn.bias");
-    let dh1 = linear_backward(grads, [&w, &b], &dqkv, &c.h1, p.attn_w, n, e, 3 * e, "dh1")?;
+    let module = name("attn.c_attn");
+    let dh1 = linear_backward(grads, &module, &dqkv, &c.h1, p.attn_w, n, e, 3 * e, "dh1")?;
     drop(dqkv);
     let mut dx = dx2;
-    let [w, b] = names("ln_1.weight", "ln_1.bias");
-    let (mean, rstd) = (&c.ln1_mean, &c.ln1_rstd);
-    layer_norm_backward(
-        grads,
-        [&w, &b],
-        &c.x,
-        mean,
-        rstd,
-        p.ln1_w,
-        &dh1,
-        n,
-        e,
-        &mut dx,
-    )?;
+    let saved = LayerNormSaved::new(&c.x, &c.ln1_mean, &c.ln1_rstd);
+    let module = name("ln_1");
+    layer_norm_backward(grads, &module, saved, p.ln1_w, &dh1, n, e, &mut dx)?;
     Ok(dx)
 }

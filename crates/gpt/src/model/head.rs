@@ -6,7 +6,7 @@ use super::layers::{
 };
 use super::stage::{
     check_activation, check_grads, check_shape, check_tokens, copied, fetch, grad, layer_norm,
-    layer_norm_backward, zeros, LNF_B, LNF_W, WTE,
+    layer_norm_backward, zeros, LayerNormSaved, LNF_B, LNF_W, WTE,
 };
 use super::{head_param_specs, BatchShape, GptConfig, Grads, Params};
 use fsdp::FsdpError;
@@ -135,18 +135,7 @@ pub fn head_backward<P: Params + ?Sized, G: Grads + ?Sized>(
     linear_backward_input(&dlogits, wte, n, e, v, &mut dhf);
     drop(dlogits);
     let mut dx = zeros(n * e, "dx")?;
-    let (x, mean, rstd) = (&cache.x, &cache.mean, &cache.rstd);
-    layer_norm_backward(
-        grads,
-        [LNF_W, LNF_B],
-        x,
-        mean,
-        rstd,
-        lnf_w,
-        &dhf,
-        n,
-        e,
-        &mut dx,
-    )?;
+    let saved = LayerNormSaved::new(&cache.x, &cache.mean, &cache.rstd);
+    layer_norm_backward(grads, "transformer.ln_f", saved, lnf_w, &dhf, n, e, &mut dx)?;
     Ok(dx)
 }

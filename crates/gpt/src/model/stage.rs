@@ -199,37 +199,51 @@ pub(super) fn layer_norm(
     Ok((y, mean, rstd))
 }
 
+/// What LayerNorm forward keeps for backward: its input and the per-row statistics of
+/// [`layer_norm`].
+pub(super) struct LayerNormSaved<'a> {
+    x: &'a [f32],
+    mean: &'a [f32],
+    rstd: &'a [f32],
+}
+
+impl<'a> LayerNormSaved<'a> {
+    /// The input `x` and the statistics `mean`, `rstd` of one LayerNorm forward.
+    pub(super) fn new(x: &'a [f32], mean: &'a [f32], rstd: &'a [f32]) -> Self {
+        LayerNormSaved { x, mean, rstd }
+    }
+}
+
 /// LayerNorm backward from `dy`, the gradient of [`layer_norm`]'s `y`: accumulates the input
-/// gradient into `dx` and adds the weight and bias gradients into `grads`' `names`
-/// (`[weight, bias]`).
+/// gradient into `dx` and adds the weight and bias gradients into `grads`' `{module}.weight` and
+/// `{module}.bias`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn layer_norm_backward<G: Grads + ?Sized>(
     grads: &mut G,
-    names: [&str; 2],
-    x: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
+    module: &str,
+    saved: LayerNormSaved<'_>,
     w: &[f32],
     dy: &[f32],
     n: usize,
     e: usize,
     dx: &mut [f32],
 ) -> Result<(), FsdpError> {
+    let LayerNormSaved { x, mean, rstd } = saved;
     layernorm_backward_input(x, mean, rstd, w, dy, n, e, dx);
     let mut dw = zeros(e, "dw")?;
     let mut db = zeros(e, "db")?;
     layernorm_backward_params(x, mean, rstd, dy, n, e, &mut dw, &mut db);
-    add_into(grads, names[0], &dw)?;
-    add_into(grads, names[1], &db)
+    add_into(grads, &format!("{module}.weight"), &dw)?;
+    add_into(grads, &format!("{module}.bias"), &db)
 }
 
 /// Linear backward from `dy: [n, out_f]` of `y = x·Wᵀ + b`: adds the weight and bias
-/// gradients into `grads`' `names` (`[weight, bias]`) and returns the input gradient
+/// gradients into `grads`' `{module}.weight` and `{module}.bias` and returns the input gradient
 /// `[n, in_f]`, the buffer `what`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn linear_backward<G: Grads + ?Sized>(
     grads: &mut G,
-    names: [&str; 2],
+    module: &str,
     dy: &[f32],
     x: &[f32],
     w: &[f32],
@@ -238,8 +252,9 @@ pub(super) fn linear_backward<G: Grads + ?Sized>(
     out_f: usize,
     what: &str,
 ) -> Result<Vec<f32>, FsdpError> {
-    linear_backward_weight(dy, x, n, in_f, out_f, grad(grads, names[0], out_f * in_f)?);
-    linear_backward_bias(dy, n, out_f, grad(grads, names[1], out_f)?);
+    let dw = grad(grads, &format!("{module}.weight"), out_f * in_f)?;
+    linear_backward_weight(dy, x, n, in_f, out_f, dw);
+    linear_backward_bias(dy, n, out_f, grad(grads, &format!("{module}.bias"), out_f)?);
     let mut dx = zeros(n * in_f, what)?;
     linear_backward_input(dy, w, n, in_f, out_f, &mut dx);
     Ok(dx)

@@ -21,22 +21,13 @@ pub fn attention_forward<T: Real>(
     att: &mut [T],
     y: &mut [T],
 ) {
-    assert!(
-        n_head > 0 && e % n_head == 0,
-        "attention: e = {e} is not divisible by n_head = {n_head}"
-    );
-    check_len("attention qkv", qkv, b * t * 3 * e);
-    check_len("attention att", att, b * n_head * t * t);
+    let heads = Heads::new(qkv, att, b, t, n_head, e);
     check_len("attention y", y, b * t * e);
-    let d = e / n_head;
-    let scale = T::one() / T::from_f64(d as f64).sqrt();
+    let (d, scale) = (heads.d, heads.scale::<T>());
     let tt = Mat::rm(0, t, t, t);
     for bi in 0..b {
         for h in 0..n_head {
-            let base = bi * t * 3 * e + h * d;
-            let q = Mat::rm(base, t, d, 3 * e);
-            let k = Mat::rm(base + e, t, d, 3 * e);
-            let v = Mat::rm(base + 2 * e, t, d, 3 * e);
+            let [q, k, v] = heads.qkv(bi, h);
             let a_off = (bi * n_head + h) * t * t;
             let a = &mut att[a_off..a_off + t * t];
             // S = scale · Q·Kᵀ
@@ -85,24 +76,15 @@ pub fn attention_backward<T: Real>(
     e: usize,
     dqkv: &mut [T],
 ) {
-    assert!(
-        n_head > 0 && e % n_head == 0,
-        "attention: e = {e} is not divisible by n_head = {n_head}"
-    );
-    check_len("attention qkv", qkv, b * t * 3 * e);
-    check_len("attention att", att, b * n_head * t * t);
+    let heads = Heads::new(qkv, att, b, t, n_head, e);
     check_len("attention dy", dy, b * t * e);
     check_len("attention dqkv", dqkv, b * t * 3 * e);
-    let d = e / n_head;
-    let scale = T::one() / T::from_f64(d as f64).sqrt();
+    let (d, scale) = (heads.d, heads.scale::<T>());
     let mut ds = vec![T::zero(); t * t];
     let tt = Mat::rm(0, t, t, t);
     for bi in 0..b {
         for h in 0..n_head {
-            let base = bi * t * 3 * e + h * d;
-            let q = Mat::rm(base, t, d, 3 * e);
-            let k = Mat::rm(base + e, t, d, 3 * e);
-            let v = Mat::rm(base + 2 * e, t, d, 3 * e);
+            let [q, k, v] = heads.qkv(bi, h);
             let a_off = (bi * n_head + h) * t * t;
             let a = &att[a_off..a_off + t * t];
             let dyh = Mat::rm(bi * t * e + h * d, t, d, e);
@@ -130,5 +112,42 @@ pub fn attention_backward<T: Real>(
             // dK += scale · dSᵀ·Q
             mat_mul(scale, &ds, tt.t(), qkv, q, T::one(), dqkv, k);
         }
+    }
+}
+
+/// The heads of `b` sequences of `t` tokens in `qkv: [b·t, 3e]`: their width `d = e / n_head`
+/// and the views of each head's q, k and v.
+struct Heads {
+    t: usize,
+    e: usize,
+    d: usize,
+}
+
+impl Heads {
+    /// Checks that `e` divides into `n_head` heads and the lengths of `qkv` and `att`.
+    fn new<T: Real>(qkv: &[T], att: &[T], b: usize, t: usize, n_head: usize, e: usize) -> Self {
+        assert!(
+            n_head > 0 && e % n_head == 0,
+            "attention: e = {e} is not divisible by n_head = {n_head}"
+        );
+        check_len("attention qkv", qkv, b * t * 3 * e);
+        check_len("attention att", att, b * n_head * t * t);
+        Heads {
+            t,
+            e,
+            d: e / n_head,
+        }
+    }
+
+    /// The scores' scale `1/√d`.
+    fn scale<T: Real>(&self) -> T {
+        T::one() / T::from_f64(self.d as f64).sqrt()
+    }
+
+    /// The `[t, d]` views of head `h`'s q, k and v in sequence `bi`.
+    fn qkv(&self, bi: usize, h: usize) -> [Mat; 3] {
+        let (t, e, d) = (self.t, self.e, self.d);
+        let base = bi * t * 3 * e + h * d;
+        [0, e, 2 * e].map(|off| Mat::rm(base + off, t, d, 3 * e))
     }
 }

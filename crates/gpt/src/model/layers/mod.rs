@@ -101,52 +101,45 @@ pub fn normal_cdf_pdf_f32(x: f32) -> (f32, f32) {
     (cdf, e * FRAC_1_SQRT_2PI as f32)
 }
 
-impl Real for f32 {
-    #[inline]
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    #[inline]
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    #[inline]
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-    #[inline]
-    fn sqrt(self) -> Self {
-        f32::sqrt(self)
-    }
-    #[inline]
-    fn normal_cdf_pdf(self) -> (Self, Self) {
-        normal_cdf_pdf_f32(self)
-    }
+/// `(Φ(x), φ(x))` in `f64`, exact to rounding (`libm::erf`).
+fn normal_cdf_pdf_f64(x: f64) -> (f64, f64) {
+    let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+    (cdf, (-0.5 * x * x).exp() * FRAC_1_SQRT_2PI)
 }
 
-impl Real for f64 {
-    #[inline]
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    #[inline]
-    fn to_f64(self) -> f64 {
-        self
-    }
-    #[inline]
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    #[inline]
-    fn sqrt(self) -> Self {
-        f64::sqrt(self)
-    }
-    #[inline]
-    fn normal_cdf_pdf(self) -> (Self, Self) {
-        let cdf = 0.5 * (1.0 + libm::erf(self * std::f64::consts::FRAC_1_SQRT_2));
-        (cdf, (-0.5 * self * self).exp() * FRAC_1_SQRT_2PI)
-    }
+/// Implements [`Real`] for `$t`: `from_f64` and `to_f64` by the two closures' bodies, `exp` and
+/// `sqrt` the type's own, `normal_cdf_pdf` the function given.
+macro_rules! impl_real {
+    ($t:ty, |$v:ident| $from:expr, |$x:ident| $to:expr, $cdf:path) => {
+        impl Real for $t {
+            #[inline]
+            fn from_f64($v: f64) -> Self {
+                $from
+            }
+            #[inline]
+            fn to_f64(self) -> f64 {
+                let $x = self;
+                $to
+            }
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn normal_cdf_pdf(self) -> (Self, Self) {
+                $cdf(self)
+            }
+        }
+    };
 }
+
+impl_real!(f32, |v| v as f32, |x| f64::from(x), normal_cdf_pdf_f32);
+impl_real!(f64, |v| v, |x| x, normal_cdf_pdf_f64);
+
 #[track_caller]
 pub(super) fn check_len<T>(what: &str, s: &[T], expected: usize) {
     assert_eq!(
