@@ -181,6 +181,9 @@ pub(super) fn check_layer(cfg: &GptConfig, layer: usize) -> Result<(), FsdpError
     Ok(())
 }
 
+/// A LayerNorm output and its per-row statistics: `(y, mean, rstd)`.
+pub(super) type Normed = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// LayerNorm forward of `x: [n, e]` with parameters `w`, `b`: returns `(y, mean, rstd)`, the
 /// statistics kept for [`layer_norm_backward`]. `what` names the buffers `[mean, rstd, y]` in
 /// allocation errors.
@@ -191,7 +194,7 @@ pub(super) fn layer_norm(
     n: usize,
     e: usize,
     what: [&str; 3],
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), FsdpError> {
+) -> Result<Normed, FsdpError> {
     let mut mean = zeros(n, what[0])?;
     let mut rstd = zeros(n, what[1])?;
     let mut y = zeros(n * e, what[2])?;
