@@ -77,20 +77,20 @@ impl BlockCache {
     }
 }
 
+/// The weight and bias of one module of a block.
+struct WeightBias<'a> {
+    w: &'a [f32],
+    b: &'a [f32],
+}
+
 /// The values of one block's parameters, in [`block_param_specs`] order.
 struct BlockParams<'a> {
-    ln1_w: &'a [f32],
-    ln1_b: &'a [f32],
-    attn_w: &'a [f32],
-    attn_b: &'a [f32],
-    aproj_w: &'a [f32],
-    aproj_b: &'a [f32],
-    ln2_w: &'a [f32],
-    ln2_b: &'a [f32],
-    fc_w: &'a [f32],
-    fc_b: &'a [f32],
-    mproj_w: &'a [f32],
-    mproj_b: &'a [f32],
+    ln1: WeightBias<'a>,
+    attn: WeightBias<'a>,
+    aproj: WeightBias<'a>,
+    ln2: WeightBias<'a>,
+    fc: WeightBias<'a>,
+    mproj: WeightBias<'a>,
 }
 
 fn block_params<'a, P: Params + ?Sized>(
@@ -103,19 +103,17 @@ fn block_params<'a, P: Params + ?Sized>(
     for s in &specs {
         v.push(fetch(params, &s.name, s.numel())?);
     }
+    let wb = |i: usize| WeightBias {
+        w: v[2 * i],
+        b: v[2 * i + 1],
+    };
     Ok(BlockParams {
-        ln1_w: v[0],
-        ln1_b: v[1],
-        attn_w: v[2],
-        attn_b: v[3],
-        aproj_w: v[4],
-        aproj_b: v[5],
-        ln2_w: v[6],
-        ln2_b: v[7],
-        fc_w: v[8],
-        fc_b: v[9],
-        mproj_w: v[10],
-        mproj_b: v[11],
+        ln1: wb(0),
+        attn: wb(1),
+        aproj: wb(2),
+        ln2: wb(3),
+        fc: wb(4),
+        mproj: wb(5),
     })
 }
 
@@ -141,26 +139,26 @@ pub fn block_forward<P: Params + ?Sized>(
     let (n, e, h, t) = (shape.tokens(), cfg.n_embd, cfg.n_head, shape.seq_len);
 
     let (h1, ln1_mean, ln1_rstd) =
-        layer_norm(&x, p.ln1_w, p.ln1_b, n, e, ["ln1_mean", "ln1_rstd", "h1"])?;
+        layer_norm(&x, p.ln1.w, p.ln1.b, n, e, ["ln1_mean", "ln1_rstd", "h1"])?;
     let mut qkv = zeros(n * 3 * e, "qkv")?;
-    linear_forward(&h1, p.attn_w, Some(p.attn_b), n, e, 3 * e, &mut qkv);
+    linear_forward(&h1, p.attn.w, Some(p.attn.b), n, e, 3 * e, &mut qkv);
     let mut att = zeros(shape.rows * h * t * t, "att")?;
     let mut y = zeros(n * e, "y")?;
     attention_forward(&qkv, shape.rows, t, h, e, &mut att, &mut y);
     let mut x2 = zeros(n * e, "x2")?;
-    linear_forward(&y, p.aproj_w, Some(p.aproj_b), n, e, e, &mut x2);
+    linear_forward(&y, p.aproj.w, Some(p.aproj.b), n, e, e, &mut x2);
     for (o, &r) in x2.iter_mut().zip(&x) {
         *o += r;
     }
 
     let (h2, ln2_mean, ln2_rstd) =
-        layer_norm(&x2, p.ln2_w, p.ln2_b, n, e, ["ln2_mean", "ln2_rstd", "h2"])?;
+        layer_norm(&x2, p.ln2.w, p.ln2.b, n, e, ["ln2_mean", "ln2_rstd", "h2"])?;
     let mut fc = zeros(n * 4 * e, "fc")?;
-    linear_forward(&h2, p.fc_w, Some(p.fc_b), n, e, 4 * e, &mut fc);
+    linear_forward(&h2, p.fc.w, Some(p.fc.b), n, e, 4 * e, &mut fc);
     let mut g = zeros(n * 4 * e, "g")?;
     gelu_forward(&fc, &mut g);
     let mut out = zeros(n * e, "out")?;
-    linear_forward(&g, p.mproj_w, Some(p.mproj_b), n, 4 * e, e, &mut out);
+    linear_forward(&g, p.mproj.w, Some(p.mproj.b), n, 4 * e, e, &mut out);
     for (o, &r) in out.iter_mut().zip(&x2) {
         *o += r;
     }
@@ -222,29 +220,29 @@ pub fn block_backward<P: Params + ?Sized, G: Grads + ?Sized>(
     // MLP: out = x2 + c_proj(gelu(c_fc(h2))).
     let mut dx2 = copied(dy, "dx2")?;
     let module = name("mlp.c_proj");
-    let dg = linear_backward(grads, &module, dy, &c.g, p.mproj_w, n, 4 * e, e, "dg")?;
+    let dg = linear_backward(grads, &module, dy, &c.g, p.mproj.w, n, 4 * e, e, "dg")?;
     let mut dfc = zeros(n * 4 * e, "dfc")?;
     gelu_backward(&c.fc, &dg, &mut dfc);
     drop(dg);
     let module = name("mlp.c_fc");
-    let dh2 = linear_backward(grads, &module, &dfc, &c.h2, p.fc_w, n, e, 4 * e, "dh2")?;
+    let dh2 = linear_backward(grads, &module, &dfc, &c.h2, p.fc.w, n, e, 4 * e, "dh2")?;
     drop(dfc);
     let saved = LayerNormSaved::new(&c.x2, &c.ln2_mean, &c.ln2_rstd);
     let module = name("ln_2");
-    layer_norm_backward(grads, &module, saved, p.ln2_w, &dh2, n, e, &mut dx2)?;
+    layer_norm_backward(grads, &module, saved, p.ln2.w, &dh2, n, e, &mut dx2)?;
 
     // Attention: x2 = x + c_proj(attn(c_attn(h1))).
     let module = name("attn.c_proj");
-    let dyatt = linear_backward(grads, &module, &dx2, &c.y, p.aproj_w, n, e, e, "dyatt")?;
+    let dyatt = linear_backward(grads, &module, &dx2, &c.y, p.aproj.w, n, e, e, "dyatt")?;
     let mut dqkv = zeros(n * 3 * e, "dqkv")?;
     attention_backward(&c.qkv, &c.att, &dyatt, shape.rows, t, h, e, &mut dqkv);
     drop(dyatt);
     let module = name("attn.c_attn");
-    let dh1 = linear_backward(grads, &module, &dqkv, &c.h1, p.attn_w, n, e, 3 * e, "dh1")?;
+    let dh1 = linear_backward(grads, &module, &dqkv, &c.h1, p.attn.w, n, e, 3 * e, "dh1")?;
     drop(dqkv);
     let mut dx = dx2;
     let saved = LayerNormSaved::new(&c.x, &c.ln1_mean, &c.ln1_rstd);
     let module = name("ln_1");
-    layer_norm_backward(grads, &module, saved, p.ln1_w, &dh1, n, e, &mut dx)?;
+    layer_norm_backward(grads, &module, saved, p.ln1.w, &dh1, n, e, &mut dx)?;
     Ok(dx)
 }
