@@ -16,17 +16,17 @@
 //! in the middle of forward or backward) that must leave the engine usable.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use fsdp::engine::{
     BackwardPrefetch, Fsdp, FsdpConfig, FsdpModel, ParamInit, Phase, ScheduleEvent, ScheduleKind,
     ShardingStrategy, Span,
 };
-use fsdp::optim::{AdamWConfig, AdamWState};
+use fsdp::optim::AdamWState;
 use fsdp::wrap::{plan_units, Module, WrapOptions, WrapPolicy};
 use fsdp::{FsdpError, Grads, Params};
 use fsdp_collectives::{ring, Communicator};
 
+mod common;
 #[allow(dead_code)]
 #[path = "../examples/tied_mlp.rs"]
 mod tied_mlp;
@@ -37,19 +37,10 @@ mod tied_mlp;
 #[path = "../examples/out_of_order.rs"]
 mod out_of_order;
 
-/// Examples in the global batch: divisible by every world size tested.
-const GLOBAL: usize = 12;
+use common::{adamw, ring_options, Map, GLOBAL};
+
 /// Optimizer steps per run.
 const STEPS: usize = 4;
-
-type Map = HashMap<String, Vec<f32>>;
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-2,
-        ..AdamWConfig::default()
-    }
-}
 
 /// A model with its module tree, wrap policy, initial values and batch slicer.
 struct Setup<M: FsdpModel> {
@@ -135,12 +126,6 @@ struct Run {
     schedule: Vec<ScheduleEvent>,
 }
 
-fn ring_options() -> ring::RingOptions {
-    let mut options = ring::RingOptions::default();
-    options.timeout = Duration::from_secs(60);
-    options
-}
-
 /// Train on `world` ranks (threads) with `config`: `body` drives one rank's engine.
 fn run_ranks<M, F>(s: &Setup<M>, world: usize, config: FsdpConfig, body: F) -> Vec<Run>
 where
@@ -175,32 +160,21 @@ where
     })
 }
 
-/// Every configuration: (world, config).
+/// Every configuration: (world, config): [`common::configs`] with every forward and backward
+/// prefetch.
 fn configs() -> Vec<(usize, FsdpConfig)> {
     let mut out = Vec::new();
-    for strategy in ShardingStrategy::ALL {
-        for world in 1..=4 {
-            // Hybrid: every `replicas × ranks_per_node` mesh (1×1, 1×2, 2×1, 1×3, 3×1, 1×4, 2×2,
-            // 4×1); `None` is one node of all ranks.
-            let meshes: Vec<Option<usize>> = if strategy.is_hybrid() {
-                (1..=world).filter(|n| world % n == 0).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for ranks_per_node in meshes {
-                for forward_prefetch in [false, true] {
-                    for backward_prefetch in [
-                        BackwardPrefetch::Pre,
-                        BackwardPrefetch::Post,
-                        BackwardPrefetch::None,
-                    ] {
-                        let mut config = FsdpConfig::new(strategy);
-                        config.ranks_per_node = ranks_per_node;
-                        config.forward_prefetch = forward_prefetch;
-                        config.backward_prefetch = backward_prefetch;
-                        out.push((world, config));
-                    }
-                }
+    for (world, base) in common::configs() {
+        for forward_prefetch in [false, true] {
+            for backward_prefetch in [
+                BackwardPrefetch::Pre,
+                BackwardPrefetch::Post,
+                BackwardPrefetch::None,
+            ] {
+                let mut config = base;
+                config.forward_prefetch = forward_prefetch;
+                config.backward_prefetch = backward_prefetch;
+                out.push((world, config));
             }
         }
     }

@@ -10,38 +10,20 @@
 //! - a skipped step (gradients discarded, no optimizer step) leaves the run bitwise equal to a
 //!   run without that step, the learning-rate schedule's position included.
 
-use std::collections::HashMap;
-use std::time::Duration;
-
 use fsdp::engine::{Fsdp, FsdpConfig, FsdpModel, ParamInit, ShardingStrategy};
-use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp::optim::LrSchedule;
 use fsdp::wrap::WrapOptions;
 use fsdp::FsdpError;
 use fsdp_collectives::{ring, Communicator};
 
+mod common;
 #[allow(dead_code)]
 #[path = "../examples/tied_mlp.rs"]
 mod tied_mlp;
 
+use common::{adamw, configs, ring_options, Map, GLOBAL};
+
 use tied_mlp::TiedMlp;
-
-/// Examples in the global batch: divisible by every world size tested.
-const GLOBAL: usize = 12;
-
-type Map = HashMap<String, Vec<f32>>;
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-2,
-        ..AdamWConfig::default()
-    }
-}
-
-fn ring_options() -> ring::RingOptions {
-    let mut options = ring::RingOptions::default();
-    options.timeout = Duration::from_secs(60);
-    options
-}
 
 /// The gradients of one forward and backward pass on the whole batch in one process, on plain
 /// maps (the tied weight once, under its storage name).
@@ -72,26 +54,6 @@ fn l2(grads: &Map) -> f64 {
         .map(|&g| f64::from(g) * f64::from(g))
         .sum::<f64>()
         .sqrt()
-}
-
-/// Every strategy at worlds 1 to 4, hybrid ones on every `replicas × ranks_per_node` mesh.
-fn configs() -> Vec<(usize, FsdpConfig)> {
-    let mut out = Vec::new();
-    for strategy in ShardingStrategy::ALL {
-        for world in 1..=4 {
-            let meshes: Vec<Option<usize>> = if strategy.is_hybrid() {
-                (1..=world).filter(|n| world % n == 0).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for ranks_per_node in meshes {
-                let mut config = FsdpConfig::new(strategy);
-                config.ranks_per_node = ranks_per_node;
-                out.push((world, config));
-            }
-        }
-    }
-    out
 }
 
 /// One engine per rank on `world` threads, each given its slice of the batch.

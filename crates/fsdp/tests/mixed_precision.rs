@@ -12,15 +12,12 @@
 //! `param_dtype`, both gradient-divide modes.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use fsdp::engine::{
     divide_factors, round_slice, round_to, Fsdp, FsdpConfig, FsdpModel, GradientDivide,
     MixedPrecisionPolicy, ParamInit, ScheduleKind, ShardingStrategy,
 };
-use fsdp::optim::{
-    AdamWConfig, AdamWState, AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, OptimizerConfig,
-};
+use fsdp::optim::{AdamWState, AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, OptimizerConfig};
 use fsdp::units::UnitPlan;
 use fsdp::wrap::plan_units;
 use fsdp::{FsdpError, Params};
@@ -29,23 +26,16 @@ use fsdp_device::DType;
 use fsdp_flatparam::FlatParamLayout;
 use half::bf16;
 
+mod common;
 #[allow(dead_code)]
 #[path = "../examples/tied_mlp.rs"]
 mod tied_mlp;
 
+use common::{adamw, bits, configs, ring_options, Map, GLOBAL};
+
 use tied_mlp::TiedMlp;
 
-const GLOBAL: usize = 12;
 const STEPS: usize = 3;
-
-type Map = HashMap<String, Vec<f32>>;
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-2,
-        ..AdamWConfig::default()
-    }
-}
 
 /// Plain maps that report a mixed-precision policy, as the engine's views do.
 struct MpParams<'a> {
@@ -281,12 +271,6 @@ fn tied_engine(
     tied_engine_result(comm, init, config, optim.into()).unwrap()
 }
 
-fn ring_options() -> ring::RingOptions {
-    let mut options = ring::RingOptions::default();
-    options.timeout = Duration::from_secs(60);
-    options
-}
-
 /// The engine's run: every rank's losses and final full state (which must agree), and the
 /// bytes all-gathered and reduce-scattered by rank 0.
 fn engine(
@@ -315,25 +299,6 @@ fn engine(
     runs.into_iter().next().unwrap()
 }
 
-fn configs() -> Vec<(usize, FsdpConfig)> {
-    let mut out = Vec::new();
-    for strategy in ShardingStrategy::ALL {
-        for world in 1..=4 {
-            let meshes: Vec<Option<usize>> = if strategy.is_hybrid() {
-                (1..=world).filter(|n| world % n == 0).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for ranks_per_node in meshes {
-                let mut config = FsdpConfig::new(strategy);
-                config.ranks_per_node = ranks_per_node;
-                out.push((world, config));
-            }
-        }
-    }
-    out
-}
-
 fn policies() -> Vec<MixedPrecisionPolicy> {
     let mut out = Vec::new();
     for p in [DType::BF16, DType::F16] {
@@ -342,15 +307,6 @@ fn policies() -> Vec<MixedPrecisionPolicy> {
         }
     }
     out
-}
-
-fn bits(m: &Map) -> Vec<(String, Vec<u32>)> {
-    let mut v: Vec<_> = m
-        .iter()
-        .map(|(k, v)| (k.clone(), v.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]

@@ -18,41 +18,26 @@
 mod common;
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use fsdp::engine::{ActivationStats, ScheduleEvent, Span};
+use fsdp::optim::AdamWConfig;
 use fsdp::{FsdpError, FsdpModel, Grads, Params};
 use fsdp_collectives::{ring, Communicator};
-use fsdp_gpt::data::{get_batch, synthetic_corpus, Batch};
-use fsdp_gpt::model::{init_params, named_params, GptConfig};
+use fsdp_gpt::data::{get_batch, Batch};
 use fsdp_gpt::plan::{peak_activation_bytes, plan_accumulated};
-use fsdp_gpt::runtime::{
-    BackwardPrefetch, FsdpConfig, FsdpGpt, GptModel, GptTape, ShardingStrategy,
-};
+use fsdp_gpt::runtime::{BackwardPrefetch, FsdpConfig, GptModel, GptTape, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
 
 use common::cli::{fsdp, loss_log_rows, ok, s, scratch, small_train_args, TWO_RANKS};
+use common::training::{self, ring_options};
 
 const SEQ: usize = 16;
 const ROWS_PER_RANK: usize = 2;
 
-fn options() -> ring::RingOptions {
-    ring::RingOptions::default().with_timeout(Duration::from_secs(60))
-}
-
-struct Setup {
-    cfg: GptConfig,
-    tokens: Vec<u16>,
-    init: HashMap<String, Vec<f32>>,
-}
+type Setup = training::Setup<AdamWConfig>;
 
 fn setup(n_layer: usize) -> Setup {
-    let cfg = GptConfig::new(n_layer, 2, 32, SEQ, 96).unwrap();
-    Setup {
-        cfg,
-        tokens: synthetic_corpus(20_000, 96, 7),
-        init: named_params(&cfg, init_params(&cfg, 3)).unwrap(),
-    }
+    Setup::new(n_layer, 7, 3, common::adamw())
 }
 
 /// What one rank saw.
@@ -76,21 +61,13 @@ fn train(
 ) -> Vec<RankRun> {
     let plan = gpt_block_plan(&s.cfg);
     let rows = ROWS_PER_RANK * world;
-    ring::run_ranks(world, options(), |comm| {
+    ring::run_ranks(world, ring_options(), |comm| {
         let rank = comm.rank();
         let config = FsdpConfig {
             activation_checkpointing: checkpointing,
             ..config
         };
-        let mut f = FsdpGpt::new(
-            Box::new(comm),
-            s.cfg,
-            &plan,
-            &s.init,
-            config,
-            common::adamw(),
-        )
-        .unwrap();
+        let mut f = s.engine(comm, &plan, config);
         let mut losses = Vec::new();
         for step in 0..steps {
             let mut loss = 0.0f32;
@@ -252,18 +229,10 @@ fn blocks_peak(s: &Setup, checkpointing: bool) -> (u64, u64) {
     let plan = gpt_block_plan(&s.cfg);
     let world = 2;
     let rows = ROWS_PER_RANK * world;
-    let peaks = ring::run_ranks(world, options(), |comm| {
+    let peaks = ring::run_ranks(world, ring_options(), |comm| {
         let rank = comm.rank();
         let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let mut f = FsdpGpt::new(
-            Box::new(comm),
-            s.cfg,
-            &plan,
-            &s.init,
-            config,
-            common::adamw(),
-        )
-        .unwrap();
+        let mut f = s.engine(comm, &plan, config);
         if checkpointing {
             // Every unit (the blocks; the root's spans, the embedding and the head, cannot be).
             let n = f.num_units();
@@ -388,18 +357,10 @@ fn plan_predicts_activation_memory_exactly() {
 fn per_unit_checkpointing() {
     let s = setup(3);
     let plan = gpt_block_plan(&s.cfg);
-    let out = ring::run_ranks(2, options(), |comm| {
+    let out = ring::run_ranks(2, ring_options(), |comm| {
         let rank = comm.rank();
         let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let mut f = FsdpGpt::new(
-            Box::new(comm),
-            s.cfg,
-            &plan,
-            &s.init,
-            config,
-            common::adamw(),
-        )
-        .unwrap();
+        let mut f = s.engine(comm, &plan, config);
         assert!(f.activation_checkpointed_units().is_empty());
         let n = f.num_units();
         assert!(f.set_activation_checkpointing([n]).is_err());

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::cli::{
-    fsdp, loss_column, ok, one_error, one_error_status_1, read_losses, s, small_train_args,
-    TWO_RANKS,
+    checkpointing_args, fsdp, loss_column, ok, one_error, one_error_status_1, read_losses, resume,
+    resume_paths, s, small_train_args, TWO_RANKS,
 };
 
 /// The pure-bf16 configuration.
@@ -208,7 +208,7 @@ fn the_plan_shows_six_of_adamws_eight_bytes() {
 #[test]
 fn a_resumed_run_is_bitwise_the_uninterrupted_one() {
     let d = dir("resume");
-    let (ck, log, reference) = (d.join("ck"), d.join("log.csv"), d.join("ref.csv"));
+    let (ck, log, reference) = resume_paths(&d);
     // Parameter groups and a schedule: they apply to AnyPrecisionAdamW as to AdamW.
     let config = [
         "--decay-2d-only",
@@ -225,14 +225,7 @@ fn a_resumed_run_is_bitwise_the_uninterrupted_one() {
         "the uninterrupted run",
     );
     ok(
-        &run(&[
-            "--loss-log",
-            s(&log),
-            "--checkpoint-dir",
-            s(&ck),
-            "--checkpoint-every",
-            "5",
-        ]),
+        &run(&checkpointing_args(&log, &ck, "5")),
         "the checkpointed run",
     );
     assert_eq!(loss_column(&log), loss_column(&reference));
@@ -247,10 +240,7 @@ fn a_resumed_run_is_bitwise_the_uninterrupted_one() {
     // Resume from step 5 (the run's options all come from the checkpoint): steps 5 to 9 are
     // recomputed and the loss log is the uninterrupted one, bitwise.
     std::fs::remove_dir_all(ck.join("step-10")).unwrap();
-    let resumed = ok(
-        &fsdp(&["train", "--resume", s(&ck), "--loss-log", s(&log)]),
-        "the resumed run",
-    );
+    let resumed = ok(&resume(&ck, &["--loss-log", s(&log)]), "the resumed run");
     assert!(resumed.contains("resuming from"), "{resumed}");
     assert!(resumed.contains("AnyPrecisionAdamW"), "{resumed}");
     let (a, b) = (loss_column(&log), loss_column(&reference));
@@ -259,7 +249,7 @@ fn a_resumed_run_is_bitwise_the_uninterrupted_one() {
 
     // Another optimizer, or other settings, disagree with the checkpoint: errors naming both.
     std::fs::remove_dir_all(ck.join("step-10")).unwrap();
-    let resume_with = |extra: &[&str]| fsdp(&[&["train", "--resume", s(&ck)][..], extra].concat());
+    let resume_with = |extra: &[&str]| resume(&ck, extra);
     one_error_status_1(
         &resume_with(&["--optimizer", "adamw"]),
         &[

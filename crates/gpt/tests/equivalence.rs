@@ -18,36 +18,24 @@
 mod common;
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use fsdp::optim::{OptimizerConfig, OptimizerState, SgdConfig};
 use fsdp_collectives::{ring, Communicator};
-use fsdp_gpt::data::{get_batch, synthetic_corpus};
-use fsdp_gpt::model::{forward_backward, init_params, named_params, zeros_like_params, GptConfig};
-use fsdp_gpt::runtime::{
-    BackwardPrefetch, CrossStreamSafety, FsdpConfig, FsdpGpt, ShardingStrategy,
-};
+use fsdp_gpt::data::get_batch;
+use fsdp_gpt::model::{forward_backward, zeros_like_params};
+use fsdp_gpt::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
+
+use common::training::{self, assert_params_close, ring_options};
 
 const STEPS: u64 = 5;
 const BATCH: usize = 12;
 const SEQ: usize = 16;
 
-struct Setup {
-    cfg: GptConfig,
-    tokens: Vec<u16>,
-    init: HashMap<String, Vec<f32>>,
-    opt: OptimizerConfig,
-}
+type Setup = training::Setup<OptimizerConfig>;
 
 fn setup() -> Setup {
-    let cfg = GptConfig::new(2, 2, 32, 16, 96).unwrap();
-    Setup {
-        cfg,
-        tokens: synthetic_corpus(20_000, 96, 7),
-        init: named_params(&cfg, init_params(&cfg, 42)).unwrap(),
-        opt: common::adamw().into(),
-    }
+    Setup::new(2, 7, 42, common::adamw().into())
 }
 
 /// Single-process training on whole tensors.
@@ -76,11 +64,10 @@ fn reference(s: &Setup) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
 type RankResult = (Vec<f32>, HashMap<String, Vec<f32>>);
 
 fn run_fsdp(s: &Setup, world: usize, config: FsdpConfig) -> Vec<RankResult> {
-    let opts = ring::RingOptions::default().with_timeout(Duration::from_secs(60));
     let plan = gpt_block_plan(&s.cfg);
-    ring::run_ranks(world, opts, |comm| {
+    ring::run_ranks(world, ring_options(), |comm| {
         let rank = comm.rank();
-        let mut fsdp = FsdpGpt::new(Box::new(comm), s.cfg, &plan, &s.init, config, s.opt).unwrap();
+        let mut fsdp = s.engine(comm, &plan, config);
         let mut losses = Vec::new();
         for k in 0..STEPS {
             let batch = get_batch(&s.tokens, k, BATCH, SEQ, rank, world).unwrap();
@@ -103,30 +90,12 @@ fn check(s: &Setup, reference: &RankResult, world: usize, config: FsdpConfig) {
                 "{what}, rank {rank}, step {k}: loss {a} vs {b} (rel {rel:e})"
             );
         }
-        assert_eq!(params.len(), ref_params.len(), "{what}: parameter count");
-        for (name, want) in ref_params {
-            let (got, want) = if name.ends_with("attn.c_attn.bias") {
-                let e = s.cfg.n_embd;
-                for v in [&params[name], want] {
-                    let noise = v[e..2 * e].iter().fold(0f32, |m, x| m.max(x.abs()));
-                    assert!(noise < 1e-5, "{what}: `{name}` key bias {noise:e}");
-                }
-                let cut = |v: &[f32]| [&v[..e], &v[2 * e..]].concat();
-                (cut(&params[name]), cut(want))
-            } else {
-                (params[name].clone(), want.clone())
-            };
-            let (got, want) = (&got, &want);
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let err = got
-                .iter()
-                .zip(want)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                err <= 1e-4 * scale,
-                "{what}, rank {rank}: `{name}` max error {err:e} (scale {scale:e})"
-            );
-        }
+        assert_params_close(
+            &format!("{what}, rank {rank}"),
+            s.cfg.n_embd,
+            params,
+            ref_params,
+        );
     }
 }
 

@@ -10,7 +10,10 @@ mod common;
 use std::path::PathBuf;
 use std::process::Output;
 
-use common::cli::{fsdp, loss_column, ok, one_error, read_losses, s, small_train_args, TWO_RANKS};
+use common::cli::{
+    checkpointing_args, fsdp, loss_column, ok, one_error, read_losses, resume, resume_paths, s,
+    small_train_args, TWO_RANKS,
+};
 
 /// A fresh directory of its own for each test.
 fn dir(test: &str) -> PathBuf {
@@ -131,7 +134,7 @@ fn overflowing_steps_are_the_scalers_to_skip() {
 #[test]
 fn a_resumed_run_keeps_the_scalers_state_bitwise() {
     let d = dir("resume");
-    let (ck, log, reference) = (d.join("ck"), d.join("log.csv"), d.join("ref.csv"));
+    let (ck, log, reference) = resume_paths(&d);
     // Growth every 3 steps from 1e6: overflows, backoffs and growths on both sides of the
     // checkpoint at step 10.
     let config = [
@@ -152,31 +155,14 @@ fn a_resumed_run_keeps_the_scalers_state_bitwise() {
         "the uninterrupted run",
     );
     let first = ok(
-        &run(&[
-            "--steps",
-            "10",
-            "--loss-log",
-            s(&log),
-            "--checkpoint-dir",
-            s(&ck),
-            "--checkpoint-every",
-            "5",
-        ]),
+        &run(&[&["--steps", "10"][..], &checkpointing_args(&log, &ck, "5")].concat()),
         "the first half",
     );
     let saved = std::fs::read_to_string(ck.join("step-10").join("grad_scaler.json")).unwrap();
     assert!(saved.contains("\"scale\""), "{saved}");
     // Every option but the length comes from the checkpoint (the scaler's included).
     let resumed = ok(
-        &fsdp(&[
-            "train",
-            "--resume",
-            s(&ck),
-            "--steps",
-            "20",
-            "--loss-log",
-            s(&log),
-        ]),
+        &resume(&ck, &["--steps", "20", "--loss-log", s(&log)]),
         "the resumed run",
     );
     assert_eq!(
@@ -195,11 +181,7 @@ fn a_resumed_run_keeps_the_scalers_state_bitwise() {
 
     // The checkpoint's scaler options are the run's: one that disagrees is an error naming
     // both values.
-    let resume_with = |extra: &[&str]| {
-        let mut args = vec!["train", "--resume", s(&ck), "--steps", "20"];
-        args.extend_from_slice(extra);
-        fsdp(&args)
-    };
+    let resume_with = |extra: &[&str]| resume(&ck, &[&["--steps", "20"][..], extra].concat());
     one_error(
         &resume_with(&["--grad-scaler", "off"]),
         &["--grad-scaler off", "--grad-scaler on"],

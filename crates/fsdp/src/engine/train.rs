@@ -5,6 +5,8 @@ use fsdp_collectives::ReduceOp;
 use fsdp_device::Buffer;
 
 use super::fsdp::Fsdp;
+use super::param_group::ParamGroup;
+use crate::optim::{OptimizerConfig, ParamGroupOptions};
 use crate::trace::SpanKind;
 use crate::FsdpError;
 
@@ -48,29 +50,12 @@ impl Fsdp {
         if !self.ctx.is_meta() {
             let lr = self.lr();
             for g in &mut self.groups {
-                let grad = g.grad_shard.read::<f32>()?;
                 if g.shard.dtype() == fsdp_device::DType::BF16 {
                     // AnyPrecisionAdamW on bf16 shards (no f32 master weights).
-                    let mut p = g.shard.write::<half::bf16>()?;
-                    g.optim_state.step_grouped_bf16(
-                        &self.optim,
-                        lr,
-                        &self.setup.groups,
-                        &g.segments,
-                        &mut p,
-                        &grad,
-                    )?;
-                    continue;
+                    step_shard::<half::bf16>(g, &self.optim, lr, &self.setup.groups)?;
+                } else {
+                    step_shard::<f32>(g, &self.optim, lr, &self.setup.groups)?;
                 }
-                let mut p = g.shard.write::<f32>()?;
-                g.optim_state.step_grouped(
-                    &self.optim,
-                    lr,
-                    &self.setup.groups,
-                    &g.segments,
-                    &mut p,
-                    &grad,
-                )?;
             }
         }
         self.optimizer_steps += 1;
@@ -214,4 +199,17 @@ impl Fsdp {
             .wait()?;
         Ok(b.to_vec::<f32>()?[0])
     }
+}
+
+/// One optimizer step on the shard of `g`, whose elements are `P`, with its `f32` gradient.
+fn step_shard<P: crate::optim::ParamElement>(
+    g: &mut ParamGroup,
+    optim: &OptimizerConfig,
+    lr: f64,
+    groups: &[ParamGroupOptions],
+) -> Result<(), FsdpError> {
+    let grad = g.grad_shard.read::<f32>()?;
+    let mut p = g.shard.write::<P>()?;
+    g.optim_state
+        .step_grouped_as(optim, lr, groups, &g.segments, &mut p, &grad)
 }

@@ -507,10 +507,20 @@ impl AnyPrecisionAdamWState {
 
 /// Parameter element types the update rounds to: `bf16` (pure-bf16 training), `f16` and `f32`
 /// (not `f64`, which would need `f64` arithmetic).
-pub(crate) trait ParamElement: Element {}
+pub(crate) trait ParamElement: Element {
+    /// The shard as `f32` parameters, which AdamW and SGD update: `Some` for `f32` only.
+    fn as_f32_mut(param: &mut [Self]) -> Option<&mut [f32]> {
+        let _ = param;
+        None
+    }
+}
 impl ParamElement for bf16 {}
 impl ParamElement for f16 {}
-impl ParamElement for f32 {}
+impl ParamElement for f32 {
+    fn as_f32_mut(param: &mut [f32]) -> Option<&mut [f32]> {
+        Some(param)
+    }
+}
 
 /// `x` rounded to `T` (nearest even) and widened back to `f32`: one PyTorch operation writing a
 /// `T` tensor. The identity for `f32`.

@@ -318,66 +318,7 @@ impl OptimizerState {
         param: &mut [f32],
         grad: &[f32],
     ) -> Result<(), FsdpError> {
-        let configs = group_configs(cfg, lr, groups, segments, param.len(), grad.len())?;
-
-        match (self, cfg) {
-            (OptimizerState::AdamW(state), OptimizerConfig::AdamW(_)) => {
-                same_len("exp_avg", param.len(), state.exp_avg.len())?;
-                same_len("exp_avg_sq", param.len(), state.exp_avg_sq.len())?;
-                let step = state.step + 1;
-                for (range, group) in segments.segments() {
-                    let Some(OptimizerConfig::AdamW(c)) = configs.get(*group) else {
-                        continue; // SKIP_GROUP
-                    };
-                    adamw_step(
-                        c,
-                        step,
-                        &mut param[range.clone()],
-                        &grad[range.clone()],
-                        &mut state.exp_avg[range.clone()],
-                        &mut state.exp_avg_sq[range.clone()],
-                    )?;
-                }
-                state.step = step;
-                Ok(())
-            }
-            (
-                OptimizerState::Sgd {
-                    step,
-                    momentum_buffer,
-                },
-                OptimizerConfig::Sgd(sgd),
-            ) => {
-                let uses_buffer = sgd.momentum != 0.0;
-                if uses_buffer {
-                    same_len("momentum_buffer", param.len(), momentum_buffer.len())?;
-                }
-                let next = *step + 1;
-                for (range, group) in segments.segments() {
-                    let Some(OptimizerConfig::Sgd(c)) = configs.get(*group) else {
-                        continue; // SKIP_GROUP
-                    };
-                    let buf: &mut [f32] = if uses_buffer {
-                        &mut momentum_buffer[range.clone()]
-                    } else {
-                        &mut []
-                    };
-                    sgd_step(
-                        c,
-                        next,
-                        &mut param[range.clone()],
-                        &grad[range.clone()],
-                        buf,
-                    )?;
-                }
-                *step = next;
-                Ok(())
-            }
-            (OptimizerState::AnyPrecisionAdamW(state), OptimizerConfig::AnyPrecisionAdamW(c)) => {
-                any_precision_grouped(state, c, &configs, segments, param, grad)
-            }
-            _ => Err(state_mismatch()),
-        }
+        self.step_grouped_as(cfg, lr, groups, segments, param, grad)
     }
 
     /// [`step_grouped`](Self::step_grouped) for a **bf16** parameter shard (pure-bf16
@@ -423,18 +364,35 @@ impl OptimizerState {
         param: &mut [bf16],
         grad: &[f32],
     ) -> Result<(), FsdpError> {
+        self.step_grouped_as(cfg, lr, groups, segments, param, grad)
+    }
+
+    /// [`step_grouped`](Self::step_grouped) for any parameter element type: AnyPrecisionAdamW
+    /// for all, AdamW and SGD for `f32` shards only.
+    pub(crate) fn step_grouped_as<P: ParamElement>(
+        &mut self,
+        cfg: &OptimizerConfig,
+        lr: f64,
+        groups: &[ParamGroupOptions],
+        segments: &ShardGroups,
+        param: &mut [P],
+        grad: &[f32],
+    ) -> Result<(), FsdpError> {
         let configs = group_configs(cfg, lr, groups, segments, param.len(), grad.len())?;
         match (self, cfg) {
             (OptimizerState::AnyPrecisionAdamW(state), OptimizerConfig::AnyPrecisionAdamW(c)) => {
                 any_precision_grouped(state, c, &configs, segments, param, grad)
             }
-            (OptimizerState::AdamW(_) | OptimizerState::Sgd { .. }, _) => {
-                Err(FsdpError::InvalidHyperparameter {
-                    name: "optimizer",
-                    value: f64::NAN,
-                    reason: "bf16 parameter shards need AnyPrecisionAdamW (AdamW and SGD update \
-                             f32 parameters)",
-                })
+            (state @ (OptimizerState::AdamW(_) | OptimizerState::Sgd { .. }), _) => {
+                match P::as_f32_mut(param) {
+                    Some(param) => f32_grouped(state, cfg, &configs, segments, param, grad),
+                    None => Err(FsdpError::InvalidHyperparameter {
+                        name: "optimizer",
+                        value: f64::NAN,
+                        reason: "bf16 parameter shards need AnyPrecisionAdamW (AdamW and SGD \
+                                 update f32 parameters)",
+                    }),
+                }
             }
             _ => Err(state_mismatch()),
         }
@@ -495,4 +453,71 @@ fn any_precision_grouped<P: ParamElement>(
     }
     state.step = step;
     Ok(())
+}
+
+/// AdamW or SGD (whichever `state` is for) over the runs of `segments` of an `f32` shard, each
+/// with its group's config (`configs`, from [`group_configs`]).
+fn f32_grouped(
+    state: &mut OptimizerState,
+    cfg: &OptimizerConfig,
+    configs: &[OptimizerConfig],
+    segments: &ShardGroups,
+    param: &mut [f32],
+    grad: &[f32],
+) -> Result<(), FsdpError> {
+    match (state, cfg) {
+        (OptimizerState::AdamW(state), OptimizerConfig::AdamW(_)) => {
+            same_len("exp_avg", param.len(), state.exp_avg.len())?;
+            same_len("exp_avg_sq", param.len(), state.exp_avg_sq.len())?;
+            let step = state.step + 1;
+            for (range, group) in segments.segments() {
+                let Some(OptimizerConfig::AdamW(c)) = configs.get(*group) else {
+                    continue; // SKIP_GROUP
+                };
+                adamw_step(
+                    c,
+                    step,
+                    &mut param[range.clone()],
+                    &grad[range.clone()],
+                    &mut state.exp_avg[range.clone()],
+                    &mut state.exp_avg_sq[range.clone()],
+                )?;
+            }
+            state.step = step;
+            Ok(())
+        }
+        (
+            OptimizerState::Sgd {
+                step,
+                momentum_buffer,
+            },
+            OptimizerConfig::Sgd(sgd),
+        ) => {
+            let uses_buffer = sgd.momentum != 0.0;
+            if uses_buffer {
+                same_len("momentum_buffer", param.len(), momentum_buffer.len())?;
+            }
+            let next = *step + 1;
+            for (range, group) in segments.segments() {
+                let Some(OptimizerConfig::Sgd(c)) = configs.get(*group) else {
+                    continue; // SKIP_GROUP
+                };
+                let buf: &mut [f32] = if uses_buffer {
+                    &mut momentum_buffer[range.clone()]
+                } else {
+                    &mut []
+                };
+                sgd_step(
+                    c,
+                    next,
+                    &mut param[range.clone()],
+                    &grad[range.clone()],
+                    buf,
+                )?;
+            }
+            *step = next;
+            Ok(())
+        }
+        _ => Err(state_mismatch()),
+    }
 }

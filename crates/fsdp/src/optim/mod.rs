@@ -17,7 +17,7 @@ mod any_precision;
 mod groups;
 mod schedule;
 
-use any_precision::ParamElement;
+pub(crate) use any_precision::ParamElement;
 pub use any_precision::{AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, PrecisionVec};
 pub use groups::{
     decay_2d_only, decay_2d_only_group, ParamGroupOptions, ShardGroups, DECAY_GROUP,

@@ -19,13 +19,17 @@
 //! a rank's loss and gradients are its share of the global mean and summing them over ranks
 //! gives exactly the global mean's.
 
+mod block;
+mod embed;
 mod gpt;
+mod head;
 pub mod layers;
+mod stage;
 
-pub use gpt::{
-    block_backward, block_forward, embed_backward, embed_forward, forward_backward, forward_loss,
-    head_backward, head_forward, BlockCache, HeadCache,
-};
+pub use block::{block_backward, block_forward, BlockCache};
+pub use embed::{embed_backward, embed_forward};
+pub use gpt::{forward_backward, forward_loss};
+pub use head::{head_backward, head_forward, HeadCache};
 
 use std::collections::HashMap;
 

@@ -1,7 +1,8 @@
 //! Helpers shared by the tests that run the `fsdp` binary as a process (`cli.rs`,
 //! `nonfinite.rs`, `outputs.rs`, `resume.rs`, `admission.rs`, `multiprocess.rs`,
-//! `grad_scaler_cli.rs`): running it, small fast configurations, scratch directories, the checks
-//! of its error lines and the parsing of its loss logs.
+//! `grad_scaler_cli.rs`, `any_precision_cli.rs`): running it, small fast configurations, scratch
+//! directories, checkpoint-and-resume arguments, the checks of its error lines, the parsing of
+//! its loss logs, and safetensors files written as given.
 
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]
@@ -63,6 +64,29 @@ pub fn small_train_args<'a>(config: &[&'a str], extra: &[&'a str]) -> Vec<&'a st
     args.extend_from_slice(config);
     args.extend_from_slice(extra);
     args
+}
+
+/// The checkpoint directory, the loss log and the reference loss log of a resume test in
+/// `dir`: `(ck, log.csv, ref.csv)`.
+pub fn resume_paths(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    (dir.join("ck"), dir.join("log.csv"), dir.join("ref.csv"))
+}
+
+/// `--loss-log log --checkpoint-dir ck --checkpoint-every every`.
+pub fn checkpointing_args<'a>(log: &'a Path, ck: &'a Path, every: &'a str) -> [&'a str; 6] {
+    [
+        "--loss-log",
+        s(log),
+        "--checkpoint-dir",
+        s(ck),
+        "--checkpoint-every",
+        every,
+    ]
+}
+
+/// Runs `fsdp train --resume ck`, then `extra`, to the end.
+pub fn resume(ck: &Path, extra: &[&str]) -> Output {
+    fsdp(&[&["train", "--resume", s(ck)][..], extra].concat())
 }
 
 /// `name` in the directory `group` under the cargo target's scratch directory (created, never
@@ -177,21 +201,39 @@ pub fn loss_column(path: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Writes `tensors` (name, shape, values) as an f32 safetensors file, whatever the values.
-pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
+/// One tensor of a safetensors file as written: name, dtype, shape and little-endian bytes.
+pub type RawTensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// The `f32` tensor `name` of `shape` holding `values`.
+pub fn f32_tensor(name: &str, shape: &[usize], values: &[f32]) -> RawTensor {
+    let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+    (
+        name.to_owned(),
+        safetensors::Dtype::F32,
+        shape.to_vec(),
+        bytes,
+    )
+}
+
+/// Writes `tensors` as a safetensors file, whatever their bytes.
+pub fn write_raw_safetensors(path: &Path, tensors: &[RawTensor]) {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .zip(&bytes)
-        .map(|((n, shape, _), b)| {
+        .map(|(n, dtype, shape, b)| {
             (
                 n.clone(),
-                TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
+                TensorView::new(*dtype, shape.clone(), b).unwrap(),
             )
         })
         .collect();
     std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+}
+
+/// Writes `tensors` (name, shape, values) as an f32 safetensors file, whatever the values.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let raw: Vec<RawTensor> = tensors
+        .iter()
+        .map(|(n, shape, v)| f32_tensor(n, shape, v))
+        .collect();
+    write_raw_safetensors(path, &raw);
 }

@@ -1,4 +1,4 @@
-"""Golden values for `crates/fsdp/tests/any_precision.rs` (`steps_are_bitwise_pytorch_cpu`).
+"""Golden values for `crates/fsdp/tests/any_precision/bitwise.rs` (`steps_are_bitwise_pytorch_cpu`).
 
 Runs torchdistx's AnyPrecisionAdamW update (the sequence of in-place tensor operations of its
 `step`, for one parameter) on PyTorch CPU tensors and prints, as JSON, each case's settings, the
