@@ -37,7 +37,7 @@ mod tied_mlp;
 #[path = "../examples/out_of_order.rs"]
 mod out_of_order;
 
-use common::{adamw, ring_options, Map, GLOBAL};
+use common::{adamw, loss_and_grads, ring_options, Map, GLOBAL};
 
 /// Optimizer steps per run.
 const STEPS: usize = 4;
@@ -73,28 +73,6 @@ fn skip() -> Setup<out_of_order::SkipNet> {
     }
 }
 
-/// One forward and backward pass of `model` on plain maps: the loss and fresh gradients.
-fn loss_and_grads<M: FsdpModel>(
-    model: &M,
-    params: &Map,
-    batch: &M::Batch,
-) -> Result<(f32, Map), FsdpError> {
-    let mut grads: Map = params
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
-    let mut tape = M::Tape::default();
-    let n = model.spans().len();
-    for s in 0..n {
-        model.forward(s, params, batch, &mut tape)?;
-    }
-    let loss = model.loss(&tape)?;
-    for s in (0..n).rev() {
-        model.backward(s, params, &mut grads, batch, &mut tape)?;
-    }
-    Ok((loss, grads))
-}
-
 /// The single-process reference: `steps` steps on the whole batch, AdamW per parameter.
 fn reference<M: FsdpModel>(s: &Setup<M>, steps: usize) -> (Vec<f32>, Map)
 where
@@ -108,7 +86,7 @@ where
         .collect();
     let mut losses = Vec::new();
     for _ in 0..steps {
-        let (loss, grads) = loss_and_grads(&s.model, &params, &batch).unwrap();
+        let (loss, grads) = loss_and_grads(&s.model, &params, &params, &batch).unwrap();
         for (name, p) in params.iter_mut() {
             let state = states.get_mut(name).unwrap();
             state.step(&adamw(), p, &grads[name]).unwrap();
@@ -605,16 +583,16 @@ fn model_gradients_match_finite_differences() {
         M::Batch: Sized,
     {
         let batch = (s.batch)(GLOBAL, 0, 1);
-        let (_, grads) = loss_and_grads(&s.model, &s.init, &batch).unwrap();
+        let (_, grads) = loss_and_grads(&s.model, &s.init, &s.init, &batch).unwrap();
         let eps = 1e-2f32;
         let mut worst = 0.0f32;
         for (pname, values) in &s.init {
             for i in 0..values.len() {
                 let mut p = s.init.clone();
                 p.get_mut(pname).unwrap()[i] = values[i] + eps;
-                let (up, _) = loss_and_grads(&s.model, &p, &batch).unwrap();
+                let (up, _) = loss_and_grads(&s.model, &p, &p, &batch).unwrap();
                 p.get_mut(pname).unwrap()[i] = values[i] - eps;
-                let (down, _) = loss_and_grads(&s.model, &p, &batch).unwrap();
+                let (down, _) = loss_and_grads(&s.model, &p, &p, &batch).unwrap();
                 let fd = (up - down) / (2.0 * eps);
                 let g = grads[pname][i];
                 let err = (fd - g).abs() / (1e-2 + g.abs());

@@ -29,21 +29,9 @@ use tied_mlp::TiedMlp;
 /// maps (the tied weight once, under its storage name).
 fn reference_grads(model: &TiedMlp, params: &Map) -> Map {
     let batch = tied_mlp::batch(GLOBAL, 0, 1);
-    let mut grads: Map = params
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
-    let mut tape = tied_mlp::Tape::default();
-    let n = model.spans().len();
-    for s in 0..n {
-        model.forward(s, params, &batch, &mut tape).unwrap();
-    }
-    for s in (0..n).rev() {
-        model
-            .backward(s, params, &mut grads, &batch, &mut tape)
-            .unwrap();
-    }
-    grads
+    common::loss_and_grads(model, params, params, &batch)
+        .unwrap()
+        .1
 }
 
 /// The L2 norm of `grads`, summed in f64.

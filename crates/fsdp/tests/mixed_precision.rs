@@ -67,20 +67,7 @@ fn local_grads<M: FsdpModel>(
         map: &rounded,
         policy,
     };
-    let mut grads: Map = master
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
-    let mut tape = M::Tape::default();
-    let n = model.spans().len();
-    for s in 0..n {
-        model.forward(s, &p, batch, &mut tape).unwrap();
-    }
-    let loss = model.loss(&tape).unwrap();
-    for s in (0..n).rev() {
-        model.backward(s, &p, &mut grads, batch, &mut tape).unwrap();
-    }
-    (loss, grads)
+    common::loss_and_grads(model, &p, master, batch).unwrap()
 }
 
 /// Sum `values` in the ring's order starting at `first`, rounding to `r` after every addition.

@@ -19,7 +19,7 @@ use fsdp_gpt::model::{forward_backward, zeros_like_params};
 use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
 
-use common::training::{self, assert_params_close, ring_options};
+use common::training::{self, assert_params_close, ring_options, step_each};
 
 const STEPS: u64 = 3;
 const MICRO: u64 = 4;
@@ -64,13 +64,9 @@ fn reference(s: &Setup, micro: u64, clip: bool) -> Outcome {
                 *g *= coef as f32;
             }
         }
-        for (name, p) in params.iter_mut() {
-            states
-                .get_mut(name)
-                .unwrap()
-                .step(&s.opt, p, &grads[name])
-                .unwrap();
-        }
+        step_each(&mut params, &mut states, &grads, |state, p, g| {
+            state.step(&s.opt, p, g).unwrap()
+        });
     }
     (losses, norms, params)
 }

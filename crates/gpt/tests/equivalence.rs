@@ -26,7 +26,7 @@ use fsdp_gpt::model::{forward_backward, zeros_like_params};
 use fsdp_gpt::runtime::{BackwardPrefetch, CrossStreamSafety, FsdpConfig, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
 
-use common::training::{self, assert_params_close, ring_options};
+use common::training::{self, assert_params_close, ring_options, step_each};
 
 const STEPS: u64 = 5;
 const BATCH: usize = 12;
@@ -50,13 +50,9 @@ fn reference(s: &Setup) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
         let mut grads = zeros_like_params(&s.cfg);
         let batch = get_batch(&s.tokens, k, BATCH, SEQ, 0, 1).unwrap();
         losses.push(forward_backward(&s.cfg, &params, &mut grads, &batch, BATCH * SEQ).unwrap());
-        for (name, p) in params.iter_mut() {
-            states
-                .get_mut(name)
-                .unwrap()
-                .step(&s.opt, p, &grads[name])
-                .unwrap();
-        }
+        step_each(&mut params, &mut states, &grads, |state, p, g| {
+            state.step(&s.opt, p, g).unwrap()
+        });
     }
     (losses, params)
 }

@@ -79,15 +79,9 @@ fn grouped_bf16_step_equals_per_group_steps() {
     let mut sa = OptimizerState::try_new(&cfg, n).unwrap();
     let mut sb = AnyPrecisionAdamWState::try_new(&base, n).unwrap();
     let g: Vec<f32> = (0..n).map(|_| rng.spread()).collect();
-    sa.step_grouped_bf16(
-        &cfg,
-        base.lr,
-        &[ParamGroupOptions::default()],
-        &ShardGroups::single(n),
-        &mut a,
-        &g,
-    )
-    .unwrap();
+    let (one, whole) = ([ParamGroupOptions::default()], ShardGroups::single(n));
+    sa.step_grouped_bf16(&cfg, base.lr, &one, &whole, &mut a, &g)
+        .unwrap();
     sb.step(&base, &mut b, &g).unwrap();
     assert_eq!(bits_of(&a), bits_of(&b));
 }
@@ -103,15 +97,9 @@ fn grouped_f32_step_supports_any_precision() {
     let (mut a, mut b) = (p0.clone(), p0);
     let mut sa = OptimizerState::try_new(&cfg, n).unwrap();
     let mut sb = OptimizerState::try_new(&cfg, n).unwrap();
-    sa.step_grouped(
-        &cfg,
-        base.lr,
-        &[ParamGroupOptions::default()],
-        &ShardGroups::single(n),
-        &mut a,
-        &g,
-    )
-    .unwrap();
+    let (one, whole) = ([ParamGroupOptions::default()], ShardGroups::single(n));
+    sa.step_grouped(&cfg, base.lr, &one, &whole, &mut a, &g)
+        .unwrap();
     sb.step(&cfg, &mut b, &g).unwrap();
     assert_eq!(a, b);
     assert_eq!(sa, sb);

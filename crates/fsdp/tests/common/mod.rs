@@ -1,13 +1,15 @@
 //! Set-up shared by the engine tests (`mixed_precision`, `generic_models`, `grad_norm`,
 //! `grad_scaler`): the global batch, the AdamW settings, the ring options, the sharding
-//! configurations run, and the bitwise view of a state dict. Each test uses what it needs.
+//! configurations run, one forward and backward pass on plain maps, and the bitwise view of a
+//! state dict. Each test uses what it needs.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use fsdp::engine::{FsdpConfig, ShardingStrategy};
+use fsdp::engine::{FsdpConfig, FsdpModel, ShardingStrategy};
 use fsdp::optim::AdamWConfig;
+use fsdp::{FsdpError, Params};
 use fsdp_collectives::ring;
 
 /// Parameters (or gradients) by name.
@@ -68,4 +70,31 @@ pub fn bits(m: &Map) -> Bits {
         .collect();
     v.sort();
     v
+}
+
+/// One forward and backward pass of `model` through all its spans on `params`, in one process:
+/// the loss and the gradients, in fresh zeroed maps shaped as `like`.
+///
+/// # Errors
+/// The model's, as it returns them.
+pub fn loss_and_grads<M: FsdpModel>(
+    model: &M,
+    params: &dyn Params,
+    like: &Map,
+    batch: &M::Batch,
+) -> Result<(f32, Map), FsdpError> {
+    let mut grads: Map = like
+        .iter()
+        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+        .collect();
+    let mut tape = M::Tape::default();
+    let n = model.spans().len();
+    for s in 0..n {
+        model.forward(s, params, batch, &mut tape)?;
+    }
+    let loss = model.loss(&tape)?;
+    for s in (0..n).rev() {
+        model.backward(s, params, &mut grads, batch, &mut tape)?;
+    }
+    Ok((loss, grads))
 }

@@ -5,6 +5,7 @@ use super::*;
 
 use fsdp::checkpoint::{shard_file_name, LAYOUT_KEY};
 use fsdp::optim::AdamWConfig;
+use fsdp::units::UnitPlan;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_gpt::checkpoint::{load_sharded, load_sharded_gpt as load_sharded_checkpoint};
 use fsdp_gpt::data::{get_batch, synthetic_corpus};
@@ -18,6 +19,25 @@ const SEQ: usize = 16;
 
 fn opt() -> AdamWConfig {
     common::adamw()
+}
+
+/// The engine of the rank of `comm` with `strategy`, from the full parameters `params`.
+fn engine(
+    comm: ring::RingCommunicator,
+    cfg: GptConfig,
+    plan: &UnitPlan,
+    params: &HashMap<String, Vec<f32>>,
+    strategy: ShardingStrategy,
+) -> FsdpGpt {
+    FsdpGpt::new(
+        Box::new(comm),
+        cfg,
+        plan,
+        params,
+        FsdpConfig::new(strategy),
+        opt(),
+    )
+    .unwrap()
 }
 
 /// Trains `steps` steps (numbered from `first`) at `world` from `params` (and, if given, the
@@ -87,17 +107,9 @@ fn sharded_save_at_world_4_loads_at_worlds_3_and_1_bitwise() {
     for world in [3, 1] {
         let plan = gpt_block_plan(&cfg);
         let got = ring::run_ranks(world, ring_options(), |comm| {
-            FsdpGpt::new(
-                Box::new(comm),
-                cfg,
-                &plan,
-                &loaded,
-                FsdpConfig::new(ShardingStrategy::FullShard),
-                opt(),
-            )
-            .unwrap()
-            .full_params()
-            .unwrap()
+            engine(comm, cfg, &plan, &loaded, ShardingStrategy::FullShard)
+                .full_params()
+                .unwrap()
         })
         .unwrap();
         for p in &got {
@@ -106,17 +118,9 @@ fn sharded_save_at_world_4_loads_at_worlds_3_and_1_bitwise() {
         // Saving again at this world and loading gives the same bits too.
         let d = temp_dir(&format!("sharded-re-{world}"));
         ring::run_ranks(world, ring_options(), |comm| {
-            FsdpGpt::new(
-                Box::new(comm),
-                cfg,
-                &plan,
-                &loaded,
-                FsdpConfig::new(ShardingStrategy::ShardGradOp),
-                opt(),
-            )
-            .unwrap()
-            .save_sharded(&d)
-            .unwrap()
+            engine(comm, cfg, &plan, &loaded, ShardingStrategy::ShardGradOp)
+                .save_sharded(&d)
+                .unwrap()
         })
         .unwrap();
         assert_eq!(bits(&load_sharded(&d, &cfg).unwrap()), bits(&trained));
@@ -265,17 +269,9 @@ fn a_failed_sharded_save_fails_on_every_rank() {
     fs::write(&target, b"x").unwrap();
     let plan = gpt_block_plan(&cfg);
     let results = ring::run_ranks(2, ring_options(), |comm| {
-        FsdpGpt::new(
-            Box::new(comm),
-            cfg,
-            &plan,
-            &init,
-            FsdpConfig::new(ShardingStrategy::FullShard),
-            opt(),
-        )
-        .unwrap()
-        .save_sharded(&target)
-        .map_err(|e| e.to_string())
+        engine(comm, cfg, &plan, &init, ShardingStrategy::FullShard)
+            .save_sharded(&target)
+            .map_err(|e| e.to_string())
     })
     .unwrap();
     for r in results {

@@ -1,7 +1,7 @@
 //! Helpers shared by the tests that train the tiny GPT with FSDP against a reference
 //! (`equivalence.rs`, `accumulation.rs`, `activation_checkpointing.rs`): the set-up (model,
-//! corpus, initial parameters), the ring options, one rank's engine, and the comparison of
-//! final parameters with the key-bias rule.
+//! corpus, initial parameters), the ring options, one rank's engine, the reference's optimizer
+//! step on whole tensors, and the comparison of final parameters with the key-bias rule.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -48,6 +48,19 @@ impl<O: Copy + Into<OptimizerConfig>> Setup<O> {
 /// The ring engine's options with a 60 s timeout (generous for a loaded machine).
 pub fn ring_options() -> ring::RingOptions {
     ring::RingOptions::default().with_timeout(Duration::from_secs(60))
+}
+
+/// One optimizer step of every parameter on whole tensors, each with its own state in `states`:
+/// `step(state, param, grad)`.
+pub fn step_each<S>(
+    params: &mut HashMap<String, Vec<f32>>,
+    states: &mut HashMap<String, S>,
+    grads: &HashMap<String, Vec<f32>>,
+    step: impl Fn(&mut S, &mut [f32], &[f32]),
+) {
+    for (name, p) in params.iter_mut() {
+        step(states.get_mut(name).unwrap(), p, &grads[name]);
+    }
 }
 
 /// Checks `got` against `want`, parameter by parameter: the same names, every tensor within

@@ -20,12 +20,10 @@ pub fn layernorm_forward<T: Real>(
     mean: &mut [T],
     rstd: &mut [T],
 ) {
-    check_len("layernorm x", x, n * e);
+    check_rows(x, mean, rstd, n, e);
     check_len("layernorm y", y, n * e);
     check_len("layernorm w", w, e);
     check_len("layernorm b", b, e);
-    check_len("layernorm mean", mean, n);
-    check_len("layernorm rstd", rstd, n);
     let inv_e = T::one() / T::from_f64(e as f64);
     for (r, (xr, yr)) in x.chunks_exact(e).zip(y.chunks_exact_mut(e)).enumerate() {
         let mut s = T::zero();
@@ -63,12 +61,10 @@ pub fn layernorm_backward_input<T: Real>(
     e: usize,
     dx: &mut [T],
 ) {
-    check_len("layernorm x", x, n * e);
+    check_rows(x, mean, rstd, n, e);
     check_len("layernorm dy", dy, n * e);
     check_len("layernorm dx", dx, n * e);
     check_len("layernorm w", w, e);
-    check_len("layernorm mean", mean, n);
-    check_len("layernorm rstd", rstd, n);
     let inv_e = T::one() / T::from_f64(e as f64);
     for r in 0..n {
         let xr = &x[r * e..(r + 1) * e];
@@ -105,12 +101,10 @@ pub fn layernorm_backward_params<T: Real>(
     dw: &mut [T],
     db: &mut [T],
 ) {
-    check_len("layernorm x", x, n * e);
+    check_rows(x, mean, rstd, n, e);
     check_len("layernorm dy", dy, n * e);
     check_len("layernorm dw", dw, e);
     check_len("layernorm db", db, e);
-    check_len("layernorm mean", mean, n);
-    check_len("layernorm rstd", rstd, n);
     for r in 0..n {
         let (m, rs) = (mean[r], rstd[r]);
         let xr = &x[r * e..(r + 1) * e];
@@ -120,4 +114,13 @@ pub fn layernorm_backward_params<T: Real>(
             *dbi += g;
         }
     }
+}
+
+/// Checks the lengths that every LayerNorm function shares: `x: [n, e]`, `mean: [n]`,
+/// `rstd: [n]`.
+#[track_caller]
+fn check_rows<T>(x: &[T], mean: &[T], rstd: &[T], n: usize, e: usize) {
+    check_len("layernorm x", x, n * e);
+    check_len("layernorm mean", mean, n);
+    check_len("layernorm rstd", rstd, n);
 }
