@@ -756,7 +756,7 @@ impl<S: MemorySource> State<S> {
                 addr: *device_free as u64,
                 size: allocation_size as u64,
                 stream,
-                time_us: crate::history::now_us(),
+                time_us: h.now_us(),
                 frames,
                 device_free: Some(*device_free as u64),
             });

@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::panic::Location;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -79,7 +79,8 @@ pub struct TraceEntry {
     pub size: u64,
     /// The stream key of the pool.
     pub stream: u64,
-    /// Microseconds since the Unix epoch.
+    /// Microseconds since the Unix epoch (the clock read when recording started, advanced by a
+    /// monotonic clock: events are in time order).
     pub time_us: u64,
     /// The call stack, innermost first.
     pub frames: Vec<Frame>,
@@ -201,6 +202,8 @@ pub(crate) struct History {
     entries: VecDeque<TraceEntry>,
     /// Frames of allocated blocks, by block id.
     pub(crate) block_frames: HashMap<usize, Vec<Frame>>,
+    /// When recording started, on the monotonic clock and in microseconds since the epoch.
+    start: (Instant, u64),
 }
 
 impl History {
@@ -209,6 +212,13 @@ impl History {
             config,
             entries: VecDeque::new(),
             block_frames: HashMap::new(),
+            start: (
+                Instant::now(),
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_micros() as u64)
+                    .unwrap_or(0),
+            ),
         }
     }
 
@@ -254,7 +264,7 @@ impl History {
             addr,
             size,
             stream,
-            time_us: now_us(),
+            time_us: self.now_us(),
             frames,
             device_free: None,
         });
@@ -270,14 +280,12 @@ impl History {
         self.entries.push_back(entry);
     }
 
+    /// The current time in microseconds since the epoch, monotonic.
+    pub(crate) fn now_us(&self) -> u64 {
+        self.start.1 + self.start.0.elapsed().as_micros() as u64
+    }
+
     pub(crate) fn entries(&self) -> Vec<TraceEntry> {
         self.entries.iter().cloned().collect()
     }
-}
-
-pub(crate) fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
 }
