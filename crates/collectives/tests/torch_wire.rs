@@ -133,7 +133,7 @@ fn our_server_answers_pytorch_clients_bytes() {
 #[cfg_attr(miri, ignore = "sockets")]
 fn a_store_with_a_token_refuses_pytorch_clients() {
     let t = Duration::from_secs(10);
-    let token = JobToken::new(b"0123456789abcdef0123456789abcdef".to_vec()).unwrap();
+    let token = JobToken::new(b"0123456789abcdef0123456789abcdef").unwrap();
     let server = TcpStore::new(
         StoreOptions::new("127.0.0.1", 0, 0, 1)
             .with_timeout(t)

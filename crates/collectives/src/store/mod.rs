@@ -70,6 +70,8 @@
 mod client;
 mod ops;
 mod server;
+#[cfg(test)]
+mod tests;
 mod torch_wire;
 mod wire;
 
