@@ -61,6 +61,11 @@ fn gpu_side_wait_orders_two_streams() {
         sa.memcpy_dtod(&mid, &mut src).unwrap();
     }
     let done = a.record_event();
+    // 16 copies of 64 MiB take far longer than no time at all: a zero timeout expires.
+    assert!(matches!(
+        done.synchronize_timeout(Duration::ZERO),
+        Err(DeviceError::Timeout { .. })
+    ));
     let t0 = Instant::now();
     b.wait_event(&done).unwrap();
     sb.memcpy_dtod(&mid, &mut out).unwrap();
