@@ -2,17 +2,21 @@
 //! `skipped: no GPU (<reason>)` and passes.
 #![cfg(feature = "cuda")]
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fsdp_device::cuda::{self, pooled_events};
 use fsdp_device::{DeviceError, Event, Stream};
 
-fn gpu(test: &str) -> bool {
+/// The tests share device 0's event pool, whose size one of them checks: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
     match cuda::device_count() {
-        Ok(_) => true,
+        Ok(_) => Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner())),
         Err(e) => {
             println!("{test}: skipped: no GPU ({e})");
-            false
+            None
         }
     }
 }
@@ -23,9 +27,9 @@ const LEN: usize = 64 << 20;
 
 #[test]
 fn one_context_per_device() {
-    if !gpu("one_context_per_device") {
+    let Some(_serial) = gpu("one_context_per_device") else {
         return;
-    }
+    };
     let a = cuda::context(0).unwrap();
     let b = cuda::context(0).unwrap();
     assert!(std::sync::Arc::ptr_eq(&a, &b));
@@ -39,9 +43,9 @@ fn one_context_per_device() {
 
 #[test]
 fn gpu_side_wait_orders_two_streams() {
-    if !gpu("gpu_side_wait_orders_two_streams") {
+    let Some(_serial) = gpu("gpu_side_wait_orders_two_streams") else {
         return;
-    }
+    };
     let a = Stream::cuda(0, "a").unwrap();
     let b = Stream::cuda(0, "b").unwrap();
     let (sa, sb) = (a.cuda_stream().unwrap(), b.cuda_stream().unwrap());
@@ -57,6 +61,11 @@ fn gpu_side_wait_orders_two_streams() {
         sa.memcpy_dtod(&mid, &mut src).unwrap();
     }
     let done = a.record_event();
+    // 16 copies of 64 MiB take far longer than no time at all: a zero timeout expires.
+    assert!(matches!(
+        done.synchronize_timeout(Duration::ZERO),
+        Err(DeviceError::Timeout { .. })
+    ));
     let t0 = Instant::now();
     b.wait_event(&done).unwrap();
     sb.memcpy_dtod(&mid, &mut out).unwrap();
@@ -70,9 +79,9 @@ fn gpu_side_wait_orders_two_streams() {
 
 #[test]
 fn events_come_from_a_pool() {
-    if !gpu("events_come_from_a_pool") {
+    let Some(_serial) = gpu("events_come_from_a_pool") else {
         return;
-    }
+    };
     let s = Stream::cuda(0, "pool").unwrap();
     let e = s.record_event();
     e.synchronize().unwrap();
@@ -93,9 +102,9 @@ fn events_come_from_a_pool() {
 
 #[test]
 fn cuda_stream_waits_for_cpu_events_with_a_timeout() {
-    if !gpu("cuda_stream_waits_for_cpu_events_with_a_timeout") {
+    let Some(_serial) = gpu("cuda_stream_waits_for_cpu_events_with_a_timeout") else {
         return;
-    }
+    };
     let cpu = Stream::cpu("cpu");
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     cpu.enqueue(move || {
