@@ -73,22 +73,26 @@ pub(crate) trait ProgressBoard: Send + Sync {
     fn read(&self) -> Vec<Option<Progress>>;
 }
 
-/// A progress board in memory, for ranks that are threads of one process.
-pub(crate) struct SharedProgress(Mutex<Vec<Option<Progress>>>);
+/// A progress board in memory, for ranks that are threads of one process (one lock per rank, so
+/// that ranks never wait for each other to publish).
+pub(crate) struct SharedProgress(Vec<Mutex<Option<Progress>>>);
 
 impl SharedProgress {
     pub fn new(world: usize) -> SharedProgress {
-        SharedProgress(Mutex::new(vec![None; world]))
+        SharedProgress((0..world).map(|_| Mutex::new(None)).collect())
     }
 }
 
 impl ProgressBoard for SharedProgress {
     fn publish(&self, rank: usize, p: &Progress) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(p.clone());
+        *self.0[rank].lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
     }
 
     fn read(&self) -> Vec<Option<Progress>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0
+            .iter()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .collect()
     }
 }
 
