@@ -148,7 +148,6 @@ pub(crate) struct FlightRecorder {
     entries: Mutex<VecDeque<Entry>>,
     mine: Mutex<Progress>,
     dumped: AtomicBool,
-    epoch: (Instant, SystemTime),
 }
 
 /// The recorder's size from `FSDP_FLIGHT_RECORDER_SIZE` (default [`DEFAULT_SIZE`]); a value
@@ -179,7 +178,6 @@ impl FlightRecorder {
             entries: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
             mine: Mutex::new(Progress::default()),
             dumped: AtomicBool::new(false),
-            epoch: (Instant::now(), SystemTime::now()),
         }
     }
 
@@ -371,8 +369,10 @@ impl FlightRecorder {
         progress: &[Option<Progress>],
         behind: &str,
     ) -> std::io::Result<()> {
+        // Wall-clock times: the clock read once, here (no clock read per collective).
+        let (now, wall_now) = (Instant::now(), SystemTime::now());
         let ns = |t: Instant| -> u128 {
-            let wall = self.epoch.1 + t.saturating_duration_since(self.epoch.0);
+            let wall = wall_now - now.saturating_duration_since(t);
             wall.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos())
         };
         let entries: Vec<Value> = self
