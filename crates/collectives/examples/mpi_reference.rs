@@ -26,7 +26,6 @@ use fsdp_collectives::{CollectiveError, Communicator, ReduceOp};
 use fsdp_device::half::bf16;
 use fsdp_device::{with_element, Buffer, DType, Element};
 
-#[allow(dead_code)]
 #[path = "../tests/support/mod.rs"]
 mod support;
 

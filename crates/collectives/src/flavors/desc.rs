@@ -11,11 +11,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::time::Duration;
 
 use fsdp_device::DType;
 
 use super::tcp::wire::{Reader, Writer};
-use crate::ReduceOp;
+use crate::{CollectiveError, ReduceOp};
 
 mod fixed;
 #[cfg_attr(not(any(feature = "nccl", feature = "mpi")), allow(unused_imports))]
@@ -258,6 +259,49 @@ impl OpDesc {
         }
         Ok(d)
     }
+}
+
+impl OpDesc {
+    /// Split this rank's argument check: on failure the reason goes into the description (so
+    /// that the peers fail at once instead of waiting) and the error is returned for the caller.
+    pub fn take_check<A>(
+        &mut self,
+        rank: usize,
+        check: Result<A, String>,
+    ) -> (Option<A>, Option<CollectiveError>) {
+        match check {
+            Ok(a) => (Some(a), None),
+            Err(reason) => {
+                self.invalid = Some(reason.clone());
+                let op = self.op;
+                (
+                    None,
+                    Some(CollectiveError::InvalidArgument { rank, op, reason }),
+                )
+            }
+        }
+    }
+}
+
+/// After the exchange of collective `seq`: this rank's buffers that stayed busy (`busy`, why),
+/// then any difference between the ranks' calls, as this crate's errors.
+pub(crate) fn check_exchanged(
+    rank: usize,
+    seq: u64,
+    descs: &[OpDesc],
+    busy: Option<String>,
+    waited: Duration,
+) -> crate::Result<()> {
+    if let Some(why) = busy {
+        return Err(CollectiveError::Device {
+            rank,
+            source: fsdp_device::DeviceError::Timeout {
+                what: format!("access to the buffers of {}: {why}", descs[rank].op),
+                waited,
+            },
+        });
+    }
+    compare(descs, seq).map_err(|details| CollectiveError::Mismatch { rank, seq, details })
 }
 
 /// Compare the descriptions of all ranks of collective `seq`; `Err(details)` names the ranks and

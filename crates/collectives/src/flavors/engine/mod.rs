@@ -31,7 +31,7 @@ use fsdp_device::{AccessGuard, DType, Device, Stream};
 
 use self::recorder::{FlightRecorder, ProgressBoard, RecorderParts};
 use super::check::{enqueue_collective, Access, Placement};
-use super::desc::{compare, OpDesc};
+use super::desc::{check_exchanged, OpDesc};
 use crate::{CollectiveError, Result, Work};
 
 /// Why the description exchange or the data phase failed.
@@ -316,16 +316,7 @@ impl Engine {
         if let Some(reason) = core.control.aborted() {
             return Err(core.aborted_error(reason));
         }
-        let (access, local_error) = match check {
-            Ok(a) => (Some(a), None),
-            Err(reason) => {
-                desc.invalid = Some(reason.clone());
-                (
-                    None,
-                    Some(CollectiveError::InvalidArgument { rank, op, reason }),
-                )
-            }
-        };
+        let (access, local_error) = desc.take_check(rank, check);
         if let Some(r) = &core.recorder {
             // The sequence number enqueue_collective takes (issues on one communicator are
             // serialised by its owner, which is `Send` but not `Sync`).
@@ -441,16 +432,7 @@ fn run_started(
     let descs = t
         .exchange(seq, &desc, deadline)
         .map_err(|e| fail(core, op, seq, e))?;
-    if let Some(why) = local_failure {
-        return Err(CollectiveError::Device {
-            rank,
-            source: fsdp_device::DeviceError::Timeout {
-                what: format!("access to the buffers of {op}: {why}"),
-                waited: timeout,
-            },
-        });
-    }
-    compare(&descs, seq).map_err(|details| CollectiveError::Mismatch { rank, seq, details })?;
+    check_exchanged(rank, seq, &descs, local_failure, timeout)?;
     t.begin(seq, deadline);
     match body(t, &guards, Ctx { rank, world, seq }, &descs) {
         Ok(()) => Ok(()),

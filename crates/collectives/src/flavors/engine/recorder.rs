@@ -73,22 +73,26 @@ pub(crate) trait ProgressBoard: Send + Sync {
     fn read(&self) -> Vec<Option<Progress>>;
 }
 
-/// A progress board in memory, for ranks that are threads of one process.
-pub(crate) struct SharedProgress(Mutex<Vec<Option<Progress>>>);
+/// A progress board in memory, for ranks that are threads of one process (one lock per rank, so
+/// that ranks never wait for each other to publish).
+pub(crate) struct SharedProgress(Vec<Mutex<Option<Progress>>>);
 
 impl SharedProgress {
     pub fn new(world: usize) -> SharedProgress {
-        SharedProgress(Mutex::new(vec![None; world]))
+        SharedProgress((0..world).map(|_| Mutex::new(None)).collect())
     }
 }
 
 impl ProgressBoard for SharedProgress {
     fn publish(&self, rank: usize, p: &Progress) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(p.clone());
+        *self.0[rank].lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
     }
 
     fn read(&self) -> Vec<Option<Progress>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0
+            .iter()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .collect()
     }
 }
 
@@ -144,7 +148,6 @@ pub(crate) struct FlightRecorder {
     entries: Mutex<VecDeque<Entry>>,
     mine: Mutex<Progress>,
     dumped: AtomicBool,
-    epoch: (Instant, SystemTime),
 }
 
 /// The recorder's size from `FSDP_FLIGHT_RECORDER_SIZE` (default [`DEFAULT_SIZE`]); a value
@@ -162,6 +165,10 @@ fn configured_size() -> usize {
 impl FlightRecorder {
     /// A recorder configured from the environment; `None` when disabled (size 0).
     pub fn from_env(parts: RecorderParts) -> Option<Arc<FlightRecorder>> {
+        if cfg!(miri) {
+            // Miri isolates the file system and the wall clock that a dump needs.
+            return None;
+        }
         let capacity = configured_size();
         let dir = std::env::var_os(DIR_ENV).map_or_else(std::env::temp_dir, PathBuf::from);
         (capacity > 0).then(|| Arc::new(FlightRecorder::new(parts, capacity, dir)))
@@ -175,7 +182,6 @@ impl FlightRecorder {
             entries: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
             mine: Mutex::new(Progress::default()),
             dumped: AtomicBool::new(false),
-            epoch: (Instant::now(), SystemTime::now()),
         }
     }
 
@@ -367,8 +373,10 @@ impl FlightRecorder {
         progress: &[Option<Progress>],
         behind: &str,
     ) -> std::io::Result<()> {
+        // Wall-clock times: the clock read once, here (no clock read per collective).
+        let (now, wall_now) = (Instant::now(), SystemTime::now());
         let ns = |t: Instant| -> u128 {
-            let wall = self.epoch.1 + t.saturating_duration_since(self.epoch.0);
+            let wall = wall_now - now.saturating_duration_since(t);
             wall.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos())
         };
         let entries: Vec<Value> = self

@@ -55,6 +55,7 @@ fn progress_text_round_trips() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "writes files and reads the wall clock")]
 fn dump_names_the_rank_behind_and_keeps_the_last_entries() {
     let dir = std::env::temp_dir().join(format!("fsdp-fr-unit-{}", std::process::id()));
     let board = Arc::new(SharedProgress::new(3));

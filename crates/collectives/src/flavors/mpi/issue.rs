@@ -12,7 +12,7 @@ use fsdp_device::{AccessGuard, Device};
 use super::runtime::{error_string, mpi_u8, request_null, UserOps};
 use super::{CommInner, MpiCommunicator, BACKEND};
 use crate::flavors::check::{enqueue_collective, Access, Placement};
-use crate::flavors::desc::{compare, decode_all_fixed, OpDesc, FIXED_BYTES};
+use crate::flavors::desc::{check_exchanged, decode_all_fixed, OpDesc, FIXED_BYTES};
 use crate::{CollectiveError, Result, Work};
 
 /// Why a wait or an MPI call failed.
@@ -128,14 +128,6 @@ pub(super) fn c_count(n: usize, what: &str) -> std::result::Result<c_int, String
 }
 
 impl MpiCommunicator {
-    pub(super) fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {
-        CollectiveError::InvalidArgument {
-            rank: self.inner.rank,
-            op,
-            reason,
-        }
-    }
-
     /// Issue a collective: take a sequence number, enqueue the task and return its work. When
     /// `check` failed, the task still posts the (invalid) description so that the peers fail at
     /// once instead of waiting, and the error is returned here.
@@ -150,13 +142,7 @@ impl MpiCommunicator {
         if let Some(reason) = inner.aborted() {
             return Err(CollectiveError::Aborted { rank, reason });
         }
-        let (access, local_error) = match check {
-            Ok(a) => (Some(a), None),
-            Err(reason) => {
-                desc.invalid = Some(reason.clone());
-                (None, Some(self.invalid(op, reason)))
-            }
-        };
+        let (access, local_error) = desc.take_check(rank, check);
         let task_inner = inner.clone();
         let work = enqueue_collective(
             &self.stream,
@@ -283,16 +269,7 @@ pub(super) fn run_collective(
         seq,
         details,
     })?;
-    if let Some(why) = local_failure {
-        return Err(CollectiveError::Device {
-            rank,
-            source: fsdp_device::DeviceError::Timeout {
-                what: format!("access to the buffers of {op}: {why}"),
-                waited: timeout,
-            },
-        });
-    }
-    compare(&descs, seq).map_err(|details| CollectiveError::Mismatch { rank, seq, details })?;
+    check_exchanged(rank, seq, &descs, local_failure, timeout)?;
     match body(&mut ctx, &guards, &descs) {
         Ok(()) => Ok(()),
         Err(f) => {

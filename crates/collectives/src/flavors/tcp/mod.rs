@@ -71,6 +71,7 @@ mod connect;
 mod link;
 mod progress;
 mod shm;
+mod shm_map;
 mod transport;
 pub(crate) mod wire;
 
@@ -276,6 +277,12 @@ impl TcpCommunicator {
         opts: TcpOptions,
     ) -> Result<TcpCommunicator> {
         let kind = choose_transport(&store, &group, rank, world, opts.transport)?;
+        // The backend errors name: the transport actually used.
+        let backend = if kind == ProcessTransport::Shm && world > 1 {
+            "shm"
+        } else {
+            "tcp"
+        };
         let (transport, control): (Box<dyn Transport>, Arc<dyn Control>) = match kind {
             ProcessTransport::Shm if world > 1 => {
                 let (t, c) = shm::connect(
@@ -306,7 +313,7 @@ impl TcpCommunicator {
         let engine = Engine::new(EngineParts {
             rank,
             world,
-            backend: "tcp",
+            backend,
             stream_name: format!("{}-comm:{rank}/{world}", kind.name()),
             timeout: opts.timeout,
             segment_bytes: opts.segment_bytes,

@@ -14,8 +14,10 @@ const PERIOD: Duration = Duration::from_millis(20);
 
 #[derive(Default)]
 struct Pending {
-    latest: Option<String>,
+    latest: Option<Progress>,
     closed: bool,
+    /// The publisher waits for an update (and needs a wake-up); false while it writes or rests.
+    idle: bool,
 }
 
 /// One rank's view of the progress board of a group of processes.
@@ -58,19 +60,22 @@ fn publisher(pending: &(Mutex<Pending>, Condvar), store: &TcpStore, key: &str) {
         let value = {
             let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
             while p.latest.is_none() && !p.closed {
+                p.idle = true;
                 p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
             }
+            p.idle = false;
             if p.closed {
                 return;
             }
             p.latest.take().expect("checked")
         };
-        if let Err(e) = store.set(key, value.as_bytes()) {
+        if let Err(e) = store.set(key, value.encode().as_bytes()) {
             tracing::debug!(%e, "flight recorder: progress not published; publisher stops");
             return;
         }
-        let p = lock.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = cv.wait_timeout_while(p, PERIOD, |p| !p.closed);
+        // Rest without being woken by updates (a wake-up per collective would cost more than
+        // the collective); a close is noticed after the rest.
+        std::thread::sleep(PERIOD);
     }
 }
 
@@ -85,8 +90,11 @@ impl Drop for StoreProgress {
 impl ProgressBoard for StoreProgress {
     fn publish(&self, _rank: usize, p: &Progress) {
         let (lock, cv) = &*self.pending;
-        lock.lock().unwrap_or_else(|e| e.into_inner()).latest = Some(p.encode());
-        cv.notify_all();
+        let mut pending = lock.lock().unwrap_or_else(|e| e.into_inner());
+        pending.latest = Some(p.clone());
+        if pending.idle {
+            cv.notify_one();
+        }
     }
 
     fn read(&self) -> Vec<Option<Progress>> {
