@@ -12,6 +12,9 @@ use crate::store::TcpStore;
 /// Least time between two writes of one rank's progress.
 const PERIOD: Duration = Duration::from_millis(20);
 
+/// How long a failure report waits for the store's copy of the ranks' progress.
+const READ_BOUND: Duration = Duration::from_secs(2);
+
 #[derive(Default)]
 struct Pending {
     latest: Option<Progress>,
@@ -97,12 +100,29 @@ impl ProgressBoard for StoreProgress {
         }
     }
 
+    /// The ranks' last published progress, as far as the store answers within [`READ_BOUND`]:
+    /// the store may be unreachable when this runs (a failure is being reported; the link to the
+    /// store's host may be what failed), and the report must not wait for it.
     fn read(&self) -> Vec<Option<Progress>> {
-        (0..self.world)
-            .map(|r| {
-                let v = self.store.try_get(&key(&self.group, r)).ok().flatten()?;
-                Progress::decode(std::str::from_utf8(&v).ok()?)
-            })
-            .collect()
+        let (store, group, world) = (self.store.clone(), self.group.clone(), self.world);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::Builder::new()
+            .name("fsdp-progress-read".into())
+            .spawn(move || {
+                let got: Vec<Option<Progress>> = (0..world)
+                    .map(|r| {
+                        let v = store.try_get(&key(&group, r)).ok().flatten()?;
+                        Progress::decode(std::str::from_utf8(&v).ok()?)
+                    })
+                    .collect();
+                let _ = tx.send(got);
+            });
+        match reader {
+            // A reader still blocked after the bound is left to the store's own timeout.
+            Ok(_) => rx
+                .recv_timeout(READ_BOUND)
+                .unwrap_or_else(|_| vec![None; self.world]),
+            Err(_) => vec![None; self.world],
+        }
     }
 }
