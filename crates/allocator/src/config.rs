@@ -15,11 +15,11 @@ pub enum MemoryLimit {
     /// At most this many bytes.
     Bytes(usize),
     /// At most this fraction (0 to 1) of the source's
-    /// [`total_memory`](MemorySource::total_memory).
+    /// [`total_memory`](crate::MemorySource::total_memory).
     Fraction(f64),
 }
 
-/// Options of a [`CachingAllocator`].
+/// Options of a [`CachingAllocator`](crate::CachingAllocator).
 ///
 /// ```
 /// use fsdp_allocator::{AllocatorConfig, MemoryLimit};

@@ -2,11 +2,11 @@
 //!
 //! - [`context`]: one `CudaContext` (the device's primary context) per device per process,
 //!   shared by every stream, event and kernel module of the process, with cudarc's event
-//!   tracking disabled: the runtime orders work itself with [`Stream`]/[`Event`], and cudarc's
+//!   tracking disabled: the runtime orders work itself with [`Stream`]/[`Event`](crate::Event), and cudarc's
 //!   tracking would record an event per slice use and synchronise the whole context when the
 //!   first stream is created (a deadlock while a peer thread's NCCL kernel spins).
 //! - [`Stream::cuda`]: a non-blocking CUDA stream behind the same [`Stream`] type as the CPU
-//!   streams. [`Event::record`] on it records a CUDA event taken from a per-device pool (as
+//!   streams. [`Event::record`](crate::Event::record) on it records a CUDA event taken from a per-device pool (as
 //!   PyTorch's `CUDAEvent` pool: no `cuEventCreate`/`cuEventDestroy` per record),
 //!   [`Stream::wait_event`] between CUDA streams is `cuStreamWaitEvent` (GPU-side, the host does
 //!   not block), and every host wait (`synchronize`) polls `cuEventQuery` up to a timeout
