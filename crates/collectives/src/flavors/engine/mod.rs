@@ -21,6 +21,8 @@ mod chunks;
 mod collectives;
 mod communicator;
 pub(crate) mod recorder;
+#[cfg(test)]
+pub(crate) mod test_fault;
 
 pub(crate) use self::communicator::engine_communicator;
 

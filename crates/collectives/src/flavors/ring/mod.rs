@@ -235,12 +235,9 @@ engine_communicator!(RingCommunicator, split_ring);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flavors::check::Placement;
-    use crate::flavors::desc::OpDesc;
-    use crate::flavors::engine::algo::Chunks;
-    use crate::flavors::engine::{algo, Body, DataError};
+    use crate::flavors::engine::test_fault::faulty_all_gather;
+    use crate::flavors::engine::DataError;
     use crate::Communicator;
-    use fsdp_device::{Buffer, DType, Device};
     use std::time::Instant;
 
     /// A rank that fails in the middle of the data phase (after its peers published addresses
@@ -258,38 +255,20 @@ mod tests {
                 .map(|comm| {
                     s.spawn(move || {
                         let t0 = Instant::now();
-                        let world = comm.world_size();
-                        let input = Buffer::from_slice(&[1.0f32; 64]).unwrap();
-                        let output = Buffer::zeros(DType::F32, 64 * world).unwrap();
-                        let mut desc = OpDesc::new("all_gather_base");
-                        desc.dtype = Some(DType::F32);
-                        desc.count = 64;
-                        let access = Placement::on("ring", Device::Cpu)
-                            .all_gather_base(comm.rank(), world, &input, &output)
-                            .unwrap();
-                        let rank = comm.rank();
-                        let body: Body = Box::new(move |t, guards, ctx, _| {
-                            if rank == 1 {
-                                return Err(DataError::Protocol {
-                                    reason: "injected failure".into(),
-                                });
-                            }
-                            let chunks = Chunks::equal(3, 64, 4);
-                            // SAFETY: guards held as in all_gather_base.
-                            unsafe {
-                                algo::all_gather::<f32>(
-                                    t,
-                                    ctx,
-                                    guards[0].as_ptr(),
-                                    guards[1].as_ptr(),
-                                    &chunks,
-                                )
-                            }
-                        });
-                        let r = comm
-                            .engine
-                            .issue(desc, Ok(access), body)
-                            .and_then(|w| w.wait());
+                        let injected = || {
+                            Err(DataError::Protocol {
+                                reason: "injected failure".into(),
+                            })
+                        };
+                        let r = faulty_all_gather(
+                            &comm.engine,
+                            "ring",
+                            comm.rank(),
+                            comm.world_size(),
+                            1,
+                            injected,
+                            Duration::from_secs(40),
+                        );
                         // The group is aborted for every later call.
                         assert!(matches!(
                             comm.barrier(),

@@ -470,12 +470,8 @@ fn retag_rank(e: CollectiveError, rank: usize) -> CollectiveError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flavors::check::Placement;
-    use crate::flavors::desc::OpDesc;
-    use crate::flavors::engine::algo::Chunks;
-    use crate::flavors::engine::{algo, Body};
+    use crate::flavors::engine::test_fault::faulty_all_gather;
     use crate::Communicator;
-    use fsdp_device::{Buffer, DType, Device};
     use std::time::Instant;
 
     /// A rank that stalls in the middle of the data phase (after the description exchange): its
@@ -490,30 +486,19 @@ mod tests {
             .with_segment_bytes(16);
         let res = run_local_ranks(3, opts, |comm| {
             let t0 = Instant::now();
-            let world = comm.world_size();
-            let input = Buffer::from_slice(&[1.0f32; 64]).unwrap();
-            let output = Buffer::zeros(DType::F32, 64 * world).unwrap();
-            let mut desc = OpDesc::new("all_gather_base");
-            desc.dtype = Some(DType::F32);
-            desc.count = 64;
-            let access = Placement::on("tcp", Device::Cpu)
-                .all_gather_base(comm.rank(), world, &input, &output)
-                .unwrap();
-            let rank = comm.rank();
-            let body: Body = Box::new(move |t, guards, ctx, _| {
-                if rank == 1 {
-                    std::thread::sleep(Duration::from_millis(1200));
-                }
-                let chunks = Chunks::equal(3, 64, 4);
-                // SAFETY: guards held as in all_gather_base.
-                unsafe {
-                    algo::all_gather::<f32>(t, ctx, guards[0].as_ptr(), guards[1].as_ptr(), &chunks)
-                }
-            });
-            let r = comm
-                .engine
-                .issue(desc, Ok(access), body)
-                .and_then(|w| w.wait_timeout(Duration::from_secs(5)));
+            let stall = || {
+                std::thread::sleep(Duration::from_millis(1200));
+                Ok(())
+            };
+            let r = faulty_all_gather(
+                &comm.engine,
+                "tcp",
+                comm.rank(),
+                comm.world_size(),
+                1,
+                stall,
+                Duration::from_secs(5),
+            );
             let took = t0.elapsed();
             assert!(matches!(
                 comm.barrier(),
