@@ -104,19 +104,13 @@ pub fn write_error_file(message: &str) {
     };
     let rank = std::env::var("RANK").unwrap_or_default();
     let rank: i64 = rank.trim().parse().unwrap_or(-1);
-    let escaped: String = message
-        .chars()
-        .flat_map(|c| match c {
-            '"' => vec!['\\', '"'],
-            '\\' => vec!['\\', '\\'],
-            c if c.is_control() => vec![' '],
-            c => vec![c],
-        })
-        .collect();
-    let line = format!(
-        "{{\"rank\":{rank},\"peer_left\":{},\"message\":\"{escaped}\"}}\n",
-        message_blames_a_peer(message)
-    );
+    let line = serde_json::json!({
+        "rank": rank,
+        "peer_left": message_blames_a_peer(message),
+        "message": message,
+    })
+    .to_string()
+        + "\n";
     let _ = std::fs::write(path, line);
 }
 
@@ -635,7 +629,8 @@ impl ErrorFiles {
     fn says_peer_left(&self, rank: usize) -> bool {
         self.path(rank)
             .and_then(|p| std::fs::read_to_string(p).ok())
-            .is_some_and(|text| text.contains("\"peer_left\":true"))
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .is_some_and(|v| v["peer_left"] == serde_json::Value::Bool(true))
     }
 }
 
