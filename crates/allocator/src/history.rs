@@ -206,19 +206,24 @@ pub(crate) struct History {
     start: (Instant, u64),
 }
 
+/// Microseconds since the Unix epoch now (0 under Miri, whose isolation has no wall clock).
+fn epoch_micros() -> u64 {
+    if cfg!(miri) {
+        return 0;
+    }
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
 impl History {
     pub(crate) fn new(config: HistoryConfig) -> History {
         History {
             config,
             entries: VecDeque::new(),
             block_frames: HashMap::new(),
-            start: (
-                Instant::now(),
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map(|d| d.as_micros() as u64)
-                    .unwrap_or(0),
-            ),
+            start: (Instant::now(), epoch_micros()),
         }
     }
 
