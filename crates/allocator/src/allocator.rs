@@ -250,6 +250,21 @@ impl<S: MemorySource> State<S> {
     }
 
     #[inline]
+    /// A slot for a new segment (a freed one reused, else a new one) and the serial number of
+    /// its first block.
+    fn new_segment_slot(&mut self) -> (usize, u64) {
+        let seg_id = match self.free_segment_ids.pop() {
+            Some(i) => i,
+            None => {
+                self.segments.push(None);
+                self.segments.len() - 1
+            }
+        };
+        let serial = self.next_serial;
+        self.next_serial += 1;
+        (seg_id, serial)
+    }
+
     fn add_block(&mut self, e: BlockEntry<S::Stream>) -> BlockId {
         match self.free_ids.pop() {
             Some(id) => {
@@ -346,15 +361,7 @@ impl<S: MemorySource> State<S> {
             Err(AllocError::SourceOutOfMemory { .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
-        let seg_id = match self.free_segment_ids.pop() {
-            Some(i) => i,
-            None => {
-                self.segments.push(None);
-                self.segments.len() - 1
-            }
-        };
-        let serial = self.next_serial;
-        self.next_serial += 1;
+        let (seg_id, serial) = self.new_segment_slot();
         let id = self.add_block(BlockEntry {
             addr: base.as_ptr().addr(),
             serial,

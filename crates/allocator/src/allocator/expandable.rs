@@ -178,15 +178,7 @@ impl<S: MemorySource> State<S> {
             Err(AllocError::SourceOutOfMemory { .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
-        let seg_id = match self.free_segment_ids.pop() {
-            Some(i) => i,
-            None => {
-                self.segments.push(None);
-                self.segments.len() - 1
-            }
-        };
-        let serial = self.next_serial;
-        self.next_serial += 1;
+        let (seg_id, serial) = self.new_segment_slot();
         let head = self.add_block(BlockEntry {
             addr: base.as_ptr().addr(),
             serial,
