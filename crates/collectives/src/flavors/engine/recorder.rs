@@ -69,8 +69,9 @@ impl Progress {
 pub(crate) trait ProgressBoard: Send + Sync {
     /// Publish `rank`'s progress (cheap; may be coalesced and published later).
     fn publish(&self, rank: usize, p: &Progress);
-    /// Every rank's last published progress (`None`: nothing known), by rank.
-    fn read(&self) -> Vec<Option<Progress>>;
+    /// Every rank's last published progress (`None`: nothing known), by rank; an error when the
+    /// board itself could not be read (a store behind the failure being reported), naming why.
+    fn read(&self) -> Result<Vec<Option<Progress>>, String>;
 }
 
 /// A progress board in memory, for ranks that are threads of one process (one lock per rank, so
@@ -88,11 +89,12 @@ impl ProgressBoard for SharedProgress {
         *self.0[rank].lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
     }
 
-    fn read(&self) -> Vec<Option<Progress>> {
-        self.0
+    fn read(&self) -> Result<Vec<Option<Progress>>, String> {
+        Ok(self
+            .0
             .iter()
             .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
-            .collect()
+            .collect())
     }
 }
 
@@ -264,13 +266,20 @@ impl FlightRecorder {
             return None;
         }
         let rank = self.parts.rank;
-        let mut progress = self
+        let read = self
             .parts
             .progress
             .as_ref()
-            .map_or_else(|| vec![None; self.parts.world], |b| b.read());
+            .map_or_else(|| Ok(vec![None; self.parts.world]), |b| b.read());
+        let (mut progress, unread) = match read {
+            Ok(p) => (p, None),
+            Err(why) => (vec![None; self.parts.world], Some(why)),
+        };
         progress[rank] = Some(self.mine.lock().unwrap_or_else(|e| e.into_inner()).clone());
-        let behind = self.behind(&progress);
+        let behind = match unread {
+            None => self.behind(&progress),
+            Some(why) => format!("the other ranks' progress is unknown: {why}"),
+        };
         let path = self.path();
         let written = self.write(&path, reason, &progress, &behind);
         let summary = match &written {

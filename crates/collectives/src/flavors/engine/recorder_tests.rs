@@ -120,8 +120,48 @@ fn equal_progress_and_silent_ranks_are_said_so() {
     run(&a, 2);
     run(&b, 2);
     assert_eq!(
-        a.behind(&board.read()),
+        a.behind(&board.read().expect("an in-memory board is always read")),
         "every rank reporting progress reached the same point (last entered #1, last completed \
          #1); ranks [2] published no progress"
     );
+}
+
+/// A board that cannot be read, as a store behind a failed link.
+struct Unreachable;
+
+impl ProgressBoard for Unreachable {
+    fn publish(&self, _rank: usize, _p: &Progress) {}
+    fn read(&self) -> Result<Vec<Option<Progress>>, String> {
+        Err("the store did not answer (no route to host)".into())
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "writes files and reads the wall clock")]
+fn an_unreadable_board_is_said_so_not_called_silence() {
+    let dir = std::env::temp_dir().join(format!("fsdp-fr-unread-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = FlightRecorder::new(
+        RecorderParts {
+            rank: 1,
+            world: 3,
+            backend: "test",
+            group: "g0".into(),
+            root_group: true,
+            progress: Some(Arc::new(Unreachable)),
+        },
+        8,
+        dir.clone(),
+    );
+    run(&r, 2);
+    let said = r.dump("timed out").expect("the first dump reports");
+    assert!(
+        said.starts_with(
+            "the other ranks' progress is unknown: the store did not answer (no route to host); \
+             flight recorder dump: "
+        ),
+        "{said}"
+    );
+    assert!(!said.contains("published no progress"), "{said}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -165,7 +165,7 @@ impl ProgressBoard for Board {
         self.progress.publish(rank, p);
     }
 
-    fn read(&self) -> Vec<Option<Progress>> {
+    fn read(&self) -> Result<Vec<Option<Progress>>, String> {
         self.progress.read()
     }
 }

@@ -103,26 +103,31 @@ impl ProgressBoard for StoreProgress {
     /// The ranks' last published progress, as far as the store answers within [`READ_BOUND`]:
     /// the store may be unreachable when this runs (a failure is being reported; the link to the
     /// store's host may be what failed), and the report must not wait for it.
-    fn read(&self) -> Vec<Option<Progress>> {
+    fn read(&self) -> Result<Vec<Option<Progress>>, String> {
         let (store, group, world) = (self.store.clone(), self.group.clone(), self.world);
         let (tx, rx) = std::sync::mpsc::channel();
         let reader = std::thread::Builder::new()
             .name("fsdp-progress-read".into())
             .spawn(move || {
-                let got: Vec<Option<Progress>> = (0..world)
-                    .map(|r| {
-                        let v = store.try_get(&key(&group, r)).ok().flatten()?;
-                        Progress::decode(std::str::from_utf8(&v).ok()?)
+                let got: Result<Vec<Option<Progress>>, String> = (0..world)
+                    .map(|r| match store.try_get(&key(&group, r)) {
+                        Ok(v) => {
+                            Ok(v.and_then(|v| Progress::decode(std::str::from_utf8(&v).ok()?)))
+                        }
+                        Err(e) => Err(format!("the store did not answer ({e})")),
                     })
                     .collect();
                 let _ = tx.send(got);
             });
         match reader {
             // A reader still blocked after the bound is left to the store's own timeout.
-            Ok(_) => rx
-                .recv_timeout(READ_BOUND)
-                .unwrap_or_else(|_| vec![None; self.world]),
-            Err(_) => vec![None; self.world],
+            Ok(_) => rx.recv_timeout(READ_BOUND).unwrap_or_else(|_| {
+                Err(format!(
+                    "the store did not answer within {} s (it may be behind the failure)",
+                    READ_BOUND.as_secs()
+                ))
+            }),
+            Err(e) => Err(format!("no thread to read the store: {e}")),
         }
     }
 }
