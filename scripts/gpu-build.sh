@@ -48,7 +48,7 @@ for t in "${targets[@]}"; do
     strip --strip-debug "$out/$file"
     printf '%s %s %s\n' "$file" "$kind" "$what" >>"$out/MANIFEST"
 done
-cp scripts/gpu-check.sh "$out/"
+cp scripts/gpu-check.sh benches/torch_fsdp2_gpt.py "$out/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
 cat "$out/MANIFEST" >&2

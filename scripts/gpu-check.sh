@@ -81,13 +81,28 @@ while read -r file kind what; do
     tail -n 3 "$report/$file.log"
 done <"$bin_dir/MANIFEST"
 
+# The PyTorch FSDP2 baseline of the GPT benchmark (benches/torch_fsdp2_gpt.py), when this
+# machine's Python has torch with CUDA: GPT-2 124M, world 1, bf16 parameters, f32 reductions.
+if [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
+    python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    echo "== torch_fsdp2_gpt.py (PyTorch FSDP2 baseline, GPT-2 124M)"
+    for extra in "" "--compile"; do
+        log="$report/torch_fsdp2_gpt${extra:+_compile}.log"
+        timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --model 124m --device cuda \
+            --batch 8 --steps 30 $extra >"$log" 2>&1
+        echo "| torch_fsdp2_gpt.py $extra | $? | | $(grep -m1 -o 'median step.*' "$log" | cut -c1-60) | |" \
+            >>"$report/report.md"
+        tail -n 2 "$log"
+    done
+fi
+
 {
     echo
     echo "$failed binaries failed. Logs: one per binary beside this file."
     echo
     echo "## Skips, figures and failures"
     echo '```'
-    grep -hE 'skipped|GB/s|ulps|µs|us/|busbw|panicked|FAILED' "$report"/*.log | head -n 200
+    grep -hE 'skipped|GB/s|ulps|µs|us/|busbw|panicked|FAILED|RESULT' "$report"/*.log | head -n 200
     echo '```'
 } >>"$report/report.md"
 cat "$report/report.md"
