@@ -14,6 +14,10 @@
 //!   NVRTC wheel has no `cuda_bf16.h`).
 //! - [`host`]: the twins, tested here against independent references (`half`,
 //!   `fsdp_device::Element`, `fsdp::optim`).
+//! - [`gemm`]: matrix products through cuBLAS in the model's row-major terms (a `Linear`
+//!   layer's forward and both backward products, attention's batched products), f32, bf16 or
+//!   f16 inputs with f32 accumulation; the row-major to column-major mapping is tested on the
+//!   host against both definitions.
 //! - [`launch`]: safe launch functions over a cudarc `CudaStream` and device slices; modules
 //!   are compiled once per compute capability and loaded once per context.
 //!
@@ -26,6 +30,7 @@
 //! ```
 
 mod error;
+pub mod gemm;
 pub mod host;
 pub mod launch;
 pub mod programs;
