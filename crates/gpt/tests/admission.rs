@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 // Exactly one `error: ...` line containing every needle, exit status 1 (not an abort, 134, or
 // a signal) and no panic; returns the line.
 use common::cli::one_error_status_1 as one_error;
-use common::cli::{command, ok, ONE_LAYER};
+use common::cli::{command, free_port, ok, ONE_LAYER};
 use fsdp::human_bytes;
 use fsdp::plan::{
     available_memory, available_memory_from, cgroup_headroom, parse_cgroup_paths,
@@ -378,15 +378,6 @@ fn under_a_launcher_the_ranks_of_a_host_add_up_their_predictions() {
     let out = launched(&total.to_string());
     let stdout = ok(&out, "the run at the host's total");
     assert!(stdout.contains("done: 1 steps"), "{stdout}");
-}
-
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

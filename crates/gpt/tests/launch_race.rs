@@ -5,19 +5,12 @@
 
 mod common;
 
-use std::net::TcpListener;
-
-use common::cli::{command, text, SMALL_MODEL};
+use common::cli::{command, free_port, text, SMALL_MODEL};
 
 #[test]
 fn two_launches_on_one_port_never_cross() {
     for round in 0..5 {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-            .to_string();
+        let port = free_port().to_string();
         let mut args = vec!["launch", "-n", "3", "--master-port", &port, "train"];
         args.extend_from_slice(&SMALL_MODEL);
         args.extend_from_slice(&["--batch-size", "6", "--steps", "30"]);

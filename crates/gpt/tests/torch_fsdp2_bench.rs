@@ -6,20 +6,12 @@
 //! Needs a Python with torch, named by `FSDP_TORCH_PYTHON`; without it each test prints
 //! `skipped: no torch` and passes.
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+mod common;
 
-fn torch_python() -> Option<String> {
-    let py = std::env::var("FSDP_TORCH_PYTHON").ok()?;
-    let ok = Command::new(&py)
-        .args(["-c", "import torch.distributed.fsdp"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    ok.then_some(py)
-}
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::cli::{free_port, torch_python};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -92,7 +84,7 @@ fn check_against_golden(stdout: &str, world: u64) {
 
 #[test]
 fn the_fsdp2_baseline_gives_the_golden_losses_alone() {
-    let Some(py) = torch_python() else {
+    let Some(py) = torch_python("torch.distributed.fsdp") else {
         eprintln!("skipped: no torch (set FSDP_TORCH_PYTHON to a Python with torch)");
         return;
     };
@@ -101,16 +93,11 @@ fn the_fsdp2_baseline_gives_the_golden_losses_alone() {
 
 #[test]
 fn the_fsdp2_baseline_gives_the_golden_losses_as_two_ranks() {
-    let Some(py) = torch_python() else {
+    let Some(py) = torch_python("torch.distributed.fsdp") else {
         eprintln!("skipped: no torch (set FSDP_TORCH_PYTHON to a Python with torch)");
         return;
     };
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port().to_string();
     let launcher = [
         "-m",
         "torch.distributed.run",

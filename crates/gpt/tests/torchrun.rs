@@ -9,31 +9,11 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::cli::{fsdp, ok, s, scratch, text, SMALL_MODEL};
-
-fn torch_python() -> Option<String> {
-    let py = std::env::var("FSDP_TORCH_PYTHON").ok()?;
-    let ok = Command::new(&py)
-        .args(["-c", "import torch.distributed.run"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    ok.then_some(py)
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use common::cli::{free_port, fsdp, ok, s, scratch, text, torch_python, SMALL_MODEL};
 
 /// `torchrun --nproc-per-node 2 --master-port P [extra] --no-python fsdp train ...`.
 fn torchrun(py: &str, dir: &Path, extra: &[&str], train: &[&str]) -> Command {
@@ -116,7 +96,7 @@ fn losses(path: &Path) -> Vec<String> {
 
 #[test]
 fn torchrun_gives_the_loss_log_of_two_ranks() {
-    let Some(py) = torch_python() else {
+    let Some(py) = torch_python("torch.distributed.run") else {
         println!("skipped: no torch");
         return;
     };
@@ -141,7 +121,7 @@ fn torchrun_gives_the_loss_log_of_two_ranks() {
 
 #[test]
 fn a_killed_rank_shows_our_error_in_torchruns_summary() {
-    let Some(py) = torch_python() else {
+    let Some(py) = torch_python("torch.distributed.run") else {
         println!("skipped: no torch");
         return;
     };
@@ -177,7 +157,7 @@ fn a_killed_rank_shows_our_error_in_torchruns_summary() {
 
 #[test]
 fn a_restarted_attempt_resumes_from_the_checkpoint_dir() {
-    let Some(py) = torch_python() else {
+    let Some(py) = torch_python("torch.distributed.run") else {
         println!("skipped: no torch");
         return;
     };

@@ -1,5 +1,5 @@
-//! Matrix products on the GPU through cuBLAS (`cublasGemmEx` / `cublasGemmStridedBatchedEx`,
-//! cudarc's result layer), in the model's row-major terms ([`MatMul`]): a `Linear` layer's
+//! Matrix products on the GPU through cuBLAS (`cublasGemmStridedBatchedEx`, cudarc's result
+//! layer; a plain product is a batch of one), in the model's row-major terms ([`MatMul`]): a `Linear` layer's
 //! forward product and both backward products, and batched products for attention.
 //!
 //! Inputs f32, bf16 or f16; output the input type, or f32 from 16-bit inputs; accumulation is
@@ -181,70 +181,44 @@ impl Blas {
         let beta_p = (&beta as *const f32).cast::<c_void>();
         let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let done = if call.batch == 1 {
-            // SAFETY: the pointers are device memory of the stream's context holding at least
-            // the extents checked above for these dimensions and leading dimensions; alpha and
-            // beta are f32 host values, as CUBLAS_COMPUTE_32F reads them, alive for the call.
-            unsafe {
-                result::gemm_ex(
-                    self.handle,
-                    op(call.trans_first),
-                    op(call.trans_second),
-                    m,
-                    n,
-                    k,
-                    alpha_p,
-                    first,
-                    I::DATA_TYPE,
-                    lda,
-                    second,
-                    I::DATA_TYPE,
-                    ldb,
-                    beta_p,
-                    pc as *mut c_void,
-                    O::DATA_TYPE,
-                    ldc,
-                    compute,
-                    algo,
-                )
-            }
-        } else {
-            let (sa, sb, sc) = (
-                long(call.stride_first, "stride of b")?,
-                long(call.stride_second, "stride of a")?,
-                long(call.stride_c, "stride of c")?,
-            );
-            let batch = int(call.batch, "batch")?;
-            // SAFETY: as above, for `batch` products whose last one ends within the extents
-            // checked above.
-            unsafe {
-                result::gemm_strided_batched_ex(
-                    self.handle,
-                    op(call.trans_first),
-                    op(call.trans_second),
-                    m,
-                    n,
-                    k,
-                    alpha_p,
-                    first,
-                    I::DATA_TYPE,
-                    lda,
-                    sa,
-                    second,
-                    I::DATA_TYPE,
-                    ldb,
-                    sb,
-                    beta_p,
-                    pc as *mut c_void,
-                    O::DATA_TYPE,
-                    ldc,
-                    sc,
-                    batch,
-                    compute,
-                    algo,
-                )
-            }
+        let (sa, sb, sc) = (
+            long(call.stride_first, "stride of b")?,
+            long(call.stride_second, "stride of a")?,
+            long(call.stride_c, "stride of c")?,
+        );
+        let batch = int(call.batch, "batch")?;
+        // One call for plain and batched products (a batch of one is a plain product).
+        // SAFETY: the pointers are device memory of the stream's context holding at least the
+        // extents checked above for these dimensions, leading dimensions, strides and batch;
+        // alpha and beta are f32 host values, as CUBLAS_COMPUTE_32F reads them, alive for the
+        // call.
+        let done = unsafe {
+            result::gemm_strided_batched_ex(
+                self.handle,
+                op(call.trans_first),
+                op(call.trans_second),
+                m,
+                n,
+                k,
+                alpha_p,
+                first,
+                I::DATA_TYPE,
+                lda,
+                sa,
+                second,
+                I::DATA_TYPE,
+                ldb,
+                sb,
+                beta_p,
+                pc as *mut c_void,
+                O::DATA_TYPE,
+                ldc,
+                sc,
+                batch,
+                compute,
+                algo,
+            )
         };
-        done.map_err(|e| blas_error("cublasGemmEx", e))
+        done.map_err(|e| blas_error("cublasGemmStridedBatchedEx", e))
     }
 }

@@ -237,3 +237,25 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
         .collect();
     write_raw_safetensors(path, &raw);
 }
+
+/// A TCP port free on loopback right now (the operating system's choice).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The Python named by `FSDP_TORCH_PYTHON` if it can import `module` (tests that need torch
+/// skip without it).
+pub fn torch_python(module: &str) -> Option<String> {
+    let py = std::env::var("FSDP_TORCH_PYTHON").ok()?;
+    let ok = Command::new(&py)
+        .args(["-c", &format!("import {module}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(py)
+}
