@@ -188,7 +188,8 @@ fn job(port: u16, name: &'static str) -> Vec<Result<(), String>> {
 
 #[test]
 fn two_jobs_started_at_once_on_one_port_never_cross() {
-    for round in 0..50 {
+    let (mut round, mut void) = (0, 0);
+    while round < 50 {
         let port = TcpListener::bind((HOST, 0))
             .unwrap()
             .local_addr()
@@ -197,6 +198,22 @@ fn two_jobs_started_at_once_on_one_port_never_cross() {
         let a = std::thread::spawn(move || job(port, "a"));
         let b = std::thread::spawn(move || job(port, "b"));
         let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        // Neither rank 0 could listen: a third program took the port between its choice and the
+        // jobs' start (an outgoing connection elsewhere can get it from the ephemeral range).
+        // Nothing crossed; the round is run again on another port.
+        let refused = |j: &[Result<(), String>]| {
+            j[0].as_ref()
+                .is_err_and(|e| e.contains("store bind failed") && e.contains("already in use"))
+        };
+        if refused(&a) && refused(&b) {
+            void += 1;
+            assert!(
+                void <= 10,
+                "the port was taken by a third program {void} times"
+            );
+            continue;
+        }
+        round += 1;
         let ok = |j: &[Result<(), String>]| j.iter().all(Result::is_ok);
         // Exactly one job trains, with its own ranks (each checked the store's `who/` keys);
         // every rank of the other fails clearly.
