@@ -236,6 +236,33 @@ pub fn reduce<T: KernelFloat>(
     launch_reduce::<T>(stream, op, d, a, xp, n, finish)
 }
 
+/// [`reduce`] on raw device addresses of `stream`'s context (`dst = acc ⊕ x`, `n` elements):
+/// for callers that hold device pointers rather than cudarc slices (the CUDA ring of
+/// `fsdp-collectives`).
+///
+/// # Safety
+/// `dst`, `acc` and `x` must be device addresses of `stream`'s context, aligned for `T` and
+/// valid for `n` elements until the kernel has run (ordered by the caller); `dst` may equal `x`
+/// or `acc` (element-wise), and must not otherwise overlap them.
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for `finish == Some(0)`; compile, load and launch failures.
+pub unsafe fn reduce_raw<T: KernelFloat>(
+    stream: &CudaStream,
+    op: ReduceKind,
+    dst: u64,
+    acc: u64,
+    x: u64,
+    n: usize,
+    finish: Option<u32>,
+) -> Result<(), KernelError> {
+    check_reduce("reduce", n, n, finish)?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch_reduce::<T>(stream, op, dst, acc, x, n, finish)
+}
+
 /// In place: `dst = acc ⊕ dst` (see [`reduce`]).
 ///
 /// # Errors

@@ -60,6 +60,8 @@ pub use env::{
     INIT_TIMEOUT_ENV, TIMEOUT_ENV,
 };
 pub use error::{CollectiveError, Result};
+#[cfg(feature = "cuda")]
+pub use flavors::cuda_ring;
 #[cfg(feature = "mpi")]
 pub use flavors::mpi;
 #[cfg(feature = "nccl")]

@@ -10,6 +10,8 @@
 //!   real engine over it.
 
 mod check;
+#[cfg(feature = "cuda")]
+pub mod cuda_ring;
 mod desc;
 pub mod dryrun;
 mod engine;

@@ -1,7 +1,6 @@
-//! The ring algorithms, written once over a [`Transport`].
+//! The ring algorithms on the host: the [`schedule`](super::schedule)s run over a
+//! [`Transport`] with the host reduction kernels.
 //!
-//! Segments are processed in segment-major order (for each segment: the N-1 ring steps), which
-//! pipelines the steps of different segments across ranks so that moving and reducing overlap.
 //! Every reduction has one order: the partial of chunk `c` starts at rank `c + 1` and travels the
 //! ring, each rank computing `received ⊕ own` with the same kernels, the owner of the chunk
 //! applying the final step. Results are therefore bitwise identical over every transport.
@@ -9,6 +8,7 @@
 use fsdp_device::Element;
 
 pub(crate) use super::chunks::Chunks;
+use super::schedule::{self, Step};
 use super::{copy, Ctx, DataError, Transport};
 use crate::op::{combine_in_place, combine_into};
 use crate::ReduceOp;
@@ -69,6 +69,13 @@ unsafe fn reduce_forward<T: Element>(
     })
 }
 
+/// A step that the schedule of this collective never yields.
+fn foreign(what: &str) -> DataError {
+    DataError::Protocol {
+        reason: format!("schedule error: {what}"),
+    }
+}
+
 /// Ring all-gather: block `c` of the output (at `chunks.start(c)`) receives rank `c`'s block.
 /// This rank's block is read from `own` (which may be the output block itself).
 ///
@@ -85,27 +92,35 @@ pub(crate) unsafe fn all_gather<T: Element>(
     let (n, r) = (ctx.world, ctx.rank);
     let esz = std::mem::size_of::<T>();
     let at = |c: usize, off: usize| out.wrapping_add((chunks.start(c) + off) * esz);
-    for g in 0..chunks.num_segs {
-        let (off, len) = chunks.seg(r, g);
-        let src = own.wrapping_add(off * esz);
-        if n > 1 {
+    for step in schedule::all_gather(n, r, chunks) {
+        match step {
             // SAFETY: this rank's block, never written during the call.
-            unsafe { t.send(src, len * esz)? };
-        }
-        // SAFETY: own block and its output place are valid for len elements; the output block
-        // of this rank is written only here (the successor reads `own`, not this copy).
-        unsafe { copy(src, at(r, off), len * esz) };
-        for s in 0..n - 1 {
-            let b = (r + n - s - 1) % n;
-            let (off, len) = chunks.seg(b, g);
-            let dst = at(b, off);
-            // SAFETY: block `b` of this rank's output, written once here, then only read.
-            unsafe {
-                t.recv_copy(dst, len * esz)?;
-                if s + 2 < n {
-                    t.send(dst, len * esz)?;
+            Step::Send { off, len, .. } => unsafe {
+                t.send(own.wrapping_add(off * esz), len * esz)?
+            },
+            // SAFETY: own block and its output place are valid for len elements; the output
+            // block of this rank is written only here (the successor reads `own`, not this
+            // copy).
+            Step::CopyOwn { off, len } => unsafe {
+                copy(own.wrapping_add(off * esz), at(r, off), len * esz)
+            },
+            Step::RecvCopy {
+                chunk,
+                off,
+                len,
+                forward,
+            } => {
+                let dst = at(chunk, off);
+                // SAFETY: block `chunk` of this rank's output, written once here, then only
+                // read.
+                unsafe {
+                    t.recv_copy(dst, len * esz)?;
+                    if forward {
+                        t.send(dst, len * esz)?;
+                    }
                 }
             }
+            Step::RecvReduce { .. } => return Err(foreign("all-gather does not reduce")),
         }
     }
     t.drain()
@@ -127,75 +142,42 @@ pub(crate) unsafe fn reduce_scatter<T: Element>(
     let (n, r) = (ctx.world, ctx.rank);
     let esz = std::mem::size_of::<T>();
     let at = |c: usize, off: usize| input.wrapping_add((chunks.start(c) + off) * esz);
-    if n == 1 {
-        // SAFETY: the single chunk is the whole input; own_out has room for it.
-        unsafe { copy(input, own_out, chunks.lens[0] * esz) };
-        return Ok(());
-    }
-    for g in 0..chunks.num_segs {
-        let c0 = (r + n - 1) % n;
-        let (off, len) = chunks.seg(c0, g);
-        // SAFETY: our input chunk c0, only read.
-        unsafe { t.send(at(c0, off), len * esz)? };
-        for s in 0..n - 1 {
-            let c = (r + 2 * n - s - 2) % n;
-            let (off, len) = chunks.seg(c, g);
-            let mine = at(c, off);
-            if s + 2 == n {
-                let dst = own_out.wrapping_add(off * esz);
-                // SAFETY: the output segment is ours and never sent; in place it is exactly
-                // `mine`.
-                t.recv(len * esz, &mut |acc| unsafe {
-                    finish::<T>(op, acc, mine, dst, len, n)
-                })?;
-            } else {
-                // SAFETY: our input chunk is only read.
-                unsafe { reduce_forward::<T>(t, op, mine, len)? };
+    for step in schedule::reduce_scatter(n, r, chunks) {
+        match step {
+            // SAFETY: our input chunk, only read.
+            Step::Send { chunk, off, len } => unsafe { t.send(at(chunk, off), len * esz)? },
+            // SAFETY: a group of one: the single chunk of the input into own_out, which has
+            // room for it.
+            Step::CopyOwn { off, len } => unsafe {
+                copy(at(r, off), own_out.wrapping_add(off * esz), len * esz)
+            },
+            Step::RecvReduce {
+                chunk,
+                off,
+                len,
+                last,
+            } => {
+                let mine = at(chunk, off);
+                if last {
+                    let dst = own_out.wrapping_add(off * esz);
+                    // SAFETY: the output segment is ours and never sent; in place it is
+                    // exactly `mine`.
+                    t.recv(len * esz, &mut |acc| unsafe {
+                        finish::<T>(op, acc, mine, dst, len, n)
+                    })?;
+                } else {
+                    // SAFETY: our input chunk is only read.
+                    unsafe { reduce_forward::<T>(t, op, mine, len)? };
+                }
             }
+            Step::RecvCopy { .. } => return Err(foreign("reduce-scatter does not copy")),
         }
     }
-    t.drain()
-}
-
-/// A rank's place in a chain along the ring.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Link {
-    /// Starts each segment (and is alone in a group of one).
-    First,
-    /// Receives each segment and passes it on.
-    Middle,
-    /// Ends each segment.
-    Last,
-}
-
-/// Moves one segment of a chain: `(transport, link, address, elements)`.
-type ChainStep<'a> =
-    dyn FnMut(&mut dyn Transport, Link, *mut u8, usize) -> Result<(), DataError> + 'a;
-
-/// A pipelined chain along the ring over `buf` (`total` elements of `esz` bytes, in segments of
-/// `seg` elements): this rank is at position `pos` of `n`; `step(t, link, at, len)` moves one
-/// segment (`len` elements at `at`).
-fn chain(
-    t: &mut dyn Transport,
-    n: usize,
-    pos: usize,
-    buf: *mut u8,
-    (total, seg, esz): (usize, usize, usize),
-    step: &mut ChainStep<'_>,
-) -> Result<(), DataError> {
-    let link = if pos == 0 {
-        Link::First
-    } else if pos + 1 == n {
-        Link::Last
+    if n > 1 {
+        t.drain()
     } else {
-        Link::Middle
-    };
-    let chunks = Chunks::whole(total, seg);
-    for g in 0..chunks.num_segs {
-        let (off, len) = chunks.seg(0, g);
-        step(t, link, buf.wrapping_add(off * esz), len)?;
+        Ok(())
     }
-    t.drain()
 }
 
 /// Pipelined chain broadcast from `root` along the ring.
@@ -211,29 +193,32 @@ pub(crate) unsafe fn broadcast<T: Element>(
     root: usize,
     seg: usize,
 ) -> Result<(), DataError> {
-    let (n, r) = (ctx.world, ctx.rank);
     let esz = std::mem::size_of::<T>();
-    let pos = (r + n - root) % n;
-    chain(
-        t,
-        n,
-        pos,
-        buf,
-        (total, seg, esz),
-        &mut |t, link, at, len| {
-            // SAFETY: the root only reads its buffer; the others write each segment once, here,
-            // before sending it on.
-            unsafe {
-                if link != Link::First {
+    for step in schedule::broadcast(ctx.world, ctx.rank, root, total, seg) {
+        match step {
+            // SAFETY: the root only reads its buffer.
+            Step::Send { off, len, .. } => unsafe {
+                t.send(buf.wrapping_add(off * esz), len * esz)?
+            },
+            Step::RecvCopy {
+                off, len, forward, ..
+            } => {
+                let at = buf.wrapping_add(off * esz);
+                // SAFETY: a non-root rank writes each segment of its buffer once, here, before
+                // sending it on.
+                unsafe {
                     t.recv_copy(at, len * esz)?;
-                }
-                if link != Link::Last && n > 1 {
-                    t.send(at, len * esz)?;
+                    if forward {
+                        t.send(at, len * esz)?;
+                    }
                 }
             }
-            Ok(())
-        },
-    )
+            Step::CopyOwn { .. } | Step::RecvReduce { .. } => {
+                return Err(foreign("broadcast only sends and copies"))
+            }
+        }
+    }
+    t.drain()
 }
 
 /// Pipelined chain reduce into `root`: the chain starts at `root + 1` and ends at `root`.
@@ -250,27 +235,31 @@ pub(crate) unsafe fn reduce<T: Element>(
     root: usize,
     seg: usize,
 ) -> Result<(), DataError> {
-    let (n, r) = (ctx.world, ctx.rank);
-    let esz = std::mem::size_of::<T>();
-    let pos = (r + n - root - 1) % n;
-    chain(
-        t,
-        n,
-        pos,
-        buf,
-        (total, seg, esz),
-        &mut |t, link, mine, len| match link {
+    let (n, esz) = (ctx.world, std::mem::size_of::<T>());
+    for step in schedule::reduce(n, ctx.rank, root, total, seg) {
+        match step {
             // SAFETY: a non-root rank's buffer, only read.
-            Link::First if n > 1 => unsafe { t.send(mine, len * esz) },
-            Link::First => Ok(()),
-            // SAFETY: the root's own buffer, never sent.
-            Link::Last => t.recv(len * esz, &mut |acc| unsafe {
-                finish::<T>(op, acc, mine, mine, len, n)
-            }),
-            // SAFETY: a non-root rank's buffer, only read.
-            Link::Middle => unsafe { reduce_forward::<T>(t, op, mine, len) },
-        },
-    )
+            Step::Send { off, len, .. } => unsafe {
+                t.send(buf.wrapping_add(off * esz), len * esz)?
+            },
+            Step::RecvReduce { off, len, last, .. } => {
+                let mine = buf.wrapping_add(off * esz);
+                if last {
+                    // SAFETY: the root's own buffer, never sent.
+                    t.recv(len * esz, &mut |acc| unsafe {
+                        finish::<T>(op, acc, mine, mine, len, n)
+                    })?;
+                } else {
+                    // SAFETY: a non-root rank's buffer, only read.
+                    unsafe { reduce_forward::<T>(t, op, mine, len)? };
+                }
+            }
+            Step::CopyOwn { .. } | Step::RecvCopy { .. } => {
+                return Err(foreign("reduce only sends and reduces"))
+            }
+        }
+    }
+    t.drain()
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ mod chunks;
 mod collectives;
 mod communicator;
 pub(crate) mod recorder;
+pub(crate) mod schedule;
 #[cfg(test)]
 pub(crate) mod test_fault;
 
@@ -182,6 +183,8 @@ pub(crate) struct EngineParts {
     pub stream_name: String,
     pub timeout: Duration,
     pub segment_bytes: usize,
+    /// The device of the buffers the collectives take.
+    pub device: Device,
     pub transport: Box<dyn Transport>,
     pub control: Arc<dyn Control>,
     /// The group's name (dumps of sub-groups carry it) and whether every rank starts with it.
@@ -197,6 +200,7 @@ struct Core {
     backend: &'static str,
     timeout: Duration,
     segment_bytes: usize,
+    device: Device,
     transport: Mutex<Box<dyn Transport>>,
     control: Arc<dyn Control>,
     /// Sequence number of the next collective, taken together with the enqueue.
@@ -274,6 +278,7 @@ impl Engine {
                 backend: parts.backend,
                 timeout: parts.timeout,
                 segment_bytes: parts.segment_bytes,
+                device: parts.device,
                 transport: Mutex::new(parts.transport),
                 control: parts.control,
                 next_seq: Mutex::new(0),
@@ -300,8 +305,8 @@ impl Engine {
         self.core.control.aborted()
     }
 
-    fn placement(&self) -> Placement {
-        Placement::on(self.core.backend, Device::Cpu)
+    pub(crate) fn placement(&self) -> Placement {
+        Placement::on(self.core.backend, self.core.device)
     }
 
     /// Issue a collective: take a sequence number, enqueue the task and return its work. When

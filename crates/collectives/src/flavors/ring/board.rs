@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::threads::Links;
 pub(crate) use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::recorder::{Progress, ProgressBoard, SharedProgress};
+use crate::flavors::engine::DataError;
 
 /// Why an exchange did not complete.
 #[derive(Debug)]
@@ -16,6 +17,25 @@ pub(crate) enum ExchangeFail {
     Timeout { missing: Vec<usize> },
     Departed { peer: usize },
     Aborted { reason: String },
+}
+
+impl ExchangeFail {
+    /// The engine's error for a failed exchange of collective `seq`.
+    pub(crate) fn into_data_error(self, seq: u64) -> DataError {
+        match self {
+            ExchangeFail::Timeout { missing } => DataError::Timeout {
+                waiting_for: format!(
+                    "rank{} {missing:?} did not reach this collective",
+                    if missing.len() == 1 { "" } else { "s" }
+                ),
+            },
+            ExchangeFail::Departed { peer } => DataError::Departed {
+                peer,
+                why: format!("it left the group before collective #{seq}"),
+            },
+            ExchangeFail::Aborted { reason } => DataError::Aborted { reason },
+        }
+    }
 }
 
 struct Slot {

@@ -22,7 +22,7 @@
 //! assert!(sums.iter().all(|v| v == &vec![6.0; 4]));
 //! ```
 
-mod board;
+pub(crate) mod board;
 mod threads;
 
 use std::fmt;
@@ -183,6 +183,7 @@ impl RingCommunicator {
             stream_name: format!("ring-comm:{rank}/{world}"),
             timeout: opts.timeout,
             segment_bytes: opts.segment_bytes,
+            device: fsdp_device::Device::Cpu,
             transport: Box::new(transport),
             control: board.clone(),
             root_group: !group.contains('.'),

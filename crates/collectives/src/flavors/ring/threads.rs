@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use fsdp_device::{HostStorage, Storage};
 
-use super::board::{Board, ExchangeFail};
+use super::board::Board;
 use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::{Control, DataError, Transport};
 
@@ -273,19 +273,7 @@ impl Transport for Threads {
         let left = deadline.saturating_duration_since(Instant::now());
         self.board
             .exchange(self.rank, seq, own.clone(), left)
-            .map_err(|f| match f {
-                ExchangeFail::Timeout { missing } => DataError::Timeout {
-                    waiting_for: format!(
-                        "rank{} {missing:?} did not reach this collective",
-                        if missing.len() == 1 { "" } else { "s" }
-                    ),
-                },
-                ExchangeFail::Departed { peer } => DataError::Departed {
-                    peer,
-                    why: format!("it left the group before collective #{seq}"),
-                },
-                ExchangeFail::Aborted { reason } => DataError::Aborted { reason },
-            })
+            .map_err(|f| f.into_data_error(seq))
     }
 
     fn begin(&mut self, seq: u64, deadline: Instant) {

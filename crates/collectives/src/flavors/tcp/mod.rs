@@ -317,6 +317,7 @@ impl TcpCommunicator {
             stream_name: format!("{}-comm:{rank}/{world}", kind.name()),
             timeout: opts.timeout,
             segment_bytes: opts.segment_bytes,
+            device: fsdp_device::Device::Cpu,
             transport,
             control,
             root_group: !group.contains('.'),
