@@ -21,6 +21,8 @@ targets=(
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
     "fsdp-collectives|nccl|test|nccl|the NCCL backend against the host reference"
     "fsdp-collectives|nccl|bench|nccl_all_gather|NCCL all-gather base bandwidth"
+    "fsdp-collectives|cuda|test|cuda_ring|the CUDA ring bitwise against the host ring, worlds 1-4; timeout"
+    "fsdp-collectives|cuda|bench|cuda_ring_all_gather|CUDA ring all-gather base vs copy bandwidth"
 )
 
 rm -rf "$out"
