@@ -400,26 +400,38 @@ impl Rank {
         })
     }
 
-    /// After a failure: stop reading the predecessor's memory (synchronise this stream, at most
-    /// `grace`), tell it so, and wait (at most `grace`) until the successor said the same. False
-    /// if either could not be established.
+    /// After a failure: stop reading the predecessor's memory (synchronise this stream), tell
+    /// it so, and make sure the successor no longer reads this rank's memory: every segment it
+    /// took has its consumed event completed, and for the others it said it released them.
+    /// False (the caller then leaks its buffers) if that could not be established within
+    /// `grace`.
     pub fn release(&mut self, grace: Duration) -> bool {
-        let own = self.stream.synchronize().is_ok();
-        if own {
+        let deadline = Instant::now() + grace;
+        // Slot readers and (through `answer`) the other readers seen so far are ordered before
+        // this synchronisation.
+        let mut ok = true;
+        for e in self.slot_consumed.iter_mut().filter_map(Option::take) {
+            ok &= self.stream.wait_event(&e).is_ok();
+        }
+        ok &= self.stream.synchronize().is_ok();
+        if ok {
             let _ = self.links.ack_to_prev.send(Ack::Released(self.seq));
         }
-        if self.world == 1 || self.outstanding.is_empty() {
-            return own;
-        }
-        let deadline = Instant::now() + grace;
-        loop {
+        while !self.outstanding.is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.links.acks_from_next.recv_timeout(left) {
-                Ok(Ack::Released(s)) if s == self.seq => return own,
+                Ok(Ack::Released(s)) if s == self.seq => break,
+                Ok(Ack::Consumed(s, e)) if s == self.seq => {
+                    self.outstanding.pop_front();
+                    ok &= e.synchronize_timeout(left).is_ok();
+                }
                 Ok(_) => {}
                 // Timed out, or the successor left without saying: it may still read ours.
                 Err(_) => return false,
             }
         }
+        self.outstanding.clear();
+        self.free_slots = self.slot_consumed.len();
+        ok
     }
 }
