@@ -14,9 +14,9 @@
 //! mismatch check); every host wait has the group's timeout.
 //!
 //! Like the NCCL backend, a communicator issues collectives on a CPU stream
-//! ([`Communicator::stream`]): its worker takes the buffers' access tickets, enqueues the
-//! schedule, records an end event on the CUDA stream and polls it (with the timeout) before it
-//! releases the buffers and completes the [`Work`](crate::Work). Buffers written by other CUDA
+//! ([`Communicator::stream`](crate::Communicator::stream)): its worker takes the buffers'
+//! access tickets, enqueues the schedule, records an end event on the CUDA stream and polls it
+//! (with the timeout) before it releases the buffers and completes the [`Work`](crate::Work). Buffers written by other CUDA
 //! streams must be complete before the collective is issued.
 //!
 //! Offered: `all_gather_base`, `reduce_scatter_base`, `all_reduce`, `broadcast`, `reduce` and
