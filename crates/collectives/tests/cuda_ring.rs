@@ -143,10 +143,15 @@ fn upload<T: Element>(c: &CudaRingCommunicator, alloc: &CudaAllocator, data: &[T
     let buf = alloc.allocate_buffer(T::DTYPE, data.len(), stream).unwrap();
     if !data.is_empty() {
         let g = buf.access(AccessMode::Exclusive).acquire(TIMEOUT).unwrap();
-        stream.context().bind_to_thread().unwrap();
+        let ctx = stream.context();
+        ctx.bind_to_thread().unwrap();
+        // The allocation may be stream-ordered, and a synchronous copy from pageable memory may
+        // return before its DMA ended: synchronise around it.
+        ctx.synchronize().unwrap();
         // SAFETY: exclusive access to `buf`, device memory of `data.len()` elements of T in the
         // context just made current.
         unsafe { cudarc::driver::result::memcpy_htod_sync(g.as_ptr() as u64, data) }.unwrap();
+        ctx.synchronize().unwrap();
     }
     buf
 }
