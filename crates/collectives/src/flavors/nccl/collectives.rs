@@ -89,9 +89,13 @@ impl NcclCommunicator {
             });
         }
         if self.world > 1 && (self.opts.verify || op == "barrier") {
-            self.order_after_current()?;
             let mut slot = lock(&self.scratch);
-            validate::exchange(&self.comm, &mut slot, &desc, seq, self.opts.timeout)?;
+            let checked = validate::exchange(&self.comm, &mut slot, &desc, seq, self.opts.timeout);
+            // A call invalid here took part only so that the peers fail too; its own error is
+            // the local one.
+            if local_error.is_none() {
+                checked?;
+            }
         }
         if let Some(e) = local_error {
             return Err(e);
@@ -186,10 +190,22 @@ impl NcclCommunicator {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let color_c = color.map_or(ffi::SPLIT_NOCOLOR, |c| c as i32);
         let key_c = key.min(i32::MAX as usize) as i32;
+        let child_flag = self.comm.flag.child(n, color_c);
         let mut child = None;
         let launch: Launch<'_> = Box::new(|me, _ptrs, _seq, deadline| {
-            child = Some(me.comm.split(color_c, key_c, deadline, me.opts.timeout)?);
-            Ok(())
+            match me.comm.split(color_c, key_c, deadline, me.opts.timeout) {
+                Ok(c) => {
+                    child = Some(c);
+                    Ok(())
+                }
+                Err(e) => {
+                    // The child's other ranks fail fast; the parent stays usable.
+                    if color.is_some() {
+                        child_flag.publish(&format!("rank {rank} failed to split: {e}"));
+                    }
+                    Err(e)
+                }
+            }
         });
         self.issue(Desc::new("split"), check, Some(launch))?
             .synchronize()?;
@@ -228,7 +244,7 @@ impl NcclCommunicator {
             self.opts.clone(),
             self.ctx.clone(),
             stream,
-            self.comm.flag.child(n, color_c),
+            child_flag,
         )
         .map(Some)
     }

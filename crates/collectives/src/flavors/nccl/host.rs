@@ -12,11 +12,17 @@ use super::validate::wait_host;
 use super::NcclCommunicator;
 use crate::{CollectiveError, Result};
 
-/// Pinned (page-locked) host memory, freed on drop.
-struct Pinned {
+/// Pinned (page-locked) host memory, freed on drop. A communicator keeps its largest staging
+/// buffer for the next copy: `cuMemHostAlloc`/`cuMemFreeHost` may synchronise the device, which
+/// must not happen per copy while collectives are in flight.
+pub(crate) struct Pinned {
     ptr: *mut u8,
     bytes: usize,
 }
+
+// SAFETY: the memory is owned by this value; it is only touched by the thread that holds the
+// communicator's staging lock (or owns the value).
+unsafe impl Send for Pinned {}
 
 impl Pinned {
     fn new(bytes: usize) -> std::result::Result<Pinned, cu::DriverError> {
@@ -25,9 +31,10 @@ impl Pinned {
         Ok(Pinned { ptr, bytes })
     }
 
-    fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: `bytes` bytes of pinned memory owned by this value.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    /// The first `len` bytes (at most the allocation).
+    fn bytes(&mut self, len: usize) -> &mut [u8] {
+        // SAFETY: `self.bytes` bytes of pinned memory owned by this value; `len` is clamped.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, len.min(self.bytes)) }
     }
 }
 
@@ -95,6 +102,7 @@ impl NcclCommunicator {
         op: &'static str,
         buf: &Buffer,
         staging: &mut Pinned,
+        len: usize,
         upload: bool,
     ) -> Result<()> {
         let rank = self.rank;
@@ -113,10 +121,10 @@ impl NcclCommunicator {
         let copied = if upload {
             // SAFETY: `dptr` is device memory of this context of `staging.bytes` bytes (the
             // length and type were checked); the pinned source lives until the copy completed.
-            unsafe { cu::memcpy_htod_async(dptr, staging.bytes(), s) }
+            unsafe { cu::memcpy_htod_async(dptr, staging.bytes(len), s) }
         } else {
             // SAFETY: as above, in the other direction.
-            unsafe { cu::memcpy_dtoh_async(staging.bytes(), dptr, s) }
+            unsafe { cu::memcpy_dtoh_async(staging.bytes(len), dptr, s) }
         };
         drop(g);
         copied.map_err(self.driver(if upload {
@@ -147,6 +155,25 @@ impl NcclCommunicator {
         Ok(())
     }
 
+    /// The cached staging buffer, grown to at least `len` bytes.
+    fn staging(&self, len: usize) -> Result<Pinned> {
+        let cached = super::comm::lock(&self.staging).take();
+        match cached {
+            Some(p) if p.bytes >= len => Ok(p),
+            _ => Pinned::new(len).map_err(self.driver("cuMemHostAlloc")),
+        }
+    }
+
+    /// Give the staging buffer back for the next copy; after a failed copy it is leaked (the
+    /// copy may still use it).
+    fn keep_staging(&self, staging: Pinned, ok: bool) {
+        if ok {
+            *super::comm::lock(&self.staging) = Some(staging);
+        } else {
+            std::mem::forget(staging);
+        }
+    }
+
     /// Copy `data` into the device buffer `buf`, after the work of the current stream and the
     /// collectives issued before; returns when the copy has completed on the GPU (bounded by
     /// the timeout).
@@ -155,18 +182,13 @@ impl NcclCommunicator {
         if data.is_empty() {
             return Ok(());
         }
-        let mut staging =
-            Pinned::new(std::mem::size_of_val(data)).map_err(self.driver("cuMemHostAlloc"))?;
+        let len = std::mem::size_of_val(data);
+        let mut staging = self.staging(len)?;
         // SAFETY: `T` is plain data (`Element: Pod`), so its bytes may be read as `u8`.
-        let src = unsafe {
-            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
-        };
-        staging.bytes().copy_from_slice(src);
-        let r = self.staged_copy("copy_from_host", buf, &mut staging, true);
-        if r.is_err() {
-            // The copy may still read the staging memory: leak it.
-            std::mem::forget(staging);
-        }
+        let src = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), len) };
+        staging.bytes(len).copy_from_slice(src);
+        let r = self.staged_copy("copy_from_host", buf, &mut staging, len, true);
+        self.keep_staging(staging, r.is_ok());
         r
     }
 
@@ -178,16 +200,16 @@ impl NcclCommunicator {
         if out.is_empty() {
             return Ok(out);
         }
-        let bytes = std::mem::size_of_val(out.as_slice());
-        let mut staging = Pinned::new(bytes).map_err(self.driver("cuMemHostAlloc"))?;
-        if let Err(e) = self.staged_copy("copy_to_host", buf, &mut staging, false) {
-            std::mem::forget(staging);
-            return Err(e);
+        let len = std::mem::size_of_val(out.as_slice());
+        let mut staging = self.staging(len)?;
+        let r = self.staged_copy("copy_to_host", buf, &mut staging, len, false);
+        if r.is_ok() {
+            // SAFETY: `T` is plain data (`Element: Pod`): any bytes are a valid `T`; `out` has
+            // exactly `len` bytes.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), len) };
+            dst.copy_from_slice(staging.bytes(len));
         }
-        // SAFETY: `T` is plain data (`Element: Pod`): any bytes are a valid `T`; `out` has
-        // exactly `bytes` bytes.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), bytes) };
-        dst.copy_from_slice(staging.bytes());
-        Ok(out)
+        self.keep_staging(staging, r.is_ok());
+        r.map(|()| out)
     }
 }

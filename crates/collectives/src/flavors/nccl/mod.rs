@@ -258,6 +258,8 @@ pub struct NcclCommunicator {
     splits: AtomicU64,
     /// `None` once leaked (a failed exchange left copies in flight).
     scratch: Mutex<Option<Scratch>>,
+    /// The pinned staging of host copies, kept for the next one.
+    staging: Mutex<Option<host::Pinned>>,
     /// `None` only while dropping.
     watchdog: Option<Watchdog>,
 }
@@ -430,6 +432,7 @@ impl NcclCommunicator {
             next_seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             scratch: Mutex::new(Some(scratch)),
+            staging: Mutex::new(None),
             watchdog: Some(watchdog),
         })
     }
@@ -505,6 +508,7 @@ impl Drop for NcclCommunicator {
         drop(self.watchdog.take());
         let _ = self.ctx.bind_to_thread();
         drop(lock(&self.scratch).take());
+        drop(lock(&self.staging).take());
         self.comm
             .close(self.opts.timeout.min(Duration::from_secs(60)));
     }

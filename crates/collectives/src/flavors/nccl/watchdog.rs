@@ -114,6 +114,7 @@ fn run(s: &Shared) {
             while q.front().is_some_and(Pending::done) {
                 if let Some(p) = q.pop_front() {
                     p.finish(Ok(()));
+                    polls = 0;
                 }
             }
             (!q.is_empty(), q.front().map(|p| (p.deadline, p.op, p.seq)))
