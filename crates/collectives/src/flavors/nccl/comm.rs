@@ -368,12 +368,14 @@ pub(crate) fn with_last_error(comm: sys::ncclComm_t, r: sys::ncclResult_t) -> St
 }
 
 /// Initialise rank `rank` of `world` on the current context's device (non-blocking, polled up
-/// to `timeout`).
+/// to `timeout`; every 200 ms the abort flag is read, so that a peer that failed to set up ends
+/// the wait at once).
 pub(crate) fn init_rank(
     id: &sys::ncclUniqueId,
     rank: usize,
     world: usize,
     timeout: Duration,
+    flag: &AbortFlag,
 ) -> Result<sys::ncclComm_t> {
     let mut config = ffi::nonblocking_config();
     let mut comm: sys::ncclComm_t = std::ptr::null_mut();
@@ -387,7 +389,18 @@ pub(crate) fn init_rank(
     } else if comm.is_null() {
         Poll::Failed("NCCL returned no communicator".into())
     } else {
-        poll_state(comm, Instant::now() + timeout, None)
+        let deadline = Instant::now() + timeout;
+        loop {
+            let slice = (Instant::now() + Duration::from_millis(200)).min(deadline);
+            match poll_state(comm, slice, None) {
+                Poll::TimedOut if Instant::now() < deadline => {
+                    if let Some(reason) = flag.read() {
+                        break Poll::Failed(format!("another rank aborted: {reason}"));
+                    }
+                }
+                other => break other,
+            }
+        }
     };
     let fail = || {
         if !comm.is_null() {

@@ -367,8 +367,9 @@ impl NcclCommunicator {
             }
         };
         let raw = ffi::guarded(rank, "ncclCommInitRankConfig", || {
-            comm::init_rank(&id.0, rank, world_size, opts.init_timeout)
-        })?;
+            comm::init_rank(&id.0, rank, world_size, opts.init_timeout, &flag)
+        })
+        .inspect_err(|e| flag.publish(&format!("rank {rank} failed to join: {e}")))?;
         Self::from_parts(
             raw,
             rank,
