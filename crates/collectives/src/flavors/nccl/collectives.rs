@@ -3,7 +3,7 @@
 //! end event the watchdog watches.
 
 use std::ffi::c_void;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::result as cu;
 use cudarc::nccl::sys;
@@ -103,16 +103,25 @@ impl NcclCommunicator {
         let Some(launch) = launch else {
             return Ok(Work::completed(op, rank));
         };
-        self.order_after_current()?;
+        // From here on the peers launch too: a failure on this rank alone must abort every
+        // rank, or they would wait for it until their timeout.
+        let abort_all = |e: CollectiveError| {
+            if op != "split" {
+                self.comm
+                    .abort(format!("rank {rank} failed to launch {op}: {e}"), true);
+            }
+            e
+        };
+        self.order_after_current().map_err(abort_all)?;
         let deadline = Instant::now() + self.opts.timeout;
         let buffers: Vec<Buffer> = tickets.iter().map(|t| t.buffer().clone()).collect();
         let mut guards = Vec::with_capacity(tickets.len());
         for t in tickets {
             let left = deadline.saturating_duration_since(Instant::now());
-            guards.push(
-                t.acquire(left)
-                    .map_err(|source| CollectiveError::Device { rank, source })?,
-            );
+            let g = t
+                .acquire(left)
+                .map_err(|source| abort_all(CollectiveError::Device { rank, source }))?;
+            guards.push(g);
         }
         let ptrs: Vec<*mut u8> = guards.iter().map(|g| g.as_ptr()).collect();
         let launched = launch(self, &ptrs, seq, deadline);
@@ -124,7 +133,10 @@ impl NcclCommunicator {
         let (pending, work) =
             Pending::new(op, rank, seq, end, self.opts.timeout, buffers, &current);
         if let Err(e) = launched {
-            pending.finish(Err(e.clone()));
+            let e = abort_all(e);
+            // Part of the launch may be on the GPU: the buffers are released only once the end
+            // event completed (leaked if it does not within the grace period).
+            pending.fail(e.clone(), Duration::from_secs(10));
             return Err(e);
         }
         if let Some(w) = &self.watchdog {
