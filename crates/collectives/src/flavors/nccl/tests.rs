@@ -80,3 +80,33 @@ fn local_abort_flags_are_shared_by_key() {
     let child = a.child(0, 3);
     assert_eq!(child.read(), None, "a child has its own flag");
 }
+
+/// The abort flag of ranks in several processes: a key in the store, read by every rank; a
+/// child's flag is its own key.
+#[test]
+#[cfg_attr(miri, ignore = "opens sockets")]
+fn store_abort_flags_reach_every_rank() {
+    use crate::store::StoreOptions;
+    let t = Duration::from_secs(10);
+    let server = TcpStore::new(StoreOptions::new("127.0.0.1", 0, 0, 2).with_timeout(t)).unwrap();
+    let client =
+        TcpStore::new(StoreOptions::new("127.0.0.1", server.port(), 1, 2).with_timeout(t)).unwrap();
+    let mine = AbortFlag::Store {
+        store: server.clone(),
+        key: "nccl/0/abort".into(),
+    };
+    let theirs = AbortFlag::Store {
+        store: client,
+        key: "nccl/0/abort".into(),
+    };
+    assert_eq!(theirs.read(), None);
+    let child = theirs.child(0, 1);
+    mine.publish("rank 0 timed out in all_reduce");
+    assert_eq!(
+        theirs.read().as_deref(),
+        Some("rank 0 timed out in all_reduce")
+    );
+    assert_eq!(child.read(), None);
+    mine.child(0, 1).publish("split child failed");
+    assert_eq!(child.read().as_deref(), Some("split child failed"));
+}
