@@ -121,7 +121,7 @@ use crate::{Communicator, Work};
 pub struct NcclOptions {
     /// Bound of each collective (from its launch to its end on the GPU, checked by the
     /// watchdog), of launches that wait for lazy connection set-up, of splits, of host copies
-    /// and of finalisation; [`Work::synchronize`] waits up to twice this. Default:
+    /// and of finalisation (at most 60 s); [`Work::synchronize`] waits up to twice this. Default:
     /// [`DEFAULT_TIMEOUT`] (300 s).
     pub timeout: Duration,
     /// Bound of joining the communicator (`ncclCommInitRankConfig`), which can take seconds on
