@@ -417,6 +417,7 @@ impl NcclCommunicator {
         };
         let watchdog = Watchdog::start(
             comm.clone(),
+            ctx.clone(),
             opts.timeout,
             format!("nccl-watchdog:{rank}/{world}"),
         );

@@ -39,7 +39,12 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     /// Start the watchdog of `comm`; collectives time out `timeout` after their launch.
-    pub(crate) fn start(comm: Arc<Comm>, timeout: Duration, name: String) -> Watchdog {
+    pub(crate) fn start(
+        comm: Arc<Comm>,
+        ctx: Arc<cudarc::driver::CudaContext>,
+        timeout: Duration,
+        name: String,
+    ) -> Watchdog {
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),
             cv: Condvar::new(),
@@ -50,7 +55,13 @@ impl Watchdog {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name(name)
-            .spawn(move || run(&s))
+            .spawn(move || {
+                // NCCL's abort and the allocator's frees of released buffers run on this thread.
+                if let Err(e) = ctx.bind_to_thread() {
+                    tracing::error!("NCCL watchdog: cuCtxSetCurrent: {e:?}");
+                }
+                run(&s)
+            })
             .map_err(|e| tracing::error!("could not start the NCCL watchdog thread: {e}"))
             .ok();
         Watchdog { shared, thread }
