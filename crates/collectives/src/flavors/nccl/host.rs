@@ -155,12 +155,20 @@ impl NcclCommunicator {
         Ok(())
     }
 
-    /// The cached staging buffer, grown to at least `len` bytes.
+    /// The cached staging buffer, grown to at least `len` bytes (at least 1 MiB, doubling). A
+    /// smaller one it replaces is kept until the communicator is dropped: `cuMemFreeHost` may
+    /// synchronise the device, which must not happen while a peer's collective waits for us.
     fn staging(&self, len: usize) -> Result<Pinned> {
-        let cached = super::comm::lock(&self.staging).take();
-        match cached {
+        let mut slot = super::comm::lock(&self.staging);
+        match slot.0.take() {
             Some(p) if p.bytes >= len => Ok(p),
-            _ => Pinned::new(len).map_err(self.driver("cuMemHostAlloc")),
+            old => {
+                let grown = old.as_ref().map_or(0, |p| p.bytes.saturating_mul(2));
+                if let Some(p) = old {
+                    slot.1.push(p);
+                }
+                Pinned::new(len.max(grown).max(1 << 20)).map_err(self.driver("cuMemHostAlloc"))
+            }
         }
     }
 
@@ -168,7 +176,7 @@ impl NcclCommunicator {
     /// copy may still use it).
     fn keep_staging(&self, staging: Pinned, ok: bool) {
         if ok {
-            *super::comm::lock(&self.staging) = Some(staging);
+            super::comm::lock(&self.staging).0 = Some(staging);
         } else {
             std::mem::forget(staging);
         }

@@ -258,8 +258,9 @@ pub struct NcclCommunicator {
     splits: AtomicU64,
     /// `None` once leaked (a failed exchange left copies in flight).
     scratch: Mutex<Option<Scratch>>,
-    /// The pinned staging of host copies, kept for the next one.
-    staging: Mutex<Option<host::Pinned>>,
+    /// The pinned staging of host copies, kept for the next one, and the smaller ones it
+    /// replaced (freed on drop).
+    staging: Mutex<(Option<host::Pinned>, Vec<host::Pinned>)>,
     /// `None` only while dropping.
     watchdog: Option<Watchdog>,
 }
@@ -434,7 +435,7 @@ impl NcclCommunicator {
             next_seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             scratch: Mutex::new(Some(scratch)),
-            staging: Mutex::new(None),
+            staging: Mutex::new((None, Vec::new())),
             watchdog: Some(watchdog),
         })
     }
@@ -506,13 +507,14 @@ impl NcclCommunicator {
 
 impl Drop for NcclCommunicator {
     fn drop(&mut self) {
-        // The watchdog drains the outstanding work first (bounded), then the communicator ends.
+        // The watchdog drains the outstanding work first (bounded), then the communicator ends,
+        // then its memory is freed (pinned frees may synchronise the device).
         drop(self.watchdog.take());
         let _ = self.ctx.bind_to_thread();
-        drop(lock(&self.scratch).take());
-        drop(lock(&self.staging).take());
         self.comm
             .close(self.opts.timeout.min(Duration::from_secs(60)));
+        drop(lock(&self.scratch).take());
+        drop(std::mem::take(&mut *lock(&self.staging)));
     }
 }
 
