@@ -199,8 +199,8 @@ impl Comm {
                 })
             }
             Poll::TimedOut => {
-                let waiting_for = "NCCL did not take the call (a peer may not have reached \
-                                   this collective)"
+                let waiting_for = "NCCL did not take the call: a peer did not reach this \
+                                   collective (or issued a different one)"
                     .to_string();
                 self.abort(
                     format!(
