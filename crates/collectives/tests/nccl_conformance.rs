@@ -4,7 +4,11 @@
 //! [`Staged`], a communicator that uploads the host buffers into device buffers of the caching
 //! allocator, runs the NCCL collective on them, waits for it and downloads the results (in-place
 //! calls stay in place on the device). NCCL's reductions are not the ring's bitwise, so
-//! `bitwise_ring` is off; the timeout case runs on a fresh group. Prints `skipped: <reason>`
+//! `bitwise_ring` is off. `Avg` runs as NCCL's `Sum` (exact on the suite's small integers)
+//! divided by the world size on the host in the element type, as the suite's reference does:
+//! NCCL's own `ncclAvg` pre-multiplies each input by 1/n, which rounds differently over three
+//! ranks (`tests/nccl.rs` checks `ncclAvg` within a bound). The timeout case runs on a fresh
+//! group. Prints `skipped: <reason>`
 //! without a GPU, NCCL or NCCL >= 2.30.
 #![cfg(feature = "nccl")]
 
@@ -50,12 +54,32 @@ impl Staged {
         Ok(dev)
     }
 
-    /// Copy `dev` back into the host buffer `host`.
-    fn download(&self, dev: &Buffer, host: &Buffer) -> Result<()> {
+    /// Copy `dev` back into the host buffer `host`; for `Avg` (run as `Sum`, see the module
+    /// docs) divide by the world size in the element type.
+    fn download_reduced(&self, dev: &Buffer, host: &Buffer, op: ReduceOp) -> Result<()> {
+        let world = self.comm.world_size();
         with_element!(host.dtype(), T => {
-            host.copy_from_slice(&self.comm.copy_to_host::<T>(dev)?).unwrap();
+            let mut v = self.comm.copy_to_host::<T>(dev)?;
+            if op == ReduceOp::Avg {
+                v.iter_mut().for_each(|x| *x = ReduceOp::Avg.finish(*x, world));
+            }
+            host.copy_from_slice(&v).unwrap();
         });
         Ok(())
+    }
+
+    /// Copy `dev` back into the host buffer `host`.
+    fn download(&self, dev: &Buffer, host: &Buffer) -> Result<()> {
+        self.download_reduced(dev, host, ReduceOp::Sum)
+    }
+
+    /// The op NCCL runs for `op`.
+    fn nccl_op(op: ReduceOp) -> ReduceOp {
+        if op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        }
     }
 
     /// The device buffer standing for `inner`, a sub-range of the host buffer `outer` whose
@@ -73,7 +97,7 @@ impl Staged {
         dev.slice(start..start + inner.len()).ok()
     }
 
-    /// Run `f` on the device buffers and wait for it on the host.
+    /// Wait for the work on the host; the caller downloads the results.
     fn finish(&self, work: Result<Work>) -> Result<Work> {
         work?.synchronize()?;
         Ok(Work::completed("staged", self.comm.rank()))
@@ -110,15 +134,15 @@ impl Communicator for Staged {
             Some(o) => o,
             None => self.upload(output)?,
         };
-        let w = self.finish(self.comm.reduce_scatter_base(&inp, &out, op))?;
-        self.download(&out, output)?;
+        let w = self.finish(self.comm.reduce_scatter_base(&inp, &out, Self::nccl_op(op)))?;
+        self.download_reduced(&out, output, op)?;
         Ok(w)
     }
 
     fn all_reduce(&self, buf: &Buffer, op: ReduceOp) -> Result<Work> {
         let dev = self.upload(buf)?;
-        let w = self.finish(self.comm.all_reduce(&dev, op))?;
-        self.download(&dev, buf)?;
+        let w = self.finish(self.comm.all_reduce(&dev, Self::nccl_op(op)))?;
+        self.download_reduced(&dev, buf, op)?;
         Ok(w)
     }
 
@@ -131,8 +155,10 @@ impl Communicator for Staged {
 
     fn reduce(&self, buf: &Buffer, op: ReduceOp, root: usize) -> Result<Work> {
         let dev = self.upload(buf)?;
-        let w = self.finish(self.comm.reduce(&dev, op, root))?;
-        self.download(&dev, buf)?;
+        let w = self.finish(self.comm.reduce(&dev, Self::nccl_op(op), root))?;
+        if self.comm.rank() == root {
+            self.download_reduced(&dev, buf, op)?;
+        }
         Ok(w)
     }
 
