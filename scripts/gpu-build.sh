@@ -20,7 +20,9 @@ targets=(
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
     "fsdp-collectives|nccl|test|nccl|the NCCL backend against the host reference"
-    "fsdp-collectives|nccl|bench|nccl_all_gather|NCCL all-gather base bandwidth"
+    "fsdp-collectives|nccl|test|nccl_conformance|the conformance suite on NCCL (3 ranks as threads on one GPU)"
+    "fsdp-collectives|nccl|test|nccl_stream|NCCL stream ordering: upload race, current stream, abort of every rank"
+    "fsdp-collectives|nccl|bench|nccl_all_gather|NCCL all-gather base bandwidth, gaps vs raw NCCL, check cost"
     "fsdp-collectives|cuda|test|cuda_ring|the CUDA ring bitwise against the host ring, worlds 1-4; timeout"
     "fsdp-collectives|cuda|bench|cuda_ring_all_gather|CUDA ring all-gather base vs copy bandwidth"
 )

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_device::Event;
+use fsdp_device::{Event, Stream};
 
 use crate::{CollectiveError, Result};
 
@@ -29,6 +29,9 @@ pub struct Work {
     op: &'static str,
     rank: usize,
     timeout: Duration,
+    /// Stream-ordered work (the NCCL backend's): [`Work::wait`] makes this stream wait for
+    /// [`Work::event`] on the device instead of blocking the host.
+    wait_stream: Option<Stream>,
 }
 
 impl fmt::Debug for Work {
@@ -97,6 +100,7 @@ impl Work {
             op,
             rank,
             timeout,
+            wait_stream: None,
         })
     }
 
@@ -113,7 +117,17 @@ impl Work {
             op,
             rank,
             timeout: fsdp_device::DEFAULT_TIMEOUT,
+            wait_stream: None,
         }
+    }
+
+    /// This work made stream-ordered (PyTorch's `ProcessGroupNCCL` semantics): [`Work::wait`]
+    /// then makes `stream` wait on the device for [`Work::event`] without blocking the host,
+    /// and returns an error only if the work has already failed; [`Work::synchronize`] blocks
+    /// the host until the result is known.
+    pub fn with_stream_wait(mut self, stream: Stream) -> Work {
+        self.wait_stream = Some(stream);
+        self
     }
 
     /// The operation's name.
@@ -138,7 +152,26 @@ impl Work {
 
     /// Wait for the result, up to twice the communicator's timeout: the collective itself fails
     /// within one timeout of starting, and work issued before it on the stream within another.
+    /// For stream-ordered work ([`Work::with_stream_wait`]) the host does not block: the
+    /// waiting stream is made to wait for [`Work::event`] on the device, and a failure that is
+    /// not known yet surfaces in [`Work::synchronize`] and in the communicator's next call.
     pub fn wait(&self) -> Result<()> {
+        let Some(stream) = &self.wait_stream else {
+            return self.synchronize();
+        };
+        if let Some(Err(e)) = self.poll() {
+            return Err(e);
+        }
+        stream
+            .wait_event(&self.event)
+            .map_err(|source| CollectiveError::Device {
+                rank: self.rank,
+                source,
+            })
+    }
+
+    /// Block the host until the result is known, up to twice the communicator's timeout.
+    pub fn synchronize(&self) -> Result<()> {
         self.wait_timeout(self.timeout.saturating_mul(2))
     }
 

@@ -3,6 +3,12 @@
 //! are PyTorch's golden losses (1e-5 relative, the golden README's tolerance), alone and as two
 //! ranks under torchrun; and it prints its `RESULT` line.
 //!
+//! In bf16 (parameters bf16, reductions f32) `fsdp train` tracks PyTorch FSDP2's bf16 loss
+//! curve of the same model, data and initial weights. The bound is measured in the same run:
+//! bf16 moves PyTorch's own curve away from its f32 curve (the golden losses) by at most `g`;
+//! ours, an independent bf16 implementation rounding at other places, must stay within `2·g` of
+//! PyTorch's bf16 curve at every step (measured: ours within about 0.8·g).
+//!
 //! Needs a Python with torch, named by `FSDP_TORCH_PYTHON`; without it each test prints
 //! `skipped: no torch` and passes.
 
@@ -11,7 +17,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::cli::{free_port, torch_python};
+use common::cli::{free_port, fsdp, read_losses, scratch, torch_python};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -37,14 +43,26 @@ fn losses(csv: &str) -> Vec<f64> {
         .collect()
 }
 
-/// Run the script (through `launcher` args before it) on the golden configuration; its stdout.
+/// Run the script (through `launcher` args before it) on the golden configuration in f32; its
+/// stdout.
 fn run_script(py: &str, launcher: &[&str]) -> String {
+    run_script_in(py, launcher, "f32")
+}
+
+fn run_script_in(py: &str, launcher: &[&str], param_dtype: &str) -> String {
     let script = repo().join("benches/torch_fsdp2_gpt.py");
     let (init, tokens) = (fixture("gpt_tiny_init.safetensors"), fixture("tokens.bin"));
     let out = Command::new(py)
         .args(launcher)
         .arg(&script)
-        .args(["--model", "tiny", "--device", "cpu", "--param-dtype", "f32"])
+        .args([
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--param-dtype",
+            param_dtype,
+        ])
         .args(["--reduce-dtype", "f32", "--batch", "8", "--seq", "16"])
         .args(["--steps", "10", "--warmup", "2", "--loss-csv", "-"])
         .args(["--init", &init, "--tokens", &tokens])
@@ -107,4 +125,82 @@ fn the_fsdp2_baseline_gives_the_golden_losses_as_two_ranks() {
         &port,
     ];
     check_against_golden(&run_script(&py, &launcher), 2);
+}
+
+#[test]
+fn bf16_training_tracks_pytorch_fsdp2_bf16() {
+    let Some(py) = torch_python("torch.distributed.fsdp") else {
+        eprintln!("skipped: no torch (set FSDP_TORCH_PYTHON to a Python with torch)");
+        return;
+    };
+    let golden = losses(&std::fs::read_to_string(fixture("expected_losses.csv")).unwrap());
+    let torch_bf16 = losses(&run_script_in(&py, &[], "bf16"));
+    let gap = torch_bf16
+        .iter()
+        .zip(&golden)
+        .map(|(b, f)| (b - f).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        gap > 0.0,
+        "PyTorch's bf16 curve equals its f32 curve: bf16 was not applied"
+    );
+    let dir = scratch("torch_fsdp2_bench", "bf16");
+    let (init, tokens) = (fixture("gpt_tiny_init.safetensors"), fixture("tokens.bin"));
+    for ranks in ["1", "2"] {
+        let log = dir.join(format!("bf16-{ranks}.csv"));
+        let log_s = log.to_string_lossy().into_owned();
+        let out = fsdp(&[
+            "train",
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "32",
+            "--block-size",
+            "16",
+            "--vocab-size",
+            "96",
+            "--batch-size",
+            "8",
+            "--steps",
+            "10",
+            "--lr",
+            "1e-3",
+            "--beta1",
+            "0.9",
+            "--beta2",
+            "0.95",
+            "--eps",
+            "1e-8",
+            "--weight-decay",
+            "0.1",
+            "--param-dtype",
+            "bf16",
+            "--reduce-dtype",
+            "f32",
+            "--ranks",
+            ranks,
+            "--init-from",
+            &init,
+            "--data",
+            &tokens,
+            "--loss-log",
+            &log_s,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ours = read_losses(&log);
+        assert_eq!(ours.len(), torch_bf16.len());
+        for (k, (o, t)) in ours.iter().zip(&torch_bf16).enumerate() {
+            assert!(
+                (o - t).abs() <= 2.0 * gap,
+                "ranks {ranks} step {k}: ours {o}, PyTorch FSDP2 bf16 {t}: further apart than \
+                 2 × {gap:.3e} (bf16's own effect on PyTorch's curve)"
+            );
+        }
+    }
 }

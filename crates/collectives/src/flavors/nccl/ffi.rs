@@ -2,7 +2,7 @@
 //! calls into them (cudarc panics when a library or symbol is missing), the version, the
 //! communicator configuration, error strings, and the mapping of element types and reduce ops.
 
-use std::ffi::CStr;
+use std::ffi::{c_int, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 
@@ -61,6 +61,9 @@ fn unversioned_nccl_hint() -> Option<PathBuf> {
 /// Check that the CUDA driver and NCCL libraries can be loaded, without calling into them.
 /// Errors are [`CollectiveError::Unavailable`] naming the missing library.
 pub(crate) fn probe_libraries(rank: usize) -> Result<()> {
+    // Open NCCL from a Python package's site-packages (or FSDP_NCCL_LIB) when it is not on the
+    // loader path; the checks below report what is still missing.
+    let site = fsdp_device::cuda::libs::load_nccl().err();
     // SAFETY: only tries to open the driver's shared library by its usual names.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(unavailable(
@@ -84,9 +87,10 @@ pub(crate) fn probe_libraries(rank: usize) -> Result<()> {
                      LD_LIBRARY_PATH)"
                 .into(),
         };
+        let searched = site.map_or_else(String::new, |e| format!(" ({e})"));
         return Err(unavailable(
             rank,
-            format!("the NCCL library (libnccl.so) could not be loaded{hint}"),
+            format!("the NCCL library (libnccl.so) could not be loaded{searched}{hint}"),
         ));
     }
     Ok(())
@@ -157,6 +161,56 @@ pub(crate) fn last_error(comm: sys::ncclComm_t) -> Option<String> {
         .trim()
         .to_string();
     (!s.is_empty()).then_some(s)
+}
+
+/// The state `ncclCommGetAsyncError` reports for a communicator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum CommState {
+    /// No error and nothing in progress.
+    Ready,
+    /// A non-blocking call (initialisation, split, a launch during lazy connection set-up) is
+    /// still in progress.
+    InProgress,
+    /// An error, with NCCL's description.
+    Failed(String),
+}
+
+/// The NCCL result of a known numeric code (NCCL 2.18–2.30: 0–8); `None` for a code this
+/// build does not know (a newer library), which must never be written into the Rust enum.
+pub(crate) fn known_result(code: c_int) -> Option<sys::ncclResult_t> {
+    use sys::ncclResult_t as R;
+    Some(match code {
+        0 => R::ncclSuccess,
+        1 => R::ncclUnhandledCudaError,
+        2 => R::ncclSystemError,
+        3 => R::ncclInternalError,
+        4 => R::ncclInvalidArgument,
+        5 => R::ncclInvalidUsage,
+        6 => R::ncclRemoteError,
+        7 => R::ncclInProgress,
+        _ => return None,
+    })
+}
+
+/// `ncclCommGetAsyncError`, read as an integer (defect 8 of issue 15): NCCL writes an `int`,
+/// and a code this build does not know becomes [`CommState::Failed`] naming it.
+///
+/// # Safety
+/// `comm` must be a live communicator (not aborted or destroyed).
+pub(crate) unsafe fn comm_state(comm: sys::ncclComm_t) -> CommState {
+    let mut code: c_int = 0;
+    // SAFETY: `comm` is live (caller); NCCL writes one `int` (the size and alignment of
+    // `ncclResult_t`, a C enum) through the pointer, which is to a live local `c_int`.
+    let r = unsafe { sys::ncclCommGetAsyncError(comm, (&mut code as *mut c_int).cast()) };
+    if r != sys::ncclResult_t::ncclSuccess {
+        return CommState::Failed(format!("ncclCommGetAsyncError: {}", error_string(r)));
+    }
+    match known_result(code) {
+        Some(sys::ncclResult_t::ncclSuccess) => CommState::Ready,
+        Some(sys::ncclResult_t::ncclInProgress) => CommState::InProgress,
+        Some(r) => CommState::Failed(error_string(r)),
+        None => CommState::Failed(format!("unknown NCCL result code {code}")),
+    }
 }
 
 /// `Ok` for success, a `Backend` error with NCCL's string otherwise.
@@ -236,6 +290,16 @@ mod tests {
         assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
         assert_eq!(c.minCTAs, i32::MIN);
         assert!(c.netName.is_null());
+    }
+
+    #[test]
+    fn result_codes_are_read_as_integers() {
+        assert_eq!(known_result(0), Some(sys::ncclResult_t::ncclSuccess));
+        assert_eq!(known_result(7), Some(sys::ncclResult_t::ncclInProgress));
+        assert_eq!(known_result(6), Some(sys::ncclResult_t::ncclRemoteError));
+        assert_eq!(known_result(8), None);
+        assert_eq!(known_result(-1), None);
+        assert_eq!(known_result(1234), None);
     }
 
     #[test]

@@ -1,49 +1,67 @@
 //! The NCCL backend (cargo feature `nccl`): collectives on CUDA buffers through NCCL, loaded at
-//! run time by cudarc — the program builds and runs without CUDA or NCCL installed, and asking
-//! for this backend there is an error ([`CollectiveError::Unavailable`]) that names the library
-//! that could not be loaded, never a panic.
+//! run time by cudarc (found on the loader path or in a Python package's `site-packages`, see
+//! `fsdp_device::cuda::libs`) — the program builds and runs without CUDA or NCCL installed, and
+//! asking for this backend there is an error ([`CollectiveError::Unavailable`]) that names the
+//! library that could not be loaded, never a panic.
 //!
-//! # Streams and buffer lifetimes
-//! The [`Communicator`] trait hands out a CPU [`Stream`]. An [`NcclCommunicator`] therefore owns
-//! two streams:
-//! - a CPU *proxy* stream ([`Communicator::stream`]) whose worker thread takes each collective in
-//!   issue order: it acquires the buffers' access tickets (taken at issue time, exactly as the
-//!   ring backend does), enqueues the NCCL call on the CUDA stream with the buffers' device
-//!   pointers, records a CUDA event and polls it — together with `ncclCommGetAsyncError` — until
-//!   the collective has finished on the GPU or the communicator's timeout has passed; only then
-//!   does it release the buffers and complete the [`Work`];
-//! - a CUDA stream ([`NcclCommunicator::cuda_stream`]) on which NCCL runs.
+//! # Streams, the way `ProcessGroupNCCL` does it
+//! A communicator owns a CUDA stream NCCL runs on ([`Communicator::stream`],
+//! [`NcclCommunicator::cuda_stream`]) and has a *current stream*
+//! ([`NcclCommunicator::current_stream`]): the stream that produces the buffers handed to it and
+//! consumes the results (PyTorch's `torch.cuda.current_stream()`); it is the NCCL stream itself
+//! until [`set_current_stream`](NcclCommunicator::set_current_stream) names another. Each
+//! collective is launched on the calling thread:
+//! 1. the NCCL stream waits, on the GPU (`cuStreamWaitEvent`), for an event recorded on the
+//!    current stream, so the producers of the buffers are ordered before it without a host wait;
+//! 2. the NCCL call is enqueued on the NCCL stream, then an end event (from the device's event
+//!    pool) is recorded after it;
+//! 3. the returned [`Work`] holds clones of the buffers until the end event completed, so the
+//!    caching allocator never hands their blocks out early; [`Work::wait`] makes the current
+//!    stream wait for the end event on the GPU and does not block the host, and
+//!    [`Work::synchronize`] blocks the host (bounded) until the result is known.
 //!
-//! So a buffer — and the allocator block under it — is never reused or freed while NCCL may still
-//! read or write it, and host code that reads a result after [`Work::wait`] sees it, at the price
-//! of one proxy thread per communicator (like the watchdog thread of PyTorch's
-//! `ProcessGroupNCCL`) and of collectives of one communicator not overlapping each other.
-//! Buffers written by other CUDA streams must be complete before the collective is issued (or
-//! make [`cuda_stream`](NcclCommunicator::cuda_stream) wait for their event).
+//! Back-to-back collectives therefore queue on the GPU with no host round trip between them.
+//! Uploads and downloads ([`copy_from_host`](NcclCommunicator::copy_from_host),
+//! [`copy_to_host`](NcclCommunicator::copy_to_host)) go through pinned staging memory with
+//! asynchronous copies on the NCCL stream, ordered after the current stream and the collectives
+//! issued before, and never use the legacy default stream or synchronise the device. All
+//! communicators and streams of a GPU share the process's one context of it
+//! (`fsdp_device::cuda::context`).
 //!
-//! # No unbounded waits
-//! Communicators are created *non-blocking* (`ncclConfig_t::blocking = 0`): initialisation,
-//! every collective launch, splits and finalisation return at once and are polled. A peer that
-//! never arrives makes the wait end at the timeout ([`NcclOptions::timeout`]) with
-//! [`CollectiveError::Timeout`]; the communicator is then aborted (`ncclCommAbort`, which also
-//! stops its kernels) and every later call fails with [`CollectiveError::Aborted`]. An error that
-//! NCCL reports (synchronously or through `ncclCommGetAsyncError`) becomes
-//! [`CollectiveError::Backend`] with NCCL's own error string.
+//! # Watchdog and abort of every rank
+//! A watchdog thread per communicator polls the outstanding end events (completing each
+//! [`Work`] and releasing its buffers) and `ncclCommGetAsyncError` (read as an integer). A
+//! collective that has not finished [`NcclOptions::timeout`] after its launch, or an NCCL
+//! error, makes it **abort every rank**: it publishes the reason in the communicator's abort
+//! flag — a key in the store under `nccl/<n>/abort` for communicators made by
+//! [`NcclCommunicator::new`], a slot shared in the process by the ranks that joined with the
+//! same [`UniqueId`] otherwise — and aborts its own communicator (`ncclCommAbort`, which stops
+//! its kernels). Every rank's watchdog reads the flag every 200 ms and aborts its own
+//! communicator when it is set; from then on every call fails with [`CollectiveError::Aborted`]
+//! and outstanding works fail. Dropping a communicator goes straight to `ncclCommAbort` when any
+//! rank aborted; otherwise it finalises (`ncclCommFinalize`, a collective step, bounded by the
+//! timeout) and destroys it. Ranks in several processes that joined through
+//! [`from_unique_id`](NcclCommunicator::from_unique_id) share no flag: a timeout aborts the
+//! local rank and the launcher ends the others.
+//!
+//! Communicators are **non-blocking** (`ncclConfig_t::blocking = 0`): initialisation (bounded by
+//! [`NcclOptions::init_timeout`]), splits, finalisation and launches that set up connections
+//! lazily return `ncclInProgress`, and the calling thread polls `ncclCommGetAsyncError` until
+//! the call was taken, bounded by the collective timeout — so no NCCL call blocks the host
+//! without a bound, and the watchdog can always abort.
 //!
 //! # Validation
 //! Every call is checked before NCCL sees it (cudarc does not): each buffer is on this
 //! communicator's GPU, element types agree, lengths fit (`output = world × input` for all-gather,
 //! `input = world × output` for reduce-scatter), the root is a rank, and buffers overlap only in
-//! the in-place forms NCCL accepts (all-gather input = this rank's block of the output;
-//! reduce-scatter output = this rank's chunk of the input). NCCL itself cannot tell that ranks
-//! disagree (a different length on one rank makes it hang or write out of bounds), so with
-//! [`NcclOptions::verify`] on (the default) the ranks all-gather a 192-byte description of each
-//! call first (the description every backend shares) and compare it: a difference in operation,
-//! element type, length, reduce op or root fails the collective on every rank with
+//! the in-place forms NCCL accepts. NCCL itself cannot tell that ranks disagree (a different
+//! length on one rank makes it hang or write out of bounds), so with [`NcclOptions::verify`] the
+//! ranks all-gather a 192-byte description of each call first and compare it: a difference in
+//! operation, element type, length, reduce op or root fails the collective on every rank with
 //! [`CollectiveError::Mismatch`] before data moves, and a call that failed validation on one rank
-//! fails on the others too instead of hanging — the same guarantee as the ring backend. The check
-//! costs one 192-byte all-gather per collective (a few microseconds on one node), negligible for
-//! FSDP's megabyte collectives; turn it off for latency measurements.
+//! fails on the others too instead of hanging. The check costs one small all-gather and a host
+//! wait per collective (the bench `nccl_all_gather` prints it), so it is on by default in debug
+//! builds and tests and off by default in release builds.
 //!
 //! Reductions are NCCL's: not bitwise deterministic across algorithms or world sizes the way the
 //! ring backend's are, and `Min`/`Max` do not propagate NaN.
@@ -70,38 +88,50 @@
 //! # }
 //! ```
 
+mod collectives;
+mod comm;
 mod ffi;
+mod host;
+mod validate;
+mod watchdog;
+mod work;
 
-use std::ffi::c_void;
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use cudarc::driver::{result as cu, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::sys;
-use fsdp_device::{
-    AccessGuard, AccessMode, AccessTicket, Buffer, Device, Element, Stream, DEFAULT_TIMEOUT,
-};
+use fsdp_device::{Stream, DEFAULT_TIMEOUT};
 
+use self::comm::{lock, AbortFlag, Comm};
 pub use self::ffi::version;
-use crate::flavors::check::{enqueue_collective, Placement};
-use crate::flavors::desc::{self, OpDesc as Desc, Sizes, FIXED_BYTES as DESC_BYTES};
+use self::validate::Scratch;
+use self::watchdog::Watchdog;
 use crate::store::TcpStore;
-use crate::{CollectiveError, Communicator, ReduceOp, Result, Work};
+use crate::{CollectiveError, Result};
+
+#[cfg(doc)]
+use crate::{Communicator, Work};
 
 /// Options of an NCCL communicator.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct NcclOptions {
-    /// Bound of every wait: initialisation, buffers becoming free, each collective on the GPU,
-    /// splits, and the default of [`Work::wait`]. Default: [`DEFAULT_TIMEOUT`] (300 s).
+    /// Bound of each collective (from its launch to its end on the GPU, checked by the
+    /// watchdog), of launches that wait for lazy connection set-up, of splits, of host copies
+    /// and of finalisation (at most 60 s); [`Work::synchronize`] waits up to twice this. Default:
+    /// [`DEFAULT_TIMEOUT`] (300 s).
     pub timeout: Duration,
-    /// Compare a description of every call across ranks before running it (one 64-byte
-    /// all-gather per collective): mismatched calls then fail with
+    /// Bound of joining the communicator (`ncclCommInitRankConfig`), which can take seconds on
+    /// one GPU. Default: [`DEFAULT_TIMEOUT`].
+    pub init_timeout: Duration,
+    /// Compare a description of every call across ranks before running it (one 192-byte
+    /// all-gather and a host wait per collective): mismatched calls then fail with
     /// [`CollectiveError::Mismatch`] on every rank instead of hanging or corrupting memory.
-    /// Default: on.
+    /// Default: on in debug builds (and so in tests), off in release builds
+    /// (`cfg!(debug_assertions)`).
     pub verify: bool,
 }
 
@@ -109,15 +139,22 @@ impl Default for NcclOptions {
     fn default() -> Self {
         NcclOptions {
             timeout: DEFAULT_TIMEOUT,
-            verify: true,
+            init_timeout: DEFAULT_TIMEOUT,
+            verify: cfg!(debug_assertions),
         }
     }
 }
 
 impl NcclOptions {
-    /// These options with another timeout.
+    /// These options with another collective timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// These options with another initialisation timeout.
+    pub fn with_init_timeout(mut self, timeout: Duration) -> Self {
+        self.init_timeout = timeout;
         self
     }
 
@@ -198,468 +235,34 @@ impl UniqueId {
         }
         Ok(UniqueId(id))
     }
+
+    fn hex(&self) -> String {
+        self.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
 }
 
-/// The device scratch of the descriptor exchange and its pinned host mirror.
-struct Scratch {
-    dev: cudarc::driver::sys::CUdeviceptr,
-    host: *mut u8,
-    bytes: usize,
-}
-
-/// The shared state of one rank's communicator: owned by the communicator and by the proxy tasks
-/// in flight.
-struct Inner {
+/// One rank of an NCCL communicator, on one GPU. Use it from one thread at a time (collectives
+/// are launched on the calling thread, in call order).
+pub struct NcclCommunicator {
     rank: usize,
     world: usize,
     ordinal: usize,
     opts: NcclOptions,
     ctx: Arc<CudaContext>,
+    comm: Arc<Comm>,
+    /// The NCCL stream, as a runtime stream and as cudarc's.
+    stream: Stream,
     cuda: Arc<CudaStream>,
-    /// The NCCL communicator; null once aborted or destroyed.
-    comm: AtomicPtr<sys::ncclComm>,
-    aborted: Mutex<Option<String>>,
+    current: Mutex<Stream>,
+    next_seq: AtomicU64,
+    splits: AtomicU64,
     /// `None` once leaked (a failed exchange left copies in flight).
     scratch: Mutex<Option<Scratch>>,
-}
-
-// SAFETY: the raw pointers (communicator, scratch) are only used under the protocol of this
-// module: NCCL calls on the communicator come from the proxy thread (one at a time, since the
-// proxy stream runs one task at a time), from construction before the proxy exists and from
-// `Drop` after it is gone; `abort` swaps the pointer out atomically so it is aborted once. The
-// scratch is behind a mutex and only touched by the proxy thread and `Drop`.
-unsafe impl Send for Inner {}
-// SAFETY: as above; shared access only reads the atomics and mutexes.
-unsafe impl Sync for Inner {}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-enum Poll {
-    Ready,
-    Failed(sys::ncclResult_t),
-    TimedOut,
-}
-
-/// Poll `ncclCommGetAsyncError` until the communicator's pending operation is done.
-fn poll_comm(comm: sys::ncclComm_t, deadline: Instant) -> Poll {
-    let mut pause = Duration::from_micros(2);
-    loop {
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: `comm` is a live communicator; the pointer is to a live local.
-        let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
-        if r != sys::ncclResult_t::ncclSuccess {
-            return Poll::Failed(r);
-        }
-        match state {
-            sys::ncclResult_t::ncclSuccess => return Poll::Ready,
-            sys::ncclResult_t::ncclInProgress => {}
-            other => return Poll::Failed(other),
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Poll::TimedOut;
-        }
-        std::thread::sleep(pause.min(deadline - now));
-        pause = (pause * 2).min(Duration::from_millis(1));
-    }
-}
-
-/// Launch of a collective's NCCL call(s) on the CUDA stream, given the granted buffers.
-type Launch = Box<dyn FnOnce(&Inner, &[AccessGuard], u64, Instant) -> Result<()> + Send>;
-
-impl Inner {
-    fn aborted(&self) -> Option<String> {
-        lock(&self.aborted).clone()
-    }
-
-    fn nccl_stream(&self) -> sys::cudaStream_t {
-        self.cuda.cu_stream() as sys::cudaStream_t
-    }
-
-    fn cu_stream(&self) -> cudarc::driver::sys::CUstream {
-        self.cuda.cu_stream()
-    }
-
-    fn backend(&self, op: &'static str, reason: String) -> CollectiveError {
-        CollectiveError::Backend {
-            rank: self.rank,
-            backend: "nccl",
-            op,
-            reason,
-        }
-    }
-
-    fn driver(&self, op: &'static str) -> impl Fn(cu::DriverError) -> CollectiveError + '_ {
-        move |e| self.backend(op, format!("CUDA driver error {e:?}"))
-    }
-
-    /// Abort the communicator (once) and remember why.
-    fn abort(&self, reason: String) {
-        {
-            let mut a = lock(&self.aborted);
-            if a.is_none() {
-                tracing::error!(rank = self.rank, "aborting the NCCL communicator: {reason}");
-                *a = Some(reason);
-            }
-        }
-        let comm = self.comm.swap(std::ptr::null_mut(), Ordering::SeqCst);
-        if !comm.is_null() {
-            let _ = self.ctx.bind_to_thread();
-            // SAFETY: `comm` was a live communicator and is aborted exactly once (swapped out).
-            let r = unsafe { sys::ncclCommAbort(comm) };
-            if r != sys::ncclResult_t::ncclSuccess {
-                tracing::error!(rank = self.rank, "ncclCommAbort: {}", ffi::error_string(r));
-            }
-        }
-    }
-
-    fn comm(&self) -> Result<sys::ncclComm_t> {
-        let comm = self.comm.load(Ordering::SeqCst);
-        if comm.is_null() {
-            return Err(CollectiveError::Aborted {
-                rank: self.rank,
-                reason: self
-                    .aborted()
-                    .unwrap_or_else(|| "the communicator was destroyed".into()),
-            });
-        }
-        Ok(comm)
-    }
-
-    /// An NCCL error on `comm`: abort unless it was only an argument NCCL refused.
-    fn nccl_error(
-        &self,
-        comm: sys::ncclComm_t,
-        op: &'static str,
-        r: sys::ncclResult_t,
-    ) -> CollectiveError {
-        let mut reason = ffi::error_string(r);
-        if let Some(last) = ffi::last_error(comm) {
-            reason = format!("{reason}: {last}");
-        }
-        if !matches!(
-            r,
-            sys::ncclResult_t::ncclInvalidArgument | sys::ncclResult_t::ncclInvalidUsage
-        ) {
-            self.abort(format!("NCCL failed in {op}: {reason}"));
-        }
-        self.backend(op, reason)
-    }
-
-    fn timeout_error(&self, op: &'static str, seq: u64, waiting_for: String) -> CollectiveError {
-        self.abort(format!(
-            "rank {} timed out in {op} (collective #{seq}): {waiting_for}",
-            self.rank
-        ));
-        CollectiveError::Timeout {
-            rank: self.rank,
-            op,
-            seq,
-            waited: self.opts.timeout,
-            waiting_for,
-        }
-    }
-
-    /// Make one NCCL call and wait (bounded) until a non-blocking communicator has taken it.
-    fn nccl(
-        &self,
-        op: &'static str,
-        seq: u64,
-        deadline: Instant,
-        f: impl FnOnce(sys::ncclComm_t) -> sys::ncclResult_t,
-    ) -> Result<()> {
-        let comm = self.comm()?;
-        let r = f(comm);
-        match r {
-            sys::ncclResult_t::ncclSuccess => Ok(()),
-            sys::ncclResult_t::ncclInProgress => match poll_comm(comm, deadline) {
-                Poll::Ready => Ok(()),
-                Poll::Failed(e) => Err(self.nccl_error(comm, op, e)),
-                Poll::TimedOut => Err(self.timeout_error(
-                    op,
-                    seq,
-                    "NCCL did not accept the call (a peer may not have reached this collective)"
-                        .into(),
-                )),
-            },
-            e => Err(self.nccl_error(comm, op, e)),
-        }
-    }
-
-    /// An event at the current end of the CUDA stream.
-    fn record(&self) -> Result<CudaEvent> {
-        self.cuda
-            .record_event(None)
-            .map_err(self.driver("cuEventRecord"))
-    }
-
-    /// Poll `ev` (and NCCL's asynchronous error state) until it completes or `deadline` passes.
-    fn wait_event(
-        &self,
-        ev: &CudaEvent,
-        op: &'static str,
-        seq: u64,
-        deadline: Instant,
-    ) -> Result<()> {
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(5);
-        loop {
-            match ev.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => {
-                    let err = self.backend(op, format!("CUDA error on the NCCL stream: {e:?}"));
-                    self.abort(err.to_string());
-                    return Err(err);
-                }
-            }
-            let comm = self.comm()?;
-            let mut state = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: `comm` is live (only this thread aborts it while a task runs, besides
-            // `abort` from this same thread); the pointer is to a live local.
-            let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
-            if r != sys::ncclResult_t::ncclSuccess {
-                return Err(self.nccl_error(comm, op, r));
-            }
-            if !ffi::is_ok_or_in_progress(state) {
-                return Err(self.nccl_error(comm, op, state));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.timeout_error(
-                    op,
-                    seq,
-                    "the NCCL kernel did not finish: a peer did not reach this collective (or \
-                     issued a different one)"
-                        .into(),
-                ));
-            }
-            if now - start < Duration::from_micros(200) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(pause.min(deadline - now));
-                pause = (pause * 2).min(Duration::from_millis(1));
-            }
-        }
-    }
-
-    /// After a failure: whether the work on the CUDA stream finished within a grace period (the
-    /// communicator is aborted by then, which stops its kernels). If not, the caller leaks the
-    /// memory NCCL may still touch.
-    fn settle(&self) -> bool {
-        let Ok(ev) = self.record() else {
-            return false;
-        };
-        let deadline = Instant::now() + Duration::from_secs(10).min(self.opts.timeout);
-        loop {
-            match ev.try_is_complete() {
-                Ok(true) => return true,
-                Ok(false) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                _ => return false,
-            }
-        }
-    }
-
-    /// All-gather the ranks' descriptions of this call and compare them.
-    fn exchange(&self, desc: &Desc, seq: u64, deadline: Instant) -> Result<()> {
-        let (rank, world, op) = (self.rank, self.world, desc.op);
-        let mut guard = lock(&self.scratch);
-        let Some(s) = guard.as_ref() else {
-            return Err(CollectiveError::Aborted {
-                rank,
-                reason: "the call-description buffers were lost in an earlier failure".into(),
-            });
-        };
-        let off = rank * DESC_BYTES;
-        let bytes = desc.encode_fixed();
-        let (dev, host) = (s.dev, s.host);
-        let result = (|| {
-            // SAFETY: `host` is pinned memory of `world * DESC_BYTES` bytes owned by this
-            // communicator and only touched by this thread; the previous exchange's copies have
-            // completed (it waited for them), so nothing else reads or writes it now.
-            let mine = unsafe { std::slice::from_raw_parts_mut(host.add(off), DESC_BYTES) };
-            mine.copy_from_slice(&bytes);
-            // SAFETY: device scratch of world * DESC_BYTES bytes; source pinned and alive until
-            // the copy completes (waited for below, or leaked on failure).
-            unsafe { cu::memcpy_htod_async(dev + off as u64, &*mine, self.cu_stream()) }
-                .map_err(self.driver("cuMemcpyHtoDAsync"))?;
-            self.nccl(op, seq, deadline, |comm| {
-                // SAFETY: in-place all-gather (send = this rank's block of recv) on the device
-                // scratch, on this communicator's stream.
-                unsafe {
-                    sys::ncclAllGather(
-                        (dev + off as u64) as *const c_void,
-                        dev as *mut c_void,
-                        DESC_BYTES,
-                        sys::ncclDataType_t::ncclUint8,
-                        comm,
-                        self.nccl_stream(),
-                    )
-                }
-            })?;
-            // SAFETY: as above; the whole host mirror receives the gathered descriptions.
-            let all = unsafe { std::slice::from_raw_parts_mut(host, world * DESC_BYTES) };
-            // SAFETY: device scratch and pinned host mirror of the same size.
-            unsafe { cu::memcpy_dtoh_async(all, dev, self.cu_stream()) }
-                .map_err(self.driver("cuMemcpyDtoHAsync"))?;
-            let ev = self.record()?;
-            self.wait_event(&ev, op, seq, deadline)
-        })();
-        if let Err(e) = result {
-            if !self.settle() {
-                // Copies may still be in flight: drop the handles without freeing (Scratch has
-                // no Drop; only `Inner::drop` frees what is still here), so the memory is leaked.
-                let _leaked = guard.take();
-            }
-            return Err(e);
-        }
-        // SAFETY: the copies have completed (event waited for); nothing else touches `host`.
-        let all = unsafe { std::slice::from_raw_parts(host, world * DESC_BYTES) };
-        let raw: Vec<&[u8]> = all.chunks(DESC_BYTES).collect();
-        desc::decode_all_fixed(&raw)
-            .and_then(|descs| desc::compare(&descs, seq))
-            .map_err(|details| CollectiveError::Mismatch { rank, seq, details })
-    }
-
-    /// The proxy task of one collective.
-    fn run(
-        &self,
-        seq: u64,
-        mut desc: Desc,
-        tickets: Option<Vec<AccessTicket>>,
-        launch: Option<Launch>,
-    ) -> Result<()> {
-        let (rank, op) = (self.rank, desc.op);
-        if let Some(reason) = self.aborted() {
-            return Err(CollectiveError::Aborted { rank, reason });
-        }
-        let timeout = self.opts.timeout;
-        let deadline = Instant::now() + timeout;
-        let mut local_failure = None;
-        let mut guards = Vec::new();
-        for t in tickets.into_iter().flatten() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match t.acquire(left) {
-                Ok(g) => guards.push(g),
-                Err(e) => {
-                    desc.invalid = Some(format!("its buffers stayed busy: {e}"));
-                    local_failure = Some(e.to_string());
-                    guards.clear();
-                    break;
-                }
-            }
-        }
-        self.ctx
-            .bind_to_thread()
-            .map_err(self.driver("cuCtxSetCurrent"))?;
-        if self.world > 1 && (self.opts.verify || op == "barrier") {
-            self.exchange(&desc, seq, deadline)?;
-        }
-        if let Some(why) = local_failure {
-            return Err(CollectiveError::Device {
-                rank,
-                source: fsdp_device::DeviceError::Timeout {
-                    what: format!("access to the buffers of {op}: {why}"),
-                    waited: timeout,
-                },
-            });
-        }
-        if desc.invalid.is_some() {
-            // The caller already got the InvalidArgument error; the peers got a Mismatch.
-            return Err(CollectiveError::InvalidArgument {
-                rank,
-                op,
-                reason: "invalid arguments (reported when the call was issued)".into(),
-            });
-        }
-        let Some(launch) = launch else {
-            return Ok(());
-        };
-        let launched = launch(self, &guards, seq, deadline);
-        let result = launched.and_then(|()| {
-            let ev = self.record()?;
-            self.wait_event(&ev, op, seq, deadline)
-        });
-        if result.is_err() && !self.settle() {
-            // NCCL may still access these buffers: leak them rather than let them be reused.
-            tracing::error!(
-                rank,
-                seq,
-                "NCCL work did not stop after abort; leaking its buffers"
-            );
-            std::mem::forget(guards);
-        }
-        result
-    }
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        let comm = self.comm.swap(std::ptr::null_mut(), Ordering::SeqCst);
-        if !comm.is_null() {
-            // Finalize (flush, bounded), then destroy; abort if that does not work out.
-            let deadline = Instant::now() + self.opts.timeout.min(Duration::from_secs(60));
-            // SAFETY: `comm` is live and no task uses it any more (they hold this value).
-            let r = unsafe { sys::ncclCommFinalize(comm) };
-            let finalized =
-                ffi::is_ok_or_in_progress(r) && matches!(poll_comm(comm, deadline), Poll::Ready);
-            // SAFETY: as above; exactly one of destroy or abort, once.
-            let r = unsafe {
-                if finalized {
-                    sys::ncclCommDestroy(comm)
-                } else {
-                    sys::ncclCommAbort(comm)
-                }
-            };
-            if r != sys::ncclResult_t::ncclSuccess {
-                tracing::error!(
-                    rank = self.rank,
-                    "destroying the NCCL communicator: {}",
-                    ffi::error_string(r)
-                );
-            }
-        }
-        if let Some(s) = lock(&self.scratch).take() {
-            // SAFETY: allocated in `Scratch::new` on this stream; no copy is in flight (a failed
-            // exchange leaks the scratch instead).
-            unsafe {
-                let _ = cu::free_async(s.dev, self.cu_stream());
-                let _ = cu::free_host(s.host.cast());
-            }
-            let _ = s.bytes;
-        }
-    }
-}
-
-impl Scratch {
-    fn new(world: usize, stream: &CudaStream) -> std::result::Result<Scratch, cu::DriverError> {
-        let bytes = world * DESC_BYTES;
-        // SAFETY: the context is current (bound by the caller); the memory is freed in Drop.
-        let dev = unsafe { cu::malloc_async(stream.cu_stream(), bytes) }?;
-        // SAFETY: as above; pinned host memory for the exchange's copies.
-        let host = match unsafe { cu::malloc_host(bytes, 0) } {
-            Ok(h) => h.cast::<u8>(),
-            Err(e) => {
-                // SAFETY: allocated just above on this stream, never used.
-                let _ = unsafe { cu::free_async(dev, stream.cu_stream()) };
-                return Err(e);
-            }
-        };
-        Ok(Scratch { dev, host, bytes })
-    }
-}
-
-/// One rank of an NCCL communicator, on one GPU. Not `Sync`: use it from one thread (its
-/// collectives run on its own proxy stream).
-pub struct NcclCommunicator {
-    inner: Arc<Inner>,
-    stream: Stream,
-    next_seq: Mutex<u64>,
+    /// The pinned staging of host copies, kept for the next one, and the smaller ones it
+    /// replaced (freed on drop).
+    staging: Mutex<(Option<host::Pinned>, Vec<host::Pinned>)>,
+    /// `None` only while dropping.
+    watchdog: Option<Watchdog>,
 }
 
 impl fmt::Debug for NcclCommunicator {
@@ -667,7 +270,7 @@ impl fmt::Debug for NcclCommunicator {
         write!(
             f,
             "NcclCommunicator(rank {}/{} on cuda:{})",
-            self.inner.rank, self.inner.world, self.inner.ordinal
+            self.rank, self.world, self.ordinal
         )
     }
 }
@@ -675,13 +278,19 @@ impl fmt::Debug for NcclCommunicator {
 impl NcclCommunicator {
     /// Rank `store.rank()` of a communicator of `store.world_size()` ranks, on GPU
     /// `device_ordinal`: rank 0 creates the unique id and publishes it in the store, the others
-    /// read it (waiting up to the store's timeout), then every rank joins
-    /// (`ncclCommInitRankConfig`, bounded by `opts.timeout`). Each call on a store makes a new
-    /// communicator: the i-th call of every rank uses the same key.
+    /// read it (waiting up to the store's timeout), then every rank joins (bounded by
+    /// `opts.init_timeout`). Each call on a store makes a new communicator: the i-th call of
+    /// every rank uses the same keys. The abort flag of every rank is the store key
+    /// `nccl/<i>/abort`; a rank that fails to set up its device publishes it, so the peers fail
+    /// fast instead of waiting for the init timeout.
     pub fn new(store: &TcpStore, device_ordinal: usize, opts: NcclOptions) -> Result<Self> {
         let (rank, world) = (store.rank(), store.world_size());
         ffi::probe_libraries(rank)?;
         let n = store.add(&format!("nccl/instances/rank{rank}"), 1)?;
+        let flag = AbortFlag::Store {
+            store: store.clone(),
+            key: format!("nccl/{n}/abort"),
+        };
         let key = format!("nccl/unique_id/{n}");
         let id = if rank == 0 {
             let id = UniqueId::new().map_err(|e| with_rank(e, rank))?;
@@ -690,18 +299,31 @@ impl NcclCommunicator {
         } else {
             UniqueId::from_bytes(&store.get(&key)?).map_err(|e| with_rank(e, rank))?
         };
-        Self::from_unique_id(&id, rank, world, device_ordinal, opts)
+        Self::join(&id, rank, world, device_ordinal, opts, flag)
     }
 
     /// Rank `rank` of `world_size` ranks on GPU `device_ordinal`, joining the communicator of
-    /// `id` (every rank passes the same id). Ranks may be threads of one process: with NCCL ≥
-    /// 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` several may even share a GPU.
+    /// `id` (every rank passes the same id). Ranks may be threads of one process (they then
+    /// share the abort flag); with NCCL ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` several may
+    /// even share a GPU.
     pub fn from_unique_id(
         id: &UniqueId,
         rank: usize,
         world_size: usize,
         device_ordinal: usize,
         opts: NcclOptions,
+    ) -> Result<Self> {
+        let flag = AbortFlag::local(format!("nccl/{}", id.hex()));
+        Self::join(id, rank, world_size, device_ordinal, opts, flag)
+    }
+
+    fn join(
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+        device_ordinal: usize,
+        opts: NcclOptions,
+        flag: AbortFlag,
     ) -> Result<Self> {
         let invalid = |reason: String| CollectiveError::InvalidArgument {
             rank,
@@ -716,388 +338,185 @@ impl NcclCommunicator {
         if rank >= world_size {
             return Err(invalid(format!("rank {rank} >= world size {world_size}")));
         }
-        available().map_err(|e| with_rank(e, rank))?;
-        let (ctx, cuda) = open_device(rank, device_ordinal)?;
-        let id = *id;
-        ffi::guarded(rank, "ncclCommInitRankConfig", move || {
-            ctx.bind_to_thread().map_err(|e| CollectiveError::Backend {
+        let setup = || -> Result<(Arc<CudaContext>, Stream)> {
+            available().map_err(|e| with_rank(e, rank))?;
+            let unavailable = |reason: String| CollectiveError::Unavailable {
                 rank,
                 backend: "nccl",
-                op: "cuCtxSetCurrent",
-                reason: format!("{e:?}"),
+                reason,
+            };
+            let ctx = fsdp_device::cuda::context(device_ordinal)
+                .map_err(|e| unavailable(format!("cuda:{device_ordinal}: {e}")))?;
+            ctx.bind_to_thread().map_err(|e| {
+                unavailable(format!("cuda:{device_ordinal}: cuCtxSetCurrent: {e:?}"))
             })?;
-            let mut config = ffi::nonblocking_config();
-            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: the library is present and recent enough (checked); pointers are to live
-            // locals; the device's context is current on this thread, which is how NCCL picks
-            // the GPU.
-            let r = unsafe {
-                sys::ncclCommInitRankConfig(
-                    &mut comm,
-                    world_size as i32,
-                    id.0,
-                    rank as i32,
-                    &mut config,
-                )
-            };
-            let deadline = Instant::now() + opts.timeout;
-            let outcome = if !ffi::is_ok_or_in_progress(r) {
-                Poll::Failed(r)
-            } else if comm.is_null() {
-                Poll::Failed(sys::ncclResult_t::ncclInternalError)
-            } else {
-                poll_comm(comm, deadline)
-            };
-            let fail = |comm: sys::ncclComm_t| {
-                if !comm.is_null() {
-                    // SAFETY: a communicator that failed or timed out in initialisation, aborted
-                    // once.
-                    unsafe { sys::ncclCommAbort(comm) };
-                }
-            };
-            match outcome {
-                Poll::Ready => {
-                    Self::from_parts(comm, rank, world_size, device_ordinal, opts, ctx, cuda)
-                }
-                Poll::Failed(e) => {
-                    let mut reason = ffi::error_string(e);
-                    if let Some(last) = ffi::last_error(comm) {
-                        reason = format!("{reason}: {last}");
-                    }
-                    fail(comm);
-                    Err(CollectiveError::Backend {
-                        rank,
-                        backend: "nccl",
-                        op: "ncclCommInitRankConfig",
-                        reason,
-                    })
-                }
-                Poll::TimedOut => {
-                    fail(comm);
-                    Err(CollectiveError::Timeout {
-                        rank,
-                        op: "ncclCommInitRankConfig",
-                        seq: 0,
-                        waited: opts.timeout,
-                        waiting_for: format!(
-                            "not every rank of 0..{world_size} joined the communicator"
-                        ),
-                    })
-                }
+            let stream = Stream::cuda_with_timeout(
+                device_ordinal,
+                format!("nccl:{rank}/{world_size}:cuda{device_ordinal}"),
+                opts.timeout,
+            )
+            .map_err(|e| unavailable(format!("no stream on cuda:{device_ordinal}: {e}")))?;
+            Ok((ctx, stream))
+        };
+        let (ctx, stream) = match setup() {
+            Ok(v) => v,
+            Err(e) => {
+                // Tell the peers (defect 3 of issue 15): they would otherwise wait in
+                // initialisation for their whole init timeout.
+                flag.publish(&format!("rank {rank} could not set up its device: {e}"));
+                return Err(e);
             }
+        };
+        let raw = ffi::guarded(rank, "ncclCommInitRankConfig", || {
+            comm::init_rank(&id.0, rank, world_size, opts.init_timeout, &flag)
         })
+        .inspect_err(|e| flag.publish(&format!("rank {rank} failed to join: {e}")))?;
+        Self::from_parts(
+            raw,
+            rank,
+            world_size,
+            device_ordinal,
+            opts,
+            ctx,
+            stream,
+            flag,
+        )
     }
 
     /// Wrap an initialised communicator (from init or split).
+    #[allow(clippy::too_many_arguments)]
     fn from_parts(
-        comm: sys::ncclComm_t,
+        raw: sys::ncclComm_t,
         rank: usize,
         world: usize,
         ordinal: usize,
         opts: NcclOptions,
         ctx: Arc<CudaContext>,
-        cuda: Arc<CudaStream>,
+        stream: Stream,
+        flag: AbortFlag,
     ) -> Result<Self> {
+        let comm = Arc::new(Comm::new(raw, rank, flag));
+        let Some(cuda) = stream.cuda_stream().cloned() else {
+            comm.abort(
+                "internal: the NCCL stream is not a CUDA stream".into(),
+                true,
+            );
+            return Err(comm.aborted_error());
+        };
         let scratch = match Scratch::new(world, &cuda) {
             Ok(s) => s,
             Err(e) => {
-                // SAFETY: a live communicator that nothing else holds.
-                unsafe { sys::ncclCommAbort(comm) };
+                let reason = format!("rank {rank}: cuMemAllocAsync of the check scratch: {e:?}");
+                comm.abort(reason.clone(), true);
                 return Err(CollectiveError::Backend {
                     rank,
                     backend: "nccl",
                     op: "cuMemAllocAsync",
-                    reason: format!("{e:?}"),
+                    reason,
                 });
             }
         };
-        let stream = Stream::cpu_with_timeout(
-            format!("nccl-proxy:{rank}/{world}:cuda{ordinal}"),
+        let watchdog = Watchdog::start(
+            comm.clone(),
+            ctx.clone(),
             opts.timeout,
+            format!("nccl-watchdog:{rank}/{world}"),
         );
         Ok(NcclCommunicator {
-            inner: Arc::new(Inner {
-                rank,
-                world,
-                ordinal,
-                opts,
-                ctx,
-                cuda,
-                comm: AtomicPtr::new(comm),
-                aborted: Mutex::new(None),
-                scratch: Mutex::new(Some(scratch)),
-            }),
+            rank,
+            world,
+            ordinal,
+            ctx,
+            comm,
+            current: Mutex::new(stream.clone()),
             stream,
-            next_seq: Mutex::new(0),
+            cuda,
+            opts,
+            next_seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            scratch: Mutex::new(Some(scratch)),
+            staging: Mutex::new((None, Vec::new())),
+            watchdog: Some(watchdog),
         })
     }
 
-    /// The CUDA stream NCCL runs on. Other streams can wait for a collective with
-    /// `other.wait(&event)` on an event recorded here after [`Work::wait`], or make this stream
-    /// wait for their producers before issuing.
+    /// The CUDA stream NCCL runs on (also [`Communicator::stream`]); allocate the buffers of
+    /// collectives on it, or on the current stream.
     pub fn cuda_stream(&self) -> &Arc<CudaStream> {
-        &self.inner.cuda
+        &self.cuda
     }
 
-    /// The CUDA context of the communicator's GPU (the device's primary context).
+    /// The stream that produces the buffers of collectives and consumes their results: each
+    /// collective waits (on the GPU) for the work enqueued on it before, and [`Work::wait`]
+    /// makes it wait for the collective. Initially the NCCL stream itself.
+    pub fn current_stream(&self) -> Stream {
+        lock(&self.current).clone()
+    }
+
+    /// Name the caller's current stream (a CUDA stream of this communicator's GPU).
+    pub fn set_current_stream(&self, stream: &Stream) -> Result<()> {
+        if stream.cuda_stream().is_none()
+            || stream.device() != fsdp_device::Device::Cuda(self.ordinal)
+        {
+            return Err(CollectiveError::InvalidArgument {
+                rank: self.rank,
+                op: "set_current_stream",
+                reason: format!(
+                    "stream {} on {} is not a CUDA stream of cuda:{}",
+                    stream.name(),
+                    stream.device(),
+                    self.ordinal
+                ),
+            });
+        }
+        *lock(&self.current) = stream.clone();
+        Ok(())
+    }
+
+    /// The CUDA context of the communicator's GPU (the process's one context of it).
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.inner.ctx
+        &self.ctx
     }
 
     /// The GPU's ordinal.
     pub fn device_ordinal(&self) -> usize {
-        self.inner.ordinal
+        self.ordinal
     }
 
     /// The communicator's options.
     pub fn options(&self) -> &NcclOptions {
-        &self.inner.opts
+        &self.opts
     }
 
-    /// Why the communicator was aborted, if it was.
+    /// Why the communicator was aborted (here or on another rank), if it was.
     pub fn abort_reason(&self) -> Option<String> {
-        self.inner.aborted()
+        self.comm.abort_reason()
     }
 
-    fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {
-        CollectiveError::InvalidArgument {
-            rank: self.inner.rank,
-            op,
-            reason,
-        }
+    /// Abort every rank of this communicator with `reason`: this rank at once, the others
+    /// within the watchdog's flag poll. Every later call fails with [`CollectiveError::Aborted`].
+    pub fn abort(&self, reason: &str) {
+        self.comm
+            .abort(format!("rank {} aborted: {reason}", self.rank), true);
     }
 
-    fn check_host_copy<T: Element>(
-        &self,
-        op: &'static str,
-        buf: &Buffer,
-        len: usize,
-    ) -> Result<()> {
-        let dev = Device::Cuda(self.inner.ordinal);
-        if buf.device() != dev {
-            return Err(self.invalid(op, format!("buffer on {}, expected {dev}", buf.device())));
-        }
-        if buf.dtype() != T::DTYPE {
-            return Err(self.invalid(
-                op,
-                format!("buffer of {}, host data of {}", buf.dtype(), T::DTYPE),
-            ));
-        }
-        if buf.len() != len {
-            return Err(self.invalid(
-                op,
-                format!("buffer of {} elements, host data of {len}", buf.len()),
-            ));
-        }
-        self.inner
-            .ctx
-            .bind_to_thread()
-            .map_err(self.inner.driver("cuCtxSetCurrent"))
-    }
-
-    /// Copy `data` into the device buffer `buf`, after the collectives issued on it before
-    /// (waits up to the timeout for them), synchronously.
-    pub fn copy_from_host<T: Element>(&self, buf: &Buffer, data: &[T]) -> Result<()> {
-        self.check_host_copy::<T>("copy_from_host", buf, data.len())?;
-        let g = buf
-            .access(AccessMode::Exclusive)
-            .acquire(self.inner.opts.timeout)
-            .map_err(|source| CollectiveError::Device {
-                rank: self.inner.rank,
-                source,
-            })?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: exclusive access to `buf`, device memory of `data.len()` elements of T on this
-        // context (checked), which is current on this thread.
-        unsafe { cu::memcpy_htod_sync(g.as_ptr() as u64, data) }
-            .map_err(self.inner.driver("cuMemcpyHtoD"))
-    }
-
-    /// Copy the device buffer `buf` to the host, after the collectives issued on it before.
-    pub fn copy_to_host<T: Element>(&self, buf: &Buffer) -> Result<Vec<T>> {
-        self.check_host_copy::<T>("copy_to_host", buf, buf.len())?;
-        let g = buf
-            .access(AccessMode::Shared)
-            .acquire(self.inner.opts.timeout)
-            .map_err(|source| CollectiveError::Device {
-                rank: self.inner.rank,
-                source,
-            })?;
-        let mut out = vec![T::default(); buf.len()];
-        if out.is_empty() {
-            return Ok(out);
-        }
-        // SAFETY: shared access to `buf`, device memory of `out.len()` elements of T on this
-        // context (checked), which is current on this thread.
-        unsafe { cu::memcpy_dtoh_sync(&mut out, g.as_ptr() as u64) }
-            .map_err(self.inner.driver("cuMemcpyDtoH"))?;
-        Ok(out)
-    }
-
-    /// Issue a collective: take a sequence number, enqueue the proxy task, return its work. A
-    /// call that failed validation returns the error here; when the ranks verify their calls it
-    /// still takes part in the description exchange, so that the peers fail too instead of
-    /// waiting.
-    fn issue(
-        &self,
-        mut desc: Desc,
-        check: std::result::Result<Vec<AccessTicket>, String>,
-        launch: Option<Launch>,
-    ) -> Result<Work> {
-        let inner = &self.inner;
-        let (rank, op) = (inner.rank, desc.op);
-        if let Some(reason) = inner.aborted() {
-            return Err(CollectiveError::Aborted { rank, reason });
-        }
-        let (tickets, local_error) = match check {
-            Ok(t) => (Some(t), None),
-            Err(reason) => {
-                desc.invalid = Some(reason.clone());
-                (None, Some(self.invalid(op, reason)))
-            }
-        };
-        if let Some(e) = &local_error {
-            if !(inner.opts.verify && inner.world > 1) {
-                return Err(e.clone());
-            }
-        }
-        let task_inner = inner.clone();
-        let work = enqueue_collective(
-            &self.stream,
-            &self.next_seq,
-            rank,
-            op,
-            inner.opts.timeout,
-            move |seq| {
-                let mut desc = desc;
-                desc.seq = seq;
-                task_inner.run(seq, desc, tickets, launch)
-            },
-        )?;
-        match local_error {
-            Some(e) => Err(e),
-            None => Ok(work),
-        }
-    }
-
-    /// Where this communicator's buffers live.
-    fn placement(&self) -> Placement {
-        Placement::on("nccl", Device::Cuda(self.inner.ordinal))
-    }
-
-    fn check_op(op: ReduceOp) -> std::result::Result<sys::ncclRedOp_t, String> {
-        ffi::nccl_op(op).ok_or_else(|| format!("reduce op {op} is not supported by NCCL"))
-    }
-
-    /// [`Communicator::split`] returning the concrete type.
-    pub fn split_nccl(&self, color: Option<u32>, key: usize) -> Result<Option<NcclCommunicator>> {
-        let inner = &self.inner;
-        let rank = inner.rank;
-        let mut desc = Desc::new("split");
-        let check = (|| {
-            if let Some(c) = color {
-                if c > i32::MAX as u32 {
-                    return Err(format!("color {c} > {} (NCCL takes an int)", i32::MAX));
-                }
-            }
-            if key > i32::MAX as usize {
-                return Err(format!("key {key} > {} (NCCL takes an int)", i32::MAX));
-            }
-            Ok(Vec::new())
-        })();
-        desc.count = 0;
-        let (tx, rx) = crossbeam_channel::bounded::<SendComm>(1);
-        let color_c = color.map_or(ffi::SPLIT_NOCOLOR, |c| c as i32);
-        let key_c = key.min(i32::MAX as usize) as i32;
-        let launch: Launch = Box::new(move |inner, _guards, seq, deadline| {
-            let comm = inner.comm()?;
-            let mut config = ffi::nonblocking_config();
-            let mut newcomm: sys::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: `comm` is live; pointers are to live locals; every rank of the parent
-            // calls this (the description exchange checked that they all reached a split).
-            let r = unsafe { sys::ncclCommSplit(comm, color_c, key_c, &mut newcomm, &mut config) };
-            let abort_new = |c: sys::ncclComm_t| {
-                if !c.is_null() {
-                    // SAFETY: the new communicator is not handed out; aborted once.
-                    unsafe { sys::ncclCommAbort(c) };
-                }
-            };
-            if !ffi::is_ok_or_in_progress(r) {
-                abort_new(newcomm);
-                return Err(inner.nccl_error(comm, "split", r));
-            }
-            for c in [comm, newcomm] {
-                if c.is_null() {
-                    continue;
-                }
-                match poll_comm(c, deadline) {
-                    Poll::Ready => {}
-                    Poll::Failed(e) => {
-                        let err = inner.nccl_error(c, "split", e);
-                        abort_new(newcomm);
-                        return Err(err);
-                    }
-                    Poll::TimedOut => {
-                        abort_new(newcomm);
-                        return Err(inner.timeout_error(
-                            "split",
-                            seq,
-                            "ncclCommSplit did not complete on every rank".into(),
-                        ));
-                    }
-                }
-            }
-            let _ = tx.send(SendComm(newcomm));
-            Ok(())
-        });
-        let work = self.issue(desc, check, Some(launch))?;
-        work.wait()?;
-        let Ok(SendComm(newcomm)) = rx.try_recv() else {
-            return Err(CollectiveError::Aborted {
-                rank,
-                reason: "split ended without a result".into(),
-            });
-        };
-        if newcomm.is_null() {
-            return Ok(None);
-        }
-        let (mut new_rank, mut new_world) = (0i32, 0i32);
-        // SAFETY: `newcomm` is a ready communicator that only this thread holds.
-        let r1 = unsafe { sys::ncclCommUserRank(newcomm, &mut new_rank) };
-        // SAFETY: as above.
-        let r2 = unsafe { sys::ncclCommCount(newcomm, &mut new_world) };
-        if r1 != sys::ncclResult_t::ncclSuccess || r2 != sys::ncclResult_t::ncclSuccess {
-            // SAFETY: not handed out; aborted once.
-            unsafe { sys::ncclCommAbort(newcomm) };
-            return Err(inner.backend("split", "could not query the new communicator".into()));
-        }
-        let cuda = match inner.ctx.new_stream() {
-            Ok(s) => s,
-            Err(e) => {
-                // SAFETY: not handed out; aborted once.
-                unsafe { sys::ncclCommAbort(newcomm) };
-                return Err(inner.backend("split", format!("cuStreamCreate: {e:?}")));
-            }
-        };
-        NcclCommunicator::from_parts(
-            newcomm,
-            new_rank as usize,
-            new_world as usize,
-            inner.ordinal,
-            inner.opts.clone(),
-            inner.ctx.clone(),
-            cuda,
-        )
-        .map(Some)
+    fn seq(&self) -> u64 {
+        self.next_seq.fetch_add(1, Ordering::Relaxed)
     }
 }
 
-/// A new communicator in transit from the proxy thread to the caller of split.
-struct SendComm(sys::ncclComm_t);
-// SAFETY: the handle is moved, not shared: the proxy thread never uses it after sending.
-unsafe impl Send for SendComm {}
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        // The watchdog drains the outstanding work first (bounded), then the communicator ends,
+        // then its memory is freed (pinned frees may synchronise the device).
+        drop(self.watchdog.take());
+        let _ = self.ctx.bind_to_thread();
+        self.comm
+            .close(self.opts.timeout.min(Duration::from_secs(60)));
+        drop(lock(&self.scratch).take());
+        drop(std::mem::take(&mut *lock(&self.staging)));
+    }
+}
 
 fn with_rank(e: CollectiveError, rank: usize) -> CollectiveError {
     match e {
@@ -1126,387 +545,6 @@ fn with_rank(e: CollectiveError, rank: usize) -> CollectiveError {
     }
 }
 
-/// Open GPU `ordinal` (its primary context) and a stream for NCCL; errors are `Unavailable`.
-fn open_device(rank: usize, ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>)> {
-    let unavailable = |reason: String| CollectiveError::Unavailable {
-        rank,
-        backend: "nccl",
-        reason,
-    };
-    let ctx = catch_unwind(AssertUnwindSafe(|| CudaContext::new(ordinal)))
-        .map_err(|_| unavailable("the CUDA driver could not be initialised".into()))?
-        .map_err(|e| unavailable(format!("CUDA device {ordinal} could not be opened: {e:?}")))?;
-    let cuda = ctx
-        .new_stream()
-        .map_err(|e| unavailable(format!("no stream on CUDA device {ordinal}: {e:?}")))?;
-    Ok((ctx, cuda))
-}
-
-fn void(p: *mut u8) -> *mut c_void {
-    p.cast()
-}
-
-impl Communicator for NcclCommunicator {
-    fn rank(&self) -> usize {
-        self.inner.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world
-    }
-
-    fn stream(&self) -> &Stream {
-        &self.stream
-    }
-
-    fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work> {
-        let (world, rank) = (self.inner.world, self.inner.rank);
-        let n = input.len();
-        let mut desc = Desc::new("all_gather_base");
-        desc.dtype = Some(input.dtype());
-        desc.count = n;
-        let in_place = input.overlaps(output);
-        let check = self
-            .placement()
-            .all_gather_base(rank, world, input, output)
-            .map(|a| a.tickets);
-        let dtype = input.dtype();
-        let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
-            if n == 0 {
-                return Ok(());
-            }
-            let out = guards[guards.len() - 1].as_ptr();
-            let inp = if in_place {
-                out.wrapping_add(rank * n * dtype.size_in_bytes())
-            } else {
-                guards[0].as_ptr()
-            };
-            inner.nccl("all_gather_base", seq, deadline, |comm| {
-                // SAFETY: the guards hold the input (shared) and output (exclusive) device
-                // buffers of the checked sizes until the collective has finished on the GPU.
-                unsafe {
-                    sys::ncclAllGather(
-                        inp as *const c_void,
-                        void(out),
-                        n,
-                        ffi::nccl_dtype(dtype),
-                        comm,
-                        inner.nccl_stream(),
-                    )
-                }
-            })
-        });
-        self.issue(desc, check, Some(launch))
-    }
-
-    fn reduce_scatter_base(&self, input: &Buffer, output: &Buffer, op: ReduceOp) -> Result<Work> {
-        let (world, rank) = (self.inner.world, self.inner.rank);
-        let n = output.len();
-        let mut desc = Desc::new("reduce_scatter_base");
-        desc.dtype = Some(input.dtype());
-        desc.count = n;
-        desc.reduce = Some(op);
-        let in_place = input.overlaps(output);
-        let nop = Self::check_op(op);
-        let check = nop.clone().and_then(|_| {
-            self.placement()
-                .reduce_scatter_base(rank, world, input, output)
-                .map(|a| a.tickets)
-        });
-        let dtype = input.dtype();
-        let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
-            let nop = nop.map_err(|r| inner.backend("reduce_scatter_base", r))?;
-            if n == 0 {
-                return Ok(());
-            }
-            let inp = guards[0].as_ptr();
-            let out = if in_place {
-                inp.wrapping_add(rank * n * dtype.size_in_bytes())
-            } else {
-                guards[1].as_ptr()
-            };
-            inner.nccl("reduce_scatter_base", seq, deadline, |comm| {
-                // SAFETY: the guards hold input (shared, or exclusive in place) and output
-                // (exclusive) of the checked sizes until the collective has finished.
-                unsafe {
-                    sys::ncclReduceScatter(
-                        inp as *const c_void,
-                        void(out),
-                        n,
-                        ffi::nccl_dtype(dtype),
-                        nop,
-                        comm,
-                        inner.nccl_stream(),
-                    )
-                }
-            })
-        });
-        self.issue(desc, check, Some(launch))
-    }
-
-    fn all_reduce(&self, buf: &Buffer, op: ReduceOp) -> Result<Work> {
-        let n = buf.len();
-        let mut desc = Desc::new("all_reduce");
-        desc.dtype = Some(buf.dtype());
-        desc.count = n;
-        desc.reduce = Some(op);
-        let nop = Self::check_op(op);
-        let check = nop
-            .clone()
-            .and_then(|_| self.placement().all_reduce(buf).map(|a| a.tickets));
-        let dtype = buf.dtype();
-        let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
-            let nop = nop.map_err(|r| inner.backend("all_reduce", r))?;
-            if n == 0 {
-                return Ok(());
-            }
-            let p = guards[0].as_ptr();
-            inner.nccl("all_reduce", seq, deadline, |comm| {
-                // SAFETY: exclusive guard over the buffer (in place) until the collective ends.
-                unsafe {
-                    sys::ncclAllReduce(
-                        p as *const c_void,
-                        void(p),
-                        n,
-                        ffi::nccl_dtype(dtype),
-                        nop,
-                        comm,
-                        inner.nccl_stream(),
-                    )
-                }
-            })
-        });
-        self.issue(desc, check, Some(launch))
-    }
-
-    fn broadcast(&self, buf: &Buffer, root: usize) -> Result<Work> {
-        let rank = self.inner.rank;
-        let n = buf.len();
-        let mut desc = Desc::new("broadcast");
-        desc.dtype = Some(buf.dtype());
-        desc.count = n;
-        desc.root = Some(root);
-        let check = self
-            .placement()
-            .broadcast(rank, self.inner.world, buf, root)
-            .map(|a| a.tickets);
-        let dtype = buf.dtype();
-        let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
-            if n == 0 {
-                return Ok(());
-            }
-            let p = guards[0].as_ptr();
-            inner.nccl("broadcast", seq, deadline, |comm| {
-                // SAFETY: the root only reads its buffer (shared guard); the others own theirs
-                // (exclusive); in place; held until the collective ends.
-                unsafe {
-                    sys::ncclBroadcast(
-                        p as *const c_void,
-                        void(p),
-                        n,
-                        ffi::nccl_dtype(dtype),
-                        root as i32,
-                        comm,
-                        inner.nccl_stream(),
-                    )
-                }
-            })
-        });
-        self.issue(desc, check, Some(launch))
-    }
-
-    fn reduce(&self, buf: &Buffer, op: ReduceOp, root: usize) -> Result<Work> {
-        let rank = self.inner.rank;
-        let n = buf.len();
-        let mut desc = Desc::new("reduce");
-        desc.dtype = Some(buf.dtype());
-        desc.count = n;
-        desc.reduce = Some(op);
-        desc.root = Some(root);
-        let nop = Self::check_op(op);
-        let check = nop.clone().and_then(|_| {
-            self.placement()
-                .reduce(rank, self.inner.world, buf, root)
-                .map(|a| a.tickets)
-        });
-        let dtype = buf.dtype();
-        let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
-            let nop = nop.map_err(|r| inner.backend("reduce", r))?;
-            if n == 0 {
-                return Ok(());
-            }
-            let p = guards[0].as_ptr();
-            inner.nccl("reduce", seq, deadline, |comm| {
-                // SAFETY: non-root ranks only read their buffer (NCCL writes recvbuff only on
-                // the root); the root owns its exclusively; held until the collective ends.
-                unsafe {
-                    sys::ncclReduce(
-                        p as *const c_void,
-                        void(p),
-                        n,
-                        ffi::nccl_dtype(dtype),
-                        nop,
-                        root as i32,
-                        comm,
-                        inner.nccl_stream(),
-                    )
-                }
-            })
-        });
-        self.issue(desc, check, Some(launch))
-    }
-
-    fn barrier(&self) -> Result<Work> {
-        // The description exchange (a 64-byte all-gather) is the barrier.
-        self.issue(Desc::new("barrier"), Ok(Vec::new()), None)
-    }
-
-    fn all_gather(&self, input: &Buffer, outputs: &[Buffer]) -> Result<Work> {
-        let (world, rank) = (self.inner.world, self.inner.rank);
-        let sizes: Vec<usize> = outputs.iter().map(Buffer::len).collect();
-        let mut desc = Desc::new("all_gather");
-        desc.dtype = Some(input.dtype());
-        desc.count = input.len();
-        desc.sizes = Some(Sizes::List(sizes.clone()));
-        let dtype = input.dtype();
-        let esz = dtype.size_in_bytes();
-        let max = sizes.iter().copied().max().unwrap_or(0);
-        let check = (|| {
-            if max
-                .checked_mul(esz)
-                .and_then(|b| b.checked_mul(world + 1))
-                .is_none()
-            {
-                return Err("the padded temporary buffer would overflow usize".into());
-            }
-            self.placement()
-                .all_gather(rank, world, input, outputs)
-                .map(|a| a.tickets)
-        })();
-        let launch: Launch = Box::new(move |inner, guards, seq, deadline| {
-            if max == 0 {
-                return Ok(());
-            }
-            // Pad every input to the largest, all-gather base into one flat temporary, copy out.
-            let s = inner.cu_stream();
-            let bytes = max * esz * (world + 1);
-            // SAFETY: stream-ordered allocation on this communicator's stream (no device-wide
-            // synchronisation, unlike cuMemFree), freed below after the copies in stream order.
-            let tmp =
-                unsafe { cu::malloc_async(s, bytes) }.map_err(inner.driver("cuMemAllocAsync"))?;
-            let flat = tmp + (max * esz) as u64;
-            let result = (|| {
-                if sizes[rank] > 0 {
-                    // SAFETY: guards[0] is this rank's input (sizes[rank] elements); tmp holds
-                    // at least that many bytes.
-                    unsafe {
-                        cu::memcpy_dtod_async(tmp, guards[0].as_ptr() as u64, sizes[rank] * esz, s)
-                    }
-                    .map_err(inner.driver("cuMemcpyDtoDAsync"))?;
-                }
-                inner.nccl("all_gather", seq, deadline, |comm| {
-                    // SAFETY: padded input and flat output are private to this task.
-                    unsafe {
-                        sys::ncclAllGather(
-                            tmp as *const c_void,
-                            flat as *mut c_void,
-                            max,
-                            ffi::nccl_dtype(dtype),
-                            comm,
-                            inner.nccl_stream(),
-                        )
-                    }
-                })?;
-                for (i, g) in guards[1..].iter().enumerate() {
-                    if sizes[i] == 0 {
-                        continue;
-                    }
-                    // SAFETY: exclusive guard over outputs[i] (sizes[i] elements); block i of
-                    // the flat buffer holds at least that many.
-                    unsafe {
-                        cu::memcpy_dtod_async(
-                            g.as_ptr() as u64,
-                            flat + (i * max * esz) as u64,
-                            sizes[i] * esz,
-                            s,
-                        )
-                    }
-                    .map_err(inner.driver("cuMemcpyDtoDAsync"))?;
-                }
-                Ok(())
-            })();
-            // SAFETY: allocated above on this stream; freed after the work enqueued on it.
-            let freed = unsafe { cu::free_async(tmp, s) };
-            result?;
-            freed.map_err(inner.driver("cuMemFreeAsync"))
-        });
-        self.issue(desc, check, Some(launch))
-    }
-
-    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Box<dyn Communicator>>> {
-        Ok(self
-            .split_nccl(color, key)?
-            .map(|c| Box::new(c) as Box<dyn Communicator>))
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Without the libraries (this machine), every entry point fails with `Unavailable` naming
-    /// the library, never a panic. Where they are present, the probe succeeds.
-    #[test]
-    fn missing_libraries_are_an_error_not_a_panic() {
-        // SAFETY: only tries to open the libraries.
-        let (cuda, nccl) = unsafe {
-            (
-                cudarc::driver::sys::is_culib_present(),
-                cudarc::nccl::sys::is_culib_present(),
-            )
-        };
-        let probe = ffi::probe_libraries(3);
-        match (cuda, nccl) {
-            (true, true) => assert!(probe.is_ok(), "{probe:?}"),
-            _ => {
-                let err = probe.unwrap_err();
-                let want = if cuda { "libnccl" } else { "libcuda" };
-                assert!(matches!(
-                    err,
-                    CollectiveError::Unavailable {
-                        rank: 3,
-                        backend: "nccl",
-                        ..
-                    }
-                ));
-                assert!(err.to_string().contains(want), "{err}");
-                assert!(err.to_string().contains("LD_LIBRARY_PATH"), "{err}");
-                let err = UniqueId::new().unwrap_err();
-                assert!(err.to_string().contains(want), "{err}");
-                let id = UniqueId::from_bytes(&[0u8; 128]).unwrap();
-                let err = NcclCommunicator::from_unique_id(&id, 1, 2, 0, NcclOptions::default())
-                    .unwrap_err();
-                assert!(
-                    matches!(err, CollectiveError::Unavailable { rank: 1, .. }),
-                    "{err}"
-                );
-                assert!(version().is_err());
-                assert!(available().is_err());
-            }
-        }
-    }
-
-    #[test]
-    fn constructor_arguments_are_checked_first() {
-        let id = UniqueId::from_bytes(&[7u8; 128]).unwrap();
-        assert_eq!(id.to_bytes(), [7u8; 128]);
-        let err = UniqueId::from_bytes(&[0u8; 5]).unwrap_err();
-        assert!(err.to_string().contains("5 bytes, expected 128"), "{err}");
-        let err =
-            NcclCommunicator::from_unique_id(&id, 2, 2, 0, NcclOptions::default()).unwrap_err();
-        assert!(err.to_string().contains("rank 2 >= world size 2"), "{err}");
-        let err =
-            NcclCommunicator::from_unique_id(&id, 0, 0, 0, NcclOptions::default()).unwrap_err();
-        assert!(err.to_string().contains("world size 0"), "{err}");
-    }
-}
+#[path = "tests.rs"]
+mod tests;
