@@ -3,12 +3,12 @@
 //! at run time, in the process's one context per device ([`fsdp_device::cuda::context`]).
 //!
 //! Pools are keyed by the `CUstream` handle. The driver reuses the handle of a destroyed stream
-//! for a new one, so the source holds an `Arc` of every stream that owns segments or pending
-//! record-stream events: such a stream is never destroyed, and no new stream can take its key
-//! (and its cached blocks, which its pending work may still use). Streams are let go when
-//! [`CachingAllocator::empty_cache`] or [`CachingAllocator::release_completed`] released their
-//! last segment. Streams of [`fsdp_device::Stream::cuda`] are passed as
-//! `stream.cuda_stream().unwrap()`.
+//! for a new one, so the source holds an `Arc` of every stream from its first use by the
+//! allocator until a release of cached memory ([`CachingAllocator::empty_cache`],
+//! [`CachingAllocator::release_completed`], the out-of-memory retry) finds that it owns no
+//! segment and no pending record-stream event: a stream that owns memory is never destroyed, so
+//! no new stream can take its key (and its cached blocks, which its queued work may still use).
+//! Streams of [`fsdp_device::Stream::cuda`] are passed as `stream.cuda_stream().unwrap()`.
 //!
 //! ```no_run
 //! use fsdp_allocator::cuda::{CudaAllocator, CudaSource};
