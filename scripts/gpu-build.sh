@@ -19,6 +19,8 @@ targets=(
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
+    "fsdp-allocator|cuda|test|cuda_streams|allocator on CUDA streams: stats/snapshot vs host, record_stream vs a busy stream, destroyed streams"
+    "fsdp-allocator|cuda|bench|cuda_pairs|allocator cached pair medians on CUDA (plain, record_stream, expandable)"
     "fsdp-collectives|nccl|test|nccl|the NCCL backend against the host reference"
     "fsdp-collectives|nccl|test|nccl_conformance|the conformance suite on NCCL (3 ranks as threads on one GPU)"
     "fsdp-collectives|nccl|test|nccl_stream|NCCL stream ordering: upload race, current stream, abort of every rank"

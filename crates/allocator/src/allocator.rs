@@ -698,6 +698,14 @@ impl<S: MemorySource> State<S> {
         for id in ids {
             self.release_block(source, id);
         }
+        let owners: std::collections::BTreeSet<u64> = self
+            .segments
+            .iter()
+            .flatten()
+            .map(|seg| seg.stream)
+            .chain(self.events.keys().copied())
+            .collect();
+        source.retain_streams(&|key| owners.contains(&key));
     }
 
     /// With `max_split_size` set: free oversize cached blocks of `stream` (one large enough,
@@ -1096,6 +1104,19 @@ impl<S: MemorySource> CachingAllocator<S> {
         let mut st = sh.synchronize_and_free_events(sh.lock())?;
         st.release_cached_blocks(&sh.source);
         Ok(())
+    }
+
+    /// Like [`empty_cache`](Self::empty_cache) without waiting: return to their pools the
+    /// freed blocks whose record-stream events have already completed (queried, never waited
+    /// for), then give every cached unsplit block back to the source. Blocks whose events
+    /// pend stay pending. For use while collectives may be in flight on other streams, where a
+    /// wait could stall behind a peer.
+    pub fn release_completed(&self) -> Result<(), AllocError> {
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        let processed = st.process_events(&sh.source);
+        st.release_cached_blocks(&sh.source);
+        processed
     }
 
     /// The statistics.

@@ -1,5 +1,14 @@
 //! The CUDA memory source (feature `cuda`): segments from `cuMemAlloc`/`cuMemFree`, record-stream
-//! events from CUDA events, through cudarc with the driver loaded at run time.
+//! events from the device's event pool ([`PooledEvent`]), through cudarc with the driver loaded
+//! at run time, in the process's one context per device ([`fsdp_device::cuda::context`]).
+//!
+//! Pools are keyed by the `CUstream` handle. The driver reuses the handle of a destroyed stream
+//! for a new one, so the source holds an `Arc` of every stream from its first use by the
+//! allocator until a release of cached memory ([`CachingAllocator::empty_cache`],
+//! [`CachingAllocator::release_completed`], the out-of-memory retry) finds that it owns no
+//! segment and no pending record-stream event: a stream that owns memory is never destroyed, so
+//! no new stream can take its key (and its cached blocks, which its queued work may still use).
+//! Streams of [`fsdp_device::Stream::cuda`] are passed as `stream.cuda_stream().unwrap()`.
 //!
 //! ```no_run
 //! use fsdp_allocator::cuda::{CudaAllocator, CudaSource};
@@ -8,7 +17,8 @@
 //! match CudaSource::new(0) {
 //!     Err(e) => println!("skipped: {e}"),
 //!     Ok(source) => {
-//!         let stream = source.context().new_stream().unwrap();
+//!         let stream = fsdp_device::Stream::cuda(0, "compute").unwrap();
+//!         let stream = stream.cuda_stream().unwrap().clone();
 //!         let alloc = CudaAllocator::new(source, AllocatorConfig::default()).unwrap();
 //!         let block = alloc.allocate(1 << 20, &stream).unwrap();
 //!         println!("{block:?}");
@@ -16,17 +26,18 @@
 //! }
 //! ```
 
+use std::collections::HashMap;
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream, DriverError};
+use cudarc::driver::{result, CudaContext, CudaStream, DriverError};
+use fsdp_device::cuda::PooledEvent;
 use fsdp_device::Device;
 
-use crate::{AllocError, Block, CachingAllocator, MemorySource};
+use crate::{AllocError, Block, CachingAllocator, MemorySource, SEGMENT_ALIGN};
 
 mod vmm;
 
@@ -48,13 +59,15 @@ fn source_err(op: &'static str) -> impl Fn(DriverError) -> AllocError {
     }
 }
 
-/// Device memory of one GPU, in the GPU's primary context.
+/// Device memory of one GPU, in the process's context of that GPU.
 pub struct CudaSource {
     ctx: Arc<CudaContext>,
     ordinal: usize,
     total: usize,
     /// The physical pages of expandable segments.
     pages: vmm::Pages,
+    /// The streams seen by the allocator, by key, kept alive while they own memory.
+    streams: Mutex<HashMap<u64, Arc<CudaStream>>>,
 }
 
 impl fmt::Debug for CudaSource {
@@ -75,12 +88,9 @@ impl CudaSource {
                 "no CUDA driver (libcuda) could be loaded".to_string(),
             ));
         }
-        // cudarc panics if a driver symbol is missing; report that as an error too.
-        let ctx = catch_unwind(AssertUnwindSafe(|| CudaContext::new(ordinal)))
-            .map_err(|_| {
-                AllocError::NoDevice("the CUDA driver could not be initialised".to_string())
-            })?
-            .map_err(|e| AllocError::NoDevice(format!("CUDA device {ordinal}: {e:?}")))?;
+        // The device layer reports a missing driver symbol (a cudarc panic) as an error too.
+        let ctx = fsdp_device::cuda::context(ordinal)
+            .map_err(|e| AllocError::NoDevice(format!("cuda:{ordinal}: {e}")))?;
         let total = ctx.total_mem().map_err(source_err("cuDeviceTotalMem"))?;
         ctx.bind_to_thread()
             .map_err(source_err("cuCtxSetCurrent"))?;
@@ -90,24 +100,37 @@ impl CudaSource {
             ordinal,
             total,
             pages,
+            streams: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The context: make streams for the allocator with `context().new_stream()`.
+    /// The context (the one of [`fsdp_device::cuda::context`]): streams for the allocator come
+    /// from `context().new_stream()` or [`fsdp_device::Stream::cuda`].
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+
+    /// How many streams the source keeps alive now (those that owned memory at the last
+    /// release of cached memory, and those seen since).
+    pub fn streams_held(&self) -> usize {
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
 }
 
-// SAFETY: segments come from cuMemAlloc (256-byte aligned or better, hence SEGMENT_ALIGN) and are
-// owned by the caller until cuMemFree; cuMemFree waits for the device's pending work on them;
-// stream keys are the CUstream handles, distinct for live streams; CUDA events complete only
-// after the work recorded before them. Expandable segments: cuMemAddressReserve ranges
+// SAFETY: segments come from cuMemAlloc, checked to be SEGMENT_ALIGN-aligned (CUDA documents
+// 256 bytes; `allocate` refuses a pointer that is not), and are owned by the caller until
+// cuMemFree; cuMemFree waits for the device's pending work on them; stream keys are the CUstream
+// handles, distinct for live streams, and every stream that owns memory is kept alive (in
+// `streams`, from `validate_stream`, which the allocator calls before using a stream's key) so
+// its key is not reused; CUDA events complete only after the work recorded before them. Expandable segments: cuMemAddressReserve ranges
 // (granularity-aligned) that overlap nothing else, whose chunks are device memory once
 // cuMemMap and cuMemSetAccess succeeded.
 unsafe impl MemorySource for CudaSource {
     type Stream = Arc<CudaStream>;
-    type Event = CudaEvent;
+    type Event = PooledEvent;
 
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal)
@@ -128,6 +151,20 @@ unsafe impl MemorySource for CudaSource {
         // SAFETY: the context is current on this thread; the memory is device memory that this
         // crate never reads on the host.
         match unsafe { result::malloc_sync(bytes) } {
+            Ok(dptr) if dptr as usize % SEGMENT_ALIGN != 0 => {
+                // SAFETY: just allocated above, not handed out.
+                if let Err(e) = unsafe { result::free_sync(dptr) } {
+                    tracing::error!("cuda:{}: cuMemFree failed: {e:?}", self.ordinal);
+                }
+                Err(AllocError::Source {
+                    op: "cuMemAlloc",
+                    message: format!(
+                        "cuda:{}: cuMemAlloc returned {dptr:#x}, not aligned to the {SEGMENT_ALIGN} \
+                         bytes the allocator's blocks assume",
+                        self.ordinal
+                    ),
+                })
+            }
             Ok(dptr) => NonNull::new(std::ptr::without_provenance_mut::<u8>(dptr as usize))
                 .ok_or(AllocError::SourceOutOfMemory { bytes }),
             Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
@@ -197,6 +234,12 @@ unsafe impl MemorySource for CudaSource {
 
     fn validate_stream(&self, stream: &Arc<CudaStream>) -> Result<(), AllocError> {
         if **stream.context() == *self.ctx {
+            // Hold the stream from its first use on: its key may own memory from here on.
+            self.streams
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(Self::stream_key(stream))
+                .or_insert_with(|| stream.clone());
             Ok(())
         } else {
             Err(AllocError::InvalidArgument(format!(
@@ -207,17 +250,36 @@ unsafe impl MemorySource for CudaSource {
         }
     }
 
-    fn record_event(&self, stream: &Arc<CudaStream>) -> Result<CudaEvent, AllocError> {
-        stream
-            .record_event(None)
-            .map_err(source_err("cuEventRecord"))
+    fn record_event(&self, stream: &Arc<CudaStream>) -> Result<PooledEvent, AllocError> {
+        let event = PooledEvent::acquire(&self.ctx).map_err(|e| AllocError::Source {
+            op: "cuEventCreate",
+            message: format!("cuda:{}: {e}", self.ordinal),
+        })?;
+        event
+            .event()
+            .record(stream)
+            .map_err(source_err("cuEventRecord"))?;
+        Ok(event)
     }
 
-    fn query_event(&self, event: &CudaEvent) -> Result<bool, AllocError> {
-        event.try_is_complete().map_err(source_err("cuEventQuery"))
+    fn query_event(&self, event: &PooledEvent) -> Result<bool, AllocError> {
+        event
+            .event()
+            .try_is_complete()
+            .map_err(source_err("cuEventQuery"))
     }
 
-    fn synchronize_event(&self, event: &CudaEvent, timeout: Duration) -> Result<(), AllocError> {
+    fn retain_streams(&self, owns: &dyn Fn(u64) -> bool) {
+        // Dropped outside the lock: cuStreamDestroy may take a while.
+        let released: Vec<Arc<CudaStream>> = {
+            let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            let gone: Vec<u64> = streams.keys().copied().filter(|&k| !owns(k)).collect();
+            gone.iter().filter_map(|k| streams.remove(k)).collect()
+        };
+        drop(released);
+    }
+
+    fn synchronize_event(&self, event: &PooledEvent, timeout: Duration) -> Result<(), AllocError> {
         // cuEventSynchronize has no timeout: poll, backing off from spinning to short sleeps.
         let start = Instant::now();
         let mut pause = Duration::from_micros(1);

@@ -77,6 +77,11 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     /// Record an event at the current end of `stream`.
     fn record_event(&self, stream: &Self::Stream) -> Result<Self::Event, AllocError>;
 
+    /// Called after cached memory was released, with whether a stream key still owns segments
+    /// or pending record-stream events. A source that keeps its streams alive while they own
+    /// memory (so that their keys cannot be reused by new streams) drops the others here.
+    fn retain_streams(&self, _owns: &dyn Fn(u64) -> bool) {}
+
     /// Whether the event has completed, without waiting.
     fn query_event(&self, event: &Self::Event) -> Result<bool, AllocError>;
 
