@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::Output;
 
 use common::cli::{
-    fsdp, one_error, read_losses, small_train_args, write_safetensors, ONE_LAYER, SMALL_MODEL,
-    TWO_RANKS,
+    fsdp, golden_args, one_error, read_losses, small_train_args, write_safetensors, ONE_LAYER,
+    SMALL_MODEL, TWO_RANKS,
 };
 use common::{check_final_weights, expected_losses, fixture, LOSS_TOL};
 
@@ -146,48 +146,6 @@ fn invalid_options_give_one_error_line_and_a_non_zero_status() {
         &train(&["--data", big.to_str().unwrap()]),
         "outside the vocabulary",
     );
-}
-
-/// The golden configuration of `tests/fixtures/README.md`.
-fn golden_args<'a>(
-    ranks: &'a str,
-    init: &'a str,
-    log: &'a str,
-    save: &'a str,
-    data: &'a str,
-) -> Vec<&'a str> {
-    // The sizes of `SMALL_MODEL` but the fixtures' vocabulary of 96.
-    let mut args = vec!["train"];
-    args.extend_from_slice(&SMALL_MODEL[..8]);
-    args.extend_from_slice(&[
-        "--vocab-size",
-        "96",
-        "--batch-size",
-        "8",
-        "--steps",
-        "10",
-        "--lr",
-        "1e-3",
-        "--beta1",
-        "0.9",
-        "--beta2",
-        "0.95",
-        "--eps",
-        "1e-8",
-        "--weight-decay",
-        "0.1",
-        "--ranks",
-        ranks,
-        "--init-from",
-        init,
-        "--loss-log",
-        log,
-        "--save",
-        save,
-        "--data",
-        data,
-    ]);
-    args
 }
 
 #[test]

@@ -17,7 +17,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::cli::{free_port, fsdp, read_losses, scratch, torch_python};
+use common::cli::{free_port, fsdp, golden_args, read_losses, scratch, torch_python};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -149,45 +149,11 @@ fn bf16_training_tracks_pytorch_fsdp2_bf16() {
     for ranks in ["1", "2"] {
         let log = dir.join(format!("bf16-{ranks}.csv"));
         let log_s = log.to_string_lossy().into_owned();
-        let out = fsdp(&[
-            "train",
-            "--n-layer",
-            "2",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "32",
-            "--block-size",
-            "16",
-            "--vocab-size",
-            "96",
-            "--batch-size",
-            "8",
-            "--steps",
-            "10",
-            "--lr",
-            "1e-3",
-            "--beta1",
-            "0.9",
-            "--beta2",
-            "0.95",
-            "--eps",
-            "1e-8",
-            "--weight-decay",
-            "0.1",
-            "--param-dtype",
-            "bf16",
-            "--reduce-dtype",
-            "f32",
-            "--ranks",
-            ranks,
-            "--init-from",
-            &init,
-            "--data",
-            &tokens,
-            "--loss-log",
-            &log_s,
-        ]);
+        let save = dir.join(format!("bf16-{ranks}.safetensors"));
+        let save_s = save.to_string_lossy().into_owned();
+        let mut args = golden_args(ranks, &init, &log_s, &save_s, &tokens);
+        args.extend_from_slice(&["--param-dtype", "bf16", "--reduce-dtype", "f32"]);
+        let out = fsdp(&args);
         assert!(
             out.status.success(),
             "{}",

@@ -259,3 +259,45 @@ pub fn torch_python(module: &str) -> Option<String> {
         .is_ok_and(|s| s.success());
     ok.then_some(py)
 }
+
+/// The golden configuration of `tests/fixtures/README.md`.
+pub fn golden_args<'a>(
+    ranks: &'a str,
+    init: &'a str,
+    log: &'a str,
+    save: &'a str,
+    data: &'a str,
+) -> Vec<&'a str> {
+    // The sizes of `SMALL_MODEL` but the fixtures' vocabulary of 96.
+    let mut args = vec!["train"];
+    args.extend_from_slice(&SMALL_MODEL[..8]);
+    args.extend_from_slice(&[
+        "--vocab-size",
+        "96",
+        "--batch-size",
+        "8",
+        "--steps",
+        "10",
+        "--lr",
+        "1e-3",
+        "--beta1",
+        "0.9",
+        "--beta2",
+        "0.95",
+        "--eps",
+        "1e-8",
+        "--weight-decay",
+        "0.1",
+        "--ranks",
+        ranks,
+        "--init-from",
+        init,
+        "--loss-log",
+        log,
+        "--save",
+        save,
+        "--data",
+        data,
+    ]);
+    args
+}

@@ -113,23 +113,12 @@ pub fn new_group(
     world_size: usize,
     opts: CudaRingOptions,
 ) -> Result<Vec<CudaRingCommunicator>> {
-    let invalid = |reason: String| CollectiveError::InvalidArgument {
-        rank: 0,
-        op: "cuda_ring::new_group",
-        reason,
-    };
-    if world_size == 0 {
-        return Err(invalid("world size must be at least 1".into()));
-    }
-    if opts.slots < 2 {
-        return Err(invalid(format!(
-            "slots = {} (at least 2 are needed)",
-            opts.slots
-        )));
-    }
-    if opts.segment_bytes == 0 {
-        return Err(invalid("segment_bytes must be positive".into()));
-    }
+    crate::flavors::ring::check_group(
+        "cuda_ring::new_group",
+        world_size,
+        opts.slots,
+        opts.segment_bytes,
+    )?;
     let board = Arc::new(Board::new(world_size));
     make_links(world_size)
         .into_iter()

@@ -96,25 +96,39 @@ impl fmt::Debug for RingCommunicator {
     }
 }
 
-/// Create a group of `world_size` ranks: element `r` of the result is rank `r`.
-pub fn new_group(world_size: usize, opts: RingOptions) -> Result<Vec<RingCommunicator>> {
+/// The checks of a group of ranks as threads (thread ring, CUDA ring): a world of at least one,
+/// at least two scratch slots, non-empty segments.
+pub(crate) fn check_group(
+    op: &'static str,
+    world_size: usize,
+    slots: usize,
+    segment_bytes: usize,
+) -> Result<()> {
     let invalid = |reason: String| CollectiveError::InvalidArgument {
         rank: 0,
-        op: "ring::new_group",
+        op,
         reason,
     };
     if world_size == 0 {
         return Err(invalid("world size must be at least 1".into()));
     }
-    if opts.slots < 2 {
-        return Err(invalid(format!(
-            "slots = {} (at least 2 are needed)",
-            opts.slots
-        )));
+    if slots < 2 {
+        return Err(invalid(format!("slots = {slots} (at least 2 are needed)")));
     }
-    if opts.segment_bytes == 0 {
+    if segment_bytes == 0 {
         return Err(invalid("segment_bytes must be positive".into()));
     }
+    Ok(())
+}
+
+/// Create a group of `world_size` ranks: element `r` of the result is rank `r`.
+pub fn new_group(world_size: usize, opts: RingOptions) -> Result<Vec<RingCommunicator>> {
+    check_group(
+        "ring::new_group",
+        world_size,
+        opts.slots,
+        opts.segment_bytes,
+    )?;
     let board = Arc::new(Board::new(world_size));
     make_links(world_size)
         .into_iter()
