@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::{DType, Device, DeviceError, Element, DEFAULT_TIMEOUT};
+use crate::{DType, Device, DeviceError, Element, StreamOrder, DEFAULT_TIMEOUT};
 
 /// Alignment of host storage created by this crate (one cache line).
 pub const HOST_ALIGN: usize = 64;
@@ -40,6 +40,17 @@ pub unsafe trait Storage: Send + Sync + 'static {
     fn byte_len(&self) -> usize;
     /// The base address.
     fn as_ptr(&self) -> *mut u8;
+    /// The [`StreamOrder`] of a stream-ordered storage (device memory): buffers over it are used
+    /// on streams through [`Buffer::use_on`] instead of access tickets. `None` (the default) for
+    /// storage ordered by access tickets.
+    fn stream_order(&self) -> Option<Arc<StreamOrder>> {
+        None
+    }
+    /// Whether the memory is page-locked host memory that asynchronous device copies may use
+    /// (`PinnedStorage` of the `cuda` feature). Default `false`.
+    fn is_page_locked(&self) -> bool {
+        false
+    }
 }
 
 /// Zero-initialised host memory aligned to [`HOST_ALIGN`].
@@ -185,6 +196,8 @@ struct Shared {
     id: u64,
     storage: Box<dyn Storage>,
     access: AccessLock,
+    /// The storage's stream order, taken once at creation.
+    order: Option<Arc<StreamOrder>>,
 }
 
 /// A one-dimensional run of elements of one [`DType`] in a [`Storage`]. Cloning and slicing
@@ -254,11 +267,13 @@ impl Buffer {
             )));
         }
         let len = storage.byte_len() / dtype.size_in_bytes();
+        let order = storage.stream_order();
         Ok(Buffer {
             shared: Arc::new(Shared {
                 id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed),
                 storage,
                 access: AccessLock::default(),
+                order,
             }),
             dtype,
             offset: 0,
@@ -289,6 +304,23 @@ impl Buffer {
     /// Where the memory lives.
     pub fn device(&self) -> Device {
         self.shared.storage.device()
+    }
+
+    /// The stream order shared by every view of a stream-ordered storage (device memory), `None`
+    /// for storage ordered by access tickets.
+    pub fn stream_order(&self) -> Option<Arc<StreamOrder>> {
+        self.shared.order.clone()
+    }
+
+    /// Whether the storage is page-locked host memory (see [`Storage::is_page_locked`]).
+    pub fn is_page_locked(&self) -> bool {
+        self.shared.storage.is_page_locked()
+    }
+
+    /// Address of the first element of this view (not dereferenced here).
+    pub(crate) fn element_ptr(&self) -> *mut u8 {
+        let base = self.shared.storage.as_ptr();
+        base.wrapping_add(self.offset * self.dtype.size_in_bytes())
     }
 
     /// Byte range of this view inside its storage.
@@ -349,6 +381,13 @@ impl Buffer {
             return Err(DeviceError::DTypeMismatch {
                 actual: self.dtype,
                 requested: T::DTYPE,
+            });
+        }
+        if let Device::Cuda(_) = self.device() {
+            return Err(DeviceError::Unsupported {
+                op: "host access to a device buffer (copy it into a pinned buffer with \
+                     copy_to_host_async)",
+                device: self.device().to_string(),
             });
         }
         if self.device() != Device::Cpu {
@@ -524,8 +563,7 @@ impl AccessGuard {
     /// [`Device::Meta`] an identifier that must never be dereferenced). Valid while the guard
     /// lives; writing through it is allowed only for an exclusive guard.
     pub fn as_ptr(&self) -> *mut u8 {
-        let base = self.buffer.shared.storage.as_ptr();
-        base.wrapping_add(self.buffer.offset * self.buffer.dtype.size_in_bytes())
+        self.buffer.element_ptr()
     }
 }
 

@@ -30,6 +30,7 @@ pub mod cuda;
 mod device;
 pub mod dtype;
 mod error;
+pub mod order;
 pub mod stream;
 
 pub use buffer::{
@@ -39,6 +40,7 @@ pub use buffer::{
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::DeviceError;
+pub use order::{StreamOrder, StreamUse};
 pub use stream::{Event, Stream, StreamId, DEFAULT_TIMEOUT};
 
 #[doc(hidden)]
