@@ -95,11 +95,13 @@ impl StreamOrder {
     }
 
     /// Record that a read was issued on `stream` (an event at its current end), and return it.
+    /// The order keeps its own copy of the point: recording the returned event again does not
+    /// move it.
     pub fn after_read(&self, stream: &Stream) -> Event {
         let ev = stream.record_event();
         let mut st = self.lock();
         st.reads.retain(|(id, _)| *id != stream.id());
-        st.reads.push((stream.id(), ev.clone()));
+        st.reads.push((stream.id(), ev.snapshot()));
         ev
     }
 
@@ -109,7 +111,7 @@ impl StreamOrder {
         let ev = stream.record_event();
         let mut st = self.lock();
         st.reads.clear();
-        st.write = Some((stream.id(), ev.clone()));
+        st.write = Some((stream.id(), ev.snapshot()));
         ev
     }
 
@@ -120,7 +122,7 @@ impl StreamOrder {
         st.write
             .iter()
             .chain(st.reads.iter())
-            .map(|(_, ev)| ev.clone())
+            .map(|(_, ev)| ev.snapshot())
             .collect()
     }
 

@@ -221,6 +221,25 @@ fn a_failed_wait_is_reported_by_the_use() {
     order.before_read(&impatient).unwrap();
 }
 
+#[test]
+fn re_recording_a_returned_event_does_not_move_the_order() {
+    let order = StreamOrder::new();
+    let slow = Stream::cpu("slow");
+    let (tx, rx) = gate();
+    slow.enqueue(move || {
+        let _ = rx.recv_timeout(Duration::from_secs(10));
+    })
+    .unwrap();
+    let ev = order.after_write(&slow);
+    assert!(!ev.query() && !order.is_idle());
+    ev.record(&Stream::inline("elsewhere"));
+    assert!(ev.query());
+    assert!(!order.is_idle(), "the order lost the pending write");
+    tx.send(()).unwrap();
+    slow.synchronize().unwrap();
+    assert!(order.is_idle());
+}
+
 /// One issued operation of the property test: a read or a write on one of three streams, with
 /// a delay before it touches memory (to widen any race).
 #[derive(Clone, Debug)]

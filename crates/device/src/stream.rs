@@ -486,6 +486,14 @@ impl Event {
         self.point.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A new event at the same recorded point, not shared with this one: recording either
+    /// later moves only that one.
+    pub(crate) fn snapshot(&self) -> Event {
+        Event {
+            point: Arc::new(Mutex::new(self.lock().clone())),
+        }
+    }
+
     /// Mark the current end of `stream`: the event completes once everything enqueued on it so
     /// far has run. On a CUDA stream this records a CUDA event taken from the device's event
     /// pool; a failure to record is reported by [`synchronize`](Event::synchronize).

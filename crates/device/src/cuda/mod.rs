@@ -11,6 +11,16 @@
 //!   [`Stream::wait_event`] between CUDA streams is `cuStreamWaitEvent` (GPU-side, the host does
 //!   not block), and every host wait (`synchronize`) polls `cuEventQuery` up to a timeout
 //!   instead of blocking in `cuEventSynchronize` without one.
+//! - Device buffers ([`CudaStorage`], [`Buffer::cuda_zeros`](crate::Buffer::cuda_zeros)) are
+//!   stream-ordered: each storage's [`StreamOrder`](crate::StreamOrder) keeps the events of its
+//!   last write and of the reads since, work on them is issued through
+//!   [`Buffer::use_on`](crate::Buffer::use_on) (the stream waits on the GPU for the conflicting
+//!   events, an event is recorded after the work), and dropping one frees the memory only once
+//!   those events completed (a reaper thread queries them). Host access is an explicit async
+//!   copy into page-locked memory ([`PinnedStorage`], [`Buffer::pinned_zeros`](crate::Buffer::pinned_zeros),
+//!   [`Buffer::copy_to_host_async`](crate::Buffer::copy_to_host_async)), which holds an access
+//!   ticket on the pinned buffer until the copy's event completes, so the host's `read()` of it
+//!   waits for the copy.
 //! - [`libs`]: finds NVRTC and NCCL in Python packages' `site-packages` when they are not on the
 //!   loader path.
 //!
@@ -19,8 +29,11 @@
 //! on an event recorded after the producing work, and keep the slice alive until the last work
 //! that uses it has completed.
 
+mod buffers;
 mod events;
 pub mod libs;
+mod reaper;
+mod storage;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
@@ -29,6 +42,8 @@ use std::time::Duration;
 pub use cudarc::driver::{CudaContext, CudaStream};
 pub(crate) use events::CudaPoint;
 pub use events::{pooled_events, PooledEvent};
+pub use reaper::{pending_releases, wait_for_releases};
+pub use storage::{CudaStorage, PinnedStorage};
 
 use crate::{Device, DeviceError, Stream, DEFAULT_TIMEOUT};
 
