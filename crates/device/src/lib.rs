@@ -3,8 +3,13 @@
 //! This is the bottom crate of the workspace: the one definition of [`Stream`], [`Event`],
 //! [`DType`]/[`Element`] and [`Buffer`] that the allocator, collectives, flat-parameter and FSDP
 //! crates share, so that the same runtime code drives CPU streams (worker threads) and, with the
-//! `cuda` feature, CUDA streams and events ([`cuda`]). Buffers on [`Device::Meta`] ([`Buffer::meta`])
+//! `cuda` feature, CUDA streams and events (module `cuda`). Buffers on [`Device::Meta`] ([`Buffer::meta`])
 //! have lengths and sizes but no memory, to run code for its shapes and memory use alone.
+//!
+//! Host buffers are ordered by access tickets ([`Buffer::access`]); device buffers (feature
+//! `cuda`) are stream-ordered ([`order`]: each storage's [`StreamOrder`] keeps the events of its
+//! last write and of the reads since, and [`Buffer::use_on`] makes a stream wait for them), and
+//! their host access is an explicit async copy into pinned memory.
 //!
 //! ```
 //! use fsdp_device::{Buffer, DType, Stream, AccessMode};

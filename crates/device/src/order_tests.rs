@@ -75,7 +75,9 @@ fn consumer_sees_the_slow_producers_write() {
         .enqueue(move || s.store(m.load(Ordering::SeqCst), Ordering::SeqCst))
         .unwrap();
     let read = order.after_read(&consumer);
-    // The consumer is held behind the producer, which is held by the gate.
+    // The consumer is held behind the producer, which is held by the gate (time enough for an
+    // unordered consumer to run: see the next test).
+    std::thread::sleep(Duration::from_millis(20));
     assert!(!read.query() && !written.query());
     tx.send(()).unwrap();
     read.synchronize().unwrap();
@@ -193,6 +195,14 @@ fn stream_use_orders_buffer_work_and_checks_its_arguments() {
         host.use_on(&a, AccessMode::Shared),
         Err(DeviceError::Unsupported { .. })
     ));
+    // Host access to a buffer that claims a CUDA device is refused, naming the way to do it.
+    let device = ordered_host(4, Device::Cuda(0));
+    let err = device.to_vec::<f64>().unwrap_err();
+    assert!(
+        matches!(&err, DeviceError::Unsupported { op, device } if op.contains("copy_to_host_async") && device == "cuda:0"),
+        "{err}"
+    );
+    assert!(device.write::<f64>().is_err());
     let elsewhere = ordered_host(4, Device::Meta);
     let err = elsewhere.use_on(&a, AccessMode::Exclusive).unwrap_err();
     assert!(

@@ -67,7 +67,9 @@ fn argument_errors_without_a_gpu() {
     let host = Buffer::zeros(DType::F32, 4).unwrap();
     let cpu = Stream::cpu("cpu");
     let err = host.copy_to_host_async(&host, &cpu).unwrap_err();
-    assert!(matches!(&err, DeviceError::InvalidArgument(m) if m.contains("not a CUDA buffer")));
+    assert!(
+        matches!(&err, DeviceError::InvalidArgument(m) if m.contains("not a stream-ordered CUDA buffer"))
+    );
     assert!(matches!(
         Buffer::cuda_zeros(DType::F32, 4, &cpu),
         Err(DeviceError::Unsupported { .. })
@@ -144,7 +146,10 @@ fn misuse_is_a_clear_error() {
     invalid(x.copy_from_host_async(&wide, &s), "f64");
     let ok = Buffer::pinned_zeros(DType::F32, 16).unwrap();
     invalid(x.copy_to_host_async(&ok, &cpu), "stream `cpu`");
-    invalid(ok.copy_to_host_async(&ok, &s), "not a CUDA buffer");
+    invalid(
+        ok.copy_to_host_async(&ok, &s),
+        "not a stream-ordered CUDA buffer",
+    );
     invalid(
         x.copy_from_device_async(&x.slice(0..8).unwrap(), &s),
         "8 elements",

@@ -42,7 +42,8 @@ fn check_host_copy(
 ) -> Result<(), DeviceError> {
     if !matches!(device.device(), Device::Cuda(_)) || device.stream_order().is_none() {
         return Err(DeviceError::InvalidArgument(format!(
-            "{what}: the device side is a buffer on {}, not a CUDA buffer",
+            "{what}: the device side is a buffer on {}, not a stream-ordered CUDA buffer \
+             (Buffer::cuda_zeros)",
             device.device()
         )));
     }

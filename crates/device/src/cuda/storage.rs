@@ -47,7 +47,7 @@ impl Drop for DeviceAlloc {
 /// Dropping it does not free memory that queued GPU work still uses: the allocation is handed
 /// to a reaper thread that frees it once every event recorded in the order has completed
 /// (queried, never waited for in the driver; no `cuCtxSynchronize`). Work issued on the memory
-/// without [`Buffer::use_on`] is not recorded and therefore not waited for.
+/// without [`Buffer::use_on`](crate::Buffer::use_on) is not recorded and therefore not waited for.
 pub struct CudaStorage {
     alloc: Option<DeviceAlloc>,
     addr: usize,
