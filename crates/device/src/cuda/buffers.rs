@@ -92,7 +92,11 @@ impl Buffer {
         let bytes = byte_size(dtype, len)?;
         let cu = bound_cuda(stream, "Buffer::cuda_zeros")?;
         let Device::Cuda(ordinal) = stream.device() else {
-            unreachable!("a CUDA stream is on a CUDA device")
+            return Err(DeviceError::InvalidArgument(format!(
+                "stream `{}` is a CUDA stream on {}",
+                stream.name(),
+                stream.device()
+            )));
         };
         let buf = Buffer::from_storage(Box::new(CudaStorage::uninit(ordinal, bytes)?), dtype)?;
         let usage = buf.use_on(stream, AccessMode::Exclusive)?;
