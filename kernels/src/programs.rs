@@ -104,6 +104,7 @@ impl Program {
                 "cross_entropy_fused_f32",
                 "embedding_forward_f32",
                 "embedding_backward_tokens_f32",
+                "embedding_backward_tokens_grouped_f32",
                 "embedding_backward_positions_f32",
                 "bias_grad_f32",
             ]),

@@ -208,6 +208,16 @@ fn embeddings_and_bias_grad_equal_their_twins() {
     launch::embedding_backward_positions(&s, &gdx, t, c, &mut gpe_d).unwrap();
     launch::bias_grad(&s, &gdx, &mut gdb).unwrap();
     same("dwte", &down(&s, &gte_d), &dwte);
+    // The grouped kernel (ids on the host; in range) gives the twin's bits too.
+    ids[3] = 17;
+    let mut dwte = dwte0.clone();
+    nn::embedding_backward_tokens(&ids, &dx, c, &mut dwte).unwrap();
+    let mut gte_g = up(&s, &dwte0);
+    launch::embedding_backward_tokens_host_ids(&s, &ids, &gdx, c, &mut gte_g).unwrap();
+    same("dwte (grouped)", &down(&s, &gte_g), &dwte);
+    ids[5] = vocab as u32;
+    let bad = launch::embedding_backward_tokens_host_ids(&s, &ids, &gdx, c, &mut gte_g);
+    assert!(bad.unwrap_err().to_string().contains("not below"));
     same("dwpe", &down(&s, &gpe_d), &dwpe);
     same("dbias", &down(&s, &gdb), &db);
 }

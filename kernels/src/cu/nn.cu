@@ -302,6 +302,25 @@ extern "C" __global__ void embedding_backward_tokens_f32(const u32* ids, const f
     }
 }
 
+// Token embedding backward from the tokens grouped by id on the host (CSR: the k-th distinct
+// id is ids[k], its tokens in order are tokens[offsets[k] .. offsets[k + 1]]), one thread per
+// (distinct id, column): the same additions in the same order as the kernel above, in
+// O(n * c) work.
+extern "C" __global__ void embedding_backward_tokens_grouped_f32(
+    const u32* ids, const u32* offsets, const u32* tokens, const float* dx, float* dwte,
+    u32 distinct, u32 c) {
+    GRID_STRIDE(k, (u64)distinct * c) {
+        u32 u = (u32)(k / c);
+        u32 j = (u32)(k % c);
+        u64 at = (u64)ids[u] * c + j;
+        float acc = dwte[at];
+        for (u32 q = offsets[u]; q < offsets[u + 1]; q++) {
+            acc = fa(acc, dx[(u64)tokens[q] * c + j]);
+        }
+        dwte[at] = acc;
+    }
+}
+
 // Position embedding backward, one thread per (position, column), rows in order:
 // dwpe[p, j] += dx[r, j] for r = p, p + t, p + 2t, ... < n.
 extern "C" __global__ void embedding_backward_positions_f32(const float* dx, float* dwpe,

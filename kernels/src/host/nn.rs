@@ -397,6 +397,32 @@ pub fn embedding_backward_tokens(
     Ok(())
 }
 
+/// The tokens grouped by id (ids `< vocab`), as `embedding_backward_tokens_grouped_f32` reads
+/// them: the distinct ids ascending, CSR offsets (`distinct + 1`), and each id's token indices
+/// in order (a stable counting sort).
+pub(crate) fn group_by_id(ids: &[u32], vocab: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut count = vec![0u32; vocab];
+    for &id in ids {
+        count[id as usize] += 1;
+    }
+    let (mut distinct, mut offsets) = (Vec::new(), vec![0u32]);
+    let mut start = vec![0u32; vocab];
+    for (id, &n) in count.iter().enumerate() {
+        if n > 0 {
+            let at = offsets[offsets.len() - 1];
+            start[id] = at;
+            distinct.push(id as u32);
+            offsets.push(at + n);
+        }
+    }
+    let mut tokens = vec![0u32; ids.len()];
+    for (r, &id) in ids.iter().enumerate() {
+        tokens[start[id as usize] as usize] = r as u32;
+        start[id as usize] += 1;
+    }
+    (distinct, offsets, tokens)
+}
+
 /// Position embedding backward (**accumulates**): `dwpe[p] += dx[r]` for `r = p, p + t, …`,
 /// in order; `dwpe` has at least `t` rows (the rest are untouched).
 ///
@@ -433,4 +459,43 @@ pub fn bias_grad(dy: &[f32], dbias: &mut [f32]) -> Result<(), KernelError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grouped_tokens_fold_to_the_twins_bits() {
+        let (vocab, c, n) = (37usize, 3usize, 200usize);
+        let ids: Vec<u32> = (0..n).map(|r| ((r * r * 13 + 5) % vocab) as u32).collect();
+        let dx: Vec<f32> = (0..n * c)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+            .collect();
+        let (distinct, offsets, tokens) = group_by_id(&ids, vocab);
+        assert_eq!(offsets.len(), distinct.len() + 1);
+        assert_eq!(offsets[distinct.len()] as usize, n);
+        assert!(distinct.windows(2).all(|w| w[0] < w[1]));
+        let mut want = vec![0.5f32; vocab * c];
+        embedding_backward_tokens(&ids, &dx, c, &mut want).unwrap();
+        // The grouped kernel's loop, on the host.
+        let mut got = vec![0.5f32; vocab * c];
+        for (u, &id) in distinct.iter().enumerate() {
+            let toks = &tokens[offsets[u] as usize..offsets[u + 1] as usize];
+            assert!(
+                toks.windows(2).all(|w| w[0] < w[1]),
+                "tokens of {id} in order"
+            );
+            assert!(toks.iter().all(|&r| ids[r as usize] == id));
+            for j in 0..c {
+                let mut acc = got[id as usize * c + j];
+                for &r in toks {
+                    acc += dx[r as usize * c + j];
+                }
+                got[id as usize * c + j] = acc;
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+    }
 }

@@ -4,10 +4,12 @@
 //! check them, before anything is launched; device data (ids, targets) cannot be checked: an
 //! id or target out of range gives NaN rows, as the twins.
 
+use std::sync::Arc;
+
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{config, driver, function};
-use crate::host::nn::{check_embedding, rows_of, softmax_rows, NN_BLOCK};
+use crate::host::nn::{check_embedding, group_by_id, rows_of, softmax_rows, NN_BLOCK};
 use crate::host::same_len;
 use crate::{KernelError, Program};
 
@@ -401,6 +403,63 @@ pub fn embedding_backward_tokens(
     // SAFETY: (const u32* ids [n], const float* dx [n·c], float* dwte [vocab·c], u32 n, u32 c,
     // u32 vocab), one thread per element of dwte (grid-stride).
     launched(k, unsafe { b.launch(config(vocab * c)) })
+}
+
+/// [`embedding_backward_tokens`] with the ids on the host (the data loader has them): the
+/// tokens are grouped by id here (each id's tokens in order), uploaded, and one GPU thread
+/// per (distinct id, column) folds its tokens in order: the same bits as the twin, in
+/// O(tokens · c) GPU work instead of O(vocab · tokens · c). Uploads three small arrays
+/// (freed in stream order).
+///
+/// # Errors
+/// Shape errors as the twin; [`KernelError::InvalidArgument`] for an id out of `dwte`'s rows;
+/// allocation, copy, compile, load and launch failures.
+pub fn embedding_backward_tokens_host_ids(
+    stream: &Arc<CudaStream>,
+    ids: &[u32],
+    dx: &impl DevicePtr<f32>,
+    c: usize,
+    dwte: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "embedding_backward_tokens_grouped_f32";
+    let vocab = rows_of(k, "dwte", dwte.len(), c)?;
+    same_len(k, "dx", ids.len() * c, dx.len())?;
+    rows_of(k, "dx", dx.len(), c)?;
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(KernelError::InvalidArgument {
+            kernel: k,
+            reason: format!("token id {bad} is not below the vocabulary's {vocab}"),
+        });
+    }
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let (distinct, offsets, tokens) = group_by_id(ids, vocab);
+    let up = |v: &[u32]| {
+        stream
+            .clone_htod(v)
+            .map_err(|e| driver("cuMemcpyHtoDAsync", k, e))
+    };
+    let (d_ids, d_off, d_tok) = (up(&distinct)?, up(&offsets)?, up(&tokens)?);
+    let f = function(stream, Program::Nn, k)?;
+    let (ip, _i) = d_ids.device_ptr(stream);
+    let (op, _o) = d_off.device_ptr(stream);
+    let (tp, _t) = d_tok.device_ptr(stream);
+    let (gp, _g) = dx.device_ptr(stream);
+    let (wp, _w) = dwte.device_ptr_mut(stream);
+    let (u32n, c32) = (distinct.len() as u32, c as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&ip)
+        .arg(&op)
+        .arg(&tp)
+        .arg(&gp)
+        .arg(&wp)
+        .arg(&u32n)
+        .arg(&c32);
+    // SAFETY: (const u32* ids [distinct], offsets [distinct + 1], tokens [n] (each < n),
+    // const float* dx [n·c], float* dwte [vocab·c] (ids < vocab), u32 distinct, u32 c), one
+    // thread per (distinct id, column); the uploads are ordered before it on `stream`.
+    launched(k, unsafe { b.launch(config(distinct.len() * c)) })
 }
 
 /// Position embedding backward, accumulated into `dwpe`'s first `t` rows in row order (see
