@@ -16,6 +16,7 @@ targets=(
     "fsdp-device|cuda|test|cuda|CUDA streams and events: GPU-side waits, event pool, timeouts"
     "fsdp-device|cuda|test|cuda_buffers|stream-ordered device buffers: round trips, 256 MiB upload vs read race, deferred free"
     "fsdp-kernels||test|gpu|every kernel against its host twin"
+    "fsdp-kernels||test|gpu_nn|the GPT layer kernels (layer norm, GELU, softmax, cross-entropy, embeddings, bias grad) bitwise vs their twins"
     "fsdp-kernels||test|gpu_gemm|cuBLAS products (Linear forward/backward, attention) vs the f64 definition"
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"

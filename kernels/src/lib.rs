@@ -6,6 +6,9 @@
 //!   `fsdp_device::Element`'s arithmetic), fused AdamW (f32 master, f32 or bf16 moments) and
 //!   SGD on flat shards (`torch.optim`'s formulas as `fsdp::optim` computes them), and the sum
 //!   of squares of a gradient shard for the global norm.
+//! - The GPT's layers besides matrix products, f32 ([`host::nn`], [`launch`]): layer norm,
+//!   exact GELU, causal softmax, cross-entropy fused with its backward, embeddings and the bias
+//!   gradient, each forward and backward, in fixed orders (deterministic, no float atomics).
 //! - [`programs`]: the CUDA C sources (`src/cu/*.cu`, included in the binary), compiled to PTX
 //!   by NVRTC with `--fmad=false` and IEEE division, square root and denormals, so that results
 //!   equal the host twins bitwise. NVRTC is found by

@@ -21,16 +21,20 @@ pub enum Program {
     Optim,
     /// `sum_squares_f32` and `sum_f64_final`.
     Norm,
+    /// The GPT's layers besides matrix products (f32): layer norm, GELU, causal softmax,
+    /// cross-entropy, embeddings, bias gradient.
+    Nn,
 }
 
 impl Program {
     /// Every program.
-    pub const ALL: [Program; 5] = [
+    pub const ALL: [Program; 6] = [
         Program::Cast,
         Program::Elementwise,
         Program::Reduce,
         Program::Optim,
         Program::Norm,
+        Program::Nn,
     ];
 
     /// The program's name (its `.cu` file).
@@ -41,6 +45,7 @@ impl Program {
             Program::Reduce => "reduce.cu",
             Program::Optim => "optim.cu",
             Program::Norm => "norm.cu",
+            Program::Nn => "nn.cu",
         }
     }
 
@@ -52,6 +57,7 @@ impl Program {
             Program::Reduce => include_str!("cu/reduce.cu"),
             Program::Optim => include_str!("cu/optim.cu"),
             Program::Norm => include_str!("cu/norm.cu"),
+            Program::Nn => include_str!("cu/nn.cu"),
         };
         format!("{COMMON}\n{body}")
     }
@@ -87,6 +93,21 @@ impl Program {
                 .collect(),
             Program::Optim => s(&["adamw_f32", "adamw_bf16_state", "sgd_f32"]),
             Program::Norm => s(&["sum_squares_f32", "sum_f64_final"]),
+            Program::Nn => s(&[
+                "layernorm_forward_f32",
+                "layernorm_backward_input_f32",
+                "layernorm_backward_params_f32",
+                "gelu_forward_f32",
+                "gelu_backward_f32",
+                "causal_softmax_forward_f32",
+                "causal_softmax_backward_f32",
+                "cross_entropy_fused_f32",
+                "embedding_forward_f32",
+                "embedding_backward_tokens_f32",
+                "embedding_backward_tokens_grouped_f32",
+                "embedding_backward_positions_f32",
+                "bias_grad_f32",
+            ]),
         }
     }
 }

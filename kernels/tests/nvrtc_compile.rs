@@ -38,6 +38,13 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
                 "{}: fused multiply-add",
                 program.name()
             );
+            // IEEE division and square root, and no CUDA math library approximations (the nn
+            // program's e^x, ln and erfc are its own, as its twins').
+            assert!(
+                !ptx.contains(".approx") && !ptx.contains(".ftz"),
+                "{}: an approximate or flush-to-zero instruction",
+                program.name()
+            );
             println!("{} for {arch}: {} bytes of PTX", program.name(), ptx.len());
         }
     }
@@ -57,6 +64,10 @@ fn a_warning_is_seen() {
     let src = "extern \"C\" __global__ void k(float* x) { int unused = 3; x[0] = 1.0f; }";
     let c = compile_source("warning.cu", src, "compute_90").unwrap();
     assert!(c.log.contains("unused"), "log: {:?}", c.log);
+    // And the CUDA math library's e^x does show as `.approx` (what the check above excludes).
+    let src = "extern \"C\" __global__ void k(float* x) { x[0] = expf(x[0]); }";
+    let ptx = compile_source("expf.cu", src, "compute_90").unwrap().ptx;
+    assert!(ptx.contains(".approx"), "expf without .approx:\n{ptx}");
     let err = compile_source("broken.cu", "__global__ void k( {", "compute_90").unwrap_err();
     assert!(err.to_string().contains("broken.cu"), "{err}");
 }

@@ -3,6 +3,8 @@
 //! an addition or product the canonical `0x7fffffff`).
 
 mod convert;
+pub mod nn;
+pub mod nn_math;
 mod norm;
 mod optim;
 

@@ -1,0 +1,344 @@
+// The GPT's layers besides matrix products, f32: layer norm, exact GELU, causal softmax,
+// cross-entropy fused with its backward, embeddings and the bias gradient. Every result is
+// bitwise equal to the host twin (fsdp_kernels::host::nn): e^x, ln x and erfc are the
+// functions below (IEEE additions, products and divisions only, no library call), every
+// operation is spelled with its rounding, and every reduction has a fixed order:
+// - a row reduction runs in one block of NN_BLOCK threads: thread t folds elements
+//   t, t + NN_BLOCK, ... in order, then a shared-memory tree halves the NN_BLOCK partials;
+// - a column reduction (parameter gradients) runs in one thread per column that folds the
+//   rows in order, starting from the gradient's current value (accumulation).
+
+#define NN_BLOCK 256
+
+__device__ __forceinline__ float fa(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fs(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float fm(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fdv(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
+__device__ __forceinline__ float nan_f32() { return __uint_as_float(0x7fc00000u); }
+// 2^k for k in [-126, 127].
+__device__ __forceinline__ float pow2i(int k) { return __uint_as_float((u32)(k + 127) << 23); }
+__device__ __forceinline__ float max_of(float a, float b) { return (b > a) ? b : a; }
+
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define LOG2E 1.44269504088896341f
+#define ROUND_MAGIC 12582912.0f
+
+// e^x: k = round(x / ln 2), r = x - k ln 2 (two-part ln 2), a degree-7 Taylor polynomial
+// on |r| <= 0.35 (relative error below 4e-7), times 2^k in two exact steps.
+__device__ float nn_exp(float x) {
+    if (x != x) return x;
+    if (x > 88.72283f) return pos_inf();
+    if (x < -103.97208f) return 0.0f;
+    float kf = fs(fa(fm(x, LOG2E), ROUND_MAGIC), ROUND_MAGIC);
+    float r = fs(fs(x, fm(kf, LN2_HI)), fm(kf, LN2_LO));
+    float p = 1.98412698e-4f; // 1/7!
+    p = fa(fm(p, r), 1.38888889e-3f);
+    p = fa(fm(p, r), 8.33333333e-3f);
+    p = fa(fm(p, r), 4.16666667e-2f);
+    p = fa(fm(p, r), 1.66666667e-1f);
+    p = fa(fm(p, r), 0.5f);
+    p = fa(fm(p, r), 1.0f);
+    p = fa(fm(p, r), 1.0f);
+    int k = (int)kf;
+    int k1 = k / 2;
+    return fm(fm(p, pow2i(k1)), pow2i(k - k1));
+}
+
+// ln x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1), by its
+// series to s^9 (|s| <= 0.172: error below 1e-9).
+__device__ float nn_log(float x) {
+    if (x != x) return x;
+    if (x < 0.0f) return nan_f32();
+    if (x == 0.0f) return -pos_inf();
+    if (x == pos_inf()) return x;
+    int e = 0;
+    if (x < 1.17549435e-38f) { // subnormal: scale into the normal range (exact)
+        x = fm(x, 8388608.0f);
+        e = -23;
+    }
+    u32 u = __float_as_uint(x);
+    e += (int)((u >> 23) & 0xffu) - 127;
+    float m = __uint_as_float((u & 0x7fffffu) | 0x3f800000u);
+    if (m > 1.41421356f) {
+        m = fm(m, 0.5f);
+        e += 1;
+    }
+    float s = fdv(fs(m, 1.0f), fa(m, 1.0f));
+    float s2 = fm(s, s);
+    float p = 0.222222222f; // 2/9
+    p = fa(fm(p, s2), 0.285714286f);
+    p = fa(fm(p, s2), 0.4f);
+    p = fa(fm(p, s2), 0.666666667f);
+    p = fa(fm(p, s2), 2.0f);
+    float ef = (float)e;
+    return fa(fm(ef, LN2_HI), fa(fm(ef, LN2_LO), fm(p, s)));
+}
+
+// erfc(z) for z >= 0: the Chebyshev fit t e^(-z^2 + P(t)), t = 1/(1 + z/2) (Numerical
+// Recipes' erfcc; relative error below 1.2e-7 before f32 rounding).
+__device__ float nn_erfc(float z) {
+    float t = fdv(1.0f, fa(1.0f, fm(0.5f, z)));
+    float p = 0.17087277f;
+    p = fa(fm(p, t), -0.82215223f);
+    p = fa(fm(p, t), 1.48851587f);
+    p = fa(fm(p, t), -1.13520398f);
+    p = fa(fm(p, t), 0.27886807f);
+    p = fa(fm(p, t), -0.18628806f);
+    p = fa(fm(p, t), 0.09678418f);
+    p = fa(fm(p, t), 0.37409196f);
+    p = fa(fm(p, t), 1.00002368f);
+    p = fa(fm(p, t), -1.26551223f);
+    return fm(t, nn_exp(fa(-fm(z, z), p)));
+}
+
+// The standard normal CDF, Phi(x) = erfc(-x / sqrt 2) / 2.
+__device__ float nn_cdf(float x) {
+    float h = fm(0.5f, nn_erfc(fm(fabsf(x), 0.707106781f)));
+    return (x < 0.0f) ? h : fs(1.0f, h);
+}
+
+// The standard normal density, e^(-x^2/2) / sqrt(2 pi).
+__device__ float nn_pdf(float x) { return fm(nn_exp(fm(-0.5f, fm(x, x))), 0.398942280f); }
+
+// The block's sum (or maximum) of one value per thread, by the fixed tree; every thread gets it.
+__device__ float block_sum(float v, float* sh) {
+    u32 t = threadIdx.x;
+    sh[t] = v;
+    for (u32 s = NN_BLOCK / 2; s > 0; s >>= 1) {
+        __syncthreads();
+        if (t < s) sh[t] = fa(sh[t], sh[t + s]);
+    }
+    __syncthreads();
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v, float* sh) {
+    u32 t = threadIdx.x;
+    sh[t] = v;
+    for (u32 s = NN_BLOCK / 2; s > 0; s >>= 1) {
+        __syncthreads();
+        if (t < s) sh[t] = max_of(sh[t], sh[t + s]);
+    }
+    __syncthreads();
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// Layer norm forward, one block per row of x [n, c]: mean = sum / c, var = sum((x-mean)^2) / c
+// (biased), rstd = 1 / sqrt(var + eps), y = ((x - mean) * rstd) * w + b.
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    layernorm_forward_f32(const float* x, const float* w, const float* b, float* y,
+                          float* mean, float* rstd, u32 c, float eps) {
+    __shared__ float sh[NN_BLOCK];
+    const float* xr = x + (u64)blockIdx.x * c;
+    float* yr = y + (u64)blockIdx.x * c;
+    float acc = 0.0f;
+    for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) acc = fa(acc, xr[i]);
+    float m = fdv(block_sum(acc, sh), (float)c);
+    acc = 0.0f;
+    for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) {
+        float d = fs(xr[i], m);
+        acc = fa(acc, fm(d, d));
+    }
+    float var = fdv(block_sum(acc, sh), (float)c);
+    float rs = fdv(1.0f, __fsqrt_rn(fa(var, eps)));
+    for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) {
+        yr[i] = fa(fm(fm(fs(xr[i], m), rs), w[i]), b[i]);
+    }
+    if (threadIdx.x == 0) {
+        mean[blockIdx.x] = m;
+        rstd[blockIdx.x] = rs;
+    }
+}
+
+// Layer norm backward, input part, one block per row: with g = dy * w and xh = (x-mean)*rstd,
+// dx += rstd * ((g - sum(g)/c) - xh * (sum(g * xh)/c)).
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    layernorm_backward_input_f32(const float* dy, const float* x, const float* w,
+                                 const float* mean, const float* rstd, float* dx, u32 c) {
+    __shared__ float sh[NN_BLOCK];
+    u64 off = (u64)blockIdx.x * c;
+    float m = mean[blockIdx.x], rs = rstd[blockIdx.x];
+    float sg = 0.0f, sgx = 0.0f;
+    for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) {
+        float g = fm(dy[off + i], w[i]);
+        sg = fa(sg, g);
+        sgx = fa(sgx, fm(g, fm(fs(x[off + i], m), rs)));
+    }
+    float mg = fdv(block_sum(sg, sh), (float)c);
+    float mgx = fdv(block_sum(sgx, sh), (float)c);
+    for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) {
+        float g = fm(dy[off + i], w[i]);
+        float xh = fm(fs(x[off + i], m), rs);
+        dx[off + i] = fa(dx[off + i], fm(rs, fs(fs(g, mg), fm(xh, mgx))));
+    }
+}
+
+// Layer norm backward, parameter part, one thread per column j, rows in order:
+// dw[j] += (dy * (x - mean)) * rstd and db[j] += dy, one row at a time.
+extern "C" __global__ void layernorm_backward_params_f32(const float* dy, const float* x,
+                                                         const float* mean, const float* rstd,
+                                                         float* dw, float* db, u32 n, u32 c) {
+    GRID_STRIDE(j, (u64)c) {
+        float aw = dw[j], ab = db[j];
+        for (u32 r = 0; r < n; r++) {
+            u64 k = (u64)r * c + j;
+            aw = fa(aw, fm(fm(dy[k], fs(x[k], mean[r])), rstd[r]));
+            ab = fa(ab, dy[k]);
+        }
+        dw[j] = aw;
+        db[j] = ab;
+    }
+}
+
+// Exact GELU: y = x * Phi(x).
+extern "C" __global__ void gelu_forward_f32(const float* x, float* y, u64 n) {
+    GRID_STRIDE(i, n) { y[i] = fm(x[i], nn_cdf(x[i])); }
+}
+
+// GELU backward (written, not accumulated): dx = dy * (Phi(x) + x * phi(x)).
+extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, float* dx, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        dx[i] = fm(dy[i], fa(nn_cdf(v), fm(v, nn_pdf(v))));
+    }
+}
+
+// Causal softmax forward, one block per row i (of t) of a [t, t] score matrix: v_j = s_j * scale
+// for j <= i, p_j = e^(v_j - max v) / sum; p_j = 0 for j > i.
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_forward_f32(const float* s, float* p, u32 t, float scale) {
+    __shared__ float sh[NN_BLOCK];
+    u32 i = blockIdx.x % t;
+    u64 off = (u64)blockIdx.x * t;
+    float mx = -pos_inf();
+    for (u32 j = threadIdx.x; j <= i; j += NN_BLOCK) mx = max_of(mx, fm(s[off + j], scale));
+    mx = block_max(mx, sh);
+    float acc = 0.0f;
+    for (u32 j = threadIdx.x; j <= i; j += NN_BLOCK) {
+        float e = nn_exp(fs(fm(s[off + j], scale), mx));
+        p[off + j] = e;
+        acc = fa(acc, e);
+    }
+    float sum = block_sum(acc, sh);
+    for (u32 j = threadIdx.x; j < t; j += NN_BLOCK) {
+        p[off + j] = (j <= i) ? fdv(p[off + j], sum) : 0.0f;
+    }
+}
+
+// Causal softmax backward, one block per row: ds_j = scale * (p_j * (dp_j - sum_k p_k dp_k))
+// for j <= i (k <= i), 0 above the diagonal. Written, not accumulated.
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_backward_f32(const float* p, const float* dp, float* ds, u32 t, float scale) {
+    __shared__ float sh[NN_BLOCK];
+    u32 i = blockIdx.x % t;
+    u64 off = (u64)blockIdx.x * t;
+    float acc = 0.0f;
+    for (u32 j = threadIdx.x; j <= i; j += NN_BLOCK) acc = fa(acc, fm(p[off + j], dp[off + j]));
+    float dot = block_sum(acc, sh);
+    for (u32 j = threadIdx.x; j < t; j += NN_BLOCK) {
+        ds[off + j] = (j <= i) ? fm(scale, fm(p[off + j], fs(dp[off + j], dot))) : 0.0f;
+    }
+}
+
+// Cross-entropy with its backward, one block per row of logits [n, v]: loss[r] =
+// ln(sum) + (max - logit[target]) with sum = sum_j e^(logit_j - max), and
+// dlogits_j = dloss * (e^(logit_j - max) / sum - [j == target]). The mean over rows is the
+// caller's (dloss = 1/N). A target >= v gives a NaN loss and a NaN row of dlogits.
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    cross_entropy_fused_f32(const float* logits, const u32* targets, float* losses,
+                            float* dlogits, u32 v, float dloss) {
+    __shared__ float sh[NN_BLOCK];
+    u64 off = (u64)blockIdx.x * v;
+    u32 tg = targets[blockIdx.x];
+    float mx = -pos_inf();
+    for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) mx = max_of(mx, logits[off + j]);
+    mx = block_max(mx, sh);
+    float acc = 0.0f;
+    for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) acc = fa(acc, nn_exp(fs(logits[off + j], mx)));
+    float sum = block_sum(acc, sh);
+    bool ok = tg < v;
+    for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) {
+        float q = fdv(nn_exp(fs(logits[off + j], mx)), sum);
+        float d = fm(dloss, fs(q, (j == tg) ? 1.0f : 0.0f));
+        dlogits[off + j] = ok ? d : nan_f32();
+    }
+    if (threadIdx.x == 0) {
+        losses[blockIdx.x] = ok ? fa(nn_log(sum), fs(mx, logits[off + tg])) : nan_f32();
+    }
+}
+
+// Embedding forward: x[r, j] = wte[ids[r], j] + wpe[r % t, j]; an id >= vocab gives NaN.
+extern "C" __global__ void embedding_forward_f32(const u32* ids, const float* wte,
+                                                 const float* wpe, float* x, u64 n, u32 c,
+                                                 u32 t, u32 vocab) {
+    GRID_STRIDE(k, n * c) {
+        u64 r = k / c;
+        u32 j = (u32)(k % c);
+        u32 id = ids[r];
+        float pos = wpe[(r % t) * c + j];
+        x[k] = (id < vocab) ? fa(wte[(u64)id * c + j], pos) : nan_f32();
+    }
+}
+
+// Token embedding backward, one thread per (vocabulary row, column), tokens in order:
+// dwte[v, j] += dx[r, j] for each r with ids[r] == v, one token at a time (O(vocab * n) id
+// reads: deterministic without atomics or a sort; ids >= vocab add nowhere).
+extern "C" __global__ void embedding_backward_tokens_f32(const u32* ids, const float* dx,
+                                                         float* dwte, u32 n, u32 c, u32 vocab) {
+    GRID_STRIDE(k, (u64)vocab * c) {
+        u32 v = (u32)(k / c);
+        u32 j = (u32)(k % c);
+        float acc = dwte[k];
+        for (u32 r = 0; r < n; r++) {
+            if (ids[r] == v) acc = fa(acc, dx[(u64)r * c + j]);
+        }
+        dwte[k] = acc;
+    }
+}
+
+// Token embedding backward from the tokens grouped by id on the host (CSR: the k-th distinct
+// id is ids[k], its tokens in order are tokens[offsets[k] .. offsets[k + 1]]), one thread per
+// (distinct id, column): the same additions in the same order as the kernel above, in
+// O(n * c) work.
+extern "C" __global__ void embedding_backward_tokens_grouped_f32(
+    const u32* ids, const u32* offsets, const u32* tokens, const float* dx, float* dwte,
+    u32 distinct, u32 c) {
+    GRID_STRIDE(k, (u64)distinct * c) {
+        u32 u = (u32)(k / c);
+        u32 j = (u32)(k % c);
+        u64 at = (u64)ids[u] * c + j;
+        float acc = dwte[at];
+        for (u32 q = offsets[u]; q < offsets[u + 1]; q++) {
+            acc = fa(acc, dx[(u64)tokens[q] * c + j]);
+        }
+        dwte[at] = acc;
+    }
+}
+
+// Position embedding backward, one thread per (position, column), rows in order:
+// dwpe[p, j] += dx[r, j] for r = p, p + t, p + 2t, ... < n.
+extern "C" __global__ void embedding_backward_positions_f32(const float* dx, float* dwpe,
+                                                            u32 n, u32 c, u32 t) {
+    GRID_STRIDE(k, (u64)t * c) {
+        u32 p = (u32)(k / c);
+        u32 j = (u32)(k % c);
+        float acc = dwpe[k];
+        for (u32 r = p; r < n; r += t) acc = fa(acc, dx[(u64)r * c + j]);
+        dwpe[k] = acc;
+    }
+}
+
+// Bias gradient, one thread per column, rows in order: db[j] += dy[r, j], one row at a time.
+extern "C" __global__ void bias_grad_f32(const float* dy, float* db, u32 n, u32 c) {
+    GRID_STRIDE(j, (u64)c) {
+        float acc = db[j];
+        for (u32 r = 0; r < n; r++) acc = fa(acc, dy[(u64)r * c + j]);
+        db[j] = acc;
+    }
+}

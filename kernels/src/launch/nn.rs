@@ -1,0 +1,518 @@
+//! Launch functions of the GPT's layers (`cu/nn.cu`), each bitwise equal to its twin in
+//! [`host::nn`](crate::host::nn), whose documentation gives the formulas, the order of every
+//! reduction and whether a backward writes or accumulates. Shapes are checked as the twins
+//! check them, before anything is launched; device data (ids, targets) cannot be checked: an
+//! id or target out of range gives NaN rows, as the twins.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{config, driver, function};
+use crate::host::nn::{check_embedding, group_by_id, rows_of, softmax_rows, NN_BLOCK};
+use crate::host::same_len;
+use crate::{KernelError, Program};
+
+/// One block of [`NN_BLOCK`] threads per row.
+fn per_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
+    let grid = u32::try_from(rows)
+        .ok()
+        .filter(|&g| g <= i32::MAX as u32)
+        .ok_or_else(|| KernelError::InvalidArgument {
+            kernel,
+            reason: format!("{rows} rows exceed the grid's 2^31 - 1 blocks"),
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (NN_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn launched<T>(
+    kernel: &'static str,
+    r: Result<T, cudarc::driver::DriverError>,
+) -> Result<(), KernelError> {
+    r.map(drop).map_err(|e| driver("cuLaunchKernel", kernel, e))
+}
+
+/// Layer norm forward (see [`host::nn::layernorm_forward`](crate::host::nn::layernorm_forward)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_forward(
+    stream: &CudaStream,
+    x: &impl DevicePtr<f32>,
+    weight: &impl DevicePtr<f32>,
+    bias: &impl DevicePtr<f32>,
+    eps: f32,
+    y: &mut impl DevicePtrMut<f32>,
+    mean: &mut impl DevicePtrMut<f32>,
+    rstd: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "layernorm_forward_f32";
+    let c = weight.len();
+    let n = rows_of(k, "x", x.len(), c)?;
+    same_len(k, "bias", c, bias.len())?;
+    same_len(k, "y", x.len(), y.len())?;
+    same_len(k, "mean", n, mean.len())?;
+    same_len(k, "rstd", n, rstd.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = per_row(k, n)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (xp, _x) = x.device_ptr(stream);
+    let (wp, _w) = weight.device_ptr(stream);
+    let (bp, _b) = bias.device_ptr(stream);
+    let (yp, _y) = y.device_ptr_mut(stream);
+    let (mp, _m) = mean.device_ptr_mut(stream);
+    let (rp, _r) = rstd.device_ptr_mut(stream);
+    let c32 = c as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp)
+        .arg(&wp)
+        .arg(&bp)
+        .arg(&yp)
+        .arg(&mp)
+        .arg(&rp)
+        .arg(&c32)
+        .arg(&eps);
+    // SAFETY: (const float* x [n·c], w [c], b [c], float* y [n·c], mean [n], rstd [n], u32 c,
+    // float eps), one block per row of the `n` checked above.
+    launched(k, unsafe { b.launch(cfg) })
+}
+
+/// Layer norm backward, input part (accumulates into `dx`; see
+/// [`host::nn::layernorm_backward_input`](crate::host::nn::layernorm_backward_input)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn layernorm_backward_input(
+    stream: &CudaStream,
+    dy: &impl DevicePtr<f32>,
+    x: &impl DevicePtr<f32>,
+    weight: &impl DevicePtr<f32>,
+    mean: &impl DevicePtr<f32>,
+    rstd: &impl DevicePtr<f32>,
+    dx: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "layernorm_backward_input_f32";
+    let c = weight.len();
+    let n = rows_of(k, "x", x.len(), c)?;
+    same_len(k, "dy", x.len(), dy.len())?;
+    same_len(k, "mean", n, mean.len())?;
+    same_len(k, "rstd", n, rstd.len())?;
+    same_len(k, "dx", x.len(), dx.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = per_row(k, n)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (gp, _g) = dy.device_ptr(stream);
+    let (xp, _x) = x.device_ptr(stream);
+    let (wp, _w) = weight.device_ptr(stream);
+    let (mp, _m) = mean.device_ptr(stream);
+    let (rp, _r) = rstd.device_ptr(stream);
+    let (dp, _d) = dx.device_ptr_mut(stream);
+    let c32 = c as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&gp)
+        .arg(&xp)
+        .arg(&wp)
+        .arg(&mp)
+        .arg(&rp)
+        .arg(&dp)
+        .arg(&c32);
+    // SAFETY: (const float* dy [n·c], x [n·c], w [c], mean [n], rstd [n], float* dx [n·c],
+    // u32 c), one block per row.
+    launched(k, unsafe { b.launch(cfg) })
+}
+
+/// Layer norm backward, parameter part (accumulates; see
+/// [`host::nn::layernorm_backward_params`](crate::host::nn::layernorm_backward_params)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn layernorm_backward_params(
+    stream: &CudaStream,
+    dy: &impl DevicePtr<f32>,
+    x: &impl DevicePtr<f32>,
+    mean: &impl DevicePtr<f32>,
+    rstd: &impl DevicePtr<f32>,
+    dweight: &mut impl DevicePtrMut<f32>,
+    dbias: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "layernorm_backward_params_f32";
+    let c = dweight.len();
+    let n = rows_of(k, "x", x.len(), c)?;
+    same_len(k, "dy", x.len(), dy.len())?;
+    same_len(k, "mean", n, mean.len())?;
+    same_len(k, "rstd", n, rstd.len())?;
+    same_len(k, "dbias", c, dbias.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (gp, _g) = dy.device_ptr(stream);
+    let (xp, _x) = x.device_ptr(stream);
+    let (mp, _m) = mean.device_ptr(stream);
+    let (rp, _r) = rstd.device_ptr(stream);
+    let (wp, _w) = dweight.device_ptr_mut(stream);
+    let (bp, _b) = dbias.device_ptr_mut(stream);
+    let (n32, c32) = (n as u32, c as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&gp)
+        .arg(&xp)
+        .arg(&mp)
+        .arg(&rp)
+        .arg(&wp)
+        .arg(&bp)
+        .arg(&n32)
+        .arg(&c32);
+    // SAFETY: (const float* dy [n·c], x [n·c], mean [n], rstd [n], float* dw [c], db [c],
+    // u32 n, u32 c), one thread per column (grid-stride).
+    launched(k, unsafe { b.launch(config(c)) })
+}
+
+/// Exact GELU forward (see [`host::nn::gelu_forward`](crate::host::nn::gelu_forward)).
+///
+/// # Errors
+/// [`KernelError::Length`]; compile, load and launch failures.
+pub fn gelu_forward(
+    stream: &CudaStream,
+    x: &impl DevicePtr<f32>,
+    y: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "gelu_forward_f32";
+    let n = x.len();
+    same_len(k, "y", n, y.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (xp, _x) = x.device_ptr(stream);
+    let (yp, _y) = y.device_ptr_mut(stream);
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp).arg(&yp).arg(&n64);
+    // SAFETY: (const float* x, float* y, u64 n), both of `n` elements.
+    launched(k, unsafe { b.launch(config(n)) })
+}
+
+/// GELU backward, written into `dx` (see
+/// [`host::nn::gelu_backward`](crate::host::nn::gelu_backward)).
+///
+/// # Errors
+/// [`KernelError::Length`]; compile, load and launch failures.
+pub fn gelu_backward(
+    stream: &CudaStream,
+    x: &impl DevicePtr<f32>,
+    dy: &impl DevicePtr<f32>,
+    dx: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "gelu_backward_f32";
+    let n = x.len();
+    same_len(k, "dy", n, dy.len())?;
+    same_len(k, "dx", n, dx.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (xp, _x) = x.device_ptr(stream);
+    let (gp, _g) = dy.device_ptr(stream);
+    let (dp, _d) = dx.device_ptr_mut(stream);
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp).arg(&gp).arg(&dp).arg(&n64);
+    // SAFETY: (const float* x, const float* dy, float* dx, u64 n), all of `n` elements.
+    launched(k, unsafe { b.launch(config(n)) })
+}
+
+/// Causal softmax forward over `t × t` score matrices (see
+/// [`host::nn::causal_softmax_forward`](crate::host::nn::causal_softmax_forward)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn causal_softmax_forward(
+    stream: &CudaStream,
+    scores: &impl DevicePtr<f32>,
+    t: usize,
+    scale: f32,
+    probs: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "causal_softmax_forward_f32";
+    let rows = softmax_rows(k, scores.len(), t)?;
+    same_len(k, "probs", scores.len(), probs.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let cfg = per_row(k, rows)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (sp, _s) = scores.device_ptr(stream);
+    let (pp, _p) = probs.device_ptr_mut(stream);
+    let t32 = t as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&sp).arg(&pp).arg(&t32).arg(&scale);
+    // SAFETY: (const float* s, float* p, u32 t, float scale), `rows` blocks each on its row of
+    // `t` elements of both.
+    launched(k, unsafe { b.launch(cfg) })
+}
+
+/// Causal softmax backward, written into `dscores` (see
+/// [`host::nn::causal_softmax_backward`](crate::host::nn::causal_softmax_backward)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn causal_softmax_backward(
+    stream: &CudaStream,
+    probs: &impl DevicePtr<f32>,
+    dprobs: &impl DevicePtr<f32>,
+    t: usize,
+    scale: f32,
+    dscores: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "causal_softmax_backward_f32";
+    let rows = softmax_rows(k, probs.len(), t)?;
+    same_len(k, "dprobs", probs.len(), dprobs.len())?;
+    same_len(k, "dscores", probs.len(), dscores.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let cfg = per_row(k, rows)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (pp, _p) = probs.device_ptr(stream);
+    let (gp, _g) = dprobs.device_ptr(stream);
+    let (dp, _d) = dscores.device_ptr_mut(stream);
+    let t32 = t as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&pp).arg(&gp).arg(&dp).arg(&t32).arg(&scale);
+    // SAFETY: (const float* p, const float* dp, float* ds, u32 t, float scale), one block per
+    // row of `t` elements of each.
+    launched(k, unsafe { b.launch(cfg) })
+}
+
+/// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
+/// `dlogits` (written); see
+/// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn cross_entropy_fused(
+    stream: &CudaStream,
+    logits: &impl DevicePtr<f32>,
+    targets: &impl DevicePtr<u32>,
+    v: usize,
+    dloss: f32,
+    losses: &mut impl DevicePtrMut<f32>,
+    dlogits: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "cross_entropy_fused_f32";
+    let n = rows_of(k, "logits", logits.len(), v)?;
+    same_len(k, "targets", n, targets.len())?;
+    same_len(k, "losses", n, losses.len())?;
+    same_len(k, "dlogits", logits.len(), dlogits.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = per_row(k, n)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (lp, _l) = logits.device_ptr(stream);
+    let (tp, _t) = targets.device_ptr(stream);
+    let (op, _o) = losses.device_ptr_mut(stream);
+    let (dp, _d) = dlogits.device_ptr_mut(stream);
+    let v32 = v as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss);
+    // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
+    // float* dlogits [n·v], u32 v, float dloss), one block per row; targets are compared
+    // with `v` before any indexed read.
+    launched(k, unsafe { b.launch(cfg) })
+}
+
+/// Embedding forward, token plus position (see
+/// [`host::nn::embedding_forward`](crate::host::nn::embedding_forward)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_forward(
+    stream: &CudaStream,
+    ids: &impl DevicePtr<u32>,
+    wte: &impl DevicePtr<f32>,
+    wpe: &impl DevicePtr<f32>,
+    t: usize,
+    c: usize,
+    x: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "embedding_forward_f32";
+    let n = ids.len();
+    let vocab = check_embedding(k, n, wte.len(), wpe.len(), t, c)?;
+    same_len(k, "x", n * c, x.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (ip, _i) = ids.device_ptr(stream);
+    let (ep, _e) = wte.device_ptr(stream);
+    let (pp, _p) = wpe.device_ptr(stream);
+    let (xp, _x) = x.device_ptr_mut(stream);
+    let (n64, c32, t32, v32) = (n as u64, c as u32, t as u32, vocab as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&ip)
+        .arg(&ep)
+        .arg(&pp)
+        .arg(&xp)
+        .arg(&n64)
+        .arg(&c32)
+        .arg(&t32)
+        .arg(&v32);
+    // SAFETY: (const u32* ids [n], const float* wte [vocab·c], wpe [≥ t·c], float* x [n·c],
+    // u64 n, u32 c, u32 t > 0, u32 vocab); ids are compared with `vocab` before the read.
+    launched(k, unsafe { b.launch(config(n * c)) })
+}
+
+/// Token embedding backward, accumulated into `dwte` in token order (see
+/// [`host::nn::embedding_backward_tokens`](crate::host::nn::embedding_backward_tokens)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn embedding_backward_tokens(
+    stream: &CudaStream,
+    ids: &impl DevicePtr<u32>,
+    dx: &impl DevicePtr<f32>,
+    c: usize,
+    dwte: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "embedding_backward_tokens_f32";
+    let vocab = rows_of(k, "dwte", dwte.len(), c)?;
+    let n = ids.len();
+    same_len(k, "dx", n * c, dx.len())?;
+    rows_of(k, "dx", dx.len(), c)?;
+    if n == 0 || vocab == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (ip, _i) = ids.device_ptr(stream);
+    let (gp, _g) = dx.device_ptr(stream);
+    let (wp, _w) = dwte.device_ptr_mut(stream);
+    let (n32, c32, v32) = (n as u32, c as u32, vocab as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&ip).arg(&gp).arg(&wp).arg(&n32).arg(&c32).arg(&v32);
+    // SAFETY: (const u32* ids [n], const float* dx [n·c], float* dwte [vocab·c], u32 n, u32 c,
+    // u32 vocab), one thread per element of dwte (grid-stride).
+    launched(k, unsafe { b.launch(config(vocab * c)) })
+}
+
+/// [`embedding_backward_tokens`] with the ids on the host (the data loader has them): the
+/// tokens are grouped by id here (each id's tokens in order), uploaded, and one GPU thread
+/// per (distinct id, column) folds its tokens in order: the same bits as the twin, in
+/// O(tokens · c) GPU work instead of O(vocab · tokens · c). Uploads three small arrays
+/// (freed in stream order).
+///
+/// # Errors
+/// Shape errors as the twin; [`KernelError::InvalidArgument`] for an id out of `dwte`'s rows;
+/// allocation, copy, compile, load and launch failures.
+pub fn embedding_backward_tokens_host_ids(
+    stream: &Arc<CudaStream>,
+    ids: &[u32],
+    dx: &impl DevicePtr<f32>,
+    c: usize,
+    dwte: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "embedding_backward_tokens_grouped_f32";
+    let vocab = rows_of(k, "dwte", dwte.len(), c)?;
+    same_len(k, "dx", ids.len() * c, dx.len())?;
+    rows_of(k, "dx", dx.len(), c)?;
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(KernelError::InvalidArgument {
+            kernel: k,
+            reason: format!("token id {bad} is not below the vocabulary's {vocab}"),
+        });
+    }
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let (distinct, offsets, tokens) = group_by_id(ids, vocab);
+    let up = |v: &[u32]| {
+        stream
+            .clone_htod(v)
+            .map_err(|e| driver("cuMemcpyHtoDAsync", k, e))
+    };
+    let (d_ids, d_off, d_tok) = (up(&distinct)?, up(&offsets)?, up(&tokens)?);
+    let f = function(stream, Program::Nn, k)?;
+    let (ip, _i) = d_ids.device_ptr(stream);
+    let (op, _o) = d_off.device_ptr(stream);
+    let (tp, _t) = d_tok.device_ptr(stream);
+    let (gp, _g) = dx.device_ptr(stream);
+    let (wp, _w) = dwte.device_ptr_mut(stream);
+    let (u32n, c32) = (distinct.len() as u32, c as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&ip)
+        .arg(&op)
+        .arg(&tp)
+        .arg(&gp)
+        .arg(&wp)
+        .arg(&u32n)
+        .arg(&c32);
+    // SAFETY: (const u32* ids [distinct], offsets [distinct + 1], tokens [n] (each < n),
+    // const float* dx [n·c], float* dwte [vocab·c] (ids < vocab), u32 distinct, u32 c), one
+    // thread per (distinct id, column); the uploads are ordered before it on `stream`.
+    launched(k, unsafe { b.launch(config(distinct.len() * c)) })
+}
+
+/// Position embedding backward, accumulated into `dwpe`'s first `t` rows in row order (see
+/// [`host::nn::embedding_backward_positions`](crate::host::nn::embedding_backward_positions)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn embedding_backward_positions(
+    stream: &CudaStream,
+    dx: &impl DevicePtr<f32>,
+    t: usize,
+    c: usize,
+    dwpe: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "embedding_backward_positions_f32";
+    let n = rows_of(k, "dx", dx.len(), c)?;
+    check_embedding(k, n, c, dwpe.len(), t, c)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (gp, _g) = dx.device_ptr(stream);
+    let (wp, _w) = dwpe.device_ptr_mut(stream);
+    let (n32, c32, t32) = (n as u32, c as u32, t as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&gp).arg(&wp).arg(&n32).arg(&c32).arg(&t32);
+    // SAFETY: (const float* dx [n·c], float* dwpe [≥ t·c], u32 n, u32 c, u32 t > 0), one
+    // thread per element of the first `t` rows (grid-stride).
+    launched(k, unsafe { b.launch(config(t * c)) })
+}
+
+/// Bias gradient, the column sums of `dy` accumulated into `dbias` in row order (see
+/// [`host::nn::bias_grad`](crate::host::nn::bias_grad)).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn bias_grad(
+    stream: &CudaStream,
+    dy: &impl DevicePtr<f32>,
+    dbias: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "bias_grad_f32";
+    let c = dbias.len();
+    let n = rows_of(k, "dy", dy.len(), c)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Nn, k)?;
+    let (gp, _g) = dy.device_ptr(stream);
+    let (bp, _b) = dbias.device_ptr_mut(stream);
+    let (n32, c32) = (n as u32, c as u32);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&gp).arg(&bp).arg(&n32).arg(&c32);
+    // SAFETY: (const float* dy [n·c], float* db [c], u32 n, u32 c), one thread per column.
+    launched(k, unsafe { b.launch(config(c)) })
+}

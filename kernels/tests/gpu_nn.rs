@@ -1,0 +1,223 @@
+//! The GPT's layer kernels (`cu/nn.cu`) on the GPU against their host twins
+//! (`fsdp_kernels::host::nn`), **bitwise**: e^x, ln and erfc are the programs' own functions of
+//! IEEE operations (no CUDA math library), every operation is spelled with its rounding and
+//! compiled without fused multiply-adds, and every reduction has the twin's fixed order. Shapes
+//! cover rows shorter and longer than a block (256), repeated ids, an id and a target out of
+//! range (NaN rows). Without a GPU each test prints `skipped: no GPU (<reason>)` and passes.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use fsdp_device::Stream;
+use fsdp_kernels::host::nn;
+use fsdp_kernels::launch;
+
+fn gpu(test: &str) -> Option<Arc<CudaStream>> {
+    if let Err(e) = fsdp_device::cuda::device_count() {
+        println!("{test}: skipped: no GPU ({e})");
+        return None;
+    }
+    let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
+    Some(s.cuda_stream().expect("a CUDA stream").clone())
+}
+
+fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
+    s.clone_htod(v).unwrap()
+}
+
+fn down<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> Vec<T> {
+    let v = s.clone_dtoh(d).unwrap();
+    s.synchronize().unwrap();
+    v
+}
+
+/// Equal bits (NaN results: both NaN).
+#[track_caller]
+fn same(what: &str, gpu: &[f32], host: &[f32]) {
+    assert_eq!(gpu.len(), host.len(), "{what}: lengths");
+    for (i, (a, b)) in gpu.iter().zip(host).enumerate() {
+        assert!(
+            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+            "{what} [{i}]: GPU {a:e} ({:#x}) vs host {b:e} ({:#x})",
+            a.to_bits(),
+            b.to_bits()
+        );
+    }
+}
+
+#[test]
+fn layernorm_equals_its_twin() {
+    let Some(s) = gpu("layernorm_equals_its_twin") else {
+        return;
+    };
+    for (n, c) in [(33usize, 48usize), (64, 768), (5, 1000)] {
+        let x = data(n * c, 1, 4.0);
+        let (w, b, dy) = (data(c, 2, 1.0), data(c, 3, 1.0), data(n * c, 4, 1.0));
+        let (mut y, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        nn::layernorm_forward(&x, &w, &b, 1e-5, &mut y, &mut m, &mut r).unwrap();
+        let (dx_, dw_, db_) = (
+            x.iter().map(|v| v * 0.1).collect::<Vec<_>>(),
+            data(c, 5, 1.0),
+            data(c, 6, 1.0),
+        );
+        let (mut dx, mut dw, mut db) = (dx_.clone(), dw_.clone(), db_.clone());
+        nn::layernorm_backward_input(&dy, &x, &w, &m, &r, &mut dx).unwrap();
+        nn::layernorm_backward_params(&dy, &x, &m, &r, &mut dw, &mut db).unwrap();
+
+        let (gx, gw, gb, gdy) = (up(&s, &x), up(&s, &w), up(&s, &b), up(&s, &dy));
+        let mut gy = s.alloc_zeros::<f32>(n * c).unwrap();
+        let (mut gm, mut gr) = (
+            s.alloc_zeros::<f32>(n).unwrap(),
+            s.alloc_zeros::<f32>(n).unwrap(),
+        );
+        launch::layernorm_forward(&s, &gx, &gw, &gb, 1e-5, &mut gy, &mut gm, &mut gr).unwrap();
+        same("layernorm y", &down(&s, &gy), &y);
+        same("layernorm mean", &down(&s, &gm), &m);
+        same("layernorm rstd", &down(&s, &gr), &r);
+        let (mut gdx, mut gdw, mut gdb) = (up(&s, &dx_), up(&s, &dw_), up(&s, &db_));
+        launch::layernorm_backward_input(&s, &gdy, &gx, &gw, &gm, &gr, &mut gdx).unwrap();
+        launch::layernorm_backward_params(&s, &gdy, &gx, &gm, &gr, &mut gdw, &mut gdb).unwrap();
+        same("layernorm dx", &down(&s, &gdx), &dx);
+        same("layernorm dweight", &down(&s, &gdw), &dw);
+        same("layernorm dbias", &down(&s, &gdb), &db);
+    }
+}
+
+#[test]
+fn gelu_equals_its_twin() {
+    let Some(s) = gpu("gelu_equals_its_twin") else {
+        return;
+    };
+    let mut x = data(1 << 20, 11, 12.0);
+    x.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1e-40,
+        -30.0,
+        30.0,
+    ]);
+    let dy = data(x.len(), 12, 3.0);
+    let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    nn::gelu_forward(&x, &mut y).unwrap();
+    nn::gelu_backward(&x, &dy, &mut dx).unwrap();
+    let (gx, gdy) = (up(&s, &x), up(&s, &dy));
+    let (mut gy, mut gdx) = (
+        s.alloc_zeros::<f32>(x.len()).unwrap(),
+        s.alloc_zeros::<f32>(x.len()).unwrap(),
+    );
+    launch::gelu_forward(&s, &gx, &mut gy).unwrap();
+    launch::gelu_backward(&s, &gx, &gdy, &mut gdx).unwrap();
+    same("gelu y", &down(&s, &gy), &y);
+    same("gelu dx", &down(&s, &gdx), &dx);
+}
+
+#[test]
+fn causal_softmax_equals_its_twin() {
+    let Some(s) = gpu("causal_softmax_equals_its_twin") else {
+        return;
+    };
+    for (bh, t) in [(7usize, 5usize), (4, 300), (2, 1024)] {
+        let scale = 1.0 / 8.0f32.sqrt();
+        let sc = data(bh * t * t, 21, 20.0);
+        let dp = data(bh * t * t, 22, 1.0);
+        let mut p = vec![0.0; sc.len()];
+        nn::causal_softmax_forward(&sc, t, scale, &mut p).unwrap();
+        let mut ds = vec![0.0; sc.len()];
+        nn::causal_softmax_backward(&p, &dp, t, scale, &mut ds).unwrap();
+        let (gs, gdp) = (up(&s, &sc), up(&s, &dp));
+        // Start from garbage: the kernels must write the masked half too.
+        let mut gp = up(&s, &vec![f32::NAN; sc.len()]);
+        launch::causal_softmax_forward(&s, &gs, t, scale, &mut gp).unwrap();
+        same("softmax p", &down(&s, &gp), &p);
+        let mut gds = up(&s, &vec![f32::NAN; sc.len()]);
+        launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut gds).unwrap();
+        same("softmax ds", &down(&s, &gds), &ds);
+    }
+}
+
+#[test]
+fn cross_entropy_equals_its_twin() {
+    let Some(s) = gpu("cross_entropy_equals_its_twin") else {
+        return;
+    };
+    for (n, v) in [(9usize, 100usize), (64, 50_257)] {
+        let logits = data(n * v, 31, 15.0);
+        let mut targets: Vec<u32> = (0..n).map(|r| (r * 7919 % v) as u32).collect();
+        targets[n - 1] = v as u32; // out of range: a NaN row
+        let dloss = 1.0 / n as f32;
+        let (mut loss, mut d) = (vec![0.0; n], vec![0.0; n * v]);
+        nn::cross_entropy_fused(&logits, &targets, v, dloss, &mut loss, &mut d).unwrap();
+        assert!(loss[..n - 1].iter().all(|l| l.is_finite()) && loss[n - 1].is_nan());
+        let (gl, gt) = (up(&s, &logits), up(&s, &targets));
+        let (mut gloss, mut gd) = (
+            s.alloc_zeros::<f32>(n).unwrap(),
+            s.alloc_zeros::<f32>(n * v).unwrap(),
+        );
+        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, &mut gloss, &mut gd).unwrap();
+        same("cross-entropy losses", &down(&s, &gloss), &loss);
+        same("cross-entropy dlogits", &down(&s, &gd), &d);
+    }
+}
+
+#[test]
+fn embeddings_and_bias_grad_equal_their_twins() {
+    let Some(s) = gpu("embeddings_and_bias_grad_equal_their_twins") else {
+        return;
+    };
+    let (vocab, c, t, seqs) = (1000usize, 96usize, 64usize, 8usize);
+    let n = t * seqs;
+    let mut ids: Vec<u32> = (0..n).map(|r| ((r * r * 31 + 7) % vocab) as u32).collect();
+    ids[3] = vocab as u32 + 5; // out of range: a NaN row, no gradient
+    let (wte, wpe) = (data(vocab * c, 41, 1.0), data((t + 2) * c, 42, 1.0));
+    let mut x = vec![0.0; n * c];
+    nn::embedding_forward(&ids, &wte, &wpe, t, c, &mut x).unwrap();
+    let dx = data(n * c, 43, 1.0);
+    let (dwte0, dwpe0, db0) = (
+        data(vocab * c, 44, 0.1),
+        data((t + 2) * c, 45, 0.1),
+        data(c, 46, 0.1),
+    );
+    let (mut dwte, mut dwpe, mut db) = (dwte0.clone(), dwpe0.clone(), db0.clone());
+    nn::embedding_backward_tokens(&ids, &dx, c, &mut dwte).unwrap();
+    nn::embedding_backward_positions(&dx, t, c, &mut dwpe).unwrap();
+    nn::bias_grad(&dx, &mut db).unwrap();
+
+    let (gi, gte, gpe, gdx) = (up(&s, &ids), up(&s, &wte), up(&s, &wpe), up(&s, &dx));
+    let mut gxo = s.alloc_zeros::<f32>(n * c).unwrap();
+    launch::embedding_forward(&s, &gi, &gte, &gpe, t, c, &mut gxo).unwrap();
+    same("embedding x", &down(&s, &gxo), &x);
+    let (mut gte_d, mut gpe_d, mut gdb) = (up(&s, &dwte0), up(&s, &dwpe0), up(&s, &db0));
+    launch::embedding_backward_tokens(&s, &gi, &gdx, c, &mut gte_d).unwrap();
+    launch::embedding_backward_positions(&s, &gdx, t, c, &mut gpe_d).unwrap();
+    launch::bias_grad(&s, &gdx, &mut gdb).unwrap();
+    same("dwte", &down(&s, &gte_d), &dwte);
+    // The grouped kernel (ids on the host; in range) gives the twin's bits too.
+    ids[3] = 17;
+    let mut dwte = dwte0.clone();
+    nn::embedding_backward_tokens(&ids, &dx, c, &mut dwte).unwrap();
+    let mut gte_g = up(&s, &dwte0);
+    launch::embedding_backward_tokens_host_ids(&s, &ids, &gdx, c, &mut gte_g).unwrap();
+    same("dwte (grouped)", &down(&s, &gte_g), &dwte);
+    ids[5] = vocab as u32;
+    let bad = launch::embedding_backward_tokens_host_ids(&s, &ids, &gdx, c, &mut gte_g);
+    assert!(bad.unwrap_err().to_string().contains("not below"));
+    same("dwpe", &down(&s, &gpe_d), &dwpe);
+    same("dbias", &down(&s, &gdb), &db);
+}
