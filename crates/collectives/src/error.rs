@@ -96,6 +96,19 @@ pub enum CollectiveError {
         /// What went wrong, with the address or keys involved.
         reason: String,
     },
+    /// The connection to the rendezvous store broke because its server went away: it closed or
+    /// reset the connection, stopped while this rank waited, or no longer accepts connections
+    /// (rank 0's store was dropped or its process ended). A rank that fails with it failed
+    /// because a peer left ([`caused_by_peer`](CollectiveError::caused_by_peer)).
+    #[error("rank {rank}: store {op} failed: {reason}")]
+    StoreLost {
+        /// The reporting rank.
+        rank: usize,
+        /// The store operation.
+        op: &'static str,
+        /// What happened, with the server's address.
+        reason: String,
+    },
     /// The backend's library reported an error (NCCL's or MPI's error string is kept).
     #[error("rank {rank}: {backend} error in {op}: {reason}")]
     Backend {
@@ -153,11 +166,36 @@ impl CollectiveError {
             | CollectiveError::Aborted { rank, .. }
             | CollectiveError::MissingRanks { rank, .. }
             | CollectiveError::Store { rank, .. }
+            | CollectiveError::StoreLost { rank, .. }
             | CollectiveError::Backend { rank, .. }
             | CollectiveError::Unavailable { rank, .. }
             | CollectiveError::Launch { rank, .. }
             | CollectiveError::Device { rank, .. } => *rank,
         }
+    }
+}
+
+impl CollectiveError {
+    /// Whether this rank failed *because a peer left*, so that its failure is secondary: a peer
+    /// departed ([`PeerDeparted`](CollectiveError::PeerDeparted)), another rank's failure
+    /// aborted the group ([`Aborted`](CollectiveError::Aborted)), or the store's server went
+    /// away ([`StoreLost`](CollectiveError::StoreLost)). Launchers use it to name the rank whose
+    /// failure was primary (`fsdp_collectives::launch`).
+    ///
+    /// ```
+    /// use fsdp_collectives::CollectiveError;
+    /// let left = CollectiveError::PeerDeparted { rank: 0, peer: 2, op: "all_gather_base", seq: 7 };
+    /// assert!(left.caused_by_peer());
+    /// let own = CollectiveError::InvalidArgument { rank: 0, op: "all_reduce", reason: "x".into() };
+    /// assert!(!own.caused_by_peer());
+    /// ```
+    pub fn caused_by_peer(&self) -> bool {
+        matches!(
+            self,
+            CollectiveError::PeerDeparted { .. }
+                | CollectiveError::Aborted { .. }
+                | CollectiveError::StoreLost { .. }
+        )
     }
 }
 

@@ -279,6 +279,8 @@ fn get_and_wait_of_absent_keys_time_out_naming_the_keys() {
     let start = Instant::now();
     let err = c.get("absent/get").unwrap_err();
     assert_elapsed_within(start, t, "get");
+    // A key that never comes is this rank's failure, not a peer's leaving.
+    assert!(!err.caused_by_peer(), "{err:?}");
     match &err {
         CollectiveError::Store {
             rank: 1,
@@ -390,6 +392,8 @@ fn a_client_whose_server_never_comes_fails_naming_the_address() {
     let start = Instant::now();
     let err = TcpStore::new(StoreOptions::new(HOST, port, 1, 2).with_timeout(t)).unwrap_err();
     assert_elapsed_within(start, t, "connect");
+    // Never reached: not a server that went away.
+    assert!(!err.caused_by_peer(), "{err:?}");
     match &err {
         CollectiveError::Store {
             rank: 1,
@@ -492,8 +496,11 @@ fn a_server_that_goes_away_is_an_error_not_a_hang() {
         "{:?}",
         ended - start
     );
-    match result.unwrap_err() {
-        CollectiveError::Store {
+    let e = result.unwrap_err();
+    // Typed, not by its words: this rank's failure is a consequence of rank 0's leaving.
+    assert!(e.caused_by_peer(), "{e:?}");
+    match e {
+        CollectiveError::StoreLost {
             rank: 1,
             op: "wait",
             reason,
@@ -509,7 +516,7 @@ fn a_server_that_goes_away_is_an_error_not_a_hang() {
     }
     // The next call fails too, naming the server's address.
     match c.set("x", b"y").unwrap_err() {
-        CollectiveError::Store {
+        CollectiveError::StoreLost {
             op: "set", reason, ..
         } => {
             assert!(reason.contains(&format!("127.0.0.1:{port}")), "{reason}")

@@ -58,6 +58,8 @@ fn a_process_that_dies_fails_the_others() {
             "{err:?}"
         );
         assert!(err.to_string().contains("rank 2"), "{err}");
+        // What a launcher reads to call this failure secondary.
+        assert!(err.caused_by_peer(), "{err:?}");
         assert!(took < Duration::from_secs(10), "took {took:?}");
         // The communicator is aborted for good.
         assert!(matches!(

@@ -199,6 +199,19 @@ pub enum FsdpError {
     },
 }
 
+impl FsdpError {
+    /// Whether the error says that this rank failed because a peer left (its failure is
+    /// secondary): a collective error for which
+    /// [`CollectiveError::caused_by_peer`](fsdp_collectives::CollectiveError::caused_by_peer)
+    /// holds. Every other error is this rank's own.
+    pub fn caused_by_peer(&self) -> bool {
+        match self {
+            FsdpError::Collective(e) => e.caused_by_peer(),
+            _ => false,
+        }
+    }
+}
+
 /// `bytes` in binary units with one decimal (`1.5 GiB`), or `N B` below 1 KiB.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];

@@ -9,26 +9,17 @@ use super::RankOutcome;
 /// launcher reads `peer_left` to tell a primary failure from one caused by a peer leaving.
 pub const ERROR_FILE_ENV: &str = "FSDP_ERROR_FILE";
 
-/// Whether an error message (of this crate's errors, possibly wrapped) says that the rank failed
-/// because a peer left: a departed peer, a communicator aborted by another rank's failure, the
-/// store's connection closed or reset by rank 0's exit.
-pub fn message_blames_a_peer(message: &str) -> bool {
-    const PHRASES: [&str; 7] = [
-        "has left the group",
-        "communicator aborted",
-        "closed by the other side",
-        "closed in mid-message",
-        "Connection reset",
-        "Broken pipe",
-        "the server is stopping",
-    ];
-    PHRASES.iter().any(|p| message.contains(p))
-}
-
 /// Writes this rank's error file if the launcher asked for one ([`ERROR_FILE_ENV`]): its rank,
-/// whether `message` blames a peer ([`message_blames_a_peer`]), and the message. Errors of the
-/// write are ignored (the launcher then goes by time alone).
-pub fn write_error_file(message: &str) {
+/// whether it failed because a peer left (`peer_left`: for this crate's errors,
+/// [`CollectiveError::caused_by_peer`](crate::CollectiveError::caused_by_peer)), and the
+/// message. Errors of the write are ignored (the launcher then goes by time alone).
+///
+/// ```no_run
+/// use fsdp_collectives::{launch, CollectiveError};
+/// let e = CollectiveError::PeerDeparted { rank: 1, peer: 2, op: "all_gather_base", seq: 3 };
+/// launch::write_error_file(&e.to_string(), e.caused_by_peer());
+/// ```
+pub fn write_error_file(message: &str, peer_left: bool) {
     let Some(path) = std::env::var_os(ERROR_FILE_ENV) else {
         return;
     };
@@ -36,7 +27,7 @@ pub fn write_error_file(message: &str) {
     let rank: i64 = rank.trim().parse().unwrap_or(-1);
     let line = serde_json::json!({
         "rank": rank,
-        "peer_left": message_blames_a_peer(message),
+        "peer_left": peer_left,
         "message": message,
     })
     .to_string()

@@ -75,8 +75,8 @@ mod errors;
 mod job;
 mod report;
 
-pub use errors::{message_blames_a_peer, write_error_file, ERROR_FILE_ENV};
 use errors::{primary_failure, ErrorFiles};
+pub use errors::{write_error_file, ERROR_FILE_ENV};
 use job::{
     die_with_launcher, free_port, launcher_message, outcome_of, spawn_error, Job, Proc, Sink,
 };

@@ -28,29 +28,41 @@ impl TcpStore {
             None => self.inner.timeout,
         };
         let mut conn = self.take_conn(op)?;
+        // The failure's text, and whether it says that the server went away.
         let result = write_frame(&mut conn, req)
-            .map_err(|e| format!("sending the request failed: {e}"))
+            .map_err(|e| {
+                let lost = server_gone(e.kind());
+                (format!("sending the request failed: {e}"), lost)
+            })
             .and_then(|()| {
                 read_frame(&mut conn, Some(deadline_after(reply_within)), None).map_err(|e| match e
                 {
-                    FrameError::TimedOut => format!("no reply within {reply_within:?}"),
-                    e => e.to_string(),
+                    FrameError::TimedOut => (format!("no reply within {reply_within:?}"), false),
+                    FrameError::Closed | FrameError::Truncated | FrameError::Stopped => {
+                        (e.to_string(), true)
+                    }
+                    FrameError::Io(ref io) => (e.to_string(), server_gone(io.kind())),
+                    e => (e.to_string(), false),
                 })
             })
-            .and_then(|frame| Reply::decode(frame).map_err(|e| format!("bad reply: {e}")));
+            .and_then(|frame| Reply::decode(frame).map_err(|e| (format!("bad reply: {e}"), false)));
         match result {
             Ok(reply) => {
                 lock(&self.inner.pool).push(conn);
                 Ok(reply)
             }
             // The connection is in an unknown state: drop it.
-            Err(e) => Err(self.store_err(
-                op,
-                format!(
+            Err((e, lost)) => {
+                let reason = format!(
                     "connection to the store server at {} (rank 0) failed: {e}",
                     self.inner.address
-                ),
-            )),
+                );
+                Err(if lost {
+                    self.store_lost(op, reason)
+                } else {
+                    self.store_err(op, reason)
+                })
+            }
         }
     }
 
@@ -89,21 +101,25 @@ impl TcpStore {
             return Ok(conn);
         }
         let deadline = deadline_after(self.inner.timeout);
+        // This handle reached the server before: a refused or reset connection now means that
+        // the server went away.
         let stream = TcpStream::connect_timeout(&self.inner.peer, self.inner.timeout)
-            .map_err(|e| e.to_string())
+            .map_err(|e| (e.to_string(), server_gone(e.kind())))
             .and_then(|s| {
                 handshake(s, &self.inner.me, deadline)
                     .map(|(s, _)| s)
-                    .map_err(|e| e.message())
+                    .map_err(|e| (e.message(), false))
             });
-        stream.map_err(|e| {
-            self.store_err(
-                op,
-                format!(
-                    "cannot open another connection to the store server at {} ({}): {e}",
-                    self.inner.address, self.inner.peer
-                ),
-            )
+        stream.map_err(|(e, lost)| {
+            let reason = format!(
+                "cannot open another connection to the store server at {} ({}): {e}",
+                self.inner.address, self.inner.peer
+            );
+            if lost {
+                self.store_lost(op, reason)
+            } else {
+                self.store_err(op, reason)
+            }
         })
     }
 
@@ -130,6 +146,23 @@ impl TcpStore {
         }
     }
 
+    /// The server went away (see [`CollectiveError::StoreLost`]).
+    pub(super) fn store_lost(&self, op: &'static str, reason: String) -> CollectiveError {
+        CollectiveError::StoreLost {
+            rank: self.inner.rank,
+            op,
+            reason,
+        }
+    }
+
+    /// The server answered that it is stopping.
+    pub(super) fn server_stopping(&self, op: &'static str, msg: String) -> CollectiveError {
+        self.store_lost(
+            op,
+            format!("the store server at {} reports: {msg}", self.inner.address),
+        )
+    }
+
     pub(super) fn server_err(&self, op: &'static str, msg: String) -> CollectiveError {
         self.store_err(
             op,
@@ -147,6 +180,15 @@ impl TcpStore {
         )
     }
 }
+/// Whether a socket error on a connection to the server means that the server went away.
+fn server_gone(kind: std::io::ErrorKind) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        kind,
+        ConnectionRefused | ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+    )
+}
+
 // ---------------------------------------------------------------------------------------------
 // Connecting.
 

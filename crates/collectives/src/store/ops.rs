@@ -175,6 +175,7 @@ impl TcpStore {
             }
             Reply::TimedOut(missing) => Err(timed_out(missing)),
             Reply::Error(msg) => Err(self.server_err(op, msg)),
+            Reply::Stopping(msg) => Err(self.server_stopping(op, msg)),
         }
     }
 
@@ -385,6 +386,7 @@ impl TcpStore {
                 Reply::Ok(_) => None,
                 Reply::TimedOut(missing) => Some(missing),
                 Reply::Error(msg) => return Err(self.server_err(op, msg)),
+                Reply::Stopping(msg) => return Err(self.server_stopping(op, msg)),
             }
         };
         Ok(missing.map(|m| m.into_iter().map(|k| self.short(k)).collect()))

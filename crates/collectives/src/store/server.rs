@@ -546,7 +546,7 @@ pub(super) fn execute(shared: &Shared, frame: &[u8]) -> std::result::Result<Repl
 }
 
 /// Waits until every key in `wanted` is present, up to `timeout`; on timeout the keys still
-/// missing, as a [`Reply::TimedOut`]; when the server stops, a [`Reply::Error`] that says so.
+/// missing, as a [`Reply::TimedOut`]; when the server stops, a [`Reply::Stopping`] that says so.
 pub(super) fn wait_for<'a>(
     shared: &'a Shared,
     wanted: &[String],
@@ -569,7 +569,7 @@ pub(super) fn wait_for<'a>(
             )));
         }
         if shared.stop.load(Ordering::SeqCst) {
-            return Err(Reply::Error(format!(
+            return Err(Reply::Stopping(format!(
                 "the server is stopping (rank 0's store was dropped) while keys {missing:?} \
                  were awaited"
             )));

@@ -20,6 +20,7 @@ fn encoding_round_trips() {
         Reply::Ok(vec![1, 2, 3]),
         Reply::Error("no".into()),
         Reply::TimedOut(vec!["k/1".into(), "k/2".into()]),
+        Reply::Stopping("bye".into()),
     ] {
         let back = Reply::decode(reply.encode()).unwrap();
         assert_eq!(format!("{back:?}"), format!("{reply:?}"));

@@ -55,6 +55,7 @@ impl Op {
 pub(super) const REPLY_OK: u8 = 0;
 pub(super) const REPLY_ERROR: u8 = 1;
 pub(super) const REPLY_TIMED_OUT: u8 = 2;
+pub(super) const REPLY_STOPPING: u8 = 3;
 
 /// A reply of the server.
 #[derive(Debug)]
@@ -65,6 +66,8 @@ pub(super) enum Reply {
     Error(String),
     /// A wait ran out; the keys still missing.
     TimedOut(Vec<String>),
+    /// The server is stopping (rank 0's store was dropped), with what the request waited for.
+    Stopping(String),
 }
 
 impl Reply {
@@ -85,6 +88,10 @@ impl Reply {
                 let refs: Vec<&str> = missing.iter().map(String::as_str).collect();
                 Enc::body().u8(REPLY_TIMED_OUT).strs(&refs).finish()
             }
+            Reply::Stopping(msg) => Enc::body()
+                .u8(REPLY_STOPPING)
+                .bytes(msg.as_bytes())
+                .finish(),
         }
     }
 
@@ -98,6 +105,7 @@ impl Reply {
             }
             REPLY_ERROR => Ok(Reply::Error(d.string()?)),
             REPLY_TIMED_OUT => Ok(Reply::TimedOut(d.strings()?)),
+            REPLY_STOPPING => Ok(Reply::Stopping(d.string()?)),
             other => Err(format!("unknown reply status {other}")),
         }
     }
@@ -107,6 +115,7 @@ impl Reply {
         match self {
             Reply::Ok(body) => Ok(body),
             Reply::Error(msg) => Err(store.server_err(op, msg)),
+            Reply::Stopping(msg) => Err(store.server_stopping(op, msg)),
             Reply::TimedOut(keys) => {
                 Err(store.protocol(op, format!("unexpected timeout reply (keys {keys:?})")))
             }

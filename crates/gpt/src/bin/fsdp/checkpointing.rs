@@ -22,7 +22,7 @@ use serde_json::{json, Map, Value};
 
 use crate::args::TrainArgs;
 use crate::run_config::{run_config, RUN_FILE, RUN_FORMAT, RUN_VERSION};
-use crate::{fail, CliError};
+use crate::{fail, fail_with, CliError};
 
 /// `--checkpoint-dir`, `--checkpoint-every` and `--keep-checkpoints`, checked.
 #[derive(Clone)]
@@ -89,7 +89,7 @@ impl Checkpointer {
         // Every rank writes and fsyncs its file; the ranks agree that all succeeded.
         model
             .save_sharded(&staging)
-            .map_err(|e| fail(format!("--checkpoint-dir: {e}")))?;
+            .map_err(|e| fail_with("--checkpoint-dir", e))?;
         // Rank 0 completes the checkpoint; the ranks agree on that too.
         let committed = if model.rank() == 0 {
             self.commit(step, done, skipped)

@@ -280,7 +280,7 @@ impl HostGroup {
                 round,
                 &Entry::Failed {
                     rank: self.env.rank,
-                    error: error.0.clone(),
+                    error: error.msg.clone(),
                 },
             );
         }

@@ -34,22 +34,46 @@ use train::train;
 
 /// An error for the user: printed as one `error: ...` line.
 #[derive(Debug)]
-struct CliError(String);
+struct CliError {
+    /// The line.
+    msg: String,
+    /// Whether it says that this rank failed because a peer left (typed: from
+    /// `caused_by_peer` of the error it came from).
+    peer_left: bool,
+}
 
 impl From<FsdpError> for CliError {
     fn from(e: FsdpError) -> Self {
-        CliError(e.to_string())
+        CliError {
+            peer_left: e.caused_by_peer(),
+            msg: e.to_string(),
+        }
     }
 }
 
 impl From<fsdp_collectives::CollectiveError> for CliError {
     fn from(e: fsdp_collectives::CollectiveError) -> Self {
-        CliError(e.to_string())
+        CliError {
+            peer_left: e.caused_by_peer(),
+            msg: e.to_string(),
+        }
     }
 }
 
+/// `e` with `prefix` before its message; still secondary when `e` is.
+fn fail_with(prefix: &str, e: FsdpError) -> CliError {
+    CliError {
+        peer_left: e.caused_by_peer(),
+        msg: format!("{prefix}: {e}"),
+    }
+}
+
+/// An error of this rank's own.
 fn fail(msg: impl Into<String>) -> CliError {
-    CliError(msg.into())
+    CliError {
+        msg: msg.into(),
+        peer_left: false,
+    }
 }
 
 fn main() -> ExitCode {
@@ -87,10 +111,10 @@ fn main() -> ExitCode {
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
-        Err(CliError(msg)) => {
+        Err(CliError { msg, peer_left }) => {
             // Under `fsdp launch`: tell the launcher whether this failure was caused by a peer
             // leaving (secondary) or is this rank's own.
-            fsdp_collectives::launch::write_error_file(&msg);
+            fsdp_collectives::launch::write_error_file(&msg, peer_left);
             // Under torchrun: its error file, for the summary's root cause.
             fsdp_collectives::torchelastic::write_error_file(&msg);
             // One line, whatever the message holds.
