@@ -121,3 +121,30 @@ fn node_0_alone_names_node_1_and_its_ranks() {
         "node 0 did not name node 1 and its ranks:\n{err}"
     );
 }
+
+/// `--master-port 0` with several nodes is refused before any rank starts, in one readable
+/// line (no runs of spaces left by a broken line continuation).
+#[test]
+fn several_nodes_need_an_explicit_port() {
+    let out = command(&[
+        "launch",
+        "--nnodes",
+        "2",
+        "-n",
+        "1",
+        "--master-port",
+        "0",
+        "train",
+    ])
+    .env_remove("FSDP_JOB_TOKEN")
+    .env_remove("FSDP_JOB_TOKEN_FILE")
+    .output()
+    .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--master-port 0 (a free port) works on one node only: the other 1 nodes could not know it"),
+        "{err}"
+    );
+    assert!(!err.contains("  "), "runs of spaces in {err:?}");
+}
