@@ -40,3 +40,8 @@ pub mod programs;
 
 pub use error::KernelError;
 pub use programs::{compile, compile_ptx, compile_source, nvrtc_version, Program};
+
+/// The README's examples, run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::cli::{fsdp, loss_column, ok, small_train_args, text, SMALL_MODEL};
+use fsdp_gpt::model::{param_specs, GptConfig};
 
 const HOST0: &str = "10.77.0.1";
 const TOKEN: &str = "two-nodes-test-token-0123456789";
@@ -90,6 +91,33 @@ impl Hosts {
     }
 }
 
+impl Hosts {
+    /// The bytes host 0's end of the link (`NAME-v0`) has sent and received so far: what
+    /// crossed the link from node 0 to node 1 and back (the kernel's counters of the veth
+    /// device, read in host 0's namespace).
+    fn link_bytes(&self) -> (u64, u64) {
+        let ns = format!("{}-0", self.name);
+        let read = |counter: &str| -> u64 {
+            let path = format!("/sys/class/net/{}-v0/statistics/{counter}", self.name);
+            let out = Command::new("ip")
+                .args(["netns", "exec", &ns, "cat", &path])
+                .output()
+                .expect("run ip netns exec");
+            assert!(
+                out.status.success(),
+                "cannot read {path} in {ns}: {}",
+                text(&out.stderr)
+            );
+            let value = text(&out.stdout);
+            value
+                .trim()
+                .parse()
+                .unwrap_or_else(|e| panic!("{path} in {ns} holds {value:?}: {e}"))
+        };
+        (read("tx_bytes"), read("rx_bytes"))
+    }
+}
+
 impl Drop for Hosts {
     fn drop(&mut self) {
         let _ = self.script(&["down"]);
@@ -134,6 +162,8 @@ fn finish(child: Child, bound: Duration, what: &str) -> (Output, Duration) {
     (out, took)
 }
 
+/// The steps of [`SMALL`].
+const STEPS: u64 = 6;
 const SMALL: [&str; 6] = ["--batch-size", "8", "--steps", "6", "--seed", "5"];
 
 /// Train on 4 threads and on 2 nodes × 2 processes; the loss logs must be bitwise equal.
@@ -149,6 +179,7 @@ fn compare(name: &str, threads_extra: &[&str], nodes_extra: &[&str]) {
     train.extend(SMALL.iter().chain(nodes_extra).map(|s| s.to_string()));
     train.extend(["--loss-log".into(), nodes_log.to_str().unwrap().into()]);
     let timeouts = ["--timeout", "60", "--init-timeout", "60"];
+    let (tx0, rx0) = hosts.link_bytes();
     let node1 = hosts.launch(1, TOKEN, &timeouts, &train);
     let node0 = hosts.launch(0, TOKEN, &timeouts, &train);
     let (out0, _) = finish(node0, Duration::from_secs(120), "node 0");
@@ -159,11 +190,46 @@ fn compare(name: &str, threads_extra: &[&str], nodes_extra: &[&str]) {
         stdout0.contains("fsdp train: 4 ranks"),
         "node 0 did not run a 4-rank job:\n{stdout0}"
     );
+    let (tx1, rx1) = hosts.link_bytes();
     let a = loss_column(&threads_log);
     let b = loss_column(&nodes_log);
     println!("{name}: 4 threads {a:?}\n{name}: 2 nodes × 2 processes {b:?}");
-    assert_eq!(a.len(), 6);
+    assert_eq!(a.len() as u64, STEPS);
     assert_eq!(a, b, "the two-node run's losses differ from the threads'");
+    // The training traffic crossed the veth link, both ways: every step each node sends the
+    // other at least the gradients' share it reduces across nodes (HYBRID_SHARD: the whole
+    // gradient, all-reduced between the two replicas of each shard; FULL_SHARD: the
+    // parameters' all-gathers and the gradients' reduce-scatter, more still). Half the f32
+    // parameter bytes a step is a clear lower bound; loopback or shared memory moves none.
+    let (sent, received) = (tx1 - tx0, rx1 - rx0);
+    let bound = STEPS * param_bytes() / 2;
+    println!(
+        "{name}: node 0 -> node 1 {sent} bytes, node 1 -> node 0 {received} bytes over the link \
+         (lower bound {bound})"
+    );
+    assert!(
+        sent >= bound && received >= bound,
+        "only {sent} bytes from node 0 to node 1 and {received} back crossed the link, less \
+         than {bound} each way: the ranks did not talk over it"
+    );
+}
+
+/// The f32 bytes of [`SMALL_MODEL`]'s parameters.
+fn param_bytes() -> u64 {
+    let arg = |flag: &str| -> usize {
+        let i = SMALL_MODEL.iter().position(|a| *a == flag).unwrap();
+        SMALL_MODEL[i + 1].parse().unwrap()
+    };
+    let cfg = GptConfig::new(
+        arg("--n-layer"),
+        arg("--n-head"),
+        arg("--n-embd"),
+        arg("--block-size"),
+        arg("--vocab-size"),
+    )
+    .unwrap();
+    let numel: usize = param_specs(&cfg).iter().map(|p| p.numel()).sum();
+    4 * numel as u64
 }
 
 #[test]

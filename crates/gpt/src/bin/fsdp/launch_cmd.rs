@@ -95,7 +95,8 @@ fn check_nodes(args: &LaunchArgs) -> Result<(), String> {
     if args.nnodes > 1 {
         if args.master_port == 0 {
             return Err(format!(
-                "--master-port 0 (a free port) works on one node only: the other {} nodes could                  not know it; give the same explicit port to every node",
+                "--master-port 0 (a free port) works on one node only: the other {} nodes could \
+                 not know it; give the same explicit port to every node",
                 args.nnodes - 1
             ));
         }
@@ -112,7 +113,8 @@ fn check_nodes(args: &LaunchArgs) -> Result<(), String> {
         .any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
         if !loopback && !token {
             return Err(format!(
-                "--nnodes {} with --master-addr {} needs a job token shared by every node: set                  {} (or {} to a file holding it) to the same secret on each node",
+                "--nnodes {} with --master-addr {} needs a job token shared by every node: set \
+                 {} (or {} to a file holding it) to the same secret on each node",
                 args.nnodes,
                 args.master_addr,
                 fsdp_collectives::auth::TOKEN_ENV,

@@ -47,7 +47,8 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
         if let Some(n) = ranks_per_node {
             if world % n != 0 {
                 return Err(fail(format!(
-                    "{world} ranks are not divisible by the launcher's {n} ranks per node                      (LOCAL_WORLD_SIZE): give --ranks-per-node"
+                    "{world} ranks are not divisible by the launcher's {n} ranks per node \
+                     (LOCAL_WORLD_SIZE): give --ranks-per-node"
                 )));
             }
         }
