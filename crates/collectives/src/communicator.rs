@@ -1,5 +1,8 @@
 //! The backend-independent interface.
 
+use std::fmt;
+use std::sync::Arc;
+
 use fsdp_device::{Buffer, Stream};
 
 use crate::{ReduceOp, Result, Work};
@@ -60,4 +63,66 @@ pub trait Communicator: Send {
     /// form a new group, ordered by `(key, rank)`; `None` joins no group. Every rank of this
     /// group must call it. Blocks until the split is done.
     fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Box<dyn Communicator>>>;
+
+    /// A handle that aborts this group from any thread, as `ncclCommAbort` does, with a reason
+    /// its peers report: every rank's pending and later collectives fail with
+    /// [`Aborted`](crate::CollectiveError::Aborted) naming it (for which
+    /// [`caused_by_peer`](crate::CollectiveError::caused_by_peer) holds). `None` where the
+    /// backend cannot tell its peers (the default; NCCL and MPI).
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        None
+    }
+}
+
+/// Aborts a communicator's group from any thread; see [`Communicator::abort_handle`]. Cheap to
+/// clone; the first reason given to any rank of the group wins.
+///
+/// ```
+/// use fsdp_collectives::ring::{new_group, RingOptions};
+/// use fsdp_collectives::{CollectiveError, Communicator};
+/// use fsdp_device::{Buffer, DType};
+/// let comms = new_group(2, RingOptions::default()).unwrap();
+/// let handle = comms[1].abort_handle().expect("the ring backend can abort");
+/// handle.abort("rank 1: stopped by SIGTERM");
+/// let buf = Buffer::zeros(DType::F32, 4).unwrap();
+/// match comms[0].all_reduce(&buf, fsdp_collectives::ReduceOp::Sum).and_then(|w| w.wait()) {
+///     Err(e @ CollectiveError::Aborted { .. }) => {
+///         assert!(e.to_string().contains("stopped by SIGTERM") && e.caused_by_peer())
+///     }
+///     other => panic!("{other:?}"),
+/// }
+/// ```
+#[derive(Clone)]
+pub struct AbortHandle {
+    rank: usize,
+    abort: Arc<dyn Fn(String) + Send + Sync>,
+}
+
+impl AbortHandle {
+    /// A handle for rank `rank` that calls `abort` with the reason.
+    pub fn new(rank: usize, abort: impl Fn(String) + Send + Sync + 'static) -> AbortHandle {
+        AbortHandle {
+            rank,
+            abort: Arc::new(abort),
+        }
+    }
+
+    /// The rank whose communicator it aborts.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Aborts the group and tells the peers why (best effort, bounded: it never waits longer
+    /// than a write's short deadline).
+    pub fn abort(&self, reason: impl Into<String>) {
+        (self.abort)(reason.into())
+    }
+}
+
+impl fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AbortHandle")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
 }

@@ -54,7 +54,7 @@ pub mod store;
 pub mod torchelastic;
 mod work;
 
-pub use communicator::Communicator;
+pub use communicator::{AbortHandle, Communicator};
 pub use env::{
     init_from_env, init_with_store, parse_seconds, Backend, InitOptions, LaunchEnv,
     INIT_TIMEOUT_ENV, TIMEOUT_ENV,

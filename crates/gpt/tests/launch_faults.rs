@@ -173,3 +173,97 @@ fn a_rank_that_never_arrives_fails_after_the_init_timeout() {
     assert!(took < Duration::from_secs(20), "{took:?}: {err}");
     assert!(err.contains("never arrived"), "{err}");
 }
+
+/// Under torchrun a signalled rank aborts its communicator with the signal as the reason: its
+/// peers fail at once quoting it (not a bare "rank 1 has left"), as secondary failures. The two
+/// ranks are started by hand with torchrun's variables (our store, not an agent's).
+#[test]
+fn sigterm_under_torchrun_aborts_the_peers_with_the_reason() {
+    #[cfg(target_os = "linux")]
+    {
+        use common::cli::{free_port, scratch};
+        let dir = scratch("launch_faults", "sigterm");
+        let port = free_port().to_string();
+        let spawn = |rank: &str| {
+            let mut args = vec!["train"];
+            args.extend_from_slice(&SMALL_MODEL);
+            args.extend_from_slice(&["--batch-size", "4", "--steps", "100000", "--timeout", "60"]);
+            command(&args)
+                .env("RANK", rank)
+                .env("LOCAL_RANK", rank)
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("TORCHELASTIC_RESTART_COUNT", "0")
+                .env(
+                    "TORCHELASTIC_ERROR_FILE",
+                    dir.join(format!("error-{rank}.json")),
+                )
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let mut rank0 = spawn("0");
+        let mut rank1 = spawn("1");
+        // Wait until they train (rank 0 prints its header once the communicator is up).
+        let mut stdout = rank0.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            let mut seen = String::new();
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if seen.contains("fsdp train:") {
+                    let _ = tx.send(());
+                    seen.clear();
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(120)).is_err() {
+            let _ = rank0.kill();
+            let _ = rank1.kill();
+            panic!("the ranks never started training");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &rank1.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let start = Instant::now();
+        let (mut err0, mut err1) = (String::new(), String::new());
+        rank1
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err1)
+            .unwrap();
+        let status1 = rank1.wait().unwrap();
+        rank0
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err0)
+            .unwrap();
+        let status0 = rank0.wait().unwrap();
+        // The grace (1.5 s) and the abort: well within the 60 s collective timeout.
+        assert!(start.elapsed() < Duration::from_secs(20), "{err0}\n{err1}");
+        assert_eq!(status1.code(), Some(128 + 15), "{err1}");
+        assert!(err1.contains("rank 1: stopped by SIGTERM"), "{err1}");
+        assert_eq!(status0.code(), Some(1), "{err0}");
+        assert!(
+            err0.contains("communicator aborted") && err0.contains("rank 1: stopped by SIGTERM"),
+            "{err0}"
+        );
+        // torchelastic's error files: rank 1 names the signal, rank 0 quotes it.
+        let file1 = std::fs::read_to_string(dir.join("error-1.json")).unwrap();
+        assert!(file1.contains("stopped by SIGTERM"), "{file1}");
+        let file0 = std::fs::read_to_string(dir.join("error-0.json")).unwrap();
+        assert!(file0.contains("stopped by SIGTERM"), "{file0}");
+    }
+}

@@ -71,6 +71,9 @@ macro_rules! engine_communicator {
                     .$split(color, key)?
                     .map(|c| Box::new(c) as Box<dyn $crate::Communicator>))
             }
+            fn abort_handle(&self) -> Option<$crate::AbortHandle> {
+                Some(self.engine.abort_handle())
+            }
         }
     };
 }

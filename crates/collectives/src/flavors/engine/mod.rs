@@ -292,6 +292,18 @@ impl Engine {
         self.core.rank
     }
 
+    /// Aborts the group through the transport's control (which tells the peers), at the
+    /// sequence number of the next collective.
+    pub fn abort_handle(&self) -> crate::AbortHandle {
+        let core = Arc::downgrade(&self.core);
+        crate::AbortHandle::new(self.core.rank, move |reason| {
+            if let Some(core) = core.upgrade() {
+                let seq = *core.next_seq.lock().unwrap_or_else(|e| e.into_inner());
+                core.control.abort(seq, reason);
+            }
+        })
+    }
+
     pub fn world_size(&self) -> usize {
         self.core.world
     }

@@ -3,16 +3,31 @@
 //! torchrun ends every worker with SIGTERM when one fails (or it is interrupted). A rank that
 //! receives one gets a short grace to fail on its own (it usually has just seen the peer that
 //! left, and its error names that peer); otherwise it writes torchelastic's error file saying it
-//! was stopped by the signal, and exits at once (its peers then see it leave and fail fast). A
-//! second signal ends it without the grace.
+//! was stopped by the signal, aborts its communicator with that reason (the peers' collectives
+//! fail at once with `communicator aborted: rank R: stopped by SIGTERM ...`, not a bare "rank R
+//! has left"), and exits. A second signal ends it without the grace.
 
+use std::sync::Mutex;
 use std::time::Duration;
+
+use fsdp_collectives::{AbortHandle, Communicator};
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 /// How long a signalled rank waits for its own error before it reports the signal.
 const GRACE: Duration = Duration::from_millis(1500);
+
+/// The communicators a signal aborts.
+static ABORTS: Mutex<Vec<AbortHandle>> = Mutex::new(Vec::new());
+
+/// A signal handled by [`install_under_torchrun`] aborts `comm`'s group with its reason (where
+/// the backend can: [`Communicator::abort_handle`]).
+pub(crate) fn abort_on_signal(comm: &dyn Communicator) {
+    if let Some(h) = comm.abort_handle() {
+        ABORTS.lock().unwrap_or_else(|e| e.into_inner()).push(h);
+    }
+}
 
 /// Under torchrun (`TORCHELASTIC_RESTART_COUNT` is set), starts the thread that handles the
 /// signals; elsewhere the default actions stay.
@@ -50,6 +65,9 @@ pub(crate) fn install_under_torchrun() {
                 );
                 fsdp_collectives::torchelastic::write_error_file(&msg);
                 eprintln!("error: {msg}");
+                for h in ABORTS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                    h.abort(msg.clone());
+                }
                 std::process::exit(128 + sig);
             })
     });

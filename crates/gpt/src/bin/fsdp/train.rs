@@ -214,6 +214,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let final_scaler: Mutex<Option<GradScalerState>> = Mutex::new(None);
     let run = |comm: Box<dyn Communicator>| -> Result<RankReport, CliError> {
         let rank = comm.rank();
+        crate::signals::abort_on_signal(comm.as_ref());
         let rule = gpt2_init(cfg.n_layer);
         let init = match &params {
             Some(p) => ParamInit::Full(p),
