@@ -399,3 +399,34 @@ fn invalid_schedule_options_are_one_error_line() {
     assert_one_error(&with(&["--lr-schedule", "cosine", "--min-lr=-1"]), "min_lr");
     assert_one_error(&with(&["--lr-schedule", "linear"]), "constant or cosine");
 }
+
+/// `fsdp train | head -1`: the program ends quietly when its standard output is closed (status
+/// 141, as a shell reports `SIGPIPE`), it does not panic.
+#[test]
+fn a_closed_stdout_ends_training_quietly() {
+    use std::io::{BufRead, BufReader, Read};
+    let mut args = vec!["train"];
+    args.extend_from_slice(&common::cli::SMALL_MODEL);
+    args.extend_from_slice(&["--steps", "100000"]);
+    let mut child = common::cli::command(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    // The reader (and with it the pipe's read end) is dropped here.
+    assert!(first.contains("fsdp train"), "{first}");
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(status.code(), Some(141), "{err}");
+}

@@ -32,6 +32,22 @@ use launch_cmd::run_launch;
 use plan_cmd::print_plan;
 use train::train;
 
+/// `println!` that ends the program quietly, with the status a shell gives a process killed by
+/// `SIGPIPE` (141), when standard output was closed (`fsdp train | head`), instead of panicking
+/// as `println!` does (Rust ignores `SIGPIPE`, so the write fails with `BrokenPipe`).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        if let Err(e) = writeln!(out, $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(141);
+            }
+        }
+    }};
+}
+pub(crate) use say;
+
 /// An error for the user: printed as one `error: ...` line.
 #[derive(Debug)]
 struct CliError {

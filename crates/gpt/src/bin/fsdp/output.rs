@@ -16,6 +16,7 @@ use fsdp_gpt::model::GptConfig;
 
 use crate::args::TrainArgs;
 use crate::paths::output_error;
+use crate::say;
 use crate::{fail, CliError};
 
 /// The first line of the loss log.
@@ -258,11 +259,11 @@ pub(crate) fn print_summary(
     let first = losses.first().map_or(f32::NAN, |l| l.0);
     let last = losses.last().map_or(f32::NAN, |l| l.0);
     let secs = elapsed.as_secs_f64();
-    println!(
+    say!(
         "done: {steps} steps in {secs:.1} s ({:.0} tokens/s); loss {first:.4} -> {last:.4}",
         global_tokens as f64 * steps as f64 / secs
     );
-    println!(
+    say!(
         "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}  {:>11}  {:>14}",
         "rank",
         "peak allocated",
@@ -275,7 +276,7 @@ pub(crate) fn print_summary(
         "alloc + activ."
     );
     for (rank, r) in reports.iter().enumerate() {
-        println!(
+        say!(
             "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}  {:>11}  {:>14}",
             rank,
             human_bytes(r.peak_allocated),
@@ -288,12 +289,12 @@ pub(crate) fn print_summary(
             human_bytes(r.activations.peak_allocated)
         );
     }
-    println!(
+    say!(
         "(activations: the peak of the model's saved activations (host memory); alloc + \
          activ.: the peak of the allocator's bytes plus the activations held at the same moment)"
     );
     if let Some(r) = reports.first().filter(|r| r.activations.recomputations > 0) {
-        println!(
+        say!(
             "activation checkpointing: {} block forwards recomputed by each rank, no extra \
              all-gather",
             r.activations.recomputations

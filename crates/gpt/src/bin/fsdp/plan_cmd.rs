@@ -8,6 +8,7 @@ use fsdp_gpt::runtime::FsdpConfig;
 use crate::admission::{available, Prediction, ProcessData, Sharing};
 use crate::args::PlanArgs;
 use crate::optimizer::{describe, plan_optimizer, sharded_state_line};
+use crate::say;
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::train::SYNTHETIC_LEN;
 use crate::CliError;
@@ -38,16 +39,16 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
     let per_element = optim.state_bytes_per_element();
     let shard_elements: usize = p.units.iter().map(|u| u.shard_numel).sum();
     let state = p.per_rank.first().map_or(0, |m| m.optimizer_state);
-    println!("optimizer: {}", describe(&optim, param_dtype));
-    println!(
+    say!("optimizer: {}", describe(&optim, param_dtype));
+    say!(
         "optimizer state: {state} bytes per rank ({per_element} bytes per shard element × \
          {shard_elements} elements)"
     );
-    println!("{}", sharded_state_line(&optim, param_dtype));
+    say!("{}", sharded_state_line(&optim, param_dtype));
     let data = ProcessData::new(None, SYNTHETIC_LEN, cfg.num_params(), false, None, false)?;
     let prediction = Prediction::new(&p, world, Sharing::Threads, &data)?;
-    println!();
-    println!(
+    say!();
+    say!(
         "{}",
         prediction.report(available(args.memory_limit).as_ref())
     );

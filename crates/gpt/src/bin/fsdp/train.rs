@@ -22,6 +22,7 @@ use crate::host_admission::HostGroup;
 use crate::output::{gather_rank_stats, print_summary, write_outputs, LossLog, RankReport};
 use crate::paths::{check_output_paths, output_error, rank_trace_path};
 use crate::resume::{self, Resolved};
+use crate::say;
 use crate::setup::Setup;
 use crate::train_checks::{
     admit_run, grad_scaler_config, initial_params, lr_schedule, train_mode, Admitted, Mode,
@@ -177,7 +178,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     };
     let mem_now: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
     if leader {
-        println!(
+        say!(
         "fsdp train: {} ranks, {}, GPT {} layers × {} heads × {} wide ({} parameters, {} units), \
          batch {} × {} tokens{}",
         world,
@@ -195,13 +196,13 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             String::new()
         }
         );
-        println!(
+        say!(
             "optimizer: {}; {}",
             crate::optimizer::describe(&opt, config.mixed_precision.param_dtype),
             crate::optimizer::sharded_state_line(&opt, config.mixed_precision.param_dtype)
         );
         if let Some(r) = &resume {
-            println!(
+            say!(
                 "resuming from {} at step {} of {steps}",
                 r.path.display(),
                 r.step
@@ -289,7 +290,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                         if tty {
                             bar.println(msg);
                         } else {
-                            println!("{msg}");
+                            say!("{msg}");
                         }
                     }
                 }
@@ -348,7 +349,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                     bar.set_message(msg);
                     bar.inc(1);
                 } else if step == 0 || (step + 1) % (steps / 10).max(1) == 0 {
-                    println!("{msg}");
+                    say!("{msg}");
                 }
             }
             if let Some(c) = checkpointer.as_ref().filter(|c| c.due(step + 1)) {
@@ -437,7 +438,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     print_summary(&reports, elapsed, global_tokens, steps - start_step);
     let skipped = skipped_steps.load(Ordering::Relaxed);
     if skipped > 0 {
-        println!(
+        say!(
             "skipped {skipped} non-finite step(s) (no optimizer step; gradients discarded; \
              --skip-nonfinite {skip_nonfinite})"
         );
@@ -446,7 +447,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         .into_inner()
         .unwrap_or_else(PoisonError::into_inner);
     if let Some(s) = final_scaler {
-        println!(
+        say!(
             "grad scaler: final scale {}, {} overflowing step(s) skipped (no optimizer step; \
              scale backed off)",
             show_scale(s.scale),
