@@ -5,8 +5,9 @@
 //!
 //! - [`HostOps`] runs every operation on the host: the kernels' twins
 //!   ([`host::nn`](crate::host::nn), [`host::axpby`](crate::host::axpby)) and a plain f32
-//!   matrix product ([`gemm_f32`]). `DeviceGpt<HostOps>` is tested against the CPU reference
-//!   GPT (`fsdp-gpt`: `tests/gpt_vs_reference.rs`).
+//!   matrix product ([`gemm_f32`]; or [`gemm_f64_rounded`], to see what the products' rounding
+//!   alone changes). `DeviceGpt<HostOps>` is tested against the CPU reference GPT (`fsdp-gpt`:
+//!   `tests/gpt_vs_reference.rs`).
 //! - [`CudaOps`] runs them on one CUDA stream: the kernels through [`launch`](crate::launch)
 //!   and the products through cuBLAS ([`Blas`](crate::gemm::Blas)), every operation enqueued on
 //!   that one stream, so their order is the stream's. Every non-product kernel equals its twin
@@ -23,9 +24,11 @@
 mod cuda;
 mod model;
 mod ops;
+mod products;
 mod weights;
 
 pub use cuda::CudaOps;
 pub use model::DeviceGpt;
-pub use ops::{gemm_f32, GptOps, HostOps};
+pub use ops::{GptOps, HostOps, HostProducts};
+pub use products::{gemm_f32, gemm_f64_rounded};
 pub use weights::{param_shapes, Block, GptDims, Pair, Weights};

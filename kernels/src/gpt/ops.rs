@@ -1,6 +1,7 @@
 //! [`GptOps`], the device operations of one GPT training step, and [`HostOps`], their host
 //! implementation by the kernels' twins.
 
+use super::products::{gemm_f32, gemm_f64_rounded};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{self, same_len};
@@ -234,71 +235,35 @@ pub trait GptOps {
     ) -> Result<(), KernelError>;
 }
 
-/// The row-major product `g` in f32 on the host: for each batch, row `i` and column `j` in
-/// order, `acc` starts at 0 and adds `op(a)[i, p]·op(b)[p, j]` for `p = 0, 1, …, k−1`, each
-/// product and sum rounded to f32 (no fused multiply-add); then `c = alpha·acc` when
-/// `beta == 0` (c's old value, even NaN, ignored, as BLAS), else `alpha·acc + beta·c`. Not
-/// cuBLAS's order: the two agree within f32 rounding of a `k`-term sum, not bitwise.
-///
-/// # Errors
-/// [`KernelError::Length`] for an operand shorter than [`MatMul::extents`];
-/// [`KernelError::InvalidArgument`] for batches of `c` that overlap.
-pub fn gemm_f32(g: &MatMul, a: &[f32], b: &[f32], c: &mut [f32]) -> Result<(), KernelError> {
-    if g.batch > 1 && g.stride_c < g.m * g.n {
-        return Err(KernelError::InvalidArgument {
-            kernel: "gemm",
-            reason: format!(
-                "batches of C overlap: stride {} < {}×{}",
-                g.stride_c, g.m, g.n
-            ),
-        });
-    }
-    let (ea, eb, ec) = g.extents();
-    for (what, need, have) in [("a", ea, a.len()), ("b", eb, b.len()), ("c", ec, c.len())] {
-        if have < need {
-            return Err(KernelError::Length {
-                kernel: "gemm",
-                what,
-                expected: need,
-                actual: have,
-            });
-        }
-    }
-    for t in 0..g.batch {
-        let (a, b) = (&a[t * g.stride_a..], &b[t * g.stride_b..]);
-        let c = &mut c[t * g.stride_c..];
-        for i in 0..g.m {
-            for j in 0..g.n {
-                let mut acc = 0.0f32;
-                for p in 0..g.k {
-                    let x = if g.trans_a {
-                        a[p * g.m + i]
-                    } else {
-                        a[i * g.k + p]
-                    };
-                    let y = if g.trans_b {
-                        b[j * g.k + p]
-                    } else {
-                        b[p * g.n + j]
-                    };
-                    acc += x * y;
-                }
-                let o = &mut c[i * g.n + j];
-                *o = if g.beta == 0.0 {
-                    g.alpha * acc
-                } else {
-                    g.alpha * acc + g.beta * *o
-                };
-            }
-        }
-    }
-    Ok(())
+/// How [`HostOps`] multiplies matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostProducts {
+    /// [`gemm_f32`]: f32, left to right (the default).
+    #[default]
+    F32,
+    /// [`gemm_f64_rounded`]: accumulated in f64, rounded once.
+    F64Rounded,
 }
 
-/// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`]; buffers are `Vec`s and every
-/// operation runs when called.
+/// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`] (or [`gemm_f64_rounded`]);
+/// buffers are `Vec`s and every operation runs when called.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct HostOps;
+pub struct HostOps {
+    /// The matrix products.
+    pub products: HostProducts,
+}
+
+impl HostOps {
+    /// The twins and f32 products ([`gemm_f32`]).
+    pub fn new() -> HostOps {
+        HostOps::default()
+    }
+
+    /// The twins and the products of `products`.
+    pub fn with_products(products: HostProducts) -> HostOps {
+        HostOps { products }
+    }
+}
 
 impl GptOps for HostOps {
     type Buf = Vec<f32>;
@@ -336,7 +301,10 @@ impl GptOps for HostOps {
         b: &Vec<f32>,
         c: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
-        gemm_f32(g, a, b, c)
+        match self.products {
+            HostProducts::F32 => gemm_f32(g, a, b, c),
+            HostProducts::F64Rounded => gemm_f64_rounded(g, a, b, c),
+        }
     }
 
     fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>) -> Result<(), KernelError> {
@@ -497,42 +465,5 @@ impl GptOps for HostOps {
         rows: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
         nn::heads_merge(heads, layout, rows)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_host_product_is_the_row_major_definition() {
-        let vals = |n: usize, s: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| ((i * 37 + s * 11) % 23) as f32 / 8.0 - 1.4)
-                .collect()
-        };
-        for trans_a in [false, true] {
-            for trans_b in [false, true] {
-                for (batch, beta) in [(1, 0.0), (3, 1.0), (2, 0.5)] {
-                    let (m, n, k) = (3, 5, 7);
-                    let g = MatMul::new(m, n, k, trans_a, trans_b)
-                        .batched(batch, m * k + 1, k * n + 2, m * n + 3)
-                        .with_alpha(0.75)
-                        .with_beta(beta);
-                    let (ea, eb, ec) = g.extents();
-                    let (a, b, c0) = (vals(ea, 1), vals(eb, 2), vals(ec, 3));
-                    let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
-                    let mut want = wide(&c0);
-                    g.host(&wide(&a), &wide(&b), &mut want);
-                    let mut got = c0.clone();
-                    gemm_f32(&g, &a, &b, &mut got).unwrap();
-                    for (x, w) in got.iter().zip(&want) {
-                        assert!((f64::from(*x) - w).abs() <= 1e-5 * (1.0 + w.abs()), "{g:?}");
-                    }
-                }
-            }
-        }
-        let g = MatMul::new(2, 2, 2, false, false);
-        assert!(gemm_f32(&g, &[0.0; 3], &[0.0; 4], &mut [0.0; 4]).is_err());
     }
 }
