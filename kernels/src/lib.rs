@@ -8,7 +8,8 @@
 //!   of squares of a gradient shard for the global norm.
 //! - The GPT's layers besides matrix products, f32 ([`host::nn`], [`launch`]): layer norm,
 //!   exact GELU, causal softmax, cross-entropy fused with its backward, embeddings and the bias
-//!   gradient, each forward and backward, in fixed orders (deterministic, no float atomics).
+//!   gradient, each forward and backward, in fixed orders (deterministic, no float atomics);
+//!   the bias add and the attention heads' permutations (`heads_split`, `heads_merge`).
 //! - [`programs`]: the CUDA C sources (`src/cu/*.cu`, included in the binary), compiled to PTX
 //!   by NVRTC with `--fmad=false` and IEEE division, square root and denormals, so that results
 //!   equal the host twins bitwise. NVRTC is found by
@@ -21,6 +22,10 @@
 //!   layer's forward and both backward products, attention's batched products), f32, bf16 or
 //!   f16 inputs with f32 accumulation; the row-major to column-major mapping is tested on the
 //!   host against both definitions.
+//! - [`gpt`]: the reference GPT's training step (forward and backward) over device
+//!   operations ([`gpt::GptOps`]): [`gpt::DeviceGpt`] on the host through the twins
+//!   ([`gpt::HostOps`]) or on one CUDA stream through the kernels and cuBLAS
+//!   ([`gpt::CudaOps`]).
 //! - [`launch`]: safe launch functions over a cudarc `CudaStream` and device slices; modules
 //!   are compiled once per compute capability and loaded once per context.
 //!
@@ -34,6 +39,7 @@
 
 mod error;
 pub mod gemm;
+pub mod gpt;
 pub mod host;
 pub mod launch;
 pub mod programs;

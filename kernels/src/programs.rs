@@ -22,7 +22,8 @@ pub enum Program {
     /// `sum_squares_f32` and `sum_f64_final`.
     Norm,
     /// The GPT's layers besides matrix products (f32): layer norm, GELU, causal softmax,
-    /// cross-entropy, embeddings, bias gradient.
+    /// cross-entropy, embeddings, bias gradient and bias add, and the attention heads'
+    /// permutations.
     Nn,
 }
 
@@ -107,6 +108,9 @@ impl Program {
                 "embedding_backward_tokens_grouped_f32",
                 "embedding_backward_positions_f32",
                 "bias_grad_f32",
+                "bias_add_f32",
+                "heads_split_f32",
+                "heads_merge_f32",
             ]),
         }
     }

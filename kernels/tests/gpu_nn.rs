@@ -1,9 +1,10 @@
-//! The GPT's layer kernels (`cu/nn.cu`) on the GPU against their host twins
-//! (`fsdp_kernels::host::nn`), **bitwise**: e^x, ln and erfc are the programs' own functions of
-//! IEEE operations (no CUDA math library), every operation is spelled with its rounding and
-//! compiled without fused multiply-adds, and every reduction has the twin's fixed order. Shapes
-//! cover rows shorter and longer than a block (256), repeated ids, an id and a target out of
-//! range (NaN rows). Without a GPU each test prints `skipped: no GPU (<reason>)` and passes.
+//! The GPT's layer kernels (`cu/nn.cu`: the layers, the bias add and the attention heads'
+//! permutations) on the GPU against their host twins (`fsdp_kernels::host::nn`), **bitwise**:
+//! e^x, ln and erfc are the programs' own functions of IEEE operations (no CUDA math library),
+//! every operation is spelled with its rounding and compiled without fused multiply-adds, and
+//! every reduction has the twin's fixed order. Shapes cover rows shorter and longer than a
+//! block (256), repeated ids, an id and a target out of range (NaN rows). Without a GPU each
+//! test prints `skipped: no GPU (<reason>)` and passes.
 
 use std::sync::Arc;
 
@@ -220,4 +221,62 @@ fn embeddings_and_bias_grad_equal_their_twins() {
     assert!(bad.unwrap_err().to_string().contains("not below"));
     same("dwpe", &down(&s, &gpe_d), &dwpe);
     same("dbias", &down(&s, &gdb), &db);
+}
+
+#[test]
+fn bias_add_and_heads_permutations_equal_their_twins() {
+    let Some(s) = gpu("bias_add_and_heads_permutations_equal_their_twins") else {
+        return;
+    };
+    // Bias add over rows (a row longer than a block of 256 threads too).
+    for (n, c) in [(7usize, 96usize), (3, 1000)] {
+        let (y0, b) = (data(n * c, 51, 2.0), data(c, 52, 1.0));
+        let mut y = y0.clone();
+        nn::bias_add(&mut y, &b).unwrap();
+        let (mut gy, gb) = (up(&s, &y0), up(&s, &b));
+        launch::bias_add(&s, &mut gy, &gb).unwrap();
+        same("bias_add", &down(&s, &gy), &y);
+    }
+    // q, k, v out of qkv [b·t, 3e] and back; the heads' outputs into [b·t, e] and back.
+    let (b, t, h, d) = (3usize, 37usize, 4usize, 24usize);
+    let e = h * d;
+    let qkv = data(b * t * 3 * e, 53, 1.0);
+    let gqkv = up(&s, &qkv);
+    let mut merged = data(b * t * 3 * e, 54, 1.0);
+    let mut gmerged = up(&s, &merged);
+    for offset in [0, e, 2 * e] {
+        let l = nn::HeadsLayout {
+            b,
+            t,
+            h,
+            d,
+            row: 3 * e,
+            offset,
+        };
+        let mut heads = vec![0.0; l.heads_len()];
+        nn::heads_split(&qkv, l, &mut heads).unwrap();
+        let mut gh = s.alloc_zeros::<f32>(l.heads_len()).unwrap();
+        launch::heads_split(&s, &gqkv, l, &mut gh).unwrap();
+        same("heads_split", &down(&s, &gh), &heads);
+        nn::heads_merge(&heads, l, &mut merged).unwrap();
+        launch::heads_merge(&s, &gh, l, &mut gmerged).unwrap();
+    }
+    same("heads_merge into qkv", &down(&s, &gmerged), &merged);
+    same("merge of the splits", &merged, &qkv);
+    let l = nn::HeadsLayout {
+        b,
+        t,
+        h,
+        d,
+        row: e,
+        offset: 0,
+    };
+    let yh = data(l.heads_len(), 55, 1.0);
+    let mut y = vec![0.0; l.rows_len()];
+    nn::heads_merge(&yh, l, &mut y).unwrap();
+    let mut gy = s.alloc_zeros::<f32>(l.rows_len()).unwrap();
+    launch::heads_merge(&s, &up(&s, &yh), l, &mut gy).unwrap();
+    same("heads_merge", &down(&s, &gy), &y);
+    let bad = nn::HeadsLayout { offset: 1, ..l };
+    assert!(launch::heads_split(&s, &gy, bad, &mut up(&s, &yh)).is_err());
 }

@@ -342,3 +342,41 @@ extern "C" __global__ void bias_grad_f32(const float* dy, float* db, u32 n, u32 
         db[j] = acc;
     }
 }
+
+// Bias add over rows: y[r, j] = y[r, j] + b[j] for y [n, c] (a Linear layer's bias after its
+// product).
+extern "C" __global__ void bias_add_f32(float* y, const float* b, u64 n, u32 c) {
+    GRID_STRIDE(k, n) { y[k] = fa(y[k], b[(u32)(k % c)]); }
+}
+
+// Attention heads out of token rows: dst [b, h, t, d] from src rows [b·t, row], head hh of
+// token (bi, ti) being src[(bi·t + ti)·row + offset + hh·d .. + d] (q, k or v of
+// qkv [b, t, 3, h, d] with row = 3·h·d and offset 0, h·d or 2·h·d; [b, t, h, d] with
+// row = h·d, offset 0). A copy: exact.
+extern "C" __global__ void heads_split_f32(const float* src, float* dst, u32 b, u32 t, u32 h,
+                                           u32 d, u32 row, u32 offset) {
+    GRID_STRIDE(k, (u64)b * h * t * d) {
+        u32 di = (u32)(k % d);
+        u64 r = k / d;
+        u32 ti = (u32)(r % t);
+        r /= t;
+        u32 hh = (u32)(r % h);
+        u64 bi = r / h;
+        dst[k] = src[(bi * t + ti) * row + offset + (u64)hh * d + di];
+    }
+}
+
+// The inverse of heads_split_f32: dst rows [b·t, row] get src [b, h, t, d] at the same places
+// (the other columns of dst are untouched). A copy: exact.
+extern "C" __global__ void heads_merge_f32(const float* src, float* dst, u32 b, u32 t, u32 h,
+                                           u32 d, u32 row, u32 offset) {
+    GRID_STRIDE(k, (u64)b * h * t * d) {
+        u32 di = (u32)(k % d);
+        u64 r = k / d;
+        u32 ti = (u32)(r % t);
+        r /= t;
+        u32 hh = (u32)(r % h);
+        u64 bi = r / h;
+        dst[(bi * t + ti) * row + offset + (u64)hh * d + di] = src[k];
+    }
+}

@@ -4,6 +4,7 @@
 
 mod convert;
 pub mod nn;
+mod nn_heads;
 pub mod nn_math;
 mod norm;
 mod optim;

@@ -7,6 +7,7 @@
 //! value, one column at a time: deterministic, no atomics. Backward functions say whether they
 //! accumulate (`+=`) or write.
 
+pub use super::nn_heads::{bias_add, heads_merge, heads_split, HeadsLayout};
 use super::nn_math::{exp, ln, max_of, normal_cdf, normal_pdf};
 use super::same_len;
 use crate::KernelError;

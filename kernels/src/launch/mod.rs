@@ -22,12 +22,14 @@ use crate::host::{
 use crate::{compile, KernelError, Program};
 
 mod nn;
+mod nn_heads;
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, cross_entropy_fused,
     embedding_backward_positions, embedding_backward_tokens, embedding_backward_tokens_host_ids,
     embedding_forward, gelu_backward, gelu_forward, layernorm_backward_input,
     layernorm_backward_params, layernorm_forward,
 };
+pub use nn_heads::{bias_add, heads_merge, heads_split};
 
 /// Threads per block of the element-wise kernels.
 const BLOCK: u32 = 256;

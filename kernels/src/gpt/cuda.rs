@@ -1,0 +1,259 @@
+//! [`CudaOps`]: [`GptOps`] on one CUDA stream.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use fsdp_device::Stream;
+
+use super::ops::GptOps;
+use crate::gemm::{Blas, MatMul};
+use crate::host::nn::HeadsLayout;
+use crate::{launch, KernelError};
+
+/// [`GptOps`] on one CUDA stream: the layer kernels through [`launch`] and the products
+/// through cuBLAS ([`Blas`], bound to the same stream), buffers `CudaSlice`s of the stream's
+/// context. Every operation is enqueued on that one stream, so operations run in the order
+/// they are called; only [`download`](GptOps::download) waits (for the stream, within the
+/// [`Stream`]'s timeout).
+pub struct CudaOps {
+    stream: Stream,
+    cuda: Arc<CudaStream>,
+    blas: Blas,
+}
+
+fn copy_error(op: &'static str, e: impl std::fmt::Debug) -> KernelError {
+    KernelError::Driver {
+        op,
+        kernel: "gpt".into(),
+        message: format!("{e:?}"),
+    }
+}
+
+impl CudaOps {
+    /// Operations on `stream`, a CUDA stream (`Stream::cuda`).
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidArgument`] for a stream that is not a CUDA stream; as
+    /// [`Blas::new`] (no cuBLAS, no handle).
+    pub fn new(stream: Stream) -> Result<CudaOps, KernelError> {
+        let cuda = stream
+            .cuda_stream()
+            .ok_or_else(|| KernelError::InvalidArgument {
+                kernel: "gpt",
+                reason: format!("stream `{}` is not a CUDA stream", stream.name()),
+            })?
+            .clone();
+        let blas = Blas::new(cuda.clone())?;
+        Ok(CudaOps { stream, cuda, blas })
+    }
+
+    /// The stream every operation is enqueued on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+}
+
+impl GptOps for CudaOps {
+    type Buf = CudaSlice<f32>;
+    type Ids = CudaSlice<u32>;
+
+    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
+        self.cuda
+            .alloc_zeros::<f32>(len)
+            .map_err(|e| copy_error("cuMemAllocAsync", e))
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>, KernelError> {
+        self.cuda
+            .clone_htod(data)
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<CudaSlice<u32>, KernelError> {
+        self.cuda
+            .clone_htod(ids)
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
+    }
+
+    fn download(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>, KernelError> {
+        let v = self
+            .cuda
+            .clone_dtoh(buf)
+            .map_err(|e| copy_error("cuMemcpyDtoHAsync", e))?;
+        self.stream.synchronize()?;
+        Ok(v)
+    }
+
+    fn buf_len(buf: &CudaSlice<f32>) -> usize {
+        buf.len()
+    }
+
+    fn fill_zero(&self, buf: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        launch::memset(&self.cuda, buf, 0.0f32)
+    }
+
+    fn gemm(
+        &self,
+        g: &MatMul,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        c: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.blas.matmul::<f32, f32>(g, a, b, c)
+    }
+
+    fn bias_add(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), KernelError> {
+        launch::bias_add(&self.cuda, y, bias)
+    }
+
+    fn axpby(
+        &self,
+        alpha: f32,
+        x: &CudaSlice<f32>,
+        beta: f32,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::axpby::<f32>(&self.cuda, alpha, x, beta, y)
+    }
+
+    fn layernorm_forward(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+        mean: &mut CudaSlice<f32>,
+        rstd: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::layernorm_forward(&self.cuda, x, weight, bias, eps, y, mean, rstd)
+    }
+
+    fn layernorm_backward_input(
+        &self,
+        dy: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        mean: &CudaSlice<f32>,
+        rstd: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::layernorm_backward_input(&self.cuda, dy, x, weight, mean, rstd, dx)
+    }
+
+    fn layernorm_backward_params(
+        &self,
+        dy: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        mean: &CudaSlice<f32>,
+        rstd: &CudaSlice<f32>,
+        dweight: &mut CudaSlice<f32>,
+        dbias: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::layernorm_backward_params(&self.cuda, dy, x, mean, rstd, dweight, dbias)
+    }
+
+    fn gelu_forward(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        launch::gelu_forward(&self.cuda, x, y)
+    }
+
+    fn gelu_backward(
+        &self,
+        x: &CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::gelu_backward(&self.cuda, x, dy, dx)
+    }
+
+    fn causal_softmax_forward(
+        &self,
+        scores: &CudaSlice<f32>,
+        t: usize,
+        scale: f32,
+        probs: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::causal_softmax_forward(&self.cuda, scores, t, scale, probs)
+    }
+
+    fn causal_softmax_backward(
+        &self,
+        probs: &CudaSlice<f32>,
+        dprobs: &CudaSlice<f32>,
+        t: usize,
+        scale: f32,
+        dscores: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, dscores)
+    }
+
+    fn cross_entropy_fused(
+        &self,
+        logits: &CudaSlice<f32>,
+        targets: &CudaSlice<u32>,
+        v: usize,
+        dloss: f32,
+        losses: &mut CudaSlice<f32>,
+        dlogits: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::cross_entropy_fused(&self.cuda, logits, targets, v, dloss, losses, dlogits)
+    }
+
+    fn embedding_forward(
+        &self,
+        ids: &CudaSlice<u32>,
+        wte: &CudaSlice<f32>,
+        wpe: &CudaSlice<f32>,
+        t: usize,
+        c: usize,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::embedding_forward(&self.cuda, ids, wte, wpe, t, c, x)
+    }
+
+    fn embedding_backward_tokens(
+        &self,
+        ids: &[u32],
+        dx: &CudaSlice<f32>,
+        c: usize,
+        dwte: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::embedding_backward_tokens_host_ids(&self.cuda, ids, dx, c, dwte)
+    }
+
+    fn embedding_backward_positions(
+        &self,
+        dx: &CudaSlice<f32>,
+        t: usize,
+        c: usize,
+        dwpe: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::embedding_backward_positions(&self.cuda, dx, t, c, dwpe)
+    }
+
+    fn bias_grad(
+        &self,
+        dy: &CudaSlice<f32>,
+        dbias: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::bias_grad(&self.cuda, dy, dbias)
+    }
+
+    fn heads_split(
+        &self,
+        rows: &CudaSlice<f32>,
+        layout: HeadsLayout,
+        heads: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::heads_split(&self.cuda, rows, layout, heads)
+    }
+
+    fn heads_merge(
+        &self,
+        heads: &CudaSlice<f32>,
+        layout: HeadsLayout,
+        rows: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::heads_merge(&self.cuda, heads, layout, rows)
+    }
+}

@@ -1,0 +1,34 @@
+//! The reference GPT's training step (forward and backward) over device operations: one model
+//! code, [`DeviceGpt`], generic over [`GptOps`], the operations of one step on one device
+//! (buffers, transfers, matrix products by [`MatMul`](crate::gemm::MatMul), the layer kernels
+//! of `cu/nn.cu`).
+//!
+//! - [`HostOps`] runs every operation on the host: the kernels' twins
+//!   ([`host::nn`](crate::host::nn), [`host::axpby`](crate::host::axpby)) and a plain f32
+//!   matrix product ([`gemm_f32`]; or [`gemm_f64_rounded`], to see what the products' rounding
+//!   alone changes). `DeviceGpt<HostOps>` is tested against the CPU reference GPT (`fsdp-gpt`:
+//!   `tests/gpt_vs_reference.rs`).
+//! - [`CudaOps`] runs them on one CUDA stream: the kernels through [`launch`](crate::launch)
+//!   and the products through cuBLAS ([`Blas`](crate::gemm::Blas)), every operation enqueued on
+//!   that one stream, so their order is the stream's. Every non-product kernel equals its twin
+//!   bitwise, so `DeviceGpt<CudaOps>` differs from `DeviceGpt<HostOps>` only by the products'
+//!   rounding (`tests/gpu_gpt.rs`).
+//!
+//! The model is nanoGPT's GPT-2 (bias on, dropout 0, `lm_head` tied to `wte`), with its
+//! parameter names and shapes ([`param_shapes`]): embeddings, `n_layer` blocks (`ln_1`,
+//! `attn.c_attn` (q, k, v), causal attention, `attn.c_proj`, residual, `ln_2`, `mlp.c_fc`,
+//! GELU, `mlp.c_proj`, residual), `ln_f`, logits `= x·wteᵀ`, and the mean cross-entropy over
+//! the batch's tokens. Forward keeps what backward needs (no recomputation); backward gives
+//! every parameter's gradient, `wte`'s with the tied head's term.
+
+mod cuda;
+mod model;
+mod ops;
+mod products;
+mod weights;
+
+pub use cuda::CudaOps;
+pub use model::DeviceGpt;
+pub use ops::{GptOps, HostOps, HostProducts};
+pub use products::{gemm_f32, gemm_f64_rounded};
+pub use weights::{param_shapes, Block, GptDims, Pair, Weights};

@@ -1,0 +1,469 @@
+//! [`GptOps`], the device operations of one GPT training step, and [`HostOps`], their host
+//! implementation by the kernels' twins.
+
+use super::products::{gemm_f32, gemm_f64_rounded};
+use crate::gemm::MatMul;
+use crate::host::nn::{self, HeadsLayout};
+use crate::host::{self, same_len};
+use crate::KernelError;
+
+/// The operations of one GPT training step on one device, f32. Each kernel operation has the
+/// semantics of its twin in [`host::nn`](crate::host::nn) (whose documentation says whether it
+/// writes or accumulates); the implementation decides where buffers live and when work runs
+/// (a device's operations may be asynchronous: only [`download`](GptOps::download) waits).
+pub trait GptOps {
+    /// An f32 buffer on the device.
+    type Buf;
+    /// A u32 buffer (token ids, targets) on the device.
+    type Ids;
+
+    /// A buffer of `len` zeros.
+    ///
+    /// # Errors
+    /// An allocation failure.
+    fn zeros(&self, len: usize) -> Result<Self::Buf, KernelError>;
+    /// A buffer holding `data`.
+    ///
+    /// # Errors
+    /// An allocation or copy failure.
+    fn upload(&self, data: &[f32]) -> Result<Self::Buf, KernelError>;
+    /// An id buffer holding `ids`.
+    ///
+    /// # Errors
+    /// An allocation or copy failure.
+    fn upload_ids(&self, ids: &[u32]) -> Result<Self::Ids, KernelError>;
+    /// The buffer's values on the host, once every operation enqueued before has finished.
+    ///
+    /// # Errors
+    /// A copy failure or an earlier asynchronous failure; a wait past the device's timeout.
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>, KernelError>;
+    /// Elements of `buf`.
+    fn buf_len(buf: &Self::Buf) -> usize;
+    /// Sets every element of `buf` to 0.
+    ///
+    /// # Errors
+    /// A launch failure.
+    fn fill_zero(&self, buf: &mut Self::Buf) -> Result<(), KernelError>;
+    /// `c = alpha·op(a)·op(b) + beta·c` as `g` describes (row-major, possibly batched).
+    ///
+    /// # Errors
+    /// Operands shorter than `g` needs; a library failure.
+    fn gemm(
+        &self,
+        g: &MatMul,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        c: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// `y[r, j] += bias[j]` ([`host::nn::bias_add`](crate::host::nn::bias_add)).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn bias_add(&self, y: &mut Self::Buf, bias: &Self::Buf) -> Result<(), KernelError>;
+    /// `y = alpha·x + beta·y` ([`host::axpby`](crate::host::axpby)): the residual adds.
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn axpby(
+        &self,
+        alpha: f32,
+        x: &Self::Buf,
+        beta: f32,
+        y: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::layernorm_forward`](crate::host::nn::layernorm_forward).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(
+        &self,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        bias: &Self::Buf,
+        eps: f32,
+        y: &mut Self::Buf,
+        mean: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::layernorm_backward_input`](crate::host::nn::layernorm_backward_input)
+    /// (accumulates).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn layernorm_backward_input(
+        &self,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        mean: &Self::Buf,
+        rstd: &Self::Buf,
+        dx: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::layernorm_backward_params`](crate::host::nn::layernorm_backward_params)
+    /// (accumulates).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn layernorm_backward_params(
+        &self,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        mean: &Self::Buf,
+        rstd: &Self::Buf,
+        dweight: &mut Self::Buf,
+        dbias: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::gelu_forward`](crate::host::nn::gelu_forward).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn gelu_forward(&self, x: &Self::Buf, y: &mut Self::Buf) -> Result<(), KernelError>;
+    /// [`host::nn::gelu_backward`](crate::host::nn::gelu_backward) (writes).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn gelu_backward(
+        &self,
+        x: &Self::Buf,
+        dy: &Self::Buf,
+        dx: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::causal_softmax_forward`](crate::host::nn::causal_softmax_forward).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn causal_softmax_forward(
+        &self,
+        scores: &Self::Buf,
+        t: usize,
+        scale: f32,
+        probs: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::causal_softmax_backward`](crate::host::nn::causal_softmax_backward)
+    /// (writes).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn causal_softmax_backward(
+        &self,
+        probs: &Self::Buf,
+        dprobs: &Self::Buf,
+        t: usize,
+        scale: f32,
+        dscores: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused) (writes).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_fused(
+        &self,
+        logits: &Self::Buf,
+        targets: &Self::Ids,
+        v: usize,
+        dloss: f32,
+        losses: &mut Self::Buf,
+        dlogits: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::embedding_forward`](crate::host::nn::embedding_forward).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    #[allow(clippy::too_many_arguments)]
+    fn embedding_forward(
+        &self,
+        ids: &Self::Ids,
+        wte: &Self::Buf,
+        wpe: &Self::Buf,
+        t: usize,
+        c: usize,
+        x: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::embedding_backward_tokens`](crate::host::nn::embedding_backward_tokens)
+    /// (accumulates), the ids on the host (the data loader has them).
+    ///
+    /// # Errors
+    /// Shape errors, an id out of `dwte`'s rows; copy and launch failures.
+    fn embedding_backward_tokens(
+        &self,
+        ids: &[u32],
+        dx: &Self::Buf,
+        c: usize,
+        dwte: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::embedding_backward_positions`](crate::host::nn::embedding_backward_positions)
+    /// (accumulates).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn embedding_backward_positions(
+        &self,
+        dx: &Self::Buf,
+        t: usize,
+        c: usize,
+        dwpe: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::bias_grad`](crate::host::nn::bias_grad) (accumulates).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn bias_grad(&self, dy: &Self::Buf, dbias: &mut Self::Buf) -> Result<(), KernelError>;
+    /// [`host::nn::heads_split`](crate::host::nn::heads_split): token rows to `[b, h, t, d]`
+    /// (q, k or v out of `qkv`; the backward of [`heads_merge`](GptOps::heads_merge)).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn heads_split(
+        &self,
+        rows: &Self::Buf,
+        layout: HeadsLayout,
+        heads: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// [`host::nn::heads_merge`](crate::host::nn::heads_merge): `[b, h, t, d]` into token rows
+    /// (the heads' outputs into `[b·t, E]`; `dq`, `dk`, `dv` into `dqkv`: the backward of
+    /// [`heads_split`](GptOps::heads_split)).
+    ///
+    /// # Errors
+    /// Shape errors; launch failures.
+    fn heads_merge(
+        &self,
+        heads: &Self::Buf,
+        layout: HeadsLayout,
+        rows: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+}
+
+/// How [`HostOps`] multiplies matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostProducts {
+    /// [`gemm_f32`]: f32, left to right (the default).
+    #[default]
+    F32,
+    /// [`gemm_f64_rounded`]: accumulated in f64, rounded once.
+    F64Rounded,
+}
+
+/// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`] (or [`gemm_f64_rounded`]);
+/// buffers are `Vec`s and every operation runs when called.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostOps {
+    /// The matrix products.
+    pub products: HostProducts,
+}
+
+impl HostOps {
+    /// The twins and f32 products ([`gemm_f32`]).
+    pub fn new() -> HostOps {
+        HostOps::default()
+    }
+
+    /// The twins and the products of `products`.
+    pub fn with_products(products: HostProducts) -> HostOps {
+        HostOps { products }
+    }
+}
+
+impl GptOps for HostOps {
+    type Buf = Vec<f32>;
+    type Ids = Vec<u32>;
+
+    fn zeros(&self, len: usize) -> Result<Vec<f32>, KernelError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>, KernelError> {
+        Ok(data.to_vec())
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<Vec<u32>, KernelError> {
+        Ok(ids.to_vec())
+    }
+
+    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>, KernelError> {
+        Ok(buf.clone())
+    }
+
+    fn buf_len(buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+
+    fn fill_zero(&self, buf: &mut Vec<f32>) -> Result<(), KernelError> {
+        host::memset(buf, 0.0);
+        Ok(())
+    }
+
+    fn gemm(
+        &self,
+        g: &MatMul,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        c: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        match self.products {
+            HostProducts::F32 => gemm_f32(g, a, b, c),
+            HostProducts::F64Rounded => gemm_f64_rounded(g, a, b, c),
+        }
+    }
+
+    fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>) -> Result<(), KernelError> {
+        nn::bias_add(y, bias)
+    }
+
+    fn axpby(
+        &self,
+        alpha: f32,
+        x: &Vec<f32>,
+        beta: f32,
+        y: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        host::axpby(alpha, x, beta, y)
+    }
+
+    fn layernorm_forward(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        bias: &Vec<f32>,
+        eps: f32,
+        y: &mut Vec<f32>,
+        mean: &mut Vec<f32>,
+        rstd: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::layernorm_forward(x, weight, bias, eps, y, mean, rstd)
+    }
+
+    fn layernorm_backward_input(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        mean: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dx: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::layernorm_backward_input(dy, x, weight, mean, rstd, dx)
+    }
+
+    fn layernorm_backward_params(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        mean: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dweight: &mut Vec<f32>,
+        dbias: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::layernorm_backward_params(dy, x, mean, rstd, dweight, dbias)
+    }
+
+    fn gelu_forward(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> Result<(), KernelError> {
+        nn::gelu_forward(x, y)
+    }
+
+    fn gelu_backward(
+        &self,
+        x: &Vec<f32>,
+        dy: &Vec<f32>,
+        dx: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::gelu_backward(x, dy, dx)
+    }
+
+    fn causal_softmax_forward(
+        &self,
+        scores: &Vec<f32>,
+        t: usize,
+        scale: f32,
+        probs: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::causal_softmax_forward(scores, t, scale, probs)
+    }
+
+    fn causal_softmax_backward(
+        &self,
+        probs: &Vec<f32>,
+        dprobs: &Vec<f32>,
+        t: usize,
+        scale: f32,
+        dscores: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
+    }
+
+    fn cross_entropy_fused(
+        &self,
+        logits: &Vec<f32>,
+        targets: &Vec<u32>,
+        v: usize,
+        dloss: f32,
+        losses: &mut Vec<f32>,
+        dlogits: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::cross_entropy_fused(logits, targets, v, dloss, losses, dlogits)
+    }
+
+    fn embedding_forward(
+        &self,
+        ids: &Vec<u32>,
+        wte: &Vec<f32>,
+        wpe: &Vec<f32>,
+        t: usize,
+        c: usize,
+        x: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::embedding_forward(ids, wte, wpe, t, c, x)
+    }
+
+    fn embedding_backward_tokens(
+        &self,
+        ids: &[u32],
+        dx: &Vec<f32>,
+        c: usize,
+        dwte: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        let k = "embedding_backward_tokens_f32";
+        same_len(k, "dx", ids.len() * c, dx.len())?;
+        let vocab = dwte.len() / c.max(1);
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(KernelError::InvalidArgument {
+                kernel: k,
+                reason: format!("token id {bad} is not below the vocabulary's {vocab}"),
+            });
+        }
+        nn::embedding_backward_tokens(ids, dx, c, dwte)
+    }
+
+    fn embedding_backward_positions(
+        &self,
+        dx: &Vec<f32>,
+        t: usize,
+        c: usize,
+        dwpe: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::embedding_backward_positions(dx, t, c, dwpe)
+    }
+
+    fn bias_grad(&self, dy: &Vec<f32>, dbias: &mut Vec<f32>) -> Result<(), KernelError> {
+        nn::bias_grad(dy, dbias)
+    }
+
+    fn heads_split(
+        &self,
+        rows: &Vec<f32>,
+        layout: HeadsLayout,
+        heads: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::heads_split(rows, layout, heads)
+    }
+
+    fn heads_merge(
+        &self,
+        heads: &Vec<f32>,
+        layout: HeadsLayout,
+        rows: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        nn::heads_merge(heads, layout, rows)
+    }
+}

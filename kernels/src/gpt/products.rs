@@ -1,0 +1,148 @@
+//! Matrix products on the host for [`HostOps`](super::HostOps): f32 left to right
+//! ([`gemm_f32`]), or accumulated in f64 and rounded once ([`gemm_f64_rounded`]).
+
+use crate::gemm::MatMul;
+use crate::KernelError;
+
+/// Checks `g` and its operands as [`Blas::matmul`](crate::gemm::Blas::matmul) does.
+fn check(g: &MatMul, a: usize, b: usize, c: usize) -> Result<(), KernelError> {
+    if g.batch > 1 && g.stride_c < g.m * g.n {
+        return Err(KernelError::InvalidArgument {
+            kernel: "gemm",
+            reason: format!(
+                "batches of C overlap: stride {} < {}×{}",
+                g.stride_c, g.m, g.n
+            ),
+        });
+    }
+    let (ea, eb, ec) = g.extents();
+    for (what, need, have) in [("a", ea, a), ("b", eb, b), ("c", ec, c)] {
+        if have < need {
+            return Err(KernelError::Length {
+                kernel: "gemm",
+                what,
+                expected: need,
+                actual: have,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `c[i, j]` of every batch from `dot(a, b, i, j)`, the product's `k` terms in order.
+fn each(
+    g: &MatMul,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    dot: impl Fn(&mut dyn Iterator<Item = (f32, f32)>) -> f32,
+) {
+    for t in 0..g.batch {
+        let (a, b) = (&a[t * g.stride_a..], &b[t * g.stride_b..]);
+        let c = &mut c[t * g.stride_c..];
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut terms = (0..g.k).map(|p| {
+                    let x = if g.trans_a {
+                        a[p * g.m + i]
+                    } else {
+                        a[i * g.k + p]
+                    };
+                    let y = if g.trans_b {
+                        b[j * g.k + p]
+                    } else {
+                        b[p * g.n + j]
+                    };
+                    (x, y)
+                });
+                let acc = dot(&mut terms);
+                let o = &mut c[i * g.n + j];
+                *o = if g.beta == 0.0 {
+                    g.alpha * acc
+                } else {
+                    g.alpha * acc + g.beta * *o
+                };
+            }
+        }
+    }
+}
+
+/// The row-major product `g` in f32 on the host: for each batch, row `i` and column `j` in
+/// order, `acc` starts at 0 and adds `op(a)[i, p]·op(b)[p, j]` for `p = 0, 1, …, k−1`, each
+/// product and sum rounded to f32 (no fused multiply-add); then `c = alpha·acc` when
+/// `beta == 0` (c's old value, even NaN, ignored, as BLAS), else `alpha·acc + beta·c`. Not
+/// cuBLAS's order: the two agree within f32 rounding of a `k`-term sum, not bitwise.
+///
+/// # Errors
+/// [`KernelError::Length`] for an operand shorter than [`MatMul::extents`];
+/// [`KernelError::InvalidArgument`] for batches of `c` that overlap.
+pub fn gemm_f32(g: &MatMul, a: &[f32], b: &[f32], c: &mut [f32]) -> Result<(), KernelError> {
+    check(g, a.len(), b.len(), c.len())?;
+    each(g, a, b, c, |terms| {
+        terms.fold(0.0f32, |acc, (x, y)| acc + x * y)
+    });
+    Ok(())
+}
+
+/// [`gemm_f32`] with each dot product accumulated in f64 (exact products, f64 sums) and
+/// rounded to f32 once: within about one f32 rounding of the exact product, so that
+/// [`gemm_f32`] against it shows what the products' rounding alone does to a model (the
+/// difference cuBLAS's own summation order makes is of the same kind).
+///
+/// # Errors
+/// As [`gemm_f32`].
+pub fn gemm_f64_rounded(
+    g: &MatMul,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    check(g, a.len(), b.len(), c.len())?;
+    each(g, a, b, c, |terms| {
+        terms.fold(0.0f64, |acc, (x, y)| acc + f64::from(x) * f64::from(y)) as f32
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_product_is_the_row_major_definition() {
+        let vals = |n: usize, s: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 37 + s * 11) % 23) as f32 / 8.0 - 1.4)
+                .collect()
+        };
+        for trans_a in [false, true] {
+            for trans_b in [false, true] {
+                for (batch, beta) in [(1, 0.0), (3, 1.0), (2, 0.5)] {
+                    let (m, n, k) = (3, 5, 7);
+                    let g = MatMul::new(m, n, k, trans_a, trans_b)
+                        .batched(batch, m * k + 1, k * n + 2, m * n + 3)
+                        .with_alpha(0.75)
+                        .with_beta(beta);
+                    let (ea, eb, ec) = g.extents();
+                    let (a, b, c0) = (vals(ea, 1), vals(eb, 2), vals(ec, 3));
+                    let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+                    let mut want = wide(&c0);
+                    g.host(&wide(&a), &wide(&b), &mut want);
+                    for f in [gemm_f32, gemm_f64_rounded] {
+                        let mut got = c0.clone();
+                        f(&g, &a, &b, &mut got).unwrap();
+                        for (x, w) in got.iter().zip(&want) {
+                            let err = (f64::from(*x) - w).abs();
+                            assert!(err <= 1e-5 * (1.0 + w.abs()), "{g:?}");
+                        }
+                    }
+                }
+            }
+        }
+        let g = MatMul::new(2, 2, 2, false, false);
+        assert!(gemm_f32(&g, &[0.0; 3], &[0.0; 4], &mut [0.0; 4]).is_err());
+        let overlapping = g.batched(2, 4, 4, 3);
+        let e = gemm_f64_rounded(&overlapping, &[0.0; 8], &[0.0; 8], &mut [0.0; 8]);
+        assert!(e.unwrap_err().to_string().contains("overlap"));
+    }
+}

@@ -1,0 +1,236 @@
+//! The GPT's shape and its parameters by nanoGPT's names.
+
+use crate::KernelError;
+
+/// The shape of a GPT-2 model, as nanoGPT's `GPTConfig` (bias on, dropout 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GptDims {
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block.
+    pub n_head: usize,
+    /// Embedding width; a multiple of `n_head`.
+    pub n_embd: usize,
+    /// The longest sequence (rows of `wpe`).
+    pub block_size: usize,
+    /// Vocabulary size (rows of `wte`).
+    pub vocab_size: usize,
+}
+
+pub(crate) fn invalid(reason: String) -> KernelError {
+    KernelError::InvalidArgument {
+        kernel: "gpt",
+        reason,
+    }
+}
+
+impl GptDims {
+    /// Checks that every size is positive, that `n_embd` divides into `n_head` heads and that
+    /// ids fit in `u32`.
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidArgument`] naming the first problem.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        for (name, v) in [
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            ("block_size", self.block_size),
+            ("vocab_size", self.vocab_size),
+        ] {
+            if v == 0 {
+                return Err(invalid(format!("{name} must be at least 1")));
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            return Err(invalid(format!(
+                "n_embd {} is not divisible by n_head {}",
+                self.n_embd, self.n_head
+            )));
+        }
+        if u32::try_from(self.vocab_size).is_err() {
+            return Err(invalid(format!(
+                "vocab_size {} does not fit in u32",
+                self.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Elements per head, `n_embd / n_head`.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+}
+
+/// A weight and a bias (a `Linear` or `LayerNorm` module).
+#[derive(Clone, Debug)]
+pub struct Pair<B> {
+    /// `weight`.
+    pub weight: B,
+    /// `bias`.
+    pub bias: B,
+}
+
+/// One transformer block's modules.
+#[derive(Clone, Debug)]
+pub struct Block<B> {
+    /// `ln_1`.
+    pub ln_1: Pair<B>,
+    /// `attn.c_attn` (`[3E, E]`, `[3E]`).
+    pub c_attn: Pair<B>,
+    /// `attn.c_proj` (`[E, E]`, `[E]`).
+    pub attn_proj: Pair<B>,
+    /// `ln_2`.
+    pub ln_2: Pair<B>,
+    /// `mlp.c_fc` (`[4E, E]`, `[4E]`).
+    pub c_fc: Pair<B>,
+    /// `mlp.c_proj` (`[E, 4E]`, `[E]`).
+    pub mlp_proj: Pair<B>,
+}
+
+/// Every parameter (or gradient) of the model, one `B` each.
+#[derive(Clone, Debug)]
+pub struct Weights<B> {
+    /// `transformer.wte.weight` `[V, E]`, also the tied `lm_head.weight`.
+    pub wte: B,
+    /// `transformer.wpe.weight` `[block_size, E]`.
+    pub wpe: B,
+    /// `transformer.h.{i}`.
+    pub blocks: Vec<Block<B>>,
+    /// `transformer.ln_f`.
+    pub ln_f: Pair<B>,
+}
+
+const BLOCK_SUFFIXES: [&str; 12] = [
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+];
+
+/// Every parameter's name and shape in nanoGPT's `named_parameters()` order (`lm_head.weight`
+/// omitted: it is `transformer.wte.weight`).
+pub fn param_shapes(d: &GptDims) -> Vec<(String, Vec<usize>)> {
+    let e = d.n_embd;
+    let mut v = vec![
+        ("transformer.wte.weight".to_string(), vec![d.vocab_size, e]),
+        ("transformer.wpe.weight".to_string(), vec![d.block_size, e]),
+    ];
+    let block: [Vec<usize>; 12] = [
+        vec![e],
+        vec![e],
+        vec![3 * e, e],
+        vec![3 * e],
+        vec![e, e],
+        vec![e],
+        vec![e],
+        vec![e],
+        vec![4 * e, e],
+        vec![4 * e],
+        vec![e, 4 * e],
+        vec![e],
+    ];
+    for layer in 0..d.n_layer {
+        for (s, shape) in BLOCK_SUFFIXES.iter().zip(&block) {
+            v.push((format!("transformer.h.{layer}.{s}"), shape.clone()));
+        }
+    }
+    v.push(("transformer.ln_f.weight".to_string(), vec![e]));
+    v.push(("transformer.ln_f.bias".to_string(), vec![e]));
+    v
+}
+
+impl<B> Weights<B> {
+    /// Builds every parameter with `make(name, elements)`, in [`param_shapes`] order.
+    ///
+    /// # Errors
+    /// The first error of `make`.
+    pub fn try_build(
+        d: &GptDims,
+        mut make: impl FnMut(&str, usize) -> Result<B, KernelError>,
+    ) -> Result<Weights<B>, KernelError> {
+        let mut all = param_shapes(d)
+            .into_iter()
+            .map(|(name, shape)| make(&name, shape.iter().product()))
+            .collect::<Result<Vec<B>, KernelError>>()?
+            .into_iter();
+        let mut next = || all.next().expect("param_shapes lists every parameter");
+        let (wte, wpe) = (next(), next());
+        let mut pair = || Pair {
+            weight: next(),
+            bias: next(),
+        };
+        let blocks = (0..d.n_layer)
+            .map(|_| Block {
+                ln_1: pair(),
+                c_attn: pair(),
+                attn_proj: pair(),
+                ln_2: pair(),
+                c_fc: pair(),
+                mlp_proj: pair(),
+            })
+            .collect();
+        let ln_f = pair();
+        Ok(Weights {
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+        })
+    }
+
+    /// Every parameter with its name, in [`param_shapes`] order.
+    pub fn named(&self) -> Vec<(String, &B)> {
+        let mut v = vec![
+            ("transformer.wte.weight".to_string(), &self.wte),
+            ("transformer.wpe.weight".to_string(), &self.wpe),
+        ];
+        for (layer, b) in self.blocks.iter().enumerate() {
+            let pairs = [
+                &b.ln_1,
+                &b.c_attn,
+                &b.attn_proj,
+                &b.ln_2,
+                &b.c_fc,
+                &b.mlp_proj,
+            ];
+            let bufs = pairs.iter().flat_map(|p| [&p.weight, &p.bias]);
+            for (s, buf) in BLOCK_SUFFIXES.iter().zip(bufs) {
+                v.push((format!("transformer.h.{layer}.{s}"), buf));
+            }
+        }
+        v.push(("transformer.ln_f.weight".to_string(), &self.ln_f.weight));
+        v.push(("transformer.ln_f.bias".to_string(), &self.ln_f.bias));
+        v
+    }
+
+    /// Every parameter, mutably, in [`param_shapes`] order.
+    pub fn all_mut(&mut self) -> Vec<&mut B> {
+        let mut v = vec![&mut self.wte, &mut self.wpe];
+        for b in &mut self.blocks {
+            for p in [
+                &mut b.ln_1,
+                &mut b.c_attn,
+                &mut b.attn_proj,
+                &mut b.ln_2,
+                &mut b.c_fc,
+                &mut b.mlp_proj,
+            ] {
+                v.push(&mut p.weight);
+                v.push(&mut p.bias);
+            }
+        }
+        v.push(&mut self.ln_f.weight);
+        v.push(&mut self.ln_f.bias);
+        v
+    }
+}
