@@ -235,3 +235,56 @@ fn cuda_blocks_are_device_storage() {
         ));
     }
 }
+
+/// PyTorch's fragmentation scenario on device memory (as `tests/expandable.rs` on the host):
+/// requests growing from 21 to 40 MiB, each allocated before the previous one is freed, then
+/// shrinking. With expandable segments (CUDA's virtual memory API) the stream's large pool is one
+/// segment that grows by mapping pages, and the reserved peak is a fraction of the ordinary
+/// segments'; every block keeps its bytes.
+#[test]
+fn cuda_expandable_segments_reserve_less_on_the_fragmentation_scenario() {
+    let Some(h) = harness("cuda_expandable_segments_reserve_less_on_the_fragmentation_scenario")
+    else {
+        return;
+    };
+    const MIB: usize = 1 << 20;
+    let run = |expandable: bool| {
+        let alloc = h.allocator(AllocatorConfig::default().with_expandable_segments(expandable));
+        let sizes: Vec<usize> = (0..20).map(|i| (21 + i) * MIB + 4096).collect();
+        let mut prev = None;
+        for (i, &size) in sizes.iter().chain(sizes.iter().rev()).enumerate() {
+            let b = alloc.allocate(size, h.stream(0)).unwrap();
+            let byte = (i % 251) as u8 + 1;
+            h.write_pattern(&b, byte);
+            assert!(h.check_pattern(&b, byte), "block {i} keeps its bytes");
+            let st = alloc.memory_stats();
+            assert_eq!(
+                st.reserved_bytes.all.current,
+                alloc.snapshot().reserved_bytes()
+            );
+            prev = Some(b);
+        }
+        drop(prev);
+        let st = alloc.memory_stats();
+        let snap = alloc.snapshot();
+        let peaks = (st.reserved_bytes.all.peak, st.allocated_bytes.all.peak);
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.memory_stats().reserved_bytes.all.current, 0);
+        (peaks, snap)
+    };
+    let ((plain_peak, plain_alloc), plain_snap) = run(false);
+    let ((exp_peak, exp_alloc), exp_snap) = run(true);
+    println!(
+        "cuda fragmentation scenario: reserved peak {} MiB without expandable segments ({} \
+         segments at the end), {} MiB with ({} segment); allocated peak {} MiB",
+        plain_peak >> 20,
+        plain_snap.segments.len(),
+        exp_peak >> 20,
+        exp_snap.segments.len(),
+        plain_alloc >> 20
+    );
+    assert_eq!(plain_alloc, exp_alloc, "the same allocations");
+    assert!(exp_peak * 3 < plain_peak, "{exp_peak} vs {plain_peak}");
+    assert_eq!(exp_snap.segments.len(), 1);
+    assert!(exp_snap.segments[0].is_expandable);
+}
