@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
+use fsdp_allocator::{HostAllocator, HostSource, MemoryStats};
 use fsdp_collectives::Communicator;
 use fsdp_device::DType;
 use fsdp_flatparam::FlatParamLayout;
@@ -80,10 +80,7 @@ impl Fsdp {
         check_config(&config)?;
         config.mixed_precision.validate()?;
         let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
-        let pool = HostAllocator::new(
-            HostSource::new(config.memory_capacity),
-            AllocatorConfig::default(),
-        )?;
+        let pool = HostAllocator::new(HostSource::new(config.memory_capacity), config.allocator)?;
         Fsdp::with_parts(groups, Arc::new(pool), plan, init, config, optim.into())
     }
 
