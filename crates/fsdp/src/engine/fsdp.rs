@@ -62,7 +62,7 @@ impl std::fmt::Debug for Fsdp {
 impl Fsdp {
     /// Build this rank's engine over `comm` with the units of `plan`, the parameters' initial
     /// values from `init`, and the rank's host caching allocator of
-    /// [`FsdpConfig::memory_capacity`] bytes. Every rank of `comm` must call it with the same
+    /// [`FsdpConfig::memory_capacity`] bytes with the options [`FsdpConfig::allocator`]. Every rank of `comm` must call it with the same
     /// plan and configuration (the hybrid strategies split `comm` into a mesh).
     ///
     /// # Errors
