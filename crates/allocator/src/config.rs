@@ -10,7 +10,9 @@ use crate::{AllocError, LARGE_BUFFER, MIN_BLOCK_SIZE};
 /// A cap on the bytes the allocator keeps in segments (like PyTorch's
 /// `set_per_process_memory_fraction`). Requests that would pass it are treated as if the source
 /// had run out of memory: the cache is freed and the request retried, then it fails.
-#[derive(Clone, Copy, Debug, PartialEq)]
+///
+/// Equality and hashing compare a fraction by its bits (so that the type is `Eq`).
+#[derive(Clone, Copy, Debug)]
 pub enum MemoryLimit {
     /// At most this many bytes.
     Bytes(usize),
@@ -28,7 +30,10 @@ pub enum MemoryLimit {
 ///     .with_max_split_size(64 << 20);
 /// assert_eq!(config.max_split_size, Some(64 << 20));
 /// ```
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Equality and hashing compare the fractions by their bits (so that the options can be part
+/// of an `Eq + Hash` configuration such as FSDP's).
+#[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
 pub struct AllocatorConfig {
     /// A cap on reserved bytes; none by default.
@@ -63,6 +68,74 @@ pub struct AllocatorConfig {
     /// when the source supports it ([`MemorySource::supports_expandable_segments`](crate::MemorySource::supports_expandable_segments));
     /// off by default.
     pub expandable_segments: bool,
+}
+
+impl PartialEq for MemoryLimit {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (MemoryLimit::Bytes(a), MemoryLimit::Bytes(b)) => a == b,
+            (MemoryLimit::Fraction(a), MemoryLimit::Fraction(b)) => a.to_bits() == b.to_bits(),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for MemoryLimit {}
+
+impl std::hash::Hash for MemoryLimit {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        match self {
+            MemoryLimit::Bytes(b) => (0u8, *b as u64).hash(state),
+            MemoryLimit::Fraction(f) => (1u8, f.to_bits()).hash(state),
+        }
+    }
+}
+
+impl AllocatorConfig {
+    /// The fields, with the threshold as bits: what equality and hashing compare.
+    #[allow(clippy::type_complexity)]
+    fn key(
+        &self,
+    ) -> (
+        Option<MemoryLimit>,
+        Option<usize>,
+        Duration,
+        [usize; ROUNDUP_POWER2_INTERVALS],
+        Option<u64>,
+        bool,
+    ) {
+        // Destructured, so that a new field cannot be forgotten here.
+        let AllocatorConfig {
+            memory_limit,
+            max_split_size,
+            sync_timeout,
+            roundup_power2_divisions,
+            garbage_collection_threshold,
+            expandable_segments,
+        } = *self;
+        (
+            memory_limit,
+            max_split_size,
+            sync_timeout,
+            roundup_power2_divisions,
+            garbage_collection_threshold.map(f64::to_bits),
+            expandable_segments,
+        )
+    }
+}
+
+impl PartialEq for AllocatorConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for AllocatorConfig {}
+
+impl std::hash::Hash for AllocatorConfig {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
 }
 
 /// Number of power-of-two intervals of

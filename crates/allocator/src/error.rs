@@ -53,6 +53,17 @@ pub enum AllocError {
     /// An option of [`AllocatorConfig`](crate::AllocatorConfig) is out of range.
     #[error("invalid allocator configuration: {0}")]
     InvalidConfig(String),
+    /// PyTorch's allocator settings text (`PYTORCH_CUDA_ALLOC_CONF`) could not be read:
+    /// an unknown key, a malformed or out-of-range value, an option that is not supported.
+    #[error("allocator option `{key}`: {reason} (value `{value}`)")]
+    AllocConf {
+        /// The key (or the token where a key was expected).
+        key: String,
+        /// Its value as written, without whitespace (empty when there is none).
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// An argument did not fit (a stream of another device, a size that overflows).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -131,7 +131,7 @@ fn expandable_segments_reserve_less_on_the_fragmentation_scenario() {
 #[test]
 fn meta_makes_the_same_decisions_with_expandable_segments() {
     let cfg = AllocatorConfig::default().with_expandable_segments(true);
-    let meta = MetaAllocator::new(MetaSource::new(64 << 30), cfg.clone()).unwrap();
+    let meta = MetaAllocator::new(MetaSource::new(64 << 30), cfg).unwrap();
     let (peak, end, alloc, snap) = growing_then_shrinking(&meta, false);
     if cfg!(miri) {
         return;

@@ -208,7 +208,7 @@ fn host_and_meta_agree(
     config: AllocatorConfig,
     steps: &[Step],
 ) -> (usize, usize, u64) {
-    let host = HostAllocator::new(HostSource::new(capacity), config.clone()).unwrap();
+    let host = HostAllocator::new(HostSource::new(capacity), config).unwrap();
     let meta = MetaAllocator::new(MetaSource::new(capacity), config).unwrap();
     let streams = [Stream::inline("a"), Stream::inline("b")];
     let mut live: Vec<(Block<HostSource>, MetaBlock)> = Vec::new();

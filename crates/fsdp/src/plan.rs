@@ -36,7 +36,7 @@ mod available;
 use std::fmt;
 use std::sync::Arc;
 
-use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
+use fsdp_allocator::{MetaAllocator, MetaSource};
 use fsdp_collectives::dryrun::{dry_run_mesh, DryRunCommunicator};
 
 use crate::engine::{
@@ -286,10 +286,7 @@ pub fn plan_with_optimizer(
         None => None,
     };
     let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
-    let pool = MetaAllocator::new(
-        MetaSource::new(config.memory_capacity),
-        AllocatorConfig::default(),
-    )?;
+    let pool = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
     let mut fsdp = Fsdp::with_parts(
         groups,
         Arc::new(pool),

@@ -14,6 +14,15 @@ use crate::history::TraceAction;
 use crate::{AllocError, MemorySource, PoolKind, LARGE_BUFFER, SMALL_BUFFER};
 
 /// The mapping granularity of a pool's expandable segments (PyTorch's `segment_size_`).
+/// The largest address range an expandable segment reserves (256 TiB): a source of
+/// unbounded capacity (a meta source of `usize::MAX` bytes, as the FSDP planner's dry runs
+/// use) would otherwise ask for more address space than there is.
+pub(super) const MAX_EXPANDABLE_RANGE: usize = if usize::BITS >= 64 {
+    1 << 48
+} else {
+    usize::MAX
+};
+
 pub(super) fn page_size(pool: PoolKind) -> usize {
     match pool {
         PoolKind::Small => SMALL_BUFFER,
@@ -155,9 +164,9 @@ impl<S: MemorySource> State<S> {
         Ok(Some(id))
     }
 
-    /// Reserve the address range of a new expandable segment (the source's total memory,
-    /// rounded up to the page size), with one empty free block to grow. `Ok(None)` if the
-    /// source refuses.
+    /// Reserve the address range of a new expandable segment (the source's total memory, at
+    /// most [`MAX_EXPANDABLE_RANGE`], rounded up to the page size), with one empty free block
+    /// to grow. `Ok(None)` if the source refuses.
     fn reserve_expandable(
         &mut self,
         source: &S,
@@ -168,6 +177,7 @@ impl<S: MemorySource> State<S> {
         let unit = page_size(pool);
         let Some(size) = source
             .total_memory()
+            .min(MAX_EXPANDABLE_RANGE)
             .max(at_least)
             .checked_next_multiple_of(unit)
         else {

@@ -121,6 +121,14 @@ pub struct FsdpConfig {
     /// ([`FlatParamLayoutBuilder::align_bytes`](fsdp_flatparam::FlatParamLayoutBuilder::align_bytes)).
     /// Default off.
     pub use_orig_params: bool,
+    /// The options of the rank's caching allocator (PyTorch's `PYTORCH_CUDA_ALLOC_CONF`:
+    /// `max_split_size`, `roundup_power2_divisions`, `garbage_collection_threshold`,
+    /// `expandable_segments`; read one with
+    /// [`AllocatorConfig::from_pytorch_conf`](fsdp_allocator::AllocatorConfig::from_pytorch_conf)).
+    /// Used by [`Fsdp::new`](super::Fsdp::new) and the dry run of [`crate::plan`]; an engine
+    /// built with [`Fsdp::with_parts`](super::Fsdp::with_parts) uses the pool it is given.
+    /// Default: the allocator's defaults.
+    pub allocator: fsdp_allocator::AllocatorConfig,
 }
 
 impl FsdpConfig {
@@ -139,6 +147,7 @@ impl FsdpConfig {
             mixed_precision: MixedPrecisionPolicy::default(),
             gradient_divide: GradientDivide::Model,
             use_orig_params: false,
+            allocator: fsdp_allocator::AllocatorConfig::default(),
         }
     }
 }

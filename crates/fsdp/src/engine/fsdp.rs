@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
+use fsdp_allocator::{HostAllocator, HostSource, MemoryStats};
 use fsdp_collectives::Communicator;
 use fsdp_device::DType;
 use fsdp_flatparam::FlatParamLayout;
@@ -62,7 +62,7 @@ impl std::fmt::Debug for Fsdp {
 impl Fsdp {
     /// Build this rank's engine over `comm` with the units of `plan`, the parameters' initial
     /// values from `init`, and the rank's host caching allocator of
-    /// [`FsdpConfig::memory_capacity`] bytes. Every rank of `comm` must call it with the same
+    /// [`FsdpConfig::memory_capacity`] bytes with the options [`FsdpConfig::allocator`]. Every rank of `comm` must call it with the same
     /// plan and configuration (the hybrid strategies split `comm` into a mesh).
     ///
     /// # Errors
@@ -80,10 +80,7 @@ impl Fsdp {
         check_config(&config)?;
         config.mixed_precision.validate()?;
         let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
-        let pool = HostAllocator::new(
-            HostSource::new(config.memory_capacity),
-            AllocatorConfig::default(),
-        )?;
+        let pool = HostAllocator::new(HostSource::new(config.memory_capacity), config.allocator)?;
         Fsdp::with_parts(groups, Arc::new(pool), plan, init, config, optim.into())
     }
 

@@ -152,6 +152,12 @@ pub(crate) struct ModelArgs {
     /// parameter dtype, as PyTorch).
     #[arg(long, value_parser = parse_dtype)]
     pub(crate) reduce_dtype: Option<DType>,
+    /// The caching allocator's options in PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax, for
+    /// every rank (e.g. `expandable_segments:True,max_split_size_mb:128,
+    /// roundup_power2_divisions:[256:1,>:4],garbage_collection_threshold:0.6`). Default: the
+    /// `PYTORCH_ALLOC_CONF` environment variable, else `PYTORCH_CUDA_ALLOC_CONF`.
+    #[arg(long, value_name = "CONF")]
+    pub(crate) alloc_conf: Option<String>,
 }
 
 /// The optimizer (shared by `fsdp train` and `fsdp plan`, whose memory depends on it).

@@ -3,6 +3,7 @@
 use fsdp::engine::MixedPrecisionPolicy;
 use fsdp::units::UnitPlan;
 use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
+use fsdp_allocator::{alloc_conf_from_env, AllocatorConfig};
 use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::FsdpConfig;
 use fsdp_gpt::tree::gpt_module_tree;
@@ -37,6 +38,7 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
     config.limit_all_gathers = m.limit_all_gathers.0;
     config.mixed_precision = MixedPrecisionPolicy::new(m.param_dtype, m.reduce_dtype);
     config.activation_checkpointing = m.activation_checkpointing;
+    config.allocator = allocator_config(m)?;
     // Under a launcher the hybrid strategies shard inside each node: the ranks per node are
     // the launcher's LOCAL_WORLD_SIZE (torchrun, `fsdp launch`) or mpirun's local size.
     let ranks_per_node = match (m.strategy.is_hybrid(), m.ranks_per_node) {
@@ -75,6 +77,19 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
     };
     let plan = plan_units(&gpt_module_tree(&cfg), &WrapOptions::new(policy))?;
     Ok(Setup { cfg, config, plan })
+}
+
+/// The caching allocator's options: `--alloc-conf`, else the PyTorch environment variable.
+fn allocator_config(m: &ModelArgs) -> Result<AllocatorConfig, CliError> {
+    let (origin, text) = match &m.alloc_conf {
+        Some(text) => (String::new(), text.clone()),
+        None => match alloc_conf_from_env().map_err(|e| fail(format!("--alloc-conf: {e}")))? {
+            Some((var, text)) => (format!(" (from {var})"), text),
+            None => return Ok(AllocatorConfig::default()),
+        },
+    };
+    AllocatorConfig::from_pytorch_conf(&text)
+        .map_err(|e| fail(format!("--alloc-conf{origin} `{text}`: {e}")))
 }
 
 /// Rows per micro-batch (all ranks) for `batch_size` rows in `grad_accum` micro-batches on

@@ -201,6 +201,14 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             crate::optimizer::describe(&opt, config.mixed_precision.param_dtype),
             crate::optimizer::sharded_state_line(&opt, config.mixed_precision.param_dtype)
         );
+        if config.allocator != fsdp_allocator::AllocatorConfig::default() {
+            // The options each rank's caching allocator runs with, in PyTorch's syntax.
+            let text = config
+                .allocator
+                .to_pytorch_conf()
+                .unwrap_or_else(|_| format!("{:?}", config.allocator));
+            println!("allocator: {text}");
+        }
         if let Some(r) = &resume {
             say!(
                 "resuming from {} at step {} of {steps}",
