@@ -10,6 +10,7 @@
 mod admission;
 mod args;
 mod checkpointing;
+mod device_cmd;
 mod host_admission;
 mod launch_cmd;
 mod optimizer;
