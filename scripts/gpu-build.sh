@@ -18,7 +18,7 @@ targets=(
     "fsdp-kernels||test|gpu|every kernel against its host twin"
     "fsdp-kernels||test|gpu_nn|the GPT layer kernels (layer norm, GELU, softmax, cross-entropy, embeddings, bias grad, bias add, heads split/merge) bitwise vs their twins"
     "fsdp-kernels||test|gpu_gemm|cuBLAS products (Linear forward/backward, attention) vs the f64 definition"
-    "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins"
+    "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins; the device trainer's AdamW, sum of squares and scale bitwise"
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
     "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4 (runs fsdp-gpt--bin--fsdp beside it)"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"

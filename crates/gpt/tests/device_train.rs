@@ -185,6 +185,6 @@ fn device_trainer_refuses_bad_settings_and_streams() {
     let mut tr = DeviceTrainer::new(HostOps::new(), config(None, 1, false), &params).unwrap();
     let e = tr.step(&[1, 2, 3], 0).err().unwrap();
     assert!(e.to_string().contains("token"), "{e}");
-    let e = tr.step(&vec![200u16; 100], 0).err().unwrap();
+    let e = tr.step(&[200u16; 100], 0).err().unwrap();
     assert!(e.to_string().contains("vocab"), "{e}");
 }
