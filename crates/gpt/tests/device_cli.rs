@@ -4,7 +4,8 @@
 //! two loss logs within 1e-4 relative (issue 16's criterion; the largest difference is
 //! printed), once with the defaults and once with clipping, gradient accumulation, the cosine
 //! schedule and `--decay-2d-only`; `--save` writes the same weights (within 1e-4 of the
-//! model's largest weight). And the refusals of `--device cuda`, each one `error:` line: a world
+//! model's largest weight); a non-finite step stops (or with `--skip-nonfinite` is skipped)
+//! with the engine's error line. And the refusals of `--device cuda`, each one `error:` line: a world
 //! other than one rank, every unsupported option by name, and (without a CUDA driver, as here)
 //! no CUDA device.
 
@@ -170,4 +171,36 @@ fn device_cuda_without_a_driver_is_one_error() {
     let out = fsdp(&a);
     assert_eq!(out.status.code(), Some(2));
     assert!(common::cli::text(&out.stderr).contains("expected cpu, cuda or cuda:N"));
+}
+
+#[test]
+fn host_twin_stops_and_skips_non_finite_steps_as_the_engine() {
+    let run = |extra: &[&str]| {
+        let base = ["--batch-size", "8", "--lr", "1e30"];
+        let cpu = fsdp(&small_train_args(
+            &base,
+            &[extra, &["--ranks", "1"]].concat(),
+        ));
+        let twin = fsdp(&small_train_args(
+            &base,
+            &[extra, &["--device", "host-twin"]].concat(),
+        ));
+        let (a, b) = (
+            one_error_status_1(&cpu, &["non-finite"]),
+            one_error_status_1(&twin, &["non-finite"]),
+        );
+        assert_eq!(a, b, "the same error line");
+        (a, common::cli::text(&twin.stdout))
+    };
+    let (line, _) = run(&["--steps", "5"]);
+    assert!(
+        line.starts_with("error: step 1: the loss is NaN (non-finite)"),
+        "{line}"
+    );
+    let (line, stdout) = run(&["--steps", "4", "--skip-nonfinite", "1"]);
+    assert!(line.starts_with("error: step 2: the loss is NaN"), "{line}");
+    assert!(
+        stdout.contains("step 1: the loss is NaN: skipped (1 of"),
+        "{stdout}"
+    );
 }
