@@ -5,9 +5,9 @@
 //! printed), once with the defaults and once with clipping, gradient accumulation, the cosine
 //! schedule and `--decay-2d-only`; `--save` writes the same weights (within 1e-4 of the
 //! model's largest weight); a non-finite step stops (or with `--skip-nonfinite` is skipped)
-//! with the engine's error line. And the refusals of `--device cuda`, each one `error:` line: a world
-//! other than one rank, every unsupported option by name, and (without a CUDA driver, as here)
-//! no CUDA device.
+//! with the engine's error line. And the refusals of `--device cuda`, each one `error:` line:
+//! a world other than one rank, every unsupported option by name, and (without a CUDA driver,
+//! as here) no CUDA device.
 
 mod common;
 
