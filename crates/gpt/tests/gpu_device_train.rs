@@ -4,8 +4,8 @@
 //! criterion; the largest difference is printed), with the defaults and with clipping,
 //! accumulation and the cosine schedule. The kernels equal their host twins bitwise and the
 //! host-twin path is held far inside the bound here without a GPU (`tests/device_train.rs`,
-//! `tests/device_cli.rs`: at most 1.2e-7), so what is left is cuBLAS's rounding of the products (`fsdp-kernels`'
-//! `tests/gpu_gpt.rs`: within 1e-5 of the loss per step).
+//! `tests/device_cli.rs`: at most 1.2e-7), so what is left is cuBLAS's rounding of the
+//! products (`fsdp-kernels`' `tests/gpu_gpt.rs`: within 1e-5 of the loss per step).
 //!
 //! Without a CUDA driver or device it prints `skipped: no GPU (<reason>)` and passes. On a GPU
 //! machine without a Rust toolchain (`scripts/gpu-check.sh`) it runs the `fsdp` program that
