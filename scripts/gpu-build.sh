@@ -18,8 +18,9 @@ targets=(
     "fsdp-kernels||test|gpu|every kernel against its host twin"
     "fsdp-kernels||test|gpu_nn|the GPT layer kernels (layer norm, GELU, softmax, cross-entropy, embeddings, bias grad, bias add, heads split/merge) bitwise vs their twins"
     "fsdp-kernels||test|gpu_gemm|cuBLAS products (Linear forward/backward, attention) vs the f64 definition"
-    "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins"
+    "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins; the device trainer's AdamW, sum of squares and scale bitwise"
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
+    "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4 (runs fsdp-gpt--bin--fsdp beside it)"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
     "fsdp-allocator|cuda|test|cuda_streams|allocator on CUDA streams: stats/snapshot vs host, record_stream vs a busy stream, destroyed streams"
@@ -58,6 +59,19 @@ for t in "${targets[@]}"; do
     strip --strip-debug "$out/$file"
     printf '%s %s %s\n' "$file" "$kind" "$what" >>"$out/MANIFEST"
 done
+# The `fsdp` program that gpu_device_train runs (it looks for it beside itself): the one cargo
+# built with that test (same profile). Not in MANIFEST: gpu-check.sh runs only the tests.
+echo "== the fsdp program for gpu_device_train" >&2
+fsdp_exe=$(cargo test -p fsdp-gpt --test gpu_device_train --no-run --message-format=json \
+    | jq -r 'select(.reason == "compiler-artifact" and .target.name == "fsdp"
+                    and (.target.kind | index("bin")) and .executable != null) | .executable' \
+    | tail -n 1)
+if [ -z "$fsdp_exe" ] || [ ! -x "$fsdp_exe" ]; then
+    echo "no executable for the fsdp program" >&2
+    exit 1
+fi
+cp "$fsdp_exe" "$out/fsdp-gpt--bin--fsdp"
+strip --strip-debug "$out/fsdp-gpt--bin--fsdp"
 cp scripts/gpu-check.sh benches/torch_fsdp2_gpt.py "$out/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2

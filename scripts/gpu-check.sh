@@ -10,6 +10,9 @@
 # temporary folder holds a `libnccl.so` link (cudarc opens NCCL by that name, the wheel ships
 # only libnccl.so.2). Each binary runs with a timeout (FSDP_GPU_TIMEOUT seconds, default 240);
 # its output goes to REPORT_DIR/<binary>.log and a summary to REPORT_DIR/report.md.
+# fsdp-gpt--test--gpu_device_train runs the `fsdp` program copied beside it
+# (fsdp-gpt--bin--fsdp: `fsdp train --device cuda` vs `--ranks 1`), with this script's
+# FSDP_NVRTC_LIB and LD_LIBRARY_PATH.
 set -uo pipefail
 bin_dir="$(cd "${1:-gpu-bin}" && pwd)"
 report="${2:-${OUT:-gpu-report}}"

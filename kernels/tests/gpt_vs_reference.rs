@@ -13,7 +13,7 @@ use fsdp_gpt::model::{
     forward_backward, init_params, named_params, param_specs, zeros_like_params, BatchShape,
     GptConfig,
 };
-use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, HostOps};
+use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, HostOps};
 
 /// Uniform values in `[-scale, scale)` from a splitmix64 stream.
 fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -159,4 +159,39 @@ fn bad_inputs_are_errors() {
     short.insert("transformer.wpe.weight".into(), vec![0.0; 3]);
     let e = DeviceGpt::new(HostOps::new(), dims, &short).err().unwrap();
     assert!(e.to_string().contains("has 3 elements"), "{e}");
+}
+
+/// The device trainer's optimizer operations on `HostOps` against their definitions: `scale`
+/// is `c·y` rounded once (bitwise the engine's `*g *= c`), `sum_of_squares` the f64 sum of the
+/// squares (within f64 rounding), `adamw` the twin `host::adamw`.
+#[test]
+fn the_optimizer_ops_on_the_host_are_their_definitions() {
+    use fsdp_kernels::host::{adamw, AdamW, AdamWScalars};
+    let ops = HostOps::new();
+    let y0 = data(5000, 9, 3.0);
+    let mut y = ops.upload(&y0).unwrap();
+    ops.scale(0.3, &mut y).unwrap();
+    for (a, b) in y0.iter().zip(&y) {
+        assert_eq!((a * 0.3).to_bits(), b.to_bits(), "{a}");
+    }
+    let naive: f64 = y0.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let sq = ops.sum_of_squares(&y0).unwrap();
+    assert!((sq - naive).abs() <= 1e-12 * naive, "{sq} vs {naive}");
+    let h = AdamW {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let s = AdamWScalars::new(&h, 2).unwrap();
+    let g = data(5000, 10, 0.5);
+    let (mut p1, mut m1, mut v1) = (y0.clone(), vec![0.1f32; 5000], vec![0.2f32; 5000]);
+    let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
+    ops.adamw(&s, &mut p1, &g, &mut m1, &mut v1).unwrap();
+    adamw::<f32>(&s, &mut p2, &g, &mut m2, &mut v2).unwrap();
+    assert_eq!((&p1, &m1, &v1), (&p2, &m2, &v2));
+    assert!(ops
+        .adamw(&s, &mut vec![0.0; 3], &g, &mut m2, &mut v2)
+        .is_err());
 }

@@ -172,3 +172,51 @@ fn the_cuda_step_matches_the_host_step() {
         assert!(grad <= GRAD_BOUND, "{name}: {grad:e} of its maximum");
     }
 }
+
+/// The optimizer's operations of the device trainer (`fsdp-gpt`'s `DeviceTrainer`): AdamW, the
+/// sum of squares and the clipping scale on CUDA equal `HostOps` bitwise (a length that is not
+/// a multiple of any block, so the tails run too).
+#[test]
+fn the_optimizer_ops_match_their_twins_bitwise() {
+    use fsdp_kernels::host::{AdamW, AdamWScalars};
+    if !gpu("the_optimizer_ops_match_their_twins_bitwise") {
+        return;
+    }
+    fn ops_run<O: GptOps>(ops: &O) -> (Vec<Vec<f32>>, f64) {
+        let n = 10_007;
+        let up = |seed, scale| ops.upload(&data(n, seed, scale)).unwrap();
+        let (mut p, g, mut m, mut v) = (up(1, 1.0), up(2, 0.1), up(3, 0.01), up(4, 0.0));
+        let h = AdamW {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        for step in 1..=3 {
+            let s = AdamWScalars::new(&h, step).unwrap();
+            ops.adamw(&s, &mut p, &g, &mut m, &mut v).unwrap();
+        }
+        let sq = ops.sum_of_squares(&p).unwrap();
+        ops.scale(0.37, &mut p).unwrap();
+        let out = [&p, &m, &v].map(|b| ops.download(b).unwrap()).to_vec();
+        (out, sq)
+    }
+    let (host, host_sq) = ops_run(&HostOps::new());
+    let (cuda, cuda_sq) = ops_run(&cuda_ops("optimizer_ops"));
+    assert_eq!(
+        host_sq.to_bits(),
+        cuda_sq.to_bits(),
+        "{host_sq} vs {cuda_sq}"
+    );
+    for (name, (h, c)) in ["param", "exp_avg", "exp_avg_sq"]
+        .iter()
+        .zip(host.iter().zip(&cuda))
+    {
+        let bad = h
+            .iter()
+            .zip(c)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(bad, None, "{name}: first difference at {bad:?}");
+    }
+}

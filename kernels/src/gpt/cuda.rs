@@ -8,6 +8,7 @@ use fsdp_device::Stream;
 use super::ops::GptOps;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
+use crate::host::AdamWScalars;
 use crate::{launch, KernelError};
 
 /// [`GptOps`] on one CUDA stream: the layer kernels through [`launch`] and the products
@@ -255,5 +256,32 @@ impl GptOps for CudaOps {
         rows: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
         launch::heads_merge(&self.cuda, heads, layout, rows)
+    }
+
+    fn adamw(
+        &self,
+        s: &AdamWScalars,
+        param: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        exp_avg: &mut CudaSlice<f32>,
+        exp_avg_sq: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        launch::adamw::<f32>(&self.cuda, s, param, grad, exp_avg, exp_avg_sq)
+    }
+
+    fn sum_of_squares(&self, x: &CudaSlice<f32>) -> Result<f64, KernelError> {
+        let mut out = self
+            .cuda
+            .alloc_zeros::<f64>(1)
+            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+        launch::sum_of_squares(&self.cuda, x, &mut out)?;
+        let v = self
+            .cuda
+            .clone_dtoh(&out)
+            .map_err(|e| copy_error("cuMemcpyDtoHAsync", e))?;
+        self.stream.synchronize()?;
+        v.first()
+            .copied()
+            .ok_or_else(|| copy_error("cuMemcpyDtoHAsync", "no element copied back"))
     }
 }

@@ -99,6 +99,24 @@ impl<O: GptOps> DeviceGpt<O> {
         &self.grads
     }
 
+    /// The operations, the parameters (mutable: an optimizer updates them in place) and the
+    /// gradients of the last [`step`](Self::step), at once.
+    pub fn parts_mut(&mut self) -> (&O, &mut Weights<O::Buf>, &Weights<O::Buf>) {
+        (&self.ops, &mut self.params, &self.grads)
+    }
+
+    /// Every parameter on the host, by name, in [`param_shapes`](super::param_shapes) order.
+    ///
+    /// # Errors
+    /// Copy failures.
+    pub fn download_params(&self) -> Result<Vec<(String, Vec<f32>)>, KernelError> {
+        self.params
+            .named()
+            .into_iter()
+            .map(|(name, b)| Ok((name, self.ops.download(b)?)))
+            .collect()
+    }
+
     /// Every gradient on the host, by name, in [`param_shapes`](super::param_shapes) order.
     ///
     /// # Errors

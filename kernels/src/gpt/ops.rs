@@ -4,7 +4,7 @@
 use super::products::{gemm_f32, gemm_f64_rounded};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
-use crate::host::{self, same_len};
+use crate::host::{self, same_len, AdamWScalars};
 use crate::KernelError;
 
 /// The operations of one GPT training step on one device, f32. Each kernel operation has the
@@ -221,6 +221,36 @@ pub trait GptOps {
         layout: HeadsLayout,
         heads: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+    /// One fused AdamW step on one parameter tensor ([`host::adamw`](crate::host::adamw),
+    /// f32 moments; the scalars of the step from [`AdamWScalars::new`]).
+    ///
+    /// # Errors
+    /// Lengths that differ; launch failures.
+    fn adamw(
+        &self,
+        s: &AdamWScalars,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        exp_avg: &mut Self::Buf,
+        exp_avg_sq: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// The sum of squares of `x` in f64 ([`host::sum_of_squares`](crate::host::sum_of_squares)),
+    /// on the host: waits for every operation enqueued before.
+    ///
+    /// # Errors
+    /// Allocation, launch and copy failures; a wait past the device's timeout.
+    fn sum_of_squares(&self, x: &Self::Buf) -> Result<f64, KernelError>;
+    /// `y = c·y` (gradient clipping), as [`axpby`](GptOps::axpby)`(c, y, 0, zeros)` into a new
+    /// buffer that replaces `y`: each element `c·y + 0·0`, so exactly `c·y` rounded once.
+    ///
+    /// # Errors
+    /// Allocation and launch failures.
+    fn scale(&self, c: f32, y: &mut Self::Buf) -> Result<(), KernelError> {
+        let mut out = self.zeros(Self::buf_len(y))?;
+        self.axpby(c, y, 0.0, &mut out)?;
+        *y = out;
+        Ok(())
+    }
     /// [`host::nn::heads_merge`](crate::host::nn::heads_merge): `[b, h, t, d]` into token rows
     /// (the heads' outputs into `[b·t, E]`; `dq`, `dk`, `dv` into `dqkv`: the backward of
     /// [`heads_split`](GptOps::heads_split)).
@@ -465,5 +495,20 @@ impl GptOps for HostOps {
         rows: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
         nn::heads_merge(heads, layout, rows)
+    }
+
+    fn adamw(
+        &self,
+        s: &AdamWScalars,
+        param: &mut Vec<f32>,
+        grad: &Vec<f32>,
+        exp_avg: &mut Vec<f32>,
+        exp_avg_sq: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
+        host::adamw::<f32>(s, param, grad, exp_avg, exp_avg_sq)
+    }
+
+    fn sum_of_squares(&self, x: &Vec<f32>) -> Result<f64, KernelError> {
+        Ok(host::sum_of_squares(x))
     }
 }

@@ -301,6 +301,12 @@ pub(crate) struct TrainArgs {
     /// `mpirun`; the default there when this program is built with the feature `mpi`).
     #[arg(long, value_parser = parse_backend)]
     pub(crate) backend: Option<TrainBackend>,
+    /// Where the model trains: `cpu` (the default: the sharded engine, any --ranks) or `cuda`
+    /// / `cuda:N` (one GPU, one rank, without the sharded engine: the GPT's NVRTC kernels and
+    /// cuBLAS on one CUDA stream, AdamW on the device; f32 only, and the options of sharding,
+    /// mixed precision, checkpointing, tracing and memory admission are refused).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N", value_parser = parse_device)]
+    pub(crate) device: DeviceArg,
     /// Timeout of every collective, in seconds: a peer that does not reach a collective in
     /// time fails it on every rank (default: FSDP_TIMEOUT, else 300).
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
@@ -352,6 +358,51 @@ fn parse_schedule_kind(s: &str) -> Result<ScheduleKindArg, String> {
         "constant" => Ok(ScheduleKindArg::Constant),
         "cosine" => Ok(ScheduleKindArg::Cosine),
         other => Err(format!("`{other}`: expected constant or cosine")),
+    }
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeviceArg {
+    /// The CPU, through the sharded engine.
+    Cpu,
+    /// CUDA device `ordinal`, one rank without the engine; `indexed`: spelled `cuda:N` (else
+    /// `cuda`, device 0), for the messages.
+    Cuda { ordinal: usize, indexed: bool },
+    /// Not shown in the help: the device trainer on the kernels' host twins (`HostOps`), so
+    /// that the `--device cuda` path runs end to end without a GPU (tests).
+    HostTwin,
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceArg::Cpu => write!(f, "cpu"),
+            DeviceArg::Cuda {
+                ordinal,
+                indexed: true,
+            } => write!(f, "cuda:{ordinal}"),
+            DeviceArg::Cuda { .. } => write!(f, "cuda"),
+            DeviceArg::HostTwin => write!(f, "host-twin"),
+        }
+    }
+}
+
+fn parse_device(s: &str) -> Result<DeviceArg, String> {
+    match s {
+        "cpu" => Ok(DeviceArg::Cpu),
+        "cuda" => Ok(DeviceArg::Cuda {
+            ordinal: 0,
+            indexed: false,
+        }),
+        "host-twin" => Ok(DeviceArg::HostTwin),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(ordinal)) => Ok(DeviceArg::Cuda {
+                ordinal,
+                indexed: true,
+            }),
+            _ => Err("expected cpu, cuda or cuda:N".into()),
+        },
     }
 }
 

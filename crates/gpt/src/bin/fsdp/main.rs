@@ -1,7 +1,8 @@
 //! `fsdp`: sharded GPT training on the CPU — ranks as threads on the embedded ring backend, or
 //! as processes started by `fsdp launch` (TCP backend) or `mpirun` (MPI backend).
 //!
-//! `fsdp train` trains the reference GPT with FSDP and shows a progress bar and a summary;
+//! `fsdp train` trains the reference GPT with FSDP and shows a progress bar and a summary
+//! (`--device cuda`: one rank on one GPU without the sharded engine, see `device_cmd`);
 //! `fsdp plan` prints the memory and communication plan of the same options; `fsdp launch`
 //! starts one process per rank with the launcher's environment (like `torchrun`). Every option
 //! is checked before any rank starts, and an invalid one ends with a single `error: ...` line and
@@ -10,6 +11,7 @@
 mod admission;
 mod args;
 mod checkpointing;
+mod device_cmd;
 mod host_admission;
 mod launch_cmd;
 mod optimizer;

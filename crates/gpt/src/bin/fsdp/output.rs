@@ -169,7 +169,7 @@ pub(crate) struct RankReport {
     pub(crate) trace: Vec<fsdp::trace::TraceEvent>,
 }
 
-fn save_checkpoint(
+pub(crate) fn save_checkpoint(
     path: &Path,
     cfg: &GptConfig,
     params: &HashMap<String, Vec<f32>>,

@@ -12,11 +12,12 @@ use fsdp::{human_bytes, ParamInit};
 use fsdp_collectives::{init_from_env, init_with_store, ring, Backend, Communicator, InitOptions};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
 use fsdp_gpt::init::gpt2_init;
+use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpGpt, ScheduleKind};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::admission::{self, Sharing};
-use crate::args::{strategy_name, TrainArgs};
+use crate::args::{strategy_name, DeviceArg, TrainArgs};
 use crate::checkpointing::Checkpointer;
 use crate::host_admission::HostGroup;
 use crate::output::{gather_rank_stats, print_summary, write_outputs, LossLog, RankReport};
@@ -32,7 +33,45 @@ use crate::{fail, CliError};
 /// Length of the generated corpus used when no `--data` file is given.
 pub(crate) const SYNTHETIC_LEN: usize = 200_000;
 
+/// `--grad-clip`, validated: `None` for no clipping (`--grad-clip 0` too, as nanoGPT's
+/// `grad_clip = 0.0`).
+pub(crate) fn grad_clip(args: &TrainArgs) -> Result<Option<f64>, CliError> {
+    match args.grad_clip {
+        Some(c) if !(c.is_finite() && c >= 0.0) => Err(fail(format!(
+            "--grad-clip {c}: must be a finite number ≥ 0 (0: no clipping)"
+        ))),
+        Some(0.0) => Ok(None),
+        c => Ok(c),
+    }
+}
+
+/// The training tokens: `--data`'s file (checked against the block size and the vocabulary),
+/// else the generated corpus of `--seed`.
+pub(crate) fn load_tokens(args: &TrainArgs, cfg: &GptConfig) -> Result<Vec<u16>, CliError> {
+    let t = cfg.block_size;
+    Ok(match &args.data {
+        Some(path) => {
+            let toks = read_token_file(path)?;
+            check_stream_len(toks.len(), t)
+                .map_err(|e| fail(format!("data file {} is too short: {e}", path.display())))?;
+            if let Some(&bad) = toks.iter().find(|&&x| usize::from(x) >= cfg.vocab_size) {
+                return Err(fail(format!(
+                    "data file {} holds token {bad}, outside the vocabulary of {}",
+                    path.display(),
+                    cfg.vocab_size
+                )));
+            }
+            toks
+        }
+        None => synthetic_corpus(SYNTHETIC_LEN, cfg.vocab_size as u16, args.seed),
+    })
+}
+
 pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
+    // `--device cuda` (and the host twins' hidden `--device host-twin`): one rank, no engine.
+    if args.device != DeviceArg::Cpu {
+        return crate::device_cmd::train_on_device(args);
+    }
     // ---- Validate everything before any rank starts.
     // The options not given come from --resume's checkpoint or --init-from's file.
     let Resolved {
@@ -79,36 +118,12 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         capacity,
     } = admitted?;
     let t = cfg.block_size;
-    // `--grad-clip 0` is no clipping (nanoGPT's `grad_clip = 0.0`).
-    let grad_clip = match args.grad_clip {
-        Some(c) if !(c.is_finite() && c >= 0.0) => {
-            return Err(fail(format!(
-                "--grad-clip {c}: must be a finite number ≥ 0 (0: no clipping)"
-            )))
-        }
-        Some(0.0) => None,
-        c => c,
-    };
+    let grad_clip = grad_clip(args)?;
     let skip_nonfinite = args.skip_nonfinite;
     let scaler = grad_scaler_config(args)?;
     let schedule = lr_schedule(args)?;
     let decay_2d_only = args.decay_2d_only;
-    let tokens = match &args.data {
-        Some(path) => {
-            let toks = read_token_file(path)?;
-            check_stream_len(toks.len(), t)
-                .map_err(|e| fail(format!("data file {} is too short: {e}", path.display())))?;
-            if let Some(&bad) = toks.iter().find(|&&x| usize::from(x) >= cfg.vocab_size) {
-                return Err(fail(format!(
-                    "data file {} holds token {bad}, outside the vocabulary of {}",
-                    path.display(),
-                    cfg.vocab_size
-                )));
-            }
-            toks
-        }
-        None => synthetic_corpus(SYNTHETIC_LEN, cfg.vocab_size as u16, args.seed),
-    };
+    let tokens = load_tokens(args, &cfg)?;
     if let Some(r) = &resume {
         r.check_tokens(tokens.len())?;
     }
@@ -478,7 +493,7 @@ fn show_scale(s: f32) -> String {
 /// gradient norm. The norm is not checked when the grad scaler found an overflow
 /// (`scaler_overflow`): that step is the scaler's to skip. The loss is always checked: it is
 /// computed before any scaling, so a non-finite loss is not the scale's doing.
-fn nonfinite(loss: f32, grad_norm: f64, scaler_overflow: bool) -> Option<String> {
+pub(crate) fn nonfinite(loss: f32, grad_norm: f64, scaler_overflow: bool) -> Option<String> {
     if !loss.is_finite() {
         Some(format!("the loss is {loss}"))
     } else if !scaler_overflow && !grad_norm.is_finite() {
@@ -490,7 +505,12 @@ fn nonfinite(loss: f32, grad_norm: f64, scaler_overflow: bool) -> Option<String>
 
 /// The error that stops a run at a non-finite step (before its optimizer step, so no output
 /// is written from non-finite parameters).
-fn nonfinite_error(step: usize, what: &str, skipped: usize, skip_nonfinite: usize) -> CliError {
+pub(crate) fn nonfinite_error(
+    step: usize,
+    what: &str,
+    skipped: usize,
+    skip_nonfinite: usize,
+) -> CliError {
     if skip_nonfinite == 0 {
         fail(format!(
             "step {step}: {what} (non-finite); training stopped and nothing was saved \

@@ -1,0 +1,272 @@
+//! `fsdp train --device cuda|cuda:N`: one rank on one GPU without the sharded engine, through
+//! [`DeviceTrainer`] over [`CudaOps`] (the GPT's NVRTC kernels and cuBLAS on one CUDA stream,
+//! AdamW on the device). The hidden `--device host-twin` runs the same trainer over
+//! [`HostOps`] (the kernels' host twins), so the whole path runs without a GPU.
+//!
+//! It trains what `fsdp train --ranks 1` trains (the same seeded weights or `--init-from`'s,
+//! the same batches, AdamW with the schedule, the weight-decay groups, clipping, gradient
+//! accumulation, `--skip-nonfinite`) and writes the same outputs (`--loss-log`, `--save`);
+//! the options it does not support are refused by name before anything starts.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use fsdp::optim::AdamWConfig;
+use fsdp_collectives::LaunchEnv;
+use fsdp_device::DType;
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::model::GptConfig;
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
+use crate::output::{save_checkpoint, LossLog};
+use crate::paths::check_output_paths;
+use crate::say;
+use crate::setup::{micro_batch, setup};
+use crate::train::{grad_clip, load_tokens, nonfinite, nonfinite_error};
+use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
+use crate::{fail, CliError};
+
+/// Options of the sharded engine (given on the command line) that mean nothing without it.
+const ENGINE_ONLY: [(&str, &str); 11] = [
+    ("strategy", "--strategy"),
+    ("ranks_per_node", "--ranks-per-node"),
+    ("backward_prefetch", "--backward-prefetch"),
+    ("forward_prefetch", "--forward-prefetch"),
+    ("limit_all_gathers", "--limit-all-gathers"),
+    ("wrap", "--wrap"),
+    ("backend", "--backend"),
+    ("timeout", "--timeout"),
+    ("init_timeout", "--init-timeout"),
+    ("memory_limit", "--memory-limit"),
+    ("keep_checkpoints", "--keep-checkpoints"),
+];
+
+/// The refusals of `--device` other than cpu, in order: a world other than one rank, a dtype
+/// other than f32, then every option the device trainer does not support, by name.
+fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
+    let dev = args.device;
+    let launched = LaunchEnv::from_env()?;
+    let world = match (&launched, args.model.ranks) {
+        (Some(env), _) => env.world_size,
+        (None, Some(n)) => n,
+        (None, None) => 1,
+    };
+    if world != 1 {
+        return Err(fail(format!(
+            "--device {dev}: {world} ranks: the sharded engine does not run on CUDA streams \
+             yet (--device {dev} trains one rank in one process: --ranks 1)"
+        )));
+    }
+    let dtypes = [
+        ("--param-dtype", Some(args.model.param_dtype)),
+        ("--reduce-dtype", args.model.reduce_dtype),
+    ];
+    for (option, d) in dtypes {
+        if let Some(d) = d.filter(|&d| d != DType::F32) {
+            return Err(fail(format!(
+                "--device {dev}: {option} {}: the device trainer is f32 only",
+                crate::run_config::dtype_option(d)
+            )));
+        }
+    }
+    let o = &args.optim;
+    let unsupported = [
+        (
+            "--activation-checkpointing",
+            args.model.activation_checkpointing,
+        ),
+        ("--trace", args.trace.is_some()),
+        ("--memory-snapshot", args.memory_snapshot.is_some()),
+        ("--grad-scaler", grad_scaler_on(args)),
+        ("--init-scale", args.init_scale.is_some()),
+        ("--growth-interval", args.growth_interval.is_some()),
+        (
+            "--optimizer anyprecision-adamw",
+            o.optimizer == OptimizerKind::AnyPrecisionAdamW,
+        ),
+        ("--kahan-summation", o.kahan_summation.is_some()),
+        ("--optimizer-state-dtype", o.optimizer_state_dtype.is_some()),
+        ("--resume", args.resume.is_some()),
+        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
+        ("--checkpoint-every", args.checkpoint_every.is_some()),
+    ];
+    let given = |id: &str| args.explicit.iter().any(|e| e == id);
+    let engine_only = ENGINE_ONLY.iter().map(|&(id, o)| (o, given(id)));
+    if let Some((option, _)) = unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
+        return Err(fail(format!(
+            "--device {dev}: {option} is not supported on the device (it trains one rank \
+             without the sharded engine: f32 AdamW, no checkpoints, traces or memory \
+             snapshots yet)"
+        )));
+    }
+    Ok(())
+}
+
+/// Everything a device run needs, checked before the device is opened.
+struct Run {
+    cfg: GptConfig,
+    config: DeviceTrainConfig,
+    params: std::collections::HashMap<String, Vec<f32>>,
+    tokens: Vec<u16>,
+}
+
+/// `fsdp train --device cuda|cuda:N|host-twin`.
+pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
+    check_device_options(args)?;
+    // `--init-from` fills in the model sizes not given (`--resume` is refused above).
+    let args = &crate::resume::resolve(args)?.args;
+    let cfg = setup(&args.model, 1)?.cfg;
+    micro_batch(args.batch_size, args.grad_accum, 1)?;
+    if args.steps == 0 {
+        return Err(fail("--steps must be at least 1"));
+    }
+    let adamw = AdamWConfig {
+        lr: args.lr,
+        beta1: args.beta1,
+        beta2: args.beta2,
+        eps: args.eps,
+        weight_decay: args.weight_decay,
+    };
+    let config = DeviceTrainConfig {
+        cfg,
+        adamw,
+        schedule: lr_schedule(args)?,
+        decay_2d_only: args.decay_2d_only,
+        grad_clip: grad_clip(args)?,
+        batch_size: args.batch_size,
+        grad_accum: args.grad_accum,
+    };
+    config.validate()?;
+    let tokens = load_tokens(args, &cfg)?;
+    let params = match initial_params(args, &cfg)? {
+        Some(p) => p,
+        None => seeded_params(&cfg, args.seed)?,
+    };
+    check_output_paths(args, 1, false)?;
+    let run = Run {
+        cfg,
+        config,
+        params,
+        tokens,
+    };
+    let dev = args.device;
+    match dev {
+        DeviceArg::Cuda { ordinal: n, .. } => {
+            let count = fsdp_device::cuda::device_count()
+                .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
+            if n >= count {
+                return Err(fail(format!(
+                    "--device {dev}: no CUDA device {n} (the driver reports {count})"
+                )));
+            }
+            let stream = fsdp_device::Stream::cuda(n, "fsdp train")
+                .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            let ops = CudaOps::new(stream).map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            train_with(ops, args, &run)
+        }
+        DeviceArg::HostTwin => train_with(HostOps::new(), args, &run),
+        DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
+    }
+}
+
+fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliError> {
+    let dev = args.device;
+    let on_device =
+        |e: fsdp_gpt::device_train::DeviceTrainError| fail(format!("--device {dev}: {e}"));
+    let (cfg, steps, accum) = (&run.cfg, args.steps, args.grad_accum);
+    let t = cfg.block_size;
+    let global_tokens = args.batch_size * t;
+    let mut trainer = DeviceTrainer::new(ops, run.config, &run.params).map_err(on_device)?;
+    let mut loss_log = args.loss_log.as_deref().map(LossLog::create).transpose()?;
+    say!(
+        "fsdp train: 1 rank on {dev} (no sharding: the GPT's kernels on one device), GPT {} \
+         layers × {} heads × {} wide ({} parameters), batch {} × {} tokens{}",
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.num_params(),
+        args.batch_size,
+        t,
+        if accum > 1 {
+            format!(" in {accum} micro-batches")
+        } else {
+            String::new()
+        }
+    );
+    say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
+    let tty = std::io::stderr().is_terminal();
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let start = Instant::now();
+    let (mut first, mut last) = (f32::NAN, f32::NAN);
+    let mut skipped = 0usize;
+    for step in 0..steps {
+        let t0 = Instant::now();
+        let o = trainer.step(&run.tokens, step).map_err(on_device)?;
+        if !o.applied {
+            let what = nonfinite(o.loss, o.grad_norm, false)
+                .unwrap_or_else(|| "the step is not finite".to_string());
+            if skipped >= args.skip_nonfinite {
+                return Err(nonfinite_error(step, &what, skipped, args.skip_nonfinite));
+            }
+            skipped += 1;
+            let msg = format!(
+                "step {step}: {what}: skipped ({skipped} of --skip-nonfinite {})",
+                args.skip_nonfinite
+            );
+            if tty {
+                bar.println(msg);
+            } else {
+                say!("{msg}");
+            }
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = global_tokens as f64 / dt;
+        if step == 0 {
+            first = o.loss;
+        }
+        last = o.loss;
+        if let Some(log) = &mut loss_log {
+            log.step(step, o.loss, tps, 0);
+        }
+        let msg = format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss);
+        if tty {
+            bar.set_message(msg);
+            bar.inc(1);
+        } else if step == 0 || (step + 1) % (steps / 10).max(1) == 0 {
+            say!("{msg}");
+        }
+    }
+    let elapsed = start.elapsed();
+    bar.finish_and_clear();
+    if let Some(path) = &args.save {
+        let params = trainer.full_params().map_err(on_device)?;
+        save_checkpoint(path, cfg, &params)?;
+    }
+    if let Some(log) = loss_log {
+        log.finish()?;
+    }
+    let secs = elapsed.as_secs_f64();
+    say!(
+        "done: {steps} steps in {secs:.1} s ({:.0} tokens/s); loss {first:.4} -> {last:.4}",
+        global_tokens as f64 * steps as f64 / secs
+    );
+    say!(
+        "device: {dev}, {} optimizer steps (the loss log's peak column is 0: device memory is \
+         not tracked)",
+        trainer.optimizer_steps()
+    );
+    if skipped > 0 {
+        say!(
+            "skipped {skipped} non-finite step(s) (no optimizer step; gradients discarded; \
+             --skip-nonfinite {})",
+            args.skip_nonfinite
+        );
+    }
+    Ok(())
+}

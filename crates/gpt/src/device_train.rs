@@ -1,0 +1,304 @@
+//! Training the reference GPT on one device, without the sharded engine: [`DeviceTrainer`],
+//! generic over [`GptOps`] (`fsdp-kernels`' [`HostOps`](fsdp_kernels::gpt::HostOps), the
+//! kernels' host twins, or [`CudaOps`](fsdp_kernels::gpt::CudaOps), NVRTC kernels and cuBLAS on
+//! one CUDA stream). It is what `fsdp train --device cuda` runs, and it follows `fsdp train
+//! --ranks 1` (the engine, [`FsdpGpt`](crate::runtime::FsdpGpt)) step for step:
+//!
+//! - the same initial weights: [`seeded_params`] materialises every tensor whole with the
+//!   engine's seeded rule ([`gpt2_init`], [`fsdp::init::materialize`], which every sharded fill
+//!   reproduces bitwise), uploaded once;
+//! - the same batches: [`get_batch`] of the same token stream, micro-batch `step·accum + m`;
+//! - gradient accumulation into buffers of its own: [`DeviceGpt::step`] overwrites its
+//!   gradients, so each micro-batch's (of its mean loss) is added as `acc += g / accum` by
+//!   [`GptOps::axpby`] (the engine sums the micro-batches' gradients of `sum / global_tokens`:
+//!   the same value up to rounding);
+//! - the global gradient norm from [`GptOps::sum_of_squares`] of every tensor, and with
+//!   clipping every gradient scaled by `max_norm / (norm + 1e-6)` when that is below 1
+//!   ([`GptOps::scale`]), as [`Fsdp::clip_grad_norm`](fsdp::engine::Fsdp::clip_grad_norm);
+//! - AdamW with one state (two f32 moments) per parameter tensor on the device, the fused
+//!   kernel ([`GptOps::adamw`], bitwise the engine's host AdamW), the learning rate of the
+//!   schedule computed on the host as the engine does ([`LrSchedule::lr_at`] at the number of
+//!   optimizer steps taken), and nanoGPT's weight-decay groups with `decay_2d_only`;
+//! - a step whose loss or gradient norm is not finite takes no optimizer step (the caller
+//!   stops or counts it skipped, as `fsdp train` does with the engine).
+//!
+//! The losses differ from the engine's only by rounding (the kernels' order of sums, the
+//! micro-batch scaling): `tests/device_train.rs` holds them within 1e-4 relative.
+
+use std::collections::HashMap;
+
+use fsdp::init::materialize;
+use fsdp::optim::{decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP};
+use fsdp::FsdpError;
+use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, Weights};
+use fsdp_kernels::host::{AdamW, AdamWScalars};
+use fsdp_kernels::KernelError;
+
+use crate::data::get_batch;
+use crate::init::gpt2_init;
+use crate::model::{param_specs, GptConfig};
+
+/// An error of the device trainer: a setting or batch the engine's rules refuse, or a device
+/// operation that failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceTrainError {
+    /// An invalid setting, token stream or batch (the engine's own errors).
+    #[error(transparent)]
+    Fsdp(#[from] FsdpError),
+    /// A device operation (allocation, copy, kernel, cuBLAS) failed or was given bad shapes.
+    #[error("device: {0}")]
+    Kernel(#[from] KernelError),
+}
+
+/// What one run of the trainer does: the model, AdamW's hyperparameters, the learning-rate
+/// schedule, the weight-decay groups, clipping and the batch, as `fsdp train` gives them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceTrainConfig {
+    /// The model.
+    pub cfg: GptConfig,
+    /// AdamW's hyperparameters (`lr` is the schedule's base learning rate).
+    pub adamw: AdamWConfig,
+    /// The learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Weight decay only for parameters of 2 or more dimensions (nanoGPT's groups).
+    pub decay_2d_only: bool,
+    /// Clip the global gradient norm to this (`None`: no clipping).
+    pub grad_clip: Option<f64>,
+    /// Rows of a step (all micro-batches).
+    pub batch_size: usize,
+    /// Micro-batches per step; divides `batch_size`.
+    pub grad_accum: usize,
+}
+
+impl DeviceTrainConfig {
+    /// Checks the settings with the engine's rules.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] or [`FsdpError::InvalidShape`] naming the setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        self.adamw.validate()?;
+        self.schedule.validate()?;
+        if let Some(c) = self.grad_clip {
+            if !(c.is_finite() && c >= 0.0) {
+                return Err(FsdpError::InvalidHyperparameter {
+                    name: "max_norm",
+                    value: c,
+                    reason: "must be finite and non-negative",
+                });
+            }
+        }
+        if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
+            return Err(FsdpError::InvalidShape {
+                reason: format!(
+                    "batch size {} in {} micro-batches: both must be positive and the second \
+                     divide the first",
+                    self.batch_size, self.grad_accum
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The model's shape as the kernels' model takes it.
+    pub fn dims(&self) -> GptDims {
+        GptDims {
+            n_layer: self.cfg.n_layer,
+            n_head: self.cfg.n_head,
+            n_embd: self.cfg.n_embd,
+            block_size: self.cfg.block_size,
+            vocab_size: self.cfg.vocab_size,
+        }
+    }
+}
+
+/// Every parameter of `cfg` whole, as the engine's seeded initialisation
+/// (`ParamInit::Seeded` with [`gpt2_init`] and `seed`) fills its shards: the same model.
+///
+/// # Errors
+/// A parameter the rule does not cover; a size that overflows.
+pub fn seeded_params(cfg: &GptConfig, seed: u64) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+    let rule = gpt2_init(cfg.n_layer);
+    param_specs(cfg)
+        .into_iter()
+        .map(|p| {
+            let init = rule(&p.name, &p.shape)?;
+            let v = materialize(&p.name, &p.shape, &init, seed)?;
+            Ok((p.name, v))
+        })
+        .collect()
+}
+
+/// What one [`DeviceTrainer::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// The step's loss: the mean cross-entropy over all its tokens (every micro-batch).
+    pub loss: f32,
+    /// The global L2 norm of the accumulated gradients, before clipping.
+    pub grad_norm: f64,
+    /// The learning rate of the optimizer step (the schedule's at the steps taken before).
+    pub lr: f64,
+    /// Whether the optimizer stepped: `false` when the loss or the norm is not finite.
+    pub applied: bool,
+}
+
+/// The reference GPT, its gradient accumulators and its AdamW state on one device (see the
+/// [module](self) documentation).
+pub struct DeviceTrainer<O: GptOps> {
+    model: DeviceGpt<O>,
+    config: DeviceTrainConfig,
+    acc: Weights<O::Buf>,
+    exp_avg: Weights<O::Buf>,
+    exp_avg_sq: Weights<O::Buf>,
+    /// Per parameter, in [`param_shapes`] order: whether weight decay applies.
+    decays: Vec<bool>,
+    optimizer_steps: u64,
+}
+
+impl<O: GptOps> DeviceTrainer<O> {
+    /// The model of `config` on `ops`' device with `params` uploaded (every parameter by
+    /// nanoGPT's name: [`seeded_params`] or a checkpoint's), zero moments and no step taken.
+    ///
+    /// # Errors
+    /// Invalid settings; a missing or mis-sized parameter; allocation and copy failures.
+    pub fn new(
+        ops: O,
+        config: DeviceTrainConfig,
+        params: &HashMap<String, Vec<f32>>,
+    ) -> Result<DeviceTrainer<O>, DeviceTrainError> {
+        config.validate()?;
+        let dims = config.dims();
+        let model = DeviceGpt::new(ops, dims, params)?;
+        let ops = model.ops();
+        let acc = Weights::try_build(&dims, |_, len| ops.zeros(len))?;
+        let exp_avg = Weights::try_build(&dims, |_, len| ops.zeros(len))?;
+        let exp_avg_sq = Weights::try_build(&dims, |_, len| ops.zeros(len))?;
+        let decays = param_shapes(&dims)
+            .iter()
+            .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
+            .collect();
+        Ok(DeviceTrainer {
+            model,
+            config,
+            acc,
+            exp_avg,
+            exp_avg_sq,
+            decays,
+            optimizer_steps: 0,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &DeviceTrainConfig {
+        &self.config
+    }
+
+    /// Optimizer steps taken (steps whose loss and norm were finite).
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    /// The operations.
+    pub fn ops(&self) -> &O {
+        self.model.ops()
+    }
+
+    /// Training step `step` (0 for the first) on the token stream `tokens`: forward and
+    /// backward of micro-batches `step·accum … step·accum + accum − 1` ([`get_batch`], world 1),
+    /// their gradients accumulated, the global norm (clipped if set), then AdamW, unless the
+    /// loss or the norm is not finite.
+    ///
+    /// # Errors
+    /// A token stream too short or holding ids outside the vocabulary; device failures.
+    pub fn step(&mut self, tokens: &[u16], step: usize) -> Result<StepOutcome, DeviceTrainError> {
+        let c = self.config;
+        let (accum, t) = (c.grad_accum, c.cfg.block_size);
+        let micro = c.batch_size / accum;
+        let alpha = (1.0 / accum as f64) as f32;
+        {
+            let ops = self.model.ops();
+            for a in self.acc.all_mut() {
+                ops.fill_zero(a)?;
+            }
+        }
+        let mut loss = 0.0f32;
+        for m in 0..accum {
+            let k = step
+                .checked_mul(accum)
+                .and_then(|s| s.checked_add(m))
+                .ok_or_else(|| FsdpError::InvalidShape {
+                    reason: format!("micro-batch {m} of step {step} overflows a 64-bit count"),
+                })? as u64;
+            let b = get_batch(tokens, k, micro, t, 0, 1)?;
+            let l = self.model.step(&b.inputs, &b.targets, b.shape.rows, t)?;
+            // The engine's loss of a micro-batch: its token sum over the step's tokens.
+            loss += (f64::from(l) / accum as f64) as f32;
+            let (ops, _, grads) = self.model.parts_mut();
+            for (a, (_, g)) in self.acc.all_mut().into_iter().zip(grads.named()) {
+                ops.axpby(alpha, g, 1.0, a)?;
+            }
+        }
+        let ops = self.model.ops();
+        let mut sq = 0.0f64;
+        for (_, a) in self.acc.named() {
+            sq += ops.sum_of_squares(a)?;
+        }
+        let grad_norm = sq.sqrt();
+        if let Some(max_norm) = c.grad_clip {
+            let coef = max_norm / (grad_norm + 1e-6);
+            if grad_norm.is_finite() && coef < 1.0 {
+                for a in self.acc.all_mut() {
+                    ops.scale(coef as f32, a)?;
+                }
+            }
+        }
+        let lr = c.schedule.lr_at(c.adamw.lr, self.optimizer_steps);
+        if !(loss.is_finite() && grad_norm.is_finite()) {
+            return Ok(StepOutcome {
+                loss,
+                grad_norm,
+                lr,
+                applied: false,
+            });
+        }
+        let n = self.optimizer_steps + 1;
+        let (ops, params, _) = self.model.parts_mut();
+        let moments = self
+            .exp_avg
+            .all_mut()
+            .into_iter()
+            .zip(self.exp_avg_sq.all_mut());
+        let grads = self.acc.named().into_iter().map(|(_, g)| g);
+        for (((p, g), (m, v)), &decay) in params
+            .all_mut()
+            .into_iter()
+            .zip(grads)
+            .zip(moments)
+            .zip(&self.decays)
+        {
+            let h = AdamW {
+                lr,
+                beta1: c.adamw.beta1,
+                beta2: c.adamw.beta2,
+                eps: c.adamw.eps,
+                weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
+            };
+            ops.adamw(&AdamWScalars::new(&h, n)?, p, g, m, v)?;
+        }
+        self.optimizer_steps = n;
+        Ok(StepOutcome {
+            loss,
+            grad_norm,
+            lr,
+            applied: true,
+        })
+    }
+
+    /// Every parameter on the host, by name.
+    ///
+    /// # Errors
+    /// Copy failures.
+    pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
+        Ok(self.model.download_params()?.into_iter().collect())
+    }
+}

@@ -1,0 +1,206 @@
+//! `fsdp train --device`: the device trainer's whole command-line path on the kernels' host
+//! twins (the hidden `--device host-twin`, the same code as `--device cuda` over `HostOps`)
+//! against `fsdp train --ranks 1` (the sharded engine on the CPU): every step's loss in the
+//! two loss logs within 1e-4 relative (issue 16's criterion; the largest difference is
+//! printed), once with the defaults and once with clipping, gradient accumulation, the cosine
+//! schedule and `--decay-2d-only`; `--save` writes the same weights (within 1e-4 of the
+//! model's largest weight); a non-finite step stops (or with `--skip-nonfinite` is skipped)
+//! with the engine's error line. And the refusals of `--device cuda`, each one `error:` line:
+//! a world other than one rank, every unsupported option by name, and (without a CUDA driver,
+//! as here) no CUDA device.
+
+mod common;
+
+use std::path::Path;
+
+use common::cli::{fsdp, loss_log_rows, ok, one_error_status_1, s, scratch, small_train_args};
+
+const BOUND: f64 = 1e-4;
+
+fn losses(path: &Path) -> Vec<f64> {
+    loss_log_rows(&std::fs::read_to_string(path).unwrap())
+        .into_iter()
+        .map(|f| f[1].parse().unwrap())
+        .collect()
+}
+
+/// Runs `extra` on the engine (`--ranks 1`) and on the host twins; returns the largest
+/// relative difference of the losses.
+fn compare(test: &str, extra: &[&str]) -> f64 {
+    let dir = scratch("device_cli", test);
+    let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
+    let (cpu_w, twin_w) = (dir.join("cpu.safetensors"), dir.join("twin.safetensors"));
+    let base = ["--batch-size", "8", "--steps", "20"];
+    let mut a = small_train_args(&base, extra);
+    a.extend(["--ranks", "1", "--loss-log", s(&cpu), "--save", s(&cpu_w)]);
+    ok(&fsdp(&a), "fsdp train --ranks 1");
+    let mut b = small_train_args(&base, extra);
+    b.extend([
+        "--device",
+        "host-twin",
+        "--loss-log",
+        s(&twin),
+        "--save",
+        s(&twin_w),
+    ]);
+    let out = ok(&fsdp(&b), "fsdp train --device host-twin");
+    assert!(out.contains("1 rank on host-twin"), "{out}");
+    assert!(out.contains("done: 20 steps"), "{out}");
+    let (e, d) = (losses(&cpu), losses(&twin));
+    assert_eq!(e.len(), 20);
+    assert_eq!(d.len(), 20);
+    let mut max = 0.0f64;
+    for (step, (le, ld)) in e.iter().zip(&d).enumerate() {
+        let r = (ld - le).abs() / le.abs();
+        assert!(r <= BOUND, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
+        max = max.max(r);
+    }
+    assert!(e[19] < e[0] - 0.1, "{test}: the loss must fall: {e:?}");
+    let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &config()).unwrap();
+    let (we, wd) = (load(&cpu_w), load(&twin_w));
+    // Against the largest weight of the model, not of each tensor: the attention's key bias
+    // has a gradient that is 0 up to rounding, which AdamW normalises into updates of either
+    // sign, so its values (about 1e-6) are rounding noise on both sides.
+    let scale = we.values().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
+    let mut wmax = 0.0f64;
+    for (name, v) in &we {
+        for (x, y) in v.iter().zip(&wd[name]) {
+            let r = f64::from((x - y).abs() / scale);
+            assert!(r <= BOUND, "{test}: {name}: {y} vs {x}");
+            wmax = wmax.max(r);
+        }
+    }
+    println!(
+        "{test}: max relative loss difference {max:.2e} over 20 steps; final weights within \
+         {wmax:.2e} of their largest magnitude"
+    );
+    max
+}
+
+fn config() -> fsdp_gpt::model::GptConfig {
+    fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap()
+}
+
+#[test]
+fn host_twin_matches_the_engine_at_one_rank() {
+    compare("defaults", &[]);
+}
+
+#[test]
+fn host_twin_matches_the_engine_with_clipping_accumulation_and_schedule() {
+    compare(
+        "clip_accum_cosine",
+        &[
+            "--grad-clip",
+            "0.5",
+            "--grad-accum",
+            "2",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-iters",
+            "4",
+            "--decay-2d-only",
+        ],
+    );
+}
+
+#[test]
+fn device_cuda_refuses_other_worlds_and_unsupported_options() {
+    let run = |extra: &[&str]| {
+        let mut a = small_train_args(&["--steps", "2", "--device", "cuda"], extra);
+        a.push("--batch-size");
+        a.push("4");
+        fsdp(&a)
+    };
+    for ranks in ["2", "4"] {
+        one_error_status_1(
+            &run(&["--ranks", ranks]),
+            &[
+                "--device cuda",
+                "ranks",
+                "sharded engine does not run on CUDA streams yet",
+            ],
+        );
+    }
+    one_error_status_1(
+        &run(&["--param-dtype", "bf16"]),
+        &["--device cuda", "f32 only"],
+    );
+    let dir = scratch("device_cli", "refusals");
+    let f = s(&dir);
+    let cases: [(&[&str], &str); 12] = [
+        (
+            &["--activation-checkpointing"],
+            "--activation-checkpointing",
+        ),
+        (&["--trace", f], "--trace"),
+        (&["--memory-snapshot", f], "--memory-snapshot"),
+        (&["--grad-scaler", "on"], "--grad-scaler"),
+        (
+            &["--optimizer", "anyprecision-adamw"],
+            "--optimizer anyprecision-adamw",
+        ),
+        (&["--resume", f], "--resume"),
+        (&["--checkpoint-dir", f], "--checkpoint-dir"),
+        (&["--strategy", "no-shard"], "--strategy"),
+        (&["--backend", "tcp"], "--backend"),
+        (&["--wrap", "size:100"], "--wrap"),
+        (&["--memory-limit", "1G"], "--memory-limit"),
+        (&["--forward-prefetch"], "--forward-prefetch"),
+    ];
+    for (extra, name) in cases {
+        let line = one_error_status_1(&run(extra), &["--device cuda", name, "not supported"]);
+        assert!(!line.contains("no CUDA device"), "{line}");
+    }
+    // Nothing was written.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+}
+
+#[test]
+fn device_cuda_without_a_driver_is_one_error() {
+    if let Ok(n) = fsdp_device::cuda::device_count() {
+        println!("skipped: a CUDA driver is present ({n} devices): tests/gpu_device_train.rs");
+        return;
+    }
+    for dev in ["cuda", "cuda:1"] {
+        let a = small_train_args(&["--steps", "2", "--batch-size", "4", "--device", dev], &[]);
+        one_error_status_1(&fsdp(&a), &[&format!("--device {dev}: no CUDA device (")]);
+    }
+    // A bad spelling is clap's error.
+    let a = small_train_args(&["--device", "gpu"], &[]);
+    let out = fsdp(&a);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(common::cli::text(&out.stderr).contains("expected cpu, cuda or cuda:N"));
+}
+
+#[test]
+fn host_twin_stops_and_skips_non_finite_steps_as_the_engine() {
+    let run = |extra: &[&str]| {
+        let base = ["--batch-size", "8", "--lr", "1e30"];
+        let cpu = fsdp(&small_train_args(
+            &base,
+            &[extra, &["--ranks", "1"]].concat(),
+        ));
+        let twin = fsdp(&small_train_args(
+            &base,
+            &[extra, &["--device", "host-twin"]].concat(),
+        ));
+        let (a, b) = (
+            one_error_status_1(&cpu, &["non-finite"]),
+            one_error_status_1(&twin, &["non-finite"]),
+        );
+        assert_eq!(a, b, "the same error line");
+        (a, common::cli::text(&twin.stdout))
+    };
+    let (line, _) = run(&["--steps", "5"]);
+    assert!(
+        line.starts_with("error: step 1: the loss is NaN (non-finite)"),
+        "{line}"
+    );
+    let (line, stdout) = run(&["--steps", "4", "--skip-nonfinite", "1"]);
+    assert!(line.starts_with("error: step 2: the loss is NaN"), "{line}");
+    assert!(
+        stdout.contains("step 1: the loss is NaN: skipped (1 of"),
+        "{stdout}"
+    );
+}
