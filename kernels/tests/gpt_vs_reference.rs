@@ -6,36 +6,12 @@
 //! worst gradient is 1.3e-6 of its maximum (the twins' own e^x, ln and erfc, their reduction
 //! orders, and attention's scale applied in the softmax rather than the product).
 
-use std::collections::HashMap;
+mod common;
 
+use common::{data, ids, weights};
 use fsdp_gpt::data::Batch;
-use fsdp_gpt::model::{
-    forward_backward, init_params, named_params, param_specs, zeros_like_params, BatchShape,
-    GptConfig,
-};
+use fsdp_gpt::model::{forward_backward, param_specs, zeros_like_params, BatchShape, GptConfig};
 use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, HostOps};
-
-/// Uniform values in `[-scale, scale)` from a splitmix64 stream.
-fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn ids(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    data(n, seed, 1.0)
-        .iter()
-        .map(|&x| (((x + 1.0) * 0.5 * vocab as f32) as usize).min(vocab - 1) as u32)
-        .collect()
-}
 
 fn config() -> (GptConfig, GptDims) {
     let cfg = GptConfig::new(2, 2, 32, 16, 64).unwrap();
@@ -47,20 +23,6 @@ fn config() -> (GptConfig, GptDims) {
         vocab_size: 64,
     };
     (cfg, dims)
-}
-
-/// nanoGPT's initialisation with every parameter moved by up to ±0.05 (biases and layer norms
-/// away from 0 and 1, so that their gradients and the bias adds matter).
-fn weights(cfg: &GptConfig) -> HashMap<String, Vec<f32>> {
-    let values = init_params(cfg, 7)
-        .into_iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let noise = data(v.len(), 100 + i as u64, 0.05);
-            v.iter().zip(noise).map(|(a, b)| a + b).collect()
-        })
-        .collect();
-    named_params(cfg, values).unwrap()
 }
 
 #[test]

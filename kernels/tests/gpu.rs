@@ -4,33 +4,22 @@
 //! prints `skipped: no GPU (<reason>)` and passes; with one, NVRTC must be found
 //! (`fsdp_device::cuda::libs`).
 
+mod common;
+
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DeviceRepr, ValidAsZeroBits};
-use fsdp_device::Stream;
+use common::{down, gpu_stream, splitmix64, up};
+use cudarc::driver::CudaStream;
 use fsdp_kernels::host::{self, AdamW, AdamWScalars, KernelFloat, ReduceKind, Sgd, SgdScalars};
 use fsdp_kernels::{launch, KernelError};
 use half::{bf16, f16};
-
-fn gpu(test: &str) -> Option<Arc<CudaStream>> {
-    if let Err(e) = fsdp_device::cuda::device_count() {
-        println!("{test}: skipped: no GPU ({e})");
-        return None;
-    }
-    let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
-    Some(s.cuda_stream().expect("a CUDA stream").clone())
-}
 
 /// Values with every kind of exponent, signs, zeros, infinities, NaNs and subnormals.
 fn values(n: usize, seed: u64) -> Vec<f64> {
     let mut state = seed;
     (0..n)
         .map(|i| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
+            let z = splitmix64(&mut state);
             match i % 101 {
                 0 => 0.0,
                 1 => -0.0,
@@ -57,19 +46,6 @@ fn as_t<T: KernelFloat>(v: &[f64]) -> Vec<T> {
             }
         })
         .collect()
-}
-
-fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> cudarc::driver::CudaSlice<T> {
-    s.clone_htod(v).unwrap()
-}
-
-fn down<T: DeviceRepr + ValidAsZeroBits>(
-    s: &Arc<CudaStream>,
-    d: &cudarc::driver::CudaSlice<T>,
-) -> Vec<T> {
-    let v = s.clone_dtoh(d).unwrap();
-    s.synchronize().unwrap();
-    v
 }
 
 fn assert_same<T: KernelFloat>(what: &str, gpu: &[T], host: &[T]) {
@@ -100,7 +76,7 @@ fn cast_pair<S: host::CastFloat, D: host::CastFloat>(s: &Arc<CudaStream>) {
 
 #[test]
 fn casts_equal_their_twins() {
-    let Some(s) = gpu("casts_equal_their_twins") else {
+    let Some(s) = gpu_stream("casts_equal_their_twins") else {
         return;
     };
     cast_pair::<f32, bf16>(&s);
@@ -145,7 +121,7 @@ fn reduce_type<T: KernelFloat>(s: &Arc<CudaStream>) {
 
 #[test]
 fn ring_reductions_equal_their_twins() {
-    let Some(s) = gpu("ring_reductions_equal_their_twins") else {
+    let Some(s) = gpu_stream("ring_reductions_equal_their_twins") else {
         return;
     };
     reduce_type::<f32>(&s);
@@ -172,7 +148,7 @@ fn axpby_memset_type<T: KernelFloat>(s: &Arc<CudaStream>) {
 
 #[test]
 fn axpby_and_memset_equal_their_twins() {
-    let Some(s) = gpu("axpby_and_memset_equal_their_twins") else {
+    let Some(s) = gpu_stream("axpby_and_memset_equal_their_twins") else {
         return;
     };
     axpby_memset_type::<f32>(&s);
@@ -237,7 +213,7 @@ fn adamw_state<S: host::MomentFloat>(s: &Arc<CudaStream>) -> u32 {
 
 #[test]
 fn optimizers_equal_their_twins() {
-    let Some(s) = gpu("optimizers_equal_their_twins") else {
+    let Some(s) = gpu_stream("optimizers_equal_their_twins") else {
         return;
     };
     let w32 = adamw_state::<f32>(&s);
@@ -267,7 +243,7 @@ fn optimizers_equal_their_twins() {
 
 #[test]
 fn sum_of_squares_equals_its_twin() {
-    let Some(s) = gpu("sum_of_squares_equals_its_twin") else {
+    let Some(s) = gpu_stream("sum_of_squares_equals_its_twin") else {
         return;
     };
     for n in [0usize, 1, 4095, 4096, 4097, 1_000_003, 1 << 24] {

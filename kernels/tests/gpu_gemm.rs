@@ -10,20 +10,18 @@
 //! for f16, `2⁻²⁴` for f32). Without a GPU (or cuBLAS) each test prints `skipped: ...` and
 //! passes.
 
+mod common;
+
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DeviceRepr, ValidAsZeroBits};
-use fsdp_device::Stream;
 use fsdp_kernels::gemm::{Blas, BlasFloat, MatMul};
 use half::{bf16, f16};
 
+use common::gpu_stream;
+
 fn gpu(test: &str) -> Option<(Arc<CudaStream>, Blas)> {
-    if let Err(e) = fsdp_device::cuda::device_count() {
-        println!("{test}: skipped: no GPU ({e})");
-        return None;
-    }
-    let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
-    let s = s.cuda_stream().expect("a CUDA stream").clone();
+    let s = gpu_stream(test)?;
     match Blas::new(s.clone()) {
         Ok(b) => Some((s, b)),
         Err(e) => {

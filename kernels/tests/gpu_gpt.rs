@@ -13,57 +13,16 @@
 //! test keeps that 4× inside the bounds. A wrong product or layout gives errors of order 1.
 //! Without a GPU the GPU test prints `skipped: no GPU (<reason>)` and passes.
 
-use std::collections::HashMap;
+mod common;
 
+use common::{data, gpu, ids, weights};
 use fsdp_device::Stream;
-use fsdp_gpt::model::{init_params, named_params, GptConfig};
+use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts};
-
-fn gpu(test: &str) -> bool {
-    if let Err(e) = fsdp_device::cuda::device_count() {
-        println!("{test}: skipped: no GPU ({e})");
-        return false;
-    }
-    true
-}
 
 fn cuda_ops(test: &str) -> CudaOps {
     let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
     CudaOps::new(s).expect("cuBLAS on the stream")
-}
-
-/// Uniform values in `[-scale, scale)` from a splitmix64 stream.
-fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn ids(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    data(n, seed, 1.0)
-        .iter()
-        .map(|&x| (((x + 1.0) * 0.5 * vocab as f32) as usize).min(vocab - 1) as u32)
-        .collect()
-}
-
-fn weights(cfg: &GptConfig) -> HashMap<String, Vec<f32>> {
-    let values = init_params(cfg, 7)
-        .into_iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let noise = data(v.len(), 100 + i as u64, 0.05);
-            v.iter().zip(noise).map(|(a, b)| a + b).collect()
-        })
-        .collect();
-    named_params(cfg, values).unwrap()
 }
 
 /// Losses within this relative difference.

@@ -6,45 +6,11 @@
 //! block (256), repeated ids, an id and a target out of range (NaN rows). Without a GPU each
 //! test prints `skipped: no GPU (<reason>)` and passes.
 
-use std::sync::Arc;
+mod common;
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use fsdp_device::Stream;
+use common::{data, down, gpu_stream, up};
 use fsdp_kernels::host::nn;
 use fsdp_kernels::launch;
-
-fn gpu(test: &str) -> Option<Arc<CudaStream>> {
-    if let Err(e) = fsdp_device::cuda::device_count() {
-        println!("{test}: skipped: no GPU ({e})");
-        return None;
-    }
-    let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
-    Some(s.cuda_stream().expect("a CUDA stream").clone())
-}
-
-fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
-    s.clone_htod(v).unwrap()
-}
-
-fn down<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> Vec<T> {
-    let v = s.clone_dtoh(d).unwrap();
-    s.synchronize().unwrap();
-    v
-}
 
 /// Equal bits (NaN results: both NaN).
 #[track_caller]
@@ -62,7 +28,7 @@ fn same(what: &str, gpu: &[f32], host: &[f32]) {
 
 #[test]
 fn layernorm_equals_its_twin() {
-    let Some(s) = gpu("layernorm_equals_its_twin") else {
+    let Some(s) = gpu_stream("layernorm_equals_its_twin") else {
         return;
     };
     for (n, c) in [(33usize, 48usize), (64, 768), (5, 1000)] {
@@ -100,7 +66,7 @@ fn layernorm_equals_its_twin() {
 
 #[test]
 fn gelu_equals_its_twin() {
-    let Some(s) = gpu("gelu_equals_its_twin") else {
+    let Some(s) = gpu_stream("gelu_equals_its_twin") else {
         return;
     };
     let mut x = data(1 << 20, 11, 12.0);
@@ -131,7 +97,7 @@ fn gelu_equals_its_twin() {
 
 #[test]
 fn causal_softmax_equals_its_twin() {
-    let Some(s) = gpu("causal_softmax_equals_its_twin") else {
+    let Some(s) = gpu_stream("causal_softmax_equals_its_twin") else {
         return;
     };
     for (bh, t) in [(7usize, 5usize), (4, 300), (2, 1024)] {
@@ -155,7 +121,7 @@ fn causal_softmax_equals_its_twin() {
 
 #[test]
 fn cross_entropy_equals_its_twin() {
-    let Some(s) = gpu("cross_entropy_equals_its_twin") else {
+    let Some(s) = gpu_stream("cross_entropy_equals_its_twin") else {
         return;
     };
     for (n, v) in [(9usize, 100usize), (64, 50_257)] {
@@ -179,7 +145,7 @@ fn cross_entropy_equals_its_twin() {
 
 #[test]
 fn embeddings_and_bias_grad_equal_their_twins() {
-    let Some(s) = gpu("embeddings_and_bias_grad_equal_their_twins") else {
+    let Some(s) = gpu_stream("embeddings_and_bias_grad_equal_their_twins") else {
         return;
     };
     let (vocab, c, t, seqs) = (1000usize, 96usize, 64usize, 8usize);
@@ -225,7 +191,7 @@ fn embeddings_and_bias_grad_equal_their_twins() {
 
 #[test]
 fn bias_add_and_heads_permutations_equal_their_twins() {
-    let Some(s) = gpu("bias_add_and_heads_permutations_equal_their_twins") else {
+    let Some(s) = gpu_stream("bias_add_and_heads_permutations_equal_their_twins") else {
         return;
     };
     // Bias add over rows (a row longer than a block of 256 threads too).

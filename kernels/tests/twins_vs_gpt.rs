@@ -8,31 +8,15 @@
 //!   expressions: embedding forward and both backward parts, the bias gradient, and layer
 //!   norm's parameter gradients given the same mean and rstd.
 
+mod common;
+
+use common::{bits, data};
 use fsdp_gpt::model::layers as gpt;
 use fsdp_kernels::host::nn;
 use fsdp_kernels::KernelError;
 
-/// Uniform values in `[-scale, scale)` from a splitmix64 stream.
-fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
 fn wide(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| f64::from(x)).collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Asserts `|a − b| ≤ 2e-5·|b| + 2e-6·max|b|` element-wise; returns the worst relative error.
