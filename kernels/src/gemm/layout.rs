@@ -7,6 +7,8 @@
 //! [`MatMul::cublas`]. [`MatMul::host`] is the row-major definition and [`ColMajorCall::host`]
 //! cuBLAS's column-major definition, both naive, in f64, so the mapping is tested on the host.
 
+use crate::KernelError;
+
 /// A row-major, possibly batched product `C = alpha·op(A)·op(B) + beta·C`, with `op(A)` of
 /// shape `[m, k]`, `op(B)` `[k, n]` and `C` `[m, n]`, each operand stored densely row-major
 /// (`A` as `[m, k]`, or `[k, m]` when `trans_a`; `B` as `[k, n]`, or `[n, k]` when `trans_b`),
@@ -123,6 +125,32 @@ impl MatMul {
             end(self.stride_b, self.k * self.n),
             end(self.stride_c, self.m * self.n),
         )
+    }
+
+    /// Checks operands of `a`, `b` and `c` elements against [`MatMul::extents`], and that the
+    /// batches of `C` do not overlap: what cuBLAS's products and the host's refuse alike.
+    pub(crate) fn check_operands(&self, a: usize, b: usize, c: usize) -> Result<(), KernelError> {
+        if self.batch > 1 && self.stride_c < self.m * self.n {
+            return Err(KernelError::InvalidArgument {
+                kernel: "gemm",
+                reason: format!(
+                    "batches of C overlap: stride {} < {}×{}",
+                    self.stride_c, self.m, self.n
+                ),
+            });
+        }
+        let (ea, eb, ec) = self.extents();
+        for (what, need, have) in [("a", ea, a), ("b", eb, b), ("c", ec, c)] {
+            if have < need {
+                return Err(KernelError::Length {
+                    kernel: "gemm",
+                    what,
+                    expected: need,
+                    actual: have,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The column-major call computing this product (operands swapped: see the module docs).

@@ -131,23 +131,7 @@ impl Blas {
                 O::NAME
             )));
         }
-        if g.batch > 1 && g.stride_c < g.m * g.n {
-            return Err(invalid(format!(
-                "batches of C overlap: stride {} < {}×{}",
-                g.stride_c, g.m, g.n
-            )));
-        }
-        let (ea, eb, ec) = g.extents();
-        for (what, need, have) in [("a", ea, a.len()), ("b", eb, b.len()), ("c", ec, c.len())] {
-            if have < need {
-                return Err(KernelError::Length {
-                    kernel: "gemm",
-                    what,
-                    expected: need,
-                    actual: have,
-                });
-            }
-        }
+        g.check_operands(a.len(), b.len(), c.len())?;
         if g.batch == 0 || g.m == 0 || g.n == 0 {
             return Ok(());
         }

@@ -4,31 +4,6 @@
 use crate::gemm::MatMul;
 use crate::KernelError;
 
-/// Checks `g` and its operands as [`Blas::matmul`](crate::gemm::Blas::matmul) does.
-fn check(g: &MatMul, a: usize, b: usize, c: usize) -> Result<(), KernelError> {
-    if g.batch > 1 && g.stride_c < g.m * g.n {
-        return Err(KernelError::InvalidArgument {
-            kernel: "gemm",
-            reason: format!(
-                "batches of C overlap: stride {} < {}×{}",
-                g.stride_c, g.m, g.n
-            ),
-        });
-    }
-    let (ea, eb, ec) = g.extents();
-    for (what, need, have) in [("a", ea, a), ("b", eb, b), ("c", ec, c)] {
-        if have < need {
-            return Err(KernelError::Length {
-                kernel: "gemm",
-                what,
-                expected: need,
-                actual: have,
-            });
-        }
-    }
-    Ok(())
-}
-
 /// `c[i, j]` of every batch from `dot(a, b, i, j)`, the product's `k` terms in order.
 fn each(
     g: &MatMul,
@@ -77,7 +52,7 @@ fn each(
 /// [`KernelError::Length`] for an operand shorter than [`MatMul::extents`];
 /// [`KernelError::InvalidArgument`] for batches of `c` that overlap.
 pub fn gemm_f32(g: &MatMul, a: &[f32], b: &[f32], c: &mut [f32]) -> Result<(), KernelError> {
-    check(g, a.len(), b.len(), c.len())?;
+    g.check_operands(a.len(), b.len(), c.len())?;
     each(g, a, b, c, |terms| {
         terms.fold(0.0f32, |acc, (x, y)| acc + x * y)
     });
@@ -97,7 +72,7 @@ pub fn gemm_f64_rounded(
     b: &[f32],
     c: &mut [f32],
 ) -> Result<(), KernelError> {
-    check(g, a.len(), b.len(), c.len())?;
+    g.check_operands(a.len(), b.len(), c.len())?;
     each(g, a, b, c, |terms| {
         terms.fold(0.0f64, |acc, (x, y)| acc + f64::from(x) * f64::from(y)) as f32
     });
