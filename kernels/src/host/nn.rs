@@ -87,11 +87,7 @@ pub fn layernorm_forward(
 ) -> Result<(), KernelError> {
     let k = "layernorm_forward_f32";
     let c = weight.len();
-    let n = rows_of(k, "x", x.len(), c)?;
-    same_len(k, "bias", c, bias.len())?;
-    same_len(k, "y", x.len(), y.len())?;
-    same_len(k, "mean", n, mean.len())?;
-    same_len(k, "rstd", n, rstd.len())?;
+    let n = check_ln_forward(k, x.len(), c, bias.len(), y.len(), mean.len(), rstd.len())?;
     for r in 0..n {
         let xr = &x[r * c..(r + 1) * c];
         let m = block_reduce(c, 0.0, |i| xr[i], add) / c as f32;
@@ -106,18 +102,40 @@ pub fn layernorm_forward(
     Ok(())
 }
 
-fn check_ln_backward(
+/// The shapes of layer norm's forward (twin and launch), by their lengths: `x` and `y` whole
+/// rows of `c` (the weight's length), `bias` of `c`, `mean` and `rstd` one per row. Returns
+/// the rows.
+pub(crate) fn check_ln_forward(
     k: &'static str,
-    dy: &[f32],
-    x: &[f32],
+    x: usize,
     c: usize,
-    mean: &[f32],
-    rstd: &[f32],
+    bias: usize,
+    y: usize,
+    mean: usize,
+    rstd: usize,
 ) -> Result<usize, KernelError> {
-    let n = rows_of(k, "x", x.len(), c)?;
-    same_len(k, "dy", x.len(), dy.len())?;
-    same_len(k, "mean", n, mean.len())?;
-    same_len(k, "rstd", n, rstd.len())?;
+    let n = rows_of(k, "x", x, c)?;
+    same_len(k, "bias", c, bias)?;
+    same_len(k, "y", x, y)?;
+    same_len(k, "mean", n, mean)?;
+    same_len(k, "rstd", n, rstd)?;
+    Ok(n)
+}
+
+/// The shapes both parts of layer norm's backward (twins and launches) share, by their
+/// lengths: `x` whole rows of `c`, `dy` as `x`, `mean` and `rstd` one per row. Returns the rows.
+pub(crate) fn check_ln_backward(
+    k: &'static str,
+    dy: usize,
+    x: usize,
+    c: usize,
+    mean: usize,
+    rstd: usize,
+) -> Result<usize, KernelError> {
+    let n = rows_of(k, "x", x, c)?;
+    same_len(k, "dy", x, dy)?;
+    same_len(k, "mean", n, mean)?;
+    same_len(k, "rstd", n, rstd)?;
     Ok(n)
 }
 
@@ -136,7 +154,7 @@ pub fn layernorm_backward_input(
 ) -> Result<(), KernelError> {
     let k = "layernorm_backward_input_f32";
     let c = weight.len();
-    let n = check_ln_backward(k, dy, x, c, mean, rstd)?;
+    let n = check_ln_backward(k, dy.len(), x.len(), c, mean.len(), rstd.len())?;
     same_len(k, "dx", x.len(), dx.len())?;
     for r in 0..n {
         let (o, m, rs) = (r * c, mean[r], rstd[r]);
@@ -166,7 +184,7 @@ pub fn layernorm_backward_params(
 ) -> Result<(), KernelError> {
     let k = "layernorm_backward_params_f32";
     let c = dweight.len();
-    let n = check_ln_backward(k, dy, x, c, mean, rstd)?;
+    let n = check_ln_backward(k, dy.len(), x.len(), c, mean.len(), rstd.len())?;
     same_len(k, "dbias", c, dbias.len())?;
     for j in 0..c {
         let (mut aw, mut ab) = (dweight[j], dbias[j]);

@@ -9,7 +9,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{config, driver, function};
-use crate::host::nn::{check_embedding, group_by_id, rows_of, softmax_rows, NN_BLOCK};
+use crate::host::nn::{
+    check_embedding, check_ln_backward, check_ln_forward, group_by_id, rows_of, softmax_rows,
+    NN_BLOCK,
+};
 use crate::host::same_len;
 use crate::{KernelError, Program};
 
@@ -53,11 +56,7 @@ pub fn layernorm_forward(
 ) -> Result<(), KernelError> {
     let k = "layernorm_forward_f32";
     let c = weight.len();
-    let n = rows_of(k, "x", x.len(), c)?;
-    same_len(k, "bias", c, bias.len())?;
-    same_len(k, "y", x.len(), y.len())?;
-    same_len(k, "mean", n, mean.len())?;
-    same_len(k, "rstd", n, rstd.len())?;
+    let n = check_ln_forward(k, x.len(), c, bias.len(), y.len(), mean.len(), rstd.len())?;
     if n == 0 {
         return Ok(());
     }
@@ -100,10 +99,7 @@ pub fn layernorm_backward_input(
 ) -> Result<(), KernelError> {
     let k = "layernorm_backward_input_f32";
     let c = weight.len();
-    let n = rows_of(k, "x", x.len(), c)?;
-    same_len(k, "dy", x.len(), dy.len())?;
-    same_len(k, "mean", n, mean.len())?;
-    same_len(k, "rstd", n, rstd.len())?;
+    let n = check_ln_backward(k, dy.len(), x.len(), c, mean.len(), rstd.len())?;
     same_len(k, "dx", x.len(), dx.len())?;
     if n == 0 {
         return Ok(());
@@ -146,10 +142,7 @@ pub fn layernorm_backward_params(
 ) -> Result<(), KernelError> {
     let k = "layernorm_backward_params_f32";
     let c = dweight.len();
-    let n = rows_of(k, "x", x.len(), c)?;
-    same_len(k, "dy", x.len(), dy.len())?;
-    same_len(k, "mean", n, mean.len())?;
-    same_len(k, "rstd", n, rstd.len())?;
+    let n = check_ln_backward(k, dy.len(), x.len(), c, mean.len(), rstd.len())?;
     same_len(k, "dbias", c, dbias.len())?;
     if n == 0 {
         return Ok(());
