@@ -2,24 +2,13 @@
 //! `skipped: no GPU (<reason>)` and passes.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Mutex, MutexGuard};
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::gpu;
 use fsdp_device::cuda::{self, pooled_events};
 use fsdp_device::{DeviceError, Event, Stream};
-
-/// The tests share device 0's event pool, whose size one of them checks: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
-    match cuda::device_count() {
-        Ok(_) => Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner())),
-        Err(e) => {
-            println!("{test}: skipped: no GPU ({e})");
-            None
-        }
-    }
-}
 
 /// Bytes of the buffers the ordering test copies: large enough that a chain of copies takes
 /// milliseconds.

@@ -2,25 +2,14 @@
 //! `cuda`). Without a GPU each GPU test prints `skipped: no GPU (<reason>)` and passes.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Mutex, MutexGuard};
+mod common;
+
 use std::time::Duration;
 
+use common::gpu;
 use cudarc::driver::result;
-use fsdp_device::cuda::{self, pending_releases, wait_for_releases};
+use fsdp_device::cuda::{pending_releases, wait_for_releases};
 use fsdp_device::{AccessMode, Buffer, DType, Device, DeviceError, Stream};
-
-/// The tests count the process's deferred releases: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
-    match cuda::device_count() {
-        Ok(_) => Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner())),
-        Err(e) => {
-            println!("{test}: skipped: no GPU ({e})");
-            None
-        }
-    }
-}
 
 /// Elements of the large buffers: 256 MiB of f32.
 const BIG: usize = 64 << 20;
