@@ -53,13 +53,10 @@ fn gate() -> (
     crossbeam_channel::bounded(0)
 }
 
-#[test]
-fn consumer_sees_the_slow_producers_write() {
-    let order = StreamOrder::new();
-    let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
-    let mem = Arc::new(AtomicU64::new(0));
+/// Enqueues on `producer` a store of 42 into `mem`, held until the returned gate is sent to
+/// (at most 10 s).
+fn slow_write_42(producer: &Stream, mem: &Arc<AtomicU64>) -> crossbeam_channel::Sender<()> {
     let (tx, rx) = gate();
-    order.before_write(&producer).unwrap();
     let m = mem.clone();
     producer
         .enqueue(move || {
@@ -67,13 +64,30 @@ fn consumer_sees_the_slow_producers_write() {
             m.store(42, Ordering::SeqCst);
         })
         .unwrap();
-    let written = order.after_write(&producer);
-    order.before_read(&consumer).unwrap();
-    let (m, seen) = (mem.clone(), Arc::new(AtomicU64::new(0)));
+    tx
+}
+
+/// Enqueues on `consumer` a copy of `mem` into a cell holding `init` until then; returns the
+/// cell.
+fn copy_of(consumer: &Stream, mem: &Arc<AtomicU64>, init: u64) -> Arc<AtomicU64> {
+    let (m, seen) = (mem.clone(), Arc::new(AtomicU64::new(init)));
     let s = seen.clone();
     consumer
         .enqueue(move || s.store(m.load(Ordering::SeqCst), Ordering::SeqCst))
         .unwrap();
+    seen
+}
+
+#[test]
+fn consumer_sees_the_slow_producers_write() {
+    let order = StreamOrder::new();
+    let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
+    let mem = Arc::new(AtomicU64::new(0));
+    order.before_write(&producer).unwrap();
+    let tx = slow_write_42(&producer, &mem);
+    let written = order.after_write(&producer);
+    order.before_read(&consumer).unwrap();
+    let seen = copy_of(&consumer, &mem, 0);
     let read = order.after_read(&consumer);
     // The consumer is held behind the producer, which is held by the gate (time enough for an
     // unordered consumer to run: see the next test).
@@ -90,19 +104,8 @@ fn without_the_order_the_consumer_sees_stale_data() {
     // The control for the test above: the same work without before_read reads too early.
     let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
     let mem = Arc::new(AtomicU64::new(0));
-    let (tx, rx) = gate();
-    let m = mem.clone();
-    producer
-        .enqueue(move || {
-            rx.recv_timeout(Duration::from_secs(10)).unwrap();
-            m.store(42, Ordering::SeqCst);
-        })
-        .unwrap();
-    let (m, seen) = (mem.clone(), Arc::new(AtomicU64::new(7)));
-    let s = seen.clone();
-    consumer
-        .enqueue(move || s.store(m.load(Ordering::SeqCst), Ordering::SeqCst))
-        .unwrap();
+    let tx = slow_write_42(&producer, &mem);
+    let seen = copy_of(&consumer, &mem, 7);
     consumer.synchronize().unwrap();
     assert_eq!(seen.load(Ordering::SeqCst), 0);
     tx.send(()).unwrap();
