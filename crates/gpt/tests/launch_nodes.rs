@@ -9,10 +9,13 @@
 
 mod common;
 
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Stdio};
+use std::time::Duration;
 
-use common::cli::{command, free_port, fsdp, loss_column, ok, small_train_args, text, SMALL_MODEL};
+use common::cli::{
+    assert_same_losses, both_nodes_ok, command, finish, free_port, fsdp, ok, small_train_args,
+    text, SMALL_MODEL,
+};
 
 const SMALL: [&str; 6] = ["--batch-size", "8", "--steps", "4", "--seed", "5"];
 
@@ -39,32 +42,6 @@ fn node(node: usize, port: u16, init_timeout: &str, train: &[&str]) -> Child {
         .expect("start fsdp launch")
 }
 
-/// Waits for `child` at most `bound` (killing it past the bound, and failing); returns its
-/// output and how long it ran from here.
-fn finish(child: Child, bound: Duration, what: &str) -> (Output, Duration) {
-    let start = Instant::now();
-    let pid = child.id();
-    let killer = std::thread::spawn(move || {
-        while start.elapsed() < bound {
-            std::thread::sleep(Duration::from_millis(100));
-            if std::fs::metadata(format!("/proc/{pid}")).is_err() {
-                return false;
-            }
-        }
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        true
-    });
-    let out = child.wait_with_output().expect("wait for fsdp launch");
-    let took = start.elapsed();
-    let killed = killer.join().unwrap();
-    assert!(
-        !killed || took < bound,
-        "{what} ran past {bound:?} and was killed; stderr:\n{}",
-        text(&out.stderr)
-    );
-    (out, took)
-}
-
 /// HYBRID_SHARD over two nodes on loopback equals four threads with two ranks per node,
 /// bitwise. The grouping shows in the losses: a full shard of the four ranks (what the
 /// launched ranks would run without LOCAL_WORLD_SIZE) rounds differently by step 2.
@@ -84,19 +61,12 @@ fn hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
     let port = free_port();
     let node1 = node(1, port, "60", &train);
     let node0 = node(0, port, "60", &train);
-    let (out0, _) = finish(node0, Duration::from_secs(90), "node 0");
-    let (out1, _) = finish(node1, Duration::from_secs(90), "node 1");
-    let stdout0 = ok(&out0, "node 0");
-    ok(&out1, "node 1");
+    let stdout0 = both_nodes_ok(node0, node1, Duration::from_secs(90));
     assert!(
         stdout0.contains("[rank 0] fsdp train: 4 ranks, HYBRID_SHARD"),
         "node 0 did not run a 4-rank HYBRID_SHARD job:\n{stdout0}"
     );
-    let a = loss_column(&threads_log);
-    let b = loss_column(&nodes_log);
-    println!("4 threads {a:?}\n2 nodes × 2 processes {b:?}");
-    assert_eq!(a.len(), 4);
-    assert_eq!(a, b, "the two-node run's losses differ from the threads'");
+    assert_same_losses("", &threads_log, &nodes_log, 4);
 }
 
 /// Node 1 never starts: node 0 fails once its rendezvous timeout has passed (not before, not

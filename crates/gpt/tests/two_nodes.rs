@@ -12,7 +12,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::cli::{fsdp, loss_column, ok, small_train_args, text, SMALL_MODEL};
+use common::cli::{
+    assert_same_losses, both_nodes_ok, finish, fsdp, ok, small_train_args, text, SMALL_MODEL,
+};
 use fsdp_gpt::model::{param_specs, GptConfig};
 
 const HOST0: &str = "10.77.0.1";
@@ -136,32 +138,6 @@ macro_rules! hosts_or_skip {
     };
 }
 
-/// Wait for a child with a bound; kill it past the bound and fail.
-fn finish(child: Child, bound: Duration, what: &str) -> (Output, Duration) {
-    let start = Instant::now();
-    let pid = child.id();
-    let killer = std::thread::spawn(move || {
-        let deadline = start + bound;
-        while Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(100));
-            if std::fs::metadata(format!("/proc/{pid}")).is_err() {
-                return false;
-            }
-        }
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        true
-    });
-    let out = child.wait_with_output().expect("wait for fsdp launch");
-    let took = start.elapsed();
-    let killed = killer.join().unwrap();
-    assert!(
-        !killed || took < bound,
-        "{what} ran past {bound:?} and was killed; stderr:\n{}",
-        text(&out.stderr)
-    );
-    (out, took)
-}
-
 /// The steps of [`SMALL`].
 const STEPS: u64 = 6;
 const SMALL: [&str; 6] = ["--batch-size", "8", "--steps", "6", "--seed", "5"];
@@ -182,20 +158,18 @@ fn compare(name: &str, threads_extra: &[&str], nodes_extra: &[&str]) {
     let (tx0, rx0) = hosts.link_bytes();
     let node1 = hosts.launch(1, TOKEN, &timeouts, &train);
     let node0 = hosts.launch(0, TOKEN, &timeouts, &train);
-    let (out0, _) = finish(node0, Duration::from_secs(120), "node 0");
-    let (out1, _) = finish(node1, Duration::from_secs(120), "node 1");
-    let stdout0 = ok(&out0, "node 0");
-    ok(&out1, "node 1");
+    let stdout0 = both_nodes_ok(node0, node1, Duration::from_secs(120));
     assert!(
         stdout0.contains("fsdp train: 4 ranks"),
         "node 0 did not run a 4-rank job:\n{stdout0}"
     );
     let (tx1, rx1) = hosts.link_bytes();
-    let a = loss_column(&threads_log);
-    let b = loss_column(&nodes_log);
-    println!("{name}: 4 threads {a:?}\n{name}: 2 nodes × 2 processes {b:?}");
-    assert_eq!(a.len() as u64, STEPS);
-    assert_eq!(a, b, "the two-node run's losses differ from the threads'");
+    assert_same_losses(
+        &format!("{name}: "),
+        &threads_log,
+        &nodes_log,
+        STEPS as usize,
+    );
     // The training traffic crossed the veth link, both ways: every step each node sends the
     // other at least the gradients' share it reduces across nodes (HYBRID_SHARD: the whole
     // gradient, all-reduced between the two replicas of each shard; FULL_SHARD: the
@@ -469,11 +443,11 @@ fn mpirun_across_two_nodes_matches_four_threads() {
         .expect("start mpirun");
     let (out, _) = finish(child, Duration::from_secs(120), "mpirun");
     ok(&out, "mpirun across the two hosts");
-    let a: Vec<f64> = loss_column(&threads_log)
+    let a: Vec<f64> = common::cli::loss_column(&threads_log)
         .iter()
         .map(|l| l.parse().unwrap())
         .collect();
-    let b: Vec<f64> = loss_column(&mpi_log)
+    let b: Vec<f64> = common::cli::loss_column(&mpi_log)
         .iter()
         .map(|l| l.parse().unwrap())
         .collect();

@@ -2,13 +2,15 @@
 //! `nonfinite.rs`, `outputs.rs`, `resume.rs`, `admission.rs`, `multiprocess.rs`,
 //! `grad_scaler_cli.rs`, `any_precision_cli.rs`): running it, small fast configurations, scratch
 //! directories, checkpoint-and-resume arguments, the checks of its error lines, the parsing of
-//! its loss logs, and safetensors files written as given.
+//! its loss logs, safetensors files written as given, and the bounded waits and loss comparisons
+//! of the multi-node launcher tests (`launch_nodes.rs`, `two_nodes.rs`).
 
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
 
 use safetensors::tensor::TensorView;
 
@@ -245,6 +247,52 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Waits for `child` at most `bound` (killing it past the bound, and failing); returns its
+/// output and how long it ran from here.
+pub fn finish(child: Child, bound: Duration, what: &str) -> (Output, Duration) {
+    let start = Instant::now();
+    let pid = child.id();
+    let killer = std::thread::spawn(move || {
+        while start.elapsed() < bound {
+            std::thread::sleep(Duration::from_millis(100));
+            if std::fs::metadata(format!("/proc/{pid}")).is_err() {
+                return false;
+            }
+        }
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        true
+    });
+    let out = child.wait_with_output().expect("wait for fsdp launch");
+    let took = start.elapsed();
+    let killed = killer.join().unwrap();
+    assert!(
+        !killed || took < bound,
+        "{what} ran past {bound:?} and was killed; stderr:\n{}",
+        text(&out.stderr)
+    );
+    (out, took)
+}
+
+/// Waits for the launchers of node 0 and node 1 (each at most `bound`, see [`finish`]); both
+/// must succeed. Returns node 0's standard output.
+pub fn both_nodes_ok(node0: Child, node1: Child, bound: Duration) -> String {
+    let (out0, _) = finish(node0, bound, "node 0");
+    let (out1, _) = finish(node1, bound, "node 1");
+    let stdout0 = ok(&out0, "node 0");
+    ok(&out1, "node 1");
+    stdout0
+}
+
+/// The loss logs of a run on 4 threads and one on 2 nodes × 2 processes: `steps` losses, equal
+/// bitwise. Prints both, each line starting with `label`.
+pub fn assert_same_losses(label: &str, threads_log: &Path, nodes_log: &Path, steps: usize) {
+    let a = loss_column(threads_log);
+    let b = loss_column(nodes_log);
+    println!("{label}4 threads {a:?}\n{label}2 nodes × 2 processes {b:?}");
+    assert_eq!(a.len(), steps);
+    assert_eq!(a, b, "the two-node run's losses differ from the threads'");
 }
 
 /// The Python named by `FSDP_TORCH_PYTHON` if it can import `module` (tests that need torch
