@@ -13,7 +13,9 @@ mod common;
 
 use std::path::Path;
 
-use common::cli::{fsdp, loss_log_rows, ok, one_error_status_1, s, scratch, small_train_args};
+use common::cli::{
+    fsdp, loss_log_rows, ok, one_error_status_1, s, scratch, small_train_args, CLIP_ACCUM_COSINE,
+};
 
 const BOUND: f64 = 1e-4;
 
@@ -88,20 +90,7 @@ fn host_twin_matches_the_engine_at_one_rank() {
 
 #[test]
 fn host_twin_matches_the_engine_with_clipping_accumulation_and_schedule() {
-    compare(
-        "clip_accum_cosine",
-        &[
-            "--grad-clip",
-            "0.5",
-            "--grad-accum",
-            "2",
-            "--lr-schedule",
-            "cosine",
-            "--warmup-iters",
-            "4",
-            "--decay-2d-only",
-        ],
-    );
+    compare("clip_accum_cosine", &CLIP_ACCUM_COSINE);
 }
 
 #[test]

@@ -11,8 +11,12 @@
 //! machine without a Rust toolchain (`scripts/gpu-check.sh`) it runs the `fsdp` program that
 //! `scripts/gpu-build.sh` copies beside it (`fsdp-gpt--bin--fsdp`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use common::cli::CLIP_ACCUM_COSINE;
 
 const BOUND: f64 = 1e-4;
 
@@ -129,19 +133,6 @@ fn device_cuda_follows_the_engine_at_one_rank() {
 #[test]
 fn device_cuda_clips_accumulates_and_schedules_as_the_engine() {
     if gpu("device_cuda_clips_accumulates_and_schedules_as_the_engine") {
-        compare(
-            "clip_accum_cosine",
-            &[
-                "--grad-clip",
-                "0.5",
-                "--grad-accum",
-                "2",
-                "--lr-schedule",
-                "cosine",
-                "--warmup-iters",
-                "4",
-                "--decay-2d-only",
-            ],
-        );
+        compare("clip_accum_cosine", &CLIP_ACCUM_COSINE);
     }
 }

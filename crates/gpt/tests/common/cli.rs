@@ -40,6 +40,21 @@ pub const ONE_LAYER: [&str; 8] = [
     "16",
 ];
 
+/// Gradient clipping, accumulation over 2 micro-batches, the cosine schedule with 4 warm-up
+/// steps and weight decay on the 2-d parameters only: the options the device trainer's tests
+/// (`device_cli.rs`, `gpu_device_train.rs`) run against the engine besides the defaults.
+pub const CLIP_ACCUM_COSINE: [&str; 9] = [
+    "--grad-clip",
+    "0.5",
+    "--grad-accum",
+    "2",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-iters",
+    "4",
+    "--decay-2d-only",
+];
+
 /// Two ranks and a global batch of 4 rows.
 pub const TWO_RANKS: [&str; 4] = ["--ranks", "2", "--batch-size", "4"];
 
