@@ -300,6 +300,23 @@ pub(crate) fn softmax_rows(k: &'static str, len: usize, t: usize) -> Result<usiz
     Ok(rows)
 }
 
+/// The shapes of the fused cross-entropy (twin and launch), by their lengths: `logits` and
+/// `dlogits` whole rows of `v`, `targets` and `losses` one per row. Returns the rows.
+pub(crate) fn check_cross_entropy(
+    k: &'static str,
+    logits: usize,
+    v: usize,
+    targets: usize,
+    losses: usize,
+    dlogits: usize,
+) -> Result<usize, KernelError> {
+    let n = rows_of(k, "logits", logits, v)?;
+    same_len(k, "targets", n, targets)?;
+    same_len(k, "losses", n, losses)?;
+    same_len(k, "dlogits", logits, dlogits)?;
+    Ok(n)
+}
+
 /// Cross-entropy over rows of `logits: [n, v]` (`n = targets.len()`) fused with its backward.
 /// Writes the per-row `losses[r] = ln Σ_j e^(l_j − max) + (max − l_target)` (the mean over
 /// rows is the caller's) and `dlogits = dloss·(softmax(l) − onehot(target))` (**writes**;
@@ -317,10 +334,14 @@ pub fn cross_entropy_fused(
     dlogits: &mut [f32],
 ) -> Result<(), KernelError> {
     let k = "cross_entropy_fused_f32";
-    let n = rows_of(k, "logits", logits.len(), v)?;
-    same_len(k, "targets", n, targets.len())?;
-    same_len(k, "losses", n, losses.len())?;
-    same_len(k, "dlogits", logits.len(), dlogits.len())?;
+    let n = check_cross_entropy(
+        k,
+        logits.len(),
+        v,
+        targets.len(),
+        losses.len(),
+        dlogits.len(),
+    )?;
     for r in 0..n {
         let l = &logits[r * v..(r + 1) * v];
         let tg = targets[r] as usize;

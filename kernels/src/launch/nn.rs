@@ -10,8 +10,8 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKern
 
 use super::{config, driver, function};
 use crate::host::nn::{
-    check_embedding, check_ln_backward, check_ln_forward, group_by_id, rows_of, softmax_rows,
-    NN_BLOCK,
+    check_cross_entropy, check_embedding, check_ln_backward, check_ln_forward, group_by_id,
+    rows_of, softmax_rows, NN_BLOCK,
 };
 use crate::host::same_len;
 use crate::{KernelError, Program};
@@ -302,10 +302,14 @@ pub fn cross_entropy_fused(
     dlogits: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), KernelError> {
     let k = "cross_entropy_fused_f32";
-    let n = rows_of(k, "logits", logits.len(), v)?;
-    same_len(k, "targets", n, targets.len())?;
-    same_len(k, "losses", n, losses.len())?;
-    same_len(k, "dlogits", logits.len(), dlogits.len())?;
+    let n = check_cross_entropy(
+        k,
+        logits.len(),
+        v,
+        targets.len(),
+        losses.len(),
+        dlogits.len(),
+    )?;
     if n == 0 {
         return Ok(());
     }
