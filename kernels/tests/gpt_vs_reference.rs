@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{data, ids, weights};
+use common::{data, ids, max_abs, max_abs_diff, weights};
 use fsdp_gpt::data::Batch;
 use fsdp_gpt::model::{forward_backward, param_specs, zeros_like_params, BatchShape, GptConfig};
 use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, HostOps};
@@ -60,14 +60,9 @@ fn loss_and_every_gradient_match_the_reference_gpt() {
         for (name, got) in &grads {
             let r = &want[name];
             assert_eq!(got.len(), r.len(), "{name}");
-            let max = r.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+            let max = max_abs(r);
             assert!(max > 0.0, "{name}: a zero reference gradient tests nothing");
-            let err = got
-                .iter()
-                .zip(r)
-                .map(|(&a, &b)| f64::from(a - b).abs())
-                // NaN (a NaN gradient) wins, so that it fails the bound.
-                .fold(0.0f64, |m, d| if d.is_nan() || d > m { d } else { m });
+            let err = max_abs_diff(got, r);
             let e = err / max;
             assert!(e <= 1e-5, "{name}: max error {err:e} vs max |grad| {max:e}");
             if e > worst.0 {

@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{data, gpu, ids, weights};
+use common::{data, gpu, ids, max_abs, max_abs_diff, weights};
 use fsdp_device::Stream;
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts};
@@ -74,14 +74,9 @@ fn differences(
     assert_eq!(a.1.len(), b.1.len());
     for ((name, got), (other, r)) in a.1.iter().zip(&b.1) {
         assert_eq!(name, other);
-        let max = r.iter().fold(0.0f64, |m, &v| m.max(f64::from(v).abs()));
+        let max = max_abs(r);
         assert!(max > 0.0, "{name}: a zero gradient tests nothing");
-        let err = got
-            .iter()
-            .zip(r)
-            .map(|(&x, &y)| f64::from(x - y).abs())
-            // NaN (a NaN gradient) wins, so that it fails the bound.
-            .fold(0.0f64, |m, d| if d.is_nan() || d > m { d } else { m });
+        let err = max_abs_diff(got, r);
         let e = err / max;
         // A NaN difference is the worst (and fails the bounds).
         if e.is_nan() || e > worst.0 {

@@ -59,6 +59,20 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The largest magnitude of `v`.
+pub fn max_abs(v: &[f32]) -> f64 {
+    v.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()))
+}
+
+/// The largest `|a − b|` element-wise; a NaN difference (a NaN value) wins, so that it fails
+/// any bound.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(x - y).abs())
+        .fold(0.0f64, |m, d| if d.is_nan() || d > m { d } else { m })
+}
+
 /// Whether a CUDA device is found; where not, prints `<test>: skipped: no GPU (<reason>)`.
 pub fn gpu(test: &str) -> bool {
     if let Err(e) = fsdp_device::cuda::device_count() {
