@@ -309,7 +309,22 @@ fn config() -> impl Strategy<Value = AllocatorConfig> {
         })
 }
 
+/// Cases of the round trip (proptest's default); a few under Miri, which interprets every step.
+const CASES: u32 = 256;
+const CASES_UNDER_MIRI: u32 = 4;
+
 proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { CASES_UNDER_MIRI } else { CASES },
+        // Under Miri's isolation the regression file cannot be located (no `getcwd`).
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    })]
+
     #[test]
     fn round_trip(c in config()) {
         let text = c.to_pytorch_conf().unwrap();

@@ -270,8 +270,21 @@ fn op() -> impl Strategy<Value = Op> {
     })
 }
 
+/// Cases of the property test; a few under Miri, which interprets every step.
+const CASES: u32 = 48;
+const CASES_UNDER_MIRI: u32 = 2;
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { CASES_UNDER_MIRI } else { CASES },
+        // Under Miri's isolation the regression file cannot be located (no `getcwd`).
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    })]
 
     /// Reads only ever observe the last write issued before them, and the final value is the
     /// last write: the host model is "the value of the latest write in program order".
