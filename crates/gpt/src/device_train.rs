@@ -28,7 +28,9 @@
 use std::collections::HashMap;
 
 use fsdp::init::materialize;
-use fsdp::optim::{decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP};
+use fsdp::optim::{
+    check_max_norm, clip_coefficient, decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP,
+};
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, Weights};
 use fsdp_kernels::host::{AdamW, AdamWScalars};
@@ -80,13 +82,7 @@ impl DeviceTrainConfig {
         self.adamw.validate()?;
         self.schedule.validate()?;
         if let Some(c) = self.grad_clip {
-            if !(c.is_finite() && c >= 0.0) {
-                return Err(FsdpError::InvalidHyperparameter {
-                    name: "max_norm",
-                    value: c,
-                    reason: "must be finite and non-negative",
-                });
-            }
+            check_max_norm(c)?;
         }
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {
@@ -244,12 +240,9 @@ impl<O: GptOps> DeviceTrainer<O> {
             sq += ops.sum_of_squares(a)?;
         }
         let grad_norm = sq.sqrt();
-        if let Some(max_norm) = c.grad_clip {
-            let coef = max_norm / (grad_norm + 1e-6);
-            if grad_norm.is_finite() && coef < 1.0 {
-                for a in self.acc.all_mut() {
-                    ops.scale(coef as f32, a)?;
-                }
+        if let Some(coef) = c.grad_clip.and_then(|m| clip_coefficient(m, grad_norm)) {
+            for a in self.acc.all_mut() {
+                ops.scale(coef, a)?;
             }
         }
         let lr = c.schedule.lr_at(c.adamw.lr, self.optimizer_steps);

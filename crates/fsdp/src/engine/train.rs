@@ -144,17 +144,9 @@ impl Fsdp {
     /// [`FsdpError::InvalidHyperparameter`] for a negative or non-finite `max_norm`; those of
     /// [`grad_norm`](Self::grad_norm).
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
-        if !(max_norm.is_finite() && max_norm >= 0.0) {
-            return Err(FsdpError::InvalidHyperparameter {
-                name: "max_norm",
-                value: max_norm,
-                reason: "must be finite and non-negative",
-            });
-        }
+        crate::optim::check_max_norm(max_norm)?;
         let total = self.grad_norm()?;
-        let coef = max_norm / (total + 1e-6);
-        if total.is_finite() && coef < 1.0 {
-            let c = coef as f32;
+        if let Some(c) = crate::optim::clip_coefficient(max_norm, total) {
             for g in &self.groups {
                 for x in g.grad_shard.write::<f32>()?.iter_mut() {
                     *x *= c;

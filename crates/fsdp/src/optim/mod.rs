@@ -576,3 +576,33 @@ fn state_mismatch() -> FsdpError {
         reason: "the state was created for another optimizer",
     }
 }
+
+/// Checks a `max_norm` for gradient clipping: finite and non-negative.
+///
+/// # Errors
+/// [`FsdpError::InvalidHyperparameter`] naming `max_norm`.
+pub fn check_max_norm(max_norm: f64) -> Result<(), crate::FsdpError> {
+    if max_norm.is_finite() && max_norm >= 0.0 {
+        return Ok(());
+    }
+    Err(crate::FsdpError::InvalidHyperparameter {
+        name: "max_norm",
+        value: max_norm,
+        reason: "must be finite and non-negative",
+    })
+}
+
+/// PyTorch's `clip_grad_norm_` rule: the factor `max_norm / (total_norm + 1e-6)` to scale every
+/// gradient by when it is below 1 and the norm is finite; `None` leaves the gradients as they
+/// are.
+///
+/// ```
+/// use fsdp::optim::clip_coefficient;
+/// assert_eq!(clip_coefficient(1.0, 0.5), None);
+/// assert_eq!(clip_coefficient(1.0, 4.0), Some((1.0 / (4.0 + 1e-6)) as f32));
+/// assert_eq!(clip_coefficient(1.0, f64::INFINITY), None);
+/// ```
+pub fn clip_coefficient(max_norm: f64, total_norm: f64) -> Option<f32> {
+    let coef = max_norm / (total_norm + 1e-6);
+    (total_norm.is_finite() && coef < 1.0).then_some(coef as f32)
+}
