@@ -11,7 +11,6 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 
-use fsdp::optim::AdamWConfig;
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
@@ -20,6 +19,7 @@ use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
+use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
 use crate::paths::check_output_paths;
 use crate::say;
@@ -122,16 +122,9 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     if args.steps == 0 {
         return Err(fail("--steps must be at least 1"));
     }
-    let adamw = AdamWConfig {
-        lr: args.lr,
-        beta1: args.beta1,
-        beta2: args.beta2,
-        eps: args.eps,
-        weight_decay: args.weight_decay,
-    };
     let config = DeviceTrainConfig {
         cfg,
-        adamw,
+        adamw: adamw_options(args),
         schedule: lr_schedule(args)?,
         decay_2d_only: args.decay_2d_only,
         grad_clip: grad_clip(args)?,

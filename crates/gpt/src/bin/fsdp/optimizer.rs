@@ -104,17 +104,22 @@ pub(crate) fn optimizer_config(
     }
 }
 
-/// The optimizer of `fsdp train`'s options (`--lr`, `--beta1`, `--beta2`, `--eps`,
-/// `--weight-decay` and the optimizer's own), validated.
-pub(crate) fn train_optimizer(args: &TrainArgs) -> Result<OptimizerConfig, CliError> {
-    let h = AdamWConfig {
+/// AdamW's hyperparameters of `fsdp train`'s options (`--lr`, `--beta1`, `--beta2`, `--eps`,
+/// `--weight-decay`), not yet validated.
+pub(crate) fn adamw_options(args: &TrainArgs) -> AdamWConfig {
+    AdamWConfig {
         lr: args.lr,
         beta1: args.beta1,
         beta2: args.beta2,
         eps: args.eps,
         weight_decay: args.weight_decay,
-    };
-    optimizer_config(&args.optim, args.model.param_dtype, h)
+    }
+}
+
+/// The optimizer of `fsdp train`'s options ([`adamw_options`] and the optimizer's own),
+/// validated.
+pub(crate) fn train_optimizer(args: &TrainArgs) -> Result<OptimizerConfig, CliError> {
+    optimizer_config(&args.optim, args.model.param_dtype, adamw_options(args))
 }
 
 /// The optimizer of `fsdp plan`'s options, whose memory does not depend on the
