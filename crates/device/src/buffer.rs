@@ -20,6 +20,13 @@ use std::time::{Duration, Instant};
 
 use crate::{DType, Device, DeviceError, Element, StreamOrder, DEFAULT_TIMEOUT};
 
+/// Bytes of `len` elements of `dtype`; an overflow is an invalid argument naming both.
+pub(crate) fn byte_size(dtype: DType, len: usize) -> Result<usize, DeviceError> {
+    len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+        DeviceError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
+    })
+}
+
 /// Alignment of host storage created by this crate (one cache line).
 pub const HOST_ALIGN: usize = 64;
 
@@ -196,8 +203,6 @@ struct Shared {
     id: u64,
     storage: Box<dyn Storage>,
     access: AccessLock,
-    /// The storage's stream order, taken once at creation.
-    order: Option<Arc<StreamOrder>>,
 }
 
 /// A one-dimensional run of elements of one [`DType`] in a [`Storage`]. Cloning and slicing
@@ -252,10 +257,7 @@ impl Buffer {
     /// slices and access tickets, but no memory ([`MetaStorage`]); reading or writing its
     /// elements is an error.
     pub fn meta(dtype: DType, len: usize) -> Result<Buffer, DeviceError> {
-        let bytes = len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
-            DeviceError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
-        })?;
-        Buffer::from_storage(Box::new(MetaStorage::new(bytes)), dtype)
+        Buffer::from_storage(Box::new(MetaStorage::new(byte_size(dtype, len)?)), dtype)
     }
 
     /// A buffer over `storage`, as many whole elements of `dtype` as fit.
@@ -267,13 +269,11 @@ impl Buffer {
             )));
         }
         let len = storage.byte_len() / dtype.size_in_bytes();
-        let order = storage.stream_order();
         Ok(Buffer {
             shared: Arc::new(Shared {
                 id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed),
                 storage,
                 access: AccessLock::default(),
-                order,
             }),
             dtype,
             offset: 0,
@@ -309,7 +309,7 @@ impl Buffer {
     /// The stream order shared by every view of a stream-ordered storage (device memory), `None`
     /// for storage ordered by access tickets.
     pub fn stream_order(&self) -> Option<Arc<StreamOrder>> {
-        self.shared.order.clone()
+        self.shared.storage.stream_order()
     }
 
     /// Whether the storage is page-locked host memory (see [`Storage::is_page_locked`]).

@@ -3,13 +3,8 @@
 use cudarc::driver::result;
 
 use super::{driver_error, reaper, CudaStorage, PinnedStorage};
+use crate::buffer::byte_size;
 use crate::{AccessMode, Buffer, DType, Device, DeviceError, Event, Stream};
-
-fn byte_size(dtype: DType, len: usize) -> Result<usize, DeviceError> {
-    len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
-        DeviceError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
-    })
-}
 
 /// The CUDA stream behind `stream`, with its context bound to the calling thread.
 fn bound_cuda(
