@@ -72,7 +72,19 @@ if [ -z "$fsdp_exe" ] || [ ! -x "$fsdp_exe" ]; then
 fi
 cp "$fsdp_exe" "$out/fsdp-gpt--bin--fsdp"
 strip --strip-debug "$out/fsdp-gpt--bin--fsdp"
-cp scripts/gpu-check.sh benches/torch_fsdp2_gpt.py "$out/"
+# The release `fsdp` program for the GPT-2 124M comparison with PyTorch FSDP2 in gpu-check.sh.
+echo "== the release fsdp program (GPT-2 124M timing)" >&2
+rel_exe=$(cargo build --release -p fsdp-gpt --bin fsdp --message-format=json \
+    | jq -r 'select(.reason == "compiler-artifact" and .target.name == "fsdp"
+                    and (.target.kind | index("bin")) and .executable != null) | .executable' \
+    | tail -n 1)
+if [ -z "$rel_exe" ] || [ ! -x "$rel_exe" ]; then
+    echo "no executable for the release fsdp program" >&2
+    exit 1
+fi
+cp "$rel_exe" "$out/fsdp-gpt--release--fsdp"
+strip --strip-debug "$out/fsdp-gpt--release--fsdp"
+cp scripts/gpu-check.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
 cat "$out/MANIFEST" >&2

@@ -184,7 +184,11 @@ fn cuda_out_of_memory_error_and_message() {
     let err = alloc.allocate(2 * total, h.stream(0)).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory { .. }), "{err}");
     println!("driver out-of-memory message: {err}");
-    assert!(err.to_string().starts_with("cuda:0 out of memory."));
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("CUDA out of memory. Tried to allocate ") && msg.contains("GPU 0 has"),
+        "{msg}"
+    );
     let st = alloc.memory_stats();
     assert_eq!((st.num_ooms, st.num_alloc_retries), (1, 1));
 }

@@ -132,7 +132,7 @@ fn misuse_is_a_clear_error() {
     let short = Buffer::pinned_zeros(DType::F32, 15).unwrap();
     invalid(x.copy_to_host_async(&short, &s), "15 elements");
     let wide = Buffer::pinned_zeros(DType::F64, 16).unwrap();
-    invalid(x.copy_from_host_async(&wide, &s), "f64");
+    invalid(x.copy_from_host_async(&wide, &s), "float64");
     let ok = Buffer::pinned_zeros(DType::F32, 16).unwrap();
     invalid(x.copy_to_host_async(&ok, &cpu), "stream `cpu`");
     invalid(
@@ -197,14 +197,15 @@ fn dropping_a_buffer_under_queued_work_defers_its_free() {
     let x = Buffer::cuda_zeros(DType::F32, BIG, &a).unwrap();
     let z = Buffer::cuda_zeros(DType::F32, BIG, &a).unwrap();
     let w = Buffer::cuda_zeros(DType::F32, BIG, &a).unwrap();
+    // Pinned host memory first: pinning 256 MiB takes longer than the chain below runs.
+    let out = Buffer::pinned_zeros(DType::F32, BIG).unwrap();
     x.copy_from_host_async(&pinned(&data), &a).unwrap();
-    // A long chain on `a` (tens of milliseconds) that ends in `w`.
-    for _ in 0..64 {
+    // A long chain on `a` (about 100 ms on an H100) that ends in `w`.
+    for _ in 0..256 {
         z.copy_from_device_async(&x, &a).unwrap();
         x.copy_from_device_async(&z, &a).unwrap();
     }
     w.copy_from_device_async(&x, &a).unwrap();
-    let out = Buffer::pinned_zeros(DType::F32, BIG).unwrap();
     let done = w.copy_to_host_async(&out, &a).unwrap();
     drop((x, z));
     // Both frees wait for the chain, and so does the host's access to `out`.

@@ -5,10 +5,13 @@
 // operation is spelled with its rounding, and every reduction has a fixed order:
 // - a row reduction runs in one block of NN_BLOCK threads: thread t folds elements
 //   t, t + NN_BLOCK, ... in order, then a shared-memory tree halves the NN_BLOCK partials;
-// - a column reduction (parameter gradients) runs in one thread per column that folds the
-//   rows in order, starting from the gradient's current value (accumulation).
+// - a column reduction (the layer norm's and the biases' parameter gradients) runs in blocks
+//   of 32 columns × NN_COL_GROUPS row groups: thread (j, g) folds rows g, g + NN_COL_GROUPS,
+//   ... of column j in order from zero, then the group partials are added in order to the
+//   gradient's current value (accumulation).
 
 #define NN_BLOCK 256
+#define NN_COL_GROUPS 32
 
 __device__ __forceinline__ float fa(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float fs(float a, float b) { return __fsub_rn(a, b); }
@@ -179,20 +182,40 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     }
 }
 
-// Layer norm backward, parameter part, one thread per column j, rows in order:
-// dw[j] += (dy * (x - mean)) * rstd and db[j] += dy, one row at a time.
-extern "C" __global__ void layernorm_backward_params_f32(const float* dy, const float* x,
-                                                         const float* mean, const float* rstd,
-                                                         float* dw, float* db, u32 n, u32 c) {
-    GRID_STRIDE(j, (u64)c) {
-        float aw = dw[j], ab = db[j];
-        for (u32 r = 0; r < n; r++) {
-            u64 k = (u64)r * c + j;
-            aw = fa(aw, fm(fm(dy[k], fs(x[k], mean[r])), rstd[r]));
-            ab = fa(ab, dy[k]);
+// Layer norm backward, parameter part: dw[j] += (dy * (x - mean)) * rstd and db[j] += dy,
+// a column reduction (see the top of this file). Block (32, NN_COL_GROUPS), one tile of 32
+// columns per block (grid-stride over tiles).
+extern "C" __global__ void __launch_bounds__(32 * NN_COL_GROUPS)
+    layernorm_backward_params_f32(const float* dy, const float* x, const float* mean,
+                                  const float* rstd, float* dw, float* db, u32 n, u32 c) {
+    __shared__ float shw[NN_COL_GROUPS][33];
+    __shared__ float shb[NN_COL_GROUPS][33];
+    u32 l = threadIdx.x, g = threadIdx.y;
+    for (u32 tile = blockIdx.x; (u64)tile * 32 < c; tile += gridDim.x) {
+        u32 j = tile * 32 + l;
+        float aw = 0.0f, ab = 0.0f;
+        if (j < c) {
+#pragma unroll 4
+            for (u32 r = g; r < n; r += NN_COL_GROUPS) {
+                u64 k = (u64)r * c + j;
+                float d = dy[k];
+                aw = fa(aw, fm(fm(d, fs(x[k], mean[r])), rstd[r]));
+                ab = fa(ab, d);
+            }
         }
-        dw[j] = aw;
-        db[j] = ab;
+        shw[g][l] = aw;
+        shb[g][l] = ab;
+        __syncthreads();
+        if (g == 0 && j < c) {
+            float tw = dw[j], tb = db[j];
+            for (u32 q = 0; q < NN_COL_GROUPS; q++) {
+                tw = fa(tw, shw[q][l]);
+                tb = fa(tb, shb[q][l]);
+            }
+            dw[j] = tw;
+            db[j] = tb;
+        }
+        __syncthreads();
     }
 }
 
@@ -334,12 +357,27 @@ extern "C" __global__ void embedding_backward_positions_f32(const float* dx, flo
     }
 }
 
-// Bias gradient, one thread per column, rows in order: db[j] += dy[r, j], one row at a time.
-extern "C" __global__ void bias_grad_f32(const float* dy, float* db, u32 n, u32 c) {
-    GRID_STRIDE(j, (u64)c) {
-        float acc = db[j];
-        for (u32 r = 0; r < n; r++) acc = fa(acc, dy[(u64)r * c + j]);
-        db[j] = acc;
+// Bias gradient: db[j] += dy[r, j] over the rows, a column reduction (see the top of this
+// file). Block (32, NN_COL_GROUPS), one tile of 32 columns per block (grid-stride over tiles).
+extern "C" __global__ void __launch_bounds__(32 * NN_COL_GROUPS)
+    bias_grad_f32(const float* dy, float* db, u32 n, u32 c) {
+    __shared__ float sh[NN_COL_GROUPS][33];
+    u32 l = threadIdx.x, g = threadIdx.y;
+    for (u32 tile = blockIdx.x; (u64)tile * 32 < c; tile += gridDim.x) {
+        u32 j = tile * 32 + l;
+        float acc = 0.0f;
+        if (j < c) {
+#pragma unroll 4
+            for (u32 r = g; r < n; r += NN_COL_GROUPS) acc = fa(acc, dy[(u64)r * c + j]);
+        }
+        sh[g][l] = acc;
+        __syncthreads();
+        if (g == 0 && j < c) {
+            float t = db[j];
+            for (u32 q = 0; q < NN_COL_GROUPS; q++) t = fa(t, sh[q][l]);
+            db[j] = t;
+        }
+        __syncthreads();
     }
 }
 

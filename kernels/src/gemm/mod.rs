@@ -3,8 +3,10 @@
 //! forward product and both backward products, and batched products for attention.
 //!
 //! Inputs f32, bf16 or f16; output the input type, or f32 from 16-bit inputs; accumulation is
-//! always f32 (`CUBLAS_COMPUTE_32F`, without TF32, so f32 products compare with the CPU's within
-//! f32 rounding). cuBLAS is loaded at run time (cudarc's dynamic loading): [`Blas::new`] says so
+//! always f32 (`CUBLAS_COMPUTE_32F`, without TF32 and without 16-bit split-K reductions, so f32
+//! products compare with the CPU's within f32 rounding). A 16-bit output that accumulates
+//! (`beta ≠ 0`) is rounded twice: cuBLAS rounds `alpha·a·b` to the output type before adding
+//! `beta·c`. cuBLAS is loaded at run time (cudarc's dynamic loading): [`Blas::new`] says so
 //! when `libcublas` cannot be found. A [`Blas`] is bound to one stream; products are enqueued on
 //! it and ordering against other streams is the caller's, as for [`launch`](crate::launch).
 
@@ -101,6 +103,17 @@ impl Blas {
         // SAFETY: a live handle and the stream's own handle, which `blas` keeps alive.
         unsafe { result::set_stream(blas.handle, blas.stream.cu_stream() as sys::cudaStream_t) }
             .map_err(|e| blas_error("cublasSetStream", e))?;
+        // f32 accumulation throughout: by default cuBLAS may add the split-K partial sums of
+        // 16-bit products in 16 bits (PyTorch's `allow_bf16_reduced_precision_reduction`).
+        // SAFETY: a live handle; the mode is cuBLAS's default math plus that one flag.
+        unsafe {
+            sys::cublasSetMathMode(
+                blas.handle,
+                sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+            )
+        }
+        .result()
+        .map_err(|e| blas_error("cublasSetMathMode", e))?;
         Ok(blas)
     }
 

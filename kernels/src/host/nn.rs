@@ -2,10 +2,12 @@
 //! arithmetic in the kernels' order, so that a GPU result equals them bitwise.
 //!
 //! Reductions over a row run as the kernels' blocks do: "thread" `t` of [`NN_BLOCK`] folds
-//! elements `t, t + NN_BLOCK, …` in order, then a tree halves the partials. Parameter gradients
-//! (`dweight`, `dbias`, embeddings) fold the rows (tokens) in order into the gradient's current
-//! value, one column at a time: deterministic, no atomics. Backward functions say whether they
-//! accumulate (`+=`) or write.
+//! elements `t, t + NN_BLOCK, …` in order, then a tree halves the partials. The layer norm's
+//! and the biases' parameter gradients are column reductions ([`column_fold`]): row group `g`
+//! of [`NN_COL_GROUPS`] folds rows `g, g + NN_COL_GROUPS, …` of a column in order from zero,
+//! and the group partials are added in order to the gradient's current value. The embeddings'
+//! gradients fold their tokens in order into the gradient's current value. Deterministic, no
+//! atomics. Backward functions say whether they accumulate (`+=`) or write.
 
 pub use super::nn_heads::{bias_add, heads_merge, heads_split, HeadsLayout};
 use super::nn_math::{exp, ln, max_of, normal_cdf, normal_pdf};
@@ -14,6 +16,29 @@ use crate::KernelError;
 
 /// Threads per block of the row kernels (layer norm, softmax, cross-entropy).
 pub const NN_BLOCK: usize = 256;
+
+/// Row groups of a column reduction (the kernels' blocks are 32 columns × this many groups).
+pub const NN_COL_GROUPS: usize = 32;
+
+/// The kernels' column reduction, accumulating: for each column `j` of `acc` (`c` columns),
+/// `acc[j] += Σ_g Σ_{r ≡ g} term(r, j)` for `n` rows, where row group `g` of
+/// [`NN_COL_GROUPS`] folds its rows in order from zero and the group sums are added to
+/// `acc[j]` in group order.
+fn column_fold(n: usize, acc: &mut [f32], term: impl Fn(usize, usize) -> f32) {
+    let c = acc.len();
+    let mut groups = vec![0.0f32; NN_COL_GROUPS * c];
+    for r in 0..n {
+        let g = &mut groups[(r % NN_COL_GROUPS) * c..][..c];
+        for (j, p) in g.iter_mut().enumerate() {
+            *p += term(r, j);
+        }
+    }
+    for g in groups.chunks_exact(c) {
+        for (a, p) in acc.iter_mut().zip(g) {
+            *a += p;
+        }
+    }
+}
 
 /// The kernels' block reduction of `len` values `f(i)`: per-thread folds, then the tree.
 fn block_reduce(len: usize, init: f32, f: impl Fn(usize) -> f32, op: fn(f32, f32) -> f32) -> f32 {
@@ -169,8 +194,8 @@ pub fn layernorm_backward_input(
     Ok(())
 }
 
-/// Layer norm backward, parameter part (**accumulates**), rows in order per column:
-/// `dweight += (dy·(x − mean))·rstd`, `dbias += dy` (the GPT's own order and expressions).
+/// Layer norm backward, parameter part (**accumulates**): `dweight += (dy·(x − mean))·rstd`,
+/// `dbias += dy`, summed over the rows as a column reduction ([`column_fold`]'s order).
 ///
 /// # Errors
 /// [`KernelError::Length`] / [`KernelError::InvalidArgument`] for mismatched shapes.
@@ -186,16 +211,11 @@ pub fn layernorm_backward_params(
     let c = dweight.len();
     let n = check_ln_backward(k, dy.len(), x.len(), c, mean.len(), rstd.len())?;
     same_len(k, "dbias", c, dbias.len())?;
-    for j in 0..c {
-        let (mut aw, mut ab) = (dweight[j], dbias[j]);
-        for r in 0..n {
-            let i = r * c + j;
-            aw += (dy[i] * (x[i] - mean[r])) * rstd[r];
-            ab += dy[i];
-        }
-        dweight[j] = aw;
-        dbias[j] = ab;
-    }
+    column_fold(n, dweight, |r, j| {
+        let i = r * c + j;
+        (dy[i] * (x[i] - mean[r])) * rstd[r]
+    });
+    column_fold(n, dbias, |r, j| dy[r * c + j]);
     Ok(())
 }
 
@@ -486,18 +506,15 @@ pub fn embedding_backward_positions(
     Ok(())
 }
 
-/// Bias gradient (**accumulates**): `dbias[j] += dy[r, j]`, rows in order (the column sums of
-/// `dy: [n, c]`, `c = dbias.len()`).
+/// Bias gradient (**accumulates**): `dbias[j] += Σ_r dy[r, j]` (the column sums of
+/// `dy: [n, c]`, `c = dbias.len()`), a column reduction ([`column_fold`]'s order).
 ///
 /// # Errors
 /// [`KernelError::InvalidArgument`] unless `dy` is whole rows of `c`.
 pub fn bias_grad(dy: &[f32], dbias: &mut [f32]) -> Result<(), KernelError> {
-    rows_of("bias_grad_f32", "dy", dy.len(), dbias.len())?;
-    for row in dy.chunks_exact(dbias.len()) {
-        for (d, &g) in dbias.iter_mut().zip(row) {
-            *d += g;
-        }
-    }
+    let c = dbias.len();
+    let n = rows_of("bias_grad_f32", "dy", dy.len(), c)?;
+    column_fold(n, dbias, |r, j| dy[r * c + j]);
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKern
 use super::{config, driver, function};
 use crate::host::nn::{
     check_cross_entropy, check_embedding, check_ln_backward, check_ln_forward, group_by_id,
-    rows_of, softmax_rows, NN_BLOCK,
+    rows_of, softmax_rows, NN_BLOCK, NN_COL_GROUPS,
 };
 use crate::host::same_len;
 use crate::{KernelError, Program};
@@ -30,6 +30,17 @@ fn per_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelErro
         block_dim: (NN_BLOCK as u32, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+/// A column reduction's blocks: 32 columns × [`NN_COL_GROUPS`] row groups each, one block per
+/// 32 columns (the kernels loop over tiles past the grid's limit).
+fn per_column_tile(columns: usize) -> LaunchConfig {
+    let tiles = columns.div_ceil(32).clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (tiles, 1, 1),
+        block_dim: (32, NN_COL_GROUPS as u32, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn launched<T>(
@@ -165,8 +176,8 @@ pub fn layernorm_backward_params(
         .arg(&n32)
         .arg(&c32);
     // SAFETY: (const float* dy [n·c], x [n·c], mean [n], rstd [n], float* dw [c], db [c],
-    // u32 n, u32 c), one thread per column (grid-stride).
-    launched(k, unsafe { b.launch(config(c)) })
+    // u32 n, u32 c), blocks of 32 columns × NN_COL_GROUPS row groups (grid-stride over tiles).
+    launched(k, unsafe { b.launch(per_column_tile(c)) })
 }
 
 /// Exact GELU forward (see [`host::nn::gelu_forward`](crate::host::nn::gelu_forward)).
@@ -510,6 +521,7 @@ pub fn bias_grad(
     let (n32, c32) = (n as u32, c as u32);
     let mut b = stream.launch_builder(&f);
     b.arg(&gp).arg(&bp).arg(&n32).arg(&c32);
-    // SAFETY: (const float* dy [n·c], float* db [c], u32 n, u32 c), one thread per column.
-    launched(k, unsafe { b.launch(config(c)) })
+    // SAFETY: (const float* dy [n·c], float* db [c], u32 n, u32 c), blocks of 32 columns ×
+    // NN_COL_GROUPS row groups (grid-stride over tiles).
+    launched(k, unsafe { b.launch(per_column_tile(c)) })
 }
