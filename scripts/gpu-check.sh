@@ -85,7 +85,7 @@ while read -r file kind what; do
 done <"$bin_dir/MANIFEST"
 
 # GPT-2 124M (12 layers, 12 heads, 768 wide, 1024 tokens, vocab 50304), world 1, batch 8:
-# `fsdp train --device cuda` (the release program; f32, the device trainer's dtype) and, when
+# `fsdp train --device cuda` (the release program; f32, and bf16 products) and, when
 # this machine's Python has torch with CUDA, PyTorch FSDP2 (benches/torch_fsdp2_gpt.py) on the
 # same GPU at f32 (the like-for-like figure) and bf16 (the gate's baseline), eager; with
 # FSDP_GPU_COMPILE=1 also bf16 under torch.compile. Step times are medians after warm-up.
@@ -93,23 +93,25 @@ done <"$bin_dir/MANIFEST"
 gpt_steps="${FSDP_GPU_GPT_STEPS:-10}"
 gpt="${FSDP_GPU_GPT:-1}"
 if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--fsdp" ]; then
-    echo "== fsdp train --device cuda, GPT-2 124M f32 (release)"
-    log="$report/fsdp_gpt124m_f32.log"
-    csv="$report/fsdp_gpt124m_f32.csv"
-    timeout "$limit" "$bin_dir/fsdp-gpt--release--fsdp" train --device cuda --n-layer 12 \
-        --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --batch-size 8 \
-        --steps "$gpt_steps" --loss-log "$csv" >"$log" 2>&1
-    rc=$?
-    [ "$rc" -ne 0 ] && failed=$((failed + 1))
-    # The loss log's third column is each step's tokens/s; the first two steps are warm-up.
-    med=$(python3 -c 'import csv,statistics,sys
+    for dtype in f32 bf16; do
+        echo "== fsdp train --device cuda, GPT-2 124M, --param-dtype $dtype (release)"
+        log="$report/fsdp_gpt124m_$dtype.log"
+        csv="$report/fsdp_gpt124m_$dtype.csv"
+        timeout "$limit" "$bin_dir/fsdp-gpt--release--fsdp" train --device cuda --n-layer 12 \
+            --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --batch-size 8 \
+            --param-dtype "$dtype" --steps "$gpt_steps" --loss-log "$csv" >"$log" 2>&1
+        rc=$?
+        [ "$rc" -ne 0 ] && failed=$((failed + 1))
+        # The loss log's third column is each step's tokens/s; the first two steps warm up.
+        med=$(python3 -c 'import csv,statistics,sys
 rows=[r for r in csv.reader(open(sys.argv[1])) if r and r[0].isdigit()][2:]
 t=statistics.median(float(r[2]) for r in rows)
 print(f"median step {8*1024/t*1e3:.2f} ms, {t:,.0f} tokens/s")' "$csv" 2>/dev/null)
-    echo "| fsdp train --device cuda 124M f32 | $rc | | ${med:-$(tail -n 1 "$log" | cut -c1-60)} | |" \
-        >>"$report/report.md"
-    echo "RESULT fsdp 124m f32: $med"
-    tail -n 2 "$log"
+        echo "| fsdp train --device cuda 124M $dtype | $rc | | ${med:-$(tail -n 1 "$log" | cut -c1-60)} | |" \
+            >>"$report/report.md"
+        echo "RESULT fsdp 124m $dtype: $med"
+        tail -n 2 "$log"
+    done
 fi
 if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
     python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then

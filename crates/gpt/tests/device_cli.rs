@@ -112,8 +112,12 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
         );
     }
     one_error_status_1(
-        &run(&["--param-dtype", "bf16"]),
-        &["--device cuda", "f32 only"],
+        &run(&["--param-dtype", "f16"]),
+        &["--device cuda", "--param-dtype f16", "f32 or bf16"],
+    );
+    one_error_status_1(
+        &run(&["--reduce-dtype", "bf16"]),
+        &["--device cuda", "--reduce-dtype bf16", "f32 only"],
     );
     let dir = scratch("device_cli", "refusals");
     let f = s(&dir);
@@ -192,4 +196,49 @@ fn host_twin_stops_and_skips_non_finite_steps_as_the_engine() {
         stdout.contains("step 1: the loss is NaN: skipped (1 of"),
         "{stdout}"
     );
+}
+
+/// `--param-dtype bf16` on the device: products of bf16-rounded operands with f32 sums, every
+/// other layer in f32 (host twins here). Bound, derived: each operand carries a relative
+/// rounding of at most 2⁻⁸, so each product term at most about 2⁻⁷; the loss averages many
+/// such terms of both signs, so its relative change stays far below that. 20 steps must stay
+/// within 1e-2 relative of the f32 engine's losses (measured: printed), and the rounding must
+/// show (some step differs by more than 1e-6), else the option would be ignored.
+#[test]
+fn host_twin_bf16_products_track_the_f32_run() {
+    let dir = scratch("device_cli", "bf16_products");
+    let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
+    let base = ["--batch-size", "8", "--steps", "20"];
+    let mut a = small_train_args(&base, &[]);
+    a.extend(["--ranks", "1", "--loss-log", s(&cpu)]);
+    ok(&fsdp(&a), "fsdp train --ranks 1");
+    let mut b = small_train_args(&base, &[]);
+    b.extend([
+        "--device",
+        "host-twin",
+        "--param-dtype",
+        "bf16",
+        "--loss-log",
+        s(&twin),
+    ]);
+    let out = ok(
+        &fsdp(&b),
+        "fsdp train --device host-twin --param-dtype bf16",
+    );
+    assert!(out.contains("products: bf16 operands"), "{out}");
+    let (e, d) = (losses(&cpu), losses(&twin));
+    assert_eq!((e.len(), d.len()), (20, 20));
+    let rel: Vec<f64> = e
+        .iter()
+        .zip(&d)
+        .map(|(a, b)| (b - a).abs() / a.abs())
+        .collect();
+    let max = rel.iter().copied().fold(0.0, f64::max);
+    println!("bf16 products: max relative loss difference {max:.2e} over 20 steps");
+    assert!(max <= 1e-2, "{rel:?}");
+    assert!(
+        max > 1e-6,
+        "bf16 rounding left every loss unchanged: {rel:?}"
+    );
+    assert!(d[19] < d[0] - 0.1, "the loss must fall: {d:?}");
 }

@@ -1,9 +1,10 @@
 //! [`CudaOps`]: [`GptOps`] on one CUDA stream.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut};
 use fsdp_device::Stream;
+use half::bf16;
 
 use super::ops::GptOps;
 use crate::gemm::{Blas, MatMul};
@@ -20,6 +21,24 @@ pub struct CudaOps {
     stream: Stream,
     cuda: Arc<CudaStream>,
     blas: Blas,
+    products: Products,
+    /// The bf16 copies of a product's two operands ([`Products::Bf16`]), kept between products
+    /// and grown as needed (operations run in stream order, so one pair serves every product).
+    operands: Mutex<[Option<CudaSlice<bf16>>; 2]>,
+}
+
+/// How [`CudaOps`] multiplies matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Products {
+    /// f32 operands, f32 sums (cuBLAS without TF32): the default.
+    #[default]
+    F32,
+    /// Mixed precision as `torch.autocast(dtype=torch.bfloat16)` does for products: both
+    /// operands rounded to bf16 (the cast kernel), bf16 tensor-core products with f32 sums and
+    /// an f32 result; every other operation stays f32. The host twin is
+    /// [`HostProducts::Bf16Operands`](super::HostProducts::Bf16Operands).
+    Bf16,
 }
 
 fn copy_error(op: &'static str, e: impl std::fmt::Debug) -> KernelError {
@@ -45,13 +64,70 @@ impl CudaOps {
             })?
             .clone();
         let blas = Blas::new(cuda.clone())?;
-        Ok(CudaOps { stream, cuda, blas })
+        Ok(CudaOps {
+            stream,
+            cuda,
+            blas,
+            products: Products::F32,
+            operands: Mutex::new([None, None]),
+        })
+    }
+
+    /// The same operations with products computed as `products` says.
+    pub fn with_products(mut self, products: Products) -> CudaOps {
+        self.products = products;
+        self
+    }
+
+    /// How products are computed.
+    pub fn products(&self) -> Products {
+        self.products
     }
 
     /// The stream every operation is enqueued on.
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
+
+    /// `c = alpha·op(bf16(a))·op(bf16(b)) + beta·c`, the operands cast into the kept copies.
+    fn gemm_bf16(
+        &self,
+        g: &MatMul,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        c: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let mut kept = self
+            .operands
+            .lock()
+            .map_err(|_| copy_error("bf16 operands", "poisoned lock"))?;
+        let [ka, kb] = &mut *kept;
+        let va = cast_into(&self.cuda, ka, a)?;
+        let vb = cast_into(&self.cuda, kb, b)?;
+        self.blas.matmul::<bf16, f32>(g, &va, &vb, c)
+    }
+}
+
+/// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short).
+fn cast_into<'a>(
+    cuda: &Arc<CudaStream>,
+    kept: &'a mut Option<CudaSlice<bf16>>,
+    src: &CudaSlice<f32>,
+) -> Result<CudaViewMut<'a, bf16>, KernelError> {
+    let n = src.len();
+    let copy = match kept.take() {
+        Some(k) if k.len() >= n => kept.insert(k),
+        old => {
+            drop(old); // free the short copy before allocating the larger one
+            let fresh = cuda
+                .alloc_zeros::<bf16>(n)
+                .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+            kept.insert(fresh)
+        }
+    };
+    let mut view = copy.slice_mut(..n);
+    launch::cast::<f32, bf16>(cuda, src, &mut view)?;
+    Ok(view)
 }
 
 impl GptOps for CudaOps {
@@ -100,7 +176,10 @@ impl GptOps for CudaOps {
         b: &CudaSlice<f32>,
         c: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        self.blas.matmul::<f32, f32>(g, a, b, c)
+        match self.products {
+            Products::F32 => self.blas.matmul::<f32, f32>(g, a, b, c),
+            Products::Bf16 => self.gemm_bf16(g, a, b, c),
+        }
     }
 
     fn bias_add(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), KernelError> {

@@ -27,8 +27,8 @@ mod ops;
 mod products;
 mod weights;
 
-pub use cuda::CudaOps;
+pub use cuda::{CudaOps, Products};
 pub use model::DeviceGpt;
 pub use ops::{GptOps, HostOps, HostProducts};
-pub use products::{gemm_f32, gemm_f64_rounded};
+pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
 pub use weights::{param_shapes, Block, GptDims, Pair, Weights};

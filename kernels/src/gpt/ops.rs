@@ -1,7 +1,7 @@
 //! [`GptOps`], the device operations of one GPT training step, and [`HostOps`], their host
 //! implementation by the kernels' twins.
 
-use super::products::{gemm_f32, gemm_f64_rounded};
+use super::products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{self, same_len, AdamWScalars};
@@ -273,6 +273,10 @@ pub enum HostProducts {
     F32,
     /// [`gemm_f64_rounded`]: accumulated in f64, rounded once.
     F64Rounded,
+    /// [`gemm_bf16_operands`]: both operands rounded to bf16 (as the cast kernel rounds),
+    /// products summed in f32 ([`gemm_f32`]'s order) — what [`CudaOps`](super::CudaOps) with
+    /// [`Products::Bf16`](super::Products::Bf16) computes, in another summation order.
+    Bf16Operands,
 }
 
 /// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`] (or [`gemm_f64_rounded`]);
@@ -334,6 +338,7 @@ impl GptOps for HostOps {
         match self.products {
             HostProducts::F32 => gemm_f32(g, a, b, c),
             HostProducts::F64Rounded => gemm_f64_rounded(g, a, b, c),
+            HostProducts::Bf16Operands => gemm_bf16_operands(g, a, b, c),
         }
     }
 

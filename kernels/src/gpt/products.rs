@@ -1,7 +1,9 @@
 //! Matrix products on the host for [`HostOps`](super::HostOps): f32 left to right
-//! ([`gemm_f32`]), or accumulated in f64 and rounded once ([`gemm_f64_rounded`]).
+//! ([`gemm_f32`]), accumulated in f64 and rounded once ([`gemm_f64_rounded`]), or of operands
+//! rounded to bf16 ([`gemm_bf16_operands`]).
 
 use crate::gemm::MatMul;
+use crate::host::{bf16_to_f32, f32_to_bf16};
 use crate::KernelError;
 
 /// `c[i, j]` of every batch from `dot(a, b, i, j)`, the product's `k` terms in order.
@@ -79,6 +81,24 @@ pub fn gemm_f64_rounded(
     Ok(())
 }
 
+/// [`gemm_f32`] of the operands rounded to bf16 (round to nearest even, as the cast kernel):
+/// the host twin of mixed-precision products (bf16 operands, f32 sums and output). cuBLAS
+/// multiplies the same rounded values, so the two differ only by the f32 summation order.
+///
+/// # Errors
+/// As [`gemm_f32`].
+pub fn gemm_bf16_operands(
+    g: &MatMul,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    g.check_operands(a.len(), b.len(), c.len())?;
+    let round =
+        |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect() };
+    gemm_f32(g, &round(a), &round(b), c)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +139,17 @@ mod tests {
         let overlapping = g.batched(2, 4, 4, 3);
         let e = gemm_f64_rounded(&overlapping, &[0.0; 8], &[0.0; 8], &mut [0.0; 8]);
         assert!(e.unwrap_err().to_string().contains("overlap"));
+    }
+
+    #[test]
+    fn bf16_operands_are_rounded_before_the_product() {
+        // 1 + 2^-9 rounds to 1 in bf16 (8 significant bits); 3 is exact.
+        let g = MatMul::new(1, 1, 2, false, false);
+        let (a, b) = ([1.0 + 2f32.powi(-9), 3.0], [1.0f32, 1.0 + 2f32.powi(-6)]);
+        let mut c = [0.0f32];
+        gemm_bf16_operands(&g, &a, &b, &mut c).unwrap();
+        assert_eq!(c[0], 1.0 + 3.0 * (1.0 + 2f32.powi(-6)));
+        gemm_f32(&g, &a, &b, &mut c).unwrap();
+        assert_ne!(c[0], 1.0 + 3.0 * (1.0 + 2f32.powi(-6)));
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! Reductions over a row run as the kernels' blocks do: "thread" `t` of [`NN_BLOCK`] folds
 //! elements `t, t + NN_BLOCK, …` in order, then a tree halves the partials. The layer norm's
-//! and the biases' parameter gradients are column reductions ([`column_fold`]): row group `g`
+//! and the biases' parameter gradients are column reductions: row group `g`
 //! of [`NN_COL_GROUPS`] folds rows `g, g + NN_COL_GROUPS, …` of a column in order from zero,
 //! and the group partials are added in order to the gradient's current value. The embeddings'
 //! gradients fold their tokens in order into the gradient's current value. Deterministic, no
@@ -195,7 +195,7 @@ pub fn layernorm_backward_input(
 }
 
 /// Layer norm backward, parameter part (**accumulates**): `dweight += (dy·(x − mean))·rstd`,
-/// `dbias += dy`, summed over the rows as a column reduction ([`column_fold`]'s order).
+/// `dbias += dy`, summed over the rows as a column reduction (the column-reduction order of this module's documentation).
 ///
 /// # Errors
 /// [`KernelError::Length`] / [`KernelError::InvalidArgument`] for mismatched shapes.
@@ -507,7 +507,7 @@ pub fn embedding_backward_positions(
 }
 
 /// Bias gradient (**accumulates**): `dbias[j] += Σ_r dy[r, j]` (the column sums of
-/// `dy: [n, c]`, `c = dbias.len()`), a column reduction ([`column_fold`]'s order).
+/// `dy: [n, c]`, `c = dbias.len()`), a column reduction (the column-reduction order of this module's documentation).
 ///
 /// # Errors
 /// [`KernelError::InvalidArgument`] unless `dy` is whole rows of `c`.

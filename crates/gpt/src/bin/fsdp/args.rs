@@ -303,8 +303,10 @@ pub(crate) struct TrainArgs {
     pub(crate) backend: Option<TrainBackend>,
     /// Where the model trains: `cpu` (the default: the sharded engine, any --ranks) or `cuda`
     /// / `cuda:N` (one GPU, one rank, without the sharded engine: the GPT's NVRTC kernels and
-    /// cuBLAS on one CUDA stream, AdamW on the device; f32 only, and the options of sharding,
-    /// mixed precision, checkpointing, tracing and memory admission are refused).
+    /// cuBLAS on one CUDA stream, AdamW on the device; f32, or with `--param-dtype bf16`
+    /// products of bf16-rounded operands with f32 sums (every other layer f32, as
+    /// `torch.autocast`); the options of sharding, checkpointing, tracing and memory admission
+    /// are refused).
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N", value_parser = parse_device)]
     pub(crate) device: DeviceArg,
     /// Timeout of every collective, in seconds: a peer that does not reach a collective in

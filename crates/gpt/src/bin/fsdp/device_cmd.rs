@@ -15,7 +15,7 @@ use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, Products};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
@@ -60,14 +60,19 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
         )));
     }
     let dtypes = [
-        ("--param-dtype", Some(args.model.param_dtype)),
-        ("--reduce-dtype", args.model.reduce_dtype),
+        ("--param-dtype", Some(args.model.param_dtype), DType::BF16),
+        ("--reduce-dtype", args.model.reduce_dtype, DType::F32),
     ];
-    for (option, d) in dtypes {
-        if let Some(d) = d.filter(|&d| d != DType::F32) {
+    for (option, d, also) in dtypes {
+        if let Some(d) = d.filter(|&d| d != DType::F32 && d != also) {
             return Err(fail(format!(
-                "--device {dev}: {option} {}: the device trainer is f32 only",
-                crate::run_config::dtype_option(d)
+                "--device {dev}: {option} {}: the device trainer takes f32{}",
+                crate::run_config::dtype_option(d),
+                if also == DType::F32 {
+                    " only (one rank reduces nothing)"
+                } else {
+                    " or bf16 (products of bf16 operands)"
+                }
             )));
         }
     }
@@ -145,6 +150,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         tokens,
     };
     let dev = args.device;
+    let bf16 = args.model.param_dtype == DType::BF16;
     match dev {
         DeviceArg::Cuda { ordinal: n, .. } => {
             let count = fsdp_device::cuda::device_count()
@@ -156,10 +162,20 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
             }
             let stream = fsdp_device::Stream::cuda(n, "fsdp train")
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?;
-            let ops = CudaOps::new(stream).map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            let ops = CudaOps::new(stream)
+                .map_err(|e| fail(format!("--device {dev}: {e}")))?
+                .with_products(if bf16 { Products::Bf16 } else { Products::F32 });
             train_with(ops, args, &run)
         }
-        DeviceArg::HostTwin => train_with(HostOps::new(), args, &run),
+        DeviceArg::HostTwin => train_with(
+            HostOps::with_products(if bf16 {
+                HostProducts::Bf16Operands
+            } else {
+                HostProducts::F32
+            }),
+            args,
+            &run,
+        ),
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
 }
@@ -189,6 +205,9 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
         }
     );
     say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
+    if args.model.param_dtype == DType::BF16 {
+        say!("products: bf16 operands, f32 sums and results (every other layer in f32)");
+    }
     let tty = std::io::stderr().is_terminal();
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
