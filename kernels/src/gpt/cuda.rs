@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut};
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, CudaViewMut};
 use fsdp_device::Stream;
 use half::bf16;
 
@@ -64,6 +64,7 @@ impl CudaOps {
             })?
             .clone();
         let blas = Blas::new(cuda.clone())?;
+        hold_pool_memory(&cuda, u64::MAX);
         Ok(CudaOps {
             stream,
             cuda,
@@ -106,6 +107,41 @@ impl CudaOps {
         let vb = cast_into(&self.cuda, kb, b)?;
         self.blas.matmul::<bf16, f32>(g, &va, &vb, c)
     }
+}
+
+impl Drop for CudaOps {
+    fn drop(&mut self) {
+        // Give what the pool kept back to the driver, as its default does at every
+        // synchronisation.
+        hold_pool_memory(&self.cuda, 0);
+    }
+}
+
+/// Sets the release threshold of the device's default memory pool, which serves cudarc's
+/// stream-ordered allocations (`cuMemAllocAsync`). The step allocates its activations afresh
+/// and frees them as it goes; with the driver's default threshold (0) the pool returns all of
+/// that memory to the driver at each step's synchronisation and maps it again in the next
+/// step. `u64::MAX` keeps it, as PyTorch's caching allocator keeps its segments; 0 (on drop)
+/// releases what is unused and restores the default. Best effort: a device without memory pools
+/// allocates synchronously and has nothing to keep.
+fn hold_pool_memory(cuda: &CudaStream, threshold: u64) {
+    let dev = cuda.context().cu_device();
+    let mut value = threshold;
+    // SAFETY: a device of a live context; the release threshold attribute takes a u64, which
+    // `value` is, alive for the call.
+    let _ = unsafe {
+        result::device::get_default_mem_pool(dev).and_then(|pool| {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )?;
+            if threshold == 0 {
+                result::mem_pool::trim_to(pool, 0)?;
+            }
+            Ok(())
+        })
+    };
 }
 
 /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short).
