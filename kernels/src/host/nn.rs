@@ -195,7 +195,8 @@ pub fn layernorm_backward_input(
 }
 
 /// Layer norm backward, parameter part (**accumulates**): `dweight += (dy·(x − mean))·rstd`,
-/// `dbias += dy`, summed over the rows as a column reduction (the column-reduction order of this module's documentation).
+/// `dbias += dy`, summed over the rows as a column reduction (in the order this module's
+/// documentation gives).
 ///
 /// # Errors
 /// [`KernelError::Length`] / [`KernelError::InvalidArgument`] for mismatched shapes.
@@ -507,7 +508,8 @@ pub fn embedding_backward_positions(
 }
 
 /// Bias gradient (**accumulates**): `dbias[j] += Σ_r dy[r, j]` (the column sums of
-/// `dy: [n, c]`, `c = dbias.len()`), a column reduction (the column-reduction order of this module's documentation).
+/// `dy: [n, c]`, `c = dbias.len()`), a column reduction (in the order this module's
+/// documentation gives).
 ///
 /// # Errors
 /// [`KernelError::InvalidArgument`] unless `dy` is whole rows of `c`.
