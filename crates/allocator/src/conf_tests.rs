@@ -7,6 +7,10 @@ use proptest::prelude::*;
 use super::*;
 use crate::MemoryLimit;
 
+// The Miri-aware proptest configuration the integration tests use too.
+#[path = "../tests/common/miri.rs"]
+mod miri;
+
 fn parse(text: &str) -> AllocatorConfig {
     AllocatorConfig::from_pytorch_conf(text).unwrap_or_else(|e| panic!("{text}: {e}"))
 }
@@ -314,16 +318,7 @@ const CASES: u32 = 256;
 const CASES_UNDER_MIRI: u32 = 4;
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) { CASES_UNDER_MIRI } else { CASES },
-        // Under Miri's isolation the regression file cannot be located (no `getcwd`).
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(miri::miri_aware_config(CASES, CASES_UNDER_MIRI))]
 
     #[test]
     fn round_trip(c in config()) {

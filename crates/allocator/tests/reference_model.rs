@@ -11,6 +11,10 @@ use fsdp_allocator::{AllocatorConfig, BlockState, MetaAllocator, MetaBlock, Meta
 use fsdp_device::Stream;
 use proptest::prelude::*;
 
+#[path = "common/miri.rs"]
+mod miri;
+use miri::{ops_len, proptest_config};
+
 const MIB: usize = 1 << 20;
 
 #[derive(Clone, Debug)]
@@ -300,19 +304,12 @@ fn run(ops: &[Op], divisions: usize, max_split: Option<usize>) -> Result<(), Tes
 }
 
 /// Operations per run: 400, or a few under Miri, which interprets every step.
-const OPS: usize = if cfg!(miri) { 30 } else { 400 };
+const OPS: usize = ops_len(400);
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) { 1 } else { 12 },
         max_shrink_iters: 100,
-        // Under Miri's isolation the regression file cannot be located.
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
+        ..proptest_config(12)
     })]
 
     #[test]

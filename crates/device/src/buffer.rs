@@ -12,189 +12,24 @@
 //! that owns a guard keeps the memory alive even if the caller drops or forgets every handle.
 
 use std::fmt;
-use std::ops::{Deref, DerefMut, Range};
-use std::ptr::NonNull;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
+pub use crate::storage::{HostStorage, MetaStorage, Storage, HOST_ALIGN};
 use crate::{DType, Device, DeviceError, Element, StreamOrder, DEFAULT_TIMEOUT};
+use tickets::AccessLock;
+pub use tickets::{AccessGuard, AccessMode, AccessTicket, ReadGuard, WriteGuard};
+
+#[path = "tickets.rs"]
+mod tickets;
 
 /// Bytes of `len` elements of `dtype`; an overflow is an invalid argument naming both.
 pub(crate) fn byte_size(dtype: DType, len: usize) -> Result<usize, DeviceError> {
     len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
         DeviceError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
     })
-}
-
-/// Alignment of host storage created by this crate (one cache line).
-pub const HOST_ALIGN: usize = 64;
-
-/// Memory that a [`Buffer`] views.
-///
-/// # Safety
-/// Implementors guarantee that [`as_ptr`](Storage::as_ptr) returns the same address for the whole
-/// life of the value, that the `byte_len` bytes from it stay valid (allocated and not used by
-/// anything else) until the value is dropped, and that the address is aligned to at least 8 bytes.
-/// For [`Device::Cpu`] the address is a host pointer; for a CUDA device, a device pointer; for
-/// [`Device::Meta`] the address is only an identifier: no bytes exist behind it and it is never
-/// dereferenced (host access refuses buffers that are not on the CPU, and code that touches a
-/// buffer's memory through an [`AccessGuard`] checks its device first).
-pub unsafe trait Storage: Send + Sync + 'static {
-    /// Where the memory lives.
-    fn device(&self) -> Device;
-    /// Size in bytes.
-    fn byte_len(&self) -> usize;
-    /// The base address.
-    fn as_ptr(&self) -> *mut u8;
-    /// The [`StreamOrder`] of a stream-ordered storage (device memory): buffers over it are used
-    /// on streams through [`Buffer::use_on`] instead of access tickets. `None` (the default) for
-    /// storage ordered by access tickets.
-    fn stream_order(&self) -> Option<Arc<StreamOrder>> {
-        None
-    }
-    /// Whether the memory is page-locked host memory that asynchronous device copies may use
-    /// (`PinnedStorage` of the `cuda` feature). Default `false`.
-    fn is_page_locked(&self) -> bool {
-        false
-    }
-}
-
-/// Zero-initialised host memory aligned to [`HOST_ALIGN`].
-pub struct HostStorage {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: HostStorage owns its allocation exclusively; the pointer is only dereferenced through
-// Buffer's access tickets, which serialise conflicting accesses across threads.
-unsafe impl Send for HostStorage {}
-// SAFETY: as above; &HostStorage only exposes the address, never a reference to the bytes.
-unsafe impl Sync for HostStorage {}
-
-impl HostStorage {
-    /// Allocate `len` zeroed bytes.
-    pub fn zeroed(len: usize) -> Result<HostStorage, DeviceError> {
-        if len == 0 {
-            // A dangling but aligned address: nothing is ever read or written through it.
-            let ptr =
-                NonNull::new(HOST_ALIGN as *mut u8).ok_or(DeviceError::OutOfMemory { bytes: 0 })?;
-            return Ok(HostStorage { ptr, len: 0 });
-        }
-        let layout = std::alloc::Layout::from_size_align(len, HOST_ALIGN)
-            .map_err(|_| DeviceError::OutOfMemory { bytes: len })?;
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or(DeviceError::OutOfMemory { bytes: len })?;
-        Ok(HostStorage { ptr, len })
-    }
-}
-
-impl Drop for HostStorage {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: allocated in `zeroed` with exactly this layout, freed once.
-            unsafe {
-                std::alloc::dealloc(
-                    self.ptr.as_ptr(),
-                    std::alloc::Layout::from_size_align_unchecked(self.len, HOST_ALIGN),
-                )
-            }
-        }
-    }
-}
-
-// SAFETY: the allocation is owned, fixed, HOST_ALIGN-aligned and lives until drop.
-unsafe impl Storage for HostStorage {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn byte_len(&self) -> usize {
-        self.len
-    }
-    fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-}
-
-/// Storage on [`Device::Meta`]: a size and no bytes, like the storage of PyTorch's meta tensors.
-/// Buffers over it have shapes, lengths, slices and access tickets, but their elements cannot
-/// be read or written (host access is a [`DeviceError::Unsupported`]).
-///
-/// ```
-/// use fsdp_device::{Buffer, DType, Device, DeviceError};
-/// let buf = Buffer::meta(DType::F32, 1 << 40).unwrap(); // 4 TiB, and no memory
-/// assert_eq!((buf.device(), buf.byte_len()), (Device::Meta, 4 << 40));
-/// assert!(matches!(buf.to_vec::<f32>(), Err(DeviceError::Unsupported { .. })));
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MetaStorage {
-    len: usize,
-}
-
-impl MetaStorage {
-    /// Storage of `byte_len` bytes that do not exist.
-    pub fn new(byte_len: usize) -> MetaStorage {
-        MetaStorage { len: byte_len }
-    }
-}
-
-// SAFETY: for Device::Meta the trait asks only for a fixed, aligned address: `as_ptr` is always
-// HOST_ALIGN (a dangling, well-aligned address without provenance, like `NonNull::dangling`),
-// which identifies no memory and is never dereferenced — Buffer's host access refuses meta
-// buffers, and the backends that touch memory through guards check the device first.
-unsafe impl Storage for MetaStorage {
-    fn device(&self) -> Device {
-        Device::Meta
-    }
-    fn byte_len(&self) -> usize {
-        self.len
-    }
-    fn as_ptr(&self) -> *mut u8 {
-        std::ptr::without_provenance_mut(HOST_ALIGN)
-    }
-}
-
-/// How a ticket accesses its range.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AccessMode {
-    /// Read-only; shared with other readers.
-    Shared,
-    /// Read-write; alone.
-    Exclusive,
-}
-
-#[derive(Debug)]
-struct Request {
-    id: u64,
-    mode: AccessMode,
-    range: Range<usize>,
-}
-
-impl Request {
-    fn conflicts(&self, other: &Request) -> bool {
-        let overlap = self.range.start < other.range.end && other.range.start < self.range.end;
-        overlap && (self.mode == AccessMode::Exclusive || other.mode == AccessMode::Exclusive)
-    }
-}
-
-#[derive(Default, Debug)]
-struct LockState {
-    next_id: u64,
-    waiting: Vec<Request>,
-    active: Vec<Request>,
-}
-
-#[derive(Default)]
-struct AccessLock {
-    state: Mutex<LockState>,
-    cv: Condvar,
-}
-
-impl AccessLock {
-    fn lock(&self) -> MutexGuard<'_, LockState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 static NEXT_STORAGE_ID: AtomicU64 = AtomicU64::new(1);
@@ -359,21 +194,7 @@ impl Buffer {
     /// Take a place in the access order of this buffer's range. The ticket is granted once every
     /// conflicting ticket taken before it has been released.
     pub fn access(&self, mode: AccessMode) -> AccessTicket {
-        let lock = &self.shared.access;
-        let mut st = lock.lock();
-        let id = st.next_id;
-        st.next_id += 1;
-        st.waiting.push(Request {
-            id,
-            mode,
-            range: self.byte_range(),
-        });
-        AccessTicket {
-            buffer: self.clone(),
-            id,
-            mode,
-            granted: false,
-        }
+        AccessTicket::new(self, mode)
     }
 
     fn check_dtype<T: Element>(&self) -> Result<(), DeviceError> {
@@ -409,10 +230,7 @@ impl Buffer {
     pub fn read_timeout<T: Element>(&self, timeout: Duration) -> Result<ReadGuard<T>, DeviceError> {
         self.check_dtype::<T>()?;
         let guard = self.access(AccessMode::Shared).acquire(timeout)?;
-        Ok(ReadGuard {
-            guard,
-            _t: std::marker::PhantomData,
-        })
+        Ok(ReadGuard::new(guard))
     }
 
     /// Write the elements on the host, after the stream work issued on this range before the call
@@ -428,10 +246,7 @@ impl Buffer {
     ) -> Result<WriteGuard<T>, DeviceError> {
         self.check_dtype::<T>()?;
         let guard = self.access(AccessMode::Exclusive).acquire(timeout)?;
-        Ok(WriteGuard {
-            guard,
-            _t: std::marker::PhantomData,
-        })
+        Ok(WriteGuard::new(guard))
     }
 
     /// Copy the elements out.
@@ -450,183 +265,6 @@ impl Buffer {
         }
         self.write::<T>()?.copy_from_slice(data);
         Ok(())
-    }
-}
-
-/// A place in a buffer's access order, taken when work is issued. See [`Buffer::access`].
-/// Dropping it unacquired gives up the place.
-pub struct AccessTicket {
-    buffer: Buffer,
-    id: u64,
-    mode: AccessMode,
-    granted: bool,
-}
-
-impl fmt::Debug for AccessTicket {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "AccessTicket({:?} {:?} of {:?})",
-            self.id, self.mode, self.buffer
-        )
-    }
-}
-
-impl AccessTicket {
-    /// The buffer the ticket is for.
-    pub fn buffer(&self) -> &Buffer {
-        &self.buffer
-    }
-
-    /// Wait until every conflicting earlier ticket has been released, up to `timeout`.
-    pub fn acquire(mut self, timeout: Duration) -> Result<AccessGuard, DeviceError> {
-        let lock = &self.buffer.shared.access;
-        let deadline = Instant::now() + timeout;
-        let mut st = lock.lock();
-        loop {
-            let pos = st
-                .waiting
-                .iter()
-                .position(|r| r.id == self.id)
-                .expect("a live ticket is always queued until granted");
-            let me = &st.waiting[pos];
-            let blocked = st.active.iter().any(|a| a.conflicts(me))
-                || st.waiting[..pos].iter().any(|w| w.conflicts(me));
-            if !blocked {
-                let req = st.waiting.remove(pos);
-                st.active.push(req);
-                self.granted = true;
-                drop(st);
-                return Ok(AccessGuard {
-                    buffer: self.buffer.clone(),
-                    id: self.id,
-                    mode: self.mode,
-                });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(DeviceError::Timeout {
-                    what: format!(
-                        "{:?} access to {:?} (earlier work on it has not finished)",
-                        self.mode, self.buffer
-                    ),
-                    waited: timeout,
-                });
-            }
-            st = lock
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-}
-
-impl Drop for AccessTicket {
-    fn drop(&mut self) {
-        if !self.granted {
-            let lock = &self.buffer.shared.access;
-            let mut st = lock.lock();
-            st.waiting.retain(|r| r.id != self.id);
-            drop(st);
-            lock.cv.notify_all();
-        }
-    }
-}
-
-/// Granted access to a buffer's range; released on drop. Stream work holds one for each buffer it
-/// touches, which keeps the storage alive while the work runs.
-pub struct AccessGuard {
-    buffer: Buffer,
-    id: u64,
-    mode: AccessMode,
-}
-
-impl fmt::Debug for AccessGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "AccessGuard({:?} of {:?})", self.mode, self.buffer)
-    }
-}
-
-impl AccessGuard {
-    /// The buffer the guard is for.
-    pub fn buffer(&self) -> &Buffer {
-        &self.buffer
-    }
-
-    /// The granted mode.
-    pub fn mode(&self) -> AccessMode {
-        self.mode
-    }
-
-    /// Address of the first element (host or device address, per the buffer's device; for
-    /// [`Device::Meta`] an identifier that must never be dereferenced). Valid while the guard
-    /// lives; writing through it is allowed only for an exclusive guard.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.buffer.element_ptr()
-    }
-}
-
-impl Drop for AccessGuard {
-    fn drop(&mut self) {
-        let lock = &self.buffer.shared.access;
-        let mut st = lock.lock();
-        st.active.retain(|r| r.id != self.id);
-        drop(st);
-        lock.cv.notify_all();
-    }
-}
-
-/// Shared host access to a buffer's elements.
-pub struct ReadGuard<T: Element> {
-    guard: AccessGuard,
-    _t: std::marker::PhantomData<T>,
-}
-
-impl<T: Element> Deref for ReadGuard<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        let len = self.guard.buffer.len;
-        // SAFETY: check_dtype ensured a host buffer of T; the storage holds `len` initialised
-        // (zeroed or written) elements at this aligned address; the shared guard excludes writers
-        // of this range until it is dropped, and the slice borrows the guard.
-        unsafe { std::slice::from_raw_parts(self.guard.as_ptr() as *const T, len) }
-    }
-}
-
-impl<T: Element> fmt::Debug for ReadGuard<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
-    }
-}
-
-impl<T: Element> fmt::Debug for WriteGuard<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
-    }
-}
-
-/// Exclusive host access to a buffer's elements.
-pub struct WriteGuard<T: Element> {
-    guard: AccessGuard,
-    _t: std::marker::PhantomData<T>,
-}
-
-impl<T: Element> Deref for WriteGuard<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        let len = self.guard.buffer.len;
-        // SAFETY: as for ReadGuard; the exclusive guard excludes every other access.
-        unsafe { std::slice::from_raw_parts(self.guard.as_ptr() as *const T, len) }
-    }
-}
-
-impl<T: Element> DerefMut for WriteGuard<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        let len = self.guard.buffer.len;
-        // SAFETY: the exclusive guard excludes every other access to this range while it lives,
-        // and the slice mutably borrows the guard; T is Pod, so any bytes are a valid T.
-        unsafe { std::slice::from_raw_parts_mut(self.guard.as_ptr() as *mut T, len) }
     }
 }
 

@@ -36,16 +36,15 @@ mod device;
 pub mod dtype;
 mod error;
 pub mod order;
+mod storage;
 pub mod stream;
 
-pub use buffer::{
-    AccessGuard, AccessMode, AccessTicket, Buffer, HostStorage, MetaStorage, ReadGuard, Storage,
-    WriteGuard, HOST_ALIGN,
-};
+pub use buffer::{AccessGuard, AccessMode, AccessTicket, Buffer, ReadGuard, WriteGuard};
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::DeviceError;
 pub use order::{StreamOrder, StreamUse};
+pub use storage::{HostStorage, MetaStorage, Storage, HOST_ALIGN};
 pub use stream::{Event, Stream, StreamId, DEFAULT_TIMEOUT};
 
 #[doc(hidden)]

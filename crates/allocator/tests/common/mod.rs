@@ -20,6 +20,11 @@ pub const KIB: usize = 1 << 10;
 /// How many bytes at each end of a block [`Harness::write_pattern`] writes.
 pub const PATTERN: usize = 64;
 
+mod miri;
+// Not every test that includes `common` runs property tests (`cuda.rs` does not).
+#[allow(unused_imports)]
+pub use miri::{ops_len, proptest_config};
+
 /// Streams and device operations for one memory source.
 pub trait Harness {
     /// The source under test.
@@ -156,29 +161,6 @@ impl<M: CpuMemory> Harness for CpuHarness<M> {
 
     fn synchronize(&self, i: usize) {
         self.streams[i].synchronize().unwrap();
-    }
-}
-
-/// Operations per random run: `n`, or a few under Miri, which interprets every step.
-pub fn ops_len(n: usize) -> usize {
-    if cfg!(miri) {
-        30
-    } else {
-        n
-    }
-}
-
-/// `cases` random cases (one under Miri, which interprets every step).
-pub fn proptest_config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: if cfg!(miri) { 1 } else { cases },
-        // Under Miri's isolation the regression file cannot be located.
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
     }
 }
 

@@ -8,7 +8,6 @@
 //! accumulation, `--skip-nonfinite`) and writes the same outputs (`--loss-log`, `--save`);
 //! the options it does not support are refused by name before anything starts.
 
-use std::io::IsTerminal;
 use std::time::Instant;
 
 use fsdp_collectives::LaunchEnv;
@@ -16,15 +15,15 @@ use fsdp_device::DType;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, Products};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
 use crate::paths::check_output_paths;
+use crate::progress::{nonfinite, say_done, Progress};
 use crate::say;
 use crate::setup::{micro_batch, setup};
-use crate::train::{grad_clip, load_tokens, nonfinite, nonfinite_error};
+use crate::train::{grad_clip, load_tokens};
 use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
@@ -208,12 +207,7 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
     if args.model.param_dtype == DType::BF16 {
         say!("products: bf16 operands, f32 sums and results (every other layer in f32)");
     }
-    let tty = std::io::stderr().is_terminal();
-    let bar = ProgressBar::new(steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let progress = Progress::new(steps, args.skip_nonfinite);
     let start = Instant::now();
     let (mut first, mut last) = (f32::NAN, f32::NAN);
     let mut skipped = 0usize;
@@ -223,19 +217,8 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
         if !o.applied {
             let what = nonfinite(o.loss, o.grad_norm, false)
                 .unwrap_or_else(|| "the step is not finite".to_string());
-            if skipped >= args.skip_nonfinite {
-                return Err(nonfinite_error(step, &what, skipped, args.skip_nonfinite));
-            }
-            skipped += 1;
-            let msg = format!(
-                "step {step}: {what}: skipped ({skipped} of --skip-nonfinite {})",
-                args.skip_nonfinite
-            );
-            if tty {
-                bar.println(msg);
-            } else {
-                say!("{msg}");
-            }
+            progress.count_skip(step, &what, &mut skipped)?;
+            progress.skipped(step, &what, skipped);
         }
         let dt = t0.elapsed().as_secs_f64();
         let tps = global_tokens as f64 / dt;
@@ -247,15 +230,10 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
             log.step(step, o.loss, tps, 0);
         }
         let msg = format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss);
-        if tty {
-            bar.set_message(msg);
-            bar.inc(1);
-        } else if step == 0 || (step + 1) % (steps / 10).max(1) == 0 {
-            say!("{msg}");
-        }
+        progress.status(step, msg);
     }
     let elapsed = start.elapsed();
-    bar.finish_and_clear();
+    progress.finish();
     if let Some(path) = &args.save {
         let params = trainer.full_params().map_err(on_device)?;
         save_checkpoint(path, cfg, &params)?;
@@ -263,22 +241,12 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
     if let Some(log) = loss_log {
         log.finish()?;
     }
-    let secs = elapsed.as_secs_f64();
-    say!(
-        "done: {steps} steps in {secs:.1} s ({:.0} tokens/s); loss {first:.4} -> {last:.4}",
-        global_tokens as f64 * steps as f64 / secs
-    );
+    say_done(steps, elapsed, global_tokens, first, last);
     say!(
         "device: {dev}, {} optimizer steps (the loss log's peak column is 0: device memory is \
          not tracked)",
         trainer.optimizer_steps()
     );
-    if skipped > 0 {
-        say!(
-            "skipped {skipped} non-finite step(s) (no optimizer step; gradients discarded; \
-             --skip-nonfinite {})",
-            args.skip_nonfinite
-        );
-    }
+    progress.say_skipped(skipped);
     Ok(())
 }

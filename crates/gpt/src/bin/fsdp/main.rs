@@ -18,6 +18,7 @@ mod optimizer;
 mod output;
 mod paths;
 mod plan_cmd;
+mod progress;
 mod resume;
 mod run_config;
 mod setup;

@@ -16,6 +16,7 @@ use fsdp_gpt::model::GptConfig;
 
 use crate::args::TrainArgs;
 use crate::paths::output_error;
+use crate::progress::say_done;
 use crate::say;
 use crate::{fail, CliError};
 
@@ -258,11 +259,7 @@ pub(crate) fn print_summary(
     let losses = &reports[0].losses;
     let first = losses.first().map_or(f32::NAN, |l| l.0);
     let last = losses.last().map_or(f32::NAN, |l| l.0);
-    let secs = elapsed.as_secs_f64();
-    say!(
-        "done: {steps} steps in {secs:.1} s ({:.0} tokens/s); loss {first:.4} -> {last:.4}",
-        global_tokens as f64 * steps as f64 / secs
-    );
+    say_done(steps, elapsed, global_tokens, first, last);
     say!(
         "{:>4}  {:>14}  {:>14}  {:>11}  {:>16}  {:>16}  {:>16}  {:>11}  {:>14}",
         "rank",

@@ -1,7 +1,6 @@
 //! `fsdp train`: checks every option, starts the ranks (threads on the ring backend, or this
 //! process as one rank under a launcher), trains and writes the outputs.
 
-use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
@@ -14,7 +13,6 @@ use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_cor
 use fsdp_gpt::init::gpt2_init;
 use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpGpt, ScheduleKind};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::admission::{self, Sharing};
 use crate::args::{strategy_name, DeviceArg, TrainArgs};
@@ -22,6 +20,7 @@ use crate::checkpointing::Checkpointer;
 use crate::host_admission::HostGroup;
 use crate::output::{gather_rank_stats, print_summary, write_outputs, LossLog, RankReport};
 use crate::paths::{check_output_paths, output_error, rank_trace_path};
+use crate::progress::{nonfinite, Progress};
 use crate::resume::{self, Resolved};
 use crate::say;
 use crate::setup::Setup;
@@ -156,12 +155,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let mut config = config;
     config.memory_capacity = capacity;
     config.trace = args.trace.is_some();
-    let tty = std::io::stderr().is_terminal();
-    let bar = ProgressBar::new(steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let progress = Progress::new(steps, skip_nonfinite);
     // Under a launcher this process is one rank: meet the others now (validation is done).
     let process_comm = match &mode {
         Mode::Threads(_) => None,
@@ -232,7 +226,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             );
         }
     }
-    bar.set_position(start_step as u64);
+    progress.start_at(start_step);
     let start = Instant::now();
     let skipped_steps = AtomicUsize::new(0);
     let final_scaler: Mutex<Option<GradScalerState>> = Mutex::new(None);
@@ -301,24 +295,13 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             // rank takes the same branch without further communication.
             match nonfinite(loss, norm, overflow) {
                 None => model.optimizer_step()?,
-                Some(what) if skipped < skip_nonfinite => {
+                Some(what) => {
                     // Recorded below like any step (its loss as it is).
-                    skipped += 1;
+                    progress.count_skip(step, &what, &mut skipped)?;
                     model.skip_step()?;
                     if rank == 0 {
-                        let msg = format!(
-                            "step {step}: {what}: skipped ({skipped} of --skip-nonfinite \
-                             {skip_nonfinite})"
-                        );
-                        if tty {
-                            bar.println(msg);
-                        } else {
-                            say!("{msg}");
-                        }
+                        progress.skipped(step, &what, skipped);
                     }
-                }
-                Some(what) => {
-                    return Err(nonfinite_error(step, &what, skipped, skip_nonfinite));
                 }
             }
             let dt = t0.elapsed().as_secs_f64();
@@ -368,12 +351,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                     "step {step} loss {loss:.4} {tps:.0} tok/s peak alloc/rank [{}]",
                     mem.join(", ")
                 );
-                if tty {
-                    bar.set_message(msg);
-                    bar.inc(1);
-                } else if step == 0 || (step + 1) % (steps / 10).max(1) == 0 {
-                    say!("{msg}");
-                }
+                progress.status(step, msg);
             }
             if let Some(c) = checkpointer.as_ref().filter(|c| c.due(step + 1)) {
                 c.save(&model, step + 1, skipped)?;
@@ -442,14 +420,14 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 }
             }
             if rank != 0 {
-                bar.finish_and_clear();
+                progress.finish();
                 return Ok(());
             }
             reports.push(own);
             reports.extend(others.into_iter().skip(1));
         }
     }
-    bar.finish_and_clear();
+    progress.finish();
 
     // ---- Outputs.
     write_outputs(args, &cfg, &mut reports)?;
@@ -459,13 +437,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             .finish()?;
     }
     print_summary(&reports, elapsed, global_tokens, steps - start_step);
-    let skipped = skipped_steps.load(Ordering::Relaxed);
-    if skipped > 0 {
-        say!(
-            "skipped {skipped} non-finite step(s) (no optimizer step; gradients discarded; \
-             --skip-nonfinite {skip_nonfinite})"
-        );
-    }
+    progress.say_skipped(skipped_steps.load(Ordering::Relaxed));
     let final_scaler = final_scaler
         .into_inner()
         .unwrap_or_else(PoisonError::into_inner);
@@ -486,40 +458,5 @@ fn show_scale(s: f32) -> String {
         format!("{s}")
     } else {
         format!("{s:e}")
-    }
-}
-
-/// What is non-finite in a step, if anything: the global loss (checked first) or the global
-/// gradient norm. The norm is not checked when the grad scaler found an overflow
-/// (`scaler_overflow`): that step is the scaler's to skip. The loss is always checked: it is
-/// computed before any scaling, so a non-finite loss is not the scale's doing.
-pub(crate) fn nonfinite(loss: f32, grad_norm: f64, scaler_overflow: bool) -> Option<String> {
-    if !loss.is_finite() {
-        Some(format!("the loss is {loss}"))
-    } else if !scaler_overflow && !grad_norm.is_finite() {
-        Some(format!("the gradient norm is {grad_norm}"))
-    } else {
-        None
-    }
-}
-
-/// The error that stops a run at a non-finite step (before its optimizer step, so no output
-/// is written from non-finite parameters).
-pub(crate) fn nonfinite_error(
-    step: usize,
-    what: &str,
-    skipped: usize,
-    skip_nonfinite: usize,
-) -> CliError {
-    if skip_nonfinite == 0 {
-        fail(format!(
-            "step {step}: {what} (non-finite); training stopped and nothing was saved \
-             (--skip-nonfinite N skips up to N such steps)"
-        ))
-    } else {
-        fail(format!(
-            "step {step}: {what} (non-finite) after {skipped} skipped non-finite step(s) \
-             (--skip-nonfinite {skip_nonfinite}); training stopped and nothing was saved"
-        ))
     }
 }
