@@ -59,31 +59,28 @@ for t in "${targets[@]}"; do
     strip --strip-debug "$out/$file"
     printf '%s %s %s\n' "$file" "$kind" "$what" >>"$out/MANIFEST"
 done
+# Copy the `fsdp` program that `cargo "$@" --message-format=json` builds to $out/$1.
+fsdp_program() {
+    local name="$1" exe
+    shift
+    exe=$(cargo "$@" --message-format=json \
+        | jq -r 'select(.reason == "compiler-artifact" and .target.name == "fsdp"
+                        and (.target.kind | index("bin")) and .executable != null) | .executable' \
+        | tail -n 1)
+    if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+        echo "no executable for the fsdp program ($*)" >&2
+        exit 1
+    fi
+    cp "$exe" "$out/$name"
+    strip --strip-debug "$out/$name"
+}
 # The `fsdp` program that gpu_device_train runs (it looks for it beside itself): the one cargo
 # built with that test (same profile). Not in MANIFEST: gpu-check.sh runs only the tests.
 echo "== the fsdp program for gpu_device_train" >&2
-fsdp_exe=$(cargo test -p fsdp-gpt --test gpu_device_train --no-run --message-format=json \
-    | jq -r 'select(.reason == "compiler-artifact" and .target.name == "fsdp"
-                    and (.target.kind | index("bin")) and .executable != null) | .executable' \
-    | tail -n 1)
-if [ -z "$fsdp_exe" ] || [ ! -x "$fsdp_exe" ]; then
-    echo "no executable for the fsdp program" >&2
-    exit 1
-fi
-cp "$fsdp_exe" "$out/fsdp-gpt--bin--fsdp"
-strip --strip-debug "$out/fsdp-gpt--bin--fsdp"
+fsdp_program fsdp-gpt--bin--fsdp test -p fsdp-gpt --test gpu_device_train --no-run
 # The release `fsdp` program for the GPT-2 124M comparison with PyTorch FSDP2 in gpu-check.sh.
 echo "== the release fsdp program (GPT-2 124M timing)" >&2
-rel_exe=$(cargo build --release -p fsdp-gpt --bin fsdp --message-format=json \
-    | jq -r 'select(.reason == "compiler-artifact" and .target.name == "fsdp"
-                    and (.target.kind | index("bin")) and .executable != null) | .executable' \
-    | tail -n 1)
-if [ -z "$rel_exe" ] || [ ! -x "$rel_exe" ]; then
-    echo "no executable for the release fsdp program" >&2
-    exit 1
-fi
-cp "$rel_exe" "$out/fsdp-gpt--release--fsdp"
-strip --strip-debug "$out/fsdp-gpt--release--fsdp"
+fsdp_program fsdp-gpt--release--fsdp build --release -p fsdp-gpt --bin fsdp
 cp scripts/gpu-check.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
