@@ -81,7 +81,7 @@ fsdp_program fsdp-gpt--bin--fsdp test -p fsdp-gpt --test gpu_device_train --no-r
 # The release `fsdp` program for the GPT-2 124M comparison with PyTorch FSDP2 in gpu-check.sh.
 echo "== the release fsdp program (GPT-2 124M timing)" >&2
 fsdp_program fsdp-gpt--release--fsdp build --release -p fsdp-gpt --bin fsdp
-cp scripts/gpu-check.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
+cp scripts/gpu-check.sh scripts/gpu-env.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
 cat "$out/MANIFEST" >&2

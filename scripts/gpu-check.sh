@@ -20,37 +20,9 @@ mkdir -p "$report"
 report="$(cd "$report" && pwd)"
 limit="${FSDP_GPU_TIMEOUT:-240}"
 
-sites=""
-if command -v python3 >/dev/null 2>&1; then
-    sites=$(python3 -c 'import site,sys
-p=[]
-try: p=site.getsitepackages()+[site.getusersitepackages()]
-except Exception: pass
-print("\n".join(p+sys.path))' 2>/dev/null)
-fi
-find_lib() { # $1: file name
-    local s f
-    for s in $sites; do
-        for f in "$s"/nvidia/*/lib/"$1"; do
-            [ -f "$f" ] && { echo "$f"; return 0; }
-        done
-    done
-    timeout 60 find / -xdev -name "$1" -path '*nvidia*' 2>/dev/null | head -n 1
-}
-nvrtc="${FSDP_NVRTC_LIB:-$(find_lib libnvrtc.so.13)}"
-nccl="$(find_lib libnccl.so.2)"
-links="$(mktemp -d)"
-trap 'rm -rf "$links"' EXIT
-ld="$links"
-if [ -n "$nccl" ]; then
-    ln -s "$nccl" "$links/libnccl.so"
-    ld="$ld:$(dirname "$nccl")"
-fi
-if [ -n "$nvrtc" ]; then
-    export FSDP_NVRTC_LIB="$nvrtc"
-    ld="$ld:$(dirname "$nvrtc")"
-fi
-export LD_LIBRARY_PATH="$ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NVRTC and NCCL on the loader path: sets nvrtc, nccl, FSDP_NVRTC_LIB and LD_LIBRARY_PATH.
+# shellcheck source=scripts/gpu-env.sh
+. "$(dirname "$0")/gpu-env.sh"
 
 {
     echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"

@@ -6,11 +6,8 @@
 set -u
 OUT="${OUT:-gpu-profile}"; mkdir -p "$OUT"
 B=$(cd "$(dirname "$0")" && pwd)
-site=$(python3 -c 'import site;print(site.getsitepackages()[0])')
-L=$site/nvidia/cu13/lib; N=$site/nvidia/nccl/lib
-T=$(mktemp -d); ln -s $N/libnccl.so.2 $T/libnccl.so
-export LD_LIBRARY_PATH=$T:$N:$L:${LD_LIBRARY_PATH:-}
-export FSDP_NVRTC_LIB=$L/libnvrtc.so.13
+# shellcheck source=scripts/gpu-env.sh
+. "$B/gpu-env.sh"
 cfg="--n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --batch-size 8"
 echo "nsys: $(command -v nsys) ncu: $(command -v ncu)"; ls /usr/local/cuda/bin 2>/dev/null | tr '\n' ' '; echo
 if command -v nsys >/dev/null; then

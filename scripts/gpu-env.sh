@@ -1,0 +1,37 @@
+# Sourced by gpu-check.sh and gpu-profile.sh on a GPU machine: finds NVRTC and NCCL under the
+# Python packages' site-packages (PyTorch's CUDA wheels: nvidia/cu13/lib/libnvrtc.so.13,
+# nvidia/nccl/lib/libnccl.so.2) when they are not on the loader path, puts their folders on
+# LD_LIBRARY_PATH, names NVRTC in FSDP_NVRTC_LIB, and makes a temporary folder with a
+# `libnccl.so` link (cudarc opens NCCL by that name; the wheel ships only libnccl.so.2),
+# removed at exit. Sets `nvrtc` and `nccl` to the paths found (empty when not found).
+sites=""
+if command -v python3 >/dev/null 2>&1; then
+    sites=$(python3 -c 'import site,sys
+p=[]
+try: p=site.getsitepackages()+[site.getusersitepackages()]
+except Exception: pass
+print("\n".join(p+sys.path))' 2>/dev/null)
+fi
+find_lib() { # $1: file name
+    local s f
+    for s in $sites; do
+        for f in "$s"/nvidia/*/lib/"$1"; do
+            [ -f "$f" ] && { echo "$f"; return 0; }
+        done
+    done
+    timeout 60 find / -xdev -name "$1" -path '*nvidia*' 2>/dev/null | head -n 1
+}
+nvrtc="${FSDP_NVRTC_LIB:-$(find_lib libnvrtc.so.13)}"
+nccl="$(find_lib libnccl.so.2)"
+links="$(mktemp -d)"
+trap 'rm -rf "$links"' EXIT
+ld="$links"
+if [ -n "$nccl" ]; then
+    ln -s "$nccl" "$links/libnccl.so"
+    ld="$ld:$(dirname "$nccl")"
+fi
+if [ -n "$nvrtc" ]; then
+    export FSDP_NVRTC_LIB="$nvrtc"
+    ld="$ld:$(dirname "$nvrtc")"
+fi
+export LD_LIBRARY_PATH="$ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
