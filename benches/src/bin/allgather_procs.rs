@@ -3,20 +3,36 @@
 //! `WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`/`MASTER_PORT`, one process per rank). Prints time,
 //! algbw and busbw (nccl-tests' definitions) per world size and message size.
 //!
+//! Shared memory runs three ways: `shm-procs(shared)` allocates the all-gather's buffers in
+//! [`SharedHostStorage`] (peers read them in place: one copy per hop), `shm-procs(cma)` uses
+//! ordinary buffers that peers read by cross-memory attach, `shm-procs(copy)` copies through
+//! the ring's slots (two copies per hop).
+//!
 //! `allgather-procs [--worlds 2,4] [--sizes-mib 1,16] [--iters 20]`
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fsdp_collectives::store::{StoreOptions, TcpStore};
+use fsdp_collectives::tcp::SharedHostStorage;
 use fsdp_collectives::{ring, tcp, Communicator};
 use fsdp_device::{Buffer, DType};
 
-fn time_all_gather(comm: &dyn Communicator, bytes: usize, iters: usize) -> Duration {
+/// `len` f32 zeros, in shared memory if `shared`.
+fn zeros(len: usize, shared: bool) -> Buffer {
+    if shared {
+        let s = SharedHostStorage::zeroed(len * 4).unwrap();
+        Buffer::from_storage(Box::new(s), DType::F32).unwrap()
+    } else {
+        Buffer::zeros(DType::F32, len).unwrap()
+    }
+}
+
+fn time_all_gather(comm: &dyn Communicator, bytes: usize, iters: usize, shared: bool) -> Duration {
     let world = comm.world_size();
     let n = bytes / 4 / world;
-    let input = Buffer::zeros(DType::F32, n).unwrap();
-    let output = Buffer::zeros(DType::F32, n * world).unwrap();
+    let input = zeros(n, shared);
+    let output = zeros(n * world, shared);
     for _ in 0..3 {
         comm.all_gather_base(&input, &output)
             .unwrap()
@@ -67,8 +83,9 @@ fn main() {
             TcpStore::new(StoreOptions::new("127.0.0.1", port, rank, world).with_server(false))
                 .unwrap();
         let comm = tcp::TcpCommunicator::new(&store, tcp::TcpOptions::default()).unwrap();
+        let shared = std::env::var("BENCH_SHARED_BUFFERS").is_ok_and(|v| v == "1");
         for &mib in &sizes {
-            let t = time_all_gather(&comm, mib << 20, iters);
+            let t = time_all_gather(&comm, mib << 20, iters, shared);
             if rank == 0 {
                 println!("{} {} {}", comm.transport().name(), mib, t.as_nanos());
             }
@@ -80,12 +97,18 @@ fn main() {
         let mut thread_bw = Vec::new();
         for &mib in &sizes {
             let ts = ring::run_ranks(world, ring::RingOptions::default(), |c| {
-                time_all_gather(&c, mib << 20, iters)
+                time_all_gather(&c, mib << 20, iters, false)
             })
             .unwrap();
             thread_bw.push(report("ring-threads", world, mib << 20, ts[0]));
         }
-        for (transport, cma) in [("shm", "1"), ("shm", "0"), ("tcp", "1")] {
+        let runs = [
+            ("shm", "1", "1", "shm-procs(shared)"),
+            ("shm", "1", "0", "shm-procs(cma)"),
+            ("shm", "0", "0", "shm-procs(copy)"),
+            ("tcp", "1", "0", "tcp-procs"),
+        ];
+        for (transport, cma, shared, label) in runs {
             let server = TcpStore::new(StoreOptions::new("127.0.0.1", 0, 0, world)).unwrap();
             let children: Vec<_> = (0..world)
                 .map(|rank| {
@@ -100,6 +123,7 @@ fn main() {
                         .env("MASTER_PORT", server.port().to_string())
                         .env("FSDP_TRANSPORT", transport)
                         .env("FSDP_SHM_CMA", cma)
+                        .env("BENCH_SHARED_BUFFERS", shared)
                         .output_handle()
                 })
                 .collect();
@@ -107,11 +131,6 @@ fn main() {
                 .into_iter()
                 .map(|c| c.wait_with_output().unwrap())
                 .collect();
-            let label = match (transport, cma) {
-                ("shm", "1") => "shm-procs(cma)",
-                ("shm", _) => "shm-procs(copy)",
-                _ => "tcp-procs",
-            };
             let text = String::from_utf8_lossy(&outs[0].stdout).into_owned();
             for (i, line) in text.lines().enumerate() {
                 let f: Vec<&str> = line.split_whitespace().collect();

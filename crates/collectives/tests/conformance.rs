@@ -36,11 +36,17 @@ fn ring_threads() {
     .unwrap();
 }
 
-/// In a child: run the suite over `transport`; in the parent: spawn the children and check them.
-fn processes(test: &str, transport: tcp::ProcessTransport) {
+/// In a child: run the suite over `transport` (its data buffers in [`SharedHostStorage`] if
+/// `shared`); in the parent: spawn the children and check them.
+///
+/// [`SharedHostStorage`]: tcp::SharedHostStorage
+fn processes(test: &str, transport: tcp::ProcessTransport, shared: bool) {
     if let Some(role) = procs::role() {
         if role != test {
             return;
+        }
+        if shared {
+            support::use_shared_buffers();
         }
         let (rank, store) = procs::child_store(WORLD, TIMEOUT);
         let opts = tcp::TcpOptions::default()
@@ -51,6 +57,13 @@ fn processes(test: &str, transport: tcp::ProcessTransport) {
         suite(&comm, &RING);
         let short = tcp::TcpCommunicator::new(&store, opts.with_timeout(SHORT)).unwrap();
         timeout_case(&short, SHORT);
+        // Segments of shared buffers crossed in place (and only those).
+        assert_eq!(
+            tcp::shared_bytes_received() > 0,
+            shared,
+            "rank {rank}: {} bytes received in place",
+            tcp::shared_bytes_received()
+        );
         println!("rank {rank}: conformant");
         return;
     }
@@ -60,10 +73,20 @@ fn processes(test: &str, transport: tcp::ProcessTransport) {
 
 #[test]
 fn ring_shm_processes() {
-    processes("ring_shm_processes", tcp::ProcessTransport::Shm);
+    processes("ring_shm_processes", tcp::ProcessTransport::Shm, false);
+}
+
+/// The same over buffers the peers read in place (`SharedHostStorage`).
+#[test]
+fn ring_shm_processes_shared_buffers() {
+    processes(
+        "ring_shm_processes_shared_buffers",
+        tcp::ProcessTransport::Shm,
+        true,
+    );
 }
 
 #[test]
 fn ring_tcp_processes() {
-    processes("ring_tcp_processes", tcp::ProcessTransport::Tcp);
+    processes("ring_tcp_processes", tcp::ProcessTransport::Tcp, false);
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use fsdp_collectives::{ring, CollectiveError, Communicator, ReduceOp};
 use fsdp_device::{Buffer, DType};
 
-use super::{check_every_collective, reductions};
+use super::{check_every_collective, reductions, zeros};
 
 /// Ranks of every instantiation.
 pub const WORLD: usize = 3;
@@ -32,7 +32,7 @@ pub fn suite(comm: &dyn Communicator, expect: &Expect) {
     }
     // In place: the input is this rank's block of the output.
     let n = 5;
-    let out = Buffer::zeros(DType::F32, n * WORLD).unwrap();
+    let out = zeros(DType::F32, n * WORLD);
     out.slice(r * n..(r + 1) * n)
         .unwrap()
         .copy_from_slice(&vec![r as f32; n])

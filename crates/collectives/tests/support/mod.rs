@@ -9,6 +9,9 @@
 pub mod cases;
 pub mod procs;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use fsdp_collectives::tcp::SharedHostStorage;
 use fsdp_collectives::{CollectiveError, Communicator, ReduceOp, Work};
 use fsdp_device::{with_element, Buffer, DType, Element};
 
@@ -21,11 +24,31 @@ pub fn val(op: ReduceOp, rank: usize, i: usize) -> f64 {
     }
 }
 
+static SHARED: AtomicBool = AtomicBool::new(false);
+
+/// From now on, this process's data buffers ([`zeros`], [`make`]) live in
+/// [`SharedHostStorage`], which the shared-memory transport's peers read in place.
+pub fn use_shared_buffers() {
+    SHARED.store(true, Ordering::Relaxed);
+}
+
+/// `len` zeros of `dtype`: ordinary host memory, or shared after [`use_shared_buffers`].
+pub fn zeros(dtype: DType, len: usize) -> Buffer {
+    if SHARED.load(Ordering::Relaxed) {
+        let s = SharedHostStorage::zeroed(len * dtype.size_in_bytes()).unwrap();
+        Buffer::from_storage(Box::new(s), dtype).unwrap()
+    } else {
+        Buffer::zeros(dtype, len).unwrap()
+    }
+}
+
 /// A buffer of `dtype` holding `vals`, each rounded once.
 pub fn make(dtype: DType, vals: &[f64]) -> Buffer {
     with_element!(dtype, T => {
         let v: Vec<T> = vals.iter().map(|&x| T::from_f64(x)).collect();
-        Buffer::from_slice(&v).unwrap()
+        let b = zeros(dtype, v.len());
+        b.copy_from_slice(&v).unwrap();
+        b
     })
 }
 
@@ -60,7 +83,7 @@ pub fn check_every_collective(
 
     // all_gather_base: output[q*len + i] = val(q, i)
     let input = make(dtype, &mine);
-    let output = Buffer::zeros(dtype, world * len).unwrap();
+    let output = zeros(dtype, world * len);
     let ag = comm.all_gather_base(&input, &output).unwrap();
 
     // reduce_scatter_base: each rank contributes world*len values val(r, j)
@@ -68,7 +91,7 @@ pub fn check_every_collective(
         dtype,
         &(0..world * len).map(|j| val(op, r, j)).collect::<Vec<_>>(),
     );
-    let rs_out = Buffer::zeros(dtype, len).unwrap();
+    let rs_out = zeros(dtype, len);
     let rs = comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap();
 
     // all_reduce over a length not divisible by the world size
@@ -87,10 +110,7 @@ pub fn check_every_collective(
         dtype,
         &(0..sizes[r]).map(|i| val(op, r, i)).collect::<Vec<_>>(),
     );
-    let ug_out: Vec<Buffer> = sizes
-        .iter()
-        .map(|&s| Buffer::zeros(dtype, s).unwrap())
-        .collect();
+    let ug_out: Vec<Buffer> = sizes.iter().map(|&s| zeros(dtype, s)).collect();
     let ug = comm.all_gather(&ug_in, &ug_out).unwrap();
 
     let bar = comm.barrier().unwrap();
@@ -209,7 +229,7 @@ pub fn reductions(comm: &dyn Communicator, len: usize) -> Vec<Vec<u64>> {
             };
             let ar = make(dtype, &data(len, 1));
             let rs_in = make(dtype, &data(world * len, 2));
-            let rs_out = Buffer::zeros(dtype, len).unwrap();
+            let rs_out = zeros(dtype, len);
             let red = make(dtype, &data(len, 3));
             let w1 = comm.all_reduce(&ar, op).unwrap();
             let w2 = comm.reduce_scatter_base(&rs_in, &rs_out, op).unwrap();

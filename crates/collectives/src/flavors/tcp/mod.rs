@@ -72,6 +72,7 @@ mod link;
 mod progress;
 mod shm;
 mod shm_map;
+mod shm_region;
 mod transport;
 pub(crate) mod wire;
 
@@ -83,6 +84,7 @@ use std::time::Duration;
 use fsdp_device::DEFAULT_TIMEOUT;
 
 use self::link::AbortState;
+pub use self::shm_region::{shared_bytes_received, SharedHostStorage};
 use self::transport::{Tcp, TcpControl};
 use crate::flavors::engine::{engine_communicator, Control, Engine, EngineParts, Transport};
 use crate::store::{StoreOptions, TcpStore};

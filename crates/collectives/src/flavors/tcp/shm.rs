@@ -17,7 +17,10 @@
 //! its own memory and the receiver copies it straight into its buffer with `process_vm_readv`
 //! (one copy per hop, the thread ring's pull protocol across processes). Partial sums of
 //! reductions are always computed straight into the sender's slot, so the receiver reduces from
-//! shared memory without a copy.
+//! shared memory without a copy. A segment inside a [`SharedHostStorage`] buffer crosses by
+//! region instead: the receiver maps the sender's region once and copies (or reduces) straight
+//! from it — one user-space copy, no page pinning per call, no staging (see
+//! [`shm_region`](super::shm_region)).
 
 use std::fs::OpenOptions;
 use std::path::PathBuf;
@@ -26,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::shm_map::*;
+use super::shm_region::{lookup, PeerRegions, RegionRef};
 use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::{exchange_around_ring, Control, DataError, Transport};
 use crate::store::TcpStore;
@@ -59,6 +63,8 @@ pub(crate) struct Shm {
     deadline: Instant,
     /// Staging for data sent by address but needed in memory (reductions).
     staging: Vec<u64>,
+    /// The predecessor's shared regions mapped here.
+    peers: PeerRegions,
 }
 
 impl Drop for Shm {
@@ -156,6 +162,7 @@ pub(crate) fn connect(
             seq: 0,
             deadline: Instant::now(),
             staging: Vec::new(),
+            peers: PeerRegions::default(),
         },
         ShmControl { map, rank },
     ))
@@ -254,6 +261,25 @@ impl Shm {
     }
 
     fn publish(&self, head: u32, h: usize, kind: u32, origin: usize, len: usize, addr: u64) {
+        self.publish_region(head, h, kind, origin, len, addr, None);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn publish_region(
+        &self,
+        head: u32,
+        h: usize,
+        kind: u32,
+        origin: usize,
+        len: usize,
+        addr: u64,
+        region: Option<RegionRef>,
+    ) {
+        if let Some(r) = region {
+            self.map.u32_at(h + 32).store(r.fd, Ordering::Relaxed);
+            self.map.u64_at(h + 40).store(r.id, Ordering::Relaxed);
+            self.map.u64_at(h + 48).store(r.offset, Ordering::Relaxed);
+        }
         self.map.u64_at(h).store(self.seq, Ordering::Relaxed);
         self.map.u32_at(h + 8).store(kind, Ordering::Relaxed);
         self.map
@@ -273,7 +299,7 @@ impl Shm {
         &self,
         kind: u32,
         waiting_for: impl Fn() -> String,
-    ) -> std::result::Result<(*mut u8, u32, usize, usize, u64), DataError> {
+    ) -> std::result::Result<(*mut u8, u32, usize, usize, u64, usize), DataError> {
         let p = self.prev();
         let tail = self.map.tail(p).load(Ordering::Relaxed);
         self.wait(
@@ -288,7 +314,7 @@ impl Shm {
         let origin = self.map.u32_at(h + 12).load(Ordering::Relaxed) as usize;
         let len = self.map.u64_at(h + 16).load(Ordering::Relaxed) as usize;
         let addr = self.map.u64_at(h + 24).load(Ordering::Relaxed);
-        let data_kind = k == KIND_INLINE || k == KIND_REMOTE;
+        let data_kind = k == KIND_INLINE || k == KIND_REMOTE || k == KIND_REGION;
         if seq != self.seq || (k != kind && !(kind == KIND_INLINE && data_kind)) {
             return Err(DataError::Protocol {
                 reason: format!(
@@ -298,7 +324,40 @@ impl Shm {
                 ),
             });
         }
-        Ok((data, k, origin, len, addr))
+        Ok((data, k, origin, len, addr, h))
+    }
+
+    /// Where the remote segment of a `KIND_REMOTE` or `KIND_REGION` message (slot header `h`,
+    /// sender's address `addr`) can be read in place: its region mapped here, or `None` when
+    /// it must be pulled by cross-memory attach.
+    fn in_place(
+        &mut self,
+        kind: u32,
+        h: usize,
+        addr: u64,
+        bytes: usize,
+    ) -> std::result::Result<Option<*const u8>, DataError> {
+        if kind != KIND_REGION {
+            return Ok(None);
+        }
+        let r = RegionRef {
+            fd: self.map.u32_at(h + 32).load(Ordering::Relaxed),
+            id: self.map.u64_at(h + 40).load(Ordering::Relaxed),
+            offset: self.map.u64_at(h + 48).load(Ordering::Relaxed),
+        };
+        let prev = self.prev();
+        let pid = self.map.pid(prev).load(Ordering::Acquire);
+        match self.peers.resolve(pid, r, bytes) {
+            Ok(p) => Ok(Some(p)),
+            Err(why) if self.cma => {
+                tracing::debug!(rank = self.rank, %why, addr, "shared buffer not mapped: pulling");
+                Ok(None)
+            }
+            Err(why) => Err(DataError::Departed {
+                peer: prev,
+                why: format!("its shared buffer could not be mapped: {why}"),
+            }),
+        }
     }
 
     fn consume(&self) {
@@ -380,7 +439,7 @@ impl Transport for Shm {
                 Ok(())
             },
             &mut |origin| {
-                let (data, _, got, len, _) = this.peek(KIND_DESC, || {
+                let (data, _, got, len, _, _) = this.peek(KIND_DESC, || {
                     format!("rank [{origin}] did not reach this collective")
                 })?;
                 // SAFETY: the published slot holds `len` bytes until consumed.
@@ -395,11 +454,14 @@ impl Transport for Shm {
     fn begin(&mut self, seq: u64, deadline: Instant) {
         self.seq = seq;
         self.deadline = deadline;
+        self.peers.sweep();
     }
 
     unsafe fn send(&mut self, src: *const u8, bytes: usize) -> std::result::Result<(), DataError> {
         let (head, h, data) = self.claim()?;
-        if self.cma && bytes > 0 {
+        if let Some(r) = lookup(src, bytes).filter(|_| bytes > 0) {
+            self.publish_region(head, h, KIND_REGION, self.rank, bytes, src as u64, Some(r));
+        } else if self.cma && bytes > 0 {
             self.publish(head, h, KIND_REMOTE, self.rank, bytes, src as u64);
         } else {
             // SAFETY: `src` readable (caller's contract); the slot holds segment_bytes.
@@ -415,10 +477,15 @@ impl Transport for Shm {
         f: &mut dyn FnMut(*const u8),
     ) -> std::result::Result<(), DataError> {
         let prev = self.prev();
-        let (data, kind, _, len, addr) =
+        let (data, kind, _, len, addr, h) =
             self.peek(KIND_INLINE, || format!("data from rank {prev}"))?;
         self.check_len(len, bytes)?;
-        if kind == KIND_REMOTE {
+        if let Some(p) = self.in_place(kind, h, addr, bytes)? {
+            f(p);
+            self.consume();
+            return Ok(());
+        }
+        if kind != KIND_INLINE {
             let mut staging = std::mem::take(&mut self.staging);
             staging.resize(bytes.div_ceil(8), 0);
             let r = self.pull(addr, staging.as_mut_ptr().cast(), bytes);
@@ -440,10 +507,15 @@ impl Transport for Shm {
         bytes: usize,
     ) -> std::result::Result<(), DataError> {
         let prev = self.prev();
-        let (data, kind, _, len, addr) =
+        let (data, kind, _, len, addr, h) =
             self.peek(KIND_INLINE, || format!("data from rank {prev}"))?;
         self.check_len(len, bytes)?;
-        let r = if kind == KIND_REMOTE {
+        let r = if let Some(p) = self.in_place(kind, h, addr, bytes)? {
+            // SAFETY: `p` holds the `bytes` published bytes (checked by `in_place`); `dst` is
+            // ours (caller's contract).
+            unsafe { crate::flavors::engine::copy(p, dst, bytes) };
+            Ok(())
+        } else if kind != KIND_INLINE {
             self.pull(addr, dst, bytes)
         } else {
             // SAFETY: the slot holds `bytes` published bytes; `dst` is ours.
@@ -460,10 +532,12 @@ impl Transport for Shm {
         f: &mut dyn FnMut(*const u8, *mut u8),
     ) -> std::result::Result<(), DataError> {
         let prev = self.prev();
-        let (data, kind, _, len, addr) =
+        let (data, kind, _, len, addr, h) =
             self.peek(KIND_INLINE, || format!("data from rank {prev}"))?;
         self.check_len(len, bytes)?;
-        let acc: *const u8 = if kind == KIND_REMOTE {
+        let acc: *const u8 = if let Some(p) = self.in_place(kind, h, addr, bytes)? {
+            p
+        } else if kind != KIND_INLINE {
             let mut staging = std::mem::take(&mut self.staging);
             staging.resize(bytes.div_ceil(8), 0);
             let r = self.pull(addr, staging.as_mut_ptr().cast(), bytes);

@@ -21,6 +21,7 @@ pub(super) const CHANNEL_HEADER: usize = 256;
 pub(super) const KIND_DESC: u32 = 1;
 pub(super) const KIND_INLINE: u32 = 2;
 pub(super) const KIND_REMOTE: u32 = 3;
+pub(super) const KIND_REGION: u32 = 4;
 
 /// A mapped shared file.
 pub(crate) struct Mapping {
