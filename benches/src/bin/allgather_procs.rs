@@ -14,8 +14,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fsdp_collectives::store::{StoreOptions, TcpStore};
-use fsdp_collectives::tcp::SharedHostStorage;
 use fsdp_collectives::{ring, tcp, Communicator};
+use fsdp_device::shared::SharedHostStorage;
 use fsdp_device::{Buffer, DType};
 
 /// `len` f32 zeros, in shared memory if `shared`.

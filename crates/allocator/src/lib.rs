@@ -71,6 +71,8 @@ pub mod cuda;
 mod error;
 mod history;
 mod pickle;
+#[cfg(target_os = "linux")]
+mod shared_source;
 mod snapshot;
 mod source;
 mod stats;
@@ -85,6 +87,8 @@ pub use history::{
     TraceEntry,
 };
 pub use pickle::{to_pickle, PyValue};
+#[cfg(target_os = "linux")]
+pub use shared_source::{SharedHostAllocator, SharedHostSource};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use source::{HostSource, MemorySource, MetaSource, SEGMENT_ALIGN};
 pub use stats::{MemoryStats, PoolKind, Stat, StatArray};

@@ -140,29 +140,29 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
 
 /// A capacity limit and the bytes handed out under it: the accounting of [`HostSource`] and
 /// [`MetaSource`].
-struct Capacity {
-    capacity: usize,
+pub(crate) struct Capacity {
+    pub(crate) capacity: usize,
     used: AtomicUsize,
 }
 
 impl Capacity {
-    fn new(capacity: usize) -> Capacity {
+    pub(crate) fn new(capacity: usize) -> Capacity {
         Capacity {
             capacity,
             used: AtomicUsize::new(0),
         }
     }
 
-    fn used(&self) -> usize {
+    pub(crate) fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
 
-    fn free(&self) -> usize {
+    pub(crate) fn free(&self) -> usize {
         self.capacity.saturating_sub(self.used())
     }
 
     /// Reserve `bytes`, or fail with [`AllocError::SourceOutOfMemory`] (reserving nothing).
-    fn reserve(&self, bytes: usize) -> Result<(), AllocError> {
+    pub(crate) fn reserve(&self, bytes: usize) -> Result<(), AllocError> {
         if bytes == 0 {
             return Err(AllocError::InvalidArgument(
                 "a segment of 0 bytes".to_string(),
@@ -177,12 +177,12 @@ impl Capacity {
     }
 
     /// Give back `bytes` reserved before.
-    fn unreserve(&self, bytes: usize) {
+    pub(crate) fn unreserve(&self, bytes: usize) {
         self.used.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     /// The `Debug` of the source `name`, which shows its capacity and use.
-    fn debug(&self, f: &mut fmt::Formatter<'_>, name: &str) -> fmt::Result {
+    pub(crate) fn debug(&self, f: &mut fmt::Formatter<'_>, name: &str) -> fmt::Result {
         f.debug_struct(name)
             .field("capacity", &self.capacity)
             .field("used", &self.used())
@@ -243,6 +243,7 @@ macro_rules! capacity_and_cpu_streams {
         }
     };
 }
+pub(crate) use capacity_and_cpu_streams;
 
 /// Real host memory (zero-initialised, [`SEGMENT_ALIGN`]-aligned, its pages touched only when
 /// used) with a capacity limit; its

@@ -72,6 +72,15 @@ pub trait Communicator: Send {
     fn abort_handle(&self) -> Option<AbortHandle> {
         None
     }
+
+    /// Whether this group's peers read host buffers in place when they lie in
+    /// [`SharedHostStorage`](fsdp_device::shared::SharedHostStorage) — the shared-memory
+    /// transport of processes on one host does (one copy per hop instead of a cross-memory
+    /// attach) — so that an owner of buffers it moves often (FSDP's engine) allocates them
+    /// there, as NCCL users allocate with `ncclMemAlloc`. Default `false`.
+    fn prefers_shared_host_memory(&self) -> bool {
+        false
+    }
 }
 
 /// Aborts a communicator's group from any thread; see [`Communicator::abort_handle`]. Cheap to

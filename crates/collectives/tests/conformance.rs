@@ -39,7 +39,7 @@ fn ring_threads() {
 /// In a child: run the suite over `transport` (its data buffers in [`SharedHostStorage`] if
 /// `shared`); in the parent: spawn the children and check them.
 ///
-/// [`SharedHostStorage`]: tcp::SharedHostStorage
+/// [`SharedHostStorage`]: fsdp_device::shared::SharedHostStorage
 fn processes(test: &str, transport: tcp::ProcessTransport, shared: bool) {
     if let Some(role) = procs::role() {
         if role != test {

@@ -66,4 +66,14 @@ pub enum DeviceError {
         /// Bytes requested.
         bytes: usize,
     },
+    /// Shared host memory (a `memfd` region) could not be created, sized, sealed or mapped.
+    #[error("could not create {bytes} bytes of shared host memory: {what} failed: {reason}")]
+    SharedMemory {
+        /// Bytes requested.
+        bytes: usize,
+        /// The step that failed.
+        what: &'static str,
+        /// The system's reason.
+        reason: String,
+    },
 }

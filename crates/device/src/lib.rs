@@ -36,6 +36,8 @@ mod device;
 pub mod dtype;
 mod error;
 pub mod order;
+#[cfg(target_os = "linux")]
+pub mod shared;
 mod storage;
 pub mod stream;
 

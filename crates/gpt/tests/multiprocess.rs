@@ -98,6 +98,13 @@ fn launch_two_processes_matches_two_threads() {
         // Output comes back prefixed with the rank.
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(stdout.contains("[rank 0] done: 6 steps"), "{stdout}");
+        // One node: the shared-memory transport, the engine's buffers in shared host memory,
+        // read in place by the peer.
+        let line = stdout
+            .lines()
+            .find(|l| l.contains("host memory: shared with the ranks of this node"))
+            .unwrap_or_else(|| panic!("no shared-memory line:\n{stdout}"));
+        assert!(!line.contains("read 0.0 MiB"), "{line}");
         out
     });
 }

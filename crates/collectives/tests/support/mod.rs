@@ -11,8 +11,8 @@ pub mod procs;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use fsdp_collectives::tcp::SharedHostStorage;
 use fsdp_collectives::{CollectiveError, Communicator, ReduceOp, Work};
+use fsdp_device::shared::SharedHostStorage;
 use fsdp_device::{with_element, Buffer, DType, Element};
 
 /// Element `i` of rank `rank`'s input for `op`: small integers (sums are exact in every element

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_allocator::{HostAllocator, HostSource, MemoryStats};
+use fsdp_allocator::MemoryStats;
 use fsdp_collectives::Communicator;
 use fsdp_device::DType;
 use fsdp_flatparam::FlatParamLayout;
@@ -17,7 +17,7 @@ use super::mixed_precision::MixedPrecisionPolicy;
 use super::optim_groups::OptimizerSetup;
 use super::order::ExecOrder;
 use super::param_group::{cast_buffer, GroupDtypes, ParamGroup};
-use super::pool::MemoryPool;
+use super::pool::{host_pool, MemoryPool};
 use super::reduce::{finish_reductions, foreach_reduce, PendingGrads};
 use super::views::{GradViews, ParamEntry, ParamId, ParamTable, ParamViews};
 use crate::optim::{OptimizerConfig, OptimizerState, ShardGroups};
@@ -79,9 +79,9 @@ impl Fsdp {
     ) -> Result<Self, FsdpError> {
         check_config(&config)?;
         config.mixed_precision.validate()?;
+        let pool = host_pool(comm.as_ref(), &config)?;
         let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
-        let pool = HostAllocator::new(HostSource::new(config.memory_capacity), config.allocator)?;
-        Fsdp::with_parts(groups, Arc::new(pool), plan, init, config, optim.into())
+        Fsdp::with_parts(groups, pool, plan, init, config, optim.into())
     }
 
     /// Build the engine from a module tree and a wrap policy: the units are

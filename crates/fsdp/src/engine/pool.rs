@@ -2,9 +2,15 @@
 //! the CPU streams of `fsdp_device` (host memory, or the meta source of a dry run), behind one
 //! object-safe trait so that the engine is not generic over the source.
 
-use fsdp_allocator::{CachingAllocator, HistoryConfig, MemorySource, MemoryStats, Snapshot};
+use std::sync::Arc;
+
+use fsdp_allocator::{
+    CachingAllocator, HistoryConfig, HostAllocator, HostSource, MemorySource, MemoryStats, Snapshot,
+};
+use fsdp_collectives::Communicator;
 use fsdp_device::{Buffer, DType, Device, Stream};
 
+use super::config::FsdpConfig;
 use crate::FsdpError;
 
 /// Where the engine's shards and unsharded buffers come from (PyTorch's per-device caching
@@ -88,4 +94,25 @@ where
     fn snapshot(&self) -> Option<Snapshot> {
         Some(CachingAllocator::snapshot(self))
     }
+}
+
+/// The rank's host caching allocator for [`Fsdp::new`](super::Fsdp::new): over shared host memory
+/// ([`SharedHostSource`](fsdp_allocator::SharedHostSource)) when the communicator's peers read
+/// it in place (the shared-memory transport) and expandable segments are not asked for (a
+/// shared region has one fixed size), else over private host memory.
+pub(crate) fn host_pool(
+    comm: &dyn Communicator,
+    config: &FsdpConfig,
+) -> Result<Arc<dyn MemoryPool>, FsdpError> {
+    #[cfg(target_os = "linux")]
+    if comm.prefers_shared_host_memory() && !config.allocator.expandable_segments {
+        let source = fsdp_allocator::SharedHostSource::new(config.memory_capacity);
+        return Ok(Arc::new(fsdp_allocator::SharedHostAllocator::new(
+            source,
+            config.allocator,
+        )?));
+    }
+    let _ = comm;
+    let pool = HostAllocator::new(HostSource::new(config.memory_capacity), config.allocator)?;
+    Ok(Arc::new(pool))
 }

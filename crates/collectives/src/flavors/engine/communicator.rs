@@ -74,6 +74,9 @@ macro_rules! engine_communicator {
             fn abort_handle(&self) -> Option<$crate::AbortHandle> {
                 Some(self.engine.abort_handle())
             }
+            fn prefers_shared_host_memory(&self) -> bool {
+                self.engine.reads_shared_regions()
+            }
         }
     };
 }

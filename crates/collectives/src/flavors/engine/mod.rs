@@ -117,6 +117,12 @@ pub(crate) trait Transport: Send {
     /// the successor stopped reading ours. False if that could not be established (the caller
     /// then leaks its buffers rather than free them under a reader).
     fn release(&mut self, grace: Duration) -> bool;
+
+    /// Whether the peers read segments of
+    /// [`SharedHostStorage`](fsdp_device::shared::SharedHostStorage) buffers in place.
+    fn reads_shared_regions(&self) -> bool {
+        false
+    }
 }
 
 /// Copy `bytes` from `src` to `dst` (nothing if they are the same place).
@@ -258,6 +264,8 @@ pub(crate) struct Ctx {
 pub(crate) struct Engine {
     core: Arc<Core>,
     stream: Stream,
+    /// The transport's peers read shared host regions in place.
+    shared_regions: bool,
 }
 
 impl Engine {
@@ -271,6 +279,7 @@ impl Engine {
             root_group: parts.root_group,
             progress: parts.progress,
         });
+        let shared_regions = parts.transport.reads_shared_regions();
         Engine {
             core: Arc::new(Core {
                 rank: parts.rank,
@@ -285,7 +294,13 @@ impl Engine {
                 recorder,
             }),
             stream,
+            shared_regions,
         }
+    }
+
+    /// Whether the transport's peers read shared host regions in place.
+    pub fn reads_shared_regions(&self) -> bool {
+        self.shared_regions
     }
 
     pub fn rank(&self) -> usize {

@@ -84,7 +84,7 @@ use std::time::Duration;
 use fsdp_device::DEFAULT_TIMEOUT;
 
 use self::link::AbortState;
-pub use self::shm_region::{shared_bytes_received, SharedHostStorage};
+pub use self::shm_region::shared_bytes_received;
 use self::transport::{Tcp, TcpControl};
 use crate::flavors::engine::{engine_communicator, Control, Engine, EngineParts, Transport};
 use crate::store::{StoreOptions, TcpStore};

@@ -17,7 +17,8 @@
 //! its own memory and the receiver copies it straight into its buffer with `process_vm_readv`
 //! (one copy per hop, the thread ring's pull protocol across processes). Partial sums of
 //! reductions are always computed straight into the sender's slot, so the receiver reduces from
-//! shared memory without a copy. A segment inside a [`SharedHostStorage`] buffer crosses by
+//! shared memory without a copy. A segment inside a
+//! [`SharedHostStorage`](fsdp_device::shared::SharedHostStorage) buffer crosses by
 //! region instead: the receiver maps the sender's region once and copies (or reduces) straight
 //! from it — one user-space copy, no page pinning per call, no staging (see
 //! [`shm_region`](super::shm_region)).
@@ -29,11 +30,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::shm_map::*;
-use super::shm_region::{lookup, PeerRegions, RegionRef};
+use super::shm_region::PeerRegions;
 use crate::flavors::desc::OpDesc;
 use crate::flavors::engine::{exchange_around_ring, Control, DataError, Transport};
 use crate::store::TcpStore;
 use crate::{CollectiveError, Result};
+use fsdp_device::shared::{region_of, SharedRegion};
 
 /// Abort control of a shared-memory group: the flag and reason live in the mapping.
 pub(crate) struct ShmControl {
@@ -273,7 +275,7 @@ impl Shm {
         origin: usize,
         len: usize,
         addr: u64,
-        region: Option<RegionRef>,
+        region: Option<SharedRegion>,
     ) {
         if let Some(r) = region {
             self.map.u32_at(h + 32).store(r.fd, Ordering::Relaxed);
@@ -340,7 +342,7 @@ impl Shm {
         if kind != KIND_REGION {
             return Ok(None);
         }
-        let r = RegionRef {
+        let r = SharedRegion {
             fd: self.map.u32_at(h + 32).load(Ordering::Relaxed),
             id: self.map.u64_at(h + 40).load(Ordering::Relaxed),
             offset: self.map.u64_at(h + 48).load(Ordering::Relaxed),
@@ -459,7 +461,7 @@ impl Transport for Shm {
 
     unsafe fn send(&mut self, src: *const u8, bytes: usize) -> std::result::Result<(), DataError> {
         let (head, h, data) = self.claim()?;
-        if let Some(r) = lookup(src, bytes).filter(|_| bytes > 0) {
+        if let Some(r) = region_of(src, bytes).filter(|_| bytes > 0) {
             self.publish_region(head, h, KIND_REGION, self.rank, bytes, src as u64, Some(r));
         } else if self.cma && bytes > 0 {
             self.publish(head, h, KIND_REMOTE, self.rank, bytes, src as u64);
@@ -565,6 +567,10 @@ impl Transport for Shm {
             Wait::Room,
             || format!("rank {next} to read this rank's data"),
         )
+    }
+
+    fn reads_shared_regions(&self) -> bool {
+        true
     }
 
     fn release(&mut self, _grace: Duration) -> bool {

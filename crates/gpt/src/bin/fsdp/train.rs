@@ -393,6 +393,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     };
     let mut reports = Vec::with_capacity(world);
     let elapsed;
+    let mut shared_line = None;
     match process_comm {
         None => {
             let results =
@@ -409,8 +410,17 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .split(Some(0), comm.rank())?
                 .ok_or_else(|| fail("splitting the statistics group returned no group"))?;
             let rank = comm.rank();
+            // The engine allocates in shared host memory when the peers read it in place.
+            let shared = comm.prefers_shared_host_memory();
             let mut own = run(comm)?;
             elapsed = start.elapsed();
+            if shared {
+                shared_line = Some(format!(
+                    "host memory: shared with the ranks of this node (rank 0 read {:.1} MiB of \
+                     their buffers in place)",
+                    fsdp_collectives::tcp::shared_bytes_received() as f64 / (1u64 << 20) as f64
+                ));
+            }
             let others = gather_rank_stats(stats_comm.as_ref(), &own)?;
             if let Some(path) = &args.trace {
                 if rank > 0 {
@@ -437,6 +447,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             .finish()?;
     }
     print_summary(&reports, elapsed, global_tokens, steps - start_step);
+    if let Some(line) = shared_line {
+        say!("{line}");
+    }
     progress.say_skipped(skipped_steps.load(Ordering::Relaxed));
     let final_scaler = final_scaler
         .into_inner()
