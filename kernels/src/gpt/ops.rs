@@ -4,10 +4,10 @@
 use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
-use super::products::{gemm_f32, gemm_f64_rounded};
+use super::products::{gemm_f32, gemm_f64_rounded, round_into};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
-use crate::host::{self, bf16_to_f32, f32_to_bf16, same_len, AdamWScalars};
+use crate::host::{self, same_len, AdamWScalars};
 use crate::KernelError;
 
 /// The operations of one GPT training step on one device, f32. Each kernel operation has the
@@ -354,26 +354,9 @@ impl HostOps {
                 reason: "the kept operands' lock is poisoned".into(),
             })?;
         let [ka, kb] = &mut *kept;
-        let ra = self.round_into(ka, a);
-        let rb = self.round_into(kb, b);
+        let ra = round_into(&self.memory, ka, a);
+        let rb = round_into(&self.memory, kb, b);
         gemm_f32(g, ra, rb, c)
-    }
-
-    /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short,
-    /// the short one freed first, as [`CudaOps`](super::CudaOps) does).
-    fn round_into<'a>(&self, kept: &'a mut Option<Counted<Vec<f32>>>, src: &[f32]) -> &'a [f32] {
-        let n = src.len();
-        let copy = match kept.take() {
-            Some(k) if k.len() >= n => kept.insert(k),
-            old => {
-                drop(old);
-                kept.insert(Counted::new(vec![0.0; n], bytes_of::<u16>(n), &self.memory))
-            }
-        };
-        for (d, &x) in copy.iter_mut().zip(src) {
-            *d = bf16_to_f32(f32_to_bf16(x));
-        }
-        &copy[..n]
     }
 }
 
