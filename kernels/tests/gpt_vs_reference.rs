@@ -128,11 +128,11 @@ fn the_optimizer_ops_on_the_host_are_their_definitions() {
     let y0 = data(5000, 9, 3.0);
     let mut y = ops.upload(&y0).unwrap();
     ops.scale(0.3, &mut y).unwrap();
-    for (a, b) in y0.iter().zip(&y) {
+    for (a, b) in y0.iter().zip(y.iter()) {
         assert_eq!((a * 0.3).to_bits(), b.to_bits(), "{a}");
     }
     let naive: f64 = y0.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-    let sq = ops.sum_of_squares(&y0).unwrap();
+    let sq = ops.sum_of_squares(&ops.upload(&y0).unwrap()).unwrap();
     assert!((sq - naive).abs() <= 1e-12 * naive, "{sq} vs {naive}");
     let h = AdamW {
         lr: 1e-2,
@@ -143,12 +143,81 @@ fn the_optimizer_ops_on_the_host_are_their_definitions() {
     };
     let s = AdamWScalars::new(&h, 2).unwrap();
     let g = data(5000, 10, 0.5);
-    let (mut p1, mut m1, mut v1) = (y0.clone(), vec![0.1f32; 5000], vec![0.2f32; 5000]);
-    let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
-    ops.adamw(&s, &mut p1, &g, &mut m1, &mut v1).unwrap();
+    let (mut p2, mut m2, mut v2) = (y0.clone(), vec![0.1f32; 5000], vec![0.2f32; 5000]);
+    let up = |v: &[f32]| ops.upload(v).unwrap();
+    let (mut p1, mut m1, mut v1) = (up(&p2), up(&m2), up(&v2));
+    ops.adamw(&s, &mut p1, &up(&g), &mut m1, &mut v1).unwrap();
     adamw::<f32>(&s, &mut p2, &g, &mut m2, &mut v2).unwrap();
-    assert_eq!((&p1, &m1, &v1), (&p2, &m2, &v2));
+    assert_eq!((&*p1, &*m1, &*v1), (&p2, &m2, &v2));
     assert!(ops
-        .adamw(&s, &mut vec![0.0; 3], &g, &mut m2, &mut v2)
+        .adamw(&s, &mut up(&[0.0; 3]), &up(&g), &mut m1, &mut v1)
         .is_err());
+}
+
+/// `HostOps` counts the bytes of the buffers it hands out while they live (4 an element), and
+/// with bf16 products the two operand copies it keeps (2 an element, grown to the largest
+/// operand, the short copy freed first), as `CudaOps` does; `scale` holds the old and the new
+/// buffer at once. The bf16 products through the kept copies are `gemm_bf16_operands`' bits.
+#[test]
+fn host_ops_count_their_device_memory() {
+    use fsdp_kernels::gemm::MatMul;
+    use fsdp_kernels::gpt::{gemm_bf16_operands, HostProducts, MemoryUse};
+    let ops = HostOps::new();
+    let a = ops.zeros(100).unwrap();
+    let ids = ops.upload_ids(&[1, 2, 3]).unwrap();
+    assert_eq!(
+        ops.memory(),
+        MemoryUse {
+            allocated: 412,
+            peak: 412
+        }
+    );
+    let mut b = ops.upload(&data(50, 1, 1.0)).unwrap();
+    ops.scale(0.5, &mut b).unwrap();
+    assert_eq!(
+        ops.memory(),
+        MemoryUse {
+            allocated: 612,
+            peak: 812
+        }
+    );
+    drop((a, ids));
+    ops.reset_peak();
+    assert_eq!(
+        ops.memory(),
+        MemoryUse {
+            allocated: 200,
+            peak: 200
+        }
+    );
+    drop(b);
+    let ops = HostOps::with_products(HostProducts::Bf16Operands);
+    let (x, y) = (data(6 * 4, 2, 1.0), data(4 * 5, 3, 1.0));
+    let (xd, yd) = (ops.upload(&x).unwrap(), ops.upload(&y).unwrap());
+    let mut c = ops.zeros(6 * 5).unwrap();
+    let g = MatMul::new(6, 5, 4, false, false);
+    ops.gemm(&g, &xd, &yd, &mut c).unwrap();
+    let mut want = vec![0.0f32; 30];
+    gemm_bf16_operands(&g, &x, &y, &mut want).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&c), bits(&want));
+    // 74 f32 buffers, kept copies of 24 and 20 bf16 elements.
+    assert_eq!(ops.memory().allocated, 74 * 4 + (24 + 20) * 2);
+    // A smaller product reuses them; a larger first operand replaces its copy.
+    let g2 = MatMul::new(2, 5, 4, false, false);
+    ops.gemm(
+        &g2,
+        &ops.upload(&x[..8]).unwrap(),
+        &yd,
+        &mut ops.zeros(10).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(ops.memory().allocated, 74 * 4 + (24 + 20) * 2);
+    let big = ops.upload(&data(12 * 4, 4, 1.0)).unwrap();
+    let g3 = MatMul::new(12, 5, 4, false, false);
+    ops.gemm(&g3, &big, &yd, &mut ops.zeros(60).unwrap())
+        .unwrap();
+    assert_eq!(ops.memory().allocated, (74 + 48) * 4 + (48 + 20) * 2);
+    // Peak: the 60-element output and both kept copies, the short one freed before the new.
+    assert_eq!(ops.memory().peak, (74 + 48 + 60) * 4 + (48 + 20) * 2);
 }

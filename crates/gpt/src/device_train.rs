@@ -22,6 +22,9 @@
 //! - a step whose loss or gradient norm is not finite takes no optimizer step (the caller
 //!   stops or counts it skipped, as `fsdp train` does with the engine).
 //!
+//! Its device memory is counted ([`DeviceTrainer::memory`]) and predicted
+//! ([`plan_memory`](crate::device_plan::plan_memory), exactly: `tests/device_plan.rs`).
+//!
 //! The losses differ from the engine's only by rounding (the kernels' order of sums, the
 //! micro-batch scaling): `tests/device_train.rs` holds them within 1e-4 relative.
 
@@ -32,7 +35,7 @@ use fsdp::optim::{
     check_max_norm, clip_coefficient, decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP,
 };
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, Weights};
+use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, MemoryUse, Weights};
 use fsdp_kernels::host::{AdamW, AdamWScalars};
 use fsdp_kernels::KernelError;
 
@@ -197,6 +200,18 @@ impl<O: GptOps> DeviceTrainer<O> {
     /// The operations.
     pub fn ops(&self) -> &O {
         self.model.ops()
+    }
+
+    /// The device memory the trainer's operations hold now and their peak since they were
+    /// made ([`GptOps::memory`]): what [`plan_memory`](crate::device_plan::plan_memory)
+    /// predicts.
+    pub fn memory(&self) -> MemoryUse {
+        self.ops().memory()
+    }
+
+    /// The peak of [`memory`](Self::memory), in bytes.
+    pub fn peak_bytes(&self) -> u64 {
+        self.memory().peak
     }
 
     /// Training step `step` (0 for the first) on the token stream `tokens`: forward and

@@ -242,3 +242,80 @@ fn host_twin_bf16_products_track_the_f32_run() {
     );
     assert!(d[19] < d[0] - 0.1, "the loss must fall: {d:?}");
 }
+
+/// `fsdp plan --device host-twin` (the device trainer's predicted memory) against `fsdp train
+/// --device host-twin --loss-log` of the same options (its counted memory): the plan's peak is
+/// the loss log's peak column after the last step (never exceeded before) and the final line's
+/// measured peak, exactly; with f32 products and one micro-batch, and with bf16 products, two
+/// micro-batches and clipping. And `fsdp plan --device cuda` refuses other worlds with
+/// `fsdp train`'s line.
+#[test]
+fn device_plan_predicts_the_peak_the_run_logs() {
+    let dir = scratch("device_cli", "device_plan");
+    let cases: [&[&str]; 2] = [
+        &[],
+        &[
+            "--param-dtype",
+            "bf16",
+            "--grad-accum",
+            "2",
+            "--grad-clip",
+            "0.5",
+        ],
+    ];
+    for (i, extra) in cases.into_iter().enumerate() {
+        let mut p = vec!["plan"];
+        p.extend_from_slice(&common::cli::SMALL_MODEL);
+        p.extend(["--batch-size", "8", "--device", "host-twin"]);
+        p.extend_from_slice(extra);
+        let plan = ok(&fsdp(&p), "fsdp plan --device host-twin");
+        let peak: u64 = plan
+            .lines()
+            .find_map(|l| l.strip_prefix("peak: "))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no peak line: {plan}"));
+        for part in [
+            "parameters",
+            "AdamW exp_avg_sq",
+            "activations",
+            "bf16 operands",
+        ] {
+            assert!(plan.contains(part), "{part}: {plan}");
+        }
+        let log = dir.join(format!("log{i}.csv"));
+        let mut t = small_train_args(&["--batch-size", "8", "--steps", "3"], extra);
+        t.extend(["--device", "host-twin", "--loss-log", s(&log)]);
+        let out = ok(&fsdp(&t), "fsdp train --device host-twin");
+        let text = std::fs::read_to_string(&log).unwrap();
+        let peaks: Vec<u64> = loss_log_rows(&text)
+            .iter()
+            .map(|f| f[3].parse().unwrap())
+            .collect();
+        assert_eq!(peaks.len(), 3);
+        assert!(
+            peaks.iter().all(|&b| b > 0 && b <= peak),
+            "{peaks:?} vs {peak}"
+        );
+        assert_eq!(
+            peaks[2], peak,
+            "{extra:?}: logged {peaks:?}, planned {peak}\n{plan}"
+        );
+        let line = format!("peak device memory {peak} bytes (predicted {peak}");
+        assert!(out.contains(&line), "{out}");
+        println!("{extra:?}: peak {peak} bytes, planned and logged");
+    }
+    let refusal = |cmd: &str| {
+        let mut a = vec![cmd];
+        a.extend_from_slice(&common::cli::SMALL_MODEL);
+        a.extend(["--device", "cuda", "--ranks", "2", "--batch-size", "4"]);
+        one_error_status_1(&fsdp(&a), &["--device cuda: 2 ranks"])
+    };
+    assert_eq!(refusal("plan"), refusal("train"));
+    let mut a = vec!["plan", "--device", "cuda", "--param-dtype", "f16"];
+    a.extend_from_slice(&common::cli::SMALL_MODEL);
+    one_error_status_1(
+        &fsdp(&a),
+        &["--device cuda", "--param-dtype f16", "f32 or bf16"],
+    );
+}

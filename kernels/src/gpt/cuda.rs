@@ -2,10 +2,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, sys, CudaSlice, CudaStream, CudaViewMut};
+use cudarc::driver::{
+    result, sys, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+    SyncOnDrop,
+};
 use fsdp_device::Stream;
 use half::bf16;
 
+use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
 use super::ops::GptOps;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
@@ -24,7 +28,39 @@ pub struct CudaOps {
     products: Products,
     /// The bf16 copies of a product's two operands ([`Products::Bf16`]), kept between products
     /// and grown as needed (operations run in stream order, so one pair serves every product).
-    operands: Mutex<[Option<CudaSlice<bf16>>; 2]>,
+    operands: Mutex<[Option<Counted<CudaSlice<bf16>>>; 2]>,
+    /// The bytes of the buffers handed out and kept ([`GptOps::memory`]).
+    memory: Arc<MemoryCounter>,
+}
+
+/// A buffer of [`CudaOps`]: a `CudaSlice<f32>` counted in its operations' memory; it is a
+/// `DevicePtr`, so the kernels and cuBLAS take it as they take the slice.
+pub type CudaBuf = Counted<CudaSlice<f32>>;
+/// Ids of [`CudaOps`]: a `CudaSlice<u32>` counted in its operations' memory.
+pub type CudaIds = Counted<CudaSlice<u32>>;
+
+impl<T> DeviceSlice<T> for Counted<CudaSlice<T>> {
+    fn len(&self) -> usize {
+        DeviceSlice::len(&**self)
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::stream(&**self)
+    }
+}
+
+impl<T> DevicePtr<T> for Counted<CudaSlice<T>> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (**self).device_ptr(stream)
+    }
+}
+
+impl<T> DevicePtrMut<T> for Counted<CudaSlice<T>> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (**self).device_ptr_mut(stream)
+    }
 }
 
 /// How [`CudaOps`] multiplies matrices.
@@ -65,13 +101,64 @@ impl CudaOps {
             .clone();
         let blas = Blas::new(cuda.clone())?;
         hold_pool_memory(&cuda, u64::MAX);
-        Ok(CudaOps {
+        let ops = CudaOps {
             stream,
             cuda,
             blas,
             products: Products::F32,
             operands: Mutex::new([None, None]),
+            memory: MemoryCounter::new(),
+        };
+        ops.reset_pool_peak();
+        Ok(ops)
+    }
+
+    fn counted<T>(&self, b: CudaSlice<T>) -> Counted<CudaSlice<T>> {
+        let bytes = bytes_of::<T>(b.len());
+        Counted::new(b, bytes, &self.memory)
+    }
+
+    /// The device's default memory pool (which serves these operations' allocations, and any
+    /// other stream-ordered allocation of the device) as the driver reports it: the bytes in use
+    /// now (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`) and their high-water mark
+    /// (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`, since these operations were made or since
+    /// [`reset_pool_peak`](Self::reset_pool_peak)). It includes what [`GptOps::memory`] does
+    /// not count (scratch of single operations) and the pool's rounding of each allocation.
+    /// `None` where the device has no memory pools or the driver refuses the query.
+    pub fn pool_memory(&self) -> Option<MemoryUse> {
+        let dev = self.cuda.context().cu_device();
+        let read = |attr| {
+            let mut v = 0u64;
+            // SAFETY: a device of a live context; both attributes are read into a u64 (the
+            // driver's cuuint64_t), alive for the call.
+            unsafe {
+                let pool = result::device::get_default_mem_pool(dev).ok()?;
+                result::mem_pool::get_attribute(pool, attr, (&mut v as *mut u64).cast()).ok()?;
+            }
+            Some(v)
+        };
+        Some(MemoryUse {
+            allocated: read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            peak: read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
         })
+    }
+
+    /// Starts the pool's high-water mark again from the bytes in use now (best effort: nothing
+    /// where the device has no memory pools).
+    pub fn reset_pool_peak(&self) {
+        let dev = self.cuda.context().cu_device();
+        let mut zero = 0u64;
+        // SAFETY: a device of a live context; USED_MEM_HIGH is set from a u64 (only 0 is
+        // allowed: it resets the mark), alive for the call.
+        let _ = unsafe {
+            result::device::get_default_mem_pool(dev).and_then(|pool| {
+                result::mem_pool::set_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                )
+            })
+        };
     }
 
     /// The same operations with products computed as `products` says.
@@ -103,8 +190,8 @@ impl CudaOps {
             .lock()
             .map_err(|_| copy_error("bf16 operands", "poisoned lock"))?;
         let [ka, kb] = &mut *kept;
-        let va = cast_into(&self.cuda, ka, a)?;
-        let vb = cast_into(&self.cuda, kb, b)?;
+        let va = self.cast_into(ka, a)?;
+        let vb = self.cast_into(kb, b)?;
         self.blas.matmul::<bf16, f32>(g, &va, &vb, c)
     }
 }
@@ -144,73 +231,90 @@ fn hold_pool_memory(cuda: &CudaStream, threshold: u64) {
     };
 }
 
-/// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short).
-fn cast_into<'a>(
-    cuda: &Arc<CudaStream>,
-    kept: &'a mut Option<CudaSlice<bf16>>,
-    src: &CudaSlice<f32>,
-) -> Result<CudaViewMut<'a, bf16>, KernelError> {
-    let n = src.len();
-    let copy = match kept.take() {
-        Some(k) if k.len() >= n => kept.insert(k),
-        old => {
-            drop(old); // free the short copy before allocating the larger one
-            let fresh = cuda
-                .alloc_zeros::<bf16>(n)
-                .map_err(|e| copy_error("cuMemAllocAsync", e))?;
-            kept.insert(fresh)
-        }
-    };
-    let mut view = copy.slice_mut(..n);
-    launch::cast::<f32, bf16>(cuda, src, &mut view)?;
-    Ok(view)
+impl CudaOps {
+    /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short).
+    fn cast_into<'a>(
+        &self,
+        kept: &'a mut Option<Counted<CudaSlice<bf16>>>,
+        src: &CudaSlice<f32>,
+    ) -> Result<CudaViewMut<'a, bf16>, KernelError> {
+        let n = src.len();
+        let copy = match kept.take() {
+            Some(k) if k.len() >= n => kept.insert(k),
+            old => {
+                drop(old); // free the short copy before allocating the larger one
+                let fresh = self
+                    .cuda
+                    .alloc_zeros::<bf16>(n)
+                    .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+                kept.insert(self.counted(fresh))
+            }
+        };
+        let mut view = copy.slice_mut(..n);
+        launch::cast::<f32, bf16>(&self.cuda, src, &mut view)?;
+        Ok(view)
+    }
 }
 
 impl GptOps for CudaOps {
-    type Buf = CudaSlice<f32>;
-    type Ids = CudaSlice<u32>;
+    type Buf = CudaBuf;
+    type Ids = CudaIds;
 
-    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
-        self.cuda
+    fn zeros(&self, len: usize) -> Result<CudaBuf, KernelError> {
+        let b = self
+            .cuda
             .alloc_zeros::<f32>(len)
-            .map_err(|e| copy_error("cuMemAllocAsync", e))
+            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+        Ok(self.counted(b))
     }
 
-    fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>, KernelError> {
-        self.cuda
+    fn upload(&self, data: &[f32]) -> Result<CudaBuf, KernelError> {
+        let b = self
+            .cuda
             .clone_htod(data)
-            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
+        Ok(self.counted(b))
     }
 
-    fn upload_ids(&self, ids: &[u32]) -> Result<CudaSlice<u32>, KernelError> {
-        self.cuda
+    fn upload_ids(&self, ids: &[u32]) -> Result<CudaIds, KernelError> {
+        let b = self
+            .cuda
             .clone_htod(ids)
-            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
+        Ok(self.counted(b))
     }
 
-    fn download(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>, KernelError> {
+    fn memory(&self) -> MemoryUse {
+        self.memory.usage()
+    }
+
+    fn reset_peak(&self) {
+        self.memory.reset_peak();
+    }
+
+    fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>, KernelError> {
         let v = self
             .cuda
-            .clone_dtoh(buf)
+            .clone_dtoh(&**buf)
             .map_err(|e| copy_error("cuMemcpyDtoHAsync", e))?;
         self.stream.synchronize()?;
         Ok(v)
     }
 
-    fn buf_len(buf: &CudaSlice<f32>) -> usize {
+    fn buf_len(buf: &CudaBuf) -> usize {
         buf.len()
     }
 
-    fn fill_zero(&self, buf: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+    fn fill_zero(&self, buf: &mut CudaBuf) -> Result<(), KernelError> {
         launch::memset(&self.cuda, buf, 0.0f32)
     }
 
     fn gemm(
         &self,
         g: &MatMul,
-        a: &CudaSlice<f32>,
-        b: &CudaSlice<f32>,
-        c: &mut CudaSlice<f32>,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        c: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         match self.products {
             Products::F32 => self.blas.matmul::<f32, f32>(g, a, b, c),
@@ -218,111 +322,111 @@ impl GptOps for CudaOps {
         }
     }
 
-    fn bias_add(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), KernelError> {
+    fn bias_add(&self, y: &mut CudaBuf, bias: &CudaBuf) -> Result<(), KernelError> {
         launch::bias_add(&self.cuda, y, bias)
     }
 
     fn axpby(
         &self,
         alpha: f32,
-        x: &CudaSlice<f32>,
+        x: &CudaBuf,
         beta: f32,
-        y: &mut CudaSlice<f32>,
+        y: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::axpby::<f32>(&self.cuda, alpha, x, beta, y)
     }
 
     fn layernorm_forward(
         &self,
-        x: &CudaSlice<f32>,
-        weight: &CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        bias: &CudaBuf,
         eps: f32,
-        y: &mut CudaSlice<f32>,
-        mean: &mut CudaSlice<f32>,
-        rstd: &mut CudaSlice<f32>,
+        y: &mut CudaBuf,
+        mean: &mut CudaBuf,
+        rstd: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::layernorm_forward(&self.cuda, x, weight, bias, eps, y, mean, rstd)
     }
 
     fn layernorm_backward_input(
         &self,
-        dy: &CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        weight: &CudaSlice<f32>,
-        mean: &CudaSlice<f32>,
-        rstd: &CudaSlice<f32>,
-        dx: &mut CudaSlice<f32>,
+        dy: &CudaBuf,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        mean: &CudaBuf,
+        rstd: &CudaBuf,
+        dx: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::layernorm_backward_input(&self.cuda, dy, x, weight, mean, rstd, dx)
     }
 
     fn layernorm_backward_params(
         &self,
-        dy: &CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        mean: &CudaSlice<f32>,
-        rstd: &CudaSlice<f32>,
-        dweight: &mut CudaSlice<f32>,
-        dbias: &mut CudaSlice<f32>,
+        dy: &CudaBuf,
+        x: &CudaBuf,
+        mean: &CudaBuf,
+        rstd: &CudaBuf,
+        dweight: &mut CudaBuf,
+        dbias: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::layernorm_backward_params(&self.cuda, dy, x, mean, rstd, dweight, dbias)
     }
 
-    fn gelu_forward(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+    fn gelu_forward(&self, x: &CudaBuf, y: &mut CudaBuf) -> Result<(), KernelError> {
         launch::gelu_forward(&self.cuda, x, y)
     }
 
     fn gelu_backward(
         &self,
-        x: &CudaSlice<f32>,
-        dy: &CudaSlice<f32>,
-        dx: &mut CudaSlice<f32>,
+        x: &CudaBuf,
+        dy: &CudaBuf,
+        dx: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::gelu_backward(&self.cuda, x, dy, dx)
     }
 
     fn causal_softmax_forward(
         &self,
-        scores: &CudaSlice<f32>,
+        scores: &CudaBuf,
         t: usize,
         scale: f32,
-        probs: &mut CudaSlice<f32>,
+        probs: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::causal_softmax_forward(&self.cuda, scores, t, scale, probs)
     }
 
     fn causal_softmax_backward(
         &self,
-        probs: &CudaSlice<f32>,
-        dprobs: &CudaSlice<f32>,
+        probs: &CudaBuf,
+        dprobs: &CudaBuf,
         t: usize,
         scale: f32,
-        dscores: &mut CudaSlice<f32>,
+        dscores: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, dscores)
     }
 
     fn cross_entropy_fused(
         &self,
-        logits: &CudaSlice<f32>,
-        targets: &CudaSlice<u32>,
+        logits: &CudaBuf,
+        targets: &CudaIds,
         v: usize,
         dloss: f32,
-        losses: &mut CudaSlice<f32>,
-        dlogits: &mut CudaSlice<f32>,
+        losses: &mut CudaBuf,
+        dlogits: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::cross_entropy_fused(&self.cuda, logits, targets, v, dloss, losses, dlogits)
     }
 
     fn embedding_forward(
         &self,
-        ids: &CudaSlice<u32>,
-        wte: &CudaSlice<f32>,
-        wpe: &CudaSlice<f32>,
+        ids: &CudaIds,
+        wte: &CudaBuf,
+        wpe: &CudaBuf,
         t: usize,
         c: usize,
-        x: &mut CudaSlice<f32>,
+        x: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::embedding_forward(&self.cuda, ids, wte, wpe, t, c, x)
     }
@@ -330,45 +434,41 @@ impl GptOps for CudaOps {
     fn embedding_backward_tokens(
         &self,
         ids: &[u32],
-        dx: &CudaSlice<f32>,
+        dx: &CudaBuf,
         c: usize,
-        dwte: &mut CudaSlice<f32>,
+        dwte: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::embedding_backward_tokens_host_ids(&self.cuda, ids, dx, c, dwte)
     }
 
     fn embedding_backward_positions(
         &self,
-        dx: &CudaSlice<f32>,
+        dx: &CudaBuf,
         t: usize,
         c: usize,
-        dwpe: &mut CudaSlice<f32>,
+        dwpe: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::embedding_backward_positions(&self.cuda, dx, t, c, dwpe)
     }
 
-    fn bias_grad(
-        &self,
-        dy: &CudaSlice<f32>,
-        dbias: &mut CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
+    fn bias_grad(&self, dy: &CudaBuf, dbias: &mut CudaBuf) -> Result<(), KernelError> {
         launch::bias_grad(&self.cuda, dy, dbias)
     }
 
     fn heads_split(
         &self,
-        rows: &CudaSlice<f32>,
+        rows: &CudaBuf,
         layout: HeadsLayout,
-        heads: &mut CudaSlice<f32>,
+        heads: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::heads_split(&self.cuda, rows, layout, heads)
     }
 
     fn heads_merge(
         &self,
-        heads: &CudaSlice<f32>,
+        heads: &CudaBuf,
         layout: HeadsLayout,
-        rows: &mut CudaSlice<f32>,
+        rows: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::heads_merge(&self.cuda, heads, layout, rows)
     }
@@ -376,15 +476,15 @@ impl GptOps for CudaOps {
     fn adamw(
         &self,
         s: &AdamWScalars,
-        param: &mut CudaSlice<f32>,
-        grad: &CudaSlice<f32>,
-        exp_avg: &mut CudaSlice<f32>,
-        exp_avg_sq: &mut CudaSlice<f32>,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        exp_avg: &mut CudaBuf,
+        exp_avg_sq: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::adamw::<f32>(&self.cuda, s, param, grad, exp_avg, exp_avg_sq)
     }
 
-    fn sum_of_squares(&self, x: &CudaSlice<f32>) -> Result<f64, KernelError> {
+    fn sum_of_squares(&self, x: &CudaBuf) -> Result<f64, KernelError> {
         let mut out = self
             .cuda
             .alloc_zeros::<f64>(1)

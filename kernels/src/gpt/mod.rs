@@ -14,6 +14,9 @@
 //!   bitwise, so `DeviceGpt<CudaOps>` differs from `DeviceGpt<HostOps>` only by the products'
 //!   rounding (`tests/gpu_gpt.rs`).
 //!
+//! Both count the device memory they hold ([`GptOps::memory`], through [`Counted`] buffers):
+//! the bytes live now and their peak, exact from the sizes allocated.
+//!
 //! The model is nanoGPT's GPT-2 (bias on, dropout 0, `lm_head` tied to `wte`), with its
 //! parameter names and shapes ([`param_shapes`]): embeddings, `n_layer` blocks (`ln_1`,
 //! `attn.c_attn` (q, k, v), causal attention, `attn.c_proj`, residual, `ln_2`, `mlp.c_fc`,
@@ -22,13 +25,15 @@
 //! every parameter's gradient, `wte`'s with the tied head's term.
 
 mod cuda;
+mod memory;
 mod model;
 mod ops;
 mod products;
 mod weights;
 
-pub use cuda::{CudaOps, Products};
+pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
+pub use memory::{Counted, MemoryCounter, MemoryUse};
 pub use model::DeviceGpt;
-pub use ops::{GptOps, HostOps, HostProducts};
+pub use ops::{GptOps, HostBuf, HostIds, HostOps, HostProducts};
 pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
 pub use weights::{param_shapes, Block, GptDims, Pair, Weights};

@@ -1,7 +1,10 @@
 //! [`GptOps`], the device operations of one GPT training step, and [`HostOps`], their host
 //! implementation by the kernels' twins.
 
-use super::products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
+use std::sync::{Arc, Mutex};
+
+use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
+use super::products::{gemm_f32, gemm_f64_rounded, round_into};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{self, same_len, AdamWScalars};
@@ -39,6 +42,14 @@ pub trait GptOps {
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>, KernelError>;
     /// Elements of `buf`.
     fn buf_len(buf: &Self::Buf) -> usize;
+    /// The bytes of device memory these operations hold now and the most they held at once
+    /// (since they were made, or since [`reset_peak`](GptOps::reset_peak)): every
+    /// [`Buf`](GptOps::Buf) and [`Ids`](GptOps::Ids) they handed out and that is still alive,
+    /// and the buffers they keep themselves (the bf16 operands of mixed-precision products).
+    /// Scratch that one operation allocates and frees within itself is not counted.
+    fn memory(&self) -> MemoryUse;
+    /// Starts the peak of [`memory`](GptOps::memory) again from the bytes held now.
+    fn reset_peak(&self);
     /// Sets every element of `buf` to 0.
     ///
     /// # Errors
@@ -273,18 +284,37 @@ pub enum HostProducts {
     F32,
     /// [`gemm_f64_rounded`]: accumulated in f64, rounded once.
     F64Rounded,
-    /// [`gemm_bf16_operands`]: both operands rounded to bf16 (as the cast kernel rounds),
-    /// products summed in f32 ([`gemm_f32`]'s order) — what [`CudaOps`](super::CudaOps) with
+    /// [`gemm_bf16_operands`](super::gemm_bf16_operands): both operands rounded to bf16 (as
+    /// the cast kernel rounds), products summed in f32 ([`gemm_f32`]'s order) — what
+    /// [`CudaOps`](super::CudaOps) with
     /// [`Products::Bf16`](super::Products::Bf16) computes, in another summation order.
     Bf16Operands,
 }
 
+/// A buffer of [`HostOps`]: a `Vec<f32>` counted in its operations' memory (4 bytes an
+/// element, as on a device).
+pub type HostBuf = Counted<Vec<f32>>;
+/// Ids of [`HostOps`]: a `Vec<u32>` counted in its operations' memory.
+pub type HostIds = Counted<Vec<u32>>;
+
 /// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`] (or [`gemm_f64_rounded`]);
-/// buffers are `Vec`s and every operation runs when called.
-#[derive(Clone, Copy, Debug, Default)]
+/// buffers are `Vec`s, counted in [`memory`](GptOps::memory) as a device's would be, and every
+/// operation runs when called. With [`HostProducts::Bf16Operands`] it keeps the two operand
+/// copies of the products between them as [`CudaOps`](super::CudaOps) does (grown when short,
+/// the short one freed first), counted at bf16's 2 bytes an element (held widened to f32 for
+/// the f32 product), so that its peak is the CUDA run's.
+#[derive(Debug)]
 pub struct HostOps {
     /// The matrix products.
     pub products: HostProducts,
+    memory: Arc<MemoryCounter>,
+    operands: Mutex<[Option<Counted<Vec<f32>>>; 2]>,
+}
+
+impl Default for HostOps {
+    fn default() -> HostOps {
+        HostOps::with_products(HostProducts::default())
+    }
 }
 
 impl HostOps {
@@ -295,35 +325,74 @@ impl HostOps {
 
     /// The twins and the products of `products`.
     pub fn with_products(products: HostProducts) -> HostOps {
-        HostOps { products }
+        HostOps {
+            products,
+            memory: MemoryCounter::new(),
+            operands: Mutex::new([None, None]),
+        }
+    }
+
+    fn counted<T>(&self, v: Vec<T>) -> Counted<Vec<T>> {
+        let bytes = bytes_of::<T>(v.len());
+        Counted::new(v, bytes, &self.memory)
+    }
+
+    /// [`gemm_bf16_operands`](super::gemm_bf16_operands) through the kept operand copies: the
+    /// same rounded values, so the same bits.
+    fn gemm_bf16(
+        &self,
+        g: &MatMul,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let mut kept = self
+            .operands
+            .lock()
+            .map_err(|_| KernelError::InvalidArgument {
+                kernel: "gemm_bf16_operands",
+                reason: "the kept operands' lock is poisoned".into(),
+            })?;
+        let [ka, kb] = &mut *kept;
+        let ra = round_into(&self.memory, ka, a);
+        let rb = round_into(&self.memory, kb, b);
+        gemm_f32(g, ra, rb, c)
     }
 }
 
 impl GptOps for HostOps {
-    type Buf = Vec<f32>;
-    type Ids = Vec<u32>;
+    type Buf = HostBuf;
+    type Ids = HostIds;
 
-    fn zeros(&self, len: usize) -> Result<Vec<f32>, KernelError> {
-        Ok(vec![0.0; len])
+    fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
+        Ok(self.counted(vec![0.0; len]))
     }
 
-    fn upload(&self, data: &[f32]) -> Result<Vec<f32>, KernelError> {
-        Ok(data.to_vec())
+    fn upload(&self, data: &[f32]) -> Result<HostBuf, KernelError> {
+        Ok(self.counted(data.to_vec()))
     }
 
-    fn upload_ids(&self, ids: &[u32]) -> Result<Vec<u32>, KernelError> {
-        Ok(ids.to_vec())
+    fn upload_ids(&self, ids: &[u32]) -> Result<HostIds, KernelError> {
+        Ok(self.counted(ids.to_vec()))
     }
 
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>, KernelError> {
-        Ok(buf.clone())
+    fn download(&self, buf: &HostBuf) -> Result<Vec<f32>, KernelError> {
+        Ok(buf.to_vec())
     }
 
-    fn buf_len(buf: &Vec<f32>) -> usize {
+    fn memory(&self) -> MemoryUse {
+        self.memory.usage()
+    }
+
+    fn reset_peak(&self) {
+        self.memory.reset_peak();
+    }
+
+    fn buf_len(buf: &HostBuf) -> usize {
         buf.len()
     }
 
-    fn fill_zero(&self, buf: &mut Vec<f32>) -> Result<(), KernelError> {
+    fn fill_zero(&self, buf: &mut HostBuf) -> Result<(), KernelError> {
         host::memset(buf, 0.0);
         Ok(())
     }
@@ -331,122 +400,122 @@ impl GptOps for HostOps {
     fn gemm(
         &self,
         g: &MatMul,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        c: &mut Vec<f32>,
+        a: &HostBuf,
+        b: &HostBuf,
+        c: &mut HostBuf,
     ) -> Result<(), KernelError> {
         match self.products {
             HostProducts::F32 => gemm_f32(g, a, b, c),
             HostProducts::F64Rounded => gemm_f64_rounded(g, a, b, c),
-            HostProducts::Bf16Operands => gemm_bf16_operands(g, a, b, c),
+            HostProducts::Bf16Operands => self.gemm_bf16(g, a, b, c),
         }
     }
 
-    fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>) -> Result<(), KernelError> {
+    fn bias_add(&self, y: &mut HostBuf, bias: &HostBuf) -> Result<(), KernelError> {
         nn::bias_add(y, bias)
     }
 
     fn axpby(
         &self,
         alpha: f32,
-        x: &Vec<f32>,
+        x: &HostBuf,
         beta: f32,
-        y: &mut Vec<f32>,
+        y: &mut HostBuf,
     ) -> Result<(), KernelError> {
         host::axpby(alpha, x, beta, y)
     }
 
     fn layernorm_forward(
         &self,
-        x: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: &Vec<f32>,
+        x: &HostBuf,
+        weight: &HostBuf,
+        bias: &HostBuf,
         eps: f32,
-        y: &mut Vec<f32>,
-        mean: &mut Vec<f32>,
-        rstd: &mut Vec<f32>,
+        y: &mut HostBuf,
+        mean: &mut HostBuf,
+        rstd: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::layernorm_forward(x, weight, bias, eps, y, mean, rstd)
     }
 
     fn layernorm_backward_input(
         &self,
-        dy: &Vec<f32>,
-        x: &Vec<f32>,
-        weight: &Vec<f32>,
-        mean: &Vec<f32>,
-        rstd: &Vec<f32>,
-        dx: &mut Vec<f32>,
+        dy: &HostBuf,
+        x: &HostBuf,
+        weight: &HostBuf,
+        mean: &HostBuf,
+        rstd: &HostBuf,
+        dx: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::layernorm_backward_input(dy, x, weight, mean, rstd, dx)
     }
 
     fn layernorm_backward_params(
         &self,
-        dy: &Vec<f32>,
-        x: &Vec<f32>,
-        mean: &Vec<f32>,
-        rstd: &Vec<f32>,
-        dweight: &mut Vec<f32>,
-        dbias: &mut Vec<f32>,
+        dy: &HostBuf,
+        x: &HostBuf,
+        mean: &HostBuf,
+        rstd: &HostBuf,
+        dweight: &mut HostBuf,
+        dbias: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::layernorm_backward_params(dy, x, mean, rstd, dweight, dbias)
     }
 
-    fn gelu_forward(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> Result<(), KernelError> {
+    fn gelu_forward(&self, x: &HostBuf, y: &mut HostBuf) -> Result<(), KernelError> {
         nn::gelu_forward(x, y)
     }
 
     fn gelu_backward(
         &self,
-        x: &Vec<f32>,
-        dy: &Vec<f32>,
-        dx: &mut Vec<f32>,
+        x: &HostBuf,
+        dy: &HostBuf,
+        dx: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::gelu_backward(x, dy, dx)
     }
 
     fn causal_softmax_forward(
         &self,
-        scores: &Vec<f32>,
+        scores: &HostBuf,
         t: usize,
         scale: f32,
-        probs: &mut Vec<f32>,
+        probs: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::causal_softmax_forward(scores, t, scale, probs)
     }
 
     fn causal_softmax_backward(
         &self,
-        probs: &Vec<f32>,
-        dprobs: &Vec<f32>,
+        probs: &HostBuf,
+        dprobs: &HostBuf,
         t: usize,
         scale: f32,
-        dscores: &mut Vec<f32>,
+        dscores: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
     }
 
     fn cross_entropy_fused(
         &self,
-        logits: &Vec<f32>,
-        targets: &Vec<u32>,
+        logits: &HostBuf,
+        targets: &HostIds,
         v: usize,
         dloss: f32,
-        losses: &mut Vec<f32>,
-        dlogits: &mut Vec<f32>,
+        losses: &mut HostBuf,
+        dlogits: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::cross_entropy_fused(logits, targets, v, dloss, losses, dlogits)
     }
 
     fn embedding_forward(
         &self,
-        ids: &Vec<u32>,
-        wte: &Vec<f32>,
-        wpe: &Vec<f32>,
+        ids: &HostIds,
+        wte: &HostBuf,
+        wpe: &HostBuf,
         t: usize,
         c: usize,
-        x: &mut Vec<f32>,
+        x: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::embedding_forward(ids, wte, wpe, t, c, x)
     }
@@ -454,9 +523,9 @@ impl GptOps for HostOps {
     fn embedding_backward_tokens(
         &self,
         ids: &[u32],
-        dx: &Vec<f32>,
+        dx: &HostBuf,
         c: usize,
-        dwte: &mut Vec<f32>,
+        dwte: &mut HostBuf,
     ) -> Result<(), KernelError> {
         let k = "embedding_backward_tokens_f32";
         same_len(k, "dx", ids.len() * c, dx.len())?;
@@ -472,32 +541,32 @@ impl GptOps for HostOps {
 
     fn embedding_backward_positions(
         &self,
-        dx: &Vec<f32>,
+        dx: &HostBuf,
         t: usize,
         c: usize,
-        dwpe: &mut Vec<f32>,
+        dwpe: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::embedding_backward_positions(dx, t, c, dwpe)
     }
 
-    fn bias_grad(&self, dy: &Vec<f32>, dbias: &mut Vec<f32>) -> Result<(), KernelError> {
+    fn bias_grad(&self, dy: &HostBuf, dbias: &mut HostBuf) -> Result<(), KernelError> {
         nn::bias_grad(dy, dbias)
     }
 
     fn heads_split(
         &self,
-        rows: &Vec<f32>,
+        rows: &HostBuf,
         layout: HeadsLayout,
-        heads: &mut Vec<f32>,
+        heads: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::heads_split(rows, layout, heads)
     }
 
     fn heads_merge(
         &self,
-        heads: &Vec<f32>,
+        heads: &HostBuf,
         layout: HeadsLayout,
-        rows: &mut Vec<f32>,
+        rows: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::heads_merge(heads, layout, rows)
     }
@@ -505,15 +574,15 @@ impl GptOps for HostOps {
     fn adamw(
         &self,
         s: &AdamWScalars,
-        param: &mut Vec<f32>,
-        grad: &Vec<f32>,
-        exp_avg: &mut Vec<f32>,
-        exp_avg_sq: &mut Vec<f32>,
+        param: &mut HostBuf,
+        grad: &HostBuf,
+        exp_avg: &mut HostBuf,
+        exp_avg_sq: &mut HostBuf,
     ) -> Result<(), KernelError> {
         host::adamw::<f32>(s, param, grad, exp_avg, exp_avg_sq)
     }
 
-    fn sum_of_squares(&self, x: &Vec<f32>) -> Result<f64, KernelError> {
+    fn sum_of_squares(&self, x: &HostBuf) -> Result<f64, KernelError> {
         Ok(host::sum_of_squares(x))
     }
 }

@@ -2,6 +2,9 @@
 //! ([`gemm_f32`]), accumulated in f64 and rounded once ([`gemm_f64_rounded`]), or of operands
 //! rounded to bf16 ([`gemm_bf16_operands`]).
 
+use std::sync::Arc;
+
+use super::memory::{bytes_of, Counted, MemoryCounter};
 use crate::gemm::MatMul;
 use crate::host::{bf16_to_f32, f32_to_bf16};
 use crate::KernelError;
@@ -97,6 +100,28 @@ pub fn gemm_bf16_operands(
     let round =
         |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect() };
     gemm_f32(g, &round(a), &round(b), c)
+}
+
+/// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short, the
+/// short one freed first, as [`CudaOps`](super::CudaOps) does), counted in `memory` at 2 bytes
+/// an element: [`HostOps`](super::HostOps)' kept operand copies of bf16 products.
+pub(super) fn round_into<'a>(
+    memory: &Arc<MemoryCounter>,
+    kept: &'a mut Option<Counted<Vec<f32>>>,
+    src: &[f32],
+) -> &'a [f32] {
+    let n = src.len();
+    let copy = match kept.take() {
+        Some(k) if k.len() >= n => kept.insert(k),
+        old => {
+            drop(old);
+            kept.insert(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory))
+        }
+    };
+    for (d, &x) in copy.iter_mut().zip(src) {
+        *d = bf16_to_f32(f32_to_bf16(x));
+    }
+    &copy[..n]
 }
 
 #[cfg(test)]

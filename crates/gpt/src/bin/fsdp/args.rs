@@ -90,6 +90,17 @@ pub(crate) struct PlanArgs {
     /// memory available, detected).
     #[arg(long, value_name = "BYTES", value_parser = crate::admission::parse_bytes)]
     pub(crate) memory_limit: Option<u64>,
+    /// `cpu` (the default): the sharded engine's plan. `cuda` / `cuda:N`: the device memory of
+    /// `fsdp train --device cuda` (one rank without the engine: parameters, gradients,
+    /// accumulators, AdamW's moments, the bf16 operand copies with `--param-dtype bf16`, the
+    /// activations of a micro-batch, and the peak of a step, predicted exactly as the run
+    /// counts it).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N", value_parser = parse_device)]
+    pub(crate) device: DeviceArg,
+    /// With --device: the clipping of `fsdp train --grad-clip` (0: none), whose scaled copy of
+    /// each gradient is held with the gradient for a moment.
+    #[arg(long)]
+    pub(crate) grad_clip: Option<f64>,
 }
 
 /// The model, the sharding and the wrap policy (shared by the subcommands). `fsdp train` takes

@@ -10,20 +10,22 @@
 
 use std::time::Instant;
 
+use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
+use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, Products};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
 
-use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
+use crate::args::{DeviceArg, ModelArgs, OptimizerKind, PlanArgs, TrainArgs};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
 use crate::paths::check_output_paths;
 use crate::progress::{nonfinite, say_done, Progress};
 use crate::say;
 use crate::setup::{micro_batch, setup};
-use crate::train::{grad_clip, load_tokens};
+use crate::train::{clip_option, grad_clip, load_tokens};
 use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
@@ -42,12 +44,11 @@ const ENGINE_ONLY: [(&str, &str); 11] = [
     ("keep_checkpoints", "--keep-checkpoints"),
 ];
 
-/// The refusals of `--device` other than cpu, in order: a world other than one rank, a dtype
-/// other than f32, then every option the device trainer does not support, by name.
-fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
-    let dev = args.device;
+/// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
+/// a world other than one rank, a dtype other than f32 (or bf16 parameters).
+fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<(), CliError> {
     let launched = LaunchEnv::from_env()?;
-    let world = match (&launched, args.model.ranks) {
+    let world = match (&launched, model.ranks) {
         (Some(env), _) => env.world_size,
         (None, Some(n)) => n,
         (None, None) => 1,
@@ -59,8 +60,8 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
         )));
     }
     let dtypes = [
-        ("--param-dtype", Some(args.model.param_dtype), DType::BF16),
-        ("--reduce-dtype", args.model.reduce_dtype, DType::F32),
+        ("--param-dtype", Some(model.param_dtype), DType::BF16),
+        ("--reduce-dtype", model.reduce_dtype, DType::F32),
     ];
     for (option, d, also) in dtypes {
         if let Some(d) = d.filter(|&d| d != DType::F32 && d != also) {
@@ -75,6 +76,14 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
             )));
         }
     }
+    Ok(())
+}
+
+/// The refusals of `--device` other than cpu, in order: a world other than one rank, a dtype
+/// other than f32, then every option the device trainer does not support, by name.
+fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
+    let dev = args.device;
+    check_device_world_and_dtypes(dev, &args.model)?;
     let o = &args.optim;
     let unsupported = [
         (
@@ -114,6 +123,17 @@ struct Run {
     config: DeviceTrainConfig,
     params: std::collections::HashMap<String, Vec<f32>>,
     tokens: Vec<u16>,
+    /// `fsdp plan --device`'s peak of this run.
+    predicted_peak: u64,
+}
+
+/// The products of `--param-dtype bf16` (else f32).
+fn products(bf16: bool) -> Products {
+    if bf16 {
+        Products::Bf16
+    } else {
+        Products::F32
+    }
 }
 
 /// `fsdp train --device cuda|cuda:N|host-twin`.
@@ -147,9 +167,16 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         config,
         params,
         tokens,
+        predicted_peak: 0,
     };
     let dev = args.device;
     let bf16 = args.model.param_dtype == DType::BF16;
+    let plan = plan_memory(&run.config, products(bf16))
+        .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    let run = Run {
+        predicted_peak: plan.peak,
+        ..run
+    };
     match dev {
         DeviceArg::Cuda { ordinal: n, .. } => {
             let count = fsdp_device::cuda::device_count()
@@ -163,8 +190,8 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?;
             let ops = CudaOps::new(stream)
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?
-                .with_products(if bf16 { Products::Bf16 } else { Products::F32 });
-            train_with(ops, args, &run)
+                .with_products(products(bf16));
+            train_with(ops, args, &run, CudaOps::pool_memory)
         }
         DeviceArg::HostTwin => train_with(
             HostOps::with_products(if bf16 {
@@ -174,12 +201,19 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
             }),
             args,
             &run,
+            |_| None,
         ),
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
 }
 
-fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliError> {
+/// Trains on `ops`; `pool` reads the device's memory pool, where there is one.
+fn train_with<O: GptOps>(
+    ops: O,
+    args: &TrainArgs,
+    run: &Run,
+    pool: fn(&O) -> Option<MemoryUse>,
+) -> Result<(), CliError> {
     let dev = args.device;
     let on_device =
         |e: fsdp_gpt::device_train::DeviceTrainError| fail(format!("--device {dev}: {e}"));
@@ -227,7 +261,7 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
         }
         last = o.loss;
         if let Some(log) = &mut loss_log {
-            log.step(step, o.loss, tps, 0);
+            log.step(step, o.loss, tps, trainer.peak_bytes());
         }
         let msg = format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss);
         progress.status(step, msg);
@@ -243,10 +277,81 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
     }
     say_done(steps, elapsed, global_tokens, first, last);
     say!(
-        "device: {dev}, {} optimizer steps (the loss log's peak column is 0: device memory is \
-         not tracked)",
-        trainer.optimizer_steps()
+        "device: {dev}, {} optimizer steps, peak device memory {} bytes (predicted {}: fsdp \
+         plan --device {dev}){}",
+        trainer.optimizer_steps(),
+        trainer.peak_bytes(),
+        run.predicted_peak,
+        match pool(trainer.ops()) {
+            Some(p) => format!(", memory pool high-water mark {} bytes", p.peak),
+            None => String::new(),
+        }
     );
     progress.say_skipped(skipped);
+    Ok(())
+}
+
+/// `fsdp plan --device cuda|cuda:N|host-twin`: the device memory of `fsdp train --device` with
+/// the same options ([`plan_memory`]), after the refusals `fsdp train --device` makes of the
+/// world and the dtypes, and of the plan's options that mean nothing there.
+pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
+    let dev = args.device;
+    check_device_world_and_dtypes(dev, &args.model)?;
+    let o = &args.optim;
+    let unsupported = [
+        (
+            "--activation-checkpointing",
+            args.model.activation_checkpointing,
+        ),
+        (
+            "--optimizer anyprecision-adamw",
+            o.optimizer == OptimizerKind::AnyPrecisionAdamW,
+        ),
+        ("--kahan-summation", o.kahan_summation.is_some()),
+        ("--optimizer-state-dtype", o.optimizer_state_dtype.is_some()),
+        ("--memory-limit", args.memory_limit.is_some()),
+    ];
+    if let Some((option, _)) = unsupported.iter().find(|(_, g)| *g) {
+        return Err(fail(format!(
+            "--device {dev}: {option} is not supported on the device (it trains one rank \
+             without the sharded engine: f32 AdamW)"
+        )));
+    }
+    let cfg = setup(&args.model, 1)?.cfg;
+    micro_batch(args.batch_size, args.grad_accum, 1)?;
+    let config = DeviceTrainConfig {
+        cfg,
+        // The optimizer's hyperparameters and schedule change no buffer.
+        adamw: AdamWConfig::default(),
+        schedule: LrSchedule::Constant,
+        decay_2d_only: false,
+        grad_clip: clip_option(args.grad_clip)?,
+        batch_size: args.batch_size,
+        grad_accum: args.grad_accum,
+    };
+    let bf16 = args.model.param_dtype == DType::BF16;
+    let plan =
+        plan_memory(&config, products(bf16)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    say!(
+        "fsdp plan: 1 rank on {dev} (no sharding: the GPT's kernels on one device), GPT {} \
+         layers × {} heads × {} wide ({} parameters), batch {} × {} tokens{}, {} products",
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.num_params(),
+        args.batch_size,
+        cfg.block_size,
+        if args.grad_accum > 1 {
+            format!(" in {} micro-batches", args.grad_accum)
+        } else {
+            String::new()
+        },
+        if bf16 { "bf16-operand" } else { "f32" }
+    );
+    say!("{}", plan.to_string().trim_end());
+    say!(
+        "(the bytes `fsdp train --device {dev}` counts from its second micro-batch on; a CUDA \
+         memory pool adds the scratch of single kernels and its rounding)"
+    );
     Ok(())
 }

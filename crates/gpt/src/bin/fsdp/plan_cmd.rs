@@ -1,19 +1,29 @@
 //! `fsdp plan`: the memory and communication plan of the options, and whether the ranks fit in
 //! the memory available (as threads of one process, as `fsdp train` runs them). With the
 //! optimizer's lines: its state per rank and per shard element, and the sharded state per
-//! parameter (the parameter in the dtype of the shards and its optimizer state).
+//! parameter (the parameter in the dtype of the shards and its optimizer state). With
+//! `--device cuda` (or `host-twin`): the device trainer's memory instead
+//! ([`print_device_plan`](crate::device_cmd::print_device_plan)).
 
 use fsdp_gpt::runtime::FsdpConfig;
 
 use crate::admission::{available, Prediction, ProcessData, Sharing};
-use crate::args::PlanArgs;
+use crate::args::{DeviceArg, PlanArgs};
 use crate::optimizer::{describe, plan_optimizer, sharded_state_line};
 use crate::say;
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::train::SYNTHETIC_LEN;
-use crate::CliError;
+use crate::{fail, CliError};
 
 pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
+    if args.device != DeviceArg::Cpu {
+        return crate::device_cmd::print_device_plan(args);
+    }
+    if args.grad_clip.is_some() {
+        return Err(fail(
+            "--grad-clip: only with --device (the sharded engine's plan does not depend on it)",
+        ));
+    }
     let world = args.model.ranks.unwrap_or(DEFAULT_RANKS);
     let optim = plan_optimizer(&args.optim, args.model.param_dtype)?;
     let Setup { cfg, config, plan } = setup(&args.model, world)?;

@@ -35,7 +35,12 @@ pub(crate) const SYNTHETIC_LEN: usize = 200_000;
 /// `--grad-clip`, validated: `None` for no clipping (`--grad-clip 0` too, as nanoGPT's
 /// `grad_clip = 0.0`).
 pub(crate) fn grad_clip(args: &TrainArgs) -> Result<Option<f64>, CliError> {
-    match args.grad_clip {
+    clip_option(args.grad_clip)
+}
+
+/// A `--grad-clip` value: `None` for none or 0; refused unless finite and ≥ 0.
+pub(crate) fn clip_option(clip: Option<f64>) -> Result<Option<f64>, CliError> {
+    match clip {
         Some(c) if !(c.is_finite() && c >= 0.0) => Err(fail(format!(
             "--grad-clip {c}: must be a finite number ≥ 0 (0: no clipping)"
         ))),

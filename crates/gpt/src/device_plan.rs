@@ -1,0 +1,377 @@
+//! The device memory of [`DeviceTrainer`](crate::device_train::DeviceTrainer), predicted:
+//! [`plan_memory`] lists what the trainer holds for the whole run (the parameters, the model's
+//! gradients, the accumulators, AdamW's two moments, with bf16 products the two kept operand
+//! copies) and replays, by size, every buffer one micro-batch's step allocates and frees in the
+//! order [`DeviceGpt::step`](fsdp_kernels::gpt::DeviceGpt::step) does (the activations saved
+//! for backward, the working buffers of each layer, the ids), then the clipping's buffers, to
+//! find the moment of the peak and its bytes. It is what `fsdp plan --device cuda` prints.
+//!
+//! The bytes are those [`GptOps::memory`](fsdp_kernels::gpt::GptOps::memory) counts (every
+//! buffer the operations hand out and keep, 4 bytes an f32 or id element, 2 a kept bf16
+//! operand element): the host twins' measured peak equals the plan exactly
+//! (`tests/device_plan.rs`), and so does the CUDA run's counted peak; the CUDA pool's
+//! high-water mark adds the scratch of single operations and the pool's rounding.
+//!
+//! The peak is that of a run past its first micro-batch: the kept bf16 operand copies grow to
+//! the largest product's operands during the first one and stay (a run of one step of one
+//! micro-batch may peak lower). With clipping, a clipped step replaces each accumulator by a
+//! scaled copy, the two held at once: the plan counts that moment whenever clipping is set.
+
+use std::fmt;
+
+use fsdp::FsdpError;
+use fsdp_kernels::gpt::{param_shapes, Products};
+
+use crate::device_train::{DeviceTrainConfig, DeviceTrainError};
+
+/// Bytes of an f32 (and of a u32 id) element.
+const F32: u128 = 4;
+/// Bytes of a bf16 element.
+const BF16: u128 = 2;
+
+/// The predicted device memory of a [`DeviceTrainer`](crate::device_train::DeviceTrainer) run,
+/// in bytes: what it holds throughout, and the peak of a step with its parts at that moment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceMemoryPlan {
+    /// Rows of a micro-batch.
+    pub rows: usize,
+    /// Tokens per row (the model's block size).
+    pub tokens_per_row: usize,
+    /// Elements of all parameters.
+    pub param_elements: u64,
+    /// The parameters (f32).
+    pub parameters: u64,
+    /// The model's gradients (f32, overwritten by each micro-batch).
+    pub gradients: u64,
+    /// The gradient accumulators (f32).
+    pub accumulators: u64,
+    /// AdamW's first moments (f32).
+    pub exp_avg: u64,
+    /// AdamW's second moments (f32).
+    pub exp_avg_sq: u64,
+    /// The two kept bf16 copies of the products' operands (0 with f32 products).
+    pub bf16_operands: u64,
+    /// The activations one micro-batch's forward saves for backward (its tape, at the end of
+    /// forward).
+    pub tape: u64,
+    /// Where the step peaks.
+    pub peak_moment: String,
+    /// Saved activations held at the peak.
+    pub peak_tape: u64,
+    /// Working buffers held at the peak (outputs, gradients of activations, logits, losses).
+    pub peak_working: u64,
+    /// Token ids and targets held at the peak.
+    pub peak_ids: u64,
+    /// The peak: everything held throughout plus the step's buffers at its peak moment.
+    pub peak: u64,
+}
+
+impl DeviceMemoryPlan {
+    /// What the trainer holds for the whole run.
+    pub fn persistent(&self) -> u64 {
+        self.parameters
+            + self.gradients
+            + self.accumulators
+            + self.exp_avg
+            + self.exp_avg_sq
+            + self.bf16_operands
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+impl fmt::Display for DeviceMemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "device memory (one rank, no sharding; micro-batch {} × {} tokens), bytes:",
+            self.rows, self.tokens_per_row
+        )?;
+        let rows = [
+            (
+                "parameters",
+                self.parameters,
+                format!("{} elements, f32", self.param_elements),
+            ),
+            (
+                "gradients",
+                self.gradients,
+                "the model's, of each micro-batch".into(),
+            ),
+            (
+                "accumulators",
+                self.accumulators,
+                "the step's gradient".into(),
+            ),
+            ("AdamW exp_avg", self.exp_avg, "f32".into()),
+            ("AdamW exp_avg_sq", self.exp_avg_sq, "f32".into()),
+            (
+                "bf16 operands",
+                self.bf16_operands,
+                "the two kept operand copies of the products".into(),
+            ),
+            (
+                "activations",
+                self.tape,
+                "saved by one micro-batch's forward for backward".into(),
+            ),
+        ];
+        for (name, bytes, what) in rows {
+            writeln!(f, "  {name:<18} {bytes:>14}  {:>11}  ({what})", mib(bytes))?;
+        }
+        writeln!(
+            f,
+            "peak: {} bytes ({}) at {}: held throughout {} + activations {} + working buffers \
+             {} + ids {}",
+            self.peak,
+            mib(self.peak),
+            self.peak_moment,
+            self.persistent(),
+            self.peak_tape,
+            self.peak_working,
+            self.peak_ids
+        )
+    }
+}
+
+/// What a buffer of the step is for.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// Saved by forward for backward.
+    Tape,
+    /// Any other buffer of the step.
+    Work,
+    /// Token ids or targets.
+    Ids,
+}
+
+/// The step's buffers replayed by size: bytes live by kind and the peak.
+#[derive(Default)]
+struct Replay {
+    live: [u128; 3],
+    peak: u128,
+    at_peak: [u128; 3],
+    moment: String,
+    phase: String,
+    /// Saved activations at the end of forward.
+    tape: u128,
+}
+
+impl Replay {
+    fn alloc(&mut self, kind: Kind, elements: u128, what: &str) {
+        let bytes = elements.saturating_mul(F32);
+        let k = &mut self.live[kind as usize];
+        *k = k.saturating_add(bytes);
+        let total = self.live.iter().fold(0u128, |a, &b| a.saturating_add(b));
+        if total > self.peak {
+            self.peak = total;
+            self.at_peak = self.live;
+            self.moment = format!("{}, {what}", self.phase);
+        }
+    }
+
+    fn free(&mut self, kind: Kind, elements: u128) {
+        let k = &mut self.live[kind as usize];
+        *k = k.saturating_sub(elements.saturating_mul(F32));
+    }
+}
+
+/// The product of `factors`, saturating (a size past u64 is refused at the end).
+fn prod(factors: &[usize]) -> u128 {
+    factors
+        .iter()
+        .fold(1u128, |a, &f| a.saturating_mul(f as u128))
+}
+
+fn to_u64(v: u128, what: &str) -> Result<u64, DeviceTrainError> {
+    u64::try_from(v).map_err(|_| {
+        DeviceTrainError::Fsdp(FsdpError::InvalidShape {
+            reason: format!("the device memory plan's {what} does not fit in 64 bits"),
+        })
+    })
+}
+
+/// One micro-batch's step of `DeviceGpt::step` (`model.rs`), buffer by buffer.
+fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
+    let (t, e, v, h) = (
+        c.cfg.block_size,
+        c.cfg.n_embd,
+        c.cfg.vocab_size,
+        c.cfg.n_head,
+    );
+    let n = prod(&[rows, t]);
+    let ne = prod(&[rows, t, e]);
+    let nv = prod(&[rows, t, v]);
+    let t2 = prod(&[rows, h, t, t]);
+    use Kind::{Ids, Tape, Work};
+    // Saved per block: its input, ln_1 (3), q k v, P, y, x2, ln_2 (3), c_fc, gelu; each block's
+    // forward adds that (its output is the next one's input) and frees its working buffers.
+    let saved = 16 * ne + 4 * n + t2;
+    let layers = c.cfg.n_layer;
+    // The blocks are alike and the saved activations only grow in forward (only shrink in
+    // backward): the last block's forward and the first block backward (the last block's)
+    // hold the most, so the others are replayed at once.
+    let before_last = (layers.saturating_sub(1)) as u128;
+    r.phase = "embeddings".into();
+    r.alloc(Ids, n, "input ids");
+    r.alloc(Tape, ne, "x");
+    r.phase = "forward".into();
+    r.alloc(
+        Tape,
+        saved.saturating_mul(before_last),
+        "blocks before the last",
+    );
+    if let Some(layer) = layers.checked_sub(1) {
+        r.phase = format!("forward of block {layer}");
+        r.alloc(Tape, ne + 2 * n, "ln_1");
+        r.alloc(Work, 3 * ne, "qkv");
+        r.alloc(Tape, 3 * ne, "q, k, v");
+        r.free(Work, 3 * ne);
+        r.alloc(Work, t2, "scores");
+        r.alloc(Tape, t2, "probabilities");
+        r.free(Work, t2);
+        r.alloc(Work, ne, "heads' outputs");
+        r.alloc(Tape, ne, "y");
+        r.free(Work, ne);
+        r.alloc(Tape, ne, "x + attention");
+        r.alloc(Tape, ne + 2 * n, "ln_2");
+        r.alloc(Tape, 4 * ne, "c_fc");
+        r.alloc(Tape, 4 * ne, "gelu");
+        r.alloc(Tape, ne, "block output");
+    }
+    r.phase = "head".into();
+    r.alloc(Tape, ne + 2 * n, "ln_f");
+    r.tape = r.live[Tape as usize];
+    r.alloc(Work, nv, "logits");
+    r.alloc(Ids, n, "targets");
+    r.alloc(Work, n, "losses");
+    r.alloc(Work, nv, "logits' gradient");
+    r.free(Work, nv);
+    r.alloc(Work, ne, "ln_f's output gradient");
+    r.free(Work, nv);
+    r.alloc(Work, ne, "x's gradient");
+    if let Some(layer) = layers.checked_sub(1) {
+        r.phase = format!("backward of block {layer}");
+        r.alloc(Work, 4 * ne, "mlp c_proj input gradient");
+        r.alloc(Work, 4 * ne, "gelu input gradient");
+        r.free(Work, 4 * ne);
+        r.alloc(Work, ne, "ln_2 output gradient");
+        r.free(Work, 4 * ne);
+        r.free(Work, ne);
+        r.alloc(Work, ne, "attention c_proj input gradient");
+        r.alloc(Work, ne, "heads' output gradient");
+        r.free(Work, ne);
+        r.alloc(Work, t2, "probabilities' gradient");
+        r.alloc(Work, ne, "v's gradient");
+        r.free(Work, ne);
+        r.alloc(Work, t2, "scores' gradient");
+        r.free(Work, t2);
+        r.alloc(Work, 2 * ne, "q's and k's gradients");
+        r.free(Work, t2);
+        r.alloc(Work, 3 * ne, "qkv's gradient");
+        r.free(Work, 3 * ne);
+        r.alloc(Work, ne, "ln_1 output gradient");
+        r.free(Work, 3 * ne);
+        r.free(Work, ne);
+        r.free(Tape, saved);
+    }
+    r.free(Tape, saved.saturating_mul(before_last));
+    // The step returns: everything else is dropped.
+    r.live = [0; 3];
+}
+
+/// The elements of the largest first and second operands of the step's products (the sizes
+/// the kept bf16 copies grow to).
+fn largest_operands(c: &DeviceTrainConfig, rows: usize) -> (u128, u128) {
+    let (t, e, v, h) = (
+        c.cfg.block_size,
+        c.cfg.n_embd,
+        c.cfg.vocab_size,
+        c.cfg.n_head,
+    );
+    let ne = prod(&[rows, t, e]);
+    let first = [4 * ne, prod(&[rows, h, t, t]), prod(&[rows, t, v])];
+    let second = [4 * prod(&[e, e]), prod(&[v, e]), 4 * ne];
+    let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);
+    (max(&first), max(&second))
+}
+
+/// The device memory of a [`DeviceTrainer`](crate::device_train::DeviceTrainer) of `config`
+/// whose operations multiply as `products` says (see the [module](self) documentation).
+///
+/// # Errors
+/// The settings the trainer refuses; a size that does not fit in 64 bits.
+pub fn plan_memory(
+    config: &DeviceTrainConfig,
+    products: Products,
+) -> Result<DeviceMemoryPlan, DeviceTrainError> {
+    config.validate()?;
+    config.dims().validate()?;
+    let rows = config.batch_size / config.grad_accum;
+    let c = &config.cfg;
+    // Every size the replay multiplies by small constants fits in 64 bits, so its sums fit
+    // in 128.
+    for (what, v) in [
+        ("tokens × width", prod(&[rows, c.block_size, c.n_embd])),
+        (
+            "tokens × vocabulary",
+            prod(&[rows, c.block_size, c.vocab_size]),
+        ),
+        (
+            "attention scores",
+            prod(&[rows, c.n_head, c.block_size, c.block_size]),
+        ),
+        ("vocabulary × width", prod(&[c.vocab_size, c.n_embd])),
+        ("width²", prod(&[c.n_embd, c.n_embd])),
+    ] {
+        to_u64(v.saturating_mul(64), what)?;
+    }
+    let elements: u128 = param_shapes(&config.dims())
+        .iter()
+        .map(|(_, s)| prod(s))
+        .fold(0, u128::saturating_add);
+    let each = elements.saturating_mul(F32);
+    let bf16 = if products == Products::Bf16 {
+        let (a, b) = largest_operands(config, rows);
+        a.saturating_add(b).saturating_mul(BF16)
+    } else {
+        0
+    };
+    let mut r = Replay::default();
+    replay_step(&mut r, config, rows);
+    if config.grad_clip.is_some() {
+        // `GptOps::scale` of each accumulator: the scaled copy, then the old one freed.
+        r.phase = "clipping".into();
+        for (name, shape) in param_shapes(&config.dims()) {
+            let len = prod(&shape);
+            r.alloc(
+                Kind::Work,
+                len,
+                &format!("scaled copy of {name}'s gradient"),
+            );
+            r.free(Kind::Work, len);
+        }
+    }
+    let persistent = each.saturating_mul(5).saturating_add(bf16);
+    let peak = persistent.saturating_add(r.peak);
+    Ok(DeviceMemoryPlan {
+        rows,
+        tokens_per_row: config.cfg.block_size,
+        param_elements: to_u64(elements, "parameter count")?,
+        parameters: to_u64(each, "parameters")?,
+        gradients: to_u64(each, "gradients")?,
+        accumulators: to_u64(each, "accumulators")?,
+        exp_avg: to_u64(each, "moments")?,
+        exp_avg_sq: to_u64(each, "moments")?,
+        bf16_operands: to_u64(bf16, "bf16 operands")?,
+        tape: to_u64(r.tape, "activations")?,
+        peak_moment: r.moment,
+        peak_tape: to_u64(r.at_peak[Kind::Tape as usize], "activations")?,
+        peak_working: to_u64(r.at_peak[Kind::Work as usize], "working buffers")?,
+        peak_ids: to_u64(r.at_peak[Kind::Ids as usize], "ids")?,
+        peak: to_u64(peak, "peak")?,
+    })
+}

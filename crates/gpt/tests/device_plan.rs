@@ -1,0 +1,169 @@
+//! The device trainer's predicted memory (`plan_memory`, a replay of the step's buffers by size)
+//! against its measured memory on the kernels' host twins (`HostOps` counts every buffer it
+//! hands out and keeps): the peak over three steps equals the prediction exactly, for f32 and
+//! bf16 products, one and two micro-batches, two model sizes, and with clipping (in a case
+//! where the clipping's copies make the peak); between steps exactly what the plan holds
+//! throughout is left. The parts the plan lists are checked against closed forms.
+
+use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::model::GptConfig;
+use fsdp_kernels::gpt::{HostOps, HostProducts, Products};
+
+fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> DeviceTrainConfig {
+    DeviceTrainConfig {
+        cfg,
+        adamw: AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        schedule: LrSchedule::Constant,
+        decay_2d_only: false,
+        grad_clip: clip,
+        batch_size: batch,
+        grad_accum: accum,
+    }
+}
+
+/// Runs 3 steps on the host twins; returns (peak, bytes held after each step).
+fn measure(c: &DeviceTrainConfig, bf16: bool) -> (u64, Vec<u64>) {
+    let params = seeded_params(&c.cfg, 5).unwrap();
+    let ops = HostOps::with_products(if bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    });
+    let tokens = synthetic_corpus(20_000, c.cfg.vocab_size as u16, 5);
+    let mut tr = DeviceTrainer::new(ops, *c, &params).unwrap();
+    let held = (0..3)
+        .map(|step| {
+            let o = tr.step(&tokens, step).unwrap();
+            assert!(o.applied, "{o:?}");
+            tr.memory().allocated
+        })
+        .collect();
+    (tr.peak_bytes(), held)
+}
+
+fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan::DeviceMemoryPlan {
+    let products = if bf16 { Products::Bf16 } else { Products::F32 };
+    let plan = plan_memory(c, products).unwrap();
+    let (peak, held) = measure(c, bf16);
+    println!(
+        "{name}: predicted peak {} at {}, measured {peak}",
+        plan.peak, plan.peak_moment
+    );
+    assert_eq!(
+        peak, plan.peak,
+        "{name}: measured vs predicted peak\n{plan}"
+    );
+    for h in held {
+        assert_eq!(
+            h,
+            plan.persistent(),
+            "{name}: bytes held between steps\n{plan}"
+        );
+    }
+    // The parts against closed forms.
+    let p = c.cfg.num_params() as u64;
+    assert_eq!(plan.param_elements, p);
+    for part in [
+        plan.parameters,
+        plan.gradients,
+        plan.accumulators,
+        plan.exp_avg,
+        plan.exp_avg_sq,
+    ] {
+        assert_eq!(part, 4 * p);
+    }
+    let (l, e, v, h, t) = (
+        c.cfg.n_layer as u64,
+        c.cfg.n_embd as u64,
+        c.cfg.vocab_size as u64,
+        c.cfg.n_head as u64,
+        c.cfg.block_size as u64,
+    );
+    let rows = (c.batch_size / c.grad_accum) as u64;
+    let n = rows * t;
+    // Per block 16 activations of n×E, 4 of n (two layer norms' mean and rstd), the
+    // attention probabilities; then the final output and ln_f's.
+    let tape = 4 * (l * (16 * n * e + 4 * n + rows * h * t * t) + 2 * n * e + 2 * n);
+    assert_eq!(plan.tape, tape, "{name}");
+    let operands = if bf16 {
+        let a = (4 * n * e).max(rows * h * t * t).max(n * v);
+        let b = (4 * e * e).max(v * e).max(4 * n * e);
+        2 * (a + b)
+    } else {
+        0
+    };
+    assert_eq!(plan.bf16_operands, operands, "{name}");
+    assert_eq!(
+        plan.peak,
+        plan.persistent() + plan.peak_tape + plan.peak_working + plan.peak_ids
+    );
+    plan
+}
+
+fn small() -> GptConfig {
+    GptConfig::new(2, 2, 32, 16, 64).unwrap()
+}
+
+fn larger() -> GptConfig {
+    GptConfig::new(3, 4, 64, 32, 200).unwrap()
+}
+
+#[test]
+fn predicted_peak_equals_the_host_twins_f32() {
+    for (name, cfg) in [("small", small()), ("larger", larger())] {
+        for accum in [1, 2] {
+            let c = config(cfg, 8, accum, None);
+            let plan = check(&format!("{name}, f32, accum {accum}"), &c, false);
+            assert!(plan.peak_tape > 0 && plan.peak_working > 0);
+        }
+    }
+}
+
+#[test]
+fn predicted_peak_equals_the_host_twins_bf16() {
+    for (name, cfg) in [("small", small()), ("larger", larger())] {
+        for accum in [1, 2] {
+            let c = config(cfg, 8, accum, None);
+            check(&format!("{name}, bf16, accum {accum}"), &c, true);
+        }
+    }
+}
+
+/// Clipping on every step (a tiny max norm): one row of 4 tokens against a vocabulary of 512
+/// × 64, so the scaled copy of wte's gradient (held with the old one) makes the peak.
+#[test]
+fn predicted_peak_counts_the_clipping_copies() {
+    let cfg = GptConfig::new(1, 2, 64, 4, 512).unwrap();
+    let c = config(cfg, 1, 1, Some(1e-6));
+    let plan = check("clipping", &c, false);
+    assert!(
+        plan.peak_moment.contains("clipping") && plan.peak_moment.contains("wte"),
+        "{plan}"
+    );
+    assert_eq!(plan.peak, plan.persistent() + 4 * 512 * 64);
+    // Without clipping the same model peaks in the step, lower.
+    let c = config(cfg, 1, 1, None);
+    let lower = check("no clipping", &c, false);
+    assert!(lower.peak < plan.peak && !lower.peak_moment.contains("clipping"));
+}
+
+#[test]
+fn the_plan_refuses_what_the_trainer_refuses() {
+    let e = plan_memory(&config(small(), 8, 3, None), Products::F32).unwrap_err();
+    assert!(e.to_string().contains("micro-batches"), "{e}");
+    let mut huge = config(small(), 8, 1, None);
+    huge.cfg.vocab_size = u32::MAX as usize;
+    huge.cfg.n_embd = 1 << 40;
+    huge.cfg.n_head = 1;
+    let e = plan_memory(&huge, Products::F32).unwrap_err();
+    assert!(e.to_string().contains("64 bits"), "{e}");
+}

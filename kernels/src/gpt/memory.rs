@@ -1,0 +1,152 @@
+//! Counting the device memory of [`GptOps`](super::GptOps): [`Counted`] buffers add their bytes
+//! to a shared [`MemoryCounter`] when made and take them off when dropped, so an implementation
+//! reports the bytes live now and the most live at once ([`MemoryUse`]).
+
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Bytes of device buffers live now and the most that were live at once (since the
+/// operations were made, or since [`MemoryCounter::reset_peak`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// Bytes live now.
+    pub allocated: u64,
+    /// The most bytes live at once.
+    pub peak: u64,
+}
+
+/// Bytes live and their peak, shared by every [`Counted`] buffer of one set of operations.
+#[derive(Debug, Default)]
+pub struct MemoryCounter {
+    allocated: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl MemoryCounter {
+    /// A counter at zero, shared.
+    pub fn new() -> Arc<MemoryCounter> {
+        Arc::new(MemoryCounter::default())
+    }
+
+    /// The bytes live now and their peak.
+    pub fn usage(&self) -> MemoryUse {
+        MemoryUse {
+            allocated: self.allocated.load(Ordering::SeqCst),
+            peak: self.peak.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Starts the peak again from the bytes live now.
+    pub fn reset_peak(&self) {
+        self.peak
+            .store(self.allocated.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
+    fn add(&self, bytes: u64) {
+        let now = self
+            .allocated
+            .fetch_add(bytes, Ordering::SeqCst)
+            .saturating_add(bytes);
+        self.peak.fetch_max(now, Ordering::SeqCst);
+    }
+
+    fn sub(&self, bytes: u64) {
+        self.allocated.fetch_sub(bytes, Ordering::SeqCst);
+    }
+}
+
+/// A buffer whose bytes are counted in a [`MemoryCounter`] while it lives; it reads and writes
+/// as the buffer it holds (`Deref`).
+#[derive(Debug)]
+pub struct Counted<T> {
+    inner: T,
+    bytes: u64,
+    counter: Arc<MemoryCounter>,
+}
+
+impl<T> Counted<T> {
+    /// `inner`, of `bytes` bytes on the device, counted in `counter` until dropped.
+    pub fn new(inner: T, bytes: u64, counter: &Arc<MemoryCounter>) -> Counted<T> {
+        counter.add(bytes);
+        Counted {
+            inner,
+            bytes,
+            counter: counter.clone(),
+        }
+    }
+
+    /// The bytes counted for it.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl<T> Deref for Counted<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T> DerefMut for Counted<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+}
+
+impl<T> Drop for Counted<T> {
+    fn drop(&mut self) {
+        self.counter.sub(self.bytes);
+    }
+}
+
+/// Bytes of `len` elements of `T`.
+pub(crate) fn bytes_of<T>(len: usize) -> u64 {
+    (len as u64).saturating_mul(std::mem::size_of::<T>() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counted_buffers_add_and_remove_their_bytes() {
+        let c = MemoryCounter::new();
+        let a = Counted::new(vec![0.0f32; 10], 40, &c);
+        let b = Counted::new(vec![0u32; 5], 20, &c);
+        assert_eq!(
+            c.usage(),
+            MemoryUse {
+                allocated: 60,
+                peak: 60
+            }
+        );
+        drop(a);
+        assert_eq!(
+            c.usage(),
+            MemoryUse {
+                allocated: 20,
+                peak: 60
+            }
+        );
+        c.reset_peak();
+        assert_eq!(
+            c.usage(),
+            MemoryUse {
+                allocated: 20,
+                peak: 20
+            }
+        );
+        let d = Counted::new((), 8, &c);
+        assert_eq!((b.len(), d.bytes()), (5, 8));
+        drop((b, d));
+        assert_eq!(
+            c.usage(),
+            MemoryUse {
+                allocated: 0,
+                peak: 28
+            }
+        );
+    }
+}
