@@ -59,16 +59,17 @@ for t in "${targets[@]}"; do
     strip --strip-debug "$out/$file"
     printf '%s %s %s\n' "$file" "$kind" "$what" >>"$out/MANIFEST"
 done
-# Copy the `fsdp` program that `cargo "$@" --message-format=json` builds to $out/$1.
-fsdp_program() {
-    local name="$1" exe
-    shift
+# Copy the program `$2` (a bin target of fsdp-gpt) that `cargo "${@:3}" --message-format=json`
+# builds to $out/$1.
+gpt_program() {
+    local name="$1" target="$2" exe
+    shift 2
     exe=$(cargo "$@" --message-format=json \
-        | jq -r 'select(.reason == "compiler-artifact" and .target.name == "fsdp"
+        | jq -r --arg t "$target" 'select(.reason == "compiler-artifact" and .target.name == $t
                         and (.target.kind | index("bin")) and .executable != null) | .executable' \
         | tail -n 1)
     if [ -z "$exe" ] || [ ! -x "$exe" ]; then
-        echo "no executable for the fsdp program ($*)" >&2
+        echo "no executable for the $target program ($*)" >&2
         exit 1
     fi
     cp "$exe" "$out/$name"
@@ -77,10 +78,13 @@ fsdp_program() {
 # The `fsdp` program that gpu_device_train runs (it looks for it beside itself): the one cargo
 # built with that test (same profile). Not in MANIFEST: gpu-check.sh runs only the tests.
 echo "== the fsdp program for gpu_device_train" >&2
-fsdp_program fsdp-gpt--bin--fsdp test -p fsdp-gpt --test gpu_device_train --no-run
-# The release `fsdp` program for the GPT-2 124M comparison with PyTorch FSDP2 in gpu-check.sh.
-echo "== the release fsdp program (GPT-2 124M timing)" >&2
-fsdp_program fsdp-gpt--release--fsdp build --release -p fsdp-gpt --bin fsdp
+gpt_program fsdp-gpt--bin--fsdp fsdp test -p fsdp-gpt --test gpu_device_train --no-run
+# The release `fsdp` program for the GPT-2 124M comparison with PyTorch FSDP2 in gpu-check.sh,
+# and the release benchmark of the GPT step (124M and 350M: tokens/s, memory, MFU).
+echo "== the release fsdp and gpt-device-bench programs (GPT-2 timing)" >&2
+gpt_program fsdp-gpt--release--fsdp fsdp build --release -p fsdp-gpt --bin fsdp
+gpt_program fsdp-gpt--release--gpt-device-bench gpt-device-bench build --release -p fsdp-gpt \
+    --bin gpt-device-bench
 cp scripts/gpu-check.sh scripts/gpu-env.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2

@@ -85,17 +85,31 @@ print(f"median step {8*1024/t*1e3:.2f} ms, {t:,.0f} tokens/s")' "$csv" 2>/dev/nu
         tail -n 2 "$log"
     done
 fi
+# The GPT step benchmark: GPT-2 124M and 350M, world 1, bf16 products, batch 8: median step,
+# tokens/s, peak memory, MFU against the dense bf16 peak and a measured 8192³ bf16 GEMM.
+if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ]; then
+    echo "== gpt-device-bench 124m,350m bf16 (release)"
+    log="$report/gpt_device_bench.log"
+    timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --model 124m,350m \
+        --steps "$gpt_steps" --warmup 3 >"$log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    grep RESULT "$log" | while read -r line; do
+        echo "| gpt-device-bench | $rc | | ${line#RESULT } | |" >>"$report/report.md"
+    done
+    cat "$log"
+fi
 if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
     python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    runs=("f32" "bf16")
-    [ "${FSDP_GPU_COMPILE:-0}" = 1 ] && runs+=("bf16 --compile")
+    runs=("124m f32" "124m bf16" "350m bf16")
+    [ "${FSDP_GPU_COMPILE:-0}" = 1 ] && runs+=("124m bf16 --compile" "350m bf16 --compile")
     for run in "${runs[@]}"; do
-        read -r dtype extra <<<"$run"
-        echo "== torch_fsdp2_gpt.py --param-dtype $dtype $extra (PyTorch FSDP2, GPT-2 124M)"
-        log="$report/torch_fsdp2_gpt_${dtype}${extra:+_compile}.log"
-        timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --model 124m --device cuda \
+        read -r model dtype extra <<<"$run"
+        echo "== torch_fsdp2_gpt.py --model $model --param-dtype $dtype $extra (PyTorch FSDP2)"
+        log="$report/torch_fsdp2_gpt_${model}_${dtype}${extra:+_compile}.log"
+        timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --model "$model" --device cuda \
             --batch 8 --steps "$gpt_steps" --warmup 3 --param-dtype "$dtype" $extra >"$log" 2>&1
-        echo "| torch_fsdp2_gpt.py $dtype $extra | $? | | $(grep -m1 -o 'median step.*' "$log" | cut -c1-60) | |" \
+        echo "| torch_fsdp2_gpt.py $model $dtype $extra | $? | | $(grep -m1 -o 'median step.*' "$log" | cut -c1-60) | |" \
             >>"$report/report.md"
         tail -n 2 "$log"
     done

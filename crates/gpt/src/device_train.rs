@@ -54,6 +54,17 @@ pub enum DeviceTrainError {
     /// A device operation (allocation, copy, kernel, cuBLAS) failed or was given bad shapes.
     #[error("device: {0}")]
     Kernel(#[from] KernelError),
+    /// A step whose loss or gradient norm is not finite where every step must be (the
+    /// benchmark's [`time_steps`](crate::device_bench::time_steps)).
+    #[error("step {step} is not finite: loss {loss}, gradient norm {grad_norm}")]
+    NotFinite {
+        /// The step.
+        step: usize,
+        /// Its loss.
+        loss: f32,
+        /// Its global gradient norm.
+        grad_norm: f64,
+    },
 }
 
 /// What one run of the trainer does: the model, AdamW's hyperparameters, the learning-rate

@@ -45,6 +45,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod device_bench;
 pub mod device_plan;
 pub mod device_train;
 pub mod init;

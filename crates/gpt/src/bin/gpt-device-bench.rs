@@ -1,0 +1,268 @@
+//! `gpt-device-bench`: trains GPT-2 124M and 350M (or the models given) on one device at world
+//! 1 and prints, per model, the median step time after warm-up, tokens/s, the peak device
+//! memory (counted, planned, and the CUDA pool's high-water mark) and MFU — model FLOPs
+//! (`6·N + 12·L·T·C` per token, as `benches/torch_fsdp2_gpt.py`) against the GPU's dense bf16
+//! peak and against an 8192³ bf16 GEMM measured in the same run. `--device host-twin` runs the
+//! same path on the kernels' host twins (no MFU), e.g. `--model tiny` as a smoke test.
+//!
+//! ```text
+//! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f32]
+//!                  [--batch 8] [--steps 20] [--warmup 3] [--peak-tflops T]
+//! ```
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use fsdp::human_bytes;
+use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, StepTimes};
+use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::model::GptConfig;
+use fsdp_kernels::gemm::{Blas, MatMul};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
+
+/// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
+const BF16_PEAK_TFLOPS: [(&str, f64); 6] = [
+    ("H200", 989.4),
+    ("H100 SXM", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+];
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpt-device-bench",
+    about = "GPT-2 training step on one device: tokens/s, memory, MFU"
+)]
+struct Args {
+    /// `cuda`, `cuda:N`, or `host-twin` (the kernels' host twins).
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Models, comma-separated: tiny, 124m, 350m.
+    #[arg(long, value_delimiter = ',', default_value = "124m,350m")]
+    model: Vec<String>,
+    /// Products: bf16 (bf16 operands, f32 sums) or f32.
+    #[arg(long, default_value = "bf16")]
+    products: String,
+    /// Rows of a step.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Steps to run.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Steps left out of the median at the start.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Dense bf16 peak of the GPU in TFLOP/s (default: by its name).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// Accepted and ignored (`cargo bench` passes it).
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// (n_layer, n_head, n_embd, block_size, vocab_size) as `torch_fsdp2_gpt.py`'s MODELS.
+fn model(name: &str) -> Result<GptConfig, String> {
+    let (l, h, e, t, v) = match name {
+        "tiny" => (2, 2, 32, 16, 96),
+        "124m" => (12, 12, 768, 1024, 50304),
+        "350m" => (24, 16, 1024, 1024, 50304),
+        other => return Err(format!("--model {other}: expected tiny, 124m or 350m")),
+    };
+    Ok(GptConfig {
+        n_layer: l,
+        n_head: h,
+        n_embd: e,
+        block_size: t,
+        vocab_size: v,
+    })
+}
+
+/// Median TFLOP/s of an `n`³ bf16 product with f32 sums (cuBLAS) on `ops`' stream.
+fn gemm_tflops(ops: &CudaOps, n: usize, reps: usize) -> Result<f64, String> {
+    let cuda = ops
+        .stream()
+        .cuda_stream()
+        .ok_or("not a CUDA stream")?
+        .clone();
+    let blas = Blas::new(cuda.clone()).map_err(|e| e.to_string())?;
+    let a = cuda
+        .alloc_zeros::<fsdp_device::half::bf16>(n * n)
+        .map_err(|e| format!("{e:?}"))?;
+    let b = cuda
+        .alloc_zeros::<fsdp_device::half::bf16>(n * n)
+        .map_err(|e| format!("{e:?}"))?;
+    let mut c = cuda
+        .alloc_zeros::<fsdp_device::half::bf16>(n * n)
+        .map_err(|e| format!("{e:?}"))?;
+    let g = MatMul::new(n, n, n, false, false);
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps + 3 {
+        let t0 = Instant::now();
+        blas.matmul(&g, &a, &b, &mut c).map_err(|e| e.to_string())?;
+        cuda.synchronize().map_err(|e| format!("{e:?}"))?;
+        if i >= 3 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2] / 1e12)
+}
+
+struct Outcome {
+    times: StepTimes,
+    counted: MemoryUse,
+    pool: Option<MemoryUse>,
+}
+
+fn run<O: GptOps>(
+    ops: O,
+    config: DeviceTrainConfig,
+    args: &Args,
+    after: impl Fn(&O) -> Option<MemoryUse>,
+) -> Result<Outcome, String> {
+    let params = seeded_params(&config.cfg, 1337).map_err(|e| e.to_string())?;
+    let mut trainer = DeviceTrainer::new(ops, config, &params).map_err(|e| e.to_string())?;
+    let tokens = synthetic_corpus(200_000, config.cfg.vocab_size as u16, 1337);
+    let times =
+        time_steps(&mut trainer, &tokens, args.steps, args.warmup).map_err(|e| e.to_string())?;
+    Ok(Outcome {
+        times,
+        counted: trainer.memory(),
+        pool: after(trainer.ops()),
+    })
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match bench(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpt-device-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench(args: &Args) -> Result<(), String> {
+    let bf16 = match args.products.as_str() {
+        "bf16" => true,
+        "f32" => false,
+        other => return Err(format!("--products {other}: expected bf16 or f32")),
+    };
+    if args.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    let cuda_ordinal = match args.device.as_str() {
+        "host-twin" => None,
+        "cuda" => Some(0),
+        d => Some(
+            d.strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| format!("--device {d}: expected cuda, cuda:N or host-twin"))?,
+        ),
+    };
+    let mut gemm = None;
+    let mut peak = args.peak_tflops;
+    for name in &args.model {
+        let cfg = model(name)?;
+        let config = DeviceTrainConfig {
+            cfg,
+            adamw: AdamWConfig::default(),
+            schedule: LrSchedule::Constant,
+            decay_2d_only: true,
+            grad_clip: Some(1.0),
+            batch_size: args.batch,
+            grad_accum: 1,
+        };
+        config.validate().map_err(|e| e.to_string())?;
+        let products = if bf16 { Products::Bf16 } else { Products::F32 };
+        let plan = plan_memory(&config, products).map_err(|e| e.to_string())?;
+        let (outcome, gpu) = match cuda_ordinal {
+            Some(n) => {
+                let stream = fsdp_device::Stream::cuda(n, "gpt-device-bench")
+                    .map_err(|e| format!("--device {}: {e}", args.device))?;
+                let ops = CudaOps::new(stream)
+                    .map_err(|e| e.to_string())?
+                    .with_products(products);
+                let gpu = ops
+                    .stream()
+                    .cuda_stream()
+                    .and_then(|s| s.context().name().ok())
+                    .unwrap_or_else(|| format!("CUDA device {n}"));
+                if gemm.is_none() {
+                    gemm = Some(gemm_tflops(&ops, 8192, 20)?);
+                }
+                peak = peak.or_else(|| {
+                    BF16_PEAK_TFLOPS
+                        .iter()
+                        .find(|(k, _)| gpu.contains(k))
+                        .map(|&(_, v)| v)
+                });
+                (run(ops, config, args, CudaOps::pool_memory)?, gpu)
+            }
+            None => {
+                let p = if bf16 {
+                    HostProducts::Bf16Operands
+                } else {
+                    HostProducts::F32
+                };
+                let outcome = run(HostOps::with_products(p), config, args, |_| None)?;
+                (outcome, "host twin".to_string())
+            }
+        };
+        let t = &outcome.times;
+        let achieved = t.tflops(&cfg);
+        println!(
+            "gpt-device-bench {name} ({} parameters, {:.3e} model FLOPs/token) on {gpu}, \
+             batch {}×{}, products {}: median step {:.2} ms over {} steps after {} warm-up, \
+             {:.0} tokens/s, {achieved:.1} TFLOP/s; loss {:.4} -> {:.4}",
+            cfg.num_params(),
+            model_flops_per_token(&cfg),
+            args.batch,
+            cfg.block_size,
+            args.products,
+            t.median().as_secs_f64() * 1e3,
+            t.steps.len().saturating_sub(t.warmup),
+            t.warmup.min(t.steps.len()),
+            t.tokens_per_s(),
+            t.losses.first().copied().unwrap_or(f32::NAN),
+            t.losses.last().copied().unwrap_or(f32::NAN),
+        );
+        println!(
+            "  peak memory: {} counted, {} planned{}",
+            human_bytes(outcome.counted.peak),
+            human_bytes(plan.peak),
+            outcome
+                .pool
+                .map(|p| format!(", {} the CUDA pool's high-water mark", human_bytes(p.peak)))
+                .unwrap_or_default()
+        );
+        if let Some(g) = gemm {
+            let vs_peak = peak
+                .map(|p| {
+                    format!(
+                        "{:.1}% of the dense bf16 peak ({p} TFLOP/s)",
+                        achieved / p * 100.0
+                    )
+                })
+                .unwrap_or_else(|| "no dense bf16 peak known for this GPU (--peak-tflops)".into());
+            println!(
+                "  MFU: {vs_peak}, {:.1}% of an 8192³ bf16 GEMM measured now ({g:.0} TFLOP/s)",
+                achieved / g * 100.0
+            );
+        }
+        println!(
+            "RESULT gpt-device-bench {name} {}: median step {:.2} ms, {:.0} tokens/s",
+            args.products,
+            t.median().as_secs_f64() * 1e3,
+            t.tokens_per_s()
+        );
+    }
+    Ok(())
+}

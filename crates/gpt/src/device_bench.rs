@@ -1,0 +1,96 @@
+//! Timing the device trainer, for the GPU benchmark (`benches/gpt_device.rs`) and its host-twin
+//! check: [`time_steps`] trains a [`DeviceTrainer`] for some steps and reports the median step
+//! time after warm-up, tokens/s, the peak device memory counted and planned, and the model
+//! FLOPs of a token ([`model_flops_per_token`]) from which MFU follows. The figures use the
+//! definitions of `benches/torch_fsdp2_gpt.py`, so the two benchmarks compare like for like.
+
+use std::time::{Duration, Instant};
+
+use fsdp_kernels::gpt::GptOps;
+
+use crate::device_train::{DeviceTrainError, DeviceTrainer};
+use crate::model::GptConfig;
+
+/// Model FLOPs of one token of a training step (forward and backward), as nanoGPT estimates
+/// them and `torch_fsdp2_gpt.py` reports MFU: 6 per parameter without the position embedding
+/// (a lookup; the token embedding counts once and stands for the tied head's product), plus
+/// attention's `12 · n_layer · block_size · n_embd`.
+pub fn model_flops_per_token(cfg: &GptConfig) -> f64 {
+    let params = cfg.num_params() as f64;
+    let position = (cfg.block_size * cfg.n_embd) as f64;
+    6.0 * (params - position) + 12.0 * (cfg.n_layer * cfg.block_size * cfg.n_embd) as f64
+}
+
+/// What [`time_steps`] measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepTimes {
+    /// Wall time of every step (each ends with the loss on the host, so it is the real time).
+    pub steps: Vec<Duration>,
+    /// Steps left out of the median at the start.
+    pub warmup: usize,
+    /// Tokens of one step (all micro-batches).
+    pub tokens_per_step: usize,
+    /// Every step's loss.
+    pub losses: Vec<f32>,
+}
+
+impl StepTimes {
+    /// The median of the steps after warm-up (all of them when there are no more).
+    pub fn median(&self) -> Duration {
+        let mut t: Vec<Duration> = match self.steps.get(self.warmup..) {
+            Some(rest) if !rest.is_empty() => rest.to_vec(),
+            _ => self.steps.clone(),
+        };
+        t.sort();
+        match t.len() {
+            0 => Duration::ZERO,
+            n if n % 2 == 1 => t[n / 2],
+            n => (t[n / 2 - 1] + t[n / 2]) / 2,
+        }
+    }
+
+    /// Tokens per second at the median step.
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens_per_step as f64 / self.median().as_secs_f64()
+    }
+
+    /// Model TFLOP/s at the median step for `cfg` ([`model_flops_per_token`]).
+    pub fn tflops(&self, cfg: &GptConfig) -> f64 {
+        model_flops_per_token(cfg) * self.tokens_per_s() / 1e12
+    }
+}
+
+/// Train `trainer` for `steps` steps of `tokens` (step numbers from 0), timing each.
+///
+/// # Errors
+/// The trainer's errors; a step that is not finite (a benchmark of skipped steps would time
+/// something else), naming the step.
+pub fn time_steps<O: GptOps>(
+    trainer: &mut DeviceTrainer<O>,
+    tokens: &[u16],
+    steps: usize,
+    warmup: usize,
+) -> Result<StepTimes, DeviceTrainError> {
+    let c = trainer.config();
+    let tokens_per_step = c.batch_size * c.cfg.block_size;
+    let mut times = StepTimes {
+        steps: Vec::with_capacity(steps),
+        warmup,
+        tokens_per_step,
+        losses: Vec::with_capacity(steps),
+    };
+    for step in 0..steps {
+        let t0 = Instant::now();
+        let o = trainer.step(tokens, step)?;
+        times.steps.push(t0.elapsed());
+        if !o.applied {
+            return Err(DeviceTrainError::NotFinite {
+                step,
+                loss: o.loss,
+                grad_norm: o.grad_norm,
+            });
+        }
+        times.losses.push(o.loss);
+    }
+    Ok(times)
+}

@@ -1,0 +1,103 @@
+//! The device benchmark's measurements (`fsdp_gpt::device_bench`, behind `gpt-device-bench`) on
+//! the host twins: the FLOP count against the closed form, the timed steps against an untimed
+//! run of the same trainer, the median's definition, and a step that is not finite refused.
+
+use std::time::Duration;
+
+use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, StepTimes};
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainError, DeviceTrainer};
+use fsdp_gpt::model::GptConfig;
+use fsdp_kernels::gpt::HostOps;
+
+fn tiny() -> DeviceTrainConfig {
+    DeviceTrainConfig {
+        cfg: GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            block_size: 8,
+            vocab_size: 40,
+        },
+        adamw: AdamWConfig::default(),
+        schedule: LrSchedule::Constant,
+        decay_2d_only: true,
+        grad_clip: Some(1.0),
+        batch_size: 4,
+        grad_accum: 1,
+    }
+}
+
+#[test]
+fn model_flops_are_nanogpts_estimate_for_gpt2_124m() {
+    let (l, c, t, v) = (12.0f64, 768.0f64, 1024.0f64, 50304.0f64);
+    // Parameters without the position embedding: token embedding (tied head), per block two
+    // layer norms (4C), attention (3C² + 3C, C² + C) and MLP (4C² + 4C, 4C² + C), final norm.
+    let n = v * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
+    let want = 6.0 * n + 12.0 * l * t * c;
+    let cfg = GptConfig {
+        n_layer: 12,
+        n_head: 12,
+        n_embd: 768,
+        block_size: 1024,
+        vocab_size: 50304,
+    };
+    assert_eq!(model_flops_per_token(&cfg), want);
+    // About 0.86 GFLOP per token for GPT-2 124M with vocab 50304 (0.74 from the parameters,
+    // 0.11 from attention at 1024 tokens).
+    assert!((want / 1e9 - 0.8554).abs() < 1e-3, "{want}");
+}
+
+#[test]
+fn timed_steps_train_exactly_as_untimed_steps() {
+    let config = tiny();
+    let params = seeded_params(&config.cfg, 5).unwrap();
+    let tokens = synthetic_corpus(5000, 40, 5);
+    let mut timed = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
+    let times = time_steps(&mut timed, &tokens, 4, 1).unwrap();
+    let mut plain = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
+    let losses: Vec<f32> = (0..4)
+        .map(|s| plain.step(&tokens, s).unwrap().loss)
+        .collect();
+    assert_eq!(times.losses, losses);
+    assert_eq!((times.steps.len(), times.tokens_per_step), (4, 4 * 8));
+    assert!(times.tokens_per_s() > 0.0);
+    assert!(times.median() >= *times.steps[1..].iter().min().unwrap());
+    assert!(times.median() <= *times.steps[1..].iter().max().unwrap());
+}
+
+#[test]
+fn the_median_leaves_out_the_warm_up() {
+    let ms = Duration::from_millis;
+    let t = |steps: Vec<Duration>, warmup| StepTimes {
+        steps,
+        warmup,
+        tokens_per_step: 1000,
+        losses: Vec::new(),
+    };
+    assert_eq!(t(vec![ms(90), ms(3), ms(1), ms(2)], 1).median(), ms(2));
+    assert_eq!(
+        t(vec![ms(90), ms(4), ms(1), ms(2), ms(3)], 1).median(),
+        ms(5) / 2
+    );
+    // No step after the warm-up: all of them count.
+    assert_eq!(t(vec![ms(9), ms(1), ms(5)], 3).median(), ms(5));
+    let x = t(vec![ms(10), ms(2)], 1);
+    assert_eq!(x.tokens_per_s(), 500_000.0);
+}
+
+#[test]
+fn a_step_that_is_not_finite_is_refused_by_name() {
+    let config = tiny();
+    let mut params = seeded_params(&config.cfg, 5).unwrap();
+    params.get_mut("transformer.ln_f.weight").unwrap()[0] = f32::NAN;
+    let tokens = synthetic_corpus(5000, 40, 5);
+    let mut trainer = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
+    match time_steps(&mut trainer, &tokens, 3, 0) {
+        Err(e @ DeviceTrainError::NotFinite { step: 0, .. }) => {
+            assert!(e.to_string().contains("step 0 is not finite"), "{e}")
+        }
+        other => panic!("expected step 0 to be refused, got {other:?}"),
+    }
+}
