@@ -40,6 +40,8 @@ fn compare(test: &str, extra: &[&str]) -> f64 {
     b.extend([
         "--device",
         "host-twin",
+        "--param-dtype",
+        "f32",
         "--loss-log",
         s(&twin),
         "--save",
@@ -241,6 +243,13 @@ fn host_twin_bf16_products_track_the_f32_run() {
         "bf16 rounding left every loss unchanged: {rel:?}"
     );
     assert!(d[19] < d[0] - 0.1, "the loss must fall: {d:?}");
+    // bf16 is the device's default `--param-dtype` (torchtitan's recipes): the same run.
+    let default_log = dir.join("default.csv");
+    let mut c = small_train_args(&base, &[]);
+    c.extend(["--device", "host-twin", "--loss-log", s(&default_log)]);
+    let out = ok(&fsdp(&c), "fsdp train --device host-twin");
+    assert!(out.contains("products: bf16 operands"), "{out}");
+    assert_eq!(losses(&default_log), d);
 }
 
 /// `fsdp plan --device host-twin` (the device trainer's predicted memory) against `fsdp train

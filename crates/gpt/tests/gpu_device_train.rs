@@ -112,7 +112,7 @@ fn compare(test: &str, extra: &[&str]) {
     };
     let a = with(&["--ranks", "1"], &cpu);
     run(&a.iter().map(String::as_str).collect::<Vec<_>>());
-    let b = with(&["--device", "cuda"], &cuda);
+    let b = with(&["--device", "cuda", "--param-dtype", "f32"], &cuda);
     run(&b.iter().map(String::as_str).collect::<Vec<_>>());
     let (e, d) = (losses(&cpu), losses(&cuda));
     assert_eq!((e.len(), d.len()), (20, 20));
@@ -176,9 +176,12 @@ fn device_cuda_peak_memory_is_the_plans() {
         "--batch-size",
         "8",
     ];
-    for (i, extra) in [&[][..], &["--param-dtype", "bf16", "--grad-accum", "2"][..]]
-        .into_iter()
-        .enumerate()
+    for (i, extra) in [
+        &["--param-dtype", "f32"][..],
+        &["--param-dtype", "bf16", "--grad-accum", "2"][..],
+    ]
+    .into_iter()
+    .enumerate()
     {
         let with = |cmd: &str, more: &[&str]| -> Vec<String> {
             [cmd]

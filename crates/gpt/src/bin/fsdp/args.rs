@@ -156,7 +156,8 @@ pub(crate) struct ModelArgs {
     pub(crate) activation_checkpointing: bool,
     /// Mixed precision: the dtype parameters are all-gathered and read in (f32, bf16 or f16;
     /// the sharded master weights and the optimizer stay f32, except under --optimizer
-    /// anyprecision-adamw, which stores the shards in this dtype: f32 or bf16).
+    /// anyprecision-adamw, which stores the shards in this dtype: f32 or bf16). Default f32;
+    /// bf16 with --device cuda.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub(crate) param_dtype: DType,
     /// Mixed precision: the dtype gradients are reduced in (f32, bf16 or f16; default: the
@@ -314,9 +315,9 @@ pub(crate) struct TrainArgs {
     pub(crate) backend: Option<TrainBackend>,
     /// Where the model trains: `cpu` (the default: the sharded engine, any --ranks) or `cuda`
     /// / `cuda:N` (one GPU, one rank, without the sharded engine: the GPT's NVRTC kernels and
-    /// cuBLAS on one CUDA stream, AdamW on the device; f32, or with `--param-dtype bf16`
+    /// cuBLAS on one CUDA stream, AdamW on the device; by default (`--param-dtype bf16`)
     /// products of bf16-rounded operands with f32 sums (every other layer f32, as
-    /// `torch.autocast`); the options of sharding, checkpointing, tracing and memory admission
+    /// `torch.autocast`), with `--param-dtype f32` all in f32; the options of sharding, checkpointing, tracing and memory admission
     /// are refused).
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N", value_parser = parse_device)]
     pub(crate) device: DeviceArg,

@@ -22,7 +22,9 @@ use fsdp::engine::{load_grad_scaler_state, GradScalerState, GRAD_SCALER_FILE};
 use fsdp_gpt::model::GptConfig;
 use serde_json::Value;
 
-use crate::args::{Cli, Command, ScheduleKindArg, TrainArgs, TrainBackend};
+use fsdp_device::DType;
+
+use crate::args::{Cli, Command, DeviceArg, ScheduleKindArg, TrainArgs, TrainBackend};
 use crate::checkpointing::CheckpointPlan;
 use crate::run_config::{
     canonical, dtype_from_option, dtype_option, effective_grad_clip, path_string, schedule_option,
@@ -35,14 +37,39 @@ use crate::{fail, CliError};
 pub(crate) fn parse_cli() -> Result<Cli, clap::Error> {
     let matches = Cli::command().try_get_matches()?;
     let mut cli = Cli::from_arg_matches(&matches)?;
-    if let (Command::Train(args), Some(("train", sub))) = (&mut cli.command, matches.subcommand()) {
-        args.explicit = sub
-            .ids()
-            .filter(|id| sub.value_source(id.as_str()) == Some(ValueSource::CommandLine))
-            .map(|id| id.as_str().to_string())
-            .collect();
+    let given =
+        |sub: &clap::ArgMatches, id: &str| sub.value_source(id) == Some(ValueSource::CommandLine);
+    match (&mut cli.command, matches.subcommand()) {
+        (Command::Train(args), Some(("train", sub))) => {
+            args.explicit = sub
+                .ids()
+                .filter(|id| given(sub, id.as_str()))
+                .map(|id| id.as_str().to_string())
+                .collect();
+            device_dtype_default(
+                &mut args.model.param_dtype,
+                args.device,
+                given(sub, "param_dtype"),
+            );
+        }
+        (Command::Plan(args), Some(("plan", sub))) => {
+            device_dtype_default(
+                &mut args.model.param_dtype,
+                args.device,
+                given(sub, "param_dtype"),
+            );
+        }
+        _ => {}
     }
     Ok(cli)
+}
+
+/// On a device (`--device cuda`, and its host twin) the default `--param-dtype` is bf16, as in
+/// torchtitan's recipes (with `--reduce-dtype f32`); on the CPU it stays f32.
+fn device_dtype_default(param_dtype: &mut DType, device: DeviceArg, given: bool) {
+    if device != DeviceArg::Cpu && !given {
+        *param_dtype = DType::BF16;
+    }
 }
 
 /// The options of `fsdp train` after reading `--resume`'s checkpoint and `--init-from`'s
