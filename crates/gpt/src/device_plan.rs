@@ -16,6 +16,9 @@
 //! the largest product's operands during the first one and stay (a run of one step of one
 //! micro-batch may peak lower). With clipping, a clipped step replaces each accumulator by a
 //! scaled copy, the two held at once: the plan counts that moment whenever clipping is set.
+//! Under CPU offload the accumulators, the moments and the clipping live on the host: the
+//! device holds the parameters, the gradients and the step's buffers, and the plan lists what
+//! moved to the host ([`DeviceMemoryPlan::offloaded`]).
 
 use std::fmt;
 
@@ -44,12 +47,15 @@ pub struct DeviceMemoryPlan {
     pub parameters: u64,
     /// The model's gradients (f32, overwritten by each micro-batch).
     pub gradients: u64,
-    /// The gradient accumulators (f32).
+    /// The gradient accumulators (f32; 0 under CPU offload).
     pub accumulators: u64,
-    /// AdamW's first moments (f32).
+    /// AdamW's first moments (f32; 0 under CPU offload).
     pub exp_avg: u64,
-    /// AdamW's second moments (f32).
+    /// AdamW's second moments (f32; 0 under CPU offload).
     pub exp_avg_sq: u64,
+    /// Under CPU offload, what lives in host memory instead: the master parameters, the
+    /// accumulators and the two moments (f32; 0 without offload).
+    pub offloaded: u64,
     /// The two kept bf16 copies of the products' operands (0 with f32 products).
     pub bf16_operands: u64,
     /// The activations one micro-batch's forward saves for backward (its tape, at the end of
@@ -121,6 +127,16 @@ impl fmt::Display for DeviceMemoryPlan {
         ];
         for (name, bytes, what) in rows {
             writeln!(f, "  {name:<18} {bytes:>14}  {:>11}  ({what})", mib(bytes))?;
+        }
+        if self.offloaded > 0 {
+            writeln!(
+                f,
+                "  {:<18} {:>14}  {:>11}  (CPU offload: master parameters, accumulators and \
+                 AdamW's moments, in host memory)",
+                "offloaded to host",
+                self.offloaded,
+                mib(self.offloaded)
+            )?;
         }
         writeln!(
             f,
@@ -342,8 +358,9 @@ pub fn plan_memory(
     };
     let mut r = Replay::default();
     replay_step(&mut r, config, rows);
-    if config.grad_clip.is_some() {
-        // `GptOps::scale` of each accumulator: the scaled copy, then the old one freed.
+    if config.grad_clip.is_some() && !config.offload {
+        // `GptOps::scale` of each accumulator: the scaled copy, then the old one freed (on the
+        // host under CPU offload).
         r.phase = "clipping".into();
         for (name, shape) in param_shapes(&config.dims()) {
             let len = prod(&shape);
@@ -355,7 +372,10 @@ pub fn plan_memory(
             r.free(Kind::Work, len);
         }
     }
-    let persistent = each.saturating_mul(5).saturating_add(bf16);
+    // Parameters and gradients; the accumulators and both moments too unless offloaded.
+    let (on_device, offloaded) = if config.offload { (2, 4) } else { (5, 0) };
+    let optim = if config.offload { 0 } else { each };
+    let persistent = each.saturating_mul(on_device).saturating_add(bf16);
     let peak = persistent.saturating_add(r.peak);
     Ok(DeviceMemoryPlan {
         rows,
@@ -363,9 +383,10 @@ pub fn plan_memory(
         param_elements: to_u64(elements, "parameter count")?,
         parameters: to_u64(each, "parameters")?,
         gradients: to_u64(each, "gradients")?,
-        accumulators: to_u64(each, "accumulators")?,
-        exp_avg: to_u64(each, "moments")?,
-        exp_avg_sq: to_u64(each, "moments")?,
+        accumulators: to_u64(optim, "accumulators")?,
+        exp_avg: to_u64(optim, "moments")?,
+        exp_avg_sq: to_u64(optim, "moments")?,
+        offloaded: to_u64(each.saturating_mul(offloaded), "offloaded state")?,
         bf16_operands: to_u64(bf16, "bf16 operands")?,
         tape: to_u64(r.tape, "activations")?,
         peak_moment: r.moment,

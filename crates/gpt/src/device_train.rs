@@ -1,5 +1,5 @@
 //! Training the reference GPT on one device, without the sharded engine: [`DeviceTrainer`],
-//! generic over [`GptOps`] (`fsdp-kernels`' [`HostOps`](fsdp_kernels::gpt::HostOps), the
+//! generic over [`GptOps`] (`fsdp-kernels`' [`HostOps`], the
 //! kernels' host twins, or [`CudaOps`](fsdp_kernels::gpt::CudaOps), NVRTC kernels and cuBLAS on
 //! one CUDA stream). It is what `fsdp train --device cuda` runs, and it follows `fsdp train
 //! --ranks 1` (the engine, [`FsdpGpt`](crate::runtime::FsdpGpt)) step for step:
@@ -20,7 +20,14 @@
 //!   schedule computed on the host as the engine does ([`LrSchedule::lr_at`] at the number of
 //!   optimizer steps taken), and nanoGPT's weight-decay groups with `decay_2d_only`;
 //! - a step whose loss or gradient norm is not finite takes no optimizer step (the caller
-//!   stops or counts it skipped, as `fsdp train` does with the engine).
+//!   stops or counts it skipped, as `fsdp train` does with the engine);
+//! - with [`DeviceTrainConfig::offload`] (CPU offload, PyTorch's
+//!   `CPUOffload(offload_params=True)`) the master parameters, the accumulators and AdamW's
+//!   moments live on the host and the norm, clipping and AdamW run there on the kernels' host
+//!   twins (bitwise the kernels'): each micro-batch's gradients are copied out after its
+//!   backward and the updated parameters copied into the device's after the optimizer step,
+//!   so the device holds parameters, one micro-batch's gradients and activations only. The
+//!   copies are plain (pageable, each waiting for the stream), not yet pinned and overlapped.
 //!
 //! Its device memory is counted ([`DeviceTrainer::memory`]) and predicted
 //! ([`plan_memory`](crate::device_plan::plan_memory), exactly: `tests/device_plan.rs`).
@@ -35,7 +42,9 @@ use fsdp::optim::{
     check_max_norm, clip_coefficient, decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP,
 };
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, MemoryUse, Weights};
+use fsdp_kernels::gpt::{
+    param_shapes, DeviceGpt, GptDims, GptOps, HostBuf, HostOps, MemoryUse, Weights,
+};
 use fsdp_kernels::host::{AdamW, AdamWScalars};
 use fsdp_kernels::KernelError;
 
@@ -85,6 +94,13 @@ pub struct DeviceTrainConfig {
     pub batch_size: usize,
     /// Micro-batches per step; divides `batch_size`.
     pub grad_accum: usize,
+    /// CPU offload (FSDP's `CPUOffload(offload_params=True)`): the master parameters, the
+    /// gradient accumulators and AdamW's moments live in host memory and the optimizer step
+    /// runs on the host (the kernels' twins); the device holds the working parameters (the
+    /// updated ones copied in after each optimizer step), one micro-batch's gradients (copied
+    /// out after its backward) and the activations. The same training, bitwise on the host
+    /// twins.
+    pub offload: bool,
 }
 
 impl DeviceTrainConfig {
@@ -157,12 +173,43 @@ pub struct StepOutcome {
 pub struct DeviceTrainer<O: GptOps> {
     model: DeviceGpt<O>,
     config: DeviceTrainConfig,
-    acc: Weights<O::Buf>,
-    exp_avg: Weights<O::Buf>,
-    exp_avg_sq: Weights<O::Buf>,
+    /// Where the optimizer's side lives: on the device, or offloaded to the host.
+    state: Placement<O>,
     /// Per parameter, in [`param_shapes`] order: whether weight decay applies.
     decays: Vec<bool>,
     optimizer_steps: u64,
+}
+
+/// The step's gradient accumulators and AdamW's moments, on one side.
+struct Optim<B> {
+    acc: Weights<B>,
+    exp_avg: Weights<B>,
+    exp_avg_sq: Weights<B>,
+}
+
+impl<B> Optim<B> {
+    fn zeros<P: GptOps<Buf = B>>(ops: &P, dims: &GptDims) -> Result<Optim<B>, KernelError> {
+        Ok(Optim {
+            acc: Weights::try_build(dims, |_, len| ops.zeros(len))?,
+            exp_avg: Weights::try_build(dims, |_, len| ops.zeros(len))?,
+            exp_avg_sq: Weights::try_build(dims, |_, len| ops.zeros(len))?,
+        })
+    }
+}
+
+/// CPU offload's host side: the master parameters and the optimizer on the host twins.
+struct HostSide {
+    ops: HostOps,
+    params: Weights<HostBuf>,
+    optim: Optim<HostBuf>,
+}
+
+/// The optimizer's side of a [`DeviceTrainer`].
+enum Placement<O: GptOps> {
+    /// On the device, beside the model.
+    Device(Optim<O::Buf>),
+    /// CPU offload: the master parameters and the optimizer on the host twins.
+    Host(Box<HostSide>),
 }
 
 impl<O: GptOps> DeviceTrainer<O> {
@@ -179,10 +226,27 @@ impl<O: GptOps> DeviceTrainer<O> {
         config.validate()?;
         let dims = config.dims();
         let model = DeviceGpt::new(ops, dims, params)?;
-        let ops = model.ops();
-        let acc = Weights::try_build(&dims, |_, len| ops.zeros(len))?;
-        let exp_avg = Weights::try_build(&dims, |_, len| ops.zeros(len))?;
-        let exp_avg_sq = Weights::try_build(&dims, |_, len| ops.zeros(len))?;
+        let state = if config.offload {
+            let host = HostOps::new();
+            let master = Weights::try_build(&dims, |name, len| {
+                // `DeviceGpt::new` checked every parameter; checked again, never a panic.
+                match params.get(name) {
+                    Some(p) if p.len() == len => host.upload(p),
+                    _ => Err(KernelError::InvalidArgument {
+                        kernel: "offload",
+                        reason: format!("parameter {name} missing or not of {len} elements"),
+                    }),
+                }
+            })?;
+            let optim = Optim::zeros(&host, &dims)?;
+            Placement::Host(Box::new(HostSide {
+                ops: host,
+                params: master,
+                optim,
+            }))
+        } else {
+            Placement::Device(Optim::zeros(model.ops(), &dims)?)
+        };
         let decays = param_shapes(&dims)
             .iter()
             .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
@@ -190,9 +254,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         Ok(DeviceTrainer {
             model,
             config,
-            acc,
-            exp_avg,
-            exp_avg_sq,
+            state,
             decays,
             optimizer_steps: 0,
         })
@@ -237,11 +299,9 @@ impl<O: GptOps> DeviceTrainer<O> {
         let (accum, t) = (c.grad_accum, c.cfg.block_size);
         let micro = c.batch_size / accum;
         let alpha = (1.0 / accum as f64) as f32;
-        {
-            let ops = self.model.ops();
-            for a in self.acc.all_mut() {
-                ops.fill_zero(a)?;
-            }
+        match &mut self.state {
+            Placement::Device(optim) => zero_all(self.model.ops(), &mut optim.acc)?,
+            Placement::Host(h) => zero_all(&h.ops, &mut h.optim.acc)?,
         }
         let mut loss = 0.0f32;
         for m in 0..accum {
@@ -256,60 +316,75 @@ impl<O: GptOps> DeviceTrainer<O> {
             // The engine's loss of a micro-batch: its token sum over the step's tokens.
             loss += (f64::from(l) / accum as f64) as f32;
             let (ops, _, grads) = self.model.parts_mut();
-            for (a, (_, g)) in self.acc.all_mut().into_iter().zip(grads.named()) {
-                ops.axpby(alpha, g, 1.0, a)?;
-            }
-        }
-        let ops = self.model.ops();
-        let mut sq = 0.0f64;
-        for (_, a) in self.acc.named() {
-            sq += ops.sum_of_squares(a)?;
-        }
-        let grad_norm = sq.sqrt();
-        if let Some(coef) = c.grad_clip.and_then(|m| clip_coefficient(m, grad_norm)) {
-            for a in self.acc.all_mut() {
-                ops.scale(coef, a)?;
+            match &mut self.state {
+                Placement::Device(optim) => {
+                    for (a, (_, g)) in optim.acc.all_mut().into_iter().zip(grads.named()) {
+                        ops.axpby(alpha, g, 1.0, a)?;
+                    }
+                }
+                Placement::Host(h) => {
+                    // Offload: each gradient copied out after the backward, accumulated on
+                    // the host.
+                    let HostSide {
+                        ops: host, optim, ..
+                    } = &mut **h;
+                    for (a, (_, g)) in optim.acc.all_mut().into_iter().zip(grads.named()) {
+                        let g = host.upload(&ops.download(g)?)?;
+                        host.axpby(alpha, &g, 1.0, a)?;
+                    }
+                }
             }
         }
         let lr = c.schedule.lr_at(c.adamw.lr, self.optimizer_steps);
-        if !(loss.is_finite() && grad_norm.is_finite()) {
-            return Ok(StepOutcome {
-                loss,
-                grad_norm,
-                lr,
-                applied: false,
-            });
-        }
         let n = self.optimizer_steps + 1;
-        let (ops, params, _) = self.model.parts_mut();
-        let moments = self
-            .exp_avg
-            .all_mut()
-            .into_iter()
-            .zip(self.exp_avg_sq.all_mut());
-        let grads = self.acc.named().into_iter().map(|(_, g)| g);
-        for (((p, g), (m, v)), &decay) in params
-            .all_mut()
-            .into_iter()
-            .zip(grads)
-            .zip(moments)
-            .zip(&self.decays)
-        {
-            let h = AdamW {
-                lr,
-                beta1: c.adamw.beta1,
-                beta2: c.adamw.beta2,
-                eps: c.adamw.eps,
-                weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
-            };
-            ops.adamw(&AdamWScalars::new(&h, n)?, p, g, m, v)?;
+        let hyper = |decay: bool| AdamW {
+            lr,
+            beta1: c.adamw.beta1,
+            beta2: c.adamw.beta2,
+            eps: c.adamw.eps,
+            weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
+        };
+        let finite = |norm: f64| loss.is_finite() && norm.is_finite();
+        let (grad_norm, applied) = match &mut self.state {
+            Placement::Device(optim) => {
+                let (ops, params, _) = self.model.parts_mut();
+                optimizer_step(ops, params, optim, &self.decays, c.grad_clip, finite, |d| {
+                    AdamWScalars::new(&hyper(d), n)
+                })?
+            }
+            Placement::Host(h) => {
+                let HostSide {
+                    ops: host,
+                    params: master,
+                    optim,
+                } = &mut **h;
+                let r = optimizer_step(
+                    host,
+                    master,
+                    optim,
+                    &self.decays,
+                    c.grad_clip,
+                    finite,
+                    |d| AdamWScalars::new(&hyper(d), n),
+                )?;
+                if r.1 {
+                    // Offload: the updated parameters copied into the device's working ones.
+                    let (ops, params, _) = self.model.parts_mut();
+                    for (p, (_, h)) in params.all_mut().into_iter().zip(master.named()) {
+                        ops.upload_into(h, p)?;
+                    }
+                }
+                r
+            }
+        };
+        if applied {
+            self.optimizer_steps = n;
         }
-        self.optimizer_steps = n;
         Ok(StepOutcome {
             loss,
             grad_norm,
             lr,
-            applied: true,
+            applied,
         })
     }
 
@@ -320,4 +395,56 @@ impl<O: GptOps> DeviceTrainer<O> {
     pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
         Ok(self.model.download_params()?.into_iter().collect())
     }
+}
+
+/// Zero every buffer of `w`.
+fn zero_all<P: GptOps>(ops: &P, w: &mut Weights<P::Buf>) -> Result<(), KernelError> {
+    for b in w.all_mut() {
+        ops.fill_zero(b)?;
+    }
+    Ok(())
+}
+
+/// The end of a step on one side (the device, or the host under offload): the global norm of
+/// the accumulated gradients (clipped when set), then AdamW with `scalars(decays)` per
+/// parameter when `finite(norm)` holds. Returns the norm and whether AdamW ran.
+#[allow(clippy::too_many_arguments)]
+fn optimizer_step<P: GptOps>(
+    ops: &P,
+    params: &mut Weights<P::Buf>,
+    optim: &mut Optim<P::Buf>,
+    decays: &[bool],
+    grad_clip: Option<f64>,
+    finite: impl Fn(f64) -> bool,
+    scalars: impl Fn(bool) -> Result<AdamWScalars, KernelError>,
+) -> Result<(f64, bool), DeviceTrainError> {
+    let mut sq = 0.0f64;
+    for (_, a) in optim.acc.named() {
+        sq += ops.sum_of_squares(a)?;
+    }
+    let grad_norm = sq.sqrt();
+    if let Some(coef) = grad_clip.and_then(|m| clip_coefficient(m, grad_norm)) {
+        for a in optim.acc.all_mut() {
+            ops.scale(coef, a)?;
+        }
+    }
+    if !finite(grad_norm) {
+        return Ok((grad_norm, false));
+    }
+    let moments = optim
+        .exp_avg
+        .all_mut()
+        .into_iter()
+        .zip(optim.exp_avg_sq.all_mut());
+    let grads = optim.acc.named().into_iter().map(|(_, g)| g);
+    for (((p, g), (m, v)), &decay) in params
+        .all_mut()
+        .into_iter()
+        .zip(grads)
+        .zip(moments)
+        .zip(decays)
+    {
+        ops.adamw(&scalars(decay)?, p, g, m, v)?;
+    }
+    Ok((grad_norm, true))
 }

@@ -26,6 +26,7 @@ fn tiny() -> DeviceTrainConfig {
         grad_clip: Some(1.0),
         batch_size: 4,
         grad_accum: 1,
+        offload: false,
     }
 }
 

@@ -328,3 +328,76 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         &["--device cuda", "--param-dtype f16", "f32 or bf16"],
     );
 }
+
+/// `--cpu-offload` on the device (host twins): the same losses, bitwise, as without it; `fsdp
+/// plan --cpu-offload` shows the state moved to the host and predicts the lower peak the run
+/// logs; on `--device cpu` the option is refused.
+#[test]
+fn cpu_offload_trains_as_without_it_and_plans_its_memory() {
+    let dir = scratch("device_cli", "cpu_offload");
+    let model = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "16",
+    ];
+    let mut peaks = Vec::new();
+    let mut logs = Vec::new();
+    for (i, offload) in [&[][..], &["--cpu-offload"][..]].into_iter().enumerate() {
+        let log = dir.join(format!("run{i}.csv"));
+        let mut t: Vec<&str> = vec!["train", "--steps", "4", "--batch-size", "4"];
+        t.extend(model);
+        t.extend(offload);
+        t.extend([
+            "--device",
+            "host-twin",
+            "--grad-clip",
+            "0.001",
+            "--loss-log",
+            s(&log),
+        ]);
+        let out = ok(&fsdp(&t), "fsdp train --device host-twin");
+        assert_eq!(out.contains("CPU offload"), !offload.is_empty(), "{out}");
+        let mut p: Vec<&str> = vec!["plan", "--batch-size", "4"];
+        p.extend(model);
+        p.extend(offload);
+        p.extend(["--device", "host-twin", "--grad-clip", "0.001"]);
+        let plan = ok(&fsdp(&p), "fsdp plan --device host-twin");
+        assert_eq!(
+            plan.contains("offloaded to host"),
+            !offload.is_empty(),
+            "{plan}"
+        );
+        let predicted: u64 = plan
+            .split("peak: ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no peak in:\n{plan}"));
+        let logged: u64 = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .last()
+            .and_then(|l| l.split(',').nth(3))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap();
+        assert_eq!(logged, predicted, "offload {offload:?}");
+        peaks.push(predicted);
+        logs.push(losses(&log));
+    }
+    assert_eq!(logs[0], logs[1], "losses differ with --cpu-offload");
+    assert!(peaks[1] < peaks[0], "{peaks:?}");
+    let mut a = small_train_args(&["--steps", "1"], &[]);
+    a.push("--cpu-offload");
+    let out = fsdp(&a);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--cpu-offload: only with --device cuda"),
+        "{err}"
+    );
+}

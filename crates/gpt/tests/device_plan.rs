@@ -27,6 +27,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         grad_clip: clip,
         batch_size: batch,
         grad_accum: accum,
+        offload: false,
     }
 }
 
@@ -72,15 +73,14 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     // The parts against closed forms.
     let p = c.cfg.num_params() as u64;
     assert_eq!(plan.param_elements, p);
-    for part in [
-        plan.parameters,
-        plan.gradients,
-        plan.accumulators,
-        plan.exp_avg,
-        plan.exp_avg_sq,
-    ] {
-        assert_eq!(part, 4 * p);
+    assert_eq!((plan.parameters, plan.gradients), (4 * p, 4 * p));
+    // Under CPU offload the accumulators and moments live on the host, with the master
+    // parameters.
+    let (optim, offloaded) = if c.offload { (0, 16 * p) } else { (4 * p, 0) };
+    for part in [plan.accumulators, plan.exp_avg, plan.exp_avg_sq] {
+        assert_eq!(part, optim, "{name}");
     }
+    assert_eq!(plan.offloaded, offloaded, "{name}");
     let (l, e, v, h, t) = (
         c.cfg.n_layer as u64,
         c.cfg.n_embd as u64,
@@ -154,6 +154,37 @@ fn predicted_peak_counts_the_clipping_copies() {
     let c = config(cfg, 1, 1, None);
     let lower = check("no clipping", &c, false);
     assert!(lower.peak < plan.peak && !lower.peak_moment.contains("clipping"));
+}
+
+/// CPU offload: the same step's buffers, without the accumulators, the moments and the
+/// clipping copies on the device (measured on the host twins, whose device-side operations
+/// count only device buffers).
+#[test]
+fn predicted_peak_with_cpu_offload_equals_the_host_twins() {
+    for (name, cfg) in [("small", small()), ("larger", larger())] {
+        for (accum, bf16) in [(1, false), (2, true)] {
+            let base = config(cfg, 8, accum, None);
+            let off = DeviceTrainConfig {
+                offload: true,
+                ..base
+            };
+            let what = format!("{name}, offload, accum {accum}, bf16 {bf16}");
+            let plan = check(&what, &off, bf16);
+            let plain =
+                plan_memory(&base, if bf16 { Products::Bf16 } else { Products::F32 }).unwrap();
+            let p = cfg.num_params() as u64;
+            assert_eq!(plain.peak - plan.peak, 12 * p, "{what}");
+        }
+    }
+    // Clipping scales the accumulators on the host: no copy on the device.
+    let cfg = GptConfig::new(1, 2, 64, 4, 512).unwrap();
+    let c = DeviceTrainConfig {
+        offload: true,
+        ..config(cfg, 1, 1, Some(1e-6))
+    };
+    let plan = check("offload, clipping", &c, false);
+    assert!(!plan.peak_moment.contains("clipping"), "{plan}");
+    assert!(plan.to_string().contains("offloaded to host"), "{plan}");
 }
 
 #[test]

@@ -47,6 +47,7 @@ fn config(clip: Option<f64>, accum: usize, cosine: bool) -> DeviceTrainConfig {
         grad_clip: clip,
         batch_size: 8,
         grad_accum: accum,
+        offload: false,
     }
 }
 
@@ -167,6 +168,60 @@ fn device_trainer_clips_accumulates_and_schedules_as_the_engine() {
     );
     let clipped = e.iter().filter(|(_, n)| *n > clip).count();
     assert!(clipped >= 5, "clipping must be active: norms {e:?}");
+}
+
+/// CPU offload (master parameters, accumulators and moments on the host, the optimizer step
+/// there) trains bitwise as the trainer without it on the host twins — every loss, gradient
+/// norm and final parameter — with clipping active, 2 micro-batches, the cosine schedule and
+/// bf16 products too.
+#[test]
+fn cpu_offload_trains_bitwise_as_without_it() {
+    use fsdp_kernels::gpt::HostProducts;
+    let tokens = synthetic_corpus(20_000, 64, SEED);
+    for (clip, accum, cosine, bf16) in [(None, 1, false, false), (Some(0.5), 2, true, true)] {
+        let base = config(clip, accum, cosine);
+        let run = |offload: bool| {
+            let c = DeviceTrainConfig { offload, ..base };
+            let params = seeded_params(&c.cfg, SEED).unwrap();
+            let ops = HostOps::with_products(if bf16 {
+                HostProducts::Bf16Operands
+            } else {
+                HostProducts::F32
+            });
+            let mut t = DeviceTrainer::new(ops, c, &params).unwrap();
+            let steps: Vec<(u32, u64, bool)> = (0..6)
+                .map(|s| {
+                    let o = t.step(&tokens, s).unwrap();
+                    (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
+                })
+                .collect();
+            let mut p: Vec<(String, Vec<u32>)> = t
+                .full_params()
+                .unwrap()
+                .into_iter()
+                .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+                .collect();
+            p.sort();
+            (steps, p, t.memory().peak)
+        };
+        let (a, pa, peak_a) = run(false);
+        let (b, pb, peak_b) = run(true);
+        assert_eq!(
+            a, b,
+            "clip {clip:?}, accum {accum}: steps differ with offload"
+        );
+        assert_eq!(pa, pb, "clip {clip:?}, accum {accum}: parameters differ");
+        if clip.is_some() {
+            let norms: Vec<f64> = a.iter().map(|s| f64::from_bits(s.1)).collect();
+            assert!(
+                norms.iter().any(|&n| n > 0.5),
+                "clipping never active: {norms:?}"
+            );
+        }
+        // The device holds three parameter-sized buffers fewer.
+        let p = base.cfg.num_params() as u64;
+        assert!(peak_b + 12 * p <= peak_a, "{peak_b} + 12·{p} > {peak_a}");
+    }
 }
 
 #[test]

@@ -179,6 +179,7 @@ fn device_cuda_peak_memory_is_the_plans() {
     for (i, extra) in [
         &["--param-dtype", "f32"][..],
         &["--param-dtype", "bf16", "--grad-accum", "2"][..],
+        &["--param-dtype", "bf16", "--cpu-offload"][..],
     ]
     .into_iter()
     .enumerate()
@@ -230,5 +231,57 @@ fn device_cuda_peak_memory_is_the_plans() {
         );
         assert!(rel <= 0.05, "{extra:?}: pool {pool} vs planned {predicted}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--cpu-offload` on CUDA (master parameters, accumulators and AdamW's moments in host memory,
+/// the optimizer step on the host twins) against the same run on the device: the host twins of
+/// AdamW, the sum of squares and the scaling equal the kernels bitwise (`fsdp-kernels`'
+/// `tests/gpu_gpt.rs`), so the losses stay within 1e-6 relative (the largest is printed), with
+/// clipping, accumulation and the cosine schedule.
+#[test]
+fn device_cuda_cpu_offload_trains_as_without_it() {
+    if !gpu("device_cuda_cpu_offload_trains_as_without_it") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-offload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut logs = Vec::new();
+    for (i, offload) in [&[][..], &["--cpu-offload"][..]].into_iter().enumerate() {
+        let log = dir.join(format!("run{i}.csv"));
+        let log_s = log.display().to_string();
+        let mut a = vec![
+            "train",
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "64",
+            "--block-size",
+            "32",
+            "--batch-size",
+            "8",
+            "--steps",
+            "10",
+            "--param-dtype",
+            "f32",
+            "--device",
+            "cuda",
+        ];
+        a.extend(CLIP_ACCUM_COSINE);
+        a.extend(offload);
+        a.extend(["--loss-log", &log_s]);
+        run(&a);
+        logs.push(losses(&log));
+    }
+    let max = logs[0]
+        .iter()
+        .zip(&logs[1])
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0.0f64, f64::max);
+    println!("cpu offload on CUDA: largest relative loss difference {max:.2e} over 10 steps");
+    assert_eq!(logs[0].len(), 10);
+    assert!(max <= 1e-6, "{:?} vs {:?}", logs[0], logs[1]);
     let _ = std::fs::remove_dir_all(&dir);
 }

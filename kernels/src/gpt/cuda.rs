@@ -276,6 +276,13 @@ impl GptOps for CudaOps {
         Ok(self.counted(b))
     }
 
+    fn upload_into(&self, data: &[f32], buf: &mut CudaBuf) -> Result<(), KernelError> {
+        crate::host::same_len("upload_into", "buffer", data.len(), buf.len())?;
+        self.cuda
+            .memcpy_htod(data, &mut **buf)
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
+    }
+
     fn upload_ids(&self, ids: &[u32]) -> Result<CudaIds, KernelError> {
         let b = self
             .cuda

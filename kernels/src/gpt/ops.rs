@@ -35,6 +35,12 @@ pub trait GptOps {
     /// # Errors
     /// An allocation or copy failure.
     fn upload_ids(&self, ids: &[u32]) -> Result<Self::Ids, KernelError>;
+    /// Copy `data` into `buf`, of the same length (no allocation: CPU offload's upload of the
+    /// updated parameters).
+    ///
+    /// # Errors
+    /// [`KernelError::Length`] when the lengths differ; a copy failure.
+    fn upload_into(&self, data: &[f32], buf: &mut Self::Buf) -> Result<(), KernelError>;
     /// The buffer's values on the host, once every operation enqueued before has finished.
     ///
     /// # Errors
@@ -374,6 +380,12 @@ impl GptOps for HostOps {
 
     fn upload_ids(&self, ids: &[u32]) -> Result<HostIds, KernelError> {
         Ok(self.counted(ids.to_vec()))
+    }
+
+    fn upload_into(&self, data: &[f32], buf: &mut HostBuf) -> Result<(), KernelError> {
+        same_len("upload_into", "buffer", data.len(), buf.len())?;
+        buf.copy_from_slice(data);
+        Ok(())
     }
 
     fn download(&self, buf: &HostBuf) -> Result<Vec<f32>, KernelError> {

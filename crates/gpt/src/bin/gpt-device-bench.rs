@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f32]
-//!                  [--batch 8] [--steps 20] [--warmup 3] [--peak-tflops T]
+//!                  [--batch 8] [--steps 20] [--warmup 3] [--cpu-offload] [--peak-tflops T]
 //! ```
 
 use std::process::ExitCode;
@@ -58,6 +58,9 @@ struct Args {
     /// Steps left out of the median at the start.
     #[arg(long, default_value_t = 3)]
     warmup: usize,
+    /// CPU offload: the master parameters and the optimizer on the host.
+    #[arg(long)]
+    cpu_offload: bool,
     /// Dense bf16 peak of the GPU in TFLOP/s (default: by its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
@@ -179,6 +182,7 @@ fn bench(args: &Args) -> Result<(), String> {
             grad_clip: Some(1.0),
             batch_size: args.batch,
             grad_accum: 1,
+            offload: args.cpu_offload,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

@@ -101,6 +101,10 @@ pub(crate) struct PlanArgs {
     /// each gradient is held with the gradient for a moment.
     #[arg(long)]
     pub(crate) grad_clip: Option<f64>,
+    /// With --device: the memory of `fsdp train --cpu-offload` (no accumulators, moments or
+    /// clipping copies on the device).
+    #[arg(long)]
+    pub(crate) cpu_offload: bool,
 }
 
 /// The model, the sharding and the wrap policy (shared by the subcommands). `fsdp train` takes
@@ -317,10 +321,16 @@ pub(crate) struct TrainArgs {
     /// / `cuda:N` (one GPU, one rank, without the sharded engine: the GPT's NVRTC kernels and
     /// cuBLAS on one CUDA stream, AdamW on the device; by default (`--param-dtype bf16`)
     /// products of bf16-rounded operands with f32 sums (every other layer f32, as
-    /// `torch.autocast`), with `--param-dtype f32` all in f32; the options of sharding, checkpointing, tracing and memory admission
-    /// are refused).
+    /// `torch.autocast`), with `--param-dtype f32` all in f32; the options of sharding,
+    /// checkpointing, tracing and memory admission are refused).
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N", value_parser = parse_device)]
     pub(crate) device: DeviceArg,
+    /// With --device: CPU offload (PyTorch's `CPUOffload(offload_params=True)`): the master
+    /// parameters, the gradient accumulators and AdamW's moments in host memory, the optimizer
+    /// step on the host; the device keeps the working parameters (updated after each step), one
+    /// micro-batch's gradients and the activations. The same training as without it.
+    #[arg(long)]
+    pub(crate) cpu_offload: bool,
     /// Timeout of every collective, in seconds: a peer that does not reach a collective in
     /// time fails it on every rank (default: FSDP_TIMEOUT, else 300).
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]

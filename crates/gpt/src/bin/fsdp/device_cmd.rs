@@ -154,6 +154,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         grad_clip: grad_clip(args)?,
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
+        offload: args.cpu_offload,
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;
@@ -237,7 +238,14 @@ fn train_with<O: GptOps>(
             String::new()
         }
     );
-    say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
+    if run.config.offload {
+        say!(
+            "optimizer: AdamW (f32 master parameters, accumulators and moments in host memory, \
+             the step on the host: CPU offload; the device keeps the working parameters)"
+        );
+    } else {
+        say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
+    }
     if args.model.param_dtype == DType::BF16 {
         say!("products: bf16 operands, f32 sums and results (every other layer in f32)");
     }
@@ -328,6 +336,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         grad_clip: clip_option(args.grad_clip)?,
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
+        offload: args.cpu_offload,
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     let plan =

@@ -19,6 +19,11 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
     if args.device != DeviceArg::Cpu {
         return crate::device_cmd::print_device_plan(args);
     }
+    if args.cpu_offload {
+        return Err(fail(
+            "--cpu-offload: only with --device (the sharded engine's plan is of host memory)",
+        ));
+    }
     if args.grad_clip.is_some() {
         return Err(fail(
             "--grad-clip: only with --device (the sharded engine's plan does not depend on it)",

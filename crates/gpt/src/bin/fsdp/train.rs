@@ -76,6 +76,12 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     if args.device != DeviceArg::Cpu {
         return crate::device_cmd::train_on_device(args);
     }
+    if args.cpu_offload {
+        return Err(fail(
+            "--cpu-offload: only with --device cuda (on --device cpu every buffer is in host \
+             memory already)",
+        ));
+    }
     // ---- Validate everything before any rank starts.
     // The options not given come from --resume's checkpoint or --init-from's file.
     let Resolved {
