@@ -335,16 +335,7 @@ fn device_plan_predicts_the_peak_the_run_logs() {
 #[test]
 fn cpu_offload_trains_as_without_it_and_plans_its_memory() {
     let dir = scratch("device_cli", "cpu_offload");
-    let model = [
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "16",
-    ];
+    let model = common::cli::SMALL_MODEL;
     let mut peaks = Vec::new();
     let mut logs = Vec::new();
     for (i, offload) in [&[][..], &["--cpu-offload"][..]].into_iter().enumerate() {

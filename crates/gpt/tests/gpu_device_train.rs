@@ -25,6 +25,22 @@ use common::cli::CLIP_ACCUM_COSINE;
 
 const BOUND: f64 = 1e-4;
 
+/// The model and batch of the comparisons with the CPU and of the CPU offload run.
+const SMALL_GPU_MODEL: [&str; 12] = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "64",
+    "--block-size",
+    "32",
+    "--vocab-size",
+    "256",
+    "--batch-size",
+    "8",
+];
+
 /// The `fsdp` program: beside this test (`scripts/gpu-build.sh`), else cargo's.
 fn program() -> PathBuf {
     let beside = std::env::current_exe()
@@ -83,23 +99,9 @@ fn compare(test: &str, extra: &[&str]) {
         dir.join(format!("{test}-cpu.csv")),
         dir.join(format!("{test}-cuda.csv")),
     );
-    let base = [
-        "train",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "64",
-        "--block-size",
-        "32",
-        "--vocab-size",
-        "256",
-        "--batch-size",
-        "8",
-        "--steps",
-        "20",
-    ];
+    let mut base = vec!["train"];
+    base.extend(SMALL_GPU_MODEL);
+    base.extend(["--steps", "20"]);
     let with = |more: &[&str], log: &Path| {
         let mut a: Vec<String> = base
             .iter()
@@ -250,25 +252,9 @@ fn device_cuda_cpu_offload_trains_as_without_it() {
     for (i, offload) in [&[][..], &["--cpu-offload"][..]].into_iter().enumerate() {
         let log = dir.join(format!("run{i}.csv"));
         let log_s = log.display().to_string();
-        let mut a = vec![
-            "train",
-            "--n-layer",
-            "2",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "64",
-            "--block-size",
-            "32",
-            "--batch-size",
-            "8",
-            "--steps",
-            "10",
-            "--param-dtype",
-            "f32",
-            "--device",
-            "cuda",
-        ];
+        let mut a = vec!["train"];
+        a.extend(SMALL_GPU_MODEL);
+        a.extend(["--steps", "10", "--param-dtype", "f32", "--device", "cuda"]);
         a.extend(CLIP_ACCUM_COSINE);
         a.extend(offload);
         a.extend(["--loss-log", &log_s]);
