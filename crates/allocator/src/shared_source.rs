@@ -28,12 +28,17 @@ pub type SharedHostAllocator = CachingAllocator<SharedHostSource>;
 /// use fsdp_allocator::{AllocatorConfig, SharedHostAllocator, SharedHostSource};
 /// use fsdp_device::{shared::region_of, DType, Stream};
 ///
+/// # #[cfg(not(miri))] // Miri does not model memfd
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let alloc = SharedHostAllocator::new(SharedHostSource::new(64 << 20), AllocatorConfig::default())?;
 /// let block = alloc.allocate(1 << 20, &Stream::cpu("compute"))?;
 /// assert!(region_of(block.as_ptr(), block.size()).is_some());
 /// let buf = block.into_buffer(DType::F32)?;
 /// assert_eq!(buf.len(), 1 << 18);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # Ok(())
+/// # }
+/// # #[cfg(miri)]
+/// # fn main() {}
 /// ```
 pub struct SharedHostSource {
     limit: Capacity,
