@@ -1,7 +1,9 @@
 //! All-gather over the ring engine's transports, side by side: threads (one process), and
 //! processes over shared memory and over TCP, started as `fsdp launch` starts them (`RANK`,
 //! `WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`/`MASTER_PORT`, one process per rank). Prints time,
-//! algbw and busbw (nccl-tests' definitions) per world size and message size.
+//! algbw and busbw (nccl-tests' definitions) and the efficiency against one thread's memcpy of
+//! the bytes that must cross (`memcpy_median`, as `allgather-report`) per world size and
+//! message size.
 //!
 //! Shared memory runs three ways: `shm-procs(shared)` allocates the all-gather's buffers in
 //! [`SharedHostStorage`] (peers read them in place: one copy per hop), `shm-procs(cma)` uses
@@ -13,6 +15,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use fsdp_benches::{bandwidths, memcpy_median};
 use fsdp_collectives::store::{StoreOptions, TcpStore};
 use fsdp_collectives::{ring, tcp, Communicator};
 use fsdp_device::shared::SharedHostStorage;
@@ -51,13 +54,14 @@ fn time_all_gather(comm: &dyn Communicator, bytes: usize, iters: usize, shared: 
     t0.elapsed() / iters as u32
 }
 
-fn report(label: &str, world: usize, bytes: usize, t: Duration) -> f64 {
-    let algbw = bytes as f64 / t.as_secs_f64() / 1e9;
-    let busbw = algbw * (world - 1) as f64 / world as f64;
+/// Prints a row; `ideal` is one thread's memcpy of the bytes that cross. Returns busbw.
+fn report(label: &str, world: usize, bytes: usize, t: Duration, ideal: Duration) -> f64 {
+    let (algbw, busbw) = bandwidths(bytes, world, t);
     println!(
-        "{label:<14} world {world}  {:>6.1} MiB  time {:>9.1} us  algbw {algbw:>6.2} GB/s  busbw {busbw:>6.2} GB/s",
+        "{label:<17} world {world}  {:>6.1} MiB  time {:>9.1} us  algbw {algbw:>6.2} GB/s  busbw {busbw:>6.2} GB/s  efficiency {:>5.2}",
         bytes as f64 / (1 << 20) as f64,
-        t.as_secs_f64() * 1e6
+        t.as_secs_f64() * 1e6,
+        ideal.as_secs_f64() / t.as_secs_f64()
     );
     busbw
 }
@@ -95,12 +99,16 @@ fn main() {
     let exe = std::env::current_exe().unwrap();
     for world in list(&args, "--worlds", &[2, 4]) {
         let mut thread_bw = Vec::new();
-        for &mib in &sizes {
+        let ideal: Vec<Duration> = sizes
+            .iter()
+            .map(|&mib| memcpy_median(mib << 20, world - 1, Duration::from_millis(100), 5))
+            .collect();
+        for (i, &mib) in sizes.iter().enumerate() {
             let ts = ring::run_ranks(world, ring::RingOptions::default(), |c| {
                 time_all_gather(&c, mib << 20, iters, false)
             })
             .unwrap();
-            thread_bw.push(report("ring-threads", world, mib << 20, ts[0]));
+            thread_bw.push(report("ring-threads", world, mib << 20, ts[0], ideal[i]));
         }
         let runs = [
             ("shm", "1", "1", "shm-procs(shared)"),
@@ -135,7 +143,7 @@ fn main() {
             for (i, line) in text.lines().enumerate() {
                 let f: Vec<&str> = line.split_whitespace().collect();
                 let (mib, ns): (usize, u64) = (f[1].parse().unwrap(), f[2].parse().unwrap());
-                let bw = report(label, world, mib << 20, Duration::from_nanos(ns));
+                let bw = report(label, world, mib << 20, Duration::from_nanos(ns), ideal[i]);
                 println!("{:>14} = {:.2}x ring-threads busbw", "", bw / thread_bw[i]);
             }
         }
