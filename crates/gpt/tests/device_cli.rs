@@ -327,6 +327,12 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         &fsdp(&a),
         &["--device cuda", "--param-dtype f16", "f32 or bf16"],
     );
+    // The sharded engine's options, given, are refused by name as `fsdp train` refuses them.
+    for (option, value) in [("--strategy", "shard-grad-op"), ("--wrap", "block")] {
+        let mut a = vec!["plan", "--device", "cuda", option, value];
+        a.extend_from_slice(&common::cli::SMALL_MODEL);
+        one_error_status_1(&fsdp(&a), &["--device cuda", option, "not supported"]);
+    }
 }
 
 /// `--cpu-offload` on the device (host twins): the same losses, bitwise, as without it; `fsdp

@@ -105,6 +105,10 @@ pub(crate) struct PlanArgs {
     /// clipping copies on the device).
     #[arg(long)]
     pub(crate) cpu_offload: bool,
+    /// The ids of the options given on the command line (not defaults), filled in after
+    /// parsing: with --device, the sharded engine's options given are refused.
+    #[arg(skip)]
+    pub(crate) explicit: Vec<String>,
 }
 
 /// The model, the sharding and the wrap policy (shared by the subcommands). `fsdp train` takes

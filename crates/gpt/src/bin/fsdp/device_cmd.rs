@@ -319,7 +319,9 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         ("--optimizer-state-dtype", o.optimizer_state_dtype.is_some()),
         ("--memory-limit", args.memory_limit.is_some()),
     ];
-    if let Some((option, _)) = unsupported.iter().find(|(_, g)| *g) {
+    let given = |id: &str| args.explicit.iter().any(|e| e == id);
+    let engine_only = ENGINE_ONLY.iter().map(|&(id, o)| (o, given(id)));
+    if let Some((option, _)) = unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
         return Err(fail(format!(
             "--device {dev}: {option} is not supported on the device (it trains one rank \
              without the sharded engine: f32 AdamW)"

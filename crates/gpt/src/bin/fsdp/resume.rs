@@ -53,6 +53,11 @@ pub(crate) fn parse_cli() -> Result<Cli, clap::Error> {
             );
         }
         (Command::Plan(args), Some(("plan", sub))) => {
+            args.explicit = sub
+                .ids()
+                .filter(|id| given(sub, id.as_str()))
+                .map(|id| id.as_str().to_string())
+                .collect();
             device_dtype_default(
                 &mut args.model.param_dtype,
                 args.device,
