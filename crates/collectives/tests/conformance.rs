@@ -37,10 +37,19 @@ fn ring_threads() {
 }
 
 /// In a child: run the suite over `transport` (its data buffers in [`SharedHostStorage`] if
-/// `shared`); in the parent: spawn the children and check them.
+/// `shared`); in the parent: spawn the children (with `envs`) and check them.
 ///
 /// [`SharedHostStorage`]: fsdp_device::shared::SharedHostStorage
 fn processes(test: &str, transport: tcp::ProcessTransport, shared: bool) {
+    processes_with(test, transport, shared, &[]);
+}
+
+fn processes_with(
+    test: &str,
+    transport: tcp::ProcessTransport,
+    shared: bool,
+    envs: &[(&str, &std::ffi::OsStr)],
+) {
     if let Some(role) = procs::role() {
         if role != test {
             return;
@@ -67,7 +76,7 @@ fn processes(test: &str, transport: tcp::ProcessTransport, shared: bool) {
         println!("rank {rank}: conformant");
         return;
     }
-    let results = procs::run_children(test, test, WORLD, &[], TIMEOUT * 2);
+    let results = procs::run_children(test, test, WORLD, envs, TIMEOUT * 2);
     procs::assert_all_said(test, &results, "conformant");
 }
 
@@ -83,6 +92,19 @@ fn ring_shm_processes_shared_buffers() {
         "ring_shm_processes_shared_buffers",
         tcp::ProcessTransport::Shm,
         true,
+    );
+}
+
+/// Cross-memory attach refused between the rank processes while it works on each one's own
+/// memory (Yama's `ptrace_scope` 1, simulated by `FSDP_SHM_CMA=deny-peers`, under which a pull
+/// from a peer fails): the ranks find out at set-up and send through the slots.
+#[test]
+fn ring_shm_processes_when_peers_refuse_cross_memory_attach() {
+    processes_with(
+        "ring_shm_processes_when_peers_refuse_cross_memory_attach",
+        tcp::ProcessTransport::Shm,
+        false,
+        &[("FSDP_SHM_CMA", std::ffi::OsStr::new("deny-peers"))],
     );
 }
 

@@ -60,6 +60,7 @@ pub(crate) struct Shm {
     map: Arc<Mapping>,
     rank: usize,
     world: usize,
+    /// Send by address: cross-memory attach works and this rank's reader could pull from it.
     cma: bool,
     seq: u64,
     deadline: Instant,
@@ -91,6 +92,7 @@ pub(crate) fn connect(
     let size = Mapping::size(world, slot_bytes);
     let key = format!("fsdp/shm/{group}/path");
     let mapped_key = format!("fsdp/shm/{group}/mapped");
+    let probed_key = format!("fsdp/shm/{group}/probed");
     let (file, path) = if rank == 0 {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -134,27 +136,41 @@ pub(crate) fn connect(
         map.u64_at(0).store(MAGIC, Ordering::Release);
     }
     map.pid(rank).store(std::process::id(), Ordering::Release);
+    map.probe(rank)
+        .store(std::ptr::addr_of!(PROBE) as u64, Ordering::Release);
     store.add(&mapped_key, 1)?;
+    let deadline = Instant::now() + timeout;
+    let what = format!("ranks to map the shared file of group {group}");
+    wait_for_all(store, &mapped_key, world, deadline, rank, timeout, &what)?;
     if rank == 0 {
         // Every rank has the file open: take its name away, so nothing is left behind.
-        let deadline = Instant::now() + timeout;
-        while store.add(&mapped_key, 0)? < world as i64 {
-            if Instant::now() >= deadline {
-                return Err(CollectiveError::MissingRanks {
-                    rank,
-                    missing: Vec::new(),
-                    waited: timeout,
-                    what: format!("ranks to map the shared file of group {group}"),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
         if let Some(p) = map.path.take() {
             let _ = std::fs::remove_file(p);
         }
     }
+    // Cross-memory attach between sibling processes may be refused where it works on our own
+    // memory (Yama's ptrace_scope 1): each reader tries its writer once, and a writer sends by
+    // address only if its reader could pull.
+    let prev = (rank + world - 1) % world;
+    let pulls = cma_works()
+        && can_pull(
+            map.pid(prev).load(Ordering::Acquire),
+            map.probe(prev).load(Ordering::Acquire),
+        );
+    map.reader_pulls(prev)
+        .store(u32::from(pulls), Ordering::Release);
+    store.add(&probed_key, 1)?;
+    let what = format!("ranks to test cross-memory attach in group {group}");
+    wait_for_all(store, &probed_key, world, deadline, rank, timeout, &what)?;
     let map = Arc::new(map);
-    let cma = cma_works();
+    let cma = cma_works() && map.reader_pulls(rank).load(Ordering::Acquire) == 1;
+    if !cma {
+        tracing::debug!(
+            rank,
+            "shm: data to rank {} goes through the slots",
+            (rank + 1) % world
+        );
+    }
     Ok((
         Shm {
             map: map.clone(),
@@ -168,6 +184,30 @@ pub(crate) fn connect(
         },
         ShmControl { map, rank },
     ))
+}
+
+/// Wait until the store's counter `key` reaches `world` (every rank added to it).
+fn wait_for_all(
+    store: &TcpStore,
+    key: &str,
+    world: usize,
+    deadline: Instant,
+    rank: usize,
+    timeout: Duration,
+    what: &str,
+) -> Result<()> {
+    while store.add(key, 0)? < world as i64 {
+        if Instant::now() >= deadline {
+            return Err(CollectiveError::MissingRanks {
+                rank,
+                missing: Vec::new(),
+                waited: timeout,
+                what: what.to_string(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
 }
 
 /// Removes a path when dropped (undone with `mem::forget`).
@@ -351,7 +391,8 @@ impl Shm {
         let pid = self.map.pid(prev).load(Ordering::Acquire);
         match self.peers.resolve(pid, r, bytes) {
             Ok(p) => Ok(Some(p)),
-            Err(why) if self.cma => {
+            // Fall back to cross-memory attach where this rank could pull from its writer.
+            Err(why) if self.map.reader_pulls(prev).load(Ordering::Acquire) == 1 => {
                 tracing::debug!(rank = self.rank, %why, addr, "shared buffer not mapped: pulling");
                 Ok(None)
             }
@@ -384,6 +425,12 @@ impl Shm {
     /// Bring a remote segment into local memory at `dst`.
     fn pull(&self, addr: u64, dst: *mut u8, bytes: usize) -> std::result::Result<(), DataError> {
         let pid = self.map.pid(self.prev()).load(Ordering::Acquire);
+        if peers_deny_cma(pid) {
+            return Err(DataError::Departed {
+                peer: self.prev(),
+                why: "process_vm_readv refused (FSDP_SHM_CMA=deny-peers)".into(),
+            });
+        }
         let mut done = 0;
         while done < bytes {
             // SAFETY: `dst` is writable for `bytes` (callers pass their own memory or staging).

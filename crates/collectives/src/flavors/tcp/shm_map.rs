@@ -126,6 +126,17 @@ impl Mapping {
         self.u32_at(self.channel(r) + 132)
     }
 
+    /// The address of [`PROBE`] in the writer's process (for its reader's pull test).
+    pub(super) fn probe(&self, r: usize) -> &AtomicU64 {
+        self.u64_at(self.channel(r) + 136)
+    }
+
+    /// Set by channel `r`'s reader: 1 if it can pull from the writer's memory by cross-memory
+    /// attach (so the writer may send by address), 0 if not.
+    pub(super) fn reader_pulls(&self, r: usize) -> &AtomicU32 {
+        self.u32_at(self.channel(r) + 144)
+    }
+
     /// Slot `i` of channel `r`: (header, data).
     pub(super) fn slot(&self, r: usize, i: usize) -> (usize, *mut u8) {
         let h = self.channel(r) + CHANNEL_HEADER + i * (SLOT_HEADER + self.slot_bytes);
@@ -202,6 +213,28 @@ pub(super) fn alive(pid: u32) -> bool {
     pid == 0 || unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || {
         std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
     }
+}
+
+/// What a reader pulls from its writer's process at set-up to learn whether cross-memory
+/// attach reaches it (Yama's `ptrace_scope` 1, the default of several distributions, lets a
+/// process attach only to its descendants: ranks are siblings).
+pub(super) static PROBE: u64 = 0x6673_6470_7072_6f62; // "fsdpprob"
+
+/// `FSDP_SHM_CMA=deny-peers`: cross-memory attach works on this process's own memory but not
+/// on its peers' (as under Yama's `ptrace_scope` 1), to test the fallback.
+pub(super) fn peers_deny_cma(pid: u32) -> bool {
+    pid != std::process::id() && std::env::var("FSDP_SHM_CMA").is_ok_and(|v| v == "deny-peers")
+}
+
+/// Whether this process can pull from process `pid`, whose [`PROBE`] lies at `addr`.
+pub(super) fn can_pull(pid: u32, addr: u64) -> bool {
+    if peers_deny_cma(pid) {
+        return false;
+    }
+    let mut got = [0u8; 8];
+    // SAFETY: `got` is a local array of 8 bytes; the kernel checks the remote range.
+    let n = unsafe { vm_read(pid, addr as usize as *const u8, got.as_mut_ptr(), 8) };
+    n == 8 && u64::from_ne_bytes(got) == PROBE
 }
 
 /// Whether cross-memory attach works here (a read of our own memory through the syscall).
