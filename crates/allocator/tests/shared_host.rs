@@ -26,25 +26,14 @@ impl CpuMemory for SharedMemory {
             region_of(b.as_ptr(), b.size()).is_some(),
             "a block outside every shared region"
         );
-        let n = PATTERN.min(b.size());
-        // SAFETY: the handle owns `b.size()` bytes of host memory at `as_ptr()`; n <= size.
-        unsafe {
-            std::ptr::write_bytes(b.as_ptr(), byte, n);
-            std::ptr::write_bytes(b.as_ptr().add(b.size() - n), byte, n);
-        }
+        // SAFETY: the handle owns `b.size()` bytes of host memory at `as_ptr()`.
+        unsafe { write_host_pattern(b.as_ptr(), b.size(), byte) }
     }
 
     fn check_pattern(&self, b: &Block<SharedHostSource>, byte: u8) -> bool {
-        let n = PATTERN.min(b.size());
         // SAFETY: as in write_pattern; the bytes were initialised (zeroed segments, then
         // written), and nothing else writes them while the handle lives.
-        let (head, tail) = unsafe {
-            (
-                std::slice::from_raw_parts(b.as_ptr(), n),
-                std::slice::from_raw_parts(b.as_ptr().add(b.size() - n), n),
-            )
-        };
-        head.iter().chain(tail).all(|&x| x == byte)
+        unsafe { check_host_pattern(b.as_ptr(), b.size(), byte) }
     }
 }
 

@@ -325,12 +325,10 @@ impl<O: GptOps> DeviceTrainer<O> {
                 Placement::Host(h) => {
                     // Offload: each gradient copied out after the backward, accumulated on
                     // the host.
-                    let HostSide {
-                        ops: host, optim, ..
-                    } = &mut **h;
-                    for (a, (_, g)) in optim.acc.all_mut().into_iter().zip(grads.named()) {
-                        let g = host.upload(&ops.download(g)?)?;
-                        host.axpby(alpha, &g, 1.0, a)?;
+                    // `HostOps::axpby` is `host::axpby`: the downloaded values need no
+                    // host buffer of their own.
+                    for (a, (_, g)) in h.optim.acc.all_mut().into_iter().zip(grads.named()) {
+                        fsdp_kernels::host::axpby(alpha, &ops.download(g)?, 1.0, a)?;
                     }
                 }
             }

@@ -20,7 +20,11 @@ pub const KIB: usize = 1 << 10;
 /// How many bytes at each end of a block [`Harness::write_pattern`] writes.
 pub const PATTERN: usize = 64;
 
+mod host_pattern;
 mod miri;
+// Only the host sources' tests write host patterns.
+#[allow(unused_imports)]
+pub use host_pattern::{check_host_pattern, write_host_pattern};
 // Not every test that includes `common` runs property tests (`cuda.rs` does not).
 #[allow(unused_imports)]
 pub use miri::{ops_len, proptest_config};

@@ -18,7 +18,7 @@ use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
 
-use crate::args::{DeviceArg, ModelArgs, OptimizerKind, PlanArgs, TrainArgs};
+use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, PlanArgs, TrainArgs};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
 use crate::paths::check_output_paths;
@@ -84,7 +84,6 @@ fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<()
 fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
-    let o = &args.optim;
     let unsupported = [
         (
             "--activation-checkpointing",
@@ -95,26 +94,52 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
         ("--growth-interval", args.growth_interval.is_some()),
+    ]
+    .into_iter()
+    .chain(optimizer_refusals(&args.optim))
+    .chain([
+        ("--resume", args.resume.is_some()),
+        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
+        ("--checkpoint-every", args.checkpoint_every.is_some()),
+    ]);
+    refuse_first(
+        dev,
+        unsupported,
+        &args.explicit,
+        "f32 AdamW, no checkpoints, traces or memory snapshots yet",
+    )
+}
+
+/// The optimizer options the device trainer does not support, each with whether it is set.
+fn optimizer_refusals(o: &OptimizerArgs) -> [(&'static str, bool); 3] {
+    [
         (
             "--optimizer anyprecision-adamw",
             o.optimizer == OptimizerKind::AnyPrecisionAdamW,
         ),
         ("--kahan-summation", o.kahan_summation.is_some()),
         ("--optimizer-state-dtype", o.optimizer_state_dtype.is_some()),
-        ("--resume", args.resume.is_some()),
-        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
-        ("--checkpoint-every", args.checkpoint_every.is_some()),
-    ];
-    let given = |id: &str| args.explicit.iter().any(|e| e == id);
+    ]
+}
+
+/// The first of `unsupported` that is set, then the first of [`ENGINE_ONLY`] among the
+/// options given (`explicit`), as one error naming it; `what` says what the device trainer
+/// does instead.
+fn refuse_first(
+    dev: DeviceArg,
+    unsupported: impl IntoIterator<Item = (&'static str, bool)>,
+    explicit: &[String],
+    what: &str,
+) -> Result<(), CliError> {
+    let given = |id: &str| explicit.iter().any(|e| e == id);
     let engine_only = ENGINE_ONLY.iter().map(|&(id, o)| (o, given(id)));
-    if let Some((option, _)) = unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
-        return Err(fail(format!(
+    match unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
+        Some((option, _)) => Err(fail(format!(
             "--device {dev}: {option} is not supported on the device (it trains one rank \
-             without the sharded engine: f32 AdamW, no checkpoints, traces or memory \
-             snapshots yet)"
-        )));
+             without the sharded engine: {what})"
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Everything a device run needs, checked before the device is opened.
@@ -305,28 +330,14 @@ fn train_with<O: GptOps>(
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
-    let o = &args.optim;
-    let unsupported = [
-        (
-            "--activation-checkpointing",
-            args.model.activation_checkpointing,
-        ),
-        (
-            "--optimizer anyprecision-adamw",
-            o.optimizer == OptimizerKind::AnyPrecisionAdamW,
-        ),
-        ("--kahan-summation", o.kahan_summation.is_some()),
-        ("--optimizer-state-dtype", o.optimizer_state_dtype.is_some()),
-        ("--memory-limit", args.memory_limit.is_some()),
-    ];
-    let given = |id: &str| args.explicit.iter().any(|e| e == id);
-    let engine_only = ENGINE_ONLY.iter().map(|&(id, o)| (o, given(id)));
-    if let Some((option, _)) = unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
-        return Err(fail(format!(
-            "--device {dev}: {option} is not supported on the device (it trains one rank \
-             without the sharded engine: f32 AdamW)"
-        )));
-    }
+    let unsupported = [(
+        "--activation-checkpointing",
+        args.model.activation_checkpointing,
+    )]
+    .into_iter()
+    .chain(optimizer_refusals(&args.optim))
+    .chain([("--memory-limit", args.memory_limit.is_some())]);
+    refuse_first(dev, unsupported, &args.explicit, "f32 AdamW")?;
     let cfg = setup(&args.model, 1)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, 1)?;
     let config = DeviceTrainConfig {

@@ -37,42 +37,32 @@ use crate::{fail, CliError};
 pub(crate) fn parse_cli() -> Result<Cli, clap::Error> {
     let matches = Cli::command().try_get_matches()?;
     let mut cli = Cli::from_arg_matches(&matches)?;
-    let given =
-        |sub: &clap::ArgMatches, id: &str| sub.value_source(id) == Some(ValueSource::CommandLine);
     match (&mut cli.command, matches.subcommand()) {
         (Command::Train(args), Some(("train", sub))) => {
-            args.explicit = sub
-                .ids()
-                .filter(|id| given(sub, id.as_str()))
-                .map(|id| id.as_str().to_string())
-                .collect();
-            device_dtype_default(
-                &mut args.model.param_dtype,
-                args.device,
-                given(sub, "param_dtype"),
-            );
+            args.explicit = given_ids(sub);
+            device_dtype_default(&mut args.model.param_dtype, args.device, &args.explicit);
         }
         (Command::Plan(args), Some(("plan", sub))) => {
-            args.explicit = sub
-                .ids()
-                .filter(|id| given(sub, id.as_str()))
-                .map(|id| id.as_str().to_string())
-                .collect();
-            device_dtype_default(
-                &mut args.model.param_dtype,
-                args.device,
-                given(sub, "param_dtype"),
-            );
+            args.explicit = given_ids(sub);
+            device_dtype_default(&mut args.model.param_dtype, args.device, &args.explicit);
         }
         _ => {}
     }
     Ok(cli)
 }
 
+/// The ids of the options of `sub` given on the command line (not defaulted).
+fn given_ids(sub: &clap::ArgMatches) -> Vec<String> {
+    sub.ids()
+        .filter(|id| sub.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| id.as_str().to_string())
+        .collect()
+}
+
 /// On a device (`--device cuda`, and its host twin) the default `--param-dtype` is bf16, as in
 /// torchtitan's recipes (with `--reduce-dtype f32`); on the CPU it stays f32.
-fn device_dtype_default(param_dtype: &mut DType, device: DeviceArg, given: bool) {
-    if device != DeviceArg::Cpu && !given {
+fn device_dtype_default(param_dtype: &mut DType, device: DeviceArg, explicit: &[String]) {
+    if device != DeviceArg::Cpu && !explicit.iter().any(|e| e == "param_dtype") {
         *param_dtype = DType::BF16;
     }
 }
