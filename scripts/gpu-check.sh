@@ -62,10 +62,12 @@ done <"$bin_dir/MANIFEST"
 # same GPU at f32 (the like-for-like figure) and bf16 (the gate's baseline), eager; with
 # FSDP_GPU_COMPILE=1 also bf16 under torch.compile. Step times are medians after warm-up.
 # FSDP_GPU_GPT=0 leaves this part out.
+# FSDP_GPU_GPT_DTYPES (default "f32 bf16") chooses the 124M runs of both.
 gpt_steps="${FSDP_GPU_GPT_STEPS:-10}"
 gpt="${FSDP_GPU_GPT:-1}"
+gpt_dtypes="${FSDP_GPU_GPT_DTYPES:-f32 bf16}"
 if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--fsdp" ]; then
-    for dtype in f32 bf16; do
+    for dtype in $gpt_dtypes; do
         echo "== fsdp train --device cuda, GPT-2 124M, --param-dtype $dtype (release)"
         log="$report/fsdp_gpt124m_$dtype.log"
         csv="$report/fsdp_gpt124m_$dtype.csv"
@@ -101,7 +103,9 @@ if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ]; then
 fi
 if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
     python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    runs=("124m f32" "124m bf16" "350m bf16")
+    runs=()
+    for dtype in $gpt_dtypes; do runs+=("124m $dtype"); done
+    runs+=("350m bf16")
     [ "${FSDP_GPU_COMPILE:-0}" = 1 ] && runs+=("124m bf16 --compile" "350m bf16 --compile")
     for run in "${runs[@]}"; do
         read -r model dtype extra <<<"$run"

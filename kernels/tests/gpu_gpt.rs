@@ -189,6 +189,32 @@ fn the_cuda_step_with_bf16_products_matches_its_twin() {
             "bf16 products look like f32 ones: {apart:e}"
         );
     }
+    // The kept operand copies are reused as the twin reuses them (`tests/operand_copies.rs`
+    // checks the twin's count against the model's products).
+    let (dims, rows, t) = cases()[0];
+    let cfg = GptConfig::new(
+        dims.n_layer,
+        dims.n_head,
+        dims.n_embd,
+        dims.block_size,
+        dims.vocab_size,
+    )
+    .unwrap();
+    let (x, y) = (
+        ids(rows * t, 1, dims.vocab_size),
+        ids(rows * t, 2, dims.vocab_size),
+    );
+    let host_ops = HostOps::with_products(HostProducts::Bf16Operands);
+    let mut host = DeviceGpt::new(host_ops, dims, &weights(&cfg)).unwrap();
+    let dev_ops = cuda_ops(test).with_products(Products::Bf16);
+    let mut dev = DeviceGpt::new(dev_ops, dims, &weights(&cfg)).unwrap();
+    for _ in 0..2 {
+        host.step(&x, &y, rows, t).unwrap();
+        dev.step(&x, &y, rows, t).unwrap();
+    }
+    let (casts, roundings) = (dev.ops().operand_casts(), host.ops().operand_roundings());
+    println!("bf16 operand casts in two steps: {casts} (the twin rounds {roundings})");
+    assert_eq!(casts, roundings);
 }
 
 /// The optimizer's operations of the device trainer (`fsdp-gpt`'s `DeviceTrainer`): AdamW, the

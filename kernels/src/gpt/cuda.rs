@@ -1,5 +1,6 @@
 //! [`CudaOps`]: [`GptOps`] on one CUDA stream.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -11,6 +12,7 @@ use half::bf16;
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
 use super::ops::GptOps;
+use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
 use crate::host::AdamWScalars;
@@ -28,7 +30,8 @@ pub struct CudaOps {
     products: Products,
     /// The bf16 copies of a product's two operands ([`Products::Bf16`]), kept between products
     /// and grown as needed (operations run in stream order, so one pair serves every product).
-    operands: Mutex<[Option<Counted<CudaSlice<bf16>>>; 2]>,
+    operands: Mutex<[Kept<CudaSlice<bf16>>; 2]>,
+    casts: AtomicU64,
     /// The bytes of the buffers handed out and kept ([`GptOps::memory`]).
     memory: Arc<MemoryCounter>,
 }
@@ -106,7 +109,8 @@ impl CudaOps {
             cuda,
             blas,
             products: Products::F32,
-            operands: Mutex::new([None, None]),
+            operands: Mutex::new([Kept::default(), Kept::default()]),
+            casts: AtomicU64::new(0),
             memory: MemoryCounter::new(),
         };
         ops.reset_pool_peak();
@@ -181,8 +185,8 @@ impl CudaOps {
     fn gemm_bf16(
         &self,
         g: &MatMul,
-        a: &CudaSlice<f32>,
-        b: &CudaSlice<f32>,
+        a: &CudaBuf,
+        b: &CudaBuf,
         c: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
         let mut kept = self
@@ -232,27 +236,47 @@ fn hold_pool_memory(cuda: &CudaStream, threshold: u64) {
 }
 
 impl CudaOps {
-    /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short).
+    /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short),
+    /// unless `kept` holds it already (the same buffer, unwritten since: see
+    /// [`operand_casts`](CudaOps::operand_casts)).
     fn cast_into<'a>(
         &self,
-        kept: &'a mut Option<Counted<CudaSlice<bf16>>>,
-        src: &CudaSlice<f32>,
+        kept: &'a mut Kept<CudaSlice<bf16>>,
+        src: &CudaBuf,
     ) -> Result<CudaViewMut<'a, bf16>, KernelError> {
         let n = src.len();
-        let copy = match kept.take() {
-            Some(k) if k.len() >= n => kept.insert(k),
-            old => {
-                drop(old); // free the short copy before allocating the larger one
-                let fresh = self
-                    .cuda
-                    .alloc_zeros::<bf16>(n)
-                    .map_err(|e| copy_error("cuMemAllocAsync", e))?;
-                kept.insert(self.counted(fresh))
-            }
-        };
-        let mut view = copy.slice_mut(..n);
-        launch::cast::<f32, bf16>(&self.cuda, src, &mut view)?;
-        Ok(view)
+        if !kept.holds(src.stamp(), n) {
+            kept.set_holds(None);
+            let copy = match kept.copy.take() {
+                Some(k) if k.len() >= n => kept.copy.insert(k),
+                old => {
+                    drop(old); // free the short copy before allocating the larger one
+                    let fresh = self
+                        .cuda
+                        .alloc_zeros::<bf16>(n)
+                        .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+                    kept.copy.insert(self.counted(fresh))
+                }
+            };
+            launch::cast::<f32, bf16>(&self.cuda, &**src, &mut copy.slice_mut(..n))?;
+            self.casts.fetch_add(1, Ordering::Relaxed);
+            kept.set_holds(Some((src.stamp(), n)));
+        }
+        match &mut kept.copy {
+            Some(copy) => Ok(copy.slice_mut(..n)),
+            None => Err(copy_error("bf16 operands", "no kept copy")),
+        }
+    }
+
+    /// How many times a product's operand was cast into a kept bf16 copy so far (with
+    /// [`Products::Bf16`]). Each of the two operand positions keeps its copy and the stamp of
+    /// the buffer it was cast from; a product whose operand is that buffer, unwritten since
+    /// (every write borrows it mutably, which renews the stamp), uses the copy as it is. The
+    /// backward's `dY` of a linear layer, the attention's `dS` and the head's `dlogits` each
+    /// feed two products in a row, so each is cast once. [`HostOps`](super::HostOps) counts
+    /// the same ([`HostOps::operand_roundings`](super::HostOps::operand_roundings)).
+    pub fn operand_casts(&self) -> u64 {
+        self.casts.load(Ordering::Relaxed)
     }
 }
 

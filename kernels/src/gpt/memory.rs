@@ -63,7 +63,21 @@ pub struct Counted<T> {
     inner: T,
     bytes: u64,
     counter: Arc<MemoryCounter>,
+    stamp: Stamp,
 }
+
+/// The identity of a [`Counted`] buffer's contents: unique to the buffer (never reused, even
+/// after it is dropped) and renewed at every mutable borrow, through which every write goes.
+/// Two equal stamps therefore name one buffer with nothing written in between: the kept bf16
+/// copies of the products' operands use it to skip rounding an operand they already hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    id: u64,
+    version: u64,
+}
+
+/// The next [`Stamp::id`].
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl<T> Counted<T> {
     /// `inner`, of `bytes` bytes on the device, counted in `counter` until dropped.
@@ -73,7 +87,16 @@ impl<T> Counted<T> {
             inner,
             bytes,
             counter: counter.clone(),
+            stamp: Stamp {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                version: 0,
+            },
         }
+    }
+
+    /// What it holds now (see [`Stamp`]).
+    pub(crate) fn stamp(&self) -> Stamp {
+        self.stamp
     }
 
     /// The bytes counted for it.
@@ -91,6 +114,8 @@ impl<T> Deref for Counted<T> {
 
 impl<T> DerefMut for Counted<T> {
     fn deref_mut(&mut self) -> &mut T {
+        // Any write may follow.
+        self.stamp.version = self.stamp.version.wrapping_add(1);
         &mut self.inner
     }
 }

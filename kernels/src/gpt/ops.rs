@@ -1,10 +1,11 @@
 //! [`GptOps`], the device operations of one GPT training step, and [`HostOps`], their host
 //! implementation by the kernels' twins.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
-use super::products::{gemm_f32, gemm_f64_rounded, round_into};
+use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{self, same_len, AdamWScalars};
@@ -314,7 +315,8 @@ pub struct HostOps {
     /// The matrix products.
     pub products: HostProducts,
     memory: Arc<MemoryCounter>,
-    operands: Mutex<[Option<Counted<Vec<f32>>>; 2]>,
+    operands: Mutex<[Kept<Vec<f32>>; 2]>,
+    roundings: AtomicU64,
 }
 
 impl Default for HostOps {
@@ -334,8 +336,17 @@ impl HostOps {
         HostOps {
             products,
             memory: MemoryCounter::new(),
-            operands: Mutex::new([None, None]),
+            operands: Mutex::new([Kept::default(), Kept::default()]),
+            roundings: AtomicU64::new(0),
         }
+    }
+
+    /// How many times a product's operand was rounded into a kept bf16 copy so far (with
+    /// [`HostProducts::Bf16Operands`]): a product whose operand the copy already holds,
+    /// unwritten since, does not round it again, as [`CudaOps`](super::CudaOps) does not cast
+    /// it ([`CudaOps::operand_casts`](super::CudaOps::operand_casts)).
+    pub fn operand_roundings(&self) -> u64 {
+        self.roundings.load(Ordering::Relaxed)
     }
 
     fn counted<T>(&self, v: Vec<T>) -> Counted<Vec<T>> {
@@ -348,8 +359,8 @@ impl HostOps {
     fn gemm_bf16(
         &self,
         g: &MatMul,
-        a: &[f32],
-        b: &[f32],
+        a: &HostBuf,
+        b: &HostBuf,
         c: &mut [f32],
     ) -> Result<(), KernelError> {
         let mut kept = self
@@ -360,8 +371,8 @@ impl HostOps {
                 reason: "the kept operands' lock is poisoned".into(),
             })?;
         let [ka, kb] = &mut *kept;
-        let ra = round_into(&self.memory, ka, a);
-        let rb = round_into(&self.memory, kb, b);
+        let ra = round_into(&self.memory, ka, a, &self.roundings);
+        let rb = round_into(&self.memory, kb, b, &self.roundings);
         gemm_f32(g, ra, rb, c)
     }
 }

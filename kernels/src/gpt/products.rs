@@ -2,9 +2,10 @@
 //! ([`gemm_f32`]), accumulated in f64 and rounded once ([`gemm_f64_rounded`]), or of operands
 //! rounded to bf16 ([`gemm_bf16_operands`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::memory::{bytes_of, Counted, MemoryCounter};
+use super::memory::{bytes_of, Counted, MemoryCounter, Stamp};
 use crate::gemm::MatMul;
 use crate::host::{bf16_to_f32, f32_to_bf16};
 use crate::KernelError;
@@ -102,26 +103,71 @@ pub fn gemm_bf16_operands(
     gemm_f32(g, &round(a), &round(b), c)
 }
 
+/// A kept bf16 copy of one operand position of the products (grown to the largest operand
+/// it is given, the short copy freed first) and the operand it was last rounded from, by
+/// [`Stamp`] and length: a product whose operand in that position is the same buffer, unwritten
+/// since, uses the copy as it is (the backward's `dY` of a linear layer, the attention's `dS`
+/// and the head's `dlogits` each feed two products in a row).
+#[derive(Debug)]
+pub(super) struct Kept<T> {
+    /// The copy.
+    pub(super) copy: Option<Counted<T>>,
+    /// What the copy's front holds, rounded.
+    holds: Option<(Stamp, usize)>,
+}
+
+impl<T> Default for Kept<T> {
+    fn default() -> Kept<T> {
+        Kept {
+            copy: None,
+            holds: None,
+        }
+    }
+}
+
+impl<T> Kept<T> {
+    /// Whether the copy's first `n` elements are the operand of `stamp`, rounded.
+    pub(super) fn holds(&self, stamp: Stamp, n: usize) -> bool {
+        self.copy.is_some() && self.holds == Some((stamp, n))
+    }
+
+    /// Records what the copy holds (`None` while it is being written).
+    pub(super) fn set_holds(&mut self, holds: Option<(Stamp, usize)>) {
+        self.holds = holds;
+    }
+}
+
 /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short, the
 /// short one freed first, as [`CudaOps`](super::CudaOps) does), counted in `memory` at 2 bytes
-/// an element: [`HostOps`](super::HostOps)' kept operand copies of bf16 products.
+/// an element: [`HostOps`](super::HostOps)' kept operand copies of bf16 products. Rounds only
+/// when `kept` does not already hold `src` (counted in `roundings`).
 pub(super) fn round_into<'a>(
     memory: &Arc<MemoryCounter>,
-    kept: &'a mut Option<Counted<Vec<f32>>>,
-    src: &[f32],
+    kept: &'a mut Kept<Vec<f32>>,
+    src: &Counted<Vec<f32>>,
+    roundings: &AtomicU64,
 ) -> &'a [f32] {
     let n = src.len();
-    let copy = match kept.take() {
-        Some(k) if k.len() >= n => kept.insert(k),
-        old => {
-            drop(old);
-            kept.insert(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory))
+    if !kept.holds(src.stamp(), n) {
+        kept.set_holds(None);
+        let copy = match kept.copy.take() {
+            Some(k) if k.len() >= n => kept.copy.insert(k),
+            old => {
+                drop(old);
+                kept.copy
+                    .insert(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory))
+            }
+        };
+        for (d, &x) in copy.iter_mut().zip(src.iter()) {
+            *d = bf16_to_f32(f32_to_bf16(x));
         }
-    };
-    for (d, &x) in copy.iter_mut().zip(src) {
-        *d = bf16_to_f32(f32_to_bf16(x));
+        roundings.fetch_add(1, Ordering::Relaxed);
+        kept.set_holds(Some((src.stamp(), n)));
     }
-    &copy[..n]
+    match &kept.copy {
+        Some(copy) => &copy[..n],
+        None => &[],
+    }
 }
 
 #[cfg(test)]
