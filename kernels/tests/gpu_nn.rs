@@ -31,7 +31,8 @@ fn layernorm_equals_its_twin() {
     let Some(s) = gpu_stream("layernorm_equals_its_twin") else {
         return;
     };
-    for (n, c) in [(33usize, 48usize), (64, 768), (5, 1000)] {
+    // 600 rows: three chunks of the column reduction, the last one partial.
+    for (n, c) in [(33usize, 48usize), (64, 768), (5, 1000), (600, 40)] {
         let x = data(n * c, 1, 4.0);
         let (w, b, dy) = (data(c, 2, 1.0), data(c, 3, 1.0), data(n * c, 4, 1.0));
         let (mut y, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
@@ -140,6 +141,22 @@ fn cross_entropy_equals_its_twin() {
         launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, &mut gloss, &mut gd).unwrap();
         same("cross-entropy losses", &down(&s, &gloss), &loss);
         same("cross-entropy dlogits", &down(&s, &gd), &d);
+    }
+}
+
+#[test]
+fn bias_grad_over_chunks_equals_its_twin() {
+    let Some(s) = gpu_stream("bias_grad_over_chunks_equals_its_twin") else {
+        return;
+    };
+    // One row; a partial chunk; several chunks with a partial tile of 32 columns.
+    for (n, c) in [(1usize, 33usize), (200, 64), (600, 40), (1025, 1000)] {
+        let (dy, db0) = (data(n * c, 51, 1.0), data(c, 52, 0.1));
+        let mut db = db0.clone();
+        nn::bias_grad(&dy, &mut db).unwrap();
+        let (gdy, mut gdb) = (up(&s, &dy), up(&s, &db0));
+        launch::bias_grad(&s, &gdy, &mut gdb).unwrap();
+        same(&format!("bias grad {n}×{c}"), &down(&s, &gdb), &db);
     }
 }
 

@@ -5,13 +5,19 @@
 // operation is spelled with its rounding, and every reduction has a fixed order:
 // - a row reduction runs in one block of NN_BLOCK threads: thread t folds elements
 //   t, t + NN_BLOCK, ... in order, then a shared-memory tree halves the NN_BLOCK partials;
+//   the causal softmax's rows run in one warp each (NN_BLOCK / NN_WARP rows a block), the
+//   same with NN_WARP lanes and a butterfly of shuffles, whose lane 0 combines as the tree;
 // - a column reduction (the layer norm's and the biases' parameter gradients) runs in blocks
-//   of 32 columns × NN_COL_GROUPS row groups: thread (j, g) folds rows g, g + NN_COL_GROUPS,
-//   ... of column j in order from zero, then the group partials are added in order to the
-//   gradient's current value (accumulation).
+//   of 32 columns × NN_COL_GROUPS row groups, one block per tile of 32 columns and chunk of
+//   NN_COL_CHUNK rows (blockIdx.y): thread (j, g) folds the chunk's rows g, g + NN_COL_GROUPS,
+//   ... of column j in order from zero, the group partials are folded in order from zero into
+//   the chunk's sum (written to a scratch row of the chunk), then column_chunks_add_f32 adds
+//   the chunk sums in order to the gradient's current value (accumulation).
 
 #define NN_BLOCK 256
+#define NN_WARP 32
 #define NN_COL_GROUPS 32
+#define NN_COL_CHUNK 256
 
 __device__ __forceinline__ float fa(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float fs(float a, float b) { return __fsub_rn(a, b); }
@@ -132,6 +138,18 @@ __device__ float block_max(float v, float* sh) {
     return r;
 }
 
+// The warp's butterfly: after the steps k = 16, 8, 4, 2, 1, lane 0 holds what the tree over
+// the lanes' partials gives (lane t < k combines with lane t + k), and every lane returns it.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (u32 k = NN_WARP / 2; k > 0; k >>= 1) v = fa(v, __shfl_xor_sync(0xffffffffu, v, k));
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (u32 k = NN_WARP / 2; k > 0; k >>= 1) v = max_of(v, __shfl_xor_sync(0xffffffffu, v, k));
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
 // Layer norm forward, one block per row of x [n, c]: mean = sum / c, var = sum((x-mean)^2) / c
 // (biased), rstd = 1 / sqrt(var + eps), y = ((x - mean) * rstd) * w + b.
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
@@ -182,40 +200,56 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     }
 }
 
-// Layer norm backward, parameter part: dw[j] += (dy * (x - mean)) * rstd and db[j] += dy,
-// a column reduction (see the top of this file). Block (32, NN_COL_GROUPS), one tile of 32
-// columns per block (grid-stride over tiles).
+// Layer norm backward, parameter part: the chunk sums of (dy * (x - mean)) * rstd into
+// pw[chunk, j] and of dy into pb[chunk, j], a column reduction (see the top of this file);
+// column_chunks_add_f32 adds them to dw and db. Block (32, NN_COL_GROUPS), grid (tiles of 32
+// columns; chunks), both grid-stride.
 extern "C" __global__ void __launch_bounds__(32 * NN_COL_GROUPS)
     layernorm_backward_params_f32(const float* dy, const float* x, const float* mean,
-                                  const float* rstd, float* dw, float* db, u32 n, u32 c) {
+                                  const float* rstd, float* pw, float* pb, u32 n, u32 c) {
     __shared__ float shw[NN_COL_GROUPS][33];
     __shared__ float shb[NN_COL_GROUPS][33];
     u32 l = threadIdx.x, g = threadIdx.y;
-    for (u32 tile = blockIdx.x; (u64)tile * 32 < c; tile += gridDim.x) {
-        u32 j = tile * 32 + l;
-        float aw = 0.0f, ab = 0.0f;
-        if (j < c) {
-#pragma unroll 4
-            for (u32 r = g; r < n; r += NN_COL_GROUPS) {
-                u64 k = (u64)r * c + j;
-                float d = dy[k];
-                aw = fa(aw, fm(fm(d, fs(x[k], mean[r])), rstd[r]));
-                ab = fa(ab, d);
+    for (u32 chunk = blockIdx.y; (u64)chunk * NN_COL_CHUNK < n; chunk += gridDim.y) {
+        u32 r0 = chunk * NN_COL_CHUNK;
+        u32 r1 = ((u64)n < (u64)r0 + NN_COL_CHUNK) ? n : r0 + NN_COL_CHUNK;
+        for (u32 tile = blockIdx.x; (u64)tile * 32 < c; tile += gridDim.x) {
+            u32 j = tile * 32 + l;
+            float aw = 0.0f, ab = 0.0f;
+            if (j < c) {
+#pragma unroll 8
+                for (u32 r = r0 + g; r < r1; r += NN_COL_GROUPS) {
+                    u64 k = (u64)r * c + j;
+                    float d = dy[k];
+                    aw = fa(aw, fm(fm(d, fs(x[k], mean[r])), rstd[r]));
+                    ab = fa(ab, d);
+                }
             }
-        }
-        shw[g][l] = aw;
-        shb[g][l] = ab;
-        __syncthreads();
-        if (g == 0 && j < c) {
-            float tw = dw[j], tb = db[j];
-            for (u32 q = 0; q < NN_COL_GROUPS; q++) {
-                tw = fa(tw, shw[q][l]);
-                tb = fa(tb, shb[q][l]);
+            shw[g][l] = aw;
+            shb[g][l] = ab;
+            __syncthreads();
+            if (g == 0 && j < c) {
+                float tw = 0.0f, tb = 0.0f;
+                for (u32 q = 0; q < NN_COL_GROUPS; q++) {
+                    tw = fa(tw, shw[q][l]);
+                    tb = fa(tb, shb[q][l]);
+                }
+                u64 o = (u64)chunk * c + j;
+                pw[o] = tw;
+                pb[o] = tb;
             }
-            dw[j] = tw;
-            db[j] = tb;
+            __syncthreads();
         }
-        __syncthreads();
+    }
+}
+
+// The last step of a column reduction: acc[j] += part[0, j], part[1, j], ... in chunk order.
+extern "C" __global__ void column_chunks_add_f32(const float* part, float* acc, u32 chunks,
+                                                  u32 c) {
+    GRID_STRIDE(j, c) {
+        float t = acc[j];
+        for (u32 q = 0; q < chunks; q++) t = fa(t, part[(u64)q * c + j]);
+        acc[j] = t;
     }
 }
 
@@ -232,39 +266,45 @@ extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, fl
     }
 }
 
-// Causal softmax forward, one block per row i (of t) of a [t, t] score matrix: v_j = s_j * scale
-// for j <= i, p_j = e^(v_j - max v) / sum; p_j = 0 for j > i.
+// Causal softmax forward, one warp per row of [rows, t] (NN_BLOCK / NN_WARP rows a block;
+// row r is row i = r % t of its matrix): v_j = s_j * scale for j <= i, p_j = e^(v_j - max) /
+// sum, and p_j = 0 above the diagonal.
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    causal_softmax_forward_f32(const float* s, float* p, u32 t, float scale) {
-    __shared__ float sh[NN_BLOCK];
-    u32 i = blockIdx.x % t;
-    u64 off = (u64)blockIdx.x * t;
+    causal_softmax_forward_f32(const float* s, float* p, u32 t, float scale, u64 rows) {
+    u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
+    if (row >= rows) return; // the whole warp: no lane is left in a shuffle
+    u32 l = threadIdx.x % NN_WARP;
+    u32 i = (u32)(row % t);
+    u64 off = row * t;
     float mx = -pos_inf();
-    for (u32 j = threadIdx.x; j <= i; j += NN_BLOCK) mx = max_of(mx, fm(s[off + j], scale));
-    mx = block_max(mx, sh);
+    for (u32 j = l; j <= i; j += NN_WARP) mx = max_of(mx, fm(s[off + j], scale));
+    mx = warp_max(mx);
     float acc = 0.0f;
-    for (u32 j = threadIdx.x; j <= i; j += NN_BLOCK) {
+    for (u32 j = l; j <= i; j += NN_WARP) {
         float e = nn_exp(fs(fm(s[off + j], scale), mx));
         p[off + j] = e;
         acc = fa(acc, e);
     }
-    float sum = block_sum(acc, sh);
-    for (u32 j = threadIdx.x; j < t; j += NN_BLOCK) {
+    float sum = warp_sum(acc);
+    for (u32 j = l; j < t; j += NN_WARP) {
         p[off + j] = (j <= i) ? fdv(p[off + j], sum) : 0.0f;
     }
 }
 
-// Causal softmax backward, one block per row: ds_j = scale * (p_j * (dp_j - sum_k p_k dp_k))
+// Causal softmax backward, one warp per row: ds_j = scale * (p_j * (dp_j - sum_k p_k dp_k))
 // for j <= i (k <= i), 0 above the diagonal. Written, not accumulated.
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    causal_softmax_backward_f32(const float* p, const float* dp, float* ds, u32 t, float scale) {
-    __shared__ float sh[NN_BLOCK];
-    u32 i = blockIdx.x % t;
-    u64 off = (u64)blockIdx.x * t;
+    causal_softmax_backward_f32(const float* p, const float* dp, float* ds, u32 t, float scale,
+                                u64 rows) {
+    u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
+    if (row >= rows) return;
+    u32 l = threadIdx.x % NN_WARP;
+    u32 i = (u32)(row % t);
+    u64 off = row * t;
     float acc = 0.0f;
-    for (u32 j = threadIdx.x; j <= i; j += NN_BLOCK) acc = fa(acc, fm(p[off + j], dp[off + j]));
-    float dot = block_sum(acc, sh);
-    for (u32 j = threadIdx.x; j < t; j += NN_BLOCK) {
+    for (u32 j = l; j <= i; j += NN_WARP) acc = fa(acc, fm(p[off + j], dp[off + j]));
+    float dot = warp_sum(acc);
+    for (u32 j = l; j < t; j += NN_WARP) {
         ds[off + j] = (j <= i) ? fm(scale, fm(p[off + j], fs(dp[off + j], dot))) : 0.0f;
     }
 }
@@ -357,27 +397,32 @@ extern "C" __global__ void embedding_backward_positions_f32(const float* dx, flo
     }
 }
 
-// Bias gradient: db[j] += dy[r, j] over the rows, a column reduction (see the top of this
-// file). Block (32, NN_COL_GROUPS), one tile of 32 columns per block (grid-stride over tiles).
+// Bias gradient: the chunk sums of dy[r, j] over the rows into part[chunk, j], a column
+// reduction (see the top of this file); column_chunks_add_f32 adds them to db. Block
+// (32, NN_COL_GROUPS), grid (tiles of 32 columns; chunks), both grid-stride.
 extern "C" __global__ void __launch_bounds__(32 * NN_COL_GROUPS)
-    bias_grad_f32(const float* dy, float* db, u32 n, u32 c) {
+    bias_grad_f32(const float* dy, float* part, u32 n, u32 c) {
     __shared__ float sh[NN_COL_GROUPS][33];
     u32 l = threadIdx.x, g = threadIdx.y;
-    for (u32 tile = blockIdx.x; (u64)tile * 32 < c; tile += gridDim.x) {
-        u32 j = tile * 32 + l;
-        float acc = 0.0f;
-        if (j < c) {
-#pragma unroll 4
-            for (u32 r = g; r < n; r += NN_COL_GROUPS) acc = fa(acc, dy[(u64)r * c + j]);
+    for (u32 chunk = blockIdx.y; (u64)chunk * NN_COL_CHUNK < n; chunk += gridDim.y) {
+        u32 r0 = chunk * NN_COL_CHUNK;
+        u32 r1 = ((u64)n < (u64)r0 + NN_COL_CHUNK) ? n : r0 + NN_COL_CHUNK;
+        for (u32 tile = blockIdx.x; (u64)tile * 32 < c; tile += gridDim.x) {
+            u32 j = tile * 32 + l;
+            float acc = 0.0f;
+            if (j < c) {
+#pragma unroll 8
+                for (u32 r = r0 + g; r < r1; r += NN_COL_GROUPS) acc = fa(acc, dy[(u64)r * c + j]);
+            }
+            sh[g][l] = acc;
+            __syncthreads();
+            if (g == 0 && j < c) {
+                float t = 0.0f;
+                for (u32 q = 0; q < NN_COL_GROUPS; q++) t = fa(t, sh[q][l]);
+                part[(u64)chunk * c + j] = t;
+            }
+            __syncthreads();
         }
-        sh[g][l] = acc;
-        __syncthreads();
-        if (g == 0 && j < c) {
-            float t = db[j];
-            for (u32 q = 0; q < NN_COL_GROUPS; q++) t = fa(t, sh[q][l]);
-            db[j] = t;
-        }
-        __syncthreads();
     }
 }
 

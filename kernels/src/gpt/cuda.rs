@@ -292,6 +292,16 @@ impl GptOps for CudaOps {
         Ok(self.counted(b))
     }
 
+    fn empty(&self, len: usize) -> Result<CudaBuf, KernelError> {
+        // SAFETY: device memory of `len` f32 whose bits are whatever the pool held; any bits
+        // are an f32, and the host never sees them before an operation writes them (the
+        // contract of `GptOps::empty`; `HostOps` fills with NaN so that its tests would show a
+        // read before the write).
+        let b =
+            unsafe { self.cuda.alloc::<f32>(len) }.map_err(|e| copy_error("cuMemAllocAsync", e))?;
+        Ok(self.counted(b))
+    }
+
     fn upload(&self, data: &[f32]) -> Result<CudaBuf, KernelError> {
         let b = self
             .cuda

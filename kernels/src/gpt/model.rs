@@ -175,7 +175,7 @@ impl<O: GptOps> DeviceGpt<O> {
         let ops = &self.ops;
         // Embeddings.
         let ids = ops.upload_ids(inputs)?;
-        let mut x = ops.zeros(n * e)?;
+        let mut x = ops.empty(n * e)?;
         ops.embedding_forward(&ids, &self.params.wte, &self.params.wpe, t, e, &mut x)?;
         // Blocks.
         let mut acts = Vec::with_capacity(d.n_layer);
@@ -187,7 +187,7 @@ impl<O: GptOps> DeviceGpt<O> {
         // Head: ln_f, logits = hf·wteᵀ, cross-entropy (mean over the n tokens).
         let lnf = &self.params.ln_f;
         let (hf, mean, rstd) = self.layernorm(&x, lnf, n)?;
-        let mut logits = ops.zeros(n * v)?;
+        let mut logits = ops.empty(n * v)?;
         ops.gemm(
             &MatMul::linear_forward(n, e, v),
             &hf,
@@ -195,14 +195,14 @@ impl<O: GptOps> DeviceGpt<O> {
             &mut logits,
         )?;
         let tg = ops.upload_ids(targets)?;
-        let (mut losses, mut dlogits) = (ops.zeros(n)?, ops.zeros(n * v)?);
+        let (mut losses, mut dlogits) = (ops.empty(n)?, ops.empty(n * v)?);
         let dloss = (1.0 / n as f64) as f32;
         ops.cross_entropy_fused(&logits, &tg, v, dloss, &mut losses, &mut dlogits)?;
         drop(logits);
         // Head backward: the tied lm_head's term of wte's gradient, then ln_f.
         let gw = MatMul::linear_grad_weight(n, e, v, true);
         ops.gemm(&gw, &dlogits, &hf, &mut self.grads.wte)?;
-        let mut dhf = ops.zeros(n * e)?;
+        let mut dhf = ops.empty(n * e)?;
         let gi = MatMul::linear_grad_input(n, e, v);
         ops.gemm(&gi, &dlogits, &self.params.wte, &mut dhf)?;
         drop(dlogits);
@@ -240,9 +240,9 @@ impl<O: GptOps> DeviceGpt<O> {
     ) -> Result<Normed<O::Buf>, KernelError> {
         let ops = &self.ops;
         let (mut y, mut mean, mut rstd) = (
-            ops.zeros(n * self.dims.n_embd)?,
-            ops.zeros(n)?,
-            ops.zeros(n)?,
+            ops.empty(n * self.dims.n_embd)?,
+            ops.empty(n)?,
+            ops.empty(n)?,
         );
         ops.layernorm_forward(x, &p.weight, &p.bias, LN_EPS, &mut y, &mut mean, &mut rstd)?;
         Ok((y, mean, rstd))
@@ -257,7 +257,7 @@ impl<O: GptOps> DeviceGpt<O> {
         inputs: usize,
         outputs: usize,
     ) -> Result<O::Buf, KernelError> {
-        let mut y = self.ops.zeros(n * outputs)?;
+        let mut y = self.ops.empty(n * outputs)?;
         let g = MatMul::linear_forward(n, inputs, outputs);
         self.ops.gemm(&g, x, &p.weight, &mut y)?;
         self.ops.bias_add(&mut y, &p.bias)?;
@@ -277,7 +277,7 @@ impl<O: GptOps> DeviceGpt<O> {
         let qkv = self.linear(&h1, &p.c_attn, n, e, 3 * e)?;
         let mut parts = Vec::with_capacity(3);
         for part in 0..3 {
-            let mut h = ops.zeros(n * e)?;
+            let mut h = ops.empty(n * e)?;
             ops.heads_split(&qkv, self.heads(s, 3 * e, part * e), &mut h)?;
             parts.push(h);
         }
@@ -288,17 +288,17 @@ impl<O: GptOps> DeviceGpt<O> {
             _ => return Err(invalid("q, k and v were not all split".into())),
         };
         // Scores S = q·kᵀ per (sequence, head); P = causal softmax of S/√hd.
-        let mut sc = ops.zeros(bh * t * t)?;
+        let mut sc = ops.empty(bh * t * t)?;
         let g = MatMul::new(t, t, hd, false, true).batched(bh, t * hd, t * hd, t * t);
         ops.gemm(&g, &q, &k, &mut sc)?;
-        let mut att = ops.zeros(bh * t * t)?;
+        let mut att = ops.empty(bh * t * t)?;
         ops.causal_softmax_forward(&sc, t, self.scale(), &mut att)?;
         drop(sc);
         // Heads' outputs P·v, back into token rows.
-        let mut yh = ops.zeros(n * e)?;
+        let mut yh = ops.empty(n * e)?;
         let g = MatMul::new(t, hd, t, false, false).batched(bh, t * t, t * hd, t * hd);
         ops.gemm(&g, &att, &v, &mut yh)?;
-        let mut y = ops.zeros(n * e)?;
+        let mut y = ops.empty(n * e)?;
         ops.heads_merge(&yh, self.heads(s, e, 0), &mut y)?;
         drop(yh);
         // x2 = x + c_proj(y).
@@ -307,7 +307,7 @@ impl<O: GptOps> DeviceGpt<O> {
         // out = x2 + c_proj(gelu(c_fc(ln_2(x2)))).
         let (h2, ln2_mean, ln2_rstd) = self.layernorm(&x2, &p.ln_2, n)?;
         let fc = self.linear(&h2, &p.c_fc, n, e, 4 * e)?;
-        let mut g = ops.zeros(n * 4 * e)?;
+        let mut g = ops.empty(n * 4 * e)?;
         ops.gelu_forward(&fc, &mut g)?;
         let mut out = self.linear(&g, &p.mlp_proj, n, 4 * e, e)?;
         ops.axpby(1.0, &x2, 1.0, &mut out)?;
@@ -364,7 +364,7 @@ impl<O: GptOps> DeviceGpt<O> {
         let gw = MatMul::linear_grad_weight(n, inputs, outputs, true);
         ops.gemm(&gw, dy, x, &mut gp.weight)?;
         ops.bias_grad(dy, &mut gp.bias)?;
-        let mut dx = ops.zeros(n * inputs)?;
+        let mut dx = ops.empty(n * inputs)?;
         ops.gemm(
             &MatMul::linear_grad_input(n, inputs, outputs),
             dy,
@@ -398,7 +398,7 @@ impl<O: GptOps> DeviceGpt<O> {
         // MLP: out = x2 + c_proj(gelu(c_fc(h2))).
         let dg =
             Self::linear_backward(ops, &p.mlp_proj, &mut gp.mlp_proj, &a.g, &dout, n, 4 * e, e)?;
-        let mut dfc = ops.zeros(n * 4 * e)?;
+        let mut dfc = ops.empty(n * 4 * e)?;
         ops.gelu_backward(&a.fc, &dg, &mut dfc)?;
         drop(dg);
         let dh2 = Self::linear_backward(ops, &p.c_fc, &mut gp.c_fc, &a.h2, &dfc, n, e, 4 * e)?;
@@ -424,20 +424,20 @@ impl<O: GptOps> DeviceGpt<O> {
         drop(dh2);
         // Attention: x2 = x + c_proj(merge(P·v)).
         let dy = Self::linear_backward(ops, &p.attn_proj, &mut gp.attn_proj, &a.y, &dx2, n, e, e)?;
-        let mut dyh = ops.zeros(n * e)?;
+        let mut dyh = ops.empty(n * e)?;
         ops.heads_split(&dy, heads(e, 0), &mut dyh)?;
         drop(dy);
         let per =
             |m, nn, k, ta, tb, sa, sb, sc| MatMul::new(m, nn, k, ta, tb).batched(bh, sa, sb, sc);
         // dP = dYh·vᵀ, dv = Pᵀ·dYh.
-        let mut dp = ops.zeros(bh * t * t)?;
+        let mut dp = ops.empty(bh * t * t)?;
         ops.gemm(
             &per(t, t, hd, false, true, t * hd, t * hd, t * t),
             &dyh,
             &a.v,
             &mut dp,
         )?;
-        let mut dv = ops.zeros(n * e)?;
+        let mut dv = ops.empty(n * e)?;
         ops.gemm(
             &per(t, hd, t, true, false, t * t, t * hd, t * hd),
             &a.att,
@@ -447,18 +447,18 @@ impl<O: GptOps> DeviceGpt<O> {
         drop(dyh);
         // dS (of the unscaled scores) = scale·P⊙(dP − rowsum(P⊙dP)).
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let mut ds = ops.zeros(bh * t * t)?;
+        let mut ds = ops.empty(bh * t * t)?;
         ops.causal_softmax_backward(&a.att, &dp, t, scale, &mut ds)?;
         drop(dp);
         // dq = dS·k, dk = dSᵀ·q.
-        let mut dq = ops.zeros(n * e)?;
+        let mut dq = ops.empty(n * e)?;
         ops.gemm(
             &per(t, hd, t, false, false, t * t, t * hd, t * hd),
             &ds,
             &a.k,
             &mut dq,
         )?;
-        let mut dk = ops.zeros(n * e)?;
+        let mut dk = ops.empty(n * e)?;
         ops.gemm(
             &per(t, hd, t, true, false, t * t, t * hd, t * hd),
             &ds,
@@ -466,7 +466,7 @@ impl<O: GptOps> DeviceGpt<O> {
             &mut dk,
         )?;
         drop(ds);
-        let mut dqkv = ops.zeros(n * 3 * e)?;
+        let mut dqkv = ops.empty(n * 3 * e)?;
         for (part, dh) in [dq, dk, dv].iter().enumerate() {
             ops.heads_merge(dh, heads(3 * e, part * e), &mut dqkv)?;
         }

@@ -26,6 +26,15 @@ pub trait GptOps {
     /// # Errors
     /// An allocation failure.
     fn zeros(&self, len: usize) -> Result<Self::Buf, KernelError>;
+    /// A buffer of `len` elements whose values are unspecified until written: the output of
+    /// an operation that writes all of it (a product with `beta = 0`, a layer's forward, a
+    /// backward that **writes**), never of one that accumulates. It costs no fill on a device;
+    /// [`HostOps`] fills it with NaN, so that a read before the first write shows in every
+    /// result its twin tests compare.
+    ///
+    /// # Errors
+    /// An allocation failure.
+    fn empty(&self, len: usize) -> Result<Self::Buf, KernelError>;
     /// A buffer holding `data`.
     ///
     /// # Errors
@@ -383,6 +392,10 @@ impl GptOps for HostOps {
 
     fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
         Ok(self.counted(vec![0.0; len]))
+    }
+
+    fn empty(&self, len: usize) -> Result<HostBuf, KernelError> {
+        Ok(self.counted(vec![f32::NAN; len]))
     }
 
     fn upload(&self, data: &[f32]) -> Result<HostBuf, KernelError> {

@@ -2,10 +2,12 @@
 //! arithmetic in the kernels' order, so that a GPU result equals them bitwise.
 //!
 //! Reductions over a row run as the kernels' blocks do: "thread" `t` of [`NN_BLOCK`] folds
-//! elements `t, t + NN_BLOCK, …` in order, then a tree halves the partials. The layer norm's
-//! and the biases' parameter gradients are column reductions: row group `g`
-//! of [`NN_COL_GROUPS`] folds rows `g, g + NN_COL_GROUPS, …` of a column in order from zero,
-//! and the group partials are added in order to the gradient's current value. The embeddings'
+//! elements `t, t + NN_BLOCK, …` in order, then a tree halves the partials; the causal
+//! softmax's rows run in one warp each, the same with [`NN_WARP`] lanes. The layer norm's
+//! and the biases' parameter gradients are column reductions over chunks of [`NN_COL_CHUNK`]
+//! rows: in a chunk, row group `g` of [`NN_COL_GROUPS`] folds rows `g, g + NN_COL_GROUPS, …`
+//! of a column in order from zero, the group partials are folded in order into the chunk's
+//! sum, and the chunk sums are added in order to the gradient's current value. The embeddings'
 //! gradients fold their tokens in order into the gradient's current value. Deterministic, no
 //! atomics. Backward functions say whether they accumulate (`+=`) or write.
 
@@ -17,42 +19,77 @@ use crate::KernelError;
 /// Threads per block of the row kernels (layer norm, softmax, cross-entropy).
 pub const NN_BLOCK: usize = 256;
 
+/// Threads of a warp: the causal softmax reduces each row in one warp.
+pub const NN_WARP: usize = 32;
 /// Row groups of a column reduction (the kernels' blocks are 32 columns × this many groups).
 pub const NN_COL_GROUPS: usize = 32;
+/// Rows of one chunk of a column reduction (one block of the kernels per chunk and tile of 32
+/// columns, so that a reduction over thousands of rows fills the GPU).
+pub const NN_COL_CHUNK: usize = 256;
 
 /// The kernels' column reduction, accumulating: for each column `j` of `acc` (`c` columns),
-/// `acc[j] += Σ_g Σ_{r ≡ g} term(r, j)` for `n` rows, where row group `g` of
-/// [`NN_COL_GROUPS`] folds its rows in order from zero and the group sums are added to
-/// `acc[j]` in group order.
+/// `acc[j] += Σ_chunks Σ_g Σ_{r ≡ g} term(r, j)` for `n` rows cut into chunks of
+/// [`NN_COL_CHUNK`] rows: in each chunk, row group `g` of [`NN_COL_GROUPS`] folds its rows
+/// (`r ≡ g` modulo the groups) in order from zero, and the group sums are folded in group
+/// order from zero into the chunk's sum; the chunk sums are added to `acc[j]` in chunk order.
 fn column_fold(n: usize, acc: &mut [f32], term: impl Fn(usize, usize) -> f32) {
     let c = acc.len();
     let mut groups = vec![0.0f32; NN_COL_GROUPS * c];
-    for r in 0..n {
-        let g = &mut groups[(r % NN_COL_GROUPS) * c..][..c];
-        for (j, p) in g.iter_mut().enumerate() {
-            *p += term(r, j);
+    let mut chunk = vec![0.0f32; c];
+    for start in (0..n).step_by(NN_COL_CHUNK) {
+        groups.fill(0.0);
+        for r in start..n.min(start + NN_COL_CHUNK) {
+            let g = &mut groups[(r % NN_COL_GROUPS) * c..][..c];
+            for (j, p) in g.iter_mut().enumerate() {
+                *p += term(r, j);
+            }
         }
-    }
-    for g in groups.chunks_exact(c) {
-        for (a, p) in acc.iter_mut().zip(g) {
-            *a += p;
+        chunk.fill(0.0);
+        for g in groups.chunks_exact(c) {
+            for (s, p) in chunk.iter_mut().zip(g) {
+                *s += p;
+            }
+        }
+        for (a, s) in acc.iter_mut().zip(&chunk) {
+            *a += s;
         }
     }
 }
 
 /// The kernels' block reduction of `len` values `f(i)`: per-thread folds, then the tree.
 fn block_reduce(len: usize, init: f32, f: impl Fn(usize) -> f32, op: fn(f32, f32) -> f32) -> f32 {
+    reduce_across(NN_BLOCK, len, init, f, op)
+}
+
+/// The kernels' warp reduction of `len` values `f(i)` (the causal softmax's rows): lane `l` of
+/// [`NN_WARP`] folds `l, l + NN_WARP, …` in order, then the lanes' butterfly, whose lane 0
+/// combines as the block's tree does.
+fn warp_reduce(len: usize, init: f32, f: impl Fn(usize) -> f32, op: fn(f32, f32) -> f32) -> f32 {
+    reduce_across(NN_WARP, len, init, f, op)
+}
+
+/// `width` threads (a power of two, at most [`NN_BLOCK`]): thread `t` folds elements
+/// `t, t + width, …` in order from `init`, then a tree halves the partials
+/// (`p[t] = op(p[t], p[t + s])` for `s = width/2, …, 1`).
+fn reduce_across(
+    width: usize,
+    len: usize,
+    init: f32,
+    f: impl Fn(usize) -> f32,
+    op: fn(f32, f32) -> f32,
+) -> f32 {
     let mut sh = [init; NN_BLOCK];
+    let sh = &mut sh[..width];
     for (t, slot) in sh.iter_mut().enumerate() {
         let mut acc = init;
         let mut i = t;
         while i < len {
             acc = op(acc, f(i));
-            i += NN_BLOCK;
+            i += width;
         }
         *slot = acc;
     }
-    let mut s = NN_BLOCK / 2;
+    let mut s = width / 2;
     while s > 0 {
         for t in 0..s {
             sh[t] = op(sh[t], sh[t + s]);
@@ -265,8 +302,8 @@ pub fn causal_softmax_forward(
         let (i, o) = (r % t, r * t);
         let s = &scores[o..o + t];
         let p = &mut probs[o..o + t];
-        let mx = block_reduce(i + 1, f32::NEG_INFINITY, |j| s[j] * scale, max_of);
-        let sum = block_reduce(i + 1, 0.0, |j| exp(s[j] * scale - mx), add);
+        let mx = warp_reduce(i + 1, f32::NEG_INFINITY, |j| s[j] * scale, max_of);
+        let sum = warp_reduce(i + 1, 0.0, |j| exp(s[j] * scale - mx), add);
         for (j, pj) in p.iter_mut().enumerate() {
             *pj = if j <= i {
                 exp(s[j] * scale - mx) / sum
@@ -297,7 +334,7 @@ pub fn causal_softmax_backward(
     for r in 0..rows {
         let (i, o) = (r % t, r * t);
         let (p, dp) = (&probs[o..o + t], &dprobs[o..o + t]);
-        let dot = block_reduce(i + 1, 0.0, |j| p[j] * dp[j], add);
+        let dot = warp_reduce(i + 1, 0.0, |j| p[j] * dp[j], add);
         for (j, d) in dscores[o..o + t].iter_mut().enumerate() {
             *d = if j <= i {
                 scale * (p[j] * (dp[j] - dot))
@@ -523,6 +560,29 @@ pub fn bias_grad(dy: &[f32], dbias: &mut [f32]) -> Result<(), KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn column_fold_adds_chunk_sums_of_group_sums_in_order() {
+        // 600 rows: chunks of 256, 256 and 88 rows.
+        let n = 600;
+        let term = |r: usize, j: usize| ((r * 7 + j * 13) % 17) as f32 * 0.1 + 1e-3 * r as f32;
+        let mut acc = vec![0.5f32; 3];
+        column_fold(n, &mut acc, term);
+        for (j, got) in acc.iter().enumerate() {
+            let mut want = 0.5f32;
+            for start in [0, 256, 512] {
+                let mut chunk = 0.0f32;
+                for g in 0..NN_COL_GROUPS {
+                    let rows = (start + g..n.min(start + NN_COL_CHUNK)).step_by(NN_COL_GROUPS);
+                    chunk += rows.fold(0.0f32, |p, r| p + term(r, j));
+                }
+                want += chunk;
+            }
+            assert_eq!(got.to_bits(), want.to_bits(), "column {j}");
+            let exact = 0.5 + (0..n).map(|r| f64::from(term(r, j))).sum::<f64>();
+            assert!((f64::from(*got) - exact).abs() < 1e-5 * exact, "column {j}");
+        }
+    }
 
     #[test]
     fn grouped_tokens_fold_to_the_twins_bits() {

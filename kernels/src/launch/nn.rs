@@ -6,12 +6,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{config, driver, function};
 use crate::host::nn::{
     check_cross_entropy, check_embedding, check_ln_backward, check_ln_forward, group_by_id,
-    rows_of, softmax_rows, NN_BLOCK, NN_COL_GROUPS,
+    rows_of, softmax_rows, NN_BLOCK, NN_COL_CHUNK, NN_COL_GROUPS, NN_WARP,
 };
 use crate::host::same_len;
 use crate::{KernelError, Program};
@@ -32,15 +32,63 @@ fn per_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelErro
     })
 }
 
+/// One warp of [`NN_WARP`] lanes per row, `NN_BLOCK / NN_WARP` rows a block.
+fn per_warp_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
+    let mut cfg = per_row(kernel, rows.div_ceil(NN_BLOCK / NN_WARP))?;
+    cfg.block_dim = (NN_BLOCK as u32, 1, 1);
+    Ok(cfg)
+}
+
 /// A column reduction's blocks: 32 columns × [`NN_COL_GROUPS`] row groups each, one block per
-/// 32 columns (the kernels loop over tiles past the grid's limit).
-fn per_column_tile(columns: usize) -> LaunchConfig {
+/// 32 columns and chunk of [`NN_COL_CHUNK`] rows (the kernels loop over tiles and chunks past
+/// the grid's limits).
+fn per_column_tile(columns: usize, rows: usize) -> LaunchConfig {
     let tiles = columns.div_ceil(32).clamp(1, 1 << 16) as u32;
+    let chunks = rows.div_ceil(NN_COL_CHUNK).clamp(1, u16::MAX as usize) as u32;
     LaunchConfig {
-        grid_dim: (tiles, 1, 1),
+        grid_dim: (tiles, chunks, 1),
         block_dim: (32, NN_COL_GROUPS as u32, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// The scratch of a column reduction over `rows` rows of `columns`: one sum per chunk and
+/// column, and the number of chunks.
+fn chunk_sums(
+    stream: &Arc<CudaStream>,
+    kernel: &'static str,
+    rows: usize,
+    columns: usize,
+) -> Result<(CudaSlice<f32>, u32), KernelError> {
+    let chunks = rows.div_ceil(NN_COL_CHUNK);
+    let c32 = u32::try_from(chunks).map_err(|_| KernelError::InvalidArgument {
+        kernel,
+        reason: format!("{rows} rows are more than 2^32 chunks"),
+    })?;
+    let part = stream
+        .alloc_zeros::<f32>(chunks.saturating_mul(columns))
+        .map_err(|e| driver("cuMemAllocAsync", kernel, e))?;
+    Ok((part, c32))
+}
+
+/// `acc[j] += part[0, j], part[1, j], …` in chunk order: the last step of a column reduction.
+fn add_chunks(
+    stream: &Arc<CudaStream>,
+    part: &CudaSlice<f32>,
+    chunks: u32,
+    acc: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "column_chunks_add_f32";
+    let c = acc.len();
+    let f = function(stream, Program::Nn, k)?;
+    let (pp, _p) = part.device_ptr(stream);
+    let (ap, _a) = acc.device_ptr_mut(stream);
+    let c32 = c as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&pp).arg(&ap).arg(&chunks).arg(&c32);
+    // SAFETY: (const float* part [chunks·c], float* acc [c], u32 chunks, u32 c): `part` holds
+    // `chunks` rows of `c` (chunk_sums made it so), `acc` is `c` long.
+    launched(k, unsafe { b.launch(config(c)) })
 }
 
 fn launched<T>(
@@ -143,7 +191,7 @@ pub fn layernorm_backward_input(
 /// # Errors
 /// Shape errors as the twin; compile, load and launch failures.
 pub fn layernorm_backward_params(
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     dy: &impl DevicePtr<f32>,
     x: &impl DevicePtr<f32>,
     mean: &impl DevicePtr<f32>,
@@ -159,25 +207,32 @@ pub fn layernorm_backward_params(
         return Ok(());
     }
     let f = function(stream, Program::Nn, k)?;
-    let (gp, _g) = dy.device_ptr(stream);
-    let (xp, _x) = x.device_ptr(stream);
-    let (mp, _m) = mean.device_ptr(stream);
-    let (rp, _r) = rstd.device_ptr(stream);
-    let (wp, _w) = dweight.device_ptr_mut(stream);
-    let (bp, _b) = dbias.device_ptr_mut(stream);
-    let (n32, c32) = (n as u32, c as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&gp)
-        .arg(&xp)
-        .arg(&mp)
-        .arg(&rp)
-        .arg(&wp)
-        .arg(&bp)
-        .arg(&n32)
-        .arg(&c32);
-    // SAFETY: (const float* dy [n·c], x [n·c], mean [n], rstd [n], float* dw [c], db [c],
-    // u32 n, u32 c), blocks of 32 columns × NN_COL_GROUPS row groups (grid-stride over tiles).
-    launched(k, unsafe { b.launch(per_column_tile(c)) })
+    let (mut pw, chunks) = chunk_sums(stream, k, n, c)?;
+    let (mut pb, _) = chunk_sums(stream, k, n, c)?;
+    {
+        let (gp, _g) = dy.device_ptr(stream);
+        let (xp, _x) = x.device_ptr(stream);
+        let (mp, _m) = mean.device_ptr(stream);
+        let (rp, _r) = rstd.device_ptr(stream);
+        let (wp, _w) = pw.device_ptr_mut(stream);
+        let (bp, _b) = pb.device_ptr_mut(stream);
+        let (n32, c32) = (n as u32, c as u32);
+        let mut b = stream.launch_builder(&f);
+        b.arg(&gp)
+            .arg(&xp)
+            .arg(&mp)
+            .arg(&rp)
+            .arg(&wp)
+            .arg(&bp)
+            .arg(&n32)
+            .arg(&c32);
+        // SAFETY: (const float* dy [n·c], x [n·c], mean [n], rstd [n], float* pw [chunks·c],
+        // pb [chunks·c], u32 n, u32 c), blocks of 32 columns × NN_COL_GROUPS row groups
+        // (grid-stride over tiles and chunks of NN_COL_CHUNK rows).
+        launched(k, unsafe { b.launch(per_column_tile(c, n)) })?;
+    }
+    add_chunks(stream, &pw, chunks, dweight)?;
+    add_chunks(stream, &pb, chunks, dbias)
 }
 
 /// Exact GELU forward (see [`host::nn::gelu_forward`](crate::host::nn::gelu_forward)).
@@ -252,15 +307,15 @@ pub fn causal_softmax_forward(
     if rows == 0 {
         return Ok(());
     }
-    let cfg = per_row(k, rows)?;
+    let cfg = per_warp_row(k, rows)?;
     let f = function(stream, Program::Nn, k)?;
     let (sp, _s) = scores.device_ptr(stream);
     let (pp, _p) = probs.device_ptr_mut(stream);
-    let t32 = t as u32;
+    let (t32, rows64) = (t as u32, rows as u64);
     let mut b = stream.launch_builder(&f);
-    b.arg(&sp).arg(&pp).arg(&t32).arg(&scale);
-    // SAFETY: (const float* s, float* p, u32 t, float scale), `rows` blocks each on its row of
-    // `t` elements of both.
+    b.arg(&sp).arg(&pp).arg(&t32).arg(&scale).arg(&rows64);
+    // SAFETY: (const float* s, float* p, u32 t, float scale, u64 rows), one warp on each of
+    // the `rows` rows of `t` elements of both (warps past the last row return).
     launched(k, unsafe { b.launch(cfg) })
 }
 
@@ -284,16 +339,21 @@ pub fn causal_softmax_backward(
     if rows == 0 {
         return Ok(());
     }
-    let cfg = per_row(k, rows)?;
+    let cfg = per_warp_row(k, rows)?;
     let f = function(stream, Program::Nn, k)?;
     let (pp, _p) = probs.device_ptr(stream);
     let (gp, _g) = dprobs.device_ptr(stream);
     let (dp, _d) = dscores.device_ptr_mut(stream);
-    let t32 = t as u32;
+    let (t32, rows64) = (t as u32, rows as u64);
     let mut b = stream.launch_builder(&f);
-    b.arg(&pp).arg(&gp).arg(&dp).arg(&t32).arg(&scale);
-    // SAFETY: (const float* p, const float* dp, float* ds, u32 t, float scale), one block per
-    // row of `t` elements of each.
+    b.arg(&pp)
+        .arg(&gp)
+        .arg(&dp)
+        .arg(&t32)
+        .arg(&scale)
+        .arg(&rows64);
+    // SAFETY: (const float* p, const float* dp, float* ds, u32 t, float scale, u64 rows), one
+    // warp on each of the `rows` rows of `t` elements of each (warps past the last return).
     launched(k, unsafe { b.launch(cfg) })
 }
 
@@ -505,7 +565,7 @@ pub fn embedding_backward_positions(
 /// # Errors
 /// Shape errors as the twin; compile, load and launch failures.
 pub fn bias_grad(
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     dy: &impl DevicePtr<f32>,
     dbias: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), KernelError> {
@@ -516,12 +576,16 @@ pub fn bias_grad(
         return Ok(());
     }
     let f = function(stream, Program::Nn, k)?;
-    let (gp, _g) = dy.device_ptr(stream);
-    let (bp, _b) = dbias.device_ptr_mut(stream);
-    let (n32, c32) = (n as u32, c as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&gp).arg(&bp).arg(&n32).arg(&c32);
-    // SAFETY: (const float* dy [n·c], float* db [c], u32 n, u32 c), blocks of 32 columns ×
-    // NN_COL_GROUPS row groups (grid-stride over tiles).
-    launched(k, unsafe { b.launch(per_column_tile(c)) })
+    let (mut part, chunks) = chunk_sums(stream, k, n, c)?;
+    {
+        let (gp, _g) = dy.device_ptr(stream);
+        let (pp, _p) = part.device_ptr_mut(stream);
+        let (n32, c32) = (n as u32, c as u32);
+        let mut b = stream.launch_builder(&f);
+        b.arg(&gp).arg(&pp).arg(&n32).arg(&c32);
+        // SAFETY: (const float* dy [n·c], float* part [chunks·c], u32 n, u32 c), blocks of 32
+        // columns × NN_COL_GROUPS row groups (grid-stride over tiles and chunks).
+        launched(k, unsafe { b.launch(per_column_tile(c, n)) })?;
+    }
+    add_chunks(stream, &part, chunks, dbias)
 }
