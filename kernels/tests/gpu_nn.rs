@@ -141,6 +141,11 @@ fn cross_entropy_equals_its_twin() {
         launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, &mut gloss, &mut gd).unwrap();
         same("cross-entropy losses", &down(&s, &gloss), &loss);
         same("cross-entropy dlogits", &down(&s, &gd), &d);
+        // In place: the gradient over the logits, the same bits.
+        let (mut gl, mut gloss) = (up(&s, &logits), s.alloc_zeros::<f32>(n).unwrap());
+        launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, &mut gloss).unwrap();
+        same("in-place cross-entropy losses", &down(&s, &gloss), &loss);
+        same("in-place cross-entropy dlogits", &down(&s, &gl), &d);
     }
 }
 

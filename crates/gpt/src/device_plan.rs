@@ -261,11 +261,10 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     r.phase = "head".into();
     r.alloc(Tape, ne + 2 * n, "ln_f");
     r.tape = r.live[Tape as usize];
-    r.alloc(Work, nv, "logits");
+    // The logits' gradient is written over the logits (one n × v buffer).
+    r.alloc(Work, nv, "logits, then their gradient");
     r.alloc(Ids, n, "targets");
     r.alloc(Work, n, "losses");
-    r.alloc(Work, nv, "logits' gradient");
-    r.free(Work, nv);
     r.alloc(Work, ne, "ln_f's output gradient");
     r.free(Work, nv);
     r.alloc(Work, ne, "x's gradient");

@@ -312,7 +312,9 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
 // Cross-entropy with its backward, one block per row of logits [n, v]: loss[r] =
 // ln(sum) + (max - logit[target]) with sum = sum_j e^(logit_j - max), and
 // dlogits_j = dloss * (e^(logit_j - max) / sum - [j == target]). The mean over rows is the
-// caller's (dloss = 1/N). A target >= v gives a NaN loss and a NaN row of dlogits.
+// caller's (dloss = 1/N). A target >= v gives a NaN loss and a NaN row of dlogits. dlogits
+// may be logits itself (each element is read and then written by one thread, after every
+// read of the row's reductions).
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     cross_entropy_fused_f32(const float* logits, const u32* targets, float* losses,
                             float* dlogits, u32 v, float dloss) {
@@ -322,17 +324,20 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     float mx = -pos_inf();
     for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) mx = max_of(mx, logits[off + j]);
     mx = block_max(mx, sh);
+    // The target's logit, read before block_sum's barriers: dlogits may be the logits' own
+    // memory (cross_entropy_fused_in_place), written from the loop below on.
+    bool ok = tg < v;
+    float lt = (threadIdx.x == 0 && ok) ? logits[off + tg] : 0.0f;
     float acc = 0.0f;
     for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) acc = fa(acc, nn_exp(fs(logits[off + j], mx)));
     float sum = block_sum(acc, sh);
-    bool ok = tg < v;
     for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) {
         float q = fdv(nn_exp(fs(logits[off + j], mx)), sum);
         float d = fm(dloss, fs(q, (j == tg) ? 1.0f : 0.0f));
         dlogits[off + j] = ok ? d : nan_f32();
     }
     if (threadIdx.x == 0) {
-        losses[blockIdx.x] = ok ? fa(nn_log(sum), fs(mx, logits[off + tg])) : nan_f32();
+        losses[blockIdx.x] = ok ? fa(nn_log(sum), fs(mx, lt)) : nan_f32();
     }
 }
 

@@ -448,16 +448,15 @@ impl GptOps for CudaOps {
         launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, dscores)
     }
 
-    fn cross_entropy_fused(
+    fn cross_entropy_fused_in_place(
         &self,
-        logits: &CudaBuf,
+        logits: &mut CudaBuf,
         targets: &CudaIds,
         v: usize,
         dloss: f32,
         losses: &mut CudaBuf,
-        dlogits: &mut CudaBuf,
     ) -> Result<(), KernelError> {
-        launch::cross_entropy_fused(&self.cuda, logits, targets, v, dloss, losses, dlogits)
+        launch::cross_entropy_fused_in_place(&self.cuda, logits, targets, v, dloss, losses)
     }
 
     fn embedding_forward(

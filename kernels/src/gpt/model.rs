@@ -187,18 +187,18 @@ impl<O: GptOps> DeviceGpt<O> {
         // Head: ln_f, logits = hf·wteᵀ, cross-entropy (mean over the n tokens).
         let lnf = &self.params.ln_f;
         let (hf, mean, rstd) = self.layernorm(&x, lnf, n)?;
-        let mut logits = ops.empty(n * v)?;
+        let mut dlogits = ops.empty(n * v)?;
         ops.gemm(
             &MatMul::linear_forward(n, e, v),
             &hf,
             &self.params.wte,
-            &mut logits,
+            &mut dlogits,
         )?;
+        // The logits' gradient written over the logits: the head holds one n × v buffer.
         let tg = ops.upload_ids(targets)?;
-        let (mut losses, mut dlogits) = (ops.empty(n)?, ops.empty(n * v)?);
+        let mut losses = ops.empty(n)?;
         let dloss = (1.0 / n as f64) as f32;
-        ops.cross_entropy_fused(&logits, &tg, v, dloss, &mut losses, &mut dlogits)?;
-        drop(logits);
+        ops.cross_entropy_fused_in_place(&mut dlogits, &tg, v, dloss, &mut losses)?;
         // Head backward: the tied lm_head's term of wte's gradient, then ln_f.
         let gw = MatMul::linear_grad_weight(n, e, v, true);
         ops.gemm(&gw, &dlogits, &hf, &mut self.grads.wte)?;

@@ -180,19 +180,18 @@ pub trait GptOps {
         scale: f32,
         dscores: &mut Self::Buf,
     ) -> Result<(), KernelError>;
-    /// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused) (writes).
+    /// [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place):
+    /// writes `losses`, and the logits' gradient over `logits`.
     ///
     /// # Errors
     /// Shape errors; launch failures.
-    #[allow(clippy::too_many_arguments)]
-    fn cross_entropy_fused(
+    fn cross_entropy_fused_in_place(
         &self,
-        logits: &Self::Buf,
+        logits: &mut Self::Buf,
         targets: &Self::Ids,
         v: usize,
         dloss: f32,
         losses: &mut Self::Buf,
-        dlogits: &mut Self::Buf,
     ) -> Result<(), KernelError>;
     /// [`host::nn::embedding_forward`](crate::host::nn::embedding_forward).
     ///
@@ -532,16 +531,15 @@ impl GptOps for HostOps {
         nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
     }
 
-    fn cross_entropy_fused(
+    fn cross_entropy_fused_in_place(
         &self,
-        logits: &HostBuf,
+        logits: &mut HostBuf,
         targets: &HostIds,
         v: usize,
         dloss: f32,
         losses: &mut HostBuf,
-        dlogits: &mut HostBuf,
     ) -> Result<(), KernelError> {
-        nn::cross_entropy_fused(logits, targets, v, dloss, losses, dlogits)
+        nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)
     }
 
     fn embedding_forward(

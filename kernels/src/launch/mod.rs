@@ -25,9 +25,9 @@ mod nn;
 mod nn_heads;
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, cross_entropy_fused,
-    embedding_backward_positions, embedding_backward_tokens, embedding_backward_tokens_host_ids,
-    embedding_forward, gelu_backward, gelu_forward, layernorm_backward_input,
-    layernorm_backward_params, layernorm_forward,
+    cross_entropy_fused_in_place, embedding_backward_positions, embedding_backward_tokens,
+    embedding_backward_tokens_host_ids, embedding_forward, gelu_backward, gelu_forward,
+    layernorm_backward_input, layernorm_backward_params, layernorm_forward,
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 

@@ -399,6 +399,41 @@ pub fn cross_entropy_fused(
     launched(k, unsafe { b.launch(cfg) })
 }
 
+/// [`cross_entropy_fused`] with `dlogits` written over `logits` (see
+/// [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place)):
+/// the same kernel given one buffer for both.
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn cross_entropy_fused_in_place(
+    stream: &CudaStream,
+    logits: &mut impl DevicePtrMut<f32>,
+    targets: &impl DevicePtr<u32>,
+    v: usize,
+    dloss: f32,
+    losses: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "cross_entropy_fused_f32";
+    let len = logits.len();
+    let n = check_cross_entropy(k, len, v, targets.len(), losses.len(), len)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = per_row(k, n)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (lp, _l) = logits.device_ptr_mut(stream);
+    let (tp, _t) = targets.device_ptr(stream);
+    let (op, _o) = losses.device_ptr_mut(stream);
+    let v32 = v as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&lp).arg(&tp).arg(&op).arg(&lp).arg(&v32).arg(&dloss);
+    // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
+    // float* dlogits [n·v], u32 v, float dloss) with dlogits = logits: the kernel reads each
+    // element before the one thread that writes it does, after the row's reductions (see
+    // cu/nn.cu); one block per row; targets are compared with `v` before any indexed read.
+    launched(k, unsafe { b.launch(cfg) })
+}
+
 /// Embedding forward, token plus position (see
 /// [`host::nn::embedding_forward`](crate::host::nn::embedding_forward)).
 ///
