@@ -118,6 +118,51 @@ if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
         tail -n 2 "$log"
     done
 fi
+# The gate's figure, ours / PyTorch FSDP2 eager at bf16, world 1, from rounds that each run
+# gpt-device-bench and then PyTorch at 124M and 350M: the runs above are round 1, and
+# FSDP_GPU_ROUNDS=R (default 1) adds rounds 2..R. PyTorch eager's step varies between runs
+# (60 to 78 ms at 124M on one H200), so the report gives each round's ratio and their median.
+rounds="${FSDP_GPU_ROUNDS:-1}"
+if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ] &&
+    [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
+    python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    for ((r = 2; r <= rounds; r++)); do
+        echo "== round $r: gpt-device-bench, then PyTorch FSDP2 124m and 350m bf16"
+        timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --model 124m,350m \
+            --steps "$gpt_steps" --warmup 3 >"$report/gpt_device_bench_r$r.log" 2>&1
+        for model in 124m 350m; do
+            timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --model "$model" --device cuda \
+                --batch 8 --steps "$gpt_steps" --warmup 3 --param-dtype bf16 \
+                >"$report/torch_fsdp2_gpt_${model}_bf16_r$r.log" 2>&1
+        done
+    done
+    python3 - "$report" "$rounds" >>"$report/report.md" <<'PY'
+import re, statistics, sys
+report, rounds = sys.argv[1], int(sys.argv[2])
+def ms(path, pattern):
+    try:
+        m = re.search(pattern, open(path).read())
+        return float(m.group(1)) if m else None
+    except OSError:
+        return None
+print("\n## Ours / PyTorch FSDP2 eager, bf16, world 1 (the gate: <= 1.0)\n")
+print("| round | model | ours ms | PyTorch ms | ratio |\n| --- | --- | --- | --- | --- |")
+ratios = {"124m": [], "350m": []}
+for r in range(1, rounds + 1):
+    tail = "" if r == 1 else f"_r{r}"
+    for model in ratios:
+        ours = ms(f"{report}/gpt_device_bench{tail}.log",
+                  rf"RESULT gpt-device-bench {model} bf16: median step ([0-9.]+) ms")
+        torch = ms(f"{report}/torch_fsdp2_gpt_{model}_bf16{tail}.log", r"median step ([0-9.]+) ms")
+        ratio = ours / torch if ours and torch else None
+        if ratio:
+            ratios[model].append(ratio)
+        print(f"| {r} | {model} | {ours} | {torch} | {ratio and round(ratio, 3)} |")
+for model, rs in ratios.items():
+    if rs:
+        print(f"\nRESULT gate {model}: median ratio {statistics.median(rs):.3f} over {len(rs)} rounds")
+PY
+fi
 
 {
     echo
