@@ -46,8 +46,8 @@ fn cases() -> [(GptDims, usize, usize); 2] {
     ]
 }
 
-/// One step of `model` on the case's batch: the loss and every gradient.
-fn run<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (f32, Vec<(String, Vec<f32>)>) {
+/// The case's model on `ops` with the test weights, and its batch (inputs, targets).
+fn model<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (DeviceGpt<O>, [Vec<u32>; 2]) {
     let cfg = GptConfig::new(
         dims.n_layer,
         dims.n_head,
@@ -57,8 +57,13 @@ fn run<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (f32, Vec<(St
     )
     .unwrap();
     let v = dims.vocab_size;
-    let (x, y) = (ids(rows * t, 1, v), ids(rows * t, 2, v));
-    let mut model = DeviceGpt::new(ops, dims, &weights(&cfg)).unwrap();
+    let batch = [ids(rows * t, 1, v), ids(rows * t, 2, v)];
+    (DeviceGpt::new(ops, dims, &weights(&cfg)).unwrap(), batch)
+}
+
+/// One step of `model` on the case's batch: the loss and every gradient.
+fn run<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (f32, Vec<(String, Vec<f32>)>) {
+    let (mut model, [x, y]) = model(ops, dims, rows, t);
     let loss = model.step(&x, &y, rows, t).unwrap();
     (loss, model.download_grads().unwrap())
 }
@@ -192,22 +197,13 @@ fn the_cuda_step_with_bf16_products_matches_its_twin() {
     // The kept operand copies are reused as the twin reuses them (`tests/operand_copies.rs`
     // checks the twin's count against the model's products).
     let (dims, rows, t) = cases()[0];
-    let cfg = GptConfig::new(
-        dims.n_layer,
-        dims.n_head,
-        dims.n_embd,
-        dims.block_size,
-        dims.vocab_size,
-    )
-    .unwrap();
-    let (x, y) = (
-        ids(rows * t, 1, dims.vocab_size),
-        ids(rows * t, 2, dims.vocab_size),
+    let (mut host, [x, y]) = model(
+        HostOps::with_products(HostProducts::Bf16Operands),
+        dims,
+        rows,
+        t,
     );
-    let host_ops = HostOps::with_products(HostProducts::Bf16Operands);
-    let mut host = DeviceGpt::new(host_ops, dims, &weights(&cfg)).unwrap();
-    let dev_ops = cuda_ops(test).with_products(Products::Bf16);
-    let mut dev = DeviceGpt::new(dev_ops, dims, &weights(&cfg)).unwrap();
+    let (mut dev, _) = model(cuda_ops(test).with_products(Products::Bf16), dims, rows, t);
     for _ in 0..2 {
         host.step(&x, &y, rows, t).unwrap();
         dev.step(&x, &y, rows, t).unwrap();

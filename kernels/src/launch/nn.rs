@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{config, driver, function};
@@ -384,18 +385,39 @@ pub fn cross_entropy_fused(
     if n == 0 {
         return Ok(());
     }
-    let cfg = per_row(k, n)?;
-    let f = function(stream, Program::Nn, k)?;
     let (lp, _l) = logits.device_ptr(stream);
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
     let (dp, _d) = dlogits.device_ptr_mut(stream);
+    // SAFETY: `logits` and `dlogits` hold `n·v` f32, `targets` and `losses` `n` (checked
+    // above), borrowed for the launch.
+    unsafe { launch_cross_entropy(stream, n, [lp, tp, op, dp], v, dloss) }
+}
+
+/// The cross-entropy kernel over `n` rows of `v` from the device addresses of the logits, the
+/// targets, the losses and the logits' gradient.
+///
+/// # Safety
+/// The addresses hold `n·v` f32 (logits, gradient: the same memory or apart), `n` u32 and `n`
+/// f32, alive and unused by others until the stream reaches the kernel.
+unsafe fn launch_cross_entropy(
+    stream: &CudaStream,
+    n: usize,
+    [lp, tp, op, dp]: [CUdeviceptr; 4],
+    v: usize,
+    dloss: f32,
+) -> Result<(), KernelError> {
+    let k = "cross_entropy_fused_f32";
+    let cfg = per_row(k, n)?;
+    let f = function(stream, Program::Nn, k)?;
     let v32 = v as u32;
     let mut b = stream.launch_builder(&f);
     b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss);
     // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
-    // float* dlogits [n·v], u32 v, float dloss), one block per row; targets are compared
-    // with `v` before any indexed read.
+    // float* dlogits [n·v], u32 v, float dloss), as the caller promises; one block per row;
+    // targets are compared with `v` before any indexed read; dlogits may be logits (the
+    // kernel reads each element before the one thread that writes it does, after the row's
+    // reductions: cu/nn.cu).
     launched(k, unsafe { b.launch(cfg) })
 }
 
@@ -419,19 +441,12 @@ pub fn cross_entropy_fused_in_place(
     if n == 0 {
         return Ok(());
     }
-    let cfg = per_row(k, n)?;
-    let f = function(stream, Program::Nn, k)?;
     let (lp, _l) = logits.device_ptr_mut(stream);
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
-    let v32 = v as u32;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&lp).arg(&tp).arg(&op).arg(&lp).arg(&v32).arg(&dloss);
-    // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
-    // float* dlogits [n·v], u32 v, float dloss) with dlogits = logits: the kernel reads each
-    // element before the one thread that writes it does, after the row's reductions (see
-    // cu/nn.cu); one block per row; targets are compared with `v` before any indexed read.
-    launched(k, unsafe { b.launch(cfg) })
+    // SAFETY: `logits` (also the gradient) holds `n·v` f32, `targets` and `losses` `n`
+    // (checked above), borrowed for the launch.
+    unsafe { launch_cross_entropy(stream, n, [lp, tp, op, lp], v, dloss) }
 }
 
 /// Embedding forward, token plus position (see
