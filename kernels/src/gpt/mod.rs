@@ -25,6 +25,7 @@
 //! every parameter's gradient, `wte`'s with the tied head's term.
 
 mod cuda;
+mod host_ops;
 mod memory;
 mod model;
 mod ops;
@@ -32,8 +33,9 @@ mod products;
 mod weights;
 
 pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
+pub use host_ops::{HostBuf, HostIds, HostOps, HostProducts};
 pub use memory::{Counted, MemoryCounter, MemoryUse};
 pub use model::DeviceGpt;
-pub use ops::{GptOps, HostBuf, HostIds, HostOps, HostProducts};
+pub use ops::GptOps;
 pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
 pub use weights::{param_shapes, Block, GptDims, Pair, Weights};

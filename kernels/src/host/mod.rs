@@ -5,6 +5,7 @@
 mod convert;
 pub mod nn;
 mod nn_heads;
+mod nn_loss;
 pub mod nn_math;
 mod norm;
 mod optim;

@@ -23,13 +23,15 @@ use crate::{compile, KernelError, Program};
 
 mod nn;
 mod nn_heads;
+mod nn_loss;
 pub use nn::{
-    bias_grad, causal_softmax_backward, causal_softmax_forward, cross_entropy_fused,
-    cross_entropy_fused_in_place, embedding_backward_positions, embedding_backward_tokens,
-    embedding_backward_tokens_host_ids, embedding_forward, gelu_backward, gelu_forward,
-    layernorm_backward_input, layernorm_backward_params, layernorm_forward,
+    bias_grad, causal_softmax_backward, causal_softmax_forward, embedding_backward_positions,
+    embedding_backward_tokens, embedding_backward_tokens_host_ids, embedding_forward,
+    gelu_backward, gelu_forward, layernorm_backward_input, layernorm_backward_params,
+    layernorm_forward,
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
+pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};
 
 /// Threads per block of the element-wise kernels.
 const BLOCK: u32 = 256;

@@ -1,0 +1,342 @@
+//! [`HostOps`]: [`GptOps`] on the host by the kernels' twins.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
+use super::ops::GptOps;
+use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
+use crate::gemm::MatMul;
+use crate::host::nn::{self, HeadsLayout};
+use crate::host::{self, same_len, AdamWScalars};
+use crate::KernelError;
+
+/// How [`HostOps`] multiplies matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostProducts {
+    /// [`gemm_f32`]: f32, left to right (the default).
+    #[default]
+    F32,
+    /// [`gemm_f64_rounded`]: accumulated in f64, rounded once.
+    F64Rounded,
+    /// [`gemm_bf16_operands`](super::gemm_bf16_operands): both operands rounded to bf16 (as
+    /// the cast kernel rounds), products summed in f32 ([`gemm_f32`]'s order) — what
+    /// [`CudaOps`](super::CudaOps) with
+    /// [`Products::Bf16`](super::Products::Bf16) computes, in another summation order.
+    Bf16Operands,
+}
+
+/// A buffer of [`HostOps`]: a `Vec<f32>` counted in its operations' memory (4 bytes an
+/// element, as on a device).
+pub type HostBuf = Counted<Vec<f32>>;
+/// Ids of [`HostOps`]: a `Vec<u32>` counted in its operations' memory.
+pub type HostIds = Counted<Vec<u32>>;
+
+/// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`] (or [`gemm_f64_rounded`]);
+/// buffers are `Vec`s, counted in [`memory`](GptOps::memory) as a device's would be, and every
+/// operation runs when called. With [`HostProducts::Bf16Operands`] it keeps the two operand
+/// copies of the products between them as [`CudaOps`](super::CudaOps) does (grown when short,
+/// the short one freed first), counted at bf16's 2 bytes an element (held widened to f32 for
+/// the f32 product), so that its peak is the CUDA run's.
+#[derive(Debug)]
+pub struct HostOps {
+    /// The matrix products.
+    pub products: HostProducts,
+    memory: Arc<MemoryCounter>,
+    operands: Mutex<[Kept<Vec<f32>>; 2]>,
+    roundings: AtomicU64,
+}
+
+impl Default for HostOps {
+    fn default() -> HostOps {
+        HostOps::with_products(HostProducts::default())
+    }
+}
+
+impl HostOps {
+    /// The twins and f32 products ([`gemm_f32`]).
+    pub fn new() -> HostOps {
+        HostOps::default()
+    }
+
+    /// The twins and the products of `products`.
+    pub fn with_products(products: HostProducts) -> HostOps {
+        HostOps {
+            products,
+            memory: MemoryCounter::new(),
+            operands: Mutex::new([Kept::default(), Kept::default()]),
+            roundings: AtomicU64::new(0),
+        }
+    }
+
+    /// How many times a product's operand was rounded into a kept bf16 copy so far (with
+    /// [`HostProducts::Bf16Operands`]): a product whose operand the copy already holds,
+    /// unwritten since, does not round it again, as [`CudaOps`](super::CudaOps) does not cast
+    /// it ([`CudaOps::operand_casts`](super::CudaOps::operand_casts)).
+    pub fn operand_roundings(&self) -> u64 {
+        self.roundings.load(Ordering::Relaxed)
+    }
+
+    fn counted<T>(&self, v: Vec<T>) -> Counted<Vec<T>> {
+        let bytes = bytes_of::<T>(v.len());
+        Counted::new(v, bytes, &self.memory)
+    }
+
+    /// [`gemm_bf16_operands`](super::gemm_bf16_operands) through the kept operand copies: the
+    /// same rounded values, so the same bits.
+    fn gemm_bf16(
+        &self,
+        g: &MatMul,
+        a: &HostBuf,
+        b: &HostBuf,
+        c: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let mut kept = self
+            .operands
+            .lock()
+            .map_err(|_| KernelError::InvalidArgument {
+                kernel: "gemm_bf16_operands",
+                reason: "the kept operands' lock is poisoned".into(),
+            })?;
+        let [ka, kb] = &mut *kept;
+        let ra = round_into(&self.memory, ka, a, &self.roundings);
+        let rb = round_into(&self.memory, kb, b, &self.roundings);
+        gemm_f32(g, ra, rb, c)
+    }
+}
+
+impl GptOps for HostOps {
+    type Buf = HostBuf;
+    type Ids = HostIds;
+
+    fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
+        Ok(self.counted(vec![0.0; len]))
+    }
+
+    fn empty(&self, len: usize) -> Result<HostBuf, KernelError> {
+        Ok(self.counted(vec![f32::NAN; len]))
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<HostBuf, KernelError> {
+        Ok(self.counted(data.to_vec()))
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Result<HostIds, KernelError> {
+        Ok(self.counted(ids.to_vec()))
+    }
+
+    fn upload_into(&self, data: &[f32], buf: &mut HostBuf) -> Result<(), KernelError> {
+        same_len("upload_into", "buffer", data.len(), buf.len())?;
+        buf.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn download(&self, buf: &HostBuf) -> Result<Vec<f32>, KernelError> {
+        Ok(buf.to_vec())
+    }
+
+    fn memory(&self) -> MemoryUse {
+        self.memory.usage()
+    }
+
+    fn reset_peak(&self) {
+        self.memory.reset_peak();
+    }
+
+    fn buf_len(buf: &HostBuf) -> usize {
+        buf.len()
+    }
+
+    fn fill_zero(&self, buf: &mut HostBuf) -> Result<(), KernelError> {
+        host::memset(buf, 0.0);
+        Ok(())
+    }
+
+    fn gemm(
+        &self,
+        g: &MatMul,
+        a: &HostBuf,
+        b: &HostBuf,
+        c: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        match self.products {
+            HostProducts::F32 => gemm_f32(g, a, b, c),
+            HostProducts::F64Rounded => gemm_f64_rounded(g, a, b, c),
+            HostProducts::Bf16Operands => self.gemm_bf16(g, a, b, c),
+        }
+    }
+
+    fn bias_add(&self, y: &mut HostBuf, bias: &HostBuf) -> Result<(), KernelError> {
+        nn::bias_add(y, bias)
+    }
+
+    fn axpby(
+        &self,
+        alpha: f32,
+        x: &HostBuf,
+        beta: f32,
+        y: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        host::axpby(alpha, x, beta, y)
+    }
+
+    fn layernorm_forward(
+        &self,
+        x: &HostBuf,
+        weight: &HostBuf,
+        bias: &HostBuf,
+        eps: f32,
+        y: &mut HostBuf,
+        mean: &mut HostBuf,
+        rstd: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::layernorm_forward(x, weight, bias, eps, y, mean, rstd)
+    }
+
+    fn layernorm_backward_input(
+        &self,
+        dy: &HostBuf,
+        x: &HostBuf,
+        weight: &HostBuf,
+        mean: &HostBuf,
+        rstd: &HostBuf,
+        dx: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::layernorm_backward_input(dy, x, weight, mean, rstd, dx)
+    }
+
+    fn layernorm_backward_params(
+        &self,
+        dy: &HostBuf,
+        x: &HostBuf,
+        mean: &HostBuf,
+        rstd: &HostBuf,
+        dweight: &mut HostBuf,
+        dbias: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::layernorm_backward_params(dy, x, mean, rstd, dweight, dbias)
+    }
+
+    fn gelu_forward(&self, x: &HostBuf, y: &mut HostBuf) -> Result<(), KernelError> {
+        nn::gelu_forward(x, y)
+    }
+
+    fn gelu_backward(
+        &self,
+        x: &HostBuf,
+        dy: &HostBuf,
+        dx: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::gelu_backward(x, dy, dx)
+    }
+
+    fn causal_softmax_forward(
+        &self,
+        scores: &HostBuf,
+        t: usize,
+        scale: f32,
+        probs: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::causal_softmax_forward(scores, t, scale, probs)
+    }
+
+    fn causal_softmax_backward(
+        &self,
+        probs: &HostBuf,
+        dprobs: &HostBuf,
+        t: usize,
+        scale: f32,
+        dscores: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
+    }
+
+    fn cross_entropy_fused_in_place(
+        &self,
+        logits: &mut HostBuf,
+        targets: &HostIds,
+        v: usize,
+        dloss: f32,
+        losses: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)
+    }
+
+    fn embedding_forward(
+        &self,
+        ids: &HostIds,
+        wte: &HostBuf,
+        wpe: &HostBuf,
+        t: usize,
+        c: usize,
+        x: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::embedding_forward(ids, wte, wpe, t, c, x)
+    }
+
+    fn embedding_backward_tokens(
+        &self,
+        ids: &[u32],
+        dx: &HostBuf,
+        c: usize,
+        dwte: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        let k = "embedding_backward_tokens_f32";
+        same_len(k, "dx", ids.len() * c, dx.len())?;
+        let vocab = dwte.len() / c.max(1);
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(KernelError::InvalidArgument {
+                kernel: k,
+                reason: format!("token id {bad} is not below the vocabulary's {vocab}"),
+            });
+        }
+        nn::embedding_backward_tokens(ids, dx, c, dwte)
+    }
+
+    fn embedding_backward_positions(
+        &self,
+        dx: &HostBuf,
+        t: usize,
+        c: usize,
+        dwpe: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::embedding_backward_positions(dx, t, c, dwpe)
+    }
+
+    fn bias_grad(&self, dy: &HostBuf, dbias: &mut HostBuf) -> Result<(), KernelError> {
+        nn::bias_grad(dy, dbias)
+    }
+
+    fn heads_split(
+        &self,
+        rows: &HostBuf,
+        layout: HeadsLayout,
+        heads: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::heads_split(rows, layout, heads)
+    }
+
+    fn heads_merge(
+        &self,
+        heads: &HostBuf,
+        layout: HeadsLayout,
+        rows: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        nn::heads_merge(heads, layout, rows)
+    }
+
+    fn adamw(
+        &self,
+        s: &AdamWScalars,
+        param: &mut HostBuf,
+        grad: &HostBuf,
+        exp_avg: &mut HostBuf,
+        exp_avg_sq: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        host::adamw::<f32>(s, param, grad, exp_avg, exp_avg_sq)
+    }
+
+    fn sum_of_squares(&self, x: &HostBuf) -> Result<f64, KernelError> {
+        Ok(host::sum_of_squares(x))
+    }
+}

@@ -1,0 +1,102 @@
+//! Launch functions of the cross-entropy fused with its backward (`cu/nn.cu`), bitwise equal
+//! to its twins [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused) and
+//! [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place).
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+
+use super::function;
+use super::nn::{launched, per_row};
+use crate::host::nn::check_cross_entropy;
+use crate::{KernelError, Program};
+
+/// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
+/// `dlogits` (written); see
+/// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused).
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn cross_entropy_fused(
+    stream: &CudaStream,
+    logits: &impl DevicePtr<f32>,
+    targets: &impl DevicePtr<u32>,
+    v: usize,
+    dloss: f32,
+    losses: &mut impl DevicePtrMut<f32>,
+    dlogits: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "cross_entropy_fused_f32";
+    let n = check_cross_entropy(
+        k,
+        logits.len(),
+        v,
+        targets.len(),
+        losses.len(),
+        dlogits.len(),
+    )?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (lp, _l) = logits.device_ptr(stream);
+    let (tp, _t) = targets.device_ptr(stream);
+    let (op, _o) = losses.device_ptr_mut(stream);
+    let (dp, _d) = dlogits.device_ptr_mut(stream);
+    // SAFETY: `logits` and `dlogits` hold `n·v` f32, `targets` and `losses` `n` (checked
+    // above), borrowed for the launch.
+    unsafe { launch_cross_entropy(stream, n, [lp, tp, op, dp], v, dloss) }
+}
+
+/// The cross-entropy kernel over `n` rows of `v` from the device addresses of the logits, the
+/// targets, the losses and the logits' gradient.
+///
+/// # Safety
+/// The addresses hold `n·v` f32 (logits, gradient: the same memory or apart), `n` u32 and `n`
+/// f32, alive and unused by others until the stream reaches the kernel.
+unsafe fn launch_cross_entropy(
+    stream: &CudaStream,
+    n: usize,
+    [lp, tp, op, dp]: [CUdeviceptr; 4],
+    v: usize,
+    dloss: f32,
+) -> Result<(), KernelError> {
+    let k = "cross_entropy_fused_f32";
+    let cfg = per_row(k, n)?;
+    let f = function(stream, Program::Nn, k)?;
+    let v32 = v as u32;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss);
+    // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
+    // float* dlogits [n·v], u32 v, float dloss), as the caller promises; one block per row;
+    // targets are compared with `v` before any indexed read; dlogits may be logits (the
+    // kernel reads each element before the one thread that writes it does, after the row's
+    // reductions: cu/nn.cu).
+    launched(k, unsafe { b.launch(cfg) })
+}
+
+/// [`cross_entropy_fused`] with `dlogits` written over `logits` (see
+/// [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place)):
+/// the same kernel given one buffer for both.
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn cross_entropy_fused_in_place(
+    stream: &CudaStream,
+    logits: &mut impl DevicePtrMut<f32>,
+    targets: &impl DevicePtr<u32>,
+    v: usize,
+    dloss: f32,
+    losses: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    let k = "cross_entropy_fused_f32";
+    let len = logits.len();
+    let n = check_cross_entropy(k, len, v, targets.len(), losses.len(), len)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (lp, _l) = logits.device_ptr_mut(stream);
+    let (tp, _t) = targets.device_ptr(stream);
+    let (op, _o) = losses.device_ptr_mut(stream);
+    // SAFETY: `logits` (also the gradient) holds `n·v` f32, `targets` and `losses` `n`
+    // (checked above), borrowed for the launch.
+    unsafe { launch_cross_entropy(stream, n, [lp, tp, op, lp], v, dloss) }
+}
