@@ -20,7 +20,7 @@ targets=(
     "fsdp-kernels||test|gpu_gemm|cuBLAS products (Linear forward/backward, attention) vs the f64 definition"
     "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins; the device trainer's AdamW, sum of squares and scale bitwise"
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
-    "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4; peak memory = fsdp plan --device cuda, pool high-water mark within 5% (also with --cpu-offload); --cpu-offload losses within 1e-6 of the device run (runs fsdp-gpt--bin--fsdp beside it)"
+    "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4; peak memory = fsdp plan --device cuda, pool high-water mark within 5% (also with --cpu-offload and --activation-checkpointing); --cpu-offload and --activation-checkpointing losses within 1e-6 of the device run (runs fsdp-gpt--bin--fsdp beside it)"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
     "fsdp-allocator|cuda|test|cuda_streams|allocator on CUDA streams: stats/snapshot vs host, record_stream vs a busy stream, destroyed streams"

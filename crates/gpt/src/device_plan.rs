@@ -3,7 +3,9 @@
 //! gradients, the accumulators, AdamW's two moments, with bf16 products the two kept operand
 //! copies) and replays, by size, every buffer one micro-batch's step allocates and frees in the
 //! order [`DeviceGpt::step`](fsdp_kernels::gpt::DeviceGpt::step) does (the activations saved
-//! for backward, the working buffers of each layer, the ids), then the clipping's buffers, to
+//! for backward — each block's input alone under activation checkpointing, with the block's
+//! forward replayed again before its backward — the working buffers of each layer, the ids),
+//! then the clipping's buffers, to
 //! find the moment of the peak and its bytes. It is what `fsdp plan --device cuda` prints.
 //!
 //! The bytes are those [`GptOps::memory`](fsdp_kernels::gpt::GptOps::memory) counts (every
@@ -61,6 +63,8 @@ pub struct DeviceMemoryPlan {
     /// The activations one micro-batch's forward saves for backward (its tape, at the end of
     /// forward).
     pub tape: u64,
+    /// Whether forward keeps only each block's input (activation checkpointing).
+    pub activation_checkpointing: bool,
     /// Where the step peaks.
     pub peak_moment: String,
     /// Saved activations held at the peak.
@@ -122,7 +126,13 @@ impl fmt::Display for DeviceMemoryPlan {
             (
                 "activations",
                 self.tape,
-                "saved by one micro-batch's forward for backward".into(),
+                if self.activation_checkpointing {
+                    "each block's input and ln_f's, kept by forward (activation checkpointing: \
+                     backward recomputes one block at a time)"
+                        .into()
+                } else {
+                    "saved by one micro-batch's forward for backward".into()
+                },
             ),
         ];
         for (name, bytes, what) in rows {
@@ -234,29 +244,22 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     r.phase = "embeddings".into();
     r.alloc(Ids, n, "input ids");
     r.alloc(Tape, ne, "x");
+    // With activation checkpointing a block's forward keeps only its input (its output is
+    // the next block's): the blocks before the last hold one n × e buffer each.
+    let ckpt = c.activation_checkpointing;
     r.phase = "forward".into();
     r.alloc(
         Tape,
-        saved.saturating_mul(before_last),
+        if ckpt { ne } else { saved }.saturating_mul(before_last),
         "blocks before the last",
     );
     if let Some(layer) = layers.checked_sub(1) {
         r.phase = format!("forward of block {layer}");
-        r.alloc(Tape, ne + 2 * n, "ln_1");
-        r.alloc(Work, 3 * ne, "qkv");
-        r.alloc(Tape, 3 * ne, "q, k, v");
-        r.free(Work, 3 * ne);
-        r.alloc(Work, t2, "scores");
-        r.alloc(Tape, t2, "probabilities");
-        r.free(Work, t2);
-        r.alloc(Work, ne, "heads' outputs");
-        r.alloc(Tape, ne, "y");
-        r.free(Work, ne);
-        r.alloc(Tape, ne, "x + attention");
-        r.alloc(Tape, ne + 2 * n, "ln_2");
-        r.alloc(Tape, 4 * ne, "c_fc");
-        r.alloc(Tape, 4 * ne, "gelu");
-        r.alloc(Tape, ne, "block output");
+        block_forward(r, ne, n, t2, Tape);
+        if ckpt {
+            // Its activations but the input dropped (the output stays: ln_f's input).
+            r.free(Tape, saved - ne);
+        }
     }
     r.phase = "head".into();
     r.alloc(Tape, ne + 2 * n, "ln_f");
@@ -269,6 +272,12 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     r.free(Work, nv);
     r.alloc(Work, ne, "x's gradient");
     if let Some(layer) = layers.checked_sub(1) {
+        if ckpt {
+            // The block's forward again from its input; its output dropped at once.
+            r.phase = format!("recomputed forward of block {layer}");
+            block_forward(r, ne, n, t2, Work);
+            r.free(Work, ne);
+        }
         r.phase = format!("backward of block {layer}");
         r.alloc(Work, 4 * ne, "mlp c_proj input gradient");
         r.alloc(Work, 4 * ne, "gelu input gradient");
@@ -293,9 +302,30 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
         r.free(Work, ne);
         r.free(Tape, saved);
     }
-    r.free(Tape, saved.saturating_mul(before_last));
-    // The step returns: everything else is dropped.
+    // The blocks before the last run their backward holding less; the step returns and drops
+    // everything else.
     r.live = [0; 3];
+}
+
+/// One block's forward (`DeviceGpt::block_forward`), its output of kind `out` (the tape in
+/// forward; a working buffer when recomputed under checkpointing, dropped by the caller).
+fn block_forward(r: &mut Replay, ne: u128, n: u128, t2: u128, out: Kind) {
+    use Kind::{Tape, Work};
+    r.alloc(Tape, ne + 2 * n, "ln_1");
+    r.alloc(Work, 3 * ne, "qkv");
+    r.alloc(Tape, 3 * ne, "q, k, v");
+    r.free(Work, 3 * ne);
+    r.alloc(Work, t2, "scores");
+    r.alloc(Tape, t2, "probabilities");
+    r.free(Work, t2);
+    r.alloc(Work, ne, "heads' outputs");
+    r.alloc(Tape, ne, "y");
+    r.free(Work, ne);
+    r.alloc(Tape, ne, "x + attention");
+    r.alloc(Tape, ne + 2 * n, "ln_2");
+    r.alloc(Tape, 4 * ne, "c_fc");
+    r.alloc(Tape, 4 * ne, "gelu");
+    r.alloc(out, ne, "block output");
 }
 
 /// The elements of the largest first and second operands of the step's products (the sizes
@@ -388,6 +418,7 @@ pub fn plan_memory(
         offloaded: to_u64(each.saturating_mul(offloaded), "offloaded state")?,
         bf16_operands: to_u64(bf16, "bf16 operands")?,
         tape: to_u64(r.tape, "activations")?,
+        activation_checkpointing: config.activation_checkpointing,
         peak_moment: r.moment,
         peak_tape: to_u64(r.at_peak[Kind::Tape as usize], "activations")?,
         peak_working: to_u64(r.at_peak[Kind::Work as usize], "working buffers")?,

@@ -101,6 +101,11 @@ pub struct DeviceTrainConfig {
     /// out after its backward) and the activations. The same training, bitwise on the host
     /// twins.
     pub offload: bool,
+    /// Activation checkpointing of every block
+    /// ([`DeviceGpt::set_activation_checkpointing`]): forward keeps each block's input only and
+    /// backward recomputes the block's forward. The same training bit for bit, with the
+    /// activations of one block held at a time.
+    pub activation_checkpointing: bool,
 }
 
 impl DeviceTrainConfig {
@@ -225,7 +230,8 @@ impl<O: GptOps> DeviceTrainer<O> {
     ) -> Result<DeviceTrainer<O>, DeviceTrainError> {
         config.validate()?;
         let dims = config.dims();
-        let model = DeviceGpt::new(ops, dims, params)?;
+        let mut model = DeviceGpt::new(ops, dims, params)?;
+        model.set_activation_checkpointing(config.activation_checkpointing);
         let state = if config.offload {
             let host = HostOps::new();
             let master = Weights::try_build(&dims, |name, len| {

@@ -27,6 +27,7 @@ fn tiny() -> DeviceTrainConfig {
         batch_size: 4,
         grad_accum: 1,
         offload: false,
+        activation_checkpointing: false,
     }
 }
 

@@ -123,11 +123,7 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
     );
     let dir = scratch("device_cli", "refusals");
     let f = s(&dir);
-    let cases: [(&[&str], &str); 12] = [
-        (
-            &["--activation-checkpointing"],
-            "--activation-checkpointing",
-        ),
+    let cases: [(&[&str], &str); 11] = [
         (&["--trace", f], "--trace"),
         (&["--memory-snapshot", f], "--memory-snapshot"),
         (&["--grad-scaler", "on"], "--grad-scaler"),
@@ -261,7 +257,7 @@ fn host_twin_bf16_products_track_the_f32_run() {
 #[test]
 fn device_plan_predicts_the_peak_the_run_logs() {
     let dir = scratch("device_cli", "device_plan");
-    let cases: [&[&str]; 2] = [
+    let cases: [&[&str]; 3] = [
         &[],
         &[
             "--param-dtype",
@@ -271,7 +267,9 @@ fn device_plan_predicts_the_peak_the_run_logs() {
             "--grad-clip",
             "0.5",
         ],
+        &["--activation-checkpointing"],
     ];
+    let mut losses = Vec::new();
     for (i, extra) in cases.into_iter().enumerate() {
         let mut p = vec!["plan"];
         p.extend_from_slice(&common::cli::SMALL_MODEL);
@@ -313,7 +311,28 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         let line = format!("peak device memory {peak} bytes (predicted {peak}");
         assert!(out.contains(&line), "{out}");
         println!("{extra:?}: peak {peak} bytes, planned and logged");
+        let loss: Vec<String> = loss_log_rows(&text)
+            .iter()
+            .map(|f| f[1].to_string())
+            .collect();
+        losses.push((loss, peak, plan));
     }
+    // Activation checkpointing: the same losses as the first case, a lower peak.
+    assert_eq!(
+        losses[2].0, losses[0].0,
+        "losses with --activation-checkpointing"
+    );
+    assert!(
+        losses[2].1 < losses[0].1,
+        "peaks {} vs {}",
+        losses[2].1,
+        losses[0].1
+    );
+    assert!(
+        losses[2].2.contains("activation checkpointing"),
+        "{}",
+        losses[2].2
+    );
     let refusal = |cmd: &str| {
         let mut a = vec![cmd];
         a.extend_from_slice(&common::cli::SMALL_MODEL);

@@ -28,6 +28,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         batch_size: batch,
         grad_accum: accum,
         offload: false,
+        activation_checkpointing: false,
     }
 }
 
@@ -91,8 +92,14 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     let rows = (c.batch_size / c.grad_accum) as u64;
     let n = rows * t;
     // Per block 16 activations of n×E, 4 of n (two layer norms' mean and rstd), the
-    // attention probabilities; then the final output and ln_f's.
-    let tape = 4 * (l * (16 * n * e + 4 * n + rows * h * t * t) + 2 * n * e + 2 * n);
+    // attention probabilities; then the final output and ln_f's. With activation
+    // checkpointing, each block's input alone.
+    let per_block = if c.activation_checkpointing {
+        n * e
+    } else {
+        16 * n * e + 4 * n + rows * h * t * t
+    };
+    let tape = 4 * (l * per_block + 2 * n * e + 2 * n);
     assert_eq!(plan.tape, tape, "{name}");
     let operands = if bf16 {
         let a = (4 * n * e).max(rows * h * t * t).max(n * v);
@@ -185,6 +192,35 @@ fn predicted_peak_with_cpu_offload_equals_the_host_twins() {
     let plan = check("offload, clipping", &c, false);
     assert!(!plan.peak_moment.contains("clipping"), "{plan}");
     assert!(plan.to_string().contains("offloaded to host"), "{plan}");
+}
+
+/// Activation checkpointing: forward keeps each block's input, backward recomputes the block
+/// first; the measured peak is the plan's, and lower than without checkpointing.
+#[test]
+fn predicted_peak_with_activation_checkpointing_equals_the_host_twins() {
+    for (name, cfg) in [("small", small()), ("larger", larger())] {
+        for (accum, bf16) in [(1, false), (2, true), (1, true)] {
+            let base = config(cfg, 8, accum, None);
+            let ckpt = DeviceTrainConfig {
+                activation_checkpointing: true,
+                ..base
+            };
+            let what = format!("{name}, checkpointing, accum {accum}, bf16 {bf16}");
+            let plan = check(&what, &ckpt, bf16);
+            let products = if bf16 { Products::Bf16 } else { Products::F32 };
+            let plain = plan_memory(&base, products).unwrap();
+            assert!(
+                plan.peak < plain.peak,
+                "{what}: {} vs {}",
+                plan.peak,
+                plain.peak
+            );
+            assert!(
+                plan.to_string().contains("activation checkpointing"),
+                "{plan}"
+            );
+        }
+    }
 }
 
 #[test]

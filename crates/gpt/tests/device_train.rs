@@ -48,6 +48,7 @@ fn config(clip: Option<f64>, accum: usize, cosine: bool) -> DeviceTrainConfig {
         batch_size: 8,
         grad_accum: accum,
         offload: false,
+        activation_checkpointing: false,
     }
 }
 
@@ -221,6 +222,53 @@ fn cpu_offload_trains_bitwise_as_without_it() {
         // The device holds three parameter-sized buffers fewer.
         let p = base.cfg.num_params() as u64;
         assert!(peak_b + 12 * p <= peak_a, "{peak_b} + 12·{p} > {peak_a}");
+    }
+}
+
+/// Activation checkpointing (each block's forward run again before its backward) trains
+/// bitwise as without it on the host twins — every loss, gradient norm and final parameter —
+/// holding less at its peak.
+#[test]
+fn activation_checkpointing_trains_bitwise_as_without_it() {
+    use fsdp_kernels::gpt::HostProducts;
+    let tokens = synthetic_corpus(20_000, 64, SEED);
+    for (clip, accum, bf16) in [(None, 1, false), (Some(0.5), 2, true)] {
+        let base = config(clip, accum, true);
+        let run = |activation_checkpointing: bool| {
+            let c = DeviceTrainConfig {
+                activation_checkpointing,
+                ..base
+            };
+            let params = seeded_params(&c.cfg, SEED).unwrap();
+            let ops = HostOps::with_products(if bf16 {
+                HostProducts::Bf16Operands
+            } else {
+                HostProducts::F32
+            });
+            let mut t = DeviceTrainer::new(ops, c, &params).unwrap();
+            let steps: Vec<(u32, u64, bool)> = (0..4)
+                .map(|s| {
+                    let o = t.step(&tokens, s).unwrap();
+                    (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
+                })
+                .collect();
+            let mut p: Vec<(String, Vec<u32>)> = t
+                .full_params()
+                .unwrap()
+                .into_iter()
+                .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+                .collect();
+            p.sort();
+            (steps, p, t.memory().peak)
+        };
+        let (a, pa, peak_a) = run(false);
+        let (b, pb, peak_b) = run(true);
+        assert_eq!(
+            a, b,
+            "clip {clip:?}, accum {accum}: steps differ when checkpointing"
+        );
+        assert_eq!(pa, pb, "clip {clip:?}, accum {accum}: parameters differ");
+        assert!(peak_b < peak_a, "checkpointing peak {peak_b} vs {peak_a}");
     }
 }
 

@@ -10,7 +10,8 @@
 //! And the device memory: `fsdp plan --device cuda`'s predicted peak equals the peak the CUDA
 //! run counts (its loss log's peak column and its final line) exactly, and the CUDA memory
 //! pool's high-water mark (which adds the scratch of single kernels and the pool's rounding)
-//! is within 5% of it (issue 16), with f32 and with bf16 products.
+//! is within 5% of it (issue 16), with f32 and with bf16 products, CPU offload and activation
+//! checkpointing.
 //!
 //! Without a CUDA driver or device it prints `skipped: no GPU (<reason>)` and passes. On a GPU
 //! machine without a Rust toolchain (`scripts/gpu-check.sh`) it runs the `fsdp` program that
@@ -182,6 +183,7 @@ fn device_cuda_peak_memory_is_the_plans() {
         &["--param-dtype", "f32"][..],
         &["--param-dtype", "bf16", "--grad-accum", "2"][..],
         &["--param-dtype", "bf16", "--cpu-offload"][..],
+        &["--param-dtype", "bf16", "--activation-checkpointing"][..],
     ]
     .into_iter()
     .enumerate()
@@ -240,7 +242,9 @@ fn device_cuda_peak_memory_is_the_plans() {
 /// the optimizer step on the host twins) against the same run on the device: the host twins of
 /// AdamW, the sum of squares and the scaling equal the kernels bitwise (`fsdp-kernels`'
 /// `tests/gpu_gpt.rs`), so the losses stay within 1e-6 relative (the largest is printed), with
-/// clipping, accumulation and the cosine schedule.
+/// clipping, accumulation and the cosine schedule. The same for `--activation-checkpointing`
+/// (each block's forward run again before its backward: the same kernels and products on the
+/// same inputs).
 #[test]
 fn device_cuda_cpu_offload_trains_as_without_it() {
     if !gpu("device_cuda_cpu_offload_trains_as_without_it") {
@@ -249,7 +253,12 @@ fn device_cuda_cpu_offload_trains_as_without_it() {
     let dir = std::env::temp_dir().join(format!("fsdp-gpu-offload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut logs = Vec::new();
-    for (i, offload) in [&[][..], &["--cpu-offload"][..]].into_iter().enumerate() {
+    let variants = [
+        &[][..],
+        &["--cpu-offload"][..],
+        &["--activation-checkpointing"][..],
+    ];
+    for (i, offload) in variants.into_iter().enumerate() {
         let log = dir.join(format!("run{i}.csv"));
         let log_s = log.display().to_string();
         let mut a = vec!["train"];
@@ -261,13 +270,15 @@ fn device_cuda_cpu_offload_trains_as_without_it() {
         run(&a);
         logs.push(losses(&log));
     }
-    let max = logs[0]
-        .iter()
-        .zip(&logs[1])
-        .map(|(a, b)| (a - b).abs() / a.abs())
-        .fold(0.0f64, f64::max);
-    println!("cpu offload on CUDA: largest relative loss difference {max:.2e} over 10 steps");
     assert_eq!(logs[0].len(), 10);
-    assert!(max <= 1e-6, "{:?} vs {:?}", logs[0], logs[1]);
+    for (i, what) in [(1, "cpu offload"), (2, "activation checkpointing")] {
+        let max = logs[0]
+            .iter()
+            .zip(&logs[i])
+            .map(|(a, b)| (a - b).abs() / a.abs())
+            .fold(0.0f64, f64::max);
+        println!("{what} on CUDA: largest relative loss difference {max:.2e} over 10 steps");
+        assert!(max <= 1e-6, "{what}: {:?} vs {:?}", logs[0], logs[i]);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -17,6 +17,14 @@ pub struct DeviceGpt<O: GptOps> {
     dims: GptDims,
     params: Weights<O::Buf>,
     grads: Weights<O::Buf>,
+    checkpoint: bool,
+}
+
+/// What forward keeps of one block for backward: all its activations, or (activation
+/// checkpointing) its input alone, from which backward runs the block's forward again.
+enum Saved<B> {
+    Acts(BlockActs<B>),
+    Input(B),
 }
 
 /// The sizes of one step: `rows` sequences of `t` tokens, `n = rows·t`.
@@ -76,7 +84,24 @@ impl<O: GptOps> DeviceGpt<O> {
             dims,
             params: p,
             grads,
+            checkpoint: false,
         })
+    }
+
+    /// Activation checkpointing of every block (PyTorch's `checkpoint_wrapper` around each
+    /// block; `fsdp train --activation-checkpointing`): forward keeps only each block's input,
+    /// and backward runs the block's forward again just before its backward. The gradients
+    /// are the same bit for bit (the same operations on the same inputs give the same
+    /// activations), for one more forward of each block; the activations of one block are held
+    /// at a time instead of all of them.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpoint = on;
+    }
+
+    /// Whether [`step`](Self::step) checkpoints activations
+    /// ([`set_activation_checkpointing`](Self::set_activation_checkpointing)).
+    pub fn activation_checkpointing(&self) -> bool {
+        self.checkpoint
     }
 
     /// The operations.
@@ -177,11 +202,15 @@ impl<O: GptOps> DeviceGpt<O> {
         let ids = ops.upload_ids(inputs)?;
         let mut x = ops.empty(n * e)?;
         ops.embedding_forward(&ids, &self.params.wte, &self.params.wpe, t, e, &mut x)?;
-        // Blocks.
-        let mut acts = Vec::with_capacity(d.n_layer);
+        // Blocks (with checkpointing each keeps its input; the rest is dropped here).
+        let mut saved = Vec::with_capacity(d.n_layer);
         for bp in &self.params.blocks {
             let (out, a) = self.block_forward(bp, s, x)?;
-            acts.push(a);
+            saved.push(if self.checkpoint {
+                Saved::Input(a.x)
+            } else {
+                Saved::Acts(a)
+            });
             x = out;
         }
         // Head: ln_f, logits = hf·wteᵀ, cross-entropy (mean over the n tokens).
@@ -210,9 +239,14 @@ impl<O: GptOps> DeviceGpt<O> {
         ops.layernorm_backward_input(&dhf, &x, &lnf.weight, &mean, &rstd, &mut dx)?;
         let gl = &mut self.grads.ln_f;
         ops.layernorm_backward_params(&dhf, &x, &mean, &rstd, &mut gl.weight, &mut gl.bias)?;
-        // Blocks backward, last first, each block's activations freed after its backward.
-        while let Some(a) = acts.pop() {
-            let layer = acts.len();
+        // Blocks backward, last first, each block's activations freed after its backward
+        // (recomputed first from its input under checkpointing, the output dropped).
+        while let Some(kept) = saved.pop() {
+            let layer = saved.len();
+            let a = match kept {
+                Saved::Acts(a) => a,
+                Saved::Input(input) => self.block_forward(&self.params.blocks[layer], s, input)?.1,
+            };
             dx = Self::block_backward(
                 ops,
                 &self.params.blocks[layer],

@@ -183,6 +183,7 @@ fn bench(args: &Args) -> Result<(), String> {
             batch_size: args.batch,
             grad_accum: 1,
             offload: args.cpu_offload,
+            activation_checkpointing: false,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

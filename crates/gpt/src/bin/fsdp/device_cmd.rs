@@ -85,10 +85,6 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
     let unsupported = [
-        (
-            "--activation-checkpointing",
-            args.model.activation_checkpointing,
-        ),
         ("--trace", args.trace.is_some()),
         ("--memory-snapshot", args.memory_snapshot.is_some()),
         ("--grad-scaler", grad_scaler_on(args)),
@@ -180,6 +176,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
         offload: args.cpu_offload,
+        activation_checkpointing: args.model.activation_checkpointing,
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;
@@ -330,13 +327,9 @@ fn train_with<O: GptOps>(
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
-    let unsupported = [(
-        "--activation-checkpointing",
-        args.model.activation_checkpointing,
-    )]
-    .into_iter()
-    .chain(optimizer_refusals(&args.optim))
-    .chain([("--memory-limit", args.memory_limit.is_some())]);
+    let unsupported = optimizer_refusals(&args.optim)
+        .into_iter()
+        .chain([("--memory-limit", args.memory_limit.is_some())]);
     refuse_first(dev, unsupported, &args.explicit, "f32 AdamW")?;
     let cfg = setup(&args.model, 1)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, 1)?;
@@ -350,6 +343,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
         offload: args.cpu_offload,
+        activation_checkpointing: args.model.activation_checkpointing,
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     let plan =
