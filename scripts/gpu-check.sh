@@ -100,6 +100,17 @@ if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ]; then
         echo "| gpt-device-bench | $rc | | ${line#RESULT } | |" >>"$report/report.md"
     done
     cat "$log"
+    # The cost of activation checkpointing (one more forward of each block) at 124M.
+    log="$report/gpt_device_bench_ckpt.log"
+    timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --model 124m \
+        --steps "$gpt_steps" --warmup 3 --activation-checkpointing >"$log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    grep RESULT "$log" | while read -r line; do
+        echo "| gpt-device-bench --activation-checkpointing | $rc | | ${line#RESULT } | |" \
+            >>"$report/report.md"
+    done
+    cat "$log"
 fi
 if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
     python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f32]
-//!                  [--batch 8] [--steps 20] [--warmup 3] [--cpu-offload] [--peak-tflops T]
+//!                  [--batch 8] [--steps 20] [--warmup 3] [--cpu-offload] [--activation-checkpointing] [--peak-tflops T]
 //! ```
 
 use std::process::ExitCode;
@@ -61,6 +61,9 @@ struct Args {
     /// CPU offload: the master parameters and the optimizer on the host.
     #[arg(long)]
     cpu_offload: bool,
+    /// Activation checkpointing: each block's forward run again before its backward.
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Dense bf16 peak of the GPU in TFLOP/s (default: by its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
@@ -183,7 +186,7 @@ fn bench(args: &Args) -> Result<(), String> {
             batch_size: args.batch,
             grad_accum: 1,
             offload: args.cpu_offload,
-            activation_checkpointing: false,
+            activation_checkpointing: args.activation_checkpointing,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };
@@ -225,13 +228,23 @@ fn bench(args: &Args) -> Result<(), String> {
         let achieved = t.tflops(&cfg);
         println!(
             "gpt-device-bench {name} ({} parameters, {:.3e} model FLOPs/token) on {gpu}, \
-             batch {}×{}, products {}: median step {:.2} ms over {} steps after {} warm-up, \
+             batch {}×{}, products {}{}{}: median step {:.2} ms over {} steps after {} warm-up, \
              {:.0} tokens/s, {achieved:.1} TFLOP/s; loss {:.4} -> {:.4}",
             cfg.num_params(),
             model_flops_per_token(&cfg),
             args.batch,
             cfg.block_size,
             args.products,
+            if args.cpu_offload {
+                ", CPU offload"
+            } else {
+                ""
+            },
+            if args.activation_checkpointing {
+                ", activation checkpointing"
+            } else {
+                ""
+            },
             t.median().as_secs_f64() * 1e3,
             t.steps.len().saturating_sub(t.warmup),
             t.warmup.min(t.steps.len()),
