@@ -1,7 +1,7 @@
 //! The device memory of [`DeviceTrainer`](crate::device_train::DeviceTrainer), predicted:
 //! [`plan_memory`] lists what the trainer holds for the whole run (the parameters, the model's
-//! gradients, the accumulators, AdamW's two moments, with bf16 products the two kept operand
-//! copies) and replays, by size, every buffer one micro-batch's step allocates and frees in the
+//! gradients, the accumulators when a step has several micro-batches, AdamW's two moments,
+//! with bf16 products the two kept operand copies) and replays, by size, every buffer one micro-batch's step allocates and frees in the
 //! order [`DeviceGpt::step`](fsdp_kernels::gpt::DeviceGpt::step) does (the activations saved
 //! for backward — each block's input alone under activation checkpointing, with the block's
 //! forward replayed again before its backward — the working buffers of each layer, the ids),
@@ -49,7 +49,8 @@ pub struct DeviceMemoryPlan {
     pub parameters: u64,
     /// The model's gradients (f32, overwritten by each micro-batch).
     pub gradients: u64,
-    /// The gradient accumulators (f32; 0 under CPU offload).
+    /// The gradient accumulators (f32; 0 under CPU offload, and with one micro-batch a step,
+    /// where the optimizer reads the model's gradients).
     pub accumulators: u64,
     /// AdamW's first moments (f32; 0 under CPU offload).
     pub exp_avg: u64,
@@ -114,7 +115,11 @@ impl fmt::Display for DeviceMemoryPlan {
             (
                 "accumulators",
                 self.accumulators,
-                "the step's gradient".into(),
+                if self.accumulators == 0 && self.offloaded == 0 {
+                    "none: one micro-batch a step, AdamW reads the model's gradients".into()
+                } else {
+                    "the step's gradient".into()
+                },
             ),
             ("AdamW exp_avg", self.exp_avg, "f32".into()),
             ("AdamW exp_avg_sq", self.exp_avg_sq, "f32".into()),
@@ -401,10 +406,19 @@ pub fn plan_memory(
             r.free(Kind::Work, len);
         }
     }
-    // Parameters and gradients; the accumulators and both moments too unless offloaded.
-    let (on_device, offloaded) = if config.offload { (2, 4) } else { (5, 0) };
+    // Parameters and gradients; both moments too unless offloaded, and the accumulators
+    // unless offloaded or one micro-batch makes the step (the model's gradients serve).
+    let (moments, offloaded) = if config.offload { (0, 4) } else { (2, 0) };
+    let accumulators = if config.offload || config.grad_accum == 1 {
+        0
+    } else {
+        each
+    };
     let optim = if config.offload { 0 } else { each };
-    let persistent = each.saturating_mul(on_device).saturating_add(bf16);
+    let persistent = each
+        .saturating_mul(2 + moments)
+        .saturating_add(accumulators)
+        .saturating_add(bf16);
     let peak = persistent.saturating_add(r.peak);
     Ok(DeviceMemoryPlan {
         rows,
@@ -412,7 +426,7 @@ pub fn plan_memory(
         param_elements: to_u64(elements, "parameter count")?,
         parameters: to_u64(each, "parameters")?,
         gradients: to_u64(each, "gradients")?,
-        accumulators: to_u64(optim, "accumulators")?,
+        accumulators: to_u64(accumulators, "accumulators")?,
         exp_avg: to_u64(optim, "moments")?,
         exp_avg_sq: to_u64(optim, "moments")?,
         offloaded: to_u64(each.saturating_mul(offloaded), "offloaded state")?,

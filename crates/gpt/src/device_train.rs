@@ -11,7 +11,9 @@
 //! - gradient accumulation into buffers of its own: [`DeviceGpt::step`] overwrites its
 //!   gradients, so each micro-batch's (of its mean loss) is added as `acc += g / accum` by
 //!   [`GptOps::axpby`] (the engine sums the micro-batches' gradients of `sum / global_tokens`:
-//!   the same value up to rounding);
+//!   the same value up to rounding); with one micro-batch a step the optimizer reads the
+//!   model's gradients themselves (`0 + 1·g` is `g`), and no accumulators are allocated on the
+//!   device;
 //! - the global gradient norm from [`GptOps::sum_of_squares`] of every tensor, and with
 //!   clipping every gradient scaled by `max_norm / (norm + 1e-6)` when that is below 1
 //!   ([`GptOps::scale`]), as [`Fsdp::clip_grad_norm`](fsdp::engine::Fsdp::clip_grad_norm);
@@ -185,17 +187,26 @@ pub struct DeviceTrainer<O: GptOps> {
     optimizer_steps: u64,
 }
 
-/// The step's gradient accumulators and AdamW's moments, on one side.
+/// The step's gradient accumulators (none on the device with one micro-batch a step: the
+/// model's gradients serve) and AdamW's moments, on one side.
 struct Optim<B> {
-    acc: Weights<B>,
+    acc: Option<Weights<B>>,
     exp_avg: Weights<B>,
     exp_avg_sq: Weights<B>,
 }
 
 impl<B> Optim<B> {
-    fn zeros<P: GptOps<Buf = B>>(ops: &P, dims: &GptDims) -> Result<Optim<B>, KernelError> {
+    fn zeros<P: GptOps<Buf = B>>(
+        ops: &P,
+        dims: &GptDims,
+        accumulators: bool,
+    ) -> Result<Optim<B>, KernelError> {
         Ok(Optim {
-            acc: Weights::try_build(dims, |_, len| ops.zeros(len))?,
+            acc: if accumulators {
+                Some(Weights::try_build(dims, |_, len| ops.zeros(len))?)
+            } else {
+                None
+            },
             exp_avg: Weights::try_build(dims, |_, len| ops.zeros(len))?,
             exp_avg_sq: Weights::try_build(dims, |_, len| ops.zeros(len))?,
         })
@@ -244,14 +255,14 @@ impl<O: GptOps> DeviceTrainer<O> {
                     }),
                 }
             })?;
-            let optim = Optim::zeros(&host, &dims)?;
+            let optim = Optim::zeros(&host, &dims, true)?;
             Placement::Host(Box::new(HostSide {
                 ops: host,
                 params: master,
                 optim,
             }))
         } else {
-            Placement::Device(Optim::zeros(model.ops(), &dims)?)
+            Placement::Device(Optim::zeros(model.ops(), &dims, config.grad_accum > 1)?)
         };
         let decays = param_shapes(&dims)
             .iter()
@@ -306,8 +317,16 @@ impl<O: GptOps> DeviceTrainer<O> {
         let micro = c.batch_size / accum;
         let alpha = (1.0 / accum as f64) as f32;
         match &mut self.state {
-            Placement::Device(optim) => zero_all(self.model.ops(), &mut optim.acc)?,
-            Placement::Host(h) => zero_all(&h.ops, &mut h.optim.acc)?,
+            Placement::Device(optim) => {
+                if let Some(acc) = &mut optim.acc {
+                    zero_all(self.model.ops(), acc)?;
+                }
+            }
+            Placement::Host(h) => {
+                if let Some(acc) = &mut h.optim.acc {
+                    zero_all(&h.ops, acc)?;
+                }
+            }
         }
         let mut loss = 0.0f32;
         for m in 0..accum {
@@ -323,8 +342,10 @@ impl<O: GptOps> DeviceTrainer<O> {
             loss += (f64::from(l) / accum as f64) as f32;
             let (ops, _, grads) = self.model.parts_mut();
             match &mut self.state {
-                Placement::Device(optim) => {
-                    for (a, (_, g)) in optim.acc.all_mut().into_iter().zip(grads.named()) {
+                // Without accumulators (one micro-batch) the model's gradients are the step's.
+                Placement::Device(Optim { acc: None, .. }) => {}
+                Placement::Device(Optim { acc: Some(acc), .. }) => {
+                    for (a, (_, g)) in acc.all_mut().into_iter().zip(grads.named()) {
                         ops.axpby(alpha, g, 1.0, a)?;
                     }
                 }
@@ -333,7 +354,15 @@ impl<O: GptOps> DeviceTrainer<O> {
                     // the host.
                     // `HostOps::axpby` is `host::axpby`: the downloaded values need no
                     // host buffer of their own.
-                    for (a, (_, g)) in h.optim.acc.all_mut().into_iter().zip(grads.named()) {
+                    let acc = h
+                        .optim
+                        .acc
+                        .as_mut()
+                        .ok_or_else(|| KernelError::InvalidArgument {
+                            kernel: "offload",
+                            reason: "the host side has no accumulators".into(),
+                        })?;
+                    for (a, (_, g)) in acc.all_mut().into_iter().zip(grads.named()) {
                         fsdp_kernels::host::axpby(alpha, &ops.download(g)?, 1.0, a)?;
                     }
                 }
@@ -351,10 +380,17 @@ impl<O: GptOps> DeviceTrainer<O> {
         let finite = |norm: f64| loss.is_finite() && norm.is_finite();
         let (grad_norm, applied) = match &mut self.state {
             Placement::Device(optim) => {
-                let (ops, params, _) = self.model.parts_mut();
-                optimizer_step(ops, params, optim, &self.decays, c.grad_clip, finite, |d| {
-                    AdamWScalars::new(&hyper(d), n)
-                })?
+                let (ops, params, model_grads) = self.model.parts_mut();
+                optimizer_step(
+                    ops,
+                    params,
+                    Some(model_grads),
+                    optim,
+                    &self.decays,
+                    c.grad_clip,
+                    finite,
+                    |d| AdamWScalars::new(&hyper(d), n),
+                )?
             }
             Placement::Host(h) => {
                 let HostSide {
@@ -365,6 +401,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                 let r = optimizer_step(
                     host,
                     master,
+                    None,
                     optim,
                     &self.decays,
                     c.grad_clip,
@@ -410,25 +447,37 @@ fn zero_all<P: GptOps>(ops: &P, w: &mut Weights<P::Buf>) -> Result<(), KernelErr
 }
 
 /// The end of a step on one side (the device, or the host under offload): the global norm of
-/// the accumulated gradients (clipped when set), then AdamW with `scalars(decays)` per
-/// parameter when `finite(norm)` holds. Returns the norm and whether AdamW ran.
+/// the step's gradients — the accumulators, or without them `model_grads` — (clipped when
+/// set), then AdamW with `scalars(decays)` per parameter when `finite(norm)` holds. Returns the
+/// norm and whether AdamW ran.
 #[allow(clippy::too_many_arguments)]
 fn optimizer_step<P: GptOps>(
     ops: &P,
     params: &mut Weights<P::Buf>,
+    model_grads: Option<&mut Weights<P::Buf>>,
     optim: &mut Optim<P::Buf>,
     decays: &[bool],
     grad_clip: Option<f64>,
     finite: impl Fn(f64) -> bool,
     scalars: impl Fn(bool) -> Result<AdamWScalars, KernelError>,
 ) -> Result<(f64, bool), DeviceTrainError> {
+    let grads = match (&mut optim.acc, model_grads) {
+        (Some(acc), _) => acc,
+        (None, Some(g)) => g,
+        (None, None) => {
+            return Err(DeviceTrainError::Kernel(KernelError::InvalidArgument {
+                kernel: "adamw",
+                reason: "the optimizer step has no gradients (no accumulators, no model's)".into(),
+            }))
+        }
+    };
     let mut sq = 0.0f64;
-    for (_, a) in optim.acc.named() {
+    for (_, a) in grads.named() {
         sq += ops.sum_of_squares(a)?;
     }
     let grad_norm = sq.sqrt();
     if let Some(coef) = grad_clip.and_then(|m| clip_coefficient(m, grad_norm)) {
-        for a in optim.acc.all_mut() {
+        for a in grads.all_mut() {
             ops.scale(coef, a)?;
         }
     }
@@ -440,11 +489,10 @@ fn optimizer_step<P: GptOps>(
         .all_mut()
         .into_iter()
         .zip(optim.exp_avg_sq.all_mut());
-    let grads = optim.acc.named().into_iter().map(|(_, g)| g);
-    for (((p, g), (m, v)), &decay) in params
+    for (((p, (_, g)), (m, v)), &decay) in params
         .all_mut()
         .into_iter()
-        .zip(grads)
+        .zip(grads.named())
         .zip(moments)
         .zip(decays)
     {

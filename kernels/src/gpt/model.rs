@@ -125,9 +125,10 @@ impl<O: GptOps> DeviceGpt<O> {
     }
 
     /// The operations, the parameters (mutable: an optimizer updates them in place) and the
-    /// gradients of the last [`step`](Self::step), at once.
-    pub fn parts_mut(&mut self) -> (&O, &mut Weights<O::Buf>, &Weights<O::Buf>) {
-        (&self.ops, &mut self.params, &self.grads)
+    /// gradients of the last [`step`](Self::step) (mutable: clipping may scale them in place;
+    /// the next step overwrites them), at once.
+    pub fn parts_mut(&mut self) -> (&O, &mut Weights<O::Buf>, &mut Weights<O::Buf>) {
+        (&self.ops, &mut self.params, &mut self.grads)
     }
 
     /// Every parameter on the host, by name, in [`param_shapes`](super::param_shapes) order.
