@@ -87,33 +87,50 @@ print(f"median step {8*1024/t*1e3:.2f} ms, {t:,.0f} tokens/s")' "$csv" 2>/dev/nu
         tail -n 2 "$log"
     done
 fi
+# The benchmarks' runs, with this section's batch, steps and warm-up: the log, then the
+# arguments; bench_rows adds a report row per RESULT line of a gpt-device-bench log.
+device_bench() {
+    local log=$1
+    shift
+    timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --steps "$gpt_steps" \
+        --warmup 3 "$@" >"$log" 2>&1
+}
+torch_bench() {
+    local log=$1
+    shift
+    timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --device cuda --batch 8 \
+        --steps "$gpt_steps" --warmup 3 "$@" >"$log" 2>&1
+}
+bench_rows() { # log, exit status, label
+    grep RESULT "$1" | while read -r line; do
+        echo "| $3 | $2 | | ${line#RESULT } | |" >>"$report/report.md"
+    done
+}
+have_bench=0
+[ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ] && have_bench=1
+have_torch=0
+[ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
+    python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null &&
+    have_torch=1
 # The GPT step benchmark: GPT-2 124M and 350M, world 1, bf16 products, batch 8: median step,
 # tokens/s, peak memory, MFU against the dense bf16 peak and a measured 8192³ bf16 GEMM.
-if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ]; then
+if [ "$have_bench" = 1 ]; then
     echo "== gpt-device-bench 124m,350m bf16 (release)"
     log="$report/gpt_device_bench.log"
-    timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --model 124m,350m \
-        --steps "$gpt_steps" --warmup 3 >"$log" 2>&1
+    device_bench "$log" --model 124m,350m
     rc=$?
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
-    grep RESULT "$log" | while read -r line; do
-        echo "| gpt-device-bench | $rc | | ${line#RESULT } | |" >>"$report/report.md"
-    done
+    bench_rows "$log" "$rc" gpt-device-bench
     cat "$log"
     # The cost of activation checkpointing (one more forward of each block) at 124M.
     log="$report/gpt_device_bench_ckpt.log"
-    timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --model 124m \
-        --steps "$gpt_steps" --warmup 3 --activation-checkpointing >"$log" 2>&1
+    device_bench "$log" --model 124m --activation-checkpointing
     rc=$?
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
-    grep RESULT "$log" | while read -r line; do
-        echo "| gpt-device-bench --activation-checkpointing | $rc | | ${line#RESULT } | |" \
-            >>"$report/report.md"
-    done
+    bench_rows "$log" "$rc" "gpt-device-bench --activation-checkpointing"
     cat "$log"
 fi
-if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
-    python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+if [ "$have_torch" = 1 ]; then
     runs=()
     for dtype in $gpt_dtypes; do runs+=("124m $dtype"); done
     runs+=("350m bf16")
@@ -122,8 +139,7 @@ if [ "$gpt" = 1 ] && [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
         read -r model dtype extra <<<"$run"
         echo "== torch_fsdp2_gpt.py --model $model --param-dtype $dtype $extra (PyTorch FSDP2)"
         log="$report/torch_fsdp2_gpt_${model}_${dtype}${extra:+_compile}.log"
-        timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --model "$model" --device cuda \
-            --batch 8 --steps "$gpt_steps" --warmup 3 --param-dtype "$dtype" $extra >"$log" 2>&1
+        torch_bench "$log" --model "$model" --param-dtype "$dtype" $extra
         echo "| torch_fsdp2_gpt.py $model $dtype $extra | $? | | $(grep -m1 -o 'median step.*' "$log" | cut -c1-60) | |" \
             >>"$report/report.md"
         tail -n 2 "$log"
@@ -134,17 +150,13 @@ fi
 # FSDP_GPU_ROUNDS=R (default 1) adds rounds 2..R. PyTorch eager's step varies between runs
 # (60 to 78 ms at 124M on one H200), so the report gives each round's ratio and their median.
 rounds="${FSDP_GPU_ROUNDS:-1}"
-if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--gpt-device-bench" ] &&
-    [ -f "$bin_dir/torch_fsdp2_gpt.py" ] &&
-    python3 -c 'import torch,sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+if [ "$have_bench" = 1 ] && [ "$have_torch" = 1 ]; then
     for ((r = 2; r <= rounds; r++)); do
         echo "== round $r: gpt-device-bench, then PyTorch FSDP2 124m and 350m bf16"
-        timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --model 124m,350m \
-            --steps "$gpt_steps" --warmup 3 >"$report/gpt_device_bench_r$r.log" 2>&1
+        device_bench "$report/gpt_device_bench_r$r.log" --model 124m,350m
         for model in 124m 350m; do
-            timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --model "$model" --device cuda \
-                --batch 8 --steps "$gpt_steps" --warmup 3 --param-dtype bf16 \
-                >"$report/torch_fsdp2_gpt_${model}_bf16_r$r.log" 2>&1
+            torch_bench "$report/torch_fsdp2_gpt_${model}_bf16_r$r.log" --model "$model" \
+                --param-dtype bf16
         done
     done
     python3 - "$report" "$rounds" >>"$report/report.md" <<'PY'

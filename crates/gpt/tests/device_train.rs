@@ -171,40 +171,50 @@ fn device_trainer_clips_accumulates_and_schedules_as_the_engine() {
     assert!(clipped >= 5, "clipping must be active: norms {e:?}");
 }
 
+/// `steps` steps of `c` on the host twins (bf16 products when `bf16`): each step's loss, norm
+/// (as bits) and whether it applied, every final parameter's bits by name, and the peak.
+#[allow(clippy::type_complexity)]
+fn bitwise_run(
+    c: DeviceTrainConfig,
+    bf16: bool,
+    tokens: &[u16],
+    steps: usize,
+) -> (Vec<(u32, u64, bool)>, Vec<(String, Vec<u32>)>, u64) {
+    use fsdp_kernels::gpt::HostProducts;
+    let params = seeded_params(&c.cfg, SEED).unwrap();
+    let ops = HostOps::with_products(if bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    });
+    let mut t = DeviceTrainer::new(ops, c, &params).unwrap();
+    let outcomes = (0..steps)
+        .map(|s| {
+            let o = t.step(tokens, s).unwrap();
+            (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
+        })
+        .collect();
+    let mut p: Vec<(String, Vec<u32>)> = t
+        .full_params()
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    p.sort();
+    (outcomes, p, t.memory().peak)
+}
+
 /// CPU offload (master parameters, accumulators and moments on the host, the optimizer step
 /// there) trains bitwise as the trainer without it on the host twins — every loss, gradient
 /// norm and final parameter — with clipping active, 2 micro-batches, the cosine schedule and
 /// bf16 products too.
 #[test]
 fn cpu_offload_trains_bitwise_as_without_it() {
-    use fsdp_kernels::gpt::HostProducts;
     let tokens = synthetic_corpus(20_000, 64, SEED);
     for (clip, accum, cosine, bf16) in [(None, 1, false, false), (Some(0.5), 2, true, true)] {
         let base = config(clip, accum, cosine);
-        let run = |offload: bool| {
-            let c = DeviceTrainConfig { offload, ..base };
-            let params = seeded_params(&c.cfg, SEED).unwrap();
-            let ops = HostOps::with_products(if bf16 {
-                HostProducts::Bf16Operands
-            } else {
-                HostProducts::F32
-            });
-            let mut t = DeviceTrainer::new(ops, c, &params).unwrap();
-            let steps: Vec<(u32, u64, bool)> = (0..6)
-                .map(|s| {
-                    let o = t.step(&tokens, s).unwrap();
-                    (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
-                })
-                .collect();
-            let mut p: Vec<(String, Vec<u32>)> = t
-                .full_params()
-                .unwrap()
-                .into_iter()
-                .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-                .collect();
-            p.sort();
-            (steps, p, t.memory().peak)
-        };
+        let run =
+            |offload: bool| bitwise_run(DeviceTrainConfig { offload, ..base }, bf16, &tokens, 6);
         let (a, pa, peak_a) = run(false);
         let (b, pb, peak_b) = run(true);
         assert_eq!(
@@ -232,7 +242,6 @@ fn cpu_offload_trains_bitwise_as_without_it() {
 /// holding less at its peak.
 #[test]
 fn activation_checkpointing_trains_bitwise_as_without_it() {
-    use fsdp_kernels::gpt::HostProducts;
     let tokens = synthetic_corpus(20_000, 64, SEED);
     for (clip, accum, bf16) in [(None, 1, false), (Some(0.5), 2, true)] {
         let base = config(clip, accum, true);
@@ -241,27 +250,7 @@ fn activation_checkpointing_trains_bitwise_as_without_it() {
                 activation_checkpointing,
                 ..base
             };
-            let params = seeded_params(&c.cfg, SEED).unwrap();
-            let ops = HostOps::with_products(if bf16 {
-                HostProducts::Bf16Operands
-            } else {
-                HostProducts::F32
-            });
-            let mut t = DeviceTrainer::new(ops, c, &params).unwrap();
-            let steps: Vec<(u32, u64, bool)> = (0..4)
-                .map(|s| {
-                    let o = t.step(&tokens, s).unwrap();
-                    (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
-                })
-                .collect();
-            let mut p: Vec<(String, Vec<u32>)> = t
-                .full_params()
-                .unwrap()
-                .into_iter()
-                .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-                .collect();
-            p.sort();
-            (steps, p, t.memory().peak)
+            bitwise_run(c, bf16, &tokens, 4)
         };
         let (a, pa, peak_a) = run(false);
         let (b, pb, peak_b) = run(true);

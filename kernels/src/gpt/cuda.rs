@@ -245,22 +245,21 @@ impl CudaOps {
         src: &CudaBuf,
     ) -> Result<CudaViewMut<'a, bf16>, KernelError> {
         let n = src.len();
-        if !kept.holds(src.stamp(), n) {
-            kept.set_holds(None);
-            let copy = match kept.copy.take() {
-                Some(k) if k.len() >= n => kept.copy.insert(k),
-                old => {
-                    drop(old); // free the short copy before allocating the larger one
-                    let fresh = self
-                        .cuda
-                        .alloc_zeros::<bf16>(n)
-                        .map_err(|e| copy_error("cuMemAllocAsync", e))?;
-                    kept.copy.insert(self.counted(fresh))
-                }
-            };
-            launch::cast::<f32, bf16>(&self.cuda, &**src, &mut copy.slice_mut(..n))?;
+        let cast = kept.refill(
+            src.stamp(),
+            n,
+            |c: &CudaSlice<bf16>| c.len(),
+            |n| {
+                let fresh = self
+                    .cuda
+                    .alloc_zeros::<bf16>(n)
+                    .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+                Ok(self.counted(fresh))
+            },
+            |copy| launch::cast::<f32, bf16>(&self.cuda, &**src, &mut copy.slice_mut(..n)),
+        )?;
+        if cast {
             self.casts.fetch_add(1, Ordering::Relaxed);
-            kept.set_holds(Some((src.stamp(), n)));
         }
         match &mut kept.copy {
             Some(copy) => Ok(copy.slice_mut(..n)),

@@ -2,6 +2,7 @@
 //! ([`gemm_f32`]), accumulated in f64 and rounded once ([`gemm_f64_rounded`]), or of operands
 //! rounded to bf16 ([`gemm_bf16_operands`]).
 
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -126,21 +127,41 @@ impl<T> Default for Kept<T> {
 }
 
 impl<T> Kept<T> {
-    /// Whether the copy's first `n` elements are the operand of `stamp`, rounded.
-    pub(super) fn holds(&self, stamp: Stamp, n: usize) -> bool {
-        self.copy.is_some() && self.holds == Some((stamp, n))
-    }
-
-    /// Records what the copy holds (`None` while it is being written).
-    pub(super) fn set_holds(&mut self, holds: Option<(Stamp, usize)>) {
-        self.holds = holds;
+    /// Makes the copy's first `n` elements the operand of stamp `src`, rounded: nothing when
+    /// it holds them already; else a copy shorter than `n` (`len`) is freed first and
+    /// `alloc(n)` takes its place, and `round` writes it. Returns whether it rounded. The one
+    /// policy of [`CudaOps`](super::CudaOps) and of its host twin, whose memory counts agree.
+    ///
+    /// # Errors
+    /// Those of `alloc` and `round` (the copy then holds nothing).
+    pub(super) fn refill<E>(
+        &mut self,
+        src: Stamp,
+        n: usize,
+        len: impl Fn(&T) -> usize,
+        alloc: impl FnOnce(usize) -> Result<Counted<T>, E>,
+        round: impl FnOnce(&mut Counted<T>) -> Result<(), E>,
+    ) -> Result<bool, E> {
+        if self.copy.is_some() && self.holds == Some((src, n)) {
+            return Ok(false);
+        }
+        self.holds = None;
+        let copy = match self.copy.take() {
+            Some(k) if len(&k) >= n => self.copy.insert(k),
+            old => {
+                drop(old); // free the short copy before allocating the larger one
+                self.copy.insert(alloc(n)?)
+            }
+        };
+        round(copy)?;
+        self.holds = Some((src, n));
+        Ok(true)
     }
 }
 
-/// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short, the
-/// short one freed first, as [`CudaOps`](super::CudaOps) does), counted in `memory` at 2 bytes
-/// an element: [`HostOps`](super::HostOps)' kept operand copies of bf16 products. Rounds only
-/// when `kept` does not already hold `src` (counted in `roundings`).
+/// `src` rounded to bf16 into the front of `kept` ([`Kept::refill`]), counted in `memory` at 2
+/// bytes an element: [`HostOps`](super::HostOps)' kept operand copies of bf16 products. Each
+/// rounding is counted in `roundings`.
 pub(super) fn round_into<'a>(
     memory: &Arc<MemoryCounter>,
     kept: &'a mut Kept<Vec<f32>>,
@@ -148,21 +169,20 @@ pub(super) fn round_into<'a>(
     roundings: &AtomicU64,
 ) -> &'a [f32] {
     let n = src.len();
-    if !kept.holds(src.stamp(), n) {
-        kept.set_holds(None);
-        let copy = match kept.copy.take() {
-            Some(k) if k.len() >= n => kept.copy.insert(k),
-            old => {
-                drop(old);
-                kept.copy
-                    .insert(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory))
+    let rounded = kept.refill(
+        src.stamp(),
+        n,
+        Vec::len,
+        |n| Ok::<_, Infallible>(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory)),
+        |copy| {
+            for (d, &x) in copy.iter_mut().zip(src.iter()) {
+                *d = bf16_to_f32(f32_to_bf16(x));
             }
-        };
-        for (d, &x) in copy.iter_mut().zip(src.iter()) {
-            *d = bf16_to_f32(f32_to_bf16(x));
-        }
+            Ok(())
+        },
+    );
+    if rounded.unwrap_or_else(|never| match never {}) {
         roundings.fetch_add(1, Ordering::Relaxed);
-        kept.set_holds(Some((src.stamp(), n)));
     }
     match &kept.copy {
         Some(copy) => &copy[..n],

@@ -124,7 +124,6 @@ pub fn cast<S: CastFloat, D: CastFloat>(
     if n == 0 {
         return Ok(());
     }
-    let kernel = format!("cast_{}_{}", S::NAME, D::NAME);
     let (s, _s) = src.device_ptr(stream);
     let (d, _d) = dst.device_ptr_mut(stream);
     // f32 → bf16 (every bf16 product's operands) four elements a thread where the addresses
@@ -143,6 +142,7 @@ pub fn cast<S: CastFloat, D: CastFloat>(
         done = 4 * (n / 4);
     }
     if done < n {
+        let kernel = format!("cast_{}_{}", S::NAME, D::NAME);
         let f = function(stream, Program::Cast, &kernel)?;
         let (s_rest, d_rest) = (
             s + (done * std::mem::size_of::<S>()) as u64,
