@@ -17,9 +17,10 @@ pub enum Program {
     Elementwise,
     /// `reduce_{sum,min,max,prod}_<dtype>` (avg is a sum with a final division).
     Reduce,
-    /// `adamw_f32`, `adamw_bf16_state` and `sgd_f32`.
+    /// `adamw_f32`, `adamw_bf16_state`, `sgd_f32`, and the end of a step decided on the
+    /// device: `step_decide` and `adamw_decided_f32`.
     Optim,
-    /// `sum_squares_f32` and `sum_f64_final`.
+    /// `sum_squares_f32` and `sum_f64_final`, and the step's loss: `loss_accumulate`.
     Norm,
     /// The GPT's layers besides matrix products (f32): layer norm, GELU, causal softmax,
     /// cross-entropy, embeddings, bias gradient and bias add, and the attention heads'
@@ -92,8 +93,14 @@ impl Program {
                         .map(move |t| format!("reduce_{op}_{t}"))
                 })
                 .collect(),
-            Program::Optim => s(&["adamw_f32", "adamw_bf16_state", "sgd_f32"]),
-            Program::Norm => s(&["sum_squares_f32", "sum_f64_final"]),
+            Program::Optim => s(&[
+                "adamw_f32",
+                "adamw_bf16_state",
+                "sgd_f32",
+                "step_decide",
+                "adamw_decided_f32",
+            ]),
+            Program::Norm => s(&["sum_squares_f32", "sum_f64_final", "loss_accumulate"]),
             Program::Nn => s(&[
                 "layernorm_forward_f32",
                 "layernorm_backward_input_f32",

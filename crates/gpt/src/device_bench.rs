@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use fsdp_kernels::gpt::GptOps;
 
-use crate::device_train::{DeviceTrainError, DeviceTrainer};
+use crate::device_train::{DeviceTrainError, DeviceTrainer, Reported};
 use crate::model::GptConfig;
 
 /// Model FLOPs of one token of a training step (forward and backward), as nanoGPT estimates
@@ -60,7 +60,11 @@ impl StepTimes {
     }
 }
 
-/// Train `trainer` for `steps` steps of `tokens` (step numbers from 0), timing each.
+/// Train `trainer` for `steps` steps of `tokens` (step numbers from 0), timing each: the host
+/// enqueues each step while the device runs the one before
+/// ([`DeviceTrainer::enqueue_step`]), and a step's time is the time between its outcome and
+/// the one before it arriving (the first's from the start): once the host runs ahead, the
+/// device's step time.
 ///
 /// # Errors
 /// The trainer's errors; a step that is not finite (a benchmark of skipped steps would time
@@ -79,18 +83,29 @@ pub fn time_steps<O: GptOps>(
         tokens_per_step,
         losses: Vec::with_capacity(steps),
     };
-    for step in 0..steps {
-        let t0 = Instant::now();
-        let o = trainer.step(tokens, step)?;
-        times.steps.push(t0.elapsed());
+    let mut last = Instant::now();
+    let mut arrived = |r: Reported| {
+        let now = Instant::now();
+        times.steps.push(now - last);
+        last = now;
+        let o = r.outcome;
         if !o.applied {
             return Err(DeviceTrainError::NotFinite {
-                step,
+                step: r.step,
                 loss: o.loss,
                 grad_norm: o.grad_norm,
             });
         }
         times.losses.push(o.loss);
+        Ok(())
+    };
+    for step in 0..steps {
+        if let Some(r) = trainer.enqueue_step(tokens, step)? {
+            arrived(r)?;
+        }
+    }
+    if let Some(r) = trainer.flush()? {
+        arrived(r)?;
     }
     Ok(times)
 }

@@ -5,8 +5,7 @@
 //! order [`DeviceGpt::step`](fsdp_kernels::gpt::DeviceGpt::step) does (the activations saved
 //! for backward — each block's input alone under activation checkpointing, with the block's
 //! forward replayed again before its backward — the working buffers of each layer, the ids),
-//! then the clipping's buffers, to
-//! find the moment of the peak and its bytes. It is what `fsdp plan --device cuda` prints.
+//! to find the moment of the peak and its bytes. It is what `fsdp plan --device cuda` prints.
 //!
 //! The bytes are those [`GptOps::memory`](fsdp_kernels::gpt::GptOps::memory) counts (every
 //! buffer the operations hand out and keep, 4 bytes an f32 or id element, 2 a kept bf16
@@ -16,21 +15,25 @@
 //!
 //! The peak is that of a run past its first micro-batch: the kept bf16 operand copies grow to
 //! the largest product's operands during the first one and stay (a run of one step of one
-//! micro-batch may peak lower). With clipping, a clipped step replaces each accumulator by a
-//! scaled copy, the two held at once: the plan counts that moment whenever clipping is set.
-//! Under CPU offload the accumulators, the moments and the clipping live on the host: the
-//! device holds the parameters, the gradients and the step's buffers, and the plan lists what
-//! moved to the host ([`DeviceMemoryPlan::offloaded`]).
+//! micro-batch may peak lower). The end of the step (norm, clipping, AdamW) allocates nothing
+//! the plan counts: AdamW clips each gradient as it reads it, and the step's scalars (its loss,
+//! norm and decision, one f64 per gradient tensor besides) are held throughout.
+//! Under CPU offload the accumulators, the moments and the optimizer step live on the host:
+//! the device holds the parameters, the gradients, the step's scalars and buffers, and the
+//! plan lists what moved to the host ([`DeviceMemoryPlan::offloaded`]).
 
 use std::fmt;
 
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{param_shapes, Products};
+use fsdp_kernels::host::step_scalars_len;
 
 use crate::device_train::{DeviceTrainConfig, DeviceTrainError};
 
 /// Bytes of an f32 (and of a u32 id) element.
 const F32: u128 = 4;
+/// Bytes of an f64 element (the step's scalars).
+const F64: u128 = 8;
 /// Bytes of a bf16 element.
 const BF16: u128 = 2;
 
@@ -61,6 +64,9 @@ pub struct DeviceMemoryPlan {
     pub offloaded: u64,
     /// The two kept bf16 copies of the products' operands (0 with f32 products).
     pub bf16_operands: u64,
+    /// The step's scalars (f64: its loss, norm and decision, and each gradient tensor's sum
+    /// of squares).
+    pub step_scalars: u64,
     /// The activations one micro-batch's forward saves for backward (its tape, at the end of
     /// forward).
     pub tape: u64,
@@ -87,6 +93,7 @@ impl DeviceMemoryPlan {
             + self.exp_avg
             + self.exp_avg_sq
             + self.bf16_operands
+            + self.step_scalars
     }
 }
 
@@ -127,6 +134,11 @@ impl fmt::Display for DeviceMemoryPlan {
                 "bf16 operands",
                 self.bf16_operands,
                 "the two kept operand copies of the products".into(),
+            ),
+            (
+                "step scalars",
+                self.step_scalars,
+                "f64: the loss, the norm, the decision, each gradient's sum of squares".into(),
             ),
             (
                 "activations",
@@ -392,20 +404,6 @@ pub fn plan_memory(
     };
     let mut r = Replay::default();
     replay_step(&mut r, config, rows);
-    if config.grad_clip.is_some() && !config.offload {
-        // `GptOps::scale` of each accumulator: the scaled copy, then the old one freed (on the
-        // host under CPU offload).
-        r.phase = "clipping".into();
-        for (name, shape) in param_shapes(&config.dims()) {
-            let len = prod(&shape);
-            r.alloc(
-                Kind::Work,
-                len,
-                &format!("scaled copy of {name}'s gradient"),
-            );
-            r.free(Kind::Work, len);
-        }
-    }
     // Parameters and gradients; both moments too unless offloaded, and the accumulators
     // unless offloaded or one micro-batch makes the step (the model's gradients serve).
     let (moments, offloaded) = if config.offload { (0, 4) } else { (2, 0) };
@@ -415,10 +413,13 @@ pub fn plan_memory(
         each
     };
     let optim = if config.offload { 0 } else { each };
+    let tensors = param_shapes(&config.dims()).len();
+    let scalars = (step_scalars_len(tensors) as u128).saturating_mul(F64);
     let persistent = each
         .saturating_mul(2 + moments)
         .saturating_add(accumulators)
-        .saturating_add(bf16);
+        .saturating_add(bf16)
+        .saturating_add(scalars);
     let peak = persistent.saturating_add(r.peak);
     Ok(DeviceMemoryPlan {
         rows,
@@ -431,6 +432,7 @@ pub fn plan_memory(
         exp_avg_sq: to_u64(optim, "moments")?,
         offloaded: to_u64(each.saturating_mul(offloaded), "offloaded state")?,
         bf16_operands: to_u64(bf16, "bf16 operands")?,
+        step_scalars: to_u64(scalars, "step scalars")?,
         tape: to_u64(r.tape, "activations")?,
         activation_checkpointing: config.activation_checkpointing,
         peak_moment: r.moment,

@@ -14,15 +14,25 @@
 //!   the same value up to rounding); with one micro-batch a step the optimizer reads the
 //!   model's gradients themselves (`0 + 1·g` is `g`), and no accumulators are allocated on the
 //!   device;
-//! - the global gradient norm from [`GptOps::sum_of_squares`] of every tensor, and with
-//!   clipping every gradient scaled by `max_norm / (norm + 1e-6)` when that is below 1
-//!   ([`GptOps::scale`]), as [`Fsdp::clip_grad_norm`](fsdp::engine::Fsdp::clip_grad_norm);
+//! - the global gradient norm from the sum of squares of every tensor
+//!   ([`GptOps::sum_of_squares_at`]), and with clipping every gradient scaled by
+//!   `max_norm / (norm + 1e-6)` when that is below 1, as
+//!   [`Fsdp::clip_grad_norm`](fsdp::engine::Fsdp::clip_grad_norm) (AdamW scales each gradient
+//!   as it reads it);
 //! - AdamW with one state (two f32 moments) per parameter tensor on the device, the fused
-//!   kernel ([`GptOps::adamw`], bitwise the engine's host AdamW), the learning rate of the
-//!   schedule computed on the host as the engine does ([`LrSchedule::lr_at`] at the number of
-//!   optimizer steps taken), and nanoGPT's weight-decay groups with `decay_2d_only`;
+//!   kernel (bitwise the engine's host AdamW), the learning rate of the schedule computed on
+//!   the host as the engine does ([`LrSchedule::lr_at`] at the number of optimizer steps
+//!   taken), and nanoGPT's weight-decay groups with `decay_2d_only`;
 //! - a step whose loss or gradient norm is not finite takes no optimizer step (the caller
-//!   stops or counts it skipped, as `fsdp train` does with the engine);
+//!   stops or counts it skipped, as `fsdp train` does with the engine); with
+//!   [`set_skip_nonfinite`](DeviceTrainer::set_skip_nonfinite) the trainer halts (takes no
+//!   further optimizer step) at the first non-finite step past the limit;
+//! - no step waits for the device: the loss is summed, the norm taken, the clipping, the
+//!   skip and the step count decided on the device ([`GptOps::step_decide`]), and AdamW reads
+//!   that decision, its scalars chosen on the device among those the host computed for each
+//!   step count it may have reached. [`enqueue_step`](DeviceTrainer::enqueue_step) returns the
+//!   outcome of the step before (read one step late, while the device runs this one);
+//!   [`step`](DeviceTrainer::step) waits for its own;
 //! - with [`DeviceTrainConfig::offload`] (CPU offload, PyTorch's
 //!   `CPUOffload(offload_params=True)`) the master parameters, the accumulators and AdamW's
 //!   moments live on the host and the norm, clipping and AdamW run there on the kernels' host
@@ -40,17 +50,17 @@
 use std::collections::HashMap;
 
 use fsdp::init::materialize;
-use fsdp::optim::{
-    check_max_norm, clip_coefficient, decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP,
-};
+use fsdp::optim::{check_max_norm, decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP};
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{
-    param_shapes, DeviceGpt, GptDims, GptOps, HostBuf, HostOps, MemoryUse, Weights,
+use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, HostOps, MemoryUse, Weights};
+use fsdp_kernels::host::{
+    step_scalars_len, AdamW, AdamWChoice, AdamWScalars, StepRule, STEP_APPLIED, STEP_CHOICES,
+    STEP_COUNT, STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS,
 };
-use fsdp_kernels::host::{AdamW, AdamWScalars};
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
+use crate::device_optim::{end_step, HostSide, Optim, Placement};
 use crate::init::gpt2_init;
 use crate::model::{param_specs, GptConfig};
 
@@ -75,6 +85,30 @@ pub enum DeviceTrainError {
         loss: f32,
         /// Its global gradient norm.
         grad_norm: f64,
+    },
+    /// [`DeviceTrainer::step`] while the outcome of a step enqueued by
+    /// [`enqueue_step`](DeviceTrainer::enqueue_step) is unread.
+    #[error(
+        "the outcome of step {step} is still unread: call flush() before step(), or keep to \
+         enqueue_step()"
+    )]
+    Unread {
+        /// The enqueued step.
+        step: usize,
+    },
+    /// The device's optimizer step count was not one the host offered AdamW's scalars for.
+    #[error(
+        "step {step}: the device counted {device} optimizer steps where the host knew of \
+         {known} (and at most {} more); nothing was applied",
+        STEP_CHOICES - 1
+    )]
+    Bookkeeping {
+        /// The step.
+        step: usize,
+        /// The count on the device.
+        device: u64,
+        /// The count the host knew.
+        known: u64,
     },
 }
 
@@ -162,7 +196,7 @@ pub fn seeded_params(cfg: &GptConfig, seed: u64) -> Result<HashMap<String, Vec<f
         .collect()
 }
 
-/// What one [`DeviceTrainer::step`] did.
+/// What one training step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepOutcome {
     /// The step's loss: the mean cross-entropy over all its tokens (every micro-batch).
@@ -171,8 +205,22 @@ pub struct StepOutcome {
     pub grad_norm: f64,
     /// The learning rate of the optimizer step (the schedule's at the steps taken before).
     pub lr: f64,
-    /// Whether the optimizer stepped: `false` when the loss or the norm is not finite.
+    /// Whether the optimizer stepped: `false` when the loss or the norm is not finite, or the
+    /// trainer is halted.
     pub applied: bool,
+    /// Whether the trainer is halted: more non-finite steps than
+    /// [`set_skip_nonfinite`](DeviceTrainer::set_skip_nonfinite) allows were seen, this one
+    /// or an earlier one; no later step applies.
+    pub halted: bool,
+}
+
+/// The outcome of step [`step`](Reported::step), read after it ran.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Reported {
+    /// The step (0 for the first).
+    pub step: usize,
+    /// What it did.
+    pub outcome: StepOutcome,
 }
 
 /// The reference GPT, its gradient accumulators and its AdamW state on one device (see the
@@ -184,48 +232,28 @@ pub struct DeviceTrainer<O: GptOps> {
     state: Placement<O>,
     /// Per parameter, in [`param_shapes`] order: whether weight decay applies.
     decays: Vec<bool>,
-    optimizer_steps: u64,
+    /// The step's scalars on the device (under CPU offload, its loss only).
+    scalars: O::Scalars,
+    skip_nonfinite: Option<u64>,
+    /// Optimizer steps taken, as far as the outcomes read say.
+    known_steps: u64,
+    /// The step enqueued whose outcome is unread.
+    pending: Option<Pending<O>>,
 }
 
-/// The step's gradient accumulators (none on the device with one micro-batch a step: the
-/// model's gradients serve) and AdamW's moments, on one side.
-struct Optim<B> {
-    acc: Option<Weights<B>>,
-    exp_avg: Weights<B>,
-    exp_avg_sq: Weights<B>,
+/// An enqueued step's outcome, on its way.
+struct Pending<O: GptOps> {
+    step: usize,
+    /// The optimizer steps the host knew of when it enqueued the step.
+    known: u64,
+    values: Values<O>,
 }
 
-impl<B> Optim<B> {
-    fn zeros<P: GptOps<Buf = B>>(
-        ops: &P,
-        dims: &GptDims,
-        accumulators: bool,
-    ) -> Result<Optim<B>, KernelError> {
-        Ok(Optim {
-            acc: if accumulators {
-                Some(Weights::try_build(dims, |_, len| ops.zeros(len))?)
-            } else {
-                None
-            },
-            exp_avg: Weights::try_build(dims, |_, len| ops.zeros(len))?,
-            exp_avg_sq: Weights::try_build(dims, |_, len| ops.zeros(len))?,
-        })
-    }
-}
-
-/// CPU offload's host side: the master parameters and the optimizer on the host twins.
-struct HostSide {
-    ops: HostOps,
-    params: Weights<HostBuf>,
-    optim: Optim<HostBuf>,
-}
-
-/// The optimizer's side of a [`DeviceTrainer`].
-enum Placement<O: GptOps> {
-    /// On the device, beside the model.
-    Device(Optim<O::Buf>),
-    /// CPU offload: the master parameters and the optimizer on the host twins.
-    Host(Box<HostSide>),
+enum Values<O: GptOps> {
+    /// The scalars copied from the device.
+    Device(O::ScalarsCopy),
+    /// Under CPU offload: read already (the host side decided).
+    Host(Vec<f64>),
 }
 
 impl<O: GptOps> DeviceTrainer<O> {
@@ -243,6 +271,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         let dims = config.dims();
         let mut model = DeviceGpt::new(ops, dims, params)?;
         model.set_activation_checkpointing(config.activation_checkpointing);
+        let tensors = param_shapes(&dims).len();
         let state = if config.offload {
             let host = HostOps::new();
             let master = Weights::try_build(&dims, |name, len| {
@@ -256,14 +285,17 @@ impl<O: GptOps> DeviceTrainer<O> {
                 }
             })?;
             let optim = Optim::zeros(&host, &dims, true)?;
+            let scalars = host.scalars(step_scalars_len(tensors))?;
             Placement::Host(Box::new(HostSide {
                 ops: host,
                 params: master,
                 optim,
+                scalars,
             }))
         } else {
             Placement::Device(Optim::zeros(model.ops(), &dims, config.grad_accum > 1)?)
         };
+        let scalars = model.ops().scalars(step_scalars_len(tensors))?;
         let decays = param_shapes(&dims)
             .iter()
             .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
@@ -273,7 +305,10 @@ impl<O: GptOps> DeviceTrainer<O> {
             config,
             state,
             decays,
-            optimizer_steps: 0,
+            scalars,
+            skip_nonfinite: None,
+            known_steps: 0,
+            pending: None,
         })
     }
 
@@ -282,9 +317,18 @@ impl<O: GptOps> DeviceTrainer<O> {
         &self.config
     }
 
-    /// Optimizer steps taken (steps whose loss and norm were finite).
+    /// Skip at most `limit` non-finite steps (`fsdp train --skip-nonfinite`): the next one
+    /// halts the trainer, on the device, so that no step enqueued after it applies either
+    /// (its outcome says [`halted`](StepOutcome::halted)). `None` (the default): skip every
+    /// non-finite step and go on.
+    pub fn set_skip_nonfinite(&mut self, limit: Option<u64>) {
+        self.skip_nonfinite = limit;
+    }
+
+    /// Optimizer steps taken (steps whose loss and norm were finite), as far as the outcomes
+    /// read so far say.
     pub fn optimizer_steps(&self) -> u64 {
-        self.optimizer_steps
+        self.known_steps
     }
 
     /// The operations.
@@ -304,31 +348,73 @@ impl<O: GptOps> DeviceTrainer<O> {
         self.memory().peak
     }
 
-    /// Training step `step` (0 for the first) on the token stream `tokens`: forward and
-    /// backward of micro-batches `step·accum … step·accum + accum − 1` ([`get_batch`], world 1),
-    /// their gradients accumulated, the global norm (clipped if set), then AdamW, unless the
-    /// loss or the norm is not finite.
+    /// Training step `step` (0 for the first) on the token stream `tokens`, waiting for its
+    /// outcome: forward and backward of micro-batches `step·accum … step·accum + accum − 1`
+    /// ([`get_batch`], world 1), their gradients accumulated, the global norm (clipped if
+    /// set), then AdamW, unless the loss or the norm is not finite.
     ///
     /// # Errors
-    /// A token stream too short or holding ids outside the vocabulary; device failures.
+    /// [`DeviceTrainError::Unread`] while a step of [`enqueue_step`](Self::enqueue_step) is
+    /// unread; a token stream too short or holding ids outside the vocabulary; device failures.
     pub fn step(&mut self, tokens: &[u16], step: usize) -> Result<StepOutcome, DeviceTrainError> {
+        if let Some(p) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: p.step });
+        }
+        self.enqueue_step(tokens, step)?;
+        match self.flush()? {
+            Some(r) => Ok(r.outcome),
+            None => Err(DeviceTrainError::Unread { step }),
+        }
+    }
+
+    /// Enqueues training step `step` as [`step`](Self::step) describes, without waiting for
+    /// it, and returns the outcome of the step enqueued before, if any (waiting for that one:
+    /// the device runs this step meanwhile). [`flush`](Self::flush) reads the last.
+    ///
+    /// # Errors
+    /// A token stream too short or holding ids outside the vocabulary; device failures; a
+    /// failure of the step before.
+    pub fn enqueue_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+    ) -> Result<Option<Reported>, DeviceTrainError> {
+        let known = self.known_steps;
+        let values = self.run_step(tokens, step, known)?;
+        let before = self.pending.replace(Pending {
+            step,
+            known,
+            values,
+        });
+        before.map(|p| self.read(p)).transpose()
+    }
+
+    /// Waits for the outcome of the step enqueued last, if unread.
+    ///
+    /// # Errors
+    /// Device failures (of that step, or earlier asynchronous ones).
+    pub fn flush(&mut self) -> Result<Option<Reported>, DeviceTrainError> {
+        self.pending.take().map(|p| self.read(p)).transpose()
+    }
+
+    /// Enqueues the step's work; under CPU offload runs it to its end.
+    fn run_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+        known: u64,
+    ) -> Result<Values<O>, DeviceTrainError> {
         let c = self.config;
         let (accum, t) = (c.grad_accum, c.cfg.block_size);
         let micro = c.batch_size / accum;
         let alpha = (1.0 / accum as f64) as f32;
+        let accum32 = u32::try_from(accum).map_err(|_| FsdpError::InvalidShape {
+            reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
+        })?;
         match &mut self.state {
-            Placement::Device(optim) => {
-                if let Some(acc) = &mut optim.acc {
-                    zero_all(self.model.ops(), acc)?;
-                }
-            }
-            Placement::Host(h) => {
-                if let Some(acc) = &mut h.optim.acc {
-                    zero_all(&h.ops, acc)?;
-                }
-            }
+            Placement::Device(optim) => optim.zero_accumulators(self.model.ops())?,
+            Placement::Host(h) => h.optim.zero_accumulators(&h.ops)?,
         }
-        let mut loss = 0.0f32;
         for m in 0..accum {
             let k = step
                 .checked_mul(accum)
@@ -337,10 +423,13 @@ impl<O: GptOps> DeviceTrainer<O> {
                     reason: format!("micro-batch {m} of step {step} overflows a 64-bit count"),
                 })? as u64;
             let b = get_batch(tokens, k, micro, t, 0, 1)?;
-            let l = self.model.step(&b.inputs, &b.targets, b.shape.rows, t)?;
-            // The engine's loss of a micro-batch: its token sum over the step's tokens.
-            loss += (f64::from(l) / accum as f64) as f32;
+            let losses = self
+                .model
+                .forward_backward(&b.inputs, &b.targets, b.shape.rows, t)?;
             let (ops, _, grads) = self.model.parts_mut();
+            // The engine's loss of a micro-batch: its token sum over the step's tokens.
+            ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
+            drop(losses);
             match &mut self.state {
                 // Without accumulators (one micro-batch) the model's gradients are the step's.
                 Placement::Device(Optim { acc: None, .. }) => {}
@@ -351,9 +440,8 @@ impl<O: GptOps> DeviceTrainer<O> {
                 }
                 Placement::Host(h) => {
                     // Offload: each gradient copied out after the backward, accumulated on
-                    // the host.
-                    // `HostOps::axpby` is `host::axpby`: the downloaded values need no
-                    // host buffer of their own.
+                    // the host. `HostOps::axpby` is `host::axpby`: the downloaded values need
+                    // no host buffer of their own.
                     let acc = h
                         .optim
                         .acc
@@ -368,135 +456,130 @@ impl<O: GptOps> DeviceTrainer<O> {
                 }
             }
         }
-        let lr = c.schedule.lr_at(c.adamw.lr, self.optimizer_steps);
-        let n = self.optimizer_steps + 1;
-        let hyper = |decay: bool| AdamW {
-            lr,
-            beta1: c.adamw.beta1,
-            beta2: c.adamw.beta2,
-            eps: c.adamw.eps,
-            weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
+        let rule = StepRule {
+            tensors: self.decays.len(),
+            max_norm: c.grad_clip,
+            skip_nonfinite: self.skip_nonfinite,
+            base_steps: known,
         };
-        let finite = |norm: f64| loss.is_finite() && norm.is_finite();
-        let (grad_norm, applied) = match &mut self.state {
+        let choices = self.choices(known)?;
+        match &mut self.state {
             Placement::Device(optim) => {
                 let (ops, params, model_grads) = self.model.parts_mut();
-                optimizer_step(
+                let grads = optim.acc.as_ref().unwrap_or(model_grads);
+                let moments = &mut optim.moments;
+                let s = &mut self.scalars;
+                end_step(
                     ops,
                     params,
-                    Some(model_grads),
-                    optim,
+                    grads,
+                    moments,
+                    s,
+                    &rule,
+                    &choices,
                     &self.decays,
-                    c.grad_clip,
-                    finite,
-                    |d| AdamWScalars::new(&hyper(d), n),
-                )?
+                )?;
+                Ok(Values::Device(ops.copy_scalars(s)?))
             }
             Placement::Host(h) => {
+                // Offload: the loss from the device, the rest of the step on the host.
+                let ops = self.model.ops();
+                let device = ops.wait_scalars(ops.copy_scalars(&self.scalars)?)?;
                 let HostSide {
                     ops: host,
                     params: master,
                     optim,
+                    scalars,
                 } = &mut **h;
-                let r = optimizer_step(
+                scalars[STEP_LOSS] = device[STEP_LOSS];
+                let grads = optim
+                    .acc
+                    .as_ref()
+                    .ok_or_else(|| KernelError::InvalidArgument {
+                        kernel: "offload",
+                        reason: "the host side has no accumulators".into(),
+                    })?;
+                let moments = &mut optim.moments;
+                end_step(
                     host,
                     master,
-                    None,
-                    optim,
+                    grads,
+                    moments,
+                    scalars,
+                    &rule,
+                    &choices,
                     &self.decays,
-                    c.grad_clip,
-                    finite,
-                    |d| AdamWScalars::new(&hyper(d), n),
                 )?;
-                if r.1 {
-                    // Offload: the updated parameters copied into the device's working ones.
+                let values = scalars.to_vec();
+                if values[STEP_APPLIED] == 1.0 {
+                    // The updated parameters copied into the device's working ones.
                     let (ops, params, _) = self.model.parts_mut();
                     for (p, (_, h)) in params.all_mut().into_iter().zip(master.named()) {
                         ops.upload_into(h, p)?;
                     }
                 }
-                r
+                Ok(Values::Host(values))
             }
-        };
-        if applied {
-            self.optimizer_steps = n;
         }
-        Ok(StepOutcome {
-            loss,
-            grad_norm,
-            lr,
-            applied,
+    }
+
+    /// AdamW's scalars, without and with weight decay, of optimizer steps `known + 1 ..=
+    /// known + STEP_CHOICES` (the learning rate of the schedule at the steps taken before
+    /// each).
+    fn choices(&self, known: u64) -> Result<[AdamWChoice; 2], KernelError> {
+        let c = self.config;
+        let set = |decay: bool, j: u64| {
+            let lr = c.schedule.lr_at(c.adamw.lr, known + j);
+            let hyper = AdamW {
+                lr,
+                beta1: c.adamw.beta1,
+                beta2: c.adamw.beta2,
+                eps: c.adamw.eps,
+                weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
+            };
+            AdamWScalars::new(&hyper, known + j + 1)
+        };
+        let choice = |decay: bool| -> Result<AdamWChoice, KernelError> {
+            Ok(AdamWChoice([set(decay, 0)?, set(decay, 1)?]))
+        };
+        Ok([choice(false)?, choice(true)?])
+    }
+
+    /// Waits for a pending step's scalars and reads its outcome.
+    fn read(&mut self, p: Pending<O>) -> Result<Reported, DeviceTrainError> {
+        let v = match p.values {
+            Values::Device(copy) => self.model.ops().wait_scalars(copy)?,
+            Values::Host(v) => v,
+        };
+        let count = v[STEP_COUNT] as u64;
+        if v[STEP_FAULT] != 0.0 {
+            return Err(DeviceTrainError::Bookkeeping {
+                step: p.step,
+                device: count,
+                known: p.known,
+            });
+        }
+        let applied = v[STEP_APPLIED] == 1.0;
+        let before = count.saturating_sub(u64::from(applied));
+        self.known_steps = count;
+        let c = self.config;
+        Ok(Reported {
+            step: p.step,
+            outcome: StepOutcome {
+                loss: v[STEP_LOSS] as f32,
+                grad_norm: v[STEP_GRAD_NORM],
+                lr: c.schedule.lr_at(c.adamw.lr, before),
+                applied,
+                halted: v[STEP_HALTED] == 1.0,
+            },
         })
     }
 
-    /// Every parameter on the host, by name.
+    /// Every parameter on the host, by name (after every step enqueued).
     ///
     /// # Errors
     /// Copy failures.
     pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
         Ok(self.model.download_params()?.into_iter().collect())
     }
-}
-
-/// Zero every buffer of `w`.
-fn zero_all<P: GptOps>(ops: &P, w: &mut Weights<P::Buf>) -> Result<(), KernelError> {
-    for b in w.all_mut() {
-        ops.fill_zero(b)?;
-    }
-    Ok(())
-}
-
-/// The end of a step on one side (the device, or the host under offload): the global norm of
-/// the step's gradients — the accumulators, or without them `model_grads` — (clipped when
-/// set), then AdamW with `scalars(decays)` per parameter when `finite(norm)` holds. Returns the
-/// norm and whether AdamW ran.
-#[allow(clippy::too_many_arguments)]
-fn optimizer_step<P: GptOps>(
-    ops: &P,
-    params: &mut Weights<P::Buf>,
-    model_grads: Option<&mut Weights<P::Buf>>,
-    optim: &mut Optim<P::Buf>,
-    decays: &[bool],
-    grad_clip: Option<f64>,
-    finite: impl Fn(f64) -> bool,
-    scalars: impl Fn(bool) -> Result<AdamWScalars, KernelError>,
-) -> Result<(f64, bool), DeviceTrainError> {
-    let grads = match (&mut optim.acc, model_grads) {
-        (Some(acc), _) => acc,
-        (None, Some(g)) => g,
-        (None, None) => {
-            return Err(DeviceTrainError::Kernel(KernelError::InvalidArgument {
-                kernel: "adamw",
-                reason: "the optimizer step has no gradients (no accumulators, no model's)".into(),
-            }))
-        }
-    };
-    let mut sq = 0.0f64;
-    for (_, a) in grads.named() {
-        sq += ops.sum_of_squares(a)?;
-    }
-    let grad_norm = sq.sqrt();
-    if let Some(coef) = grad_clip.and_then(|m| clip_coefficient(m, grad_norm)) {
-        for a in grads.all_mut() {
-            ops.scale(coef, a)?;
-        }
-    }
-    if !finite(grad_norm) {
-        return Ok((grad_norm, false));
-    }
-    let moments = optim
-        .exp_avg
-        .all_mut()
-        .into_iter()
-        .zip(optim.exp_avg_sq.all_mut());
-    for (((p, (_, g)), (m, v)), &decay) in params
-        .all_mut()
-        .into_iter()
-        .zip(grads.named())
-        .zip(moments)
-        .zip(decays)
-    {
-        ops.adamw(&scalars(decay)?, p, g, m, v)?;
-    }
-    Ok((grad_norm, true))
 }

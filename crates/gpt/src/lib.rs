@@ -46,6 +46,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device_bench;
+mod device_optim;
 pub mod device_plan;
 pub mod device_train;
 pub mod init;

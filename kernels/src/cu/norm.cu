@@ -44,3 +44,23 @@ extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
     tree_sum(sh, t);
     if (t == 0) out[0] = sh[0];
 }
+
+// The loss of one micro-batch of `accum` into the step's scalars (see host/step.rs): one block
+// sums the `n` per-token losses in f64 (thread t: elements t, t + BLOCK, ...; then the tree),
+// thread 0 rounds their mean to f32, divides it by `accum` in f64, rounds again and adds it in
+// f32 to scalars[0] (to 0 when `first`).
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+    loss_accumulate(const float* losses, u64 n, u32 accum, u32 first, double* scalars) {
+    __shared__ double sh[NORM_BLOCK];
+    u32 t = threadIdx.x;
+    double acc = 0.0;
+    for (u64 i = t; i < n; i += NORM_BLOCK) acc = __dadd_rn(acc, (double)losses[i]);
+    sh[t] = acc;
+    tree_sum(sh, t);
+    if (t == 0) {
+        float mean = __double2float_rn(__ddiv_rn(sh[0], (double)n));
+        float part = __double2float_rn(__ddiv_rn((double)mean, (double)accum));
+        float before = first ? 0.0f : __double2float_rn(scalars[0]);
+        scalars[0] = (double)__fadd_rn(before, part);
+    }
+}

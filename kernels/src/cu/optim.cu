@@ -4,24 +4,33 @@
 
 // AdamW. `lerp_small`: torch.lerp's branch for a weight below 0.5. The moments are stored as
 // S (f32, or bf16 for the low-memory state) and computed in f32.
+// One element of AdamW with gradient `gi`.
+template <typename S>
+__device__ __forceinline__ void adamw_one(float* p, float gi, S* m, S* v, u64 i, float decay,
+                                          float w1, float one_minus_w1, u32 lerp_small,
+                                          float beta2, float one_minus_beta2,
+                                          float neg_step_size, float bc2_sqrt, float eps) {
+    float pi = __fmul_rn(p[i], decay);
+    float mi = load_c(m, i);
+    float vi = load_c(v, i);
+    float diff = __fsub_rn(gi, mi);
+    mi = lerp_small ? __fadd_rn(mi, __fmul_rn(w1, diff))
+                    : __fsub_rn(gi, __fmul_rn(diff, one_minus_w1));
+    vi = __fadd_rn(__fmul_rn(vi, beta2), __fmul_rn(one_minus_beta2, __fmul_rn(gi, gi)));
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    p[i] = __fadd_rn(pi, __fmul_rn(neg_step_size, __fdiv_rn(mi, denom)));
+    store_c(m, i, mi);
+    store_c(v, i, vi);
+}
+
 template <typename S>
 __device__ __forceinline__ void adamw_impl(float* p, const float* g, S* m, S* v, u64 n,
                                            float decay, float w1, float one_minus_w1,
                                            u32 lerp_small, float beta2, float one_minus_beta2,
                                            float neg_step_size, float bc2_sqrt, float eps) {
     GRID_STRIDE(i, n) {
-        float gi = g[i];
-        float pi = __fmul_rn(p[i], decay);
-        float mi = load_c(m, i);
-        float vi = load_c(v, i);
-        float diff = __fsub_rn(gi, mi);
-        mi = lerp_small ? __fadd_rn(mi, __fmul_rn(w1, diff))
-                        : __fsub_rn(gi, __fmul_rn(diff, one_minus_w1));
-        vi = __fadd_rn(__fmul_rn(vi, beta2), __fmul_rn(one_minus_beta2, __fmul_rn(gi, gi)));
-        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-        p[i] = __fadd_rn(pi, __fmul_rn(neg_step_size, __fdiv_rn(mi, denom)));
-        store_c(m, i, mi);
-        store_c(v, i, vi);
+        adamw_one<S>(p, g[i], m, v, i, decay, w1, one_minus_w1, lerp_small, beta2,
+                     one_minus_beta2, neg_step_size, bc2_sqrt, eps);
     }
 }
 
@@ -56,5 +65,80 @@ extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n, 
             d = (flags & SGD_NESTEROV) ? __fadd_rn(d, __fmul_rn(momentum, b)) : b;
         }
         p[i] = __fadd_rn(pi, __fmul_rn(neg_lr, d));
+    }
+}
+
+// The end of a training step decided on the device (twins and the slots' meaning in
+// host/step.rs): the host enqueues every step and reads its outcome later.
+#define STEP_LOSS 0
+#define STEP_GRAD_NORM 1
+#define STEP_CLIPPED 2
+#define STEP_CLIP_COEF 3
+#define STEP_APPLIED 4
+#define STEP_CHOICE 5
+#define STEP_COUNT 6
+#define STEP_NONFINITE 7
+#define STEP_HALTED 8
+#define STEP_FAULT 9
+#define STEP_SQUARES 10
+#define STEP_CHOICES 2
+
+// One thread: the norm from the tensors' sums of squares (in order), clipping, finiteness,
+// the non-finite budget (`skip_nonfinite` < 0: none), the choice of AdamW scalars and the
+// optimizer step count. `max_norm` < 0: no clipping.
+extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
+                                       double skip_nonfinite, double base_steps) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double sq = 0.0;
+    for (u64 i = 0; i < tensors; i++) sq = __dadd_rn(sq, s[STEP_SQUARES + i]);
+    double norm = __dsqrt_rn(sq);
+    s[STEP_GRAD_NORM] = norm;
+    double clipped = 0.0, coef = 1.0;
+    if (max_norm >= 0.0) {
+        double c = __ddiv_rn(max_norm, __dadd_rn(norm, 1e-6));
+        if (isfinite(norm) && c < 1.0) {
+            clipped = 1.0;
+            coef = (double)__double2float_rn(c);
+        }
+    }
+    s[STEP_CLIPPED] = clipped;
+    s[STEP_CLIP_COEF] = coef;
+    bool finite = isfinite(__double2float_rn(s[STEP_LOSS])) && isfinite(norm);
+    if (!finite) {
+        s[STEP_NONFINITE] = s[STEP_NONFINITE] + 1.0;
+        if (skip_nonfinite >= 0.0 && s[STEP_NONFINITE] > skip_nonfinite) s[STEP_HALTED] = 1.0;
+    }
+    double choice = s[STEP_COUNT] - base_steps;
+    bool in_range = choice >= 0.0 && choice < (double)STEP_CHOICES;
+    s[STEP_FAULT] = in_range ? 0.0 : 1.0;
+    s[STEP_CHOICE] = in_range ? choice : 0.0;
+    bool applied = finite && s[STEP_HALTED] == 0.0 && in_range;
+    s[STEP_APPLIED] = applied ? 1.0 : 0.0;
+    if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
+}
+
+// AdamW's scalars of one optimizer step (AdamWScalars, lerp_small as a u32).
+struct AdamWArgs {
+    float decay, w1, one_minus_w1;
+    u32 lerp_small;
+    float beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps;
+};
+struct AdamWChoice {
+    AdamWArgs at[STEP_CHOICES];
+};
+
+// AdamW as `step_decide` decided: nothing unless applied; the chosen scalars; the gradient
+// times the clipping coefficient (c·g + 0, as axpby rounds it) when clipped.
+extern "C" __global__ void adamw_decided_f32(float* p, const float* g, float* m, float* v,
+                                             u64 n, const double* s, AdamWChoice choice) {
+    if (s[STEP_APPLIED] != 1.0) return;
+    u32 k = (u32)s[STEP_CHOICE];
+    const AdamWArgs a = choice.at[k < STEP_CHOICES ? k : STEP_CHOICES - 1];
+    bool clipped = s[STEP_CLIPPED] == 1.0;
+    float c = __double2float_rn(s[STEP_CLIP_COEF]);
+    GRID_STRIDE(i, n) {
+        float gi = clipped ? __fadd_rn(__fmul_rn(c, g[i]), 0.0f) : g[i];
+        adamw_one<float>(p, gi, m, v, i, a.decay, a.w1, a.one_minus_w1, a.lerp_small, a.beta2,
+                         a.one_minus_beta2, a.neg_step_size, a.bc2_sqrt, a.eps);
     }
 }

@@ -10,12 +10,13 @@ use cudarc::driver::{
 use fsdp_device::Stream;
 use half::bf16;
 
+use super::cuda_step::{CudaScalars, CudaScalarsCopy, PinnedPool};
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
 use super::ops::GptOps;
 use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
-use crate::host::AdamWScalars;
+use crate::host::{AdamWChoice, AdamWScalars, StepRule};
 use crate::{launch, KernelError};
 
 /// [`GptOps`] on one CUDA stream: the layer kernels through [`launch`] and the products
@@ -25,7 +26,7 @@ use crate::{launch, KernelError};
 /// [`Stream`]'s timeout).
 pub struct CudaOps {
     stream: Stream,
-    cuda: Arc<CudaStream>,
+    pub(super) cuda: Arc<CudaStream>,
     blas: Blas,
     products: Products,
     /// The bf16 copies of a product's two operands ([`Products::Bf16`]), kept between products
@@ -34,6 +35,8 @@ pub struct CudaOps {
     casts: AtomicU64,
     /// The bytes of the buffers handed out and kept ([`GptOps::memory`]).
     memory: Arc<MemoryCounter>,
+    /// Page-locked buffers for [`GptOps::copy_scalars`].
+    pub(super) pinned: PinnedPool,
 }
 
 /// A buffer of [`CudaOps`]: a `CudaSlice<f32>` counted in its operations' memory; it is a
@@ -80,7 +83,7 @@ pub enum Products {
     Bf16,
 }
 
-fn copy_error(op: &'static str, e: impl std::fmt::Debug) -> KernelError {
+pub(super) fn copy_error(op: &'static str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::Driver {
         op,
         kernel: "gpt".into(),
@@ -112,12 +115,13 @@ impl CudaOps {
             operands: Mutex::new([Kept::default(), Kept::default()]),
             casts: AtomicU64::new(0),
             memory: MemoryCounter::new(),
+            pinned: PinnedPool::default(),
         };
         ops.reset_pool_peak();
         Ok(ops)
     }
 
-    fn counted<T>(&self, b: CudaSlice<T>) -> Counted<CudaSlice<T>> {
+    pub(super) fn counted<T>(&self, b: CudaSlice<T>) -> Counted<CudaSlice<T>> {
         let bytes = bytes_of::<T>(b.len());
         Counted::new(b, bytes, &self.memory)
     }
@@ -282,6 +286,8 @@ impl CudaOps {
 impl GptOps for CudaOps {
     type Buf = CudaBuf;
     type Ids = CudaIds;
+    type Scalars = CudaScalars;
+    type ScalarsCopy = CudaScalarsCopy;
 
     fn zeros(&self, len: usize) -> Result<CudaBuf, KernelError> {
         let b = self
@@ -537,5 +543,54 @@ impl GptOps for CudaOps {
         v.first()
             .copied()
             .ok_or_else(|| copy_error("cuMemcpyDtoHAsync", "no element copied back"))
+    }
+
+    fn scalars(&self, len: usize) -> Result<CudaScalars, KernelError> {
+        self.scalars_zeros(len)
+    }
+
+    fn loss_accumulate(
+        &self,
+        losses: &CudaBuf,
+        accum: u32,
+        first: bool,
+        scalars: &mut CudaScalars,
+    ) -> Result<(), KernelError> {
+        launch::loss_accumulate(&self.cuda, losses, accum, first, scalars)
+    }
+
+    fn sum_of_squares_at(
+        &self,
+        x: &CudaBuf,
+        scalars: &mut CudaScalars,
+        slot: usize,
+    ) -> Result<(), KernelError> {
+        self.sum_of_squares_into(x, scalars, slot)
+    }
+
+    fn step_decide(&self, rule: &StepRule, scalars: &mut CudaScalars) -> Result<(), KernelError> {
+        launch::step_decide(&self.cuda, rule, scalars)
+    }
+
+    fn adamw_decided(
+        &self,
+        choice: &AdamWChoice,
+        scalars: &CudaScalars,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        exp_avg: &mut CudaBuf,
+        exp_avg_sq: &mut CudaBuf,
+    ) -> Result<(), KernelError> {
+        launch::adamw_decided(
+            &self.cuda, choice, scalars, param, grad, exp_avg, exp_avg_sq,
+        )
+    }
+
+    fn copy_scalars(&self, scalars: &CudaScalars) -> Result<CudaScalarsCopy, KernelError> {
+        self.start_scalars_copy(scalars)
+    }
+
+    fn wait_scalars(&self, copy: CudaScalarsCopy) -> Result<Vec<f64>, KernelError> {
+        self.finish_scalars_copy(copy)
     }
 }

@@ -8,7 +8,7 @@ use super::ops::GptOps;
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
-use crate::host::{self, same_len, AdamWScalars};
+use crate::host::{self, same_len, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS};
 use crate::KernelError;
 
 /// How [`HostOps`] multiplies matrices.
@@ -45,6 +45,10 @@ pub struct HostOps {
     memory: Arc<MemoryCounter>,
     operands: Mutex<[Kept<Vec<f32>>; 2]>,
     roundings: AtomicU64,
+    /// [`with_nan_losses`](HostOps::with_nan_losses): the calls of `loss_accumulate`
+    /// (counted from 0) that make the step's loss NaN.
+    nan_losses: Vec<u64>,
+    loss_calls: AtomicU64,
 }
 
 impl Default for HostOps {
@@ -66,7 +70,18 @@ impl HostOps {
             memory: MemoryCounter::new(),
             operands: Mutex::new([Kept::default(), Kept::default()]),
             roundings: AtomicU64::new(0),
+            nan_losses: Vec::new(),
+            loss_calls: AtomicU64::new(0),
         }
+    }
+
+    /// The same operations, except that the [`loss_accumulate`](GptOps::loss_accumulate)
+    /// calls numbered in `calls` (from 0: one a micro-batch) leave a NaN loss: a fault
+    /// injected to test what training does with non-finite steps, which a GPT with finite
+    /// weights does not produce on demand.
+    pub fn with_nan_losses(mut self, calls: impl IntoIterator<Item = u64>) -> HostOps {
+        self.nan_losses = calls.into_iter().collect();
+        self
     }
 
     /// How many times a product's operand was rounded into a kept bf16 copy so far (with
@@ -108,6 +123,8 @@ impl HostOps {
 impl GptOps for HostOps {
     type Buf = HostBuf;
     type Ids = HostIds;
+    type Scalars = Counted<Vec<f64>>;
+    type ScalarsCopy = Vec<f64>;
 
     fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
         Ok(self.counted(vec![0.0; len]))
@@ -338,5 +355,69 @@ impl GptOps for HostOps {
 
     fn sum_of_squares(&self, x: &HostBuf) -> Result<f64, KernelError> {
         Ok(host::sum_of_squares(x))
+    }
+
+    fn scalars(&self, len: usize) -> Result<Counted<Vec<f64>>, KernelError> {
+        Ok(self.counted(vec![0.0; len]))
+    }
+
+    fn loss_accumulate(
+        &self,
+        losses: &HostBuf,
+        accum: u32,
+        first: bool,
+        scalars: &mut Counted<Vec<f64>>,
+    ) -> Result<(), KernelError> {
+        host::loss_accumulate(losses, accum, first, scalars)?;
+        let call = self.loss_calls.fetch_add(1, Ordering::Relaxed);
+        if self.nan_losses.contains(&call) {
+            scalars[STEP_LOSS] = f64::NAN;
+        }
+        Ok(())
+    }
+
+    fn sum_of_squares_at(
+        &self,
+        x: &HostBuf,
+        scalars: &mut Counted<Vec<f64>>,
+        slot: usize,
+    ) -> Result<(), KernelError> {
+        let len = scalars.len();
+        let out = scalars
+            .get_mut(slot)
+            .ok_or_else(|| KernelError::InvalidArgument {
+                kernel: "sum_of_squares",
+                reason: format!("slot {slot} of {len} scalars"),
+            })?;
+        *out = host::sum_of_squares(x);
+        Ok(())
+    }
+
+    fn step_decide(
+        &self,
+        rule: &StepRule,
+        scalars: &mut Counted<Vec<f64>>,
+    ) -> Result<(), KernelError> {
+        host::step_decide(rule, scalars)
+    }
+
+    fn adamw_decided(
+        &self,
+        choice: &AdamWChoice,
+        scalars: &Counted<Vec<f64>>,
+        param: &mut HostBuf,
+        grad: &HostBuf,
+        exp_avg: &mut HostBuf,
+        exp_avg_sq: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        host::adamw_decided(choice, scalars, param, grad, exp_avg, exp_avg_sq)
+    }
+
+    fn copy_scalars(&self, scalars: &Counted<Vec<f64>>) -> Result<Vec<f64>, KernelError> {
+        Ok(scalars.to_vec())
+    }
+
+    fn wait_scalars(&self, copy: Vec<f64>) -> Result<Vec<f64>, KernelError> {
+        Ok(copy)
     }
 }

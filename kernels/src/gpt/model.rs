@@ -157,13 +157,11 @@ impl<O: GptOps> DeviceGpt<O> {
 
     /// One training step's forward and backward on `rows` sequences of `t` tokens (`inputs`
     /// and `targets` row after row): returns the mean cross-entropy over the `rows·t` tokens
-    /// and leaves every parameter's gradient (of that mean) in [`grads`](Self::grads),
-    /// overwriting the previous step's.
+    /// (summed on the host in f64: this waits for the device) and leaves every parameter's
+    /// gradient (of that mean) in [`grads`](Self::grads), overwriting the previous step's.
     ///
     /// # Errors
-    /// [`KernelError::InvalidArgument`] for `t` of 0 or past `block_size`, lengths other than
-    /// `rows·t`, or an id or target not below `vocab_size` (checked before any work);
-    /// operation failures.
+    /// As [`forward_backward`](Self::forward_backward); a copy failure.
     pub fn step(
         &mut self,
         inputs: &[u32],
@@ -171,6 +169,28 @@ impl<O: GptOps> DeviceGpt<O> {
         rows: usize,
         t: usize,
     ) -> Result<f32, KernelError> {
+        let n = rows * t;
+        let losses = self.forward_backward(inputs, targets, rows, t)?;
+        let losses = self.ops.download(&losses)?;
+        let total: f64 = losses.iter().map(|&l| f64::from(l)).sum();
+        Ok((total / n as f64) as f32)
+    }
+
+    /// [`step`](Self::step) without waiting: enqueues the forward and backward and returns
+    /// the `rows·t` per-token losses on the device (whose mean is the step's loss:
+    /// [`GptOps::loss_accumulate`] sums them there).
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidArgument`] for `t` of 0 or past `block_size`, lengths other than
+    /// `rows·t`, or an id or target not below `vocab_size` (checked before any work);
+    /// operation failures.
+    pub fn forward_backward(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+    ) -> Result<O::Buf, KernelError> {
         let d = self.dims;
         if t == 0 || t > d.block_size || rows == 0 {
             return Err(invalid(format!(
@@ -261,9 +281,7 @@ impl<O: GptOps> DeviceGpt<O> {
         // Embeddings backward.
         ops.embedding_backward_tokens(inputs, &dx, e, &mut self.grads.wte)?;
         ops.embedding_backward_positions(&dx, t, e, &mut self.grads.wpe)?;
-        let losses = ops.download(&losses)?;
-        let total: f64 = losses.iter().map(|&l| f64::from(l)).sum();
-        Ok((total / n as f64) as f32)
+        Ok(losses)
     }
 
     /// `y = ln(x)` over `n` rows, with its mean and rstd.

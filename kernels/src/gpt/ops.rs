@@ -4,7 +4,7 @@
 use super::memory::MemoryUse;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
-use crate::host::AdamWScalars;
+use crate::host::{AdamWChoice, AdamWScalars, StepRule};
 use crate::KernelError;
 
 /// The operations of one GPT training step on one device, f32. Each kernel operation has the
@@ -16,6 +16,13 @@ pub trait GptOps {
     type Buf;
     /// A u32 buffer (token ids, targets) on the device.
     type Ids;
+    /// An f64 buffer on the device: the scalars of a training step decided on the device (its
+    /// loss, gradient norm, clipping, whether AdamW runs, the optimizer step count), laid out
+    /// as [`host::step`](crate::host::STEP_LOSS)'s `STEP_*` constants say.
+    type Scalars;
+    /// A copy of [`Scalars`](GptOps::Scalars) on its way to the host
+    /// ([`copy_scalars`](GptOps::copy_scalars)), read by [`wait_scalars`](GptOps::wait_scalars).
+    type ScalarsCopy;
 
     /// A buffer of `len` zeros.
     ///
@@ -273,6 +280,69 @@ pub trait GptOps {
         *y = out;
         Ok(())
     }
+    /// `len` f64 zeros on the device, counted in [`memory`](GptOps::memory) as a buffer is.
+    ///
+    /// # Errors
+    /// An allocation failure.
+    fn scalars(&self, len: usize) -> Result<Self::Scalars, KernelError>;
+    /// One micro-batch's per-token `losses` (one of `accum`) into the step's loss in
+    /// `scalars` ([`host::loss_accumulate`](crate::host::loss_accumulate); `first` starts it
+    /// from 0). Nothing waits.
+    ///
+    /// # Errors
+    /// No losses, `accum` of 0, a short scalar buffer; launch failures.
+    fn loss_accumulate(
+        &self,
+        losses: &Self::Buf,
+        accum: u32,
+        first: bool,
+        scalars: &mut Self::Scalars,
+    ) -> Result<(), KernelError>;
+    /// The sum of squares of `x` in f64 ([`host::sum_of_squares`](crate::host::sum_of_squares))
+    /// into `scalars[slot]`, on the device: nothing waits.
+    ///
+    /// # Errors
+    /// A slot past the buffer; allocation and launch failures.
+    fn sum_of_squares_at(
+        &self,
+        x: &Self::Buf,
+        scalars: &mut Self::Scalars,
+        slot: usize,
+    ) -> Result<(), KernelError>;
+    /// The step's decision by `rule` ([`host::step_decide`](crate::host::step_decide)), on
+    /// the device.
+    ///
+    /// # Errors
+    /// A scalar buffer too short for the rule's tensors; launch failures.
+    fn step_decide(&self, rule: &StepRule, scalars: &mut Self::Scalars) -> Result<(), KernelError>;
+    /// AdamW on one tensor as the decision in `scalars` says
+    /// ([`host::adamw_decided`](crate::host::adamw_decided): nothing when not applied, the
+    /// chosen scalar set, the clipped gradient), f32 moments.
+    ///
+    /// # Errors
+    /// Lengths that differ; launch failures.
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_decided(
+        &self,
+        choice: &AdamWChoice,
+        scalars: &Self::Scalars,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        exp_avg: &mut Self::Buf,
+        exp_avg_sq: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// Starts copying `scalars` to the host once the operations enqueued before have run,
+    /// without waiting for them.
+    ///
+    /// # Errors
+    /// Allocation and copy failures.
+    fn copy_scalars(&self, scalars: &Self::Scalars) -> Result<Self::ScalarsCopy, KernelError>;
+    /// The values of a [`copy_scalars`](GptOps::copy_scalars), once it has arrived: waits for
+    /// the operations enqueued before the copy, not after it.
+    ///
+    /// # Errors
+    /// A copy failure or an earlier asynchronous failure; a wait past the device's timeout.
+    fn wait_scalars(&self, copy: Self::ScalarsCopy) -> Result<Vec<f64>, KernelError>;
     /// [`host::nn::heads_merge`](crate::host::nn::heads_merge): `[b, h, t, d]` into token rows
     /// (the heads' outputs into `[b·t, E]`; `dq`, `dk`, `dv` into `dqkv`: the backward of
     /// [`heads_split`](GptOps::heads_split)).

@@ -9,10 +9,16 @@ mod nn_loss;
 pub mod nn_math;
 mod norm;
 mod optim;
+mod step;
 
 pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use norm::{sum_of_squares, NORM_BLOCK, NORM_ITEMS};
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
+pub use step::{
+    adamw_decided, loss_accumulate, step_decide, step_scalars_len, AdamWChoice, StepRule,
+    STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED, STEP_CLIP_COEF, STEP_COUNT, STEP_FAULT,
+    STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS, STEP_NONFINITE, STEP_SQUARES,
+};
 
 use std::fmt::Debug;
 

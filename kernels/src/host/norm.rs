@@ -6,8 +6,8 @@ pub const NORM_BLOCK: usize = 256;
 /// Elements each thread sums in the first pass.
 pub const NORM_ITEMS: usize = 16;
 
-/// The shared-memory tree of one block: halve until one value is left.
-fn tree(mut sh: Vec<f64>) -> f64 {
+/// The shared-memory tree of one block (`NORM_BLOCK` values): halve until one value is left.
+pub(crate) fn tree_sum_f64(mut sh: Vec<f64>) -> f64 {
     let mut s = NORM_BLOCK / 2;
     while s > 0 {
         for t in 0..s {
@@ -35,7 +35,7 @@ pub(crate) fn block_sums(x: &[f32]) -> Vec<f64> {
                     acc
                 })
                 .collect();
-            tree(sh)
+            tree_sum_f64(sh)
         })
         .collect()
 }
@@ -51,5 +51,5 @@ pub fn sum_of_squares(x: &[f32]) -> f64 {
                 .fold(0.0, |a, &b| a + b)
         })
         .collect();
-    tree(sh)
+    tree_sum_f64(sh)
 }

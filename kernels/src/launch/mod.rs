@@ -24,6 +24,7 @@ use crate::{compile, KernelError, Program};
 mod nn;
 mod nn_heads;
 mod nn_loss;
+mod step;
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, embedding_backward_positions,
     embedding_backward_tokens, embedding_backward_tokens_host_ids, embedding_forward,
@@ -32,6 +33,7 @@ pub use nn::{
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};
+pub use step::{adamw_decided, loss_accumulate, step_decide};
 
 /// Threads per block of the element-wise kernels.
 const BLOCK: u32 = 256;

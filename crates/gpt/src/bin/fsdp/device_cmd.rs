@@ -14,7 +14,7 @@ use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
-use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer, Reported};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
 
@@ -272,29 +272,49 @@ fn train_with<O: GptOps>(
         say!("products: bf16 operands, f32 sums and results (every other layer in f32)");
     }
     let progress = Progress::new(steps, args.skip_nonfinite);
+    // The device halts at the step past --skip-nonfinite itself: the steps enqueued after it
+    // (the outcome is read one step late) apply nothing.
+    trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
     let start = Instant::now();
     let (mut first, mut last) = (f32::NAN, f32::NAN);
     let mut skipped = 0usize;
-    for step in 0..steps {
-        let t0 = Instant::now();
-        let o = trainer.step(&run.tokens, step).map_err(on_device)?;
+    let mut arrived_at = Instant::now();
+    // The peak when the step's outcome was read, for the loss log.
+    let trainer_peak = std::cell::Cell::new(0u64);
+    // Each step is enqueued while the device runs the one before; its outcome is read (and
+    // logged) when the next is enqueued, so no step waits for the host.
+    let mut report = |r: Reported| -> Result<(), CliError> {
+        let (step, o) = (r.step, r.outcome);
         if !o.applied {
             let what = nonfinite(o.loss, o.grad_norm, false)
                 .unwrap_or_else(|| "the step is not finite".to_string());
             progress.count_skip(step, &what, &mut skipped)?;
             progress.skipped(step, &what, skipped);
         }
-        let dt = t0.elapsed().as_secs_f64();
+        let now = Instant::now();
+        let dt = (now - arrived_at).as_secs_f64();
+        arrived_at = now;
         let tps = global_tokens as f64 / dt;
         if step == 0 {
             first = o.loss;
         }
         last = o.loss;
         if let Some(log) = &mut loss_log {
-            log.step(step, o.loss, tps, trainer.peak_bytes());
+            log.step(step, o.loss, tps, trainer_peak.get());
         }
         let msg = format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss);
         progress.status(step, msg);
+        Ok(())
+    };
+    for step in 0..steps {
+        let r = trainer.enqueue_step(&run.tokens, step).map_err(on_device)?;
+        trainer_peak.set(trainer.peak_bytes());
+        if let Some(r) = r {
+            report(r)?;
+        }
+    }
+    if let Some(r) = trainer.flush().map_err(on_device)? {
+        report(r)?;
     }
     let elapsed = start.elapsed();
     progress.finish();

@@ -1,0 +1,103 @@
+//! [`CudaOps`]' side of a training step decided on the device: the step's scalars and their
+//! copy to the host in page-locked memory, which the host reads without waiting for work
+//! enqueued after the copy.
+
+use std::sync::Mutex;
+
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use fsdp_device::Event;
+
+use super::cuda::{copy_error, CudaBuf, CudaOps};
+use super::memory::Counted;
+use crate::{launch, KernelError};
+
+/// The scalars of a step on the device ([`GptOps::Scalars`](super::GptOps::Scalars) of
+/// [`CudaOps`]): a `CudaSlice<f64>` counted in its operations' memory.
+pub type CudaScalars = Counted<CudaSlice<f64>>;
+
+/// A copy of [`CudaScalars`] on its way to page-locked host memory
+/// ([`GptOps::ScalarsCopy`](super::GptOps::ScalarsCopy) of [`CudaOps`]).
+pub struct CudaScalarsCopy {
+    host: PinnedHostSlice<f64>,
+    /// Recorded after the copy on the operations' stream.
+    arrived: Event,
+}
+
+/// Page-locked buffers of finished copies, reused (allocating and freeing page-locked memory
+/// can synchronise the device).
+#[derive(Default)]
+pub(super) struct PinnedPool(Mutex<Vec<PinnedHostSlice<f64>>>);
+
+impl CudaOps {
+    pub(super) fn scalars_zeros(&self, len: usize) -> Result<CudaScalars, KernelError> {
+        let b = self
+            .cuda
+            .alloc_zeros::<f64>(len)
+            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+        Ok(self.counted(b))
+    }
+
+    pub(super) fn sum_of_squares_into(
+        &self,
+        x: &CudaBuf,
+        scalars: &mut CudaScalars,
+        slot: usize,
+    ) -> Result<(), KernelError> {
+        let len = scalars.len();
+        let mut out =
+            scalars
+                .try_slice_mut(slot..slot + 1)
+                .ok_or_else(|| KernelError::InvalidArgument {
+                    kernel: "sum_of_squares",
+                    reason: format!("slot {slot} of {len} scalars"),
+                })?;
+        launch::sum_of_squares(&self.cuda, x, &mut out)
+    }
+
+    pub(super) fn start_scalars_copy(
+        &self,
+        scalars: &CudaScalars,
+    ) -> Result<CudaScalarsCopy, KernelError> {
+        let len = scalars.len();
+        let reused = {
+            let mut pool = self.pinned.0.lock().unwrap_or_else(|e| e.into_inner());
+            pool.iter()
+                .position(|p| p.len() == len)
+                .map(|i| pool.swap_remove(i))
+        };
+        let mut host = match reused {
+            Some(h) => h,
+            None => {
+                // SAFETY: the memory is written by the copy below before anything reads it
+                // (`finish_scalars_copy` waits for the copy first). Flags 0: cached memory,
+                // which the host reads quickly (write-combined memory is slow to read).
+                unsafe { self.cuda.context().alloc_pinned_with_flags::<f64>(len, 0) }
+                    .map_err(|e| copy_error("cuMemHostAlloc", e))?
+            }
+        };
+        self.cuda
+            .memcpy_dtoh(&**scalars, &mut host)
+            .map_err(|e| copy_error("cuMemcpyDtoHAsync", e))?;
+        let arrived = self.stream().record_event();
+        Ok(CudaScalarsCopy { host, arrived })
+    }
+
+    pub(super) fn finish_scalars_copy(
+        &self,
+        copy: CudaScalarsCopy,
+    ) -> Result<Vec<f64>, KernelError> {
+        copy.arrived.synchronize()?;
+        // The copy has run (the event after it was reached), so this does not block.
+        let v = copy
+            .host
+            .as_slice()
+            .map_err(|e| copy_error("cuEventSynchronize", e))?
+            .to_vec();
+        self.pinned
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(copy.host);
+        Ok(v)
+    }
+}

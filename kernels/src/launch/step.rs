@@ -1,0 +1,185 @@
+//! Launchers of the kernels that end a training step on the device (twins and the scalar
+//! buffer's layout in [`host::step`](crate::host)): `loss_accumulate`, `step_decide` and
+//! `adamw_decided_f32`.
+
+use cudarc::driver::{
+    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::{config, driver, function};
+use crate::host::{
+    same_len, step_scalars_len, AdamWChoice, AdamWScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
+};
+use crate::{KernelError, Program};
+
+/// `AdamWArgs` of `cu/optim.cu`: [`AdamWScalars`] with `lerp_small` as a u32.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdamWArgs {
+    decay: f32,
+    w1: f32,
+    one_minus_w1: f32,
+    lerp_small: u32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    neg_step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+/// `AdamWChoice` of `cu/optim.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdamWChoiceArgs {
+    at: [AdamWArgs; STEP_CHOICES],
+}
+
+// SAFETY: plain `repr(C)` structs of 4-byte scalars, laid out as their CUDA C twins (no
+// padding, no pointers); passed by value as a kernel parameter.
+unsafe impl DeviceRepr for AdamWChoiceArgs {}
+
+impl From<&AdamWScalars> for AdamWArgs {
+    fn from(s: &AdamWScalars) -> AdamWArgs {
+        AdamWArgs {
+            decay: s.decay,
+            w1: s.w1,
+            one_minus_w1: s.one_minus_w1,
+            lerp_small: u32::from(s.lerp_small),
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            neg_step_size: s.neg_step_size,
+            bc2_sqrt: s.bc2_sqrt,
+            eps: s.eps,
+        }
+    }
+}
+
+fn check_scalars(kernel: &'static str, len: usize, tensors: usize) -> Result<(), KernelError> {
+    if len < step_scalars_len(tensors) {
+        return Err(KernelError::InvalidArgument {
+            kernel,
+            reason: format!(
+                "a step's scalars for {tensors} tensors need {} elements, not {len}",
+                step_scalars_len(tensors)
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// One micro-batch's per-token `losses` (of `accum` micro-batches) into the step's loss,
+/// `scalars[STEP_LOSS]` ([`host::loss_accumulate`](crate::host::loss_accumulate), bitwise).
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for no losses, `accum` of 0 or a short scalar buffer;
+/// compile, load and launch failures.
+pub fn loss_accumulate(
+    stream: &CudaStream,
+    losses: &impl DevicePtr<f32>,
+    accum: u32,
+    first: bool,
+    scalars: &mut impl DevicePtrMut<f64>,
+) -> Result<(), KernelError> {
+    check_scalars("loss_accumulate", scalars.len(), 0)?;
+    let n = losses.len();
+    if n == 0 || accum == 0 {
+        return Err(KernelError::InvalidArgument {
+            kernel: "loss_accumulate",
+            reason: format!("{n} losses of a micro-batch of {accum}"),
+        });
+    }
+    let f = function(stream, Program::Norm, "loss_accumulate")?;
+    let (l, _l) = losses.device_ptr(stream);
+    let (s, _s) = scalars.device_ptr_mut(stream);
+    let (n64, first) = (n as u64, u32::from(first));
+    let mut b = stream.launch_builder(&f);
+    b.arg(&l).arg(&n64).arg(&accum).arg(&first).arg(&s);
+    let one_block = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (NORM_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `loss_accumulate(const float*, u64, u32, u32, double*)`, one block of
+    // NORM_BLOCK threads: reads the `n` losses, writes `scalars[0]` (checked long enough).
+    unsafe { b.launch(one_block) }.map_err(|e| driver("cuLaunchKernel", "loss_accumulate", e))?;
+    Ok(())
+}
+
+/// The step's decision from the tensors' sums of squares and its loss in `scalars`
+/// ([`host::step_decide`](crate::host::step_decide), bitwise).
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for a scalar buffer too short for `rule.tensors`;
+/// compile, load and launch failures.
+pub fn step_decide(
+    stream: &CudaStream,
+    rule: &StepRule,
+    scalars: &mut impl DevicePtrMut<f64>,
+) -> Result<(), KernelError> {
+    check_scalars("step_decide", scalars.len(), rule.tensors)?;
+    let f = function(stream, Program::Optim, "step_decide")?;
+    let (s, _s) = scalars.device_ptr_mut(stream);
+    let tensors = rule.tensors as u64;
+    let max_norm = rule.max_norm.unwrap_or(-1.0);
+    let skip = rule.skip_nonfinite.map_or(-1.0, |k| k as f64);
+    let base = rule.base_steps as f64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&s).arg(&tensors).arg(&max_norm).arg(&skip).arg(&base);
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `step_decide(double*, u64, double, double, double)`, one thread: reads and writes
+    // the first `STEP_SQUARES + tensors` scalars (checked above).
+    unsafe { b.launch(one) }.map_err(|e| driver("cuLaunchKernel", "step_decide", e))?;
+    Ok(())
+}
+
+/// AdamW on one tensor as [`step_decide`] decided: nothing unless applied, else the chosen
+/// scalars and the clipped gradient ([`host::adamw_decided`](crate::host::adamw_decided),
+/// bitwise).
+///
+/// # Errors
+/// [`KernelError::Length`]; a short scalar buffer; compile, load and launch failures.
+pub fn adamw_decided(
+    stream: &CudaStream,
+    choice: &AdamWChoice,
+    scalars: &impl DevicePtr<f64>,
+    param: &mut impl DevicePtrMut<f32>,
+    grad: &impl DevicePtr<f32>,
+    exp_avg: &mut impl DevicePtrMut<f32>,
+    exp_avg_sq: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    check_scalars("adamw_decided", scalars.len(), 0)?;
+    let n = param.len();
+    same_len("adamw_decided", "grad", n, grad.len())?;
+    same_len("adamw_decided", "exp_avg", n, exp_avg.len())?;
+    same_len("adamw_decided", "exp_avg_sq", n, exp_avg_sq.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Optim, "adamw_decided_f32")?;
+    let (p, _p) = param.device_ptr_mut(stream);
+    let (g, _g) = grad.device_ptr(stream);
+    let (m, _m) = exp_avg.device_ptr_mut(stream);
+    let (v, _v) = exp_avg_sq.device_ptr_mut(stream);
+    let (s, _s) = scalars.device_ptr(stream);
+    let args = AdamWChoiceArgs {
+        at: choice.0.each_ref().map(AdamWArgs::from),
+    };
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&p)
+        .arg(&g)
+        .arg(&m)
+        .arg(&v)
+        .arg(&n64)
+        .arg(&s)
+        .arg(&args);
+    // SAFETY: `adamw_decided_f32(float*, const float*, float*, float*, u64, const double*,
+    // AdamWChoice)`: the four tensors have `n` elements, the scalars at least STEP_SQUARES
+    // (it reads the decision's slots), the choice passed by value as its C layout.
+    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "adamw_decided_f32", e))?;
+    Ok(())
+}

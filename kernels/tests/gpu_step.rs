@@ -1,0 +1,169 @@
+//! The end of a training step decided on the GPU against the host twins, bitwise: the loss
+//! (`loss_accumulate`), the decision (`step_decide`: norm, clipping, non-finite steps, the halt,
+//! the AdamW scalar set, the step count, the bookkeeping fault) and AdamW as decided
+//! (`adamw_decided_f32`); and `CudaOps::copy_scalars`, whose values are those at the copy, not
+//! those of work enqueued after it. Without a GPU each test prints `skipped: no GPU (<reason>)`
+//! and passes.
+
+mod common;
+
+use common::{data, down, gpu, gpu_stream, up};
+use fsdp_device::Stream;
+use fsdp_kernels::gpt::{CudaOps, GptOps};
+use fsdp_kernels::host::{
+    self, step_scalars_len, AdamW, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS, STEP_SQUARES,
+};
+use fsdp_kernels::launch;
+
+fn bits(v: &[f64]) -> Vec<u64> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn loss_accumulate_equals_its_twin() {
+    let Some(s) = gpu_stream("loss_accumulate_equals_its_twin") else {
+        return;
+    };
+    let mut want = vec![0.0f64; step_scalars_len(0)];
+    let mut got = up(&s, &want);
+    for (m, n) in [1usize, 255, 256, 257, 8192, 100_003]
+        .into_iter()
+        .enumerate()
+    {
+        let losses: Vec<f32> = data(n, 90 + m as u64, 1.0)
+            .iter()
+            .map(|x| x.abs() * 11.0)
+            .collect();
+        let (accum, first) = (3, m % 3 == 0);
+        host::loss_accumulate(&losses, accum, first, &mut want).unwrap();
+        launch::loss_accumulate(&s, &up(&s, &losses), accum, first, &mut got).unwrap();
+        assert_eq!(bits(&down(&s, &got)), bits(&want), "{n} losses");
+    }
+}
+
+/// Squares, loss, max_norm, skip limit, base.
+type Case = (f64, f64, Option<f64>, Option<u64>, u64);
+
+#[test]
+fn step_decide_equals_its_twin() {
+    let Some(s) = gpu_stream("step_decide_equals_its_twin") else {
+        return;
+    };
+    let tensors = 5;
+    // (squares, loss, max_norm, skip limit, base) over a run: clipped, unclipped, a NaN loss,
+    // an infinite norm, past the skip limit (halts), a base the count is not within (fault).
+    let cases: [Case; 7] = [
+        (4.0, 2.5, Some(1.0), Some(1), 0),
+        (0.01, 2.4, Some(1.0), Some(1), 1),
+        (0.02, f64::NAN, Some(1.0), Some(1), 2),
+        (0.03, 2.3, None, Some(1), 1),
+        (f64::INFINITY, 2.3, Some(1.0), Some(1), 3),
+        (0.04, 2.2, None, Some(1), 3),
+        (0.05, 2.1, None, None, 7),
+    ];
+    // The previous decision: its persistent slots (count, non-finite steps, halt) carry on.
+    let mut state = vec![0.0f64; step_scalars_len(tensors)];
+    for (k, (sq, loss, max_norm, skip, base)) in cases.into_iter().enumerate() {
+        state[STEP_LOSS] = loss;
+        for i in 0..tensors {
+            state[STEP_SQUARES + i] = sq * (i + 1) as f64 / 3.0;
+        }
+        let mut got = up(&s, &state);
+        let mut want = state.clone();
+        let rule = StepRule {
+            tensors,
+            max_norm,
+            skip_nonfinite: skip,
+            base_steps: base,
+        };
+        host::step_decide(&rule, &mut want).unwrap();
+        launch::step_decide(&s, &rule, &mut got).unwrap();
+        assert_eq!(bits(&down(&s, &got)), bits(&want), "case {k}: {want:?}");
+        state = want;
+    }
+}
+
+#[test]
+fn adamw_decided_equals_its_twin() {
+    let Some(s) = gpu_stream("adamw_decided_equals_its_twin") else {
+        return;
+    };
+    let n = 100_003;
+    let cfg = |lr: f64| AdamW {
+        lr,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let choice = AdamWChoice([
+        AdamWScalars::new(&cfg(1e-3), 3).unwrap(),
+        AdamWScalars::new(&cfg(9e-4), 4).unwrap(),
+    ]);
+    let mut p = data(n, 1, 0.5);
+    let mut m = data(n, 2, 0.01);
+    let mut v: Vec<f32> = data(n, 3, 0.001).iter().map(|x| x.abs()).collect();
+    let (mut dp, mut dm, mut dv) = (up(&s, &p), up(&s, &m), up(&s, &v));
+    // (applied, choice, clipped, coefficient)
+    for (k, (applied, pick, clipped, coef)) in [
+        (1.0, 0.0, 0.0, 1.0),
+        (1.0, 1.0, 1.0, 0.37f32 as f64),
+        (0.0, 1.0, 1.0, 0.5),
+        (1.0, 1.0, 0.0, 1.0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let g = data(n, 10 + k as u64, 2.0);
+        let mut sc = vec![0.0f64; step_scalars_len(0)];
+        sc[host::STEP_APPLIED] = applied;
+        sc[host::STEP_CHOICE] = pick;
+        sc[host::STEP_CLIPPED] = clipped;
+        sc[host::STEP_CLIP_COEF] = coef;
+        host::adamw_decided(&choice, &sc, &mut p, &g, &mut m, &mut v).unwrap();
+        let (dg, ds) = (up(&s, &g), up(&s, &sc));
+        launch::adamw_decided(&s, &choice, &ds, &mut dp, &dg, &mut dm, &mut dv).unwrap();
+        for (what, d, h) in [
+            ("param", &dp, &p),
+            ("exp_avg", &dm, &m),
+            ("exp_avg_sq", &dv, &v),
+        ] {
+            let d = down(&s, d);
+            let same = d
+                .iter()
+                .zip(h.iter())
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "case {k}: {what} differs from its twin");
+        }
+    }
+}
+
+/// A copy's values are those at the point it was enqueued: a step enqueued after it changes
+/// the scalars on the device, not the copy.
+#[test]
+fn copy_scalars_reads_the_point_of_the_copy() {
+    if !gpu("copy_scalars_reads_the_point_of_the_copy") {
+        return;
+    }
+    let ops = CudaOps::new(Stream::cuda(0, "copy_scalars").unwrap()).unwrap();
+    let mut sc = ops.scalars(step_scalars_len(1)).unwrap();
+    let losses = ops.upload(&[2.0, 4.0]).unwrap();
+    ops.loss_accumulate(&losses, 1, true, &mut sc).unwrap();
+    let first = ops.copy_scalars(&sc).unwrap();
+    // Work after the copy: a large product keeps the device busy, then the loss changes.
+    let big = ops.upload(&data(1 << 22, 5, 1.0)).unwrap();
+    let mut out = ops.zeros(1).unwrap();
+    for _ in 0..50 {
+        let mut slots = ops.scalars(step_scalars_len(1)).unwrap();
+        ops.sum_of_squares_at(&big, &mut slots, STEP_SQUARES)
+            .unwrap();
+        ops.fill_zero(&mut out).unwrap();
+    }
+    ops.loss_accumulate(&losses, 2, false, &mut sc).unwrap();
+    let second = ops.copy_scalars(&sc).unwrap();
+    assert_eq!(ops.wait_scalars(first).unwrap()[STEP_LOSS], 3.0);
+    assert_eq!(ops.wait_scalars(second).unwrap()[STEP_LOSS], 4.5);
+    // The page-locked buffers are reused: a third copy works the same.
+    let third = ops.copy_scalars(&sc).unwrap();
+    assert_eq!(ops.wait_scalars(third).unwrap()[STEP_LOSS], 4.5);
+}
