@@ -19,6 +19,7 @@ targets=(
     "fsdp-kernels||test|gpu_nn|the GPT layer kernels (layer norm, GELU, softmax, cross-entropy, embeddings, bias grad, bias add, heads split/merge) bitwise vs their twins"
     "fsdp-kernels||test|gpu_gemm|cuBLAS products (Linear forward/backward, attention) vs the f64 definition"
     "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins; the device trainer's AdamW, sum of squares and scale bitwise"
+    "fsdp-kernels||test|gpu_step|the end of a step decided on the device (loss_accumulate, step_decide, adamw_decided_f32) bitwise vs their twins; copy_scalars reads the point of the copy"
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
     "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4; peak memory = fsdp plan --device cuda, pool high-water mark within 5% (also with --cpu-offload and --activation-checkpointing); --cpu-offload and --activation-checkpointing losses within 1e-6 of the device run (runs fsdp-gpt--bin--fsdp beside it)"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
