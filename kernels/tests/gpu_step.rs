@@ -167,3 +167,31 @@ fn copy_scalars_reads_the_point_of_the_copy() {
     let third = ops.copy_scalars(&sc).unwrap();
     assert_eq!(ops.wait_scalars(third).unwrap()[STEP_LOSS], 4.5);
 }
+
+/// CPU offload's staging memory: a copy out holds the values at the copy while later work
+/// changes the buffer; a copy in lands before the work enqueued after it; lengths are checked.
+#[test]
+fn staging_copies_keep_stream_order() {
+    if !gpu("staging_copies_keep_stream_order") {
+        return;
+    }
+    let ops = CudaOps::new(Stream::cuda(0, "staging").unwrap()).unwrap();
+    let n = 1 << 20;
+    let (x, y) = (data(n, 21, 1.0), data(n, 22, 1.0));
+    let mut a = ops.upload(&x).unwrap();
+    let mut st = ops.staging(n).unwrap();
+    ops.copy_out(&a, &mut st).unwrap();
+    ops.fill_zero(&mut a).unwrap();
+    assert!(ops.staged(&st).unwrap() == x.as_slice(), "the copy out");
+    ops.staged_mut(&mut st).unwrap().copy_from_slice(&y);
+    ops.copy_in(&mut st, &mut a).unwrap();
+    let mut b = ops.zeros(n).unwrap();
+    ops.axpby(2.0, &a, 0.0, &mut b).unwrap();
+    let want: Vec<f32> = y.iter().map(|v| 2.0 * v + 0.0).collect();
+    assert!(
+        ops.download(&b).unwrap() == want,
+        "the copy in, then the work after it"
+    );
+    let short = ops.zeros(3).unwrap();
+    assert!(ops.copy_out(&short, &mut st).is_err());
+}

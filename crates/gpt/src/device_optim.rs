@@ -62,12 +62,64 @@ pub(crate) struct HostSide {
     pub(crate) scalars: <HostOps as GptOps>::Scalars,
 }
 
+/// CPU offload's staging memory ([`GptOps::Staging`], page-locked on a GPU): the gradients of
+/// a micro-batch copied out (two sets with several micro-batches a step, so that one is read
+/// while the next is copied) and the updated parameters copied in.
+pub(crate) struct OffloadStaging<S> {
+    pub(crate) grads: Vec<Weights<S>>,
+    pub(crate) params: Weights<S>,
+}
+
+impl<S> OffloadStaging<S> {
+    pub(crate) fn new<P: GptOps<Staging = S>>(
+        ops: &P,
+        dims: &GptDims,
+        grad_accum: usize,
+    ) -> Result<OffloadStaging<S>, KernelError> {
+        let sets = grad_accum.clamp(1, 2);
+        Ok(OffloadStaging {
+            grads: (0..sets)
+                .map(|_| Weights::try_build(dims, |_, len| ops.staging(len)))
+                .collect::<Result<_, _>>()?,
+            params: Weights::try_build(dims, |_, len| ops.staging(len))?,
+        })
+    }
+
+    /// The gradient set of micro-batch `m`.
+    pub(crate) fn slot(&self, m: usize) -> usize {
+        m % self.grads.len()
+    }
+}
+
 /// The optimizer's side of a trainer.
 pub(crate) enum Placement<O: GptOps> {
     /// On the device, beside the model.
     Device(Optim<O::Buf>),
-    /// CPU offload: the master parameters and the optimizer on the host twins.
-    Host(Box<HostSide>),
+    /// CPU offload: the master parameters and the optimizer on the host twins, and the
+    /// staging of the copies between them and the device.
+    Host(Box<HostSide>, Box<OffloadStaging<O::Staging>>),
+}
+
+/// Offload: adds `alpha ×` the gradients staged in `staged` (waiting for their copies only)
+/// to the host's accumulators.
+pub(crate) fn accumulate_staged<P: GptOps>(
+    ops: &P,
+    host: &mut HostSide,
+    staged: &Weights<P::Staging>,
+    alpha: f32,
+) -> Result<(), KernelError> {
+    let acc = host
+        .optim
+        .acc
+        .as_mut()
+        .ok_or_else(|| KernelError::InvalidArgument {
+            kernel: "offload",
+            reason: "the host side has no accumulators".into(),
+        })?;
+    for (a, (_, s)) in acc.all_mut().into_iter().zip(staged.named()) {
+        fsdp_kernels::host::axpby(alpha, ops.staged(s)?, 1.0, a)?;
+    }
+    Ok(())
 }
 
 /// Enqueues the end of a step on one side: the sum of squares of each of `grads` into its

@@ -39,7 +39,10 @@
 //!   twins (bitwise the kernels'): each micro-batch's gradients are copied out after its
 //!   backward and the updated parameters copied into the device's after the optimizer step,
 //!   so the device holds parameters, one micro-batch's gradients and activations only. The
-//!   copies are plain (pageable, each waiting for the stream), not yet pinned and overlapped.
+//!   copies go through staging memory ([`GptOps::Staging`], page-locked on a GPU) without the
+//!   host waiting for the stream: the host adds one micro-batch's gradients to its
+//!   accumulators while the device runs the next, and the updated parameters are copied in
+//!   ahead of the next step's work.
 //!
 //! Its device memory is counted ([`DeviceTrainer::memory`]) and predicted
 //! ([`plan_memory`](crate::device_plan::plan_memory), exactly: `tests/device_plan.rs`).
@@ -60,7 +63,9 @@ use fsdp_kernels::host::{
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
-use crate::device_optim::{end_step, HostSide, Optim, Placement};
+use crate::device_optim::{
+    accumulate_staged, end_step, HostSide, OffloadStaging, Optim, Placement,
+};
 use crate::init::gpt2_init;
 use crate::model::{param_specs, GptConfig};
 
@@ -286,12 +291,16 @@ impl<O: GptOps> DeviceTrainer<O> {
             })?;
             let optim = Optim::zeros(&host, &dims, true)?;
             let scalars = host.scalars(step_scalars_len(tensors))?;
-            Placement::Host(Box::new(HostSide {
-                ops: host,
-                params: master,
-                optim,
-                scalars,
-            }))
+            let staging = OffloadStaging::new(model.ops(), &dims, config.grad_accum)?;
+            Placement::Host(
+                Box::new(HostSide {
+                    ops: host,
+                    params: master,
+                    optim,
+                    scalars,
+                }),
+                Box::new(staging),
+            )
         } else {
             Placement::Device(Optim::zeros(model.ops(), &dims, config.grad_accum > 1)?)
         };
@@ -413,7 +422,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         })?;
         match &mut self.state {
             Placement::Device(optim) => optim.zero_accumulators(self.model.ops())?,
-            Placement::Host(h) => h.optim.zero_accumulators(&h.ops)?,
+            Placement::Host(h, _) => h.optim.zero_accumulators(&h.ops)?,
         }
         for m in 0..accum {
             let k = step
@@ -438,23 +447,25 @@ impl<O: GptOps> DeviceTrainer<O> {
                         ops.axpby(alpha, g, 1.0, a)?;
                     }
                 }
-                Placement::Host(h) => {
-                    // Offload: each gradient copied out after the backward, accumulated on
-                    // the host. `HostOps::axpby` is `host::axpby`: the downloaded values need
-                    // no host buffer of their own.
-                    let acc = h
-                        .optim
-                        .acc
-                        .as_mut()
-                        .ok_or_else(|| KernelError::InvalidArgument {
-                            kernel: "offload",
-                            reason: "the host side has no accumulators".into(),
-                        })?;
-                    for (a, (_, g)) in acc.all_mut().into_iter().zip(grads.named()) {
-                        fsdp_kernels::host::axpby(alpha, &ops.download(g)?, 1.0, a)?;
+                Placement::Host(h, staging) => {
+                    // Offload: the gradients copied out into staging memory; the host adds
+                    // the previous micro-batch's to its accumulators while the device runs
+                    // this one, the last ones after the loop.
+                    let slot = staging.slot(m);
+                    let set = &mut staging.grads[slot];
+                    for (s, (_, g)) in set.all_mut().into_iter().zip(grads.named()) {
+                        ops.copy_out(g, s)?;
+                    }
+                    if m > 0 {
+                        let before = &staging.grads[staging.slot(m - 1)];
+                        accumulate_staged(ops, h, before, alpha)?;
                     }
                 }
             }
+        }
+        if let Placement::Host(h, staging) = &mut self.state {
+            let last = &staging.grads[staging.slot(accum - 1)];
+            accumulate_staged(self.model.ops(), h, last, alpha)?;
         }
         let rule = StepRule {
             tensors: self.decays.len(),
@@ -481,7 +492,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                 )?;
                 Ok(Values::Device(ops.copy_scalars(s)?))
             }
-            Placement::Host(h) => {
+            Placement::Host(h, staging) => {
                 // Offload: the loss from the device, the rest of the step on the host.
                 let ops = self.model.ops();
                 let device = ops.wait_scalars(ops.copy_scalars(&self.scalars)?)?;
@@ -512,10 +523,16 @@ impl<O: GptOps> DeviceTrainer<O> {
                 )?;
                 let values = scalars.to_vec();
                 if values[STEP_APPLIED] == 1.0 {
-                    // The updated parameters copied into the device's working ones.
+                    // The updated parameters copied into the device's working ones through
+                    // the staging memory: the next step's work follows the copies on the
+                    // stream, and nothing waits for them here.
                     let (ops, params, _) = self.model.parts_mut();
-                    for (p, (_, h)) in params.all_mut().into_iter().zip(master.named()) {
-                        ops.upload_into(h, p)?;
+                    let stage = staging.params.all_mut();
+                    for ((p, (_, h)), s) in
+                        params.all_mut().into_iter().zip(master.named()).zip(stage)
+                    {
+                        ops.staged_mut(s)?.copy_from_slice(h);
+                        ops.copy_in(s, p)?;
                     }
                 }
                 Ok(Values::Host(values))

@@ -4,13 +4,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    result, sys, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
-    SyncOnDrop,
+    sys, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use fsdp_device::Stream;
 use half::bf16;
 
-use super::cuda_step::{CudaScalars, CudaScalarsCopy, PinnedPool};
+use super::cuda_pool::hold_pool_memory;
+use super::cuda_step::{CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
 use super::ops::GptOps;
 use super::products::Kept;
@@ -126,49 +126,6 @@ impl CudaOps {
         Counted::new(b, bytes, &self.memory)
     }
 
-    /// The device's default memory pool (which serves these operations' allocations, and any
-    /// other stream-ordered allocation of the device) as the driver reports it: the bytes in use
-    /// now (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`) and their high-water mark
-    /// (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`, since these operations were made or since
-    /// [`reset_pool_peak`](Self::reset_pool_peak)). It includes what [`GptOps::memory`] does
-    /// not count (scratch of single operations) and the pool's rounding of each allocation.
-    /// `None` where the device has no memory pools or the driver refuses the query.
-    pub fn pool_memory(&self) -> Option<MemoryUse> {
-        let dev = self.cuda.context().cu_device();
-        let read = |attr| {
-            let mut v = 0u64;
-            // SAFETY: a device of a live context; both attributes are read into a u64 (the
-            // driver's cuuint64_t), alive for the call.
-            unsafe {
-                let pool = result::device::get_default_mem_pool(dev).ok()?;
-                result::mem_pool::get_attribute(pool, attr, (&mut v as *mut u64).cast()).ok()?;
-            }
-            Some(v)
-        };
-        Some(MemoryUse {
-            allocated: read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
-            peak: read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
-        })
-    }
-
-    /// Starts the pool's high-water mark again from the bytes in use now (best effort: nothing
-    /// where the device has no memory pools).
-    pub fn reset_pool_peak(&self) {
-        let dev = self.cuda.context().cu_device();
-        let mut zero = 0u64;
-        // SAFETY: a device of a live context; USED_MEM_HIGH is set from a u64 (only 0 is
-        // allowed: it resets the mark), alive for the call.
-        let _ = unsafe {
-            result::device::get_default_mem_pool(dev).and_then(|pool| {
-                result::mem_pool::set_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&mut zero as *mut u64).cast(),
-                )
-            })
-        };
-    }
-
     /// The same operations with products computed as `products` says.
     pub fn with_products(mut self, products: Products) -> CudaOps {
         self.products = products;
@@ -202,41 +159,6 @@ impl CudaOps {
         let vb = self.cast_into(kb, b)?;
         self.blas.matmul::<bf16, f32>(g, &va, &vb, c)
     }
-}
-
-impl Drop for CudaOps {
-    fn drop(&mut self) {
-        // Give what the pool kept back to the driver, as its default does at every
-        // synchronisation.
-        hold_pool_memory(&self.cuda, 0);
-    }
-}
-
-/// Sets the release threshold of the device's default memory pool, which serves cudarc's
-/// stream-ordered allocations (`cuMemAllocAsync`). The step allocates its activations afresh
-/// and frees them as it goes; with the driver's default threshold (0) the pool returns all of
-/// that memory to the driver at each step's synchronisation and maps it again in the next
-/// step. `u64::MAX` keeps it, as PyTorch's caching allocator keeps its segments; 0 (on drop)
-/// releases what is unused and restores the default. Best effort: a device without memory pools
-/// allocates synchronously and has nothing to keep.
-fn hold_pool_memory(cuda: &CudaStream, threshold: u64) {
-    let dev = cuda.context().cu_device();
-    let mut value = threshold;
-    // SAFETY: a device of a live context; the release threshold attribute takes a u64, which
-    // `value` is, alive for the call.
-    let _ = unsafe {
-        result::device::get_default_mem_pool(dev).and_then(|pool| {
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut value as *mut u64).cast(),
-            )?;
-            if threshold == 0 {
-                result::mem_pool::trim_to(pool, 0)?;
-            }
-            Ok(())
-        })
-    };
 }
 
 impl CudaOps {
@@ -288,6 +210,7 @@ impl GptOps for CudaOps {
     type Ids = CudaIds;
     type Scalars = CudaScalars;
     type ScalarsCopy = CudaScalarsCopy;
+    type Staging = CudaStaging;
 
     fn zeros(&self, len: usize) -> Result<CudaBuf, KernelError> {
         let b = self
@@ -592,5 +515,25 @@ impl GptOps for CudaOps {
 
     fn wait_scalars(&self, copy: CudaScalarsCopy) -> Result<Vec<f64>, KernelError> {
         self.finish_scalars_copy(copy)
+    }
+
+    fn staging(&self, len: usize) -> Result<CudaStaging, KernelError> {
+        self.new_staging(len)
+    }
+
+    fn copy_out(&self, buf: &CudaBuf, dst: &mut CudaStaging) -> Result<(), KernelError> {
+        self.staging_copy_out(buf, dst)
+    }
+
+    fn copy_in(&self, src: &mut CudaStaging, buf: &mut CudaBuf) -> Result<(), KernelError> {
+        self.staging_copy_in(src, buf)
+    }
+
+    fn staged<'a>(&self, s: &'a CudaStaging) -> Result<&'a [f32], KernelError> {
+        s.values()
+    }
+
+    fn staged_mut<'a>(&self, s: &'a mut CudaStaging) -> Result<&'a mut [f32], KernelError> {
+        s.values_mut()
     }
 }

@@ -101,3 +101,80 @@ impl CudaOps {
         Ok(v)
     }
 }
+
+/// CPU offload's staging memory of [`CudaOps`] ([`GptOps::Staging`](super::GptOps::Staging)):
+/// page-locked host memory, so that copies to and from it run on the stream without the host
+/// waiting, and the event after the last such copy.
+pub struct CudaStaging {
+    host: PinnedHostSlice<f32>,
+    /// Recorded on the stream after the last copy into or out of `host`.
+    last: Option<Event>,
+}
+
+impl CudaStaging {
+    fn wait(&self) -> Result<(), KernelError> {
+        if let Some(e) = &self.last {
+            e.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// The values, once the last copy has finished.
+    pub(super) fn values(&self) -> Result<&[f32], KernelError> {
+        self.wait()?;
+        // The copy has run (the event after it was reached), so this does not block.
+        self.host
+            .as_slice()
+            .map_err(|e| copy_error("cuEventSynchronize", e))
+    }
+
+    /// The values to write, once the last copy has finished.
+    pub(super) fn values_mut(&mut self) -> Result<&mut [f32], KernelError> {
+        self.wait()?;
+        self.host
+            .as_mut_slice()
+            .map_err(|e| copy_error("cuEventSynchronize", e))
+    }
+}
+
+impl CudaOps {
+    pub(super) fn new_staging(&self, len: usize) -> Result<CudaStaging, KernelError> {
+        // SAFETY: zeroed below, through a raw pointer, before any reference to it exists.
+        // Flags 0: cached memory, which the host reads and writes at full speed.
+        let mut host = unsafe { self.cuda.context().alloc_pinned_with_flags::<f32>(len, 0) }
+            .map_err(|e| copy_error("cuMemHostAlloc", e))?;
+        let p = host
+            .as_mut_ptr()
+            .map_err(|e| copy_error("cuEventSynchronize", e))?;
+        // SAFETY: `p` points at `len` f32 of page-locked memory this slice owns, not yet
+        // shared with any copy; all-zero bytes are the f32 0.0.
+        unsafe { std::ptr::write_bytes(p, 0, len) };
+        Ok(CudaStaging { host, last: None })
+    }
+
+    pub(super) fn staging_copy_out(
+        &self,
+        buf: &CudaBuf,
+        dst: &mut CudaStaging,
+    ) -> Result<(), KernelError> {
+        crate::host::same_len("copy_out", "staging", buf.len(), dst.host.len())?;
+        self.cuda
+            .memcpy_dtoh(&**buf, &mut dst.host)
+            .map_err(|e| copy_error("cuMemcpyDtoHAsync", e))?;
+        dst.last = Some(self.stream().record_event());
+        Ok(())
+    }
+
+    pub(super) fn staging_copy_in(
+        &self,
+        src: &mut CudaStaging,
+        buf: &mut CudaBuf,
+    ) -> Result<(), KernelError> {
+        crate::host::same_len("copy_in", "buffer", src.host.len(), buf.len())?;
+        self.cuda
+            .memcpy_htod(&src.host, &mut **buf)
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
+        src.last = Some(self.stream().record_event());
+        Ok(())
+    }
+}

@@ -125,6 +125,7 @@ impl GptOps for HostOps {
     type Ids = HostIds;
     type Scalars = Counted<Vec<f64>>;
     type ScalarsCopy = Vec<f64>;
+    type Staging = Vec<f32>;
 
     fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
         Ok(self.counted(vec![0.0; len]))
@@ -419,5 +420,29 @@ impl GptOps for HostOps {
 
     fn wait_scalars(&self, copy: Vec<f64>) -> Result<Vec<f64>, KernelError> {
         Ok(copy)
+    }
+
+    fn staging(&self, len: usize) -> Result<Vec<f32>, KernelError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn copy_out(&self, buf: &HostBuf, dst: &mut Vec<f32>) -> Result<(), KernelError> {
+        same_len("copy_out", "staging", buf.len(), dst.len())?;
+        dst.copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn copy_in(&self, src: &mut Vec<f32>, buf: &mut HostBuf) -> Result<(), KernelError> {
+        same_len("copy_in", "buffer", src.len(), buf.len())?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn staged<'a>(&self, s: &'a Vec<f32>) -> Result<&'a [f32], KernelError> {
+        Ok(s)
+    }
+
+    fn staged_mut<'a>(&self, s: &'a mut Vec<f32>) -> Result<&'a mut [f32], KernelError> {
+        Ok(s)
     }
 }

@@ -25,6 +25,7 @@
 //! every parameter's gradient, `wte`'s with the tied head's term.
 
 mod cuda;
+mod cuda_pool;
 mod cuda_step;
 mod host_ops;
 mod memory;
@@ -34,7 +35,7 @@ mod products;
 mod weights;
 
 pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
-pub use cuda_step::{CudaScalars, CudaScalarsCopy};
+pub use cuda_step::{CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use host_ops::{HostBuf, HostIds, HostOps, HostProducts};
 pub use memory::{Counted, MemoryCounter, MemoryUse};
 pub use model::DeviceGpt;

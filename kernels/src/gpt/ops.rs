@@ -23,6 +23,9 @@ pub trait GptOps {
     /// A copy of [`Scalars`](GptOps::Scalars) on its way to the host
     /// ([`copy_scalars`](GptOps::copy_scalars)), read by [`wait_scalars`](GptOps::wait_scalars).
     type ScalarsCopy;
+    /// Host memory the device copies into and out of without the host waiting (page-locked
+    /// on a GPU): CPU offload's staging of gradients and parameters.
+    type Staging;
 
     /// A buffer of `len` zeros.
     ///
@@ -343,6 +346,34 @@ pub trait GptOps {
     /// # Errors
     /// A copy failure or an earlier asynchronous failure; a wait past the device's timeout.
     fn wait_scalars(&self, copy: Self::ScalarsCopy) -> Result<Vec<f64>, KernelError>;
+    /// `len` f32 of [`Staging`](GptOps::Staging) host memory, zeros.
+    ///
+    /// # Errors
+    /// An allocation failure.
+    fn staging(&self, len: usize) -> Result<Self::Staging, KernelError>;
+    /// Starts copying `buf` into `dst` (of the same length) once the operations enqueued
+    /// before have run; nothing waits.
+    ///
+    /// # Errors
+    /// [`KernelError::Length`] when the lengths differ; a copy failure.
+    fn copy_out(&self, buf: &Self::Buf, dst: &mut Self::Staging) -> Result<(), KernelError>;
+    /// Starts copying `src`'s values into `buf` (of the same length), ordered before the
+    /// operations enqueued after; nothing waits.
+    ///
+    /// # Errors
+    /// [`KernelError::Length`] when the lengths differ; a copy failure.
+    fn copy_in(&self, src: &mut Self::Staging, buf: &mut Self::Buf) -> Result<(), KernelError>;
+    /// `s`'s values on the host, once the last copy into or out of it has finished (waiting for
+    /// that copy only).
+    ///
+    /// # Errors
+    /// A copy failure; a wait past the device's timeout.
+    fn staged<'a>(&self, s: &'a Self::Staging) -> Result<&'a [f32], KernelError>;
+    /// `s`'s values to write on the host, once the last copy into or out of it has finished.
+    ///
+    /// # Errors
+    /// A copy failure; a wait past the device's timeout.
+    fn staged_mut<'a>(&self, s: &'a mut Self::Staging) -> Result<&'a mut [f32], KernelError>;
     /// [`host::nn::heads_merge`](crate::host::nn::heads_merge): `[b, h, t, d]` into token rows
     /// (the heads' outputs into `[b·t, E]`; `dq`, `dk`, `dv` into `dqkv`: the backward of
     /// [`heads_split`](GptOps::heads_split)).
