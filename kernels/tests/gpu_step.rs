@@ -146,7 +146,7 @@ fn copy_scalars_reads_the_point_of_the_copy() {
         return;
     }
     let ops = CudaOps::new(Stream::cuda(0, "copy_scalars").unwrap()).unwrap();
-    let mut sc = ops.scalars(step_scalars_len(1)).unwrap();
+    let mut sc = ops.scalars(&[0.0; step_scalars_len(1)]).unwrap();
     let losses = ops.upload(&[2.0, 4.0]).unwrap();
     ops.loss_accumulate(&losses, 1, true, &mut sc).unwrap();
     let first = ops.copy_scalars(&sc).unwrap();
@@ -154,7 +154,7 @@ fn copy_scalars_reads_the_point_of_the_copy() {
     let big = ops.upload(&data(1 << 22, 5, 1.0)).unwrap();
     let mut out = ops.zeros(1).unwrap();
     for _ in 0..50 {
-        let mut slots = ops.scalars(step_scalars_len(1)).unwrap();
+        let mut slots = ops.scalars(&[0.0; step_scalars_len(1)]).unwrap();
         ops.sum_of_squares_at(&big, &mut slots, STEP_SQUARES)
             .unwrap();
         ops.fill_zero(&mut out).unwrap();

@@ -21,7 +21,7 @@
 //!   as it reads it);
 //! - AdamW with one state (two f32 moments) per parameter tensor on the device, the fused
 //!   kernel (bitwise the engine's host AdamW), the learning rate of the schedule computed on
-//!   the host as the engine does ([`LrSchedule::lr_at`] at the number of optimizer steps
+//!   the host as the engine does ([`LrSchedule::lr_at`](fsdp::optim::LrSchedule::lr_at) at the number of optimizer steps
 //!   taken), and nanoGPT's weight-decay groups with `decay_2d_only`;
 //! - a step whose loss or gradient norm is not finite takes no optimizer step (the caller
 //!   stops or counts it skipped, as `fsdp train` does with the engine); with
@@ -52,154 +52,20 @@
 
 use std::collections::HashMap;
 
-use fsdp::init::materialize;
-use fsdp::optim::{check_max_norm, decay_2d_only_group, AdamWConfig, LrSchedule, DECAY_GROUP};
+use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptDims, GptOps, HostOps, MemoryUse, Weights};
+use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptOps, HostOps, MemoryUse, Weights};
 use fsdp_kernels::host::{
-    step_scalars_len, AdamW, AdamWChoice, AdamWScalars, StepRule, STEP_APPLIED, STEP_CHOICES,
-    STEP_COUNT, STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS,
+    step_scalars_len, AdamW, AdamWChoice, AdamWScalars, StepRule, STEP_APPLIED, STEP_COUNT,
+    STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS,
 };
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
+pub use crate::device_config::{seeded_params, DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{
     accumulate_staged, end_step, HostSide, OffloadStaging, Optim, Placement,
 };
-use crate::init::gpt2_init;
-use crate::model::{param_specs, GptConfig};
-
-/// An error of the device trainer: a setting or batch the engine's rules refuse, or a device
-/// operation that failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DeviceTrainError {
-    /// An invalid setting, token stream or batch (the engine's own errors).
-    #[error(transparent)]
-    Fsdp(#[from] FsdpError),
-    /// A device operation (allocation, copy, kernel, cuBLAS) failed or was given bad shapes.
-    #[error("device: {0}")]
-    Kernel(#[from] KernelError),
-    /// A step whose loss or gradient norm is not finite where every step must be (the
-    /// benchmark's [`time_steps`](crate::device_bench::time_steps)).
-    #[error("step {step} is not finite: loss {loss}, gradient norm {grad_norm}")]
-    NotFinite {
-        /// The step.
-        step: usize,
-        /// Its loss.
-        loss: f32,
-        /// Its global gradient norm.
-        grad_norm: f64,
-    },
-    /// [`DeviceTrainer::step`] while the outcome of a step enqueued by
-    /// [`enqueue_step`](DeviceTrainer::enqueue_step) is unread.
-    #[error(
-        "the outcome of step {step} is still unread: call flush() before step(), or keep to \
-         enqueue_step()"
-    )]
-    Unread {
-        /// The enqueued step.
-        step: usize,
-    },
-    /// The device's optimizer step count was not one the host offered AdamW's scalars for.
-    #[error(
-        "step {step}: the device counted {device} optimizer steps where the host knew of \
-         {known} (and at most {} more); nothing was applied",
-        STEP_CHOICES - 1
-    )]
-    Bookkeeping {
-        /// The step.
-        step: usize,
-        /// The count on the device.
-        device: u64,
-        /// The count the host knew.
-        known: u64,
-    },
-}
-
-/// What one run of the trainer does: the model, AdamW's hyperparameters, the learning-rate
-/// schedule, the weight-decay groups, clipping and the batch, as `fsdp train` gives them.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DeviceTrainConfig {
-    /// The model.
-    pub cfg: GptConfig,
-    /// AdamW's hyperparameters (`lr` is the schedule's base learning rate).
-    pub adamw: AdamWConfig,
-    /// The learning-rate schedule.
-    pub schedule: LrSchedule,
-    /// Weight decay only for parameters of 2 or more dimensions (nanoGPT's groups).
-    pub decay_2d_only: bool,
-    /// Clip the global gradient norm to this (`None`: no clipping).
-    pub grad_clip: Option<f64>,
-    /// Rows of a step (all micro-batches).
-    pub batch_size: usize,
-    /// Micro-batches per step; divides `batch_size`.
-    pub grad_accum: usize,
-    /// CPU offload (FSDP's `CPUOffload(offload_params=True)`): the master parameters, the
-    /// gradient accumulators and AdamW's moments live in host memory and the optimizer step
-    /// runs on the host (the kernels' twins); the device holds the working parameters (the
-    /// updated ones copied in after each optimizer step), one micro-batch's gradients (copied
-    /// out after its backward) and the activations. The same training, bitwise on the host
-    /// twins.
-    pub offload: bool,
-    /// Activation checkpointing of every block
-    /// ([`DeviceGpt::set_activation_checkpointing`]): forward keeps each block's input only and
-    /// backward recomputes the block's forward. The same training bit for bit, with the
-    /// activations of one block held at a time.
-    pub activation_checkpointing: bool,
-}
-
-impl DeviceTrainConfig {
-    /// Checks the settings with the engine's rules.
-    ///
-    /// # Errors
-    /// [`FsdpError::InvalidHyperparameter`] or [`FsdpError::InvalidShape`] naming the setting.
-    pub fn validate(&self) -> Result<(), FsdpError> {
-        self.adamw.validate()?;
-        self.schedule.validate()?;
-        if let Some(c) = self.grad_clip {
-            check_max_norm(c)?;
-        }
-        if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
-            return Err(FsdpError::InvalidShape {
-                reason: format!(
-                    "batch size {} in {} micro-batches: both must be positive and the second \
-                     divide the first",
-                    self.batch_size, self.grad_accum
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// The model's shape as the kernels' model takes it.
-    pub fn dims(&self) -> GptDims {
-        GptDims {
-            n_layer: self.cfg.n_layer,
-            n_head: self.cfg.n_head,
-            n_embd: self.cfg.n_embd,
-            block_size: self.cfg.block_size,
-            vocab_size: self.cfg.vocab_size,
-        }
-    }
-}
-
-/// Every parameter of `cfg` whole, as the engine's seeded initialisation
-/// (`ParamInit::Seeded` with [`gpt2_init`] and `seed`) fills its shards: the same model.
-///
-/// # Errors
-/// A parameter the rule does not cover; a size that overflows.
-pub fn seeded_params(cfg: &GptConfig, seed: u64) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
-    let rule = gpt2_init(cfg.n_layer);
-    param_specs(cfg)
-        .into_iter()
-        .map(|p| {
-            let init = rule(&p.name, &p.shape)?;
-            let v = materialize(&p.name, &p.shape, &init, seed)?;
-            Ok((p.name, v))
-        })
-        .collect()
-}
 
 /// What one training step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -231,24 +97,24 @@ pub struct Reported {
 /// The reference GPT, its gradient accumulators and its AdamW state on one device (see the
 /// [module](self) documentation).
 pub struct DeviceTrainer<O: GptOps> {
-    model: DeviceGpt<O>,
-    config: DeviceTrainConfig,
+    pub(crate) model: DeviceGpt<O>,
+    pub(crate) config: DeviceTrainConfig,
     /// Where the optimizer's side lives: on the device, or offloaded to the host.
-    state: Placement<O>,
+    pub(crate) state: Placement<O>,
     /// Per parameter, in [`param_shapes`] order: whether weight decay applies.
-    decays: Vec<bool>,
+    pub(crate) decays: Vec<bool>,
     /// The step's scalars on the device (under CPU offload, its loss only).
-    scalars: O::Scalars,
+    pub(crate) scalars: O::Scalars,
     skip_nonfinite: Option<u64>,
     /// Optimizer steps taken, as far as the outcomes read say.
-    known_steps: u64,
+    pub(crate) known_steps: u64,
     /// The step enqueued whose outcome is unread.
-    pending: Option<Pending<O>>,
+    pub(crate) pending: Option<Pending<O>>,
 }
 
 /// An enqueued step's outcome, on its way.
-struct Pending<O: GptOps> {
-    step: usize,
+pub(crate) struct Pending<O: GptOps> {
+    pub(crate) step: usize,
     /// The optimizer steps the host knew of when it enqueued the step.
     known: u64,
     values: Values<O>,
@@ -290,7 +156,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                 }
             })?;
             let optim = Optim::zeros(&host, &dims, true)?;
-            let scalars = host.scalars(step_scalars_len(tensors))?;
+            let scalars = host.scalars(&vec![0.0; step_scalars_len(tensors)])?;
             let staging = OffloadStaging::new(model.ops(), &dims, config.grad_accum)?;
             Placement::Host(
                 Box::new(HostSide {
@@ -304,7 +170,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         } else {
             Placement::Device(Optim::zeros(model.ops(), &dims, config.grad_accum > 1)?)
         };
-        let scalars = model.ops().scalars(step_scalars_len(tensors))?;
+        let scalars = model.ops().scalars(&vec![0.0; step_scalars_len(tensors)])?;
         let decays = param_shapes(&dims)
             .iter()
             .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)

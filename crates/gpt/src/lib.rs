@@ -46,8 +46,10 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device_bench;
+mod device_config;
 mod device_optim;
 pub mod device_plan;
+mod device_state;
 pub mod device_train;
 pub mod init;
 pub mod model;

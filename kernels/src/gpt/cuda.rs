@@ -468,8 +468,8 @@ impl GptOps for CudaOps {
             .ok_or_else(|| copy_error("cuMemcpyDtoHAsync", "no element copied back"))
     }
 
-    fn scalars(&self, len: usize) -> Result<CudaScalars, KernelError> {
-        self.scalars_zeros(len)
+    fn scalars(&self, values: &[f64]) -> Result<CudaScalars, KernelError> {
+        self.upload_scalars(values)
     }
 
     fn loss_accumulate(

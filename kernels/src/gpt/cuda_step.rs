@@ -29,11 +29,11 @@ pub struct CudaScalarsCopy {
 pub(super) struct PinnedPool(Mutex<Vec<PinnedHostSlice<f64>>>);
 
 impl CudaOps {
-    pub(super) fn scalars_zeros(&self, len: usize) -> Result<CudaScalars, KernelError> {
+    pub(super) fn upload_scalars(&self, values: &[f64]) -> Result<CudaScalars, KernelError> {
         let b = self
             .cuda
-            .alloc_zeros::<f64>(len)
-            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+            .clone_htod(values)
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
         Ok(self.counted(b))
     }
 

@@ -358,8 +358,8 @@ impl GptOps for HostOps {
         Ok(host::sum_of_squares(x))
     }
 
-    fn scalars(&self, len: usize) -> Result<Counted<Vec<f64>>, KernelError> {
-        Ok(self.counted(vec![0.0; len]))
+    fn scalars(&self, values: &[f64]) -> Result<Counted<Vec<f64>>, KernelError> {
+        Ok(self.counted(values.to_vec()))
     }
 
     fn loss_accumulate(

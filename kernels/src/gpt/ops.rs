@@ -283,11 +283,12 @@ pub trait GptOps {
         *y = out;
         Ok(())
     }
-    /// `len` f64 zeros on the device, counted in [`memory`](GptOps::memory) as a buffer is.
+    /// A scalar buffer holding `values` on the device, counted in [`memory`](GptOps::memory)
+    /// as a buffer is.
     ///
     /// # Errors
-    /// An allocation failure.
-    fn scalars(&self, len: usize) -> Result<Self::Scalars, KernelError>;
+    /// An allocation or copy failure.
+    fn scalars(&self, values: &[f64]) -> Result<Self::Scalars, KernelError>;
     /// One micro-batch's per-token `losses` (one of `accum`) into the step's loss in
     /// `scalars` ([`host::loss_accumulate`](crate::host::loss_accumulate); `first` starts it
     /// from 0). Nothing waits.

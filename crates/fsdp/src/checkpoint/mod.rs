@@ -34,6 +34,7 @@
 //! ([`remove_stale_temporaries`]).
 
 pub mod dir;
+mod full;
 mod output;
 mod sharded;
 
@@ -47,6 +48,7 @@ use safetensors::SafeTensors;
 use crate::FsdpError;
 
 pub use dir::{step_dir_name, CheckpointDir, Committed, STAGING_SUFFIX};
+pub use full::{write_full_checkpoint, FullAdamW, FullParam, FullState};
 pub use output::{
     check_output_path, remove_stale_temporaries, resolve_output_path, write_atomic, write_output,
     OutputKind, PROBE_MARKER, TEMPORARY_MARKER,

@@ -1,0 +1,146 @@
+//! The settings and errors of the [`DeviceTrainer`](crate::device_train::DeviceTrainer), and
+//! the seeded weights it starts from (re-exported by [`device_train`](crate::device_train)).
+
+use std::collections::HashMap;
+
+use fsdp::init::materialize;
+use fsdp::optim::{check_max_norm, AdamWConfig, LrSchedule};
+use fsdp::FsdpError;
+use fsdp_kernels::gpt::GptDims;
+use fsdp_kernels::host::STEP_CHOICES;
+use fsdp_kernels::KernelError;
+
+use crate::init::gpt2_init;
+use crate::model::{param_specs, GptConfig};
+
+/// An error of the device trainer: a setting or batch the engine's rules refuse, or a device
+/// operation that failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceTrainError {
+    /// An invalid setting, token stream or batch (the engine's own errors).
+    #[error(transparent)]
+    Fsdp(#[from] FsdpError),
+    /// A device operation (allocation, copy, kernel, cuBLAS) failed or was given bad shapes.
+    #[error("device: {0}")]
+    Kernel(#[from] KernelError),
+    /// A step whose loss or gradient norm is not finite where every step must be (the
+    /// benchmark's [`time_steps`](crate::device_bench::time_steps)).
+    #[error("step {step} is not finite: loss {loss}, gradient norm {grad_norm}")]
+    NotFinite {
+        /// The step.
+        step: usize,
+        /// Its loss.
+        loss: f32,
+        /// Its global gradient norm.
+        grad_norm: f64,
+    },
+    /// [`DeviceTrainer::step`] while the outcome of a step enqueued by
+    /// [`enqueue_step`](DeviceTrainer::enqueue_step) is unread.
+    #[error(
+        "the outcome of step {step} is still unread: call flush() before step(), or keep to \
+         enqueue_step()"
+    )]
+    Unread {
+        /// The enqueued step.
+        step: usize,
+    },
+    /// The device's optimizer step count was not one the host offered AdamW's scalars for.
+    #[error(
+        "step {step}: the device counted {device} optimizer steps where the host knew of \
+         {known} (and at most {} more); nothing was applied",
+        STEP_CHOICES - 1
+    )]
+    Bookkeeping {
+        /// The step.
+        step: usize,
+        /// The count on the device.
+        device: u64,
+        /// The count the host knew.
+        known: u64,
+    },
+}
+
+/// What one run of the trainer does: the model, AdamW's hyperparameters, the learning-rate
+/// schedule, the weight-decay groups, clipping and the batch, as `fsdp train` gives them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceTrainConfig {
+    /// The model.
+    pub cfg: GptConfig,
+    /// AdamW's hyperparameters (`lr` is the schedule's base learning rate).
+    pub adamw: AdamWConfig,
+    /// The learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Weight decay only for parameters of 2 or more dimensions (nanoGPT's groups).
+    pub decay_2d_only: bool,
+    /// Clip the global gradient norm to this (`None`: no clipping).
+    pub grad_clip: Option<f64>,
+    /// Rows of a step (all micro-batches).
+    pub batch_size: usize,
+    /// Micro-batches per step; divides `batch_size`.
+    pub grad_accum: usize,
+    /// CPU offload (FSDP's `CPUOffload(offload_params=True)`): the master parameters, the
+    /// gradient accumulators and AdamW's moments live in host memory and the optimizer step
+    /// runs on the host (the kernels' twins); the device holds the working parameters (the
+    /// updated ones copied in after each optimizer step), one micro-batch's gradients (copied
+    /// out after its backward) and the activations. The same training, bitwise on the host
+    /// twins.
+    pub offload: bool,
+    /// Activation checkpointing of every block
+    /// ([`DeviceGpt::set_activation_checkpointing`]): forward keeps each block's input only and
+    /// backward recomputes the block's forward. The same training bit for bit, with the
+    /// activations of one block held at a time.
+    pub activation_checkpointing: bool,
+}
+
+impl DeviceTrainConfig {
+    /// Checks the settings with the engine's rules.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidHyperparameter`] or [`FsdpError::InvalidShape`] naming the setting.
+    pub fn validate(&self) -> Result<(), FsdpError> {
+        self.adamw.validate()?;
+        self.schedule.validate()?;
+        if let Some(c) = self.grad_clip {
+            check_max_norm(c)?;
+        }
+        if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
+            return Err(FsdpError::InvalidShape {
+                reason: format!(
+                    "batch size {} in {} micro-batches: both must be positive and the second \
+                     divide the first",
+                    self.batch_size, self.grad_accum
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The model's shape as the kernels' model takes it.
+    pub fn dims(&self) -> GptDims {
+        GptDims {
+            n_layer: self.cfg.n_layer,
+            n_head: self.cfg.n_head,
+            n_embd: self.cfg.n_embd,
+            block_size: self.cfg.block_size,
+            vocab_size: self.cfg.vocab_size,
+        }
+    }
+}
+
+/// Every parameter of `cfg` whole, as the engine's seeded initialisation
+/// (`ParamInit::Seeded` with [`gpt2_init`] and `seed`) fills its shards: the same model.
+///
+/// # Errors
+/// A parameter the rule does not cover; a size that overflows.
+pub fn seeded_params(cfg: &GptConfig, seed: u64) -> Result<HashMap<String, Vec<f32>>, FsdpError> {
+    let rule = gpt2_init(cfg.n_layer);
+    param_specs(cfg)
+        .into_iter()
+        .map(|p| {
+            let init = rule(&p.name, &p.shape)?;
+            let v = materialize(&p.name, &p.shape, &init, seed)?;
+            Ok((p.name, v))
+        })
+        .collect()
+}

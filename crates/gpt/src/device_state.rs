@@ -1,0 +1,212 @@
+//! Saving and restoring a [`DeviceTrainer`]'s state: AdamW's moments and the step counts as
+//! the engine's checkpoints hold them ([`FullOptimizerState`]), and a checkpoint of the whole
+//! trainer written in the engine's sharded format ([`write_full_checkpoint`]: world 1, one
+//! unit), which the engine resumes from at any world size and which
+//! [`load_sharded_gpt`](crate::checkpoint::load_sharded_gpt) reads back.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use fsdp::checkpoint::{
+    write_full_checkpoint, FullAdamW, FullOptimizerState, FullParam, FullState,
+};
+use fsdp::engine::OptimizerSetup;
+use fsdp::optim::{decay_2d_only, decay_2d_only_group};
+use fsdp::FsdpError;
+use fsdp_kernels::gpt::{param_shapes, GptOps, Weights};
+use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
+use fsdp_kernels::KernelError;
+
+use crate::device_optim::{Moments, Placement};
+use crate::device_train::{DeviceTrainError, DeviceTrainer};
+
+fn bad(reason: String) -> DeviceTrainError {
+    DeviceTrainError::Fsdp(FsdpError::Checkpoint {
+        path: "<optimizer state>".into(),
+        reason,
+    })
+}
+
+impl<O: GptOps> DeviceTrainer<O> {
+    /// The optimizer groups and the learning-rate schedule as the engine records them for the
+    /// same run (nanoGPT's two groups with `decay_2d_only`, else the one default group).
+    pub fn optimizer_setup(&self) -> OptimizerSetup {
+        let c = self.config;
+        let mut setup = OptimizerSetup {
+            lr_schedule: c.schedule,
+            ..OptimizerSetup::default()
+        };
+        if c.decay_2d_only {
+            setup.groups = decay_2d_only(c.adamw.weight_decay);
+            setup.group_of = param_shapes(&c.dims())
+                .into_iter()
+                .map(|(name, shape)| {
+                    let g = decay_2d_only_group(&shape);
+                    (name, g)
+                })
+                .collect();
+        }
+        setup
+    }
+
+    /// AdamW's state after every step enqueued so far: both moments by parameter name, the
+    /// optimizer steps taken (AdamW's step count and the schedule's position alike) and the
+    /// setup.
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while an enqueued step's outcome is unread (the count is
+    /// not known yet); copy failures.
+    pub fn optimizer_state(&self) -> Result<FullOptimizerState, DeviceTrainError> {
+        if let Some(p) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: p.step });
+        }
+        let (exp_avg, exp_avg_sq) = match &self.state {
+            Placement::Device(o) => moments_by_name(&o.moments, |b| self.model.ops().download(b))?,
+            Placement::Host(h, _) => moments_by_name(&h.optim.moments, |b| Ok(b.to_vec()))?,
+        };
+        Ok(FullOptimizerState {
+            optimizer: "adamw".into(),
+            step: self.known_steps,
+            optimizer_steps: self.known_steps,
+            setup: self.optimizer_setup(),
+            buffers: HashMap::from([
+                ("exp_avg".to_string(), exp_avg),
+                ("exp_avg_sq".to_string(), exp_avg_sq),
+            ]),
+        })
+    }
+
+    /// Continues from a saved optimizer state (a checkpoint's, the engine's or this
+    /// trainer's): both moments of every parameter, the optimizer steps taken, and the
+    /// non-finite steps `skipped` so far (they count against
+    /// [`set_skip_nonfinite`](Self::set_skip_nonfinite)). The groups and schedule are the
+    /// trainer's own settings.
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while an enqueued step is unread; a state of another
+    /// optimizer, with AdamW's step count unequal to the optimizer steps taken, or missing or
+    /// mis-sizing a moment (naming it); copy failures.
+    pub fn load_optimizer_state(
+        &mut self,
+        state: &FullOptimizerState,
+        skipped: u64,
+    ) -> Result<(), DeviceTrainError> {
+        if let Some(p) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: p.step });
+        }
+        if state.optimizer != "adamw" {
+            return Err(bad(format!(
+                "the state is of `{}`, the device trainer runs AdamW",
+                state.optimizer
+            )));
+        }
+        if state.step != state.optimizer_steps {
+            return Err(bad(format!(
+                "AdamW's step count {} differs from the {} optimizer steps taken (the device \
+                 trainer keeps one count)",
+                state.step, state.optimizer_steps
+            )));
+        }
+        let dims = self.config.dims();
+        let moment = |kind: &str, name: &str, len: usize| -> Result<&Vec<f32>, DeviceTrainError> {
+            state
+                .buffers
+                .get(kind)
+                .and_then(|m| m.get(name))
+                .filter(|v| v.len() == len)
+                .ok_or_else(|| bad(format!("`{kind}` of `{name}` is missing or mis-sized")))
+        };
+        // Everything checked before anything changes.
+        let mut values = Vec::new();
+        for (name, shape) in param_shapes(&dims) {
+            let len = shape.iter().product();
+            values.push((
+                moment("exp_avg", &name, len)?,
+                moment("exp_avg_sq", &name, len)?,
+            ));
+        }
+        match &mut self.state {
+            Placement::Device(o) => upload_moments(self.model.ops(), &mut o.moments, &values)?,
+            Placement::Host(h, _) => {
+                let h = &mut **h;
+                upload_moments(&h.ops, &mut h.optim.moments, &values)?;
+            }
+        }
+        let mut scalars = vec![0.0; step_scalars_len(self.decays.len())];
+        scalars[STEP_COUNT] = state.optimizer_steps as f64;
+        scalars[STEP_NONFINITE] = skipped as f64;
+        self.scalars = self.model.ops().scalars(&scalars)?;
+        if let Placement::Host(h, _) = &mut self.state {
+            h.scalars.copy_from_slice(&scalars);
+        }
+        self.known_steps = state.optimizer_steps;
+        Ok(())
+    }
+
+    /// Writes the trainer's parameters and optimizer state into `dir` as a checkpoint in the
+    /// engine's sharded format (world 1).
+    ///
+    /// # Errors
+    /// As [`optimizer_state`](Self::optimizer_state); a failed write.
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<(), DeviceTrainError> {
+        let o = self.optimizer_state()?;
+        let params = self.full_params()?;
+        let shapes = param_shapes(&self.config.dims());
+        let missing = |kind: &str| bad(format!("no `{kind}` buffers"));
+        let state = FullState {
+            params: shapes
+                .iter()
+                .map(|(name, shape)| {
+                    let values = params
+                        .get(name)
+                        .ok_or_else(|| bad(format!("no parameter `{name}`")))?;
+                    Ok(FullParam {
+                        name,
+                        shape,
+                        values,
+                    })
+                })
+                .collect::<Result<_, DeviceTrainError>>()?,
+            adamw: Some(FullAdamW {
+                step: o.step,
+                optimizer_steps: o.optimizer_steps,
+                exp_avg: o.buffers.get("exp_avg").ok_or_else(|| missing("exp_avg"))?,
+                exp_avg_sq: o
+                    .buffers
+                    .get("exp_avg_sq")
+                    .ok_or_else(|| missing("exp_avg_sq"))?,
+            }),
+            setup: o.setup.clone(),
+        };
+        Ok(write_full_checkpoint(dir, &state)?)
+    }
+}
+
+/// Both moments of every tensor, in [`param_shapes`] order, copied into `m`.
+fn upload_moments<P: GptOps>(
+    ops: &P,
+    m: &mut Moments<P::Buf>,
+    values: &[(&Vec<f32>, &Vec<f32>)],
+) -> Result<(), KernelError> {
+    let targets = m.exp_avg.all_mut().into_iter().zip(m.exp_avg_sq.all_mut());
+    for ((dm, dv), (wm, wv)) in targets.zip(values) {
+        ops.upload_into(wm, dm)?;
+        ops.upload_into(wv, dv)?;
+    }
+    Ok(())
+}
+
+/// Both moments of every parameter by name, read by `read`.
+#[allow(clippy::type_complexity)]
+fn moments_by_name<B>(
+    m: &Moments<B>,
+    read: impl Fn(&B) -> Result<Vec<f32>, KernelError>,
+) -> Result<(HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>), KernelError> {
+    let by_name = |w: &Weights<B>| -> Result<HashMap<String, Vec<f32>>, KernelError> {
+        w.named()
+            .into_iter()
+            .map(|(name, b)| Ok((name, read(b)?)))
+            .collect()
+    };
+    Ok((by_name(&m.exp_avg)?, by_name(&m.exp_avg_sq)?))
+}
