@@ -123,7 +123,7 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
     );
     let dir = scratch("device_cli", "refusals");
     let f = s(&dir);
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["--trace", f], "--trace"),
         (&["--memory-snapshot", f], "--memory-snapshot"),
         (&["--grad-scaler", "on"], "--grad-scaler"),
@@ -131,8 +131,6 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
             &["--optimizer", "anyprecision-adamw"],
             "--optimizer anyprecision-adamw",
         ),
-        (&["--resume", f], "--resume"),
-        (&["--checkpoint-dir", f], "--checkpoint-dir"),
         (&["--strategy", "no-shard"], "--strategy"),
         (&["--backend", "tcp"], "--backend"),
         (&["--wrap", "size:100"], "--wrap"),

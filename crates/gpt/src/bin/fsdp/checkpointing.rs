@@ -107,6 +107,19 @@ impl Checkpointer {
         Ok(())
     }
 
+    /// Writes the checkpoint of step `done` of a run in one process (the device trainer's):
+    /// `write` puts its files into the staging directory, then it is completed as
+    /// [`save`](Self::save) completes the engine's.
+    pub(crate) fn save_one(
+        &self,
+        done: usize,
+        skipped: usize,
+        write: impl FnOnce(&std::path::Path) -> Result<(), CliError>,
+    ) -> Result<(), CliError> {
+        write(&self.dir.staging_path(done as u64))?;
+        self.commit(done as u64, done, skipped)
+    }
+
     fn commit(&self, step: u64, done: usize, skipped: usize) -> Result<(), CliError> {
         let staging = self.dir.staging_path(step);
         let mut run = self.base.clone();

@@ -10,6 +10,7 @@
 
 use std::time::Instant;
 
+use fsdp::checkpoint::FullOptimizerState;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
@@ -19,10 +20,12 @@ use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, PlanArgs, TrainArgs};
+use crate::checkpointing::Checkpointer;
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
 use crate::paths::check_output_paths;
 use crate::progress::{nonfinite, say_done, Progress};
+use crate::resume::{Resolved, ResumePoint};
 use crate::say;
 use crate::setup::{micro_batch, setup};
 use crate::train::{clip_option, grad_clip, load_tokens};
@@ -30,7 +33,7 @@ use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
 /// Options of the sharded engine (given on the command line) that mean nothing without it.
-const ENGINE_ONLY: [(&str, &str); 11] = [
+const ENGINE_ONLY: [(&str, &str); 10] = [
     ("strategy", "--strategy"),
     ("ranks_per_node", "--ranks-per-node"),
     ("backward_prefetch", "--backward-prefetch"),
@@ -41,7 +44,6 @@ const ENGINE_ONLY: [(&str, &str); 11] = [
     ("timeout", "--timeout"),
     ("init_timeout", "--init-timeout"),
     ("memory_limit", "--memory-limit"),
-    ("keep_checkpoints", "--keep-checkpoints"),
 ];
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
@@ -92,17 +94,12 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
         ("--growth-interval", args.growth_interval.is_some()),
     ]
     .into_iter()
-    .chain(optimizer_refusals(&args.optim))
-    .chain([
-        ("--resume", args.resume.is_some()),
-        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
-        ("--checkpoint-every", args.checkpoint_every.is_some()),
-    ]);
+    .chain(optimizer_refusals(&args.optim));
     refuse_first(
         dev,
         unsupported,
         &args.explicit,
-        "f32 AdamW, no checkpoints, traces or memory snapshots yet",
+        "f32 AdamW, no traces or memory snapshots yet",
     )
 }
 
@@ -146,6 +143,10 @@ struct Run {
     tokens: Vec<u16>,
     /// `fsdp plan --device`'s peak of this run.
     predicted_peak: u64,
+    /// With `--resume`: the checkpoint, its optimizer state.
+    resume: Option<(ResumePoint, FullOptimizerState)>,
+    /// With `--checkpoint-dir`: the checkpoints to write.
+    checkpointer: Option<Checkpointer>,
 }
 
 /// The products of `--param-dtype bf16` (else f32).
@@ -160,8 +161,13 @@ fn products(bf16: bool) -> Products {
 /// `fsdp train --device cuda|cuda:N|host-twin`.
 pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     check_device_options(args)?;
-    // `--init-from` fills in the model sizes not given (`--resume` is refused above).
-    let args = &crate::resume::resolve(args)?.args;
+    // `--init-from` fills in the model sizes not given; `--resume` every option not given.
+    let Resolved {
+        args,
+        resume,
+        checkpoints,
+    } = crate::resume::resolve(args)?;
+    let args = &args;
     let cfg = setup(&args.model, 1)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, 1)?;
     if args.steps == 0 {
@@ -180,17 +186,33 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;
-    let params = match initial_params(args, &cfg)? {
-        Some(p) => p,
-        None => seeded_params(&cfg, args.seed)?,
+    // A resumed run starts from the checkpoint's parameters and optimizer state at its step.
+    let (params, resume) = match resume {
+        Some(r) => {
+            r.check_tokens(tokens.len())?;
+            let (p, o) = r.load(&cfg)?;
+            (p, Some((r, o)))
+        }
+        None => match initial_params(args, &cfg)? {
+            Some(p) => (p, None),
+            None => (seeded_params(&cfg, args.seed)?, None),
+        },
     };
     check_output_paths(args, 1, false)?;
+    let checkpointer = checkpoints
+        .as_ref()
+        .map(|plan| Checkpointer::new(plan, args, tokens.len(), 1));
+    if let Some(c) = &checkpointer {
+        c.prepare()?;
+    }
     let run = Run {
         cfg,
         config,
         params,
         tokens,
         predicted_peak: 0,
+        resume,
+        checkpointer,
     };
     let dev = args.device;
     let bf16 = args.model.param_dtype == DType::BF16;
@@ -244,7 +266,10 @@ fn train_with<O: GptOps>(
     let t = cfg.block_size;
     let global_tokens = args.batch_size * t;
     let mut trainer = DeviceTrainer::new(ops, run.config, &run.params).map_err(on_device)?;
-    let mut loss_log = args.loss_log.as_deref().map(LossLog::create).transpose()?;
+    let mut loss_log = match &run.resume {
+        Some(_) => None,
+        None => args.loss_log.as_deref().map(LossLog::create).transpose()?,
+    };
     say!(
         "fsdp train: 1 rank on {dev} (no sharding: the GPT's kernels on one device), GPT {} \
          layers × {} heads × {} wide ({} parameters), batch {} × {} tokens{}",
@@ -272,50 +297,58 @@ fn train_with<O: GptOps>(
         say!("products: bf16 operands, f32 sums and results (every other layer in f32)");
     }
     let progress = Progress::new(steps, args.skip_nonfinite);
+    let mut start_step = 0;
+    let mut tally = Tally::default();
+    if let Some((r, state)) = &run.resume {
+        trainer
+            .load_optimizer_state(state, r.skipped as u64)
+            .map_err(on_device)?;
+        say!(
+            "resuming from {} at step {} of {steps}",
+            r.path.display(),
+            r.step
+        );
+        (start_step, tally.skipped) = (r.step, r.skipped);
+        loss_log = args
+            .loss_log
+            .as_deref()
+            .map(|p| LossLog::resume(p, r.step))
+            .transpose()?;
+    }
+    progress.start_at(start_step);
     // The device halts at the step past --skip-nonfinite itself: the steps enqueued after it
     // (the outcome is read one step late) apply nothing.
     trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
     let start = Instant::now();
-    let (mut first, mut last) = (f32::NAN, f32::NAN);
-    let mut skipped = 0usize;
-    let mut arrived_at = Instant::now();
-    // The peak when the step's outcome was read, for the loss log.
-    let trainer_peak = std::cell::Cell::new(0u64);
+    tally.arrived_at = Instant::now();
     // Each step is enqueued while the device runs the one before; its outcome is read (and
-    // logged) when the next is enqueued, so no step waits for the host.
-    let mut report = |r: Reported| -> Result<(), CliError> {
-        let (step, o) = (r.step, r.outcome);
-        if !o.applied {
-            let what = nonfinite(o.loss, o.grad_norm, false)
-                .unwrap_or_else(|| "the step is not finite".to_string());
-            progress.count_skip(step, &what, &mut skipped)?;
-            progress.skipped(step, &what, skipped);
-        }
-        let now = Instant::now();
-        let dt = (now - arrived_at).as_secs_f64();
-        arrived_at = now;
-        let tps = global_tokens as f64 / dt;
-        if step == 0 {
-            first = o.loss;
-        }
-        last = o.loss;
-        if let Some(log) = &mut loss_log {
-            log.step(step, o.loss, tps, trainer_peak.get());
-        }
-        let msg = format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss);
-        progress.status(step, msg);
-        Ok(())
-    };
-    for step in 0..steps {
+    // logged) when the next is enqueued, so no step waits for the host. A checkpoint waits
+    // for its step's outcome and state.
+    for step in start_step..steps {
         let r = trainer.enqueue_step(&run.tokens, step).map_err(on_device)?;
-        trainer_peak.set(trainer.peak_bytes());
+        let peak = trainer.peak_bytes();
         if let Some(r) = r {
-            report(r)?;
+            tally.report(r, &progress, loss_log.as_mut(), global_tokens, peak)?;
+        }
+        if let Some(c) = run.checkpointer.as_ref().filter(|c| c.due(step + 1)) {
+            if let Some(r) = trainer.flush().map_err(on_device)? {
+                tally.report(r, &progress, loss_log.as_mut(), global_tokens, peak)?;
+            }
+            c.save_one(step + 1, tally.skipped, |dir| {
+                trainer.save_checkpoint(dir).map_err(on_device)
+            })?;
         }
     }
     if let Some(r) = trainer.flush().map_err(on_device)? {
-        report(r)?;
+        let peak = trainer.peak_bytes();
+        tally.report(r, &progress, loss_log.as_mut(), global_tokens, peak)?;
     }
+    let Tally {
+        first,
+        last,
+        skipped,
+        ..
+    } = tally;
     let elapsed = start.elapsed();
     progress.finish();
     if let Some(path) = &args.save {
@@ -339,6 +372,65 @@ fn train_with<O: GptOps>(
     );
     progress.say_skipped(skipped);
     Ok(())
+}
+
+/// What the training loop has read of the steps' outcomes.
+struct Tally {
+    /// The non-finite steps skipped so far.
+    skipped: usize,
+    /// The first step's loss and the last one read.
+    first: f32,
+    last: f32,
+    /// When the last outcome arrived.
+    arrived_at: Instant,
+}
+
+impl Default for Tally {
+    fn default() -> Tally {
+        Tally {
+            skipped: 0,
+            first: f32::NAN,
+            last: f32::NAN,
+            arrived_at: Instant::now(),
+        }
+    }
+}
+
+impl Tally {
+    /// Step `r.step`'s outcome: counted against `--skip-nonfinite` (the error that stops the
+    /// run past it), logged with the tokens a second since the outcome before it arrived.
+    fn report(
+        &mut self,
+        r: Reported,
+        progress: &Progress,
+        log: Option<&mut LossLog>,
+        global_tokens: usize,
+        peak: u64,
+    ) -> Result<(), CliError> {
+        let (step, o) = (r.step, r.outcome);
+        if !o.applied {
+            let what = nonfinite(o.loss, o.grad_norm, false)
+                .unwrap_or_else(|| "the step is not finite".to_string());
+            progress.count_skip(step, &what, &mut self.skipped)?;
+            progress.skipped(step, &what, self.skipped);
+        }
+        let now = Instant::now();
+        let dt = (now - self.arrived_at).as_secs_f64();
+        self.arrived_at = now;
+        let tps = global_tokens as f64 / dt;
+        if self.first.is_nan() {
+            self.first = o.loss;
+        }
+        self.last = o.loss;
+        if let Some(log) = log {
+            log.step(step, o.loss, tps, peak);
+        }
+        progress.status(
+            step,
+            format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss),
+        );
+        Ok(())
+    }
 }
 
 /// `fsdp plan --device cuda|cuda:N|host-twin`: the device memory of `fsdp train --device` with

@@ -1,0 +1,112 @@
+//! `fsdp train --device` with `--checkpoint-dir`, `--checkpoint-every` and `--resume`, on the
+//! kernels' host twins (the hidden `--device host-twin`, the same code as `--device cuda`): a
+//! run resumed from its own checkpoint logs bitwise the losses of the run that never stopped
+//! and saves the same weights; the device's checkpoints are the engine's format, so the engine
+//! resumes from them (at 2 ranks) and the device from the engine's, each continuing the other's
+//! losses within issue 16's 1e-4.
+
+mod common;
+
+use std::path::Path;
+
+use common::cli::{fsdp, loss_log_rows, ok, s, scratch, small_train_args, CLIP_ACCUM_COSINE};
+
+const BOUND: f64 = 1e-4;
+
+fn losses(path: &Path) -> Vec<f64> {
+    loss_log_rows(&std::fs::read_to_string(path).unwrap())
+        .into_iter()
+        .map(|f| f[1].parse().unwrap())
+        .collect()
+}
+
+/// The first run: 6 steps with checkpoints after steps 3 and 6 in `ck`, the loss log `log`;
+/// `on` says where (`--device host-twin --param-dtype f32`, or `--ranks 1`). The checkpoint of
+/// step 6 is removed, so that a resume starts at step 3.
+fn first_run(on: &[&str], ck: &Path, log: &Path, weights: &Path) {
+    let base = ["--batch-size", "8", "--steps", "6"];
+    let mut a = small_train_args(&base, &CLIP_ACCUM_COSINE);
+    a.extend(on);
+    a.extend(["--checkpoint-dir", s(ck), "--checkpoint-every", "3"]);
+    a.extend(["--loss-log", s(log), "--save", s(weights)]);
+    ok(&fsdp(&a), "the first run");
+    for k in [3, 6] {
+        assert!(
+            ck.join(format!("step-{k}")).is_dir(),
+            "no step-{k} in {ck:?}"
+        );
+    }
+    std::fs::remove_dir_all(ck.join("step-6")).unwrap();
+}
+
+/// Resumes from `ck` where `on` says, the loss log continuing a copy of `log` in `log2`.
+fn resume(on: &[&str], ck: &Path, log: &Path, log2: &Path, weights: &Path) -> String {
+    std::fs::copy(log, log2).unwrap();
+    let mut b = vec!["train", "--resume", s(ck)];
+    b.extend(on);
+    b.extend(["--loss-log", s(log2), "--save", s(weights)]);
+    let out = ok(&fsdp(&b), "the resumed run");
+    assert!(out.contains("resuming from"), "{out}");
+    assert!(out.contains("at step 3 of 6"), "{out}");
+    out
+}
+
+fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn host_twin_resumes_bitwise_from_its_checkpoint() {
+    let dir = scratch("device_resume_cli", "own");
+    let (ck, log, log2) = (dir.join("ck"), dir.join("log.csv"), dir.join("log2.csv"));
+    let (wa, wb) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    let twin = ["--device", "host-twin", "--param-dtype", "f32"];
+    first_run(&twin, &ck, &log, &wa);
+    resume(&["--device", "host-twin"], &ck, &log, &log2, &wb);
+    let (a, b) = (losses(&log), losses(&log2));
+    assert_eq!(a.len(), 6);
+    assert_eq!(a, b, "the resumed run's losses");
+    let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
+    let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
+    assert_eq!(load(&wa), load(&wb), "the final weights");
+}
+
+#[test]
+fn engine_and_device_resume_from_each_others_checkpoints() {
+    let dir = scratch("device_resume_cli", "cross");
+    let twin = ["--device", "host-twin", "--param-dtype", "f32"];
+    let cases: [(&str, &[&str], &[&str]); 2] = [
+        ("device then engine at 2 ranks", &twin, &["--ranks", "2"]),
+        (
+            "engine then device",
+            &["--ranks", "1"],
+            &["--device", "host-twin"],
+        ),
+    ];
+    for (name, first, then) in cases {
+        let sub = dir.join(name.replace(' ', "-"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let (ck, log, log2) = (sub.join("ck"), sub.join("log.csv"), sub.join("log2.csv"));
+        let (wa, wb) = (sub.join("a.safetensors"), sub.join("b.safetensors"));
+        first_run(first, &ck, &log, &wa);
+        resume(then, &ck, &log, &log2, &wb);
+        let (a, b) = (losses(&log), losses(&log2));
+        assert_eq!((a.len(), b.len()), (6, 6), "{name}");
+        assert_eq!(a[..3], b[..3], "{name}: the kept lines");
+        let r = max_rel(&b[3..], &a[3..]);
+        assert!(
+            r <= BOUND,
+            "{name}: {:?} vs {:?} ({r:.2e})",
+            &b[3..],
+            &a[3..]
+        );
+        println!(
+            "{name}: steps 3-5 {:?} within {r:.2e} of the first run's {:?}",
+            &b[3..],
+            &a[3..]
+        );
+    }
+}
