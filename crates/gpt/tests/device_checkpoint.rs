@@ -8,38 +8,28 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp::optim::LrSchedule;
 use fsdp_gpt::checkpoint::load_sharded_gpt;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer, StepOutcome};
-use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::HostOps;
+
+mod common;
+use common::device::device_config;
 
 const SEED: u64 = 17;
 const STEPS: usize = 6;
 const CUT: usize = 3;
 
 fn config(offload: bool) -> DeviceTrainConfig {
+    let schedule = LrSchedule::Cosine {
+        warmup_iters: 2,
+        lr_decay_iters: STEPS as u64,
+        min_lr: 3e-4,
+    };
     DeviceTrainConfig {
-        cfg: GptConfig::new(2, 2, 32, 16, 64).unwrap(),
-        adamw: AdamWConfig {
-            lr: 3e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        schedule: LrSchedule::Cosine {
-            warmup_iters: 2,
-            lr_decay_iters: STEPS as u64,
-            min_lr: 3e-4,
-        },
-        decay_2d_only: true,
-        grad_clip: Some(0.5),
-        batch_size: 8,
-        grad_accum: 2,
         offload,
-        activation_checkpointing: false,
+        ..device_config(schedule, true, Some(0.5), 2)
     }
 }
 

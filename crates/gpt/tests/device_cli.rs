@@ -14,17 +14,11 @@ mod common;
 use std::path::Path;
 
 use common::cli::{
-    fsdp, loss_log_rows, ok, one_error_status_1, s, scratch, small_train_args, CLIP_ACCUM_COSINE,
+    fsdp, log_losses, loss_log_rows, ok, one_error_status_1, s, scratch, small_train_args,
+    CLIP_ACCUM_COSINE,
 };
 
 const BOUND: f64 = 1e-4;
-
-fn losses(path: &Path) -> Vec<f64> {
-    loss_log_rows(&std::fs::read_to_string(path).unwrap())
-        .into_iter()
-        .map(|f| f[1].parse().unwrap())
-        .collect()
-}
 
 /// Runs `extra` on the engine (`--ranks 1`) and on the host twins; returns the largest
 /// relative difference of the losses.
@@ -50,7 +44,7 @@ fn compare(test: &str, extra: &[&str]) -> f64 {
     let out = ok(&fsdp(&b), "fsdp train --device host-twin");
     assert!(out.contains("1 rank on host-twin"), "{out}");
     assert!(out.contains("done: 20 steps"), "{out}");
-    let (e, d) = (losses(&cpu), losses(&twin));
+    let (e, d) = (log_losses(&cpu), log_losses(&twin));
     assert_eq!(e.len(), 20);
     assert_eq!(d.len(), 20);
     let mut max = 0.0f64;
@@ -222,7 +216,7 @@ fn host_twin_bf16_products_track_the_f32_run() {
         "fsdp train --device host-twin --param-dtype bf16",
     );
     assert!(out.contains("products: bf16 operands"), "{out}");
-    let (e, d) = (losses(&cpu), losses(&twin));
+    let (e, d) = (log_losses(&cpu), log_losses(&twin));
     assert_eq!((e.len(), d.len()), (20, 20));
     let rel: Vec<f64> = e
         .iter()
@@ -243,7 +237,7 @@ fn host_twin_bf16_products_track_the_f32_run() {
     c.extend(["--device", "host-twin", "--loss-log", s(&default_log)]);
     let out = ok(&fsdp(&c), "fsdp train --device host-twin");
     assert!(out.contains("products: bf16 operands"), "{out}");
-    assert_eq!(losses(&default_log), d);
+    assert_eq!(log_losses(&default_log), d);
 }
 
 /// `fsdp plan --device host-twin` (the device trainer's predicted memory) against `fsdp train
@@ -401,7 +395,7 @@ fn cpu_offload_trains_as_without_it_and_plans_its_memory() {
             .unwrap();
         assert_eq!(logged, predicted, "offload {offload:?}");
         peaks.push(predicted);
-        logs.push(losses(&log));
+        logs.push(log_losses(&log));
     }
     assert_eq!(logs[0], logs[1], "losses differ with --cpu-offload");
     assert!(peaks[1] < peaks[0], "{peaks:?}");

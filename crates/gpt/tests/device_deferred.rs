@@ -6,39 +6,26 @@
 //! advanced; `set_skip_nonfinite` halting on the device so that the steps enqueued after the
 //! limit apply nothing; and `step` refusing while an enqueued step is unread.
 
-use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp::optim::LrSchedule;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_train::{
     seeded_params, DeviceTrainConfig, DeviceTrainError, DeviceTrainer, StepOutcome,
 };
-use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{HostOps, HostProducts};
+
+mod common;
+use common::device::device_config;
 
 const SEED: u64 = 11;
 const STEPS: usize = 8;
 
 fn config(clip: Option<f64>, accum: usize) -> DeviceTrainConfig {
-    DeviceTrainConfig {
-        cfg: GptConfig::new(2, 2, 32, 16, 64).unwrap(),
-        adamw: AdamWConfig {
-            lr: 3e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        schedule: LrSchedule::Cosine {
-            warmup_iters: 3,
-            lr_decay_iters: STEPS as u64,
-            min_lr: 3e-4,
-        },
-        decay_2d_only: true,
-        grad_clip: clip,
-        batch_size: 8,
-        grad_accum: accum,
-        offload: false,
-        activation_checkpointing: false,
-    }
+    let schedule = LrSchedule::Cosine {
+        warmup_iters: 3,
+        lr_decay_iters: STEPS as u64,
+        min_lr: 3e-4,
+    };
+    device_config(schedule, true, clip, accum)
 }
 
 fn trainer(c: DeviceTrainConfig, ops: HostOps) -> DeviceTrainer<HostOps> {

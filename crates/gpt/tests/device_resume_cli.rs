@@ -9,16 +9,9 @@ mod common;
 
 use std::path::Path;
 
-use common::cli::{fsdp, loss_log_rows, ok, s, scratch, small_train_args, CLIP_ACCUM_COSINE};
+use common::cli::{fsdp, log_losses, ok, s, scratch, small_train_args, CLIP_ACCUM_COSINE};
 
 const BOUND: f64 = 1e-4;
-
-fn losses(path: &Path) -> Vec<f64> {
-    loss_log_rows(&std::fs::read_to_string(path).unwrap())
-        .into_iter()
-        .map(|f| f[1].parse().unwrap())
-        .collect()
-}
 
 /// The first run: 6 steps with checkpoints after steps 3 and 6 in `ck`, the loss log `log`;
 /// `on` says where (`--device host-twin --param-dtype f32`, or `--ranks 1`). The checkpoint of
@@ -66,7 +59,7 @@ fn host_twin_resumes_bitwise_from_its_checkpoint() {
     let twin = ["--device", "host-twin", "--param-dtype", "f32"];
     first_run(&twin, &ck, &log, &wa);
     resume(&["--device", "host-twin"], &ck, &log, &log2, &wb);
-    let (a, b) = (losses(&log), losses(&log2));
+    let (a, b) = (log_losses(&log), log_losses(&log2));
     assert_eq!(a.len(), 6);
     assert_eq!(a, b, "the resumed run's losses");
     let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
@@ -93,7 +86,7 @@ fn engine_and_device_resume_from_each_others_checkpoints() {
         let (wa, wb) = (sub.join("a.safetensors"), sub.join("b.safetensors"));
         first_run(first, &ck, &log, &wa);
         resume(then, &ck, &log, &log2, &wb);
-        let (a, b) = (losses(&log), losses(&log2));
+        let (a, b) = (log_losses(&log), log_losses(&log2));
         assert_eq!((a.len(), b.len()), (6, 6), "{name}");
         assert_eq!(a[..3], b[..3], "{name}: the kept lines");
         let r = max_rel(&b[3..], &a[3..]);

@@ -6,17 +6,19 @@
 //! clipping, one micro-batch); the other exercises the cosine schedule with warmup,
 //! `decay_2d_only`, clipping (asserted active) and 2 micro-batches.
 
-use fsdp::optim::{decay_2d_only as decay_groups, decay_2d_only_group, AdamWConfig, LrSchedule};
+use fsdp::optim::{decay_2d_only as decay_groups, decay_2d_only_group, LrSchedule};
 use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
 use fsdp::ParamInit;
 use fsdp_collectives::ring;
 use fsdp_gpt::data::{get_batch, synthetic_corpus};
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::init::gpt2_init;
-use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp_gpt::tree::gpt_module_tree;
 use fsdp_kernels::gpt::HostOps;
+
+mod common;
+use common::device::device_config;
 
 const STEPS: usize = 20;
 const SEED: u64 = 3;
@@ -24,32 +26,16 @@ const SEED: u64 = 3;
 const LOSS_BOUND: f64 = 1e-4;
 
 fn config(clip: Option<f64>, accum: usize, cosine: bool) -> DeviceTrainConfig {
-    let cfg = GptConfig::new(2, 2, 32, 16, 64).unwrap();
-    DeviceTrainConfig {
-        cfg,
-        adamw: AdamWConfig {
-            lr: 3e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        schedule: if cosine {
-            LrSchedule::Cosine {
-                warmup_iters: 4,
-                lr_decay_iters: STEPS as u64,
-                min_lr: 3e-4,
-            }
-        } else {
-            LrSchedule::Constant
-        },
-        decay_2d_only: cosine,
-        grad_clip: clip,
-        batch_size: 8,
-        grad_accum: accum,
-        offload: false,
-        activation_checkpointing: false,
-    }
+    let schedule = if cosine {
+        LrSchedule::Cosine {
+            warmup_iters: 4,
+            lr_decay_iters: STEPS as u64,
+            min_lr: 3e-4,
+        }
+    } else {
+        LrSchedule::Constant
+    };
+    device_config(schedule, cosine, clip, accum)
 }
 
 /// (loss, gradient norm before clipping) of every step of the engine at world 1.

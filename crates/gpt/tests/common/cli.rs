@@ -364,3 +364,11 @@ pub fn golden_args<'a>(
     ]);
     args
 }
+
+/// The losses of a loss log (`--loss-log`), step by step.
+pub fn log_losses(path: &Path) -> Vec<f64> {
+    loss_log_rows(&std::fs::read_to_string(path).unwrap())
+        .into_iter()
+        .map(|f| f[1].parse().unwrap())
+        .collect()
+}
