@@ -129,6 +129,13 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --activation-checkpointing"
     cat "$log"
+    # The baseline of the one-late reads: the host waiting for every step's outcome.
+    log="$report/gpt_device_bench_wait.log"
+    device_bench "$log" --model 124m --wait-each-step
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench --wait-each-step"
+    cat "$log"
 fi
 if [ "$have_torch" = 1 ]; then
     runs=()

@@ -60,11 +60,21 @@ impl StepTimes {
     }
 }
 
-/// Train `trainer` for `steps` steps of `tokens` (step numbers from 0), timing each: the host
-/// enqueues each step while the device runs the one before
-/// ([`DeviceTrainer::enqueue_step`]), and a step's time is the time between its outcome and
-/// the one before it arriving (the first's from the start): once the host runs ahead, the
-/// device's step time.
+/// How [`time_steps`] reads the steps' outcomes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    /// Each step enqueued while the device runs the one before, its outcome read one step
+    /// late ([`DeviceTrainer::enqueue_step`]): what `fsdp train --device` does.
+    OneLate,
+    /// Each step's outcome read before the next is enqueued ([`DeviceTrainer::step`]): the
+    /// host waits for the device every step (the baseline of the one-late reads).
+    AtOnce,
+}
+
+/// Train `trainer` for `steps` steps of `tokens` (step numbers from 0), reading their outcomes
+/// as `reads` says and timing each: a step's time is the time between its outcome and the one
+/// before it arriving (the first's from the start); with one-late reads, once the host runs
+/// ahead, the device's step time.
 ///
 /// # Errors
 /// The trainer's errors; a step that is not finite (a benchmark of skipped steps would time
@@ -74,6 +84,7 @@ pub fn time_steps<O: GptOps>(
     tokens: &[u16],
     steps: usize,
     warmup: usize,
+    reads: Reads,
 ) -> Result<StepTimes, DeviceTrainError> {
     let c = trainer.config();
     let tokens_per_step = c.batch_size * c.cfg.block_size;
@@ -100,8 +111,16 @@ pub fn time_steps<O: GptOps>(
         Ok(())
     };
     for step in 0..steps {
-        if let Some(r) = trainer.enqueue_step(tokens, step)? {
-            arrived(r)?;
+        match reads {
+            Reads::OneLate => {
+                if let Some(r) = trainer.enqueue_step(tokens, step)? {
+                    arrived(r)?;
+                }
+            }
+            Reads::AtOnce => {
+                let outcome = trainer.step(tokens, step)?;
+                arrived(Reported { step, outcome })?;
+            }
         }
     }
     if let Some(r) = trainer.flush()? {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, StepTimes};
+use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainError, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::HostOps;
@@ -56,17 +56,19 @@ fn timed_steps_train_exactly_as_untimed_steps() {
     let config = tiny();
     let params = seeded_params(&config.cfg, 5).unwrap();
     let tokens = synthetic_corpus(5000, 40, 5);
-    let mut timed = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
-    let times = time_steps(&mut timed, &tokens, 4, 1).unwrap();
     let mut plain = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
     let losses: Vec<f32> = (0..4)
         .map(|s| plain.step(&tokens, s).unwrap().loss)
         .collect();
-    assert_eq!(times.losses, losses);
-    assert_eq!((times.steps.len(), times.tokens_per_step), (4, 4 * 8));
-    assert!(times.tokens_per_s() > 0.0);
-    assert!(times.median() >= *times.steps[1..].iter().min().unwrap());
-    assert!(times.median() <= *times.steps[1..].iter().max().unwrap());
+    for reads in [Reads::OneLate, Reads::AtOnce] {
+        let mut timed = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
+        let times = time_steps(&mut timed, &tokens, 4, 1, reads).unwrap();
+        assert_eq!(times.losses, losses, "{reads:?}");
+        assert_eq!((times.steps.len(), times.tokens_per_step), (4, 4 * 8));
+        assert!(times.tokens_per_s() > 0.0);
+        assert!(times.median() >= *times.steps[1..].iter().min().unwrap());
+        assert!(times.median() <= *times.steps[1..].iter().max().unwrap());
+    }
 }
 
 #[test]
@@ -96,7 +98,7 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
     params.get_mut("transformer.ln_f.weight").unwrap()[0] = f32::NAN;
     let tokens = synthetic_corpus(5000, 40, 5);
     let mut trainer = DeviceTrainer::new(HostOps::new(), config, &params).unwrap();
-    match time_steps(&mut trainer, &tokens, 3, 0) {
+    match time_steps(&mut trainer, &tokens, 3, 0, Reads::OneLate) {
         Err(e @ DeviceTrainError::NotFinite { step: 0, .. }) => {
             assert!(e.to_string().contains("step 0 is not finite"), "{e}")
         }

@@ -17,7 +17,7 @@ use clap::Parser;
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, StepTimes};
+use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
@@ -64,6 +64,11 @@ struct Args {
     /// Activation checkpointing: each block's forward run again before its backward.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Read each step's outcome before enqueuing the next (the host waits for the device every
+    /// step), instead of one step late as `fsdp train --device` does: the baseline of the
+    /// one-late reads.
+    #[arg(long)]
+    wait_each_step: bool,
     /// Dense bf16 peak of the GPU in TFLOP/s (default: by its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
@@ -135,8 +140,13 @@ fn run<O: GptOps>(
     let params = seeded_params(&config.cfg, 1337).map_err(|e| e.to_string())?;
     let mut trainer = DeviceTrainer::new(ops, config, &params).map_err(|e| e.to_string())?;
     let tokens = synthetic_corpus(200_000, config.cfg.vocab_size as u16, 1337);
-    let times =
-        time_steps(&mut trainer, &tokens, args.steps, args.warmup).map_err(|e| e.to_string())?;
+    let reads = if args.wait_each_step {
+        Reads::AtOnce
+    } else {
+        Reads::OneLate
+    };
+    let times = time_steps(&mut trainer, &tokens, args.steps, args.warmup, reads)
+        .map_err(|e| e.to_string())?;
     Ok(Outcome {
         times,
         counted: trainer.memory(),
