@@ -12,13 +12,15 @@
 # its output goes to REPORT_DIR/<binary>.log and a summary to REPORT_DIR/report.md.
 # fsdp-gpt--test--gpu_device_train runs the `fsdp` program copied beside it
 # (fsdp-gpt--bin--fsdp: `fsdp train --device cuda` vs `--ranks 1`), with this script's
-# FSDP_NVRTC_LIB and LD_LIBRARY_PATH.
+# FSDP_NVRTC_LIB and LD_LIBRARY_PATH. FSDP_GPU_ONLY (an extended regular expression) runs only
+# the MANIFEST's binaries whose file names match it, e.g. FSDP_GPU_ONLY='gpu_(step|nn)$'.
 set -uo pipefail
 bin_dir="$(cd "${1:-gpu-bin}" && pwd)"
 report="${2:-${OUT:-gpu-report}}"
 mkdir -p "$report"
 report="$(cd "$report" && pwd)"
 limit="${FSDP_GPU_TIMEOUT:-240}"
+only="${FSDP_GPU_ONLY:-}"
 
 # NVRTC and NCCL on the loader path: sets nvrtc, nccl, FSDP_NVRTC_LIB and LD_LIBRARY_PATH.
 # shellcheck source=scripts/gpu-env.sh
@@ -40,6 +42,7 @@ limit="${FSDP_GPU_TIMEOUT:-240}"
 failed=0
 while read -r file kind what; do
     [ -z "$file" ] && continue
+    [ -n "$only" ] && ! [[ $file =~ $only ]] && continue
     args=()
     if [ "$kind" = test ]; then args=(--nocapture --test-threads=1); else args=(--bench); fi
     echo "== $file ($what)"
