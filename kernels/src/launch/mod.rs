@@ -420,8 +420,10 @@ pub fn sum_of_squares(
         reason: format!("{n} elements need more than 2^32 blocks"),
     })?;
     // Freed in stream order when dropped (cuMemFreeAsync where the device has memory pools).
-    let mut sums = stream
-        .alloc_zeros::<f64>(blocks)
+    // SAFETY: uninitialised device memory, never read before written: each of the `blocks`
+    // blocks of `sum_squares_f32` writes its sum before `sum_f64_final`, later on the same
+    // stream, reads them (one fill fewer a call: the trainer takes one sum a tensor).
+    let mut sums = unsafe { stream.alloc::<f64>(blocks) }
         .map_err(|e| driver("cuMemAlloc", "sum_squares_f32", e))?;
     let first = function(stream, Program::Norm, "sum_squares_f32")?;
     let last = function(stream, Program::Norm, "sum_f64_final")?;
