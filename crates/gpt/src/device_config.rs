@@ -35,8 +35,9 @@ pub enum DeviceTrainError {
         /// Its global gradient norm.
         grad_norm: f64,
     },
-    /// [`DeviceTrainer::step`] while the outcome of a step enqueued by
-    /// [`enqueue_step`](DeviceTrainer::enqueue_step) is unread.
+    /// [`DeviceTrainer::step`](crate::device_train::DeviceTrainer::step) while the outcome of
+    /// a step enqueued by
+    /// [`enqueue_step`](crate::device_train::DeviceTrainer::enqueue_step) is unread.
     #[error(
         "the outcome of step {step} is still unread: call flush() before step(), or keep to \
          enqueue_step()"
@@ -87,7 +88,7 @@ pub struct DeviceTrainConfig {
     /// twins.
     pub offload: bool,
     /// Activation checkpointing of every block
-    /// ([`DeviceGpt::set_activation_checkpointing`]): forward keeps each block's input only and
+    /// ([`DeviceGpt::set_activation_checkpointing`](fsdp_kernels::gpt::DeviceGpt::set_activation_checkpointing)): forward keeps each block's input only and
     /// backward recomputes the block's forward. The same training bit for bit, with the
     /// activations of one block held at a time.
     pub activation_checkpointing: bool,

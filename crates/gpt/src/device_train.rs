@@ -5,7 +5,7 @@
 //! --ranks 1` (the engine, [`FsdpGpt`](crate::runtime::FsdpGpt)) step for step:
 //!
 //! - the same initial weights: [`seeded_params`] materialises every tensor whole with the
-//!   engine's seeded rule ([`gpt2_init`], [`fsdp::init::materialize`], which every sharded fill
+//!   engine's seeded rule ([`gpt2_init`](crate::init::gpt2_init), [`fsdp::init::materialize`], which every sharded fill
 //!   reproduces bitwise), uploaded once;
 //! - the same batches: [`get_batch`] of the same token stream, micro-batch `step·accum + m`;
 //! - gradient accumulation into buffers of its own: [`DeviceGpt::step`] overwrites its

@@ -47,7 +47,8 @@ pub struct FullState<'a> {
 }
 
 /// Writes `state` into `dir` (created if needed) as the one rank file of a world-1 sharded
-/// checkpoint, atomically (see the [module](self) documentation).
+/// checkpoint, atomically: one unit of factor 1 holding every parameter back to back, which
+/// [`load_sharded_checkpoint`](super::load_sharded_checkpoint) reads as any other.
 ///
 /// # Errors
 /// [`FsdpError::Checkpoint`] for a parameter whose values do not fill its shape, a moment
