@@ -54,13 +54,16 @@ pub enum SpanKind {
     ReduceScatter,
     /// An all-reduce (gradients across replicas, or the loss).
     AllReduce,
+    /// The end of a step: the gradient norm, clipping and the optimizer (a trainer without the
+    /// engine traces it on its compute track).
+    Optimizer,
 }
 
 impl SpanKind {
     /// The track the span belongs to.
     pub fn track(self) -> Track {
         match self {
-            SpanKind::Forward | SpanKind::Backward => Track::Compute,
+            SpanKind::Forward | SpanKind::Backward | SpanKind::Optimizer => Track::Compute,
             _ => Track::Communication,
         }
     }
@@ -73,6 +76,7 @@ impl SpanKind {
             SpanKind::AllGather => "all_gather",
             SpanKind::ReduceScatter => "reduce_scatter",
             SpanKind::AllReduce => "all_reduce",
+            SpanKind::Optimizer => "optimizer",
         }
     }
 }

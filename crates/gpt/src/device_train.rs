@@ -53,6 +53,7 @@
 use std::collections::HashMap;
 
 use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
+use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptOps, HostOps, MemoryUse, Weights};
 use fsdp_kernels::host::{
@@ -66,6 +67,7 @@ pub use crate::device_config::{seeded_params, DeviceTrainConfig, DeviceTrainErro
 use crate::device_optim::{
     accumulate_staged, end_step, HostSide, OffloadStaging, Optim, Placement,
 };
+use crate::device_trace::{StepMarks, Tracing};
 
 /// What one training step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -110,6 +112,8 @@ pub struct DeviceTrainer<O: GptOps> {
     pub(crate) known_steps: u64,
     /// The step enqueued whose outcome is unread.
     pub(crate) pending: Option<Pending<O>>,
+    /// `--trace`: the trace so far ([`set_tracing`](DeviceTrainer::set_tracing)).
+    pub(crate) tracing: Option<Tracing<O::Mark>>,
 }
 
 /// An enqueued step's outcome, on its way.
@@ -118,6 +122,8 @@ pub(crate) struct Pending<O: GptOps> {
     /// The optimizer steps the host knew of when it enqueued the step.
     known: u64,
     values: Values<O>,
+    /// With tracing, the step's marks.
+    marks: Option<StepMarks<O::Mark>>,
 }
 
 enum Values<O: GptOps> {
@@ -184,6 +190,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             skip_nonfinite: None,
             known_steps: 0,
             pending: None,
+            tracing: None,
         })
     }
 
@@ -256,10 +263,12 @@ impl<O: GptOps> DeviceTrainer<O> {
     ) -> Result<Option<Reported>, DeviceTrainError> {
         let known = self.known_steps;
         let values = self.run_step(tokens, step, known)?;
+        let marks = self.trace_take();
         let before = self.pending.replace(Pending {
             step,
             known,
             values,
+            marks,
         });
         before.map(|p| self.read(p)).transpose()
     }
@@ -286,6 +295,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         let accum32 = u32::try_from(accum).map_err(|_| FsdpError::InvalidShape {
             reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
         })?;
+        self.trace_begin()?;
         match &mut self.state {
             Placement::Device(optim) => optim.zero_accumulators(self.model.ops())?,
             Placement::Host(h, _) => h.optim.zero_accumulators(&h.ops)?,
@@ -301,6 +311,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             let losses = self
                 .model
                 .forward_backward(&b.inputs, &b.targets, b.shape.rows, t)?;
+            self.trace_model(k + 1);
             let (ops, _, grads) = self.model.parts_mut();
             // The engine's loss of a micro-batch: its token sum over the step's tokens.
             ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
@@ -328,6 +339,15 @@ impl<O: GptOps> DeviceTrainer<O> {
                     }
                 }
             }
+            match &self.state {
+                Placement::Device(Optim { acc: None, .. }) => {}
+                Placement::Device(_) => {
+                    self.trace_span(SpanKind::Backward, "gradient accumulation", k + 1)?
+                }
+                Placement::Host(..) => {
+                    self.trace_span(SpanKind::Backward, "gradients copied out", k + 1)?
+                }
+            }
         }
         if let Placement::Host(h, staging) = &mut self.state {
             let last = &staging.grads[staging.slot(accum - 1)];
@@ -340,7 +360,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             base_steps: known,
         };
         let choices = self.choices(known)?;
-        match &mut self.state {
+        let on_host = match &mut self.state {
             Placement::Device(optim) => {
                 let (ops, params, model_grads) = self.model.parts_mut();
                 let grads = optim.acc.as_ref().unwrap_or(model_grads);
@@ -356,7 +376,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                     &choices,
                     &self.decays,
                 )?;
-                Ok(Values::Device(ops.copy_scalars(s)?))
+                None
             }
             Placement::Host(h, staging) => {
                 // Offload: the loss from the device, the rest of the step on the host.
@@ -401,6 +421,24 @@ impl<O: GptOps> DeviceTrainer<O> {
                         ops.copy_in(s, p)?;
                     }
                 }
+                Some(values)
+            }
+        };
+        let last = (step * accum + accum) as u64;
+        match on_host {
+            None => {
+                self.trace_span(SpanKind::Optimizer, "optimizer step", last)?;
+                let ops = self.model.ops();
+                Ok(Values::Device(ops.copy_scalars(&self.scalars)?))
+            }
+            Some(values) => {
+                let name = "optimizer step on the host, parameters copied in";
+                self.trace_span(SpanKind::Optimizer, name, last)?;
+                if self.tracing.is_some() {
+                    // The step's marks reached before its outcome is read.
+                    let ops = self.model.ops();
+                    ops.wait_scalars(ops.copy_scalars(&self.scalars)?)?;
+                }
                 Ok(Values::Host(values))
             }
         }
@@ -434,6 +472,9 @@ impl<O: GptOps> DeviceTrainer<O> {
             Values::Device(copy) => self.model.ops().wait_scalars(copy)?,
             Values::Host(v) => v,
         };
+        if let Some(marks) = p.marks {
+            self.trace_record(marks)?;
+        }
         let count = v[STEP_COUNT] as u64;
         if v[STEP_FAULT] != 0.0 {
             return Err(DeviceTrainError::Bookkeeping {

@@ -50,6 +50,7 @@ mod device_config;
 mod device_optim;
 pub mod device_plan;
 mod device_state;
+mod device_trace;
 pub mod device_train;
 pub mod init;
 pub mod model;

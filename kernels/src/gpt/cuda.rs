@@ -10,7 +10,7 @@ use fsdp_device::Stream;
 use half::bf16;
 
 use super::cuda_pool::hold_pool_memory;
-use super::cuda_step::{CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
+use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
 use super::ops::GptOps;
 use super::products::Kept;
@@ -211,6 +211,7 @@ impl GptOps for CudaOps {
     type Scalars = CudaScalars;
     type ScalarsCopy = CudaScalarsCopy;
     type Staging = CudaStaging;
+    type Mark = CudaMark;
 
     fn zeros(&self, len: usize) -> Result<CudaBuf, KernelError> {
         let b = self
@@ -535,5 +536,13 @@ impl GptOps for CudaOps {
 
     fn staged_mut<'a>(&self, s: &'a mut CudaStaging) -> Result<&'a mut [f32], KernelError> {
         s.values_mut()
+    }
+
+    fn mark(&self) -> Result<CudaMark, KernelError> {
+        self.new_mark()
+    }
+
+    fn elapsed_us(&self, from: &CudaMark, to: &CudaMark) -> Result<f64, KernelError> {
+        from.elapsed_us(to)
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, PinnedHostSlice};
 use fsdp_device::Event;
 
 use super::cuda::{copy_error, CudaBuf, CudaOps};
@@ -176,5 +176,36 @@ impl CudaOps {
             .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
         src.last = Some(self.stream().record_event());
         Ok(())
+    }
+}
+
+/// A point of [`CudaOps`]' timeline ([`GptOps::Mark`](super::GptOps::Mark)): a CUDA event
+/// recorded with timing.
+pub struct CudaMark(CudaEvent);
+
+impl CudaMark {
+    /// Microseconds from this mark to `to`, both reached (never waits).
+    pub(super) fn elapsed_us(&self, to: &CudaMark) -> Result<f64, KernelError> {
+        if !self.0.is_complete() || !to.0.is_complete() {
+            return Err(KernelError::InvalidArgument {
+                kernel: "elapsed",
+                reason: "a mark the device has not reached yet".into(),
+            });
+        }
+        // Both events are complete, so the driver's waits inside return at once.
+        let ms = self
+            .0
+            .elapsed_ms(&to.0)
+            .map_err(|e| copy_error("cuEventElapsedTime", e))?;
+        Ok(f64::from(ms) * 1e3)
+    }
+}
+
+impl CudaOps {
+    pub(super) fn new_mark(&self) -> Result<CudaMark, KernelError> {
+        self.cuda
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map(CudaMark)
+            .map_err(|e| copy_error("cuEventRecord", e))
     }
 }

@@ -126,6 +126,7 @@ impl GptOps for HostOps {
     type Scalars = Counted<Vec<f64>>;
     type ScalarsCopy = Vec<f64>;
     type Staging = Vec<f32>;
+    type Mark = std::time::Instant;
 
     fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
         Ok(self.counted(vec![0.0; len]))
@@ -444,5 +445,17 @@ impl GptOps for HostOps {
 
     fn staged_mut<'a>(&self, s: &'a mut Vec<f32>) -> Result<&'a mut [f32], KernelError> {
         Ok(s)
+    }
+
+    fn mark(&self) -> Result<std::time::Instant, KernelError> {
+        Ok(std::time::Instant::now())
+    }
+
+    fn elapsed_us(
+        &self,
+        from: &std::time::Instant,
+        to: &std::time::Instant,
+    ) -> Result<f64, KernelError> {
+        Ok(to.saturating_duration_since(*from).as_secs_f64() * 1e6)
     }
 }

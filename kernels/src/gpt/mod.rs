@@ -32,13 +32,15 @@ mod memory;
 mod model;
 mod ops;
 mod products;
+mod trace;
 mod weights;
 
 pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
-pub use cuda_step::{CudaScalars, CudaScalarsCopy, CudaStaging};
+pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use host_ops::{HostBuf, HostIds, HostOps, HostProducts};
 pub use memory::{Counted, MemoryCounter, MemoryUse};
 pub use model::DeviceGpt;
 pub use ops::GptOps;
 pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
+pub use trace::SpanEnd;
 pub use weights::{param_shapes, Block, GptDims, Pair, Weights};

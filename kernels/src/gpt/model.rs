@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::ops::GptOps;
+use super::trace::Marks;
 use super::weights::{invalid, Block, GptDims, Pair, Weights};
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
@@ -18,6 +19,8 @@ pub struct DeviceGpt<O: GptOps> {
     params: Weights<O::Buf>,
     grads: Weights<O::Buf>,
     checkpoint: bool,
+    /// The marks of a traced step ([`set_tracing`](DeviceGpt::set_tracing)).
+    pub(super) marks: Marks<O::Mark>,
 }
 
 /// What forward keeps of one block for backward: all its activations, or (activation
@@ -85,6 +88,7 @@ impl<O: GptOps> DeviceGpt<O> {
             params: p,
             grads,
             checkpoint: false,
+            marks: Marks::default(),
         })
     }
 
@@ -223,10 +227,12 @@ impl<O: GptOps> DeviceGpt<O> {
         let ids = ops.upload_ids(inputs)?;
         let mut x = ops.empty(n * e)?;
         ops.embedding_forward(&ids, &self.params.wte, &self.params.wpe, t, e, &mut x)?;
+        self.trace_mark(false, || "embedding forward".into())?;
         // Blocks (with checkpointing each keeps its input; the rest is dropped here).
         let mut saved = Vec::with_capacity(d.n_layer);
-        for bp in &self.params.blocks {
+        for (layer, bp) in self.params.blocks.iter().enumerate() {
             let (out, a) = self.block_forward(bp, s, x)?;
+            self.trace_mark(false, || format!("forward block {layer}"))?;
             saved.push(if self.checkpoint {
                 Saved::Input(a.x)
             } else {
@@ -249,6 +255,9 @@ impl<O: GptOps> DeviceGpt<O> {
         let mut losses = ops.empty(n)?;
         let dloss = (1.0 / n as f64) as f32;
         ops.cross_entropy_fused_in_place(&mut dlogits, &tg, v, dloss, &mut losses)?;
+        self.trace_mark(false, || {
+            "head forward (ln_f, logits, cross-entropy)".into()
+        })?;
         // Head backward: the tied lm_head's term of wte's gradient, then ln_f.
         let gw = MatMul::linear_grad_weight(n, e, v, true);
         ops.gemm(&gw, &dlogits, &hf, &mut self.grads.wte)?;
@@ -260,6 +269,7 @@ impl<O: GptOps> DeviceGpt<O> {
         ops.layernorm_backward_input(&dhf, &x, &lnf.weight, &mean, &rstd, &mut dx)?;
         let gl = &mut self.grads.ln_f;
         ops.layernorm_backward_params(&dhf, &x, &mean, &rstd, &mut gl.weight, &mut gl.bias)?;
+        self.trace_mark(true, || "head backward".into())?;
         // Blocks backward, last first, each block's activations freed after its backward
         // (recomputed first from its input under checkpointing, the output dropped).
         while let Some(kept) = saved.pop() {
@@ -277,10 +287,17 @@ impl<O: GptOps> DeviceGpt<O> {
                 &a,
                 dx,
             )?;
+            let again = if self.checkpoint {
+                " (its forward again first)"
+            } else {
+                ""
+            };
+            self.trace_mark(true, || format!("backward block {layer}{again}"))?;
         }
         // Embeddings backward.
         ops.embedding_backward_tokens(inputs, &dx, e, &mut self.grads.wte)?;
         ops.embedding_backward_positions(&dx, t, e, &mut self.grads.wpe)?;
+        self.trace_mark(true, || "embedding backward".into())?;
         Ok(losses)
     }
 

@@ -26,6 +26,9 @@ pub trait GptOps {
     /// Host memory the device copies into and out of without the host waiting (page-locked
     /// on a GPU): CPU offload's staging of gradients and parameters.
     type Staging;
+    /// A point of the device's timeline: an event recorded with timing on a GPU, the host's
+    /// clock on the twins (`--trace`).
+    type Mark;
 
     /// A buffer of `len` zeros.
     ///
@@ -375,6 +378,17 @@ pub trait GptOps {
     /// # Errors
     /// A copy failure; a wait past the device's timeout.
     fn staged_mut<'a>(&self, s: &'a mut Self::Staging) -> Result<&'a mut [f32], KernelError>;
+    /// Records a [`Mark`](GptOps::Mark) after the operations enqueued so far; nothing waits.
+    ///
+    /// # Errors
+    /// An event failure.
+    fn mark(&self) -> Result<Self::Mark, KernelError>;
+    /// Microseconds of the device's timeline from `from` to `to`, both already reached (a
+    /// wait for a later point has returned): never waits.
+    ///
+    /// # Errors
+    /// A mark not reached yet; an event failure.
+    fn elapsed_us(&self, from: &Self::Mark, to: &Self::Mark) -> Result<f64, KernelError>;
     /// [`host::nn::heads_merge`](crate::host::nn::heads_merge): `[b, h, t, d]` into token rows
     /// (the heads' outputs into `[b·t, E]`; `dq`, `dk`, `dv` into `dqkv`: the backward of
     /// [`heads_split`](GptOps::heads_split)).

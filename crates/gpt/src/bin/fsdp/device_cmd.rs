@@ -87,7 +87,6 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
     let unsupported = [
-        ("--trace", args.trace.is_some()),
         ("--memory-snapshot", args.memory_snapshot.is_some()),
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
@@ -99,7 +98,7 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
         dev,
         unsupported,
         &args.explicit,
-        "f32 AdamW, no traces or memory snapshots yet",
+        "f32 AdamW, no memory snapshots yet",
     )
 }
 
@@ -316,6 +315,9 @@ fn train_with<O: GptOps>(
             .transpose()?;
     }
     progress.start_at(start_step);
+    if args.trace.is_some() {
+        trainer.set_tracing(true).map_err(on_device)?;
+    }
     // The device halts at the step past --skip-nonfinite itself: the steps enqueued after it
     // (the outcome is read one step late) apply nothing.
     trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
@@ -357,6 +359,10 @@ fn train_with<O: GptOps>(
     }
     if let Some(log) = loss_log {
         log.finish()?;
+    }
+    if let Some(path) = &args.trace {
+        fsdp::trace::write_chrome_trace(path, &[trainer.trace_events()])
+            .map_err(|e| crate::paths::output_error("--trace", e))?;
     }
     say_done(steps, elapsed, global_tokens, first, last);
     say!(
