@@ -74,9 +74,11 @@ if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--fsdp" ]; then
         echo "== fsdp train --device cuda, GPT-2 124M, --param-dtype $dtype (release)"
         log="$report/fsdp_gpt124m_$dtype.log"
         csv="$report/fsdp_gpt124m_$dtype.csv"
+        trace="$report/fsdp_gpt124m_$dtype.trace.json"
         timeout "$limit" "$bin_dir/fsdp-gpt--release--fsdp" train --device cuda --n-layer 12 \
             --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --batch-size 8 \
-            --param-dtype "$dtype" --steps "$gpt_steps" --loss-log "$csv" >"$log" 2>&1
+            --param-dtype "$dtype" --steps "$gpt_steps" --loss-log "$csv" --trace "$trace" \
+            >"$log" 2>&1
         rc=$?
         [ "$rc" -ne 0 ] && failed=$((failed + 1))
         # The loss log's third column is each step's tokens/s; the first two steps warm up.
@@ -88,6 +90,15 @@ print(f"median step {8*1024/t*1e3:.2f} ms, {t:,.0f} tokens/s")' "$csv" 2>/dev/nu
             >>"$report/report.md"
         echo "RESULT fsdp 124m $dtype: $med"
         tail -n 2 "$log"
+        # The trace's median time of each part of a step after the first two (device time).
+        python3 -c 'import json,statistics,sys,collections
+ev=[e for e in json.load(open(sys.argv[1]))["traceEvents"] if e["ph"]=="X"]
+first=min(e["args"]["step"] for e in ev)
+parts=collections.defaultdict(list)
+for e in ev:
+    if e["args"]["step"]>=first+2: parts[e["name"]].append(e["dur"]/1e3)
+for n,d in parts.items(): print(f"  {n}: median {statistics.median(d):.3f} ms")' "$trace" 2>&1 |
+            tee "$report/fsdp_gpt124m_$dtype.parts.txt"
     done
 fi
 # The benchmarks' runs, with this section's batch, steps and warm-up: the log, then the
