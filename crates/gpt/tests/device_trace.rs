@@ -155,7 +155,14 @@ fn fsdp_train_device_writes_the_trace() {
     let dir = scratch("device_trace", "cli");
     let trace = dir.join("trace.json");
     let mut a = small_train_args(&["--batch-size", "8", "--steps", "3"], &[]);
-    a.extend(["--device", "host-twin", "--trace", s(&trace)]);
+    a.extend([
+        "--device",
+        "host-twin",
+        "--trace",
+        s(&trace),
+        "--timeout",
+        "60",
+    ]);
     ok(&fsdp(&a), "fsdp train --device host-twin --trace");
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();

@@ -336,7 +336,8 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     pub(crate) cpu_offload: bool,
     /// Timeout of every collective, in seconds: a peer that does not reach a collective in
-    /// time fails it on every rank (default: FSDP_TIMEOUT, else 300).
+    /// time fails it on every rank (default: FSDP_TIMEOUT, else 300); with --device cuda, of
+    /// every wait for the GPU (a step's outcome, a copy).
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     pub(crate) timeout: Option<Duration>,
     /// Timeout of the rendezvous (every rank meeting at the store) and of the communicator's

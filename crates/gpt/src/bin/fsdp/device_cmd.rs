@@ -33,7 +33,7 @@ use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
 /// Options of the sharded engine (given on the command line) that mean nothing without it.
-const ENGINE_ONLY: [(&str, &str); 10] = [
+const ENGINE_ONLY: [(&str, &str); 9] = [
     ("strategy", "--strategy"),
     ("ranks_per_node", "--ranks-per-node"),
     ("backward_prefetch", "--backward-prefetch"),
@@ -41,7 +41,6 @@ const ENGINE_ONLY: [(&str, &str); 10] = [
     ("limit_all_gathers", "--limit-all-gathers"),
     ("wrap", "--wrap"),
     ("backend", "--backend"),
-    ("timeout", "--timeout"),
     ("init_timeout", "--init-timeout"),
     ("memory_limit", "--memory-limit"),
 ];
@@ -230,8 +229,12 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                     "--device {dev}: no CUDA device {n} (the driver reports {count})"
                 )));
             }
-            let stream = fsdp_device::Stream::cuda(n, "fsdp train")
-                .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            // --timeout bounds every wait for the GPU (a step's outcome, a copy).
+            let stream = match args.timeout {
+                Some(t) => fsdp_device::Stream::cuda_with_timeout(n, "fsdp train", t),
+                None => fsdp_device::Stream::cuda(n, "fsdp train"),
+            }
+            .map_err(|e| fail(format!("--device {dev}: {e}")))?;
             let ops = CudaOps::new(stream)
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?
                 .with_products(products(bf16));
