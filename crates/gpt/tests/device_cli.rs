@@ -117,7 +117,7 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
     );
     let dir = scratch("device_cli", "refusals");
     let f = s(&dir);
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--memory-snapshot", f], "--memory-snapshot"),
         (&["--grad-scaler", "on"], "--grad-scaler"),
         (
@@ -127,7 +127,6 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
         (&["--strategy", "no-shard"], "--strategy"),
         (&["--backend", "tcp"], "--backend"),
         (&["--wrap", "size:100"], "--wrap"),
-        (&["--memory-limit", "1G"], "--memory-limit"),
         (&["--forward-prefetch"], "--forward-prefetch"),
     ];
     for (extra, name) in cases {

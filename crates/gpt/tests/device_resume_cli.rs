@@ -3,7 +3,9 @@
 //! run resumed from its own checkpoint logs bitwise the losses of the run that never stopped
 //! and saves the same weights; the device's checkpoints are the engine's format, so the engine
 //! resumes from them (at 2 ranks) and the device from the engine's, each continuing the other's
-//! losses within issue 16's 1e-4.
+//! losses within issue 16's 1e-4. And the device's admission: a run whose planned peak exceeds
+//! `--memory-limit` (on a GPU: its free memory) is refused before it starts, naming both
+//! figures; `fsdp plan --device --memory-limit` gives the same verdict.
 
 mod common;
 
@@ -102,4 +104,42 @@ fn engine_and_device_resume_from_each_others_checkpoints() {
             &a[3..]
         );
     }
+}
+
+#[test]
+fn device_runs_above_the_memory_limit_are_refused_before_they_start() {
+    let dir = scratch("device_resume_cli", "admission");
+    let log = dir.join("log.csv");
+    let base = ["--batch-size", "8", "--steps", "2"];
+    let mut a = small_train_args(&base, &["--device", "host-twin"]);
+    a.extend(["--memory-limit", "1M", "--loss-log", s(&log)]);
+    let line = common::cli::one_error_status_1(
+        &fsdp(&a),
+        &[
+            "--device host-twin: the run needs",
+            "of device memory at its peak (fsdp plan --device host-twin), 1.0 MiB is \
+             --memory-limit",
+            "--activation-checkpointing",
+        ],
+    );
+    assert!(!log.exists(), "nothing starts: {line}");
+    let mut b = small_train_args(&base, &["--device", "host-twin"]);
+    b.extend(["--memory-limit", "1G"]);
+    ok(&fsdp(&b), "within the limit");
+    // The plan gives the same verdicts.
+    let plan = |limit: &str| {
+        let mut p = vec!["plan"];
+        p.extend(&common::cli::SMALL_MODEL);
+        p.extend([
+            "--batch-size",
+            "8",
+            "--device",
+            "host-twin",
+            "--memory-limit",
+            limit,
+        ]);
+        ok(&fsdp(&p), "fsdp plan --device host-twin")
+    };
+    assert!(plan("1M").contains("exceeds: `fsdp train --device` refuses it, as --memory-limit"));
+    assert!(plan("1G").contains("fits within --memory-limit 1.0 GiB"));
 }

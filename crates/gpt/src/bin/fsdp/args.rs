@@ -349,7 +349,9 @@ pub(crate) struct TrainArgs {
     /// suffix K, M, G, T (powers of 1024), e.g. 512M or 2G. Thread mode: for this process;
     /// under a launcher: for the ranks of this host. Before any allocation the plan's
     /// prediction (every rank's allocator peak, optimizer state and activations) is checked
-    /// against it, and each rank's allocator gets its share as capacity.
+    /// against it, and each rank's allocator gets its share as capacity. With --device: the
+    /// device memory available, replacing the GPU's free memory, against which the plan's peak
+    /// (fsdp plan --device) is checked.
     #[arg(long, value_name = "BYTES", value_parser = crate::admission::parse_bytes)]
     pub(crate) memory_limit: Option<u64>,
     /// Write a sharded checkpoint (parameters, optimizer state, step, data position and the

@@ -11,6 +11,7 @@
 use std::time::Instant;
 
 use fsdp::checkpoint::FullOptimizerState;
+use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
@@ -33,7 +34,7 @@ use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
 /// Options of the sharded engine (given on the command line) that mean nothing without it.
-const ENGINE_ONLY: [(&str, &str); 9] = [
+const ENGINE_ONLY: [(&str, &str); 8] = [
     ("strategy", "--strategy"),
     ("ranks_per_node", "--ranks-per-node"),
     ("backward_prefetch", "--backward-prefetch"),
@@ -42,7 +43,6 @@ const ENGINE_ONLY: [(&str, &str); 9] = [
     ("wrap", "--wrap"),
     ("backend", "--backend"),
     ("init_timeout", "--init-timeout"),
-    ("memory_limit", "--memory-limit"),
 ];
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
@@ -235,21 +235,31 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                 None => fsdp_device::Stream::cuda(n, "fsdp train"),
             }
             .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            // Admission: the plan's peak against the GPU's free memory (or --memory-limit),
+            // before the model allocates anything.
+            let free = stream
+                .cuda_stream()
+                .and_then(|s| s.context().mem_get_info().ok())
+                .map(|(free, _)| free as u64);
+            admit(args, &run, free)?;
             let ops = CudaOps::new(stream)
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?
                 .with_products(products(bf16));
             train_with(ops, args, &run, CudaOps::pool_memory)
         }
-        DeviceArg::HostTwin => train_with(
-            HostOps::with_products(if bf16 {
-                HostProducts::Bf16Operands
-            } else {
-                HostProducts::F32
-            }),
-            args,
-            &run,
-            |_| None,
-        ),
+        DeviceArg::HostTwin => {
+            admit(args, &run, None)?;
+            train_with(
+                HostOps::with_products(if bf16 {
+                    HostProducts::Bf16Operands
+                } else {
+                    HostProducts::F32
+                }),
+                args,
+                &run,
+                |_| None,
+            )
+        }
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
 }
@@ -383,6 +393,28 @@ fn train_with<O: GptOps>(
     Ok(())
 }
 
+/// Admission: the plan's peak of device memory against `--memory-limit`, else the device's
+/// free memory (`free`, `None` where it is not known: the host twins), refused with both
+/// figures and what needs less.
+fn admit(args: &TrainArgs, run: &Run, free: Option<u64>) -> Result<(), CliError> {
+    let dev = args.device;
+    let (available, what) = match (args.memory_limit, free) {
+        (Some(limit), _) => (limit, "--memory-limit"),
+        (None, Some(free)) => (free, "free on the device"),
+        (None, None) => return Ok(()),
+    };
+    if run.predicted_peak > available {
+        return Err(fail(format!(
+            "--device {dev}: the run needs {} of device memory at its peak (fsdp plan --device \
+             {dev}), {} is {what}; --activation-checkpointing, --cpu-offload or a smaller \
+             --batch-size (with --grad-accum) need less",
+            human_bytes(run.predicted_peak),
+            human_bytes(available)
+        )));
+    }
+    Ok(())
+}
+
 /// What the training loop has read of the steps' outcomes.
 struct Tally {
     /// The non-finite steps skipped so far.
@@ -448,10 +480,12 @@ impl Tally {
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
-    let unsupported = optimizer_refusals(&args.optim)
-        .into_iter()
-        .chain([("--memory-limit", args.memory_limit.is_some())]);
-    refuse_first(dev, unsupported, &args.explicit, "f32 AdamW")?;
+    refuse_first(
+        dev,
+        optimizer_refusals(&args.optim),
+        &args.explicit,
+        "f32 AdamW",
+    )?;
     let cfg = setup(&args.model, 1)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, 1)?;
     let config = DeviceTrainConfig {
@@ -490,5 +524,17 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         "(the bytes `fsdp train --device {dev}` counts from its second micro-batch on; a CUDA \
          memory pool adds the scratch of single kernels and its rounding)"
     );
+    if let Some(limit) = args.memory_limit {
+        let verdict = if plan.peak <= limit {
+            "fits within"
+        } else {
+            "exceeds: `fsdp train --device` refuses it, as"
+        };
+        say!(
+            "peak {} {verdict} --memory-limit {}",
+            human_bytes(plan.peak),
+            human_bytes(limit)
+        );
+    }
     Ok(())
 }
