@@ -22,6 +22,7 @@ targets=(
     "fsdp-kernels||test|gpu_step|the end of a step decided on the device (loss_accumulate, step_decide, adamw_decided_f32) bitwise vs their twins; copy_scalars reads the point of the copy"
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
     "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4; peak memory = fsdp plan --device cuda, pool high-water mark within 5% (also with --cpu-offload and --activation-checkpointing); --cpu-offload and --activation-checkpointing losses within 1e-6 of the device run (runs fsdp-gpt--bin--fsdp beside it)"
+    "fsdp-gpt||test|gpu_golden|fsdp train --device cuda on the golden fixtures: f32 within 1e-4 of PyTorch's golden losses; bf16 within 2·g of PyTorch FSDP2's bf16 curve (runs fsdp-gpt--bin--fsdp, torch_fsdp2_gpt.py and golden/ beside it)"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
     "fsdp-allocator|cuda|test|cuda_streams|allocator on CUDA streams: stats/snapshot vs host, record_stream vs a busy stream, destroyed streams"
@@ -87,6 +88,9 @@ gpt_program fsdp-gpt--release--fsdp fsdp build --release -p fsdp-gpt --bin fsdp
 gpt_program fsdp-gpt--release--gpt-device-bench gpt-device-bench build --release -p fsdp-gpt \
     --bin gpt-device-bench
 cp scripts/gpu-check.sh scripts/gpu-env.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
+# The golden fixtures gpu_golden reads beside itself.
+mkdir -p "$out/golden"
+cp crates/gpt/tests/fixtures/{gpt_tiny_init.safetensors,tokens.bin,expected_losses.csv} "$out/golden/"
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
 cat "$out/MANIFEST" >&2

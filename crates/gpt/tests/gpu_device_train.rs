@@ -19,10 +19,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use common::cli::CLIP_ACCUM_COSINE;
+use common::gpu::{gpu, run};
 
 const BOUND: f64 = 1e-4;
 
@@ -42,31 +42,6 @@ const SMALL_GPU_MODEL: [&str; 12] = [
     "8",
 ];
 
-/// The `fsdp` program: beside this test (`scripts/gpu-build.sh`), else cargo's.
-fn program() -> PathBuf {
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|p| Some(p.parent()?.join("fsdp-gpt--bin--fsdp")));
-    match beside {
-        Some(p) if p.is_file() => p,
-        _ => PathBuf::from(env!("CARGO_BIN_EXE_fsdp")),
-    }
-}
-
-fn gpu(test: &str) -> bool {
-    match fsdp_device::cuda::device_count() {
-        Ok(n) if n > 0 => true,
-        Ok(_) => {
-            println!("{test}: skipped: no GPU (the driver reports 0 devices)");
-            false
-        }
-        Err(e) => {
-            println!("{test}: skipped: no GPU ({e})");
-            false
-        }
-    }
-}
-
 fn losses(path: &Path) -> Vec<f64> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -74,23 +49,6 @@ fn losses(path: &Path) -> Vec<f64> {
         .skip(1)
         .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
         .collect()
-}
-
-fn run(args: &[&str]) -> String {
-    let out = Command::new(program())
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .output()
-        .expect("running fsdp");
-    assert!(
-        out.status.success(),
-        "fsdp {args:?}: {}\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn compare(test: &str, extra: &[&str]) {

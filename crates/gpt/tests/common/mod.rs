@@ -3,13 +3,15 @@
 //! AdamW lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1), the tolerances and the
 //! comparison rules, the key-bias rule included. [`cli`]: the helpers of the tests that run
 //! the `fsdp` binary; [`training`]: those of the tests that train with FSDP against a
-//! reference; [`device`]: the device trainer's shared run.
+//! reference; [`device`]: the device trainer's shared run; [`gpu`]: the GPU tests' `fsdp` program
+//! and files.
 
 // Each test crate that includes this module uses a different subset of it.
 #![allow(dead_code)]
 
 pub mod cli;
 pub mod device;
+pub mod gpu;
 pub mod training;
 
 use std::collections::HashMap;
