@@ -67,6 +67,7 @@ pub use crate::device_config::{seeded_params, DeviceTrainConfig, DeviceTrainErro
 use crate::device_optim::{
     accumulate_staged, end_step, HostSide, OffloadStaging, Optim, Placement,
 };
+use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
 
 /// What one training step did.
@@ -114,6 +115,9 @@ pub struct DeviceTrainer<O: GptOps> {
     pub(crate) pending: Option<Pending<O>>,
     /// `--trace`: the trace so far ([`set_tracing`](DeviceTrainer::set_tracing)).
     pub(crate) tracing: Option<Tracing<O::Mark>>,
+    /// `--memory-snapshot`: the device memory's history
+    /// ([`record_memory_history`](DeviceTrainer::record_memory_history)).
+    pub(crate) memory_history: Option<MemoryHistory>,
 }
 
 /// An enqueued step's outcome, on its way.
@@ -191,6 +195,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             known_steps: 0,
             pending: None,
             tracing: None,
+            memory_history: None,
         })
     }
 

@@ -49,6 +49,7 @@ pub mod device_bench;
 mod device_config;
 mod device_optim;
 pub mod device_plan;
+mod device_snapshot;
 mod device_state;
 mod device_trace;
 pub mod device_train;

@@ -117,8 +117,7 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
     );
     let dir = scratch("device_cli", "refusals");
     let f = s(&dir);
-    let cases: [(&[&str], &str); 7] = [
-        (&["--memory-snapshot", f], "--memory-snapshot"),
+    let cases: [(&[&str], &str); 6] = [
         (&["--grad-scaler", "on"], "--grad-scaler"),
         (
             &["--optimizer", "anyprecision-adamw"],

@@ -81,3 +81,99 @@ fn train_writes_rank_zeros_memory_snapshot() {
         &["--memory-snapshot", "is a directory"],
     );
 }
+
+/// Reads a device trainer's snapshot and prints: the events of each action, the buffers still
+/// live at the end, and the most bytes live at once counting from the start of the recording.
+const DEVICE_PY: &str = r#"
+import pickle, sys, collections
+snap = pickle.load(open(sys.argv[1], "rb"))
+trace = snap["device_traces"][0]
+count = collections.Counter(e["action"] for e in trace)
+live, now, most = {}, 0, 0
+for e in trace:
+    if e["action"] == "alloc":
+        live[e["addr"]] = e["size"]
+        now += e["size"]
+        most = max(most, now)
+    elif e["action"] == "free_completed":
+        now -= live.pop(e["addr"])
+print(count["alloc"], count["free_requested"], count["free_completed"], len(snap["segments"]))
+print(len(live), most)
+"#;
+
+/// The number after `prefix` in `text`.
+fn number_after(text: &str, prefix: &str) -> u64 {
+    let at = text
+        .find(prefix)
+        .unwrap_or_else(|| panic!("no {prefix:?} in {text}"))
+        + prefix.len();
+    text[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}
+
+/// `fsdp train --device host-twin --memory-snapshot` (the device trainer's path): every buffer
+/// made and dropped, each dropped one freed, none live at the end (f32 products keep no
+/// operand copies), and the most live at once, added to what the plan holds throughout, is
+/// the peak the run counted.
+#[test]
+fn device_train_writes_its_memory_history() {
+    let d = common::cli::scratch("memory-snapshot", "device");
+    let snap = d.join("snap.pickle");
+    let run = [
+        "--device",
+        "host-twin",
+        "--param-dtype",
+        "f32",
+        "--batch-size",
+        "8",
+    ];
+    let mut a = small_train_args(&["--steps", "2"], &run);
+    a.extend(["--memory-snapshot", s(&snap)]);
+    let out = ok(
+        &command(&a).output().unwrap(),
+        "fsdp train --device host-twin",
+    );
+    let peak = number_after(&out, "peak device memory ");
+    let mut p = vec!["plan"];
+    p.extend(&small_train_args(&[], &run)[1..]);
+    let plan = ok(
+        &command(&p).output().unwrap(),
+        "fsdp plan --device host-twin",
+    );
+    let held = number_after(&plan, "held throughout ");
+    let Ok(py) = Command::new("python3")
+        .arg("-c")
+        .arg(DEVICE_PY)
+        .arg(&snap)
+        .output()
+    else {
+        println!("skipped the pickle check: no python3");
+        return;
+    };
+    let text = String::from_utf8_lossy(&py.stdout).to_string();
+    assert!(
+        py.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let n: Vec<u64> = text
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    let (allocs, free_req, free_done, segments, live, most) = (n[0], n[1], n[2], n[3], n[4], n[5]);
+    assert!(allocs > 20, "{text}");
+    assert_eq!(
+        (free_req, free_done, segments, live),
+        (allocs, allocs, 0, 0),
+        "{text}"
+    );
+    assert_eq!(
+        held + most,
+        peak,
+        "{text}: held {held}, counted peak {peak}"
+    );
+}

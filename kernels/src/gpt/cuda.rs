@@ -11,7 +11,7 @@ use half::bf16;
 
 use super::cuda_pool::hold_pool_memory;
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
-use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
+use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::GptOps;
 use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
@@ -260,6 +260,14 @@ impl GptOps for CudaOps {
 
     fn reset_peak(&self) {
         self.memory.reset_peak();
+    }
+
+    fn record_memory_history(&self, on: bool) {
+        self.memory.record_history(on);
+    }
+
+    fn memory_history(&self) -> Vec<MemoryEvent> {
+        self.memory.take_history()
     }
 
     fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>, KernelError> {

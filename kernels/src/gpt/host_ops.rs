@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::memory::{bytes_of, Counted, MemoryCounter, MemoryUse};
+use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::GptOps;
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
 use crate::gemm::MatMul;
@@ -160,6 +160,14 @@ impl GptOps for HostOps {
 
     fn reset_peak(&self) {
         self.memory.reset_peak();
+    }
+
+    fn record_memory_history(&self, on: bool) {
+        self.memory.record_history(on);
+    }
+
+    fn memory_history(&self) -> Vec<MemoryEvent> {
+        self.memory.take_history()
     }
 
     fn buf_len(buf: &HostBuf) -> usize {

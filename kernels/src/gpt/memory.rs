@@ -4,7 +4,8 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 /// Bytes of device buffers live now and the most that were live at once (since the
 /// operations were made, or since [`MemoryCounter::reset_peak`]).
@@ -16,11 +17,26 @@ pub struct MemoryUse {
     pub peak: u64,
 }
 
-/// Bytes live and their peak, shared by every [`Counted`] buffer of one set of operations.
+/// One buffer made or dropped, as [`MemoryCounter::record_history`] records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryEvent {
+    /// `true` when the buffer was made, `false` when it was dropped.
+    pub alloc: bool,
+    /// The buffer's identity (unique to it, never reused).
+    pub id: u64,
+    /// Its bytes.
+    pub bytes: u64,
+    /// When.
+    pub at: Instant,
+}
+
+/// Bytes live and their peak, shared by every [`Counted`] buffer of one set of operations;
+/// with [`record_history`](MemoryCounter::record_history), every buffer made and dropped.
 #[derive(Debug, Default)]
 pub struct MemoryCounter {
     allocated: AtomicU64,
     peak: AtomicU64,
+    history: Mutex<Option<Vec<MemoryEvent>>>,
 }
 
 impl MemoryCounter {
@@ -43,16 +59,43 @@ impl MemoryCounter {
             .store(self.allocated.load(Ordering::SeqCst), Ordering::SeqCst);
     }
 
-    fn add(&self, bytes: u64) {
+    /// Record every buffer made and dropped from now on (`true`; the events so far are
+    /// dropped), or stop (`false`).
+    pub fn record_history(&self, on: bool) {
+        let mut h = self.history.lock().unwrap_or_else(PoisonError::into_inner);
+        *h = on.then(Vec::new);
+    }
+
+    /// The events recorded since recording began or since the last call, oldest first.
+    pub fn take_history(&self) -> Vec<MemoryEvent> {
+        let mut h = self.history.lock().unwrap_or_else(PoisonError::into_inner);
+        h.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn record(&self, alloc: bool, id: u64, bytes: u64) {
+        let mut h = self.history.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(v) = h.as_mut() {
+            v.push(MemoryEvent {
+                alloc,
+                id,
+                bytes,
+                at: Instant::now(),
+            });
+        }
+    }
+
+    fn add(&self, id: u64, bytes: u64) {
         let now = self
             .allocated
             .fetch_add(bytes, Ordering::SeqCst)
             .saturating_add(bytes);
         self.peak.fetch_max(now, Ordering::SeqCst);
+        self.record(true, id, bytes);
     }
 
-    fn sub(&self, bytes: u64) {
+    fn sub(&self, id: u64, bytes: u64) {
         self.allocated.fetch_sub(bytes, Ordering::SeqCst);
+        self.record(false, id, bytes);
     }
 }
 
@@ -82,15 +125,13 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl<T> Counted<T> {
     /// `inner`, of `bytes` bytes on the device, counted in `counter` until dropped.
     pub fn new(inner: T, bytes: u64, counter: &Arc<MemoryCounter>) -> Counted<T> {
-        counter.add(bytes);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        counter.add(id, bytes);
         Counted {
             inner,
             bytes,
             counter: counter.clone(),
-            stamp: Stamp {
-                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                version: 0,
-            },
+            stamp: Stamp { id, version: 0 },
         }
     }
 
@@ -122,7 +163,7 @@ impl<T> DerefMut for Counted<T> {
 
 impl<T> Drop for Counted<T> {
     fn drop(&mut self) {
-        self.counter.sub(self.bytes);
+        self.counter.sub(self.stamp.id, self.bytes);
     }
 }
 

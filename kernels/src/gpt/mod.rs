@@ -38,7 +38,7 @@ mod weights;
 pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
 pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use host_ops::{HostBuf, HostIds, HostOps, HostProducts};
-pub use memory::{Counted, MemoryCounter, MemoryUse};
+pub use memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 pub use model::DeviceGpt;
 pub use ops::GptOps;
 pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};

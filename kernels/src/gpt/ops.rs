@@ -1,7 +1,7 @@
 //! [`GptOps`], the device operations of one GPT training step (implemented on the host by
 //! [`HostOps`](super::HostOps), on CUDA by [`CudaOps`](super::CudaOps)).
 
-use super::memory::MemoryUse;
+use super::memory::{MemoryEvent, MemoryUse};
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
 use crate::host::{AdamWChoice, AdamWScalars, StepRule};
@@ -75,6 +75,11 @@ pub trait GptOps {
     fn memory(&self) -> MemoryUse;
     /// Starts the peak of [`memory`](GptOps::memory) again from the bytes held now.
     fn reset_peak(&self);
+    /// Record every buffer made and dropped from now on (`true`), or stop (`false`)
+    /// ([`MemoryCounter::record_history`](super::MemoryCounter::record_history)).
+    fn record_memory_history(&self, on: bool);
+    /// The buffers made and dropped since recording began or since the last call.
+    fn memory_history(&self) -> Vec<MemoryEvent>;
     /// Sets every element of `buf` to 0.
     ///
     /// # Errors

@@ -86,19 +86,13 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
     let dev = args.device;
     check_device_world_and_dtypes(dev, &args.model)?;
     let unsupported = [
-        ("--memory-snapshot", args.memory_snapshot.is_some()),
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
         ("--growth-interval", args.growth_interval.is_some()),
     ]
     .into_iter()
     .chain(optimizer_refusals(&args.optim));
-    refuse_first(
-        dev,
-        unsupported,
-        &args.explicit,
-        "f32 AdamW, no memory snapshots yet",
-    )
+    refuse_first(dev, unsupported, &args.explicit, "f32 AdamW")
 }
 
 /// The optimizer options the device trainer does not support, each with whether it is set.
@@ -331,6 +325,9 @@ fn train_with<O: GptOps>(
     if args.trace.is_some() {
         trainer.set_tracing(true).map_err(on_device)?;
     }
+    if args.memory_snapshot.is_some() {
+        trainer.record_memory_history(true);
+    }
     // The device halts at the step past --skip-nonfinite itself: the steps enqueued after it
     // (the outcome is read one step late) apply nothing.
     trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
@@ -372,6 +369,12 @@ fn train_with<O: GptOps>(
     }
     if let Some(log) = loss_log {
         log.finish()?;
+    }
+    if let Some(path) = &args.memory_snapshot {
+        trainer
+            .memory_snapshot(&dev.to_string())
+            .write_pickle(path)
+            .map_err(|e| fail(format!("--memory-snapshot: {e}")))?;
     }
     if let Some(path) = &args.trace {
         fsdp::trace::write_chrome_trace(path, &[trainer.trace_events()])

@@ -1,0 +1,71 @@
+//! `--memory-snapshot` of the [`DeviceTrainer`]: the history of its device memory — every
+//! buffer its operations made and dropped ([`GptOps::memory_history`]) — as a memory snapshot
+//! in PyTorch's format ([`Snapshot`], `torch.cuda.memory._dump_snapshot`'s pickle), whose
+//! `device_traces` `python -m torch.cuda._memory_viz trace_plot` draws. The buffers are counted
+//! by the operations rather than by a caching allocator, so the snapshot has no segments; its
+//! running total is the counted memory the plan predicts.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use fsdp_allocator::{Snapshot, TraceAction, TraceEntry};
+use fsdp_kernels::gpt::{GptOps, MemoryEvent};
+
+use crate::device_train::DeviceTrainer;
+
+/// The recorded history: when recording began (on the Unix clock and the monotonic one) and
+/// the events so far.
+pub(crate) struct MemoryHistory {
+    unix_us: u64,
+    start: Instant,
+    events: Vec<MemoryEvent>,
+}
+
+impl<O: GptOps> DeviceTrainer<O> {
+    /// Record every device buffer made and dropped from now on (`true`), or stop (`false`):
+    /// see [`memory_snapshot`](Self::memory_snapshot).
+    pub fn record_memory_history(&mut self, on: bool) {
+        self.model.ops().record_memory_history(on);
+        self.memory_history = on.then(|| MemoryHistory {
+            unix_us: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
+            start: Instant::now(),
+            events: Vec::new(),
+        });
+    }
+
+    /// The device memory's history since recording began as a snapshot of `device` (e.g.
+    /// `cuda:0`): each buffer made is an `alloc` of its bytes, each dropped a
+    /// `free_requested` and a `free_completed` (nothing waits to be reused), addressed by the
+    /// buffer's identity, in time order; no segments. Empty when not recording.
+    pub fn memory_snapshot(&mut self, device: &str) -> Snapshot {
+        let mut traces = Vec::new();
+        if let Some(h) = &mut self.memory_history {
+            h.events.extend(self.model.ops().memory_history());
+            for e in &h.events {
+                let time_us =
+                    h.unix_us + e.at.saturating_duration_since(h.start).as_micros() as u64;
+                let entry = |action| TraceEntry {
+                    action,
+                    addr: e.id,
+                    size: e.bytes,
+                    stream: 0,
+                    time_us,
+                    frames: Vec::new(),
+                    device_free: None,
+                };
+                if e.alloc {
+                    traces.push(entry(TraceAction::Alloc));
+                } else {
+                    traces.push(entry(TraceAction::FreeRequested));
+                    traces.push(entry(TraceAction::FreeCompleted));
+                }
+            }
+        }
+        Snapshot {
+            device: device.to_string(),
+            segments: Vec::new(),
+            device_traces: traces,
+        }
+    }
+}
