@@ -116,7 +116,7 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
         &["--device cuda", "--reduce-dtype bf16", "f32 only"],
     );
     let dir = scratch("device_cli", "refusals");
-    let f = s(&dir);
+    let log = dir.join("log.csv");
     let cases: [(&[&str], &str); 6] = [
         (&["--grad-scaler", "on"], "--grad-scaler"),
         (
@@ -129,10 +129,12 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
         (&["--forward-prefetch"], "--forward-prefetch"),
     ];
     for (extra, name) in cases {
-        let line = one_error_status_1(&run(extra), &["--device cuda", name, "not supported"]);
+        let mut with_log = extra.to_vec();
+        with_log.extend(["--loss-log", s(&log)]);
+        let line = one_error_status_1(&run(&with_log), &["--device cuda", name, "not supported"]);
         assert!(!line.contains("no CUDA device"), "{line}");
     }
-    // Nothing was written.
+    // Refused before anything was written.
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
 }
 
