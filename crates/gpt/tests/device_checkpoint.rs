@@ -5,7 +5,6 @@
 //! schedule, nanoGPT's groups, clipping, 2 micro-batches, and under CPU offload; the state
 //! saved is what the trainer holds; bad states are refused by name.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use fsdp::optim::LrSchedule;
@@ -15,7 +14,7 @@ use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer, St
 use fsdp_kernels::gpt::HostOps;
 
 mod common;
-use common::device::device_config;
+use common::device::{device_config, param_bits};
 
 const SEED: u64 = 17;
 const STEPS: usize = 6;
@@ -46,15 +45,6 @@ fn bits(o: &StepOutcome) -> (u32, u64, u64, bool) {
         o.lr.to_bits(),
         o.applied,
     )
-}
-
-fn param_bits(p: HashMap<String, Vec<f32>>) -> Vec<(String, Vec<u32>)> {
-    let mut v: Vec<_> = p
-        .into_iter()
-        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]

@@ -14,7 +14,7 @@ use fsdp_gpt::device_train::{
 use fsdp_kernels::gpt::{HostOps, HostProducts};
 
 mod common;
-use common::device::device_config;
+use common::device::{device_config, param_bits};
 
 const SEED: u64 = 11;
 const STEPS: usize = 8;
@@ -37,15 +37,8 @@ fn tokens() -> Vec<u16> {
 }
 
 /// Every parameter's bits, by name.
-fn param_bits(t: &DeviceTrainer<HostOps>) -> Vec<(String, Vec<u32>)> {
-    let mut p: Vec<_> = t
-        .full_params()
-        .unwrap()
-        .into_iter()
-        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    p.sort();
-    p
+fn bits_of(t: &DeviceTrainer<HostOps>) -> Vec<(String, Vec<u32>)> {
+    param_bits(t.full_params().unwrap())
 }
 
 /// An outcome with its floats as bits (NaN losses compare equal).
@@ -92,7 +85,7 @@ fn same_runs(name: &str, c: DeviceTrainConfig, products: HostProducts, nan: &[u6
     let ka: Vec<_> = oa.iter().map(key).collect();
     let kb: Vec<_> = ob.iter().map(key).collect();
     assert_eq!(ka, kb, "{name}: the outcomes differ read one step late");
-    assert_eq!(param_bits(&a), param_bits(&b), "{name}: parameters differ");
+    assert_eq!(bits_of(&a), bits_of(&b), "{name}: parameters differ");
     assert_eq!(a.optimizer_steps(), b.optimizer_steps(), "{name}");
     // The learning rate of each step is the schedule's at the optimizer steps taken before.
     let mut taken = 0u64;
@@ -158,12 +151,12 @@ fn a_skipped_step_changes_no_parameter() {
     let mut t = trainer(config(Some(0.5), 1), HostOps::new().with_nan_losses([2]));
     t.step(&tokens, 0).unwrap();
     t.step(&tokens, 1).unwrap();
-    let before = param_bits(&t);
+    let before = bits_of(&t);
     let o = t.step(&tokens, 2).unwrap();
     assert!(!o.applied);
-    assert_eq!(param_bits(&t), before);
+    assert_eq!(bits_of(&t), before);
     assert!(t.step(&tokens, 3).unwrap().applied);
-    assert_ne!(param_bits(&t), before);
+    assert_ne!(bits_of(&t), before);
 }
 
 /// `--skip-nonfinite 2`: NaN losses at steps 1, 2 and 3; steps 1 and 2 are skipped, step 3
@@ -185,7 +178,7 @@ fn skip_limit_halts_on_the_device() {
     assert_eq!(t.optimizer_steps(), 1);
     let mut one = trainer(c, HostOps::new());
     one.step(&tokens, 0).unwrap();
-    assert_eq!(param_bits(&t), param_bits(&one));
+    assert_eq!(bits_of(&t), bits_of(&one));
 }
 
 #[test]

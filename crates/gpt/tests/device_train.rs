@@ -18,7 +18,7 @@ use fsdp_gpt::tree::gpt_module_tree;
 use fsdp_kernels::gpt::HostOps;
 
 mod common;
-use common::device::device_config;
+use common::device::{device_config, param_bits};
 
 const STEPS: usize = 20;
 const SEED: u64 = 3;
@@ -180,13 +180,7 @@ fn bitwise_run(
             (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
         })
         .collect();
-    let mut p: Vec<(String, Vec<u32>)> = t
-        .full_params()
-        .unwrap()
-        .into_iter()
-        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    p.sort();
+    let p = param_bits(t.full_params().unwrap());
     (outcomes, p, t.memory().peak)
 }
 

@@ -17,6 +17,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
+use common::cli::golden_args;
 use common::gpu::{golden_fixture, gpu, run, torch_script};
 
 /// Issue 16's bound of the device's f32 losses.
@@ -44,43 +45,10 @@ fn ours(dtype: &str) -> Vec<f64> {
         golden_fixture("gpt_tiny_init.safetensors"),
         golden_fixture("tokens.bin"),
     );
-    let args = [
-        "train",
-        "--device",
-        "cuda",
-        "--param-dtype",
-        dtype,
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "16",
-        "--vocab-size",
-        "96",
-        "--batch-size",
-        "8",
-        "--steps",
-        "10",
-        "--lr",
-        "1e-3",
-        "--beta1",
-        "0.9",
-        "--beta2",
-        "0.95",
-        "--eps",
-        "1e-8",
-        "--weight-decay",
-        "0.1",
-        "--init-from",
-        &s(&init),
-        "--data",
-        &s(&tokens),
-        "--loss-log",
-        &s(&log),
-    ];
+    let (init, tokens, log_s) = (s(&init), s(&tokens), s(&log));
+    let save = s(&dir.join(format!("{dtype}.safetensors")));
+    let mut args = golden_args("1", &init, &log_s, &save, &tokens);
+    args.extend(["--device", "cuda", "--param-dtype", dtype]);
     run(&args);
     let text = std::fs::read_to_string(&log).unwrap();
     let losses = text

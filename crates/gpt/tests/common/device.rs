@@ -2,6 +2,8 @@
 //! tokens, a vocabulary of 64), 8 rows a step, AdamW lr 3e-3, betas (0.9, 0.95), eps 1e-8,
 //! weight decay 0.1.
 
+use std::collections::HashMap;
+
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_gpt::model::GptConfig;
@@ -31,4 +33,14 @@ pub fn device_config(
         offload: false,
         activation_checkpointing: false,
     }
+}
+
+/// Every parameter's bits, sorted by name (for bitwise comparisons).
+pub fn param_bits(p: HashMap<String, Vec<f32>>) -> Vec<(String, Vec<u32>)> {
+    let mut v: Vec<_> = p
+        .into_iter()
+        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    v.sort();
+    v
 }
