@@ -68,11 +68,18 @@ impl CudaOps {
         let mut host = match reused {
             Some(h) => h,
             None => {
-                // SAFETY: the memory is written by the copy below before anything reads it
-                // (`finish_scalars_copy` waits for the copy first). Flags 0: cached memory,
-                // which the host reads quickly (write-combined memory is slow to read).
-                unsafe { self.cuda.context().alloc_pinned_with_flags::<f64>(len, 0) }
-                    .map_err(|e| copy_error("cuMemHostAlloc", e))?
+                // SAFETY: zeroed below, through a raw pointer, before any reference to it
+                // exists. Flags 0: cached memory, which the host reads quickly
+                // (write-combined memory is slow to read).
+                let mut h = unsafe { self.cuda.context().alloc_pinned_with_flags::<f64>(len, 0) }
+                    .map_err(|e| copy_error("cuMemHostAlloc", e))?;
+                let p = h
+                    .as_mut_ptr()
+                    .map_err(|e| copy_error("cuEventSynchronize", e))?;
+                // SAFETY: `p` points at `len` f64 of page-locked memory this slice owns, not
+                // yet shared with any copy; all-zero bytes are the f64 0.0.
+                unsafe { std::ptr::write_bytes(p, 0, len) };
+                h
             }
         };
         self.cuda
