@@ -20,7 +20,8 @@
 //! norm and decision, one f64 per gradient tensor besides) are held throughout.
 //! Under CPU offload the accumulators, the moments and the optimizer step live on the host:
 //! the device holds the parameters, the gradients, the step's scalars and buffers, and the
-//! plan lists what moved to the host ([`DeviceMemoryPlan::offloaded`]).
+//! plan lists what moved to the host ([`DeviceMemoryPlan::offloaded`]) and the page-locked
+//! staging of the copies ([`DeviceMemoryPlan::host_staging`]).
 
 use std::fmt;
 
@@ -62,6 +63,10 @@ pub struct DeviceMemoryPlan {
     /// Under CPU offload, what lives in host memory instead: the master parameters, the
     /// accumulators and the two moments (f32; 0 without offload).
     pub offloaded: u64,
+    /// Under CPU offload, the page-locked host memory the copies go through: the gradients of
+    /// one micro-batch (two sets with several micro-batches a step) and the parameters (f32;
+    /// 0 without offload).
+    pub host_staging: u64,
     /// The two kept bf16 copies of the products' operands (0 with f32 products).
     pub bf16_operands: u64,
     /// The step's scalars (f64: its loss, norm and decision, and each gradient tensor's sum
@@ -163,6 +168,14 @@ impl fmt::Display for DeviceMemoryPlan {
                 "offloaded to host",
                 self.offloaded,
                 mib(self.offloaded)
+            )?;
+            writeln!(
+                f,
+                "  {:<18} {:>14}  {:>11}  (CPU offload: page-locked host memory of the copies, \
+                 gradients and parameters)",
+                "host staging",
+                self.host_staging,
+                mib(self.host_staging)
             )?;
         }
         writeln!(
@@ -431,6 +444,12 @@ pub fn plan_memory(
         exp_avg: to_u64(optim, "moments")?,
         exp_avg_sq: to_u64(optim, "moments")?,
         offloaded: to_u64(each.saturating_mul(offloaded), "offloaded state")?,
+        host_staging: if config.offload {
+            let sets = config.grad_accum.clamp(1, 2) as u128 + 1;
+            to_u64(each.saturating_mul(sets), "host staging")?
+        } else {
+            0
+        },
         bf16_operands: to_u64(bf16, "bf16 operands")?,
         step_scalars: to_u64(scalars, "step scalars")?,
         tape: to_u64(r.tape, "activations")?,

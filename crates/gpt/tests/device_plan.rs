@@ -85,6 +85,14 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     let acc = if c.grad_accum == 1 { 0 } else { optim };
     assert_eq!(plan.accumulators, acc, "{name}");
     assert_eq!(plan.offloaded, offloaded, "{name}");
+    // The staging: one or two gradient sets (two with several micro-batches) and the
+    // parameters.
+    let staging = if c.offload {
+        4 * p * (c.grad_accum.min(2) as u64 + 1)
+    } else {
+        0
+    };
+    assert_eq!(plan.host_staging, staging, "{name}");
     let (l, e, v, h, t) = (
         c.cfg.n_layer as u64,
         c.cfg.n_embd as u64,
