@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use cudarc::driver::{sys, CudaEvent, CudaSlice, PinnedHostSlice};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 use fsdp_device::Event;
 
 use super::cuda::{copy_error, CudaBuf, CudaOps};
@@ -29,6 +29,25 @@ pub struct CudaScalarsCopy {
 pub(super) struct PinnedPool(Mutex<Vec<PinnedHostSlice<f64>>>);
 
 impl CudaOps {
+    /// `len` zeros of `T` in page-locked host memory of the operations' context, cached
+    /// (flags 0: the host reads and writes it at full speed; write-combined memory is slow to
+    /// read).
+    fn zeroed_pinned<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>, KernelError> {
+        // SAFETY: zeroed below, through a raw pointer, before any reference to it exists.
+        let mut host = unsafe { self.cuda.context().alloc_pinned_with_flags::<T>(len, 0) }
+            .map_err(|e| copy_error("cuMemHostAlloc", e))?;
+        let p = host
+            .as_mut_ptr()
+            .map_err(|e| copy_error("cuEventSynchronize", e))?;
+        // SAFETY: `p` points at `len` elements of page-locked memory this slice owns, not yet
+        // shared with any copy; `T` is valid as all-zero bytes (`ValidAsZeroBits`).
+        unsafe { std::ptr::write_bytes(p, 0, len) };
+        Ok(host)
+    }
+
     pub(super) fn upload_scalars(&self, values: &[f64]) -> Result<CudaScalars, KernelError> {
         let b = self
             .cuda
@@ -67,20 +86,7 @@ impl CudaOps {
         };
         let mut host = match reused {
             Some(h) => h,
-            None => {
-                // SAFETY: zeroed below, through a raw pointer, before any reference to it
-                // exists. Flags 0: cached memory, which the host reads quickly
-                // (write-combined memory is slow to read).
-                let mut h = unsafe { self.cuda.context().alloc_pinned_with_flags::<f64>(len, 0) }
-                    .map_err(|e| copy_error("cuMemHostAlloc", e))?;
-                let p = h
-                    .as_mut_ptr()
-                    .map_err(|e| copy_error("cuEventSynchronize", e))?;
-                // SAFETY: `p` points at `len` f64 of page-locked memory this slice owns, not
-                // yet shared with any copy; all-zero bytes are the f64 0.0.
-                unsafe { std::ptr::write_bytes(p, 0, len) };
-                h
-            }
+            None => self.zeroed_pinned::<f64>(len)?,
         };
         self.cuda
             .memcpy_dtoh(&**scalars, &mut host)
@@ -146,16 +152,7 @@ impl CudaStaging {
 
 impl CudaOps {
     pub(super) fn new_staging(&self, len: usize) -> Result<CudaStaging, KernelError> {
-        // SAFETY: zeroed below, through a raw pointer, before any reference to it exists.
-        // Flags 0: cached memory, which the host reads and writes at full speed.
-        let mut host = unsafe { self.cuda.context().alloc_pinned_with_flags::<f32>(len, 0) }
-            .map_err(|e| copy_error("cuMemHostAlloc", e))?;
-        let p = host
-            .as_mut_ptr()
-            .map_err(|e| copy_error("cuEventSynchronize", e))?;
-        // SAFETY: `p` points at `len` f32 of page-locked memory this slice owns, not yet
-        // shared with any copy; all-zero bytes are the f32 0.0.
-        unsafe { std::ptr::write_bytes(p, 0, len) };
+        let host = self.zeroed_pinned::<f32>(len)?;
         Ok(CudaStaging { host, last: None })
     }
 

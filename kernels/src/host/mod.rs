@@ -10,6 +10,7 @@ pub mod nn_math;
 mod norm;
 mod optim;
 mod step;
+pub(crate) use step::check_scalars_len;
 
 pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use norm::{sum_of_squares, NORM_BLOCK, NORM_ITEMS};

@@ -69,14 +69,19 @@ pub struct StepRule {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWChoice(pub [AdamWScalars; STEP_CHOICES]);
 
-fn check_len(kernel: &'static str, scalars: &[f64], tensors: usize) -> Result<(), KernelError> {
-    if scalars.len() < step_scalars_len(tensors) {
+/// A step's scalar buffer of `len` elements must hold the slots of `tensors` tensors.
+pub(crate) fn check_scalars_len(
+    kernel: &'static str,
+    len: usize,
+    tensors: usize,
+) -> Result<(), KernelError> {
+    if len < step_scalars_len(tensors) {
         return Err(KernelError::InvalidArgument {
             kernel,
             reason: format!(
                 "a step's scalars for {tensors} tensors need {} elements, not {}",
                 step_scalars_len(tensors),
-                scalars.len()
+                len
             ),
         });
     }
@@ -98,7 +103,7 @@ pub fn loss_accumulate(
     first: bool,
     scalars: &mut [f64],
 ) -> Result<(), KernelError> {
-    check_len("loss_accumulate", scalars, 0)?;
+    check_scalars_len("loss_accumulate", scalars.len(), 0)?;
     if losses.is_empty() || accum == 0 {
         return Err(KernelError::InvalidArgument {
             kernel: "loss_accumulate",
@@ -133,7 +138,7 @@ pub fn loss_accumulate(
 /// # Errors
 /// [`KernelError::InvalidArgument`] for a scalar buffer shorter than the rule's tensors need.
 pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelError> {
-    check_len("step_decide", scalars, rule.tensors)?;
+    check_scalars_len("step_decide", scalars.len(), rule.tensors)?;
     let s = scalars;
     let sq = s[STEP_SQUARES..STEP_SQUARES + rule.tensors]
         .iter()
@@ -190,7 +195,7 @@ pub fn adamw_decided(
     exp_avg: &mut [f32],
     exp_avg_sq: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_len("adamw_decided", scalars, 0)?;
+    check_scalars_len("adamw_decided", scalars.len(), 0)?;
     same_len("adamw_decided", "grad", param.len(), grad.len())?;
     if scalars[STEP_APPLIED] != 1.0 {
         return Ok(());

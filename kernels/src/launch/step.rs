@@ -8,7 +8,7 @@ use cudarc::driver::{
 
 use super::{config, driver, function};
 use crate::host::{
-    same_len, step_scalars_len, AdamWChoice, AdamWScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
+    check_scalars_len, same_len, AdamWChoice, AdamWScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
 };
 use crate::{KernelError, Program};
 
@@ -54,19 +54,6 @@ impl From<&AdamWScalars> for AdamWArgs {
     }
 }
 
-fn check_scalars(kernel: &'static str, len: usize, tensors: usize) -> Result<(), KernelError> {
-    if len < step_scalars_len(tensors) {
-        return Err(KernelError::InvalidArgument {
-            kernel,
-            reason: format!(
-                "a step's scalars for {tensors} tensors need {} elements, not {len}",
-                step_scalars_len(tensors)
-            ),
-        });
-    }
-    Ok(())
-}
-
 /// One micro-batch's per-token `losses` (of `accum` micro-batches) into the step's loss,
 /// `scalars[STEP_LOSS]` ([`host::loss_accumulate`](crate::host::loss_accumulate), bitwise).
 ///
@@ -80,7 +67,7 @@ pub fn loss_accumulate(
     first: bool,
     scalars: &mut impl DevicePtrMut<f64>,
 ) -> Result<(), KernelError> {
-    check_scalars("loss_accumulate", scalars.len(), 0)?;
+    check_scalars_len("loss_accumulate", scalars.len(), 0)?;
     let n = losses.len();
     if n == 0 || accum == 0 {
         return Err(KernelError::InvalidArgument {
@@ -116,7 +103,7 @@ pub fn step_decide(
     rule: &StepRule,
     scalars: &mut impl DevicePtrMut<f64>,
 ) -> Result<(), KernelError> {
-    check_scalars("step_decide", scalars.len(), rule.tensors)?;
+    check_scalars_len("step_decide", scalars.len(), rule.tensors)?;
     let f = function(stream, Program::Optim, "step_decide")?;
     let (s, _s) = scalars.device_ptr_mut(stream);
     let tensors = rule.tensors as u64;
@@ -151,7 +138,7 @@ pub fn adamw_decided(
     exp_avg: &mut impl DevicePtrMut<f32>,
     exp_avg_sq: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), KernelError> {
-    check_scalars("adamw_decided", scalars.len(), 0)?;
+    check_scalars_len("adamw_decided", scalars.len(), 0)?;
     let n = param.len();
     same_len("adamw_decided", "grad", n, grad.len())?;
     same_len("adamw_decided", "exp_avg", n, exp_avg.len())?;
