@@ -24,6 +24,10 @@ pub enum DeviceTrainError {
     /// A device operation (allocation, copy, kernel, cuBLAS) failed or was given bad shapes.
     #[error("device: {0}")]
     Kernel(#[from] KernelError),
+    /// A collective of sharded training failed (its error names the ranks and what differed
+    /// or timed out).
+    #[error("collective: {0}")]
+    Collective(#[from] fsdp_collectives::CollectiveError),
     /// A step whose loss or gradient norm is not finite where every step must be (the
     /// benchmark's [`time_steps`](crate::device_bench::time_steps)).
     #[error("step {step} is not finite: loss {loss}, gradient norm {grad_norm}")]
@@ -60,6 +64,12 @@ pub enum DeviceTrainError {
         /// The count the host knew.
         known: u64,
     },
+}
+
+impl From<fsdp_device::DeviceError> for DeviceTrainError {
+    fn from(e: fsdp_device::DeviceError) -> Self {
+        DeviceTrainError::Kernel(e.into())
+    }
 }
 
 /// What one run of the trainer does: the model, AdamW's hyperparameters, the learning-rate

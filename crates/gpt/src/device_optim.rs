@@ -7,6 +7,8 @@ use fsdp_kernels::gpt::{GptDims, GptOps, HostBuf, HostOps, Weights};
 use fsdp_kernels::host::{AdamWChoice, StepRule, STEP_SQUARES};
 use fsdp_kernels::KernelError;
 
+use crate::device_shard::shard_len;
+
 /// AdamW's two moments, one of each per parameter tensor.
 pub(crate) struct Moments<B> {
     pub(crate) exp_avg: Weights<B>,
@@ -26,15 +28,23 @@ impl<B> Optim<B> {
         dims: &GptDims,
         accumulators: bool,
     ) -> Result<Optim<B>, KernelError> {
+        Self::sharded_zeros(ops, dims, accumulators, 1)
+    }
+
+    /// Zero accumulators (if `accumulators`) and moments of this rank's shards over `factor`
+    /// ranks ([`shard_len`](crate::device_shard::shard_len) elements of each tensor).
+    pub(crate) fn sharded_zeros<P: GptOps<Buf = B>>(
+        ops: &P,
+        dims: &GptDims,
+        accumulators: bool,
+        factor: usize,
+    ) -> Result<Optim<B>, KernelError> {
+        let zeros = || Weights::try_build(dims, |_, len| ops.zeros(shard_len(len, factor)));
         Ok(Optim {
-            acc: if accumulators {
-                Some(Weights::try_build(dims, |_, len| ops.zeros(len))?)
-            } else {
-                None
-            },
+            acc: if accumulators { Some(zeros()?) } else { None },
             moments: Moments {
-                exp_avg: Weights::try_build(dims, |_, len| ops.zeros(len))?,
-                exp_avg_sq: Weights::try_build(dims, |_, len| ops.zeros(len))?,
+                exp_avg: zeros()?,
+                exp_avg_sq: zeros()?,
             },
         })
     }
@@ -122,11 +132,22 @@ pub(crate) fn accumulate_staged<P: GptOps>(
     Ok(())
 }
 
-/// Enqueues the end of a step on one side: the sum of squares of each of `grads` into its
-/// slot of `scalars` (the step's loss already there), the decision by `rule`, then AdamW on
-/// every parameter with `choices[decay]` as decided. Nothing waits.
+/// Enqueues the sum of squares of each of `grads` into its slot of `scalars`.
+pub(crate) fn squares<P: GptOps>(
+    ops: &P,
+    grads: &Weights<P::Buf>,
+    scalars: &mut P::Scalars,
+) -> Result<(), KernelError> {
+    for (i, (_, g)) in grads.named().into_iter().enumerate() {
+        ops.sum_of_squares_at(g, scalars, STEP_SQUARES + i)?;
+    }
+    Ok(())
+}
+
+/// Enqueues the decision by `rule` (the loss and the squares in `scalars`), then AdamW on
+/// every parameter with `choices[decay]` as decided.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn end_step<P: GptOps>(
+pub(crate) fn decide_and_apply<P: GptOps>(
     ops: &P,
     params: &mut Weights<P::Buf>,
     grads: &Weights<P::Buf>,
@@ -136,9 +157,6 @@ pub(crate) fn end_step<P: GptOps>(
     choices: &[AdamWChoice; 2],
     decays: &[bool],
 ) -> Result<(), KernelError> {
-    for (i, (_, g)) in grads.named().into_iter().enumerate() {
-        ops.sum_of_squares_at(g, scalars, STEP_SQUARES + i)?;
-    }
     ops.step_decide(rule, scalars)?;
     let m = moments
         .exp_avg
@@ -155,4 +173,22 @@ pub(crate) fn end_step<P: GptOps>(
         ops.adamw_decided(&choices[usize::from(decay)], scalars, p, g, m, v)?;
     }
     Ok(())
+}
+
+/// Enqueues the end of a step on one side: the sum of squares of each of `grads` into its
+/// slot of `scalars` (the step's loss already there), the decision by `rule`, then AdamW on
+/// every parameter with `choices[decay]` as decided. Nothing waits.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn end_step<P: GptOps>(
+    ops: &P,
+    params: &mut Weights<P::Buf>,
+    grads: &Weights<P::Buf>,
+    moments: &mut Moments<P::Buf>,
+    scalars: &mut P::Scalars,
+    rule: &StepRule,
+    choices: &[AdamWChoice; 2],
+    decays: &[bool],
+) -> Result<(), KernelError> {
+    squares(ops, grads, scalars)?;
+    decide_and_apply(ops, params, grads, moments, scalars, rule, choices, decays)
 }

@@ -364,7 +364,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             skip_nonfinite: self.skip_nonfinite,
             base_steps: known,
         };
-        let choices = self.choices(known)?;
+        let choices = adamw_choices(&self.config, known)?;
         let on_host = match &mut self.state {
             Placement::Device(optim) => {
                 let (ops, params, model_grads) = self.model.parts_mut();
@@ -449,28 +449,6 @@ impl<O: GptOps> DeviceTrainer<O> {
         }
     }
 
-    /// AdamW's scalars, without and with weight decay, of optimizer steps `known + 1 ..=
-    /// known + STEP_CHOICES` (the learning rate of the schedule at the steps taken before
-    /// each).
-    fn choices(&self, known: u64) -> Result<[AdamWChoice; 2], KernelError> {
-        let c = self.config;
-        let set = |decay: bool, j: u64| {
-            let lr = c.schedule.lr_at(c.adamw.lr, known + j);
-            let hyper = AdamW {
-                lr,
-                beta1: c.adamw.beta1,
-                beta2: c.adamw.beta2,
-                eps: c.adamw.eps,
-                weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
-            };
-            AdamWScalars::new(&hyper, known + j + 1)
-        };
-        let choice = |decay: bool| -> Result<AdamWChoice, KernelError> {
-            Ok(AdamWChoice([set(decay, 0)?, set(decay, 1)?]))
-        };
-        Ok([choice(false)?, choice(true)?])
-    }
-
     /// Waits for a pending step's scalars and reads its outcome.
     fn read(&mut self, p: Pending<O>) -> Result<Reported, DeviceTrainError> {
         let v = match p.values {
@@ -480,28 +458,9 @@ impl<O: GptOps> DeviceTrainer<O> {
         if let Some(marks) = p.marks {
             self.trace_record(marks)?;
         }
-        let count = v[STEP_COUNT] as u64;
-        if v[STEP_FAULT] != 0.0 {
-            return Err(DeviceTrainError::Bookkeeping {
-                step: p.step,
-                device: count,
-                known: p.known,
-            });
-        }
-        let applied = v[STEP_APPLIED] == 1.0;
-        let before = count.saturating_sub(u64::from(applied));
+        let (reported, count) = read_outcome(&self.config, p.step, p.known, &v)?;
         self.known_steps = count;
-        let c = self.config;
-        Ok(Reported {
-            step: p.step,
-            outcome: StepOutcome {
-                loss: v[STEP_LOSS] as f32,
-                grad_norm: v[STEP_GRAD_NORM],
-                lr: c.schedule.lr_at(c.adamw.lr, before),
-                applied,
-                halted: v[STEP_HALTED] == 1.0,
-            },
-        })
+        Ok(reported)
     }
 
     /// Every parameter on the host, by name (after every step enqueued).
@@ -511,4 +470,59 @@ impl<O: GptOps> DeviceTrainer<O> {
     pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
         Ok(self.model.download_params()?.into_iter().collect())
     }
+}
+
+/// AdamW's scalars, without and with weight decay, of optimizer steps `known + 1 ..= known +
+/// STEP_CHOICES` (the learning rate of the schedule at the steps taken before each).
+pub(crate) fn adamw_choices(
+    c: &DeviceTrainConfig,
+    known: u64,
+) -> Result<[AdamWChoice; 2], KernelError> {
+    let set = |decay: bool, j: u64| {
+        let lr = c.schedule.lr_at(c.adamw.lr, known + j);
+        let hyper = AdamW {
+            lr,
+            beta1: c.adamw.beta1,
+            beta2: c.adamw.beta2,
+            eps: c.adamw.eps,
+            weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
+        };
+        AdamWScalars::new(&hyper, known + j + 1)
+    };
+    let choice = |decay: bool| -> Result<AdamWChoice, KernelError> {
+        Ok(AdamWChoice([set(decay, 0)?, set(decay, 1)?]))
+    };
+    Ok([choice(false)?, choice(true)?])
+}
+
+/// The outcome of step `step` from its scalars `v` (read from the device), enqueued when the
+/// host knew of `known` optimizer steps; and the optimizer steps taken after it.
+///
+/// # Errors
+/// [`DeviceTrainError::Bookkeeping`] when the device reports a count it was offered no
+/// scalars for.
+pub(crate) fn read_outcome(
+    c: &DeviceTrainConfig,
+    step: usize,
+    known: u64,
+    v: &[f64],
+) -> Result<(Reported, u64), DeviceTrainError> {
+    let count = v[STEP_COUNT] as u64;
+    if v[STEP_FAULT] != 0.0 {
+        return Err(DeviceTrainError::Bookkeeping {
+            step,
+            device: count,
+            known,
+        });
+    }
+    let applied = v[STEP_APPLIED] == 1.0;
+    let before = count.saturating_sub(u64::from(applied));
+    let outcome = StepOutcome {
+        loss: v[STEP_LOSS] as f32,
+        grad_norm: v[STEP_GRAD_NORM],
+        lr: c.schedule.lr_at(c.adamw.lr, before),
+        applied,
+        halted: v[STEP_HALTED] == 1.0,
+    };
+    Ok((Reported { step, outcome }, count))
 }

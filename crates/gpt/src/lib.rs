@@ -46,9 +46,12 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device_bench;
+pub mod device_comm;
 mod device_config;
 mod device_optim;
 pub mod device_plan;
+mod device_shard;
+pub mod device_sharded;
 mod device_snapshot;
 mod device_state;
 mod device_trace;

@@ -6,19 +6,14 @@
 //! clipping, one micro-batch); the other exercises the cosine schedule with warmup,
 //! `decay_2d_only`, clipping (asserted active) and 2 micro-batches.
 
-use fsdp::optim::{decay_2d_only as decay_groups, decay_2d_only_group, LrSchedule};
-use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
-use fsdp::ParamInit;
-use fsdp_collectives::ring;
-use fsdp_gpt::data::{get_batch, synthetic_corpus};
+use fsdp::optim::LrSchedule;
+use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
-use fsdp_gpt::init::gpt2_init;
-use fsdp_gpt::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
-use fsdp_gpt::tree::gpt_module_tree;
+use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::HostOps;
 
 mod common;
-use common::device::{device_config, param_bits};
+use common::device::{device_config, engine_run, param_bits};
 
 const STEPS: usize = 20;
 const SEED: u64 = 3;
@@ -40,57 +35,7 @@ fn config(clip: Option<f64>, accum: usize, cosine: bool) -> DeviceTrainConfig {
 
 /// (loss, gradient norm before clipping) of every step of the engine at world 1.
 fn engine(c: &DeviceTrainConfig, tokens: &[u16]) -> Vec<(f32, f64)> {
-    let cfg = c.cfg;
-    let plan = plan_units(
-        &gpt_module_tree(&cfg),
-        &WrapOptions::new(WrapPolicy::module_type(["Block"])),
-    )
-    .unwrap();
-    let (accum, t) = (c.grad_accum, cfg.block_size);
-    let micro = c.batch_size / accum;
-    let global_tokens = c.batch_size * t;
-    let mut out = ring::run_ranks(1, ring::RingOptions::default(), |comm| {
-        let rule = gpt2_init(cfg.n_layer);
-        let init = ParamInit::Seeded {
-            seed: SEED,
-            rule: &rule,
-        };
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let mut model =
-            FsdpGpt::with_init(Box::new(comm), cfg, &plan, init, config, c.adamw).unwrap();
-        model.set_lr_schedule(c.schedule).unwrap();
-        if c.decay_2d_only {
-            model
-                .set_param_groups(decay_groups(c.adamw.weight_decay), |_, shape| {
-                    decay_2d_only_group(shape)
-                })
-                .unwrap();
-        }
-        let mut v = Vec::new();
-        for step in 0..STEPS {
-            let mut loss = 0.0f32;
-            for m in 0..accum {
-                let k = (step * accum + m) as u64;
-                let b = get_batch(tokens, k, micro, t, 0, 1).unwrap();
-                loss += if m + 1 < accum {
-                    model
-                        .no_sync(|f| f.forward_backward(&b, global_tokens))
-                        .unwrap()
-                } else {
-                    model.forward_backward(&b, global_tokens).unwrap()
-                };
-            }
-            let norm = match c.grad_clip {
-                Some(max) => model.clip_grad_norm(max).unwrap(),
-                None => model.grad_norm().unwrap(),
-            };
-            model.optimizer_step().unwrap();
-            v.push((loss, norm));
-        }
-        v
-    })
-    .unwrap();
-    out.pop().unwrap()
+    engine_run(c, tokens, 1, ShardingStrategy::FullShard, STEPS, SEED)
 }
 
 fn device(c: &DeviceTrainConfig, tokens: &[u16]) -> Vec<(f32, f64)> {

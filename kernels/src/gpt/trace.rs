@@ -1,4 +1,4 @@
-//! Tracing [`DeviceGpt`]'s step: with [`set_tracing`](DeviceGpt::set_tracing) the step records
+//! Tracing [`GptPass`]'s step: with [`set_tracing`](GptPass::set_tracing) the step records
 //! a [`Mark`](GptOps::Mark) after each of its parts (the embeddings, each block's forward, the
 //! head, each block's backward, the embeddings' backward), which a trainer turns into a
 //! timeline once the device has run them.
@@ -6,6 +6,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::model::DeviceGpt;
+use super::pass::GptPass;
 use super::ops::GptOps;
 use crate::KernelError;
 
@@ -23,7 +24,7 @@ pub struct SpanEnd<M> {
 /// The marks a traced step has recorded (`None`: not tracing).
 pub(super) type Marks<M> = Mutex<Option<Vec<SpanEnd<M>>>>;
 
-impl<O: GptOps> DeviceGpt<O> {
+impl<O: GptOps> GptPass<O> {
     /// Record a mark after each part of every step from now on (`true`), or none (`false`,
     /// the default).
     pub fn set_tracing(&mut self, on: bool) {
@@ -52,5 +53,19 @@ impl<O: GptOps> DeviceGpt<O> {
             });
         }
         Ok(())
+    }
+}
+
+impl<O: GptOps> DeviceGpt<O> {
+    /// Record a mark after each part of every step from now on (`true`), or none (`false`,
+    /// the default): [`GptPass::set_tracing`].
+    pub fn set_tracing(&mut self, on: bool) {
+        self.pass.set_tracing(on);
+    }
+
+    /// The marks recorded since the last call, in order (none when not tracing):
+    /// [`GptPass::take_marks`].
+    pub fn take_marks(&self) -> Vec<SpanEnd<O::Mark>> {
+        self.pass.take_marks()
     }
 }

@@ -149,6 +149,70 @@ pub fn param_shapes(d: &GptDims) -> Vec<(String, Vec<usize>)> {
     v
 }
 
+impl<B> Block<B> {
+    /// Builds every tensor of a block of width `n_embd` with `make(suffix, elements)` (the
+    /// suffix of [`param_shapes`]' names after `transformer.h.{i}.`), in that order.
+    ///
+    /// # Errors
+    /// The first error of `make`.
+    pub fn try_build(
+        n_embd: usize,
+        mut make: impl FnMut(&str, usize) -> Result<B, KernelError>,
+    ) -> Result<Block<B>, KernelError> {
+        let e = n_embd;
+        let lens = [e, e, 3 * e * e, 3 * e, e * e, e, e, e, 4 * e * e, 4 * e, 4 * e * e, e];
+        let mut all = Vec::with_capacity(lens.len());
+        for (s, len) in BLOCK_SUFFIXES.iter().zip(lens) {
+            all.push(make(s, len)?);
+        }
+        let mut all = all.into_iter();
+        let mut pair = || -> Result<Pair<B>, KernelError> {
+            match (all.next(), all.next()) {
+                (Some(weight), Some(bias)) => Ok(Pair { weight, bias }),
+                _ => Err(invalid("a block has twelve tensors".into())),
+            }
+        };
+        Ok(Block {
+            ln_1: pair()?,
+            c_attn: pair()?,
+            attn_proj: pair()?,
+            ln_2: pair()?,
+            c_fc: pair()?,
+            mlp_proj: pair()?,
+        })
+    }
+
+    /// Its tensors in [`param_shapes`] order.
+    pub fn bufs(&self) -> [&B; 12] {
+        let p = [
+            &self.ln_1,
+            &self.c_attn,
+            &self.attn_proj,
+            &self.ln_2,
+            &self.c_fc,
+            &self.mlp_proj,
+        ];
+        std::array::from_fn(|i| if i % 2 == 0 { &p[i / 2].weight } else { &p[i / 2].bias })
+    }
+
+    /// Its tensors, mutably, in [`param_shapes`] order.
+    pub fn bufs_mut(&mut self) -> Vec<&mut B> {
+        let mut v = Vec::with_capacity(12);
+        for p in [
+            &mut self.ln_1,
+            &mut self.c_attn,
+            &mut self.attn_proj,
+            &mut self.ln_2,
+            &mut self.c_fc,
+            &mut self.mlp_proj,
+        ] {
+            v.push(&mut p.weight);
+            v.push(&mut p.bias);
+        }
+        v
+    }
+}
+
 impl<B> Weights<B> {
     /// Builds every parameter with `make(name, elements)`, in [`param_shapes`] order.
     ///
@@ -232,5 +296,80 @@ impl<B> Weights<B> {
         v.push(&mut self.ln_f.weight);
         v.push(&mut self.ln_f.bias);
         v
+    }
+
+    /// The root's tensors alone (`wte`, `wpe`, `ln_f`; no blocks), each built with
+    /// `make(name, elements)` in [`param_shapes`] order.
+    ///
+    /// # Errors
+    /// The first error of `make`.
+    pub fn try_build_root(
+        d: &GptDims,
+        mut make: impl FnMut(&str, usize) -> Result<B, KernelError>,
+    ) -> Result<Weights<B>, KernelError> {
+        let e = d.n_embd;
+        Ok(Weights {
+            wte: make("transformer.wte.weight", d.vocab_size * e)?,
+            wpe: make("transformer.wpe.weight", d.block_size * e)?,
+            blocks: Vec::new(),
+            ln_f: Pair {
+                weight: make("transformer.ln_f.weight", e)?,
+                bias: make("transformer.ln_f.bias", e)?,
+            },
+        })
+    }
+
+    /// The root's tensors (`wte`, `wpe`, `ln_f.weight`, `ln_f.bias`), in [`param_shapes`]
+    /// order.
+    pub fn root_bufs(&self) -> [&B; 4] {
+        [&self.wte, &self.wpe, &self.ln_f.weight, &self.ln_f.bias]
+    }
+
+    /// The root's tensors, mutably.
+    pub fn root_bufs_mut(&mut self) -> [&mut B; 4] {
+        [
+            &mut self.wte,
+            &mut self.wpe,
+            &mut self.ln_f.weight,
+            &mut self.ln_f.bias,
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The root's and a block's builders give `param_shapes`' names and sizes, in its order.
+    #[test]
+    fn unit_builders_follow_param_shapes() {
+        let d = GptDims {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            block_size: 5,
+            vocab_size: 11,
+        };
+        let want: Vec<(String, usize)> = param_shapes(&d)
+            .into_iter()
+            .map(|(n, s)| (n, s.iter().product()))
+            .collect();
+        let mut got = Vec::new();
+        let root = Weights::try_build_root(&d, |n, len| Ok((n.to_string(), len))).unwrap();
+        let blocks: Vec<Block<(String, usize)>> = (0..d.n_layer)
+            .map(|l| {
+                Block::try_build(d.n_embd, |s, len| {
+                    Ok((format!("transformer.h.{l}.{s}"), len))
+                })
+                .unwrap()
+            })
+            .collect();
+        let [wte, wpe, lw, lb] = root.root_bufs();
+        got.extend([wte.clone(), wpe.clone()]);
+        for b in &blocks {
+            got.extend(b.bufs().into_iter().cloned());
+        }
+        got.extend([lw.clone(), lb.clone()]);
+        assert_eq!(got, want);
     }
 }

@@ -1,0 +1,252 @@
+//! FSDP's units on a device: [`ShardedUnits`], the [`Units`] hooks of a sharded trainer's pass.
+//!
+//! Every parameter tensor is sharded alone, flat, over the `factor` ranks that shard it (as
+//! FSDP2 shards each parameter; `factor` 1 replicates it, FSDP's `NO_SHARD`): rank `r` holds
+//! elements `r·s .. (r+1)·s` of the flattened tensor, `s = ⌈numel / factor⌉`, zero-padded.
+//! The hooks then do what FSDP's do for each unit (the root — `wte`, `wpe`, `ln_f` — and
+//! each block):
+//!
+//! - `pre_forward` / `pre_backward`: unshard (one all-gather of the unit's shards into full
+//!   tensors) unless the unit is unsharded already; `pre_backward` also gives zero gradients;
+//! - `post_forward`: with `reshard_after_forward` (`FULL_SHARD`), a block frees its full
+//!   parameters (the root keeps them, as FSDP's root does);
+//! - `post_backward`: the unit's gradients reduced to this rank's shards with the ranks'
+//!   mean (one reduce-scatter; an all-reduce when replicated), added to the step's gradient
+//!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
+
+use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
+use fsdp_kernels::KernelError;
+
+use crate::device_comm::DeviceComm;
+use crate::device_config::DeviceTrainError;
+
+/// Elements of one shard of a tensor of `numel` elements over `factor` ranks.
+pub(crate) fn shard_len(numel: usize, factor: usize) -> usize {
+    numel.div_ceil(factor.max(1))
+}
+
+/// Rank `rank`'s shard of `full` over `factor` ranks, zero-padded.
+pub(crate) fn shard_of(full: &[f32], rank: usize, factor: usize) -> Vec<f32> {
+    let s = shard_len(full.len(), factor);
+    let mut v = vec![0.0; s];
+    let start = (rank * s).min(full.len());
+    let end = ((rank + 1) * s).min(full.len());
+    v[..end - start].copy_from_slice(&full[start..end]);
+    v
+}
+
+fn not_held(what: &str) -> DeviceTrainError {
+    KernelError::InvalidArgument {
+        kernel: "fsdp units",
+        reason: format!("{what} is not unsharded now"),
+    }
+    .into()
+}
+
+/// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
+pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
+    comm: &'a C,
+    dims: GptDims,
+    /// Ranks sharding each tensor (1: replicated).
+    factor: usize,
+    reshard_after_forward: bool,
+    /// This rank's parameter shards (the full parameters when replicated).
+    shards: &'a Weights<O::Buf>,
+    /// The step's gradient accumulators, shaped as `shards`.
+    acc: &'a mut Weights<O::Buf>,
+    /// The weight of this pass's gradients in the accumulators (`1 / micro-batches`).
+    alpha: f32,
+    root: Option<Weights<O::Buf>>,
+    root_grads: Option<Weights<O::Buf>>,
+    blocks: Vec<Option<Block<O::Buf>>>,
+    block_grads: Vec<Option<Block<O::Buf>>>,
+}
+
+impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
+    /// The hooks of one pass over `shards` (sharded over `factor` ranks of `comm`), adding
+    /// `alpha ×` the reduced gradients into `acc`.
+    pub(crate) fn new(
+        comm: &'a C,
+        dims: GptDims,
+        factor: usize,
+        reshard_after_forward: bool,
+        shards: &'a Weights<O::Buf>,
+        acc: &'a mut Weights<O::Buf>,
+        alpha: f32,
+    ) -> Self {
+        ShardedUnits {
+            comm,
+            dims,
+            factor,
+            reshard_after_forward,
+            shards,
+            acc,
+            alpha,
+            root: None,
+            root_grads: None,
+            blocks: (0..dims.n_layer).map(|_| None).collect(),
+            block_grads: (0..dims.n_layer).map(|_| None).collect(),
+        }
+    }
+
+    fn sharded(&self) -> bool {
+        self.factor > 1
+    }
+
+    /// Gathers `unit`'s full parameters unless held.
+    fn unshard(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
+        if !self.sharded() {
+            return Ok(());
+        }
+        let d = self.dims;
+        match unit {
+            Unit::Root if self.root.is_none() => {
+                let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
+                let shards = self.shards.root_bufs();
+                self.comm
+                    .all_gather(ops, &shards, &mut full.root_bufs_mut())?;
+                self.root = Some(full);
+            }
+            Unit::Block(l) if self.blocks.get(l).is_some_and(Option::is_none) => {
+                let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
+                let shards = self.shards.blocks[l].bufs();
+                self.comm.all_gather(ops, &shards, &mut full.bufs_mut())?;
+                self.blocks[l] = Some(full);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Reduces full gradients `full` of a unit whose shards in the accumulators are `acc`.
+    fn reduce(
+        comm: &C,
+        ops: &O,
+        factor: usize,
+        alpha: f32,
+        mut full: Vec<&mut O::Buf>,
+        acc: Vec<&mut O::Buf>,
+    ) -> Result<(), DeviceTrainError> {
+        if factor > 1 {
+            let mut reduced = acc
+                .iter()
+                .map(|a| ops.empty(O::buf_len(a)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let fulls: Vec<&O::Buf> = full.iter().map(|f| &**f).collect();
+            let mut outs: Vec<&mut O::Buf> = reduced.iter_mut().collect();
+            comm.reduce_scatter_avg(ops, &fulls, &mut outs)?;
+            for (a, g) in acc.into_iter().zip(&reduced) {
+                ops.axpby(alpha, g, 1.0, a)?;
+            }
+        } else {
+            comm.all_reduce_avg(ops, &mut full)?;
+            for (a, g) in acc.into_iter().zip(full) {
+                ops.axpby(alpha, g, 1.0, a)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
+    type Error = DeviceTrainError;
+
+    fn pre_forward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
+        self.unshard(ops, unit)
+    }
+
+    fn post_forward(&mut self, _: &O, unit: Unit) -> Result<(), DeviceTrainError> {
+        if let Unit::Block(l) = unit {
+            if self.reshard_after_forward {
+                if let Some(b) = self.blocks.get_mut(l) {
+                    *b = None;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn pre_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
+        self.unshard(ops, unit)?;
+        let d = self.dims;
+        match unit {
+            Unit::Root => {
+                self.root_grads = Some(Weights::try_build_root(&d, |_, len| ops.zeros(len))?);
+            }
+            Unit::Block(l) => {
+                let g = Block::try_build(d.n_embd, |_, len| ops.zeros(len))?;
+                match self.block_grads.get_mut(l) {
+                    Some(slot) => *slot = Some(g),
+                    None => return Err(not_held(&format!("block {l}"))),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn post_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
+        let (comm, factor, alpha) = (self.comm, self.factor, self.alpha);
+        match unit {
+            Unit::Root => {
+                let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
+                let full = g.root_bufs_mut().into_iter().collect();
+                let acc = self.acc.root_bufs_mut().into_iter().collect();
+                Self::reduce(comm, ops, factor, alpha, full, acc)?;
+                self.root = None;
+            }
+            Unit::Block(l) => {
+                let what = || not_held(&format!("block {l}"));
+                let mut g = self.block_grads.get_mut(l).and_then(Option::take).ok_or_else(what)?;
+                let acc = self.acc.blocks.get_mut(l).ok_or_else(what)?;
+                Self::reduce(comm, ops, factor, alpha, g.bufs_mut(), acc.bufs_mut())?;
+                self.blocks[l] = None;
+            }
+        }
+        Ok(())
+    }
+
+    fn root(&self) -> Result<&Weights<O::Buf>, DeviceTrainError> {
+        match &self.root {
+            Some(r) => Ok(r),
+            None if !self.sharded() => Ok(self.shards),
+            None => Err(not_held("the root")),
+        }
+    }
+
+    fn block(&self, layer: usize) -> Result<&Block<O::Buf>, DeviceTrainError> {
+        let what = || not_held(&format!("block {layer}"));
+        match self.blocks.get(layer) {
+            Some(Some(b)) => Ok(b),
+            Some(None) if !self.sharded() => self.shards.blocks.get(layer).ok_or_else(what),
+            _ => Err(what()),
+        }
+    }
+
+    fn root_grads(&mut self) -> Result<WithGrads<'_, Weights<O::Buf>>, DeviceTrainError> {
+        let params = match &self.root {
+            Some(r) => r,
+            None if !self.sharded() => self.shards,
+            None => return Err(not_held("the root")),
+        };
+        let grads = self.root_grads.as_mut().ok_or_else(|| not_held("the root's gradients"))?;
+        Ok((params, grads))
+    }
+
+    fn block_grads(
+        &mut self,
+        layer: usize,
+    ) -> Result<WithGrads<'_, Block<O::Buf>>, DeviceTrainError> {
+        let what = || not_held(&format!("block {layer}"));
+        let params = match self.blocks.get(layer) {
+            Some(Some(b)) => b,
+            Some(None) if !self.sharded() => self.shards.blocks.get(layer).ok_or_else(what)?,
+            _ => return Err(what()),
+        };
+        let grads = self
+            .block_grads
+            .get_mut(layer)
+            .and_then(Option::as_mut)
+            .ok_or_else(what)?;
+        Ok((params, grads))
+    }
+}

@@ -1,0 +1,346 @@
+//! Sharded training of the reference GPT on devices, one rank each: [`ShardedDeviceTrainer`],
+//! generic over the operations ([`GptOps`]) and the collectives on their buffers
+//! ([`DeviceComm`]). It is what `fsdp train --device … --ranks N` runs, and follows `fsdp
+//! train --ranks N --strategy S` (the engine) step for step:
+//!
+//! - the same initial weights ([`seeded_params`](crate::device_train::seeded_params) or a
+//!   checkpoint's, whole on every rank, each keeping its shards) and the same batches (rank
+//!   `r` takes its rows of each micro-batch, [`get_batch`]);
+//! - FSDP's units (the root and each block) unsharded by one all-gather before their forward
+//!   and backward, blocks resharded after forward under `FULL_SHARD`, gradients reduced to
+//!   shards by one reduce-scatter per unit with the ranks' mean after each unit's backward
+//!   (an all-reduce under `NO_SHARD`), as [`device_shard`](crate::device_shard) describes;
+//! - the loss averaged over ranks and the squares of the gradient shards summed over ranks
+//!   (one all-reduce of the step's scalars each) before the step is decided on the device,
+//!   then AdamW on this rank's shards as [`DeviceTrainer`](crate::device_train::DeviceTrainer)
+//!   does on whole tensors; outcomes are read one step late.
+//!
+//! At one rank it is the [`DeviceTrainer`](crate::device_train::DeviceTrainer) bit for bit;
+//! at more, on the host twins, its losses stay within 1e-5 relative of one rank's and of
+//! the engine's (`tests/device_sharded.rs`).
+
+use std::collections::HashMap;
+
+use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
+use fsdp::ShardingStrategy;
+use fsdp::FsdpError;
+use fsdp_collectives::ReduceOp;
+use fsdp_kernels::gpt::{param_shapes, Block, GptOps, GptPass, Weights};
+use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_LOSS, STEP_SQUARES};
+use fsdp_kernels::KernelError;
+
+use crate::data::get_batch;
+use crate::device_comm::DeviceComm;
+use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
+use crate::device_optim::{decide_and_apply, squares, Optim};
+use crate::device_shard::{shard_len, shard_of, ShardedUnits};
+use crate::device_train::{adamw_choices, read_outcome, Reported, StepOutcome};
+
+/// One rank of sharded training on a device (see the [module](self) documentation).
+pub struct ShardedDeviceTrainer<O: GptOps, C> {
+    pass: GptPass<O>,
+    comm: C,
+    config: DeviceTrainConfig,
+    strategy: ShardingStrategy,
+    /// Ranks sharding each tensor: the world, or 1 under `NO_SHARD`.
+    factor: usize,
+    /// This rank's parameter shards.
+    shards: Weights<O::Buf>,
+    /// The step's gradient accumulators and AdamW's moments, of the shards.
+    optim: Optim<O::Buf>,
+    decays: Vec<bool>,
+    scalars: O::Scalars,
+    skip_nonfinite: Option<u64>,
+    known_steps: u64,
+    /// The step enqueued whose outcome is unread: its number, the optimizer steps known
+    /// when it was enqueued, and its scalars on the way.
+    pending: Option<(usize, u64, O::ScalarsCopy)>,
+}
+
+impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
+    /// This rank of the model of `config` sharded by `strategy` over `comm`'s ranks, from
+    /// the full parameters `params` (the same on every rank; nanoGPT's names), zero moments
+    /// and no step taken. Every rank calls it.
+    ///
+    /// # Errors
+    /// Invalid settings; a hybrid strategy (one group of ranks here: no mesh), CPU offload
+    /// (not built for sharded training); a batch whose micro-batches do not split evenly
+    /// over the ranks; a missing or mis-sized parameter; allocation and copy failures.
+    pub fn new(
+        ops: O,
+        comm: C,
+        config: DeviceTrainConfig,
+        strategy: ShardingStrategy,
+        params: &HashMap<String, Vec<f32>>,
+    ) -> Result<Self, DeviceTrainError> {
+        config.validate()?;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let refuse = |what: &str| -> DeviceTrainError {
+            FsdpError::InvalidShape {
+                reason: format!("rank {rank}: sharded training on a device: {what}"),
+            }
+            .into()
+        };
+        if strategy.is_hybrid() {
+            return Err(refuse(&format!(
+                "{strategy:?} needs a mesh of nodes; here the ranks are one group (use \
+                 FullShard, ShardGradOp or NoShard)"
+            )));
+        }
+        if config.offload {
+            return Err(refuse("CPU offload is built for one rank only"));
+        }
+        let micro = config.batch_size / config.grad_accum;
+        if micro % world != 0 {
+            return Err(FsdpError::BatchNotDivisible {
+                batch_size: micro,
+                world_size: world,
+            }
+            .into());
+        }
+        let factor = if strategy == ShardingStrategy::NoShard {
+            1
+        } else {
+            world
+        };
+        // This rank's shard among the `factor` that shard each tensor (replicated: the whole).
+        let shard = rank % factor;
+        let dims = config.dims();
+        let mut pass = GptPass::new(ops, dims)?;
+        pass.set_activation_checkpointing(config.activation_checkpointing);
+        let ops = pass.ops();
+        let shards = Weights::try_build(&dims, |name, len| match params.get(name) {
+            Some(p) if p.len() == len => ops.upload(&shard_of(p, shard, factor)),
+            Some(p) => Err(KernelError::InvalidArgument {
+                kernel: "shard",
+                reason: format!("parameter `{name}` has {} elements, expected {len}", p.len()),
+            }),
+            None => Err(KernelError::InvalidArgument {
+                kernel: "shard",
+                reason: format!("parameter `{name}` is missing"),
+            }),
+        })?;
+        let optim = Optim::sharded_zeros(ops, &dims, true, factor)?;
+        let tensors = param_shapes(&dims).len();
+        let scalars = ops.scalars(&vec![0.0; step_scalars_len(tensors)])?;
+        let decays = param_shapes(&dims)
+            .iter()
+            .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
+            .collect();
+        Ok(ShardedDeviceTrainer {
+            pass,
+            comm,
+            config,
+            strategy,
+            factor,
+            shards,
+            optim,
+            decays,
+            scalars,
+            skip_nonfinite: None,
+            known_steps: 0,
+            pending: None,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &DeviceTrainConfig {
+        &self.config
+    }
+
+    /// The sharding strategy.
+    pub fn strategy(&self) -> ShardingStrategy {
+        self.strategy
+    }
+
+    /// The operations.
+    pub fn ops(&self) -> &O {
+        self.pass.ops()
+    }
+
+    /// The collectives.
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+
+    /// Skip at most `limit` non-finite steps, as
+    /// [`DeviceTrainer::set_skip_nonfinite`](crate::device_train::DeviceTrainer::set_skip_nonfinite)
+    /// (every rank decides the same: the loss and the norm are the ranks').
+    pub fn set_skip_nonfinite(&mut self, limit: Option<u64>) {
+        self.skip_nonfinite = limit;
+    }
+
+    /// Optimizer steps taken, as far as the outcomes read so far say.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.known_steps
+    }
+
+    /// The device memory this rank's operations hold now, and their peak.
+    pub fn memory(&self) -> fsdp_kernels::gpt::MemoryUse {
+        self.ops().memory()
+    }
+
+    /// Training step `step` on the token stream `tokens`, waiting for its outcome (see
+    /// [`enqueue_step`](Self::enqueue_step)). Every rank calls it.
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while a step of `enqueue_step` is unread; as
+    /// `enqueue_step`.
+    pub fn step(&mut self, tokens: &[u16], step: usize) -> Result<StepOutcome, DeviceTrainError> {
+        if let Some((s, ..)) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: *s });
+        }
+        self.enqueue_step(tokens, step)?;
+        match self.flush()? {
+            Some(r) => Ok(r.outcome),
+            None => Err(DeviceTrainError::Unread { step }),
+        }
+    }
+
+    /// Enqueues training step `step` (this rank's rows of micro-batches `step·accum …`,
+    /// their passes with the units' collectives, the ranks' loss and norm, AdamW on the
+    /// shards) and returns the outcome of the step enqueued before, if any. Every rank
+    /// calls it.
+    ///
+    /// # Errors
+    /// A token stream too short or holding ids outside the vocabulary; device and
+    /// collective failures; a failure of the step before.
+    pub fn enqueue_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+    ) -> Result<Option<Reported>, DeviceTrainError> {
+        let known = self.known_steps;
+        self.run_step(tokens, step, known)?;
+        let copy = self.ops().copy_scalars(&self.scalars)?;
+        let before = self.pending.replace((step, known, copy));
+        before.map(|p| self.read(p)).transpose()
+    }
+
+    /// Waits for the outcome of the step enqueued last, if unread.
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn flush(&mut self) -> Result<Option<Reported>, DeviceTrainError> {
+        self.pending.take().map(|p| self.read(p)).transpose()
+    }
+
+    fn read(&mut self, (step, known, copy): (usize, u64, O::ScalarsCopy)) -> Result<Reported, DeviceTrainError> {
+        let v = self.ops().wait_scalars(copy)?;
+        let (reported, count) = read_outcome(&self.config, step, known, &v)?;
+        self.known_steps = count;
+        Ok(reported)
+    }
+
+    fn run_step(&mut self, tokens: &[u16], step: usize, known: u64) -> Result<(), DeviceTrainError> {
+        let c = self.config;
+        let (accum, t) = (c.grad_accum, c.cfg.block_size);
+        let micro = c.batch_size / accum;
+        let alpha = (1.0 / accum as f64) as f32;
+        let accum32 = u32::try_from(accum).map_err(|_| FsdpError::InvalidShape {
+            reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
+        })?;
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let ops = self.pass.ops();
+        self.optim.zero_accumulators(ops)?;
+        let acc = self.optim.acc.as_mut().ok_or_else(|| KernelError::InvalidArgument {
+            kernel: "sharded step",
+            reason: "no gradient accumulators".into(),
+        })?;
+        for m in 0..accum {
+            let k = step
+                .checked_mul(accum)
+                .and_then(|s| s.checked_add(m))
+                .ok_or_else(|| FsdpError::InvalidShape {
+                    reason: format!("micro-batch {m} of step {step} overflows a 64-bit count"),
+                })? as u64;
+            let b = get_batch(tokens, k, micro, t, rank, world)?;
+            let mut units = ShardedUnits::new(
+                &self.comm,
+                c.dims(),
+                self.factor,
+                self.strategy.reshard_after_forward(),
+                &self.shards,
+                acc,
+                alpha,
+            );
+            let losses =
+                self.pass
+                    .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;
+            drop(units);
+            ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
+        }
+        let grads: &Weights<O::Buf> = acc;
+        squares(ops, grads, &mut self.scalars)?;
+        let tensors = self.decays.len();
+        let comm = &self.comm;
+        comm.all_reduce_scalars(ops, &mut self.scalars, STEP_LOSS..STEP_LOSS + 1, ReduceOp::Avg)?;
+        if self.factor > 1 {
+            let squares = STEP_SQUARES..STEP_SQUARES + tensors;
+            comm.all_reduce_scalars(ops, &mut self.scalars, squares, ReduceOp::Sum)?;
+        }
+        let rule = StepRule {
+            tensors,
+            max_norm: c.grad_clip,
+            skip_nonfinite: self.skip_nonfinite,
+            base_steps: known,
+        };
+        let choices = adamw_choices(&c, known)?;
+        let moments = &mut self.optim.moments;
+        decide_and_apply(
+            ops,
+            &mut self.shards,
+            grads,
+            moments,
+            &mut self.scalars,
+            &rule,
+            &choices,
+            &self.decays,
+        )?;
+        Ok(())
+    }
+
+    /// Every parameter on the host, by name (after every step enqueued): each unit gathered
+    /// from the ranks' shards. Every rank calls it.
+    ///
+    /// # Errors
+    /// Collective and copy failures.
+    pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
+        let ops = self.ops();
+        let d = self.config.dims();
+        let mut out = HashMap::new();
+        let mut keep = |name: String, b: &O::Buf| -> Result<(), DeviceTrainError> {
+            out.insert(name, ops.download(b)?);
+            Ok(())
+        };
+        if self.factor == 1 {
+            for (name, b) in self.shards.named() {
+                keep(name, b)?;
+            }
+            return Ok(out);
+        }
+        let mut root = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
+        self.comm
+            .all_gather(ops, &self.shards.root_bufs(), &mut root.root_bufs_mut())?;
+        let mut all = root;
+        for l in 0..d.n_layer {
+            let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
+            self.comm
+                .all_gather(ops, &self.shards.blocks[l].bufs(), &mut full.bufs_mut())?;
+            all.blocks.push(full);
+        }
+        for (name, b) in all.named() {
+            keep(name, b)?;
+        }
+        Ok(out)
+    }
+
+    /// Elements of this rank's shard of each tensor, in
+    /// [`param_shapes`](fsdp_kernels::gpt::param_shapes) order.
+    pub fn shard_lens(&self) -> Vec<usize> {
+        param_shapes(&self.config.dims())
+            .iter()
+            .map(|(_, s)| shard_len(s.iter().product(), self.factor))
+            .collect()
+    }
+}

@@ -1,0 +1,273 @@
+//! [`GptPass`]: one forward and backward pass of the GPT over [`GptOps`], its parameters and
+//! gradients given unit by unit by a [`Units`].
+
+use std::sync::Mutex;
+
+use super::ops::GptOps;
+use super::trace::Marks;
+use super::units::{Unit, Units};
+use super::weights::{invalid, GptDims, Pair};
+use crate::gemm::MatMul;
+use crate::KernelError;
+
+/// LayerNorm's epsilon (PyTorch's default, nanoGPT's).
+const LN_EPS: f32 = 1e-5;
+
+/// The GPT's forward and backward pass on one device, without its parameters: the operations,
+/// the model's shape, activation checkpointing and tracing. [`DeviceGpt`](super::DeviceGpt)
+/// runs it over the parameters it holds; a sharded trainer over parameters it gathers unit by
+/// unit ([`Units`]).
+pub struct GptPass<O: GptOps> {
+    pub(super) ops: O,
+    pub(super) dims: GptDims,
+    pub(super) checkpoint: bool,
+    /// The marks of a traced step ([`set_tracing`](GptPass::set_tracing)).
+    pub(super) marks: Marks<O::Mark>,
+}
+
+/// What forward keeps of one block for backward: all its activations, or (activation
+/// checkpointing) its input alone, from which backward runs the block's forward again.
+enum Saved<B> {
+    Acts(BlockActs<B>),
+    Input(B),
+}
+
+/// The sizes of one step: `rows` sequences of `t` tokens, `n = rows·t`.
+#[derive(Clone, Copy)]
+pub(super) struct Step {
+    pub(super) rows: usize,
+    pub(super) t: usize,
+    pub(super) n: usize,
+}
+
+/// A layer norm's output, mean and rstd.
+pub(super) type Normed<B> = (B, B, B);
+
+/// What one block keeps from forward for backward.
+pub(super) struct BlockActs<B> {
+    pub(super) x: B,
+    pub(super) ln1_mean: B,
+    pub(super) ln1_rstd: B,
+    pub(super) h1: B,
+    pub(super) q: B,
+    pub(super) k: B,
+    pub(super) v: B,
+    pub(super) att: B,
+    pub(super) y: B,
+    pub(super) x2: B,
+    pub(super) ln2_mean: B,
+    pub(super) ln2_rstd: B,
+    pub(super) h2: B,
+    pub(super) fc: B,
+    pub(super) g: B,
+}
+
+impl<O: GptOps> GptPass<O> {
+    /// The pass of the model `dims` on `ops`' device, without checkpointing or tracing.
+    ///
+    /// # Errors
+    /// Invalid `dims`.
+    pub fn new(ops: O, dims: GptDims) -> Result<GptPass<O>, KernelError> {
+        dims.validate()?;
+        Ok(GptPass {
+            ops,
+            dims,
+            checkpoint: false,
+            marks: Mutex::new(None),
+        })
+    }
+
+    /// Activation checkpointing of every block (PyTorch's `checkpoint_wrapper` around each
+    /// block; `fsdp train --activation-checkpointing`): forward keeps only each block's input,
+    /// and backward runs the block's forward again just before its backward. The gradients
+    /// are the same bit for bit (the same operations on the same inputs give the same
+    /// activations), for one more forward of each block; the activations of one block are held
+    /// at a time instead of all of them.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpoint = on;
+    }
+
+    /// Whether the pass checkpoints activations
+    /// ([`set_activation_checkpointing`](Self::set_activation_checkpointing)).
+    pub fn activation_checkpointing(&self) -> bool {
+        self.checkpoint
+    }
+
+    /// The operations.
+    pub fn ops(&self) -> &O {
+        &self.ops
+    }
+
+    /// The model's shape.
+    pub fn dims(&self) -> GptDims {
+        self.dims
+    }
+
+    /// Checks a pass's batch before any work: `rows` sequences of `t` tokens, ids below the
+    /// vocabulary.
+    pub(super) fn check_batch(
+        &self,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+    ) -> Result<Step, KernelError> {
+        let d = self.dims;
+        if t == 0 || t > d.block_size || rows == 0 {
+            return Err(invalid(format!(
+                "{rows} sequences of {t} tokens: both must be positive, t at most {}",
+                d.block_size
+            )));
+        }
+        let n = rows * t;
+        for (what, ids) in [("inputs", inputs), ("targets", targets)] {
+            if ids.len() != n {
+                return Err(invalid(format!(
+                    "{what} has {} ids, expected {rows}×{t}",
+                    ids.len()
+                )));
+            }
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= d.vocab_size) {
+                return Err(invalid(format!(
+                    "{what} holds id {bad}, not below vocab_size {}",
+                    d.vocab_size
+                )));
+            }
+        }
+        Ok(Step { rows, t, n })
+    }
+
+    /// One forward and backward pass on `rows` sequences of `t` tokens (`inputs` and
+    /// `targets` row after row), its parameters and gradients given by `units` (whose hooks
+    /// it calls as [`Units`] says): returns the `rows·t` per-token losses on the device (their
+    /// mean is the pass's loss), and adds every parameter's gradient of that mean to the
+    /// gradients `units` gives.
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidArgument`] for `t` of 0 or past `block_size`, lengths other than
+    /// `rows·t`, or an id or target not below `vocab_size` (checked before any work);
+    /// operation failures; the hooks' errors.
+    pub fn forward_backward<U: Units<O> + ?Sized>(
+        &self,
+        units: &mut U,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+    ) -> Result<O::Buf, U::Error> {
+        let s = self.check_batch(inputs, targets, rows, t)?;
+        let (d, n) = (self.dims, s.n);
+        let (e, v) = (d.n_embd, d.vocab_size);
+        let ops = &self.ops;
+        // Embeddings.
+        units.pre_forward(ops, Unit::Root)?;
+        let ids = ops.upload_ids(inputs)?;
+        let mut x = ops.empty(n * e)?;
+        let root = units.root()?;
+        ops.embedding_forward(&ids, &root.wte, &root.wpe, t, e, &mut x)?;
+        self.trace_mark(false, || "embedding forward".into())?;
+        // Blocks (with checkpointing each keeps its input; the rest is dropped here).
+        let mut saved = Vec::with_capacity(d.n_layer);
+        for layer in 0..d.n_layer {
+            units.pre_forward(ops, Unit::Block(layer))?;
+            let (out, a) = self.block_forward(units.block(layer)?, s, x)?;
+            units.post_forward(ops, Unit::Block(layer))?;
+            self.trace_mark(false, || format!("forward block {layer}"))?;
+            saved.push(if self.checkpoint {
+                Saved::Input(a.x)
+            } else {
+                Saved::Acts(a)
+            });
+            x = out;
+        }
+        // Head: ln_f, logits = hf·wteᵀ, cross-entropy (mean over the n tokens).
+        let root = units.root()?;
+        let (hf, mean, rstd) = self.layernorm(&x, &root.ln_f, n)?;
+        let mut dlogits = ops.empty(n * v)?;
+        ops.gemm(&MatMul::linear_forward(n, e, v), &hf, &root.wte, &mut dlogits)?;
+        // The logits' gradient written over the logits: the head holds one n × v buffer.
+        let tg = ops.upload_ids(targets)?;
+        let mut losses = ops.empty(n)?;
+        let dloss = (1.0 / n as f64) as f32;
+        ops.cross_entropy_fused_in_place(&mut dlogits, &tg, v, dloss, &mut losses)?;
+        units.post_forward(ops, Unit::Root)?;
+        self.trace_mark(false, || {
+            "head forward (ln_f, logits, cross-entropy)".into()
+        })?;
+        // Head backward: the tied lm_head's term of wte's gradient, then ln_f.
+        units.pre_backward(ops, Unit::Root)?;
+        let (root, grads) = units.root_grads()?;
+        let gw = MatMul::linear_grad_weight(n, e, v, true);
+        ops.gemm(&gw, &dlogits, &hf, &mut grads.wte)?;
+        let mut dhf = ops.empty(n * e)?;
+        let gi = MatMul::linear_grad_input(n, e, v);
+        ops.gemm(&gi, &dlogits, &root.wte, &mut dhf)?;
+        drop(dlogits);
+        let mut dx = ops.zeros(n * e)?;
+        ops.layernorm_backward_input(&dhf, &x, &root.ln_f.weight, &mean, &rstd, &mut dx)?;
+        let gl = &mut grads.ln_f;
+        ops.layernorm_backward_params(&dhf, &x, &mean, &rstd, &mut gl.weight, &mut gl.bias)?;
+        self.trace_mark(true, || "head backward".into())?;
+        // Blocks backward, last first, each block's activations freed after its backward
+        // (recomputed first from its input under checkpointing, the output dropped).
+        while let Some(kept) = saved.pop() {
+            let layer = saved.len();
+            units.pre_backward(ops, Unit::Block(layer))?;
+            let a = match kept {
+                Saved::Acts(a) => a,
+                Saved::Input(input) => self.block_forward(units.block(layer)?, s, input)?.1,
+            };
+            let (bp, gp) = units.block_grads(layer)?;
+            dx = self.block_backward(bp, gp, s, &a, dx)?;
+            drop(a);
+            units.post_backward(ops, Unit::Block(layer))?;
+            let again = if self.checkpoint {
+                " (its forward again first)"
+            } else {
+                ""
+            };
+            self.trace_mark(true, || format!("backward block {layer}{again}"))?;
+        }
+        // Embeddings backward.
+        let (_, grads) = units.root_grads()?;
+        ops.embedding_backward_tokens(inputs, &dx, e, &mut grads.wte)?;
+        ops.embedding_backward_positions(&dx, t, e, &mut grads.wpe)?;
+        drop(dx);
+        units.post_backward(ops, Unit::Root)?;
+        self.trace_mark(true, || "embedding backward".into())?;
+        Ok(losses)
+    }
+
+    /// `y = ln(x)` over `n` rows, with its mean and rstd.
+    pub(super) fn layernorm(
+        &self,
+        x: &O::Buf,
+        p: &Pair<O::Buf>,
+        n: usize,
+    ) -> Result<Normed<O::Buf>, KernelError> {
+        let ops = &self.ops;
+        let (mut y, mut mean, mut rstd) = (
+            ops.empty(n * self.dims.n_embd)?,
+            ops.empty(n)?,
+            ops.empty(n)?,
+        );
+        ops.layernorm_forward(x, &p.weight, &p.bias, LN_EPS, &mut y, &mut mean, &mut rstd)?;
+        Ok((y, mean, rstd))
+    }
+
+    /// `y = x·wᵀ + b` for `x: [n, inputs]`, `w: [outputs, inputs]`.
+    pub(super) fn linear(
+        &self,
+        x: &O::Buf,
+        p: &Pair<O::Buf>,
+        n: usize,
+        inputs: usize,
+        outputs: usize,
+    ) -> Result<O::Buf, KernelError> {
+        let mut y = self.ops.empty(n * outputs)?;
+        let g = MatMul::linear_forward(n, inputs, outputs);
+        self.ops.gemm(&g, x, &p.weight, &mut y)?;
+        self.ops.bias_add(&mut y, &p.bias)?;
+        Ok(y)
+    }
+}
