@@ -6,8 +6,8 @@
 //! schedule and `--decay-2d-only`; `--save` writes the same weights (within 1e-4 of the
 //! model's largest weight); a non-finite step stops (or with `--skip-nonfinite` is skipped)
 //! with the engine's error line. And the refusals of `--device cuda`, each one `error:` line:
-//! a world other than one rank, every unsupported option by name, and (without a CUDA driver,
-//! as here) no CUDA device.
+//! several ranks (not built on CUDA yet; `device_sharded_cli.rs` runs them on the host twins),
+//! every unsupported option by name, and (without a CUDA driver, as here) no CUDA device.
 
 mod common;
 
@@ -103,7 +103,7 @@ fn device_cuda_refuses_other_worlds_and_unsupported_options() {
             &[
                 "--device cuda",
                 "ranks",
-                "sharded engine does not run on CUDA streams yet",
+                "sharded training on CUDA needs collectives",
             ],
         );
     }

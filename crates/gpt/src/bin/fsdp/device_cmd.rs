@@ -46,18 +46,30 @@ const ENGINE_ONLY: [(&str, &str); 8] = [
 ];
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
-/// a world other than one rank, a dtype other than f32 (or bf16 parameters).
-fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<(), CliError> {
-    let launched = LaunchEnv::from_env()?;
-    let world = match (&launched, model.ranks) {
-        (Some(env), _) => env.world_size,
-        (None, Some(n)) => n,
-        (None, None) => 1,
-    };
-    if world != 1 {
+/// ranks as processes (a launcher's), several ranks where `sharded` is false (`fsdp plan`) or
+/// on CUDA, a dtype other than f32 (or bf16 parameters). Returns the number of ranks.
+fn check_device_world_and_dtypes(
+    dev: DeviceArg,
+    model: &ModelArgs,
+    sharded: bool,
+) -> Result<usize, CliError> {
+    if let Some(env) = LaunchEnv::from_env()? {
         return Err(fail(format!(
-            "--device {dev}: {world} ranks: the sharded engine does not run on CUDA streams \
-             yet (--device {dev} trains one rank in one process: --ranks 1)"
+            "--device {dev}: launched as rank {} of {}: sharded training on a device runs its \
+             ranks as threads of one process (--ranks N, no launcher)",
+            env.rank, env.world_size
+        )));
+    }
+    let world = model.ranks.unwrap_or(1);
+    if world > 1 && dev != DeviceArg::HostTwin {
+        return Err(fail(format!(
+            "--device {dev}: {world} ranks: sharded training on CUDA needs collectives on the \
+             GPT's CUDA buffers, not built yet (--device {dev} trains one rank: --ranks 1)"
+        )));
+    }
+    if world > 1 && !sharded {
+        return Err(fail(format!(
+            "--device {dev}: {world} ranks: the device plan is of one rank (--ranks 1)"
         )));
     }
     let dtypes = [
@@ -69,22 +81,25 @@ fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<()
             return Err(fail(format!(
                 "--device {dev}: {option} {}: the device trainer takes f32{}",
                 crate::run_config::dtype_option(d),
-                if also == DType::F32 {
+                if also == DType::F32 && world == 1 {
                     " only (one rank reduces nothing)"
+                } else if also == DType::F32 {
+                    " only (gradients are reduced in f32)"
                 } else {
                     " or bf16 (products of bf16 operands)"
                 }
             )));
         }
     }
-    Ok(())
+    Ok(world)
 }
 
-/// The refusals of `--device` other than cpu, in order: a world other than one rank, a dtype
-/// other than f32, then every option the device trainer does not support, by name.
-fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
+/// The refusals of `--device` other than cpu, in order: ranks it cannot run, a dtype other
+/// than f32, then every option the device trainer does not support, by name. Returns the
+/// number of ranks.
+fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     let dev = args.device;
-    check_device_world_and_dtypes(dev, &args.model)?;
+    let world = check_device_world_and_dtypes(dev, &args.model, true)?;
     let unsupported = [
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
@@ -92,7 +107,12 @@ fn check_device_options(args: &TrainArgs) -> Result<(), CliError> {
     ]
     .into_iter()
     .chain(optimizer_refusals(&args.optim));
-    refuse_first(dev, unsupported, &args.explicit, "f32 AdamW")
+    let allowed: &[&str] = if world > 1 { &["strategy"] } else { &[] };
+    refuse_first(dev, unsupported, &args.explicit, "f32 AdamW", allowed)?;
+    if world > 1 {
+        crate::device_sharded_cmd::check_sharded_options(args, world)?;
+    }
+    Ok(world)
 }
 
 /// The optimizer options the device trainer does not support, each with whether it is set.
@@ -107,32 +127,33 @@ fn optimizer_refusals(o: &OptimizerArgs) -> [(&'static str, bool); 3] {
     ]
 }
 
-/// The first of `unsupported` that is set, then the first of [`ENGINE_ONLY`] among the
-/// options given (`explicit`), as one error naming it; `what` says what the device trainer
-/// does instead.
+/// The first of `unsupported` that is set, then the first of [`ENGINE_ONLY`] (but those in
+/// `allowed`) among the options given (`explicit`), as one error naming it; `what` says what
+/// the device trainer does instead.
 fn refuse_first(
     dev: DeviceArg,
     unsupported: impl IntoIterator<Item = (&'static str, bool)>,
     explicit: &[String],
     what: &str,
+    allowed: &[&str],
 ) -> Result<(), CliError> {
-    let given = |id: &str| explicit.iter().any(|e| e == id);
+    let given = |id: &str| explicit.iter().any(|e| e == id) && !allowed.contains(&id);
     let engine_only = ENGINE_ONLY.iter().map(|&(id, o)| (o, given(id)));
     match unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
         Some((option, _)) => Err(fail(format!(
-            "--device {dev}: {option} is not supported on the device (it trains one rank \
-             without the sharded engine: {what})"
+            "--device {dev}: {option} is not supported on the device (it trains without the \
+             sharded engine: {what})"
         ))),
         None => Ok(()),
     }
 }
 
 /// Everything a device run needs, checked before the device is opened.
-struct Run {
-    cfg: GptConfig,
-    config: DeviceTrainConfig,
-    params: std::collections::HashMap<String, Vec<f32>>,
-    tokens: Vec<u16>,
+pub(crate) struct Run {
+    pub(crate) cfg: GptConfig,
+    pub(crate) config: DeviceTrainConfig,
+    pub(crate) params: std::collections::HashMap<String, Vec<f32>>,
+    pub(crate) tokens: Vec<u16>,
     /// `fsdp plan --device`'s peak of this run.
     predicted_peak: u64,
     /// With `--resume`: the checkpoint, its optimizer state.
@@ -150,9 +171,18 @@ fn products(bf16: bool) -> Products {
     }
 }
 
+/// The host twins' products of `--param-dtype bf16` (else f32).
+pub(crate) fn host_products(bf16: bool) -> HostProducts {
+    if bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    }
+}
+
 /// `fsdp train --device cuda|cuda:N|host-twin`.
 pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
-    check_device_options(args)?;
+    let world = check_device_options(args)?;
     // `--init-from` fills in the model sizes not given; `--resume` every option not given.
     let Resolved {
         args,
@@ -160,8 +190,8 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         checkpoints,
     } = crate::resume::resolve(args)?;
     let args = &args;
-    let cfg = setup(&args.model, 1)?.cfg;
-    micro_batch(args.batch_size, args.grad_accum, 1)?;
+    let cfg = setup(&args.model, world)?.cfg;
+    micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {
         return Err(fail("--steps must be at least 1"));
     }
@@ -208,6 +238,9 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     };
     let dev = args.device;
     let bf16 = args.model.param_dtype == DType::BF16;
+    if world > 1 {
+        return crate::device_sharded_cmd::train_sharded(args, &run, world, host_products(bf16));
+    }
     let plan = plan_memory(&run.config, products(bf16))
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;
     let run = Run {
@@ -244,11 +277,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         DeviceArg::HostTwin => {
             admit(args, &run, None)?;
             train_with(
-                HostOps::with_products(if bf16 {
-                    HostProducts::Bf16Operands
-                } else {
-                    HostProducts::F32
-                }),
+                HostOps::with_products(host_products(bf16)),
                 args,
                 &run,
                 |_| None,
@@ -419,12 +448,12 @@ fn admit(args: &TrainArgs, run: &Run, free: Option<u64>) -> Result<(), CliError>
 }
 
 /// What the training loop has read of the steps' outcomes.
-struct Tally {
+pub(crate) struct Tally {
     /// The non-finite steps skipped so far.
-    skipped: usize,
+    pub(crate) skipped: usize,
     /// The first step's loss and the last one read.
-    first: f32,
-    last: f32,
+    pub(crate) first: f32,
+    pub(crate) last: f32,
     /// When the last outcome arrived.
     arrived_at: Instant,
 }
@@ -443,7 +472,7 @@ impl Default for Tally {
 impl Tally {
     /// Step `r.step`'s outcome: counted against `--skip-nonfinite` (the error that stops the
     /// run past it), logged with the tokens a second since the outcome before it arrived.
-    fn report(
+    pub(crate) fn report(
         &mut self,
         r: Reported,
         progress: &Progress,
@@ -482,12 +511,13 @@ impl Tally {
 /// world and the dtypes, and of the plan's options that mean nothing there.
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
-    check_device_world_and_dtypes(dev, &args.model)?;
+    check_device_world_and_dtypes(dev, &args.model, false)?;
     refuse_first(
         dev,
         optimizer_refusals(&args.optim),
         &args.explicit,
         "f32 AdamW",
+        &[],
     )?;
     let cfg = setup(&args.model, 1)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, 1)?;

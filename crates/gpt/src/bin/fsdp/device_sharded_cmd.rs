@@ -1,0 +1,165 @@
+//! `fsdp train --device host-twin --ranks N [--strategy S]`: sharded training on devices, one
+//! rank per thread, through [`ShardedDeviceTrainer`] over the kernels' host twins and the ring
+//! (the CUDA form needs collectives on the GPT's CUDA buffers: refused by name until built).
+//! It trains what `fsdp train --ranks N --strategy S` trains and writes the same outputs
+//! (`--loss-log`, `--save`); rank 0 reports.
+
+use std::time::Instant;
+
+use fsdp::ShardingStrategy;
+use fsdp_collectives::ring;
+use fsdp_gpt::device_comm::HostComm;
+use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_train::DeviceTrainError;
+use fsdp_kernels::gpt::{HostOps, HostProducts};
+
+use crate::args::TrainArgs;
+use crate::device_cmd::{Run, Tally};
+use crate::output::{save_checkpoint, LossLog};
+use crate::progress::{nonfinite, say_done, Progress};
+use crate::say;
+use crate::{fail, CliError};
+
+/// The options sharded training on a device refuses beyond those one rank refuses: hybrid
+/// strategies, and the one-rank trainer's options not built for several ranks.
+pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<(), CliError> {
+    let dev = args.device;
+    if args.model.strategy.is_hybrid() {
+        let name = match args.model.strategy {
+            ShardingStrategy::HybridShard => "hybrid-shard",
+            _ => "hybrid-shard-zero2",
+        };
+        return Err(fail(format!(
+            "--device {dev}: --strategy {name} needs nodes; the {world} ranks here are one \
+             group (full-shard, shard-grad-op or no-shard)"
+        )));
+    }
+    let refused = [
+        ("--cpu-offload", args.cpu_offload),
+        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
+        ("--resume", args.resume.is_some()),
+        ("--trace", args.trace.is_some()),
+        ("--memory-snapshot", args.memory_snapshot.is_some()),
+        ("--memory-limit", args.memory_limit.is_some()),
+    ];
+    match refused.iter().find(|(_, set)| *set) {
+        Some((option, _)) => Err(fail(format!(
+            "--device {dev}: {option} is not supported with {world} ranks on the device (it is \
+             with --ranks 1)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// What each rank's thread returns.
+struct RankEnd {
+    peak: u64,
+    steps: u64,
+    tally: Tally,
+}
+
+/// Trains `run` on `world` ranks as threads (the host twins, the ring), `strategy` from the
+/// command line.
+pub(crate) fn train_sharded(
+    args: &TrainArgs,
+    run: &Run,
+    world: usize,
+    products: HostProducts,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    let strategy: ShardingStrategy = args.model.strategy;
+    let (cfg, steps, accum) = (&run.cfg, args.steps, args.grad_accum);
+    let t = cfg.block_size;
+    let global_tokens = args.batch_size * t;
+    say!(
+        "fsdp train: {world} ranks on {dev} ({strategy:?}: the GPT's kernels, FSDP's units \
+         gathered and reduced by the ring), GPT {} layers × {} heads × {} wide ({} parameters), \
+         batch {} × {} tokens{}",
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.num_params(),
+        args.batch_size,
+        t,
+        if accum > 1 {
+            format!(" in {accum} micro-batches")
+        } else {
+            String::new()
+        }
+    );
+    say!("optimizer: AdamW on each rank's shards (f32 parameters and moments, on the device)");
+    let mut loss_log = args.loss_log.as_deref().map(LossLog::create).transpose()?;
+    let log = std::sync::Mutex::new(loss_log.take());
+    let progress = Progress::new(steps, args.skip_nonfinite);
+    let mut opts = ring::RingOptions::default();
+    if let Some(timeout) = args.timeout {
+        opts.timeout = timeout;
+    }
+    let on_device = |rank: usize| {
+        move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"))
+    };
+    let start = Instant::now();
+    let results = ring::run_ranks(world, opts, |comm| -> Result<RankEnd, CliError> {
+        let rank = fsdp_collectives::Communicator::rank(&comm);
+        let err = on_device(rank);
+        let comm = HostComm::new(Box::new(comm));
+        let ops = HostOps::with_products(products);
+        let mut trainer =
+            ShardedDeviceTrainer::new(ops, comm, run.config, strategy, &run.params).map_err(err)?;
+        trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
+        let mut tally = Tally::default();
+        let take = |r, tally: &mut Tally, peak| -> Result<(), CliError> {
+            if rank == 0 {
+                let mut log = log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                tally.report(r, &progress, log.as_mut(), global_tokens, peak)
+            } else {
+                // Every rank reads the same outcomes: each stops at the same step.
+                let o = r.outcome;
+                match nonfinite(o.loss, o.grad_norm, false).filter(|_| !o.applied) {
+                    Some(what) => progress.count_skip(r.step, &what, &mut tally.skipped),
+                    None => Ok(()),
+                }
+            }
+        };
+        for step in 0..steps {
+            if let Some(r) = trainer.enqueue_step(&run.tokens, step).map_err(err)? {
+                take(r, &mut tally, trainer.memory().peak)?;
+            }
+        }
+        if let Some(r) = trainer.flush().map_err(err)? {
+            take(r, &mut tally, trainer.memory().peak)?;
+        }
+        if let Some(path) = &args.save {
+            // Every rank gathers; rank 0 writes.
+            let params = trainer.full_params().map_err(err)?;
+            if rank == 0 {
+                save_checkpoint(path, cfg, &params)?;
+            }
+        }
+        Ok(RankEnd {
+            peak: trainer.memory().peak,
+            steps: trainer.optimizer_steps(),
+            tally,
+        })
+    })
+    .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    let elapsed = start.elapsed();
+    progress.finish();
+    let mut ends = Vec::with_capacity(world);
+    for r in results {
+        ends.push(r?);
+    }
+    if let Some(log) = log.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
+        log.finish()?;
+    }
+    let end = &ends[0];
+    say_done(steps, elapsed, global_tokens, end.tally.first, end.tally.last);
+    let peaks: Vec<String> = ends.iter().map(|e| e.peak.to_string()).collect();
+    say!(
+        "device: {dev}, {world} ranks, {} optimizer steps, peak device memory per rank {} bytes",
+        end.steps,
+        peaks.join(", ")
+    );
+    progress.say_skipped(end.tally.skipped);
+    Ok(())
+}
