@@ -104,7 +104,12 @@ fn packing(lens: &[usize]) -> (usize, Vec<usize>) {
 }
 
 /// Checks that `fulls[i]` fits `world` shards of `shards[i]`.
-fn check_fit(what: &str, shard: &[usize], full: &[usize], world: usize) -> Result<(), DeviceTrainError> {
+pub(crate) fn check_fit(
+    what: &str,
+    shard: &[usize],
+    full: &[usize],
+    world: usize,
+) -> Result<(), DeviceTrainError> {
     if shard.len() != full.len() {
         return Err(bad_lengths(
             what,
@@ -227,14 +232,56 @@ impl<C: Communicator + ?Sized> DeviceComm<HostOps> for HostComm<C> {
         op: ReduceOp,
     ) -> Result<(), DeviceTrainError> {
         let n = scalars.len();
-        let values = scalars.get(slots.clone()).ok_or_else(|| {
-            bad_lengths("scalars", format!("slots {slots:?} of {n}"))
-        })?;
+        let values = scalars
+            .get(slots.clone())
+            .ok_or_else(|| bad_lengths("scalars", format!("slots {slots:?} of {n}")))?;
         let buf = Buffer::from_slice(values)?;
         self.comm.all_reduce(&buf, op)?.wait()?;
         let reduced = buf.to_vec::<f64>()?;
         let scalars: &mut Vec<f64> = scalars;
         scalars[slots].copy_from_slice(&reduced);
         Ok(())
+    }
+}
+
+impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_gather(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        fulls: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        (**self).all_gather(ops, shards, fulls)
+    }
+
+    fn reduce_scatter_avg(
+        &self,
+        ops: &O,
+        fulls: &[&O::Buf],
+        shards: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        (**self).reduce_scatter_avg(ops, fulls, shards)
+    }
+
+    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+        (**self).all_reduce_avg(ops, bufs)
+    }
+
+    fn all_reduce_scalars(
+        &self,
+        ops: &O,
+        scalars: &mut O::Scalars,
+        slots: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<(), DeviceTrainError> {
+        (**self).all_reduce_scalars(ops, scalars, slots, op)
     }
 }

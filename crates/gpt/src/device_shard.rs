@@ -196,7 +196,11 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
             }
             Unit::Block(l) => {
                 let what = || not_held(&format!("block {l}"));
-                let mut g = self.block_grads.get_mut(l).and_then(Option::take).ok_or_else(what)?;
+                let mut g = self
+                    .block_grads
+                    .get_mut(l)
+                    .and_then(Option::take)
+                    .ok_or_else(what)?;
                 let acc = self.acc.blocks.get_mut(l).ok_or_else(what)?;
                 Self::reduce(comm, ops, factor, alpha, g.bufs_mut(), acc.bufs_mut())?;
                 self.blocks[l] = None;
@@ -228,7 +232,10 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
             None if !self.sharded() => self.shards,
             None => return Err(not_held("the root")),
         };
-        let grads = self.root_grads.as_mut().ok_or_else(|| not_held("the root's gradients"))?;
+        let grads = self
+            .root_grads
+            .as_mut()
+            .ok_or_else(|| not_held("the root's gradients"))?;
         Ok((params, grads))
     }
 

@@ -22,8 +22,8 @@
 use std::collections::HashMap;
 
 use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
-use fsdp::ShardingStrategy;
 use fsdp::FsdpError;
+use fsdp::ShardingStrategy;
 use fsdp_collectives::ReduceOp;
 use fsdp_kernels::gpt::{param_shapes, Block, GptOps, GptPass, Weights};
 use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_LOSS, STEP_SQUARES};
@@ -113,7 +113,10 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             Some(p) if p.len() == len => ops.upload(&shard_of(p, shard, factor)),
             Some(p) => Err(KernelError::InvalidArgument {
                 kernel: "shard",
-                reason: format!("parameter `{name}` has {} elements, expected {len}", p.len()),
+                reason: format!(
+                    "parameter `{name}` has {} elements, expected {len}",
+                    p.len()
+                ),
             }),
             None => Err(KernelError::InvalidArgument {
                 kernel: "shard",
@@ -225,14 +228,22 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         self.pending.take().map(|p| self.read(p)).transpose()
     }
 
-    fn read(&mut self, (step, known, copy): (usize, u64, O::ScalarsCopy)) -> Result<Reported, DeviceTrainError> {
+    fn read(
+        &mut self,
+        (step, known, copy): (usize, u64, O::ScalarsCopy),
+    ) -> Result<Reported, DeviceTrainError> {
         let v = self.ops().wait_scalars(copy)?;
         let (reported, count) = read_outcome(&self.config, step, known, &v)?;
         self.known_steps = count;
         Ok(reported)
     }
 
-    fn run_step(&mut self, tokens: &[u16], step: usize, known: u64) -> Result<(), DeviceTrainError> {
+    fn run_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+        known: u64,
+    ) -> Result<(), DeviceTrainError> {
         let c = self.config;
         let (accum, t) = (c.grad_accum, c.cfg.block_size);
         let micro = c.batch_size / accum;
@@ -243,10 +254,14 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let ops = self.pass.ops();
         self.optim.zero_accumulators(ops)?;
-        let acc = self.optim.acc.as_mut().ok_or_else(|| KernelError::InvalidArgument {
-            kernel: "sharded step",
-            reason: "no gradient accumulators".into(),
-        })?;
+        let acc = self
+            .optim
+            .acc
+            .as_mut()
+            .ok_or_else(|| KernelError::InvalidArgument {
+                kernel: "sharded step",
+                reason: "no gradient accumulators".into(),
+            })?;
         for m in 0..accum {
             let k = step
                 .checked_mul(accum)
@@ -274,7 +289,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         squares(ops, grads, &mut self.scalars)?;
         let tensors = self.decays.len();
         let comm = &self.comm;
-        comm.all_reduce_scalars(ops, &mut self.scalars, STEP_LOSS..STEP_LOSS + 1, ReduceOp::Avg)?;
+        comm.all_reduce_scalars(
+            ops,
+            &mut self.scalars,
+            STEP_LOSS..STEP_LOSS + 1,
+            ReduceOp::Avg,
+        )?;
         if self.factor > 1 {
             let squares = STEP_SQUARES..STEP_SQUARES + tensors;
             comm.all_reduce_scalars(ops, &mut self.scalars, squares, ReduceOp::Sum)?;

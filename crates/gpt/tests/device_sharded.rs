@@ -40,12 +40,16 @@ fn config(clip: Option<f64>, accum: usize) -> DeviceTrainConfig {
 /// peak memory, per rank.
 type Run = (Vec<(u32, u64, bool)>, Vec<(String, Vec<u32>)>, u64);
 
-fn sharded(c: DeviceTrainConfig, world: usize, strategy: ShardingStrategy, tokens: &[u16]) -> Vec<Run> {
+fn sharded(
+    c: DeviceTrainConfig,
+    world: usize,
+    strategy: ShardingStrategy,
+    tokens: &[u16],
+) -> Vec<Run> {
     let params = seeded_params(&c.cfg, SEED).unwrap();
     ring::run_ranks(world, ring::RingOptions::default(), |comm| {
         let comm = HostComm::new(Box::new(comm));
-        let mut t =
-            ShardedDeviceTrainer::new(HostOps::new(), comm, c, strategy, &params).unwrap();
+        let mut t = ShardedDeviceTrainer::new(HostOps::new(), comm, c, strategy, &params).unwrap();
         let mut outcomes = Vec::new();
         for s in 0..STEPS {
             if let Some(r) = t.enqueue_step(tokens, s).unwrap() {
@@ -123,10 +127,18 @@ fn ranks_follow_the_engine_for_every_strategy() {
             let runs = sharded(c, world, strategy, &tokens);
             let (o, p, _) = &runs[0];
             for (r, run) in runs.iter().enumerate().skip(1) {
-                assert_eq!(run.0, *o, "{name}: rank {r}'s outcomes differ from rank 0's");
+                assert_eq!(
+                    run.0, *o,
+                    "{name}: rank {r}'s outcomes differ from rank 0's"
+                );
                 for ((n, a), (_, b)) in run.1.iter().zip(p) {
                     let d = a.iter().zip(b).filter(|(x, y)| x != y).count();
-                    assert_eq!(d, 0, "{name}: rank {r}'s {n} differs from rank 0's in {d} of {}", a.len());
+                    assert_eq!(
+                        d,
+                        0,
+                        "{name}: rank {r}'s {n} differs from rank 0's in {d} of {}",
+                        a.len()
+                    );
                 }
             }
             let (mut worst_engine, mut worst_single) = (0.0f64, 0.0f64);
@@ -184,8 +196,13 @@ fn checkpointing_and_resharding_change_memory_not_bits() {
     let (oz, pz, peak_z) = run(c, ShardingStrategy::ShardGradOp);
     assert_eq!(oz, o, "SHARD_GRAD_OP computes what FULL_SHARD does");
     assert!(pz == p);
-    assert!(peak < peak_z, "FULL_SHARD peak {peak} vs SHARD_GRAD_OP {peak_z}");
-    println!("peaks at 2 ranks: FULL_SHARD {peak}, with checkpointing {peak_c}, SHARD_GRAD_OP {peak_z}");
+    assert!(
+        peak < peak_z,
+        "FULL_SHARD peak {peak} vs SHARD_GRAD_OP {peak_z}"
+    );
+    println!(
+        "peaks at 2 ranks: FULL_SHARD {peak}, with checkpointing {peak_c}, SHARD_GRAD_OP {peak_z}"
+    );
 }
 
 /// Hybrid strategies, CPU offload and micro-batches that do not split over the ranks are
@@ -205,12 +222,12 @@ fn unsupported_settings_are_refused() {
         .unwrap()
     };
     for (rank, e) in refusal(c, ShardingStrategy::HybridShard).iter().enumerate() {
-        assert!(e.contains(&format!("rank {rank}")) && e.contains("HybridShard"), "{e}");
+        assert!(
+            e.contains(&format!("rank {rank}")) && e.contains("HybridShard"),
+            "{e}"
+        );
     }
-    let offload = DeviceTrainConfig {
-        offload: true,
-        ..c
-    };
+    let offload = DeviceTrainConfig { offload: true, ..c };
     for e in refusal(offload, ShardingStrategy::FullShard) {
         assert!(e.contains("CPU offload"), "{e}");
     }

@@ -48,7 +48,10 @@ fn compare(test: &str, ranks: &str, strategy: &str, extra: &[&str]) {
         s(&twin_w),
     ]);
     let out = ok(&fsdp(&b), "fsdp train --device host-twin");
-    assert!(out.contains(&format!("{ranks} ranks on host-twin")), "{out}");
+    assert!(
+        out.contains(&format!("{ranks} ranks on host-twin")),
+        "{out}"
+    );
     assert!(out.contains(&format!("done: {STEPS} steps")), "{out}");
     let (e, d) = (log_losses(&cpu), log_losses(&twin));
     assert_eq!((e.len(), d.len()), (STEPS, STEPS));
@@ -58,7 +61,10 @@ fn compare(test: &str, ranks: &str, strategy: &str, extra: &[&str]) {
         assert!(r <= BOUND, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
         max = max.max(r);
     }
-    assert!(e[STEPS - 1] < e[0] - 0.1, "{test}: the loss must fall: {e:?}");
+    assert!(
+        e[STEPS - 1] < e[0] - 0.1,
+        "{test}: the loss must fall: {e:?}"
+    );
     let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
     let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
     let (we, wd) = (load(&cpu_w), load(&twin_w));
@@ -106,15 +112,30 @@ fn several_ranks_refuse_what_they_do_not_run() {
     };
     let ck = dir.join("ck");
     let cases: [(&[&str], &[&str]); 6] = [
-        (&["--strategy", "hybrid-shard"], &["--strategy hybrid-shard", "one group"]),
-        (&["--cpu-offload"], &["--cpu-offload", "not supported with 2 ranks"]),
+        (
+            &["--strategy", "hybrid-shard"],
+            &["--strategy hybrid-shard", "one group"],
+        ),
+        (
+            &["--cpu-offload"],
+            &["--cpu-offload", "not supported with 2 ranks"],
+        ),
         (
             &["--checkpoint-dir", s(&ck)],
             &["--checkpoint-dir", "not supported with 2 ranks"],
         ),
-        (&["--trace", "t.json"], &["--trace", "not supported with 2 ranks"]),
-        (&["--backward-prefetch", "none"], &["--backward-prefetch", "not supported"]),
-        (&["--reduce-dtype", "bf16"], &["--reduce-dtype bf16", "reduced in f32"]),
+        (
+            &["--trace", "t.json"],
+            &["--trace", "not supported with 2 ranks"],
+        ),
+        (
+            &["--backward-prefetch", "none"],
+            &["--backward-prefetch", "not supported"],
+        ),
+        (
+            &["--reduce-dtype", "bf16"],
+            &["--reduce-dtype bf16", "reduced in f32"],
+        ),
     ];
     for (extra, needles) in cases {
         one_error_status_1(&run(extra), needles);

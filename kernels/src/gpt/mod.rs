@@ -24,15 +24,16 @@
 //! the batch's tokens. Forward keeps what backward needs (no recomputation); backward gives
 //! every parameter's gradient, `wte`'s with the tied head's term.
 
+mod block;
 mod cuda;
 mod cuda_pool;
 mod cuda_step;
 mod host_ops;
-mod block;
 mod memory;
 mod model;
 mod ops;
 mod pass;
+mod peer;
 mod products;
 mod trace;
 mod units;
@@ -45,6 +46,7 @@ pub use memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 pub use model::DeviceGpt;
 pub use ops::GptOps;
 pub use pass::GptPass;
+pub use peer::{PeerOps, PeerPtr};
 pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
 pub use trace::SpanEnd;
 pub use units::{Resident, Unit, Units, WithGrads};

@@ -162,6 +162,7 @@ impl<O: GptOps> DeviceGpt<O> {
             params: &self.params,
             grads: &mut self.grads,
         };
-        self.pass.forward_backward(&mut units, inputs, targets, rows, t)
+        self.pass
+            .forward_backward(&mut units, inputs, targets, rows, t)
     }
 }

@@ -184,7 +184,12 @@ impl<O: GptOps> GptPass<O> {
         let root = units.root()?;
         let (hf, mean, rstd) = self.layernorm(&x, &root.ln_f, n)?;
         let mut dlogits = ops.empty(n * v)?;
-        ops.gemm(&MatMul::linear_forward(n, e, v), &hf, &root.wte, &mut dlogits)?;
+        ops.gemm(
+            &MatMul::linear_forward(n, e, v),
+            &hf,
+            &root.wte,
+            &mut dlogits,
+        )?;
         // The logits' gradient written over the logits: the head holds one n × v buffer.
         let tg = ops.upload_ids(targets)?;
         let mut losses = ops.empty(n)?;

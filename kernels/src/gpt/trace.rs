@@ -6,8 +6,8 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::model::DeviceGpt;
-use super::pass::GptPass;
 use super::ops::GptOps;
+use super::pass::GptPass;
 use crate::KernelError;
 
 /// The end of one part of a traced step: its name, whether it belongs to backward, and the

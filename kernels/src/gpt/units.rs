@@ -83,10 +83,7 @@ pub trait Units<O: GptOps> {
     ///
     /// # Errors
     /// When they are not held now.
-    fn block_grads(
-        &mut self,
-        layer: usize,
-    ) -> Result<WithGrads<'_, Block<O::Buf>>, Self::Error>;
+    fn block_grads(&mut self, layer: usize) -> Result<WithGrads<'_, Block<O::Buf>>, Self::Error>;
 }
 
 /// Every parameter and gradient held throughout: the hooks do nothing. The gradients are
@@ -122,17 +119,20 @@ impl<O: GptOps> Units<O> for Resident<'_, O::Buf> {
     }
     fn block(&self, layer: usize) -> Result<&Block<O::Buf>, KernelError> {
         let n = self.params.blocks.len();
-        self.params.blocks.get(layer).ok_or_else(|| no_block(layer, n))
+        self.params
+            .blocks
+            .get(layer)
+            .ok_or_else(|| no_block(layer, n))
     }
     fn root_grads(&mut self) -> Result<WithGrads<'_, Weights<O::Buf>>, KernelError> {
         Ok((self.params, self.grads))
     }
-    fn block_grads(
-        &mut self,
-        layer: usize,
-    ) -> Result<WithGrads<'_, Block<O::Buf>>, KernelError> {
+    fn block_grads(&mut self, layer: usize) -> Result<WithGrads<'_, Block<O::Buf>>, KernelError> {
         let n = self.params.blocks.len();
-        match (self.params.blocks.get(layer), self.grads.blocks.get_mut(layer)) {
+        match (
+            self.params.blocks.get(layer),
+            self.grads.blocks.get_mut(layer),
+        ) {
             (Some(p), Some(g)) => Ok((p, g)),
             _ => Err(no_block(layer, n)),
         }

@@ -160,7 +160,20 @@ impl<B> Block<B> {
         mut make: impl FnMut(&str, usize) -> Result<B, KernelError>,
     ) -> Result<Block<B>, KernelError> {
         let e = n_embd;
-        let lens = [e, e, 3 * e * e, 3 * e, e * e, e, e, e, 4 * e * e, 4 * e, 4 * e * e, e];
+        let lens = [
+            e,
+            e,
+            3 * e * e,
+            3 * e,
+            e * e,
+            e,
+            e,
+            e,
+            4 * e * e,
+            4 * e,
+            4 * e * e,
+            e,
+        ];
         let mut all = Vec::with_capacity(lens.len());
         for (s, len) in BLOCK_SUFFIXES.iter().zip(lens) {
             all.push(make(s, len)?);
@@ -192,7 +205,13 @@ impl<B> Block<B> {
             &self.c_fc,
             &self.mlp_proj,
         ];
-        std::array::from_fn(|i| if i % 2 == 0 { &p[i / 2].weight } else { &p[i / 2].bias })
+        std::array::from_fn(|i| {
+            if i % 2 == 0 {
+                &p[i / 2].weight
+            } else {
+                &p[i / 2].bias
+            }
+        })
     }
 
     /// Its tensors, mutably, in [`param_shapes`] order.

@@ -76,10 +76,7 @@ pub fn engine_run(
     let mut out = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
         let rank = comm.rank();
         let rule = gpt2_init(cfg.n_layer);
-        let init = ParamInit::Seeded {
-            seed,
-            rule: &rule,
-        };
+        let init = ParamInit::Seeded { seed, rule: &rule };
         let config = FsdpConfig::new(strategy);
         let mut model =
             FsdpGpt::with_init(Box::new(comm), cfg, &plan, init, config, c.adamw).unwrap();
@@ -117,4 +114,3 @@ pub fn engine_run(
     .unwrap();
     out.swap_remove(0)
 }
-

@@ -95,9 +95,8 @@ pub(crate) fn train_sharded(
     if let Some(timeout) = args.timeout {
         opts.timeout = timeout;
     }
-    let on_device = |rank: usize| {
-        move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"))
-    };
+    let on_device =
+        |rank: usize| move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
     let start = Instant::now();
     let results = ring::run_ranks(world, opts, |comm| -> Result<RankEnd, CliError> {
         let rank = fsdp_collectives::Communicator::rank(&comm);
@@ -110,7 +109,9 @@ pub(crate) fn train_sharded(
         let mut tally = Tally::default();
         let take = |r, tally: &mut Tally, peak| -> Result<(), CliError> {
             if rank == 0 {
-                let mut log = log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut log = log
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 tally.report(r, &progress, log.as_mut(), global_tokens, peak)
             } else {
                 // Every rank reads the same outcomes: each stops at the same step.
@@ -149,11 +150,20 @@ pub(crate) fn train_sharded(
     for r in results {
         ends.push(r?);
     }
-    if let Some(log) = log.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
+    if let Some(log) = log
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
         log.finish()?;
     }
     let end = &ends[0];
-    say_done(steps, elapsed, global_tokens, end.tally.first, end.tally.last);
+    say_done(
+        steps,
+        elapsed,
+        global_tokens,
+        end.tally.first,
+        end.tally.last,
+    );
     let peaks: Vec<String> = ends.iter().map(|e| e.peak.to_string()).collect();
     say!(
         "device: {dev}, {world} ranks, {} optimizer steps, peak device memory per rank {} bytes",

@@ -1,0 +1,359 @@
+//! [`PeerComm`]: the collectives of sharded training for ranks that are threads over one
+//! device ([`PeerOps`]: `CudaOps` on one GPU, each rank on its own stream, or the host twins),
+//! each rank reading its peers' buffers directly.
+//!
+//! A collective is two exchanges of small host records between the threads (a board with a
+//! condition variable; every wait bounded by the group's timeout) around work enqueued on each
+//! rank's stream, so that the host never waits for the device:
+//!
+//! 1. each rank records an event after the writes of its inputs and posts the inputs'
+//!    addresses, the event and a description of the call; once every rank has posted, each
+//!    checks that the descriptions agree (else every rank fails with
+//!    [`CollectiveError::Mismatch`], naming each rank's call);
+//! 2. each rank's stream waits for every peer's event, then copies (all-gather) or reduces
+//!    (reduce-scatter, all-reduce: the peers' values folded in rank order with the
+//!    collectives' arithmetic, an average divided at the last step) what it needs from the
+//!    peers' memory into its own outputs;
+//! 3. each rank records an event after those reads and posts it; its stream waits for every
+//!    peer's, so that nothing it enqueues later — a write of an input, or its free — runs
+//!    before the peers have read it.
+//!
+//! A rank whose communicator is dropped (its thread failed) makes the others fail with
+//! [`CollectiveError::PeerDeparted`] at their next exchange, and a rank that does not arrive
+//! makes them fail with [`CollectiveError::Timeout`].
+
+use std::cell::Cell;
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use fsdp_collectives::{CollectiveError, ReduceOp};
+use fsdp_kernels::gpt::{PeerOps, PeerPtr};
+use fsdp_kernels::host::ReduceKind;
+
+use crate::device_comm::{check_fit, DeviceComm};
+use crate::device_config::DeviceTrainError;
+
+/// What a rank posts in one exchange.
+struct Post<E> {
+    /// The call, as every rank must make it.
+    desc: String,
+    /// Its inputs' memory.
+    ptrs: Vec<PeerPtr>,
+    /// Recorded on its stream after the inputs' writes (or after its reads).
+    event: E,
+}
+
+/// The exchanges' board.
+struct Board<E> {
+    /// Exchanges completed.
+    round: u64,
+    posted: Vec<Option<Post<E>>>,
+    /// The last completed exchange's posts, by rank.
+    results: Arc<Vec<Post<E>>>,
+    /// Ranks whose communicator was dropped.
+    left: Vec<bool>,
+}
+
+struct Group<E> {
+    board: Mutex<Board<E>>,
+    changed: Condvar,
+}
+
+/// One rank's collectives over the threads of its group (see the [module](self)
+/// documentation).
+pub struct PeerComm<O: PeerOps> {
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    group: Arc<Group<O::Event>>,
+    /// Collectives issued (for errors).
+    seq: Cell<u64>,
+}
+
+impl<O: PeerOps> PeerComm<O> {
+    /// A group of `world` ranks, every wait bounded by `timeout`: one communicator per rank,
+    /// to move into its thread.
+    pub fn group(world: usize, timeout: Duration) -> Vec<PeerComm<O>> {
+        let group = Arc::new(Group {
+            board: Mutex::new(Board {
+                round: 0,
+                posted: (0..world).map(|_| None).collect(),
+                results: Arc::new(Vec::new()),
+                left: vec![false; world],
+            }),
+            changed: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| PeerComm {
+                rank,
+                world,
+                timeout,
+                group: group.clone(),
+                seq: Cell::new(0),
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Board<O::Event>> {
+        self.group
+            .board
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Posts `post` and waits for every rank's; checks that their descriptions agree.
+    fn exchange(
+        &self,
+        op: &'static str,
+        post: Post<O::Event>,
+    ) -> Result<Arc<Vec<Post<O::Event>>>, CollectiveError> {
+        let (rank, seq) = (self.rank, self.seq.get());
+        let departed = |b: &Board<O::Event>| {
+            b.left
+                .iter()
+                .position(|&l| l)
+                .map(|peer| CollectiveError::PeerDeparted {
+                    rank,
+                    peer,
+                    op,
+                    seq,
+                })
+        };
+        let mut b = self.lock();
+        if let Some(e) = departed(&b) {
+            return Err(e);
+        }
+        let round = b.round;
+        b.posted[rank] = Some(post);
+        let posts = if b.posted.iter().all(Option::is_some) {
+            let all: Vec<_> = b.posted.iter_mut().filter_map(Option::take).collect();
+            b.results = Arc::new(all);
+            b.round += 1;
+            self.group.changed.notify_all();
+            b.results.clone()
+        } else {
+            let start = Instant::now();
+            loop {
+                if b.round != round {
+                    break b.results.clone();
+                }
+                if let Some(e) = departed(&b) {
+                    return Err(e);
+                }
+                let waited = start.elapsed();
+                if waited >= self.timeout {
+                    let missing: Vec<usize> =
+                        (0..self.world).filter(|&r| b.posted[r].is_none()).collect();
+                    return Err(CollectiveError::Timeout {
+                        rank,
+                        op,
+                        seq,
+                        waited,
+                        waiting_for: format!("ranks {missing:?} did not reach this collective"),
+                    });
+                }
+                b = self
+                    .group
+                    .changed
+                    .wait_timeout(b, self.timeout - waited)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+        };
+        drop(b);
+        let mine = &posts[rank].desc;
+        if posts.iter().any(|p| &p.desc != mine) {
+            let details = posts
+                .iter()
+                .enumerate()
+                .map(|(r, p)| format!("rank {r}: {}", p.desc))
+                .collect::<Vec<_>>()
+                .join("; ");
+            return Err(CollectiveError::Mismatch { rank, seq, details });
+        }
+        Ok(posts)
+    }
+
+    /// Step 1: posts the inputs `ptrs` after their writes; waits on the stream for every
+    /// peer's.
+    fn begin(
+        &self,
+        ops: &O,
+        op: &'static str,
+        desc: String,
+        ptrs: Vec<PeerPtr>,
+    ) -> Result<Arc<Vec<Post<O::Event>>>, DeviceTrainError> {
+        let event = ops.record_event()?;
+        let posts = self.exchange(op, Post { desc, ptrs, event })?;
+        for p in posts.iter() {
+            ops.wait_event(&p.event)?;
+        }
+        Ok(posts)
+    }
+
+    /// Step 3: posts the end of this rank's reads; waits on the stream for every peer's.
+    fn finish(&self, ops: &O, op: &'static str, desc: String) -> Result<(), DeviceTrainError> {
+        let event = ops.record_event()?;
+        let posts = self.exchange(
+            op,
+            Post {
+                desc,
+                ptrs: Vec::new(),
+                event,
+            },
+        )?;
+        for p in posts.iter() {
+            ops.wait_event(&p.event)?;
+        }
+        self.seq.set(self.seq.get() + 1);
+        Ok(())
+    }
+}
+
+impl<O: PeerOps> Drop for PeerComm<O> {
+    fn drop(&mut self) {
+        let mut b = self.lock();
+        b.left[self.rank] = true;
+        self.group.changed.notify_all();
+    }
+}
+
+fn kind(op: ReduceOp) -> Result<ReduceKind, DeviceTrainError> {
+    Ok(match op {
+        ReduceOp::Sum => ReduceKind::Sum,
+        ReduceOp::Avg => ReduceKind::Avg,
+        ReduceOp::Min => ReduceKind::Min,
+        ReduceOp::Max => ReduceKind::Max,
+        ReduceOp::Product => ReduceKind::Product,
+        other => {
+            return Err(DeviceTrainError::Fsdp(fsdp::FsdpError::InvalidShape {
+                reason: format!("scalars: reduction {other:?} is not offered"),
+            }))
+        }
+    })
+}
+
+impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        fulls: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
+        check_fit("all-gather", &lens, &full_lens, self.world)?;
+        let desc = format!("all-gather of shards {lens:?} into {full_lens:?}");
+        let ptrs = shards.iter().map(|s| ops.peer_ptr(s)).collect();
+        let posts = self.begin(ops, "all-gather", desc.clone(), ptrs)?;
+        for (i, full) in fulls.iter_mut().enumerate() {
+            let (s, f) = (lens[i], full_lens[i]);
+            for (p, post) in posts.iter().enumerate() {
+                let start = p * s;
+                if start >= f {
+                    break;
+                }
+                let n = s.min(f - start);
+                // SAFETY: the peer's shard, live until the peers' reads finish (step 3
+                // orders its writes and frees after them); this stream waited for its
+                // writes in `begin`.
+                unsafe { ops.copy_from_peer(post.ptrs[i], 0, full, start, n)? };
+            }
+        }
+        self.finish(ops, "all-gather", desc)
+    }
+
+    fn reduce_scatter_avg(
+        &self,
+        ops: &O,
+        fulls: &[&O::Buf],
+        shards: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
+        check_fit("reduce-scatter", &lens, &full_lens, self.world)?;
+        let desc = format!("reduce-scatter (avg) of {full_lens:?} into shards {lens:?}");
+        let ptrs = fulls.iter().map(|f| ops.peer_ptr(f)).collect();
+        let posts = self.begin(ops, "reduce-scatter", desc.clone(), ptrs)?;
+        for (i, shard) in shards.iter_mut().enumerate() {
+            let (s, f) = (lens[i], full_lens[i]);
+            let start = self.rank * s;
+            let m = if start < f { s.min(f - start) } else { 0 };
+            if m < s {
+                // The padding past the tensor's end.
+                ops.fill_zero(shard)?;
+            }
+            if m > 0 {
+                let srcs: Vec<(PeerPtr, usize)> =
+                    posts.iter().map(|p| (p.ptrs[i], start)).collect();
+                // SAFETY: as in `all_gather`; the sources are the peers' full gradients,
+                // distinct from this rank's shard.
+                unsafe { ops.reduce_from_peers(ReduceKind::Avg, &srcs, shard, 0, m)? };
+            }
+        }
+        self.finish(ops, "reduce-scatter", desc)
+    }
+
+    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+        let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
+        let desc = format!("all-reduce (avg) of {lens:?}");
+        let ptrs = bufs.iter().map(|b| ops.peer_ptr(b)).collect();
+        let posts = self.begin(ops, "all-reduce", desc.clone(), ptrs)?;
+        let mut outs = Vec::with_capacity(bufs.len());
+        for (i, &len) in lens.iter().enumerate() {
+            let mut out = ops.empty(len)?;
+            if len > 0 {
+                let srcs: Vec<(PeerPtr, usize)> = posts.iter().map(|p| (p.ptrs[i], 0)).collect();
+                // SAFETY: as in `all_gather`; `out` is new, distinct from every source.
+                unsafe { ops.reduce_from_peers(ReduceKind::Avg, &srcs, &mut out, 0, len)? };
+            }
+            outs.push(out);
+        }
+        self.finish(ops, "all-reduce", desc)?;
+        // The peers have read the inputs: the means take their place.
+        for (b, out) in bufs.iter_mut().zip(&mut outs) {
+            std::mem::swap(*b, out);
+        }
+        Ok(())
+    }
+
+    fn all_reduce_scalars(
+        &self,
+        ops: &O,
+        scalars: &mut O::Scalars,
+        slots: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<(), DeviceTrainError> {
+        let kind = kind(op)?;
+        let ptr = ops.scalars_ptr(scalars);
+        if slots.start > slots.end || slots.end > ptr.len {
+            return Err(DeviceTrainError::Fsdp(fsdp::FsdpError::InvalidShape {
+                reason: format!("scalars: slots {slots:?} of {}", ptr.len),
+            }));
+        }
+        let len = slots.len();
+        let desc = format!("all-reduce ({op:?}) of scalars {slots:?}");
+        let posts = self.begin(ops, "all-reduce", desc.clone(), vec![ptr])?;
+        let mut reduced = ops.scalars(&vec![0.0; ptr.len])?;
+        let srcs: Vec<(PeerPtr, usize)> = posts.iter().map(|p| (p.ptrs[0], slots.start)).collect();
+        // SAFETY: as in `all_gather`; `reduced` is new, distinct from every source.
+        unsafe { ops.reduce_scalars_from_peers(kind, &srcs, &mut reduced, slots.start, len)? };
+        self.finish(ops, "all-reduce", desc)?;
+        let from = [(ops.scalars_ptr(&reduced), slots.start)];
+        // SAFETY: `reduced` is this rank's, written above on this stream, distinct from
+        // `scalars`; one source is a copy.
+        unsafe {
+            ops.reduce_scalars_from_peers(ReduceKind::Sum, &from, scalars, slots.start, len)?
+        };
+        Ok(())
+    }
+}
