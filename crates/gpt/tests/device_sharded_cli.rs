@@ -1,11 +1,13 @@
-//! `fsdp train --device host-twin --ranks N --strategy S`: sharded training on devices through
-//! the command line (ranks as threads, the host twins, the ring) against the engine's `fsdp
+//! `fsdp train --device host-twin --ranks N --strategy S`: sharded training on one device
+//! through the command line (ranks as threads over the host twins, `PeerComm`: the path of
+//! `--device cuda --ranks N`) against the engine's `fsdp
 //! train --ranks N --strategy S` on the same options: every step's loss within 1e-4 relative
 //! (issue 16's criterion; the largest difference is printed) and `--save`'s weights within
 //! 1e-4 of the model's largest weight, for each strategy the device runs, with clipping,
 //! accumulation and the cosine schedule. And its refusals, each one `error:` line naming the
 //! option: hybrid strategies, the one-rank trainer's options not built for several ranks, and
-//! `fsdp plan --device` of several ranks.
+//! `fsdp plan --device` of several ranks. A non-finite step stops (or is skipped) as on the
+//! engine.
 
 mod common;
 
@@ -152,4 +154,35 @@ fn several_ranks_refuse_what_they_do_not_run() {
     // The device plan is of one rank.
     let p = ["plan", "--device", "host-twin", "--ranks", "2"];
     one_error_status_1(&fsdp(&p), &["--device host-twin", "2 ranks", "one rank"]);
+}
+
+/// A non-finite step stops every rank with the engine's error line (and with
+/// `--skip-nonfinite` is skipped first), as at one rank.
+#[test]
+fn several_ranks_stop_and_skip_non_finite_steps_as_the_engine() {
+    let run = |extra: &[&str]| {
+        let base = ["--batch-size", "8", "--lr", "1e30", "--ranks", "2"];
+        let cpu = fsdp(&small_train_args(&base, extra));
+        let twin = fsdp(&small_train_args(
+            &base,
+            &[extra, &["--device", "host-twin"]].concat(),
+        ));
+        let (a, b) = (
+            one_error_status_1(&cpu, &["non-finite"]),
+            one_error_status_1(&twin, &["non-finite"]),
+        );
+        assert_eq!(a, b, "the same error line");
+        (a, common::cli::text(&twin.stdout))
+    };
+    let (line, _) = run(&["--steps", "5"]);
+    assert!(
+        line.starts_with("error: step 1: the loss is NaN (non-finite)"),
+        "{line}"
+    );
+    let (line, stdout) = run(&["--steps", "4", "--skip-nonfinite", "1"]);
+    assert!(line.starts_with("error: step 2: the loss is NaN"), "{line}");
+    assert!(
+        stdout.contains("step 1: the loss is NaN: skipped (1 of"),
+        "{stdout}"
+    );
 }

@@ -61,12 +61,6 @@ fn check_device_world_and_dtypes(
         )));
     }
     let world = model.ranks.unwrap_or(1);
-    if world > 1 && dev != DeviceArg::HostTwin {
-        return Err(fail(format!(
-            "--device {dev}: {world} ranks: sharded training on CUDA needs collectives on the \
-             GPT's CUDA buffers, not built yet (--device {dev} trains one rank: --ranks 1)"
-        )));
-    }
     if world > 1 && !sharded {
         return Err(fail(format!(
             "--device {dev}: {world} ranks: the device plan is of one rank (--ranks 1)"
@@ -171,6 +165,18 @@ fn products(bf16: bool) -> Products {
     }
 }
 
+/// Checks that CUDA device `n` exists.
+fn cuda_ordinal(dev: DeviceArg, n: usize) -> Result<(), CliError> {
+    let count = fsdp_device::cuda::device_count()
+        .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
+    if n >= count {
+        return Err(fail(format!(
+            "--device {dev}: no CUDA device {n} (the driver reports {count})"
+        )));
+    }
+    Ok(())
+}
+
 /// The host twins' products of `--param-dtype bf16` (else f32).
 pub(crate) fn host_products(bf16: bool) -> HostProducts {
     if bf16 {
@@ -239,7 +245,28 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     let dev = args.device;
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {
-        return crate::device_sharded_cmd::train_sharded(args, &run, world, host_products(bf16));
+        return match dev {
+            DeviceArg::Cuda { ordinal: n, .. } => {
+                cuda_ordinal(dev, n)?;
+                crate::device_sharded_cmd::train_sharded(args, &run, world, |rank| {
+                    let name = format!("fsdp train rank {rank}");
+                    let stream = match args.timeout {
+                        Some(t) => fsdp_device::Stream::cuda_with_timeout(n, &name, t),
+                        None => fsdp_device::Stream::cuda(n, &name),
+                    }
+                    .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+                    Ok(CudaOps::new(stream)
+                        .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?
+                        .with_products(products(bf16)))
+                })
+            }
+            DeviceArg::HostTwin => {
+                crate::device_sharded_cmd::train_sharded(args, &run, world, |_| {
+                    Ok(HostOps::with_products(host_products(bf16)))
+                })
+            }
+            DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
+        };
     }
     let plan = plan_memory(&run.config, products(bf16))
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;
@@ -249,13 +276,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     };
     match dev {
         DeviceArg::Cuda { ordinal: n, .. } => {
-            let count = fsdp_device::cuda::device_count()
-                .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
-            if n >= count {
-                return Err(fail(format!(
-                    "--device {dev}: no CUDA device {n} (the driver reports {count})"
-                )));
-            }
+            cuda_ordinal(dev, n)?;
             // --timeout bounds every wait for the GPU (a step's outcome, a copy).
             let stream = match args.timeout {
                 Some(t) => fsdp_device::Stream::cuda_with_timeout(n, "fsdp train", t),

@@ -1,17 +1,17 @@
-//! `fsdp train --device host-twin --ranks N [--strategy S]`: sharded training on devices, one
-//! rank per thread, through [`ShardedDeviceTrainer`] over the kernels' host twins and the ring
-//! (the CUDA form needs collectives on the GPT's CUDA buffers: refused by name until built).
-//! It trains what `fsdp train --ranks N --strategy S` trains and writes the same outputs
-//! (`--loss-log`, `--save`); rank 0 reports.
+//! `fsdp train --device cuda|cuda:N|host-twin --ranks N [--strategy S]`: sharded training on
+//! one device, one rank per thread, through [`ShardedDeviceTrainer`] over [`PeerComm`] (each
+//! rank on its own CUDA stream reading its peers' buffers, ordered by events; or the kernels'
+//! host twins, the same protocol on the host). It trains what `fsdp train --ranks N
+//! --strategy S` trains and writes the same outputs (`--loss-log`, `--save`); rank 0 reports.
 
 use std::time::Instant;
 
 use fsdp::ShardingStrategy;
-use fsdp_collectives::ring;
-use fsdp_gpt::device_comm::HostComm;
+use fsdp_device::DEFAULT_TIMEOUT;
+use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::DeviceTrainError;
-use fsdp_kernels::gpt::{HostOps, HostProducts};
+use fsdp_kernels::gpt::PeerOps;
 
 use crate::args::TrainArgs;
 use crate::device_cmd::{Run, Tally};
@@ -58,23 +58,26 @@ struct RankEnd {
     tally: Tally,
 }
 
-/// Trains `run` on `world` ranks as threads (the host twins, the ring), `strategy` from the
-/// command line.
-pub(crate) fn train_sharded(
+/// Trains `run` on `world` ranks as threads, rank `r` on the operations `ops(r)` (made in its
+/// thread), `strategy` from the command line.
+pub(crate) fn train_sharded<O: PeerOps>(
     args: &TrainArgs,
     run: &Run,
     world: usize,
-    products: HostProducts,
-) -> Result<(), CliError> {
+    ops: impl Fn(usize) -> Result<O, CliError> + Sync,
+) -> Result<(), CliError>
+where
+    O::Event: 'static,
+{
     let dev = args.device;
     let strategy: ShardingStrategy = args.model.strategy;
     let (cfg, steps, accum) = (&run.cfg, args.steps, args.grad_accum);
     let t = cfg.block_size;
     let global_tokens = args.batch_size * t;
     say!(
-        "fsdp train: {world} ranks on {dev} ({strategy:?}: the GPT's kernels, FSDP's units \
-         gathered and reduced by the ring), GPT {} layers × {} heads × {} wide ({} parameters), \
-         batch {} × {} tokens{}",
+        "fsdp train: {world} ranks on {dev} as threads ({strategy:?}: the GPT's kernels, FSDP's \
+         units gathered and reduced between the ranks' streams), GPT {} layers × {} heads × {} \
+         wide ({} parameters), batch {} × {} tokens{}",
         cfg.n_layer,
         cfg.n_head,
         cfg.n_embd,
@@ -91,18 +94,13 @@ pub(crate) fn train_sharded(
     let mut loss_log = args.loss_log.as_deref().map(LossLog::create).transpose()?;
     let log = std::sync::Mutex::new(loss_log.take());
     let progress = Progress::new(steps, args.skip_nonfinite);
-    let mut opts = ring::RingOptions::default();
-    if let Some(timeout) = args.timeout {
-        opts.timeout = timeout;
-    }
+    let comms = PeerComm::<O>::group(world, args.timeout.unwrap_or(DEFAULT_TIMEOUT));
     let on_device =
         |rank: usize| move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
     let start = Instant::now();
-    let results = ring::run_ranks(world, opts, |comm| -> Result<RankEnd, CliError> {
-        let rank = fsdp_collectives::Communicator::rank(&comm);
+    let rank_run = |rank: usize, comm: PeerComm<O>| -> Result<RankEnd, CliError> {
         let err = on_device(rank);
-        let comm = HostComm::new(Box::new(comm));
-        let ops = HostOps::with_products(products);
+        let ops = ops(rank)?;
         let mut trainer =
             ShardedDeviceTrainer::new(ops, comm, run.config, strategy, &run.params).map_err(err)?;
         trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
@@ -142,8 +140,31 @@ pub(crate) fn train_sharded(
             steps: trainer.optimizer_steps(),
             tally,
         })
-    })
-    .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    };
+    let results: Vec<Result<RankEnd, CliError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let rank_run = &rank_run;
+                std::thread::Builder::new()
+                    .name(format!("rank{rank}"))
+                    .spawn_scoped(s, move || rank_run(rank, comm))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Err(e) => Err(fail(format!("--device {dev}: rank {rank}: no thread: {e}"))),
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(fail(format!(
+                        "--device {dev}: rank {rank}'s thread panicked"
+                    )))
+                }),
+            })
+            .collect()
+    });
     let elapsed = start.elapsed();
     progress.finish();
     let mut ends = Vec::with_capacity(world);
