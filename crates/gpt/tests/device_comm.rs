@@ -1,9 +1,10 @@
 //! One conformance suite for every `DeviceComm` (the collectives of sharded training on a
 //! device), run against each: `HostComm` over the ring (threads) and `PeerComm` over the host
 //! twins (ranks as threads reading each other's buffers: the protocol `CudaOps` runs on one
-//! GPU). Each collective is checked against a naive reference on units of uneven tensors
-//! (padding, a rank whose shard lies past a tensor's end), with values whose sums are exact,
-//! so that every implementation must give the reference's bits. Then `PeerComm`'s failures:
+//! GPU). Each collective (`common::device::exercise_collectives`) is checked against a naive
+//! reference on a unit of uneven tensors (padding, a rank whose shard lies past a tensor's
+//! end), with values whose sums are exact, so that every implementation must give the
+//! reference's bits. Then `PeerComm`'s failures:
 //! calls that differ across ranks, a rank that leaves, a rank that never arrives — each an
 //! error on the others within the timeout, never a hang. And the sharded trainer over
 //! `PeerComm`: bitwise the ring's at 2 ranks, within 1e-5 at 4.
@@ -11,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use fsdp::optim::LrSchedule;
-use fsdp_collectives::{ring, CollectiveError, ReduceOp};
+use fsdp_collectives::{ring, CollectiveError};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_comm::{DeviceComm, HostComm};
 use fsdp_gpt::device_peer::PeerComm;
@@ -21,7 +22,7 @@ use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps};
 
 mod common;
-use common::device::{device_config, param_bits};
+use common::device::{device_config, exercise_collectives, param_bits, unit_value, UNIT_LENS};
 
 /// Runs `f` on `world` ranks of `HostComm` over the ring.
 fn over_ring<R: Send>(
@@ -51,162 +52,69 @@ fn over_peers<R: Send>(
     })
 }
 
-type Runner = fn(
-    usize,
-    &(dyn Fn(&dyn DeviceComm<HostOps>, &HostOps) -> Vec<Vec<f32>> + Sync),
-) -> Vec<Vec<Vec<f32>>>;
-
-fn runners() -> [(&'static str, Runner); 2] {
-    [
-        ("ring", |w, f| over_ring(w, f)),
-        ("peers", |w, f| over_peers(w, f)),
-    ]
-}
-
-/// Tensor lengths of a unit: uneven, one shorter than the world.
-const LENS: [usize; 3] = [7, 12, 2];
-
-/// Rank `r`'s value of element `i` of tensor `t`: small integers, so sums are exact.
-fn value(r: usize, t: usize, i: usize) -> f32 {
-    (r * 100 + t * 10 + i) as f32
-}
-
-#[test]
-fn all_gather_reassembles_every_tensor() {
-    for (name, run) in runners() {
-        for world in [1, 2, 3, 4] {
-            let out = run(world, &|comm, ops| {
-                let r = comm.rank();
-                // The full tensor is 0, 1, 2, … ; rank r holds its shard of it.
-                let shards: Vec<_> = LENS
-                    .iter()
-                    .enumerate()
-                    .map(|(t, &n)| {
-                        let s = n.div_ceil(world);
-                        let v: Vec<f32> = (0..s)
-                            .map(|j| {
-                                let i = r * s + j;
-                                if i < n {
-                                    value(0, t, i)
-                                } else {
-                                    0.0
-                                }
-                            })
-                            .collect();
-                        ops.upload(&v).unwrap()
-                    })
-                    .collect();
-                let mut fulls: Vec<_> = LENS
-                    .iter()
-                    .map(|&n| ops.upload(&vec![-1.0; n]).unwrap())
-                    .collect();
-                let refs: Vec<_> = shards.iter().collect();
-                let mut outs: Vec<_> = fulls.iter_mut().collect();
-                comm.all_gather(ops, &refs, &mut outs).unwrap();
-                fulls.iter().map(|f| ops.download(f).unwrap()).collect()
-            });
-            for (r, fulls) in out.iter().enumerate() {
-                for (t, (f, &n)) in fulls.iter().zip(&LENS).enumerate() {
-                    let want: Vec<f32> = (0..n).map(|i| value(0, t, i)).collect();
-                    assert_eq!(f, &want, "{name}, {world} ranks: rank {r}, tensor {t}");
-                }
-            }
-        }
+/// What [`exercise_collectives`] must give rank `r` of `world`, computed naively in f64
+/// (exact: the values are small integers and the worlds powers of two or 1 and 3 on sums).
+fn expected(world: usize, r: usize) -> Vec<Vec<f64>> {
+    let mean = |t: usize, i: usize| {
+        (0..world)
+            .map(|p| f64::from(unit_value(p, t, i)))
+            .sum::<f64>()
+            / world as f64
+    };
+    let mut v = Vec::new();
+    for (t, &n) in UNIT_LENS.iter().enumerate() {
+        v.push((0..n).map(|i| f64::from(unit_value(0, t, i))).collect());
     }
-}
-
-#[test]
-fn reduce_scatter_gives_each_rank_its_chunk_of_the_mean() {
-    for (name, run) in runners() {
-        for world in [1, 2, 4] {
-            let out = run(world, &|comm, ops| {
-                let r = comm.rank();
-                let fulls: Vec<_> = LENS
-                    .iter()
-                    .enumerate()
-                    .map(|(t, &n)| {
-                        ops.upload(&(0..n).map(|i| value(r, t, i)).collect::<Vec<_>>())
-                            .unwrap()
-                    })
-                    .collect();
-                let mut shards: Vec<_> = LENS
-                    .iter()
-                    .map(|&n| ops.upload(&vec![-1.0; n.div_ceil(world)]).unwrap())
-                    .collect();
-                let refs: Vec<_> = fulls.iter().collect();
-                let mut outs: Vec<_> = shards.iter_mut().collect();
-                comm.reduce_scatter_avg(ops, &refs, &mut outs).unwrap();
-                shards.iter().map(|s| ops.download(s).unwrap()).collect()
-            });
-            for (r, shards) in out.iter().enumerate() {
-                for (t, (got, &n)) in shards.iter().zip(&LENS).enumerate() {
-                    let s = n.div_ceil(world);
-                    let want: Vec<f32> = (0..s)
-                        .map(|j| {
-                            let i = r * s + j;
-                            if i >= n {
-                                return 0.0;
-                            }
-                            let sum: f64 = (0..world).map(|p| f64::from(value(p, t, i))).sum();
-                            (sum / world as f64) as f32
-                        })
-                        .collect();
-                    assert_eq!(got, &want, "{name}, {world} ranks: rank {r}, tensor {t}");
-                }
-            }
-        }
+    for (t, &n) in UNIT_LENS.iter().enumerate() {
+        let s = n.div_ceil(world);
+        v.push(
+            (0..s)
+                .map(|j| {
+                    if r * s + j < n {
+                        mean(t, r * s + j)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect(),
+        );
     }
+    for (t, &n) in UNIT_LENS.iter().enumerate() {
+        v.push((0..n).map(|i| mean(t, i)).collect());
+    }
+    let (w, ranks) = (world as f64, (0..world).map(|p| p as f64).sum::<f64>());
+    v.push(vec![
+        r as f64,
+        ranks + 0.5 * w,
+        2.0 * ranks,
+        4.0 * ranks / w,
+        9.0,
+    ]);
+    v
 }
 
+/// Every collective of both implementations at 1 to 4 ranks: the reference's bits (uneven
+/// tensors; at 3 and 4 ranks a shard lies past the end of the shortest).
 #[test]
-fn all_reduce_gives_every_rank_the_mean_and_scalars_their_reduction() {
-    for (name, run) in runners() {
-        for world in [1, 2, 4] {
-            let out = run(world, &|comm, ops| {
-                let r = comm.rank();
-                let mut bufs: Vec<_> = LENS
-                    .iter()
-                    .enumerate()
-                    .map(|(t, &n)| {
-                        ops.upload(&(0..n).map(|i| value(r, t, i)).collect::<Vec<_>>())
-                            .unwrap()
-                    })
+fn every_comm_gives_the_references_bits() {
+    for world in [1, 2, 3, 4] {
+        let runs = [
+            ("ring", over_ring(world, exercise_collectives)),
+            ("peers", over_peers(world, exercise_collectives)),
+        ];
+        for (name, out) in runs {
+            for (r, got) in out.iter().enumerate() {
+                let want = expected(world, r);
+                // An average over 3 ranks is rounded to f32 on the devices' side.
+                let want: Vec<Vec<f64>> = want
+                    .into_iter()
+                    .map(|v| v.into_iter().map(|x| f64::from(x as f32)).collect())
                     .collect();
-                let mut refs: Vec<_> = bufs.iter_mut().collect();
-                comm.all_reduce_avg(ops, &mut refs).unwrap();
-                let mut v: Vec<Vec<f32>> = bufs.iter().map(|b| ops.download(b).unwrap()).collect();
-                // Scalars: slots 1..3 summed, slot 3 averaged, slots 0 and 4 untouched.
-                let mut s = ops
-                    .scalars(&[
-                        r as f64,
-                        r as f64 + 0.5,
-                        2.0 * r as f64,
-                        4.0 * r as f64,
-                        9.0,
-                    ])
-                    .unwrap();
-                comm.all_reduce_scalars(ops, &mut s, 1..3, ReduceOp::Sum)
-                    .unwrap();
-                comm.all_reduce_scalars(ops, &mut s, 3..4, ReduceOp::Avg)
-                    .unwrap();
-                v.push(s.iter().map(|&x| x as f32).collect());
-                v
-            });
-            let w = world as f64;
-            let ranks: f64 = (0..world).map(|p| p as f64).sum();
-            for (r, v) in out.iter().enumerate() {
-                for (t, (got, &n)) in v.iter().zip(&LENS).enumerate() {
-                    let want: Vec<f32> = (0..n)
-                        .map(|i| {
-                            let sum: f64 = (0..world).map(|p| f64::from(value(p, t, i))).sum();
-                            (sum / w) as f32
-                        })
-                        .collect();
-                    assert_eq!(got, &want, "{name}, {world} ranks: rank {r}, tensor {t}");
-                }
-                let want = [r as f64, ranks + 0.5 * w, 2.0 * ranks, 4.0 * ranks / w, 9.0];
-                let want: Vec<f32> = want.iter().map(|&x| x as f32).collect();
-                assert_eq!(v[3], want, "{name}, {world} ranks: rank {r}, scalars");
+                let got: Vec<Vec<f64>> = got
+                    .iter()
+                    .map(|v| v.iter().map(|&x| f64::from(x as f32)).collect())
+                    .collect();
+                assert_eq!(got, want, "{name}, {world} ranks: rank {r}");
             }
         }
     }

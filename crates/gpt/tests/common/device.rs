@@ -114,3 +114,91 @@ pub fn engine_run(
     .unwrap();
     out.swap_remove(0)
 }
+
+/// Tensor lengths of the collectives' test unit: uneven, one shorter than the largest world.
+pub const UNIT_LENS: [usize; 3] = [7, 12, 2];
+
+/// Rank `r`'s value of element `i` of tensor `t`: small integers, so that sums are exact.
+pub fn unit_value(r: usize, t: usize, i: usize) -> f32 {
+    (r * 100 + t * 10 + i) as f32
+}
+
+/// Every collective of `DeviceComm` once on this rank, on the test unit ([`UNIT_LENS`],
+/// [`unit_value`]): the all-gathered tensors, the reduce-scattered shards, the all-reduced
+/// tensors and the scalars after a sum of slots 1..3 and an average of slot 3, in that order.
+pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
+    comm: &dyn fsdp_gpt::device_comm::DeviceComm<O>,
+    ops: &O,
+) -> Vec<Vec<f64>> {
+    let (r, world) = (comm.rank(), comm.world_size());
+    let mut out = Vec::new();
+    let mut keep = |bufs: &[O::Buf]| {
+        for b in bufs {
+            out.push(
+                ops.download(b)
+                    .unwrap()
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .collect(),
+            );
+        }
+    };
+    let up = |v: Vec<f32>| ops.upload(&v).unwrap();
+    // All-gather: the full tensor is 0, 1, 2, … ; rank r holds its shard of it.
+    let shards: Vec<_> = UNIT_LENS
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| {
+            let s = n.div_ceil(world);
+            up((0..s)
+                .map(|j| {
+                    if r * s + j < n {
+                        unit_value(0, t, r * s + j)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect())
+        })
+        .collect();
+    let mut fulls: Vec<_> = UNIT_LENS.iter().map(|&n| up(vec![-1.0; n])).collect();
+    comm.all_gather(
+        ops,
+        &shards.iter().collect::<Vec<_>>(),
+        &mut fulls.iter_mut().collect::<Vec<_>>(),
+    )
+    .unwrap();
+    keep(&fulls);
+    // Reduce-scatter of each rank's own values.
+    let own: Vec<_> = UNIT_LENS
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| up((0..n).map(|i| unit_value(r, t, i)).collect()))
+        .collect();
+    let mut out_shards: Vec<_> = UNIT_LENS
+        .iter()
+        .map(|&n| up(vec![-1.0; n.div_ceil(world)]))
+        .collect();
+    comm.reduce_scatter_avg(
+        ops,
+        &own.iter().collect::<Vec<_>>(),
+        &mut out_shards.iter_mut().collect::<Vec<_>>(),
+    )
+    .unwrap();
+    keep(&out_shards);
+    // All-reduce of the same.
+    let mut bufs = own;
+    comm.all_reduce_avg(ops, &mut bufs.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    keep(&bufs);
+    // Scalars.
+    let r = r as f64;
+    let mut s = ops.scalars(&[r, r + 0.5, 2.0 * r, 4.0 * r, 9.0]).unwrap();
+    comm.all_reduce_scalars(ops, &mut s, 1..3, fsdp_collectives::ReduceOp::Sum)
+        .unwrap();
+    comm.all_reduce_scalars(ops, &mut s, 3..4, fsdp_collectives::ReduceOp::Avg)
+        .unwrap();
+    let copy = ops.copy_scalars(&s).unwrap();
+    out.push(ops.wait_scalars(copy).unwrap());
+    out
+}
