@@ -150,6 +150,16 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --wait-each-step"
     cat "$log"
+    # Worlds 2 and 4 as threads on the one GPU (PeerComm), the same global batch: rank 0's
+    # step against the world-1 step measured in the same run (issue 16's aim: at most 1.1).
+    for ranks in 2 4; do
+        log="$report/gpt_device_bench_ranks$ranks.log"
+        device_bench "$log" --model 124m --ranks "$ranks" --strategy full-shard
+        rc=$?
+        [ "$rc" -ne 0 ] && failed=$((failed + 1))
+        bench_rows "$log" "$rc" "gpt-device-bench --ranks $ranks"
+        cat "$log"
+    done
 fi
 if [ "$have_torch" = 1 ]; then
     runs=()

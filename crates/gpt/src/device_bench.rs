@@ -1,5 +1,6 @@
 //! Timing the device trainer, for the GPU benchmark (`benches/gpt_device.rs`) and its host-twin
-//! check: [`time_steps`] trains a [`DeviceTrainer`] for some steps and reports the median step
+//! check: [`time_steps`] trains a [`DeviceTrainer`] (or each rank's [`ShardedDeviceTrainer`])
+//! for some steps and reports the median step
 //! time after warm-up, tokens/s, the peak device memory counted and planned, and the model
 //! FLOPs of a token ([`model_flops_per_token`]) from which MFU follows. The figures use the
 //! definitions of `benches/torch_fsdp2_gpt.py`, so the two benchmarks compare like for like.
@@ -8,8 +9,75 @@ use std::time::{Duration, Instant};
 
 use fsdp_kernels::gpt::GptOps;
 
-use crate::device_train::{DeviceTrainError, DeviceTrainer, Reported};
+use crate::device_comm::DeviceComm;
+use crate::device_config::DeviceTrainConfig;
+use crate::device_sharded::ShardedDeviceTrainer;
+use crate::device_train::{DeviceTrainError, DeviceTrainer, Reported, StepOutcome};
 use crate::model::GptConfig;
+
+/// A trainer [`time_steps`] can time: [`DeviceTrainer`] (one rank) or
+/// [`ShardedDeviceTrainer`] (one of several; every rank must be timed at once).
+pub trait TimedTrainer {
+    /// The settings (the global batch).
+    fn config(&self) -> &DeviceTrainConfig;
+    /// Enqueues step `step` and returns the outcome of the one before.
+    ///
+    /// # Errors
+    /// The trainer's.
+    fn enqueue_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+    ) -> Result<Option<Reported>, DeviceTrainError>;
+    /// Runs step `step` to its outcome.
+    ///
+    /// # Errors
+    /// The trainer's.
+    fn step(&mut self, tokens: &[u16], step: usize) -> Result<StepOutcome, DeviceTrainError>;
+    /// Reads the last step's outcome.
+    ///
+    /// # Errors
+    /// The trainer's.
+    fn flush(&mut self) -> Result<Option<Reported>, DeviceTrainError>;
+}
+
+impl<O: GptOps> TimedTrainer for DeviceTrainer<O> {
+    fn config(&self) -> &DeviceTrainConfig {
+        DeviceTrainer::config(self)
+    }
+    fn enqueue_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+    ) -> Result<Option<Reported>, DeviceTrainError> {
+        DeviceTrainer::enqueue_step(self, tokens, step)
+    }
+    fn step(&mut self, tokens: &[u16], step: usize) -> Result<StepOutcome, DeviceTrainError> {
+        DeviceTrainer::step(self, tokens, step)
+    }
+    fn flush(&mut self) -> Result<Option<Reported>, DeviceTrainError> {
+        DeviceTrainer::flush(self)
+    }
+}
+
+impl<O: GptOps, C: DeviceComm<O>> TimedTrainer for ShardedDeviceTrainer<O, C> {
+    fn config(&self) -> &DeviceTrainConfig {
+        ShardedDeviceTrainer::config(self)
+    }
+    fn enqueue_step(
+        &mut self,
+        tokens: &[u16],
+        step: usize,
+    ) -> Result<Option<Reported>, DeviceTrainError> {
+        ShardedDeviceTrainer::enqueue_step(self, tokens, step)
+    }
+    fn step(&mut self, tokens: &[u16], step: usize) -> Result<StepOutcome, DeviceTrainError> {
+        ShardedDeviceTrainer::step(self, tokens, step)
+    }
+    fn flush(&mut self) -> Result<Option<Reported>, DeviceTrainError> {
+        ShardedDeviceTrainer::flush(self)
+    }
+}
 
 /// Model FLOPs of one token of a training step (forward and backward), as nanoGPT estimates
 /// them and `torch_fsdp2_gpt.py` reports MFU: 6 per parameter without the position embedding
@@ -79,8 +147,8 @@ pub enum Reads {
 /// # Errors
 /// The trainer's errors; a step that is not finite (a benchmark of skipped steps would time
 /// something else), naming the step.
-pub fn time_steps<O: GptOps>(
-    trainer: &mut DeviceTrainer<O>,
+pub fn time_steps<T: TimedTrainer>(
+    trainer: &mut T,
     tokens: &[u16],
     steps: usize,
     warmup: usize,

@@ -5,9 +5,14 @@
 //! peak and against an 8192³ bf16 GEMM measured in the same run. `--device host-twin` runs the
 //! same path on the kernels' host twins (no MFU), e.g. `--model tiny` as a smoke test.
 //!
+//! With `--ranks N` it then trains the same global batch as N ranks, threads over the one
+//! device (`ShardedDeviceTrainer` over `PeerComm`, `--strategy`), and prints rank 0's median
+//! step and its ratio to the world-1 step measured just before (issue 16's aim: at most 1.1).
+//!
 //! ```text
 //! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f32]
 //!                  [--batch 8] [--steps 20] [--warmup 3] [--cpu-offload] [--activation-checkpointing] [--peak-tflops T]
+//!                  [--ranks N [--strategy full-shard|shard-grad-op|no-shard]]
 //! ```
 
 use std::process::ExitCode;
@@ -16,13 +21,16 @@ use std::time::Instant;
 use clap::Parser;
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp::ShardingStrategy;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
+use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::{Blas, MatMul};
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, PeerOps, Products};
 
 /// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
 const BF16_PEAK_TFLOPS: [(&str, f64); 6] = [
@@ -73,8 +81,72 @@ struct Args {
     #[arg(long)]
     peak_tflops: Option<f64>,
     /// Accepted and ignored (`cargo bench` passes it).
+    /// Then train the same global batch as this many ranks, threads over the device.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// The sharding of `--ranks`: full-shard, shard-grad-op or no-shard.
+    #[arg(long, default_value = "full-shard")]
+    strategy: String,
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+fn strategy(s: &str) -> Result<ShardingStrategy, String> {
+    match s {
+        "full-shard" => Ok(ShardingStrategy::FullShard),
+        "shard-grad-op" => Ok(ShardingStrategy::ShardGradOp),
+        "no-shard" => Ok(ShardingStrategy::NoShard),
+        other => Err(format!(
+            "--strategy {other}: expected full-shard, shard-grad-op or no-shard"
+        )),
+    }
+}
+
+/// `world` ranks as threads, rank `r` on `ops(r)`, each timed as [`run`] times one: rank 0's
+/// times and every rank's memory.
+fn run_sharded<O: PeerOps>(
+    ops: impl Fn(usize) -> Result<O, String> + Sync,
+    config: DeviceTrainConfig,
+    args: &Args,
+    world: usize,
+) -> Result<(StepTimes, Vec<MemoryUse>), String>
+where
+    O::Event: 'static,
+{
+    let strategy = strategy(&args.strategy)?;
+    let params = seeded_params(&config.cfg, 1337).map_err(|e| e.to_string())?;
+    let tokens = synthetic_corpus(200_000, config.cfg.vocab_size as u16, 1337);
+    let comms = PeerComm::<O>::group(world, std::time::Duration::from_secs(600));
+    let rank = |r: usize, comm: PeerComm<O>| -> Result<(StepTimes, MemoryUse), String> {
+        let mut t = ShardedDeviceTrainer::new(ops(r)?, comm, config, strategy, &params)
+            .map_err(|e| format!("rank {r}: {e}"))?;
+        let times = time_steps(&mut t, &tokens, args.steps, args.warmup, Reads::OneLate)
+            .map_err(|e| format!("rank {r}: {e}"))?;
+        Ok((times, t.memory()))
+    };
+    let ends: Vec<Result<(StepTimes, MemoryUse), String>> = std::thread::scope(|s| {
+        let rank = &rank;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| s.spawn(move || rank(r, c)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank's thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut times = None;
+    let mut memory = Vec::with_capacity(world);
+    for end in ends {
+        let (t, m) = end?;
+        times.get_or_insert(t);
+        memory.push(m);
+    }
+    Ok((times.ok_or("no rank")?, memory))
 }
 
 /// (n_layer, n_head, n_embd, block_size, vocab_size) as `torch_fsdp2_gpt.py`'s MODELS.
@@ -291,6 +363,53 @@ fn bench(args: &Args) -> Result<(), String> {
             t.median().as_secs_f64() * 1e3,
             t.tokens_per_s()
         );
+        if args.ranks > 1 {
+            let world = args.ranks;
+            let (times, memory) = match cuda_ordinal {
+                Some(n) => run_sharded(
+                    |r| {
+                        let stream = fsdp_device::Stream::cuda(n, format!("rank {r}"))
+                            .map_err(|e| format!("rank {r}: {e}"))?;
+                        Ok(CudaOps::new(stream)
+                            .map_err(|e| format!("rank {r}: {e}"))?
+                            .with_products(products))
+                    },
+                    config,
+                    args,
+                    world,
+                )?,
+                None => {
+                    let p = if bf16 {
+                        HostProducts::Bf16Operands
+                    } else {
+                        HostProducts::F32
+                    };
+                    run_sharded(|_| Ok(HostOps::with_products(p)), config, args, world)?
+                }
+            };
+            let ratio = times.median().as_secs_f64() / t.median().as_secs_f64();
+            let peaks: Vec<String> = memory.iter().map(|m| human_bytes(m.peak)).collect();
+            println!(
+                "  {world} ranks as threads on {gpu} ({}): median step {:.2} ms per global \
+                 batch of {}×{} (rank 0), {:.0} tokens/s; peak memory per rank {}; loss {:.4} \
+                 -> {:.4}",
+                args.strategy,
+                times.median().as_secs_f64() * 1e3,
+                args.batch,
+                cfg.block_size,
+                times.tokens_per_s(),
+                peaks.join(", "),
+                times.losses.first().copied().unwrap_or(f32::NAN),
+                times.losses.last().copied().unwrap_or(f32::NAN),
+            );
+            println!(
+                "RESULT gpt-device-bench {name} {} world {world} {}: median step {:.2} ms, \
+                 {ratio:.3}× the world-1 step (aim: at most 1.1)",
+                args.products,
+                args.strategy,
+                times.median().as_secs_f64() * 1e3,
+            );
+        }
     }
     Ok(())
 }
