@@ -73,6 +73,38 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         strategy: ShardingStrategy,
         params: &HashMap<String, Vec<f32>>,
     ) -> Result<Self, DeviceTrainError> {
+        Self::with_shards(
+            ops,
+            comm,
+            config,
+            strategy,
+            |ops, name, len, shard, factor| match params.get(name) {
+                Some(p) if p.len() == len => ops.upload(&shard_of(p, shard, factor)),
+                Some(p) => Err(KernelError::InvalidArgument {
+                    kernel: "shard",
+                    reason: format!(
+                        "parameter `{name}` has {} elements, expected {len}",
+                        p.len()
+                    ),
+                }),
+                None => Err(KernelError::InvalidArgument {
+                    kernel: "shard",
+                    reason: format!("parameter `{name}` is missing"),
+                }),
+            },
+        )
+    }
+
+    /// [`new`](Self::new) with each parameter's shard made by `make(ops, name, elements,
+    /// shard, factor)`: shard `shard` of `factor` of the parameter `name` of `elements`
+    /// elements ([`shard_of`] of its values; zeros for a memory plan).
+    pub(crate) fn with_shards(
+        ops: O,
+        comm: C,
+        config: DeviceTrainConfig,
+        strategy: ShardingStrategy,
+        make: impl Fn(&O, &str, usize, usize, usize) -> Result<O::Buf, KernelError>,
+    ) -> Result<Self, DeviceTrainError> {
         config.validate()?;
         let (rank, world) = (comm.rank(), comm.world_size());
         let refuse = |what: &str| -> DeviceTrainError {
@@ -109,20 +141,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let mut pass = GptPass::new(ops, dims)?;
         pass.set_activation_checkpointing(config.activation_checkpointing);
         let ops = pass.ops();
-        let shards = Weights::try_build(&dims, |name, len| match params.get(name) {
-            Some(p) if p.len() == len => ops.upload(&shard_of(p, shard, factor)),
-            Some(p) => Err(KernelError::InvalidArgument {
-                kernel: "shard",
-                reason: format!(
-                    "parameter `{name}` has {} elements, expected {len}",
-                    p.len()
-                ),
-            }),
-            None => Err(KernelError::InvalidArgument {
-                kernel: "shard",
-                reason: format!("parameter `{name}` is missing"),
-            }),
-        })?;
+        let shards = Weights::try_build(&dims, |name, len| make(ops, name, len, shard, factor))?;
         let optim = Optim::sharded_zeros(ops, &dims, true, factor)?;
         let tensors = param_shapes(&dims).len();
         let scalars = ops.scalars(&vec![0.0; step_scalars_len(tensors)])?;

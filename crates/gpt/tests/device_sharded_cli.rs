@@ -151,9 +151,64 @@ fn several_ranks_refuse_what_they_do_not_run() {
     one_error_status_1(&fsdp(&a), &["3", "2"]);
     // Refused before anything was written.
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-    // The device plan is of one rank.
-    let p = ["plan", "--device", "host-twin", "--ranks", "2"];
-    one_error_status_1(&fsdp(&p), &["--device host-twin", "2 ranks", "one rank"]);
+}
+
+/// `fsdp plan --device host-twin --ranks N` predicts the peak each rank of `fsdp train` counts,
+/// to the byte, and admission refuses a run whose ranks together exceed `--memory-limit`.
+#[test]
+fn plan_predicts_each_ranks_peak_and_admission_uses_it() {
+    for (ranks, strategy, extra) in [
+        ("2", "full-shard", &["--activation-checkpointing"][..]),
+        ("4", "shard-grad-op", &["--grad-accum", "2"][..]),
+        ("2", "no-shard", &["--param-dtype", "bf16"][..]),
+    ] {
+        let base = [
+            "--batch-size",
+            "8",
+            "--ranks",
+            ranks,
+            "--strategy",
+            strategy,
+            "--device",
+            "host-twin",
+        ];
+        let mut p = vec!["plan"];
+        p.extend_from_slice(&common::cli::SMALL_MODEL);
+        p.extend(base);
+        p.extend(extra);
+        let plan = ok(&fsdp(&p), "fsdp plan");
+        let line = plan.lines().find(|l| l.starts_with("peak: ")).unwrap();
+        let planned: u64 = line["peak: ".len()..]
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let mut a = small_train_args(&["--steps", "3"], &base);
+        a.extend(extra);
+        let out = ok(&fsdp(&a), "fsdp train");
+        let line = out.lines().find(|l| l.starts_with("device: ")).unwrap();
+        let per_rank = line
+            .split("per rank ")
+            .nth(1)
+            .unwrap()
+            .split(" bytes")
+            .next()
+            .unwrap();
+        let peaks: Vec<u64> = per_rank.split(", ").map(|v| v.parse().unwrap()).collect();
+        assert_eq!(peaks.len(), ranks.parse::<usize>().unwrap(), "{line}");
+        assert!(
+            peaks.iter().all(|&p| p == planned),
+            "{ranks} {strategy}: planned {planned}, {line}"
+        );
+        assert!(line.contains(&format!("predicted {planned}")), "{line}");
+        // A limit just below the ranks' total is refused, naming both figures.
+        let limit = (planned * ranks.parse::<u64>().unwrap() - 1).to_string();
+        let mut a = small_train_args(&["--steps", "3", "--memory-limit", &limit], &base);
+        a.extend(extra);
+        one_error_status_1(&fsdp(&a), &["ranks of", "--memory-limit"]);
+        println!("{ranks} ranks, {strategy} {extra:?}: {planned} bytes per rank, planned exactly");
+    }
 }
 
 /// A non-finite step stops every rank with the engine's error line (and with

@@ -16,6 +16,7 @@ use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer, Reported};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
@@ -46,13 +47,9 @@ const ENGINE_ONLY: [(&str, &str); 8] = [
 ];
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
-/// ranks as processes (a launcher's), several ranks where `sharded` is false (`fsdp plan`) or
-/// on CUDA, a dtype other than f32 (or bf16 parameters). Returns the number of ranks.
-fn check_device_world_and_dtypes(
-    dev: DeviceArg,
-    model: &ModelArgs,
-    sharded: bool,
-) -> Result<usize, CliError> {
+/// ranks as processes (a launcher's), a hybrid strategy of several ranks, a dtype other than
+/// f32 (or bf16 parameters). Returns the number of ranks.
+fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<usize, CliError> {
     if let Some(env) = LaunchEnv::from_env()? {
         return Err(fail(format!(
             "--device {dev}: launched as rank {} of {}: sharded training on a device runs its \
@@ -61,10 +58,8 @@ fn check_device_world_and_dtypes(
         )));
     }
     let world = model.ranks.unwrap_or(1);
-    if world > 1 && !sharded {
-        return Err(fail(format!(
-            "--device {dev}: {world} ranks: the device plan is of one rank (--ranks 1)"
-        )));
+    if world > 1 {
+        crate::device_sharded_cmd::check_strategy(dev, model.strategy, world)?;
     }
     let dtypes = [
         ("--param-dtype", Some(model.param_dtype), DType::BF16),
@@ -93,7 +88,7 @@ fn check_device_world_and_dtypes(
 /// number of ranks.
 fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     let dev = args.device;
-    let world = check_device_world_and_dtypes(dev, &args.model, true)?;
+    let world = check_device_world_and_dtypes(dev, &args.model)?;
     let unsupported = [
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
@@ -149,7 +144,7 @@ pub(crate) struct Run {
     pub(crate) params: std::collections::HashMap<String, Vec<f32>>,
     pub(crate) tokens: Vec<u16>,
     /// `fsdp plan --device`'s peak of this run.
-    predicted_peak: u64,
+    pub(crate) predicted_peak: u64,
     /// With `--resume`: the checkpoint, its optimizer state.
     resume: Option<(ResumePoint, FullOptimizerState)>,
     /// With `--checkpoint-dir`: the checkpoints to write.
@@ -245,9 +240,23 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     let dev = args.device;
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {
+        let strategy = args.model.strategy;
+        let plan = plan_sharded_memory(&run.config, products(bf16), world, strategy)
+            .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+        let run = Run {
+            predicted_peak: plan.peak,
+            ..run
+        };
         return match dev {
             DeviceArg::Cuda { ordinal: n, .. } => {
                 cuda_ordinal(dev, n)?;
+                let stream = fsdp_device::Stream::cuda(n, "fsdp train admission")
+                    .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+                let free = stream
+                    .cuda_stream()
+                    .and_then(|s| s.context().mem_get_info().ok())
+                    .map(|(free, _)| free as u64);
+                admit(args, &run, free, world)?;
                 crate::device_sharded_cmd::train_sharded(args, &run, world, |rank| {
                     let name = format!("fsdp train rank {rank}");
                     let stream = match args.timeout {
@@ -261,6 +270,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                 })
             }
             DeviceArg::HostTwin => {
+                admit(args, &run, None, world)?;
                 crate::device_sharded_cmd::train_sharded(args, &run, world, |_| {
                     Ok(HostOps::with_products(host_products(bf16)))
                 })
@@ -289,14 +299,14 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                 .cuda_stream()
                 .and_then(|s| s.context().mem_get_info().ok())
                 .map(|(free, _)| free as u64);
-            admit(args, &run, free)?;
+            admit(args, &run, free, 1)?;
             let ops = CudaOps::new(stream)
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?
                 .with_products(products(bf16));
             train_with(ops, args, &run, CudaOps::pool_memory)
         }
         DeviceArg::HostTwin => {
-            admit(args, &run, None)?;
+            admit(args, &run, None, 1)?;
             train_with(
                 HostOps::with_products(host_products(bf16)),
                 args,
@@ -446,22 +456,31 @@ fn train_with<O: GptOps>(
     Ok(())
 }
 
-/// Admission: the plan's peak of device memory against `--memory-limit`, else the device's
-/// free memory (`free`, `None` where it is not known: the host twins), refused with both
-/// figures and what needs less.
-fn admit(args: &TrainArgs, run: &Run, free: Option<u64>) -> Result<(), CliError> {
+/// Admission: the plan's peak of device memory, times the `ranks` that share the device,
+/// against `--memory-limit`, else the device's free memory (`free`, `None` where it is not
+/// known: the host twins), refused with both figures and what needs less.
+fn admit(args: &TrainArgs, run: &Run, free: Option<u64>, ranks: usize) -> Result<(), CliError> {
     let dev = args.device;
     let (available, what) = match (args.memory_limit, free) {
         (Some(limit), _) => (limit, "--memory-limit"),
         (None, Some(free)) => (free, "free on the device"),
         (None, None) => return Ok(()),
     };
-    if run.predicted_peak > available {
+    let needed = run.predicted_peak.saturating_mul(ranks as u64);
+    if needed > available {
+        let each = if ranks > 1 {
+            format!(
+                " ({ranks} ranks of {} each)",
+                human_bytes(run.predicted_peak)
+            )
+        } else {
+            String::new()
+        };
         return Err(fail(format!(
-            "--device {dev}: the run needs {} of device memory at its peak (fsdp plan --device \
-             {dev}), {} is {what}; --activation-checkpointing, --cpu-offload or a smaller \
-             --batch-size (with --grad-accum) need less",
-            human_bytes(run.predicted_peak),
+            "--device {dev}: the run needs {}{each} of device memory at its peak (fsdp plan \
+             --device {dev}), {} is {what}; --activation-checkpointing, --cpu-offload or a \
+             smaller --batch-size (with --grad-accum) need less",
+            human_bytes(needed),
             human_bytes(available)
         )));
     }
@@ -532,16 +551,17 @@ impl Tally {
 /// world and the dtypes, and of the plan's options that mean nothing there.
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
-    check_device_world_and_dtypes(dev, &args.model, false)?;
+    let world = check_device_world_and_dtypes(dev, &args.model)?;
+    let allowed: &[&str] = if world > 1 { &["strategy"] } else { &[] };
     refuse_first(
         dev,
         optimizer_refusals(&args.optim),
         &args.explicit,
         "f32 AdamW",
-        &[],
+        allowed,
     )?;
-    let cfg = setup(&args.model, 1)?.cfg;
-    micro_batch(args.batch_size, args.grad_accum, 1)?;
+    let cfg = setup(&args.model, world)?.cfg;
+    micro_batch(args.batch_size, args.grad_accum, world)?;
     let config = DeviceTrainConfig {
         cfg,
         // The optimizer's hyperparameters and schedule change no buffer.
@@ -555,6 +575,9 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         activation_checkpointing: args.model.activation_checkpointing,
     };
     let bf16 = args.model.param_dtype == DType::BF16;
+    if world > 1 {
+        return crate::device_sharded_cmd::print_sharded_plan(args, &config, world, products(bf16));
+    }
     let plan =
         plan_memory(&config, products(bf16)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
     say!(

@@ -6,41 +6,51 @@
 
 use std::time::Instant;
 
+use fsdp::human_bytes;
 use fsdp::ShardingStrategy;
 use fsdp_device::DEFAULT_TIMEOUT;
 use fsdp_gpt::device_peer::PeerComm;
+use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_kernels::gpt::PeerOps;
+use fsdp_kernels::gpt::Products;
 
-use crate::args::TrainArgs;
+use crate::args::{DeviceArg, PlanArgs, TrainArgs};
 use crate::device_cmd::{Run, Tally};
 use crate::output::{save_checkpoint, LossLog};
 use crate::progress::{nonfinite, say_done, Progress};
 use crate::say;
 use crate::{fail, CliError};
 
-/// The options sharded training on a device refuses beyond those one rank refuses: hybrid
-/// strategies, and the one-rank trainer's options not built for several ranks.
+/// Hybrid strategies need nodes: refused for `world` ranks on one device.
+pub(crate) fn check_strategy(
+    dev: DeviceArg,
+    strategy: ShardingStrategy,
+    world: usize,
+) -> Result<(), CliError> {
+    let name = match strategy {
+        ShardingStrategy::HybridShard => "hybrid-shard",
+        ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
+        _ => return Ok(()),
+    };
+    Err(fail(format!(
+        "--device {dev}: --strategy {name} needs nodes; the {world} ranks here are one group \
+         (full-shard, shard-grad-op or no-shard)"
+    )))
+}
+
+/// The options sharded training on a device refuses beyond those one rank refuses: the
+/// one-rank trainer's options not built for several ranks.
 pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<(), CliError> {
     let dev = args.device;
-    if args.model.strategy.is_hybrid() {
-        let name = match args.model.strategy {
-            ShardingStrategy::HybridShard => "hybrid-shard",
-            _ => "hybrid-shard-zero2",
-        };
-        return Err(fail(format!(
-            "--device {dev}: --strategy {name} needs nodes; the {world} ranks here are one \
-             group (full-shard, shard-grad-op or no-shard)"
-        )));
-    }
     let refused = [
         ("--cpu-offload", args.cpu_offload),
         ("--checkpoint-dir", args.checkpoint_dir.is_some()),
         ("--resume", args.resume.is_some()),
         ("--trace", args.trace.is_some()),
         ("--memory-snapshot", args.memory_snapshot.is_some()),
-        ("--memory-limit", args.memory_limit.is_some()),
     ];
     match refused.iter().find(|(_, set)| *set) {
         Some((option, _)) => Err(fail(format!(
@@ -49,6 +59,67 @@ pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<()
         ))),
         None => Ok(()),
     }
+}
+
+/// `fsdp plan --device … --ranks N`: one rank's device memory ([`plan_sharded_memory`]).
+pub(crate) fn print_sharded_plan(
+    args: &PlanArgs,
+    config: &DeviceTrainConfig,
+    world: usize,
+    products: Products,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    if args.cpu_offload {
+        return Err(fail(format!(
+            "--device {dev}: --cpu-offload is not supported with {world} ranks on the device \
+             (it is with --ranks 1)"
+        )));
+    }
+    let plan = plan_sharded_memory(config, products, world, args.model.strategy)
+        .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    let cfg = &config.cfg;
+    say!(
+        "fsdp plan: {world} ranks on {dev} as threads ({:?}), GPT {} layers × {} heads × {} \
+         wide ({} parameters), batch {} × {} tokens{}, {} products",
+        args.model.strategy,
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.num_params(),
+        args.batch_size,
+        cfg.block_size,
+        if args.grad_accum > 1 {
+            format!(" in {} micro-batches", args.grad_accum)
+        } else {
+            String::new()
+        },
+        if products == Products::Bf16 {
+            "bf16-operand"
+        } else {
+            "f32"
+        }
+    );
+    say!("{}", plan.to_string().trim_end());
+    let all = plan.peak.saturating_mul(world as u64);
+    say!(
+        "the {world} ranks share the device: {all} bytes ({}) at their peaks (each rank's is \
+         what `fsdp train --device {dev} --ranks {world}` counts; a CUDA memory pool adds the \
+         scratch of single kernels and its rounding)",
+        human_bytes(all)
+    );
+    if let Some(limit) = args.memory_limit {
+        let verdict = if all <= limit {
+            "fits within"
+        } else {
+            "exceeds: `fsdp train --device` refuses it, as"
+        };
+        say!(
+            "{} {verdict} --memory-limit {}",
+            human_bytes(all),
+            human_bytes(limit)
+        );
+    }
+    Ok(())
 }
 
 /// What each rank's thread returns.
@@ -187,9 +258,11 @@ where
     );
     let peaks: Vec<String> = ends.iter().map(|e| e.peak.to_string()).collect();
     say!(
-        "device: {dev}, {world} ranks, {} optimizer steps, peak device memory per rank {} bytes",
+        "device: {dev}, {world} ranks, {} optimizer steps, peak device memory per rank {} bytes \
+         (predicted {}: fsdp plan --device {dev} --ranks {world})",
         end.steps,
-        peaks.join(", ")
+        peaks.join(", "),
+        run.predicted_peak
     );
     progress.say_skipped(end.tally.skipped);
     Ok(())

@@ -1,0 +1,158 @@
+//! The device memory of one rank of sharded training on a device
+//! ([`ShardedDeviceTrainer`] over [`PeerComm`], what `fsdp train --device … --ranks N` runs),
+//! predicted: [`plan_sharded_memory`] runs the trainer itself, every rank as a thread, over
+//! [`MetaOps`] — operations that allocate and count every buffer as the host twins and
+//! `CudaOps` do and compute nothing — for two steps, and reads rank 0's counted peak (every
+//! rank holds the same sizes). The plan is therefore exact by construction for every strategy,
+//! checkpointing and product type: the units gathered and freed, the gradients reduced, the
+//! collectives' own buffers, in the order they happen. `tests/device_plan_sharded.rs` holds it
+//! equal to the host twins' measured peak.
+
+use std::fmt;
+use std::time::Duration;
+
+use fsdp::ShardingStrategy;
+use fsdp_kernels::gpt::HostProducts;
+use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
+use fsdp_kernels::host::step_scalars_len;
+
+use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
+use crate::device_peer::PeerComm;
+use crate::device_shard::shard_len;
+use crate::device_sharded::ShardedDeviceTrainer;
+
+/// The predicted device memory of one rank of sharded training, in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShardedMemoryPlan {
+    /// Ranks.
+    pub world: usize,
+    /// The sharding.
+    pub strategy: ShardingStrategy,
+    /// This rank's shards of the parameters (f32; padded to whole shards).
+    pub parameters: u64,
+    /// Its gradient accumulators (f32, shaped as the shards).
+    pub accumulators: u64,
+    /// AdamW's two moments (f32, shaped as the shards).
+    pub moments: u64,
+    /// The step's scalars (f64).
+    pub step_scalars: u64,
+    /// The peak of a step past the first: what it holds throughout, plus the units gathered,
+    /// the gradients, the activations and the working buffers at that moment.
+    pub peak: u64,
+}
+
+impl ShardedMemoryPlan {
+    /// What a rank holds throughout: its shards, accumulators, moments and scalars.
+    pub fn persistent(&self) -> u64 {
+        self.parameters + self.accumulators + self.moments + self.step_scalars
+    }
+}
+
+impl fmt::Display for ShardedMemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+        writeln!(f, "per rank, {} ranks, {:?}:", self.world, self.strategy)?;
+        for (what, b) in [
+            ("parameter shards", self.parameters),
+            ("gradient accumulators", self.accumulators),
+            ("AdamW moments", self.moments),
+            ("step scalars", self.step_scalars),
+        ] {
+            writeln!(f, "  {what}: {b} bytes ({})", mib(b))?;
+        }
+        writeln!(
+            f,
+            "peak: {} bytes ({}): held throughout {} + the step's units, gradients, \
+             activations and working buffers {}",
+            self.peak,
+            mib(self.peak),
+            self.persistent(),
+            self.peak.saturating_sub(self.persistent())
+        )
+    }
+}
+
+/// The memory of one rank of `world` training `config` sharded by `strategy`, with `products`
+/// (see the [module](self) documentation).
+///
+/// # Errors
+/// The settings the trainer refuses (as [`ShardedDeviceTrainer::new`] does).
+pub fn plan_sharded_memory(
+    config: &DeviceTrainConfig,
+    products: Products,
+    world: usize,
+    strategy: ShardingStrategy,
+) -> Result<ShardedMemoryPlan, DeviceTrainError> {
+    config.validate()?;
+    config.dims().validate()?;
+    let host = if products == Products::Bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    };
+    let t = config.cfg.block_size;
+    let tokens = vec![0u16; 2 * (t + 1)];
+    let comms = PeerComm::<MetaOps>::group(world, Duration::from_secs(600));
+    let config = *config;
+    let peaks: Vec<Result<u64, DeviceTrainError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let tokens = &tokens;
+                s.spawn(move || {
+                    let ops = MetaOps::new(host);
+                    let mut t = ShardedDeviceTrainer::with_shards(
+                        ops,
+                        comm,
+                        config,
+                        strategy,
+                        |ops, _, len, _, factor| {
+                            fsdp_kernels::gpt::GptOps::zeros(ops, shard_len(len, factor))
+                        },
+                    )?;
+                    // Past the first step: the kept bf16 operand copies have grown.
+                    for step in 0..2 {
+                        t.enqueue_step(tokens, step)?;
+                    }
+                    t.flush()?;
+                    Ok(t.memory().peak)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(DeviceTrainError::Fsdp(fsdp::FsdpError::InvalidShape {
+                        reason: "a planning thread panicked".into(),
+                    }))
+                })
+            })
+            .collect()
+    });
+    let mut peak = 0;
+    for p in peaks {
+        peak = peak.max(p?);
+    }
+    let factor = if strategy == ShardingStrategy::NoShard {
+        1
+    } else {
+        world
+    };
+    let shards: u64 = param_shapes(&config.dims())
+        .iter()
+        .map(|(_, s)| shard_len(s.iter().product(), factor) as u64)
+        .sum();
+    let each = shards * 4;
+    let tensors = param_shapes(&config.dims()).len();
+    Ok(ShardedMemoryPlan {
+        world,
+        strategy,
+        parameters: each,
+        accumulators: each,
+        moments: 2 * each,
+        step_scalars: step_scalars_len(tensors) as u64 * 8,
+        peak,
+    })
+}

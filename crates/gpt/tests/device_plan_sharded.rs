@@ -1,0 +1,99 @@
+//! `plan_sharded_memory` (one rank's device memory in sharded training, from a run over the
+//! counting `MetaOps`) against the peak the host twins count in the same training over
+//! `PeerComm` (what `fsdp train --device … --ranks N` runs): equal to the byte, for every
+//! strategy, with and without activation checkpointing, with f32 and bf16 products, at 2 and 4
+//! ranks, with 1 and 2 micro-batches. And each strategy's peak where it should be:
+//! `FULL_SHARD` below `SHARD_GRAD_OP` below `NO_SHARD`.
+
+use std::time::Duration;
+
+use fsdp::optim::LrSchedule;
+use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_peer::PeerComm;
+use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
+use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
+use fsdp_gpt::runtime::ShardingStrategy;
+use fsdp_kernels::gpt::{GptOps, HostOps, HostProducts, Products};
+
+mod common;
+use common::device::device_config;
+
+/// Rank 0's counted peak over 3 steps of `c` on `world` host-twin ranks.
+fn measured(c: DeviceTrainConfig, world: usize, s: ShardingStrategy, bf16: bool) -> u64 {
+    let params = seeded_params(&c.cfg, 1).unwrap();
+    let tokens = synthetic_corpus(20_000, 64, 1);
+    let comms = PeerComm::<HostOps>::group(world, Duration::from_secs(60));
+    let peaks: Vec<u64> = std::thread::scope(|sc| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (params, tokens) = (&params, &tokens);
+                sc.spawn(move || {
+                    let p = if bf16 {
+                        HostProducts::Bf16Operands
+                    } else {
+                        HostProducts::F32
+                    };
+                    let mut t =
+                        ShardedDeviceTrainer::new(HostOps::with_products(p), comm, c, s, params)
+                            .unwrap();
+                    for step in 0..3 {
+                        t.step(tokens, step).unwrap();
+                    }
+                    t.ops().memory().peak
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        peaks.iter().all(|&p| p == peaks[0]),
+        "every rank's peak: {peaks:?}"
+    );
+    peaks[0]
+}
+
+#[test]
+fn the_plan_is_the_measured_peak() {
+    for world in [2, 4] {
+        for (accum, ckpt, bf16) in [
+            (1, false, false),
+            (2, true, false),
+            (1, false, true),
+            (2, true, true),
+        ] {
+            let c = DeviceTrainConfig {
+                activation_checkpointing: ckpt,
+                ..device_config(LrSchedule::Constant, true, Some(1.0), accum)
+            };
+            let mut peaks = Vec::new();
+            for s in [
+                ShardingStrategy::FullShard,
+                ShardingStrategy::ShardGradOp,
+                ShardingStrategy::NoShard,
+            ] {
+                let products = if bf16 { Products::Bf16 } else { Products::F32 };
+                let plan = plan_sharded_memory(&c, products, world, s).unwrap();
+                let m = measured(c, world, s, bf16);
+                assert_eq!(
+                    plan.peak, m,
+                    "{world} ranks, {s:?}, accum {accum}, checkpointing {ckpt}, bf16 {bf16}: \
+                     planned {} vs measured {m}\n{plan}",
+                    plan.peak
+                );
+                assert!(plan.persistent() < plan.peak);
+                peaks.push(m);
+            }
+            assert!(
+                peaks[0] < peaks[1] && peaks[1] < peaks[2],
+                "{world} ranks: {peaks:?}"
+            );
+            println!(
+                "{world} ranks, accum {accum}, checkpointing {ckpt}, bf16 {bf16}: peaks \
+                 FULL_SHARD {}, SHARD_GRAD_OP {}, NO_SHARD {} bytes, planned exactly",
+                peaks[0], peaks[1], peaks[2]
+            );
+        }
+    }
+}

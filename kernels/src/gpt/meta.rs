@@ -1,0 +1,441 @@
+//! [`MetaOps`]: [`GptOps`] (and [`PeerOps`]) that allocate and count every buffer as the host
+//! twins and `CudaOps` do, and compute nothing — PyTorch's meta device for the GPT's step. A
+//! pass or a trainer run over them makes exactly the allocations and frees, in the same order,
+//! that the real operations make, so their counted peak is the real run's: the memory plan of
+//! configurations too varied to replay by hand (sharded training), at no cost.
+//!
+//! Buffers hold a length and no values; every operation checks nothing and leaves its outputs
+//! "written" (their [`Counted`] version renewed, as a real write renews it, so that the kept
+//! bf16 operand copies of [`HostProducts::Bf16Operands`] are refilled exactly when the host
+//! twins refill theirs). Reading values back gives zeros; staging memory is refused.
+
+use std::sync::{Arc, Mutex};
+
+use super::host_ops::HostProducts;
+use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
+use super::ops::GptOps;
+use super::peer::{PeerOps, PeerPtr};
+use super::products::Kept;
+use crate::gemm::MatMul;
+use crate::host::nn::HeadsLayout;
+use crate::host::{AdamWChoice, AdamWScalars, ReduceKind, StepRule};
+use crate::KernelError;
+
+/// A buffer of [`MetaOps`]: its length only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MetaBuf {
+    len: usize,
+}
+
+/// A counted [`MetaBuf`].
+pub type MetaCounted = Counted<MetaBuf>;
+
+/// Operations that count memory and compute nothing (see the [module](self) documentation).
+#[derive(Debug)]
+pub struct MetaOps {
+    products: HostProducts,
+    memory: Arc<MemoryCounter>,
+    operands: Mutex<[Kept<MetaBuf>; 2]>,
+}
+
+impl MetaOps {
+    /// The operations of a run whose products are `products` (bf16 operands keep two counted
+    /// copies, as the host twins and `CudaOps` do).
+    pub fn new(products: HostProducts) -> MetaOps {
+        MetaOps {
+            products,
+            memory: MemoryCounter::new(),
+            operands: Mutex::new([Kept::default(), Kept::default()]),
+        }
+    }
+
+    fn counted(&self, len: usize, elem_bytes: fn(usize) -> u64) -> MetaCounted {
+        Counted::new(MetaBuf { len }, elem_bytes(len), &self.memory)
+    }
+
+    fn buf(&self, len: usize) -> MetaCounted {
+        self.counted(len, bytes_of::<f32>)
+    }
+}
+
+/// Marks `bufs` written (a real write renews a buffer's version).
+fn write(bufs: &mut [&mut MetaCounted]) {
+    for b in bufs {
+        let _: &mut MetaBuf = b;
+    }
+}
+
+fn no_values(what: &str) -> KernelError {
+    KernelError::InvalidArgument {
+        kernel: "meta",
+        reason: format!("{what}: the meta operations hold no values"),
+    }
+}
+
+impl GptOps for MetaOps {
+    type Buf = MetaCounted;
+    type Ids = MetaCounted;
+    type Scalars = Counted<Vec<f64>>;
+    type ScalarsCopy = Vec<f64>;
+    type Staging = MetaBuf;
+    type Mark = ();
+
+    fn zeros(&self, len: usize) -> Result<MetaCounted, KernelError> {
+        Ok(self.buf(len))
+    }
+    fn empty(&self, len: usize) -> Result<MetaCounted, KernelError> {
+        Ok(self.buf(len))
+    }
+    fn upload(&self, data: &[f32]) -> Result<MetaCounted, KernelError> {
+        Ok(self.buf(data.len()))
+    }
+    fn upload_ids(&self, ids: &[u32]) -> Result<MetaCounted, KernelError> {
+        Ok(self.counted(ids.len(), bytes_of::<u32>))
+    }
+    fn upload_into(&self, _: &[f32], buf: &mut MetaCounted) -> Result<(), KernelError> {
+        write(&mut [buf]);
+        Ok(())
+    }
+    fn download(&self, buf: &MetaCounted) -> Result<Vec<f32>, KernelError> {
+        Ok(vec![0.0; buf.len])
+    }
+    fn buf_len(buf: &MetaCounted) -> usize {
+        buf.len
+    }
+    fn memory(&self) -> MemoryUse {
+        self.memory.usage()
+    }
+    fn reset_peak(&self) {
+        self.memory.reset_peak();
+    }
+    fn record_memory_history(&self, on: bool) {
+        self.memory.record_history(on);
+    }
+    fn memory_history(&self) -> Vec<MemoryEvent> {
+        self.memory.take_history()
+    }
+    fn fill_zero(&self, buf: &mut MetaCounted) -> Result<(), KernelError> {
+        write(&mut [buf]);
+        Ok(())
+    }
+    fn gemm(
+        &self,
+        _: &MatMul,
+        a: &MetaCounted,
+        b: &MetaCounted,
+        c: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        if self.products == HostProducts::Bf16Operands {
+            let mut kept = self
+                .operands
+                .lock()
+                .map_err(|_| KernelError::InvalidArgument {
+                    kernel: "meta gemm",
+                    reason: "the kept operands' lock is poisoned".into(),
+                })?;
+            let [ka, kb] = &mut *kept;
+            for (k, src) in [(ka, a), (kb, b)] {
+                k.refill(
+                    src.stamp(),
+                    src.len,
+                    |m: &MetaBuf| m.len,
+                    |n| Ok::<_, KernelError>(self.counted(n, bytes_of::<u16>)),
+                    |_| Ok(()),
+                )?;
+            }
+        }
+        write(&mut [c]);
+        Ok(())
+    }
+    fn bias_add(&self, y: &mut MetaCounted, _: &MetaCounted) -> Result<(), KernelError> {
+        write(&mut [y]);
+        Ok(())
+    }
+    fn axpby(
+        &self,
+        _: f32,
+        _: &MetaCounted,
+        _: f32,
+        y: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [y]);
+        Ok(())
+    }
+    fn layernorm_forward(
+        &self,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: f32,
+        y: &mut MetaCounted,
+        mean: &mut MetaCounted,
+        rstd: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [y, mean, rstd]);
+        Ok(())
+    }
+    fn layernorm_backward_input(
+        &self,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        dx: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [dx]);
+        Ok(())
+    }
+    fn layernorm_backward_params(
+        &self,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        dweight: &mut MetaCounted,
+        dbias: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [dweight, dbias]);
+        Ok(())
+    }
+    fn gelu_forward(&self, _: &MetaCounted, y: &mut MetaCounted) -> Result<(), KernelError> {
+        write(&mut [y]);
+        Ok(())
+    }
+    fn gelu_backward(
+        &self,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        dx: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [dx]);
+        Ok(())
+    }
+    fn causal_softmax_forward(
+        &self,
+        _: &MetaCounted,
+        _: usize,
+        _: f32,
+        probs: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [probs]);
+        Ok(())
+    }
+    fn causal_softmax_backward(
+        &self,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: usize,
+        _: f32,
+        dscores: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [dscores]);
+        Ok(())
+    }
+    fn cross_entropy_fused_in_place(
+        &self,
+        logits: &mut MetaCounted,
+        _: &MetaCounted,
+        _: usize,
+        _: f32,
+        losses: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [logits, losses]);
+        Ok(())
+    }
+    fn embedding_forward(
+        &self,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: &MetaCounted,
+        _: usize,
+        _: usize,
+        x: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [x]);
+        Ok(())
+    }
+    fn embedding_backward_tokens(
+        &self,
+        _: &[u32],
+        _: &MetaCounted,
+        _: usize,
+        dwte: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [dwte]);
+        Ok(())
+    }
+    fn embedding_backward_positions(
+        &self,
+        _: &MetaCounted,
+        _: usize,
+        _: usize,
+        dwpe: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [dwpe]);
+        Ok(())
+    }
+    fn bias_grad(&self, _: &MetaCounted, dbias: &mut MetaCounted) -> Result<(), KernelError> {
+        write(&mut [dbias]);
+        Ok(())
+    }
+    fn heads_split(
+        &self,
+        _: &MetaCounted,
+        _: HeadsLayout,
+        heads: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [heads]);
+        Ok(())
+    }
+    fn adamw(
+        &self,
+        _: &AdamWScalars,
+        param: &mut MetaCounted,
+        _: &MetaCounted,
+        exp_avg: &mut MetaCounted,
+        exp_avg_sq: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [param, exp_avg, exp_avg_sq]);
+        Ok(())
+    }
+    fn sum_of_squares(&self, _: &MetaCounted) -> Result<f64, KernelError> {
+        Ok(0.0)
+    }
+    fn scalars(&self, values: &[f64]) -> Result<Counted<Vec<f64>>, KernelError> {
+        let v = values.to_vec();
+        Ok(Counted::new(v, bytes_of::<f64>(values.len()), &self.memory))
+    }
+    fn loss_accumulate(
+        &self,
+        _: &MetaCounted,
+        _: u32,
+        _: bool,
+        scalars: &mut Counted<Vec<f64>>,
+    ) -> Result<(), KernelError> {
+        let _: &mut Vec<f64> = scalars;
+        Ok(())
+    }
+    fn sum_of_squares_at(
+        &self,
+        _: &MetaCounted,
+        scalars: &mut Counted<Vec<f64>>,
+        _: usize,
+    ) -> Result<(), KernelError> {
+        let _: &mut Vec<f64> = scalars;
+        Ok(())
+    }
+    fn step_decide(
+        &self,
+        _: &StepRule,
+        scalars: &mut Counted<Vec<f64>>,
+    ) -> Result<(), KernelError> {
+        let _: &mut Vec<f64> = scalars;
+        Ok(())
+    }
+    fn adamw_decided(
+        &self,
+        _: &AdamWChoice,
+        _: &Counted<Vec<f64>>,
+        param: &mut MetaCounted,
+        _: &MetaCounted,
+        exp_avg: &mut MetaCounted,
+        exp_avg_sq: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [param, exp_avg, exp_avg_sq]);
+        Ok(())
+    }
+    fn copy_scalars(&self, scalars: &Counted<Vec<f64>>) -> Result<Vec<f64>, KernelError> {
+        Ok(scalars.to_vec())
+    }
+    fn wait_scalars(&self, copy: Vec<f64>) -> Result<Vec<f64>, KernelError> {
+        Ok(copy)
+    }
+    fn staging(&self, len: usize) -> Result<MetaBuf, KernelError> {
+        Ok(MetaBuf { len })
+    }
+    fn copy_out(&self, _: &MetaCounted, _: &mut MetaBuf) -> Result<(), KernelError> {
+        Ok(())
+    }
+    fn copy_in(&self, _: &mut MetaBuf, buf: &mut MetaCounted) -> Result<(), KernelError> {
+        write(&mut [buf]);
+        Ok(())
+    }
+    fn staged<'a>(&self, _: &'a MetaBuf) -> Result<&'a [f32], KernelError> {
+        Err(no_values("staging"))
+    }
+    fn staged_mut<'a>(&self, _: &'a mut MetaBuf) -> Result<&'a mut [f32], KernelError> {
+        Err(no_values("staging"))
+    }
+    fn mark(&self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    fn elapsed_us(&self, _: &(), _: &()) -> Result<f64, KernelError> {
+        Ok(0.0)
+    }
+    fn heads_merge(
+        &self,
+        _: &MetaCounted,
+        _: HeadsLayout,
+        rows: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [rows]);
+        Ok(())
+    }
+}
+
+impl PeerOps for MetaOps {
+    type Event = ();
+
+    fn peer_ptr(&self, buf: &MetaCounted) -> PeerPtr {
+        PeerPtr {
+            addr: 0,
+            len: buf.len,
+        }
+    }
+    fn scalars_ptr(&self, scalars: &Counted<Vec<f64>>) -> PeerPtr {
+        PeerPtr {
+            addr: 0,
+            len: scalars.len(),
+        }
+    }
+    fn record_event(&self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    fn wait_event(&self, _: &()) -> Result<(), KernelError> {
+        Ok(())
+    }
+    unsafe fn copy_from_peer(
+        &self,
+        _: PeerPtr,
+        _: usize,
+        dst: &mut MetaCounted,
+        _: usize,
+        _: usize,
+    ) -> Result<(), KernelError> {
+        write(&mut [dst]);
+        Ok(())
+    }
+    unsafe fn reduce_from_peers(
+        &self,
+        _: ReduceKind,
+        _: &[(PeerPtr, usize)],
+        dst: &mut MetaCounted,
+        _: usize,
+        _: usize,
+    ) -> Result<(), KernelError> {
+        write(&mut [dst]);
+        Ok(())
+    }
+    unsafe fn reduce_scalars_from_peers(
+        &self,
+        _: ReduceKind,
+        _: &[(PeerPtr, usize)],
+        dst: &mut Counted<Vec<f64>>,
+        _: usize,
+        _: usize,
+    ) -> Result<(), KernelError> {
+        let _: &mut Vec<f64> = dst;
+        Ok(())
+    }
+}

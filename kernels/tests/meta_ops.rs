@@ -1,0 +1,53 @@
+//! `MetaOps` (allocation and counting without computation) against the host twins: the GPT's
+//! step over each allocates the same buffers in the same order, so the counted memory — live
+//! bytes after each step and the peak — is equal to the byte, with f32 and bf16 products
+//! (whose kept operand copies grow and are refilled as the twins' are) and with activation
+//! checkpointing; and its memory history has the same sizes in the same order.
+
+mod common;
+
+use fsdp_kernels::gpt::{DeviceGpt, GptDims, GptOps, HostOps, HostProducts, MetaOps};
+
+#[test]
+fn meta_ops_count_what_the_host_twins_count() {
+    let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
+    let dims = GptDims {
+        n_layer: cfg.n_layer,
+        n_head: cfg.n_head,
+        n_embd: cfg.n_embd,
+        block_size: cfg.block_size,
+        vocab_size: cfg.vocab_size,
+    };
+    let params = common::weights(&cfg);
+    let (rows, t) = (3, cfg.block_size);
+    let inputs = common::ids(rows * t, 1, cfg.vocab_size);
+    let targets = common::ids(rows * t, 2, cfg.vocab_size);
+    for products in [HostProducts::F32, HostProducts::Bf16Operands] {
+        for ckpt in [false, true] {
+            let mut host = DeviceGpt::new(HostOps::with_products(products), dims, &params).unwrap();
+            let mut meta = DeviceGpt::new(MetaOps::new(products), dims, &params).unwrap();
+            host.set_activation_checkpointing(ckpt);
+            meta.set_activation_checkpointing(ckpt);
+            host.ops().record_memory_history(true);
+            meta.ops().record_memory_history(true);
+            for _ in 0..2 {
+                host.step(&inputs, &targets, rows, t).unwrap();
+                meta.step(&inputs, &targets, rows, t).unwrap();
+                assert_eq!(
+                    host.ops().memory(),
+                    meta.ops().memory(),
+                    "{products:?}, {ckpt}"
+                );
+            }
+            let sizes = |h: Vec<fsdp_kernels::gpt::MemoryEvent>| -> Vec<(bool, u64)> {
+                h.into_iter().map(|e| (e.alloc, e.bytes)).collect()
+            };
+            let (h, m) = (
+                sizes(host.ops().memory_history()),
+                sizes(meta.ops().memory_history()),
+            );
+            assert!(!h.is_empty());
+            assert_eq!(h, m, "{products:?}, checkpointing {ckpt}: the histories");
+        }
+    }
+}
