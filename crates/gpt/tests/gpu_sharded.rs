@@ -6,7 +6,8 @@
 //!   stream runs on without the host waiting;
 //! - `fsdp train --device cuda --ranks N --strategy S --param-dtype f32` against the engine's
 //!   `fsdp train --ranks N --strategy S`: every step's loss within 1e-4 relative over 20 steps
-//!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks and SHARD_GRAD_OP at 4.
+//!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks and SHARD_GRAD_OP at 4;
+//!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s.
 //!
 //! Without a CUDA driver or device it prints `skipped: no GPU (<reason>)` and passes.
 
@@ -104,11 +105,29 @@ fn compare(ranks: &str, strategy: &str) {
         max = max.max(r);
     }
     println!("{test}: max relative loss difference {max:.2e} over 20 steps");
+    // Each rank's counted peak is the plan's (fsdp plan --device cuda --ranks N).
     let last = out
         .lines()
         .rev()
         .find(|l| l.starts_with("device:"))
         .unwrap_or("");
+    let per_rank = last
+        .split("per rank ")
+        .nth(1)
+        .unwrap()
+        .split(" bytes")
+        .next()
+        .unwrap();
+    let predicted = last
+        .split("predicted ")
+        .nth(1)
+        .unwrap()
+        .split(':')
+        .next()
+        .unwrap();
+    for p in per_rank.split(", ") {
+        assert_eq!(p, predicted, "{test}: {last}");
+    }
     println!("{test}: {last}");
 }
 
