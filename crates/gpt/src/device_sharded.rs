@@ -38,23 +38,23 @@ use crate::device_train::{adamw_choices, read_outcome, Reported, StepOutcome};
 
 /// One rank of sharded training on a device (see the [module](self) documentation).
 pub struct ShardedDeviceTrainer<O: GptOps, C> {
-    pass: GptPass<O>,
-    comm: C,
-    config: DeviceTrainConfig,
-    strategy: ShardingStrategy,
+    pub(crate) pass: GptPass<O>,
+    pub(crate) comm: C,
+    pub(crate) config: DeviceTrainConfig,
+    pub(crate) strategy: ShardingStrategy,
     /// Ranks sharding each tensor: the world, or 1 under `NO_SHARD`.
-    factor: usize,
+    pub(crate) factor: usize,
     /// This rank's parameter shards.
-    shards: Weights<O::Buf>,
+    pub(crate) shards: Weights<O::Buf>,
     /// The step's gradient accumulators and AdamW's moments, of the shards.
-    optim: Optim<O::Buf>,
-    decays: Vec<bool>,
-    scalars: O::Scalars,
-    skip_nonfinite: Option<u64>,
-    known_steps: u64,
+    pub(crate) optim: Optim<O::Buf>,
+    pub(crate) decays: Vec<bool>,
+    pub(crate) scalars: O::Scalars,
+    pub(crate) skip_nonfinite: Option<u64>,
+    pub(crate) known_steps: u64,
     /// The step enqueued whose outcome is unread: its number, the optimizer steps known
     /// when it was enqueued, and its scalars on the way.
-    pending: Option<(usize, u64, O::ScalarsCopy)>,
+    pub(crate) pending: Option<(usize, u64, O::ScalarsCopy)>,
 }
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
@@ -345,6 +345,15 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// # Errors
     /// Collective and copy failures.
     pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
+        self.gather(&self.shards)
+    }
+
+    /// The full tensors of the shards `w` (shaped as the parameters' shards), by name: each
+    /// unit gathered from the ranks. Every rank calls it.
+    pub(crate) fn gather(
+        &self,
+        w: &Weights<O::Buf>,
+    ) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
         let ops = self.ops();
         let d = self.config.dims();
         let mut out = HashMap::new();
@@ -353,23 +362,29 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             Ok(())
         };
         if self.factor == 1 {
-            for (name, b) in self.shards.named() {
+            for (name, b) in w.named() {
                 keep(name, b)?;
             }
             return Ok(out);
         }
+        // One unit at a time, downloaded and freed before the next is gathered.
+        let names: Vec<String> = param_shapes(&d).into_iter().map(|(n, _)| n).collect();
+        let (first, rest) = names.split_at(2);
+        let (blocks, last) = rest.split_at(rest.len() - 2);
         let mut root = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
         self.comm
-            .all_gather(ops, &self.shards.root_bufs(), &mut root.root_bufs_mut())?;
-        let mut all = root;
-        for l in 0..d.n_layer {
+            .all_gather(ops, &w.root_bufs(), &mut root.root_bufs_mut())?;
+        for (name, b) in first.iter().chain(last).zip(root.root_bufs()) {
+            keep(name.clone(), b)?;
+        }
+        drop(root);
+        for (l, names) in blocks.chunks(12).enumerate() {
             let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
             self.comm
-                .all_gather(ops, &self.shards.blocks[l].bufs(), &mut full.bufs_mut())?;
-            all.blocks.push(full);
-        }
-        for (name, b) in all.named() {
-            keep(name, b)?;
+                .all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut())?;
+            for (name, b) in names.iter().zip(full.bufs()) {
+                keep(name.clone(), b)?;
+            }
         }
         Ok(out)
     }

@@ -18,7 +18,7 @@ use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
 use fsdp_kernels::KernelError;
 
 use crate::device_optim::{Moments, Placement};
-use crate::device_train::{DeviceTrainError, DeviceTrainer};
+use crate::device_train::{DeviceTrainConfig, DeviceTrainError, DeviceTrainer};
 
 fn bad(reason: String) -> DeviceTrainError {
     DeviceTrainError::Fsdp(FsdpError::Checkpoint {
@@ -31,22 +31,7 @@ impl<O: GptOps> DeviceTrainer<O> {
     /// The optimizer groups and the learning-rate schedule as the engine records them for the
     /// same run (nanoGPT's two groups with `decay_2d_only`, else the one default group).
     pub fn optimizer_setup(&self) -> OptimizerSetup {
-        let c = self.config;
-        let mut setup = OptimizerSetup {
-            lr_schedule: c.schedule,
-            ..OptimizerSetup::default()
-        };
-        if c.decay_2d_only {
-            setup.groups = decay_2d_only(c.adamw.weight_decay);
-            setup.group_of = param_shapes(&c.dims())
-                .into_iter()
-                .map(|(name, shape)| {
-                    let g = decay_2d_only_group(&shape);
-                    (name, g)
-                })
-                .collect();
-        }
-        setup
+        optimizer_setup(&self.config)
     }
 
     /// AdamW's state after every step enqueued so far: both moments by parameter name, the
@@ -94,37 +79,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         if let Some(p) = &self.pending {
             return Err(DeviceTrainError::Unread { step: p.step });
         }
-        if state.optimizer != "adamw" {
-            return Err(bad(format!(
-                "the state is of `{}`, the device trainer runs AdamW",
-                state.optimizer
-            )));
-        }
-        if state.step != state.optimizer_steps {
-            return Err(bad(format!(
-                "AdamW's step count {} differs from the {} optimizer steps taken (the device \
-                 trainer keeps one count)",
-                state.step, state.optimizer_steps
-            )));
-        }
-        let dims = self.config.dims();
-        let moment = |kind: &str, name: &str, len: usize| -> Result<&Vec<f32>, DeviceTrainError> {
-            state
-                .buffers
-                .get(kind)
-                .and_then(|m| m.get(name))
-                .filter(|v| v.len() == len)
-                .ok_or_else(|| bad(format!("`{kind}` of `{name}` is missing or mis-sized")))
-        };
-        // Everything checked before anything changes.
-        let mut values = Vec::new();
-        for (name, shape) in param_shapes(&dims) {
-            let len = shape.iter().product();
-            values.push((
-                moment("exp_avg", &name, len)?,
-                moment("exp_avg_sq", &name, len)?,
-            ));
-        }
+        let values = checked_moments(state, &self.config)?;
         match &mut self.state {
             Placement::Device(o) => upload_moments(self.model.ops(), &mut o.moments, &values)?,
             Placement::Host(h, _) => {
@@ -151,34 +106,7 @@ impl<O: GptOps> DeviceTrainer<O> {
     pub fn save_checkpoint(&self, dir: &Path) -> Result<(), DeviceTrainError> {
         let o = self.optimizer_state()?;
         let params = self.full_params()?;
-        let shapes = param_shapes(&self.config.dims());
-        let missing = |kind: &str| bad(format!("no `{kind}` buffers"));
-        let state = FullState {
-            params: shapes
-                .iter()
-                .map(|(name, shape)| {
-                    let values = params
-                        .get(name)
-                        .ok_or_else(|| bad(format!("no parameter `{name}`")))?;
-                    Ok(FullParam {
-                        name,
-                        shape,
-                        values,
-                    })
-                })
-                .collect::<Result<_, DeviceTrainError>>()?,
-            adamw: Some(FullAdamW {
-                step: o.step,
-                optimizer_steps: o.optimizer_steps,
-                exp_avg: o.buffers.get("exp_avg").ok_or_else(|| missing("exp_avg"))?,
-                exp_avg_sq: o
-                    .buffers
-                    .get("exp_avg_sq")
-                    .ok_or_else(|| missing("exp_avg_sq"))?,
-            }),
-            setup: o.setup.clone(),
-        };
-        Ok(write_full_checkpoint(dir, &state)?)
+        write_state(dir, &self.config, &params, &o)
     }
 }
 
@@ -209,4 +137,107 @@ fn moments_by_name<B>(
             .collect()
     };
     Ok((by_name(&m.exp_avg)?, by_name(&m.exp_avg_sq)?))
+}
+
+/// The optimizer groups and the learning-rate schedule of `c` as the engine records them for
+/// the same run (nanoGPT's two groups with `decay_2d_only`, else the one default group).
+pub(crate) fn optimizer_setup(c: &DeviceTrainConfig) -> OptimizerSetup {
+    let mut setup = OptimizerSetup {
+        lr_schedule: c.schedule,
+        ..OptimizerSetup::default()
+    };
+    if c.decay_2d_only {
+        setup.groups = decay_2d_only(c.adamw.weight_decay);
+        setup.group_of = param_shapes(&c.dims())
+            .into_iter()
+            .map(|(name, shape)| {
+                let g = decay_2d_only_group(&shape);
+                (name, g)
+            })
+            .collect();
+    }
+    setup
+}
+
+/// A saved optimizer state checked for `c`'s model (AdamW, one step count, both moments of
+/// every parameter at its size): the moments in [`param_shapes`] order.
+///
+/// # Errors
+/// A state of another optimizer, with AdamW's step count unequal to the optimizer steps
+/// taken, or missing or mis-sizing a moment (naming it).
+pub(crate) fn checked_moments<'a>(
+    state: &'a FullOptimizerState,
+    c: &DeviceTrainConfig,
+) -> Result<Vec<(&'a Vec<f32>, &'a Vec<f32>)>, DeviceTrainError> {
+    if state.optimizer != "adamw" {
+        return Err(bad(format!(
+            "the state is of `{}`, the device trainer runs AdamW",
+            state.optimizer
+        )));
+    }
+    if state.step != state.optimizer_steps {
+        return Err(bad(format!(
+            "AdamW's step count {} differs from the {} optimizer steps taken (the device \
+             trainer keeps one count)",
+            state.step, state.optimizer_steps
+        )));
+    }
+    let moment = |kind: &str, name: &str, len: usize| -> Result<&Vec<f32>, DeviceTrainError> {
+        state
+            .buffers
+            .get(kind)
+            .and_then(|m| m.get(name))
+            .filter(|v| v.len() == len)
+            .ok_or_else(|| bad(format!("`{kind}` of `{name}` is missing or mis-sized")))
+    };
+    let mut values = Vec::new();
+    for (name, shape) in param_shapes(&c.dims()) {
+        let len = shape.iter().product();
+        values.push((
+            moment("exp_avg", &name, len)?,
+            moment("exp_avg_sq", &name, len)?,
+        ));
+    }
+    Ok(values)
+}
+
+/// Writes `params` and the optimizer state `o` of `c`'s model into `dir` as a checkpoint in
+/// the engine's sharded format (world 1).
+///
+/// # Errors
+/// A parameter or moment missing; a failed write.
+pub(crate) fn write_state(
+    dir: &Path,
+    c: &DeviceTrainConfig,
+    params: &HashMap<String, Vec<f32>>,
+    o: &FullOptimizerState,
+) -> Result<(), DeviceTrainError> {
+    let shapes = param_shapes(&c.dims());
+    let missing = |kind: &str| bad(format!("no `{kind}` buffers"));
+    let state = FullState {
+        params: shapes
+            .iter()
+            .map(|(name, shape)| {
+                let values = params
+                    .get(name)
+                    .ok_or_else(|| bad(format!("no parameter `{name}`")))?;
+                Ok(FullParam {
+                    name,
+                    shape,
+                    values,
+                })
+            })
+            .collect::<Result<_, DeviceTrainError>>()?,
+        adamw: Some(FullAdamW {
+            step: o.step,
+            optimizer_steps: o.optimizer_steps,
+            exp_avg: o.buffers.get("exp_avg").ok_or_else(|| missing("exp_avg"))?,
+            exp_avg_sq: o
+                .buffers
+                .get("exp_avg_sq")
+                .ok_or_else(|| missing("exp_avg_sq"))?,
+        }),
+        setup: o.setup.clone(),
+    };
+    Ok(write_full_checkpoint(dir, &state)?)
 }

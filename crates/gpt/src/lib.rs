@@ -57,6 +57,7 @@ pub mod device_plan;
 pub mod device_plan_sharded;
 mod device_shard;
 pub mod device_sharded;
+mod device_sharded_state;
 mod device_snapshot;
 mod device_state;
 mod device_trace;

@@ -3,7 +3,8 @@
 //! run resumed from its own checkpoint logs bitwise the losses of the run that never stopped
 //! and saves the same weights; the device's checkpoints are the engine's format, so the engine
 //! resumes from them (at 2 ranks) and the device from the engine's, each continuing the other's
-//! losses within issue 16's 1e-4. And the device's admission: a run whose planned peak exceeds
+//! losses within issue 16's 1e-4; two ranks on the device (`--ranks 2`) resume bitwise too, and
+//! cross with the engine at another world. And the device's admission: a run whose planned peak exceeds
 //! `--memory-limit` (on a GPU: its free memory) is refused before it starts, naming both
 //! figures; `fsdp plan --device --memory-limit` gives the same verdict.
 
@@ -69,12 +70,59 @@ fn host_twin_resumes_bitwise_from_its_checkpoint() {
     assert_eq!(load(&wa), load(&wb), "the final weights");
 }
 
+/// Two ranks as threads on the device (`--ranks 2 --strategy full-shard`): the resumed run
+/// (ranks and strategy from the checkpoint's run record) logs bitwise the losses of the run
+/// that never stopped and saves the same weights.
+#[test]
+fn sharded_host_twin_resumes_bitwise_from_its_checkpoint() {
+    let dir = scratch("device_resume_cli", "sharded");
+    let (ck, log, log2) = (dir.join("ck"), dir.join("log.csv"), dir.join("log2.csv"));
+    let (wa, wb) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    let twin = [
+        "--device",
+        "host-twin",
+        "--param-dtype",
+        "f32",
+        "--ranks",
+        "2",
+        "--strategy",
+        "full-shard",
+    ];
+    first_run(&twin, &ck, &log, &wa);
+    let out = resume(&["--device", "host-twin"], &ck, &log, &log2, &wb);
+    assert!(out.contains("2 ranks on host-twin"), "{out}");
+    let (a, b) = (log_losses(&log), log_losses(&log2));
+    assert_eq!(a.len(), 6);
+    assert_eq!(a, b, "the resumed run's losses");
+    let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
+    let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
+    assert_eq!(load(&wa), load(&wb), "the final weights");
+}
+
 #[test]
 fn engine_and_device_resume_from_each_others_checkpoints() {
     let dir = scratch("device_resume_cli", "cross");
     let twin = ["--device", "host-twin", "--param-dtype", "f32"];
-    let cases: [(&str, &[&str], &[&str]); 2] = [
+    let twin2 = [
+        "--device",
+        "host-twin",
+        "--param-dtype",
+        "f32",
+        "--ranks",
+        "2",
+    ];
+    let cases: [(&str, &[&str], &[&str]); 4] = [
         ("device then engine at 2 ranks", &twin, &["--ranks", "2"]),
+        (
+            "device at 2 ranks then engine at 4",
+            &twin2,
+            &["--ranks", "4", "--param-dtype", "f32"],
+        ),
+        (
+            "engine at 4 ranks then device at 2",
+            &["--ranks", "4", "--param-dtype", "f32"],
+            &["--device", "host-twin", "--ranks", "2"],
+        ),
         (
             "engine then device",
             &["--ranks", "1"],

@@ -241,3 +241,79 @@ fn unsupported_settings_are_refused() {
         assert!(e.contains('3') && e.contains('2'), "{e}");
     }
 }
+
+/// A sharded run stopped after 3 steps, checkpointed (rank 0 writes the engine's format from
+/// the gathered shards) and resumed — at the same world, from `load_sharded_gpt` and
+/// `load_optimizer_state` — trains bitwise as the run that never stopped; the checkpoint
+/// holds the whole state, which the one-rank trainer also resumes from (within 1e-5 of the
+/// sharded continuation: one rank sums in another order).
+#[test]
+fn a_resumed_sharded_run_trains_bitwise_as_the_run_that_never_stopped() {
+    use fsdp_gpt::checkpoint::load_sharded_gpt;
+    const CUT: usize = 3;
+    let tokens = synthetic_corpus(20_000, 64, SEED);
+    let c = config(Some(0.5), 2);
+    let params = seeded_params(&c.cfg, SEED).unwrap();
+    let dir = std::env::temp_dir().join(format!("fsdp-sharded-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::NoShard] {
+        let whole = sharded(c, 2, strategy, &tokens);
+        let halves = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+            let comm = HostComm::new(Box::new(comm));
+            let rank = fsdp_collectives::Communicator::rank(comm.communicator());
+            let mut t =
+                ShardedDeviceTrainer::new(HostOps::new(), comm, c, strategy, &params).unwrap();
+            for s in 0..CUT {
+                t.step(&tokens, s).unwrap();
+            }
+            t.save_checkpoint((rank == 0).then_some(dir.as_path()))
+                .unwrap();
+            t.optimizer_state().unwrap()
+        })
+        .unwrap();
+        let ck = load_sharded_gpt(&dir, &c.cfg).unwrap();
+        let state = ck.optimizer.clone().unwrap();
+        assert_eq!(
+            state, halves[0],
+            "{strategy:?}: the checkpoint holds the state"
+        );
+        assert_eq!(state.optimizer_steps, CUT as u64);
+        let resumed = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+            let comm = HostComm::new(Box::new(comm));
+            let mut t =
+                ShardedDeviceTrainer::new(HostOps::new(), comm, c, strategy, &ck.params).unwrap();
+            t.load_optimizer_state(&state, 0).unwrap();
+            let o: Vec<_> = (CUT..STEPS)
+                .map(|s| {
+                    let o = t.step(&tokens, s).unwrap();
+                    (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied)
+                })
+                .collect();
+            (o, param_bits(t.full_params().unwrap()))
+        })
+        .unwrap();
+        for (r, (o, p)) in resumed.iter().enumerate() {
+            assert_eq!(
+                o[..],
+                whole[r].0[CUT..],
+                "{strategy:?}: rank {r}'s later steps"
+            );
+            assert!(
+                *p == whole[r].1,
+                "{strategy:?}: rank {r}'s final parameters"
+            );
+        }
+        // One rank resumes the two ranks' checkpoint.
+        let mut one = DeviceTrainer::new(HostOps::new(), c, &ck.params).unwrap();
+        one.load_optimizer_state(&state, 0).unwrap();
+        for s in CUT..STEPS {
+            let got = one.step(&tokens, s).unwrap().loss;
+            let want = f32::from_bits(whole[0].0[s].0);
+            assert!(
+                ((got - want) / want).abs() <= 1e-5,
+                "{strategy:?}: step {s}: {got} vs {want}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -112,7 +112,6 @@ fn several_ranks_refuse_what_they_do_not_run() {
         a.extend(extra);
         fsdp(&a)
     };
-    let ck = dir.join("ck");
     let cases: [(&[&str], &[&str]); 6] = [
         (
             &["--strategy", "hybrid-shard"],
@@ -123,8 +122,8 @@ fn several_ranks_refuse_what_they_do_not_run() {
             &["--cpu-offload", "not supported with 2 ranks"],
         ),
         (
-            &["--checkpoint-dir", s(&ck)],
-            &["--checkpoint-dir", "not supported with 2 ranks"],
+            &["--memory-snapshot", "m.pickle"],
+            &["--memory-snapshot", "not supported with 2 ranks"],
         ),
         (
             &["--trace", "t.json"],

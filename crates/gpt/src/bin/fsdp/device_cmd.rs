@@ -146,9 +146,9 @@ pub(crate) struct Run {
     /// `fsdp plan --device`'s peak of this run.
     pub(crate) predicted_peak: u64,
     /// With `--resume`: the checkpoint, its optimizer state.
-    resume: Option<(ResumePoint, FullOptimizerState)>,
+    pub(crate) resume: Option<(ResumePoint, FullOptimizerState)>,
     /// With `--checkpoint-dir`: the checkpoints to write.
-    checkpointer: Option<Checkpointer>,
+    pub(crate) checkpointer: Option<Checkpointer>,
 }
 
 /// The products of `--param-dtype bf16` (else f32).
@@ -183,14 +183,16 @@ pub(crate) fn host_products(bf16: bool) -> HostProducts {
 
 /// `fsdp train --device cuda|cuda:N|host-twin`.
 pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
-    let world = check_device_options(args)?;
-    // `--init-from` fills in the model sizes not given; `--resume` every option not given.
+    check_device_options(args)?;
+    // `--init-from` fills in the model sizes not given; `--resume` every option not given
+    // (the ranks and the strategy among them), checked again once filled in.
     let Resolved {
         args,
         resume,
         checkpoints,
     } = crate::resume::resolve(args)?;
     let args = &args;
+    let world = check_device_options(args)?;
     let cfg = setup(&args.model, world)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {
@@ -224,7 +226,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     check_output_paths(args, 1, false)?;
     let checkpointer = checkpoints
         .as_ref()
-        .map(|plan| Checkpointer::new(plan, args, tokens.len(), 1));
+        .map(|plan| Checkpointer::new(plan, args, tokens.len(), world));
     if let Some(c) = &checkpointer {
         c.prepare()?;
     }

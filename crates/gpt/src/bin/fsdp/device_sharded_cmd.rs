@@ -47,8 +47,6 @@ pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<()
     let dev = args.device;
     let refused = [
         ("--cpu-offload", args.cpu_offload),
-        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
-        ("--resume", args.resume.is_some()),
         ("--trace", args.trace.is_some()),
         ("--memory-snapshot", args.memory_snapshot.is_some()),
     ];
@@ -162,9 +160,29 @@ where
         }
     );
     say!("optimizer: AdamW on each rank's shards (f32 parameters and moments, on the device)");
-    let mut loss_log = args.loss_log.as_deref().map(LossLog::create).transpose()?;
-    let log = std::sync::Mutex::new(loss_log.take());
+    // A resumed run continues its checkpoint's loss log from its step.
+    let (start_step, skipped) = match &run.resume {
+        Some((r, _)) => {
+            say!(
+                "resuming from {} at step {} of {steps}",
+                r.path.display(),
+                r.step
+            );
+            (r.step, r.skipped)
+        }
+        None => (0, 0),
+    };
+    let loss_log = match &run.resume {
+        Some((r, _)) => args
+            .loss_log
+            .as_deref()
+            .map(|p| LossLog::resume(p, r.step))
+            .transpose()?,
+        None => args.loss_log.as_deref().map(LossLog::create).transpose()?,
+    };
+    let log = std::sync::Mutex::new(loss_log);
     let progress = Progress::new(steps, args.skip_nonfinite);
+    progress.start_at(start_step);
     let comms = PeerComm::<O>::group(world, args.timeout.unwrap_or(DEFAULT_TIMEOUT));
     let on_device =
         |rank: usize| move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
@@ -176,6 +194,12 @@ where
             ShardedDeviceTrainer::new(ops, comm, run.config, strategy, &run.params).map_err(err)?;
         trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
         let mut tally = Tally::default();
+        if let Some((_, state)) = &run.resume {
+            trainer
+                .load_optimizer_state(state, skipped as u64)
+                .map_err(err)?;
+            tally.skipped = skipped;
+        }
         let take = |r, tally: &mut Tally, peak| -> Result<(), CliError> {
             if rank == 0 {
                 let mut log = log
@@ -191,9 +215,23 @@ where
                 }
             }
         };
-        for step in 0..steps {
+        for step in start_step..steps {
             if let Some(r) = trainer.enqueue_step(&run.tokens, step).map_err(err)? {
                 take(r, &mut tally, trainer.memory().peak)?;
+            }
+            if let Some(c) = run.checkpointer.as_ref().filter(|c| c.due(step + 1)) {
+                // The step's outcome first (the count it saves), then every rank gathers
+                // and rank 0 writes.
+                if let Some(r) = trainer.flush().map_err(err)? {
+                    take(r, &mut tally, trainer.memory().peak)?;
+                }
+                if rank == 0 {
+                    c.save_one(step + 1, tally.skipped, |dir| {
+                        trainer.save_checkpoint(Some(dir)).map_err(err)
+                    })?;
+                } else {
+                    trainer.save_checkpoint(None).map_err(err)?;
+                }
             }
         }
         if let Some(r) = trainer.flush().map_err(err)? {
@@ -250,7 +288,7 @@ where
     }
     let end = &ends[0];
     say_done(
-        steps,
+        steps - start_step,
         elapsed,
         global_tokens,
         end.tally.first,

@@ -1,0 +1,92 @@
+//! Saving and restoring a [`ShardedDeviceTrainer`]'s state in the formats of the one-rank
+//! trainer ([`DeviceTrainer`](crate::device_train::DeviceTrainer)) and the engine: AdamW's
+//! moments gathered whole from the ranks' shards ([`FullOptimizerState`]), a checkpoint in the
+//! engine's sharded format written by one rank (world 1: any world, the engine's or a
+//! device's, resumes from it), and a saved state loaded back as each rank's shards.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use fsdp::checkpoint::FullOptimizerState;
+use fsdp_kernels::gpt::{param_shapes, GptOps};
+use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
+
+use crate::device_comm::DeviceComm;
+use crate::device_config::DeviceTrainError;
+use crate::device_shard::shard_of;
+use crate::device_sharded::ShardedDeviceTrainer;
+use crate::device_state::{checked_moments, optimizer_setup, write_state};
+
+impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
+    /// AdamW's state after every step enqueued so far, whole (each moment gathered from the
+    /// ranks' shards): what the one-rank trainer and the engine save. Every rank calls it.
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while an enqueued step's outcome is unread (the count is
+    /// not known yet); collective and copy failures.
+    pub fn optimizer_state(&self) -> Result<FullOptimizerState, DeviceTrainError> {
+        if let Some((step, ..)) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: *step });
+        }
+        let exp_avg = self.gather(&self.optim.moments.exp_avg)?;
+        let exp_avg_sq = self.gather(&self.optim.moments.exp_avg_sq)?;
+        Ok(FullOptimizerState {
+            optimizer: "adamw".into(),
+            step: self.known_steps,
+            optimizer_steps: self.known_steps,
+            setup: optimizer_setup(&self.config),
+            buffers: HashMap::from([
+                ("exp_avg".to_string(), exp_avg),
+                ("exp_avg_sq".to_string(), exp_avg_sq),
+            ]),
+        })
+    }
+
+    /// Continues from a saved optimizer state (whole moments: a checkpoint's, the engine's or
+    /// a device trainer's), each rank taking its shards, with the optimizer steps taken and
+    /// the non-finite steps `skipped` so far. Every rank calls it with the same state.
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while an enqueued step is unread; a state of another
+    /// optimizer, with AdamW's step count unequal to the optimizer steps taken, or missing or
+    /// mis-sizing a moment (naming it; checked before anything changes); copy failures.
+    pub fn load_optimizer_state(
+        &mut self,
+        state: &FullOptimizerState,
+        skipped: u64,
+    ) -> Result<(), DeviceTrainError> {
+        if let Some((step, ..)) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: *step });
+        }
+        let values = checked_moments(state, &self.config)?;
+        let shard = self.comm.rank() % self.factor;
+        let ops = self.pass.ops();
+        let m = &mut self.optim.moments;
+        let targets = m.exp_avg.all_mut().into_iter().zip(m.exp_avg_sq.all_mut());
+        for ((dm, dv), (wm, wv)) in targets.zip(&values) {
+            ops.upload_into(&shard_of(wm, shard, self.factor), dm)?;
+            ops.upload_into(&shard_of(wv, shard, self.factor), dv)?;
+        }
+        let mut scalars = vec![0.0; step_scalars_len(param_shapes(&self.config.dims()).len())];
+        scalars[STEP_COUNT] = state.optimizer_steps as f64;
+        scalars[STEP_NONFINITE] = skipped as f64;
+        self.scalars = ops.scalars(&scalars)?;
+        self.known_steps = state.optimizer_steps;
+        Ok(())
+    }
+
+    /// Gathers the parameters and the optimizer state and, on the rank given a directory,
+    /// writes them there as a checkpoint in the engine's sharded format (world 1); the other
+    /// ranks pass `None`. Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`optimizer_state`](Self::optimizer_state); a failed write.
+    pub fn save_checkpoint(&self, dir: Option<&Path>) -> Result<(), DeviceTrainError> {
+        let o = self.optimizer_state()?;
+        let params = self.full_params()?;
+        match dir {
+            Some(dir) => write_state(dir, &self.config, &params, &o),
+            None => Ok(()),
+        }
+    }
+}
