@@ -159,6 +159,9 @@ pub(crate) fn optimizer_setup(c: &DeviceTrainConfig) -> OptimizerSetup {
     setup
 }
 
+/// One parameter's two moments, borrowed from a saved state.
+pub(crate) type MomentPair<'a> = (&'a Vec<f32>, &'a Vec<f32>);
+
 /// A saved optimizer state checked for `c`'s model (AdamW, one step count, both moments of
 /// every parameter at its size): the moments in [`param_shapes`] order.
 ///
@@ -168,7 +171,7 @@ pub(crate) fn optimizer_setup(c: &DeviceTrainConfig) -> OptimizerSetup {
 pub(crate) fn checked_moments<'a>(
     state: &'a FullOptimizerState,
     c: &DeviceTrainConfig,
-) -> Result<Vec<(&'a Vec<f32>, &'a Vec<f32>)>, DeviceTrainError> {
+) -> Result<Vec<MomentPair<'a>>, DeviceTrainError> {
     if state.optimizer != "adamw" {
         return Err(bad(format!(
             "the state is of `{}`, the device trainer runs AdamW",
