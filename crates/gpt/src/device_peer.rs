@@ -95,6 +95,39 @@ impl<O: PeerOps> PeerComm<O> {
             .collect()
     }
 
+    /// The 2-D mesh of the hybrid strategies over `world` ranks in nodes of `ranks_per_node`:
+    /// for each rank (in order), its node's group (its shard group: rank `r % ranks_per_node`
+    /// of it) and the group of the ranks at its position in every node (its replicas: rank
+    /// `r / ranks_per_node` of it). `None` when `ranks_per_node` is 0 or does not divide
+    /// `world`.
+    pub fn mesh(
+        world: usize,
+        ranks_per_node: usize,
+        timeout: Duration,
+    ) -> Option<Vec<(PeerComm<O>, PeerComm<O>)>> {
+        if ranks_per_node == 0 || world % ranks_per_node != 0 {
+            return None;
+        }
+        let nodes = world / ranks_per_node;
+        let mut shard: Vec<Vec<Option<PeerComm<O>>>> = (0..nodes)
+            .map(|_| {
+                Self::group(ranks_per_node, timeout)
+                    .into_iter()
+                    .map(Some)
+                    .collect()
+            })
+            .collect();
+        let mut replica: Vec<Vec<Option<PeerComm<O>>>> = (0..ranks_per_node)
+            .map(|_| Self::group(nodes, timeout).into_iter().map(Some).collect())
+            .collect();
+        (0..world)
+            .map(|r| {
+                let (node, pos) = (r / ranks_per_node, r % ranks_per_node);
+                Some((shard[node][pos].take()?, replica[pos][node].take()?))
+            })
+            .collect()
+    }
+
     fn lock(&self) -> MutexGuard<'_, Board<O::Event>> {
         self.group
             .board

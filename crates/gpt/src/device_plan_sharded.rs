@@ -73,8 +73,8 @@ impl fmt::Display for ShardedMemoryPlan {
     }
 }
 
-/// The memory of one rank of `world` training `config` sharded by `strategy`, with `products`
-/// (see the [module](self) documentation).
+/// The memory of one rank of `world` training `config` sharded by `strategy` (a hybrid one in
+/// nodes of `ranks_per_node`), with `products` (see the [module](self) documentation).
 ///
 /// # Errors
 /// The settings the trainer refuses (as [`ShardedDeviceTrainer::new`] does).
@@ -83,6 +83,7 @@ pub fn plan_sharded_memory(
     products: Products,
     world: usize,
     strategy: ShardingStrategy,
+    ranks_per_node: Option<usize>,
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
     config.validate()?;
     config.dims().validate()?;
@@ -93,18 +94,36 @@ pub fn plan_sharded_memory(
     };
     let t = config.cfg.block_size;
     let tokens = vec![0u16; 2 * (t + 1)];
-    let comms = PeerComm::<MetaOps>::group(world, Duration::from_secs(600));
+    let timeout = Duration::from_secs(600);
+    // Every rank's groups: its shard group and, under a hybrid strategy, its replicas.
+    let comms: Vec<(PeerComm<MetaOps>, Option<PeerComm<MetaOps>>)> =
+        match (strategy.is_hybrid(), ranks_per_node) {
+            (true, Some(n)) => PeerComm::mesh(world, n, timeout)
+                .ok_or_else(|| {
+                    DeviceTrainError::Fsdp(fsdp::FsdpError::InvalidShape {
+                        reason: format!("{world} ranks do not make nodes of {n}"),
+                    })
+                })?
+                .into_iter()
+                .map(|(s, r)| (s, Some(r)))
+                .collect(),
+            _ => PeerComm::group(world, timeout)
+                .into_iter()
+                .map(|c| (c, None))
+                .collect(),
+        };
     let config = *config;
     let peaks: Vec<Result<u64, DeviceTrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|comm| {
+            .map(|(comm, replicas)| {
                 let tokens = &tokens;
                 s.spawn(move || {
                     let ops = MetaOps::new(host);
                     let mut t = ShardedDeviceTrainer::with_shards(
                         ops,
                         comm,
+                        replicas,
                         config,
                         strategy,
                         |ops, _, len, _, factor| {
@@ -135,10 +154,10 @@ pub fn plan_sharded_memory(
     for p in peaks {
         peak = peak.max(p?);
     }
-    let factor = if strategy == ShardingStrategy::NoShard {
-        1
-    } else {
-        world
+    let factor = match (strategy, ranks_per_node) {
+        (ShardingStrategy::NoShard, _) => 1,
+        (s, Some(n)) if s.is_hybrid() => n,
+        _ => world,
     };
     let shards: u64 = param_shapes(&config.dims())
         .iter()

@@ -11,7 +11,9 @@
 //! - `post_forward`: with `reshard_after_forward` (`FULL_SHARD`), a block frees its full
 //!   parameters (the root keeps them, as FSDP's root does);
 //! - `post_backward`: the unit's gradients reduced to this rank's shards with the ranks'
-//!   mean (one reduce-scatter; an all-reduce when replicated), added to the step's gradient
+//!   mean (one reduce-scatter; an all-reduce when replicated; under the hybrid strategies the
+//!   reduce-scatter inside the node, then an all-reduce of the shards over the nodes), added
+//!   to the step's gradient
 //!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
 
 use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
@@ -46,6 +48,8 @@ fn not_held(what: &str) -> DeviceTrainError {
 /// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
 pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     comm: &'a C,
+    /// Under the hybrid strategies, the ranks holding the same shards in the other nodes.
+    replicas: Option<&'a C>,
     dims: GptDims,
     /// Ranks sharding each tensor (1: replicated).
     factor: usize,
@@ -65,8 +69,10 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
 impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     /// The hooks of one pass over `shards` (sharded over `factor` ranks of `comm`), adding
     /// `alpha ×` the reduced gradients into `acc`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         comm: &'a C,
+        replicas: Option<&'a C>,
         dims: GptDims,
         factor: usize,
         reshard_after_forward: bool,
@@ -76,6 +82,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     ) -> Self {
         ShardedUnits {
             comm,
+            replicas,
             dims,
             factor,
             reshard_after_forward,
@@ -121,6 +128,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     /// Reduces full gradients `full` of a unit whose shards in the accumulators are `acc`.
     fn reduce(
         comm: &C,
+        replicas: Option<&C>,
         ops: &O,
         factor: usize,
         alpha: f32,
@@ -135,11 +143,19 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             let fulls: Vec<&O::Buf> = full.iter().map(|f| &**f).collect();
             let mut outs: Vec<&mut O::Buf> = reduced.iter_mut().collect();
             comm.reduce_scatter_avg(ops, &fulls, &mut outs)?;
+            if let Some(r) = replicas {
+                // The nodes' means of the same shards, averaged: the mean over every rank.
+                r.all_reduce_avg(ops, &mut outs)?;
+            }
             for (a, g) in acc.into_iter().zip(&reduced) {
                 ops.axpby(alpha, g, 1.0, a)?;
             }
         } else {
             comm.all_reduce_avg(ops, &mut full)?;
+            if let Some(r) = replicas {
+                // Nodes of one rank: the shards are whole tensors, averaged over the nodes.
+                r.all_reduce_avg(ops, &mut full)?;
+            }
             for (a, g) in acc.into_iter().zip(full) {
                 ops.axpby(alpha, g, 1.0, a)?;
             }
@@ -185,13 +201,13 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     }
 
     fn post_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        let (comm, factor, alpha) = (self.comm, self.factor, self.alpha);
+        let (comm, replicas, factor, alpha) = (self.comm, self.replicas, self.factor, self.alpha);
         match unit {
             Unit::Root => {
                 let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
                 let full = g.root_bufs_mut().into_iter().collect();
                 let acc = self.acc.root_bufs_mut().into_iter().collect();
-                Self::reduce(comm, ops, factor, alpha, full, acc)?;
+                Self::reduce(comm, replicas, ops, factor, alpha, full, acc)?;
                 self.root = None;
             }
             Unit::Block(l) => {
@@ -202,7 +218,15 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     .and_then(Option::take)
                     .ok_or_else(what)?;
                 let acc = self.acc.blocks.get_mut(l).ok_or_else(what)?;
-                Self::reduce(comm, ops, factor, alpha, g.bufs_mut(), acc.bufs_mut())?;
+                Self::reduce(
+                    comm,
+                    replicas,
+                    ops,
+                    factor,
+                    alpha,
+                    g.bufs_mut(),
+                    acc.bufs_mut(),
+                )?;
                 self.blocks[l] = None;
             }
         }

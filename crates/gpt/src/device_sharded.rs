@@ -7,9 +7,11 @@
 //!   checkpoint's, whole on every rank, each keeping its shards) and the same batches (rank
 //!   `r` takes its rows of each micro-batch, [`get_batch`]);
 //! - FSDP's units (the root and each block) unsharded by one all-gather before their forward
-//!   and backward, blocks resharded after forward under `FULL_SHARD`, gradients reduced to
-//!   shards by one reduce-scatter per unit with the ranks' mean after each unit's backward
-//!   (an all-reduce under `NO_SHARD`), as [`device_shard`](crate::device_shard) describes;
+//!   and backward, blocks resharded after forward under `FULL_SHARD` (and `HYBRID_SHARD`),
+//!   gradients reduced to shards by one reduce-scatter per unit with the ranks' mean after each
+//!   unit's backward (an all-reduce under `NO_SHARD`; under the hybrid strategies inside each
+//!   node, then an all-reduce of the shards over the nodes: [`new_hybrid`](ShardedDeviceTrainer::new_hybrid)),
+//!   as [`device_shard`](crate::device_shard) describes;
 //! - the loss averaged over ranks and the squares of the gradient shards summed over ranks
 //!   (one all-reduce of the step's scalars each) before the step is decided on the device,
 //!   then AdamW on this rank's shards as [`DeviceTrainer`](crate::device_train::DeviceTrainer)
@@ -39,7 +41,12 @@ use crate::device_train::{adamw_choices, read_outcome, Reported, StepOutcome};
 /// One rank of sharded training on a device (see the [module](self) documentation).
 pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) pass: GptPass<O>,
+    /// The ranks that shard each tensor (every rank, but under the hybrid strategies those
+    /// of this rank's node).
     pub(crate) comm: C,
+    /// Under the hybrid strategies: this rank's peers in the other nodes, which hold the same
+    /// shards (the reduced gradient shards are averaged over them).
+    pub(crate) replicas: Option<C>,
     pub(crate) config: DeviceTrainConfig,
     pub(crate) strategy: ShardingStrategy,
     /// Ranks sharding each tensor: the world, or 1 under `NO_SHARD`.
@@ -73,26 +80,37 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         strategy: ShardingStrategy,
         params: &HashMap<String, Vec<f32>>,
     ) -> Result<Self, DeviceTrainError> {
+        Self::with_shards(ops, comm, None, config, strategy, upload_shard(params))
+    }
+
+    /// This rank of a hybrid strategy (`HybridShard`, `HybridShardZero2`): sharded over
+    /// `shard`'s ranks (its node), replicated over `replicas`' (the same position in every
+    /// node; rank `replicas.rank() · shard.world_size() + shard.rank()` of the whole), as
+    /// [`new`](Self::new) otherwise. Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); a strategy that is not hybrid.
+    pub fn new_hybrid(
+        ops: O,
+        shard: C,
+        replicas: C,
+        config: DeviceTrainConfig,
+        strategy: ShardingStrategy,
+        params: &HashMap<String, Vec<f32>>,
+    ) -> Result<Self, DeviceTrainError> {
         Self::with_shards(
             ops,
-            comm,
+            shard,
+            Some(replicas),
             config,
             strategy,
-            |ops, name, len, shard, factor| match params.get(name) {
-                Some(p) if p.len() == len => ops.upload(&shard_of(p, shard, factor)),
-                Some(p) => Err(KernelError::InvalidArgument {
-                    kernel: "shard",
-                    reason: format!(
-                        "parameter `{name}` has {} elements, expected {len}",
-                        p.len()
-                    ),
-                }),
-                None => Err(KernelError::InvalidArgument {
-                    kernel: "shard",
-                    reason: format!("parameter `{name}` is missing"),
-                }),
-            },
+            upload_shard(params),
         )
+    }
+
+    /// This rank and the number of ranks of the whole run.
+    pub(crate) fn global_rank(&self) -> (usize, usize) {
+        global(&self.comm, self.replicas.as_ref())
     }
 
     /// [`new`](Self::new) with each parameter's shard made by `make(ops, name, elements,
@@ -101,23 +119,31 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     pub(crate) fn with_shards(
         ops: O,
         comm: C,
+        replicas: Option<C>,
         config: DeviceTrainConfig,
         strategy: ShardingStrategy,
         make: impl Fn(&O, &str, usize, usize, usize) -> Result<O::Buf, KernelError>,
     ) -> Result<Self, DeviceTrainError> {
         config.validate()?;
-        let (rank, world) = (comm.rank(), comm.world_size());
+        let (rank, world) = global(&comm, replicas.as_ref());
         let refuse = |what: &str| -> DeviceTrainError {
             FsdpError::InvalidShape {
                 reason: format!("rank {rank}: sharded training on a device: {what}"),
             }
             .into()
         };
-        if strategy.is_hybrid() {
-            return Err(refuse(&format!(
-                "{strategy:?} needs a mesh of nodes; here the ranks are one group (use \
-                 FullShard, ShardGradOp or NoShard)"
-            )));
+        match (strategy.is_hybrid(), &replicas) {
+            (true, None) => {
+                return Err(refuse(&format!(
+                    "{strategy:?} needs a mesh of nodes (ShardedDeviceTrainer::new_hybrid)"
+                )))
+            }
+            (false, Some(_)) => {
+                return Err(refuse(&format!(
+                    "{strategy:?} is not hybrid: it takes one group of ranks"
+                )))
+            }
+            _ => {}
         }
         if config.offload {
             return Err(refuse("CPU offload is built for one rank only"));
@@ -133,10 +159,10 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let factor = if strategy == ShardingStrategy::NoShard {
             1
         } else {
-            world
+            comm.world_size()
         };
         // This rank's shard among the `factor` that shard each tensor (replicated: the whole).
-        let shard = rank % factor;
+        let shard = comm.rank() % factor;
         let dims = config.dims();
         let mut pass = GptPass::new(ops, dims)?;
         pass.set_activation_checkpointing(config.activation_checkpointing);
@@ -152,6 +178,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         Ok(ShardedDeviceTrainer {
             pass,
             comm,
+            replicas,
             config,
             strategy,
             factor,
@@ -164,7 +191,40 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             pending: None,
         })
     }
+}
 
+/// This rank and the run's number of ranks, from the shard group and the replicas.
+fn global<O: GptOps, C: DeviceComm<O>>(comm: &C, replicas: Option<&C>) -> (usize, usize) {
+    match replicas {
+        Some(r) => (
+            r.rank() * comm.world_size() + comm.rank(),
+            r.world_size() * comm.world_size(),
+        ),
+        None => (comm.rank(), comm.world_size()),
+    }
+}
+
+/// A shard maker that uploads shard `shard` of `factor` of each of `params`' values.
+fn upload_shard<'a, O: GptOps>(
+    params: &'a HashMap<String, Vec<f32>>,
+) -> impl Fn(&O, &str, usize, usize, usize) -> Result<O::Buf, KernelError> + 'a {
+    move |ops, name, len, shard, factor| match params.get(name) {
+        Some(p) if p.len() == len => ops.upload(&shard_of(p, shard, factor)),
+        Some(p) => Err(KernelError::InvalidArgument {
+            kernel: "shard",
+            reason: format!(
+                "parameter `{name}` has {} elements, expected {len}",
+                p.len()
+            ),
+        }),
+        None => Err(KernelError::InvalidArgument {
+            kernel: "shard",
+            reason: format!("parameter `{name}` is missing"),
+        }),
+    }
+}
+
+impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// The settings.
     pub fn config(&self) -> &DeviceTrainConfig {
         &self.config
@@ -270,7 +330,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let accum32 = u32::try_from(accum).map_err(|_| FsdpError::InvalidShape {
             reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
         })?;
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let (rank, world) = self.global_rank();
         let ops = self.pass.ops();
         self.optim.zero_accumulators(ops)?;
         let acc = self
@@ -291,6 +351,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             let b = get_batch(tokens, k, micro, t, rank, world)?;
             let mut units = ShardedUnits::new(
                 &self.comm,
+                self.replicas.as_ref(),
                 c.dims(),
                 self.factor,
                 self.strategy.reshard_after_forward(),
@@ -314,6 +375,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             STEP_LOSS..STEP_LOSS + 1,
             ReduceOp::Avg,
         )?;
+        if let Some(r) = &self.replicas {
+            let loss = STEP_LOSS..STEP_LOSS + 1;
+            r.all_reduce_scalars(ops, &mut self.scalars, loss, ReduceOp::Avg)?;
+        }
+        // The shards are the same in every node (their gradients reduced over the nodes too):
+        // the squares are summed over the shards of one node.
         if self.factor > 1 {
             let squares = STEP_SQUARES..STEP_SQUARES + tensors;
             comm.all_reduce_scalars(ops, &mut self.scalars, squares, ReduceOp::Sum)?;

@@ -1,8 +1,8 @@
 //! `plan_sharded_memory` (one rank's device memory in sharded training, from a run over the
 //! counting `MetaOps`) against the peak the host twins count in the same training over
 //! `PeerComm` (what `fsdp train --device … --ranks N` runs): equal to the byte, for every
-//! strategy, with and without activation checkpointing, with f32 and bf16 products, at 2 and 4
-//! ranks, with 1 and 2 micro-batches. And each strategy's peak where it should be:
+//! strategy (the hybrid ones in two nodes of two), with and without activation checkpointing,
+//! with f32 and bf16 products, at 2 and 4 ranks, with 1 and 2 micro-batches. And each strategy's peak where it should be:
 //! `FULL_SHARD` below `SHARD_GRAD_OP` below `NO_SHARD`.
 
 use std::time::Duration;
@@ -19,15 +19,33 @@ use fsdp_kernels::gpt::{GptOps, HostOps, HostProducts, Products};
 mod common;
 use common::device::device_config;
 
-/// Rank 0's counted peak over 3 steps of `c` on `world` host-twin ranks.
-fn measured(c: DeviceTrainConfig, world: usize, s: ShardingStrategy, bf16: bool) -> u64 {
+/// Rank 0's counted peak over 3 steps of `c` on `world` host-twin ranks (a hybrid strategy
+/// in nodes of `rpn`).
+fn measured(
+    c: DeviceTrainConfig,
+    world: usize,
+    s: ShardingStrategy,
+    rpn: Option<usize>,
+    bf16: bool,
+) -> u64 {
     let params = seeded_params(&c.cfg, 1).unwrap();
     let tokens = synthetic_corpus(20_000, 64, 1);
-    let comms = PeerComm::<HostOps>::group(world, Duration::from_secs(60));
+    let timeout = Duration::from_secs(60);
+    let comms: Vec<(PeerComm<HostOps>, Option<PeerComm<HostOps>>)> = match rpn {
+        Some(n) => PeerComm::mesh(world, n, timeout)
+            .unwrap()
+            .into_iter()
+            .map(|(a, b)| (a, Some(b)))
+            .collect(),
+        None => PeerComm::group(world, timeout)
+            .into_iter()
+            .map(|a| (a, None))
+            .collect(),
+    };
     let peaks: Vec<u64> = std::thread::scope(|sc| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|comm| {
+            .map(|(comm, replicas)| {
                 let (params, tokens) = (&params, &tokens);
                 sc.spawn(move || {
                     let p = if bf16 {
@@ -35,9 +53,12 @@ fn measured(c: DeviceTrainConfig, world: usize, s: ShardingStrategy, bf16: bool)
                     } else {
                         HostProducts::F32
                     };
-                    let mut t =
-                        ShardedDeviceTrainer::new(HostOps::with_products(p), comm, c, s, params)
-                            .unwrap();
+                    let ops = HostOps::with_products(p);
+                    let mut t = match replicas {
+                        Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params),
+                        None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
+                    }
+                    .unwrap();
                     for step in 0..3 {
                         t.step(tokens, step).unwrap();
                     }
@@ -74,8 +95,8 @@ fn the_plan_is_the_measured_peak() {
                 ShardingStrategy::NoShard,
             ] {
                 let products = if bf16 { Products::Bf16 } else { Products::F32 };
-                let plan = plan_sharded_memory(&c, products, world, s).unwrap();
-                let m = measured(c, world, s, bf16);
+                let plan = plan_sharded_memory(&c, products, world, s, None).unwrap();
+                let m = measured(c, world, s, None, bf16);
                 assert_eq!(
                     plan.peak, m,
                     "{world} ranks, {s:?}, accum {accum}, checkpointing {ckpt}, bf16 {bf16}: \
@@ -94,6 +115,23 @@ fn the_plan_is_the_measured_peak() {
                  FULL_SHARD {}, SHARD_GRAD_OP {}, NO_SHARD {} bytes, planned exactly",
                 peaks[0], peaks[1], peaks[2]
             );
+        }
+    }
+}
+
+/// The hybrid strategies in two nodes of two ranks: planned exactly too.
+#[test]
+fn the_plan_of_a_hybrid_mesh_is_the_measured_peak() {
+    for s in [
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ] {
+        for bf16 in [false, true] {
+            let c = device_config(LrSchedule::Constant, true, Some(1.0), 2);
+            let products = if bf16 { Products::Bf16 } else { Products::F32 };
+            let plan = plan_sharded_memory(&c, products, 4, s, Some(2)).unwrap();
+            let m = measured(c, 4, s, Some(2), bf16);
+            assert_eq!(plan.peak, m, "{s:?}, bf16 {bf16}\n{plan}");
         }
     }
 }

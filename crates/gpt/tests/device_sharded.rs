@@ -3,7 +3,7 @@
 //!
 //! - at one rank it is the one-rank `DeviceTrainer` bit for bit (losses, norms, parameters),
 //!   with clipping and 2 micro-batches;
-//! - at 2 and 4 ranks, with `FULL_SHARD`, `SHARD_GRAD_OP` and `NO_SHARD`, every step's loss
+//! - at 2 and 4 ranks, with every strategy (the hybrid ones in two nodes), every step's loss
 //!   stays within 1e-4 relative of the engine's at the same world and strategy (issue 16's
 //!   criterion; the engine is the CPU reference) and of the one-rank device trainer's; every
 //!   rank ends with the same parameters;
@@ -13,7 +13,7 @@
 use fsdp::optim::LrSchedule;
 use fsdp_collectives::ring;
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_comm::HostComm;
+use fsdp_gpt::device_comm::{DeviceComm, HostComm};
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::runtime::ShardingStrategy;
@@ -48,8 +48,17 @@ fn sharded(
 ) -> Vec<Run> {
     let params = seeded_params(&c.cfg, SEED).unwrap();
     ring::run_ranks(world, ring::RingOptions::default(), |comm| {
-        let comm = HostComm::new(Box::new(comm));
-        let mut t = ShardedDeviceTrainer::new(HostOps::new(), comm, c, strategy, &params).unwrap();
+        let mut t = if strategy.is_hybrid() {
+            // Two nodes (the engine's `ranks_per_node` of `engine_run`).
+            let mesh = fsdp_collectives::mesh_2d(&comm, 2, world / 2).unwrap();
+            let shard: Box<dyn DeviceComm<HostOps>> = Box::new(HostComm::new(mesh.shard));
+            let replicas: Box<dyn DeviceComm<HostOps>> = Box::new(HostComm::new(mesh.replicate));
+            ShardedDeviceTrainer::new_hybrid(HostOps::new(), shard, replicas, c, strategy, &params)
+                .unwrap()
+        } else {
+            let comm: Box<dyn DeviceComm<HostOps>> = Box::new(HostComm::new(Box::new(comm)));
+            ShardedDeviceTrainer::new(HostOps::new(), comm, c, strategy, &params).unwrap()
+        };
         let mut outcomes = Vec::new();
         for s in 0..STEPS {
             if let Some(r) = t.enqueue_step(tokens, s).unwrap() {
@@ -121,6 +130,8 @@ fn ranks_follow_the_engine_for_every_strategy() {
             ShardingStrategy::FullShard,
             ShardingStrategy::ShardGradOp,
             ShardingStrategy::NoShard,
+            ShardingStrategy::HybridShard,
+            ShardingStrategy::HybridShardZero2,
         ] {
             let name = format!("{world} ranks, {strategy:?}");
             let e = engine_run(&c, &tokens, world, strategy, STEPS, SEED);
@@ -205,7 +216,7 @@ fn checkpointing_and_resharding_change_memory_not_bits() {
     );
 }
 
-/// Hybrid strategies, CPU offload and micro-batches that do not split over the ranks are
+/// A hybrid strategy without a mesh, CPU offload and micro-batches that do not split over the ranks are
 /// refused before anything runs, naming the rank and the setting.
 #[test]
 fn unsupported_settings_are_refused() {

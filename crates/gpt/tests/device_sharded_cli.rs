@@ -4,8 +4,9 @@
 //! train --ranks N --strategy S` on the same options: every step's loss within 1e-4 relative
 //! (issue 16's criterion; the largest difference is printed) and `--save`'s weights within
 //! 1e-4 of the model's largest weight, for each strategy the device runs, with clipping,
-//! accumulation and the cosine schedule. And its refusals, each one `error:` line naming the
-//! option: hybrid strategies, the one-rank trainer's options not built for several ranks, and
+//! accumulation and the cosine schedule (the hybrid ones in nodes of `--ranks-per-node`). And
+//! its refusals, each one `error:` line naming the option: hybrid strategies without
+//! `--ranks-per-node`, the one-rank trainer's options not built for several ranks, and
 //! `fsdp plan --device` of several ranks. A non-finite step stops (or is skipped) as on the
 //! engine.
 
@@ -96,6 +97,22 @@ fn shard_grad_op_at_four_ranks_matches_the_engine() {
 }
 
 #[test]
+fn hybrid_shard_at_four_ranks_in_two_nodes_matches_the_engine() {
+    compare(
+        "hybrid_shard_4",
+        "4",
+        "hybrid-shard",
+        &["--ranks-per-node", "2"],
+    );
+    compare(
+        "hybrid_shard_zero2_4",
+        "4",
+        "hybrid-shard-zero2",
+        &["--ranks-per-node", "2", "--grad-accum", "2"],
+    );
+}
+
+#[test]
 fn no_shard_at_two_ranks_matches_the_engine() {
     compare("no_shard_2", "2", "no-shard", &CLIP_ACCUM_COSINE);
 }
@@ -115,7 +132,7 @@ fn several_ranks_refuse_what_they_do_not_run() {
     let cases: [(&[&str], &[&str]); 6] = [
         (
             &["--strategy", "hybrid-shard"],
-            &["--strategy hybrid-shard", "one group"],
+            &["--strategy hybrid-shard", "--ranks-per-node"],
         ),
         (
             &["--cpu-offload"],
@@ -157,6 +174,7 @@ fn several_ranks_refuse_what_they_do_not_run() {
 #[test]
 fn plan_predicts_each_ranks_peak_and_admission_uses_it() {
     for (ranks, strategy, extra) in [
+        ("4", "hybrid-shard", &["--ranks-per-node", "2"][..]),
         ("2", "full-shard", &["--activation-checkpointing"][..]),
         ("4", "shard-grad-op", &["--grad-accum", "2"][..]),
         ("2", "no-shard", &["--param-dtype", "bf16"][..]),

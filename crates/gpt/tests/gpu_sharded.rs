@@ -6,7 +6,8 @@
 //!   stream runs on without the host waiting;
 //! - `fsdp train --device cuda --ranks N --strategy S --param-dtype f32` against the engine's
 //!   `fsdp train --ranks N --strategy S`: every step's loss within 1e-4 relative over 20 steps
-//!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks and SHARD_GRAD_OP at 4;
+//!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks, SHARD_GRAD_OP at 4 and
+//!   HYBRID_SHARD at 4 in two nodes;
 //!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s.
 //!
 //! Without a CUDA driver or device it prints `skipped: no GPU (<reason>)` and passes.
@@ -70,7 +71,7 @@ const SMALL_GPU_MODEL: [&str; 12] = [
     "8",
 ];
 
-fn compare(ranks: &str, strategy: &str) {
+fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
     let dir = std::env::temp_dir().join(format!("fsdp-gpu-sharded-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let test = format!("{ranks}-{strategy}");
@@ -83,6 +84,7 @@ fn compare(ranks: &str, strategy: &str) {
         a.extend(SMALL_GPU_MODEL);
         a.extend(["--steps", "20", "--ranks", ranks, "--strategy", strategy]);
         a.extend(common::cli::CLIP_ACCUM_COSINE);
+        a.extend(extra);
         a.extend(more);
         let mut a: Vec<String> = a.into_iter().map(String::from).collect();
         a.extend(["--loss-log".to_string(), log.display().to_string()]);
@@ -136,7 +138,8 @@ fn sharded_cuda_follows_the_engine() {
     if !gpu("sharded_cuda_follows_the_engine") {
         return;
     }
-    compare("2", "full-shard");
-    compare("2", "no-shard");
-    compare("4", "shard-grad-op");
+    compare("2", "full-shard", &[]);
+    compare("2", "no-shard", &[]);
+    compare("4", "shard-grad-op", &[]);
+    compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
 }

@@ -53,7 +53,8 @@ pub fn param_bits(p: HashMap<String, Vec<f32>>) -> Vec<(String, Vec<u32>)> {
 }
 
 /// (loss, gradient norm before clipping) of the first `steps` steps of the engine at `world`
-/// ranks (threads of the ring) with `strategy`, from the seeded weights of `seed`, each rank
+/// ranks (threads of the ring) with `strategy` (a hybrid one in two nodes), from the seeded
+/// weights of `seed`, each rank
 /// taking its rows of every micro-batch as `fsdp train` does (rank 0's view: every rank's is
 /// the same).
 pub fn engine_run(
@@ -77,7 +78,11 @@ pub fn engine_run(
         let rank = comm.rank();
         let rule = gpt2_init(cfg.n_layer);
         let init = ParamInit::Seeded { seed, rule: &rule };
-        let config = FsdpConfig::new(strategy);
+        let mut config = FsdpConfig::new(strategy);
+        if strategy.is_hybrid() {
+            // Two nodes.
+            config.ranks_per_node = Some(world / 2);
+        }
         let mut model =
             FsdpGpt::with_init(Box::new(comm), cfg, &plan, init, config, c.adamw).unwrap();
         model.set_lr_schedule(c.schedule).unwrap();

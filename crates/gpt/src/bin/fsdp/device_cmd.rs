@@ -59,7 +59,12 @@ fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<us
     }
     let world = model.ranks.unwrap_or(1);
     if world > 1 {
-        crate::device_sharded_cmd::check_strategy(dev, model.strategy, world)?;
+        crate::device_sharded_cmd::check_strategy(
+            dev,
+            model.strategy,
+            model.ranks_per_node,
+            world,
+        )?;
     }
     let dtypes = [
         ("--param-dtype", Some(model.param_dtype), DType::BF16),
@@ -96,7 +101,11 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     ]
     .into_iter()
     .chain(optimizer_refusals(&args.optim));
-    let allowed: &[&str] = if world > 1 { &["strategy"] } else { &[] };
+    let allowed: &[&str] = if world > 1 {
+        &["strategy", "ranks_per_node"]
+    } else {
+        &[]
+    };
     refuse_first(dev, unsupported, &args.explicit, "f32 AdamW", allowed)?;
     if world > 1 {
         crate::device_sharded_cmd::check_sharded_options(args, world)?;
@@ -243,7 +252,8 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {
         let strategy = args.model.strategy;
-        let plan = plan_sharded_memory(&run.config, products(bf16), world, strategy)
+        let rpn = args.model.ranks_per_node.filter(|_| strategy.is_hybrid());
+        let plan = plan_sharded_memory(&run.config, products(bf16), world, strategy, rpn)
             .map_err(|e| fail(format!("--device {dev}: {e}")))?;
         let run = Run {
             predicted_peak: plan.peak,
@@ -554,7 +564,11 @@ impl Tally {
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
     let world = check_device_world_and_dtypes(dev, &args.model)?;
-    let allowed: &[&str] = if world > 1 { &["strategy"] } else { &[] };
+    let allowed: &[&str] = if world > 1 {
+        &["strategy", "ranks_per_node"]
+    } else {
+        &[]
+    };
     refuse_first(
         dev,
         optimizer_refusals(&args.optim),

@@ -24,21 +24,31 @@ use crate::progress::{nonfinite, say_done, Progress};
 use crate::say;
 use crate::{fail, CliError};
 
-/// Hybrid strategies need nodes: refused for `world` ranks on one device.
+/// The ranks per node of `world` ranks with `strategy`: the hybrid strategies take
+/// `--ranks-per-node` (nodes simulated on the one device), which must divide the world;
+/// the others none.
 pub(crate) fn check_strategy(
     dev: DeviceArg,
     strategy: ShardingStrategy,
+    ranks_per_node: Option<usize>,
     world: usize,
-) -> Result<(), CliError> {
-    let name = match strategy {
-        ShardingStrategy::HybridShard => "hybrid-shard",
-        ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
-        _ => return Ok(()),
-    };
-    Err(fail(format!(
-        "--device {dev}: --strategy {name} needs nodes; the {world} ranks here are one group \
-         (full-shard, shard-grad-op or no-shard)"
-    )))
+) -> Result<Option<usize>, CliError> {
+    match (strategy.is_hybrid(), ranks_per_node) {
+        (true, None) => Err(fail(format!(
+            "--device {dev}: --strategy {} with {world} ranks on one device needs \
+             --ranks-per-node (the ranks of each simulated node)",
+            if strategy == ShardingStrategy::HybridShard {
+                "hybrid-shard"
+            } else {
+                "hybrid-shard-zero2"
+            }
+        ))),
+        (true, Some(n)) if n == 0 || world % n != 0 => Err(fail(format!(
+            "--device {dev}: --ranks {world} is not divisible by --ranks-per-node {n}"
+        ))),
+        (true, n) => Ok(n),
+        (false, _) => Ok(None),
+    }
 }
 
 /// The options sharded training on a device refuses beyond those one rank refuses: the
@@ -73,7 +83,8 @@ pub(crate) fn print_sharded_plan(
              (it is with --ranks 1)"
         )));
     }
-    let plan = plan_sharded_memory(config, products, world, args.model.strategy)
+    let rpn = check_strategy(dev, args.model.strategy, args.model.ranks_per_node, world)?;
+    let plan = plan_sharded_memory(config, products, world, args.model.strategy, rpn)
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;
     let cfg = &config.cfg;
     say!(
@@ -183,15 +194,34 @@ where
     let log = std::sync::Mutex::new(loss_log);
     let progress = Progress::new(steps, args.skip_nonfinite);
     progress.start_at(start_step);
-    let comms = PeerComm::<O>::group(world, args.timeout.unwrap_or(DEFAULT_TIMEOUT));
+    let timeout = args.timeout.unwrap_or(DEFAULT_TIMEOUT);
+    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
+    // Each rank's shard group and, under a hybrid strategy, its replicas in the other nodes.
+    let comms: Vec<(PeerComm<O>, Option<PeerComm<O>>)> = match rpn {
+        Some(n) => PeerComm::mesh(world, n, timeout)
+            .ok_or_else(|| fail(format!("--ranks {world} do not make nodes of {n}")))?
+            .into_iter()
+            .map(|(s, r)| (s, Some(r)))
+            .collect(),
+        None => PeerComm::group(world, timeout)
+            .into_iter()
+            .map(|c| (c, None))
+            .collect(),
+    };
     let on_device =
         |rank: usize| move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
     let start = Instant::now();
-    let rank_run = |rank: usize, comm: PeerComm<O>| -> Result<RankEnd, CliError> {
+    let rank_run = |rank: usize,
+                    (comm, replicas): (PeerComm<O>, Option<PeerComm<O>>)|
+     -> Result<RankEnd, CliError> {
         let err = on_device(rank);
         let ops = ops(rank)?;
-        let mut trainer =
-            ShardedDeviceTrainer::new(ops, comm, run.config, strategy, &run.params).map_err(err)?;
+        let (c, p) = (run.config, &run.params);
+        let mut trainer = match replicas {
+            Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, strategy, p),
+            None => ShardedDeviceTrainer::new(ops, comm, c, strategy, p),
+        }
+        .map_err(err)?;
         trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
         let mut tally = Tally::default();
         if let Some((_, state)) = &run.resume {
