@@ -390,3 +390,47 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fsdp_kernels::gpt::{GptOps, HostOps};
+
+    /// Two ranks as threads gather and reduce-scatter a unit of two tensors (one shorter than
+    /// the world's shards) by reading each other's buffers. (Under Miri: every read by
+    /// address is of a live buffer its owner does not write meanwhile.)
+    #[test]
+    fn two_threads_gather_and_reduce_scatter_a_unit() {
+        let comms = PeerComm::<HostOps>::group(2, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            for comm in comms {
+                s.spawn(move || {
+                    let ops = HostOps::new();
+                    let r = comm.rank as f32;
+                    let shards = [
+                        ops.upload(&[r, r + 0.5]).unwrap(),
+                        ops.upload(&[r]).unwrap(),
+                    ];
+                    let mut fulls = [ops.zeros(4).unwrap(), ops.zeros(1).unwrap()];
+                    let mut outs: Vec<_> = fulls.iter_mut().collect();
+                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs)
+                        .unwrap();
+                    assert_eq!(fulls[0].to_vec(), [0.0, 0.5, 1.0, 1.5]);
+                    assert_eq!(fulls[1].to_vec(), [0.0]);
+                    let own = [
+                        ops.upload(&[r; 4]).unwrap(),
+                        ops.upload(&[2.0 * r]).unwrap(),
+                    ];
+                    let mut red = [ops.zeros(2).unwrap(), ops.zeros(1).unwrap()];
+                    let mut outs: Vec<_> = red.iter_mut().collect();
+                    comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs)
+                        .unwrap();
+                    assert_eq!(red[0].to_vec(), [0.5, 0.5]);
+                    // Rank 1's chunk of the one-element tensor is padding.
+                    let want = if comm.rank == 0 { 1.0 } else { 0.0 };
+                    assert_eq!(red[1].to_vec(), [want]);
+                });
+            }
+        });
+    }
+}
