@@ -36,7 +36,9 @@ use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{decide_and_apply, squares, Optim};
 use crate::device_shard::{shard_len, shard_of, ShardedUnits};
-use crate::device_train::{adamw_choices, read_outcome, Reported, StepOutcome};
+use crate::device_train::{
+    accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome,
+};
 
 /// One rank of sharded training on a device (see the [module](self) documentation).
 pub struct ShardedDeviceTrainer<O: GptOps, C> {
@@ -327,9 +329,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let (accum, t) = (c.grad_accum, c.cfg.block_size);
         let micro = c.batch_size / accum;
         let alpha = (1.0 / accum as f64) as f32;
-        let accum32 = u32::try_from(accum).map_err(|_| FsdpError::InvalidShape {
-            reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
-        })?;
+        let accum32 = accum_u32(accum)?;
         let (rank, world) = self.global_rank();
         let ops = self.pass.ops();
         self.optim.zero_accumulators(ops)?;
@@ -342,12 +342,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 reason: "no gradient accumulators".into(),
             })?;
         for m in 0..accum {
-            let k = step
-                .checked_mul(accum)
-                .and_then(|s| s.checked_add(m))
-                .ok_or_else(|| FsdpError::InvalidShape {
-                    reason: format!("micro-batch {m} of step {step} overflows a 64-bit count"),
-                })? as u64;
+            let k = micro_batch_index(step, accum, m)?;
             let b = get_batch(tokens, k, micro, t, rank, world)?;
             let mut units = ShardedUnits::new(
                 &self.comm,

@@ -4,7 +4,6 @@
 //! engine's sharded format written by one rank (world 1: any world, the engine's or a
 //! device's, resumes from it), and a saved state loaded back as each rank's shards.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp::checkpoint::FullOptimizerState;
@@ -15,7 +14,7 @@ use crate::device_comm::DeviceComm;
 use crate::device_config::DeviceTrainError;
 use crate::device_shard::shard_of;
 use crate::device_sharded::ShardedDeviceTrainer;
-use crate::device_state::{checked_moments, optimizer_setup, write_state};
+use crate::device_state::{adamw_state, checked_moments, write_state};
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// AdamW's state after every step enqueued so far, whole (each moment gathered from the
@@ -30,16 +29,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         }
         let exp_avg = self.gather(&self.optim.moments.exp_avg)?;
         let exp_avg_sq = self.gather(&self.optim.moments.exp_avg_sq)?;
-        Ok(FullOptimizerState {
-            optimizer: "adamw".into(),
-            step: self.known_steps,
-            optimizer_steps: self.known_steps,
-            setup: optimizer_setup(&self.config),
-            buffers: HashMap::from([
-                ("exp_avg".to_string(), exp_avg),
-                ("exp_avg_sq".to_string(), exp_avg_sq),
-            ]),
-        })
+        Ok(adamw_state(
+            &self.config,
+            self.known_steps,
+            exp_avg,
+            exp_avg_sq,
+        ))
     }
 
     /// Continues from a saved optimizer state (whole moments: a checkpoint's, the engine's or

@@ -49,16 +49,12 @@ impl<O: GptOps> DeviceTrainer<O> {
             Placement::Device(o) => moments_by_name(&o.moments, |b| self.model.ops().download(b))?,
             Placement::Host(h, _) => moments_by_name(&h.optim.moments, |b| Ok(b.to_vec()))?,
         };
-        Ok(FullOptimizerState {
-            optimizer: "adamw".into(),
-            step: self.known_steps,
-            optimizer_steps: self.known_steps,
-            setup: self.optimizer_setup(),
-            buffers: HashMap::from([
-                ("exp_avg".to_string(), exp_avg),
-                ("exp_avg_sq".to_string(), exp_avg_sq),
-            ]),
-        })
+        Ok(adamw_state(
+            &self.config,
+            self.known_steps,
+            exp_avg,
+            exp_avg_sq,
+        ))
     }
 
     /// Continues from a saved optimizer state (a checkpoint's, the engine's or this
@@ -157,6 +153,26 @@ pub(crate) fn optimizer_setup(c: &DeviceTrainConfig) -> OptimizerSetup {
             .collect();
     }
     setup
+}
+
+/// AdamW's state of `c`'s run after `steps` optimizer steps, with its moments by name: as
+/// the engine saves it.
+pub(crate) fn adamw_state(
+    c: &DeviceTrainConfig,
+    steps: u64,
+    exp_avg: HashMap<String, Vec<f32>>,
+    exp_avg_sq: HashMap<String, Vec<f32>>,
+) -> FullOptimizerState {
+    FullOptimizerState {
+        optimizer: "adamw".into(),
+        step: steps,
+        optimizer_steps: steps,
+        setup: optimizer_setup(c),
+        buffers: HashMap::from([
+            ("exp_avg".to_string(), exp_avg),
+            ("exp_avg_sq".to_string(), exp_avg_sq),
+        ]),
+    }
 }
 
 /// One parameter's two moments, borrowed from a saved state.

@@ -297,21 +297,14 @@ impl<O: GptOps> DeviceTrainer<O> {
         let (accum, t) = (c.grad_accum, c.cfg.block_size);
         let micro = c.batch_size / accum;
         let alpha = (1.0 / accum as f64) as f32;
-        let accum32 = u32::try_from(accum).map_err(|_| FsdpError::InvalidShape {
-            reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
-        })?;
+        let accum32 = accum_u32(accum)?;
         self.trace_begin()?;
         match &mut self.state {
             Placement::Device(optim) => optim.zero_accumulators(self.model.ops())?,
             Placement::Host(h, _) => h.optim.zero_accumulators(&h.ops)?,
         }
         for m in 0..accum {
-            let k = step
-                .checked_mul(accum)
-                .and_then(|s| s.checked_add(m))
-                .ok_or_else(|| FsdpError::InvalidShape {
-                    reason: format!("micro-batch {m} of step {step} overflows a 64-bit count"),
-                })? as u64;
+            let k = micro_batch_index(step, accum, m)?;
             let b = get_batch(tokens, k, micro, t, 0, 1)?;
             let losses = self
                 .model
@@ -525,4 +518,38 @@ pub(crate) fn read_outcome(
         halted: v[STEP_HALTED] == 1.0,
     };
     Ok((Reported { step, outcome }, count))
+}
+
+/// `accum` micro-batches a step as the kernels count them (32 bits).
+///
+/// # Errors
+/// A count past 32 bits.
+pub(crate) fn accum_u32(accum: usize) -> Result<u32, DeviceTrainError> {
+    u32::try_from(accum).map_err(|_| {
+        FsdpError::InvalidShape {
+            reason: format!("{accum} micro-batches a step do not fit in 32 bits"),
+        }
+        .into()
+    })
+}
+
+/// The number of micro-batch `m` of step `step` in the run's stream of micro-batches
+/// ([`get_batch`]'s `k`): `step·accum + m`.
+///
+/// # Errors
+/// A number past 64 bits.
+pub(crate) fn micro_batch_index(
+    step: usize,
+    accum: usize,
+    m: usize,
+) -> Result<u64, DeviceTrainError> {
+    step.checked_mul(accum)
+        .and_then(|s| s.checked_add(m))
+        .map(|k| k as u64)
+        .ok_or_else(|| {
+            FsdpError::InvalidShape {
+                reason: format!("micro-batch {m} of step {step} overflows a 64-bit count"),
+            }
+            .into()
+        })
 }

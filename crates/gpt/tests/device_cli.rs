@@ -152,23 +152,7 @@ fn device_cuda_without_a_driver_is_one_error() {
 
 #[test]
 fn host_twin_stops_and_skips_non_finite_steps_as_the_engine() {
-    let run = |extra: &[&str]| {
-        let base = ["--batch-size", "8", "--lr", "1e30"];
-        let cpu = fsdp(&small_train_args(
-            &base,
-            &[extra, &["--ranks", "1"]].concat(),
-        ));
-        let twin = fsdp(&small_train_args(
-            &base,
-            &[extra, &["--device", "host-twin"]].concat(),
-        ));
-        let (a, b) = (
-            one_error_status_1(&cpu, &["non-finite"]),
-            one_error_status_1(&twin, &["non-finite"]),
-        );
-        assert_eq!(a, b, "the same error line");
-        (a, common::cli::text(&twin.stdout))
-    };
+    let run = |extra: &[&str]| common::cli::nonfinite_on_both(extra, &["--ranks", "1"], &[]);
     let (line, _) = run(&["--steps", "5"]);
     assert!(
         line.starts_with("error: step 1: the loss is NaN (non-finite)"),

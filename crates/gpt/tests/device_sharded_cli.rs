@@ -233,18 +233,7 @@ fn plan_predicts_each_ranks_peak_and_admission_uses_it() {
 #[test]
 fn several_ranks_stop_and_skip_non_finite_steps_as_the_engine() {
     let run = |extra: &[&str]| {
-        let base = ["--batch-size", "8", "--lr", "1e30", "--ranks", "2"];
-        let cpu = fsdp(&small_train_args(&base, extra));
-        let twin = fsdp(&small_train_args(
-            &base,
-            &[extra, &["--device", "host-twin"]].concat(),
-        ));
-        let (a, b) = (
-            one_error_status_1(&cpu, &["non-finite"]),
-            one_error_status_1(&twin, &["non-finite"]),
-        );
-        assert_eq!(a, b, "the same error line");
-        (a, common::cli::text(&twin.stdout))
+        common::cli::nonfinite_on_both(extra, &["--ranks", "2"], &["--ranks", "2"])
     };
     let (line, _) = run(&["--steps", "5"]);
     assert!(

@@ -22,25 +22,9 @@ mod common;
 use std::path::Path;
 
 use common::cli::CLIP_ACCUM_COSINE;
-use common::gpu::{gpu, run};
+use common::gpu::{gpu, run, SMALL_GPU_MODEL};
 
 const BOUND: f64 = 1e-4;
-
-/// The model and batch of the comparisons with the CPU and of the CPU offload run.
-const SMALL_GPU_MODEL: [&str; 12] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "64",
-    "--block-size",
-    "32",
-    "--vocab-size",
-    "256",
-    "--batch-size",
-    "8",
-];
 
 fn losses(path: &Path) -> Vec<f64> {
     std::fs::read_to_string(path)

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::device::exercise_collectives;
-use common::gpu::{gpu, run};
+use common::gpu::{gpu, run, SMALL_GPU_MODEL};
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_kernels::gpt::{CudaOps, HostOps, PeerOps};
 
@@ -54,22 +54,6 @@ fn peer_collectives_on_cuda_give_the_host_twins_bits() {
         println!("{world} ranks: every collective equals the host twins' bits");
     }
 }
-
-/// The model and batch of the comparisons with the CPU.
-const SMALL_GPU_MODEL: [&str; 12] = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "64",
-    "--block-size",
-    "32",
-    "--vocab-size",
-    "256",
-    "--batch-size",
-    "8",
-];
 
 fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
     let dir = std::env::temp_dir().join(format!("fsdp-gpu-sharded-{}", std::process::id()));

@@ -372,3 +372,22 @@ pub fn log_losses(path: &Path) -> Vec<f64> {
         .map(|f| f[1].parse().unwrap())
         .collect()
 }
+
+/// `fsdp train` with the learning rate 1e30 (its first update makes the model's next loss
+/// NaN) and `extra`, run as `engine` says (`--ranks N`) and on the host twins (`twin` added to
+/// `--device host-twin`): both must stop with the same one `error:` line about a non-finite
+/// step; returns that line and the host-twin run's standard output.
+pub fn nonfinite_on_both(extra: &[&str], engine: &[&str], twin: &[&str]) -> (String, String) {
+    let base = ["--batch-size", "8", "--lr", "1e30"];
+    let cpu = fsdp(&small_train_args(&base, &[extra, engine].concat()));
+    let on_twin = fsdp(&small_train_args(
+        &base,
+        &[extra, &["--device", "host-twin"], twin].concat(),
+    ));
+    let (a, b) = (
+        one_error_status_1(&cpu, &["non-finite"]),
+        one_error_status_1(&on_twin, &["non-finite"]),
+    );
+    assert_eq!(a, b, "the same error line");
+    (a, text(&on_twin.stdout))
+}

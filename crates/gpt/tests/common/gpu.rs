@@ -66,3 +66,20 @@ pub fn run(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// The model and batch of the GPU tests' comparisons with the CPU: 2 layers, 2 heads, 64
+/// wide, 32 tokens, a vocabulary of 256, 8 rows a step.
+pub const SMALL_GPU_MODEL: [&str; 12] = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "64",
+    "--block-size",
+    "32",
+    "--vocab-size",
+    "256",
+    "--batch-size",
+    "8",
+];

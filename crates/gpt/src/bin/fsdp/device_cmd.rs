@@ -169,6 +169,24 @@ fn products(bf16: bool) -> Products {
     }
 }
 
+/// The model and batch of a device run, as its first line gives them: `GPT L layers × H heads
+/// × E wide (N parameters), batch B × T tokens[ in K micro-batches]`.
+pub(crate) fn describe_run(cfg: &GptConfig, batch_size: usize, accum: usize) -> String {
+    format!(
+        "GPT {} layers × {} heads × {} wide ({} parameters), batch {batch_size} × {} tokens{}",
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.num_params(),
+        cfg.block_size,
+        if accum > 1 {
+            format!(" in {accum} micro-batches")
+        } else {
+            String::new()
+        }
+    )
+}
+
 /// Checks that CUDA device `n` exists.
 fn cuda_ordinal(dev: DeviceArg, n: usize) -> Result<(), CliError> {
     let count = fsdp_device::cuda::device_count()
@@ -349,19 +367,8 @@ fn train_with<O: GptOps>(
         None => args.loss_log.as_deref().map(LossLog::create).transpose()?,
     };
     say!(
-        "fsdp train: 1 rank on {dev} (no sharding: the GPT's kernels on one device), GPT {} \
-         layers × {} heads × {} wide ({} parameters), batch {} × {} tokens{}",
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.n_embd,
-        cfg.num_params(),
-        args.batch_size,
-        t,
-        if accum > 1 {
-            format!(" in {accum} micro-batches")
-        } else {
-            String::new()
-        }
+        "fsdp train: 1 rank on {dev} (no sharding: the GPT's kernels on one device), {}",
+        describe_run(cfg, args.batch_size, accum)
     );
     if run.config.offload {
         say!(
@@ -597,19 +604,9 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let plan =
         plan_memory(&config, products(bf16)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
     say!(
-        "fsdp plan: 1 rank on {dev} (no sharding: the GPT's kernels on one device), GPT {} \
-         layers × {} heads × {} wide ({} parameters), batch {} × {} tokens{}, {} products",
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.n_embd,
-        cfg.num_params(),
-        args.batch_size,
-        cfg.block_size,
-        if args.grad_accum > 1 {
-            format!(" in {} micro-batches", args.grad_accum)
-        } else {
-            String::new()
-        },
+        "fsdp plan: 1 rank on {dev} (no sharding: the GPT's kernels on one device), {}, {} \
+         products",
+        describe_run(&cfg, args.batch_size, args.grad_accum),
         if bf16 { "bf16-operand" } else { "f32" }
     );
     say!("{}", plan.to_string().trim_end());

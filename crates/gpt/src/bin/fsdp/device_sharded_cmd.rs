@@ -18,7 +18,7 @@ use fsdp_kernels::gpt::PeerOps;
 use fsdp_kernels::gpt::Products;
 
 use crate::args::{DeviceArg, PlanArgs, TrainArgs};
-use crate::device_cmd::{Run, Tally};
+use crate::device_cmd::{describe_run, Run, Tally};
 use crate::output::{save_checkpoint, LossLog};
 use crate::progress::{nonfinite, say_done, Progress};
 use crate::say;
@@ -86,22 +86,10 @@ pub(crate) fn print_sharded_plan(
     let rpn = check_strategy(dev, args.model.strategy, args.model.ranks_per_node, world)?;
     let plan = plan_sharded_memory(config, products, world, args.model.strategy, rpn)
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;
-    let cfg = &config.cfg;
     say!(
-        "fsdp plan: {world} ranks on {dev} as threads ({:?}), GPT {} layers × {} heads × {} \
-         wide ({} parameters), batch {} × {} tokens{}, {} products",
+        "fsdp plan: {world} ranks on {dev} as threads ({:?}), {}, {} products",
         args.model.strategy,
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.n_embd,
-        cfg.num_params(),
-        args.batch_size,
-        cfg.block_size,
-        if args.grad_accum > 1 {
-            format!(" in {} micro-batches", args.grad_accum)
-        } else {
-            String::new()
-        },
+        describe_run(&config.cfg, args.batch_size, args.grad_accum),
         if products == Products::Bf16 {
             "bf16-operand"
         } else {
@@ -156,19 +144,8 @@ where
     let global_tokens = args.batch_size * t;
     say!(
         "fsdp train: {world} ranks on {dev} as threads ({strategy:?}: the GPT's kernels, FSDP's \
-         units gathered and reduced between the ranks' streams), GPT {} layers × {} heads × {} \
-         wide ({} parameters), batch {} × {} tokens{}",
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.n_embd,
-        cfg.num_params(),
-        args.batch_size,
-        t,
-        if accum > 1 {
-            format!(" in {accum} micro-batches")
-        } else {
-            String::new()
-        }
+         units gathered and reduced between the ranks' streams), {}",
+        describe_run(cfg, args.batch_size, accum)
     );
     say!("optimizer: AdamW on each rank's shards (f32 parameters and moments, on the device)");
     // A resumed run continues its checkpoint's loss log from its step.
