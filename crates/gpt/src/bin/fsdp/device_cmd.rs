@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use fsdp::checkpoint::FullOptimizerState;
 use fsdp::human_bytes;
-use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
@@ -21,7 +20,7 @@ use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer, Re
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
 
-use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, PlanArgs, TrainArgs};
+use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
 use crate::checkpointing::Checkpointer;
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
@@ -30,7 +29,7 @@ use crate::progress::{nonfinite, say_done, Progress};
 use crate::resume::{Resolved, ResumePoint};
 use crate::say;
 use crate::setup::{micro_batch, setup};
-use crate::train::{clip_option, grad_clip, load_tokens};
+use crate::train::{grad_clip, load_tokens};
 use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
@@ -49,7 +48,10 @@ const ENGINE_ONLY: [(&str, &str); 8] = [
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
 /// ranks as processes (a launcher's), a hybrid strategy of several ranks, a dtype other than
 /// f32 (or bf16 parameters). Returns the number of ranks.
-fn check_device_world_and_dtypes(dev: DeviceArg, model: &ModelArgs) -> Result<usize, CliError> {
+pub(crate) fn check_device_world_and_dtypes(
+    dev: DeviceArg,
+    model: &ModelArgs,
+) -> Result<usize, CliError> {
     if let Some(env) = LaunchEnv::from_env()? {
         return Err(fail(format!(
             "--device {dev}: launched as rank {} of {}: sharded training on a device runs its \
@@ -114,7 +116,7 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
 }
 
 /// The optimizer options the device trainer does not support, each with whether it is set.
-fn optimizer_refusals(o: &OptimizerArgs) -> [(&'static str, bool); 3] {
+pub(crate) fn optimizer_refusals(o: &OptimizerArgs) -> [(&'static str, bool); 3] {
     [
         (
             "--optimizer anyprecision-adamw",
@@ -128,7 +130,7 @@ fn optimizer_refusals(o: &OptimizerArgs) -> [(&'static str, bool); 3] {
 /// The first of `unsupported` that is set, then the first of [`ENGINE_ONLY`] (but those in
 /// `allowed`) among the options given (`explicit`), as one error naming it; `what` says what
 /// the device trainer does instead.
-fn refuse_first(
+pub(crate) fn refuse_first(
     dev: DeviceArg,
     unsupported: impl IntoIterator<Item = (&'static str, bool)>,
     explicit: &[String],
@@ -161,7 +163,7 @@ pub(crate) struct Run {
 }
 
 /// The products of `--param-dtype bf16` (else f32).
-fn products(bf16: bool) -> Products {
+pub(crate) fn products(bf16: bool) -> Products {
     if bf16 {
         Products::Bf16
     } else {
@@ -563,68 +565,4 @@ impl Tally {
         );
         Ok(())
     }
-}
-
-/// `fsdp plan --device cuda|cuda:N|host-twin`: the device memory of `fsdp train --device` with
-/// the same options ([`plan_memory`]), after the refusals `fsdp train --device` makes of the
-/// world and the dtypes, and of the plan's options that mean nothing there.
-pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
-    let dev = args.device;
-    let world = check_device_world_and_dtypes(dev, &args.model)?;
-    let allowed: &[&str] = if world > 1 {
-        &["strategy", "ranks_per_node"]
-    } else {
-        &[]
-    };
-    refuse_first(
-        dev,
-        optimizer_refusals(&args.optim),
-        &args.explicit,
-        "f32 AdamW",
-        allowed,
-    )?;
-    let cfg = setup(&args.model, world)?.cfg;
-    micro_batch(args.batch_size, args.grad_accum, world)?;
-    let config = DeviceTrainConfig {
-        cfg,
-        // The optimizer's hyperparameters and schedule change no buffer.
-        adamw: AdamWConfig::default(),
-        schedule: LrSchedule::Constant,
-        decay_2d_only: false,
-        grad_clip: clip_option(args.grad_clip)?,
-        batch_size: args.batch_size,
-        grad_accum: args.grad_accum,
-        offload: args.cpu_offload,
-        activation_checkpointing: args.model.activation_checkpointing,
-    };
-    let bf16 = args.model.param_dtype == DType::BF16;
-    if world > 1 {
-        return crate::device_sharded_cmd::print_sharded_plan(args, &config, world, products(bf16));
-    }
-    let plan =
-        plan_memory(&config, products(bf16)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
-    say!(
-        "fsdp plan: 1 rank on {dev} (no sharding: the GPT's kernels on one device), {}, {} \
-         products",
-        describe_run(&cfg, args.batch_size, args.grad_accum),
-        if bf16 { "bf16-operand" } else { "f32" }
-    );
-    say!("{}", plan.to_string().trim_end());
-    say!(
-        "(the bytes `fsdp train --device {dev}` counts from its second micro-batch on; a CUDA \
-         memory pool adds the scratch of single kernels and its rounding)"
-    );
-    if let Some(limit) = args.memory_limit {
-        let verdict = if plan.peak <= limit {
-            "fits within"
-        } else {
-            "exceeds: `fsdp train --device` refuses it, as"
-        };
-        say!(
-            "peak {} {verdict} --memory-limit {}",
-            human_bytes(plan.peak),
-            human_bytes(limit)
-        );
-    }
-    Ok(())
 }

@@ -6,18 +6,14 @@
 
 use std::time::Instant;
 
-use fsdp::human_bytes;
 use fsdp::ShardingStrategy;
 use fsdp_device::DEFAULT_TIMEOUT;
 use fsdp_gpt::device_peer::PeerComm;
-use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
-use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_kernels::gpt::PeerOps;
-use fsdp_kernels::gpt::Products;
 
-use crate::args::{DeviceArg, PlanArgs, TrainArgs};
+use crate::args::{DeviceArg, TrainArgs};
 use crate::device_cmd::{describe_run, Run, Tally};
 use crate::output::{save_checkpoint, LossLog};
 use crate::progress::{nonfinite, say_done, Progress};
@@ -67,56 +63,6 @@ pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<()
         ))),
         None => Ok(()),
     }
-}
-
-/// `fsdp plan --device … --ranks N`: one rank's device memory ([`plan_sharded_memory`]).
-pub(crate) fn print_sharded_plan(
-    args: &PlanArgs,
-    config: &DeviceTrainConfig,
-    world: usize,
-    products: Products,
-) -> Result<(), CliError> {
-    let dev = args.device;
-    if args.cpu_offload {
-        return Err(fail(format!(
-            "--device {dev}: --cpu-offload is not supported with {world} ranks on the device \
-             (it is with --ranks 1)"
-        )));
-    }
-    let rpn = check_strategy(dev, args.model.strategy, args.model.ranks_per_node, world)?;
-    let plan = plan_sharded_memory(config, products, world, args.model.strategy, rpn)
-        .map_err(|e| fail(format!("--device {dev}: {e}")))?;
-    say!(
-        "fsdp plan: {world} ranks on {dev} as threads ({:?}), {}, {} products",
-        args.model.strategy,
-        describe_run(&config.cfg, args.batch_size, args.grad_accum),
-        if products == Products::Bf16 {
-            "bf16-operand"
-        } else {
-            "f32"
-        }
-    );
-    say!("{}", plan.to_string().trim_end());
-    let all = plan.peak.saturating_mul(world as u64);
-    say!(
-        "the {world} ranks share the device: {all} bytes ({}) at their peaks (each rank's is \
-         what `fsdp train --device {dev} --ranks {world}` counts; a CUDA memory pool adds the \
-         scratch of single kernels and its rounding)",
-        human_bytes(all)
-    );
-    if let Some(limit) = args.memory_limit {
-        let verdict = if all <= limit {
-            "fits within"
-        } else {
-            "exceeds: `fsdp train --device` refuses it, as"
-        };
-        say!(
-            "{} {verdict} --memory-limit {}",
-            human_bytes(all),
-            human_bytes(limit)
-        );
-    }
-    Ok(())
 }
 
 /// What each rank's thread returns.

@@ -12,6 +12,7 @@ mod admission;
 mod args;
 mod checkpointing;
 mod device_cmd;
+mod device_plan_cmd;
 mod device_sharded_cmd;
 mod host_admission;
 mod launch_cmd;

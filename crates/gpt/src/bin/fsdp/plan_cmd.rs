@@ -3,7 +3,7 @@
 //! optimizer's lines: its state per rank and per shard element, and the sharded state per
 //! parameter (the parameter in the dtype of the shards and its optimizer state). With
 //! `--device cuda` (or `host-twin`): the device trainer's memory instead
-//! ([`print_device_plan`](crate::device_cmd::print_device_plan)).
+//! ([`print_device_plan`](crate::device_plan_cmd::print_device_plan)).
 
 use fsdp_gpt::runtime::FsdpConfig;
 
@@ -17,7 +17,7 @@ use crate::{fail, CliError};
 
 pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
     if args.device != DeviceArg::Cpu {
-        return crate::device_cmd::print_device_plan(args);
+        return crate::device_plan_cmd::print_device_plan(args);
     }
     if args.cpu_offload {
         return Err(fail(

@@ -1,0 +1,136 @@
+//! `fsdp plan --device cuda|cuda:N|host-twin [--ranks N]`: the device memory `fsdp train
+//! --device` would use with the same options — one rank's ([`plan_memory`]), or each of
+//! several ranks' as threads on the device ([`plan_sharded_memory`]) — after the refusals
+//! `fsdp train --device` makes.
+
+use fsdp::human_bytes;
+use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_device::DType;
+use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
+use fsdp_gpt::device_train::DeviceTrainConfig;
+use fsdp_kernels::gpt::Products;
+
+use crate::args::PlanArgs;
+use crate::device_cmd::{
+    check_device_world_and_dtypes, describe_run, optimizer_refusals, products, refuse_first,
+};
+use crate::device_sharded_cmd::check_strategy;
+use crate::say;
+use crate::setup::{micro_batch, setup};
+use crate::train::clip_option;
+use crate::{fail, CliError};
+
+/// `fsdp plan --device cuda|cuda:N|host-twin`: the device memory of `fsdp train --device` with
+/// the same options ([`plan_memory`]), after the refusals `fsdp train --device` makes of the
+/// world and the dtypes, and of the plan's options that mean nothing there.
+pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
+    let dev = args.device;
+    let world = check_device_world_and_dtypes(dev, &args.model)?;
+    let allowed: &[&str] = if world > 1 {
+        &["strategy", "ranks_per_node"]
+    } else {
+        &[]
+    };
+    refuse_first(
+        dev,
+        optimizer_refusals(&args.optim),
+        &args.explicit,
+        "f32 AdamW",
+        allowed,
+    )?;
+    let cfg = setup(&args.model, world)?.cfg;
+    micro_batch(args.batch_size, args.grad_accum, world)?;
+    let config = DeviceTrainConfig {
+        cfg,
+        // The optimizer's hyperparameters and schedule change no buffer.
+        adamw: AdamWConfig::default(),
+        schedule: LrSchedule::Constant,
+        decay_2d_only: false,
+        grad_clip: clip_option(args.grad_clip)?,
+        batch_size: args.batch_size,
+        grad_accum: args.grad_accum,
+        offload: args.cpu_offload,
+        activation_checkpointing: args.model.activation_checkpointing,
+    };
+    let bf16 = args.model.param_dtype == DType::BF16;
+    if world > 1 {
+        return print_sharded_plan(args, &config, world, products(bf16));
+    }
+    let plan =
+        plan_memory(&config, products(bf16)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    say!(
+        "fsdp plan: 1 rank on {dev} (no sharding: the GPT's kernels on one device), {}, {} \
+         products",
+        describe_run(&cfg, args.batch_size, args.grad_accum),
+        if bf16 { "bf16-operand" } else { "f32" }
+    );
+    say!("{}", plan.to_string().trim_end());
+    say!(
+        "(the bytes `fsdp train --device {dev}` counts from its second micro-batch on; a CUDA \
+         memory pool adds the scratch of single kernels and its rounding)"
+    );
+    if let Some(limit) = args.memory_limit {
+        let verdict = if plan.peak <= limit {
+            "fits within"
+        } else {
+            "exceeds: `fsdp train --device` refuses it, as"
+        };
+        say!(
+            "peak {} {verdict} --memory-limit {}",
+            human_bytes(plan.peak),
+            human_bytes(limit)
+        );
+    }
+    Ok(())
+}
+
+/// `fsdp plan --device … --ranks N`: one rank's device memory ([`plan_sharded_memory`]).
+pub(crate) fn print_sharded_plan(
+    args: &PlanArgs,
+    config: &DeviceTrainConfig,
+    world: usize,
+    products: Products,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    if args.cpu_offload {
+        return Err(fail(format!(
+            "--device {dev}: --cpu-offload is not supported with {world} ranks on the device \
+             (it is with --ranks 1)"
+        )));
+    }
+    let rpn = check_strategy(dev, args.model.strategy, args.model.ranks_per_node, world)?;
+    let plan = plan_sharded_memory(config, products, world, args.model.strategy, rpn)
+        .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    say!(
+        "fsdp plan: {world} ranks on {dev} as threads ({:?}), {}, {} products",
+        args.model.strategy,
+        describe_run(&config.cfg, args.batch_size, args.grad_accum),
+        if products == Products::Bf16 {
+            "bf16-operand"
+        } else {
+            "f32"
+        }
+    );
+    say!("{}", plan.to_string().trim_end());
+    let all = plan.peak.saturating_mul(world as u64);
+    say!(
+        "the {world} ranks share the device: {all} bytes ({}) at their peaks (each rank's is \
+         what `fsdp train --device {dev} --ranks {world}` counts; a CUDA memory pool adds the \
+         scratch of single kernels and its rounding)",
+        human_bytes(all)
+    );
+    if let Some(limit) = args.memory_limit {
+        let verdict = if all <= limit {
+            "fits within"
+        } else {
+            "exceeds: `fsdp train --device` refuses it, as"
+        };
+        say!(
+            "{} {verdict} --memory-limit {}",
+            human_bytes(all),
+            human_bytes(limit)
+        );
+    }
+    Ok(())
+}
