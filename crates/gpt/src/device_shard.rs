@@ -167,6 +167,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
 impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     type Error = DeviceTrainError;
 
+    fn traced(&self) -> bool {
+        true
+    }
+
     fn pre_forward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
         self.unshard(ops, unit)
     }

@@ -24,6 +24,7 @@
 use std::collections::HashMap;
 
 use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
+use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp::ShardingStrategy;
 use fsdp_collectives::ReduceOp;
@@ -36,6 +37,7 @@ use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{decide_and_apply, squares, Optim};
 use crate::device_shard::{shard_len, shard_of, ShardedUnits};
+use crate::device_trace::{StepMarks, Tracing};
 use crate::device_train::{
     accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome,
 };
@@ -63,7 +65,9 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) known_steps: u64,
     /// The step enqueued whose outcome is unread: its number, the optimizer steps known
     /// when it was enqueued, and its scalars on the way.
-    pub(crate) pending: Option<(usize, u64, O::ScalarsCopy)>,
+    pub(crate) pending: Option<(usize, u64, O::ScalarsCopy, Option<StepMarks<O::Mark>>)>,
+    /// `--trace`: the trace so far ([`set_tracing`](ShardedDeviceTrainer::set_tracing)).
+    pub(crate) tracing: Option<Tracing<O::Mark>>,
 }
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
@@ -191,6 +195,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             skip_nonfinite: None,
             known_steps: 0,
             pending: None,
+            tracing: None,
         })
     }
 }
@@ -297,7 +302,8 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let known = self.known_steps;
         self.run_step(tokens, step, known)?;
         let copy = self.ops().copy_scalars(&self.scalars)?;
-        let before = self.pending.replace((step, known, copy));
+        let marks = self.tracing.as_mut().and_then(Tracing::take);
+        let before = self.pending.replace((step, known, copy, marks));
         before.map(|p| self.read(p)).transpose()
     }
 
@@ -309,11 +315,15 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         self.pending.take().map(|p| self.read(p)).transpose()
     }
 
+    #[allow(clippy::type_complexity)]
     fn read(
         &mut self,
-        (step, known, copy): (usize, u64, O::ScalarsCopy),
+        (step, known, copy, marks): (usize, u64, O::ScalarsCopy, Option<StepMarks<O::Mark>>),
     ) -> Result<Reported, DeviceTrainError> {
         let v = self.ops().wait_scalars(copy)?;
+        if let (Some(t), Some(m)) = (&mut self.tracing, marks) {
+            t.record(self.pass.ops(), m)?;
+        }
         let (reported, count) = read_outcome(&self.config, step, known, &v)?;
         self.known_steps = count;
         Ok(reported)
@@ -332,6 +342,9 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let accum32 = accum_u32(accum)?;
         let (rank, world) = self.global_rank();
         let ops = self.pass.ops();
+        if let Some(t) = &mut self.tracing {
+            t.begin(ops)?;
+        }
         self.optim.zero_accumulators(ops)?;
         let acc = self
             .optim
@@ -359,6 +372,9 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;
             drop(units);
             ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
+            if let Some(t) = &mut self.tracing {
+                t.model(self.pass.take_marks(), k + 1);
+            }
         }
         let grads: &Weights<O::Buf> = acc;
         squares(ops, grads, &mut self.scalars)?;
@@ -398,6 +414,11 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             &choices,
             &self.decays,
         )?;
+        if let Some(t) = &mut self.tracing {
+            let last = micro_batch_index(step, accum, accum)?;
+            let what = "the ranks' loss and norm, the optimizer step on the shards";
+            t.span(ops, SpanKind::Optimizer, what, last)?;
+        }
         Ok(())
     }
 

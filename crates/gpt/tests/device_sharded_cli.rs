@@ -129,7 +129,7 @@ fn several_ranks_refuse_what_they_do_not_run() {
         a.extend(extra);
         fsdp(&a)
     };
-    let cases: [(&[&str], &[&str]); 6] = [
+    let cases: [(&[&str], &[&str]); 5] = [
         (
             &["--strategy", "hybrid-shard"],
             &["--strategy hybrid-shard", "--ranks-per-node"],
@@ -141,10 +141,6 @@ fn several_ranks_refuse_what_they_do_not_run() {
         (
             &["--memory-snapshot", "m.pickle"],
             &["--memory-snapshot", "not supported with 2 ranks"],
-        ),
-        (
-            &["--trace", "t.json"],
-            &["--trace", "not supported with 2 ranks"],
         ),
         (
             &["--backward-prefetch", "none"],
@@ -246,4 +242,38 @@ fn several_ranks_stop_and_skip_non_finite_steps_as_the_engine() {
         stdout.contains("step 1: the loss is NaN: skipped (1 of"),
         "{stdout}"
     );
+}
+
+/// `--trace` with several ranks writes one Chrome trace with a process per rank, each with the
+/// units' collectives among the model's parts.
+#[test]
+fn several_ranks_write_one_trace() {
+    let dir = scratch("device_sharded_cli", "trace");
+    let trace = dir.join("t.json");
+    let a = small_train_args(
+        &["--steps", "2", "--batch-size", "8", "--device", "host-twin"],
+        &["--ranks", "2", "--trace", s(&trace)],
+    );
+    ok(&fsdp(&a), "fsdp train --trace");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    for pid in [0, 1] {
+        let names: Vec<&str> = events
+            .iter()
+            .filter(|e| e["pid"] == pid && e["ph"] == "X")
+            .map(|e| e["name"].as_str().unwrap())
+            .collect();
+        for want in [
+            "unshard block 0",
+            "forward block 1",
+            "reduce block 0's gradients",
+        ] {
+            assert_eq!(
+                names.iter().filter(|&&n| n == want).count(),
+                2,
+                "rank {pid}: {want} once a step: {names:?}"
+            );
+        }
+    }
 }

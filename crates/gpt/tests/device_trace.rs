@@ -174,3 +174,90 @@ fn fsdp_train_device_writes_the_trace() {
     assert_eq!(spans[8]["cat"], "optimizer");
     assert!(spans.iter().all(|e| e["pid"] == 0 && e["tid"] == 0));
 }
+
+/// Each rank of sharded training traces its steps: the units' collectives as parts of their
+/// own between the model's (the root unsharded first, each block unsharded before its forward
+/// and again before its backward under `FULL_SHARD`, each unit's gradients reduced after its
+/// backward), then the step's end, consecutive on the compute track; tracing changes no bit.
+#[test]
+fn each_rank_of_sharded_training_traces_its_collectives() {
+    use fsdp_collectives::ring;
+    use fsdp_gpt::device_comm::HostComm;
+    use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+    use fsdp_gpt::runtime::ShardingStrategy;
+    let c = device_config(LrSchedule::Constant, false, None, 1);
+    let tokens = synthetic_corpus(20_000, 64, 1);
+    let params = seeded_params(&c.cfg, 1).unwrap();
+    let run = |trace: bool| {
+        ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+            let comm = HostComm::new(Box::new(comm));
+            let s = ShardingStrategy::FullShard;
+            let mut t = ShardedDeviceTrainer::new(HostOps::new(), comm, c, s, &params).unwrap();
+            t.set_tracing(trace).unwrap();
+            let losses: Vec<u32> = (0..STEPS)
+                .map(|s| t.step(&tokens, s).unwrap().loss.to_bits())
+                .collect();
+            (losses, t.trace_events())
+        })
+        .unwrap()
+    };
+    let (traced, plain) = (run(true), run(false));
+    let f = |n: &str| (SpanKind::Forward, n.to_string());
+    let b = |n: &str| (SpanKind::Backward, n.to_string());
+    let mut want = vec![
+        f("unshard the root"),
+        f("embedding forward"),
+        f("unshard block 0"),
+        f("forward block 0"),
+        f("unshard block 1"),
+        f("forward block 1"),
+        f("head forward (ln_f, logits, cross-entropy)"),
+        b("head backward"),
+        b("unshard block 1 for backward"),
+        b("backward block 1"),
+        b("reduce block 1's gradients"),
+        b("unshard block 0 for backward"),
+        b("backward block 0"),
+        b("reduce block 0's gradients"),
+        b("embedding backward"),
+        b("reduce the root's gradients"),
+        (
+            SpanKind::Optimizer,
+            "the ranks' loss and norm, the optimizer step on the shards".to_string(),
+        ),
+    ];
+    want = [want.clone(), want].concat();
+    for (rank, ((losses, events), (plain_losses, none))) in traced.iter().zip(&plain).enumerate() {
+        assert_eq!(losses, plain_losses, "rank {rank}: tracing changes no bit");
+        assert!(none.is_empty());
+        let mut end = None;
+        let got: Vec<(SpanKind, String)> = events
+            .iter()
+            .map(|e| match e {
+                TraceEvent::Span {
+                    kind,
+                    name,
+                    begin_us,
+                    end_us,
+                    ..
+                } => {
+                    assert!(end_us >= begin_us, "{name}");
+                    if name == "unshard the root" {
+                        // A step's first part: it begins where the step does.
+                        end = None;
+                    }
+                    if let Some(prev) = end {
+                        assert_eq!(
+                            *begin_us, prev,
+                            "rank {rank}: {name} follows the part before"
+                        );
+                    }
+                    end = Some(*end_us);
+                    (*kind, name.clone())
+                }
+                other => panic!("rank {rank}: {other:?}"),
+            })
+            .collect();
+        assert_eq!(got, want, "rank {rank}");
+    }
+}

@@ -161,6 +161,7 @@ impl<O: GptOps> GptPass<O> {
         let ops = &self.ops;
         // Embeddings.
         units.pre_forward(ops, Unit::Root)?;
+        self.hook_mark(units, false, || "unshard the root".into())?;
         let ids = ops.upload_ids(inputs)?;
         let mut x = ops.empty(n * e)?;
         let root = units.root()?;
@@ -170,6 +171,7 @@ impl<O: GptOps> GptPass<O> {
         let mut saved = Vec::with_capacity(d.n_layer);
         for layer in 0..d.n_layer {
             units.pre_forward(ops, Unit::Block(layer))?;
+            self.hook_mark(units, false, || format!("unshard block {layer}"))?;
             let (out, a) = self.block_forward(units.block(layer)?, s, x)?;
             units.post_forward(ops, Unit::Block(layer))?;
             self.trace_mark(false, || format!("forward block {layer}"))?;
@@ -218,6 +220,9 @@ impl<O: GptOps> GptPass<O> {
         while let Some(kept) = saved.pop() {
             let layer = saved.len();
             units.pre_backward(ops, Unit::Block(layer))?;
+            self.hook_mark(units, true, || {
+                format!("unshard block {layer} for backward")
+            })?;
             let a = match kept {
                 Saved::Acts(a) => a,
                 Saved::Input(input) => self.block_forward(units.block(layer)?, s, input)?.1,
@@ -225,21 +230,23 @@ impl<O: GptOps> GptPass<O> {
             let (bp, gp) = units.block_grads(layer)?;
             dx = self.block_backward(bp, gp, s, &a, dx)?;
             drop(a);
-            units.post_backward(ops, Unit::Block(layer))?;
             let again = if self.checkpoint {
                 " (its forward again first)"
             } else {
                 ""
             };
             self.trace_mark(true, || format!("backward block {layer}{again}"))?;
+            units.post_backward(ops, Unit::Block(layer))?;
+            self.hook_mark(units, true, || format!("reduce block {layer}'s gradients"))?;
         }
         // Embeddings backward.
         let (_, grads) = units.root_grads()?;
         ops.embedding_backward_tokens(inputs, &dx, e, &mut grads.wte)?;
         ops.embedding_backward_positions(&dx, t, e, &mut grads.wpe)?;
         drop(dx);
-        units.post_backward(ops, Unit::Root)?;
         self.trace_mark(true, || "embedding backward".into())?;
+        units.post_backward(ops, Unit::Root)?;
+        self.hook_mark(units, true, || "reduce the root's gradients".into())?;
         Ok(losses)
     }
 

@@ -8,6 +8,7 @@ use std::sync::{Mutex, PoisonError};
 use super::model::DeviceGpt;
 use super::ops::GptOps;
 use super::pass::GptPass;
+use super::units::Units;
 use crate::KernelError;
 
 /// The end of one part of a traced step: its name, whether it belongs to backward, and the
@@ -36,6 +37,20 @@ impl<O: GptOps> GptPass<O> {
     pub fn take_marks(&self) -> Vec<SpanEnd<O::Mark>> {
         let mut m = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
         m.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// When tracing and `units` asks for it ([`Units::traced`]), records the end of a hook's
+    /// work `name()`.
+    pub(super) fn hook_mark<U: Units<O> + ?Sized>(
+        &self,
+        units: &U,
+        backward: bool,
+        name: impl FnOnce() -> String,
+    ) -> Result<(), KernelError> {
+        if units.traced() {
+            self.trace_mark(backward, name)?;
+        }
+        Ok(())
     }
 
     /// When tracing, records the end of the part `name()`.

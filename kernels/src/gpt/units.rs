@@ -26,6 +26,15 @@ pub enum Unit {
     Block(usize),
 }
 
+impl std::fmt::Display for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unit::Root => write!(f, "the root"),
+            Unit::Block(i) => write!(f, "block {i}"),
+        }
+    }
+}
+
 /// The parameters and gradients of a forward/backward pass, unit by unit (see the
 /// [module](self) documentation).
 ///
@@ -41,6 +50,13 @@ pub enum Unit {
 pub trait Units<O: GptOps> {
     /// The error of the hooks (a collective's, say); the operations' errors convert into it.
     type Error: From<KernelError>;
+
+    /// Whether a traced pass ([`GptPass::set_tracing`](super::GptPass::set_tracing)) marks
+    /// the end of the hooks that do work as parts of their own: `pre_forward` and a block's
+    /// `pre_backward` (unsharding), `post_backward` (reducing the gradients). Default: no.
+    fn traced(&self) -> bool {
+        false
+    }
 
     /// Before the unit's first forward operation.
     ///

@@ -53,7 +53,6 @@ pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<()
     let dev = args.device;
     let refused = [
         ("--cpu-offload", args.cpu_offload),
-        ("--trace", args.trace.is_some()),
         ("--memory-snapshot", args.memory_snapshot.is_some()),
     ];
     match refused.iter().find(|(_, set)| *set) {
@@ -70,6 +69,8 @@ struct RankEnd {
     peak: u64,
     steps: u64,
     tally: Tally,
+    /// With `--trace`: the rank's spans.
+    trace: Vec<fsdp::trace::TraceEvent>,
 }
 
 /// Trains `run` on `world` ranks as threads, rank `r` on the operations `ops(r)` (made in its
@@ -146,6 +147,9 @@ where
         }
         .map_err(err)?;
         trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
+        if args.trace.is_some() {
+            trainer.set_tracing(true).map_err(err)?;
+        }
         let mut tally = Tally::default();
         if let Some((_, state)) = &run.resume {
             trainer
@@ -201,6 +205,7 @@ where
             peak: trainer.memory().peak,
             steps: trainer.optimizer_steps(),
             tally,
+            trace: trainer.trace_events(),
         })
     };
     let results: Vec<Result<RankEnd, CliError>> = std::thread::scope(|s| {
@@ -238,6 +243,14 @@ where
         .unwrap_or_else(std::sync::PoisonError::into_inner)
     {
         log.finish()?;
+    }
+    if let Some(path) = &args.trace {
+        let per_rank: Vec<_> = ends
+            .iter_mut()
+            .map(|e| std::mem::take(&mut e.trace))
+            .collect();
+        fsdp::trace::write_chrome_trace(path, &per_rank)
+            .map_err(|e| crate::paths::output_error("--trace", e))?;
     }
     let end = &ends[0];
     say_done(
