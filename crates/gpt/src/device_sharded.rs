@@ -11,7 +11,7 @@
 //!   gradients reduced to shards by one reduce-scatter per unit with the ranks' mean after each
 //!   unit's backward (an all-reduce under `NO_SHARD`; under the hybrid strategies inside each
 //!   node, then an all-reduce of the shards over the nodes: [`new_hybrid`](ShardedDeviceTrainer::new_hybrid)),
-//!   as [`device_shard`](crate::device_shard) describes;
+//!   each tensor sharded alone and flat, `⌈numel / ranks⌉` elements a rank, zero-padded;
 //! - the loss averaged over ranks and the squares of the gradient shards summed over ranks
 //!   (one all-reduce of the step's scalars each) before the step is decided on the device,
 //!   then AdamW on this rank's shards as [`DeviceTrainer`](crate::device_train::DeviceTrainer)
@@ -42,6 +42,15 @@ use crate::device_train::{
     accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome,
 };
 
+/// A step enqueued whose outcome is unread: its number, the optimizer steps known when it
+/// was enqueued, its scalars on the way, and with tracing its marks.
+pub(crate) type Pending<O> = (
+    usize,
+    u64,
+    <O as GptOps>::ScalarsCopy,
+    Option<StepMarks<<O as GptOps>::Mark>>,
+);
+
 /// One rank of sharded training on a device (see the [module](self) documentation).
 pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) pass: GptPass<O>,
@@ -65,7 +74,7 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) known_steps: u64,
     /// The step enqueued whose outcome is unread: its number, the optimizer steps known
     /// when it was enqueued, and its scalars on the way.
-    pub(crate) pending: Option<(usize, u64, O::ScalarsCopy, Option<StepMarks<O::Mark>>)>,
+    pub(crate) pending: Option<Pending<O>>,
     /// `--trace`: the trace so far ([`set_tracing`](ShardedDeviceTrainer::set_tracing)).
     pub(crate) tracing: Option<Tracing<O::Mark>>,
 }
@@ -315,10 +324,9 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         self.pending.take().map(|p| self.read(p)).transpose()
     }
 
-    #[allow(clippy::type_complexity)]
     fn read(
         &mut self,
-        (step, known, copy, marks): (usize, u64, O::ScalarsCopy, Option<StepMarks<O::Mark>>),
+        (step, known, copy, marks): Pending<O>,
     ) -> Result<Reported, DeviceTrainError> {
         let v = self.ops().wait_scalars(copy)?;
         if let (Some(t), Some(m)) = (&mut self.tracing, marks) {
@@ -473,7 +481,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     }
 
     /// Elements of this rank's shard of each tensor, in
-    /// [`param_shapes`](fsdp_kernels::gpt::param_shapes) order.
+    /// [`param_shapes`] order.
     pub fn shard_lens(&self) -> Vec<usize> {
         param_shapes(&self.config.dims())
             .iter()

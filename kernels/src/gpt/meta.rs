@@ -30,7 +30,13 @@ pub struct MetaBuf {
 /// A counted [`MetaBuf`].
 pub type MetaCounted = Counted<MetaBuf>;
 
-/// Operations that count memory and compute nothing (see the [module](self) documentation).
+/// Operations that count memory and compute nothing: PyTorch's meta device for the GPT's
+/// step. A pass or a trainer run over them makes exactly the allocations and frees, in the
+/// same order, that the host twins and `CudaOps` make, so their counted peak is the real
+/// run's. Buffers hold a length and no values; every operation leaves its outputs "written"
+/// (their [`Counted`] version renewed, as a real write renews it, so that the kept bf16
+/// operand copies of [`HostProducts::Bf16Operands`] are refilled exactly when the host twins
+/// refill theirs). Reading values back gives zeros; staging memory is refused.
 #[derive(Debug)]
 pub struct MetaOps {
     products: HostProducts,

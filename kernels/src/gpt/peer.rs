@@ -25,8 +25,12 @@ pub struct PeerPtr {
     pub len: usize,
 }
 
-/// The operations of ranks that are threads over one device (see the [module](self)
-/// documentation).
+/// The operations of ranks that are threads over one device, reading each other's buffers:
+/// a buffer's address, events that order one rank's stream after another's, a copy from a
+/// peer's buffer and a reduction of peers' buffers (the collectives' kernels,
+/// `launch::reduce_raw`). For [`HostOps`] (host memory; its operations finish before they
+/// return, so its events are reached when recorded) and [`CudaOps`] (device memory of one
+/// CUDA context, CUDA events, `cuMemcpyDtoDAsync`).
 pub trait PeerOps: GptOps {
     /// A point in one rank's stream that another rank's stream can wait for.
     type Event: Clone + Send + Sync;

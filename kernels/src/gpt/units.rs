@@ -35,8 +35,13 @@ impl std::fmt::Display for Unit {
     }
 }
 
-/// The parameters and gradients of a forward/backward pass, unit by unit (see the
-/// [module](self) documentation).
+/// The parameters and gradients of a forward/backward pass, unit by unit: the hooks
+/// [`GptPass::forward_backward`](super::GptPass::forward_backward) calls around each unit, as
+/// PyTorch FSDP's hooks run around each wrapped module. [`Resident`] serves a model that holds
+/// all its parameters and gradients (every hook does nothing); a sharded trainer gathers a
+/// unit's parameters in its `pre_forward` and `pre_backward`, frees them in `post_forward`
+/// (FSDP's `reshard_after_forward`) and `post_backward`, and reduce-scatters the unit's
+/// gradients in `post_backward`.
 ///
 /// The pass calls, in this order: `pre_forward(Root)`; for each block `pre_forward(Block(i))`,
 /// its forward, `post_forward(Block(i))`; the head's forward, `post_forward(Root)`;
