@@ -37,6 +37,7 @@ use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{decide_and_apply, squares, Optim};
 use crate::device_shard::{shard_len, shard_of, ShardedUnits};
+use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
 use crate::device_train::{
     accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome,
@@ -77,6 +78,9 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) pending: Option<Pending<O>>,
     /// `--trace`: the trace so far ([`set_tracing`](ShardedDeviceTrainer::set_tracing)).
     pub(crate) tracing: Option<Tracing<O::Mark>>,
+    /// `--memory-snapshot`: this rank's device memory history
+    /// ([`record_memory_history`](ShardedDeviceTrainer::record_memory_history)).
+    pub(crate) memory_history: Option<MemoryHistory>,
 }
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
@@ -205,6 +209,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             known_steps: 0,
             pending: None,
             tracing: None,
+            memory_history: None,
         })
     }
 }

@@ -1,4 +1,5 @@
-//! `--memory-snapshot` of the [`DeviceTrainer`]: the history of its device memory — every
+//! `--memory-snapshot` of the [`DeviceTrainer`] (and of a rank of the [`ShardedDeviceTrainer`]):
+//! the history of its device memory — every
 //! buffer its operations made and dropped ([`GptOps::memory_history`]) — as a memory snapshot
 //! in PyTorch's format ([`Snapshot`], `torch.cuda.memory._dump_snapshot`'s pickle), whose
 //! `device_traces` `python -m torch.cuda._memory_viz trace_plot` draws. The buffers are counted
@@ -10,6 +11,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use fsdp_allocator::{Snapshot, TraceAction, TraceEntry};
 use fsdp_kernels::gpt::{GptOps, MemoryEvent};
 
+use crate::device_comm::DeviceComm;
+use crate::device_sharded::ShardedDeviceTrainer;
 use crate::device_train::DeviceTrainer;
 
 /// The recorded history: when recording began (on the Unix clock and the monotonic one) and
@@ -20,18 +23,65 @@ pub(crate) struct MemoryHistory {
     events: Vec<MemoryEvent>,
 }
 
-impl<O: GptOps> DeviceTrainer<O> {
-    /// Record every device buffer made and dropped from now on (`true`), or stop (`false`):
-    /// see [`memory_snapshot`](Self::memory_snapshot).
-    pub fn record_memory_history(&mut self, on: bool) {
-        self.model.ops().record_memory_history(on);
-        self.memory_history = on.then(|| MemoryHistory {
+impl MemoryHistory {
+    /// A history starting now.
+    pub(crate) fn start() -> MemoryHistory {
+        MemoryHistory {
             unix_us: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64),
             start: Instant::now(),
             events: Vec::new(),
-        });
+        }
+    }
+
+    /// The history, with the operations' events since the last call (`more`), as a snapshot
+    /// of `device` (see [`DeviceTrainer::memory_snapshot`]).
+    pub(crate) fn snapshot(&mut self, more: Vec<MemoryEvent>, device: &str) -> Snapshot {
+        self.events.extend(more);
+        let mut traces = Vec::new();
+        for e in &self.events {
+            let time_us =
+                self.unix_us + e.at.saturating_duration_since(self.start).as_micros() as u64;
+            let entry = |action| TraceEntry {
+                action,
+                addr: e.id,
+                size: e.bytes,
+                stream: 0,
+                time_us,
+                frames: Vec::new(),
+                device_free: None,
+            };
+            if e.alloc {
+                traces.push(entry(TraceAction::Alloc));
+            } else {
+                traces.push(entry(TraceAction::FreeRequested));
+                traces.push(entry(TraceAction::FreeCompleted));
+            }
+        }
+        Snapshot {
+            device: device.to_string(),
+            segments: Vec::new(),
+            device_traces: traces,
+        }
+    }
+}
+
+/// A snapshot of `device` without events (not recording).
+fn empty(device: &str) -> Snapshot {
+    Snapshot {
+        device: device.to_string(),
+        segments: Vec::new(),
+        device_traces: Vec::new(),
+    }
+}
+
+impl<O: GptOps> DeviceTrainer<O> {
+    /// Record every device buffer made and dropped from now on (`true`), or stop (`false`):
+    /// see [`memory_snapshot`](Self::memory_snapshot).
+    pub fn record_memory_history(&mut self, on: bool) {
+        self.model.ops().record_memory_history(on);
+        self.memory_history = on.then(MemoryHistory::start);
     }
 
     /// The device memory's history since recording began as a snapshot of `device` (e.g.
@@ -39,33 +89,28 @@ impl<O: GptOps> DeviceTrainer<O> {
     /// `free_requested` and a `free_completed` (nothing waits to be reused), addressed by the
     /// buffer's identity, in time order; no segments. Empty when not recording.
     pub fn memory_snapshot(&mut self, device: &str) -> Snapshot {
-        let mut traces = Vec::new();
-        if let Some(h) = &mut self.memory_history {
-            h.events.extend(self.model.ops().memory_history());
-            for e in &h.events {
-                let time_us =
-                    h.unix_us + e.at.saturating_duration_since(h.start).as_micros() as u64;
-                let entry = |action| TraceEntry {
-                    action,
-                    addr: e.id,
-                    size: e.bytes,
-                    stream: 0,
-                    time_us,
-                    frames: Vec::new(),
-                    device_free: None,
-                };
-                if e.alloc {
-                    traces.push(entry(TraceAction::Alloc));
-                } else {
-                    traces.push(entry(TraceAction::FreeRequested));
-                    traces.push(entry(TraceAction::FreeCompleted));
-                }
-            }
+        match &mut self.memory_history {
+            Some(h) => h.snapshot(self.model.ops().memory_history(), device),
+            None => empty(device),
         }
-        Snapshot {
-            device: device.to_string(),
-            segments: Vec::new(),
-            device_traces: traces,
+    }
+}
+
+impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
+    /// Record every device buffer this rank's operations make and drop from now on (`true`),
+    /// or stop (`false`), as [`DeviceTrainer::record_memory_history`].
+    pub fn record_memory_history(&mut self, on: bool) {
+        self.pass.ops().record_memory_history(on);
+        self.memory_history = on.then(MemoryHistory::start);
+    }
+
+    /// This rank's device memory history as a snapshot of `device`, as
+    /// [`DeviceTrainer::memory_snapshot`] (the units gathered and freed, the gradients
+    /// reduced, among the step's buffers).
+    pub fn memory_snapshot(&mut self, device: &str) -> Snapshot {
+        match &mut self.memory_history {
+            Some(h) => h.snapshot(self.pass.ops().memory_history(), device),
+            None => empty(device),
         }
     }
 }

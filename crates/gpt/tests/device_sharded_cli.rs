@@ -129,7 +129,7 @@ fn several_ranks_refuse_what_they_do_not_run() {
         a.extend(extra);
         fsdp(&a)
     };
-    let cases: [(&[&str], &[&str]); 5] = [
+    let cases: [(&[&str], &[&str]); 4] = [
         (
             &["--strategy", "hybrid-shard"],
             &["--strategy hybrid-shard", "--ranks-per-node"],
@@ -137,10 +137,6 @@ fn several_ranks_refuse_what_they_do_not_run() {
         (
             &["--cpu-offload"],
             &["--cpu-offload", "not supported with 2 ranks"],
-        ),
-        (
-            &["--memory-snapshot", "m.pickle"],
-            &["--memory-snapshot", "not supported with 2 ranks"],
         ),
         (
             &["--backward-prefetch", "none"],

@@ -121,9 +121,22 @@ fn number_after(text: &str, prefix: &str) -> u64 {
 /// the peak the run counted.
 #[test]
 fn device_train_writes_its_memory_history() {
-    let d = common::cli::scratch("memory-snapshot", "device");
+    device_history("device", &[]);
+}
+
+/// The same with two ranks as threads on the device (rank 0's history): the units gathered and
+/// freed, the gradients reduced, among the step's buffers.
+#[test]
+fn sharded_device_train_writes_rank_zeros_memory_history() {
+    device_history("sharded", &["--ranks", "2", "--strategy", "full-shard"]);
+}
+
+/// `fsdp train --device host-twin --memory-snapshot` with `extra`, checked against the run's
+/// counted peak and `fsdp plan --device`'s held bytes.
+fn device_history(name: &str, extra: &[&str]) {
+    let d = common::cli::scratch("memory-snapshot", name);
     let snap = d.join("snap.pickle");
-    let run = [
+    let mut run = vec![
         "--device",
         "host-twin",
         "--param-dtype",
@@ -131,13 +144,19 @@ fn device_train_writes_its_memory_history() {
         "--batch-size",
         "8",
     ];
+    run.extend(extra);
     let mut a = small_train_args(&["--steps", "2"], &run);
     a.extend(["--memory-snapshot", s(&snap)]);
     let out = ok(
         &command(&a).output().unwrap(),
         "fsdp train --device host-twin",
     );
-    let peak = number_after(&out, "peak device memory ");
+    let prefix = if extra.is_empty() {
+        "peak device memory "
+    } else {
+        "peak device memory per rank "
+    };
+    let peak = number_after(&out, prefix);
     let mut p = vec!["plan"];
     p.extend(&small_train_args(&[], &run)[1..]);
     let plan = ok(
@@ -174,6 +193,6 @@ fn device_train_writes_its_memory_history() {
     assert_eq!(
         held + most,
         peak,
-        "{text}: held {held}, counted peak {peak}"
+        "{name}: {text}: held {held}, counted peak {peak}"
     );
 }

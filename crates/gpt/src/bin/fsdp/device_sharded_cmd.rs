@@ -51,10 +51,7 @@ pub(crate) fn check_strategy(
 /// one-rank trainer's options not built for several ranks.
 pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<(), CliError> {
     let dev = args.device;
-    let refused = [
-        ("--cpu-offload", args.cpu_offload),
-        ("--memory-snapshot", args.memory_snapshot.is_some()),
-    ];
+    let refused = [("--cpu-offload", args.cpu_offload)];
     match refused.iter().find(|(_, set)| *set) {
         Some((option, _)) => Err(fail(format!(
             "--device {dev}: {option} is not supported with {world} ranks on the device (it is \
@@ -150,6 +147,9 @@ where
         if args.trace.is_some() {
             trainer.set_tracing(true).map_err(err)?;
         }
+        if args.memory_snapshot.is_some() {
+            trainer.record_memory_history(true);
+        }
         let mut tally = Tally::default();
         if let Some((_, state)) = &run.resume {
             trainer
@@ -200,6 +200,13 @@ where
             if rank == 0 {
                 save_checkpoint(path, cfg, &params)?;
             }
+        }
+        if let (0, Some(path)) = (rank, &args.memory_snapshot) {
+            // Rank 0's, as the engine writes rank 0's.
+            trainer
+                .memory_snapshot(&dev.to_string())
+                .write_pickle(path)
+                .map_err(|e| fail(format!("--memory-snapshot: {e}")))?;
         }
         Ok(RankEnd {
             peak: trainer.memory().peak,
