@@ -1,14 +1,14 @@
 //! `fsdp train --device host-twin --ranks N --strategy S`: sharded training on one device
 //! through the command line (ranks as threads over the host twins, `PeerComm`: the path of
-//! `--device cuda --ranks N`) against the engine's `fsdp
-//! train --ranks N --strategy S` on the same options: every step's loss within 1e-4 relative
-//! (issue 16's criterion; the largest difference is printed) and `--save`'s weights within
-//! 1e-4 of the model's largest weight, for each strategy the device runs, with clipping,
-//! accumulation and the cosine schedule (the hybrid ones in nodes of `--ranks-per-node`). And
-//! its refusals, each one `error:` line naming the option: hybrid strategies without
-//! `--ranks-per-node`, the one-rank trainer's options not built for several ranks, and
-//! `fsdp plan --device` of several ranks. A non-finite step stops (or is skipped) as on the
-//! engine.
+//! `--device cuda --ranks N`) against the engine's `fsdp train --ranks N --strategy S` on the
+//! same options: every step's loss within 1e-4 relative (issue 16's criterion; the largest
+//! difference is printed) and `--save`'s weights within 1e-4 of the model's largest weight,
+//! for every strategy (the hybrid ones in nodes of `--ranks-per-node`), with clipping,
+//! accumulation and the cosine schedule. `fsdp plan --device --ranks N` predicts each rank's
+//! peak exactly and admission uses it; `--trace` writes a process per rank; a non-finite step
+//! stops (or is skipped) as on the engine. And its refusals, each one `error:` line naming the
+//! option: hybrid strategies without `--ranks-per-node`, CPU offload, the engine's prefetch
+//! options, bf16 reductions.
 
 mod common;
 
