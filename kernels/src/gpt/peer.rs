@@ -178,6 +178,11 @@ unsafe fn cuda_fold<T: KernelFloat>(
     if len == 0 {
         return Ok(());
     }
+    // The raw calls below use the thread's current context: this stream's.
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| copy_error("cuCtxSetCurrent", e))?;
     let f = std::mem::size_of::<T>();
     let at = |(p, o): (PeerPtr, usize)| (p.addr + o * f) as u64;
     let n = srcs.len();
@@ -355,6 +360,11 @@ impl PeerOps for CudaOps {
             return Ok(());
         }
         let f = std::mem::size_of::<f32>();
+        // The raw copy uses the thread's current context: this stream's.
+        self.cuda
+            .context()
+            .bind_to_thread()
+            .map_err(|e| copy_error("cuCtxSetCurrent", e))?;
         let stream = self.cuda.cu_stream();
         let (to, _sync) = dst.device_ptr_mut(&self.cuda);
         let to = to + (dst_offset * f) as u64;
