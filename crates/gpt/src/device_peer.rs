@@ -22,7 +22,7 @@
 //! [`CollectiveError::PeerDeparted`] at their next exchange, and a rank that does not arrive
 //! makes them fail with [`CollectiveError::Timeout`].
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -69,6 +69,9 @@ pub struct PeerComm<O: PeerOps> {
     group: Arc<Group<O::Event>>,
     /// Collectives issued (for errors).
     seq: Cell<u64>,
+    /// The scalars' all-reduce's result, kept from one call to the next (no allocation, and
+    /// on a GPU no upload, a step).
+    scratch: RefCell<Option<O::Scalars>>,
 }
 
 impl<O: PeerOps> PeerComm<O> {
@@ -91,6 +94,7 @@ impl<O: PeerOps> PeerComm<O> {
                 timeout,
                 group: group.clone(),
                 seq: Cell::new(0),
+                scratch: RefCell::new(None),
             })
             .collect()
     }
@@ -376,9 +380,14 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         let len = slots.len();
         let desc = format!("all-reduce ({op:?}) of scalars {slots:?}");
         let posts = self.begin(ops, "all-reduce", desc.clone(), vec![ptr])?;
-        let mut reduced = ops.scalars(&vec![0.0; ptr.len])?;
+        let kept = self.scratch.borrow_mut().take();
+        let mut reduced = match kept {
+            Some(k) if ops.scalars_ptr(&k).len == ptr.len => k,
+            _ => ops.scalars(&vec![0.0; ptr.len])?,
+        };
         let srcs: Vec<(PeerPtr, usize)> = posts.iter().map(|p| (p.ptrs[0], slots.start)).collect();
-        // SAFETY: as in `all_gather`; `reduced` is new, distinct from every source.
+        // SAFETY: as in `all_gather`; `reduced` is this rank's own (written on its stream
+        // only), distinct from every source.
         unsafe { ops.reduce_scalars_from_peers(kind, &srcs, &mut reduced, slots.start, len)? };
         self.finish(ops, "all-reduce", desc)?;
         let from = [(ops.scalars_ptr(&reduced), slots.start)];
@@ -387,6 +396,7 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         unsafe {
             ops.reduce_scalars_from_peers(ReduceKind::Sum, &from, scalars, slots.start, len)?
         };
+        *self.scratch.borrow_mut() = Some(reduced);
         Ok(())
     }
 }

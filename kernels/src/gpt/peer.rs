@@ -31,7 +31,7 @@ pub struct PeerPtr {
 /// `launch::reduce_raw`). For [`HostOps`] (host memory; its operations finish before they
 /// return, so its events are reached when recorded) and [`CudaOps`] (device memory of one
 /// CUDA context, CUDA events, `cuMemcpyDtoDAsync`).
-pub trait PeerOps: GptOps {
+pub trait PeerOps: GptOps<Scalars: Send> {
     /// A point in one rank's stream that another rank's stream can wait for.
     type Event: Clone + Send + Sync;
 
