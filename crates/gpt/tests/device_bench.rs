@@ -1,6 +1,7 @@
 //! The device benchmark's measurements (`fsdp_gpt::device_bench`, behind `gpt-device-bench`) on
 //! the host twins: the FLOP count against the closed form, the timed steps against an untimed
-//! run of the same trainer, the median's definition, and a step that is not finite refused.
+//! run of the same trainer, the median's definition, a step that is not finite refused, and the
+//! benchmark program timing two ranks against one.
 
 use std::time::Duration;
 
@@ -104,4 +105,55 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
         }
         other => panic!("expected step 0 to be refused, got {other:?}"),
     }
+}
+
+/// `gpt-device-bench --device host-twin --model tiny --ranks 2`: after the world-1 run, the
+/// same global batch as two ranks (each timed by `time_steps` over `ShardedDeviceTrainer`):
+/// the same losses as world 1 within 1e-5 (printed at 4 decimals: equal), its median step and
+/// its ratio to world 1's on a `RESULT` line, and every rank's peak.
+#[test]
+fn the_benchmark_times_two_ranks_against_one() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
+        .args([
+            "--device",
+            "host-twin",
+            "--model",
+            "tiny",
+            "--products",
+            "f32",
+        ])
+        .args(["--steps", "4", "--warmup", "1", "--ranks", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let losses = |line: &str| line.rsplit("loss ").next().unwrap().trim().to_string();
+    let one = text
+        .lines()
+        .find(|l| l.starts_with("gpt-device-bench tiny"))
+        .unwrap();
+    let two = text
+        .lines()
+        .find(|l| l.contains("2 ranks as threads"))
+        .unwrap();
+    assert_eq!(losses(one), losses(two), "{text}");
+    assert!(two.contains("peak memory per rank"), "{two}");
+    let result = text
+        .lines()
+        .find(|l| l.starts_with("RESULT gpt-device-bench tiny f32 world 2 full-shard"))
+        .unwrap_or_else(|| panic!("{text}"));
+    let ratio: f64 = result
+        .split(", ")
+        .nth(1)
+        .unwrap()
+        .split('×')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
 }
