@@ -5,7 +5,8 @@
 //! `CudaOps` do and compute nothing — for two steps, and reads rank 0's counted peak (every
 //! rank holds the same sizes). The plan is therefore exact by construction for every strategy,
 //! checkpointing and product type: the units gathered and freed, the gradients reduced, the
-//! collectives' own buffers, in the order they happen. `tests/device_plan_sharded.rs` holds it
+//! collectives' own buffers, in the order they happen. Under CPU offload the device holds the
+//! same buffers but the accumulators and moments. `tests/device_plan_sharded.rs` holds it
 //! equal to the host twins' measured peak.
 
 use std::fmt;
@@ -35,6 +36,10 @@ pub struct ShardedMemoryPlan {
     pub accumulators: u64,
     /// AdamW's two moments (f32, shaped as the shards).
     pub moments: u64,
+    /// Under CPU offload, what lives in host memory instead: the master shards, the
+    /// accumulators and the moments (f32; 0 without offload; the accumulators and moments
+    /// above are then 0).
+    pub offloaded: u64,
     /// The step's scalars (f64).
     pub step_scalars: u64,
     /// The peak of a step past the first: what it holds throughout, plus the units gathered,
@@ -58,6 +63,7 @@ impl fmt::Display for ShardedMemoryPlan {
             ("gradient accumulators", self.accumulators),
             ("AdamW moments", self.moments),
             ("step scalars", self.step_scalars),
+            ("in host memory (CPU offload)", self.offloaded),
         ] {
             writeln!(f, "  {what}: {b} bytes ({})", mib(b))?;
         }
@@ -112,7 +118,14 @@ pub fn plan_sharded_memory(
                 .map(|c| (c, None))
                 .collect(),
         };
-    let config = *config;
+    // Under CPU offload the device holds the same buffers but the accumulators and the
+    // moments (the step's transient buffers are the same): planned without it, then those
+    // taken off.
+    let offload = config.offload;
+    let config = DeviceTrainConfig {
+        offload: false,
+        ..*config
+    };
     let peaks: Vec<Result<u64, DeviceTrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -165,13 +178,19 @@ pub fn plan_sharded_memory(
         .sum();
     let each = shards * 4;
     let tensors = param_shapes(&config.dims()).len();
+    let (accumulators, moments, offloaded) = if offload {
+        (0, 0, 4 * each)
+    } else {
+        (each, 2 * each, 0)
+    };
     Ok(ShardedMemoryPlan {
         world,
         strategy,
         parameters: each,
-        accumulators: each,
-        moments: 2 * each,
+        accumulators,
+        moments,
+        offloaded,
         step_scalars: step_scalars_len(tensors) as u64 * 8,
-        peak,
+        peak: if offload { peak - 3 * each } else { peak },
     })
 }

@@ -16,7 +16,7 @@
 //!   to the step's gradient
 //!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
 
-use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
+use fsdp_kernels::gpt::{Block, GptDims, GptOps, HostBuf, Unit, Units, Weights, WithGrads};
 use fsdp_kernels::KernelError;
 
 use crate::device_comm::DeviceComm;
@@ -56,8 +56,8 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     reshard_after_forward: bool,
     /// This rank's parameter shards (the full parameters when replicated).
     shards: &'a Weights<O::Buf>,
-    /// The step's gradient accumulators, shaped as `shards`.
-    acc: &'a mut Weights<O::Buf>,
+    /// Where the reduced gradients go: the step's accumulators, shaped as `shards`.
+    sink: GradSink<'a, O::Buf>,
     /// The weight of this pass's gradients in the accumulators (`1 / micro-batches`).
     alpha: f32,
     root: Option<Weights<O::Buf>>,
@@ -68,7 +68,7 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
 
 impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     /// The hooks of one pass over `shards` (sharded over `factor` ranks of `comm`), adding
-    /// `alpha ×` the reduced gradients into `acc`.
+    /// `alpha ×` the reduced gradients into the accumulators of `sink`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         comm: &'a C,
@@ -77,7 +77,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         factor: usize,
         reshard_after_forward: bool,
         shards: &'a Weights<O::Buf>,
-        acc: &'a mut Weights<O::Buf>,
+        sink: GradSink<'a, O::Buf>,
         alpha: f32,
     ) -> Self {
         ShardedUnits {
@@ -87,7 +87,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             factor,
             reshard_after_forward,
             shards,
-            acc,
+            sink,
             alpha,
             root: None,
             root_grads: None,
@@ -125,20 +125,24 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         Ok(())
     }
 
-    /// Reduces full gradients `full` of a unit whose shards in the accumulators are `acc`.
+    /// Reduces the full gradients `full` of `unit` and adds `alpha ×` this rank's part of
+    /// them to the unit's accumulators in `sink`.
+    #[allow(clippy::too_many_arguments)]
     fn reduce(
         comm: &C,
         replicas: Option<&C>,
         ops: &O,
         factor: usize,
         alpha: f32,
+        unit: Unit,
         mut full: Vec<&mut O::Buf>,
-        acc: Vec<&mut O::Buf>,
+        sink: &mut GradSink<'_, O::Buf>,
     ) -> Result<(), DeviceTrainError> {
         if factor > 1 {
-            let mut reduced = acc
+            let lens = sink.lens::<O>(unit)?;
+            let mut reduced = lens
                 .iter()
-                .map(|a| ops.empty(O::buf_len(a)))
+                .map(|&n| ops.empty(n))
                 .collect::<Result<Vec<_>, _>>()?;
             let fulls: Vec<&O::Buf> = full.iter().map(|f| &**f).collect();
             let mut outs: Vec<&mut O::Buf> = reduced.iter_mut().collect();
@@ -147,17 +151,73 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                 // The nodes' means of the same shards, averaged: the mean over every rank.
                 r.all_reduce_avg(ops, &mut outs)?;
             }
-            for (a, g) in acc.into_iter().zip(&reduced) {
-                ops.axpby(alpha, g, 1.0, a)?;
-            }
+            sink.add(ops, alpha, unit, reduced.iter().collect())
         } else {
             comm.all_reduce_avg(ops, &mut full)?;
             if let Some(r) = replicas {
                 // Nodes of one rank: the shards are whole tensors, averaged over the nodes.
                 r.all_reduce_avg(ops, &mut full)?;
             }
-            for (a, g) in acc.into_iter().zip(full) {
-                ops.axpby(alpha, g, 1.0, a)?;
+            sink.add(ops, alpha, unit, full.iter().map(|g| &**g).collect())
+        }
+    }
+}
+
+/// Where a sharded pass's reduced gradients are accumulated: on the device, or under CPU
+/// offload on the host (each copied out, then added there by the host twins' `axpby`, bitwise
+/// the device's).
+pub(crate) enum GradSink<'a, B> {
+    /// The accumulators on the device.
+    Device(&'a mut Weights<B>),
+    /// The accumulators on the host.
+    Host(&'a mut Weights<HostBuf>),
+}
+
+/// `unit`'s tensors of `w`, mutably.
+fn unit_mut<B>(w: &mut Weights<B>, unit: Unit) -> Result<Vec<&mut B>, DeviceTrainError> {
+    match unit {
+        Unit::Root => Ok(w.root_bufs_mut().into_iter().collect()),
+        Unit::Block(l) => {
+            let n = w.blocks.len();
+            w.blocks
+                .get_mut(l)
+                .map(Block::bufs_mut)
+                .ok_or_else(|| not_held(&format!("block {l} of {n}")))
+        }
+    }
+}
+
+impl<B> GradSink<'_, B> {
+    /// The lengths of `unit`'s accumulators.
+    fn lens<O: GptOps<Buf = B>>(&mut self, unit: Unit) -> Result<Vec<usize>, DeviceTrainError> {
+        Ok(match self {
+            GradSink::Device(w) => unit_mut(w, unit)?
+                .into_iter()
+                .map(|b| O::buf_len(b))
+                .collect(),
+            GradSink::Host(w) => unit_mut(w, unit)?.into_iter().map(|b| b.len()).collect(),
+        })
+    }
+
+    /// Adds `alpha × grads` (on the device, in `unit`'s order) to `unit`'s accumulators.
+    fn add<O: GptOps<Buf = B>>(
+        &mut self,
+        ops: &O,
+        alpha: f32,
+        unit: Unit,
+        grads: Vec<&B>,
+    ) -> Result<(), DeviceTrainError> {
+        match self {
+            GradSink::Device(w) => {
+                for (a, g) in unit_mut(w, unit)?.into_iter().zip(grads) {
+                    ops.axpby(alpha, g, 1.0, a)?;
+                }
+            }
+            GradSink::Host(w) => {
+                for (a, g) in unit_mut(w, unit)?.into_iter().zip(grads) {
+                    let v = ops.download(g)?;
+                    fsdp_kernels::host::axpby(alpha, &v, 1.0, a)?;
+                }
             }
         }
         Ok(())
@@ -210,8 +270,16 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
             Unit::Root => {
                 let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
                 let full = g.root_bufs_mut().into_iter().collect();
-                let acc = self.acc.root_bufs_mut().into_iter().collect();
-                Self::reduce(comm, replicas, ops, factor, alpha, full, acc)?;
+                Self::reduce(
+                    comm,
+                    replicas,
+                    ops,
+                    factor,
+                    alpha,
+                    unit,
+                    full,
+                    &mut self.sink,
+                )?;
                 self.root = None;
             }
             Unit::Block(l) => {
@@ -221,15 +289,16 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     .get_mut(l)
                     .and_then(Option::take)
                     .ok_or_else(what)?;
-                let acc = self.acc.blocks.get_mut(l).ok_or_else(what)?;
+                let full = g.bufs_mut();
                 Self::reduce(
                     comm,
                     replicas,
                     ops,
                     factor,
                     alpha,
-                    g.bufs_mut(),
-                    acc.bufs_mut(),
+                    unit,
+                    full,
+                    &mut self.sink,
                 )?;
                 self.blocks[l] = None;
             }

@@ -28,19 +28,19 @@ use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp::ShardingStrategy;
 use fsdp_collectives::ReduceOp;
-use fsdp_kernels::gpt::{param_shapes, Block, GptOps, GptPass, Weights};
-use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_LOSS, STEP_SQUARES};
+use fsdp_kernels::gpt::{param_shapes, Block, GptOps, GptPass, HostOps, Weights};
+use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_APPLIED, STEP_LOSS, STEP_SQUARES};
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
 use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
-use crate::device_optim::{decide_and_apply, squares, Optim};
-use crate::device_shard::{shard_len, shard_of, ShardedUnits};
+use crate::device_optim::{decide_and_apply, squares, HostSide, Optim};
+use crate::device_shard::{shard_len, shard_of, GradSink, ShardedUnits};
 use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
 use crate::device_train::{
-    accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome,
+    accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome, Values,
 };
 
 /// A step enqueued whose outcome is unread: its number, the optimizer steps known when it
@@ -48,9 +48,19 @@ use crate::device_train::{
 pub(crate) type Pending<O> = (
     usize,
     u64,
-    <O as GptOps>::ScalarsCopy,
+    Values<O>,
     Option<StepMarks<<O as GptOps>::Mark>>,
 );
+
+/// Where a rank keeps its gradient accumulators, AdamW's moments and (under CPU offload) the
+/// master copy of its shards.
+pub(crate) enum ShardSide<B> {
+    /// On the device, beside the shards.
+    Device(Optim<B>),
+    /// CPU offload: on the host (the host twins); the device keeps working copies of the
+    /// shards, updated after each optimizer step.
+    Host(Box<HostSide>),
+}
 
 /// One rank of sharded training on a device (see the [module](self) documentation).
 pub struct ShardedDeviceTrainer<O: GptOps, C> {
@@ -67,8 +77,9 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) factor: usize,
     /// This rank's parameter shards.
     pub(crate) shards: Weights<O::Buf>,
-    /// The step's gradient accumulators and AdamW's moments, of the shards.
-    pub(crate) optim: Optim<O::Buf>,
+    /// The step's gradient accumulators and AdamW's moments, of the shards: on the device, or
+    /// under CPU offload on the host.
+    pub(crate) optim: ShardSide<O::Buf>,
     pub(crate) decays: Vec<bool>,
     pub(crate) scalars: O::Scalars,
     pub(crate) skip_nonfinite: Option<u64>,
@@ -164,9 +175,6 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             }
             _ => {}
         }
-        if config.offload {
-            return Err(refuse("CPU offload is built for one rank only"));
-        }
         let micro = config.batch_size / config.grad_accum;
         if micro % world != 0 {
             return Err(FsdpError::BatchNotDivisible {
@@ -187,9 +195,31 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         pass.set_activation_checkpointing(config.activation_checkpointing);
         let ops = pass.ops();
         let shards = Weights::try_build(&dims, |name, len| make(ops, name, len, shard, factor))?;
-        let optim = Optim::sharded_zeros(ops, &dims, true, factor)?;
         let tensors = param_shapes(&dims).len();
         let scalars = ops.scalars(&vec![0.0; step_scalars_len(tensors)])?;
+        let optim = if config.offload {
+            // The master shards on the host start as the device's.
+            let host = HostOps::new();
+            let mut masters = Vec::new();
+            for (_, b) in shards.named() {
+                masters.push(host.upload(&ops.download(b)?)?);
+            }
+            let mut masters = masters.into_iter();
+            let params = Weights::try_build(&dims, |name, _| {
+                masters.next().ok_or_else(|| KernelError::InvalidArgument {
+                    kernel: "offload",
+                    reason: format!("no master shard of {name}"),
+                })
+            })?;
+            ShardSide::Host(Box::new(HostSide {
+                optim: Optim::sharded_zeros(&host, &dims, true, factor)?,
+                scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
+                params,
+                ops: host,
+            }))
+        } else {
+            ShardSide::Device(Optim::sharded_zeros(ops, &dims, true, factor)?)
+        };
         let decays = param_shapes(&dims)
             .iter()
             .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
@@ -314,10 +344,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         step: usize,
     ) -> Result<Option<Reported>, DeviceTrainError> {
         let known = self.known_steps;
-        self.run_step(tokens, step, known)?;
-        let copy = self.ops().copy_scalars(&self.scalars)?;
+        let values = match self.run_step(tokens, step, known)? {
+            Some(host) => Values::Host(host),
+            None => Values::Device(self.ops().copy_scalars(&self.scalars)?),
+        };
         let marks = self.tracing.as_mut().and_then(Tracing::take);
-        let before = self.pending.replace((step, known, copy, marks));
+        let before = self.pending.replace((step, known, values, marks));
         before.map(|p| self.read(p)).transpose()
     }
 
@@ -331,9 +363,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
 
     fn read(
         &mut self,
-        (step, known, copy, marks): Pending<O>,
+        (step, known, values, marks): Pending<O>,
     ) -> Result<Reported, DeviceTrainError> {
-        let v = self.ops().wait_scalars(copy)?;
+        let v = match values {
+            Values::Device(copy) => self.ops().wait_scalars(copy)?,
+            Values::Host(v) => v,
+        };
         if let (Some(t), Some(m)) = (&mut self.tracing, marks) {
             t.record(self.pass.ops(), m)?;
         }
@@ -342,12 +377,14 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         Ok(reported)
     }
 
+    /// Enqueues the step's work; under CPU offload runs its end on the host and returns the
+    /// step's scalars.
     fn run_step(
         &mut self,
         tokens: &[u16],
         step: usize,
         known: u64,
-    ) -> Result<(), DeviceTrainError> {
+    ) -> Result<Option<Vec<f64>>, DeviceTrainError> {
         let c = self.config;
         let (accum, t) = (c.grad_accum, c.cfg.block_size);
         let micro = c.batch_size / accum;
@@ -358,18 +395,21 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         if let Some(t) = &mut self.tracing {
             t.begin(ops)?;
         }
-        self.optim.zero_accumulators(ops)?;
-        let acc = self
-            .optim
-            .acc
-            .as_mut()
-            .ok_or_else(|| KernelError::InvalidArgument {
-                kernel: "sharded step",
-                reason: "no gradient accumulators".into(),
-            })?;
+        match &mut self.optim {
+            ShardSide::Device(o) => o.zero_accumulators(ops)?,
+            ShardSide::Host(h) => h.optim.zero_accumulators(&h.ops)?,
+        }
+        let no_acc = || KernelError::InvalidArgument {
+            kernel: "sharded step",
+            reason: "no gradient accumulators".into(),
+        };
         for m in 0..accum {
             let k = micro_batch_index(step, accum, m)?;
             let b = get_batch(tokens, k, micro, t, rank, world)?;
+            let sink = match &mut self.optim {
+                ShardSide::Device(o) => GradSink::Device(o.acc.as_mut().ok_or_else(no_acc)?),
+                ShardSide::Host(h) => GradSink::Host(h.optim.acc.as_mut().ok_or_else(no_acc)?),
+            };
             let mut units = ShardedUnits::new(
                 &self.comm,
                 self.replicas.as_ref(),
@@ -377,7 +417,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 self.factor,
                 self.strategy.reshard_after_forward(),
                 &self.shards,
-                acc,
+                sink,
                 alpha,
             );
             let losses =
@@ -389,26 +429,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 t.model(self.pass.take_marks(), k + 1);
             }
         }
-        let grads: &Weights<O::Buf> = acc;
-        squares(ops, grads, &mut self.scalars)?;
         let tensors = self.decays.len();
-        let comm = &self.comm;
-        comm.all_reduce_scalars(
-            ops,
-            &mut self.scalars,
-            STEP_LOSS..STEP_LOSS + 1,
-            ReduceOp::Avg,
-        )?;
-        if let Some(r) = &self.replicas {
-            let loss = STEP_LOSS..STEP_LOSS + 1;
-            r.all_reduce_scalars(ops, &mut self.scalars, loss, ReduceOp::Avg)?;
-        }
-        // The shards are the same in every node (their gradients reduced over the nodes too):
-        // the squares are summed over the shards of one node.
-        if self.factor > 1 {
-            let squares = STEP_SQUARES..STEP_SQUARES + tensors;
-            comm.all_reduce_scalars(ops, &mut self.scalars, squares, ReduceOp::Sum)?;
-        }
         let rule = StepRule {
             tensors,
             max_norm: c.grad_clip,
@@ -416,23 +437,68 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             base_steps: known,
         };
         let choices = adamw_choices(&c, known)?;
-        let moments = &mut self.optim.moments;
-        decide_and_apply(
-            ops,
-            &mut self.shards,
-            grads,
-            moments,
-            &mut self.scalars,
-            &rule,
-            &choices,
-            &self.decays,
-        )?;
+        let (comm, replicas, factor) = (&self.comm, self.replicas.as_ref(), self.factor);
+        let host_values = match &mut self.optim {
+            ShardSide::Device(o) => {
+                let grads = o.acc.as_ref().ok_or_else(no_acc)?;
+                squares(ops, grads, &mut self.scalars)?;
+                reduce_scalars(comm, replicas, factor, tensors, ops, &mut self.scalars)?;
+                decide_and_apply(
+                    ops,
+                    &mut self.shards,
+                    grads,
+                    &mut o.moments,
+                    &mut self.scalars,
+                    &rule,
+                    &choices,
+                    &self.decays,
+                )?;
+                None
+            }
+            ShardSide::Host(h) => {
+                // CPU offload: the step's loss from the device (a wait), the squares on the
+                // host, both reduced over the ranks through the device, then AdamW on the host
+                // and the updated shards copied in.
+                let HostSide {
+                    ops: host,
+                    params: masters,
+                    optim,
+                    scalars,
+                } = &mut **h;
+                let grads = optim.acc.as_ref().ok_or_else(no_acc)?;
+                let device = ops.wait_scalars(ops.copy_scalars(&self.scalars)?)?;
+                scalars[STEP_LOSS] = device[STEP_LOSS];
+                squares(host, grads, scalars)?;
+                let mut all = ops.scalars(scalars)?;
+                reduce_scalars(comm, replicas, factor, tensors, ops, &mut all)?;
+                let all = ops.wait_scalars(ops.copy_scalars(&all)?)?;
+                scalars[STEP_LOSS] = all[STEP_LOSS];
+                let sq = STEP_SQUARES..STEP_SQUARES + tensors;
+                scalars[sq.clone()].copy_from_slice(&all[sq]);
+                let moments = &mut optim.moments;
+                let decays = &self.decays;
+                decide_and_apply(
+                    host, masters, grads, moments, scalars, &rule, &choices, decays,
+                )?;
+                let values = scalars.to_vec();
+                if values[STEP_APPLIED] == 1.0 {
+                    for (d, (_, m)) in self.shards.all_mut().into_iter().zip(masters.named()) {
+                        ops.upload_into(m, d)?;
+                    }
+                }
+                Some(values)
+            }
+        };
         if let Some(t) = &mut self.tracing {
             let last = micro_batch_index(step, accum, accum)?;
-            let what = "the ranks' loss and norm, the optimizer step on the shards";
+            let what = if host_values.is_some() {
+                "the ranks' loss and norm, the optimizer step on the host, shards copied in"
+            } else {
+                "the ranks' loss and norm, the optimizer step on the shards"
+            };
             t.span(ops, SpanKind::Optimizer, what, last)?;
         }
-        Ok(())
+        Ok(host_values)
     }
 
     /// Every parameter on the host, by name (after every step enqueued): each unit gathered
@@ -493,4 +559,27 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             .map(|(_, s)| shard_len(s.iter().product(), self.factor))
             .collect()
     }
+}
+
+/// Reduces a step's scalars over the ranks: the loss averaged (over each node, then over the
+/// nodes), and, where the tensors are sharded, each tensor's sum of squares summed over its
+/// shards (the nodes hold the same shards).
+fn reduce_scalars<O: GptOps, C: DeviceComm<O>>(
+    comm: &C,
+    replicas: Option<&C>,
+    factor: usize,
+    tensors: usize,
+    ops: &O,
+    scalars: &mut O::Scalars,
+) -> Result<(), DeviceTrainError> {
+    let loss = STEP_LOSS..STEP_LOSS + 1;
+    comm.all_reduce_scalars(ops, scalars, loss.clone(), ReduceOp::Avg)?;
+    if let Some(r) = replicas {
+        r.all_reduce_scalars(ops, scalars, loss, ReduceOp::Avg)?;
+    }
+    if factor > 1 {
+        let squares = STEP_SQUARES..STEP_SQUARES + tensors;
+        comm.all_reduce_scalars(ops, scalars, squares, ReduceOp::Sum)?;
+    }
+    Ok(())
 }

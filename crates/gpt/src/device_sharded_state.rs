@@ -7,16 +7,34 @@
 use std::path::Path;
 
 use fsdp::checkpoint::FullOptimizerState;
-use fsdp_kernels::gpt::{param_shapes, GptOps};
+use fsdp_kernels::gpt::{param_shapes, GptOps, HostBuf, Weights};
 use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
+use fsdp_kernels::KernelError;
 
 use crate::device_comm::DeviceComm;
 use crate::device_config::DeviceTrainError;
+use crate::device_optim::Moments;
 use crate::device_shard::shard_of;
-use crate::device_sharded::ShardedDeviceTrainer;
+use crate::device_sharded::{ShardSide, ShardedDeviceTrainer};
 use crate::device_state::{adamw_state, checked_moments, write_state};
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
+    /// Device copies of host shards `w` (CPU offload's), in [`param_shapes`] order.
+    fn on_device(&self, w: &Weights<HostBuf>) -> Result<Weights<O::Buf>, DeviceTrainError> {
+        let ops = self.pass.ops();
+        let mut bufs = Vec::new();
+        for (_, b) in w.named() {
+            bufs.push(ops.upload(b)?);
+        }
+        let mut bufs = bufs.into_iter();
+        Ok(Weights::try_build(&self.config.dims(), |name, _| {
+            bufs.next().ok_or_else(|| KernelError::InvalidArgument {
+                kernel: "offload",
+                reason: format!("no shard of {name}"),
+            })
+        })?)
+    }
+
     /// AdamW's state after every step enqueued so far, whole (each moment gathered from the
     /// ranks' shards): what the one-rank trainer and the engine save. Every rank calls it.
     ///
@@ -27,8 +45,17 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         if let Some((step, ..)) = &self.pending {
             return Err(DeviceTrainError::Unread { step: *step });
         }
-        let exp_avg = self.gather(&self.optim.moments.exp_avg)?;
-        let exp_avg_sq = self.gather(&self.optim.moments.exp_avg_sq)?;
+        let (exp_avg, exp_avg_sq) = match &self.optim {
+            ShardSide::Device(o) => (
+                self.gather(&o.moments.exp_avg)?,
+                self.gather(&o.moments.exp_avg_sq)?,
+            ),
+            // CPU offload: the host's shards, copied to the device to be gathered.
+            ShardSide::Host(h) => (
+                self.gather(&self.on_device(&h.optim.moments.exp_avg)?)?,
+                self.gather(&self.on_device(&h.optim.moments.exp_avg_sq)?)?,
+            ),
+        };
         Ok(adamw_state(
             &self.config,
             self.known_steps,
@@ -56,15 +83,18 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let values = checked_moments(state, &self.config)?;
         let shard = self.comm.rank() % self.factor;
         let ops = self.pass.ops();
-        let m = &mut self.optim.moments;
-        let targets = m.exp_avg.all_mut().into_iter().zip(m.exp_avg_sq.all_mut());
-        for ((dm, dv), (wm, wv)) in targets.zip(&values) {
-            ops.upload_into(&shard_of(wm, shard, self.factor), dm)?;
-            ops.upload_into(&shard_of(wv, shard, self.factor), dv)?;
-        }
+        let factor = self.factor;
         let mut scalars = vec![0.0; step_scalars_len(param_shapes(&self.config.dims()).len())];
         scalars[STEP_COUNT] = state.optimizer_steps as f64;
         scalars[STEP_NONFINITE] = skipped as f64;
+        match &mut self.optim {
+            ShardSide::Device(o) => load_moments(ops, &mut o.moments, &values, shard, factor)?,
+            ShardSide::Host(h) => {
+                let h = &mut **h;
+                load_moments(&h.ops, &mut h.optim.moments, &values, shard, factor)?;
+                h.scalars.copy_from_slice(&scalars);
+            }
+        }
         self.scalars = ops.scalars(&scalars)?;
         self.known_steps = state.optimizer_steps;
         Ok(())
@@ -84,4 +114,21 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             None => Ok(()),
         }
     }
+}
+
+/// Shard `shard` of `factor` of both moments of every tensor (`values`, whole, in
+/// [`param_shapes`] order) into `m`.
+fn load_moments<P: GptOps>(
+    ops: &P,
+    m: &mut Moments<P::Buf>,
+    values: &[(&Vec<f32>, &Vec<f32>)],
+    shard: usize,
+    factor: usize,
+) -> Result<(), KernelError> {
+    let targets = m.exp_avg.all_mut().into_iter().zip(m.exp_avg_sq.all_mut());
+    for ((dm, dv), (wm, wv)) in targets.zip(values) {
+        ops.upload_into(&shard_of(wm, shard, factor), dm)?;
+        ops.upload_into(&shard_of(wv, shard, factor), dv)?;
+    }
+    Ok(())
 }

@@ -130,7 +130,7 @@ pub(crate) struct Pending<O: GptOps> {
     marks: Option<StepMarks<O::Mark>>,
 }
 
-enum Values<O: GptOps> {
+pub(crate) enum Values<O: GptOps> {
     /// The scalars copied from the device.
     Device(O::ScalarsCopy),
     /// Under CPU offload: read already (the host side decided).

@@ -135,3 +135,24 @@ fn the_plan_of_a_hybrid_mesh_is_the_measured_peak() {
         }
     }
 }
+
+/// CPU offload with several ranks: planned exactly too (the accumulators and moments on the
+/// host), the plan listing them as offloaded.
+#[test]
+fn the_plan_of_cpu_offload_is_the_measured_peak() {
+    for (s, rpn) in [
+        (ShardingStrategy::FullShard, None),
+        (ShardingStrategy::NoShard, None),
+        (ShardingStrategy::HybridShard, Some(2)),
+    ] {
+        let c = DeviceTrainConfig {
+            offload: true,
+            ..device_config(LrSchedule::Constant, true, Some(1.0), 2)
+        };
+        let plan = plan_sharded_memory(&c, Products::F32, 4, s, rpn).unwrap();
+        let m = measured(c, 4, s, rpn, false);
+        assert_eq!(plan.peak, m, "{s:?}\n{plan}");
+        assert_eq!((plan.accumulators, plan.moments), (0, 0));
+        assert_eq!(plan.offloaded, 4 * plan.parameters);
+    }
+}

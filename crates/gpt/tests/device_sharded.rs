@@ -216,7 +216,7 @@ fn checkpointing_and_resharding_change_memory_not_bits() {
     );
 }
 
-/// A hybrid strategy without a mesh, CPU offload and micro-batches that do not split over the ranks are
+/// A hybrid strategy without a mesh and micro-batches that do not split over the ranks are
 /// refused before anything runs, naming the rank and the setting.
 #[test]
 fn unsupported_settings_are_refused() {
@@ -238,10 +238,6 @@ fn unsupported_settings_are_refused() {
             "{e}"
         );
     }
-    let offload = DeviceTrainConfig { offload: true, ..c };
-    for e in refusal(offload, ShardingStrategy::FullShard) {
-        assert!(e.contains("CPU offload"), "{e}");
-    }
     // 6 rows in 2 micro-batches: 3 rows each, not split over 2 ranks.
     let odd = DeviceTrainConfig {
         batch_size: 6,
@@ -253,8 +249,8 @@ fn unsupported_settings_are_refused() {
     }
 }
 
-/// A sharded run stopped after 3 steps, checkpointed (rank 0 writes the engine's format from
-/// the gathered shards) and resumed — at the same world, from `load_sharded_gpt` and
+/// A sharded run (also under CPU offload) stopped after 3 steps, checkpointed (rank 0 writes
+/// the engine's format from the gathered shards) and resumed — at the same world, from `load_sharded_gpt` and
 /// `load_optimizer_state` — trains bitwise as the run that never stopped; the checkpoint
 /// holds the whole state, which the one-rank trainer also resumes from (within 1e-5 of the
 /// sharded continuation: one rank sums in another order).
@@ -267,7 +263,12 @@ fn a_resumed_sharded_run_trains_bitwise_as_the_run_that_never_stopped() {
     let params = seeded_params(&c.cfg, SEED).unwrap();
     let dir = std::env::temp_dir().join(format!("fsdp-sharded-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::NoShard] {
+    for (strategy, offload) in [
+        (ShardingStrategy::FullShard, false),
+        (ShardingStrategy::NoShard, false),
+        (ShardingStrategy::FullShard, true),
+    ] {
+        let c = DeviceTrainConfig { offload, ..c };
         let whole = sharded(c, 2, strategy, &tokens);
         let halves = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
             let comm = HostComm::new(Box::new(comm));
@@ -326,5 +327,41 @@ fn a_resumed_sharded_run_trains_bitwise_as_the_run_that_never_stopped() {
             );
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// CPU offload with several ranks (accumulators, moments and master shards on the host, the
+/// optimizer step there, the device's shards updated after it): bitwise the run without it —
+/// every outcome and final parameter, and the optimizer state — for every strategy, with
+/// clipping and 2 micro-batches; the device's peak lower by the accumulators and moments.
+#[test]
+fn cpu_offload_with_several_ranks_trains_bitwise_as_without_it() {
+    let tokens = synthetic_corpus(20_000, 64, SEED);
+    let base = config(Some(0.5), 2);
+    let offload = DeviceTrainConfig {
+        offload: true,
+        ..base
+    };
+    for (world, strategy) in [
+        (2, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::NoShard),
+        (4, ShardingStrategy::ShardGradOp),
+        (4, ShardingStrategy::HybridShard),
+    ] {
+        let (a, b) = (
+            sharded(base, world, strategy, &tokens),
+            sharded(offload, world, strategy, &tokens),
+        );
+        for (r, ((oa, pa, peak_a), (ob, pb, peak_b))) in a.iter().zip(&b).enumerate() {
+            assert_eq!(oa, ob, "{world} ranks, {strategy:?}: rank {r}'s outcomes");
+            assert!(
+                pa == pb,
+                "{world} ranks, {strategy:?}: rank {r}'s parameters"
+            );
+            assert!(
+                peak_b < peak_a,
+                "{strategy:?}: offload peak {peak_b} vs {peak_a}"
+            );
+        }
     }
 }

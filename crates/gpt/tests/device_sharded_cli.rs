@@ -7,8 +7,8 @@
 //! accumulation and the cosine schedule. `fsdp plan --device --ranks N` predicts each rank's
 //! peak exactly and admission uses it; `--trace` writes a process per rank; a non-finite step
 //! stops (or is skipped) as on the engine. And its refusals, each one `error:` line naming the
-//! option: hybrid strategies without `--ranks-per-node`, CPU offload, the engine's prefetch
-//! options, bf16 reductions.
+//! option: hybrid strategies without `--ranks-per-node`, the engine's prefetch options, bf16
+//! reductions. `--cpu-offload` logs the losses of the run without it.
 
 mod common;
 
@@ -129,14 +129,10 @@ fn several_ranks_refuse_what_they_do_not_run() {
         a.extend(extra);
         fsdp(&a)
     };
-    let cases: [(&[&str], &[&str]); 4] = [
+    let cases: [(&[&str], &[&str]); 3] = [
         (
             &["--strategy", "hybrid-shard"],
             &["--strategy hybrid-shard", "--ranks-per-node"],
-        ),
-        (
-            &["--cpu-offload"],
-            &["--cpu-offload", "not supported with 2 ranks"],
         ),
         (
             &["--backward-prefetch", "none"],
@@ -272,4 +268,55 @@ fn several_ranks_write_one_trace() {
             );
         }
     }
+}
+
+/// `--cpu-offload` with two ranks logs bitwise the losses of the run without it, and its
+/// counted peak is the plan's and lower.
+#[test]
+fn cpu_offload_with_two_ranks_logs_the_same_losses() {
+    let dir = scratch("device_sharded_cli", "offload");
+    let run = |offload: bool| {
+        let log = dir.join(format!("{offload}.csv"));
+        let mut a = small_train_args(
+            &["--steps", "4", "--batch-size", "8", "--device", "host-twin"],
+            &[
+                "--ranks",
+                "2",
+                "--param-dtype",
+                "f32",
+                "--loss-log",
+                s(&log),
+            ],
+        );
+        if offload {
+            a.push("--cpu-offload");
+        }
+        let out = ok(&fsdp(&a), "fsdp train");
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("device: "))
+            .unwrap()
+            .to_string();
+        (log_losses(&log), line)
+    };
+    let ((with, line_with), (without, line_without)) = (run(true), run(false));
+    assert_eq!(with, without);
+    let peak = |l: &str| -> u64 {
+        l.split("per rank ")
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        peak(&line_with) < peak(&line_without),
+        "{line_with} / {line_without}"
+    );
+    assert!(
+        line_with.contains(&format!("predicted {}", peak(&line_with))),
+        "{line_with}"
+    );
 }

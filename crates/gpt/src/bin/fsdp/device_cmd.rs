@@ -109,9 +109,6 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
         &[]
     };
     refuse_first(dev, unsupported, &args.explicit, "f32 AdamW", allowed)?;
-    if world > 1 {
-        crate::device_sharded_cmd::check_sharded_options(args, world)?;
-    }
     Ok(world)
 }
 

@@ -93,12 +93,6 @@ pub(crate) fn print_sharded_plan(
     products: Products,
 ) -> Result<(), CliError> {
     let dev = args.device;
-    if args.cpu_offload {
-        return Err(fail(format!(
-            "--device {dev}: --cpu-offload is not supported with {world} ranks on the device \
-             (it is with --ranks 1)"
-        )));
-    }
     let rpn = check_strategy(dev, args.model.strategy, args.model.ranks_per_node, world)?;
     let plan = plan_sharded_memory(config, products, world, args.model.strategy, rpn)
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;

@@ -47,20 +47,6 @@ pub(crate) fn check_strategy(
     }
 }
 
-/// The options sharded training on a device refuses beyond those one rank refuses: the
-/// one-rank trainer's options not built for several ranks.
-pub(crate) fn check_sharded_options(args: &TrainArgs, world: usize) -> Result<(), CliError> {
-    let dev = args.device;
-    let refused = [("--cpu-offload", args.cpu_offload)];
-    match refused.iter().find(|(_, set)| *set) {
-        Some((option, _)) => Err(fail(format!(
-            "--device {dev}: {option} is not supported with {world} ranks on the device (it is \
-             with --ranks 1)"
-        ))),
-        None => Ok(()),
-    }
-}
-
 /// What each rank's thread returns.
 struct RankEnd {
     peak: u64,
@@ -91,7 +77,15 @@ where
          units gathered and reduced between the ranks' streams), {}",
         describe_run(cfg, args.batch_size, accum)
     );
-    say!("optimizer: AdamW on each rank's shards (f32 parameters and moments, on the device)");
+    if run.config.offload {
+        say!(
+            "optimizer: AdamW on each rank's shards in host memory (f32 master shards, \
+             accumulators and moments, the step on the host: CPU offload; the device keeps \
+             working copies of the shards)"
+        );
+    } else {
+        say!("optimizer: AdamW on each rank's shards (f32 parameters and moments, on the device)");
+    }
     // A resumed run continues its checkpoint's loss log from its step.
     let (start_step, skipped) = match &run.resume {
         Some((r, _)) => {
