@@ -1,7 +1,7 @@
 //! The collectives of sharded training on a device, on the buffers of its [`GptOps`]:
-//! [`DeviceComm`], and [`HostComm`], which runs them for the kernels' host twins
-//! ([`HostOps`]) over any [`Communicator`] of `fsdp-collectives` (the ring as threads, TCP as
-//! processes).
+//! [`DeviceComm`], and [`HostComm`], which runs them for any operations (the kernels' host
+//! twins, CUDA) over any [`Communicator`] of `fsdp-collectives` (the ring as threads, TCP as
+//! processes), staged through host memory.
 //!
 //! A unit's collective is one call, as FSDP2 issues one all-gather and one reduce-scatter per
 //! parameter group: its shards are packed into one flat buffer rank-major (FSDP2's copy-in
@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use fsdp_collectives::{Communicator, ReduceOp};
 use fsdp_device::{Buffer, DType};
-use fsdp_kernels::gpt::{GptOps, HostBuf, HostOps};
+use fsdp_kernels::gpt::GptOps;
 
 use crate::device_config::DeviceTrainError;
 
@@ -66,9 +66,11 @@ pub trait DeviceComm<O: GptOps> {
     ) -> Result<(), DeviceTrainError>;
 }
 
-/// [`DeviceComm`] for the host twins over a [`Communicator`]: each collective copies the
-/// unit's buffers into one host [`Buffer`], runs on the communicator and waits for it (its
-/// timeout bounds the wait), and copies the result out.
+/// [`DeviceComm`] for any operations over a [`Communicator`], staged through host memory: each
+/// collective copies the unit's buffers out into one host [`Buffer`] (waiting for the device),
+/// runs on the communicator and waits for it (its timeout bounds the wait), and copies the
+/// result in. The path of ranks as processes; threads over one device use
+/// [`PeerComm`](crate::device_peer::PeerComm), which never waits for the device.
 pub struct HostComm<C: ?Sized> {
     comm: Box<C>,
 }
@@ -127,7 +129,7 @@ pub(crate) fn check_fit(
     Ok(())
 }
 
-impl<C: Communicator + ?Sized> DeviceComm<HostOps> for HostComm<C> {
+impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
     fn rank(&self) -> usize {
         self.comm.rank()
     }
@@ -138,26 +140,26 @@ impl<C: Communicator + ?Sized> DeviceComm<HostOps> for HostComm<C> {
 
     fn all_gather(
         &self,
-        _: &HostOps,
-        shards: &[&HostBuf],
-        fulls: &mut [&mut HostBuf],
+        ops: &O,
+        shards: &[&O::Buf],
+        fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let world = self.world_size();
-        let lens: Vec<usize> = shards.iter().map(|s| s.len()).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| f.len()).collect();
+        let world = DeviceComm::<O>::world_size(self);
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
         check_fit("all-gather", &lens, &full_lens, world)?;
         let (total, offsets) = packing(&lens);
         let mut packed = Vec::with_capacity(total);
         for s in shards {
-            packed.extend_from_slice(s);
+            packed.extend(ops.download(s)?);
         }
         let input = Buffer::from_slice(&packed)?;
         let output = Buffer::zeros(DType::F32, total * world)?;
         self.comm.all_gather_base(&input, &output)?.wait()?;
         let gathered = output.to_vec::<f32>()?;
         for (i, full) in fulls.iter_mut().enumerate() {
-            let (s, f) = (lens[i], full.len());
-            let full: &mut [f32] = full;
+            let (s, f) = (lens[i], full_lens[i]);
+            let mut values = vec![0.0f32; f];
             for r in 0..world {
                 let start = r * s;
                 if start >= f {
@@ -165,27 +167,28 @@ impl<C: Communicator + ?Sized> DeviceComm<HostOps> for HostComm<C> {
                 }
                 let n = s.min(f - start);
                 let from = r * total + offsets[i];
-                full[start..start + n].copy_from_slice(&gathered[from..from + n]);
+                values[start..start + n].copy_from_slice(&gathered[from..from + n]);
             }
+            ops.upload_into(&values, full)?;
         }
         Ok(())
     }
 
     fn reduce_scatter_avg(
         &self,
-        _: &HostOps,
-        fulls: &[&HostBuf],
-        shards: &mut [&mut HostBuf],
+        ops: &O,
+        fulls: &[&O::Buf],
+        shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let world = self.world_size();
-        let lens: Vec<usize> = shards.iter().map(|s| s.len()).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| f.len()).collect();
+        let world = DeviceComm::<O>::world_size(self);
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
         check_fit("reduce-scatter", &lens, &full_lens, world)?;
         let (total, offsets) = packing(&lens);
         let mut packed = vec![0.0f32; total * world];
         for (i, full) in fulls.iter().enumerate() {
             let s = lens[i];
-            for (r, chunk) in full.chunks(s.max(1)).enumerate() {
+            for (r, chunk) in ops.download(full)?.chunks(s.max(1)).enumerate() {
                 let to = r * total + offsets[i];
                 packed[to..to + chunk.len()].copy_from_slice(chunk);
             }
@@ -197,49 +200,43 @@ impl<C: Communicator + ?Sized> DeviceComm<HostOps> for HostComm<C> {
             .wait()?;
         let reduced = output.to_vec::<f32>()?;
         for (i, shard) in shards.iter_mut().enumerate() {
-            let shard: &mut [f32] = shard;
-            shard.copy_from_slice(&reduced[offsets[i]..offsets[i] + lens[i]]);
+            ops.upload_into(&reduced[offsets[i]..offsets[i] + lens[i]], shard)?;
         }
         Ok(())
     }
 
-    fn all_reduce_avg(
-        &self,
-        _: &HostOps,
-        bufs: &mut [&mut HostBuf],
-    ) -> Result<(), DeviceTrainError> {
-        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+        let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
         let (total, offsets) = packing(&lens);
         let mut packed = Vec::with_capacity(total);
         for b in bufs.iter() {
-            packed.extend_from_slice(b);
+            packed.extend(ops.download(b)?);
         }
         let buf = Buffer::from_slice(&packed)?;
         self.comm.all_reduce(&buf, ReduceOp::Avg)?.wait()?;
         let reduced = buf.to_vec::<f32>()?;
         for (i, b) in bufs.iter_mut().enumerate() {
-            let b: &mut [f32] = b;
-            b.copy_from_slice(&reduced[offsets[i]..offsets[i] + lens[i]]);
+            ops.upload_into(&reduced[offsets[i]..offsets[i] + lens[i]], b)?;
         }
         Ok(())
     }
 
     fn all_reduce_scalars(
         &self,
-        _: &HostOps,
-        scalars: &mut <HostOps as GptOps>::Scalars,
+        ops: &O,
+        scalars: &mut O::Scalars,
         slots: Range<usize>,
         op: ReduceOp,
     ) -> Result<(), DeviceTrainError> {
-        let n = scalars.len();
-        let values = scalars
+        let mut values = ops.wait_scalars(ops.copy_scalars(scalars)?)?;
+        let n = values.len();
+        let part = values
             .get(slots.clone())
             .ok_or_else(|| bad_lengths("scalars", format!("slots {slots:?} of {n}")))?;
-        let buf = Buffer::from_slice(values)?;
+        let buf = Buffer::from_slice(part)?;
         self.comm.all_reduce(&buf, op)?.wait()?;
-        let reduced = buf.to_vec::<f64>()?;
-        let scalars: &mut Vec<f64> = scalars;
-        scalars[slots].copy_from_slice(&reduced);
+        values[slots].copy_from_slice(&buf.to_vec::<f64>()?);
+        *scalars = ops.scalars(&values)?;
         Ok(())
     }
 }

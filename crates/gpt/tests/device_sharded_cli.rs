@@ -8,7 +8,8 @@
 //! peak exactly and admission uses it; `--trace` writes a process per rank; a non-finite step
 //! stops (or is skipped) as on the engine. And its refusals, each one `error:` line naming the
 //! option: hybrid strategies without `--ranks-per-node`, the engine's prefetch options, bf16
-//! reductions. `--cpu-offload` logs the losses of the run without it.
+//! reductions. `--cpu-offload` logs the losses of the run without it, and ranks as processes
+//! under `fsdp launch` those of ranks as threads.
 
 mod common;
 
@@ -319,4 +320,69 @@ fn cpu_offload_with_two_ranks_logs_the_same_losses() {
         line_with.contains(&format!("predicted {}", peak(&line_with))),
         "{line_with}"
     );
+}
+
+/// Ranks as processes under `fsdp launch` (`--device host-twin`: each process one rank, the
+/// collectives over TCP staged through host memory, `HostComm`) log bitwise the losses of the
+/// same ranks as threads and save the same weights; rank 0 reports.
+#[test]
+fn launched_processes_train_as_threads() {
+    let dir = scratch("device_sharded_cli", "launched");
+    for (n, extra) in [
+        ("2", &["--strategy", "full-shard"][..]),
+        (
+            "4",
+            &["--strategy", "hybrid-shard", "--ranks-per-node", "2"][..],
+        ),
+    ] {
+        let (procs, threads) = (dir.join(format!("p{n}.csv")), dir.join(format!("t{n}.csv")));
+        let (wp, wt) = (
+            dir.join(format!("p{n}.safetensors")),
+            dir.join(format!("t{n}.safetensors")),
+        );
+        let base = ["--steps", "4", "--batch-size", "8", "--device", "host-twin"];
+        let mut a = vec!["launch", "--nproc-per-node", n, "--master-port", "0"];
+        a.extend(small_train_args(&base, extra));
+        a.extend([
+            "--param-dtype",
+            "f32",
+            "--loss-log",
+            s(&procs),
+            "--save",
+            s(&wp),
+        ]);
+        let out = ok(&fsdp(&a), "fsdp launch ... train --device host-twin");
+        assert!(
+            out.contains(&format!("[rank 0] fsdp train: rank 0 of {n} processes")),
+            "{out}"
+        );
+        assert!(
+            !out.contains("[rank 1] fsdp train"),
+            "rank 0 reports alone: {out}"
+        );
+        let mut b = small_train_args(&base, extra);
+        b.extend([
+            "--ranks",
+            n,
+            "--param-dtype",
+            "f32",
+            "--loss-log",
+            s(&threads),
+            "--save",
+            s(&wt),
+        ]);
+        ok(&fsdp(&b), "fsdp train --device host-twin --ranks N");
+        assert_eq!(
+            log_losses(&procs),
+            log_losses(&threads),
+            "{n} ranks {extra:?}"
+        );
+        let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
+        let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
+        assert_eq!(
+            load(&wp),
+            load(&wt),
+            "{n} ranks {extra:?}: the saved weights"
+        );
+    }
 }

@@ -51,15 +51,27 @@ const ENGINE_ONLY: [(&str, &str); 8] = [
 pub(crate) fn check_device_world_and_dtypes(
     dev: DeviceArg,
     model: &ModelArgs,
+    launched_ok: bool,
 ) -> Result<usize, CliError> {
-    if let Some(env) = LaunchEnv::from_env()? {
-        return Err(fail(format!(
-            "--device {dev}: launched as rank {} of {}: sharded training on a device runs its \
-             ranks as threads of one process (--ranks N, no launcher)",
-            env.rank, env.world_size
-        )));
-    }
-    let world = model.ranks.unwrap_or(1);
+    let world = match (LaunchEnv::from_env()?, launched_ok) {
+        (Some(env), false) => {
+            return Err(fail(format!(
+                "--device {dev}: launched as rank {} of {}: the device plan is of ranks as \
+                 threads (--ranks N, no launcher)",
+                env.rank, env.world_size
+            )))
+        }
+        (Some(env), true) => match model.ranks {
+            Some(n) if n != env.world_size => {
+                return Err(fail(format!(
+                    "--ranks {n} disagrees with the launcher's world size {}",
+                    env.world_size
+                )))
+            }
+            _ => env.world_size,
+        },
+        (None, _) => model.ranks.unwrap_or(1),
+    };
     if world > 1 {
         crate::device_sharded_cmd::check_strategy(
             dev,
@@ -95,7 +107,7 @@ pub(crate) fn check_device_world_and_dtypes(
 /// number of ranks.
 fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     let dev = args.device;
-    let world = check_device_world_and_dtypes(dev, &args.model)?;
+    let world = check_device_world_and_dtypes(dev, &args.model, true)?;
     let unsupported = [
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
@@ -253,7 +265,9 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     let checkpointer = checkpoints
         .as_ref()
         .map(|plan| Checkpointer::new(plan, args, tokens.len(), world));
-    if let Some(c) = &checkpointer {
+    // Under a launcher rank 0 prepares the directory and writes the checkpoints.
+    let leader = LaunchEnv::from_env()?.is_none_or(|env| env.rank == 0);
+    if let (Some(c), true) = (&checkpointer, leader) {
         c.prepare()?;
     }
     let run = Run {
@@ -267,6 +281,39 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     };
     let dev = args.device;
     let bf16 = args.model.param_dtype == DType::BF16;
+    if let Some(env) = LaunchEnv::from_env()? {
+        // Ranks as processes: this process is one of them (no plan: it is of ranks as threads).
+        return match dev {
+            DeviceArg::Cuda { ordinal, indexed } => {
+                let count = fsdp_device::cuda::device_count()
+                    .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
+                // `cuda`: the launcher's local rank picks the GPU (torchrun's convention).
+                let n = if indexed {
+                    ordinal
+                } else {
+                    env.local_rank % count.max(1)
+                };
+                cuda_ordinal(dev, n)?;
+                let name = format!("fsdp train rank {}", env.rank);
+                let stream = match args.timeout {
+                    Some(t) => fsdp_device::Stream::cuda_with_timeout(n, &name, t),
+                    None => fsdp_device::Stream::cuda(n, &name),
+                }
+                .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+                let ops = CudaOps::new(stream)
+                    .map_err(|e| fail(format!("--device {dev}: {e}")))?
+                    .with_products(products(bf16));
+                crate::device_sharded_cmd::train_process(args, &run, &env, ops)
+            }
+            DeviceArg::HostTwin => crate::device_sharded_cmd::train_process(
+                args,
+                &run,
+                &env,
+                HostOps::with_products(host_products(bf16)),
+            ),
+            DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
+        };
+    }
     if world > 1 {
         let strategy = args.model.strategy;
         let rpn = args.model.ranks_per_node.filter(|_| strategy.is_hybrid());

@@ -26,7 +26,7 @@ use crate::{fail, CliError};
 /// world and the dtypes, and of the plan's options that mean nothing there.
 pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     let dev = args.device;
-    let world = check_device_world_and_dtypes(dev, &args.model)?;
+    let world = check_device_world_and_dtypes(dev, &args.model, false)?;
     let allowed: &[&str] = if world > 1 {
         &["strategy", "ranks_per_node"]
     } else {

@@ -4,14 +4,17 @@
 //! host twins, the same protocol on the host). It trains what `fsdp train --ranks N
 //! --strategy S` trains and writes the same outputs (`--loss-log`, `--save`); rank 0 reports.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use fsdp::ShardingStrategy;
+use fsdp_collectives::{init_from_env, mesh_2d, Backend, InitOptions, LaunchEnv};
 use fsdp_device::DEFAULT_TIMEOUT;
+use fsdp_gpt::device_comm::{DeviceComm, HostComm};
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::DeviceTrainError;
-use fsdp_kernels::gpt::PeerOps;
+use fsdp_kernels::gpt::{GptOps, PeerOps};
 
 use crate::args::{DeviceArg, TrainArgs};
 use crate::device_cmd::{describe_run, Run, Tally};
@@ -47,7 +50,7 @@ pub(crate) fn check_strategy(
     }
 }
 
-/// What each rank's thread returns.
+/// What each rank returns.
 struct RankEnd {
     peak: u64,
     steps: u64,
@@ -56,87 +59,90 @@ struct RankEnd {
     trace: Vec<fsdp::trace::TraceEvent>,
 }
 
-/// Trains `run` on `world` ranks as threads, rank `r` on the operations `ops(r)` (made in its
-/// thread), `strategy` from the command line.
-pub(crate) fn train_sharded<O: PeerOps>(
-    args: &TrainArgs,
-    run: &Run,
-    world: usize,
-    ops: impl Fn(usize) -> Result<O, CliError> + Sync,
-) -> Result<(), CliError>
-where
-    O::Event: 'static,
-{
-    let dev = args.device;
-    let strategy: ShardingStrategy = args.model.strategy;
-    let (cfg, steps, accum) = (&run.cfg, args.steps, args.grad_accum);
-    let t = cfg.block_size;
-    let global_tokens = args.batch_size * t;
-    say!(
-        "fsdp train: {world} ranks on {dev} as threads ({strategy:?}: the GPT's kernels, FSDP's \
-         units gathered and reduced between the ranks' streams), {}",
-        describe_run(cfg, args.batch_size, accum)
-    );
-    if run.config.offload {
-        say!(
-            "optimizer: AdamW on each rank's shards in host memory (f32 master shards, \
-             accumulators and moments, the step on the host: CPU offload; the device keeps \
-             working copies of the shards)"
-        );
-    } else {
-        say!("optimizer: AdamW on each rank's shards (f32 parameters and moments, on the device)");
-    }
-    // A resumed run continues its checkpoint's loss log from its step.
-    let (start_step, skipped) = match &run.resume {
-        Some((r, _)) => {
+/// What the ranks of a run (this process's) share: the options, the run, where it starts, its
+/// progress and rank 0's loss log.
+struct Shared<'a> {
+    args: &'a TrainArgs,
+    run: &'a Run,
+    start_step: usize,
+    skipped: usize,
+    progress: Progress,
+    log: Mutex<Option<LossLog>>,
+}
+
+impl<'a> Shared<'a> {
+    /// Opens the run (rank 0 prints its lines and opens the loss log when `leader`).
+    fn open(
+        args: &'a TrainArgs,
+        run: &'a Run,
+        how: &str,
+        leader: bool,
+    ) -> Result<Shared<'a>, CliError> {
+        let (cfg, steps) = (&run.cfg, args.steps);
+        let (start_step, skipped) = run
+            .resume
+            .as_ref()
+            .map_or((0, 0), |(r, _)| (r.step, r.skipped));
+        if leader {
             say!(
-                "resuming from {} at step {} of {steps}",
-                r.path.display(),
-                r.step
+                "fsdp train: {how} ({:?}: the GPT's kernels, FSDP's units gathered and \
+                 reduced between the ranks), {}",
+                args.model.strategy,
+                describe_run(cfg, args.batch_size, args.grad_accum)
             );
-            (r.step, r.skipped)
+            if run.config.offload {
+                say!(
+                    "optimizer: AdamW on each rank's shards in host memory (f32 master shards, \
+                     accumulators and moments, the step on the host: CPU offload; the device \
+                     keeps working copies of the shards)"
+                );
+            } else {
+                say!(
+                    "optimizer: AdamW on each rank's shards (f32 parameters and moments, on the \
+                     device)"
+                );
+            }
+            if let Some((r, _)) = &run.resume {
+                say!(
+                    "resuming from {} at step {} of {steps}",
+                    r.path.display(),
+                    r.step
+                );
+            }
         }
-        None => (0, 0),
-    };
-    let loss_log = match &run.resume {
-        Some((r, _)) => args
-            .loss_log
-            .as_deref()
-            .map(|p| LossLog::resume(p, r.step))
-            .transpose()?,
-        None => args.loss_log.as_deref().map(LossLog::create).transpose()?,
-    };
-    let log = std::sync::Mutex::new(loss_log);
-    let progress = Progress::new(steps, args.skip_nonfinite);
-    progress.start_at(start_step);
-    let timeout = args.timeout.unwrap_or(DEFAULT_TIMEOUT);
-    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
-    // Each rank's shard group and, under a hybrid strategy, its replicas in the other nodes.
-    let comms: Vec<(PeerComm<O>, Option<PeerComm<O>>)> = match rpn {
-        Some(n) => PeerComm::mesh(world, n, timeout)
-            .ok_or_else(|| fail(format!("--ranks {world} do not make nodes of {n}")))?
-            .into_iter()
-            .map(|(s, r)| (s, Some(r)))
-            .collect(),
-        None => PeerComm::group(world, timeout)
-            .into_iter()
-            .map(|c| (c, None))
-            .collect(),
-    };
-    let on_device =
-        |rank: usize| move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
-    let start = Instant::now();
-    let rank_run = |rank: usize,
-                    (comm, replicas): (PeerComm<O>, Option<PeerComm<O>>)|
-     -> Result<RankEnd, CliError> {
-        let err = on_device(rank);
-        let ops = ops(rank)?;
-        let (c, p) = (run.config, &run.params);
-        let mut trainer = match replicas {
-            Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, strategy, p),
-            None => ShardedDeviceTrainer::new(ops, comm, c, strategy, p),
-        }
-        .map_err(err)?;
+        // A resumed run continues its checkpoint's loss log from its step.
+        let loss_log = match (&run.resume, leader) {
+            (_, false) => None,
+            (Some((r, _)), true) => args
+                .loss_log
+                .as_deref()
+                .map(|p| LossLog::resume(p, r.step))
+                .transpose()?,
+            (None, true) => args.loss_log.as_deref().map(LossLog::create).transpose()?,
+        };
+        let progress = Progress::new(steps, args.skip_nonfinite);
+        progress.start_at(start_step);
+        Ok(Shared {
+            args,
+            run,
+            start_step,
+            skipped,
+            progress,
+            log: Mutex::new(loss_log),
+        })
+    }
+
+    /// Rank `rank`'s training with `trainer`, to its end: the steps (rank 0 reports them, every
+    /// rank counts the non-finite ones), the checkpoints, `--save` and rank 0's memory snapshot.
+    fn train<O: GptOps, C: DeviceComm<O>>(
+        &self,
+        rank: usize,
+        mut trainer: ShardedDeviceTrainer<O, C>,
+    ) -> Result<RankEnd, CliError> {
+        let (args, run) = (self.args, self.run);
+        let dev = args.device;
+        let err = move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
+        let global_tokens = args.batch_size * run.cfg.block_size;
         trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
         if args.trace.is_some() {
             trainer.set_tracing(true).map_err(err)?;
@@ -147,26 +153,24 @@ where
         let mut tally = Tally::default();
         if let Some((_, state)) = &run.resume {
             trainer
-                .load_optimizer_state(state, skipped as u64)
+                .load_optimizer_state(state, self.skipped as u64)
                 .map_err(err)?;
-            tally.skipped = skipped;
+            tally.skipped = self.skipped;
         }
         let take = |r, tally: &mut Tally, peak| -> Result<(), CliError> {
             if rank == 0 {
-                let mut log = log
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                tally.report(r, &progress, log.as_mut(), global_tokens, peak)
+                let mut log = self.log.lock().unwrap_or_else(PoisonError::into_inner);
+                tally.report(r, &self.progress, log.as_mut(), global_tokens, peak)
             } else {
                 // Every rank reads the same outcomes: each stops at the same step.
                 let o = r.outcome;
                 match nonfinite(o.loss, o.grad_norm, false).filter(|_| !o.applied) {
-                    Some(what) => progress.count_skip(r.step, &what, &mut tally.skipped),
+                    Some(what) => self.progress.count_skip(r.step, &what, &mut tally.skipped),
                     None => Ok(()),
                 }
             }
         };
-        for step in start_step..steps {
+        for step in self.start_step..args.steps {
             if let Some(r) = trainer.enqueue_step(&run.tokens, step).map_err(err)? {
                 take(r, &mut tally, trainer.memory().peak)?;
             }
@@ -192,7 +196,7 @@ where
             // Every rank gathers; rank 0 writes.
             let params = trainer.full_params().map_err(err)?;
             if rank == 0 {
-                save_checkpoint(path, cfg, &params)?;
+                save_checkpoint(path, &run.cfg, &params)?;
             }
         }
         if let (0, Some(path)) = (rank, &args.memory_snapshot) {
@@ -208,6 +212,110 @@ where
             tally,
             trace: trainer.trace_events(),
         })
+    }
+
+    /// Closes the run after the ranks `ends` (this process's, rank 0 first) ran for `elapsed`:
+    /// the loss log, the trace, the summary.
+    fn finish(
+        self,
+        mut ends: Vec<RankEnd>,
+        elapsed: std::time::Duration,
+        what: &str,
+    ) -> Result<(), CliError> {
+        let (args, run) = (self.args, self.run);
+        let dev = args.device;
+        self.progress.finish();
+        if let Some(log) = self
+            .log
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            log.finish()?;
+        }
+        if let Some(path) = &args.trace {
+            let per_rank: Vec<_> = ends
+                .iter_mut()
+                .map(|e| std::mem::take(&mut e.trace))
+                .collect();
+            fsdp::trace::write_chrome_trace(path, &per_rank)
+                .map_err(|e| crate::paths::output_error("--trace", e))?;
+        }
+        let Some(end) = ends.first() else {
+            return Err(fail("no rank ran"));
+        };
+        let global_tokens = args.batch_size * run.cfg.block_size;
+        say_done(
+            args.steps - self.start_step,
+            elapsed,
+            global_tokens,
+            end.tally.first,
+            end.tally.last,
+        );
+        let peaks: Vec<String> = ends.iter().map(|e| e.peak.to_string()).collect();
+        say!(
+            "device: {dev}, {what}, {} optimizer steps, peak device memory per rank {} bytes{}",
+            end.steps,
+            peaks.join(", "),
+            if run.predicted_peak > 0 {
+                format!(
+                    " (predicted {}: fsdp plan --device {dev} --ranks {})",
+                    run.predicted_peak,
+                    args.model.ranks.unwrap_or(ends.len())
+                )
+            } else {
+                String::new()
+            }
+        );
+        self.progress.say_skipped(end.tally.skipped);
+        Ok(())
+    }
+}
+
+/// Trains `run` on `world` ranks as threads, rank `r` on the operations `ops(r)` (made in its
+/// thread), `strategy` from the command line.
+pub(crate) fn train_sharded<O: PeerOps>(
+    args: &TrainArgs,
+    run: &Run,
+    world: usize,
+    ops: impl Fn(usize) -> Result<O, CliError> + Sync,
+) -> Result<(), CliError>
+where
+    O::Event: 'static,
+{
+    let dev = args.device;
+    let strategy: ShardingStrategy = args.model.strategy;
+    let shared = Shared::open(
+        args,
+        run,
+        &format!("{world} ranks on {dev} as threads"),
+        true,
+    )?;
+    let timeout = args.timeout.unwrap_or(DEFAULT_TIMEOUT);
+    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
+    // Each rank's shard group and, under a hybrid strategy, its replicas in the other nodes.
+    let comms: Vec<(PeerComm<O>, Option<PeerComm<O>>)> = match rpn {
+        Some(n) => PeerComm::mesh(world, n, timeout)
+            .ok_or_else(|| fail(format!("--ranks {world} do not make nodes of {n}")))?
+            .into_iter()
+            .map(|(s, r)| (s, Some(r)))
+            .collect(),
+        None => PeerComm::group(world, timeout)
+            .into_iter()
+            .map(|c| (c, None))
+            .collect(),
+    };
+    let start = Instant::now();
+    let rank_run = |rank: usize,
+                    (comm, replicas): (PeerComm<O>, Option<PeerComm<O>>)|
+     -> Result<RankEnd, CliError> {
+        let ops = ops(rank)?;
+        let (c, p) = (run.config, &run.params);
+        let trainer = match replicas {
+            Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, strategy, p),
+            None => ShardedDeviceTrainer::new(ops, comm, c, strategy, p),
+        }
+        .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+        shared.train(rank, trainer)
     };
     let results: Vec<Result<RankEnd, CliError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -234,41 +342,65 @@ where
             .collect()
     });
     let elapsed = start.elapsed();
-    progress.finish();
     let mut ends = Vec::with_capacity(world);
     for r in results {
         ends.push(r?);
     }
-    if let Some(log) = log
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
-        log.finish()?;
+    shared.finish(ends, elapsed, &format!("{world} ranks"))
+}
+
+/// Trains `run` as rank `env.rank` of `env.world_size` processes started by a launcher, on
+/// `ops`, the collectives over the launcher's backend staged through host memory
+/// ([`HostComm`]); rank 0 reports and writes the outputs.
+pub(crate) fn train_process<O: GptOps>(
+    args: &TrainArgs,
+    run: &Run,
+    env: &LaunchEnv,
+    ops: O,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    let (rank, world) = (env.rank, env.world_size);
+    let strategy: ShardingStrategy = args.model.strategy;
+    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
+    let mut init = InitOptions::from_env()?;
+    if let Some(t) = args.timeout {
+        init.timeout = t;
     }
-    if let Some(path) = &args.trace {
-        let per_rank: Vec<_> = ends
-            .iter_mut()
-            .map(|e| std::mem::take(&mut e.trace))
-            .collect();
-        fsdp::trace::write_chrome_trace(path, &per_rank)
-            .map_err(|e| crate::paths::output_error("--trace", e))?;
+    if let Some(t) = args.init_timeout {
+        init.init_timeout = Some(t);
     }
-    let end = &ends[0];
-    say_done(
-        steps - start_step,
-        elapsed,
-        global_tokens,
-        end.tally.first,
-        end.tally.last,
-    );
-    let peaks: Vec<String> = ends.iter().map(|e| e.peak.to_string()).collect();
-    say!(
-        "device: {dev}, {world} ranks, {} optimizer steps, peak device memory per rank {} bytes \
-         (predicted {}: fsdp plan --device {dev} --ranks {world})",
-        end.steps,
-        peaks.join(", "),
-        run.predicted_peak
-    );
-    progress.say_skipped(end.tally.skipped);
-    Ok(())
+    let comm = init_from_env(Backend::Tcp, &init)?;
+    let shared = Shared::open(
+        args,
+        run,
+        &format!("rank {rank} of {world} processes on {dev}"),
+        rank == 0,
+    )?;
+    let (c, p) = (run.config, &run.params);
+    let start = Instant::now();
+    let trainer = match rpn {
+        Some(n) => {
+            let mesh = mesh_2d(comm.as_ref(), world / n, n)?;
+            ShardedDeviceTrainer::new_hybrid(
+                ops,
+                HostComm::new(mesh.shard),
+                HostComm::new(mesh.replicate),
+                c,
+                strategy,
+                p,
+            )
+        }
+        None => ShardedDeviceTrainer::new(ops, HostComm::new(comm), c, strategy, p),
+    }
+    .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+    let end = shared.train(rank, trainer)?;
+    if rank != 0 {
+        shared.progress.finish();
+        return Ok(());
+    }
+    shared.finish(
+        vec![end],
+        start.elapsed(),
+        &format!("{world} processes (rank 0's)"),
+    )
 }
