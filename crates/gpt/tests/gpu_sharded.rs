@@ -10,6 +10,9 @@
 //!   HYBRID_SHARD at 4 in two nodes;
 //!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s.
 //!
+//! - two ranks as processes under `fsdp launch --device cuda` (collectives staged through host
+//!   memory over TCP): the engine's losses within 1e-4.
+//!
 //! Without a CUDA driver or device it prints `skipped: no GPU (<reason>)` and passes.
 
 mod common;
@@ -126,4 +129,43 @@ fn sharded_cuda_follows_the_engine() {
     compare("2", "no-shard", &[]);
     compare("4", "shard-grad-op", &[]);
     compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
+}
+
+/// Two ranks as processes under `fsdp launch` on the one GPU (`--device cuda`: each takes the
+/// GPU of its local rank modulo the GPUs there; collectives over TCP staged through host
+/// memory): the engine's losses within 1e-4.
+#[test]
+fn launched_processes_on_cuda_follow_the_engine() {
+    if !gpu("launched_processes_on_cuda_follow_the_engine") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-launched-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cpu, cuda) = (dir.join("cpu.csv"), dir.join("cuda.csv"));
+    let mut train = vec!["train"];
+    train.extend(SMALL_GPU_MODEL);
+    train.extend(["--steps", "10", "--param-dtype", "f32"]);
+    let mut a = train.clone();
+    a.extend(["--ranks", "2", "--loss-log", cpu.to_str().unwrap()]);
+    run(&a);
+    let mut b = vec!["launch", "--nproc-per-node", "2", "--master-port", "0"];
+    b.extend(train);
+    b.extend(["--device", "cuda", "--loss-log", cuda.to_str().unwrap()]);
+    let out = run(&b);
+    assert!(
+        out.contains("[rank 0] fsdp train: rank 0 of 2 processes on cuda"),
+        "{out}"
+    );
+    let (e, d) = (
+        common::cli::log_losses(&cpu),
+        common::cli::log_losses(&cuda),
+    );
+    assert_eq!((e.len(), d.len()), (10, 10));
+    let max = e
+        .iter()
+        .zip(&d)
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0.0, f64::max);
+    assert!(max <= 1e-4, "{e:?} vs {d:?}");
+    println!("2 processes on cuda: max relative loss difference {max:.2e} over 10 steps");
 }
