@@ -23,7 +23,7 @@ targets=(
     "fsdp-kernels||test|nvrtc_compile|every kernel compiles with the machine's NVRTC"
     "fsdp-gpt||test|gpu_device_train|fsdp train --device cuda --steps 20 vs --ranks 1 on the CPU: losses within 1e-4; peak memory = fsdp plan --device cuda, pool high-water mark within 5% (also with --cpu-offload and --activation-checkpointing); --cpu-offload and --activation-checkpointing losses within 1e-6 of the device run (runs fsdp-gpt--bin--fsdp beside it)"
     "fsdp-gpt||test|gpu_golden|fsdp train --device cuda on the golden fixtures: f32 within 1e-4 of PyTorch's golden losses; bf16 within 2·g of PyTorch FSDP2's bf16 curve (runs fsdp-gpt--bin--fsdp, torch_fsdp2_gpt.py and golden/ beside it)"
-    "fsdp-gpt||test|gpu_sharded|sharded training on one GPU, ranks as threads (PeerComm over CudaOps): every collective at 2 and 4 ranks equals the host twins bitwise; fsdp train --device cuda --ranks 2|4 --strategy full-shard|no-shard|shard-grad-op vs the engine: losses within 1e-4 (runs fsdp-gpt--bin--fsdp beside it)"
+    "fsdp-gpt||test|gpu_sharded|sharded training on one GPU, ranks as threads (PeerComm over CudaOps): every collective at 2 and 4 ranks equals the host twins bitwise; fsdp train --device cuda --ranks 2|4 --strategy full-shard|no-shard|shard-grad-op vs the engine: losses within 1e-4, each rank's peak the plan's; 2 processes under fsdp launch --device cuda vs the engine (runs fsdp-gpt--bin--fsdp beside it)"
     "fsdp-kernels||bench|kernels_bandwidth|fused AdamW, reduce, cast, norm vs copy bandwidth"
     "fsdp-allocator|cuda|test|cuda|the caching allocator over CUDA memory"
     "fsdp-allocator|cuda|test|cuda_streams|allocator on CUDA streams: stats/snapshot vs host, record_stream vs a busy stream, destroyed streams"
