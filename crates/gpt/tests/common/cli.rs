@@ -391,3 +391,20 @@ pub fn nonfinite_on_both(extra: &[&str], engine: &[&str], twin: &[&str]) -> (Str
     assert_eq!(a, b, "the same error line");
     (a, text(&on_twin.stdout))
 }
+
+/// [`nonfinite_on_both`]: a run of 5 steps stops at step 1 with the engine's line, and with
+/// `--skip-nonfinite 1` step 1 is skipped (its line printed) and step 2 stops the run.
+pub fn nonfinite_stops_and_skips_as_the_engine(engine: &[&str], twin: &[&str]) {
+    let (line, _) = nonfinite_on_both(&["--steps", "5"], engine, twin);
+    assert!(
+        line.starts_with("error: step 1: the loss is NaN (non-finite)"),
+        "{line}"
+    );
+    let (line, stdout) =
+        nonfinite_on_both(&["--steps", "4", "--skip-nonfinite", "1"], engine, twin);
+    assert!(line.starts_with("error: step 2: the loss is NaN"), "{line}");
+    assert!(
+        stdout.contains("step 1: the loss is NaN: skipped (1 of"),
+        "{stdout}"
+    );
+}
