@@ -221,20 +221,7 @@ fn plan_predicts_each_ranks_peak_and_admission_uses_it() {
 /// `--skip-nonfinite` is skipped first), as at one rank.
 #[test]
 fn several_ranks_stop_and_skip_non_finite_steps_as_the_engine() {
-    let run = |extra: &[&str]| {
-        common::cli::nonfinite_on_both(extra, &["--ranks", "2"], &["--ranks", "2"])
-    };
-    let (line, _) = run(&["--steps", "5"]);
-    assert!(
-        line.starts_with("error: step 1: the loss is NaN (non-finite)"),
-        "{line}"
-    );
-    let (line, stdout) = run(&["--steps", "4", "--skip-nonfinite", "1"]);
-    assert!(line.starts_with("error: step 2: the loss is NaN"), "{line}");
-    assert!(
-        stdout.contains("step 1: the loss is NaN: skipped (1 of"),
-        "{stdout}"
-    );
+    common::cli::nonfinite_stops_and_skips_as_the_engine(&["--ranks", "2"], &["--ranks", "2"]);
 }
 
 /// `--trace` with several ranks writes one Chrome trace with a process per rank, each with the
