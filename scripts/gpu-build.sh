@@ -92,6 +92,12 @@ cp scripts/gpu-check.sh scripts/gpu-env.sh scripts/gpu-profile.sh benches/torch_
 # The golden fixtures gpu_golden reads beside itself.
 mkdir -p "$out/golden"
 cp crates/gpt/tests/fixtures/{gpt_tiny_init.safetensors,tokens.bin,expected_losses.csv} "$out/golden/"
+# The device tool carries at most 64 MiB: past 60 MiB, the symbol tables go too (a panic's
+# backtrace then names addresses, not functions).
+if [ "$(du -sb "$out" | cut -f1)" -gt $((60 << 20)) ]; then
+    echo "== over 60 MiB: stripping the symbol tables too" >&2
+    for f in "$out"/*--*; do strip --strip-all "$f"; done
+fi
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2
 cat "$out/MANIFEST" >&2
