@@ -198,6 +198,37 @@ pub(crate) fn describe_run(cfg: &GptConfig, batch_size: usize, accum: usize) -> 
     )
 }
 
+/// A stream on CUDA device `n` named `name`, every wait on it bounded by `--timeout` (a
+/// step's outcome, a copy); its errors prefixed with `what`.
+fn cuda_stream(
+    args: &TrainArgs,
+    n: usize,
+    name: &str,
+    what: &str,
+) -> Result<fsdp_device::Stream, CliError> {
+    match args.timeout {
+        Some(t) => fsdp_device::Stream::cuda_with_timeout(n, name, t),
+        None => fsdp_device::Stream::cuda(n, name),
+    }
+    .map_err(|e| fail(format!("{what}: {e}")))
+}
+
+/// The GPT's operations on `stream` with the products of `--param-dtype` (`bf16`); errors
+/// prefixed with `what`.
+fn cuda_ops(stream: fsdp_device::Stream, bf16: bool, what: &str) -> Result<CudaOps, CliError> {
+    Ok(CudaOps::new(stream)
+        .map_err(|e| fail(format!("{what}: {e}")))?
+        .with_products(products(bf16)))
+}
+
+/// The free memory of `stream`'s GPU, where the driver tells it.
+fn free_memory(stream: &fsdp_device::Stream) -> Option<u64> {
+    stream
+        .cuda_stream()
+        .and_then(|s| s.context().mem_get_info().ok())
+        .map(|(free, _)| free as u64)
+}
+
 /// Checks that CUDA device `n` exists.
 fn cuda_ordinal(dev: DeviceArg, n: usize) -> Result<(), CliError> {
     let count = fsdp_device::cuda::device_count()
@@ -294,15 +325,9 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                     env.local_rank % count.max(1)
                 };
                 cuda_ordinal(dev, n)?;
+                let what = format!("--device {dev}");
                 let name = format!("fsdp train rank {}", env.rank);
-                let stream = match args.timeout {
-                    Some(t) => fsdp_device::Stream::cuda_with_timeout(n, &name, t),
-                    None => fsdp_device::Stream::cuda(n, &name),
-                }
-                .map_err(|e| fail(format!("--device {dev}: {e}")))?;
-                let ops = CudaOps::new(stream)
-                    .map_err(|e| fail(format!("--device {dev}: {e}")))?
-                    .with_products(products(bf16));
+                let ops = cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)?;
                 crate::device_sharded_cmd::train_process(args, &run, &env, ops)
             }
             DeviceArg::HostTwin => crate::device_sharded_cmd::train_process(
@@ -326,23 +351,13 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         return match dev {
             DeviceArg::Cuda { ordinal: n, .. } => {
                 cuda_ordinal(dev, n)?;
-                let stream = fsdp_device::Stream::cuda(n, "fsdp train admission")
-                    .map_err(|e| fail(format!("--device {dev}: {e}")))?;
-                let free = stream
-                    .cuda_stream()
-                    .and_then(|s| s.context().mem_get_info().ok())
-                    .map(|(free, _)| free as u64);
-                admit(args, &run, free, world)?;
+                let what = format!("--device {dev}");
+                let stream = cuda_stream(args, n, "fsdp train admission", &what)?;
+                admit(args, &run, free_memory(&stream), world)?;
                 crate::device_sharded_cmd::train_sharded(args, &run, world, |rank| {
+                    let what = format!("--device {dev}: rank {rank}");
                     let name = format!("fsdp train rank {rank}");
-                    let stream = match args.timeout {
-                        Some(t) => fsdp_device::Stream::cuda_with_timeout(n, &name, t),
-                        None => fsdp_device::Stream::cuda(n, &name),
-                    }
-                    .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
-                    Ok(CudaOps::new(stream)
-                        .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?
-                        .with_products(products(bf16)))
+                    cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)
                 })
             }
             DeviceArg::HostTwin => {
@@ -363,22 +378,12 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     match dev {
         DeviceArg::Cuda { ordinal: n, .. } => {
             cuda_ordinal(dev, n)?;
-            // --timeout bounds every wait for the GPU (a step's outcome, a copy).
-            let stream = match args.timeout {
-                Some(t) => fsdp_device::Stream::cuda_with_timeout(n, "fsdp train", t),
-                None => fsdp_device::Stream::cuda(n, "fsdp train"),
-            }
-            .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            let what = format!("--device {dev}");
+            let stream = cuda_stream(args, n, "fsdp train", &what)?;
             // Admission: the plan's peak against the GPU's free memory (or --memory-limit),
             // before the model allocates anything.
-            let free = stream
-                .cuda_stream()
-                .and_then(|s| s.context().mem_get_info().ok())
-                .map(|(free, _)| free as u64);
-            admit(args, &run, free, 1)?;
-            let ops = CudaOps::new(stream)
-                .map_err(|e| fail(format!("--device {dev}: {e}")))?
-                .with_products(products(bf16));
+            admit(args, &run, free_memory(&stream), 1)?;
+            let ops = cuda_ops(stream, bf16, &what)?;
             train_with(ops, args, &run, CudaOps::pool_memory)
         }
         DeviceArg::HostTwin => {
