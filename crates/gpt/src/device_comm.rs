@@ -95,7 +95,7 @@ fn bad_lengths(what: &str, reason: String) -> DeviceTrainError {
 }
 
 /// The packed length of shards of lengths `lens`, and each one's offset.
-fn packing(lens: &[usize]) -> (usize, Vec<usize>) {
+pub(crate) fn packing(lens: &[usize]) -> (usize, Vec<usize>) {
     let mut offsets = Vec::with_capacity(lens.len());
     let mut total = 0;
     for &l in lens {

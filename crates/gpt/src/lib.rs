@@ -59,6 +59,8 @@ mod device_shard;
 pub mod device_sharded;
 mod device_sharded_state;
 mod device_snapshot;
+#[allow(unsafe_code)]
+pub mod device_staged;
 mod device_state;
 mod device_trace;
 pub mod device_train;

@@ -17,6 +17,7 @@ use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_comm::{DeviceComm, HostComm};
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainError};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps};
@@ -31,6 +32,19 @@ fn over_ring<R: Send>(
 ) -> Vec<R> {
     ring::run_ranks(world, ring::RingOptions::default(), |c| {
         let comm = HostComm::new(Box::new(c));
+        f(&comm, &HostOps::new())
+    })
+    .unwrap()
+}
+
+/// Runs `f` on `world` ranks of `StagedComm` over the ring: host staging buffers, the
+/// code path of NCCL's on a GPU.
+fn over_staged<R: Send>(
+    world: usize,
+    f: impl Fn(&dyn DeviceComm<HostOps>, &HostOps) -> R + Sync,
+) -> Vec<R> {
+    ring::run_ranks(world, ring::RingOptions::default(), |c| {
+        let comm = StagedComm::new(Box::new(c));
         f(&comm, &HostOps::new())
     })
     .unwrap()
@@ -101,6 +115,7 @@ fn every_comm_gives_the_references_bits() {
         let runs = [
             ("ring", over_ring(world, exercise_collectives)),
             ("peers", over_peers(world, exercise_collectives)),
+            ("staged", over_staged(world, exercise_collectives)),
         ];
         for (name, out) in runs {
             for (r, got) in out.iter().enumerate() {
@@ -190,7 +205,8 @@ fn peers_fail_on_a_departed_or_missing_rank() {
     );
 }
 
-/// The sharded trainer over `PeerComm`: bitwise the ring's at 2 ranks (a sum of two is the
+/// The sharded trainer over `StagedComm`: bitwise over `HostComm` on the same ring. Over
+/// `PeerComm`: bitwise the ring's at 2 ranks (a sum of two is the
 /// same in either order), within 1e-5 relative at 4 (the ring folds in its own order).
 #[test]
 fn sharded_training_over_peers_matches_the_ring() {
@@ -215,6 +231,12 @@ fn sharded_training_over_peers_matches_the_ring() {
             train(Box::new(HostComm::new(Box::new(c))))
         })
         .unwrap();
+        let staged = ring::run_ranks(world, ring::RingOptions::default(), |c| {
+            train(Box::new(StagedComm::new(Box::new(c))))
+        })
+        .unwrap();
+        // The same ring on the same packed layout: the same bits.
+        assert_eq!(staged, ring, "{world} ranks: staged against host-staged");
         let comms = PeerComm::<HostOps>::group(world, Duration::from_secs(60));
         let peers: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = comms

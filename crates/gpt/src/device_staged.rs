@@ -1,0 +1,355 @@
+//! [`StagedComm`]: the collectives of sharded training over a [`Communicator`] whose buffers
+//! live where the operations' do — NCCL's on the operations' GPU (`CudaOps`), the ring's or
+//! TCP's in host memory (the host twins). A unit's buffers are packed into one staging buffer
+//! of the communicator by the operations themselves ([`StagingOps`]: FSDP2's copy-in), the
+//! collective runs once on it, and the result is copied out into the unit's buffers
+//! ([`PeerOps::copy_from_peer`]). On a GPU nothing waits on the host: the communicator's
+//! stream waits for an event after the packing, and the operations' stream for the
+//! collective's end event before the copies out (`ProcessGroupNCCL`'s current-stream
+//! ordering).
+//!
+//! The staging buffers are kept between calls and grown to the largest unit: one input and
+//! one output of f32, and one of f64 for the step's scalars.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use fsdp_collectives::{Communicator, ReduceOp, Work};
+use fsdp_device::{AccessMode, Buffer, DType, Device};
+use fsdp_kernels::gpt::{PeerPtr, StagingOps};
+use fsdp_kernels::host::ReduceKind;
+
+use crate::device_comm::{check_fit, packing, DeviceComm};
+use crate::device_config::DeviceTrainError;
+
+/// [`DeviceComm`] over a communicator whose buffers are in the operations' memory (module
+/// docs): NCCL for `CudaOps` on a GPU, any host communicator for the host twins.
+pub struct StagedComm<C: ?Sized> {
+    staging: RefCell<Staging>,
+    comm: Box<C>,
+}
+
+/// The kept staging buffers.
+#[derive(Default)]
+struct Staging {
+    input: Option<Buffer>,
+    output: Option<Buffer>,
+    scalars: Option<Buffer>,
+}
+
+/// Which staging buffer.
+#[derive(Clone, Copy)]
+enum Slot {
+    Input,
+    Output,
+    Scalars,
+}
+
+impl<C: Communicator + ?Sized> StagedComm<C> {
+    /// Collectives over `comm`, staged in buffers on its stream's device.
+    pub fn new(comm: Box<C>) -> StagedComm<C> {
+        StagedComm {
+            staging: RefCell::new(Staging::default()),
+            comm,
+        }
+    }
+
+    /// The communicator.
+    pub fn communicator(&self) -> &C {
+        &self.comm
+    }
+
+    /// The bytes of the staging buffers held now (device memory beside the operations' on a
+    /// GPU).
+    pub fn staging_bytes(&self) -> usize {
+        let s = self.staging.borrow();
+        [&s.input, &s.output, &s.scalars]
+            .into_iter()
+            .flatten()
+            .map(Buffer::byte_len)
+            .sum()
+    }
+
+    /// `len` elements of the staging buffer `slot`, grown (replaced, zeroed) when shorter.
+    fn buffer(&self, slot: Slot, len: usize) -> Result<Buffer, DeviceTrainError> {
+        let mut s = self.staging.borrow_mut();
+        let (kept, dtype) = match slot {
+            Slot::Input => (&mut s.input, DType::F32),
+            Slot::Output => (&mut s.output, DType::F32),
+            Slot::Scalars => (&mut s.scalars, DType::F64),
+        };
+        if kept.as_ref().is_none_or(|b| b.len() < len) {
+            let stream = self.comm.stream();
+            *kept = Some(match stream.device() {
+                Device::Cuda(_) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
+                _ => Buffer::zeros(dtype, len.max(1))?,
+            });
+        }
+        let buf = kept.as_ref().expect("kept above");
+        Ok(buf.slice(0..len)?)
+    }
+
+    /// Runs `f` with the address of `buf` as `ops` reach it: a stream-ordered device buffer
+    /// used on the operations' stream, or a host buffer under an access guard.
+    fn with_ptr<O: StagingOps, R>(
+        &self,
+        ops: &O,
+        buf: &Buffer,
+        mode: AccessMode,
+        f: impl FnOnce(PeerPtr) -> Result<R, DeviceTrainError>,
+    ) -> Result<R, DeviceTrainError> {
+        let len = buf.len();
+        match (buf.stream_order(), ops.device_stream()) {
+            (Some(_), Some(stream)) => {
+                let usage = buf.use_on(stream, mode)?;
+                let r = f(PeerPtr {
+                    addr: usage.device_ptr() as usize,
+                    len,
+                });
+                usage.finish();
+                r
+            }
+            (None, None) if buf.device() == Device::Cpu => {
+                let guard = buf.access(mode).acquire(self.comm.stream().timeout())?;
+                f(PeerPtr {
+                    addr: guard.as_ptr().expose_provenance(),
+                    len,
+                })
+            }
+            _ => Err(fsdp::FsdpError::InvalidShape {
+                reason: format!(
+                    "rank {}: the communicator's buffers are on {} but the operations run {}: \
+                     stage through the host (HostComm) instead",
+                    self.comm.rank(),
+                    buf.device(),
+                    match ops.device_stream() {
+                        Some(s) => format!("on stream `{}` of {}", s.name(), s.device()),
+                        None => "on the host".into(),
+                    }
+                ),
+            }
+            .into()),
+        }
+    }
+
+    /// Runs the collective `f` after the operations' work so far, and orders the operations'
+    /// later work after it.
+    fn run<O: StagingOps>(
+        &self,
+        ops: &O,
+        f: impl FnOnce(&C) -> fsdp_collectives::Result<Work>,
+    ) -> Result<(), DeviceTrainError> {
+        if let Some(s) = ops.device_stream() {
+            self.comm.stream().wait_event(&s.record_event())?;
+        }
+        let work = f(&self.comm)?;
+        work.wait()?;
+        if let Some(s) = ops.device_stream() {
+            s.wait_event(work.event())?;
+        }
+        Ok(())
+    }
+}
+
+/// Chunk `r` of a tensor of `full` elements cut in shards of `shard`: its start and length
+/// (0 from the first chunk past the end on).
+fn chunk(r: usize, shard: usize, full: usize) -> (usize, usize) {
+    let start = r * shard;
+    (start, shard.min(full.saturating_sub(start)))
+}
+
+impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn all_gather(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        fulls: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        let world = self.comm.world_size();
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
+        check_fit("all-gather", &lens, &full_lens, world)?;
+        let (total, offsets) = packing(&lens);
+        let input = self.buffer(Slot::Input, total)?;
+        let output = self.buffer(Slot::Output, total * world)?;
+        self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
+            for (i, s) in shards.iter().enumerate() {
+                // SAFETY: `to` is the staging input, held for this copy (`with_ptr`).
+                unsafe { ops.copy_to_ptr(s, 0, to, offsets[i], lens[i])? };
+            }
+            Ok(())
+        })?;
+        self.run(ops, |c| c.all_gather_base(&input, &output))?;
+        self.with_ptr(ops, &output, AccessMode::Shared, |from| {
+            for (i, full) in fulls.iter_mut().enumerate() {
+                for r in 0..world {
+                    let (start, n) = chunk(r, lens[i], full_lens[i]);
+                    if n == 0 {
+                        break;
+                    }
+                    // SAFETY: `from` is the staging output, written by the collective the
+                    // operations were ordered after, and held for this copy (`with_ptr`).
+                    unsafe { ops.copy_from_peer(from, r * total + offsets[i], full, start, n)? };
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter_avg(
+        &self,
+        ops: &O,
+        fulls: &[&O::Buf],
+        shards: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        let world = self.comm.world_size();
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
+        check_fit("reduce-scatter", &lens, &full_lens, world)?;
+        let (total, offsets) = packing(&lens);
+        let input = self.buffer(Slot::Input, total * world)?;
+        let output = self.buffer(Slot::Output, total)?;
+        self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
+            for (i, full) in fulls.iter().enumerate() {
+                let s = lens[i];
+                for r in 0..world {
+                    let (start, n) = chunk(r, s, full_lens[i]);
+                    let at = r * total + offsets[i];
+                    // SAFETY: `to` is the staging input, held for these writes (`with_ptr`).
+                    unsafe {
+                        if n > 0 {
+                            ops.copy_to_ptr(full, start, to, at, n)?;
+                        }
+                        ops.zero_ptr(to, at + n, s - n)?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        self.run(ops, |c| {
+            c.reduce_scatter_base(&input, &output, ReduceOp::Avg)
+        })?;
+        self.with_ptr(ops, &output, AccessMode::Shared, |from| {
+            for (i, shard) in shards.iter_mut().enumerate() {
+                // SAFETY: as in `all_gather`.
+                unsafe { ops.copy_from_peer(from, offsets[i], shard, 0, lens[i])? };
+            }
+            Ok(())
+        })
+    }
+
+    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+        let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
+        let (total, offsets) = packing(&lens);
+        let buf = self.buffer(Slot::Input, total)?;
+        self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
+            for (i, b) in bufs.iter().enumerate() {
+                // SAFETY: as in `all_gather`.
+                unsafe { ops.copy_to_ptr(b, 0, to, offsets[i], lens[i])? };
+            }
+            Ok(())
+        })?;
+        self.run(ops, |c| c.all_reduce(&buf, ReduceOp::Avg))?;
+        self.with_ptr(ops, &buf, AccessMode::Shared, |from| {
+            for (i, b) in bufs.iter_mut().enumerate() {
+                // SAFETY: as in `all_gather`.
+                unsafe { ops.copy_from_peer(from, offsets[i], b, 0, lens[i])? };
+            }
+            Ok(())
+        })
+    }
+
+    fn all_reduce_scalars(
+        &self,
+        ops: &O,
+        scalars: &mut O::Scalars,
+        slots: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<(), DeviceTrainError> {
+        let n = ops.scalars_ptr(scalars).len;
+        if slots.start > slots.end || slots.end > n {
+            return Err(fsdp::FsdpError::InvalidShape {
+                reason: format!("scalars: slots {slots:?} of {n}"),
+            }
+            .into());
+        }
+        let len = slots.len();
+        let buf = self.buffer(Slot::Scalars, len)?;
+        self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
+            // SAFETY: `to` is the f64 staging buffer, held for this copy (`with_ptr`).
+            unsafe { ops.copy_scalars_to_ptr(scalars, slots.start, to, 0, len)? };
+            Ok(())
+        })?;
+        self.run(ops, |c| c.all_reduce(&buf, op))?;
+        self.with_ptr(ops, &buf, AccessMode::Shared, |from| {
+            // One source: a copy back into the slots.
+            // SAFETY: as in `all_gather`.
+            unsafe {
+                ops.reduce_scalars_from_peers(ReduceKind::Sum, &[(from, 0)], scalars, slots.start, len)?
+            };
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fsdp_collectives::ring;
+    use fsdp_kernels::gpt::{GptOps, HostOps};
+
+    /// Two ranks of the ring gather, reduce-scatter (a tensor shorter than the world's
+    /// shards: its padding zeroed in the reused staging input) and all-reduce scalars
+    /// through host staging buffers. (Under Miri: the packing writes and the copies out by
+    /// address stay in the staging buffers, under their access guards.)
+    #[test]
+    fn two_ranks_stage_a_unit_through_the_ring() {
+        ring::run_ranks(2, ring::RingOptions::default(), |c| {
+            let comm = StagedComm::new(Box::new(c));
+            let ops = HostOps::new();
+            let rank = DeviceComm::<HostOps>::rank(&comm);
+            let r = rank as f32;
+            let shards = [
+                ops.upload(&[r, r + 0.5]).unwrap(),
+                ops.upload(&[r]).unwrap(),
+            ];
+            let mut fulls = [ops.zeros(4).unwrap(), ops.zeros(1).unwrap()];
+            let mut outs: Vec<_> = fulls.iter_mut().collect();
+            comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs)
+                .unwrap();
+            assert_eq!(fulls[0].to_vec(), [0.0, 0.5, 1.0, 1.5]);
+            assert_eq!(fulls[1].to_vec(), [0.0]);
+            let own = [
+                ops.upload(&[r; 4]).unwrap(),
+                ops.upload(&[2.0 * r + 1.0]).unwrap(),
+            ];
+            let mut red = [ops.zeros(2).unwrap(), ops.zeros(1).unwrap()];
+            let mut outs: Vec<_> = red.iter_mut().collect();
+            comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs)
+                .unwrap();
+            assert_eq!(red[0].to_vec(), [0.5, 0.5]);
+            // Rank 1's chunk of the one-element tensor is padding (zero, not the staging
+            // buffer's earlier contents).
+            let want = if rank == 0 { 2.0 } else { 0.0 };
+            assert_eq!(red[1].to_vec(), [want]);
+            let mut scalars = ops.scalars(&[r.into(), 1.0, 5.0]).unwrap();
+            comm.all_reduce_scalars(&ops, &mut scalars, 0..2, ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(scalars.to_vec(), [1.0, 2.0, 5.0]);
+            let e = comm
+                .all_reduce_scalars(&ops, &mut scalars, 2..4, ReduceOp::Sum)
+                .unwrap_err();
+            assert!(e.to_string().contains("slots 2..4 of 3"), "{e}");
+            assert!(comm.staging_bytes() >= 4 * 4 + 4 * 2 + 8 * 2);
+        })
+        .unwrap();
+    }
+}
