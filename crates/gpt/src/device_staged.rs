@@ -70,8 +70,15 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             .sum()
     }
 
-    /// `len` elements of the staging buffer `slot`, grown (replaced, zeroed) when shorter.
-    fn buffer(&self, slot: Slot, len: usize) -> Result<Buffer, DeviceTrainError> {
+    /// `len` elements of the staging buffer `slot`, grown (replaced, zeroed) when shorter: in
+    /// device memory, zeroed on `ops`' stream, where the communicator's stream is on a GPU;
+    /// else in host memory.
+    fn buffer<O: StagingOps>(
+        &self,
+        ops: &O,
+        slot: Slot,
+        len: usize,
+    ) -> Result<Buffer, DeviceTrainError> {
         let mut s = self.staging.borrow_mut();
         let (kept, dtype) = match slot {
             Slot::Input => (&mut s.input, DType::F32),
@@ -79,9 +86,9 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::Scalars => (&mut s.scalars, DType::F64),
         };
         if kept.as_ref().is_none_or(|b| b.len() < len) {
-            let stream = self.comm.stream();
-            *kept = Some(match stream.device() {
-                Device::Cuda(_) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
+            *kept = Some(match (self.comm.stream().device(), ops.device_stream()) {
+                (Device::Cuda(_), Some(stream)) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
+                (d, None) if d != Device::Cpu => return Err(self.misplaced(d, ops)),
                 _ => Buffer::zeros(dtype, len.max(1))?,
             });
         }
@@ -116,20 +123,24 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
                     len,
                 })
             }
-            _ => Err(fsdp::FsdpError::InvalidShape {
-                reason: format!(
-                    "rank {}: the communicator's buffers are on {} but the operations run {}: \
-                     stage through the host (HostComm) instead",
-                    self.comm.rank(),
-                    buf.device(),
-                    match ops.device_stream() {
-                        Some(s) => format!("on stream `{}` of {}", s.name(), s.device()),
-                        None => "on the host".into(),
-                    }
-                ),
-            }
-            .into()),
+            _ => Err(self.misplaced(buf.device(), ops)),
         }
+    }
+
+    /// The error of staging buffers on `device` for operations that cannot reach them.
+    fn misplaced<O: StagingOps>(&self, device: Device, ops: &O) -> DeviceTrainError {
+        fsdp::FsdpError::InvalidShape {
+            reason: format!(
+                "rank {}: the communicator's buffers are on {device} but the operations run {}: \
+                 stage through the host (HostComm) instead",
+                self.comm.rank(),
+                match ops.device_stream() {
+                    Some(s) => format!("on stream `{}` of {}", s.name(), s.device()),
+                    None => "on the host".into(),
+                }
+            ),
+        }
+        .into()
     }
 
     /// Runs the collective `f` after the operations' work so far, and orders the operations'
@@ -178,8 +189,8 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
         check_fit("all-gather", &lens, &full_lens, world)?;
         let (total, offsets) = packing(&lens);
-        let input = self.buffer(Slot::Input, total)?;
-        let output = self.buffer(Slot::Output, total * world)?;
+        let input = self.buffer(ops, Slot::Input, total)?;
+        let output = self.buffer(ops, Slot::Output, total * world)?;
         self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
             for (i, s) in shards.iter().enumerate() {
                 // SAFETY: `to` is the staging input, held for this copy (`with_ptr`).
@@ -215,8 +226,8 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
         check_fit("reduce-scatter", &lens, &full_lens, world)?;
         let (total, offsets) = packing(&lens);
-        let input = self.buffer(Slot::Input, total * world)?;
-        let output = self.buffer(Slot::Output, total)?;
+        let input = self.buffer(ops, Slot::Input, total * world)?;
+        let output = self.buffer(ops, Slot::Output, total)?;
         self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
             for (i, full) in fulls.iter().enumerate() {
                 let s = lens[i];
@@ -249,7 +260,7 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
     fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
         let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
         let (total, offsets) = packing(&lens);
-        let buf = self.buffer(Slot::Input, total)?;
+        let buf = self.buffer(ops, Slot::Input, total)?;
         self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
             for (i, b) in bufs.iter().enumerate() {
                 // SAFETY: as in `all_gather`.
@@ -282,7 +293,7 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
             .into());
         }
         let len = slots.len();
-        let buf = self.buffer(Slot::Scalars, len)?;
+        let buf = self.buffer(ops, Slot::Scalars, len)?;
         self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
             // SAFETY: `to` is the f64 staging buffer, held for this copy (`with_ptr`).
             unsafe { ops.copy_scalars_to_ptr(scalars, slots.start, to, 0, len)? };
@@ -293,7 +304,13 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
             // One source: a copy back into the slots.
             // SAFETY: as in `all_gather`.
             unsafe {
-                ops.reduce_scalars_from_peers(ReduceKind::Sum, &[(from, 0)], scalars, slots.start, len)?
+                ops.reduce_scalars_from_peers(
+                    ReduceKind::Sum,
+                    &[(from, 0)],
+                    scalars,
+                    slots.start,
+                    len,
+                )?
             };
             Ok(())
         })

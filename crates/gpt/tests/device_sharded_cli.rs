@@ -310,8 +310,8 @@ fn cpu_offload_with_two_ranks_logs_the_same_losses() {
 }
 
 /// Ranks as processes under `fsdp launch` (`--device host-twin`: each process one rank, the
-/// collectives over TCP staged through host memory, `HostComm`) log bitwise the losses of the
-/// same ranks as threads and save the same weights; rank 0 reports.
+/// collectives over TCP through `StagedComm`, the code NCCL runs on GPUs) log bitwise the
+/// losses of the same ranks as threads and save the same weights; rank 0 reports.
 #[test]
 fn launched_processes_train_as_threads() {
     let dir = scratch("device_sharded_cli", "launched");
@@ -340,7 +340,9 @@ fn launched_processes_train_as_threads() {
         ]);
         let out = ok(&fsdp(&a), "fsdp launch ... train --device host-twin");
         assert!(
-            out.contains(&format!("[rank 0] fsdp train: rank 0 of {n} processes")),
+            out.contains(&format!(
+                "[rank 0] fsdp train: rank 0 of {n} processes on host-twin (tcp)"
+            )),
             "{out}"
         );
         assert!(
@@ -372,4 +374,46 @@ fn launched_processes_train_as_threads() {
             "{n} ranks {extra:?}: the saved weights"
         );
     }
+}
+
+/// `--backend` of ranks as processes on a device: nccl needs CUDA buffers (refused on the
+/// host twins, and by the CPU engine), ring is not a backend of processes; every rank stops
+/// with the error before training. `tcp` is the host twins' default and runs.
+#[test]
+fn launched_processes_take_tcp_or_nccl() {
+    let dir = scratch("device_sharded_cli", "backends");
+    let log = dir.join("log.csv");
+    let launch = |backend: &str| {
+        let mut a = vec!["launch", "--nproc-per-node", "2", "--master-port", "0"];
+        a.extend(small_train_args(
+            &["--steps", "1", "--batch-size", "4", "--device", "host-twin"],
+            &["--backend", backend, "--loss-log", s(&log)],
+        ));
+        fsdp(&a)
+    };
+    for (backend, needle) in [
+        (
+            "nccl",
+            "--backend nccl runs on CUDA buffers: use --device cuda, or tcp",
+        ),
+        ("ring", "--backend ring"),
+    ] {
+        let out = launch(backend);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{backend}: {stderr}");
+        assert!(stderr.contains(needle), "{backend}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!log.exists(), "{backend}: nothing written");
+    }
+    ok(&launch("tcp"), "--backend tcp");
+    assert!(log.exists());
+    let mut a = small_train_args(
+        &["--steps", "1", "--batch-size", "4"],
+        &["--backend", "nccl"],
+    );
+    a.extend(["--ranks", "2"]);
+    one_error_status_1(
+        &fsdp(&a),
+        &["--backend nccl needs CUDA buffers", "--device cuda"],
+    );
 }

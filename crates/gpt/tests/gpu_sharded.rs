@@ -10,8 +10,13 @@
 //!   HYBRID_SHARD at 4 in two nodes;
 //!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s.
 //!
-//! - two ranks as processes under `fsdp launch --device cuda` (collectives staged through host
-//!   memory over TCP): the engine's losses within 1e-4.
+//! - two ranks as processes under `fsdp launch --device cuda` on the one GPU (collectives
+//!   staged through host memory over TCP: NCCL takes one GPU per rank): the engine's losses
+//!   within 1e-4;
+//! - `StagedComm` over NCCL on the GPU (one rank: the one GPU): every collective gives the
+//!   host twins' bits through device staging buffers, ordered by events; and one process
+//!   under `fsdp launch --device cuda` (NCCL, the default with a GPU per rank) follows the
+//!   engine within 1e-4.
 //!
 //! Without a CUDA driver or device it prints `skipped: no GPU (<reason>)` and passes.
 
@@ -22,7 +27,10 @@ use std::time::Duration;
 
 use common::device::exercise_collectives;
 use common::gpu::{gpu, run, SMALL_GPU_MODEL};
+use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions, UniqueId};
+use fsdp_collectives::ring;
 use fsdp_gpt::device_peer::PeerComm;
+use fsdp_gpt::device_staged::StagedComm;
 use fsdp_kernels::gpt::{CudaOps, HostOps, PeerOps};
 
 /// Runs every collective on `world` ranks as threads, rank `r` on `ops(r)`.
@@ -153,7 +161,9 @@ fn launched_processes_on_cuda_follow_the_engine() {
     b.extend(["--device", "cuda", "--loss-log", cuda.to_str().unwrap()]);
     let out = run(&b);
     assert!(
-        out.contains("[rank 0] fsdp train: rank 0 of 2 processes on cuda"),
+        out.contains(
+            "[rank 0] fsdp train: rank 0 of 2 processes on cuda (tcp, staged through host memory)"
+        ),
         "{out}"
     );
     let (e, d) = (
@@ -168,4 +178,70 @@ fn launched_processes_on_cuda_follow_the_engine() {
         .fold(0.0, f64::max);
     assert!(max <= 1e-4, "{e:?} vs {d:?}");
     println!("2 processes on cuda: max relative loss difference {max:.2e} over 10 steps");
+}
+
+/// `StagedComm` over NCCL with `CudaOps` (one rank on the one GPU): packing into device staging
+/// buffers, NCCL on its own stream after an event of the operations' stream, copies out after
+/// its end event — every collective the host twins' bits (`StagedComm` over the ring).
+#[test]
+fn staged_nccl_collectives_give_the_host_twins_bits() {
+    if !gpu("staged_nccl_collectives_give_the_host_twins_bits") {
+        return;
+    }
+    if let Err(e) = fsdp_collectives::nccl::available() {
+        println!("skipped: NCCL not available ({e})");
+        return;
+    }
+    let id = UniqueId::new().unwrap();
+    let comm = NcclCommunicator::from_unique_id(&id, 0, 1, 0, NcclOptions::default()).unwrap();
+    let stream = fsdp_device::Stream::cuda(0, "staged rank 0").unwrap();
+    let cuda = exercise_collectives(
+        &StagedComm::new(Box::new(comm)),
+        &CudaOps::new(stream).unwrap(),
+    );
+    let host = ring::run_ranks(1, ring::RingOptions::default(), |c| {
+        exercise_collectives(&StagedComm::new(Box::new(c)), &HostOps::new())
+    })
+    .unwrap();
+    assert_eq!(cuda, host[0]);
+    println!("nccl, 1 rank: every staged collective equals the host twins' bits");
+}
+
+/// One process under `fsdp launch --device cuda` (NCCL: each rank has its GPU) against the
+/// engine's `fsdp train --ranks 1`: losses within 1e-4 over 10 steps.
+#[test]
+fn launched_nccl_process_follows_the_engine() {
+    if !gpu("launched_nccl_process_follows_the_engine") {
+        return;
+    }
+    if let Err(e) = fsdp_collectives::nccl::available() {
+        println!("skipped: NCCL not available ({e})");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-nccl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cpu, cuda) = (dir.join("cpu.csv"), dir.join("cuda.csv"));
+    let mut train = vec!["train"];
+    train.extend(SMALL_GPU_MODEL);
+    train.extend(["--steps", "10", "--param-dtype", "f32"]);
+    let mut a = train.clone();
+    a.extend(["--ranks", "1", "--loss-log", cpu.to_str().unwrap()]);
+    run(&a);
+    let mut b = vec!["launch", "--nproc-per-node", "1", "--master-port", "0"];
+    b.extend(train);
+    b.extend(["--device", "cuda", "--loss-log", cuda.to_str().unwrap()]);
+    let out = run(&b);
+    assert!(out.contains("(nccl, staged on the GPU)"), "{out}");
+    let (e, d) = (
+        common::cli::log_losses(&cpu),
+        common::cli::log_losses(&cuda),
+    );
+    assert_eq!((e.len(), d.len()), (10, 10));
+    let max = e
+        .iter()
+        .zip(&d)
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0.0, f64::max);
+    assert!(max <= 1e-4, "{e:?} vs {d:?}");
+    println!("1 process on cuda over nccl: max relative loss difference {max:.2e} over 10 steps");
 }

@@ -8,8 +8,8 @@ use fsdp_device::Stream;
 
 use super::cuda::{copy_error, CudaOps};
 use super::host_ops::HostOps;
-use super::meta::{MetaCounted, MetaOps};
 use super::memory::Counted;
+use super::meta::{MetaCounted, MetaOps};
 use super::ops::GptOps;
 use super::peer::{PeerOps, PeerPtr};
 use crate::KernelError;

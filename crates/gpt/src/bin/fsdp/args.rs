@@ -317,8 +317,10 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     pub(crate) memory_snapshot: Option<PathBuf>,
     /// Communication backend: `ring` (ranks as threads of this process; the default), `tcp`
-    /// (ranks as processes; the default under `fsdp launch` or torchrun) or `mpi` (under
-    /// `mpirun`; the default there when this program is built with the feature `mpi`).
+    /// (ranks as processes; the default under `fsdp launch` or torchrun), `mpi` (under
+    /// `mpirun`; the default there when this program is built with the feature `mpi`) or
+    /// `nccl` (`--device cuda` under a launcher, one GPU per rank: the default there when
+    /// every rank of a host has a GPU of its own).
     #[arg(long, value_parser = parse_backend)]
     pub(crate) backend: Option<TrainBackend>,
     /// Where the model trains: `cpu` (the default: the sharded engine, any --ranks) or `cuda`
@@ -458,13 +460,8 @@ fn parse_backend(s: &str) -> Result<TrainBackend, String> {
         return Ok(TrainBackend::Ring);
     }
     match s.parse::<Backend>() {
-        Ok(Backend::Nccl) => Err(
-            "nccl needs CUDA buffers, and the trainer's runtime computes \
-                                  on the CPU: use tcp or mpi"
-                .into(),
-        ),
         Ok(b) => Ok(TrainBackend::Process(b)),
-        Err(_) => Err("expected ring, tcp or mpi".into()),
+        Err(_) => Err("expected ring, tcp, nccl or mpi".into()),
     }
 }
 

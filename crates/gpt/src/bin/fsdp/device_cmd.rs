@@ -115,10 +115,13 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     ]
     .into_iter()
     .chain(optimizer_refusals(&args.optim));
-    let allowed: &[&str] = if world > 1 {
-        &["strategy", "ranks_per_node"]
-    } else {
-        &[]
+    // Under a launcher the ranks meet over `--backend` (nccl or tcp) within `--init-timeout`.
+    let launched = LaunchEnv::from_env()?.is_some();
+    let allowed: &[&str] = match (world > 1, launched) {
+        (true, true) => &["strategy", "ranks_per_node", "backend", "init_timeout"],
+        (false, true) => &["backend", "init_timeout"],
+        (true, false) => &["strategy", "ranks_per_node"],
+        (false, false) => &[],
     };
     refuse_first(dev, unsupported, &args.explicit, "f32 AdamW", allowed)?;
     Ok(world)
@@ -200,7 +203,7 @@ pub(crate) fn describe_run(cfg: &GptConfig, batch_size: usize, accum: usize) -> 
 
 /// A stream on CUDA device `n` named `name`, every wait on it bounded by `--timeout` (a
 /// step's outcome, a copy); its errors prefixed with `what`.
-fn cuda_stream(
+pub(crate) fn cuda_stream(
     args: &TrainArgs,
     n: usize,
     name: &str,
@@ -215,7 +218,11 @@ fn cuda_stream(
 
 /// The GPT's operations on `stream` with the products of `--param-dtype` (`bf16`); errors
 /// prefixed with `what`.
-fn cuda_ops(stream: fsdp_device::Stream, bf16: bool, what: &str) -> Result<CudaOps, CliError> {
+pub(crate) fn cuda_ops(
+    stream: fsdp_device::Stream,
+    bf16: bool,
+    what: &str,
+) -> Result<CudaOps, CliError> {
     Ok(CudaOps::new(stream)
         .map_err(|e| fail(format!("{what}: {e}")))?
         .with_products(products(bf16)))
@@ -230,7 +237,7 @@ fn free_memory(stream: &fsdp_device::Stream) -> Option<u64> {
 }
 
 /// Checks that CUDA device `n` exists.
-fn cuda_ordinal(dev: DeviceArg, n: usize) -> Result<(), CliError> {
+pub(crate) fn cuda_ordinal(dev: DeviceArg, n: usize) -> Result<(), CliError> {
     let count = fsdp_device::cuda::device_count()
         .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
     if n >= count {
@@ -314,30 +321,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     let bf16 = args.model.param_dtype == DType::BF16;
     if let Some(env) = LaunchEnv::from_env()? {
         // Ranks as processes: this process is one of them (no plan: it is of ranks as threads).
-        return match dev {
-            DeviceArg::Cuda { ordinal, indexed } => {
-                let count = fsdp_device::cuda::device_count()
-                    .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
-                // `cuda`: the launcher's local rank picks the GPU (torchrun's convention).
-                let n = if indexed {
-                    ordinal
-                } else {
-                    env.local_rank % count.max(1)
-                };
-                cuda_ordinal(dev, n)?;
-                let what = format!("--device {dev}");
-                let name = format!("fsdp train rank {}", env.rank);
-                let ops = cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)?;
-                crate::device_sharded_cmd::train_process(args, &run, &env, ops)
-            }
-            DeviceArg::HostTwin => crate::device_sharded_cmd::train_process(
-                args,
-                &run,
-                &env,
-                HostOps::with_products(host_products(bf16)),
-            ),
-            DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
-        };
+        return crate::device_process_cmd::train_launched(args, &run, &env, bf16);
     }
     if world > 1 {
         let strategy = args.model.strategy;

@@ -8,9 +8,8 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use fsdp::ShardingStrategy;
-use fsdp_collectives::{init_from_env, mesh_2d, Backend, InitOptions, LaunchEnv};
 use fsdp_device::DEFAULT_TIMEOUT;
-use fsdp_gpt::device_comm::{DeviceComm, HostComm};
+use fsdp_gpt::device_comm::DeviceComm;
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::DeviceTrainError;
@@ -51,7 +50,7 @@ pub(crate) fn check_strategy(
 }
 
 /// What each rank returns.
-struct RankEnd {
+pub(crate) struct RankEnd {
     peak: u64,
     steps: u64,
     tally: Tally,
@@ -61,18 +60,18 @@ struct RankEnd {
 
 /// What the ranks of a run (this process's) share: the options, the run, where it starts, its
 /// progress and rank 0's loss log.
-struct Shared<'a> {
+pub(crate) struct Shared<'a> {
     args: &'a TrainArgs,
     run: &'a Run,
     start_step: usize,
     skipped: usize,
-    progress: Progress,
+    pub(crate) progress: Progress,
     log: Mutex<Option<LossLog>>,
 }
 
 impl<'a> Shared<'a> {
     /// Opens the run (rank 0 prints its lines and opens the loss log when `leader`).
-    fn open(
+    pub(crate) fn open(
         args: &'a TrainArgs,
         run: &'a Run,
         how: &str,
@@ -134,7 +133,7 @@ impl<'a> Shared<'a> {
 
     /// Rank `rank`'s training with `trainer`, to its end: the steps (rank 0 reports them, every
     /// rank counts the non-finite ones), the checkpoints, `--save` and rank 0's memory snapshot.
-    fn train<O: GptOps, C: DeviceComm<O>>(
+    pub(crate) fn train<O: GptOps, C: DeviceComm<O>>(
         &self,
         rank: usize,
         mut trainer: ShardedDeviceTrainer<O, C>,
@@ -216,7 +215,7 @@ impl<'a> Shared<'a> {
 
     /// Closes the run after the ranks `ends` (this process's, rank 0 first) ran for `elapsed`:
     /// the loss log, the trace, the summary.
-    fn finish(
+    pub(crate) fn finish(
         self,
         mut ends: Vec<RankEnd>,
         elapsed: std::time::Duration,
@@ -347,60 +346,4 @@ where
         ends.push(r?);
     }
     shared.finish(ends, elapsed, &format!("{world} ranks"))
-}
-
-/// Trains `run` as rank `env.rank` of `env.world_size` processes started by a launcher, on
-/// `ops`, the collectives over the launcher's backend staged through host memory
-/// ([`HostComm`]); rank 0 reports and writes the outputs.
-pub(crate) fn train_process<O: GptOps>(
-    args: &TrainArgs,
-    run: &Run,
-    env: &LaunchEnv,
-    ops: O,
-) -> Result<(), CliError> {
-    let dev = args.device;
-    let (rank, world) = (env.rank, env.world_size);
-    let strategy: ShardingStrategy = args.model.strategy;
-    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
-    let mut init = InitOptions::from_env()?;
-    if let Some(t) = args.timeout {
-        init.timeout = t;
-    }
-    if let Some(t) = args.init_timeout {
-        init.init_timeout = Some(t);
-    }
-    let comm = init_from_env(Backend::Tcp, &init)?;
-    let shared = Shared::open(
-        args,
-        run,
-        &format!("rank {rank} of {world} processes on {dev}"),
-        rank == 0,
-    )?;
-    let (c, p) = (run.config, &run.params);
-    let start = Instant::now();
-    let trainer = match rpn {
-        Some(n) => {
-            let mesh = mesh_2d(comm.as_ref(), world / n, n)?;
-            ShardedDeviceTrainer::new_hybrid(
-                ops,
-                HostComm::new(mesh.shard),
-                HostComm::new(mesh.replicate),
-                c,
-                strategy,
-                p,
-            )
-        }
-        None => ShardedDeviceTrainer::new(ops, HostComm::new(comm), c, strategy, p),
-    }
-    .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
-    let end = shared.train(rank, trainer)?;
-    if rank != 0 {
-        shared.progress.finish();
-        return Ok(());
-    }
-    shared.finish(
-        vec![end],
-        start.elapsed(),
-        &format!("{world} processes (rank 0's)"),
-    )
 }

@@ -13,6 +13,7 @@ mod args;
 mod checkpointing;
 mod device_cmd;
 mod device_plan_cmd;
+mod device_process_cmd;
 mod device_sharded_cmd;
 mod host_admission;
 mod launch_cmd;

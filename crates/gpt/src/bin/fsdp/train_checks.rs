@@ -168,25 +168,30 @@ pub(crate) fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
         None => TrainBackend::Ring,
     };
     let given = args.model.ranks;
-    let (backend, world) = match backend {
-        TrainBackend::Ring if launched.is_some() => return Err(fail(RING_UNDER_LAUNCHER)),
-        TrainBackend::Ring => return Ok(Mode::Threads(given.unwrap_or(DEFAULT_RANKS))),
-        TrainBackend::Process(Backend::Mpi) => {
-            let world = mpi_world_from_env().ok_or_else(|| {
+    let (backend, world) =
+        match backend {
+            TrainBackend::Ring if launched.is_some() => return Err(fail(RING_UNDER_LAUNCHER)),
+            TrainBackend::Ring => return Ok(Mode::Threads(given.unwrap_or(DEFAULT_RANKS))),
+            TrainBackend::Process(Backend::Nccl) => return Err(fail(
+                "--backend nccl needs CUDA buffers, and the sharded engine computes on the CPU: \
+                 use tcp or mpi (nccl trains with --device cuda under fsdp launch)",
+            )),
+            TrainBackend::Process(Backend::Mpi) => {
+                let world = mpi_world_from_env().ok_or_else(|| {
                 fail("--backend mpi: not started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE unset)")
             })?;
-            (Backend::Mpi, world)
-        }
-        TrainBackend::Process(b) => match &launched {
-            Some(env) => (b, env.world_size),
-            None => {
-                return Err(fail(format!(
-                    "--backend {b}: RANK and WORLD_SIZE are not set; start the ranks with \
-                     `fsdp launch --nproc-per-node N train ...`"
-                )))
+                (Backend::Mpi, world)
             }
-        },
-    };
+            TrainBackend::Process(b) => match &launched {
+                Some(env) => (b, env.world_size),
+                None => {
+                    return Err(fail(format!(
+                        "--backend {b}: RANK and WORLD_SIZE are not set; start the ranks with \
+                     `fsdp launch --nproc-per-node N train ...`"
+                    )))
+                }
+            },
+        };
     if let Some(n) = given {
         if n != world {
             return Err(fail(format!(

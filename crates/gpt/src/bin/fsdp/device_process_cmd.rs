@@ -1,0 +1,238 @@
+//! `fsdp launch … train --device cuda|cuda:N|host-twin`: ranks as processes, this process one
+//! of them, through [`ShardedDeviceTrainer`] over the launcher's backend:
+//!
+//! - `--device cuda` with `--backend nccl` (the default when every rank of a host has a GPU of
+//!   its own): NCCL on the rank's GPU, the units staged in device memory ([`StagedComm`]), so
+//!   no step waits on the host;
+//! - `--device cuda` with `--backend tcp` (the default when ranks share a GPU, which NCCL
+//!   refuses): TCP, the units staged through host memory ([`HostComm`]);
+//! - `--device host-twin`: TCP with [`StagedComm`] in host memory — the NCCL path's code on
+//!   the kernels' host twins.
+//!
+//! Rank 0 reports and writes the outputs.
+
+use std::time::Instant;
+
+use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions};
+use fsdp_collectives::{init_from_env, mesh_2d, Backend, Communicator, InitOptions, LaunchEnv};
+use fsdp_gpt::device_comm::{DeviceComm, HostComm};
+use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_staged::StagedComm;
+use fsdp_kernels::gpt::StagingOps;
+use fsdp_kernels::gpt::{GptOps, HostOps};
+
+use crate::args::{DeviceArg, TrainArgs, TrainBackend};
+use crate::device_cmd::{cuda_ops, cuda_ordinal, cuda_stream, host_products, Run};
+use crate::device_sharded_cmd::{check_strategy, Shared};
+use crate::{fail, CliError};
+
+/// The backend of `--device dev` under the launcher, on a host of `gpus` GPUs (`None`: the
+/// host twins) where `indexed` says that `cuda:N` put every rank on one GPU.
+pub(crate) fn process_backend(
+    backend: Option<TrainBackend>,
+    dev: DeviceArg,
+    env: &LaunchEnv,
+    gpus: Option<usize>,
+    indexed: bool,
+) -> Result<Backend, CliError> {
+    let shared = |gpus: usize| env.local_world_size > 1 && (indexed || env.local_world_size > gpus);
+    match (backend, gpus) {
+        (None, Some(g)) if !shared(g) => Ok(Backend::Nccl),
+        (None, _) | (Some(TrainBackend::Process(Backend::Tcp)), _) => Ok(Backend::Tcp),
+        (Some(TrainBackend::Process(Backend::Nccl)), None) => Err(fail(format!(
+            "--device {dev}: --backend nccl runs on CUDA buffers: use --device cuda, or tcp"
+        ))),
+        (Some(TrainBackend::Process(Backend::Nccl)), Some(g)) if shared(g) => Err(fail(format!(
+            "--device {dev}: --backend nccl: the {} ranks of this host share {} GPU{}, and NCCL \
+             takes one GPU per rank: use --backend tcp",
+            env.local_world_size,
+            if indexed { 1 } else { g },
+            if indexed || g == 1 { "" } else { "s" }
+        ))),
+        (Some(TrainBackend::Process(Backend::Nccl)), Some(_)) => Ok(Backend::Nccl),
+        (Some(b), _) => Err(fail(format!(
+            "--device {dev} under a launcher: --backend {} is not supported (nccl{} or tcp)",
+            match b {
+                TrainBackend::Ring => "ring".to_string(),
+                TrainBackend::Process(b) => b.to_string(),
+            },
+            if gpus.is_some() {
+                ""
+            } else {
+                " on --device cuda"
+            }
+        ))),
+    }
+}
+
+/// Trains `run` as this process's rank on `--device`'s operations (`bf16`: products of bf16
+/// operands) over the backend [`process_backend`] picks.
+pub(crate) fn train_launched(
+    args: &TrainArgs,
+    run: &Run,
+    env: &LaunchEnv,
+    bf16: bool,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    let init = init_options(args)?;
+    match dev {
+        DeviceArg::Cuda { ordinal, indexed } => {
+            let count = fsdp_device::cuda::device_count()
+                .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
+            // `cuda`: the launcher's local rank picks the GPU (torchrun's convention).
+            let n = if indexed {
+                ordinal
+            } else {
+                env.local_rank % count.max(1)
+            };
+            cuda_ordinal(dev, n)?;
+            let backend = process_backend(args.backend, dev, env, Some(count), indexed)?;
+            let what = format!("--device {dev}");
+            let name = format!("fsdp train rank {}", env.rank);
+            let ops = cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)?;
+            if backend == Backend::Nccl {
+                let store = env.rendezvous(init.effective_init_timeout())?;
+                let opts = NcclOptions::default()
+                    .with_timeout(init.timeout)
+                    .with_init_timeout(init.effective_init_timeout());
+                let comm = NcclCommunicator::new(&store, n, opts)
+                    .map_err(|e| fail(format!("{what}: --backend nccl: {e}")))?;
+                let how = "nccl, staged on the GPU";
+                train_process(args, run, env, ops, Box::new(comm), staged, how)
+            } else {
+                let comm = init_from_env(Backend::Tcp, &init)?;
+                let how = "tcp, staged through host memory";
+                train_process(args, run, env, ops, comm, host_staged, how)
+            }
+        }
+        DeviceArg::HostTwin => {
+            process_backend(args.backend, dev, env, None, false)?;
+            let ops = HostOps::with_products(host_products(bf16));
+            let comm = init_from_env(Backend::Tcp, &init)?;
+            train_process(args, run, env, ops, comm, staged, "tcp")
+        }
+        DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
+    }
+}
+
+/// The launcher's options with `--timeout` and `--init-timeout`.
+fn init_options(args: &TrainArgs) -> Result<InitOptions, CliError> {
+    let mut init = InitOptions::from_env()?;
+    if let Some(t) = args.timeout {
+        init.timeout = t;
+    }
+    if let Some(t) = args.init_timeout {
+        init.init_timeout = Some(t);
+    }
+    Ok(init)
+}
+
+/// [`StagedComm`] over `comm`.
+fn staged<O: StagingOps>(comm: Box<dyn Communicator>) -> Box<dyn DeviceComm<O>> {
+    Box::new(StagedComm::new(comm))
+}
+
+/// [`HostComm`] over `comm`.
+fn host_staged<O: GptOps>(comm: Box<dyn Communicator>) -> Box<dyn DeviceComm<O>> {
+    Box::new(HostComm::new(comm))
+}
+
+/// Trains `run` as rank `env.rank` of `env.world_size` processes started by a launcher, on
+/// `ops`, the collectives over `comm` made [`DeviceComm`]s by `stage` (`how` says which, in
+/// the run's first line); rank 0 reports and writes the outputs.
+fn train_process<O: GptOps>(
+    args: &TrainArgs,
+    run: &Run,
+    env: &LaunchEnv,
+    ops: O,
+    comm: Box<dyn Communicator>,
+    stage: fn(Box<dyn Communicator>) -> Box<dyn DeviceComm<O>>,
+    how: &str,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    let (rank, world) = (env.rank, env.world_size);
+    let strategy = args.model.strategy;
+    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
+    let shared = Shared::open(
+        args,
+        run,
+        &format!("rank {rank} of {world} processes on {dev} ({how})"),
+        rank == 0,
+    )?;
+    let (c, p) = (run.config, &run.params);
+    let start = Instant::now();
+    let trainer = match rpn {
+        Some(n) => {
+            let mesh = mesh_2d(comm.as_ref(), world / n, n)?;
+            ShardedDeviceTrainer::new_hybrid(
+                ops,
+                stage(mesh.shard),
+                stage(mesh.replicate),
+                c,
+                strategy,
+                p,
+            )
+        }
+        None => ShardedDeviceTrainer::new(ops, stage(comm), c, strategy, p),
+    }
+    .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+    let end = shared.train(rank, trainer)?;
+    if rank != 0 {
+        shared.progress.finish();
+        return Ok(());
+    }
+    shared.finish(
+        vec![end],
+        start.elapsed(),
+        &format!("{world} processes (rank 0's)"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(local_world_size: usize) -> LaunchEnv {
+        let n = local_world_size.to_string();
+        LaunchEnv::from_lookup(|k| match k {
+            "RANK" | "LOCAL_RANK" => Some("0".into()),
+            "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => Some(n.clone()),
+            _ => None,
+        })
+        .unwrap()
+        .unwrap()
+    }
+
+    /// NCCL by default where every rank of the host has a GPU of its own (`cuda`, enough
+    /// GPUs), TCP where ranks share one (`cuda:N`, or fewer GPUs than ranks) and on the host
+    /// twins; an explicit nccl that NCCL would refuse is an error naming why.
+    #[test]
+    fn nccl_where_each_rank_has_its_gpu() {
+        let cuda = DeviceArg::Cuda {
+            ordinal: 0,
+            indexed: false,
+        };
+        let nccl = Some(TrainBackend::Process(Backend::Nccl));
+        let tcp = Some(TrainBackend::Process(Backend::Tcp));
+        let pick = |b, ranks, gpus, indexed| process_backend(b, cuda, &env(ranks), gpus, indexed);
+        assert_eq!(pick(None, 2, Some(2), false).unwrap(), Backend::Nccl);
+        assert_eq!(pick(None, 1, Some(1), true).unwrap(), Backend::Nccl);
+        assert_eq!(pick(None, 4, Some(2), false).unwrap(), Backend::Tcp);
+        assert_eq!(pick(None, 2, Some(8), true).unwrap(), Backend::Tcp);
+        assert_eq!(pick(None, 2, None, false).unwrap(), Backend::Tcp);
+        assert_eq!(pick(tcp, 2, Some(2), false).unwrap(), Backend::Tcp);
+        assert_eq!(pick(nccl, 2, Some(2), false).unwrap(), Backend::Nccl);
+        let e = pick(nccl, 4, Some(2), false).unwrap_err().msg;
+        assert!(e.contains("4 ranks of this host share 2 GPUs"), "{e}");
+        let e = pick(nccl, 2, Some(8), true).unwrap_err().msg;
+        assert!(e.contains("share 1 GPU,"), "{e}");
+        let e = pick(nccl, 2, None, false).unwrap_err().msg;
+        assert!(e.contains("runs on CUDA buffers"), "{e}");
+        let ring = Some(TrainBackend::Ring);
+        let e = pick(ring, 2, Some(2), false).unwrap_err().msg;
+        assert!(
+            e.contains("--backend ring is not supported (nccl or tcp)"),
+            "{e}"
+        );
+    }
+}
