@@ -35,6 +35,18 @@ pub trait DeviceComm<O: GptOps> {
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError>;
+    /// Starts the all-gather of `shards` ahead of its use (FSDP's prefetch): the collective is
+    /// issued now, and the next [`all_gather`](Self::all_gather) of the same shards (the same
+    /// buffers) only completes it into the full tensors. Every rank prefetches in the same
+    /// order. Returns whether anything started; the default, for implementations that run
+    /// each collective whole, starts nothing.
+    ///
+    /// # Errors
+    /// The collective's failure.
+    fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
+        let _ = (ops, shards);
+        Ok(false)
+    }
     /// Reduces one unit's gradients to their shards with the ranks' mean: `shards[i]` becomes
     /// chunk `rank` of the mean over ranks of `fulls[i]` zero-padded to `world_size ×
     /// shards[i]` elements.
@@ -257,6 +269,10 @@ impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         (**self).all_gather(ops, shards, fulls)
+    }
+
+    fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
+        (**self).prefetch_all_gather(ops, shards)
     }
 
     fn reduce_scatter_avg(

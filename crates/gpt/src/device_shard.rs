@@ -45,6 +45,29 @@ fn not_held(what: &str) -> DeviceTrainError {
     .into()
 }
 
+/// Which all-gathers a sharded pass issues ahead of their use (FSDP's explicit prefetch), so
+/// that a communicator with a stream of its own (NCCL through
+/// [`StagedComm`](crate::device_staged::StagedComm)) gathers the next unit while this one
+/// computes. Communicators that run each collective whole ignore it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefetch {
+    /// In forward, the next block's all-gather in each unit's `pre_forward` (FSDP's
+    /// `forward_prefetch`). Default off, as FSDP's.
+    pub forward: bool,
+    /// In backward, the previous block's all-gather in each unit's `pre_backward` (FSDP's
+    /// `BackwardPrefetch.BACKWARD_PRE`, its default). Default on.
+    pub backward: bool,
+}
+
+impl Default for Prefetch {
+    fn default() -> Self {
+        Prefetch {
+            forward: false,
+            backward: true,
+        }
+    }
+}
+
 /// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
 pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     comm: &'a C,
@@ -54,6 +77,7 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     /// Ranks sharding each tensor (1: replicated).
     factor: usize,
     reshard_after_forward: bool,
+    prefetch: Prefetch,
     /// This rank's parameter shards (the full parameters when replicated).
     shards: &'a Weights<O::Buf>,
     /// Where the reduced gradients go: the step's accumulators, shaped as `shards`.
@@ -86,6 +110,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             dims,
             factor,
             reshard_after_forward,
+            prefetch: Prefetch::default(),
             shards,
             sink,
             alpha,
@@ -98,6 +123,40 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
 
     fn sharded(&self) -> bool {
         self.factor > 1
+    }
+
+    /// These hooks with `prefetch`.
+    pub(crate) fn with_prefetch(mut self, prefetch: Prefetch) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Starts the all-gather of block `layer` (when it exists and is not unsharded).
+    fn prefetch_block(&self, ops: &O, layer: Option<usize>) -> Result<(), DeviceTrainError> {
+        let Some(l) = layer.filter(|&l| l < self.dims.n_layer) else {
+            return Ok(());
+        };
+        if self.sharded() && self.blocks.get(l).is_some_and(Option::is_none) {
+            self.comm
+                .prefetch_all_gather(ops, &self.shards.blocks[l].bufs())?;
+        }
+        Ok(())
+    }
+
+    /// The block after `unit` in forward order.
+    fn next_block(unit: Unit) -> Option<usize> {
+        match unit {
+            Unit::Root => Some(0),
+            Unit::Block(l) => Some(l + 1),
+        }
+    }
+
+    /// The block after `unit` in backward order.
+    fn previous_block(&self, unit: Unit) -> Option<usize> {
+        match unit {
+            Unit::Root => self.dims.n_layer.checked_sub(1),
+            Unit::Block(l) => l.checked_sub(1),
+        }
     }
 
     /// Gathers `unit`'s full parameters unless held.
@@ -232,7 +291,11 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     }
 
     fn pre_forward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        self.unshard(ops, unit)
+        self.unshard(ops, unit)?;
+        if self.prefetch.forward {
+            self.prefetch_block(ops, Self::next_block(unit))?;
+        }
+        Ok(())
     }
 
     fn post_forward(&mut self, _: &O, unit: Unit) -> Result<(), DeviceTrainError> {
@@ -260,6 +323,9 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     None => return Err(not_held(&format!("block {l}"))),
                 }
             }
+        }
+        if self.prefetch.backward {
+            self.prefetch_block(ops, self.previous_block(unit))?;
         }
         Ok(())
     }

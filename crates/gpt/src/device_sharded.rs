@@ -36,6 +36,7 @@ use crate::data::get_batch;
 use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{decide_and_apply, squares, HostSide, Optim};
+pub use crate::device_shard::Prefetch;
 use crate::device_shard::{shard_len, shard_of, GradSink, ShardedUnits};
 use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
@@ -92,6 +93,8 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     /// `--memory-snapshot`: this rank's device memory history
     /// ([`record_memory_history`](ShardedDeviceTrainer::record_memory_history)).
     pub(crate) memory_history: Option<MemoryHistory>,
+    /// The all-gathers issued ahead of their use ([`set_prefetch`](Self::set_prefetch)).
+    pub(crate) prefetch: Prefetch,
 }
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
@@ -240,6 +243,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             pending: None,
             tracing: None,
             memory_history: None,
+            prefetch: Prefetch::default(),
         })
     }
 }
@@ -301,6 +305,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// (every rank decides the same: the loss and the norm are the ranks').
     pub fn set_skip_nonfinite(&mut self, limit: Option<u64>) {
         self.skip_nonfinite = limit;
+    }
+
+    /// Which all-gathers each pass issues ahead of their use (default [`Prefetch::default`]:
+    /// backward on, forward off, as FSDP's defaults).
+    pub fn set_prefetch(&mut self, prefetch: Prefetch) {
+        self.prefetch = prefetch;
     }
 
     /// Optimizer steps taken, as far as the outcomes read so far say.
@@ -419,7 +429,8 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 &self.shards,
                 sink,
                 alpha,
-            );
+            )
+            .with_prefetch(self.prefetch);
             let losses =
                 self.pass
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;

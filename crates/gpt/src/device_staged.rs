@@ -11,7 +11,7 @@
 //! The staging buffers are kept between calls and grown to the largest unit: one input and
 //! one output of f32, and one of f64 for the step's scalars.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 use fsdp_collectives::{Communicator, ReduceOp, Work};
@@ -26,7 +26,19 @@ use crate::device_config::DeviceTrainError;
 /// docs): NCCL for `CudaOps` on a GPU, any host communicator for the host twins.
 pub struct StagedComm<C: ?Sized> {
     staging: RefCell<Staging>,
+    /// The all-gather started by [`prefetch_all_gather`](DeviceComm::prefetch_all_gather).
+    prefetched: RefCell<Option<Prefetched>>,
+    /// Prefetched all-gathers used by the all-gather of their shards, and completed unused.
+    prefetch_counts: Cell<(u64, u64)>,
     comm: Box<C>,
+}
+
+/// An all-gather issued ahead of its use.
+struct Prefetched {
+    /// The shards' addresses and lengths: the next all-gather of these completes it.
+    key: Vec<PeerPtr>,
+    output: Buffer,
+    work: Work,
 }
 
 /// The kept staging buffers.
@@ -35,6 +47,8 @@ struct Staging {
     input: Option<Buffer>,
     output: Option<Buffer>,
     scalars: Option<Buffer>,
+    prefetch_input: Option<Buffer>,
+    prefetch_output: Option<Buffer>,
 }
 
 /// Which staging buffer.
@@ -43,6 +57,8 @@ enum Slot {
     Input,
     Output,
     Scalars,
+    PrefetchInput,
+    PrefetchOutput,
 }
 
 impl<C: Communicator + ?Sized> StagedComm<C> {
@@ -50,6 +66,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
     pub fn new(comm: Box<C>) -> StagedComm<C> {
         StagedComm {
             staging: RefCell::new(Staging::default()),
+            prefetched: RefCell::new(None),
+            prefetch_counts: Cell::new((0, 0)),
             comm,
         }
     }
@@ -59,15 +77,29 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         &self.comm
     }
 
+    /// The all-gathers started by
+    /// [`prefetch_all_gather`](DeviceComm::prefetch_all_gather) so far: those the all-gather
+    /// of their shards used, and those completed unused (another all-gather or prefetch came
+    /// first).
+    pub fn prefetched_gathers(&self) -> (u64, u64) {
+        self.prefetch_counts.get()
+    }
+
     /// The bytes of the staging buffers held now (device memory beside the operations' on a
     /// GPU).
     pub fn staging_bytes(&self) -> usize {
         let s = self.staging.borrow();
-        [&s.input, &s.output, &s.scalars]
-            .into_iter()
-            .flatten()
-            .map(Buffer::byte_len)
-            .sum()
+        [
+            &s.input,
+            &s.output,
+            &s.scalars,
+            &s.prefetch_input,
+            &s.prefetch_output,
+        ]
+        .into_iter()
+        .flatten()
+        .map(Buffer::byte_len)
+        .sum()
     }
 
     /// `len` elements of the staging buffer `slot`, grown (replaced, zeroed) when shorter: in
@@ -84,6 +116,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::Input => (&mut s.input, DType::F32),
             Slot::Output => (&mut s.output, DType::F32),
             Slot::Scalars => (&mut s.scalars, DType::F64),
+            Slot::PrefetchInput => (&mut s.prefetch_input, DType::F32),
+            Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
         };
         if kept.as_ref().is_none_or(|b| b.len() < len) {
             *kept = Some(match (self.comm.stream().device(), ops.device_stream()) {
@@ -143,6 +177,27 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         .into()
     }
 
+    /// Issues the collective `f` after the operations' work so far.
+    fn launch<O: StagingOps>(
+        &self,
+        ops: &O,
+        f: impl FnOnce(&C) -> fsdp_collectives::Result<Work>,
+    ) -> Result<Work, DeviceTrainError> {
+        if let Some(s) = ops.device_stream() {
+            self.comm.stream().wait_event(&s.record_event())?;
+        }
+        Ok(f(&self.comm)?)
+    }
+
+    /// Orders the operations' later work after `work` (on a GPU, without a host wait).
+    fn complete<O: StagingOps>(&self, ops: &O, work: &Work) -> Result<(), DeviceTrainError> {
+        work.wait()?;
+        if let Some(s) = ops.device_stream() {
+            s.wait_event(work.event())?;
+        }
+        Ok(())
+    }
+
     /// Runs the collective `f` after the operations' work so far, and orders the operations'
     /// later work after it.
     fn run<O: StagingOps>(
@@ -150,16 +205,61 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         ops: &O,
         f: impl FnOnce(&C) -> fsdp_collectives::Result<Work>,
     ) -> Result<(), DeviceTrainError> {
-        if let Some(s) = ops.device_stream() {
-            self.comm.stream().wait_event(&s.record_event())?;
-        }
-        let work = f(&self.comm)?;
-        work.wait()?;
-        if let Some(s) = ops.device_stream() {
-            s.wait_event(work.event())?;
-        }
-        Ok(())
+        let work = self.launch(ops, f)?;
+        self.complete(ops, &work)
     }
+
+    /// Packs `shards` into the staging input `slots.0` and issues their all-gather into the
+    /// staging output `slots.1`, returned with the work.
+    fn start_gather<O: StagingOps>(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        slots: (Slot, Slot),
+    ) -> Result<(Buffer, Work), DeviceTrainError> {
+        let world = self.comm.world_size();
+        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
+        let (total, offsets) = packing(&lens);
+        let input = self.buffer(ops, slots.0, total)?;
+        let output = self.buffer(ops, slots.1, total * world)?;
+        self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
+            for (i, s) in shards.iter().enumerate() {
+                // SAFETY: `to` is the staging input, held for this copy (`with_ptr`).
+                unsafe { ops.copy_to_ptr(s, 0, to, offsets[i], lens[i])? };
+            }
+            Ok(())
+        })?;
+        let work = self.launch(ops, |c| c.all_gather_base(&input, &output))?;
+        Ok((output, work))
+    }
+
+    /// Completes the pending prefetch, if any, that is not of `key`; returns the one that is.
+    fn take_prefetched<O: StagingOps>(
+        &self,
+        ops: &O,
+        key: Option<&[PeerPtr]>,
+    ) -> Result<Option<Prefetched>, DeviceTrainError> {
+        match self.prefetched.borrow_mut().take() {
+            Some(p) if Some(p.key.as_slice()) == key => {
+                let (used, unused) = self.prefetch_counts.get();
+                self.prefetch_counts.set((used + 1, unused));
+                Ok(Some(p))
+            }
+            Some(p) => {
+                let (used, unused) = self.prefetch_counts.get();
+                self.prefetch_counts.set((used, unused + 1));
+                // Never used: completed so that its staging buffers can be written again.
+                self.complete(ops, &p.work)?;
+                Ok(None)
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+/// The shards' addresses and lengths, which identify a prefetched all-gather.
+fn key_of<O: StagingOps>(ops: &O, shards: &[&O::Buf]) -> Vec<PeerPtr> {
+    shards.iter().map(|s| ops.peer_ptr(s)).collect()
 }
 
 /// Chunk `r` of a tensor of `full` elements cut in shards of `shard`: its start and length
@@ -189,16 +289,12 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
         check_fit("all-gather", &lens, &full_lens, world)?;
         let (total, offsets) = packing(&lens);
-        let input = self.buffer(ops, Slot::Input, total)?;
-        let output = self.buffer(ops, Slot::Output, total * world)?;
-        self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
-            for (i, s) in shards.iter().enumerate() {
-                // SAFETY: `to` is the staging input, held for this copy (`with_ptr`).
-                unsafe { ops.copy_to_ptr(s, 0, to, offsets[i], lens[i])? };
-            }
-            Ok(())
-        })?;
-        self.run(ops, |c| c.all_gather_base(&input, &output))?;
+        let key = key_of(ops, shards);
+        let (output, work) = match self.take_prefetched(ops, Some(&key))? {
+            Some(p) => (p.output, p.work),
+            None => self.start_gather(ops, shards, (Slot::Input, Slot::Output))?,
+        };
+        self.complete(ops, &work)?;
         self.with_ptr(ops, &output, AccessMode::Shared, |from| {
             for (i, full) in fulls.iter_mut().enumerate() {
                 for r in 0..world {
@@ -213,6 +309,15 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
             }
             Ok(())
         })
+    }
+
+    fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
+        self.take_prefetched(ops, None)?;
+        let key = key_of(ops, shards);
+        let (output, work) =
+            self.start_gather(ops, shards, (Slot::PrefetchInput, Slot::PrefetchOutput))?;
+        *self.prefetched.borrow_mut() = Some(Prefetched { key, output, work });
+        Ok(true)
     }
 
     fn reduce_scatter_avg(

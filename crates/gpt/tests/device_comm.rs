@@ -16,7 +16,7 @@ use fsdp_collectives::{ring, CollectiveError};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_comm::{DeviceComm, HostComm};
 use fsdp_gpt::device_peer::PeerComm;
-use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainError};
 use fsdp_gpt::runtime::ShardingStrategy;
@@ -214,7 +214,7 @@ fn sharded_training_over_peers_matches_the_ring() {
     let schedule = LrSchedule::Constant;
     let c = device_config(schedule, true, Some(0.5), 2);
     let params = seeded_params(&c.cfg, 7).unwrap();
-    let train = |comm: Box<dyn DeviceComm<HostOps>>| {
+    let train = |comm: Box<dyn DeviceComm<HostOps>>, prefetch: Prefetch| {
         let mut t = ShardedDeviceTrainer::new(
             HostOps::new(),
             comm,
@@ -223,25 +223,43 @@ fn sharded_training_over_peers_matches_the_ring() {
             &params,
         )
         .unwrap();
+        t.set_prefetch(prefetch);
         let losses: Vec<f32> = (0..6).map(|s| t.step(&tokens, s).unwrap().loss).collect();
         (losses, param_bits(t.full_params().unwrap()))
     };
     for world in [2, 4] {
         let ring = ring::run_ranks(world, ring::RingOptions::default(), |c| {
-            train(Box::new(HostComm::new(Box::new(c))))
+            train(Box::new(HostComm::new(Box::new(c))), Prefetch::default())
         })
         .unwrap();
-        let staged = ring::run_ranks(world, ring::RingOptions::default(), |c| {
-            train(Box::new(StagedComm::new(Box::new(c))))
-        })
-        .unwrap();
-        // The same ring on the same packed layout: the same bits.
-        assert_eq!(staged, ring, "{world} ranks: staged against host-staged");
+        // The same ring on the same packed layout: the same bits, whether the all-gathers
+        // are issued ahead of their use (the ring's thread gathering while the host computes)
+        // or not.
+        for prefetch in [
+            Prefetch::default(),
+            Prefetch {
+                forward: true,
+                backward: true,
+            },
+            Prefetch {
+                forward: false,
+                backward: false,
+            },
+        ] {
+            let staged = ring::run_ranks(world, ring::RingOptions::default(), |c| {
+                train(Box::new(StagedComm::new(Box::new(c))), prefetch)
+            })
+            .unwrap();
+            assert_eq!(
+                staged, ring,
+                "{world} ranks, {prefetch:?}: staged against host"
+            );
+        }
         let comms = PeerComm::<HostOps>::group(world, Duration::from_secs(60));
         let peers: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
-                .map(|c| s.spawn(|| train(Box::new(c))))
+                .map(|c| s.spawn(|| train(Box::new(c), Prefetch::default())))
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
@@ -254,6 +272,50 @@ fn sharded_training_over_peers_matches_the_ring() {
                     assert!(((a - b) / b).abs() <= 1e-5, "rank {r}: {a} vs {b}");
                 }
             }
+        }
+    }
+}
+
+/// FSDP's prefetch over `StagedComm`: with both directions on, every block's all-gather in
+/// forward and again in backward (FULL_SHARD frees the blocks after forward) is issued one
+/// unit ahead and used by its unit — none completed unused — and the losses are the run's
+/// without prefetch, bitwise. `SHARD_GRAD_OP` keeps the blocks, so backward prefetches none.
+#[test]
+fn staged_prefetch_gathers_each_block_one_unit_ahead() {
+    let tokens = synthetic_corpus(20_000, 64, 7);
+    let c = device_config(LrSchedule::Constant, true, Some(0.5), 2);
+    let params = seeded_params(&c.cfg, 7).unwrap();
+    let (steps, layers) = (3, c.cfg.n_layer as u64);
+    let micro = (steps * c.grad_accum) as u64;
+    for (strategy, per_pass) in [
+        (ShardingStrategy::FullShard, 2 * layers),
+        (ShardingStrategy::ShardGradOp, layers),
+    ] {
+        let runs = [false, true].map(|on| {
+            ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+                let mut t = ShardedDeviceTrainer::new(
+                    HostOps::new(),
+                    StagedComm::new(Box::new(comm)),
+                    c,
+                    strategy,
+                    &params,
+                )
+                .unwrap();
+                t.set_prefetch(Prefetch {
+                    forward: on,
+                    backward: on,
+                });
+                let losses: Vec<f32> = (0..steps)
+                    .map(|s| t.step(&tokens, s).unwrap().loss)
+                    .collect();
+                (losses, t.comm().prefetched_gathers())
+            })
+            .unwrap()
+        });
+        for (off, on) in runs[0].iter().zip(&runs[1]) {
+            assert_eq!(off.0, on.0, "{strategy:?}: the losses");
+            assert_eq!(off.1, (0, 0), "{strategy:?}: no prefetch asked");
+            assert_eq!(on.1, (micro * per_pass, 0), "{strategy:?}: (used, unused)");
         }
     }
 }

@@ -310,8 +310,9 @@ fn cpu_offload_with_two_ranks_logs_the_same_losses() {
 }
 
 /// Ranks as processes under `fsdp launch` (`--device host-twin`: each process one rank, the
-/// collectives over TCP through `StagedComm`, the code NCCL runs on GPUs) log bitwise the
-/// losses of the same ranks as threads and save the same weights; rank 0 reports.
+/// collectives over TCP through `StagedComm`, the code NCCL runs on GPUs, prefetching the
+/// next unit's all-gather in forward and backward) log bitwise the losses of the same ranks
+/// as threads and save the same weights; rank 0 reports.
 #[test]
 fn launched_processes_train_as_threads() {
     let dir = scratch("device_sharded_cli", "launched");
@@ -330,6 +331,8 @@ fn launched_processes_train_as_threads() {
         let base = ["--steps", "4", "--batch-size", "8", "--device", "host-twin"];
         let mut a = vec!["launch", "--nproc-per-node", n, "--master-port", "0"];
         a.extend(small_train_args(&base, extra));
+        // The processes issue each block's all-gather one unit ahead in both directions.
+        a.push("--forward-prefetch");
         a.extend([
             "--param-dtype",
             "f32",
@@ -387,8 +390,9 @@ fn launched_processes_take_tcp_or_nccl() {
         let mut a = vec!["launch", "--nproc-per-node", "2", "--master-port", "0"];
         a.extend(small_train_args(
             &["--steps", "1", "--batch-size", "4", "--device", "host-twin"],
-            &["--backend", backend, "--loss-log", s(&log)],
+            &["--loss-log", s(&log), "--backend"],
         ));
+        a.extend(backend.split(' '));
         fsdp(&a)
     };
     for (backend, needle) in [
@@ -397,6 +401,10 @@ fn launched_processes_take_tcp_or_nccl() {
             "--backend nccl runs on CUDA buffers: use --device cuda, or tcp",
         ),
         ("ring", "--backend ring"),
+        (
+            "tcp --backward-prefetch post",
+            "--backward-prefetch post is not supported",
+        ),
     ] {
         let out = launch(backend);
         let stderr = String::from_utf8_lossy(&out.stderr).to_string();

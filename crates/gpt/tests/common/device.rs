@@ -205,5 +205,22 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
         .unwrap();
     let copy = ops.copy_scalars(&s).unwrap();
     out.push(ops.wait_scalars(copy).unwrap());
+    // A prefetched all-gather completed by the all-gather of the same shards, with another
+    // collective between them; then a prefetch of other shards (the first tensor alone)
+    // that the next all-gather does not use: both give the first gather's values.
+    let refs: Vec<_> = shards.iter().collect();
+    let gathered = |fulls: &[O::Buf]| -> Vec<Vec<f32>> {
+        fulls.iter().map(|f| ops.download(f).unwrap()).collect()
+    };
+    let want = gathered(&fulls);
+    for prefetch in [&refs[..], &refs[..1]] {
+        comm.prefetch_all_gather(ops, prefetch).unwrap();
+        comm.all_reduce_scalars(ops, &mut s, 4..5, fsdp_collectives::ReduceOp::Sum)
+            .unwrap();
+        let mut again: Vec<_> = UNIT_LENS.iter().map(|&n| up(vec![-1.0; n])).collect();
+        comm.all_gather(ops, &refs, &mut again.iter_mut().collect::<Vec<_>>())
+            .unwrap();
+        assert_eq!(gathered(&again), want, "a prefetched all-gather");
+    }
     out
 }

@@ -117,8 +117,16 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     .chain(optimizer_refusals(&args.optim));
     // Under a launcher the ranks meet over `--backend` (nccl or tcp) within `--init-timeout`.
     let launched = LaunchEnv::from_env()?.is_some();
+    // Processes issue the next unit's all-gather ahead of its use (FSDP's prefetch options).
     let allowed: &[&str] = match (world > 1, launched) {
-        (true, true) => &["strategy", "ranks_per_node", "backend", "init_timeout"],
+        (true, true) => &[
+            "strategy",
+            "ranks_per_node",
+            "backend",
+            "init_timeout",
+            "backward_prefetch",
+            "forward_prefetch",
+        ],
         (false, true) => &["backend", "init_timeout"],
         (true, false) => &["strategy", "ranks_per_node"],
         (false, false) => &[],

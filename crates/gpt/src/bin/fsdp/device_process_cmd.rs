@@ -16,8 +16,9 @@ use std::time::Instant;
 use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions};
 use fsdp_collectives::{init_from_env, mesh_2d, Backend, Communicator, InitOptions, LaunchEnv};
 use fsdp_gpt::device_comm::{DeviceComm, HostComm};
-use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_staged::StagedComm;
+use fsdp_gpt::runtime::BackwardPrefetch;
 use fsdp_kernels::gpt::StagingOps;
 use fsdp_kernels::gpt::{GptOps, HostOps};
 
@@ -75,6 +76,7 @@ pub(crate) fn train_launched(
 ) -> Result<(), CliError> {
     let dev = args.device;
     let init = init_options(args)?;
+    prefetch(args)?;
     match dev {
         DeviceArg::Cuda { ordinal, indexed } => {
             let count = fsdp_device::cuda::device_count()
@@ -127,6 +129,27 @@ fn init_options(args: &TrainArgs) -> Result<InitOptions, CliError> {
     Ok(init)
 }
 
+/// `--forward-prefetch` and `--backward-prefetch` (`pre` or `none`): the all-gathers a rank
+/// issues ahead of their use. They overlap compute where the collectives run on a stream of
+/// their own ([`StagedComm`]: NCCL, and TCP on the host twins); [`HostComm`] runs each whole.
+fn prefetch(args: &TrainArgs) -> Result<Prefetch, CliError> {
+    let backward = match args.model.backward_prefetch {
+        BackwardPrefetch::Pre => true,
+        BackwardPrefetch::None => false,
+        _ => {
+            return Err(fail(format!(
+                "--device {}: --backward-prefetch post is not supported on the device (pre or \
+                 none: the previous block's all-gather before each block's backward)",
+                args.device
+            )))
+        }
+    };
+    Ok(Prefetch {
+        forward: args.model.forward_prefetch,
+        backward,
+    })
+}
+
 /// [`StagedComm`] over `comm`.
 fn staged<O: StagingOps>(comm: Box<dyn Communicator>) -> Box<dyn DeviceComm<O>> {
     Box::new(StagedComm::new(comm))
@@ -176,6 +199,8 @@ fn train_process<O: GptOps>(
         None => ShardedDeviceTrainer::new(ops, stage(comm), c, strategy, p),
     }
     .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+    let mut trainer = trainer;
+    trainer.set_prefetch(prefetch(args)?);
     let end = shared.train(rank, trainer)?;
     if rank != 0 {
         shared.progress.finish();
