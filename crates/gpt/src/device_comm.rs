@@ -35,6 +35,12 @@ pub trait DeviceComm<O: GptOps> {
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError>;
+    /// The bytes the communicator holds beside the operations' buffers for its collectives
+    /// (staging buffers in the operations' memory, counted in [`GptOps::memory`] too); the
+    /// default holds none there.
+    fn held_bytes(&self) -> u64 {
+        0
+    }
     /// Starts the all-gather of `shards` ahead of its use (FSDP's prefetch): the collective is
     /// issued now, and the next [`all_gather`](Self::all_gather) of the same shards (the same
     /// buffers) only completes it into the full tensors. Every rank prefetches in the same
@@ -273,6 +279,10 @@ impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
 
     fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
         (**self).prefetch_all_gather(ops, shards)
+    }
+
+    fn held_bytes(&self) -> u64 {
+        (**self).held_bytes()
     }
 
     fn reduce_scatter_avg(

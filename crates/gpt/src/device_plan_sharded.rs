@@ -13,6 +13,7 @@ use std::fmt;
 use std::time::Duration;
 
 use fsdp::ShardingStrategy;
+use fsdp_collectives::{dryrun, Communicator};
 use fsdp_kernels::gpt::HostProducts;
 use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
 use fsdp_kernels::host::step_scalars_len;
@@ -20,7 +21,8 @@ use fsdp_kernels::host::step_scalars_len;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_peer::PeerComm;
 use crate::device_shard::shard_len;
-use crate::device_sharded::ShardedDeviceTrainer;
+use crate::device_sharded::{Prefetch, ShardedDeviceTrainer};
+use crate::device_staged::StagedComm;
 
 /// The predicted device memory of one rank of sharded training, in bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +44,9 @@ pub struct ShardedMemoryPlan {
     pub offloaded: u64,
     /// The step's scalars (f64).
     pub step_scalars: u64,
+    /// Ranks as processes ([`plan_process_memory`]): the collectives' staging buffers, in
+    /// device memory beside the operations' (included in `peak`); 0 for ranks as threads.
+    pub staging: u64,
     /// The peak of a step past the first: what it holds throughout, plus the units gathered,
     /// the gradients, the activations and the working buffers at that moment.
     pub peak: u64,
@@ -64,6 +69,7 @@ impl fmt::Display for ShardedMemoryPlan {
             ("AdamW moments", self.moments),
             ("step scalars", self.step_scalars),
             ("in host memory (CPU offload)", self.offloaded),
+            ("collective staging buffers", self.staging),
         ] {
             writeln!(f, "  {what}: {b} bytes ({})", mib(b))?;
         }
@@ -167,6 +173,96 @@ pub fn plan_sharded_memory(
     for p in peaks {
         peak = peak.max(p?);
     }
+    Ok(plan_of(
+        &config,
+        world,
+        strategy,
+        ranks_per_node,
+        offload,
+        peak,
+        0,
+    ))
+}
+
+/// The memory of one rank of `world` ranks as processes (`fsdp launch … train --device cuda`,
+/// one GPU each) training `config` sharded by `strategy` (a hybrid one in nodes of
+/// `ranks_per_node`) with `products` and `prefetch`: the trainer over
+/// [`StagedComm`] (NCCL's path), run as rank 0 alone for two steps over [`MetaOps`] and
+/// dry-run collectives (every rank holds the same sizes). Its staging buffers (meta, sizes
+/// only) are the plan's `staging`, included in the peak: they grow in the first step and stay.
+///
+/// # Errors
+/// As [`plan_sharded_memory`].
+pub fn plan_process_memory(
+    config: &DeviceTrainConfig,
+    products: Products,
+    world: usize,
+    strategy: ShardingStrategy,
+    ranks_per_node: Option<usize>,
+    prefetch: Prefetch,
+) -> Result<ShardedMemoryPlan, DeviceTrainError> {
+    config.validate()?;
+    config.dims().validate()?;
+    let host = if products == Products::Bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    };
+    let (comm, replicas): (Box<dyn Communicator>, _) = match (strategy.is_hybrid(), ranks_per_node)
+    {
+        (true, Some(n)) if n > 0 && world % n == 0 => {
+            let mesh = dryrun::dry_run_mesh(0, world / n, n)?;
+            (mesh.shard, Some(StagedComm::new(mesh.replicate)))
+        }
+        (true, Some(n)) => {
+            return Err(DeviceTrainError::Fsdp(fsdp::FsdpError::InvalidShape {
+                reason: format!("{world} ranks do not make nodes of {n}"),
+            }))
+        }
+        _ => (Box::new(dryrun::DryRunCommunicator::new(0, world)?), None),
+    };
+    let offload = config.offload;
+    let config = DeviceTrainConfig {
+        offload: false,
+        ..*config
+    };
+    let mut t = ShardedDeviceTrainer::with_shards(
+        MetaOps::new(host),
+        StagedComm::new(comm),
+        replicas,
+        config,
+        strategy,
+        |ops, _, len, _, factor| fsdp_kernels::gpt::GptOps::zeros(ops, shard_len(len, factor)),
+    )?;
+    t.set_prefetch(prefetch);
+    let tokens = vec![0u16; 2 * (config.cfg.block_size + 1)];
+    for step in 0..2 {
+        t.enqueue_step(&tokens, step)?;
+    }
+    t.flush()?;
+    // The staging buffers are counted in the operations' memory.
+    let (staging, peak) = (t.collective_bytes(), t.memory().peak);
+    Ok(plan_of(
+        &config,
+        world,
+        strategy,
+        ranks_per_node,
+        offload,
+        peak,
+        staging,
+    ))
+}
+
+/// The plan of a rank whose counted peak without offload is `peak` (`staging` included).
+fn plan_of(
+    config: &DeviceTrainConfig,
+    world: usize,
+    strategy: ShardingStrategy,
+    ranks_per_node: Option<usize>,
+    offload: bool,
+    peak: u64,
+    staging: u64,
+) -> ShardedMemoryPlan {
     let factor = match (strategy, ranks_per_node) {
         (ShardingStrategy::NoShard, _) => 1,
         (s, Some(n)) if s.is_hybrid() => n,
@@ -183,7 +279,7 @@ pub fn plan_sharded_memory(
     } else {
         (each, 2 * each, 0)
     };
-    Ok(ShardedMemoryPlan {
+    ShardedMemoryPlan {
         world,
         strategy,
         parameters: each,
@@ -191,6 +287,7 @@ pub fn plan_sharded_memory(
         moments,
         offloaded,
         step_scalars: step_scalars_len(tensors) as u64 * 8,
+        staging,
         peak: if offload { peak - 3 * each } else { peak },
-    })
+    }
 }

@@ -35,6 +35,13 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         })?)
     }
 
+    /// The bytes its communicators hold for their collectives beside the operations' buffers
+    /// ([`DeviceComm::held_bytes`]: NCCL's staging buffers, counted in
+    /// [`memory`](Self::memory) too).
+    pub fn collective_bytes(&self) -> u64 {
+        self.comm.held_bytes() + self.replicas.as_ref().map_or(0, DeviceComm::held_bytes)
+    }
+
     /// AdamW's state after every step enqueued so far, whole (each moment gathered from the
     /// ranks' shards): what the one-rank trainer and the engine save. Every rank calls it.
     ///

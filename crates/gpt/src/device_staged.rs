@@ -3,7 +3,7 @@
 //! TCP's in host memory (the host twins). A unit's buffers are packed into one staging buffer
 //! of the communicator by the operations themselves ([`StagingOps`]: FSDP2's copy-in), the
 //! collective runs once on it, and the result is copied out into the unit's buffers
-//! ([`PeerOps::copy_from_peer`]). On a GPU nothing waits on the host: the communicator's
+//! ([`PeerOps::copy_from_peer`](fsdp_kernels::gpt::PeerOps::copy_from_peer)). On a GPU nothing waits on the host: the communicator's
 //! stream waits for an event after the packing, and the operations' stream for the
 //! collective's end event before the copies out (`ProcessGroupNCCL`'s current-stream
 //! ordering).
@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use fsdp_collectives::{Communicator, ReduceOp, Work};
 use fsdp_device::{AccessMode, Buffer, DType, Device};
-use fsdp_kernels::gpt::{PeerPtr, StagingOps};
+use fsdp_kernels::gpt::{Counted, PeerPtr, StagingOps};
 use fsdp_kernels::host::ReduceKind;
 
 use crate::device_comm::{check_fit, packing, DeviceComm};
@@ -44,11 +44,11 @@ struct Prefetched {
 /// The kept staging buffers.
 #[derive(Default)]
 struct Staging {
-    input: Option<Buffer>,
-    output: Option<Buffer>,
-    scalars: Option<Buffer>,
-    prefetch_input: Option<Buffer>,
-    prefetch_output: Option<Buffer>,
+    input: Option<Counted<Buffer>>,
+    output: Option<Counted<Buffer>>,
+    scalars: Option<Counted<Buffer>>,
+    prefetch_input: Option<Counted<Buffer>>,
+    prefetch_output: Option<Counted<Buffer>>,
 }
 
 /// Which staging buffer.
@@ -86,7 +86,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
     }
 
     /// The bytes of the staging buffers held now (device memory beside the operations' on a
-    /// GPU).
+    /// GPU; [`DeviceComm::held_bytes`]). They grow to the largest unit in the first step and
+    /// stay.
     pub fn staging_bytes(&self) -> usize {
         let s = self.staging.borrow();
         [
@@ -98,7 +99,7 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         ]
         .into_iter()
         .flatten()
-        .map(Buffer::byte_len)
+        .map(|b| b.byte_len())
         .sum()
     }
 
@@ -120,11 +121,17 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
         };
         if kept.as_ref().is_none_or(|b| b.len() < len) {
-            *kept = Some(match (self.comm.stream().device(), ops.device_stream()) {
+            // The old buffer is released first: it is counted until then.
+            *kept = None;
+            let buf = match (self.comm.stream().device(), ops.device_stream()) {
+                // Operations that touch no memory: sizes only, for plans.
+                _ if ops.is_meta() => Buffer::meta(dtype, len.max(1))?,
                 (Device::Cuda(_), Some(stream)) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
                 (d, None) if d != Device::Cpu => return Err(self.misplaced(d, ops)),
                 _ => Buffer::zeros(dtype, len.max(1))?,
-            });
+            };
+            let bytes = buf.byte_len() as u64;
+            *kept = Some(ops.count(buf, bytes));
         }
         let buf = kept.as_ref().expect("kept above");
         Ok(buf.slice(0..len)?)
@@ -149,6 +156,9 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
                 });
                 usage.finish();
                 r
+            }
+            (None, None) if buf.device() == Device::Meta && ops.is_meta() => {
+                f(PeerPtr { addr: 0, len })
             }
             (None, None) if buf.device() == Device::Cpu => {
                 let guard = buf.access(mode).acquire(self.comm.stream().timeout())?;
@@ -309,6 +319,10 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
             }
             Ok(())
         })
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.staging_bytes() as u64
     }
 
     fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {

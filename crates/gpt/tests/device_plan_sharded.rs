@@ -8,10 +8,12 @@
 use std::time::Duration;
 
 use fsdp::optim::LrSchedule;
+use fsdp_collectives::{mesh_2d, ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_peer::PeerComm;
-use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
-use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
+use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
+use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps, HostProducts, Products};
@@ -154,5 +156,91 @@ fn the_plan_of_cpu_offload_is_the_measured_peak() {
         assert_eq!(plan.peak, m, "{s:?}\n{plan}");
         assert_eq!((plan.accumulators, plan.moments), (0, 0));
         assert_eq!(plan.offloaded, 4 * plan.parameters);
+    }
+}
+
+/// Rank 0's counted peak plus its collectives' staging buffers over 3 steps of `c` on `world`
+/// host-twin ranks over `StagedComm` on the ring (NCCL's path as processes), with `prefetch`.
+fn measured_staged(
+    c: DeviceTrainConfig,
+    world: usize,
+    s: ShardingStrategy,
+    rpn: Option<usize>,
+    prefetch: Prefetch,
+) -> (u64, u64) {
+    let params = seeded_params(&c.cfg, 1).unwrap();
+    let tokens = synthetic_corpus(20_000, 64, 1);
+    let out = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
+        let ops = HostOps::new();
+        let mut t = match rpn {
+            Some(n) => {
+                let mesh = mesh_2d(&comm, world / n, n).unwrap();
+                ShardedDeviceTrainer::new_hybrid(
+                    ops,
+                    StagedComm::new(mesh.shard),
+                    StagedComm::new(mesh.replicate),
+                    c,
+                    s,
+                    &params,
+                )
+            }
+            None => {
+                let comm: Box<dyn Communicator> = Box::new(comm);
+                ShardedDeviceTrainer::new(ops, StagedComm::new(comm), c, s, &params)
+            }
+        }
+        .unwrap();
+        t.set_prefetch(prefetch);
+        for step in 0..3 {
+            t.step(&tokens, step).unwrap();
+        }
+        // The staging buffers are counted in the operations' memory.
+        (t.ops().memory().peak, t.collective_bytes())
+    })
+    .unwrap();
+    assert!(out.iter().all(|&p| p == out[0]), "every rank's: {out:?}");
+    out[0]
+}
+
+/// Ranks as processes over `StagedComm` (NCCL's path): `plan_process_memory` (rank 0 alone
+/// over dry-run collectives and meta operations, meta staging buffers) is the measured peak
+/// of the operations plus the staging buffers, to the byte, for every strategy and with
+/// prefetch in both directions; the staging buffers are about twice the largest unit.
+#[test]
+fn the_process_plan_is_the_measured_peak_with_staging() {
+    let both = Prefetch {
+        forward: true,
+        backward: true,
+    };
+    for (world, s, rpn, prefetch, offload) in [
+        (
+            2,
+            ShardingStrategy::FullShard,
+            None,
+            Prefetch::default(),
+            false,
+        ),
+        (4, ShardingStrategy::FullShard, None, both, false),
+        (2, ShardingStrategy::ShardGradOp, None, both, false),
+        (
+            2,
+            ShardingStrategy::NoShard,
+            None,
+            Prefetch::default(),
+            false,
+        ),
+        (4, ShardingStrategy::HybridShard, Some(2), both, false),
+        (4, ShardingStrategy::FullShard, None, both, true),
+    ] {
+        let c = DeviceTrainConfig {
+            offload,
+            ..device_config(LrSchedule::Constant, true, Some(1.0), 2)
+        };
+        let plan = plan_process_memory(&c, Products::F32, world, s, rpn, prefetch).unwrap();
+        let (peak, staging) = measured_staged(c, world, s, rpn, prefetch);
+        let what = format!("{world} ranks, {s:?}, {prefetch:?}, offload {offload}");
+        assert_eq!((plan.peak, plan.staging), (peak, staging), "{what}\n{plan}");
+        assert!(staging > 0, "{what}");
+        println!("{what}: peak {peak} bytes, of which staging {staging}, planned exactly");
     }
 }

@@ -352,6 +352,24 @@ fn launched_processes_train_as_threads() {
             !out.contains("[rank 1] fsdp train"),
             "rank 0 reports alone: {out}"
         );
+        // Rank 0's peak (the operations' and the staging buffers') is the process plan's.
+        let line = out
+            .lines()
+            .find(|l| l.contains("device: host-twin"))
+            .unwrap();
+        let peak = line
+            .split("per rank ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap();
+        assert!(
+            line.contains(&format!(
+                "(predicted {peak}: fsdp plan --device host-twin --ranks {n})"
+            )),
+            "{line}"
+        );
         let mut b = small_train_args(&base, extra);
         b.extend([
             "--ranks",

@@ -34,7 +34,7 @@ pub struct CudaOps {
     operands: Mutex<[Kept<CudaSlice<bf16>>; 2]>,
     casts: AtomicU64,
     /// The bytes of the buffers handed out and kept ([`GptOps::memory`]).
-    memory: Arc<MemoryCounter>,
+    pub(super) memory: Arc<MemoryCounter>,
     /// Page-locked buffers for [`GptOps::copy_scalars`].
     pub(super) pinned: PinnedPool,
 }

@@ -42,7 +42,7 @@ pub type HostIds = Counted<Vec<u32>>;
 pub struct HostOps {
     /// The matrix products.
     pub products: HostProducts,
-    memory: Arc<MemoryCounter>,
+    pub(super) memory: Arc<MemoryCounter>,
     operands: Mutex<[Kept<Vec<f32>>; 2]>,
     roundings: AtomicU64,
     /// [`with_nan_losses`](HostOps::with_nan_losses): the calls of `loss_accumulate`

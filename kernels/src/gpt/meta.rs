@@ -40,7 +40,7 @@ pub type MetaCounted = Counted<MetaBuf>;
 #[derive(Debug)]
 pub struct MetaOps {
     products: HostProducts,
-    memory: Arc<MemoryCounter>,
+    pub(super) memory: Arc<MemoryCounter>,
     operands: Mutex<[Kept<MetaBuf>; 2]>,
 }
 

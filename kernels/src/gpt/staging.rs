@@ -22,6 +22,17 @@ pub trait StagingOps: PeerOps {
     /// operation has finished when it returns (the host twins, the meta operations).
     fn device_stream(&self) -> Option<&Stream>;
 
+    /// `value` (memory of `bytes` bytes that is not the operations' own, such as a
+    /// communicator's staging buffer) counted in the operations' memory while it lives, so
+    /// that [`GptOps::memory`]'s peak is the device's.
+    fn count<T>(&self, value: T, bytes: u64) -> Counted<T>;
+
+    /// Whether the operations touch no memory (the meta operations): their staging buffers
+    /// then exist as sizes only (`fsdp_device::Buffer::meta`), for plans. Default `false`.
+    fn is_meta(&self) -> bool {
+        false
+    }
+
     /// Enqueues a copy of `len` elements of `src` from element `src_offset` into the memory
     /// `dst` (f32) from element `dst_offset`.
     ///
@@ -104,6 +115,10 @@ unsafe fn host_copy<T: Copy>(
 }
 
 impl StagingOps for HostOps {
+    fn count<T>(&self, value: T, bytes: u64) -> Counted<T> {
+        Counted::new(value, bytes, &self.memory)
+    }
+
     fn device_stream(&self) -> Option<&Stream> {
         None
     }
@@ -168,6 +183,10 @@ impl CudaOps {
 }
 
 impl StagingOps for CudaOps {
+    fn count<T>(&self, value: T, bytes: u64) -> Counted<T> {
+        Counted::new(value, bytes, &self.memory)
+    }
+
     fn device_stream(&self) -> Option<&Stream> {
         Some(self.stream())
     }
@@ -241,8 +260,16 @@ impl StagingOps for CudaOps {
 }
 
 impl StagingOps for MetaOps {
+    fn count<T>(&self, value: T, bytes: u64) -> Counted<T> {
+        Counted::new(value, bytes, &self.memory)
+    }
+
     fn device_stream(&self) -> Option<&Stream> {
         None
+    }
+
+    fn is_meta(&self) -> bool {
+        true
     }
 
     unsafe fn copy_to_ptr(

@@ -237,7 +237,7 @@ pub(crate) fn cuda_ops(
 }
 
 /// The free memory of `stream`'s GPU, where the driver tells it.
-fn free_memory(stream: &fsdp_device::Stream) -> Option<u64> {
+pub(crate) fn free_memory(stream: &fsdp_device::Stream) -> Option<u64> {
     stream
         .cuda_stream()
         .and_then(|s| s.context().mem_get_info().ok())
@@ -329,7 +329,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     let bf16 = args.model.param_dtype == DType::BF16;
     if let Some(env) = LaunchEnv::from_env()? {
         // Ranks as processes: this process is one of them (no plan: it is of ranks as threads).
-        return crate::device_process_cmd::train_launched(args, &run, &env, bf16);
+        return crate::device_process_cmd::train_launched(args, run, &env, bf16);
     }
     if world > 1 {
         let strategy = args.model.strategy;
@@ -521,7 +521,12 @@ fn train_with<O: GptOps>(
 /// Admission: the plan's peak of device memory, times the `ranks` that share the device,
 /// against `--memory-limit`, else the device's free memory (`free`, `None` where it is not
 /// known: the host twins), refused with both figures and what needs less.
-fn admit(args: &TrainArgs, run: &Run, free: Option<u64>, ranks: usize) -> Result<(), CliError> {
+pub(crate) fn admit(
+    args: &TrainArgs,
+    run: &Run,
+    free: Option<u64>,
+    ranks: usize,
+) -> Result<(), CliError> {
     let dev = args.device;
     let (available, what) = match (args.memory_limit, free) {
         (Some(limit), _) => (limit, "--memory-limit"),

@@ -7,7 +7,8 @@ use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
-use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
+use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
+use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_kernels::gpt::Products;
 
@@ -126,5 +127,22 @@ pub(crate) fn print_sharded_plan(
             human_bytes(limit)
         );
     }
+    let procs = plan_process_memory(
+        config,
+        products,
+        world,
+        args.model.strategy,
+        rpn,
+        Prefetch::default(),
+    )
+    .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    say!(
+        "as {world} processes under `fsdp launch` (a GPU each, --backend nccl): {} bytes ({}) \
+         a rank at its peak, of which {} bytes ({}) are the collectives' staging buffers",
+        procs.peak,
+        human_bytes(procs.peak),
+        procs.staging,
+        human_bytes(procs.staging)
+    );
     Ok(())
 }

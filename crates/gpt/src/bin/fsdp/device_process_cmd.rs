@@ -9,13 +9,17 @@
 //! - `--device host-twin`: TCP with [`StagedComm`] in host memory — the NCCL path's code on
 //!   the kernels' host twins.
 //!
-//! Rank 0 reports and writes the outputs.
+//! Each rank plans its memory first (`plan_process_memory`: the same trainer over dry-run
+//! collectives and meta operations, the staging buffers included) and checks it against its
+//! GPU's free memory (or `--memory-limit`; the ranks that share a GPU under tcp together).
+//! Rank 0 reports and writes the outputs, its counted peak beside the plan's.
 
 use std::time::Instant;
 
 use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions};
 use fsdp_collectives::{init_from_env, mesh_2d, Backend, Communicator, InitOptions, LaunchEnv};
 use fsdp_gpt::device_comm::{DeviceComm, HostComm};
+use fsdp_gpt::device_plan_sharded::plan_process_memory;
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::runtime::BackwardPrefetch;
@@ -23,7 +27,9 @@ use fsdp_kernels::gpt::StagingOps;
 use fsdp_kernels::gpt::{GptOps, HostOps};
 
 use crate::args::{DeviceArg, TrainArgs, TrainBackend};
-use crate::device_cmd::{cuda_ops, cuda_ordinal, cuda_stream, host_products, Run};
+use crate::device_cmd::{
+    admit, cuda_ops, cuda_ordinal, cuda_stream, free_memory, host_products, products, Run,
+};
 use crate::device_sharded_cmd::{check_strategy, Shared};
 use crate::{fail, CliError};
 
@@ -70,13 +76,25 @@ pub(crate) fn process_backend(
 /// operands) over the backend [`process_backend`] picks.
 pub(crate) fn train_launched(
     args: &TrainArgs,
-    run: &Run,
+    mut run: Run,
     env: &LaunchEnv,
     bf16: bool,
 ) -> Result<(), CliError> {
     let dev = args.device;
     let init = init_options(args)?;
-    prefetch(args)?;
+    // Every rank plans its own memory (all hold the same sizes) and checks it against its GPU.
+    let strategy = args.model.strategy;
+    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, env.world_size)?;
+    let plan = plan_process_memory(
+        &run.config,
+        products(bf16),
+        env.world_size,
+        strategy,
+        rpn,
+        prefetch(args)?,
+    )
+    .map_err(|e| fail(format!("--device {dev}: rank {}: {e}", env.rank)))?;
+    let run = &mut run;
     match dev {
         DeviceArg::Cuda { ordinal, indexed } => {
             let count = fsdp_device::cuda::device_count()
@@ -92,7 +110,10 @@ pub(crate) fn train_launched(
             let what = format!("--device {dev}");
             let name = format!("fsdp train rank {}", env.rank);
             let ops = cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)?;
+            let free = free_memory(ops.stream());
             if backend == Backend::Nccl {
+                run.predicted_peak = plan.peak;
+                admit(args, run, free, 1)?;
                 let store = env.rendezvous(init.effective_init_timeout())?;
                 let opts = NcclOptions::default()
                     .with_timeout(init.timeout)
@@ -102,6 +123,14 @@ pub(crate) fn train_launched(
                 let how = "nccl, staged on the GPU";
                 train_process(args, run, env, ops, Box::new(comm), staged, how)
             } else {
+                // Host staging: none on the GPU; the ranks of this host that share it.
+                run.predicted_peak = plan.peak - plan.staging;
+                let sharing = if indexed {
+                    env.local_world_size
+                } else {
+                    env.local_world_size.div_ceil(count.max(1))
+                };
+                admit(args, run, free, sharing)?;
                 let comm = init_from_env(Backend::Tcp, &init)?;
                 let how = "tcp, staged through host memory";
                 train_process(args, run, env, ops, comm, host_staged, how)
@@ -109,6 +138,8 @@ pub(crate) fn train_launched(
         }
         DeviceArg::HostTwin => {
             process_backend(args.backend, dev, env, None, false)?;
+            run.predicted_peak = plan.peak;
+            admit(args, run, None, 1)?;
             let ops = HostOps::with_products(host_products(bf16));
             let comm = init_from_env(Backend::Tcp, &init)?;
             train_process(args, run, env, ops, comm, staged, "tcp")
@@ -210,6 +241,7 @@ fn train_process<O: GptOps>(
         vec![end],
         start.elapsed(),
         &format!("{world} processes (rank 0's)"),
+        world,
     )
 }
 

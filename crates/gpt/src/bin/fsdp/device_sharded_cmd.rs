@@ -220,6 +220,7 @@ impl<'a> Shared<'a> {
         mut ends: Vec<RankEnd>,
         elapsed: std::time::Duration,
         what: &str,
+        world: usize,
     ) -> Result<(), CliError> {
         let (args, run) = (self.args, self.run);
         let dev = args.device;
@@ -258,8 +259,7 @@ impl<'a> Shared<'a> {
             if run.predicted_peak > 0 {
                 format!(
                     " (predicted {}: fsdp plan --device {dev} --ranks {})",
-                    run.predicted_peak,
-                    args.model.ranks.unwrap_or(ends.len())
+                    run.predicted_peak, world
                 )
             } else {
                 String::new()
@@ -345,5 +345,5 @@ where
     for r in results {
         ends.push(r?);
     }
-    shared.finish(ends, elapsed, &format!("{world} ranks"))
+    shared.finish(ends, elapsed, &format!("{world} ranks"), world)
 }
