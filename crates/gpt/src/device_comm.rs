@@ -112,15 +112,63 @@ fn bad_lengths(what: &str, reason: String) -> DeviceTrainError {
     .into()
 }
 
-/// The packed length of shards of lengths `lens`, and each one's offset.
-pub(crate) fn packing(lens: &[usize]) -> (usize, Vec<usize>) {
-    let mut offsets = Vec::with_capacity(lens.len());
-    let mut total = 0;
-    for &l in lens {
-        offsets.push(total);
-        total += l;
+/// The lengths of `bufs`.
+pub(crate) fn lens<'b, O: GptOps + 'b>(bufs: impl IntoIterator<Item = &'b O::Buf>) -> Vec<usize> {
+    bufs.into_iter().map(|b| O::buf_len(b)).collect()
+}
+
+/// How a unit's tensors are packed into one flat buffer a rank (FSDP2's copy-in): each
+/// shard's length and offset, and each full tensor's length.
+pub(crate) struct Packing {
+    /// The shards' lengths.
+    pub(crate) lens: Vec<usize>,
+    /// The full tensors' lengths (empty where there are none).
+    pub(crate) full_lens: Vec<usize>,
+    /// Each shard's offset in a rank's packed block.
+    pub(crate) offsets: Vec<usize>,
+    /// A rank's packed length.
+    pub(crate) total: usize,
+}
+
+impl Packing {
+    /// Shards of lengths `lens`, packed one after the other.
+    pub(crate) fn new(lens: Vec<usize>) -> Packing {
+        let mut offsets = Vec::with_capacity(lens.len());
+        let mut total = 0;
+        for &l in &lens {
+            offsets.push(total);
+            total += l;
+        }
+        Packing {
+            lens,
+            full_lens: Vec::new(),
+            offsets,
+            total,
+        }
     }
-    (total, offsets)
+
+    /// Shards of lengths `lens` of full tensors of `full_lens` over `world` ranks, checked
+    /// to fit (the collective `what` fails otherwise).
+    pub(crate) fn of_unit(
+        what: &str,
+        lens: Vec<usize>,
+        full_lens: Vec<usize>,
+        world: usize,
+    ) -> Result<Packing, DeviceTrainError> {
+        check_fit(what, &lens, &full_lens, world)?;
+        Ok(Packing {
+            full_lens,
+            ..Packing::new(lens)
+        })
+    }
+
+    /// Chunk `r` of tensor `i`: where it starts in the full tensor and its length (0 from
+    /// the first chunk past the end on).
+    pub(crate) fn chunk(&self, i: usize, r: usize) -> (usize, usize) {
+        let (s, f) = (self.lens[i], self.full_lens[i]);
+        let start = r * s;
+        (start, s.min(f.saturating_sub(start)))
+    }
 }
 
 /// Checks that `fulls[i]` fits `world` shards of `shards[i]`.
@@ -163,10 +211,13 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = DeviceComm::<O>::world_size(self);
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
-        check_fit("all-gather", &lens, &full_lens, world)?;
-        let (total, offsets) = packing(&lens);
+        let p = Packing::of_unit(
+            "all-gather",
+            lens::<O>(shards.iter().copied()),
+            lens::<O>(fulls.iter().map(|f| &**f)),
+            world,
+        )?;
+        let (total, offsets) = (p.total, &p.offsets);
         let mut packed = Vec::with_capacity(total);
         for s in shards {
             packed.extend(ops.download(s)?);
@@ -176,14 +227,12 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         self.comm.all_gather_base(&input, &output)?.wait()?;
         let gathered = output.to_vec::<f32>()?;
         for (i, full) in fulls.iter_mut().enumerate() {
-            let (s, f) = (lens[i], full_lens[i]);
-            let mut values = vec![0.0f32; f];
+            let mut values = vec![0.0f32; p.full_lens[i]];
             for r in 0..world {
-                let start = r * s;
-                if start >= f {
+                let (start, n) = p.chunk(i, r);
+                if n == 0 {
                     break;
                 }
-                let n = s.min(f - start);
                 let from = r * total + offsets[i];
                 values[start..start + n].copy_from_slice(&gathered[from..from + n]);
             }
@@ -199,10 +248,13 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = DeviceComm::<O>::world_size(self);
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
-        check_fit("reduce-scatter", &lens, &full_lens, world)?;
-        let (total, offsets) = packing(&lens);
+        let p = Packing::of_unit(
+            "reduce-scatter",
+            lens::<O>(shards.iter().map(|s| &**s)),
+            lens::<O>(fulls.iter().copied()),
+            world,
+        )?;
+        let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
         let mut packed = vec![0.0f32; total * world];
         for (i, full) in fulls.iter().enumerate() {
             let s = lens[i];
@@ -224,8 +276,8 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
     }
 
     fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
-        let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
-        let (total, offsets) = packing(&lens);
+        let p = Packing::new(lens::<O>(bufs.iter().map(|b| &**b)));
+        let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
         let mut packed = Vec::with_capacity(total);
         for b in bufs.iter() {
             packed.extend(ops.download(b)?);

@@ -31,7 +31,7 @@ use fsdp_collectives::{CollectiveError, ReduceOp};
 use fsdp_kernels::gpt::{PeerOps, PeerPtr};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{check_fit, DeviceComm};
+use crate::device_comm::{lens, DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// What a rank posts in one exchange.
@@ -286,9 +286,13 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
-        check_fit("all-gather", &lens, &full_lens, self.world)?;
+        let p = Packing::of_unit(
+            "all-gather",
+            lens::<O>(shards.iter().copied()),
+            lens::<O>(fulls.iter().map(|f| &**f)),
+            self.world,
+        )?;
+        let (lens, full_lens) = (&p.lens, &p.full_lens);
         let desc = format!("all-gather of shards {lens:?} into {full_lens:?}");
         let ptrs = shards.iter().map(|s| ops.peer_ptr(s)).collect();
         let posts = self.begin(ops, "all-gather", desc.clone(), ptrs)?;
@@ -315,9 +319,13 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
-        check_fit("reduce-scatter", &lens, &full_lens, self.world)?;
+        let p = Packing::of_unit(
+            "reduce-scatter",
+            lens::<O>(shards.iter().map(|s| &**s)),
+            lens::<O>(fulls.iter().copied()),
+            self.world,
+        )?;
+        let (lens, full_lens) = (&p.lens, &p.full_lens);
         let desc = format!("reduce-scatter (avg) of {full_lens:?} into shards {lens:?}");
         let ptrs = fulls.iter().map(|f| ops.peer_ptr(f)).collect();
         let posts = self.begin(ops, "reduce-scatter", desc.clone(), ptrs)?;

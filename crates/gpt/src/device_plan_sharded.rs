@@ -99,11 +99,7 @@ pub fn plan_sharded_memory(
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
     config.validate()?;
     config.dims().validate()?;
-    let host = if products == Products::Bf16 {
-        HostProducts::Bf16Operands
-    } else {
-        HostProducts::F32
-    };
+    let host = twin_products(products);
     let t = config.cfg.block_size;
     let tokens = vec![0u16; 2 * (t + 1)];
     let timeout = Duration::from_secs(600);
@@ -203,11 +199,7 @@ pub fn plan_process_memory(
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
     config.validate()?;
     config.dims().validate()?;
-    let host = if products == Products::Bf16 {
-        HostProducts::Bf16Operands
-    } else {
-        HostProducts::F32
-    };
+    let host = twin_products(products);
     let (comm, replicas): (Box<dyn Communicator>, _) = match (strategy.is_hybrid(), ranks_per_node)
     {
         (true, Some(n)) if n > 0 && world % n == 0 => {
@@ -251,6 +243,15 @@ pub fn plan_process_memory(
         peak,
         staging,
     ))
+}
+
+/// The host twins' (and the meta operations') form of `products`.
+fn twin_products(products: Products) -> HostProducts {
+    if products == Products::Bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    }
 }
 
 /// The plan of a rank whose counted peak without offload is `peak` (`staging` included).

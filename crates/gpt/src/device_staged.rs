@@ -19,7 +19,7 @@ use fsdp_device::{AccessMode, Buffer, DType, Device};
 use fsdp_kernels::gpt::{Counted, PeerPtr, StagingOps};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{check_fit, packing, DeviceComm};
+use crate::device_comm::{lens, DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// [`DeviceComm`] over a communicator whose buffers are in the operations' memory (module
@@ -219,6 +219,45 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         self.complete(ops, &work)
     }
 
+    /// `bufs` packed one after the other (`p`) into `len` elements of the staging buffer
+    /// `slot` (`len` ≥ `p.total`; the rest is left as it is).
+    fn pack<O: StagingOps>(
+        &self,
+        ops: &O,
+        bufs: &[&O::Buf],
+        p: &Packing,
+        slot: Slot,
+        len: usize,
+    ) -> Result<Buffer, DeviceTrainError> {
+        let buf = self.buffer(ops, slot, len)?;
+        self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
+            for (i, b) in bufs.iter().enumerate() {
+                // SAFETY: `to` is the staging buffer, held for this copy (`with_ptr`).
+                unsafe { ops.copy_to_ptr(b, 0, to, p.offsets[i], p.lens[i])? };
+            }
+            Ok(())
+        })?;
+        Ok(buf)
+    }
+
+    /// Copies `from`'s packed elements (`p`) out into `bufs`.
+    fn unpack<O: StagingOps>(
+        &self,
+        ops: &O,
+        from: &Buffer,
+        p: &Packing,
+        bufs: &mut [&mut O::Buf],
+    ) -> Result<(), DeviceTrainError> {
+        self.with_ptr(ops, from, AccessMode::Shared, |from| {
+            for (i, b) in bufs.iter_mut().enumerate() {
+                // SAFETY: `from` is a staging buffer written by the collective the operations
+                // were ordered after, and held for this copy (`with_ptr`).
+                unsafe { ops.copy_from_peer(from, p.offsets[i], b, 0, p.lens[i])? };
+            }
+            Ok(())
+        })
+    }
+
     /// Packs `shards` into the staging input `slots.0` and issues their all-gather into the
     /// staging output `slots.1`, returned with the work.
     fn start_gather<O: StagingOps>(
@@ -227,18 +266,9 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         shards: &[&O::Buf],
         slots: (Slot, Slot),
     ) -> Result<(Buffer, Work), DeviceTrainError> {
-        let world = self.comm.world_size();
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let (total, offsets) = packing(&lens);
-        let input = self.buffer(ops, slots.0, total)?;
-        let output = self.buffer(ops, slots.1, total * world)?;
-        self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
-            for (i, s) in shards.iter().enumerate() {
-                // SAFETY: `to` is the staging input, held for this copy (`with_ptr`).
-                unsafe { ops.copy_to_ptr(s, 0, to, offsets[i], lens[i])? };
-            }
-            Ok(())
-        })?;
+        let p = Packing::new(lens::<O>(shards.iter().copied()));
+        let input = self.pack(ops, shards, &p, slots.0, p.total)?;
+        let output = self.buffer(ops, slots.1, p.total * self.comm.world_size())?;
         let work = self.launch(ops, |c| c.all_gather_base(&input, &output))?;
         Ok((output, work))
     }
@@ -272,13 +302,6 @@ fn key_of<O: StagingOps>(ops: &O, shards: &[&O::Buf]) -> Vec<PeerPtr> {
     shards.iter().map(|s| ops.peer_ptr(s)).collect()
 }
 
-/// Chunk `r` of a tensor of `full` elements cut in shards of `shard`: its start and length
-/// (0 from the first chunk past the end on).
-fn chunk(r: usize, shard: usize, full: usize) -> (usize, usize) {
-    let start = r * shard;
-    (start, shard.min(full.saturating_sub(start)))
-}
-
 impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
     fn rank(&self) -> usize {
         self.comm.rank()
@@ -295,10 +318,12 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = self.comm.world_size();
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
-        check_fit("all-gather", &lens, &full_lens, world)?;
-        let (total, offsets) = packing(&lens);
+        let p = Packing::of_unit(
+            "all-gather",
+            lens::<O>(shards.iter().copied()),
+            lens::<O>(fulls.iter().map(|f| &**f)),
+            world,
+        )?;
         let key = key_of(ops, shards);
         let (output, work) = match self.take_prefetched(ops, Some(&key))? {
             Some(p) => (p.output, p.work),
@@ -308,13 +333,14 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         self.with_ptr(ops, &output, AccessMode::Shared, |from| {
             for (i, full) in fulls.iter_mut().enumerate() {
                 for r in 0..world {
-                    let (start, n) = chunk(r, lens[i], full_lens[i]);
+                    let (start, n) = p.chunk(i, r);
                     if n == 0 {
                         break;
                     }
+                    let at = r * p.total + p.offsets[i];
                     // SAFETY: `from` is the staging output, written by the collective the
                     // operations were ordered after, and held for this copy (`with_ptr`).
-                    unsafe { ops.copy_from_peer(from, r * total + offsets[i], full, start, n)? };
+                    unsafe { ops.copy_from_peer(from, at, full, start, n)? };
                 }
             }
             Ok(())
@@ -341,24 +367,25 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = self.comm.world_size();
-        let lens: Vec<usize> = shards.iter().map(|s| O::buf_len(s)).collect();
-        let full_lens: Vec<usize> = fulls.iter().map(|f| O::buf_len(f)).collect();
-        check_fit("reduce-scatter", &lens, &full_lens, world)?;
-        let (total, offsets) = packing(&lens);
-        let input = self.buffer(ops, Slot::Input, total * world)?;
-        let output = self.buffer(ops, Slot::Output, total)?;
+        let p = Packing::of_unit(
+            "reduce-scatter",
+            lens::<O>(shards.iter().map(|s| &**s)),
+            lens::<O>(fulls.iter().copied()),
+            world,
+        )?;
+        let input = self.buffer(ops, Slot::Input, p.total * world)?;
+        let output = self.buffer(ops, Slot::Output, p.total)?;
         self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
             for (i, full) in fulls.iter().enumerate() {
-                let s = lens[i];
                 for r in 0..world {
-                    let (start, n) = chunk(r, s, full_lens[i]);
-                    let at = r * total + offsets[i];
+                    let (start, n) = p.chunk(i, r);
+                    let at = r * p.total + p.offsets[i];
                     // SAFETY: `to` is the staging input, held for these writes (`with_ptr`).
                     unsafe {
                         if n > 0 {
                             ops.copy_to_ptr(full, start, to, at, n)?;
                         }
-                        ops.zero_ptr(to, at + n, s - n)?;
+                        ops.zero_ptr(to, at + n, p.lens[i] - n)?;
                     }
                 }
             }
@@ -367,34 +394,15 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         self.run(ops, |c| {
             c.reduce_scatter_base(&input, &output, ReduceOp::Avg)
         })?;
-        self.with_ptr(ops, &output, AccessMode::Shared, |from| {
-            for (i, shard) in shards.iter_mut().enumerate() {
-                // SAFETY: as in `all_gather`.
-                unsafe { ops.copy_from_peer(from, offsets[i], shard, 0, lens[i])? };
-            }
-            Ok(())
-        })
+        self.unpack(ops, &output, &p, shards)
     }
 
     fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
-        let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
-        let (total, offsets) = packing(&lens);
-        let buf = self.buffer(ops, Slot::Input, total)?;
-        self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
-            for (i, b) in bufs.iter().enumerate() {
-                // SAFETY: as in `all_gather`.
-                unsafe { ops.copy_to_ptr(b, 0, to, offsets[i], lens[i])? };
-            }
-            Ok(())
-        })?;
+        let p = Packing::new(lens::<O>(bufs.iter().map(|b| &**b)));
+        let refs: Vec<&O::Buf> = bufs.iter().map(|b| &**b).collect();
+        let buf = self.pack(ops, &refs, &p, Slot::Input, p.total)?;
         self.run(ops, |c| c.all_reduce(&buf, ReduceOp::Avg))?;
-        self.with_ptr(ops, &buf, AccessMode::Shared, |from| {
-            for (i, b) in bufs.iter_mut().enumerate() {
-                // SAFETY: as in `all_gather`.
-                unsafe { ops.copy_from_peer(from, offsets[i], b, 0, lens[i])? };
-            }
-            Ok(())
-        })
+        self.unpack(ops, &buf, &p, bufs)
     }
 
     fn all_reduce_scalars(

@@ -139,33 +139,35 @@ fn sharded_cuda_follows_the_engine() {
     compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
 }
 
-/// Two ranks as processes under `fsdp launch` on the one GPU (`--device cuda`: each takes the
-/// GPU of its local rank modulo the GPUs there; collectives over TCP staged through host
-/// memory): the engine's losses within 1e-4.
-#[test]
-fn launched_processes_on_cuda_follow_the_engine() {
-    if !gpu("launched_processes_on_cuda_follow_the_engine") {
-        return;
-    }
-    let dir = std::env::temp_dir().join(format!("fsdp-gpu-launched-{}", std::process::id()));
+/// `n` ranks as processes under `fsdp launch --device cuda` on the one GPU (each takes the
+/// GPU of its local rank modulo the GPUs there), whose first line says `how` they exchange,
+/// against the engine's `fsdp train --ranks n`: losses within 1e-4 over 10 steps. Rank 0's
+/// counted peak is the process plan's.
+fn launched_vs_engine(n: &str, how: &str) {
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-launched-{n}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (cpu, cuda) = (dir.join("cpu.csv"), dir.join("cuda.csv"));
     let mut train = vec!["train"];
     train.extend(SMALL_GPU_MODEL);
     train.extend(["--steps", "10", "--param-dtype", "f32"]);
     let mut a = train.clone();
-    a.extend(["--ranks", "2", "--loss-log", cpu.to_str().unwrap()]);
+    a.extend(["--ranks", n, "--loss-log", cpu.to_str().unwrap()]);
     run(&a);
-    let mut b = vec!["launch", "--nproc-per-node", "2", "--master-port", "0"];
+    let mut b = vec!["launch", "--nproc-per-node", n, "--master-port", "0"];
     b.extend(train);
     b.extend(["--device", "cuda", "--loss-log", cuda.to_str().unwrap()]);
     let out = run(&b);
-    assert!(
-        out.contains(
-            "[rank 0] fsdp train: rank 0 of 2 processes on cuda (tcp, staged through host memory)"
-        ),
-        "{out}"
-    );
+    let first = format!("[rank 0] fsdp train: rank 0 of {n} processes on cuda ({how})");
+    assert!(out.contains(&first), "{out}");
+    let line = out.lines().find(|l| l.contains("device: cuda")).unwrap();
+    let peak = line
+        .split("per rank ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    assert!(line.contains(&format!("(predicted {peak}:")), "{line}");
     let (e, d) = (
         common::cli::log_losses(&cpu),
         common::cli::log_losses(&cuda),
@@ -177,7 +179,17 @@ fn launched_processes_on_cuda_follow_the_engine() {
         .map(|(a, b)| (a - b).abs() / a.abs())
         .fold(0.0, f64::max);
     assert!(max <= 1e-4, "{e:?} vs {d:?}");
-    println!("2 processes on cuda: max relative loss difference {max:.2e} over 10 steps");
+    println!("{n} processes on cuda ({how}): max relative loss difference {max:.2e} over 10 steps; {line}");
+}
+
+/// Two ranks as processes under `fsdp launch` on the one GPU (NCCL takes one GPU per rank,
+/// so the collectives go over TCP staged through host memory) follow the engine.
+#[test]
+fn launched_processes_on_cuda_follow_the_engine() {
+    if !gpu("launched_processes_on_cuda_follow_the_engine") {
+        return;
+    }
+    launched_vs_engine("2", "tcp, staged through host memory");
 }
 
 /// `StagedComm` over NCCL with `CudaOps` (one rank on the one GPU): packing into device staging
@@ -207,8 +219,8 @@ fn staged_nccl_collectives_give_the_host_twins_bits() {
     println!("nccl, 1 rank: every staged collective equals the host twins' bits");
 }
 
-/// One process under `fsdp launch --device cuda` (NCCL: each rank has its GPU) against the
-/// engine's `fsdp train --ranks 1`: losses within 1e-4 over 10 steps.
+/// One process under `fsdp launch --device cuda` (NCCL: each rank has its GPU) follows the
+/// engine, its peak the process plan's.
 #[test]
 fn launched_nccl_process_follows_the_engine() {
     if !gpu("launched_nccl_process_follows_the_engine") {
@@ -218,30 +230,5 @@ fn launched_nccl_process_follows_the_engine() {
         println!("skipped: NCCL not available ({e})");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("fsdp-gpu-nccl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (cpu, cuda) = (dir.join("cpu.csv"), dir.join("cuda.csv"));
-    let mut train = vec!["train"];
-    train.extend(SMALL_GPU_MODEL);
-    train.extend(["--steps", "10", "--param-dtype", "f32"]);
-    let mut a = train.clone();
-    a.extend(["--ranks", "1", "--loss-log", cpu.to_str().unwrap()]);
-    run(&a);
-    let mut b = vec!["launch", "--nproc-per-node", "1", "--master-port", "0"];
-    b.extend(train);
-    b.extend(["--device", "cuda", "--loss-log", cuda.to_str().unwrap()]);
-    let out = run(&b);
-    assert!(out.contains("(nccl, staged on the GPU)"), "{out}");
-    let (e, d) = (
-        common::cli::log_losses(&cpu),
-        common::cli::log_losses(&cuda),
-    );
-    assert_eq!((e.len(), d.len()), (10, 10));
-    let max = e
-        .iter()
-        .zip(&d)
-        .map(|(a, b)| (a - b).abs() / a.abs())
-        .fold(0.0, f64::max);
-    assert!(max <= 1e-4, "{e:?} vs {d:?}");
-    println!("1 process on cuda over nccl: max relative loss difference {max:.2e} over 10 steps");
+    launched_vs_engine("1", "nccl, staged on the GPU");
 }

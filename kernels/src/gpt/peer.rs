@@ -356,16 +356,7 @@ impl PeerOps for CudaOps {
     ) -> Result<(), KernelError> {
         check_range("source", src_offset, len, src.len)?;
         check_range("destination", dst_offset, len, dst.len())?;
-        if len == 0 {
-            return Ok(());
-        }
         let f = std::mem::size_of::<f32>();
-        // The raw copy uses the thread's current context: this stream's.
-        self.cuda
-            .context()
-            .bind_to_thread()
-            .map_err(|e| copy_error("cuCtxSetCurrent", e))?;
-        let stream = self.cuda.cu_stream();
         let (to, _sync) = dst.device_ptr_mut(&self.cuda);
         let to = to + (dst_offset * f) as u64;
         let from = (src.addr + src_offset * f) as u64;
@@ -373,8 +364,7 @@ impl PeerOps for CudaOps {
         // buffer, borrowed mutably for the call, and the caller guarantees that `src` is a
         // live device buffer of this context that stays allocated and unwritten until the
         // copy has run on this stream.
-        unsafe { result::memcpy_dtod_async(to, from, len * f, stream) }
-            .map_err(|e| copy_error("cuMemcpyDtoDAsync", e))
+        unsafe { self.dtod(to, from, len * f) }
     }
 }
 

@@ -167,7 +167,7 @@ impl CudaOps {
     /// # Safety
     /// Both ranges are device memory of the stream's context, valid and unaccessed by anyone
     /// else until the copy has run on the stream, and do not overlap.
-    unsafe fn dtod(&self, to: u64, from: u64, bytes: usize) -> Result<(), KernelError> {
+    pub(super) unsafe fn dtod(&self, to: u64, from: u64, bytes: usize) -> Result<(), KernelError> {
         if bytes == 0 {
             return Ok(());
         }
