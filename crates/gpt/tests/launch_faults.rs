@@ -1,5 +1,6 @@
 //! `fsdp launch`'s faults: the primary failure is reported with its real status (kill -9 of
-//! rank 2 of 3 is `rank 2 ... status 137`, not the peer that noticed it), `--timeout` and
+//! rank 2 of 3 is `rank 2 ... status 137`, not the peer that noticed it; on the sharded engine
+//! and on the device's host twins), `--timeout` and
 //! `--init-timeout` reach the ranks, and `--backend ring` is refused before any rank starts.
 
 mod common;
@@ -42,11 +43,26 @@ fn env_of(pid: u32, var: &str) -> Option<String> {
 
 #[test]
 fn kill_9_of_rank_2_is_reported_as_rank_2_with_137() {
+    kill_9_of_rank_2(&[]);
+}
+
+/// The same on the device's host twins, the collectives staged over TCP (`StagedComm`, the
+/// code NCCL runs on GPUs) with an all-gather issued ahead in both directions: no rank hangs
+/// on a collective in flight.
+#[test]
+fn kill_9_of_a_device_rank_is_reported_the_same() {
+    kill_9_of_rank_2(&["--device", "host-twin", "--forward-prefetch"]);
+}
+
+/// Kills rank 2 of 3 training with `extra` once they train: the launcher ends within 30 s
+/// with rank 2's status, blaming it alone.
+fn kill_9_of_rank_2(extra: &[&str]) {
     #[cfg(target_os = "linux")]
     {
         let mut args = vec!["launch", "-n", "3", "--master-port", "0", "train"];
         args.extend_from_slice(&SMALL_MODEL);
         args.extend_from_slice(&["--batch-size", "6", "--steps", "100000", "--timeout", "60"]);
+        args.extend_from_slice(extra);
         let mut child = command(&args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
