@@ -81,17 +81,21 @@ pub(crate) struct OffloadStaging<S> {
 }
 
 impl<S> OffloadStaging<S> {
+    /// Two sets of gradients (one with one micro-batch a step) and one of parameters, each
+    /// tensor's shard over `factor` ranks (1: whole).
     pub(crate) fn new<P: GptOps<Staging = S>>(
         ops: &P,
         dims: &GptDims,
         grad_accum: usize,
+        factor: usize,
     ) -> Result<OffloadStaging<S>, KernelError> {
         let sets = grad_accum.clamp(1, 2);
+        let make = |_: &str, len: usize| ops.staging(len.div_ceil(factor.max(1)));
         Ok(OffloadStaging {
             grads: (0..sets)
-                .map(|_| Weights::try_build(dims, |_, len| ops.staging(len)))
+                .map(|_| Weights::try_build(dims, make))
                 .collect::<Result<_, _>>()?,
-            params: Weights::try_build(dims, |_, len| ops.staging(len))?,
+            params: Weights::try_build(dims, make)?,
         })
     }
 

@@ -16,7 +16,7 @@
 //!   to the step's gradient
 //!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
 
-use fsdp_kernels::gpt::{Block, GptDims, GptOps, HostBuf, Unit, Units, Weights, WithGrads};
+use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
 use fsdp_kernels::KernelError;
 
 use crate::device_comm::DeviceComm;
@@ -81,7 +81,7 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     /// This rank's parameter shards (the full parameters when replicated).
     shards: &'a Weights<O::Buf>,
     /// Where the reduced gradients go: the step's accumulators, shaped as `shards`.
-    sink: GradSink<'a, O::Buf>,
+    sink: GradSink<'a, O>,
     /// The weight of this pass's gradients in the accumulators (`1 / micro-batches`).
     alpha: f32,
     root: Option<Weights<O::Buf>>,
@@ -101,7 +101,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         factor: usize,
         reshard_after_forward: bool,
         shards: &'a Weights<O::Buf>,
-        sink: GradSink<'a, O::Buf>,
+        sink: GradSink<'a, O>,
         alpha: f32,
     ) -> Self {
         ShardedUnits {
@@ -195,10 +195,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         alpha: f32,
         unit: Unit,
         mut full: Vec<&mut O::Buf>,
-        sink: &mut GradSink<'_, O::Buf>,
+        sink: &mut GradSink<'_, O>,
     ) -> Result<(), DeviceTrainError> {
         if factor > 1 {
-            let lens = sink.lens::<O>(unit)?;
+            let lens = sink.lens(unit)?;
             let mut reduced = lens
                 .iter()
                 .map(|&n| ops.empty(n))
@@ -223,13 +223,17 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
 }
 
 /// Where a sharded pass's reduced gradients are accumulated: on the device, or under CPU
-/// offload on the host (each copied out, then added there by the host twins' `axpby`, bitwise
-/// the device's).
-pub(crate) enum GradSink<'a, B> {
+/// offload copied out into host staging memory without a wait (the trainer adds them to the
+/// host's accumulators with the host twins' `axpby` once the copies are done, bitwise the
+/// device's).
+pub(crate) enum GradSink<'a, O: GptOps> {
     /// The accumulators on the device.
-    Device(&'a mut Weights<B>),
-    /// The accumulators on the host.
-    Host(&'a mut Weights<HostBuf>),
+    Device(&'a mut Weights<O::Buf>),
+    /// Staging memory on the host, shaped as `shards`.
+    Staged {
+        staging: &'a mut Weights<O::Staging>,
+        shards: &'a Weights<O::Buf>,
+    },
 }
 
 /// `unit`'s tensors of `w`, mutably.
@@ -246,25 +250,34 @@ fn unit_mut<B>(w: &mut Weights<B>, unit: Unit) -> Result<Vec<&mut B>, DeviceTrai
     }
 }
 
-impl<B> GradSink<'_, B> {
+impl<O: GptOps> GradSink<'_, O> {
     /// The lengths of `unit`'s accumulators.
-    fn lens<O: GptOps<Buf = B>>(&mut self, unit: Unit) -> Result<Vec<usize>, DeviceTrainError> {
-        Ok(match self {
-            GradSink::Device(w) => unit_mut(w, unit)?
+    fn lens(&mut self, unit: Unit) -> Result<Vec<usize>, DeviceTrainError> {
+        let w = match self {
+            GradSink::Device(w) => &**w,
+            GradSink::Staged { shards, .. } => *shards,
+        };
+        Ok(match unit {
+            Unit::Root => w.root_bufs().into_iter().map(|b| O::buf_len(b)).collect(),
+            Unit::Block(l) => w
+                .blocks
+                .get(l)
+                .ok_or_else(|| not_held(&format!("block {l}")))?
+                .bufs()
                 .into_iter()
                 .map(|b| O::buf_len(b))
                 .collect(),
-            GradSink::Host(w) => unit_mut(w, unit)?.into_iter().map(|b| b.len()).collect(),
         })
     }
 
-    /// Adds `alpha × grads` (on the device, in `unit`'s order) to `unit`'s accumulators.
-    fn add<O: GptOps<Buf = B>>(
+    /// Adds `alpha × grads` (on the device, in `unit`'s order) to `unit`'s accumulators, or
+    /// starts copying them out into `unit`'s staging memory (`alpha` is applied on the host).
+    fn add(
         &mut self,
         ops: &O,
         alpha: f32,
         unit: Unit,
-        grads: Vec<&B>,
+        grads: Vec<&O::Buf>,
     ) -> Result<(), DeviceTrainError> {
         match self {
             GradSink::Device(w) => {
@@ -272,10 +285,9 @@ impl<B> GradSink<'_, B> {
                     ops.axpby(alpha, g, 1.0, a)?;
                 }
             }
-            GradSink::Host(w) => {
-                for (a, g) in unit_mut(w, unit)?.into_iter().zip(grads) {
-                    let v = ops.download(g)?;
-                    fsdp_kernels::host::axpby(alpha, &v, 1.0, a)?;
+            GradSink::Staged { staging, .. } => {
+                for (s, g) in unit_mut(staging, unit)?.into_iter().zip(grads) {
+                    ops.copy_out(g, s)?;
                 }
             }
         }

@@ -28,14 +28,16 @@ use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp::ShardingStrategy;
 use fsdp_collectives::ReduceOp;
-use fsdp_kernels::gpt::{param_shapes, Block, GptOps, GptPass, HostOps, Weights};
+use fsdp_kernels::gpt::{param_shapes, GptOps, GptPass, HostOps, Weights};
 use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_APPLIED, STEP_LOSS, STEP_SQUARES};
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
 use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
-use crate::device_optim::{decide_and_apply, squares, HostSide, Optim};
+use crate::device_optim::{
+    accumulate_staged, decide_and_apply, squares, HostSide, OffloadStaging, Optim,
+};
 pub use crate::device_shard::Prefetch;
 use crate::device_shard::{shard_len, shard_of, GradSink, ShardedUnits};
 use crate::device_snapshot::MemoryHistory;
@@ -55,12 +57,13 @@ pub(crate) type Pending<O> = (
 
 /// Where a rank keeps its gradient accumulators, AdamW's moments and (under CPU offload) the
 /// master copy of its shards.
-pub(crate) enum ShardSide<B> {
+pub(crate) enum ShardSide<O: GptOps> {
     /// On the device, beside the shards.
-    Device(Optim<B>),
-    /// CPU offload: on the host (the host twins); the device keeps working copies of the
-    /// shards, updated after each optimizer step.
-    Host(Box<HostSide>),
+    Device(Optim<O::Buf>),
+    /// CPU offload: on the host (the host twins), with the staging memory the reduced
+    /// gradient shards are copied out into and the updated shards copied in from, without a
+    /// wait; the device keeps working copies of the shards, updated after each optimizer step.
+    Host(Box<HostSide>, Box<OffloadStaging<O::Staging>>),
 }
 
 /// One rank of sharded training on a device (see the [module](self) documentation).
@@ -80,7 +83,7 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) shards: Weights<O::Buf>,
     /// The step's gradient accumulators and AdamW's moments, of the shards: on the device, or
     /// under CPU offload on the host.
-    pub(crate) optim: ShardSide<O::Buf>,
+    pub(crate) optim: ShardSide<O>,
     pub(crate) decays: Vec<bool>,
     pub(crate) scalars: O::Scalars,
     pub(crate) skip_nonfinite: Option<u64>,
@@ -214,12 +217,15 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                     reason: format!("no master shard of {name}"),
                 })
             })?;
-            ShardSide::Host(Box::new(HostSide {
-                optim: Optim::sharded_zeros(&host, &dims, true, factor)?,
-                scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
-                params,
-                ops: host,
-            }))
+            ShardSide::Host(
+                Box::new(HostSide {
+                    optim: Optim::sharded_zeros(&host, &dims, true, factor)?,
+                    scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
+                    params,
+                    ops: host,
+                }),
+                Box::new(OffloadStaging::new(ops, &dims, config.grad_accum, factor)?),
+            )
         } else {
             ShardSide::Device(Optim::sharded_zeros(ops, &dims, true, factor)?)
         };
@@ -407,7 +413,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         }
         match &mut self.optim {
             ShardSide::Device(o) => o.zero_accumulators(ops)?,
-            ShardSide::Host(h) => h.optim.zero_accumulators(&h.ops)?,
+            ShardSide::Host(h, _) => h.optim.zero_accumulators(&h.ops)?,
         }
         let no_acc = || KernelError::InvalidArgument {
             kernel: "sharded step",
@@ -418,7 +424,13 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             let b = get_batch(tokens, k, micro, t, rank, world)?;
             let sink = match &mut self.optim {
                 ShardSide::Device(o) => GradSink::Device(o.acc.as_mut().ok_or_else(no_acc)?),
-                ShardSide::Host(h) => GradSink::Host(h.optim.acc.as_mut().ok_or_else(no_acc)?),
+                ShardSide::Host(_, st) => {
+                    let slot = st.slot(m);
+                    GradSink::Staged {
+                        staging: &mut st.grads[slot],
+                        shards: &self.shards,
+                    }
+                }
             };
             let mut units = ShardedUnits::new(
                 &self.comm,
@@ -436,10 +448,16 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;
             drop(units);
             ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
+            // Offload: the micro-batch before's reduced shards are added on the host while
+            // this one runs.
+            if m > 0 {
+                accumulate_offloaded(ops, &mut self.optim, m - 1, alpha)?;
+            }
             if let Some(t) = &mut self.tracing {
                 t.model(self.pass.take_marks(), k + 1);
             }
         }
+        accumulate_offloaded(ops, &mut self.optim, accum - 1, alpha)?;
         let tensors = self.decays.len();
         let rule = StepRule {
             tensors,
@@ -466,7 +484,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 )?;
                 None
             }
-            ShardSide::Host(h) => {
+            ShardSide::Host(h, staging) => {
                 // CPU offload: the step's loss from the device (a wait), the squares on the
                 // host, both reduced over the ranks through the device, then AdamW on the host
                 // and the updated shards copied in.
@@ -493,8 +511,11 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 )?;
                 let values = scalars.to_vec();
                 if values[STEP_APPLIED] == 1.0 {
-                    for (d, (_, m)) in self.shards.all_mut().into_iter().zip(masters.named()) {
-                        ops.upload_into(m, d)?;
+                    let shards = self.shards.all_mut().into_iter();
+                    let staged = staging.params.all_mut().into_iter();
+                    for ((d, s), (_, m)) in shards.zip(staged).zip(masters.named()) {
+                        ops.staged_mut(s)?.copy_from_slice(m);
+                        ops.copy_in(s, d)?;
                     }
                 }
                 Some(values)
@@ -510,56 +531,6 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             t.span(ops, SpanKind::Optimizer, what, last)?;
         }
         Ok(host_values)
-    }
-
-    /// Every parameter on the host, by name (after every step enqueued): each unit gathered
-    /// from the ranks' shards. Every rank calls it.
-    ///
-    /// # Errors
-    /// Collective and copy failures.
-    pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
-        self.gather(&self.shards)
-    }
-
-    /// The full tensors of the shards `w` (shaped as the parameters' shards), by name: each
-    /// unit gathered from the ranks. Every rank calls it.
-    pub(crate) fn gather(
-        &self,
-        w: &Weights<O::Buf>,
-    ) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
-        let ops = self.ops();
-        let d = self.config.dims();
-        let mut out = HashMap::new();
-        let mut keep = |name: String, b: &O::Buf| -> Result<(), DeviceTrainError> {
-            out.insert(name, ops.download(b)?);
-            Ok(())
-        };
-        if self.factor == 1 {
-            for (name, b) in w.named() {
-                keep(name, b)?;
-            }
-            return Ok(out);
-        }
-        // One unit at a time, downloaded and freed before the next is gathered.
-        let names: Vec<String> = param_shapes(&d).into_iter().map(|(n, _)| n).collect();
-        let (first, rest) = names.split_at(2);
-        let (blocks, last) = rest.split_at(rest.len() - 2);
-        let mut root = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
-        self.comm
-            .all_gather(ops, &w.root_bufs(), &mut root.root_bufs_mut())?;
-        for (name, b) in first.iter().chain(last).zip(root.root_bufs()) {
-            keep(name.clone(), b)?;
-        }
-        drop(root);
-        for (l, names) in blocks.chunks(12).enumerate() {
-            let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
-            self.comm
-                .all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut())?;
-            for (name, b) in names.iter().zip(full.bufs()) {
-                keep(name.clone(), b)?;
-            }
-        }
-        Ok(out)
     }
 
     /// Elements of this rank's shard of each tensor, in
@@ -591,6 +562,20 @@ fn reduce_scalars<O: GptOps, C: DeviceComm<O>>(
     if factor > 1 {
         let squares = STEP_SQUARES..STEP_SQUARES + tensors;
         comm.all_reduce_scalars(ops, scalars, squares, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
+/// Under CPU offload: adds micro-batch `m`'s reduced gradient shards, copied out into staging
+/// memory, to the host's accumulators (waiting for those copies only).
+fn accumulate_offloaded<O: GptOps>(
+    ops: &O,
+    side: &mut ShardSide<O>,
+    m: usize,
+    alpha: f32,
+) -> Result<(), DeviceTrainError> {
+    if let ShardSide::Host(h, staging) = side {
+        accumulate_staged(ops, h, &staging.grads[staging.slot(m)], alpha)?;
     }
     Ok(())
 }

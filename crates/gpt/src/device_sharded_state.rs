@@ -4,10 +4,11 @@
 //! engine's sharded format written by one rank (world 1: any world, the engine's or a
 //! device's, resumes from it), and a saved state loaded back as each rank's shards.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp::checkpoint::FullOptimizerState;
-use fsdp_kernels::gpt::{param_shapes, GptOps, HostBuf, Weights};
+use fsdp_kernels::gpt::{param_shapes, Block, GptOps, HostBuf, Weights};
 use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
 use fsdp_kernels::KernelError;
 
@@ -35,6 +36,56 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         })?)
     }
 
+    /// Every parameter on the host, by name (after every step enqueued): each unit gathered
+    /// from the ranks' shards. Every rank calls it.
+    ///
+    /// # Errors
+    /// Collective and copy failures.
+    pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
+        self.gather(&self.shards)
+    }
+
+    /// The full tensors of the shards `w` (shaped as the parameters' shards), by name: each
+    /// unit gathered from the ranks. Every rank calls it.
+    pub(crate) fn gather(
+        &self,
+        w: &Weights<O::Buf>,
+    ) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
+        let ops = self.ops();
+        let d = self.config.dims();
+        let mut out = HashMap::new();
+        let mut keep = |name: String, b: &O::Buf| -> Result<(), DeviceTrainError> {
+            out.insert(name, ops.download(b)?);
+            Ok(())
+        };
+        if self.factor == 1 {
+            for (name, b) in w.named() {
+                keep(name, b)?;
+            }
+            return Ok(out);
+        }
+        // One unit at a time, downloaded and freed before the next is gathered.
+        let names: Vec<String> = param_shapes(&d).into_iter().map(|(n, _)| n).collect();
+        let (first, rest) = names.split_at(2);
+        let (blocks, last) = rest.split_at(rest.len() - 2);
+        let mut root = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
+        self.comm
+            .all_gather(ops, &w.root_bufs(), &mut root.root_bufs_mut())?;
+        for (name, b) in first.iter().chain(last).zip(root.root_bufs()) {
+            keep(name.clone(), b)?;
+        }
+        drop(root);
+        for (l, names) in blocks.chunks(12).enumerate() {
+            let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
+            self.comm
+                .all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut())?;
+            for (name, b) in names.iter().zip(full.bufs()) {
+                keep(name.clone(), b)?;
+            }
+        }
+        Ok(out)
+    }
+
     /// The bytes its communicators hold for their collectives beside the operations' buffers
     /// ([`DeviceComm::held_bytes`]: NCCL's staging buffers, counted in
     /// [`memory`](Self::memory) too).
@@ -58,7 +109,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 self.gather(&o.moments.exp_avg_sq)?,
             ),
             // CPU offload: the host's shards, copied to the device to be gathered.
-            ShardSide::Host(h) => (
+            ShardSide::Host(h, _) => (
                 self.gather(&self.on_device(&h.optim.moments.exp_avg)?)?,
                 self.gather(&self.on_device(&h.optim.moments.exp_avg_sq)?)?,
             ),
@@ -96,7 +147,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         scalars[STEP_NONFINITE] = skipped as f64;
         match &mut self.optim {
             ShardSide::Device(o) => load_moments(ops, &mut o.moments, &values, shard, factor)?,
-            ShardSide::Host(h) => {
+            ShardSide::Host(h, _) => {
                 let h = &mut **h;
                 load_moments(&h.ops, &mut h.optim.moments, &values, shard, factor)?;
                 h.scalars.copy_from_slice(&scalars);

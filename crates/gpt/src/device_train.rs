@@ -167,7 +167,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             })?;
             let optim = Optim::zeros(&host, &dims, true)?;
             let scalars = host.scalars(&vec![0.0; step_scalars_len(tensors)])?;
-            let staging = OffloadStaging::new(model.ops(), &dims, config.grad_accum)?;
+            let staging = OffloadStaging::new(model.ops(), &dims, config.grad_accum, 1)?;
             Placement::Host(
                 Box::new(HostSide {
                     ops: host,
