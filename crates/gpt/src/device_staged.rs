@@ -3,13 +3,20 @@
 //! TCP's in host memory (the host twins). A unit's buffers are packed into one staging buffer
 //! of the communicator by the operations themselves ([`StagingOps`]: FSDP2's copy-in), the
 //! collective runs once on it, and the result is copied out into the unit's buffers
-//! ([`PeerOps::copy_from_peer`](fsdp_kernels::gpt::PeerOps::copy_from_peer)). On a GPU nothing waits on the host: the communicator's
-//! stream waits for an event after the packing, and the operations' stream for the
-//! collective's end event before the copies out (`ProcessGroupNCCL`'s current-stream
-//! ordering).
+//! ([`PeerOps::copy_from_peer`](fsdp_kernels::gpt::PeerOps::copy_from_peer)). On a GPU
+//! nothing waits on the host: the communicator's stream waits for an event after the
+//! packing, and the operations' stream for the collective's end event before the copies out
+//! (`ProcessGroupNCCL`'s current-stream ordering).
 //!
-//! The staging buffers are kept between calls and grown to the largest unit: one input and
-//! one output of f32, and one of f64 for the step's scalars.
+//! An all-gather can be issued ahead of its use
+//! ([`prefetch_all_gather`](DeviceComm::prefetch_all_gather)): it runs on the communicator's
+//! stream (the ring's thread on the host) while the operations compute, on a pair of staging
+//! buffers of its own, and the all-gather of the same shards completes it.
+//!
+//! The staging buffers are kept between calls and grown to the largest unit: an input and an
+//! output of f32, one of f64 for the step's scalars, and the prefetch's pair. They are counted
+//! in the operations' memory ([`StagingOps::count`]), so the operations' peak is the
+//! device's.
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
@@ -62,7 +69,9 @@ enum Slot {
 }
 
 impl<C: Communicator + ?Sized> StagedComm<C> {
-    /// Collectives over `comm`, staged in buffers on its stream's device.
+    /// Collectives over `comm`, staged in buffers on its stream's device: device memory
+    /// (zeroed on the operations' stream) where that is a GPU, host memory otherwise, sizes
+    /// only for meta operations.
     pub fn new(comm: Box<C>) -> StagedComm<C> {
         StagedComm {
             staging: RefCell::new(Staging::default()),
