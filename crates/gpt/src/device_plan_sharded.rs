@@ -5,9 +5,10 @@
 //! `CudaOps` do and compute nothing — for two steps, and reads rank 0's counted peak (every
 //! rank holds the same sizes). The plan is therefore exact by construction for every strategy,
 //! checkpointing and product type: the units gathered and freed, the gradients reduced, the
-//! collectives' own buffers, in the order they happen. Under CPU offload the device holds the
-//! same buffers but the accumulators and moments. `tests/device_plan_sharded.rs` holds it
-//! equal to the host twins' measured peak.
+//! collectives' own buffers, in the order they happen. Under CPU offload (planned with it: its
+//! host side holds real host memory, as the run will) the device holds no shards,
+//! accumulators or moments: each unit's shards are copied in when used.
+//! `tests/device_plan_sharded.rs` holds it equal to the host twins' measured peak.
 
 use std::fmt;
 use std::time::Duration;
@@ -32,7 +33,8 @@ pub struct ShardedMemoryPlan {
     pub world: usize,
     /// The sharding.
     pub strategy: ShardingStrategy,
-    /// This rank's shards of the parameters (f32; padded to whole shards).
+    /// This rank's shards of the parameters held on the device (f32; padded to whole
+    /// shards; 0 under CPU offload).
     pub parameters: u64,
     /// Its gradient accumulators (f32, shaped as the shards).
     pub accumulators: u64,
@@ -120,14 +122,9 @@ pub fn plan_sharded_memory(
                 .map(|c| (c, None))
                 .collect(),
         };
-    // Under CPU offload the device holds the same buffers but the accumulators and the
-    // moments (the step's transient buffers are the same): planned without it, then those
-    // taken off.
-    let offload = config.offload;
-    let config = DeviceTrainConfig {
-        offload: false,
-        ..*config
-    };
+    // Under CPU offload the run is planned with it: the host side holds real host memory
+    // (what the run itself will hold), the device side only sizes.
+    let (offload, config) = (config.offload, *config);
     let peaks: Vec<Result<u64, DeviceTrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -213,11 +210,7 @@ pub fn plan_process_memory(
         }
         _ => (Box::new(dryrun::DryRunCommunicator::new(0, world)?), None),
     };
-    let offload = config.offload;
-    let config = DeviceTrainConfig {
-        offload: false,
-        ..*config
-    };
+    let (offload, config) = (config.offload, *config);
     let mut t = ShardedDeviceTrainer::with_shards(
         MetaOps::new(host),
         StagedComm::new(comm),
@@ -254,7 +247,7 @@ fn twin_products(products: Products) -> HostProducts {
     }
 }
 
-/// The plan of a rank whose counted peak without offload is `peak` (`staging` included).
+/// The plan of a rank whose counted peak is `peak` (`staging` included).
 fn plan_of(
     config: &DeviceTrainConfig,
     world: usize,
@@ -275,20 +268,20 @@ fn plan_of(
         .sum();
     let each = shards * 4;
     let tensors = param_shapes(&config.dims()).len();
-    let (accumulators, moments, offloaded) = if offload {
-        (0, 0, 4 * each)
+    let (parameters, accumulators, moments, offloaded) = if offload {
+        (0, 0, 0, 4 * each)
     } else {
-        (each, 2 * each, 0)
+        (each, each, 2 * each, 0)
     };
     ShardedMemoryPlan {
         world,
         strategy,
-        parameters: each,
+        parameters,
         accumulators,
         moments,
         offloaded,
         step_scalars: step_scalars_len(tensors) as u64 * 8,
         staging,
-        peak: if offload { peak - 3 * each } else { peak },
+        peak,
     }
 }

@@ -68,6 +68,58 @@ impl Default for Prefetch {
     }
 }
 
+/// Where a sharded pass's parameter shards are.
+pub(crate) enum ShardSource<'a, O: GptOps> {
+    /// On the device (the full parameters when replicated).
+    Device(&'a Weights<O::Buf>),
+    /// CPU offload (FSDP's `offload_params`): in host staging memory, kept by the optimizer
+    /// on the host; each unit's shards are copied in without a wait before it is gathered
+    /// (replicated: copied in as its parameters) and freed after, so the device holds no
+    /// shards between uses.
+    Host(&'a mut Weights<O::Staging>),
+}
+
+/// The lengths of `unit`'s shards over `factor` ranks, in the order of its buffers.
+fn unit_shard_lens(dims: &GptDims, factor: usize, unit: Unit) -> Result<Vec<usize>, KernelError> {
+    let len = |_: &str, n: usize| Ok::<_, KernelError>(shard_len(n, factor));
+    Ok(match unit {
+        Unit::Root => Weights::try_build_root(dims, len)?
+            .root_bufs()
+            .into_iter()
+            .copied()
+            .collect(),
+        Unit::Block(_) => Block::try_build(dims.n_embd, len)?
+            .bufs()
+            .into_iter()
+            .copied()
+            .collect(),
+    })
+}
+
+/// Copies the host staging shards `staged` in and gathers them into `fulls` over `comm`
+/// (replicated, `factor` 1: copied into `fulls` directly); the device shards are freed after.
+fn copy_in_and_gather<O: GptOps, C: DeviceComm<O> + ?Sized>(
+    comm: &C,
+    ops: &O,
+    factor: usize,
+    staged: Vec<&mut O::Staging>,
+    mut fulls: Vec<&mut O::Buf>,
+) -> Result<(), DeviceTrainError> {
+    if factor == 1 {
+        for (s, f) in staged.into_iter().zip(fulls) {
+            ops.copy_in(s, f)?;
+        }
+        return Ok(());
+    }
+    let mut shards = Vec::with_capacity(staged.len());
+    for (s, f) in staged.into_iter().zip(&fulls) {
+        let mut b = ops.empty(shard_len(O::buf_len(f), factor))?;
+        ops.copy_in(s, &mut b)?;
+        shards.push(b);
+    }
+    comm.all_gather(ops, &shards.iter().collect::<Vec<_>>(), &mut fulls)
+}
+
 /// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
 pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     comm: &'a C,
@@ -79,7 +131,7 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     reshard_after_forward: bool,
     prefetch: Prefetch,
     /// This rank's parameter shards (the full parameters when replicated).
-    shards: &'a Weights<O::Buf>,
+    shards: ShardSource<'a, O>,
     /// Where the reduced gradients go: the step's accumulators, shaped as `shards`.
     sink: GradSink<'a, O>,
     /// The weight of this pass's gradients in the accumulators (`1 / micro-batches`).
@@ -100,7 +152,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         dims: GptDims,
         factor: usize,
         reshard_after_forward: bool,
-        shards: &'a Weights<O::Buf>,
+        shards: ShardSource<'a, O>,
         sink: GradSink<'a, O>,
         alpha: f32,
     ) -> Self {
@@ -125,6 +177,15 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         self.factor > 1
     }
 
+    /// The parameters held on the device throughout: the shards when replicated on the
+    /// device (not under CPU offload).
+    fn resident(&self) -> Option<&Weights<O::Buf>> {
+        match &self.shards {
+            ShardSource::Device(w) if !self.sharded() => Some(w),
+            _ => None,
+        }
+    }
+
     /// These hooks with `prefetch`.
     pub(crate) fn with_prefetch(mut self, prefetch: Prefetch) -> Self {
         self.prefetch = prefetch;
@@ -136,9 +197,12 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         let Some(l) = layer.filter(|&l| l < self.dims.n_layer) else {
             return Ok(());
         };
+        // Under CPU offload the shards are copied in when used: nothing is gathered ahead.
+        let ShardSource::Device(w) = &self.shards else {
+            return Ok(());
+        };
         if self.sharded() && self.blocks.get(l).is_some_and(Option::is_none) {
-            self.comm
-                .prefetch_all_gather(ops, &self.shards.blocks[l].bufs())?;
+            self.comm.prefetch_all_gather(ops, &w.blocks[l].bufs())?;
         }
         Ok(())
     }
@@ -159,24 +223,47 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         }
     }
 
-    /// Gathers `unit`'s full parameters unless held.
+    /// Gathers `unit`'s full parameters unless held (under CPU offload, copies its shards in
+    /// first; replicated, copies them in as its parameters).
     fn unshard(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        if !self.sharded() {
+        if self.resident().is_some() {
             return Ok(());
         }
-        let d = self.dims;
+        let (d, factor, comm) = (self.dims, self.factor, self.comm);
         match unit {
             Unit::Root if self.root.is_none() => {
                 let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
-                let shards = self.shards.root_bufs();
-                self.comm
-                    .all_gather(ops, &shards, &mut full.root_bufs_mut())?;
+                let fulls = full.root_bufs_mut();
+                match &mut self.shards {
+                    ShardSource::Device(w) => comm.all_gather(
+                        ops,
+                        &w.root_bufs(),
+                        &mut fulls.into_iter().collect::<Vec<_>>(),
+                    )?,
+                    ShardSource::Host(st) => copy_in_and_gather(
+                        comm,
+                        ops,
+                        factor,
+                        st.root_bufs_mut().into_iter().collect(),
+                        fulls.into_iter().collect(),
+                    )?,
+                }
                 self.root = Some(full);
             }
             Unit::Block(l) if self.blocks.get(l).is_some_and(Option::is_none) => {
                 let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
-                let shards = self.shards.blocks[l].bufs();
-                self.comm.all_gather(ops, &shards, &mut full.bufs_mut())?;
+                match &mut self.shards {
+                    ShardSource::Device(w) => {
+                        comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut())?
+                    }
+                    ShardSource::Host(st) => {
+                        let staged = st
+                            .blocks
+                            .get_mut(l)
+                            .ok_or_else(|| not_held(&format!("block {l}")))?;
+                        copy_in_and_gather(comm, ops, factor, staged.bufs_mut(), full.bufs_mut())?
+                    }
+                }
                 self.blocks[l] = Some(full);
             }
             _ => {}
@@ -196,9 +283,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         unit: Unit,
         mut full: Vec<&mut O::Buf>,
         sink: &mut GradSink<'_, O>,
+        dims: GptDims,
     ) -> Result<(), DeviceTrainError> {
         if factor > 1 {
-            let lens = sink.lens(unit)?;
+            let lens = unit_shard_lens(&dims, factor, unit)?;
             let mut reduced = lens
                 .iter()
                 .map(|&n| ops.empty(n))
@@ -229,11 +317,8 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
 pub(crate) enum GradSink<'a, O: GptOps> {
     /// The accumulators on the device.
     Device(&'a mut Weights<O::Buf>),
-    /// Staging memory on the host, shaped as `shards`.
-    Staged {
-        staging: &'a mut Weights<O::Staging>,
-        shards: &'a Weights<O::Buf>,
-    },
+    /// Staging memory on the host, shaped as the shards.
+    Staged(&'a mut Weights<O::Staging>),
 }
 
 /// `unit`'s tensors of `w`, mutably.
@@ -251,25 +336,6 @@ fn unit_mut<B>(w: &mut Weights<B>, unit: Unit) -> Result<Vec<&mut B>, DeviceTrai
 }
 
 impl<O: GptOps> GradSink<'_, O> {
-    /// The lengths of `unit`'s accumulators.
-    fn lens(&mut self, unit: Unit) -> Result<Vec<usize>, DeviceTrainError> {
-        let w = match self {
-            GradSink::Device(w) => &**w,
-            GradSink::Staged { shards, .. } => *shards,
-        };
-        Ok(match unit {
-            Unit::Root => w.root_bufs().into_iter().map(|b| O::buf_len(b)).collect(),
-            Unit::Block(l) => w
-                .blocks
-                .get(l)
-                .ok_or_else(|| not_held(&format!("block {l}")))?
-                .bufs()
-                .into_iter()
-                .map(|b| O::buf_len(b))
-                .collect(),
-        })
-    }
-
     /// Adds `alpha × grads` (on the device, in `unit`'s order) to `unit`'s accumulators, or
     /// starts copying them out into `unit`'s staging memory (`alpha` is applied on the host).
     fn add(
@@ -285,7 +351,7 @@ impl<O: GptOps> GradSink<'_, O> {
                     ops.axpby(alpha, g, 1.0, a)?;
                 }
             }
-            GradSink::Staged { staging, .. } => {
+            GradSink::Staged(staging) => {
                 for (s, g) in unit_mut(staging, unit)?.into_iter().zip(grads) {
                     ops.copy_out(g, s)?;
                 }
@@ -357,6 +423,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     unit,
                     full,
                     &mut self.sink,
+                    self.dims,
                 )?;
                 self.root = None;
             }
@@ -377,6 +444,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     unit,
                     full,
                     &mut self.sink,
+                    self.dims,
                 )?;
                 self.blocks[l] = None;
             }
@@ -387,8 +455,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     fn root(&self) -> Result<&Weights<O::Buf>, DeviceTrainError> {
         match &self.root {
             Some(r) => Ok(r),
-            None if !self.sharded() => Ok(self.shards),
-            None => Err(not_held("the root")),
+            None => self.resident().ok_or_else(|| not_held("the root")),
         }
     }
 
@@ -396,16 +463,22 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
         let what = || not_held(&format!("block {layer}"));
         match self.blocks.get(layer) {
             Some(Some(b)) => Ok(b),
-            Some(None) if !self.sharded() => self.shards.blocks.get(layer).ok_or_else(what),
-            _ => Err(what()),
+            Some(None) => self
+                .resident()
+                .and_then(|w| w.blocks.get(layer))
+                .ok_or_else(what),
+            None => Err(what()),
         }
     }
 
     fn root_grads(&mut self) -> Result<WithGrads<'_, Weights<O::Buf>>, DeviceTrainError> {
+        let resident = match &self.shards {
+            ShardSource::Device(w) if self.factor == 1 => Some(&**w),
+            _ => None,
+        };
         let params = match &self.root {
             Some(r) => r,
-            None if !self.sharded() => self.shards,
-            None => return Err(not_held("the root")),
+            None => resident.ok_or_else(|| not_held("the root"))?,
         };
         let grads = self
             .root_grads
@@ -419,10 +492,16 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
         layer: usize,
     ) -> Result<WithGrads<'_, Block<O::Buf>>, DeviceTrainError> {
         let what = || not_held(&format!("block {layer}"));
+        let resident = match &self.shards {
+            ShardSource::Device(w) if self.factor == 1 => Some(&**w),
+            _ => None,
+        };
         let params = match self.blocks.get(layer) {
             Some(Some(b)) => b,
-            Some(None) if !self.sharded() => self.shards.blocks.get(layer).ok_or_else(what)?,
-            _ => return Err(what()),
+            Some(None) => resident
+                .and_then(|w| w.blocks.get(layer))
+                .ok_or_else(what)?,
+            None => return Err(what()),
         };
         let grads = self
             .block_grads

@@ -39,7 +39,7 @@ use crate::device_optim::{
     accumulate_staged, decide_and_apply, squares, HostSide, OffloadStaging, Optim,
 };
 pub use crate::device_shard::Prefetch;
-use crate::device_shard::{shard_len, shard_of, GradSink, ShardedUnits};
+use crate::device_shard::{shard_len, shard_of, GradSink, ShardSource, ShardedUnits};
 use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
 use crate::device_train::{
@@ -79,8 +79,9 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) strategy: ShardingStrategy,
     /// Ranks sharding each tensor: the world, or 1 under `NO_SHARD`.
     pub(crate) factor: usize,
-    /// This rank's parameter shards.
-    pub(crate) shards: Weights<O::Buf>,
+    /// This rank's parameter shards on the device; under CPU offload none (they live on the
+    /// host, copied in unit by unit when used).
+    pub(crate) shards: Option<Weights<O::Buf>>,
     /// The step's gradient accumulators and AdamW's moments, of the shards: on the device, or
     /// under CPU offload on the host.
     pub(crate) optim: ShardSide<O>,
@@ -200,34 +201,32 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let mut pass = GptPass::new(ops, dims)?;
         pass.set_activation_checkpointing(config.activation_checkpointing);
         let ops = pass.ops();
-        let shards = Weights::try_build(&dims, |name, len| make(ops, name, len, shard, factor))?;
         let tensors = param_shapes(&dims).len();
         let scalars = ops.scalars(&vec![0.0; step_scalars_len(tensors)])?;
-        let optim = if config.offload {
-            // The master shards on the host start as the device's.
+        let (shards, optim) = if config.offload {
+            // The master shards on the host, each made on the device and copied out (one at a
+            // time), and their staging copy that the units are copied in from.
             let host = HostOps::new();
-            let mut masters = Vec::new();
-            for (_, b) in shards.named() {
-                masters.push(host.upload(&ops.download(b)?)?);
-            }
-            let mut masters = masters.into_iter();
-            let params = Weights::try_build(&dims, |name, _| {
-                masters.next().ok_or_else(|| KernelError::InvalidArgument {
-                    kernel: "offload",
-                    reason: format!("no master shard of {name}"),
-                })
+            let params = Weights::try_build(&dims, |name, len| {
+                let b = make(ops, name, len, shard, factor)?;
+                host.upload(&ops.download(&b)?)
             })?;
-            ShardSide::Host(
-                Box::new(HostSide {
-                    optim: Optim::sharded_zeros(&host, &dims, true, factor)?,
-                    scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
-                    params,
-                    ops: host,
-                }),
-                Box::new(OffloadStaging::new(ops, &dims, config.grad_accum, factor)?),
-            )
+            let mut staging = OffloadStaging::new(ops, &dims, config.grad_accum, factor)?;
+            for (s, (_, m)) in staging.params.all_mut().into_iter().zip(params.named()) {
+                ops.staged_mut(s)?.copy_from_slice(m);
+            }
+            let side = HostSide {
+                optim: Optim::sharded_zeros(&host, &dims, true, factor)?,
+                scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
+                params,
+                ops: host,
+            };
+            (None, ShardSide::Host(Box::new(side), Box::new(staging)))
         } else {
-            ShardSide::Device(Optim::sharded_zeros(ops, &dims, true, factor)?)
+            let shards =
+                Weights::try_build(&dims, |name, len| make(ops, name, len, shard, factor))?;
+            let optim = ShardSide::Device(Optim::sharded_zeros(ops, &dims, true, factor)?);
+            (Some(shards), optim)
         };
         let decays = param_shapes(&dims)
             .iter()
@@ -419,17 +418,25 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             kernel: "sharded step",
             reason: "no gradient accumulators".into(),
         };
+        let no_shards = || KernelError::InvalidArgument {
+            kernel: "sharded step",
+            reason: "no parameter shards on the device".into(),
+        };
         for m in 0..accum {
             let k = micro_batch_index(step, accum, m)?;
             let b = get_batch(tokens, k, micro, t, rank, world)?;
-            let sink = match &mut self.optim {
-                ShardSide::Device(o) => GradSink::Device(o.acc.as_mut().ok_or_else(no_acc)?),
+            let (sink, source) = match &mut self.optim {
+                ShardSide::Device(o) => (
+                    GradSink::Device(o.acc.as_mut().ok_or_else(no_acc)?),
+                    ShardSource::Device(self.shards.as_ref().ok_or_else(no_shards)?),
+                ),
                 ShardSide::Host(_, st) => {
                     let slot = st.slot(m);
-                    GradSink::Staged {
-                        staging: &mut st.grads[slot],
-                        shards: &self.shards,
-                    }
+                    let OffloadStaging { grads, params } = &mut **st;
+                    (
+                        GradSink::Staged(&mut grads[slot]),
+                        ShardSource::Host(params),
+                    )
                 }
             };
             let mut units = ShardedUnits::new(
@@ -438,7 +445,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 c.dims(),
                 self.factor,
                 self.strategy.reshard_after_forward(),
-                &self.shards,
+                source,
                 sink,
                 alpha,
             )
@@ -474,7 +481,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 reduce_scalars(comm, replicas, factor, tensors, ops, &mut self.scalars)?;
                 decide_and_apply(
                     ops,
-                    &mut self.shards,
+                    self.shards.as_mut().ok_or_else(no_shards)?,
                     grads,
                     &mut o.moments,
                     &mut self.scalars,
@@ -511,11 +518,10 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 )?;
                 let values = scalars.to_vec();
                 if values[STEP_APPLIED] == 1.0 {
-                    let shards = self.shards.all_mut().into_iter();
+                    // The units copy the updated shards in from here when they are used.
                     let staged = staging.params.all_mut().into_iter();
-                    for ((d, s), (_, m)) in shards.zip(staged).zip(masters.named()) {
+                    for (s, (_, m)) in staged.zip(masters.named()) {
                         ops.staged_mut(s)?.copy_from_slice(m);
-                        ops.copy_in(s, d)?;
                     }
                 }
                 Some(values)

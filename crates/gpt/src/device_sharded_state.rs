@@ -42,7 +42,16 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// # Errors
     /// Collective and copy failures.
     pub fn full_params(&self) -> Result<HashMap<String, Vec<f32>>, DeviceTrainError> {
-        self.gather(&self.shards)
+        match (&self.shards, &self.optim) {
+            (Some(w), _) => self.gather(w),
+            // CPU offload: the host's master shards, copied to the device to be gathered.
+            (None, ShardSide::Host(h, _)) => self.gather(&self.on_device(&h.params)?),
+            (None, ShardSide::Device(_)) => Err(KernelError::InvalidArgument {
+                kernel: "sharded trainer",
+                reason: "no parameter shards".into(),
+            }
+            .into()),
+        }
     }
 
     /// The full tensors of the shards `w` (shaped as the parameters' shards), by name: each

@@ -138,8 +138,8 @@ fn the_plan_of_a_hybrid_mesh_is_the_measured_peak() {
     }
 }
 
-/// CPU offload with several ranks: planned exactly too (the accumulators and moments on the
-/// host), the plan listing them as offloaded.
+/// CPU offload with several ranks: planned exactly too (the shards, accumulators and moments
+/// on the host, each unit's shards copied in when used), the plan listing them as offloaded.
 #[test]
 fn the_plan_of_cpu_offload_is_the_measured_peak() {
     for (s, rpn) in [
@@ -154,8 +154,34 @@ fn the_plan_of_cpu_offload_is_the_measured_peak() {
         let plan = plan_sharded_memory(&c, Products::F32, 4, s, rpn).unwrap();
         let m = measured(c, 4, s, rpn, false);
         assert_eq!(plan.peak, m, "{s:?}\n{plan}");
-        assert_eq!((plan.accumulators, plan.moments), (0, 0));
-        assert_eq!(plan.offloaded, 4 * plan.parameters);
+        // The device holds no shards, accumulators or moments: the host holds them.
+        assert_eq!(
+            (plan.parameters, plan.accumulators, plan.moments),
+            (0, 0, 0)
+        );
+        let without = plan_sharded_memory(
+            &DeviceTrainConfig {
+                offload: false,
+                ..c
+            },
+            Products::F32,
+            4,
+            s,
+            rpn,
+        )
+        .unwrap();
+        assert_eq!(plan.offloaded, 4 * without.parameters);
+        // At most the run without it less the accumulators and moments; sharded, less the
+        // shards too (only the units in use are on the device).
+        let bound = without.peak - without.accumulators - without.moments;
+        assert!(plan.peak <= bound, "{plan}\n{without}");
+        if s != ShardingStrategy::NoShard {
+            assert!(plan.peak < bound, "{plan}\n{without}");
+        }
+        println!(
+            "{s:?}: offloaded peak {} bytes against {} without",
+            plan.peak, without.peak
+        );
     }
 }
 

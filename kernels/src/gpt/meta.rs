@@ -71,19 +71,13 @@ fn write(bufs: &mut [&mut MetaCounted]) {
     }
 }
 
-fn no_values(what: &str) -> KernelError {
-    KernelError::InvalidArgument {
-        kernel: "meta",
-        reason: format!("{what}: the meta operations hold no values"),
-    }
-}
-
 impl GptOps for MetaOps {
     type Buf = MetaCounted;
     type Ids = MetaCounted;
     type Scalars = Counted<Vec<f64>>;
     type ScalarsCopy = Vec<f64>;
-    type Staging = MetaBuf;
+    /// Host memory, zeros: CPU offload's host side is real in a plan, as in the run.
+    type Staging = Vec<f32>;
     type Mark = ();
 
     fn zeros(&self, len: usize) -> Result<MetaCounted, KernelError> {
@@ -357,21 +351,22 @@ impl GptOps for MetaOps {
     fn wait_scalars(&self, copy: Vec<f64>) -> Result<Vec<f64>, KernelError> {
         Ok(copy)
     }
-    fn staging(&self, len: usize) -> Result<MetaBuf, KernelError> {
-        Ok(MetaBuf { len })
+    fn staging(&self, len: usize) -> Result<Vec<f32>, KernelError> {
+        Ok(vec![0.0; len])
     }
-    fn copy_out(&self, _: &MetaCounted, _: &mut MetaBuf) -> Result<(), KernelError> {
-        Ok(())
+    fn copy_out(&self, buf: &MetaCounted, dst: &mut Vec<f32>) -> Result<(), KernelError> {
+        crate::host::same_len("copy_out", "staging", buf.len, dst.len())
     }
-    fn copy_in(&self, _: &mut MetaBuf, buf: &mut MetaCounted) -> Result<(), KernelError> {
+    fn copy_in(&self, src: &mut Vec<f32>, buf: &mut MetaCounted) -> Result<(), KernelError> {
+        crate::host::same_len("copy_in", "buffer", src.len(), buf.len)?;
         write(&mut [buf]);
         Ok(())
     }
-    fn staged<'a>(&self, _: &'a MetaBuf) -> Result<&'a [f32], KernelError> {
-        Err(no_values("staging"))
+    fn staged<'a>(&self, s: &'a Vec<f32>) -> Result<&'a [f32], KernelError> {
+        Ok(s)
     }
-    fn staged_mut<'a>(&self, _: &'a mut MetaBuf) -> Result<&'a mut [f32], KernelError> {
-        Err(no_values("staging"))
+    fn staged_mut<'a>(&self, s: &'a mut Vec<f32>) -> Result<&'a mut [f32], KernelError> {
+        Ok(s)
     }
     fn mark(&self) -> Result<(), KernelError> {
         Ok(())
