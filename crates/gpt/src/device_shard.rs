@@ -74,8 +74,9 @@ pub(crate) enum ShardSource<'a, O: GptOps> {
     Device(&'a Weights<O::Buf>),
     /// CPU offload (FSDP's `offload_params`): in host staging memory, kept by the optimizer
     /// on the host; each unit's shards are copied in without a wait before it is gathered
-    /// (replicated: copied in as its parameters) and freed after, so the device holds no
-    /// shards between uses.
+    /// (replicated: copied in as its parameters; prefetched: copied in with the prefetch and
+    /// kept until the all-gather) and freed after, so the device holds no shards between
+    /// uses.
     Host(&'a mut Weights<O::Staging>),
 }
 
@@ -96,27 +97,56 @@ fn unit_shard_lens(dims: &GptDims, factor: usize, unit: Unit) -> Result<Vec<usiz
     })
 }
 
-/// Copies the host staging shards `staged` in and gathers them into `fulls` over `comm`
-/// (replicated, `factor` 1: copied into `fulls` directly); the device shards are freed after.
-fn copy_in_and_gather<O: GptOps, C: DeviceComm<O> + ?Sized>(
-    comm: &C,
+/// Copies the host staging shards `staged` into new device buffers of lengths `lens`.
+fn copy_in<O: GptOps>(
     ops: &O,
-    factor: usize,
     staged: Vec<&mut O::Staging>,
+    lens: &[usize],
+) -> Result<Vec<O::Buf>, DeviceTrainError> {
+    let mut shards = Vec::with_capacity(staged.len());
+    for (s, &n) in staged.into_iter().zip(lens) {
+        let mut b = ops.empty(n)?;
+        ops.copy_in(s, &mut b)?;
+        shards.push(b);
+    }
+    Ok(shards)
+}
+
+/// Under CPU offload: `unit`'s shards copied in from `staging` (or the prefetched copy in
+/// `copied_in` taken) and gathered into `fulls` over `comm` (replicated, `factor` 1: copied
+/// into `fulls` directly); the device shards are freed after.
+fn host_unshard<O: GptOps, C: DeviceComm<O> + ?Sized>(
+    (comm, ops, factor, dims): (&C, &O, usize, &GptDims),
+    staging: &mut Weights<O::Staging>,
+    copied_in: &mut Option<(usize, Vec<O::Buf>)>,
+    unit: Unit,
     mut fulls: Vec<&mut O::Buf>,
 ) -> Result<(), DeviceTrainError> {
+    let staged: Vec<&mut O::Staging> = match unit {
+        Unit::Root => staging.root_bufs_mut().into_iter().collect(),
+        Unit::Block(l) => staging
+            .blocks
+            .get_mut(l)
+            .ok_or_else(|| not_held(&format!("block {l}")))?
+            .bufs_mut(),
+    };
     if factor == 1 {
         for (s, f) in staged.into_iter().zip(fulls) {
             ops.copy_in(s, f)?;
         }
         return Ok(());
     }
-    let mut shards = Vec::with_capacity(staged.len());
-    for (s, f) in staged.into_iter().zip(&fulls) {
-        let mut b = ops.empty(shard_len(O::buf_len(f), factor))?;
-        ops.copy_in(s, &mut b)?;
-        shards.push(b);
-    }
+    let shards = match (unit, copied_in.take()) {
+        (Unit::Block(l), Some((k, shards))) if k == l => shards,
+        (_, Some((k, _))) => {
+            return Err(KernelError::InvalidArgument {
+                kernel: "fsdp units",
+                reason: format!("block {k}'s prefetched all-gather is unused at {unit:?}'s"),
+            }
+            .into())
+        }
+        (_, None) => copy_in(ops, staged, &unit_shard_lens(dims, factor, unit)?)?,
+    };
     comm.all_gather(ops, &shards.iter().collect::<Vec<_>>(), &mut fulls)
 }
 
@@ -140,6 +170,9 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     root_grads: Option<Weights<O::Buf>>,
     blocks: Vec<Option<Block<O::Buf>>>,
     block_grads: Vec<Option<Block<O::Buf>>>,
+    /// Under CPU offload, the shards of the block whose all-gather was prefetched, copied in
+    /// and kept until the all-gather that completes it.
+    copied_in: Option<(usize, Vec<O::Buf>)>,
 }
 
 impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
@@ -170,6 +203,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             root_grads: None,
             blocks: (0..dims.n_layer).map(|_| None).collect(),
             block_grads: (0..dims.n_layer).map(|_| None).collect(),
+            copied_in: None,
         }
     }
 
@@ -192,17 +226,29 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         self
     }
 
-    /// Starts the all-gather of block `layer` (when it exists and is not unsharded).
-    fn prefetch_block(&self, ops: &O, layer: Option<usize>) -> Result<(), DeviceTrainError> {
+    /// Starts the all-gather of block `layer` (when it exists and is not unsharded; under CPU
+    /// offload its shards are copied in first, and kept until it is gathered).
+    fn prefetch_block(&mut self, ops: &O, layer: Option<usize>) -> Result<(), DeviceTrainError> {
         let Some(l) = layer.filter(|&l| l < self.dims.n_layer) else {
             return Ok(());
         };
-        // Under CPU offload the shards are copied in when used: nothing is gathered ahead.
-        let ShardSource::Device(w) = &self.shards else {
+        if !self.sharded() || self.blocks.get(l).is_some_and(Option::is_some) {
             return Ok(());
-        };
-        if self.sharded() && self.blocks.get(l).is_some_and(Option::is_none) {
-            self.comm.prefetch_all_gather(ops, &w.blocks[l].bufs())?;
+        }
+        match &mut self.shards {
+            ShardSource::Device(w) => {
+                self.comm.prefetch_all_gather(ops, &w.blocks[l].bufs())?;
+            }
+            ShardSource::Host(st) if self.copied_in.is_none() => {
+                let lens = unit_shard_lens(&self.dims, self.factor, Unit::Block(l))?;
+                let staged = st.blocks[l].bufs_mut();
+                let shards = copy_in(ops, staged, &lens)?;
+                let refs: Vec<&O::Buf> = shards.iter().collect();
+                if self.comm.prefetch_all_gather(ops, &refs)? {
+                    self.copied_in = Some((l, shards));
+                }
+            }
+            ShardSource::Host(_) => {}
         }
         Ok(())
     }
@@ -240,11 +286,11 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                         &w.root_bufs(),
                         &mut fulls.into_iter().collect::<Vec<_>>(),
                     )?,
-                    ShardSource::Host(st) => copy_in_and_gather(
-                        comm,
-                        ops,
-                        factor,
-                        st.root_bufs_mut().into_iter().collect(),
+                    ShardSource::Host(st) => host_unshard(
+                        (comm, ops, factor, &d),
+                        st,
+                        &mut self.copied_in,
+                        unit,
                         fulls.into_iter().collect(),
                     )?,
                 }
@@ -256,13 +302,13 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     ShardSource::Device(w) => {
                         comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut())?
                     }
-                    ShardSource::Host(st) => {
-                        let staged = st
-                            .blocks
-                            .get_mut(l)
-                            .ok_or_else(|| not_held(&format!("block {l}")))?;
-                        copy_in_and_gather(comm, ops, factor, staged.bufs_mut(), full.bufs_mut())?
-                    }
+                    ShardSource::Host(st) => host_unshard(
+                        (comm, ops, factor, &d),
+                        st,
+                        &mut self.copied_in,
+                        unit,
+                        full.bufs_mut(),
+                    )?,
                 }
                 self.blocks[l] = Some(full);
             }

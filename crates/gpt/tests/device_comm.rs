@@ -18,7 +18,7 @@ use fsdp_gpt::device_comm::{DeviceComm, HostComm};
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_staged::StagedComm;
-use fsdp_gpt::device_train::{seeded_params, DeviceTrainError};
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainError};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps};
 
@@ -279,7 +279,8 @@ fn sharded_training_over_peers_matches_the_ring() {
 /// FSDP's prefetch over `StagedComm`: with both directions on, every block's all-gather in
 /// forward and again in backward (FULL_SHARD frees the blocks after forward) is issued one
 /// unit ahead and used by its unit — none completed unused — and the losses are the run's
-/// without prefetch, bitwise. `SHARD_GRAD_OP` keeps the blocks, so backward prefetches none.
+/// without prefetch, bitwise, also under CPU offload (the shards copied in ahead).
+/// `SHARD_GRAD_OP` keeps the blocks, so backward prefetches none.
 #[test]
 fn staged_prefetch_gathers_each_block_one_unit_ahead() {
     let tokens = synthetic_corpus(20_000, 64, 7);
@@ -287,10 +288,13 @@ fn staged_prefetch_gathers_each_block_one_unit_ahead() {
     let params = seeded_params(&c.cfg, 7).unwrap();
     let (steps, layers) = (3, c.cfg.n_layer as u64);
     let micro = (steps * c.grad_accum) as u64;
-    for (strategy, per_pass) in [
-        (ShardingStrategy::FullShard, 2 * layers),
-        (ShardingStrategy::ShardGradOp, layers),
+    for (strategy, per_pass, offload) in [
+        (ShardingStrategy::FullShard, 2 * layers, false),
+        (ShardingStrategy::ShardGradOp, layers, false),
+        // Under CPU offload each block's shards are copied in ahead too.
+        (ShardingStrategy::FullShard, 2 * layers, true),
     ] {
+        let c = DeviceTrainConfig { offload, ..c };
         let runs = [false, true].map(|on| {
             ring::run_ranks(2, ring::RingOptions::default(), |comm| {
                 let mut t = ShardedDeviceTrainer::new(
