@@ -13,8 +13,9 @@
 //! - two ranks as processes under `fsdp launch --device cuda` on the one GPU (collectives
 //!   staged through host memory over TCP: NCCL takes one GPU per rank): the engine's losses
 //!   within 1e-4;
-//! - `StagedComm` over NCCL on the GPU (one rank: the one GPU): every collective gives the
-//!   host twins' bits through device staging buffers, ordered by events; and one process
+//! - `StagedComm` over NCCL on the GPU (one rank: the one GPU) and over the CUDA ring (2 and 4
+//!   ranks as threads): every collective gives the host twins' bits through device staging
+//!   buffers, ordered by events; and one process
 //!   under `fsdp launch --device cuda` (NCCL, the default with a GPU per rank) follows the
 //!   engine within 1e-4.
 //!
@@ -28,7 +29,7 @@ use std::time::Duration;
 use common::device::exercise_collectives;
 use common::gpu::{gpu, run, SMALL_GPU_MODEL};
 use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions, UniqueId};
-use fsdp_collectives::ring;
+use fsdp_collectives::{cuda_ring, ring};
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_staged::StagedComm;
 use fsdp_kernels::gpt::{CudaOps, HostOps, PeerOps};
@@ -217,6 +218,35 @@ fn staged_nccl_collectives_give_the_host_twins_bits() {
     .unwrap();
     assert_eq!(cuda, host[0]);
     println!("nccl, 1 rank: every staged collective equals the host twins' bits");
+}
+
+/// `StagedComm` with several ranks on the one GPU: over the CUDA ring (threads; its buffers
+/// on the GPU, so the staging is device memory packed and copied out on each rank's stream,
+/// as under NCCL), every collective gives the host twins' bits at 2 and 4 ranks (the CUDA
+/// ring's arithmetic is the host ring's), prefetch included.
+#[test]
+fn staged_cuda_ring_collectives_give_the_host_twins_bits() {
+    if !gpu("staged_cuda_ring_collectives_give_the_host_twins_bits") {
+        return;
+    }
+    for world in [2, 4] {
+        let opts = cuda_ring::CudaRingOptions::default();
+        let cuda = cuda_ring::run_ranks(0, world, opts, |c| {
+            let rank = fsdp_collectives::Communicator::rank(&c);
+            let stream = fsdp_device::Stream::cuda(0, format!("staged rank {rank}")).unwrap();
+            exercise_collectives(
+                &StagedComm::new(Box::new(c)),
+                &CudaOps::new(stream).unwrap(),
+            )
+        })
+        .unwrap();
+        let host = ring::run_ranks(world, ring::RingOptions::default(), |c| {
+            exercise_collectives(&StagedComm::new(Box::new(c)), &HostOps::new())
+        })
+        .unwrap();
+        assert_eq!(cuda, host, "{world} ranks");
+        println!("cuda ring, {world} ranks: every staged collective equals the host twins' bits");
+    }
 }
 
 /// One process under `fsdp launch --device cuda` (NCCL: each rank has its GPU) follows the
