@@ -353,17 +353,7 @@ fn launched_processes_train_as_threads() {
             "rank 0 reports alone: {out}"
         );
         // Rank 0's peak (the operations' and the staging buffers') is the process plan's.
-        let line = out
-            .lines()
-            .find(|l| l.contains("device: host-twin"))
-            .unwrap();
-        let peak = line
-            .split("per rank ")
-            .nth(1)
-            .unwrap()
-            .split(' ')
-            .next()
-            .unwrap();
+        let (line, peak) = common::cli::device_peak_line(&out, "host-twin");
         assert!(
             line.contains(&format!(
                 "(predicted {peak}: fsdp plan --device host-twin --ranks {n})"

@@ -160,14 +160,7 @@ fn launched_vs_engine(n: &str, how: &str) {
     let out = run(&b);
     let first = format!("[rank 0] fsdp train: rank 0 of {n} processes on cuda ({how})");
     assert!(out.contains(&first), "{out}");
-    let line = out.lines().find(|l| l.contains("device: cuda")).unwrap();
-    let peak = line
-        .split("per rank ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap();
+    let (line, peak) = common::cli::device_peak_line(&out, "cuda");
     assert!(line.contains(&format!("(predicted {peak}:")), "{line}");
     let (e, d) = (
         common::cli::log_losses(&cpu),

@@ -408,3 +408,17 @@ pub fn nonfinite_stops_and_skips_as_the_engine(engine: &[&str], twin: &[&str]) {
         "{stdout}"
     );
 }
+
+/// The run's `device:` line of `dev` in `out` and the first per-rank peak it reports.
+pub fn device_peak_line<'a>(out: &'a str, dev: &str) -> (&'a str, &'a str) {
+    let line = out
+        .lines()
+        .find(|l| l.contains(&format!("device: {dev}")))
+        .unwrap_or_else(|| panic!("no device line: {out}"));
+    let peak = line
+        .split("per rank ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_else(|| panic!("no peak: {line}"));
+    (line, peak)
+}
