@@ -11,21 +11,21 @@
 use std::time::Instant;
 
 use fsdp::checkpoint::FullOptimizerState;
-use fsdp::human_bytes;
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
-use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer, Reported};
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
 use crate::checkpointing::Checkpointer;
+use crate::device_report::{admit, Tally};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
 use crate::paths::check_output_paths;
-use crate::progress::{nonfinite, say_done, Progress};
+use crate::progress::{say_done, Progress};
 use crate::resume::{Resolved, ResumePoint};
 use crate::say;
 use crate::setup::{micro_batch, setup};
@@ -516,99 +516,4 @@ fn train_with<O: GptOps>(
     );
     progress.say_skipped(skipped);
     Ok(())
-}
-
-/// Admission: the plan's peak of device memory, times the `ranks` that share the device,
-/// against `--memory-limit`, else the device's free memory (`free`, `None` where it is not
-/// known: the host twins), refused with both figures and what needs less.
-pub(crate) fn admit(
-    args: &TrainArgs,
-    run: &Run,
-    free: Option<u64>,
-    ranks: usize,
-) -> Result<(), CliError> {
-    let dev = args.device;
-    let (available, what) = match (args.memory_limit, free) {
-        (Some(limit), _) => (limit, "--memory-limit"),
-        (None, Some(free)) => (free, "free on the device"),
-        (None, None) => return Ok(()),
-    };
-    let needed = run.predicted_peak.saturating_mul(ranks as u64);
-    if needed > available {
-        let each = if ranks > 1 {
-            format!(
-                " ({ranks} ranks of {} each)",
-                human_bytes(run.predicted_peak)
-            )
-        } else {
-            String::new()
-        };
-        return Err(fail(format!(
-            "--device {dev}: the run needs {}{each} of device memory at its peak (fsdp plan \
-             --device {dev}), {} is {what}; --activation-checkpointing, --cpu-offload or a \
-             smaller --batch-size (with --grad-accum) need less",
-            human_bytes(needed),
-            human_bytes(available)
-        )));
-    }
-    Ok(())
-}
-
-/// What the training loop has read of the steps' outcomes.
-pub(crate) struct Tally {
-    /// The non-finite steps skipped so far.
-    pub(crate) skipped: usize,
-    /// The first step's loss and the last one read.
-    pub(crate) first: f32,
-    pub(crate) last: f32,
-    /// When the last outcome arrived.
-    arrived_at: Instant,
-}
-
-impl Default for Tally {
-    fn default() -> Tally {
-        Tally {
-            skipped: 0,
-            first: f32::NAN,
-            last: f32::NAN,
-            arrived_at: Instant::now(),
-        }
-    }
-}
-
-impl Tally {
-    /// Step `r.step`'s outcome: counted against `--skip-nonfinite` (the error that stops the
-    /// run past it), logged with the tokens a second since the outcome before it arrived.
-    pub(crate) fn report(
-        &mut self,
-        r: Reported,
-        progress: &Progress,
-        log: Option<&mut LossLog>,
-        global_tokens: usize,
-        peak: u64,
-    ) -> Result<(), CliError> {
-        let (step, o) = (r.step, r.outcome);
-        if !o.applied {
-            let what = nonfinite(o.loss, o.grad_norm, false)
-                .unwrap_or_else(|| "the step is not finite".to_string());
-            progress.count_skip(step, &what, &mut self.skipped)?;
-            progress.skipped(step, &what, self.skipped);
-        }
-        let now = Instant::now();
-        let dt = (now - self.arrived_at).as_secs_f64();
-        self.arrived_at = now;
-        let tps = global_tokens as f64 / dt;
-        if self.first.is_nan() {
-            self.first = o.loss;
-        }
-        self.last = o.loss;
-        if let Some(log) = log {
-            log.step(step, o.loss, tps, peak);
-        }
-        progress.status(
-            step,
-            format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss),
-        );
-        Ok(())
-    }
 }

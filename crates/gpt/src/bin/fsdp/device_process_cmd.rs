@@ -28,8 +28,9 @@ use fsdp_kernels::gpt::{GptOps, HostOps};
 
 use crate::args::{DeviceArg, TrainArgs, TrainBackend};
 use crate::device_cmd::{
-    admit, cuda_ops, cuda_ordinal, cuda_stream, free_memory, host_products, products, Run,
+    cuda_ops, cuda_ordinal, cuda_stream, free_memory, host_products, products, Run,
 };
+use crate::device_report::admit;
 use crate::device_sharded_cmd::{check_strategy, Shared};
 use crate::{fail, CliError};
 

@@ -16,7 +16,8 @@ use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_kernels::gpt::{GptOps, PeerOps};
 
 use crate::args::{DeviceArg, TrainArgs};
-use crate::device_cmd::{describe_run, Run, Tally};
+use crate::device_cmd::{describe_run, Run};
+use crate::device_report::Tally;
 use crate::output::{save_checkpoint, LossLog};
 use crate::progress::{nonfinite, say_done, Progress};
 use crate::say;

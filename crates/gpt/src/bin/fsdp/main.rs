@@ -14,6 +14,7 @@ mod checkpointing;
 mod device_cmd;
 mod device_plan_cmd;
 mod device_process_cmd;
+mod device_report;
 mod device_sharded_cmd;
 mod host_admission;
 mod launch_cmd;
