@@ -69,6 +69,37 @@ fn hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
     assert_same_losses("", &threads_log, &nodes_log, 4);
 }
 
+/// The device trainer's ranks as processes (`--device host-twin`: `StagedComm` over TCP, the
+/// code NCCL runs on GPUs) on two loopback nodes: HYBRID_SHARD takes the node from the
+/// launcher's LOCAL_WORLD_SIZE, as the engine does, and equals four threads of the device
+/// trainer in two simulated nodes, bitwise.
+#[test]
+fn device_hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
+    let device = ["--device", "host-twin", "--param-dtype", "f32"];
+    let threads_log = tmp("device-hybrid-threads.csv");
+    let mut args = small_train_args(&SMALL, &["--strategy", "hybrid-shard"]);
+    args.extend_from_slice(&device);
+    args.extend_from_slice(&["--ranks", "4", "--ranks-per-node", "2"]);
+    args.extend_from_slice(&["--loss-log", threads_log.to_str().unwrap()]);
+    ok(&fsdp(&args), "the thread run");
+
+    let nodes_log = tmp("device-hybrid-nodes.csv");
+    let _ = std::fs::remove_file(&nodes_log);
+    let mut train = vec!["--strategy", "hybrid-shard", "--forward-prefetch"];
+    train.extend_from_slice(&device);
+    train.extend_from_slice(&SMALL);
+    train.extend_from_slice(&["--loss-log", nodes_log.to_str().unwrap()]);
+    let port = free_port();
+    let node1 = node(1, port, "60", &train);
+    let node0 = node(0, port, "60", &train);
+    let stdout0 = both_nodes_ok(node0, node1, Duration::from_secs(90));
+    assert!(
+        stdout0.contains("[rank 0] fsdp train: rank 0 of 4 processes on host-twin (tcp)"),
+        "node 0 did not run 4 device processes:\n{stdout0}"
+    );
+    assert_same_losses("", &threads_log, &nodes_log, 4);
+}
+
 /// Node 1 never starts: node 0 fails once its rendezvous timeout has passed (not before, not
 /// long after), naming node 1 and its ranks [2, 3].
 #[test]

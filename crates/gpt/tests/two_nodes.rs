@@ -144,6 +144,11 @@ const SMALL: [&str; 6] = ["--batch-size", "8", "--steps", "6", "--seed", "5"];
 
 /// Train on 4 threads and on 2 nodes × 2 processes; the loss logs must be bitwise equal.
 fn compare(name: &str, threads_extra: &[&str], nodes_extra: &[&str]) {
+    compare_with_header(name, threads_extra, nodes_extra, "fsdp train: 4 ranks");
+}
+
+/// [`compare`], node 0's output holding `header`.
+fn compare_with_header(name: &str, threads_extra: &[&str], nodes_extra: &[&str], header: &str) {
     let hosts = hosts_or_skip!();
     let threads_log = tmp(&format!("{name}-threads.csv"));
     let mut args = small_train_args(&SMALL, threads_extra);
@@ -160,7 +165,7 @@ fn compare(name: &str, threads_extra: &[&str], nodes_extra: &[&str]) {
     let node0 = hosts.launch(0, TOKEN, &timeouts, &train);
     let stdout0 = both_nodes_ok(node0, node1, Duration::from_secs(120));
     assert!(
-        stdout0.contains("fsdp train: 4 ranks"),
+        stdout0.contains(header),
         "node 0 did not run a 4-rank job:\n{stdout0}"
     );
     let (tx1, rx1) = hosts.link_bytes();
@@ -219,6 +224,24 @@ fn hybrid_shard_across_two_nodes_equals_four_threads() {
         "hybrid",
         &["--strategy", "hybrid-shard", "--ranks-per-node", "2"],
         &["--strategy", "hybrid-shard"],
+    );
+}
+
+/// The device trainer's ranks as processes (`--device host-twin`: `StagedComm` over TCP, the
+/// code NCCL runs on GPUs) across the link, the node from LOCAL_WORLD_SIZE: four threads of
+/// the device trainer in two simulated nodes, bitwise.
+#[test]
+fn device_hybrid_shard_across_two_nodes_equals_four_threads() {
+    let device = ["--device", "host-twin", "--param-dtype", "f32"];
+    let mut threads = vec!["--strategy", "hybrid-shard", "--ranks-per-node", "2"];
+    threads.extend_from_slice(&device);
+    let mut nodes = vec!["--strategy", "hybrid-shard", "--forward-prefetch"];
+    nodes.extend_from_slice(&device);
+    compare_with_header(
+        "device-hybrid",
+        &threads,
+        &nodes,
+        "fsdp train: rank 0 of 4 processes on host-twin (tcp)",
     );
 }
 

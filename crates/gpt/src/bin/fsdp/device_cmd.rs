@@ -53,7 +53,12 @@ pub(crate) fn check_device_world_and_dtypes(
     model: &ModelArgs,
     launched_ok: bool,
 ) -> Result<usize, CliError> {
-    let world = match (LaunchEnv::from_env()?, launched_ok) {
+    let env = LaunchEnv::from_env()?;
+    // Under a launcher a node is the launcher's: its LOCAL_WORLD_SIZE ranks (as the engine).
+    let node_ranks = model
+        .ranks_per_node
+        .or(env.as_ref().map(|e| e.local_world_size));
+    let world = match (env, launched_ok) {
         (Some(env), false) => {
             return Err(fail(format!(
                 "--device {dev}: launched as rank {} of {}: the device plan is of ranks as \
@@ -73,12 +78,7 @@ pub(crate) fn check_device_world_and_dtypes(
         (None, _) => model.ranks.unwrap_or(1),
     };
     if world > 1 {
-        crate::device_sharded_cmd::check_strategy(
-            dev,
-            model.strategy,
-            model.ranks_per_node,
-            world,
-        )?;
+        crate::device_sharded_cmd::check_strategy(dev, model.strategy, node_ranks, world)?;
     }
     let dtypes = [
         ("--param-dtype", Some(model.param_dtype), DType::BF16),

@@ -85,7 +85,7 @@ pub(crate) fn train_launched(
     let init = init_options(args)?;
     // Every rank plans its own memory (all hold the same sizes) and checks it against its GPU.
     let strategy = args.model.strategy;
-    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, env.world_size)?;
+    let rpn = check_strategy(dev, strategy, node_ranks(args, env), env.world_size)?;
     let plan = plan_process_memory(
         &run.config,
         products(bf16),
@@ -149,6 +149,12 @@ pub(crate) fn train_launched(
     }
 }
 
+/// The ranks of a node for the hybrid strategies: `--ranks-per-node`, else the launcher's
+/// `LOCAL_WORLD_SIZE` (as the engine takes them).
+fn node_ranks(args: &TrainArgs, env: &LaunchEnv) -> Option<usize> {
+    args.model.ranks_per_node.or(Some(env.local_world_size))
+}
+
 /// The launcher's options with `--timeout` and `--init-timeout`.
 fn init_options(args: &TrainArgs) -> Result<InitOptions, CliError> {
     let mut init = InitOptions::from_env()?;
@@ -207,7 +213,7 @@ fn train_process<O: GptOps>(
     let dev = args.device;
     let (rank, world) = (env.rank, env.world_size);
     let strategy = args.model.strategy;
-    let rpn = check_strategy(dev, strategy, args.model.ranks_per_node, world)?;
+    let rpn = check_strategy(dev, strategy, node_ranks(args, env), world)?;
     let shared = Shared::open(
         args,
         run,
