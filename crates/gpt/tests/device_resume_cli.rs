@@ -4,7 +4,8 @@
 //! and saves the same weights; the device's checkpoints are the engine's format, so the engine
 //! resumes from them (at 2 ranks) and the device from the engine's, each continuing the other's
 //! losses within issue 16's 1e-4; two ranks on the device (`--ranks 2`) resume bitwise too, and
-//! cross with the engine at another world. And the device's admission: a run whose planned peak exceeds
+//! cross with the engine at another world; two ranks as processes under `fsdp launch` (with
+//! prefetch and CPU offload) resume bitwise, under the launcher or as threads. And the device's admission: a run whose planned peak exceeds
 //! `--memory-limit` (on a GPU: its free memory) is refused before it starts, naming both
 //! figures; `fsdp plan --device --memory-limit` gives the same verdict.
 
@@ -190,4 +191,77 @@ fn device_runs_above_the_memory_limit_are_refused_before_they_start() {
     };
     assert!(plan("1M").contains("exceeds: `fsdp train --device` refuses it, as --memory-limit"));
     assert!(plan("1G").contains("fits within --memory-limit 1.0 GiB"));
+}
+
+/// Two ranks as processes (`fsdp launch … --device host-twin`: `StagedComm` over TCP, with
+/// prefetch and CPU offload): rank 0 writes the checkpoints, and the run resumed under the
+/// launcher logs bitwise the losses of the run that never stopped and saves the same
+/// weights; so does the run resumed as two threads from the processes' checkpoint.
+#[test]
+fn launched_processes_resume_bitwise_from_their_checkpoint() {
+    let dir = scratch("device_resume_cli", "launched");
+    let (ck, log) = (dir.join("ck"), dir.join("log.csv"));
+    let wa = dir.join("a.safetensors");
+    let launch = ["launch", "--nproc-per-node", "2", "--master-port", "0"];
+    let twin = [
+        "--device",
+        "host-twin",
+        "--param-dtype",
+        "f32",
+        "--strategy",
+        "full-shard",
+        "--forward-prefetch",
+        "--cpu-offload",
+    ];
+    let mut a = launch.to_vec();
+    a.extend(small_train_args(
+        &["--batch-size", "8", "--steps", "6"],
+        &CLIP_ACCUM_COSINE,
+    ));
+    a.extend(twin);
+    a.extend(["--checkpoint-dir", s(&ck), "--checkpoint-every", "3"]);
+    a.extend(["--loss-log", s(&log), "--save", s(&wa)]);
+    ok(&fsdp(&a), "the first run");
+    std::fs::remove_dir_all(ck.join("step-6")).unwrap();
+    let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
+    let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
+    let losses = log_losses(&log);
+    assert_eq!(losses.len(), 6);
+    for (name, prefix, on) in [
+        (
+            "processes",
+            &launch[..],
+            &[
+                "--device",
+                "host-twin",
+                "--forward-prefetch",
+                "--cpu-offload",
+            ][..],
+        ),
+        (
+            "threads",
+            &[][..],
+            &["--device", "host-twin", "--cpu-offload"][..],
+        ),
+    ] {
+        let (log2, wb) = (
+            dir.join(format!("{name}.csv")),
+            dir.join(format!("{name}.safetensors")),
+        );
+        // The resumed run writes step 6's checkpoint again: each resume starts at step 3.
+        let _ = std::fs::remove_dir_all(ck.join("step-6"));
+        std::fs::copy(&log, &log2).unwrap();
+        let mut b = prefix.to_vec();
+        b.extend(["train", "--resume", s(&ck)]);
+        b.extend(on);
+        b.extend(["--loss-log", s(&log2), "--save", s(&wb)]);
+        let out = ok(&fsdp(&b), name);
+        assert!(out.contains("at step 3 of 6"), "{name}: {out}");
+        assert_eq!(
+            log_losses(&log2),
+            losses,
+            "{name}: the resumed run's losses"
+        );
+        assert_eq!(load(&wb), load(&wa), "{name}: the final weights");
+    }
 }
