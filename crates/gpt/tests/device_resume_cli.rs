@@ -5,9 +5,10 @@
 //! resumes from them (at 2 ranks) and the device from the engine's, each continuing the other's
 //! losses within issue 16's 1e-4; two ranks on the device (`--ranks 2`) resume bitwise too, and
 //! cross with the engine at another world; two ranks as processes under `fsdp launch` (with
-//! prefetch and CPU offload) resume bitwise, under the launcher or as threads. And the device's admission: a run whose planned peak exceeds
-//! `--memory-limit` (on a GPU: its free memory) is refused before it starts, naming both
-//! figures; `fsdp plan --device --memory-limit` gives the same verdict.
+//! prefetch and CPU offload) resume bitwise, under the launcher or as threads. And the
+//! device's admission: a run whose planned peak exceeds `--memory-limit` (on a GPU: its free
+//! memory) is refused before it starts, naming both figures; `fsdp plan --device
+//! --memory-limit` gives the same verdict.
 
 mod common;
 
