@@ -55,14 +55,14 @@ pub(crate) type Pending<O> = (
     Option<StepMarks<<O as GptOps>::Mark>>,
 );
 
-/// Where a rank keeps its gradient accumulators, AdamW's moments and (under CPU offload) the
-/// master copy of its shards.
+/// Where a rank keeps its gradient accumulators, AdamW's moments and (under CPU offload) its
+/// parameter shards.
 pub(crate) enum ShardSide<O: GptOps> {
     /// On the device, beside the shards.
     Device(Optim<O::Buf>),
     /// CPU offload: on the host (the host twins), with the staging memory the reduced
-    /// gradient shards are copied out into and the updated shards copied in from, without a
-    /// wait; the device keeps working copies of the shards, updated after each optimizer step.
+    /// gradient shards are copied out into and each unit's shards copied in from, without a
+    /// wait; the device holds a unit's shards only while the unit is gathered.
     Host(Box<HostSide>, Box<OffloadStaging<O::Staging>>),
 }
 

@@ -92,9 +92,9 @@ impl<'a> Shared<'a> {
             );
             if run.config.offload {
                 say!(
-                    "optimizer: AdamW on each rank's shards in host memory (f32 master shards, \
-                     accumulators and moments, the step on the host: CPU offload; the device \
-                     keeps working copies of the shards)"
+                    "optimizer: AdamW on each rank's shards in host memory (f32 shards, \
+                     accumulators and moments, the step on the host: CPU offload; each unit's \
+                     shards are copied to the device while it is gathered)"
                 );
             } else {
                 say!(
