@@ -421,7 +421,27 @@ fn launched_processes_take_tcp_or_nccl() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         assert!(!log.exists(), "{backend}: nothing written");
     }
-    ok(&launch("tcp"), "--backend tcp");
+    // The first line says which all-gathers are prefetched: backward by default, both with
+    // --forward-prefetch, none at --limit-all-gathers 1 (a prefetch is one unit deep).
+    for (options, says) in [
+        ("tcp", Some("all-gathers prefetched in backward")),
+        (
+            "tcp --forward-prefetch",
+            Some("all-gathers prefetched in forward and backward"),
+        ),
+        ("tcp --forward-prefetch --limit-all-gathers 1", None),
+        ("tcp --backward-prefetch none --limit-all-gathers 2", None),
+    ] {
+        let out = ok(&launch(options), options);
+        let first = out
+            .lines()
+            .find(|l| l.contains("fsdp train: rank 0"))
+            .unwrap();
+        match says {
+            Some(says) => assert!(first.contains(says), "{options}: {first}"),
+            None => assert!(!first.contains("prefetched"), "{options}: {first}"),
+        }
+    }
     assert!(log.exists());
     let mut a = small_train_args(
         &["--steps", "1", "--batch-size", "4"],

@@ -126,6 +126,7 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
             "init_timeout",
             "backward_prefetch",
             "forward_prefetch",
+            "limit_all_gathers",
         ],
         (false, true) => &["backend", "init_timeout"],
         (true, false) => &["strategy", "ranks_per_node"],

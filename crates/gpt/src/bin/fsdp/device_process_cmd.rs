@@ -122,7 +122,7 @@ pub(crate) fn train_launched(
                 let comm = NcclCommunicator::new(&store, n, opts)
                     .map_err(|e| fail(format!("{what}: --backend nccl: {e}")))?;
                 let how = "nccl, staged on the GPU";
-                train_process(args, run, env, ops, Box::new(comm), staged, how)
+                train_process(args, run, env, ops, Box::new(comm), staged, (how, true))
             } else {
                 // Host staging: none on the GPU; the ranks of this host that share it.
                 run.predicted_peak = plan.peak - plan.staging;
@@ -134,7 +134,7 @@ pub(crate) fn train_launched(
                 admit(args, run, free, sharing)?;
                 let comm = init_from_env(Backend::Tcp, &init)?;
                 let how = "tcp, staged through host memory";
-                train_process(args, run, env, ops, comm, host_staged, how)
+                train_process(args, run, env, ops, comm, host_staged, (how, false))
             }
         }
         DeviceArg::HostTwin => {
@@ -143,7 +143,7 @@ pub(crate) fn train_launched(
             admit(args, run, None, 1)?;
             let ops = HostOps::with_products(host_products(bf16));
             let comm = init_from_env(Backend::Tcp, &init)?;
-            train_process(args, run, env, ops, comm, staged, "tcp")
+            train_process(args, run, env, ops, comm, staged, ("tcp", true))
         }
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
@@ -170,7 +170,15 @@ fn init_options(args: &TrainArgs) -> Result<InitOptions, CliError> {
 /// `--forward-prefetch` and `--backward-prefetch` (`pre` or `none`): the all-gathers a rank
 /// issues ahead of their use. They overlap compute where the collectives run on a stream of
 /// their own ([`StagedComm`]: NCCL, and TCP on the host twins); [`HostComm`] runs each whole.
+/// A prefetch is one unit deep, so at most two all-gathers are in flight:
+/// `--limit-all-gathers 1` turns prefetch off, and any larger limit (or `off`) holds already.
 fn prefetch(args: &TrainArgs) -> Result<Prefetch, CliError> {
+    if args.model.limit_all_gathers.0 == Some(1) {
+        return Ok(Prefetch {
+            forward: false,
+            backward: false,
+        });
+    }
     let backward = match args.model.backward_prefetch {
         BackwardPrefetch::Pre => true,
         BackwardPrefetch::None => false,
@@ -200,7 +208,8 @@ fn host_staged<O: GptOps>(comm: Box<dyn Communicator>) -> Box<dyn DeviceComm<O>>
 
 /// Trains `run` as rank `env.rank` of `env.world_size` processes started by a launcher, on
 /// `ops`, the collectives over `comm` made [`DeviceComm`]s by `stage` (`how` says which, in
-/// the run's first line); rank 0 reports and writes the outputs.
+/// the run's first line, and `staged_ahead` whether they prefetch); rank 0 reports and writes
+/// the outputs.
 fn train_process<O: GptOps>(
     args: &TrainArgs,
     run: &Run,
@@ -208,16 +217,25 @@ fn train_process<O: GptOps>(
     ops: O,
     comm: Box<dyn Communicator>,
     stage: fn(Box<dyn Communicator>) -> Box<dyn DeviceComm<O>>,
-    how: &str,
+    (how, staged_ahead): (&str, bool),
 ) -> Result<(), CliError> {
     let dev = args.device;
     let (rank, world) = (env.rank, env.world_size);
     let strategy = args.model.strategy;
+    let prefetch = prefetch(args)?;
     let rpn = check_strategy(dev, strategy, node_ranks(args, env), world)?;
     let shared = Shared::open(
         args,
         run,
-        &format!("rank {rank} of {world} processes on {dev} ({how})"),
+        &format!(
+            "rank {rank} of {world} processes on {dev} ({how}){}",
+            match (staged_ahead, prefetch.forward, prefetch.backward) {
+                (false, ..) | (true, false, false) => "",
+                (true, true, true) => ", all-gathers prefetched in forward and backward",
+                (true, true, false) => ", all-gathers prefetched in forward",
+                (true, false, true) => ", all-gathers prefetched in backward",
+            }
+        ),
         rank == 0,
     )?;
     let (c, p) = (run.config, &run.params);
@@ -238,7 +256,7 @@ fn train_process<O: GptOps>(
     }
     .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
     let mut trainer = trainer;
-    trainer.set_prefetch(prefetch(args)?);
+    trainer.set_prefetch(prefetch);
     let end = shared.train(rank, trainer)?;
     if rank != 0 {
         shared.progress.finish();
