@@ -47,26 +47,12 @@ fn node(node: usize, port: u16, init_timeout: &str, train: &[&str]) -> Child {
 /// launched ranks would run without LOCAL_WORLD_SIZE) rounds differently by step 2.
 #[test]
 fn hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
-    let threads_log = tmp("hybrid-threads.csv");
-    let mut args = small_train_args(&SMALL, &["--strategy", "hybrid-shard"]);
-    args.extend_from_slice(&["--ranks", "4", "--ranks-per-node", "2"]);
-    args.extend_from_slice(&["--loss-log", threads_log.to_str().unwrap()]);
-    ok(&fsdp(&args), "the thread run");
-
-    let nodes_log = tmp("hybrid-nodes.csv");
-    let _ = std::fs::remove_file(&nodes_log);
-    let mut train = vec!["--strategy", "hybrid-shard"];
-    train.extend_from_slice(&SMALL);
-    train.extend_from_slice(&["--loss-log", nodes_log.to_str().unwrap()]);
-    let port = free_port();
-    let node1 = node(1, port, "60", &train);
-    let node0 = node(0, port, "60", &train);
-    let stdout0 = both_nodes_ok(node0, node1, Duration::from_secs(90));
-    assert!(
-        stdout0.contains("[rank 0] fsdp train: 4 ranks, HYBRID_SHARD"),
-        "node 0 did not run a 4-rank HYBRID_SHARD job:\n{stdout0}"
+    hybrid_on_two_nodes(
+        "hybrid",
+        &[],
+        &[],
+        "[rank 0] fsdp train: 4 ranks, HYBRID_SHARD",
     );
-    assert_same_losses("", &threads_log, &nodes_log, 4);
 }
 
 /// The device trainer's ranks as processes (`--device host-twin`: `StagedComm` over TCP, the
@@ -76,17 +62,30 @@ fn hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
 #[test]
 fn device_hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
     let device = ["--device", "host-twin", "--param-dtype", "f32"];
-    let threads_log = tmp("device-hybrid-threads.csv");
+    hybrid_on_two_nodes(
+        "device-hybrid",
+        &device,
+        &["--forward-prefetch"],
+        "[rank 0] fsdp train: rank 0 of 4 processes on host-twin (tcp)",
+    );
+}
+
+/// HYBRID_SHARD with `extra` on four threads in two simulated nodes and on two loopback nodes
+/// of two ranks (those with `nodes_extra` too): bitwise the same losses, node 0 saying
+/// `header`.
+fn hybrid_on_two_nodes(name: &str, extra: &[&str], nodes_extra: &[&str], header: &str) {
+    let threads_log = tmp(&format!("{name}-threads.csv"));
     let mut args = small_train_args(&SMALL, &["--strategy", "hybrid-shard"]);
-    args.extend_from_slice(&device);
+    args.extend_from_slice(extra);
     args.extend_from_slice(&["--ranks", "4", "--ranks-per-node", "2"]);
     args.extend_from_slice(&["--loss-log", threads_log.to_str().unwrap()]);
     ok(&fsdp(&args), "the thread run");
 
-    let nodes_log = tmp("device-hybrid-nodes.csv");
+    let nodes_log = tmp(&format!("{name}-nodes.csv"));
     let _ = std::fs::remove_file(&nodes_log);
-    let mut train = vec!["--strategy", "hybrid-shard", "--forward-prefetch"];
-    train.extend_from_slice(&device);
+    let mut train = vec!["--strategy", "hybrid-shard"];
+    train.extend_from_slice(extra);
+    train.extend_from_slice(nodes_extra);
     train.extend_from_slice(&SMALL);
     train.extend_from_slice(&["--loss-log", nodes_log.to_str().unwrap()]);
     let port = free_port();
@@ -94,8 +93,8 @@ fn device_hybrid_shard_on_two_loopback_nodes_equals_four_threads() {
     let node0 = node(0, port, "60", &train);
     let stdout0 = both_nodes_ok(node0, node1, Duration::from_secs(90));
     assert!(
-        stdout0.contains("[rank 0] fsdp train: rank 0 of 4 processes on host-twin (tcp)"),
-        "node 0 did not run 4 device processes:\n{stdout0}"
+        stdout0.contains(header),
+        "node 0 did not run the 4-rank job:\n{stdout0}"
     );
     assert_same_losses("", &threads_log, &nodes_log, 4);
 }
