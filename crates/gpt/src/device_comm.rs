@@ -162,6 +162,37 @@ impl Packing {
         })
     }
 
+    /// The packing of a unit's all-gather of `shards` into `fulls` over `world` ranks, checked.
+    pub(crate) fn all_gather<O: GptOps>(
+        shards: &[&O::Buf],
+        fulls: &[&mut O::Buf],
+        world: usize,
+    ) -> Result<Packing, DeviceTrainError> {
+        let full_lens = lens::<O>(fulls.iter().map(|f| &**f));
+        Packing::of_unit(
+            "all-gather",
+            lens::<O>(shards.iter().copied()),
+            full_lens,
+            world,
+        )
+    }
+
+    /// The packing of a unit's reduce-scatter of `fulls` into `shards` over `world` ranks,
+    /// checked.
+    pub(crate) fn reduce_scatter<O: GptOps>(
+        fulls: &[&O::Buf],
+        shards: &[&mut O::Buf],
+        world: usize,
+    ) -> Result<Packing, DeviceTrainError> {
+        let shard_lens = lens::<O>(shards.iter().map(|s| &**s));
+        Packing::of_unit(
+            "reduce-scatter",
+            shard_lens,
+            lens::<O>(fulls.iter().copied()),
+            world,
+        )
+    }
+
     /// Chunk `r` of tensor `i`: where it starts in the full tensor and its length (0 from
     /// the first chunk past the end on).
     pub(crate) fn chunk(&self, i: usize, r: usize) -> (usize, usize) {
@@ -172,7 +203,7 @@ impl Packing {
 }
 
 /// Checks that `fulls[i]` fits `world` shards of `shards[i]`.
-pub(crate) fn check_fit(
+fn check_fit(
     what: &str,
     shard: &[usize],
     full: &[usize],
@@ -211,12 +242,7 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = DeviceComm::<O>::world_size(self);
-        let p = Packing::of_unit(
-            "all-gather",
-            lens::<O>(shards.iter().copied()),
-            lens::<O>(fulls.iter().map(|f| &**f)),
-            world,
-        )?;
+        let p = Packing::all_gather::<O>(shards, fulls, world)?;
         let (total, offsets) = (p.total, &p.offsets);
         let mut packed = Vec::with_capacity(total);
         for s in shards {
@@ -248,12 +274,7 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = DeviceComm::<O>::world_size(self);
-        let p = Packing::of_unit(
-            "reduce-scatter",
-            lens::<O>(shards.iter().map(|s| &**s)),
-            lens::<O>(fulls.iter().copied()),
-            world,
-        )?;
+        let p = Packing::reduce_scatter::<O>(fulls, shards, world)?;
         let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
         let mut packed = vec![0.0f32; total * world];
         for (i, full) in fulls.iter().enumerate() {

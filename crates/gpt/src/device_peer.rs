@@ -31,7 +31,7 @@ use fsdp_collectives::{CollectiveError, ReduceOp};
 use fsdp_kernels::gpt::{PeerOps, PeerPtr};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{lens, DeviceComm, Packing};
+use crate::device_comm::{DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// What a rank posts in one exchange.
@@ -286,12 +286,7 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let p = Packing::of_unit(
-            "all-gather",
-            lens::<O>(shards.iter().copied()),
-            lens::<O>(fulls.iter().map(|f| &**f)),
-            self.world,
-        )?;
+        let p = Packing::all_gather::<O>(shards, fulls, self.world)?;
         let (lens, full_lens) = (&p.lens, &p.full_lens);
         let desc = format!("all-gather of shards {lens:?} into {full_lens:?}");
         let ptrs = shards.iter().map(|s| ops.peer_ptr(s)).collect();
@@ -319,12 +314,7 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let p = Packing::of_unit(
-            "reduce-scatter",
-            lens::<O>(shards.iter().map(|s| &**s)),
-            lens::<O>(fulls.iter().copied()),
-            self.world,
-        )?;
+        let p = Packing::reduce_scatter::<O>(fulls, shards, self.world)?;
         let (lens, full_lens) = (&p.lens, &p.full_lens);
         let desc = format!("reduce-scatter (avg) of {full_lens:?} into shards {lens:?}");
         let ptrs = fulls.iter().map(|f| ops.peer_ptr(f)).collect();

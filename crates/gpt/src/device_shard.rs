@@ -59,6 +59,14 @@ pub struct Prefetch {
     pub backward: bool,
 }
 
+impl Prefetch {
+    /// No all-gather issued ahead.
+    pub const NONE: Prefetch = Prefetch {
+        forward: false,
+        backward: false,
+    };
+}
+
 impl Default for Prefetch {
     fn default() -> Self {
         Prefetch {
@@ -78,6 +86,18 @@ pub(crate) enum ShardSource<'a, O: GptOps> {
     /// kept until the all-gather) and freed after, so the device holds no shards between
     /// uses.
     Host(&'a mut Weights<O::Staging>),
+}
+
+/// The parameters held on the device throughout: the shards when they are on the device and
+/// replicated (`factor` 1), not under CPU offload.
+fn resident<'s, O: GptOps>(
+    shards: &'s ShardSource<'_, O>,
+    factor: usize,
+) -> Option<&'s Weights<O::Buf>> {
+    match shards {
+        ShardSource::Device(w) if factor == 1 => Some(w),
+        _ => None,
+    }
 }
 
 /// The lengths of `unit`'s shards over `factor` ranks, in the order of its buffers.
@@ -214,10 +234,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     /// The parameters held on the device throughout: the shards when replicated on the
     /// device (not under CPU offload).
     fn resident(&self) -> Option<&Weights<O::Buf>> {
-        match &self.shards {
-            ShardSource::Device(w) if !self.sharded() => Some(w),
-            _ => None,
-        }
+        resident(&self.shards, self.factor)
     }
 
     /// These hooks with `prefetch`.
@@ -518,10 +535,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     }
 
     fn root_grads(&mut self) -> Result<WithGrads<'_, Weights<O::Buf>>, DeviceTrainError> {
-        let resident = match &self.shards {
-            ShardSource::Device(w) if self.factor == 1 => Some(&**w),
-            _ => None,
-        };
+        let resident = resident(&self.shards, self.factor);
         let params = match &self.root {
             Some(r) => r,
             None => resident.ok_or_else(|| not_held("the root"))?,
@@ -538,10 +552,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
         layer: usize,
     ) -> Result<WithGrads<'_, Block<O::Buf>>, DeviceTrainError> {
         let what = || not_held(&format!("block {layer}"));
-        let resident = match &self.shards {
-            ShardSource::Device(w) if self.factor == 1 => Some(&**w),
-            _ => None,
-        };
+        let resident = resident(&self.shards, self.factor);
         let params = match self.blocks.get(layer) {
             Some(Some(b)) => b,
             Some(None) => resident

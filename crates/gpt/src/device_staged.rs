@@ -327,12 +327,7 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         fulls: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = self.comm.world_size();
-        let p = Packing::of_unit(
-            "all-gather",
-            lens::<O>(shards.iter().copied()),
-            lens::<O>(fulls.iter().map(|f| &**f)),
-            world,
-        )?;
+        let p = Packing::all_gather::<O>(shards, fulls, world)?;
         let key = key_of(ops, shards);
         let (output, work) = match self.take_prefetched(ops, Some(&key))? {
             Some(p) => (p.output, p.work),
@@ -376,12 +371,7 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         shards: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
         let world = self.comm.world_size();
-        let p = Packing::of_unit(
-            "reduce-scatter",
-            lens::<O>(shards.iter().map(|s| &**s)),
-            lens::<O>(fulls.iter().copied()),
-            world,
-        )?;
+        let p = Packing::reduce_scatter::<O>(fulls, shards, world)?;
         let input = self.buffer(ops, Slot::Input, p.total * world)?;
         let output = self.buffer(ops, Slot::Output, p.total)?;
         self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {

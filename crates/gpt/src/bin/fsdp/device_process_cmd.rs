@@ -86,13 +86,14 @@ pub(crate) fn train_launched(
     // Every rank plans its own memory (all hold the same sizes) and checks it against its GPU.
     let strategy = args.model.strategy;
     let rpn = check_strategy(dev, strategy, node_ranks(args, env), env.world_size)?;
+    let prefetch = prefetch(args)?;
     let plan = plan_process_memory(
         &run.config,
         products(bf16),
         env.world_size,
         strategy,
         rpn,
-        prefetch(args)?,
+        prefetch,
     )
     .map_err(|e| fail(format!("--device {dev}: rank {}: {e}", env.rank)))?;
     let run = &mut run;
@@ -122,7 +123,15 @@ pub(crate) fn train_launched(
                 let comm = NcclCommunicator::new(&store, n, opts)
                     .map_err(|e| fail(format!("{what}: --backend nccl: {e}")))?;
                 let how = "nccl, staged on the GPU";
-                train_process(args, run, env, ops, Box::new(comm), staged, (how, true))
+                train_process(
+                    args,
+                    run,
+                    env,
+                    ops,
+                    Box::new(comm),
+                    staged,
+                    Exchange { how, prefetch, rpn },
+                )
             } else {
                 // Host staging: none on the GPU; the ranks of this host that share it.
                 run.predicted_peak = plan.peak - plan.staging;
@@ -134,7 +143,19 @@ pub(crate) fn train_launched(
                 admit(args, run, free, sharing)?;
                 let comm = init_from_env(Backend::Tcp, &init)?;
                 let how = "tcp, staged through host memory";
-                train_process(args, run, env, ops, comm, host_staged, (how, false))
+                train_process(
+                    args,
+                    run,
+                    env,
+                    ops,
+                    comm,
+                    host_staged,
+                    Exchange {
+                        how,
+                        prefetch: Prefetch::NONE,
+                        rpn,
+                    },
+                )
             }
         }
         DeviceArg::HostTwin => {
@@ -143,7 +164,19 @@ pub(crate) fn train_launched(
             admit(args, run, None, 1)?;
             let ops = HostOps::with_products(host_products(bf16));
             let comm = init_from_env(Backend::Tcp, &init)?;
-            train_process(args, run, env, ops, comm, staged, ("tcp", true))
+            train_process(
+                args,
+                run,
+                env,
+                ops,
+                comm,
+                staged,
+                Exchange {
+                    how: "tcp",
+                    prefetch,
+                    rpn,
+                },
+            )
         }
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
@@ -153,6 +186,16 @@ pub(crate) fn train_launched(
 /// `LOCAL_WORLD_SIZE` (as the engine takes them).
 fn node_ranks(args: &TrainArgs, env: &LaunchEnv) -> Option<usize> {
     args.model.ranks_per_node.or(Some(env.local_world_size))
+}
+
+/// How a process's ranks exchange, as its run's first line says.
+struct Exchange<'s> {
+    /// The backend and where it stages.
+    how: &'s str,
+    /// The all-gathers issued ahead (none where the collectives run whole).
+    prefetch: Prefetch,
+    /// The ranks of a node under a hybrid strategy.
+    rpn: Option<usize>,
 }
 
 /// The launcher's options with `--timeout` and `--init-timeout`.
@@ -207,9 +250,8 @@ fn host_staged<O: GptOps>(comm: Box<dyn Communicator>) -> Box<dyn DeviceComm<O>>
 }
 
 /// Trains `run` as rank `env.rank` of `env.world_size` processes started by a launcher, on
-/// `ops`, the collectives over `comm` made [`DeviceComm`]s by `stage` (`how` says which, in
-/// the run's first line, and `staged_ahead` whether they prefetch); rank 0 reports and writes
-/// the outputs.
+/// `ops`, the collectives over `comm` made [`DeviceComm`]s by `stage` as `exchange` says;
+/// rank 0 reports and writes the outputs.
 fn train_process<O: GptOps>(
     args: &TrainArgs,
     run: &Run,
@@ -217,23 +259,21 @@ fn train_process<O: GptOps>(
     ops: O,
     comm: Box<dyn Communicator>,
     stage: fn(Box<dyn Communicator>) -> Box<dyn DeviceComm<O>>,
-    (how, staged_ahead): (&str, bool),
+    Exchange { how, prefetch, rpn }: Exchange<'_>,
 ) -> Result<(), CliError> {
     let dev = args.device;
     let (rank, world) = (env.rank, env.world_size);
     let strategy = args.model.strategy;
-    let prefetch = prefetch(args)?;
-    let rpn = check_strategy(dev, strategy, node_ranks(args, env), world)?;
     let shared = Shared::open(
         args,
         run,
         &format!(
             "rank {rank} of {world} processes on {dev} ({how}){}",
-            match (staged_ahead, prefetch.forward, prefetch.backward) {
-                (false, ..) | (true, false, false) => "",
-                (true, true, true) => ", all-gathers prefetched in forward and backward",
-                (true, true, false) => ", all-gathers prefetched in forward",
-                (true, false, true) => ", all-gathers prefetched in backward",
+            match (prefetch.forward, prefetch.backward) {
+                (false, false) => "",
+                (true, true) => ", all-gathers prefetched in forward and backward",
+                (true, false) => ", all-gathers prefetched in forward",
+                (false, true) => ", all-gathers prefetched in backward",
             }
         ),
         rank == 0,
