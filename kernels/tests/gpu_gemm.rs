@@ -140,6 +140,13 @@ fn shapes() -> Vec<MatMul> {
             .batched(bh, t * hd, t * hd, t * t)
             .with_alpha(0.25),
         MatMul::new(t, hd, t, false, false).batched(bh, t * t, t * hd, t * hd),
+        // a chunk of 2 pairs from pair 3 (`MatMul::at`: the chunked attention's parts)
+        MatMul::new(t, t, hd, false, true)
+            .batched(2, t * hd, t * hd, t * t)
+            .at(3 * t * hd, 3 * t * hd, 0),
+        MatMul::new(t, hd, t, true, false)
+            .batched(2, t * t, t * hd, t * hd)
+            .at(0, 3 * t * hd, 3 * t * hd),
         // odd sizes
         MatMul::new(7, 5, 3, true, true),
     ]

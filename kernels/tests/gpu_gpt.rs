@@ -18,7 +18,9 @@ mod common;
 use common::{data, gpu, ids, max_abs, max_abs_diff, weights};
 use fsdp_device::Stream;
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Products};
+use fsdp_kernels::gpt::{
+    Attention, CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Products,
+};
 
 fn cuda_ops(test: &str) -> CudaOps {
     let s = Stream::cuda(0, test).expect("a CUDA stream on cuda:0");
@@ -63,7 +65,19 @@ fn model<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (DeviceGpt<
 
 /// One step of `model` on the case's batch: the loss and every gradient.
 fn run<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (f32, Vec<(String, Vec<f32>)>) {
+    run_with(ops, dims, rows, t, Attention::default())
+}
+
+/// [`run`] with the attention's matrices held as `attention` says.
+fn run_with<O: GptOps>(
+    ops: O,
+    dims: GptDims,
+    rows: usize,
+    t: usize,
+    attention: Attention,
+) -> (f32, Vec<(String, Vec<f32>)>) {
     let (mut model, [x, y]) = model(ops, dims, rows, t);
+    model.set_attention(attention);
     let loss = model.step(&x, &y, rows, t).unwrap();
     (loss, model.download_grads().unwrap())
 }
@@ -211,6 +225,63 @@ fn the_cuda_step_with_bf16_products_matches_its_twin() {
     let (casts, roundings) = (dev.ops().operand_casts(), host.ops().operand_roundings());
     println!("bf16 operand casts in two steps: {casts} (the twin rounds {roundings})");
     assert_eq!(casts, roundings);
+}
+
+/// The attention in chunks of one (sequence, head) pair — products on parts of buffers
+/// (`MatMul::at`: cuBLAS at offset pointers; with bf16 products, kept copies of the parts) —
+/// and materialized, each on CUDA against its twin with the bounds above (the twins of the two
+/// are bitwise equal: `tests/attention_chunks.rs`), the bf16 casts counted as the twin counts
+/// its roundings.
+#[test]
+fn chunked_attention_on_cuda_matches_its_twin() {
+    let test = "chunked_attention_on_cuda_matches_its_twin";
+    if !gpu(test) {
+        return;
+    }
+    let one = |t: usize| Attention::Chunked {
+        max_bytes: t * t * 4,
+    };
+    for (dims, rows, t) in cases() {
+        for attention in [one(t), Attention::Materialized] {
+            let host = run_with(HostOps::new(), dims, rows, t, attention);
+            let dev = run_with(cuda_ops(test), dims, rows, t, attention);
+            let (rel, grad, name) = differences(&dev, &host);
+            println!("[{dims:?}] {attention}: GPU vs host: loss {rel:.2e}, gradients {grad:.2e}");
+            assert!(
+                rel <= LOSS_BOUND,
+                "{attention}: loss {} vs {}",
+                dev.0,
+                host.0
+            );
+            assert!(grad <= GRAD_BOUND, "{attention}: {name}: {grad:e}");
+            let bf16 = HostOps::with_products(HostProducts::Bf16Operands);
+            let host = run_with(bf16, dims, rows, t, attention);
+            let f32_host = run_with(HostOps::new(), dims, rows, t, attention);
+            let (_, scale, _) = differences(&host, &f32_host);
+            let ops = cuda_ops(test).with_products(Products::Bf16);
+            let dev = run_with(ops, dims, rows, t, attention);
+            let (rel, grad, name) = differences(&dev, &host);
+            assert!(
+                rel <= 1e-4,
+                "{attention}, bf16: loss {} vs {}",
+                dev.0,
+                host.0
+            );
+            assert!(grad <= 2.0 * scale, "{attention}, bf16: {name}: {grad:e}");
+        }
+        let (mut host, [x, y]) = model(
+            HostOps::with_products(HostProducts::Bf16Operands),
+            dims,
+            rows,
+            t,
+        );
+        let (mut dev, _) = model(cuda_ops(test).with_products(Products::Bf16), dims, rows, t);
+        host.set_attention(one(t));
+        dev.set_attention(one(t));
+        host.step(&x, &y, rows, t).unwrap();
+        dev.step(&x, &y, rows, t).unwrap();
+        assert_eq!(dev.ops().operand_casts(), host.ops().operand_roundings());
+    }
 }
 
 /// The optimizer's operations of the device trainer (`fsdp-gpt`'s `DeviceTrainer`): AdamW, the

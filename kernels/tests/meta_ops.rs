@@ -2,11 +2,12 @@
 //! step over each allocates the same buffers in the same order, so the counted memory — live
 //! bytes after each step and the peak — is equal to the byte, with f32 and bf16 products
 //! (whose kept operand copies grow and are refilled as the twins' are) and with activation
-//! checkpointing; and its memory history has the same sizes in the same order.
+//! checkpointing, the attention's probabilities kept or computed again in chunks; and its
+//! memory history has the same sizes in the same order.
 
 mod common;
 
-use fsdp_kernels::gpt::{DeviceGpt, GptDims, GptOps, HostOps, HostProducts, MetaOps};
+use fsdp_kernels::gpt::{Attention, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, MetaOps};
 
 #[test]
 fn meta_ops_count_what_the_host_twins_count() {
@@ -22,12 +23,24 @@ fn meta_ops_count_what_the_host_twins_count() {
     let (rows, t) = (3, cfg.block_size);
     let inputs = common::ids(rows * t, 1, cfg.vocab_size);
     let targets = common::ids(rows * t, 2, cfg.vocab_size);
-    for products in [HostProducts::F32, HostProducts::Bf16Operands] {
-        for ckpt in [false, true] {
+    let chunked = Attention::Chunked {
+        max_bytes: 4 * t * t * 4,
+    };
+    let modes = [
+        (HostProducts::F32, false, Attention::default()),
+        (HostProducts::F32, true, Attention::Materialized),
+        (HostProducts::Bf16Operands, false, chunked),
+        (HostProducts::Bf16Operands, true, Attention::default()),
+        (HostProducts::Bf16Operands, false, Attention::Materialized),
+    ];
+    for (products, ckpt, attention) in modes {
+        {
             let mut host = DeviceGpt::new(HostOps::with_products(products), dims, &params).unwrap();
             let mut meta = DeviceGpt::new(MetaOps::new(products), dims, &params).unwrap();
             host.set_activation_checkpointing(ckpt);
             meta.set_activation_checkpointing(ckpt);
+            host.set_attention(attention);
+            meta.set_attention(attention);
             host.ops().record_memory_history(true);
             meta.ops().record_memory_history(true);
             for _ in 0..2 {
@@ -36,7 +49,7 @@ fn meta_ops_count_what_the_host_twins_count() {
                 assert_eq!(
                     host.ops().memory(),
                     meta.ops().memory(),
-                    "{products:?}, {ckpt}"
+                    "{products:?}, {ckpt}, {attention:?}"
                 );
             }
             let sizes = |h: Vec<fsdp_kernels::gpt::MemoryEvent>| -> Vec<(bool, u64)> {

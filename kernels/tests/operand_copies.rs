@@ -11,7 +11,9 @@ mod common;
 use common::{data, ids, weights};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::MatMul;
-use fsdp_kernels::gpt::{gemm_bf16_operands, DeviceGpt, GptDims, GptOps, HostOps, HostProducts};
+use fsdp_kernels::gpt::{
+    gemm_bf16_operands, Attention, DeviceGpt, GptDims, GptOps, HostOps, HostProducts,
+};
 
 fn product(ops: &HostOps, g: &MatMul, a: &[f32], b: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (da, db) = (ops.upload(a).unwrap(), ops.upload(b).unwrap());
@@ -93,24 +95,40 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
     // the backward's four linear layers (weight and input gradients, 16 operands, `dY` shared
     // by each pair: 4 reused) and four attention products (8 operands, `dS` shared: 1 reused).
     // The head: logits (2), the tied weight's gradient (2), ln_f's input gradient (2,
-    // `dlogits` shared: 1 reused). So 5 + 31 per block on the first step.
-    for n_layer in [1, 2, 3] {
-        let dims = GptDims {
-            n_layer,
-            n_head: 2,
-            n_embd: 16,
-            block_size: 8,
-            vocab_size: 32,
-        };
-        let cfg = GptConfig::new(n_layer, 2, 16, 8, 32).unwrap();
-        let ops = HostOps::with_products(HostProducts::Bf16Operands);
-        let mut model = DeviceGpt::new(ops, dims, &weights(&cfg)).unwrap();
-        let (x, y) = (ids(16, 1, 32), ids(16, 2, 32));
-        model.step(&x, &y, 2, 8).unwrap();
-        assert_eq!(
-            model.ops().operand_roundings(),
-            5 + 31 * n_layer as u64,
-            "{n_layer} layers"
-        );
+    // `dlogits` shared: 1 reused). So 5 + 31 per block on the first step, the probabilities
+    // kept. Attention in c chunks rounds each chunk's parts of its operands: 4 a chunk in
+    // forward, and in backward the scores again (2) besides the 7: 20 + 13·c per block.
+    let t = 8;
+    for (attention, per_block) in [
+        (Attention::Materialized, 31),
+        (Attention::default(), 33),
+        // 4 (sequence, head) pairs, 2 a chunk.
+        (
+            Attention::Chunked {
+                max_bytes: 2 * t * t * 4,
+            },
+            20 + 13 * 2,
+        ),
+    ] {
+        for n_layer in [1, 2, 3] {
+            let dims = GptDims {
+                n_layer,
+                n_head: 2,
+                n_embd: 16,
+                block_size: t,
+                vocab_size: 32,
+            };
+            let cfg = GptConfig::new(n_layer, 2, 16, t, 32).unwrap();
+            let ops = HostOps::with_products(HostProducts::Bf16Operands);
+            let mut model = DeviceGpt::new(ops, dims, &weights(&cfg)).unwrap();
+            model.set_attention(attention);
+            let (x, y) = (ids(16, 1, 32), ids(16, 2, 32));
+            model.step(&x, &y, 2, t).unwrap();
+            assert_eq!(
+                model.ops().operand_roundings(),
+                5 + per_block * n_layer as u64,
+                "{n_layer} layers, {attention:?}"
+            );
+        }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use fsdp::init::materialize;
 use fsdp::optim::{check_max_norm, AdamWConfig, LrSchedule};
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::GptDims;
+use fsdp_kernels::gpt::{Attention, GptDims};
 use fsdp_kernels::host::STEP_CHOICES;
 use fsdp_kernels::KernelError;
 
@@ -102,6 +102,10 @@ pub struct DeviceTrainConfig {
     /// backward recomputes the block's forward. The same training bit for bit, with the
     /// activations of one block held at a time.
     pub activation_checkpointing: bool,
+    /// How the blocks' attention holds its `t × t` scores and probabilities
+    /// ([`Attention`]; by default in chunks of 64 MiB, computed again in backward rather than
+    /// kept): the same training bit for bit on the host twins either way.
+    pub attention: Attention,
 }
 
 impl DeviceTrainConfig {

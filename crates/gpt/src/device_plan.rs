@@ -26,7 +26,7 @@
 use std::fmt;
 
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{param_shapes, Products};
+use fsdp_kernels::gpt::{param_shapes, Attention, Products};
 use fsdp_kernels::host::step_scalars_len;
 
 use crate::device_train::{DeviceTrainConfig, DeviceTrainError};
@@ -77,6 +77,10 @@ pub struct DeviceMemoryPlan {
     pub tape: u64,
     /// Whether forward keeps only each block's input (activation checkpointing).
     pub activation_checkpointing: bool,
+    /// How the attention holds its `t × t` matrices.
+    pub attention: Attention,
+    /// (Sequence, head) pairs whose `t × t` matrices the attention holds at once.
+    pub attention_pairs: usize,
     /// Where the step peaks.
     pub peak_moment: String,
     /// Saved activations held at the peak.
@@ -157,9 +161,24 @@ impl fmt::Display for DeviceMemoryPlan {
                 },
             ),
         ];
+        let t = self.tokens_per_row;
+        let attention = if self.attention.keeps_probabilities() {
+            format!(
+                "attention: materialized, each block's {} × {t} × {t} probabilities kept for \
+                 backward",
+                self.attention_pairs
+            )
+        } else {
+            format!(
+                "attention: {}, {} (sequence, head) pairs' {t} × {t} matrices at a time, \
+                 computed again in backward",
+                self.attention, self.attention_pairs
+            )
+        };
         for (name, bytes, what) in rows {
             writeln!(f, "  {name:<18} {bytes:>14}  {:>11}  ({what})", mib(bytes))?;
         }
+        writeln!(f, "  {attention}")?;
         if self.offloaded > 0 {
             writeln!(
                 f,
@@ -261,11 +280,17 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     let n = prod(&[rows, t]);
     let ne = prod(&[rows, t, e]);
     let nv = prod(&[rows, t, v]);
-    let t2 = prod(&[rows, h, t, t]);
+    // The attention's matrices: every (sequence, head) pair's when materialized (kept), one
+    // chunk's (the first, the largest) when chunked.
+    let a = Attn {
+        kept: c.attention.keeps_probabilities(),
+        t2: prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]),
+    };
     use Kind::{Ids, Tape, Work};
-    // Saved per block: its input, ln_1 (3), q k v, P, y, x2, ln_2 (3), c_fc, gelu; each block's
-    // forward adds that (its output is the next one's input) and frees its working buffers.
-    let saved = 16 * ne + 4 * n + t2;
+    // Saved per block: its input, ln_1 (3), q k v, P when kept, y, x2, ln_2 (3), c_fc, gelu;
+    // each block's forward adds that (its output is the next one's input) and frees its
+    // working buffers.
+    let saved = 16 * ne + 4 * n + if a.kept { a.t2 } else { 0 };
     let layers = c.cfg.n_layer;
     // The blocks are alike and the saved activations only grow in forward (only shrink in
     // backward): the last block's forward and the first block backward (the last block's)
@@ -285,7 +310,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     );
     if let Some(layer) = layers.checked_sub(1) {
         r.phase = format!("forward of block {layer}");
-        block_forward(r, ne, n, t2, Tape);
+        block_forward(r, ne, n, a, Tape);
         if ckpt {
             // Its activations but the input dropped (the output stays: ln_f's input).
             r.free(Tape, saved - ne);
@@ -305,7 +330,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
         if ckpt {
             // The block's forward again from its input; its output dropped at once.
             r.phase = format!("recomputed forward of block {layer}");
-            block_forward(r, ne, n, t2, Work);
+            block_forward(r, ne, n, a, Work);
             r.free(Work, ne);
         }
         r.phase = format!("backward of block {layer}");
@@ -318,13 +343,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
         r.alloc(Work, ne, "attention c_proj input gradient");
         r.alloc(Work, ne, "heads' output gradient");
         r.free(Work, ne);
-        r.alloc(Work, t2, "probabilities' gradient");
-        r.alloc(Work, ne, "v's gradient");
-        r.free(Work, ne);
-        r.alloc(Work, t2, "scores' gradient");
-        r.free(Work, t2);
-        r.alloc(Work, 2 * ne, "q's and k's gradients");
-        r.free(Work, t2);
+        attention_backward(r, ne, a);
         r.alloc(Work, 3 * ne, "qkv's gradient");
         r.free(Work, 3 * ne);
         r.alloc(Work, ne, "ln_1 output gradient");
@@ -337,18 +356,34 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     r.live = [0; 3];
 }
 
+/// The attention's `t × t` matrices: whether forward keeps the probabilities, and the
+/// elements of one set (every pair's when kept, else the largest chunk's).
+#[derive(Clone, Copy)]
+struct Attn {
+    kept: bool,
+    t2: u128,
+}
+
 /// One block's forward (`DeviceGpt::block_forward`), its output of kind `out` (the tape in
 /// forward; a working buffer when recomputed under checkpointing, dropped by the caller).
-fn block_forward(r: &mut Replay, ne: u128, n: u128, t2: u128, out: Kind) {
+fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, out: Kind) {
     use Kind::{Tape, Work};
     r.alloc(Tape, ne + 2 * n, "ln_1");
     r.alloc(Work, 3 * ne, "qkv");
     r.alloc(Tape, 3 * ne, "q, k, v");
     r.free(Work, 3 * ne);
-    r.alloc(Work, t2, "scores");
-    r.alloc(Tape, t2, "probabilities");
-    r.free(Work, t2);
-    r.alloc(Work, ne, "heads' outputs");
+    if a.kept {
+        r.alloc(Work, a.t2, "scores");
+        r.alloc(Tape, a.t2, "probabilities");
+        r.free(Work, a.t2);
+        r.alloc(Work, ne, "heads' outputs");
+    } else {
+        // The first chunk's scores and probabilities (the largest), freed after its product.
+        r.alloc(Work, ne, "heads' outputs");
+        r.alloc(Work, a.t2, "a chunk's scores");
+        r.alloc(Work, a.t2, "a chunk's probabilities");
+        r.free(Work, 2 * a.t2);
+    }
     r.alloc(Tape, ne, "y");
     r.free(Work, ne);
     r.alloc(Tape, ne, "x + attention");
@@ -356,6 +391,32 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, t2: u128, out: Kind) {
     r.alloc(Tape, 4 * ne, "c_fc");
     r.alloc(Tape, 4 * ne, "gelu");
     r.alloc(out, ne, "block output");
+}
+
+/// The attention's backward (`GptPass::attention_backward`) from the heads' output gradient
+/// (freed here) to q's, k's and v's gradients (left live).
+fn attention_backward(r: &mut Replay, ne: u128, a: Attn) {
+    use Kind::Work;
+    if a.kept {
+        r.alloc(Work, a.t2, "probabilities' gradient");
+        r.alloc(Work, ne, "v's gradient");
+        r.free(Work, ne);
+        r.alloc(Work, a.t2, "scores' gradient");
+        r.free(Work, a.t2);
+        r.alloc(Work, 2 * ne, "q's and k's gradients");
+        r.free(Work, a.t2);
+    } else {
+        r.alloc(Work, 3 * ne, "q's, k's and v's gradients");
+        // The first chunk: its scores and probabilities again (the scores freed), the
+        // probabilities' gradient, the scores' gradient; all freed before the next chunk.
+        r.alloc(Work, a.t2, "a chunk's scores again");
+        r.alloc(Work, a.t2, "a chunk's probabilities again");
+        r.free(Work, a.t2);
+        r.alloc(Work, a.t2, "a chunk's probabilities' gradient");
+        r.alloc(Work, a.t2, "a chunk's scores' gradient");
+        r.free(Work, 3 * a.t2);
+        r.free(Work, ne);
+    }
 }
 
 /// The elements of the largest first and second operands of the step's products (the sizes
@@ -368,7 +429,9 @@ fn largest_operands(c: &DeviceTrainConfig, rows: usize) -> (u128, u128) {
         c.cfg.n_head,
     );
     let ne = prod(&[rows, t, e]);
-    let first = [4 * ne, prod(&[rows, h, t, t]), prod(&[rows, t, v])];
+    // The attention's probabilities and scores' gradient, of one chunk when chunked.
+    let t2 = prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]);
+    let first = [4 * ne, t2, prod(&[rows, t, v])];
     let second = [4 * prod(&[e, e]), prod(&[v, e]), 4 * ne];
     let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);
     (max(&first), max(&second))
@@ -454,6 +517,11 @@ pub fn plan_memory(
         step_scalars: to_u64(scalars, "step scalars")?,
         tape: to_u64(r.tape, "activations")?,
         activation_checkpointing: config.activation_checkpointing,
+        attention: config.attention,
+        attention_pairs: config.attention.chunk_pairs(
+            config.cfg.block_size,
+            rows.saturating_mul(config.cfg.n_head),
+        ),
         peak_moment: r.moment,
         peak_tape: to_u64(r.at_peak[Kind::Tape as usize], "activations")?,
         peak_working: to_u64(r.at_peak[Kind::Work as usize], "working buffers")?,

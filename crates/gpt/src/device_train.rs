@@ -152,6 +152,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         let dims = config.dims();
         let mut model = DeviceGpt::new(ops, dims, params)?;
         model.set_activation_checkpointing(config.activation_checkpointing);
+        model.set_attention(config.attention);
         let tensors = param_shapes(&dims).len();
         let state = if config.offload {
             let host = HostOps::new();

@@ -29,6 +29,7 @@ fn tiny() -> DeviceTrainConfig {
         grad_accum: 1,
         offload: false,
         activation_checkpointing: false,
+        attention: Default::default(),
     }
 }
 

@@ -216,7 +216,7 @@ fn host_twin_bf16_products_track_the_f32_run() {
 #[test]
 fn device_plan_predicts_the_peak_the_run_logs() {
     let dir = scratch("device_cli", "device_plan");
-    let cases: [&[&str]; 3] = [
+    let cases: [&[&str]; 4] = [
         &[],
         &[
             "--param-dtype",
@@ -227,6 +227,7 @@ fn device_plan_predicts_the_peak_the_run_logs() {
             "0.5",
         ],
         &["--activation-checkpointing"],
+        &["--attention", "materialized"],
     ];
     let mut losses = Vec::new();
     for (i, extra) in cases.into_iter().enumerate() {
@@ -292,6 +293,28 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         "{}",
         losses[2].2
     );
+    // The attention's probabilities kept: the same losses, bitwise, as the default chunks
+    // (which compute them again in backward); each plan names its attention.
+    assert_eq!(
+        losses[3].0, losses[0].0,
+        "losses with --attention materialized"
+    );
+    assert!(
+        losses[0].2.contains("attention: chunked (64 MiB)"),
+        "{}",
+        losses[0].2
+    );
+    assert!(
+        losses[3].2.contains("attention: materialized"),
+        "{}",
+        losses[3].2
+    );
+    // Only the device's GPT has it.
+    for cmd in ["train", "plan"] {
+        let mut a = vec![cmd, "--attention", "chunked"];
+        a.extend_from_slice(&common::cli::SMALL_MODEL);
+        one_error_status_1(&fsdp(&a), &["--attention", "only with --device"]);
+    }
     // Several ranks: one rank's plan (tests/device_sharded_cli.rs holds it to the run's peak).
     let mut a = vec!["plan"];
     a.extend_from_slice(&common::cli::SMALL_MODEL);

@@ -10,7 +10,7 @@ use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{HostOps, HostProducts, Products};
+use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Products};
 
 fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> DeviceTrainConfig {
     DeviceTrainConfig {
@@ -29,6 +29,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         grad_accum: accum,
         offload: false,
         activation_checkpointing: false,
+        attention: Default::default(),
     }
 }
 
@@ -102,18 +103,26 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     );
     let rows = (c.batch_size / c.grad_accum) as u64;
     let n = rows * t;
+    // The attention's t × t matrices: every (sequence, head) pair's probabilities kept when
+    // materialized; one chunk's at a time when chunked.
+    let pairs = c.attention.chunk_pairs(t as usize, (rows * h) as usize) as u64;
+    let kept = if c.attention.keeps_probabilities() {
+        rows * h * t * t
+    } else {
+        0
+    };
     // Per block 16 activations of n×E, 4 of n (two layer norms' mean and rstd), the
-    // attention probabilities; then the final output and ln_f's. With activation
+    // attention probabilities when kept; then the final output and ln_f's. With activation
     // checkpointing, each block's input alone.
     let per_block = if c.activation_checkpointing {
         n * e
     } else {
-        16 * n * e + 4 * n + rows * h * t * t
+        16 * n * e + 4 * n + kept
     };
     let tape = 4 * (l * per_block + 2 * n * e + 2 * n);
     assert_eq!(plan.tape, tape, "{name}");
     let operands = if bf16 {
-        let a = (4 * n * e).max(rows * h * t * t).max(n * v);
+        let a = (4 * n * e).max(pairs * t * t).max(n * v);
         let b = (4 * e * e).max(v * e).max(4 * n * e);
         2 * (a + b)
     } else {
@@ -143,6 +152,45 @@ fn predicted_peak_equals_the_host_twins_f32() {
             let plan = check(&format!("{name}, f32, accum {accum}"), &c, false);
             assert!(plan.peak_tape > 0 && plan.peak_working > 0);
         }
+    }
+}
+
+/// The attention's probabilities kept (materialized) or computed again in chunks of one,
+/// three and every (sequence, head) pair: each plan is the measured peak, and chunks hold
+/// less than kept probabilities.
+#[test]
+fn predicted_peak_for_each_attention_equals_the_host_twins() {
+    let cfg = GptConfig::new(2, 2, 32, 64, 64).unwrap();
+    let pair = 64 * 64 * 4;
+    for (accum, bf16, ckpt) in [(1, false, false), (2, true, false), (1, true, true)] {
+        let base = DeviceTrainConfig {
+            activation_checkpointing: ckpt,
+            ..config(cfg, 4, accum, None)
+        };
+        let products = if bf16 { Products::Bf16 } else { Products::F32 };
+        let kept = DeviceTrainConfig {
+            attention: Attention::Materialized,
+            ..base
+        };
+        let what = format!("accum {accum}, bf16 {bf16}, checkpointing {ckpt}");
+        let materialized = check(&format!("{what}, materialized"), &kept, bf16);
+        for max_bytes in [pair, 3 * pair, usize::MAX] {
+            let chunked = DeviceTrainConfig {
+                attention: Attention::Chunked { max_bytes },
+                ..base
+            };
+            let plan = check(&format!("{what}, chunks of {max_bytes} B"), &chunked, bf16);
+            // One chunk of every pair holds as much as kept probabilities do under
+            // checkpointing (one block's at a time either way), plus q's, k's and v's
+            // gradients made before the chunks.
+            if max_bytes < usize::MAX || !ckpt {
+                assert!(
+                    plan.peak < materialized.peak,
+                    "{what}: {plan}\n{materialized}"
+                );
+            }
+        }
+        assert_eq!(plan_memory(&kept, products).unwrap(), materialized);
     }
 }
 

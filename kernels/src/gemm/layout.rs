@@ -12,7 +12,8 @@ use crate::KernelError;
 /// A row-major, possibly batched product `C = alpha·op(A)·op(B) + beta·C`, with `op(A)` of
 /// shape `[m, k]`, `op(B)` `[k, n]` and `C` `[m, n]`, each operand stored densely row-major
 /// (`A` as `[m, k]`, or `[k, m]` when `trans_a`; `B` as `[k, n]`, or `[n, k]` when `trans_b`),
-/// batch `i` of each operand starting `i·stride` elements after the first.
+/// batch `i` of each operand starting `i·stride` elements after the first, the first at the
+/// operand's offset (0 unless [`MatMul::at`] says otherwise: a product on part of a buffer).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MatMul {
     /// Rows of `op(A)` and `C`.
@@ -37,6 +38,12 @@ pub struct MatMul {
     pub alpha: f32,
     /// Scale of `C`'s previous value (0: overwrite, 1: accumulate).
     pub beta: f32,
+    /// Element of `A`'s buffer where its first batch starts.
+    pub offset_a: usize,
+    /// Element of `B`'s buffer where its first batch starts.
+    pub offset_b: usize,
+    /// Element of `C`'s buffer where its first batch starts.
+    pub offset_c: usize,
 }
 
 impl MatMul {
@@ -54,6 +61,9 @@ impl MatMul {
             stride_c: m * n,
             alpha: 1.0,
             beta: 0.0,
+            offset_a: 0,
+            offset_b: 0,
+            offset_c: 0,
         }
     }
 
@@ -111,8 +121,17 @@ impl MatMul {
         self
     }
 
-    /// Elements each operand must hold: `(a, b, c)` (the last batch's end).
-    pub fn extents(&self) -> (usize, usize, usize) {
+    /// The operands' first elements at `a`, `b` and `c` of their buffers (attention over a
+    /// chunk of its heads: the chunk's part of `q`, `k`, `v` and of the output).
+    pub fn at(mut self, a: usize, b: usize, c: usize) -> MatMul {
+        self.offset_a = a;
+        self.offset_b = b;
+        self.offset_c = c;
+        self
+    }
+
+    /// Elements each operand spans from its offset: `(a, b, c)` (the last batch's end).
+    pub fn spans(&self) -> (usize, usize, usize) {
         let end = |stride: usize, one: usize| {
             if self.batch == 0 || one == 0 {
                 0
@@ -125,6 +144,23 @@ impl MatMul {
             end(self.stride_b, self.k * self.n),
             end(self.stride_c, self.m * self.n),
         )
+    }
+
+    /// Elements each operand's buffer must hold: `(a, b, c)`, its offset plus its
+    /// [span](MatMul::spans).
+    pub fn extents(&self) -> (usize, usize, usize) {
+        let (a, b, c) = self.spans();
+        (
+            self.offset_a.saturating_add(a),
+            self.offset_b.saturating_add(b),
+            self.offset_c.saturating_add(c),
+        )
+    }
+
+    /// This product with `A` and `B` read from the start of buffers holding only their
+    /// spans (kept bf16 copies of the operands' parts), `C` where it was.
+    pub(crate) fn operands_from_start(self) -> MatMul {
+        self.at(0, 0, self.offset_c)
     }
 
     /// Checks operands of `a`, `b` and `c` elements against [`MatMul::extents`], and that the
@@ -173,6 +209,8 @@ impl MatMul {
 
     /// The row-major definition, naive in f64 (the reference of the tests).
     pub fn host(&self, a: &[f64], b: &[f64], c: &mut [f64]) {
+        let (a, b) = (&a[self.offset_a..], &b[self.offset_b..]);
+        let c = &mut c[self.offset_c..];
         for t in 0..self.batch {
             let (a, b) = (&a[t * self.stride_a..], &b[t * self.stride_b..]);
             let c = &mut c[t * self.stride_c..];

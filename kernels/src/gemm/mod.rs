@@ -172,6 +172,17 @@ impl Blas {
         let (pa, _ra) = a.device_ptr(&self.stream);
         let (pb, _rb) = b.device_ptr(&self.stream);
         let (pc, _rc) = c.device_ptr_mut(&self.stream);
+        // The operands' offsets (elements, checked within the buffers above) in bytes.
+        let at = |ptr: u64, offset: usize, size: usize| -> Result<_, KernelError> {
+            let bytes = offset
+                .checked_mul(size)
+                .and_then(|b| u64::try_from(b).ok())
+                .ok_or_else(|| invalid(format!("offset {offset} exceeds 64 bits")))?;
+            Ok(ptr + bytes)
+        };
+        let pa = at(pa, g.offset_a, std::mem::size_of::<I>())?;
+        let pb = at(pb, g.offset_b, std::mem::size_of::<I>())?;
+        let pc = at(pc, g.offset_c, std::mem::size_of::<O>())?;
         // cuBLAS's first operand is the row-major B, its second the row-major A.
         let (first, second) = (pb as *const c_void, pa as *const c_void);
         let alpha_p = (&alpha as *const f32).cast::<c_void>();

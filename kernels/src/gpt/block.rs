@@ -15,8 +15,7 @@ impl<O: GptOps> GptPass<O> {
         x: O::Buf,
     ) -> Result<(O::Buf, BlockActs<O::Buf>), KernelError> {
         let ops = &self.ops;
-        let (e, hd, t, n) = (self.dims.n_embd, self.dims.head_dim(), s.t, s.n);
-        let bh = s.rows * self.dims.n_head;
+        let (e, n) = (self.dims.n_embd, s.n);
         let (h1, ln1_mean, ln1_rstd) = self.layernorm(&x, &p.ln_1, n)?;
         let qkv = self.linear(&h1, &p.c_attn, n, e, 3 * e)?;
         let mut parts = Vec::with_capacity(3);
@@ -31,17 +30,8 @@ impl<O: GptOps> GptPass<O> {
             (Some(q), Some(k), Some(v)) => (q, k, v),
             _ => return Err(invalid("q, k and v were not all split".into())),
         };
-        // Scores S = q·kᵀ per (sequence, head); P = causal softmax of S/√hd.
-        let mut sc = ops.empty(bh * t * t)?;
-        let g = MatMul::new(t, t, hd, false, true).batched(bh, t * hd, t * hd, t * t);
-        ops.gemm(&g, &q, &k, &mut sc)?;
-        let mut att = ops.empty(bh * t * t)?;
-        ops.causal_softmax_forward(&sc, t, self.scale(), &mut att)?;
-        drop(sc);
-        // Heads' outputs P·v, back into token rows.
-        let mut yh = ops.empty(n * e)?;
-        let g = MatMul::new(t, hd, t, false, false).batched(bh, t * t, t * hd, t * hd);
-        ops.gemm(&g, &att, &v, &mut yh)?;
+        // Heads' outputs P·v (P = causal softmax(q·kᵀ/√hd)), back into token rows.
+        let (yh, att) = self.attention_forward(s, &q, &k, &v)?;
         let mut y = ops.empty(n * e)?;
         ops.heads_merge(&yh, self.heads(s, e, 0), &mut y)?;
         drop(yh);
@@ -87,11 +77,6 @@ impl<O: GptOps> GptPass<O> {
         }
     }
 
-    /// The scores' scale, `1/√head_dim`.
-    fn scale(&self) -> f32 {
-        (1.0 / (self.dims.head_dim() as f64).sqrt()) as f32
-    }
-
     /// The input gradient of `y = x·wᵀ + b` from `dy`, adding the weight's and bias's
     /// gradients into `gp`.
     #[allow(clippy::too_many_arguments)]
@@ -130,7 +115,6 @@ impl<O: GptOps> GptPass<O> {
     ) -> Result<O::Buf, KernelError> {
         let (ops, d) = (&self.ops, self.dims);
         let (e, hd, t, n) = (d.n_embd, d.head_dim(), s.t, s.n);
-        let bh = s.rows * d.n_head;
         let heads = |row: usize, offset: usize| HeadsLayout {
             b: s.rows,
             t,
@@ -171,45 +155,8 @@ impl<O: GptOps> GptPass<O> {
         let mut dyh = ops.empty(n * e)?;
         ops.heads_split(&dy, heads(e, 0), &mut dyh)?;
         drop(dy);
-        let per =
-            |m, nn, k, ta, tb, sa, sb, sc| MatMul::new(m, nn, k, ta, tb).batched(bh, sa, sb, sc);
-        // dP = dYh·vᵀ, dv = Pᵀ·dYh.
-        let mut dp = ops.empty(bh * t * t)?;
-        ops.gemm(
-            &per(t, t, hd, false, true, t * hd, t * hd, t * t),
-            &dyh,
-            &a.v,
-            &mut dp,
-        )?;
-        let mut dv = ops.empty(n * e)?;
-        ops.gemm(
-            &per(t, hd, t, true, false, t * t, t * hd, t * hd),
-            &a.att,
-            &dyh,
-            &mut dv,
-        )?;
-        drop(dyh);
-        // dS (of the unscaled scores) = scale·P⊙(dP − rowsum(P⊙dP)).
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let mut ds = ops.empty(bh * t * t)?;
-        ops.causal_softmax_backward(&a.att, &dp, t, scale, &mut ds)?;
-        drop(dp);
-        // dq = dS·k, dk = dSᵀ·q.
-        let mut dq = ops.empty(n * e)?;
-        ops.gemm(
-            &per(t, hd, t, false, false, t * t, t * hd, t * hd),
-            &ds,
-            &a.k,
-            &mut dq,
-        )?;
-        let mut dk = ops.empty(n * e)?;
-        ops.gemm(
-            &per(t, hd, t, true, false, t * t, t * hd, t * hd),
-            &ds,
-            &a.q,
-            &mut dk,
-        )?;
-        drop(ds);
+        // dP = dYh·vᵀ, dv = Pᵀ·dYh, dS = scale·P⊙(dP − rowsum(P⊙dP)), dq = dS·k, dk = dSᵀ·q.
+        let [dq, dk, dv] = self.attention_backward(s, &a.q, &a.k, &a.v, a.att.as_ref(), dyh)?;
         let mut dqkv = ops.empty(n * 3 * e)?;
         for (part, dh) in [dq, dk, dv].iter().enumerate() {
             ops.heads_merge(dh, heads(3 * e, part * e), &mut dqkv)?;

@@ -155,25 +155,31 @@ impl CudaOps {
             .lock()
             .map_err(|_| copy_error("bf16 operands", "poisoned lock"))?;
         let [ka, kb] = &mut *kept;
-        let va = self.cast_into(ka, a)?;
-        let vb = self.cast_into(kb, b)?;
-        self.blas.matmul::<bf16, f32>(g, &va, &vb, c)
+        // Each operand's part alone is cast (a product may read part of a buffer).
+        g.check_operands(a.len(), b.len(), c.len())?;
+        let (ea, eb, _) = g.extents();
+        let va = self.cast_into(ka, a, g.offset_a..ea)?;
+        let vb = self.cast_into(kb, b, g.offset_b..eb)?;
+        self.blas
+            .matmul::<bf16, f32>(&g.operands_from_start(), &va, &vb, c)
     }
 }
 
 impl CudaOps {
-    /// `src` rounded to bf16 into the front of `kept` (replaced by a larger copy when short),
-    /// unless `kept` holds it already (the same buffer, unwritten since: see
-    /// [`operand_casts`](CudaOps::operand_casts)).
+    /// `src[range]` rounded to bf16 into the front of `kept` (replaced by a larger copy when
+    /// short), unless `kept` holds it already (the same part of the same buffer, unwritten
+    /// since: see [`operand_casts`](CudaOps::operand_casts)).
     fn cast_into<'a>(
         &self,
         kept: &'a mut Kept<CudaSlice<bf16>>,
         src: &CudaBuf,
+        range: std::ops::Range<usize>,
     ) -> Result<CudaViewMut<'a, bf16>, KernelError> {
-        let n = src.len();
+        let n = range.len();
+        let part = src.slice(range.clone());
         let cast = kept.refill(
             src.stamp(),
-            n,
+            range,
             |c: &CudaSlice<bf16>| c.len(),
             |n| {
                 let fresh = self
@@ -182,7 +188,7 @@ impl CudaOps {
                     .map_err(|e| copy_error("cuMemAllocAsync", e))?;
                 Ok(self.counted(fresh))
             },
-            |copy| launch::cast::<f32, bf16>(&self.cuda, &**src, &mut copy.slice_mut(..n)),
+            |copy| launch::cast::<f32, bf16>(&self.cuda, &part, &mut copy.slice_mut(..n)),
         )?;
         if cast {
             self.casts.fetch_add(1, Ordering::Relaxed);

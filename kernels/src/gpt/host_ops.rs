@@ -114,9 +114,12 @@ impl HostOps {
                 reason: "the kept operands' lock is poisoned".into(),
             })?;
         let [ka, kb] = &mut *kept;
-        let ra = round_into(&self.memory, ka, a, &self.roundings);
-        let rb = round_into(&self.memory, kb, b, &self.roundings);
-        gemm_f32(g, ra, rb, c)
+        // Each operand's part alone is rounded (a product may read part of a buffer).
+        g.check_operands(a.len(), b.len(), c.len())?;
+        let (ea, eb, _) = g.extents();
+        let ra = round_into(&self.memory, ka, a, g.offset_a..ea, &self.roundings);
+        let rb = round_into(&self.memory, kb, b, g.offset_b..eb, &self.roundings);
+        gemm_f32(&g.operands_from_start(), ra, rb, c)
     }
 }
 

@@ -120,7 +120,7 @@ impl GptOps for MetaOps {
     }
     fn gemm(
         &self,
-        _: &MatMul,
+        g: &MatMul,
         a: &MetaCounted,
         b: &MetaCounted,
         c: &mut MetaCounted,
@@ -134,10 +134,12 @@ impl GptOps for MetaOps {
                     reason: "the kept operands' lock is poisoned".into(),
                 })?;
             let [ka, kb] = &mut *kept;
-            for (k, src) in [(ka, a), (kb, b)] {
+            g.check_operands(a.len, b.len, c.len)?;
+            let (ea, eb, _) = g.extents();
+            for (k, src, range) in [(ka, a, g.offset_a..ea), (kb, b, g.offset_b..eb)] {
                 k.refill(
                     src.stamp(),
-                    src.len,
+                    range,
                     |m: &MetaBuf| m.len,
                     |n| Ok::<_, KernelError>(self.counted(n, bytes_of::<u16>)),
                     |_| Ok(()),

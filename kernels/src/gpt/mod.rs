@@ -21,9 +21,11 @@
 //! parameter names and shapes ([`param_shapes`]): embeddings, `n_layer` blocks (`ln_1`,
 //! `attn.c_attn` (q, k, v), causal attention, `attn.c_proj`, residual, `ln_2`, `mlp.c_fc`,
 //! GELU, `mlp.c_proj`, residual), `ln_f`, logits `= x·wteᵀ`, and the mean cross-entropy over
-//! the batch's tokens. Forward keeps what backward needs (no recomputation); backward gives
-//! every parameter's gradient, `wte`'s with the tied head's term.
+//! the batch's tokens. Forward keeps what backward needs but the attention's `t × t`
+//! probabilities, which backward computes again chunk by chunk by default ([`Attention`]);
+//! backward gives every parameter's gradient, `wte`'s with the tied head's term.
 
+mod attention;
 mod block;
 mod cuda;
 mod cuda_pool;
@@ -41,6 +43,7 @@ mod trace;
 mod units;
 mod weights;
 
+pub use attention::Attention;
 pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
 pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use host_ops::{HostBuf, HostIds, HostOps, HostProducts};

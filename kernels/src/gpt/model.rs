@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use super::attention::Attention;
 use super::ops::GptOps;
 use super::pass::GptPass;
 use super::units::Resident;
@@ -60,6 +61,12 @@ impl<O: GptOps> DeviceGpt<O> {
     /// ([`set_activation_checkpointing`](Self::set_activation_checkpointing)).
     pub fn activation_checkpointing(&self) -> bool {
         self.pass.activation_checkpointing()
+    }
+
+    /// How the blocks' attention holds its `t × t` matrices
+    /// ([`GptPass::set_attention`]): the same bits on the twins either way.
+    pub fn set_attention(&mut self, attention: Attention) {
+        self.pass.set_attention(attention);
     }
 
     /// The pass it runs (its operations, shape, checkpointing and tracing).

@@ -3,6 +3,7 @@
 
 use std::sync::Mutex;
 
+use super::attention::Attention;
 use super::ops::GptOps;
 use super::trace::Marks;
 use super::units::{Unit, Units};
@@ -21,6 +22,8 @@ pub struct GptPass<O: GptOps> {
     pub(super) ops: O,
     pub(super) dims: GptDims,
     pub(super) checkpoint: bool,
+    /// How the attention holds its `t × t` matrices.
+    pub(super) attention: Attention,
     /// The marks of a traced step ([`set_tracing`](GptPass::set_tracing)).
     pub(super) marks: Marks<O::Mark>,
 }
@@ -52,7 +55,8 @@ pub(super) struct BlockActs<B> {
     pub(super) q: B,
     pub(super) k: B,
     pub(super) v: B,
-    pub(super) att: B,
+    /// The probabilities, when [`Attention::Materialized`].
+    pub(super) att: Option<B>,
     pub(super) y: B,
     pub(super) x2: B,
     pub(super) ln2_mean: B,
@@ -73,6 +77,7 @@ impl<O: GptOps> GptPass<O> {
             ops,
             dims,
             checkpoint: false,
+            attention: Attention::default(),
             marks: Mutex::new(None),
         })
     }
@@ -91,6 +96,18 @@ impl<O: GptOps> GptPass<O> {
     /// ([`set_activation_checkpointing`](Self::set_activation_checkpointing)).
     pub fn activation_checkpointing(&self) -> bool {
         self.checkpoint
+    }
+
+    /// How the blocks' attention holds its `t × t` scores and probabilities (default:
+    /// [`Attention::Chunked`] of [`Attention::CHUNK_BYTES`]). Both give the same bits on the
+    /// twins.
+    pub fn set_attention(&mut self, attention: Attention) {
+        self.attention = attention;
+    }
+
+    /// How the blocks' attention holds its matrices ([`set_attention`](Self::set_attention)).
+    pub fn attention(&self) -> Attention {
+        self.attention
     }
 
     /// The operations.

@@ -19,6 +19,8 @@ fn each(
     c: &mut [f32],
     dot: impl Fn(&mut dyn Iterator<Item = (f32, f32)>) -> f32,
 ) {
+    let (a, b) = (&a[g.offset_a..], &b[g.offset_b..]);
+    let c = &mut c[g.offset_c..];
     for t in 0..g.batch {
         let (a, b) = (&a[t * g.stride_a..], &b[t * g.stride_b..]);
         let c = &mut c[t * g.stride_c..];
@@ -106,15 +108,16 @@ pub fn gemm_bf16_operands(
 
 /// A kept bf16 copy of one operand position of the products (grown to the largest operand
 /// it is given, the short copy freed first) and the operand it was last rounded from, by
-/// [`Stamp`] and length: a product whose operand in that position is the same buffer, unwritten
+/// [`Stamp`] and element range (a product may read part of a buffer: [`MatMul::at`]): a
+/// product whose operand in that position is the same part of the same buffer, unwritten
 /// since, uses the copy as it is (the backward's `dY` of a linear layer, the attention's `dS`
 /// and the head's `dlogits` each feed two products in a row).
 #[derive(Debug)]
 pub(super) struct Kept<T> {
     /// The copy.
     pub(super) copy: Option<Counted<T>>,
-    /// What the copy's front holds, rounded.
-    holds: Option<(Stamp, usize)>,
+    /// What the copy's front holds, rounded: the source and its element range.
+    holds: Option<(Stamp, usize, usize)>,
 }
 
 impl<T> Default for Kept<T> {
@@ -127,22 +130,25 @@ impl<T> Default for Kept<T> {
 }
 
 impl<T> Kept<T> {
-    /// Makes the copy's first `n` elements the operand of stamp `src`, rounded: nothing when
-    /// it holds them already; else a copy shorter than `n` (`len`) is freed first and
-    /// `alloc(n)` takes its place, and `round` writes it. Returns whether it rounded. The one
-    /// policy of [`CudaOps`](super::CudaOps) and of its host twin, whose memory counts agree.
+    /// Makes the copy's first `range.len()` elements the operand of stamp `src` over `range`,
+    /// rounded: nothing when it holds them already; else a copy shorter than that (`len`) is
+    /// freed first and `alloc(n)` takes its place, and `round` writes it. Returns whether it
+    /// rounded. The one policy of [`CudaOps`](super::CudaOps) and of its host twin, whose
+    /// memory counts agree.
     ///
     /// # Errors
     /// Those of `alloc` and `round` (the copy then holds nothing).
     pub(super) fn refill<E>(
         &mut self,
         src: Stamp,
-        n: usize,
+        range: std::ops::Range<usize>,
         len: impl Fn(&T) -> usize,
         alloc: impl FnOnce(usize) -> Result<Counted<T>, E>,
         round: impl FnOnce(&mut Counted<T>) -> Result<(), E>,
     ) -> Result<bool, E> {
-        if self.copy.is_some() && self.holds == Some((src, n)) {
+        let n = range.len();
+        let key = (src, range.start, n);
+        if self.copy.is_some() && self.holds == Some(key) {
             return Ok(false);
         }
         self.holds = None;
@@ -154,28 +160,30 @@ impl<T> Kept<T> {
             }
         };
         round(copy)?;
-        self.holds = Some((src, n));
+        self.holds = Some(key);
         Ok(true)
     }
 }
 
-/// `src` rounded to bf16 into the front of `kept` ([`Kept::refill`]), counted in `memory` at 2
-/// bytes an element: [`HostOps`](super::HostOps)' kept operand copies of bf16 products. Each
-/// rounding is counted in `roundings`.
+/// `src[range]` rounded to bf16 into the front of `kept` ([`Kept::refill`]), counted in
+/// `memory` at 2 bytes an element: [`HostOps`](super::HostOps)' kept operand copies of bf16
+/// products. Each rounding is counted in `roundings`.
 pub(super) fn round_into<'a>(
     memory: &Arc<MemoryCounter>,
     kept: &'a mut Kept<Vec<f32>>,
     src: &Counted<Vec<f32>>,
+    range: std::ops::Range<usize>,
     roundings: &AtomicU64,
 ) -> &'a [f32] {
-    let n = src.len();
+    let n = range.len();
+    let part = &src[range.clone()];
     let rounded = kept.refill(
         src.stamp(),
-        n,
+        range,
         Vec::len,
         |n| Ok::<_, Infallible>(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory)),
         |copy| {
-            for (d, &x) in copy.iter_mut().zip(src.iter()) {
+            for (d, &x) in copy.iter_mut().zip(part.iter()) {
                 *d = bf16_to_f32(f32_to_bf16(x));
             }
             Ok(())
@@ -203,10 +211,15 @@ mod tests {
         };
         for trans_a in [false, true] {
             for trans_b in [false, true] {
-                for (batch, beta) in [(1, 0.0), (3, 1.0), (2, 0.5)] {
+                for (batch, beta, (oa, ob, oc)) in [
+                    (1, 0.0, (0, 0, 0)),
+                    (3, 1.0, (2, 3, 1)),
+                    (2, 0.5, (0, 5, 0)),
+                ] {
                     let (m, n, k) = (3, 5, 7);
                     let g = MatMul::new(m, n, k, trans_a, trans_b)
                         .batched(batch, m * k + 1, k * n + 2, m * n + 3)
+                        .at(oa, ob, oc)
                         .with_alpha(0.75)
                         .with_beta(beta);
                     let (ea, eb, ec) = g.extents();
@@ -227,6 +240,10 @@ mod tests {
         }
         let g = MatMul::new(2, 2, 2, false, false);
         assert!(gemm_f32(&g, &[0.0; 3], &[0.0; 4], &mut [0.0; 4]).is_err());
+        // An offset past what the buffer holds.
+        let off = g.at(0, 1, 0);
+        assert!(gemm_f32(&off, &[0.0; 4], &[0.0; 4], &mut [0.0; 4]).is_err());
+        assert!(gemm_f32(&off, &[0.0; 4], &[0.0; 5], &mut [0.0; 4]).is_ok());
         let overlapping = g.batched(2, 4, 4, 3);
         let e = gemm_f64_rounded(&overlapping, &[0.0; 8], &[0.0; 8], &mut [0.0; 8]);
         assert!(e.unwrap_err().to_string().contains("overlap"));

@@ -30,7 +30,9 @@ use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::{Blas, MatMul};
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, PeerOps, Products};
+use fsdp_kernels::gpt::{
+    Attention, CudaOps, GptOps, HostOps, HostProducts, MemoryUse, PeerOps, Products,
+};
 
 /// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
 const BF16_PEAK_TFLOPS: [(&str, f64); 6] = [
@@ -72,6 +74,10 @@ struct Args {
     /// Activation checkpointing: each block's forward run again before its backward.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// The attention's T × T matrices: `chunked` (computed again in backward) or
+    /// `materialized` (kept from forward).
+    #[arg(long, default_value = "chunked")]
+    attention: Attention,
     /// Read each step's outcome before enqueuing the next (the host waits for the device every
     /// step), instead of one step late as `fsdp train --device` does: the baseline of the
     /// one-late reads.
@@ -269,6 +275,7 @@ fn bench(args: &Args) -> Result<(), String> {
             grad_accum: 1,
             offload: args.cpu_offload,
             activation_checkpointing: args.activation_checkpointing,
+            attention: args.attention,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

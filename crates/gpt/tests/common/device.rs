@@ -39,6 +39,7 @@ pub fn device_config(
         grad_accum: accum,
         offload: false,
         activation_checkpointing: false,
+        attention: Default::default(),
     }
 }
 

@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use fsdp_collectives::Backend;
 use fsdp_device::DType;
 use fsdp_gpt::runtime::{BackwardPrefetch, ShardingStrategy};
+use fsdp_kernels::gpt::Attention;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -162,6 +163,13 @@ pub(crate) struct ModelArgs {
     /// activations' peak from every block's saved activations to their inputs plus one block's.
     #[arg(long)]
     pub(crate) activation_checkpointing: bool,
+    /// With --device: how each block's attention holds its T × T scores and probabilities:
+    /// `chunked` (the default: 64 MiB of (sequence, head) pairs at a time, computed again in
+    /// backward instead of kept, as flash attention does) or `materialized` (every pair's
+    /// probabilities kept from forward for backward: more memory, no recomputation). The
+    /// same losses either way on the host twins, bitwise.
+    #[arg(long)]
+    pub(crate) attention: Option<Attention>,
     /// Mixed precision: the dtype parameters are all-gathered and read in (f32, bf16 or f16;
     /// the sharded master weights and the optimizer stay f32, except under --optimizer
     /// anyprecision-adamw, which stores the shards in this dtype: f32 or bf16). Default f32;

@@ -293,6 +293,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         grad_accum: args.grad_accum,
         offload: args.cpu_offload,
         activation_checkpointing: args.model.activation_checkpointing,
+        attention: args.model.attention.unwrap_or_default(),
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;

@@ -53,6 +53,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         grad_accum: args.grad_accum,
         offload: args.cpu_offload,
         activation_checkpointing: args.model.activation_checkpointing,
+        attention: args.model.attention.unwrap_or_default(),
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {

@@ -24,6 +24,11 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
             "--cpu-offload: only with --device (the sharded engine's plan is of host memory)",
         ));
     }
+    if args.model.attention.is_some() {
+        return Err(fail(
+            "--attention: only with --device (the sharded engine's plan is of the CPU GPT)",
+        ));
+    }
     if args.grad_clip.is_some() {
         return Err(fail(
             "--grad-clip: only with --device (the sharded engine's plan does not depend on it)",

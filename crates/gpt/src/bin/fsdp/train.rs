@@ -82,6 +82,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
              memory already)",
         ));
     }
+    if args.model.attention.is_some() {
+        return Err(fail(
+            "--attention: only with --device cuda (the CPU reference GPT's attention is its own)",
+        ));
+    }
     // ---- Validate everything before any rank starts.
     // The options not given come from --resume's checkpoint or --init-from's file.
     let Resolved {

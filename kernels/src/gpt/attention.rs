@@ -1,0 +1,244 @@
+//! The blocks' causal self-attention, forward and backward, for [`GptPass`]: over every
+//! (sequence, head) at once with the probabilities kept for backward
+//! ([`Attention::Materialized`]), or over chunks of them with nothing of `t × t` kept
+//! ([`Attention::Chunked`]).
+
+use super::ops::GptOps;
+use super::pass::{GptPass, Step};
+use crate::gemm::MatMul;
+use crate::KernelError;
+
+/// How the blocks' attention holds its `t × t` scores and probabilities (each (sequence,
+/// head) pair of a micro-batch has one `t × t` matrix of each, f32).
+///
+/// Both give the same bits on the kernels' twins: every (sequence, head) pair is its own
+/// product and softmax, so splitting them into chunks changes no sum's order, and the
+/// probabilities computed again in backward are those of forward (the same operations on the
+/// same inputs). cuBLAS may choose another algorithm for a smaller batch, so on a GPU the two
+/// agree within the products' rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Attention {
+    /// Every pair at once; each block keeps its probabilities from forward for backward
+    /// (`rows·heads·t²` f32 a block, PyTorch's "math" attention).
+    Materialized,
+    /// Pairs in chunks whose scores take at most `max_bytes` (at least one pair a chunk);
+    /// forward keeps nothing of `t × t`, and backward computes each chunk's scores and
+    /// probabilities again from `q` and `k` (flash attention's recomputation, with the
+    /// products still cuBLAS's). A block holds one chunk's matrices at a time: three in
+    /// backward (the probabilities, their gradient, the scores' gradient).
+    Chunked {
+        /// The most bytes of one chunk's scores.
+        max_bytes: usize,
+    },
+}
+
+impl Default for Attention {
+    /// [`Attention::Chunked`] of [`Attention::CHUNK_BYTES`].
+    fn default() -> Attention {
+        Attention::Chunked {
+            max_bytes: Attention::CHUNK_BYTES,
+        }
+    }
+}
+
+impl std::str::FromStr for Attention {
+    type Err = String;
+
+    /// `chunked` ([`Attention::default`]) or `materialized`.
+    fn from_str(s: &str) -> Result<Attention, String> {
+        match s {
+            "chunked" => Ok(Attention::default()),
+            "materialized" => Ok(Attention::Materialized),
+            _ => Err(format!(
+                "unknown attention {s:?} (expected chunked or materialized)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Attention {
+    /// `materialized`, or `chunked (N MiB)` (bytes when not whole MiB).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Attention::Materialized => f.write_str("materialized"),
+            Attention::Chunked { max_bytes } if max_bytes % (1 << 20) == 0 => {
+                write!(f, "chunked ({} MiB)", max_bytes >> 20)
+            }
+            Attention::Chunked { max_bytes } => write!(f, "chunked ({max_bytes} B)"),
+        }
+    }
+}
+
+impl Attention {
+    /// The default chunk's bytes of scores: 64 MiB, 16 (sequence, head) pairs at 1024 tokens.
+    pub const CHUNK_BYTES: usize = 64 << 20;
+
+    /// The (sequence, head) pairs of one chunk for sequences of `t` tokens, out of `pairs`
+    /// (all of them when materialized).
+    pub fn chunk_pairs(&self, t: usize, pairs: usize) -> usize {
+        match *self {
+            Attention::Materialized => pairs,
+            Attention::Chunked { max_bytes } => {
+                let each = t.saturating_mul(t).saturating_mul(4).max(1);
+                (max_bytes / each).clamp(1, pairs.max(1))
+            }
+        }
+    }
+
+    /// Whether forward keeps the probabilities for backward.
+    pub fn keeps_probabilities(&self) -> bool {
+        *self == Attention::Materialized
+    }
+}
+
+impl<O: GptOps> GptPass<O> {
+    /// The causal attention of `q`, `k`, `v` (each `[pairs, t, hd]`) into `[pairs, t, hd]`,
+    /// and the probabilities when [`Attention::Materialized`] (kept for backward).
+    pub(super) fn attention_forward(
+        &self,
+        s: Step,
+        q: &O::Buf,
+        k: &O::Buf,
+        v: &O::Buf,
+    ) -> Result<(O::Buf, Option<O::Buf>), KernelError> {
+        let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
+        let ne = s.n * self.dims.n_embd;
+        if self.attention.keeps_probabilities() {
+            let att = self.probabilities(s, q, k, 0, s.rows * self.dims.n_head)?;
+            let mut yh = ops.empty(ne)?;
+            ops.gemm(
+                &heads_product(t, hd, O::buf_len(&att) / (t * t), 0, false),
+                &att,
+                v,
+                &mut yh,
+            )?;
+            return Ok((yh, Some(att)));
+        }
+        let mut yh = ops.empty(ne)?;
+        for (first, count) in self.chunks(s) {
+            let att = self.probabilities(s, q, k, first, count)?;
+            ops.gemm(
+                &heads_product(t, hd, count, first * t * hd, false),
+                &att,
+                v,
+                &mut yh,
+            )?;
+        }
+        Ok((yh, None))
+    }
+
+    /// The gradients `[dq, dk, dv]` (each `[pairs, t, hd]`) from the heads' output gradient
+    /// `dyh` (consumed), with forward's probabilities `att` when materialized (else computed
+    /// again, chunk by chunk).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_backward(
+        &self,
+        s: Step,
+        q: &O::Buf,
+        k: &O::Buf,
+        v: &O::Buf,
+        att: Option<&O::Buf>,
+        dyh: O::Buf,
+    ) -> Result<[O::Buf; 3], KernelError> {
+        let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
+        let ne = s.n * self.dims.n_embd;
+        if let Some(att) = att {
+            let pairs = O::buf_len(att) / (t * t);
+            let dp = self.dprobs(s, &dyh, v, 0, pairs)?;
+            let mut dv = ops.empty(ne)?;
+            ops.gemm(&heads_product(t, hd, pairs, 0, true), att, &dyh, &mut dv)?;
+            drop(dyh);
+            let ds = self.dscores(att, dp, t)?;
+            let mut dq = ops.empty(ne)?;
+            ops.gemm(&heads_product(t, hd, pairs, 0, false), &ds, k, &mut dq)?;
+            let mut dk = ops.empty(ne)?;
+            ops.gemm(&heads_product(t, hd, pairs, 0, true), &ds, q, &mut dk)?;
+            return Ok([dq, dk, dv]);
+        }
+        let (mut dq, mut dk, mut dv) = (ops.empty(ne)?, ops.empty(ne)?, ops.empty(ne)?);
+        for (first, count) in self.chunks(s) {
+            let at = first * t * hd;
+            let att = self.probabilities(s, q, k, first, count)?;
+            let dp = self.dprobs(s, &dyh, v, first, count)?;
+            ops.gemm(&heads_product(t, hd, count, at, true), &att, &dyh, &mut dv)?;
+            let ds = self.dscores(&att, dp, t)?;
+            ops.gemm(&heads_product(t, hd, count, at, false), &ds, k, &mut dq)?;
+            ops.gemm(&heads_product(t, hd, count, at, true), &ds, q, &mut dk)?;
+        }
+        Ok([dq, dk, dv])
+    }
+
+    /// The chunks of a step's (sequence, head) pairs: `(first, count)`, the largest first.
+    fn chunks(&self, s: Step) -> impl Iterator<Item = (usize, usize)> {
+        let pairs = s.rows * self.dims.n_head;
+        let each = self.attention.chunk_pairs(s.t, pairs);
+        (0..pairs)
+            .step_by(each)
+            .map(move |first| (first, each.min(pairs - first)))
+    }
+
+    /// `P = causal softmax(q·kᵀ/√hd)` of `count` pairs from pair `first`, `[count, t, t]`.
+    fn probabilities(
+        &self,
+        s: Step,
+        q: &O::Buf,
+        k: &O::Buf,
+        first: usize,
+        count: usize,
+    ) -> Result<O::Buf, KernelError> {
+        let (ops, t) = (&self.ops, s.t);
+        let mut sc = ops.empty(count * t * t)?;
+        ops.gemm(&self.scores_product(t, first, count), q, k, &mut sc)?;
+        let mut att = ops.empty(count * t * t)?;
+        ops.causal_softmax_forward(&sc, t, self.scale(), &mut att)?;
+        Ok(att)
+    }
+
+    /// `dP = dYh·vᵀ` of `count` pairs from pair `first`, `[count, t, t]`.
+    fn dprobs(
+        &self,
+        s: Step,
+        dyh: &O::Buf,
+        v: &O::Buf,
+        first: usize,
+        count: usize,
+    ) -> Result<O::Buf, KernelError> {
+        let mut dp = self.ops.empty(count * s.t * s.t)?;
+        self.ops
+            .gemm(&self.scores_product(s.t, first, count), dyh, v, &mut dp)?;
+        Ok(dp)
+    }
+
+    /// `A·Bᵀ` of `count` pairs from pair `first` (`A`, `B` `[pairs, t, hd]`) into
+    /// `[count, t, t]`: the scores `q·kᵀ`, the probabilities' gradient `dYh·vᵀ`.
+    fn scores_product(&self, t: usize, first: usize, count: usize) -> MatMul {
+        let hd = self.dims.head_dim();
+        let at = first * t * hd;
+        MatMul::new(t, t, hd, false, true)
+            .batched(count, t * hd, t * hd, t * t)
+            .at(at, at, 0)
+    }
+
+    /// `dS = scale·P⊙(dP − rowsum(P⊙dP))` (of the unscaled scores), `dP` consumed.
+    fn dscores(&self, att: &O::Buf, dp: O::Buf, t: usize) -> Result<O::Buf, KernelError> {
+        let mut ds = self.ops.empty(O::buf_len(att))?;
+        self.ops
+            .causal_softmax_backward(att, &dp, t, self.scale(), &mut ds)?;
+        Ok(ds)
+    }
+
+    /// The scores' scale, `1/√head_dim`.
+    pub(super) fn scale(&self) -> f32 {
+        (1.0 / (self.dims.head_dim() as f64).sqrt()) as f32
+    }
+}
+
+/// `M·X` of `count` pairs, `M` `[count, t, t]` (transposed when `trans`) and `X`, the result
+/// `[pairs, t, hd]` read and written from element `at`: the heads' outputs `P·v`, and in
+/// backward `dv = Pᵀ·dYh`, `dq = dS·k`, `dk = dSᵀ·q`.
+fn heads_product(t: usize, hd: usize, count: usize, at: usize, trans: bool) -> MatMul {
+    MatMul::new(t, hd, t, trans, false)
+        .batched(count, t * t, t * hd, t * hd)
+        .at(0, at, at)
+}
