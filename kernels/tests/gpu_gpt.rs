@@ -19,7 +19,7 @@ use common::{data, gpu, ids, max_abs, max_abs_diff, weights};
 use fsdp_device::Stream;
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{
-    Attention, CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Products,
+    Attention, CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Logits, Products,
 };
 
 fn cuda_ops(test: &str) -> CudaOps {
@@ -65,19 +65,26 @@ fn model<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (DeviceGpt<
 
 /// One step of `model` on the case's batch: the loss and every gradient.
 fn run<O: GptOps>(ops: O, dims: GptDims, rows: usize, t: usize) -> (f32, Vec<(String, Vec<f32>)>) {
-    run_with(ops, dims, rows, t, Attention::default())
+    run_with(
+        ops,
+        dims,
+        rows,
+        t,
+        (Attention::default(), Logits::default()),
+    )
 }
 
-/// [`run`] with the attention's matrices held as `attention` says.
+/// [`run`] with the attention's matrices and the logits held as `chunks` says.
 fn run_with<O: GptOps>(
     ops: O,
     dims: GptDims,
     rows: usize,
     t: usize,
-    attention: Attention,
+    chunks: (Attention, Logits),
 ) -> (f32, Vec<(String, Vec<f32>)>) {
     let (mut model, [x, y]) = model(ops, dims, rows, t);
-    model.set_attention(attention);
+    model.set_attention(chunks.0);
+    model.set_logits(chunks.1);
     let loss = model.step(&x, &y, rows, t).unwrap();
     (loss, model.download_grads().unwrap())
 }
@@ -227,57 +234,61 @@ fn the_cuda_step_with_bf16_products_matches_its_twin() {
     assert_eq!(casts, roundings);
 }
 
-/// The attention in chunks of one (sequence, head) pair — products on parts of buffers
-/// (`MatMul::at`: cuBLAS at offset pointers; with bf16 products, kept copies of the parts) —
-/// and materialized, each on CUDA against its twin with the bounds above (the twins of the two
-/// are bitwise equal: `tests/attention_chunks.rs`), the bf16 casts counted as the twin counts
-/// its roundings.
+/// The attention in chunks of one (sequence, head) pair and the logits in chunks of 5 tokens
+/// — products on parts of buffers (`MatMul::at`: cuBLAS at offset pointers; with bf16
+/// products, kept copies of the parts), the cross-entropy on rows of the targets and losses —
+/// and both whole, each on CUDA against its twin with the bounds above (the twins of the two
+/// agree bitwise but the tied weight's gradient: `tests/attention_chunks.rs`,
+/// `tests/logits_chunks.rs`), the bf16 casts counted as the twin counts its roundings.
 #[test]
-fn chunked_attention_on_cuda_matches_its_twin() {
-    let test = "chunked_attention_on_cuda_matches_its_twin";
+fn chunks_on_cuda_match_their_twins() {
+    let test = "chunks_on_cuda_match_their_twins";
     if !gpu(test) {
         return;
     }
-    let one = |t: usize| Attention::Chunked {
-        max_bytes: t * t * 4,
-    };
     for (dims, rows, t) in cases() {
-        for attention in [one(t), Attention::Materialized] {
-            let host = run_with(HostOps::new(), dims, rows, t, attention);
-            let dev = run_with(cuda_ops(test), dims, rows, t, attention);
+        let small = (
+            Attention::Chunked {
+                max_bytes: t * t * 4,
+            },
+            Logits::Chunked {
+                max_bytes: 5 * dims.vocab_size * 4,
+            },
+        );
+        for chunks in [small, (Attention::Materialized, Logits::Whole)] {
+            let host = run_with(HostOps::new(), dims, rows, t, chunks);
+            let dev = run_with(cuda_ops(test), dims, rows, t, chunks);
             let (rel, grad, name) = differences(&dev, &host);
-            println!("[{dims:?}] {attention}: GPU vs host: loss {rel:.2e}, gradients {grad:.2e}");
+            println!("[{dims:?}] {chunks:?}: GPU vs host: loss {rel:.2e}, gradients {grad:.2e}");
             assert!(
                 rel <= LOSS_BOUND,
-                "{attention}: loss {} vs {}",
+                "{chunks:?}: loss {} vs {}",
                 dev.0,
                 host.0
             );
-            assert!(grad <= GRAD_BOUND, "{attention}: {name}: {grad:e}");
+            assert!(grad <= GRAD_BOUND, "{chunks:?}: {name}: {grad:e}");
             let bf16 = HostOps::with_products(HostProducts::Bf16Operands);
-            let host = run_with(bf16, dims, rows, t, attention);
-            let f32_host = run_with(HostOps::new(), dims, rows, t, attention);
+            let host = run_with(bf16, dims, rows, t, chunks);
+            let f32_host = run_with(HostOps::new(), dims, rows, t, chunks);
             let (_, scale, _) = differences(&host, &f32_host);
             let ops = cuda_ops(test).with_products(Products::Bf16);
-            let dev = run_with(ops, dims, rows, t, attention);
+            let dev = run_with(ops, dims, rows, t, chunks);
             let (rel, grad, name) = differences(&dev, &host);
             assert!(
                 rel <= 1e-4,
-                "{attention}, bf16: loss {} vs {}",
+                "{chunks:?}, bf16: loss {} vs {}",
                 dev.0,
                 host.0
             );
-            assert!(grad <= 2.0 * scale, "{attention}, bf16: {name}: {grad:e}");
+            assert!(grad <= 2.0 * scale, "{chunks:?}, bf16: {name}: {grad:e}");
         }
-        let (mut host, [x, y]) = model(
-            HostOps::with_products(HostProducts::Bf16Operands),
-            dims,
-            rows,
-            t,
-        );
+        let twin = HostOps::with_products(HostProducts::Bf16Operands);
+        let (mut host, [x, y]) = model(twin, dims, rows, t);
         let (mut dev, _) = model(cuda_ops(test).with_products(Products::Bf16), dims, rows, t);
-        host.set_attention(one(t));
-        dev.set_attention(one(t));
+        host.set_attention(small.0);
+        dev.set_attention(small.0);
+        host.set_logits(small.1);
+        dev.set_logits(small.1);
         host.step(&x, &y, rows, t).unwrap();
         dev.step(&x, &y, rows, t).unwrap();
         assert_eq!(dev.ops().operand_casts(), host.ops().operand_roundings());

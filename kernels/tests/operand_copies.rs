@@ -12,7 +12,7 @@ use common::{data, ids, weights};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::MatMul;
 use fsdp_kernels::gpt::{
-    gemm_bf16_operands, Attention, DeviceGpt, GptDims, GptOps, HostOps, HostProducts,
+    gemm_bf16_operands, Attention, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Logits,
 };
 
 fn product(ops: &HostOps, g: &MatMul, a: &[f32], b: &[f32]) -> (Vec<f32>, Vec<f32>) {
@@ -94,19 +94,27 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
     // Per block: the forward's four linear layers and two attention products (12 operands);
     // the backward's four linear layers (weight and input gradients, 16 operands, `dY` shared
     // by each pair: 4 reused) and four attention products (8 operands, `dS` shared: 1 reused).
-    // The head: logits (2), the tied weight's gradient (2), ln_f's input gradient (2,
-    // `dlogits` shared: 1 reused). So 5 + 31 per block on the first step, the probabilities
-    // kept. Attention in c chunks rounds each chunk's parts of its operands: 4 a chunk in
-    // forward, and in backward the scores again (2) besides the 7: 20 + 13·c per block.
+    // The head, per chunk of tokens: logits (2), ln_f's input gradient (`wte` reused: 1),
+    // the tied weight's gradient (`dlogits` reused: 1). So 4 + 31 per block on the first
+    // step, the probabilities kept and the logits whole. Attention in c chunks rounds each
+    // chunk's parts of its operands: 4 a chunk in forward, and in backward the scores again
+    // (2) besides the 7: 20 + 13·c per block.
     let t = 8;
-    for (attention, per_block) in [
-        (Attention::Materialized, 31),
-        (Attention::default(), 33),
+    let whole = Logits::Whole;
+    // 16 tokens of a vocabulary of 32 in chunks of 5 tokens: 4 chunks.
+    let four = Logits::Chunked {
+        max_bytes: 5 * 32 * 4 + 3,
+    };
+    for (attention, logits, head, per_block) in [
+        (Attention::Materialized, whole, 4, 31),
+        (Attention::default(), Logits::default(), 4, 33),
         // 4 (sequence, head) pairs, 2 a chunk.
         (
             Attention::Chunked {
                 max_bytes: 2 * t * t * 4,
             },
+            four,
+            16,
             20 + 13 * 2,
         ),
     ] {
@@ -122,12 +130,13 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
             let ops = HostOps::with_products(HostProducts::Bf16Operands);
             let mut model = DeviceGpt::new(ops, dims, &weights(&cfg)).unwrap();
             model.set_attention(attention);
+            model.set_logits(logits);
             let (x, y) = (ids(16, 1, 32), ids(16, 2, 32));
             model.step(&x, &y, 2, t).unwrap();
             assert_eq!(
                 model.ops().operand_roundings(),
-                5 + per_block * n_layer as u64,
-                "{n_layer} layers, {attention:?}"
+                head + per_block * n_layer as u64,
+                "{n_layer} layers, {attention:?}, {logits:?}"
             );
         }
     }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use fsdp::init::materialize;
 use fsdp::optim::{check_max_norm, AdamWConfig, LrSchedule};
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{Attention, GptDims};
+use fsdp_kernels::gpt::{Attention, GptDims, Logits};
 use fsdp_kernels::host::STEP_CHOICES;
 use fsdp_kernels::KernelError;
 
@@ -106,6 +106,11 @@ pub struct DeviceTrainConfig {
     /// ([`Attention`]; by default in chunks of 64 MiB, computed again in backward rather than
     /// kept): the same training bit for bit on the host twins either way.
     pub attention: Attention,
+    /// How the head holds its `tokens × vocabulary` logits ([`Logits`]; by default in chunks
+    /// of 256 MiB of logits, each chunk's cross-entropy and backward before the next's): the
+    /// same losses bit for bit on the host twins either way, the tied weight's gradient summed
+    /// chunk by chunk.
+    pub logits: Logits,
 }
 
 impl DeviceTrainConfig {

@@ -26,7 +26,7 @@
 use std::fmt;
 
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{param_shapes, Attention, Products};
+use fsdp_kernels::gpt::{param_shapes, Attention, Logits, Products};
 use fsdp_kernels::host::step_scalars_len;
 
 use crate::device_train::{DeviceTrainConfig, DeviceTrainError};
@@ -81,6 +81,10 @@ pub struct DeviceMemoryPlan {
     pub attention: Attention,
     /// (Sequence, head) pairs whose `t × t` matrices the attention holds at once.
     pub attention_pairs: usize,
+    /// How the head holds its logits.
+    pub logits: Logits,
+    /// Tokens whose logits the head holds at once.
+    pub logit_tokens: usize,
     /// Where the step peaks.
     pub peak_moment: String,
     /// Saved activations held at the peak.
@@ -179,6 +183,16 @@ impl fmt::Display for DeviceMemoryPlan {
             writeln!(f, "  {name:<18} {bytes:>14}  {:>11}  ({what})", mib(bytes))?;
         }
         writeln!(f, "  {attention}")?;
+        if self.logits == Logits::Whole {
+            writeln!(f, "  logits: whole, {} tokens' at once", self.logit_tokens)?;
+        } else {
+            writeln!(
+                f,
+                "  logits: {}, {} tokens' at a time, each chunk's cross-entropy and backward \
+                 before the next's",
+                self.logits, self.logit_tokens
+            )?;
+        }
         if self.offloaded > 0 {
             writeln!(
                 f,
@@ -279,7 +293,8 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     );
     let n = prod(&[rows, t]);
     let ne = prod(&[rows, t, e]);
-    let nv = prod(&[rows, t, v]);
+    // The head's logits: one chunk's (the first, the largest), every token's when whole.
+    let nv = prod(&[c.logits.chunk_tokens(v, rows.saturating_mul(t)), v]);
     // The attention's matrices: every (sequence, head) pair's when materialized (kept), one
     // chunk's (the first, the largest) when chunked.
     let a = Attn {
@@ -319,11 +334,11 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     r.phase = "head".into();
     r.alloc(Tape, ne + 2 * n, "ln_f");
     r.tape = r.live[Tape as usize];
-    // The logits' gradient is written over the logits (one n × v buffer).
-    r.alloc(Work, nv, "logits, then their gradient");
     r.alloc(Ids, n, "targets");
     r.alloc(Work, n, "losses");
     r.alloc(Work, ne, "ln_f's output gradient");
+    // A chunk's logits, their gradient written over them; freed before the next chunk's.
+    r.alloc(Work, nv, "a chunk's logits, then their gradient");
     r.free(Work, nv);
     r.alloc(Work, ne, "x's gradient");
     if let Some(layer) = layers.checked_sub(1) {
@@ -429,9 +444,11 @@ fn largest_operands(c: &DeviceTrainConfig, rows: usize) -> (u128, u128) {
         c.cfg.n_head,
     );
     let ne = prod(&[rows, t, e]);
-    // The attention's probabilities and scores' gradient, of one chunk when chunked.
+    // The attention's probabilities and scores' gradient, of one chunk when chunked; the
+    // logits' gradient of one chunk of tokens.
     let t2 = prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]);
-    let first = [4 * ne, t2, prod(&[rows, t, v])];
+    let nv = prod(&[c.logits.chunk_tokens(v, rows.saturating_mul(t)), v]);
+    let first = [4 * ne, t2, nv];
     let second = [4 * prod(&[e, e]), prod(&[v, e]), 4 * ne];
     let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);
     (max(&first), max(&second))
@@ -521,6 +538,11 @@ pub fn plan_memory(
         attention_pairs: config.attention.chunk_pairs(
             config.cfg.block_size,
             rows.saturating_mul(config.cfg.n_head),
+        ),
+        logits: config.logits,
+        logit_tokens: config.logits.chunk_tokens(
+            config.cfg.vocab_size,
+            rows.saturating_mul(config.cfg.block_size),
         ),
         peak_moment: r.moment,
         peak_tape: to_u64(r.at_peak[Kind::Tape as usize], "activations")?,

@@ -201,6 +201,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let mut pass = GptPass::new(ops, dims)?;
         pass.set_activation_checkpointing(config.activation_checkpointing);
         pass.set_attention(config.attention);
+        pass.set_logits(config.logits);
         let ops = pass.ops();
         let tensors = param_shapes(&dims).len();
         let scalars = ops.scalars(&vec![0.0; step_scalars_len(tensors)])?;

@@ -153,6 +153,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         let mut model = DeviceGpt::new(ops, dims, params)?;
         model.set_activation_checkpointing(config.activation_checkpointing);
         model.set_attention(config.attention);
+        model.set_logits(config.logits);
         let tensors = param_shapes(&dims).len();
         let state = if config.offload {
             let host = HostOps::new();

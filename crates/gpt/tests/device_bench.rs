@@ -30,6 +30,7 @@ fn tiny() -> DeviceTrainConfig {
         offload: false,
         activation_checkpointing: false,
         attention: Default::default(),
+        logits: Default::default(),
     }
 }
 

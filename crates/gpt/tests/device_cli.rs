@@ -216,7 +216,7 @@ fn host_twin_bf16_products_track_the_f32_run() {
 #[test]
 fn device_plan_predicts_the_peak_the_run_logs() {
     let dir = scratch("device_cli", "device_plan");
-    let cases: [&[&str]; 4] = [
+    let cases: [&[&str]; 5] = [
         &[],
         &[
             "--param-dtype",
@@ -228,6 +228,7 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         ],
         &["--activation-checkpointing"],
         &["--attention", "materialized"],
+        &["--logits", "whole"],
     ];
     let mut losses = Vec::new();
     for (i, extra) in cases.into_iter().enumerate() {
@@ -309,11 +310,21 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         "{}",
         losses[3].2
     );
-    // Only the device's GPT has it.
+    // The logits whole: the same losses (the test model's logits are one chunk anyway).
+    assert_eq!(losses[4].0, losses[0].0, "losses with --logits whole");
+    assert!(
+        losses[0].2.contains("logits: chunked (256 MiB)"),
+        "{}",
+        losses[0].2
+    );
+    assert!(losses[4].2.contains("logits: whole"), "{}", losses[4].2);
+    // Only the device's GPT has them.
     for cmd in ["train", "plan"] {
-        let mut a = vec![cmd, "--attention", "chunked"];
-        a.extend_from_slice(&common::cli::SMALL_MODEL);
-        one_error_status_1(&fsdp(&a), &["--attention", "only with --device"]);
+        for (option, value) in [("--attention", "chunked"), ("--logits", "whole")] {
+            let mut a = vec![cmd, option, value];
+            a.extend_from_slice(&common::cli::SMALL_MODEL);
+            one_error_status_1(&fsdp(&a), &[option, "only with --device"]);
+        }
     }
     // Several ranks: one rank's plan (tests/device_sharded_cli.rs holds it to the run's peak).
     let mut a = vec!["plan"];

@@ -10,7 +10,7 @@ use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Products};
+use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
 
 fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> DeviceTrainConfig {
     DeviceTrainConfig {
@@ -30,6 +30,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         offload: false,
         activation_checkpointing: false,
         attention: Default::default(),
+        logits: Default::default(),
     }
 }
 
@@ -122,7 +123,8 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     let tape = 4 * (l * per_block + 2 * n * e + 2 * n);
     assert_eq!(plan.tape, tape, "{name}");
     let operands = if bf16 {
-        let a = (4 * n * e).max(pairs * t * t).max(n * v);
+        let tokens = c.logits.chunk_tokens(v as usize, n as usize) as u64;
+        let a = (4 * n * e).max(pairs * t * t).max(tokens * v);
         let b = (4 * e * e).max(v * e).max(4 * n * e);
         2 * (a + b)
     } else {
@@ -156,10 +158,10 @@ fn predicted_peak_equals_the_host_twins_f32() {
 }
 
 /// The attention's probabilities kept (materialized) or computed again in chunks of one,
-/// three and every (sequence, head) pair: each plan is the measured peak, and chunks hold
-/// less than kept probabilities.
+/// three and every (sequence, head) pair, the logits whole or in chunks: each plan is the
+/// measured peak, and chunks hold less than kept probabilities.
 #[test]
-fn predicted_peak_for_each_attention_equals_the_host_twins() {
+fn predicted_peak_for_each_attention_and_logits_equals_the_host_twins() {
     let cfg = GptConfig::new(2, 2, 32, 64, 64).unwrap();
     let pair = 64 * 64 * 4;
     for (accum, bf16, ckpt) in [(1, false, false), (2, true, false), (1, true, true)] {
@@ -191,6 +193,23 @@ fn predicted_peak_for_each_attention_equals_the_host_twins() {
             }
         }
         assert_eq!(plan_memory(&kept, products).unwrap(), materialized);
+        // The logits whole, and in chunks of 50 tokens (of 256): the chunks hold less.
+        let whole = DeviceTrainConfig {
+            logits: Logits::Whole,
+            ..base
+        };
+        let whole = check(&format!("{what}, logits whole"), &whole, bf16);
+        let fifty = DeviceTrainConfig {
+            logits: Logits::Chunked {
+                max_bytes: 50 * 64 * 4,
+            },
+            ..base
+        };
+        let fifty = check(&format!("{what}, logits in chunks of 50"), &fifty, bf16);
+        assert!(fifty.peak <= whole.peak, "{fifty}\n{whole}");
+        assert!(fifty
+            .to_string()
+            .contains("logits: chunked (12800 B), 50 tokens'"));
     }
 }
 

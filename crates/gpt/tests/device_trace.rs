@@ -25,8 +25,9 @@ fn micro_batch_parts(after: &str) -> Vec<(SpanKind, String)> {
         f("embedding forward"),
         f("forward block 0"),
         f("forward block 1"),
-        f("head forward (ln_f, logits, cross-entropy)"),
-        b("head backward"),
+        f("head forward (ln_f)"),
+        b("head (logits, cross-entropy and their backward)"),
+        b("head backward (ln_f)"),
         b("backward block 1"),
         b("backward block 0"),
         b("embedding backward"),
@@ -168,10 +169,10 @@ fn fsdp_train_device_writes_the_trace() {
         serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let events = v["traceEvents"].as_array().unwrap();
     let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
-    // 3 steps of one micro-batch: 8 parts each (no accumulation), and the optimizer step.
-    assert_eq!(spans.len(), 3 * 9, "{v}");
+    // 3 steps of one micro-batch: 9 parts each (no accumulation), and the optimizer step.
+    assert_eq!(spans.len(), 3 * 10, "{v}");
     assert_eq!(spans[1]["name"], "forward block 0");
-    assert_eq!(spans[8]["cat"], "optimizer");
+    assert_eq!(spans[9]["cat"], "optimizer");
     assert!(spans.iter().all(|e| e["pid"] == 0 && e["tid"] == 0));
 }
 
@@ -211,8 +212,9 @@ fn each_rank_of_sharded_training_traces_its_collectives() {
         f("forward block 0"),
         f("unshard block 1"),
         f("forward block 1"),
-        f("head forward (ln_f, logits, cross-entropy)"),
-        b("head backward"),
+        f("head forward (ln_f)"),
+        b("head (logits, cross-entropy and their backward)"),
+        b("head backward (ln_f)"),
         b("unshard block 1 for backward"),
         b("backward block 1"),
         b("reduce block 1's gradients"),

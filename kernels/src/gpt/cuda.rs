@@ -12,7 +12,7 @@ use half::bf16;
 use super::cuda_pool::hold_pool_memory;
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::GptOps;
+use super::ops::{loss_rows, GptOps};
 use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
@@ -395,11 +395,15 @@ impl GptOps for CudaOps {
         &self,
         logits: &mut CudaBuf,
         targets: &CudaIds,
+        first: usize,
         v: usize,
         dloss: f32,
         losses: &mut CudaBuf,
     ) -> Result<(), KernelError> {
-        launch::cross_entropy_fused_in_place(&self.cuda, logits, targets, v, dloss, losses)
+        let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
+        let targets = targets.slice(rows.clone());
+        let mut losses = losses.slice_mut(rows);
+        launch::cross_entropy_fused_in_place(&self.cuda, logits, &targets, v, dloss, &mut losses)
     }
 
     fn embedding_forward(

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::GptOps;
+use super::ops::{loss_rows, GptOps};
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
@@ -285,10 +285,13 @@ impl GptOps for HostOps {
         &self,
         logits: &mut HostBuf,
         targets: &HostIds,
+        first: usize,
         v: usize,
         dloss: f32,
         losses: &mut HostBuf,
     ) -> Result<(), KernelError> {
+        let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
+        let (targets, losses) = (&targets[rows.clone()], &mut losses[rows]);
         nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)
     }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use super::host_ops::HostProducts;
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::GptOps;
+use super::ops::{loss_rows, GptOps};
 use super::peer::{PeerOps, PeerPtr};
 use super::products::Kept;
 use crate::gemm::MatMul;
@@ -237,11 +237,13 @@ impl GptOps for MetaOps {
     fn cross_entropy_fused_in_place(
         &self,
         logits: &mut MetaCounted,
-        _: &MetaCounted,
-        _: usize,
+        targets: &MetaCounted,
+        first: usize,
+        v: usize,
         _: f32,
         losses: &mut MetaCounted,
     ) -> Result<(), KernelError> {
+        loss_rows(logits.len, v, first, targets.len, losses.len)?;
         write(&mut [logits, losses]);
         Ok(())
     }

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::attention::Attention;
+use super::head::Logits;
 use super::ops::GptOps;
 use super::pass::GptPass;
 use super::units::Resident;
@@ -67,6 +68,11 @@ impl<O: GptOps> DeviceGpt<O> {
     /// ([`GptPass::set_attention`]): the same bits on the twins either way.
     pub fn set_attention(&mut self, attention: Attention) {
         self.pass.set_attention(attention);
+    }
+
+    /// How the head holds its logits ([`GptPass::set_logits`]).
+    pub fn set_logits(&mut self, logits: Logits) {
+        self.pass.set_logits(logits);
     }
 
     /// The pass it runs (its operations, shape, checkpointing and tracing).

@@ -195,14 +195,19 @@ pub trait GptOps {
         dscores: &mut Self::Buf,
     ) -> Result<(), KernelError>;
     /// [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place):
-    /// writes `losses`, and the logits' gradient over `logits`.
+    /// writes `losses`, and the logits' gradient over `logits`. `logits` holds the rows
+    /// `first..first + r` of the tokens (`r = len / v`: a chunk of them,
+    /// [`Logits::Chunked`](super::Logits)), whose targets and losses are those rows of
+    /// `targets` and `losses`.
     ///
     /// # Errors
-    /// Shape errors; launch failures.
+    /// Rows past `targets` or `losses`; shape errors; launch failures.
+    #[allow(clippy::too_many_arguments)]
     fn cross_entropy_fused_in_place(
         &self,
         logits: &mut Self::Buf,
         targets: &Self::Ids,
+        first: usize,
         v: usize,
         dloss: f32,
         losses: &mut Self::Buf,
@@ -406,4 +411,28 @@ pub trait GptOps {
         layout: HeadsLayout,
         rows: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+}
+
+/// The rows `first..first + logits / v` of a chunk's cross-entropy
+/// ([`GptOps::cross_entropy_fused_in_place`]), checked within `targets` and `losses`.
+pub(super) fn loss_rows(
+    logits: usize,
+    v: usize,
+    first: usize,
+    targets: usize,
+    losses: usize,
+) -> Result<std::ops::Range<usize>, KernelError> {
+    let rows = logits.checked_div(v).unwrap_or(0);
+    let end = first.saturating_add(rows);
+    for (what, have) in [("targets", targets), ("losses", losses)] {
+        if end > have {
+            return Err(KernelError::Length {
+                kernel: "cross_entropy_fused_in_place",
+                what,
+                expected: end,
+                actual: have,
+            });
+        }
+    }
+    Ok(first..end)
 }

@@ -4,6 +4,7 @@
 use std::sync::Mutex;
 
 use super::attention::Attention;
+use super::head::{HeadInputs, Logits};
 use super::ops::GptOps;
 use super::trace::Marks;
 use super::units::{Unit, Units};
@@ -24,6 +25,8 @@ pub struct GptPass<O: GptOps> {
     pub(super) checkpoint: bool,
     /// How the attention holds its `t × t` matrices.
     pub(super) attention: Attention,
+    /// How the head holds its logits.
+    pub(super) logits: Logits,
     /// The marks of a traced step ([`set_tracing`](GptPass::set_tracing)).
     pub(super) marks: Marks<O::Mark>,
 }
@@ -78,6 +81,7 @@ impl<O: GptOps> GptPass<O> {
             dims,
             checkpoint: false,
             attention: Attention::default(),
+            logits: Logits::default(),
             marks: Mutex::new(None),
         })
     }
@@ -108,6 +112,18 @@ impl<O: GptOps> GptPass<O> {
     /// How the blocks' attention holds its matrices ([`set_attention`](Self::set_attention)).
     pub fn attention(&self) -> Attention {
         self.attention
+    }
+
+    /// How the head holds its `tokens × vocabulary` logits (default: [`Logits::Chunked`] of
+    /// [`Logits::CHUNK_BYTES`]). Each token's loss and gradient are the same bits either way;
+    /// the tied weight's gradient is summed chunk by chunk.
+    pub fn set_logits(&mut self, logits: Logits) {
+        self.logits = logits;
+    }
+
+    /// How the head holds its logits ([`set_logits`](Self::set_logits)).
+    pub fn logits(&self) -> Logits {
+        self.logits
     }
 
     /// The operations.
@@ -174,7 +190,7 @@ impl<O: GptOps> GptPass<O> {
     ) -> Result<O::Buf, U::Error> {
         let s = self.check_batch(inputs, targets, rows, t)?;
         let (d, n) = (self.dims, s.n);
-        let (e, v) = (d.n_embd, d.vocab_size);
+        let e = d.n_embd;
         let ops = &self.ops;
         // Embeddings.
         units.pre_forward(ops, Unit::Root)?;
@@ -199,39 +215,33 @@ impl<O: GptOps> GptPass<O> {
             });
             x = out;
         }
-        // Head: ln_f, logits = hf·wteᵀ, cross-entropy (mean over the n tokens).
+        // Head: ln_f, then the logits = hf·wteᵀ, the cross-entropy (mean over the n tokens)
+        // and their backward chunk by chunk (the root's forward ends and its backward starts
+        // before the first chunk: each chunk's backward follows its forward), then ln_f's
+        // backward.
         let root = units.root()?;
         let (hf, mean, rstd) = self.layernorm(&x, &root.ln_f, n)?;
-        let mut dlogits = ops.empty(n * v)?;
-        ops.gemm(
-            &MatMul::linear_forward(n, e, v),
-            &hf,
-            &root.wte,
-            &mut dlogits,
-        )?;
-        // The logits' gradient written over the logits: the head holds one n × v buffer.
         let tg = ops.upload_ids(targets)?;
         let mut losses = ops.empty(n)?;
-        let dloss = (1.0 / n as f64) as f32;
-        ops.cross_entropy_fused_in_place(&mut dlogits, &tg, v, dloss, &mut losses)?;
+        self.trace_mark(false, || "head forward (ln_f)".into())?;
         units.post_forward(ops, Unit::Root)?;
-        self.trace_mark(false, || {
-            "head forward (ln_f, logits, cross-entropy)".into()
-        })?;
-        // Head backward: the tied lm_head's term of wte's gradient, then ln_f.
         units.pre_backward(ops, Unit::Root)?;
         let (root, grads) = units.root_grads()?;
-        let gw = MatMul::linear_grad_weight(n, e, v, true);
-        ops.gemm(&gw, &dlogits, &hf, &mut grads.wte)?;
-        let mut dhf = ops.empty(n * e)?;
-        let gi = MatMul::linear_grad_input(n, e, v);
-        ops.gemm(&gi, &dlogits, &root.wte, &mut dhf)?;
-        drop(dlogits);
+        let head = HeadInputs {
+            hf: &hf,
+            wte: &root.wte,
+            targets: &tg,
+            n,
+        };
+        let dhf = self.head(head, &mut losses, &mut grads.wte)?;
+        self.trace_mark(true, || {
+            "head (logits, cross-entropy and their backward)".into()
+        })?;
         let mut dx = ops.zeros(n * e)?;
         ops.layernorm_backward_input(&dhf, &x, &root.ln_f.weight, &mean, &rstd, &mut dx)?;
         let gl = &mut grads.ln_f;
         ops.layernorm_backward_params(&dhf, &x, &mean, &rstd, &mut gl.weight, &mut gl.bias)?;
-        self.trace_mark(true, || "head backward".into())?;
+        self.trace_mark(true, || "head backward (ln_f)".into())?;
         // Blocks backward, last first, each block's activations freed after its backward
         // (recomputed first from its input under checkpointing, the output dropped).
         while let Some(kept) = saved.pop() {

@@ -31,7 +31,7 @@ use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::{Blas, MatMul};
 use fsdp_kernels::gpt::{
-    Attention, CudaOps, GptOps, HostOps, HostProducts, MemoryUse, PeerOps, Products,
+    Attention, CudaOps, GptOps, HostOps, HostProducts, Logits, MemoryUse, PeerOps, Products,
 };
 
 /// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
@@ -78,6 +78,9 @@ struct Args {
     /// `materialized` (kept from forward).
     #[arg(long, default_value = "chunked")]
     attention: Attention,
+    /// The head's logits: `chunked` (a chunk of tokens at a time) or `whole`.
+    #[arg(long, default_value = "chunked")]
+    logits: Logits,
     /// Read each step's outcome before enqueuing the next (the host waits for the device every
     /// step), instead of one step late as `fsdp train --device` does: the baseline of the
     /// one-late reads.
@@ -276,6 +279,7 @@ fn bench(args: &Args) -> Result<(), String> {
             offload: args.cpu_offload,
             activation_checkpointing: args.activation_checkpointing,
             attention: args.attention,
+            logits: args.logits,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

@@ -40,6 +40,7 @@ pub fn device_config(
         offload: false,
         activation_checkpointing: false,
         attention: Default::default(),
+        logits: Default::default(),
     }
 }
 

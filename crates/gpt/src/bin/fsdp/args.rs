@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use fsdp_collectives::Backend;
 use fsdp_device::DType;
 use fsdp_gpt::runtime::{BackwardPrefetch, ShardingStrategy};
-use fsdp_kernels::gpt::Attention;
+use fsdp_kernels::gpt::{Attention, Logits};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -170,6 +170,12 @@ pub(crate) struct ModelArgs {
     /// same losses either way on the host twins, bitwise.
     #[arg(long)]
     pub(crate) attention: Option<Attention>,
+    /// With --device: how the head holds its tokens × vocabulary logits: `chunked` (the
+    /// default: 256 MiB of logits at a time, each chunk's cross-entropy and backward before
+    /// the next's) or `whole` (every token's logits at once). The same losses either way on
+    /// the host twins, bitwise; the tied embedding's gradient is summed chunk by chunk.
+    #[arg(long)]
+    pub(crate) logits: Option<Logits>,
     /// Mixed precision: the dtype parameters are all-gathered and read in (f32, bf16 or f16;
     /// the sharded master weights and the optimizer stay f32, except under --optimizer
     /// anyprecision-adamw, which stores the shards in this dtype: f32 or bf16). Default f32;

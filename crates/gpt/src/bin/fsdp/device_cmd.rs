@@ -294,6 +294,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         offload: args.cpu_offload,
         activation_checkpointing: args.model.activation_checkpointing,
         attention: args.model.attention.unwrap_or_default(),
+        logits: args.model.logits.unwrap_or_default(),
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;

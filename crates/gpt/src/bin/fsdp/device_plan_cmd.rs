@@ -54,6 +54,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         offload: args.cpu_offload,
         activation_checkpointing: args.model.activation_checkpointing,
         attention: args.model.attention.unwrap_or_default(),
+        logits: args.model.logits.unwrap_or_default(),
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {

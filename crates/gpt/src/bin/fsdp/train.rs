@@ -82,10 +82,15 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
              memory already)",
         ));
     }
-    if args.model.attention.is_some() {
-        return Err(fail(
-            "--attention: only with --device cuda (the CPU reference GPT's attention is its own)",
-        ));
+    for (option, given) in [
+        ("--attention", args.model.attention.is_some()),
+        ("--logits", args.model.logits.is_some()),
+    ] {
+        if given {
+            return Err(fail(format!(
+                "{option}: only with --device cuda (the CPU reference GPT's layers are its own)"
+            )));
+        }
     }
     // ---- Validate everything before any rank starts.
     // The options not given come from --resume's checkpoint or --init-from's file.

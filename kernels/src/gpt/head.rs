@@ -1,0 +1,123 @@
+//! The head's logits, cross-entropy and their backward for [`GptPass`], over chunks of tokens
+//! ([`Logits::Chunked`]) or all tokens at once ([`Logits::Whole`]).
+
+use super::ops::GptOps;
+use super::pass::GptPass;
+use crate::gemm::MatMul;
+use crate::KernelError;
+
+/// How the head holds its `tokens × vocabulary` logits (f32; the cross-entropy writes their
+/// gradient over them).
+///
+/// Each token's logits, loss and input gradient are the same bits either way (each row is its
+/// own products and its own cross-entropy); the tied weight's gradient `Σ dlogitsᵀ·hf` is
+/// summed chunk by chunk (each chunk's product added to the sum so far), so it differs from
+/// the sum over all tokens at once by the f32 rounding of that order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Logits {
+    /// Every token's logits at once (`tokens × vocabulary` f32).
+    Whole,
+    /// The logits of chunks of tokens whose logits take at most `max_bytes` (at least one
+    /// token a chunk): each chunk's logits, cross-entropy, input gradient and weight gradient
+    /// before the next chunk's.
+    Chunked {
+        /// The most bytes of one chunk's logits.
+        max_bytes: usize,
+    },
+}
+
+impl Default for Logits {
+    /// [`Logits::Chunked`] of [`Logits::CHUNK_BYTES`].
+    fn default() -> Logits {
+        Logits::Chunked {
+            max_bytes: Logits::CHUNK_BYTES,
+        }
+    }
+}
+
+impl std::str::FromStr for Logits {
+    type Err = String;
+
+    /// `chunked` ([`Logits::default`]) or `whole`.
+    fn from_str(s: &str) -> Result<Logits, String> {
+        match s {
+            "chunked" => Ok(Logits::default()),
+            "whole" => Ok(Logits::Whole),
+            _ => Err(format!("unknown logits {s:?} (expected chunked or whole)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Logits {
+    /// `whole`, or `chunked (N MiB)` (bytes when not whole MiB).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Logits::Whole => f.write_str("whole"),
+            Logits::Chunked { max_bytes } if max_bytes % (1 << 20) == 0 => {
+                write!(f, "chunked ({} MiB)", max_bytes >> 20)
+            }
+            Logits::Chunked { max_bytes } => write!(f, "chunked ({max_bytes} B)"),
+        }
+    }
+}
+
+impl Logits {
+    /// The default chunk's bytes of logits: 256 MiB, 1334 tokens of GPT-2's 50304-entry
+    /// vocabulary.
+    pub const CHUNK_BYTES: usize = 256 << 20;
+
+    /// The tokens of one chunk, out of `tokens`, for a vocabulary of `v` (all of them when
+    /// whole).
+    pub fn chunk_tokens(&self, v: usize, tokens: usize) -> usize {
+        match *self {
+            Logits::Whole => tokens,
+            Logits::Chunked { max_bytes } => {
+                let each = v.saturating_mul(4).max(1);
+                (max_bytes / each).clamp(1, tokens.max(1))
+            }
+        }
+    }
+}
+
+/// The head's inputs: `ln_f`'s output `hf` (`[n, E]`), the tied `wte` (`[v, E]`), the targets
+/// on the device.
+pub(super) struct HeadInputs<'a, O: GptOps> {
+    pub(super) hf: &'a O::Buf,
+    pub(super) wte: &'a O::Buf,
+    pub(super) targets: &'a O::Ids,
+    pub(super) n: usize,
+}
+
+impl<O: GptOps> GptPass<O> {
+    /// The logits `hf·wteᵀ`, the per-token cross-entropy into `losses` (`[n]`, scaled by
+    /// `1/n` in the gradient) and their backward: returns `hf`'s gradient (`[n, E]`) and adds
+    /// the tied head's term into `dwte`. Chunk by chunk when [`Logits::Chunked`].
+    pub(super) fn head(
+        &self,
+        h: HeadInputs<'_, O>,
+        losses: &mut O::Buf,
+        dwte: &mut O::Buf,
+    ) -> Result<O::Buf, KernelError> {
+        let ops = &self.ops;
+        let (e, v, n) = (self.dims.n_embd, self.dims.vocab_size, h.n);
+        let dloss = (1.0 / n as f64) as f32;
+        let mut dhf = ops.empty(n * e)?;
+        let each = self.logits.chunk_tokens(v, n);
+        for first in (0..n).step_by(each) {
+            let rows = each.min(n - first);
+            // The logits' gradient written over the logits: one rows × v buffer.
+            let mut dlogits = ops.empty(rows * v)?;
+            let at = first * e;
+            let logits = MatMul::linear_forward(rows, e, v).at(at, 0, 0);
+            ops.gemm(&logits, h.hf, h.wte, &mut dlogits)?;
+            ops.cross_entropy_fused_in_place(&mut dlogits, h.targets, first, v, dloss, losses)?;
+            // dhf's rows, then the tied weight's term: dlogits is cast once for both.
+            let gi = MatMul::linear_grad_input(rows, e, v).at(0, 0, at);
+            ops.gemm(&gi, &dlogits, h.wte, &mut dhf)?;
+            let gw = MatMul::linear_grad_weight(rows, e, v, true).at(0, at, 0);
+            ops.gemm(&gw, &dlogits, h.hf, dwte)?;
+        }
+        Ok(dhf)
+    }
+}
