@@ -91,14 +91,14 @@ fn a_kept_copy_is_reused_only_for_its_unwritten_source() {
 
 #[test]
 fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
-    // Per block: the forward's four linear layers and two attention products (12 operands);
-    // the backward's four linear layers (weight and input gradients, 16 operands, `dY` shared
-    // by each pair: 4 reused) and four attention products (8 operands, `dS` shared: 1 reused).
-    // The head, per chunk of tokens: logits (2), ln_f's input gradient (`wte` reused: 1),
-    // the tied weight's gradient (`dlogits` reused: 1). So 4 + 31 per block on the first
-    // step, the probabilities kept and the logits whole. Attention in c chunks rounds each
-    // chunk's parts of its operands: 4 a chunk in forward, and in backward the scores again
-    // (2) besides the 7: 20 + 13·c per block.
+    // The activations that only products read are kept as operands (rounded once when
+    // kept): per block h1, q, k, v, y, h2 and gelu's output (7). Per block the products then
+    // round the four weights in forward and in backward (8), each attention chunk's
+    // probabilities in forward (1) and in backward with dYh (twice: once per operand
+    // position) and dS (4 in all), and the four dY of the linear backward (4): 19 + 5·c per
+    // block for c attention chunks (the probabilities kept: 24, as one chunk). The head:
+    // ln_f's output kept (1), wte once (it stays in its position's copy across chunks),
+    // each chunk's dlogits (1): 2 + chunks.
     let t = 8;
     let whole = Logits::Whole;
     // 16 tokens of a vocabulary of 32 in chunks of 5 tokens: 4 chunks.
@@ -106,16 +106,16 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
         max_bytes: 5 * 32 * 4 + 3,
     };
     for (attention, logits, head, per_block) in [
-        (Attention::Materialized, whole, 4, 31),
-        (Attention::default(), Logits::default(), 4, 33),
+        (Attention::Materialized, whole, 3, 24),
+        (Attention::default(), Logits::default(), 3, 24),
         // 4 (sequence, head) pairs, 2 a chunk.
         (
             Attention::Chunked {
                 max_bytes: 2 * t * t * 4,
             },
             four,
-            16,
-            20 + 13 * 2,
+            2 + 4,
+            19 + 5 * 2,
         ),
     ] {
         for n_layer in [1, 2, 3] {

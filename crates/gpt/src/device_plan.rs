@@ -160,6 +160,10 @@ impl fmt::Display for DeviceMemoryPlan {
                     "each block's input and ln_f's, kept by forward (activation checkpointing: \
                      backward recomputes one block at a time)"
                         .into()
+                } else if self.bf16_operands > 0 {
+                    "saved by one micro-batch's forward for backward; those only products \
+                     read in bf16"
+                        .into()
                 } else {
                     "saved by one micro-batch's forward for backward".into()
                 },
@@ -251,7 +255,10 @@ struct Replay {
 
 impl Replay {
     fn alloc(&mut self, kind: Kind, elements: u128, what: &str) {
-        let bytes = elements.saturating_mul(F32);
+        self.alloc_bytes(kind, elements.saturating_mul(F32), what);
+    }
+
+    fn alloc_bytes(&mut self, kind: Kind, bytes: u128, what: &str) {
         let k = &mut self.live[kind as usize];
         *k = k.saturating_add(bytes);
         let total = self.live.iter().fold(0u128, |a, &b| a.saturating_add(b));
@@ -263,8 +270,22 @@ impl Replay {
     }
 
     fn free(&mut self, kind: Kind, elements: u128) {
+        self.free_bytes(kind, elements.saturating_mul(F32));
+    }
+
+    fn free_bytes(&mut self, kind: Kind, bytes: u128) {
         let k = &mut self.live[kind as usize];
-        *k = k.saturating_sub(elements.saturating_mul(F32));
+        *k = k.saturating_sub(bytes);
+    }
+
+    /// `GptOps::operand` of an f32 buffer of `elements` of kind `kind`: with bf16 products
+    /// (`opb` = 2 bytes an element) its bf16 copy made, then the f32 buffer freed; with f32
+    /// products the buffer itself (nothing happens).
+    fn operand(&mut self, kind: Kind, elements: u128, opb: u128, what: &str) {
+        if opb != F32 {
+            self.alloc_bytes(kind, elements.saturating_mul(opb), what);
+            self.free(kind, elements);
+        }
     }
 }
 
@@ -283,8 +304,9 @@ fn to_u64(v: u128, what: &str) -> Result<u64, DeviceTrainError> {
     })
 }
 
-/// One micro-batch's step of `DeviceGpt::step` (`model.rs`), buffer by buffer.
-fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
+/// One micro-batch's step of `DeviceGpt::step` (`model.rs`), buffer by buffer; the
+/// activations that only products read are kept as operands of `opb` bytes an element.
+fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128) {
     let (t, e, v, h) = (
         c.cfg.block_size,
         c.cfg.n_embd,
@@ -302,10 +324,13 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
         t2: prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]),
     };
     use Kind::{Ids, Tape, Work};
-    // Saved per block: its input, ln_1 (3), q k v, P when kept, y, x2, ln_2 (3), c_fc, gelu;
-    // each block's forward adds that (its output is the next one's input) and frees its
+    // Saved per block, in bytes: its input, x2 and c_fc's output (f32), ln_1's and ln_2's mean
+    // and rstd, P when kept; h1, q, k, v, y, h2 and gelu's output (10 n × e) as operands.
+    // Each block's forward adds that (its output is the next one's input) and frees its
     // working buffers.
-    let saved = 16 * ne + 4 * n + if a.kept { a.t2 } else { 0 };
+    let saved = (6 * ne + 4 * n + if a.kept { a.t2 } else { 0 })
+        .saturating_mul(F32)
+        .saturating_add((10 * ne).saturating_mul(opb));
     let layers = c.cfg.n_layer;
     // The blocks are alike and the saved activations only grow in forward (only shrink in
     // backward): the last block's forward and the first block backward (the last block's)
@@ -318,21 +343,22 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
     // the next block's): the blocks before the last hold one n × e buffer each.
     let ckpt = c.activation_checkpointing;
     r.phase = "forward".into();
-    r.alloc(
+    r.alloc_bytes(
         Tape,
-        if ckpt { ne } else { saved }.saturating_mul(before_last),
+        if ckpt { ne * F32 } else { saved }.saturating_mul(before_last),
         "blocks before the last",
     );
     if let Some(layer) = layers.checked_sub(1) {
         r.phase = format!("forward of block {layer}");
-        block_forward(r, ne, n, a, Tape);
+        block_forward(r, ne, n, a, opb, Tape);
         if ckpt {
             // Its activations but the input dropped (the output stays: ln_f's input).
-            r.free(Tape, saved - ne);
+            r.free_bytes(Tape, saved - ne * F32);
         }
     }
     r.phase = "head".into();
     r.alloc(Tape, ne + 2 * n, "ln_f");
+    r.operand(Tape, ne, opb, "ln_f's output in bf16");
     r.tape = r.live[Tape as usize];
     r.alloc(Ids, n, "targets");
     r.alloc(Work, n, "losses");
@@ -345,7 +371,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
         if ckpt {
             // The block's forward again from its input; its output dropped at once.
             r.phase = format!("recomputed forward of block {layer}");
-            block_forward(r, ne, n, a, Work);
+            block_forward(r, ne, n, a, opb, Work);
             r.free(Work, ne);
         }
         r.phase = format!("backward of block {layer}");
@@ -364,7 +390,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize) {
         r.alloc(Work, ne, "ln_1 output gradient");
         r.free(Work, 3 * ne);
         r.free(Work, ne);
-        r.free(Tape, saved);
+        r.free_bytes(Tape, saved);
     }
     // The blocks before the last run their backward holding less; the step returns and drops
     // everything else.
@@ -381,11 +407,15 @@ struct Attn {
 
 /// One block's forward (`DeviceGpt::block_forward`), its output of kind `out` (the tape in
 /// forward; a working buffer when recomputed under checkpointing, dropped by the caller).
-fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, out: Kind) {
+fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kind) {
     use Kind::{Tape, Work};
     r.alloc(Tape, ne + 2 * n, "ln_1");
+    r.operand(Tape, ne, opb, "ln_1's output in bf16");
     r.alloc(Work, 3 * ne, "qkv");
-    r.alloc(Tape, 3 * ne, "q, k, v");
+    for part in ["q", "k", "v"] {
+        r.alloc(Tape, ne, part);
+        r.operand(Tape, ne, opb, &format!("{part} in bf16"));
+    }
     r.free(Work, 3 * ne);
     if a.kept {
         r.alloc(Work, a.t2, "scores");
@@ -401,10 +431,13 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, out: Kind) {
     }
     r.alloc(Tape, ne, "y");
     r.free(Work, ne);
+    r.operand(Tape, ne, opb, "y in bf16");
     r.alloc(Tape, ne, "x + attention");
     r.alloc(Tape, ne + 2 * n, "ln_2");
+    r.operand(Tape, ne, opb, "ln_2's output in bf16");
     r.alloc(Tape, 4 * ne, "c_fc");
     r.alloc(Tape, 4 * ne, "gelu");
+    r.operand(Tape, 4 * ne, opb, "gelu's output in bf16");
     r.alloc(out, ne, "block output");
 }
 
@@ -449,7 +482,14 @@ fn largest_operands(c: &DeviceTrainConfig, rows: usize) -> (u128, u128) {
     let t2 = prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]);
     let nv = prod(&[c.logits.chunk_tokens(v, rows.saturating_mul(t)), v]);
     let first = [4 * ne, t2, nv];
-    let second = [4 * prod(&[e, e]), prod(&[v, e]), 4 * ne];
+    // The activations kept as operands (bf16 already) never pass through the copies: the
+    // second operands that do are the weights and the heads' output gradient (of one chunk).
+    let pairs = c.attention.chunk_pairs(t, rows.saturating_mul(h));
+    let second = [
+        4 * prod(&[e, e]),
+        prod(&[v, e]),
+        prod(&[pairs, t, e / h.max(1)]),
+    ];
     let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);
     (max(&first), max(&second))
 }
@@ -496,7 +536,12 @@ pub fn plan_memory(
         0
     };
     let mut r = Replay::default();
-    replay_step(&mut r, config, rows);
+    let opb = if products == Products::Bf16 {
+        BF16
+    } else {
+        F32
+    };
+    replay_step(&mut r, config, rows, opb);
     // Parameters and gradients; both moments too unless offloaded, and the accumulators
     // unless offloaded or one micro-batch makes the step (the model's gradients serve).
     let (moments, offloaded) = if config.offload { (0, 4) } else { (2, 0) };

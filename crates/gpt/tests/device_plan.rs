@@ -113,19 +113,22 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
         0
     };
     // Per block 16 activations of n×E, 4 of n (two layer norms' mean and rstd), the
-    // attention probabilities when kept; then the final output and ln_f's. With activation
-    // checkpointing, each block's input alone.
+    // attention probabilities when kept; then the final output and ln_f's. With bf16
+    // products 10 of the 16 (h1, q, k, v, y, h2, gelu's output of 4) and ln_f's output are
+    // kept in bf16, as only products read them. With activation checkpointing, each block's
+    // input alone.
+    let opb = if bf16 { 2 } else { 4 };
     let per_block = if c.activation_checkpointing {
-        n * e
+        4 * n * e
     } else {
-        16 * n * e + 4 * n + kept
+        4 * (6 * n * e + 4 * n + kept) + opb * 10 * n * e
     };
-    let tape = 4 * (l * per_block + 2 * n * e + 2 * n);
+    let tape = l * per_block + 4 * (n * e + 2 * n) + opb * n * e;
     assert_eq!(plan.tape, tape, "{name}");
     let operands = if bf16 {
         let tokens = c.logits.chunk_tokens(v as usize, n as usize) as u64;
         let a = (4 * n * e).max(pairs * t * t).max(tokens * v);
-        let b = (4 * e * e).max(v * e).max(4 * n * e);
+        let b = (4 * e * e).max(v * e).max(pairs * t * (e / h));
         2 * (a + b)
     } else {
         0

@@ -162,12 +162,12 @@ fn device_runs_above_the_memory_limit_are_refused_before_they_start() {
     let log = dir.join("log.csv");
     let base = ["--batch-size", "8", "--steps", "2"];
     let mut a = small_train_args(&base, &["--device", "host-twin"]);
-    a.extend(["--memory-limit", "1M", "--loss-log", s(&log)]);
+    a.extend(["--memory-limit", "512K", "--loss-log", s(&log)]);
     let line = common::cli::one_error_status_1(
         &fsdp(&a),
         &[
             "--device host-twin: the run needs",
-            "of device memory at its peak (fsdp plan --device host-twin), 1.0 MiB is \
+            "of device memory at its peak (fsdp plan --device host-twin), 512.0 KiB is \
              --memory-limit",
             "--activation-checkpointing",
         ],
@@ -190,7 +190,7 @@ fn device_runs_above_the_memory_limit_are_refused_before_they_start() {
         ]);
         ok(&fsdp(&p), "fsdp plan --device host-twin")
     };
-    assert!(plan("1M").contains("exceeds: `fsdp train --device` refuses it, as --memory-limit"));
+    assert!(plan("512K").contains("exceeds: `fsdp train --device` refuses it, as --memory-limit"));
     assert!(plan("1G").contains("fits within --memory-limit 1.0 GiB"));
 }
 

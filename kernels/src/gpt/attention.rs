@@ -3,7 +3,7 @@
 //! ([`Attention::Materialized`]), or over chunks of them with nothing of `t × t` kept
 //! ([`Attention::Chunked`]).
 
-use super::ops::GptOps;
+use super::ops::{Arg, GptOps};
 use super::pass::{GptPass, Step};
 use crate::gemm::MatMul;
 use crate::KernelError;
@@ -98,32 +98,24 @@ impl<O: GptOps> GptPass<O> {
     pub(super) fn attention_forward(
         &self,
         s: Step,
-        q: &O::Buf,
-        k: &O::Buf,
-        v: &O::Buf,
+        q: &O::Operand,
+        k: &O::Operand,
+        v: &O::Operand,
     ) -> Result<(O::Buf, Option<O::Buf>), KernelError> {
         let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
         let ne = s.n * self.dims.n_embd;
         if self.attention.keeps_probabilities() {
             let att = self.probabilities(s, q, k, 0, s.rows * self.dims.n_head)?;
             let mut yh = ops.empty(ne)?;
-            ops.gemm(
-                &heads_product(t, hd, O::buf_len(&att) / (t * t), 0, false),
-                &att,
-                v,
-                &mut yh,
-            )?;
+            let g = heads_product(t, hd, O::buf_len(&att) / (t * t), 0, false);
+            ops.gemm_args(&g, Arg::Buf(&att), Arg::Operand(v), &mut yh)?;
             return Ok((yh, Some(att)));
         }
         let mut yh = ops.empty(ne)?;
         for (first, count) in self.chunks(s) {
             let att = self.probabilities(s, q, k, first, count)?;
-            ops.gemm(
-                &heads_product(t, hd, count, first * t * hd, false),
-                &att,
-                v,
-                &mut yh,
-            )?;
+            let g = heads_product(t, hd, count, first * t * hd, false);
+            ops.gemm_args(&g, Arg::Buf(&att), Arg::Operand(v), &mut yh)?;
         }
         Ok((yh, None))
     }
@@ -135,9 +127,9 @@ impl<O: GptOps> GptPass<O> {
     pub(super) fn attention_backward(
         &self,
         s: Step,
-        q: &O::Buf,
-        k: &O::Buf,
-        v: &O::Buf,
+        q: &O::Operand,
+        k: &O::Operand,
+        v: &O::Operand,
         att: Option<&O::Buf>,
         dyh: O::Buf,
     ) -> Result<[O::Buf; 3], KernelError> {
@@ -151,9 +143,11 @@ impl<O: GptOps> GptPass<O> {
             drop(dyh);
             let ds = self.dscores(att, dp, t)?;
             let mut dq = ops.empty(ne)?;
-            ops.gemm(&heads_product(t, hd, pairs, 0, false), &ds, k, &mut dq)?;
+            let g = heads_product(t, hd, pairs, 0, false);
+            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(k), &mut dq)?;
             let mut dk = ops.empty(ne)?;
-            ops.gemm(&heads_product(t, hd, pairs, 0, true), &ds, q, &mut dk)?;
+            let g = heads_product(t, hd, pairs, 0, true);
+            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(q), &mut dk)?;
             return Ok([dq, dk, dv]);
         }
         let (mut dq, mut dk, mut dv) = (ops.empty(ne)?, ops.empty(ne)?, ops.empty(ne)?);
@@ -163,8 +157,10 @@ impl<O: GptOps> GptPass<O> {
             let dp = self.dprobs(s, &dyh, v, first, count)?;
             ops.gemm(&heads_product(t, hd, count, at, true), &att, &dyh, &mut dv)?;
             let ds = self.dscores(&att, dp, t)?;
-            ops.gemm(&heads_product(t, hd, count, at, false), &ds, k, &mut dq)?;
-            ops.gemm(&heads_product(t, hd, count, at, true), &ds, q, &mut dk)?;
+            let g = heads_product(t, hd, count, at, false);
+            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(k), &mut dq)?;
+            let g = heads_product(t, hd, count, at, true);
+            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(q), &mut dk)?;
         }
         Ok([dq, dk, dv])
     }
@@ -182,14 +178,15 @@ impl<O: GptOps> GptPass<O> {
     fn probabilities(
         &self,
         s: Step,
-        q: &O::Buf,
-        k: &O::Buf,
+        q: &O::Operand,
+        k: &O::Operand,
         first: usize,
         count: usize,
     ) -> Result<O::Buf, KernelError> {
         let (ops, t) = (&self.ops, s.t);
         let mut sc = ops.empty(count * t * t)?;
-        ops.gemm(&self.scores_product(t, first, count), q, k, &mut sc)?;
+        let g = self.scores_product(t, first, count);
+        ops.gemm_args(&g, Arg::Operand(q), Arg::Operand(k), &mut sc)?;
         let mut att = ops.empty(count * t * t)?;
         ops.causal_softmax_forward(&sc, t, self.scale(), &mut att)?;
         Ok(att)
@@ -200,13 +197,14 @@ impl<O: GptOps> GptPass<O> {
         &self,
         s: Step,
         dyh: &O::Buf,
-        v: &O::Buf,
+        v: &O::Operand,
         first: usize,
         count: usize,
     ) -> Result<O::Buf, KernelError> {
         let mut dp = self.ops.empty(count * s.t * s.t)?;
+        let g = self.scores_product(s.t, first, count);
         self.ops
-            .gemm(&self.scores_product(s.t, first, count), dyh, v, &mut dp)?;
+            .gemm_args(&g, Arg::Buf(dyh), Arg::Operand(v), &mut dp)?;
         Ok(dp)
     }
 

@@ -1,6 +1,6 @@
 //! One transformer block's forward and backward, for [`GptPass`].
 
-use super::ops::GptOps;
+use super::ops::{Arg, GptOps};
 use super::pass::{BlockActs, GptPass, Step};
 use super::weights::{invalid, Block, Pair};
 use crate::gemm::MatMul;
@@ -13,16 +13,19 @@ impl<O: GptOps> GptPass<O> {
         p: &Block<O::Buf>,
         s: Step,
         x: O::Buf,
-    ) -> Result<(O::Buf, BlockActs<O::Buf>), KernelError> {
+    ) -> Result<(O::Buf, BlockActs<O>), KernelError> {
         let ops = &self.ops;
         let (e, n) = (self.dims.n_embd, s.n);
+        // The activations that only products read (h1, q, k, v, y, h2, gelu's output) are
+        // kept as operands: in bf16 under bf16 products, which round them anyway.
         let (h1, ln1_mean, ln1_rstd) = self.layernorm(&x, &p.ln_1, n)?;
-        let qkv = self.linear(&h1, &p.c_attn, n, e, 3 * e)?;
+        let h1 = ops.operand(h1)?;
+        let qkv = self.linear(Arg::Operand(&h1), &p.c_attn, n, e, 3 * e)?;
         let mut parts = Vec::with_capacity(3);
         for part in 0..3 {
             let mut h = ops.empty(n * e)?;
             ops.heads_split(&qkv, self.heads(s, 3 * e, part * e), &mut h)?;
-            parts.push(h);
+            parts.push(ops.operand(h)?);
         }
         drop(qkv);
         let (v, k, q) = (parts.pop(), parts.pop(), parts.pop());
@@ -35,15 +38,18 @@ impl<O: GptOps> GptPass<O> {
         let mut y = ops.empty(n * e)?;
         ops.heads_merge(&yh, self.heads(s, e, 0), &mut y)?;
         drop(yh);
+        let y = ops.operand(y)?;
         // x2 = x + c_proj(y).
-        let mut x2 = self.linear(&y, &p.attn_proj, n, e, e)?;
+        let mut x2 = self.linear(Arg::Operand(&y), &p.attn_proj, n, e, e)?;
         ops.axpby(1.0, &x, 1.0, &mut x2)?;
         // out = x2 + c_proj(gelu(c_fc(ln_2(x2)))).
         let (h2, ln2_mean, ln2_rstd) = self.layernorm(&x2, &p.ln_2, n)?;
-        let fc = self.linear(&h2, &p.c_fc, n, e, 4 * e)?;
+        let h2 = ops.operand(h2)?;
+        let fc = self.linear(Arg::Operand(&h2), &p.c_fc, n, e, 4 * e)?;
         let mut g = ops.empty(n * 4 * e)?;
         ops.gelu_forward(&fc, &mut g)?;
-        let mut out = self.linear(&g, &p.mlp_proj, n, 4 * e, e)?;
+        let g = ops.operand(g)?;
+        let mut out = self.linear(Arg::Operand(&g), &p.mlp_proj, n, 4 * e, e)?;
         ops.axpby(1.0, &x2, 1.0, &mut out)?;
         let acts = BlockActs {
             x,
@@ -84,14 +90,14 @@ impl<O: GptOps> GptPass<O> {
         ops: &O,
         p: &Pair<O::Buf>,
         gp: &mut Pair<O::Buf>,
-        x: &O::Buf,
+        x: Arg<'_, O>,
         dy: &O::Buf,
         n: usize,
         inputs: usize,
         outputs: usize,
     ) -> Result<O::Buf, KernelError> {
         let gw = MatMul::linear_grad_weight(n, inputs, outputs, true);
-        ops.gemm(&gw, dy, x, &mut gp.weight)?;
+        ops.gemm_args(&gw, Arg::Buf(dy), x, &mut gp.weight)?;
         ops.bias_grad(dy, &mut gp.bias)?;
         let mut dx = ops.empty(n * inputs)?;
         ops.gemm(
@@ -110,7 +116,7 @@ impl<O: GptOps> GptPass<O> {
         p: &Block<O::Buf>,
         gp: &mut Block<O::Buf>,
         s: Step,
-        a: &BlockActs<O::Buf>,
+        a: &BlockActs<O>,
         dout: O::Buf,
     ) -> Result<O::Buf, KernelError> {
         let (ops, d) = (&self.ops, self.dims);
@@ -124,12 +130,20 @@ impl<O: GptOps> GptPass<O> {
             offset,
         };
         // MLP: out = x2 + c_proj(gelu(c_fc(h2))).
-        let dg =
-            Self::linear_backward(ops, &p.mlp_proj, &mut gp.mlp_proj, &a.g, &dout, n, 4 * e, e)?;
+        let dg = Self::linear_backward(
+            ops,
+            &p.mlp_proj,
+            &mut gp.mlp_proj,
+            op(&a.g),
+            &dout,
+            n,
+            4 * e,
+            e,
+        )?;
         let mut dfc = ops.empty(n * 4 * e)?;
         ops.gelu_backward(&a.fc, &dg, &mut dfc)?;
         drop(dg);
-        let dh2 = Self::linear_backward(ops, &p.c_fc, &mut gp.c_fc, &a.h2, &dfc, n, e, 4 * e)?;
+        let dh2 = Self::linear_backward(ops, &p.c_fc, &mut gp.c_fc, op(&a.h2), &dfc, n, e, 4 * e)?;
         drop(dfc);
         let mut dx2 = dout;
         ops.layernorm_backward_input(
@@ -151,7 +165,16 @@ impl<O: GptOps> GptPass<O> {
         )?;
         drop(dh2);
         // Attention: x2 = x + c_proj(merge(P·v)).
-        let dy = Self::linear_backward(ops, &p.attn_proj, &mut gp.attn_proj, &a.y, &dx2, n, e, e)?;
+        let dy = Self::linear_backward(
+            ops,
+            &p.attn_proj,
+            &mut gp.attn_proj,
+            op(&a.y),
+            &dx2,
+            n,
+            e,
+            e,
+        )?;
         let mut dyh = ops.empty(n * e)?;
         ops.heads_split(&dy, heads(e, 0), &mut dyh)?;
         drop(dy);
@@ -161,7 +184,16 @@ impl<O: GptOps> GptPass<O> {
         for (part, dh) in [dq, dk, dv].iter().enumerate() {
             ops.heads_merge(dh, heads(3 * e, part * e), &mut dqkv)?;
         }
-        let dh1 = Self::linear_backward(ops, &p.c_attn, &mut gp.c_attn, &a.h1, &dqkv, n, e, 3 * e)?;
+        let dh1 = Self::linear_backward(
+            ops,
+            &p.c_attn,
+            &mut gp.c_attn,
+            op(&a.h1),
+            &dqkv,
+            n,
+            e,
+            3 * e,
+        )?;
         drop(dqkv);
         let mut dx = dx2;
         ops.layernorm_backward_input(
@@ -183,4 +215,9 @@ impl<O: GptOps> GptPass<O> {
         )?;
         Ok(dx)
     }
+}
+
+/// A kept activation as a product's operand.
+fn op<O: GptOps>(a: &O::Operand) -> Arg<'_, O> {
+    Arg::Operand(a)
 }

@@ -12,7 +12,7 @@ use half::bf16;
 use super::cuda_pool::hold_pool_memory;
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::{loss_rows, GptOps};
+use super::ops::{loss_rows, Arg, GptOps};
 use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
@@ -42,6 +42,40 @@ pub struct CudaOps {
 /// A buffer of [`CudaOps`]: a `CudaSlice<f32>` counted in its operations' memory; it is a
 /// `DevicePtr`, so the kernels and cuBLAS take it as they take the slice.
 pub type CudaBuf = Counted<CudaSlice<f32>>;
+
+/// An activation of [`CudaOps`] kept as an operand ([`GptOps::operand`]): in bf16 with
+/// [`Products::Bf16`], else the f32 buffer itself.
+#[derive(Debug)]
+pub enum CudaOperand {
+    /// The f32 buffer (f32 products).
+    F32(CudaBuf),
+    /// Its bf16 rounding (bf16 products).
+    Bf16(Counted<CudaSlice<bf16>>),
+}
+
+impl CudaOperand {
+    /// The bf16 values.
+    fn bf16(&self) -> Result<&CudaSlice<bf16>, KernelError> {
+        match self {
+            CudaOperand::Bf16(b) => Ok(b),
+            CudaOperand::F32(_) => Err(KernelError::InvalidArgument {
+                kernel: "gemm",
+                reason: "an f32 operand in a bf16 product".into(),
+            }),
+        }
+    }
+}
+
+/// An f32 product's operand.
+fn f32_arg(a: Arg<'_, CudaOps>) -> Result<&CudaSlice<f32>, KernelError> {
+    match a {
+        Arg::Buf(b) | Arg::Operand(CudaOperand::F32(b)) => Ok(b),
+        Arg::Operand(CudaOperand::Bf16(_)) => Err(KernelError::InvalidArgument {
+            kernel: "gemm",
+            reason: "a bf16 operand in an f32 product".into(),
+        }),
+    }
+}
 /// Ids of [`CudaOps`]: a `CudaSlice<u32>` counted in its operations' memory.
 pub type CudaIds = Counted<CudaSlice<u32>>;
 
@@ -146,8 +180,8 @@ impl CudaOps {
     fn gemm_bf16(
         &self,
         g: &MatMul,
-        a: &CudaBuf,
-        b: &CudaBuf,
+        a: Arg<'_, CudaOps>,
+        b: Arg<'_, CudaOps>,
         c: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
         let mut kept = self
@@ -155,11 +189,25 @@ impl CudaOps {
             .lock()
             .map_err(|_| copy_error("bf16 operands", "poisoned lock"))?;
         let [ka, kb] = &mut *kept;
-        // Each operand's part alone is cast (a product may read part of a buffer).
+        // Each operand's part alone is cast (a product may read part of a buffer); a kept
+        // operand is bf16 already.
         g.check_operands(a.len(), b.len(), c.len())?;
         let (ea, eb, _) = g.extents();
-        let va = self.cast_into(ka, a, g.offset_a..ea)?;
-        let vb = self.cast_into(kb, b, g.offset_b..eb)?;
+        let (ca, cb);
+        let va = match a {
+            Arg::Buf(a) => {
+                ca = self.cast_into(ka, a, g.offset_a..ea)?;
+                ca.as_view()
+            }
+            Arg::Operand(a) => a.bf16()?.slice(g.offset_a..ea),
+        };
+        let vb = match b {
+            Arg::Buf(b) => {
+                cb = self.cast_into(kb, b, g.offset_b..eb)?;
+                cb.as_view()
+            }
+            Arg::Operand(b) => b.bf16()?.slice(g.offset_b..eb),
+        };
         self.blas
             .matmul::<bf16, f32>(&g.operands_from_start(), &va, &vb, c)
     }
@@ -218,6 +266,7 @@ impl GptOps for CudaOps {
     type ScalarsCopy = CudaScalarsCopy;
     type Staging = CudaStaging;
     type Mark = CudaMark;
+    type Operand = CudaOperand;
 
     fn zeros(&self, len: usize) -> Result<CudaBuf, KernelError> {
         let b = self
@@ -293,16 +342,38 @@ impl GptOps for CudaOps {
         launch::memset(&self.cuda, buf, 0.0f32)
     }
 
-    fn gemm(
+    fn gemm_args(
         &self,
         g: &MatMul,
-        a: &CudaBuf,
-        b: &CudaBuf,
+        a: Arg<'_, Self>,
+        b: Arg<'_, Self>,
         c: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         match self.products {
-            Products::F32 => self.blas.matmul::<f32, f32>(g, a, b, c),
+            Products::F32 => self.blas.matmul::<f32, f32>(g, f32_arg(a)?, f32_arg(b)?, c),
             Products::Bf16 => self.gemm_bf16(g, a, b, c),
+        }
+    }
+
+    fn operand(&self, buf: CudaBuf) -> Result<CudaOperand, KernelError> {
+        if self.products != Products::Bf16 {
+            return Ok(CudaOperand::F32(buf));
+        }
+        let mut kept = self.counted(
+            self.cuda
+                .alloc_zeros::<bf16>(buf.len())
+                .map_err(|e| copy_error("cuMemAllocAsync", e))?,
+        );
+        launch::cast::<f32, bf16>(&self.cuda, &*buf, &mut *kept)?;
+        drop(buf);
+        self.casts.fetch_add(1, Ordering::Relaxed);
+        Ok(CudaOperand::Bf16(kept))
+    }
+
+    fn operand_len(op: &CudaOperand) -> usize {
+        match op {
+            CudaOperand::F32(b) => b.len(),
+            CudaOperand::Bf16(b) => b.len(),
         }
     }
 

@@ -1,7 +1,7 @@
 //! The head's logits, cross-entropy and their backward for [`GptPass`], over chunks of tokens
 //! ([`Logits::Chunked`]) or all tokens at once ([`Logits::Whole`]).
 
-use super::ops::GptOps;
+use super::ops::{Arg, GptOps};
 use super::pass::GptPass;
 use crate::gemm::MatMul;
 use crate::KernelError;
@@ -83,7 +83,7 @@ impl Logits {
 /// The head's inputs: `ln_f`'s output `hf` (`[n, E]`), the tied `wte` (`[v, E]`), the targets
 /// on the device.
 pub(super) struct HeadInputs<'a, O: GptOps> {
-    pub(super) hf: &'a O::Buf,
+    pub(super) hf: &'a O::Operand,
     pub(super) wte: &'a O::Buf,
     pub(super) targets: &'a O::Ids,
     pub(super) n: usize,
@@ -110,13 +110,13 @@ impl<O: GptOps> GptPass<O> {
             let mut dlogits = ops.empty(rows * v)?;
             let at = first * e;
             let logits = MatMul::linear_forward(rows, e, v).at(at, 0, 0);
-            ops.gemm(&logits, h.hf, h.wte, &mut dlogits)?;
+            ops.gemm_args(&logits, Arg::Operand(h.hf), Arg::Buf(h.wte), &mut dlogits)?;
             ops.cross_entropy_fused_in_place(&mut dlogits, h.targets, first, v, dloss, losses)?;
             // dhf's rows, then the tied weight's term: dlogits is cast once for both.
             let gi = MatMul::linear_grad_input(rows, e, v).at(0, 0, at);
             ops.gemm(&gi, &dlogits, h.wte, &mut dhf)?;
             let gw = MatMul::linear_grad_weight(rows, e, v, true).at(0, at, 0);
-            ops.gemm(&gw, &dlogits, h.hf, dwte)?;
+            ops.gemm_args(&gw, Arg::Buf(&dlogits), Arg::Operand(h.hf), dwte)?;
         }
         Ok(dhf)
     }

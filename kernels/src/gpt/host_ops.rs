@@ -4,11 +4,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::{loss_rows, GptOps};
+use super::ops::{loss_rows, Arg, GptOps};
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
-use crate::host::{self, same_len, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS};
+use crate::host::{
+    self, bf16_to_f32, f32_to_bf16, same_len, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS,
+};
 use crate::KernelError;
 
 /// How [`HostOps`] multiplies matrices.
@@ -31,6 +33,10 @@ pub enum HostProducts {
 pub type HostBuf = Counted<Vec<f32>>;
 /// Ids of [`HostOps`]: a `Vec<u32>` counted in its operations' memory.
 pub type HostIds = Counted<Vec<u32>>;
+/// An activation of [`HostOps`] kept as an operand ([`GptOps::operand`]): with
+/// [`HostProducts::Bf16Operands`] its values rounded to bf16, counted at 2 bytes an element
+/// (as [`CudaOps`](super::CudaOps) holds them in bf16), else the buffer itself.
+pub type HostOperand = Counted<Vec<f32>>;
 
 /// [`GptOps`] on the host: the kernels' twins and [`gemm_f32`] (or [`gemm_f64_rounded`]);
 /// buffers are `Vec`s, counted in [`memory`](GptOps::memory) as a device's would be, and every
@@ -102,8 +108,8 @@ impl HostOps {
     fn gemm_bf16(
         &self,
         g: &MatMul,
-        a: &HostBuf,
-        b: &HostBuf,
+        a: Arg<'_, HostOps>,
+        b: Arg<'_, HostOps>,
         c: &mut [f32],
     ) -> Result<(), KernelError> {
         let mut kept = self
@@ -117,8 +123,15 @@ impl HostOps {
         // Each operand's part alone is rounded (a product may read part of a buffer).
         g.check_operands(a.len(), b.len(), c.len())?;
         let (ea, eb, _) = g.extents();
-        let ra = round_into(&self.memory, ka, a, g.offset_a..ea, &self.roundings);
-        let rb = round_into(&self.memory, kb, b, g.offset_b..eb, &self.roundings);
+        // A kept operand is rounded already.
+        let ra = match a {
+            Arg::Buf(a) => round_into(&self.memory, ka, a, g.offset_a..ea, &self.roundings),
+            Arg::Operand(a) => &a[g.offset_a..ea],
+        };
+        let rb = match b {
+            Arg::Buf(b) => round_into(&self.memory, kb, b, g.offset_b..eb, &self.roundings),
+            Arg::Operand(b) => &b[g.offset_b..eb],
+        };
         gemm_f32(&g.operands_from_start(), ra, rb, c)
     }
 }
@@ -130,6 +143,7 @@ impl GptOps for HostOps {
     type ScalarsCopy = Vec<f64>;
     type Staging = Vec<f32>;
     type Mark = std::time::Instant;
+    type Operand = HostOperand;
 
     fn zeros(&self, len: usize) -> Result<HostBuf, KernelError> {
         Ok(self.counted(vec![0.0; len]))
@@ -182,18 +196,41 @@ impl GptOps for HostOps {
         Ok(())
     }
 
-    fn gemm(
+    fn gemm_args(
         &self,
         g: &MatMul,
-        a: &HostBuf,
-        b: &HostBuf,
+        a: Arg<'_, Self>,
+        b: Arg<'_, Self>,
         c: &mut HostBuf,
     ) -> Result<(), KernelError> {
+        // Without bf16 products an operand is the buffer itself.
+        fn values(x: Arg<'_, HostOps>) -> &[f32] {
+            match x {
+                Arg::Buf(b) => b,
+                Arg::Operand(o) => o,
+            }
+        }
         match self.products {
-            HostProducts::F32 => gemm_f32(g, a, b, c),
-            HostProducts::F64Rounded => gemm_f64_rounded(g, a, b, c),
+            HostProducts::F32 => gemm_f32(g, values(a), values(b), c),
+            HostProducts::F64Rounded => gemm_f64_rounded(g, values(a), values(b), c),
             HostProducts::Bf16Operands => self.gemm_bf16(g, a, b, c),
         }
+    }
+
+    fn operand(&self, buf: HostBuf) -> Result<HostOperand, KernelError> {
+        if self.products != HostProducts::Bf16Operands {
+            return Ok(buf);
+        }
+        let rounded: Vec<f32> = buf.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
+        let n = rounded.len();
+        let kept = Counted::new(rounded, bytes_of::<u16>(n), &self.memory);
+        drop(buf);
+        self.roundings.fetch_add(1, Ordering::Relaxed);
+        Ok(kept)
+    }
+
+    fn operand_len(op: &HostOperand) -> usize {
+        op.len()
     }
 
     fn bias_add(&self, y: &mut HostBuf, bias: &HostBuf) -> Result<(), KernelError> {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use super::host_ops::HostProducts;
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::{loss_rows, GptOps};
+use super::ops::{loss_rows, Arg, GptOps};
 use super::peer::{PeerOps, PeerPtr};
 use super::products::Kept;
 use crate::gemm::MatMul;
@@ -79,6 +79,7 @@ impl GptOps for MetaOps {
     /// Host memory, zeros: CPU offload's host side is real in a plan, as in the run.
     type Staging = Vec<f32>;
     type Mark = ();
+    type Operand = MetaCounted;
 
     fn zeros(&self, len: usize) -> Result<MetaCounted, KernelError> {
         Ok(self.buf(len))
@@ -118,11 +119,11 @@ impl GptOps for MetaOps {
         write(&mut [buf]);
         Ok(())
     }
-    fn gemm(
+    fn gemm_args(
         &self,
         g: &MatMul,
-        a: &MetaCounted,
-        b: &MetaCounted,
+        a: Arg<'_, Self>,
+        b: Arg<'_, Self>,
         c: &mut MetaCounted,
     ) -> Result<(), KernelError> {
         if self.products == HostProducts::Bf16Operands {
@@ -134,9 +135,11 @@ impl GptOps for MetaOps {
                     reason: "the kept operands' lock is poisoned".into(),
                 })?;
             let [ka, kb] = &mut *kept;
-            g.check_operands(a.len, b.len, c.len)?;
+            g.check_operands(a.len(), b.len(), c.len)?;
             let (ea, eb, _) = g.extents();
+            // A kept operand is rounded already; a buffer is rounded into the kept copy.
             for (k, src, range) in [(ka, a, g.offset_a..ea), (kb, b, g.offset_b..eb)] {
+                let Arg::Buf(src) = src else { continue };
                 k.refill(
                     src.stamp(),
                     range,
@@ -148,6 +151,17 @@ impl GptOps for MetaOps {
         }
         write(&mut [c]);
         Ok(())
+    }
+    fn operand(&self, buf: MetaCounted) -> Result<MetaCounted, KernelError> {
+        if self.products != HostProducts::Bf16Operands {
+            return Ok(buf);
+        }
+        let kept = self.counted(buf.len, bytes_of::<u16>);
+        drop(buf);
+        Ok(kept)
+    }
+    fn operand_len(op: &MetaCounted) -> usize {
+        op.len
     }
     fn bias_add(&self, y: &mut MetaCounted, _: &MetaCounted) -> Result<(), KernelError> {
         write(&mut [y]);

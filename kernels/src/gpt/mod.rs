@@ -45,14 +45,14 @@ mod units;
 mod weights;
 
 pub use attention::Attention;
-pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
+pub use cuda::{CudaBuf, CudaIds, CudaOperand, CudaOps, Products};
 pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use head::Logits;
-pub use host_ops::{HostBuf, HostIds, HostOps, HostProducts};
+pub use host_ops::{HostBuf, HostIds, HostOperand, HostOps, HostProducts};
 pub use memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 pub use meta::{MetaBuf, MetaCounted, MetaOps};
 pub use model::DeviceGpt;
-pub use ops::GptOps;
+pub use ops::{Arg, GptOps};
 pub use pass::GptPass;
 pub use peer::{PeerOps, PeerPtr};
 pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};

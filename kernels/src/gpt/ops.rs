@@ -29,6 +29,10 @@ pub trait GptOps {
     /// A point of the device's timeline: an event recorded with timing on a GPU, the host's
     /// clock on the twins (`--trace`).
     type Mark;
+    /// An activation kept only as an operand of later products ([`operand`](GptOps::operand)):
+    /// with bf16 products its bf16 rounding (2 bytes an element: what every product would
+    /// round it to), else the f32 buffer itself.
+    type Operand;
 
     /// A buffer of `len` zeros.
     ///
@@ -95,7 +99,31 @@ pub trait GptOps {
         a: &Self::Buf,
         b: &Self::Buf,
         c: &mut Self::Buf,
+    ) -> Result<(), KernelError> {
+        self.gemm_args(g, Arg::Buf(a), Arg::Buf(b), c)
+    }
+    /// [`gemm`](GptOps::gemm) of operands that are buffers or activations kept as operands
+    /// ([`operand`](GptOps::operand)): a kept operand is multiplied as it is (with bf16
+    /// products: already rounded, not cast again), a buffer as [`gemm`](GptOps::gemm) does.
+    ///
+    /// # Errors
+    /// Operands shorter than `g` needs; a library failure.
+    fn gemm_args(
+        &self,
+        g: &MatMul,
+        a: Arg<'_, Self>,
+        b: Arg<'_, Self>,
+        c: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+    /// `buf` (consumed) kept as an operand of later products only: with bf16 products rounded
+    /// to bf16 once (a cast, counted with the products' casts), its f32 buffer freed; else
+    /// the buffer itself. The products of it give the bits they give of `buf`.
+    ///
+    /// # Errors
+    /// An allocation or launch failure.
+    fn operand(&self, buf: Self::Buf) -> Result<Self::Operand, KernelError>;
+    /// Elements of an operand.
+    fn operand_len(op: &Self::Operand) -> usize;
     /// `y[r, j] += bias[j]` ([`host::nn::bias_add`](crate::host::nn::bias_add)).
     ///
     /// # Errors
@@ -435,4 +463,36 @@ pub(super) fn loss_rows(
         }
     }
     Ok(first..end)
+}
+
+/// One operand of a product ([`GptOps::gemm_args`]): an f32 buffer, or an activation kept as
+/// an operand ([`GptOps::operand`]).
+pub enum Arg<'a, O: GptOps + ?Sized> {
+    /// An f32 buffer.
+    Buf(&'a O::Buf),
+    /// An activation kept as an operand.
+    Operand(&'a O::Operand),
+}
+
+impl<O: GptOps + ?Sized> Clone for Arg<'_, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<O: GptOps + ?Sized> Copy for Arg<'_, O> {}
+
+impl<O: GptOps + ?Sized> Arg<'_, O> {
+    /// Elements of the operand.
+    pub fn len(&self) -> usize {
+        match self {
+            Arg::Buf(b) => O::buf_len(b),
+            Arg::Operand(o) => O::operand_len(o),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }

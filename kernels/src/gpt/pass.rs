@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use super::attention::Attention;
 use super::head::{HeadInputs, Logits};
-use super::ops::GptOps;
+use super::ops::{Arg, GptOps};
 use super::trace::Marks;
 use super::units::{Unit, Units};
 use super::weights::{invalid, GptDims, Pair};
@@ -33,9 +33,9 @@ pub struct GptPass<O: GptOps> {
 
 /// What forward keeps of one block for backward: all its activations, or (activation
 /// checkpointing) its input alone, from which backward runs the block's forward again.
-enum Saved<B> {
-    Acts(BlockActs<B>),
-    Input(B),
+enum Saved<O: GptOps> {
+    Acts(BlockActs<O>),
+    Input(O::Buf),
 }
 
 /// The sizes of one step: `rows` sequences of `t` tokens, `n = rows·t`.
@@ -49,24 +49,25 @@ pub(super) struct Step {
 /// A layer norm's output, mean and rstd.
 pub(super) type Normed<B> = (B, B, B);
 
-/// What one block keeps from forward for backward.
-pub(super) struct BlockActs<B> {
-    pub(super) x: B,
-    pub(super) ln1_mean: B,
-    pub(super) ln1_rstd: B,
-    pub(super) h1: B,
-    pub(super) q: B,
-    pub(super) k: B,
-    pub(super) v: B,
+/// What one block keeps from forward for backward: the activations that only products read
+/// as operands ([`GptOps::operand`]), the others as buffers.
+pub(super) struct BlockActs<O: GptOps> {
+    pub(super) x: O::Buf,
+    pub(super) ln1_mean: O::Buf,
+    pub(super) ln1_rstd: O::Buf,
+    pub(super) h1: O::Operand,
+    pub(super) q: O::Operand,
+    pub(super) k: O::Operand,
+    pub(super) v: O::Operand,
     /// The probabilities, when [`Attention::Materialized`].
-    pub(super) att: Option<B>,
-    pub(super) y: B,
-    pub(super) x2: B,
-    pub(super) ln2_mean: B,
-    pub(super) ln2_rstd: B,
-    pub(super) h2: B,
-    pub(super) fc: B,
-    pub(super) g: B,
+    pub(super) att: Option<O::Buf>,
+    pub(super) y: O::Operand,
+    pub(super) x2: O::Buf,
+    pub(super) ln2_mean: O::Buf,
+    pub(super) ln2_rstd: O::Buf,
+    pub(super) h2: O::Operand,
+    pub(super) fc: O::Buf,
+    pub(super) g: O::Operand,
 }
 
 impl<O: GptOps> GptPass<O> {
@@ -221,6 +222,7 @@ impl<O: GptOps> GptPass<O> {
         // backward.
         let root = units.root()?;
         let (hf, mean, rstd) = self.layernorm(&x, &root.ln_f, n)?;
+        let hf = ops.operand(hf)?;
         let tg = ops.upload_ids(targets)?;
         let mut losses = ops.empty(n)?;
         self.trace_mark(false, || "head forward (ln_f)".into())?;
@@ -297,7 +299,7 @@ impl<O: GptOps> GptPass<O> {
     /// `y = x·wᵀ + b` for `x: [n, inputs]`, `w: [outputs, inputs]`.
     pub(super) fn linear(
         &self,
-        x: &O::Buf,
+        x: Arg<'_, O>,
         p: &Pair<O::Buf>,
         n: usize,
         inputs: usize,
@@ -305,7 +307,7 @@ impl<O: GptOps> GptPass<O> {
     ) -> Result<O::Buf, KernelError> {
         let mut y = self.ops.empty(n * outputs)?;
         let g = MatMul::linear_forward(n, inputs, outputs);
-        self.ops.gemm(&g, x, &p.weight, &mut y)?;
+        self.ops.gemm_args(&g, x, Arg::Buf(&p.weight), &mut y)?;
         self.ops.bias_add(&mut y, &p.bias)?;
         Ok(y)
     }
