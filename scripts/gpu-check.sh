@@ -213,7 +213,7 @@ for r in range(1, rounds + 1):
     tail = "" if r == 1 else f"_r{r}"
     for model in ratios:
         ours = ms(f"{report}/gpt_device_bench{tail}.log",
-                  rf"RESULT gpt-device-bench {model} bf16: median step ([0-9.]+) ms")
+                  rf"RESULT gpt-device-bench {model} bf16 attention chunked[^:]*: median step ([0-9.]+) ms")
         torch = ms(f"{report}/torch_fsdp2_gpt_{model}_bf16{tail}.log", r"median step ([0-9.]+) ms")
         ratio = ours / torch if ours and torch else None
         if ratio:

@@ -8,7 +8,7 @@
 
 mod common;
 
-use fsdp_kernels::gpt::{Attention, DeviceGpt, GptDims, GptOps, HostOps, HostProducts};
+use fsdp_kernels::gpt::{Attention, DeviceGpt, GptOps, HostOps, HostProducts};
 
 /// The loss and every gradient's bits, and the step's counted peak.
 fn step(
@@ -18,13 +18,7 @@ fn step(
     cfg: &fsdp_gpt::model::GptConfig,
     rows: usize,
 ) -> (u32, Vec<(String, Vec<u32>)>, u64) {
-    let dims = GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
-    };
+    let dims = common::dims(cfg);
     let t = cfg.block_size;
     let ops = HostOps::with_products(products);
     let mut model = DeviceGpt::new(ops, dims, &common::weights(cfg)).unwrap();

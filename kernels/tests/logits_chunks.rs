@@ -7,7 +7,7 @@
 
 mod common;
 
-use fsdp_kernels::gpt::{DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Logits};
+use fsdp_kernels::gpt::{DeviceGpt, GptOps, HostOps, HostProducts, Logits};
 
 type Grads = Vec<(String, Vec<f32>)>;
 
@@ -17,13 +17,7 @@ fn step(
     logits: Logits,
     cfg: &fsdp_gpt::model::GptConfig,
 ) -> (f32, Grads, u64) {
-    let dims = GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
-    };
+    let dims = common::dims(cfg);
     let (rows, t) = (3, cfg.block_size);
     let mut model = DeviceGpt::new(
         HostOps::with_products(products),

@@ -7,18 +7,12 @@
 
 mod common;
 
-use fsdp_kernels::gpt::{Attention, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, MetaOps};
+use fsdp_kernels::gpt::{Attention, DeviceGpt, GptOps, HostOps, HostProducts, MetaOps};
 
 #[test]
 fn meta_ops_count_what_the_host_twins_count() {
     let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
-    let dims = GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
-    };
+    let dims = common::dims(&cfg);
     let params = common::weights(&cfg);
     let (rows, t) = (3, cfg.block_size);
     let inputs = common::ids(rows * t, 1, cfg.vocab_size);

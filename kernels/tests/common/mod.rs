@@ -54,6 +54,17 @@ pub fn weights(cfg: &GptConfig) -> HashMap<String, Vec<f32>> {
     named_params(cfg, values).unwrap()
 }
 
+/// The device model's shape of `cfg`.
+pub fn dims(cfg: &GptConfig) -> fsdp_kernels::gpt::GptDims {
+    fsdp_kernels::gpt::GptDims {
+        n_layer: cfg.n_layer,
+        n_head: cfg.n_head,
+        n_embd: cfg.n_embd,
+        block_size: cfg.block_size,
+        vocab_size: cfg.vocab_size,
+    }
+}
+
 /// The bits of each value, for bitwise comparisons.
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

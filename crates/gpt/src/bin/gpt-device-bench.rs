@@ -321,8 +321,8 @@ fn bench(args: &Args) -> Result<(), String> {
         let achieved = t.tflops(&cfg);
         println!(
             "gpt-device-bench {name} ({} parameters, {:.3e} model FLOPs/token) on {gpu}, \
-             batch {}×{}, products {}{}{}: median step {:.2} ms over {} steps after {} warm-up, \
-             {:.0} tokens/s, {achieved:.1} TFLOP/s; loss {:.4} -> {:.4}",
+             batch {}×{}, products {}{}{}, attention {}, logits {}: median step {:.2} ms over {} \
+             steps after {} warm-up, {:.0} tokens/s, {achieved:.1} TFLOP/s; loss {:.4} -> {:.4}",
             cfg.num_params(),
             model_flops_per_token(&cfg),
             args.batch,
@@ -338,6 +338,8 @@ fn bench(args: &Args) -> Result<(), String> {
             } else {
                 ""
             },
+            args.attention,
+            args.logits,
             t.median().as_secs_f64() * 1e3,
             t.steps.len().saturating_sub(t.warmup),
             t.warmup.min(t.steps.len()),
@@ -369,8 +371,11 @@ fn bench(args: &Args) -> Result<(), String> {
             );
         }
         println!(
-            "RESULT gpt-device-bench {name} {}: median step {:.2} ms, {:.0} tokens/s",
+            "RESULT gpt-device-bench {name} {} attention {} logits {}: median step {:.2} ms, \
+             {:.0} tokens/s",
             args.products,
+            args.attention,
+            args.logits,
             t.median().as_secs_f64() * 1e3,
             t.tokens_per_s()
         );

@@ -194,6 +194,19 @@ pub(crate) struct ModelArgs {
     pub(crate) alloc_conf: Option<String>,
 }
 
+impl ModelArgs {
+    /// The first of the options only the device's GPT has (`--attention`, `--logits`) that
+    /// is given, for the CPU engine's refusal.
+    pub(crate) fn device_only_option(&self) -> Option<&'static str> {
+        [
+            ("--attention", self.attention.is_some()),
+            ("--logits", self.logits.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(option, given)| given.then_some(option))
+    }
+}
+
 /// The optimizer (shared by `fsdp train` and `fsdp plan`, whose memory depends on it).
 #[derive(Args, Debug, Clone)]
 pub(crate) struct OptimizerArgs {

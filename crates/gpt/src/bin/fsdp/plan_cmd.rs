@@ -24,15 +24,10 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
             "--cpu-offload: only with --device (the sharded engine's plan is of host memory)",
         ));
     }
-    for (option, given) in [
-        ("--attention", args.model.attention.is_some()),
-        ("--logits", args.model.logits.is_some()),
-    ] {
-        if given {
-            return Err(fail(format!(
-                "{option}: only with --device (the sharded engine's plan is of the CPU GPT)"
-            )));
-        }
+    if let Some(option) = args.model.device_only_option() {
+        return Err(fail(format!(
+            "{option}: only with --device (the sharded engine's plan is of the CPU GPT)"
+        )));
     }
     if args.grad_clip.is_some() {
         return Err(fail(

@@ -82,15 +82,10 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
              memory already)",
         ));
     }
-    for (option, given) in [
-        ("--attention", args.model.attention.is_some()),
-        ("--logits", args.model.logits.is_some()),
-    ] {
-        if given {
-            return Err(fail(format!(
-                "{option}: only with --device cuda (the CPU reference GPT's layers are its own)"
-            )));
-        }
+    if let Some(option) = args.model.device_only_option() {
+        return Err(fail(format!(
+            "{option}: only with --device cuda (the CPU reference GPT's layers are its own)"
+        )));
     }
     // ---- Validate everything before any rank starts.
     // The options not given come from --resume's checkpoint or --init-from's file.
