@@ -359,11 +359,11 @@ impl GptOps for CudaOps {
         if self.products != Products::Bf16 {
             return Ok(CudaOperand::F32(buf));
         }
-        let mut kept = self.counted(
-            self.cuda
-                .alloc_zeros::<bf16>(buf.len())
-                .map_err(|e| copy_error("cuMemAllocAsync", e))?,
-        );
+        // SAFETY: device memory of `buf.len()` bf16 whose bits are whatever the pool held; any
+        // bits are a bf16, and the cast below writes every element before anything reads it.
+        let fresh = unsafe { self.cuda.alloc::<bf16>(buf.len()) }
+            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
+        let mut kept = self.counted(fresh);
         launch::cast::<f32, bf16>(&self.cuda, &*buf, &mut *kept)?;
         drop(buf);
         self.casts.fetch_add(1, Ordering::Relaxed);
