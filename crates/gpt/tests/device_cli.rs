@@ -276,7 +276,7 @@ fn device_plan_predicts_the_peak_the_run_logs() {
             .iter()
             .map(|f| f[1].to_string())
             .collect();
-        losses.push((loss, peak, plan));
+        losses.push((loss, peak, plan, out));
     }
     // Activation checkpointing: the same losses as the first case, a lower peak.
     assert_eq!(
@@ -294,6 +294,17 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         "{}",
         losses[2].2
     );
+    let first = |i: usize| &losses[i].3;
+    assert!(
+        first(0).contains(
+            "attention: chunked (64 MiB), the probabilities computed again in backward; \
+             logits: chunked (256 MiB)"
+        ),
+        "{}",
+        first(0)
+    );
+    assert!(first(3).contains("attention: materialized"), "{}", first(3));
+    assert!(first(4).contains("logits: whole"), "{}", first(4));
     // The attention's probabilities kept: the same losses, bitwise, as the default chunks
     // (which compute them again in backward); each plan names its attention.
     assert_eq!(

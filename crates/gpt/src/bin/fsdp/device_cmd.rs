@@ -169,6 +169,26 @@ pub(crate) fn refuse_first(
     }
 }
 
+/// The run's lines on how its step computes: the products (with bf16 ones), the attention's
+/// and the logits' chunks.
+pub(crate) fn say_layers(bf16: bool, config: &DeviceTrainConfig) {
+    if bf16 {
+        say!(
+            "products: bf16 operands, f32 sums and results (every other layer in f32; the \
+             activations only products read are kept in bf16)"
+        );
+    }
+    let attention = if config.attention.keeps_probabilities() {
+        "materialized, the probabilities kept for backward".to_string()
+    } else {
+        format!(
+            "{}, the probabilities computed again in backward",
+            config.attention
+        )
+    };
+    say!("attention: {attention}; logits: {}", config.logits);
+}
+
 /// Everything a device run needs, checked before the device is opened.
 pub(crate) struct Run {
     pub(crate) cfg: GptConfig,
@@ -424,9 +444,7 @@ fn train_with<O: GptOps>(
     } else {
         say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
     }
-    if args.model.param_dtype == DType::BF16 {
-        say!("products: bf16 operands, f32 sums and results (every other layer in f32)");
-    }
+    say_layers(args.model.param_dtype == DType::BF16, &run.config);
     let progress = Progress::new(steps, args.skip_nonfinite);
     let mut start_step = 0;
     let mut tally = Tally::default();

@@ -102,6 +102,8 @@ impl<'a> Shared<'a> {
                      device)"
                 );
             }
+            let bf16 = args.model.param_dtype == fsdp_device::DType::BF16;
+            crate::device_cmd::say_layers(bf16, &run.config);
             if let Some((r, _)) = &run.resume {
                 say!(
                     "resuming from {} at step {} of {steps}",
