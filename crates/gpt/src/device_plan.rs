@@ -304,24 +304,37 @@ fn to_u64(v: u128, what: &str) -> Result<u64, DeviceTrainError> {
     })
 }
 
+/// The (sequence, head) pairs of the attention's first (largest) chunk and the tokens of the
+/// head's: every pair or token when not chunked.
+#[derive(Clone, Copy)]
+struct Chunks {
+    pairs: usize,
+    tokens: usize,
+}
+
+impl Chunks {
+    fn of(c: &DeviceTrainConfig, rows: usize) -> Chunks {
+        let (t, h, v) = (c.cfg.block_size, c.cfg.n_head, c.cfg.vocab_size);
+        Chunks {
+            pairs: c.attention.chunk_pairs(t, rows.saturating_mul(h)),
+            tokens: c.logits.chunk_tokens(v, rows.saturating_mul(t)),
+        }
+    }
+}
+
 /// One micro-batch's step of `DeviceGpt::step` (`model.rs`), buffer by buffer; the
 /// activations that only products read are kept as operands of `opb` bytes an element.
-fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128) {
-    let (t, e, v, h) = (
-        c.cfg.block_size,
-        c.cfg.n_embd,
-        c.cfg.vocab_size,
-        c.cfg.n_head,
-    );
+fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch: Chunks) {
+    let (t, e, v) = (c.cfg.block_size, c.cfg.n_embd, c.cfg.vocab_size);
     let n = prod(&[rows, t]);
     let ne = prod(&[rows, t, e]);
     // The head's logits: one chunk's (the first, the largest), every token's when whole.
-    let nv = prod(&[c.logits.chunk_tokens(v, rows.saturating_mul(t)), v]);
+    let nv = prod(&[ch.tokens, v]);
     // The attention's matrices: every (sequence, head) pair's when materialized (kept), one
     // chunk's (the first, the largest) when chunked.
     let a = Attn {
         kept: c.attention.keeps_probabilities(),
-        t2: prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]),
+        t2: prod(&[ch.pairs, t, t]),
     };
     use Kind::{Ids, Tape, Work};
     // Saved per block, in bytes: its input, x2 and c_fc's output (f32), ln_1's and ln_2's mean
@@ -469,7 +482,7 @@ fn attention_backward(r: &mut Replay, ne: u128, a: Attn) {
 
 /// The elements of the largest first and second operands of the step's products (the sizes
 /// the kept bf16 copies grow to).
-fn largest_operands(c: &DeviceTrainConfig, rows: usize) -> (u128, u128) {
+fn largest_operands(c: &DeviceTrainConfig, rows: usize, ch: Chunks) -> (u128, u128) {
     let (t, e, v, h) = (
         c.cfg.block_size,
         c.cfg.n_embd,
@@ -479,16 +492,13 @@ fn largest_operands(c: &DeviceTrainConfig, rows: usize) -> (u128, u128) {
     let ne = prod(&[rows, t, e]);
     // The attention's probabilities and scores' gradient, of one chunk when chunked; the
     // logits' gradient of one chunk of tokens.
-    let t2 = prod(&[c.attention.chunk_pairs(t, rows.saturating_mul(h)), t, t]);
-    let nv = prod(&[c.logits.chunk_tokens(v, rows.saturating_mul(t)), v]);
-    let first = [4 * ne, t2, nv];
+    let first = [4 * ne, prod(&[ch.pairs, t, t]), prod(&[ch.tokens, v])];
     // The activations kept as operands (bf16 already) never pass through the copies: the
     // second operands that do are the weights and the heads' output gradient (of one chunk).
-    let pairs = c.attention.chunk_pairs(t, rows.saturating_mul(h));
     let second = [
         4 * prod(&[e, e]),
         prod(&[v, e]),
-        prod(&[pairs, t, e / h.max(1)]),
+        prod(&[ch.pairs, t, e / h.max(1)]),
     ];
     let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);
     (max(&first), max(&second))
@@ -529,8 +539,9 @@ pub fn plan_memory(
         .map(|(_, s)| prod(s))
         .fold(0, u128::saturating_add);
     let each = elements.saturating_mul(F32);
+    let chunks = Chunks::of(config, rows);
     let bf16 = if products == Products::Bf16 {
-        let (a, b) = largest_operands(config, rows);
+        let (a, b) = largest_operands(config, rows, chunks);
         a.saturating_add(b).saturating_mul(BF16)
     } else {
         0
@@ -541,7 +552,7 @@ pub fn plan_memory(
     } else {
         F32
     };
-    replay_step(&mut r, config, rows, opb);
+    replay_step(&mut r, config, rows, opb, chunks);
     // Parameters and gradients; both moments too unless offloaded, and the accumulators
     // unless offloaded or one micro-batch makes the step (the model's gradients serve).
     let (moments, offloaded) = if config.offload { (0, 4) } else { (2, 0) };
@@ -580,15 +591,9 @@ pub fn plan_memory(
         tape: to_u64(r.tape, "activations")?,
         activation_checkpointing: config.activation_checkpointing,
         attention: config.attention,
-        attention_pairs: config.attention.chunk_pairs(
-            config.cfg.block_size,
-            rows.saturating_mul(config.cfg.n_head),
-        ),
+        attention_pairs: chunks.pairs,
         logits: config.logits,
-        logit_tokens: config.logits.chunk_tokens(
-            config.cfg.vocab_size,
-            rows.saturating_mul(config.cfg.block_size),
-        ),
+        logit_tokens: chunks.tokens,
         peak_moment: r.moment,
         peak_tape: to_u64(r.at_peak[Kind::Tape as usize], "activations")?,
         peak_working: to_u64(r.at_peak[Kind::Work as usize], "working buffers")?,

@@ -3,6 +3,7 @@
 //! ([`Attention::Materialized`]), or over chunks of them with nothing of `t × t` kept
 //! ([`Attention::Chunked`]).
 
+use super::chunks::{chunk_items, write_chunked};
 use super::ops::{Arg, GptOps};
 use super::pass::{GptPass, Step};
 use crate::gemm::MatMul;
@@ -62,10 +63,7 @@ impl std::fmt::Display for Attention {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Attention::Materialized => f.write_str("materialized"),
-            Attention::Chunked { max_bytes } if max_bytes % (1 << 20) == 0 => {
-                write!(f, "chunked ({} MiB)", max_bytes >> 20)
-            }
-            Attention::Chunked { max_bytes } => write!(f, "chunked ({max_bytes} B)"),
+            Attention::Chunked { max_bytes } => write_chunked(f, max_bytes),
         }
     }
 }
@@ -79,10 +77,7 @@ impl Attention {
     pub fn chunk_pairs(&self, t: usize, pairs: usize) -> usize {
         match *self {
             Attention::Materialized => pairs,
-            Attention::Chunked { max_bytes } => {
-                let each = t.saturating_mul(t).saturating_mul(4).max(1);
-                (max_bytes / each).clamp(1, pairs.max(1))
-            }
+            Attention::Chunked { max_bytes } => chunk_items(max_bytes, t.saturating_mul(t), pairs),
         }
     }
 

@@ -1,6 +1,7 @@
 //! The head's logits, cross-entropy and their backward for [`GptPass`], over chunks of tokens
 //! ([`Logits::Chunked`]) or all tokens at once ([`Logits::Whole`]).
 
+use super::chunks::{chunk_items, write_chunked};
 use super::ops::{Arg, GptOps};
 use super::pass::GptPass;
 use crate::gemm::MatMul;
@@ -54,10 +55,7 @@ impl std::fmt::Display for Logits {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Logits::Whole => f.write_str("whole"),
-            Logits::Chunked { max_bytes } if max_bytes % (1 << 20) == 0 => {
-                write!(f, "chunked ({} MiB)", max_bytes >> 20)
-            }
-            Logits::Chunked { max_bytes } => write!(f, "chunked ({max_bytes} B)"),
+            Logits::Chunked { max_bytes } => write_chunked(f, max_bytes),
         }
     }
 }
@@ -72,10 +70,7 @@ impl Logits {
     pub fn chunk_tokens(&self, v: usize, tokens: usize) -> usize {
         match *self {
             Logits::Whole => tokens,
-            Logits::Chunked { max_bytes } => {
-                let each = v.saturating_mul(4).max(1);
-                (max_bytes / each).clamp(1, tokens.max(1))
-            }
+            Logits::Chunked { max_bytes } => chunk_items(max_bytes, v, tokens),
         }
     }
 }

@@ -5,12 +5,10 @@ use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
-use super::products::{gemm_f32, gemm_f64_rounded, round_into, Kept};
+use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to_bf16, Kept};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
-use crate::host::{
-    self, bf16_to_f32, f32_to_bf16, same_len, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS,
-};
+use crate::host::{self, same_len, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS};
 use crate::KernelError;
 
 /// How [`HostOps`] multiplies matrices.
@@ -221,7 +219,7 @@ impl GptOps for HostOps {
         if self.products != HostProducts::Bf16Operands {
             return Ok(buf);
         }
-        let rounded: Vec<f32> = buf.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect();
+        let rounded = rounded_to_bf16(&buf);
         let n = rounded.len();
         let kept = Counted::new(rounded, bytes_of::<u16>(n), &self.memory);
         drop(buf);

@@ -27,6 +27,7 @@
 
 mod attention;
 mod block;
+mod chunks;
 mod cuda;
 mod cuda_pool;
 mod cuda_step;

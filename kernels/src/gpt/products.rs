@@ -101,9 +101,17 @@ pub fn gemm_bf16_operands(
     c: &mut [f32],
 ) -> Result<(), KernelError> {
     // gemm_f32 checks the lengths (the rounded copies keep them).
-    let round =
-        |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect() };
-    gemm_f32(g, &round(a), &round(b), c)
+    gemm_f32(g, &rounded_to_bf16(a), &rounded_to_bf16(b), c)
+}
+
+/// `x` rounded to bf16 (round to nearest even, as the cast kernel), widened back to f32.
+fn round_bf16(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
+}
+
+/// Every value of `v` rounded to bf16 ([`round_bf16`]).
+pub(super) fn rounded_to_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| round_bf16(x)).collect()
 }
 
 /// A kept bf16 copy of one operand position of the products (grown to the largest operand
@@ -184,7 +192,7 @@ pub(super) fn round_into<'a>(
         |n| Ok::<_, Infallible>(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory)),
         |copy| {
             for (d, &x) in copy.iter_mut().zip(part.iter()) {
-                *d = bf16_to_f32(f32_to_bf16(x));
+                *d = round_bf16(x);
             }
             Ok(())
         },
