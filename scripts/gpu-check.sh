@@ -143,6 +143,14 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --attention materialized --logits whole"
     cat "$log"
+    # The buffers from the driver's stream-ordered pool instead of the caching allocator
+    # (the default), at 124M: the allocator's cost or gain on the step.
+    log="$report/gpt_device_bench_driver_pool.log"
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync device_bench "$log" --model 124m
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench (backend:cudaMallocAsync)"
+    cat "$log"
     # The cost of activation checkpointing (one more forward of each block) at 124M.
     log="$report/gpt_device_bench_ckpt.log"
     device_bench "$log" --model 124m --activation-checkpointing

@@ -43,6 +43,10 @@ pub enum KernelError {
         /// The length it has.
         actual: usize,
     },
+    /// The caching allocator could not serve a buffer (out of memory, with PyTorch's message,
+    /// or its memory source failed), or its settings in the environment are malformed.
+    #[error(transparent)]
+    Alloc(#[from] fsdp_allocator::AllocError),
     /// A scalar argument is out of range.
     #[error("kernel `{kernel}`: {reason}")]
     InvalidArgument {

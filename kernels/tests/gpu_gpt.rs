@@ -19,7 +19,8 @@ use common::{data, gpu, ids, max_abs, max_abs_diff, weights};
 use fsdp_device::Stream;
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{
-    Attention, CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Logits, Products,
+    Attention, CudaMemory, CudaOps, DeviceGpt, GptDims, GptOps, HostOps, HostProducts, Logits,
+    Products,
 };
 
 fn cuda_ops(test: &str) -> CudaOps {
@@ -341,4 +342,87 @@ fn the_optimizer_ops_match_their_twins_bitwise() {
             .position(|(a, b)| a.to_bits() != b.to_bits());
         assert_eq!(bad, None, "{name}: first difference at {bad:?}");
     }
+}
+
+/// Where `CudaOps` takes its buffers from changes nothing the step computes: the device's
+/// caching allocator ([`CudaMemory::Caching`], PyTorch's `backend:native`) and the driver's
+/// stream-ordered pool ([`CudaMemory::Driver`], `backend:cudaMallocAsync`) give the same loss
+/// and gradients bitwise, with f32 and bf16 products.
+#[test]
+fn the_caching_allocator_and_the_drivers_pool_give_the_same_step() {
+    let test = "the_caching_allocator_and_the_drivers_pool_give_the_same_step";
+    if !gpu(test) {
+        return;
+    }
+    let alloc = CudaMemory::device_allocator(0).expect("the caching allocator of cuda:0");
+    for products in [Products::F32, Products::Bf16] {
+        for (dims, rows, t) in cases() {
+            let with = |memory: CudaMemory| {
+                let s = Stream::cuda(0, test).unwrap();
+                let ops = CudaOps::with_memory(s, memory)
+                    .unwrap()
+                    .with_products(products);
+                run(ops, dims, rows, t)
+            };
+            let cached = with(CudaMemory::Caching(alloc.clone()));
+            let driver = with(CudaMemory::Driver);
+            assert_eq!(
+                cached.0.to_bits(),
+                driver.0.to_bits(),
+                "{products:?} {dims:?}: loss"
+            );
+            for ((name, a), (_, b)) in cached.1.iter().zip(&driver.1) {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{products:?} {dims:?}: {name} differs");
+            }
+        }
+    }
+}
+
+/// The caching allocator serves a steady step from its cache: after two warm-up steps, later
+/// steps reserve nothing new from the device (no `cuMemAlloc`: `num_device_alloc` and the
+/// reserved bytes stay), hold the same bytes between steps (nothing leaks), and every buffer's
+/// block goes back when the model and its operations are dropped. Its peak of allocated bytes
+/// covers the counted peak (each counted buffer is one block, rounded up to 512 bytes) within
+/// 5%. A fresh allocator of its own, so that no other test's cache is counted.
+#[test]
+fn the_caching_allocator_serves_steady_steps_from_its_cache() {
+    let test = "the_caching_allocator_serves_steady_steps_from_its_cache";
+    if !gpu(test) {
+        return;
+    }
+    let source = fsdp_allocator::cuda::CudaSource::new(0).unwrap();
+    let alloc = fsdp_allocator::cuda::CudaAllocator::new(source, Default::default()).unwrap();
+    let (dims, rows, t) = cases()[1];
+    let s = Stream::cuda(0, test).unwrap();
+    let ops = CudaOps::with_memory(s, CudaMemory::Caching(alloc.clone()))
+        .unwrap()
+        .with_products(Products::Bf16);
+    let (mut model, [x, y]) = model(ops, dims, rows, t);
+    let mut after = Vec::new();
+    for _ in 0..4 {
+        model.step(&x, &y, rows, t).unwrap();
+        model.ops().stream().synchronize().unwrap();
+        let st = alloc.memory_stats();
+        after.push((
+            st.num_device_alloc,
+            st.reserved_bytes.all.current,
+            st.allocated_bytes.all.current,
+        ));
+    }
+    println!("{test}: (cuMemAlloc calls, reserved, allocated) after each step: {after:?}");
+    assert_eq!(after[2], after[1], "the third step reserved or kept more");
+    assert_eq!(after[3], after[1], "the fourth step reserved or kept more");
+    let counted = model.ops().memory().peak;
+    let peak = model.ops().pool_memory().unwrap().peak;
+    assert!(peak >= counted, "allocator peak {peak} < counted {counted}");
+    assert!(
+        (peak - counted) as f64 <= 0.05 * counted as f64,
+        "allocator peak {peak} vs counted {counted}"
+    );
+    assert_eq!(alloc.memory_stats().num_alloc_retries, 0);
+    drop(model);
+    let st = alloc.memory_stats();
+    assert_eq!(st.allocated_bytes.all.current, 0, "blocks not given back");
+    assert!(st.reserved_bytes.all.current > 0, "the cache is kept");
 }

@@ -5,6 +5,27 @@
 
 use crate::{AllocError, AllocatorConfig, LARGE_BUFFER, ROUNDUP_POWER2_INTERVALS};
 
+/// Which allocator PyTorch's `backend` setting names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AllocatorBackend {
+    /// `backend:native`, the default: the caching allocator.
+    #[default]
+    Native,
+    /// `backend:cudaMallocAsync`: the CUDA driver's stream-ordered allocator
+    /// (`cuMemAllocAsync` on the device's default memory pool).
+    CudaMallocAsync,
+}
+
+impl std::fmt::Display for AllocatorBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AllocatorBackend::Native => "native",
+            AllocatorBackend::CudaMallocAsync => "cudaMallocAsync",
+        })
+    }
+}
+
 /// The environment variables [`AllocatorConfig::from_env`] reads, the first one set (and not
 /// empty) winning, as in newer PyTorch (`PYTORCH_CUDA_ALLOC_CONF` is its older name).
 pub const ALLOC_CONF_ENV_VARS: [&str; 2] = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"];
@@ -282,7 +303,7 @@ impl AllocatorConfig {
     /// | `roundup_power2_divisions` | `N` (a power of two) or `[64:8,256:4,>:1]` | [`AllocatorConfig::roundup_power2_divisions`] |
     /// | `garbage_collection_threshold` | a number strictly between 0 and 1 | [`AllocatorConfig::garbage_collection_threshold`] |
     /// | `expandable_segments` | `True` or `False` | [`AllocatorConfig::expandable_segments`] |
-    /// | `backend` | `native` (`cudaMallocAsync` is refused: not implemented) | — |
+    /// | `backend` | `native`; `cudaMallocAsync` (the CUDA driver's allocator) only through [`from_pytorch_conf_with_backend`](Self::from_pytorch_conf_with_backend), for users that offer it | [`AllocatorBackend`] |
     /// | `max_non_split_rounding_mb`, `large_segment_size_mb`, `release_lock_on_cudamalloc`, `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_reserve_segment_size_mb`, `pinned_use_background_threads`, `graph_capture_record_stream_reuse` (and the `hip` and `device` spellings) | checked as PyTorch checks them | accepted and ignored, with a `tracing` warning |
     ///
     /// Any other key is an error naming it, as in PyTorch ("Unrecognized key"). Where this parser
@@ -323,9 +344,45 @@ impl AllocatorConfig {
     /// # Errors
     /// [`AllocError::AllocConf`] naming the key and its value: an unknown key, a missing
     /// separator or value, a malformed or out-of-range value, `backend:cudaMallocAsync`
-    /// (not implemented); [`AllocError::InvalidConfig`] if the result fails the allocator's
-    /// checks.
-    pub fn apply_pytorch_conf(mut self, text: &str) -> Result<Self, AllocError> {
+    /// (the driver's allocator, which a caching allocator is not: see
+    /// [`from_pytorch_conf_with_backend`](Self::from_pytorch_conf_with_backend));
+    /// [`AllocError::InvalidConfig`] if the result fails the allocator's checks.
+    pub fn apply_pytorch_conf(self, text: &str) -> Result<Self, AllocError> {
+        let (config, _) = self.apply_conf(text, false)?;
+        Ok(config)
+    }
+
+    /// The defaults with PyTorch's allocator settings `text` applied, and the allocator
+    /// backend it names: [`AllocatorBackend::CudaMallocAsync`] for `backend:cudaMallocAsync`
+    /// (which [`from_pytorch_conf`](Self::from_pytorch_conf) refuses), else
+    /// [`AllocatorBackend::Native`]. For users that can serve memory from the CUDA driver's
+    /// stream-ordered allocator instead of a [`CachingAllocator`](crate::CachingAllocator), as
+    /// PyTorch does under that setting; the other keys are checked either way (and, as in
+    /// PyTorch, the caching allocator's options do nothing under the driver's).
+    ///
+    /// ```
+    /// use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
+    /// let (c, b) = AllocatorConfig::from_pytorch_conf_with_backend("backend:cudaMallocAsync")?;
+    /// assert_eq!((c, b), (AllocatorConfig::default(), AllocatorBackend::CudaMallocAsync));
+    /// let (_, b) = AllocatorConfig::from_pytorch_conf_with_backend("expandable_segments:True")?;
+    /// assert_eq!(b, AllocatorBackend::Native);
+    /// # Ok::<(), fsdp_allocator::AllocError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`apply_pytorch_conf`](Self::apply_pytorch_conf), but for `backend:cudaMallocAsync`.
+    pub fn from_pytorch_conf_with_backend(
+        text: &str,
+    ) -> Result<(AllocatorConfig, AllocatorBackend), AllocError> {
+        AllocatorConfig::default().apply_conf(text, true)
+    }
+
+    fn apply_conf(
+        mut self,
+        text: &str,
+        driver_ok: bool,
+    ) -> Result<(AllocatorConfig, AllocatorBackend), AllocError> {
+        let mut backend = AllocatorBackend::Native;
         let tokens = tokenize(text);
         let mut i = 0;
         while i < tokens.len() {
@@ -378,7 +435,8 @@ impl AllocatorConfig {
                 }
                 "expandable_segments" => self.expandable_segments = boolean(key, single)?,
                 "backend" => match single {
-                    "native" => {}
+                    "native" => backend = AllocatorBackend::Native,
+                    "cudaMallocAsync" if driver_ok => backend = AllocatorBackend::CudaMallocAsync,
                     "cudaMallocAsync" => {
                         return Err(conf_error(
                             key,
@@ -420,7 +478,7 @@ impl AllocatorConfig {
             }
         }
         self.validate()?;
-        Ok(self)
+        Ok((self, backend))
     }
 
     /// The defaults with the allocator settings of the environment: the first of
@@ -433,6 +491,20 @@ impl AllocatorConfig {
         match alloc_conf_from_env()? {
             Some((_, text)) => AllocatorConfig::from_pytorch_conf(&text),
             None => Ok(AllocatorConfig::default()),
+        }
+    }
+
+    /// The defaults with the allocator settings of the environment (as
+    /// [`from_env`](Self::from_env)) and the backend they name (as
+    /// [`from_pytorch_conf_with_backend`](Self::from_pytorch_conf_with_backend)).
+    ///
+    /// # Errors
+    /// As [`from_pytorch_conf_with_backend`](Self::from_pytorch_conf_with_backend); a variable
+    /// that is not UTF-8.
+    pub fn from_env_with_backend() -> Result<(AllocatorConfig, AllocatorBackend), AllocError> {
+        match alloc_conf_from_env()? {
+            Some((_, text)) => AllocatorConfig::from_pytorch_conf_with_backend(&text),
+            None => Ok((AllocatorConfig::default(), AllocatorBackend::Native)),
         }
     }
 

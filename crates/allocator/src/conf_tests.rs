@@ -222,6 +222,47 @@ fn malformed_values_name_key_and_value() {
 }
 
 #[test]
+fn backend_is_read_where_the_driver_allocator_is_offered() {
+    let with = |t: &str| {
+        AllocatorConfig::from_pytorch_conf_with_backend(t).unwrap_or_else(|e| panic!("{t}: {e}"))
+    };
+    assert_eq!(with("").1, AllocatorBackend::Native);
+    assert_eq!(with("backend:native").1, AllocatorBackend::Native);
+    let (c, b) = with("expandable_segments:True, backend : cudaMallocAsync");
+    assert_eq!(b, AllocatorBackend::CudaMallocAsync);
+    assert!(c.expandable_segments, "the other keys are still read");
+    // A later pair overrides an earlier one, the backend as every key.
+    assert_eq!(
+        with("backend:cudaMallocAsync,backend:native").1,
+        AllocatorBackend::Native
+    );
+    assert_eq!(
+        AllocatorBackend::CudaMallocAsync.to_string(),
+        "cudaMallocAsync"
+    );
+    // Errors are the same as without the backend: a bad backend, a bad other key.
+    for (t, key, value) in [
+        ("backend:magic", "backend", "magic"),
+        (
+            "backend:cudaMallocAsync,max_split_size_mb:1",
+            "max_split_size_mb",
+            "1",
+        ),
+    ] {
+        match AllocatorConfig::from_pytorch_conf_with_backend(t) {
+            Err(AllocError::AllocConf {
+                key: k, value: v, ..
+            }) => {
+                assert_eq!((k.as_str(), v.as_str()), (key, value), "{t}")
+            }
+            other => panic!("{t}: {other:?}"),
+        }
+    }
+    // The caching allocator alone still refuses the driver's.
+    refused("backend:cudaMallocAsync", "backend", "cudaMallocAsync");
+}
+
+#[test]
 fn malformed_syntax_is_refused() {
     refused("expandable_segments", "expandable_segments", "");
     refused("expandable_segments:", "expandable_segments", "");

@@ -79,7 +79,7 @@ mod stats;
 mod vmm;
 
 pub use allocator::{Block, CachingAllocator, SharedBlock};
-pub use conf::{alloc_conf_from_env, ALLOC_CONF_ENV_VARS};
+pub use conf::{alloc_conf_from_env, AllocatorBackend, ALLOC_CONF_ENV_VARS};
 pub use config::{AllocatorConfig, MemoryLimit, ROUNDUP_POWER2_INTERVALS};
 pub use error::AllocError;
 pub use history::{

@@ -1,10 +1,15 @@
 //! `--memory-snapshot` of the [`DeviceTrainer`] (and of a rank of the [`ShardedDeviceTrainer`]):
-//! the history of its device memory — every
-//! buffer its operations made and dropped ([`GptOps::memory_history`]) — as a memory snapshot
-//! in PyTorch's format ([`Snapshot`], `torch.cuda.memory._dump_snapshot`'s pickle), whose
-//! `device_traces` `python -m torch.cuda._memory_viz trace_plot` draws. The buffers are counted
-//! by the operations rather than by a caching allocator, so the snapshot has no segments; its
-//! running total is the counted memory the plan predicts.
+//! the history of its device memory as a memory snapshot in PyTorch's format ([`Snapshot`],
+//! `torch.cuda.memory._dump_snapshot`'s pickle), whose `device_traces` `python -m
+//! torch.cuda._memory_viz trace_plot` draws.
+//!
+//! - Where the operations take their buffers from a caching allocator (CUDA's default,
+//!   [`GptOps::allocator_snapshot`]), the allocator's own snapshot: its segments and blocks,
+//!   and every allocation and free it recorded (the device's: ranks that are threads of one
+//!   process share it).
+//! - Elsewhere (the host twins, the driver's pool), every buffer the operations made and
+//!   dropped ([`GptOps::memory_history`]), addressed by the buffers' identities, without
+//!   segments; its running total is the counted memory the plan predicts.
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -67,12 +72,19 @@ impl MemoryHistory {
     }
 }
 
-/// A snapshot of `device` without events (not recording).
-fn empty(device: &str) -> Snapshot {
-    Snapshot {
-        device: device.to_string(),
-        segments: Vec::new(),
-        device_traces: Vec::new(),
+/// The snapshot of `ops`' memory: its allocator's, or `history` with the operations' events
+/// (empty when not recording).
+fn snapshot_of<O: GptOps>(ops: &O, history: &mut Option<MemoryHistory>, device: &str) -> Snapshot {
+    if let Some(s) = ops.allocator_snapshot() {
+        return s;
+    }
+    match history {
+        Some(h) => h.snapshot(ops.memory_history(), device),
+        None => Snapshot {
+            device: device.to_string(),
+            segments: Vec::new(),
+            device_traces: Vec::new(),
+        },
     }
 }
 
@@ -84,15 +96,14 @@ impl<O: GptOps> DeviceTrainer<O> {
         self.memory_history = on.then(MemoryHistory::start);
     }
 
-    /// The device memory's history since recording began as a snapshot of `device` (e.g.
-    /// `cuda:0`): each buffer made is an `alloc` of its bytes, each dropped a
-    /// `free_requested` and a `free_completed` (nothing waits to be reused), addressed by the
-    /// buffer's identity, in time order; no segments. Empty when not recording.
+    /// The device memory as a snapshot of `device` (e.g. `cuda:0`): the caching allocator's
+    /// own snapshot where the buffers come from one (segments, blocks, and the history it
+    /// recorded). Elsewhere the history since recording began: each buffer made is an `alloc`
+    /// of its bytes, each dropped a `free_requested` and a `free_completed` (nothing waits to
+    /// be reused), addressed by the buffer's identity, in time order; no segments; empty when
+    /// not recording.
     pub fn memory_snapshot(&mut self, device: &str) -> Snapshot {
-        match &mut self.memory_history {
-            Some(h) => h.snapshot(self.model.ops().memory_history(), device),
-            None => empty(device),
-        }
+        snapshot_of(self.model.ops(), &mut self.memory_history, device)
     }
 }
 
@@ -108,9 +119,6 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// [`DeviceTrainer::memory_snapshot`] (the units gathered and freed, the gradients
     /// reduced, among the step's buffers).
     pub fn memory_snapshot(&mut self, device: &str) -> Snapshot {
-        match &mut self.memory_history {
-            Some(h) => h.snapshot(self.pass.ops().memory_history(), device),
-            None => empty(device),
-        }
+        snapshot_of(self.pass.ops(), &mut self.memory_history, device)
     }
 }

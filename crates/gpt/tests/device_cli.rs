@@ -129,6 +129,23 @@ fn device_cuda_refuses_unsupported_options() {
 }
 
 #[test]
+fn host_twin_refuses_alloc_conf() {
+    let a = small_train_args(
+        &["--steps", "2", "--batch-size", "4", "--device", "host-twin"],
+        &["--alloc-conf", "expandable_segments:True"],
+    );
+    one_error_status_1(
+        &fsdp(&a),
+        &[
+            "--device host-twin",
+            "--alloc-conf",
+            "not supported",
+            "--device cuda",
+        ],
+    );
+}
+
+#[test]
 fn device_cuda_without_a_driver_is_one_error() {
     if let Ok(n) = fsdp_device::cuda::device_count() {
         println!("skipped: a CUDA driver is present ({n} devices): tests/gpu_device_train.rs");

@@ -9,9 +9,10 @@ use cudarc::driver::{
 use fsdp_device::Stream;
 use half::bf16;
 
+use super::cuda_memory::CudaMemory;
 use super::cuda_pool::hold_pool_memory;
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
-use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
+use super::memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
 use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
@@ -21,7 +22,7 @@ use crate::{launch, KernelError};
 
 /// [`GptOps`] on one CUDA stream: the layer kernels through [`launch`] and the products
 /// through cuBLAS ([`Blas`], bound to the same stream), buffers `CudaSlice`s of the stream's
-/// context. Every operation is enqueued on that one stream, so operations run in the order
+/// context taken from the device's caching allocator or the driver's pool ([`CudaMemory`]). Every operation is enqueued on that one stream, so operations run in the order
 /// they are called; only [`download`](GptOps::download) waits (for the stream, within the
 /// [`Stream`]'s timeout).
 pub struct CudaOps {
@@ -37,6 +38,8 @@ pub struct CudaOps {
     pub(super) memory: Arc<MemoryCounter>,
     /// Page-locked buffers for [`GptOps::copy_scalars`].
     pub(super) pinned: PinnedPool,
+    /// Where the buffers come from.
+    pub(super) memory_source: CudaMemory,
 }
 
 /// A buffer of [`CudaOps`]: a `CudaSlice<f32>` counted in its operations' memory; it is a
@@ -126,12 +129,41 @@ pub(super) fn copy_error(op: &'static str, e: impl std::fmt::Debug) -> KernelErr
 }
 
 impl CudaOps {
-    /// Operations on `stream`, a CUDA stream (`Stream::cuda`).
+    /// Operations on `stream`, a CUDA stream (`Stream::cuda`), with the memory PyTorch's
+    /// allocator settings in the environment choose ([`CudaMemory::from_env`]: the device's
+    /// caching allocator unless `backend:cudaMallocAsync`).
     ///
     /// # Errors
     /// [`KernelError::InvalidArgument`] for a stream that is not a CUDA stream; as
-    /// [`Blas::new`] (no cuBLAS, no handle).
+    /// [`CudaMemory::from_env`] (malformed settings); as [`Blas::new`] (no cuBLAS, no handle).
     pub fn new(stream: Stream) -> Result<CudaOps, KernelError> {
+        let memory = match stream.device() {
+            fsdp_device::Device::Cuda(n) => CudaMemory::from_env(n)?,
+            _ => CudaMemory::Driver,
+        };
+        CudaOps::with_memory(stream, memory)
+    }
+
+    /// Operations on `stream` whose buffers come from `memory` (a caching allocator of the
+    /// stream's device, or the driver's pool).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`KernelError::InvalidArgument`] for an allocator of another
+    /// device than the stream's.
+    pub fn with_memory(stream: Stream, memory: CudaMemory) -> Result<CudaOps, KernelError> {
+        if let Some(a) = memory.allocator() {
+            if a.device() != stream.device() {
+                return Err(KernelError::InvalidArgument {
+                    kernel: "gpt",
+                    reason: format!(
+                        "the caching allocator is of {}, the stream `{}` of {}",
+                        a.device(),
+                        stream.name(),
+                        stream.device()
+                    ),
+                });
+            }
+        }
         let cuda = stream
             .cuda_stream()
             .ok_or_else(|| KernelError::InvalidArgument {
@@ -150,14 +182,10 @@ impl CudaOps {
             casts: AtomicU64::new(0),
             memory: MemoryCounter::new(),
             pinned: PinnedPool::default(),
+            memory_source: memory,
         };
         ops.reset_pool_peak();
         Ok(ops)
-    }
-
-    pub(super) fn counted<T>(&self, b: CudaSlice<T>) -> Counted<CudaSlice<T>> {
-        let bytes = bytes_of::<T>(b.len());
-        Counted::new(b, bytes, &self.memory)
     }
 
     /// The same operations with products computed as `products` says.
@@ -229,13 +257,8 @@ impl CudaOps {
             src.stamp(),
             range,
             |c: &CudaSlice<bf16>| c.len(),
-            |n| {
-                let fresh = self
-                    .cuda
-                    .alloc_zeros::<bf16>(n)
-                    .map_err(|e| copy_error("cuMemAllocAsync", e))?;
-                Ok(self.counted(fresh))
-            },
+            // SAFETY: zeroed.
+            |n| unsafe { self.device_slice::<bf16>(n, true) },
             |copy| launch::cast::<f32, bf16>(&self.cuda, &part, &mut copy.slice_mut(..n)),
         )?;
         if cast {
@@ -269,11 +292,8 @@ impl GptOps for CudaOps {
     type Operand = CudaOperand;
 
     fn zeros(&self, len: usize) -> Result<CudaBuf, KernelError> {
-        let b = self
-            .cuda
-            .alloc_zeros::<f32>(len)
-            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
-        Ok(self.counted(b))
+        // SAFETY: zeroed.
+        unsafe { self.device_slice::<f32>(len, true) }
     }
 
     fn empty(&self, len: usize) -> Result<CudaBuf, KernelError> {
@@ -281,17 +301,11 @@ impl GptOps for CudaOps {
         // are an f32, and the host never sees them before an operation writes them (the
         // contract of `GptOps::empty`; `HostOps` fills with NaN so that its tests would show a
         // read before the write).
-        let b =
-            unsafe { self.cuda.alloc::<f32>(len) }.map_err(|e| copy_error("cuMemAllocAsync", e))?;
-        Ok(self.counted(b))
+        unsafe { self.device_slice::<f32>(len, false) }
     }
 
     fn upload(&self, data: &[f32]) -> Result<CudaBuf, KernelError> {
-        let b = self
-            .cuda
-            .clone_htod(data)
-            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
-        Ok(self.counted(b))
+        self.upload_slice(data)
     }
 
     fn upload_into(&self, data: &[f32], buf: &mut CudaBuf) -> Result<(), KernelError> {
@@ -302,11 +316,7 @@ impl GptOps for CudaOps {
     }
 
     fn upload_ids(&self, ids: &[u32]) -> Result<CudaIds, KernelError> {
-        let b = self
-            .cuda
-            .clone_htod(ids)
-            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
-        Ok(self.counted(b))
+        self.upload_slice(ids)
     }
 
     fn memory(&self) -> MemoryUse {
@@ -319,10 +329,29 @@ impl GptOps for CudaOps {
 
     fn record_memory_history(&self, on: bool) {
         self.memory.record_history(on);
+        if let Some(a) = self.memory_source.allocator() {
+            // The device's allocator: its history holds every user's blocks (every rank that
+            // is a thread of this process on the device), as PyTorch's does.
+            if on != a.is_recording_history() {
+                a.record_memory_history(on.then(fsdp_allocator::HistoryConfig::default));
+            }
+        }
+    }
+
+    fn allocator_snapshot(&self) -> Option<fsdp_allocator::Snapshot> {
+        self.memory_source.allocator().map(|a| a.snapshot())
     }
 
     fn memory_history(&self) -> Vec<MemoryEvent> {
         self.memory.take_history()
+    }
+
+    fn memory_source(&self) -> Option<String> {
+        Some(self.memory_source.to_string())
+    }
+
+    fn memory_report(&self) -> Option<String> {
+        self.memory_summary()
     }
 
     fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>, KernelError> {
@@ -361,9 +390,7 @@ impl GptOps for CudaOps {
         }
         // SAFETY: device memory of `buf.len()` bf16 whose bits are whatever the pool held; any
         // bits are a bf16, and the cast below writes every element before anything reads it.
-        let fresh = unsafe { self.cuda.alloc::<bf16>(buf.len()) }
-            .map_err(|e| copy_error("cuMemAllocAsync", e))?;
-        let mut kept = self.counted(fresh);
+        let mut kept = unsafe { self.device_slice::<bf16>(buf.len(), false) }?;
         launch::cast::<f32, bf16>(&self.cuda, &*buf, &mut *kept)?;
         drop(buf);
         self.casts.fetch_add(1, Ordering::Relaxed);

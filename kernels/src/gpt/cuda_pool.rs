@@ -1,20 +1,50 @@
-//! [`CudaOps`] and the device's memory pool: what the pool holds, and keeping freed memory in
-//! it between steps.
+//! [`CudaOps`] and the memory its buffers come from ([`CudaMemory`]): what the caching
+//! allocator or the driver's pool holds, and keeping freed memory in the driver's pool between
+//! steps.
 
 use cudarc::driver::{result, sys, CudaStream};
 
 use super::cuda::CudaOps;
+use super::cuda_memory::{describe_stats, CudaMemory};
 use super::memory::MemoryUse;
 
 impl CudaOps {
-    /// The device's default memory pool (which serves these operations' allocations, and any
-    /// other stream-ordered allocation of the device) as the driver reports it: the bytes in use
-    /// now (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`) and their high-water mark
-    /// (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`, since these operations were made or since
-    /// [`reset_pool_peak`](Self::reset_pool_peak)). It includes what [`GptOps::memory`](super::GptOps::memory) does
-    /// not count (scratch of single operations) and the pool's rounding of each allocation.
-    /// `None` where the device has no memory pools or the driver refuses the query.
+    /// The memory the operations' buffers come from, as it reports it: the bytes in use now
+    /// and their high-water mark since these operations were made or since
+    /// [`reset_pool_peak`](Self::reset_pool_peak). It includes the rounding of each buffer and
+    /// what [`GptOps::memory`](super::GptOps::memory) does not count, and it is the device's,
+    /// shared by every user of the same allocator (ranks that are threads on one GPU).
+    ///
+    /// - The caching allocator ([`CudaMemory::Caching`]): its `allocated_bytes` (blocks
+    ///   handed out, rounded to 512 bytes; PyTorch's `memory_allocated` and
+    ///   `max_memory_allocated`).
+    /// - The driver's pool ([`CudaMemory::Driver`]): the device's default memory pool
+    ///   (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT` and `CU_MEMPOOL_ATTR_USED_MEM_HIGH`), which also
+    ///   holds the scratch of single operations; `None` where the device has no memory pools
+    ///   or the driver refuses the query.
     pub fn pool_memory(&self) -> Option<MemoryUse> {
+        if let CudaMemory::Caching(a) = &self.memory_source {
+            let s = a.memory_stats().allocated_bytes.all;
+            return Some(MemoryUse {
+                allocated: s.current,
+                peak: s.peak,
+            });
+        }
+        self.driver_pool_memory()
+    }
+
+    /// [`pool_memory`](Self::pool_memory) in words: the caching allocator's peaks, retries and
+    /// failures ([`describe_stats`]), or the driver's pool's high-water mark.
+    pub fn memory_summary(&self) -> Option<String> {
+        match &self.memory_source {
+            CudaMemory::Caching(a) => Some(describe_stats(&a.memory_stats())),
+            CudaMemory::Driver => self
+                .driver_pool_memory()
+                .map(|p| format!("the driver's pool: high-water mark {} bytes", p.peak)),
+        }
+    }
+
+    fn driver_pool_memory(&self) -> Option<MemoryUse> {
         let dev = self.cuda.context().cu_device();
         let read = |attr| {
             let mut v = 0u64;
@@ -32,9 +62,15 @@ impl CudaOps {
         })
     }
 
-    /// Starts the pool's high-water mark again from the bytes in use now (best effort: nothing
-    /// where the device has no memory pools).
+    /// Starts the high-water mark of [`pool_memory`](Self::pool_memory) again from the bytes
+    /// in use now (the caching allocator's peak statistics, as PyTorch's
+    /// `reset_peak_memory_stats`; for the driver's pool best effort: nothing where the device
+    /// has no memory pools).
     pub fn reset_pool_peak(&self) {
+        if let CudaMemory::Caching(a) = &self.memory_source {
+            a.reset_peak_stats();
+            return;
+        }
         let dev = self.cuda.context().cu_device();
         let mut zero = 0u64;
         // SAFETY: a device of a live context; USED_MEM_HIGH is set from a u64 (only 0 is
@@ -53,8 +89,8 @@ impl CudaOps {
 
 impl Drop for CudaOps {
     fn drop(&mut self) {
-        // Give what the pool kept back to the driver, as its default does at every
-        // synchronisation.
+        // Give what the driver's pool kept back to the driver, as its default does at every
+        // synchronisation (the caching allocator keeps its cache, as PyTorch's does).
         hold_pool_memory(&self.cuda, 0);
     }
 }

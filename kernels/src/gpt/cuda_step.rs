@@ -49,11 +49,7 @@ impl CudaOps {
     }
 
     pub(super) fn upload_scalars(&self, values: &[f64]) -> Result<CudaScalars, KernelError> {
-        let b = self
-            .cuda
-            .clone_htod(values)
-            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
-        Ok(self.counted(b))
+        self.upload_slice(values)
     }
 
     pub(super) fn sum_of_squares_into(

@@ -2,6 +2,8 @@
 //! to a shared [`MemoryCounter`] when made and take them off when dropped, so an implementation
 //! reports the bytes live now and the most live at once ([`MemoryUse`]).
 
+use std::fmt;
+use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -101,12 +103,27 @@ impl MemoryCounter {
 
 /// A buffer whose bytes are counted in a [`MemoryCounter`] while it lives; it reads and writes
 /// as the buffer it holds (`Deref`).
-#[derive(Debug)]
 pub struct Counted<T> {
-    inner: T,
+    inner: ManuallyDrop<T>,
     bytes: u64,
     counter: Arc<MemoryCounter>,
     stamp: Stamp,
+    /// What ends `inner` in place of its own `Drop` (see [`Counted::with_release`]).
+    release: Option<Release<T>>,
+}
+
+/// How a [`Counted`] buffer's value ends when it is dropped.
+type Release<T> = Box<dyn FnOnce(T) + Send + Sync>;
+
+impl<T: fmt::Debug> fmt::Debug for Counted<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Counted")
+            .field("inner", &*self.inner)
+            .field("bytes", &self.bytes)
+            .field("stamp", &self.stamp)
+            .field("release", &self.release.is_some())
+            .finish()
+    }
 }
 
 /// The identity of a [`Counted`] buffer's contents: unique to the buffer (never reused, even
@@ -128,11 +145,26 @@ impl<T> Counted<T> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         counter.add(id, bytes);
         Counted {
-            inner,
+            inner: ManuallyDrop::new(inner),
             bytes,
             counter: counter.clone(),
             stamp: Stamp { id, version: 0 },
+            release: None,
         }
+    }
+
+    /// As [`new`](Self::new), but when dropped `inner` is handed to `release` instead of being
+    /// dropped: e.g. a slice over a caching allocator's block, which must give the block back
+    /// rather than free its address.
+    pub fn with_release(
+        inner: T,
+        bytes: u64,
+        counter: &Arc<MemoryCounter>,
+        release: impl FnOnce(T) + Send + Sync + 'static,
+    ) -> Counted<T> {
+        let mut c = Counted::new(inner, bytes, counter);
+        c.release = Some(Box::new(release));
+        c
     }
 
     /// What it holds now (see [`Stamp`]).
@@ -163,6 +195,12 @@ impl<T> DerefMut for Counted<T> {
 
 impl<T> Drop for Counted<T> {
     fn drop(&mut self) {
+        // SAFETY: `inner` is taken once, here, as the buffer is dropped; nothing reads it after.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        match self.release.take() {
+            Some(release) => release(inner),
+            None => drop(inner),
+        }
         self.counter.sub(self.stamp.id, self.bytes);
     }
 }
@@ -212,6 +250,31 @@ mod tests {
             MemoryUse {
                 allocated: 0,
                 peak: 28
+            }
+        );
+    }
+
+    #[test]
+    fn a_release_ends_the_value_in_place_of_its_drop() {
+        let c = MemoryCounter::new();
+        let released = Arc::new(Mutex::new(Vec::new()));
+        let into = released.clone();
+        let mut a = Counted::with_release(vec![1u32, 2], 8, &c, move |v: Vec<u32>| {
+            into.lock().unwrap().push(v)
+        });
+        a.push(3);
+        assert_eq!((a.len(), c.usage().allocated), (3, 8));
+        drop(a);
+        // The value reached the release whole (not dropped first), and its bytes went.
+        assert_eq!(*released.lock().unwrap(), vec![vec![1, 2, 3]]);
+        assert_eq!(c.usage().allocated, 0);
+        // Without a release the value is dropped as usual (a value with a heap part, for Miri).
+        drop(Counted::new(String::from("dropped"), 7, &c));
+        assert_eq!(
+            c.usage(),
+            MemoryUse {
+                allocated: 0,
+                peak: 8
             }
         );
     }

@@ -29,6 +29,7 @@ mod attention;
 mod block;
 mod chunks;
 mod cuda;
+mod cuda_memory;
 mod cuda_pool;
 mod cuda_step;
 mod head;
@@ -47,6 +48,7 @@ mod weights;
 
 pub use attention::Attention;
 pub use cuda::{CudaBuf, CudaIds, CudaOperand, CudaOps, Products};
+pub use cuda_memory::{describe_stats, CudaMemory};
 pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use head::Logits;
 pub use host_ops::{HostBuf, HostIds, HostOperand, HostOps, HostProducts};

@@ -84,6 +84,23 @@ pub trait GptOps {
     fn record_memory_history(&self, on: bool);
     /// The buffers made and dropped since recording began or since the last call.
     fn memory_history(&self) -> Vec<MemoryEvent>;
+    /// Where the buffers come from, in words, for a run's first lines (`None`, the default:
+    /// nothing to say, as on the host twins).
+    fn memory_source(&self) -> Option<String> {
+        None
+    }
+    /// What that memory reports of itself, for a run's summary (`None`, the default: nothing
+    /// beyond [`memory`](GptOps::memory)).
+    fn memory_report(&self) -> Option<String> {
+        None
+    }
+    /// The snapshot of the allocator the buffers come from, where they come from one (the
+    /// caching allocator on CUDA): its segments and blocks now, and the history it recorded
+    /// while [`record_memory_history`](GptOps::record_memory_history) was on, in PyTorch's
+    /// form (`torch.cuda.memory._snapshot`). `None`, the default, elsewhere.
+    fn allocator_snapshot(&self) -> Option<fsdp_allocator::Snapshot> {
+        None
+    }
     /// Sets every element of `buf` to 0.
     ///
     /// # Errors

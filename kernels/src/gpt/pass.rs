@@ -1,6 +1,7 @@
 //! [`GptPass`]: one forward and backward pass of the GPT over [`GptOps`], its parameters and
 //! gradients given unit by unit by a [`Units`].
 
+use fsdp_allocator::memory_context_with;
 use std::sync::Mutex;
 
 use super::attention::Attention;
@@ -193,7 +194,9 @@ impl<O: GptOps> GptPass<O> {
         let (d, n) = (self.dims, s.n);
         let e = d.n_embd;
         let ops = &self.ops;
-        // Embeddings.
+        // Embeddings. Each part names itself to the caching allocator's recorded history
+        // (a frame of its allocations' stacks; nothing is built while no allocator records).
+        let part = memory_context_with(|| "embedding forward".into());
         units.pre_forward(ops, Unit::Root)?;
         self.hook_mark(units, false, || "unshard the root".into())?;
         let ids = ops.upload_ids(inputs)?;
@@ -201,9 +204,11 @@ impl<O: GptOps> GptPass<O> {
         let root = units.root()?;
         ops.embedding_forward(&ids, &root.wte, &root.wpe, t, e, &mut x)?;
         self.trace_mark(false, || "embedding forward".into())?;
+        drop(part);
         // Blocks (with checkpointing each keeps its input; the rest is dropped here).
         let mut saved = Vec::with_capacity(d.n_layer);
         for layer in 0..d.n_layer {
+            let _part = memory_context_with(|| format!("forward block {layer}"));
             units.pre_forward(ops, Unit::Block(layer))?;
             self.hook_mark(units, false, || format!("unshard block {layer}"))?;
             let (out, a) = self.block_forward(units.block(layer)?, s, x)?;
@@ -220,6 +225,7 @@ impl<O: GptOps> GptPass<O> {
         // and their backward chunk by chunk (the root's forward ends and its backward starts
         // before the first chunk: each chunk's backward follows its forward), then ln_f's
         // backward.
+        let part = memory_context_with(|| "head".into());
         let root = units.root()?;
         let (hf, mean, rstd) = self.layernorm(&x, &root.ln_f, n)?;
         let hf = ops.operand(hf)?;
@@ -244,10 +250,12 @@ impl<O: GptOps> GptPass<O> {
         let gl = &mut grads.ln_f;
         ops.layernorm_backward_params(&dhf, &x, &mean, &rstd, &mut gl.weight, &mut gl.bias)?;
         self.trace_mark(true, || "head backward (ln_f)".into())?;
+        drop(part);
         // Blocks backward, last first, each block's activations freed after its backward
         // (recomputed first from its input under checkpointing, the output dropped).
         while let Some(kept) = saved.pop() {
             let layer = saved.len();
+            let _part = memory_context_with(|| format!("backward block {layer}"));
             units.pre_backward(ops, Unit::Block(layer))?;
             self.hook_mark(units, true, || {
                 format!("unshard block {layer} for backward")
@@ -269,6 +277,7 @@ impl<O: GptOps> GptPass<O> {
             self.hook_mark(units, true, || format!("reduce block {layer}'s gradients"))?;
         }
         // Embeddings backward.
+        let _part = memory_context_with(|| "embedding backward".into());
         let (_, grads) = units.root_grads()?;
         ops.embedding_backward_tokens(inputs, &dx, e, &mut grads.wte)?;
         ops.embedding_backward_positions(&dx, t, e, &mut grads.wpe)?;

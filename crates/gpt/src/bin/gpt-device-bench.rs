@@ -1,6 +1,8 @@
 //! `gpt-device-bench`: trains GPT-2 124M and 350M (or the models given) on one device at world
 //! 1 and prints, per model, the median step time after warm-up, tokens/s, the peak device
-//! memory (counted, planned, and the CUDA pool's high-water mark) and MFU — model FLOPs
+//! memory (counted, planned, and the peak of the memory the buffers come from: the caching
+//! allocator's, or the driver's pool under `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`,
+//! with its statistics) and MFU — model FLOPs
 //! (`6·N + 12·L·T·C` per token, as `benches/torch_fsdp2_gpt.py`) against the GPU's dense bf16
 //! peak and against an 8192³ bf16 GEMM measured in the same run. `--device host-twin` runs the
 //! same path on the kernels' host twins (no MFU), e.g. `--model tiny` as a smoke test.
@@ -210,6 +212,8 @@ struct Outcome {
     times: StepTimes,
     counted: MemoryUse,
     pool: Option<MemoryUse>,
+    /// Where the buffers came from and what that memory reports.
+    memory: Option<(String, String)>,
 }
 
 fn run<O: GptOps>(
@@ -228,10 +232,12 @@ fn run<O: GptOps>(
     };
     let times = time_steps(&mut trainer, &tokens, args.steps, args.warmup, reads)
         .map_err(|e| e.to_string())?;
+    let ops = trainer.ops();
     Ok(Outcome {
         times,
         counted: trainer.memory(),
-        pool: after(trainer.ops()),
+        pool: after(ops),
+        memory: ops.memory_source().zip(ops.memory_report()),
     })
 }
 
@@ -353,9 +359,12 @@ fn bench(args: &Args) -> Result<(), String> {
             human_bytes(plan.peak),
             outcome
                 .pool
-                .map(|p| format!(", {} the CUDA pool's high-water mark", human_bytes(p.peak)))
+                .map(|p| format!(", {} the allocator's peak", human_bytes(p.peak)))
                 .unwrap_or_default()
         );
+        if let Some((source, report)) = &outcome.memory {
+            println!("  memory: {source}; {report}");
+        }
         if let Some(g) = gemm {
             let vs_peak = peak
                 .map(|p| {

@@ -48,15 +48,24 @@ pub fn gpu(test: &str) -> bool {
     }
 }
 
-/// Runs the `fsdp` program with `args` as one rank (no launcher's variables); its stdout.
-/// Panics with its output when it fails.
+/// Runs the `fsdp` program with `args` as one rank (no launcher's variables, no allocator
+/// settings); its stdout. Panics with its output when it fails.
 pub fn run(args: &[&str]) -> String {
-    let out = Command::new(program())
-        .args(args)
+    run_with_env(args, &[])
+}
+
+/// As [`run`], with the variables `env` set.
+pub fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(program());
+    cmd.args(args)
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
-        .output()
-        .expect("running fsdp");
+        .env_remove("PYTORCH_ALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("running fsdp");
     assert!(
         out.status.success(),
         "fsdp {args:?}: {}\n{}\n{}",

@@ -17,7 +17,7 @@ use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps, HostProducts, MemoryUse, Products};
+use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Products};
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
 use crate::checkpointing::Checkpointer;
@@ -108,6 +108,12 @@ pub(crate) fn check_device_world_and_dtypes(
 fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
     let dev = args.device;
     let world = check_device_world_and_dtypes(dev, &args.model, true)?;
+    if dev == DeviceArg::HostTwin && args.model.alloc_conf.is_some() {
+        return Err(fail(
+            "--device host-twin: --alloc-conf is not supported (the host twins count their \
+             buffers without a caching allocator; it configures the one of --device cuda)",
+        ));
+    }
     let unsupported = [
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
@@ -245,14 +251,26 @@ pub(crate) fn cuda_stream(
     .map_err(|e| fail(format!("{what}: {e}")))
 }
 
-/// The GPT's operations on `stream` with the products of `--param-dtype` (`bf16`); errors
-/// prefixed with `what`.
+/// The GPT's operations on `stream` with the products of `--param-dtype` (`bf16`), their
+/// buffers from the memory `--alloc-conf` chooses (else PyTorch's variables: the device's
+/// caching allocator, or the driver's pool under `backend:cudaMallocAsync`); errors prefixed
+/// with `what`.
 pub(crate) fn cuda_ops(
     stream: fsdp_device::Stream,
-    bf16: bool,
+    args: &TrainArgs,
     what: &str,
 ) -> Result<CudaOps, CliError> {
-    Ok(CudaOps::new(stream)
+    let ordinal = match stream.device() {
+        fsdp_device::Device::Cuda(n) => n,
+        other => return Err(fail(format!("{what}: a stream of {other}, not of a GPU"))),
+    };
+    let memory = match &args.model.alloc_conf {
+        Some(text) => CudaMemory::from_pytorch_conf(ordinal, text)
+            .map_err(|e| fail(format!("{what}: --alloc-conf `{text}`: {e}")))?,
+        None => CudaMemory::from_env(ordinal).map_err(|e| fail(format!("{what}: {e}")))?,
+    };
+    let bf16 = args.model.param_dtype == DType::BF16;
+    Ok(CudaOps::with_memory(stream, memory)
         .map_err(|e| fail(format!("{what}: {e}")))?
         .with_products(products(bf16)))
 }
@@ -372,7 +390,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                 crate::device_sharded_cmd::train_sharded(args, &run, world, |rank| {
                     let what = format!("--device {dev}: rank {rank}");
                     let name = format!("fsdp train rank {rank}");
-                    cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)
+                    cuda_ops(cuda_stream(args, n, &name, &what)?, args, &what)
                 })
             }
             DeviceArg::HostTwin => {
@@ -398,29 +416,19 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
             // Admission: the plan's peak against the GPU's free memory (or --memory-limit),
             // before the model allocates anything.
             admit(args, &run, free_memory(&stream), 1)?;
-            let ops = cuda_ops(stream, bf16, &what)?;
-            train_with(ops, args, &run, CudaOps::pool_memory)
+            let ops = cuda_ops(stream, args, &what)?;
+            train_with(ops, args, &run)
         }
         DeviceArg::HostTwin => {
             admit(args, &run, None, 1)?;
-            train_with(
-                HostOps::with_products(host_products(bf16)),
-                args,
-                &run,
-                |_| None,
-            )
+            train_with(HostOps::with_products(host_products(bf16)), args, &run)
         }
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
 }
 
-/// Trains on `ops`; `pool` reads the device's memory pool, where there is one.
-fn train_with<O: GptOps>(
-    ops: O,
-    args: &TrainArgs,
-    run: &Run,
-    pool: fn(&O) -> Option<MemoryUse>,
-) -> Result<(), CliError> {
+/// Trains on `ops`.
+fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliError> {
     let dev = args.device;
     let on_device =
         |e: fsdp_gpt::device_train::DeviceTrainError| fail(format!("--device {dev}: {e}"));
@@ -445,6 +453,9 @@ fn train_with<O: GptOps>(
         say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
     }
     say_layers(args.model.param_dtype == DType::BF16, &run.config);
+    if let Some(m) = trainer.ops().memory_source() {
+        say!("memory: {m}");
+    }
     let progress = Progress::new(steps, args.skip_nonfinite);
     let mut start_step = 0;
     let mut tally = Tally::default();
@@ -530,8 +541,8 @@ fn train_with<O: GptOps>(
         trainer.optimizer_steps(),
         trainer.peak_bytes(),
         run.predicted_peak,
-        match pool(trainer.ops()) {
-            Some(p) => format!(", memory pool high-water mark {} bytes", p.peak),
+        match trainer.ops().memory_report() {
+            Some(r) => format!("; {r}"),
             None => String::new(),
         }
     );

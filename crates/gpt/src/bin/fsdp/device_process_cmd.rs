@@ -111,7 +111,7 @@ pub(crate) fn train_launched(
             let backend = process_backend(args.backend, dev, env, Some(count), indexed)?;
             let what = format!("--device {dev}");
             let name = format!("fsdp train rank {}", env.rank);
-            let ops = cuda_ops(cuda_stream(args, n, &name, &what)?, bf16, &what)?;
+            let ops = cuda_ops(cuda_stream(args, n, &name, &what)?, args, &what)?;
             let free = free_memory(ops.stream());
             if backend == Backend::Nccl {
                 run.predicted_peak = plan.peak;

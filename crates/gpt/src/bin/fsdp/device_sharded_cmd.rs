@@ -57,6 +57,8 @@ pub(crate) struct RankEnd {
     tally: Tally,
     /// With `--trace`: the rank's spans.
     trace: Vec<fsdp::trace::TraceEvent>,
+    /// What the rank's device memory reports of itself ([`GptOps::memory_report`]).
+    memory: Option<String>,
 }
 
 /// What the ranks of a run (this process's) share: the options, the run, where it starts, its
@@ -152,6 +154,9 @@ impl<'a> Shared<'a> {
         if args.memory_snapshot.is_some() {
             trainer.record_memory_history(true);
         }
+        if let (0, Some(m)) = (rank, trainer.ops().memory_source()) {
+            say!("memory: {m}");
+        }
         let mut tally = Tally::default();
         if let Some((_, state)) = &run.resume {
             trainer
@@ -213,6 +218,7 @@ impl<'a> Shared<'a> {
             steps: trainer.optimizer_steps(),
             tally,
             trace: trainer.trace_events(),
+            memory: trainer.ops().memory_report(),
         })
     }
 
@@ -268,6 +274,10 @@ impl<'a> Shared<'a> {
                 String::new()
             }
         );
+        if let Some(m) = &end.memory {
+            // Rank 0's: the device's, where ranks share one GPU's allocator.
+            say!("rank 0's device memory: {m}");
+        }
         self.progress.say_skipped(end.tally.skipped);
         Ok(())
     }
