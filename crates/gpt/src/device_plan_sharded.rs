@@ -239,7 +239,7 @@ pub fn plan_process_memory(
 }
 
 /// The host twins' (and the meta operations') form of `products`.
-fn twin_products(products: Products) -> HostProducts {
+pub(crate) fn twin_products(products: Products) -> HostProducts {
     if products == Products::Bf16 {
         HostProducts::Bf16Operands
     } else {

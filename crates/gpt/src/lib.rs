@@ -54,6 +54,7 @@ mod device_optim;
 #[allow(unsafe_code)]
 pub mod device_peer;
 pub mod device_plan;
+pub mod device_plan_alloc;
 pub mod device_plan_sharded;
 mod device_shard;
 pub mod device_sharded;

@@ -149,7 +149,7 @@ fn bad_alloc_conf_is_one_error_naming_the_key() {
         ),
         (
             "backend:cudaMallocAsync",
-            &["backend", "cudaMallocAsync", "not supported"][..],
+            &["backend:cudaMallocAsync", "--device cuda", "backend:native"][..],
         ),
     ] {
         let mut a = args.to_vec();

@@ -11,7 +11,8 @@
 //! run counts (its loss log's peak column and its final line) exactly, and the caching
 //! allocator's peak allocated bytes (the buffers' blocks, rounded to 512 bytes) is within 5%
 //! of it (issue 16), with f32 and with bf16 products, CPU offload and activation
-//! checkpointing, without a retry; under `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` the
+//! checkpointing, without a retry, and its peaks of allocated and reserved bytes are the ones
+//! `fsdp plan --device cuda` predicts, exactly; under `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` the
 //! run takes the driver's pool instead (whose high-water mark adds the scratch of single
 //! kernels) and logs the same losses bitwise, as it does on expandable segments.
 //!
@@ -186,6 +187,15 @@ fn device_cuda_peak_memory_is_the_plans() {
             0,
             "{extra:?}: {out}"
         );
+        // The plan's caching allocator (the run's requests on a meta source) decides as the
+        // GPU's: the same peaks, to the byte.
+        for what in ["caching allocator: peak allocated ", "peak reserved "] {
+            assert_eq!(
+                number_after(&out, what),
+                number_after(&plan, what),
+                "{extra:?}: {what}planned vs measured\n{plan}\n{out}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -62,6 +62,12 @@ impl Default for HostOps {
 }
 
 impl HostOps {
+    /// The counter of the buffers these operations make (e.g. to
+    /// [mirror](MemoryCounter::mirror_into) them into a caching allocator).
+    pub fn memory_counter(&self) -> &Arc<MemoryCounter> {
+        &self.memory
+    }
+
     /// The twins and f32 products ([`gemm_f32`]).
     pub fn new() -> HostOps {
         HostOps::default()

@@ -2,12 +2,16 @@
 //! to a shared [`MemoryCounter`] when made and take them off when dropped, so an implementation
 //! reports the bytes live now and the most live at once ([`MemoryUse`]).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Instant;
+
+use fsdp_allocator::{AllocError, MemoryStats, MetaAllocator, MetaBlock};
+use fsdp_device::Stream;
 
 /// Bytes of device buffers live now and the most that were live at once (since the
 /// operations were made, or since [`MemoryCounter::reset_peak`]).
@@ -33,12 +37,24 @@ pub struct MemoryEvent {
 }
 
 /// Bytes live and their peak, shared by every [`Counted`] buffer of one set of operations;
-/// with [`record_history`](MemoryCounter::record_history), every buffer made and dropped.
+/// with [`record_history`](MemoryCounter::record_history), every buffer made and dropped;
+/// with [`mirror_into`](MemoryCounter::mirror_into), a caching allocator's blocks for them.
 #[derive(Debug, Default)]
 pub struct MemoryCounter {
     allocated: AtomicU64,
     peak: AtomicU64,
     history: Mutex<Option<Vec<MemoryEvent>>>,
+    mirror: OnceLock<Mirror>,
+}
+
+/// The blocks a [`MemoryCounter`]'s live buffers hold in a caching allocator over a meta
+/// source, by buffer identity, and the allocator's first failure.
+#[derive(Debug)]
+struct Mirror {
+    alloc: MetaAllocator,
+    stream: Stream,
+    blocks: Mutex<HashMap<u64, MetaBlock>>,
+    failed: Mutex<Option<AllocError>>,
 }
 
 impl MemoryCounter {
@@ -68,6 +84,38 @@ impl MemoryCounter {
         *h = on.then(Vec::new);
     }
 
+    /// From now on, every buffer counted here also takes a block of its bytes from `alloc`
+    /// (on one stream) until it is dropped: the requests `CudaOps` makes of the device's
+    /// caching allocator, decided by the same rules on a meta source (sizes, no memory). So,
+    /// run over operations that make the GPU run's buffers in its order ([`MetaOps`](super::MetaOps),
+    /// the host twins), `alloc`'s statistics are what the GPU's caching allocator will
+    /// report: its peaks of allocated and reserved bytes, its segments. Returns `false` (and
+    /// changes nothing) when a mirror is set already.
+    pub fn mirror_into(&self, alloc: MetaAllocator) -> bool {
+        self.mirror
+            .set(Mirror {
+                alloc,
+                stream: Stream::inline("mirror"),
+                blocks: Mutex::new(HashMap::new()),
+                failed: Mutex::new(None),
+            })
+            .is_ok()
+    }
+
+    /// The mirror's statistics ([`mirror_into`](MemoryCounter::mirror_into)): `None` without
+    /// one.
+    ///
+    /// # Errors
+    /// The first request the mirror's allocator refused (e.g. beyond its source's memory).
+    pub fn mirror_stats(&self) -> Option<Result<MemoryStats, AllocError>> {
+        let m = self.mirror.get()?;
+        let failed = m.failed.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(match &*failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(m.alloc.memory_stats()),
+        })
+    }
+
     /// The events recorded since recording began or since the last call, oldest first.
     pub fn take_history(&self) -> Vec<MemoryEvent> {
         let mut h = self.history.lock().unwrap_or_else(PoisonError::into_inner);
@@ -93,11 +141,31 @@ impl MemoryCounter {
             .saturating_add(bytes);
         self.peak.fetch_max(now, Ordering::SeqCst);
         self.record(true, id, bytes);
+        if let Some(m) = self.mirror.get() {
+            match m.alloc.allocate(bytes as usize, &m.stream) {
+                Ok(b) => {
+                    let mut blocks = m.blocks.lock().unwrap_or_else(PoisonError::into_inner);
+                    blocks.insert(id, b);
+                }
+                Err(e) => {
+                    let mut failed = m.failed.lock().unwrap_or_else(PoisonError::into_inner);
+                    failed.get_or_insert(e);
+                }
+            }
+        }
     }
 
     fn sub(&self, id: u64, bytes: u64) {
         self.allocated.fetch_sub(bytes, Ordering::SeqCst);
         self.record(false, id, bytes);
+        if let Some(m) = self.mirror.get() {
+            let block = {
+                let mut blocks = m.blocks.lock().unwrap_or_else(PoisonError::into_inner);
+                blocks.remove(&id)
+            };
+            // Back to the allocator outside the lock.
+            drop(block);
+        }
     }
 }
 

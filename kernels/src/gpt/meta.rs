@@ -55,6 +55,12 @@ impl MetaOps {
         }
     }
 
+    /// The counter of the buffers these operations make (e.g. to
+    /// [mirror](MemoryCounter::mirror_into) them into a caching allocator).
+    pub fn memory_counter(&self) -> &Arc<MemoryCounter> {
+        &self.memory
+    }
+
     fn counted(&self, len: usize, elem_bytes: fn(usize) -> u64) -> MetaCounted {
         Counted::new(MetaBuf { len }, elem_bytes(len), &self.memory)
     }

@@ -316,7 +316,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     } = crate::resume::resolve(args)?;
     let args = &args;
     let world = check_device_options(args)?;
-    let cfg = setup(&args.model, world)?.cfg;
+    let cfg = setup(&args.model, world, true)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {
         return Err(fail("--steps must be at least 1"));

@@ -5,14 +5,16 @@
 
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_allocator::{alloc_conf_from_env, AllocatorBackend, AllocatorConfig};
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_plan_alloc::plan_allocator;
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_kernels::gpt::Products;
 
-use crate::args::PlanArgs;
+use crate::args::{DeviceArg, PlanArgs};
 use crate::device_cmd::{
     check_device_world_and_dtypes, describe_run, optimizer_refusals, products, refuse_first,
 };
@@ -40,7 +42,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         "f32 AdamW",
         allowed,
     )?;
-    let cfg = setup(&args.model, world)?.cfg;
+    let cfg = setup(&args.model, world, true)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, world)?;
     let config = DeviceTrainConfig {
         cfg,
@@ -73,6 +75,9 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         "(the bytes `fsdp train --device {dev}` counts from its second micro-batch on; a CUDA \
          memory pool adds the scratch of single kernels and its rounding)"
     );
+    if let DeviceArg::Cuda { .. } = dev {
+        print_allocator_plan(args, &config, products(bf16))?;
+    }
     if let Some(limit) = args.memory_limit {
         let verdict = if plan.peak <= limit {
             "fits within"
@@ -85,6 +90,46 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
             human_bytes(limit)
         );
     }
+    Ok(())
+}
+
+/// On CUDA: what the run's caching allocator will report ([`plan_allocator`]), configured as
+/// the run's (`--alloc-conf`, else PyTorch's variables); under `backend:cudaMallocAsync` that
+/// the driver's pool is not planned beyond the counted bytes.
+fn print_allocator_plan(
+    args: &PlanArgs,
+    config: &DeviceTrainConfig,
+    products: Products,
+) -> Result<(), CliError> {
+    let dev = args.device;
+    let (origin, text) = match &args.model.alloc_conf {
+        Some(t) => ("--alloc-conf".to_string(), t.clone()),
+        None => match alloc_conf_from_env().map_err(|e| fail(format!("--device {dev}: {e}")))? {
+            Some((var, t)) => (var.to_string(), t),
+            None => (String::new(), String::new()),
+        },
+    };
+    let (alloc, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
+        .map_err(|e| fail(format!("--device {dev}: {origin} `{text}`: {e}")))?;
+    if backend == AllocatorBackend::CudaMallocAsync {
+        say!(
+            "memory: the CUDA driver's stream-ordered pool ({origin} `{text}`): its rounding \
+             is not planned"
+        );
+        return Ok(());
+    }
+    let plan = plan_allocator(config, products, alloc)
+        .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+    let settings = alloc.to_pytorch_conf().unwrap_or_default();
+    say!(
+        "{plan} (the run's caching allocator{}: PyTorch's max_memory_allocated and \
+         max_memory_reserved)",
+        if settings.is_empty() {
+            String::new()
+        } else {
+            format!(", {settings}")
+        }
+    );
     Ok(())
 }
 

@@ -36,7 +36,7 @@ pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
     }
     let world = args.model.ranks.unwrap_or(DEFAULT_RANKS);
     let optim = plan_optimizer(&args.optim, args.model.param_dtype)?;
-    let Setup { cfg, config, plan } = setup(&args.model, world)?;
+    let Setup { cfg, config, plan } = setup(&args.model, world, false)?;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     // The peak the allocator reaches when nothing limits it (training gives it the admitted
     // share of the memory available).

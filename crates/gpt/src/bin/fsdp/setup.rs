@@ -3,7 +3,7 @@
 use fsdp::engine::MixedPrecisionPolicy;
 use fsdp::units::UnitPlan;
 use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
-use fsdp_allocator::{alloc_conf_from_env, AllocatorConfig};
+use fsdp_allocator::{alloc_conf_from_env, AllocatorBackend, AllocatorConfig};
 use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::FsdpConfig;
 use fsdp_gpt::tree::gpt_module_tree;
@@ -21,7 +21,10 @@ pub(crate) struct Setup {
 /// Ranks when none are given and no launcher says otherwise.
 pub(crate) const DEFAULT_RANKS: usize = 4;
 
-pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
+/// The model, the engine's configuration and its units for `m` at `world` ranks. `on_device`:
+/// for `--device cuda` (whose memory the allocator settings may give to the driver's pool,
+/// `backend:cudaMallocAsync`), else for the engine (which refuses that backend).
+pub(crate) fn setup(m: &ModelArgs, world: usize, on_device: bool) -> Result<Setup, CliError> {
     if world == 0 {
         return Err(fail("--ranks must be at least 1"));
     }
@@ -38,7 +41,7 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
     config.limit_all_gathers = m.limit_all_gathers.0;
     config.mixed_precision = MixedPrecisionPolicy::new(m.param_dtype, m.reduce_dtype);
     config.activation_checkpointing = m.activation_checkpointing;
-    config.allocator = allocator_config(m)?;
+    config.allocator = allocator_config(m, on_device)?;
     // Under a launcher the hybrid strategies shard inside each node: the ranks per node are
     // the launcher's LOCAL_WORLD_SIZE (torchrun, `fsdp launch`) or mpirun's local size.
     let ranks_per_node = match (m.strategy.is_hybrid(), m.ranks_per_node) {
@@ -79,8 +82,9 @@ pub(crate) fn setup(m: &ModelArgs, world: usize) -> Result<Setup, CliError> {
     Ok(Setup { cfg, config, plan })
 }
 
-/// The caching allocator's options: `--alloc-conf`, else the PyTorch environment variable.
-fn allocator_config(m: &ModelArgs) -> Result<AllocatorConfig, CliError> {
+/// The caching allocator's options: `--alloc-conf`, else the PyTorch environment variable;
+/// `backend:cudaMallocAsync` only `on_device`.
+fn allocator_config(m: &ModelArgs, on_device: bool) -> Result<AllocatorConfig, CliError> {
     let (origin, text) = match &m.alloc_conf {
         Some(text) => (String::new(), text.clone()),
         None => match alloc_conf_from_env().map_err(|e| fail(format!("--alloc-conf: {e}")))? {
@@ -88,8 +92,16 @@ fn allocator_config(m: &ModelArgs) -> Result<AllocatorConfig, CliError> {
             None => return Ok(AllocatorConfig::default()),
         },
     };
-    AllocatorConfig::from_pytorch_conf(&text)
-        .map_err(|e| fail(format!("--alloc-conf{origin} `{text}`: {e}")))
+    let (config, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
+        .map_err(|e| fail(format!("--alloc-conf{origin} `{text}`: {e}")))?;
+    if backend == AllocatorBackend::CudaMallocAsync && !on_device {
+        return Err(fail(format!(
+            "--alloc-conf{origin} `{text}`: backend:cudaMallocAsync (the CUDA driver's \
+             allocator) is for --device cuda; the sharded engine's memory is the caching \
+             allocator (backend:native)"
+        )));
+    }
+    Ok(config)
 }
 
 /// Rows per micro-batch (all ranks) for `batch_size` rows in `grad_accum` micro-batches on

@@ -88,7 +88,7 @@ pub(crate) fn admit_run(
     let optim = crate::optimizer::train_optimizer(args)?;
     // A cheap lower bound of the memory, before the module tree and the plan are built.
     admission::precheck(&args.model, &optim, world, sharing, args.memory_limit)?;
-    let setup = setup(&args.model, world)?;
+    let setup = setup(&args.model, world, false)?;
     let t = setup.cfg.block_size;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
     if args.steps == 0 {

@@ -1,0 +1,117 @@
+//! The caching allocator's statistics of a device run, predicted (`plan_allocator`: the
+//! trainer over meta operations, every buffer mirrored into an allocator on a meta source)
+//! against the same run on the kernels' host twins with its buffers mirrored into an
+//! allocator of the same settings: the requests are the run's own, so peak allocated, peak
+//! reserved, the segments and the device allocations must be equal — for f32 and bf16
+//! products, two micro-batches, activation checkpointing, CPU offload, the materialized
+//! attention and whole logits, and on expandable segments. `CudaOps` makes the host twins'
+//! requests (one model code; only kernels' scratch goes elsewhere), which
+//! `tests/gpu_device_train.rs` checks against the GPU's allocator itself.
+
+use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
+use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_plan_alloc::{plan_allocator, AllocatorPlan, PLANNED_STEPS};
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::model::GptConfig;
+use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
+
+fn config(batch: usize, accum: usize) -> DeviceTrainConfig {
+    DeviceTrainConfig {
+        cfg: GptConfig::new(2, 4, 64, 32, 256).unwrap(),
+        adamw: AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        schedule: LrSchedule::Constant,
+        decay_2d_only: false,
+        grad_clip: Some(1.0),
+        batch_size: batch,
+        grad_accum: accum,
+        offload: false,
+        activation_checkpointing: false,
+        attention: Default::default(),
+        logits: Default::default(),
+    }
+}
+
+/// The host twins' run of `c` for the planned steps, its buffers mirrored into an allocator
+/// of `alloc`'s settings: that allocator's statistics, and the counted peak.
+fn measure(c: &DeviceTrainConfig, bf16: bool, alloc: AllocatorConfig) -> (AllocatorPlan, u64) {
+    let ops = HostOps::with_products(if bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    });
+    let meta = MetaAllocator::new(MetaSource::new(1 << 40), alloc).unwrap();
+    assert!(ops.memory_counter().mirror_into(meta.clone()));
+    let params = seeded_params(&c.cfg, 5).unwrap();
+    let tokens = synthetic_corpus(20_000, c.cfg.vocab_size as u16, 5);
+    let mut tr = DeviceTrainer::new(ops, *c, &params).unwrap();
+    for step in 0..PLANNED_STEPS {
+        tr.enqueue_step(&tokens, step).unwrap();
+    }
+    tr.flush().unwrap();
+    let s = meta.memory_stats();
+    let measured = AllocatorPlan::from_stats(&s);
+    (measured, tr.peak_bytes())
+}
+
+fn check(name: &str, c: &DeviceTrainConfig, bf16: bool, alloc: AllocatorConfig) -> AllocatorPlan {
+    let products = if bf16 { Products::Bf16 } else { Products::F32 };
+    let planned = plan_allocator(c, products, alloc).unwrap();
+    let (measured, counted) = measure(c, bf16, alloc);
+    println!("{name}: {planned} (counted peak {counted})");
+    assert_eq!(
+        planned, measured,
+        "{name}: planned vs the host twins' requests"
+    );
+    // Every counted buffer is one block, rounded up to 512 bytes: the allocated peak covers
+    // the counted one, and the reserved peak covers it.
+    assert_eq!(counted, plan_memory(c, products).unwrap().peak, "{name}");
+    assert!(planned.peak_allocated >= counted, "{name}: {planned}");
+    assert!(
+        planned.peak_allocated - counted <= 512 * 64,
+        "{name}: more than 64 blocks' rounding: {planned} vs {counted}"
+    );
+    assert!(planned.peak_reserved >= planned.peak_allocated, "{name}");
+    assert!(planned.device_allocations > 0, "{name}: {planned}");
+    planned
+}
+
+#[test]
+fn the_allocator_plan_is_the_runs_requests() {
+    let d = AllocatorConfig::default();
+    check("f32", &config(4, 1), false, d);
+    check("bf16, 2 micro-batches", &config(4, 2), true, d);
+    let mut c = config(4, 1);
+    c.activation_checkpointing = true;
+    check("bf16, checkpointing", &c, true, d);
+    let mut c = config(4, 2);
+    c.offload = true;
+    check("bf16, cpu offload", &c, true, d);
+    let mut c = config(4, 1);
+    c.attention = Attention::Materialized;
+    c.logits = Logits::Whole;
+    check("bf16, materialized attention, whole logits", &c, true, d);
+}
+
+#[test]
+fn the_allocator_plan_follows_the_allocators_settings() {
+    let c = config(8, 1);
+    let default = check("default", &c, true, AllocatorConfig::default());
+    let expandable = AllocatorConfig::from_pytorch_conf("expandable_segments:True").unwrap();
+    let e = check("expandable segments", &c, true, expandable);
+    // The blocks are rounded alike (their sizes do not depend on the segments); the segments
+    // are reserved otherwise.
+    assert_eq!(e.peak_allocated, default.peak_allocated);
+    assert!(default.segments > 0, "{default}");
+    // The settings are the run's: a bad one is an error, not a default.
+    let mut bad = AllocatorConfig::default();
+    bad.garbage_collection_threshold = Some(2.0);
+    assert!(plan_allocator(&c, Products::Bf16, bad).is_err());
+}
