@@ -14,6 +14,7 @@ use fsdp::checkpoint::FullOptimizerState;
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_plan_alloc::{plan_allocator, AllocatorPlan};
 use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
@@ -21,6 +22,7 @@ use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Prod
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
 use crate::checkpointing::Checkpointer;
+use crate::device_plan_cmd::caching_allocator_settings;
 use crate::device_report::{admit, Tally};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
@@ -203,6 +205,8 @@ pub(crate) struct Run {
     pub(crate) tokens: Vec<u16>,
     /// `fsdp plan --device`'s peak of this run.
     pub(crate) predicted_peak: u64,
+    /// On CUDA with the caching allocator (one rank): what the plan predicts it reports.
+    pub(crate) predicted_allocator: Option<AllocatorPlan>,
     /// With `--resume`: the checkpoint, its optimizer state.
     pub(crate) resume: Option<(ResumePoint, FullOptimizerState)>,
     /// With `--checkpoint-dir`: the checkpoints to write.
@@ -363,6 +367,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         params,
         tokens,
         predicted_peak: 0,
+        predicted_allocator: None,
         resume,
         checkpointer,
     };
@@ -411,6 +416,18 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
     match dev {
         DeviceArg::Cuda { ordinal: n, .. } => {
             cuda_ordinal(dev, n)?;
+            // What the caching allocator will reserve, planned with its settings.
+            let predicted_allocator = match caching_allocator_settings(dev, &args.model)? {
+                Some(alloc) => Some(
+                    plan_allocator(&run.config, products(bf16), alloc)
+                        .map_err(|e| fail(format!("--device {dev}: {e}")))?,
+                ),
+                None => None,
+            };
+            let run = Run {
+                predicted_allocator,
+                ..run
+            };
             let what = format!("--device {dev}");
             let stream = cuda_stream(args, n, "fsdp train", &what)?;
             // Admission: the plan's peak against the GPU's free memory (or --memory-limit),
@@ -541,9 +558,13 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
         trainer.optimizer_steps(),
         trainer.peak_bytes(),
         run.predicted_peak,
-        match trainer.ops().memory_report() {
-            Some(r) => format!("; {r}"),
-            None => String::new(),
+        match (trainer.ops().memory_report(), &run.predicted_allocator) {
+            (Some(r), Some(p)) => format!(
+                "; {r} (predicted {} and {}: fsdp plan --device {dev})",
+                p.peak_allocated, p.peak_reserved
+            ),
+            (Some(r), None) => format!("; {r}"),
+            _ => String::new(),
         }
     );
     progress.say_skipped(skipped);

@@ -14,7 +14,7 @@ use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_kernels::gpt::Products;
 
-use crate::args::{DeviceArg, PlanArgs};
+use crate::args::{DeviceArg, ModelArgs, PlanArgs};
 use crate::device_cmd::{
     check_device_world_and_dtypes, describe_run, optimizer_refusals, products, refuse_first,
 };
@@ -102,22 +102,10 @@ fn print_allocator_plan(
     products: Products,
 ) -> Result<(), CliError> {
     let dev = args.device;
-    let (origin, text) = match &args.model.alloc_conf {
-        Some(t) => ("--alloc-conf".to_string(), t.clone()),
-        None => match alloc_conf_from_env().map_err(|e| fail(format!("--device {dev}: {e}")))? {
-            Some((var, t)) => (var.to_string(), t),
-            None => (String::new(), String::new()),
-        },
-    };
-    let (alloc, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
-        .map_err(|e| fail(format!("--device {dev}: {origin} `{text}`: {e}")))?;
-    if backend == AllocatorBackend::CudaMallocAsync {
-        say!(
-            "memory: the CUDA driver's stream-ordered pool ({origin} `{text}`): its rounding \
-             is not planned"
-        );
+    let Some(alloc) = caching_allocator_settings(dev, &args.model)? else {
+        say!("memory: the CUDA driver's stream-ordered pool (backend:cudaMallocAsync): its rounding is not planned");
         return Ok(());
-    }
+    };
     let plan = plan_allocator(config, products, alloc)
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;
     let settings = alloc.to_pytorch_conf().unwrap_or_default();
@@ -131,6 +119,24 @@ fn print_allocator_plan(
         }
     );
     Ok(())
+}
+
+/// The settings of the caching allocator `--device cuda` takes its buffers from (`--alloc-conf`,
+/// else PyTorch's variables); `None` under `backend:cudaMallocAsync` (the driver's pool).
+pub(crate) fn caching_allocator_settings(
+    dev: DeviceArg,
+    m: &ModelArgs,
+) -> Result<Option<AllocatorConfig>, CliError> {
+    let (origin, text) = match &m.alloc_conf {
+        Some(t) => ("--alloc-conf".to_string(), t.clone()),
+        None => match alloc_conf_from_env().map_err(|e| fail(format!("--device {dev}: {e}")))? {
+            Some((var, t)) => (var.to_string(), t),
+            None => return Ok(Some(AllocatorConfig::default())),
+        },
+    };
+    let (alloc, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
+        .map_err(|e| fail(format!("--device {dev}: {origin} `{text}`: {e}")))?;
+    Ok((backend != AllocatorBackend::CudaMallocAsync).then_some(alloc))
 }
 
 /// `fsdp plan --device … --ranks N`: one rank's device memory ([`plan_sharded_memory`]).

@@ -27,13 +27,15 @@ pub(crate) fn admit(
         (None, Some(free)) => (free, "free on the device"),
         (None, None) => return Ok(()),
     };
-    let needed = run.predicted_peak.saturating_mul(ranks as u64);
+    // With the caching allocator's plan, what it reserves (its segments cover the buffers).
+    let each = match &run.predicted_allocator {
+        Some(p) => run.predicted_peak.max(p.peak_reserved),
+        None => run.predicted_peak,
+    };
+    let needed = each.saturating_mul(ranks as u64);
     if needed > available {
         let each = if ranks > 1 {
-            format!(
-                " ({ranks} ranks of {} each)",
-                human_bytes(run.predicted_peak)
-            )
+            format!(" ({ranks} ranks of {} each)", human_bytes(each))
         } else {
             String::new()
         };
