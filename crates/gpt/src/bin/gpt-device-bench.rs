@@ -24,16 +24,19 @@ use clap::Parser;
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp::ShardingStrategy;
+use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
+use fsdp_gpt::device_plan_alloc::plan_allocator;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::{Blas, MatMul};
 use fsdp_kernels::gpt::{
-    Attention, CudaOps, GptOps, HostOps, HostProducts, Logits, MemoryUse, PeerOps, Products,
+    Attention, CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Logits, MemoryUse, PeerOps,
+    Products,
 };
 
 /// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
@@ -311,7 +314,15 @@ fn bench(args: &Args) -> Result<(), String> {
                         .find(|(k, _)| gpu.contains(k))
                         .map(|&(_, v)| v)
                 });
-                (run(ops, config, args, CudaOps::pool_memory)?, gpu)
+                let outcome = run(ops, config, args, CudaOps::pool_memory)?;
+                // The next model starts from an empty cache: its allocator's figures are its
+                // own, as the plan's are.
+                if let CudaMemory::Caching(a) =
+                    CudaMemory::from_env(n).map_err(|e| e.to_string())?
+                {
+                    a.empty_cache().map_err(|e| e.to_string())?;
+                }
+                (outcome, gpu)
             }
             None => {
                 let p = if bf16 {
@@ -363,7 +374,18 @@ fn bench(args: &Args) -> Result<(), String> {
                 .unwrap_or_default()
         );
         if let Some((source, report)) = &outcome.memory {
-            println!("  memory: {source}; {report}");
+            // What `fsdp plan --device cuda` predicts of the caching allocator.
+            let predicted = match AllocatorConfig::from_env_with_backend() {
+                Ok((c, AllocatorBackend::Native)) => {
+                    let p = plan_allocator(&config, products, c).map_err(|e| e.to_string())?;
+                    format!(
+                        " (predicted: peak allocated {} bytes, peak reserved {} bytes)",
+                        p.peak_allocated, p.peak_reserved
+                    )
+                }
+                _ => String::new(),
+            };
+            println!("  memory: {source}; {report}{predicted}");
         }
         if let Some(g) = gemm {
             let vs_peak = peak
