@@ -8,40 +8,30 @@
 //! requests (one model code; only kernels' scratch goes elsewhere), which
 //! `tests/gpu_device_train.rs` checks against the GPU's allocator itself.
 
-use fsdp::optim::{AdamWConfig, LrSchedule};
+mod common;
+
+use common::device::device_config;
+use fsdp::optim::LrSchedule;
 use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::{plan_allocator, AllocatorPlan, PLANNED_STEPS};
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
-use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
 
+/// The shared device run (2 layers, 2 heads, 32 wide, 16 tokens, vocabulary 64), clipped,
+/// with a batch of `batch` rows in `accum` micro-batches.
 fn config(batch: usize, accum: usize) -> DeviceTrainConfig {
     DeviceTrainConfig {
-        cfg: GptConfig::new(2, 4, 64, 32, 256).unwrap(),
-        adamw: AdamWConfig {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        schedule: LrSchedule::Constant,
-        decay_2d_only: false,
-        grad_clip: Some(1.0),
         batch_size: batch,
-        grad_accum: accum,
-        offload: false,
-        activation_checkpointing: false,
-        attention: Default::default(),
-        logits: Default::default(),
+        ..device_config(LrSchedule::Constant, false, Some(1.0), accum)
     }
 }
 
 /// The host twins' run of `c` for the planned steps, its buffers mirrored into an allocator
-/// of `alloc`'s settings: that allocator's statistics, and the counted peak.
-fn measure(c: &DeviceTrainConfig, bf16: bool, alloc: AllocatorConfig) -> (AllocatorPlan, u64) {
+/// of `alloc`'s settings: that allocator's statistics, the counted peak, and the most blocks
+/// live at once.
+fn measure(c: &DeviceTrainConfig, bf16: bool, alloc: AllocatorConfig) -> (AllocatorPlan, u64, u64) {
     let ops = HostOps::with_products(if bf16 {
         HostProducts::Bf16Operands
     } else {
@@ -58,25 +48,25 @@ fn measure(c: &DeviceTrainConfig, bf16: bool, alloc: AllocatorConfig) -> (Alloca
     tr.flush().unwrap();
     let s = meta.memory_stats();
     let measured = AllocatorPlan::from_stats(&s);
-    (measured, tr.peak_bytes())
+    (measured, tr.peak_bytes(), s.allocation.all.peak)
 }
 
 fn check(name: &str, c: &DeviceTrainConfig, bf16: bool, alloc: AllocatorConfig) -> AllocatorPlan {
     let products = if bf16 { Products::Bf16 } else { Products::F32 };
     let planned = plan_allocator(c, products, alloc).unwrap();
-    let (measured, counted) = measure(c, bf16, alloc);
+    let (measured, counted, blocks) = measure(c, bf16, alloc);
     println!("{name}: {planned} (counted peak {counted})");
     assert_eq!(
         planned, measured,
         "{name}: planned vs the host twins' requests"
     );
     // Every counted buffer is one block, rounded up to 512 bytes: the allocated peak covers
-    // the counted one, and the reserved peak covers it.
+    // the counted one by less than 512 bytes a live block, and the reserved peak covers it.
     assert_eq!(counted, plan_memory(c, products).unwrap().peak, "{name}");
     assert!(planned.peak_allocated >= counted, "{name}: {planned}");
     assert!(
-        planned.peak_allocated - counted <= 512 * 64,
-        "{name}: more than 64 blocks' rounding: {planned} vs {counted}"
+        planned.peak_allocated - counted < 512 * blocks,
+        "{name}: more than {blocks} blocks' rounding: {planned} vs {counted}"
     );
     assert!(planned.peak_reserved >= planned.peak_allocated, "{name}");
     assert!(planned.device_allocations > 0, "{name}: {planned}");
