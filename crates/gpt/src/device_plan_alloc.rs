@@ -17,7 +17,7 @@ use fsdp_allocator::{AllocatorConfig, MemoryStats, MetaAllocator, MetaSource};
 use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
 
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
-use crate::device_plan_sharded::twin_products;
+use crate::device_plan_sharded::{run_threads, twin_products};
 use crate::device_train::DeviceTrainer;
 
 /// Steps the prediction runs: the first grows the kept bf16 operand copies, the later ones
@@ -72,9 +72,7 @@ pub fn plan_allocator(
     config.validate()?;
     config.dims().validate()?;
     let ops = MetaOps::new(twin_products(products));
-    let source = MetaSource::new(usize::MAX / 2);
-    let meta = MetaAllocator::new(source, alloc).map_err(fsdp_kernels::KernelError::from)?;
-    ops.memory_counter().mirror_into(meta);
+    ops.memory_counter().mirror_into(mirror_allocator(alloc)?);
     // The parameters' values are never read (meta operations take their lengths): zeros,
     // which the host maps only when touched.
     let params: HashMap<String, Vec<f32>> = param_shapes(&config.dims())
@@ -90,7 +88,7 @@ pub fn plan_allocator(
     trainer.flush()?;
     let stats = match trainer.ops().memory_counter().mirror_stats() {
         Some(s) => s.map_err(fsdp_kernels::KernelError::from)?,
-        None => unreachable_mirror()?,
+        None => return Err(lost_mirror()),
     };
     Ok(AllocatorPlan::from_stats(&stats))
 }
@@ -107,11 +105,99 @@ impl AllocatorPlan {
     }
 }
 
-/// The mirror set above is gone: an error rather than a panic.
-fn unreachable_mirror() -> Result<MemoryStats, DeviceTrainError> {
-    Err(fsdp_kernels::KernelError::InvalidArgument {
+/// A caching allocator of `alloc`'s settings over a meta source of unbounded memory, for a
+/// planning run's buffers to be mirrored into.
+///
+/// # Errors
+/// Settings out of range.
+pub(crate) fn mirror_allocator(alloc: AllocatorConfig) -> Result<MetaAllocator, DeviceTrainError> {
+    let source = MetaSource::new(usize::MAX / 2);
+    Ok(MetaAllocator::new(source, alloc).map_err(fsdp_kernels::KernelError::from)?)
+}
+
+/// The mirror set is gone: an error rather than a panic.
+fn lost_mirror() -> DeviceTrainError {
+    fsdp_kernels::KernelError::InvalidArgument {
         kernel: "plan",
         reason: "the planning operations lost their allocator".into(),
     }
-    .into())
+    .into()
+}
+
+/// The caching allocator that `world` ranks as threads on one device share, predicted. Each
+/// rank allocates on its own stream, whose pools no other rank's requests reach, so each
+/// rank's requests are mirrored into an allocator of their own ([`plan_sharded_allocator`]).
+/// Without a release of cached memory (no out-of-memory retry, no `empty_cache`, no garbage
+/// collection threshold) the reserved bytes only grow, so the device's peak reserved is the
+/// sum of the ranks'; its peak allocated depends on how the ranks' steps interleave: at most
+/// the sum of theirs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShardedAllocatorPlan {
+    /// Each rank's allocator, as if alone.
+    pub ranks: Vec<AllocatorPlan>,
+}
+
+impl ShardedAllocatorPlan {
+    /// The device's peak reserved bytes: the ranks' sum.
+    pub fn peak_reserved(&self) -> u64 {
+        self.ranks.iter().map(|r| r.peak_reserved).sum()
+    }
+
+    /// The most the device's allocated bytes can reach: the sum of the ranks' peaks.
+    pub fn peak_allocated_at_most(&self) -> u64 {
+        self.ranks.iter().map(|r| r.peak_allocated).sum()
+    }
+}
+
+impl fmt::Display for ShardedAllocatorPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+        let n = self.ranks.len();
+        write!(
+            f,
+            "caching allocator (one for the {n} ranks, each on its own stream's pools): peak \
+             reserved {} bytes ({}), peak allocated at most {} bytes ({}) after {PLANNED_STEPS} \
+             steps",
+            self.peak_reserved(),
+            mib(self.peak_reserved()),
+            self.peak_allocated_at_most(),
+            mib(self.peak_allocated_at_most())
+        )
+    }
+}
+
+/// The caching allocator of `world` ranks as threads on one device training `config` sharded
+/// by `strategy` (a hybrid one in nodes of `ranks_per_node`) with `products`, its settings
+/// `alloc`: the sharded trainer over [`MetaOps`] for [`PLANNED_STEPS`] steps, each rank's
+/// buffers mirrored into an allocator of its own (see [`ShardedAllocatorPlan`]).
+///
+/// # Errors
+/// As [`plan_sharded_memory`](crate::device_plan_sharded::plan_sharded_memory); settings out
+/// of range.
+pub fn plan_sharded_allocator(
+    config: &DeviceTrainConfig,
+    products: Products,
+    world: usize,
+    strategy: fsdp::ShardingStrategy,
+    ranks_per_node: Option<usize>,
+    alloc: AllocatorConfig,
+) -> Result<ShardedAllocatorPlan, DeviceTrainError> {
+    let ranks = run_threads(
+        config,
+        products,
+        world,
+        strategy,
+        ranks_per_node,
+        PLANNED_STEPS,
+        Some(alloc),
+    )?;
+    let mut plans = Vec::with_capacity(ranks.len());
+    for (_, stats) in ranks {
+        match stats {
+            Some(s) => plans.push(AllocatorPlan::from_stats(&s)),
+            None => return Err(lost_mirror()),
+        }
+    }
+    Ok(ShardedAllocatorPlan { ranks: plans })
 }

@@ -14,10 +14,14 @@ use std::fmt;
 use std::time::Duration;
 
 use fsdp::ShardingStrategy;
+use fsdp_allocator::{AllocatorConfig, MemoryStats};
+
+use crate::device_plan_alloc::mirror_allocator;
 use fsdp_collectives::{dryrun, Communicator};
 use fsdp_kernels::gpt::HostProducts;
 use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
 use fsdp_kernels::host::step_scalars_len;
+use fsdp_kernels::KernelError;
 
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_peer::PeerComm;
@@ -99,6 +103,36 @@ pub fn plan_sharded_memory(
     strategy: ShardingStrategy,
     ranks_per_node: Option<usize>,
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
+    let ranks = run_threads(config, products, world, strategy, ranks_per_node, 2, None)?;
+    let offload = config.offload;
+    let config = *config;
+    let peak = ranks.iter().map(|(p, _)| *p).max().unwrap_or(0);
+    Ok(plan_of(
+        &config,
+        world,
+        strategy,
+        ranks_per_node,
+        offload,
+        peak,
+        0,
+    ))
+}
+
+/// A planning rank's counted peak, and its mirror's allocator statistics.
+type RankRun = (u64, Option<MemoryStats>);
+
+/// Runs the sharded trainer of `world` ranks as threads over [`MetaOps`] for `steps` steps;
+/// with `alloc`, each rank's buffers mirrored into a caching allocator of those settings.
+/// Each rank's counted peak and statistics.
+pub(crate) fn run_threads(
+    config: &DeviceTrainConfig,
+    products: Products,
+    world: usize,
+    strategy: ShardingStrategy,
+    ranks_per_node: Option<usize>,
+    steps: usize,
+    alloc: Option<AllocatorConfig>,
+) -> Result<Vec<RankRun>, DeviceTrainError> {
     config.validate()?;
     config.dims().validate()?;
     let host = twin_products(products);
@@ -124,14 +158,17 @@ pub fn plan_sharded_memory(
         };
     // Under CPU offload the run is planned with it: the host side holds real host memory
     // (what the run itself will hold), the device side only sizes.
-    let (offload, config) = (config.offload, *config);
-    let peaks: Vec<Result<u64, DeviceTrainError>> = std::thread::scope(|s| {
+    let config = *config;
+    let ranks: Vec<Result<RankRun, DeviceTrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|(comm, replicas)| {
                 let tokens = &tokens;
                 s.spawn(move || {
                     let ops = MetaOps::new(host);
+                    if let Some(a) = alloc {
+                        ops.memory_counter().mirror_into(mirror_allocator(a)?);
+                    }
                     let mut t = ShardedDeviceTrainer::with_shards(
                         ops,
                         comm,
@@ -143,11 +180,12 @@ pub fn plan_sharded_memory(
                         },
                     )?;
                     // Past the first step: the kept bf16 operand copies have grown.
-                    for step in 0..2 {
+                    for step in 0..steps {
                         t.enqueue_step(tokens, step)?;
                     }
                     t.flush()?;
-                    Ok(t.memory().peak)
+                    let stats = t.ops().memory_counter().mirror_stats().transpose();
+                    Ok((t.memory().peak, stats.map_err(KernelError::from)?))
                 })
             })
             .collect();
@@ -162,19 +200,7 @@ pub fn plan_sharded_memory(
             })
             .collect()
     });
-    let mut peak = 0;
-    for p in peaks {
-        peak = peak.max(p?);
-    }
-    Ok(plan_of(
-        &config,
-        world,
-        strategy,
-        ranks_per_node,
-        offload,
-        peak,
-        0,
-    ))
+    ranks.into_iter().collect()
 }
 
 /// The memory of one rank of `world` ranks as processes (`fsdp launch … train --device cuda`,

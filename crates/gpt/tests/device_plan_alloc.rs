@@ -10,13 +10,20 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::device::device_config;
 use fsdp::optim::LrSchedule;
 use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
 use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
-use fsdp_gpt::device_plan_alloc::{plan_allocator, AllocatorPlan, PLANNED_STEPS};
+use fsdp_gpt::device_plan_alloc::{
+    plan_allocator, plan_sharded_allocator, AllocatorPlan, PLANNED_STEPS,
+};
+use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
 
 /// The shared device run (2 layers, 2 heads, 32 wide, 16 tokens, vocabulary 64), clipped,
@@ -104,4 +111,75 @@ fn the_allocator_plan_follows_the_allocators_settings() {
     let mut bad = AllocatorConfig::default();
     bad.garbage_collection_threshold = Some(2.0);
     assert!(plan_allocator(&c, Products::Bf16, bad).is_err());
+}
+
+/// Each rank's allocator statistics over the planned steps of `c` on `world` host-twin ranks
+/// as threads (a hybrid strategy in nodes of `rpn`), each rank's buffers mirrored into an
+/// allocator of its own.
+fn measure_sharded(
+    c: DeviceTrainConfig,
+    world: usize,
+    s: ShardingStrategy,
+    rpn: Option<usize>,
+) -> Vec<AllocatorPlan> {
+    let params = seeded_params(&c.cfg, 1).unwrap();
+    let tokens = synthetic_corpus(20_000, c.cfg.vocab_size as u16, 1);
+    let timeout = Duration::from_secs(60);
+    let comms: Vec<(PeerComm<HostOps>, Option<PeerComm<HostOps>>)> = match rpn {
+        Some(n) => PeerComm::mesh(world, n, timeout)
+            .unwrap()
+            .into_iter()
+            .map(|(a, b)| (a, Some(b)))
+            .collect(),
+        None => PeerComm::group(world, timeout)
+            .into_iter()
+            .map(|a| (a, None))
+            .collect(),
+    };
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|(comm, replicas)| {
+                let (params, tokens) = (&params, &tokens);
+                sc.spawn(move || {
+                    let ops = HostOps::with_products(HostProducts::Bf16Operands);
+                    let meta = MetaAllocator::new(MetaSource::new(1 << 40), Default::default());
+                    let meta = meta.unwrap();
+                    assert!(ops.memory_counter().mirror_into(meta.clone()));
+                    let mut t = match replicas {
+                        Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params),
+                        None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
+                    }
+                    .unwrap();
+                    for step in 0..PLANNED_STEPS {
+                        t.enqueue_step(tokens, step).unwrap();
+                    }
+                    t.flush().unwrap();
+                    AllocatorPlan::from_stats(&meta.memory_stats())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn the_sharded_allocator_plan_is_each_ranks_requests() {
+    for (world, s, rpn, accum, ckpt) in [
+        (2, ShardingStrategy::FullShard, None, 1, false),
+        (2, ShardingStrategy::ShardGradOp, None, 2, true),
+        (2, ShardingStrategy::NoShard, None, 1, false),
+        (4, ShardingStrategy::HybridShard, Some(2), 1, false),
+    ] {
+        let c = DeviceTrainConfig {
+            activation_checkpointing: ckpt,
+            ..config(8, accum)
+        };
+        let planned =
+            plan_sharded_allocator(&c, Products::Bf16, world, s, rpn, Default::default()).unwrap();
+        let measured = measure_sharded(c, world, s, rpn);
+        println!("{world} ranks {s:?}: {planned}");
+        assert_eq!(planned.ranks, measured, "{world} ranks {s:?}");
+        assert!(planned.peak_reserved() >= planned.peak_allocated_at_most());
+    }
 }

@@ -8,7 +8,9 @@
 //!   `fsdp train --ranks N --strategy S`: every step's loss within 1e-4 relative over 20 steps
 //!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks, SHARD_GRAD_OP at 4 and
 //!   HYBRID_SHARD at 4 in two nodes;
-//!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s.
+//!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s, and the peak
+//!   reserved bytes of the ranks' one caching allocator equal to the plan's (the sum of each
+//!   rank's pools);
 //!
 //! - two ranks as processes under `fsdp launch --device cuda` on the one GPU (collectives
 //!   staged through host memory over TCP: NCCL takes one GPU per rank): the engine's losses
@@ -127,6 +129,24 @@ fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
         assert_eq!(p, predicted, "{test}: {last}");
     }
     println!("{test}: {last}");
+    // The ranks' one caching allocator reserves what `fsdp plan --device cuda --ranks N`
+    // predicts: the sum of each rank's pools.
+    let mem = out
+        .lines()
+        .find(|l| l.starts_with("rank 0's device memory"))
+        .unwrap_or_else(|| panic!("{test}: no allocator line in\n{out}"));
+    let after = |what: &str| -> u64 {
+        mem.split(what)
+            .nth(1)
+            .and_then(|r| r.split([' ', ':']).next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{test}: no `{what}` in {mem}"))
+    };
+    assert_eq!(
+        after(", peak reserved "),
+        after("predicted peak reserved "),
+        "{test}: {mem}"
+    );
+    println!("{test}: {mem}");
 }
 
 #[test]

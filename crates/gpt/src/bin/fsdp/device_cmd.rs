@@ -14,7 +14,7 @@ use fsdp::checkpoint::FullOptimizerState;
 use fsdp_collectives::LaunchEnv;
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
-use fsdp_gpt::device_plan_alloc::{plan_allocator, AllocatorPlan};
+use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_sharded_allocator, AllocatorPlan};
 use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
@@ -207,6 +207,9 @@ pub(crate) struct Run {
     pub(crate) predicted_peak: u64,
     /// On CUDA with the caching allocator (one rank): what the plan predicts it reports.
     pub(crate) predicted_allocator: Option<AllocatorPlan>,
+    /// On CUDA with the caching allocator: the bytes it is predicted to reserve at its peak,
+    /// for every rank on the device together.
+    pub(crate) predicted_reserved: Option<u64>,
     /// With `--resume`: the checkpoint, its optimizer state.
     pub(crate) resume: Option<(ResumePoint, FullOptimizerState)>,
     /// With `--checkpoint-dir`: the checkpoints to write.
@@ -368,6 +371,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         tokens,
         predicted_peak: 0,
         predicted_allocator: None,
+        predicted_reserved: None,
         resume,
         checkpointer,
     };
@@ -389,6 +393,26 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         return match dev {
             DeviceArg::Cuda { ordinal: n, .. } => {
                 cuda_ordinal(dev, n)?;
+                // What the ranks' one caching allocator will reserve.
+                let predicted_reserved = match caching_allocator_settings(dev, &args.model)? {
+                    Some(alloc) => Some(
+                        plan_sharded_allocator(
+                            &run.config,
+                            products(bf16),
+                            world,
+                            strategy,
+                            rpn,
+                            alloc,
+                        )
+                        .map_err(|e| fail(format!("--device {dev}: {e}")))?
+                        .peak_reserved(),
+                    ),
+                    None => None,
+                };
+                let run = Run {
+                    predicted_reserved,
+                    ..run
+                };
                 let what = format!("--device {dev}");
                 let stream = cuda_stream(args, n, "fsdp train admission", &what)?;
                 admit(args, &run, free_memory(&stream), world)?;
@@ -425,6 +449,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                 None => None,
             };
             let run = Run {
+                predicted_reserved: predicted_allocator.map(|p| p.peak_reserved),
                 predicted_allocator,
                 ..run
             };

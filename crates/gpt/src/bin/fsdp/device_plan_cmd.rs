@@ -8,7 +8,7 @@ use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_allocator::{alloc_conf_from_env, AllocatorBackend, AllocatorConfig};
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
-use fsdp_gpt::device_plan_alloc::plan_allocator;
+use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_sharded_allocator};
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::DeviceTrainConfig;
@@ -161,6 +161,14 @@ pub(crate) fn print_sharded_plan(
         }
     );
     say!("{}", plan.to_string().trim_end());
+    if let DeviceArg::Cuda { .. } = dev {
+        if let Some(alloc) = caching_allocator_settings(dev, &args.model)? {
+            let a =
+                plan_sharded_allocator(config, products, world, args.model.strategy, rpn, alloc)
+                    .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            say!("{a}");
+        }
+    }
     let all = plan.peak.saturating_mul(world as u64);
     say!(
         "the {world} ranks share the device: {all} bytes ({}) at their peaks (each rank's is \

@@ -27,15 +27,21 @@ pub(crate) fn admit(
         (None, Some(free)) => (free, "free on the device"),
         (None, None) => return Ok(()),
     };
-    // With the caching allocator's plan, what it reserves (its segments cover the buffers).
-    let each = match &run.predicted_allocator {
-        Some(p) => run.predicted_peak.max(p.peak_reserved),
-        None => run.predicted_peak,
-    };
-    let needed = each.saturating_mul(ranks as u64);
+    // With the caching allocator's plan, what it reserves for all the ranks (its segments
+    // cover their buffers).
+    let counted = run.predicted_peak.saturating_mul(ranks as u64);
+    let needed = counted.max(run.predicted_reserved.unwrap_or(0));
     if needed > available {
         let each = if ranks > 1 {
-            format!(" ({ranks} ranks of {} each)", human_bytes(each))
+            format!(
+                " ({ranks} ranks of {} each{})",
+                human_bytes(run.predicted_peak),
+                if needed > counted {
+                    ", in the segments the caching allocator reserves"
+                } else {
+                    ""
+                }
+            )
         } else {
             String::new()
         };

@@ -276,7 +276,11 @@ impl<'a> Shared<'a> {
         );
         if let Some(m) = &end.memory {
             // Rank 0's: the device's, where ranks share one GPU's allocator.
-            say!("rank 0's device memory: {m}");
+            let predicted = run
+                .predicted_reserved
+                .map(|r| format!(" (predicted peak reserved {r}: fsdp plan --device {dev})"))
+                .unwrap_or_default();
+            say!("rank 0's device memory: {m}{predicted}");
         }
         self.progress.say_skipped(end.tally.skipped);
         Ok(())
