@@ -17,7 +17,7 @@ use fsdp_allocator::{AllocatorConfig, MemoryStats, MetaAllocator, MetaSource};
 use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
 
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
-use crate::device_plan_sharded::{run_threads, twin_products};
+use crate::device_plan_sharded::{run_process, run_threads, twin_products, ProcessRun};
 use crate::device_train::DeviceTrainer;
 
 /// Steps the prediction runs: the first grows the kept bf16 operand copies, the later ones
@@ -200,4 +200,25 @@ pub fn plan_sharded_allocator(
         }
     }
     Ok(ShardedAllocatorPlan { ranks: plans })
+}
+
+/// The caching allocator of one rank of ranks as processes (`fsdp launch … train --device
+/// cuda`, a GPU and an allocator each) training `config` sharded as `how` says (the world,
+/// the strategy, the ranks of a node, the prefetch) with `products`, its settings `alloc`:
+/// rank 0 over dry-run collectives and [`MetaOps`] for [`PLANNED_STEPS`] steps, its buffers
+/// mirrored (the collectives' staging buffers, which come from the communicator, are not).
+///
+/// # Errors
+/// As [`plan_process_memory`](crate::device_plan_sharded::plan_process_memory); settings out
+/// of range.
+pub fn plan_process_allocator(
+    config: &DeviceTrainConfig,
+    products: Products,
+    how: ProcessRun,
+    alloc: AllocatorConfig,
+) -> Result<AllocatorPlan, DeviceTrainError> {
+    match run_process(config, products, how, PLANNED_STEPS, Some(alloc))? {
+        (_, _, Some(stats)) => Ok(AllocatorPlan::from_stats(&stats)),
+        _ => Err(lost_mirror()),
+    }
 }

@@ -220,6 +220,34 @@ pub fn plan_process_memory(
     ranks_per_node: Option<usize>,
     prefetch: Prefetch,
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
+    let how = (world, strategy, ranks_per_node, prefetch);
+    let (staging, peak, _) = run_process(config, products, how, 2, None)?;
+    Ok(plan_of(
+        config,
+        world,
+        strategy,
+        ranks_per_node,
+        config.offload,
+        peak,
+        staging,
+    ))
+}
+
+/// How ranks as processes train: the world, the strategy, the ranks of a node, the prefetch.
+pub type ProcessRun = (usize, ShardingStrategy, Option<usize>, Prefetch);
+
+/// Rank 0 of ranks as processes (`how`) over [`StagedComm`] on dry-run collectives and
+/// [`MetaOps`] for `steps` steps; with `alloc`, its buffers (not the collectives' staging)
+/// mirrored into a caching allocator of those settings. Its staging bytes, counted peak and
+/// statistics.
+pub(crate) fn run_process(
+    config: &DeviceTrainConfig,
+    products: Products,
+    how: ProcessRun,
+    steps: usize,
+    alloc: Option<AllocatorConfig>,
+) -> Result<(u64, u64, Option<MemoryStats>), DeviceTrainError> {
+    let (world, strategy, ranks_per_node, prefetch) = how;
     config.validate()?;
     config.dims().validate()?;
     let host = twin_products(products);
@@ -236,31 +264,30 @@ pub fn plan_process_memory(
         }
         _ => (Box::new(dryrun::DryRunCommunicator::new(0, world)?), None),
     };
-    let (offload, config) = (config.offload, *config);
+    let ops = MetaOps::new(host);
+    if let Some(a) = alloc {
+        ops.memory_counter().mirror_into(mirror_allocator(a)?);
+    }
     let mut t = ShardedDeviceTrainer::with_shards(
-        MetaOps::new(host),
+        ops,
         StagedComm::new(comm),
         replicas,
-        config,
+        *config,
         strategy,
         |ops, _, len, _, factor| fsdp_kernels::gpt::GptOps::zeros(ops, shard_len(len, factor)),
     )?;
     t.set_prefetch(prefetch);
     let tokens = vec![0u16; 2 * (config.cfg.block_size + 1)];
-    for step in 0..2 {
+    for step in 0..steps {
         t.enqueue_step(&tokens, step)?;
     }
     t.flush()?;
     // The staging buffers are counted in the operations' memory.
-    let (staging, peak) = (t.collective_bytes(), t.memory().peak);
-    Ok(plan_of(
-        &config,
-        world,
-        strategy,
-        ranks_per_node,
-        offload,
-        peak,
-        staging,
+    let stats = t.ops().memory_counter().mirror_stats().transpose();
+    Ok((
+        t.collective_bytes(),
+        t.memory().peak,
+        stats.map_err(KernelError::from)?,
     ))
 }
 

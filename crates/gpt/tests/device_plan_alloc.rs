@@ -15,13 +15,15 @@ use std::time::Duration;
 use common::device::device_config;
 use fsdp::optim::LrSchedule;
 use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
+use fsdp_collectives::{mesh_2d, ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::{
-    plan_allocator, plan_sharded_allocator, AllocatorPlan, PLANNED_STEPS,
+    plan_allocator, plan_process_allocator, plan_sharded_allocator, AllocatorPlan, PLANNED_STEPS,
 };
-use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
+use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
@@ -181,5 +183,72 @@ fn the_sharded_allocator_plan_is_each_ranks_requests() {
         println!("{world} ranks {s:?}: {planned}");
         assert_eq!(planned.ranks, measured, "{world} ranks {s:?}");
         assert!(planned.peak_reserved() >= planned.peak_allocated_at_most());
+    }
+}
+
+/// Rank 0's allocator statistics over the planned steps of `c` on `world` host-twin ranks
+/// over `StagedComm` on the ring (NCCL's path as processes), its buffers mirrored (not the
+/// staging buffers, which are the communicator's).
+fn measure_process(
+    c: DeviceTrainConfig,
+    world: usize,
+    s: ShardingStrategy,
+    rpn: Option<usize>,
+    prefetch: Prefetch,
+) -> AllocatorPlan {
+    let params = seeded_params(&c.cfg, 1).unwrap();
+    let tokens = synthetic_corpus(20_000, c.cfg.vocab_size as u16, 1);
+    let out = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
+        let ops = HostOps::with_products(HostProducts::Bf16Operands);
+        let meta = MetaAllocator::new(MetaSource::new(1 << 40), Default::default()).unwrap();
+        assert!(ops.memory_counter().mirror_into(meta.clone()));
+        let mut t = match rpn {
+            Some(n) => {
+                let mesh = mesh_2d(&comm, world / n, n).unwrap();
+                let (shard, replicas) = (StagedComm::new(mesh.shard), mesh.replicate);
+                ShardedDeviceTrainer::new_hybrid(
+                    ops,
+                    shard,
+                    StagedComm::new(replicas),
+                    c,
+                    s,
+                    &params,
+                )
+            }
+            None => {
+                let comm: Box<dyn Communicator> = Box::new(comm);
+                ShardedDeviceTrainer::new(ops, StagedComm::new(comm), c, s, &params)
+            }
+        }
+        .unwrap();
+        t.set_prefetch(prefetch);
+        for step in 0..PLANNED_STEPS {
+            t.enqueue_step(&tokens, step).unwrap();
+        }
+        t.flush().unwrap();
+        AllocatorPlan::from_stats(&meta.memory_stats())
+    })
+    .unwrap();
+    out[0]
+}
+
+#[test]
+fn the_process_allocator_plan_is_rank_zeros_requests() {
+    for (world, s, rpn, prefetch) in [
+        (2, ShardingStrategy::FullShard, None, Prefetch::default()),
+        (2, ShardingStrategy::FullShard, None, Prefetch::NONE),
+        (
+            4,
+            ShardingStrategy::HybridShard,
+            Some(2),
+            Prefetch::default(),
+        ),
+    ] {
+        let c = config(8, 1);
+        let how = (world, s, rpn, prefetch);
+        let planned = plan_process_allocator(&c, Products::Bf16, how, Default::default()).unwrap();
+        let measured = measure_process(c, world, s, rpn, prefetch);
+        println!("{world} processes {s:?} {prefetch:?}: {planned}");
+        assert_eq!(planned, measured, "{world} processes {s:?}");
     }
 }

@@ -131,9 +131,15 @@ fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
     println!("{test}: {last}");
     // The ranks' one caching allocator reserves what `fsdp plan --device cuda --ranks N`
     // predicts: the sum of each rank's pools.
+    allocator_as_planned(&test, &out);
+}
+
+/// The caching allocator's peak reserved bytes in the run's `rank 0's device memory` line
+/// equal the plan's prediction printed beside them.
+fn allocator_as_planned(test: &str, out: &str) {
     let mem = out
         .lines()
-        .find(|l| l.starts_with("rank 0's device memory"))
+        .find(|l| l.contains("rank 0's device memory"))
         .unwrap_or_else(|| panic!("{test}: no allocator line in\n{out}"));
     let after = |what: &str| -> u64 {
         mem.split(what)
@@ -194,6 +200,10 @@ fn launched_vs_engine(n: &str, how: &str) {
         .fold(0.0, f64::max);
     assert!(max <= 1e-4, "{e:?} vs {d:?}");
     println!("{n} processes on cuda ({how}): max relative loss difference {max:.2e} over 10 steps; {line}");
+    // A GPU each (NCCL): its caching allocator reserves what the process plan predicts.
+    if how.starts_with("nccl") {
+        allocator_as_planned(&format!("{n} processes"), &out);
+    }
 }
 
 /// Two ranks as processes under `fsdp launch` on the one GPU (NCCL takes one GPU per rank,

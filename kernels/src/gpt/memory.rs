@@ -134,14 +134,14 @@ impl MemoryCounter {
         }
     }
 
-    fn add(&self, id: u64, bytes: u64) {
+    fn add(&self, id: u64, bytes: u64, mirrored: bool) {
         let now = self
             .allocated
             .fetch_add(bytes, Ordering::SeqCst)
             .saturating_add(bytes);
         self.peak.fetch_max(now, Ordering::SeqCst);
         self.record(true, id, bytes);
-        if let Some(m) = self.mirror.get() {
+        if let Some(m) = self.mirror.get().filter(|_| mirrored) {
             match m.alloc.allocate(bytes as usize, &m.stream) {
                 Ok(b) => {
                     let mut blocks = m.blocks.lock().unwrap_or_else(PoisonError::into_inner);
@@ -210,8 +210,19 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl<T> Counted<T> {
     /// `inner`, of `bytes` bytes on the device, counted in `counter` until dropped.
     pub fn new(inner: T, bytes: u64, counter: &Arc<MemoryCounter>) -> Counted<T> {
+        Counted::make(inner, bytes, counter, true)
+    }
+
+    /// As [`new`](Self::new), but never [mirrored](MemoryCounter::mirror_into): memory
+    /// counted beside the operations' buffers that does not come from their allocator (a
+    /// communicator's staging buffers).
+    pub fn outside_mirror(inner: T, bytes: u64, counter: &Arc<MemoryCounter>) -> Counted<T> {
+        Counted::make(inner, bytes, counter, false)
+    }
+
+    fn make(inner: T, bytes: u64, counter: &Arc<MemoryCounter>, mirrored: bool) -> Counted<T> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        counter.add(id, bytes);
+        counter.add(id, bytes, mirrored);
         Counted {
             inner: ManuallyDrop::new(inner),
             bytes,
@@ -320,6 +331,33 @@ mod tests {
                 peak: 28
             }
         );
+    }
+
+    #[test]
+    fn a_mirror_holds_a_block_per_counted_buffer() {
+        let c = MemoryCounter::new();
+        let meta = fsdp_allocator::MetaAllocator::new(
+            fsdp_allocator::MetaSource::new(1 << 30),
+            Default::default(),
+        )
+        .unwrap();
+        assert!(c.mirror_into(meta.clone()));
+        assert!(!c.mirror_into(meta.clone()), "one mirror");
+        let a = Counted::new((), 1000, &c);
+        let staging = Counted::outside_mirror((), 4096, &c);
+        let b = Counted::new((), 3 << 20, &c);
+        let st = meta.memory_stats();
+        // 1000 bytes round to 1024; the staging is counted but takes no block.
+        assert_eq!(st.allocated_bytes.all.current, 1024 + (3 << 20));
+        assert_eq!(st.allocation.all.current, 2);
+        assert_eq!(c.usage().allocated, 1000 + 4096 + (3 << 20));
+        drop((a, staging));
+        assert_eq!(meta.memory_stats().allocated_bytes.all.current, 3 << 20);
+        drop(b);
+        let st = c.mirror_stats().unwrap().unwrap();
+        assert_eq!(st.allocated_bytes.all.current, 0);
+        assert_eq!(st.allocated_bytes.all.peak, 1024 + (3 << 20));
+        assert!(MemoryCounter::new().mirror_stats().is_none());
     }
 
     #[test]

@@ -24,7 +24,9 @@ pub trait StagingOps: PeerOps {
 
     /// `value` (memory of `bytes` bytes that is not the operations' own, such as a
     /// communicator's staging buffer) counted in the operations' memory while it lives, so
-    /// that [`GptOps::memory`]'s peak is the device's.
+    /// that [`GptOps::memory`]'s peak is the device's (never
+    /// [mirrored](super::MemoryCounter::mirror_into) into an allocator's plan: it is not the
+    /// operations' allocator's).
     fn count<T>(&self, value: T, bytes: u64) -> Counted<T>;
 
     /// Whether the operations touch no memory (the meta operations): their staging buffers
@@ -116,7 +118,7 @@ unsafe fn host_copy<T: Copy>(
 
 impl StagingOps for HostOps {
     fn count<T>(&self, value: T, bytes: u64) -> Counted<T> {
-        Counted::new(value, bytes, &self.memory)
+        Counted::outside_mirror(value, bytes, &self.memory)
     }
 
     fn device_stream(&self) -> Option<&Stream> {
@@ -184,7 +186,7 @@ impl CudaOps {
 
 impl StagingOps for CudaOps {
     fn count<T>(&self, value: T, bytes: u64) -> Counted<T> {
-        Counted::new(value, bytes, &self.memory)
+        Counted::outside_mirror(value, bytes, &self.memory)
     }
 
     fn device_stream(&self) -> Option<&Stream> {
@@ -261,7 +263,7 @@ impl StagingOps for CudaOps {
 
 impl StagingOps for MetaOps {
     fn count<T>(&self, value: T, bytes: u64) -> Counted<T> {
-        Counted::new(value, bytes, &self.memory)
+        Counted::outside_mirror(value, bytes, &self.memory)
     }
 
     fn device_stream(&self) -> Option<&Stream> {

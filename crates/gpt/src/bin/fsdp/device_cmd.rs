@@ -210,6 +210,9 @@ pub(crate) struct Run {
     /// On CUDA with the caching allocator: the bytes it is predicted to reserve at its peak,
     /// for every rank on the device together.
     pub(crate) predicted_reserved: Option<u64>,
+    /// Device memory beside the caching allocator's at the same time (NCCL's staging buffers
+    /// of a process), for admission.
+    pub(crate) beside_allocator: u64,
     /// With `--resume`: the checkpoint, its optimizer state.
     pub(crate) resume: Option<(ResumePoint, FullOptimizerState)>,
     /// With `--checkpoint-dir`: the checkpoints to write.
@@ -372,6 +375,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         predicted_peak: 0,
         predicted_allocator: None,
         predicted_reserved: None,
+        beside_allocator: 0,
         resume,
         checkpointer,
     };

@@ -8,7 +8,7 @@ use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp_allocator::{alloc_conf_from_env, AllocatorBackend, AllocatorConfig};
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
-use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_sharded_allocator};
+use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_process_allocator, plan_sharded_allocator};
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::DeviceTrainConfig;
@@ -205,5 +205,13 @@ pub(crate) fn print_sharded_plan(
         procs.staging,
         human_bytes(procs.staging)
     );
+    if let DeviceArg::Cuda { .. } = dev {
+        if let Some(alloc) = caching_allocator_settings(dev, &args.model)? {
+            let how = (world, args.model.strategy, rpn, Prefetch::default());
+            let a = plan_process_allocator(config, products, how, alloc)
+                .map_err(|e| fail(format!("--device {dev}: {e}")))?;
+            say!("  a rank's {a} (the staging buffers are NCCL's, beside it)");
+        }
+    }
     Ok(())
 }

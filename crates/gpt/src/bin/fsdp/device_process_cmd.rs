@@ -19,6 +19,7 @@ use std::time::Instant;
 use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions};
 use fsdp_collectives::{init_from_env, mesh_2d, Backend, Communicator, InitOptions, LaunchEnv};
 use fsdp_gpt::device_comm::{DeviceComm, HostComm};
+use fsdp_gpt::device_plan_alloc::plan_process_allocator;
 use fsdp_gpt::device_plan_sharded::plan_process_memory;
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_staged::StagedComm;
@@ -30,6 +31,7 @@ use crate::args::{DeviceArg, TrainArgs, TrainBackend};
 use crate::device_cmd::{
     cuda_ops, cuda_ordinal, cuda_stream, free_memory, host_products, products, Run,
 };
+use crate::device_plan_cmd::caching_allocator_settings;
 use crate::device_report::admit;
 use crate::device_sharded_cmd::{check_strategy, Shared};
 use crate::{fail, CliError};
@@ -115,6 +117,15 @@ pub(crate) fn train_launched(
             let free = free_memory(ops.stream());
             if backend == Backend::Nccl {
                 run.predicted_peak = plan.peak;
+                // The staging buffers are NCCL's; the rest is the caching allocator's, which
+                // reserves what its plan says.
+                if let Some(alloc) = caching_allocator_settings(dev, &args.model)? {
+                    let how = (env.world_size, strategy, rpn, prefetch);
+                    let a = plan_process_allocator(&run.config, products(bf16), how, alloc)
+                        .map_err(|e| fail(format!("--device {dev}: rank {}: {e}", env.rank)))?;
+                    run.predicted_reserved = Some(a.peak_reserved);
+                    run.beside_allocator = plan.staging;
+                }
                 admit(args, run, free, 1)?;
                 let store = env.rendezvous(init.effective_init_timeout())?;
                 let opts = NcclOptions::default()

@@ -30,7 +30,10 @@ pub(crate) fn admit(
     // With the caching allocator's plan, what it reserves for all the ranks (its segments
     // cover their buffers).
     let counted = run.predicted_peak.saturating_mul(ranks as u64);
-    let needed = counted.max(run.predicted_reserved.unwrap_or(0));
+    let reserved = run
+        .predicted_reserved
+        .map_or(0, |r| r.saturating_add(run.beside_allocator));
+    let needed = counted.max(reserved);
     if needed > available {
         let each = if ranks > 1 {
             format!(
