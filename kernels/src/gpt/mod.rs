@@ -31,6 +31,7 @@ mod chunks;
 mod cuda;
 mod cuda_memory;
 mod cuda_pool;
+mod cuda_products;
 mod cuda_step;
 mod head;
 mod host_ops;
@@ -47,8 +48,9 @@ mod units;
 mod weights;
 
 pub use attention::Attention;
-pub use cuda::{CudaBuf, CudaIds, CudaOperand, CudaOps, Products};
+pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
 pub use cuda_memory::{describe_stats, CudaMemory};
+pub use cuda_products::CudaOperand;
 pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use head::Logits;
 pub use host_ops::{HostBuf, HostIds, HostOperand, HostOps, HostProducts};
