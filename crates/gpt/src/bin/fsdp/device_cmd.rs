@@ -22,7 +22,7 @@ use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Prod
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
 use crate::checkpointing::Checkpointer;
-use crate::device_plan_cmd::caching_allocator_settings;
+use crate::device_plan_cmd::planned_allocator;
 use crate::device_report::{admit, Tally};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
@@ -398,7 +398,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
             DeviceArg::Cuda { ordinal: n, .. } => {
                 cuda_ordinal(dev, n)?;
                 // What the ranks' one caching allocator will reserve.
-                let predicted_reserved = match caching_allocator_settings(dev, &args.model)? {
+                let predicted_reserved = match planned_allocator(args)? {
                     Some(alloc) => Some(
                         plan_sharded_allocator(
                             &run.config,
@@ -445,7 +445,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         DeviceArg::Cuda { ordinal: n, .. } => {
             cuda_ordinal(dev, n)?;
             // What the caching allocator will reserve, planned with its settings.
-            let predicted_allocator = match caching_allocator_settings(dev, &args.model)? {
+            let predicted_allocator = match planned_allocator(args)? {
                 Some(alloc) => Some(
                     plan_allocator(&run.config, products(bf16), alloc)
                         .map_err(|e| fail(format!("--device {dev}: {e}")))?,

@@ -14,7 +14,7 @@ use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_kernels::gpt::Products;
 
-use crate::args::{DeviceArg, ModelArgs, PlanArgs};
+use crate::args::{DeviceArg, ModelArgs, PlanArgs, TrainArgs};
 use crate::device_cmd::{
     check_device_world_and_dtypes, describe_run, optimizer_refusals, products, refuse_first,
 };
@@ -137,6 +137,15 @@ pub(crate) fn caching_allocator_settings(
     let (alloc, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
         .map_err(|e| fail(format!("--device {dev}: {origin} `{text}`: {e}")))?;
     Ok((backend != AllocatorBackend::CudaMallocAsync).then_some(alloc))
+}
+
+/// The caching allocator's settings for the run's plan of it, `None` without one to plan:
+/// under `backend:cudaMallocAsync`, and under `--cpu-offload` (whose planning run would hold
+/// the optimizer's host side in real host memory beside the run's own: `fsdp plan --device
+/// cuda --cpu-offload` plans it; the run is admitted on its counted bytes).
+pub(crate) fn planned_allocator(args: &TrainArgs) -> Result<Option<AllocatorConfig>, CliError> {
+    let settings = caching_allocator_settings(args.device, &args.model)?;
+    Ok(settings.filter(|_| !args.cpu_offload))
 }
 
 /// `fsdp plan --device … --ranks N`: one rank's device memory ([`plan_sharded_memory`]).

@@ -31,7 +31,7 @@ use crate::args::{DeviceArg, TrainArgs, TrainBackend};
 use crate::device_cmd::{
     cuda_ops, cuda_ordinal, cuda_stream, free_memory, host_products, products, Run,
 };
-use crate::device_plan_cmd::caching_allocator_settings;
+use crate::device_plan_cmd::planned_allocator;
 use crate::device_report::admit;
 use crate::device_sharded_cmd::{check_strategy, Shared};
 use crate::{fail, CliError};
@@ -119,7 +119,7 @@ pub(crate) fn train_launched(
                 run.predicted_peak = plan.peak;
                 // The staging buffers are NCCL's; the rest is the caching allocator's, which
                 // reserves what its plan says.
-                if let Some(alloc) = caching_allocator_settings(dev, &args.model)? {
+                if let Some(alloc) = planned_allocator(args)? {
                     let how = (env.world_size, strategy, rpn, prefetch);
                     let a = plan_process_allocator(&run.config, products(bf16), how, alloc)
                         .map_err(|e| fail(format!("--device {dev}: rank {}: {e}", env.rank)))?;
