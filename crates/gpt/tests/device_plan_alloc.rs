@@ -10,14 +10,11 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::device::device_config;
+use common::device::{device_config, peer_comms};
 use fsdp::optim::LrSchedule;
 use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
 use fsdp_collectives::{mesh_2d, ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::{
     plan_allocator, plan_process_allocator, plan_sharded_allocator, AllocatorPlan, PLANNED_STEPS,
@@ -126,18 +123,7 @@ fn measure_sharded(
 ) -> Vec<AllocatorPlan> {
     let params = seeded_params(&c.cfg, 1).unwrap();
     let tokens = synthetic_corpus(20_000, c.cfg.vocab_size as u16, 1);
-    let timeout = Duration::from_secs(60);
-    let comms: Vec<(PeerComm<HostOps>, Option<PeerComm<HostOps>>)> = match rpn {
-        Some(n) => PeerComm::mesh(world, n, timeout)
-            .unwrap()
-            .into_iter()
-            .map(|(a, b)| (a, Some(b)))
-            .collect(),
-        None => PeerComm::group(world, timeout)
-            .into_iter()
-            .map(|a| (a, None))
-            .collect(),
-    };
+    let comms = peer_comms::<HostOps>(world, rpn);
     std::thread::scope(|sc| {
         let handles: Vec<_> = comms
             .into_iter()

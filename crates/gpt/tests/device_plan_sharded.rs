@@ -5,12 +5,9 @@
 //! with f32 and bf16 products, at 2 and 4 ranks, with 1 and 2 micro-batches. And each strategy's peak where it should be:
 //! `FULL_SHARD` below `SHARD_GRAD_OP` below `NO_SHARD`.
 
-use std::time::Duration;
-
 use fsdp::optim::LrSchedule;
 use fsdp_collectives::{mesh_2d, ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_staged::StagedComm;
@@ -19,7 +16,7 @@ use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps, HostProducts, Products};
 
 mod common;
-use common::device::device_config;
+use common::device::{device_config, peer_comms};
 
 /// Rank 0's counted peak over 3 steps of `c` on `world` host-twin ranks (a hybrid strategy
 /// in nodes of `rpn`).
@@ -32,18 +29,7 @@ fn measured(
 ) -> u64 {
     let params = seeded_params(&c.cfg, 1).unwrap();
     let tokens = synthetic_corpus(20_000, 64, 1);
-    let timeout = Duration::from_secs(60);
-    let comms: Vec<(PeerComm<HostOps>, Option<PeerComm<HostOps>>)> = match rpn {
-        Some(n) => PeerComm::mesh(world, n, timeout)
-            .unwrap()
-            .into_iter()
-            .map(|(a, b)| (a, Some(b)))
-            .collect(),
-        None => PeerComm::group(world, timeout)
-            .into_iter()
-            .map(|a| (a, None))
-            .collect(),
-    };
+    let comms = peer_comms::<HostOps>(world, rpn);
     let peaks: Vec<u64> = std::thread::scope(|sc| {
         let handles: Vec<_> = comms
             .into_iter()

@@ -226,3 +226,27 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
     }
     out
 }
+
+/// Each rank's groups for `world` ranks as threads: its shard group and, in nodes of `rpn`
+/// ranks (a hybrid strategy), its replicas.
+pub fn peer_comms<O: fsdp_kernels::gpt::PeerOps>(
+    world: usize,
+    rpn: Option<usize>,
+) -> Vec<(
+    fsdp_gpt::device_peer::PeerComm<O>,
+    Option<fsdp_gpt::device_peer::PeerComm<O>>,
+)> {
+    use fsdp_gpt::device_peer::PeerComm;
+    let timeout = std::time::Duration::from_secs(60);
+    match rpn {
+        Some(n) => PeerComm::mesh(world, n, timeout)
+            .unwrap()
+            .into_iter()
+            .map(|(a, b)| (a, Some(b)))
+            .collect(),
+        None => PeerComm::group(world, timeout)
+            .into_iter()
+            .map(|a| (a, None))
+            .collect(),
+    }
+}
