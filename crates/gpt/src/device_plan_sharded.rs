@@ -15,8 +15,6 @@ use std::time::Duration;
 
 use fsdp::ShardingStrategy;
 use fsdp_allocator::{AllocatorConfig, MemoryStats};
-
-use crate::device_plan_alloc::mirror_allocator;
 use fsdp_collectives::{dryrun, Communicator};
 use fsdp_kernels::gpt::HostProducts;
 use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
@@ -25,6 +23,7 @@ use fsdp_kernels::KernelError;
 
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_peer::PeerComm;
+use crate::device_plan_alloc::mirror_allocator;
 use crate::device_shard::shard_len;
 use crate::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use crate::device_staged::StagedComm;

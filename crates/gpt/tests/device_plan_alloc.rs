@@ -10,17 +10,16 @@
 
 mod common;
 
-use common::device::{device_config, peer_comms};
+use common::device::{device_config, peer_comms, staged_trainer};
 use fsdp::optim::LrSchedule;
 use fsdp_allocator::{AllocatorConfig, MetaAllocator, MetaSource};
-use fsdp_collectives::{mesh_2d, ring, Communicator};
+use fsdp_collectives::ring;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::{
     plan_allocator, plan_process_allocator, plan_sharded_allocator, AllocatorPlan, PLANNED_STEPS,
 };
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
-use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
@@ -188,25 +187,7 @@ fn measure_process(
         let ops = HostOps::with_products(HostProducts::Bf16Operands);
         let meta = MetaAllocator::new(MetaSource::new(1 << 40), Default::default()).unwrap();
         assert!(ops.memory_counter().mirror_into(meta.clone()));
-        let mut t = match rpn {
-            Some(n) => {
-                let mesh = mesh_2d(&comm, world / n, n).unwrap();
-                let (shard, replicas) = (StagedComm::new(mesh.shard), mesh.replicate);
-                ShardedDeviceTrainer::new_hybrid(
-                    ops,
-                    shard,
-                    StagedComm::new(replicas),
-                    c,
-                    s,
-                    &params,
-                )
-            }
-            None => {
-                let comm: Box<dyn Communicator> = Box::new(comm);
-                ShardedDeviceTrainer::new(ops, StagedComm::new(comm), c, s, &params)
-            }
-        }
-        .unwrap();
+        let mut t = staged_trainer(ops, comm, world, rpn, c, s, &params);
         t.set_prefetch(prefetch);
         for step in 0..PLANNED_STEPS {
             t.enqueue_step(&tokens, step).unwrap();

@@ -6,17 +6,16 @@
 //! `FULL_SHARD` below `SHARD_GRAD_OP` below `NO_SHARD`.
 
 use fsdp::optim::LrSchedule;
-use fsdp_collectives::{mesh_2d, ring, Communicator};
+use fsdp_collectives::ring;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
-use fsdp_gpt::device_staged::StagedComm;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps, HostProducts, Products};
 
 mod common;
-use common::device::{device_config, peer_comms};
+use common::device::{device_config, peer_comms, staged_trainer};
 
 /// Rank 0's counted peak over 3 steps of `c` on `world` host-twin ranks (a hybrid strategy
 /// in nodes of `rpn`).
@@ -184,24 +183,7 @@ fn measured_staged(
     let tokens = synthetic_corpus(20_000, 64, 1);
     let out = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
         let ops = HostOps::new();
-        let mut t = match rpn {
-            Some(n) => {
-                let mesh = mesh_2d(&comm, world / n, n).unwrap();
-                ShardedDeviceTrainer::new_hybrid(
-                    ops,
-                    StagedComm::new(mesh.shard),
-                    StagedComm::new(mesh.replicate),
-                    c,
-                    s,
-                    &params,
-                )
-            }
-            None => {
-                let comm: Box<dyn Communicator> = Box::new(comm);
-                ShardedDeviceTrainer::new(ops, StagedComm::new(comm), c, s, &params)
-            }
-        }
-        .unwrap();
+        let mut t = staged_trainer(ops, comm, world, rpn, c, s, &params);
         t.set_prefetch(prefetch);
         for step in 0..3 {
             t.step(&tokens, step).unwrap();

@@ -69,12 +69,24 @@ impl CudaMemory {
         if backend == AllocatorBackend::CudaMallocAsync {
             return Ok(CudaMemory::Driver);
         }
+        CudaMemory::caching(ordinal, config)
+    }
+
+    /// The device's caching allocator with the settings `config`: made now, or the one the
+    /// process made before, which must have the same settings.
+    ///
+    /// # Errors
+    /// [`KernelError::Alloc`] for a device the allocator cannot open, or the device's
+    /// allocator made before with other settings.
+    pub fn caching(ordinal: usize, config: AllocatorConfig) -> Result<CudaMemory, KernelError> {
         let alloc = allocator_of(ordinal, || Ok(config))?;
         if *alloc.config() != config {
+            let conf = |c: &AllocatorConfig| c.to_pytorch_conf().unwrap_or_default();
             return Err(AllocError::InvalidConfig(format!(
                 "the caching allocator of cuda:{ordinal} was made with other settings (`{}`) \
-                 than `{text}`: a process has one allocator per device",
-                alloc.config().to_pytorch_conf().unwrap_or_default()
+                 than `{}`: a process has one allocator per device",
+                conf(alloc.config()),
+                conf(&config)
             ))
             .into());
         }

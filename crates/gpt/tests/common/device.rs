@@ -250,3 +250,34 @@ pub fn peer_comms<O: fsdp_kernels::gpt::PeerOps>(
             .collect(),
     }
 }
+
+/// `ops`' rank of `world` ranks over `StagedComm` on the ring rank `comm` (NCCL's path as
+/// processes, in host memory), a hybrid strategy in nodes of `rpn`, training `c` sharded by
+/// `s` from `params`.
+pub fn staged_trainer<O: fsdp_kernels::gpt::StagingOps>(
+    ops: O,
+    comm: ring::RingCommunicator,
+    world: usize,
+    rpn: Option<usize>,
+    c: DeviceTrainConfig,
+    s: ShardingStrategy,
+    params: &HashMap<String, Vec<f32>>,
+) -> fsdp_gpt::device_sharded::ShardedDeviceTrainer<
+    O,
+    fsdp_gpt::device_staged::StagedComm<dyn Communicator>,
+> {
+    use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+    use fsdp_gpt::device_staged::StagedComm;
+    match rpn {
+        Some(n) => {
+            let mesh = fsdp_collectives::mesh_2d(&comm, world / n, n).unwrap();
+            let (shard, replicas) = (StagedComm::new(mesh.shard), mesh.replicate);
+            ShardedDeviceTrainer::new_hybrid(ops, shard, StagedComm::new(replicas), c, s, params)
+        }
+        None => {
+            let comm: Box<dyn Communicator> = Box::new(comm);
+            ShardedDeviceTrainer::new(ops, StagedComm::new(comm), c, s, params)
+        }
+    }
+    .unwrap()
+}

@@ -22,7 +22,7 @@ use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Prod
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
 use crate::checkpointing::Checkpointer;
-use crate::device_plan_cmd::planned_allocator;
+use crate::device_plan_cmd::{caching_allocator_settings, planned_allocator};
 use crate::device_report::{admit, Tally};
 use crate::optimizer::adamw_options;
 use crate::output::{save_checkpoint, LossLog};
@@ -263,8 +263,8 @@ pub(crate) fn cuda_stream(
 
 /// The GPT's operations on `stream` with the products of `--param-dtype` (`bf16`), their
 /// buffers from the memory `--alloc-conf` chooses (else PyTorch's variables: the device's
-/// caching allocator, or the driver's pool under `backend:cudaMallocAsync`); errors prefixed
-/// with `what`.
+/// caching allocator, or the driver's pool under `backend:cudaMallocAsync`:
+/// [`caching_allocator_settings`]); errors prefixed with `what`.
 pub(crate) fn cuda_ops(
     stream: fsdp_device::Stream,
     args: &TrainArgs,
@@ -274,10 +274,11 @@ pub(crate) fn cuda_ops(
         fsdp_device::Device::Cuda(n) => n,
         other => return Err(fail(format!("{what}: a stream of {other}, not of a GPU"))),
     };
-    let memory = match &args.model.alloc_conf {
-        Some(text) => CudaMemory::from_pytorch_conf(ordinal, text)
-            .map_err(|e| fail(format!("{what}: --alloc-conf `{text}`: {e}")))?,
-        None => CudaMemory::from_env(ordinal).map_err(|e| fail(format!("{what}: {e}")))?,
+    let memory = match caching_allocator_settings(&args.model)? {
+        Some(config) => {
+            CudaMemory::caching(ordinal, config).map_err(|e| fail(format!("{what}: {e}")))?
+        }
+        None => CudaMemory::Driver,
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     Ok(CudaOps::with_memory(stream, memory)

@@ -5,7 +5,7 @@
 
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
-use fsdp_allocator::{alloc_conf_from_env, AllocatorBackend, AllocatorConfig};
+use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
 use fsdp_device::DType;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_process_allocator, plan_sharded_allocator};
@@ -20,7 +20,7 @@ use crate::device_cmd::{
 };
 use crate::device_sharded_cmd::check_strategy;
 use crate::say;
-use crate::setup::{micro_batch, setup};
+use crate::setup::{allocator_settings, micro_batch, setup};
 use crate::train::clip_option;
 use crate::{fail, CliError};
 
@@ -102,7 +102,7 @@ fn print_allocator_plan(
     products: Products,
 ) -> Result<(), CliError> {
     let dev = args.device;
-    let Some(alloc) = caching_allocator_settings(dev, &args.model)? else {
+    let Some(alloc) = caching_allocator_settings(&args.model)? else {
         say!("memory: the CUDA driver's stream-ordered pool (backend:cudaMallocAsync): its rounding is not planned");
         return Ok(());
     };
@@ -121,21 +121,12 @@ fn print_allocator_plan(
     Ok(())
 }
 
-/// The settings of the caching allocator `--device cuda` takes its buffers from (`--alloc-conf`,
-/// else PyTorch's variables); `None` under `backend:cudaMallocAsync` (the driver's pool).
+/// The settings of the caching allocator `--device cuda` takes its buffers from
+/// ([`allocator_settings`]); `None` under `backend:cudaMallocAsync` (the driver's pool).
 pub(crate) fn caching_allocator_settings(
-    dev: DeviceArg,
     m: &ModelArgs,
 ) -> Result<Option<AllocatorConfig>, CliError> {
-    let (origin, text) = match &m.alloc_conf {
-        Some(t) => ("--alloc-conf".to_string(), t.clone()),
-        None => match alloc_conf_from_env().map_err(|e| fail(format!("--device {dev}: {e}")))? {
-            Some((var, t)) => (var.to_string(), t),
-            None => return Ok(Some(AllocatorConfig::default())),
-        },
-    };
-    let (alloc, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
-        .map_err(|e| fail(format!("--device {dev}: {origin} `{text}`: {e}")))?;
+    let (alloc, backend) = allocator_settings(m, true)?;
     Ok((backend != AllocatorBackend::CudaMallocAsync).then_some(alloc))
 }
 
@@ -144,7 +135,7 @@ pub(crate) fn caching_allocator_settings(
 /// the optimizer's host side in real host memory beside the run's own: `fsdp plan --device
 /// cuda --cpu-offload` plans it; the run is admitted on its counted bytes).
 pub(crate) fn planned_allocator(args: &TrainArgs) -> Result<Option<AllocatorConfig>, CliError> {
-    let settings = caching_allocator_settings(args.device, &args.model)?;
+    let settings = caching_allocator_settings(&args.model)?;
     Ok(settings.filter(|_| !args.cpu_offload))
 }
 
@@ -171,7 +162,7 @@ pub(crate) fn print_sharded_plan(
     );
     say!("{}", plan.to_string().trim_end());
     if let DeviceArg::Cuda { .. } = dev {
-        if let Some(alloc) = caching_allocator_settings(dev, &args.model)? {
+        if let Some(alloc) = caching_allocator_settings(&args.model)? {
             let a =
                 plan_sharded_allocator(config, products, world, args.model.strategy, rpn, alloc)
                     .map_err(|e| fail(format!("--device {dev}: {e}")))?;
@@ -215,7 +206,7 @@ pub(crate) fn print_sharded_plan(
         human_bytes(procs.staging)
     );
     if let DeviceArg::Cuda { .. } = dev {
-        if let Some(alloc) = caching_allocator_settings(dev, &args.model)? {
+        if let Some(alloc) = caching_allocator_settings(&args.model)? {
             let how = (world, args.model.strategy, rpn, Prefetch::default());
             let a = plan_process_allocator(config, products, how, alloc)
                 .map_err(|e| fail(format!("--device {dev}: {e}")))?;

@@ -41,7 +41,7 @@ pub(crate) fn setup(m: &ModelArgs, world: usize, on_device: bool) -> Result<Setu
     config.limit_all_gathers = m.limit_all_gathers.0;
     config.mixed_precision = MixedPrecisionPolicy::new(m.param_dtype, m.reduce_dtype);
     config.activation_checkpointing = m.activation_checkpointing;
-    config.allocator = allocator_config(m, on_device)?;
+    config.allocator = allocator_settings(m, on_device)?.0;
     // Under a launcher the hybrid strategies shard inside each node: the ranks per node are
     // the launcher's LOCAL_WORLD_SIZE (torchrun, `fsdp launch`) or mpirun's local size.
     let ranks_per_node = match (m.strategy.is_hybrid(), m.ranks_per_node) {
@@ -82,14 +82,18 @@ pub(crate) fn setup(m: &ModelArgs, world: usize, on_device: bool) -> Result<Setu
     Ok(Setup { cfg, config, plan })
 }
 
-/// The caching allocator's options: `--alloc-conf`, else the PyTorch environment variable;
-/// `backend:cudaMallocAsync` only `on_device`.
-fn allocator_config(m: &ModelArgs, on_device: bool) -> Result<AllocatorConfig, CliError> {
+/// The caching allocator's options and the backend they name: `--alloc-conf`, else the
+/// PyTorch environment variable; `backend:cudaMallocAsync` (the driver's pool) only
+/// `on_device`. Errors name where the text came from.
+pub(crate) fn allocator_settings(
+    m: &ModelArgs,
+    on_device: bool,
+) -> Result<(AllocatorConfig, AllocatorBackend), CliError> {
     let (origin, text) = match &m.alloc_conf {
         Some(text) => (String::new(), text.clone()),
         None => match alloc_conf_from_env().map_err(|e| fail(format!("--alloc-conf: {e}")))? {
             Some((var, text)) => (format!(" (from {var})"), text),
-            None => return Ok(AllocatorConfig::default()),
+            None => return Ok((AllocatorConfig::default(), AllocatorBackend::Native)),
         },
     };
     let (config, backend) = AllocatorConfig::from_pytorch_conf_with_backend(&text)
@@ -101,7 +105,7 @@ fn allocator_config(m: &ModelArgs, on_device: bool) -> Result<AllocatorConfig, C
              allocator (backend:native)"
         )));
     }
-    Ok(config)
+    Ok((config, backend))
 }
 
 /// Rows per micro-batch (all ranks) for `batch_size` rows in `grad_accum` micro-batches on
