@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use fsdp_collectives::{Communicator, ReduceOp};
+use fsdp_device::half::bf16;
 use fsdp_device::{Buffer, DType};
 use fsdp_kernels::gpt::GptOps;
 
@@ -55,22 +56,32 @@ pub trait DeviceComm<O: GptOps> {
     }
     /// Reduces one unit's gradients to their shards with the ranks' mean: `shards[i]` becomes
     /// chunk `rank` of the mean over ranks of `fulls[i]` zero-padded to `world_size ×
-    /// shards[i]` elements.
+    /// shards[i]` elements, reduced in `dtype` (FSDP's `reduce_dtype`: f32, or bf16 — each
+    /// input rounded to bf16, the ranks' values added in rank order in f32 and rounded to
+    /// bf16 after every addition and after the division, as the collectives reduce bf16, and
+    /// the result widened).
     ///
     /// # Errors
-    /// Lengths that do not fit; the collective's failure.
+    /// Lengths that do not fit; a `dtype` other than f32 or bf16; the collective's failure.
     fn reduce_scatter_avg(
         &self,
         ops: &O,
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError>;
     /// Replaces each of `bufs` with its mean over ranks (the gradients of replicated
-    /// parameters: DDP's, FSDP's `NO_SHARD`).
+    /// parameters: DDP's, FSDP's `NO_SHARD`), reduced in `dtype` as
+    /// [`reduce_scatter_avg`](Self::reduce_scatter_avg).
     ///
     /// # Errors
-    /// The collective's failure.
-    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError>;
+    /// A `dtype` other than f32 or bf16; the collective's failure.
+    fn all_reduce_avg(
+        &self,
+        ops: &O,
+        bufs: &mut [&mut O::Buf],
+        dtype: DType,
+    ) -> Result<(), DeviceTrainError>;
     /// Reduces the step's scalars in the slots `slots` over ranks with `op` (`Sum` or `Avg`).
     ///
     /// # Errors
@@ -102,6 +113,54 @@ impl<C: Communicator + ?Sized> HostComm<C> {
     /// The communicator.
     pub fn communicator(&self) -> &C {
         &self.comm
+    }
+}
+
+/// Whether a reduction in `dtype` is in bf16 (else f32): the device's collectives reduce
+/// gradients in these two.
+///
+/// # Errors
+/// Any other dtype, naming the collective `what`.
+pub fn reduces_in_bf16(what: &str, dtype: DType) -> Result<bool, DeviceTrainError> {
+    match dtype {
+        DType::F32 => Ok(false),
+        DType::BF16 => Ok(true),
+        other => Err(fsdp::FsdpError::InvalidFsdpConfig {
+            reason: format!("{what} in {other}: the device's collectives reduce in f32 or bf16"),
+        }
+        .into()),
+    }
+}
+
+/// `values` rounded to bf16 (ties to even, the cast kernel's rounding).
+fn to_bf16(values: &[f32]) -> Result<Vec<bf16>, DeviceTrainError> {
+    let mut out = vec![bf16::ZERO; values.len()];
+    fsdp_kernels::host::cast(values, &mut out)?;
+    Ok(out)
+}
+
+/// `values` widened to f32.
+fn widen(values: &[bf16]) -> Result<Vec<f32>, DeviceTrainError> {
+    let mut out = vec![0.0f32; values.len()];
+    fsdp_kernels::host::cast(values, &mut out)?;
+    Ok(out)
+}
+
+/// `packed` as a host buffer of `dtype` (f32, or its bf16 rounding).
+fn host_buffer(packed: &[f32], bf16: bool) -> Result<Buffer, DeviceTrainError> {
+    Ok(if bf16 {
+        Buffer::from_slice(&to_bf16(packed)?)?
+    } else {
+        Buffer::from_slice(packed)?
+    })
+}
+
+/// A host buffer's values as f32 (widened from bf16).
+fn host_values(buf: &Buffer, bf16: bool) -> Result<Vec<f32>, DeviceTrainError> {
+    if bf16 {
+        widen(&buf.to_vec::<bf16>()?)
+    } else {
+        Ok(buf.to_vec::<f32>()?)
     }
 }
 
@@ -272,7 +331,9 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         ops: &O,
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
+        let bf16 = reduces_in_bf16("reduce-scatter", dtype)?;
         let world = DeviceComm::<O>::world_size(self);
         let p = Packing::reduce_scatter::<O>(fulls, shards, world)?;
         let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
@@ -284,28 +345,34 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
                 packed[to..to + chunk.len()].copy_from_slice(chunk);
             }
         }
-        let input = Buffer::from_slice(&packed)?;
-        let output = Buffer::zeros(DType::F32, total)?;
+        let input = host_buffer(&packed, bf16)?;
+        let output = Buffer::zeros(dtype, total)?;
         self.comm
             .reduce_scatter_base(&input, &output, ReduceOp::Avg)?
             .wait()?;
-        let reduced = output.to_vec::<f32>()?;
+        let reduced = host_values(&output, bf16)?;
         for (i, shard) in shards.iter_mut().enumerate() {
             ops.upload_into(&reduced[offsets[i]..offsets[i] + lens[i]], shard)?;
         }
         Ok(())
     }
 
-    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+    fn all_reduce_avg(
+        &self,
+        ops: &O,
+        bufs: &mut [&mut O::Buf],
+        dtype: DType,
+    ) -> Result<(), DeviceTrainError> {
+        let bf16 = reduces_in_bf16("all-reduce", dtype)?;
         let p = Packing::new(lens::<O>(bufs.iter().map(|b| &**b)));
         let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
         let mut packed = Vec::with_capacity(total);
         for b in bufs.iter() {
             packed.extend(ops.download(b)?);
         }
-        let buf = Buffer::from_slice(&packed)?;
+        let buf = host_buffer(&packed, bf16)?;
         self.comm.all_reduce(&buf, ReduceOp::Avg)?.wait()?;
-        let reduced = buf.to_vec::<f32>()?;
+        let reduced = host_values(&buf, bf16)?;
         for (i, b) in bufs.iter_mut().enumerate() {
             ops.upload_into(&reduced[offsets[i]..offsets[i] + lens[i]], b)?;
         }
@@ -363,12 +430,18 @@ impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
         ops: &O,
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        (**self).reduce_scatter_avg(ops, fulls, shards)
+        (**self).reduce_scatter_avg(ops, fulls, shards, dtype)
     }
 
-    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
-        (**self).all_reduce_avg(ops, bufs)
+    fn all_reduce_avg(
+        &self,
+        ops: &O,
+        bufs: &mut [&mut O::Buf],
+        dtype: DType,
+    ) -> Result<(), DeviceTrainError> {
+        (**self).all_reduce_avg(ops, bufs, dtype)
     }
 
     fn all_reduce_scalars(

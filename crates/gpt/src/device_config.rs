@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use fsdp::init::materialize;
 use fsdp::optim::{check_max_norm, AdamWConfig, LrSchedule};
 use fsdp::FsdpError;
+use fsdp_device::DType;
 use fsdp_kernels::gpt::{Attention, GptDims, Logits};
 use fsdp_kernels::host::STEP_CHOICES;
 use fsdp_kernels::KernelError;
@@ -111,18 +112,34 @@ pub struct DeviceTrainConfig {
     /// same losses bit for bit on the host twins either way, the tied weight's gradient summed
     /// chunk by chunk.
     pub logits: Logits,
+    /// The dtype sharded training reduces the gradients in (FSDP's
+    /// `MixedPrecisionPolicy.reduce_dtype`): f32, or bf16 — each unit's gradients rounded to
+    /// bf16 before its reduce-scatter (or the all-reduce of replicated ones, and the replicas'
+    /// all-reduce of a hybrid strategy), reduced with bf16's rounding after every operation,
+    /// and widened into the f32 accumulators, so the collectives move half the bytes while
+    /// the accumulators, the norm and AdamW stay f32. One rank reduces nothing.
+    pub reduce_dtype: DType,
 }
 
 impl DeviceTrainConfig {
     /// Checks the settings with the engine's rules.
     ///
     /// # Errors
-    /// [`FsdpError::InvalidHyperparameter`] or [`FsdpError::InvalidShape`] naming the setting.
+    /// [`FsdpError::InvalidHyperparameter`], [`FsdpError::InvalidShape`] or
+    /// [`FsdpError::InvalidFsdpConfig`] naming the setting.
     pub fn validate(&self) -> Result<(), FsdpError> {
         self.adamw.validate()?;
         self.schedule.validate()?;
         if let Some(c) = self.grad_clip {
             check_max_norm(c)?;
+        }
+        if !matches!(self.reduce_dtype, DType::F32 | DType::BF16) {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "reduce_dtype {}: the device trainers reduce in f32 or bf16",
+                    self.reduce_dtype
+                ),
+            });
         }
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {

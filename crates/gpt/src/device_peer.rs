@@ -28,10 +28,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use fsdp_collectives::{CollectiveError, ReduceOp};
+use fsdp_device::DType;
 use fsdp_kernels::gpt::{PeerOps, PeerPtr};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{DeviceComm, Packing};
+use crate::device_comm::{reduces_in_bf16, DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// What a rank posts in one exchange.
@@ -256,6 +257,46 @@ impl<O: PeerOps> Drop for PeerComm<O> {
     }
 }
 
+/// Each of `bufs` rounded to bf16 into a half of its own (enqueued on the operations' stream).
+fn halves_of<O: PeerOps>(ops: &O, bufs: &[&O::Buf]) -> Result<Vec<O::Half>, DeviceTrainError> {
+    bufs.iter()
+        .map(|b| {
+            let len = O::buf_len(b);
+            let h = ops.half(len)?;
+            // SAFETY: `h` is new, this rank's, and written here first on its stream; the
+            // peers read it only after `begin`'s exchange, which follows this cast.
+            unsafe { ops.cast_to_bf16_ptr(b, 0, ops.half_ptr(&h), 0, len)? };
+            Ok(h)
+        })
+        .collect()
+}
+
+/// `dst[..m]` = the mean in bf16 of the ranks' halves of tensor `i` (`posts`) from element
+/// `start`, widened; the rest of `dst` (a shard's padding) zero.
+fn reduce_half_into<O: PeerOps>(
+    ops: &O,
+    posts: &[Post<O::Event>],
+    i: usize,
+    start: usize,
+    m: usize,
+    dst: &mut O::Buf,
+) -> Result<(), DeviceTrainError> {
+    if m < O::buf_len(dst) {
+        ops.fill_zero(dst)?;
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let srcs: Vec<(PeerPtr, usize)> = posts.iter().map(|p| (p.ptrs[i], start)).collect();
+    let mut out = ops.half(m)?;
+    // SAFETY: the peers' halves, live and unwritten until every rank's `finish` (they are
+    // dropped after it); this stream waited for their casts in `begin`; `out` is new.
+    unsafe { ops.reduce_bf16_from_peers(ReduceKind::Avg, &srcs, &mut out, 0, m)? };
+    // SAFETY: `out` is this rank's, written above on this stream.
+    unsafe { ops.widen_bf16_ptr(ops.half_ptr(&out), 0, dst, 0, m)? };
+    Ok(())
+}
+
 fn kind(op: ReduceOp) -> Result<ReduceKind, DeviceTrainError> {
     Ok(match op {
         ReduceOp::Sum => ReduceKind::Sum,
@@ -313,10 +354,24 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         ops: &O,
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
+        let bf16 = reduces_in_bf16("reduce-scatter", dtype)?;
         let p = Packing::reduce_scatter::<O>(fulls, shards, self.world)?;
         let (lens, full_lens) = (&p.lens, &p.full_lens);
-        let desc = format!("reduce-scatter (avg) of {full_lens:?} into shards {lens:?}");
+        let desc = format!("reduce-scatter (avg, {dtype}) of {full_lens:?} into shards {lens:?}");
+        if bf16 {
+            let halves = halves_of(ops, fulls)?;
+            let ptrs = halves.iter().map(|h| ops.half_ptr(h)).collect();
+            let posts = self.begin(ops, "reduce-scatter", desc.clone(), ptrs)?;
+            for (i, shard) in shards.iter_mut().enumerate() {
+                let start = self.rank * lens[i];
+                let m = lens[i].min(full_lens[i].saturating_sub(start));
+                reduce_half_into(ops, &posts, i, start, m, shard)?;
+            }
+            // The peers' reads of `halves` end here.
+            return self.finish(ops, "reduce-scatter", desc);
+        }
         let ptrs = fulls.iter().map(|f| ops.peer_ptr(f)).collect();
         let posts = self.begin(ops, "reduce-scatter", desc.clone(), ptrs)?;
         for (i, shard) in shards.iter_mut().enumerate() {
@@ -338,9 +393,26 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         self.finish(ops, "reduce-scatter", desc)
     }
 
-    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+    fn all_reduce_avg(
+        &self,
+        ops: &O,
+        bufs: &mut [&mut O::Buf],
+        dtype: DType,
+    ) -> Result<(), DeviceTrainError> {
+        let bf16 = reduces_in_bf16("all-reduce", dtype)?;
         let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
-        let desc = format!("all-reduce (avg) of {lens:?}");
+        let desc = format!("all-reduce (avg, {dtype}) of {lens:?}");
+        if bf16 {
+            // The peers read the bf16 roundings, so the means go straight into `bufs`.
+            let inputs: Vec<&O::Buf> = bufs.iter().map(|b| &**b).collect();
+            let halves = halves_of(ops, &inputs)?;
+            let ptrs = halves.iter().map(|h| ops.half_ptr(h)).collect();
+            let posts = self.begin(ops, "all-reduce", desc.clone(), ptrs)?;
+            for (i, b) in bufs.iter_mut().enumerate() {
+                reduce_half_into(ops, &posts, i, 0, lens[i], b)?;
+            }
+            return self.finish(ops, "all-reduce", desc);
+        }
         let ptrs = bufs.iter().map(|b| ops.peer_ptr(b)).collect();
         let posts = self.begin(ops, "all-reduce", desc.clone(), ptrs)?;
         let mut outs = Vec::with_capacity(bufs.len());
@@ -405,7 +477,8 @@ mod tests {
     use fsdp_kernels::gpt::{GptOps, HostOps};
 
     /// Two ranks as threads gather and reduce-scatter a unit of two tensors (one shorter than
-    /// the world's shards) by reading each other's buffers. (Under Miri: every read by
+    /// the world's shards) by reading each other's buffers, the reduction in f32 and in bf16.
+    /// (Under Miri: every read by
     /// address is of a live buffer its owner does not write meanwhile.)
     #[test]
     fn two_threads_gather_and_reduce_scatter_a_unit() {
@@ -431,11 +504,22 @@ mod tests {
                     ];
                     let mut red = [ops.zeros(2).unwrap(), ops.zeros(1).unwrap()];
                     let mut outs: Vec<_> = red.iter_mut().collect();
-                    comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs)
+                    comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs, DType::F32)
                         .unwrap();
                     assert_eq!(red[0].to_vec(), [0.5, 0.5]);
                     // Rank 1's chunk of the one-element tensor is padding.
                     let want = if comm.rank == 0 { 1.0 } else { 0.0 };
+                    assert_eq!(red[1].to_vec(), [want]);
+                    // The same in bf16, through each rank's rounded copies: 1 + 2⁻⁸ rounds
+                    // to 1 (and 2 + 2⁻⁸ to 2), so the mean is 1.5 (in f32: 1.5039062).
+                    let own = [
+                        ops.upload(&[1.0 + r + 1.0 / 256.0; 4]).unwrap(),
+                        ops.upload(&[2.0 * r]).unwrap(),
+                    ];
+                    let mut outs: Vec<_> = red.iter_mut().collect();
+                    comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs, DType::BF16)
+                        .unwrap();
+                    assert_eq!(red[0].to_vec(), [1.5, 1.5]);
                     assert_eq!(red[1].to_vec(), [want]);
                 });
             }

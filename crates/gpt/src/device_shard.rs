@@ -16,6 +16,7 @@
 //!   to the step's gradient
 //!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
 
+use fsdp_device::DType;
 use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
 use fsdp_kernels::KernelError;
 
@@ -186,6 +187,8 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     sink: GradSink<'a, O>,
     /// The weight of this pass's gradients in the accumulators (`1 / micro-batches`).
     alpha: f32,
+    /// The dtype the gradients are reduced in (FSDP's `reduce_dtype`: f32 or bf16).
+    reduce_dtype: DType,
     root: Option<Weights<O::Buf>>,
     root_grads: Option<Weights<O::Buf>>,
     blocks: Vec<Option<Block<O::Buf>>>,
@@ -219,6 +222,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             shards,
             sink,
             alpha,
+            reduce_dtype: DType::F32,
             root: None,
             root_grads: None,
             blocks: (0..dims.n_layer).map(|_| None).collect(),
@@ -240,6 +244,13 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     /// These hooks with `prefetch`.
     pub(crate) fn with_prefetch(mut self, prefetch: Prefetch) -> Self {
         self.prefetch = prefetch;
+        self
+    }
+
+    /// These hooks reducing the gradients in `dtype` (f32 or bf16; checked by the
+    /// collectives).
+    pub(crate) fn with_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = dtype;
         self
     }
 
@@ -334,15 +345,14 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         Ok(())
     }
 
-    /// Reduces the full gradients `full` of `unit` and adds `alpha ×` this rank's part of
-    /// them to the unit's accumulators in `sink`.
+    /// Reduces the full gradients `full` of `unit` in `dtype` and adds `alpha ×` this rank's
+    /// part of them to the unit's accumulators in `sink`.
     #[allow(clippy::too_many_arguments)]
     fn reduce(
         comm: &C,
         replicas: Option<&C>,
         ops: &O,
-        factor: usize,
-        alpha: f32,
+        (factor, alpha, dtype): (usize, f32, DType),
         unit: Unit,
         mut full: Vec<&mut O::Buf>,
         sink: &mut GradSink<'_, O>,
@@ -356,17 +366,17 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                 .collect::<Result<Vec<_>, _>>()?;
             let fulls: Vec<&O::Buf> = full.iter().map(|f| &**f).collect();
             let mut outs: Vec<&mut O::Buf> = reduced.iter_mut().collect();
-            comm.reduce_scatter_avg(ops, &fulls, &mut outs)?;
+            comm.reduce_scatter_avg(ops, &fulls, &mut outs, dtype)?;
             if let Some(r) = replicas {
                 // The nodes' means of the same shards, averaged: the mean over every rank.
-                r.all_reduce_avg(ops, &mut outs)?;
+                r.all_reduce_avg(ops, &mut outs, dtype)?;
             }
             sink.add(ops, alpha, unit, reduced.iter().collect())
         } else {
-            comm.all_reduce_avg(ops, &mut full)?;
+            comm.all_reduce_avg(ops, &mut full, dtype)?;
             if let Some(r) = replicas {
                 // Nodes of one rank: the shards are whole tensors, averaged over the nodes.
-                r.all_reduce_avg(ops, &mut full)?;
+                r.all_reduce_avg(ops, &mut full, dtype)?;
             }
             sink.add(ops, alpha, unit, full.iter().map(|g| &**g).collect())
         }
@@ -472,7 +482,8 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     }
 
     fn post_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        let (comm, replicas, factor, alpha) = (self.comm, self.replicas, self.factor, self.alpha);
+        let (comm, replicas) = (self.comm, self.replicas);
+        let how = (self.factor, self.alpha, self.reduce_dtype);
         match unit {
             Unit::Root => {
                 let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
@@ -481,8 +492,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     comm,
                     replicas,
                     ops,
-                    factor,
-                    alpha,
+                    how,
                     unit,
                     full,
                     &mut self.sink,
@@ -502,8 +512,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     comm,
                     replicas,
                     ops,
-                    factor,
-                    alpha,
+                    how,
                     unit,
                     full,
                     &mut self.sink,

@@ -451,7 +451,8 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 sink,
                 alpha,
             )
-            .with_prefetch(self.prefetch);
+            .with_prefetch(self.prefetch)
+            .with_reduce_dtype(c.reduce_dtype);
             let losses =
                 self.pass
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;

@@ -26,7 +26,7 @@ use fsdp_device::{AccessMode, Buffer, DType, Device};
 use fsdp_kernels::gpt::{Counted, PeerPtr, StagingOps};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{lens, DeviceComm, Packing};
+use crate::device_comm::{lens, reduces_in_bf16, DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// [`DeviceComm`] over a communicator whose buffers are in the operations' memory (module
@@ -56,6 +56,9 @@ struct Staging {
     scalars: Option<Counted<Buffer>>,
     prefetch_input: Option<Counted<Buffer>>,
     prefetch_output: Option<Counted<Buffer>>,
+    /// A reduction in bf16's input and output.
+    half_input: Option<Counted<Buffer>>,
+    half_output: Option<Counted<Buffer>>,
 }
 
 /// Which staging buffer.
@@ -66,6 +69,19 @@ enum Slot {
     Scalars,
     PrefetchInput,
     PrefetchOutput,
+    HalfInput,
+    HalfOutput,
+}
+
+impl Slot {
+    /// The input and output slots of a reduction in bf16 (`half`) or f32.
+    fn reduction(half: bool) -> (Slot, Slot) {
+        if half {
+            (Slot::HalfInput, Slot::HalfOutput)
+        } else {
+            (Slot::Input, Slot::Output)
+        }
+    }
 }
 
 impl<C: Communicator + ?Sized> StagedComm<C> {
@@ -105,6 +121,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             &s.scalars,
             &s.prefetch_input,
             &s.prefetch_output,
+            &s.half_input,
+            &s.half_output,
         ]
         .into_iter()
         .flatten()
@@ -128,6 +146,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::Scalars => (&mut s.scalars, DType::F64),
             Slot::PrefetchInput => (&mut s.prefetch_input, DType::F32),
             Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
+            Slot::HalfInput => (&mut s.half_input, DType::BF16),
+            Slot::HalfOutput => (&mut s.half_output, DType::BF16),
         };
         if kept.as_ref().is_none_or(|b| b.len() < len) {
             // The old buffer is released first: it is counted until then.
@@ -229,7 +249,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
     }
 
     /// `bufs` packed one after the other (`p`) into `len` elements of the staging buffer
-    /// `slot` (`len` ≥ `p.total`; the rest is left as it is).
+    /// `slot` (`len` ≥ `p.total`; the rest is left as it is), rounded to bf16 where the slot
+    /// is of bf16.
     fn pack<O: StagingOps>(
         &self,
         ops: &O,
@@ -241,15 +262,17 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         let buf = self.buffer(ops, slot, len)?;
         self.with_ptr(ops, &buf, AccessMode::Exclusive, |to| {
             for (i, b) in bufs.iter().enumerate() {
-                // SAFETY: `to` is the staging buffer, held for this copy (`with_ptr`).
-                unsafe { ops.copy_to_ptr(b, 0, to, p.offsets[i], p.lens[i])? };
+                // SAFETY: `to` is the staging buffer (of its dtype), held for this copy
+                // (`with_ptr`).
+                unsafe { pack_into(ops, b, 0, to, p.offsets[i], p.lens[i], buf.dtype())? };
             }
             Ok(())
         })?;
         Ok(buf)
     }
 
-    /// Copies `from`'s packed elements (`p`) out into `bufs`.
+    /// Copies `from`'s packed elements (`p`) out into `bufs` (widened from bf16 where `from`
+    /// is of bf16).
     fn unpack<O: StagingOps>(
         &self,
         ops: &O,
@@ -257,11 +280,18 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         p: &Packing,
         bufs: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
+        let half = from.dtype() == DType::BF16;
         self.with_ptr(ops, from, AccessMode::Shared, |from| {
             for (i, b) in bufs.iter_mut().enumerate() {
-                // SAFETY: `from` is a staging buffer written by the collective the operations
-                // were ordered after, and held for this copy (`with_ptr`).
-                unsafe { ops.copy_from_peer(from, p.offsets[i], b, 0, p.lens[i])? };
+                let (at, n) = (p.offsets[i], p.lens[i]);
+                // SAFETY: `from` is a staging buffer (of its dtype) written by the collective
+                // the operations were ordered after, and held for this copy (`with_ptr`).
+                unsafe {
+                    match half {
+                        true => ops.widen_bf16_ptr(from, at, b, 0, n)?,
+                        false => ops.copy_from_peer(from, at, b, 0, n)?,
+                    }
+                };
             }
             Ok(())
         })
@@ -304,6 +334,30 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             None => Ok(None),
         }
     }
+}
+
+/// Enqueues `len` elements of `src` from `src_offset` into the staging memory `to` (of
+/// `dtype`: f32 copied, bf16 rounded) from `at`.
+///
+/// # Safety
+/// As [`StagingOps::copy_to_ptr`], for `to` of `dtype`.
+unsafe fn pack_into<O: StagingOps>(
+    ops: &O,
+    src: &O::Buf,
+    src_offset: usize,
+    to: PeerPtr,
+    at: usize,
+    len: usize,
+    dtype: DType,
+) -> Result<(), DeviceTrainError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match dtype {
+            DType::BF16 => ops.cast_to_bf16_ptr(src, src_offset, to, at, len)?,
+            _ => ops.copy_to_ptr(src, src_offset, to, at, len)?,
+        }
+    }
+    Ok(())
 }
 
 /// The shards' addresses and lengths, which identify a prefetched all-gather.
@@ -369,22 +423,26 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         ops: &O,
         fulls: &[&O::Buf],
         shards: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
+        let half = reduces_in_bf16("reduce-scatter", dtype)?;
         let world = self.comm.world_size();
         let p = Packing::reduce_scatter::<O>(fulls, shards, world)?;
-        let input = self.buffer(ops, Slot::Input, p.total * world)?;
-        let output = self.buffer(ops, Slot::Output, p.total)?;
+        let (slot_in, slot_out) = Slot::reduction(half);
+        let input = self.buffer(ops, slot_in, p.total * world)?;
+        let output = self.buffer(ops, slot_out, p.total)?;
         self.with_ptr(ops, &input, AccessMode::Exclusive, |to| {
             for (i, full) in fulls.iter().enumerate() {
                 for r in 0..world {
                     let (start, n) = p.chunk(i, r);
                     let at = r * p.total + p.offsets[i];
-                    // SAFETY: `to` is the staging input, held for these writes (`with_ptr`).
+                    // SAFETY: `to` is the staging input (of `dtype`), held for these writes
+                    // (`with_ptr`).
                     unsafe {
                         if n > 0 {
-                            ops.copy_to_ptr(full, start, to, at, n)?;
+                            pack_into(ops, full, start, to, at, n, dtype)?;
                         }
-                        ops.zero_ptr(to, at + n, p.lens[i] - n)?;
+                        ops.zero_ptr(to, at + n, p.lens[i] - n, dtype)?;
                     }
                 }
             }
@@ -396,10 +454,16 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         self.unpack(ops, &output, &p, shards)
     }
 
-    fn all_reduce_avg(&self, ops: &O, bufs: &mut [&mut O::Buf]) -> Result<(), DeviceTrainError> {
+    fn all_reduce_avg(
+        &self,
+        ops: &O,
+        bufs: &mut [&mut O::Buf],
+        dtype: DType,
+    ) -> Result<(), DeviceTrainError> {
+        let half = reduces_in_bf16("all-reduce", dtype)?;
         let p = Packing::new(lens::<O>(bufs.iter().map(|b| &**b)));
         let refs: Vec<&O::Buf> = bufs.iter().map(|b| &**b).collect();
-        let buf = self.pack(ops, &refs, &p, Slot::Input, p.total)?;
+        let buf = self.pack(ops, &refs, &p, Slot::reduction(half).0, p.total)?;
         self.run(ops, |c| c.all_reduce(&buf, ReduceOp::Avg))?;
         self.unpack(ops, &buf, &p, bufs)
     }
@@ -476,7 +540,7 @@ mod tests {
             ];
             let mut red = [ops.zeros(2).unwrap(), ops.zeros(1).unwrap()];
             let mut outs: Vec<_> = red.iter_mut().collect();
-            comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs)
+            comm.reduce_scatter_avg(&ops, &[&own[0], &own[1]], &mut outs, DType::F32)
                 .unwrap();
             assert_eq!(red[0].to_vec(), [0.5, 0.5]);
             // Rank 1's chunk of the one-element tensor is padding (zero, not the staging

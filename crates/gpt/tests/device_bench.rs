@@ -31,6 +31,7 @@ fn tiny() -> DeviceTrainConfig {
         activation_checkpointing: false,
         attention: Default::default(),
         logits: Default::default(),
+        reduce_dtype: fsdp_device::DType::F32,
     }
 }
 

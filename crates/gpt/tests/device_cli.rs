@@ -103,7 +103,12 @@ fn device_cuda_refuses_unsupported_options() {
     );
     one_error_status_1(
         &run(&["--reduce-dtype", "bf16"]),
-        &["--device cuda", "--reduce-dtype bf16", "f32 only"],
+        &[
+            "--device cuda",
+            "--reduce-dtype bf16",
+            "f32 only",
+            "one rank reduces nothing",
+        ],
     );
     let dir = scratch("device_cli", "refusals");
     let log = dir.join("log.csv");

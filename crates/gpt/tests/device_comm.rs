@@ -23,48 +23,10 @@ use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps};
 
 mod common;
-use common::device::{device_config, exercise_collectives, param_bits, unit_value, UNIT_LENS};
-
-/// Runs `f` on `world` ranks of `HostComm` over the ring.
-fn over_ring<R: Send>(
-    world: usize,
-    f: impl Fn(&dyn DeviceComm<HostOps>, &HostOps) -> R + Sync,
-) -> Vec<R> {
-    ring::run_ranks(world, ring::RingOptions::default(), |c| {
-        let comm = HostComm::new(Box::new(c));
-        f(&comm, &HostOps::new())
-    })
-    .unwrap()
-}
-
-/// Runs `f` on `world` ranks of `StagedComm` over the ring: host staging buffers, the
-/// code path of NCCL's on a GPU.
-fn over_staged<R: Send>(
-    world: usize,
-    f: impl Fn(&dyn DeviceComm<HostOps>, &HostOps) -> R + Sync,
-) -> Vec<R> {
-    ring::run_ranks(world, ring::RingOptions::default(), |c| {
-        let comm = StagedComm::new(Box::new(c));
-        f(&comm, &HostOps::new())
-    })
-    .unwrap()
-}
-
-/// Runs `f` on `world` ranks of `PeerComm` over the host twins, as threads.
-fn over_peers<R: Send>(
-    world: usize,
-    f: impl Fn(&dyn DeviceComm<HostOps>, &HostOps) -> R + Sync,
-) -> Vec<R> {
-    let comms = PeerComm::<HostOps>::group(world, Duration::from_secs(30));
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| s.spawn(move || f(&c, &HostOps::new())))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
+use common::device::{
+    device_config, exercise_collectives, over_peers, over_ring, over_staged, param_bits,
+    unit_value, UNIT_LENS,
+};
 
 /// What [`exercise_collectives`] must give rank `r` of `world`, computed naively in f64
 /// (exact: the values are small integers and the worlds powers of two or 1 and 3 on sums).

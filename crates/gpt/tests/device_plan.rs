@@ -31,6 +31,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         activation_checkpointing: false,
         attention: Default::default(),
         logits: Default::default(),
+        reduce_dtype: fsdp_device::DType::F32,
     }
 }
 

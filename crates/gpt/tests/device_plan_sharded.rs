@@ -2,11 +2,13 @@
 //! counting `MetaOps`) against the peak the host twins count in the same training over
 //! `PeerComm` (what `fsdp train --device … --ranks N` runs): equal to the byte, for every
 //! strategy (the hybrid ones in two nodes of two), with and without activation checkpointing,
-//! with f32 and bf16 products, at 2 and 4 ranks, with 1 and 2 micro-batches. And each strategy's peak where it should be:
+//! with f32 and bf16 products, gradients reduced in f32 and in bf16, at 2 and 4 ranks, with 1
+//! and 2 micro-batches. And each strategy's peak where it should be:
 //! `FULL_SHARD` below `SHARD_GRAD_OP` below `NO_SHARD`.
 
 use fsdp::optim::LrSchedule;
 use fsdp_collectives::ring;
+use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
@@ -65,14 +67,16 @@ fn measured(
 #[test]
 fn the_plan_is_the_measured_peak() {
     for world in [2, 4] {
-        for (accum, ckpt, bf16) in [
-            (1, false, false),
-            (2, true, false),
-            (1, false, true),
-            (2, true, true),
+        for (accum, ckpt, bf16, reduce) in [
+            (1, false, false, DType::F32),
+            (2, true, false, DType::F32),
+            (1, false, true, DType::F32),
+            (2, true, true, DType::F32),
+            (2, false, true, DType::BF16),
         ] {
             let c = DeviceTrainConfig {
                 activation_checkpointing: ckpt,
+                reduce_dtype: reduce,
                 ..device_config(LrSchedule::Constant, true, Some(1.0), accum)
             };
             let mut peaks = Vec::new();
@@ -86,8 +90,8 @@ fn the_plan_is_the_measured_peak() {
                 let m = measured(c, world, s, None, bf16);
                 assert_eq!(
                     plan.peak, m,
-                    "{world} ranks, {s:?}, accum {accum}, checkpointing {ckpt}, bf16 {bf16}: \
-                     planned {} vs measured {m}\n{plan}",
+                    "{world} ranks, {s:?}, accum {accum}, checkpointing {ckpt}, bf16 {bf16}, \
+                     reduced in {reduce}: planned {} vs measured {m}\n{plan}",
                     plan.peak
                 );
                 assert!(plan.persistent() < plan.peak);
@@ -98,7 +102,8 @@ fn the_plan_is_the_measured_peak() {
                 "{world} ranks: {peaks:?}"
             );
             println!(
-                "{world} ranks, accum {accum}, checkpointing {ckpt}, bf16 {bf16}: peaks \
+                "{world} ranks, accum {accum}, checkpointing {ckpt}, bf16 {bf16}, reduced in \
+                 {reduce}: peaks \
                  FULL_SHARD {}, SHARD_GRAD_OP {}, NO_SHARD {} bytes, planned exactly",
                 peaks[0], peaks[1], peaks[2]
             );
@@ -114,7 +119,11 @@ fn the_plan_of_a_hybrid_mesh_is_the_measured_peak() {
         ShardingStrategy::HybridShardZero2,
     ] {
         for bf16 in [false, true] {
-            let c = device_config(LrSchedule::Constant, true, Some(1.0), 2);
+            // With bf16 products, the gradients reduced in bf16 too (both collectives).
+            let c = DeviceTrainConfig {
+                reduce_dtype: if bf16 { DType::BF16 } else { DType::F32 },
+                ..device_config(LrSchedule::Constant, true, Some(1.0), 2)
+            };
             let products = if bf16 { Products::Bf16 } else { Products::F32 };
             let plan = plan_sharded_memory(&c, products, 4, s, Some(2)).unwrap();
             let m = measured(c, 4, s, Some(2), bf16);
@@ -206,33 +215,66 @@ fn the_process_plan_is_the_measured_peak_with_staging() {
         forward: true,
         backward: true,
     };
-    for (world, s, rpn, prefetch, offload) in [
+    for (world, s, rpn, prefetch, offload, reduce) in [
         (
             2,
             ShardingStrategy::FullShard,
             None,
             Prefetch::default(),
             false,
+            DType::F32,
         ),
-        (4, ShardingStrategy::FullShard, None, both, false),
-        (2, ShardingStrategy::ShardGradOp, None, both, false),
+        (
+            4,
+            ShardingStrategy::FullShard,
+            None,
+            both,
+            false,
+            DType::F32,
+        ),
+        (
+            4,
+            ShardingStrategy::FullShard,
+            None,
+            both,
+            false,
+            DType::BF16,
+        ),
+        (
+            2,
+            ShardingStrategy::ShardGradOp,
+            None,
+            both,
+            false,
+            DType::F32,
+        ),
         (
             2,
             ShardingStrategy::NoShard,
             None,
             Prefetch::default(),
             false,
+            DType::BF16,
         ),
-        (4, ShardingStrategy::HybridShard, Some(2), both, false),
-        (4, ShardingStrategy::FullShard, None, both, true),
+        (
+            4,
+            ShardingStrategy::HybridShard,
+            Some(2),
+            both,
+            false,
+            DType::BF16,
+        ),
+        (4, ShardingStrategy::FullShard, None, both, true, DType::F32),
     ] {
         let c = DeviceTrainConfig {
             offload,
+            reduce_dtype: reduce,
             ..device_config(LrSchedule::Constant, true, Some(1.0), 2)
         };
         let plan = plan_process_memory(&c, Products::F32, world, s, rpn, prefetch).unwrap();
         let (peak, staging) = measured_staged(c, world, s, rpn, prefetch);
-        let what = format!("{world} ranks, {s:?}, {prefetch:?}, offload {offload}");
+        let what =
+            format!("{world} ranks, {s:?}, {prefetch:?}, offload {offload}, reduced in {reduce}");
         assert_eq!((plan.peak, plan.staging), (peak, staging), "{what}\n{plan}");
         assert!(staging > 0, "{what}");
         println!("{what}: peak {peak} bytes, of which staging {staging}, planned exactly");

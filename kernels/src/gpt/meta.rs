@@ -15,6 +15,7 @@ use super::host_ops::HostProducts;
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
 use super::peer::{PeerOps, PeerPtr};
+use super::peer_half::check_cast;
 use super::products::Kept;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
@@ -411,6 +412,50 @@ impl GptOps for MetaOps {
 
 impl PeerOps for MetaOps {
     type Event = ();
+    type Half = MetaCounted;
+
+    fn half(&self, len: usize) -> Result<MetaCounted, KernelError> {
+        Ok(self.counted(len, bytes_of::<half::bf16>))
+    }
+    fn half_ptr(&self, half: &MetaCounted) -> PeerPtr {
+        PeerPtr {
+            addr: 0,
+            len: half.len,
+        }
+    }
+    unsafe fn cast_to_bf16_ptr(
+        &self,
+        src: &MetaCounted,
+        src_offset: usize,
+        dst: PeerPtr,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        check_cast("source", src_offset, len, src.len)?;
+        check_cast("destination", dst_offset, len, dst.len)
+    }
+    unsafe fn widen_bf16_ptr(
+        &self,
+        _: PeerPtr,
+        _: usize,
+        dst: &mut MetaCounted,
+        _: usize,
+        _: usize,
+    ) -> Result<(), KernelError> {
+        write(&mut [dst]);
+        Ok(())
+    }
+    unsafe fn reduce_bf16_from_peers(
+        &self,
+        _: ReduceKind,
+        _: &[(PeerPtr, usize)],
+        dst: &mut MetaCounted,
+        _: usize,
+        _: usize,
+    ) -> Result<(), KernelError> {
+        write(&mut [dst]);
+        Ok(())
+    }
 
     fn peer_ptr(&self, buf: &MetaCounted) -> PeerPtr {
         PeerPtr {

@@ -41,6 +41,7 @@ mod model;
 mod ops;
 mod pass;
 mod peer;
+mod peer_half;
 mod products;
 mod staging;
 mod trace;

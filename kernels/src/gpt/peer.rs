@@ -6,11 +6,14 @@
 //! reached when recorded) and [`CudaOps`] (device memory of one CUDA context, CUDA events,
 //! `cuMemcpyDtoDAsync`).
 
-use cudarc::driver::{result, DevicePtr, DevicePtrMut};
+use cudarc::driver::{result, CudaSlice, DevicePtr, DevicePtrMut};
+use half::bf16;
 
 use super::cuda::{copy_error, CudaOps};
 use super::host_ops::HostOps;
+use super::memory::Counted;
 use super::ops::GptOps;
+use super::peer_half::{host_cast_to_bf16, host_widen_bf16};
 use crate::host::{KernelFloat, ReduceKind};
 use crate::launch::reduce_raw;
 use crate::KernelError;
@@ -92,6 +95,77 @@ pub trait PeerOps: GptOps<Scalars: Send> {
         op: ReduceKind,
         srcs: &[(PeerPtr, usize)],
         dst: &mut Self::Buf,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError>;
+
+    /// A buffer of bf16 elements in the operations' memory, counted in it: the inputs and
+    /// results of a reduction in bf16 (FSDP's `reduce_dtype`).
+    type Half: Send;
+
+    /// `len` bf16 elements, whose values are unspecified until written.
+    ///
+    /// # Errors
+    /// Allocation failures.
+    fn half(&self, len: usize) -> Result<Self::Half, KernelError>;
+
+    /// The address of `half`'s memory (bf16 elements), to hand to peers or to write into with
+    /// [`cast_to_bf16_ptr`](Self::cast_to_bf16_ptr).
+    fn half_ptr(&self, half: &Self::Half) -> PeerPtr;
+
+    /// Enqueues `len` elements of `src` from element `src_offset`, each rounded to the nearest
+    /// bf16 (ties to even: the cast kernel), into the bf16 memory `dst` from element
+    /// `dst_offset`.
+    ///
+    /// # Safety
+    /// `dst` must be memory of these operations' kind valid for `dst.len` bf16 elements (a
+    /// [`half_ptr`](Self::half_ptr), or a communicator's staging buffer), that nothing else
+    /// reads or writes until the cast has run in the operations' order.
+    ///
+    /// # Errors
+    /// Ranges outside `src` or `dst` (checked before anything is enqueued); launch failures.
+    unsafe fn cast_to_bf16_ptr(
+        &self,
+        src: &Self::Buf,
+        src_offset: usize,
+        dst: PeerPtr,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError>;
+
+    /// Enqueues `len` bf16 elements of the memory `src` from element `src_offset`, widened
+    /// (exactly), into `dst` from element `dst_offset`.
+    ///
+    /// # Safety
+    /// `src` must be memory of these operations' kind valid for `src.len` bf16 elements, live
+    /// and unwritten until the copy has run (ordered as for
+    /// [`copy_from_peer`](Self::copy_from_peer)).
+    ///
+    /// # Errors
+    /// Ranges outside `src` or `dst`; launch failures.
+    unsafe fn widen_bf16_ptr(
+        &self,
+        src: PeerPtr,
+        src_offset: usize,
+        dst: &mut Self::Buf,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError>;
+
+    /// [`reduce_from_peers`](Self::reduce_from_peers) over bf16 memory (addresses from
+    /// [`half_ptr`](Self::half_ptr)) into `dst`: in f32, rounded to bf16 after every
+    /// operation, as the collectives reduce bf16.
+    ///
+    /// # Safety
+    /// As [`reduce_from_peers`](Self::reduce_from_peers).
+    ///
+    /// # Errors
+    /// As [`reduce_from_peers`](Self::reduce_from_peers).
+    unsafe fn reduce_bf16_from_peers(
+        &self,
+        op: ReduceKind,
+        srcs: &[(PeerPtr, usize)],
+        dst: &mut Self::Half,
         dst_offset: usize,
         len: usize,
     ) -> Result<(), KernelError>;
@@ -221,6 +295,56 @@ fn check_range(
 impl PeerOps for HostOps {
     type Event = ();
 
+    type Half = Counted<Vec<bf16>>;
+
+    fn half(&self, len: usize) -> Result<Self::Half, KernelError> {
+        Ok(self.new_half(len))
+    }
+
+    fn half_ptr(&self, half: &Self::Half) -> PeerPtr {
+        PeerPtr {
+            addr: half.as_ptr().expose_provenance(),
+            len: half.len(),
+        }
+    }
+
+    unsafe fn cast_to_bf16_ptr(
+        &self,
+        src: &Self::Buf,
+        src_offset: usize,
+        dst: PeerPtr,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        // SAFETY: the caller's contract.
+        unsafe { host_cast_to_bf16(src, src_offset, dst, dst_offset, len) }
+    }
+
+    unsafe fn widen_bf16_ptr(
+        &self,
+        src: PeerPtr,
+        src_offset: usize,
+        dst: &mut Self::Buf,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        // SAFETY: the caller's contract.
+        unsafe { host_widen_bf16(src, src_offset, dst, dst_offset, len) }
+    }
+
+    unsafe fn reduce_bf16_from_peers(
+        &self,
+        op: ReduceKind,
+        srcs: &[(PeerPtr, usize)],
+        dst: &mut Self::Half,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        check_sources(srcs, dst_offset, len, dst.len())?;
+        // SAFETY: the caller's contract; ranges checked.
+        unsafe { host_fold::<bf16>(op, srcs, &mut dst[dst_offset..dst_offset + len]) }
+    }
+
     fn peer_ptr(&self, buf: &Self::Buf) -> PeerPtr {
         PeerPtr {
             // Exposed, so that a peer's read by address keeps the buffer's provenance.
@@ -291,6 +415,59 @@ impl PeerOps for HostOps {
 
 impl PeerOps for CudaOps {
     type Event = fsdp_device::Event;
+
+    type Half = Counted<CudaSlice<bf16>>;
+
+    fn half(&self, len: usize) -> Result<Self::Half, KernelError> {
+        self.new_half(len)
+    }
+
+    fn half_ptr(&self, half: &Self::Half) -> PeerPtr {
+        let (addr, _sync) = half.device_ptr(&self.cuda);
+        PeerPtr {
+            addr: addr as usize,
+            len: half.len(),
+        }
+    }
+
+    unsafe fn cast_to_bf16_ptr(
+        &self,
+        src: &Self::Buf,
+        src_offset: usize,
+        dst: PeerPtr,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.cast_to_bf16_at(src, src_offset, dst, dst_offset, len) }
+    }
+
+    unsafe fn widen_bf16_ptr(
+        &self,
+        src: PeerPtr,
+        src_offset: usize,
+        dst: &mut Self::Buf,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.widen_bf16_at(src, src_offset, dst, dst_offset, len) }
+    }
+
+    unsafe fn reduce_bf16_from_peers(
+        &self,
+        op: ReduceKind,
+        srcs: &[(PeerPtr, usize)],
+        dst: &mut Self::Half,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        check_sources(srcs, dst_offset, len, dst.len())?;
+        let (d, _sync) = dst.device_ptr_mut(&self.cuda);
+        let d = d + (dst_offset * std::mem::size_of::<bf16>()) as u64;
+        // SAFETY: the caller's contract; ranges checked; `d` is this stream's half.
+        unsafe { cuda_fold::<bf16>(&self.cuda, op, srcs, d, len) }
+    }
 
     fn peer_ptr(&self, buf: &Self::Buf) -> PeerPtr {
         let (addr, _sync) = buf.device_ptr(&self.cuda);
@@ -416,6 +593,71 @@ mod tests {
                 // SAFETY: refused before any read.
                 let e = unsafe { ops.reduce_from_peers(ReduceKind::Sum, &[], &mut dst, 0, 1) };
                 assert!(e.unwrap_err().to_string().contains("no source"));
+            });
+        });
+    }
+
+    /// The bf16 side: each thread rounds its buffer into a half of its own by address, a peer
+    /// reduces the halves in rank order with bf16's rounding after every operation (an average
+    /// divided at the last step) and widens the result; zeros of bf16 by address; ranges
+    /// outside a buffer refused before anything is touched. (Under Miri: every access by
+    /// address stays in a live buffer.)
+    #[test]
+    fn host_peers_reduce_in_bf16_by_address() {
+        use crate::gpt::StagingOps;
+        let ops = HostOps::new();
+        // 1 + 2⁻⁸ is not a bf16 (ties to 1); 3.0 and 0.1's roundings are exact sums.
+        let values = [
+            [1.0 + 1.0 / 256.0, 3.0, 0.1],
+            [1.0, 3.0, 0.1],
+            [2.0, -3.0, 0.1],
+        ];
+        let bufs: Vec<_> = values.iter().map(|v| ops.upload(v).unwrap()).collect();
+        let halves: Vec<_> = bufs
+            .iter()
+            .map(|b| {
+                let h = ops.half(3).unwrap();
+                // SAFETY: `h` is this thread's, live, and untouched during the cast.
+                unsafe { ops.cast_to_bf16_ptr(b, 0, ops.half_ptr(&h), 0, 3).unwrap() };
+                h
+            })
+            .collect();
+        let ptrs: Vec<PeerPtr> = halves.iter().map(|h| ops.half_ptr(h)).collect();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let ops = HostOps::new();
+                let mut out = ops.half(4).unwrap();
+                let srcs: Vec<_> = ptrs.iter().map(|&p| (p, 0)).collect();
+                // SAFETY: the halves live and are unwritten until the scope ends; `out` is
+                // this thread's.
+                unsafe {
+                    ops.reduce_bf16_from_peers(ReduceKind::Avg, &srcs, &mut out, 1, 3)
+                        .unwrap()
+                };
+                let b = |x: f32| bf16::from_f32(x);
+                let third = |x: f32| b(x / 3.0);
+                let tenth = b(0.1).to_f32();
+                let sum_tenths = b(b(tenth + tenth).to_f32() + tenth).to_f32();
+                assert_eq!(out[1..], [third(4.0), third(3.0), third(sum_tenths)]);
+                let mut wide = ops.zeros(3).unwrap();
+                // SAFETY: `out` is this thread's, written above.
+                unsafe {
+                    ops.widen_bf16_ptr(ops.half_ptr(&out), 1, &mut wide, 0, 3)
+                        .unwrap()
+                };
+                let want: Vec<f32> = out[1..].iter().map(|h| h.to_f32()).collect();
+                assert_eq!(ops.download(&wide).unwrap(), want);
+                // SAFETY: `out` is this thread's; refused before anything is touched.
+                unsafe {
+                    ops.zero_ptr(ops.half_ptr(&out), 2, 2, fsdp_device::DType::BF16)
+                        .unwrap();
+                    let e = ops.widen_bf16_ptr(ops.half_ptr(&out), 2, &mut wide, 0, 3);
+                    assert!(e.unwrap_err().to_string().contains("outside"));
+                    let e = ops.cast_to_bf16_ptr(&wide, 1, ops.half_ptr(&out), 0, 3);
+                    assert!(e.unwrap_err().to_string().contains("outside"));
+                }
+                assert_eq!(out[2..], [bf16::ZERO, bf16::ZERO]);
+                assert_eq!(out[1], third(4.0), "the zeros stop at their range");
             });
         });
     }

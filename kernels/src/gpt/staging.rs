@@ -4,7 +4,7 @@
 //! collective runs, and the result is copied out ([`PeerOps::copy_from_peer`]).
 
 use cudarc::driver::{result, DevicePtr};
-use fsdp_device::Stream;
+use fsdp_device::{DType, Stream};
 
 use super::cuda::{copy_error, CudaOps};
 use super::host_ops::HostOps;
@@ -54,14 +54,22 @@ pub trait StagingOps: PeerOps {
         len: usize,
     ) -> Result<(), KernelError>;
 
-    /// Enqueues zeros into `len` f32 elements of the memory `dst` from element `offset`.
+    /// Enqueues zeros into `len` elements of `dtype` (f32, or bf16 for a reduction in bf16)
+    /// of the memory `dst` (elements of that type) from element `offset`.
     ///
     /// # Safety
-    /// As [`copy_to_ptr`](Self::copy_to_ptr).
+    /// As [`copy_to_ptr`](Self::copy_to_ptr), with `dst` valid for `dst.len` elements of
+    /// `dtype`.
     ///
     /// # Errors
     /// A range outside `dst`; driver failures.
-    unsafe fn zero_ptr(&self, dst: PeerPtr, offset: usize, len: usize) -> Result<(), KernelError>;
+    unsafe fn zero_ptr(
+        &self,
+        dst: PeerPtr,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<(), KernelError>;
 
     /// [`copy_to_ptr`](Self::copy_to_ptr) from a step's scalars (f64) into f64 memory.
     ///
@@ -137,16 +145,22 @@ impl StagingOps for HostOps {
         unsafe { host_copy::<f32>(src, src_offset, dst, dst_offset, len) }
     }
 
-    unsafe fn zero_ptr(&self, dst: PeerPtr, offset: usize, len: usize) -> Result<(), KernelError> {
+    unsafe fn zero_ptr(
+        &self,
+        dst: PeerPtr,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<(), KernelError> {
         check("destination", offset, len, dst.len)?;
-        // SAFETY: the caller's contract; the range was checked above.
-        let to = unsafe {
-            std::slice::from_raw_parts_mut(
-                std::ptr::with_exposed_provenance_mut::<f32>(dst.addr).add(offset),
-                len,
-            )
+        let bytes = dtype.size_in_bytes();
+        // SAFETY: the caller's contract (`dst` holds `dst.len` elements of `bytes` bytes);
+        // the range was checked above; zero bytes are zeros of every float type.
+        unsafe {
+            std::ptr::with_exposed_provenance_mut::<u8>(dst.addr)
+                .add(offset * bytes)
+                .write_bytes(0, len * bytes)
         };
-        to.fill(0.0);
         Ok(())
     }
 
@@ -216,12 +230,18 @@ impl StagingOps for CudaOps {
         }
     }
 
-    unsafe fn zero_ptr(&self, dst: PeerPtr, offset: usize, len: usize) -> Result<(), KernelError> {
+    unsafe fn zero_ptr(
+        &self,
+        dst: PeerPtr,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<(), KernelError> {
         check("destination", offset, len, dst.len)?;
         if len == 0 {
             return Ok(());
         }
-        let f = std::mem::size_of::<f32>();
+        let f = dtype.size_in_bytes();
         self.cuda
             .context()
             .bind_to_thread()
@@ -286,7 +306,13 @@ impl StagingOps for MetaOps {
         check("destination", dst_offset, len, dst.len)
     }
 
-    unsafe fn zero_ptr(&self, dst: PeerPtr, offset: usize, len: usize) -> Result<(), KernelError> {
+    unsafe fn zero_ptr(
+        &self,
+        dst: PeerPtr,
+        offset: usize,
+        len: usize,
+        _: DType,
+    ) -> Result<(), KernelError> {
         check("destination", offset, len, dst.len)
     }
 
@@ -323,9 +349,9 @@ mod tests {
         // SAFETY: `target` lives and is untouched during the calls.
         unsafe {
             ops.copy_to_ptr(&src, 1, dst, 2, 2).unwrap();
-            ops.zero_ptr(dst, 0, 1).unwrap();
+            ops.zero_ptr(dst, 0, 1, DType::F32).unwrap();
             assert!(ops.copy_to_ptr(&src, 2, dst, 0, 2).is_err());
-            let e = ops.zero_ptr(dst, 4, 2).unwrap_err().to_string();
+            let e = ops.zero_ptr(dst, 4, 2, DType::F32).unwrap_err().to_string();
             assert!(e.contains("outside"), "{e}");
         }
         assert_eq!(target, [0.0, -1.0, 2.0, 3.0, -1.0]);
@@ -346,7 +372,7 @@ mod tests {
         // SAFETY: the meta operations touch no memory.
         unsafe {
             meta.copy_to_ptr(&m, 0, dst, 0, 3).unwrap();
-            assert!(meta.zero_ptr(dst, 5, 1).is_err());
+            assert!(meta.zero_ptr(dst, 5, 1, DType::F32).is_err());
         }
     }
 }

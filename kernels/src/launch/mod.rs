@@ -117,6 +117,30 @@ pub fn cast<S: CastFloat, D: CastFloat>(
 ) -> Result<(), KernelError> {
     let n = src.len();
     same_len("cast", "dst", n, dst.len())?;
+    let (s, _s) = src.device_ptr(stream);
+    let (d, _d) = dst.device_ptr_mut(stream);
+    // SAFETY: `s` and `d` are the slices' addresses on this stream, both `n` elements long,
+    // held for the launches (`_s`, `_d`); distinct slices cannot overlap.
+    unsafe { cast_raw::<S, D>(stream, s, d, n) }
+}
+
+/// [`cast`] on raw device addresses of `stream`'s context (`n` elements): for memory that is
+/// not a cudarc slice (a communicator's staging buffer, a peer's buffer).
+///
+/// # Safety
+/// `s` and `d` must be device addresses of `stream`'s context, aligned for their types, valid
+/// for `n` elements of `S` and `D` until the kernels have run (ordered by the caller), and not
+/// overlapping.
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for a cast of a type to itself; compile, load and launch
+/// failures.
+pub unsafe fn cast_raw<S: CastFloat, D: CastFloat>(
+    stream: &CudaStream,
+    s: u64,
+    d: u64,
+    n: usize,
+) -> Result<(), KernelError> {
     if S::NAME == D::NAME {
         return Err(KernelError::InvalidArgument {
             kernel: "cast",
@@ -126,8 +150,6 @@ pub fn cast<S: CastFloat, D: CastFloat>(
     if n == 0 {
         return Ok(());
     }
-    let (s, _s) = src.device_ptr(stream);
-    let (d, _d) = dst.device_ptr_mut(stream);
     // f32 → bf16 (every bf16 product's operands) four elements a thread where the addresses
     // allow 16-byte loads and 8-byte stores; the scalar kernel casts the rest.
     let mut done = 0usize;

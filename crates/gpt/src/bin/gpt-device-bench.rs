@@ -289,6 +289,7 @@ fn bench(args: &Args) -> Result<(), String> {
             activation_checkpointing: args.activation_checkpointing,
             attention: args.attention,
             logits: args.logits,
+            reduce_dtype: fsdp_device::DType::F32,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

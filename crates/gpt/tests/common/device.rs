@@ -14,6 +14,7 @@ use fsdp_gpt::init::gpt2_init;
 use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp_gpt::tree::gpt_module_tree;
+use fsdp_kernels::gpt::HostOps;
 
 /// The shared run with `schedule`, nanoGPT's groups when `decay_2d_only`, clipping at `clip`
 /// and `accum` micro-batches a step; no offload, no checkpointing.
@@ -41,6 +42,7 @@ pub fn device_config(
         activation_checkpointing: false,
         attention: Default::default(),
         logits: Default::default(),
+        reduce_dtype: fsdp_device::DType::F32,
     }
 }
 
@@ -190,13 +192,18 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
         ops,
         &own.iter().collect::<Vec<_>>(),
         &mut out_shards.iter_mut().collect::<Vec<_>>(),
+        fsdp_device::DType::F32,
     )
     .unwrap();
     keep(&out_shards);
     // All-reduce of the same.
     let mut bufs = own;
-    comm.all_reduce_avg(ops, &mut bufs.iter_mut().collect::<Vec<_>>())
-        .unwrap();
+    comm.all_reduce_avg(
+        ops,
+        &mut bufs.iter_mut().collect::<Vec<_>>(),
+        fsdp_device::DType::F32,
+    )
+    .unwrap();
     keep(&bufs);
     // Scalars.
     let r = r as f64;
@@ -280,4 +287,48 @@ pub fn staged_trainer<O: fsdp_kernels::gpt::StagingOps>(
         }
     }
     .unwrap()
+}
+
+/// Runs `f` on `world` ranks of `HostComm` over the ring.
+pub fn over_ring<R: Send>(
+    world: usize,
+    f: impl Fn(&dyn fsdp_gpt::device_comm::DeviceComm<HostOps>, &HostOps) -> R + Sync,
+) -> Vec<R> {
+    ring::run_ranks(world, ring::RingOptions::default(), |c| {
+        let comm = fsdp_gpt::device_comm::HostComm::new(Box::new(c));
+        f(&comm, &HostOps::new())
+    })
+    .unwrap()
+}
+
+/// Runs `f` on `world` ranks of `StagedComm` over the ring: host staging buffers, the
+/// code path of NCCL's on a GPU.
+pub fn over_staged<R: Send>(
+    world: usize,
+    f: impl Fn(&dyn fsdp_gpt::device_comm::DeviceComm<HostOps>, &HostOps) -> R + Sync,
+) -> Vec<R> {
+    ring::run_ranks(world, ring::RingOptions::default(), |c| {
+        let comm = fsdp_gpt::device_staged::StagedComm::new(Box::new(c));
+        f(&comm, &HostOps::new())
+    })
+    .unwrap()
+}
+
+/// Runs `f` on `world` ranks of `PeerComm` over the host twins, as threads.
+pub fn over_peers<R: Send>(
+    world: usize,
+    f: impl Fn(&dyn fsdp_gpt::device_comm::DeviceComm<HostOps>, &HostOps) -> R + Sync,
+) -> Vec<R> {
+    let comms = fsdp_gpt::device_peer::PeerComm::<HostOps>::group(
+        world,
+        std::time::Duration::from_secs(30),
+    );
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| s.spawn(move || f(&c, &HostOps::new())))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

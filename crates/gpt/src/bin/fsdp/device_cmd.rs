@@ -82,21 +82,21 @@ pub(crate) fn check_device_world_and_dtypes(
     if world > 1 {
         crate::device_sharded_cmd::check_strategy(dev, model.strategy, node_ranks, world)?;
     }
+    // One rank reduces nothing: only f32 (the default) means anything there.
+    let reduce_also = if world > 1 { DType::BF16 } else { DType::F32 };
     let dtypes = [
         ("--param-dtype", Some(model.param_dtype), DType::BF16),
-        ("--reduce-dtype", model.reduce_dtype, DType::F32),
+        ("--reduce-dtype", model.reduce_dtype, reduce_also),
     ];
-    for (option, d, also) in dtypes {
+    for (i, (option, d, also)) in dtypes.into_iter().enumerate() {
         if let Some(d) = d.filter(|&d| d != DType::F32 && d != also) {
             return Err(fail(format!(
                 "--device {dev}: {option} {}: the device trainer takes f32{}",
                 crate::run_config::dtype_option(d),
-                if also == DType::F32 && world == 1 {
-                    " only (one rank reduces nothing)"
-                } else if also == DType::F32 {
-                    " only (gradients are reduced in f32)"
-                } else {
-                    " or bf16 (products of bf16 operands)"
+                match (i, world) {
+                    (0, _) => " or bf16 (products of bf16 operands)",
+                    (_, 1) => " only (one rank reduces nothing)",
+                    _ => " or bf16 (the gradients' reductions)",
                 }
             )));
         }
@@ -344,6 +344,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         activation_checkpointing: args.model.activation_checkpointing,
         attention: args.model.attention.unwrap_or_default(),
         logits: args.model.logits.unwrap_or_default(),
+        reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;

@@ -57,6 +57,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         activation_checkpointing: args.model.activation_checkpointing,
         attention: args.model.attention.unwrap_or_default(),
         logits: args.model.logits.unwrap_or_default(),
+        reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {

@@ -106,6 +106,17 @@ impl<'a> Shared<'a> {
             }
             let bf16 = args.model.param_dtype == fsdp_device::DType::BF16;
             crate::device_cmd::say_layers(bf16, &run.config);
+            let reduce = run.config.reduce_dtype;
+            say!(
+                "reductions: the gradients in {}{}",
+                crate::run_config::dtype_option(reduce),
+                if reduce == fsdp_device::DType::BF16 {
+                    " (each unit's rounded to bf16 before its collective, the means widened into \
+                     f32 accumulators)"
+                } else {
+                    ""
+                }
+            );
             if let Some((r, _)) = &run.resume {
                 say!(
                     "resuming from {} at step {} of {steps}",

@@ -1,0 +1,265 @@
+//! Gradients reduced in bf16 (FSDP's `MixedPrecisionPolicy.reduce_dtype`, `--reduce-dtype
+//! bf16`) by every `DeviceComm`: `PeerComm` (ranks as threads reading each other's bf16
+//! roundings), `StagedComm` (NCCL's path, bf16 staging) and `HostComm` over the ring.
+//!
+//! The reference is computed here with the `half` crate alone: each rank's value rounded to
+//! bf16, the ranks' values added in rank order in f32 with a rounding to bf16 after each
+//! addition, the sum divided by the ranks in f32 and rounded to bf16 (one rank: the rounding
+//! alone). `PeerComm` folds in rank order, so it gives those bits at every world size; the
+//! ring folds each chunk from a rank of its own, so it gives them at 2 ranks (a sum of two is
+//! the same either way) and, beyond, values of bf16 within the rounding bound of the exact
+//! mean — and `StagedComm` over the same ring gives the ring's bits. Then the sharded trainer
+//! with bf16 reductions: the same bits over the three at 2 ranks, for every strategy that
+//! reduces (reduce-scatter, all-reduce, and a hybrid mesh's both).
+
+use fsdp::optim::LrSchedule;
+use fsdp_collectives::ring;
+use fsdp_device::half::bf16;
+use fsdp_device::DType;
+use fsdp_gpt::data::synthetic_corpus;
+use fsdp_gpt::device_comm::{DeviceComm, HostComm};
+use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
+use fsdp_gpt::runtime::ShardingStrategy;
+use fsdp_kernels::gpt::{GptOps, HostOps};
+
+mod common;
+use common::device::{
+    device_config, over_peers, over_ring, over_staged, param_bits, peer_comms, staged_trainer,
+    UNIT_LENS,
+};
+
+/// Rank `r`'s gradient of element `i` of tensor `t`: of both signs, between −5 and 5, mostly
+/// not representable in bf16.
+fn grad_value(r: usize, t: usize, i: usize) -> f32 {
+    ((r * 7919 + t * 104_729 + i * 1_299_709) % 1000) as f32 / 97.0 - 5.0
+}
+
+fn round(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// The reference mean of element `i` of tensor `t` over `world` ranks (module docs).
+fn reference_mean(world: usize, t: usize, i: usize) -> f32 {
+    let mut acc = round(grad_value(0, t, i));
+    if world == 1 {
+        return acc;
+    }
+    for p in 1..world {
+        acc = round(acc + round(grad_value(p, t, i)));
+    }
+    round(acc / world as f32)
+}
+
+/// Each rank's gradients of the test unit reduce-scattered and all-reduced in bf16: the
+/// shards, then the all-reduced tensors.
+fn exercise_bf16(comm: &dyn DeviceComm<HostOps>, ops: &HostOps) -> Vec<Vec<f32>> {
+    let (r, world) = (comm.rank(), comm.world_size());
+    let own: Vec<_> = UNIT_LENS
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| {
+            let v: Vec<f32> = (0..n).map(|i| grad_value(r, t, i)).collect();
+            ops.upload(&v).unwrap()
+        })
+        .collect();
+    let mut shards: Vec<_> = UNIT_LENS
+        .iter()
+        .map(|&n| ops.upload(&vec![-1.0; n.div_ceil(world)]).unwrap())
+        .collect();
+    comm.reduce_scatter_avg(
+        ops,
+        &own.iter().collect::<Vec<_>>(),
+        &mut shards.iter_mut().collect::<Vec<_>>(),
+        DType::BF16,
+    )
+    .unwrap();
+    let mut bufs = own;
+    comm.all_reduce_avg(ops, &mut bufs.iter_mut().collect::<Vec<_>>(), DType::BF16)
+        .unwrap();
+    shards
+        .iter()
+        .chain(&bufs)
+        .map(|b| ops.download(b).unwrap())
+        .collect()
+}
+
+/// What [`exercise_bf16`] gives rank `r` of `world` when the ranks are folded in rank order.
+fn expected(world: usize, r: usize) -> Vec<Vec<f32>> {
+    let mut v: Vec<Vec<f32>> = Vec::new();
+    for (t, &n) in UNIT_LENS.iter().enumerate() {
+        let s = n.div_ceil(world);
+        v.push(
+            (r * s..(r + 1) * s)
+                .map(|i| {
+                    if i < n {
+                        reference_mean(world, t, i)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect(),
+        );
+    }
+    for (t, &n) in UNIT_LENS.iter().enumerate() {
+        v.push((0..n).map(|i| reference_mean(world, t, i)).collect());
+    }
+    v
+}
+
+/// The exact mean of element `i` of tensor `t` over `world` ranks, and the largest magnitude
+/// of the ranks' values.
+fn exact_mean(world: usize, t: usize, i: usize) -> (f64, f64) {
+    let v: Vec<f64> = (0..world).map(|p| f64::from(grad_value(p, t, i))).collect();
+    let max = v.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    (v.iter().sum::<f64>() / world as f64, max)
+}
+
+#[test]
+fn bf16_reductions_round_as_the_collectives_do() {
+    // bf16 keeps 8 significant bits: each rounding is within 2⁻⁸ of its value's magnitude.
+    let u = 2f64.powi(-8);
+    for world in [1, 2, 3, 4] {
+        let peers = over_peers(world, exercise_bf16);
+        let ring = over_ring(world, exercise_bf16);
+        let staged = over_staged(world, exercise_bf16);
+        for r in 0..world {
+            let want = expected(world, r);
+            assert_eq!(peers[r], want, "peers, {world} ranks, rank {r}");
+            assert_eq!(staged[r], ring[r], "staged against the ring, {world} ranks");
+            if world <= 2 {
+                assert_eq!(ring[r], want, "ring, {world} ranks, rank {r}");
+            }
+            // The all-reduced tensors (the last of each run) against the exact means: values
+            // of bf16, within the roundings of the inputs, the partial sums and the division.
+            for (t, got) in ring[r][UNIT_LENS.len()..].iter().enumerate() {
+                for (i, &g) in got.iter().enumerate() {
+                    let (mean, max) = exact_mean(world, t, i);
+                    assert_eq!(round(g), g, "{world} ranks: {g} is not a bf16 value");
+                    let bound = (world as f64 + 2.0) * u * max;
+                    assert!(
+                        (f64::from(g) - mean).abs() <= bound,
+                        "{world} ranks, tensor {t}[{i}]: {g} against {mean} (bound {bound})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A reduction in a dtype the device's collectives do not reduce in is refused by name, before
+/// anything is sent (a rank alone: no peer to wait for).
+#[test]
+fn a_reduction_in_f16_is_refused() {
+    for errs in [
+        over_peers(1, f16_error),
+        over_ring(1, f16_error),
+        over_staged(1, f16_error),
+    ] {
+        let e = &errs[0];
+        assert!(e.contains("f32 or bf16"), "{e}");
+        assert!(
+            e.contains("reduce-scatter") && e.contains("all-reduce"),
+            "{e}"
+        );
+    }
+}
+
+fn f16_error(comm: &dyn DeviceComm<HostOps>, ops: &HostOps) -> String {
+    let full = ops.upload(&[1.0, 2.0]).unwrap();
+    let mut shard = ops.upload(&[0.0, 0.0]).unwrap();
+    let a = comm
+        .reduce_scatter_avg(ops, &[&full], &mut [&mut shard], DType::F16)
+        .unwrap_err();
+    let mut buf = ops.upload(&[1.0]).unwrap();
+    let b = comm
+        .all_reduce_avg(ops, &mut [&mut buf], DType::F16)
+        .unwrap_err();
+    format!("{a}; {b}")
+}
+
+/// The sharded trainer with bf16 reductions: the same losses and parameters over `PeerComm`,
+/// `StagedComm` and (unmeshed) `HostComm` on the ring, for `FULL_SHARD` at 2 ranks
+/// (reduce-scatter), `NO_SHARD` at 2 (all-reduce) and `HYBRID_SHARD` in two nodes of two
+/// (both, each over 2 ranks); the same first loss as the f32 reductions' run (no update yet)
+/// and then different parameters, the losses within 1%.
+#[test]
+fn sharded_training_reduces_in_bf16() {
+    let tokens = synthetic_corpus(20_000, 64, 7);
+    let base = device_config(LrSchedule::Constant, true, Some(0.5), 2);
+    let params = seeded_params(&base.cfg, 7).unwrap();
+    let steps = 4;
+    for (s, world, rpn) in [
+        (ShardingStrategy::FullShard, 2, None),
+        (ShardingStrategy::NoShard, 2, None),
+        (ShardingStrategy::HybridShard, 4, Some(2)),
+    ] {
+        let run = |reduce: DType| {
+            let c = DeviceTrainConfig {
+                reduce_dtype: reduce,
+                ..base
+            };
+            let comms = peer_comms::<HostOps>(world, rpn);
+            std::thread::scope(|sc| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .map(|(comm, replicas)| {
+                        let (params, tokens) = (&params, &tokens);
+                        sc.spawn(move || {
+                            let ops = HostOps::new();
+                            let mut t = match replicas {
+                                Some(r) => {
+                                    ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params)
+                                }
+                                None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
+                            }
+                            .unwrap();
+                            let losses: Vec<f32> = (0..steps)
+                                .map(|k| t.step(tokens, k).unwrap().loss)
+                                .collect();
+                            (losses, param_bits(t.full_params().unwrap()))
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let peers = run(DType::BF16);
+        let f32_run = run(DType::F32);
+        let c = DeviceTrainConfig {
+            reduce_dtype: DType::BF16,
+            ..base
+        };
+        let staged = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
+            let mut t = staged_trainer(HostOps::new(), comm, world, rpn, c, s, &params);
+            let losses: Vec<f32> = (0..steps)
+                .map(|k| t.step(&tokens, k).unwrap().loss)
+                .collect();
+            (losses, param_bits(t.full_params().unwrap()))
+        })
+        .unwrap();
+        assert_eq!(staged, peers, "{s:?}: staged against peers");
+        if rpn.is_none() {
+            let host = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+                let comm: Box<dyn DeviceComm<HostOps>> = Box::new(HostComm::new(Box::new(comm)));
+                let mut t = ShardedDeviceTrainer::new(HostOps::new(), comm, c, s, &params).unwrap();
+                let losses: Vec<f32> = (0..steps)
+                    .map(|k| t.step(&tokens, k).unwrap().loss)
+                    .collect();
+                (losses, param_bits(t.full_params().unwrap()))
+            })
+            .unwrap();
+            assert_eq!(host, peers, "{s:?}: host staging against peers");
+        }
+        let (bf, f) = (&peers[0], &f32_run[0]);
+        assert_eq!(bf.0[0], f.0[0], "{s:?}: the first loss precedes any update");
+        assert!(bf.1 != f.1, "{s:?}: the bf16 reductions changed nothing");
+        for (a, b) in bf.0.iter().zip(&f.0) {
+            assert!(((a - b) / b).abs() < 1e-2, "{s:?}: {a} against {b}");
+        }
+        println!("{s:?}: bf16 reductions' losses {:?}, f32's {:?}", bf.0, f.0);
+    }
+}
