@@ -120,7 +120,7 @@ fn device_cuda_refuses_unsupported_options() {
         ),
         (&["--strategy", "no-shard"], "--strategy"),
         (&["--backend", "tcp"], "--backend"),
-        (&["--wrap", "size:100"], "--wrap"),
+        (&["--wrap", "size:100"], "--wrap size:100"),
         (&["--forward-prefetch"], "--forward-prefetch"),
     ];
     for (extra, name) in cases {
@@ -371,12 +371,16 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         &fsdp(&a),
         &["--device cuda", "--param-dtype f16", "f32 or bf16"],
     );
-    // The sharded engine's options, given, are refused by name as `fsdp train` refuses them.
-    for (option, value) in [("--strategy", "shard-grad-op"), ("--wrap", "block")] {
+    // The sharded engine's options, given, are refused by name as `fsdp train` refuses them;
+    // `--wrap block` is the device's own units, any other wrapping is refused.
+    for (option, value) in [("--strategy", "shard-grad-op"), ("--wrap", "size:100")] {
         let mut a = vec!["plan", "--device", "cuda", option, value];
         a.extend_from_slice(&common::cli::SMALL_MODEL);
         one_error_status_1(&fsdp(&a), &["--device cuda", option, "not supported"]);
     }
+    let mut a = vec!["plan", "--device", "cuda", "--wrap", "block"];
+    a.extend_from_slice(&common::cli::SMALL_MODEL);
+    ok(&fsdp(&a), "fsdp plan --device cuda --wrap block");
 }
 
 /// `--cpu-offload` on the device (host twins): the same losses, bitwise, as without it; `fsdp

@@ -25,15 +25,9 @@ use fsdp_kernels::gpt::{GptOps, HostOps};
 
 mod common;
 use common::device::{
-    device_config, over_peers, over_ring, over_staged, param_bits, peer_comms, staged_trainer,
-    UNIT_LENS,
+    device_config, exercise_bf16, grad_value, over_peers, over_ring, over_staged, param_bits,
+    peer_comms, staged_trainer, UNIT_LENS,
 };
-
-/// Rank `r`'s gradient of element `i` of tensor `t`: of both signs, between −5 and 5, mostly
-/// not representable in bf16.
-fn grad_value(r: usize, t: usize, i: usize) -> f32 {
-    ((r * 7919 + t * 104_729 + i * 1_299_709) % 1000) as f32 / 97.0 - 5.0
-}
 
 fn round(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
@@ -49,39 +43,6 @@ fn reference_mean(world: usize, t: usize, i: usize) -> f32 {
         acc = round(acc + round(grad_value(p, t, i)));
     }
     round(acc / world as f32)
-}
-
-/// Each rank's gradients of the test unit reduce-scattered and all-reduced in bf16: the
-/// shards, then the all-reduced tensors.
-fn exercise_bf16(comm: &dyn DeviceComm<HostOps>, ops: &HostOps) -> Vec<Vec<f32>> {
-    let (r, world) = (comm.rank(), comm.world_size());
-    let own: Vec<_> = UNIT_LENS
-        .iter()
-        .enumerate()
-        .map(|(t, &n)| {
-            let v: Vec<f32> = (0..n).map(|i| grad_value(r, t, i)).collect();
-            ops.upload(&v).unwrap()
-        })
-        .collect();
-    let mut shards: Vec<_> = UNIT_LENS
-        .iter()
-        .map(|&n| ops.upload(&vec![-1.0; n.div_ceil(world)]).unwrap())
-        .collect();
-    comm.reduce_scatter_avg(
-        ops,
-        &own.iter().collect::<Vec<_>>(),
-        &mut shards.iter_mut().collect::<Vec<_>>(),
-        DType::BF16,
-    )
-    .unwrap();
-    let mut bufs = own;
-    comm.all_reduce_avg(ops, &mut bufs.iter_mut().collect::<Vec<_>>(), DType::BF16)
-        .unwrap();
-    shards
-        .iter()
-        .chain(&bufs)
-        .map(|b| ops.download(b).unwrap())
-        .collect()
 }
 
 /// What [`exercise_bf16`] gives rank `r` of `world` when the ranks are folded in rank order.

@@ -3,11 +3,13 @@
 //!
 //! - every collective at 2 and 4 ranks gives the host twins' bits (values whose sums are exact:
 //!   the copies and the collectives' reduction kernels are exact there), while each rank's
-//!   stream runs on without the host waiting;
+//!   stream runs on without the host waiting; reductions in bf16 (`--reduce-dtype bf16`) give
+//!   the twins' bits at 2 to 4 ranks on inexact values (the cast kernels and bf16 folds);
 //! - `fsdp train --device cuda --ranks N --strategy S --param-dtype f32` against the engine's
 //!   `fsdp train --ranks N --strategy S`: every step's loss within 1e-4 relative over 20 steps
 //!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks, SHARD_GRAD_OP at 4 and
-//!   HYBRID_SHARD at 4 in two nodes;
+//!   HYBRID_SHARD at 4 in two nodes, and FULL_SHARD at 2 with `--reduce-dtype bf16` against
+//!   the engine's bf16 reductions;
 //!   each rank's counted peak equal to `fsdp plan --device cuda --ranks N`'s, and the peak
 //!   reserved bytes of the ranks' one caching allocator equal to the plan's (the sum of each
 //!   rank's pools);
@@ -28,7 +30,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::device::exercise_collectives;
+use common::device::{exercise_bf16, exercise_collectives};
 use common::gpu::{gpu, run, SMALL_GPU_MODEL};
 use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions, UniqueId};
 use fsdp_collectives::{cuda_ring, ring};
@@ -41,13 +43,25 @@ fn collectives<O: PeerOps>(world: usize, ops: impl Fn(usize) -> O + Sync) -> Vec
 where
     O::Event: 'static,
 {
+    on_peers(world, ops, exercise_collectives)
+}
+
+/// `f` on `world` ranks as threads over `PeerComm`, rank `r` on `ops(r)`.
+fn on_peers<O: PeerOps, R: Send>(
+    world: usize,
+    ops: impl Fn(usize) -> O + Sync,
+    f: impl Fn(&dyn fsdp_gpt::device_comm::DeviceComm<O>, &O) -> R + Sync,
+) -> Vec<R>
+where
+    O::Event: 'static,
+{
     let comms = PeerComm::<O>::group(world, Duration::from_secs(60));
     std::thread::scope(|s| {
-        let ops = &ops;
+        let (ops, f) = (&ops, &f);
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
-            .map(|(r, c)| s.spawn(move || exercise_collectives(&c, &ops(r))))
+            .map(|(r, c)| s.spawn(move || f(&c, &ops(r))))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
@@ -66,6 +80,28 @@ fn peer_collectives_on_cuda_give_the_host_twins_bits() {
         let host = collectives(world, |_| HostOps::new());
         assert_eq!(cuda, host, "{world} ranks");
         println!("{world} ranks: every collective equals the host twins' bits");
+    }
+}
+
+/// Reductions in bf16 (`--reduce-dtype bf16`): CUDA's casts and bf16 folds give the host
+/// twins' bits at 2 to 4 ranks.
+#[test]
+fn peer_bf16_reductions_on_cuda_give_the_host_twins_bits() {
+    if !gpu("peer_bf16_reductions_on_cuda_give_the_host_twins_bits") {
+        return;
+    }
+    for world in [2, 3, 4] {
+        let cuda = on_peers(
+            world,
+            |r| {
+                let stream = fsdp_device::Stream::cuda(0, format!("rank {r}")).unwrap();
+                CudaOps::new(stream).unwrap()
+            },
+            exercise_bf16,
+        );
+        let host = on_peers(world, |_| HostOps::new(), exercise_bf16);
+        assert_eq!(cuda, host, "{world} ranks");
+        println!("{world} ranks: the bf16 reductions equal the host twins' bits");
     }
 }
 
@@ -164,6 +200,8 @@ fn sharded_cuda_follows_the_engine() {
     compare("2", "no-shard", &[]);
     compare("4", "shard-grad-op", &[]);
     compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
+    // Gradients reduced in bf16, against the engine's bf16 reductions.
+    compare("2", "full-shard", &["--reduce-dtype", "bf16"]);
 }
 
 /// `n` ranks as processes under `fsdp launch --device cuda` on the one GPU (each takes the
@@ -246,7 +284,7 @@ fn staged_nccl_collectives_give_the_host_twins_bits() {
 /// `StagedComm` with several ranks on the one GPU: over the CUDA ring (threads; its buffers
 /// on the GPU, so the staging is device memory packed and copied out on each rank's stream,
 /// as under NCCL), every collective gives the host twins' bits at 2 and 4 ranks (the CUDA
-/// ring's arithmetic is the host ring's), prefetch included.
+/// ring's arithmetic is the host ring's), prefetch included, and reductions in bf16.
 #[test]
 fn staged_cuda_ring_collectives_give_the_host_twins_bits() {
     if !gpu("staged_cuda_ring_collectives_give_the_host_twins_bits") {
@@ -269,6 +307,23 @@ fn staged_cuda_ring_collectives_give_the_host_twins_bits() {
         .unwrap();
         assert_eq!(cuda, host, "{world} ranks");
         println!("cuda ring, {world} ranks: every staged collective equals the host twins' bits");
+        // Reductions in bf16: bf16 staging, the casts on the operations' stream.
+        let opts = cuda_ring::CudaRingOptions::default();
+        let cuda = cuda_ring::run_ranks(0, world, opts, |c| {
+            let rank = fsdp_collectives::Communicator::rank(&c);
+            let stream = fsdp_device::Stream::cuda(0, format!("staged rank {rank}")).unwrap();
+            exercise_bf16(
+                &StagedComm::new(Box::new(c)),
+                &CudaOps::new(stream).unwrap(),
+            )
+        })
+        .unwrap();
+        let host = ring::run_ranks(world, ring::RingOptions::default(), |c| {
+            exercise_bf16(&StagedComm::new(Box::new(c)), &HostOps::new())
+        })
+        .unwrap();
+        assert_eq!(cuda, host, "{world} ranks, bf16");
+        println!("cuda ring, {world} ranks: the staged bf16 reductions equal the host twins'");
     }
 }
 

@@ -234,6 +234,52 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
     out
 }
 
+/// Rank `r`'s gradient of element `i` of tensor `t`: of both signs, between −5 and 5, mostly
+/// not representable in bf16.
+pub fn grad_value(r: usize, t: usize, i: usize) -> f32 {
+    ((r * 7919 + t * 104_729 + i * 1_299_709) % 1000) as f32 / 97.0 - 5.0
+}
+
+/// Each rank's gradients ([`grad_value`]) of the test unit ([`UNIT_LENS`]) reduce-scattered
+/// and all-reduced in bf16: the shards, then the all-reduced tensors.
+pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
+    comm: &dyn fsdp_gpt::device_comm::DeviceComm<O>,
+    ops: &O,
+) -> Vec<Vec<f32>> {
+    let (r, world) = (comm.rank(), comm.world_size());
+    let own: Vec<_> = UNIT_LENS
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| {
+            let v: Vec<f32> = (0..n).map(|i| grad_value(r, t, i)).collect();
+            ops.upload(&v).unwrap()
+        })
+        .collect();
+    let mut shards: Vec<_> = UNIT_LENS
+        .iter()
+        .map(|&n| ops.upload(&vec![-1.0; n.div_ceil(world)]).unwrap())
+        .collect();
+    comm.reduce_scatter_avg(
+        ops,
+        &own.iter().collect::<Vec<_>>(),
+        &mut shards.iter_mut().collect::<Vec<_>>(),
+        fsdp_device::DType::BF16,
+    )
+    .unwrap();
+    let mut bufs = own;
+    comm.all_reduce_avg(
+        ops,
+        &mut bufs.iter_mut().collect::<Vec<_>>(),
+        fsdp_device::DType::BF16,
+    )
+    .unwrap();
+    shards
+        .iter()
+        .chain(&bufs)
+        .map(|b| ops.download(b).unwrap())
+        .collect()
+}
+
 /// Each rank's groups for `world` ranks as threads: its shard group and, in nodes of `rpn`
 /// ranks (a hybrid strategy), its replicas.
 pub fn peer_comms<O: fsdp_kernels::gpt::PeerOps>(

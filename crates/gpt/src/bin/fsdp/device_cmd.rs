@@ -36,13 +36,12 @@ use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
 /// Options of the sharded engine (given on the command line) that mean nothing without it.
-const ENGINE_ONLY: [(&str, &str); 8] = [
+const ENGINE_ONLY: [(&str, &str); 7] = [
     ("strategy", "--strategy"),
     ("ranks_per_node", "--ranks-per-node"),
     ("backward_prefetch", "--backward-prefetch"),
     ("forward_prefetch", "--forward-prefetch"),
     ("limit_all_gathers", "--limit-all-gathers"),
-    ("wrap", "--wrap"),
     ("backend", "--backend"),
     ("init_timeout", "--init-timeout"),
 ];
@@ -81,6 +80,13 @@ pub(crate) fn check_device_world_and_dtypes(
     };
     if world > 1 {
         crate::device_sharded_cmd::check_strategy(dev, model.strategy, node_ranks, world)?;
+    }
+    // The device's units are FSDP's usual wrapping of the GPT, `--wrap block`'s.
+    if let crate::args::Wrap::Size(n) = model.wrap {
+        return Err(fail(format!(
+            "--device {dev}: --wrap size:{n} is not supported on the device (its FSDP units are \
+             the root and each transformer block: --wrap block, the default)"
+        )));
     }
     // One rank reduces nothing: only f32 (the default) means anything there.
     let reduce_also = if world > 1 { DType::BF16 } else { DType::F32 };
