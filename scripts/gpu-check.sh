@@ -175,6 +175,13 @@ if [ "$have_bench" = 1 ]; then
         bench_rows "$log" "$rc" "gpt-device-bench --ranks $ranks"
         cat "$log"
     done
+    # The same at 2 ranks with the gradients reduced in bf16 (half the bytes each rank reads).
+    log="$report/gpt_device_bench_ranks2_bf16.log"
+    device_bench "$log" --model 124m --ranks 2 --strategy full-shard --reduce-dtype bf16
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench --ranks 2 --reduce-dtype bf16"
+    cat "$log"
 fi
 if [ "$have_torch" = 1 ]; then
     runs=()

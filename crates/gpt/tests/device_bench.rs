@@ -113,7 +113,8 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
 /// `gpt-device-bench --device host-twin --model tiny --ranks 2`: after the world-1 run, the
 /// same global batch as two ranks (each timed by `time_steps` over `ShardedDeviceTrainer`):
 /// the same losses as world 1 within 1e-5 (printed at 4 decimals: equal), its median step and
-/// its ratio to world 1's on a `RESULT` line, and every rank's peak.
+/// its ratio to world 1's on a `RESULT` line, and every rank's peak; with `--reduce-dtype
+/// bf16`, a `RESULT` line naming it.
 #[test]
 fn the_benchmark_times_two_ranks_against_one() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
@@ -159,4 +160,25 @@ fn the_benchmark_times_two_ranks_against_one() {
         .parse()
         .unwrap();
     assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
+    // With `--reduce-dtype bf16` the ranks reduce in bf16, and the RESULT line says so.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
+        .args([
+            "--device",
+            "host-twin",
+            "--model",
+            "tiny",
+            "--products",
+            "f32",
+        ])
+        .args(["--steps", "2", "--warmup", "1", "--ranks", "2"])
+        .args(["--reduce-dtype", "bf16"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}{err}");
+    assert!(
+        text.contains("RESULT gpt-device-bench tiny f32 world 2 full-shard reduce bf16: median"),
+        "{text}"
+    );
 }

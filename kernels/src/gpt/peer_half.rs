@@ -137,3 +137,74 @@ impl CudaOps {
         unsafe { cast_raw::<bf16, f32>(&self.cuda, from, to, len) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpt::{GptOps, PeerOps, StagingOps};
+    use crate::host::ReduceKind;
+
+    /// The bf16 side: each thread rounds its buffer into a half of its own by address, a peer
+    /// reduces the halves in rank order with bf16's rounding after every operation (an average
+    /// divided at the last step) and widens the result; zeros of bf16 by address; ranges
+    /// outside a buffer refused before anything is touched. (Under Miri: every access by
+    /// address stays in a live buffer.)
+    #[test]
+    fn host_peers_reduce_in_bf16_by_address() {
+        let ops = HostOps::new();
+        // 1 + 2⁻⁸ is not a bf16 (ties to 1); 3.0 and 0.1's roundings are exact sums.
+        let values = [
+            [1.0 + 1.0 / 256.0, 3.0, 0.1],
+            [1.0, 3.0, 0.1],
+            [2.0, -3.0, 0.1],
+        ];
+        let bufs: Vec<_> = values.iter().map(|v| ops.upload(v).unwrap()).collect();
+        let halves: Vec<_> = bufs
+            .iter()
+            .map(|b| {
+                let h = ops.half(3).unwrap();
+                // SAFETY: `h` is this thread's, live, and untouched during the cast.
+                unsafe { ops.cast_to_bf16_ptr(b, 0, ops.half_ptr(&h), 0, 3).unwrap() };
+                h
+            })
+            .collect();
+        let ptrs: Vec<PeerPtr> = halves.iter().map(|h| ops.half_ptr(h)).collect();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let ops = HostOps::new();
+                let mut out = ops.half(4).unwrap();
+                let srcs: Vec<_> = ptrs.iter().map(|&p| (p, 0)).collect();
+                // SAFETY: the halves live and are unwritten until the scope ends; `out` is
+                // this thread's.
+                unsafe {
+                    ops.reduce_bf16_from_peers(ReduceKind::Avg, &srcs, &mut out, 1, 3)
+                        .unwrap()
+                };
+                let b = |x: f32| bf16::from_f32(x);
+                let third = |x: f32| b(x / 3.0);
+                let tenth = b(0.1).to_f32();
+                let sum_tenths = b(b(tenth + tenth).to_f32() + tenth).to_f32();
+                assert_eq!(out[1..], [third(4.0), third(3.0), third(sum_tenths)]);
+                let mut wide = ops.zeros(3).unwrap();
+                // SAFETY: `out` is this thread's, written above.
+                unsafe {
+                    ops.widen_bf16_ptr(ops.half_ptr(&out), 1, &mut wide, 0, 3)
+                        .unwrap()
+                };
+                let want: Vec<f32> = out[1..].iter().map(|h| h.to_f32()).collect();
+                assert_eq!(ops.download(&wide).unwrap(), want);
+                // SAFETY: `out` is this thread's; refused before anything is touched.
+                unsafe {
+                    ops.zero_ptr(ops.half_ptr(&out), 2, 2, fsdp_device::DType::BF16)
+                        .unwrap();
+                    let e = ops.widen_bf16_ptr(ops.half_ptr(&out), 2, &mut wide, 0, 3);
+                    assert!(e.unwrap_err().to_string().contains("outside"));
+                    let e = ops.cast_to_bf16_ptr(&wide, 1, ops.half_ptr(&out), 0, 3);
+                    assert!(e.unwrap_err().to_string().contains("outside"));
+                }
+                assert_eq!(out[2..], [bf16::ZERO, bf16::ZERO]);
+                assert_eq!(out[1], third(4.0), "the zeros stop at their range");
+            });
+        });
+    }
+}

@@ -101,8 +101,19 @@ struct Args {
     /// The sharding of `--ranks`: full-shard, shard-grad-op or no-shard.
     #[arg(long, default_value = "full-shard")]
     strategy: String,
+    /// The dtype `--ranks` reduce their gradients in: f32 or bf16.
+    #[arg(long, default_value = "f32", value_parser = reduce_dtype)]
+    reduce_dtype: fsdp_device::DType,
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+fn reduce_dtype(s: &str) -> Result<fsdp_device::DType, String> {
+    match s {
+        "f32" => Ok(fsdp_device::DType::F32),
+        "bf16" => Ok(fsdp_device::DType::BF16),
+        other => Err(format!("--reduce-dtype {other}: expected f32 or bf16")),
+    }
 }
 
 fn strategy(s: &str) -> Result<ShardingStrategy, String> {
@@ -289,7 +300,7 @@ fn bench(args: &Args) -> Result<(), String> {
             activation_checkpointing: args.activation_checkpointing,
             attention: args.attention,
             logits: args.logits,
-            reduce_dtype: fsdp_device::DType::F32,
+            reduce_dtype: args.reduce_dtype,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };
@@ -450,9 +461,13 @@ fn bench(args: &Args) -> Result<(), String> {
                 times.losses.first().copied().unwrap_or(f32::NAN),
                 times.losses.last().copied().unwrap_or(f32::NAN),
             );
+            let reduced = match args.reduce_dtype {
+                fsdp_device::DType::BF16 => " reduce bf16",
+                _ => "",
+            };
             println!(
-                "RESULT gpt-device-bench {name} {} world {world} {}: median step {:.2} ms, \
-                 {ratio:.3}× the world-1 step (aim: at most 1.1)",
+                "RESULT gpt-device-bench {name} {} world {world} {}{reduced}: median step {:.2} \
+                 ms, {ratio:.3}× the world-1 step (aim: at most 1.1)",
                 args.products,
                 args.strategy,
                 times.median().as_secs_f64() * 1e3,

@@ -183,26 +183,6 @@ pub(crate) fn refuse_first(
     }
 }
 
-/// The run's lines on how its step computes: the products (with bf16 ones), the attention's
-/// and the logits' chunks.
-pub(crate) fn say_layers(bf16: bool, config: &DeviceTrainConfig) {
-    if bf16 {
-        say!(
-            "products: bf16 operands, f32 sums and results (every other layer in f32; the \
-             activations only products read are kept in bf16)"
-        );
-    }
-    let attention = if config.attention.keeps_probabilities() {
-        "materialized, the probabilities kept for backward".to_string()
-    } else {
-        format!(
-            "{}, the probabilities computed again in backward",
-            config.attention
-        )
-    };
-    say!("attention: {attention}; logits: {}", config.logits);
-}
-
 /// Everything a device run needs, checked before the device is opened.
 pub(crate) struct Run {
     pub(crate) cfg: GptConfig,
@@ -506,7 +486,7 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
     } else {
         say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
     }
-    say_layers(args.model.param_dtype == DType::BF16, &run.config);
+    crate::device_report::say_layers(args.model.param_dtype == DType::BF16, &run.config);
     if let Some(m) = trainer.ops().memory_source() {
         say!("memory: {m}");
     }

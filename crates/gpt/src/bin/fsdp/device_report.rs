@@ -4,12 +4,13 @@
 use std::time::Instant;
 
 use fsdp::human_bytes;
-use fsdp_gpt::device_train::Reported;
+use fsdp_gpt::device_train::{DeviceTrainConfig, Reported};
 
 use crate::args::TrainArgs;
 use crate::device_cmd::Run;
 use crate::output::LossLog;
 use crate::progress::{nonfinite, Progress};
+use crate::say;
 use crate::{fail, CliError};
 
 /// Admission: the plan's peak of device memory, times the `ranks` that share the device,
@@ -116,4 +117,24 @@ impl Tally {
         );
         Ok(())
     }
+}
+
+/// The run's lines on how its step computes: the products (with bf16 ones), the attention's
+/// and the logits' chunks.
+pub(crate) fn say_layers(bf16: bool, config: &DeviceTrainConfig) {
+    if bf16 {
+        say!(
+            "products: bf16 operands, f32 sums and results (every other layer in f32; the \
+             activations only products read are kept in bf16)"
+        );
+    }
+    let attention = if config.attention.keeps_probabilities() {
+        "materialized, the probabilities kept for backward".to_string()
+    } else {
+        format!(
+            "{}, the probabilities computed again in backward",
+            config.attention
+        )
+    };
+    say!("attention: {attention}; logits: {}", config.logits);
 }

@@ -105,7 +105,7 @@ impl<'a> Shared<'a> {
                 );
             }
             let bf16 = args.model.param_dtype == fsdp_device::DType::BF16;
-            crate::device_cmd::say_layers(bf16, &run.config);
+            crate::device_report::say_layers(bf16, &run.config);
             let reduce = run.config.reduce_dtype;
             say!(
                 "reductions: the gradients in {}{}",
