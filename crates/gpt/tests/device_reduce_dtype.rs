@@ -224,3 +224,26 @@ fn sharded_training_reduces_in_bf16() {
         println!("{s:?}: bf16 reductions' losses {:?}, f32's {:?}", bf.0, f.0);
     }
 }
+
+/// Ranks that reduce the same unit in different dtypes: over `PeerComm` every rank fails with
+/// a mismatch naming both calls (the dtype is part of the call's description), within the
+/// timeout, never a hang or a read of the other rank's memory as the wrong type.
+#[test]
+fn peers_refuse_ranks_reducing_in_different_dtypes() {
+    let errors = over_peers(2, |comm, ops| {
+        let full = ops.upload(&[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let mut shard = ops.upload(&[0.0, 0.0]).unwrap();
+        let dtype = if comm.rank() == 0 {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        comm.reduce_scatter_avg(ops, &[&full], &mut [&mut shard], dtype)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("bfloat16") && e.contains("float32"), "{e}");
+        assert!(e.contains("rank 0") && e.contains("rank 1"), "{e}");
+    }
+}
