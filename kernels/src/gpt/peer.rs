@@ -276,8 +276,10 @@ unsafe fn cuda_fold<T: KernelFloat>(
     Ok(())
 }
 
-/// Checks that `offset .. offset + len` lies within `size` elements.
-fn check_range(
+/// Checks that `offset .. offset + len` lies within `size` elements of `what` (an operation
+/// `kernel`'s source or destination).
+pub(super) fn check_elements(
+    kernel: &'static str,
     what: &'static str,
     offset: usize,
     len: usize,
@@ -286,10 +288,20 @@ fn check_range(
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
         _ => Err(KernelError::InvalidArgument {
-            kernel: "copy_from_peer",
+            kernel,
             reason: format!("{what}: elements {offset}..+{len} outside its {size}"),
         }),
     }
+}
+
+/// [`check_elements`] of a copy from a peer.
+fn check_range(
+    what: &'static str,
+    offset: usize,
+    len: usize,
+    size: usize,
+) -> Result<(), KernelError> {
+    check_elements("copy_from_peer", what, offset, len, size)
 }
 
 impl PeerOps for HostOps {

@@ -9,24 +9,18 @@ use half::bf16;
 use super::cuda::CudaOps;
 use super::host_ops::HostOps;
 use super::memory::{bytes_of, Counted};
-use super::peer::PeerPtr;
+use super::peer::{check_elements, PeerPtr};
 use crate::launch::cast_raw;
 use crate::KernelError;
 
-/// Checks that `offset .. offset + len` lies within `size` elements.
+/// [`check_elements`] of a cast.
 pub(super) fn check_cast(
     what: &'static str,
     offset: usize,
     len: usize,
     size: usize,
 ) -> Result<(), KernelError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(KernelError::InvalidArgument {
-            kernel: "cast",
-            reason: format!("{what}: elements {offset}..+{len} outside its {size}"),
-        }),
-    }
+    check_elements("cast", what, offset, len, size)
 }
 
 impl HostOps {

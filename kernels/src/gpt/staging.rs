@@ -11,7 +11,7 @@ use super::host_ops::HostOps;
 use super::memory::Counted;
 use super::meta::{MetaCounted, MetaOps};
 use super::ops::GptOps;
-use super::peer::{PeerOps, PeerPtr};
+use super::peer::{check_elements, PeerOps, PeerPtr};
 use crate::KernelError;
 
 /// [`PeerOps`] that also write memory they do not own, given by address: the packing of a
@@ -88,15 +88,9 @@ pub trait StagingOps: PeerOps {
     ) -> Result<(), KernelError>;
 }
 
-/// Checks that `offset .. offset + len` lies within `size` elements.
+/// [`check_elements`] of a copy to memory given by address.
 fn check(what: &'static str, offset: usize, len: usize, size: usize) -> Result<(), KernelError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(KernelError::InvalidArgument {
-            kernel: "copy_to_ptr",
-            reason: format!("{what}: elements {offset}..+{len} outside its {size}"),
-        }),
-    }
+    check_elements("copy_to_ptr", what, offset, len, size)
 }
 
 /// The host twins' copy of `src[src_offset..][..len]` to the memory `dst`.
