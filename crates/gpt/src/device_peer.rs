@@ -18,6 +18,10 @@
 //!    peer's, so that nothing it enqueues later — a write of an input, or its free — runs
 //!    before the peers have read it.
 //!
+//! A reduction in bf16 (FSDP's `reduce_dtype`) posts each rank's inputs rounded to bf16 into
+//! buffers of its own ([`PeerOps::Half`]), which the peers fold in bf16 and widen into their
+//! outputs; the rounded copies live until step 3, as the inputs do.
+//!
 //! A rank whose communicator is dropped (its thread failed) makes the others fail with
 //! [`CollectiveError::PeerDeparted`] at their next exchange, and a rank that does not arrive
 //! makes them fail with [`CollectiveError::Timeout`].

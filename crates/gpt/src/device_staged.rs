@@ -13,8 +13,12 @@
 //! stream (the ring's thread on the host) while the operations compute, on a pair of staging
 //! buffers of its own, and the all-gather of the same shards completes it.
 //!
+//! A reduction in bf16 packs the unit's gradients rounded to bf16 (the cast kernel into the
+//! staging address), runs the communicator's bf16 collective, and widens the result out.
+//!
 //! The staging buffers are kept between calls and grown to the largest unit: an input and an
-//! output of f32, one of f64 for the step's scalars, and the prefetch's pair. They are counted
+//! output of f32, one of f64 for the step's scalars, the prefetch's pair, and, once a
+//! reduction in bf16 has run, an input and an output of bf16. They are counted
 //! in the operations' memory ([`StagingOps::count`]), so the operations' peak is the
 //! device's.
 
