@@ -489,3 +489,37 @@ fn launched_processes_take_tcp_or_nccl() {
         &["--backend nccl needs CUDA buffers", "--device cuda"],
     );
 }
+
+/// A run reducing in bf16 checkpoints its `--reduce-dtype`: resumed from its first checkpoint
+/// without the option, it reduces in bf16 again and logs the uninterrupted run's losses
+/// bitwise; resumed with `--reduce-dtype f32` it is refused, naming both.
+#[test]
+fn resume_keeps_the_reduction_dtype() {
+    let dir = scratch("device_sharded_cli", "resume_bf16");
+    let (ck, log, reference) = common::cli::resume_paths(&dir);
+    let base = ["--batch-size", "8", "--ranks", "2", "--device", "host-twin"];
+    let mut a = small_train_args(&base, &["--reduce-dtype", "bf16", "--steps", "6"]);
+    a.extend(["--loss-log", s(&reference)]);
+    ok(&fsdp(&a), "the uninterrupted run");
+    // The constant schedule: the first three steps of a run of three are those of six.
+    let mut a = small_train_args(&base, &["--reduce-dtype", "bf16", "--steps", "3"]);
+    a.extend(["--checkpoint-dir", s(&ck), "--checkpoint-every", "3"]);
+    ok(&fsdp(&a), "the first three steps");
+    let resume = |extra: &[&str]| {
+        let mut a = vec!["train", "--resume", s(&ck), "--steps", "6"];
+        a.extend(["--device", "host-twin", "--loss-log", s(&log)]);
+        a.extend(extra);
+        fsdp(&a)
+    };
+    one_error_status_1(
+        &resume(&["--reduce-dtype", "f32"]),
+        &["--reduce-dtype f32", "--reduce-dtype bf16"],
+    );
+    let out = ok(&resume(&[]), "the resumed run");
+    assert!(out.contains("reductions: the gradients in bf16"), "{out}");
+    let (whole, resumed) = (
+        common::cli::loss_column(&reference),
+        common::cli::loss_column(&log),
+    );
+    assert_eq!(resumed, whole[3..], "{out}");
+}
