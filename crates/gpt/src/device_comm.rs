@@ -95,6 +95,33 @@ pub trait DeviceComm<O: GptOps> {
     ) -> Result<(), DeviceTrainError>;
 }
 
+/// The bytes a rank's collectives moved in training, as the engine's summary counts them:
+/// each all-gather and reduce-scatter the unit's padded full size (`factor` × its shards) in
+/// the dtype it moved, each all-reduce the buffers it reduced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CommVolume {
+    /// Parameters all-gathered (f32).
+    pub all_gathered: u64,
+    /// Gradients reduce-scattered (in the reduction's dtype).
+    pub reduce_scattered: u64,
+    /// Gradients all-reduced (`NO_SHARD`, and the replicas of a hybrid strategy; in the
+    /// reduction's dtype).
+    pub all_reduced: u64,
+}
+
+impl std::ops::AddAssign for CommVolume {
+    fn add_assign(&mut self, o: CommVolume) {
+        self.all_gathered = self.all_gathered.saturating_add(o.all_gathered);
+        self.reduce_scattered = self.reduce_scattered.saturating_add(o.reduce_scattered);
+        self.all_reduced = self.all_reduced.saturating_add(o.all_reduced);
+    }
+}
+
+/// `elements` of `dtype`, in bytes.
+pub(crate) fn bytes(elements: usize, dtype: DType) -> u64 {
+    (elements as u64).saturating_mul(dtype.size_in_bytes() as u64)
+}
+
 /// [`DeviceComm`] for any operations over a [`Communicator`], staged through host memory: each
 /// collective copies the unit's buffers out into one host [`Buffer`] (waiting for the device),
 /// runs on the communicator and waits for it (its timeout bounds the wait), and copies the

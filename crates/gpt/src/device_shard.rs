@@ -20,7 +20,7 @@ use fsdp_device::DType;
 use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
 use fsdp_kernels::KernelError;
 
-use crate::device_comm::DeviceComm;
+use crate::device_comm::{bytes, CommVolume, DeviceComm};
 use crate::device_config::DeviceTrainError;
 
 /// Elements of one shard of a tensor of `numel` elements over `factor` ranks.
@@ -196,6 +196,8 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     /// Under CPU offload, the shards of the block whose all-gather was prefetched, copied in
     /// and kept until the all-gather that completes it.
     copied_in: Option<(usize, Vec<O::Buf>)>,
+    /// The bytes this pass's collectives moved.
+    volume: CommVolume,
 }
 
 impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
@@ -228,7 +230,13 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             blocks: (0..dims.n_layer).map(|_| None).collect(),
             block_grads: (0..dims.n_layer).map(|_| None).collect(),
             copied_in: None,
+            volume: CommVolume::default(),
         }
+    }
+
+    /// The bytes this pass's collectives have moved so far.
+    pub(crate) fn volume(&self) -> CommVolume {
+        self.volume
     }
 
     fn sharded(&self) -> bool {
@@ -304,6 +312,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             return Ok(());
         }
         let (d, factor, comm) = (self.dims, self.factor, self.comm);
+        let gathered = bytes(
+            unit_shard_lens(&d, factor, unit)?.iter().sum::<usize>() * factor,
+            DType::F32,
+        );
         match unit {
             Unit::Root if self.root.is_none() => {
                 let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
@@ -323,6 +335,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     )?,
                 }
                 self.root = Some(full);
+                self.volume.all_gathered += gathered;
             }
             Unit::Block(l) if self.blocks.get(l).is_some_and(Option::is_none) => {
                 let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
@@ -339,6 +352,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     )?,
                 }
                 self.blocks[l] = Some(full);
+                self.volume.all_gathered += gathered;
             }
             _ => {}
         }
@@ -346,7 +360,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     }
 
     /// Reduces the full gradients `full` of `unit` in `dtype` and adds `alpha ×` this rank's
-    /// part of them to the unit's accumulators in `sink`.
+    /// part of them to the unit's accumulators in `sink`; returns the bytes moved.
     #[allow(clippy::too_many_arguments)]
     fn reduce(
         comm: &C,
@@ -357,9 +371,12 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         mut full: Vec<&mut O::Buf>,
         sink: &mut GradSink<'_, O>,
         dims: GptDims,
-    ) -> Result<(), DeviceTrainError> {
+    ) -> Result<CommVolume, DeviceTrainError> {
+        let mut volume = CommVolume::default();
         if factor > 1 {
             let lens = unit_shard_lens(&dims, factor, unit)?;
+            let shards: usize = lens.iter().sum();
+            volume.reduce_scattered = bytes(shards * factor, dtype);
             let mut reduced = lens
                 .iter()
                 .map(|&n| ops.empty(n))
@@ -370,16 +387,27 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             if let Some(r) = replicas {
                 // The nodes' means of the same shards, averaged: the mean over every rank.
                 r.all_reduce_avg(ops, &mut outs, dtype)?;
+                if r.world_size() > 1 {
+                    volume.all_reduced = bytes(shards, dtype);
+                }
             }
-            sink.add(ops, alpha, unit, reduced.iter().collect())
+            sink.add(ops, alpha, unit, reduced.iter().collect())?;
         } else {
+            let n = bytes(full.iter().map(|g| O::buf_len(g)).sum(), dtype);
             comm.all_reduce_avg(ops, &mut full, dtype)?;
+            if comm.world_size() > 1 {
+                volume.all_reduced = n;
+            }
             if let Some(r) = replicas {
                 // Nodes of one rank: the shards are whole tensors, averaged over the nodes.
                 r.all_reduce_avg(ops, &mut full, dtype)?;
+                if r.world_size() > 1 {
+                    volume.all_reduced = volume.all_reduced.saturating_add(n);
+                }
             }
-            sink.add(ops, alpha, unit, full.iter().map(|g| &**g).collect())
+            sink.add(ops, alpha, unit, full.iter().map(|g| &**g).collect())?;
         }
+        Ok(volume)
     }
 }
 
@@ -488,7 +516,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
             Unit::Root => {
                 let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
                 let full = g.root_bufs_mut().into_iter().collect();
-                Self::reduce(
+                self.volume += Self::reduce(
                     comm,
                     replicas,
                     ops,
@@ -508,7 +536,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     .and_then(Option::take)
                     .ok_or_else(what)?;
                 let full = g.bufs_mut();
-                Self::reduce(
+                self.volume += Self::reduce(
                     comm,
                     replicas,
                     ops,

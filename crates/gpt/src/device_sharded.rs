@@ -33,6 +33,7 @@ use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_APPLIED, STEP_LOSS, ST
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
+use crate::device_comm::CommVolume;
 use crate::device_comm::DeviceComm;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{
@@ -99,6 +100,8 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) memory_history: Option<MemoryHistory>,
     /// The all-gathers issued ahead of their use ([`set_prefetch`](Self::set_prefetch)).
     pub(crate) prefetch: Prefetch,
+    /// The bytes the training passes' collectives moved ([`comm_volume`](Self::comm_volume)).
+    pub(crate) volume: CommVolume,
 }
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
@@ -251,6 +254,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             tracing: None,
             memory_history: None,
             prefetch: Prefetch::default(),
+            volume: CommVolume::default(),
         })
     }
 }
@@ -318,6 +322,13 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// backward on, forward off, as FSDP's defaults).
     pub fn set_prefetch(&mut self, prefetch: Prefetch) {
         self.prefetch = prefetch;
+    }
+
+    /// The bytes this rank's collectives have moved in the training steps so far (the units'
+    /// all-gathers and reductions, each in the dtype it moved; not the scalars' all-reduce,
+    /// nor the gathers of saving and checkpoints).
+    pub fn comm_volume(&self) -> CommVolume {
+        self.volume
     }
 
     /// Optimizer steps taken, as far as the outcomes read so far say.
@@ -456,6 +467,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             let losses =
                 self.pass
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;
+            self.volume += units.volume();
             drop(units);
             ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
             // Offload: the micro-batch before's reduced shards are added on the host while

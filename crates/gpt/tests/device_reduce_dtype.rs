@@ -17,7 +17,7 @@ use fsdp_collectives::ring;
 use fsdp_device::half::bf16;
 use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_comm::{DeviceComm, HostComm};
+use fsdp_gpt::device_comm::{CommVolume, DeviceComm, HostComm};
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
 use fsdp_gpt::runtime::ShardingStrategy;
@@ -245,5 +245,95 @@ fn peers_refuse_ranks_reducing_in_different_dtypes() {
     for e in errors {
         assert!(e.contains("bfloat16") && e.contains("float32"), "{e}");
         assert!(e.contains("rank 0") && e.contains("rank 1"), "{e}");
+    }
+}
+
+/// The bytes a rank's collectives move (`comm_volume`, printed by `fsdp train --device …
+/// --ranks N`) against a closed form from the parameters' sizes: each tensor sharded alone
+/// over `factor` ranks and padded to `factor` shards; per micro-batch the root gathered once
+/// and each block twice where blocks are resharded after forward (`FULL_SHARD`, `HYBRID_SHARD`),
+/// once otherwise; every
+/// unit reduced once, in the reduction's dtype (4 or 2 bytes) — so bf16 halves the reductions
+/// and leaves the all-gathers; `NO_SHARD` all-reduces the whole tensors and gathers nothing;
+/// a hybrid mesh reduce-scatters in its node and all-reduces the shards across nodes.
+#[test]
+fn the_collectives_move_the_units_padded_sizes() {
+    let tokens = synthetic_corpus(20_000, 64, 7);
+    let base = device_config(LrSchedule::Constant, true, Some(0.5), 2);
+    let params = seeded_params(&base.cfg, 7).unwrap();
+    let (steps, micro) = (2u64, base.grad_accum as u64);
+    // (root elements, blocks' elements), each tensor padded to `factor` shards.
+    let padded = |factor: usize| {
+        let pad = |n: usize| (n.div_ceil(factor) * factor) as u64;
+        params.iter().fold((0, 0), |(r, b), (name, v)| {
+            if name.starts_with("transformer.h.") {
+                (r, b + pad(v.len()))
+            } else {
+                (r + pad(v.len()), b)
+            }
+        })
+    };
+    for (s, world, rpn) in [
+        (ShardingStrategy::FullShard, 2, None),
+        (ShardingStrategy::ShardGradOp, 2, None),
+        (ShardingStrategy::NoShard, 2, None),
+        (ShardingStrategy::HybridShard, 4, Some(2)),
+    ] {
+        for (reduce, width) in [(DType::F32, 4u64), (DType::BF16, 2)] {
+            let c = DeviceTrainConfig {
+                reduce_dtype: reduce,
+                ..base
+            };
+            let comms = peer_comms::<HostOps>(world, rpn);
+            let volumes: Vec<_> = std::thread::scope(|sc| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .map(|(comm, replicas)| {
+                        let (params, tokens) = (&params, &tokens);
+                        sc.spawn(move || {
+                            let ops = HostOps::new();
+                            let mut t = match replicas {
+                                Some(r) => {
+                                    ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params)
+                                }
+                                None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
+                            }
+                            .unwrap();
+                            for k in 0..steps as usize {
+                                t.step(tokens, k).unwrap();
+                            }
+                            t.comm_volume()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let passes = steps * micro;
+            let factor = match (s, rpn) {
+                (ShardingStrategy::NoShard, _) => 1,
+                (_, Some(n)) => n,
+                _ => world,
+            };
+            let (root, blocks) = padded(factor);
+            let gathers = if s.reshard_after_forward() { 2 } else { 1 };
+            let (ag, rs, ar) = match (s, rpn) {
+                (ShardingStrategy::NoShard, _) => (0, 0, (root + blocks) * width),
+                (_, Some(_)) => (
+                    (root + gathers * blocks) * 4,
+                    (root + blocks) * width,
+                    (root + blocks) / factor as u64 * width,
+                ),
+                _ => ((root + gathers * blocks) * 4, (root + blocks) * width, 0),
+            };
+            let want = CommVolume {
+                all_gathered: ag * passes,
+                reduce_scattered: rs * passes,
+                all_reduced: ar * passes,
+            };
+            for v in &volumes {
+                assert_eq!(*v, want, "{s:?}, {world} ranks, reduced in {reduce}");
+            }
+            println!("{s:?}, {world} ranks, reduced in {reduce}: {want:?}");
+        }
     }
 }

@@ -382,12 +382,21 @@ fn launched_processes_train_as_threads() {
             !out.contains("[rank 1] fsdp train"),
             "rank 0 reports alone: {out}"
         );
-        let reduced = if extra.contains(&"bf16") {
-            "reductions: the gradients in bf16 (each unit's rounded"
+        let (reduced, moved) = if extra.contains(&"bf16") {
+            (
+                "reductions: the gradients in bf16 (each unit's rounded",
+                "(gradients in bf16)",
+            )
         } else {
-            "reductions: the gradients in f32"
+            ("reductions: the gradients in f32", "(gradients in f32)")
         };
         assert!(out.contains(reduced), "{out}");
+        // The summary's bytes moved by rank 0's collectives (`comm_volume`).
+        let line = out
+            .lines()
+            .find(|l| l.contains("rank 0's collectives moved: all-gathered"))
+            .unwrap_or_else(|| panic!("{out}"));
+        assert!(line.ends_with(moved), "{line}");
         // Rank 0's peak (the operations' and the staging buffers') is the process plan's.
         let (line, peak) = common::cli::device_peak_line(&out, "host-twin");
         assert!(

@@ -7,7 +7,7 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use fsdp::ShardingStrategy;
+use fsdp::{human_bytes, ShardingStrategy};
 use fsdp_device::DEFAULT_TIMEOUT;
 use fsdp_gpt::device_comm::DeviceComm;
 use fsdp_gpt::device_peer::PeerComm;
@@ -59,6 +59,8 @@ pub(crate) struct RankEnd {
     trace: Vec<fsdp::trace::TraceEvent>,
     /// What the rank's device memory reports of itself ([`GptOps::memory_report`]).
     memory: Option<String>,
+    /// The bytes its collectives moved in training.
+    volume: fsdp_gpt::device_comm::CommVolume,
 }
 
 /// What the ranks of a run (this process's) share: the options, the run, where it starts, its
@@ -230,6 +232,7 @@ impl<'a> Shared<'a> {
             tally,
             trace: trainer.trace_events(),
             memory: trainer.ops().memory_report(),
+            volume: trainer.comm_volume(),
         })
     }
 
@@ -284,6 +287,15 @@ impl<'a> Shared<'a> {
             } else {
                 String::new()
             }
+        );
+        let v = end.volume;
+        say!(
+            "rank 0's collectives moved: all-gathered {}, reduce-scattered {}, all-reduced {} \
+             (gradients in {})",
+            human_bytes(v.all_gathered),
+            human_bytes(v.reduce_scattered),
+            human_bytes(v.all_reduced),
+            crate::run_config::dtype_option(run.config.reduce_dtype)
         );
         if let Some(m) = &end.memory {
             // Rank 0's: the device's, where ranks share one GPU's allocator.
