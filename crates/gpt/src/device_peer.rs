@@ -482,8 +482,8 @@ mod tests {
 
     /// Two ranks as threads gather and reduce-scatter a unit of two tensors (one shorter than
     /// the world's shards) by reading each other's buffers, the reduction in f32 and in bf16.
-    /// (Under Miri: every read by
-    /// address is of a live buffer its owner does not write meanwhile.)
+    /// (Under Miri: every read by address is of a live buffer its owner does not write
+    /// meanwhile.)
     #[test]
     fn two_threads_gather_and_reduce_scatter_a_unit() {
         let comms = PeerComm::<HostOps>::group(2, Duration::from_secs(30));
