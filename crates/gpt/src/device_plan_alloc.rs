@@ -193,8 +193,8 @@ pub fn plan_sharded_allocator(
         Some(alloc),
     )?;
     let mut plans = Vec::with_capacity(ranks.len());
-    for (_, stats) in ranks {
-        match stats {
+    for r in ranks {
+        match r.stats {
             Some(s) => plans.push(AllocatorPlan::from_stats(&s)),
             None => return Err(lost_mirror()),
         }
@@ -217,8 +217,8 @@ pub fn plan_process_allocator(
     how: ProcessRun,
     alloc: AllocatorConfig,
 ) -> Result<AllocatorPlan, DeviceTrainError> {
-    match run_process(config, products, how, PLANNED_STEPS, Some(alloc))? {
-        (_, _, Some(stats)) => Ok(AllocatorPlan::from_stats(&stats)),
-        _ => Err(lost_mirror()),
+    match run_process(config, products, how, PLANNED_STEPS, Some(alloc))?.stats {
+        Some(stats) => Ok(AllocatorPlan::from_stats(&stats)),
+        None => Err(lost_mirror()),
     }
 }

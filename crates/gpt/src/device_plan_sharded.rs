@@ -21,6 +21,7 @@ use fsdp_kernels::gpt::{param_shapes, MetaOps, Products};
 use fsdp_kernels::host::step_scalars_len;
 use fsdp_kernels::KernelError;
 
+use crate::device_comm::CommVolume;
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_peer::PeerComm;
 use crate::device_plan_alloc::mirror_allocator;
@@ -55,6 +56,9 @@ pub struct ShardedMemoryPlan {
     /// The peak of a step past the first: what it holds throughout, plus the units gathered,
     /// the gradients, the activations and the working buffers at that moment.
     pub peak: u64,
+    /// The bytes the rank's collectives move in a step (as
+    /// [`ShardedDeviceTrainer::comm_volume`] counts them).
+    pub comm_per_step: CommVolume,
 }
 
 impl ShardedMemoryPlan {
@@ -86,6 +90,18 @@ impl fmt::Display for ShardedMemoryPlan {
             mib(self.peak),
             self.persistent(),
             self.peak.saturating_sub(self.persistent())
+        )?;
+        let v = self.comm_per_step;
+        writeln!(
+            f,
+            "collectives a step: all-gathered {} bytes ({}), reduce-scattered {} bytes ({}), \
+             all-reduced {} bytes ({})",
+            v.all_gathered,
+            mib(v.all_gathered),
+            v.reduce_scattered,
+            mib(v.reduce_scattered),
+            v.all_reduced,
+            mib(v.all_reduced)
         )
     }
 }
@@ -105,20 +121,39 @@ pub fn plan_sharded_memory(
     let ranks = run_threads(config, products, world, strategy, ranks_per_node, 2, None)?;
     let offload = config.offload;
     let config = *config;
-    let peak = ranks.iter().map(|(p, _)| *p).max().unwrap_or(0);
-    Ok(plan_of(
-        &config,
-        world,
-        strategy,
-        ranks_per_node,
-        offload,
-        peak,
-        0,
-    ))
+    let peak = ranks.iter().map(|r| r.peak).max().unwrap_or(0);
+    Ok(ShardedMemoryPlan {
+        comm_per_step: ranks
+            .first()
+            .map(|r| r.volume_per_step(2))
+            .unwrap_or_default(),
+        ..plan_of(&config, world, strategy, ranks_per_node, offload, peak, 0)
+    })
 }
 
-/// A planning rank's counted peak, and its mirror's allocator statistics.
-type RankRun = (u64, Option<MemoryStats>);
+/// What a planning run of one rank gives.
+pub(crate) struct RankRun {
+    /// Its counted peak (the staging buffers included).
+    pub(crate) peak: u64,
+    /// Its mirror's allocator statistics.
+    pub(crate) stats: Option<MemoryStats>,
+    /// The bytes its collectives moved.
+    pub(crate) volume: CommVolume,
+    /// Its collectives' staging bytes (ranks as processes).
+    pub(crate) staging: u64,
+}
+
+impl RankRun {
+    /// The bytes its collectives moved a step, over `steps` steps.
+    fn volume_per_step(&self, steps: u64) -> CommVolume {
+        let v = self.volume;
+        CommVolume {
+            all_gathered: v.all_gathered / steps,
+            reduce_scattered: v.reduce_scattered / steps,
+            all_reduced: v.all_reduced / steps,
+        }
+    }
+}
 
 /// Runs the sharded trainer of `world` ranks as threads over [`MetaOps`] for `steps` steps;
 /// with `alloc`, each rank's buffers mirrored into a caching allocator of those settings.
@@ -184,7 +219,12 @@ pub(crate) fn run_threads(
                     }
                     t.flush()?;
                     let stats = t.ops().memory_counter().mirror_stats().transpose();
-                    Ok((t.memory().peak, stats.map_err(KernelError::from)?))
+                    Ok(RankRun {
+                        peak: t.memory().peak,
+                        stats: stats.map_err(KernelError::from)?,
+                        volume: t.comm_volume(),
+                        staging: 0,
+                    })
                 })
             })
             .collect();
@@ -220,16 +260,19 @@ pub fn plan_process_memory(
     prefetch: Prefetch,
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
     let how = (world, strategy, ranks_per_node, prefetch);
-    let (staging, peak, _) = run_process(config, products, how, 2, None)?;
-    Ok(plan_of(
-        config,
-        world,
-        strategy,
-        ranks_per_node,
-        config.offload,
-        peak,
-        staging,
-    ))
+    let r = run_process(config, products, how, 2, None)?;
+    Ok(ShardedMemoryPlan {
+        comm_per_step: r.volume_per_step(2),
+        ..plan_of(
+            config,
+            world,
+            strategy,
+            ranks_per_node,
+            config.offload,
+            r.peak,
+            r.staging,
+        )
+    })
 }
 
 /// How ranks as processes train: the world, the strategy, the ranks of a node, the prefetch.
@@ -237,15 +280,14 @@ pub type ProcessRun = (usize, ShardingStrategy, Option<usize>, Prefetch);
 
 /// Rank 0 of ranks as processes (`how`) over [`StagedComm`] on dry-run collectives and
 /// [`MetaOps`] for `steps` steps; with `alloc`, its buffers (not the collectives' staging)
-/// mirrored into a caching allocator of those settings. Its staging bytes, counted peak and
-/// statistics.
+/// mirrored into a caching allocator of those settings.
 pub(crate) fn run_process(
     config: &DeviceTrainConfig,
     products: Products,
     how: ProcessRun,
     steps: usize,
     alloc: Option<AllocatorConfig>,
-) -> Result<(u64, u64, Option<MemoryStats>), DeviceTrainError> {
+) -> Result<RankRun, DeviceTrainError> {
     let (world, strategy, ranks_per_node, prefetch) = how;
     config.validate()?;
     config.dims().validate()?;
@@ -283,11 +325,12 @@ pub(crate) fn run_process(
     t.flush()?;
     // The staging buffers are counted in the operations' memory.
     let stats = t.ops().memory_counter().mirror_stats().transpose();
-    Ok((
-        t.collective_bytes(),
-        t.memory().peak,
-        stats.map_err(KernelError::from)?,
-    ))
+    Ok(RankRun {
+        peak: t.memory().peak,
+        stats: stats.map_err(KernelError::from)?,
+        volume: t.comm_volume(),
+        staging: t.collective_bytes(),
+    })
 }
 
 /// The host twins' (and the meta operations') form of `products`.
@@ -299,7 +342,8 @@ pub(crate) fn twin_products(products: Products) -> HostProducts {
     }
 }
 
-/// The plan of a rank whose counted peak is `peak` (`staging` included).
+/// The plan of a rank whose counted peak is `peak` (`staging` included), its collectives'
+/// bytes left for the caller.
 fn plan_of(
     config: &DeviceTrainConfig,
     world: usize,
@@ -335,5 +379,6 @@ fn plan_of(
         step_scalars: step_scalars_len(tensors) as u64 * 8,
         staging,
         peak,
+        comm_per_step: CommVolume::default(),
     }
 }

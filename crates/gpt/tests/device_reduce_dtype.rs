@@ -18,10 +18,11 @@ use fsdp_device::half::bf16;
 use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_comm::{CommVolume, DeviceComm, HostComm};
-use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
+use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
 use fsdp_gpt::runtime::ShardingStrategy;
-use fsdp_kernels::gpt::{GptOps, HostOps};
+use fsdp_kernels::gpt::{GptOps, HostOps, Products};
 
 mod common;
 use common::device::{
@@ -255,7 +256,8 @@ fn peers_refuse_ranks_reducing_in_different_dtypes() {
 /// once otherwise; every
 /// unit reduced once, in the reduction's dtype (4 or 2 bytes) — so bf16 halves the reductions
 /// and leaves the all-gathers; `NO_SHARD` all-reduces the whole tensors and gathers nothing;
-/// a hybrid mesh reduce-scatters in its node and all-reduces the shards across nodes.
+/// a hybrid mesh reduce-scatters in its node and all-reduces the shards across nodes. The
+/// plans (`fsdp plan --device … --ranks N`, threads and processes) give a step's share.
 #[test]
 fn the_collectives_move_the_units_padded_sizes() {
     let tokens = synthetic_corpus(20_000, 64, 7);
@@ -333,6 +335,20 @@ fn the_collectives_move_the_units_padded_sizes() {
             for v in &volumes {
                 assert_eq!(*v, want, "{s:?}, {world} ranks, reduced in {reduce}");
             }
+            // The plans (threads and processes) give a step's share.
+            let step = CommVolume {
+                all_gathered: ag * micro,
+                reduce_scattered: rs * micro,
+                all_reduced: ar * micro,
+            };
+            let plan = plan_sharded_memory(&c, Products::F32, world, s, rpn).unwrap();
+            assert_eq!(plan.comm_per_step, step, "{s:?}: the threads' plan\n{plan}");
+            let plan =
+                plan_process_memory(&c, Products::F32, world, s, rpn, Prefetch::default()).unwrap();
+            assert_eq!(
+                plan.comm_per_step, step,
+                "{s:?}: the processes' plan\n{plan}"
+            );
             println!("{s:?}, {world} ranks, reduced in {reduce}: {want:?}");
         }
     }
