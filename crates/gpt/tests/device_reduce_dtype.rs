@@ -12,12 +12,15 @@
 //! with bf16 reductions: the same bits over the three at 2 ranks, for every strategy that
 //! reduces (reduce-scatter, all-reduce, and a hybrid mesh's both).
 
+use std::collections::HashMap;
+
 use fsdp::optim::LrSchedule;
 use fsdp_collectives::ring;
 use fsdp_device::half::bf16;
 use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_comm::{CommVolume, DeviceComm, HostComm};
+use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
 use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
@@ -140,6 +143,43 @@ fn f16_error(comm: &dyn DeviceComm<HostOps>, ops: &HostOps) -> String {
     format!("{a}; {b}")
 }
 
+/// How a sharded run is set up: the settings, the strategy, the ranks, and the ranks of a
+/// node (a hybrid mesh).
+type Setup = (DeviceTrainConfig, ShardingStrategy, usize, Option<usize>);
+
+/// Every rank's `f(trainer, losses)` after `steps` steps of `how` from `params` on `tokens`,
+/// the ranks threads over `PeerComm` on the host twins.
+fn on_peers<R: Send>(
+    how: Setup,
+    params: &HashMap<String, Vec<f32>>,
+    tokens: &[u16],
+    steps: usize,
+    f: impl Fn(&ShardedDeviceTrainer<HostOps, PeerComm<HostOps>>, Vec<f32>) -> R + Sync,
+) -> Vec<R> {
+    let (c, s, world, rpn) = how;
+    let comms = peer_comms::<HostOps>(world, rpn);
+    std::thread::scope(|sc| {
+        let f = &f;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|(comm, replicas)| {
+                sc.spawn(move || {
+                    let ops = HostOps::new();
+                    let mut t = match replicas {
+                        Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params),
+                        None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
+                    }
+                    .unwrap();
+                    let losses = (0..steps).map(|k| t.step(tokens, k).unwrap().loss);
+                    let losses = losses.collect();
+                    f(&t, losses)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// The sharded trainer with bf16 reductions: the same losses and parameters over `PeerComm`,
 /// `StagedComm` and (unmeshed) `HostComm` on the ring, for `FULL_SHARD` at 2 ranks
 /// (reduce-scatter), `NO_SHARD` at 2 (all-reduce) and `HYBRID_SHARD` in two nodes of two
@@ -161,32 +201,8 @@ fn sharded_training_reduces_in_bf16() {
                 reduce_dtype: reduce,
                 ..base
             };
-            let comms = peer_comms::<HostOps>(world, rpn);
-            std::thread::scope(|sc| {
-                let handles: Vec<_> = comms
-                    .into_iter()
-                    .map(|(comm, replicas)| {
-                        let (params, tokens) = (&params, &tokens);
-                        sc.spawn(move || {
-                            let ops = HostOps::new();
-                            let mut t = match replicas {
-                                Some(r) => {
-                                    ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params)
-                                }
-                                None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
-                            }
-                            .unwrap();
-                            let losses: Vec<f32> = (0..steps)
-                                .map(|k| t.step(tokens, k).unwrap().loss)
-                                .collect();
-                            (losses, param_bits(t.full_params().unwrap()))
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap())
-                    .collect::<Vec<_>>()
+            on_peers((c, s, world, rpn), &params, &tokens, steps, |t, losses| {
+                (losses, param_bits(t.full_params().unwrap()))
             })
         };
         let peers = run(DType::BF16);
@@ -286,29 +302,9 @@ fn the_collectives_move_the_units_padded_sizes() {
                 reduce_dtype: reduce,
                 ..base
             };
-            let comms = peer_comms::<HostOps>(world, rpn);
-            let volumes: Vec<_> = std::thread::scope(|sc| {
-                let handles: Vec<_> = comms
-                    .into_iter()
-                    .map(|(comm, replicas)| {
-                        let (params, tokens) = (&params, &tokens);
-                        sc.spawn(move || {
-                            let ops = HostOps::new();
-                            let mut t = match replicas {
-                                Some(r) => {
-                                    ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params)
-                                }
-                                None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
-                            }
-                            .unwrap();
-                            for k in 0..steps as usize {
-                                t.step(tokens, k).unwrap();
-                            }
-                            t.comm_volume()
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let how = (c, s, world, rpn);
+            let volumes = on_peers(how, &params, &tokens, steps as usize, |t, _| {
+                t.comm_volume()
             });
             let passes = steps * micro;
             let factor = match (s, rpn) {
