@@ -109,6 +109,18 @@ pub struct CommVolume {
     pub all_reduced: u64,
 }
 
+impl CommVolume {
+    /// A step's share of the bytes of `steps` steps.
+    pub fn per_step(self, steps: u64) -> CommVolume {
+        let steps = steps.max(1);
+        CommVolume {
+            all_gathered: self.all_gathered / steps,
+            reduce_scattered: self.reduce_scattered / steps,
+            all_reduced: self.all_reduced / steps,
+        }
+    }
+}
+
 impl std::ops::AddAssign for CommVolume {
     fn add_assign(&mut self, o: CommVolume) {
         self.all_gathered = self.all_gathered.saturating_add(o.all_gathered);

@@ -125,7 +125,7 @@ pub fn plan_sharded_memory(
     Ok(ShardedMemoryPlan {
         comm_per_step: ranks
             .first()
-            .map(|r| r.volume_per_step(2))
+            .map(|r| r.volume.per_step(2))
             .unwrap_or_default(),
         ..plan_of(&config, world, strategy, ranks_per_node, offload, peak, 0)
     })
@@ -141,18 +141,6 @@ pub(crate) struct RankRun {
     pub(crate) volume: CommVolume,
     /// Its collectives' staging bytes (ranks as processes).
     pub(crate) staging: u64,
-}
-
-impl RankRun {
-    /// The bytes its collectives moved a step, over `steps` steps.
-    fn volume_per_step(&self, steps: u64) -> CommVolume {
-        let v = self.volume;
-        CommVolume {
-            all_gathered: v.all_gathered / steps,
-            reduce_scattered: v.reduce_scattered / steps,
-            all_reduced: v.all_reduced / steps,
-        }
-    }
 }
 
 /// Runs the sharded trainer of `world` ranks as threads over [`MetaOps`] for `steps` steps;
@@ -262,7 +250,7 @@ pub fn plan_process_memory(
     let how = (world, strategy, ranks_per_node, prefetch);
     let r = run_process(config, products, how, 2, None)?;
     Ok(ShardedMemoryPlan {
-        comm_per_step: r.volume_per_step(2),
+        comm_per_step: r.volume.per_step(2),
         ..plan_of(
             config,
             world,

@@ -114,7 +114,7 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
 /// same global batch as two ranks (each timed by `time_steps` over `ShardedDeviceTrainer`):
 /// the same losses as world 1 within 1e-5 (printed at 4 decimals: equal), its median step and
 /// its ratio to world 1's on a `RESULT` line, and every rank's peak; with `--reduce-dtype
-/// bf16`, a `RESULT` line naming it.
+/// bf16`, a `RESULT` line naming it and the bytes rank 0's collectives moved a step.
 #[test]
 fn the_benchmark_times_two_ranks_against_one() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
@@ -179,6 +179,11 @@ fn the_benchmark_times_two_ranks_against_one() {
     assert!(out.status.success(), "{text}{err}");
     assert!(
         text.contains("RESULT gpt-device-bench tiny f32 world 2 full-shard reduce bf16: median"),
+        "{text}"
+    );
+    // And the bytes rank 0's collectives moved a step.
+    assert!(
+        text.contains("rank 0's collectives a step: all-gathered"),
         "{text}"
     );
 }

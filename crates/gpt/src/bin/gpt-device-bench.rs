@@ -27,6 +27,7 @@ use fsdp::ShardingStrategy;
 use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
+use fsdp_gpt::device_comm::CommVolume;
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::plan_allocator;
@@ -128,13 +129,13 @@ fn strategy(s: &str) -> Result<ShardingStrategy, String> {
 }
 
 /// `world` ranks as threads, rank `r` on `ops(r)`, each timed as [`run`] times one: rank 0's
-/// times and every rank's memory.
+/// times and the bytes its collectives moved a step, and every rank's memory.
 fn run_sharded<O: PeerOps>(
     ops: impl Fn(usize) -> Result<O, String> + Sync,
     config: DeviceTrainConfig,
     args: &Args,
     world: usize,
-) -> Result<(StepTimes, Vec<MemoryUse>), String>
+) -> Result<(StepTimes, CommVolume, Vec<MemoryUse>), String>
 where
     O::Event: 'static,
 {
@@ -142,14 +143,16 @@ where
     let params = seeded_params(&config.cfg, 1337).map_err(|e| e.to_string())?;
     let tokens = synthetic_corpus(200_000, config.cfg.vocab_size as u16, 1337);
     let comms = PeerComm::<O>::group(world, std::time::Duration::from_secs(600));
-    let rank = |r: usize, comm: PeerComm<O>| -> Result<(StepTimes, MemoryUse), String> {
+    type End = (StepTimes, CommVolume, MemoryUse);
+    let rank = |r: usize, comm: PeerComm<O>| -> Result<End, String> {
         let mut t = ShardedDeviceTrainer::new(ops(r)?, comm, config, strategy, &params)
             .map_err(|e| format!("rank {r}: {e}"))?;
         let times = time_steps(&mut t, &tokens, args.steps, args.warmup, Reads::OneLate)
             .map_err(|e| format!("rank {r}: {e}"))?;
-        Ok((times, t.memory()))
+        let per_step = t.comm_volume().per_step(args.steps as u64);
+        Ok((times, per_step, t.memory()))
     };
-    let ends: Vec<Result<(StepTimes, MemoryUse), String>> = std::thread::scope(|s| {
+    let ends: Vec<Result<End, String>> = std::thread::scope(|s| {
         let rank = &rank;
         let handles: Vec<_> = comms
             .into_iter()
@@ -164,14 +167,15 @@ where
             })
             .collect()
     });
-    let mut times = None;
+    let mut first = None;
     let mut memory = Vec::with_capacity(world);
     for end in ends {
-        let (t, m) = end?;
-        times.get_or_insert(t);
+        let (t, v, m) = end?;
+        first.get_or_insert((t, v));
         memory.push(m);
     }
-    Ok((times.ok_or("no rank")?, memory))
+    let (times, volume) = first.ok_or("no rank")?;
+    Ok((times, volume, memory))
 }
 
 /// (n_layer, n_head, n_embd, block_size, vocab_size) as `torch_fsdp2_gpt.py`'s MODELS.
@@ -424,7 +428,7 @@ fn bench(args: &Args) -> Result<(), String> {
         );
         if args.ranks > 1 {
             let world = args.ranks;
-            let (times, memory) = match cuda_ordinal {
+            let (times, volume, memory) = match cuda_ordinal {
                 Some(n) => run_sharded(
                     |r| {
                         let stream = fsdp_device::Stream::cuda(n, format!("rank {r}"))
@@ -460,6 +464,13 @@ fn bench(args: &Args) -> Result<(), String> {
                 peaks.join(", "),
                 times.losses.first().copied().unwrap_or(f32::NAN),
                 times.losses.last().copied().unwrap_or(f32::NAN),
+            );
+            println!(
+                "  rank 0's collectives a step: all-gathered {}, reduce-scattered {}, \
+                 all-reduced {}",
+                human_bytes(volume.all_gathered),
+                human_bytes(volume.reduce_scattered),
+                human_bytes(volume.all_reduced)
             );
             let reduced = match args.reduce_dtype {
                 fsdp_device::DType::BF16 => " reduce bf16",
