@@ -159,15 +159,15 @@ impl<C: Communicator + ?Sized> HostComm<C> {
 /// gradients in these two.
 ///
 /// # Errors
-/// Any other dtype, naming the collective `what`.
-pub fn reduces_in_bf16(what: &str, dtype: DType) -> Result<bool, DeviceTrainError> {
+/// [`FsdpError::InvalidFsdpConfig`](fsdp::FsdpError::InvalidFsdpConfig) for any other dtype,
+/// naming `what` (the collective, or the setting).
+pub fn reduces_in_bf16(what: &str, dtype: DType) -> Result<bool, fsdp::FsdpError> {
     match dtype {
         DType::F32 => Ok(false),
         DType::BF16 => Ok(true),
         other => Err(fsdp::FsdpError::InvalidFsdpConfig {
             reason: format!("{what} in {other}: the device's collectives reduce in f32 or bf16"),
-        }
-        .into()),
+        }),
     }
 }
 

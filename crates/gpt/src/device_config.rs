@@ -133,14 +133,7 @@ impl DeviceTrainConfig {
         if let Some(c) = self.grad_clip {
             check_max_norm(c)?;
         }
-        if !matches!(self.reduce_dtype, DType::F32 | DType::BF16) {
-            return Err(FsdpError::InvalidFsdpConfig {
-                reason: format!(
-                    "reduce_dtype {}: the device trainers reduce in f32 or bf16",
-                    self.reduce_dtype
-                ),
-            });
-        }
+        crate::device_comm::reduces_in_bf16("reduce_dtype", self.reduce_dtype)?;
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {
                 reason: format!(

@@ -118,18 +118,29 @@ pub fn plan_sharded_memory(
     strategy: ShardingStrategy,
     ranks_per_node: Option<usize>,
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
-    let ranks = run_threads(config, products, world, strategy, ranks_per_node, 2, None)?;
+    let ranks = run_threads(
+        config,
+        products,
+        world,
+        strategy,
+        ranks_per_node,
+        STEPS,
+        None,
+    )?;
     let offload = config.offload;
     let config = *config;
     let peak = ranks.iter().map(|r| r.peak).max().unwrap_or(0);
     Ok(ShardedMemoryPlan {
         comm_per_step: ranks
             .first()
-            .map(|r| r.volume.per_step(2))
+            .map(|r| r.volume.per_step(STEPS as u64))
             .unwrap_or_default(),
         ..plan_of(&config, world, strategy, ranks_per_node, offload, peak, 0)
     })
 }
+
+/// The steps a memory plan runs: the second is a steady one (the first grows the kept buffers).
+const STEPS: usize = 2;
 
 /// What a planning run of one rank gives.
 pub(crate) struct RankRun {
@@ -248,9 +259,9 @@ pub fn plan_process_memory(
     prefetch: Prefetch,
 ) -> Result<ShardedMemoryPlan, DeviceTrainError> {
     let how = (world, strategy, ranks_per_node, prefetch);
-    let r = run_process(config, products, how, 2, None)?;
+    let r = run_process(config, products, how, STEPS, None)?;
     Ok(ShardedMemoryPlan {
-        comm_per_step: r.volume.per_step(2),
+        comm_per_step: r.volume.per_step(STEPS as u64),
         ..plan_of(
             config,
             world,

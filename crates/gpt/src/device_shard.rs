@@ -312,11 +312,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             return Ok(());
         }
         let (d, factor, comm) = (self.dims, self.factor, self.comm);
-        let gathered = bytes(
-            unit_shard_lens(&d, factor, unit)?.iter().sum::<usize>() * factor,
-            DType::F32,
-        );
-        match unit {
+        let gathered = match unit {
             Unit::Root if self.root.is_none() => {
                 let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
                 let fulls = full.root_bufs_mut();
@@ -335,7 +331,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     )?,
                 }
                 self.root = Some(full);
-                self.volume.all_gathered += gathered;
+                true
             }
             Unit::Block(l) if self.blocks.get(l).is_some_and(Option::is_none) => {
                 let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
@@ -352,29 +348,32 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     )?,
                 }
                 self.blocks[l] = Some(full);
-                self.volume.all_gathered += gathered;
+                true
             }
-            _ => {}
+            _ => false,
+        };
+        if gathered {
+            let shards: usize = unit_shard_lens(&d, factor, unit)?.iter().sum();
+            self.volume.all_gathered += bytes(shards * factor, DType::F32);
         }
         Ok(())
     }
 
-    /// Reduces the full gradients `full` of `unit` in `dtype` and adds `alpha ×` this rank's
-    /// part of them to the unit's accumulators in `sink`; returns the bytes moved.
-    #[allow(clippy::too_many_arguments)]
+    /// Reduces the full gradients `full` of `unit` in the reduction's dtype, adds `alpha ×`
+    /// this rank's part of them to the unit's accumulators in the sink, and counts the bytes
+    /// moved.
     fn reduce(
-        comm: &C,
-        replicas: Option<&C>,
+        &mut self,
         ops: &O,
-        (factor, alpha, dtype): (usize, f32, DType),
         unit: Unit,
         mut full: Vec<&mut O::Buf>,
-        sink: &mut GradSink<'_, O>,
-        dims: GptDims,
-    ) -> Result<CommVolume, DeviceTrainError> {
+    ) -> Result<(), DeviceTrainError> {
+        let (comm, replicas, factor) = (self.comm, self.replicas, self.factor);
+        let (alpha, dtype) = (self.alpha, self.reduce_dtype);
+        let sink = &mut self.sink;
         let mut volume = CommVolume::default();
         if factor > 1 {
-            let lens = unit_shard_lens(&dims, factor, unit)?;
+            let lens = unit_shard_lens(&self.dims, factor, unit)?;
             let shards: usize = lens.iter().sum();
             volume.reduce_scattered = bytes(shards * factor, dtype);
             let mut reduced = lens
@@ -407,7 +406,8 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             }
             sink.add(ops, alpha, unit, full.iter().map(|g| &**g).collect())?;
         }
-        Ok(volume)
+        self.volume += volume;
+        Ok(())
     }
 }
 
@@ -510,22 +510,10 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
     }
 
     fn post_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        let (comm, replicas) = (self.comm, self.replicas);
-        let how = (self.factor, self.alpha, self.reduce_dtype);
         match unit {
             Unit::Root => {
                 let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
-                let full = g.root_bufs_mut().into_iter().collect();
-                self.volume += Self::reduce(
-                    comm,
-                    replicas,
-                    ops,
-                    how,
-                    unit,
-                    full,
-                    &mut self.sink,
-                    self.dims,
-                )?;
+                self.reduce(ops, unit, g.root_bufs_mut().into_iter().collect())?;
                 self.root = None;
             }
             Unit::Block(l) => {
@@ -535,17 +523,7 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
                     .get_mut(l)
                     .and_then(Option::take)
                     .ok_or_else(what)?;
-                let full = g.bufs_mut();
-                self.volume += Self::reduce(
-                    comm,
-                    replicas,
-                    ops,
-                    how,
-                    unit,
-                    full,
-                    &mut self.sink,
-                    self.dims,
-                )?;
+                self.reduce(ops, unit, g.bufs_mut())?;
                 self.blocks[l] = None;
             }
         }

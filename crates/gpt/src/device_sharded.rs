@@ -33,8 +33,7 @@ use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_APPLIED, STEP_LOSS, ST
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
-use crate::device_comm::CommVolume;
-use crate::device_comm::DeviceComm;
+use crate::device_comm::{CommVolume, DeviceComm};
 use crate::device_config::{DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{
     accumulate_staged, decide_and_apply, squares, HostSide, OffloadStaging, Optim,

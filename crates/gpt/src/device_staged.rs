@@ -291,9 +291,10 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
                 // SAFETY: `from` is a staging buffer (of its dtype) written by the collective
                 // the operations were ordered after, and held for this copy (`with_ptr`).
                 unsafe {
-                    match half {
-                        true => ops.widen_bf16_ptr(from, at, b, 0, n)?,
-                        false => ops.copy_from_peer(from, at, b, 0, n)?,
+                    if half {
+                        ops.widen_bf16_ptr(from, at, b, 0, n)?
+                    } else {
+                        ops.copy_from_peer(from, at, b, 0, n)?
                     }
                 };
             }

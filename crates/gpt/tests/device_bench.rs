@@ -117,24 +117,27 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
 /// bf16`, a `RESULT` line naming it and the bytes rank 0's collectives moved a step.
 #[test]
 fn the_benchmark_times_two_ranks_against_one() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
-        .args([
-            "--device",
-            "host-twin",
-            "--model",
-            "tiny",
-            "--products",
-            "f32",
-        ])
-        .args(["--steps", "4", "--warmup", "1", "--ranks", "2"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // The tiny model's f32 run on the host twins, then as 2 ranks: its output.
+    let bench = |steps: &str, extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
+            .args([
+                "--device",
+                "host-twin",
+                "--model",
+                "tiny",
+                "--products",
+                "f32",
+            ])
+            .args(["--steps", steps, "--warmup", "1", "--ranks", "2"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}{err}");
+        text
+    };
+    let text = bench("4", &[]);
     let losses = |line: &str| line.rsplit("loss ").next().unwrap().trim().to_string();
     let one = text
         .lines()
@@ -161,22 +164,7 @@ fn the_benchmark_times_two_ranks_against_one() {
         .unwrap();
     assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
     // With `--reduce-dtype bf16` the ranks reduce in bf16, and the RESULT line says so.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
-        .args([
-            "--device",
-            "host-twin",
-            "--model",
-            "tiny",
-            "--products",
-            "f32",
-        ])
-        .args(["--steps", "2", "--warmup", "1", "--ranks", "2"])
-        .args(["--reduce-dtype", "bf16"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}{err}");
+    let text = bench("2", &["--reduce-dtype", "bf16"]);
     assert!(
         text.contains("RESULT gpt-device-bench tiny f32 world 2 full-shard reduce bf16: median"),
         "{text}"
