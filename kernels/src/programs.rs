@@ -20,6 +20,9 @@ pub enum Program {
     /// `adamw_f32`, `adamw_bf16_state`, `sgd_f32`, and the end of a step decided on the
     /// device: `step_decide` and `adamw_decided_f32`.
     Optim,
+    /// torchdistx's `AnyPrecisionAdamW` at the end of a step decided on the device:
+    /// `anyprecision_decided_f32` and `anyprecision_decided_bf16_state` (f32 or bf16 state).
+    AnyPrecision,
     /// `sum_squares_f32` and `sum_f64_final`, and the step's loss: `loss_accumulate`.
     Norm,
     /// The GPT's layers besides matrix products (f32): layer norm, GELU, causal softmax,
@@ -30,11 +33,12 @@ pub enum Program {
 
 impl Program {
     /// Every program.
-    pub const ALL: [Program; 6] = [
+    pub const ALL: [Program; 7] = [
         Program::Cast,
         Program::Elementwise,
         Program::Reduce,
         Program::Optim,
+        Program::AnyPrecision,
         Program::Norm,
         Program::Nn,
     ];
@@ -46,6 +50,7 @@ impl Program {
             Program::Elementwise => "elementwise.cu",
             Program::Reduce => "reduce.cu",
             Program::Optim => "optim.cu",
+            Program::AnyPrecision => "any_precision.cu",
             Program::Norm => "norm.cu",
             Program::Nn => "nn.cu",
         }
@@ -58,6 +63,7 @@ impl Program {
             Program::Elementwise => include_str!("cu/elementwise.cu"),
             Program::Reduce => include_str!("cu/reduce.cu"),
             Program::Optim => include_str!("cu/optim.cu"),
+            Program::AnyPrecision => include_str!("cu/any_precision.cu"),
             Program::Norm => include_str!("cu/norm.cu"),
             Program::Nn => include_str!("cu/nn.cu"),
         };
@@ -100,6 +106,10 @@ impl Program {
                 "step_decide",
                 "adamw_decided_f32",
             ]),
+            Program::AnyPrecision => s(&[
+                "anyprecision_decided_f32",
+                "anyprecision_decided_bf16_state",
+            ]),
             Program::Norm => s(&["sum_squares_f32", "sum_f64_final", "loss_accumulate"]),
             Program::Nn => s(&[
                 "layernorm_forward_f32",
@@ -120,6 +130,15 @@ impl Program {
                 "heads_merge_f32",
             ]),
         }
+    }
+}
+
+impl Program {
+    /// Whether the program asks for fused multiply-adds itself (`__fmaf_rn`, where its twin
+    /// calls `mul_add`): only [`Program::AnyPrecision`]. `--fmad=false` ([`options`]) keeps
+    /// NVRTC from fusing anything else in every program.
+    pub const fn explicit_fma(self) -> bool {
+        matches!(self, Program::AnyPrecision)
     }
 }
 

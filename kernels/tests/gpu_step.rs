@@ -1,17 +1,19 @@
 //! The end of a training step decided on the GPU against the host twins, bitwise: the loss
 //! (`loss_accumulate`), the decision (`step_decide`: norm, clipping, non-finite steps, the halt,
 //! the AdamW scalar set, the step count, the bookkeeping fault) and AdamW as decided
-//! (`adamw_decided_f32`); and `CudaOps::copy_scalars`, whose values are those at the copy, not
+//! (`adamw_decided_f32`) and `AnyPrecisionAdamW` as decided (`anyprecision_decided_*`); and `CudaOps::copy_scalars`, whose values are those at the copy, not
 //! those of work enqueued after it. Without a GPU each test prints `skipped: no GPU (<reason>)`
 //! and passes.
 
 mod common;
 
 use common::{data, down, gpu, gpu_stream, up};
+use fsdp_device::DType;
 use fsdp_device::Stream;
 use fsdp_kernels::gpt::{CudaOps, GptOps};
 use fsdp_kernels::host::{
-    self, step_scalars_len, AdamW, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS, STEP_SQUARES,
+    self, pack_state, state_len, step_scalars_len, AdamW, AdamWChoice, AdamWScalars, AnyPrecision,
+    AnyPrecisionChoice, AnyPrecisionScalars, StepRule, STEP_LOSS, STEP_SQUARES,
 };
 use fsdp_kernels::launch;
 
@@ -80,6 +82,111 @@ fn step_decide_equals_its_twin() {
         launch::step_decide(&s, &rule, &mut got).unwrap();
         assert_eq!(bits(&down(&s, &got)), bits(&want), "case {k}: {want:?}");
         state = want;
+    }
+}
+
+/// `AnyPrecisionAdamW` as decided, every kind (parameters f32 or bf16, state f32 or packed
+/// bf16, Kahan on and off) over applied, clipped and skipped steps: bitwise its twin.
+#[test]
+fn anyprecision_decided_equals_its_twin() {
+    let Some(s) = gpu_stream("anyprecision_decided_equals_its_twin") else {
+        return;
+    };
+    let n = 100_003;
+    let cfg = |lr: f64| AdamW {
+        lr,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let choice = AnyPrecisionChoice([
+        AnyPrecisionScalars::new(&cfg(1e-3), 3).unwrap(),
+        AnyPrecisionScalars::new(
+            &AdamW {
+                weight_decay: 0.0,
+                ..cfg(9e-4)
+            },
+            4,
+        )
+        .unwrap(),
+    ]);
+    for param in [DType::F32, DType::BF16] {
+        for state in [DType::F32, DType::BF16] {
+            for kahan in [false, true] {
+                let kind = AnyPrecision {
+                    param,
+                    state,
+                    kahan,
+                };
+                let round = |x: f32| match param {
+                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                    _ => x,
+                };
+                let mut p: Vec<f32> = data(n, 1, 0.5).into_iter().map(round).collect();
+                let sn = state_len(n, state);
+                let pack = |v: Vec<f32>| pack_state(&v[..n.min(v.len())], state);
+                let mut m = pack(data(n, 2, 0.01));
+                let mut v = pack(data(n, 3, 0.001).iter().map(|x| x.abs()).collect());
+                let mut c = pack(data(n, 4, 1e-4));
+                assert_eq!(m.len(), sn);
+                let (mut dp, mut dm, mut dv, mut dc) =
+                    (up(&s, &p), up(&s, &m), up(&s, &v), up(&s, &c));
+                for (k, (applied, pick, clipped, coef)) in [
+                    (1.0, 0.0, 0.0, 1.0),
+                    (1.0, 1.0, 1.0, 0.37f32 as f64),
+                    (0.0, 1.0, 1.0, 0.5),
+                    (1.0, 1.0, 0.0, 1.0),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let g = data(n, 10 + k as u64, 2.0);
+                    let mut sc = vec![0.0f64; step_scalars_len(0)];
+                    sc[host::STEP_APPLIED] = applied;
+                    sc[host::STEP_CHOICE] = pick;
+                    sc[host::STEP_CLIPPED] = clipped;
+                    sc[host::STEP_CLIP_COEF] = coef;
+                    host::anyprecision_decided(
+                        &choice,
+                        kind,
+                        &sc,
+                        &mut p,
+                        &g,
+                        &mut m,
+                        &mut v,
+                        Some(&mut c),
+                    )
+                    .unwrap();
+                    let (dg, ds) = (up(&s, &g), up(&s, &sc));
+                    launch::anyprecision_decided(
+                        &s,
+                        &choice,
+                        kind,
+                        &ds,
+                        &mut dp,
+                        &dg,
+                        &mut dm,
+                        &mut dv,
+                        Some(&mut dc),
+                    )
+                    .unwrap();
+                    for (what, d, h) in [
+                        ("param", &dp, &p),
+                        ("exp_avg", &dm, &m),
+                        ("exp_avg_sq", &dv, &v),
+                        ("compensation", &dc, &c),
+                    ] {
+                        let d = down(&s, d);
+                        let same = d
+                            .iter()
+                            .zip(h.iter())
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{kind:?} case {k}: {what} differs from its twin");
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -119,3 +119,18 @@ __device__ __forceinline__ float round_as(const f16*, float v) { return to_f32(f
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (u64)gridDim.x * blockDim.x)
+
+// The end of a training step decided on the device (twins and the slots' meaning in
+// host/step.rs): the host enqueues every step and reads its outcome later.
+#define STEP_LOSS 0
+#define STEP_GRAD_NORM 1
+#define STEP_CLIPPED 2
+#define STEP_CLIP_COEF 3
+#define STEP_APPLIED 4
+#define STEP_CHOICE 5
+#define STEP_COUNT 6
+#define STEP_NONFINITE 7
+#define STEP_HALTED 8
+#define STEP_FAULT 9
+#define STEP_SQUARES 10
+#define STEP_CHOICES 2

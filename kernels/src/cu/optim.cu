@@ -68,20 +68,8 @@ extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n, 
     }
 }
 
-// The end of a training step decided on the device (twins and the slots' meaning in
-// host/step.rs): the host enqueues every step and reads its outcome later.
-#define STEP_LOSS 0
-#define STEP_GRAD_NORM 1
-#define STEP_CLIPPED 2
-#define STEP_CLIP_COEF 3
-#define STEP_APPLIED 4
-#define STEP_CHOICE 5
-#define STEP_COUNT 6
-#define STEP_NONFINITE 7
-#define STEP_HALTED 8
-#define STEP_FAULT 9
-#define STEP_SQUARES 10
-#define STEP_CHOICES 2
+// The end of a training step decided on the device: the scalars' slots (STEP_*) are in
+// common.cuh.
 
 // One thread: the norm from the tensors' sums of squares (in order), clipping, finiteness,
 // the non-finite budget (`skip_nonfinite` < 0: none), the choice of AdamW scalars and the
@@ -142,3 +130,4 @@ extern "C" __global__ void adamw_decided_f32(float* p, const float* g, float* m,
                          a.one_minus_beta2, a.neg_step_size, a.bc2_sqrt, a.eps);
     }
 }
+

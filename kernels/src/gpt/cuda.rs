@@ -18,7 +18,7 @@ use super::ops::{loss_rows, Arg, GptOps};
 use super::products::Kept;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
-use crate::host::{AdamWChoice, AdamWScalars, StepRule};
+use crate::host::{AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule};
 use crate::{launch, KernelError};
 
 /// [`GptOps`] on one CUDA stream: the layer kernels through [`launch`] and the products
@@ -515,6 +515,30 @@ impl GptOps for CudaOps {
     ) -> Result<(), KernelError> {
         launch::adamw_decided(
             &self.cuda, choice, scalars, param, grad, exp_avg, exp_avg_sq,
+        )
+    }
+
+    fn anyprecision_decided(
+        &self,
+        choice: &AnyPrecisionChoice,
+        kind: AnyPrecision,
+        scalars: &CudaScalars,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        exp_avg: &mut CudaBuf,
+        exp_avg_sq: &mut CudaBuf,
+        compensation: Option<&mut CudaBuf>,
+    ) -> Result<(), KernelError> {
+        launch::anyprecision_decided(
+            &self.cuda,
+            choice,
+            kind,
+            scalars,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            compensation,
         )
     }
 

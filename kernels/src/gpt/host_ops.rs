@@ -8,7 +8,10 @@ use super::ops::{loss_rows, Arg, GptOps};
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to_bf16, Kept};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
-use crate::host::{self, same_len, AdamWChoice, AdamWScalars, StepRule, STEP_LOSS};
+use crate::host::{
+    self, same_len, AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule,
+    STEP_LOSS,
+};
 use crate::KernelError;
 
 /// How [`HostOps`] multiplies matrices.
@@ -468,6 +471,29 @@ impl GptOps for HostOps {
         exp_avg_sq: &mut HostBuf,
     ) -> Result<(), KernelError> {
         host::adamw_decided(choice, scalars, param, grad, exp_avg, exp_avg_sq)
+    }
+
+    fn anyprecision_decided(
+        &self,
+        choice: &AnyPrecisionChoice,
+        kind: AnyPrecision,
+        scalars: &Counted<Vec<f64>>,
+        param: &mut HostBuf,
+        grad: &HostBuf,
+        exp_avg: &mut HostBuf,
+        exp_avg_sq: &mut HostBuf,
+        compensation: Option<&mut HostBuf>,
+    ) -> Result<(), KernelError> {
+        host::anyprecision_decided(
+            choice,
+            kind,
+            scalars,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            compensation.map(|c| &mut c[..]),
+        )
     }
 
     fn copy_scalars(&self, scalars: &Counted<Vec<f64>>) -> Result<Vec<f64>, KernelError> {

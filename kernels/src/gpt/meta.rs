@@ -19,7 +19,9 @@ use super::peer_half::check_cast;
 use super::products::Kept;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
-use crate::host::{AdamWChoice, AdamWScalars, ReduceKind, StepRule};
+use crate::host::{
+    AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, ReduceKind, StepRule,
+};
 use crate::KernelError;
 
 /// A buffer of [`MetaOps`]: its length only.
@@ -368,6 +370,23 @@ impl GptOps for MetaOps {
         exp_avg_sq: &mut MetaCounted,
     ) -> Result<(), KernelError> {
         write(&mut [param, exp_avg, exp_avg_sq]);
+        Ok(())
+    }
+    fn anyprecision_decided(
+        &self,
+        _: &AnyPrecisionChoice,
+        _: AnyPrecision,
+        _: &Counted<Vec<f64>>,
+        param: &mut MetaCounted,
+        _: &MetaCounted,
+        exp_avg: &mut MetaCounted,
+        exp_avg_sq: &mut MetaCounted,
+        compensation: Option<&mut MetaCounted>,
+    ) -> Result<(), KernelError> {
+        write(&mut [param, exp_avg, exp_avg_sq]);
+        if let Some(c) = compensation {
+            write(&mut [c]);
+        }
         Ok(())
     }
     fn copy_scalars(&self, scalars: &Counted<Vec<f64>>) -> Result<Vec<f64>, KernelError> {

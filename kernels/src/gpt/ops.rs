@@ -4,7 +4,7 @@
 use super::memory::{MemoryEvent, MemoryUse};
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
-use crate::host::{AdamWChoice, AdamWScalars, StepRule};
+use crate::host::{AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule};
 use crate::KernelError;
 
 /// The operations of one GPT training step on one device, f32. Each kernel operation has the
@@ -392,6 +392,26 @@ pub trait GptOps {
         grad: &Self::Buf,
         exp_avg: &mut Self::Buf,
         exp_avg_sq: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// torchdistx's `AnyPrecisionAdamW` on one tensor as the decision in `scalars` says
+    /// ([`host::anyprecision_decided`](crate::host::anyprecision_decided)): the parameter
+    /// rounded to `kind.param`, the state buffers of
+    /// [`state_len`](crate::host::state_len) elements in `kind.state`, the compensation
+    /// required with Kahan summation.
+    ///
+    /// # Errors
+    /// Lengths that differ; a bad dtype or missing compensation; launch failures.
+    #[allow(clippy::too_many_arguments)]
+    fn anyprecision_decided(
+        &self,
+        choice: &AnyPrecisionChoice,
+        kind: AnyPrecision,
+        scalars: &Self::Scalars,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        exp_avg: &mut Self::Buf,
+        exp_avg_sq: &mut Self::Buf,
+        compensation: Option<&mut Self::Buf>,
     ) -> Result<(), KernelError>;
     /// Starts copying `scalars` to the host once the operations enqueued before have run,
     /// without waiting for them.

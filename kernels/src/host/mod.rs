@@ -2,6 +2,7 @@
 //! so that a GPU result can be compared bitwise (NaN payloads aside: a GPU makes every NaN of
 //! an addition or product the canonical `0x7fffffff`).
 
+mod any_precision;
 mod convert;
 pub mod nn;
 mod nn_heads;
@@ -12,6 +13,10 @@ mod optim;
 mod step;
 pub(crate) use step::check_scalars_len;
 
+pub use any_precision::{
+    anyprecision_decided, pack_state, state_len, unpack_state, AnyPrecision, AnyPrecisionChoice,
+    AnyPrecisionScalars,
+};
 pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use norm::{sum_of_squares, NORM_BLOCK, NORM_ITEMS};
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};

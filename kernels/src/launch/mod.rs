@@ -33,7 +33,7 @@ pub use nn::{
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};
-pub use step::{adamw_decided, loss_accumulate, step_decide};
+pub use step::{adamw_decided, anyprecision_decided, loss_accumulate, step_decide};
 
 /// Threads per block of the element-wise kernels.
 const BLOCK: u32 = 256;

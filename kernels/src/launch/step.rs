@@ -1,6 +1,6 @@
 //! Launchers of the kernels that end a training step on the device (twins and the scalar
 //! buffer's layout in [`host::step`](crate::host)): `loss_accumulate`, `step_decide` and
-//! `adamw_decided_f32`.
+//! `adamw_decided_f32`, and `anyprecision_decided_*`.
 
 use cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -8,7 +8,8 @@ use cudarc::driver::{
 
 use super::{config, driver, function};
 use crate::host::{
-    check_scalars_len, same_len, AdamWChoice, AdamWScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
+    check_scalars_len, same_len, state_len, AdamWChoice, AdamWScalars, AnyPrecision,
+    AnyPrecisionChoice, AnyPrecisionScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
 };
 use crate::{KernelError, Program};
 
@@ -168,5 +169,135 @@ pub fn adamw_decided(
     // AdamWChoice)`: the four tensors have `n` elements, the scalars at least STEP_SQUARES
     // (it reads the decision's slots), the choice passed by value as its C layout.
     unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "adamw_decided_f32", e))?;
+    Ok(())
+}
+
+/// `AnyPrecisionArgs` of `cu/optim.cu`: [`AnyPrecisionScalars`] with the decay's presence as
+/// a u32.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AnyPrecisionArgs {
+    has_decay: u32,
+    decay: f32,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    denom_correction: f32,
+    eps: f32,
+    neg_step_size: f32,
+}
+
+/// `AnyPrecisionChoice` of `cu/optim.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AnyPrecisionChoiceArgs {
+    at: [AnyPrecisionArgs; STEP_CHOICES],
+}
+
+// SAFETY: plain `repr(C)` structs of 4-byte scalars, laid out as their CUDA C twins (no
+// padding, no pointers); passed by value as a kernel parameter.
+unsafe impl DeviceRepr for AnyPrecisionChoiceArgs {}
+
+impl From<&AnyPrecisionScalars> for AnyPrecisionArgs {
+    fn from(s: &AnyPrecisionScalars) -> AnyPrecisionArgs {
+        AnyPrecisionArgs {
+            has_decay: u32::from(s.decay.is_some()),
+            decay: s.decay.unwrap_or(1.0),
+            beta1: s.beta1,
+            one_minus_beta1: s.one_minus_beta1,
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            denom_correction: s.denom_correction,
+            eps: s.eps,
+            neg_step_size: s.neg_step_size,
+        }
+    }
+}
+
+/// `AnyPrecisionAdamW` on one tensor as [`step_decide`] decided
+/// ([`host::anyprecision_decided`](crate::host::anyprecision_decided), bitwise): the state
+/// buffers hold [`state_len`] f32 elements (bf16 packed); the compensation is required with
+/// Kahan summation and ignored without.
+///
+/// # Errors
+/// [`KernelError::Length`]; a bad dtype, a missing compensation, a short scalar buffer;
+/// compile, load and launch failures.
+#[allow(clippy::too_many_arguments)]
+pub fn anyprecision_decided(
+    stream: &CudaStream,
+    choice: &AnyPrecisionChoice,
+    kind: AnyPrecision,
+    scalars: &impl DevicePtr<f64>,
+    param: &mut impl DevicePtrMut<f32>,
+    grad: &impl DevicePtr<f32>,
+    exp_avg: &mut impl DevicePtrMut<f32>,
+    exp_avg_sq: &mut impl DevicePtrMut<f32>,
+    compensation: Option<&mut impl DevicePtrMut<f32>>,
+) -> Result<(), KernelError> {
+    const K: &str = "anyprecision_decided";
+    kind.validate()?;
+    check_scalars_len(K, scalars.len(), 0)?;
+    let n = param.len();
+    let sn = state_len(n, kind.state);
+    same_len(K, "grad", n, grad.len())?;
+    same_len(K, "exp_avg", sn, exp_avg.len())?;
+    same_len(K, "exp_avg_sq", sn, exp_avg_sq.len())?;
+    let compensation = match (kind.kahan, compensation) {
+        (true, Some(c)) => {
+            same_len(K, "compensation", sn, c.len())?;
+            Some(c)
+        }
+        (true, None) => {
+            return Err(KernelError::InvalidArgument {
+                kernel: K,
+                reason: "Kahan summation without a compensation buffer".into(),
+            })
+        }
+        (false, _) => None,
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let name = if kind.state == fsdp_device::DType::BF16 {
+        "anyprecision_decided_bf16_state"
+    } else {
+        "anyprecision_decided_f32"
+    };
+    let f = function(stream, Program::AnyPrecision, name)?;
+    let (p, _p) = param.device_ptr_mut(stream);
+    let (g, _g) = grad.device_ptr(stream);
+    let (m, _m) = exp_avg.device_ptr_mut(stream);
+    let (v, _v) = exp_avg_sq.device_ptr_mut(stream);
+    let (c, _c) = match compensation {
+        Some(c) => {
+            let (ptr, guard) = c.device_ptr_mut(stream);
+            (ptr, Some(guard))
+        }
+        None => (0, None),
+    };
+    let (s, _s) = scalars.device_ptr(stream);
+    let args = AnyPrecisionChoiceArgs {
+        at: choice.0.each_ref().map(AnyPrecisionArgs::from),
+    };
+    let n64 = n as u64;
+    let param_bf16 = u32::from(kind.param == fsdp_device::DType::BF16);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&p)
+        .arg(&g)
+        .arg(&m)
+        .arg(&v)
+        .arg(&c)
+        .arg(&n64)
+        .arg(&s)
+        .arg(&args)
+        .arg(&param_bf16);
+    // SAFETY: `anyprecision_decided_*(float*, const float*, S*, S*, S*, u64, const double*,
+    // AnyPrecisionChoice, u32)`: the parameter and gradient have `n` f32 elements, the state
+    // buffers `state_len(n)` f32 elements, which hold `n` values of S (checked above); the
+    // compensation is null exactly when Kahan summation is off (the kernel then never reads
+    // it); the scalars have at least STEP_SQUARES elements; the choice is passed by value as
+    // its C layout.
+    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", name, e))?;
     Ok(())
 }
