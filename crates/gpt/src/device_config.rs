@@ -1,14 +1,16 @@
 //! The settings and errors of the [`DeviceTrainer`](crate::device_train::DeviceTrainer), and
 //! the seeded weights it starts from (re-exported by [`device_train`](crate::device_train)).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use fsdp::init::materialize;
 use fsdp::optim::{check_max_norm, AdamWConfig, LrSchedule};
 use fsdp::FsdpError;
+use fsdp_device::half::bf16;
 use fsdp_device::DType;
 use fsdp_kernels::gpt::{Attention, GptDims, Logits};
-use fsdp_kernels::host::STEP_CHOICES;
+use fsdp_kernels::host::{AnyPrecision, STEP_CHOICES};
 use fsdp_kernels::KernelError;
 
 use crate::init::gpt2_init;
@@ -119,6 +121,13 @@ pub struct DeviceTrainConfig {
     /// and widened into the f32 accumulators, so the collectives move half the bytes while
     /// the accumulators, the norm and AdamW stay f32. One rank reduces nothing.
     pub reduce_dtype: DType,
+    /// torchdistx's `AnyPrecisionAdamW` instead of AdamW (`None`: AdamW with f32 moments),
+    /// with `adamw`'s hyperparameters: its momentum, variance and (with Kahan summation) its
+    /// compensation stored in `state` (bf16: 2 bytes an element), and the parameters' values
+    /// rounded to `param` — with bf16 the trainer keeps the values of bf16 shards (pure-bf16
+    /// training: the initial parameters are rounded too) in its f32 buffers, which the
+    /// kernels read.
+    pub any_precision: Option<AnyPrecision>,
 }
 
 impl DeviceTrainConfig {
@@ -134,6 +143,11 @@ impl DeviceTrainConfig {
             check_max_norm(c)?;
         }
         crate::device_comm::reduces_in_bf16("reduce_dtype", self.reduce_dtype)?;
+        if let Some(a) = self.any_precision {
+            a.validate().map_err(|e| FsdpError::InvalidFsdpConfig {
+                reason: format!("AnyPrecisionAdamW: {e}"),
+            })?;
+        }
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {
                 reason: format!(
@@ -144,6 +158,26 @@ impl DeviceTrainConfig {
             });
         }
         Ok(())
+    }
+
+    /// `params` as the trainer starts from them: rounded to bf16 under `AnyPrecisionAdamW`
+    /// with bf16 parameters (its shards' dtype), else unchanged.
+    pub fn rounded_params<'a>(
+        &self,
+        params: &'a HashMap<String, Vec<f32>>,
+    ) -> Cow<'a, HashMap<String, Vec<f32>>> {
+        match self.any_precision {
+            Some(a) if a.param == DType::BF16 => Cow::Owned(
+                params
+                    .iter()
+                    .map(|(name, v)| {
+                        let r = v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+                        (name.clone(), r)
+                    })
+                    .collect(),
+            ),
+            _ => Cow::Borrowed(params),
+        }
     }
 
     /// The model's shape as the kernels' model takes it.

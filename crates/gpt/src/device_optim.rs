@@ -3,16 +3,42 @@
 //! master parameters on the host; and the end of a step, enqueued without waiting: each
 //! gradient's sum of squares, the decision ([`GptOps::step_decide`]) and AdamW as decided.
 
+use fsdp_device::DType;
 use fsdp_kernels::gpt::{GptDims, GptOps, HostBuf, HostOps, Weights};
-use fsdp_kernels::host::{AdamWChoice, StepRule, STEP_SQUARES};
+use fsdp_kernels::host::{
+    state_len, AdamWChoice, AnyPrecision, AnyPrecisionChoice, StepRule, STEP_SQUARES,
+};
 use fsdp_kernels::KernelError;
 
 use crate::device_shard::shard_len;
 
-/// AdamW's two moments, one of each per parameter tensor.
+/// AdamW's two moments, one of each per parameter tensor, and `AnyPrecisionAdamW`'s Kahan
+/// compensation. Under `AnyPrecisionAdamW` with bf16 state each buffer holds its values as
+/// bf16 packed two to an f32 element ([`state_len`]).
 pub(crate) struct Moments<B> {
     pub(crate) exp_avg: Weights<B>,
     pub(crate) exp_avg_sq: Weights<B>,
+    pub(crate) compensation: Option<Weights<B>>,
+}
+
+impl<B> Moments<B> {
+    /// The buffers by the names the engine's checkpoints give them: `exp_avg`, `exp_avg_sq`
+    /// and, if any, `compensation`.
+    pub(crate) fn kinds(&self) -> Vec<(&'static str, &Weights<B>)> {
+        let mut k = vec![("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)];
+        if let Some(c) = &self.compensation {
+            k.push(("compensation", c));
+        }
+        k
+    }
+}
+
+/// The optimizer's scalars of one step, for parameters without and with weight decay.
+pub(crate) enum StepChoices {
+    /// AdamW's.
+    AdamW([AdamWChoice; 2]),
+    /// `AnyPrecisionAdamW`'s, and its dtypes.
+    AnyPrecision([AnyPrecisionChoice; 2], AnyPrecision),
 }
 
 /// The step's gradient accumulators (none with one micro-batch a step on the device: the
@@ -27,24 +53,40 @@ impl<B> Optim<B> {
         ops: &P,
         dims: &GptDims,
         accumulators: bool,
+        any: Option<AnyPrecision>,
     ) -> Result<Optim<B>, KernelError> {
-        Self::sharded_zeros(ops, dims, accumulators, 1)
+        Self::sharded_zeros(ops, dims, accumulators, 1, any)
     }
 
-    /// Zero accumulators (if `accumulators`) and moments of this rank's shards over `factor`
-    /// ranks ([`shard_len`](crate::device_shard::shard_len) elements of each tensor).
+    /// Zero accumulators (if `accumulators`) and optimizer state of this rank's shards over
+    /// `factor` ranks ([`shard_len`](crate::device_shard::shard_len) elements of each
+    /// tensor): AdamW's f32 moments, or `any`'s moments and compensation in its state dtype.
     pub(crate) fn sharded_zeros<P: GptOps<Buf = B>>(
         ops: &P,
         dims: &GptDims,
         accumulators: bool,
         factor: usize,
+        any: Option<AnyPrecision>,
     ) -> Result<Optim<B>, KernelError> {
-        let zeros = || Weights::try_build(dims, |_, len| ops.zeros(shard_len(len, factor)));
+        let state = any.map_or(DType::F32, |a| a.state);
+        let zeros = |d: DType| {
+            Weights::try_build(dims, |_, len| {
+                ops.zeros(state_len(shard_len(len, factor), d))
+            })
+        };
         Ok(Optim {
-            acc: if accumulators { Some(zeros()?) } else { None },
+            acc: if accumulators {
+                Some(zeros(DType::F32)?)
+            } else {
+                None
+            },
             moments: Moments {
-                exp_avg: zeros()?,
-                exp_avg_sq: zeros()?,
+                exp_avg: zeros(state)?,
+                exp_avg_sq: zeros(state)?,
+                compensation: match any {
+                    Some(a) if a.kahan => Some(zeros(state)?),
+                    _ => None,
+                },
             },
         })
     }
@@ -61,6 +103,22 @@ impl<B> Optim<B> {
         }
         Ok(())
     }
+}
+
+/// The bytes of one of the optimizer's state buffers over every tensor, each sharded over
+/// `factor` ranks (1: whole), and of the compensation (0 without one): f32 for AdamW,
+/// `AnyPrecisionAdamW`'s state dtype packed ([`state_len`]) otherwise.
+pub(crate) fn state_bytes(
+    c: &crate::device_config::DeviceTrainConfig,
+    factor: usize,
+) -> (u64, u64) {
+    let d = c.any_precision.map_or(DType::F32, |a| a.state);
+    let each: u64 = crate::device_state::tensor_lens(c)
+        .into_iter()
+        .map(|n| state_len(shard_len(n, factor), d) as u64 * 4)
+        .sum();
+    let kahan = c.any_precision.is_some_and(|a| a.kahan);
+    (each, if kahan { each } else { 0 })
 }
 
 /// CPU offload's host side: the master parameters, the optimizer and the step's scalars on
@@ -148,8 +206,8 @@ pub(crate) fn squares<P: GptOps>(
     Ok(())
 }
 
-/// Enqueues the decision by `rule` (the loss and the squares in `scalars`), then AdamW on
-/// every parameter with `choices[decay]` as decided.
+/// Enqueues the decision by `rule` (the loss and the squares in `scalars`), then the
+/// optimizer on every parameter with `choices`' set for its group (`decays`) as decided.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decide_and_apply<P: GptOps>(
     ops: &P,
@@ -158,10 +216,14 @@ pub(crate) fn decide_and_apply<P: GptOps>(
     moments: &mut Moments<P::Buf>,
     scalars: &mut P::Scalars,
     rule: &StepRule,
-    choices: &[AdamWChoice; 2],
+    choices: &StepChoices,
     decays: &[bool],
 ) -> Result<(), KernelError> {
     ops.step_decide(rule, scalars)?;
+    let mut comps = moments
+        .compensation
+        .as_mut()
+        .map(|c| c.all_mut().into_iter());
     let m = moments
         .exp_avg
         .all_mut()
@@ -174,7 +236,14 @@ pub(crate) fn decide_and_apply<P: GptOps>(
         .zip(m)
         .zip(decays)
     {
-        ops.adamw_decided(&choices[usize::from(decay)], scalars, p, g, m, v)?;
+        let c = comps.as_mut().and_then(Iterator::next);
+        let k = usize::from(decay);
+        match choices {
+            StepChoices::AdamW(a) => ops.adamw_decided(&a[k], scalars, p, g, m, v)?,
+            StepChoices::AnyPrecision(a, kind) => {
+                ops.anyprecision_decided(&a[k], *kind, scalars, p, g, m, v, c)?
+            }
+        }
     }
     Ok(())
 }
@@ -190,7 +259,7 @@ pub(crate) fn end_step<P: GptOps>(
     moments: &mut Moments<P::Buf>,
     scalars: &mut P::Scalars,
     rule: &StepRule,
-    choices: &[AdamWChoice; 2],
+    choices: &StepChoices,
     decays: &[bool],
 ) -> Result<(), KernelError> {
     squares(ops, grads, scalars)?;

@@ -56,12 +56,15 @@ pub struct DeviceMemoryPlan {
     /// The gradient accumulators (f32; 0 under CPU offload, and with one micro-batch a step,
     /// where the optimizer reads the model's gradients).
     pub accumulators: u64,
-    /// AdamW's first moments (f32; 0 under CPU offload).
+    /// The optimizer's first moments (f32 for AdamW; `AnyPrecisionAdamW`'s state dtype, bf16
+    /// packed two to an f32 element; 0 under CPU offload).
     pub exp_avg: u64,
-    /// AdamW's second moments (f32; 0 under CPU offload).
+    /// Its second moments (as `exp_avg`).
     pub exp_avg_sq: u64,
+    /// `AnyPrecisionAdamW`'s Kahan compensation (as `exp_avg`; 0 without one).
+    pub compensation: u64,
     /// Under CPU offload, what lives in host memory instead: the master parameters, the
-    /// accumulators and the two moments (f32; 0 without offload).
+    /// accumulators and the optimizer's state (0 without offload).
     pub offloaded: u64,
     /// Under CPU offload, the page-locked host memory the copies go through: the gradients of
     /// one micro-batch (two sets with several micro-batches a step) and the parameters (f32;
@@ -95,6 +98,8 @@ pub struct DeviceMemoryPlan {
     pub peak_ids: u64,
     /// The peak: everything held throughout plus the step's buffers at its peak moment.
     pub peak: u64,
+    /// The optimizer and its state's dtype, as the plan's table says them.
+    pub state_note: String,
 }
 
 impl DeviceMemoryPlan {
@@ -105,6 +110,7 @@ impl DeviceMemoryPlan {
             + self.accumulators
             + self.exp_avg
             + self.exp_avg_sq
+            + self.compensation
             + self.bf16_operands
             + self.step_scalars
     }
@@ -141,8 +147,9 @@ impl fmt::Display for DeviceMemoryPlan {
                     "the step's gradient".into()
                 },
             ),
-            ("AdamW exp_avg", self.exp_avg, "f32".into()),
-            ("AdamW exp_avg_sq", self.exp_avg_sq, "f32".into()),
+            ("exp_avg", self.exp_avg, self.state_note.clone()),
+            ("exp_avg_sq", self.exp_avg_sq, self.state_note.clone()),
+            ("compensation", self.compensation, self.state_note.clone()),
             (
                 "bf16 operands",
                 self.bf16_operands,
@@ -184,6 +191,9 @@ impl fmt::Display for DeviceMemoryPlan {
             )
         };
         for (name, bytes, what) in rows {
+            if name == "compensation" && bytes == 0 {
+                continue;
+            }
             writeln!(f, "  {name:<18} {bytes:>14}  {:>11}  ({what})", mib(bytes))?;
         }
         writeln!(f, "  {attention}")?;
@@ -553,19 +563,26 @@ pub fn plan_memory(
         F32
     };
     replay_step(&mut r, config, rows, opb, chunks);
-    // Parameters and gradients; both moments too unless offloaded, and the accumulators
-    // unless offloaded or one micro-batch makes the step (the model's gradients serve).
-    let (moments, offloaded) = if config.offload { (0, 4) } else { (2, 0) };
+    // Parameters and gradients; the optimizer's state too unless offloaded, and the
+    // accumulators unless offloaded or one micro-batch makes the step (the model's gradients
+    // serve).
+    let (moment, comp) = crate::device_optim::state_bytes(config, 1);
+    let state = u128::from(moment) * 2 + u128::from(comp);
     let accumulators = if config.offload || config.grad_accum == 1 {
         0
     } else {
         each
     };
-    let optim = if config.offload { 0 } else { each };
+    let (optim, optim_comp, on_device, offloaded) = if config.offload {
+        (0, 0, 0, each.saturating_mul(2).saturating_add(state))
+    } else {
+        (u128::from(moment), u128::from(comp), state, 0)
+    };
     let tensors = param_shapes(&config.dims()).len();
     let scalars = (step_scalars_len(tensors) as u128).saturating_mul(F64);
     let persistent = each
-        .saturating_mul(2 + moments)
+        .saturating_mul(2)
+        .saturating_add(on_device)
         .saturating_add(accumulators)
         .saturating_add(bf16)
         .saturating_add(scalars);
@@ -579,7 +596,19 @@ pub fn plan_memory(
         accumulators: to_u64(accumulators, "accumulators")?,
         exp_avg: to_u64(optim, "moments")?,
         exp_avg_sq: to_u64(optim, "moments")?,
-        offloaded: to_u64(each.saturating_mul(offloaded), "offloaded state")?,
+        compensation: to_u64(optim_comp, "compensation")?,
+        state_note: match config.any_precision {
+            None => "AdamW, f32".into(),
+            Some(a) => format!(
+                "AnyPrecisionAdamW, {}",
+                if a.state == fsdp_device::DType::BF16 {
+                    "bf16"
+                } else {
+                    "f32"
+                }
+            ),
+        },
+        offloaded: to_u64(offloaded, "offloaded state")?,
         host_staging: if config.offload {
             let sets = config.grad_accum.clamp(1, 2) as u128 + 1;
             to_u64(each.saturating_mul(sets), "host staging")?

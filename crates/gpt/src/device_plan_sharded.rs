@@ -42,11 +42,12 @@ pub struct ShardedMemoryPlan {
     pub parameters: u64,
     /// Its gradient accumulators (f32, shaped as the shards).
     pub accumulators: u64,
-    /// AdamW's two moments (f32, shaped as the shards).
+    /// The optimizer's state, shaped as the shards: AdamW's two f32 moments, or
+    /// `AnyPrecisionAdamW`'s two and its compensation in its state dtype.
     pub moments: u64,
     /// Under CPU offload, what lives in host memory instead: the master shards, the
-    /// accumulators and the moments (f32; 0 without offload; the accumulators and moments
-    /// above are then 0).
+    /// accumulators and the optimizer's state (0 without offload; the accumulators and
+    /// moments above are then 0).
     pub offloaded: u64,
     /// The step's scalars (f64).
     pub step_scalars: u64,
@@ -75,7 +76,7 @@ impl fmt::Display for ShardedMemoryPlan {
         for (what, b) in [
             ("parameter shards", self.parameters),
             ("gradient accumulators", self.accumulators),
-            ("AdamW moments", self.moments),
+            ("optimizer state", self.moments),
             ("step scalars", self.step_scalars),
             ("in host memory (CPU offload)", self.offloaded),
             ("collective staging buffers", self.staging),
@@ -363,10 +364,12 @@ fn plan_of(
         .sum();
     let each = shards * 4;
     let tensors = param_shapes(&config.dims()).len();
+    let (moment, comp) = crate::device_optim::state_bytes(config, factor);
+    let state = 2 * moment + comp;
     let (parameters, accumulators, moments, offloaded) = if offload {
-        (0, 0, 0, 4 * each)
+        (0, 0, 0, 2 * each + state)
     } else {
-        (each, each, 2 * each, 0)
+        (each, each, state, 0)
     };
     ShardedMemoryPlan {
         world,

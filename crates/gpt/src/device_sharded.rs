@@ -43,7 +43,7 @@ use crate::device_shard::{shard_len, shard_of, GradSink, ShardSource, ShardedUni
 use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
 use crate::device_train::{
-    accum_u32, adamw_choices, micro_batch_index, read_outcome, Reported, StepOutcome, Values,
+    accum_u32, micro_batch_index, read_outcome, step_choices, Reported, StepOutcome, Values,
 };
 
 /// A step enqueued whose outcome is unread: its number, the optimizer steps known when it
@@ -119,6 +119,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         strategy: ShardingStrategy,
         params: &HashMap<String, Vec<f32>>,
     ) -> Result<Self, DeviceTrainError> {
+        let params = &*config.rounded_params(params);
         Self::with_shards(ops, comm, None, config, strategy, upload_shard(params))
     }
 
@@ -137,6 +138,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         strategy: ShardingStrategy,
         params: &HashMap<String, Vec<f32>>,
     ) -> Result<Self, DeviceTrainError> {
+        let params = &*config.rounded_params(params);
         Self::with_shards(
             ops,
             shard,
@@ -220,7 +222,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 ops.staged_mut(s)?.copy_from_slice(m);
             }
             let side = HostSide {
-                optim: Optim::sharded_zeros(&host, &dims, true, factor)?,
+                optim: Optim::sharded_zeros(&host, &dims, true, factor, config.any_precision)?,
                 scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
                 params,
                 ops: host,
@@ -229,7 +231,13 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         } else {
             let shards =
                 Weights::try_build(&dims, |name, len| make(ops, name, len, shard, factor))?;
-            let optim = ShardSide::Device(Optim::sharded_zeros(ops, &dims, true, factor)?);
+            let optim = ShardSide::Device(Optim::sharded_zeros(
+                ops,
+                &dims,
+                true,
+                factor,
+                config.any_precision,
+            )?);
             (Some(shards), optim)
         };
         let decays = param_shapes(&dims)
@@ -486,7 +494,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             skip_nonfinite: self.skip_nonfinite,
             base_steps: known,
         };
-        let choices = adamw_choices(&c, known)?;
+        let choices = step_choices(&c, known)?;
         let (comm, replicas, factor) = (&self.comm, self.replicas.as_ref(), self.factor);
         let host_values = match &mut self.optim {
             ShardSide::Device(o) => {

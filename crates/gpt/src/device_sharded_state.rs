@@ -8,24 +8,38 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp::checkpoint::FullOptimizerState;
+use fsdp_device::DType;
 use fsdp_kernels::gpt::{param_shapes, Block, GptOps, HostBuf, Weights};
-use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
+use fsdp_kernels::host::{step_scalars_len, unpack_state, STEP_COUNT, STEP_NONFINITE};
 use fsdp_kernels::KernelError;
 
 use crate::device_comm::DeviceComm;
 use crate::device_config::DeviceTrainError;
-use crate::device_optim::Moments;
-use crate::device_shard::shard_of;
+use crate::device_shard::shard_len;
 use crate::device_sharded::{ShardSide, ShardedDeviceTrainer};
-use crate::device_state::{adamw_state, checked_moments, write_state};
+use crate::device_state::{
+    adamw_state, checked_moments, state_dtype, tensor_lens, upload_state, write_state, StateBuffers,
+};
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// Device copies of host shards `w` (CPU offload's), in [`param_shapes`] order.
     fn on_device(&self, w: &Weights<HostBuf>) -> Result<Weights<O::Buf>, DeviceTrainError> {
+        self.widened(w, |b| Ok(b.to_vec()), DType::F32)
+    }
+
+    /// Device copies in f32 of the shards `w` stored in `dtype` (the optimizer state's), each
+    /// read by `read`, in [`param_shapes`] order.
+    fn widened<B>(
+        &self,
+        w: &Weights<B>,
+        read: impl Fn(&B) -> Result<Vec<f32>, KernelError>,
+        dtype: DType,
+    ) -> Result<Weights<O::Buf>, DeviceTrainError> {
         let ops = self.pass.ops();
         let mut bufs = Vec::new();
-        for (_, b) in w.named() {
-            bufs.push(ops.upload(b)?);
+        for ((_, b), len) in w.named().into_iter().zip(tensor_lens(&self.config)) {
+            let n = shard_len(len, self.factor);
+            bufs.push(ops.upload(&unpack_state(&read(b)?, n, dtype)?)?);
         }
         let mut bufs = bufs.into_iter();
         Ok(Weights::try_build(&self.config.dims(), |name, _| {
@@ -112,23 +126,30 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         if let Some((step, ..)) = &self.pending {
             return Err(DeviceTrainError::Unread { step: *step });
         }
-        let (exp_avg, exp_avg_sq) = match &self.optim {
-            ShardSide::Device(o) => (
-                self.gather(&o.moments.exp_avg)?,
-                self.gather(&o.moments.exp_avg_sq)?,
-            ),
+        let d = state_dtype(&self.config);
+        let ops = self.pass.ops();
+        let mut buffers: StateBuffers = Vec::new();
+        match &self.optim {
+            // f32 state is gathered where it is; bf16 is widened into f32 shards first.
+            ShardSide::Device(o) => {
+                for (kind, w) in o.moments.kinds() {
+                    let whole = if d == DType::F32 {
+                        self.gather(w)?
+                    } else {
+                        self.gather(&self.widened(w, |b| ops.download(b), d)?)?
+                    };
+                    buffers.push((kind, whole));
+                }
+            }
             // CPU offload: the host's shards, copied to the device to be gathered.
-            ShardSide::Host(h, _) => (
-                self.gather(&self.on_device(&h.optim.moments.exp_avg)?)?,
-                self.gather(&self.on_device(&h.optim.moments.exp_avg_sq)?)?,
-            ),
-        };
-        Ok(adamw_state(
-            &self.config,
-            self.known_steps,
-            exp_avg,
-            exp_avg_sq,
-        ))
+            ShardSide::Host(h, _) => {
+                for (kind, w) in h.optim.moments.kinds() {
+                    let whole = self.gather(&self.widened(w, |b| Ok(b.to_vec()), d)?)?;
+                    buffers.push((kind, whole));
+                }
+            }
+        }
+        Ok(adamw_state(&self.config, self.known_steps, buffers))
     }
 
     /// Continues from a saved optimizer state (whole moments: a checkpoint's, the engine's or
@@ -148,6 +169,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             return Err(DeviceTrainError::Unread { step: *step });
         }
         let values = checked_moments(state, &self.config)?;
+        let d = state_dtype(&self.config);
         let shard = self.comm.rank() % self.factor;
         let ops = self.pass.ops();
         let factor = self.factor;
@@ -155,10 +177,10 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         scalars[STEP_COUNT] = state.optimizer_steps as f64;
         scalars[STEP_NONFINITE] = skipped as f64;
         match &mut self.optim {
-            ShardSide::Device(o) => load_moments(ops, &mut o.moments, &values, shard, factor)?,
+            ShardSide::Device(o) => upload_state(ops, &mut o.moments, &values, d, shard, factor)?,
             ShardSide::Host(h, _) => {
                 let h = &mut **h;
-                load_moments(&h.ops, &mut h.optim.moments, &values, shard, factor)?;
+                upload_state(&h.ops, &mut h.optim.moments, &values, d, shard, factor)?;
                 h.scalars.copy_from_slice(&scalars);
             }
         }
@@ -181,21 +203,4 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             None => Ok(()),
         }
     }
-}
-
-/// Shard `shard` of `factor` of both moments of every tensor (`values`, whole, in
-/// [`param_shapes`] order) into `m`.
-fn load_moments<P: GptOps>(
-    ops: &P,
-    m: &mut Moments<P::Buf>,
-    values: &[(&Vec<f32>, &Vec<f32>)],
-    shard: usize,
-    factor: usize,
-) -> Result<(), KernelError> {
-    let targets = m.exp_avg.all_mut().into_iter().zip(m.exp_avg_sq.all_mut());
-    for ((dm, dv), (wm, wv)) in targets.zip(values) {
-        ops.upload_into(&shard_of(wm, shard, factor), dm)?;
-        ops.upload_into(&shard_of(wv, shard, factor), dv)?;
-    }
-    Ok(())
 }

@@ -1,4 +1,5 @@
-//! Saving and restoring a [`DeviceTrainer`]'s state: AdamW's moments and the step counts as
+//! Saving and restoring a [`DeviceTrainer`]'s state: the optimizer's buffers (AdamW's
+//! moments, or `AnyPrecisionAdamW`'s widened to f32) and the step counts as
 //! the engine's checkpoints hold them ([`FullOptimizerState`]), and a checkpoint of the whole
 //! trainer written in the engine's sharded format ([`write_full_checkpoint`]: world 1, one
 //! unit), which the engine resumes from at any world size and which
@@ -8,13 +9,14 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp::checkpoint::{
-    write_full_checkpoint, FullAdamW, FullOptimizerState, FullParam, FullState,
+    write_full_checkpoint, FullAdamW, FullAnyPrecision, FullOptimizerState, FullParam, FullState,
 };
 use fsdp::engine::OptimizerSetup;
 use fsdp::optim::{decay_2d_only, decay_2d_only_group};
 use fsdp::FsdpError;
+use fsdp_device::DType;
 use fsdp_kernels::gpt::{param_shapes, GptOps, Weights};
-use fsdp_kernels::host::{step_scalars_len, STEP_COUNT, STEP_NONFINITE};
+use fsdp_kernels::host::{pack_state, step_scalars_len, unpack_state, STEP_COUNT, STEP_NONFINITE};
 use fsdp_kernels::KernelError;
 
 use crate::device_optim::{Moments, Placement};
@@ -45,16 +47,16 @@ impl<O: GptOps> DeviceTrainer<O> {
         if let Some(p) = &self.pending {
             return Err(DeviceTrainError::Unread { step: p.step });
         }
-        let (exp_avg, exp_avg_sq) = match &self.state {
-            Placement::Device(o) => moments_by_name(&o.moments, |b| self.model.ops().download(b))?,
-            Placement::Host(h, _) => moments_by_name(&h.optim.moments, |b| Ok(b.to_vec()))?,
+        let (d, lens) = (state_dtype(&self.config), tensor_lens(&self.config));
+        let buffers = match &self.state {
+            Placement::Device(o) => {
+                moments_by_name(&o.moments, d, &lens, |b| self.model.ops().download(b))?
+            }
+            Placement::Host(h, _) => {
+                moments_by_name(&h.optim.moments, d, &lens, |b| Ok(b.to_vec()))?
+            }
         };
-        Ok(adamw_state(
-            &self.config,
-            self.known_steps,
-            exp_avg,
-            exp_avg_sq,
-        ))
+        Ok(adamw_state(&self.config, self.known_steps, buffers))
     }
 
     /// Continues from a saved optimizer state (a checkpoint's, the engine's or this
@@ -76,11 +78,12 @@ impl<O: GptOps> DeviceTrainer<O> {
             return Err(DeviceTrainError::Unread { step: p.step });
         }
         let values = checked_moments(state, &self.config)?;
+        let d = state_dtype(&self.config);
         match &mut self.state {
-            Placement::Device(o) => upload_moments(self.model.ops(), &mut o.moments, &values)?,
+            Placement::Device(o) => upload_moments(self.model.ops(), &mut o.moments, &values, d)?,
             Placement::Host(h, _) => {
                 let h = &mut **h;
-                upload_moments(&h.ops, &mut h.optim.moments, &values)?;
+                upload_moments(&h.ops, &mut h.optim.moments, &values, d)?;
             }
         }
         let mut scalars = vec![0.0; step_scalars_len(self.decays.len())];
@@ -106,33 +109,80 @@ impl<O: GptOps> DeviceTrainer<O> {
     }
 }
 
-/// Both moments of every tensor, in [`param_shapes`] order, copied into `m`.
-fn upload_moments<P: GptOps>(
+/// The dtype the trainer's optimizer state is stored in: f32 (AdamW), or
+/// `AnyPrecisionAdamW`'s state dtype.
+pub(crate) fn state_dtype(c: &DeviceTrainConfig) -> DType {
+    c.any_precision.map_or(DType::F32, |a| a.state)
+}
+
+/// The buffers of every tensor (`values`, in [`param_shapes`] order: both moments and, if
+/// `m` has one, the compensation), each `shard` of `factor` as
+/// [`shard_of`](crate::device_shard::shard_of) cuts it (1: whole), stored in `dtype` into `m`.
+pub(crate) fn upload_state<P: GptOps>(
     ops: &P,
     m: &mut Moments<P::Buf>,
-    values: &[(&Vec<f32>, &Vec<f32>)],
+    values: &[MomentSet<'_>],
+    dtype: DType,
+    shard: usize,
+    factor: usize,
 ) -> Result<(), KernelError> {
+    let put = |v: &Vec<f32>, b: &mut P::Buf| {
+        let part = crate::device_shard::shard_of(v, shard, factor);
+        ops.upload_into(&pack_state(&part, dtype), b)
+    };
+    let mut comps = m.compensation.as_mut().map(|c| c.all_mut().into_iter());
     let targets = m.exp_avg.all_mut().into_iter().zip(m.exp_avg_sq.all_mut());
-    for ((dm, dv), (wm, wv)) in targets.zip(values) {
-        ops.upload_into(wm, dm)?;
-        ops.upload_into(wv, dv)?;
+    for ((dm, dv), (wm, wv, wc)) in targets.zip(values) {
+        put(wm, dm)?;
+        put(wv, dv)?;
+        if let (Some(dc), Some(wc)) = (comps.as_mut().and_then(Iterator::next), wc) {
+            put(wc, dc)?;
+        }
     }
     Ok(())
 }
 
-/// Both moments of every parameter by name, read by `read`.
-#[allow(clippy::type_complexity)]
+/// [`upload_state`] of whole tensors.
+fn upload_moments<P: GptOps>(
+    ops: &P,
+    m: &mut Moments<P::Buf>,
+    values: &[MomentSet<'_>],
+    dtype: DType,
+) -> Result<(), KernelError> {
+    upload_state(ops, m, values, dtype, 0, 1)
+}
+
+/// The optimizer's buffers by kind (`exp_avg`, `exp_avg_sq` and, if any, `compensation`),
+/// each by parameter name.
+pub(crate) type StateBuffers = Vec<(&'static str, HashMap<String, Vec<f32>>)>;
+
+/// The buffers of `m` (whole tensors stored in `dtype`) by kind and parameter name, each read
+/// by `read` and widened to f32.
 fn moments_by_name<B>(
     m: &Moments<B>,
+    dtype: DType,
+    lens: &[usize],
     read: impl Fn(&B) -> Result<Vec<f32>, KernelError>,
-) -> Result<(HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>), KernelError> {
+) -> Result<StateBuffers, KernelError> {
     let by_name = |w: &Weights<B>| -> Result<HashMap<String, Vec<f32>>, KernelError> {
         w.named()
             .into_iter()
-            .map(|(name, b)| Ok((name, read(b)?)))
+            .zip(lens)
+            .map(|((name, b), &n)| Ok((name, unpack_state(&read(b)?, n, dtype)?)))
             .collect()
     };
-    Ok((by_name(&m.exp_avg)?, by_name(&m.exp_avg_sq)?))
+    m.kinds()
+        .into_iter()
+        .map(|(kind, w)| Ok((kind, by_name(w)?)))
+        .collect()
+}
+
+/// The number of elements of each tensor of `c`'s model, in [`param_shapes`] order.
+pub(crate) fn tensor_lens(c: &DeviceTrainConfig) -> Vec<usize> {
+    param_shapes(&c.dims())
+        .into_iter()
+        .map(|(_, s)| s.iter().product())
+        .collect()
 }
 
 /// The optimizer groups and the learning-rate schedule of `c` as the engine records them for
@@ -155,42 +205,51 @@ pub(crate) fn optimizer_setup(c: &DeviceTrainConfig) -> OptimizerSetup {
     setup
 }
 
-/// AdamW's state of `c`'s run after `steps` optimizer steps, with its moments by name: as
-/// the engine saves it.
-pub(crate) fn adamw_state(
-    c: &DeviceTrainConfig,
-    steps: u64,
-    exp_avg: HashMap<String, Vec<f32>>,
-    exp_avg_sq: HashMap<String, Vec<f32>>,
-) -> FullOptimizerState {
-    FullOptimizerState {
-        optimizer: "adamw".into(),
-        step: steps,
-        optimizer_steps: steps,
-        setup: optimizer_setup(c),
-        buffers: HashMap::from([
-            ("exp_avg".to_string(), exp_avg),
-            ("exp_avg_sq".to_string(), exp_avg_sq),
-        ]),
+/// The name the engine's checkpoints give `c`'s optimizer.
+fn optimizer_name(c: &DeviceTrainConfig) -> &'static str {
+    match c.any_precision {
+        Some(_) => "anyprecision_adamw",
+        None => "adamw",
     }
 }
 
-/// One parameter's two moments, borrowed from a saved state.
-pub(crate) type MomentPair<'a> = (&'a Vec<f32>, &'a Vec<f32>);
+/// The optimizer state of `c`'s run after `steps` optimizer steps, with its buffers by kind
+/// and name (widened to f32): as the engine saves it.
+pub(crate) fn adamw_state(
+    c: &DeviceTrainConfig,
+    steps: u64,
+    buffers: StateBuffers,
+) -> FullOptimizerState {
+    FullOptimizerState {
+        optimizer: optimizer_name(c).into(),
+        step: steps,
+        optimizer_steps: steps,
+        setup: optimizer_setup(c),
+        buffers: buffers
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+    }
+}
 
-/// A saved optimizer state checked for `c`'s model (AdamW, one step count, both moments of
-/// every parameter at its size): the moments in [`param_shapes`] order.
+/// One parameter's two moments and (under `AnyPrecisionAdamW` with Kahan summation) its
+/// compensation, borrowed from a saved state.
+pub(crate) type MomentSet<'a> = (&'a Vec<f32>, &'a Vec<f32>, Option<&'a Vec<f32>>);
+
+/// A saved optimizer state checked for `c`'s model (the trainer's optimizer, one step count,
+/// every buffer of every parameter at its size): the buffers in [`param_shapes`] order.
 ///
 /// # Errors
-/// A state of another optimizer, with AdamW's step count unequal to the optimizer steps
-/// taken, or missing or mis-sizing a moment (naming it).
+/// A state of another optimizer, with the step count unequal to the optimizer steps taken,
+/// or missing or mis-sizing a buffer (naming it).
 pub(crate) fn checked_moments<'a>(
     state: &'a FullOptimizerState,
     c: &DeviceTrainConfig,
-) -> Result<Vec<MomentPair<'a>>, DeviceTrainError> {
-    if state.optimizer != "adamw" {
+) -> Result<Vec<MomentSet<'a>>, DeviceTrainError> {
+    let name = optimizer_name(c);
+    if state.optimizer != name {
         return Err(bad(format!(
-            "the state is of `{}`, the device trainer runs AdamW",
+            "the state is of `{}`, the device trainer runs `{name}`",
             state.optimizer
         )));
     }
@@ -212,9 +271,15 @@ pub(crate) fn checked_moments<'a>(
     let mut values = Vec::new();
     for (name, shape) in param_shapes(&c.dims()) {
         let len = shape.iter().product();
+        let kahan = c.any_precision.is_some_and(|a| a.kahan);
         values.push((
             moment("exp_avg", &name, len)?,
             moment("exp_avg_sq", &name, len)?,
+            if kahan {
+                Some(moment("compensation", &name, len)?)
+            } else {
+                None
+            },
         ));
     }
     Ok(values)
@@ -255,6 +320,9 @@ pub(crate) fn write_state(
                 .buffers
                 .get("exp_avg_sq")
                 .ok_or_else(|| missing("exp_avg_sq"))?,
+            any_precision: c.any_precision.map(|_| FullAnyPrecision {
+                compensation: o.buffers.get("compensation"),
+            }),
         }),
         setup: o.setup.clone(),
     };

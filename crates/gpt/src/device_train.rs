@@ -57,15 +57,15 @@ use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptOps, HostOps, MemoryUse, Weights};
 use fsdp_kernels::host::{
-    step_scalars_len, AdamW, AdamWChoice, AdamWScalars, StepRule, STEP_APPLIED, STEP_COUNT,
-    STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS,
+    step_scalars_len, AdamW, AdamWChoice, AdamWScalars, AnyPrecisionChoice, AnyPrecisionScalars,
+    StepRule, STEP_APPLIED, STEP_COUNT, STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS,
 };
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
 pub use crate::device_config::{seeded_params, DeviceTrainConfig, DeviceTrainError};
 use crate::device_optim::{
-    accumulate_staged, end_step, HostSide, OffloadStaging, Optim, Placement,
+    accumulate_staged, end_step, HostSide, OffloadStaging, Optim, Placement, StepChoices,
 };
 use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
@@ -150,6 +150,7 @@ impl<O: GptOps> DeviceTrainer<O> {
     ) -> Result<DeviceTrainer<O>, DeviceTrainError> {
         config.validate()?;
         let dims = config.dims();
+        let params = &*config.rounded_params(params);
         let mut model = DeviceGpt::new(ops, dims, params)?;
         model.set_activation_checkpointing(config.activation_checkpointing);
         model.set_attention(config.attention);
@@ -167,7 +168,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                     }),
                 }
             })?;
-            let optim = Optim::zeros(&host, &dims, true)?;
+            let optim = Optim::zeros(&host, &dims, true, config.any_precision)?;
             let scalars = host.scalars(&vec![0.0; step_scalars_len(tensors)])?;
             let staging = OffloadStaging::new(model.ops(), &dims, config.grad_accum, 1)?;
             Placement::Host(
@@ -180,7 +181,12 @@ impl<O: GptOps> DeviceTrainer<O> {
                 Box::new(staging),
             )
         } else {
-            Placement::Device(Optim::zeros(model.ops(), &dims, config.grad_accum > 1)?)
+            Placement::Device(Optim::zeros(
+                model.ops(),
+                &dims,
+                config.grad_accum > 1,
+                config.any_precision,
+            )?)
         };
         let scalars = model.ops().scalars(&vec![0.0; step_scalars_len(tensors)])?;
         let decays = param_shapes(&dims)
@@ -359,7 +365,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             skip_nonfinite: self.skip_nonfinite,
             base_steps: known,
         };
-        let choices = adamw_choices(&self.config, known)?;
+        let choices = step_choices(&self.config, known)?;
         let on_host = match &mut self.state {
             Placement::Device(optim) => {
                 let (ops, params, model_grads) = self.model.parts_mut();
@@ -467,27 +473,37 @@ impl<O: GptOps> DeviceTrainer<O> {
     }
 }
 
-/// AdamW's scalars, without and with weight decay, of optimizer steps `known + 1 ..= known +
-/// STEP_CHOICES` (the learning rate of the schedule at the steps taken before each).
-pub(crate) fn adamw_choices(
-    c: &DeviceTrainConfig,
-    known: u64,
-) -> Result<[AdamWChoice; 2], KernelError> {
-    let set = |decay: bool, j: u64| {
-        let lr = c.schedule.lr_at(c.adamw.lr, known + j);
-        let hyper = AdamW {
-            lr,
-            beta1: c.adamw.beta1,
-            beta2: c.adamw.beta2,
-            eps: c.adamw.eps,
-            weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
-        };
-        AdamWScalars::new(&hyper, known + j + 1)
+/// The optimizer's scalars (AdamW's, or `AnyPrecisionAdamW`'s), without and with weight
+/// decay, of optimizer steps `known + 1 ..= known + STEP_CHOICES` (the learning rate of the
+/// schedule at the steps taken before each).
+pub(crate) fn step_choices(c: &DeviceTrainConfig, known: u64) -> Result<StepChoices, KernelError> {
+    let hyper = |decay: bool, j: u64| AdamW {
+        lr: c.schedule.lr_at(c.adamw.lr, known + j),
+        beta1: c.adamw.beta1,
+        beta2: c.adamw.beta2,
+        eps: c.adamw.eps,
+        weight_decay: if decay { c.adamw.weight_decay } else { 0.0 },
     };
-    let choice = |decay: bool| -> Result<AdamWChoice, KernelError> {
-        Ok(AdamWChoice([set(decay, 0)?, set(decay, 1)?]))
-    };
-    Ok([choice(false)?, choice(true)?])
+    let step = |j: u64| known + j + 1;
+    match c.any_precision {
+        None => {
+            let set = |decay, j| AdamWScalars::new(&hyper(decay, j), step(j));
+            let choice = |decay| -> Result<AdamWChoice, KernelError> {
+                Ok(AdamWChoice([set(decay, 0)?, set(decay, 1)?]))
+            };
+            Ok(StepChoices::AdamW([choice(false)?, choice(true)?]))
+        }
+        Some(kind) => {
+            let set = |decay, j| AnyPrecisionScalars::new(&hyper(decay, j), step(j));
+            let choice = |decay| -> Result<AnyPrecisionChoice, KernelError> {
+                Ok(AnyPrecisionChoice([set(decay, 0)?, set(decay, 1)?]))
+            };
+            Ok(StepChoices::AnyPrecision(
+                [choice(false)?, choice(true)?],
+                kind,
+            ))
+        }
+    }
 }
 
 /// The outcome of step `step` from its scalars `v` (read from the device), enqueued when the

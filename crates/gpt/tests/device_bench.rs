@@ -32,6 +32,7 @@ fn tiny() -> DeviceTrainConfig {
         attention: Default::default(),
         logits: Default::default(),
         reduce_dtype: fsdp_device::DType::F32,
+        any_precision: None,
     }
 }
 

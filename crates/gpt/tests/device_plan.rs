@@ -32,6 +32,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         attention: Default::default(),
         logits: Default::default(),
         reduce_dtype: fsdp_device::DType::F32,
+        any_precision: None,
     }
 }
 

@@ -22,7 +22,8 @@ pub struct FullParam<'a> {
     pub values: &'a [f32],
 }
 
-/// AdamW's state of a [`FullState`], by parameter name.
+/// The optimizer state of a [`FullState`], by parameter name: AdamW's, or `AnyPrecisionAdamW`'s
+/// (its states widened to f32, exactly, as the engine writes them).
 #[derive(Debug, Clone, Copy)]
 pub struct FullAdamW<'a> {
     /// AdamW's step count (its bias correction's).
@@ -33,6 +34,15 @@ pub struct FullAdamW<'a> {
     pub exp_avg: &'a HashMap<String, Vec<f32>>,
     /// Second moments.
     pub exp_avg_sq: &'a HashMap<String, Vec<f32>>,
+    /// `AnyPrecisionAdamW`'s state (`None`: AdamW's).
+    pub any_precision: Option<FullAnyPrecision<'a>>,
+}
+
+/// What `AnyPrecisionAdamW` adds to a [`FullAdamW`]: its Kahan compensation, if it uses one.
+#[derive(Debug, Clone, Copy)]
+pub struct FullAnyPrecision<'a> {
+    /// The compensation buffers (`None`: without Kahan summation).
+    pub compensation: Option<&'a HashMap<String, Vec<f32>>>,
 }
 
 /// A whole model's training state, as [`write_full_checkpoint`] writes it.
@@ -87,13 +97,21 @@ pub fn write_full_checkpoint(dir: &Path, state: &FullState<'_>) -> Result<(), Fs
     let mut tensors = vec![("param", params_flat)];
     let (optimizer, step, steps) = match &state.adamw {
         Some(a) => {
-            for (kind, map) in [("exp_avg", a.exp_avg), ("exp_avg_sq", a.exp_avg_sq)] {
+            let compensation = a.any_precision.and_then(|x| x.compensation);
+            let buffers = [("exp_avg", a.exp_avg), ("exp_avg_sq", a.exp_avg_sq)]
+                .into_iter()
+                .chain(compensation.map(|c| ("compensation", c)));
+            for (kind, map) in buffers {
                 let v = concat(dir, kind, &state.params, offset, |p| {
                     map.get(p.name).map(Vec::as_slice)
                 })?;
                 tensors.push((kind, v));
             }
-            ("adamw", a.step, a.optimizer_steps)
+            let name = match a.any_precision {
+                Some(_) => "anyprecision_adamw",
+                None => "adamw",
+            };
+            (name, a.step, a.optimizer_steps)
         }
         None => ("none", 0, 0),
     };
@@ -208,6 +226,7 @@ mod tests {
                 optimizer_steps: 7,
                 exp_avg: &m,
                 exp_avg_sq: &v,
+                any_precision: None,
             }),
             setup: setup.clone(),
         };
@@ -245,6 +264,26 @@ mod tests {
         assert!(!other
             .join(crate::checkpoint::shard_file_name(0, 1))
             .exists());
+        // AnyPrecisionAdamW's state: its name and the compensation read back.
+        let c = moment(0.125);
+        let any = FullState {
+            adamw: Some(FullAdamW {
+                any_precision: Some(FullAnyPrecision {
+                    compensation: Some(&c),
+                }),
+                ..state.adamw.unwrap()
+            }),
+            ..state.clone()
+        };
+        let dir2 = dir.join("any");
+        write_full_checkpoint(&dir2, &any).unwrap();
+        let o = load_sharded_checkpoint(&dir2, &specs)
+            .unwrap()
+            .optimizer
+            .unwrap();
+        assert_eq!(o.optimizer, "anyprecision_adamw");
+        assert_eq!(o.buffers["compensation"], c);
+        assert_eq!(o.buffers["exp_avg_sq"], v);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

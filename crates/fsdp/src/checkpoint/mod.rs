@@ -48,7 +48,7 @@ use safetensors::SafeTensors;
 use crate::FsdpError;
 
 pub use dir::{step_dir_name, CheckpointDir, Committed, STAGING_SUFFIX};
-pub use full::{write_full_checkpoint, FullAdamW, FullParam, FullState};
+pub use full::{write_full_checkpoint, FullAdamW, FullAnyPrecision, FullParam, FullState};
 pub use output::{
     check_output_path, remove_stale_temporaries, resolve_output_path, write_atomic, write_output,
     OutputKind, PROBE_MARKER, TEMPORARY_MARKER,

@@ -305,6 +305,7 @@ fn bench(args: &Args) -> Result<(), String> {
             attention: args.attention,
             logits: args.logits,
             reduce_dtype: args.reduce_dtype,
+            any_precision: None,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

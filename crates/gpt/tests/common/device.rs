@@ -43,6 +43,7 @@ pub fn device_config(
         attention: Default::default(),
         logits: Default::default(),
         reduce_dtype: fsdp_device::DType::F32,
+        any_precision: None,
     }
 }
 

@@ -20,7 +20,7 @@ use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Products};
 
-use crate::args::{DeviceArg, ModelArgs, OptimizerArgs, OptimizerKind, TrainArgs};
+use crate::args::{DeviceArg, ModelArgs, TrainArgs};
 use crate::checkpointing::Checkpointer;
 use crate::device_plan_cmd::{caching_allocator_settings, planned_allocator};
 use crate::device_report::{admit, Tally};
@@ -126,9 +126,7 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
         ("--grad-scaler", grad_scaler_on(args)),
         ("--init-scale", args.init_scale.is_some()),
         ("--growth-interval", args.growth_interval.is_some()),
-    ]
-    .into_iter()
-    .chain(optimizer_refusals(&args.optim));
+    ];
     // Under a launcher the ranks meet over `--backend` (nccl or tcp) within `--init-timeout`.
     let launched = LaunchEnv::from_env()?.is_some();
     // Processes issue the next unit's all-gather ahead of its use (FSDP's prefetch options).
@@ -146,20 +144,8 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
         (true, false) => &["strategy", "ranks_per_node"],
         (false, false) => &[],
     };
-    refuse_first(dev, unsupported, &args.explicit, "f32 AdamW", allowed)?;
+    refuse_first(dev, unsupported, &args.explicit, "no loss scaling", allowed)?;
     Ok(world)
-}
-
-/// The optimizer options the device trainer does not support, each with whether it is set.
-pub(crate) fn optimizer_refusals(o: &OptimizerArgs) -> [(&'static str, bool); 3] {
-    [
-        (
-            "--optimizer anyprecision-adamw",
-            o.optimizer == OptimizerKind::AnyPrecisionAdamW,
-        ),
-        ("--kahan-summation", o.kahan_summation.is_some()),
-        ("--optimizer-state-dtype", o.optimizer_state_dtype.is_some()),
-    ]
 }
 
 /// The first of `unsupported` that is set, then the first of [`ENGINE_ONLY`] (but those in
@@ -331,6 +317,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         attention: args.model.attention.unwrap_or_default(),
         logits: args.model.logits.unwrap_or_default(),
         reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
+        any_precision: crate::optimizer::device_any_precision(&args.optim, args.model.param_dtype)?,
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;

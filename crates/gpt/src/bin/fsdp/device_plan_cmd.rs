@@ -15,9 +15,7 @@ use fsdp_gpt::device_train::DeviceTrainConfig;
 use fsdp_kernels::gpt::Products;
 
 use crate::args::{DeviceArg, ModelArgs, PlanArgs, TrainArgs};
-use crate::device_cmd::{
-    check_device_world_and_dtypes, describe_run, optimizer_refusals, products, refuse_first,
-};
+use crate::device_cmd::{check_device_world_and_dtypes, describe_run, products, refuse_first};
 use crate::device_sharded_cmd::check_strategy;
 use crate::say;
 use crate::setup::{allocator_settings, micro_batch, setup};
@@ -35,13 +33,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     } else {
         &[]
     };
-    refuse_first(
-        dev,
-        optimizer_refusals(&args.optim),
-        &args.explicit,
-        "f32 AdamW",
-        allowed,
-    )?;
+    refuse_first(dev, [], &args.explicit, "no loss scaling", allowed)?;
     let cfg = setup(&args.model, world, true)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, world)?;
     let config = DeviceTrainConfig {
@@ -58,6 +50,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         attention: args.model.attention.unwrap_or_default(),
         logits: args.model.logits.unwrap_or_default(),
         reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
+        any_precision: crate::optimizer::device_any_precision(&args.optim, args.model.param_dtype)?,
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {

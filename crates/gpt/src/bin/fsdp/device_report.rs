@@ -137,4 +137,23 @@ pub(crate) fn say_layers(bf16: bool, config: &DeviceTrainConfig) {
         )
     };
     say!("attention: {attention}; logits: {}", config.logits);
+    if let Some(a) = config.any_precision {
+        let d = crate::run_config::dtype_option;
+        say!(
+            "optimizer: AnyPrecisionAdamW ({} parameter values{}, {} moments, Kahan summation \
+             {})",
+            d(a.param),
+            if a.param == fsdp_device::DType::BF16 {
+                " in f32 buffers"
+            } else {
+                ""
+            },
+            d(a.state),
+            if a.kahan {
+                format!("on into a {} buffer", d(a.state))
+            } else {
+                "off".into()
+            }
+        );
+    }
 }

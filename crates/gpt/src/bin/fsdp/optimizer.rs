@@ -104,6 +104,28 @@ pub(crate) fn optimizer_config(
     }
 }
 
+/// The device trainer's `AnyPrecisionAdamW` of `o` (`None`: AdamW), the parameters' values
+/// rounded to `param_dtype` (its shards' dtype in the engine), checked as
+/// [`optimizer_config`] checks it.
+///
+/// # Errors
+/// As [`optimizer_config`].
+pub(crate) fn device_any_precision(
+    o: &OptimizerArgs,
+    param_dtype: DType,
+) -> Result<Option<fsdp_kernels::host::AnyPrecision>, CliError> {
+    Ok(
+        match optimizer_config(o, param_dtype, AdamWConfig::default())? {
+            OptimizerConfig::AnyPrecisionAdamW(c) => Some(fsdp_kernels::host::AnyPrecision {
+                param: param_dtype,
+                state: c.momentum_dtype,
+                kahan: c.use_kahan_summation,
+            }),
+            _ => None,
+        },
+    )
+}
+
 /// AdamW's hyperparameters of `fsdp train`'s options (`--lr`, `--beta1`, `--beta2`, `--eps`,
 /// `--weight-decay`), not yet validated.
 pub(crate) fn adamw_options(args: &TrainArgs) -> AdamWConfig {
