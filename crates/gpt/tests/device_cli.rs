@@ -121,6 +121,60 @@ fn host_twin_matches_the_engine_with_anyprecision_adamw() {
     );
 }
 
+/// The device's defaults with AnyPrecisionAdamW: pure bf16 (bf16 parameter values, bf16
+/// moments and compensation), said on the run's first lines and planned with its state; the
+/// optimizer's options refused with AdamW as the engine refuses them.
+#[test]
+fn anyprecision_adamw_on_the_device_says_and_plans_its_state() {
+    let dir = scratch("device_cli", "anyprecision_says");
+    let log = dir.join("log.csv");
+    let mut a = small_train_args(&["--batch-size", "8", "--steps", "3"], &[]);
+    a.extend([
+        "--device",
+        "host-twin",
+        "--optimizer",
+        "anyprecision-adamw",
+        "--loss-log",
+        s(&log),
+    ]);
+    let out = ok(
+        &fsdp(&a),
+        "fsdp train --device host-twin --optimizer anyprecision-adamw",
+    );
+    assert!(
+        out.contains(
+            "optimizer: AnyPrecisionAdamW (bf16 parameter values in f32 buffers, bf16 moments, \
+             Kahan summation on into a bf16 buffer)"
+        ),
+        "{out}"
+    );
+    assert_eq!(log_losses(&log).len(), 3);
+    let mut p = vec!["plan"];
+    p.extend(&common::cli::SMALL_MODEL);
+    p.extend([
+        "--batch-size",
+        "8",
+        "--device",
+        "host-twin",
+        "--optimizer",
+        "anyprecision-adamw",
+        "--kahan-summation",
+        "off",
+    ]);
+    let plan = ok(
+        &fsdp(&p),
+        "fsdp plan --device host-twin --optimizer anyprecision-adamw",
+    );
+    assert!(plan.contains("(AnyPrecisionAdamW, bf16)"), "{plan}");
+    assert!(!plan.contains("compensation"), "no Kahan: {plan}");
+    let mut b = small_train_args(&["--steps", "2", "--device", "host-twin"], &[]);
+    b.extend(["--kahan-summation", "on"]);
+    one_error_status_1(
+        &fsdp(&b),
+        &["--kahan-summation applies only to --optimizer anyprecision-adamw"],
+    );
+}
+
 #[test]
 fn device_cuda_refuses_unsupported_options() {
     let run = |extra: &[&str]| {

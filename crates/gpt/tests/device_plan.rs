@@ -6,11 +6,13 @@
 //! throughout is left. The parts the plan lists are checked against closed forms.
 
 use fsdp::optim::{AdamWConfig, LrSchedule};
+use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{Attention, HostOps, HostProducts, Logits, Products};
+use fsdp_kernels::gpt::{param_shapes, Attention, HostOps, HostProducts, Logits, Products};
+use fsdp_kernels::host::AnyPrecision;
 
 fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> DeviceTrainConfig {
     DeviceTrainConfig {
@@ -79,14 +81,42 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     let p = c.cfg.num_params() as u64;
     assert_eq!(plan.param_elements, p);
     assert_eq!((plan.parameters, plan.gradients), (4 * p, 4 * p));
-    // Under CPU offload the accumulators and moments live on the host, with the master
-    // parameters.
-    let (optim, offloaded) = if c.offload { (0, 16 * p) } else { (4 * p, 0) };
+    // The optimizer's state: AdamW's f32 moments, or AnyPrecisionAdamW's two and its
+    // compensation in its state dtype, bf16 two to an f32 element (a tensor of odd length
+    // rounds up by one bf16).
+    let state = match c.any_precision {
+        Some(a) if a.state == DType::BF16 => param_shapes(&c.dims())
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>().div_ceil(2) as u64 * 4)
+            .sum(),
+        _ => 4 * p,
+    };
+    let comp = if c.any_precision.is_some_and(|a| a.kahan) {
+        state
+    } else {
+        0
+    };
+    // Under CPU offload the accumulators and the optimizer's state live on the host, with
+    // the master parameters.
+    let (optim, offloaded) = if c.offload {
+        (0, 8 * p + 2 * state + comp)
+    } else {
+        (state, 0)
+    };
     for part in [plan.exp_avg, plan.exp_avg_sq] {
         assert_eq!(part, optim, "{name}");
     }
+    assert_eq!(
+        plan.compensation,
+        if c.offload { 0 } else { comp },
+        "{name}"
+    );
     // With one micro-batch a step the model's gradients serve: no accumulators.
-    let acc = if c.grad_accum == 1 { 0 } else { optim };
+    let acc = if c.grad_accum == 1 || c.offload {
+        0
+    } else {
+        4 * p
+    };
     assert_eq!(plan.accumulators, acc, "{name}");
     assert_eq!(plan.offloaded, offloaded, "{name}");
     // The staging: one or two gradient sets (two with several micro-batches) and the
@@ -277,6 +307,54 @@ fn predicted_peak_with_cpu_offload_equals_the_host_twins() {
     let plan = check("offload, clipping", &c, false);
     assert!(!plan.peak_moment.contains("clipping"), "{plan}");
     assert!(plan.to_string().contains("offloaded to host"), "{plan}");
+}
+
+/// AnyPrecisionAdamW: its state (bf16 packed or f32, with and without the Kahan
+/// compensation) on the device or under CPU offload, with bf16 or f32 parameters; the peak is
+/// the measured one, and bf16 state with compensation holds 6 bytes an element where AdamW
+/// holds 8.
+#[test]
+fn predicted_peak_with_anyprecision_adamw_equals_the_host_twins() {
+    let kinds = [
+        (DType::BF16, DType::BF16, true),
+        (DType::F32, DType::BF16, false),
+        (DType::BF16, DType::F32, true),
+    ];
+    for (name, cfg) in [("small", small()), ("larger", larger())] {
+        for (i, (param, state, kahan)) in kinds.into_iter().enumerate() {
+            for offload in [false, true] {
+                let accum = 1 + i % 2;
+                let c = DeviceTrainConfig {
+                    any_precision: Some(AnyPrecision {
+                        param,
+                        state,
+                        kahan,
+                    }),
+                    offload,
+                    ..config(cfg, 8, accum, Some(1.0))
+                };
+                let what = format!("{name}, {param:?} {state:?} kahan {kahan}, offload {offload}");
+                check(&what, &c, param == DType::BF16);
+            }
+        }
+    }
+    let adamw = plan_memory(&config(small(), 8, 1, None), Products::F32).unwrap();
+    let any = DeviceTrainConfig {
+        any_precision: Some(AnyPrecision {
+            param: DType::BF16,
+            state: DType::BF16,
+            kahan: true,
+        }),
+        ..config(small(), 8, 1, None)
+    };
+    let any = plan_memory(&any, Products::F32).unwrap();
+    let p = small().num_params() as f64;
+    let per = |x: &fsdp_gpt::device_plan::DeviceMemoryPlan| {
+        (x.exp_avg + x.exp_avg_sq + x.compensation) as f64 / p
+    };
+    assert_eq!(per(&adamw), 8.0);
+    assert!((per(&any) - 6.0).abs() < 0.01, "{}", per(&any));
+    assert!(any.to_string().contains("AnyPrecisionAdamW, bf16"), "{any}");
 }
 
 /// Activation checkpointing: forward keeps each block's input, backward recomputes the block

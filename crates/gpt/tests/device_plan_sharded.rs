@@ -280,3 +280,41 @@ fn the_process_plan_is_the_measured_peak_with_staging() {
         println!("{what}: peak {peak} bytes, of which staging {staging}, planned exactly");
     }
 }
+
+/// AnyPrecisionAdamW's state (bf16 packed with the compensation, or f32 without it) shaped
+/// as the shards — of odd lengths at 3 ranks — on the device or offloaded: the thread and
+/// process plans are the measured peaks.
+#[test]
+fn the_plan_of_anyprecision_adamw_is_the_measured_peak() {
+    use fsdp_kernels::host::AnyPrecision;
+    for (world, s, state, kahan, offload) in [
+        (2, ShardingStrategy::FullShard, DType::BF16, true, false),
+        (3, ShardingStrategy::FullShard, DType::BF16, true, false),
+        (3, ShardingStrategy::ShardGradOp, DType::F32, false, true),
+        (2, ShardingStrategy::NoShard, DType::BF16, true, true),
+    ] {
+        let c = DeviceTrainConfig {
+            offload,
+            any_precision: Some(AnyPrecision {
+                param: DType::BF16,
+                state,
+                kahan,
+            }),
+            batch_size: 6 * world,
+            ..device_config(LrSchedule::Constant, true, Some(1.0), 1)
+        };
+        let what =
+            format!("{world} ranks, {s:?}, {state:?} state, kahan {kahan}, offload {offload}");
+        let plan = plan_sharded_memory(&c, Products::Bf16, world, s, None).unwrap();
+        assert_eq!(
+            plan.peak,
+            measured(c, world, s, None, true),
+            "{what}\n{plan}"
+        );
+        let plan =
+            plan_process_memory(&c, Products::F32, world, s, None, Prefetch::default()).unwrap();
+        let (peak, staging) = measured_staged(c, world, s, None, Prefetch::default());
+        assert_eq!((plan.peak, plan.staging), (peak, staging), "{what}\n{plan}");
+        println!("{what}: planned exactly ({peak} bytes a process)");
+    }
+}

@@ -1,8 +1,9 @@
 //! `fsdp train --device cuda --steps 20` (the device trainer over `CudaOps`: the GPT's NVRTC
 //! kernels and cuBLAS on one CUDA stream, AdamW on the device) against `fsdp train --ranks 1`
 //! (the sharded engine on the CPU): every step's loss within 1e-4 relative (issue 16's
-//! criterion; the largest difference is printed), with the defaults and with clipping,
-//! accumulation and the cosine schedule. The kernels equal their host twins bitwise and the
+//! criterion; the largest difference is printed), with the defaults, with clipping,
+//! accumulation and the cosine schedule, and with AnyPrecisionAdamW (f32 state, and bf16
+//! state with the Kahan compensation). The kernels equal their host twins bitwise and the
 //! host-twin path is held far inside the bound here without a GPU (`tests/device_train.rs`,
 //! `tests/device_cli.rs`: at most 1.2e-7), so what is left is cuBLAS's rounding of the
 //! products (`fsdp-kernels`' `tests/gpu_gpt.rs`: within 1e-5 of the loss per step).
@@ -88,6 +89,27 @@ fn device_cuda_follows_the_engine_at_one_rank() {
 fn device_cuda_clips_accumulates_and_schedules_as_the_engine() {
     if gpu("device_cuda_clips_accumulates_and_schedules_as_the_engine") {
         compare("clip_accum_cosine", &CLIP_ACCUM_COSINE);
+    }
+}
+
+/// AnyPrecisionAdamW with f32 state (the CUDA kernel `anyprecision_decided_f32`, Kahan
+/// summation off) on f32 parameters: the engine's losses within 1e-4, as AdamW.
+#[test]
+fn device_cuda_anyprecision_adamw_follows_the_engine() {
+    if gpu("device_cuda_anyprecision_adamw_follows_the_engine") {
+        compare(
+            "anyprecision_f32_state",
+            &[
+                "--optimizer",
+                "anyprecision-adamw",
+                "--optimizer-state-dtype",
+                "f32",
+                "--kahan-summation",
+                "off",
+            ],
+        );
+        // bf16 state and the Kahan compensation (`anyprecision_decided_bf16_state`).
+        compare("anyprecision", &["--optimizer", "anyprecision-adamw"]);
     }
 }
 
