@@ -1,7 +1,8 @@
 //! The optimizer's side of a [`DeviceTrainer`](crate::device_train::DeviceTrainer): its
-//! gradient accumulators and AdamW's moments on the device, or under CPU offload with the
-//! master parameters on the host; and the end of a step, enqueued without waiting: each
-//! gradient's sum of squares, the decision ([`GptOps::step_decide`]) and AdamW as decided.
+//! gradient accumulators and the optimizer's state (AdamW's moments, or `AnyPrecisionAdamW`'s
+//! and its compensation) on the device, or under CPU offload with the master parameters on the
+//! host; and the end of a step, enqueued without waiting: each gradient's sum of squares, the
+//! decision ([`GptOps::step_decide`]) and the optimizer as decided.
 
 use fsdp_device::DType;
 use fsdp_kernels::gpt::{GptDims, GptOps, HostBuf, HostOps, Weights};
