@@ -25,16 +25,20 @@ pub trait DeviceComm<O: GptOps> {
     /// The number of ranks.
     fn world_size(&self) -> usize;
     /// Unshards one unit: `fulls[i]` becomes every rank's `shards[i]`, rank after rank, cut
-    /// to `fulls[i]`'s length (the last rank's padding dropped). Each `shards[i]` has the same
-    /// length on every rank, and `fulls[i]` at most `world_size` times it.
+    /// to `fulls[i]`'s length (the last rank's padding dropped), moved in `dtype` (FSDP's
+    /// `param_dtype` on the wire: f32, or bf16 — each shard rounded to bf16, ties to even,
+    /// gathered and widened into the f32 full tensors, so exact for values bf16 holds). Each
+    /// `shards[i]` has the same length on every rank, and `fulls[i]` at most `world_size`
+    /// times it.
     ///
     /// # Errors
-    /// Lengths that do not fit; the collective's failure.
+    /// Lengths that do not fit; a `dtype` other than f32 or bf16; the collective's failure.
     fn all_gather(
         &self,
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError>;
     /// The bytes the communicator holds beside the operations' buffers for its collectives
     /// (staging buffers in the operations' memory, counted in [`GptOps::memory`] too); the
@@ -42,16 +46,21 @@ pub trait DeviceComm<O: GptOps> {
     fn held_bytes(&self) -> u64 {
         0
     }
-    /// Starts the all-gather of `shards` ahead of its use (FSDP's prefetch): the collective is
-    /// issued now, and the next [`all_gather`](Self::all_gather) of the same shards (the same
-    /// buffers) only completes it into the full tensors. Every rank prefetches in the same
-    /// order. Returns whether anything started; the default, for implementations that run
-    /// each collective whole, starts nothing.
+    /// Starts the all-gather of `shards` in `dtype` ahead of its use (FSDP's prefetch): the
+    /// collective is issued now, and the next [`all_gather`](Self::all_gather) of the same
+    /// shards (the same buffers, in the same dtype) only completes it into the full tensors.
+    /// Every rank prefetches in the same order. Returns whether anything started; the default,
+    /// for implementations that run each collective whole, starts nothing.
     ///
     /// # Errors
-    /// The collective's failure.
-    fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
-        let _ = (ops, shards);
+    /// A `dtype` other than f32 or bf16; the collective's failure.
+    fn prefetch_all_gather(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        dtype: DType,
+    ) -> Result<bool, DeviceTrainError> {
+        let _ = (ops, shards, dtype);
         Ok(false)
     }
     /// Reduces one unit's gradients to their shards with the ranks' mean: `shards[i]` becomes
@@ -100,7 +109,7 @@ pub trait DeviceComm<O: GptOps> {
 /// the dtype it moved, each all-reduce the buffers it reduced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CommVolume {
-    /// Parameters all-gathered (f32).
+    /// Parameters all-gathered (in the gathers' dtype).
     pub all_gathered: u64,
     /// Gradients reduce-scattered (in the reduction's dtype).
     pub reduce_scattered: u64,
@@ -155,8 +164,8 @@ impl<C: Communicator + ?Sized> HostComm<C> {
     }
 }
 
-/// Whether a reduction in `dtype` is in bf16 (else f32): the device's collectives reduce
-/// gradients in these two.
+/// Whether a collective in `dtype` moves bf16 (else f32): the device's collectives gather
+/// parameters and reduce gradients in these two.
 ///
 /// # Errors
 /// [`FsdpError::InvalidFsdpConfig`](fsdp::FsdpError::InvalidFsdpConfig) for any other dtype,
@@ -166,7 +175,7 @@ pub fn reduces_in_bf16(what: &str, dtype: DType) -> Result<bool, fsdp::FsdpError
         DType::F32 => Ok(false),
         DType::BF16 => Ok(true),
         other => Err(fsdp::FsdpError::InvalidFsdpConfig {
-            reason: format!("{what} in {other}: the device's collectives reduce in f32 or bf16"),
+            reason: format!("{what} in {other}: the device's collectives move f32 or bf16"),
         }),
     }
 }
@@ -338,7 +347,9 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
+        let bf16 = reduces_in_bf16("all-gather", dtype)?;
         let world = DeviceComm::<O>::world_size(self);
         let p = Packing::all_gather::<O>(shards, fulls, world)?;
         let (total, offsets) = (p.total, &p.offsets);
@@ -346,10 +357,10 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         for s in shards {
             packed.extend(ops.download(s)?);
         }
-        let input = Buffer::from_slice(&packed)?;
-        let output = Buffer::zeros(DType::F32, total * world)?;
+        let input = host_buffer(&packed, bf16)?;
+        let output = Buffer::zeros(dtype, total * world)?;
         self.comm.all_gather_base(&input, &output)?.wait()?;
-        let gathered = output.to_vec::<f32>()?;
+        let gathered = host_values(&output, bf16)?;
         for (i, full) in fulls.iter_mut().enumerate() {
             let mut values = vec![0.0f32; p.full_lens[i]];
             for r in 0..world {
@@ -452,12 +463,18 @@ impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        (**self).all_gather(ops, shards, fulls)
+        (**self).all_gather(ops, shards, fulls, dtype)
     }
 
-    fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
-        (**self).prefetch_all_gather(ops, shards)
+    fn prefetch_all_gather(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        dtype: DType,
+    ) -> Result<bool, DeviceTrainError> {
+        (**self).prefetch_all_gather(ops, shards, dtype)
     }
 
     fn held_bytes(&self) -> u64 {

@@ -180,6 +180,17 @@ impl DeviceTrainConfig {
         }
     }
 
+    /// The dtype sharded training all-gathers the parameters in: bf16 where every
+    /// parameter's value is a bf16 (`AnyPrecisionAdamW` with bf16 parameters: pure-bf16
+    /// training, whose shards the engine stores and gathers in bf16), so that the gathers
+    /// move half the bytes and give the same values; else f32.
+    pub fn gather_dtype(&self) -> DType {
+        match self.any_precision {
+            Some(a) if a.param == DType::BF16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
     /// The model's shape as the kernels' model takes it.
     pub fn dims(&self) -> GptDims {
         GptDims {

@@ -330,11 +330,23 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
+        let bf16 = reduces_in_bf16("all-gather", dtype)?;
         let p = Packing::all_gather::<O>(shards, fulls, self.world)?;
         let (lens, full_lens) = (&p.lens, &p.full_lens);
-        let desc = format!("all-gather of shards {lens:?} into {full_lens:?}");
-        let ptrs = shards.iter().map(|s| ops.peer_ptr(s)).collect();
+        let desc = format!("all-gather ({dtype}) of shards {lens:?} into {full_lens:?}");
+        // In bf16 each rank posts its shards' bf16 roundings, which live until `finish`.
+        let halves = if bf16 {
+            halves_of(ops, shards)?
+        } else {
+            Vec::new()
+        };
+        let ptrs = if bf16 {
+            halves.iter().map(|h| ops.half_ptr(h)).collect()
+        } else {
+            shards.iter().map(|s| ops.peer_ptr(s)).collect()
+        };
         let posts = self.begin(ops, "all-gather", desc.clone(), ptrs)?;
         for (i, full) in fulls.iter_mut().enumerate() {
             let (s, f) = (lens[i], full_lens[i]);
@@ -344,10 +356,16 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
                     break;
                 }
                 let n = s.min(f - start);
-                // SAFETY: the peer's shard, live until the peers' reads finish (step 3
-                // orders its writes and frees after them); this stream waited for its
-                // writes in `begin`.
-                unsafe { ops.copy_from_peer(post.ptrs[i], 0, full, start, n)? };
+                // SAFETY: the peer's shard (or its bf16 rounding), live until the peers'
+                // reads finish (step 3 orders its writes and frees after them); this stream
+                // waited for its writes in `begin`.
+                unsafe {
+                    if bf16 {
+                        ops.widen_bf16_ptr(post.ptrs[i], 0, full, start, n)?
+                    } else {
+                        ops.copy_from_peer(post.ptrs[i], 0, full, start, n)?
+                    }
+                };
             }
         }
         self.finish(ops, "all-gather", desc)
@@ -498,7 +516,7 @@ mod tests {
                     ];
                     let mut fulls = [ops.zeros(4).unwrap(), ops.zeros(1).unwrap()];
                     let mut outs: Vec<_> = fulls.iter_mut().collect();
-                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs)
+                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, DType::F32)
                         .unwrap();
                     assert_eq!(fulls[0].to_vec(), [0.0, 0.5, 1.0, 1.5]);
                     assert_eq!(fulls[1].to_vec(), [0.0]);

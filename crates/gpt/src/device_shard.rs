@@ -134,10 +134,10 @@ fn copy_in<O: GptOps>(
 }
 
 /// Under CPU offload: `unit`'s shards copied in from `staging` (or the prefetched copy in
-/// `copied_in` taken) and gathered into `fulls` over `comm` (replicated, `factor` 1: copied
-/// into `fulls` directly); the device shards are freed after.
+/// `copied_in` taken) and gathered in `dtype` into `fulls` over `comm` (replicated, `factor`
+/// 1: copied into `fulls` directly); the device shards are freed after.
 fn host_unshard<O: GptOps, C: DeviceComm<O> + ?Sized>(
-    (comm, ops, factor, dims): (&C, &O, usize, &GptDims),
+    (comm, ops, factor, dims, dtype): (&C, &O, usize, &GptDims, DType),
     staging: &mut Weights<O::Staging>,
     copied_in: &mut Option<(usize, Vec<O::Buf>)>,
     unit: Unit,
@@ -168,7 +168,7 @@ fn host_unshard<O: GptOps, C: DeviceComm<O> + ?Sized>(
         }
         (_, None) => copy_in(ops, staged, &unit_shard_lens(dims, factor, unit)?)?,
     };
-    comm.all_gather(ops, &shards.iter().collect::<Vec<_>>(), &mut fulls)
+    comm.all_gather(ops, &shards.iter().collect::<Vec<_>>(), &mut fulls, dtype)
 }
 
 /// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
@@ -189,6 +189,9 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     alpha: f32,
     /// The dtype the gradients are reduced in (FSDP's `reduce_dtype`: f32 or bf16).
     reduce_dtype: DType,
+    /// The dtype the parameters are all-gathered in (f32, or bf16 where every parameter's
+    /// value is a bf16: pure-bf16 training).
+    gather_dtype: DType,
     root: Option<Weights<O::Buf>>,
     root_grads: Option<Weights<O::Buf>>,
     blocks: Vec<Option<Block<O::Buf>>>,
@@ -225,6 +228,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             sink,
             alpha,
             reduce_dtype: DType::F32,
+            gather_dtype: DType::F32,
             root: None,
             root_grads: None,
             blocks: (0..dims.n_layer).map(|_| None).collect(),
@@ -262,6 +266,13 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         self
     }
 
+    /// These hooks all-gathering the parameters in `dtype` (f32, or bf16 when their values
+    /// are bf16; checked by the collectives).
+    pub(crate) fn with_gather_dtype(mut self, dtype: DType) -> Self {
+        self.gather_dtype = dtype;
+        self
+    }
+
     /// Starts the all-gather of block `layer` (when it exists and is not unsharded; under CPU
     /// offload its shards are copied in first, and kept until it is gathered).
     fn prefetch_block(&mut self, ops: &O, layer: Option<usize>) -> Result<(), DeviceTrainError> {
@@ -273,14 +284,18 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         }
         match &mut self.shards {
             ShardSource::Device(w) => {
-                self.comm.prefetch_all_gather(ops, &w.blocks[l].bufs())?;
+                self.comm
+                    .prefetch_all_gather(ops, &w.blocks[l].bufs(), self.gather_dtype)?;
             }
             ShardSource::Host(st) if self.copied_in.is_none() => {
                 let lens = unit_shard_lens(&self.dims, self.factor, Unit::Block(l))?;
                 let staged = st.blocks[l].bufs_mut();
                 let shards = copy_in(ops, staged, &lens)?;
                 let refs: Vec<&O::Buf> = shards.iter().collect();
-                if self.comm.prefetch_all_gather(ops, &refs)? {
+                if self
+                    .comm
+                    .prefetch_all_gather(ops, &refs, self.gather_dtype)?
+                {
                     self.copied_in = Some((l, shards));
                 }
             }
@@ -311,7 +326,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         if self.resident().is_some() {
             return Ok(());
         }
-        let (d, factor, comm) = (self.dims, self.factor, self.comm);
+        let (d, factor, comm, dtype) = (self.dims, self.factor, self.comm, self.gather_dtype);
         let gathered = match unit {
             Unit::Root if self.root.is_none() => {
                 let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
@@ -321,9 +336,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                         ops,
                         &w.root_bufs(),
                         &mut fulls.into_iter().collect::<Vec<_>>(),
+                        dtype,
                     )?,
                     ShardSource::Host(st) => host_unshard(
-                        (comm, ops, factor, &d),
+                        (comm, ops, factor, &d, dtype),
                         st,
                         &mut self.copied_in,
                         unit,
@@ -337,10 +353,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                 let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
                 match &mut self.shards {
                     ShardSource::Device(w) => {
-                        comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut())?
+                        comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut(), dtype)?
                     }
                     ShardSource::Host(st) => host_unshard(
-                        (comm, ops, factor, &d),
+                        (comm, ops, factor, &d, dtype),
                         st,
                         &mut self.copied_in,
                         unit,
@@ -354,7 +370,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         };
         if gathered {
             let shards: usize = unit_shard_lens(&d, factor, unit)?.iter().sum();
-            self.volume.all_gathered += bytes(shards * factor, DType::F32);
+            self.volume.all_gathered += bytes(shards * factor, dtype);
         }
         Ok(())
     }

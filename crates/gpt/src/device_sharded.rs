@@ -470,7 +470,8 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 alpha,
             )
             .with_prefetch(self.prefetch)
-            .with_reduce_dtype(c.reduce_dtype);
+            .with_reduce_dtype(c.reduce_dtype)
+            .with_gather_dtype(c.gather_dtype());
             let losses =
                 self.pass
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;

@@ -46,8 +46,10 @@ pub struct StagedComm<C: ?Sized> {
 
 /// An all-gather issued ahead of its use.
 struct Prefetched {
-    /// The shards' addresses and lengths: the next all-gather of these completes it.
+    /// The shards' addresses and lengths: the next all-gather of these (in the same dtype)
+    /// completes it.
     key: Vec<PeerPtr>,
+    dtype: DType,
     output: Buffer,
     work: Work,
 }
@@ -60,9 +62,12 @@ struct Staging {
     scalars: Option<Counted<Buffer>>,
     prefetch_input: Option<Counted<Buffer>>,
     prefetch_output: Option<Counted<Buffer>>,
-    /// A reduction in bf16's input and output.
+    /// A reduction's or an all-gather's input and output in bf16.
     half_input: Option<Counted<Buffer>>,
     half_output: Option<Counted<Buffer>>,
+    /// A prefetched all-gather's in bf16.
+    prefetch_half_input: Option<Counted<Buffer>>,
+    prefetch_half_output: Option<Counted<Buffer>>,
 }
 
 /// Which staging buffer.
@@ -75,9 +80,22 @@ enum Slot {
     PrefetchOutput,
     HalfInput,
     HalfOutput,
+    PrefetchHalfInput,
+    PrefetchHalfOutput,
 }
 
 impl Slot {
+    /// The input and output slots of an all-gather in bf16 (`half`) or f32, prefetched or
+    /// not.
+    fn gather(prefetch: bool, half: bool) -> (Slot, Slot) {
+        match (prefetch, half) {
+            (false, false) => (Slot::Input, Slot::Output),
+            (false, true) => (Slot::HalfInput, Slot::HalfOutput),
+            (true, false) => (Slot::PrefetchInput, Slot::PrefetchOutput),
+            (true, true) => (Slot::PrefetchHalfInput, Slot::PrefetchHalfOutput),
+        }
+    }
+
     /// The input and output slots of a reduction in bf16 (`half`) or f32.
     fn reduction(half: bool) -> (Slot, Slot) {
         if half {
@@ -127,6 +145,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             &s.prefetch_output,
             &s.half_input,
             &s.half_output,
+            &s.prefetch_half_input,
+            &s.prefetch_half_output,
         ]
         .into_iter()
         .flatten()
@@ -152,6 +172,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
             Slot::HalfInput => (&mut s.half_input, DType::BF16),
             Slot::HalfOutput => (&mut s.half_output, DType::BF16),
+            Slot::PrefetchHalfInput => (&mut s.prefetch_half_input, DType::BF16),
+            Slot::PrefetchHalfOutput => (&mut s.prefetch_half_output, DType::BF16),
         };
         if kept.as_ref().is_none_or(|b| b.len() < len) {
             // The old buffer is released first: it is counted until then.
@@ -317,14 +339,15 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         Ok((output, work))
     }
 
-    /// Completes the pending prefetch, if any, that is not of `key`; returns the one that is.
+    /// Completes the pending prefetch, if any, that is not of `key` (shards and dtype);
+    /// returns the one that is.
     fn take_prefetched<O: StagingOps>(
         &self,
         ops: &O,
-        key: Option<&[PeerPtr]>,
+        key: Option<(&[PeerPtr], DType)>,
     ) -> Result<Option<Prefetched>, DeviceTrainError> {
         match self.prefetched.borrow_mut().take() {
-            Some(p) if Some(p.key.as_slice()) == key => {
+            Some(p) if Some((p.key.as_slice(), p.dtype)) == key => {
                 let (used, unused) = self.prefetch_counts.get();
                 self.prefetch_counts.set((used + 1, unused));
                 Ok(Some(p))
@@ -384,13 +407,15 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
+        dtype: DType,
     ) -> Result<(), DeviceTrainError> {
+        let half = reduces_in_bf16("all-gather", dtype)?;
         let world = self.comm.world_size();
         let p = Packing::all_gather::<O>(shards, fulls, world)?;
         let key = key_of(ops, shards);
-        let (output, work) = match self.take_prefetched(ops, Some(&key))? {
+        let (output, work) = match self.take_prefetched(ops, Some((&key, dtype)))? {
             Some(p) => (p.output, p.work),
-            None => self.start_gather(ops, shards, (Slot::Input, Slot::Output))?,
+            None => self.start_gather(ops, shards, Slot::gather(false, half))?,
         };
         self.complete(ops, &work)?;
         self.with_ptr(ops, &output, AccessMode::Shared, |from| {
@@ -401,9 +426,16 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
                         break;
                     }
                     let at = r * p.total + p.offsets[i];
-                    // SAFETY: `from` is the staging output, written by the collective the
-                    // operations were ordered after, and held for this copy (`with_ptr`).
-                    unsafe { ops.copy_from_peer(from, at, full, start, n)? };
+                    // SAFETY: `from` is the staging output (of its dtype), written by the
+                    // collective the operations were ordered after, and held for this copy
+                    // (`with_ptr`).
+                    unsafe {
+                        if half {
+                            ops.widen_bf16_ptr(from, at, full, start, n)?
+                        } else {
+                            ops.copy_from_peer(from, at, full, start, n)?
+                        }
+                    };
                 }
             }
             Ok(())
@@ -414,12 +446,22 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         self.staging_bytes() as u64
     }
 
-    fn prefetch_all_gather(&self, ops: &O, shards: &[&O::Buf]) -> Result<bool, DeviceTrainError> {
+    fn prefetch_all_gather(
+        &self,
+        ops: &O,
+        shards: &[&O::Buf],
+        dtype: DType,
+    ) -> Result<bool, DeviceTrainError> {
+        let half = reduces_in_bf16("all-gather", dtype)?;
         self.take_prefetched(ops, None)?;
         let key = key_of(ops, shards);
-        let (output, work) =
-            self.start_gather(ops, shards, (Slot::PrefetchInput, Slot::PrefetchOutput))?;
-        *self.prefetched.borrow_mut() = Some(Prefetched { key, output, work });
+        let (output, work) = self.start_gather(ops, shards, Slot::gather(true, half))?;
+        *self.prefetched.borrow_mut() = Some(Prefetched {
+            key,
+            dtype,
+            output,
+            work,
+        });
         Ok(true)
     }
 
@@ -535,7 +577,7 @@ mod tests {
             ];
             let mut fulls = [ops.zeros(4).unwrap(), ops.zeros(1).unwrap()];
             let mut outs: Vec<_> = fulls.iter_mut().collect();
-            comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs)
+            comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, DType::F32)
                 .unwrap();
             assert_eq!(fulls[0].to_vec(), [0.0, 0.5, 1.0, 1.5]);
             assert_eq!(fulls[1].to_vec(), [0.0]);

@@ -337,8 +337,8 @@ fn cpu_offload_with_two_ranks_logs_the_same_losses() {
 #[test]
 fn launched_processes_train_as_threads() {
     let dir = scratch("device_sharded_cli", "launched");
-    for (n, extra) in [
-        ("2", &["--strategy", "full-shard"][..]),
+    for (n, extra, param) in [
+        ("2", &["--strategy", "full-shard"][..], "f32"),
         // Gradients reduced in bf16: every collective is over 2 ranks, whose sum is the
         // same in either order, so processes and threads agree bitwise.
         (
@@ -351,12 +351,29 @@ fn launched_processes_train_as_threads() {
                 "--reduce-dtype",
                 "bf16",
             ][..],
+            "f32",
+        ),
+        // Pure bf16 (AnyPrecisionAdamW on bf16 parameters): the units gathered in bf16.
+        (
+            "2",
+            &[
+                "--strategy",
+                "shard-grad-op",
+                "--optimizer",
+                "anyprecision-adamw",
+            ][..],
+            "bf16",
         ),
     ] {
-        let (procs, threads) = (dir.join(format!("p{n}.csv")), dir.join(format!("t{n}.csv")));
+        let n_tag = format!("{n}{param}");
+        let n_tag = n_tag.as_str();
+        let (procs, threads) = (
+            dir.join(format!("p{n_tag}.csv")),
+            dir.join(format!("t{n_tag}.csv")),
+        );
         let (wp, wt) = (
-            dir.join(format!("p{n}.safetensors")),
-            dir.join(format!("t{n}.safetensors")),
+            dir.join(format!("p{n_tag}.safetensors")),
+            dir.join(format!("t{n_tag}.safetensors")),
         );
         let base = ["--steps", "4", "--batch-size", "8", "--device", "host-twin"];
         let mut a = vec!["launch", "--nproc-per-node", n, "--master-port", "0"];
@@ -365,7 +382,7 @@ fn launched_processes_train_as_threads() {
         a.push("--forward-prefetch");
         a.extend([
             "--param-dtype",
-            "f32",
+            param,
             "--loss-log",
             s(&procs),
             "--save",
@@ -385,10 +402,18 @@ fn launched_processes_train_as_threads() {
         let (reduced, moved) = if extra.contains(&"bf16") {
             (
                 "reductions: the gradients in bf16 (each unit's rounded",
-                "(gradients in bf16)",
+                "(parameters in f32, gradients in bf16)",
+            )
+        } else if param == "bf16" {
+            (
+                "reductions: the gradients in f32",
+                "(parameters in bf16, gradients in f32)",
             )
         } else {
-            ("reductions: the gradients in f32", "(gradients in f32)")
+            (
+                "reductions: the gradients in f32",
+                "(parameters in f32, gradients in f32)",
+            )
         };
         assert!(out.contains(reduced), "{out}");
         // The summary's bytes moved by rank 0's collectives (`comm_volume`).
@@ -410,7 +435,7 @@ fn launched_processes_train_as_threads() {
             "--ranks",
             n,
             "--param-dtype",
-            "f32",
+            param,
             "--loss-log",
             s(&threads),
             "--save",

@@ -176,6 +176,7 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
         ops,
         &shards.iter().collect::<Vec<_>>(),
         &mut fulls.iter_mut().collect::<Vec<_>>(),
+        fsdp_device::DType::F32,
     )
     .unwrap();
     keep(&fulls);
@@ -224,12 +225,18 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
     };
     let want = gathered(&fulls);
     for prefetch in [&refs[..], &refs[..1]] {
-        comm.prefetch_all_gather(ops, prefetch).unwrap();
+        comm.prefetch_all_gather(ops, prefetch, fsdp_device::DType::F32)
+            .unwrap();
         comm.all_reduce_scalars(ops, &mut s, 4..5, fsdp_collectives::ReduceOp::Sum)
             .unwrap();
         let mut again: Vec<_> = UNIT_LENS.iter().map(|&n| up(vec![-1.0; n])).collect();
-        comm.all_gather(ops, &refs, &mut again.iter_mut().collect::<Vec<_>>())
-            .unwrap();
+        comm.all_gather(
+            ops,
+            &refs,
+            &mut again.iter_mut().collect::<Vec<_>>(),
+            fsdp_device::DType::F32,
+        )
+        .unwrap();
         assert_eq!(gathered(&again), want, "a prefetched all-gather");
     }
     out

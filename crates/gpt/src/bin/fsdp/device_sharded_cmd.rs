@@ -291,10 +291,11 @@ impl<'a> Shared<'a> {
         let v = end.volume;
         say!(
             "rank 0's collectives moved: all-gathered {}, reduce-scattered {}, all-reduced {} \
-             (gradients in {})",
+             (parameters in {}, gradients in {})",
             human_bytes(v.all_gathered),
             human_bytes(v.reduce_scattered),
             human_bytes(v.all_reduced),
+            crate::run_config::dtype_option(run.config.gather_dtype()),
             crate::run_config::dtype_option(run.config.reduce_dtype)
         );
         if let Some(m) = &end.memory {
