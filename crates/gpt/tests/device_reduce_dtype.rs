@@ -69,6 +69,10 @@ fn expected(world: usize, r: usize) -> Vec<Vec<f32>> {
     for (t, &n) in UNIT_LENS.iter().enumerate() {
         v.push((0..n).map(|i| reference_mean(world, t, i)).collect());
     }
+    // Rank 0's values gathered in bf16: each rounded.
+    for (t, &n) in UNIT_LENS.iter().enumerate() {
+        v.push((0..n).map(|i| round(grad_value(0, t, i))).collect());
+    }
     v
 }
 
@@ -95,9 +99,17 @@ fn bf16_reductions_round_as_the_collectives_do() {
             if world <= 2 {
                 assert_eq!(ring[r], want, "ring, {world} ranks, rank {r}");
             }
+            // The gathers round alone, in any order: the reference's bits everywhere.
+            let n = UNIT_LENS.len();
+            assert_eq!(
+                ring[r][2 * n..],
+                want[2 * n..],
+                "ring's bf16 gathers, {world} ranks"
+            );
             // The all-reduced tensors (the last of each run) against the exact means: values
             // of bf16, within the roundings of the inputs, the partial sums and the division.
-            for (t, got) in ring[r][UNIT_LENS.len()..].iter().enumerate() {
+            let all_reduced = &ring[r][UNIT_LENS.len()..2 * UNIT_LENS.len()];
+            for (t, got) in all_reduced.iter().enumerate() {
                 for (i, &g) in got.iter().enumerate() {
                     let (mean, max) = exact_mean(world, t, i);
                     assert_eq!(round(g), g, "{world} ranks: {g} is not a bf16 value");

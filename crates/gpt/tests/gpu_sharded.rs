@@ -4,7 +4,8 @@
 //! - every collective at 2 and 4 ranks gives the host twins' bits (values whose sums are exact:
 //!   the copies and the collectives' reduction kernels are exact there), while each rank's
 //!   stream runs on without the host waiting; reductions in bf16 (`--reduce-dtype bf16`) give
-//!   the twins' bits at 2 to 4 ranks on inexact values (the cast kernels and bf16 folds);
+//!   the twins' bits at 2 to 4 ranks on inexact values (the cast kernels and bf16 folds), as
+//!   do all-gathers in bf16 (pure-bf16 training's: rounded shards widened into f32);
 //! - `fsdp train --device cuda --ranks N --strategy S --param-dtype f32` against the engine's
 //!   `fsdp train --ranks N --strategy S`: every step's loss within 1e-4 relative over 20 steps
 //!   (issue 16's criterion) for FULL_SHARD and NO_SHARD at 2 ranks, SHARD_GRAD_OP at 4 and
@@ -86,8 +87,8 @@ fn peer_collectives_on_cuda_give_the_host_twins_bits() {
 /// Reductions in bf16 (`--reduce-dtype bf16`): CUDA's casts and bf16 folds give the host
 /// twins' bits at 2 to 4 ranks.
 #[test]
-fn peer_bf16_reductions_on_cuda_give_the_host_twins_bits() {
-    if !gpu("peer_bf16_reductions_on_cuda_give_the_host_twins_bits") {
+fn peer_bf16_collectives_on_cuda_give_the_host_twins_bits() {
+    if !gpu("peer_bf16_collectives_on_cuda_give_the_host_twins_bits") {
         return;
     }
     for world in [2, 3, 4] {
@@ -101,7 +102,7 @@ fn peer_bf16_reductions_on_cuda_give_the_host_twins_bits() {
         );
         let host = on_peers(world, |_| HostOps::new(), exercise_bf16);
         assert_eq!(cuda, host, "{world} ranks");
-        println!("{world} ranks: the bf16 reductions equal the host twins' bits");
+        println!("{world} ranks: the bf16 reductions and gathers equal the host twins' bits");
     }
 }
 

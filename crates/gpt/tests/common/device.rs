@@ -249,7 +249,8 @@ pub fn grad_value(r: usize, t: usize, i: usize) -> f32 {
 }
 
 /// Each rank's gradients ([`grad_value`]) of the test unit ([`UNIT_LENS`]) reduce-scattered
-/// and all-reduced in bf16: the shards, then the all-reduced tensors.
+/// and all-reduced in bf16, and rank 0's values of them all-gathered in bf16 from each rank's
+/// shard: the shards, then the all-reduced tensors, then the gathered ones.
 pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
     comm: &dyn fsdp_gpt::device_comm::DeviceComm<O>,
     ops: &O,
@@ -281,9 +282,32 @@ pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
         fsdp_device::DType::BF16,
     )
     .unwrap();
+    let mine: Vec<_> = UNIT_LENS
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| {
+            let s = n.div_ceil(world);
+            let v: Vec<f32> = (r * s..(r + 1) * s)
+                .map(|i| if i < n { grad_value(0, t, i) } else { 0.0 })
+                .collect();
+            ops.upload(&v).unwrap()
+        })
+        .collect();
+    let mut gathered: Vec<_> = UNIT_LENS
+        .iter()
+        .map(|&n| ops.upload(&vec![-1.0; n]).unwrap())
+        .collect();
+    comm.all_gather(
+        ops,
+        &mine.iter().collect::<Vec<_>>(),
+        &mut gathered.iter_mut().collect::<Vec<_>>(),
+        fsdp_device::DType::BF16,
+    )
+    .unwrap();
     shards
         .iter()
         .chain(&bufs)
+        .chain(&gathered)
         .map(|b| ops.download(b).unwrap())
         .collect()
 }
