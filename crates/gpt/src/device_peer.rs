@@ -499,7 +499,7 @@ mod tests {
     use fsdp_kernels::gpt::{GptOps, HostOps};
 
     /// Two ranks as threads gather and reduce-scatter a unit of two tensors (one shorter than
-    /// the world's shards) by reading each other's buffers, the reduction in f32 and in bf16.
+    /// the world's shards) by reading each other's buffers, in f32 and in bf16.
     /// (Under Miri: every read by address is of a live buffer its owner does not write
     /// meanwhile.)
     #[test]
@@ -543,6 +543,17 @@ mod tests {
                         .unwrap();
                     assert_eq!(red[0].to_vec(), [1.5, 1.5]);
                     assert_eq!(red[1].to_vec(), [want]);
+                    // An all-gather in bf16, through each rank's rounded copies of its shards:
+                    // 1 + 2⁻⁹ rounds to 1.
+                    let shards = [
+                        ops.upload(&[r + 1.0 / 512.0, r + 0.5]).unwrap(),
+                        ops.upload(&[r]).unwrap(),
+                    ];
+                    let mut outs: Vec<_> = fulls.iter_mut().collect();
+                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, DType::BF16)
+                        .unwrap();
+                    assert_eq!(fulls[0].to_vec(), [1.0 / 512.0, 0.5, 1.0, 1.5]);
+                    assert_eq!(fulls[1].to_vec(), [0.0]);
                 });
             }
         });
