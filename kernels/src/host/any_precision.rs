@@ -181,27 +181,18 @@ pub fn anyprecision_decided(
     exp_avg_sq: &mut [f32],
     compensation: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
-    const K: &str = "anyprecision_decided";
-    kind.validate()?;
-    check_scalars_len(K, scalars.len(), 0)?;
     let n = param.len();
-    let sn = state_len(n, kind.state);
-    same_len(K, "grad", n, grad.len())?;
-    same_len(K, "exp_avg", sn, exp_avg.len())?;
-    same_len(K, "exp_avg_sq", sn, exp_avg_sq.len())?;
-    let comp = match (kind.kahan, compensation) {
-        (true, Some(c)) => {
-            same_len(K, "compensation", sn, c.len())?;
-            Some(State::of(c, n, kind.state))
-        }
-        (true, None) => {
-            return Err(KernelError::InvalidArgument {
-                kernel: K,
-                reason: "Kahan summation without a compensation buffer".into(),
-            })
-        }
-        (false, _) => None,
-    };
+    let lens = [
+        scalars.len(),
+        n,
+        grad.len(),
+        exp_avg.len(),
+        exp_avg_sq.len(),
+    ];
+    let kahan = check_call(kind, lens, compensation.as_ref().map(|c| c.len()))?;
+    let comp = compensation
+        .filter(|_| kahan)
+        .map(|c| State::of(c, n, kind.state));
     if scalars[STEP_APPLIED] != 1.0 {
         return Ok(());
     }
@@ -249,6 +240,36 @@ pub fn anyprecision_decided(
         };
     }
     Ok(())
+}
+
+/// Checks a call of `anyprecision_decided` (twin or kernel): `kind`'s dtypes, and the lengths
+/// `[scalars, param, grad, exp_avg, exp_avg_sq]` and the compensation's — the scalars at
+/// least the decision's slots, the gradient the parameter's, each state buffer
+/// [`state_len`] of it, the compensation present with Kahan summation. Returns whether the
+/// compensation is used (Kahan summation).
+pub(crate) fn check_call(
+    kind: AnyPrecision,
+    [scalars, n, grad, exp_avg, exp_avg_sq]: [usize; 5],
+    compensation: Option<usize>,
+) -> Result<bool, KernelError> {
+    const K: &str = "anyprecision_decided";
+    kind.validate()?;
+    check_scalars_len(K, scalars, 0)?;
+    let sn = state_len(n, kind.state);
+    same_len(K, "grad", n, grad)?;
+    same_len(K, "exp_avg", sn, exp_avg)?;
+    same_len(K, "exp_avg_sq", sn, exp_avg_sq)?;
+    match (kind.kahan, compensation) {
+        (true, Some(c)) => {
+            same_len(K, "compensation", sn, c)?;
+            Ok(true)
+        }
+        (true, None) => Err(KernelError::InvalidArgument {
+            kernel: K,
+            reason: "Kahan summation without a compensation buffer".into(),
+        }),
+        (false, _) => Ok(false),
+    }
 }
 
 /// `values` stored as [`state_len`] f32 elements of `state` (bf16: rounded and packed).

@@ -11,6 +11,7 @@ pub mod nn_math;
 mod norm;
 mod optim;
 mod step;
+pub(crate) use any_precision::check_call as check_anyprecision_call;
 pub(crate) use step::check_scalars_len;
 
 pub use any_precision::{

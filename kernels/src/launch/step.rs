@@ -8,7 +8,7 @@ use cudarc::driver::{
 
 use super::{config, driver, function};
 use crate::host::{
-    check_scalars_len, same_len, state_len, AdamWChoice, AdamWScalars, AnyPrecision,
+    check_anyprecision_call, check_scalars_len, same_len, AdamWChoice, AdamWScalars, AnyPrecision,
     AnyPrecisionChoice, AnyPrecisionScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
 };
 use crate::{KernelError, Program};
@@ -235,27 +235,16 @@ pub fn anyprecision_decided(
     exp_avg_sq: &mut impl DevicePtrMut<f32>,
     compensation: Option<&mut impl DevicePtrMut<f32>>,
 ) -> Result<(), KernelError> {
-    const K: &str = "anyprecision_decided";
-    kind.validate()?;
-    check_scalars_len(K, scalars.len(), 0)?;
     let n = param.len();
-    let sn = state_len(n, kind.state);
-    same_len(K, "grad", n, grad.len())?;
-    same_len(K, "exp_avg", sn, exp_avg.len())?;
-    same_len(K, "exp_avg_sq", sn, exp_avg_sq.len())?;
-    let compensation = match (kind.kahan, compensation) {
-        (true, Some(c)) => {
-            same_len(K, "compensation", sn, c.len())?;
-            Some(c)
-        }
-        (true, None) => {
-            return Err(KernelError::InvalidArgument {
-                kernel: K,
-                reason: "Kahan summation without a compensation buffer".into(),
-            })
-        }
-        (false, _) => None,
-    };
+    let lens = [
+        scalars.len(),
+        n,
+        grad.len(),
+        exp_avg.len(),
+        exp_avg_sq.len(),
+    ];
+    let kahan = check_anyprecision_call(kind, lens, compensation.as_ref().map(|c| c.len()))?;
+    let compensation = compensation.filter(|_| kahan);
     if n == 0 {
         return Ok(());
     }

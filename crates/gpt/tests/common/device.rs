@@ -282,17 +282,7 @@ pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
         fsdp_device::DType::BF16,
     )
     .unwrap();
-    let mine: Vec<_> = UNIT_LENS
-        .iter()
-        .enumerate()
-        .map(|(t, &n)| {
-            let s = n.div_ceil(world);
-            let v: Vec<f32> = (r * s..(r + 1) * s)
-                .map(|i| if i < n { grad_value(0, t, i) } else { 0.0 })
-                .collect();
-            ops.upload(&v).unwrap()
-        })
-        .collect();
+    let mine = rank0_shards(ops, r, world);
     let mut gathered: Vec<_> = UNIT_LENS
         .iter()
         .map(|&n| ops.upload(&vec![-1.0; n]).unwrap())
@@ -309,6 +299,22 @@ pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
         .chain(&bufs)
         .chain(&gathered)
         .map(|b| ops.download(b).unwrap())
+        .collect()
+}
+
+/// Rank `r`'s shards (of `world`) of the test unit whose full values are rank 0's gradients
+/// (`grad_value(0, t, i)`, mostly not bf16), zero-padded.
+pub fn rank0_shards<O: fsdp_kernels::gpt::GptOps>(ops: &O, r: usize, world: usize) -> Vec<O::Buf> {
+    UNIT_LENS
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| {
+            let s = n.div_ceil(world);
+            let v: Vec<f32> = (r * s..(r + 1) * s)
+                .map(|i| if i < n { grad_value(0, t, i) } else { 0.0 })
+                .collect();
+            ops.upload(&v).unwrap()
+        })
         .collect()
 }
 
