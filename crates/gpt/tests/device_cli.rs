@@ -198,18 +198,43 @@ fn device_cuda_refuses_unsupported_options() {
     );
     let dir = scratch("device_cli", "refusals");
     let log = dir.join("log.csv");
-    let cases: [(&[&str], &str); 6] = [
-        (&["--grad-scaler", "on"], "--grad-scaler"),
-        (&["--growth-interval", "100"], "--growth-interval"),
-        (&["--strategy", "no-shard"], "--strategy"),
-        (&["--backend", "tcp"], "--backend"),
-        (&["--wrap", "size:100"], "--wrap size:100"),
-        (&["--forward-prefetch"], "--forward-prefetch"),
+    // Each with why.
+    let cases: [(&[&str], &str, &str); 7] = [
+        (
+            &["--grad-scaler", "on"],
+            "--grad-scaler",
+            "without loss scaling",
+        ),
+        (
+            &["--growth-interval", "100"],
+            "--growth-interval",
+            "without loss scaling",
+        ),
+        (
+            &["--strategy", "no-shard"],
+            "--strategy",
+            "one rank shards nothing",
+        ),
+        (&["--backend", "tcp"], "--backend", "without a backend"),
+        (&["--wrap", "size:100"], "--wrap size:100", "--wrap block"),
+        (
+            &["--forward-prefetch"],
+            "--forward-prefetch",
+            "one rank shards nothing",
+        ),
+        (
+            &["--ranks", "2", "--forward-prefetch"],
+            "--forward-prefetch",
+            "nothing to overlap",
+        ),
     ];
-    for (extra, name) in cases {
+    for (extra, name, why) in cases {
         let mut with_log = extra.to_vec();
         with_log.extend(["--loss-log", s(&log)]);
-        let line = one_error_status_1(&run(&with_log), &["--device cuda", name, "not supported"]);
+        let line = one_error_status_1(
+            &run(&with_log),
+            &["--device cuda", name, "not supported", why],
+        );
         assert!(!line.contains("no CUDA device"), "{line}");
     }
     // Refused before anything was written.

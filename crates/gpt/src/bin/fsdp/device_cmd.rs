@@ -36,15 +36,28 @@ use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
 /// Options of the sharded engine (given on the command line) that mean nothing without it.
-const ENGINE_ONLY: [(&str, &str); 7] = [
-    ("strategy", "--strategy"),
-    ("ranks_per_node", "--ranks-per-node"),
-    ("backward_prefetch", "--backward-prefetch"),
-    ("forward_prefetch", "--forward-prefetch"),
-    ("limit_all_gathers", "--limit-all-gathers"),
-    ("backend", "--backend"),
-    ("init_timeout", "--init-timeout"),
+const ENGINE_ONLY: [(&str, &str, &str); 7] = [
+    ("strategy", "--strategy", ONE_RANK),
+    ("ranks_per_node", "--ranks-per-node", ONE_RANK),
+    ("backward_prefetch", "--backward-prefetch", THREADS_PREFETCH),
+    ("forward_prefetch", "--forward-prefetch", THREADS_PREFETCH),
+    ("limit_all_gathers", "--limit-all-gathers", THREADS_PREFETCH),
+    ("backend", "--backend", THREADS_MEET),
+    ("init_timeout", "--init-timeout", THREADS_MEET),
 ];
+
+/// Why the sharding options mean nothing at one rank.
+const ONE_RANK: &str = "one rank shards nothing: --ranks N, or processes under fsdp launch";
+/// Why ranks as threads take no prefetch options.
+const THREADS_PREFETCH: &str = "ranks as threads on one device gather by copying each \
+     other's shards on their own streams, with nothing to overlap: the prefetch options are \
+     of processes under fsdp launch";
+/// Why ranks as threads take no backend.
+const THREADS_MEET: &str = "ranks as threads meet in the process, without a backend: it \
+     is of processes under fsdp launch";
+/// Why the grad scaler's options are refused.
+const NO_SCALER: &str = "the device trains without loss scaling: its parameters and \
+     products are f32 or bf16";
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
 /// ranks as processes (a launcher's), a hybrid strategy of several ranks, a dtype other than
@@ -123,9 +136,13 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
         ));
     }
     let unsupported = [
-        ("--grad-scaler", grad_scaler_on(args)),
-        ("--init-scale", args.init_scale.is_some()),
-        ("--growth-interval", args.growth_interval.is_some()),
+        ("--grad-scaler", grad_scaler_on(args), NO_SCALER),
+        ("--init-scale", args.init_scale.is_some(), NO_SCALER),
+        (
+            "--growth-interval",
+            args.growth_interval.is_some(),
+            NO_SCALER,
+        ),
     ];
     // Under a launcher the ranks meet over `--backend` (nccl or tcp) within `--init-timeout`.
     let launched = LaunchEnv::from_env()?.is_some();
@@ -144,26 +161,37 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
         (true, false) => &["strategy", "ranks_per_node"],
         (false, false) => &[],
     };
-    refuse_first(dev, unsupported, &args.explicit, "no loss scaling", allowed)?;
+    refuse_first(dev, world, unsupported, &args.explicit, allowed)?;
     Ok(world)
 }
 
-/// The first of `unsupported` that is set, then the first of [`ENGINE_ONLY`] (but those in
-/// `allowed`) among the options given (`explicit`), as one error naming it; `what` says what
-/// the device trainer does instead.
+/// The first of `unsupported` (option, set, why) that is set, then the first of
+/// [`ENGINE_ONLY`] (but those in `allowed`) among the options given (`explicit`), as one
+/// error naming it and why (at `world` ranks).
 pub(crate) fn refuse_first(
     dev: DeviceArg,
-    unsupported: impl IntoIterator<Item = (&'static str, bool)>,
+    world: usize,
+    unsupported: impl IntoIterator<Item = (&'static str, bool, &'static str)>,
     explicit: &[String],
-    what: &str,
     allowed: &[&str],
 ) -> Result<(), CliError> {
     let given = |id: &str| explicit.iter().any(|e| e == id) && !allowed.contains(&id);
-    let engine_only = ENGINE_ONLY.iter().map(|&(id, o)| (o, given(id)));
-    match unsupported.into_iter().chain(engine_only).find(|(_, g)| *g) {
-        Some((option, _)) => Err(fail(format!(
-            "--device {dev}: {option} is not supported on the device (it trains without the \
-             sharded engine: {what})"
+    let engine_only = ENGINE_ONLY.iter().map(|&(id, o, why)| {
+        // One rank (a process under a launcher among them) has nothing to prefetch.
+        let why = if world == 1 && why == THREADS_PREFETCH {
+            ONE_RANK
+        } else {
+            why
+        };
+        (o, given(id), why)
+    });
+    match unsupported
+        .into_iter()
+        .chain(engine_only)
+        .find(|(_, g, _)| *g)
+    {
+        Some((option, _, why)) => Err(fail(format!(
+            "--device {dev}: {option} is not supported on the device ({why})"
         ))),
         None => Ok(()),
     }

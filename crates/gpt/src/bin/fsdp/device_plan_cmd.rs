@@ -33,7 +33,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
     } else {
         &[]
     };
-    refuse_first(dev, [], &args.explicit, "no loss scaling", allowed)?;
+    refuse_first(dev, world, [], &args.explicit, allowed)?;
     let cfg = setup(&args.model, world, true)?.cfg;
     micro_batch(args.batch_size, args.grad_accum, world)?;
     let config = DeviceTrainConfig {
