@@ -182,6 +182,14 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --ranks 2 --reduce-dtype bf16"
     cat "$log"
+    # Pure bf16 (AnyPrecisionAdamW: bf16 moments and compensation, bf16 parameter values): the
+    # optimizer kernel's step at world 1, and at 2 ranks the units all-gathered in bf16.
+    log="$report/gpt_device_bench_anyprecision.log"
+    device_bench "$log" --model 124m --ranks 2 --strategy full-shard --optimizer anyprecision-adamw
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench --ranks 2 --optimizer anyprecision-adamw"
+    cat "$log"
 fi
 if [ "$have_torch" = 1 ]; then
     runs=()

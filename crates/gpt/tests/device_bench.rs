@@ -119,7 +119,7 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
 #[test]
 fn the_benchmark_times_two_ranks_against_one() {
     // The tiny model's f32 run on the host twins, then as 2 ranks: its output.
-    let bench = |steps: &str, extra: &[&str]| {
+    let bench_with = |steps: &str, products: &str, extra: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
             .args([
                 "--device",
@@ -127,7 +127,7 @@ fn the_benchmark_times_two_ranks_against_one() {
                 "--model",
                 "tiny",
                 "--products",
-                "f32",
+                products,
             ])
             .args(["--steps", steps, "--warmup", "1", "--ranks", "2"])
             .args(extra)
@@ -138,6 +138,7 @@ fn the_benchmark_times_two_ranks_against_one() {
         assert!(out.status.success(), "{text}{err}");
         text
     };
+    let bench = |steps: &str, extra: &[&str]| bench_with(steps, "f32", extra);
     let text = bench("4", &[]);
     let losses = |line: &str| line.rsplit("loss ").next().unwrap().trim().to_string();
     let one = text
@@ -175,4 +176,31 @@ fn the_benchmark_times_two_ranks_against_one() {
         text.contains("rank 0's collectives a step: all-gathered"),
         "{text}"
     );
+    // AnyPrecisionAdamW: the RESULT lines name it, and with bf16 products (pure bf16) the
+    // ranks gather in bf16: half the bytes of AdamW's f32 gathers.
+    let gathered = |text: &str| -> String {
+        let l = text
+            .lines()
+            .find(|l| l.contains("rank 0's collectives a step: all-gathered"))
+            .unwrap_or_else(|| panic!("{text}"));
+        l.split("all-gathered ")
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let adamw = bench_with("2", "bf16", &[]);
+    let any = bench_with("2", "bf16", &["--optimizer", "anyprecision-adamw"]);
+    assert!(
+        any.contains("RESULT gpt-device-bench tiny bf16 world 2 full-shard anyprecision-adamw:"),
+        "{any}"
+    );
+    println!(
+        "all-gathered a step: AdamW {}, pure bf16 {}",
+        gathered(&adamw),
+        gathered(&any)
+    );
+    assert_ne!(gathered(&adamw), gathered(&any));
 }

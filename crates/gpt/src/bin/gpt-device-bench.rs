@@ -39,6 +39,7 @@ use fsdp_kernels::gpt::{
     Attention, CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Logits, MemoryUse, PeerOps,
     Products,
 };
+use fsdp_kernels::host::AnyPrecision;
 
 /// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
 const BF16_PEAK_TFLOPS: [(&str, f64); 6] = [
@@ -105,6 +106,11 @@ struct Args {
     /// The dtype `--ranks` reduce their gradients in: f32 or bf16.
     #[arg(long, default_value = "f32", value_parser = reduce_dtype)]
     reduce_dtype: fsdp_device::DType,
+    /// The optimizer: adamw (f32 moments), or anyprecision-adamw (torchdistx's, bf16 moments
+    /// and Kahan compensation, the parameters' values in the products' dtype: with bf16
+    /// products pure bf16, whose ranks all-gather in bf16).
+    #[arg(long, default_value = "adamw", value_parser = optimizer, action = clap::ArgAction::Set)]
+    optimizer: bool,
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -114,6 +120,17 @@ fn reduce_dtype(s: &str) -> Result<fsdp_device::DType, String> {
         "f32" => Ok(fsdp_device::DType::F32),
         "bf16" => Ok(fsdp_device::DType::BF16),
         other => Err(format!("--reduce-dtype {other}: expected f32 or bf16")),
+    }
+}
+
+/// Whether `--optimizer` is AnyPrecisionAdamW.
+fn optimizer(s: &str) -> Result<bool, String> {
+    match s {
+        "adamw" => Ok(false),
+        "anyprecision-adamw" => Ok(true),
+        other => Err(format!(
+            "--optimizer {other}: expected adamw or anyprecision-adamw"
+        )),
     }
 }
 
@@ -305,7 +322,15 @@ fn bench(args: &Args) -> Result<(), String> {
             attention: args.attention,
             logits: args.logits,
             reduce_dtype: args.reduce_dtype,
-            any_precision: None,
+            any_precision: args.optimizer.then_some(AnyPrecision {
+                param: if bf16 {
+                    fsdp_device::DType::BF16
+                } else {
+                    fsdp_device::DType::F32
+                },
+                state: fsdp_device::DType::BF16,
+                kahan: true,
+            }),
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };
@@ -418,9 +443,14 @@ fn bench(args: &Args) -> Result<(), String> {
                 achieved / g * 100.0
             );
         }
+        let optim = if args.optimizer {
+            " anyprecision-adamw"
+        } else {
+            ""
+        };
         println!(
-            "RESULT gpt-device-bench {name} {} attention {} logits {}: median step {:.2} ms, \
-             {:.0} tokens/s",
+            "RESULT gpt-device-bench {name} {} attention {} logits {}{optim}: median step \
+             {:.2} ms, {:.0} tokens/s",
             args.products,
             args.attention,
             args.logits,
@@ -478,8 +508,8 @@ fn bench(args: &Args) -> Result<(), String> {
                 _ => "",
             };
             println!(
-                "RESULT gpt-device-bench {name} {} world {world} {}{reduced}: median step {:.2} \
-                 ms, {ratio:.3}× the world-1 step (aim: at most 1.1)",
+                "RESULT gpt-device-bench {name} {} world {world} {}{reduced}{optim}: median step \
+                 {:.2} ms, {ratio:.3}× the world-1 step (aim: at most 1.1)",
                 args.products,
                 args.strategy,
                 times.median().as_secs_f64() * 1e3,
