@@ -25,20 +25,21 @@ pub trait DeviceComm<O: GptOps> {
     /// The number of ranks.
     fn world_size(&self) -> usize;
     /// Unshards one unit: `fulls[i]` becomes every rank's `shards[i]`, rank after rank, cut
-    /// to `fulls[i]`'s length (the last rank's padding dropped), moved in `dtype` (FSDP's
-    /// `param_dtype` on the wire: f32, or bf16 — each shard rounded to bf16, ties to even,
-    /// gathered and widened into the f32 full tensors, so exact for values bf16 holds). Each
+    /// to `fulls[i]`'s length (the last rank's padding dropped), moved in `dtypes[i]` (FSDP's
+    /// `param_dtype` on the wire: f32, or bf16 — the shard rounded to bf16, ties to even,
+    /// gathered and widened into the f32 full tensor, so exact for values bf16 holds). Each
     /// `shards[i]` has the same length on every rank, and `fulls[i]` at most `world_size`
     /// times it.
     ///
     /// # Errors
-    /// Lengths that do not fit; a `dtype` other than f32 or bf16; the collective's failure.
+    /// Lengths that do not fit; a dtype other than f32 or bf16, or not one a tensor; the
+    /// collective's failure.
     fn all_gather(
         &self,
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<(), DeviceTrainError>;
     /// The bytes the communicator holds beside the operations' buffers for its collectives
     /// (staging buffers in the operations' memory, counted in [`GptOps::memory`] too); the
@@ -46,21 +47,21 @@ pub trait DeviceComm<O: GptOps> {
     fn held_bytes(&self) -> u64 {
         0
     }
-    /// Starts the all-gather of `shards` in `dtype` ahead of its use (FSDP's prefetch): the
+    /// Starts the all-gather of `shards` in `dtypes` ahead of its use (FSDP's prefetch): the
     /// collective is issued now, and the next [`all_gather`](Self::all_gather) of the same
-    /// shards (the same buffers, in the same dtype) only completes it into the full tensors.
+    /// shards (the same buffers, in the same dtypes) only completes it into the full tensors.
     /// Every rank prefetches in the same order. Returns whether anything started; the default,
     /// for implementations that run each collective whole, starts nothing.
     ///
     /// # Errors
-    /// A `dtype` other than f32 or bf16; the collective's failure.
+    /// As [`all_gather`](Self::all_gather)'s dtypes; the collective's failure.
     fn prefetch_all_gather(
         &self,
         ops: &O,
         shards: &[&O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<bool, DeviceTrainError> {
-        let _ = (ops, shards, dtype);
+        let _ = (ops, shards, dtypes);
         Ok(false)
     }
     /// Reduces one unit's gradients to their shards with the ranks' mean: `shards[i]` becomes
@@ -178,6 +179,36 @@ pub fn reduces_in_bf16(what: &str, dtype: DType) -> Result<bool, fsdp::FsdpError
             reason: format!("{what} in {other}: the device's collectives move f32 or bf16"),
         }),
     }
+}
+
+/// Which of an all-gather's tensors move in bf16 (`dtypes`, one a tensor of `n`).
+///
+/// # Errors
+/// A count other than `n`; a dtype other than f32 or bf16.
+pub(crate) fn gathers_in_bf16(dtypes: &[DType], n: usize) -> Result<Vec<bool>, DeviceTrainError> {
+    if dtypes.len() != n {
+        return Err(bad_lengths(
+            "all-gather",
+            format!("{} dtypes for {n} tensors", dtypes.len()),
+        ));
+    }
+    Ok(dtypes
+        .iter()
+        .map(|&d| reduces_in_bf16("all-gather", d))
+        .collect::<Result<_, _>>()?)
+}
+
+/// An all-gather's tensors grouped by the dtype they move in (`halves`: bf16 or f32), f32's
+/// first, each group's indices in order; empty groups left out.
+pub(crate) fn dtype_groups(halves: &[bool]) -> Vec<(bool, Vec<usize>)> {
+    [false, true]
+        .into_iter()
+        .map(|h| {
+            let idx: Vec<usize> = (0..halves.len()).filter(|&i| halves[i] == h).collect();
+            (h, idx)
+        })
+        .filter(|(_, idx)| !idx.is_empty())
+        .collect()
 }
 
 /// `values` rounded to bf16 (ties to even, the cast kernel's rounding).
@@ -300,6 +331,16 @@ impl Packing {
         )
     }
 
+    /// The packing of the tensors `idx` of this unit alone (one collective of a dtype).
+    pub(crate) fn group(&self, idx: &[usize], world: usize) -> Result<Packing, DeviceTrainError> {
+        Packing::of_unit(
+            "all-gather",
+            idx.iter().map(|&i| self.lens[i]).collect(),
+            idx.iter().map(|&i| self.full_lens[i]).collect(),
+            world,
+        )
+    }
+
     /// Chunk `r` of tensor `i`: where it starts in the full tensor and its length (0 from
     /// the first chunk past the end on).
     pub(crate) fn chunk(&self, i: usize, r: usize) -> (usize, usize) {
@@ -347,31 +388,35 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<(), DeviceTrainError> {
-        let bf16 = reduces_in_bf16("all-gather", dtype)?;
+        let halves = gathers_in_bf16(dtypes, shards.len())?;
         let world = DeviceComm::<O>::world_size(self);
-        let p = Packing::all_gather::<O>(shards, fulls, world)?;
-        let (total, offsets) = (p.total, &p.offsets);
-        let mut packed = Vec::with_capacity(total);
-        for s in shards {
-            packed.extend(ops.download(s)?);
-        }
-        let input = host_buffer(&packed, bf16)?;
-        let output = Buffer::zeros(dtype, total * world)?;
-        self.comm.all_gather_base(&input, &output)?.wait()?;
-        let gathered = host_values(&output, bf16)?;
-        for (i, full) in fulls.iter_mut().enumerate() {
-            let mut values = vec![0.0f32; p.full_lens[i]];
-            for r in 0..world {
-                let (start, n) = p.chunk(i, r);
-                if n == 0 {
-                    break;
-                }
-                let from = r * total + offsets[i];
-                values[start..start + n].copy_from_slice(&gathered[from..from + n]);
+        let unit = Packing::all_gather::<O>(shards, fulls, world)?;
+        // One collective per dtype: f32's tensors, then bf16's.
+        for (half, idx) in dtype_groups(&halves) {
+            let p = unit.group(&idx, world)?;
+            let mut packed = Vec::with_capacity(p.total);
+            for &i in &idx {
+                packed.extend(ops.download(shards[i])?);
             }
-            ops.upload_into(&values, full)?;
+            let input = host_buffer(&packed, half)?;
+            let dtype = if half { DType::BF16 } else { DType::F32 };
+            let output = Buffer::zeros(dtype, p.total * world)?;
+            self.comm.all_gather_base(&input, &output)?.wait()?;
+            let gathered = host_values(&output, half)?;
+            for (j, &i) in idx.iter().enumerate() {
+                let mut values = vec![0.0f32; p.full_lens[j]];
+                for r in 0..world {
+                    let (start, n) = p.chunk(j, r);
+                    if n == 0 {
+                        break;
+                    }
+                    let from = r * p.total + p.offsets[j];
+                    values[start..start + n].copy_from_slice(&gathered[from..from + n]);
+                }
+                ops.upload_into(&values, fulls[i])?;
+            }
         }
         Ok(())
     }
@@ -463,18 +508,18 @@ impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<(), DeviceTrainError> {
-        (**self).all_gather(ops, shards, fulls, dtype)
+        (**self).all_gather(ops, shards, fulls, dtypes)
     }
 
     fn prefetch_all_gather(
         &self,
         ops: &O,
         shards: &[&O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<bool, DeviceTrainError> {
-        (**self).prefetch_all_gather(ops, shards, dtype)
+        (**self).prefetch_all_gather(ops, shards, dtypes)
     }
 
     fn held_bytes(&self) -> u64 {

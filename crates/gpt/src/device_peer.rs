@@ -36,7 +36,7 @@ use fsdp_device::DType;
 use fsdp_kernels::gpt::{PeerOps, PeerPtr};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{reduces_in_bf16, DeviceComm, Packing};
+use crate::device_comm::{gathers_in_bf16, reduces_in_bf16, DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// What a rank posts in one exchange.
@@ -330,23 +330,24 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<(), DeviceTrainError> {
-        let bf16 = reduces_in_bf16("all-gather", dtype)?;
+        let bf16 = gathers_in_bf16(dtypes, shards.len())?;
         let p = Packing::all_gather::<O>(shards, fulls, self.world)?;
         let (lens, full_lens) = (&p.lens, &p.full_lens);
-        let desc = format!("all-gather ({dtype}) of shards {lens:?} into {full_lens:?}");
-        // In bf16 each rank posts its shards' bf16 roundings, which live until `finish`.
-        let halves = if bf16 {
-            halves_of(ops, shards)?
-        } else {
-            Vec::new()
-        };
-        let ptrs = if bf16 {
-            halves.iter().map(|h| ops.half_ptr(h)).collect()
-        } else {
-            shards.iter().map(|s| ops.peer_ptr(s)).collect()
-        };
+        let desc = format!("all-gather ({dtypes:?}) of shards {lens:?} into {full_lens:?}");
+        // A tensor gathered in bf16 is posted as this rank's bf16 rounding of its shard, which
+        // lives until `finish`.
+        let mut halves = Vec::new();
+        let mut ptrs = Vec::with_capacity(shards.len());
+        for (&s, &half) in shards.iter().zip(&bf16) {
+            if half {
+                halves.extend(halves_of(ops, &[s])?);
+                ptrs.extend(halves.last().map(|h| ops.half_ptr(h)));
+            } else {
+                ptrs.push(ops.peer_ptr(s));
+            }
+        }
         let posts = self.begin(ops, "all-gather", desc.clone(), ptrs)?;
         for (i, full) in fulls.iter_mut().enumerate() {
             let (s, f) = (lens[i], full_lens[i]);
@@ -360,7 +361,7 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
                 // reads finish (step 3 orders its writes and frees after them); this stream
                 // waited for its writes in `begin`.
                 unsafe {
-                    if bf16 {
+                    if bf16[i] {
                         ops.widen_bf16_ptr(post.ptrs[i], 0, full, start, n)?
                     } else {
                         ops.copy_from_peer(post.ptrs[i], 0, full, start, n)?
@@ -516,7 +517,7 @@ mod tests {
                     ];
                     let mut fulls = [ops.zeros(4).unwrap(), ops.zeros(1).unwrap()];
                     let mut outs: Vec<_> = fulls.iter_mut().collect();
-                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, DType::F32)
+                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, &[DType::F32; 2])
                         .unwrap();
                     assert_eq!(fulls[0].to_vec(), [0.0, 0.5, 1.0, 1.5]);
                     assert_eq!(fulls[1].to_vec(), [0.0]);
@@ -550,8 +551,13 @@ mod tests {
                         ops.upload(&[r]).unwrap(),
                     ];
                     let mut outs: Vec<_> = fulls.iter_mut().collect();
-                    comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, DType::BF16)
-                        .unwrap();
+                    comm.all_gather(
+                        &ops,
+                        &[&shards[0], &shards[1]],
+                        &mut outs,
+                        &[DType::BF16; 2],
+                    )
+                    .unwrap();
                     assert_eq!(fulls[0].to_vec(), [1.0 / 512.0, 0.5, 1.0, 1.5]);
                     assert_eq!(fulls[1].to_vec(), [0.0]);
                 });

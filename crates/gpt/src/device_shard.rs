@@ -17,7 +17,12 @@
 //!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
 
 use fsdp_device::DType;
-use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
+use fsdp_kernels::gpt::{
+    block_product_weights, Block, GptDims, GptOps, Unit, Units, Weights, WithGrads,
+};
+
+/// The root unit's tensors: the embeddings and the final layer norm's two.
+const ROOT_TENSORS: usize = 4;
 use fsdp_kernels::KernelError;
 
 use crate::device_comm::{bytes, CommVolume, DeviceComm};
@@ -134,10 +139,10 @@ fn copy_in<O: GptOps>(
 }
 
 /// Under CPU offload: `unit`'s shards copied in from `staging` (or the prefetched copy in
-/// `copied_in` taken) and gathered in `dtype` into `fulls` over `comm` (replicated, `factor`
+/// `copied_in` taken) and gathered in `dtypes` into `fulls` over `comm` (replicated, `factor`
 /// 1: copied into `fulls` directly); the device shards are freed after.
 fn host_unshard<O: GptOps, C: DeviceComm<O> + ?Sized>(
-    (comm, ops, factor, dims, dtype): (&C, &O, usize, &GptDims, DType),
+    (comm, ops, factor, dims, dtypes): (&C, &O, usize, &GptDims, &[DType]),
     staging: &mut Weights<O::Staging>,
     copied_in: &mut Option<(usize, Vec<O::Buf>)>,
     unit: Unit,
@@ -168,7 +173,7 @@ fn host_unshard<O: GptOps, C: DeviceComm<O> + ?Sized>(
         }
         (_, None) => copy_in(ops, staged, &unit_shard_lens(dims, factor, unit)?)?,
     };
-    comm.all_gather(ops, &shards.iter().collect::<Vec<_>>(), &mut fulls, dtype)
+    comm.all_gather(ops, &shards.iter().collect::<Vec<_>>(), &mut fulls, dtypes)
 }
 
 /// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
@@ -192,6 +197,9 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     /// The dtype the parameters are all-gathered in (f32, or bf16 where every parameter's
     /// value is a bf16: pure-bf16 training).
     gather_dtype: DType,
+    /// Whether the blocks' weights that only products read are gathered in bf16 (with bf16
+    /// products, which read them rounded to bf16 anyway).
+    bf16_weights: bool,
     root: Option<Weights<O::Buf>>,
     root_grads: Option<Weights<O::Buf>>,
     blocks: Vec<Option<Block<O::Buf>>>,
@@ -229,6 +237,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             alpha,
             reduce_dtype: DType::F32,
             gather_dtype: DType::F32,
+            bf16_weights: false,
             root: None,
             root_grads: None,
             blocks: (0..dims.n_layer).map(|_| None).collect(),
@@ -267,10 +276,28 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
     }
 
     /// These hooks all-gathering the parameters in `dtype` (f32, or bf16 when their values
-    /// are bf16; checked by the collectives).
-    pub(crate) fn with_gather_dtype(mut self, dtype: DType) -> Self {
+    /// are bf16; checked by the collectives), and with `bf16_weights` the blocks' weights
+    /// that only products read in bf16 (bf16 products read nothing else of them).
+    pub(crate) fn with_gather_dtype(mut self, dtype: DType, bf16_weights: bool) -> Self {
         self.gather_dtype = dtype;
+        self.bf16_weights = bf16_weights;
         self
+    }
+
+    /// The dtypes `unit`'s tensors are all-gathered in (its tensors' order).
+    fn dtypes(&self, unit: Unit) -> Vec<DType> {
+        match unit {
+            Unit::Root => vec![self.gather_dtype; ROOT_TENSORS],
+            Unit::Block(_) => block_product_weights()
+                .map(|w| {
+                    if w && self.bf16_weights {
+                        DType::BF16
+                    } else {
+                        self.gather_dtype
+                    }
+                })
+                .to_vec(),
+        }
     }
 
     /// Starts the all-gather of block `layer` (when it exists and is not unsharded; under CPU
@@ -282,20 +309,18 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         if !self.sharded() || self.blocks.get(l).is_some_and(Option::is_some) {
             return Ok(());
         }
+        let dtypes = self.dtypes(Unit::Block(l));
         match &mut self.shards {
             ShardSource::Device(w) => {
                 self.comm
-                    .prefetch_all_gather(ops, &w.blocks[l].bufs(), self.gather_dtype)?;
+                    .prefetch_all_gather(ops, &w.blocks[l].bufs(), &dtypes)?;
             }
             ShardSource::Host(st) if self.copied_in.is_none() => {
                 let lens = unit_shard_lens(&self.dims, self.factor, Unit::Block(l))?;
                 let staged = st.blocks[l].bufs_mut();
                 let shards = copy_in(ops, staged, &lens)?;
                 let refs: Vec<&O::Buf> = shards.iter().collect();
-                if self
-                    .comm
-                    .prefetch_all_gather(ops, &refs, self.gather_dtype)?
-                {
+                if self.comm.prefetch_all_gather(ops, &refs, &dtypes)? {
                     self.copied_in = Some((l, shards));
                 }
             }
@@ -326,7 +351,9 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         if self.resident().is_some() {
             return Ok(());
         }
-        let (d, factor, comm, dtype) = (self.dims, self.factor, self.comm, self.gather_dtype);
+        let (d, factor, comm) = (self.dims, self.factor, self.comm);
+        let dtypes = self.dtypes(unit);
+        let dtypes = dtypes.as_slice();
         let gathered = match unit {
             Unit::Root if self.root.is_none() => {
                 let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
@@ -336,10 +363,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                         ops,
                         &w.root_bufs(),
                         &mut fulls.into_iter().collect::<Vec<_>>(),
-                        dtype,
+                        dtypes,
                     )?,
                     ShardSource::Host(st) => host_unshard(
-                        (comm, ops, factor, &d, dtype),
+                        (comm, ops, factor, &d, dtypes),
                         st,
                         &mut self.copied_in,
                         unit,
@@ -353,10 +380,10 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                 let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
                 match &mut self.shards {
                     ShardSource::Device(w) => {
-                        comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut(), dtype)?
+                        comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut(), dtypes)?
                     }
                     ShardSource::Host(st) => host_unshard(
-                        (comm, ops, factor, &d, dtype),
+                        (comm, ops, factor, &d, dtypes),
                         st,
                         &mut self.copied_in,
                         unit,
@@ -369,8 +396,9 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             _ => false,
         };
         if gathered {
-            let shards: usize = unit_shard_lens(&d, factor, unit)?.iter().sum();
-            self.volume.all_gathered += bytes(shards * factor, dtype);
+            for (&s, &dtype) in unit_shard_lens(&d, factor, unit)?.iter().zip(dtypes) {
+                self.volume.all_gathered += bytes(s * factor, dtype);
+            }
         }
         Ok(())
     }

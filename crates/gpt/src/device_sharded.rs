@@ -471,7 +471,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             )
             .with_prefetch(self.prefetch)
             .with_reduce_dtype(c.reduce_dtype)
-            .with_gather_dtype(c.gather_dtype());
+            .with_gather_dtype(c.gather_dtype(), ops.bf16_products());
             let losses =
                 self.pass
                     .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;

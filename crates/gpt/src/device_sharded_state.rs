@@ -92,16 +92,24 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let (first, rest) = names.split_at(2);
         let (blocks, last) = rest.split_at(rest.len() - 2);
         let mut root = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
-        self.comm
-            .all_gather(ops, &w.root_bufs(), &mut root.root_bufs_mut(), DType::F32)?;
+        self.comm.all_gather(
+            ops,
+            &w.root_bufs(),
+            &mut root.root_bufs_mut(),
+            &[DType::F32; 4],
+        )?;
         for (name, b) in first.iter().chain(last).zip(root.root_bufs()) {
             keep(name.clone(), b)?;
         }
         drop(root);
         for (l, names) in blocks.chunks(12).enumerate() {
             let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
-            self.comm
-                .all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut(), DType::F32)?;
+            self.comm.all_gather(
+                ops,
+                &w.blocks[l].bufs(),
+                &mut full.bufs_mut(),
+                &[DType::F32; 12],
+            )?;
             for (name, b) in names.iter().zip(full.bufs()) {
                 keep(name.clone(), b)?;
             }

@@ -30,7 +30,9 @@ use fsdp_device::{AccessMode, Buffer, DType, Device};
 use fsdp_kernels::gpt::{Counted, PeerPtr, StagingOps};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{lens, reduces_in_bf16, DeviceComm, Packing};
+use crate::device_comm::{
+    dtype_groups, gathers_in_bf16, lens, reduces_in_bf16, DeviceComm, Packing,
+};
 use crate::device_config::DeviceTrainError;
 
 /// [`DeviceComm`] over a communicator whose buffers are in the operations' memory (module
@@ -46,10 +48,19 @@ pub struct StagedComm<C: ?Sized> {
 
 /// An all-gather issued ahead of its use.
 struct Prefetched {
-    /// The shards' addresses and lengths: the next all-gather of these (in the same dtype)
+    /// The shards' addresses and lengths: the next all-gather of these (in the same dtypes)
     /// completes it.
     key: Vec<PeerPtr>,
-    dtype: DType,
+    dtypes: Vec<DType>,
+    gathers: Vec<Gather>,
+}
+
+/// One collective of an all-gather: the unit's tensors of one dtype.
+struct Gather {
+    /// Whether they move in bf16.
+    half: bool,
+    /// The unit's tensors it gathers, in order.
+    idx: Vec<usize>,
     output: Buffer,
     work: Work,
 }
@@ -324,30 +335,44 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         })
     }
 
-    /// Packs `shards` into the staging input `slots.0` and issues their all-gather into the
-    /// staging output `slots.1`, returned with the work.
+    /// Issues the all-gather of `shards`, one collective per dtype (`halves`: which move in
+    /// bf16): each group packed into its staging input and gathered into its staging output
+    /// (the prefetch's pairs when `prefetch`).
     fn start_gather<O: StagingOps>(
         &self,
         ops: &O,
         shards: &[&O::Buf],
-        slots: (Slot, Slot),
-    ) -> Result<(Buffer, Work), DeviceTrainError> {
-        let p = Packing::new(lens::<O>(shards.iter().copied()));
-        let input = self.pack(ops, shards, &p, slots.0, p.total)?;
-        let output = self.buffer(ops, slots.1, p.total * self.comm.world_size())?;
-        let work = self.launch(ops, |c| c.all_gather_base(&input, &output))?;
-        Ok((output, work))
+        halves: &[bool],
+        prefetch: bool,
+    ) -> Result<Vec<Gather>, DeviceTrainError> {
+        let world = self.comm.world_size();
+        let mut gathers = Vec::new();
+        for (half, idx) in dtype_groups(halves) {
+            let group: Vec<&O::Buf> = idx.iter().map(|&i| shards[i]).collect();
+            let p = Packing::new(lens::<O>(group.iter().copied()));
+            let (slot_in, slot_out) = Slot::gather(prefetch, half);
+            let input = self.pack(ops, &group, &p, slot_in, p.total)?;
+            let output = self.buffer(ops, slot_out, p.total * world)?;
+            let work = self.launch(ops, |c| c.all_gather_base(&input, &output))?;
+            gathers.push(Gather {
+                half,
+                idx,
+                output,
+                work,
+            });
+        }
+        Ok(gathers)
     }
 
-    /// Completes the pending prefetch, if any, that is not of `key` (shards and dtype);
+    /// Completes the pending prefetch, if any, that is not of `key` (shards and dtypes);
     /// returns the one that is.
     fn take_prefetched<O: StagingOps>(
         &self,
         ops: &O,
-        key: Option<(&[PeerPtr], DType)>,
+        key: Option<(&[PeerPtr], &[DType])>,
     ) -> Result<Option<Prefetched>, DeviceTrainError> {
         match self.prefetched.borrow_mut().take() {
-            Some(p) if Some((p.key.as_slice(), p.dtype)) == key => {
+            Some(p) if Some((p.key.as_slice(), p.dtypes.as_slice())) == key => {
                 let (used, unused) = self.prefetch_counts.get();
                 self.prefetch_counts.set((used + 1, unused));
                 Ok(Some(p))
@@ -356,7 +381,9 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
                 let (used, unused) = self.prefetch_counts.get();
                 self.prefetch_counts.set((used, unused + 1));
                 // Never used: completed so that its staging buffers can be written again.
-                self.complete(ops, &p.work)?;
+                for g in &p.gathers {
+                    self.complete(ops, &g.work)?;
+                }
                 Ok(None)
             }
             None => Ok(None),
@@ -407,39 +434,44 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         ops: &O,
         shards: &[&O::Buf],
         fulls: &mut [&mut O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<(), DeviceTrainError> {
-        let half = reduces_in_bf16("all-gather", dtype)?;
+        let halves = gathers_in_bf16(dtypes, shards.len())?;
         let world = self.comm.world_size();
-        let p = Packing::all_gather::<O>(shards, fulls, world)?;
+        let unit = Packing::all_gather::<O>(shards, fulls, world)?;
         let key = key_of(ops, shards);
-        let (output, work) = match self.take_prefetched(ops, Some((&key, dtype)))? {
-            Some(p) => (p.output, p.work),
-            None => self.start_gather(ops, shards, Slot::gather(false, half))?,
+        let gathers = match self.take_prefetched(ops, Some((&key, dtypes)))? {
+            Some(p) => p.gathers,
+            None => self.start_gather(ops, shards, &halves, false)?,
         };
-        self.complete(ops, &work)?;
-        self.with_ptr(ops, &output, AccessMode::Shared, |from| {
-            for (i, full) in fulls.iter_mut().enumerate() {
-                for r in 0..world {
-                    let (start, n) = p.chunk(i, r);
-                    if n == 0 {
-                        break;
-                    }
-                    let at = r * p.total + p.offsets[i];
-                    // SAFETY: `from` is the staging output (of its dtype), written by the
-                    // collective the operations were ordered after, and held for this copy
-                    // (`with_ptr`).
-                    unsafe {
-                        if half {
-                            ops.widen_bf16_ptr(from, at, full, start, n)?
-                        } else {
-                            ops.copy_from_peer(from, at, full, start, n)?
+        for g in gathers {
+            self.complete(ops, &g.work)?;
+            let p = unit.group(&g.idx, world)?;
+            self.with_ptr(ops, &g.output, AccessMode::Shared, |from| {
+                for (j, &i) in g.idx.iter().enumerate() {
+                    for r in 0..world {
+                        let (start, n) = p.chunk(j, r);
+                        if n == 0 {
+                            break;
                         }
-                    };
+                        let at = r * p.total + p.offsets[j];
+                        let full = &mut *fulls[i];
+                        // SAFETY: `from` is the staging output (of its dtype), written by the
+                        // collective the operations were ordered after, and held for this
+                        // copy (`with_ptr`).
+                        unsafe {
+                            if g.half {
+                                ops.widen_bf16_ptr(from, at, full, start, n)?
+                            } else {
+                                ops.copy_from_peer(from, at, full, start, n)?
+                            }
+                        };
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
 
     fn held_bytes(&self) -> u64 {
@@ -450,17 +482,16 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         &self,
         ops: &O,
         shards: &[&O::Buf],
-        dtype: DType,
+        dtypes: &[DType],
     ) -> Result<bool, DeviceTrainError> {
-        let half = reduces_in_bf16("all-gather", dtype)?;
+        let halves = gathers_in_bf16(dtypes, shards.len())?;
         self.take_prefetched(ops, None)?;
         let key = key_of(ops, shards);
-        let (output, work) = self.start_gather(ops, shards, Slot::gather(true, half))?;
+        let gathers = self.start_gather(ops, shards, &halves, true)?;
         *self.prefetched.borrow_mut() = Some(Prefetched {
             key,
-            dtype,
-            output,
-            work,
+            dtypes: dtypes.to_vec(),
+            gathers,
         });
         Ok(true)
     }
@@ -577,7 +608,7 @@ mod tests {
             ];
             let mut fulls = [ops.zeros(4).unwrap(), ops.zeros(1).unwrap()];
             let mut outs: Vec<_> = fulls.iter_mut().collect();
-            comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, DType::F32)
+            comm.all_gather(&ops, &[&shards[0], &shards[1]], &mut outs, &[DType::F32; 2])
                 .unwrap();
             assert_eq!(fulls[0].to_vec(), [0.0, 0.5, 1.0, 1.5]);
             assert_eq!(fulls[1].to_vec(), [0.0]);

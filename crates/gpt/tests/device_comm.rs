@@ -106,7 +106,7 @@ fn peers_refuse_calls_that_differ() {
         let n = if comm.rank() == 1 { 6 } else { 4 };
         let shard = ops.zeros(n / 2).unwrap();
         let mut full = ops.zeros(n).unwrap();
-        comm.all_gather(ops, &[&shard], &mut [&mut full], DType::F32)
+        comm.all_gather(ops, &[&shard], &mut [&mut full], &[DType::F32])
             .unwrap_err()
             .to_string()
     });
@@ -136,7 +136,7 @@ fn peers_fail_on_a_departed_or_missing_rank() {
         let shard = ops.zeros(1).unwrap();
         let mut full = ops.zeros(2).unwrap();
         first
-            .all_gather(&ops, &[&shard], &mut [&mut full], DType::F32)
+            .all_gather(&ops, &[&shard], &mut [&mut full], &[DType::F32])
             .unwrap_err()
     });
     assert!(
@@ -160,7 +160,7 @@ fn peers_fail_on_a_departed_or_missing_rank() {
     let shard = ops.zeros(1).unwrap();
     let mut full = ops.zeros(2).unwrap();
     let e = first
-        .all_gather(&ops, &[&shard], &mut [&mut full], DType::F32)
+        .all_gather(&ops, &[&shard], &mut [&mut full], &[DType::F32])
         .unwrap_err()
         .to_string();
     assert!(

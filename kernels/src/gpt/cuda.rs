@@ -259,6 +259,10 @@ impl GptOps for CudaOps {
         buf.len()
     }
 
+    fn bf16_products(&self) -> bool {
+        self.products() == Products::Bf16
+    }
+
     fn fill_zero(&self, buf: &mut CudaBuf) -> Result<(), KernelError> {
         launch::memset(&self.cuda, buf, 0.0f32)
     }

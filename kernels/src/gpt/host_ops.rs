@@ -198,6 +198,10 @@ impl GptOps for HostOps {
         buf.len()
     }
 
+    fn bf16_products(&self) -> bool {
+        self.products == HostProducts::Bf16Operands
+    }
+
     fn fill_zero(&self, buf: &mut HostBuf) -> Result<(), KernelError> {
         host::memset(buf, 0.0);
         Ok(())

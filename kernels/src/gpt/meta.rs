@@ -124,6 +124,9 @@ impl GptOps for MetaOps {
     fn memory_history(&self) -> Vec<MemoryEvent> {
         self.memory.take_history()
     }
+    fn bf16_products(&self) -> bool {
+        self.products == HostProducts::Bf16Operands
+    }
     fn fill_zero(&self, buf: &mut MetaCounted) -> Result<(), KernelError> {
         write(&mut [buf]);
         Ok(())

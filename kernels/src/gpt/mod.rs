@@ -65,4 +65,4 @@ pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
 pub use staging::StagingOps;
 pub use trace::SpanEnd;
 pub use units::{Resident, Unit, Units, WithGrads};
-pub use weights::{param_shapes, Block, GptDims, Pair, Weights};
+pub use weights::{block_product_weights, param_shapes, Block, GptDims, Pair, Weights};

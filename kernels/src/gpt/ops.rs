@@ -106,6 +106,11 @@ pub trait GptOps {
     /// # Errors
     /// A launch failure.
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<(), KernelError>;
+    /// Whether every matrix product reads its operands rounded to bf16 (bf16 products:
+    /// [`Products::Bf16`](super::Products::Bf16), the host twins'
+    /// [`HostProducts::Bf16Operands`](super::HostProducts::Bf16Operands)), so that a tensor
+    /// only products read may be handed over as its bf16 rounding without changing a bit.
+    fn bf16_products(&self) -> bool;
     /// `c = alpha·op(a)·op(b) + beta·c` as `g` describes (row-major, possibly batched).
     ///
     /// # Errors

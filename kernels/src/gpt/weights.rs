@@ -117,6 +117,15 @@ const BLOCK_SUFFIXES: [&str; 12] = [
     "mlp.c_proj.bias",
 ];
 
+/// Which of a block's tensors (in [`Block::bufs`] order) only matrix products read: the
+/// weights of its four linear layers (`attn.c_attn`, `attn.c_proj`, `mlp.c_fc`,
+/// `mlp.c_proj`). Their biases are added and the layer norms' parameters read by the norms, in
+/// f32. With bf16 products ([`GptOps::bf16_products`](super::GptOps::bf16_products)) such a
+/// weight is read only as its bf16 rounding.
+pub fn block_product_weights() -> [bool; 12] {
+    BLOCK_SUFFIXES.map(|s| s.ends_with(".weight") && !s.starts_with("ln_"))
+}
+
 /// Every parameter's name and shape in nanoGPT's `named_parameters()` order (`lm_head.weight`
 /// omitted: it is `transformer.wte.weight`).
 pub fn param_shapes(d: &GptDims) -> Vec<(String, Vec<usize>)> {

@@ -176,7 +176,7 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
         ops,
         &shards.iter().collect::<Vec<_>>(),
         &mut fulls.iter_mut().collect::<Vec<_>>(),
-        fsdp_device::DType::F32,
+        &[fsdp_device::DType::F32; 3],
     )
     .unwrap();
     keep(&fulls);
@@ -225,8 +225,12 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
     };
     let want = gathered(&fulls);
     for prefetch in [&refs[..], &refs[..1]] {
-        comm.prefetch_all_gather(ops, prefetch, fsdp_device::DType::F32)
-            .unwrap();
+        comm.prefetch_all_gather(
+            ops,
+            prefetch,
+            &vec![fsdp_device::DType::F32; prefetch.len()],
+        )
+        .unwrap();
         comm.all_reduce_scalars(ops, &mut s, 4..5, fsdp_collectives::ReduceOp::Sum)
             .unwrap();
         let mut again: Vec<_> = UNIT_LENS.iter().map(|&n| up(vec![-1.0; n])).collect();
@@ -234,7 +238,7 @@ pub fn exercise_collectives<O: fsdp_kernels::gpt::GptOps>(
             ops,
             &refs,
             &mut again.iter_mut().collect::<Vec<_>>(),
-            fsdp_device::DType::F32,
+            &[fsdp_device::DType::F32; 3],
         )
         .unwrap();
         assert_eq!(gathered(&again), want, "a prefetched all-gather");
@@ -291,7 +295,7 @@ pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
         ops,
         &mine.iter().collect::<Vec<_>>(),
         &mut gathered.iter_mut().collect::<Vec<_>>(),
-        fsdp_device::DType::BF16,
+        &[fsdp_device::DType::BF16; 3],
     )
     .unwrap();
     shards

@@ -289,13 +289,19 @@ impl<'a> Shared<'a> {
             }
         );
         let v = end.volume;
+        let bf16_products = args.model.param_dtype == fsdp_device::DType::BF16;
+        let params = match run.config.gather_dtype() {
+            fsdp_device::DType::BF16 => "parameters in bf16",
+            // The blocks' weights only products read, which read them in bf16 anyway.
+            _ if bf16_products => "the blocks' product weights in bf16, the rest in f32",
+            _ => "parameters in f32",
+        };
         say!(
             "rank 0's collectives moved: all-gathered {}, reduce-scattered {}, all-reduced {} \
-             (parameters in {}, gradients in {})",
+             ({params}, gradients in {})",
             human_bytes(v.all_gathered),
             human_bytes(v.reduce_scattered),
             human_bytes(v.all_reduced),
-            crate::run_config::dtype_option(run.config.gather_dtype()),
             crate::run_config::dtype_option(run.config.reduce_dtype)
         );
         if let Some(m) = &end.memory {
