@@ -14,26 +14,32 @@
 //! buffers of its own, and the all-gather of the same shards completes it.
 //!
 //! A reduction in bf16 packs the unit's gradients rounded to bf16 (the cast kernel into the
-//! staging address), runs the communicator's bf16 collective, and widens the result out.
+//! staging address), runs the communicator's bf16 collective, and widens the result out; an
+//! all-gather runs one collective per dtype of the unit's tensors, its bf16 ones packed
+//! rounded and widened out the same way.
 //!
-//! The staging buffers are kept between calls and grown to the largest unit: an input and an
-//! output of f32, one of f64 for the step's scalars, the prefetch's pair, and, once a
-//! reduction in bf16 has run, an input and an output of bf16. They are counted
-//! in the operations' memory ([`StagingOps::count`]), so the operations' peak is the
-//! device's.
+//! The staging buffers (`device_staged_slots.rs`) are kept between calls and grown to the
+//! largest unit: an input and an output of f32, one of f64 for the step's scalars, the
+//! prefetch's pair, and, once a collective in bf16 has run, pairs of bf16 (one for prefetches).
+//! They are counted in the operations' memory ([`StagingOps::count`]), so the operations'
+//! peak is the device's.
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 use fsdp_collectives::{Communicator, ReduceOp, Work};
 use fsdp_device::{AccessMode, Buffer, DType, Device};
-use fsdp_kernels::gpt::{Counted, PeerPtr, StagingOps};
+use fsdp_kernels::gpt::{PeerPtr, StagingOps};
 use fsdp_kernels::host::ReduceKind;
 
 use crate::device_comm::{
     dtype_groups, gathers_in_bf16, lens, reduces_in_bf16, DeviceComm, Packing,
 };
+
+#[path = "device_staged_slots.rs"]
+mod slots;
 use crate::device_config::DeviceTrainError;
+use slots::{Gather, Prefetched, Slot, Staging};
 
 /// [`DeviceComm`] over a communicator whose buffers are in the operations' memory (module
 /// docs): NCCL for `CudaOps` on a GPU, any host communicator for the host twins.
@@ -44,77 +50,6 @@ pub struct StagedComm<C: ?Sized> {
     /// Prefetched all-gathers used by the all-gather of their shards, and completed unused.
     prefetch_counts: Cell<(u64, u64)>,
     comm: Box<C>,
-}
-
-/// An all-gather issued ahead of its use.
-struct Prefetched {
-    /// The shards' addresses and lengths: the next all-gather of these (in the same dtypes)
-    /// completes it.
-    key: Vec<PeerPtr>,
-    dtypes: Vec<DType>,
-    gathers: Vec<Gather>,
-}
-
-/// One collective of an all-gather: the unit's tensors of one dtype.
-struct Gather {
-    /// Whether they move in bf16.
-    half: bool,
-    /// The unit's tensors it gathers, in order.
-    idx: Vec<usize>,
-    output: Buffer,
-    work: Work,
-}
-
-/// The kept staging buffers.
-#[derive(Default)]
-struct Staging {
-    input: Option<Counted<Buffer>>,
-    output: Option<Counted<Buffer>>,
-    scalars: Option<Counted<Buffer>>,
-    prefetch_input: Option<Counted<Buffer>>,
-    prefetch_output: Option<Counted<Buffer>>,
-    /// A reduction's or an all-gather's input and output in bf16.
-    half_input: Option<Counted<Buffer>>,
-    half_output: Option<Counted<Buffer>>,
-    /// A prefetched all-gather's in bf16.
-    prefetch_half_input: Option<Counted<Buffer>>,
-    prefetch_half_output: Option<Counted<Buffer>>,
-}
-
-/// Which staging buffer.
-#[derive(Clone, Copy)]
-enum Slot {
-    Input,
-    Output,
-    Scalars,
-    PrefetchInput,
-    PrefetchOutput,
-    HalfInput,
-    HalfOutput,
-    PrefetchHalfInput,
-    PrefetchHalfOutput,
-}
-
-impl Slot {
-    /// The input and output slots of an all-gather in bf16 (`half`) or f32, prefetched or
-    /// not.
-    fn gather(prefetch: bool, half: bool) -> (Slot, Slot) {
-        match (prefetch, half) {
-            (false, false) => (Slot::Input, Slot::Output),
-            (false, true) => (Slot::HalfInput, Slot::HalfOutput),
-            (true, false) => (Slot::PrefetchInput, Slot::PrefetchOutput),
-            (true, true) => (Slot::PrefetchHalfInput, Slot::PrefetchHalfOutput),
-        }
-    }
-
-    /// The input and output slots of a reduction in bf16 (`half`) or f32.
-    fn reduction(half: bool) -> (Slot, Slot) {
-        if half {
-            (Slot::HalfInput, Slot::HalfOutput)
-        } else {
-            (Slot::Input, Slot::Output)
-        }
-    }
 }
 
 impl<C: Communicator + ?Sized> StagedComm<C> {
@@ -141,66 +76,6 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
     /// first).
     pub fn prefetched_gathers(&self) -> (u64, u64) {
         self.prefetch_counts.get()
-    }
-
-    /// The bytes of the staging buffers held now (device memory beside the operations' on a
-    /// GPU; [`DeviceComm::held_bytes`]). They grow to the largest unit in the first step and
-    /// stay.
-    pub fn staging_bytes(&self) -> usize {
-        let s = self.staging.borrow();
-        [
-            &s.input,
-            &s.output,
-            &s.scalars,
-            &s.prefetch_input,
-            &s.prefetch_output,
-            &s.half_input,
-            &s.half_output,
-            &s.prefetch_half_input,
-            &s.prefetch_half_output,
-        ]
-        .into_iter()
-        .flatten()
-        .map(|b| b.byte_len())
-        .sum()
-    }
-
-    /// `len` elements of the staging buffer `slot`, grown (replaced, zeroed) when shorter: in
-    /// device memory, zeroed on `ops`' stream, where the communicator's stream is on a GPU;
-    /// else in host memory.
-    fn buffer<O: StagingOps>(
-        &self,
-        ops: &O,
-        slot: Slot,
-        len: usize,
-    ) -> Result<Buffer, DeviceTrainError> {
-        let mut s = self.staging.borrow_mut();
-        let (kept, dtype) = match slot {
-            Slot::Input => (&mut s.input, DType::F32),
-            Slot::Output => (&mut s.output, DType::F32),
-            Slot::Scalars => (&mut s.scalars, DType::F64),
-            Slot::PrefetchInput => (&mut s.prefetch_input, DType::F32),
-            Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
-            Slot::HalfInput => (&mut s.half_input, DType::BF16),
-            Slot::HalfOutput => (&mut s.half_output, DType::BF16),
-            Slot::PrefetchHalfInput => (&mut s.prefetch_half_input, DType::BF16),
-            Slot::PrefetchHalfOutput => (&mut s.prefetch_half_output, DType::BF16),
-        };
-        if kept.as_ref().is_none_or(|b| b.len() < len) {
-            // The old buffer is released first: it is counted until then.
-            *kept = None;
-            let buf = match (self.comm.stream().device(), ops.device_stream()) {
-                // Operations that touch no memory: sizes only, for plans.
-                _ if ops.is_meta() => Buffer::meta(dtype, len.max(1))?,
-                (Device::Cuda(_), Some(stream)) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
-                (d, None) if d != Device::Cpu => return Err(self.misplaced(d, ops)),
-                _ => Buffer::zeros(dtype, len.max(1))?,
-            };
-            let bytes = buf.byte_len() as u64;
-            *kept = Some(ops.count(buf, bytes));
-        }
-        let buf = kept.as_ref().expect("kept above");
-        Ok(buf.slice(0..len)?)
     }
 
     /// Runs `f` with the address of `buf` as `ops` reach it: a stream-ordered device buffer
