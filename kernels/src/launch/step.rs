@@ -217,8 +217,8 @@ impl From<&AnyPrecisionScalars> for AnyPrecisionArgs {
 
 /// `AnyPrecisionAdamW` on one tensor as [`step_decide`] decided
 /// ([`host::anyprecision_decided`](crate::host::anyprecision_decided), bitwise): the state
-/// buffers hold [`state_len`] f32 elements (bf16 packed); the compensation is required with
-/// Kahan summation and ignored without.
+/// buffers hold [`state_len`](crate::host::state_len) f32 elements (bf16 packed); the
+/// compensation is required with Kahan summation and ignored without.
 ///
 /// # Errors
 /// [`KernelError::Length`]; a bad dtype, a missing compensation, a short scalar buffer;
