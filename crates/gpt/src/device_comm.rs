@@ -348,6 +348,35 @@ impl Packing {
         let start = r * s;
         (start, s.min(f.saturating_sub(start)))
     }
+
+    /// The non-empty pieces of full tensor `i` an all-gather over `world` ranks gives it,
+    /// rank by rank: each rank's chunk, where it lies in the gathered output (`world` packed
+    /// blocks of `total`) and where it goes in the full tensor.
+    pub(crate) fn gathered(&self, i: usize, world: usize) -> impl Iterator<Item = Piece> + '_ {
+        (0..world)
+            .map(move |rank| {
+                let (start, len) = self.chunk(i, rank);
+                Piece {
+                    rank,
+                    at: rank * self.total + self.offsets[i],
+                    start,
+                    len,
+                }
+            })
+            .take_while(|p| p.len > 0)
+    }
+}
+
+/// One rank's chunk of a full tensor in an all-gather ([`Packing::gathered`]).
+pub(crate) struct Piece {
+    /// The rank.
+    pub(crate) rank: usize,
+    /// Where it lies in the gathered output.
+    pub(crate) at: usize,
+    /// Where it starts in the full tensor.
+    pub(crate) start: usize,
+    /// Its length.
+    pub(crate) len: usize,
 }
 
 /// Checks that `fulls[i]` fits `world` shards of `shards[i]`.
@@ -407,13 +436,8 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
             let gathered = host_values(&output, half)?;
             for (j, &i) in idx.iter().enumerate() {
                 let mut values = vec![0.0f32; p.full_lens[j]];
-                for r in 0..world {
-                    let (start, n) = p.chunk(j, r);
-                    if n == 0 {
-                        break;
-                    }
-                    let from = r * p.total + p.offsets[j];
-                    values[start..start + n].copy_from_slice(&gathered[from..from + n]);
+                for c in p.gathered(j, world) {
+                    values[c.start..c.start + c.len].copy_from_slice(&gathered[c.at..c.at + c.len]);
                 }
                 ops.upload_into(&values, fulls[i])?;
             }

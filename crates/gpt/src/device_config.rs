@@ -180,6 +180,12 @@ impl DeviceTrainConfig {
         }
     }
 
+    /// The dtype the optimizer's state is stored in: f32 (AdamW's moments), or
+    /// `AnyPrecisionAdamW`'s state dtype.
+    pub fn state_dtype(&self) -> DType {
+        self.any_precision.map_or(DType::F32, |a| a.state)
+    }
+
     /// The dtype sharded training all-gathers the parameters in: bf16 where every
     /// parameter's value is a bf16 (`AnyPrecisionAdamW` with bf16 parameters: pure-bf16
     /// training, whose shards the engine stores and gathers in bf16), so that the gathers

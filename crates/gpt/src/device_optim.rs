@@ -113,7 +113,7 @@ pub(crate) fn state_bytes(
     c: &crate::device_config::DeviceTrainConfig,
     factor: usize,
 ) -> (u64, u64) {
-    let d = c.any_precision.map_or(DType::F32, |a| a.state);
+    let d = c.state_dtype();
     let each: u64 = crate::device_state::tensor_lens(c)
         .into_iter()
         .map(|n| state_len(shard_len(n, factor), d) as u64 * 4)

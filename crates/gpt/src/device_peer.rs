@@ -350,21 +350,16 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         }
         let posts = self.begin(ops, "all-gather", desc.clone(), ptrs)?;
         for (i, full) in fulls.iter_mut().enumerate() {
-            let (s, f) = (lens[i], full_lens[i]);
-            for (p, post) in posts.iter().enumerate() {
-                let start = p * s;
-                if start >= f {
-                    break;
-                }
-                let n = s.min(f - start);
+            for c in p.gathered(i, self.world) {
+                let from = posts[c.rank].ptrs[i];
                 // SAFETY: the peer's shard (or its bf16 rounding), live until the peers'
                 // reads finish (step 3 orders its writes and frees after them); this stream
                 // waited for its writes in `begin`.
                 unsafe {
                     if bf16[i] {
-                        ops.widen_bf16_ptr(post.ptrs[i], 0, full, start, n)?
+                        ops.widen_bf16_ptr(from, 0, full, c.start, c.len)?
                     } else {
-                        ops.copy_from_peer(post.ptrs[i], 0, full, start, n)?
+                        ops.copy_from_peer(from, 0, full, c.start, c.len)?
                     }
                 };
             }

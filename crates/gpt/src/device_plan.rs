@@ -25,7 +25,7 @@
 
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{param_shapes, Attention, Logits, Products};
-use fsdp_kernels::host::step_scalars_len;
+use fsdp_kernels::host::{step_scalars_len, AnyPrecision};
 
 use crate::device_train::{DeviceTrainConfig, DeviceTrainError};
 
@@ -110,8 +110,8 @@ pub struct DeviceMemoryPlan {
     pub peak_ids: u64,
     /// The peak: everything held throughout plus the step's buffers at its peak moment.
     pub peak: u64,
-    /// The optimizer and its state's dtype, as the plan's table says them.
-    pub state_note: String,
+    /// The optimizer: `AnyPrecisionAdamW`'s dtypes, or `None` for AdamW.
+    pub any_precision: Option<AnyPrecision>,
 }
 
 impl DeviceMemoryPlan {
@@ -474,17 +474,7 @@ pub fn plan_memory(
         exp_avg: to_u64(optim, "moments")?,
         exp_avg_sq: to_u64(optim, "moments")?,
         compensation: to_u64(optim_comp, "compensation")?,
-        state_note: match config.any_precision {
-            None => "AdamW, f32".into(),
-            Some(a) => format!(
-                "AnyPrecisionAdamW, {}",
-                if a.state == fsdp_device::DType::BF16 {
-                    "bf16"
-                } else {
-                    "f32"
-                }
-            ),
-        },
+        any_precision: config.any_precision,
         offloaded: to_u64(offloaded, "offloaded state")?,
         host_staging: if config.offload {
             let sets = config.grad_accum.clamp(1, 2) as u128 + 1;

@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use fsdp_device::DType;
 use fsdp_kernels::gpt::Logits;
 
 use super::DeviceMemoryPlan;
@@ -18,6 +19,12 @@ impl fmt::Display for DeviceMemoryPlan {
             "device memory (one rank, no sharding; micro-batch {} × {} tokens), bytes:",
             self.rows, self.tokens_per_row
         )?;
+        // The optimizer and its state's dtype.
+        let state = match self.any_precision {
+            None => "AdamW, f32".to_string(),
+            Some(a) if a.state == DType::BF16 => "AnyPrecisionAdamW, bf16".to_string(),
+            Some(_) => "AnyPrecisionAdamW, f32".to_string(),
+        };
         let rows = [
             (
                 "parameters",
@@ -38,9 +45,9 @@ impl fmt::Display for DeviceMemoryPlan {
                     "the step's gradient".into()
                 },
             ),
-            ("exp_avg", self.exp_avg, self.state_note.clone()),
-            ("exp_avg_sq", self.exp_avg_sq, self.state_note.clone()),
-            ("compensation", self.compensation, self.state_note.clone()),
+            ("exp_avg", self.exp_avg, state.clone()),
+            ("exp_avg_sq", self.exp_avg_sq, state.clone()),
+            ("compensation", self.compensation, state),
             (
                 "bf16 operands",
                 self.bf16_operands,

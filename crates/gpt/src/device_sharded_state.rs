@@ -18,7 +18,7 @@ use crate::device_config::DeviceTrainError;
 use crate::device_shard::shard_len;
 use crate::device_sharded::{ShardSide, ShardedDeviceTrainer};
 use crate::device_state::{
-    adamw_state, checked_moments, state_dtype, tensor_lens, upload_state, write_state, StateBuffers,
+    adamw_state, checked_moments, tensor_lens, upload_state, write_state, StateBuffers,
 };
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
@@ -134,7 +134,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         if let Some((step, ..)) = &self.pending {
             return Err(DeviceTrainError::Unread { step: *step });
         }
-        let d = state_dtype(&self.config);
+        let d = self.config.state_dtype();
         let ops = self.pass.ops();
         let mut buffers: StateBuffers = Vec::new();
         match &self.optim {
@@ -177,7 +177,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             return Err(DeviceTrainError::Unread { step: *step });
         }
         let values = checked_moments(state, &self.config)?;
-        let d = state_dtype(&self.config);
+        let d = self.config.state_dtype();
         let shard = self.comm.rank() % self.factor;
         let ops = self.pass.ops();
         let factor = self.factor;

@@ -324,21 +324,16 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
             let p = unit.group(&g.idx, world)?;
             self.with_ptr(ops, &g.output, AccessMode::Shared, |from| {
                 for (j, &i) in g.idx.iter().enumerate() {
-                    for r in 0..world {
-                        let (start, n) = p.chunk(j, r);
-                        if n == 0 {
-                            break;
-                        }
-                        let at = r * p.total + p.offsets[j];
-                        let full = &mut *fulls[i];
+                    let full = &mut *fulls[i];
+                    for c in p.gathered(j, world) {
                         // SAFETY: `from` is the staging output (of its dtype), written by the
                         // collective the operations were ordered after, and held for this
                         // copy (`with_ptr`).
                         unsafe {
                             if g.half {
-                                ops.widen_bf16_ptr(from, at, full, start, n)?
+                                ops.widen_bf16_ptr(from, c.at, full, c.start, c.len)?
                             } else {
-                                ops.copy_from_peer(from, at, full, start, n)?
+                                ops.copy_from_peer(from, c.at, full, c.start, c.len)?
                             }
                         };
                     }

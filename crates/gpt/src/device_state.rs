@@ -47,7 +47,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         if let Some(p) = &self.pending {
             return Err(DeviceTrainError::Unread { step: p.step });
         }
-        let (d, lens) = (state_dtype(&self.config), tensor_lens(&self.config));
+        let (d, lens) = (self.config.state_dtype(), tensor_lens(&self.config));
         let buffers = match &self.state {
             Placement::Device(o) => {
                 moments_by_name(&o.moments, d, &lens, |b| self.model.ops().download(b))?
@@ -78,7 +78,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             return Err(DeviceTrainError::Unread { step: p.step });
         }
         let values = checked_moments(state, &self.config)?;
-        let d = state_dtype(&self.config);
+        let d = self.config.state_dtype();
         match &mut self.state {
             Placement::Device(o) => upload_moments(self.model.ops(), &mut o.moments, &values, d)?,
             Placement::Host(h, _) => {
@@ -107,12 +107,6 @@ impl<O: GptOps> DeviceTrainer<O> {
         let params = self.full_params()?;
         write_state(dir, &self.config, &params, &o)
     }
-}
-
-/// The dtype the trainer's optimizer state is stored in: f32 (AdamW), or
-/// `AnyPrecisionAdamW`'s state dtype.
-pub(crate) fn state_dtype(c: &DeviceTrainConfig) -> DType {
-    c.any_precision.map_or(DType::F32, |a| a.state)
 }
 
 /// The buffers of every tensor (`values`, in [`param_shapes`] order: both moments and, if
