@@ -69,8 +69,12 @@ done <"$bin_dir/MANIFEST"
 gpt_steps="${FSDP_GPU_GPT_STEPS:-10}"
 gpt="${FSDP_GPU_GPT:-1}"
 gpt_dtypes="${FSDP_GPU_GPT_DTYPES:-f32 bf16}"
+# FSDP_GPU_RUNS (an extended regular expression, default all) picks this part's runs by the
+# names of their logs, e.g. FSDP_GPU_RUNS='^(gpt_device_bench|torch_fsdp2_gpt_.*_bf16)$'.
+picked() { [[ $1 =~ ${FSDP_GPU_RUNS:-.} ]]; }
 if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--fsdp" ]; then
     for dtype in $gpt_dtypes; do
+        picked "fsdp_gpt124m_$dtype" || continue
         echo "== fsdp train --device cuda, GPT-2 124M, --param-dtype $dtype (release)"
         log="$report/fsdp_gpt124m_$dtype.log"
         csv="$report/fsdp_gpt124m_$dtype.csv"
@@ -106,12 +110,14 @@ fi
 device_bench() {
     local log=$1
     shift
+    picked "$(basename "$log" .log)" || { : >"$log"; return 0; }
     timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --steps "$gpt_steps" \
         --warmup 3 "$@" >"$log" 2>&1
 }
 torch_bench() {
     local log=$1
     shift
+    picked "$(basename "$log" .log)" || { : >"$log"; return 0; }
     timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --device cuda --batch 8 \
         --steps "$gpt_steps" --warmup 3 "$@" >"$log" 2>&1
 }
@@ -143,6 +149,16 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --attention materialized --logits whole"
     cat "$log"
+    # Larger attention chunks (fewer, larger products and softmaxes; more memory): where
+    # between the default's 64 MiB and materialized the step time goes.
+    for mib in 256 1024; do
+        log="$report/gpt_device_bench_attention$mib.log"
+        device_bench "$log" --model 124m,350m --attention "chunked:$mib"
+        rc=$?
+        [ "$rc" -ne 0 ] && failed=$((failed + 1))
+        bench_rows "$log" "$rc" "gpt-device-bench --attention chunked:$mib"
+        cat "$log"
+    done
     # The buffers from the driver's stream-ordered pool instead of the caching allocator
     # (the default), at 124M: the allocator's cost or gain on the step.
     log="$report/gpt_device_bench_driver_pool.log"

@@ -94,3 +94,50 @@ fn a_chunk_is_at_least_one_token() {
     assert_eq!("whole".parse::<Logits>(), Ok(Logits::Whole));
     assert!("halves".parse::<Logits>().is_err());
 }
+
+#[test]
+fn chunks_of_a_named_size_parse() {
+    use fsdp_kernels::gpt::Attention;
+    let mib = |n: usize| n << 20;
+    assert_eq!("chunked".parse::<Logits>(), Ok(Logits::default()));
+    assert_eq!(
+        "chunked:512".parse::<Logits>(),
+        Ok(Logits::Chunked {
+            max_bytes: mib(512)
+        })
+    );
+    assert_eq!("chunked".parse::<Attention>(), Ok(Attention::default()));
+    assert_eq!(
+        "chunked:256".parse::<Attention>(),
+        Ok(Attention::Chunked {
+            max_bytes: mib(256)
+        })
+    );
+    assert_eq!(
+        "materialized".parse::<Attention>(),
+        Ok(Attention::Materialized)
+    );
+    assert_eq!(
+        Attention::Chunked {
+            max_bytes: mib(256)
+        }
+        .to_string(),
+        "chunked (256 MiB)"
+    );
+    for bad in [
+        "chunked:0",
+        "chunked:",
+        "chunked:1.5",
+        "chunked:-3",
+        "chunked:99999999999999999",
+    ] {
+        let e = bad.parse::<Attention>().unwrap_err();
+        assert!(e.contains(bad) && e.contains("MiB"), "{bad}: {e}");
+        let e = bad.parse::<Logits>().unwrap_err();
+        assert!(e.contains(bad) && e.contains("MiB"), "{bad}: {e}");
+    }
+    assert!("chunky"
+        .parse::<Attention>()
+        .unwrap_err()
+        .contains("chunked:MiB"));
+}

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use fsdp_device::{Buffer, Stream};
+use fsdp_device::{Buffer, Device, Stream};
 
 use crate::{ReduceOp, Result, Work};
 
@@ -33,6 +33,13 @@ pub trait Communicator: Send {
 
     /// The stream collectives are enqueued on.
     fn stream(&self) -> &Stream;
+
+    /// The device this group's buffers live on. By default the [`stream`](Self::stream)'s; a
+    /// group whose host thread issues work for a device says so (the CUDA ring: its
+    /// collectives are ordered on a host worker stream and run on the rank's CUDA stream).
+    fn device(&self) -> Device {
+        self.stream().device()
+    }
 
     /// Equal-size all-gather into one preallocated output of `world_size × input.len()`.
     fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work>;

@@ -16,7 +16,7 @@ use fsdp_collectives::cuda_ring::{self, CudaRingCommunicator, CudaRingOptions};
 use fsdp_collectives::ring::{self, RingOptions};
 use fsdp_collectives::{CollectiveError, Communicator, ReduceOp, Work};
 use fsdp_device::half::{bf16, f16};
-use fsdp_device::{AccessMode, Buffer, Element};
+use fsdp_device::{AccessMode, Buffer, Device, Element};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 /// Small segments, so that collectives take many pipelined steps and reuse scratch slots.
@@ -181,6 +181,11 @@ fn cuda_results<T: Element>(
         .with_segment_bytes(SEGMENT_BYTES);
     cuda_ring::run_ranks(0, world, opts, |c| {
         let r = c.rank();
+        // Its buffers are the GPU's, though a host worker stream orders its collectives.
+        assert_eq!(
+            (c.device(), c.stream().device()),
+            (Device::Cuda(0), Device::Cpu)
+        );
         let alloc =
             CudaAllocator::new(CudaSource::new(0).unwrap(), AllocatorConfig::default()).unwrap();
         let input = upload(&c, &alloc, &data[r]);

@@ -55,6 +55,7 @@ fn every_collective_completes_at_once_on_any_device() {
             let comm = DryRunCommunicator::new(rank, world).unwrap();
             assert_eq!((comm.rank(), comm.world_size()), (rank, world));
             assert_eq!(comm.stream().device(), Device::Cpu);
+            assert_eq!(comm.device(), Device::Cpu);
             for buf in [&meta_buffer as MakeBuffer<'_>, &host_buffer] {
                 let calls = valid_calls(&comm, buf);
                 assert_eq!(calls.len(), 4 * 2 * 8 + 1);

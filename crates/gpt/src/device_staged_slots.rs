@@ -128,7 +128,7 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         if kept.as_ref().is_none_or(|b| b.len() < len) {
             // The old buffer is released first: it is counted until then.
             *kept = None;
-            let buf = match (self.comm.stream().device(), ops.device_stream()) {
+            let buf = match (self.comm.device(), ops.device_stream()) {
                 // Operations that touch no memory: sizes only, for plans.
                 _ if ops.is_meta() => Buffer::meta(dtype, len.max(1))?,
                 (Device::Cuda(_), Some(stream)) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,

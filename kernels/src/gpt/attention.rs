@@ -3,7 +3,7 @@
 //! ([`Attention::Materialized`]), or over chunks of them with nothing of `t × t` kept
 //! ([`Attention::Chunked`]).
 
-use super::chunks::{chunk_items, write_chunked};
+use super::chunks::{chunk_items, parse_chunked, write_chunked};
 use super::ops::{Arg, GptOps};
 use super::pass::{GptPass, Step};
 use crate::gemm::MatMul;
@@ -46,13 +46,16 @@ impl Default for Attention {
 impl std::str::FromStr for Attention {
     type Err = String;
 
-    /// `chunked` ([`Attention::default`]) or `materialized`.
+    /// `chunked` ([`Attention::default`]), `chunked:N` (chunks of at most N MiB of scores) or
+    /// `materialized`.
     fn from_str(s: &str) -> Result<Attention, String> {
+        if let Some(max_bytes) = parse_chunked(s, Attention::CHUNK_BYTES) {
+            return max_bytes.map(|max_bytes| Attention::Chunked { max_bytes });
+        }
         match s {
-            "chunked" => Ok(Attention::default()),
             "materialized" => Ok(Attention::Materialized),
             _ => Err(format!(
-                "unknown attention {s:?} (expected chunked or materialized)"
+                "unknown attention {s:?} (expected chunked, chunked:MiB or materialized)"
             )),
         }
     }

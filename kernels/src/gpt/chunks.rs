@@ -8,6 +8,21 @@ pub(super) fn chunk_items(max_bytes: usize, elements: usize, items: usize) -> us
     (max_bytes / each).clamp(1, items.max(1))
 }
 
+/// The bytes of a chunk named `chunked` (`default`) or `chunked:N` (N MiB, at least 1); `None`
+/// for any other name.
+pub(super) fn parse_chunked(s: &str, default: usize) -> Option<Result<usize, String>> {
+    if s == "chunked" {
+        return Some(Ok(default));
+    }
+    let mib = s.strip_prefix("chunked:")?;
+    Some(match mib.parse::<usize>() {
+        Ok(n) if n > 0 && n <= (usize::MAX >> 20) => Ok(n << 20),
+        _ => Err(format!(
+            "{s:?}: the chunk's size is a whole number of MiB, at least 1 (e.g. chunked:256)"
+        )),
+    })
+}
+
 /// `chunked (N MiB)`, or `chunked (N B)` when `max_bytes` is not whole MiB.
 pub(super) fn write_chunked(f: &mut std::fmt::Formatter<'_>, max_bytes: usize) -> std::fmt::Result {
     if max_bytes % (1 << 20) == 0 {

@@ -1,7 +1,7 @@
 //! The head's logits, cross-entropy and their backward for [`GptPass`], over chunks of tokens
 //! ([`Logits::Chunked`]) or all tokens at once ([`Logits::Whole`]).
 
-use super::chunks::{chunk_items, write_chunked};
+use super::chunks::{chunk_items, parse_chunked, write_chunked};
 use super::ops::{Arg, GptOps};
 use super::pass::GptPass;
 use crate::gemm::MatMul;
@@ -40,12 +40,17 @@ impl Default for Logits {
 impl std::str::FromStr for Logits {
     type Err = String;
 
-    /// `chunked` ([`Logits::default`]) or `whole`.
+    /// `chunked` ([`Logits::default`]), `chunked:N` (chunks of at most N MiB of logits) or
+    /// `whole`.
     fn from_str(s: &str) -> Result<Logits, String> {
+        if let Some(max_bytes) = parse_chunked(s, Logits::CHUNK_BYTES) {
+            return max_bytes.map(|max_bytes| Logits::Chunked { max_bytes });
+        }
         match s {
-            "chunked" => Ok(Logits::default()),
             "whole" => Ok(Logits::Whole),
-            _ => Err(format!("unknown logits {s:?} (expected chunked or whole)")),
+            _ => Err(format!(
+                "unknown logits {s:?} (expected chunked, chunked:MiB or whole)"
+            )),
         }
     }
 }

@@ -81,11 +81,12 @@ struct Args {
     /// Activation checkpointing: each block's forward run again before its backward.
     #[arg(long)]
     activation_checkpointing: bool,
-    /// The attention's T × T matrices: `chunked` (computed again in backward) or
-    /// `materialized` (kept from forward).
+    /// The attention's T × T matrices: `chunked` (computed again in backward; `chunked:N` in
+    /// chunks of N MiB) or `materialized` (kept from forward).
     #[arg(long, default_value = "chunked")]
     attention: Attention,
-    /// The head's logits: `chunked` (a chunk of tokens at a time) or `whole`.
+    /// The head's logits: `chunked` (a chunk of tokens at a time; `chunked:N` of N MiB) or
+    /// `whole`.
     #[arg(long, default_value = "chunked")]
     logits: Logits,
     /// Read each step's outcome before enqueuing the next (the host waits for the device every
@@ -96,8 +97,7 @@ struct Args {
     /// Dense bf16 peak of the GPU in TFLOP/s (default: by its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
-    /// Accepted and ignored (`cargo bench` passes it).
-    /// Then train the same global batch as this many ranks, threads over the device.
+    /// Train the same global batch as this many ranks, threads over the device.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
     /// The sharding of `--ranks`: full-shard, shard-grad-op or no-shard.
@@ -111,6 +111,7 @@ struct Args {
     /// products pure bf16, whose ranks all-gather in bf16).
     #[arg(long, default_value = "adamw", value_parser = optimizer, action = clap::ArgAction::Set)]
     optimizer: bool,
+    /// Accepted and ignored (`cargo bench` passes it).
     #[arg(long, hide = true)]
     bench: bool,
 }

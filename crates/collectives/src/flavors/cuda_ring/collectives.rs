@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use fsdp_device::{AccessGuard, Buffer, Stream};
+use fsdp_device::{AccessGuard, Buffer, Device, Stream};
 
 use super::rank::{Layout, Rank};
 use super::transport::{lock, SharedRank};
@@ -75,6 +75,10 @@ impl Communicator for CudaRingCommunicator {
 
     fn stream(&self) -> &Stream {
         self.engine.stream()
+    }
+
+    fn device(&self) -> Device {
+        self.cuda_stream.device()
     }
 
     fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work> {

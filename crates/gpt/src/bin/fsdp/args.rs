@@ -165,14 +165,14 @@ pub(crate) struct ModelArgs {
     pub(crate) activation_checkpointing: bool,
     /// With --device: how each block's attention holds its T × T scores and probabilities:
     /// `chunked` (the default: 64 MiB of (sequence, head) pairs at a time, computed again in
-    /// backward instead of kept, as flash attention does) or `materialized` (every pair's
-    /// probabilities kept from forward for backward: more memory, no recomputation). The
-    /// same losses either way on the host twins, bitwise.
+    /// backward instead of kept, as flash attention does; `chunked:N` for N MiB) or
+    /// `materialized` (every pair's probabilities kept from forward for backward: more memory,
+    /// no recomputation). The same losses either way on the host twins, bitwise.
     #[arg(long)]
     pub(crate) attention: Option<Attention>,
     /// With --device: how the head holds its tokens × vocabulary logits: `chunked` (the
     /// default: 256 MiB of logits at a time, each chunk's cross-entropy and backward before
-    /// the next's) or `whole` (every token's logits at once). The same losses either way on
+    /// the next's; `chunked:N` for N MiB) or `whole` (every token's logits at once). The same losses either way on
     /// the host twins, bitwise; the tied embedding's gradient is summed chunk by chunk.
     #[arg(long)]
     pub(crate) logits: Option<Logits>,
