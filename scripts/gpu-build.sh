@@ -88,7 +88,7 @@ echo "== the release fsdp and gpt-device-bench programs (GPT-2 timing)" >&2
 gpt_program fsdp-gpt--release--fsdp fsdp build --release -p fsdp-gpt --bin fsdp
 gpt_program fsdp-gpt--release--gpt-device-bench gpt-device-bench build --release -p fsdp-gpt \
     --bin gpt-device-bench
-cp scripts/gpu-check.sh scripts/gpu-env.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
+cp scripts/gpu-check.sh scripts/gpu-lanes.sh scripts/gpu-env.sh scripts/gpu-profile.sh benches/torch_fsdp2_gpt.py "$out/"
 # The golden fixtures gpu_golden reads beside itself.
 mkdir -p "$out/golden"
 cp crates/gpt/tests/fixtures/{gpt_tiny_init.safetensors,tokens.bin,expected_losses.csv} "$out/golden/"

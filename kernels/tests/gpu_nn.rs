@@ -9,8 +9,9 @@
 mod common;
 
 use common::{data, down, gpu_stream, up};
-use fsdp_kernels::host::nn;
+use fsdp_kernels::host::{f32_to_bf16, nn};
 use fsdp_kernels::launch;
+use half::bf16;
 
 /// Equal bits (NaN results: both NaN).
 #[track_caller]
@@ -117,6 +118,18 @@ fn causal_softmax_equals_its_twin() {
         let mut gds = up(&s, &vec![f32::NAN; sc.len()]);
         launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut gds).unwrap();
         same("softmax ds", &down(&s, &gds), &ds);
+        // Written as bf16 (operands of products only): the twin's values rounded as the cast
+        // kernel rounds, the masked half included.
+        let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let got = |d: &cudarc::driver::CudaSlice<bf16>| -> Vec<u16> {
+            down(&s, d).iter().map(|x| x.to_bits()).collect()
+        };
+        let mut hp = up(&s, &vec![bf16::NAN; sc.len()]);
+        launch::causal_softmax_forward(&s, &gs, t, scale, &mut hp).unwrap();
+        assert_eq!(got(&hp), bits(&p), "bf16 softmax p, {bh}x{t}x{t}");
+        let mut hds = up(&s, &vec![bf16::NAN; sc.len()]);
+        launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds).unwrap();
+        assert_eq!(got(&hds), bits(&ds), "bf16 softmax ds, {bh}x{t}x{t}");
     }
 }
 

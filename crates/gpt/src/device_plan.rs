@@ -263,9 +263,11 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch
     r.alloc(Ids, n, "targets");
     r.alloc(Work, n, "losses");
     r.alloc(Work, ne, "ln_f's output gradient");
-    // A chunk's logits, their gradient written over them; freed before the next chunk's.
-    r.alloc(Work, nv, "a chunk's logits, then their gradient");
-    r.free(Work, nv);
+    // A chunk's logits, then their gradient as an operand: with bf16 products written in bf16
+    // beside them (the logits then freed), else over them; freed before the next chunk's.
+    r.alloc(Work, nv, "a chunk's logits");
+    r.operand(Work, nv, opb, "a chunk's logits' gradient in bf16");
+    r.free_bytes(Work, nv.saturating_mul(opb));
     r.alloc(Work, ne, "x's gradient");
     if let Some(layer) = layers.checked_sub(1) {
         if ckpt {
@@ -284,7 +286,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch
         r.alloc(Work, ne, "attention c_proj input gradient");
         r.alloc(Work, ne, "heads' output gradient");
         r.free(Work, ne);
-        attention_backward(r, ne, a);
+        attention_backward(r, ne, a, opb);
         r.alloc(Work, 3 * ne, "qkv's gradient");
         r.free(Work, 3 * ne);
         r.alloc(Work, ne, "ln_1 output gradient");
@@ -323,11 +325,14 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kin
         r.free(Work, a.t2);
         r.alloc(Work, ne, "heads' outputs");
     } else {
-        // The first chunk's scores and probabilities (the largest), freed after its product.
+        // The first chunk's scores and probabilities (the largest; the probabilities written
+        // as the product's operand), the scores freed before the product, the probabilities
+        // after it.
         r.alloc(Work, ne, "heads' outputs");
         r.alloc(Work, a.t2, "a chunk's scores");
-        r.alloc(Work, a.t2, "a chunk's probabilities");
-        r.free(Work, 2 * a.t2);
+        r.alloc_bytes(Work, a.t2.saturating_mul(opb), "a chunk's probabilities");
+        r.free(Work, a.t2);
+        r.free_bytes(Work, a.t2.saturating_mul(opb));
     }
     r.alloc(Tape, ne, "y");
     r.free(Work, ne);
@@ -342,27 +347,31 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kin
 }
 
 /// The attention's backward (`GptPass::attention_backward`) from the heads' output gradient
-/// (freed here) to q's, k's and v's gradients (left live).
-fn attention_backward(r: &mut Replay, ne: u128, a: Attn) {
+/// (freed here) to q's, k's and v's gradients (left live). The scores' gradient is the
+/// operand of `dq`'s and `dk`'s products (`opb` bytes an element).
+fn attention_backward(r: &mut Replay, ne: u128, a: Attn, opb: u128) {
     use Kind::Work;
+    let ds = a.t2.saturating_mul(opb);
     if a.kept {
         r.alloc(Work, a.t2, "probabilities' gradient");
         r.alloc(Work, ne, "v's gradient");
         r.free(Work, ne);
-        r.alloc(Work, a.t2, "scores' gradient");
+        r.alloc_bytes(Work, ds, "scores' gradient");
         r.free(Work, a.t2);
         r.alloc(Work, 2 * ne, "q's and k's gradients");
-        r.free(Work, a.t2);
+        r.free_bytes(Work, ds);
     } else {
         r.alloc(Work, 3 * ne, "q's, k's and v's gradients");
         // The first chunk: its scores and probabilities again (the scores freed), the
-        // probabilities' gradient, the scores' gradient; all freed before the next chunk.
+        // probabilities' gradient, the scores' gradient (the probabilities' gradient and the
+        // probabilities freed before dq's and dk's products); all freed before the next chunk.
         r.alloc(Work, a.t2, "a chunk's scores again");
         r.alloc(Work, a.t2, "a chunk's probabilities again");
         r.free(Work, a.t2);
         r.alloc(Work, a.t2, "a chunk's probabilities' gradient");
-        r.alloc(Work, a.t2, "a chunk's scores' gradient");
-        r.free(Work, 3 * a.t2);
+        r.alloc_bytes(Work, ds, "a chunk's scores' gradient");
+        r.free(Work, 2 * a.t2);
+        r.free_bytes(Work, ds);
         r.free(Work, ne);
     }
 }
@@ -377,9 +386,10 @@ fn largest_operands(c: &DeviceTrainConfig, rows: usize, ch: Chunks) -> (u128, u1
         c.cfg.n_head,
     );
     let ne = prod(&[rows, t, e]);
-    // The attention's probabilities and scores' gradient, of one chunk when chunked; the
-    // logits' gradient of one chunk of tokens.
-    let first = [4 * ne, prod(&[ch.pairs, t, t]), prod(&[ch.tokens, v])];
+    // The attention's probabilities (of one chunk when chunked), which `v`'s gradient's product
+    // reads as a buffer. The scores' gradient, the logits' gradient and the chunks'
+    // probabilities in forward are written as operands and never pass through the copies.
+    let first = [4 * ne, prod(&[ch.pairs, t, t])];
     // The activations kept as operands (bf16 already) never pass through the copies: the
     // second operands that do are the weights and the heads' output gradient (of one chunk).
     let second = [

@@ -291,11 +291,36 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     }
 }
 
-// Causal softmax backward, one warp per row: ds_j = scale * (p_j * (dp_j - sum_k p_k dp_k))
-// for j <= i (k <= i), 0 above the diagonal. Written, not accumulated.
+// Causal softmax forward written as its bf16 rounding (probabilities only products read): the
+// f32 kernel's values rounded as the cast kernel rounds. The exponentials are computed again
+// in the last pass instead of stored (no f32 row to keep them in), the same operations on the
+// same inputs as causal_softmax_forward_f32's.
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    causal_softmax_backward_f32(const float* p, const float* dp, float* ds, u32 t, float scale,
-                                u64 rows) {
+    causal_softmax_forward_bf16(const float* s, bf16* p, u32 t, float scale, u64 rows) {
+    u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
+    if (row >= rows) return;
+    u32 l = threadIdx.x % NN_WARP;
+    u32 i = (u32)(row % t);
+    u64 off = row * t;
+    float mx = -pos_inf();
+    for (u32 j = l; j <= i; j += NN_WARP) mx = max_of(mx, fm(s[off + j], scale));
+    mx = warp_max(mx);
+    float acc = 0.0f;
+    for (u32 j = l; j <= i; j += NN_WARP) acc = fa(acc, nn_exp(fs(fm(s[off + j], scale), mx)));
+    float sum = warp_sum(acc);
+    for (u32 j = l; j < t; j += NN_WARP) {
+        float e = (j <= i) ? fdv(nn_exp(fs(fm(s[off + j], scale), mx)), sum) : 0.0f;
+        p[off + j] = from_f32<bf16>(e);
+    }
+}
+
+// Causal softmax backward, one warp per row: ds_j = scale * (p_j * (dp_j - sum_k p_k dp_k))
+// for j <= i (k <= i), 0 above the diagonal. Written, not accumulated: f32, or its bf16
+// rounding for a gradient only products read (the cast kernel's rounding).
+template <typename D>
+__device__ __forceinline__ void causal_softmax_backward_impl(const float* p, const float* dp,
+                                                             D* ds, u32 t, float scale,
+                                                             u64 rows) {
     u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
     if (row >= rows) return;
     u32 l = threadIdx.x % NN_WARP;
@@ -305,8 +330,20 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     for (u32 j = l; j <= i; j += NN_WARP) acc = fa(acc, fm(p[off + j], dp[off + j]));
     float dot = warp_sum(acc);
     for (u32 j = l; j < t; j += NN_WARP) {
-        ds[off + j] = (j <= i) ? fm(scale, fm(p[off + j], fs(dp[off + j], dot))) : 0.0f;
+        store_c(ds, off + j, (j <= i) ? fm(scale, fm(p[off + j], fs(dp[off + j], dot))) : 0.0f);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_backward_f32(const float* p, const float* dp, float* ds, u32 t, float scale,
+                                u64 rows) {
+    causal_softmax_backward_impl(p, dp, ds, t, scale, rows);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_backward_bf16(const float* p, const float* dp, bf16* ds, u32 t, float scale,
+                                 u64 rows) {
+    causal_softmax_backward_impl(p, dp, ds, t, scale, rows);
 }
 
 // Cross-entropy with its backward, one block per row of logits [n, v]: loss[r] =
@@ -314,10 +351,12 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
 // dlogits_j = dloss * (e^(logit_j - max) / sum - [j == target]). The mean over rows is the
 // caller's (dloss = 1/N). A target >= v gives a NaN loss and a NaN row of dlogits. dlogits
 // may be logits itself (each element is read and then written by one thread, after every
-// read of the row's reductions).
-extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    cross_entropy_fused_f32(const float* logits, const u32* targets, float* losses,
-                            float* dlogits, u32 v, float dloss) {
+// read of the row's reductions). dlogits is f32, or its bf16 rounding (the cast kernel's) for
+// a gradient only products read.
+template <typename D>
+__device__ __forceinline__ void cross_entropy_fused_impl(const float* logits, const u32* targets,
+                                                         float* losses, D* dlogits, u32 v,
+                                                         float dloss) {
     __shared__ float sh[NN_BLOCK];
     u64 off = (u64)blockIdx.x * v;
     u32 tg = targets[blockIdx.x];
@@ -334,11 +373,23 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     for (u32 j = threadIdx.x; j < v; j += NN_BLOCK) {
         float q = fdv(nn_exp(fs(logits[off + j], mx)), sum);
         float d = fm(dloss, fs(q, (j == tg) ? 1.0f : 0.0f));
-        dlogits[off + j] = ok ? d : nan_f32();
+        store_c(dlogits, off + j, ok ? d : nan_f32());
     }
     if (threadIdx.x == 0) {
         losses[blockIdx.x] = ok ? fa(nn_log(sum), fs(mx, lt)) : nan_f32();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    cross_entropy_fused_f32(const float* logits, const u32* targets, float* losses,
+                            float* dlogits, u32 v, float dloss) {
+    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    cross_entropy_fused_bf16(const float* logits, const u32* targets, float* losses,
+                             bf16* dlogits, u32 v, float dloss) {
+    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss);
 }
 
 // Embedding forward: x[r, j] = wte[ids[r], j] + wpe[r % t, j]; an id >= vocab gives NaN.

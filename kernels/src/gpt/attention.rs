@@ -111,9 +111,12 @@ impl<O: GptOps> GptPass<O> {
         }
         let mut yh = ops.empty(ne)?;
         for (first, count) in self.chunks(s) {
-            let att = self.probabilities(s, q, k, first, count)?;
+            // Only the product reads these probabilities: written as its operand.
+            let sc = self.scores(s, q, k, first, count)?;
+            let att = ops.causal_softmax_forward_operand(&sc, t, self.scale())?;
+            drop(sc);
             let g = heads_product(t, hd, count, first * t * hd, false);
-            ops.gemm_args(&g, Arg::Buf(&att), Arg::Operand(v), &mut yh)?;
+            ops.gemm_args(&g, Arg::Operand(&att), Arg::Operand(v), &mut yh)?;
         }
         Ok((yh, None))
     }
@@ -142,10 +145,10 @@ impl<O: GptOps> GptPass<O> {
             let ds = self.dscores(att, dp, t)?;
             let mut dq = ops.empty(ne)?;
             let g = heads_product(t, hd, pairs, 0, false);
-            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(k), &mut dq)?;
+            ops.gemm_args(&g, Arg::Operand(&ds), Arg::Operand(k), &mut dq)?;
             let mut dk = ops.empty(ne)?;
             let g = heads_product(t, hd, pairs, 0, true);
-            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(q), &mut dk)?;
+            ops.gemm_args(&g, Arg::Operand(&ds), Arg::Operand(q), &mut dk)?;
             return Ok([dq, dk, dv]);
         }
         let (mut dq, mut dk, mut dv) = (ops.empty(ne)?, ops.empty(ne)?, ops.empty(ne)?);
@@ -155,10 +158,11 @@ impl<O: GptOps> GptPass<O> {
             let dp = self.dprobs(s, &dyh, v, first, count)?;
             ops.gemm(&heads_product(t, hd, count, at, true), &att, &dyh, &mut dv)?;
             let ds = self.dscores(&att, dp, t)?;
+            drop(att);
             let g = heads_product(t, hd, count, at, false);
-            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(k), &mut dq)?;
+            ops.gemm_args(&g, Arg::Operand(&ds), Arg::Operand(k), &mut dq)?;
             let g = heads_product(t, hd, count, at, true);
-            ops.gemm_args(&g, Arg::Buf(&ds), Arg::Operand(q), &mut dk)?;
+            ops.gemm_args(&g, Arg::Operand(&ds), Arg::Operand(q), &mut dk)?;
         }
         Ok([dq, dk, dv])
     }
@@ -181,13 +185,28 @@ impl<O: GptOps> GptPass<O> {
         first: usize,
         count: usize,
     ) -> Result<O::Buf, KernelError> {
-        let (ops, t) = (&self.ops, s.t);
-        let mut sc = ops.empty(count * t * t)?;
-        let g = self.scores_product(t, first, count);
-        ops.gemm_args(&g, Arg::Operand(q), Arg::Operand(k), &mut sc)?;
-        let mut att = ops.empty(count * t * t)?;
-        ops.causal_softmax_forward(&sc, t, self.scale(), &mut att)?;
+        let sc = self.scores(s, q, k, first, count)?;
+        let mut att = self.ops.empty(count * s.t * s.t)?;
+        self.ops
+            .causal_softmax_forward(&sc, s.t, self.scale(), &mut att)?;
         Ok(att)
+    }
+
+    /// The scores `q·kᵀ` (unscaled) of `count` pairs from pair `first`, `[count, t, t]`.
+    fn scores(
+        &self,
+        s: Step,
+        q: &O::Operand,
+        k: &O::Operand,
+        first: usize,
+        count: usize,
+    ) -> Result<O::Buf, KernelError> {
+        let t = s.t;
+        let mut sc = self.ops.empty(count * t * t)?;
+        let g = self.scores_product(t, first, count);
+        self.ops
+            .gemm_args(&g, Arg::Operand(q), Arg::Operand(k), &mut sc)?;
+        Ok(sc)
     }
 
     /// `dP = dYh·vᵀ` of `count` pairs from pair `first`, `[count, t, t]`.
@@ -216,12 +235,11 @@ impl<O: GptOps> GptPass<O> {
             .at(at, at, 0)
     }
 
-    /// `dS = scale·P⊙(dP − rowsum(P⊙dP))` (of the unscaled scores), `dP` consumed.
-    fn dscores(&self, att: &O::Buf, dp: O::Buf, t: usize) -> Result<O::Buf, KernelError> {
-        let mut ds = self.ops.empty(O::buf_len(att))?;
+    /// `dS = scale·P⊙(dP − rowsum(P⊙dP))` (of the unscaled scores), `dP` consumed: an operand
+    /// of the products `dq` and `dk` alone read.
+    fn dscores(&self, att: &O::Buf, dp: O::Buf, t: usize) -> Result<O::Operand, KernelError> {
         self.ops
-            .causal_softmax_backward(att, &dp, t, self.scale(), &mut ds)?;
-        Ok(ds)
+            .causal_softmax_backward_operand(att, &dp, t, self.scale())
     }
 
     /// The scores' scale, `1/√head_dim`.

@@ -385,6 +385,44 @@ impl GptOps for CudaOps {
         launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, dscores)
     }
 
+    fn causal_softmax_forward_operand(
+        &self,
+        scores: &CudaBuf,
+        t: usize,
+        scale: f32,
+    ) -> Result<CudaOperand, KernelError> {
+        if self.products != Products::Bf16 {
+            let mut p = self.empty(scores.len())?;
+            launch::causal_softmax_forward(&self.cuda, scores, t, scale, &mut p)?;
+            return Ok(CudaOperand::F32(p));
+        }
+        // SAFETY: device memory of `scores.len()` bf16 whose bits are whatever the pool held;
+        // any bits are a bf16, and the softmax writes every element before anything reads it.
+        let mut p = unsafe { self.device_slice::<bf16>(scores.len(), false) }?;
+        launch::causal_softmax_forward(&self.cuda, scores, t, scale, &mut *p)?;
+        self.casts.fetch_add(1, Ordering::Relaxed);
+        Ok(CudaOperand::Bf16(p))
+    }
+
+    fn causal_softmax_backward_operand(
+        &self,
+        probs: &CudaBuf,
+        dprobs: &CudaBuf,
+        t: usize,
+        scale: f32,
+    ) -> Result<CudaOperand, KernelError> {
+        if self.products != Products::Bf16 {
+            let mut ds = self.empty(probs.len())?;
+            launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, &mut ds)?;
+            return Ok(CudaOperand::F32(ds));
+        }
+        // SAFETY: as in `causal_softmax_forward_operand`: the kernel writes every element.
+        let mut ds = unsafe { self.device_slice::<bf16>(probs.len(), false) }?;
+        launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, &mut *ds)?;
+        self.casts.fetch_add(1, Ordering::Relaxed);
+        Ok(CudaOperand::Bf16(ds))
+    }
+
     fn cross_entropy_fused_in_place(
         &self,
         logits: &mut CudaBuf,
@@ -398,6 +436,39 @@ impl GptOps for CudaOps {
         let targets = targets.slice(rows.clone());
         let mut losses = losses.slice_mut(rows);
         launch::cross_entropy_fused_in_place(&self.cuda, logits, &targets, v, dloss, &mut losses)
+    }
+
+    fn cross_entropy_fused_operand(
+        &self,
+        mut logits: CudaBuf,
+        targets: &CudaIds,
+        first: usize,
+        v: usize,
+        dloss: f32,
+        losses: &mut CudaBuf,
+    ) -> Result<CudaOperand, KernelError> {
+        if self.products != Products::Bf16 {
+            self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, losses)?;
+            return Ok(CudaOperand::F32(logits));
+        }
+        let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
+        let targets = targets.slice(rows.clone());
+        let mut losses = losses.slice_mut(rows);
+        // SAFETY: device memory of `logits.len()` bf16 whose bits are whatever the pool held;
+        // any bits are a bf16, and the kernel writes every element before anything reads it.
+        let mut d = unsafe { self.device_slice::<bf16>(logits.len(), false) }?;
+        launch::cross_entropy_fused(
+            &self.cuda,
+            &logits,
+            &targets,
+            v,
+            dloss,
+            &mut losses,
+            &mut *d,
+        )?;
+        drop(logits);
+        self.casts.fetch_add(1, Ordering::Relaxed);
+        Ok(CudaOperand::Bf16(d))
     }
 
     fn embedding_forward(

@@ -106,17 +106,20 @@ impl<O: GptOps> GptPass<O> {
         let each = self.logits.chunk_tokens(v, n);
         for first in (0..n).step_by(each) {
             let rows = each.min(n - first);
-            // The logits' gradient written over the logits: one rows × v buffer.
-            let mut dlogits = ops.empty(rows * v)?;
+            let mut logits = ops.empty(rows * v)?;
             let at = first * e;
-            let logits = MatMul::linear_forward(rows, e, v).at(at, 0, 0);
-            ops.gemm_args(&logits, Arg::Operand(h.hf), Arg::Buf(h.wte), &mut dlogits)?;
-            ops.cross_entropy_fused_in_place(&mut dlogits, h.targets, first, v, dloss, losses)?;
-            // dhf's rows, then the tied weight's term: dlogits is cast once for both.
+            let g = MatMul::linear_forward(rows, e, v).at(at, 0, 0);
+            ops.gemm_args(&g, Arg::Operand(h.hf), Arg::Buf(h.wte), &mut logits)?;
+            // The logits' gradient, an operand of the two products below alone: with bf16
+            // products written in bf16 by the cross-entropy itself (the logits then freed), else
+            // over the logits.
+            let dlogits =
+                ops.cross_entropy_fused_operand(logits, h.targets, first, v, dloss, losses)?;
+            // dhf's rows, then the tied weight's term.
             let gi = MatMul::linear_grad_input(rows, e, v).at(0, 0, at);
-            ops.gemm(&gi, &dlogits, h.wte, &mut dhf)?;
+            ops.gemm_args(&gi, Arg::Operand(&dlogits), Arg::Buf(h.wte), &mut dhf)?;
             let gw = MatMul::linear_grad_weight(rows, e, v, true).at(0, at, 0);
-            ops.gemm_args(&gw, Arg::Buf(&dlogits), Arg::Operand(h.hf), dwte)?;
+            ops.gemm_args(&gw, Arg::Operand(&dlogits), Arg::Operand(h.hf), dwte)?;
         }
         Ok(dhf)
     }

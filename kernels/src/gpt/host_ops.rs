@@ -110,6 +110,15 @@ impl HostOps {
         Counted::new(v, bytes, &self.memory)
     }
 
+    /// `v` rounded to bf16 as a kept operand, counted at 2 bytes an element and as one
+    /// rounding of an operand.
+    fn rounded_operand(&self, v: &[f32]) -> HostOperand {
+        let rounded = rounded_to_bf16(v);
+        let n = rounded.len();
+        self.roundings.fetch_add(1, Ordering::Relaxed);
+        Counted::new(rounded, bytes_of::<u16>(n), &self.memory)
+    }
+
     /// [`gemm_bf16_operands`](super::gemm_bf16_operands) through the kept operand copies: the
     /// same rounded values, so the same bits.
     fn gemm_bf16(
@@ -232,11 +241,8 @@ impl GptOps for HostOps {
         if self.products != HostProducts::Bf16Operands {
             return Ok(buf);
         }
-        let rounded = rounded_to_bf16(&buf);
-        let n = rounded.len();
-        let kept = Counted::new(rounded, bytes_of::<u16>(n), &self.memory);
+        let kept = self.rounded_operand(&buf);
         drop(buf);
-        self.roundings.fetch_add(1, Ordering::Relaxed);
         Ok(kept)
     }
 
@@ -329,6 +335,40 @@ impl GptOps for HostOps {
         nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
     }
 
+    fn causal_softmax_forward_operand(
+        &self,
+        scores: &HostBuf,
+        t: usize,
+        scale: f32,
+    ) -> Result<HostOperand, KernelError> {
+        if self.products != HostProducts::Bf16Operands {
+            let mut p = self.empty(scores.len())?;
+            nn::causal_softmax_forward(scores, t, scale, &mut p)?;
+            return Ok(p);
+        }
+        // The device writes the bf16 rounding itself: the f32 values are not device memory.
+        let mut p = vec![0.0; scores.len()];
+        nn::causal_softmax_forward(scores, t, scale, &mut p)?;
+        Ok(self.rounded_operand(&p))
+    }
+
+    fn causal_softmax_backward_operand(
+        &self,
+        probs: &HostBuf,
+        dprobs: &HostBuf,
+        t: usize,
+        scale: f32,
+    ) -> Result<HostOperand, KernelError> {
+        if self.products != HostProducts::Bf16Operands {
+            let mut ds = self.empty(probs.len())?;
+            nn::causal_softmax_backward(probs, dprobs, t, scale, &mut ds)?;
+            return Ok(ds);
+        }
+        let mut ds = vec![0.0; probs.len()];
+        nn::causal_softmax_backward(probs, dprobs, t, scale, &mut ds)?;
+        Ok(self.rounded_operand(&ds))
+    }
+
     fn cross_entropy_fused_in_place(
         &self,
         logits: &mut HostBuf,
@@ -341,6 +381,25 @@ impl GptOps for HostOps {
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let (targets, losses) = (&targets[rows.clone()], &mut losses[rows]);
         nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)
+    }
+
+    fn cross_entropy_fused_operand(
+        &self,
+        mut logits: HostBuf,
+        targets: &HostIds,
+        first: usize,
+        v: usize,
+        dloss: f32,
+        losses: &mut HostBuf,
+    ) -> Result<HostOperand, KernelError> {
+        self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, losses)?;
+        if self.products != HostProducts::Bf16Operands {
+            return Ok(logits);
+        }
+        // The device writes the rounded gradient beside the logits, then frees them.
+        let kept = self.rounded_operand(&logits);
+        drop(logits);
+        Ok(kept)
     }
 
     fn embedding_forward(

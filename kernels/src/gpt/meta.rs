@@ -71,6 +71,15 @@ impl MetaOps {
     fn buf(&self, len: usize) -> MetaCounted {
         self.counted(len, bytes_of::<f32>)
     }
+
+    /// An operand of `len` elements written as such (bf16 with bf16 products, else f32).
+    fn new_operand(&self, len: usize) -> MetaCounted {
+        if self.products == HostProducts::Bf16Operands {
+            self.counted(len, bytes_of::<u16>)
+        } else {
+            self.buf(len)
+        }
+    }
 }
 
 /// Marks `bufs` written (a real write renews a buffer's version).
@@ -168,7 +177,7 @@ impl GptOps for MetaOps {
         if self.products != HostProducts::Bf16Operands {
             return Ok(buf);
         }
-        let kept = self.counted(buf.len, bytes_of::<u16>);
+        let kept = self.new_operand(buf.len);
         drop(buf);
         Ok(kept)
     }
@@ -260,6 +269,23 @@ impl GptOps for MetaOps {
         write(&mut [dscores]);
         Ok(())
     }
+    fn causal_softmax_forward_operand(
+        &self,
+        scores: &MetaCounted,
+        _: usize,
+        _: f32,
+    ) -> Result<MetaCounted, KernelError> {
+        Ok(self.new_operand(scores.len))
+    }
+    fn causal_softmax_backward_operand(
+        &self,
+        probs: &MetaCounted,
+        _: &MetaCounted,
+        _: usize,
+        _: f32,
+    ) -> Result<MetaCounted, KernelError> {
+        Ok(self.new_operand(probs.len))
+    }
     fn cross_entropy_fused_in_place(
         &self,
         logits: &mut MetaCounted,
@@ -272,6 +298,23 @@ impl GptOps for MetaOps {
         loss_rows(logits.len, v, first, targets.len, losses.len)?;
         write(&mut [logits, losses]);
         Ok(())
+    }
+    fn cross_entropy_fused_operand(
+        &self,
+        mut logits: MetaCounted,
+        targets: &MetaCounted,
+        first: usize,
+        v: usize,
+        dloss: f32,
+        losses: &mut MetaCounted,
+    ) -> Result<MetaCounted, KernelError> {
+        self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, losses)?;
+        if self.products != HostProducts::Bf16Operands {
+            return Ok(logits);
+        }
+        let kept = self.new_operand(logits.len);
+        drop(logits);
+        Ok(kept)
     }
     fn embedding_forward(
         &self,

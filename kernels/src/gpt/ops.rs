@@ -244,6 +244,51 @@ pub trait GptOps {
         scale: f32,
         dscores: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+    /// [`causal_softmax_forward`](GptOps::causal_softmax_forward) into a new operand of later
+    /// products only, as [`operand`](GptOps::operand) of its result gives: with bf16 products
+    /// the softmax writes the probabilities' bf16 rounding itself (no f32 buffer and no cast;
+    /// counted as one rounding of an operand), else an f32 buffer.
+    ///
+    /// # Errors
+    /// Shape errors; allocation and launch failures.
+    fn causal_softmax_forward_operand(
+        &self,
+        scores: &Self::Buf,
+        t: usize,
+        scale: f32,
+    ) -> Result<Self::Operand, KernelError>;
+    /// [`causal_softmax_backward`](GptOps::causal_softmax_backward) into a new operand of later
+    /// products only, as
+    /// [`causal_softmax_forward_operand`](GptOps::causal_softmax_forward_operand) does.
+    ///
+    /// # Errors
+    /// Shape errors; allocation and launch failures.
+    fn causal_softmax_backward_operand(
+        &self,
+        probs: &Self::Buf,
+        dprobs: &Self::Buf,
+        t: usize,
+        scale: f32,
+    ) -> Result<Self::Operand, KernelError>;
+    /// [`cross_entropy_fused_in_place`](GptOps::cross_entropy_fused_in_place) whose gradient
+    /// only products read: `logits` (consumed) becomes the gradient as an operand, as
+    /// [`operand`](GptOps::operand) of it gives. With bf16 products the kernel writes the
+    /// gradient's bf16 rounding into a new buffer (no cast; counted as one rounding of an
+    /// operand) and the logits are freed; else the gradient is written over the logits.
+    ///
+    /// # Errors
+    /// As [`cross_entropy_fused_in_place`](GptOps::cross_entropy_fused_in_place); allocation
+    /// failures.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_fused_operand(
+        &self,
+        logits: Self::Buf,
+        targets: &Self::Ids,
+        first: usize,
+        v: usize,
+        dloss: f32,
+        losses: &mut Self::Buf,
+    ) -> Result<Self::Operand, KernelError>;
     /// [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place):
     /// writes `losses`, and the logits' gradient over `logits`. `logits` holds the rows
     /// `first..first + r` of the tokens (`r = len / v`: a chunk of them,

@@ -13,7 +13,7 @@ use crate::host::nn::{
     check_embedding, check_ln_backward, check_ln_forward, group_by_id, rows_of, softmax_rows,
     NN_BLOCK, NN_COL_CHUNK, NN_COL_GROUPS, NN_WARP,
 };
-use crate::host::same_len;
+use crate::host::{same_len, CastFloat};
 use crate::{KernelError, Program};
 
 /// One block of [`NN_BLOCK`] threads per row.
@@ -292,19 +292,35 @@ pub fn gelu_backward(
     launched(k, unsafe { b.launch(config(n)) })
 }
 
+/// The softmax kernel (`forward` or backward) that writes `P`: f32, or bf16 (the f32
+/// kernel's values rounded as [`cast`](super::cast) rounds, for results only products read).
+fn softmax_kernel<P: CastFloat>(forward: bool) -> Result<&'static str, KernelError> {
+    match (forward, P::NAME) {
+        (true, "f32") => Ok("causal_softmax_forward_f32"),
+        (true, "bf16") => Ok("causal_softmax_forward_bf16"),
+        (false, "f32") => Ok("causal_softmax_backward_f32"),
+        (false, "bf16") => Ok("causal_softmax_backward_bf16"),
+        (_, other) => Err(KernelError::InvalidArgument {
+            kernel: "causal_softmax",
+            reason: format!("no {other} results (f32 or bf16)"),
+        }),
+    }
+}
+
 /// Causal softmax forward over `t × t` score matrices (see
-/// [`host::nn::causal_softmax_forward`](crate::host::nn::causal_softmax_forward)).
+/// [`host::nn::causal_softmax_forward`](crate::host::nn::causal_softmax_forward)), the
+/// probabilities written as `P`: f32, or their bf16 rounding.
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
-pub fn causal_softmax_forward(
+/// Shape errors as the twin; `P` f16; compile, load and launch failures.
+pub fn causal_softmax_forward<P: CastFloat>(
     stream: &CudaStream,
     scores: &impl DevicePtr<f32>,
     t: usize,
     scale: f32,
-    probs: &mut impl DevicePtrMut<f32>,
+    probs: &mut impl DevicePtrMut<P>,
 ) -> Result<(), KernelError> {
-    let k = "causal_softmax_forward_f32";
+    let k = softmax_kernel::<P>(true)?;
     let rows = softmax_rows(k, scores.len(), t)?;
     same_len(k, "probs", scores.len(), probs.len())?;
     if rows == 0 {
@@ -317,25 +333,27 @@ pub fn causal_softmax_forward(
     let (t32, rows64) = (t as u32, rows as u64);
     let mut b = stream.launch_builder(&f);
     b.arg(&sp).arg(&pp).arg(&t32).arg(&scale).arg(&rows64);
-    // SAFETY: (const float* s, float* p, u32 t, float scale, u64 rows), one warp on each of
-    // the `rows` rows of `t` elements of both (warps past the last row return).
+    // SAFETY: (const float* s, P* p, u32 t, float scale, u64 rows) with P the kernel's (f32 or
+    // bf16, `softmax_kernel`), one warp on each of the `rows` rows of `t` elements of both
+    // (warps past the last row return).
     launched(k, unsafe { b.launch(cfg) })
 }
 
 /// Causal softmax backward, written into `dscores` (see
-/// [`host::nn::causal_softmax_backward`](crate::host::nn::causal_softmax_backward)).
+/// [`host::nn::causal_softmax_backward`](crate::host::nn::causal_softmax_backward)) as `D`:
+/// f32, or its bf16 rounding.
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
-pub fn causal_softmax_backward(
+/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+pub fn causal_softmax_backward<D: CastFloat>(
     stream: &CudaStream,
     probs: &impl DevicePtr<f32>,
     dprobs: &impl DevicePtr<f32>,
     t: usize,
     scale: f32,
-    dscores: &mut impl DevicePtrMut<f32>,
+    dscores: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = "causal_softmax_backward_f32";
+    let k = softmax_kernel::<D>(false)?;
     let rows = softmax_rows(k, probs.len(), t)?;
     same_len(k, "dprobs", probs.len(), dprobs.len())?;
     same_len(k, "dscores", probs.len(), dscores.len())?;
@@ -355,8 +373,9 @@ pub fn causal_softmax_backward(
         .arg(&t32)
         .arg(&scale)
         .arg(&rows64);
-    // SAFETY: (const float* p, const float* dp, float* ds, u32 t, float scale, u64 rows), one
-    // warp on each of the `rows` rows of `t` elements of each (warps past the last return).
+    // SAFETY: (const float* p, const float* dp, D* ds, u32 t, float scale, u64 rows) with D the
+    // kernel's (`softmax_kernel`), one warp on each of the `rows` rows of `t` elements of each
+    // (warps past the last return).
     launched(k, unsafe { b.launch(cfg) })
 }
 

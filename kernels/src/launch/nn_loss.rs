@@ -8,24 +8,38 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 use super::function;
 use super::nn::{launched, per_row};
 use crate::host::nn::check_cross_entropy;
+use crate::host::CastFloat;
 use crate::{KernelError, Program};
 
+/// The kernel that writes the logits' gradient as `D`: f32, or bf16 (the f32 kernel's values
+/// rounded as [`cast`](super::cast) rounds, for a gradient only products read).
+fn kernel<D: CastFloat>() -> Result<&'static str, KernelError> {
+    match D::NAME {
+        "f32" => Ok("cross_entropy_fused_f32"),
+        "bf16" => Ok("cross_entropy_fused_bf16"),
+        other => Err(KernelError::InvalidArgument {
+            kernel: "cross_entropy_fused",
+            reason: format!("no {other} gradient (f32 or bf16)"),
+        }),
+    }
+}
+
 /// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
-/// `dlogits` (written); see
+/// `dlogits` (written as `D`: f32, or its bf16 rounding); see
 /// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused).
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
-pub fn cross_entropy_fused(
+/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+pub fn cross_entropy_fused<D: CastFloat>(
     stream: &CudaStream,
     logits: &impl DevicePtr<f32>,
     targets: &impl DevicePtr<u32>,
     v: usize,
     dloss: f32,
     losses: &mut impl DevicePtrMut<f32>,
-    dlogits: &mut impl DevicePtrMut<f32>,
+    dlogits: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = "cross_entropy_fused_f32";
+    let k = kernel::<D>()?;
     let n = check_cross_entropy(
         k,
         logits.len(),
@@ -41,32 +55,33 @@ pub fn cross_entropy_fused(
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
     let (dp, _d) = dlogits.device_ptr_mut(stream);
-    // SAFETY: `logits` and `dlogits` hold `n·v` f32, `targets` and `losses` `n` (checked
-    // above), borrowed for the launch.
-    unsafe { launch_cross_entropy(stream, n, [lp, tp, op, dp], v, dloss) }
+    // SAFETY: `logits` holds `n·v` f32 and `dlogits` `n·v` of the kernel's `D`, `targets` and
+    // `losses` `n` (checked above), borrowed for the launch.
+    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, dp], v, dloss) }
 }
 
-/// The cross-entropy kernel over `n` rows of `v` from the device addresses of the logits, the
-/// targets, the losses and the logits' gradient.
+/// The cross-entropy kernel `k` over `n` rows of `v` from the device addresses of the logits,
+/// the targets, the losses and the logits' gradient.
 ///
 /// # Safety
-/// The addresses hold `n·v` f32 (logits, gradient: the same memory or apart), `n` u32 and `n`
-/// f32, alive and unused by others until the stream reaches the kernel.
+/// The addresses hold `n·v` f32 (logits), `n·v` of `k`'s gradient type (the logits' memory
+/// itself, or apart), `n` u32 and `n` f32, alive and unused by others until the stream
+/// reaches the kernel.
 unsafe fn launch_cross_entropy(
     stream: &CudaStream,
+    k: &'static str,
     n: usize,
     [lp, tp, op, dp]: [CUdeviceptr; 4],
     v: usize,
     dloss: f32,
 ) -> Result<(), KernelError> {
-    let k = "cross_entropy_fused_f32";
     let cfg = per_row(k, n)?;
     let f = function(stream, Program::Nn, k)?;
     let v32 = v as u32;
     let mut b = stream.launch_builder(&f);
     b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss);
     // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
-    // float* dlogits [n·v], u32 v, float dloss), as the caller promises; one block per row;
+    // D* dlogits [n·v], u32 v, float dloss) with D the kernel's, as the caller promises; one block per row;
     // targets are compared with `v` before any indexed read; dlogits may be logits (the
     // kernel reads each element before the one thread that writes it does, after the row's
     // reductions: cu/nn.cu).
@@ -96,7 +111,7 @@ pub fn cross_entropy_fused_in_place(
     let (lp, _l) = logits.device_ptr_mut(stream);
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
-    // SAFETY: `logits` (also the gradient) holds `n·v` f32, `targets` and `losses` `n`
+    // SAFETY: `logits` (also the f32 gradient) holds `n·v` f32, `targets` and `losses` `n`
     // (checked above), borrowed for the launch.
-    unsafe { launch_cross_entropy(stream, n, [lp, tp, op, lp], v, dloss) }
+    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, lp], v, dloss) }
 }
