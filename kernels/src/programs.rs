@@ -113,9 +113,11 @@ impl Program {
             Program::Norm => s(&["sum_squares_f32", "sum_f64_final", "loss_accumulate"]),
             Program::Nn => s(&[
                 "layernorm_forward_f32",
+                "layernorm_forward_bf16",
                 "layernorm_backward_input_f32",
                 "layernorm_backward_params_f32",
                 "gelu_forward_f32",
+                "gelu_forward_bf16",
                 "gelu_backward_f32",
                 "causal_softmax_forward_f32",
                 "causal_softmax_forward_bf16",
@@ -130,7 +132,9 @@ impl Program {
                 "bias_grad_f32",
                 "bias_add_f32",
                 "heads_split_f32",
+                "heads_split_bf16",
                 "heads_merge_f32",
+                "heads_merge_bf16",
             ]),
         }
     }

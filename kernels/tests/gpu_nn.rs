@@ -8,10 +8,27 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::{data, down, gpu_stream, up};
+use cudarc::driver::{CudaSlice, CudaStream};
 use fsdp_kernels::host::{f32_to_bf16, nn};
 use fsdp_kernels::launch;
 use half::bf16;
+
+/// A kernel's bf16 output (on the GPU) against its twin's f32 values rounded as the cast
+/// kernel rounds: equal bits.
+#[track_caller]
+fn same_bf16(what: &str, s: &Arc<CudaStream>, gpu: &CudaSlice<bf16>, host: &[f32]) {
+    let got: Vec<u16> = down(s, gpu).iter().map(|x| x.to_bits()).collect();
+    let want: Vec<u16> = host.iter().map(|&x| f32_to_bf16(x)).collect();
+    assert_eq!(got, want, "{what}: bf16 bits");
+}
+
+/// A bf16 buffer of `n` NaNs (a kernel must write every element).
+fn nan_bf16(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
+    up(s, &vec![bf16::NAN; n])
+}
 
 /// Equal bits (NaN results: both NaN).
 #[track_caller]
@@ -57,6 +74,12 @@ fn layernorm_equals_its_twin() {
         same("layernorm y", &down(&s, &gy), &y);
         same("layernorm mean", &down(&s, &gm), &m);
         same("layernorm rstd", &down(&s, &gr), &r);
+        // y written in bf16 (an operand of products): the same statistics.
+        let mut hy = nan_bf16(&s, n * c);
+        launch::layernorm_forward(&s, &gx, &gw, &gb, 1e-5, &mut hy, &mut gm, &mut gr).unwrap();
+        same_bf16("layernorm y", &s, &hy, &y);
+        same("layernorm mean (bf16 y)", &down(&s, &gm), &m);
+        same("layernorm rstd (bf16 y)", &down(&s, &gr), &r);
         let (mut gdx, mut gdw, mut gdb) = (up(&s, &dx_), up(&s, &dw_), up(&s, &db_));
         launch::layernorm_backward_input(&s, &gdy, &gx, &gw, &gm, &gr, &mut gdx).unwrap();
         launch::layernorm_backward_params(&s, &gdy, &gx, &gm, &gr, &mut gdw, &mut gdb).unwrap();
@@ -95,6 +118,9 @@ fn gelu_equals_its_twin() {
     launch::gelu_backward(&s, &gx, &gdy, &mut gdx).unwrap();
     same("gelu y", &down(&s, &gy), &y);
     same("gelu dx", &down(&s, &gdx), &dx);
+    let mut hy = nan_bf16(&s, x.len());
+    launch::gelu_forward(&s, &gx, &mut hy).unwrap();
+    same_bf16("gelu y", &s, &hy, &y);
 }
 
 #[test]
@@ -120,16 +146,12 @@ fn causal_softmax_equals_its_twin() {
         same("softmax ds", &down(&s, &gds), &ds);
         // Written as bf16 (operands of products only): the twin's values rounded as the cast
         // kernel rounds, the masked half included.
-        let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-        let got = |d: &cudarc::driver::CudaSlice<bf16>| -> Vec<u16> {
-            down(&s, d).iter().map(|x| x.to_bits()).collect()
-        };
-        let mut hp = up(&s, &vec![bf16::NAN; sc.len()]);
+        let mut hp = nan_bf16(&s, sc.len());
         launch::causal_softmax_forward(&s, &gs, t, scale, &mut hp).unwrap();
-        assert_eq!(got(&hp), bits(&p), "bf16 softmax p, {bh}x{t}x{t}");
-        let mut hds = up(&s, &vec![bf16::NAN; sc.len()]);
+        same_bf16(&format!("softmax p, {bh}x{t}x{t}"), &s, &hp, &p);
+        let mut hds = nan_bf16(&s, sc.len());
         launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds).unwrap();
-        assert_eq!(got(&hds), bits(&ds), "bf16 softmax ds, {bh}x{t}x{t}");
+        same_bf16(&format!("softmax ds, {bh}x{t}x{t}"), &s, &hds, &ds);
     }
 }
 
@@ -259,6 +281,9 @@ fn bias_add_and_heads_permutations_equal_their_twins() {
         let mut gh = s.alloc_zeros::<f32>(l.heads_len()).unwrap();
         launch::heads_split(&s, &gqkv, l, &mut gh).unwrap();
         same("heads_split", &down(&s, &gh), &heads);
+        let mut hh = nan_bf16(&s, l.heads_len());
+        launch::heads_split(&s, &gqkv, l, &mut hh).unwrap();
+        same_bf16("heads_split", &s, &hh, &heads);
         nn::heads_merge(&heads, l, &mut merged).unwrap();
         launch::heads_merge(&s, &gh, l, &mut gmerged).unwrap();
     }
@@ -278,6 +303,9 @@ fn bias_add_and_heads_permutations_equal_their_twins() {
     let mut gy = s.alloc_zeros::<f32>(l.rows_len()).unwrap();
     launch::heads_merge(&s, &up(&s, &yh), l, &mut gy).unwrap();
     same("heads_merge", &down(&s, &gy), &y);
+    let mut hy = nan_bf16(&s, l.rows_len());
+    launch::heads_merge(&s, &up(&s, &yh), l, &mut hy).unwrap();
+    same_bf16("heads_merge", &s, &hy, &y);
     let bad = nn::HeadsLayout { offset: 1, ..l };
     assert!(launch::heads_split(&s, &gy, bad, &mut up(&s, &yh)).is_err());
 }

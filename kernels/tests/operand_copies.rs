@@ -91,14 +91,14 @@ fn a_kept_copy_is_reused_only_for_its_unwritten_source() {
 
 #[test]
 fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
-    // The activations that only products read are kept as operands (rounded once when
-    // kept): per block h1, q, k, v, y, h2 and gelu's output (7). Per block the products then
-    // round the four weights in forward and in backward (8), each attention chunk's
-    // probabilities in forward (1) and in backward with dYh (twice: once per operand
-    // position) and dS (4 in all), and the four dY of the linear backward (4): 19 + 5·c per
-    // block for c attention chunks (the probabilities kept: 24, as one chunk). The head:
-    // ln_f's output kept (1), wte once (it stays in its position's copy across chunks),
-    // each chunk's dlogits (1): 2 + chunks.
+    // The results that only products read are operands (rounded once, when written): per
+    // block h1, q, k, v, y, h2, gelu's output and the heads' output gradient dYh (8), and
+    // each attention chunk's probabilities in forward and its scores' gradient dS (2 a
+    // chunk). The products round the four weights in forward and in backward (8), each
+    // chunk's probabilities again in backward (1: `dv`'s product reads them as a buffer),
+    // and the four dY of the linear backward (4): 20 + 3·c per block for c attention chunks
+    // (the probabilities kept: 23, as one chunk). The head: ln_f's output (1), wte once (it
+    // stays in its position's copy across chunks), each chunk's dlogits (1): 2 + chunks.
     let t = 8;
     let whole = Logits::Whole;
     // 16 tokens of a vocabulary of 32 in chunks of 5 tokens: 4 chunks.
@@ -106,8 +106,8 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
         max_bytes: 5 * 32 * 4 + 3,
     };
     for (attention, logits, head, per_block) in [
-        (Attention::Materialized, whole, 3, 24),
-        (Attention::default(), Logits::default(), 3, 24),
+        (Attention::Materialized, whole, 3, 23),
+        (Attention::default(), Logits::default(), 3, 23),
         // 4 (sequence, head) pairs, 2 a chunk.
         (
             Attention::Chunked {
@@ -115,7 +115,7 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
             },
             four,
             2 + 4,
-            19 + 5 * 2,
+            20 + 3 * 2,
         ),
     ] {
         for n_layer in [1, 2, 3] {

@@ -257,8 +257,8 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch
         }
     }
     r.phase = "head".into();
-    r.alloc(Tape, ne + 2 * n, "ln_f");
-    r.operand(Tape, ne, opb, "ln_f's output in bf16");
+    r.alloc(Tape, 2 * n, "ln_f's mean and rstd");
+    r.alloc_bytes(Tape, ne.saturating_mul(opb), "ln_f's output");
     r.tape = r.live[Tape as usize];
     r.alloc(Ids, n, "targets");
     r.alloc(Work, n, "losses");
@@ -284,7 +284,7 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch
         r.free(Work, 4 * ne);
         r.free(Work, ne);
         r.alloc(Work, ne, "attention c_proj input gradient");
-        r.alloc(Work, ne, "heads' output gradient");
+        r.alloc_bytes(Work, ne.saturating_mul(opb), "heads' output gradient");
         r.free(Work, ne);
         attention_backward(r, ne, a, opb);
         r.alloc(Work, 3 * ne, "qkv's gradient");
@@ -311,12 +311,13 @@ struct Attn {
 /// forward; a working buffer when recomputed under checkpointing, dropped by the caller).
 fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kind) {
     use Kind::{Tape, Work};
-    r.alloc(Tape, ne + 2 * n, "ln_1");
-    r.operand(Tape, ne, opb, "ln_1's output in bf16");
+    // Every output that only products read is written as an operand (`opb` bytes an element).
+    let op = ne.saturating_mul(opb);
+    r.alloc(Tape, 2 * n, "ln_1's mean and rstd");
+    r.alloc_bytes(Tape, op, "ln_1's output");
     r.alloc(Work, 3 * ne, "qkv");
     for part in ["q", "k", "v"] {
-        r.alloc(Tape, ne, part);
-        r.operand(Tape, ne, opb, &format!("{part} in bf16"));
+        r.alloc_bytes(Tape, op, part);
     }
     r.free(Work, 3 * ne);
     if a.kept {
@@ -334,28 +335,26 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kin
         r.free(Work, a.t2);
         r.free_bytes(Work, a.t2.saturating_mul(opb));
     }
-    r.alloc(Tape, ne, "y");
+    r.alloc_bytes(Tape, op, "y");
     r.free(Work, ne);
-    r.operand(Tape, ne, opb, "y in bf16");
     r.alloc(Tape, ne, "x + attention");
-    r.alloc(Tape, ne + 2 * n, "ln_2");
-    r.operand(Tape, ne, opb, "ln_2's output in bf16");
+    r.alloc(Tape, 2 * n, "ln_2's mean and rstd");
+    r.alloc_bytes(Tape, op, "ln_2's output");
     r.alloc(Tape, 4 * ne, "c_fc");
-    r.alloc(Tape, 4 * ne, "gelu");
-    r.operand(Tape, 4 * ne, opb, "gelu's output in bf16");
+    r.alloc_bytes(Tape, 4 * op, "gelu's output");
     r.alloc(out, ne, "block output");
 }
 
 /// The attention's backward (`GptPass::attention_backward`) from the heads' output gradient
-/// (freed here) to q's, k's and v's gradients (left live). The scores' gradient is the
-/// operand of `dq`'s and `dk`'s products (`opb` bytes an element).
+/// (an operand, freed here) to q's, k's and v's gradients (left live). The scores' gradient is
+/// the operand of `dq`'s and `dk`'s products (`opb` bytes an element).
 fn attention_backward(r: &mut Replay, ne: u128, a: Attn, opb: u128) {
     use Kind::Work;
-    let ds = a.t2.saturating_mul(opb);
+    let (ds, dyh) = (a.t2.saturating_mul(opb), ne.saturating_mul(opb));
     if a.kept {
         r.alloc(Work, a.t2, "probabilities' gradient");
         r.alloc(Work, ne, "v's gradient");
-        r.free(Work, ne);
+        r.free_bytes(Work, dyh);
         r.alloc_bytes(Work, ds, "scores' gradient");
         r.free(Work, a.t2);
         r.alloc(Work, 2 * ne, "q's and k's gradients");
@@ -372,31 +371,23 @@ fn attention_backward(r: &mut Replay, ne: u128, a: Attn, opb: u128) {
         r.alloc_bytes(Work, ds, "a chunk's scores' gradient");
         r.free(Work, 2 * a.t2);
         r.free_bytes(Work, ds);
-        r.free(Work, ne);
+        r.free_bytes(Work, dyh);
     }
 }
 
 /// The elements of the largest first and second operands of the step's products (the sizes
 /// the kept bf16 copies grow to).
 fn largest_operands(c: &DeviceTrainConfig, rows: usize, ch: Chunks) -> (u128, u128) {
-    let (t, e, v, h) = (
-        c.cfg.block_size,
-        c.cfg.n_embd,
-        c.cfg.vocab_size,
-        c.cfg.n_head,
-    );
+    let (t, e, v) = (c.cfg.block_size, c.cfg.n_embd, c.cfg.vocab_size);
     let ne = prod(&[rows, t, e]);
-    // The attention's probabilities (of one chunk when chunked), which `v`'s gradient's product
-    // reads as a buffer. The scores' gradient, the logits' gradient and the chunks'
-    // probabilities in forward are written as operands and never pass through the copies.
+    // The linear layers' output gradients (GELU's input gradient the largest) and the
+    // attention's probabilities (of one chunk when chunked), which `v`'s gradient's product
+    // reads as a buffer. Every result that only products read (the activations, the heads'
+    // output gradient, the scores' and the logits' gradients, the chunks' probabilities in
+    // forward) is written as an operand and never passes through the copies.
     let first = [4 * ne, prod(&[ch.pairs, t, t])];
-    // The activations kept as operands (bf16 already) never pass through the copies: the
-    // second operands that do are the weights and the heads' output gradient (of one chunk).
-    let second = [
-        4 * prod(&[e, e]),
-        prod(&[v, e]),
-        prod(&[ch.pairs, t, e / h.max(1)]),
-    ];
+    // The second operands that pass through the copies: the weights.
+    let second = [4 * prod(&[e, e]), prod(&[v, e])];
     let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);
     (max(&first), max(&second))
 }

@@ -157,10 +157,12 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     };
     let tape = l * per_block + 4 * (n * e + 2 * n) + opb * n * e;
     assert_eq!(plan.tape, tape, "{name}");
+    // The kept copies of the products' operands: the largest buffer each position reads (the
+    // results only products read are written as operands and pass through neither): first
+    // GELU's input gradient or a chunk's probabilities (`dv`'s product), second the weights.
     let operands = if bf16 {
-        let tokens = c.logits.chunk_tokens(v as usize, n as usize) as u64;
-        let a = (4 * n * e).max(pairs * t * t).max(tokens * v);
-        let b = (4 * e * e).max(v * e).max(pairs * t * (e / h));
+        let a = (4 * n * e).max(pairs * t * t);
+        let b = (4 * e * e).max(v * e);
         2 * (a + b)
     } else {
         0

@@ -13,6 +13,10 @@
 //   ... of column j in order from zero, the group partials are folded in order from zero into
 //   the chunk's sum (written to a scratch row of the chunk), then column_chunks_add_f32 adds
 //   the chunk sums in order to the gradient's current value (accumulation).
+// The layers whose output only matrix products read (layer norm, GELU, the heads'
+// permutations, the softmax forward and backward, the cross-entropy's gradient) also have a
+// `_bf16` kernel that stores the f32 result rounded to bf16 as the cast kernel does
+// (from_f32<bf16>): the bits of the f32 kernel followed by a cast.
 
 #define NN_BLOCK 256
 #define NN_WARP 32
@@ -152,12 +156,14 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Layer norm forward, one block per row of x [n, c]: mean = sum / c, var = sum((x-mean)^2) / c
 // (biased), rstd = 1 / sqrt(var + eps), y = ((x - mean) * rstd) * w + b.
-extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    layernorm_forward_f32(const float* x, const float* w, const float* b, float* y,
-                          float* mean, float* rstd, u32 c, float eps) {
+// y is f32, or its bf16 rounding (the cast kernel's) for an output only products read.
+template <typename D>
+__device__ __forceinline__ void layernorm_forward_impl(const float* x, const float* w,
+                                                       const float* b, D* y, float* mean,
+                                                       float* rstd, u32 c, float eps) {
     __shared__ float sh[NN_BLOCK];
     const float* xr = x + (u64)blockIdx.x * c;
-    float* yr = y + (u64)blockIdx.x * c;
+    D* yr = y + (u64)blockIdx.x * c;
     float acc = 0.0f;
     for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) acc = fa(acc, xr[i]);
     float m = fdv(block_sum(acc, sh), (float)c);
@@ -169,12 +175,24 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     float var = fdv(block_sum(acc, sh), (float)c);
     float rs = fdv(1.0f, __fsqrt_rn(fa(var, eps)));
     for (u32 i = threadIdx.x; i < c; i += NN_BLOCK) {
-        yr[i] = fa(fm(fm(fs(xr[i], m), rs), w[i]), b[i]);
+        store_c(yr, i, fa(fm(fm(fs(xr[i], m), rs), w[i]), b[i]));
     }
     if (threadIdx.x == 0) {
         mean[blockIdx.x] = m;
         rstd[blockIdx.x] = rs;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    layernorm_forward_f32(const float* x, const float* w, const float* b, float* y,
+                          float* mean, float* rstd, u32 c, float eps) {
+    layernorm_forward_impl(x, w, b, y, mean, rstd, c, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    layernorm_forward_bf16(const float* x, const float* w, const float* b, bf16* y,
+                           float* mean, float* rstd, u32 c, float eps) {
+    layernorm_forward_impl(x, w, b, y, mean, rstd, c, eps);
 }
 
 // Layer norm backward, input part, one block per row: with g = dy * w and xh = (x-mean)*rstd,
@@ -253,9 +271,13 @@ extern "C" __global__ void column_chunks_add_f32(const float* part, float* acc, 
     }
 }
 
-// Exact GELU: y = x * Phi(x).
+// Exact GELU: y = x * Phi(x); y f32, or its bf16 rounding.
 extern "C" __global__ void gelu_forward_f32(const float* x, float* y, u64 n) {
     GRID_STRIDE(i, n) { y[i] = fm(x[i], nn_cdf(x[i])); }
+}
+
+extern "C" __global__ void gelu_forward_bf16(const float* x, bf16* y, u64 n) {
+    GRID_STRIDE(i, n) { y[i] = from_f32<bf16>(fm(x[i], nn_cdf(x[i]))); }
 }
 
 // GELU backward (written, not accumulated): dx = dy * (Phi(x) + x * phi(x)).
@@ -491,9 +513,10 @@ extern "C" __global__ void bias_add_f32(float* y, const float* b, u64 n, u32 c) 
 // Attention heads out of token rows: dst [b, h, t, d] from src rows [b·t, row], head hh of
 // token (bi, ti) being src[(bi·t + ti)·row + offset + hh·d .. + d] (q, k or v of
 // qkv [b, t, 3, h, d] with row = 3·h·d and offset 0, h·d or 2·h·d; [b, t, h, d] with
-// row = h·d, offset 0). A copy: exact.
-extern "C" __global__ void heads_split_f32(const float* src, float* dst, u32 b, u32 t, u32 h,
-                                           u32 d, u32 row, u32 offset) {
+// row = h·d, offset 0). A copy: exact (into bf16: rounded as the cast kernel rounds).
+template <typename D>
+__device__ __forceinline__ void heads_split_impl(const float* src, D* dst, u32 b, u32 t, u32 h,
+                                                 u32 d, u32 row, u32 offset) {
     GRID_STRIDE(k, (u64)b * h * t * d) {
         u32 di = (u32)(k % d);
         u64 r = k / d;
@@ -501,14 +524,25 @@ extern "C" __global__ void heads_split_f32(const float* src, float* dst, u32 b, 
         r /= t;
         u32 hh = (u32)(r % h);
         u64 bi = r / h;
-        dst[k] = src[(bi * t + ti) * row + offset + (u64)hh * d + di];
+        store_c(dst, k, src[(bi * t + ti) * row + offset + (u64)hh * d + di]);
     }
 }
 
-// The inverse of heads_split_f32: dst rows [b·t, row] get src [b, h, t, d] at the same places
-// (the other columns of dst are untouched). A copy: exact.
-extern "C" __global__ void heads_merge_f32(const float* src, float* dst, u32 b, u32 t, u32 h,
+extern "C" __global__ void heads_split_f32(const float* src, float* dst, u32 b, u32 t, u32 h,
                                            u32 d, u32 row, u32 offset) {
+    heads_split_impl(src, dst, b, t, h, d, row, offset);
+}
+
+extern "C" __global__ void heads_split_bf16(const float* src, bf16* dst, u32 b, u32 t, u32 h,
+                                            u32 d, u32 row, u32 offset) {
+    heads_split_impl(src, dst, b, t, h, d, row, offset);
+}
+
+// The inverse of heads_split_f32: dst rows [b·t, row] get src [b, h, t, d] at the same places
+// (the other columns of dst are untouched). A copy: exact (into bf16: rounded).
+template <typename D>
+__device__ __forceinline__ void heads_merge_impl(const float* src, D* dst, u32 b, u32 t, u32 h,
+                                                 u32 d, u32 row, u32 offset) {
     GRID_STRIDE(k, (u64)b * h * t * d) {
         u32 di = (u32)(k % d);
         u64 r = k / d;
@@ -516,6 +550,16 @@ extern "C" __global__ void heads_merge_f32(const float* src, float* dst, u32 b, 
         r /= t;
         u32 hh = (u32)(r % h);
         u64 bi = r / h;
-        dst[(bi * t + ti) * row + offset + (u64)hh * d + di] = src[k];
+        store_c(dst, (bi * t + ti) * row + offset + (u64)hh * d + di, src[k]);
     }
+}
+
+extern "C" __global__ void heads_merge_f32(const float* src, float* dst, u32 b, u32 t, u32 h,
+                                           u32 d, u32 row, u32 offset) {
+    heads_merge_impl(src, dst, b, t, h, d, row, offset);
+}
+
+extern "C" __global__ void heads_merge_bf16(const float* src, bf16* dst, u32 b, u32 t, u32 h,
+                                            u32 d, u32 row, u32 offset) {
+    heads_merge_impl(src, dst, b, t, h, d, row, offset);
 }

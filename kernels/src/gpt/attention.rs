@@ -6,6 +6,7 @@
 use super::chunks::{chunk_items, parse_chunked, write_chunked};
 use super::ops::{Arg, GptOps};
 use super::pass::{GptPass, Step};
+use super::written::Written;
 use crate::gemm::MatMul;
 use crate::KernelError;
 
@@ -113,7 +114,11 @@ impl<O: GptOps> GptPass<O> {
         for (first, count) in self.chunks(s) {
             // Only the product reads these probabilities: written as its operand.
             let sc = self.scores(s, q, k, first, count)?;
-            let att = ops.causal_softmax_forward_operand(&sc, t, self.scale())?;
+            let att = ops.write_operand(Written::CausalSoftmax {
+                scores: &sc,
+                t,
+                scale: self.scale(),
+            })?;
             drop(sc);
             let g = heads_product(t, hd, count, first * t * hd, false);
             ops.gemm_args(&g, Arg::Operand(&att), Arg::Operand(v), &mut yh)?;
@@ -132,7 +137,7 @@ impl<O: GptOps> GptPass<O> {
         k: &O::Operand,
         v: &O::Operand,
         att: Option<&O::Buf>,
-        dyh: O::Buf,
+        dyh: O::Operand,
     ) -> Result<[O::Buf; 3], KernelError> {
         let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
         let ne = s.n * self.dims.n_embd;
@@ -140,7 +145,8 @@ impl<O: GptOps> GptPass<O> {
             let pairs = O::buf_len(att) / (t * t);
             let dp = self.dprobs(s, &dyh, v, 0, pairs)?;
             let mut dv = ops.empty(ne)?;
-            ops.gemm(&heads_product(t, hd, pairs, 0, true), att, &dyh, &mut dv)?;
+            let g = heads_product(t, hd, pairs, 0, true);
+            ops.gemm_args(&g, Arg::Buf(att), Arg::Operand(&dyh), &mut dv)?;
             drop(dyh);
             let ds = self.dscores(att, dp, t)?;
             let mut dq = ops.empty(ne)?;
@@ -156,7 +162,8 @@ impl<O: GptOps> GptPass<O> {
             let at = first * t * hd;
             let att = self.probabilities(s, q, k, first, count)?;
             let dp = self.dprobs(s, &dyh, v, first, count)?;
-            ops.gemm(&heads_product(t, hd, count, at, true), &att, &dyh, &mut dv)?;
+            let g = heads_product(t, hd, count, at, true);
+            ops.gemm_args(&g, Arg::Buf(&att), Arg::Operand(&dyh), &mut dv)?;
             let ds = self.dscores(&att, dp, t)?;
             drop(att);
             let g = heads_product(t, hd, count, at, false);
@@ -213,7 +220,7 @@ impl<O: GptOps> GptPass<O> {
     fn dprobs(
         &self,
         s: Step,
-        dyh: &O::Buf,
+        dyh: &O::Operand,
         v: &O::Operand,
         first: usize,
         count: usize,
@@ -221,7 +228,7 @@ impl<O: GptOps> GptPass<O> {
         let mut dp = self.ops.empty(count * s.t * s.t)?;
         let g = self.scores_product(s.t, first, count);
         self.ops
-            .gemm_args(&g, Arg::Buf(dyh), Arg::Operand(v), &mut dp)?;
+            .gemm_args(&g, Arg::Operand(dyh), Arg::Operand(v), &mut dp)?;
         Ok(dp)
     }
 
@@ -238,8 +245,12 @@ impl<O: GptOps> GptPass<O> {
     /// `dS = scale·P⊙(dP − rowsum(P⊙dP))` (of the unscaled scores), `dP` consumed: an operand
     /// of the products `dq` and `dk` alone read.
     fn dscores(&self, att: &O::Buf, dp: O::Buf, t: usize) -> Result<O::Operand, KernelError> {
-        self.ops
-            .causal_softmax_backward_operand(att, &dp, t, self.scale())
+        self.ops.write_operand(Written::CausalSoftmaxBackward {
+            probs: att,
+            dprobs: &dp,
+            t,
+            scale: self.scale(),
+        })
     }
 
     /// The scores' scale, `1/√head_dim`.

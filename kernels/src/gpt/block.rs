@@ -3,6 +3,7 @@
 use super::ops::{Arg, GptOps};
 use super::pass::{BlockActs, GptPass, Step};
 use super::weights::{invalid, Block, Pair};
+use super::written::Written;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
 use crate::KernelError;
@@ -19,13 +20,11 @@ impl<O: GptOps> GptPass<O> {
         // The activations that only products read (h1, q, k, v, y, h2, gelu's output) are
         // kept as operands: in bf16 under bf16 products, which round them anyway.
         let (h1, ln1_mean, ln1_rstd) = self.layernorm(&x, &p.ln_1, n)?;
-        let h1 = ops.operand(h1)?;
         let qkv = self.linear(Arg::Operand(&h1), &p.c_attn, n, e, 3 * e)?;
         let mut parts = Vec::with_capacity(3);
         for part in 0..3 {
-            let mut h = ops.empty(n * e)?;
-            ops.heads_split(&qkv, self.heads(s, 3 * e, part * e), &mut h)?;
-            parts.push(ops.operand(h)?);
+            let layout = self.heads(s, 3 * e, part * e);
+            parts.push(ops.write_operand(Written::HeadsSplit(&qkv, layout))?);
         }
         drop(qkv);
         let (v, k, q) = (parts.pop(), parts.pop(), parts.pop());
@@ -35,20 +34,15 @@ impl<O: GptOps> GptPass<O> {
         };
         // Heads' outputs P·v (P = causal softmax(q·kᵀ/√hd)), back into token rows.
         let (yh, att) = self.attention_forward(s, &q, &k, &v)?;
-        let mut y = ops.empty(n * e)?;
-        ops.heads_merge(&yh, self.heads(s, e, 0), &mut y)?;
+        let y = ops.write_operand(Written::HeadsMerge(&yh, self.heads(s, e, 0)))?;
         drop(yh);
-        let y = ops.operand(y)?;
         // x2 = x + c_proj(y).
         let mut x2 = self.linear(Arg::Operand(&y), &p.attn_proj, n, e, e)?;
         ops.axpby(1.0, &x, 1.0, &mut x2)?;
         // out = x2 + c_proj(gelu(c_fc(ln_2(x2)))).
         let (h2, ln2_mean, ln2_rstd) = self.layernorm(&x2, &p.ln_2, n)?;
-        let h2 = ops.operand(h2)?;
         let fc = self.linear(Arg::Operand(&h2), &p.c_fc, n, e, 4 * e)?;
-        let mut g = ops.empty(n * 4 * e)?;
-        ops.gelu_forward(&fc, &mut g)?;
-        let g = ops.operand(g)?;
+        let g = ops.write_operand(Written::Gelu(&fc))?;
         let mut out = self.linear(Arg::Operand(&g), &p.mlp_proj, n, 4 * e, e)?;
         ops.axpby(1.0, &x2, 1.0, &mut out)?;
         let acts = BlockActs {
@@ -175,8 +169,8 @@ impl<O: GptOps> GptPass<O> {
             e,
             e,
         )?;
-        let mut dyh = ops.empty(n * e)?;
-        ops.heads_split(&dy, heads(e, 0), &mut dyh)?;
+        // The heads' output gradient: read by the products dP = dYh·vᵀ and dv = Pᵀ·dYh alone.
+        let dyh = ops.write_operand(Written::HeadsSplit(&dy, heads(e, 0)))?;
         drop(dy);
         // dP = dYh·vᵀ, dv = Pᵀ·dYh, dS = scale·P⊙(dP − rowsum(P⊙dP)), dq = dS·k, dk = dSᵀ·q.
         let [dq, dk, dv] = self.attention_backward(s, &a.q, &a.k, &a.v, a.att.as_ref(), dyh)?;

@@ -16,9 +16,12 @@ use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, Pinn
 use super::memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
 use super::products::Kept;
+use super::written::Written;
 use crate::gemm::{Blas, MatMul};
 use crate::host::nn::HeadsLayout;
-use crate::host::{AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule};
+use crate::host::{
+    AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, CastFloat, StepRule,
+};
 use crate::{launch, KernelError};
 
 /// [`GptOps`] on one CUDA stream: the layer kernels through [`launch`] and the products
@@ -171,6 +174,29 @@ impl CudaOps {
     /// The stream every operation is enqueued on.
     pub fn stream(&self) -> &Stream {
         &self.stream
+    }
+
+    /// The kernel of `w` writing its result into `y` as `P` (f32, or bf16).
+    fn launch_written<P: CastFloat>(
+        &self,
+        w: &Written<'_, CudaOps>,
+        y: &mut impl DevicePtrMut<P>,
+    ) -> Result<(), KernelError> {
+        let s = &self.cuda;
+        match *w {
+            Written::Gelu(x) => launch::gelu_forward(s, x, y),
+            Written::HeadsSplit(rows, l) => launch::heads_split(s, rows, l, y),
+            Written::HeadsMerge(heads, l) => launch::heads_merge(s, heads, l, y),
+            Written::CausalSoftmax { scores, t, scale } => {
+                launch::causal_softmax_forward(s, scores, t, scale, y)
+            }
+            Written::CausalSoftmaxBackward {
+                probs,
+                dprobs,
+                t,
+                scale,
+            } => launch::causal_softmax_backward(s, probs, dprobs, t, scale, y),
+        }
     }
 }
 
@@ -385,42 +411,40 @@ impl GptOps for CudaOps {
         launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, dscores)
     }
 
-    fn causal_softmax_forward_operand(
-        &self,
-        scores: &CudaBuf,
-        t: usize,
-        scale: f32,
-    ) -> Result<CudaOperand, KernelError> {
+    fn write_operand(&self, w: Written<'_, CudaOps>) -> Result<CudaOperand, KernelError> {
+        let n = w.result_len()?;
         if self.products != Products::Bf16 {
-            let mut p = self.empty(scores.len())?;
-            launch::causal_softmax_forward(&self.cuda, scores, t, scale, &mut p)?;
-            return Ok(CudaOperand::F32(p));
+            let mut y = self.empty(n)?;
+            self.launch_written(&w, &mut y)?;
+            return Ok(CudaOperand::F32(y));
         }
-        // SAFETY: device memory of `scores.len()` bf16 whose bits are whatever the pool held;
-        // any bits are a bf16, and the softmax writes every element before anything reads it.
-        let mut p = unsafe { self.device_slice::<bf16>(scores.len(), false) }?;
-        launch::causal_softmax_forward(&self.cuda, scores, t, scale, &mut *p)?;
+        // SAFETY: device memory of `n` bf16 whose bits are whatever the pool held; any bits are
+        // a bf16, and the kernel writes every element before anything reads it.
+        let mut y = unsafe { self.device_slice::<bf16>(n, false) }?;
+        self.launch_written(&w, &mut *y)?;
         self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(p))
+        Ok(CudaOperand::Bf16(y))
     }
 
-    fn causal_softmax_backward_operand(
+    fn layernorm_forward_operand(
         &self,
-        probs: &CudaBuf,
-        dprobs: &CudaBuf,
-        t: usize,
-        scale: f32,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        bias: &CudaBuf,
+        eps: f32,
+        mean: &mut CudaBuf,
+        rstd: &mut CudaBuf,
     ) -> Result<CudaOperand, KernelError> {
         if self.products != Products::Bf16 {
-            let mut ds = self.empty(probs.len())?;
-            launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, &mut ds)?;
-            return Ok(CudaOperand::F32(ds));
+            let mut y = self.empty(x.len())?;
+            launch::layernorm_forward(&self.cuda, x, weight, bias, eps, &mut y, mean, rstd)?;
+            return Ok(CudaOperand::F32(y));
         }
-        // SAFETY: as in `causal_softmax_forward_operand`: the kernel writes every element.
-        let mut ds = unsafe { self.device_slice::<bf16>(probs.len(), false) }?;
-        launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, &mut *ds)?;
+        // SAFETY: as in `write_operand`: the kernel writes every element.
+        let mut y = unsafe { self.device_slice::<bf16>(x.len(), false) }?;
+        launch::layernorm_forward(&self.cuda, x, weight, bias, eps, &mut *y, mean, rstd)?;
         self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(ds))
+        Ok(CudaOperand::Bf16(y))
     }
 
     fn cross_entropy_fused_in_place(

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to_bf16, Kept};
+use super::written::{self, Written};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{
@@ -335,38 +336,36 @@ impl GptOps for HostOps {
         nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
     }
 
-    fn causal_softmax_forward_operand(
-        &self,
-        scores: &HostBuf,
-        t: usize,
-        scale: f32,
-    ) -> Result<HostOperand, KernelError> {
+    fn write_operand(&self, w: Written<'_, HostOps>) -> Result<HostOperand, KernelError> {
+        let n = w.result_len()?;
         if self.products != HostProducts::Bf16Operands {
-            let mut p = self.empty(scores.len())?;
-            nn::causal_softmax_forward(scores, t, scale, &mut p)?;
-            return Ok(p);
+            let mut y = self.empty(n)?;
+            written::host_f32(&w, &mut y)?;
+            return Ok(y);
         }
         // The device writes the bf16 rounding itself: the f32 values are not device memory.
-        let mut p = vec![0.0; scores.len()];
-        nn::causal_softmax_forward(scores, t, scale, &mut p)?;
-        Ok(self.rounded_operand(&p))
+        let mut y = vec![0.0; n];
+        written::host_f32(&w, &mut y)?;
+        Ok(self.rounded_operand(&y))
     }
 
-    fn causal_softmax_backward_operand(
+    fn layernorm_forward_operand(
         &self,
-        probs: &HostBuf,
-        dprobs: &HostBuf,
-        t: usize,
-        scale: f32,
+        x: &HostBuf,
+        weight: &HostBuf,
+        bias: &HostBuf,
+        eps: f32,
+        mean: &mut HostBuf,
+        rstd: &mut HostBuf,
     ) -> Result<HostOperand, KernelError> {
         if self.products != HostProducts::Bf16Operands {
-            let mut ds = self.empty(probs.len())?;
-            nn::causal_softmax_backward(probs, dprobs, t, scale, &mut ds)?;
-            return Ok(ds);
+            let mut y = self.empty(x.len())?;
+            nn::layernorm_forward(x, weight, bias, eps, &mut y, mean, rstd)?;
+            return Ok(y);
         }
-        let mut ds = vec![0.0; probs.len()];
-        nn::causal_softmax_backward(probs, dprobs, t, scale, &mut ds)?;
-        Ok(self.rounded_operand(&ds))
+        let mut y = vec![0.0; x.len()];
+        nn::layernorm_forward(x, weight, bias, eps, &mut y, mean, rstd)?;
+        Ok(self.rounded_operand(&y))
     }
 
     fn cross_entropy_fused_in_place(

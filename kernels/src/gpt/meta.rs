@@ -17,6 +17,7 @@ use super::ops::{loss_rows, Arg, GptOps};
 use super::peer::{PeerOps, PeerPtr};
 use super::peer_half::check_cast;
 use super::products::Kept;
+use super::written::Written;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
 use crate::host::{
@@ -269,22 +270,21 @@ impl GptOps for MetaOps {
         write(&mut [dscores]);
         Ok(())
     }
-    fn causal_softmax_forward_operand(
-        &self,
-        scores: &MetaCounted,
-        _: usize,
-        _: f32,
-    ) -> Result<MetaCounted, KernelError> {
-        Ok(self.new_operand(scores.len))
+    fn write_operand(&self, w: Written<'_, MetaOps>) -> Result<MetaCounted, KernelError> {
+        Ok(self.new_operand(w.result_len()?))
     }
-    fn causal_softmax_backward_operand(
+    fn layernorm_forward_operand(
         &self,
-        probs: &MetaCounted,
+        x: &MetaCounted,
         _: &MetaCounted,
-        _: usize,
+        _: &MetaCounted,
         _: f32,
+        mean: &mut MetaCounted,
+        rstd: &mut MetaCounted,
     ) -> Result<MetaCounted, KernelError> {
-        Ok(self.new_operand(probs.len))
+        let y = self.new_operand(x.len);
+        write(&mut [mean, rstd]);
+        Ok(y)
     }
     fn cross_entropy_fused_in_place(
         &self,

@@ -47,6 +47,7 @@ mod staging;
 mod trace;
 mod units;
 mod weights;
+mod written;
 
 pub use attention::Attention;
 pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
@@ -66,3 +67,4 @@ pub use staging::StagingOps;
 pub use trace::SpanEnd;
 pub use units::{Resident, Unit, Units, WithGrads};
 pub use weights::{block_product_weights, param_shapes, Block, GptDims, Pair, Weights};
+pub use written::Written;

@@ -2,6 +2,7 @@
 //! [`HostOps`](super::HostOps), on CUDA by [`CudaOps`](super::CudaOps)).
 
 use super::memory::{MemoryEvent, MemoryUse};
+use super::written::Written;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
 use crate::host::{AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule};
@@ -244,31 +245,28 @@ pub trait GptOps {
         scale: f32,
         dscores: &mut Self::Buf,
     ) -> Result<(), KernelError>;
-    /// [`causal_softmax_forward`](GptOps::causal_softmax_forward) into a new operand of later
-    /// products only, as [`operand`](GptOps::operand) of its result gives: with bf16 products
-    /// the softmax writes the probabilities' bf16 rounding itself (no f32 buffer and no cast;
-    /// counted as one rounding of an operand), else an f32 buffer.
+    /// A layer's result that only products read, written as a new operand by the layer's
+    /// own kernel, as [`operand`](GptOps::operand) of its f32 result gives: with bf16 products
+    /// the kernel stores the bf16 rounding itself (no f32 buffer and no cast; counted as one
+    /// rounding of an operand), else an f32 buffer.
     ///
     /// # Errors
-    /// Shape errors; allocation and launch failures.
-    fn causal_softmax_forward_operand(
-        &self,
-        scores: &Self::Buf,
-        t: usize,
-        scale: f32,
-    ) -> Result<Self::Operand, KernelError>;
-    /// [`causal_softmax_backward`](GptOps::causal_softmax_backward) into a new operand of later
-    /// products only, as
-    /// [`causal_softmax_forward_operand`](GptOps::causal_softmax_forward_operand) does.
+    /// The operation's shape errors; allocation and launch failures.
+    fn write_operand(&self, w: Written<'_, Self>) -> Result<Self::Operand, KernelError>;
+    /// [`layernorm_forward`](GptOps::layernorm_forward) whose output only products read: `y`
+    /// written as a new operand as [`write_operand`](GptOps::write_operand) writes, the
+    /// statistics into `mean` and `rstd`.
     ///
     /// # Errors
-    /// Shape errors; allocation and launch failures.
-    fn causal_softmax_backward_operand(
+    /// As [`layernorm_forward`](GptOps::layernorm_forward); allocation failures.
+    fn layernorm_forward_operand(
         &self,
-        probs: &Self::Buf,
-        dprobs: &Self::Buf,
-        t: usize,
-        scale: f32,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        bias: &Self::Buf,
+        eps: f32,
+        mean: &mut Self::Buf,
+        rstd: &mut Self::Buf,
     ) -> Result<Self::Operand, KernelError>;
     /// [`cross_entropy_fused_in_place`](GptOps::cross_entropy_fused_in_place) whose gradient
     /// only products read: `logits` (consumed) becomes the gradient as an operand, as

@@ -47,8 +47,12 @@ pub(super) struct Step {
     pub(super) n: usize,
 }
 
-/// A layer norm's output, mean and rstd.
-pub(super) type Normed<B> = (B, B, B);
+/// A layer norm's output (an operand of products), mean and rstd.
+pub(super) type Normed<O> = (
+    <O as GptOps>::Operand,
+    <O as GptOps>::Buf,
+    <O as GptOps>::Buf,
+);
 
 /// What one block keeps from forward for backward: the activations that only products read
 /// as operands ([`GptOps::operand`]), the others as buffers.
@@ -228,7 +232,6 @@ impl<O: GptOps> GptPass<O> {
         let part = memory_context_with(|| "head".into());
         let root = units.root()?;
         let (hf, mean, rstd) = self.layernorm(&x, &root.ln_f, n)?;
-        let hf = ops.operand(hf)?;
         let tg = ops.upload_ids(targets)?;
         let mut losses = ops.empty(n)?;
         self.trace_mark(false, || "head forward (ln_f)".into())?;
@@ -288,20 +291,18 @@ impl<O: GptOps> GptPass<O> {
         Ok(losses)
     }
 
-    /// `y = ln(x)` over `n` rows, with its mean and rstd.
+    /// `y = ln(x)` over `n` rows, with its mean and rstd: `y` as an operand (only products
+    /// read a layer norm's output in the GPT).
     pub(super) fn layernorm(
         &self,
         x: &O::Buf,
         p: &Pair<O::Buf>,
         n: usize,
-    ) -> Result<Normed<O::Buf>, KernelError> {
+    ) -> Result<Normed<O>, KernelError> {
         let ops = &self.ops;
-        let (mut y, mut mean, mut rstd) = (
-            ops.empty(n * self.dims.n_embd)?,
-            ops.empty(n)?,
-            ops.empty(n)?,
-        );
-        ops.layernorm_forward(x, &p.weight, &p.bias, LN_EPS, &mut y, &mut mean, &mut rstd)?;
+        let (mut mean, mut rstd) = (ops.empty(n)?, ops.empty(n)?);
+        let y =
+            ops.layernorm_forward_operand(x, &p.weight, &p.bias, LN_EPS, &mut mean, &mut rstd)?;
         Ok((y, mean, rstd))
     }
 

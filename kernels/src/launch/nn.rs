@@ -101,22 +101,23 @@ pub(super) fn launched<T>(
     r.map(drop).map_err(|e| driver("cuLaunchKernel", kernel, e))
 }
 
-/// Layer norm forward (see [`host::nn::layernorm_forward`](crate::host::nn::layernorm_forward)).
+/// Layer norm forward (see [`host::nn::layernorm_forward`](crate::host::nn::layernorm_forward)),
+/// `y` written as `Y`: f32, or its bf16 rounding.
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
+/// Shape errors as the twin; `Y` f16; compile, load and launch failures.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward(
+pub fn layernorm_forward<Y: CastFloat>(
     stream: &CudaStream,
     x: &impl DevicePtr<f32>,
     weight: &impl DevicePtr<f32>,
     bias: &impl DevicePtr<f32>,
     eps: f32,
-    y: &mut impl DevicePtrMut<f32>,
+    y: &mut impl DevicePtrMut<Y>,
     mean: &mut impl DevicePtrMut<f32>,
     rstd: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), KernelError> {
-    let k = "layernorm_forward_f32";
+    let k = writing::<Y>("layernorm_forward_f32", "layernorm_forward_bf16")?;
     let c = weight.len();
     let n = check_ln_forward(k, x.len(), c, bias.len(), y.len(), mean.len(), rstd.len())?;
     if n == 0 {
@@ -140,8 +141,9 @@ pub fn layernorm_forward(
         .arg(&rp)
         .arg(&c32)
         .arg(&eps);
-    // SAFETY: (const float* x [n·c], w [c], b [c], float* y [n·c], mean [n], rstd [n], u32 c,
-    // float eps), one block per row of the `n` checked above.
+    // SAFETY: (const float* x [n·c], w [c], b [c], Y* y [n·c], float* mean [n], rstd [n],
+    // u32 c, float eps) with Y the kernel's (`writing`), one block per row of the `n` checked
+    // above.
     launched(k, unsafe { b.launch(cfg) })
 }
 
@@ -238,16 +240,17 @@ pub fn layernorm_backward_params(
     add_chunks(stream, &pb, chunks, dbias)
 }
 
-/// Exact GELU forward (see [`host::nn::gelu_forward`](crate::host::nn::gelu_forward)).
+/// Exact GELU forward (see [`host::nn::gelu_forward`](crate::host::nn::gelu_forward)), `y`
+/// written as `Y`: f32, or its bf16 rounding.
 ///
 /// # Errors
-/// [`KernelError::Length`]; compile, load and launch failures.
-pub fn gelu_forward(
+/// [`KernelError::Length`]; `Y` f16; compile, load and launch failures.
+pub fn gelu_forward<Y: CastFloat>(
     stream: &CudaStream,
     x: &impl DevicePtr<f32>,
-    y: &mut impl DevicePtrMut<f32>,
+    y: &mut impl DevicePtrMut<Y>,
 ) -> Result<(), KernelError> {
-    let k = "gelu_forward_f32";
+    let k = writing::<Y>("gelu_forward_f32", "gelu_forward_bf16")?;
     let n = x.len();
     same_len(k, "y", n, y.len())?;
     if n == 0 {
@@ -259,7 +262,8 @@ pub fn gelu_forward(
     let n64 = n as u64;
     let mut b = stream.launch_builder(&f);
     b.arg(&xp).arg(&yp).arg(&n64);
-    // SAFETY: (const float* x, float* y, u64 n), both of `n` elements.
+    // SAFETY: (const float* x, Y* y, u64 n) with Y the kernel's (`writing`), both of `n`
+    // elements.
     launched(k, unsafe { b.launch(config(n)) })
 }
 
@@ -292,16 +296,18 @@ pub fn gelu_backward(
     launched(k, unsafe { b.launch(config(n)) })
 }
 
-/// The softmax kernel (`forward` or backward) that writes `P`: f32, or bf16 (the f32
-/// kernel's values rounded as [`cast`](super::cast) rounds, for results only products read).
-fn softmax_kernel<P: CastFloat>(forward: bool) -> Result<&'static str, KernelError> {
-    match (forward, P::NAME) {
-        (true, "f32") => Ok("causal_softmax_forward_f32"),
-        (true, "bf16") => Ok("causal_softmax_forward_bf16"),
-        (false, "f32") => Ok("causal_softmax_backward_f32"),
-        (false, "bf16") => Ok("causal_softmax_backward_bf16"),
-        (_, other) => Err(KernelError::InvalidArgument {
-            kernel: "causal_softmax",
+/// Of a layer's two kernels, `f32` and `bf16`, the one that writes its result as `P`: the
+/// bf16 kernel stores the f32 kernel's values rounded as [`cast`](super::cast) rounds (for
+/// results only products read).
+pub(super) fn writing<P: CastFloat>(
+    f32: &'static str,
+    bf16: &'static str,
+) -> Result<&'static str, KernelError> {
+    match P::NAME {
+        "f32" => Ok(f32),
+        "bf16" => Ok(bf16),
+        other => Err(KernelError::InvalidArgument {
+            kernel: f32,
             reason: format!("no {other} results (f32 or bf16)"),
         }),
     }
@@ -320,7 +326,7 @@ pub fn causal_softmax_forward<P: CastFloat>(
     scale: f32,
     probs: &mut impl DevicePtrMut<P>,
 ) -> Result<(), KernelError> {
-    let k = softmax_kernel::<P>(true)?;
+    let k = writing::<P>("causal_softmax_forward_f32", "causal_softmax_forward_bf16")?;
     let rows = softmax_rows(k, scores.len(), t)?;
     same_len(k, "probs", scores.len(), probs.len())?;
     if rows == 0 {
@@ -334,7 +340,7 @@ pub fn causal_softmax_forward<P: CastFloat>(
     let mut b = stream.launch_builder(&f);
     b.arg(&sp).arg(&pp).arg(&t32).arg(&scale).arg(&rows64);
     // SAFETY: (const float* s, P* p, u32 t, float scale, u64 rows) with P the kernel's (f32 or
-    // bf16, `softmax_kernel`), one warp on each of the `rows` rows of `t` elements of both
+    // bf16, `writing`), one warp on each of the `rows` rows of `t` elements of both
     // (warps past the last row return).
     launched(k, unsafe { b.launch(cfg) })
 }
@@ -353,7 +359,10 @@ pub fn causal_softmax_backward<D: CastFloat>(
     scale: f32,
     dscores: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = softmax_kernel::<D>(false)?;
+    let k = writing::<D>(
+        "causal_softmax_backward_f32",
+        "causal_softmax_backward_bf16",
+    )?;
     let rows = softmax_rows(k, probs.len(), t)?;
     same_len(k, "dprobs", probs.len(), dprobs.len())?;
     same_len(k, "dscores", probs.len(), dscores.len())?;
@@ -374,7 +383,7 @@ pub fn causal_softmax_backward<D: CastFloat>(
         .arg(&scale)
         .arg(&rows64);
     // SAFETY: (const float* p, const float* dp, D* ds, u32 t, float scale, u64 rows) with D the
-    // kernel's (`softmax_kernel`), one warp on each of the `rows` rows of `t` elements of each
+    // kernel's (`writing`), one warp on each of the `rows` rows of `t` elements of each
     // (warps past the last return).
     launched(k, unsafe { b.launch(cfg) })
 }

@@ -3,8 +3,10 @@
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 
+use super::nn::writing;
 use super::{config, driver, function};
 use crate::host::nn::{rows_of, HeadsLayout};
+use crate::host::CastFloat;
 use crate::{KernelError, Program};
 
 /// Bias add over rows, `y[r, j] += bias[j]` (see
@@ -49,7 +51,8 @@ fn heads(
     for v in &a {
         b.arg(v);
     }
-    // SAFETY: (const float* src, float* dst, u32 b, t, h, d, row, offset) with the rows side
+    // SAFETY: (const float* src, D* dst, u32 b, t, h, d, row, offset) with D the kernel's
+    // (`writing`: the caller's destination type), the rows side
     // of b·t·row elements, the heads side of b·h·t·d, and offset + h·d ≤ row (checked by
     // `HeadsLayout::check`), so every index is inside its buffer.
     unsafe { b.launch(config(l.heads_len())) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
@@ -57,17 +60,18 @@ fn heads(
 }
 
 /// Attention heads out of token rows into dense `[b, h, t, d]` (see
-/// [`host::nn::heads_split`](crate::host::nn::heads_split)).
+/// [`host::nn::heads_split`](crate::host::nn::heads_split)), written as `D`: f32, or rounded
+/// to bf16.
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
-pub fn heads_split(
+/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+pub fn heads_split<D: CastFloat>(
     stream: &CudaStream,
     rows: &impl DevicePtr<f32>,
     l: HeadsLayout,
-    out: &mut impl DevicePtrMut<f32>,
+    out: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = "heads_split_f32";
+    let k = writing::<D>("heads_split_f32", "heads_split_bf16")?;
     l.check(k, rows.len(), out.len())?;
     if l.heads_len() == 0 {
         return Ok(());
@@ -78,17 +82,18 @@ pub fn heads_split(
 }
 
 /// The inverse of [`heads_split`]: dense heads into their places in token rows (see
-/// [`host::nn::heads_merge`](crate::host::nn::heads_merge)).
+/// [`host::nn::heads_merge`](crate::host::nn::heads_merge)), written as `D`: f32, or rounded
+/// to bf16.
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
-pub fn heads_merge(
+/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+pub fn heads_merge<D: CastFloat>(
     stream: &CudaStream,
     src: &impl DevicePtr<f32>,
     l: HeadsLayout,
-    rows: &mut impl DevicePtrMut<f32>,
+    rows: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = "heads_merge_f32";
+    let k = writing::<D>("heads_merge_f32", "heads_merge_bf16")?;
     l.check(k, rows.len(), src.len())?;
     if l.heads_len() == 0 {
         return Ok(());
