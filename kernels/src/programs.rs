@@ -121,6 +121,7 @@ impl Program {
                 "gelu_backward_f32",
                 "causal_softmax_forward_f32",
                 "causal_softmax_forward_bf16",
+                "causal_softmax_forward_both_bf16",
                 "causal_softmax_backward_f32",
                 "causal_softmax_backward_bf16",
                 "cross_entropy_fused_f32",

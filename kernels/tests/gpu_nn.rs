@@ -149,6 +149,11 @@ fn causal_softmax_equals_its_twin() {
         let mut hp = nan_bf16(&s, sc.len());
         launch::causal_softmax_forward(&s, &gs, t, scale, &mut hp).unwrap();
         same_bf16(&format!("softmax p, {bh}x{t}x{t}"), &s, &hp, &p);
+        // Both at once: the f32 probabilities and their rounding.
+        let (mut bp, mut bh16) = (up(&s, &vec![f32::NAN; sc.len()]), nan_bf16(&s, sc.len()));
+        launch::causal_softmax_forward_both(&s, &gs, t, scale, &mut bp, &mut bh16).unwrap();
+        same("softmax p (both)", &down(&s, &bp), &p);
+        same_bf16(&format!("softmax p (both), {bh}x{t}x{t}"), &s, &bh16, &p);
         let mut hds = nan_bf16(&s, sc.len());
         launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds).unwrap();
         same_bf16(&format!("softmax ds, {bh}x{t}x{t}"), &s, &hds, &ds);

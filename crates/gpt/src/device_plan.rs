@@ -307,6 +307,18 @@ struct Attn {
     t2: u128,
 }
 
+impl Attn {
+    /// The bytes of the probabilities' bf16 rounding that the softmax writes beside them for a
+    /// product under bf16 products (`opb` 2); none under f32 products.
+    fn rounded(&self, opb: u128) -> u128 {
+        if opb == F32 {
+            0
+        } else {
+            self.t2.saturating_mul(opb)
+        }
+    }
+}
+
 /// One block's forward (`DeviceGpt::block_forward`), its output of kind `out` (the tape in
 /// forward; a working buffer when recomputed under checkpointing, dropped by the caller).
 fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kind) {
@@ -321,6 +333,8 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kin
     }
     r.free(Work, 3 * ne);
     if a.kept {
+        // The probabilities kept in f32 for backward (their product casts them into its kept
+        // copy).
         r.alloc(Work, a.t2, "scores");
         r.alloc(Tape, a.t2, "probabilities");
         r.free(Work, a.t2);
@@ -366,8 +380,10 @@ fn attention_backward(r: &mut Replay, ne: u128, a: Attn, opb: u128) {
         // probabilities freed before dq's and dk's products); all freed before the next chunk.
         r.alloc(Work, a.t2, "a chunk's scores again");
         r.alloc(Work, a.t2, "a chunk's probabilities again");
+        r.alloc_bytes(Work, a.rounded(opb), "their bf16 rounding");
         r.free(Work, a.t2);
         r.alloc(Work, a.t2, "a chunk's probabilities' gradient");
+        r.free_bytes(Work, a.rounded(opb));
         r.alloc_bytes(Work, ds, "a chunk's scores' gradient");
         r.free(Work, 2 * a.t2);
         r.free_bytes(Work, ds);
@@ -380,12 +396,17 @@ fn attention_backward(r: &mut Replay, ne: u128, a: Attn, opb: u128) {
 fn largest_operands(c: &DeviceTrainConfig, rows: usize, ch: Chunks) -> (u128, u128) {
     let (t, e, v) = (c.cfg.block_size, c.cfg.n_embd, c.cfg.vocab_size);
     let ne = prod(&[rows, t, e]);
-    // The linear layers' output gradients (GELU's input gradient the largest) and the
-    // attention's probabilities (of one chunk when chunked), which `v`'s gradient's product
-    // reads as a buffer. Every result that only products read (the activations, the heads'
-    // output gradient, the scores' and the logits' gradients, the chunks' probabilities in
-    // forward) is written as an operand and never passes through the copies.
-    let first = [4 * ne, prod(&[ch.pairs, t, t])];
+    // The linear layers' output gradients (GELU's input gradient the largest) and the kept
+    // probabilities, which `v`'s gradient's product reads as a buffer. Every result that only
+    // products read (the activations, the heads' output gradient, the scores' and the
+    // logits' gradients, the probabilities as their products read them when computed) is
+    // written as an operand and never passes through the copies.
+    let kept = if c.attention.keeps_probabilities() {
+        prod(&[ch.pairs, t, t])
+    } else {
+        0
+    };
+    let first = [4 * ne, kept];
     // The second operands that pass through the copies: the weights.
     let second = [4 * prod(&[e, e]), prod(&[v, e])];
     let max = |xs: &[u128]| xs.iter().copied().max().unwrap_or(0);

@@ -137,8 +137,7 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     let rows = (c.batch_size / c.grad_accum) as u64;
     let n = rows * t;
     // The attention's t × t matrices: every (sequence, head) pair's probabilities kept when
-    // materialized; one chunk's at a time when chunked.
-    let pairs = c.attention.chunk_pairs(t as usize, (rows * h) as usize) as u64;
+    // materialized (none kept when chunked).
     let kept = if c.attention.keeps_probabilities() {
         rows * h * t * t
     } else {
@@ -159,9 +158,9 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     assert_eq!(plan.tape, tape, "{name}");
     // The kept copies of the products' operands: the largest buffer each position reads (the
     // results only products read are written as operands and pass through neither): first
-    // GELU's input gradient or a chunk's probabilities (`dv`'s product), second the weights.
+    // GELU's input gradient or the kept probabilities (`dv`'s product), second the weights.
     let operands = if bf16 {
-        let a = (4 * n * e).max(pairs * t * t);
+        let a = (4 * n * e).max(kept);
         let b = (4 * e * e).max(v * e);
         2 * (a + b)
     } else {

@@ -104,9 +104,16 @@ impl<O: GptOps> GptPass<O> {
         let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
         let ne = s.n * self.dims.n_embd;
         if self.attention.keeps_probabilities() {
-            let att = self.probabilities(s, q, k, 0, s.rows * self.dims.n_head)?;
+            // Kept in f32 for backward; the product casts them into its kept copy, which
+            // backward's `dv` product needs at this size anyway (a rounding written beside
+            // them would add its bytes to the peak).
+            let pairs = s.rows * self.dims.n_head;
+            let sc = self.scores(s, q, k, 0, pairs)?;
+            let mut att = ops.empty(pairs * t * t)?;
+            ops.causal_softmax_forward(&sc, t, self.scale(), &mut att)?;
+            drop(sc);
             let mut yh = ops.empty(ne)?;
-            let g = heads_product(t, hd, O::buf_len(&att) / (t * t), 0, false);
+            let g = heads_product(t, hd, pairs, 0, false);
             ops.gemm_args(&g, Arg::Buf(&att), Arg::Operand(v), &mut yh)?;
             return Ok((yh, Some(att)));
         }
@@ -160,10 +167,11 @@ impl<O: GptOps> GptPass<O> {
         let (mut dq, mut dk, mut dv) = (ops.empty(ne)?, ops.empty(ne)?, ops.empty(ne)?);
         for (first, count) in self.chunks(s) {
             let at = first * t * hd;
-            let att = self.probabilities(s, q, k, first, count)?;
+            let (att, rounded) = self.probabilities(s, q, k, first, count)?;
             let dp = self.dprobs(s, &dyh, v, first, count)?;
             let g = heads_product(t, hd, count, at, true);
-            ops.gemm_args(&g, Arg::Buf(&att), Arg::Operand(&dyh), &mut dv)?;
+            ops.gemm_args(&g, probs_arg(&att, &rounded), Arg::Operand(&dyh), &mut dv)?;
+            drop(rounded);
             let ds = self.dscores(&att, dp, t)?;
             drop(att);
             let g = heads_product(t, hd, count, at, false);
@@ -183,7 +191,9 @@ impl<O: GptOps> GptPass<O> {
             .map(move |first| (first, each.min(pairs - first)))
     }
 
-    /// `P = causal softmax(q·kᵀ/√hd)` of `count` pairs from pair `first`, `[count, t, t]`.
+    /// `P = causal softmax(q·kᵀ/√hd)` of `count` pairs from pair `first`, `[count, t, t]`, and
+    /// with bf16 products its rounding for the product that reads it (written in the same
+    /// pass: [`GptOps::causal_softmax_forward_with_operand`]): a chunk's, in backward.
     fn probabilities(
         &self,
         s: Step,
@@ -191,12 +201,13 @@ impl<O: GptOps> GptPass<O> {
         k: &O::Operand,
         first: usize,
         count: usize,
-    ) -> Result<O::Buf, KernelError> {
+    ) -> Result<(O::Buf, Option<O::Operand>), KernelError> {
         let sc = self.scores(s, q, k, first, count)?;
         let mut att = self.ops.empty(count * s.t * s.t)?;
-        self.ops
-            .causal_softmax_forward(&sc, s.t, self.scale(), &mut att)?;
-        Ok(att)
+        let rounded =
+            self.ops
+                .causal_softmax_forward_with_operand(&sc, s.t, self.scale(), &mut att)?;
+        Ok((att, rounded))
     }
 
     /// The scores `q·kᵀ` (unscaled) of `count` pairs from pair `first`, `[count, t, t]`.
@@ -256,6 +267,15 @@ impl<O: GptOps> GptPass<O> {
     /// The scores' scale, `1/√head_dim`.
     pub(super) fn scale(&self) -> f32 {
         (1.0 / (self.dims.head_dim() as f64).sqrt()) as f32
+    }
+}
+
+/// The probabilities as a product reads them: their rounding when one was written, else the
+/// buffer.
+fn probs_arg<'a, O: GptOps>(att: &'a O::Buf, rounded: &'a Option<O::Operand>) -> Arg<'a, O> {
+    match rounded {
+        Some(r) => Arg::Operand(r),
+        None => Arg::Buf(att),
     }
 }
 

@@ -411,6 +411,25 @@ impl GptOps for CudaOps {
         launch::causal_softmax_backward(&self.cuda, probs, dprobs, t, scale, dscores)
     }
 
+    fn causal_softmax_forward_with_operand(
+        &self,
+        scores: &CudaBuf,
+        t: usize,
+        scale: f32,
+        probs: &mut CudaBuf,
+    ) -> Result<Option<CudaOperand>, KernelError> {
+        if self.products != Products::Bf16 {
+            launch::causal_softmax_forward(&self.cuda, scores, t, scale, probs)?;
+            return Ok(None);
+        }
+        // SAFETY: device memory of `scores.len()` bf16 whose bits are whatever the pool held;
+        // any bits are a bf16, and the kernel writes every element before anything reads it.
+        let mut rounded = unsafe { self.device_slice::<bf16>(scores.len(), false) }?;
+        launch::causal_softmax_forward_both(&self.cuda, scores, t, scale, probs, &mut *rounded)?;
+        self.casts.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(CudaOperand::Bf16(rounded)))
+    }
+
     fn write_operand(&self, w: Written<'_, CudaOps>) -> Result<CudaOperand, KernelError> {
         let n = w.result_len()?;
         if self.products != Products::Bf16 {

@@ -336,6 +336,17 @@ impl GptOps for HostOps {
         nn::causal_softmax_backward(probs, dprobs, t, scale, dscores)
     }
 
+    fn causal_softmax_forward_with_operand(
+        &self,
+        scores: &HostBuf,
+        t: usize,
+        scale: f32,
+        probs: &mut HostBuf,
+    ) -> Result<Option<HostOperand>, KernelError> {
+        nn::causal_softmax_forward(scores, t, scale, probs)?;
+        Ok((self.products == HostProducts::Bf16Operands).then(|| self.rounded_operand(probs)))
+    }
+
     fn write_operand(&self, w: Written<'_, HostOps>) -> Result<HostOperand, KernelError> {
         let n = w.result_len()?;
         if self.products != HostProducts::Bf16Operands {

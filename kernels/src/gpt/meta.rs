@@ -270,6 +270,16 @@ impl GptOps for MetaOps {
         write(&mut [dscores]);
         Ok(())
     }
+    fn causal_softmax_forward_with_operand(
+        &self,
+        _: &MetaCounted,
+        _: usize,
+        _: f32,
+        probs: &mut MetaCounted,
+    ) -> Result<Option<MetaCounted>, KernelError> {
+        write(&mut [probs]);
+        Ok((self.products == HostProducts::Bf16Operands).then(|| self.new_operand(probs.len)))
+    }
     fn write_operand(&self, w: Written<'_, MetaOps>) -> Result<MetaCounted, KernelError> {
         Ok(self.new_operand(w.result_len()?))
     }

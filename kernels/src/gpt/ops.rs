@@ -245,6 +245,20 @@ pub trait GptOps {
         scale: f32,
         dscores: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+    /// [`causal_softmax_forward`](GptOps::causal_softmax_forward) into `probs` (f32, for a
+    /// backward) and, with bf16 products, their bf16 rounding as a new operand of a product
+    /// written in the same pass (counted as one rounding of an operand); `None` under f32
+    /// products, where `probs` is read as it is.
+    ///
+    /// # Errors
+    /// Shape errors; allocation and launch failures.
+    fn causal_softmax_forward_with_operand(
+        &self,
+        scores: &Self::Buf,
+        t: usize,
+        scale: f32,
+        probs: &mut Self::Buf,
+    ) -> Result<Option<Self::Operand>, KernelError>;
     /// A layer's result that only products read, written as a new operand by the layer's
     /// own kernel, as [`operand`](GptOps::operand) of its f32 result gives: with bf16 products
     /// the kernel stores the bf16 rounding itself (no f32 buffer and no cast; counted as one

@@ -345,6 +345,45 @@ pub fn causal_softmax_forward<P: CastFloat>(
     launched(k, unsafe { b.launch(cfg) })
 }
 
+/// [`causal_softmax_forward`] into f32 `probs` and, in the same pass, their bf16 rounding into
+/// `rounded` (as [`cast`](super::cast) rounds): the probabilities a backward reads in f32 and a
+/// product reads.
+///
+/// # Errors
+/// Shape errors as the twin; compile, load and launch failures.
+pub fn causal_softmax_forward_both(
+    stream: &CudaStream,
+    scores: &impl DevicePtr<f32>,
+    t: usize,
+    scale: f32,
+    probs: &mut impl DevicePtrMut<f32>,
+    rounded: &mut impl DevicePtrMut<half::bf16>,
+) -> Result<(), KernelError> {
+    let k = "causal_softmax_forward_both_bf16";
+    let rows = softmax_rows(k, scores.len(), t)?;
+    same_len(k, "probs", scores.len(), probs.len())?;
+    same_len(k, "rounded", scores.len(), rounded.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let cfg = per_warp_row(k, rows)?;
+    let f = function(stream, Program::Nn, k)?;
+    let (sp, _s) = scores.device_ptr(stream);
+    let (pp, _p) = probs.device_ptr_mut(stream);
+    let (bp, _b) = rounded.device_ptr_mut(stream);
+    let (t32, rows64) = (t as u32, rows as u64);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&sp)
+        .arg(&pp)
+        .arg(&bp)
+        .arg(&t32)
+        .arg(&scale)
+        .arg(&rows64);
+    // SAFETY: (const float* s, float* p, bf16* pb, u32 t, float scale, u64 rows), one warp on
+    // each of the `rows` rows of `t` elements of all three (warps past the last row return).
+    launched(k, unsafe { b.launch(cfg) })
+}
+
 /// Causal softmax backward, written into `dscores` (see
 /// [`host::nn::causal_softmax_backward`](crate::host::nn::causal_softmax_backward)) as `D`:
 /// f32, or its bf16 rounding.
