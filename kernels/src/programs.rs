@@ -90,6 +90,7 @@ impl Program {
                 "memset_b16",
                 "memset_b32",
                 "memset_b64",
+                "gather_segments",
             ]),
             Program::Reduce => ["sum", "min", "max", "prod"]
                 .iter()

@@ -285,3 +285,49 @@ fn sum_of_squares_equals_its_twin() {
         assert_eq!(got.to_bits(), want.to_bits(), "n {n}: {got} vs {want}");
     }
 }
+
+/// `gather_segments`: 200 copies (three launches) of f32 and of bf16 widened, at odd offsets
+/// and lengths (zero among them), into one f32 buffer; every element bitwise the host's copy,
+/// the rest of the buffer untouched.
+#[test]
+fn gathered_copies_equal_the_hosts() {
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let Some(s) = gpu_stream("gathered_copies_equal_the_hosts") else {
+        return;
+    };
+    let f = as_t::<f32>(&values(5000, 91));
+    let h = as_t::<bf16>(&values(5000, 92));
+    let (gf, gh) = (up(&s, &f), up(&s, &h));
+    let total = 200 * 40;
+    let mut want = vec![f32::from_bits(0x7fc0_1234); total];
+    let mut gout = up(&s, &want);
+    let mut copies = Vec::new();
+    {
+        let (pf, _a) = gf.device_ptr(&s);
+        let (ph, _b) = gh.device_ptr(&s);
+        let (po, _c) = gout.device_ptr_mut(&s);
+        for k in 0..200usize {
+            let (len, src_at, dst_at) = (k % 37, (k * 131) % 4900, k * 40 + k % 3);
+            let widen = k % 2 == 1;
+            for j in 0..len {
+                want[dst_at + j] = if widen {
+                    h[src_at + j].to_f32()
+                } else {
+                    f[src_at + j]
+                };
+            }
+            let (base, size) = if widen { (ph, 2) } else { (pf, 4) };
+            copies.push(launch::GatherCopy {
+                src: base + (src_at * size) as u64,
+                dst: po + (dst_at * 4) as u64,
+                len,
+                widen,
+            });
+        }
+        // SAFETY: every range lies in its buffer (offsets and lengths chosen above), the
+        // destinations are disjoint, and the buffers outlive the stream's work (downloaded
+        // below on the same stream).
+        unsafe { launch::gather_copies(&s, &copies) }.unwrap();
+    }
+    assert_same("gathered copies", &down(&s, &gout), &want);
+}

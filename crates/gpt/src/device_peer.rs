@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use fsdp_collectives::{CollectiveError, ReduceOp};
 use fsdp_device::DType;
-use fsdp_kernels::gpt::{PeerOps, PeerPtr};
+use fsdp_kernels::gpt::{PeerCopy, PeerOps, PeerPtr};
 use fsdp_kernels::host::ReduceKind;
 
 use crate::device_comm::{gathers_in_bf16, reduces_in_bf16, DeviceComm, Packing};
@@ -349,21 +349,25 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
             }
         }
         let posts = self.begin(ops, "all-gather", desc.clone(), ptrs)?;
-        for (i, full) in fulls.iter_mut().enumerate() {
-            for c in p.gathered(i, self.world) {
-                let from = posts[c.rank].ptrs[i];
-                // SAFETY: the peer's shard (or its bf16 rounding), live until the peers'
-                // reads finish (step 3 orders its writes and frees after them); this stream
-                // waited for its writes in `begin`.
-                unsafe {
-                    if bf16[i] {
-                        ops.widen_bf16_ptr(from, 0, full, c.start, c.len)?
-                    } else {
-                        ops.copy_from_peer(from, 0, full, c.start, c.len)?
-                    }
-                };
-            }
-        }
+        // Every rank's piece of every tensor, enqueued together (one kernel on a GPU).
+        let copies: Vec<PeerCopy> = (0..fulls.len())
+            .flat_map(|i| {
+                let posts = &posts;
+                let widen = bf16[i];
+                p.gathered(i, self.world).map(move |c| PeerCopy {
+                    src: posts[c.rank].ptrs[i],
+                    src_offset: 0,
+                    dst: i,
+                    dst_offset: c.start,
+                    len: c.len,
+                    widen,
+                })
+            })
+            .collect();
+        // SAFETY: each peer's shard (or its bf16 rounding), live until the peers' reads finish
+        // (step 3 orders its writes and frees after them); this stream waited for its writes
+        // in `begin`; the pieces of a tensor are disjoint.
+        unsafe { ops.copy_from_peers(&copies, fulls)? };
         self.finish(ops, "all-gather", desc)
     }
 

@@ -1,4 +1,4 @@
-// Scale and add (axpby) and memset.
+// Scale and add (axpby), memset, and many copies in one launch (gather_segments).
 
 // y = alpha * x + beta * y, each product and the sum rounded separately (no fused multiply-add).
 #define AXPBY(T, C) \
@@ -24,3 +24,31 @@ AXPBY(f16, float)
 MEMSET(16, u16)
 MEMSET(32, u32)
 MEMSET(64, u64)
+
+// Many copies into f32 memory in one launch (a gather of peers' shards): segment k copies n[k]
+// elements from src[k] — f32, or bf16 widened exactly when widen[k] — to dst[k]. blockIdx.y is
+// the segment; the blocks along x stride over its elements. The segments come by value (the
+// kernel's parameters, as PyTorch's multi_tensor_apply passes its tensor lists).
+#define GATHER_SEGMENTS 96 // launch::GATHER_SEGMENTS
+struct GatherSegments {
+    u64 src[GATHER_SEGMENTS];
+    u64 dst[GATHER_SEGMENTS];
+    u64 n[GATHER_SEGMENTS];
+    u32 widen[GATHER_SEGMENTS];
+};
+
+extern "C" __global__ void gather_segments(GatherSegments g, u32 count) {
+    u32 k = blockIdx.y;
+    if (k >= count) return;
+    u64 n = g.n[k];
+    float* d = (float*)g.dst[k];
+    u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 step = (u64)gridDim.x * blockDim.x;
+    if (g.widen[k]) {
+        const bf16* s = (const bf16*)g.src[k];
+        for (u64 i = first; i < n; i += step) d[i] = to_f32(s[i]);
+    } else {
+        const float* s = (const float*)g.src[k];
+        for (u64 i = first; i < n; i += step) d[i] = s[i];
+    }
+}

@@ -9,10 +9,11 @@
 use cudarc::driver::{result, CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::cuda::{copy_error, CudaOps};
+use super::cuda::{copy_error, CudaBuf, CudaOps};
 use super::host_ops::HostOps;
 use super::memory::Counted;
 use super::ops::GptOps;
+use super::peer_gather::{check_copies, cuda_copy_from_peers, PeerCopy};
 use super::peer_half::{host_cast_to_bf16, host_widen_bf16};
 use crate::host::{KernelFloat, ReduceKind};
 use crate::launch::reduce_raw;
@@ -151,6 +152,40 @@ pub trait PeerOps: GptOps<Scalars: Send> {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), KernelError>;
+
+    /// Enqueues every copy of `copies` into its destination `dsts[copy.dst]`: each as
+    /// [`copy_from_peer`](Self::copy_from_peer) does, or
+    /// [`widen_bf16_ptr`](Self::widen_bf16_ptr) when `widen` — on CUDA in as few launches as
+    /// the copies allow (one kernel for up to
+    /// [`GATHER_SEGMENTS`](crate::launch::GATHER_SEGMENTS), instead of one copy each).
+    ///
+    /// # Safety
+    /// As [`copy_from_peer`](Self::copy_from_peer) for every copy; no two copies write the
+    /// same elements.
+    ///
+    /// # Errors
+    /// A destination index outside `dsts`; ranges outside a source or a destination (every
+    /// copy checked before anything is enqueued); driver failures.
+    unsafe fn copy_from_peers(
+        &self,
+        copies: &[PeerCopy],
+        dsts: &mut [&mut Self::Buf],
+    ) -> Result<(), KernelError> {
+        let lens: Vec<usize> = dsts.iter().map(|d| Self::buf_len(d)).collect();
+        check_copies(copies, &lens)?;
+        for c in copies {
+            let dst = &mut *dsts[c.dst];
+            // SAFETY: the caller's contract; ranges checked above.
+            unsafe {
+                if c.widen {
+                    self.widen_bf16_ptr(c.src, c.src_offset, dst, c.dst_offset, c.len)?
+                } else {
+                    self.copy_from_peer(c.src, c.src_offset, dst, c.dst_offset, c.len)?
+                }
+            }
+        }
+        Ok(())
+    }
 
     /// [`reduce_from_peers`](Self::reduce_from_peers) over bf16 memory (addresses from
     /// [`half_ptr`](Self::half_ptr)) into `dst`: in f32, rounded to bf16 after every
@@ -554,6 +589,15 @@ impl PeerOps for CudaOps {
         // live device buffer of this context that stays allocated and unwritten until the
         // copy has run on this stream.
         unsafe { self.dtod(to, from, len * f) }
+    }
+
+    unsafe fn copy_from_peers(
+        &self,
+        copies: &[PeerCopy],
+        dsts: &mut [&mut CudaBuf],
+    ) -> Result<(), KernelError> {
+        // SAFETY: the caller's contract.
+        unsafe { cuda_copy_from_peers(self, copies, dsts) }
     }
 }
 

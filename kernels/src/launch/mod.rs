@@ -21,10 +21,12 @@ use crate::host::{
 };
 use crate::{compile, KernelError, Program};
 
+mod gather;
 mod nn;
 mod nn_heads;
 mod nn_loss;
 mod step;
+pub use gather::{gather_copies, GatherCopy, GATHER_SEGMENTS};
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, causal_softmax_forward_both,
     embedding_backward_positions, embedding_backward_tokens, embedding_backward_tokens_host_ids,
