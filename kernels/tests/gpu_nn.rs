@@ -186,6 +186,19 @@ fn cross_entropy_equals_its_twin() {
         launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, &mut gloss).unwrap();
         same("in-place cross-entropy losses", &down(&s, &gloss), &loss);
         same("in-place cross-entropy dlogits", &down(&s, &gl), &d);
+        // The gradient written in bf16 (an operand of the head's products), the NaN row too.
+        let (gl, mut gloss, mut hd) = (
+            up(&s, &logits),
+            s.alloc_zeros::<f32>(n).unwrap(),
+            nan_bf16(&s, n * v),
+        );
+        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, &mut gloss, &mut hd).unwrap();
+        same(
+            "cross-entropy losses (bf16 gradient)",
+            &down(&s, &gloss),
+            &loss,
+        );
+        same_bf16("cross-entropy dlogits", &s, &hd, &d);
     }
 }
 
