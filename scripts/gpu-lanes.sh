@@ -21,6 +21,7 @@ out="$(cd "$out" && pwd)"
 start=$(date +%s)
 lanes="${FSDP_GPU_LANES:-gpu_(nn|gemm|step)$|nvrtc_compile$|kernels--test--gpu$ gpu_gpt$|gpu_golden$ gpu_device_train$ gpu_sharded$|cuda_ring$|device--test--cuda|allocator--test}"
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 i=0
 pids=()
 for lane in $lanes; do
