@@ -290,9 +290,11 @@ extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, fl
 
 // Causal softmax forward, one warp per row of [rows, t] (NN_BLOCK / NN_WARP rows a block;
 // row r is row i = r % t of its matrix): v_j = s_j * scale for j <= i, p_j = e^(v_j - max) /
-// sum, and p_j = 0 above the diagonal.
-extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    causal_softmax_forward_f32(const float* s, float* p, u32 t, float scale, u64 rows) {
+// sum, and p_j = 0 above the diagonal. With `pb`, the same pass also writes the probabilities'
+// bf16 rounding (the cast kernel's) there: the probabilities a backward needs in f32 and a
+// product reads.
+__device__ __forceinline__ void causal_softmax_forward_rows(const float* s, float* p, bf16* pb,
+                                                            u32 t, float scale, u64 rows) {
     u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
     if (row >= rows) return; // the whole warp: no lane is left in a shuffle
     u32 l = threadIdx.x % NN_WARP;
@@ -309,36 +311,21 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     }
     float sum = warp_sum(acc);
     for (u32 j = l; j < t; j += NN_WARP) {
-        p[off + j] = (j <= i) ? fdv(p[off + j], sum) : 0.0f;
+        float v = (j <= i) ? fdv(p[off + j], sum) : 0.0f;
+        p[off + j] = v;
+        if (pb) pb[off + j] = from_f32<bf16>(v);
     }
 }
 
-// Causal softmax forward into f32 probabilities (causal_softmax_forward_f32's bits) and, in the
-// same pass, their bf16 rounding (the cast kernel's) for the products that read them: the
-// probabilities a backward needs in f32 and a product reads.
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_forward_f32(const float* s, float* p, u32 t, float scale, u64 rows) {
+    causal_softmax_forward_rows(s, p, nullptr, t, scale, rows);
+}
+
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     causal_softmax_forward_both_bf16(const float* s, float* p, bf16* pb, u32 t, float scale,
                                      u64 rows) {
-    u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
-    if (row >= rows) return;
-    u32 l = threadIdx.x % NN_WARP;
-    u32 i = (u32)(row % t);
-    u64 off = row * t;
-    float mx = -pos_inf();
-    for (u32 j = l; j <= i; j += NN_WARP) mx = max_of(mx, fm(s[off + j], scale));
-    mx = warp_max(mx);
-    float acc = 0.0f;
-    for (u32 j = l; j <= i; j += NN_WARP) {
-        float e = nn_exp(fs(fm(s[off + j], scale), mx));
-        p[off + j] = e;
-        acc = fa(acc, e);
-    }
-    float sum = warp_sum(acc);
-    for (u32 j = l; j < t; j += NN_WARP) {
-        float v = (j <= i) ? fdv(p[off + j], sum) : 0.0f;
-        p[off + j] = v;
-        pb[off + j] = from_f32<bf16>(v);
-    }
+    causal_softmax_forward_rows(s, p, pb, t, scale, rows);
 }
 
 // Causal softmax forward written as its bf16 rounding (probabilities only products read): the
