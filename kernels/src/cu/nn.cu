@@ -529,17 +529,23 @@ extern "C" __global__ void bias_add_f32(float* y, const float* b, u64 n, u32 c) 
 // token (bi, ti) being src[(bi·t + ti)·row + offset + hh·d .. + d] (q, k or v of
 // qkv [b, t, 3, h, d] with row = 3·h·d and offset 0, h·d or 2·h·d; [b, t, h, d] with
 // row = h·d, offset 0). A copy: exact (into bf16: rounded as the cast kernel rounds).
+// Where element k of the dense heads [b, h, t, d] lies in token rows [b·t, row] whose first
+// head starts at column `offset` (host twin: HeadsLayout::at).
+__device__ __forceinline__ u64 heads_row_at(u64 k, u32 t, u32 h, u32 d, u32 row, u32 offset) {
+    u32 di = (u32)(k % d);
+    u64 r = k / d;
+    u32 ti = (u32)(r % t);
+    r /= t;
+    u32 hh = (u32)(r % h);
+    u64 bi = r / h;
+    return (bi * t + ti) * row + offset + (u64)hh * d + di;
+}
+
 template <typename D>
 __device__ __forceinline__ void heads_split_impl(const float* src, D* dst, u32 b, u32 t, u32 h,
                                                  u32 d, u32 row, u32 offset) {
     GRID_STRIDE(k, (u64)b * h * t * d) {
-        u32 di = (u32)(k % d);
-        u64 r = k / d;
-        u32 ti = (u32)(r % t);
-        r /= t;
-        u32 hh = (u32)(r % h);
-        u64 bi = r / h;
-        store_c(dst, k, src[(bi * t + ti) * row + offset + (u64)hh * d + di]);
+        store_c(dst, k, src[heads_row_at(k, t, h, d, row, offset)]);
     }
 }
 
@@ -559,13 +565,7 @@ template <typename D>
 __device__ __forceinline__ void heads_merge_impl(const float* src, D* dst, u32 b, u32 t, u32 h,
                                                  u32 d, u32 row, u32 offset) {
     GRID_STRIDE(k, (u64)b * h * t * d) {
-        u32 di = (u32)(k % d);
-        u64 r = k / d;
-        u32 ti = (u32)(r % t);
-        r /= t;
-        u32 hh = (u32)(r % h);
-        u64 bi = r / h;
-        store_c(dst, (bi * t + ti) * row + offset + (u64)hh * d + di, src[k]);
+        store_c(dst, heads_row_at(k, t, h, d, row, offset), src[k]);
     }
 }
 

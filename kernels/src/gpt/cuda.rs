@@ -176,6 +176,22 @@ impl CudaOps {
         &self.stream
     }
 
+    /// A new bf16 operand of `n` elements that `write` (a kernel writing every element) fills,
+    /// counted as one rounding of an operand: a result only products read, written in bf16 by
+    /// its own kernel.
+    fn written_bf16(
+        &self,
+        n: usize,
+        write: impl FnOnce(&mut CudaSlice<bf16>) -> Result<(), KernelError>,
+    ) -> Result<CudaOperand, KernelError> {
+        // SAFETY: device memory of `n` bf16 whose bits are whatever the pool held; any bits are
+        // a bf16, and `write` writes every element before anything reads it.
+        let mut y = unsafe { self.device_slice::<bf16>(n, false) }?;
+        write(&mut y)?;
+        self.casts.fetch_add(1, Ordering::Relaxed);
+        Ok(CudaOperand::Bf16(y))
+    }
+
     /// The kernel of `w` writing its result into `y` as `P` (f32, or bf16).
     fn launch_written<P: CastFloat>(
         &self,
@@ -422,12 +438,10 @@ impl GptOps for CudaOps {
             launch::causal_softmax_forward(&self.cuda, scores, t, scale, probs)?;
             return Ok(None);
         }
-        // SAFETY: device memory of `scores.len()` bf16 whose bits are whatever the pool held;
-        // any bits are a bf16, and the kernel writes every element before anything reads it.
-        let mut rounded = unsafe { self.device_slice::<bf16>(scores.len(), false) }?;
-        launch::causal_softmax_forward_both(&self.cuda, scores, t, scale, probs, &mut *rounded)?;
-        self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(CudaOperand::Bf16(rounded)))
+        let rounded = self.written_bf16(scores.len(), |r| {
+            launch::causal_softmax_forward_both(&self.cuda, scores, t, scale, probs, r)
+        })?;
+        Ok(Some(rounded))
     }
 
     fn write_operand(&self, w: Written<'_, CudaOps>) -> Result<CudaOperand, KernelError> {
@@ -437,12 +451,7 @@ impl GptOps for CudaOps {
             self.launch_written(&w, &mut y)?;
             return Ok(CudaOperand::F32(y));
         }
-        // SAFETY: device memory of `n` bf16 whose bits are whatever the pool held; any bits are
-        // a bf16, and the kernel writes every element before anything reads it.
-        let mut y = unsafe { self.device_slice::<bf16>(n, false) }?;
-        self.launch_written(&w, &mut *y)?;
-        self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(y))
+        self.written_bf16(n, |y| self.launch_written(&w, y))
     }
 
     fn layernorm_forward_operand(
@@ -459,11 +468,9 @@ impl GptOps for CudaOps {
             launch::layernorm_forward(&self.cuda, x, weight, bias, eps, &mut y, mean, rstd)?;
             return Ok(CudaOperand::F32(y));
         }
-        // SAFETY: as in `write_operand`: the kernel writes every element.
-        let mut y = unsafe { self.device_slice::<bf16>(x.len(), false) }?;
-        launch::layernorm_forward(&self.cuda, x, weight, bias, eps, &mut *y, mean, rstd)?;
-        self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(y))
+        self.written_bf16(x.len(), |y| {
+            launch::layernorm_forward(&self.cuda, x, weight, bias, eps, y, mean, rstd)
+        })
     }
 
     fn cross_entropy_fused_in_place(
@@ -497,21 +504,11 @@ impl GptOps for CudaOps {
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let targets = targets.slice(rows.clone());
         let mut losses = losses.slice_mut(rows);
-        // SAFETY: device memory of `logits.len()` bf16 whose bits are whatever the pool held;
-        // any bits are a bf16, and the kernel writes every element before anything reads it.
-        let mut d = unsafe { self.device_slice::<bf16>(logits.len(), false) }?;
-        launch::cross_entropy_fused(
-            &self.cuda,
-            &logits,
-            &targets,
-            v,
-            dloss,
-            &mut losses,
-            &mut *d,
-        )?;
+        let d = self.written_bf16(logits.len(), |d| {
+            launch::cross_entropy_fused(&self.cuda, &logits, &targets, v, dloss, &mut losses, d)
+        })?;
         drop(logits);
-        self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(d))
+        Ok(d)
     }
 
     fn embedding_forward(

@@ -111,6 +111,24 @@ impl HostOps {
         Counted::new(v, bytes, &self.memory)
     }
 
+    /// A new operand of `n` elements that `compute` writes in f32: with bf16 products its
+    /// rounding ([`rounded_operand`](Self::rounded_operand); the device writes the rounding
+    /// itself, so the f32 values are not counted), else the f32 buffer.
+    fn written(
+        &self,
+        n: usize,
+        compute: impl FnOnce(&mut [f32]) -> Result<(), KernelError>,
+    ) -> Result<HostOperand, KernelError> {
+        if self.products != HostProducts::Bf16Operands {
+            let mut y = self.empty(n)?;
+            compute(&mut y)?;
+            return Ok(y);
+        }
+        let mut y = vec![0.0; n];
+        compute(&mut y)?;
+        Ok(self.rounded_operand(&y))
+    }
+
     /// `v` rounded to bf16 as a kept operand, counted at 2 bytes an element and as one
     /// rounding of an operand.
     fn rounded_operand(&self, v: &[f32]) -> HostOperand {
@@ -348,16 +366,7 @@ impl GptOps for HostOps {
     }
 
     fn write_operand(&self, w: Written<'_, HostOps>) -> Result<HostOperand, KernelError> {
-        let n = w.result_len()?;
-        if self.products != HostProducts::Bf16Operands {
-            let mut y = self.empty(n)?;
-            written::host_f32(&w, &mut y)?;
-            return Ok(y);
-        }
-        // The device writes the bf16 rounding itself: the f32 values are not device memory.
-        let mut y = vec![0.0; n];
-        written::host_f32(&w, &mut y)?;
-        Ok(self.rounded_operand(&y))
+        self.written(w.result_len()?, |y| written::host_f32(&w, y))
     }
 
     fn layernorm_forward_operand(
@@ -369,14 +378,9 @@ impl GptOps for HostOps {
         mean: &mut HostBuf,
         rstd: &mut HostBuf,
     ) -> Result<HostOperand, KernelError> {
-        if self.products != HostProducts::Bf16Operands {
-            let mut y = self.empty(x.len())?;
-            nn::layernorm_forward(x, weight, bias, eps, &mut y, mean, rstd)?;
-            return Ok(y);
-        }
-        let mut y = vec![0.0; x.len()];
-        nn::layernorm_forward(x, weight, bias, eps, &mut y, mean, rstd)?;
-        Ok(self.rounded_operand(&y))
+        self.written(x.len(), |y| {
+            nn::layernorm_forward(x, weight, bias, eps, y, mean, rstd)
+        })
     }
 
     fn cross_entropy_fused_in_place(

@@ -6,23 +6,10 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::function;
-use super::nn::{launched, per_row};
+use super::nn::{launched, per_row, writing};
 use crate::host::nn::check_cross_entropy;
 use crate::host::CastFloat;
 use crate::{KernelError, Program};
-
-/// The kernel that writes the logits' gradient as `D`: f32, or bf16 (the f32 kernel's values
-/// rounded as [`cast`](super::cast) rounds, for a gradient only products read).
-fn kernel<D: CastFloat>() -> Result<&'static str, KernelError> {
-    match D::NAME {
-        "f32" => Ok("cross_entropy_fused_f32"),
-        "bf16" => Ok("cross_entropy_fused_bf16"),
-        other => Err(KernelError::InvalidArgument {
-            kernel: "cross_entropy_fused",
-            reason: format!("no {other} gradient (f32 or bf16)"),
-        }),
-    }
-}
 
 /// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
 /// `dlogits` (written as `D`: f32, or its bf16 rounding); see
@@ -39,7 +26,7 @@ pub fn cross_entropy_fused<D: CastFloat>(
     losses: &mut impl DevicePtrMut<f32>,
     dlogits: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = kernel::<D>()?;
+    let k = writing::<D>("cross_entropy_fused_f32", "cross_entropy_fused_bf16")?;
     let n = check_cross_entropy(
         k,
         logits.len(),
