@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use common::{data, down, gpu_stream, up};
 use cudarc::driver::{CudaSlice, CudaStream};
-use fsdp_kernels::host::{f32_to_bf16, nn};
+use fsdp_kernels::host::{self, f32_to_bf16, nn};
 use fsdp_kernels::launch;
 use half::bf16;
 
@@ -178,12 +178,13 @@ fn cross_entropy_equals_its_twin() {
             s.alloc_zeros::<f32>(n).unwrap(),
             s.alloc_zeros::<f32>(n * v).unwrap(),
         );
-        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, &mut gloss, &mut gd).unwrap();
+        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, None, &mut gloss, &mut gd).unwrap();
         same("cross-entropy losses", &down(&s, &gloss), &loss);
         same("cross-entropy dlogits", &down(&s, &gd), &d);
         // In place: the gradient over the logits, the same bits.
         let (mut gl, mut gloss) = (up(&s, &logits), s.alloc_zeros::<f32>(n).unwrap());
-        launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, &mut gloss).unwrap();
+        launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, None, &mut gloss)
+            .unwrap();
         same("in-place cross-entropy losses", &down(&s, &gloss), &loss);
         same("in-place cross-entropy dlogits", &down(&s, &gl), &d);
         // The gradient written in bf16 (an operand of the head's products), the NaN row too.
@@ -192,13 +193,31 @@ fn cross_entropy_equals_its_twin() {
             s.alloc_zeros::<f32>(n).unwrap(),
             nan_bf16(&s, n * v),
         );
-        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, &mut gloss, &mut hd).unwrap();
+        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, None, &mut gloss, &mut hd).unwrap();
         same(
             "cross-entropy losses (bf16 gradient)",
             &down(&s, &gloss),
             &loss,
         );
         same_bf16("cross-entropy dlogits", &s, &hd, &d);
+        // Under a grad scaler, the seed times the scale read from the step's scalars (one of
+        // 2^16, one not a power of two): the twin's scaled seed, the losses unscaled.
+        for scale in [65536.0f32, 1000.0] {
+            let sc = host::step_scalars(0, Some((scale, 0, 0)));
+            let seed = host::scaled_seed("cross_entropy", dloss, Some(&sc)).unwrap();
+            let (mut sloss, mut sd) = (vec![0.0; n], vec![0.0; n * v]);
+            nn::cross_entropy_fused(&logits, &targets, v, seed, &mut sloss, &mut sd).unwrap();
+            let (gsc, gl) = (up(&s, &sc), up(&s, &logits));
+            let (mut gloss, mut gd) = (s.alloc_zeros::<f32>(n).unwrap(), nan_bf16(&s, n * v));
+            let at = Some(&gsc);
+            launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, at, &mut gloss, &mut gd).unwrap();
+            same("scaled cross-entropy losses", &down(&s, &gloss), &loss);
+            same_bf16("scaled cross-entropy dlogits", &s, &gd, &sd);
+            let mut gl = up(&s, &logits);
+            launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, at, &mut gloss)
+                .unwrap();
+            same("scaled in-place cross-entropy dlogits", &down(&s, &gl), &sd);
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use fsdp_device::Stream;
 use fsdp_kernels::gpt::{CudaOps, GptOps};
 use fsdp_kernels::host::{
     self, pack_state, state_len, step_scalars_len, AdamW, AdamWChoice, AdamWScalars, AnyPrecision,
-    AnyPrecisionChoice, AnyPrecisionScalars, StepRule, STEP_LOSS, STEP_SQUARES,
+    AnyPrecisionChoice, AnyPrecisionScalars, ScalerRule, StepRule, STEP_LOSS, STEP_SQUARES,
 };
 use fsdp_kernels::launch;
 
@@ -63,25 +63,43 @@ fn step_decide_equals_its_twin() {
         (0.04, 2.2, None, Some(1), 3),
         (0.05, 2.1, None, None, 7),
     ];
-    // The previous decision: its persistent slots (count, non-finite steps, halt) carry on.
-    let mut state = vec![0.0f64; step_scalars_len(tensors)];
-    for (k, (sq, loss, max_norm, skip, base)) in cases.into_iter().enumerate() {
-        state[STEP_LOSS] = loss;
-        for i in 0..tensors {
-            state[STEP_SQUARES + i] = sq * (i + 1) as f64 / 3.0;
+    // Without a grad scaler; with one at a power-of-two scale, growing every 2 steps; with
+    // one at a scale that is not a power of two, growing every step (the growth past f32's
+    // range is not applied).
+    let scaler = |interval| ScalerRule {
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        growth_interval: interval,
+    };
+    for (rule_scaler, start) in [
+        (None, None),
+        (Some(scaler(2)), Some((65536.0f32, 0, 0))),
+        (Some(scaler(1)), Some((1000.0f32, 0, 3))),
+        (Some(scaler(1)), Some((f32::MAX / 1.5, 0, 0))),
+    ] {
+        // The previous decision: its persistent slots (count, non-finite steps, halt, the
+        // scaler's) carry on.
+        let mut state = host::step_scalars(tensors, start);
+        for (k, (sq, loss, max_norm, skip, base)) in cases.into_iter().enumerate() {
+            state[STEP_LOSS] = loss;
+            for i in 0..tensors {
+                state[STEP_SQUARES + i] = sq * (i + 1) as f64 / 3.0;
+            }
+            let mut got = up(&s, &state);
+            let mut want = state.clone();
+            let rule = StepRule {
+                tensors,
+                max_norm,
+                skip_nonfinite: skip,
+                base_steps: base,
+                scaler: rule_scaler,
+            };
+            host::step_decide(&rule, &mut want).unwrap();
+            launch::step_decide(&s, &rule, &mut got).unwrap();
+            let what = format!("{rule_scaler:?} case {k}: {want:?}");
+            assert_eq!(bits(&down(&s, &got)), bits(&want), "{what}");
+            state = want;
         }
-        let mut got = up(&s, &state);
-        let mut want = state.clone();
-        let rule = StepRule {
-            tensors,
-            max_norm,
-            skip_nonfinite: skip,
-            base_steps: base,
-        };
-        host::step_decide(&rule, &mut want).unwrap();
-        launch::step_decide(&s, &rule, &mut got).unwrap();
-        assert_eq!(bits(&down(&s, &got)), bits(&want), "case {k}: {want:?}");
-        state = want;
     }
 }
 
@@ -132,11 +150,13 @@ fn anyprecision_decided_equals_its_twin() {
                 assert_eq!(m.len(), sn);
                 let (mut dp, mut dm, mut dv, mut dc) =
                     (up(&s, &p), up(&s, &m), up(&s, &v), up(&s, &c));
-                for (k, (applied, pick, clipped, coef)) in [
-                    (1.0, 0.0, 0.0, 1.0),
-                    (1.0, 1.0, 1.0, 0.37f32 as f64),
-                    (0.0, 1.0, 1.0, 0.5),
-                    (1.0, 1.0, 0.0, 1.0),
+                for (k, (applied, pick, clipped, coef, unscale)) in [
+                    (1.0, 0.0, 0.0, 1.0, 0.0),
+                    (1.0, 1.0, 1.0, 0.37f32 as f64, 0.0),
+                    (0.0, 1.0, 1.0, 0.5, 0.0),
+                    (1.0, 1.0, 0.0, 1.0, 0.0),
+                    (1.0, 0.0, 1.0, 0.37f32 as f64, 2f64.powi(-16)),
+                    (1.0, 1.0, 0.0, 1.0, f64::from(1.0f32 / 1000.0)),
                 ]
                 .into_iter()
                 .enumerate()
@@ -147,6 +167,7 @@ fn anyprecision_decided_equals_its_twin() {
                     sc[host::STEP_CHOICE] = pick;
                     sc[host::STEP_CLIPPED] = clipped;
                     sc[host::STEP_CLIP_COEF] = coef;
+                    sc[host::STEP_UNSCALE] = unscale;
                     host::anyprecision_decided(
                         &choice,
                         kind,
@@ -211,12 +232,14 @@ fn adamw_decided_equals_its_twin() {
     let mut m = data(n, 2, 0.01);
     let mut v: Vec<f32> = data(n, 3, 0.001).iter().map(|x| x.abs()).collect();
     let (mut dp, mut dm, mut dv) = (up(&s, &p), up(&s, &m), up(&s, &v));
-    // (applied, choice, clipped, coefficient)
-    for (k, (applied, pick, clipped, coef)) in [
-        (1.0, 0.0, 0.0, 1.0),
-        (1.0, 1.0, 1.0, 0.37f32 as f64),
-        (0.0, 1.0, 1.0, 0.5),
-        (1.0, 1.0, 0.0, 1.0),
+    // (applied, choice, clipped, coefficient, a grad scaler's unscaling or 0)
+    for (k, (applied, pick, clipped, coef, unscale)) in [
+        (1.0, 0.0, 0.0, 1.0, 0.0),
+        (1.0, 1.0, 1.0, 0.37f32 as f64, 0.0),
+        (0.0, 1.0, 1.0, 0.5, 0.0),
+        (1.0, 1.0, 0.0, 1.0, 0.0),
+        (1.0, 0.0, 1.0, 0.37f32 as f64, 2f64.powi(-16)),
+        (1.0, 1.0, 0.0, 1.0, f64::from(1.0f32 / 1000.0)),
     ]
     .into_iter()
     .enumerate()
@@ -227,6 +250,7 @@ fn adamw_decided_equals_its_twin() {
         sc[host::STEP_CHOICE] = pick;
         sc[host::STEP_CLIPPED] = clipped;
         sc[host::STEP_CLIP_COEF] = coef;
+        sc[host::STEP_UNSCALE] = unscale;
         host::adamw_decided(&choice, &sc, &mut p, &g, &mut m, &mut v).unwrap();
         let (dg, ds) = (up(&s, &g), up(&s, &sc));
         launch::adamw_decided(&s, &choice, &ds, &mut dp, &dg, &mut dm, &mut dv).unwrap();

@@ -4,13 +4,17 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
+use fsdp::engine::{GradScalerConfig, GradScalerState};
 use fsdp::init::materialize;
 use fsdp::optim::{check_max_norm, AdamWConfig, LrSchedule};
 use fsdp::FsdpError;
 use fsdp_device::half::bf16;
 use fsdp_device::DType;
 use fsdp_kernels::gpt::{Attention, GptDims, Logits};
-use fsdp_kernels::host::{AnyPrecision, STEP_CHOICES};
+use fsdp_kernels::host::{
+    step_scalars, AnyPrecision, ScalerRule, STEP_CHOICES, STEP_COUNT, STEP_FOUND_INF,
+    STEP_GROWTH_TRACKER, STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED,
+};
 use fsdp_kernels::KernelError;
 
 use crate::init::gpt2_init;
@@ -128,6 +132,16 @@ pub struct DeviceTrainConfig {
     /// training: the initial parameters are rounded too) in its f32 buffers, which the
     /// kernels read.
     pub any_precision: Option<AnyPrecision>,
+    /// Dynamic loss scaling (PyTorch's `GradScaler` as the engine's
+    /// [`GradScaler`](fsdp::engine::GradScaler) runs it; `None`, or a configuration not
+    /// `enabled`: off). The scale lives on the device with the step's scalars: each
+    /// micro-batch's backward starts from the cross-entropy's gradient seed times the scale,
+    /// the norm and AdamW see the gradients unscaled, and a step whose scaled gradients
+    /// overflowed is skipped and the scale backed off, all decided on the device
+    /// ([`step_decide`](fsdp_kernels::host::step_decide)). With f32 or bf16 products and a
+    /// power-of-two scale the training is bitwise that without the scaler, unless a step
+    /// overflows.
+    pub grad_scaler: Option<GradScalerConfig>,
 }
 
 impl DeviceTrainConfig {
@@ -143,6 +157,9 @@ impl DeviceTrainConfig {
             check_max_norm(c)?;
         }
         crate::device_comm::reduces_in_bf16("reduce_dtype", self.reduce_dtype)?;
+        if let Some(g) = self.grad_scaler.filter(|g| g.enabled) {
+            g.validate()?;
+        }
         if let Some(a) = self.any_precision {
             a.validate().map_err(|e| FsdpError::InvalidFsdpConfig {
                 reason: format!("AnyPrecisionAdamW: {e}"),
@@ -195,6 +212,62 @@ impl DeviceTrainConfig {
             Some(a) if a.param == DType::BF16 => DType::BF16,
             _ => DType::F32,
         }
+    }
+
+    /// The decision's loss-scaling settings: `None` without an enabled grad scaler.
+    pub fn scaler_rule(&self) -> Option<ScalerRule> {
+        self.grad_scaler
+            .filter(|g| g.enabled)
+            .map(|g| ScalerRule {
+                growth_factor: g.growth_factor,
+                backoff_factor: g.backoff_factor,
+                growth_interval: g.growth_interval,
+            })
+    }
+
+    /// A step's scalars for `tensors` gradient tensors when training starts or resumes after
+    /// `optimizer_steps` steps with `skipped` non-finite ones: with a grad scaler, its state
+    /// `scaler` (a new scaler's when `None`: its initial scale).
+    pub(crate) fn start_scalars(
+        &self,
+        tensors: usize,
+        optimizer_steps: u64,
+        skipped: u64,
+        scaler: Option<GradScalerState>,
+    ) -> Vec<f64> {
+        let state = scaler
+            .or(self.initial_scaler_state())
+            .filter(|_| self.scaler_rule().is_some())
+            .map(|s| (s.scale, s.growth_tracker, s.skipped_steps));
+        let mut v = step_scalars(tensors, state);
+        v[STEP_COUNT] = optimizer_steps as f64;
+        v[STEP_NONFINITE] = skipped as f64;
+        v
+    }
+
+    /// A new grad scaler's state (its initial scale): `None` without one.
+    pub(crate) fn initial_scaler_state(&self) -> Option<GradScalerState> {
+        self.grad_scaler
+            .filter(|g| g.enabled)
+            .map(|g| GradScalerState {
+                scale: g.init_scale,
+                growth_tracker: 0,
+                skipped_steps: 0,
+            })
+    }
+
+    /// The grad scaler's state after a step, from the step's scalars `v`: `None` without one.
+    pub(crate) fn scaler_state(&self, v: &[f64]) -> Option<GradScalerState> {
+        self.scaler_rule().map(|_| GradScalerState {
+            scale: v[STEP_SCALE] as f32,
+            growth_tracker: v[STEP_GROWTH_TRACKER] as u32,
+            skipped_steps: v[STEP_SCALER_SKIPPED] as u64,
+        })
+    }
+
+    /// Whether the step of scalars `v` overflowed under the grad scaler (its skip).
+    pub(crate) fn overflowed(v: &[f64]) -> bool {
+        v[STEP_FOUND_INF] == 1.0
     }
 
     /// The model's shape as the kernels' model takes it.

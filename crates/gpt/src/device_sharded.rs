@@ -29,7 +29,7 @@ use fsdp::FsdpError;
 use fsdp::ShardingStrategy;
 use fsdp_collectives::ReduceOp;
 use fsdp_kernels::gpt::{param_shapes, GptOps, GptPass, HostOps, Weights};
-use fsdp_kernels::host::{step_scalars_len, StepRule, STEP_APPLIED, STEP_LOSS, STEP_SQUARES};
+use fsdp_kernels::host::{StepRule, STEP_APPLIED, STEP_LOSS, STEP_SCALE, STEP_SQUARES};
 use fsdp_kernels::KernelError;
 
 use crate::data::get_batch;
@@ -89,6 +89,8 @@ pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) scalars: O::Scalars,
     pub(crate) skip_nonfinite: Option<u64>,
     pub(crate) known_steps: u64,
+    /// The grad scaler's state, as far as the outcomes read say (`None` without one).
+    pub(crate) scaler_state: Option<fsdp::engine::GradScalerState>,
     /// The step enqueued whose outcome is unread: its number, the optimizer steps known
     /// when it was enqueued, and its scalars on the way.
     pub(crate) pending: Option<Pending<O>>,
@@ -208,7 +210,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         pass.set_logits(config.logits);
         let ops = pass.ops();
         let tensors = param_shapes(&dims).len();
-        let scalars = ops.scalars(&vec![0.0; step_scalars_len(tensors)])?;
+        let scalars = ops.scalars(&config.start_scalars(tensors, 0, 0, None))?;
         let (shards, optim) = if config.offload {
             // The master shards on the host, each made on the device and copied out (one at a
             // time), and their staging copy that the units are copied in from.
@@ -223,7 +225,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             }
             let side = HostSide {
                 optim: Optim::sharded_zeros(&host, &dims, true, factor, config.any_precision)?,
-                scalars: host.scalars(&vec![0.0; step_scalars_len(tensors)])?,
+                scalars: host.scalars(&config.start_scalars(tensors, 0, 0, None))?,
                 params,
                 ops: host,
             };
@@ -257,6 +259,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             scalars,
             skip_nonfinite: None,
             known_steps: 0,
+            scaler_state: config.initial_scaler_state(),
             pending: None,
             tracing: None,
             memory_history: None,
@@ -409,6 +412,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         }
         let (reported, count) = read_outcome(&self.config, step, known, &v)?;
         self.known_steps = count;
+        self.scaler_state = reported.outcome.scaler;
         Ok(reported)
     }
 
@@ -472,9 +476,12 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             .with_prefetch(self.prefetch)
             .with_reduce_dtype(c.reduce_dtype)
             .with_gather_dtype(c.gather_dtype(), ops.bf16_products());
+            // With a grad scaler, the backward of the loss times the scale on the device.
+            let scale = c.scaler_rule().map(|_| &self.scalars);
+            let (inputs, targets, rows) = (&b.inputs, &b.targets, b.shape.rows);
             let losses =
                 self.pass
-                    .forward_backward(&mut units, &b.inputs, &b.targets, b.shape.rows, t)?;
+                    .forward_backward_scaled(&mut units, inputs, targets, rows, t, scale)?;
             self.volume += units.volume();
             drop(units);
             ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;
@@ -494,6 +501,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             max_norm: c.grad_clip,
             skip_nonfinite: self.skip_nonfinite,
             base_steps: known,
+            scaler: c.scaler_rule(),
         };
         let choices = step_choices(&c, known)?;
         let (comm, replicas, factor) = (&self.comm, self.replicas.as_ref(), self.factor);
@@ -540,6 +548,11 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                     host, masters, grads, moments, scalars, &rule, &choices, decays,
                 )?;
                 let values = scalars.to_vec();
+                if c.scaler_rule().is_some() {
+                    // The next step's backward reads the scale the host decided.
+                    let at = (&mut self.scalars, STEP_SCALE);
+                    ops.write_scalars(at.0, at.1, &[values[STEP_SCALE]])?;
+                }
                 if values[STEP_APPLIED] == 1.0 {
                     // The units copy the updated shards in from here when they are used.
                     let staged = staging.params.all_mut().into_iter();

@@ -10,7 +10,8 @@ use std::path::Path;
 use fsdp::checkpoint::FullOptimizerState;
 use fsdp_device::DType;
 use fsdp_kernels::gpt::{param_shapes, Block, GptOps, HostBuf, Weights};
-use fsdp_kernels::host::{step_scalars_len, unpack_state, STEP_COUNT, STEP_NONFINITE};
+use fsdp::engine::GradScalerState;
+use fsdp_kernels::host::{unpack_state, STEP_SCALE};
 use fsdp_kernels::KernelError;
 
 use crate::device_comm::DeviceComm;
@@ -181,9 +182,9 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let shard = self.comm.rank() % self.factor;
         let ops = self.pass.ops();
         let factor = self.factor;
-        let mut scalars = vec![0.0; step_scalars_len(param_shapes(&self.config.dims()).len())];
-        scalars[STEP_COUNT] = state.optimizer_steps as f64;
-        scalars[STEP_NONFINITE] = skipped as f64;
+        let tensors = param_shapes(&self.config.dims()).len();
+        let steps = state.optimizer_steps;
+        let scalars = self.config.start_scalars(tensors, steps, skipped, None);
         match &mut self.optim {
             ShardSide::Device(o) => upload_state(ops, &mut o.moments, &values, d, shard, factor)?,
             ShardSide::Host(h, _) => {
@@ -194,7 +195,34 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         }
         self.scalars = ops.scalars(&scalars)?;
         self.known_steps = state.optimizer_steps;
+        self.scaler_state = self.config.initial_scaler_state();
         Ok(())
+    }
+
+    /// Continues with the grad scaler's saved state, as
+    /// [`DeviceTrainer::set_grad_scaler_state`](crate::device_train::DeviceTrainer::set_grad_scaler_state)
+    /// (every rank the same state).
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while an enqueued step is unread; no grad scaler
+    /// configured, or a scale that is not finite and positive; copy failures.
+    pub fn set_grad_scaler_state(&mut self, state: GradScalerState) -> Result<(), DeviceTrainError> {
+        if let Some((step, ..)) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: *step });
+        }
+        let slots = crate::device_state::scaler_slots(&self.config, state)?;
+        let ops = self.pass.ops();
+        ops.write_scalars(&mut self.scalars, STEP_SCALE, &slots)?;
+        if let ShardSide::Host(h, _) = &mut self.optim {
+            h.ops.write_scalars(&mut h.scalars, STEP_SCALE, &slots)?;
+        }
+        self.scaler_state = Some(state);
+        Ok(())
+    }
+
+    /// The grad scaler's state as far as the outcomes read say: `None` without a scaler.
+    pub fn grad_scaler_state(&self) -> Option<GradScalerState> {
+        self.scaler_state
     }
 
     /// Gathers the parameters and the optimizer state and, on the rank given a directory,
@@ -207,7 +235,10 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         let o = self.optimizer_state()?;
         let params = self.full_params()?;
         match dir {
-            Some(dir) => write_state(dir, &self.config, &params, &o),
+            Some(dir) => {
+                write_state(dir, &self.config, &params, &o)?;
+                crate::device_state::save_scaler(dir, &self.config, self.scaler_state)
+            }
             None => Ok(()),
         }
     }

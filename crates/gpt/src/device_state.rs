@@ -11,12 +11,14 @@ use std::path::Path;
 use fsdp::checkpoint::{
     write_full_checkpoint, FullAdamW, FullAnyPrecision, FullOptimizerState, FullParam, FullState,
 };
-use fsdp::engine::OptimizerSetup;
+use fsdp::engine::{save_grad_scaler_state, GradScalerState, OptimizerSetup};
 use fsdp::optim::{decay_2d_only, decay_2d_only_group};
 use fsdp::FsdpError;
 use fsdp_device::DType;
 use fsdp_kernels::gpt::{param_shapes, GptOps, Weights};
-use fsdp_kernels::host::{pack_state, step_scalars_len, unpack_state, STEP_COUNT, STEP_NONFINITE};
+use fsdp_kernels::host::{
+    pack_state, unpack_state, STEP_GROWTH_TRACKER, STEP_SCALE, STEP_SCALER_SKIPPED,
+};
 use fsdp_kernels::KernelError;
 
 use crate::device_optim::{Moments, Placement};
@@ -86,14 +88,38 @@ impl<O: GptOps> DeviceTrainer<O> {
                 upload_moments(&h.ops, &mut h.optim.moments, &values, d)?;
             }
         }
-        let mut scalars = vec![0.0; step_scalars_len(self.decays.len())];
-        scalars[STEP_COUNT] = state.optimizer_steps as f64;
-        scalars[STEP_NONFINITE] = skipped as f64;
+        let tensors = self.decays.len();
+        let scalars = self
+            .config
+            .start_scalars(tensors, state.optimizer_steps, skipped, None);
         self.scalars = self.model.ops().scalars(&scalars)?;
+        self.scaler_state = self.config.initial_scaler_state();
         if let Placement::Host(h, _) = &mut self.state {
             h.scalars.copy_from_slice(&scalars);
         }
         self.known_steps = state.optimizer_steps;
+        Ok(())
+    }
+
+    /// Continues with the grad scaler's saved state (scale, growth tracker, skipped steps), as
+    /// [`Fsdp::set_grad_scaler_state`](fsdp::engine::Fsdp::set_grad_scaler_state): after
+    /// [`load_optimizer_state`](Self::load_optimizer_state), which starts the scaler anew.
+    ///
+    /// # Errors
+    /// [`DeviceTrainError::Unread`] while an enqueued step is unread; no grad scaler
+    /// configured, or a scale that is not finite and positive; copy failures.
+    pub fn set_grad_scaler_state(&mut self, state: GradScalerState) -> Result<(), DeviceTrainError> {
+        if let Some(p) = &self.pending {
+            return Err(DeviceTrainError::Unread { step: p.step });
+        }
+        let slots = scaler_slots(&self.config, state)?;
+        self.model
+            .ops()
+            .write_scalars(&mut self.scalars, STEP_SCALE, &slots)?;
+        if let Placement::Host(h, _) = &mut self.state {
+            h.ops.write_scalars(&mut h.scalars, STEP_SCALE, &slots)?;
+        }
+        self.scaler_state = Some(state);
         Ok(())
     }
 
@@ -105,8 +131,49 @@ impl<O: GptOps> DeviceTrainer<O> {
     pub fn save_checkpoint(&self, dir: &Path) -> Result<(), DeviceTrainError> {
         let o = self.optimizer_state()?;
         let params = self.full_params()?;
-        write_state(dir, &self.config, &params, &o)
+        write_state(dir, &self.config, &params, &o)?;
+        save_scaler(dir, &self.config, self.scaler_state)
     }
+}
+
+/// Writes the grad scaler's settings and `state` into the checkpoint `dir` as the engine does
+/// ([`save_grad_scaler_state`]), or removes a stale file without a scaler.
+///
+/// # Errors
+/// A failed write.
+pub(crate) fn save_scaler(
+    dir: &Path,
+    c: &DeviceTrainConfig,
+    state: Option<GradScalerState>,
+) -> Result<(), DeviceTrainError> {
+    let config = c.grad_scaler.filter(|g| g.enabled);
+    Ok(save_grad_scaler_state(dir, config.as_ref().zip(state))?)
+}
+
+/// The scalar slots from [`STEP_SCALE`] on that hold a grad scaler's `state` (this step's
+/// unscaling and overflow cleared).
+///
+/// # Errors
+/// No grad scaler configured; a scale that is not finite and positive.
+pub(crate) fn scaler_slots(
+    c: &DeviceTrainConfig,
+    state: GradScalerState,
+) -> Result<[f64; 5], DeviceTrainError> {
+    let bad = |reason: String| DeviceTrainError::from(FsdpError::InvalidFsdpConfig { reason });
+    if c.scaler_rule().is_none() {
+        return Err(bad("a grad scaler's state for a trainer without one".into()));
+    }
+    if !(state.scale.is_finite() && state.scale > 0.0) {
+        return Err(bad(format!(
+            "a grad scaler's scale must be finite and positive, not {}",
+            state.scale
+        )));
+    }
+    let mut slots = [0.0; 5];
+    slots[STEP_SCALE - STEP_SCALE] = f64::from(state.scale);
+    slots[STEP_GROWTH_TRACKER - STEP_SCALE] = f64::from(state.growth_tracker);
+    slots[STEP_SCALER_SKIPPED - STEP_SCALE] = state.skipped_steps as f64;
+    Ok(slots)
 }
 
 /// The buffers of every tensor (`values`, in [`param_shapes`] order: both moments and, if

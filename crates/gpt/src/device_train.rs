@@ -33,6 +33,11 @@
 //!   step count it may have reached. [`enqueue_step`](DeviceTrainer::enqueue_step) returns the
 //!   outcome of the step before (read one step late, while the device runs this one);
 //!   [`step`](DeviceTrainer::step) waits for its own;
+//! - with [`DeviceTrainConfig::grad_scaler`], dynamic loss scaling as the engine's
+//!   [`GradScaler`](fsdp::engine::GradScaler): the scale kept on the device multiplies each
+//!   micro-batch's gradient seed, the decision unscales the norm and AdamW the gradients, and
+//!   a step whose gradients overflowed is the scaler's skip (not a non-finite step) and
+//!   backs the scale off;
 //! - with [`DeviceTrainConfig::offload`] (CPU offload, PyTorch's
 //!   `CPUOffload(offload_params=True)`) the master parameters, the accumulators and AdamW's
 //!   moments live on the host and the norm, clipping and AdamW run there on the kernels' host
@@ -52,13 +57,14 @@
 
 use std::collections::HashMap;
 
+use fsdp::engine::GradScalerState;
 use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
 use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{param_shapes, DeviceGpt, GptOps, HostOps, MemoryUse, Weights};
 use fsdp_kernels::host::{
-    step_scalars_len, AdamW, AdamWChoice, AdamWScalars, AnyPrecisionChoice, AnyPrecisionScalars,
-    StepRule, STEP_APPLIED, STEP_COUNT, STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS,
+    AdamW, AdamWChoice, AdamWScalars, AnyPrecisionChoice, AnyPrecisionScalars, StepRule,
+    STEP_APPLIED, STEP_COUNT, STEP_FAULT, STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS, STEP_SCALE,
 };
 use fsdp_kernels::KernelError;
 
@@ -86,6 +92,12 @@ pub struct StepOutcome {
     /// [`set_skip_nonfinite`](DeviceTrainer::set_skip_nonfinite) allows were seen, this one
     /// or an earlier one; no later step applies.
     pub halted: bool,
+    /// Whether the grad scaler found the step's gradients overflowed (a NaN or an infinity):
+    /// the scaler skipped the step and backed its scale off. Such a step does not count as
+    /// non-finite unless its loss is.
+    pub overflow: bool,
+    /// The grad scaler's state after the step (`None` without one).
+    pub scaler: Option<GradScalerState>,
 }
 
 /// The outcome of step [`step`](Reported::step), read after it ran.
@@ -111,6 +123,8 @@ pub struct DeviceTrainer<O: GptOps> {
     skip_nonfinite: Option<u64>,
     /// Optimizer steps taken, as far as the outcomes read say.
     pub(crate) known_steps: u64,
+    /// The grad scaler's state, as far as the outcomes read say (`None` without one).
+    pub(crate) scaler_state: Option<GradScalerState>,
     /// The step enqueued whose outcome is unread.
     pub(crate) pending: Option<Pending<O>>,
     /// `--trace`: the trace so far ([`set_tracing`](DeviceTrainer::set_tracing)).
@@ -169,7 +183,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                 }
             })?;
             let optim = Optim::zeros(&host, &dims, true, config.any_precision)?;
-            let scalars = host.scalars(&vec![0.0; step_scalars_len(tensors)])?;
+            let scalars = host.scalars(&config.start_scalars(tensors, 0, 0, None))?;
             let staging = OffloadStaging::new(model.ops(), &dims, config.grad_accum, 1)?;
             Placement::Host(
                 Box::new(HostSide {
@@ -188,7 +202,7 @@ impl<O: GptOps> DeviceTrainer<O> {
                 config.any_precision,
             )?)
         };
-        let scalars = model.ops().scalars(&vec![0.0; step_scalars_len(tensors)])?;
+        let scalars = model.ops().scalars(&config.start_scalars(tensors, 0, 0, None))?;
         let decays = param_shapes(&dims)
             .iter()
             .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
@@ -201,6 +215,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             scalars,
             skip_nonfinite: None,
             known_steps: 0,
+            scaler_state: config.initial_scaler_state(),
             pending: None,
             tracing: None,
             memory_history: None,
@@ -224,6 +239,12 @@ impl<O: GptOps> DeviceTrainer<O> {
     /// read so far say.
     pub fn optimizer_steps(&self) -> u64 {
         self.known_steps
+    }
+
+    /// The grad scaler's state (scale, growth tracker, skipped steps) as far as the outcomes
+    /// read say: `None` without a scaler.
+    pub fn grad_scaler_state(&self) -> Option<GradScalerState> {
+        self.scaler_state
     }
 
     /// The operations.
@@ -314,9 +335,11 @@ impl<O: GptOps> DeviceTrainer<O> {
         for m in 0..accum {
             let k = micro_batch_index(step, accum, m)?;
             let b = get_batch(tokens, k, micro, t, 0, 1)?;
-            let losses = self
-                .model
-                .forward_backward(&b.inputs, &b.targets, b.shape.rows, t)?;
+            // With a grad scaler, the backward of the loss times the scale on the device.
+            let scale = c.scaler_rule().map(|_| &self.scalars);
+            let losses =
+                self.model
+                    .forward_backward_scaled(&b.inputs, &b.targets, b.shape.rows, t, scale)?;
             self.trace_model(k + 1);
             let (ops, _, grads) = self.model.parts_mut();
             // The engine's loss of a micro-batch: its token sum over the step's tokens.
@@ -364,6 +387,7 @@ impl<O: GptOps> DeviceTrainer<O> {
             max_norm: c.grad_clip,
             skip_nonfinite: self.skip_nonfinite,
             base_steps: known,
+            scaler: c.scaler_rule(),
         };
         let choices = step_choices(&self.config, known)?;
         let on_host = match &mut self.state {
@@ -414,6 +438,11 @@ impl<O: GptOps> DeviceTrainer<O> {
                     &self.decays,
                 )?;
                 let values = scalars.to_vec();
+                if c.scaler_rule().is_some() {
+                    // The next step's backward reads the scale the host decided.
+                    let ops = self.model.ops();
+                    ops.write_scalars(&mut self.scalars, STEP_SCALE, &[values[STEP_SCALE]])?;
+                }
                 if values[STEP_APPLIED] == 1.0 {
                     // The updated parameters copied into the device's working ones through
                     // the staging memory: the next step's work follows the copies on the
@@ -461,6 +490,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         }
         let (reported, count) = read_outcome(&self.config, p.step, p.known, &v)?;
         self.known_steps = count;
+        self.scaler_state = reported.outcome.scaler;
         Ok(reported)
     }
 
@@ -534,6 +564,8 @@ pub(crate) fn read_outcome(
         lr: c.schedule.lr_at(c.adamw.lr, before),
         applied,
         halted: v[STEP_HALTED] == 1.0,
+        overflow: DeviceTrainConfig::overflowed(v),
+        scaler: c.scaler_state(v),
     };
     Ok((Reported { step, outcome }, count))
 }

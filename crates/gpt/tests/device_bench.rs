@@ -33,6 +33,7 @@ fn tiny() -> DeviceTrainConfig {
         logits: Default::default(),
         reduce_dtype: fsdp_device::DType::F32,
         any_precision: None,
+        grad_scaler: None,
     }
 }
 

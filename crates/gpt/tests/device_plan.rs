@@ -35,6 +35,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         logits: Default::default(),
         reduce_dtype: fsdp_device::DType::F32,
         any_precision: None,
+        grad_scaler: None,
     }
 }
 

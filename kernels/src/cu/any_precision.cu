@@ -28,10 +28,11 @@ __device__ __forceinline__ void anyprecision_decided_impl(float* p, const float*
     const AnyPrecisionArgs a = choice.at[k < STEP_CHOICES ? k : STEP_CHOICES - 1];
     bool clipped = s[STEP_CLIPPED] == 1.0;
     float c = __double2float_rn(s[STEP_CLIP_COEF]);
+    float u = __double2float_rn(s[STEP_UNSCALE]);
     const S* tag = m;
     float eps = round_as(tag, a.eps);
     GRID_STRIDE(i, n) {
-        float gi = clipped ? __fadd_rn(__fmul_rn(c, g[i]), 0.0f) : g[i];
+        float gi = decided_grad(g[i], u, clipped, c);
         float pf = p[i];
         if (a.has_decay) pf = round_param(param_bf16, __fmul_rn(pf, a.decay));
         float mf = round_as(tag, __fmul_rn(load_c(m, i), a.beta1));

@@ -132,5 +132,17 @@ __device__ __forceinline__ float round_as(const f16*, float v) { return to_f32(f
 #define STEP_NONFINITE 7
 #define STEP_HALTED 8
 #define STEP_FAULT 9
-#define STEP_SQUARES 10
+#define STEP_SCALE 10
+#define STEP_UNSCALE 11
+#define STEP_FOUND_INF 12
+#define STEP_GROWTH_TRACKER 13
+#define STEP_SCALER_SKIPPED 14
+#define STEP_SQUARES 15
 #define STEP_CHOICES 2
+
+// The gradient AdamW reads as the decision says (twin: host/step.rs `decided_grad`): times
+// STEP_UNSCALE when a grad scaler set it, then c·g + 0 (as axpby rounds it) when clipped.
+__device__ __forceinline__ float decided_grad(float g, float unscale, bool clipped, float c) {
+    if (unscale != 0.0f) g = __fmul_rn(g, unscale);
+    return clipped ? __fadd_rn(__fmul_rn(c, g), 0.0f) : g;
+}

@@ -386,15 +386,18 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
 // Cross-entropy with its backward, one block per row of logits [n, v]: loss[r] =
 // ln(sum) + (max - logit[target]) with sum = sum_j e^(logit_j - max), and
 // dlogits_j = dloss * (e^(logit_j - max) / sum - [j == target]). The mean over rows is the
-// caller's (dloss = 1/N). A target >= v gives a NaN loss and a NaN row of dlogits. dlogits
+// caller's (dloss = 1/N), times the step's loss scale s[STEP_SCALE] (rounded to f32) when a
+// grad scaler passes its scalars `s` (else null). A target >= v gives a NaN loss and a NaN
+// row of dlogits. dlogits
 // may be logits itself (each element is read and then written by one thread, after every
 // read of the row's reductions). dlogits is f32, or its bf16 rounding (the cast kernel's) for
 // a gradient only products read.
 template <typename D>
 __device__ __forceinline__ void cross_entropy_fused_impl(const float* logits, const u32* targets,
                                                          float* losses, D* dlogits, u32 v,
-                                                         float dloss) {
+                                                         float dloss, const double* s) {
     __shared__ float sh[NN_BLOCK];
+    if (s != nullptr) dloss = fm(dloss, __double2float_rn(s[STEP_SCALE]));
     u64 off = (u64)blockIdx.x * v;
     u32 tg = targets[blockIdx.x];
     float mx = -pos_inf();
@@ -419,14 +422,16 @@ __device__ __forceinline__ void cross_entropy_fused_impl(const float* logits, co
 
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     cross_entropy_fused_f32(const float* logits, const u32* targets, float* losses,
-                            float* dlogits, u32 v, float dloss) {
-    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss);
+                            float* dlogits, u32 v, float dloss,
+                            const double* s) {
+    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss, s);
 }
 
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     cross_entropy_fused_bf16(const float* logits, const u32* targets, float* losses,
-                             bf16* dlogits, u32 v, float dloss) {
-    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss);
+                             bf16* dlogits, u32 v, float dloss,
+                             const double* s) {
+    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss, s);
 }
 
 // Embedding forward: x[r, j] = wte[ids[r], j] + wpe[r % t, j]; an id >= vocab gives NaN.

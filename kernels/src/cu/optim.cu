@@ -73,13 +73,24 @@ extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n, 
 
 // One thread: the norm from the tensors' sums of squares (in order), clipping, finiteness,
 // the non-finite budget (`skip_nonfinite` < 0: none), the choice of AdamW scalars and the
-// optimizer step count. `max_norm` < 0: no clipping.
+// optimizer step count. `max_norm` < 0: no clipping. With a grad scaler (`growth_interval` >
+// 0) the squares are of scaled gradients: the norm is unscaled, a non-finite one is the
+// scaler's overflow, and the scale, tracker and skips are updated (twin: host/step.rs).
 extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
-                                       double skip_nonfinite, double base_steps) {
+                                       double skip_nonfinite, double base_steps,
+                                       double growth_factor, double backoff_factor,
+                                       double growth_interval) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    bool scaler = growth_interval > 0.0;
     double sq = 0.0;
     for (u64 i = 0; i < tensors; i++) sq = __dadd_rn(sq, s[STEP_SQUARES + i]);
     double norm = __dsqrt_rn(sq);
+    double unscale = 0.0;
+    if (scaler) {
+        unscale = (double)__double2float_rn(__ddiv_rn(1.0, s[STEP_SCALE]));
+        norm = __dmul_rn(norm, unscale);
+    }
+    s[STEP_UNSCALE] = unscale;
     s[STEP_GRAD_NORM] = norm;
     double clipped = 0.0, coef = 1.0;
     if (max_norm >= 0.0) {
@@ -91,7 +102,8 @@ extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
     }
     s[STEP_CLIPPED] = clipped;
     s[STEP_CLIP_COEF] = coef;
-    bool finite = isfinite(__double2float_rn(s[STEP_LOSS])) && isfinite(norm);
+    bool found_inf = scaler && !isfinite(norm);
+    bool finite = isfinite(__double2float_rn(s[STEP_LOSS])) && (found_inf || isfinite(norm));
     if (!finite) {
         s[STEP_NONFINITE] = s[STEP_NONFINITE] + 1.0;
         if (skip_nonfinite >= 0.0 && s[STEP_NONFINITE] > skip_nonfinite) s[STEP_HALTED] = 1.0;
@@ -100,9 +112,25 @@ extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
     bool in_range = choice >= 0.0 && choice < (double)STEP_CHOICES;
     s[STEP_FAULT] = in_range ? 0.0 : 1.0;
     s[STEP_CHOICE] = in_range ? choice : 0.0;
-    bool applied = finite && s[STEP_HALTED] == 0.0 && in_range;
+    bool applied = finite && !found_inf && s[STEP_HALTED] == 0.0 && in_range;
     s[STEP_APPLIED] = applied ? 1.0 : 0.0;
     if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
+    s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
+    if (!scaler) return;
+    if (found_inf) {
+        s[STEP_SCALER_SKIPPED] = s[STEP_SCALER_SKIPPED] + 1.0;
+        s[STEP_SCALE] = (double)__double2float_rn(__dmul_rn(s[STEP_SCALE], backoff_factor));
+        s[STEP_GROWTH_TRACKER] = 0.0;
+    } else if (applied) {
+        double successful = s[STEP_GROWTH_TRACKER] + 1.0;
+        if (successful >= growth_interval) {
+            float grown = __double2float_rn(__dmul_rn(s[STEP_SCALE], growth_factor));
+            if (isfinite(grown)) s[STEP_SCALE] = (double)grown;
+            s[STEP_GROWTH_TRACKER] = 0.0;
+        } else {
+            s[STEP_GROWTH_TRACKER] = successful;
+        }
+    }
 }
 
 // AdamW's scalars of one optimizer step (AdamWScalars, lerp_small as a u32).
@@ -116,7 +144,7 @@ struct AdamWChoice {
 };
 
 // AdamW as `step_decide` decided: nothing unless applied; the chosen scalars; the gradient
-// times the clipping coefficient (c·g + 0, as axpby rounds it) when clipped.
+// unscaled and clipped as the decision says (decided_grad).
 extern "C" __global__ void adamw_decided_f32(float* p, const float* g, float* m, float* v,
                                              u64 n, const double* s, AdamWChoice choice) {
     if (s[STEP_APPLIED] != 1.0) return;
@@ -124,8 +152,9 @@ extern "C" __global__ void adamw_decided_f32(float* p, const float* g, float* m,
     const AdamWArgs a = choice.at[k < STEP_CHOICES ? k : STEP_CHOICES - 1];
     bool clipped = s[STEP_CLIPPED] == 1.0;
     float c = __double2float_rn(s[STEP_CLIP_COEF]);
+    float u = __double2float_rn(s[STEP_UNSCALE]);
     GRID_STRIDE(i, n) {
-        float gi = clipped ? __fadd_rn(__fmul_rn(c, g[i]), 0.0f) : g[i];
+        float gi = decided_grad(g[i], u, clipped, c);
         adamw_one<float>(p, gi, m, v, i, a.decay, a.w1, a.one_minus_w1, a.lerp_small, a.beta2,
                          a.one_minus_beta2, a.neg_step_size, a.bc2_sqrt, a.eps);
     }

@@ -480,12 +480,15 @@ impl GptOps for CudaOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&CudaScalars>,
         losses: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let targets = targets.slice(rows.clone());
         let mut losses = losses.slice_mut(rows);
-        launch::cross_entropy_fused_in_place(&self.cuda, logits, &targets, v, dloss, &mut losses)
+        let scale = scale.map(|s| &**s);
+        let stream = &self.cuda;
+        launch::cross_entropy_fused_in_place(stream, logits, &targets, v, dloss, scale, &mut losses)
     }
 
     fn cross_entropy_fused_operand(
@@ -495,17 +498,21 @@ impl GptOps for CudaOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&CudaScalars>,
         losses: &mut CudaBuf,
     ) -> Result<CudaOperand, KernelError> {
         if self.products != Products::Bf16 {
-            self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, losses)?;
+            let (l, t) = (&mut logits, targets);
+            self.cross_entropy_fused_in_place(l, t, first, v, dloss, scale, losses)?;
             return Ok(CudaOperand::F32(logits));
         }
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let targets = targets.slice(rows.clone());
         let mut losses = losses.slice_mut(rows);
+        let scale = scale.map(|s| &**s);
         let d = self.written_bf16(logits.len(), |d| {
-            launch::cross_entropy_fused(&self.cuda, &logits, &targets, v, dloss, &mut losses, d)
+            let (l, t, ls) = (&logits, &targets, &mut losses);
+            launch::cross_entropy_fused(&self.cuda, l, t, v, dloss, scale, ls, d)
         })?;
         drop(logits);
         Ok(d)
@@ -594,6 +601,18 @@ impl GptOps for CudaOps {
 
     fn scalars(&self, values: &[f64]) -> Result<CudaScalars, KernelError> {
         self.upload_scalars(values)
+    }
+
+    fn write_scalars(
+        &self,
+        scalars: &mut CudaScalars,
+        at: usize,
+        values: &[f64],
+    ) -> Result<(), KernelError> {
+        let end = super::ops::scalar_slots(scalars.len(), at, values.len())?;
+        self.cuda
+            .memcpy_htod(values, &mut scalars.slice_mut(at..end))
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
     }
 
     fn loss_accumulate(

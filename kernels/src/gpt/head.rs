@@ -81,12 +81,14 @@ impl Logits {
 }
 
 /// The head's inputs: `ln_f`'s output `hf` (`[n, E]`), the tied `wte` (`[v, E]`), the targets
-/// on the device.
+/// on the device, and a grad scaler's scalars.
 pub(super) struct HeadInputs<'a, O: GptOps> {
     pub(super) hf: &'a O::Operand,
     pub(super) wte: &'a O::Buf,
     pub(super) targets: &'a O::Ids,
     pub(super) n: usize,
+    /// A grad scaler's step scalars, whose loss scale multiplies the gradient's seed.
+    pub(super) scale: Option<&'a O::Scalars>,
 }
 
 impl<O: GptOps> GptPass<O> {
@@ -113,8 +115,8 @@ impl<O: GptOps> GptPass<O> {
             // The logits' gradient, an operand of the two products below alone: with bf16
             // products written in bf16 by the cross-entropy itself (the logits then freed), else
             // over the logits.
-            let dlogits =
-                ops.cross_entropy_fused_operand(logits, h.targets, first, v, dloss, losses)?;
+            let (tg, sc) = (h.targets, h.scale);
+            let dlogits = ops.cross_entropy_fused_operand(logits, tg, first, v, dloss, sc, losses)?;
             // dhf's rows, then the tied weight's term.
             let gi = MatMul::linear_grad_input(rows, e, v).at(0, 0, at);
             ops.gemm_args(&gi, Arg::Operand(&dlogits), Arg::Buf(h.wte), &mut dhf)?;

@@ -10,8 +10,8 @@ use super::written::{self, Written};
 use crate::gemm::MatMul;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{
-    self, same_len, AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule,
-    STEP_LOSS,
+    self, same_len, scaled_seed, AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice,
+    StepRule, STEP_LOSS,
 };
 use crate::KernelError;
 
@@ -57,6 +57,10 @@ pub struct HostOps {
     /// (counted from 0) that make the step's loss NaN.
     nan_losses: Vec<u64>,
     loss_calls: AtomicU64,
+    /// [`with_overflow_at`](HostOps::with_overflow_at): the calls of `step_decide` (counted
+    /// from 0) that see an infinite sum of squares.
+    overflows: Vec<u64>,
+    decide_calls: AtomicU64,
 }
 
 impl Default for HostOps {
@@ -86,6 +90,8 @@ impl HostOps {
             roundings: AtomicU64::new(0),
             nan_losses: Vec::new(),
             loss_calls: AtomicU64::new(0),
+            overflows: Vec::new(),
+            decide_calls: AtomicU64::new(0),
         }
     }
 
@@ -95,6 +101,16 @@ impl HostOps {
     /// weights does not produce on demand.
     pub fn with_nan_losses(mut self, calls: impl IntoIterator<Item = u64>) -> HostOps {
         self.nan_losses = calls.into_iter().collect();
+        self
+    }
+
+    /// The same operations, except that the [`step_decide`](GptOps::step_decide) calls
+    /// numbered in `calls` (from 0: one a step) see the first tensor's sum of squares as
+    /// infinite, as gradients that overflowed give it: a fault injected to test what a grad
+    /// scaler does with an overflow, which f32 gradients of a small GPT do not produce on
+    /// demand.
+    pub fn with_overflow_at(mut self, calls: impl IntoIterator<Item = u64>) -> HostOps {
+        self.overflows = calls.into_iter().collect();
         self
     }
 
@@ -390,10 +406,12 @@ impl GptOps for HostOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&Self::Scalars>,
         losses: &mut HostBuf,
     ) -> Result<(), KernelError> {
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let (targets, losses) = (&targets[rows.clone()], &mut losses[rows]);
+        let dloss = scaled_seed("cross_entropy_fused_f32", dloss, scale.map(|s| &s[..]))?;
         nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)
     }
 
@@ -404,9 +422,10 @@ impl GptOps for HostOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&Self::Scalars>,
         losses: &mut HostBuf,
     ) -> Result<HostOperand, KernelError> {
-        self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, losses)?;
+        self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, scale, losses)?;
         if self.products != HostProducts::Bf16Operands {
             return Ok(logits);
         }
@@ -498,6 +517,17 @@ impl GptOps for HostOps {
         Ok(self.counted(values.to_vec()))
     }
 
+    fn write_scalars(
+        &self,
+        scalars: &mut Counted<Vec<f64>>,
+        at: usize,
+        values: &[f64],
+    ) -> Result<(), KernelError> {
+        let end = super::ops::scalar_slots(scalars.len(), at, values.len())?;
+        scalars[at..end].copy_from_slice(values);
+        Ok(())
+    }
+
     fn loss_accumulate(
         &self,
         losses: &HostBuf,
@@ -535,6 +565,10 @@ impl GptOps for HostOps {
         rule: &StepRule,
         scalars: &mut Counted<Vec<f64>>,
     ) -> Result<(), KernelError> {
+        let call = self.decide_calls.fetch_add(1, Ordering::Relaxed);
+        if self.overflows.contains(&call) && rule.tensors > 0 {
+            scalars[host::STEP_SQUARES] = f64::INFINITY;
+        }
         host::step_decide(rule, scalars)
     }
 

@@ -303,6 +303,7 @@ impl GptOps for MetaOps {
         first: usize,
         v: usize,
         _: f32,
+        _: Option<&Self::Scalars>,
         losses: &mut MetaCounted,
     ) -> Result<(), KernelError> {
         loss_rows(logits.len, v, first, targets.len, losses.len)?;
@@ -316,9 +317,10 @@ impl GptOps for MetaOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&Self::Scalars>,
         losses: &mut MetaCounted,
     ) -> Result<MetaCounted, KernelError> {
-        self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, losses)?;
+        self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, scale, losses)?;
         if self.products != HostProducts::Bf16Operands {
             return Ok(logits);
         }
@@ -388,6 +390,16 @@ impl GptOps for MetaOps {
     fn scalars(&self, values: &[f64]) -> Result<Counted<Vec<f64>>, KernelError> {
         let v = values.to_vec();
         Ok(Counted::new(v, bytes_of::<f64>(values.len()), &self.memory))
+    }
+    fn write_scalars(
+        &self,
+        scalars: &mut Counted<Vec<f64>>,
+        at: usize,
+        values: &[f64],
+    ) -> Result<(), KernelError> {
+        let end = super::ops::scalar_slots(scalars.len(), at, values.len())?;
+        scalars[at..end].copy_from_slice(values);
+        Ok(())
     }
     fn loss_accumulate(
         &self,

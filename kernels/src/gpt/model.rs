@@ -167,6 +167,23 @@ impl<O: GptOps> DeviceGpt<O> {
         rows: usize,
         t: usize,
     ) -> Result<O::Buf, KernelError> {
+        self.forward_backward_scaled(inputs, targets, rows, t, None)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) of the loss scaled by a grad scaler's
+    /// scale, read on the device from the step's `scale` scalars when given
+    /// ([`GptPass::forward_backward_scaled`](super::GptPass::forward_backward_scaled)).
+    ///
+    /// # Errors
+    /// As [`forward_backward`](Self::forward_backward); a scalar buffer too short.
+    pub fn forward_backward_scaled(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+        scale: Option<&O::Scalars>,
+    ) -> Result<O::Buf, KernelError> {
         self.pass.check_batch(inputs, targets, rows, t)?;
         for g in self.grads.all_mut() {
             self.pass.ops.fill_zero(g)?;
@@ -176,6 +193,6 @@ impl<O: GptOps> DeviceGpt<O> {
             grads: &mut self.grads,
         };
         self.pass
-            .forward_backward(&mut units, inputs, targets, rows, t)
+            .forward_backward_scaled(&mut units, inputs, targets, rows, t, scale)
     }
 }

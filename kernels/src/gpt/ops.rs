@@ -299,6 +299,7 @@ pub trait GptOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&Self::Scalars>,
         losses: &mut Self::Buf,
     ) -> Result<Self::Operand, KernelError>;
     /// [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place):
@@ -306,6 +307,10 @@ pub trait GptOps {
     /// `first..first + r` of the tokens (`r = len / v`: a chunk of them,
     /// [`Logits::Chunked`](super::Logits)), whose targets and losses are those rows of
     /// `targets` and `losses`.
+    /// With a grad scaler's step scalars `scale`, the gradient's seed `dloss` is multiplied by
+    /// their loss scale ([`STEP_SCALE`](crate::host::STEP_SCALE), rounded to f32) on the
+    /// device, so that the backward is that of the scaled loss without the host knowing the
+    /// scale (the decision of the step before updated it).
     ///
     /// # Errors
     /// Rows past `targets` or `losses`; shape errors; launch failures.
@@ -317,6 +322,7 @@ pub trait GptOps {
         first: usize,
         v: usize,
         dloss: f32,
+        scale: Option<&Self::Scalars>,
         losses: &mut Self::Buf,
     ) -> Result<(), KernelError>;
     /// [`host::nn::embedding_forward`](crate::host::nn::embedding_forward).
@@ -409,6 +415,17 @@ pub trait GptOps {
     /// # Errors
     /// An allocation or copy failure.
     fn scalars(&self, values: &[f64]) -> Result<Self::Scalars, KernelError>;
+    /// Writes `values` into `scalars` from slot `at` on (in stream order: work enqueued
+    /// before reads the old values, work after the new).
+    ///
+    /// # Errors
+    /// Slots past the buffer; a copy failure.
+    fn write_scalars(
+        &self,
+        scalars: &mut Self::Scalars,
+        at: usize,
+        values: &[f64],
+    ) -> Result<(), KernelError>;
     /// One micro-batch's per-token `losses` (one of `accum`) into the step's loss in
     /// `scalars` ([`host::loss_accumulate`](crate::host::loss_accumulate); `first` starts it
     /// from 0). Nothing waits.
@@ -538,6 +555,16 @@ pub trait GptOps {
         layout: HeadsLayout,
         rows: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+}
+
+/// The end of slots `at..at + n` of a scalar buffer of `len`, checked to lie within it.
+pub(super) fn scalar_slots(len: usize, at: usize, n: usize) -> Result<usize, KernelError> {
+    at.checked_add(n)
+        .filter(|&end| end <= len)
+        .ok_or_else(|| KernelError::InvalidArgument {
+            kernel: "write_scalars",
+            reason: format!("slots {at}..{at}+{n} of a scalar buffer of {len}"),
+        })
 }
 
 /// The rows `first..first + logits / v` of a chunk's cross-entropy

@@ -194,6 +194,27 @@ impl<O: GptOps> GptPass<O> {
         rows: usize,
         t: usize,
     ) -> Result<O::Buf, U::Error> {
+        self.forward_backward_scaled(units, inputs, targets, rows, t, None)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) of the loss times a grad scaler's loss
+    /// scale, read on the device from the step's scalars `scale`
+    /// ([`STEP_SCALE`](crate::host::STEP_SCALE)) when given: the cross-entropy's gradient seed
+    /// is multiplied by it, so every gradient added is the scaled loss's (exactly the scale
+    /// times the unscaled one for a power-of-two scale, unless a value overflows). The losses
+    /// returned are unscaled.
+    ///
+    /// # Errors
+    /// As [`forward_backward`](Self::forward_backward); a scalar buffer too short.
+    pub fn forward_backward_scaled<U: Units<O> + ?Sized>(
+        &self,
+        units: &mut U,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+        scale: Option<&O::Scalars>,
+    ) -> Result<O::Buf, U::Error> {
         let s = self.check_batch(inputs, targets, rows, t)?;
         let (d, n) = (self.dims, s.n);
         let e = d.n_embd;
@@ -243,6 +264,7 @@ impl<O: GptOps> GptPass<O> {
             wte: &root.wte,
             targets: &tg,
             n,
+            scale,
         };
         let dhf = self.head(head, &mut losses, &mut grads.wte)?;
         self.trace_mark(true, || {

@@ -15,7 +15,7 @@ use fsdp_device::DType;
 use half::bf16;
 
 use super::optim::AdamW;
-use super::step::{check_scalars_len, STEP_APPLIED, STEP_CHOICE, STEP_CLIPPED, STEP_CLIP_COEF};
+use super::step::{check_scalars_len, STEP_APPLIED, STEP_CHOICE};
 use super::{same_len, STEP_CHOICES};
 use crate::KernelError;
 
@@ -163,7 +163,7 @@ impl State<'_> {
 
 /// Twin of `anyprecision_decided_f32` and `anyprecision_decided_bf16_state`: nothing unless
 /// [`STEP_APPLIED`] is 1; else `AnyPrecisionAdamW` with the chosen scalar set on the gradient,
-/// first multiplied by the clipping coefficient when clipped (`c·g + 0`, as the AdamW twin).
+/// first unscaled and clipped as the AdamW twin reads it (`decided_grad`).
 /// `exp_avg`, `exp_avg_sq` and `compensation` hold [`state_len`] elements; the compensation is
 /// required with Kahan summation and ignored without.
 ///
@@ -197,7 +197,7 @@ pub fn anyprecision_decided(
         return Ok(());
     }
     let s = &choice.0[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)];
-    let clip = (scalars[STEP_CLIPPED] == 1.0).then(|| scalars[STEP_CLIP_COEF] as f32);
+    let grad = super::decided_grad(scalars, grad);
     let (pd, sd) = (kind.param, kind.state);
     let mut m = State::of(exp_avg, n, sd);
     let mut v = State::of(exp_avg_sq, n, sd);
@@ -205,10 +205,7 @@ pub fn anyprecision_decided(
     let eps = round(sd, s.eps);
     let mut comp = comp;
     for i in 0..n {
-        let g = match clip {
-            Some(c) => c * grad[i] + 0.0,
-            None => grad[i],
-        };
+        let g = grad[i];
         let mut pf = param[i];
         if let Some(decay) = s.decay {
             // p.mul_(1 - lr*wd)
@@ -301,7 +298,7 @@ pub fn unpack_state(packed: &[f32], n: usize, state: DType) -> Result<Vec<f32>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::{step_scalars_len, STEP_APPLIED, STEP_CHOICE};
+    use crate::host::{step_scalars_len, STEP_APPLIED, STEP_CHOICE, STEP_CLIPPED, STEP_CLIP_COEF};
     use fsdp::optim::{
         AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, OptimizerConfig, OptimizerState,
     };

@@ -12,7 +12,7 @@ mod norm;
 mod optim;
 mod step;
 pub(crate) use any_precision::check_call as check_anyprecision_call;
-pub(crate) use step::check_scalars_len;
+pub(crate) use step::{check_rule, check_scalars_len, decided_grad};
 
 pub use any_precision::{
     anyprecision_decided, pack_state, state_len, unpack_state, AnyPrecision, AnyPrecisionChoice,
@@ -22,9 +22,11 @@ pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use norm::{sum_of_squares, NORM_BLOCK, NORM_ITEMS};
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
 pub use step::{
-    adamw_decided, loss_accumulate, step_decide, step_scalars_len, AdamWChoice, StepRule,
-    STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED, STEP_CLIP_COEF, STEP_COUNT, STEP_FAULT,
-    STEP_GRAD_NORM, STEP_HALTED, STEP_LOSS, STEP_NONFINITE, STEP_SQUARES,
+    adamw_decided, loss_accumulate, scaled_seed, step_decide, step_scalars, step_scalars_len,
+    AdamWChoice,
+    ScalerRule, StepRule, STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED, STEP_CLIP_COEF,
+    STEP_COUNT, STEP_FAULT, STEP_FOUND_INF, STEP_GRAD_NORM, STEP_GROWTH_TRACKER, STEP_HALTED,
+    STEP_LOSS, STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED, STEP_SQUARES, STEP_UNSCALE,
 };
 
 use std::fmt::Debug;

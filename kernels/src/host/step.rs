@@ -8,6 +8,12 @@
 //! The scalars live in one f64 buffer laid out as the `STEP_*` constants say; the slots from
 //! [`STEP_SQUARES`] on hold each gradient tensor's sum of squares
 //! ([`sum_of_squares`](super::sum_of_squares), written by the norm kernels into its slot).
+//!
+//! Dynamic loss scaling (PyTorch's `GradScaler`, [`ScalerRule`]) lives in the same buffer: the
+//! scale ([`STEP_SCALE`]) that the cross-entropy's gradient seed is multiplied by, the growth
+//! tracker and the count of the scaler's skips, all kept and updated on the device by the
+//! decision, which also tells AdamW to unscale ([`STEP_UNSCALE`]). A buffer of zeros is a
+//! trainer without a scaler.
 
 use super::norm::tree_sum_f64;
 use super::{adamw, same_len, AdamWScalars, NORM_BLOCK};
@@ -36,8 +42,24 @@ pub const STEP_HALTED: usize = 8;
 /// 1 when the optimizer steps taken were not among the choices the host offered (a trainer's
 /// bookkeeping fault): the step is not applied.
 pub const STEP_FAULT: usize = 9;
+/// The loss scale of the next backward (an f32 value, kept from step to step): with a grad
+/// scaler the cross-entropy's gradient seed is multiplied by it; [`step_decide`] updates it
+/// (backed off on an overflow, grown after the growth interval). Unused without a scaler.
+pub const STEP_SCALE: usize = 10;
+/// What AdamW multiplies each gradient by before clipping: with a grad scaler `1 / scale` of
+/// the step's scale, computed in f64 and rounded to f32 (torch's `inv_scale`); 0 without one,
+/// meaning none.
+pub const STEP_UNSCALE: usize = 11;
+/// 1 when a grad scaler found the step's gradients overflowed (a NaN or an infinity): the
+/// scaler's skip, not counted as a non-finite step.
+pub const STEP_FOUND_INF: usize = 12;
+/// The grad scaler's consecutive steps without overflow since its last growth or backoff
+/// (kept: torch's `_growth_tracker`).
+pub const STEP_GROWTH_TRACKER: usize = 13;
+/// Steps the grad scaler skipped for an overflow so far (kept).
+pub const STEP_SCALER_SKIPPED: usize = 14;
 /// The first gradient tensor's sum of squares; tensor `i`'s is at `STEP_SQUARES + i`.
-pub const STEP_SQUARES: usize = 10;
+pub const STEP_SQUARES: usize = 15;
 /// How many AdamW scalar sets a decision chooses from: the host may enqueue a step while the
 /// outcome of one earlier step is still unread.
 pub const STEP_CHOICES: usize = 2;
@@ -45,6 +67,33 @@ pub const STEP_CHOICES: usize = 2;
 /// The length of a step's scalar buffer for `tensors` gradient tensors.
 pub const fn step_scalars_len(tensors: usize) -> usize {
     STEP_SQUARES + tensors
+}
+
+/// The settings of dynamic loss scaling on the device: `torch.amp.GradScaler`'s (see
+/// [`step_decide`] for what the decision does with them). The scale itself is state, in the
+/// scalars ([`STEP_SCALE`], set by [`step_scalars`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerRule {
+    /// The scale is multiplied by this after `growth_interval` steps without overflow (the
+    /// product in f64 rounded to f32, not applied if infinite).
+    pub growth_factor: f64,
+    /// The scale is multiplied by this on an overflow (in f64, rounded to f32).
+    pub backoff_factor: f64,
+    /// Consecutive steps without overflow before the scale grows.
+    pub growth_interval: u32,
+}
+
+/// A step's scalar buffer for `tensors` gradient tensors at the start of training: zeros,
+/// and with a grad scaler its state — `scale`, `growth_tracker` and `skipped` steps (a new
+/// scaler's: its initial scale, 0, 0).
+pub fn step_scalars(tensors: usize, scaler: Option<(f32, u32, u64)>) -> Vec<f64> {
+    let mut s = vec![0.0; step_scalars_len(tensors)];
+    if let Some((scale, tracker, skipped)) = scaler {
+        s[STEP_SCALE] = f64::from(scale);
+        s[STEP_GROWTH_TRACKER] = f64::from(tracker);
+        s[STEP_SCALER_SKIPPED] = skipped as f64;
+    }
+    s
 }
 
 /// What [`step_decide`] decides by.
@@ -62,6 +111,8 @@ pub struct StepRule {
     /// The optimizer steps the host knows were taken; the device's count is this or up to
     /// `STEP_CHOICES − 1` more.
     pub base_steps: u64,
+    /// Dynamic loss scaling (`None`: off; the gradients are those of the loss itself).
+    pub scaler: Option<ScalerRule>,
 }
 
 /// The AdamW scalars of the optimizer step numbers `base_steps + 1 ..= base_steps +
@@ -86,6 +137,49 @@ pub(crate) fn check_scalars_len(
         });
     }
     Ok(())
+}
+
+/// A rule's scaler settings must be torch's valid ones: a growth factor above 1, a backoff
+/// factor in (0, 1), a growth interval of at least 1 (the kernel's sign of no scaler is 0).
+pub(crate) fn check_rule(kernel: &'static str, rule: &StepRule) -> Result<(), KernelError> {
+    match rule.scaler {
+        Some(r)
+            if !(r.growth_factor.is_finite()
+                && r.growth_factor > 1.0
+                && r.backoff_factor > 0.0
+                && r.backoff_factor < 1.0
+                && r.growth_interval >= 1) =>
+        {
+            Err(KernelError::InvalidArgument {
+                kernel,
+                reason: format!(
+                    "a grad scaler needs a finite growth factor above 1, a backoff factor in \
+                     (0, 1) and a growth interval of at least 1, not {r:?}"
+                ),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The cross-entropy's gradient seed as the kernels take it: `dloss`, times the loss scale of
+/// a grad scaler's step `scalars` ([`STEP_SCALE`], rounded to f32) when given — one f32
+/// product, exact for a power-of-two scale, so the backward is the scaled loss's.
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] (naming `kernel`) for a scalar buffer without the slot.
+pub fn scaled_seed(
+    kernel: &'static str,
+    dloss: f32,
+    scalars: Option<&[f64]>,
+) -> Result<f32, KernelError> {
+    match scalars {
+        None => Ok(dloss),
+        Some(s) => {
+            check_scalars_len(kernel, s.len(), 0)?;
+            Ok(dloss * s[STEP_SCALE] as f32)
+        }
+    }
 }
 
 /// Twin of `loss_accumulate`: `losses` (the per-token losses of one micro-batch of `accum`)
@@ -135,15 +229,36 @@ pub fn loss_accumulate(
 /// the clipping, whether the step is finite (its loss and norm), the non-finite count and the
 /// halt, which AdamW scalar set applies, and the optimizer step count.
 ///
+/// With a grad scaler ([`StepRule::scaler`]) the squares are of the scaled gradients: the norm
+/// is `√Σ squares · inv` with `inv = 1 / scale` rounded to f32 ([`STEP_UNSCALE`], which AdamW
+/// multiplies each gradient by) — for a power-of-two scale (the default `2^16`, grown by 2 and
+/// backed off by ½) exactly the unscaled gradients' norm, for another within its rounding
+/// (torch takes the norm of the unscaled elements). A non-finite norm is then the scaler's
+/// overflow ([`STEP_FOUND_INF`]): the step is skipped, counted in [`STEP_SCALER_SKIPPED`]
+/// and not as non-finite, and the scale is backed off and the tracker reset; the non-finite
+/// rule applies to the loss alone. A step that applies counts towards the growth interval,
+/// at whose end the scale grows (if finite) and the tracker restarts; a step skipped for its
+/// loss leaves the scaler as it is. The engine's `fsdp train` loop does the same
+/// (`GradScaler::update`, with `nonfinite` checking the loss before the scaler's overflow).
+///
 /// # Errors
-/// [`KernelError::InvalidArgument`] for a scalar buffer shorter than the rule's tensors need.
+/// [`KernelError::InvalidArgument`] for a scalar buffer shorter than the rule's tensors need,
+/// or invalid scaler settings.
 pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelError> {
     check_scalars_len("step_decide", scalars.len(), rule.tensors)?;
+    check_rule("step_decide", rule)?;
     let s = scalars;
     let sq = s[STEP_SQUARES..STEP_SQUARES + rule.tensors]
         .iter()
         .fold(0.0f64, |a, &b| a + b);
-    let norm = sq.sqrt();
+    let unscale = rule
+        .scaler
+        .map(|_| f64::from((1.0 / s[STEP_SCALE]) as f32));
+    let norm = match unscale {
+        Some(inv) => sq.sqrt() * inv,
+        None => sq.sqrt(),
+    };
+    s[STEP_UNSCALE] = unscale.unwrap_or(0.0);
     s[STEP_GRAD_NORM] = norm;
     let (clipped, coef) = match rule.max_norm {
         Some(m) => {
@@ -158,7 +273,8 @@ pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelErr
     };
     s[STEP_CLIPPED] = clipped;
     s[STEP_CLIP_COEF] = coef;
-    let finite = (s[STEP_LOSS] as f32).is_finite() && norm.is_finite();
+    let found_inf = rule.scaler.is_some() && !norm.is_finite();
+    let finite = (s[STEP_LOSS] as f32).is_finite() && (found_inf || norm.is_finite());
     if !finite {
         s[STEP_NONFINITE] += 1.0;
         if rule
@@ -172,17 +288,44 @@ pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelErr
     let in_range = (0.0..STEP_CHOICES as f64).contains(&choice);
     s[STEP_FAULT] = if in_range { 0.0 } else { 1.0 };
     s[STEP_CHOICE] = if in_range { choice } else { 0.0 };
-    let applied = finite && s[STEP_HALTED] == 0.0 && in_range;
+    let applied = finite && !found_inf && s[STEP_HALTED] == 0.0 && in_range;
     s[STEP_APPLIED] = if applied { 1.0 } else { 0.0 };
     if applied {
         s[STEP_COUNT] += 1.0;
     }
+    s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
+    if let Some(r) = rule.scaler {
+        if found_inf {
+            s[STEP_SCALER_SKIPPED] += 1.0;
+            s[STEP_SCALE] = f64::from((s[STEP_SCALE] * r.backoff_factor) as f32);
+            s[STEP_GROWTH_TRACKER] = 0.0;
+        } else if applied {
+            let successful = s[STEP_GROWTH_TRACKER] + 1.0;
+            if successful >= f64::from(r.growth_interval) {
+                let grown = (s[STEP_SCALE] * r.growth_factor) as f32;
+                if grown.is_finite() {
+                    s[STEP_SCALE] = f64::from(grown);
+                }
+                s[STEP_GROWTH_TRACKER] = 0.0;
+            } else {
+                s[STEP_GROWTH_TRACKER] = successful;
+            }
+        }
+    }
     Ok(())
 }
 
+/// The factor of a gradient before clipping: [`STEP_UNSCALE`]'s, or `None` (0: no scaler).
+pub(crate) fn unscale_of(scalars: &[f64]) -> Option<f32> {
+    let u = scalars[STEP_UNSCALE];
+    (u != 0.0).then_some(u as f32)
+}
+
 /// Twin of `adamw_decided_f32`: nothing unless [`STEP_APPLIED`] is 1; else
-/// [`adamw`] with the chosen scalar set on the gradient, first multiplied by the clipping
-/// coefficient when clipped (each element `c·g + 0`, as `axpby(c, g, 0, 0)` rounds it).
+/// [`adamw`] with the chosen scalar set on the gradient, first unscaled (times
+/// [`STEP_UNSCALE`] when a grad scaler set it, rounded to f32 as torch's `unscale_`), then
+/// multiplied by the clipping coefficient when clipped (each element `c·g + 0`, as
+/// `axpby(c, g, 0, 0)` rounds it).
 ///
 /// # Errors
 /// [`KernelError::Length`] if the slices differ in length; a scalar buffer shorter than
@@ -201,13 +344,23 @@ pub fn adamw_decided(
         return Ok(());
     }
     let s = &choice.0[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)];
-    if scalars[STEP_CLIPPED] == 1.0 {
-        let c = scalars[STEP_CLIP_COEF] as f32;
-        let clipped: Vec<f32> = grad.iter().map(|&g| c * g + 0.0).collect();
-        adamw::<f32>(s, param, &clipped, exp_avg, exp_avg_sq)
-    } else {
-        adamw::<f32>(s, param, grad, exp_avg, exp_avg_sq)
+    let g = decided_grad(scalars, grad);
+    adamw::<f32>(s, param, &g, exp_avg, exp_avg_sq)
+}
+
+/// The gradient AdamW reads as the decision says: times [`STEP_UNSCALE`] when set, then times
+/// the clipping coefficient when clipped (`c·g + 0`).
+pub(crate) fn decided_grad<'a>(scalars: &[f64], grad: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+    let unscale = unscale_of(scalars);
+    let clip = (scalars[STEP_CLIPPED] == 1.0).then(|| scalars[STEP_CLIP_COEF] as f32);
+    if unscale.is_none() && clip.is_none() {
+        return std::borrow::Cow::Borrowed(grad);
     }
+    let one = |g: f32| {
+        let g = unscale.map_or(g, |u| g * u);
+        clip.map_or(g, |c| c * g + 0.0)
+    };
+    std::borrow::Cow::Owned(grad.iter().map(|&g| one(g)).collect())
 }
 
 #[cfg(test)]
@@ -221,6 +374,7 @@ mod tests {
             max_norm,
             skip_nonfinite: skip,
             base_steps: base,
+            scaler: None,
         }
     }
 
@@ -343,5 +497,129 @@ mod tests {
         crate::host::axpby(0.25f32, &g, 0.0, &mut clipped).unwrap();
         adamw::<f32>(&choice.0[1], &mut wp, &clipped, &mut wm, &mut wv).unwrap();
         assert_eq!((p, m, v), (wp, wm, wv));
+    }
+
+    /// The grad scaler's decisions against the engine's `GradScaler` fed the same steps by
+    /// the engine loop's rule (the loss checked first, then the scaler's overflow): the scale,
+    /// the tracker and the skips after every step; the norm unscaled exactly at a power-of-two
+    /// scale; an overflow is not a non-finite step unless the loss is.
+    #[test]
+    fn step_decide_scales_as_the_engines_grad_scaler() {
+        use fsdp::engine::{GradScaler, GradScalerConfig};
+        let config = GradScalerConfig {
+            init_scale: 1024.0,
+            growth_interval: 3,
+            ..GradScalerConfig::default()
+        };
+        let mut engine = GradScaler::new(config).unwrap();
+        let scaler = ScalerRule {
+            growth_factor: config.growth_factor,
+            backoff_factor: config.backoff_factor,
+            growth_interval: config.growth_interval,
+        };
+        let mut s = step_scalars(2, Some((1024.0, 0, 0)));
+        // (loss finite, gradients overflowed) a step.
+        let steps = [
+            (true, false),
+            (true, false),
+            (true, false),
+            (true, true),
+            (false, false),
+            (true, false),
+            (false, true),
+            (true, false),
+            (true, false),
+            (true, false),
+            (true, false),
+        ];
+        let (mut count, mut nonfinite, mut skipped) = (0u64, 0.0, 0u64);
+        for (k, &(loss_ok, over)) in steps.iter().enumerate() {
+            let scale = s[STEP_SCALE];
+            s[STEP_LOSS] = if loss_ok { 2.0 } else { f64::NAN };
+            // Unscaled squares 9 and 16 (norm 5), scaled by scale².
+            s[STEP_SQUARES] = if over {
+                f64::INFINITY
+            } else {
+                9.0 * scale * scale
+            };
+            s[STEP_SQUARES + 1] = 16.0 * scale * scale;
+            let rule = StepRule {
+                scaler: Some(scaler),
+                ..rule(2, None, None, count)
+            };
+            step_decide(&rule, &mut s).unwrap();
+            if !loss_ok {
+                nonfinite += 1.0;
+            }
+            if over {
+                skipped += 1;
+                engine.update(true);
+            } else if loss_ok {
+                count += 1;
+                engine.update(false);
+                assert_eq!(s[STEP_GRAD_NORM], 5.0, "step {k}");
+            }
+            assert_eq!(s[STEP_APPLIED] == 1.0, loss_ok && !over, "step {k}");
+            assert_eq!(s[STEP_FOUND_INF] == 1.0, over, "step {k}");
+            assert_eq!(s[STEP_SCALE] as f32, engine.scale(), "step {k}");
+            assert_eq!(s[STEP_GROWTH_TRACKER] as u32, engine.growth_tracker());
+            assert_eq!(s[STEP_SCALER_SKIPPED] as u64, skipped);
+            assert_eq!(s[STEP_NONFINITE], nonfinite);
+            assert_eq!(s[STEP_UNSCALE], f64::from((1.0 / scale) as f32));
+        }
+        assert_eq!(s[STEP_COUNT], count as f64);
+        // A growth past f32's range is not applied; the tracker restarts.
+        let mut s = step_scalars(1, Some((f32::MAX / 1.5, 0, 0)));
+        s[STEP_SQUARES] = 1.0;
+        let one = ScalerRule {
+            growth_interval: 1,
+            ..scaler
+        };
+        let rule1 = StepRule {
+            scaler: Some(one),
+            ..rule(1, None, None, 0)
+        };
+        step_decide(&rule1, &mut s).unwrap();
+        assert_eq!((s[STEP_SCALE] as f32, s[STEP_GROWTH_TRACKER]), (f32::MAX / 1.5, 0.0));
+        // Invalid settings are refused before anything changes.
+        for bad in [
+            ScalerRule {
+                growth_interval: 0,
+                ..scaler
+            },
+            ScalerRule {
+                backoff_factor: 1.0,
+                ..scaler
+            },
+            ScalerRule {
+                growth_factor: 1.0,
+                ..scaler
+            },
+        ] {
+            let before = s.clone();
+            let r = StepRule {
+                scaler: Some(bad),
+                ..rule(1, None, None, 0)
+            };
+            assert!(step_decide(&r, &mut s).is_err(), "{bad:?}");
+            assert_eq!(s, before);
+        }
+    }
+
+    /// AdamW reads the gradient unscaled (`g · inv`, f32) and then clipped; the seed of the
+    /// cross-entropy is `dloss` times the scale.
+    #[test]
+    fn a_scalers_gradient_is_unscaled_then_clipped() {
+        let mut s = step_scalars(0, Some((4.0, 0, 0)));
+        let g = [8.0f32, -2.0, 0.0];
+        assert_eq!(&*decided_grad(&s, &g), &g[..], "no unscaling before a decision");
+        s[STEP_UNSCALE] = 0.25;
+        assert_eq!(&*decided_grad(&s, &g), &[2.0, -0.5, 0.0][..]);
+        s[STEP_CLIPPED] = 1.0;
+        s[STEP_CLIP_COEF] = 0.5;
+        assert_eq!(&*decided_grad(&s, &g), &[1.0, -0.25, 0.0][..]);
+        assert_eq!(scaled_seed("k", 0.125, Some(&s)).unwrap(), 0.5);
+        assert_eq!(scaled_seed("k", 0.125, None).unwrap(), 0.125);
+        assert!(scaled_seed("k", 0.125, Some(&[1.0; 3])).is_err());
     }
 }

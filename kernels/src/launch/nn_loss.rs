@@ -3,26 +3,31 @@
 //! [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place).
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::function;
 use super::nn::{launched, per_row, writing};
 use crate::host::nn::check_cross_entropy;
-use crate::host::CastFloat;
+use crate::host::{check_scalars_len, CastFloat};
 use crate::{KernelError, Program};
 
 /// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
 /// `dlogits` (written as `D`: f32, or its bf16 rounding); see
-/// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused).
+/// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused). With a step's
+/// scalars `scale` (a grad scaler's), the seed `dloss` is multiplied by their loss scale
+/// ([`STEP_SCALE`](crate::host::STEP_SCALE), rounded to f32) on the device first.
 ///
 /// # Errors
-/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+/// Shape errors as the twin; `D` f16; a scalar buffer too short; compile, load and launch
+/// failures.
+#[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_fused<D: CastFloat>(
     stream: &CudaStream,
     logits: &impl DevicePtr<f32>,
     targets: &impl DevicePtr<u32>,
     v: usize,
     dloss: f32,
+    scale: Option<&CudaSlice<f64>>,
     losses: &mut impl DevicePtrMut<f32>,
     dlogits: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
@@ -42,23 +47,42 @@ pub fn cross_entropy_fused<D: CastFloat>(
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
     let (dp, _d) = dlogits.device_ptr_mut(stream);
+    let (sp, _s) = scale_ptr(stream, k, scale)?;
     // SAFETY: `logits` holds `n·v` f32 and `dlogits` `n·v` of the kernel's `D`, `targets` and
-    // `losses` `n` (checked above), borrowed for the launch.
-    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, dp], v, dloss) }
+    // `losses` `n` (checked above), the scalars past STEP_SCALE or none (null), borrowed for
+    // the launch.
+    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, dp, sp], v, dloss) }
+}
+
+/// The address of a step's scalars for the cross-entropy's seed (null: none), checked to
+/// hold the slot of the loss scale, with its borrow.
+fn scale_ptr<'a>(
+    stream: &'a CudaStream,
+    k: &'static str,
+    scale: Option<&'a CudaSlice<f64>>,
+) -> Result<(CUdeviceptr, Option<impl Drop + 'a>), KernelError> {
+    match scale {
+        None => Ok((0, None)),
+        Some(s) => {
+            check_scalars_len(k, s.len(), 0)?;
+            let (p, guard) = s.device_ptr(stream);
+            Ok((p, Some(guard)))
+        }
+    }
 }
 
 /// The cross-entropy kernel `k` over `n` rows of `v` from the device addresses of the logits,
-/// the targets, the losses and the logits' gradient.
+/// the targets, the losses, the logits' gradient and the step's scalars (0: none).
 ///
 /// # Safety
 /// The addresses hold `n·v` f32 (logits), `n·v` of `k`'s gradient type (the logits' memory
-/// itself, or apart), `n` u32 and `n` f32, alive and unused by others until the stream
-/// reaches the kernel.
+/// itself, or apart), `n` u32 and `n` f32, and the scalars at least `STEP_SQUARES` f64 (or
+/// are 0), alive and unused by others until the stream reaches the kernel.
 unsafe fn launch_cross_entropy(
     stream: &CudaStream,
     k: &'static str,
     n: usize,
-    [lp, tp, op, dp]: [CUdeviceptr; 4],
+    [lp, tp, op, dp, sp]: [CUdeviceptr; 5],
     v: usize,
     dloss: f32,
 ) -> Result<(), KernelError> {
@@ -66,9 +90,10 @@ unsafe fn launch_cross_entropy(
     let f = function(stream, Program::Nn, k)?;
     let v32 = v as u32;
     let mut b = stream.launch_builder(&f);
-    b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss);
+    b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss).arg(&sp);
     // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
-    // D* dlogits [n·v], u32 v, float dloss) with D the kernel's, as the caller promises; one block per row;
+    // D* dlogits [n·v], u32 v, float dloss, const double* s [≥ STEP_SQUARES, or null]) with D
+    // the kernel's, as the caller promises; one block per row;
     // targets are compared with `v` before any indexed read; dlogits may be logits (the
     // kernel reads each element before the one thread that writes it does, after the row's
     // reductions: cu/nn.cu).
@@ -87,6 +112,7 @@ pub fn cross_entropy_fused_in_place(
     targets: &impl DevicePtr<u32>,
     v: usize,
     dloss: f32,
+    scale: Option<&CudaSlice<f64>>,
     losses: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), KernelError> {
     let k = "cross_entropy_fused_f32";
@@ -98,7 +124,8 @@ pub fn cross_entropy_fused_in_place(
     let (lp, _l) = logits.device_ptr_mut(stream);
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
+    let (sp, _s) = scale_ptr(stream, k, scale)?;
     // SAFETY: `logits` (also the f32 gradient) holds `n·v` f32, `targets` and `losses` `n`
-    // (checked above), borrowed for the launch.
-    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, lp], v, dloss) }
+    // (checked above), the scalars past STEP_SCALE or none (null), borrowed for the launch.
+    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, lp, sp], v, dloss) }
 }

@@ -97,28 +97,34 @@ pub fn loss_accumulate(
 /// ([`host::step_decide`](crate::host::step_decide), bitwise).
 ///
 /// # Errors
-/// [`KernelError::InvalidArgument`] for a scalar buffer too short for `rule.tensors`;
-/// compile, load and launch failures.
+/// [`KernelError::InvalidArgument`] for a scalar buffer too short for `rule.tensors` or
+/// invalid scaler settings; compile, load and launch failures.
 pub fn step_decide(
     stream: &CudaStream,
     rule: &StepRule,
     scalars: &mut impl DevicePtrMut<f64>,
 ) -> Result<(), KernelError> {
     check_scalars_len("step_decide", scalars.len(), rule.tensors)?;
+    crate::host::check_rule("step_decide", rule)?;
     let f = function(stream, Program::Optim, "step_decide")?;
     let (s, _s) = scalars.device_ptr_mut(stream);
     let tensors = rule.tensors as u64;
     let max_norm = rule.max_norm.unwrap_or(-1.0);
     let skip = rule.skip_nonfinite.map_or(-1.0, |k| k as f64);
     let base = rule.base_steps as f64;
+    // No scaler: a growth interval of 0 (the kernel's sign of none).
+    let (growth, backoff, interval) = rule.scaler.map_or((0.0, 0.0, 0.0), |r| {
+        (r.growth_factor, r.backoff_factor, f64::from(r.growth_interval))
+    });
     let mut b = stream.launch_builder(&f);
     b.arg(&s).arg(&tensors).arg(&max_norm).arg(&skip).arg(&base);
+    b.arg(&growth).arg(&backoff).arg(&interval);
     let one = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (1, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `step_decide(double*, u64, double, double, double)`, one thread: reads and writes
+    // SAFETY: `step_decide(double*, u64, double ×6)`, one thread: reads and writes
     // the first `STEP_SQUARES + tensors` scalars (checked above).
     unsafe { b.launch(one) }.map_err(|e| driver("cuLaunchKernel", "step_decide", e))?;
     Ok(())

@@ -555,30 +555,44 @@ impl Fsdp {
         if self.rank() != 0 {
             return Ok(());
         }
-        let path = dir.join(GRAD_SCALER_FILE);
-        let Some(s) = &self.grad_scaler else {
-            return match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(crate::checkpoint::err(
-                    &path,
-                    format!("cannot remove a stale file: {e}"),
-                )),
-                _ => Ok(()),
-            };
-        };
-        let c = s.config();
-        let text = serde_json::json!({
-            "format": "fsdp-grad-scaler",
-            "scale": f64::from(s.scale),
-            "growth_tracker": s.growth_tracker,
-            "skipped_steps": s.skipped_steps,
-            "config": {
-                "init_scale": f64::from(c.init_scale),
-                "growth_factor": c.growth_factor,
-                "backoff_factor": c.backoff_factor,
-                "growth_interval": c.growth_interval,
-            },
-        })
-        .to_string();
-        crate::checkpoint::write_atomic(&path, |w| w.write_all(text.as_bytes()))
+        let scaler = self.grad_scaler.as_ref().map(|s| (s.config(), s.state()));
+        save_grad_scaler_state(dir, scaler)
     }
+}
+
+/// Writes a grad scaler's settings and state into the sharded checkpoint `dir`
+/// ([`GRAD_SCALER_FILE`], atomically, read back by [`load_grad_scaler_state`]), or removes a
+/// stale file when there is no scaler (`None`). For trainers that keep a scaler of their own
+/// (the device's) and write the engine's checkpoints.
+///
+/// # Errors
+/// [`FsdpError::Checkpoint`] for a failed write or removal.
+pub fn save_grad_scaler_state(
+    dir: &Path,
+    scaler: Option<(&GradScalerConfig, GradScalerState)>,
+) -> Result<(), FsdpError> {
+    let path = dir.join(GRAD_SCALER_FILE);
+    let Some((c, s)) = scaler else {
+        return match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(crate::checkpoint::err(
+                &path,
+                format!("cannot remove a stale file: {e}"),
+            )),
+            _ => Ok(()),
+        };
+    };
+    let text = serde_json::json!({
+        "format": "fsdp-grad-scaler",
+        "scale": f64::from(s.scale),
+        "growth_tracker": s.growth_tracker,
+        "skipped_steps": s.skipped_steps,
+        "config": {
+            "init_scale": f64::from(c.init_scale),
+            "growth_factor": c.growth_factor,
+            "backoff_factor": c.backoff_factor,
+            "growth_interval": c.growth_interval,
+        },
+    })
+    .to_string();
+    crate::checkpoint::write_atomic(&path, |w| w.write_all(text.as_bytes()))
 }

@@ -332,6 +332,7 @@ fn bench(args: &Args) -> Result<(), String> {
                 state: fsdp_device::DType::BF16,
                 kahan: true,
             }),
+            grad_scaler: None,
         };
         config.validate().map_err(|e| e.to_string())?;
         let products = if bf16 { Products::Bf16 } else { Products::F32 };

@@ -44,6 +44,7 @@ pub fn device_config(
         logits: Default::default(),
         reduce_dtype: fsdp_device::DType::F32,
         any_precision: None,
+        grad_scaler: None,
     }
 }
 

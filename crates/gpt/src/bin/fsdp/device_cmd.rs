@@ -32,7 +32,7 @@ use crate::resume::{Resolved, ResumePoint};
 use crate::say;
 use crate::setup::{micro_batch, setup};
 use crate::train::{grad_clip, load_tokens};
-use crate::train_checks::{grad_scaler_on, initial_params, lr_schedule};
+use crate::train_checks::{grad_scaler_config, initial_params, lr_schedule};
 use crate::{fail, CliError};
 
 /// Options of the sharded engine (given on the command line) that mean nothing without it.
@@ -55,9 +55,6 @@ const THREADS_PREFETCH: &str = "ranks as threads on one device gather by copying
 /// Why ranks as threads take no backend.
 const THREADS_MEET: &str = "ranks as threads meet in the process, without a backend: it \
      is of processes under fsdp launch";
-/// Why the grad scaler's options are refused.
-const NO_SCALER: &str = "the device trains without loss scaling: its parameters and \
-     products are f32 or bf16";
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
 /// ranks as processes (a launcher's), a hybrid strategy of several ranks, a dtype other than
@@ -135,15 +132,6 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
              buffers without a caching allocator; it configures the one of --device cuda)",
         ));
     }
-    let unsupported = [
-        ("--grad-scaler", grad_scaler_on(args), NO_SCALER),
-        ("--init-scale", args.init_scale.is_some(), NO_SCALER),
-        (
-            "--growth-interval",
-            args.growth_interval.is_some(),
-            NO_SCALER,
-        ),
-    ];
     // Under a launcher the ranks meet over `--backend` (nccl or tcp) within `--init-timeout`.
     let launched = LaunchEnv::from_env()?.is_some();
     // Processes issue the next unit's all-gather ahead of its use (FSDP's prefetch options).
@@ -161,7 +149,7 @@ fn check_device_options(args: &TrainArgs) -> Result<usize, CliError> {
         (true, false) => &["strategy", "ranks_per_node"],
         (false, false) => &[],
     };
-    refuse_first(dev, world, unsupported, &args.explicit, allowed)?;
+    refuse_first(dev, world, [], &args.explicit, allowed)?;
     Ok(world)
 }
 
@@ -346,6 +334,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         logits: args.model.logits.unwrap_or_default(),
         reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
         any_precision: crate::optimizer::device_any_precision(&args.optim, args.model.param_dtype)?,
+        grad_scaler: grad_scaler_config(args)?,
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;
@@ -512,6 +501,9 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
         trainer
             .load_optimizer_state(state, r.skipped as u64)
             .map_err(on_device)?;
+        if let Some(s) = resumed_scaler(r, &run.config)? {
+            trainer.set_grad_scaler_state(s).map_err(on_device)?;
+        }
         say!(
             "resuming from {} at step {} of {steps}",
             r.path.display(),
@@ -600,5 +592,21 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
         }
     );
     progress.say_skipped(skipped);
+    crate::train::say_grad_scaler(trainer.grad_scaler_state());
     Ok(())
+}
+
+/// The grad scaler's state to resume with from the checkpoint `r`: `None` when the run has no
+/// scaler (or the checkpoint predates recording it: the scaler starts anew).
+///
+/// # Errors
+/// The checkpoint's run had a scaler but holds no state; an unreadable state.
+pub(crate) fn resumed_scaler(
+    r: &ResumePoint,
+    config: &DeviceTrainConfig,
+) -> Result<Option<fsdp::engine::GradScalerState>, CliError> {
+    match config.scaler_rule() {
+        None => Ok(None),
+        Some(_) => r.grad_scaler_state(),
+    }
 }

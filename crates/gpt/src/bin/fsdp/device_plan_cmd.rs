@@ -51,6 +51,8 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         logits: args.model.logits.unwrap_or_default(),
         reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
         any_precision: crate::optimizer::device_any_precision(&args.optim, args.model.param_dtype)?,
+        // The grad scaler keeps its state in the step's scalars: no buffer of its own.
+        grad_scaler: None,
     };
     let bf16 = args.model.param_dtype == DType::BF16;
     if world > 1 {

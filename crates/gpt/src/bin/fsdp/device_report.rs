@@ -94,9 +94,7 @@ impl Tally {
         peak: u64,
     ) -> Result<(), CliError> {
         let (step, o) = (r.step, r.outcome);
-        if !o.applied {
-            let what = nonfinite(o.loss, o.grad_norm, false)
-                .unwrap_or_else(|| "the step is not finite".to_string());
+        if let Some(what) = skipped_for(&o) {
             progress.count_skip(step, &what, &mut self.skipped)?;
             progress.skipped(step, &what, self.skipped);
         }
@@ -116,6 +114,19 @@ impl Tally {
             format!("step {step} loss {:.4} {tps:.0} tok/s", o.loss),
         );
         Ok(())
+    }
+}
+
+/// Why a step that took no optimizer step counts against `--skip-nonfinite`: its loss or norm
+/// is not finite, or the trainer halted; `None` for an applied step and for the grad scaler's
+/// own skip of gradients that overflowed under a finite loss (the engine's rule).
+pub(crate) fn skipped_for(o: &fsdp_gpt::device_train::StepOutcome) -> Option<String> {
+    if o.applied {
+        return None;
+    }
+    match nonfinite(o.loss, o.grad_norm, o.overflow) {
+        None if o.overflow => None,
+        what => Some(what.unwrap_or_else(|| "the step is not finite".to_string())),
     }
 }
 

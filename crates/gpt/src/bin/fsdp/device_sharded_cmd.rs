@@ -19,7 +19,7 @@ use crate::args::{DeviceArg, TrainArgs};
 use crate::device_cmd::{describe_run, Run};
 use crate::device_report::Tally;
 use crate::output::{save_checkpoint, LossLog};
-use crate::progress::{nonfinite, say_done, Progress};
+use crate::progress::{say_done, Progress};
 use crate::say;
 use crate::{fail, CliError};
 
@@ -61,6 +61,8 @@ pub(crate) struct RankEnd {
     memory: Option<String>,
     /// The bytes its collectives moved in training.
     volume: fsdp_gpt::device_comm::CommVolume,
+    /// Its grad scaler's final state.
+    scaler: Option<fsdp::engine::GradScalerState>,
 }
 
 /// What the ranks of a run (this process's) share: the options, the run, where it starts, its
@@ -171,10 +173,13 @@ impl<'a> Shared<'a> {
             say!("memory: {m}");
         }
         let mut tally = Tally::default();
-        if let Some((_, state)) = &run.resume {
+        if let Some((r, state)) = &run.resume {
             trainer
                 .load_optimizer_state(state, self.skipped as u64)
                 .map_err(err)?;
+            if let Some(s) = crate::device_cmd::resumed_scaler(r, &run.config)? {
+                trainer.set_grad_scaler_state(s).map_err(err)?;
+            }
             tally.skipped = self.skipped;
         }
         let take = |r, tally: &mut Tally, peak| -> Result<(), CliError> {
@@ -183,8 +188,7 @@ impl<'a> Shared<'a> {
                 tally.report(r, &self.progress, log.as_mut(), global_tokens, peak)
             } else {
                 // Every rank reads the same outcomes: each stops at the same step.
-                let o = r.outcome;
-                match nonfinite(o.loss, o.grad_norm, false).filter(|_| !o.applied) {
+                match crate::device_report::skipped_for(&r.outcome) {
                     Some(what) => self.progress.count_skip(r.step, &what, &mut tally.skipped),
                     None => Ok(()),
                 }
@@ -233,6 +237,7 @@ impl<'a> Shared<'a> {
             trace: trainer.trace_events(),
             memory: trainer.ops().memory_report(),
             volume: trainer.comm_volume(),
+            scaler: trainer.grad_scaler_state(),
         })
     }
 
@@ -313,6 +318,7 @@ impl<'a> Shared<'a> {
             say!("rank 0's device memory: {m}{predicted}");
         }
         self.progress.say_skipped(end.tally.skipped);
+        crate::train::say_grad_scaler(end.scaler);
         Ok(())
     }
 }

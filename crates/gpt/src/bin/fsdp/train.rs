@@ -467,10 +467,17 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         say!("{line}");
     }
     progress.say_skipped(skipped_steps.load(Ordering::Relaxed));
-    let final_scaler = final_scaler
-        .into_inner()
-        .unwrap_or_else(PoisonError::into_inner);
-    if let Some(s) = final_scaler {
+    say_grad_scaler(
+        final_scaler
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner),
+    );
+    Ok(())
+}
+
+/// The summary's line on the grad scaler's final state, if a scaler ran.
+pub(crate) fn say_grad_scaler(state: Option<GradScalerState>) {
+    if let Some(s) = state {
         say!(
             "grad scaler: final scale {}, {} overflowing step(s) skipped (no optimizer step; \
              scale backed off)",
@@ -478,7 +485,6 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             s.skipped_steps
         );
     }
-    Ok(())
 }
 
 /// A scale as the summary shows it: an integer in full (`65536`), else in scientific notation.
