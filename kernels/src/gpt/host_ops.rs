@@ -57,10 +57,10 @@ pub struct HostOps {
     /// (counted from 0) that make the step's loss NaN.
     nan_losses: Vec<u64>,
     loss_calls: AtomicU64,
-    /// [`with_overflow_at`](HostOps::with_overflow_at): the calls of `step_decide` (counted
-    /// from 0) that see an infinite sum of squares.
+    /// [`with_overflow_at`](HostOps::with_overflow_at): the calls of the cross-entropy
+    /// (counted from 0) whose gradient seed is infinite.
     overflows: Vec<u64>,
-    decide_calls: AtomicU64,
+    seed_calls: AtomicU64,
 }
 
 impl Default for HostOps {
@@ -91,7 +91,7 @@ impl HostOps {
             nan_losses: Vec::new(),
             loss_calls: AtomicU64::new(0),
             overflows: Vec::new(),
-            decide_calls: AtomicU64::new(0),
+            seed_calls: AtomicU64::new(0),
         }
     }
 
@@ -104,11 +104,11 @@ impl HostOps {
         self
     }
 
-    /// The same operations, except that the [`step_decide`](GptOps::step_decide) calls
-    /// numbered in `calls` (from 0: one a step) see the first tensor's sum of squares as
-    /// infinite, as gradients that overflowed give it: a fault injected to test what a grad
-    /// scaler does with an overflow, which f32 gradients of a small GPT do not produce on
-    /// demand.
+    /// The same operations, except that the cross-entropy calls numbered in `calls` (from 0:
+    /// one a micro-batch and chunk of logits) start the backward from an infinite gradient
+    /// seed, so that every gradient of the micro-batch is non-finite as an overflow leaves it
+    /// (the loss stays finite): a fault injected to test what a grad scaler does with an
+    /// overflow, which f32 gradients of a small GPT do not produce on demand.
     pub fn with_overflow_at(mut self, calls: impl IntoIterator<Item = u64>) -> HostOps {
         self.overflows = calls.into_iter().collect();
         self
@@ -411,7 +411,10 @@ impl GptOps for HostOps {
     ) -> Result<(), KernelError> {
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let (targets, losses) = (&targets[rows.clone()], &mut losses[rows]);
-        let dloss = scaled_seed("cross_entropy_fused_f32", dloss, scale.map(|s| &s[..]))?;
+        let mut dloss = scaled_seed("cross_entropy_fused_f32", dloss, scale.map(|s| &s[..]))?;
+        if self.overflows.contains(&self.seed_calls.fetch_add(1, Ordering::Relaxed)) {
+            dloss = f32::INFINITY;
+        }
         nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)
     }
 
@@ -565,10 +568,6 @@ impl GptOps for HostOps {
         rule: &StepRule,
         scalars: &mut Counted<Vec<f64>>,
     ) -> Result<(), KernelError> {
-        let call = self.decide_calls.fetch_add(1, Ordering::Relaxed);
-        if self.overflows.contains(&call) && rule.tensors > 0 {
-            scalars[host::STEP_SQUARES] = f64::INFINITY;
-        }
         host::step_decide(rule, scalars)
     }
 
