@@ -106,12 +106,19 @@ impl Program {
                 "sgd_f32",
                 "step_decide",
                 "adamw_decided_f32",
+                "adamw_decided_many",
             ]),
             Program::AnyPrecision => s(&[
                 "anyprecision_decided_f32",
                 "anyprecision_decided_bf16_state",
             ]),
-            Program::Norm => s(&["sum_squares_f32", "sum_f64_final", "loss_accumulate"]),
+            Program::Norm => s(&[
+                "sum_squares_f32",
+                "sum_f64_final",
+                "sum_squares_many",
+                "sum_f64_final_many",
+                "loss_accumulate",
+            ]),
             Program::Nn => s(&[
                 "layernorm_forward_f32",
                 "layernorm_forward_bf16",

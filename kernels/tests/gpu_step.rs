@@ -1,7 +1,10 @@
 //! The end of a training step decided on the GPU against the host twins, bitwise: the loss
 //! (`loss_accumulate`), the decision (`step_decide`: norm, clipping, non-finite steps, the halt,
 //! the AdamW scalar set, the step count, the bookkeeping fault) and AdamW as decided
-//! (`adamw_decided_f32`) and `AnyPrecisionAdamW` as decided (`anyprecision_decided_*`); and `CudaOps::copy_scalars`, whose values are those at the copy, not
+//! (`adamw_decided_f32`) and `AnyPrecisionAdamW` as decided (`anyprecision_decided_*`), with a
+//! grad scaler's decisions and unscaling; the multi-tensor launches (`sum_of_squares_many`,
+//! `adamw_decided_many`) bitwise each tensor's twin; and `CudaOps::copy_scalars`, whose values
+//! are those at the copy, not
 //! those of work enqueued after it. Without a GPU each test prints `skipped: no GPU (<reason>)`
 //! and passes.
 
@@ -325,4 +328,124 @@ fn staging_copies_keep_stream_order() {
     );
     let short = ops.zeros(3).unwrap();
     assert!(ops.copy_out(&short, &mut st).is_err());
+}
+
+/// Lengths of the multi-tensor tests' tensors: one element, around a block's chunk of the
+/// sum of squares (4096), and larger, `count` of them.
+fn many_lens(count: usize) -> Vec<usize> {
+    let edges = [1usize, 2, 4095, 4096, 4097, 70_001, 300_000];
+    (0..count)
+        .map(|i| edges[i % edges.len()] + (i * 37) % 11)
+        .collect()
+}
+
+/// The sums of squares of 200 tensors (three launches of at most 96) into consecutive slots:
+/// bitwise each tensor's twin, the slots around them untouched.
+#[test]
+fn sum_of_squares_many_equals_its_twin() {
+    let Some(s) = gpu_stream("sum_of_squares_many_equals_its_twin") else {
+        return;
+    };
+    let lens = many_lens(200);
+    let xs: Vec<Vec<f32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| data(n, 100 + i as u64, 3.0))
+        .collect();
+    let dx: Vec<_> = xs.iter().map(|x| up(&s, x)).collect();
+    let refs: Vec<_> = dx.iter().collect();
+    let first = 3;
+    let mut sc = up(&s, &vec![-7.0f64; first + lens.len() + 2]);
+    launch::sum_of_squares_many(&s, &refs, &mut sc, first).unwrap();
+    let got = down(&s, &sc);
+    for (i, x) in xs.iter().enumerate() {
+        let want = host::sum_of_squares(x);
+        assert_eq!(got[first + i].to_bits(), want.to_bits(), "tensor {i} ({})", x.len());
+    }
+    assert!(got[..first].iter().chain(&got[first + lens.len()..]).all(|&v| v == -7.0));
+    // Slots past the buffer are refused.
+    assert!(launch::sum_of_squares_many(&s, &refs, &mut sc, 4).is_err());
+}
+
+/// AdamW as decided on 150 tensors (three launches of at most 64), every other one with
+/// weight decay, over applied, clipped, unscaled and skipped steps: bitwise the twin of each.
+#[test]
+fn adamw_decided_many_equals_its_twin() {
+    let Some(s) = gpu_stream("adamw_decided_many_equals_its_twin") else {
+        return;
+    };
+    let cfg = |lr: f64, wd: f64| AdamW {
+        lr,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: wd,
+    };
+    let choices = [
+        AdamWChoice([
+            AdamWScalars::new(&cfg(1e-3, 0.0), 3).unwrap(),
+            AdamWScalars::new(&cfg(9e-4, 0.0), 4).unwrap(),
+        ]),
+        AdamWChoice([
+            AdamWScalars::new(&cfg(1e-3, 0.1), 3).unwrap(),
+            AdamWScalars::new(&cfg(9e-4, 0.1), 4).unwrap(),
+        ]),
+    ];
+    let lens = many_lens(150);
+    let seeded = |i: usize, k: u64, scale: f32| data(lens[i], 1000 * k + i as u64, scale);
+    let mut host_state: Vec<_> = (0..lens.len())
+        .map(|i| {
+            let v: Vec<f32> = seeded(i, 3, 0.001).iter().map(|x| x.abs()).collect();
+            (seeded(i, 1, 0.5), seeded(i, 2, 0.01), v)
+        })
+        .collect();
+    let mut dev: Vec<_> = host_state
+        .iter()
+        .map(|(p, m, v)| (up(&s, p), up(&s, m), up(&s, v)))
+        .collect();
+    // (applied, choice, clipped, coefficient, unscaling)
+    for (k, (applied, pick, clipped, coef, unscale)) in [
+        (1.0, 0.0, 0.0, 1.0, 0.0),
+        (1.0, 1.0, 1.0, 0.37f32 as f64, 0.0),
+        (0.0, 1.0, 1.0, 0.5, 0.0),
+        (1.0, 0.0, 1.0, 0.37f32 as f64, f64::from(1.0f32 / 1000.0)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut sc = vec![0.0f64; step_scalars_len(0)];
+        sc[host::STEP_APPLIED] = applied;
+        sc[host::STEP_CHOICE] = pick;
+        sc[host::STEP_CLIPPED] = clipped;
+        sc[host::STEP_CLIP_COEF] = coef;
+        sc[host::STEP_UNSCALE] = unscale;
+        let grads: Vec<Vec<f32>> = (0..lens.len()).map(|i| seeded(i, 10 + k as u64, 2.0)).collect();
+        for (i, (p, m, v)) in host_state.iter_mut().enumerate() {
+            host::adamw_decided(&choices[i % 2], &sc, p, &grads[i], m, v).unwrap();
+        }
+        let dg: Vec<_> = grads.iter().map(|g| up(&s, g)).collect();
+        let ds = up(&s, &sc);
+        let mut list: Vec<launch::AdamWTensor<'_>> = dev
+            .iter_mut()
+            .zip(&dg)
+            .enumerate()
+            .map(|(i, ((p, m, v), g))| launch::AdamWTensor {
+                param: p,
+                grad: g,
+                exp_avg: m,
+                exp_avg_sq: v,
+                decay: i % 2 == 1,
+            })
+            .collect();
+        launch::adamw_decided_many(&s, &choices, &ds, &mut list).unwrap();
+        for (i, ((p, m, v), (hp, hm, hv))) in dev.iter().zip(&host_state).enumerate() {
+            for (what, d, h) in [("param", p, hp), ("exp_avg", m, hm), ("exp_avg_sq", v, hv)] {
+                let same = down(&s, d)
+                    .iter()
+                    .zip(h.iter())
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "case {k}, tensor {i} ({}): {what} differs", lens[i]);
+            }
+        }
+    }
 }

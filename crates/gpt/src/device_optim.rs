@@ -5,7 +5,7 @@
 //! decision ([`GptOps::step_decide`]) and the optimizer as decided.
 
 use fsdp_device::DType;
-use fsdp_kernels::gpt::{GptDims, GptOps, HostBuf, HostOps, Weights};
+use fsdp_kernels::gpt::{DecidedTensor, GptDims, GptOps, HostBuf, HostOps, Weights};
 use fsdp_kernels::host::{
     state_len, AdamWChoice, AnyPrecision, AnyPrecisionChoice, StepRule, STEP_SQUARES,
 };
@@ -195,16 +195,15 @@ pub(crate) fn accumulate_staged<P: GptOps>(
     Ok(())
 }
 
-/// Enqueues the sum of squares of each of `grads` into its slot of `scalars`.
+/// Enqueues the sum of squares of each of `grads` into its slot of `scalars` (all at once:
+/// on CUDA two launches per 96 tensors).
 pub(crate) fn squares<P: GptOps>(
     ops: &P,
     grads: &Weights<P::Buf>,
     scalars: &mut P::Scalars,
 ) -> Result<(), KernelError> {
-    for (i, (_, g)) in grads.named().into_iter().enumerate() {
-        ops.sum_of_squares_at(g, scalars, STEP_SQUARES + i)?;
-    }
-    Ok(())
+    let xs: Vec<&P::Buf> = grads.named().into_iter().map(|(_, g)| g).collect();
+    ops.sum_of_squares_many(&xs, scalars, STEP_SQUARES)
 }
 
 /// Enqueues the decision by `rule` (the loss and the squares in `scalars`), then the
@@ -221,6 +220,29 @@ pub(crate) fn decide_and_apply<P: GptOps>(
     decays: &[bool],
 ) -> Result<(), KernelError> {
     ops.step_decide(rule, scalars)?;
+    if let StepChoices::AdamW(a) = choices {
+        // Every tensor at once (on CUDA one launch per 64 tensors).
+        let m = moments
+            .exp_avg
+            .all_mut()
+            .into_iter()
+            .zip(moments.exp_avg_sq.all_mut());
+        let mut tensors: Vec<DecidedTensor<'_, P::Buf>> = params
+            .all_mut()
+            .into_iter()
+            .zip(grads.named())
+            .zip(m)
+            .zip(decays)
+            .map(|(((param, (_, grad)), (exp_avg, exp_avg_sq)), &decay)| DecidedTensor {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                decay,
+            })
+            .collect();
+        return ops.adamw_decided_many(a, scalars, &mut tensors);
+    }
     let mut comps = moments
         .compensation
         .as_mut()
@@ -239,11 +261,8 @@ pub(crate) fn decide_and_apply<P: GptOps>(
     {
         let c = comps.as_mut().and_then(Iterator::next);
         let k = usize::from(decay);
-        match choices {
-            StepChoices::AdamW(a) => ops.adamw_decided(&a[k], scalars, p, g, m, v)?,
-            StepChoices::AnyPrecision(a, kind) => {
-                ops.anyprecision_decided(&a[k], *kind, scalars, p, g, m, v, c)?
-            }
+        if let StepChoices::AnyPrecision(a, kind) = choices {
+            ops.anyprecision_decided(&a[k], *kind, scalars, p, g, m, v, c)?;
         }
     }
     Ok(())

@@ -45,6 +45,56 @@ extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
     if (t == 0) out[0] = sh[0];
 }
 
+// The sums of squares of many f32 tensors in two launches (PyTorch's multi_tensor_apply: the
+// list by value in the parameters), each in exactly the order of sum_squares_f32 then
+// sum_f64_final: tensor k's blocks are the 1-D grid's blocks start[k] .. start[k + 1], block
+// start[k] + b summing the tensor's chunk b into block_sums[start[k] + b]; then block k of the
+// second launch reduces those block sums into out[k].
+#define SQUARES_TENSORS 96
+struct SquaresList {
+    u64 x[SQUARES_TENSORS];
+    u64 n[SQUARES_TENSORS];
+    u32 start[SQUARES_TENSORS + 1];
+};
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+    sum_squares_many(SquaresList l, u32 count, double* block_sums) {
+    __shared__ double sh[NORM_BLOCK];
+    u32 b = blockIdx.x, t = threadIdx.x;
+    // The tensor whose blocks hold b: the last k with start[k] <= b (binary search).
+    u32 lo = 0, hi = count;
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (l.start[mid] <= b) lo = mid; else hi = mid;
+    }
+    const float* x = (const float*)l.x[lo];
+    u64 n = l.n[lo];
+    u64 base = (u64)(b - l.start[lo]) * (NORM_BLOCK * NORM_ITEMS);
+    double acc = 0.0;
+    for (u32 k = 0; k < NORM_ITEMS; k++) {
+        u64 i = base + t + (u64)k * NORM_BLOCK;
+        if (i < n) {
+            double v = (double)x[i];
+            acc = __dadd_rn(acc, __dmul_rn(v, v));
+        }
+    }
+    sh[t] = acc;
+    tree_sum(sh, t);
+    if (t == 0) block_sums[b] = sh[0];
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+    sum_f64_final_many(SquaresList l, const double* block_sums, double* out) {
+    __shared__ double sh[NORM_BLOCK];
+    u32 k = blockIdx.x, t = threadIdx.x;
+    u32 first = l.start[k], count = l.start[k + 1] - first;
+    double acc = 0.0;
+    for (u32 i = t; i < count; i += NORM_BLOCK) acc = __dadd_rn(acc, block_sums[first + i]);
+    sh[t] = acc;
+    tree_sum(sh, t);
+    if (t == 0) out[k] = sh[0];
+}
+
 // The loss of one micro-batch of `accum` into the step's scalars (see host/step.rs): one block
 // sums the `n` per-token losses in f64 (thread t: elements t, t + BLOCK, ...; then the tree),
 // thread 0 rounds their mean to f32, divides it by `accum` in f64, rounds again and adds it in

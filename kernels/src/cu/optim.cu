@@ -160,3 +160,39 @@ extern "C" __global__ void adamw_decided_f32(float* p, const float* g, float* m,
     }
 }
 
+// adamw_decided_f32 on many tensors in one launch (multi_tensor_apply): blockIdx.y is the
+// tensor, whose elements the blocks along x stride over; tensor k takes choice[decay[k]]
+// (the set without or with weight decay). Each element's arithmetic is adamw_decided_f32's.
+#define ADAMW_TENSORS 64
+struct AdamWList {
+    u64 p[ADAMW_TENSORS];
+    u64 g[ADAMW_TENSORS];
+    u64 m[ADAMW_TENSORS];
+    u64 v[ADAMW_TENSORS];
+    u64 n[ADAMW_TENSORS];
+    u32 decay[ADAMW_TENSORS];
+};
+
+extern "C" __global__ void adamw_decided_many(AdamWList l, u32 count, const double* s,
+                                              AdamWChoice plain, AdamWChoice decayed) {
+    u32 t = blockIdx.y;
+    if (t >= count || s[STEP_APPLIED] != 1.0) return;
+    u32 k = (u32)s[STEP_CHOICE];
+    const AdamWChoice choice = l.decay[t] ? decayed : plain;
+    const AdamWArgs a = choice.at[k < STEP_CHOICES ? k : STEP_CHOICES - 1];
+    bool clipped = s[STEP_CLIPPED] == 1.0;
+    float c = __double2float_rn(s[STEP_CLIP_COEF]);
+    float u = __double2float_rn(s[STEP_UNSCALE]);
+    float* p = (float*)l.p[t];
+    const float* g = (const float*)l.g[t];
+    float* m = (float*)l.m[t];
+    float* v = (float*)l.v[t];
+    u64 n = l.n[t];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        float gi = decided_grad(g[i], u, clipped, c);
+        adamw_one<float>(p, gi, m, v, i, a.decay, a.w1, a.one_minus_w1, a.lerp_small, a.beta2,
+                         a.one_minus_beta2, a.neg_step_size, a.bc2_sqrt, a.eps);
+    }
+}
+

@@ -14,7 +14,7 @@ use super::cuda_pool::hold_pool_memory;
 use super::cuda_products::{f32_arg, CudaOperand};
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
-use super::ops::{loss_rows, Arg, GptOps};
+use super::ops::{loss_rows, Arg, DecidedTensor, GptOps};
 use super::products::Kept;
 use super::written::Written;
 use crate::gemm::{Blas, MatMul};
@@ -609,10 +609,7 @@ impl GptOps for CudaOps {
         at: usize,
         values: &[f64],
     ) -> Result<(), KernelError> {
-        let end = super::ops::scalar_slots(scalars.len(), at, values.len())?;
-        self.cuda
-            .memcpy_htod(values, &mut scalars.slice_mut(at..end))
-            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
+        self.write_scalars_at(scalars, at, values)
     }
 
     fn loss_accumulate(
@@ -634,6 +631,15 @@ impl GptOps for CudaOps {
         self.sum_of_squares_into(x, scalars, slot)
     }
 
+    fn sum_of_squares_many(
+        &self,
+        xs: &[&CudaBuf],
+        scalars: &mut CudaScalars,
+        first: usize,
+    ) -> Result<(), KernelError> {
+        self.sum_of_squares_many_into(xs, scalars, first)
+    }
+
     fn step_decide(&self, rule: &StepRule, scalars: &mut CudaScalars) -> Result<(), KernelError> {
         launch::step_decide(&self.cuda, rule, scalars)
     }
@@ -650,6 +656,15 @@ impl GptOps for CudaOps {
         launch::adamw_decided(
             &self.cuda, choice, scalars, param, grad, exp_avg, exp_avg_sq,
         )
+    }
+
+    fn adamw_decided_many(
+        &self,
+        choices: &[AdamWChoice; 2],
+        scalars: &CudaScalars,
+        tensors: &mut [DecidedTensor<'_, CudaBuf>],
+    ) -> Result<(), KernelError> {
+        self.adamw_many(choices, scalars, tensors)
     }
 
     fn anyprecision_decided(

@@ -9,6 +9,8 @@ use fsdp_device::Event;
 
 use super::cuda::{copy_error, CudaBuf, CudaOps};
 use super::memory::Counted;
+use super::ops::DecidedTensor;
+use crate::host::AdamWChoice;
 use crate::{launch, KernelError};
 
 /// The scalars of a step on the device ([`GptOps::Scalars`](super::GptOps::Scalars) of
@@ -67,6 +69,47 @@ impl CudaOps {
                     reason: format!("slot {slot} of {len} scalars"),
                 })?;
         launch::sum_of_squares(&self.cuda, x, &mut out)
+    }
+
+    pub(super) fn sum_of_squares_many_into(
+        &self,
+        xs: &[&CudaBuf],
+        scalars: &mut CudaScalars,
+        first: usize,
+    ) -> Result<(), KernelError> {
+        let xs: Vec<&CudaSlice<f32>> = xs.iter().map(|x| &***x).collect();
+        launch::sum_of_squares_many(&self.cuda, &xs, scalars, first)
+    }
+
+    pub(super) fn adamw_many(
+        &self,
+        choices: &[AdamWChoice; 2],
+        scalars: &CudaScalars,
+        tensors: &mut [DecidedTensor<'_, CudaBuf>],
+    ) -> Result<(), KernelError> {
+        let mut list: Vec<launch::AdamWTensor<'_>> = tensors
+            .iter_mut()
+            .map(|t| launch::AdamWTensor {
+                param: &mut **t.param,
+                grad: &**t.grad,
+                exp_avg: &mut **t.exp_avg,
+                exp_avg_sq: &mut **t.exp_avg_sq,
+                decay: t.decay,
+            })
+            .collect();
+        launch::adamw_decided_many(&self.cuda, choices, scalars, &mut list)
+    }
+
+    pub(super) fn write_scalars_at(
+        &self,
+        scalars: &mut CudaScalars,
+        at: usize,
+        values: &[f64],
+    ) -> Result<(), KernelError> {
+        let end = super::ops::scalar_slots(scalars.len(), at, values.len())?;
+        self.cuda
+            .memcpy_htod(values, &mut scalars.slice_mut(at..end))
+            .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))
     }
 
     pub(super) fn start_scalars_copy(

@@ -2,6 +2,8 @@
 //! [`HostOps`](super::HostOps), on CUDA by [`CudaOps`](super::CudaOps)).
 
 use super::memory::{MemoryEvent, MemoryUse};
+pub(super) use super::ops_args::{loss_rows, scalar_slots};
+pub use super::ops_args::{Arg, DecidedTensor};
 use super::written::Written;
 use crate::gemm::MatMul;
 use crate::host::nn::HeadsLayout;
@@ -450,6 +452,23 @@ pub trait GptOps {
         scalars: &mut Self::Scalars,
         slot: usize,
     ) -> Result<(), KernelError>;
+    /// [`sum_of_squares_at`](GptOps::sum_of_squares_at) of each of `xs` into slots
+    /// `first..first + xs.len()`: the same values (on CUDA two launches per
+    /// [`SQUARES_TENSORS`](crate::launch::SQUARES_TENSORS) tensors instead of two each).
+    ///
+    /// # Errors
+    /// Slots past the buffer; allocation and launch failures.
+    fn sum_of_squares_many(
+        &self,
+        xs: &[&Self::Buf],
+        scalars: &mut Self::Scalars,
+        first: usize,
+    ) -> Result<(), KernelError> {
+        for (i, x) in xs.iter().enumerate() {
+            self.sum_of_squares_at(x, scalars, first + i)?;
+        }
+        Ok(())
+    }
     /// The step's decision by `rule` ([`host::step_decide`](crate::host::step_decide)), on
     /// the device.
     ///
@@ -472,6 +491,24 @@ pub trait GptOps {
         exp_avg: &mut Self::Buf,
         exp_avg_sq: &mut Self::Buf,
     ) -> Result<(), KernelError>;
+    /// [`adamw_decided`](GptOps::adamw_decided) on each of `tensors` with
+    /// `choices[usize::from(decay)]`: the same values (on CUDA one launch per
+    /// [`ADAMW_TENSORS`](crate::launch::ADAMW_TENSORS) tensors instead of one each).
+    ///
+    /// # Errors
+    /// As [`adamw_decided`](GptOps::adamw_decided).
+    fn adamw_decided_many(
+        &self,
+        choices: &[AdamWChoice; 2],
+        scalars: &Self::Scalars,
+        tensors: &mut [DecidedTensor<'_, Self::Buf>],
+    ) -> Result<(), KernelError> {
+        for t in tensors {
+            let choice = &choices[usize::from(t.decay)];
+            self.adamw_decided(choice, scalars, t.param, t.grad, t.exp_avg, t.exp_avg_sq)?;
+        }
+        Ok(())
+    }
     /// torchdistx's `AnyPrecisionAdamW` on one tensor as the decision in `scalars` says
     /// ([`host::anyprecision_decided`](crate::host::anyprecision_decided)): the parameter
     /// rounded to `kind.param`, the state buffers of
@@ -555,70 +592,4 @@ pub trait GptOps {
         layout: HeadsLayout,
         rows: &mut Self::Buf,
     ) -> Result<(), KernelError>;
-}
-
-/// The end of slots `at..at + n` of a scalar buffer of `len`, checked to lie within it.
-pub(super) fn scalar_slots(len: usize, at: usize, n: usize) -> Result<usize, KernelError> {
-    at.checked_add(n)
-        .filter(|&end| end <= len)
-        .ok_or_else(|| KernelError::InvalidArgument {
-            kernel: "write_scalars",
-            reason: format!("slots {at}..{at}+{n} of a scalar buffer of {len}"),
-        })
-}
-
-/// The rows `first..first + logits / v` of a chunk's cross-entropy
-/// ([`GptOps::cross_entropy_fused_in_place`]), checked within `targets` and `losses`.
-pub(super) fn loss_rows(
-    logits: usize,
-    v: usize,
-    first: usize,
-    targets: usize,
-    losses: usize,
-) -> Result<std::ops::Range<usize>, KernelError> {
-    let rows = logits.checked_div(v).unwrap_or(0);
-    let end = first.saturating_add(rows);
-    for (what, have) in [("targets", targets), ("losses", losses)] {
-        if end > have {
-            return Err(KernelError::Length {
-                kernel: "cross_entropy_fused_in_place",
-                what,
-                expected: end,
-                actual: have,
-            });
-        }
-    }
-    Ok(first..end)
-}
-
-/// One operand of a product ([`GptOps::gemm_args`]): an f32 buffer, or an activation kept as
-/// an operand ([`GptOps::operand`]).
-pub enum Arg<'a, O: GptOps + ?Sized> {
-    /// An f32 buffer.
-    Buf(&'a O::Buf),
-    /// An activation kept as an operand.
-    Operand(&'a O::Operand),
-}
-
-impl<O: GptOps + ?Sized> Clone for Arg<'_, O> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<O: GptOps + ?Sized> Copy for Arg<'_, O> {}
-
-impl<O: GptOps + ?Sized> Arg<'_, O> {
-    /// Elements of the operand.
-    pub fn len(&self) -> usize {
-        match self {
-            Arg::Buf(b) => O::buf_len(b),
-            Arg::Operand(o) => O::operand_len(o),
-        }
-    }
-
-    /// Whether it has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }

@@ -21,11 +21,15 @@ use crate::host::{
 };
 use crate::{compile, KernelError, Program};
 
+mod foreach;
 mod gather;
 mod nn;
 mod nn_heads;
 mod nn_loss;
 mod step;
+pub use foreach::{
+    adamw_decided_many, sum_of_squares_many, AdamWTensor, ADAMW_TENSORS, SQUARES_TENSORS,
+};
 pub use gather::{gather_copies, GatherCopy, GATHER_SEGMENTS};
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, causal_softmax_forward_both,

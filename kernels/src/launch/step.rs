@@ -31,8 +31,16 @@ struct AdamWArgs {
 /// `AdamWChoice` of `cu/optim.cu`, passed by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct AdamWChoiceArgs {
+pub(super) struct AdamWChoiceArgs {
     at: [AdamWArgs; STEP_CHOICES],
+}
+
+impl From<&AdamWChoice> for AdamWChoiceArgs {
+    fn from(choice: &AdamWChoice) -> AdamWChoiceArgs {
+        AdamWChoiceArgs {
+            at: choice.0.each_ref().map(AdamWArgs::from),
+        }
+    }
 }
 
 // SAFETY: plain `repr(C)` structs of 4-byte scalars, laid out as their CUDA C twins (no
@@ -159,9 +167,7 @@ pub fn adamw_decided(
     let (m, _m) = exp_avg.device_ptr_mut(stream);
     let (v, _v) = exp_avg_sq.device_ptr_mut(stream);
     let (s, _s) = scalars.device_ptr(stream);
-    let args = AdamWChoiceArgs {
-        at: choice.0.each_ref().map(AdamWArgs::from),
-    };
+    let args = AdamWChoiceArgs::from(choice);
     let n64 = n as u64;
     let mut b = stream.launch_builder(&f);
     b.arg(&p)

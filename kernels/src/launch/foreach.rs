@@ -1,0 +1,232 @@
+//! The end of a step on many tensors in few launches (PyTorch's `_foreach_*` operations over
+//! `multi_tensor_apply`): every gradient's sum of squares into its slot of the step's scalars
+//! (`sum_squares_many`, `sum_f64_final_many` of `cu/norm.cu`) and AdamW as decided
+//! (`adamw_decided_many` of `cu/optim.cu`), the tensors' addresses by value in the kernels'
+//! parameters. Each tensor's result is bitwise the one-tensor launch's
+//! ([`sum_of_squares`](super::sum_of_squares), [`adamw_decided`](super::adamw_decided)): the
+//! same blocks sum the same elements in the same order, and AdamW is elementwise.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::step::AdamWChoiceArgs;
+use super::{driver, function};
+use crate::host::{check_scalars_len, same_len, AdamWChoice, NORM_BLOCK, NORM_ITEMS};
+use crate::{KernelError, Program};
+
+/// The tensors one launch of `sum_squares_many` carries.
+pub const SQUARES_TENSORS: usize = 96;
+/// The tensors one launch of `adamw_decided_many` carries.
+pub const ADAMW_TENSORS: usize = 64;
+
+/// `SquaresList` of `cu/norm.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SquaresList {
+    x: [u64; SQUARES_TENSORS],
+    n: [u64; SQUARES_TENSORS],
+    start: [u32; SQUARES_TENSORS + 1],
+}
+
+/// `AdamWList` of `cu/optim.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdamWList {
+    p: [u64; ADAMW_TENSORS],
+    g: [u64; ADAMW_TENSORS],
+    m: [u64; ADAMW_TENSORS],
+    v: [u64; ADAMW_TENSORS],
+    n: [u64; ADAMW_TENSORS],
+    decay: [u32; ADAMW_TENSORS],
+}
+
+// SAFETY: plain integers in C layout, the CUDA structs' fields in their order (u64 arrays,
+// then a u32 array, whose tail padding C adds too), passed by value as kernel parameters.
+unsafe impl DeviceRepr for SquaresList {}
+// SAFETY: as `SquaresList`.
+unsafe impl DeviceRepr for AdamWList {}
+
+/// The sum of squares of each of `xs` (f64, in `sum_squares_f32`'s fixed order) into
+/// `scalars[first + i]`, in two launches per [`SQUARES_TENSORS`] tensors; bitwise
+/// [`host::sum_of_squares`](crate::host::sum_of_squares) of each.
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for slots past `scalars` or more than 2^32 blocks;
+/// allocation, compile, load and launch failures.
+pub fn sum_of_squares_many(
+    stream: &Arc<CudaStream>,
+    xs: &[&CudaSlice<f32>],
+    scalars: &mut CudaSlice<f64>,
+    first: usize,
+) -> Result<(), KernelError> {
+    let k = "sum_squares_many";
+    let end = first.checked_add(xs.len()).filter(|&e| e <= scalars.len());
+    let Some(end) = end else {
+        return Err(KernelError::InvalidArgument {
+            kernel: k,
+            reason: format!(
+                "slots {first}..{first}+{} of {} scalars",
+                xs.len(),
+                scalars.len()
+            ),
+        });
+    };
+    if xs.is_empty() {
+        return Ok(());
+    }
+    let chunk = NORM_BLOCK * NORM_ITEMS;
+    let blocks: usize = xs.iter().map(|x| x.len().div_ceil(chunk)).sum();
+    let too_many = || KernelError::InvalidArgument {
+        kernel: k,
+        reason: format!("{blocks} blocks of sums do not fit in 32 bits"),
+    };
+    u32::try_from(blocks).map_err(|_| too_many())?;
+    // SAFETY: uninitialised device memory (at least one element), never read before written:
+    // every block of `sum_squares_many` writes its sum before `sum_f64_final_many`, later on
+    // the same stream, reads the sums of its tensor's blocks.
+    let mut sums = unsafe { stream.alloc::<f64>(blocks.max(1)) }
+        .map_err(|e| driver("cuMemAlloc", k, e))?;
+    let many = function(stream, Program::Norm, k)?;
+    let last = function(stream, Program::Norm, "sum_f64_final_many")?;
+    let mut out = scalars.slice_mut(first..end);
+    let mut done = 0usize;
+    for batch in xs.chunks(SQUARES_TENSORS) {
+        let mut l = SquaresList {
+            x: [0; SQUARES_TENSORS],
+            n: [0; SQUARES_TENSORS],
+            start: [0; SQUARES_TENSORS + 1],
+        };
+        let mut guards = Vec::with_capacity(batch.len());
+        let mut total = 0u32;
+        for (i, x) in batch.iter().enumerate() {
+            let (p, g) = x.device_ptr(stream);
+            guards.push(g);
+            l.x[i] = p;
+            l.n[i] = x.len() as u64;
+            l.start[i] = total;
+            total += x.len().div_ceil(chunk) as u32;
+        }
+        l.start[batch.len()] = total;
+        let count = batch.len() as u32;
+        let grid = |g: u32| LaunchConfig {
+            grid_dim: (g, 1, 1),
+            block_dim: (NORM_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut sums_here = sums.slice_mut(..);
+        let (sp, _s) = sums_here.device_ptr_mut(stream);
+        if total > 0 {
+            let mut b = stream.launch_builder(&many);
+            b.arg(&l).arg(&count).arg(&sp);
+            // SAFETY: (SquaresList l, u32 count, double* block_sums): `count` tensors of
+            // `l.n` f32 at `l.x`, their blocks `l.start[k]..l.start[k + 1]` of `total`, each
+            // writing one of the `blocks` ≥ `total` sums.
+            unsafe { b.launch(grid(total)) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
+        }
+        let mut here = out.slice_mut(done..done + batch.len());
+        let (op, _o) = here.device_ptr_mut(stream);
+        let mut b = stream.launch_builder(&last);
+        b.arg(&l).arg(&sp).arg(&op);
+        // SAFETY: (SquaresList l, const double* block_sums, double* out): block k reads the
+        // sums `l.start[k]..l.start[k + 1]` written above and writes `out[k]`, one of the
+        // `batch.len()` slots of `here`.
+        unsafe { b.launch(grid(count)) }
+            .map_err(|e| driver("cuLaunchKernel", "sum_f64_final_many", e))?;
+        drop(guards);
+        done += batch.len();
+    }
+    Ok(())
+}
+
+/// One tensor of [`adamw_decided_many`]: the parameter, its gradient, both moments (of one
+/// length) and whether its set of scalars is the one with weight decay.
+pub struct AdamWTensor<'a> {
+    /// The parameter, updated.
+    pub param: &'a mut CudaSlice<f32>,
+    /// Its gradient.
+    pub grad: &'a CudaSlice<f32>,
+    /// The first moment, updated.
+    pub exp_avg: &'a mut CudaSlice<f32>,
+    /// The second moment, updated.
+    pub exp_avg_sq: &'a mut CudaSlice<f32>,
+    /// `choices[1]` (with weight decay) when true, else `choices[0]`.
+    pub decay: bool,
+}
+
+/// Threads per block of `adamw_decided_many`, the elements a thread takes at least before
+/// another block is added, and the most blocks a tensor gets (they stride over the rest).
+const BLOCK: u32 = 256;
+const PER_THREAD: u64 = 8;
+const MAX_BLOCKS_X: u64 = 1024;
+
+/// [`adamw_decided`](super::adamw_decided) on each of `tensors` with `choices[decay]`, in one
+/// launch per [`ADAMW_TENSORS`] tensors; bitwise the one-tensor launches.
+///
+/// # Errors
+/// [`KernelError::Length`] for a tensor whose buffers differ in length; a short scalar buffer;
+/// compile, load and launch failures.
+pub fn adamw_decided_many(
+    stream: &CudaStream,
+    choices: &[AdamWChoice; 2],
+    scalars: &CudaSlice<f64>,
+    tensors: &mut [AdamWTensor<'_>],
+) -> Result<(), KernelError> {
+    let k = "adamw_decided_many";
+    check_scalars_len(k, scalars.len(), 0)?;
+    for t in tensors.iter() {
+        let n = t.param.len();
+        same_len(k, "grad", n, t.grad.len())?;
+        same_len(k, "exp_avg", n, t.exp_avg.len())?;
+        same_len(k, "exp_avg_sq", n, t.exp_avg_sq.len())?;
+    }
+    if tensors.iter().all(|t| t.param.is_empty()) {
+        return Ok(());
+    }
+    let f = function(stream, Program::Optim, k)?;
+    let [plain, decayed] = choices.each_ref().map(AdamWChoiceArgs::from);
+    let (s, _s) = scalars.device_ptr(stream);
+    for batch in tensors.chunks_mut(ADAMW_TENSORS) {
+        let mut l = AdamWList {
+            p: [0; ADAMW_TENSORS],
+            g: [0; ADAMW_TENSORS],
+            m: [0; ADAMW_TENSORS],
+            v: [0; ADAMW_TENSORS],
+            n: [0; ADAMW_TENSORS],
+            decay: [0; ADAMW_TENSORS],
+        };
+        let mut reads = Vec::with_capacity(batch.len());
+        let mut writes = Vec::with_capacity(3 * batch.len());
+        let count = batch.len() as u32;
+        for (i, t) in batch.iter_mut().enumerate() {
+            l.n[i] = t.param.len() as u64;
+            let (p, gp) = t.param.device_ptr_mut(stream);
+            let (m, gm) = t.exp_avg.device_ptr_mut(stream);
+            let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
+            let (g, gg) = t.grad.device_ptr(stream);
+            writes.extend([gp, gm, gv]);
+            reads.push(gg);
+            (l.p[i], l.g[i], l.m[i], l.v[i]) = (p, g, m, v);
+            l.decay[i] = u32::from(t.decay);
+        }
+        let longest = l.n.iter().copied().max().unwrap_or(0).max(1);
+        let blocks = longest
+            .div_ceil(u64::from(BLOCK) * PER_THREAD)
+            .clamp(1, MAX_BLOCKS_X) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, count, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&l).arg(&count).arg(&s).arg(&plain).arg(&decayed);
+        // SAFETY: (AdamWList l, u32 count, const double* s, AdamWChoice plain, AdamWChoice
+        // decayed): `count` tensors whose four buffers hold `l.n` f32 each (checked above),
+        // borrowed until the launch is enqueued; the scalars hold at least STEP_SQUARES.
+        unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
+        drop((reads, writes));
+    }
+    Ok(())
+}
