@@ -43,7 +43,11 @@ fn chunked_attention_gives_the_materialized_bits() {
     let (rows, t) = (3, cfg.block_size);
     // 9 (sequence, head) pairs: chunks of 1, 4 (4 + 4 + 1) and all of them.
     let pair = t * t * 4;
-    for products in [HostProducts::F32, HostProducts::Bf16Operands] {
+    for products in [
+        HostProducts::F32,
+        HostProducts::Bf16Operands,
+        HostProducts::F16Operands,
+    ] {
         for ckpt in [false, true] {
             let (loss, grads, _) = step(products, Attention::Materialized, ckpt, &cfg, rows);
             for max_bytes in [1, 4 * pair + 3, 9 * pair, usize::MAX] {

@@ -185,36 +185,38 @@ fn the_cuda_step_matches_the_host_step() {
 /// between bf16 and f32 operands (measured on an H100: 2.4e-4 and 6.3e-3 of the maxima,
 /// against host differences of 6.3e-3 and 9.4e-3). The loss within 1e-4 relative (measured:
 /// 0 and 6.7e-6). And the products must really be bf16: the GPU's step differs from the
-/// f32 host step's by more than the f32 bound.
+/// f32 host step's by more than the f32 bound. f16 products (`Products::F16`, twin
+/// `HostProducts::F16Operands`) are held to the same rule against their own host difference.
 #[test]
 fn the_cuda_step_with_bf16_products_matches_its_twin() {
     let test = "the_cuda_step_with_bf16_products_matches_its_twin";
     if !gpu(test) {
         return;
     }
+    let kinds = [
+        (Products::Bf16, HostProducts::Bf16Operands),
+        (Products::F16, HostProducts::F16Operands),
+    ];
     for (dims, rows, t) in cases() {
-        let host = run(
-            HostOps::with_products(HostProducts::Bf16Operands),
-            dims,
-            rows,
-            t,
-        );
-        let f32_host = run(HostOps::new(), dims, rows, t);
-        let (_, scale, _) = differences(&host, &f32_host);
-        let dev = run(cuda_ops(test).with_products(Products::Bf16), dims, rows, t);
-        let (rel, grad, name) = differences(&dev, &host);
-        println!(
-            "[{dims:?}] GPU bf16 vs host bf16: loss {} vs {} ({rel:.2e}), gradients {grad:.2e} \
-             ({name}); host bf16 vs f32: {scale:.2e}",
-            dev.0, host.0
-        );
-        assert!(rel <= 1e-4, "loss {} vs {}", dev.0, host.0);
-        assert!(grad <= 2.0 * scale, "{name}: {grad:e} of its maximum");
-        let (_, apart, _) = differences(&dev, &f32_host);
-        assert!(
-            apart > GRAD_BOUND,
-            "bf16 products look like f32 ones: {apart:e}"
-        );
+        for (products, twin) in kinds {
+            let host = run(HostOps::with_products(twin), dims, rows, t);
+            let f32_host = run(HostOps::new(), dims, rows, t);
+            let (_, scale, _) = differences(&host, &f32_host);
+            let dev = run(cuda_ops(test).with_products(products), dims, rows, t);
+            let (rel, grad, name) = differences(&dev, &host);
+            println!(
+                "[{dims:?}] GPU {products:?} vs its twin: loss {} vs {} ({rel:.2e}), gradients \
+                 {grad:.2e} ({name}); twin vs f32: {scale:.2e}",
+                dev.0, host.0
+            );
+            assert!(rel <= 1e-4, "{products:?}: loss {} vs {}", dev.0, host.0);
+            assert!(grad <= 2.0 * scale, "{products:?}, {name}: {grad:e} of its maximum");
+            let (_, apart, _) = differences(&dev, &f32_host);
+            assert!(
+                apart > GRAD_BOUND,
+                "{products:?} products look like f32 ones: {apart:e}"
+            );
+        }
     }
     // The kept operand copies are reused as the twin reuses them (`tests/operand_copies.rs`
     // checks the twin's count against the model's products).

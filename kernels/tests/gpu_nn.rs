@@ -1,5 +1,6 @@
 //! The GPT's layer kernels (`cu/nn.cu`: the layers, the bias add and the attention heads'
-//! permutations) on the GPU against their host twins (`fsdp_kernels::host::nn`), **bitwise**:
+//! permutations), in f32 and the bf16 and f16 roundings of results only products read, on the
+//! GPU against their host twins (`fsdp_kernels::host::nn`), **bitwise**:
 //! e^x, ln and erfc are the programs' own functions of IEEE operations (no CUDA math library),
 //! every operation is spelled with its rounding and compiled without fused multiply-adds, and
 //! every reduction has the twin's fixed order. Shapes cover rows shorter and longer than a
@@ -12,9 +13,9 @@ use std::sync::Arc;
 
 use common::{data, down, gpu_stream, up};
 use cudarc::driver::{CudaSlice, CudaStream};
-use fsdp_kernels::host::{self, f32_to_bf16, nn};
+use fsdp_kernels::host::{self, f32_to_bf16, f32_to_f16, nn};
 use fsdp_kernels::launch;
-use half::bf16;
+use half::{bf16, f16};
 
 /// A kernel's bf16 output (on the GPU) against its twin's f32 values rounded as the cast
 /// kernel rounds: equal bits.
@@ -28,6 +29,32 @@ fn same_bf16(what: &str, s: &Arc<CudaStream>, gpu: &CudaSlice<bf16>, host: &[f32
 /// A bf16 buffer of `n` NaNs (a kernel must write every element).
 fn nan_bf16(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
     up(s, &vec![bf16::NAN; n])
+}
+
+/// [`same_bf16`] in f16: the cast kernel's f16 rounding (infinite past f16's range).
+#[track_caller]
+fn same_f16(what: &str, s: &Arc<CudaStream>, gpu: &CudaSlice<f16>, host: &[f32]) {
+    let got: Vec<u16> = down(s, gpu).iter().map(|x| x.to_bits()).collect();
+    let want: Vec<u16> = host.iter().map(|&x| f32_to_f16(x)).collect();
+    assert_eq!(got, want, "{what}: f16 bits");
+}
+
+/// An f16 buffer of `n` NaNs.
+fn nan_f16(s: &Arc<CudaStream>, n: usize) -> CudaSlice<f16> {
+    up(s, &vec![f16::NAN; n])
+}
+
+/// `$launch` (a launcher writing `$y`) into `$n` NaNs of bf16, then of f16, each held to the
+/// twin's f32 values `$host` rounded as the cast kernel rounds: every 16-bit kernel.
+macro_rules! both_halves {
+    ($what:expr, $s:expr, $n:expr, $host:expr, |$y:ident| $launch:expr) => {{
+        let mut $y = nan_bf16($s, $n);
+        $launch.unwrap();
+        same_bf16(&$what, $s, &$y, $host);
+        let mut $y = nan_f16($s, $n);
+        $launch.unwrap();
+        same_f16(&$what, $s, &$y, $host);
+    }};
 }
 
 /// Equal bits (NaN results: both NaN).
@@ -75,9 +102,9 @@ fn layernorm_equals_its_twin() {
         same("layernorm mean", &down(&s, &gm), &m);
         same("layernorm rstd", &down(&s, &gr), &r);
         // y written in bf16 (an operand of products): the same statistics.
-        let mut hy = nan_bf16(&s, n * c);
-        launch::layernorm_forward(&s, &gx, &gw, &gb, 1e-5, &mut hy, &mut gm, &mut gr).unwrap();
-        same_bf16("layernorm y", &s, &hy, &y);
+        both_halves!("layernorm y", &s, n * c, &y, |hy| {
+            launch::layernorm_forward(&s, &gx, &gw, &gb, 1e-5, &mut hy, &mut gm, &mut gr)
+        });
         same("layernorm mean (bf16 y)", &down(&s, &gm), &m);
         same("layernorm rstd (bf16 y)", &down(&s, &gr), &r);
         let (mut gdx, mut gdw, mut gdb) = (up(&s, &dx_), up(&s, &dw_), up(&s, &db_));
@@ -118,9 +145,7 @@ fn gelu_equals_its_twin() {
     launch::gelu_backward(&s, &gx, &gdy, &mut gdx).unwrap();
     same("gelu y", &down(&s, &gy), &y);
     same("gelu dx", &down(&s, &gdx), &dx);
-    let mut hy = nan_bf16(&s, x.len());
-    launch::gelu_forward(&s, &gx, &mut hy).unwrap();
-    same_bf16("gelu y", &s, &hy, &y);
+    both_halves!("gelu y", &s, x.len(), &y, |hy| launch::gelu_forward(&s, &gx, &mut hy));
 }
 
 #[test]
@@ -146,17 +171,21 @@ fn causal_softmax_equals_its_twin() {
         same("softmax ds", &down(&s, &gds), &ds);
         // Written as bf16 (operands of products only): the twin's values rounded as the cast
         // kernel rounds, the masked half included.
-        let mut hp = nan_bf16(&s, sc.len());
-        launch::causal_softmax_forward(&s, &gs, t, scale, &mut hp).unwrap();
-        same_bf16(&format!("softmax p, {bh}x{t}x{t}"), &s, &hp, &p);
+        both_halves!(format!("softmax p, {bh}x{t}x{t}"), &s, sc.len(), &p, |hp| {
+            launch::causal_softmax_forward(&s, &gs, t, scale, &mut hp)
+        });
         // Both at once: the f32 probabilities and their rounding.
         let (mut bp, mut bh16) = (up(&s, &vec![f32::NAN; sc.len()]), nan_bf16(&s, sc.len()));
         launch::causal_softmax_forward_both(&s, &gs, t, scale, &mut bp, &mut bh16).unwrap();
         same("softmax p (both)", &down(&s, &bp), &p);
         same_bf16(&format!("softmax p (both), {bh}x{t}x{t}"), &s, &bh16, &p);
-        let mut hds = nan_bf16(&s, sc.len());
-        launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds).unwrap();
-        same_bf16(&format!("softmax ds, {bh}x{t}x{t}"), &s, &hds, &ds);
+        let (mut bp, mut bf16s) = (up(&s, &vec![f32::NAN; sc.len()]), nan_f16(&s, sc.len()));
+        launch::causal_softmax_forward_both(&s, &gs, t, scale, &mut bp, &mut bf16s).unwrap();
+        same("softmax p (both, f16)", &down(&s, &bp), &p);
+        same_f16(&format!("softmax p (both), {bh}x{t}x{t}"), &s, &bf16s, &p);
+        both_halves!(format!("softmax ds, {bh}x{t}x{t}"), &s, sc.len(), &ds, |hds| {
+            launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds)
+        });
     }
 }
 
@@ -200,6 +229,9 @@ fn cross_entropy_equals_its_twin() {
             &loss,
         );
         same_bf16("cross-entropy dlogits", &s, &hd, &d);
+        let mut hd = nan_f16(&s, n * v);
+        launch::cross_entropy_fused(&s, &gl, &gt, v, dloss, None, &mut gloss, &mut hd).unwrap();
+        same_f16("cross-entropy dlogits", &s, &hd, &d);
         // Under a grad scaler, the seed times the scale read from the step's scalars (one of
         // 2^16, one not a power of two): the twin's scaled seed, the losses unscaled.
         for scale in [65536.0f32, 1000.0] {
@@ -318,9 +350,9 @@ fn bias_add_and_heads_permutations_equal_their_twins() {
         let mut gh = s.alloc_zeros::<f32>(l.heads_len()).unwrap();
         launch::heads_split(&s, &gqkv, l, &mut gh).unwrap();
         same("heads_split", &down(&s, &gh), &heads);
-        let mut hh = nan_bf16(&s, l.heads_len());
-        launch::heads_split(&s, &gqkv, l, &mut hh).unwrap();
-        same_bf16("heads_split", &s, &hh, &heads);
+        both_halves!("heads_split", &s, l.heads_len(), &heads, |hh| {
+            launch::heads_split(&s, &gqkv, l, &mut hh)
+        });
         nn::heads_merge(&heads, l, &mut merged).unwrap();
         launch::heads_merge(&s, &gh, l, &mut gmerged).unwrap();
     }
@@ -340,9 +372,9 @@ fn bias_add_and_heads_permutations_equal_their_twins() {
     let mut gy = s.alloc_zeros::<f32>(l.rows_len()).unwrap();
     launch::heads_merge(&s, &up(&s, &yh), l, &mut gy).unwrap();
     same("heads_merge", &down(&s, &gy), &y);
-    let mut hy = nan_bf16(&s, l.rows_len());
-    launch::heads_merge(&s, &up(&s, &yh), l, &mut hy).unwrap();
-    same_bf16("heads_merge", &s, &hy, &y);
+    both_halves!("heads_merge", &s, l.rows_len(), &y, |hy| {
+        launch::heads_merge(&s, &up(&s, &yh), l, &mut hy)
+    });
     let bad = nn::HeadsLayout { offset: 1, ..l };
     assert!(launch::heads_split(&s, &gy, bad, &mut up(&s, &yh)).is_err());
 }

@@ -42,7 +42,11 @@ fn chunked_logits_give_the_whole_bits_but_the_tied_weights_sum() {
     // 48 tokens of a vocabulary of 200.
     let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 200).unwrap();
     let token = 200 * 4;
-    for products in [HostProducts::F32, HostProducts::Bf16Operands] {
+    for products in [
+        HostProducts::F32,
+        HostProducts::Bf16Operands,
+        HostProducts::F16Operands,
+    ] {
         let (loss, grads, whole) = step(products, Logits::Whole, &cfg);
         for max_bytes in [1, 7 * token, 16 * token, usize::MAX] {
             let chunked = Logits::Chunked { max_bytes };

@@ -449,14 +449,14 @@ pub fn plan_memory(
         .fold(0, u128::saturating_add);
     let each = elements.saturating_mul(F32);
     let chunks = Chunks::of(config, rows);
-    let bf16 = if products == Products::Bf16 {
+    let bf16 = if products.half().is_some() {
         let (a, b) = largest_operands(config, rows, chunks);
         a.saturating_add(b).saturating_mul(BF16)
     } else {
         0
     };
     let mut r = Replay::default();
-    let opb = if products == Products::Bf16 {
+    let opb = if products.half().is_some() {
         BF16
     } else {
         F32

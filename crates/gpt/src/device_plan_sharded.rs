@@ -335,10 +335,10 @@ pub(crate) fn run_process(
 
 /// The host twins' (and the meta operations') form of `products`.
 pub(crate) fn twin_products(products: Products) -> HostProducts {
-    if products == Products::Bf16 {
-        HostProducts::Bf16Operands
-    } else {
-        HostProducts::F32
+    match products.half() {
+        Some(fsdp_device::DType::BF16) => HostProducts::Bf16Operands,
+        Some(_) => HostProducts::F16Operands,
+        None => HostProducts::F32,
     }
 }
 

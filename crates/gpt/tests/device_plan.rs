@@ -273,7 +273,9 @@ fn predicted_peak_clipping_holds_no_copies() {
     assert!(!clipped.peak_moment.contains("clipping"), "{clipped}");
     assert_eq!(
         clipped.step_scalars,
-        8 * (10 + fsdp_kernels::gpt::param_shapes(&config(cfg, 1, 1, None).dims()).len() as u64)
+        8 * (fsdp_kernels::host::STEP_SQUARES
+            + fsdp_kernels::gpt::param_shapes(&config(cfg, 1, 1, None).dims()).len())
+            as u64
     );
 }
 

@@ -15,8 +15,8 @@
 //   the chunk sums in order to the gradient's current value (accumulation).
 // The layers whose output only matrix products read (layer norm, GELU, the heads'
 // permutations, the softmax forward and backward, the cross-entropy's gradient) also have a
-// `_bf16` kernel that stores the f32 result rounded to bf16 as the cast kernel does
-// (from_f32<bf16>): the bits of the f32 kernel followed by a cast.
+// `_bf16` and an `_f16` kernel that store the f32 result rounded to bf16 or f16 as the cast
+// kernel does (from_f32): the bits of the f32 kernel followed by a cast.
 
 #define NN_BLOCK 256
 #define NN_WARP 32
@@ -195,6 +195,12 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     layernorm_forward_impl(x, w, b, y, mean, rstd, c, eps);
 }
 
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    layernorm_forward_f16(const float* x, const float* w, const float* b, f16* y, float* mean,
+                          float* rstd, u32 c, float eps) {
+    layernorm_forward_impl(x, w, b, y, mean, rstd, c, eps);
+}
+
 // Layer norm backward, input part, one block per row: with g = dy * w and xh = (x-mean)*rstd,
 // dx += rstd * ((g - sum(g)/c) - xh * (sum(g * xh)/c)).
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
@@ -280,6 +286,10 @@ extern "C" __global__ void gelu_forward_bf16(const float* x, bf16* y, u64 n) {
     GRID_STRIDE(i, n) { y[i] = from_f32<bf16>(fm(x[i], nn_cdf(x[i]))); }
 }
 
+extern "C" __global__ void gelu_forward_f16(const float* x, f16* y, u64 n) {
+    GRID_STRIDE(i, n) { y[i] = from_f32<f16>(fm(x[i], nn_cdf(x[i]))); }
+}
+
 // GELU backward (written, not accumulated): dx = dy * (Phi(x) + x * phi(x)).
 extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, float* dx, u64 n) {
     GRID_STRIDE(i, n) {
@@ -291,9 +301,10 @@ extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, fl
 // Causal softmax forward, one warp per row of [rows, t] (NN_BLOCK / NN_WARP rows a block;
 // row r is row i = r % t of its matrix): v_j = s_j * scale for j <= i, p_j = e^(v_j - max) /
 // sum, and p_j = 0 above the diagonal. With `pb`, the same pass also writes the probabilities'
-// bf16 rounding (the cast kernel's) there: the probabilities a backward needs in f32 and a
-// product reads.
-__device__ __forceinline__ void causal_softmax_forward_rows(const float* s, float* p, bf16* pb,
+// bf16 or f16 rounding (the cast kernel's) there: the probabilities a backward needs in f32
+// and a product reads.
+template <typename H>
+__device__ __forceinline__ void causal_softmax_forward_rows(const float* s, float* p, H* pb,
                                                             u32 t, float scale, u64 rows) {
     u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
     if (row >= rows) return; // the whole warp: no lane is left in a shuffle
@@ -313,13 +324,13 @@ __device__ __forceinline__ void causal_softmax_forward_rows(const float* s, floa
     for (u32 j = l; j < t; j += NN_WARP) {
         float v = (j <= i) ? fdv(p[off + j], sum) : 0.0f;
         p[off + j] = v;
-        if (pb) pb[off + j] = from_f32<bf16>(v);
+        if (pb) pb[off + j] = from_f32<H>(v);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     causal_softmax_forward_f32(const float* s, float* p, u32 t, float scale, u64 rows) {
-    causal_softmax_forward_rows(s, p, nullptr, t, scale, rows);
+    causal_softmax_forward_rows<bf16>(s, p, nullptr, t, scale, rows);
 }
 
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
@@ -328,12 +339,19 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     causal_softmax_forward_rows(s, p, pb, t, scale, rows);
 }
 
-// Causal softmax forward written as its bf16 rounding (probabilities only products read): the
-// f32 kernel's values rounded as the cast kernel rounds. The exponentials are computed again
-// in the last pass instead of stored (no f32 row to keep them in), the same operations on the
-// same inputs as causal_softmax_forward_f32's.
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
-    causal_softmax_forward_bf16(const float* s, bf16* p, u32 t, float scale, u64 rows) {
+    causal_softmax_forward_both_f16(const float* s, float* p, f16* pb, u32 t, float scale,
+                                    u64 rows) {
+    causal_softmax_forward_rows(s, p, pb, t, scale, rows);
+}
+
+// Causal softmax forward written as its bf16 or f16 rounding (probabilities only products
+// read): the f32 kernel's values rounded as the cast kernel rounds. The exponentials are
+// computed again in the last pass instead of stored (no f32 row to keep them in), the same
+// operations on the same inputs as causal_softmax_forward_f32's.
+template <typename H>
+__device__ __forceinline__ void causal_softmax_forward_half(const float* s, H* p, u32 t,
+                                                            float scale, u64 rows) {
     u64 row = (u64)blockIdx.x * (NN_BLOCK / NN_WARP) + threadIdx.x / NN_WARP;
     if (row >= rows) return;
     u32 l = threadIdx.x % NN_WARP;
@@ -347,8 +365,18 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     float sum = warp_sum(acc);
     for (u32 j = l; j < t; j += NN_WARP) {
         float e = (j <= i) ? fdv(nn_exp(fs(fm(s[off + j], scale), mx)), sum) : 0.0f;
-        p[off + j] = from_f32<bf16>(e);
+        p[off + j] = from_f32<H>(e);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_forward_bf16(const float* s, bf16* p, u32 t, float scale, u64 rows) {
+    causal_softmax_forward_half(s, p, t, scale, rows);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_forward_f16(const float* s, f16* p, u32 t, float scale, u64 rows) {
+    causal_softmax_forward_half(s, p, t, scale, rows);
 }
 
 // Causal softmax backward, one warp per row: ds_j = scale * (p_j * (dp_j - sum_k p_k dp_k))
@@ -380,6 +408,12 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
 extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     causal_softmax_backward_bf16(const float* p, const float* dp, bf16* ds, u32 t, float scale,
                                  u64 rows) {
+    causal_softmax_backward_impl(p, dp, ds, t, scale, rows);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    causal_softmax_backward_f16(const float* p, const float* dp, f16* ds, u32 t, float scale,
+                                u64 rows) {
     causal_softmax_backward_impl(p, dp, ds, t, scale, rows);
 }
 
@@ -431,6 +465,12 @@ extern "C" __global__ void __launch_bounds__(NN_BLOCK)
     cross_entropy_fused_bf16(const float* logits, const u32* targets, float* losses,
                              bf16* dlogits, u32 v, float dloss,
                              const double* s) {
+    cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss, s);
+}
+
+extern "C" __global__ void __launch_bounds__(NN_BLOCK)
+    cross_entropy_fused_f16(const float* logits, const u32* targets, float* losses,
+                            f16* dlogits, u32 v, float dloss, const double* s) {
     cross_entropy_fused_impl(logits, targets, losses, dlogits, v, dloss, s);
 }
 
@@ -564,6 +604,11 @@ extern "C" __global__ void heads_split_bf16(const float* src, bf16* dst, u32 b, 
     heads_split_impl(src, dst, b, t, h, d, row, offset);
 }
 
+extern "C" __global__ void heads_split_f16(const float* src, f16* dst, u32 b, u32 t, u32 h,
+                                           u32 d, u32 row, u32 offset) {
+    heads_split_impl(src, dst, b, t, h, d, row, offset);
+}
+
 // The inverse of heads_split_f32: dst rows [b·t, row] get src [b, h, t, d] at the same places
 // (the other columns of dst are untouched). A copy: exact (into bf16: rounded).
 template <typename D>
@@ -581,5 +626,10 @@ extern "C" __global__ void heads_merge_f32(const float* src, float* dst, u32 b, 
 
 extern "C" __global__ void heads_merge_bf16(const float* src, bf16* dst, u32 b, u32 t, u32 h,
                                             u32 d, u32 row, u32 offset) {
+    heads_merge_impl(src, dst, b, t, h, d, row, offset);
+}
+
+extern "C" __global__ void heads_merge_f16(const float* src, f16* dst, u32 b, u32 t, u32 h,
+                                           u32 d, u32 row, u32 offset) {
     heads_merge_impl(src, dst, b, t, h, d, row, offset);
 }

@@ -1,17 +1,17 @@
 //! [`CudaOps`]: [`GptOps`] on one CUDA stream.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use fsdp_device::Stream;
-use half::bf16;
+use half::{bf16, f16};
 
 use super::cuda_memory::CudaMemory;
 use super::cuda_pool::hold_pool_memory;
-use super::cuda_products::{f32_arg, CudaOperand};
+use super::cuda_products::{f32_arg, written_half, CudaOperand};
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, DecidedTensor, GptOps};
@@ -38,6 +38,8 @@ pub struct CudaOps {
     /// The bf16 copies of a product's two operands ([`Products::Bf16`]), kept between products
     /// and grown as needed (operations run in stream order, so one pair serves every product).
     pub(super) operands: Mutex<[Kept<CudaSlice<bf16>>; 2]>,
+    /// The f16 copies of a product's two operands ([`Products::F16`]).
+    pub(super) operands_f16: Mutex<[Kept<CudaSlice<f16>>; 2]>,
     pub(super) casts: AtomicU64,
     /// The bytes of the buffers handed out and kept ([`GptOps::memory`]).
     pub(super) memory: Arc<MemoryCounter>,
@@ -90,6 +92,22 @@ pub enum Products {
     /// an f32 result; every other operation stays f32. The host twin is
     /// [`HostProducts::Bf16Operands`](super::HostProducts::Bf16Operands).
     Bf16,
+    /// The same with f16 operands (`torch.autocast(dtype=torch.float16)`'s products): an
+    /// operand past f16's range becomes infinite, so f16 products train with a grad scaler
+    /// whose scale keeps the gradients' operands in range. The host twin is
+    /// [`HostProducts::F16Operands`](super::HostProducts::F16Operands).
+    F16,
+}
+
+impl Products {
+    /// The dtype products round their operands to: bf16, f16, or `None` (f32 operands).
+    pub fn half(self) -> Option<fsdp_device::DType> {
+        match self {
+            Products::F32 => None,
+            Products::Bf16 => Some(fsdp_device::DType::BF16),
+            Products::F16 => Some(fsdp_device::DType::F16),
+        }
+    }
 }
 
 pub(super) fn copy_error(op: &'static str, e: impl std::fmt::Debug) -> KernelError {
@@ -151,6 +169,7 @@ impl CudaOps {
             blas,
             products: Products::F32,
             operands: Mutex::new([Kept::default(), Kept::default()]),
+            operands_f16: Mutex::new([Kept::default(), Kept::default()]),
             casts: AtomicU64::new(0),
             memory: MemoryCounter::new(),
             pinned: PinnedPool::default(),
@@ -176,23 +195,7 @@ impl CudaOps {
         &self.stream
     }
 
-    /// A new bf16 operand of `n` elements that `write` (a kernel writing every element) fills,
-    /// counted as one rounding of an operand: a result only products read, written in bf16 by
-    /// its own kernel.
-    fn written_bf16(
-        &self,
-        n: usize,
-        write: impl FnOnce(&mut CudaSlice<bf16>) -> Result<(), KernelError>,
-    ) -> Result<CudaOperand, KernelError> {
-        // SAFETY: device memory of `n` bf16 whose bits are whatever the pool held; any bits are
-        // a bf16, and `write` writes every element before anything reads it.
-        let mut y = unsafe { self.device_slice::<bf16>(n, false) }?;
-        write(&mut y)?;
-        self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(y))
-    }
-
-    /// The kernel of `w` writing its result into `y` as `P` (f32, or bf16).
+    /// The kernel of `w` writing its result into `y` as `P` (f32, bf16 or f16).
     fn launch_written<P: CastFloat>(
         &self,
         w: &Written<'_, CudaOps>,
@@ -318,28 +321,21 @@ impl GptOps for CudaOps {
     ) -> Result<(), KernelError> {
         match self.products {
             Products::F32 => self.blas.matmul::<f32, f32>(g, f32_arg(a)?, f32_arg(b)?, c),
-            Products::Bf16 => self.gemm_bf16(g, a, b, c),
+            Products::Bf16 => self.gemm_half::<bf16>(g, a, b, c),
+            Products::F16 => self.gemm_half::<f16>(g, a, b, c),
         }
     }
 
     fn operand(&self, buf: CudaBuf) -> Result<CudaOperand, KernelError> {
-        if self.products != Products::Bf16 {
-            return Ok(CudaOperand::F32(buf));
+        match self.products {
+            Products::F32 => Ok(CudaOperand::F32(buf)),
+            Products::Bf16 => self.operand_as::<bf16>(buf),
+            Products::F16 => self.operand_as::<f16>(buf),
         }
-        // SAFETY: device memory of `buf.len()` bf16 whose bits are whatever the pool held; any
-        // bits are a bf16, and the cast below writes every element before anything reads it.
-        let mut kept = unsafe { self.device_slice::<bf16>(buf.len(), false) }?;
-        launch::cast::<f32, bf16>(&self.cuda, &*buf, &mut *kept)?;
-        drop(buf);
-        self.casts.fetch_add(1, Ordering::Relaxed);
-        Ok(CudaOperand::Bf16(kept))
     }
 
     fn operand_len(op: &CudaOperand) -> usize {
-        match op {
-            CudaOperand::F32(b) => b.len(),
-            CudaOperand::Bf16(b) => b.len(),
-        }
+        op.len()
     }
 
     fn bias_add(&self, y: &mut CudaBuf, bias: &CudaBuf) -> Result<(), KernelError> {
@@ -434,11 +430,11 @@ impl GptOps for CudaOps {
         scale: f32,
         probs: &mut CudaBuf,
     ) -> Result<Option<CudaOperand>, KernelError> {
-        if self.products != Products::Bf16 {
+        if self.products == Products::F32 {
             launch::causal_softmax_forward(&self.cuda, scores, t, scale, probs)?;
             return Ok(None);
         }
-        let rounded = self.written_bf16(scores.len(), |r| {
+        let rounded = written_half!(self, scores.len(), |r| {
             launch::causal_softmax_forward_both(&self.cuda, scores, t, scale, probs, r)
         })?;
         Ok(Some(rounded))
@@ -446,12 +442,12 @@ impl GptOps for CudaOps {
 
     fn write_operand(&self, w: Written<'_, CudaOps>) -> Result<CudaOperand, KernelError> {
         let n = w.result_len()?;
-        if self.products != Products::Bf16 {
+        if self.products == Products::F32 {
             let mut y = self.empty(n)?;
             self.launch_written(&w, &mut y)?;
             return Ok(CudaOperand::F32(y));
         }
-        self.written_bf16(n, |y| self.launch_written(&w, y))
+        written_half!(self, n, |y| self.launch_written(&w, y))
     }
 
     fn layernorm_forward_operand(
@@ -463,12 +459,12 @@ impl GptOps for CudaOps {
         mean: &mut CudaBuf,
         rstd: &mut CudaBuf,
     ) -> Result<CudaOperand, KernelError> {
-        if self.products != Products::Bf16 {
+        if self.products == Products::F32 {
             let mut y = self.empty(x.len())?;
             launch::layernorm_forward(&self.cuda, x, weight, bias, eps, &mut y, mean, rstd)?;
             return Ok(CudaOperand::F32(y));
         }
-        self.written_bf16(x.len(), |y| {
+        written_half!(self, x.len(), |y| {
             launch::layernorm_forward(&self.cuda, x, weight, bias, eps, y, mean, rstd)
         })
     }
@@ -501,7 +497,7 @@ impl GptOps for CudaOps {
         scale: Option<&CudaScalars>,
         losses: &mut CudaBuf,
     ) -> Result<CudaOperand, KernelError> {
-        if self.products != Products::Bf16 {
+        if self.products == Products::F32 {
             let (l, t) = (&mut logits, targets);
             self.cross_entropy_fused_in_place(l, t, first, v, dloss, scale, losses)?;
             return Ok(CudaOperand::F32(logits));
@@ -510,7 +506,7 @@ impl GptOps for CudaOps {
         let targets = targets.slice(rows.clone());
         let mut losses = losses.slice_mut(rows);
         let scale = scale.map(|s| &**s);
-        let d = self.written_bf16(logits.len(), |d| {
+        let d = written_half!(self, logits.len(), |d| {
             let (l, t, ls) = (&logits, &targets, &mut losses);
             launch::cross_entropy_fused(&self.cuda, l, t, v, dloss, scale, ls, d)
         })?;

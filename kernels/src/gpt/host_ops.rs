@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
-use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to_bf16, Kept};
+use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to, Kept};
 use super::written::{self, Written};
 use crate::gemm::MatMul;
+use fsdp_device::DType;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{
     self, same_len, scaled_seed, AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice,
@@ -28,6 +29,22 @@ pub enum HostProducts {
     /// [`CudaOps`](super::CudaOps) with
     /// [`Products::Bf16`](super::Products::Bf16) computes, in another summation order.
     Bf16Operands,
+    /// [`gemm_half_operands`](super::gemm_half_operands) in f16: both operands rounded to f16
+    /// (an operand past f16's range becomes infinite, as on the device: what a grad scaler's
+    /// overflow check catches), products summed in f32 — [`Products::F16`](super::Products::F16)'s
+    /// twin.
+    F16Operands,
+}
+
+impl HostProducts {
+    /// The dtype products round their operands to: bf16, f16, or `None` (f32 operands).
+    pub fn half(self) -> Option<DType> {
+        match self {
+            HostProducts::Bf16Operands => Some(DType::BF16),
+            HostProducts::F16Operands => Some(DType::F16),
+            HostProducts::F32 | HostProducts::F64Rounded => None,
+        }
+    }
 }
 
 /// A buffer of [`HostOps`]: a `Vec<f32>` counted in its operations' memory (4 bytes an
@@ -135,7 +152,7 @@ impl HostOps {
         n: usize,
         compute: impl FnOnce(&mut [f32]) -> Result<(), KernelError>,
     ) -> Result<HostOperand, KernelError> {
-        if self.products != HostProducts::Bf16Operands {
+        if self.products.half().is_none() {
             let mut y = self.empty(n)?;
             compute(&mut y)?;
             return Ok(y);
@@ -145,19 +162,20 @@ impl HostOps {
         Ok(self.rounded_operand(&y))
     }
 
-    /// `v` rounded to bf16 as a kept operand, counted at 2 bytes an element and as one
-    /// rounding of an operand.
+    /// `v` rounded to the products' bf16 or f16 as a kept operand, counted at 2 bytes an
+    /// element and as one rounding of an operand.
     fn rounded_operand(&self, v: &[f32]) -> HostOperand {
-        let rounded = rounded_to_bf16(v);
+        let rounded = rounded_to(self.products.half().unwrap_or(DType::BF16), v);
         let n = rounded.len();
         self.roundings.fetch_add(1, Ordering::Relaxed);
         Counted::new(rounded, bytes_of::<u16>(n), &self.memory)
     }
 
-    /// [`gemm_bf16_operands`](super::gemm_bf16_operands) through the kept operand copies: the
-    /// same rounded values, so the same bits.
-    fn gemm_bf16(
+    /// [`gemm_half_operands`](super::gemm_half_operands) in `half` through the kept operand
+    /// copies: the same rounded values, so the same bits.
+    fn gemm_half(
         &self,
+        half: DType,
         g: &MatMul,
         a: Arg<'_, HostOps>,
         b: Arg<'_, HostOps>,
@@ -176,11 +194,11 @@ impl HostOps {
         let (ea, eb, _) = g.extents();
         // A kept operand is rounded already.
         let ra = match a {
-            Arg::Buf(a) => round_into(&self.memory, ka, a, g.offset_a..ea, &self.roundings),
+            Arg::Buf(a) => round_into(half, &self.memory, ka, a, g.offset_a..ea, &self.roundings),
             Arg::Operand(a) => &a[g.offset_a..ea],
         };
         let rb = match b {
-            Arg::Buf(b) => round_into(&self.memory, kb, b, g.offset_b..eb, &self.roundings),
+            Arg::Buf(b) => round_into(half, &self.memory, kb, b, g.offset_b..eb, &self.roundings),
             Arg::Operand(b) => &b[g.offset_b..eb],
         };
         gemm_f32(&g.operands_from_start(), ra, rb, c)
@@ -268,12 +286,13 @@ impl GptOps for HostOps {
         match self.products {
             HostProducts::F32 => gemm_f32(g, values(a), values(b), c),
             HostProducts::F64Rounded => gemm_f64_rounded(g, values(a), values(b), c),
-            HostProducts::Bf16Operands => self.gemm_bf16(g, a, b, c),
+            HostProducts::Bf16Operands => self.gemm_half(DType::BF16, g, a, b, c),
+            HostProducts::F16Operands => self.gemm_half(DType::F16, g, a, b, c),
         }
     }
 
     fn operand(&self, buf: HostBuf) -> Result<HostOperand, KernelError> {
-        if self.products != HostProducts::Bf16Operands {
+        if self.products.half().is_none() {
             return Ok(buf);
         }
         let kept = self.rounded_operand(&buf);
@@ -378,7 +397,7 @@ impl GptOps for HostOps {
         probs: &mut HostBuf,
     ) -> Result<Option<HostOperand>, KernelError> {
         nn::causal_softmax_forward(scores, t, scale, probs)?;
-        Ok((self.products == HostProducts::Bf16Operands).then(|| self.rounded_operand(probs)))
+        Ok(self.products.half().is_some().then(|| self.rounded_operand(probs)))
     }
 
     fn write_operand(&self, w: Written<'_, HostOps>) -> Result<HostOperand, KernelError> {
@@ -429,7 +448,7 @@ impl GptOps for HostOps {
         losses: &mut HostBuf,
     ) -> Result<HostOperand, KernelError> {
         self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, scale, losses)?;
-        if self.products != HostProducts::Bf16Operands {
+        if self.products.half().is_none() {
             return Ok(logits);
         }
         // The device writes the rounded gradient beside the logits, then frees them.

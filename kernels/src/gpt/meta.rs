@@ -75,7 +75,7 @@ impl MetaOps {
 
     /// An operand of `len` elements written as such (bf16 with bf16 products, else f32).
     fn new_operand(&self, len: usize) -> MetaCounted {
-        if self.products == HostProducts::Bf16Operands {
+        if self.products.half().is_some() {
             self.counted(len, bytes_of::<u16>)
         } else {
             self.buf(len)
@@ -148,7 +148,7 @@ impl GptOps for MetaOps {
         b: Arg<'_, Self>,
         c: &mut MetaCounted,
     ) -> Result<(), KernelError> {
-        if self.products == HostProducts::Bf16Operands {
+        if self.products.half().is_some() {
             let mut kept = self
                 .operands
                 .lock()
@@ -175,7 +175,7 @@ impl GptOps for MetaOps {
         Ok(())
     }
     fn operand(&self, buf: MetaCounted) -> Result<MetaCounted, KernelError> {
-        if self.products != HostProducts::Bf16Operands {
+        if self.products.half().is_none() {
             return Ok(buf);
         }
         let kept = self.new_operand(buf.len);
@@ -278,7 +278,7 @@ impl GptOps for MetaOps {
         probs: &mut MetaCounted,
     ) -> Result<Option<MetaCounted>, KernelError> {
         write(&mut [probs]);
-        Ok((self.products == HostProducts::Bf16Operands).then(|| self.new_operand(probs.len)))
+        Ok(self.products.half().is_some().then(|| self.new_operand(probs.len)))
     }
     fn write_operand(&self, w: Written<'_, MetaOps>) -> Result<MetaCounted, KernelError> {
         Ok(self.new_operand(w.result_len()?))
@@ -321,7 +321,7 @@ impl GptOps for MetaOps {
         losses: &mut MetaCounted,
     ) -> Result<MetaCounted, KernelError> {
         self.cross_entropy_fused_in_place(&mut logits, targets, first, v, dloss, scale, losses)?;
-        if self.products != HostProducts::Bf16Operands {
+        if self.products.half().is_none() {
             return Ok(logits);
         }
         let kept = self.new_operand(logits.len);

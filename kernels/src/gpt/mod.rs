@@ -65,7 +65,7 @@ pub use ops::{Arg, DecidedTensor, GptOps};
 pub use pass::GptPass;
 pub use peer::{PeerOps, PeerPtr};
 pub use peer_gather::PeerCopy;
-pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded};
+pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded, gemm_half_operands};
 pub use staging::StagingOps;
 pub use trace::SpanEnd;
 pub use units::{Resident, Unit, Units, WithGrads};

@@ -1,6 +1,6 @@
 //! Matrix products on the host for [`HostOps`](super::HostOps): f32 left to right
 //! ([`gemm_f32`]), accumulated in f64 and rounded once ([`gemm_f64_rounded`]), or of operands
-//! rounded to bf16 ([`gemm_bf16_operands`]).
+//! rounded to bf16 or f16 ([`gemm_bf16_operands`], [`gemm_half_operands`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use super::memory::{bytes_of, Counted, MemoryCounter, Stamp};
 use crate::gemm::MatMul;
-use crate::host::{bf16_to_f32, f32_to_bf16};
+use fsdp_device::DType;
+
+use crate::host::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::KernelError;
 
 /// `c[i, j]` of every batch from `dot(a, b, i, j)`, the product's `k` terms in order.
@@ -100,18 +102,44 @@ pub fn gemm_bf16_operands(
     b: &[f32],
     c: &mut [f32],
 ) -> Result<(), KernelError> {
+    gemm_half_operands(DType::BF16, g, a, b, c)
+}
+
+/// [`gemm_f32`] of the operands rounded to `half` (bf16 or f16; round to nearest even, as the
+/// cast kernel; an f16 rounding past f16's range is infinite): the twin of
+/// [`Products::Bf16`](super::Products::Bf16) and [`Products::F16`](super::Products::F16).
+///
+/// # Errors
+/// As [`gemm_f32`]; a `half` that is not bf16 or f16.
+pub fn gemm_half_operands(
+    half: DType,
+    g: &MatMul,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    if !matches!(half, DType::BF16 | DType::F16) {
+        return Err(KernelError::InvalidArgument {
+            kernel: "gemm_half_operands",
+            reason: format!("operands rounded to {half}: bf16 or f16"),
+        });
+    }
     // gemm_f32 checks the lengths (the rounded copies keep them).
-    gemm_f32(g, &rounded_to_bf16(a), &rounded_to_bf16(b), c)
+    gemm_f32(g, &rounded_to(half, a), &rounded_to(half, b), c)
 }
 
-/// `x` rounded to bf16 (round to nearest even, as the cast kernel), widened back to f32.
-fn round_bf16(x: f32) -> f32 {
-    bf16_to_f32(f32_to_bf16(x))
+/// `x` rounded to `half` (f16, else bf16; round to nearest even, as the cast kernel), widened
+/// back to f32.
+pub(super) fn round_half(half: DType, x: f32) -> f32 {
+    match half {
+        DType::F16 => f16_to_f32(f32_to_f16(x)),
+        _ => bf16_to_f32(f32_to_bf16(x)),
+    }
 }
 
-/// Every value of `v` rounded to bf16 ([`round_bf16`]).
-pub(super) fn rounded_to_bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| round_bf16(x)).collect()
+/// Every value of `v` rounded to `half` ([`round_half`]).
+pub(super) fn rounded_to(half: DType, v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| round_half(half, x)).collect()
 }
 
 /// A kept bf16 copy of one operand position of the products (grown to the largest operand
@@ -173,10 +201,11 @@ impl<T> Kept<T> {
     }
 }
 
-/// `src[range]` rounded to bf16 into the front of `kept` ([`Kept::refill`]), counted in
+/// `src[range]` rounded to `half` into the front of `kept` ([`Kept::refill`]), counted in
 /// `memory` at 2 bytes an element: [`HostOps`](super::HostOps)' kept operand copies of bf16
-/// products. Each rounding is counted in `roundings`.
+/// or f16 products. Each rounding is counted in `roundings`.
 pub(super) fn round_into<'a>(
+    half: DType,
     memory: &Arc<MemoryCounter>,
     kept: &'a mut Kept<Vec<f32>>,
     src: &Counted<Vec<f32>>,
@@ -192,7 +221,7 @@ pub(super) fn round_into<'a>(
         |n| Ok::<_, Infallible>(Counted::new(vec![0.0; n], bytes_of::<u16>(n), memory)),
         |copy| {
             for (d, &x) in copy.iter_mut().zip(part.iter()) {
-                *d = round_bf16(x);
+                *d = round_half(half, x);
             }
             Ok(())
         },
@@ -267,5 +296,23 @@ mod tests {
         assert_eq!(c[0], 1.0 + 3.0 * (1.0 + 2f32.powi(-6)));
         gemm_f32(&g, &a, &b, &mut c).unwrap();
         assert_ne!(c[0], 1.0 + 3.0 * (1.0 + 2f32.powi(-6)));
+    }
+
+    /// f16 keeps 11 significant bits (1 + 2^-9 survives, 1 + 2^-12 does not) and overflows
+    /// past 65504 (an infinite operand, what a grad scaler catches); bf16 keeps f32's range.
+    #[test]
+    fn f16_operands_are_rounded_and_overflow() {
+        let g = MatMul::new(1, 1, 2, false, false);
+        let (a, b) = ([1.0 + 2f32.powi(-9), 1.0 + 2f32.powi(-12)], [1.0f32, 1.0]);
+        let mut c = [0.0f32];
+        gemm_half_operands(DType::F16, &g, &a, &b, &mut c).unwrap();
+        assert_eq!(c[0], 2.0 + 2f32.powi(-9));
+        let big = [70_000.0f32, 0.0];
+        gemm_half_operands(DType::F16, &g, &big, &b, &mut c).unwrap();
+        assert_eq!(c[0], f32::INFINITY);
+        gemm_half_operands(DType::BF16, &g, &big, &b, &mut c).unwrap();
+        assert_eq!(c[0], 70_144.0, "70000 in bf16");
+        let e = gemm_half_operands(DType::F32, &g, &a, &b, &mut c).unwrap_err();
+        assert!(e.to_string().contains("bf16 or f16"), "{e}");
     }
 }

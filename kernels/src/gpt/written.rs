@@ -105,20 +105,25 @@ mod tests {
     }
 
     #[test]
-    fn an_operand_is_the_f32_result_or_its_bf16_rounding() {
+    fn an_operand_is_the_f32_result_or_its_16_bit_rounding() {
         let x: Vec<f32> = (0..24).map(|i| (i as f32 - 11.3) * 0.37).collect();
-        for products in [HostProducts::F32, HostProducts::Bf16Operands] {
+        let all = [
+            HostProducts::F32,
+            HostProducts::Bf16Operands,
+            HostProducts::F16Operands,
+        ];
+        for products in all {
             let ops = HostOps::with_products(products);
             let xb = ops.upload(&x).unwrap();
             let mut want = vec![0.0; 24];
             nn::gelu_forward(&x, &mut want).unwrap();
-            if products == HostProducts::Bf16Operands {
-                want = super::super::products::rounded_to_bf16(&want);
+            if let Some(h) = products.half() {
+                want = super::super::products::rounded_to(h, &want);
             }
             let before = ops.operand_roundings();
             let got = ops.write_operand(Written::Gelu(&xb)).unwrap();
             assert_eq!(got.to_vec(), want, "{products:?}");
-            let rounded = u64::from(products == HostProducts::Bf16Operands);
+            let rounded = u64::from(products.half().is_some());
             assert_eq!(ops.operand_roundings() - before, rounded);
             // 24 elements of 2 or 4 bytes beside x's 4.
             let op_bytes = if rounded == 1 { 2 } else { 4 };

@@ -102,10 +102,10 @@ pub(super) fn launched<T>(
 }
 
 /// Layer norm forward (see [`host::nn::layernorm_forward`](crate::host::nn::layernorm_forward)),
-/// `y` written as `Y`: f32, or its bf16 rounding.
+/// `y` written as `Y`: f32, or its bf16 or f16 rounding.
 ///
 /// # Errors
-/// Shape errors as the twin; `Y` f16; compile, load and launch failures.
+/// Shape errors as the twin; compile, load and launch failures.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_forward<Y: CastFloat>(
     stream: &CudaStream,
@@ -117,7 +117,11 @@ pub fn layernorm_forward<Y: CastFloat>(
     mean: &mut impl DevicePtrMut<f32>,
     rstd: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), KernelError> {
-    let k = writing::<Y>("layernorm_forward_f32", "layernorm_forward_bf16")?;
+    let k = writing::<Y>([
+        "layernorm_forward_f32",
+        "layernorm_forward_bf16",
+        "layernorm_forward_f16",
+    ])?;
     let c = weight.len();
     let n = check_ln_forward(k, x.len(), c, bias.len(), y.len(), mean.len(), rstd.len())?;
     if n == 0 {
@@ -241,16 +245,16 @@ pub fn layernorm_backward_params(
 }
 
 /// Exact GELU forward (see [`host::nn::gelu_forward`](crate::host::nn::gelu_forward)), `y`
-/// written as `Y`: f32, or its bf16 rounding.
+/// written as `Y`: f32, or its bf16 or f16 rounding.
 ///
 /// # Errors
-/// [`KernelError::Length`]; `Y` f16; compile, load and launch failures.
+/// [`KernelError::Length`]; compile, load and launch failures.
 pub fn gelu_forward<Y: CastFloat>(
     stream: &CudaStream,
     x: &impl DevicePtr<f32>,
     y: &mut impl DevicePtrMut<Y>,
 ) -> Result<(), KernelError> {
-    let k = writing::<Y>("gelu_forward_f32", "gelu_forward_bf16")?;
+    let k = writing::<Y>(["gelu_forward_f32", "gelu_forward_bf16", "gelu_forward_f16"])?;
     let n = x.len();
     same_len(k, "y", n, y.len())?;
     if n == 0 {
@@ -296,29 +300,29 @@ pub fn gelu_backward(
     launched(k, unsafe { b.launch(config(n)) })
 }
 
-/// Of a layer's two kernels, `f32` and `bf16`, the one that writes its result as `P`: the
-/// bf16 kernel stores the f32 kernel's values rounded as [`cast`](super::cast) rounds (for
+/// Of a layer's kernels `[f32, bf16, f16]`, the one that writes its result as `P`: the bf16
+/// and f16 kernels store the f32 kernel's values rounded as [`cast`](super::cast) rounds (for
 /// results only products read).
 pub(super) fn writing<P: CastFloat>(
-    f32: &'static str,
-    bf16: &'static str,
+    [f32, bf16, f16]: [&'static str; 3],
 ) -> Result<&'static str, KernelError> {
     match P::NAME {
         "f32" => Ok(f32),
         "bf16" => Ok(bf16),
+        "f16" => Ok(f16),
         other => Err(KernelError::InvalidArgument {
             kernel: f32,
-            reason: format!("no {other} results (f32 or bf16)"),
+            reason: format!("no {other} results (f32, bf16 or f16)"),
         }),
     }
 }
 
 /// Causal softmax forward over `t × t` score matrices (see
 /// [`host::nn::causal_softmax_forward`](crate::host::nn::causal_softmax_forward)), the
-/// probabilities written as `P`: f32, or their bf16 rounding.
+/// probabilities written as `P`: f32, or their bf16 or f16 rounding.
 ///
 /// # Errors
-/// Shape errors as the twin; `P` f16; compile, load and launch failures.
+/// Shape errors as the twin; compile, load and launch failures.
 pub fn causal_softmax_forward<P: CastFloat>(
     stream: &CudaStream,
     scores: &impl DevicePtr<f32>,
@@ -326,7 +330,11 @@ pub fn causal_softmax_forward<P: CastFloat>(
     scale: f32,
     probs: &mut impl DevicePtrMut<P>,
 ) -> Result<(), KernelError> {
-    let k = writing::<P>("causal_softmax_forward_f32", "causal_softmax_forward_bf16")?;
+    let k = writing::<P>([
+        "causal_softmax_forward_f32",
+        "causal_softmax_forward_bf16",
+        "causal_softmax_forward_f16",
+    ])?;
     let rows = softmax_rows(k, scores.len(), t)?;
     same_len(k, "probs", scores.len(), probs.len())?;
     if rows == 0 {
@@ -339,27 +347,37 @@ pub fn causal_softmax_forward<P: CastFloat>(
     let (t32, rows64) = (t as u32, rows as u64);
     let mut b = stream.launch_builder(&f);
     b.arg(&sp).arg(&pp).arg(&t32).arg(&scale).arg(&rows64);
-    // SAFETY: (const float* s, P* p, u32 t, float scale, u64 rows) with P the kernel's (f32 or
-    // bf16, `writing`), one warp on each of the `rows` rows of `t` elements of both
+    // SAFETY: (const float* s, P* p, u32 t, float scale, u64 rows) with P the kernel's (f32, bf16
+    // or f16, `writing`), one warp on each of the `rows` rows of `t` elements of both
     // (warps past the last row return).
     launched(k, unsafe { b.launch(cfg) })
 }
 
-/// [`causal_softmax_forward`] into f32 `probs` and, in the same pass, their bf16 rounding into
-/// `rounded` (as [`cast`](super::cast) rounds): the probabilities a backward reads in f32 and a
-/// product reads.
+/// [`causal_softmax_forward`] into f32 `probs` and, in the same pass, their bf16 or f16
+/// rounding `H` into `rounded` (as [`cast`](super::cast) rounds): the probabilities a
+/// backward reads in f32 and a product reads.
 ///
 /// # Errors
-/// Shape errors as the twin; compile, load and launch failures.
-pub fn causal_softmax_forward_both(
+/// Shape errors as the twin; `H` f32; compile, load and launch failures.
+pub fn causal_softmax_forward_both<H: CastFloat>(
     stream: &CudaStream,
     scores: &impl DevicePtr<f32>,
     t: usize,
     scale: f32,
     probs: &mut impl DevicePtrMut<f32>,
-    rounded: &mut impl DevicePtrMut<half::bf16>,
+    rounded: &mut impl DevicePtrMut<H>,
 ) -> Result<(), KernelError> {
-    let k = "causal_softmax_forward_both_bf16";
+    let k = writing::<H>([
+        "causal_softmax_forward_both_f32 (none: f32 results are the probabilities)",
+        "causal_softmax_forward_both_bf16",
+        "causal_softmax_forward_both_f16",
+    ])?;
+    if H::NAME == "f32" {
+        return Err(KernelError::InvalidArgument {
+            kernel: k,
+            reason: "the rounding written beside the f32 probabilities is bf16 or f16".into(),
+        });
+    }
     let rows = softmax_rows(k, scores.len(), t)?;
     same_len(k, "probs", scores.len(), probs.len())?;
     same_len(k, "rounded", scores.len(), rounded.len())?;
@@ -379,17 +397,17 @@ pub fn causal_softmax_forward_both(
         .arg(&t32)
         .arg(&scale)
         .arg(&rows64);
-    // SAFETY: (const float* s, float* p, bf16* pb, u32 t, float scale, u64 rows), one warp on
+    // SAFETY: (const float* s, float* p, H* pb, u32 t, float scale, u64 rows), one warp on
     // each of the `rows` rows of `t` elements of all three (warps past the last row return).
     launched(k, unsafe { b.launch(cfg) })
 }
 
 /// Causal softmax backward, written into `dscores` (see
 /// [`host::nn::causal_softmax_backward`](crate::host::nn::causal_softmax_backward)) as `D`:
-/// f32, or its bf16 rounding.
+/// f32, or its bf16 or f16 rounding.
 ///
 /// # Errors
-/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+/// Shape errors as the twin; compile, load and launch failures.
 pub fn causal_softmax_backward<D: CastFloat>(
     stream: &CudaStream,
     probs: &impl DevicePtr<f32>,
@@ -398,10 +416,11 @@ pub fn causal_softmax_backward<D: CastFloat>(
     scale: f32,
     dscores: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = writing::<D>(
+    let k = writing::<D>([
         "causal_softmax_backward_f32",
         "causal_softmax_backward_bf16",
-    )?;
+        "causal_softmax_backward_f16",
+    ])?;
     let rows = softmax_rows(k, probs.len(), t)?;
     same_len(k, "dprobs", probs.len(), dprobs.len())?;
     same_len(k, "dscores", probs.len(), dscores.len())?;

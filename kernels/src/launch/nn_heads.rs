@@ -61,17 +61,17 @@ fn heads(
 
 /// Attention heads out of token rows into dense `[b, h, t, d]` (see
 /// [`host::nn::heads_split`](crate::host::nn::heads_split)), written as `D`: f32, or rounded
-/// to bf16.
+/// to bf16 or f16.
 ///
 /// # Errors
-/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+/// Shape errors as the twin; compile, load and launch failures.
 pub fn heads_split<D: CastFloat>(
     stream: &CudaStream,
     rows: &impl DevicePtr<f32>,
     l: HeadsLayout,
     out: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = writing::<D>("heads_split_f32", "heads_split_bf16")?;
+    let k = writing::<D>(["heads_split_f32", "heads_split_bf16", "heads_split_f16"])?;
     l.check(k, rows.len(), out.len())?;
     if l.heads_len() == 0 {
         return Ok(());
@@ -83,17 +83,17 @@ pub fn heads_split<D: CastFloat>(
 
 /// The inverse of [`heads_split`]: dense heads into their places in token rows (see
 /// [`host::nn::heads_merge`](crate::host::nn::heads_merge)), written as `D`: f32, or rounded
-/// to bf16.
+/// to bf16 or f16.
 ///
 /// # Errors
-/// Shape errors as the twin; `D` f16; compile, load and launch failures.
+/// Shape errors as the twin; compile, load and launch failures.
 pub fn heads_merge<D: CastFloat>(
     stream: &CudaStream,
     src: &impl DevicePtr<f32>,
     l: HeadsLayout,
     rows: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = writing::<D>("heads_merge_f32", "heads_merge_bf16")?;
+    let k = writing::<D>(["heads_merge_f32", "heads_merge_bf16", "heads_merge_f16"])?;
     l.check(k, rows.len(), src.len())?;
     if l.heads_len() == 0 {
         return Ok(());

@@ -12,13 +12,13 @@ use crate::host::{check_scalars_len, CastFloat};
 use crate::{KernelError, Program};
 
 /// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
-/// `dlogits` (written as `D`: f32, or its bf16 rounding); see
+/// `dlogits` (written as `D`: f32, or its bf16 or f16 rounding); see
 /// [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused). With a step's
 /// scalars `scale` (a grad scaler's), the seed `dloss` is multiplied by their loss scale
 /// ([`STEP_SCALE`](crate::host::STEP_SCALE), rounded to f32) on the device first.
 ///
 /// # Errors
-/// Shape errors as the twin; `D` f16; a scalar buffer too short; compile, load and launch
+/// Shape errors as the twin; a scalar buffer too short; compile, load and launch
 /// failures.
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_fused<D: CastFloat>(
@@ -31,7 +31,11 @@ pub fn cross_entropy_fused<D: CastFloat>(
     losses: &mut impl DevicePtrMut<f32>,
     dlogits: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = writing::<D>("cross_entropy_fused_f32", "cross_entropy_fused_bf16")?;
+    let k = writing::<D>([
+        "cross_entropy_fused_f32",
+        "cross_entropy_fused_bf16",
+        "cross_entropy_fused_f16",
+    ])?;
     let n = check_cross_entropy(
         k,
         logits.len(),

@@ -58,7 +58,8 @@ const THREADS_MEET: &str = "ranks as threads meet in the process, without a back
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
 /// ranks as processes (a launcher's), a hybrid strategy of several ranks, a dtype other than
-/// f32 (or bf16 parameters). Returns the number of ranks.
+/// f32 (but bf16 or f16 parameters, bf16 reductions of several ranks). Returns the number of
+/// ranks.
 pub(crate) fn check_device_world_and_dtypes(
     dev: DeviceArg,
     model: &ModelArgs,
@@ -105,12 +106,14 @@ pub(crate) fn check_device_world_and_dtypes(
         ("--reduce-dtype", model.reduce_dtype, reduce_also),
     ];
     for (i, (option, d, also)) in dtypes.into_iter().enumerate() {
-        if let Some(d) = d.filter(|&d| d != DType::F32 && d != also) {
+        // Parameters may also be f16 (products of f16 operands, with the grad scaler).
+        let f16_ok = |d: DType| i == 0 && d == DType::F16;
+        if let Some(d) = d.filter(|&d| d != DType::F32 && d != also && !f16_ok(d)) {
             return Err(fail(format!(
                 "--device {dev}: {option} {}: the device trainer takes f32{}",
                 crate::run_config::dtype_option(d),
                 match (i, world) {
-                    (0, _) => " or bf16 (products of bf16 operands)",
+                    (0, _) => ", bf16 or f16 (products of 16-bit operands)",
                     (_, 1) => " only (one rank reduces nothing)",
                     _ => " or bf16 (the gradients' reductions)",
                 }
@@ -207,12 +210,12 @@ pub(crate) struct Run {
     pub(crate) checkpointer: Option<Checkpointer>,
 }
 
-/// The products of `--param-dtype bf16` (else f32).
-pub(crate) fn products(bf16: bool) -> Products {
-    if bf16 {
-        Products::Bf16
-    } else {
-        Products::F32
+/// The products of `--param-dtype`: bf16 or f16 operands, else f32.
+pub(crate) fn products(dtype: DType) -> Products {
+    match dtype {
+        DType::BF16 => Products::Bf16,
+        DType::F16 => Products::F16,
+        _ => Products::F32,
     }
 }
 
@@ -268,10 +271,10 @@ pub(crate) fn cuda_ops(
         }
         None => CudaMemory::Driver,
     };
-    let bf16 = args.model.param_dtype == DType::BF16;
+    let dtype = args.model.param_dtype;
     Ok(CudaOps::with_memory(stream, memory)
         .map_err(|e| fail(format!("{what}: {e}")))?
-        .with_products(products(bf16)))
+        .with_products(products(dtype)))
 }
 
 /// The free memory of `stream`'s GPU, where the driver tells it.
@@ -294,12 +297,12 @@ pub(crate) fn cuda_ordinal(dev: DeviceArg, n: usize) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The host twins' products of `--param-dtype bf16` (else f32).
-pub(crate) fn host_products(bf16: bool) -> HostProducts {
-    if bf16 {
-        HostProducts::Bf16Operands
-    } else {
-        HostProducts::F32
+/// The host twins' products of `--param-dtype`: bf16 or f16 operands, else f32.
+pub(crate) fn host_products(dtype: DType) -> HostProducts {
+    match dtype {
+        DType::BF16 => HostProducts::Bf16Operands,
+        DType::F16 => HostProducts::F16Operands,
+        _ => HostProducts::F32,
     }
 }
 
@@ -372,15 +375,15 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         checkpointer,
     };
     let dev = args.device;
-    let bf16 = args.model.param_dtype == DType::BF16;
+    let dtype = args.model.param_dtype;
     if let Some(env) = LaunchEnv::from_env()? {
         // Ranks as processes: this process is one of them (no plan: it is of ranks as threads).
-        return crate::device_process_cmd::train_launched(args, run, &env, bf16);
+        return crate::device_process_cmd::train_launched(args, run, &env, dtype);
     }
     if world > 1 {
         let strategy = args.model.strategy;
         let rpn = args.model.ranks_per_node.filter(|_| strategy.is_hybrid());
-        let plan = plan_sharded_memory(&run.config, products(bf16), world, strategy, rpn)
+        let plan = plan_sharded_memory(&run.config, products(dtype), world, strategy, rpn)
             .map_err(|e| fail(format!("--device {dev}: {e}")))?;
         let run = Run {
             predicted_peak: plan.peak,
@@ -394,7 +397,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
                     Some(alloc) => Some(
                         plan_sharded_allocator(
                             &run.config,
-                            products(bf16),
+                            products(dtype),
                             world,
                             strategy,
                             rpn,
@@ -421,13 +424,13 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
             DeviceArg::HostTwin => {
                 admit(args, &run, None, world)?;
                 crate::device_sharded_cmd::train_sharded(args, &run, world, |_| {
-                    Ok(HostOps::with_products(host_products(bf16)))
+                    Ok(HostOps::with_products(host_products(dtype)))
                 })
             }
             DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
         };
     }
-    let plan = plan_memory(&run.config, products(bf16))
+    let plan = plan_memory(&run.config, products(dtype))
         .map_err(|e| fail(format!("--device {dev}: {e}")))?;
     let run = Run {
         predicted_peak: plan.peak,
@@ -439,7 +442,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
             // What the caching allocator will reserve, planned with its settings.
             let predicted_allocator = match planned_allocator(args)? {
                 Some(alloc) => Some(
-                    plan_allocator(&run.config, products(bf16), alloc)
+                    plan_allocator(&run.config, products(dtype), alloc)
                         .map_err(|e| fail(format!("--device {dev}: {e}")))?,
                 ),
                 None => None,
@@ -459,7 +462,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         }
         DeviceArg::HostTwin => {
             admit(args, &run, None, 1)?;
-            train_with(HostOps::with_products(host_products(bf16)), args, &run)
+            train_with(HostOps::with_products(host_products(dtype)), args, &run)
         }
         DeviceArg::Cpu => Err(fail("--device cpu runs the sharded engine")),
     }
@@ -490,7 +493,7 @@ fn train_with<O: GptOps>(ops: O, args: &TrainArgs, run: &Run) -> Result<(), CliE
     } else {
         say!("optimizer: AdamW (f32 parameters, f32 moments, on the device)");
     }
-    crate::device_report::say_layers(args.model.param_dtype == DType::BF16, &run.config);
+    crate::device_report::say_layers(args.model.param_dtype, &run.config);
     if let Some(m) = trainer.ops().memory_source() {
         say!("memory: {m}");
     }

@@ -54,17 +54,17 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         // The grad scaler keeps its state in the step's scalars: no buffer of its own.
         grad_scaler: None,
     };
-    let bf16 = args.model.param_dtype == DType::BF16;
+    let dtype = args.model.param_dtype;
     if world > 1 {
-        return print_sharded_plan(args, &config, world, products(bf16));
+        return print_sharded_plan(args, &config, world, products(dtype));
     }
     let plan =
-        plan_memory(&config, products(bf16)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
+        plan_memory(&config, products(dtype)).map_err(|e| fail(format!("--device {dev}: {e}")))?;
     say!(
         "fsdp plan: 1 rank on {dev} (no sharding: the GPT's kernels on one device), {}, {} \
          products",
         describe_run(&cfg, args.batch_size, args.grad_accum),
-        if bf16 { "bf16-operand" } else { "f32" }
+        products_name(products(dtype))
     );
     say!("{}", plan.to_string().trim_end());
     say!(
@@ -72,7 +72,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
          memory pool adds the scratch of single kernels and its rounding)"
     );
     if let DeviceArg::Cuda { .. } = dev {
-        print_allocator_plan(args, &config, products(bf16))?;
+        print_allocator_plan(args, &config, products(dtype))?;
     }
     if let Some(limit) = args.memory_limit {
         let verdict = if plan.peak <= limit {
@@ -150,11 +150,7 @@ pub(crate) fn print_sharded_plan(
         "fsdp plan: {world} ranks on {dev} as threads ({:?}), {}, {} products",
         args.model.strategy,
         describe_run(&config.cfg, args.batch_size, args.grad_accum),
-        if products == Products::Bf16 {
-            "bf16-operand"
-        } else {
-            "f32"
-        }
+        products_name(products)
     );
     say!("{}", plan.to_string().trim_end());
     if let DeviceArg::Cuda { .. } = dev {
@@ -210,4 +206,14 @@ pub(crate) fn print_sharded_plan(
         }
     }
     Ok(())
+}
+
+/// How the plan's products are named on its first line: `bf16-operand`, `f16-operand` or
+/// `f32`.
+fn products_name(products: Products) -> &'static str {
+    match products.half() {
+        Some(fsdp_device::DType::BF16) => "bf16-operand",
+        Some(_) => "f16-operand",
+        None => "f32",
+    }
 }

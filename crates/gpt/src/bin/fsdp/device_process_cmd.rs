@@ -81,7 +81,7 @@ pub(crate) fn train_launched(
     args: &TrainArgs,
     mut run: Run,
     env: &LaunchEnv,
-    bf16: bool,
+    dtype: fsdp_device::DType,
 ) -> Result<(), CliError> {
     let dev = args.device;
     let init = init_options(args)?;
@@ -91,7 +91,7 @@ pub(crate) fn train_launched(
     let prefetch = prefetch(args)?;
     let plan = plan_process_memory(
         &run.config,
-        products(bf16),
+        products(dtype),
         env.world_size,
         strategy,
         rpn,
@@ -121,7 +121,7 @@ pub(crate) fn train_launched(
                 // reserves what its plan says.
                 if let Some(alloc) = planned_allocator(args)? {
                     let how = (env.world_size, strategy, rpn, prefetch);
-                    let a = plan_process_allocator(&run.config, products(bf16), how, alloc)
+                    let a = plan_process_allocator(&run.config, products(dtype), how, alloc)
                         .map_err(|e| fail(format!("--device {dev}: rank {}: {e}", env.rank)))?;
                     run.predicted_reserved = Some(a.peak_reserved);
                     run.beside_allocator = plan.staging;
@@ -173,7 +173,7 @@ pub(crate) fn train_launched(
             process_backend(args.backend, dev, env, None, false)?;
             run.predicted_peak = plan.peak;
             admit(args, run, None, 1)?;
-            let ops = HostOps::with_products(host_products(bf16));
+            let ops = HostOps::with_products(host_products(dtype));
             let comm = init_from_env(Backend::Tcp, &init)?;
             train_process(
                 args,

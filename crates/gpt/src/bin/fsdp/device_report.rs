@@ -130,13 +130,14 @@ pub(crate) fn skipped_for(o: &fsdp_gpt::device_train::StepOutcome) -> Option<Str
     }
 }
 
-/// The run's lines on how its step computes: the products (with bf16 ones), the attention's
-/// and the logits' chunks.
-pub(crate) fn say_layers(bf16: bool, config: &DeviceTrainConfig) {
-    if bf16 {
+/// The run's lines on how its step computes: the products (with bf16 or f16 ones, `dtype`),
+/// the attention's and the logits' chunks.
+pub(crate) fn say_layers(dtype: fsdp_device::DType, config: &DeviceTrainConfig) {
+    if let Some(h) = crate::device_cmd::products(dtype).half() {
+        let h = crate::run_config::dtype_option(h);
         say!(
-            "products: bf16 operands, f32 sums and results (every other layer in f32; the \
-             activations only products read are kept in bf16)"
+            "products: {h} operands, f32 sums and results (every other layer in f32; the \
+             activations only products read are kept in {h})"
         );
     }
     let attention = if config.attention.keeps_probabilities() {

@@ -108,8 +108,7 @@ impl<'a> Shared<'a> {
                      device)"
                 );
             }
-            let bf16 = args.model.param_dtype == fsdp_device::DType::BF16;
-            crate::device_report::say_layers(bf16, &run.config);
+            crate::device_report::say_layers(args.model.param_dtype, &run.config);
             let reduce = run.config.reduce_dtype;
             say!(
                 "reductions: the gradients in {}{}",
