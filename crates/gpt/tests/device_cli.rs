@@ -321,6 +321,34 @@ fn host_twin_bf16_products_track_the_f32_run() {
     let out = ok(&fsdp(&c), "fsdp train --device host-twin");
     assert!(out.contains("products: bf16 operands"), "{out}");
     assert_eq!(log_losses(&default_log), d);
+    // `--param-dtype f16`: f16 operands (2⁻¹¹ a rounding: closer still), with the grad scaler
+    // on by default; `--init-scale 16777216` overflows the f16 operands of the first steps,
+    // which the scaler skips (not counted against --skip-nonfinite 0) and backs off from.
+    let f16_log = dir.join("f16.csv");
+    let mut f = small_train_args(&base, &[]);
+    f.extend(["--device", "host-twin", "--param-dtype", "f16"]);
+    f.extend(["--loss-log", s(&f16_log), "--skip-nonfinite", "0"]);
+    let out = ok(&fsdp(&f), "fsdp train --device host-twin --param-dtype f16");
+    assert!(out.contains("products: f16 operands"), "{out}");
+    assert!(out.contains("grad scaler: final scale 65536, 0 overflowing"), "{out}");
+    let h = log_losses(&f16_log);
+    let rel16 = e
+        .iter()
+        .zip(&h)
+        .map(|(a, b)| (b - a).abs() / a.abs())
+        .fold(0.0, f64::max);
+    println!("f16 products: max relative loss difference {rel16:.2e} over 20 steps");
+    assert!(rel16 > 0.0 && rel16 < max, "f16 {rel16:e}, bf16 {max:e}");
+    f.extend(["--init-scale", "16777216"]);
+    let out = ok(&fsdp(&f), "--param-dtype f16 --init-scale 16777216");
+    let skipped = out
+        .lines()
+        .find_map(|l| l.strip_prefix("grad scaler: final scale "))
+        .and_then(|l| l.split(", ").nth(1))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse::<u32>().ok())
+        .unwrap_or_else(|| panic!("no scaler line: {out}"));
+    assert!(skipped > 0, "{out}");
 }
 
 /// `fsdp plan --device host-twin` (the device trainer's predicted memory) against `fsdp train

@@ -257,3 +257,46 @@ fn a_resumed_scaler_continues_bitwise() {
     };
     assert!(second.set_grad_scaler_state(bad).is_err());
 }
+
+/// f16 products (`HostProducts::F16Operands`, `fsdp train --device --param-dtype f16`), with
+/// the grad scaler they need:
+/// - at 2^24 the gradients' f16 operands overflow (past 65504), so the scaler skips and backs
+///   off until they fit, then trains — the engine's scaler fed the same overflows agrees, and
+///   no overflow counts as non-finite;
+/// - at the default 2^16, nothing overflows, and the losses are closer to the f32 run's than
+///   those of bf16 products (f16 keeps 11 significant bits to bf16's 8).
+#[test]
+fn f16_products_overflow_until_the_scale_fits() {
+    let tokens = tokens();
+    let f16 = || HostOps::with_products(HostProducts::F16Operands);
+    let c = config(Some((16_777_216.0, 2000)));
+    let (o, _) = run(c, f16(), &tokens);
+    let skipped = o.iter().filter(|o| o.overflow).count();
+    assert!(o[0].overflow && !o[0].applied, "2^24 overflows f16: {:?}", o[0]);
+    assert!(o.iter().any(|o| o.applied), "never fitted: {o:?}");
+    assert!(o.iter().all(|o| o.loss.is_finite() && !o.halted));
+    let states: Vec<_> = o.iter().map(|o| o.scaler.unwrap()).collect();
+    assert_eq!(states, engine_states(c.grad_scaler.unwrap(), &o));
+    let last = *states.last().unwrap();
+    assert_eq!(last.skipped_steps, skipped as u64);
+    assert_eq!(last.scale, 16_777_216.0 / 2f32.powi(skipped as i32));
+    // At 2^16: no overflow; closer to f32 than bf16 products are.
+    let c = config(Some((65536.0, 2000)));
+    let (f16_run, _) = run(c, f16(), &tokens);
+    assert!(f16_run.iter().all(|o| o.applied && !o.overflow));
+    let (f32_run, _) = run(config(None), HostOps::new(), &tokens);
+    let (bf16_run, _) = run(
+        config(None),
+        HostOps::with_products(HostProducts::Bf16Operands),
+        &tokens,
+    );
+    let apart = |r: &[StepOutcome]| {
+        r.iter()
+            .zip(&f32_run)
+            .map(|(a, b)| (f64::from(a.loss) - f64::from(b.loss)).abs() / f64::from(b.loss))
+            .fold(0.0, f64::max)
+    };
+    let (d16, dbf16) = (apart(&f16_run), apart(&bf16_run));
+    println!("losses against f32: f16 products {d16:.2e}, bf16 products {dbf16:.2e}");
+    assert!(d16 > 0.0 && d16 < dbf16, "f16 {d16:e}, bf16 {dbf16:e}");
+}

@@ -40,13 +40,9 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
 }
 
 /// Runs 3 steps on the host twins; returns (peak, bytes held after each step).
-fn measure(c: &DeviceTrainConfig, bf16: bool) -> (u64, Vec<u64>) {
+fn measure(c: &DeviceTrainConfig, products: HostProducts) -> (u64, Vec<u64>) {
     let params = seeded_params(&c.cfg, 5).unwrap();
-    let ops = HostOps::with_products(if bf16 {
-        HostProducts::Bf16Operands
-    } else {
-        HostProducts::F32
-    });
+    let ops = HostOps::with_products(products);
     let tokens = synthetic_corpus(20_000, c.cfg.vocab_size as u16, 5);
     let mut tr = DeviceTrainer::new(ops, *c, &params).unwrap();
     let held = (0..3)
@@ -60,9 +56,23 @@ fn measure(c: &DeviceTrainConfig, bf16: bool) -> (u64, Vec<u64>) {
 }
 
 fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan::DeviceMemoryPlan {
-    let products = if bf16 { Products::Bf16 } else { Products::F32 };
+    let (products, twin) = if bf16 {
+        (Products::Bf16, HostProducts::Bf16Operands)
+    } else {
+        (Products::F32, HostProducts::F32)
+    };
+    check_products(name, c, products, twin)
+}
+
+/// [`check`] with the products named.
+fn check_products(
+    name: &str,
+    c: &DeviceTrainConfig,
+    products: Products,
+    twin: HostProducts,
+) -> fsdp_gpt::device_plan::DeviceMemoryPlan {
     let plan = plan_memory(c, products).unwrap();
-    let (peak, held) = measure(c, bf16);
+    let (peak, held) = measure(c, twin);
     println!(
         "{name}: predicted peak {} at {}, measured {peak}",
         plan.peak, plan.peak_moment
@@ -149,7 +159,7 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     // products 10 of the 16 (h1, q, k, v, y, h2, gelu's output of 4) and ln_f's output are
     // kept in bf16, as only products read them. With activation checkpointing, each block's
     // input alone.
-    let opb = if bf16 { 2 } else { 4 };
+    let opb = if twin.half().is_some() { 2 } else { 4 };
     let per_block = if c.activation_checkpointing {
         4 * n * e
     } else {
@@ -160,7 +170,7 @@ fn check(name: &str, c: &DeviceTrainConfig, bf16: bool) -> fsdp_gpt::device_plan
     // The kept copies of the products' operands: the largest buffer each position reads (the
     // results only products read are written as operands and pass through neither): first
     // GELU's input gradient or the kept probabilities (`dv`'s product), second the weights.
-    let operands = if bf16 {
+    let operands = if twin.half().is_some() {
         let a = (4 * n * e).max(kept);
         let b = (4 * e * e).max(v * e);
         2 * (a + b)
@@ -257,6 +267,17 @@ fn predicted_peak_equals_the_host_twins_bf16() {
             let c = config(cfg, 8, accum, None);
             check(&format!("{name}, bf16, accum {accum}"), &c, true);
         }
+    }
+}
+
+/// f16 products hold what bf16 products hold (2 bytes an operand): the plan is bf16's, and the
+/// host twins' f16 run measures it exactly.
+#[test]
+fn predicted_peak_f16_products_is_bf16s() {
+    for accum in [1, 2] {
+        let c = config(small(), 8, accum, None);
+        let f16 = check_products("f16", &c, Products::F16, HostProducts::F16Operands);
+        assert_eq!(f16.peak, plan_memory(&c, Products::Bf16).unwrap().peak);
     }
 }
 
