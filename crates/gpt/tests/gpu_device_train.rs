@@ -2,8 +2,9 @@
 //! kernels and cuBLAS on one CUDA stream, AdamW on the device) against `fsdp train --ranks 1`
 //! (the sharded engine on the CPU): every step's loss within 1e-4 relative (issue 16's
 //! criterion; the largest difference is printed), with the defaults, with clipping,
-//! accumulation and the cosine schedule, and with AnyPrecisionAdamW (f32 state, and bf16
-//! state with the Kahan compensation). The kernels equal their host twins bitwise and the
+//! accumulation and the cosine schedule, with the grad scaler, and with AnyPrecisionAdamW (f32
+//! state, and bf16 state with the Kahan compensation); `--param-dtype f16` against its host
+//! twin. The kernels equal their host twins bitwise and the
 //! host-twin path is held far inside the bound here without a GPU (`tests/device_train.rs`,
 //! `tests/device_cli.rs`: at most 1.2e-7), so what is left is cuBLAS's rounding of the
 //! products (`fsdp-kernels`' `tests/gpu_gpt.rs`: within 1e-5 of the loss per step).
@@ -113,6 +114,59 @@ fn device_cuda_anyprecision_adamw_follows_the_engine() {
     }
 }
 
+/// The grad scaler on f32 parameters (`--grad-scaler on`, on both sides): at its power-of-two
+/// scale the device's training is that without it, so the engine's losses within 1e-4 as
+/// ever; the CUDA kernels of the scaled seed, the decision and the unscaling all run.
+#[test]
+fn device_cuda_grad_scaler_follows_the_engine() {
+    if gpu("device_cuda_grad_scaler_follows_the_engine") {
+        compare("grad_scaler", &["--grad-scaler", "on", "--growth-interval", "3"]);
+    }
+}
+
+/// `--param-dtype f16` (f16 products, the grad scaler on by default): the CUDA run against
+/// the host twins' f16 run, both multiplying f16-rounded operands in different summation
+/// orders; held, as `fsdp-kernels`' `gpu_gpt` holds one step, to twice the twins' own
+/// distance between f16 and f32 products over the same 20 steps. And the scaler's line, with
+/// `--init-scale 16777216`, reports the overflows it skipped.
+#[test]
+fn device_cuda_f16_products_track_their_twin() {
+    if !gpu("device_cuda_f16_products_track_their_twin") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-f16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let go = |device: &str, dtype: &str, name: &str, more: &[&str]| {
+        let log = dir.join(name);
+        let mut a: Vec<String> = ["train"]
+            .iter()
+            .chain(SMALL_GPU_MODEL.iter())
+            .chain(["--steps", "20", "--device", device, "--param-dtype", dtype].iter())
+            .chain(more)
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--loss-log".to_string(), log.display().to_string()]);
+        let out = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        (losses(&log), out)
+    };
+    let (cuda, out) = go("cuda", "f16", "cuda16.csv", &[]);
+    assert!(out.contains("grad scaler: final scale"), "{out}");
+    let (twin, _) = go("host-twin", "f16", "twin16.csv", &[]);
+    let (twin32, _) = go("host-twin", "f32", "twin32.csv", &[]);
+    let apart = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs())
+            .fold(0.0, f64::max)
+    };
+    let (d, scale) = (apart(&cuda, &twin), apart(&twin, &twin32));
+    println!("f16 products: cuda vs twin {d:.2e}, twin f16 vs f32 {scale:.2e}");
+    assert!(d <= 2.0 * scale, "cuda vs twin {d:e}, twin f16 vs f32 {scale:e}");
+    let (_, out) = go("cuda", "f16", "over.csv", &["--init-scale", "16777216"]);
+    assert!(!out.contains(", 0 overflowing"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The number after `prefix` in `text` (up to the next space).
 fn number_after(text: &str, prefix: &str) -> u64 {
     let at = text
@@ -151,6 +205,7 @@ fn device_cuda_peak_memory_is_the_plans() {
         &["--param-dtype", "bf16", "--grad-accum", "2"][..],
         &["--param-dtype", "bf16", "--cpu-offload"][..],
         &["--param-dtype", "bf16", "--activation-checkpointing"][..],
+        &["--param-dtype", "f16"][..],
     ]
     .into_iter()
     .enumerate()
