@@ -210,7 +210,10 @@ fn the_cuda_step_with_bf16_products_matches_its_twin() {
                 dev.0, host.0
             );
             assert!(rel <= 1e-4, "{products:?}: loss {} vs {}", dev.0, host.0);
-            assert!(grad <= 2.0 * scale, "{products:?}, {name}: {grad:e} of its maximum");
+            assert!(
+                grad <= 2.0 * scale,
+                "{products:?}, {name}: {grad:e} of its maximum"
+            );
             let (_, apart, _) = differences(&dev, &f32_host);
             assert!(
                 apart > GRAD_BOUND,

@@ -145,7 +145,9 @@ fn gelu_equals_its_twin() {
     launch::gelu_backward(&s, &gx, &gdy, &mut gdx).unwrap();
     same("gelu y", &down(&s, &gy), &y);
     same("gelu dx", &down(&s, &gdx), &dx);
-    both_halves!("gelu y", &s, x.len(), &y, |hy| launch::gelu_forward(&s, &gx, &mut hy));
+    both_halves!("gelu y", &s, x.len(), &y, |hy| launch::gelu_forward(
+        &s, &gx, &mut hy
+    ));
 }
 
 #[test]
@@ -183,9 +185,13 @@ fn causal_softmax_equals_its_twin() {
         launch::causal_softmax_forward_both(&s, &gs, t, scale, &mut bp, &mut bf16s).unwrap();
         same("softmax p (both, f16)", &down(&s, &bp), &p);
         same_f16(&format!("softmax p (both), {bh}x{t}x{t}"), &s, &bf16s, &p);
-        both_halves!(format!("softmax ds, {bh}x{t}x{t}"), &s, sc.len(), &ds, |hds| {
-            launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds)
-        });
+        both_halves!(
+            format!("softmax ds, {bh}x{t}x{t}"),
+            &s,
+            sc.len(),
+            &ds,
+            |hds| { launch::causal_softmax_backward(&s, &gp, &gdp, t, scale, &mut hds) }
+        );
     }
 }
 
@@ -212,8 +218,7 @@ fn cross_entropy_equals_its_twin() {
         same("cross-entropy dlogits", &down(&s, &gd), &d);
         // In place: the gradient over the logits, the same bits.
         let (mut gl, mut gloss) = (up(&s, &logits), s.alloc_zeros::<f32>(n).unwrap());
-        launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, None, &mut gloss)
-            .unwrap();
+        launch::cross_entropy_fused_in_place(&s, &mut gl, &gt, v, dloss, None, &mut gloss).unwrap();
         same("in-place cross-entropy losses", &down(&s, &gloss), &loss);
         same("in-place cross-entropy dlogits", &down(&s, &gl), &d);
         // The gradient written in bf16 (an operand of the head's products), the NaN row too.

@@ -360,9 +360,17 @@ fn sum_of_squares_many_equals_its_twin() {
     let got = down(&s, &sc);
     for (i, x) in xs.iter().enumerate() {
         let want = host::sum_of_squares(x);
-        assert_eq!(got[first + i].to_bits(), want.to_bits(), "tensor {i} ({})", x.len());
+        assert_eq!(
+            got[first + i].to_bits(),
+            want.to_bits(),
+            "tensor {i} ({})",
+            x.len()
+        );
     }
-    assert!(got[..first].iter().chain(&got[first + lens.len()..]).all(|&v| v == -7.0));
+    assert!(got[..first]
+        .iter()
+        .chain(&got[first + lens.len()..])
+        .all(|&v| v == -7.0));
     // Slots past the buffer are refused.
     assert!(launch::sum_of_squares_many(&s, &refs, &mut sc, 4).is_err());
 }
@@ -419,7 +427,9 @@ fn adamw_decided_many_equals_its_twin() {
         sc[host::STEP_CLIPPED] = clipped;
         sc[host::STEP_CLIP_COEF] = coef;
         sc[host::STEP_UNSCALE] = unscale;
-        let grads: Vec<Vec<f32>> = (0..lens.len()).map(|i| seeded(i, 10 + k as u64, 2.0)).collect();
+        let grads: Vec<Vec<f32>> = (0..lens.len())
+            .map(|i| seeded(i, 10 + k as u64, 2.0))
+            .collect();
         for (i, (p, m, v)) in host_state.iter_mut().enumerate() {
             host::adamw_decided(&choices[i % 2], &sc, p, &grads[i], m, v).unwrap();
         }

@@ -216,13 +216,11 @@ impl DeviceTrainConfig {
 
     /// The decision's loss-scaling settings: `None` without an enabled grad scaler.
     pub fn scaler_rule(&self) -> Option<ScalerRule> {
-        self.grad_scaler
-            .filter(|g| g.enabled)
-            .map(|g| ScalerRule {
-                growth_factor: g.growth_factor,
-                backoff_factor: g.backoff_factor,
-                growth_interval: g.growth_interval,
-            })
+        self.grad_scaler.filter(|g| g.enabled).map(|g| ScalerRule {
+            growth_factor: g.growth_factor,
+            backoff_factor: g.backoff_factor,
+            growth_interval: g.growth_interval,
+        })
     }
 
     /// A step's scalars for `tensors` gradient tensors when training starts or resumes after

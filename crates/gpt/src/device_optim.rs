@@ -233,13 +233,15 @@ pub(crate) fn decide_and_apply<P: GptOps>(
             .zip(grads.named())
             .zip(m)
             .zip(decays)
-            .map(|(((param, (_, grad)), (exp_avg, exp_avg_sq)), &decay)| DecidedTensor {
-                param,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                decay,
-            })
+            .map(
+                |(((param, (_, grad)), (exp_avg, exp_avg_sq)), &decay)| DecidedTensor {
+                    param,
+                    grad,
+                    exp_avg,
+                    exp_avg_sq,
+                    decay,
+                },
+            )
             .collect();
         return ops.adamw_decided_many(a, scalars, &mut tensors);
     }

@@ -456,11 +456,7 @@ pub fn plan_memory(
         0
     };
     let mut r = Replay::default();
-    let opb = if products.half().is_some() {
-        BF16
-    } else {
-        F32
-    };
+    let opb = if products.half().is_some() { BF16 } else { F32 };
     replay_step(&mut r, config, rows, opb, chunks);
     // Parameters and gradients; the optimizer's state too unless offloaded, and the
     // accumulators unless offloaded or one micro-batch makes the step (the model's gradients

@@ -479,9 +479,9 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             // With a grad scaler, the backward of the loss times the scale on the device.
             let scale = c.scaler_rule().map(|_| &self.scalars);
             let (inputs, targets, rows) = (&b.inputs, &b.targets, b.shape.rows);
-            let losses =
-                self.pass
-                    .forward_backward_scaled(&mut units, inputs, targets, rows, t, scale)?;
+            let losses = self
+                .pass
+                .forward_backward_scaled(&mut units, inputs, targets, rows, t, scale)?;
             self.volume += units.volume();
             drop(units);
             ops.loss_accumulate(&losses, accum32, m == 0, &mut self.scalars)?;

@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use fsdp::checkpoint::FullOptimizerState;
+use fsdp::engine::GradScalerState;
 use fsdp_device::DType;
 use fsdp_kernels::gpt::{param_shapes, Block, GptOps, HostBuf, Weights};
-use fsdp::engine::GradScalerState;
 use fsdp_kernels::host::{unpack_state, STEP_SCALE};
 use fsdp_kernels::KernelError;
 
@@ -206,7 +206,10 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
     /// # Errors
     /// [`DeviceTrainError::Unread`] while an enqueued step is unread; no grad scaler
     /// configured, or a scale that is not finite and positive; copy failures.
-    pub fn set_grad_scaler_state(&mut self, state: GradScalerState) -> Result<(), DeviceTrainError> {
+    pub fn set_grad_scaler_state(
+        &mut self,
+        state: GradScalerState,
+    ) -> Result<(), DeviceTrainError> {
         if let Some((step, ..)) = &self.pending {
             return Err(DeviceTrainError::Unread { step: *step });
         }

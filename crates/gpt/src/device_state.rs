@@ -108,7 +108,10 @@ impl<O: GptOps> DeviceTrainer<O> {
     /// # Errors
     /// [`DeviceTrainError::Unread`] while an enqueued step is unread; no grad scaler
     /// configured, or a scale that is not finite and positive; copy failures.
-    pub fn set_grad_scaler_state(&mut self, state: GradScalerState) -> Result<(), DeviceTrainError> {
+    pub fn set_grad_scaler_state(
+        &mut self,
+        state: GradScalerState,
+    ) -> Result<(), DeviceTrainError> {
         if let Some(p) = &self.pending {
             return Err(DeviceTrainError::Unread { step: p.step });
         }
@@ -169,8 +172,9 @@ pub(crate) fn scaler_slots(
             state.scale
         )));
     }
-    let mut slots = [0.0; 5];
-    slots[STEP_SCALE - STEP_SCALE] = f64::from(state.scale);
+    // From STEP_SCALE on: the scale, this step's unscaling and overflow (cleared), the
+    // tracker, the skips.
+    let mut slots = [f64::from(state.scale), 0.0, 0.0, 0.0, 0.0];
     slots[STEP_GROWTH_TRACKER - STEP_SCALE] = f64::from(state.growth_tracker);
     slots[STEP_SCALER_SKIPPED - STEP_SCALE] = state.skipped_steps as f64;
     Ok(slots)

@@ -202,7 +202,9 @@ impl<O: GptOps> DeviceTrainer<O> {
                 config.any_precision,
             )?)
         };
-        let scalars = model.ops().scalars(&config.start_scalars(tensors, 0, 0, None))?;
+        let scalars = model
+            .ops()
+            .scalars(&config.start_scalars(tensors, 0, 0, None))?;
         let decays = param_shapes(&dims)
             .iter()
             .map(|(_, shape)| !config.decay_2d_only || decay_2d_only_group(shape) == DECAY_GROUP)
@@ -337,9 +339,13 @@ impl<O: GptOps> DeviceTrainer<O> {
             let b = get_batch(tokens, k, micro, t, 0, 1)?;
             // With a grad scaler, the backward of the loss times the scale on the device.
             let scale = c.scaler_rule().map(|_| &self.scalars);
-            let losses =
-                self.model
-                    .forward_backward_scaled(&b.inputs, &b.targets, b.shape.rows, t, scale)?;
+            let losses = self.model.forward_backward_scaled(
+                &b.inputs,
+                &b.targets,
+                b.shape.rows,
+                t,
+                scale,
+            )?;
             self.trace_model(k + 1);
             let (ops, _, grads) = self.model.parts_mut();
             // The engine's loss of a micro-batch: its token sum over the step's tokens.

@@ -330,7 +330,10 @@ fn host_twin_bf16_products_track_the_f32_run() {
     f.extend(["--loss-log", s(&f16_log), "--skip-nonfinite", "0"]);
     let out = ok(&fsdp(&f), "fsdp train --device host-twin --param-dtype f16");
     assert!(out.contains("products: f16 operands"), "{out}");
-    assert!(out.contains("grad scaler: final scale 65536, 0 overflowing"), "{out}");
+    assert!(
+        out.contains("grad scaler: final scale 65536, 0 overflowing"),
+        "{out}"
+    );
     let h = log_losses(&f16_log);
     let rel16 = e
         .iter()

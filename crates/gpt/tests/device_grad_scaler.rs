@@ -54,7 +54,12 @@ fn tokens() -> Vec<u16> {
 type Key = (u32, u64, bool, bool);
 
 fn key(o: &StepOutcome) -> Key {
-    (o.loss.to_bits(), o.grad_norm.to_bits(), o.applied, o.overflow)
+    (
+        o.loss.to_bits(),
+        o.grad_norm.to_bits(),
+        o.applied,
+        o.overflow,
+    )
 }
 
 /// One rank: every step's outcome (read one step late) and the final parameters' bits.
@@ -201,7 +206,11 @@ fn sharded_ranks_scale_alike_and_change_no_bit() {
                 out.extend(t.enqueue_step(&tokens, s).unwrap().map(|r| key(&r.outcome)));
             }
             out.extend(t.flush().unwrap().map(|r| key(&r.outcome)));
-            (out, param_bits(t.full_params().unwrap()), t.grad_scaler_state())
+            (
+                out,
+                param_bits(t.full_params().unwrap()),
+                t.grad_scaler_state(),
+            )
         })
         .unwrap()
     };
@@ -228,7 +237,9 @@ fn a_resumed_scaler_continues_bitwise() {
     let params = seeded_params(&c.cfg, SEED).unwrap();
     let ops = || HostOps::new().with_overflow_at([4]);
     let mut whole = DeviceTrainer::new(ops(), c, &params).unwrap();
-    let all: Vec<_> = (0..STEPS).map(|s| whole.step(&tokens, s).unwrap()).collect();
+    let all: Vec<_> = (0..STEPS)
+        .map(|s| whole.step(&tokens, s).unwrap())
+        .collect();
     let mut first = DeviceTrainer::new(ops(), c, &params).unwrap();
     for s in 0..4 {
         first.step(&tokens, s).unwrap();
@@ -272,7 +283,11 @@ fn f16_products_overflow_until_the_scale_fits() {
     let c = config(Some((16_777_216.0, 2000)));
     let (o, _) = run(c, f16(), &tokens);
     let skipped = o.iter().filter(|o| o.overflow).count();
-    assert!(o[0].overflow && !o[0].applied, "2^24 overflows f16: {:?}", o[0]);
+    assert!(
+        o[0].overflow && !o[0].applied,
+        "2^24 overflows f16: {:?}",
+        o[0]
+    );
     assert!(o.iter().any(|o| o.applied), "never fitted: {o:?}");
     assert!(o.iter().all(|o| o.loss.is_finite() && !o.halted));
     let states: Vec<_> = o.iter().map(|o| o.scaler.unwrap()).collect();

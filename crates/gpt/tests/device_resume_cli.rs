@@ -78,12 +78,26 @@ fn host_twin_resumes_bitwise_from_its_checkpoint() {
 /// the run without a scaler (a power-of-two scale changes no bit).
 #[test]
 fn host_twin_resumes_its_grad_scaler() {
-    let scaler = ["--grad-scaler", "on", "--init-scale", "1024", "--growth-interval", "2"];
+    let scaler = [
+        "--grad-scaler",
+        "on",
+        "--init-scale",
+        "1024",
+        "--growth-interval",
+        "2",
+    ];
     for ranks in ["1", "2"] {
         let dir = scratch("device_resume_cli", &format!("scaler{ranks}"));
         let (ck, log, log2) = (dir.join("ck"), dir.join("log.csv"), dir.join("log2.csv"));
         let (wa, wb) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
-        let mut twin = vec!["--device", "host-twin", "--param-dtype", "f32", "--ranks", ranks];
+        let mut twin = vec![
+            "--device",
+            "host-twin",
+            "--param-dtype",
+            "f32",
+            "--ranks",
+            ranks,
+        ];
         let plain_log = dir.join("plain.csv");
         let base = ["--batch-size", "8", "--steps", "6"];
         let mut p = small_train_args(&base, &CLIP_ACCUM_COSINE);
@@ -96,12 +110,22 @@ fn host_twin_resumes_its_grad_scaler() {
         let saved = std::fs::read_to_string(ck.join("step-3").join("grad_scaler.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&saved).unwrap();
         // Steps 0..3: grown once (after step 2), one step since.
-        assert_eq!((v["scale"].as_f64(), v["growth_tracker"].as_u64()), (Some(2048.0), Some(1)));
+        assert_eq!(
+            (v["scale"].as_f64(), v["growth_tracker"].as_u64()),
+            (Some(2048.0), Some(1))
+        );
         let out = resume(&["--device", "host-twin"], &ck, &log, &log2, &wb);
-        assert!(out.contains("grad scaler: final scale 8192, 0 overflowing"), "{out}");
+        assert!(
+            out.contains("grad scaler: final scale 8192, 0 overflowing"),
+            "{out}"
+        );
         let (a, b) = (log_losses(&log), log_losses(&log2));
         assert_eq!(a, b, "ranks {ranks}: the resumed run's losses");
-        assert_eq!(a, log_losses(&plain_log), "ranks {ranks}: the losses without a scaler");
+        assert_eq!(
+            a,
+            log_losses(&plain_log),
+            "ranks {ranks}: the losses without a scaler"
+        );
     }
 }
 

@@ -120,7 +120,10 @@ fn device_cuda_anyprecision_adamw_follows_the_engine() {
 #[test]
 fn device_cuda_grad_scaler_follows_the_engine() {
     if gpu("device_cuda_grad_scaler_follows_the_engine") {
-        compare("grad_scaler", &["--grad-scaler", "on", "--growth-interval", "3"]);
+        compare(
+            "grad_scaler",
+            &["--grad-scaler", "on", "--growth-interval", "3"],
+        );
     }
 }
 
@@ -161,7 +164,10 @@ fn device_cuda_f16_products_track_their_twin() {
     };
     let (d, scale) = (apart(&cuda, &twin), apart(&twin, &twin32));
     println!("f16 products: cuda vs twin {d:.2e}, twin f16 vs f32 {scale:.2e}");
-    assert!(d <= 2.0 * scale, "cuda vs twin {d:e}, twin f16 vs f32 {scale:e}");
+    assert!(
+        d <= 2.0 * scale,
+        "cuda vs twin {d:e}, twin f16 vs f32 {scale:e}"
+    );
     let (_, out) = go("cuda", "f16", "over.csv", &["--init-scale", "16777216"]);
     assert!(!out.contains(", 0 overflowing"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);

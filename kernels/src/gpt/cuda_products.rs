@@ -35,7 +35,10 @@ impl CudaOperand {
     fn half<H: HalfType>(&self) -> Result<&CudaSlice<H>, KernelError> {
         H::of(self).ok_or_else(|| KernelError::InvalidArgument {
             kernel: "gemm",
-            reason: format!("an operand of another type in a {} product", <H as BlasFloat>::NAME),
+            reason: format!(
+                "an operand of another type in a {} product",
+                <H as BlasFloat>::NAME
+            ),
         })
     }
 

@@ -90,10 +90,10 @@ impl CudaOps {
         let mut list: Vec<launch::AdamWTensor<'_>> = tensors
             .iter_mut()
             .map(|t| launch::AdamWTensor {
-                param: &mut **t.param,
-                grad: &**t.grad,
-                exp_avg: &mut **t.exp_avg,
-                exp_avg_sq: &mut **t.exp_avg_sq,
+                param: t.param,
+                grad: t.grad,
+                exp_avg: t.exp_avg,
+                exp_avg_sq: t.exp_avg_sq,
                 decay: t.decay,
             })
             .collect();

@@ -116,7 +116,8 @@ impl<O: GptOps> GptPass<O> {
             // products written in bf16 by the cross-entropy itself (the logits then freed), else
             // over the logits.
             let (tg, sc) = (h.targets, h.scale);
-            let dlogits = ops.cross_entropy_fused_operand(logits, tg, first, v, dloss, sc, losses)?;
+            let dlogits =
+                ops.cross_entropy_fused_operand(logits, tg, first, v, dloss, sc, losses)?;
             // dhf's rows, then the tied weight's term.
             let gi = MatMul::linear_grad_input(rows, e, v).at(0, 0, at);
             ops.gemm_args(&gi, Arg::Operand(&dlogits), Arg::Buf(h.wte), &mut dhf)?;

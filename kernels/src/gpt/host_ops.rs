@@ -8,13 +8,13 @@ use super::ops::{loss_rows, Arg, GptOps};
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to, Kept};
 use super::written::{self, Written};
 use crate::gemm::MatMul;
-use fsdp_device::DType;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{
     self, same_len, scaled_seed, AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice,
     StepRule, STEP_LOSS,
 };
 use crate::KernelError;
+use fsdp_device::DType;
 
 /// How [`HostOps`] multiplies matrices.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -397,7 +397,11 @@ impl GptOps for HostOps {
         probs: &mut HostBuf,
     ) -> Result<Option<HostOperand>, KernelError> {
         nn::causal_softmax_forward(scores, t, scale, probs)?;
-        Ok(self.products.half().is_some().then(|| self.rounded_operand(probs)))
+        Ok(self
+            .products
+            .half()
+            .is_some()
+            .then(|| self.rounded_operand(probs)))
     }
 
     fn write_operand(&self, w: Written<'_, HostOps>) -> Result<HostOperand, KernelError> {
@@ -431,7 +435,10 @@ impl GptOps for HostOps {
         let rows = loss_rows(logits.len(), v, first, targets.len(), losses.len())?;
         let (targets, losses) = (&targets[rows.clone()], &mut losses[rows]);
         let mut dloss = scaled_seed("cross_entropy_fused_f32", dloss, scale.map(|s| &s[..]))?;
-        if self.overflows.contains(&self.seed_calls.fetch_add(1, Ordering::Relaxed)) {
+        if self
+            .overflows
+            .contains(&self.seed_calls.fetch_add(1, Ordering::Relaxed))
+        {
             dloss = f32::INFINITY;
         }
         nn::cross_entropy_fused_in_place(logits, targets, v, dloss, losses)

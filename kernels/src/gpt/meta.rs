@@ -278,7 +278,11 @@ impl GptOps for MetaOps {
         probs: &mut MetaCounted,
     ) -> Result<Option<MetaCounted>, KernelError> {
         write(&mut [probs]);
-        Ok(self.products.half().is_some().then(|| self.new_operand(probs.len)))
+        Ok(self
+            .products
+            .half()
+            .is_some()
+            .then(|| self.new_operand(probs.len)))
     }
     fn write_operand(&self, w: Written<'_, MetaOps>) -> Result<MetaCounted, KernelError> {
         Ok(self.new_operand(w.result_len()?))

@@ -23,10 +23,10 @@ pub use norm::{sum_of_squares, NORM_BLOCK, NORM_ITEMS};
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
 pub use step::{
     adamw_decided, loss_accumulate, scaled_seed, step_decide, step_scalars, step_scalars_len,
-    AdamWChoice,
-    ScalerRule, StepRule, STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED, STEP_CLIP_COEF,
-    STEP_COUNT, STEP_FAULT, STEP_FOUND_INF, STEP_GRAD_NORM, STEP_GROWTH_TRACKER, STEP_HALTED,
-    STEP_LOSS, STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED, STEP_SQUARES, STEP_UNSCALE,
+    AdamWChoice, ScalerRule, StepRule, STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED,
+    STEP_CLIP_COEF, STEP_COUNT, STEP_FAULT, STEP_FOUND_INF, STEP_GRAD_NORM, STEP_GROWTH_TRACKER,
+    STEP_HALTED, STEP_LOSS, STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED, STEP_SQUARES,
+    STEP_UNSCALE,
 };
 
 use std::fmt::Debug;

@@ -251,9 +251,7 @@ pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelErr
     let sq = s[STEP_SQUARES..STEP_SQUARES + rule.tensors]
         .iter()
         .fold(0.0f64, |a, &b| a + b);
-    let unscale = rule
-        .scaler
-        .map(|_| f64::from((1.0 / s[STEP_SCALE]) as f32));
+    let unscale = rule.scaler.map(|_| f64::from((1.0 / s[STEP_SCALE]) as f32));
     let norm = match unscale {
         Some(inv) => sq.sqrt() * inv,
         None => sq.sqrt(),
@@ -580,7 +578,10 @@ mod tests {
             ..rule(1, None, None, 0)
         };
         step_decide(&rule1, &mut s).unwrap();
-        assert_eq!((s[STEP_SCALE] as f32, s[STEP_GROWTH_TRACKER]), (f32::MAX / 1.5, 0.0));
+        assert_eq!(
+            (s[STEP_SCALE] as f32, s[STEP_GROWTH_TRACKER]),
+            (f32::MAX / 1.5, 0.0)
+        );
         // Invalid settings are refused before anything changes.
         for bad in [
             ScalerRule {
@@ -612,7 +613,11 @@ mod tests {
     fn a_scalers_gradient_is_unscaled_then_clipped() {
         let mut s = step_scalars(0, Some((4.0, 0, 0)));
         let g = [8.0f32, -2.0, 0.0];
-        assert_eq!(&*decided_grad(&s, &g), &g[..], "no unscaling before a decision");
+        assert_eq!(
+            &*decided_grad(&s, &g),
+            &g[..],
+            "no unscaling before a decision"
+        );
         s[STEP_UNSCALE] = 0.25;
         assert_eq!(&*decided_grad(&s, &g), &[2.0, -0.5, 0.0][..]);
         s[STEP_CLIPPED] = 1.0;

@@ -87,8 +87,8 @@ pub fn sum_of_squares_many(
     // SAFETY: uninitialised device memory (at least one element), never read before written:
     // every block of `sum_squares_many` writes its sum before `sum_f64_final_many`, later on
     // the same stream, reads the sums of its tensor's blocks.
-    let mut sums = unsafe { stream.alloc::<f64>(blocks.max(1)) }
-        .map_err(|e| driver("cuMemAlloc", k, e))?;
+    let mut sums =
+        unsafe { stream.alloc::<f64>(blocks.max(1)) }.map_err(|e| driver("cuMemAlloc", k, e))?;
     let many = function(stream, Program::Norm, k)?;
     let last = function(stream, Program::Norm, "sum_f64_final_many")?;
     let mut out = scalars.slice_mut(first..end);

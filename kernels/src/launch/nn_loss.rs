@@ -94,7 +94,13 @@ unsafe fn launch_cross_entropy(
     let f = function(stream, Program::Nn, k)?;
     let v32 = v as u32;
     let mut b = stream.launch_builder(&f);
-    b.arg(&lp).arg(&tp).arg(&op).arg(&dp).arg(&v32).arg(&dloss).arg(&sp);
+    b.arg(&lp)
+        .arg(&tp)
+        .arg(&op)
+        .arg(&dp)
+        .arg(&v32)
+        .arg(&dloss)
+        .arg(&sp);
     // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
     // D* dlogits [n·v], u32 v, float dloss, const double* s [≥ STEP_SQUARES, or null]) with D
     // the kernel's, as the caller promises; one block per row;

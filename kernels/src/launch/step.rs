@@ -122,7 +122,11 @@ pub fn step_decide(
     let base = rule.base_steps as f64;
     // No scaler: a growth interval of 0 (the kernel's sign of none).
     let (growth, backoff, interval) = rule.scaler.map_or((0.0, 0.0, 0.0), |r| {
-        (r.growth_factor, r.backoff_factor, f64::from(r.growth_interval))
+        (
+            r.growth_factor,
+            r.backoff_factor,
+            f64::from(r.growth_interval),
+        )
     });
     let mut b = stream.launch_builder(&f);
     b.arg(&s).arg(&tensors).arg(&max_norm).arg(&skip).arg(&base);

@@ -118,8 +118,8 @@ pub use config::{
 };
 pub use fsdp::Fsdp;
 pub use grad_scaler::{
-    load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig,
-    GradScalerState, GRAD_SCALER_FILE,
+    load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,
+    GRAD_SCALER_FILE,
 };
 pub use materialize::ParamInit;
 pub use mixed_precision::{
