@@ -167,6 +167,14 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench (backend:cudaMallocAsync)"
     cat "$log"
+    # f16 products with the grad scaler (its scale on the device, the seed scaled, AdamW
+    # unscaling) at 124M: against the bf16 step above.
+    log="$report/gpt_device_bench_f16.log"
+    device_bench "$log" --model 124m --products f16
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench --products f16"
+    cat "$log"
     # The cost of activation checkpointing (one more forward of each block) at 124M.
     log="$report/gpt_device_bench_ckpt.log"
     device_bench "$log" --model 124m --activation-checkpointing

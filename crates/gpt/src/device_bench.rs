@@ -168,7 +168,8 @@ pub fn time_steps<T: TimedTrainer>(
         times.steps.push(now - last);
         last = now;
         let o = r.outcome;
-        if !o.applied {
+        // A grad scaler's skip of an overflow is training as usual (f16 products).
+        if !o.applied && !o.overflow {
             return Err(DeviceTrainError::NotFinite {
                 step: r.step,
                 loss: o.loss,

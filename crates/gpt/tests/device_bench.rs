@@ -112,6 +112,27 @@ fn a_step_that_is_not_finite_is_refused_by_name() {
     }
 }
 
+/// A grad scaler's skip of an overflowing step (f16 products at a scale past f16's range) is
+/// training as usual: timed, not refused.
+#[test]
+fn a_grad_scalers_skip_is_timed() {
+    let config = DeviceTrainConfig {
+        grad_scaler: Some(fsdp::engine::GradScalerConfig {
+            init_scale: 16_777_216.0,
+            ..Default::default()
+        }),
+        ..tiny()
+    };
+    let params = seeded_params(&config.cfg, 5).unwrap();
+    let tokens = synthetic_corpus(5000, 40, 5);
+    let ops = HostOps::with_products(fsdp_kernels::gpt::HostProducts::F16Operands);
+    let mut trainer = DeviceTrainer::new(ops, config, &params).unwrap();
+    let times = time_steps(&mut trainer, &tokens, 3, 0, Reads::OneLate).unwrap();
+    assert_eq!(times.steps.len(), 3);
+    let s = trainer.grad_scaler_state().unwrap();
+    assert!(s.skipped_steps > 0, "{s:?}");
+}
+
 /// `gpt-device-bench --device host-twin --model tiny --ranks 2`: after the world-1 run, the
 /// same global batch as two ranks (each timed by `time_steps` over `ShardedDeviceTrainer`):
 /// the same losses as world 1 within 1e-5 (printed at 4 decimals: equal), its median step and

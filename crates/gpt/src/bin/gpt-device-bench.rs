@@ -12,7 +12,7 @@
 //! step and its ratio to the world-1 step measured just before (issue 16's aim: at most 1.1).
 //!
 //! ```text
-//! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f32]
+//! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f16|f32]
 //!                  [--batch 8] [--steps 20] [--warmup 3] [--cpu-offload] [--activation-checkpointing] [--peak-tflops T]
 //!                  [--ranks N [--strategy full-shard|shard-grad-op|no-shard]]
 //! ```
@@ -21,6 +21,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
+use fsdp::engine::GradScalerConfig;
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp::ShardingStrategy;
@@ -63,7 +64,8 @@ struct Args {
     /// Models, comma-separated: tiny, 124m, 350m.
     #[arg(long, value_delimiter = ',', default_value = "124m,350m")]
     model: Vec<String>,
-    /// Products: bf16 (bf16 operands, f32 sums) or f32.
+    /// Products: bf16 (bf16 operands, f32 sums), f16 (f16 operands with the grad scaler) or
+    /// f32.
     #[arg(long, default_value = "bf16")]
     products: String,
     /// Rows of a step.
@@ -289,11 +291,16 @@ fn main() -> ExitCode {
 }
 
 fn bench(args: &Args) -> Result<(), String> {
-    let bf16 = match args.products.as_str() {
-        "bf16" => true,
-        "f32" => false,
-        other => return Err(format!("--products {other}: expected bf16 or f32")),
+    let (products, twin) = match args.products.as_str() {
+        "bf16" => (Products::Bf16, HostProducts::Bf16Operands),
+        "f16" => (Products::F16, HostProducts::F16Operands),
+        "f32" => (Products::F32, HostProducts::F32),
+        other => return Err(format!("--products {other}: expected bf16, f16 or f32")),
     };
+    let bf16 = products == Products::Bf16;
+    if products == Products::F16 && args.optimizer {
+        return Err("--products f16: AnyPrecisionAdamW keeps bf16 or f32 parameters".into());
+    }
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
@@ -332,10 +339,10 @@ fn bench(args: &Args) -> Result<(), String> {
                 state: fsdp_device::DType::BF16,
                 kahan: true,
             }),
-            grad_scaler: None,
+            // f16 products train with the grad scaler (torch.amp's recipe), at its defaults.
+            grad_scaler: (products == Products::F16).then(GradScalerConfig::default),
         };
         config.validate().map_err(|e| e.to_string())?;
-        let products = if bf16 { Products::Bf16 } else { Products::F32 };
         let plan = plan_memory(&config, products).map_err(|e| e.to_string())?;
         let (outcome, gpu) = match cuda_ordinal {
             Some(n) => {
@@ -369,12 +376,7 @@ fn bench(args: &Args) -> Result<(), String> {
                 (outcome, gpu)
             }
             None => {
-                let p = if bf16 {
-                    HostProducts::Bf16Operands
-                } else {
-                    HostProducts::F32
-                };
-                let outcome = run(HostOps::with_products(p), config, args, |_| None)?;
+                let outcome = run(HostOps::with_products(twin), config, args, |_| None)?;
                 (outcome, "host twin".to_string())
             }
         };
@@ -474,14 +476,7 @@ fn bench(args: &Args) -> Result<(), String> {
                     args,
                     world,
                 )?,
-                None => {
-                    let p = if bf16 {
-                        HostProducts::Bf16Operands
-                    } else {
-                        HostProducts::F32
-                    };
-                    run_sharded(|_| Ok(HostOps::with_products(p)), config, args, world)?
-                }
+                None => run_sharded(|_| Ok(HostOps::with_products(twin)), config, args, world)?,
             };
             let ratio = times.median().as_secs_f64() / t.median().as_secs_f64();
             let peaks: Vec<String> = memory.iter().map(|m| human_bytes(m.peak)).collect();
