@@ -579,3 +579,27 @@ impl<O: GptOps, T: DeviceComm<O> + ?Sized> DeviceComm<O> for Box<T> {
         (**self).all_reduce_scalars(ops, scalars, slots, op)
     }
 }
+
+/// Reduces a step's scalars over the ranks: the loss averaged (over each node, then over the
+/// nodes), and, where the tensors are sharded, each tensor's sum of squares summed over its
+/// shards (the nodes hold the same shards).
+pub(crate) fn reduce_step_scalars<O: GptOps, C: DeviceComm<O>>(
+    comm: &C,
+    replicas: Option<&C>,
+    factor: usize,
+    tensors: usize,
+    ops: &O,
+    scalars: &mut O::Scalars,
+) -> Result<(), DeviceTrainError> {
+    use fsdp_kernels::host::{STEP_LOSS, STEP_SQUARES};
+    let loss = STEP_LOSS..STEP_LOSS + 1;
+    comm.all_reduce_scalars(ops, scalars, loss.clone(), ReduceOp::Avg)?;
+    if let Some(r) = replicas {
+        r.all_reduce_scalars(ops, scalars, loss, ReduceOp::Avg)?;
+    }
+    if factor > 1 {
+        let squares = STEP_SQUARES..STEP_SQUARES + tensors;
+        comm.all_reduce_scalars(ops, scalars, squares, ReduceOp::Sum)?;
+    }
+    Ok(())
+}

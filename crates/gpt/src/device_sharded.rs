@@ -27,7 +27,6 @@ use fsdp::optim::{decay_2d_only_group, DECAY_GROUP};
 use fsdp::trace::SpanKind;
 use fsdp::FsdpError;
 use fsdp::ShardingStrategy;
-use fsdp_collectives::ReduceOp;
 use fsdp_kernels::gpt::{param_shapes, GptOps, GptPass, HostOps, Weights};
 use fsdp_kernels::host::{StepRule, STEP_APPLIED, STEP_LOSS, STEP_SCALE, STEP_SQUARES};
 use fsdp_kernels::KernelError;
@@ -509,7 +508,14 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             ShardSide::Device(o) => {
                 let grads = o.acc.as_ref().ok_or_else(no_acc)?;
                 squares(ops, grads, &mut self.scalars)?;
-                reduce_scalars(comm, replicas, factor, tensors, ops, &mut self.scalars)?;
+                crate::device_comm::reduce_step_scalars(
+                    comm,
+                    replicas,
+                    factor,
+                    tensors,
+                    ops,
+                    &mut self.scalars,
+                )?;
                 decide_and_apply(
                     ops,
                     self.shards.as_mut().ok_or_else(no_shards)?,
@@ -537,7 +543,9 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
                 scalars[STEP_LOSS] = device[STEP_LOSS];
                 squares(host, grads, scalars)?;
                 let mut all = ops.scalars(scalars)?;
-                reduce_scalars(comm, replicas, factor, tensors, ops, &mut all)?;
+                crate::device_comm::reduce_step_scalars(
+                    comm, replicas, factor, tensors, ops, &mut all,
+                )?;
                 let all = ops.wait_scalars(ops.copy_scalars(&all)?)?;
                 scalars[STEP_LOSS] = all[STEP_LOSS];
                 let sq = STEP_SQUARES..STEP_SQUARES + tensors;
@@ -583,29 +591,6 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             .map(|(_, s)| shard_len(s.iter().product(), self.factor))
             .collect()
     }
-}
-
-/// Reduces a step's scalars over the ranks: the loss averaged (over each node, then over the
-/// nodes), and, where the tensors are sharded, each tensor's sum of squares summed over its
-/// shards (the nodes hold the same shards).
-fn reduce_scalars<O: GptOps, C: DeviceComm<O>>(
-    comm: &C,
-    replicas: Option<&C>,
-    factor: usize,
-    tensors: usize,
-    ops: &O,
-    scalars: &mut O::Scalars,
-) -> Result<(), DeviceTrainError> {
-    let loss = STEP_LOSS..STEP_LOSS + 1;
-    comm.all_reduce_scalars(ops, scalars, loss.clone(), ReduceOp::Avg)?;
-    if let Some(r) = replicas {
-        r.all_reduce_scalars(ops, scalars, loss, ReduceOp::Avg)?;
-    }
-    if factor > 1 {
-        let squares = STEP_SQUARES..STEP_SQUARES + tensors;
-        comm.all_reduce_scalars(ops, scalars, squares, ReduceOp::Sum)?;
-    }
-    Ok(())
 }
 
 /// Under CPU offload: adds micro-batch `m`'s reduced gradient shards, copied out into staging

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 
 use super::cuda_memory::CudaMemory;
 use super::cuda_pool::hold_pool_memory;
-use super::cuda_products::{f32_arg, written_half, CudaOperand};
+use super::cuda_products::{f32_arg, written_half, CudaOperand, Products};
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
 use super::memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, DecidedTensor, GptOps};
@@ -77,36 +77,6 @@ impl<T> DevicePtrMut<T> for Counted<CudaSlice<T>> {
         stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         (**self).device_ptr_mut(stream)
-    }
-}
-
-/// How [`CudaOps`] multiplies matrices.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Products {
-    /// f32 operands, f32 sums (cuBLAS without TF32): the default.
-    #[default]
-    F32,
-    /// Mixed precision as `torch.autocast(dtype=torch.bfloat16)` does for products: both
-    /// operands rounded to bf16 (the cast kernel), bf16 tensor-core products with f32 sums and
-    /// an f32 result; every other operation stays f32. The host twin is
-    /// [`HostProducts::Bf16Operands`](super::HostProducts::Bf16Operands).
-    Bf16,
-    /// The same with f16 operands (`torch.autocast(dtype=torch.float16)`'s products): an
-    /// operand past f16's range becomes infinite, so f16 products train with a grad scaler
-    /// whose scale keeps the gradients' operands in range. The host twin is
-    /// [`HostProducts::F16Operands`](super::HostProducts::F16Operands).
-    F16,
-}
-
-impl Products {
-    /// The dtype products round their operands to: bf16, f16, or `None` (f32 operands).
-    pub fn half(self) -> Option<fsdp_device::DType> {
-        match self {
-            Products::F32 => None,
-            Products::Bf16 => Some(fsdp_device::DType::BF16),
-            Products::F16 => Some(fsdp_device::DType::F16),
-        }
     }
 }
 

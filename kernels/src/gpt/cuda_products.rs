@@ -17,6 +17,36 @@ use crate::gemm::{BlasFloat, MatMul};
 use crate::host::CastFloat;
 use crate::{launch, KernelError};
 
+/// How [`CudaOps`] multiplies matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Products {
+    /// f32 operands, f32 sums (cuBLAS without TF32): the default.
+    #[default]
+    F32,
+    /// Mixed precision as `torch.autocast(dtype=torch.bfloat16)` does for products: both
+    /// operands rounded to bf16 (the cast kernel), bf16 tensor-core products with f32 sums and
+    /// an f32 result; every other operation stays f32. The host twin is
+    /// [`HostProducts::Bf16Operands`](super::HostProducts::Bf16Operands).
+    Bf16,
+    /// The same with f16 operands (`torch.autocast(dtype=torch.float16)`'s products): an
+    /// operand past f16's range becomes infinite, so f16 products train with a grad scaler
+    /// whose scale keeps the gradients' operands in range. The host twin is
+    /// [`HostProducts::F16Operands`](super::HostProducts::F16Operands).
+    F16,
+}
+
+impl Products {
+    /// The dtype products round their operands to: bf16, f16, or `None` (f32 operands).
+    pub fn half(self) -> Option<fsdp_device::DType> {
+        match self {
+            Products::F32 => None,
+            Products::Bf16 => Some(fsdp_device::DType::BF16),
+            Products::F16 => Some(fsdp_device::DType::F16),
+        }
+    }
+}
+
 /// An activation of [`CudaOps`] kept as an operand ([`GptOps::operand`](super::GptOps::operand)): in bf16 with
 /// [`Products::Bf16`](super::Products::Bf16), in f16 with
 /// [`Products::F16`](super::Products::F16), else the f32 buffer itself.
@@ -214,7 +244,7 @@ impl CudaOps {
 macro_rules! written_half {
     ($ops:expr, $n:expr, |$y:ident| $body:expr) => {
         match $ops.products {
-            super::Products::F16 => $ops.written_as::<half::f16>($n, |$y| $body),
+            $crate::gpt::Products::F16 => $ops.written_as::<half::f16>($n, |$y| $body),
             _ => $ops.written_as::<half::bf16>($n, |$y| $body),
         }
     };

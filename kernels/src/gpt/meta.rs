@@ -11,11 +11,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::host_ops::HostProducts;
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
 use super::peer::{PeerOps, PeerPtr};
 use super::peer_half::check_cast;
+use super::products::HostProducts;
 use super::products::Kept;
 use super::written::Written;
 use crate::gemm::MatMul;

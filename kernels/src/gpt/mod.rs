@@ -52,12 +52,12 @@ mod weights;
 mod written;
 
 pub use attention::Attention;
-pub use cuda::{CudaBuf, CudaIds, CudaOps, Products};
+pub use cuda::{CudaBuf, CudaIds, CudaOps};
 pub use cuda_memory::{describe_stats, CudaMemory};
-pub use cuda_products::CudaOperand;
+pub use cuda_products::{CudaOperand, Products};
 pub use cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging};
 pub use head::Logits;
-pub use host_ops::{HostBuf, HostIds, HostOperand, HostOps, HostProducts};
+pub use host_ops::{HostBuf, HostIds, HostOperand, HostOps};
 pub use memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 pub use meta::{MetaBuf, MetaCounted, MetaOps};
 pub use model::DeviceGpt;
@@ -65,7 +65,9 @@ pub use ops::{Arg, DecidedTensor, GptOps};
 pub use pass::GptPass;
 pub use peer::{PeerOps, PeerPtr};
 pub use peer_gather::PeerCopy;
-pub use products::{gemm_bf16_operands, gemm_f32, gemm_f64_rounded, gemm_half_operands};
+pub use products::{
+    gemm_bf16_operands, gemm_f32, gemm_f64_rounded, gemm_half_operands, HostProducts,
+};
 pub use staging::StagingOps;
 pub use trace::SpanEnd;
 pub use units::{Resident, Unit, Units, WithGrads};

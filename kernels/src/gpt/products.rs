@@ -13,6 +13,37 @@ use fsdp_device::DType;
 use crate::host::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::KernelError;
 
+/// How [`HostOps`](super::HostOps) multiplies matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostProducts {
+    /// [`gemm_f32`]: f32, left to right (the default).
+    #[default]
+    F32,
+    /// [`gemm_f64_rounded`]: accumulated in f64, rounded once.
+    F64Rounded,
+    /// [`gemm_bf16_operands`](super::gemm_bf16_operands): both operands rounded to bf16 (as
+    /// the cast kernel rounds), products summed in f32 ([`gemm_f32`]'s order) — what
+    /// [`CudaOps`](super::CudaOps) with
+    /// [`Products::Bf16`](super::Products::Bf16) computes, in another summation order.
+    Bf16Operands,
+    /// [`gemm_half_operands`](super::gemm_half_operands) in f16: both operands rounded to f16
+    /// (an operand past f16's range becomes infinite, as on the device: what a grad scaler's
+    /// overflow check catches), products summed in f32 — [`Products::F16`](super::Products::F16)'s
+    /// twin.
+    F16Operands,
+}
+
+impl HostProducts {
+    /// The dtype products round their operands to: bf16, f16, or `None` (f32 operands).
+    pub fn half(self) -> Option<DType> {
+        match self {
+            HostProducts::Bf16Operands => Some(DType::BF16),
+            HostProducts::F16Operands => Some(DType::F16),
+            HostProducts::F32 | HostProducts::F64Rounded => None,
+        }
+    }
+}
+
 /// `c[i, j]` of every batch from `dot(a, b, i, j)`, the product's `k` terms in order.
 fn each(
     g: &MatMul,
