@@ -295,6 +295,10 @@ fn f16_products_overflow_until_the_scale_fits() {
     let last = *states.last().unwrap();
     assert_eq!(last.skipped_steps, skipped as u64);
     assert_eq!(last.scale, 16_777_216.0 / 2f32.powi(skipped as i32));
+    println!(
+        "f16 at 2^24: {skipped} of {STEPS} steps skipped, the scale {} after",
+        last.scale
+    );
     // At 2^16: no overflow; closer to f32 than bf16 products are.
     let c = config(Some((65536.0, 2000)));
     let (f16_run, _) = run(c, f16(), &tokens);

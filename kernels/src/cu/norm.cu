@@ -16,11 +16,12 @@ __device__ __forceinline__ void tree_sum(double* sh, u32 t) {
     __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
-    sum_squares_f32(const float* x, u64 n, double* block_sums) {
+// Block `b` of a tensor `x` of `n` elements: the sum of squares of its chunk, in the fixed
+// order, into *out (thread 0 writes it).
+__device__ __forceinline__ void block_squares(const float* x, u64 n, u64 b, double* out) {
     __shared__ double sh[NORM_BLOCK];
     u32 t = threadIdx.x;
-    u64 base = (u64)blockIdx.x * (NORM_BLOCK * NORM_ITEMS);
+    u64 base = b * (NORM_BLOCK * NORM_ITEMS);
     double acc = 0.0;
     for (u32 k = 0; k < NORM_ITEMS; k++) {
         u64 i = base + t + (u64)k * NORM_BLOCK;
@@ -31,7 +32,12 @@ extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
     }
     sh[t] = acc;
     tree_sum(sh, t);
-    if (t == 0) block_sums[blockIdx.x] = sh[0];
+    if (t == 0) *out = sh[0];
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+    sum_squares_f32(const float* x, u64 n, double* block_sums) {
+    block_squares(x, n, blockIdx.x, &block_sums[blockIdx.x]);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
@@ -59,28 +65,14 @@ struct SquaresList {
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
     sum_squares_many(SquaresList l, u32 count, double* block_sums) {
-    __shared__ double sh[NORM_BLOCK];
-    u32 b = blockIdx.x, t = threadIdx.x;
+    u32 b = blockIdx.x;
     // The tensor whose blocks hold b: the last k with start[k] <= b (binary search).
     u32 lo = 0, hi = count;
     while (hi - lo > 1) {
         u32 mid = (lo + hi) / 2;
         if (l.start[mid] <= b) lo = mid; else hi = mid;
     }
-    const float* x = (const float*)l.x[lo];
-    u64 n = l.n[lo];
-    u64 base = (u64)(b - l.start[lo]) * (NORM_BLOCK * NORM_ITEMS);
-    double acc = 0.0;
-    for (u32 k = 0; k < NORM_ITEMS; k++) {
-        u64 i = base + t + (u64)k * NORM_BLOCK;
-        if (i < n) {
-            double v = (double)x[i];
-            acc = __dadd_rn(acc, __dmul_rn(v, v));
-        }
-    }
-    sh[t] = acc;
-    tree_sum(sh, t);
-    if (t == 0) block_sums[b] = sh[0];
+    block_squares((const float*)l.x[lo], l.n[lo], b - l.start[lo], &block_sums[b]);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK)

@@ -401,9 +401,7 @@ impl GptOps for MetaOps {
         at: usize,
         values: &[f64],
     ) -> Result<(), KernelError> {
-        let end = super::ops::scalar_slots(scalars.len(), at, values.len())?;
-        scalars[at..end].copy_from_slice(values);
-        Ok(())
+        super::ops_args::write_slots(scalars, at, values)
     }
     fn loss_accumulate(
         &self,

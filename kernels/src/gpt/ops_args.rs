@@ -20,6 +20,18 @@ pub struct DecidedTensor<'a, B> {
     pub decay: bool,
 }
 
+/// `values` into the slots `at..` of host scalars (the twins' and the meta operations'
+/// [`GptOps::write_scalars`]), checked to lie within them.
+pub(super) fn write_slots(
+    scalars: &mut [f64],
+    at: usize,
+    values: &[f64],
+) -> Result<(), KernelError> {
+    let end = scalar_slots(scalars.len(), at, values.len())?;
+    scalars[at..end].copy_from_slice(values);
+    Ok(())
+}
+
 /// The end of slots `at..at + n` of a scalar buffer of `len`, checked to lie within it.
 pub(super) fn scalar_slots(len: usize, at: usize, n: usize) -> Result<usize, KernelError> {
     at.checked_add(n)
