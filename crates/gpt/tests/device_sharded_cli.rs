@@ -364,6 +364,9 @@ fn launched_processes_train_as_threads() {
             ][..],
             "bf16",
         ),
+        // f16 products with the grad scaler (on by default with f16): every rank decides
+        // the same scale from the same reduced squares.
+        ("2", &["--strategy", "full-shard"][..], "f16"),
     ] {
         let n_tag = format!("{n}{param}");
         let n_tag = n_tag.as_str();
@@ -416,6 +419,9 @@ fn launched_processes_train_as_threads() {
             )
         };
         assert!(out.contains(reduced), "{out}");
+        if param == "f16" {
+            assert!(out.contains("grad scaler: final scale 65536"), "{out}");
+        }
         // The summary's bytes moved by rank 0's collectives (`comm_volume`).
         let line = out
             .lines()

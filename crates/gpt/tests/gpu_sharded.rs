@@ -203,6 +203,12 @@ fn sharded_cuda_follows_the_engine() {
     compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
     // Gradients reduced in bf16, against the engine's bf16 reductions.
     compare("2", "full-shard", &["--reduce-dtype", "bf16"]);
+    // The grad scaler on both sides (the device's at a power of two changes no bit).
+    compare(
+        "2",
+        "full-shard",
+        &["--grad-scaler", "on", "--growth-interval", "3"],
+    );
 }
 
 /// `n` ranks as processes under `fsdp launch --device cuda` on the one GPU (each takes the
