@@ -111,6 +111,8 @@ impl Program {
             Program::AnyPrecision => s(&[
                 "anyprecision_decided_f32",
                 "anyprecision_decided_bf16_state",
+                "anyprecision_decided_many_f32",
+                "anyprecision_decided_many_bf16_state",
             ]),
             Program::Norm => s(&[
                 "sum_squares_f32",

@@ -444,6 +444,7 @@ fn adamw_decided_many_equals_its_twin() {
                 grad: g,
                 exp_avg: m,
                 exp_avg_sq: v,
+                compensation: None,
                 decay: i % 2 == 1,
             })
             .collect();
@@ -455,6 +456,115 @@ fn adamw_decided_many_equals_its_twin() {
                     .zip(h.iter())
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "case {k}, tensor {i} ({}): {what} differs", lens[i]);
+            }
+        }
+    }
+}
+
+/// `AnyPrecisionAdamW` as decided on 100 tensors (three launches of at most 48), every kind
+/// (parameters f32 or bf16, state f32 or packed bf16, Kahan on and off), every other tensor
+/// with weight decay, over applied, clipped, unscaled and skipped steps: bitwise the twin of
+/// each.
+#[test]
+fn anyprecision_decided_many_equals_its_twin() {
+    let Some(s) = gpu_stream("anyprecision_decided_many_equals_its_twin") else {
+        return;
+    };
+    let cfg = |lr: f64, wd: f64| AdamW {
+        lr,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: wd,
+    };
+    let set = |wd| {
+        AnyPrecisionChoice([
+            AnyPrecisionScalars::new(&cfg(1e-3, wd), 3).unwrap(),
+            AnyPrecisionScalars::new(&cfg(9e-4, wd), 4).unwrap(),
+        ])
+    };
+    let choices = [set(0.0), set(0.1)];
+    let lens = many_lens(100);
+    let seeded = |i: usize, k: u64, scale: f32| data(lens[i], 1000 * k + i as u64, scale);
+    for param in [DType::F32, DType::BF16] {
+        for state in [DType::F32, DType::BF16] {
+            for kahan in [false, true] {
+                let kind = AnyPrecision {
+                    param,
+                    state,
+                    kahan,
+                };
+                let round = |x: f32| match param {
+                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                    _ => x,
+                };
+                let pack = |v: Vec<f32>| pack_state(&v, state);
+                let mut host: Vec<_> = (0..lens.len())
+                    .map(|i| {
+                        let v = seeded(i, 3, 0.001).iter().map(|x| x.abs()).collect();
+                        (
+                            seeded(i, 1, 0.5).into_iter().map(round).collect::<Vec<_>>(),
+                            pack(seeded(i, 2, 0.01)),
+                            pack(v),
+                            pack(seeded(i, 4, 1e-4)),
+                        )
+                    })
+                    .collect();
+                let mut dev: Vec<_> = host
+                    .iter()
+                    .map(|(p, m, v, c)| (up(&s, p), up(&s, m), up(&s, v), up(&s, c)))
+                    .collect();
+                for (k, (applied, clipped, unscale)) in [
+                    (1.0, 0.0, 0.0),
+                    (1.0, 1.0, f64::from(1.0f32 / 1000.0)),
+                    (0.0, 1.0, 0.0),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let mut sc = vec![0.0f64; step_scalars_len(0)];
+                    sc[host::STEP_APPLIED] = applied;
+                    sc[host::STEP_CHOICE] = 1.0;
+                    sc[host::STEP_CLIPPED] = clipped;
+                    sc[host::STEP_CLIP_COEF] = 0.37f32 as f64;
+                    sc[host::STEP_UNSCALE] = unscale;
+                    let grads: Vec<Vec<f32>> = (0..lens.len())
+                        .map(|i| seeded(i, 10 + k as u64, 2.0))
+                        .collect();
+                    for (i, (p, m, v, c)) in host.iter_mut().enumerate() {
+                        let comp = Some(&mut c[..]);
+                        let ch = &choices[i % 2];
+                        host::anyprecision_decided(ch, kind, &sc, p, &grads[i], m, v, comp)
+                            .unwrap();
+                    }
+                    let dg: Vec<_> = grads.iter().map(|g| up(&s, g)).collect();
+                    let ds = up(&s, &sc);
+                    let mut list: Vec<launch::AdamWTensor<'_>> = dev
+                        .iter_mut()
+                        .zip(&dg)
+                        .enumerate()
+                        .map(|(i, ((p, m, v, c), g))| launch::AdamWTensor {
+                            param: p,
+                            grad: g,
+                            exp_avg: m,
+                            exp_avg_sq: v,
+                            compensation: Some(c),
+                            decay: i % 2 == 1,
+                        })
+                        .collect();
+                    launch::anyprecision_decided_many(&s, &choices, kind, &ds, &mut list).unwrap();
+                    for (i, (d, h)) in dev.iter().zip(&host).enumerate() {
+                        let pairs = [("param", &d.0, &h.0), ("exp_avg", &d.1, &h.1)];
+                        let more = [("exp_avg_sq", &d.2, &h.2), ("compensation", &d.3, &h.3)];
+                        for (what, dv, hv) in pairs.into_iter().chain(more) {
+                            let same = down(&s, dv)
+                                .iter()
+                                .zip(hv.iter())
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{kind:?} case {k}, tensor {i}: {what} differs");
+                        }
+                    }
+                }
             }
         }
     }

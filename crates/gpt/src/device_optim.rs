@@ -220,31 +220,7 @@ pub(crate) fn decide_and_apply<P: GptOps>(
     decays: &[bool],
 ) -> Result<(), KernelError> {
     ops.step_decide(rule, scalars)?;
-    if let StepChoices::AdamW(a) = choices {
-        // Every tensor at once (on CUDA one launch per 64 tensors).
-        let m = moments
-            .exp_avg
-            .all_mut()
-            .into_iter()
-            .zip(moments.exp_avg_sq.all_mut());
-        let mut tensors: Vec<DecidedTensor<'_, P::Buf>> = params
-            .all_mut()
-            .into_iter()
-            .zip(grads.named())
-            .zip(m)
-            .zip(decays)
-            .map(
-                |(((param, (_, grad)), (exp_avg, exp_avg_sq)), &decay)| DecidedTensor {
-                    param,
-                    grad,
-                    exp_avg,
-                    exp_avg_sq,
-                    decay,
-                },
-            )
-            .collect();
-        return ops.adamw_decided_many(a, scalars, &mut tensors);
-    }
+    // Every tensor at once (on CUDA a launch per 64 tensors, 48 for AnyPrecisionAdamW).
     let mut comps = moments
         .compensation
         .as_mut()
@@ -254,20 +230,29 @@ pub(crate) fn decide_and_apply<P: GptOps>(
         .all_mut()
         .into_iter()
         .zip(moments.exp_avg_sq.all_mut());
-    for (((p, (_, g)), (m, v)), &decay) in params
+    let mut tensors: Vec<DecidedTensor<'_, P::Buf>> = params
         .all_mut()
         .into_iter()
         .zip(grads.named())
         .zip(m)
         .zip(decays)
-    {
-        let c = comps.as_mut().and_then(Iterator::next);
-        let k = usize::from(decay);
-        if let StepChoices::AnyPrecision(a, kind) = choices {
-            ops.anyprecision_decided(&a[k], *kind, scalars, p, g, m, v, c)?;
+        .map(
+            |(((param, (_, grad)), (exp_avg, exp_avg_sq)), &decay)| DecidedTensor {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                compensation: comps.as_mut().and_then(Iterator::next),
+                decay,
+            },
+        )
+        .collect();
+    match choices {
+        StepChoices::AdamW(a) => ops.adamw_decided_many(a, scalars, &mut tensors),
+        StepChoices::AnyPrecision(a, kind) => {
+            ops.anyprecision_decided_many(a, *kind, scalars, &mut tensors)
         }
     }
-    Ok(())
 }
 
 /// Enqueues the end of a step on one side: the sum of squares of each of `grads` into its

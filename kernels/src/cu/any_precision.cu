@@ -18,11 +18,13 @@ __device__ __forceinline__ float round_param(u32 param_bf16, float x) {
     return param_bf16 ? to_f32(from_f32<bf16>(x)) : x;
 }
 
+// Elements first, first + step, ... of one tensor (a grid-stride loop of the caller's).
 template <typename S>
 __device__ __forceinline__ void anyprecision_decided_impl(float* p, const float* g, S* m, S* v,
                                                           S* comp, u64 n, const double* s,
                                                           AnyPrecisionChoice choice,
-                                                          u32 param_bf16) {
+                                                          u32 param_bf16, u64 first,
+                                                          u64 step) {
     if (s[STEP_APPLIED] != 1.0) return;
     u32 k = (u32)s[STEP_CHOICE];
     const AnyPrecisionArgs a = choice.at[k < STEP_CHOICES ? k : STEP_CHOICES - 1];
@@ -31,7 +33,7 @@ __device__ __forceinline__ void anyprecision_decided_impl(float* p, const float*
     float u = __double2float_rn(s[STEP_UNSCALE]);
     const S* tag = m;
     float eps = round_as(tag, a.eps);
-    GRID_STRIDE(i, n) {
+    for (u64 i = first; i < n; i += step) {
         float gi = decided_grad(g[i], u, clipped, c);
         float pf = p[i];
         if (a.has_decay) pf = round_param(param_bf16, __fmul_rn(pf, a.decay));
@@ -61,8 +63,41 @@ __device__ __forceinline__ void anyprecision_decided_impl(float* p, const float*
     extern "C" __global__ void NAME(float* p, const float* g, S* m, S* v, S* comp, u64 n, \
                                     const double* s, AnyPrecisionChoice choice, \
                                     u32 param_bf16) { \
-        anyprecision_decided_impl<S>(p, g, m, v, comp, n, s, choice, param_bf16); \
+        anyprecision_decided_impl<S>(p, g, m, v, comp, n, s, choice, param_bf16, \
+                                     (u64)blockIdx.x * blockDim.x + threadIdx.x, \
+                                     (u64)gridDim.x * blockDim.x); \
     }
 
 ANYPRECISION(anyprecision_decided_f32, float)
 ANYPRECISION(anyprecision_decided_bf16_state, bf16)
+
+// The same on many tensors in one launch (multi_tensor_apply): blockIdx.y is the tensor, whose
+// elements the blocks along x stride over; tensor k takes choice[decay[k]] (without or with
+// weight decay); c[k] is 0 without Kahan summation. Each element's arithmetic is the
+// one-tensor kernel's.
+#define ANYPRECISION_TENSORS 48
+struct AnyPrecisionList {
+    u64 p[ANYPRECISION_TENSORS];
+    u64 g[ANYPRECISION_TENSORS];
+    u64 m[ANYPRECISION_TENSORS];
+    u64 v[ANYPRECISION_TENSORS];
+    u64 c[ANYPRECISION_TENSORS];
+    u64 n[ANYPRECISION_TENSORS];
+    u32 decay[ANYPRECISION_TENSORS];
+};
+
+#define ANYPRECISION_MANY(NAME, S) \
+    extern "C" __global__ void NAME(AnyPrecisionList l, u32 count, const double* s, \
+                                    AnyPrecisionChoice plain, AnyPrecisionChoice decayed, \
+                                    u32 param_bf16) { \
+        u32 t = blockIdx.y; \
+        if (t >= count) return; \
+        anyprecision_decided_impl<S>((float*)l.p[t], (const float*)l.g[t], (S*)l.m[t], \
+                                     (S*)l.v[t], (S*)l.c[t], l.n[t], s, \
+                                     l.decay[t] ? decayed : plain, param_bf16, \
+                                     (u64)blockIdx.x * blockDim.x + threadIdx.x, \
+                                     (u64)gridDim.x * blockDim.x); \
+    }
+
+ANYPRECISION_MANY(anyprecision_decided_many_f32, float)
+ANYPRECISION_MANY(anyprecision_decided_many_bf16_state, bf16)

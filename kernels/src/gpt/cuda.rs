@@ -633,6 +633,16 @@ impl GptOps for CudaOps {
         self.adamw_many(choices, scalars, tensors)
     }
 
+    fn anyprecision_decided_many(
+        &self,
+        choices: &[AnyPrecisionChoice; 2],
+        kind: AnyPrecision,
+        scalars: &CudaScalars,
+        tensors: &mut [DecidedTensor<'_, CudaBuf>],
+    ) -> Result<(), KernelError> {
+        self.anyprecision_many(choices, kind, scalars, tensors)
+    }
+
     fn anyprecision_decided(
         &self,
         choice: &AnyPrecisionChoice,

@@ -10,7 +10,7 @@ use fsdp_device::Event;
 use super::cuda::{copy_error, CudaBuf, CudaOps};
 use super::memory::Counted;
 use super::ops::DecidedTensor;
-use crate::host::AdamWChoice;
+use crate::host::{AdamWChoice, AnyPrecision, AnyPrecisionChoice};
 use crate::{launch, KernelError};
 
 /// The scalars of a step on the device ([`GptOps::Scalars`](super::GptOps::Scalars) of
@@ -87,17 +87,18 @@ impl CudaOps {
         scalars: &CudaScalars,
         tensors: &mut [DecidedTensor<'_, CudaBuf>],
     ) -> Result<(), KernelError> {
-        let mut list: Vec<launch::AdamWTensor<'_>> = tensors
-            .iter_mut()
-            .map(|t| launch::AdamWTensor {
-                param: t.param,
-                grad: t.grad,
-                exp_avg: t.exp_avg,
-                exp_avg_sq: t.exp_avg_sq,
-                decay: t.decay,
-            })
-            .collect();
-        launch::adamw_decided_many(&self.cuda, choices, scalars, &mut list)
+        launch::adamw_decided_many(&self.cuda, choices, scalars, &mut launch_list(tensors))
+    }
+
+    pub(super) fn anyprecision_many(
+        &self,
+        choices: &[AnyPrecisionChoice; 2],
+        kind: AnyPrecision,
+        scalars: &CudaScalars,
+        tensors: &mut [DecidedTensor<'_, CudaBuf>],
+    ) -> Result<(), KernelError> {
+        let mut list = launch_list(tensors);
+        launch::anyprecision_decided_many(&self.cuda, choices, kind, scalars, &mut list)
     }
 
     pub(super) fn write_scalars_at(
@@ -251,4 +252,19 @@ impl CudaOps {
             .map(CudaMark)
             .map_err(|e| copy_error("cuEventRecord", e))
     }
+}
+
+/// The launchers' form of a step's tensors.
+fn launch_list<'a>(tensors: &'a mut [DecidedTensor<'_, CudaBuf>]) -> Vec<launch::AdamWTensor<'a>> {
+    tensors
+        .iter_mut()
+        .map(|t| launch::AdamWTensor {
+            param: t.param,
+            grad: t.grad,
+            exp_avg: t.exp_avg,
+            exp_avg_sq: t.exp_avg_sq,
+            compensation: t.compensation.as_deref_mut().map(|c| &mut **c),
+            decay: t.decay,
+        })
+        .collect()
 }

@@ -509,6 +509,27 @@ pub trait GptOps {
         }
         Ok(())
     }
+    /// [`anyprecision_decided`](GptOps::anyprecision_decided) of `kind` on each of
+    /// `tensors` with `choices[usize::from(decay)]`: the same values (on CUDA one launch per
+    /// [`ANYPRECISION_TENSORS`](crate::launch::ANYPRECISION_TENSORS) tensors).
+    ///
+    /// # Errors
+    /// As [`anyprecision_decided`](GptOps::anyprecision_decided).
+    fn anyprecision_decided_many(
+        &self,
+        choices: &[AnyPrecisionChoice; 2],
+        kind: AnyPrecision,
+        scalars: &Self::Scalars,
+        tensors: &mut [DecidedTensor<'_, Self::Buf>],
+    ) -> Result<(), KernelError> {
+        for t in tensors {
+            let choice = &choices[usize::from(t.decay)];
+            let (p, g, m, v) = (&mut *t.param, t.grad, &mut *t.exp_avg, &mut *t.exp_avg_sq);
+            let c = t.compensation.as_deref_mut();
+            self.anyprecision_decided(choice, kind, scalars, p, g, m, v, c)?;
+        }
+        Ok(())
+    }
     /// torchdistx's `AnyPrecisionAdamW` on one tensor as the decision in `scalars` says
     /// ([`host::anyprecision_decided`](crate::host::anyprecision_decided)): the parameter
     /// rounded to `kind.param`, the state buffers of

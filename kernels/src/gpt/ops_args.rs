@@ -5,8 +5,9 @@
 use super::ops::GptOps;
 use crate::KernelError;
 
-/// One tensor of [`GptOps::adamw_decided_many`]: the parameter, its gradient, both moments
-/// (of one length) and whether its scalar set is the one with weight decay.
+/// One tensor of [`GptOps::adamw_decided_many`] and [`GptOps::anyprecision_decided_many`]:
+/// the parameter, its gradient, both moments, `AnyPrecisionAdamW`'s compensation and whether
+/// its scalar set is the one with weight decay.
 pub struct DecidedTensor<'a, B> {
     /// The parameter, updated.
     pub param: &'a mut B,
@@ -16,6 +17,9 @@ pub struct DecidedTensor<'a, B> {
     pub exp_avg: &'a mut B,
     /// The second moment, updated.
     pub exp_avg_sq: &'a mut B,
+    /// `AnyPrecisionAdamW`'s Kahan compensation, updated (`None` for AdamW and without
+    /// Kahan summation).
+    pub compensation: Option<&'a mut B>,
     /// Whether weight decay applies (`choices[1]`, else `choices[0]`).
     pub decay: bool,
 }

@@ -1,8 +1,9 @@
 //! The end of a step on many tensors in few launches (PyTorch's `_foreach_*` operations over
 //! `multi_tensor_apply`): every gradient's sum of squares into its slot of the step's scalars
-//! (`sum_squares_many`, `sum_f64_final_many` of `cu/norm.cu`) and AdamW as decided
-//! (`adamw_decided_many` of `cu/optim.cu`), the tensors' addresses by value in the kernels'
-//! parameters. Each tensor's result is bitwise the one-tensor launch's
+//! (`sum_squares_many`, `sum_f64_final_many` of `cu/norm.cu`), AdamW as decided
+//! (`adamw_decided_many` of `cu/optim.cu`) and `AnyPrecisionAdamW` as decided
+//! (`anyprecision_decided_many_*` of `cu/any_precision.cu`), the tensors' addresses by value in
+//! the kernels' parameters. Each tensor's result is bitwise the one-tensor launch's
 //! ([`sum_of_squares`](super::sum_of_squares), [`adamw_decided`](super::adamw_decided)): the
 //! same blocks sum the same elements in the same order, and AdamW is elementwise.
 
@@ -12,15 +13,20 @@ use cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::step::AdamWChoiceArgs;
+use super::step::{AdamWChoiceArgs, AnyPrecisionChoiceArgs};
 use super::{driver, function};
-use crate::host::{check_scalars_len, same_len, AdamWChoice, NORM_BLOCK, NORM_ITEMS};
+use crate::host::{
+    check_anyprecision_call, check_scalars_len, same_len, AdamWChoice, AnyPrecision,
+    AnyPrecisionChoice, NORM_BLOCK, NORM_ITEMS,
+};
 use crate::{KernelError, Program};
 
 /// The tensors one launch of `sum_squares_many` carries.
 pub const SQUARES_TENSORS: usize = 96;
 /// The tensors one launch of `adamw_decided_many` carries.
 pub const ADAMW_TENSORS: usize = 64;
+/// The tensors one launch of `anyprecision_decided_many_*` carries.
+pub const ANYPRECISION_TENSORS: usize = 48;
 
 /// `SquaresList` of `cu/norm.cu`.
 #[repr(C)]
@@ -48,6 +54,22 @@ struct AdamWList {
 unsafe impl DeviceRepr for SquaresList {}
 // SAFETY: as `SquaresList`.
 unsafe impl DeviceRepr for AdamWList {}
+
+/// `AnyPrecisionList` of `cu/any_precision.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AnyPrecisionList {
+    p: [u64; ANYPRECISION_TENSORS],
+    g: [u64; ANYPRECISION_TENSORS],
+    m: [u64; ANYPRECISION_TENSORS],
+    v: [u64; ANYPRECISION_TENSORS],
+    c: [u64; ANYPRECISION_TENSORS],
+    n: [u64; ANYPRECISION_TENSORS],
+    decay: [u32; ANYPRECISION_TENSORS],
+}
+
+// SAFETY: as `SquaresList`.
+unsafe impl DeviceRepr for AnyPrecisionList {}
 
 /// The sum of squares of each of `xs` (f64, in `sum_squares_f32`'s fixed order) into
 /// `scalars[first + i]`, in two launches per [`SQUARES_TENSORS`] tensors; bitwise
@@ -141,8 +163,10 @@ pub fn sum_of_squares_many(
     Ok(())
 }
 
-/// One tensor of [`adamw_decided_many`]: the parameter, its gradient, both moments (of one
-/// length) and whether its set of scalars is the one with weight decay.
+/// One tensor of [`adamw_decided_many`] and [`anyprecision_decided_many`]: the parameter, its
+/// gradient, both moments (of one length; `AnyPrecisionAdamW`'s of its state's), its Kahan
+/// compensation (`AnyPrecisionAdamW` with Kahan summation only) and whether its set of
+/// scalars is the one with weight decay.
 pub struct AdamWTensor<'a> {
     /// The parameter, updated.
     pub param: &'a mut CudaSlice<f32>,
@@ -152,6 +176,8 @@ pub struct AdamWTensor<'a> {
     pub exp_avg: &'a mut CudaSlice<f32>,
     /// The second moment, updated.
     pub exp_avg_sq: &'a mut CudaSlice<f32>,
+    /// The Kahan compensation, updated (`None` for AdamW and without Kahan summation).
+    pub compensation: Option<&'a mut CudaSlice<f32>>,
     /// `choices[1]` (with weight decay) when true, else `choices[0]`.
     pub decay: bool,
 }
@@ -227,6 +253,98 @@ pub fn adamw_decided_many(
         // borrowed until the launch is enqueued; the scalars hold at least STEP_SQUARES.
         unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
         drop((reads, writes));
+    }
+    Ok(())
+}
+
+/// [`anyprecision_decided`](super::anyprecision_decided) of `kind` on each of `tensors` with
+/// `choices[decay]`, in one launch per [`ANYPRECISION_TENSORS`] tensors; bitwise the
+/// one-tensor launches.
+///
+/// # Errors
+/// As [`anyprecision_decided`](super::anyprecision_decided) for any tensor (checked before
+/// anything is enqueued); compile, load and launch failures.
+pub fn anyprecision_decided_many(
+    stream: &CudaStream,
+    choices: &[AnyPrecisionChoice; 2],
+    kind: AnyPrecision,
+    scalars: &CudaSlice<f64>,
+    tensors: &mut [AdamWTensor<'_>],
+) -> Result<(), KernelError> {
+    let mut kahan = false;
+    for t in tensors.iter() {
+        let lens = [
+            scalars.len(),
+            t.param.len(),
+            t.grad.len(),
+            t.exp_avg.len(),
+            t.exp_avg_sq.len(),
+        ];
+        kahan = check_anyprecision_call(kind, lens, t.compensation.as_ref().map(|c| c.len()))?;
+    }
+    if tensors.iter().all(|t| t.param.is_empty()) {
+        return Ok(());
+    }
+    let k = if kind.state == fsdp_device::DType::BF16 {
+        "anyprecision_decided_many_bf16_state"
+    } else {
+        "anyprecision_decided_many_f32"
+    };
+    let f = function(stream, Program::AnyPrecision, k)?;
+    let [plain, decayed] = choices.each_ref().map(AnyPrecisionChoiceArgs::from);
+    let param_bf16 = u32::from(kind.param == fsdp_device::DType::BF16);
+    let (s, _s) = scalars.device_ptr(stream);
+    for batch in tensors.chunks_mut(ANYPRECISION_TENSORS) {
+        let z = [0u64; ANYPRECISION_TENSORS];
+        let mut l = AnyPrecisionList {
+            p: z,
+            g: z,
+            m: z,
+            v: z,
+            c: z,
+            n: z,
+            decay: [0; ANYPRECISION_TENSORS],
+        };
+        let count = batch.len() as u32;
+        let mut guards = Vec::with_capacity(5 * batch.len());
+        for (i, t) in batch.iter_mut().enumerate() {
+            l.n[i] = t.param.len() as u64;
+            l.decay[i] = u32::from(t.decay);
+            let (p, gp) = t.param.device_ptr_mut(stream);
+            let (m, gm) = t.exp_avg.device_ptr_mut(stream);
+            let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
+            let (g, gg) = t.grad.device_ptr(stream);
+            (l.p[i], l.g[i], l.m[i], l.v[i]) = (p, g, m, v);
+            guards.extend([gp, gm, gv, gg]);
+            if let Some(c) = t.compensation.as_mut().filter(|_| kahan) {
+                let (cp, gc) = c.device_ptr_mut(stream);
+                l.c[i] = cp;
+                guards.push(gc);
+            }
+        }
+        let longest = l.n.iter().copied().max().unwrap_or(0).max(1);
+        let blocks = longest
+            .div_ceil(u64::from(BLOCK) * PER_THREAD)
+            .clamp(1, MAX_BLOCKS_X) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, count, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&l)
+            .arg(&count)
+            .arg(&s)
+            .arg(&plain)
+            .arg(&decayed)
+            .arg(&param_bf16);
+        // SAFETY: (AnyPrecisionList l, u32 count, const double* s, AnyPrecisionChoice plain,
+        // AnyPrecisionChoice decayed, u32 param_bf16): `count` tensors whose parameter and
+        // gradient hold `l.n` f32 and whose state buffers `state_len(n)` f32 (checked above),
+        // the compensation 0 exactly without Kahan summation, borrowed until the launch is
+        // enqueued; the scalars hold at least STEP_SQUARES.
+        unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
+        drop(guards);
     }
     Ok(())
 }

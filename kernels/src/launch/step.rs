@@ -207,8 +207,16 @@ struct AnyPrecisionArgs {
 /// `AnyPrecisionChoice` of `cu/optim.cu`, passed by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct AnyPrecisionChoiceArgs {
+pub(super) struct AnyPrecisionChoiceArgs {
     at: [AnyPrecisionArgs; STEP_CHOICES],
+}
+
+impl From<&AnyPrecisionChoice> for AnyPrecisionChoiceArgs {
+    fn from(choice: &AnyPrecisionChoice) -> AnyPrecisionChoiceArgs {
+        AnyPrecisionChoiceArgs {
+            at: choice.0.each_ref().map(AnyPrecisionArgs::from),
+        }
+    }
 }
 
 // SAFETY: plain `repr(C)` structs of 4-byte scalars, laid out as their CUDA C twins (no
@@ -282,9 +290,7 @@ pub fn anyprecision_decided(
         None => (0, None),
     };
     let (s, _s) = scalars.device_ptr(stream);
-    let args = AnyPrecisionChoiceArgs {
-        at: choice.0.each_ref().map(AnyPrecisionArgs::from),
-    };
+    let args = AnyPrecisionChoiceArgs::from(choice);
     let n64 = n as u64;
     let param_bf16 = u32::from(kind.param == fsdp_device::DType::BF16);
     let mut b = stream.launch_builder(&f);
