@@ -91,6 +91,7 @@ impl Program {
                 "memset_b32",
                 "memset_b64",
                 "gather_segments",
+                "zero_segments",
             ]),
             Program::Reduce => ["sum", "min", "max", "prod"]
                 .iter()

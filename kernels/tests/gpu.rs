@@ -1,8 +1,8 @@
-//! Every kernel on the GPU against its host twin: bitwise for casts, axpby, memset, the ring's
-//! reductions, SGD and the sum of squares (NaN results: both NaN), AdamW within 1 ulp (0
-//! expected: the kernels round every operation as the twin does). Without a GPU each test
-//! prints `skipped: no GPU (<reason>)` and passes; with one, NVRTC must be found
-//! (`fsdp_device::cuda::libs`).
+//! Every kernel on the GPU against its host twin: bitwise for casts, axpby, memset (and many
+//! buffers zeroed at once), the ring's reductions, SGD and the sum of squares (NaN results:
+//! both NaN), AdamW within 1 ulp (0 expected: the kernels round every operation as the twin
+//! does). Without a GPU each test prints `skipped: no GPU (<reason>)` and passes; with one,
+//! NVRTC must be found (`fsdp_device::cuda::libs`).
 
 mod common;
 
@@ -330,4 +330,28 @@ fn gathered_copies_equal_the_hosts() {
         unsafe { launch::gather_copies(&s, &copies) }.unwrap();
     }
     assert_same("gathered copies", &down(&s, &gout), &want);
+}
+
+/// 200 buffers zeroed in three launches (`zero_segments`): every element +0, the last
+/// element of each tail and a buffer left out of the list untouched.
+#[test]
+fn zeroed_buffers_are_zero() {
+    let Some(s) = gpu_stream("zeroed_buffers_are_zero") else {
+        return;
+    };
+    let lens: Vec<usize> = (0..200).map(|i| 1 + (i * 7919) % 70_000).collect();
+    let mut bufs: Vec<_> = lens.iter().map(|&n| up(&s, &vec![7.5f32; n])).collect();
+    let kept = up(&s, &[7.5f32; 33]);
+    let mut list: Vec<_> = bufs.iter_mut().collect();
+    launch::fill_zero_many(&s, &mut list).unwrap();
+    for (i, b) in bufs.iter().enumerate() {
+        let v = down(&s, b);
+        assert!(
+            v.iter().all(|x| x.to_bits() == 0),
+            "buffer {i} ({})",
+            lens[i]
+        );
+    }
+    launch::fill_zero_many(&s, &mut []).unwrap();
+    assert!(down(&s, &kept).iter().all(|&x| x == 7.5));
 }

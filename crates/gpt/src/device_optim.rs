@@ -97,12 +97,10 @@ impl<B> Optim<B> {
         &mut self,
         ops: &P,
     ) -> Result<(), KernelError> {
-        if let Some(acc) = &mut self.acc {
-            for b in acc.all_mut() {
-                ops.fill_zero(b)?;
-            }
+        match &mut self.acc {
+            Some(acc) => ops.fill_zero_many(&mut acc.all_mut()),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 

@@ -1,4 +1,5 @@
-// Scale and add (axpby), memset, and many copies in one launch (gather_segments).
+// Scale and add (axpby), memset, many copies in one launch (gather_segments) and many buffers
+// zeroed in one (zero_segments).
 
 // y = alpha * x + beta * y, each product and the sum rounded separately (no fused multiply-add).
 #define AXPBY(T, C) \
@@ -50,5 +51,24 @@ extern "C" __global__ void gather_segments(GatherSegments g, u32 count) {
     } else {
         const float* s = (const float*)g.src[k];
         for (u64 i = first; i < n; i += step) d[i] = s[i];
+    }
+}
+
+// Many f32 buffers set to +0 in one launch (the gradients at the start of a backward):
+// blockIdx.y is the buffer, whose n[k] elements the blocks along x stride over.
+#define ZERO_SEGMENTS 96
+struct ZeroSegments {
+    u64 dst[ZERO_SEGMENTS];
+    u64 n[ZERO_SEGMENTS];
+};
+
+extern "C" __global__ void zero_segments(ZeroSegments z, u32 count) {
+    u32 k = blockIdx.y;
+    if (k >= count) return;
+    float* d = (float*)z.dst[k];
+    u64 n = z.n[k];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        d[i] = 0.0f;
     }
 }

@@ -282,6 +282,11 @@ impl GptOps for CudaOps {
         launch::memset(&self.cuda, buf, 0.0f32)
     }
 
+    fn fill_zero_many(&self, bufs: &mut [&mut CudaBuf]) -> Result<(), KernelError> {
+        let mut slices: Vec<&mut CudaSlice<f32>> = bufs.iter_mut().map(|b| &mut ***b).collect();
+        launch::fill_zero_many(&self.cuda, &mut slices)
+    }
+
     fn gemm_args(
         &self,
         g: &MatMul,

@@ -185,9 +185,7 @@ impl<O: GptOps> DeviceGpt<O> {
         scale: Option<&O::Scalars>,
     ) -> Result<O::Buf, KernelError> {
         self.pass.check_batch(inputs, targets, rows, t)?;
-        for g in self.grads.all_mut() {
-            self.pass.ops.fill_zero(g)?;
-        }
+        self.pass.ops.fill_zero_many(&mut self.grads.all_mut())?;
         let mut units = Resident {
             params: &self.params,
             grads: &mut self.grads,

@@ -109,6 +109,17 @@ pub trait GptOps {
     /// # Errors
     /// A launch failure.
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<(), KernelError>;
+    /// [`fill_zero`](GptOps::fill_zero) of each of `bufs` (on CUDA one launch per
+    /// [`ZERO_SEGMENTS`](crate::launch::ZERO_SEGMENTS) buffers instead of a memset each).
+    ///
+    /// # Errors
+    /// A launch failure.
+    fn fill_zero_many(&self, bufs: &mut [&mut Self::Buf]) -> Result<(), KernelError> {
+        for b in bufs {
+            self.fill_zero(b)?;
+        }
+        Ok(())
+    }
     /// Whether every matrix product reads its operands rounded to bf16 (bf16 products:
     /// [`Products::Bf16`](super::Products::Bf16), the host twins'
     /// [`HostProducts::Bf16Operands`](super::HostProducts::Bf16Operands)), so that a tensor

@@ -1,5 +1,6 @@
-//! The end of a step on many tensors in few launches (PyTorch's `_foreach_*` operations over
-//! `multi_tensor_apply`): every gradient's sum of squares into its slot of the step's scalars
+//! A step's work on many tensors in few launches (PyTorch's `_foreach_*` operations over
+//! `multi_tensor_apply`): every gradient zeroed (`zero_segments` of `cu/elementwise.cu`),
+//! every gradient's sum of squares into its slot of the step's scalars
 //! (`sum_squares_many`, `sum_f64_final_many` of `cu/norm.cu`), AdamW as decided
 //! (`adamw_decided_many` of `cu/optim.cu`) and `AnyPrecisionAdamW` as decided
 //! (`anyprecision_decided_many_*` of `cu/any_precision.cu`), the tensors' addresses by value in
@@ -21,6 +22,8 @@ use crate::host::{
 };
 use crate::{KernelError, Program};
 
+/// The buffers one launch of `zero_segments` carries.
+pub const ZERO_SEGMENTS: usize = 96;
 /// The tensors one launch of `sum_squares_many` carries.
 pub const SQUARES_TENSORS: usize = 96;
 /// The tensors one launch of `adamw_decided_many` carries.
@@ -54,6 +57,17 @@ struct AdamWList {
 unsafe impl DeviceRepr for SquaresList {}
 // SAFETY: as `SquaresList`.
 unsafe impl DeviceRepr for AdamWList {}
+
+/// `ZeroSegments` of `cu/elementwise.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ZeroSegments {
+    dst: [u64; ZERO_SEGMENTS],
+    n: [u64; ZERO_SEGMENTS],
+}
+
+// SAFETY: as `SquaresList`.
+unsafe impl DeviceRepr for ZeroSegments {}
 
 /// `AnyPrecisionList` of `cu/any_precision.cu`.
 #[repr(C)]
@@ -343,6 +357,52 @@ pub fn anyprecision_decided_many(
         // gradient hold `l.n` f32 and whose state buffers `state_len(n)` f32 (checked above),
         // the compensation 0 exactly without Kahan summation, borrowed until the launch is
         // enqueued; the scalars hold at least STEP_SQUARES.
+        unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
+        drop(guards);
+    }
+    Ok(())
+}
+
+/// Every element of each of `bufs` set to +0 (as [`memset`](super::memset) of 0), in one
+/// launch per [`ZERO_SEGMENTS`] buffers.
+///
+/// # Errors
+/// Compile, load and launch failures.
+pub fn fill_zero_many(
+    stream: &CudaStream,
+    bufs: &mut [&mut CudaSlice<f32>],
+) -> Result<(), KernelError> {
+    let k = "zero_segments";
+    if bufs.iter().all(|b| b.is_empty()) {
+        return Ok(());
+    }
+    let f = function(stream, Program::Elementwise, k)?;
+    for batch in bufs.chunks_mut(ZERO_SEGMENTS) {
+        let mut z = ZeroSegments {
+            dst: [0; ZERO_SEGMENTS],
+            n: [0; ZERO_SEGMENTS],
+        };
+        let count = batch.len() as u32;
+        let mut guards = Vec::with_capacity(batch.len());
+        for (i, b) in batch.iter_mut().enumerate() {
+            z.n[i] = b.len() as u64;
+            let (p, g) = b.device_ptr_mut(stream);
+            z.dst[i] = p;
+            guards.push(g);
+        }
+        let longest = z.n.iter().copied().max().unwrap_or(0).max(1);
+        let blocks = longest
+            .div_ceil(u64::from(BLOCK) * PER_THREAD)
+            .clamp(1, MAX_BLOCKS_X) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, count, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&z).arg(&count);
+        // SAFETY: (ZeroSegments z, u32 count): `count` buffers of `z.n` f32 at `z.dst`,
+        // borrowed mutably until the launch is enqueued.
         unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
         drop(guards);
     }

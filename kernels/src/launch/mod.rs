@@ -28,8 +28,8 @@ mod nn_heads;
 mod nn_loss;
 mod step;
 pub use foreach::{
-    adamw_decided_many, anyprecision_decided_many, sum_of_squares_many, AdamWTensor, ADAMW_TENSORS,
-    ANYPRECISION_TENSORS, SQUARES_TENSORS,
+    adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
+    AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS,
 };
 pub use gather::{gather_copies, GatherCopy, GATHER_SEGMENTS};
 pub use nn::{
