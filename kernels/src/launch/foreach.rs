@@ -408,3 +408,51 @@ pub fn fill_zero_many(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::mem::{align_of, size_of};
+
+    use super::*;
+
+    fn layout<T>(name: &'static str) -> (&'static str, usize, usize) {
+        (name, size_of::<T>(), align_of::<T>())
+    }
+
+    /// The lists passed by value are laid out as their CUDA C twins (checked by NVRTC).
+    #[test]
+    fn parameter_lists_are_laid_out_as_in_c() {
+        use crate::launch::assert_c_layouts;
+        assert_c_layouts(Program::Norm, &[layout::<SquaresList>("SquaresList")]);
+        assert_c_layouts(
+            Program::Optim,
+            &[
+                layout::<AdamWList>("AdamWList"),
+                layout::<AdamWChoiceArgs>("AdamWChoice"),
+            ],
+        );
+        assert_c_layouts(
+            Program::AnyPrecision,
+            &[
+                layout::<AnyPrecisionList>("AnyPrecisionList"),
+                layout::<AnyPrecisionChoiceArgs>("AnyPrecisionChoice"),
+            ],
+        );
+        assert_c_layouts(
+            Program::Elementwise,
+            &[
+                layout::<ZeroSegments>("ZeroSegments"),
+                layout::<crate::launch::gather::Segments>("GatherSegments"),
+            ],
+        );
+        // A wrong size is refused: the check can fail.
+        let wrong = std::panic::catch_unwind(|| {
+            assert_c_layouts(
+                Program::Norm,
+                &[("SquaresList", size_of::<SquaresList>() + 8, 8)],
+            )
+        });
+        let nvrtc = fsdp_device::cuda::libs::load_nvrtc().is_ok();
+        assert_eq!(wrong.is_err(), nvrtc, "a wrong size passed NVRTC's check");
+    }
+}

@@ -28,7 +28,7 @@ pub struct GatherCopy {
 /// The kernel's `GatherSegments` parameter, laid out as in `cu/elementwise.cu`.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Segments {
+pub(super) struct Segments {
     src: [u64; GATHER_SEGMENTS],
     dst: [u64; GATHER_SEGMENTS],
     n: [u64; GATHER_SEGMENTS],

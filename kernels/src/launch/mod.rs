@@ -481,3 +481,31 @@ pub fn sum_of_squares(
     unsafe { b.launch(block(1)) }.map_err(|e| driver("cuLaunchKernel", "sum_f64_final", e))?;
     Ok(())
 }
+
+/// The C layouts of the structs the launchers pass by value, held to their Rust twins by
+/// NVRTC itself: each program compiled with `static_assert`s of `sizeof` and `alignof`
+/// equal to the Rust sizes and alignments (no GPU needed; skipped without NVRTC unless
+/// `FSDP_NVRTC_LIB` names it, as CI does). A mismatch would hand a kernel garbage silently.
+#[cfg(test)]
+pub(crate) fn assert_c_layouts(program: Program, structs: &[(&str, usize, usize)]) {
+    match fsdp_device::cuda::libs::load_nvrtc() {
+        Ok(_) => {}
+        Err(e) if std::env::var_os("FSDP_NVRTC_LIB").is_some() => {
+            panic!("FSDP_NVRTC_LIB is set, but {e}")
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    }
+    let mut src = program.source();
+    for (name, size, align) in structs {
+        src.push_str(&format!(
+            "\nstatic_assert(sizeof({name}) == {size}, \"{name}: Rust has {size} bytes\");\
+             \nstatic_assert(alignof({name}) == {align}, \"{name}: Rust aligns to {align}\");"
+        ));
+    }
+    if let Err(e) = crate::compile_source(program.name(), &src, "compute_80") {
+        panic!("{e}");
+    }
+}
