@@ -196,11 +196,27 @@ pub struct AdamWTensor<'a> {
     pub decay: bool,
 }
 
-/// Threads per block of `adamw_decided_many`, the elements a thread takes at least before
-/// another block is added, and the most blocks a tensor gets (they stride over the rest).
+/// Threads per block of the launches over segments (a tensor or copy each, `blockIdx.y`),
+/// and the elements a thread takes at least before another block is added along x.
 const BLOCK: u32 = 256;
 const PER_THREAD: u64 = 8;
+/// The most blocks a tensor of this file's launches gets (they stride over the rest).
 const MAX_BLOCKS_X: u64 = 1024;
+
+/// The launch shape of `count` segments (`blockIdx.y`) whose longest has `longest` elements:
+/// 256-thread blocks along x, one per 2048 elements of the longest, between 1 and
+/// `max_blocks_x` (the blocks stride over the rest). Shared by this file's launches and
+/// `gather_segments`.
+pub(super) fn per_segment(longest: u64, count: u32, max_blocks_x: u64) -> LaunchConfig {
+    let blocks = longest
+        .div_ceil(u64::from(BLOCK) * PER_THREAD)
+        .clamp(1, max_blocks_x) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, count, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 /// [`adamw_decided`](super::adamw_decided) on each of `tensors` with `choices[decay]`, in one
 /// launch per [`ADAMW_TENSORS`] tensors; bitwise the one-tensor launches.
@@ -251,15 +267,8 @@ pub fn adamw_decided_many(
             (l.p[i], l.g[i], l.m[i], l.v[i]) = (p, g, m, v);
             l.decay[i] = u32::from(t.decay);
         }
-        let longest = l.n.iter().copied().max().unwrap_or(0).max(1);
-        let blocks = longest
-            .div_ceil(u64::from(BLOCK) * PER_THREAD)
-            .clamp(1, MAX_BLOCKS_X) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, count, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let longest = l.n.iter().copied().max().unwrap_or(0);
+        let cfg = per_segment(longest, count, MAX_BLOCKS_X);
         let mut b = stream.launch_builder(&f);
         b.arg(&l).arg(&count).arg(&s).arg(&plain).arg(&decayed);
         // SAFETY: (AdamWList l, u32 count, const double* s, AdamWChoice plain, AdamWChoice
@@ -336,15 +345,8 @@ pub fn anyprecision_decided_many(
                 guards.push(gc);
             }
         }
-        let longest = l.n.iter().copied().max().unwrap_or(0).max(1);
-        let blocks = longest
-            .div_ceil(u64::from(BLOCK) * PER_THREAD)
-            .clamp(1, MAX_BLOCKS_X) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, count, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let longest = l.n.iter().copied().max().unwrap_or(0);
+        let cfg = per_segment(longest, count, MAX_BLOCKS_X);
         let mut b = stream.launch_builder(&f);
         b.arg(&l)
             .arg(&count)
@@ -390,15 +392,8 @@ pub fn fill_zero_many(
             z.dst[i] = p;
             guards.push(g);
         }
-        let longest = z.n.iter().copied().max().unwrap_or(0).max(1);
-        let blocks = longest
-            .div_ceil(u64::from(BLOCK) * PER_THREAD)
-            .clamp(1, MAX_BLOCKS_X) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, count, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let longest = z.n.iter().copied().max().unwrap_or(0);
+        let cfg = per_segment(longest, count, MAX_BLOCKS_X);
         let mut b = stream.launch_builder(&f);
         b.arg(&z).arg(&count);
         // SAFETY: (ZeroSegments z, u32 count): `count` buffers of `z.n` f32 at `z.dst`,

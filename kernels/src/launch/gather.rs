@@ -2,7 +2,7 @@
 //! a gather of peers' shards enqueues one kernel for a unit's tensors and ranks instead of one
 //! `cuMemcpyDtoDAsync` each.
 
-use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, DeviceRepr, PushKernelArg};
 
 use super::driver;
 use super::function;
@@ -39,10 +39,6 @@ pub(super) struct Segments {
 // a u32 array: no padding), passed by value as a kernel parameter.
 unsafe impl DeviceRepr for Segments {}
 
-/// Threads per block, and the elements a thread copies at least before another block is
-/// added to a segment.
-const BLOCK: u32 = 256;
-const PER_THREAD: u64 = 8;
 /// At most this many blocks per segment (they stride over the rest).
 const MAX_BLOCKS_X: u64 = 512;
 
@@ -76,15 +72,8 @@ pub unsafe fn gather_copies(stream: &CudaStream, copies: &[GatherCopy]) -> Resul
             s.widen[i] = u32::from(c.widen);
         }
         let longest = batch.iter().map(|c| c.len as u64).max().unwrap_or(1);
-        let blocks = longest
-            .div_ceil(u64::from(BLOCK) * PER_THREAD)
-            .clamp(1, MAX_BLOCKS_X) as u32;
         let count = batch.len() as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, count, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = super::foreach::per_segment(longest, count, MAX_BLOCKS_X);
         let mut b = stream.launch_builder(&f);
         b.arg(&s).arg(&count);
         // SAFETY: (GatherSegments g, u32 count) with `count` ≤ GATHER_SEGMENTS segments filled;
