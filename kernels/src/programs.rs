@@ -29,11 +29,15 @@ pub enum Program {
     /// cross-entropy, embeddings, bias gradient and bias add, and the attention heads'
     /// permutations.
     Nn,
+    /// Fused causal attention on tensor cores (`mma.sync`, compute capability 8.0 or newer):
+    /// `flash_forward`, `flash_backward_dot`, `flash_backward_dkv` and `flash_backward_dq`,
+    /// each for bf16 and f16 operands.
+    Attention,
 }
 
 impl Program {
     /// Every program.
-    pub const ALL: [Program; 7] = [
+    pub const ALL: [Program; 8] = [
         Program::Cast,
         Program::Elementwise,
         Program::Reduce,
@@ -41,6 +45,7 @@ impl Program {
         Program::AnyPrecision,
         Program::Norm,
         Program::Nn,
+        Program::Attention,
     ];
 
     /// The program's name (its `.cu` file).
@@ -53,6 +58,7 @@ impl Program {
             Program::AnyPrecision => "any_precision.cu",
             Program::Norm => "norm.cu",
             Program::Nn => "nn.cu",
+            Program::Attention => "attention.cu",
         }
     }
 
@@ -66,6 +72,7 @@ impl Program {
             Program::AnyPrecision => include_str!("cu/any_precision.cu"),
             Program::Norm => include_str!("cu/norm.cu"),
             Program::Nn => include_str!("cu/nn.cu"),
+            Program::Attention => include_str!("cu/attention.cu"),
         };
         format!("{COMMON}\n{body}")
     }
@@ -156,6 +163,14 @@ impl Program {
                 "heads_merge_bf16",
                 "heads_merge_f16",
             ]),
+            Program::Attention => ["bf16", "f16"]
+                .iter()
+                .flat_map(|h| {
+                    ["forward", "backward_dot", "backward_dkv", "backward_dq"]
+                        .iter()
+                        .map(move |k| format!("flash_{k}_{h}"))
+                })
+                .collect(),
         }
     }
 }
@@ -166,6 +181,14 @@ impl Program {
     /// NVRTC from fusing anything else in every program.
     pub const fn explicit_fma(self) -> bool {
         matches!(self, Program::AnyPrecision)
+    }
+
+    /// Whether every kernel of the program equals its host twin bitwise: all but
+    /// [`Program::Attention`], whose tensor-core products sum in an order the hardware
+    /// chooses, and which takes the CUDA math library's `exp2f` and `log2f` (their
+    /// multiply-adds and approximations included) where its twins take Rust's.
+    pub const fn bitwise_twins(self) -> bool {
+        !matches!(self, Program::Attention)
     }
 }
 

@@ -27,6 +27,8 @@ fn meta_ops_count_what_the_host_twins_count() {
         (HostProducts::Bf16Operands, true, Attention::default()),
         (HostProducts::Bf16Operands, false, Attention::Materialized),
         (HostProducts::F16Operands, false, chunked),
+        (HostProducts::Bf16Operands, false, Attention::Fused),
+        (HostProducts::F16Operands, true, Attention::Fused),
     ];
     for (products, ckpt, attention) in modes {
         {

@@ -108,6 +108,8 @@ fn one_gpt_step_rounds_each_operand_once_per_run_of_products() {
     for (attention, logits, head, per_block) in [
         (Attention::Materialized, whole, 3, 23),
         (Attention::default(), Logits::default(), 3, 23),
+        // Fused: no probabilities or scores' gradient as operands, none rounded again.
+        (Attention::Fused, whole, 3, 20),
         // 4 (sequence, head) pairs, 2 a chunk.
         (
             Attention::Chunked {

@@ -1,13 +1,16 @@
 //! The blocks' causal self-attention, forward and backward, for [`GptPass`]: over every
 //! (sequence, head) at once with the probabilities kept for backward
-//! ([`Attention::Materialized`]), or over chunks of them with nothing of `t × t` kept
-//! ([`Attention::Chunked`]).
+//! ([`Attention::Materialized`]), over chunks of them with nothing of `t × t` kept
+//! ([`Attention::Chunked`]), or fused into tiles, nothing of `t × t` ever stored
+//! ([`Attention::Fused`]).
 
 use super::chunks::{chunk_items, parse_chunked, write_chunked};
 use super::ops::{Arg, GptOps};
 use super::pass::{GptPass, Step};
+use super::weights::invalid;
 use super::written::Written;
 use crate::gemm::MatMul;
+use crate::host::attention::FusedAttention;
 use crate::KernelError;
 
 /// How the blocks' attention holds its `t × t` scores and probabilities (each (sequence,
@@ -33,6 +36,13 @@ pub enum Attention {
         /// The most bytes of one chunk's scores.
         max_bytes: usize,
     },
+    /// Flash attention: each pair's scores, softmax and products fused into tiles
+    /// ([`GptOps::attention_fused_forward`]; on CUDA tensor cores, one kernel forward and
+    /// three backward), nothing of `t × t` stored. Forward keeps each row's log-sum-exp
+    /// (`rows·heads·t` f32 a block); backward computes the probabilities again tile by tile.
+    /// It reads 16-bit operands: bf16 or f16 products only; on CUDA heads of 64 values
+    /// (GPT-2's) and compute capability 8.0 or newer.
+    Fused,
 }
 
 impl Default for Attention {
@@ -47,26 +57,28 @@ impl Default for Attention {
 impl std::str::FromStr for Attention {
     type Err = String;
 
-    /// `chunked` ([`Attention::default`]), `chunked:N` (chunks of at most N MiB of scores) or
-    /// `materialized`.
+    /// `chunked` ([`Attention::default`]), `chunked:N` (chunks of at most N MiB of scores),
+    /// `materialized` or `fused`.
     fn from_str(s: &str) -> Result<Attention, String> {
         if let Some(max_bytes) = parse_chunked(s, Attention::CHUNK_BYTES) {
             return max_bytes.map(|max_bytes| Attention::Chunked { max_bytes });
         }
         match s {
             "materialized" => Ok(Attention::Materialized),
+            "fused" => Ok(Attention::Fused),
             _ => Err(format!(
-                "unknown attention {s:?} (expected chunked, chunked:MiB or materialized)"
+                "unknown attention {s:?} (expected chunked, chunked:MiB, materialized or fused)"
             )),
         }
     }
 }
 
 impl std::fmt::Display for Attention {
-    /// `materialized`, or `chunked (N MiB)` (bytes when not whole MiB).
+    /// `materialized`, `fused`, or `chunked (N MiB)` (bytes when not whole MiB).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Attention::Materialized => f.write_str("materialized"),
+            Attention::Fused => f.write_str("fused"),
             Attention::Chunked { max_bytes } => write_chunked(f, max_bytes),
         }
     }
@@ -77,10 +89,10 @@ impl Attention {
     pub const CHUNK_BYTES: usize = 64 << 20;
 
     /// The (sequence, head) pairs of one chunk for sequences of `t` tokens, out of `pairs`
-    /// (all of them when materialized).
+    /// (all of them when materialized or fused).
     pub fn chunk_pairs(&self, t: usize, pairs: usize) -> usize {
         match *self {
-            Attention::Materialized => pairs,
+            Attention::Materialized | Attention::Fused => pairs,
             Attention::Chunked { max_bytes } => chunk_items(max_bytes, t.saturating_mul(t), pairs),
         }
     }
@@ -89,11 +101,17 @@ impl Attention {
     pub fn keeps_probabilities(&self) -> bool {
         *self == Attention::Materialized
     }
+
+    /// Whether the attention reads 16-bit operands alone (bf16 or f16 products): fused.
+    pub fn needs_half_products(&self) -> bool {
+        *self == Attention::Fused
+    }
 }
 
 impl<O: GptOps> GptPass<O> {
     /// The causal attention of `q`, `k`, `v` (each `[pairs, t, hd]`) into `[pairs, t, hd]`,
-    /// and the probabilities when [`Attention::Materialized`] (kept for backward).
+    /// and what backward needs kept: the probabilities when [`Attention::Materialized`], the
+    /// rows' log-sum-exp when [`Attention::Fused`].
     pub(super) fn attention_forward(
         &self,
         s: Step,
@@ -103,6 +121,12 @@ impl<O: GptOps> GptPass<O> {
     ) -> Result<(O::Buf, Option<O::Buf>), KernelError> {
         let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
         let ne = s.n * self.dims.n_embd;
+        if self.attention == Attention::Fused {
+            let a = self.fused(s);
+            let (mut yh, mut lse) = (ops.empty(a.len())?, ops.empty(a.rows())?);
+            ops.attention_fused_forward(&a, [q, k, v], &mut yh, &mut lse)?;
+            return Ok((yh, Some(lse)));
+        }
         if self.attention.keeps_probabilities() {
             // Kept in f32 for backward; the product casts them into its kept copy, which
             // backward's `dv` product needs at this size anyway (a rounding written beside
@@ -134,20 +158,29 @@ impl<O: GptOps> GptPass<O> {
     }
 
     /// The gradients `[dq, dk, dv]` (each `[pairs, t, hd]`) from the heads' output gradient
-    /// `dyh` (consumed), with forward's probabilities `att` when materialized (else computed
-    /// again, chunk by chunk).
-    #[allow(clippy::too_many_arguments)]
+    /// `dyh` (consumed), with what forward kept, `att`: the probabilities when materialized
+    /// (else computed again, chunk by chunk), the rows' log-sum-exp when fused (which also
+    /// reads forward's output `y`, the projection's operand).
     pub(super) fn attention_backward(
         &self,
         s: Step,
-        q: &O::Operand,
-        k: &O::Operand,
-        v: &O::Operand,
+        [q, k, v, y]: [&O::Operand; 4],
         att: Option<&O::Buf>,
         dyh: O::Operand,
     ) -> Result<[O::Buf; 3], KernelError> {
         let (ops, hd, t) = (&self.ops, self.dims.head_dim(), s.t);
         let ne = s.n * self.dims.n_embd;
+        if self.attention == Attention::Fused {
+            let lse = att.ok_or_else(|| {
+                invalid("the fused attention's backward without forward's log-sum-exp".into())
+            })?;
+            let layout = self.heads(s, self.dims.n_embd, 0);
+            let a = FusedAttention::of(&layout, self.scale());
+            let (mut dq, mut dk, mut dv) = (ops.empty(ne)?, ops.empty(ne)?, ops.empty(ne)?);
+            let grads = [&mut dq, &mut dk, &mut dv];
+            ops.attention_fused_backward(&a, layout, [q, k, v, y, &dyh], lse, grads)?;
+            return Ok([dq, dk, dv]);
+        }
         if let Some(att) = att {
             let pairs = O::buf_len(att) / (t * t);
             let dp = self.dprobs(s, &dyh, v, 0, pairs)?;
@@ -262,6 +295,11 @@ impl<O: GptOps> GptPass<O> {
             t,
             scale: self.scale(),
         })
+    }
+
+    /// The fused attention of a step's heads.
+    fn fused(&self, s: Step) -> FusedAttention {
+        FusedAttention::of(&self.heads(s, self.dims.n_embd, 0), self.scale())
     }
 
     /// The scores' scale, `1/√head_dim`.

@@ -66,7 +66,7 @@ impl<O: GptOps> GptPass<O> {
     }
 
     /// The heads of `s` in rows of `row` elements from column `offset`.
-    fn heads(&self, s: Step, row: usize, offset: usize) -> HeadsLayout {
+    pub(super) fn heads(&self, s: Step, row: usize, offset: usize) -> HeadsLayout {
         HeadsLayout {
             b: s.rows,
             t: s.t,
@@ -172,8 +172,10 @@ impl<O: GptOps> GptPass<O> {
         // The heads' output gradient: read by the products dP = dYh·vᵀ and dv = Pᵀ·dYh alone.
         let dyh = ops.write_operand(Written::HeadsSplit(&dy, heads(e, 0)))?;
         drop(dy);
-        // dP = dYh·vᵀ, dv = Pᵀ·dYh, dS = scale·P⊙(dP − rowsum(P⊙dP)), dq = dS·k, dk = dSᵀ·q.
-        let [dq, dk, dv] = self.attention_backward(s, &a.q, &a.k, &a.v, a.att.as_ref(), dyh)?;
+        // dP = dYh·vᵀ, dv = Pᵀ·dYh, dS = scale·P⊙(dP − rowsum(P⊙dP)), dq = dS·k, dk = dSᵀ·q
+        // (fused: rowsum(P⊙dP) = rowsum(dYh⊙y), from the merged output y).
+        let [dq, dk, dv] =
+            self.attention_backward(s, [&a.q, &a.k, &a.v, &a.y], a.att.as_ref(), dyh)?;
         let mut dqkv = ops.empty(n * 3 * e)?;
         for (part, dh) in [dq, dk, dv].iter().enumerate() {
             ops.heads_merge(dh, heads(3 * e, part * e), &mut dqkv)?;

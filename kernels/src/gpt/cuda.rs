@@ -13,11 +13,13 @@ use super::cuda_memory::CudaMemory;
 use super::cuda_pool::hold_pool_memory;
 use super::cuda_products::{f32_arg, written_half, CudaOperand, Products};
 use super::cuda_step::{CudaMark, CudaScalars, CudaScalarsCopy, CudaStaging, PinnedPool};
+use super::fused_ops;
 use super::memory::{Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, DecidedTensor, GptOps};
 use super::products::Kept;
 use super::written::Written;
 use crate::gemm::{Blas, MatMul};
+use crate::host::attention::FusedAttention;
 use crate::host::nn::HeadsLayout;
 use crate::host::{
     AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, CastFloat, StepRule,
@@ -541,6 +543,27 @@ impl GptOps for CudaOps {
         rows: &mut CudaBuf,
     ) -> Result<(), KernelError> {
         launch::heads_merge(&self.cuda, heads, layout, rows)
+    }
+
+    fn attention_fused_forward(
+        &self,
+        a: &FusedAttention,
+        qkv: [&CudaOperand; 3],
+        y: &mut CudaBuf,
+        lse: &mut CudaBuf,
+    ) -> Result<(), KernelError> {
+        fused_ops::cuda_forward(self, a, qkv, y, lse)
+    }
+
+    fn attention_fused_backward(
+        &self,
+        a: &FusedAttention,
+        layout: HeadsLayout,
+        ins: [&CudaOperand; 5],
+        lse: &CudaBuf,
+        grads: [&mut CudaBuf; 3],
+    ) -> Result<(), KernelError> {
+        fused_ops::cuda_backward(self, a, layout, ins, lse, grads)
     }
 
     fn adamw(

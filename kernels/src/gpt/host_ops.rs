@@ -3,11 +3,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::fused_ops;
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
 use super::products::{gemm_f32, gemm_f64_rounded, round_into, rounded_to, HostProducts, Kept};
 use super::written::{self, Written};
 use crate::gemm::MatMul;
+use crate::host::attention::FusedAttention;
 use crate::host::nn::{self, HeadsLayout};
 use crate::host::{
     self, same_len, scaled_seed, AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice,
@@ -494,6 +496,27 @@ impl GptOps for HostOps {
         rows: &mut HostBuf,
     ) -> Result<(), KernelError> {
         nn::heads_merge(heads, layout, rows)
+    }
+
+    fn attention_fused_forward(
+        &self,
+        a: &FusedAttention,
+        qkv: [&HostOperand; 3],
+        y: &mut HostBuf,
+        lse: &mut HostBuf,
+    ) -> Result<(), KernelError> {
+        fused_ops::host_forward(self, a, qkv, y, lse)
+    }
+
+    fn attention_fused_backward(
+        &self,
+        a: &FusedAttention,
+        layout: HeadsLayout,
+        ins: [&HostOperand; 5],
+        lse: &HostBuf,
+        grads: [&mut HostBuf; 3],
+    ) -> Result<(), KernelError> {
+        fused_ops::host_backward(self, a, layout, ins, lse, grads)
     }
 
     fn adamw(

@@ -19,6 +19,7 @@ use super::products::HostProducts;
 use super::products::Kept;
 use super::written::Written;
 use crate::gemm::MatMul;
+use crate::host::attention::FusedAttention;
 use crate::host::nn::HeadsLayout;
 use crate::host::{
     AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, ReduceKind, StepRule,
@@ -495,6 +496,27 @@ impl GptOps for MetaOps {
         rows: &mut MetaCounted,
     ) -> Result<(), KernelError> {
         write(&mut [rows]);
+        Ok(())
+    }
+    fn attention_fused_forward(
+        &self,
+        _: &FusedAttention,
+        _: [&MetaCounted; 3],
+        y: &mut MetaCounted,
+        lse: &mut MetaCounted,
+    ) -> Result<(), KernelError> {
+        write(&mut [y, lse]);
+        Ok(())
+    }
+    fn attention_fused_backward(
+        &self,
+        _: &FusedAttention,
+        _: HeadsLayout,
+        _: [&MetaCounted; 5],
+        _: &MetaCounted,
+        [dq, dk, dv]: [&mut MetaCounted; 3],
+    ) -> Result<(), KernelError> {
+        write(&mut [dq, dk, dv]);
         Ok(())
     }
 }

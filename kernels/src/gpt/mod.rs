@@ -33,6 +33,7 @@ mod cuda_memory;
 mod cuda_pool;
 mod cuda_products;
 mod cuda_step;
+mod fused_ops;
 mod head;
 mod host_ops;
 mod memory;

@@ -6,6 +6,7 @@ pub(super) use super::ops_args::{loss_rows, scalar_slots};
 pub use super::ops_args::{Arg, DecidedTensor};
 use super::written::Written;
 use crate::gemm::MatMul;
+use crate::host::attention::FusedAttention;
 use crate::host::nn::HeadsLayout;
 use crate::host::{AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule};
 use crate::KernelError;
@@ -623,5 +624,36 @@ pub trait GptOps {
         heads: &Self::Buf,
         layout: HeadsLayout,
         rows: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// Fused causal attention's forward
+    /// ([`host::attention::flash_forward`](crate::host::attention::flash_forward)): writes
+    /// `y` (`[pairs, t, d]`) and `lse` (`[pairs·t]`, kept for backward) from the operands
+    /// `qkv = [q, k, v]`, which must be bf16 or f16 (16-bit products).
+    ///
+    /// # Errors
+    /// Shape errors; f32 operands; on CUDA what its kernels do not take
+    /// ([`launch::flash_forward`](crate::launch::flash_forward)); launch failures.
+    fn attention_fused_forward(
+        &self,
+        a: &FusedAttention,
+        qkv: [&Self::Operand; 3],
+        y: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<(), KernelError>;
+    /// Fused causal attention's backward
+    /// ([`host::attention::flash_backward`](crate::host::attention::flash_backward)): writes
+    /// `grads = [dq, dk, dv]` from `ins = [q, k, v, y, dout]`: the heads' output gradient
+    /// `dout` (an operand `[pairs, t, d]`), forward's output `y` as the projection's operand
+    /// (token rows as `layout` places the heads), and from forward's `lse`.
+    ///
+    /// # Errors
+    /// As [`attention_fused_forward`](GptOps::attention_fused_forward).
+    fn attention_fused_backward(
+        &self,
+        a: &FusedAttention,
+        layout: HeadsLayout,
+        ins: [&Self::Operand; 5],
+        lse: &Self::Buf,
+        grads: [&mut Self::Buf; 3],
     ) -> Result<(), KernelError>;
 }

@@ -64,7 +64,8 @@ pub(super) struct BlockActs<O: GptOps> {
     pub(super) q: O::Operand,
     pub(super) k: O::Operand,
     pub(super) v: O::Operand,
-    /// The probabilities, when [`Attention::Materialized`].
+    /// The probabilities when [`Attention::Materialized`]; the rows' log-sum-exp when
+    /// [`Attention::Fused`].
     pub(super) att: Option<O::Buf>,
     pub(super) y: O::Operand,
     pub(super) x2: O::Buf,

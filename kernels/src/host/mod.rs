@@ -3,6 +3,7 @@
 //! an addition or product the canonical `0x7fffffff`).
 
 mod any_precision;
+pub mod attention;
 mod convert;
 pub mod nn;
 mod nn_heads;
