@@ -219,16 +219,19 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch
     let nv = prod(&[ch.tokens, v]);
     // The attention's matrices: every (sequence, head) pair's when materialized (kept), one
     // chunk's (the first, the largest) when chunked.
+    let fused = c.attention == Attention::Fused;
     let a = Attn {
         kept: c.attention.keeps_probabilities(),
-        t2: prod(&[ch.pairs, t, t]),
+        t2: if fused { 0 } else { prod(&[ch.pairs, t, t]) },
+        lse: if fused { prod(&[ch.pairs, t]) } else { 0 },
     };
     use Kind::{Ids, Tape, Work};
     // Saved per block, in bytes: its input, x2 and c_fc's output (f32), ln_1's and ln_2's mean
-    // and rstd, P when kept; h1, q, k, v, y, h2 and gelu's output (10 n × e) as operands.
+    // and rstd, P when kept, the rows' log-sum-exp when fused; h1, q, k, v, y, h2 and gelu's
+    // output (10 n × e) as operands.
     // Each block's forward adds that (its output is the next one's input) and frees its
     // working buffers.
-    let saved = (6 * ne + 4 * n + if a.kept { a.t2 } else { 0 })
+    let saved = (6 * ne + 4 * n + if a.kept { a.t2 } else { a.lse })
         .saturating_mul(F32)
         .saturating_add((10 * ne).saturating_mul(opb));
     let layers = c.cfg.n_layer;
@@ -300,11 +303,20 @@ fn replay_step(r: &mut Replay, c: &DeviceTrainConfig, rows: usize, opb: u128, ch
 }
 
 /// The attention's `t × t` matrices: whether forward keeps the probabilities, and the
-/// elements of one set (every pair's when kept, else the largest chunk's).
+/// elements of one set (every pair's when kept, else the largest chunk's; none when fused);
+/// and the elements of the rows' log-sum-exp that the fused form keeps instead (none
+/// otherwise).
 #[derive(Clone, Copy)]
 struct Attn {
     kept: bool,
     t2: u128,
+    lse: u128,
+}
+
+impl Attn {
+    fn fused(&self) -> bool {
+        self.lse > 0
+    }
 }
 
 impl Attn {
@@ -339,6 +351,10 @@ fn block_forward(r: &mut Replay, ne: u128, n: u128, a: Attn, opb: u128, out: Kin
         r.alloc(Tape, a.t2, "probabilities");
         r.free(Work, a.t2);
         r.alloc(Work, ne, "heads' outputs");
+    } else if a.fused() {
+        // One kernel: the heads' outputs and the rows' log-sum-exp (kept for backward).
+        r.alloc(Work, ne, "heads' outputs");
+        r.alloc(Tape, a.lse, "the rows' log-sum-exp");
     } else {
         // The first chunk's scores and probabilities (the largest; the probabilities written
         // as the product's operand), the scores freed before the product, the probabilities
@@ -373,6 +389,10 @@ fn attention_backward(r: &mut Replay, ne: u128, a: Attn, opb: u128) {
         r.free(Work, a.t2);
         r.alloc(Work, 2 * ne, "q's and k's gradients");
         r.free_bytes(Work, ds);
+    } else if a.fused() {
+        // Three kernels; their rows' sums are scratch (the driver's pool, not counted).
+        r.alloc(Work, 3 * ne, "q's, k's and v's gradients");
+        r.free_bytes(Work, dyh);
     } else {
         r.alloc(Work, 3 * ne, "q's, k's and v's gradients");
         // The first chunk: its scores and probabilities again (the scores freed), the

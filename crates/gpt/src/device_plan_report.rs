@@ -4,7 +4,7 @@
 use std::fmt;
 
 use fsdp_device::DType;
-use fsdp_kernels::gpt::Logits;
+use fsdp_kernels::gpt::{Attention, Logits};
 
 use super::DeviceMemoryPlan;
 
@@ -75,7 +75,13 @@ impl fmt::Display for DeviceMemoryPlan {
             ),
         ];
         let t = self.tokens_per_row;
-        let attention = if self.attention.keeps_probabilities() {
+        let attention = if self.attention == Attention::Fused {
+            format!(
+                "attention: fused, no {t} × {t} matrix; each block's {} × {t} rows' \
+                 log-sum-exp kept for backward",
+                self.attention_pairs
+            )
+        } else if self.attention.keeps_probabilities() {
             format!(
                 "attention: materialized, each block's {} × {t} × {t} probabilities kept for \
                  backward",

@@ -360,10 +360,56 @@ fn host_twin_bf16_products_track_the_f32_run() {
 /// measured peak, exactly; with f32 products and one micro-batch, and with bf16 products, two
 /// micro-batches and clipping. And `fsdp plan --device cuda` refuses other worlds with
 /// `fsdp train`'s line.
+/// `--attention fused` (flash attention's algorithm on the host twins of its kernels) against
+/// the default chunked attention, both with bf16 products: the two round the probabilities
+/// and the scores' gradient to bf16 at different points (2⁻⁹ relative each), which moves a
+/// loss far less than the products' own rounding does against f32 (bounded by 1e-2 in
+/// `host_twin_bf16_products_track_the_f32_run`): 20 steps within 1e-2 relative, some step
+/// different (else the option would be ignored), the loss falling; two ranks as threads
+/// (`FULL_SHARD`) within 1e-4 of one. f32 products are refused by name.
+#[test]
+fn host_twin_fused_attention_tracks_the_chunked_run() {
+    let dir = scratch("device_cli", "fused_attention");
+    let base = ["--batch-size", "8", "--steps", "20"];
+    let run = |name: &str, extra: &[&str]| {
+        let log = dir.join(format!("{name}.csv"));
+        let mut a = small_train_args(&base, extra);
+        a.extend(["--device", "host-twin", "--loss-log", s(&log)]);
+        let out = ok(
+            &fsdp(&a),
+            &format!("fsdp train --device host-twin {extra:?}"),
+        );
+        (log_losses(&log), out)
+    };
+    let (chunked, _) = run("chunked", &[]);
+    let (fused, out) = run("fused", &["--attention", "fused"]);
+    assert!(out.contains("attention: fused"), "{out}");
+    let rel = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (b - a).abs() / a.abs())
+            .fold(0.0, f64::max)
+    };
+    let max = rel(&chunked, &fused);
+    println!("fused attention: max relative loss difference {max:.2e} over 20 steps");
+    assert!(max <= 1e-2 && max > 0.0, "{chunked:?}\n{fused:?}");
+    assert!(fused[19] < fused[0] - 0.1, "the loss must fall: {fused:?}");
+    let (two, _) = run("two", &["--attention", "fused", "--ranks", "2"]);
+    let max2 = rel(&fused, &two);
+    println!("fused attention, 2 ranks against 1: {max2:.2e}");
+    assert!(max2 <= 1e-4, "{fused:?}\n{two:?}");
+    let mut f32_run = small_train_args(&["--steps", "2", "--device", "host-twin"], &[]);
+    f32_run.extend(["--attention", "fused", "--param-dtype", "f32"]);
+    one_error_status_1(
+        &fsdp(&f32_run),
+        &["--attention fused", "bf16 or f16", "not f32"],
+    );
+}
+
 #[test]
 fn device_plan_predicts_the_peak_the_run_logs() {
     let dir = scratch("device_cli", "device_plan");
-    let cases: [&[&str]; 5] = [
+    let cases: [&[&str]; 6] = [
         &[],
         &[
             "--param-dtype",
@@ -376,6 +422,7 @@ fn device_plan_predicts_the_peak_the_run_logs() {
         &["--activation-checkpointing"],
         &["--attention", "materialized"],
         &["--logits", "whole"],
+        &["--attention", "fused"],
     ];
     let mut losses = Vec::new();
     for (i, extra) in cases.into_iter().enumerate() {

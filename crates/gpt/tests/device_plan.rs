@@ -148,9 +148,14 @@ fn check_products(
     let rows = (c.batch_size / c.grad_accum) as u64;
     let n = rows * t;
     // The attention's t × t matrices: every (sequence, head) pair's probabilities kept when
-    // materialized (none kept when chunked).
+    // materialized (none kept when chunked or fused); fused keeps each row's log-sum-exp.
     let kept = if c.attention.keeps_probabilities() {
         rows * h * t * t
+    } else {
+        0
+    };
+    let lse = if c.attention == Attention::Fused {
+        rows * h * t
     } else {
         0
     };
@@ -163,7 +168,7 @@ fn check_products(
     let per_block = if c.activation_checkpointing {
         4 * n * e
     } else {
-        4 * (6 * n * e + 4 * n + kept) + opb * 10 * n * e
+        4 * (6 * n * e + 4 * n + kept + lse) + opb * 10 * n * e
     };
     let tape = l * per_block + 4 * (n * e + 2 * n) + opb * n * e;
     assert_eq!(plan.tape, tape, "{name}");
@@ -238,6 +243,19 @@ fn predicted_peak_for_each_attention_and_logits_equals_the_host_twins() {
                     "{what}: {plan}\n{materialized}"
                 );
             }
+        }
+        if bf16 {
+            // Fused: no t × t matrix, each block's log-sum-exp kept instead.
+            let fused = DeviceTrainConfig {
+                attention: Attention::Fused,
+                ..base
+            };
+            let plan = check(&format!("{what}, fused"), &fused, bf16);
+            assert!(
+                plan.peak < materialized.peak,
+                "{what}: {plan}\n{materialized}"
+            );
+            assert!(plan.to_string().contains("attention: fused"), "{plan}");
         }
         assert_eq!(plan_memory(&kept, products).unwrap(), materialized);
         // The logits whole, and in chunks of 50 tokens (of 256): the chunks hold less.

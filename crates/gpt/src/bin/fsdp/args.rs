@@ -167,7 +167,10 @@ pub(crate) struct ModelArgs {
     /// `chunked` (the default: 64 MiB of (sequence, head) pairs at a time, computed again in
     /// backward instead of kept, as flash attention does; `chunked:N` for N MiB) or
     /// `materialized` (every pair's probabilities kept from forward for backward: more memory,
-    /// no recomputation). The same losses either way on the host twins, bitwise.
+    /// no recomputation) — the same losses either way on the host twins, bitwise — or `fused`
+    /// (flash attention on tensor cores: no T × T matrix at all, each row's log-sum-exp kept;
+    /// bf16 or f16 products only, on CUDA heads of 64 values; within 16-bit rounding of the
+    /// others).
     #[arg(long)]
     pub(crate) attention: Option<Attention>,
     /// With --device: how the head holds its tokens × vocabulary logits: `chunked` (the

@@ -18,7 +18,7 @@ use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_sharded_allocator, Alloca
 use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Products};
+use fsdp_kernels::gpt::{Attention, CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Products};
 
 use crate::args::{DeviceArg, ModelArgs, TrainArgs};
 use crate::checkpointing::Checkpointer;
@@ -119,6 +119,12 @@ pub(crate) fn check_device_world_and_dtypes(
                 }
             )));
         }
+    }
+    if model.attention == Some(Attention::Fused) && model.param_dtype == DType::F32 {
+        return Err(fail(format!(
+            "--device {dev}: --attention fused reads bf16 or f16 operands (tensor cores): it \
+             takes --param-dtype bf16 (the device's default) or f16, not f32"
+        )));
     }
     Ok(world)
 }

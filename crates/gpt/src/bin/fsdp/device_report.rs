@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use fsdp::human_bytes;
 use fsdp_gpt::device_train::{DeviceTrainConfig, Reported};
+use fsdp_kernels::gpt::Attention;
 
 use crate::args::TrainArgs;
 use crate::device_cmd::Run;
@@ -140,7 +141,9 @@ pub(crate) fn say_layers(dtype: fsdp_device::DType, config: &DeviceTrainConfig) 
              activations only products read are kept in {h})"
         );
     }
-    let attention = if config.attention.keeps_probabilities() {
+    let attention = if config.attention == Attention::Fused {
+        "fused, the probabilities computed again in backward tile by tile".to_string()
+    } else if config.attention.keeps_probabilities() {
         "materialized, the probabilities kept for backward".to_string()
     } else {
         format!(
