@@ -17,6 +17,7 @@ targets=(
     "fsdp-device|cuda|test|cuda_buffers|stream-ordered device buffers: round trips, 256 MiB upload vs read race, deferred free"
     "fsdp-kernels||test|gpu|every kernel against its host twin"
     "fsdp-kernels||test|gpu_nn|the GPT layer kernels (layer norm, GELU, softmax, cross-entropy, embeddings, bias grad, bias add, heads split/merge) bitwise vs their twins"
+    "fsdp-kernels||test|gpu_attention|fused attention (flash attention on tensor cores, bf16 and f16) forward and backward vs the host twins within 16-bit rounding; a GPT step with Attention::Fused on CUDA vs its twin"
     "fsdp-kernels||test|gpu_gemm|cuBLAS products (Linear forward/backward, attention) vs the f64 definition"
     "fsdp-kernels||test|gpu_gpt|the GPT step (loss, every gradient) on CUDA (kernels + cuBLAS) vs the same code on the host twins; the device trainer's AdamW, sum of squares and scale bitwise; the caching allocator vs the driver's pool bitwise, steady steps served from the cache"
     "fsdp-kernels||test|gpu_step|the end of a step decided on the device (loss_accumulate, step_decide, adamw_decided_f32) bitwise vs their twins; copy_scalars reads the point of the copy"

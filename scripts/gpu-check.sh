@@ -149,6 +149,14 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --attention materialized --logits whole"
     cat "$log"
+    # Fused attention (flash attention on tensor cores): no t × t matrix, one forward and
+    # three backward kernels a block instead of batched products and softmaxes.
+    log="$report/gpt_device_bench_fused.log"
+    device_bench "$log" --model 124m,350m --attention fused
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench --attention fused"
+    cat "$log"
     # Larger attention chunks (fewer, larger products and softmaxes; more memory): where
     # between the default's 64 MiB and materialized the step time goes.
     for mib in 256 1024; do
@@ -266,6 +274,11 @@ for r in range(1, rounds + 1):
         if ratio:
             ratios[model].append(ratio)
         print(f"| {r} | {model} | {ours} | {torch} | {ratio and round(ratio, 3)} |")
+        if r == 1:
+            fused = ms(f"{report}/gpt_device_bench_fused.log",
+                       rf"RESULT gpt-device-bench {model} bf16 attention fused[^:]*: median step ([0-9.]+) ms")
+            fr = fused / torch if fused and torch else None
+            print(f"| {r} | {model}, --attention fused | {fused} | {torch} | {fr and round(fr, 3)} |")
 for model, rs in ratios.items():
     if rs:
         print(f"\nRESULT gate {model}: median ratio {statistics.median(rs):.3f} over {len(rs)} rounds")

@@ -198,6 +198,13 @@ fn the_benchmark_times_two_ranks_against_one() {
         text.contains("rank 0's collectives a step: all-gathered"),
         "{text}"
     );
+    // The fused attention (16-bit products) at one rank and at two.
+    let text = bench_with("2", "bf16", &["--attention", "fused"]);
+    assert!(
+        text.contains("RESULT gpt-device-bench tiny bf16 attention fused"),
+        "{text}"
+    );
+    assert!(text.contains("2 ranks as threads"), "{text}");
     // AnyPrecisionAdamW: the RESULT lines name it, and with bf16 products (pure bf16) the
     // ranks gather in bf16: half the bytes of AdamW's f32 gathers.
     let gathered = |text: &str| -> String {

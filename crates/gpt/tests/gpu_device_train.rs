@@ -173,6 +173,52 @@ fn device_cuda_f16_products_track_their_twin() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--attention fused` (flash attention on tensor cores; heads of 64 values: the small model
+/// with one head) against the host twins' fused run, held as the f16 products are above: to
+/// twice the twins' own distance between the fused bf16 run and the f32 run over 20 steps.
+#[test]
+fn device_cuda_fused_attention_tracks_its_twin() {
+    if !gpu("device_cuda_fused_attention_tracks_its_twin") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-fused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut model: Vec<&str> = SMALL_GPU_MODEL.to_vec();
+    let heads = model.iter().position(|&a| a == "--n-head").unwrap() + 1;
+    model[heads] = "1";
+    let go = |device: &str, more: &[&str], name: &str| {
+        let log = dir.join(name);
+        let mut a: Vec<String> = ["train"]
+            .iter()
+            .chain(model.iter())
+            .chain(["--steps", "20", "--device", device].iter())
+            .chain(more)
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--loss-log".to_string(), log.display().to_string()]);
+        let out = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        (losses(&log), out)
+    };
+    let fused = ["--param-dtype", "bf16", "--attention", "fused"];
+    let (cuda, out) = go("cuda", &fused, "cuda.csv");
+    assert!(out.contains("attention: fused"), "{out}");
+    let (twin, _) = go("host-twin", &fused, "twin.csv");
+    let (twin32, _) = go("host-twin", &["--param-dtype", "f32"], "twin32.csv");
+    let apart = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs())
+            .fold(0.0, f64::max)
+    };
+    let (d, scale) = (apart(&cuda, &twin), apart(&twin, &twin32));
+    println!("fused attention: cuda vs twin {d:.2e}, twin fused bf16 vs f32 {scale:.2e}");
+    assert!(
+        d <= 2.0 * scale,
+        "cuda vs twin {d:e}, twin bf16 vs f32 {scale:e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The number after `prefix` in `text` (up to the next space).
 fn number_after(text: &str, prefix: &str) -> u64 {
     let at = text
@@ -212,6 +258,7 @@ fn device_cuda_peak_memory_is_the_plans() {
         &["--param-dtype", "bf16", "--cpu-offload"][..],
         &["--param-dtype", "bf16", "--activation-checkpointing"][..],
         &["--param-dtype", "f16"][..],
+        &["--param-dtype", "bf16", "--attention", "fused"][..],
     ]
     .into_iter()
     .enumerate()

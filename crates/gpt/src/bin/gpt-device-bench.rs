@@ -84,7 +84,8 @@ struct Args {
     #[arg(long)]
     activation_checkpointing: bool,
     /// The attention's T × T matrices: `chunked` (computed again in backward; `chunked:N` in
-    /// chunks of N MiB) or `materialized` (kept from forward).
+    /// chunks of N MiB), `materialized` (kept from forward) or `fused` (flash attention on
+    /// tensor cores: none at all; 16-bit products).
     #[arg(long, default_value = "chunked")]
     attention: Attention,
     /// The head's logits: `chunked` (a chunk of tokens at a time; `chunked:N` of N MiB) or
