@@ -10,13 +10,16 @@ mod common;
 use fsdp_kernels::gpt::{Attention, DeviceGpt, GptOps, HostOps, HostProducts};
 
 /// The loss, every gradient, and the step's counted peak.
+type Stepped = (f32, Vec<(String, Vec<f32>)>, u64);
+
+/// One step of the case's model with `attention`: [`Stepped`], or the error's text.
 fn step(
     products: HostProducts,
     attention: Attention,
     ckpt: bool,
     cfg: &fsdp_gpt::model::GptConfig,
     rows: usize,
-) -> Result<(f32, Vec<(String, Vec<f32>)>, u64), String> {
+) -> Result<Stepped, String> {
     let dims = common::dims(cfg);
     let t = cfg.block_size;
     let ops = HostOps::with_products(products);

@@ -78,9 +78,7 @@ pub(super) fn host_backward(
 }
 
 /// The operands as `H`, if every one is of that type.
-fn as_half<'a, H: HalfType, const N: usize>(
-    ops: [&'a CudaOperand; N],
-) -> Option<[&'a CudaSlice<H>; N]> {
+fn as_half<H: HalfType, const N: usize>(ops: [&CudaOperand; N]) -> Option<[&CudaSlice<H>; N]> {
     let mut out = Vec::with_capacity(N);
     for o in ops {
         out.push(H::of(o)?);
