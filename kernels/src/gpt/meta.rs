@@ -1,5 +1,5 @@
-//! [`MetaOps`]: [`GptOps`] (and [`PeerOps`]) that allocate and count every buffer as the host
-//! twins and `CudaOps` do, and compute nothing — PyTorch's meta device for the GPT's step. A
+//! [`MetaOps`]: [`GptOps`] (and [`PeerOps`](super::PeerOps), in `meta_peer.rs`) that
+//! allocate and count every buffer as the host twins and `CudaOps` do, and compute nothing — PyTorch's meta device for the GPT's step. A
 //! pass or a trainer run over them makes exactly the allocations and frees, in the same order,
 //! that the real operations make, so their counted peak is the real run's: the memory plan of
 //! configurations too varied to replay by hand (sharded training), at no cost.
@@ -13,23 +13,19 @@ use std::sync::{Arc, Mutex};
 
 use super::memory::{bytes_of, Counted, MemoryCounter, MemoryEvent, MemoryUse};
 use super::ops::{loss_rows, Arg, GptOps};
-use super::peer::{PeerOps, PeerPtr};
-use super::peer_half::check_cast;
 use super::products::HostProducts;
 use super::products::Kept;
 use super::written::Written;
 use crate::gemm::MatMul;
 use crate::host::attention::FusedAttention;
 use crate::host::nn::HeadsLayout;
-use crate::host::{
-    AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, ReduceKind, StepRule,
-};
+use crate::host::{AdamWChoice, AdamWScalars, AnyPrecision, AnyPrecisionChoice, StepRule};
 use crate::KernelError;
 
 /// A buffer of [`MetaOps`]: its length only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MetaBuf {
-    len: usize,
+    pub(super) len: usize,
 }
 
 /// A counted [`MetaBuf`].
@@ -66,7 +62,7 @@ impl MetaOps {
         &self.memory
     }
 
-    fn counted(&self, len: usize, elem_bytes: fn(usize) -> u64) -> MetaCounted {
+    pub(super) fn counted(&self, len: usize, elem_bytes: fn(usize) -> u64) -> MetaCounted {
         Counted::new(MetaBuf { len }, elem_bytes(len), &self.memory)
     }
 
@@ -85,7 +81,7 @@ impl MetaOps {
 }
 
 /// Marks `bufs` written (a real write renews a buffer's version).
-fn write(bufs: &mut [&mut MetaCounted]) {
+pub(super) fn write(bufs: &mut [&mut MetaCounted]) {
     for b in bufs {
         let _: &mut MetaBuf = b;
     }
@@ -517,106 +513,6 @@ impl GptOps for MetaOps {
         [dq, dk, dv]: [&mut MetaCounted; 3],
     ) -> Result<(), KernelError> {
         write(&mut [dq, dk, dv]);
-        Ok(())
-    }
-}
-
-impl PeerOps for MetaOps {
-    type Event = ();
-    type Half = MetaCounted;
-
-    fn half(&self, len: usize) -> Result<MetaCounted, KernelError> {
-        Ok(self.counted(len, bytes_of::<half::bf16>))
-    }
-    fn half_ptr(&self, half: &MetaCounted) -> PeerPtr {
-        PeerPtr {
-            addr: 0,
-            len: half.len,
-        }
-    }
-    unsafe fn cast_to_bf16_ptr(
-        &self,
-        src: &MetaCounted,
-        src_offset: usize,
-        dst: PeerPtr,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<(), KernelError> {
-        check_cast("source", src_offset, len, src.len)?;
-        check_cast("destination", dst_offset, len, dst.len)
-    }
-    unsafe fn widen_bf16_ptr(
-        &self,
-        _: PeerPtr,
-        _: usize,
-        dst: &mut MetaCounted,
-        _: usize,
-        _: usize,
-    ) -> Result<(), KernelError> {
-        write(&mut [dst]);
-        Ok(())
-    }
-    unsafe fn reduce_bf16_from_peers(
-        &self,
-        _: ReduceKind,
-        _: &[(PeerPtr, usize)],
-        dst: &mut MetaCounted,
-        _: usize,
-        _: usize,
-    ) -> Result<(), KernelError> {
-        write(&mut [dst]);
-        Ok(())
-    }
-
-    fn peer_ptr(&self, buf: &MetaCounted) -> PeerPtr {
-        PeerPtr {
-            addr: 0,
-            len: buf.len,
-        }
-    }
-    fn scalars_ptr(&self, scalars: &Counted<Vec<f64>>) -> PeerPtr {
-        PeerPtr {
-            addr: 0,
-            len: scalars.len(),
-        }
-    }
-    fn record_event(&self) -> Result<(), KernelError> {
-        Ok(())
-    }
-    fn wait_event(&self, _: &()) -> Result<(), KernelError> {
-        Ok(())
-    }
-    unsafe fn copy_from_peer(
-        &self,
-        _: PeerPtr,
-        _: usize,
-        dst: &mut MetaCounted,
-        _: usize,
-        _: usize,
-    ) -> Result<(), KernelError> {
-        write(&mut [dst]);
-        Ok(())
-    }
-    unsafe fn reduce_from_peers(
-        &self,
-        _: ReduceKind,
-        _: &[(PeerPtr, usize)],
-        dst: &mut MetaCounted,
-        _: usize,
-        _: usize,
-    ) -> Result<(), KernelError> {
-        write(&mut [dst]);
-        Ok(())
-    }
-    unsafe fn reduce_scalars_from_peers(
-        &self,
-        _: ReduceKind,
-        _: &[(PeerPtr, usize)],
-        dst: &mut Counted<Vec<f64>>,
-        _: usize,
-        _: usize,
-    ) -> Result<(), KernelError> {
-        let _: &mut Vec<f64> = dst;
         Ok(())
     }
 }
