@@ -31,7 +31,7 @@ pub enum Program {
     Nn,
     /// Fused causal attention on tensor cores (`mma.sync`, compute capability 8.0 or newer):
     /// `flash_forward`, `flash_backward_dot`, `flash_backward_dkv` and `flash_backward_dq`,
-    /// each for bf16 and f16 operands.
+    /// each for bf16 and f16 operands and heads of 32 and 64 values.
     Attention,
 }
 
@@ -163,7 +163,7 @@ impl Program {
                 "heads_merge_bf16",
                 "heads_merge_f16",
             ]),
-            Program::Attention => ["bf16", "f16"]
+            Program::Attention => ["bf16_d32", "f16_d32", "bf16_d64", "f16_d64"]
                 .iter()
                 .flat_map(|h| {
                     ["forward", "backward_dot", "backward_dkv", "backward_dq"]

@@ -8,7 +8,8 @@
 //! f16), so outputs and gradients are held within 4 such units of their largest value (the
 //! sums mix signs and many terms, so most errors cancel), `lse` within 1e-5 relative (f32
 //! sums of exponentials). Shapes: one token, `t` not a multiple of the 64-row tile, several
-//! tiles and pairs, GPT-2's 1024 tokens, and sharp scores that move the running maximum.
+//! tiles and pairs, GPT-2's 1024 tokens, and sharp scores that move the running maximum;
+//! heads of 64 and of 32 values.
 //! Without a GPU each test prints `skipped: no GPU (<reason>)` and passes.
 
 mod common;
@@ -101,19 +102,21 @@ fn compare<H: CastFloat>(s: &Arc<CudaStream>, a: FusedAttention, sharp: f32) -> 
 }
 
 fn shapes() -> Vec<(FusedAttention, f32)> {
-    let a = |pairs, t| FusedAttention {
+    let a = |pairs, t, d: usize| FusedAttention {
         pairs,
         t,
-        d: 64,
-        scale: 0.125,
+        d,
+        scale: 1.0 / (d as f32).sqrt(),
     };
     vec![
-        (a(1, 1), 1.0),
-        (a(3, 37), 1.0),
-        (a(2, 64), 1.0),
-        (a(2, 130), 1.0),
-        (a(4, 200), 8.0),
-        (a(12, 1024), 1.0),
+        (a(1, 1, 64), 1.0),
+        (a(3, 37, 64), 1.0),
+        (a(2, 64, 64), 1.0),
+        (a(2, 130, 64), 1.0),
+        (a(4, 200, 64), 8.0),
+        (a(12, 1024, 64), 1.0),
+        (a(3, 37, 32), 1.0),
+        (a(2, 150, 32), 8.0),
     ]
 }
 
@@ -124,8 +127,8 @@ fn each_shape<H: CastFloat>(test: &str, unit: f64) {
     for (a, sharp) in shapes() {
         let e = compare::<H>(&s, a, sharp);
         println!(
-            "{test}: pairs {} t {} sharp {sharp}: y {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}",
-            a.pairs, a.t, e[0], e[1], e[2], e[3]
+            "{test}: pairs {} t {} d {} sharp {sharp}: y {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}",
+            a.pairs, a.t, a.d, e[0], e[1], e[2], e[3]
         );
         for (what, e) in ["y", "dq", "dk", "dv"].iter().zip(e) {
             assert!(e <= 4.0 * unit, "{a:?}, sharp {sharp}: {what} {e:e}");
@@ -157,7 +160,7 @@ fn what_the_kernels_do_not_take_is_refused_by_name() {
     let a = FusedAttention {
         pairs: 2,
         t: 8,
-        d: 32,
+        d: 48,
         scale: 0.1,
     };
     let x: CudaSlice<bf16> = up(&s, &vec![bf16::ZERO; a.len()]);
@@ -167,7 +170,7 @@ fn what_the_kernels_do_not_take_is_refused_by_name() {
     );
     let err = launch::flash_forward::<bf16>(&s, &a, &x, &x, &x, &mut y, &mut lse).unwrap_err();
     assert!(
-        err.to_string().contains("heads of 64 values, not 32"),
+        err.to_string().contains("heads of 32 or 64 values, not 48"),
         "{err}"
     );
     let a = FusedAttention { d: 64, ..a };

@@ -40,7 +40,7 @@ pub enum Attention {
     /// ([`GptOps::attention_fused_forward`]; on CUDA tensor cores, one kernel forward and
     /// three backward), nothing of `t × t` stored. Forward keeps each row's log-sum-exp
     /// (`rows·heads·t` f32 a block); backward computes the probabilities again tile by tile.
-    /// It reads 16-bit operands: bf16 or f16 products only; on CUDA heads of 64 values
+    /// It reads 16-bit operands: bf16 or f16 products only; on CUDA heads of 32 or 64 values
     /// (GPT-2's) and compute capability 8.0 or newer.
     Fused,
 }

@@ -13,14 +13,15 @@ use crate::host::nn::HeadsLayout;
 use crate::host::{same_len, CastFloat};
 use crate::{KernelError, Program};
 
-/// The values of one head the CUDA kernels take: 64 (GPT-2's heads at every size).
-pub const FLASH_HEAD_DIM: usize = 64;
+/// The values of one head the CUDA kernels take: 32 or 64 (GPT-2's heads are 64 at every
+/// size).
+pub const FLASH_HEAD_DIMS: [usize; 2] = [32, 64];
 /// Rows of one tile (a block's queries or keys, 16 a warp).
 pub const FLASH_TILE: usize = 64;
 const FLASH_THREADS: u32 = 128;
 
-/// Checks what the kernels take and returns the kernel's name for `H` and the number of
-/// tiles of a pair: heads of [`FLASH_HEAD_DIM`] values, bf16 or f16 operands, compute
+/// Checks what the kernels take and returns the kernel's name for `H` and the head's size,
+/// and the number of tiles of a pair: heads of [`FLASH_HEAD_DIMS`] values, bf16 or f16 operands, compute
 /// capability 8.0 or newer, at most 65,535 pairs (the grid's second dimension) and `t` within
 /// an `i32`.
 fn checked<H: CastFloat>(
@@ -35,9 +36,9 @@ fn checked<H: CastFloat>(
             H::NAME
         ));
     }
-    if a.d != FLASH_HEAD_DIM {
+    if !FLASH_HEAD_DIMS.contains(&a.d) {
         return bad(format!(
-            "fused attention on CUDA takes heads of {FLASH_HEAD_DIM} values, not {}",
+            "fused attention on CUDA takes heads of 32 or 64 values, not {}",
             a.d
         ));
     }
@@ -59,7 +60,7 @@ fn checked<H: CastFloat>(
         ));
     }
     Ok((
-        format!("{kernel}_{}", H::NAME),
+        format!("{kernel}_{}_d{}", H::NAME, a.d),
         a.t.div_ceil(FLASH_TILE) as u32,
     ))
 }
@@ -84,12 +85,12 @@ fn tiles_config(tiles: u32, pairs: usize) -> LaunchConfig {
 }
 
 /// Forward ([`host::attention::flash_forward`](crate::host::attention::flash_forward)):
-/// writes `y` (`[pairs, t, 64]`, f32) and `lse` (`[pairs·t]`, the rows' base-2 log-sum-exp
+/// writes `y` (`[pairs, t, d]`, f32) and `lse` (`[pairs·t]`, the rows' base-2 log-sum-exp
 /// kept for backward).
 ///
 /// # Errors
 /// [`KernelError::Length`] as the twin; [`KernelError::InvalidArgument`] for what the kernels
-/// do not take (see [`FLASH_HEAD_DIM`]; f32 operands; a GPU older than compute capability
+/// do not take (see [`FLASH_HEAD_DIMS`]; f32 operands; a GPU older than compute capability
 /// 8.0; unaligned operands); compile, load and launch failures.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward<H: CastFloat>(
@@ -133,8 +134,8 @@ pub fn flash_forward<H: CastFloat>(
         .arg(&lp)
         .arg(&t)
         .arg(&scale2);
-    // SAFETY: flash_forward_<H>(const u16* q, k, v, float* y, float* lse, int t, float
-    // scale2): q, k, v and y hold `pairs·t·64` elements (checked above), lse `pairs·t`; the
+    // SAFETY: flash_forward_<H>_d<d>(const u16* q, k, v, float* y, float* lse, int t, float
+    // scale2): q, k, v and y hold `pairs·t·d` elements (checked above), lse `pairs·t`; the
     // grid has one block per tile of 64 rows and pair, and each block reads and writes only
     // its pair's rows below t. The slices are held (`_q` … `_l`) while it is enqueued.
     launched(kernel, unsafe { b.launch(tiles_config(tiles, a.pairs)) })
@@ -142,8 +143,8 @@ pub fn flash_forward<H: CastFloat>(
 
 /// Backward ([`host::attention::flash_backward_dot`] then
 /// [`host::attention::flash_backward`](crate::host::attention::flash_backward)): writes `dq`,
-/// `dk` and `dv` (`[pairs, t, 64]`, f32) from the heads' output gradient `dout` (`[pairs, t,
-/// 64]`), forward's output `y` as the projection's operand (token rows, placed as `layout`
+/// `dk` and `dv` (`[pairs, t, d]`, f32) from the heads' output gradient `dout` (`[pairs, t,
+/// d]`), forward's output `y` as the projection's operand (token rows, placed as `layout`
 /// says) and forward's `lse`. The rows' sums `dsum` are scratch of the driver's pool, freed in
 /// stream order.
 ///
@@ -190,7 +191,7 @@ pub fn flash_backward<H: CastFloat>(
         return Ok(());
     }
     let (dot, tiles) = checked::<H>(stream, "flash_backward_dot", a)?;
-    let name = |k: &str| format!("{k}_{}", H::NAME);
+    let name = |k: &str| format!("{k}_{}_d{}", H::NAME, a.d);
     // SAFETY: scratch never read before written: flash_backward_dot writes each of its
     // `pairs·t` entries (one warp a row) before the two kernels after it, on the same stream,
     // read them.
@@ -232,10 +233,10 @@ pub fn flash_backward<H: CastFloat>(
         block_dim: (FLASH_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: flash_backward_dot_<H>(const u16* dout, const u16* y, float* dsum, u64 rows,
-    // int t, int heads, int row, int offset): one warp per row below `rows` = pairs·t; dout
-    // holds rows·64 values, y the token rows `layout` checked above (every head's 64 values
-    // within a row of `row`), dsum `rows` floats.
+    // SAFETY: flash_backward_dot_<H>_d<d>(const u16* dout, const u16* y, float* dsum, u64
+    // rows, int t, int heads, int row, int offset): one warp per row below `rows` = pairs·t;
+    // dout holds rows·d values, y the token rows `layout` checked above (every head's d
+    // values within a row of `row`), dsum `rows` floats.
     launched("flash_backward_dot", unsafe { b.launch(cfg) })?;
 
     let k = name("flash_backward_dkv");
@@ -243,8 +244,8 @@ pub fn flash_backward<H: CastFloat>(
     let mut b = stream.launch_builder(&f);
     b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&lp).arg(&sp);
     b.arg(&dkp).arg(&dvp).arg(&t).arg(&scale).arg(&scale2);
-    // SAFETY: flash_backward_dkv_<H>(q, k, v, dout, lse, dsum, float* dk, float* dv, int t,
-    // float scale, float scale2): every tensor `pairs·t·64` (lse and dsum `pairs·t`), checked
+    // SAFETY: flash_backward_dkv_<H>_d<d>(q, k, v, dout, lse, dsum, float* dk, float* dv,
+    // int t, float scale, float scale2): every tensor `pairs·t·d` (lse and dsum `pairs·t`), checked
     // above; one block per key tile and pair writes only its own keys' rows.
     launched("flash_backward_dkv", unsafe {
         b.launch(tiles_config(tiles, a.pairs))
@@ -255,8 +256,8 @@ pub fn flash_backward<H: CastFloat>(
     let mut b = stream.launch_builder(&f);
     b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&lp).arg(&sp);
     b.arg(&dqp).arg(&t).arg(&scale).arg(&scale2);
-    // SAFETY: flash_backward_dq_<H>(q, k, v, dout, lse, dsum, float* dq, int t, float scale,
-    // float scale2): as above; one block per query tile and pair writes only its rows of dq.
+    // SAFETY: flash_backward_dq_<H>_d<d>(q, k, v, dout, lse, dsum, float* dq, int t, float
+    // scale, float scale2): as above; one block per query tile and pair writes only its rows of dq.
     launched("flash_backward_dq", unsafe {
         b.launch(tiles_config(tiles, a.pairs))
     })

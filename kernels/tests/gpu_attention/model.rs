@@ -16,7 +16,7 @@ use super::common;
 
 type Step = (f32, Vec<(String, Vec<f32>)>);
 
-/// Heads of 64 values (the kernels'), `t` of one tile and a part.
+/// Heads of 64 values (GPT-2's), `t` of one tile and a part.
 fn dims() -> GptDims {
     GptDims {
         n_layer: 2,

@@ -169,7 +169,7 @@ pub(crate) struct ModelArgs {
     /// `materialized` (every pair's probabilities kept from forward for backward: more memory,
     /// no recomputation) — the same losses either way on the host twins, bitwise — or `fused`
     /// (flash attention on tensor cores: no T × T matrix at all, each row's log-sum-exp kept;
-    /// bf16 or f16 products only, on CUDA heads of 64 values; within 16-bit rounding of the
+    /// bf16 or f16 products only, on CUDA heads of 32 or 64 values; within 16-bit rounding of the
     /// others).
     #[arg(long)]
     pub(crate) attention: Option<Attention>,
