@@ -1,4 +1,5 @@
-//! Every kernel compiles with NVRTC to PTX for sm_80 and sm_90, without an error or a warning.
+//! Every kernel compiles with NVRTC to PTX for sm_80 and sm_90, without an error or a warning,
+//! and (with `FSDP_PTXAS`) that PTX assembles with `ptxas`.
 //! NVRTC needs no GPU: CI installs the `nvidia-cuda-nvrtc` wheel and names its library in
 //! `FSDP_NVRTC_LIB`. Without NVRTC (not on the loader path, not named by that variable, not in
 //! a Python package's site-packages) the test prints `skipped: …` and passes.
@@ -92,4 +93,90 @@ fn a_warning_is_seen() {
     assert!(ptx.contains(".approx"), "expf without .approx:\n{ptx}");
     let err = compile_source("broken.cu", "__global__ void k( {", "compute_90").unwrap_err();
     assert!(err.to_string().contains("broken.cu"), "{err}");
+}
+
+/// Every program's PTX assembles with `ptxas` for sm_80 and sm_90. NVRTC does not assemble
+/// inline PTX (the fused attention's `mma.sync`), so an operand of the wrong type or count
+/// would otherwise fail only when a GPU loads the module. `ptxas` is the one `FSDP_PTXAS`
+/// names (CI installs the CUDA 13.0 nvcc wheel beside NVRTC's); without it the test prints
+/// `skipped: …` and passes. It prints each program's largest register count and its spills.
+#[test]
+fn every_program_assembles_with_ptxas() {
+    let Some(ptxas) = std::env::var_os("FSDP_PTXAS") else {
+        println!("skipped: FSDP_PTXAS names no ptxas");
+        return;
+    };
+    if let Err(e) = fsdp_device::cuda::libs::load_nvrtc() {
+        panic!("FSDP_PTXAS is set, but NVRTC does not load: {e}");
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for arch in ["80", "90"] {
+        for program in Program::ALL {
+            let ptx =
+                compile_ptx(program, &format!("compute_{arch}")).unwrap_or_else(|e| panic!("{e}"));
+            let src = dir.join(format!("{}.{arch}.ptx", program.name()));
+            std::fs::write(&src, ptx).unwrap();
+            let out = std::process::Command::new(&ptxas)
+                .arg(format!("-arch=sm_{arch}"))
+                .arg("-v")
+                .arg(&src)
+                .arg("-o")
+                .arg(dir.join(format!("{}.{arch}.cubin", program.name())))
+                .output()
+                .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.to_string_lossy()));
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "{} for sm_{arch}: ptxas failed:\n{log}",
+                program.name()
+            );
+            let number_before = |l: &str, word: &str| -> u64 {
+                l.split(word)
+                    .next()
+                    .and_then(|h| h.split_whitespace().last())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0)
+            };
+            let registers = log
+                .lines()
+                .filter(|l| l.contains(" registers"))
+                .map(|l| number_before(l, " registers"))
+                .max()
+                .unwrap_or(0);
+            let spills: u64 = log
+                .lines()
+                .filter(|l| l.contains("bytes spill stores"))
+                .map(|l| number_before(l, " bytes spill stores"))
+                .sum();
+            println!(
+                "{} for sm_{arch}: assembled; at most {registers} registers a thread, {spills} \
+                 bytes of spill stores in all",
+                program.name()
+            );
+        }
+    }
+    // The control: NVRTC passes an `mma.sync` of mismatched operand types (bf16 A, f16 B)
+    // through; ptxas refuses it.
+    let bad = r#"extern "C" __global__ void k(float* c, unsigned a, unsigned b) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%4,%4,%4}, {%5,%5}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a), "r"(b));
+    }"#;
+    let ptx = compile_source("bad_mma.cu", bad, "compute_90").unwrap().ptx;
+    let src = dir.join("bad_mma.ptx");
+    std::fs::write(&src, ptx).unwrap();
+    let out = std::process::Command::new(&ptxas)
+        .args(["-arch=sm_90", "-o"])
+        .arg(dir.join("bad_mma.cubin"))
+        .arg(&src)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && log.contains("mma"),
+        "ptxas assembled a mismatched mma.sync: {log}"
+    );
+    println!("the control, refused: {}", log.lines().next().unwrap_or(""));
+    let _ = std::fs::remove_dir_all(&dir);
 }
