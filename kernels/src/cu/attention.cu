@@ -32,6 +32,9 @@
 
 __device__ __forceinline__ float fa_neg_inf() { return __uint_as_float(0xff800000u); }
 
+// D = A.B + C for one warp (the fragments above). FA_MMA_EMULATED: the emulator of
+// kernels/tests/emulate/ gives its own, from the same layouts, to run these kernels on a host.
+#ifndef FA_MMA_EMULATED
 template <typename H> __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1);
 template <> __device__ __forceinline__ void fa_mma<bf16>(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(
@@ -47,6 +50,7 @@ template <> __device__ __forceinline__ void fa_mma<f16>(float* c, const u32* a, 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif
 
 // Two f32 rounded to H (from_f32, nearest even) in one register, `lo` in the low half.
 template <typename H> __device__ __forceinline__ u32 fa_pack(float lo, float hi) {

@@ -1,0 +1,209 @@
+//! The fused attention's CUDA kernels (`src/cu/attention.cu`) run on the host, against their
+//! twins (`fsdp_kernels::host::attention`), so that their tiling, masks, shared-memory
+//! transposes, online softmax and fragment indexing are checked without a GPU.
+//!
+//! `tests/emulate/` compiles the kernels' very source as C++ (`cuda_shim.h`: a block's threads
+//! as host threads, `__syncthreads` and the warps' shuffles through barriers) with `mma.sync`
+//! computed from the PTX ISA's fragment layouts, written there once and independently of the
+//! kernels' indexing (`mma_emulated.h`); `driver.cpp` launches the four kernels on the grids
+//! their launchers use. The emulated products sum in order in f32, so the bounds are those of
+//! `tests/gpu_attention.rs` (four 16-bit units of each output's largest value, `lse` within
+//! 1e-5). What this cannot check is the layouts themselves and the hardware's own behaviour:
+//! `gpu_attention` does, on a GPU.
+//!
+//! It needs a C++20 compiler (`CXX`, else `c++`, `g++` or `clang++`); without one it prints
+//! `skipped: …` and passes (CI has one).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use fsdp_kernels::host::attention::{self, FusedAttention};
+use fsdp_kernels::host::nn::{heads_merge, HeadsLayout};
+use fsdp_kernels::host::CastFloat;
+use half::{bf16, f16};
+
+/// The emulator, built once into `dir`; `None` without a C++ compiler.
+fn build(dir: &Path) -> Option<PathBuf> {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let compilers: Vec<String> = std::env::var("CXX")
+        .ok()
+        .into_iter()
+        .chain(["c++", "g++", "clang++"].map(String::from))
+        .collect();
+    let cxx = compilers.into_iter().find(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })?;
+    let exe = dir.join("emu");
+    let out = Command::new(&cxx)
+        .args(["-std=c++20", "-O2", "-pthread", "-ffp-contract=off"])
+        .args(["-Wall", "-Wno-unknown-pragmas", "-Werror"])
+        .arg("-I")
+        .arg(manifest.join("src/cu"))
+        .arg("-I")
+        .arg(manifest.join("tests/emulate"))
+        .arg("-o")
+        .arg(&exe)
+        .arg(manifest.join("tests/emulate/driver.cpp"))
+        .output()
+        .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cxx} could not build the emulator:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(exe)
+}
+
+/// Uniform values in [-amp, amp) from a splitmix64 stream, rounded to `H`.
+fn values<H: CastFloat>(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            let u = ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
+            H::store(u * amp).load()
+        })
+        .collect()
+}
+
+fn write_half<H: CastFloat>(path: &Path, v: &[f32]) {
+    let bytes: Vec<u8> = v
+        .iter()
+        .flat_map(|&x| (H::store(x).bits() as u16).to_le_bytes())
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    std::fs::read(path)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The largest `|a − b|` over the largest `|b|` (NaN when any is NaN).
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(x - y).abs())
+        .fold(0.0f64, |m, d| if d.is_nan() || d > m { d } else { m });
+    worst / b.iter().map(|x| f64::from(x.abs())).fold(1e-30, f64::max)
+}
+
+/// One case on the emulator and the twins: the errors of `[y, dq, dk, dv]`.
+fn compare<H: CastFloat>(emu: &Path, dir: &Path, a: FusedAttention, sharp: f32) -> [f64; 4] {
+    let n = a.len();
+    let q = values::<H>(n, 1, sharp);
+    let (k, v, dout) = (
+        values::<H>(n, 2, 1.0),
+        values::<H>(n, 3, 1.0),
+        values::<H>(n, 4, 1.0),
+    );
+    let (mut y, mut lse) = (vec![0.0; n], vec![0.0; a.rows()]);
+    attention::flash_forward::<H>(&a, &q, &k, &v, &mut y, &mut lse).unwrap();
+    let layout = HeadsLayout {
+        b: 1,
+        t: a.t,
+        h: a.pairs,
+        d: a.d,
+        row: a.pairs * a.d,
+        offset: 0,
+    };
+    let mut rows = vec![0.0f32; layout.rows_len()];
+    heads_merge(&y, layout, &mut rows).unwrap();
+    let rows: Vec<f32> = rows.iter().map(|&x| H::store(x).load()).collect();
+    let mut dsum = vec![0.0; a.rows()];
+    attention::flash_backward_dot(&layout, &dout, &rows, &mut dsum).unwrap();
+    let mut g = [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
+    let [dq, dk, dv] = &mut g;
+    attention::flash_backward::<H>(&a, &q, &k, &v, &dout, &lse, &dsum, dq, dk, dv).unwrap();
+    for (name, x) in [
+        ("q", &q),
+        ("k", &k),
+        ("v", &v),
+        ("dout", &dout),
+        ("rows", &rows),
+    ] {
+        write_half::<H>(&dir.join(format!("{name}.bin")), x);
+    }
+    let out = Command::new(emu)
+        .arg(dir)
+        .arg(H::NAME)
+        .args([a.d, a.pairs, a.t].map(|x| x.to_string()))
+        .arg(format!("{:e}", a.scale))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the emulator failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = |name: &str| read_f32(&dir.join(format!("{name}.bin")));
+    let glse = got("lse");
+    for (i, (e, t)) in glse.iter().zip(&lse).enumerate() {
+        assert!(
+            (e - t).abs() <= 1e-5 * t.abs().max(1.0),
+            "{a:?}: lse[{i}] {e} vs {t}"
+        );
+    }
+    [
+        rel(&got("y"), &y),
+        rel(&got("dq"), &g[0]),
+        rel(&got("dk"), &g[1]),
+        rel(&got("dv"), &g[2]),
+    ]
+}
+
+fn each<H: CastFloat>(test: &str, unit: f64) {
+    let dir = std::env::temp_dir().join(format!("fsdp-emu-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let Some(emu) = build(&dir) else {
+        println!("{test}: skipped: no C++ compiler (CXX, c++, g++, clang++)");
+        return;
+    };
+    let case = |pairs, t, d: usize| FusedAttention {
+        pairs,
+        t,
+        d,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    // One token; a part of a tile; several tiles with a part (causal tiles of every kind);
+    // sharp scores that move the running maximum; heads of 32.
+    for (a, sharp) in [
+        (case(1, 1, 64), 1.0),
+        (case(2, 37, 64), 1.0),
+        (case(1, 150, 64), 1.0),
+        (case(1, 130, 64), 8.0),
+        (case(2, 70, 32), 8.0),
+    ] {
+        let e = compare::<H>(&emu, &dir, a, sharp);
+        println!(
+            "{test}: pairs {} t {} d {} sharp {sharp}: y {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}",
+            a.pairs, a.t, a.d, e[0], e[1], e[2], e[3]
+        );
+        for (what, e) in ["y", "dq", "dk", "dv"].iter().zip(e) {
+            assert!(e <= 4.0 * unit, "{a:?}, sharp {sharp}: {what} {e:e}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn emulated_flash_bf16_equals_its_twin() {
+    each::<bf16>("emulated_flash_bf16", 2f64.powi(-9));
+}
+
+#[test]
+fn emulated_flash_f16_equals_its_twin() {
+    each::<f16>("emulated_flash_f16", 2f64.powi(-12));
+}
