@@ -177,11 +177,13 @@ fn each<H: CastFloat>(test: &str, unit: f64) {
         d,
         scale: 1.0 / (d as f32).sqrt(),
     };
-    // One token; a part of a tile; several tiles with a part (causal tiles of every kind);
-    // sharp scores that move the running maximum; heads of 32.
+    // One token; a part of a tile; one whole tile and one row more; several tiles with a part
+    // (causal tiles of every kind); sharp scores that move the running maximum; heads of 32.
     for (a, sharp) in [
         (case(1, 1, 64), 1.0),
         (case(2, 37, 64), 1.0),
+        (case(1, 64, 64), 1.0),
+        (case(1, 65, 32), 1.0),
         (case(1, 150, 64), 1.0),
         (case(1, 130, 64), 8.0),
         (case(2, 70, 32), 8.0),
