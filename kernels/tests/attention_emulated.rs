@@ -14,11 +14,13 @@
 //! It needs a C++20 compiler (`CXX`, else `c++`, `g++` or `clang++`); without one it prints
 //! `skipped: …` and passes (CI has one).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use fsdp_kernels::host::attention::{self, FusedAttention};
-use fsdp_kernels::host::nn::{heads_merge, HeadsLayout};
+use common::flash::{check_lse, rel, twin};
+use fsdp_kernels::host::attention::FusedAttention;
 use fsdp_kernels::host::CastFloat;
 use half::{bf16, f16};
 
@@ -57,22 +59,6 @@ fn build(dir: &Path) -> Option<PathBuf> {
     Some(exe)
 }
 
-/// Uniform values in [-amp, amp) from a splitmix64 stream, rounded to `H`.
-fn values<H: CastFloat>(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            let u = ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
-            H::store(u * amp).load()
-        })
-        .collect()
-}
-
 fn write_half<H: CastFloat>(path: &Path, v: &[f32]) {
     let bytes: Vec<u8> = v
         .iter()
@@ -89,50 +75,15 @@ fn read_f32(path: &Path) -> Vec<f32> {
         .collect()
 }
 
-/// The largest `|a − b|` over the largest `|b|` (NaN when any is NaN).
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let worst = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(x - y).abs())
-        .fold(0.0f64, |m, d| if d.is_nan() || d > m { d } else { m });
-    worst / b.iter().map(|x| f64::from(x.abs())).fold(1e-30, f64::max)
-}
-
 /// One case on the emulator and the twins: the errors of `[y, dq, dk, dv]`.
 fn compare<H: CastFloat>(emu: &Path, dir: &Path, a: FusedAttention, sharp: f32) -> [f64; 4] {
-    let n = a.len();
-    let q = values::<H>(n, 1, sharp);
-    let (k, v, dout) = (
-        values::<H>(n, 2, 1.0),
-        values::<H>(n, 3, 1.0),
-        values::<H>(n, 4, 1.0),
-    );
-    let (mut y, mut lse) = (vec![0.0; n], vec![0.0; a.rows()]);
-    attention::flash_forward::<H>(&a, &q, &k, &v, &mut y, &mut lse).unwrap();
-    let layout = HeadsLayout {
-        b: 1,
-        t: a.t,
-        h: a.pairs,
-        d: a.d,
-        row: a.pairs * a.d,
-        offset: 0,
-    };
-    let mut rows = vec![0.0f32; layout.rows_len()];
-    heads_merge(&y, layout, &mut rows).unwrap();
-    let rows: Vec<f32> = rows.iter().map(|&x| H::store(x).load()).collect();
-    let mut dsum = vec![0.0; a.rows()];
-    attention::flash_backward_dot(&layout, &dout, &rows, &mut dsum).unwrap();
-    let mut g = [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
-    let [dq, dk, dv] = &mut g;
-    attention::flash_backward::<H>(&a, &q, &k, &v, &dout, &lse, &dsum, dq, dk, dv).unwrap();
+    let w = twin::<H>(&a, sharp);
     for (name, x) in [
-        ("q", &q),
-        ("k", &k),
-        ("v", &v),
-        ("dout", &dout),
-        ("rows", &rows),
+        ("q", &w.q),
+        ("k", &w.k),
+        ("v", &w.v),
+        ("dout", &w.dout),
+        ("rows", &w.rows),
     ] {
         write_half::<H>(&dir.join(format!("{name}.bin")), x);
     }
@@ -149,18 +100,12 @@ fn compare<H: CastFloat>(emu: &Path, dir: &Path, a: FusedAttention, sharp: f32) 
         String::from_utf8_lossy(&out.stderr)
     );
     let got = |name: &str| read_f32(&dir.join(format!("{name}.bin")));
-    let glse = got("lse");
-    for (i, (e, t)) in glse.iter().zip(&lse).enumerate() {
-        assert!(
-            (e - t).abs() <= 1e-5 * t.abs().max(1.0),
-            "{a:?}: lse[{i}] {e} vs {t}"
-        );
-    }
+    check_lse(&a, &got("lse"), &w.lse);
     [
-        rel(&got("y"), &y),
-        rel(&got("dq"), &g[0]),
-        rel(&got("dk"), &g[1]),
-        rel(&got("dv"), &g[2]),
+        rel(&got("y"), &w.y),
+        rel(&got("dq"), &w.grads[0]),
+        rel(&got("dk"), &w.grads[1]),
+        rel(&got("dv"), &w.grads[2]),
     ]
 }
 

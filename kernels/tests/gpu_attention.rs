@@ -16,88 +16,45 @@ mod common;
 
 use std::sync::Arc;
 
+use common::flash::{check_lse, rel, twin};
 use common::{down, gpu_stream, up};
 use cudarc::driver::{CudaSlice, CudaStream};
-use fsdp_kernels::host::attention::{self, FusedAttention};
-use fsdp_kernels::host::nn::HeadsLayout;
+use fsdp_kernels::host::attention::FusedAttention;
 use fsdp_kernels::host::CastFloat;
 use fsdp_kernels::launch;
 use half::{bf16, f16};
-
-/// Uniform values in [-amp, amp) from a splitmix64 stream, rounded to `H`.
-fn values<H: CastFloat>(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            let z = common::splitmix64(&mut state);
-            let u = ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
-            H::store(u * amp).load()
-        })
-        .collect()
-}
 
 fn upload<H: CastFloat>(s: &Arc<CudaStream>, v: &[f32]) -> CudaSlice<H> {
     let h: Vec<H> = v.iter().map(|&x| H::store(x)).collect();
     up(s, &h)
 }
 
-/// The largest `|a − b|` over the largest `|b|`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    common::max_abs_diff(a, b) / common::max_abs(b).max(1e-30)
-}
-
-/// Forward and backward of `a` on the GPU and on the twins; returns the worst relative
+/// Forward and backward of `a` on the GPU against the twins; returns the worst relative
 /// differences of `[y, dq, dk, dv]` and checks `lse`.
 fn compare<H: CastFloat>(s: &Arc<CudaStream>, a: FusedAttention, sharp: f32) -> [f64; 4] {
     let n = a.len();
-    let q = values::<H>(n, 1, sharp);
-    let (k, v, dout) = (
-        values::<H>(n, 2, 1.0),
-        values::<H>(n, 3, 1.0),
-        values::<H>(n, 4, 1.0),
+    let w = twin::<H>(&a, sharp);
+    let (gq, gk, gv) = (
+        upload::<H>(s, &w.q),
+        upload::<H>(s, &w.k),
+        upload::<H>(s, &w.v),
     );
-    let (mut y, mut lse) = (vec![0.0; n], vec![0.0; a.rows()]);
-    attention::flash_forward::<H>(&a, &q, &k, &v, &mut y, &mut lse).unwrap();
-    let (gq, gk, gv) = (upload::<H>(s, &q), upload::<H>(s, &k), upload::<H>(s, &v));
     let mut gy = up(s, &vec![f32::NAN; n]);
     let mut glse = up(s, &vec![f32::NAN; a.rows()]);
     launch::flash_forward::<H>(s, &a, &gq, &gk, &gv, &mut gy, &mut glse).unwrap();
-    let (dy, dlse) = (down(s, &gy), down(s, &glse));
-    for (i, (g, h)) in dlse.iter().zip(&lse).enumerate() {
-        assert!(
-            (g - h).abs() <= 1e-5 * h.abs().max(1.0),
-            "{a:?}: lse[{i}] {g} vs {h}"
-        );
-    }
-    // y as the projection's operand: one sequence of `pairs` heads in token rows, rounded.
-    let layout = HeadsLayout {
-        b: 1,
-        t: a.t,
-        h: a.pairs,
-        d: a.d,
-        row: a.pairs * a.d,
-        offset: 0,
-    };
-    let mut rows = vec![0.0f32; layout.rows_len()];
-    fsdp_kernels::host::nn::heads_merge(&y, layout, &mut rows).unwrap();
-    let rows: Vec<f32> = rows.iter().map(|&x| H::store(x).load()).collect();
-    let mut dsum = vec![0.0; a.rows()];
-    attention::flash_backward_dot(&layout, &dout, &rows, &mut dsum).unwrap();
-    let mut g = [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
-    let [dq, dk, dv] = &mut g;
-    attention::flash_backward::<H>(&a, &q, &k, &v, &dout, &lse, &dsum, dq, dk, dv).unwrap();
-    let (grows, gdout) = (upload::<H>(s, &rows), upload::<H>(s, &dout));
+    check_lse(&a, &down(s, &glse), &w.lse);
+    let (grows, gdout) = (upload::<H>(s, &w.rows), upload::<H>(s, &w.dout));
     let nan = || up(s, &vec![f32::NAN; n]);
     let (mut gdq, mut gdk, mut gdv) = (nan(), nan(), nan());
     launch::flash_backward::<H>(
-        s, &a, &layout, &gq, &gk, &gv, &grows, &gdout, &glse, &mut gdq, &mut gdk, &mut gdv,
+        s, &a, &w.layout, &gq, &gk, &gv, &grows, &gdout, &glse, &mut gdq, &mut gdk, &mut gdv,
     )
     .unwrap();
     [
-        rel(&dy, &y),
-        rel(&down(s, &gdq), &g[0]),
-        rel(&down(s, &gdk), &g[1]),
-        rel(&down(s, &gdv), &g[2]),
+        rel(&down(s, &gy), &w.y),
+        rel(&down(s, &gdq), &w.grads[0]),
+        rel(&down(s, &gdk), &w.grads[1]),
+        rel(&down(s, &gdv), &w.grads[2]),
     ]
 }
 

@@ -2,8 +2,11 @@
 //! `gpu_gpt.rs`, `gpt_vs_reference.rs`, `twins_vs_gpt.rs`): the splitmix64 stream their inputs
 //! come from, uniform values, token ids and perturbed GPT weights drawn from it, the check that
 //! prints `<test>: skipped: no GPU (<reason>)` where no CUDA device is found, and the host ↔
-//! device copies. Each test uses what it needs.
+//! device copies; and (`flash`) the fused attention's twins on random inputs, for
+//! `gpu_attention.rs` and `attention_emulated.rs`. Each test uses what it needs.
 #![allow(dead_code)]
+
+pub mod flash;
 
 use std::collections::HashMap;
 use std::sync::Arc;
