@@ -25,7 +25,7 @@ use crate::{launch, KernelError};
 /// through cuBLAS ([`Blas`], bound to the same stream), buffers `CudaSlice`s of the stream's
 /// context taken from the device's caching allocator or the driver's pool ([`CudaMemory`]).
 /// Every operation is enqueued on that one stream, so operations run in the order they are
-/// called; only [`download`](GptOps::download) waits (for the stream, within the
+/// called; only [`download`](super::GptOps::download) waits (for the stream, within the
 /// [`Stream`]'s timeout).
 pub struct CudaOps {
     pub(super) stream: Stream,
