@@ -10,9 +10,10 @@
 use std::ops::Range;
 
 use fsdp_collectives::{Communicator, ReduceOp};
-use fsdp_device::half::bf16;
+use fsdp_device::half::{bf16, f16};
 use fsdp_device::{Buffer, DType};
 use fsdp_kernels::gpt::GptOps;
+use fsdp_kernels::host::CastFloat;
 
 use crate::device_config::DeviceTrainError;
 
@@ -66,13 +67,14 @@ pub trait DeviceComm<O: GptOps> {
     }
     /// Reduces one unit's gradients to their shards with the ranks' mean: `shards[i]` becomes
     /// chunk `rank` of the mean over ranks of `fulls[i]` zero-padded to `world_size ×
-    /// shards[i]` elements, reduced in `dtype` (FSDP's `reduce_dtype`: f32, or bf16 — each
-    /// input rounded to bf16, the ranks' values added in rank order in f32 and rounded to
-    /// bf16 after every addition and after the division, as the collectives reduce bf16, and
-    /// the result widened).
+    /// shards[i]` elements, reduced in `dtype` (FSDP's `reduce_dtype`: f32, or bf16 or f16 —
+    /// each input rounded to that type, the ranks' values added in rank order in f32 and
+    /// rounded after every addition and after the division, as the collectives reduce 16-bit
+    /// types, and the result widened).
     ///
     /// # Errors
-    /// Lengths that do not fit; a `dtype` other than f32 or bf16; the collective's failure.
+    /// Lengths that do not fit; a `dtype` other than f32, bf16 or f16; the collective's
+    /// failure.
     fn reduce_scatter_avg(
         &self,
         ops: &O,
@@ -85,7 +87,7 @@ pub trait DeviceComm<O: GptOps> {
     /// [`reduce_scatter_avg`](Self::reduce_scatter_avg).
     ///
     /// # Errors
-    /// A `dtype` other than f32 or bf16; the collective's failure.
+    /// A `dtype` other than f32, bf16 or f16; the collective's failure.
     fn all_reduce_avg(
         &self,
         ops: &O,
@@ -181,6 +183,22 @@ pub fn reduces_in_bf16(what: &str, dtype: DType) -> Result<bool, fsdp::FsdpError
     }
 }
 
+/// The 16-bit type a reduction in `dtype` moves (bf16 or f16: FSDP's `reduce_dtype`), or
+/// `None` for f32.
+///
+/// # Errors
+/// [`FsdpError::InvalidFsdpConfig`](fsdp::FsdpError::InvalidFsdpConfig) for any other dtype,
+/// naming `what` (the collective, or the setting).
+pub fn reduces_in_half(what: &str, dtype: DType) -> Result<Option<DType>, fsdp::FsdpError> {
+    match dtype {
+        DType::F32 => Ok(None),
+        DType::BF16 | DType::F16 => Ok(Some(dtype)),
+        other => Err(fsdp::FsdpError::InvalidFsdpConfig {
+            reason: format!("{what} in {other}: the device's reductions move f32, bf16 or f16"),
+        }),
+    }
+}
+
 /// Which of an all-gather's tensors move in bf16 (`dtypes`, one a tensor of `n`).
 ///
 /// # Errors
@@ -211,35 +229,38 @@ pub(crate) fn dtype_groups(halves: &[bool]) -> Vec<(bool, Vec<usize>)> {
         .collect()
 }
 
-/// `values` rounded to bf16 (ties to even, the cast kernel's rounding).
-fn to_bf16(values: &[f32]) -> Result<Vec<bf16>, DeviceTrainError> {
-    let mut out = vec![bf16::ZERO; values.len()];
+/// `values` rounded to `H` (bf16 or f16; ties to even, the cast kernel's rounding).
+fn rounded<H: CastFloat + fsdp_device::Element>(
+    values: &[f32],
+) -> Result<Buffer, DeviceTrainError> {
+    let mut out = vec![H::default(); values.len()];
     fsdp_kernels::host::cast(values, &mut out)?;
-    Ok(out)
+    Ok(Buffer::from_slice(&out)?)
 }
 
 /// `values` widened to f32.
-fn widen(values: &[bf16]) -> Result<Vec<f32>, DeviceTrainError> {
+fn widen<H: CastFloat + fsdp_device::Element>(buf: &Buffer) -> Result<Vec<f32>, DeviceTrainError> {
+    let values = buf.to_vec::<H>()?;
     let mut out = vec![0.0f32; values.len()];
-    fsdp_kernels::host::cast(values, &mut out)?;
+    fsdp_kernels::host::cast(&values, &mut out)?;
     Ok(out)
 }
 
-/// `packed` as a host buffer of `dtype` (f32, or its bf16 rounding).
-fn host_buffer(packed: &[f32], bf16: bool) -> Result<Buffer, DeviceTrainError> {
-    Ok(if bf16 {
-        Buffer::from_slice(&to_bf16(packed)?)?
-    } else {
-        Buffer::from_slice(packed)?
-    })
+/// `packed` as a host buffer of f32, or (`half`) its bf16 or f16 rounding.
+fn host_buffer(packed: &[f32], half: Option<DType>) -> Result<Buffer, DeviceTrainError> {
+    match half {
+        Some(DType::BF16) => rounded::<bf16>(packed),
+        Some(DType::F16) => rounded::<f16>(packed),
+        _ => Ok(Buffer::from_slice(packed)?),
+    }
 }
 
-/// A host buffer's values as f32 (widened from bf16).
-fn host_values(buf: &Buffer, bf16: bool) -> Result<Vec<f32>, DeviceTrainError> {
-    if bf16 {
-        widen(&buf.to_vec::<bf16>()?)
-    } else {
-        Ok(buf.to_vec::<f32>()?)
+/// A host buffer's values as f32 (widened from bf16 or f16, `half`).
+fn host_values(buf: &Buffer, half: Option<DType>) -> Result<Vec<f32>, DeviceTrainError> {
+    match half {
+        Some(DType::BF16) => widen::<bf16>(buf),
+        Some(DType::F16) => widen::<f16>(buf),
+        _ => Ok(buf.to_vec::<f32>()?),
     }
 }
 
@@ -429,9 +450,9 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
             for &i in &idx {
                 packed.extend(ops.download(shards[i])?);
             }
+            let half = half.then_some(DType::BF16);
             let input = host_buffer(&packed, half)?;
-            let dtype = if half { DType::BF16 } else { DType::F32 };
-            let output = Buffer::zeros(dtype, p.total * world)?;
+            let output = Buffer::zeros(half.unwrap_or(DType::F32), p.total * world)?;
             self.comm.all_gather_base(&input, &output)?.wait()?;
             let gathered = host_values(&output, half)?;
             for (j, &i) in idx.iter().enumerate() {
@@ -452,7 +473,7 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         shards: &mut [&mut O::Buf],
         dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        let bf16 = reduces_in_bf16("reduce-scatter", dtype)?;
+        let half = reduces_in_half("reduce-scatter", dtype)?;
         let world = DeviceComm::<O>::world_size(self);
         let p = Packing::reduce_scatter::<O>(fulls, shards, world)?;
         let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
@@ -464,12 +485,12 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
                 packed[to..to + chunk.len()].copy_from_slice(chunk);
             }
         }
-        let input = host_buffer(&packed, bf16)?;
+        let input = host_buffer(&packed, half)?;
         let output = Buffer::zeros(dtype, total)?;
         self.comm
             .reduce_scatter_base(&input, &output, ReduceOp::Avg)?
             .wait()?;
-        let reduced = host_values(&output, bf16)?;
+        let reduced = host_values(&output, half)?;
         for (i, shard) in shards.iter_mut().enumerate() {
             ops.upload_into(&reduced[offsets[i]..offsets[i] + lens[i]], shard)?;
         }
@@ -482,16 +503,16 @@ impl<O: GptOps, C: Communicator + ?Sized> DeviceComm<O> for HostComm<C> {
         bufs: &mut [&mut O::Buf],
         dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        let bf16 = reduces_in_bf16("all-reduce", dtype)?;
+        let half = reduces_in_half("all-reduce", dtype)?;
         let p = Packing::new(lens::<O>(bufs.iter().map(|b| &**b)));
         let (total, offsets, lens) = (p.total, &p.offsets, &p.lens);
         let mut packed = Vec::with_capacity(total);
         for b in bufs.iter() {
             packed.extend(ops.download(b)?);
         }
-        let buf = host_buffer(&packed, bf16)?;
+        let buf = host_buffer(&packed, half)?;
         self.comm.all_reduce(&buf, ReduceOp::Avg)?.wait()?;
-        let reduced = host_values(&buf, bf16)?;
+        let reduced = host_values(&buf, half)?;
         for (i, b) in bufs.iter_mut().enumerate() {
             ops.upload_into(&reduced[offsets[i]..offsets[i] + lens[i]], b)?;
         }

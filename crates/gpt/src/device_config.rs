@@ -119,11 +119,13 @@ pub struct DeviceTrainConfig {
     /// chunk by chunk.
     pub logits: Logits,
     /// The dtype sharded training reduces the gradients in (FSDP's
-    /// `MixedPrecisionPolicy.reduce_dtype`): f32, or bf16 — each unit's gradients rounded to
-    /// bf16 before its reduce-scatter (or the all-reduce of replicated ones, and the replicas'
-    /// all-reduce of a hybrid strategy), reduced with bf16's rounding after every operation,
-    /// and widened into the f32 accumulators, so the collectives move half the bytes while
-    /// the accumulators, the norm and AdamW stay f32. One rank reduces nothing.
+    /// `MixedPrecisionPolicy.reduce_dtype`): f32, or bf16 or f16 — each unit's gradients
+    /// rounded to that type before its reduce-scatter (or the all-reduce of replicated ones,
+    /// and the replicas' all-reduce of a hybrid strategy), reduced with its rounding after
+    /// every operation, and widened into the f32 accumulators, so the collectives move half
+    /// the bytes while the accumulators, the norm and AdamW stay f32. With a grad scaler the
+    /// gradients are reduced scaled (the seed is), as PyTorch's are; an f16 reduction that
+    /// overflows is the scaler's skip. One rank reduces nothing.
     pub reduce_dtype: DType,
     /// torchdistx's `AnyPrecisionAdamW` instead of AdamW (`None`: AdamW with f32 moments),
     /// with `adamw`'s hyperparameters: its momentum, variance and (with Kahan summation) its
@@ -156,7 +158,7 @@ impl DeviceTrainConfig {
         if let Some(c) = self.grad_clip {
             check_max_norm(c)?;
         }
-        crate::device_comm::reduces_in_bf16("reduce_dtype", self.reduce_dtype)?;
+        crate::device_comm::reduces_in_half("reduce_dtype", self.reduce_dtype)?;
         if let Some(g) = self.grad_scaler.filter(|g| g.enabled) {
             g.validate()?;
         }

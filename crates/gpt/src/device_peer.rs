@@ -36,7 +36,7 @@ use fsdp_device::DType;
 use fsdp_kernels::gpt::{PeerCopy, PeerOps, PeerPtr};
 use fsdp_kernels::host::ReduceKind;
 
-use crate::device_comm::{gathers_in_bf16, reduces_in_bf16, DeviceComm, Packing};
+use crate::device_comm::{gathers_in_bf16, reduces_in_half, DeviceComm, Packing};
 use crate::device_config::DeviceTrainError;
 
 /// What a rank posts in one exchange.
@@ -261,24 +261,30 @@ impl<O: PeerOps> Drop for PeerComm<O> {
     }
 }
 
-/// Each of `bufs` rounded to bf16 into a half of its own (enqueued on the operations' stream).
-fn halves_of<O: PeerOps>(ops: &O, bufs: &[&O::Buf]) -> Result<Vec<O::Half>, DeviceTrainError> {
+/// Each of `bufs` rounded to `half` (bf16 or f16) into a half of its own (enqueued on the
+/// operations' stream).
+fn halves_of<O: PeerOps>(
+    ops: &O,
+    bufs: &[&O::Buf],
+    half: DType,
+) -> Result<Vec<O::Half>, DeviceTrainError> {
     bufs.iter()
         .map(|b| {
             let len = O::buf_len(b);
             let h = ops.half(len)?;
             // SAFETY: `h` is new, this rank's, and written here first on its stream; the
             // peers read it only after `begin`'s exchange, which follows this cast.
-            unsafe { ops.cast_to_bf16_ptr(b, 0, ops.half_ptr(&h), 0, len)? };
+            unsafe { ops.cast_to_half_ptr(half, b, 0, ops.half_ptr(&h), 0, len)? };
             Ok(h)
         })
         .collect()
 }
 
-/// `dst[..m]` = the mean in bf16 of the ranks' halves of tensor `i` (`posts`) from element
-/// `start`, widened; the rest of `dst` (a shard's padding) zero.
+/// `dst[..m]` = the mean in `half` (bf16 or f16) of the ranks' halves of tensor `i`
+/// (`posts`) from element `start`, widened; the rest of `dst` (a shard's padding) zero.
 fn reduce_half_into<O: PeerOps>(
     ops: &O,
+    half: DType,
     posts: &[Post<O::Event>],
     i: usize,
     start: usize,
@@ -295,9 +301,9 @@ fn reduce_half_into<O: PeerOps>(
     let mut out = ops.half(m)?;
     // SAFETY: the peers' halves, live and unwritten until every rank's `finish` (they are
     // dropped after it); this stream waited for their casts in `begin`; `out` is new.
-    unsafe { ops.reduce_bf16_from_peers(ReduceKind::Avg, &srcs, &mut out, 0, m)? };
+    unsafe { ops.reduce_half_from_peers(half, ReduceKind::Avg, &srcs, &mut out, 0, m)? };
     // SAFETY: `out` is this rank's, written above on this stream.
-    unsafe { ops.widen_bf16_ptr(ops.half_ptr(&out), 0, dst, 0, m)? };
+    unsafe { ops.widen_half_ptr(half, ops.half_ptr(&out), 0, dst, 0, m)? };
     Ok(())
 }
 
@@ -342,7 +348,7 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         let mut ptrs = Vec::with_capacity(shards.len());
         for (&s, &half) in shards.iter().zip(&bf16) {
             if half {
-                halves.extend(halves_of(ops, &[s])?);
+                halves.extend(halves_of(ops, &[s], DType::BF16)?);
                 ptrs.extend(halves.last().map(|h| ops.half_ptr(h)));
             } else {
                 ptrs.push(ops.peer_ptr(s));
@@ -378,18 +384,18 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         shards: &mut [&mut O::Buf],
         dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        let bf16 = reduces_in_bf16("reduce-scatter", dtype)?;
+        let half = reduces_in_half("reduce-scatter", dtype)?;
         let p = Packing::reduce_scatter::<O>(fulls, shards, self.world)?;
         let (lens, full_lens) = (&p.lens, &p.full_lens);
         let desc = format!("reduce-scatter (avg, {dtype}) of {full_lens:?} into shards {lens:?}");
-        if bf16 {
-            let halves = halves_of(ops, fulls)?;
+        if let Some(half) = half {
+            let halves = halves_of(ops, fulls, half)?;
             let ptrs = halves.iter().map(|h| ops.half_ptr(h)).collect();
             let posts = self.begin(ops, "reduce-scatter", desc.clone(), ptrs)?;
             for (i, shard) in shards.iter_mut().enumerate() {
                 let start = self.rank * lens[i];
                 let m = lens[i].min(full_lens[i].saturating_sub(start));
-                reduce_half_into(ops, &posts, i, start, m, shard)?;
+                reduce_half_into(ops, half, &posts, i, start, m, shard)?;
             }
             // The peers' reads of `halves` end here.
             return self.finish(ops, "reduce-scatter", desc);
@@ -421,17 +427,17 @@ impl<O: PeerOps> DeviceComm<O> for PeerComm<O> {
         bufs: &mut [&mut O::Buf],
         dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        let bf16 = reduces_in_bf16("all-reduce", dtype)?;
+        let half = reduces_in_half("all-reduce", dtype)?;
         let lens: Vec<usize> = bufs.iter().map(|b| O::buf_len(b)).collect();
         let desc = format!("all-reduce (avg, {dtype}) of {lens:?}");
-        if bf16 {
-            // The peers read the bf16 roundings, so the means go straight into `bufs`.
+        if let Some(half) = half {
+            // The peers read the 16-bit roundings, so the means go straight into `bufs`.
             let inputs: Vec<&O::Buf> = bufs.iter().map(|b| &**b).collect();
-            let halves = halves_of(ops, &inputs)?;
+            let halves = halves_of(ops, &inputs, half)?;
             let ptrs = halves.iter().map(|h| ops.half_ptr(h)).collect();
             let posts = self.begin(ops, "all-reduce", desc.clone(), ptrs)?;
             for (i, b) in bufs.iter_mut().enumerate() {
-                reduce_half_into(ops, &posts, i, 0, lens[i], b)?;
+                reduce_half_into(ops, half, &posts, i, 0, lens[i], b)?;
             }
             return self.finish(ops, "all-reduce", desc);
         }

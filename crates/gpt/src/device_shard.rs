@@ -143,7 +143,7 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     sink: GradSink<'a, O>,
     /// The weight of this pass's gradients in the accumulators (`1 / micro-batches`).
     alpha: f32,
-    /// The dtype the gradients are reduced in (FSDP's `reduce_dtype`: f32 or bf16).
+    /// The dtype the gradients are reduced in (FSDP's `reduce_dtype`: f32, bf16 or f16).
     reduce_dtype: DType,
     /// The dtype the parameters are all-gathered in (f32, or bf16 where every parameter's
     /// value is a bf16: pure-bf16 training).
@@ -219,7 +219,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         self
     }
 
-    /// These hooks reducing the gradients in `dtype` (f32 or bf16; checked by the
+    /// These hooks reducing the gradients in `dtype` (f32, bf16 or f16; checked by the
     /// collectives).
     pub(crate) fn with_reduce_dtype(mut self, dtype: DType) -> Self {
         self.reduce_dtype = dtype;

@@ -33,7 +33,7 @@ use fsdp_kernels::gpt::{PeerPtr, StagingOps};
 use fsdp_kernels::host::ReduceKind;
 
 use crate::device_comm::{
-    dtype_groups, gathers_in_bf16, lens, reduces_in_bf16, DeviceComm, Packing,
+    dtype_groups, gathers_in_bf16, lens, reduces_in_half, DeviceComm, Packing,
 };
 
 #[path = "device_staged_slots.rs"]
@@ -161,8 +161,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
     }
 
     /// `bufs` packed one after the other (`p`) into `len` elements of the staging buffer
-    /// `slot` (`len` ≥ `p.total`; the rest is left as it is), rounded to bf16 where the slot
-    /// is of bf16.
+    /// `slot` (`len` ≥ `p.total`; the rest is left as it is), rounded to bf16 or f16 where the
+    /// slot is of that type.
     fn pack<O: StagingOps>(
         &self,
         ops: &O,
@@ -183,8 +183,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         Ok(buf)
     }
 
-    /// Copies `from`'s packed elements (`p`) out into `bufs` (widened from bf16 where `from`
-    /// is of bf16).
+    /// Copies `from`'s packed elements (`p`) out into `bufs` (widened from bf16 or f16 where
+    /// `from` is of that type).
     fn unpack<O: StagingOps>(
         &self,
         ops: &O,
@@ -192,7 +192,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
         p: &Packing,
         bufs: &mut [&mut O::Buf],
     ) -> Result<(), DeviceTrainError> {
-        let half = from.dtype() == DType::BF16;
+        let dtype = from.dtype();
+        let half = matches!(dtype, DType::BF16 | DType::F16);
         self.with_ptr(ops, from, AccessMode::Shared, |from| {
             for (i, b) in bufs.iter_mut().enumerate() {
                 let (at, n) = (p.offsets[i], p.lens[i]);
@@ -200,7 +201,7 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
                 // the operations were ordered after, and held for this copy (`with_ptr`).
                 unsafe {
                     if half {
-                        ops.widen_bf16_ptr(from, at, b, 0, n)?
+                        ops.widen_half_ptr(dtype, from, at, b, 0, n)?
                     } else {
                         ops.copy_from_peer(from, at, b, 0, n)?
                     }
@@ -267,7 +268,7 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
 }
 
 /// Enqueues `len` elements of `src` from `src_offset` into the staging memory `to` (of
-/// `dtype`: f32 copied, bf16 rounded) from `at`.
+/// `dtype`: f32 copied, bf16 or f16 rounded) from `at`.
 ///
 /// # Safety
 /// As [`StagingOps::copy_to_ptr`], for `to` of `dtype`.
@@ -283,7 +284,9 @@ unsafe fn pack_into<O: StagingOps>(
     // SAFETY: the caller's contract.
     unsafe {
         match dtype {
-            DType::BF16 => ops.cast_to_bf16_ptr(src, src_offset, to, at, len)?,
+            DType::BF16 | DType::F16 => {
+                ops.cast_to_half_ptr(dtype, src, src_offset, to, at, len)?
+            }
             _ => ops.copy_to_ptr(src, src_offset, to, at, len)?,
         }
     }
@@ -331,7 +334,8 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
                         // copy (`with_ptr`).
                         unsafe {
                             if g.half {
-                                ops.widen_bf16_ptr(from, c.at, full, c.start, c.len)?
+                                let b = DType::BF16;
+                                ops.widen_half_ptr(b, from, c.at, full, c.start, c.len)?
                             } else {
                                 ops.copy_from_peer(from, c.at, full, c.start, c.len)?
                             }
@@ -373,7 +377,7 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         shards: &mut [&mut O::Buf],
         dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        let half = reduces_in_bf16("reduce-scatter", dtype)?;
+        let half = reduces_in_half("reduce-scatter", dtype)?;
         let world = self.comm.world_size();
         let p = Packing::reduce_scatter::<O>(fulls, shards, world)?;
         let (slot_in, slot_out) = Slot::reduction(half);
@@ -408,7 +412,7 @@ impl<O: StagingOps, C: Communicator + ?Sized> DeviceComm<O> for StagedComm<C> {
         bufs: &mut [&mut O::Buf],
         dtype: DType,
     ) -> Result<(), DeviceTrainError> {
-        let half = reduces_in_bf16("all-reduce", dtype)?;
+        let half = reduces_in_half("all-reduce", dtype)?;
         let p = Packing::new(lens::<O>(bufs.iter().map(|b| &**b)));
         let refs: Vec<&O::Buf> = bufs.iter().map(|b| &**b).collect();
         let buf = self.pack(ops, &refs, &p, Slot::reduction(half).0, p.total)?;

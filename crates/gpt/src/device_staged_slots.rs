@@ -1,6 +1,7 @@
 //! [`StagedComm`](super::StagedComm)'s staging buffers: the kept buffers (an input and an
-//! output of f32, one of f64 for the step's scalars, the prefetch's pair, and bf16 pairs for
-//! reductions, gathers and prefetches in bf16), which one a collective uses, and the
+//! output of f32, one of f64 for the step's scalars, the prefetch's pair, and 16-bit pairs for
+//! reductions in bf16 or f16 and gathers and prefetches in bf16), which one a collective uses,
+//! and the
 //! all-gathers in flight.
 
 use fsdp_collectives::{Communicator, Work};
@@ -37,7 +38,7 @@ pub(super) struct Staging {
     pub(super) scalars: Option<Counted<Buffer>>,
     pub(super) prefetch_input: Option<Counted<Buffer>>,
     pub(super) prefetch_output: Option<Counted<Buffer>>,
-    /// A reduction's or an all-gather's input and output in bf16.
+    /// A reduction's (bf16 or f16) or an all-gather's (bf16) input and output.
     pub(super) half_input: Option<Counted<Buffer>>,
     pub(super) half_output: Option<Counted<Buffer>>,
     /// A prefetched all-gather's in bf16.
@@ -53,8 +54,9 @@ pub(super) enum Slot {
     Scalars,
     PrefetchInput,
     PrefetchOutput,
-    HalfInput,
-    HalfOutput,
+    /// Of bf16 or f16: a buffer of the other type is replaced (both are 2 bytes an element).
+    HalfInput(DType),
+    HalfOutput(DType),
     PrefetchHalfInput,
     PrefetchHalfOutput,
 }
@@ -65,18 +67,17 @@ impl Slot {
     pub(super) fn gather(prefetch: bool, half: bool) -> (Slot, Slot) {
         match (prefetch, half) {
             (false, false) => (Slot::Input, Slot::Output),
-            (false, true) => (Slot::HalfInput, Slot::HalfOutput),
+            (false, true) => (Slot::HalfInput(DType::BF16), Slot::HalfOutput(DType::BF16)),
             (true, false) => (Slot::PrefetchInput, Slot::PrefetchOutput),
             (true, true) => (Slot::PrefetchHalfInput, Slot::PrefetchHalfOutput),
         }
     }
 
-    /// The input and output slots of a reduction in bf16 (`half`) or f32.
-    pub(super) fn reduction(half: bool) -> (Slot, Slot) {
-        if half {
-            (Slot::HalfInput, Slot::HalfOutput)
-        } else {
-            (Slot::Input, Slot::Output)
+    /// The input and output slots of a reduction in `half` (bf16 or f16), or f32 (`None`).
+    pub(super) fn reduction(half: Option<DType>) -> (Slot, Slot) {
+        match half {
+            Some(h) => (Slot::HalfInput(h), Slot::HalfOutput(h)),
+            None => (Slot::Input, Slot::Output),
         }
     }
 }
@@ -120,20 +121,28 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::Scalars => (&mut s.scalars, DType::F64),
             Slot::PrefetchInput => (&mut s.prefetch_input, DType::F32),
             Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
-            Slot::HalfInput => (&mut s.half_input, DType::BF16),
-            Slot::HalfOutput => (&mut s.half_output, DType::BF16),
+            Slot::HalfInput(d) => (&mut s.half_input, d),
+            Slot::HalfOutput(d) => (&mut s.half_output, d),
             Slot::PrefetchHalfInput => (&mut s.prefetch_half_input, DType::BF16),
             Slot::PrefetchHalfOutput => (&mut s.prefetch_half_output, DType::BF16),
         };
-        if kept.as_ref().is_none_or(|b| b.len() < len) {
+        // A half slot of the other 16-bit type is replaced at its length or more.
+        let retyped = kept
+            .as_ref()
+            .filter(|b| b.dtype() != dtype)
+            .map(|b| b.len());
+        let len_new = retyped.map_or(len, |old| old.max(len));
+        if retyped.is_some() || kept.as_ref().is_none_or(|b| b.len() < len) {
             // The old buffer is released first: it is counted until then.
             *kept = None;
             let buf = match (self.comm.device(), ops.device_stream()) {
                 // Operations that touch no memory: sizes only, for plans.
-                _ if ops.is_meta() => Buffer::meta(dtype, len.max(1))?,
-                (Device::Cuda(_), Some(stream)) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
+                _ if ops.is_meta() => Buffer::meta(dtype, len_new.max(1))?,
+                (Device::Cuda(_), Some(stream)) => {
+                    Buffer::cuda_zeros(dtype, len_new.max(1), stream)?
+                }
                 (d, None) if d != Device::Cpu => return Err(self.misplaced(d, ops)),
-                _ => Buffer::zeros(dtype, len.max(1))?,
+                _ => Buffer::zeros(dtype, len_new.max(1))?,
             };
             let bytes = buf.byte_len() as u64;
             *kept = Some(ops.count(buf, bytes));

@@ -228,6 +228,52 @@ fn sharded_ranks_scale_alike_and_change_no_bit() {
     }
 }
 
+/// Two ranks reducing in f16 (`reduce_dtype`) with a grad scaler: the gradients are reduced
+/// scaled, as PyTorch's are, so at a scale of 2^18 they overflow f16 in the reduction (f32
+/// products, which never do) and the step is the scaler's skip on both ranks, the scale
+/// backing off until the reductions fit; every rank's scaler in the same state, and the
+/// engine's scaler fed the same overflows agrees.
+#[test]
+fn f16_reductions_overflow_as_the_scalers_skip() {
+    let tokens = tokens();
+    let c = DeviceTrainConfig {
+        reduce_dtype: fsdp_device::DType::F16,
+        ..config(Some((262_144.0, 2000)))
+    };
+    let params = seeded_params(&c.cfg, SEED).unwrap();
+    let ranks = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+        let comm: Box<dyn DeviceComm<HostOps>> = Box::new(HostComm::new(Box::new(comm)));
+        let mut t = ShardedDeviceTrainer::new(
+            HostOps::new(),
+            comm,
+            c,
+            ShardingStrategy::FullShard,
+            &params,
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        for s in 0..STEPS {
+            out.extend(t.enqueue_step(&tokens, s).unwrap().map(|r| r.outcome));
+        }
+        out.extend(t.flush().unwrap().map(|r| r.outcome));
+        out
+    })
+    .unwrap();
+    let o = &ranks[0];
+    assert!(
+        o[0].overflow && !o[0].applied,
+        "2^24 overflows f16: {:?}",
+        o[0]
+    );
+    assert!(o.iter().any(|o| o.applied), "never fitted: {o:?}");
+    assert!(o.iter().all(|o| o.loss.is_finite() && !o.halted));
+    let states: Vec<_> = o.iter().map(|o| o.scaler.unwrap()).collect();
+    assert_eq!(states, engine_states(c.grad_scaler.unwrap(), o));
+    assert_eq!(keys(&ranks[1]), keys(o), "rank 1 against rank 0");
+    let skipped = o.iter().filter(|o| o.overflow).count();
+    println!("f16 reductions at 2^18: {skipped} of {STEPS} steps skipped");
+}
+
 /// A trainer that stops after 4 steps and one that resumes from its optimizer state and its
 /// scaler's state continue as the uninterrupted run: bitwise.
 #[test]

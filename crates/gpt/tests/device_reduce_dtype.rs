@@ -1,22 +1,23 @@
-//! Gradients reduced in bf16 (FSDP's `MixedPrecisionPolicy.reduce_dtype`, `--reduce-dtype
-//! bf16`) by every `DeviceComm`: `PeerComm` (ranks as threads reading each other's bf16
-//! roundings), `StagedComm` (NCCL's path, bf16 staging) and `HostComm` over the ring.
+//! Gradients reduced in bf16 or f16 (FSDP's `MixedPrecisionPolicy.reduce_dtype`,
+//! `--reduce-dtype bf16|f16`) by every `DeviceComm`: `PeerComm` (ranks as threads reading each
+//! other's 16-bit roundings), `StagedComm` (NCCL's path, 16-bit staging) and `HostComm` over
+//! the ring.
 //!
 //! The reference is computed here with the `half` crate alone: each rank's value rounded to
-//! bf16, the ranks' values added in rank order in f32 with a rounding to bf16 after each
-//! addition, the sum divided by the ranks in f32 and rounded to bf16 (one rank: the rounding
+//! the 16-bit type, the ranks' values added in rank order in f32 with a rounding after each
+//! addition, the sum divided by the ranks in f32 and rounded (one rank: the rounding
 //! alone). `PeerComm` folds in rank order, so it gives those bits at every world size; the
 //! ring folds each chunk from a rank of its own, so it gives them at 2 ranks (a sum of two is
 //! the same either way) and, beyond, values of bf16 within the rounding bound of the exact
 //! mean — and `StagedComm` over the same ring gives the ring's bits. Then the sharded trainer
-//! with bf16 reductions: the same bits over the three at 2 ranks, for every strategy that
-//! reduces (reduce-scatter, all-reduce, and a hybrid mesh's both).
+//! with bf16 and with f16 reductions: the same bits over the three at 2 ranks, for every
+//! strategy that reduces (reduce-scatter, all-reduce, and a hybrid mesh's both).
 
 use std::collections::HashMap;
 
 use fsdp::optim::LrSchedule;
 use fsdp_collectives::ring;
-use fsdp_device::half::bf16;
+use fsdp_device::half::{bf16, f16};
 use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_comm::{CommVolume, DeviceComm, HostComm};
@@ -29,16 +30,25 @@ use fsdp_kernels::gpt::{GptOps, HostOps, Products};
 
 mod common;
 use common::device::{
-    device_config, exercise_bf16, grad_value, over_peers, over_ring, over_staged, param_bits,
-    peer_comms, staged_trainer, UNIT_LENS,
+    device_config, exercise_bf16, exercise_f16, grad_value, over_peers, over_ring, over_staged,
+    param_bits, peer_comms, staged_trainer, UNIT_LENS,
 };
 
 fn round(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// The reference mean of element `i` of tensor `t` over `world` ranks (module docs).
-fn reference_mean(world: usize, t: usize, i: usize) -> f32 {
+/// `x` rounded to `d` (bf16 or f16).
+fn round_to(d: DType, x: f32) -> f32 {
+    match d {
+        DType::F16 => f16::from_f32(x).to_f32(),
+        _ => round(x),
+    }
+}
+
+/// The reference mean in `d` of element `i` of tensor `t` over `world` ranks (module docs).
+fn reference_mean(d: DType, world: usize, t: usize, i: usize) -> f32 {
+    let round = |x| round_to(d, x);
     let mut acc = round(grad_value(0, t, i));
     if world == 1 {
         return acc;
@@ -49,8 +59,10 @@ fn reference_mean(world: usize, t: usize, i: usize) -> f32 {
     round(acc / world as f32)
 }
 
-/// What [`exercise_bf16`] gives rank `r` of `world` when the ranks are folded in rank order.
-fn expected(world: usize, r: usize) -> Vec<Vec<f32>> {
+/// What [`exercise_bf16`] (`d` bf16) or [`exercise_f16`] gives rank `r` of `world` when the
+/// ranks are folded in rank order.
+fn expected(d: DType, world: usize, r: usize) -> Vec<Vec<f32>> {
+    let reference_mean = |world, t, i| reference_mean(d, world, t, i);
     let mut v: Vec<Vec<f32>> = Vec::new();
     for (t, &n) in UNIT_LENS.iter().enumerate() {
         let s = n.div_ceil(world);
@@ -87,13 +99,24 @@ fn exact_mean(world: usize, t: usize, i: usize) -> (f64, f64) {
 #[test]
 fn bf16_reductions_round_as_the_collectives_do() {
     // bf16 keeps 8 significant bits: each rounding is within 2⁻⁸ of its value's magnitude.
-    let u = 2f64.powi(-8);
+    reductions_round_as_the_collectives_do(DType::BF16, 2f64.powi(-8), exercise_bf16);
+}
+
+#[test]
+fn f16_reductions_round_as_the_collectives_do() {
+    // f16 keeps 11 (the values here, below 5 and above 2⁻¹⁴, are normal).
+    reductions_round_as_the_collectives_do(DType::F16, 2f64.powi(-11), exercise_f16);
+}
+
+type Exercise = fn(&dyn DeviceComm<HostOps>, &HostOps) -> Vec<Vec<f32>>;
+
+fn reductions_round_as_the_collectives_do(d: DType, u: f64, exercise: Exercise) {
     for world in [1, 2, 3, 4] {
-        let peers = over_peers(world, exercise_bf16);
-        let ring = over_ring(world, exercise_bf16);
-        let staged = over_staged(world, exercise_bf16);
+        let peers = over_peers(world, exercise);
+        let ring = over_ring(world, exercise);
+        let staged = over_staged(world, exercise);
         for r in 0..world {
-            let want = expected(world, r);
+            let want = expected(d, world, r);
             assert_eq!(peers[r], want, "peers, {world} ranks, rank {r}");
             assert_eq!(staged[r], ring[r], "staged against the ring, {world} ranks");
             if world <= 2 {
@@ -112,7 +135,7 @@ fn bf16_reductions_round_as_the_collectives_do() {
             for (t, got) in all_reduced.iter().enumerate() {
                 for (i, &g) in got.iter().enumerate() {
                     let (mean, max) = exact_mean(world, t, i);
-                    assert_eq!(round(g), g, "{world} ranks: {g} is not a bf16 value");
+                    assert_eq!(round_to(d, g), g, "{world} ranks: {g} is not a {d} value");
                     let bound = (world as f64 + 2.0) * u * max;
                     assert!(
                         (f64::from(g) - mean).abs() <= bound,
@@ -127,14 +150,14 @@ fn bf16_reductions_round_as_the_collectives_do() {
 /// A reduction in a dtype the device's collectives do not reduce in is refused by name, before
 /// anything is sent (a rank alone: no peer to wait for).
 #[test]
-fn a_reduction_in_f16_is_refused() {
+fn a_reduction_in_f64_is_refused() {
     for errs in [
-        over_peers(1, f16_error),
-        over_ring(1, f16_error),
-        over_staged(1, f16_error),
+        over_peers(1, f64_error),
+        over_ring(1, f64_error),
+        over_staged(1, f64_error),
     ] {
         let e = &errs[0];
-        assert!(e.contains("f32 or bf16"), "{e}");
+        assert!(e.contains("f32, bf16 or f16"), "{e}");
         assert!(
             e.contains("reduce-scatter") && e.contains("all-reduce"),
             "{e}"
@@ -142,15 +165,15 @@ fn a_reduction_in_f16_is_refused() {
     }
 }
 
-fn f16_error(comm: &dyn DeviceComm<HostOps>, ops: &HostOps) -> String {
+fn f64_error(comm: &dyn DeviceComm<HostOps>, ops: &HostOps) -> String {
     let full = ops.upload(&[1.0, 2.0]).unwrap();
     let mut shard = ops.upload(&[0.0, 0.0]).unwrap();
     let a = comm
-        .reduce_scatter_avg(ops, &[&full], &mut [&mut shard], DType::F16)
+        .reduce_scatter_avg(ops, &[&full], &mut [&mut shard], DType::F64)
         .unwrap_err();
     let mut buf = ops.upload(&[1.0]).unwrap();
     let b = comm
-        .all_reduce_avg(ops, &mut [&mut buf], DType::F16)
+        .all_reduce_avg(ops, &mut [&mut buf], DType::F64)
         .unwrap_err();
     format!("{a}; {b}")
 }
@@ -199,6 +222,16 @@ fn on_peers<R: Send>(
 /// and then different parameters, the losses within 1%.
 #[test]
 fn sharded_training_reduces_in_bf16() {
+    sharded_training_reduces_in(DType::BF16);
+}
+
+/// [`sharded_training_reduces_in_bf16`] with f16 reductions.
+#[test]
+fn sharded_training_reduces_in_f16() {
+    sharded_training_reduces_in(DType::F16);
+}
+
+fn sharded_training_reduces_in(half: DType) {
     let tokens = synthetic_corpus(20_000, 64, 7);
     let base = device_config(LrSchedule::Constant, true, Some(0.5), 2);
     let params = seeded_params(&base.cfg, 7).unwrap();
@@ -217,10 +250,10 @@ fn sharded_training_reduces_in_bf16() {
                 (losses, param_bits(t.full_params().unwrap()))
             })
         };
-        let peers = run(DType::BF16);
+        let peers = run(half);
         let f32_run = run(DType::F32);
         let c = DeviceTrainConfig {
-            reduce_dtype: DType::BF16,
+            reduce_dtype: half,
             ..base
         };
         let staged = ring::run_ranks(world, ring::RingOptions::default(), |comm| {
@@ -246,11 +279,14 @@ fn sharded_training_reduces_in_bf16() {
         }
         let (bf, f) = (&peers[0], &f32_run[0]);
         assert_eq!(bf.0[0], f.0[0], "{s:?}: the first loss precedes any update");
-        assert!(bf.1 != f.1, "{s:?}: the bf16 reductions changed nothing");
+        assert!(bf.1 != f.1, "{s:?}: the {half} reductions changed nothing");
         for (a, b) in bf.0.iter().zip(&f.0) {
             assert!(((a - b) / b).abs() < 1e-2, "{s:?}: {a} against {b}");
         }
-        println!("{s:?}: bf16 reductions' losses {:?}, f32's {:?}", bf.0, f.0);
+        println!(
+            "{s:?}: {half} reductions' losses {:?}, f32's {:?}",
+            bf.0, f.0
+        );
     }
 }
 

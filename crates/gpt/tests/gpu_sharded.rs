@@ -31,7 +31,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::device::{exercise_bf16, exercise_collectives};
+use common::device::{exercise_bf16, exercise_collectives, exercise_f16};
 use common::gpu::{gpu, run, SMALL_GPU_MODEL};
 use fsdp_collectives::nccl::{NcclCommunicator, NcclOptions, UniqueId};
 use fsdp_collectives::{cuda_ring, ring};
@@ -84,8 +84,8 @@ fn peer_collectives_on_cuda_give_the_host_twins_bits() {
     }
 }
 
-/// Reductions in bf16 (`--reduce-dtype bf16`): CUDA's casts and bf16 folds give the host
-/// twins' bits at 2 to 4 ranks.
+/// Reductions in bf16 and f16 (`--reduce-dtype bf16|f16`): CUDA's casts and 16-bit folds give
+/// the host twins' bits at 2 to 4 ranks.
 #[test]
 fn peer_bf16_collectives_on_cuda_give_the_host_twins_bits() {
     if !gpu("peer_bf16_collectives_on_cuda_give_the_host_twins_bits") {
@@ -103,6 +103,17 @@ fn peer_bf16_collectives_on_cuda_give_the_host_twins_bits() {
         let host = on_peers(world, |_| HostOps::new(), exercise_bf16);
         assert_eq!(cuda, host, "{world} ranks");
         println!("{world} ranks: the bf16 reductions and gathers equal the host twins' bits");
+        let cuda = on_peers(
+            world,
+            |r| {
+                let stream = fsdp_device::Stream::cuda(0, format!("rank {r}")).unwrap();
+                CudaOps::new(stream).unwrap()
+            },
+            exercise_f16,
+        );
+        let host = on_peers(world, |_| HostOps::new(), exercise_f16);
+        assert_eq!(cuda, host, "{world} ranks, f16");
+        println!("{world} ranks: the f16 reductions equal the host twins' bits");
     }
 }
 
@@ -203,6 +214,7 @@ fn sharded_cuda_follows_the_engine() {
     compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
     // Gradients reduced in bf16, against the engine's bf16 reductions.
     compare("2", "full-shard", &["--reduce-dtype", "bf16"]);
+    compare("2", "full-shard", &["--reduce-dtype", "f16"]);
     // The grad scaler on both sides (the device's at a power of two changes no bit).
     compare(
         "2",

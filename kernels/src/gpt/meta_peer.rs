@@ -4,9 +4,10 @@
 use super::memory::{bytes_of, Counted};
 use super::meta::{write, MetaCounted, MetaOps};
 use super::peer::{PeerOps, PeerPtr};
-use super::peer_half::check_cast;
+use super::peer_half::{check_cast, half_type};
 use crate::host::ReduceKind;
 use crate::KernelError;
+use fsdp_device::DType;
 
 impl PeerOps for MetaOps {
     type Event = ();
@@ -21,36 +22,42 @@ impl PeerOps for MetaOps {
             len: half.len,
         }
     }
-    unsafe fn cast_to_bf16_ptr(
+    unsafe fn cast_to_half_ptr(
         &self,
+        half: DType,
         src: &MetaCounted,
         src_offset: usize,
         dst: PeerPtr,
         dst_offset: usize,
         len: usize,
     ) -> Result<(), KernelError> {
+        half_type(half)?;
         check_cast("source", src_offset, len, src.len)?;
         check_cast("destination", dst_offset, len, dst.len)
     }
-    unsafe fn widen_bf16_ptr(
+    unsafe fn widen_half_ptr(
         &self,
+        half: DType,
         _: PeerPtr,
         _: usize,
         dst: &mut MetaCounted,
         _: usize,
         _: usize,
     ) -> Result<(), KernelError> {
+        half_type(half)?;
         write(&mut [dst]);
         Ok(())
     }
-    unsafe fn reduce_bf16_from_peers(
+    unsafe fn reduce_half_from_peers(
         &self,
+        half: DType,
         _: ReduceKind,
         _: &[(PeerPtr, usize)],
         dst: &mut MetaCounted,
         _: usize,
         _: usize,
     ) -> Result<(), KernelError> {
+        half_type(half)?;
         write(&mut [dst]);
         Ok(())
     }

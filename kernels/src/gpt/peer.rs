@@ -7,14 +7,15 @@
 //! `cuMemcpyDtoDAsync`).
 
 use cudarc::driver::{result, CudaSlice, DevicePtr, DevicePtrMut};
-use half::bf16;
+use fsdp_device::DType;
+use half::{bf16, f16};
 
 use super::cuda::{copy_error, CudaBuf, CudaOps};
 use super::host_ops::HostOps;
 use super::memory::Counted;
 use super::ops::GptOps;
 use super::peer_gather::{check_copies, cuda_copy_from_peers, PeerCopy};
-use super::peer_half::{host_cast_to_bf16, host_widen_bf16};
+use super::peer_half::{half_type, host_cast_to_half, host_widen_half, Half16};
 use crate::host::{KernelFloat, ReduceKind};
 use crate::launch::reduce_raw;
 use crate::KernelError;
@@ -100,33 +101,37 @@ pub trait PeerOps: GptOps<Scalars: Send> {
         len: usize,
     ) -> Result<(), KernelError>;
 
-    /// A buffer of bf16 elements in the operations' memory, counted in it: the inputs and
-    /// results of a reduction in bf16 (FSDP's `reduce_dtype`).
+    /// A buffer of 16-bit elements in the operations' memory, counted in it: the inputs and
+    /// results of a reduction in bf16 or f16 (FSDP's `reduce_dtype`), and a shard posted in
+    /// bf16 for an all-gather. Which of the two types it holds is its user's: the casts and
+    /// the reduction below are told.
     type Half: Send;
 
-    /// `len` bf16 elements, whose values are unspecified until written.
+    /// `len` 16-bit elements, whose values are unspecified until written.
     ///
     /// # Errors
     /// Allocation failures.
     fn half(&self, len: usize) -> Result<Self::Half, KernelError>;
 
-    /// The address of `half`'s memory (bf16 elements), to hand to peers or to write into with
-    /// [`cast_to_bf16_ptr`](Self::cast_to_bf16_ptr).
+    /// The address of `half`'s memory (16-bit elements), to hand to peers or to write into
+    /// with [`cast_to_half_ptr`](Self::cast_to_half_ptr).
     fn half_ptr(&self, half: &Self::Half) -> PeerPtr;
 
     /// Enqueues `len` elements of `src` from element `src_offset`, each rounded to the nearest
-    /// bf16 (ties to even: the cast kernel), into the bf16 memory `dst` from element
-    /// `dst_offset`.
+    /// `half` (bf16 or f16; ties to even: the cast kernel), into the 16-bit memory `dst` from
+    /// element `dst_offset`.
     ///
     /// # Safety
-    /// `dst` must be memory of these operations' kind valid for `dst.len` bf16 elements (a
+    /// `dst` must be memory of these operations' kind valid for `dst.len` 16-bit elements (a
     /// [`half_ptr`](Self::half_ptr), or a communicator's staging buffer), that nothing else
     /// reads or writes until the cast has run in the operations' order.
     ///
     /// # Errors
-    /// Ranges outside `src` or `dst` (checked before anything is enqueued); launch failures.
-    unsafe fn cast_to_bf16_ptr(
+    /// A `half` other than bf16 or f16; ranges outside `src` or `dst` (checked before anything
+    /// is enqueued); launch failures.
+    unsafe fn cast_to_half_ptr(
         &self,
+        half: DType,
         src: &Self::Buf,
         src_offset: usize,
         dst: PeerPtr,
@@ -134,18 +139,19 @@ pub trait PeerOps: GptOps<Scalars: Send> {
         len: usize,
     ) -> Result<(), KernelError>;
 
-    /// Enqueues `len` bf16 elements of the memory `src` from element `src_offset`, widened
-    /// (exactly), into `dst` from element `dst_offset`.
+    /// Enqueues `len` elements of `half` (bf16 or f16) of the memory `src` from element
+    /// `src_offset`, widened (exactly), into `dst` from element `dst_offset`.
     ///
     /// # Safety
-    /// `src` must be memory of these operations' kind valid for `src.len` bf16 elements, live
-    /// and unwritten until the copy has run (ordered as for
+    /// `src` must be memory of these operations' kind valid for `src.len` 16-bit elements,
+    /// live and unwritten until the copy has run (ordered as for
     /// [`copy_from_peer`](Self::copy_from_peer)).
     ///
     /// # Errors
-    /// Ranges outside `src` or `dst`; launch failures.
-    unsafe fn widen_bf16_ptr(
+    /// A `half` other than bf16 or f16; ranges outside `src` or `dst`; launch failures.
+    unsafe fn widen_half_ptr(
         &self,
+        half: DType,
         src: PeerPtr,
         src_offset: usize,
         dst: &mut Self::Buf,
@@ -155,7 +161,7 @@ pub trait PeerOps: GptOps<Scalars: Send> {
 
     /// Enqueues every copy of `copies` into its destination `dsts[copy.dst]`: each as
     /// [`copy_from_peer`](Self::copy_from_peer) does, or
-    /// [`widen_bf16_ptr`](Self::widen_bf16_ptr) when `widen` — on CUDA in as few launches as
+    /// [`widen_half_ptr`](Self::widen_half_ptr) from bf16 when `widen` — on CUDA in as few launches as
     /// the copies allow (one kernel for up to
     /// [`GATHER_SEGMENTS`](crate::launch::GATHER_SEGMENTS), instead of one copy each).
     ///
@@ -178,7 +184,7 @@ pub trait PeerOps: GptOps<Scalars: Send> {
             // SAFETY: the caller's contract; ranges checked above.
             unsafe {
                 if c.widen {
-                    self.widen_bf16_ptr(c.src, c.src_offset, dst, c.dst_offset, c.len)?
+                    self.widen_half_ptr(DType::BF16, c.src, c.src_offset, dst, c.dst_offset, c.len)?
                 } else {
                     self.copy_from_peer(c.src, c.src_offset, dst, c.dst_offset, c.len)?
                 }
@@ -187,17 +193,18 @@ pub trait PeerOps: GptOps<Scalars: Send> {
         Ok(())
     }
 
-    /// [`reduce_from_peers`](Self::reduce_from_peers) over bf16 memory (addresses from
-    /// [`half_ptr`](Self::half_ptr)) into `dst`: in f32, rounded to bf16 after every
-    /// operation, as the collectives reduce bf16.
+    /// [`reduce_from_peers`](Self::reduce_from_peers) over memory of `half` (bf16 or f16;
+    /// addresses from [`half_ptr`](Self::half_ptr)) into `dst`: in f32, rounded to `half`
+    /// after every operation, as the collectives reduce 16-bit types.
     ///
     /// # Safety
     /// As [`reduce_from_peers`](Self::reduce_from_peers).
     ///
     /// # Errors
-    /// As [`reduce_from_peers`](Self::reduce_from_peers).
-    unsafe fn reduce_bf16_from_peers(
+    /// As [`reduce_from_peers`](Self::reduce_from_peers); a `half` other than bf16 or f16.
+    unsafe fn reduce_half_from_peers(
         &self,
+        half: DType,
         op: ReduceKind,
         srcs: &[(PeerPtr, usize)],
         dst: &mut Self::Half,
@@ -355,8 +362,9 @@ impl PeerOps for HostOps {
         }
     }
 
-    unsafe fn cast_to_bf16_ptr(
+    unsafe fn cast_to_half_ptr(
         &self,
+        half: DType,
         src: &Self::Buf,
         src_offset: usize,
         dst: PeerPtr,
@@ -364,11 +372,17 @@ impl PeerOps for HostOps {
         len: usize,
     ) -> Result<(), KernelError> {
         // SAFETY: the caller's contract.
-        unsafe { host_cast_to_bf16(src, src_offset, dst, dst_offset, len) }
+        unsafe {
+            match half_type(half)? {
+                Half16::Bf16 => host_cast_to_half::<bf16>(src, src_offset, dst, dst_offset, len),
+                Half16::F16 => host_cast_to_half::<f16>(src, src_offset, dst, dst_offset, len),
+            }
+        }
     }
 
-    unsafe fn widen_bf16_ptr(
+    unsafe fn widen_half_ptr(
         &self,
+        half: DType,
         src: PeerPtr,
         src_offset: usize,
         dst: &mut Self::Buf,
@@ -376,20 +390,34 @@ impl PeerOps for HostOps {
         len: usize,
     ) -> Result<(), KernelError> {
         // SAFETY: the caller's contract.
-        unsafe { host_widen_bf16(src, src_offset, dst, dst_offset, len) }
+        unsafe {
+            match half_type(half)? {
+                Half16::Bf16 => host_widen_half::<bf16>(src, src_offset, dst, dst_offset, len),
+                Half16::F16 => host_widen_half::<f16>(src, src_offset, dst, dst_offset, len),
+            }
+        }
     }
 
-    unsafe fn reduce_bf16_from_peers(
+    unsafe fn reduce_half_from_peers(
         &self,
+        half: DType,
         op: ReduceKind,
         srcs: &[(PeerPtr, usize)],
         dst: &mut Self::Half,
         dst_offset: usize,
         len: usize,
     ) -> Result<(), KernelError> {
+        let kind = half_type(half)?;
         check_sources(srcs, dst_offset, len, dst.len())?;
+        let dst = &mut dst[dst_offset..dst_offset + len];
         // SAFETY: the caller's contract; ranges checked.
-        unsafe { host_fold::<bf16>(op, srcs, &mut dst[dst_offset..dst_offset + len]) }
+        unsafe {
+            match kind {
+                Half16::Bf16 => host_fold::<bf16>(op, srcs, dst),
+                // The same 16-bit memory viewed as f16 (both are plain 16-bit values).
+                Half16::F16 => host_fold::<f16>(op, srcs, bytemuck::cast_slice_mut(dst)),
+            }
+        }
     }
 
     fn peer_ptr(&self, buf: &Self::Buf) -> PeerPtr {
@@ -477,8 +505,9 @@ impl PeerOps for CudaOps {
         }
     }
 
-    unsafe fn cast_to_bf16_ptr(
+    unsafe fn cast_to_half_ptr(
         &self,
+        half: DType,
         src: &Self::Buf,
         src_offset: usize,
         dst: PeerPtr,
@@ -486,11 +515,17 @@ impl PeerOps for CudaOps {
         len: usize,
     ) -> Result<(), KernelError> {
         // SAFETY: the caller's contract.
-        unsafe { self.cast_to_bf16_at(src, src_offset, dst, dst_offset, len) }
+        unsafe {
+            match half_type(half)? {
+                Half16::Bf16 => self.cast_to_half_at::<bf16>(src, src_offset, dst, dst_offset, len),
+                Half16::F16 => self.cast_to_half_at::<f16>(src, src_offset, dst, dst_offset, len),
+            }
+        }
     }
 
-    unsafe fn widen_bf16_ptr(
+    unsafe fn widen_half_ptr(
         &self,
+        half: DType,
         src: PeerPtr,
         src_offset: usize,
         dst: &mut Self::Buf,
@@ -498,22 +533,35 @@ impl PeerOps for CudaOps {
         len: usize,
     ) -> Result<(), KernelError> {
         // SAFETY: the caller's contract.
-        unsafe { self.widen_bf16_at(src, src_offset, dst, dst_offset, len) }
+        unsafe {
+            match half_type(half)? {
+                Half16::Bf16 => self.widen_half_at::<bf16>(src, src_offset, dst, dst_offset, len),
+                Half16::F16 => self.widen_half_at::<f16>(src, src_offset, dst, dst_offset, len),
+            }
+        }
     }
 
-    unsafe fn reduce_bf16_from_peers(
+    unsafe fn reduce_half_from_peers(
         &self,
+        half: DType,
         op: ReduceKind,
         srcs: &[(PeerPtr, usize)],
         dst: &mut Self::Half,
         dst_offset: usize,
         len: usize,
     ) -> Result<(), KernelError> {
+        let kind = half_type(half)?;
         check_sources(srcs, dst_offset, len, dst.len())?;
         let (d, _sync) = dst.device_ptr_mut(&self.cuda);
         let d = d + (dst_offset * std::mem::size_of::<bf16>()) as u64;
-        // SAFETY: the caller's contract; ranges checked; `d` is this stream's half.
-        unsafe { cuda_fold::<bf16>(&self.cuda, op, srcs, d, len) }
+        // SAFETY: the caller's contract; ranges checked; `d` is this stream's half, 16-bit
+        // elements of either type.
+        unsafe {
+            match kind {
+                Half16::Bf16 => cuda_fold::<bf16>(&self.cuda, op, srcs, d, len),
+                Half16::F16 => cuda_fold::<f16>(&self.cuda, op, srcs, d, len),
+            }
+        }
     }
 
     fn peer_ptr(&self, buf: &Self::Buf) -> PeerPtr {

@@ -95,6 +95,7 @@ pub(super) unsafe fn cuda_copy_from_peers(
 mod tests {
     use super::*;
     use crate::gpt::{GptOps, HostOps, PeerOps};
+    use fsdp_device::DType;
 
     /// Pieces of two sources into two destinations, one widened from bf16; a bad copy anywhere
     /// in the list is refused before any is made.
@@ -105,8 +106,17 @@ mod tests {
         let half = ops.half(3).unwrap();
         let h = ops.half_ptr(&half);
         // SAFETY: `half` is live and written here only.
-        unsafe { ops.cast_to_bf16_ptr(&ops.upload(&[0.5, 1.5, 2.5]).unwrap(), 0, h, 0, 3) }
-            .unwrap();
+        unsafe {
+            ops.cast_to_half_ptr(
+                DType::BF16,
+                &ops.upload(&[0.5, 1.5, 2.5]).unwrap(),
+                0,
+                h,
+                0,
+                3,
+            )
+        }
+        .unwrap();
         let (mut x, mut y) = (ops.zeros(4).unwrap(), ops.zeros(3).unwrap());
         let src = ops.peer_ptr(&a);
         let copy = |src, src_offset, dst, dst_offset, len, widen| PeerCopy {

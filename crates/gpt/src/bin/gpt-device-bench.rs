@@ -106,7 +106,7 @@ struct Args {
     /// The sharding of `--ranks`: full-shard, shard-grad-op or no-shard.
     #[arg(long, default_value = "full-shard")]
     strategy: String,
-    /// The dtype `--ranks` reduce their gradients in: f32 or bf16.
+    /// The dtype `--ranks` reduce their gradients in: f32, bf16 or f16.
     #[arg(long, default_value = "f32", value_parser = reduce_dtype)]
     reduce_dtype: fsdp_device::DType,
     /// The optimizer: adamw (f32 moments), or anyprecision-adamw (torchdistx's, bf16 moments
@@ -123,7 +123,8 @@ fn reduce_dtype(s: &str) -> Result<fsdp_device::DType, String> {
     match s {
         "f32" => Ok(fsdp_device::DType::F32),
         "bf16" => Ok(fsdp_device::DType::BF16),
-        other => Err(format!("--reduce-dtype {other}: expected f32 or bf16")),
+        "f16" => Ok(fsdp_device::DType::F16),
+        other => Err(format!("--reduce-dtype {other}: expected f32, bf16 or f16")),
     }
 }
 
@@ -503,6 +504,7 @@ fn bench(args: &Args) -> Result<(), String> {
             );
             let reduced = match args.reduce_dtype {
                 fsdp_device::DType::BF16 => " reduce bf16",
+                fsdp_device::DType::F16 => " reduce f16",
                 _ => "",
             };
             println!(

@@ -260,6 +260,23 @@ pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
     comm: &dyn fsdp_gpt::device_comm::DeviceComm<O>,
     ops: &O,
 ) -> Vec<Vec<f32>> {
+    exercise_half(comm, ops, fsdp_device::DType::BF16)
+}
+
+/// [`exercise_bf16`] with the reductions in f16 (the all-gather still in bf16).
+pub fn exercise_f16<O: fsdp_kernels::gpt::GptOps>(
+    comm: &dyn fsdp_gpt::device_comm::DeviceComm<O>,
+    ops: &O,
+) -> Vec<Vec<f32>> {
+    exercise_half(comm, ops, fsdp_device::DType::F16)
+}
+
+/// [`exercise_bf16`] with the reductions in `reduce`.
+fn exercise_half<O: fsdp_kernels::gpt::GptOps>(
+    comm: &dyn fsdp_gpt::device_comm::DeviceComm<O>,
+    ops: &O,
+    reduce: fsdp_device::DType,
+) -> Vec<Vec<f32>> {
     let (r, world) = (comm.rank(), comm.world_size());
     let own: Vec<_> = UNIT_LENS
         .iter()
@@ -277,16 +294,12 @@ pub fn exercise_bf16<O: fsdp_kernels::gpt::GptOps>(
         ops,
         &own.iter().collect::<Vec<_>>(),
         &mut shards.iter_mut().collect::<Vec<_>>(),
-        fsdp_device::DType::BF16,
+        reduce,
     )
     .unwrap();
     let mut bufs = own;
-    comm.all_reduce_avg(
-        ops,
-        &mut bufs.iter_mut().collect::<Vec<_>>(),
-        fsdp_device::DType::BF16,
-    )
-    .unwrap();
+    comm.all_reduce_avg(ops, &mut bufs.iter_mut().collect::<Vec<_>>(), reduce)
+        .unwrap();
     let mine = rank0_shards(ops, r, world);
     let mut gathered: Vec<_> = UNIT_LENS
         .iter()

@@ -58,7 +58,7 @@ const THREADS_MEET: &str = "ranks as threads meet in the process, without a back
 
 /// The refusals of `--device` other than cpu shared by `fsdp train` and `fsdp plan`, in order:
 /// ranks as processes (a launcher's), a hybrid strategy of several ranks, a dtype other than
-/// f32 (but bf16 or f16 parameters, bf16 reductions of several ranks). Returns the number of
+/// f32 (but bf16 or f16 parameters, bf16 or f16 reductions of several ranks). Returns the number of
 /// ranks.
 pub(crate) fn check_device_world_and_dtypes(
     dev: DeviceArg,
@@ -106,8 +106,9 @@ pub(crate) fn check_device_world_and_dtypes(
         ("--reduce-dtype", model.reduce_dtype, reduce_also),
     ];
     for (i, (option, d, also)) in dtypes.into_iter().enumerate() {
-        // Parameters may also be f16 (products of f16 operands, with the grad scaler).
-        let f16_ok = |d: DType| i == 0 && d == DType::F16;
+        // Parameters may also be f16 (products of f16 operands, with the grad scaler), and
+        // several ranks may reduce in f16 too.
+        let f16_ok = |d: DType| d == DType::F16 && (i == 0 || world > 1);
         if let Some(d) = d.filter(|&d| d != DType::F32 && d != also && !f16_ok(d)) {
             return Err(fail(format!(
                 "--device {dev}: {option} {}: the device trainer takes f32{}",
@@ -115,7 +116,7 @@ pub(crate) fn check_device_world_and_dtypes(
                 match (i, world) {
                     (0, _) => ", bf16 or f16 (products of 16-bit operands)",
                     (_, 1) => " only (one rank reduces nothing)",
-                    _ => " or bf16 (the gradients' reductions)",
+                    _ => ", bf16 or f16 (the gradients' reductions)",
                 }
             )));
         }

@@ -110,14 +110,16 @@ impl<'a> Shared<'a> {
             }
             crate::device_report::say_layers(args.model.param_dtype, &run.config);
             let reduce = run.config.reduce_dtype;
+            let name = crate::run_config::dtype_option(reduce);
             say!(
-                "reductions: the gradients in {}{}",
-                crate::run_config::dtype_option(reduce),
-                if reduce == fsdp_device::DType::BF16 {
-                    " (each unit's rounded to bf16 before its collective, the means widened into \
-                     f32 accumulators)"
+                "reductions: the gradients in {name}{}",
+                if reduce == fsdp_device::DType::F32 {
+                    String::new()
                 } else {
-                    ""
+                    format!(
+                        " (each unit's rounded to {name} before its collective, the means widened \
+                         into f32 accumulators)"
+                    )
                 }
             );
             if let Some((r, _)) = &run.resume {
