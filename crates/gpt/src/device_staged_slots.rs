@@ -1,7 +1,7 @@
 //! [`StagedComm`](super::StagedComm)'s staging buffers: the kept buffers (an input and an
-//! output of f32, one of f64 for the step's scalars, the prefetch's pair, and 16-bit pairs for
-//! reductions in bf16 or f16 and gathers and prefetches in bf16), which one a collective uses,
-//! and the
+//! output of f32, one of f64 for the step's scalars, the prefetch's pair, bf16 pairs for
+//! reductions, gathers and prefetches in bf16, and an f16 pair for reductions in f16), which
+//! one a collective uses, and the
 //! all-gathers in flight.
 
 use fsdp_collectives::{Communicator, Work};
@@ -38,9 +38,12 @@ pub(super) struct Staging {
     pub(super) scalars: Option<Counted<Buffer>>,
     pub(super) prefetch_input: Option<Counted<Buffer>>,
     pub(super) prefetch_output: Option<Counted<Buffer>>,
-    /// A reduction's (bf16 or f16) or an all-gather's (bf16) input and output.
+    /// A reduction's or an all-gather's input and output in bf16.
     pub(super) half_input: Option<Counted<Buffer>>,
     pub(super) half_output: Option<Counted<Buffer>>,
+    /// A reduction's input and output in f16 (made only by a run that reduces in f16).
+    pub(super) f16_input: Option<Counted<Buffer>>,
+    pub(super) f16_output: Option<Counted<Buffer>>,
     /// A prefetched all-gather's in bf16.
     pub(super) prefetch_half_input: Option<Counted<Buffer>>,
     pub(super) prefetch_half_output: Option<Counted<Buffer>>,
@@ -54,7 +57,7 @@ pub(super) enum Slot {
     Scalars,
     PrefetchInput,
     PrefetchOutput,
-    /// Of bf16 or f16: a buffer of the other type is replaced (both are 2 bytes an element).
+    /// Of bf16 or f16 (each type its own kept buffer).
     HalfInput(DType),
     HalfOutput(DType),
     PrefetchHalfInput,
@@ -96,6 +99,8 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             &s.prefetch_output,
             &s.half_input,
             &s.half_output,
+            &s.f16_input,
+            &s.f16_output,
             &s.prefetch_half_input,
             &s.prefetch_half_output,
         ]
@@ -121,28 +126,22 @@ impl<C: Communicator + ?Sized> StagedComm<C> {
             Slot::Scalars => (&mut s.scalars, DType::F64),
             Slot::PrefetchInput => (&mut s.prefetch_input, DType::F32),
             Slot::PrefetchOutput => (&mut s.prefetch_output, DType::F32),
-            Slot::HalfInput(d) => (&mut s.half_input, d),
-            Slot::HalfOutput(d) => (&mut s.half_output, d),
+            Slot::HalfInput(DType::F16) => (&mut s.f16_input, DType::F16),
+            Slot::HalfOutput(DType::F16) => (&mut s.f16_output, DType::F16),
+            Slot::HalfInput(_) => (&mut s.half_input, DType::BF16),
+            Slot::HalfOutput(_) => (&mut s.half_output, DType::BF16),
             Slot::PrefetchHalfInput => (&mut s.prefetch_half_input, DType::BF16),
             Slot::PrefetchHalfOutput => (&mut s.prefetch_half_output, DType::BF16),
         };
-        // A half slot of the other 16-bit type is replaced at its length or more.
-        let retyped = kept
-            .as_ref()
-            .filter(|b| b.dtype() != dtype)
-            .map(|b| b.len());
-        let len_new = retyped.map_or(len, |old| old.max(len));
-        if retyped.is_some() || kept.as_ref().is_none_or(|b| b.len() < len) {
+        if kept.as_ref().is_none_or(|b| b.len() < len) {
             // The old buffer is released first: it is counted until then.
             *kept = None;
             let buf = match (self.comm.device(), ops.device_stream()) {
                 // Operations that touch no memory: sizes only, for plans.
-                _ if ops.is_meta() => Buffer::meta(dtype, len_new.max(1))?,
-                (Device::Cuda(_), Some(stream)) => {
-                    Buffer::cuda_zeros(dtype, len_new.max(1), stream)?
-                }
+                _ if ops.is_meta() => Buffer::meta(dtype, len.max(1))?,
+                (Device::Cuda(_), Some(stream)) => Buffer::cuda_zeros(dtype, len.max(1), stream)?,
                 (d, None) if d != Device::Cpu => return Err(self.misplaced(d, ops)),
-                _ => Buffer::zeros(dtype, len_new.max(1))?,
+                _ => Buffer::zeros(dtype, len.max(1))?,
             };
             let bytes = buf.byte_len() as u64;
             *kept = Some(ops.count(buf, bytes));

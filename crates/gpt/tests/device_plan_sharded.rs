@@ -265,6 +265,14 @@ fn the_process_plan_is_the_measured_peak_with_staging() {
             DType::BF16,
         ),
         (4, ShardingStrategy::FullShard, None, both, true, DType::F32),
+        (
+            2,
+            ShardingStrategy::FullShard,
+            None,
+            both,
+            false,
+            DType::F16,
+        ),
     ] {
         let c = DeviceTrainConfig {
             offload,

@@ -1,7 +1,8 @@
 //! The fused attention's two operations
 //! ([`GptOps::attention_fused_forward`](super::GptOps::attention_fused_forward) and
-//! [`GptOps::attention_fused_backward`](super::GptOps::attention_fused_backward)) on the host twins and on CUDA: each reads its
-//! operands as the 16-bit type the products round to, and refuses f32 products.
+//! [`GptOps::attention_fused_backward`](super::GptOps::attention_fused_backward)) on the host
+//! twins and on CUDA: each reads its operands as the 16-bit type the products round to, and
+//! refuses f32 products.
 
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
