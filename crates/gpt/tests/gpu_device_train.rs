@@ -127,6 +127,30 @@ fn device_cuda_grad_scaler_follows_the_engine() {
     }
 }
 
+/// `fsdp train` of the small GPU model for 20 steps on `device` with `more`, its loss log
+/// `name` in `dir`: every step's loss and the output.
+fn twenty_steps(dir: &Path, device: &str, more: &[&str], name: &str) -> (Vec<f64>, String) {
+    let log = dir.join(name);
+    let mut a: Vec<String> = ["train"]
+        .iter()
+        .chain(SMALL_GPU_MODEL.iter())
+        .chain(["--steps", "20", "--device", device].iter())
+        .chain(more)
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(["--loss-log".to_string(), log.display().to_string()]);
+    let out = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    (losses(&log), out)
+}
+
+/// The largest relative difference of two runs' losses (against `b`'s).
+fn apart(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs())
+        .fold(0.0, f64::max)
+}
+
 /// `--param-dtype f16` (f16 products, the grad scaler on by default): the CUDA run against
 /// the host twins' f16 run, both multiplying f16-rounded operands in different summation
 /// orders; held, as `fsdp-kernels`' `gpu_gpt` holds one step, to twice the twins' own
@@ -139,36 +163,19 @@ fn device_cuda_f16_products_track_their_twin() {
     }
     let dir = std::env::temp_dir().join(format!("fsdp-gpu-f16-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let go = |device: &str, dtype: &str, name: &str, more: &[&str]| {
-        let log = dir.join(name);
-        let mut a: Vec<String> = ["train"]
-            .iter()
-            .chain(SMALL_GPU_MODEL.iter())
-            .chain(["--steps", "20", "--device", device, "--param-dtype", dtype].iter())
-            .chain(more)
-            .map(|s| s.to_string())
-            .collect();
-        a.extend(["--loss-log".to_string(), log.display().to_string()]);
-        let out = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
-        (losses(&log), out)
-    };
-    let (cuda, out) = go("cuda", "f16", "cuda16.csv", &[]);
+    let f16 = ["--param-dtype", "f16"];
+    let (cuda, out) = twenty_steps(&dir, "cuda", &f16, "cuda16.csv");
     assert!(out.contains("grad scaler: final scale"), "{out}");
-    let (twin, _) = go("host-twin", "f16", "twin16.csv", &[]);
-    let (twin32, _) = go("host-twin", "f32", "twin32.csv", &[]);
-    let apart = |a: &[f64], b: &[f64]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs() / y.abs())
-            .fold(0.0, f64::max)
-    };
+    let (twin, _) = twenty_steps(&dir, "host-twin", &f16, "twin16.csv");
+    let (twin32, _) = twenty_steps(&dir, "host-twin", &["--param-dtype", "f32"], "twin32.csv");
     let (d, scale) = (apart(&cuda, &twin), apart(&twin, &twin32));
     println!("f16 products: cuda vs twin {d:.2e}, twin f16 vs f32 {scale:.2e}");
     assert!(
         d <= 2.0 * scale,
         "cuda vs twin {d:e}, twin f16 vs f32 {scale:e}"
     );
-    let (_, out) = go("cuda", "f16", "over.csv", &["--init-scale", "16777216"]);
+    let over = ["--param-dtype", "f16", "--init-scale", "16777216"];
+    let (_, out) = twenty_steps(&dir, "cuda", &over, "over.csv");
     assert!(!out.contains(", 0 overflowing"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -183,31 +190,11 @@ fn device_cuda_fused_attention_tracks_its_twin() {
     }
     let dir = std::env::temp_dir().join(format!("fsdp-gpu-fused-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let model: Vec<&str> = SMALL_GPU_MODEL.to_vec();
-    let go = |device: &str, more: &[&str], name: &str| {
-        let log = dir.join(name);
-        let mut a: Vec<String> = ["train"]
-            .iter()
-            .chain(model.iter())
-            .chain(["--steps", "20", "--device", device].iter())
-            .chain(more)
-            .map(|s| s.to_string())
-            .collect();
-        a.extend(["--loss-log".to_string(), log.display().to_string()]);
-        let out = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
-        (losses(&log), out)
-    };
     let fused = ["--param-dtype", "bf16", "--attention", "fused"];
-    let (cuda, out) = go("cuda", &fused, "cuda.csv");
+    let (cuda, out) = twenty_steps(&dir, "cuda", &fused, "cuda.csv");
     assert!(out.contains("attention: fused"), "{out}");
-    let (twin, _) = go("host-twin", &fused, "twin.csv");
-    let (twin32, _) = go("host-twin", &["--param-dtype", "f32"], "twin32.csv");
-    let apart = |a: &[f64], b: &[f64]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs() / y.abs())
-            .fold(0.0, f64::max)
-    };
+    let (twin, _) = twenty_steps(&dir, "host-twin", &fused, "twin.csv");
+    let (twin32, _) = twenty_steps(&dir, "host-twin", &["--param-dtype", "f32"], "twin32.csv");
     let (d, scale) = (apart(&cuda, &twin), apart(&twin, &twin32));
     println!("fused attention: cuda vs twin {d:.2e}, twin fused bf16 vs f32 {scale:.2e}");
     assert!(
