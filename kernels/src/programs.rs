@@ -8,7 +8,8 @@ use crate::KernelError;
 
 const COMMON: &str = include_str!("cu/common.cuh");
 
-/// One NVRTC program (one CUDA module): the shared header plus one `.cu` file.
+/// One NVRTC program (one CUDA module): the shared header plus one `.cu` file (for
+/// [`Program::Nn`], `nn.cu` followed by `nn_softmax.cu` and `nn_embed_heads.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Program {
     /// `cast_<src>_<dst>` between f32, bf16 and f16.
@@ -71,7 +72,12 @@ impl Program {
             Program::Optim => include_str!("cu/optim.cu"),
             Program::AnyPrecision => include_str!("cu/any_precision.cu"),
             Program::Norm => include_str!("cu/norm.cu"),
-            Program::Nn => include_str!("cu/nn.cu"),
+            // One program from three files, joined in this order.
+            Program::Nn => concat!(
+                include_str!("cu/nn.cu"),
+                include_str!("cu/nn_softmax.cu"),
+                include_str!("cu/nn_embed_heads.cu")
+            ),
             Program::Attention => include_str!("cu/attention.cu"),
         };
         format!("{COMMON}\n{body}")

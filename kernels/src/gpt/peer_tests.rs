@@ -1,6 +1,6 @@
 //! Tests of [`PeerOps`](super::PeerOps) for the host twins (run under Miri too).
 use super::*;
-use crate::gpt::GptOps;
+use crate::gpt::{GptOps, HostOps};
 
 /// The host twins read their peers' buffers by address across threads: a copy and the
 /// reductions (in rank order; an average divided at the last step) give the values of the

@@ -25,6 +25,7 @@ mod attention;
 mod foreach;
 mod gather;
 mod nn;
+mod nn_embed;
 mod nn_heads;
 mod nn_loss;
 mod step;
@@ -36,9 +37,12 @@ pub use foreach::{
 pub use gather::{gather_copies, GatherCopy, GATHER_SEGMENTS};
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, causal_softmax_forward_both,
+    gelu_backward, gelu_forward, layernorm_backward_input, layernorm_backward_params,
+    layernorm_forward,
+};
+pub use nn_embed::{
     embedding_backward_positions, embedding_backward_tokens, embedding_backward_tokens_host_ids,
-    embedding_forward, gelu_backward, gelu_forward, layernorm_backward_input,
-    layernorm_backward_params, layernorm_forward,
+    embedding_forward,
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};

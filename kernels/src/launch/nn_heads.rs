@@ -1,5 +1,5 @@
-//! Launch functions of the bias add and the attention heads' permutations (`cu/nn.cu`), each
-//! bitwise equal to its twin in [`host::nn`](crate::host::nn).
+//! Launch functions of the bias add and the attention heads' permutations
+//! (`cu/nn_embed_heads.cu`), each bitwise equal to its twin in [`host::nn`](crate::host::nn).
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 

@@ -1,6 +1,6 @@
-//! Launch functions of the cross-entropy fused with its backward (`cu/nn.cu`), bitwise equal
-//! to its twins [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused) and
-//! [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place).
+//! Launch functions of the cross-entropy fused with its backward (`cu/nn_softmax.cu`), bitwise
+//! equal to its twins [`host::nn::cross_entropy_fused`](crate::host::nn::cross_entropy_fused)
+//! and [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place).
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
@@ -106,7 +106,7 @@ unsafe fn launch_cross_entropy(
     // the kernel's, as the caller promises; one block per row;
     // targets are compared with `v` before any indexed read; dlogits may be logits (the
     // kernel reads each element before the one thread that writes it does, after the row's
-    // reductions: cu/nn.cu).
+    // reductions: cu/nn_softmax.cu).
     launched(k, unsafe { b.launch(cfg) })
 }
 
