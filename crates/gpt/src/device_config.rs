@@ -17,6 +17,7 @@ use fsdp_kernels::host::{
 };
 use fsdp_kernels::KernelError;
 
+use crate::device_units::{DeviceWrap, UnitLayout};
 use crate::init::gpt2_init;
 use crate::model::{param_specs, GptConfig};
 
@@ -144,6 +145,11 @@ pub struct DeviceTrainConfig {
     /// power-of-two scale the training is bitwise that without the scaler, unless a step
     /// overflows.
     pub grad_scaler: Option<GradScalerConfig>,
+    /// Which tensors sharded training gathers, frees and reduces together (the FSDP units of
+    /// a wrap policy; by default the root and each block): the same training bit for bit
+    /// under any policy, its collectives grouped and its memory held differently. One rank
+    /// holds every tensor throughout.
+    pub wrap: DeviceWrap,
 }
 
 impl DeviceTrainConfig {
@@ -167,6 +173,7 @@ impl DeviceTrainConfig {
                 reason: format!("AnyPrecisionAdamW: {e}"),
             })?;
         }
+        UnitLayout::new(&self.cfg, &self.dims(), self.wrap)?;
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {
                 reason: format!(

@@ -3,34 +3,37 @@
 //! Every parameter tensor is sharded alone, flat, over the `factor` ranks that shard it (as
 //! FSDP2 shards each parameter; `factor` 1 replicates it, FSDP's `NO_SHARD`): rank `r` holds
 //! elements `r·s .. (r+1)·s` of the flattened tensor, `s = ⌈numel / factor⌉`, zero-padded.
-//! The hooks then do what FSDP's do for each unit (the root — `wte`, `wpe`, `ln_f` — and
-//! each block):
+//! The hooks then do what FSDP's do for each unit of the wrap policy (by default the root —
+//! `wte`, `wpe`, `ln_f` — and each block), at the spans where [`UnitLayout`] opens and closes
+//! it:
 //!
 //! - `pre_forward` / `pre_backward`: unshard (one all-gather of the unit's shards into full
 //!   tensors) unless the unit is unsharded already; `pre_backward` also gives zero gradients;
-//! - `post_forward`: with `reshard_after_forward` (`FULL_SHARD`), a block frees its full
-//!   parameters (the root keeps them, as FSDP's root does);
+//! - `post_forward`: with `reshard_after_forward` (`FULL_SHARD`), a unit other than the root
+//!   frees its full parameters (the root keeps them, as FSDP's root does);
 //! - `post_backward`: the unit's gradients reduced to this rank's shards with the ranks'
 //!   mean (one reduce-scatter; an all-reduce when replicated; under the hybrid strategies the
 //!   reduce-scatter inside the node, then an all-reduce of the shards over the nodes), added
-//!   to the step's gradient
-//!   accumulators as `acc += alpha·g`, and the full gradients and parameters freed.
+//!   to the step's gradient accumulators as `acc += alpha·g`, and the full gradients and
+//!   parameters freed.
 
 use fsdp_device::DType;
-use fsdp_kernels::gpt::{
-    block_product_weights, Block, GptDims, GptOps, Unit, Units, Weights, WithGrads,
-};
+use fsdp_kernels::gpt::{Block, GptDims, GptOps, Unit, Units, Weights, WithGrads};
 use fsdp_kernels::KernelError;
 
 use crate::device_comm::{bytes, CommVolume, DeviceComm};
 use crate::device_config::DeviceTrainError;
+use crate::device_units::{pick, UnitLayout};
 
 #[path = "device_shard_offload.rs"]
 mod offload;
 use offload::{copy_in, host_unshard};
+#[path = "device_shard_slots.rs"]
+mod slots;
+use slots::Slots;
 
-/// The root unit's tensors: the embeddings and the final layer norm's two.
-const ROOT_TENSORS: usize = 4;
+/// A hook's result.
+type DeviceResult = Result<(), DeviceTrainError>;
 
 /// Elements of one shard of a tensor of `numel` elements over `factor` ranks.
 pub(crate) fn shard_len(numel: usize, factor: usize) -> usize {
@@ -110,28 +113,13 @@ fn resident<'s, O: GptOps>(
     }
 }
 
-/// The lengths of `unit`'s shards over `factor` ranks, in the order of its buffers.
-fn unit_shard_lens(dims: &GptDims, factor: usize, unit: Unit) -> Result<Vec<usize>, KernelError> {
-    let len = |_: &str, n: usize| Ok::<_, KernelError>(shard_len(n, factor));
-    Ok(match unit {
-        Unit::Root => Weights::try_build_root(dims, len)?
-            .root_bufs()
-            .into_iter()
-            .copied()
-            .collect(),
-        Unit::Block(_) => Block::try_build(dims.n_embd, len)?
-            .bufs()
-            .into_iter()
-            .copied()
-            .collect(),
-    })
-}
-
 /// The [`Units`] of one pass of a sharded trainer (see the [module](self) documentation).
 pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     comm: &'a C,
     /// Under the hybrid strategies, the ranks holding the same shards in the other nodes.
     replicas: Option<&'a C>,
+    /// The units and where the pass opens and closes them.
+    layout: &'a UnitLayout,
     dims: GptDims,
     /// Ranks sharding each tensor (1: replicated).
     factor: usize,
@@ -151,11 +139,13 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
     /// Whether the blocks' weights that only products read are gathered in bf16 (with bf16
     /// products, which read them rounded to bf16 anyway).
     bf16_weights: bool,
-    root: Option<Weights<O::Buf>>,
-    root_grads: Option<Weights<O::Buf>>,
-    blocks: Vec<Option<Block<O::Buf>>>,
-    block_grads: Vec<Option<Block<O::Buf>>>,
-    /// Under CPU offload, the shards of the block whose all-gather was prefetched, copied in
+    /// The full parameters of the unsharded units.
+    params: Slots<O::Buf>,
+    /// The full gradients of the units between their opening and closing in backward.
+    grads: Slots<O::Buf>,
+    /// Which units are unsharded now.
+    unsharded: Vec<bool>,
+    /// Under CPU offload, the shards of the unit whose all-gather was prefetched, copied in
     /// and kept until the all-gather that completes it.
     copied_in: Option<(usize, Vec<O::Buf>)>,
     /// The bytes this pass's collectives moved.
@@ -163,12 +153,14 @@ pub(crate) struct ShardedUnits<'a, O: GptOps, C: ?Sized> {
 }
 
 impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
-    /// The hooks of one pass over `shards` (sharded over `factor` ranks of `comm`), adding
-    /// `alpha ×` the reduced gradients into the accumulators of `sink`.
+    /// The hooks of one pass over `shards` (sharded over `factor` ranks of `comm`) with the
+    /// units of `layout`, adding `alpha ×` the reduced gradients into the accumulators of
+    /// `sink`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         comm: &'a C,
         replicas: Option<&'a C>,
+        layout: &'a UnitLayout,
         dims: GptDims,
         factor: usize,
         reshard_after_forward: bool,
@@ -179,6 +171,7 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         ShardedUnits {
             comm,
             replicas,
+            layout,
             dims,
             factor,
             reshard_after_forward,
@@ -189,10 +182,9 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             reduce_dtype: DType::F32,
             gather_dtype: DType::F32,
             bf16_weights: false,
-            root: None,
-            root_grads: None,
-            blocks: (0..dims.n_layer).map(|_| None).collect(),
-            block_grads: (0..dims.n_layer).map(|_| None).collect(),
+            params: Slots::new(&dims),
+            grads: Slots::new(&dims),
+            unsharded: vec![false; layout.units.len()],
             copied_in: None,
             volume: CommVolume::default(),
         }
@@ -235,44 +227,57 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         self
     }
 
-    /// The dtypes `unit`'s tensors are all-gathered in (its tensors' order).
-    fn dtypes(&self, unit: Unit) -> Vec<DType> {
-        match unit {
-            Unit::Root => vec![self.gather_dtype; ROOT_TENSORS],
-            Unit::Block(_) => block_product_weights()
-                .map(|w| {
-                    if w && self.bf16_weights {
-                        DType::BF16
-                    } else {
-                        self.gather_dtype
-                    }
-                })
-                .to_vec(),
-        }
+    /// The dtypes unit `u`'s tensors are all-gathered in (its tensors' order).
+    fn dtypes(&self, u: usize) -> Vec<DType> {
+        let l = self.layout;
+        l.units[u]
+            .tensors
+            .iter()
+            .map(|&i| {
+                if self.bf16_weights && l.product_weight(i) {
+                    DType::BF16
+                } else {
+                    self.gather_dtype
+                }
+            })
+            .collect()
     }
 
-    /// Starts the all-gather of block `layer` (when it exists and is not unsharded; under CPU
-    /// offload its shards are copied in first, and kept until it is gathered).
-    fn prefetch_block(&mut self, ops: &O, layer: Option<usize>) -> Result<(), DeviceTrainError> {
-        let Some(l) = layer.filter(|&l| l < self.dims.n_layer) else {
+    /// The lengths of unit `u`'s shards, in its tensors' order.
+    fn shard_lens(&self, u: usize) -> Vec<usize> {
+        let l = self.layout;
+        let lens = l.units[u].tensors.iter().map(|&i| l.numels[i]);
+        lens.map(|n| shard_len(n, self.factor)).collect()
+    }
+
+    /// Starts the all-gather of the first unit that `span` opens and that is not unsharded
+    /// (`forward`: in forward, else in backward); under CPU offload its shards are copied in
+    /// first, and kept until it is gathered.
+    fn prefetch(&mut self, ops: &O, span: Option<Unit>, forward: bool) -> DeviceResult {
+        let (Some(span), true) = (span, self.sharded()) else {
             return Ok(());
         };
-        if !self.sharded() || self.blocks.get(l).is_some_and(Option::is_some) {
+        let layout = self.layout;
+        let mut opens: Box<dyn Iterator<Item = usize>> = if forward {
+            Box::new(layout.forward_opens(span))
+        } else {
+            Box::new(layout.backward_opens(span))
+        };
+        let Some(u) = opens.find(|&u| !self.unsharded[u]) else {
             return Ok(());
-        }
-        let dtypes = self.dtypes(Unit::Block(l));
+        };
+        let (dtypes, lens) = (self.dtypes(u), self.shard_lens(u));
+        let tensors = &layout.units[u].tensors;
         match &mut self.shards {
             ShardSource::Device(w) => {
                 self.comm
-                    .prefetch_all_gather(ops, &w.blocks[l].bufs(), &dtypes)?;
+                    .prefetch_all_gather(ops, &pick(w.all(), tensors), &dtypes)?;
             }
             ShardSource::Host(st) if self.copied_in.is_none() => {
-                let lens = unit_shard_lens(&self.dims, self.factor, Unit::Block(l))?;
-                let staged = st.blocks[l].bufs_mut();
-                let shards = copy_in(ops, staged, &lens)?;
+                let shards = copy_in(ops, pick(st.all_mut(), tensors), &lens)?;
                 let refs: Vec<&O::Buf> = shards.iter().collect();
                 if self.comm.prefetch_all_gather(ops, &refs, &dtypes)? {
-                    self.copied_in = Some((l, shards));
+                    self.copied_in = Some((u, shards));
                 }
             }
             ShardSource::Host(_) => {}
@@ -280,95 +285,93 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
         Ok(())
     }
 
-    /// The block after `unit` in forward order.
-    fn next_block(unit: Unit) -> Option<usize> {
-        match unit {
-            Unit::Root => Some(0),
-            Unit::Block(l) => Some(l + 1),
-        }
+    /// The block after `span` in forward order.
+    fn next_block(&self, span: Unit) -> Option<Unit> {
+        let next = match span {
+            Unit::Root => 0,
+            Unit::Block(l) => l + 1,
+        };
+        (next < self.dims.n_layer).then_some(Unit::Block(next))
     }
 
-    /// The block after `unit` in backward order.
-    fn previous_block(&self, unit: Unit) -> Option<usize> {
-        match unit {
+    /// The block after `span` in backward order.
+    fn previous_block(&self, span: Unit) -> Option<Unit> {
+        match span {
             Unit::Root => self.dims.n_layer.checked_sub(1),
             Unit::Block(l) => l.checked_sub(1),
         }
+        .map(Unit::Block)
     }
 
-    /// Gathers `unit`'s full parameters unless held (under CPU offload, copies its shards in
-    /// first; replicated, copies them in as its parameters).
-    fn unshard(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        if self.resident().is_some() {
+    /// Gathers unit `u`'s full parameters into their slots unless held (under CPU offload,
+    /// copies its shards in first; replicated, copies them in as its parameters).
+    fn unshard(&mut self, ops: &O, u: usize) -> DeviceResult {
+        if self.resident().is_some() || self.unsharded[u] {
             return Ok(());
         }
-        let (d, factor, comm) = (self.dims, self.factor, self.comm);
-        let dtypes = self.dtypes(unit);
-        let dtypes = dtypes.as_slice();
-        let gathered = match unit {
-            Unit::Root if self.root.is_none() => {
-                let mut full = Weights::try_build_root(&d, |_, len| ops.empty(len))?;
-                let fulls = full.root_bufs_mut();
-                match &mut self.shards {
-                    ShardSource::Device(w) => comm.all_gather(
-                        ops,
-                        &w.root_bufs(),
-                        &mut fulls.into_iter().collect::<Vec<_>>(),
-                        dtypes,
-                    )?,
-                    ShardSource::Host(st) => host_unshard(
-                        (comm, ops, factor, &d, dtypes),
-                        st,
-                        &mut self.copied_in,
-                        unit,
-                        fulls.into_iter().collect(),
-                    )?,
-                }
-                self.root = Some(full);
-                true
+        let (factor, comm, layout) = (self.factor, self.comm, self.layout);
+        let (dtypes, lens) = (self.dtypes(u), self.shard_lens(u));
+        let unit = &layout.units[u];
+        let mut fulls = unit
+            .tensors
+            .iter()
+            .map(|&i| ops.empty(layout.numels[i]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut outs: Vec<&mut O::Buf> = fulls.iter_mut().collect();
+        match &mut self.shards {
+            ShardSource::Device(w) => {
+                comm.all_gather(ops, &pick(w.all(), &unit.tensors), &mut outs, &dtypes)?
             }
-            Unit::Block(l) if self.blocks.get(l).is_some_and(Option::is_none) => {
-                let mut full = Block::try_build(d.n_embd, |_, len| ops.empty(len))?;
-                match &mut self.shards {
-                    ShardSource::Device(w) => {
-                        comm.all_gather(ops, &w.blocks[l].bufs(), &mut full.bufs_mut(), dtypes)?
-                    }
-                    ShardSource::Host(st) => host_unshard(
-                        (comm, ops, factor, &d, dtypes),
-                        st,
-                        &mut self.copied_in,
-                        unit,
-                        full.bufs_mut(),
-                    )?,
-                }
-                self.blocks[l] = Some(full);
-                true
+            ShardSource::Host(st) => {
+                let staged = pick(st.all_mut(), &unit.tensors);
+                let how = (comm, ops, factor, dtypes.as_slice());
+                host_unshard(
+                    how,
+                    staged,
+                    lens.clone(),
+                    &mut self.copied_in,
+                    (u, unit),
+                    outs,
+                )?
             }
-            _ => false,
-        };
-        if gathered {
-            for (&s, &dtype) in unit_shard_lens(&d, factor, unit)?.iter().zip(dtypes) {
-                self.volume.all_gathered += bytes(s * factor, dtype);
-            }
+        }
+        for (&i, b) in unit.tensors.iter().zip(fulls) {
+            self.params.put(i, b);
+        }
+        self.unsharded[u] = true;
+        for (s, &dtype) in lens.into_iter().zip(&dtypes) {
+            self.volume.all_gathered += bytes(s * factor, dtype);
         }
         Ok(())
     }
 
-    /// Reduces the full gradients `full` of `unit` in the reduction's dtype, adds `alpha ×`
-    /// this rank's part of them to the unit's accumulators in the sink, and counts the bytes
-    /// moved.
-    fn reduce(
-        &mut self,
-        ops: &O,
-        unit: Unit,
-        mut full: Vec<&mut O::Buf>,
-    ) -> Result<(), DeviceTrainError> {
+    /// Frees unit `u`'s full parameters.
+    fn free(&mut self, u: usize) {
+        if std::mem::take(&mut self.unsharded[u]) {
+            for &i in &self.layout.units[u].tensors {
+                drop(self.params.take(i));
+            }
+        }
+    }
+
+    /// Reduces unit `u`'s full gradients (taken from their slots) in the reduction's dtype,
+    /// adds `alpha ×` this rank's part of them to the unit's accumulators in the sink, frees
+    /// its parameters and counts the bytes moved.
+    fn reduce(&mut self, ops: &O, u: usize) -> DeviceResult {
+        let layout = self.layout;
+        let unit = &layout.units[u];
+        let mut grads = Vec::with_capacity(unit.tensors.len());
+        for &i in &unit.tensors {
+            let g = self.grads.take(i);
+            grads.push(g.ok_or_else(|| not_held(&format!("{unit}'s gradients")))?);
+        }
+        let full: Vec<&mut O::Buf> = grads.iter_mut().collect();
         let (comm, replicas, factor) = (self.comm, self.replicas, self.factor);
         let (alpha, dtype) = (self.alpha, self.reduce_dtype);
+        let lens = self.shard_lens(u);
         let sink = &mut self.sink;
         let mut volume = CommVolume::default();
         if factor > 1 {
-            let lens = unit_shard_lens(&self.dims, factor, unit)?;
             let shards: usize = lens.iter().sum();
             volume.reduce_scattered = bytes(shards * factor, dtype);
             let mut reduced = lens
@@ -385,8 +388,9 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     volume.all_reduced = bytes(shards, dtype);
                 }
             }
-            sink.add(ops, alpha, unit, reduced.iter().collect())?;
+            sink.add(ops, alpha, &unit.tensors, reduced.iter().collect())?;
         } else {
+            let mut full = full;
             let n = bytes(full.iter().map(|g| O::buf_len(g)).sum(), dtype);
             comm.all_reduce_avg(ops, &mut full, dtype)?;
             if comm.world_size() > 1 {
@@ -399,9 +403,17 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
                     volume.all_reduced = volume.all_reduced.saturating_add(n);
                 }
             }
-            sink.add(ops, alpha, unit, full.iter().map(|g| &**g).collect())?;
+            sink.add(
+                ops,
+                alpha,
+                &unit.tensors,
+                full.iter().map(|g| &**g).collect(),
+            )?;
         }
         self.volume += volume;
+        // The parameters are freed before the gradients, as the unit's buffers go.
+        self.free(u);
+        drop(grads);
         Ok(())
     }
 }
@@ -417,38 +429,18 @@ pub(crate) enum GradSink<'a, O: GptOps> {
     Staged(&'a mut Weights<O::Staging>),
 }
 
-/// `unit`'s tensors of `w`, mutably.
-fn unit_mut<B>(w: &mut Weights<B>, unit: Unit) -> Result<Vec<&mut B>, DeviceTrainError> {
-    match unit {
-        Unit::Root => Ok(w.root_bufs_mut().into_iter().collect()),
-        Unit::Block(l) => {
-            let n = w.blocks.len();
-            w.blocks
-                .get_mut(l)
-                .map(Block::bufs_mut)
-                .ok_or_else(|| not_held(&format!("block {l} of {n}")))
-        }
-    }
-}
-
 impl<O: GptOps> GradSink<'_, O> {
-    /// Adds `alpha × grads` (on the device, in `unit`'s order) to `unit`'s accumulators, or
-    /// starts copying them out into `unit`'s staging memory (`alpha` is applied on the host).
-    fn add(
-        &mut self,
-        ops: &O,
-        alpha: f32,
-        unit: Unit,
-        grads: Vec<&O::Buf>,
-    ) -> Result<(), DeviceTrainError> {
+    /// Adds `alpha × grads` (on the device, of the tensors `tensors`) to their accumulators,
+    /// or starts copying them out into their staging memory (`alpha` is applied on the host).
+    fn add(&mut self, ops: &O, alpha: f32, tensors: &[usize], grads: Vec<&O::Buf>) -> DeviceResult {
         match self {
             GradSink::Device(w) => {
-                for (a, g) in unit_mut(w, unit)?.into_iter().zip(grads) {
+                for (a, g) in pick(w.all_mut(), tensors).into_iter().zip(grads) {
                     ops.axpby(alpha, g, 1.0, a)?;
                 }
             }
             GradSink::Staged(staging) => {
-                for (s, g) in unit_mut(staging, unit)?.into_iter().zip(grads) {
+                for (s, g) in pick(staging.all_mut(), tensors).into_iter().zip(grads) {
                     ops.copy_out(g, s)?;
                 }
             }
@@ -464,97 +456,92 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
         true
     }
 
-    fn pre_forward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        self.unshard(ops, unit)?;
+    fn pre_forward(&mut self, ops: &O, span: Unit) -> DeviceResult {
+        let layout = self.layout;
+        for u in layout.forward_opens(span) {
+            self.unshard(ops, u)?;
+        }
+        if self.resident().is_none() {
+            self.params
+                .assemble(layout, &self.dims, span, "the parameters")?;
+        }
         if self.prefetch.forward {
-            self.prefetch_block(ops, Self::next_block(unit))?;
+            self.prefetch(ops, self.next_block(span), true)?;
         }
         Ok(())
     }
 
-    fn post_forward(&mut self, _: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        if let Unit::Block(l) = unit {
-            if self.reshard_after_forward {
-                if let Some(b) = self.blocks.get_mut(l) {
-                    *b = None;
+    fn post_forward(&mut self, _: &O, span: Unit) -> DeviceResult {
+        let layout = self.layout;
+        self.params.disassemble(layout, span);
+        if self.reshard_after_forward {
+            // FSDP does not reshard its root after forward: backward gathers it at once.
+            for u in layout.forward_closes(span) {
+                if !layout.units[u].is_root() {
+                    self.free(u);
                 }
             }
         }
         Ok(())
     }
 
-    fn pre_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        self.unshard(ops, unit)?;
-        let d = self.dims;
-        match unit {
-            Unit::Root => {
-                self.root_grads = Some(Weights::try_build_root(&d, |_, len| ops.zeros(len))?);
-            }
-            Unit::Block(l) => {
-                let g = Block::try_build(d.n_embd, |_, len| ops.zeros(len))?;
-                match self.block_grads.get_mut(l) {
-                    Some(slot) => *slot = Some(g),
-                    None => return Err(not_held(&format!("block {l}"))),
-                }
+    fn pre_backward(&mut self, ops: &O, span: Unit) -> DeviceResult {
+        let layout = self.layout;
+        for u in layout.backward_opens(span) {
+            self.unshard(ops, u)?;
+            for &i in &layout.units[u].tensors {
+                self.grads.put(i, ops.zeros(layout.numels[i])?);
             }
         }
+        if self.resident().is_none() {
+            self.params
+                .assemble(layout, &self.dims, span, "the parameters")?;
+        }
+        self.grads
+            .assemble(layout, &self.dims, span, "the gradients")?;
         if self.prefetch.backward {
-            self.prefetch_block(ops, self.previous_block(unit))?;
+            self.prefetch(ops, self.previous_block(span), false)?;
         }
         Ok(())
     }
 
-    fn post_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        match unit {
-            Unit::Root => {
-                let mut g = self.root_grads.take().ok_or_else(|| not_held("the root"))?;
-                self.reduce(ops, unit, g.root_bufs_mut().into_iter().collect())?;
-                self.root = None;
-            }
-            Unit::Block(l) => {
-                let what = || not_held(&format!("block {l}"));
-                let mut g = self
-                    .block_grads
-                    .get_mut(l)
-                    .and_then(Option::take)
-                    .ok_or_else(what)?;
-                self.reduce(ops, unit, g.bufs_mut())?;
-                self.blocks[l] = None;
-            }
+    fn post_backward(&mut self, ops: &O, span: Unit) -> DeviceResult {
+        let layout = self.layout;
+        self.params.disassemble(layout, span);
+        self.grads.disassemble(layout, span);
+        for u in layout.backward_closes(span) {
+            self.reduce(ops, u)?;
         }
         Ok(())
     }
 
     fn root(&self) -> Result<&Weights<O::Buf>, DeviceTrainError> {
-        match &self.root {
-            Some(r) => Ok(r),
-            None => self.resident().ok_or_else(|| not_held("the root")),
-        }
+        self.params
+            .root()
+            .or_else(|| self.resident())
+            .ok_or_else(|| not_held("the root"))
     }
 
     fn block(&self, layer: usize) -> Result<&Block<O::Buf>, DeviceTrainError> {
         let what = || not_held(&format!("block {layer}"));
-        match self.blocks.get(layer) {
-            Some(Some(b)) => Ok(b),
-            Some(None) => self
+        match self.params.block(layer) {
+            Some(b) => Ok(b),
+            None => self
                 .resident()
                 .and_then(|w| w.blocks.get(layer))
                 .ok_or_else(what),
-            None => Err(what()),
         }
     }
 
     fn root_grads(&mut self) -> Result<WithGrads<'_, Weights<O::Buf>>, DeviceTrainError> {
         let resident = resident(&self.shards, self.factor);
-        let params = match &self.root {
-            Some(r) => r,
-            None => resident.ok_or_else(|| not_held("the root"))?,
-        };
-        let grads = self
-            .root_grads
-            .as_mut()
-            .ok_or_else(|| not_held("the root's gradients"))?;
-        Ok((params, grads))
+        let params = self.params.root().or(resident);
+        let params = params.ok_or_else(|| not_held("the root"))?;
+        let grads = self.grads.root_mut();
+        Ok((
+            params,
+            grads.ok_or_else(|| not_held("the root's gradients"))?,
+        ))
     }
 
     fn block_grads(
@@ -562,19 +549,9 @@ impl<O: GptOps, C: DeviceComm<O> + ?Sized> Units<O> for ShardedUnits<'_, O, C> {
         layer: usize,
     ) -> Result<WithGrads<'_, Block<O::Buf>>, DeviceTrainError> {
         let what = || not_held(&format!("block {layer}"));
-        let resident = resident(&self.shards, self.factor);
-        let params = match self.blocks.get(layer) {
-            Some(Some(b)) => b,
-            Some(None) => resident
-                .and_then(|w| w.blocks.get(layer))
-                .ok_or_else(what)?,
-            None => return Err(what()),
-        };
-        let grads = self
-            .block_grads
-            .get_mut(layer)
-            .and_then(Option::as_mut)
-            .ok_or_else(what)?;
+        let resident = resident(&self.shards, self.factor).and_then(|w| w.blocks.get(layer));
+        let params = self.params.block(layer).or(resident).ok_or_else(what)?;
+        let grads = self.grads.block_mut(layer).ok_or_else(what)?;
         Ok((params, grads))
     }
 }

@@ -6,7 +6,8 @@
 //! - the same initial weights ([`seeded_params`](crate::device_train::seeded_params) or a
 //!   checkpoint's, whole on every rank, each keeping its shards) and the same batches (rank
 //!   `r` takes its rows of each micro-batch, [`get_batch`]);
-//! - FSDP's units (the root and each block) unsharded by one all-gather before their forward
+//! - FSDP's units (the root and each block, or those of a size policy:
+//!   [`DeviceTrainConfig::wrap`]) unsharded by one all-gather before their forward
 //!   and backward, blocks resharded after forward under `FULL_SHARD` (and `HYBRID_SHARD`),
 //!   gradients reduced to shards by one reduce-scatter per unit with the ranks' mean after each
 //!   unit's backward (an all-reduce under `NO_SHARD`; under the hybrid strategies inside each
@@ -38,12 +39,13 @@ use crate::device_optim::{
     accumulate_staged, decide_and_apply, squares, HostSide, OffloadStaging, Optim,
 };
 pub use crate::device_shard::Prefetch;
-use crate::device_shard::{shard_len, shard_of, GradSink, ShardSource, ShardedUnits};
+use crate::device_shard::{shard_of, GradSink, ShardSource, ShardedUnits};
 use crate::device_snapshot::MemoryHistory;
 use crate::device_trace::{StepMarks, Tracing};
 use crate::device_train::{
     accum_u32, micro_batch_index, read_outcome, step_choices, Reported, StepOutcome, Values,
 };
+use crate::device_units::UnitLayout;
 
 /// A step enqueued whose outcome is unread: its number, the optimizer steps known when it
 /// was enqueued, its scalars on the way, and with tracing its marks.
@@ -68,6 +70,8 @@ pub(crate) enum ShardSide<O: GptOps> {
 /// One rank of sharded training on a device (see the [module](self) documentation).
 pub struct ShardedDeviceTrainer<O: GptOps, C> {
     pub(crate) pass: GptPass<O>,
+    /// The FSDP units (`config.wrap`'s) on the pass's hooks.
+    pub(crate) layout: UnitLayout,
     /// The ranks that shard each tensor (every rank, but under the hybrid strategies those
     /// of this rank's node).
     pub(crate) comm: C,
@@ -203,6 +207,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         // This rank's shard among the `factor` that shard each tensor (replicated: the whole).
         let shard = comm.rank() % factor;
         let dims = config.dims();
+        let layout = UnitLayout::new(&config.cfg, &dims, config.wrap)?;
         let mut pass = GptPass::new(ops, dims)?;
         pass.set_activation_checkpointing(config.activation_checkpointing);
         pass.set_attention(config.attention);
@@ -247,6 +252,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             .collect();
         Ok(ShardedDeviceTrainer {
             pass,
+            layout,
             comm,
             replicas,
             config,
@@ -300,56 +306,6 @@ fn upload_shard<'a, O: GptOps>(
 }
 
 impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
-    /// The settings.
-    pub fn config(&self) -> &DeviceTrainConfig {
-        &self.config
-    }
-
-    /// The sharding strategy.
-    pub fn strategy(&self) -> ShardingStrategy {
-        self.strategy
-    }
-
-    /// The operations.
-    pub fn ops(&self) -> &O {
-        self.pass.ops()
-    }
-
-    /// The collectives.
-    pub fn comm(&self) -> &C {
-        &self.comm
-    }
-
-    /// Skip at most `limit` non-finite steps, as
-    /// [`DeviceTrainer::set_skip_nonfinite`](crate::device_train::DeviceTrainer::set_skip_nonfinite)
-    /// (every rank decides the same: the loss and the norm are the ranks').
-    pub fn set_skip_nonfinite(&mut self, limit: Option<u64>) {
-        self.skip_nonfinite = limit;
-    }
-
-    /// Which all-gathers each pass issues ahead of their use (default [`Prefetch::default`]:
-    /// backward on, forward off, as FSDP's defaults).
-    pub fn set_prefetch(&mut self, prefetch: Prefetch) {
-        self.prefetch = prefetch;
-    }
-
-    /// The bytes this rank's collectives have moved in the training steps so far (the units'
-    /// all-gathers and reductions, each in the dtype it moved; not the scalars' all-reduce,
-    /// nor the gathers of saving and checkpoints).
-    pub fn comm_volume(&self) -> CommVolume {
-        self.volume
-    }
-
-    /// Optimizer steps taken, as far as the outcomes read so far say.
-    pub fn optimizer_steps(&self) -> u64 {
-        self.known_steps
-    }
-
-    /// The device memory this rank's operations hold now, and their peak.
-    pub fn memory(&self) -> fsdp_kernels::gpt::MemoryUse {
-        self.ops().memory()
-    }
-
     /// Training step `step` on the token stream `tokens`, waiting for its outcome (see
     /// [`enqueue_step`](Self::enqueue_step)). Every rank calls it.
     ///
@@ -465,6 +421,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             let mut units = ShardedUnits::new(
                 &self.comm,
                 self.replicas.as_ref(),
+                &self.layout,
                 c.dims(),
                 self.factor,
                 self.strategy.reshard_after_forward(),
@@ -581,15 +538,6 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
             t.span(ops, SpanKind::Optimizer, what, last)?;
         }
         Ok(host_values)
-    }
-
-    /// Elements of this rank's shard of each tensor, in
-    /// [`param_shapes`] order.
-    pub fn shard_lens(&self) -> Vec<usize> {
-        param_shapes(&self.config.dims())
-            .iter()
-            .map(|(_, s)| shard_len(s.iter().product(), self.factor))
-            .collect()
     }
 }
 

@@ -58,6 +58,7 @@ pub mod device_plan_alloc;
 pub mod device_plan_sharded;
 mod device_shard;
 pub mod device_sharded;
+mod device_sharded_settings;
 mod device_sharded_state;
 mod device_snapshot;
 #[allow(unsafe_code)]
@@ -65,6 +66,7 @@ pub mod device_staged;
 mod device_state;
 mod device_trace;
 pub mod device_train;
+pub mod device_units;
 pub mod init;
 pub mod model;
 pub mod plan;

@@ -34,6 +34,7 @@ fn tiny() -> DeviceTrainConfig {
         reduce_dtype: fsdp_device::DType::F32,
         any_precision: None,
         grad_scaler: None,
+        wrap: Default::default(),
     }
 }
 

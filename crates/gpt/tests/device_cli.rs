@@ -195,14 +195,13 @@ fn device_cuda_refuses_unsupported_options() {
     let dir = scratch("device_cli", "refusals");
     let log = dir.join("log.csv");
     // Each with why.
-    let cases: [(&[&str], &str, &str); 5] = [
+    let cases: [(&[&str], &str, &str); 4] = [
         (
             &["--strategy", "no-shard"],
             "--strategy",
             "one rank shards nothing",
         ),
         (&["--backend", "tcp"], "--backend", "without a backend"),
-        (&["--wrap", "size:100"], "--wrap size:100", "--wrap block"),
         (
             &["--forward-prefetch"],
             "--forward-prefetch",
@@ -223,6 +222,20 @@ fn device_cuda_refuses_unsupported_options() {
         );
         assert!(!line.contains("no CUDA device"), "{line}");
     }
+    // A size policy that splits the tied `wte` from `lm_head` is the wrap policy's error, as
+    // on the engine.
+    let line = one_error_status_1(
+        &run(&["--wrap", "size:100", "--loss-log", s(&log)]),
+        &["lm_head.weight", "transformer.wte.weight"],
+    );
+    let engine = small_train_args(
+        &["--steps", "2", "--batch-size", "4"],
+        &["--wrap", "size:100"],
+    );
+    assert_eq!(
+        one_error_status_1(&fsdp(&engine), &["lm_head.weight"]),
+        line
+    );
     // Refused before anything was written.
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
 }
@@ -537,16 +550,22 @@ fn device_plan_predicts_the_peak_the_run_logs() {
     a.extend_from_slice(&common::cli::SMALL_MODEL);
     let out = ok(&fsdp(&a), "fsdp plan --device cuda --param-dtype f16");
     assert!(out.contains("f16-operand products"), "{out}");
-    // The sharded engine's options, given, are refused by name as `fsdp train` refuses them;
-    // `--wrap block` is the device's own units, any other wrapping is refused.
-    for (option, value) in [("--strategy", "shard-grad-op"), ("--wrap", "size:100")] {
-        let mut a = vec!["plan", "--device", "cuda", option, value];
-        a.extend_from_slice(&common::cli::SMALL_MODEL);
-        one_error_status_1(&fsdp(&a), &["--device cuda", option, "not supported"]);
-    }
-    let mut a = vec!["plan", "--device", "cuda", "--wrap", "block"];
+    // The sharded engine's options, given, are refused by name as `fsdp train` refuses them.
+    let mut a = vec!["plan", "--device", "cuda", "--strategy", "shard-grad-op"];
     a.extend_from_slice(&common::cli::SMALL_MODEL);
-    ok(&fsdp(&a), "fsdp plan --device cuda --wrap block");
+    one_error_status_1(&fsdp(&a), &["--device cuda", "--strategy", "not supported"]);
+    // The wrap policy decides what several ranks hold: the root alone (`size:30000`, more
+    // than the model's 28,032 elements) holds every parameter throughout, above the blocks'.
+    let peak = |wrap: &str| -> u64 {
+        let mut a = vec!["plan", "--device", "cuda", "--ranks", "2", "--wrap", wrap];
+        a.extend_from_slice(&common::cli::SMALL_MODEL);
+        let out = ok(&fsdp(&a), "fsdp plan --device cuda --ranks 2 --wrap");
+        let line = out.lines().find(|l| l.starts_with("peak: ")).unwrap();
+        let bytes = line.trim_start_matches("peak: ").split(' ').next().unwrap();
+        bytes.replace(',', "").parse().unwrap()
+    };
+    let (block, root) = (peak("block"), peak("size:30000"));
+    assert!(root > block, "root alone {root} vs blocks {block}");
 }
 
 /// `--cpu-offload` on the device (host twins): the same losses, bitwise, as without it; `fsdp

@@ -36,6 +36,7 @@ fn config(cfg: GptConfig, batch: usize, accum: usize, clip: Option<f64>) -> Devi
         reduce_dtype: fsdp_device::DType::F32,
         any_precision: None,
         grad_scaler: None,
+        wrap: Default::default(),
     }
 }
 

@@ -143,6 +143,15 @@ fn full_shard_reducing_in_f16_tracks_the_engine() {
     compare_within("full_shard_2_f16", "2", "full-shard", &extra, 1e-2);
 }
 
+/// `--wrap size:3000`: three units of linear layers a block, the rest of the blocks in the
+/// root (`tests/device_wrap.rs` works the units out), on the device and in the engine.
+#[test]
+fn full_shard_with_units_of_layers_matches_the_engine() {
+    let mut extra = CLIP_ACCUM_COSINE.to_vec();
+    extra.extend(["--wrap", "size:3000"]);
+    compare("full_shard_2_size", "2", "full-shard", &extra);
+}
+
 #[test]
 fn no_shard_at_two_ranks_matches_the_engine() {
     compare("no_shard_2", "2", "no-shard", &CLIP_ACCUM_COSINE);

@@ -305,6 +305,17 @@ impl<B> Weights<B> {
         v
     }
 
+    /// Every parameter, in [`param_shapes`] order.
+    pub fn all(&self) -> Vec<&B> {
+        let mut v = vec![&self.wte, &self.wpe];
+        for b in &self.blocks {
+            v.extend(b.bufs());
+        }
+        v.push(&self.ln_f.weight);
+        v.push(&self.ln_f.bias);
+        v
+    }
+
     /// Every parameter, mutably, in [`param_shapes`] order.
     pub fn all_mut(&mut self) -> Vec<&mut B> {
         let mut v = vec![&mut self.wte, &mut self.wpe];

@@ -343,6 +343,7 @@ fn bench(args: &Args) -> Result<(), String> {
             }),
             // f16 products train with the grad scaler (torch.amp's recipe), at its defaults.
             grad_scaler: (products == Products::F16).then(GradScalerConfig::default),
+            wrap: Default::default(),
         };
         config.validate().map_err(|e| e.to_string())?;
         let plan = plan_memory(&config, products).map_err(|e| e.to_string())?;

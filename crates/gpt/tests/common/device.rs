@@ -45,6 +45,7 @@ pub fn device_config(
         reduce_dtype: fsdp_device::DType::F32,
         any_precision: None,
         grad_scaler: None,
+        wrap: Default::default(),
     }
 }
 

@@ -17,6 +17,7 @@ use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::{plan_allocator, plan_sharded_allocator, AllocatorPlan};
 use fsdp_gpt::device_plan_sharded::plan_sharded_memory;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::device_units::DeviceWrap;
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{Attention, CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Products};
 
@@ -92,13 +93,6 @@ pub(crate) fn check_device_world_and_dtypes(
     if world > 1 {
         crate::device_sharded_cmd::check_strategy(dev, model.strategy, node_ranks, world)?;
     }
-    // The device's units are FSDP's usual wrapping of the GPT, `--wrap block`'s.
-    if let crate::args::Wrap::Size(n) = model.wrap {
-        return Err(fail(format!(
-            "--device {dev}: --wrap size:{n} is not supported on the device (its FSDP units are \
-             the root and each transformer block: --wrap block, the default)"
-        )));
-    }
     // One rank reduces nothing: only f32 (the default) means anything there.
     let reduce_also = if world > 1 { DType::BF16 } else { DType::F32 };
     let dtypes = [
@@ -128,6 +122,14 @@ pub(crate) fn check_device_world_and_dtypes(
         )));
     }
     Ok(world)
+}
+
+/// The device's units of `--wrap`.
+pub(crate) fn device_wrap(model: &ModelArgs) -> DeviceWrap {
+    match model.wrap {
+        crate::args::Wrap::Block => DeviceWrap::Block,
+        crate::args::Wrap::Size(n) => DeviceWrap::Size { min_num_params: n },
+    }
 }
 
 /// The refusals of `--device` other than cpu, in order: ranks it cannot run, a dtype other
@@ -345,6 +347,7 @@ pub(crate) fn train_on_device(args: &TrainArgs) -> Result<(), CliError> {
         reduce_dtype: args.model.reduce_dtype.unwrap_or(DType::F32),
         any_precision: crate::optimizer::device_any_precision(&args.optim, args.model.param_dtype)?,
         grad_scaler: grad_scaler_config(args)?,
+        wrap: device_wrap(&args.model),
     };
     config.validate()?;
     let tokens = load_tokens(args, &cfg)?;

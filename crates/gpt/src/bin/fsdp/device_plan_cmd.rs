@@ -53,6 +53,7 @@ pub(crate) fn print_device_plan(args: &PlanArgs) -> Result<(), CliError> {
         any_precision: crate::optimizer::device_any_precision(&args.optim, args.model.param_dtype)?,
         // The grad scaler keeps its state in the step's scalars: no buffer of its own.
         grad_scaler: None,
+        wrap: crate::device_cmd::device_wrap(&args.model),
     };
     let dtype = args.model.param_dtype;
     if world > 1 {

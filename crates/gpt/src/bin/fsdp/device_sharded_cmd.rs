@@ -90,8 +90,9 @@ impl<'a> Shared<'a> {
             .as_ref()
             .map_or((0, 0), |(r, _)| (r.step, r.skipped));
         if leader {
+            let units = run.config.wrap.unit_names(cfg)?.len();
             say!(
-                "fsdp train: {how} ({:?}: the GPT's kernels, FSDP's units gathered and \
+                "fsdp train: {how} ({:?}: the GPT's kernels, {units} FSDP units gathered and \
                  reduced between the ranks), {}",
                 args.model.strategy,
                 describe_run(cfg, args.batch_size, args.grad_accum)
