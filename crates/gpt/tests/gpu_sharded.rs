@@ -212,6 +212,9 @@ fn sharded_cuda_follows_the_engine() {
     compare("2", "no-shard", &[]);
     compare("4", "shard-grad-op", &[]);
     compare("4", "hybrid-shard", &["--ranks-per-node", "2"]);
+    // A size policy: in each block the block, its attention and its c_fc are units (nested
+    // units of one span), as on the engine.
+    compare("2", "full-shard", &["--wrap", "size:16500"]);
     // Gradients reduced in bf16, against the engine's bf16 reductions.
     compare("2", "full-shard", &["--reduce-dtype", "bf16"]);
     compare("2", "full-shard", &["--reduce-dtype", "f16"]);
