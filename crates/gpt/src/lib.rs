@@ -64,6 +64,7 @@ mod device_snapshot;
 #[allow(unsafe_code)]
 pub mod device_staged;
 mod device_state;
+mod device_step;
 mod device_trace;
 pub mod device_train;
 pub mod device_units;

@@ -11,6 +11,7 @@
 mod admission;
 mod args;
 mod checkpointing;
+mod device_checks;
 mod device_cmd;
 mod device_plan_cmd;
 mod device_process_cmd;
