@@ -259,8 +259,8 @@ pub(crate) fn pick<T>(all: Vec<T>, ids: &[usize]) -> Vec<T> {
 mod tests {
     use super::*;
 
-    fn layout(wrap: DeviceWrap) -> UnitLayout {
-        let cfg = GptConfig::new(2, 2, 8, 4, 16).unwrap();
+    /// The small GPT of `tests/wrap.rs`' hand-computed examples.
+    fn small() -> (GptConfig, GptDims) {
         let dims = GptDims {
             n_layer: 2,
             n_head: 2,
@@ -268,6 +268,11 @@ mod tests {
             block_size: 4,
             vocab_size: 16,
         };
+        (GptConfig::new(2, 2, 8, 4, 16).unwrap(), dims)
+    }
+
+    fn layout(wrap: DeviceWrap) -> UnitLayout {
+        let (cfg, dims) = small();
         UnitLayout::new(&cfg, &dims, wrap).unwrap()
     }
 
@@ -309,14 +314,7 @@ mod tests {
 
     #[test]
     fn a_split_tie_is_the_policys_error() {
-        let cfg = GptConfig::new(2, 2, 8, 4, 16).unwrap();
-        let dims = GptDims {
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            block_size: 4,
-            vocab_size: 16,
-        };
+        let (cfg, dims) = small();
         let wrap = DeviceWrap::Size {
             min_num_params: 128,
         };
