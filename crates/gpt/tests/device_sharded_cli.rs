@@ -351,7 +351,7 @@ fn cpu_offload_with_two_ranks_logs_the_same_losses() {
 #[test]
 fn launched_processes_train_as_threads() {
     let dir = scratch("device_sharded_cli", "launched");
-    for (n, extra, param) in [
+    for (n, extra, param, i) in [
         ("2", &["--strategy", "full-shard"][..], "f32"),
         // Gradients reduced in bf16: every collective is over 2 ranks, whose sum is the
         // same in either order, so processes and threads agree bitwise.
@@ -381,8 +381,19 @@ fn launched_processes_train_as_threads() {
         // f16 products with the grad scaler (on by default with f16): every rank decides
         // the same scale from the same reduced squares.
         ("2", &["--strategy", "full-shard"][..], "f16"),
-    ] {
-        let n_tag = format!("{n}{param}");
+        // Units of linear layers (`--wrap size:3000`): several all-gathers a block, each
+        // prefetched one unit ahead.
+        (
+            "2",
+            &["--strategy", "full-shard", "--wrap", "size:3000"][..],
+            "f32",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (n, extra, param))| (n, extra, param, i))
+    {
+        let n_tag = format!("{i}-{n}{param}");
         let n_tag = n_tag.as_str();
         let (procs, threads) = (
             dir.join(format!("p{n_tag}.csv")),
