@@ -57,6 +57,63 @@ impl DeviceWrap {
         let plan = plan_units(&gpt_module_tree(cfg), &WrapOptions::new(self.policy()))?;
         Ok(plan.units.into_iter().map(|u| u.name).collect())
     }
+
+    /// The units it makes of the model `cfg` as a sharded device pass holds them, in the
+    /// plan's order.
+    ///
+    /// # Errors
+    /// As [`unit_names`](Self::unit_names).
+    pub fn units(self, cfg: &GptConfig) -> Result<Vec<DeviceUnit>, FsdpError> {
+        let dims = GptDims {
+            n_layer: cfg.n_layer,
+            n_head: cfg.n_head,
+            n_embd: cfg.n_embd,
+            block_size: cfg.block_size,
+            vocab_size: cfg.vocab_size,
+        };
+        let layout = UnitLayout::new(cfg, &dims, self)?;
+        Ok(layout
+            .units
+            .iter()
+            .map(|u| DeviceUnit {
+                name: u.name.clone(),
+                elements: u.tensors.iter().map(|&i| layout.numels[i]).sum(),
+                blocks: match u.forward {
+                    (Unit::Block(a), Unit::Block(b)) => Some((a, b)),
+                    _ => None,
+                },
+            })
+            .collect())
+    }
+}
+
+/// One unit of a sharded device pass ([`DeviceWrap::units`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceUnit {
+    /// Its module path (`""`: the root).
+    pub name: String,
+    /// Its parameters' elements.
+    pub elements: usize,
+    /// The first and last block whose span holds it unsharded, or `None` when it holds one
+    /// of the root's tensors and so spans the whole pass.
+    pub blocks: Option<(usize, usize)>,
+}
+
+impl std::fmt::Display for DeviceUnit {
+    /// `name  elements  span`, the span `the whole pass`, `block i` or `blocks i-j`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = if self.name.is_empty() {
+            "(root)"
+        } else {
+            &self.name
+        };
+        let span = match self.blocks {
+            None => "the whole pass".to_string(),
+            Some((a, b)) if a == b => format!("block {a}"),
+            Some((a, b)) => format!("blocks {a}-{b}"),
+        };
+        write!(f, "{name:<32} {:>12}  {span}", self.elements)
+    }
 }
 
 /// One unit on the pass's hooks.

@@ -556,15 +556,32 @@ fn device_plan_predicts_the_peak_the_run_logs() {
     one_error_status_1(&fsdp(&a), &["--device cuda", "--strategy", "not supported"]);
     // The wrap policy decides what several ranks hold: the root alone (`size:30000`, more
     // than the model's 28,032 elements) holds every parameter throughout, above the blocks'.
-    let peak = |wrap: &str| -> u64 {
+    let peak = |wrap: &str, units: &[&str]| -> u64 {
         let mut a = vec!["plan", "--device", "cuda", "--ranks", "2", "--wrap", wrap];
         a.extend_from_slice(&common::cli::SMALL_MODEL);
         let out = ok(&fsdp(&a), "fsdp plan --device cuda --ranks 2 --wrap");
+        // The units it lists, each with its elements and span.
+        let listed: Vec<String> = out
+            .lines()
+            .skip_while(|l| !l.starts_with("units: "))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        assert_eq!(listed, units, "{out}");
         let line = out.lines().find(|l| l.starts_with("peak: ")).unwrap();
         let bytes = line.trim_start_matches("peak: ").split(' ').next().unwrap();
-        bytes.replace(',', "").parse().unwrap()
+        bytes.parse().unwrap()
     };
-    let (block, root) = (peak("block"), peak("size:30000"));
+    let block = peak(
+        "block",
+        &[
+            "(root) 2624 the whole pass",
+            "transformer.h.0 12704 block 0",
+            "transformer.h.1 12704 block 1",
+        ],
+    );
+    let root = peak("size:30000", &["(root) 28032 the whole pass"]);
     assert!(root > block, "root alone {root} vs blocks {block}");
 }
 

@@ -154,6 +154,14 @@ pub(crate) fn print_sharded_plan(
         products_name(products)
     );
     say!("{}", plan.to_string().trim_end());
+    let units = config.wrap.units(&config.cfg)?;
+    say!(
+        "units: {} (each gathered and freed whole; unsharded over its span of the pass)",
+        units.len()
+    );
+    for u in &units {
+        say!("  {u}");
+    }
     if let DeviceArg::Cuda { .. } = dev {
         if let Some(alloc) = caching_allocator_settings(&args.model)? {
             let a =
