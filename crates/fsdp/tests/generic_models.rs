@@ -19,11 +19,11 @@ use std::collections::HashMap;
 
 use fsdp::engine::{
     BackwardPrefetch, Fsdp, FsdpConfig, FsdpModel, ParamInit, Phase, ScheduleEvent, ScheduleKind,
-    ShardingStrategy, Span,
+    ShardingStrategy,
 };
 use fsdp::optim::AdamWState;
 use fsdp::wrap::{plan_units, Module, WrapOptions, WrapPolicy};
-use fsdp::{FsdpError, Grads, Params};
+use fsdp::FsdpError;
 use fsdp_collectives::{ring, Communicator};
 
 mod common;
@@ -37,7 +37,11 @@ mod tied_mlp;
 #[path = "../examples/out_of_order.rs"]
 mod out_of_order;
 
+#[path = "common/faulty.rs"]
+mod faulty;
+
 use common::{adamw, loss_and_grads, ring_options, Map, GLOBAL};
+use faulty::{is_missing, Fault, Faulty};
 
 /// Optimizer steps per run.
 const STEPS: usize = 4;
@@ -402,73 +406,6 @@ fn out_of_order_schedule_follows_the_execution_order() {
             assert_eq!(step1[..2], [("c", false), ("d", true)], "{step1:?}");
         }
     }
-}
-
-const MISSING: &str = "no.such.weight";
-
-/// How a [`Faulty`] model goes wrong with a parameter the engine does not have ([`MISSING`]).
-#[derive(Debug, Clone, Copy)]
-enum Fault {
-    /// Span `n` also lists it.
-    Listed(usize),
-    /// The forward or backward (`Phase`) of span `n` reads it.
-    Read(Phase, usize),
-}
-
-/// `inner` with a [`Fault`].
-struct Faulty<'a, M> {
-    inner: &'a M,
-    fault: Fault,
-}
-
-impl<M> Faulty<'_, M> {
-    fn reads_in(&self, phase: Phase, s: usize) -> bool {
-        matches!(self.fault, Fault::Read(p, n) if (p, n) == (phase, s))
-    }
-}
-
-impl<M: FsdpModel> FsdpModel for Faulty<'_, M> {
-    type Batch = M::Batch;
-    type Tape = M::Tape;
-    fn spans(&self) -> Vec<Span> {
-        let mut spans = self.inner.spans();
-        if let Fault::Listed(n) = self.fault {
-            spans[n].params.push(MISSING.into());
-        }
-        spans
-    }
-    fn forward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        b: &M::Batch,
-        t: &mut M::Tape,
-    ) -> Result<(), FsdpError> {
-        if self.reads_in(Phase::Forward, s) {
-            p.param(MISSING)?;
-        }
-        self.inner.forward(s, p, b, t)
-    }
-    fn loss(&self, t: &M::Tape) -> Result<f32, FsdpError> {
-        self.inner.loss(t)
-    }
-    fn backward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        g: &mut dyn Grads,
-        b: &M::Batch,
-        t: &mut M::Tape,
-    ) -> Result<(), FsdpError> {
-        if self.reads_in(Phase::Backward, s) {
-            g.grad_mut(MISSING)?;
-        }
-        self.inner.backward(s, p, g, b, t)
-    }
-}
-
-fn is_missing(r: Result<f32, FsdpError>) -> bool {
-    matches!(r, Err(FsdpError::UnknownParameter { ref name }) if name == MISSING)
 }
 
 /// `STEPS` steps on `world` ranks with `config`, the steps in `failing` preceded by a pass of

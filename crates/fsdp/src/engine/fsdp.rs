@@ -3,14 +3,13 @@
 
 use std::sync::Arc;
 
-use fsdp_allocator::MemoryStats;
 use fsdp_collectives::Communicator;
 use fsdp_device::DType;
 use fsdp_flatparam::FlatParamLayout;
 
 use super::checkpointing::Activations;
 use super::comm_context::{internal, CommContext, ProcessGroups};
-use super::config::{BackwardPrefetch, FsdpConfig, Phase, ScheduleEvent};
+use super::config::{BackwardPrefetch, FsdpConfig, Phase};
 use super::grad_scaler::{apply_loss_scale, GradScaler};
 use super::materialize::{init_shard, ParamInit};
 use super::mixed_precision::MixedPrecisionPolicy;
@@ -19,12 +18,14 @@ use super::order::ExecOrder;
 use super::param_group::{cast_buffer, GroupDtypes, ParamGroup};
 use super::pool::{host_pool, MemoryPool};
 use super::reduce::{finish_reductions, foreach_reduce, PendingGrads};
-use super::views::{GradViews, ParamEntry, ParamId, ParamTable, ParamViews};
+use super::views::{GradViews, ParamEntry, ParamTable, ParamViews};
 use crate::optim::{OptimizerConfig, OptimizerState, ShardGroups};
-use crate::trace::TraceEvent;
 use crate::units::UnitPlan;
 use crate::wrap::{plan_units, Module, WrapOptions};
 use crate::FsdpError;
+
+#[path = "fsdp_accessors.rs"]
+mod accessors;
 
 /// One rank of a fully sharded data-parallel job (see the [module](super) documentation).
 pub struct Fsdp {
@@ -246,133 +247,6 @@ impl Fsdp {
             grad_scaler: None,
             activations,
         })
-    }
-
-    /// This rank's index in the world.
-    pub fn rank(&self) -> usize {
-        self.ctx.groups.world().rank()
-    }
-
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
-        self.ctx.groups.world().world_size()
-    }
-
-    /// The sharding factor `F` of the units (1 for `NO_SHARD` or a shard group of one rank).
-    pub fn sharding_factor(&self) -> usize {
-        self.ctx.groups.factor_and_index().0
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &FsdpConfig {
-        &self.ctx.config
-    }
-
-    /// The process groups.
-    pub fn process_groups(&self) -> &ProcessGroups {
-        &self.ctx.groups
-    }
-
-    /// The param groups (one per unit; ignored parameters form a last, unsharded one).
-    pub fn param_groups(&self) -> &[ParamGroup] {
-        &self.groups
-    }
-
-    /// The flat-parameter layout of unit `unit`.
-    pub fn layout(&self, unit: usize) -> Option<&FlatParamLayout> {
-        self.groups.get(unit).map(|g| &g.layout)
-    }
-
-    /// Number of flat parameters (the plan's units, plus one for ignored parameters if any).
-    pub fn num_units(&self) -> usize {
-        self.groups.len()
-    }
-
-    /// The handle of parameter `name`, for allocation-free access through [`ParamViews::get`]
-    /// and [`GradViews::get_mut`].
-    ///
-    /// # Errors
-    /// [`FsdpError::UnknownParameter`].
-    pub fn param_id(&self, name: &str) -> Result<ParamId, FsdpError> {
-        self.table.id(name)
-    }
-
-    /// The unit that owns parameter `name`.
-    ///
-    /// # Errors
-    /// [`FsdpError::UnknownParameter`].
-    pub fn unit_of(&self, name: &str) -> Result<usize, FsdpError> {
-        Ok(self.table.entries[self.table.id(name)?.0].group)
-    }
-
-    /// Every parameter's name and shape, in unit order.
-    pub fn named_shapes(&self) -> impl Iterator<Item = (&str, &[usize])> + '_ {
-        self.table
-            .entries
-            .iter()
-            .map(|e| (e.name.as_str(), e.shape.as_slice()))
-    }
-
-    /// Forward/backward passes begun so far (micro-batches; the `step` of [`ScheduleEvent`]s).
-    pub fn steps(&self) -> u64 {
-        self.ctx.step
-    }
-
-    /// Number of optimizer steps taken.
-    pub fn optimizer_steps(&self) -> u64 {
-        self.optimizer_steps
-    }
-
-    /// The collectives and frees issued so far, in issue order.
-    pub fn schedule(&self) -> &[ScheduleEvent] {
-        &self.ctx.schedule
-    }
-
-    /// Forget the recorded schedule.
-    pub fn clear_schedule(&mut self) {
-        self.ctx.schedule.clear();
-    }
-
-    /// The timeline trace recorded so far (empty unless [`FsdpConfig::trace`] is on): compute
-    /// spans, communication spans per collective (those run so far by the communication
-    /// streams) and allocator counters. Write it with [`crate::trace::write_chrome_trace`].
-    pub fn trace_events(&self) -> Vec<TraceEvent> {
-        self.ctx
-            .tracer
-            .as_ref()
-            .map_or_else(Vec::new, |t| t.events())
-    }
-
-    /// Forget the recorded trace.
-    pub fn clear_trace(&self) {
-        if let Some(t) = &self.ctx.tracer {
-            t.clear();
-        }
-    }
-
-    /// The statistics of the rank's caching allocator (shards, unsharded parameters and
-    /// gradients).
-    pub fn memory_stats(&self) -> MemoryStats {
-        self.ctx.pool.memory_stats()
-    }
-
-    /// Reset the allocator's peak statistics.
-    pub fn reset_peak_memory_stats(&self) {
-        self.ctx.pool.reset_peak_stats();
-    }
-
-    /// Start (`Some`) or stop (`None`) recording the allocator's memory history (PyTorch's
-    /// `torch.cuda.memory._record_memory_history`); the engine names its allocations' frames
-    /// ("unit N (name) all-gather", "unit N (name) gradient").
-    pub fn record_memory_history(&self, config: Option<fsdp_allocator::HistoryConfig>) {
-        self.ctx.pool.record_memory_history(config);
-    }
-
-    /// The allocator's segments, blocks and recorded history (PyTorch's
-    /// `torch.cuda.memory._snapshot()`; write it with
-    /// [`Snapshot::write_pickle`](fsdp_allocator::Snapshot::write_pickle)), if the pool has them.
-    pub fn memory_snapshot(&self) -> Option<fsdp_allocator::Snapshot> {
-        self.ctx.pool.snapshot()
     }
 
     fn check_unit(&self, u: usize) -> Result<(), FsdpError> {

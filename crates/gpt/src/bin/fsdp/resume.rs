@@ -32,6 +32,10 @@ use crate::run_config::{
 };
 use crate::{fail, CliError};
 
+#[path = "resume_plan.rs"]
+mod plan;
+use plan::{checkpoint_plan, SavedPlan};
+
 /// Parses the command line like `Cli::try_parse`, and records which options of `fsdp train`
 /// were given (rather than defaulted) in [`TrainArgs::explicit`].
 pub(crate) fn parse_cli() -> Result<Cli, clap::Error> {
@@ -240,102 +244,6 @@ fn restarted_from(args: &TrainArgs) -> Result<Option<PathBuf>, CliError> {
         ))
     })?;
     Ok((!complete.is_empty()).then(|| dir.clone()))
-}
-
-/// What a checkpoint says about checkpointing: `checkpoint_every`, `keep_checkpoints`, and the
-/// directory it lies in.
-struct SavedPlan {
-    root: PathBuf,
-    every: usize,
-    keep: usize,
-}
-
-fn checkpoint_plan(
-    args: &TrainArgs,
-    saved: Option<&SavedPlan>,
-) -> Result<Option<CheckpointPlan>, CliError> {
-    if args.checkpoint_every == Some(0) {
-        return Err(fail("--checkpoint-every must be at least 1"));
-    }
-    if args.keep_checkpoints == 0 {
-        return Err(fail("--keep-checkpoints must be at least 1"));
-    }
-    let keep_given = args.explicit.iter().any(|e| e == "keep_checkpoints");
-    let plan = match (saved, &args.checkpoint_dir, args.checkpoint_every) {
-        // Resuming: the checkpoint's directory and settings unless given.
-        (Some(s), dir, every) => Some(CheckpointPlan {
-            dir: dir.clone().unwrap_or_else(|| s.root.clone()),
-            every: every.unwrap_or(s.every),
-            keep: if keep_given {
-                args.keep_checkpoints
-            } else {
-                s.keep
-            },
-        }),
-        (None, Some(dir), Some(every)) => Some(CheckpointPlan {
-            dir: dir.clone(),
-            every,
-            keep: args.keep_checkpoints,
-        }),
-        (None, Some(_), None) => return Err(fail("--checkpoint-dir needs --checkpoint-every N")),
-        (None, None, Some(_)) => {
-            return Err(fail(
-                "--checkpoint-every needs --checkpoint-dir DIR (or --resume DIR)",
-            ))
-        }
-        (None, None, None) if keep_given => {
-            return Err(fail("--keep-checkpoints needs --checkpoint-dir DIR"))
-        }
-        (None, None, None) => None,
-    };
-    if let Some(p) = &plan {
-        check_checkpoint_dir(p, saved.map(|s| s.root.as_path()))?;
-    }
-    Ok(plan)
-}
-
-/// The checkpoint directory, before any rank starts: absent (it is created) or a directory,
-/// writable, and holding no checkpoint of another run (unless it is the directory the run
-/// resumes from).
-fn check_checkpoint_dir(
-    plan: &CheckpointPlan,
-    resumed_from: Option<&Path>,
-) -> Result<(), CliError> {
-    let dir = &plan.dir;
-    let named = |reason: String| fail(format!("--checkpoint-dir {}: {reason}", dir.display()));
-    match std::fs::metadata(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(named(format!("cannot inspect: {e}"))),
-        Ok(m) if !m.is_dir() => return Err(named("is not a directory".into())),
-        Ok(_) => {}
-    }
-    let same = resumed_from.is_some_and(|r| canonical(r) == canonical(dir));
-    if !same {
-        let complete = CheckpointDir::new(dir)
-            .complete()
-            .map_err(|e| named(e.to_string()))?;
-        if !complete.is_empty() {
-            let names: Vec<String> = complete.iter().map(|(k, _)| format!("step-{k}")).collect();
-            return Err(named(format!(
-                "already holds checkpoints of another run ({}); continue it with --resume {} or \
-                 choose another directory",
-                names.join(", "),
-                dir.display()
-            )));
-        }
-    }
-    let probe = dir.join(format!(".fsdp-probe.{}", std::process::id()));
-    match std::fs::File::options()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-    {
-        Ok(_) => {
-            let _ = std::fs::remove_file(&probe);
-            Ok(())
-        }
-        Err(e) => Err(named(format!("is not writable ({e})"))),
-    }
 }
 
 /// Finds the newest complete checkpoint in `dir`, reads its [`RUN_FILE`] and reconciles the
