@@ -173,7 +173,11 @@ impl DeviceTrainConfig {
                 reason: format!("AnyPrecisionAdamW: {e}"),
             })?;
         }
-        UnitLayout::new(&self.cfg, &self.dims(), self.wrap)?;
+        if self.wrap != DeviceWrap::Block {
+            // A size policy can split a tie: its error before anything is made. (The block
+            // plan cannot fail, and sizes too large to count are the plans' errors.)
+            UnitLayout::new(&self.cfg, &self.dims(), self.wrap)?;
+        }
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {
                 reason: format!(
