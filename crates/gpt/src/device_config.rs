@@ -74,6 +74,27 @@ pub enum DeviceTrainError {
     },
 }
 
+impl DeviceTrainError {
+    /// Whether this rank failed *because a peer left* (a collective's
+    /// [`caused_by_peer`](fsdp_collectives::CollectiveError::caused_by_peer)), so that a
+    /// launcher blames the rank whose failure was primary.
+    ///
+    /// ```
+    /// use fsdp_collectives::CollectiveError;
+    /// use fsdp_gpt::device_train::DeviceTrainError;
+    /// let left = CollectiveError::PeerDeparted { rank: 0, peer: 2, op: "all_gather_base", seq: 7 };
+    /// assert!(DeviceTrainError::from(left).caused_by_peer());
+    /// assert!(!DeviceTrainError::Unread { step: 3 }.caused_by_peer());
+    /// ```
+    pub fn caused_by_peer(&self) -> bool {
+        match self {
+            DeviceTrainError::Collective(e) => e.caused_by_peer(),
+            DeviceTrainError::Fsdp(e) => e.caused_by_peer(),
+            _ => false,
+        }
+    }
+}
+
 impl From<fsdp_device::DeviceError> for DeviceTrainError {
     fn from(e: fsdp_device::DeviceError) -> Self {
         DeviceTrainError::Kernel(e.into())

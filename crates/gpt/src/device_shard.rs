@@ -64,11 +64,13 @@ fn not_held(what: &str) -> DeviceTrainError {
 /// computes. Communicators that run each collective whole ignore it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Prefetch {
-    /// In forward, the next block's all-gather in each unit's `pre_forward` (FSDP's
-    /// `forward_prefetch`). Default off, as FSDP's.
+    /// In forward, at each span's `pre_forward`, the all-gather of the first unit the next
+    /// block opens (the next block's, under the block plan; FSDP's `forward_prefetch`).
+    /// Default off, as FSDP's.
     pub forward: bool,
-    /// In backward, the previous block's all-gather in each unit's `pre_backward` (FSDP's
-    /// `BackwardPrefetch.BACKWARD_PRE`, its default). Default on.
+    /// In backward, at each span's `pre_backward`, the all-gather of the first unit the
+    /// previous block opens (FSDP's `BackwardPrefetch.BACKWARD_PRE`, its default). Default
+    /// on.
     pub backward: bool,
 }
 

@@ -305,7 +305,7 @@ fn train_process<O: GptOps>(
         }
         None => ShardedDeviceTrainer::new(ops, stage(comm), c, strategy, p),
     }
-    .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+    .map_err(|e| crate::fail_device(&format!("--device {dev}: rank {rank}"), e))?;
     let mut trainer = trainer;
     trainer.set_prefetch(prefetch);
     let end = shared.train(rank, trainer)?;

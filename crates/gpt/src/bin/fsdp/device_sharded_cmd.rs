@@ -162,7 +162,9 @@ impl<'a> Shared<'a> {
     ) -> Result<RankEnd, CliError> {
         let (args, run) = (self.args, self.run);
         let dev = args.device;
-        let err = move |e: DeviceTrainError| fail(format!("--device {dev}: rank {rank}: {e}"));
+        let err = move |e: DeviceTrainError| {
+            crate::fail_device(&format!("--device {dev}: rank {rank}"), e)
+        };
         let global_tokens = args.batch_size * run.cfg.block_size;
         trainer.set_skip_nonfinite(Some(args.skip_nonfinite as u64));
         if args.trace.is_some() {
@@ -368,7 +370,7 @@ where
             Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, strategy, p),
             None => ShardedDeviceTrainer::new(ops, comm, c, strategy, p),
         }
-        .map_err(|e| fail(format!("--device {dev}: rank {rank}: {e}")))?;
+        .map_err(|e| crate::fail_device(&format!("--device {dev}: rank {rank}"), e))?;
         shared.train(rank, trainer)
     };
     let results: Vec<Result<RankEnd, CliError>> = std::thread::scope(|s| {

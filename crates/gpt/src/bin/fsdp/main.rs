@@ -92,6 +92,14 @@ fn fail_with(prefix: &str, e: FsdpError) -> CliError {
     }
 }
 
+/// The device trainer's `e` with `prefix` before its message; still secondary when `e` is.
+fn fail_device(prefix: &str, e: fsdp_gpt::device_train::DeviceTrainError) -> CliError {
+    CliError {
+        peer_left: e.caused_by_peer(),
+        msg: format!("{prefix}: {e}"),
+    }
+}
+
 /// An error of this rank's own.
 fn fail(msg: impl Into<String>) -> CliError {
     CliError {
