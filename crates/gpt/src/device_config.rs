@@ -197,7 +197,7 @@ impl DeviceTrainConfig {
         if self.wrap != DeviceWrap::Block {
             // A size policy can split a tie: its error before anything is made. (The block
             // plan cannot fail, and sizes too large to count are the plans' errors.)
-            UnitLayout::new(&self.cfg, &self.dims(), self.wrap)?;
+            UnitLayout::new(&self.cfg, self.wrap)?;
         }
         if self.batch_size == 0 || self.grad_accum == 0 || self.batch_size % self.grad_accum != 0 {
             return Err(FsdpError::InvalidShape {
@@ -304,13 +304,18 @@ impl DeviceTrainConfig {
 
     /// The model's shape as the kernels' model takes it.
     pub fn dims(&self) -> GptDims {
-        GptDims {
-            n_layer: self.cfg.n_layer,
-            n_head: self.cfg.n_head,
-            n_embd: self.cfg.n_embd,
-            block_size: self.cfg.block_size,
-            vocab_size: self.cfg.vocab_size,
-        }
+        gpt_dims(&self.cfg)
+    }
+}
+
+/// The shape of the model `cfg` as the kernels' model takes it.
+pub(crate) fn gpt_dims(cfg: &GptConfig) -> GptDims {
+    GptDims {
+        n_layer: cfg.n_layer,
+        n_head: cfg.n_head,
+        n_embd: cfg.n_embd,
+        block_size: cfg.block_size,
+        vocab_size: cfg.vocab_size,
     }
 }
 

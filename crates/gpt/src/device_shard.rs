@@ -184,8 +184,8 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             reduce_dtype: DType::F32,
             gather_dtype: DType::F32,
             bf16_weights: false,
-            params: Slots::new(&dims),
-            grads: Slots::new(&dims),
+            params: Slots::new(layout.numels.len(), dims.n_layer),
+            grads: Slots::new(layout.numels.len(), dims.n_layer),
             unsharded: vec![false; layout.units.len()],
             copied_in: None,
             volume: CommVolume::default(),
@@ -260,12 +260,13 @@ impl<'a, O: GptOps, C: DeviceComm<O> + ?Sized> ShardedUnits<'a, O, C> {
             return Ok(());
         };
         let layout = self.layout;
-        let mut opens: Box<dyn Iterator<Item = usize>> = if forward {
-            Box::new(layout.forward_opens(span))
+        let held = |u: &usize| self.unsharded[*u];
+        let first = if forward {
+            layout.forward_opens(span).find(|u| !held(u))
         } else {
-            Box::new(layout.backward_opens(span))
+            layout.backward_opens(span).find(|u| !held(u))
         };
-        let Some(u) = opens.find(|&u| !self.unsharded[u]) else {
+        let Some(u) = first else {
             return Ok(());
         };
         let (dtypes, lens) = (self.dtypes(u), self.shard_lens(u));

@@ -18,12 +18,12 @@ pub(super) struct Slots<B> {
 }
 
 impl<B> Slots<B> {
-    /// Nothing held, for a model of `dims`.
-    pub(super) fn new(dims: &GptDims) -> Self {
+    /// Nothing held, for a model of `tensors` tensors in `n_layer` blocks.
+    pub(super) fn new(tensors: usize, n_layer: usize) -> Self {
         Slots {
-            tensors: (0..param_shapes(dims).len()).map(|_| None).collect(),
+            tensors: (0..tensors).map(|_| None).collect(),
             root: None,
-            blocks: (0..dims.n_layer).map(|_| None).collect(),
+            blocks: (0..n_layer).map(|_| None).collect(),
         }
     }
 

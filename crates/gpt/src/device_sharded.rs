@@ -207,7 +207,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         // This rank's shard among the `factor` that shard each tensor (replicated: the whole).
         let shard = comm.rank() % factor;
         let dims = config.dims();
-        let layout = UnitLayout::new(&config.cfg, &dims, config.wrap)?;
+        let layout = UnitLayout::new(&config.cfg, config.wrap)?;
         let mut pass = GptPass::new(ops, dims)?;
         pass.set_activation_checkpointing(config.activation_checkpointing);
         pass.set_attention(config.attention);

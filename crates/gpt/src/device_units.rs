@@ -19,8 +19,9 @@ use std::collections::HashMap;
 
 use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
 use fsdp::FsdpError;
-use fsdp_kernels::gpt::{block_product_weights, param_shapes, GptDims, Unit};
+use fsdp_kernels::gpt::{block_product_weights, param_shapes, Unit};
 
+use crate::device_config::gpt_dims;
 use crate::model::GptConfig;
 use crate::tree::gpt_module_tree;
 
@@ -48,30 +49,13 @@ impl DeviceWrap {
         }
     }
 
-    /// The names of the units it makes of the model `cfg` (`""`: the root), in the plan's
-    /// order.
-    ///
-    /// # Errors
-    /// The wrap policy's (a tied parameter split from its tie).
-    pub fn unit_names(self, cfg: &GptConfig) -> Result<Vec<String>, FsdpError> {
-        let plan = plan_units(&gpt_module_tree(cfg), &WrapOptions::new(self.policy()))?;
-        Ok(plan.units.into_iter().map(|u| u.name).collect())
-    }
-
     /// The units it makes of the model `cfg` as a sharded device pass holds them, in the
     /// plan's order.
     ///
     /// # Errors
-    /// As [`unit_names`](Self::unit_names).
+    /// The wrap policy's (a tied parameter split from its tie).
     pub fn units(self, cfg: &GptConfig) -> Result<Vec<DeviceUnit>, FsdpError> {
-        let dims = GptDims {
-            n_layer: cfg.n_layer,
-            n_head: cfg.n_head,
-            n_embd: cfg.n_embd,
-            block_size: cfg.block_size,
-            vocab_size: cfg.vocab_size,
-        };
-        let layout = UnitLayout::new(cfg, &dims, self)?;
+        let layout = UnitLayout::new(cfg, self)?;
         Ok(layout
             .units
             .iter()
@@ -164,18 +148,15 @@ impl UnitLayout {
     /// # Errors
     /// The wrap policy's (a tied parameter split from its tie); a plan with ignored
     /// parameters (the device trains every parameter).
-    pub(crate) fn new(
-        cfg: &GptConfig,
-        dims: &GptDims,
-        wrap: DeviceWrap,
-    ) -> Result<Self, FsdpError> {
+    pub(crate) fn new(cfg: &GptConfig, wrap: DeviceWrap) -> Result<Self, FsdpError> {
         let plan = plan_units(&gpt_module_tree(cfg), &WrapOptions::new(wrap.policy()))?;
         if let Some(p) = plan.ignored.first() {
             return Err(FsdpError::InvalidPlan {
                 reason: format!("the device trains every parameter; `{}` is ignored", p.name),
             });
         }
-        let shapes = param_shapes(dims);
+        let dims = gpt_dims(cfg);
+        let shapes = param_shapes(&dims);
         let index: HashMap<&str, usize> = shapes
             .iter()
             .enumerate()
@@ -317,20 +298,12 @@ mod tests {
     use super::*;
 
     /// The small GPT of `tests/wrap.rs`' hand-computed examples.
-    fn small() -> (GptConfig, GptDims) {
-        let dims = GptDims {
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            block_size: 4,
-            vocab_size: 16,
-        };
-        (GptConfig::new(2, 2, 8, 4, 16).unwrap(), dims)
+    fn small() -> GptConfig {
+        GptConfig::new(2, 2, 8, 4, 16).unwrap()
     }
 
     fn layout(wrap: DeviceWrap) -> UnitLayout {
-        let (cfg, dims) = small();
-        UnitLayout::new(&cfg, &dims, wrap).unwrap()
+        UnitLayout::new(&small(), wrap).unwrap()
     }
 
     #[test]
@@ -371,11 +344,10 @@ mod tests {
 
     #[test]
     fn a_split_tie_is_the_policys_error() {
-        let (cfg, dims) = small();
         let wrap = DeviceWrap::Size {
             min_num_params: 128,
         };
-        let e = UnitLayout::new(&cfg, &dims, wrap).unwrap_err().to_string();
+        let e = UnitLayout::new(&small(), wrap).unwrap_err().to_string();
         assert!(e.contains("lm_head.weight"), "{e}");
     }
 }

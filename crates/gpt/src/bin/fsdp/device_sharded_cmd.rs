@@ -90,7 +90,7 @@ impl<'a> Shared<'a> {
             .as_ref()
             .map_or((0, 0), |(r, _)| (r.step, r.skipped));
         if leader {
-            let units = run.config.wrap.unit_names(cfg)?.len();
+            let units = run.config.wrap.units(cfg)?.len();
             say!(
                 "fsdp train: {how} ({:?}: the GPT's kernels, {units} FSDP units gathered and \
                  reduced between the ranks), {}",
