@@ -11,13 +11,13 @@ use fsdp_collectives::ring;
 use fsdp_device::DType;
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_plan_sharded::{plan_process_memory, plan_sharded_memory};
-use fsdp_gpt::device_sharded::{Prefetch, ShardedDeviceTrainer};
+use fsdp_gpt::device_sharded::Prefetch;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
 use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{GptOps, HostOps, HostProducts, Products};
 
 mod common;
-use common::device::{device_config, peer_comms, staged_trainer};
+use common::device::{device_config, on_peer_trainers, staged_trainer};
 
 /// Rank 0's counted peak over 3 steps of `c` on `world` host-twin ranks (a hybrid strategy
 /// in nodes of `rpn`).
@@ -30,32 +30,17 @@ fn measured(
 ) -> u64 {
     let params = seeded_params(&c.cfg, 1).unwrap();
     let tokens = synthetic_corpus(20_000, 64, 1);
-    let comms = peer_comms::<HostOps>(world, rpn);
-    let peaks: Vec<u64> = std::thread::scope(|sc| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|(comm, replicas)| {
-                let (params, tokens) = (&params, &tokens);
-                sc.spawn(move || {
-                    let p = if bf16 {
-                        HostProducts::Bf16Operands
-                    } else {
-                        HostProducts::F32
-                    };
-                    let ops = HostOps::with_products(p);
-                    let mut t = match replicas {
-                        Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params),
-                        None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
-                    }
-                    .unwrap();
-                    for step in 0..3 {
-                        t.step(tokens, step).unwrap();
-                    }
-                    t.ops().memory().peak
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let p = if bf16 {
+        HostProducts::Bf16Operands
+    } else {
+        HostProducts::F32
+    };
+    let ops = || HostOps::with_products(p);
+    let peaks = on_peer_trainers((world, rpn), c, s, &params, ops, |mut t| {
+        for step in 0..3 {
+            t.step(&tokens, step).unwrap();
+        }
+        t.ops().memory().peak
     });
     assert!(
         peaks.iter().all(|&p| p == peaks[0]),

@@ -30,8 +30,8 @@ use fsdp_kernels::gpt::{GptOps, HostOps, Products};
 
 mod common;
 use common::device::{
-    device_config, exercise_bf16, exercise_f16, grad_value, over_peers, over_ring, over_staged,
-    param_bits, peer_comms, staged_trainer, UNIT_LENS,
+    device_config, exercise_bf16, exercise_f16, grad_value, on_peer_trainers, over_peers,
+    over_ring, over_staged, param_bits, staged_trainer, UNIT_LENS,
 };
 
 fn round(x: f32) -> f32 {
@@ -192,26 +192,10 @@ fn on_peers<R: Send>(
     f: impl Fn(&ShardedDeviceTrainer<HostOps, PeerComm<HostOps>>, Vec<f32>) -> R + Sync,
 ) -> Vec<R> {
     let (c, s, world, rpn) = how;
-    let comms = peer_comms::<HostOps>(world, rpn);
-    std::thread::scope(|sc| {
-        let f = &f;
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|(comm, replicas)| {
-                sc.spawn(move || {
-                    let ops = HostOps::new();
-                    let mut t = match replicas {
-                        Some(r) => ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, s, params),
-                        None => ShardedDeviceTrainer::new(ops, comm, c, s, params),
-                    }
-                    .unwrap();
-                    let losses = (0..steps).map(|k| t.step(tokens, k).unwrap().loss);
-                    let losses = losses.collect();
-                    f(&t, losses)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_peer_trainers((world, rpn), c, s, params, HostOps::new, |mut t| {
+        let losses = (0..steps).map(|k| t.step(tokens, k).unwrap().loss);
+        let losses = losses.collect();
+        f(&t, losses)
     })
 }
 

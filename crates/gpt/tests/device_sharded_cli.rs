@@ -16,7 +16,8 @@ mod common;
 use std::path::Path;
 
 use common::cli::{
-    fsdp, log_losses, ok, one_error_status_1, s, scratch, small_train_args, CLIP_ACCUM_COSINE,
+    assert_runs_agree, fsdp, log_losses, ok, one_error_status_1, s, scratch, small_train_args,
+    CLIP_ACCUM_COSINE,
 };
 
 const BOUND: f64 = 1e-4;
@@ -62,33 +63,13 @@ fn compare_within(test: &str, ranks: &str, strategy: &str, extra: &[&str], weigh
         "{out}"
     );
     assert!(out.contains(&format!("done: {STEPS} steps")), "{out}");
-    let (e, d) = (log_losses(&cpu), log_losses(&twin));
-    assert_eq!((e.len(), d.len()), (STEPS, STEPS));
-    let mut max = 0.0f64;
-    for (step, (le, ld)) in e.iter().zip(&d).enumerate() {
-        let r = (ld - le).abs() / le.abs();
-        assert!(r <= BOUND, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
-        max = max.max(r);
-    }
-    assert!(
-        e[STEPS - 1] < e[0] - 0.1,
-        "{test}: the loss must fall: {e:?}"
-    );
-    let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
-    let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
-    let (we, wd) = (load(&cpu_w), load(&twin_w));
-    let scale = we.values().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
-    let mut wmax = 0.0f64;
-    for (name, v) in &we {
-        for (x, y) in v.iter().zip(&wd[name]) {
-            let r = f64::from((x - y).abs() / scale);
-            assert!(r <= weights, "{test}: {name}: {y} vs {x} ({r:.2e})");
-            wmax = wmax.max(r);
-        }
-    }
-    println!(
-        "{test}: max relative loss difference {max:.2e} over {STEPS} steps; final weights \
-         within {wmax:.2e} of their largest magnitude"
+    assert_runs_agree(
+        test,
+        (&cpu, &cpu_w),
+        (&twin, &twin_w),
+        STEPS,
+        BOUND,
+        weights,
     );
 }
 

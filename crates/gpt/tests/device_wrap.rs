@@ -21,7 +21,7 @@ use fsdp_gpt::runtime::ShardingStrategy;
 use fsdp_kernels::gpt::{param_shapes, GptOps, HostOps, Products};
 
 mod common;
-use common::device::{device_config, param_bits, peer_comms, staged_trainer};
+use common::device::{device_config, on_peer_trainers, param_bits, staged_trainer};
 
 const STEPS: usize = 4;
 
@@ -51,27 +51,8 @@ fn run(c: DeviceTrainConfig, world: usize, strategy: ShardingStrategy) -> Vec<Ru
     let params = seeded_params(&c.cfg, 3).unwrap();
     let tokens = synthetic_corpus(20_000, 64, 3);
     let rpn = strategy.is_hybrid().then_some(world / 2);
-    let comms = peer_comms::<HostOps>(world, rpn);
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|(comm, replicas)| {
-                let (params, tokens) = (&params, &tokens);
-                sc.spawn(move || {
-                    let ops = HostOps::new();
-                    let mut t = match replicas {
-                        Some(r) => {
-                            ShardedDeviceTrainer::new_hybrid(ops, comm, r, c, strategy, params)
-                        }
-                        None => ShardedDeviceTrainer::new(ops, comm, c, strategy, params),
-                    }
-                    .unwrap();
-                    outcomes(&mut t, tokens)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    let go = |mut t| outcomes(&mut t, &tokens);
+    on_peer_trainers((world, rpn), c, strategy, &params, HostOps::new, go)
 }
 
 fn outcomes<C: DeviceComm<HostOps>>(

@@ -373,6 +373,52 @@ pub fn log_losses(path: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// The engine's run of the small model (`cpu`: its loss log and `--save`d weights) against
+/// the device's (`twin`) over `steps` steps: every step's loss within `bound` relative, the
+/// loss falling by at least 0.1, every final weight within `weights` of the model's largest
+/// weight (not of each tensor's: the attention's key bias has a gradient that is 0 up to
+/// rounding, which AdamW normalises into updates of either sign, so its values, about 1e-6,
+/// are rounding noise on both sides). Prints both largest differences and returns the
+/// losses'.
+pub fn assert_runs_agree(
+    test: &str,
+    cpu: (&Path, &Path),
+    twin: (&Path, &Path),
+    steps: usize,
+    bound: f64,
+    weights: f64,
+) -> f64 {
+    let (e, d) = (log_losses(cpu.0), log_losses(twin.0));
+    assert_eq!((e.len(), d.len()), (steps, steps));
+    let mut max = 0.0f64;
+    for (step, (le, ld)) in e.iter().zip(&d).enumerate() {
+        let r = (ld - le).abs() / le.abs();
+        assert!(r <= bound, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
+        max = max.max(r);
+    }
+    assert!(
+        e[steps - 1] < e[0] - 0.1,
+        "{test}: the loss must fall: {e:?}"
+    );
+    let cfg = fsdp_gpt::model::GptConfig::new(2, 2, 32, 16, 64).unwrap();
+    let load = |p: &Path| fsdp_gpt::checkpoint::load_full(p, &cfg).unwrap();
+    let (we, wd) = (load(cpu.1), load(twin.1));
+    let scale = we.values().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
+    let mut wmax = 0.0f64;
+    for (name, v) in &we {
+        for (x, y) in v.iter().zip(&wd[name]) {
+            let r = f64::from((x - y).abs() / scale);
+            assert!(r <= weights, "{test}: {name}: {y} vs {x} ({r:.2e})");
+            wmax = wmax.max(r);
+        }
+    }
+    println!(
+        "{test}: max relative loss difference {max:.2e} over {steps} steps; final weights \
+         within {wmax:.2e} of their largest magnitude"
+    );
+    max
+}
+
 /// `fsdp train` with the learning rate 1e30 (its first update makes the model's next loss
 /// NaN) and `extra`, run as `engine` says (`--ranks N`) and on the host twins (`twin` added to
 /// `--device host-twin`): both must stop with the same one `error:` line about a non-finite

@@ -361,6 +361,43 @@ pub fn peer_comms<O: fsdp_kernels::gpt::PeerOps>(
     }
 }
 
+/// Every rank's `f(trainer)`, `world` ranks as threads over `PeerComm` (what `fsdp train
+/// --device … --ranks N` runs; a hybrid strategy in nodes of `rpn`), each training `c`
+/// sharded by `s` from `params` on the operations `ops()` makes.
+pub fn on_peer_trainers<R: Send>(
+    (world, rpn): (usize, Option<usize>),
+    c: DeviceTrainConfig,
+    s: ShardingStrategy,
+    params: &HashMap<String, Vec<f32>>,
+    ops: impl Fn() -> HostOps + Sync,
+    f: impl Fn(
+            fsdp_gpt::device_sharded::ShardedDeviceTrainer<
+                HostOps,
+                fsdp_gpt::device_peer::PeerComm<HostOps>,
+            >,
+        ) -> R
+        + Sync,
+) -> Vec<R> {
+    use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+    let comms = peer_comms::<HostOps>(world, rpn);
+    std::thread::scope(|sc| {
+        let (f, ops) = (&f, &ops);
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|(comm, replicas)| {
+                sc.spawn(move || {
+                    let t = match replicas {
+                        Some(r) => ShardedDeviceTrainer::new_hybrid(ops(), comm, r, c, s, params),
+                        None => ShardedDeviceTrainer::new(ops(), comm, c, s, params),
+                    };
+                    f(t.unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// `ops`' rank of `world` ranks over `StagedComm` on the ring rank `comm` (NCCL's path as
 /// processes, in host memory), a hybrid strategy in nodes of `rpn`, training `c` sharded by
 /// `s` from `params`.
