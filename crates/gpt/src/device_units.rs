@@ -23,6 +23,7 @@ use fsdp_kernels::gpt::{block_product_weights, param_shapes, Unit};
 
 use crate::device_config::gpt_dims;
 use crate::model::GptConfig;
+use crate::runtime::check_plan;
 use crate::tree::gpt_module_tree;
 
 /// How a sharded device run chooses its FSDP units (`fsdp train --wrap`).
@@ -155,6 +156,9 @@ impl UnitLayout {
                 reason: format!("the device trains every parameter; `{}` is ignored", p.name),
             });
         }
+        // Every parameter exactly once, with its shape: the engine's checks of a plan.
+        plan.validate()?;
+        check_plan(cfg, &plan)?;
         let dims = gpt_dims(cfg);
         let shapes = param_shapes(&dims);
         let index: HashMap<&str, usize> = shapes
@@ -170,23 +174,20 @@ impl UnitLayout {
                 i => (Unit::Root, i - 12 * n_layer),
             })
             .collect();
-        let mut seen = vec![false; shapes.len()];
         let mut units = Vec::with_capacity(plan.units.len());
         for u in &plan.units {
-            let mut tensors = Vec::with_capacity(u.params.len());
-            for p in &u.params {
-                match index.get(p.name.as_str()) {
-                    Some(&i) if !seen[i] => {
-                        seen[i] = true;
-                        tensors.push(i);
-                    }
-                    _ => {
-                        return Err(FsdpError::InvalidPlan {
-                            reason: format!("`{}` is not a parameter of the GPT, or twice", p.name),
+            let mut tensors = u
+                .params
+                .iter()
+                .map(|p| {
+                    index
+                        .get(p.name.as_str())
+                        .copied()
+                        .ok_or_else(|| FsdpError::InvalidPlan {
+                            reason: format!("`{}` is not a parameter of the GPT", p.name),
                         })
-                    }
-                }
-            }
+                })
+                .collect::<Result<Vec<usize>, _>>()?;
             tensors.sort_unstable();
             let blocks = || tensors.iter().filter_map(|&i| block_of(places[i].0));
             let (forward, backward) = if tensors.iter().any(|&i| places[i].0 == Unit::Root) {
@@ -205,11 +206,6 @@ impl UnitLayout {
                 tensors,
                 forward,
                 backward,
-            });
-        }
-        if let Some(i) = seen.iter().position(|s| !s) {
-            return Err(FsdpError::InvalidPlan {
-                reason: format!("`{}` is in no unit", shapes[i].0),
             });
         }
         Ok(UnitLayout {
