@@ -217,6 +217,13 @@ impl Buffer {
                 device: self.device().to_string(),
             });
         }
+        if self.stream_order().is_some() {
+            return Err(DeviceError::Unsupported {
+                op: "host access to a stream-ordered buffer (its work runs on streams: use \
+                     Buffer::use_on)",
+                device: self.device().to_string(),
+            });
+        }
         Ok(())
     }
 

@@ -36,6 +36,8 @@ mod device;
 pub mod dtype;
 mod error;
 pub mod order;
+mod ordered;
+mod reaper;
 #[cfg(target_os = "linux")]
 pub mod shared;
 mod storage;
@@ -46,6 +48,8 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::DeviceError;
 pub use order::{StreamOrder, StreamUse};
+pub use ordered::OrderedStorage;
+pub use reaper::{pending_releases, release_after, wait_for_releases};
 pub use storage::{HostStorage, MetaStorage, Storage, HOST_ALIGN};
 pub use stream::{Event, Stream, StreamId, DEFAULT_TIMEOUT};
 

@@ -92,6 +92,19 @@ impl<S: MemorySource> Block<S> {
         Ok(Buffer::from_storage(Box::new(self), dtype)?)
     }
 
+    /// A stream-ordered buffer over the block ([`Buffer::stream_ordered`]): work on any stream
+    /// of its device uses it through [`Buffer::use_on`], ordered by events, and the block
+    /// returns to the allocator only once the last buffer over it is gone **and** the work
+    /// issued on it has completed. That is FSDP2's held references instead of
+    /// [`record_stream`](Block::record_stream): no stream needs declaring, and the memory is
+    /// counted as allocated until then.
+    ///
+    /// # Errors
+    /// As [`Buffer::stream_ordered`] (a meta source's blocks have no memory to order).
+    pub fn into_ordered_buffer(self, dtype: DType) -> Result<Buffer, AllocError> {
+        Ok(Buffer::stream_ordered(Box::new(self), dtype)?)
+    }
+
     /// A buffer over a shared block: the memory returns to the allocator once `this` and every
     /// buffer are gone, and `this` can still [`record_stream`](Block::record_stream).
     pub fn shared_buffer(this: &Arc<Self>, dtype: DType) -> Result<Buffer, AllocError> {

@@ -2,7 +2,8 @@
 
 use cudarc::driver::result;
 
-use super::{driver_error, reaper, CudaStorage, PinnedStorage};
+use super::{driver_error, CudaStorage, PinnedStorage};
+use crate::reaper;
 use crate::buffer::byte_size;
 use crate::{AccessMode, Buffer, DType, Device, DeviceError, Event, Stream};
 

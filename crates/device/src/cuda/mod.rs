@@ -32,7 +32,6 @@
 mod buffers;
 mod events;
 pub mod libs;
-mod reaper;
 mod storage;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -42,7 +41,7 @@ use std::time::Duration;
 pub use cudarc::driver::{CudaContext, CudaStream};
 pub(crate) use events::CudaPoint;
 pub use events::{pooled_events, PooledEvent};
-pub use reaper::{pending_releases, wait_for_releases};
+pub use crate::reaper::{pending_releases, wait_for_releases};
 pub use storage::{CudaStorage, PinnedStorage};
 
 use crate::{Device, DeviceError, Stream, DEFAULT_TIMEOUT};

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
-use super::{context, driver_error, reaper};
+use super::{context, driver_error};
+use crate::reaper;
 use crate::{Device, DeviceError, Storage, StreamOrder};
 
 /// The address given to empty allocations: aligned, never dereferenced, never freed.

@@ -1,6 +1,7 @@
-//! Deferred releases: things that queued GPU work still uses (device memory of a dropped buffer,
-//! the access guard of a pinned buffer under an async copy) are kept until the events of that
-//! work have completed, then dropped.
+//! Deferred releases: things that queued stream work still uses (device memory of a dropped
+//! buffer, the access guard of a pinned buffer under an async copy, the memory of a dropped
+//! [`OrderedStorage`](crate::OrderedStorage)) are kept until the events of that work have
+//! completed, then dropped.
 //!
 //! One thread per process (started on first use) holds them: it queries the events (never
 //! blocks in the driver, never synchronises the context) every 50 µs while anything is pending
@@ -84,10 +85,10 @@ fn sender() -> Option<Sender<Pending>> {
 }
 
 /// Drop `payload` once every event of `events` has completed: now if they all have, else on
-/// the reaper thread. Without a reaper thread (it could not be started) the caller waits for
+/// the reaper thread. The events may be of CUDA streams or of CPU streams alike. Without a reaper thread (it could not be started) the caller waits for
 /// the events, each up to its stream's timeout, and leaks the payload if one does not complete:
 /// a leak, never a use after free.
-pub(crate) fn release_after(events: Vec<Event>, payload: Box<dyn Any + Send>) {
+pub fn release_after(events: Vec<Event>, payload: Box<dyn Any + Send>) {
     if events.iter().all(Event::query) {
         drop(payload);
         return;
