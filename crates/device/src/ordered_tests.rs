@@ -124,7 +124,9 @@ fn host_access_and_double_ordering_and_meta_are_refused() {
     assert!(buf.write::<f32>().is_err());
     assert!(buf.to_vec::<f32>().is_err());
     let inner = OrderedStorage::new(Box::new(HostStorage::zeroed(8).unwrap())).unwrap();
-    let e = OrderedStorage::new(Box::new(inner)).unwrap_err().to_string();
+    let e = OrderedStorage::new(Box::new(inner))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("already stream-ordered"), "{e}");
     let e = OrderedStorage::new(Box::new(MetaStorage::new(8)))
         .unwrap_err()

@@ -96,6 +96,11 @@ impl AccessTicket {
         &self.buffer
     }
 
+    /// The mode asked for.
+    pub fn mode(&self) -> AccessMode {
+        self.mode
+    }
+
     /// Wait until every conflicting earlier ticket has been released, up to `timeout`.
     pub fn acquire(mut self, timeout: Duration) -> Result<AccessGuard, DeviceError> {
         let lock = &self.buffer.shared.access;

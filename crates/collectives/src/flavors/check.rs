@@ -11,10 +11,12 @@
 //! in-place forms (all-gather input = this rank's block of the output, reduce-scatter output =
 //! this rank's chunk of the input), roots below the world size.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fsdp_device::{AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device, Stream};
+use fsdp_device::{
+    AccessGuard, AccessMode, AccessTicket, Buffer, DType, Device, Stream, StreamOrder,
+};
 
 use crate::{CollectiveError, Work};
 
@@ -39,6 +41,18 @@ impl Access {
     /// No buffers (barrier, split).
     pub(crate) fn none() -> Access {
         Access::new(Vec::new())
+    }
+
+    /// The [`StreamOrder`]s of the stream-ordered buffers among the tickets' (memory that work
+    /// uses through [`Buffer::use_on`]), each with the mode of its use: a backend that runs
+    /// the collective as a task of its stream orders that task after their conflicting work
+    /// ([`StreamOrder::before_read`]/[`before_write`](StreamOrder::before_write) on the
+    /// stream, before it enqueues the task) and records the use after it.
+    pub(crate) fn stream_orders(&self) -> Vec<(Arc<StreamOrder>, AccessMode)> {
+        self.tickets
+            .iter()
+            .filter_map(|t| t.buffer().stream_order().map(|o| (o, t.mode())))
+            .collect()
     }
 
     /// Wait for every ticket, all within `timeout`.

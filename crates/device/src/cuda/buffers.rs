@@ -3,8 +3,8 @@
 use cudarc::driver::result;
 
 use super::{driver_error, CudaStorage, PinnedStorage};
-use crate::reaper;
 use crate::buffer::byte_size;
+use crate::reaper;
 use crate::{AccessMode, Buffer, DType, Device, DeviceError, Event, Stream};
 
 /// The CUDA stream behind `stream`, with its context bound to the calling thread.

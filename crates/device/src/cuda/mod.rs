@@ -38,10 +38,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub use crate::reaper::{pending_releases, wait_for_releases};
 pub use cudarc::driver::{CudaContext, CudaStream};
 pub(crate) use events::CudaPoint;
 pub use events::{pooled_events, PooledEvent};
-pub use crate::reaper::{pending_releases, wait_for_releases};
 pub use storage::{CudaStorage, PinnedStorage};
 
 use crate::{Device, DeviceError, Stream, DEFAULT_TIMEOUT};

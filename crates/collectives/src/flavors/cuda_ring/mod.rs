@@ -17,7 +17,10 @@
 //! ([`Communicator::stream`](crate::Communicator::stream)): its worker takes the buffers'
 //! access tickets, enqueues the schedule, records an end event on the CUDA stream and polls it
 //! (with the timeout) before it releases the buffers and completes the [`Work`](crate::Work). Buffers written by other CUDA
-//! streams must be complete before the collective is issued.
+//! streams must be complete before the collective is issued, unless they are stream-ordered
+//! (`Buffer::stream_ordered`, a caching allocator's `into_ordered_buffer`): the CPU stream then
+//! waits for their writers' events before the task, and records the collective's end as their
+//! newest use, which later users wait for (on the host, as for every CPU event).
 //!
 //! Offered: `all_gather_base`, `reduce_scatter_base`, `all_reduce`, `broadcast`, `reduce` and
 //! `barrier`, for f32, f64, bf16 and f16 with every [`ReduceOp`](crate::ReduceOp). Not offered

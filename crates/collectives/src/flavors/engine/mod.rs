@@ -30,7 +30,7 @@ pub(crate) use self::communicator::engine_communicator;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_device::{AccessGuard, DType, Device, Stream};
+use fsdp_device::{AccessGuard, AccessMode, DType, Device, Stream};
 
 use self::recorder::{FlightRecorder, ProgressBoard, RecorderParts};
 use super::check::{enqueue_collective, Access, Placement};
@@ -358,6 +358,19 @@ impl Engine {
             r.scheduled(seq, &desc);
         }
         let task_core = core.clone();
+        // Stream-ordered buffers: the task runs after the work that conflicts with it, and its
+        // end is their newest use (module docs of `fsdp_device::order`).
+        let orders = access
+            .as_ref()
+            .map(Access::stream_orders)
+            .unwrap_or_default();
+        for (order, mode) in &orders {
+            match mode {
+                AccessMode::Shared => order.before_read(&self.stream),
+                AccessMode::Exclusive => order.before_write(&self.stream),
+            }
+            .map_err(|source| CollectiveError::Device { rank, source })?;
+        }
         let work = enqueue_collective(
             &self.stream,
             &core.next_seq,
@@ -366,6 +379,12 @@ impl Engine {
             core.timeout,
             move |seq| run_collective(&task_core, seq, desc, access, body),
         )?;
+        for (order, mode) in orders {
+            match mode {
+                AccessMode::Shared => order.after_read(&self.stream),
+                AccessMode::Exclusive => order.after_write(&self.stream),
+            };
+        }
         match local_error {
             Some(e) => Err(e),
             None => Ok(work),

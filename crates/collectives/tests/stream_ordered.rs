@@ -1,0 +1,111 @@
+//! Collectives of the ring engine on stream-ordered buffers (`Buffer::stream_ordered`): the
+//! collective runs after the work that wrote its input on another stream, and work issued after
+//! it on any stream sees its output, with no host wait by the caller in between.
+
+use std::time::Duration;
+
+use fsdp_collectives::{ring, Communicator, ReduceOp};
+use fsdp_device::{AccessMode, Buffer, DType, HostStorage, Stream};
+
+/// A stream-ordered host buffer of `len` f32.
+fn ordered(len: usize) -> Buffer {
+    Buffer::stream_ordered(Box::new(HostStorage::zeroed(len * 4).unwrap()), DType::F32).unwrap()
+}
+
+/// Write `values` into `buf` on `stream`, late (after a sleep), as a GPU kernel would.
+fn write_late(stream: &Stream, buf: &Buffer, values: Vec<f32>) {
+    let u = buf.use_on(stream, AccessMode::Exclusive).unwrap();
+    let p = u.device_ptr() as usize;
+    stream
+        .enqueue(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            // SAFETY: `values.len()` f32 of the buffer, used by this stream's work only, alive
+            // until it completed (held references).
+            let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut f32, values.len()) };
+            dst.copy_from_slice(&values);
+        })
+        .unwrap();
+    u.finish();
+}
+
+/// Copy `buf` out on `stream` (after what it waits for), then wait on the host.
+fn read_on(stream: &Stream, buf: &Buffer) -> Vec<f32> {
+    let out = Buffer::zeros(DType::F32, buf.len()).unwrap();
+    let u = buf.use_on(stream, AccessMode::Shared).unwrap();
+    let (src, n, dst) = (
+        u.device_ptr() as usize,
+        buf.len(),
+        out.access(AccessMode::Exclusive),
+    );
+    stream
+        .enqueue(move || {
+            let dst = dst.acquire(Duration::from_secs(20)).unwrap();
+            // SAFETY: `n` f32 read after the collective that wrote them (the stream waited for
+            // its event), into `n` host f32 under an exclusive guard.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const f32, dst.as_ptr().cast(), n) }
+        })
+        .unwrap();
+    u.finish();
+    out.to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn all_gather_and_reduce_scatter_order_themselves_by_stream_events() {
+    let world = 3;
+    let out = ring::run_ranks(world, ring::RingOptions::default(), move |comm| {
+        let r = comm.rank();
+        let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
+        // All-gather: the input is written late on the producer stream.
+        let input = ordered(4);
+        write_late(
+            &producer,
+            &input,
+            (0..4).map(|i| (10 * r + i) as f32).collect(),
+        );
+        let gathered = ordered(4 * world);
+        let work = comm.all_gather_base(&input, &gathered).unwrap();
+        let seen = read_on(&consumer, &gathered);
+        work.wait().unwrap();
+        // Reduce-scatter of a late input, then an in-place all-reduce of its output.
+        let full = ordered(2 * world);
+        write_late(
+            &producer,
+            &full,
+            (0..2 * world).map(|i| (r * 100 + i) as f32).collect(),
+        );
+        let shard = ordered(2);
+        comm.reduce_scatter_base(&full, &shard, ReduceOp::Sum)
+            .unwrap();
+        comm.all_reduce(&shard, ReduceOp::Max).unwrap();
+        (seen, read_on(&consumer, &shard))
+    })
+    .unwrap();
+    let gathered: Vec<f32> = (0..world)
+        .flat_map(|r| (0..4).map(move |i| (10 * r + i) as f32))
+        .collect();
+    // Rank r's chunk of the sum: elements 2r and 2r+1 of Σ_q (100q + i).
+    let sum = |i: usize| (0..world).map(|q| (q * 100 + i) as f32).sum::<f32>();
+    let max_chunk: Vec<f32> = (0..2)
+        .map(|j| (0..world).map(|r| sum(2 * r + j)).fold(f32::MIN, f32::max))
+        .collect();
+    for (r, (seen, shard)) in out.into_iter().enumerate() {
+        assert_eq!(seen, gathered, "rank {r}'s gathered output");
+        assert_eq!(shard, max_chunk, "rank {r}'s reduced shard");
+    }
+}
+
+#[test]
+fn a_freed_ordered_buffer_outlives_its_collective() {
+    let out = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+        let producer = Stream::cpu("producer");
+        let buf = ordered(3);
+        write_late(&producer, &buf, vec![1.0 + comm.rank() as f32; 3]);
+        let work = comm.all_reduce(&buf, ReduceOp::Sum).unwrap();
+        let keep = buf.slice(0..3).unwrap();
+        drop(buf);
+        work.wait().unwrap();
+        read_on(&Stream::cpu("consumer"), &keep)
+    })
+    .unwrap();
+    assert_eq!(out, vec![vec![3.0; 3], vec![3.0; 3]]);
+}
