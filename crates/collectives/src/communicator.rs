@@ -88,6 +88,16 @@ pub trait Communicator: Send {
     fn prefers_shared_host_memory(&self) -> bool {
         false
     }
+
+    /// Whether collectives on stream-ordered buffers (`fsdp_device::Buffer::stream_ordered`,
+    /// device memory used through `Buffer::use_on`) are ordered by their streams' events: the
+    /// collective runs after the work that conflicts with it, and its end is recorded as the
+    /// buffers' newest use. The ring engine's backends (threads, shared memory, TCP, the CUDA
+    /// ring) do; a backend that does not may only be given such buffers once their work has
+    /// completed. Default `false`.
+    fn orders_stream_ordered_buffers(&self) -> bool {
+        false
+    }
 }
 
 /// Aborts a communicator's group from any thread; see [`Communicator::abort_handle`]. Cheap to

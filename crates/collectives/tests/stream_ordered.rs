@@ -53,6 +53,7 @@ fn read_on(stream: &Stream, buf: &Buffer) -> Vec<f32> {
 fn all_gather_and_reduce_scatter_order_themselves_by_stream_events() {
     let world = 3;
     let out = ring::run_ranks(world, ring::RingOptions::default(), move |comm| {
+        assert!(comm.orders_stream_ordered_buffers());
         let r = comm.rank();
         let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
         // All-gather: the input is written late on the producer stream.

@@ -37,6 +37,7 @@ pub mod dtype;
 mod error;
 pub mod order;
 mod ordered;
+mod ordered_ops;
 mod reaper;
 #[cfg(target_os = "linux")]
 pub mod shared;

@@ -22,6 +22,7 @@ use crate::host::{
 use crate::{compile, KernelError, Program};
 
 mod attention;
+mod buffers;
 mod foreach;
 mod gather;
 mod nn;
@@ -30,6 +31,7 @@ mod nn_heads;
 mod nn_loss;
 mod step;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
+pub use buffers::cast_buffer;
 pub use foreach::{
     adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
     AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS,

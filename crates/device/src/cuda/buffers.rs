@@ -129,7 +129,11 @@ impl Buffer {
     /// [`DeviceError::InvalidArgument`] for a non-CUDA source, a stream of another device, a
     /// `dst` that is not pinned or differs in element type or length;
     /// [`DeviceError::Timeout`] when `dst` stays busy; [`DeviceError::Cuda`] when the copy fails.
-    pub fn copy_to_host_async(&self, dst: &Buffer, stream: &Stream) -> Result<Event, DeviceError> {
+    pub(crate) fn cuda_copy_to_host_async(
+        &self,
+        dst: &Buffer,
+        stream: &Stream,
+    ) -> Result<Event, DeviceError> {
         check_host_copy(self, dst, stream, "copy_to_host_async")?;
         let guard = dst
             .access(AccessMode::Exclusive)
@@ -159,7 +163,7 @@ impl Buffer {
     ///
     /// # Errors
     /// As [`copy_to_host_async`](Buffer::copy_to_host_async).
-    pub fn copy_from_host_async(
+    pub(crate) fn cuda_copy_from_host_async(
         &self,
         src: &Buffer,
         stream: &Stream,
@@ -183,6 +187,31 @@ impl Buffer {
         Ok(event)
     }
 
+    /// Zero this stream-ordered device buffer on `stream` (`cuMemsetD8Async`), ordered after
+    /// its earlier uses and recorded as its write. Returns the memset's event.
+    ///
+    /// # Errors
+    /// [`DeviceError::InvalidArgument`] for a buffer that is not a stream-ordered CUDA buffer or
+    /// a stream of another device; [`DeviceError::Cuda`] when the memset fails.
+    pub(crate) fn cuda_zero_async(&self, stream: &Stream) -> Result<Event, DeviceError> {
+        if !matches!(self.device(), Device::Cuda(_)) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "zero_async: a buffer on {}, not a CUDA buffer",
+                self.device()
+            )));
+        }
+        let usage = self.use_on(stream, AccessMode::Exclusive)?;
+        let cu = bound_cuda(stream, "zero_async")?;
+        let bytes = self.byte_len();
+        if bytes > 0 {
+            // SAFETY: `bytes` bytes of this buffer's live device allocation, ordered on `stream`
+            // after its earlier uses and kept until the recorded write completes.
+            unsafe { result::memset_d8_async(usage.device_ptr(), 0, bytes, cu) }
+                .map_err(|e| driver_error("cuMemsetD8Async", e))?;
+        }
+        Ok(usage.finish())
+    }
+
     /// Copy the device buffer `src` (same element type and length, same device) into this one on
     /// `stream` (`cuMemcpyDtoDAsync`), ordered by both buffers' stream orders. They may be views
     /// of one storage only if they do not overlap.
@@ -190,7 +219,7 @@ impl Buffer {
     /// # Errors
     /// [`DeviceError::InvalidArgument`] for mismatched buffers, overlapping views or a stream of
     /// another device; [`DeviceError::Cuda`] when the copy fails.
-    pub fn copy_from_device_async(
+    pub(crate) fn cuda_copy_from_device_async(
         &self,
         src: &Buffer,
         stream: &Stream,

@@ -95,6 +95,7 @@
 pub mod checkpointing;
 mod comm_context;
 mod config;
+mod device;
 mod fsdp;
 mod grad_scaler;
 mod materialize;
@@ -116,6 +117,7 @@ pub use config::{
     BackwardPrefetch, CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind,
     ShardingStrategy,
 };
+pub use device::ComputeDevice;
 pub use fsdp::Fsdp;
 pub use grad_scaler::{
     load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,

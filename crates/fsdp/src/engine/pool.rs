@@ -96,6 +96,85 @@ where
     }
 }
 
+/// A caching allocator whose buffers are stream-ordered ([`Block::into_ordered_buffer`]
+/// (fsdp_allocator::Block::into_ordered_buffer)): the memory of a
+/// [`ComputeDevice`](super::ComputeDevice). A block returns to the allocator only after the last
+/// work issued on it (held references), so `also_on` needs no `record_stream`.
+pub(crate) struct OrderedPool<S: MemorySource>(CachingAllocator<S>);
+
+impl<S: MemorySource> OrderedPool<S> {
+    pub(crate) fn new(alloc: CachingAllocator<S>) -> Self {
+        OrderedPool(alloc)
+    }
+}
+
+/// The allocator's stream behind one of `fsdp_device`'s.
+pub(crate) trait SourceStream: MemorySource {
+    /// `stream` as the source's stream.
+    fn source_stream(stream: &Stream) -> Result<Self::Stream, FsdpError>;
+}
+
+impl SourceStream for HostSource {
+    fn source_stream(stream: &Stream) -> Result<Stream, FsdpError> {
+        Ok(stream.clone())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl SourceStream for fsdp_allocator::cuda::CudaSource {
+    fn source_stream(stream: &Stream) -> Result<Arc<fsdp_device::cuda::CudaStream>, FsdpError> {
+        stream
+            .cuda_stream()
+            .cloned()
+            .ok_or_else(|| FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "device memory allocated on stream `{}` of {}, not a CUDA stream",
+                    stream.name(),
+                    stream.device()
+                ),
+            })
+    }
+}
+
+impl<S: SourceStream> MemoryPool for OrderedPool<S> {
+    fn device(&self) -> Device {
+        self.0.device()
+    }
+
+    fn allocate(
+        &self,
+        dtype: DType,
+        numel: usize,
+        stream: &Stream,
+        also_on: Option<&Stream>,
+    ) -> Result<Buffer, FsdpError> {
+        let _ = also_on;
+        let bytes = numel.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+            FsdpError::InvalidFsdpConfig {
+                reason: format!("a buffer of {numel} elements of {dtype} overflows usize"),
+            }
+        })?;
+        let block = self.0.allocate(bytes, &S::source_stream(stream)?)?;
+        Ok(block.into_ordered_buffer(dtype)?)
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        self.0.memory_stats()
+    }
+
+    fn reset_peak_stats(&self) {
+        self.0.reset_peak_stats();
+    }
+
+    fn record_memory_history(&self, config: Option<HistoryConfig>) {
+        self.0.record_memory_history(config);
+    }
+
+    fn snapshot(&self) -> Option<Snapshot> {
+        Some(self.0.snapshot())
+    }
+}
+
 /// The rank's host caching allocator for [`Fsdp::new`](super::Fsdp::new): over shared host memory
 /// ([`SharedHostSource`](fsdp_allocator::SharedHostSource)) when the communicator's peers read
 /// it in place (the shared-memory transport) and expandable segments are not asked for (a

@@ -81,6 +81,10 @@ impl Communicator for CudaRingCommunicator {
         self.cuda_stream.device()
     }
 
+    fn orders_stream_ordered_buffers(&self) -> bool {
+        true
+    }
+
     fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work> {
         let (world, rank) = (self.world_size(), self.rank());
         let n = input.len();

@@ -77,6 +77,9 @@ macro_rules! engine_communicator {
             fn prefers_shared_host_memory(&self) -> bool {
                 self.engine.reads_shared_regions()
             }
+            fn orders_stream_ordered_buffers(&self) -> bool {
+                true
+            }
         }
     };
 }

@@ -1,0 +1,316 @@
+//! The engine on a device ([`ComputeDevice`]): PyTorch FSDP's `device_id` with
+//! `CPUOffload(offload_params=True)`.
+//!
+//! The shards, the gradient shards and the optimizer state stay in host memory, where the
+//! optimizer steps (as FSDP's CPU offload does); the unsharded parameters and gradients — the
+//! working set of a pass — live in the device's memory, and the model computes there:
+//!
+//! - **unshard**: the shard (cast to `param_dtype` on the host) is copied to the device on the
+//!   device's transfer stream, then all-gathered there into a buffer of the device's caching
+//!   allocator; an unsharded (`F = 1`) unit's parameters are copied in the same way, without a
+//!   collective;
+//! - **views**: the model reads the unsharded parameters and writes its gradients as device
+//!   [`Buffer`]s ([`Params::buffer`](super::Params::buffer),
+//!   [`Grads::grad_buffer`](super::Grads::grad_buffer)), in `param_dtype`, and issues its work
+//!   on the device's compute stream ([`Params::compute_stream`](super::Params::compute_stream));
+//! - **reduce**: the `f32` gradient is zeroed on the device, rounded there to `param_dtype`
+//!   and cast to `reduce_dtype` when the policy says so, reduce-scattered (and all-reduced
+//!   over replicas) on the device, and the reduced shard copied to host memory, where it is
+//!   added into the gradient shard.
+//!
+//! Every buffer on the device is stream-ordered ([`Buffer::stream_ordered`]): work on it is
+//! ordered by events across the compute stream, the transfer stream and the communicator's
+//! stream, and its memory returns to the allocator only after the last work on it (held
+//! references, never `record_stream`). The communicator must order such buffers
+//! ([`Communicator::orders_stream_ordered_buffers`](fsdp_collectives::Communicator::orders_stream_ordered_buffers):
+//! the ring backends and the CUDA ring) and live on the same device.
+//!
+//! Two devices: [`ComputeDevice::cuda`] (feature `cuda`: the caching allocator on the GPU,
+//! CUDA streams, `cuMemcpy*Async` through pinned staging buffers, the casts of `fsdp-kernels`),
+//! and [`ComputeDevice::host_twin`], the same engine code on host memory ordered by streams
+//! instead of access tickets, with CPU worker streams and each operation a stream task: the
+//! reference every device run is tested against without a GPU.
+//!
+//! Not on a device yet (refused by name when the engine is built or the unit reduced): the
+//! division of gradients by the data-parallel size ([`GradientDivide::DataParallelSize`](super::GradientDivide)),
+//! the grad scaler's unscale of unsharded gradients (it works on the host shards, as the
+//! optimizer), dry runs.
+
+use std::sync::Arc;
+
+use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
+use fsdp_device::{Buffer, DType, Device, Stream};
+
+use super::pool::{MemoryPool, OrderedPool};
+use crate::FsdpError;
+
+/// Which implementation of the device's operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    HostTwin,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+/// Where the engine keeps the unsharded parameters and gradients and where the model computes
+/// (see the [module](self) documentation). Cheap to clone: clones share the memory and streams.
+#[derive(Clone)]
+pub struct ComputeDevice {
+    kind: Kind,
+    pool: Arc<dyn MemoryPool>,
+    compute: Stream,
+    transfer: Stream,
+}
+
+impl std::fmt::Debug for ComputeDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ComputeDevice")
+            .field("kind", &self.kind)
+            .field("device", &self.device())
+            .finish()
+    }
+}
+
+impl ComputeDevice {
+    /// The host twin of a device: host memory of a caching allocator of `capacity` bytes with
+    /// the options `config`, made stream-ordered, and two CPU worker streams (compute and
+    /// transfer) on which every operation runs as a task. The same engine code as on a GPU,
+    /// with the host's arithmetic: a run on it gives the host engine's bits.
+    ///
+    /// # Errors
+    /// An invalid allocator configuration.
+    pub fn host_twin(capacity: usize, config: AllocatorConfig) -> Result<Self, FsdpError> {
+        let alloc = HostAllocator::new(HostSource::new(capacity), config)?;
+        Ok(ComputeDevice {
+            kind: Kind::HostTwin,
+            pool: Arc::new(OrderedPool::new(alloc)),
+            compute: Stream::cpu("device compute"),
+            transfer: Stream::cpu("device transfer"),
+        })
+    }
+
+    /// GPU `ordinal`: a caching allocator of its memory with the options `config` (PyTorch's
+    /// `PYTORCH_CUDA_ALLOC_CONF`), made stream-ordered, and two CUDA streams (compute and
+    /// transfer).
+    ///
+    /// # Errors
+    /// No CUDA driver or device ([`fsdp_allocator::AllocError::NoDevice`]), an invalid
+    /// configuration, a stream that cannot be created.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(ordinal: usize, config: AllocatorConfig) -> Result<Self, FsdpError> {
+        use fsdp_allocator::cuda::{CudaAllocator, CudaSource};
+        let alloc = CudaAllocator::new(CudaSource::new(ordinal)?, config)?;
+        Ok(ComputeDevice {
+            kind: Kind::Cuda,
+            pool: Arc::new(OrderedPool::new(alloc)),
+            compute: Stream::cuda(ordinal, "device compute")?,
+            transfer: Stream::cuda(ordinal, "device transfer")?,
+        })
+    }
+
+    /// The device of its memory and streams.
+    pub fn device(&self) -> Device {
+        self.pool.device()
+    }
+
+    /// The stream the model's work is issued on.
+    pub fn compute_stream(&self) -> &Stream {
+        &self.compute
+    }
+
+    /// The stream of the copies between host and device.
+    pub fn transfer_stream(&self) -> &Stream {
+        &self.transfer
+    }
+
+    /// The device allocator's statistics (PyTorch's `torch.cuda.memory_stats()`).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.pool.memory_stats()
+    }
+
+    /// A stream-ordered buffer of `numel` elements of `dtype` on the device, allocated on
+    /// `stream` (its contents are undefined until written).
+    ///
+    /// # Errors
+    /// Out of memory, an invalid size.
+    pub fn alloc(&self, dtype: DType, numel: usize, stream: &Stream) -> Result<Buffer, FsdpError> {
+        self.pool.allocate(dtype, numel, stream, None)
+    }
+
+    /// A new device buffer holding the host buffer `host`'s elements, copied on `stream` after
+    /// the host work issued on `host` before the call (on CUDA through a pinned staging buffer
+    /// filled on the host).
+    ///
+    /// # Errors
+    /// A buffer that is not in host memory, out of memory, a failing copy.
+    pub fn copy_from_host(&self, host: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
+        check_host(host, "copy_from_host")?;
+        let dst = self.alloc(host.dtype(), host.len(), stream)?;
+        match self.kind {
+            Kind::HostTwin => {
+                dst.copy_from_host_async(host, stream)?;
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => {
+                let pinned = Buffer::pinned_zeros(host.dtype(), host.len())?;
+                copy_host(host, &pinned)?;
+                dst.copy_from_host_async(&pinned, stream)?;
+            }
+        }
+        Ok(dst)
+    }
+
+    /// A new host buffer that receives the device buffer `dev`'s elements, copied on `stream`
+    /// after the work on `dev` that conflicts with a read: host reads of it wait for the copy
+    /// (on CUDA it is pinned).
+    ///
+    /// # Errors
+    /// A buffer that is not on this device, a failing copy.
+    pub fn copy_to_host(&self, dev: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
+        self.check_here(dev, "copy_to_host")?;
+        let out = match self.kind {
+            Kind::HostTwin => Buffer::zeros(dev.dtype(), dev.len())?,
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => Buffer::pinned_zeros(dev.dtype(), dev.len())?,
+        };
+        dev.copy_to_host_async(&out, stream)?;
+        Ok(out)
+    }
+
+    /// Zero the device buffer `buf` on `stream`.
+    ///
+    /// # Errors
+    /// A buffer that is not on this device, a failing memset.
+    pub fn zero(&self, buf: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
+        self.check_here(buf, "zero")?;
+        buf.zero_async(stream)?;
+        Ok(())
+    }
+
+    /// Write into `dst` (of the reduce dtype) the `f32` gradient `src` rounded to `param` and
+    /// then to `dst`'s dtype, on `stream` (FSDP's mixed-precision reduction input, without a
+    /// division): the chain of casts `f32 → param → dst`, without the identities.
+    pub(crate) fn round_into(
+        &self,
+        src: &Buffer,
+        dst: &Buffer,
+        param: DType,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        self.check_here(src, "round_into")?;
+        self.check_here(dst, "round_into")?;
+        if src.dtype() != DType::F32 || src.len() != dst.len() {
+            return Err(super::comm_context::internal(
+                "a reduction input of another length or from a gradient that is not f32",
+            ));
+        }
+        let r = dst.dtype();
+        if param != DType::F32 && param != r {
+            let tmp = self.alloc(param, src.len(), stream)?;
+            self.cast(src, &tmp, stream)?;
+            return self.cast(&tmp, dst, stream);
+        }
+        if r == DType::F32 {
+            dst.copy_from_device_async(src, stream)?;
+            return Ok(());
+        }
+        self.cast(src, dst, stream)
+    }
+
+    /// Cast `src` into `dst` (distinct element types) on `stream`.
+    fn cast(&self, src: &Buffer, dst: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
+        match self.kind {
+            Kind::HostTwin => {
+                dst.cast_from_async(src, stream)?;
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => {
+                fsdp_kernels::launch::cast_buffer(src, dst, stream).map_err(|e| {
+                    FsdpError::Device(fsdp_device::DeviceError::Cuda {
+                        op: "cast kernel",
+                        message: e.to_string(),
+                    })
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The sticky error of the device's streams, if a task or the device failed.
+    ///
+    /// # Errors
+    /// That error.
+    pub fn check(&self) -> Result<(), FsdpError> {
+        for s in [&self.compute, &self.transfer] {
+            if let Some(e) = s.error() {
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait on the host for everything issued on the device's streams (each up to its
+    /// timeout), then report their errors.
+    ///
+    /// # Errors
+    /// A stream that failed or did not finish within its timeout.
+    pub fn synchronize(&self) -> Result<(), FsdpError> {
+        self.compute.synchronize()?;
+        self.transfer.synchronize()?;
+        self.check()
+    }
+
+    fn check_here(&self, buf: &Buffer, op: &str) -> Result<(), FsdpError> {
+        if buf.device() != self.device() || buf.stream_order().is_none() {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "{op}: a buffer on {}{}, not a stream-ordered buffer of the compute device \
+                     {}",
+                    buf.device(),
+                    if buf.stream_order().is_none() {
+                        " (ordered by access tickets)"
+                    } else {
+                        ""
+                    },
+                    self.device()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A host buffer ordered by access tickets (the host side of a copy).
+fn check_host(buf: &Buffer, op: &str) -> Result<(), FsdpError> {
+    if buf.device() != Device::Cpu || buf.stream_order().is_some() {
+        return Err(FsdpError::InvalidFsdpConfig {
+            reason: format!(
+                "{op}: the host side is a buffer on {}{}, not host memory ordered by access \
+                 tickets",
+                buf.device(),
+                if buf.stream_order().is_some() {
+                    " (stream-ordered)"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Copy the host buffer `src` into the host buffer `dst` (same type and length) on the host,
+/// after the work issued on either.
+#[cfg(feature = "cuda")]
+fn copy_host(src: &Buffer, dst: &Buffer) -> Result<(), FsdpError> {
+    fn run<T: fsdp_device::Element>(src: &Buffer, dst: &Buffer) -> Result<(), FsdpError> {
+        dst.write::<T>()?.copy_from_slice(&src.read::<T>()?);
+        Ok(())
+    }
+    match src.dtype() {
+        DType::F32 => run::<f32>(src, dst),
+        DType::BF16 => run::<half::bf16>(src, dst),
+        DType::F16 => run::<half::f16>(src, dst),
+        DType::F64 => run::<f64>(src, dst),
+    }
+}
