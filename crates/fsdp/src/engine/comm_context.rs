@@ -11,6 +11,7 @@ use fsdp_device::{Buffer, DType, Device, Stream};
 use super::config::{
     CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind, ShardingStrategy,
 };
+use super::device::ComputeDevice;
 use super::order::ExecOrder;
 use super::pool::MemoryPool;
 use crate::trace::{now_us, SpanKind, TraceEvent, Tracer};
@@ -157,6 +158,9 @@ pub struct CommContext {
     pub(crate) peak_sample: (u64, u64),
     /// The recorded execution order (prefetch follows it).
     pub(crate) order: ExecOrder,
+    /// Where the unsharded parameters and gradients live and the model computes, when not in
+    /// host memory (see [`ComputeDevice`]).
+    pub(crate) device: Option<ComputeDevice>,
 }
 
 impl std::fmt::Debug for CommContext {
@@ -191,6 +195,7 @@ impl CommContext {
             unsharded_bytes: 0,
             peak_sample: (0, 0),
             order: ExecOrder::default(),
+            device: None,
         }
     }
 

@@ -37,6 +37,7 @@
 //! optimizer), dry runs.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use fsdp_allocator::{AllocatorConfig, HostAllocator, HostSource, MemoryStats};
 use fsdp_device::{Buffer, DType, Device, Stream};
@@ -60,6 +61,8 @@ pub struct ComputeDevice {
     pool: Arc<dyn MemoryPool>,
     compute: Stream,
     transfer: Stream,
+    /// The host twin's latency: each operation first waits this long on its stream.
+    latency: Option<Duration>,
 }
 
 impl std::fmt::Debug for ComputeDevice {
@@ -86,7 +89,32 @@ impl ComputeDevice {
             pool: Arc::new(OrderedPool::new(alloc)),
             compute: Stream::cpu("device compute"),
             transfer: Stream::cpu("device transfer"),
+            latency: None,
         })
+    }
+
+    /// [`host_twin`](Self::host_twin) whose every operation first waits `latency` on its
+    /// stream, as a GPU's work runs long after it was issued: work that is not ordered after
+    /// it (a missing event) then sees the old data, and a test shows it.
+    ///
+    /// # Errors
+    /// As [`host_twin`](Self::host_twin).
+    pub fn host_twin_with_latency(
+        capacity: usize,
+        config: AllocatorConfig,
+        latency: Duration,
+    ) -> Result<Self, FsdpError> {
+        let mut dev = ComputeDevice::host_twin(capacity, config)?;
+        dev.latency = Some(latency);
+        Ok(dev)
+    }
+
+    /// The host twin's latency before an operation on `stream`.
+    fn delay(&self, stream: &Stream) -> Result<(), FsdpError> {
+        if let Some(d) = self.latency {
+            stream.enqueue(move || std::thread::sleep(d))?;
+        }
+        Ok(())
     }
 
     /// GPU `ordinal`: a caching allocator of its memory with the options `config` (PyTorch's
@@ -105,6 +133,7 @@ impl ComputeDevice {
             pool: Arc::new(OrderedPool::new(alloc)),
             compute: Stream::cuda(ordinal, "device compute")?,
             transfer: Stream::cuda(ordinal, "device transfer")?,
+            latency: None,
         })
     }
 
@@ -148,6 +177,7 @@ impl ComputeDevice {
         let dst = self.alloc(host.dtype(), host.len(), stream)?;
         match self.kind {
             Kind::HostTwin => {
+                self.delay(stream)?;
                 dst.copy_from_host_async(host, stream)?;
             }
             #[cfg(feature = "cuda")]
@@ -173,6 +203,7 @@ impl ComputeDevice {
             #[cfg(feature = "cuda")]
             Kind::Cuda => Buffer::pinned_zeros(dev.dtype(), dev.len())?,
         };
+        self.delay(stream)?;
         dev.copy_to_host_async(&out, stream)?;
         Ok(out)
     }
@@ -183,6 +214,7 @@ impl ComputeDevice {
     /// A buffer that is not on this device, a failing memset.
     pub fn zero(&self, buf: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
         self.check_here(buf, "zero")?;
+        self.delay(stream)?;
         buf.zero_async(stream)?;
         Ok(())
     }
@@ -211,6 +243,7 @@ impl ComputeDevice {
             return self.cast(&tmp, dst, stream);
         }
         if r == DType::F32 {
+            self.delay(stream)?;
             dst.copy_from_device_async(src, stream)?;
             return Ok(());
         }
@@ -221,6 +254,7 @@ impl ComputeDevice {
     fn cast(&self, src: &Buffer, dst: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
         match self.kind {
             Kind::HostTwin => {
+                self.delay(stream)?;
                 dst.cast_from_async(src, stream)?;
             }
             #[cfg(feature = "cuda")]

@@ -26,6 +26,8 @@ use crate::FsdpError;
 
 #[path = "fsdp_accessors.rs"]
 mod accessors;
+#[path = "fsdp_device.rs"]
+mod on_device;
 
 /// One rank of a fully sharded data-parallel job (see the [module](super) documentation).
 pub struct Fsdp {
@@ -218,6 +220,7 @@ impl Fsdp {
                 },
                 policy: config.mixed_precision,
                 rounded: None,
+                uploaded: None,
                 layout,
                 factor: f,
                 shard_index,
@@ -267,9 +270,10 @@ impl Fsdp {
             self.ctx.step += 1;
             self.ctx.phase = Phase::Forward;
             self.ctx.order.begin_pass();
-            // Shards may have changed since the last pass: round them again.
+            // Shards may have changed since the last pass: round (or copy) them again.
             for g in &mut self.groups {
                 g.rounded = None;
+                g.uploaded = None;
             }
         }
     }
@@ -427,6 +431,7 @@ impl Fsdp {
     /// A unit that is sharded, an unknown unit, a failing buffer access.
     pub fn param_views(&self, units: &[usize]) -> Result<ParamViews<'_>, FsdpError> {
         let mut guards: Vec<_> = (0..self.groups.len()).map(|_| None).collect();
+        let mut buffers: Vec<_> = (0..self.groups.len()).map(|_| None).collect();
         for &u in units {
             self.check_unit(u)?;
             let full =
@@ -437,10 +442,21 @@ impl Fsdp {
                             "unit {u} is sharded: its pre-forward/pre-backward hook did not run"
                         ),
                     })?;
-            guards[u] = Some(full.read::<f32>()?);
+            // On a device the model reads the buffers on its stream; on the host, slices.
+            if self.ctx.device.is_none() {
+                guards[u] = Some(full.read::<f32>()?);
+            }
+            buffers[u] = Some(full.clone());
         }
         let policy = units.first().map(|&u| self.groups[u].policy);
-        Ok(ParamViews::new(&self.table, guards, policy))
+        let stream = self.ctx.device.as_ref().map(|d| d.compute_stream().clone());
+        Ok(ParamViews::new(
+            &self.table,
+            guards,
+            buffers,
+            policy,
+            stream,
+        ))
     }
 
     /// Write views of the unsharded gradients of `units` (between their pre-backward and
@@ -450,14 +466,21 @@ impl Fsdp {
     /// A unit without gradient buffer, an unknown unit, a failing buffer access.
     pub fn grad_views(&self, units: &[usize]) -> Result<GradViews<'_>, FsdpError> {
         let mut guards: Vec<_> = (0..self.groups.len()).map(|_| None).collect();
+        let mut buffers: Vec<_> = (0..self.groups.len()).map(|_| None).collect();
         for &u in units {
             self.check_unit(u)?;
             let g = self.groups[u].full_grad.as_ref().ok_or_else(|| {
                 internal("a unit's gradients are not allocated: run pre_backward")
             })?;
-            guards[u] = Some(g.write::<f32>()?);
+            // On a device the model adds into the buffers on its stream; on the host, into
+            // slices under a write guard (a buffer would wait for that guard).
+            if self.ctx.device.is_none() {
+                guards[u] = Some(g.write::<f32>()?);
+            } else {
+                buffers[u] = Some(g.clone());
+            }
         }
-        Ok(GradViews::new(&self.table, guards))
+        Ok(GradViews::new(&self.table, guards, buffers))
     }
 }
 

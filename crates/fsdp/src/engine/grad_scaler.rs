@@ -392,6 +392,15 @@ impl Fsdp {
             Some(c) if c.enabled => Some(GradScaler::new(c)?),
             _ => None,
         };
+        if let (Some(_), Some(dev)) = (&scaler, &self.ctx.device) {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "the grad scaler scales unsharded gradients in host memory: not supported \
+                     with them on {} yet",
+                    dev.device()
+                ),
+            });
+        }
         if self
             .groups
             .iter()

@@ -79,6 +79,9 @@ pub struct ParamGroup {
     /// For an unsharded (`F = 1`) unit whose `param_dtype` is not `f32`: the shard rounded
     /// to `param_dtype`, which the model reads during the current pass.
     pub(crate) rounded: Option<Buffer>,
+    /// On a [`ComputeDevice`](super::ComputeDevice), for an unsharded (`F = 1`) unit: its
+    /// parameters copied to the device (in `param_dtype`), which the model reads.
+    pub(crate) uploaded: Option<Buffer>,
 }
 
 impl std::fmt::Debug for ParamGroup {
@@ -151,7 +154,10 @@ impl ParamGroup {
     /// # Errors
     /// A failing allocation or collective.
     pub fn unshard(&mut self, ctx: &mut CommContext, prefetch: bool) -> Result<(), FsdpError> {
-        if self.full.is_some() || self.factor == 1 {
+        if self.factor == 1 {
+            return self.upload_unsharded(ctx);
+        }
+        if self.full.is_some() {
             return Ok(());
         }
         let group = ctx
@@ -172,7 +178,20 @@ impl ParamGroup {
             }
             b
         };
-        let out = ctx.alloc_typed(p, self.layout.padded_numel(), group.stream(), &ctx.compute)?;
+        // On a device: the input copied there, gathered into device memory.
+        let staged = input.dtype() != self.shard.dtype() || ctx.device.is_some();
+        let (input, out) = match &ctx.device {
+            None => {
+                let out =
+                    ctx.alloc_typed(p, self.layout.padded_numel(), group.stream(), &ctx.compute)?;
+                (input, out)
+            }
+            Some(dev) => {
+                let t = dev.transfer_stream();
+                let input = dev.copy_from_host(&input, t)?;
+                (input, dev.alloc(p, self.layout.padded_numel(), t)?)
+            }
+        };
         let work = ctx.traced(
             group.stream(),
             SpanKind::AllGather,
@@ -180,7 +199,7 @@ impl ParamGroup {
             self.layout.shard_numel() * p.size_in_bytes(),
             || Ok(group.all_gather_base(&input, &out)?),
         )?;
-        self.gather_input = (self.shard.dtype() != p).then_some(input);
+        self.gather_input = staged.then_some(input);
         let issued = ctx.next_issue();
         let counted = self.counts(ctx);
         ctx.unsharded_bytes += block_bytes(&out);
@@ -232,7 +251,8 @@ impl ParamGroup {
     /// Mixed precision on the CPU: replace the gathered `param_dtype` buffer by its exact
     /// `f32` widening, which the model reads (the low-precision buffer is freed).
     fn widen(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
-        let Some(full) = self.full.as_ref() else {
+        let Some(full) = self.full.as_ref().filter(|_| ctx.device.is_none()) else {
+            // On a device the model reads `param_dtype` itself.
             return Ok(());
         };
         if full.dtype() == DType::F32 {
@@ -252,7 +272,11 @@ impl ParamGroup {
     /// For an unsharded (`F = 1`) unit with a low-precision `param_dtype`: the shard rounded
     /// to it, once per pass (see [`MixedPrecisionPolicy`]).
     pub(crate) fn ensure_rounded(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
-        if self.factor != 1 || self.dtypes.param == DType::F32 || self.rounded.is_some() {
+        if self.factor != 1
+            || self.dtypes.param == DType::F32
+            || self.rounded.is_some()
+            || ctx.device.is_some()
+        {
             return Ok(());
         }
         let r = ctx.alloc_local(self.shard.len())?;
@@ -270,12 +294,40 @@ impl ParamGroup {
 
     /// The buffer the model reads while the unit is unsharded.
     pub(crate) fn compute_params(&self) -> Option<&Buffer> {
-        self.rounded.as_ref().or(self.full.as_ref())
+        if self.factor == 1 && self.uploaded.is_none() && self.full.is_some() {
+            // Host memory: the shard itself, or its rounding to `param_dtype`.
+            return self.rounded.as_ref().or(self.full.as_ref());
+        }
+        self.uploaded.as_ref().or(self.full.as_ref())
+    }
+
+    /// On a device, an unsharded (`F = 1`) unit's parameters are copied there (cast to
+    /// `param_dtype` on the host first), once until [`reshard`](Self::reshard) or the next
+    /// pass; nothing on the host.
+    fn upload_unsharded(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
+        let Some(dev) = ctx.device.clone() else {
+            return Ok(());
+        };
+        if self.uploaded.is_some() {
+            return Ok(());
+        }
+        let p = self.dtypes.param;
+        let host = if self.shard.dtype() == p {
+            self.shard.clone()
+        } else {
+            let b = ctx.alloc_typed(p, self.shard.len(), &ctx.compute, &ctx.compute)?;
+            cast_buffer(&self.shard, &b)?;
+            b
+        };
+        self.uploaded = Some(dev.copy_from_host(&host, dev.transfer_stream())?);
+        Ok(())
     }
 
     /// Free (reshard) the unsharded parameters; nothing for an unsharded (`F = 1`) unit.
     pub fn reshard(&mut self, ctx: &mut CommContext) {
         if self.factor == 1 {
+            // On a device its copy is freed (copied again when next needed).
+            self.uploaded = None;
             return;
         }
         let Some(full) = self.full.take() else {
@@ -298,6 +350,14 @@ impl ParamGroup {
     /// A failing allocation.
     pub(crate) fn ensure_grad(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
         if self.full_grad.is_some() {
+            return Ok(());
+        }
+        if let Some(dev) = &ctx.device {
+            // On the device, zeroed on the compute stream (before the model's backward).
+            let s = dev.compute_stream();
+            let g = dev.alloc(DType::F32, self.layout.padded_numel(), s)?;
+            dev.zero(&g, s)?;
+            self.full_grad = Some(g);
             return Ok(());
         }
         if self.factor == 1 && self.grad_shard_zero && super::reduce::reduces_in_place(self, ctx) {
@@ -331,6 +391,7 @@ impl ParamGroup {
         self.full_grad = None;
         self.replace_shard = false;
         self.rounded = None;
+        self.uploaded = None;
     }
 }
 

@@ -8,6 +8,7 @@ use fsdp_device::{Buffer, DType};
 
 use super::comm_context::{internal, CommContext, PendingReduce};
 use super::config::ScheduleKind;
+use super::device::ComputeDevice;
 use super::mixed_precision::{
     accumulate_reduced, divide_factors, fill_reduce_input, DivideFactors,
 };
@@ -16,8 +17,10 @@ use crate::trace::SpanKind;
 use crate::FsdpError;
 
 /// Reduced gradients to add into the groups' gradient shards once the reductions completed:
-/// the unit, the reduced buffer (in the reduce dtype) and the post-divide factor.
-pub(crate) type PendingGrads = Vec<(usize, Buffer, Option<f32>)>;
+/// the unit, the reduced buffer (in the reduce dtype; on a device, device memory copied to the
+/// host then), the post-divide factor, and whether it replaces a gradient shard of zeros
+/// (copied in, not added: the same bits as a reduction straight into the shard).
+pub(crate) type PendingGrads = Vec<(usize, Buffer, Option<f32>, bool)>;
 
 /// The data-parallel size of a unit's gradient: the ranks whose gradients it sums.
 fn data_parallel_size(group: &ParamGroup, ctx: &CommContext) -> usize {
@@ -72,6 +75,9 @@ pub(crate) fn foreach_reduce(
         .ok_or_else(|| internal("reduce of a unit without gradients"))?;
     let u = group.index;
     let factors = reduce_factors(group, ctx);
+    if let Some(dev) = ctx.device.clone() {
+        return reduce_on_device(group, ctx, pending_grads, &dev, g, factors);
+    }
     let plain = is_plain(group, factors);
     // Mixed precision or a division: the reduction runs on a copy in the reduce dtype (the
     // gradient rounded to the parameter dtype, pre-divided); the f32 gradient is freed.
@@ -145,7 +151,7 @@ pub(crate) fn foreach_reduce(
         ctx.record(u, ScheduleKind::AllReduce, false);
     }
     if !(direct && group.factor > 1) {
-        pending_grads.push((u, target, factors.post_divide));
+        pending_grads.push((u, target, factors.post_divide, false));
     }
     group.grad_shard_zero = false;
     group.replace_shard = direct && group.factor == 1;
@@ -164,8 +170,22 @@ pub(crate) fn finish_reductions(
     for p in std::mem::take(&mut ctx.pending) {
         p.work.wait()?;
     }
-    for (u, g, post_divide) in std::mem::take(pending_grads) {
+    let mut grads = std::mem::take(pending_grads);
+    if let Some(dev) = &ctx.device {
+        // The reduced shards come to host memory now that their reductions ran, then the
+        // device's streams are waited for (and their errors reported) before they are read.
+        for (_, g, _, _) in &mut grads {
+            *g = dev.copy_to_host(g, dev.transfer_stream())?;
+        }
+        dev.synchronize()?;
+    }
+    for (u, g, post_divide, copy_in) in grads {
         let group = &mut groups[u];
+        if copy_in {
+            let mut acc = group.grad_shard.write::<f32>()?;
+            accumulate_reduced(&g, &mut acc, post_divide, true)?;
+            continue;
+        }
         if std::mem::take(&mut group.replace_shard) {
             // The first reduction of an unsharded unit: its buffer becomes the shard.
             group.grad_shard = g;
@@ -185,5 +205,87 @@ pub(crate) fn finish_reductions(
             *a += *b;
         }
     }
+    Ok(())
+}
+
+/// [`foreach_reduce`] on a [`ComputeDevice`]: the `f32` gradient rounded to `param_dtype` and
+/// cast to the reduce dtype on the device (unless both are `f32`), reduce-scattered (and
+/// all-reduced over replicas) there; [`finish_reductions`] copies the result to the host.
+fn reduce_on_device(
+    group: &mut ParamGroup,
+    ctx: &mut CommContext,
+    pending_grads: &mut PendingGrads,
+    dev: &ComputeDevice,
+    g: Buffer,
+    factors: DivideFactors,
+) -> Result<(), FsdpError> {
+    let u = group.index;
+    if factors != DivideFactors::NONE {
+        return Err(FsdpError::InvalidFsdpConfig {
+            reason: format!(
+                "unit {u}: on {} the engine does not divide gradients by the data-parallel \
+                 size (GradientDivide::Model: normalise the loss over the global batch)",
+                dev.device()
+            ),
+        });
+    }
+    let (param, reduce) = (group.dtypes.param, group.dtypes.reduce);
+    let s = dev.compute_stream();
+    let send = if param == DType::F32 && reduce == DType::F32 {
+        g
+    } else {
+        let send = dev.alloc(reduce, g.len(), s)?;
+        dev.round_into(&g, &send, param, s)?;
+        send
+    };
+    let target = if group.factor > 1 {
+        let shard_group = ctx
+            .groups
+            .shard()
+            .ok_or_else(|| internal("a sharded unit without a shard group"))?;
+        let out = dev.alloc(reduce, group.layout.shard_numel(), s)?;
+        let work = ctx.traced(
+            shard_group.stream(),
+            SpanKind::ReduceScatter,
+            vec![u],
+            group.layout.shard_numel() * reduce.size_in_bytes(),
+            || Ok(shard_group.reduce_scatter_base(&send, &out, ReduceOp::Sum)?),
+        )?;
+        let issued = ctx.next_issue();
+        ctx.pending.push(PendingReduce {
+            work,
+            issued,
+            holds: Some(send),
+        });
+        ctx.record(u, ScheduleKind::ReduceScatter, false);
+        out
+    } else {
+        send
+    };
+    let replicas = if group.replicated_all {
+        ctx.groups.world_multi()
+    } else {
+        ctx.groups.replicate()
+    };
+    if let Some(replicas) = replicas {
+        let work = ctx.traced(
+            replicas.stream(),
+            SpanKind::AllReduce,
+            vec![u],
+            target.len() * reduce.size_in_bytes(),
+            || Ok(replicas.all_reduce(&target, ReduceOp::Sum)?),
+        )?;
+        let issued = ctx.next_issue();
+        ctx.pending.push(PendingReduce {
+            work,
+            issued,
+            holds: None,
+        });
+        ctx.record(u, ScheduleKind::AllReduce, false);
+    }
+    let copy_in = group.grad_shard_zero && reduce == DType::F32;
+    pending_grads.push((u, target, None, copy_in));
+    group.grad_shard_zero = false;
+    group.replace_shard = false;
     Ok(())
 }

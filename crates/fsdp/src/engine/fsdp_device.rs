@@ -1,0 +1,124 @@
+//! [`Fsdp::new_on`]: the engine with its unsharded parameters and gradients on a
+//! [`ComputeDevice`], and what it refuses there.
+
+use fsdp_allocator::MemoryStats;
+use fsdp_collectives::Communicator;
+
+use super::super::config::FsdpConfig;
+use super::super::device::ComputeDevice;
+use super::super::materialize::ParamInit;
+use super::super::mixed_precision::GradientDivide;
+use super::super::pool::host_pool;
+use super::super::ProcessGroups;
+use super::Fsdp;
+use crate::optim::OptimizerConfig;
+use crate::units::UnitPlan;
+use crate::FsdpError;
+
+impl Fsdp {
+    /// Build this rank's engine as [`Fsdp::new`] does, with the unsharded parameters and
+    /// gradients on `device` and the model computing there (PyTorch FSDP's `device_id` with
+    /// `CPUOffload(offload_params=True)`): the shards, gradient shards and optimizer stay in
+    /// host memory (see [`ComputeDevice`]). The model reads its parameters with
+    /// [`Params::buffer`](super::super::Params::buffer) and adds its gradients with
+    /// [`Grads::grad_buffer`](super::super::Grads::grad_buffer), issuing its work on
+    /// [`Params::compute_stream`](super::super::Params::compute_stream).
+    ///
+    /// ```
+    /// use fsdp::engine::{ComputeDevice, Fsdp, FsdpConfig, ParamInit};
+    /// use fsdp::optim::SgdConfig;
+    /// use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
+    /// use fsdp_collectives::ring;
+    ///
+    /// let plan = UnitPlan {
+    ///     units: vec![UnitSpec { name: String::new(), params: vec![ParamSpec::new("w", &[4])] }],
+    ///     ignored: vec![],
+    /// };
+    /// let dims = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
+    ///     let device = ComputeDevice::host_twin(1 << 26, Default::default()).unwrap();
+    ///     let mut fsdp = Fsdp::new_on(
+    ///         Box::new(comm), device, &plan, ParamInit::Zeros, FsdpConfig::default(),
+    ///         SgdConfig::new(0.1),
+    ///     )
+    ///     .unwrap();
+    ///     fsdp.pre_forward(0).unwrap();
+    ///     let views = fsdp.param_views(&[0]).unwrap();
+    ///     let w = fsdp.param_id("w").unwrap();
+    ///     // On the device the parameters are buffers, not host slices.
+    ///     assert!(views.get(w).is_err());
+    ///     views.buffer_of(w).unwrap().len()
+    /// })
+    /// .unwrap();
+    /// assert_eq!(dims, vec![4, 4]);
+    /// ```
+    ///
+    /// # Errors
+    /// Those of [`Fsdp::new`]; [`FsdpError::InvalidFsdpConfig`] for a communicator on another
+    /// device or one that does not order stream-ordered buffers
+    /// ([`Communicator::orders_stream_ordered_buffers`]: NCCL and MPI do not yet), and for
+    /// [`GradientDivide::DataParallelSize`] with several ranks (not on a device yet).
+    pub fn new_on(
+        comm: Box<dyn Communicator>,
+        device: ComputeDevice,
+        plan: &UnitPlan,
+        init: ParamInit<'_>,
+        config: FsdpConfig,
+        optim: impl Into<OptimizerConfig>,
+    ) -> Result<Self, FsdpError> {
+        check_device(comm.as_ref(), &device, &config)?;
+        config.mixed_precision.validate()?;
+        let pool = host_pool(comm.as_ref(), &config)?;
+        let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
+        let mut fsdp = Fsdp::with_parts(groups, pool, plan, init, config, optim.into())?;
+        fsdp.ctx.device = Some(device);
+        Ok(fsdp)
+    }
+
+    /// The device of the unsharded parameters and gradients ([`Fsdp::new_on`]), if not the
+    /// host.
+    pub fn compute_device(&self) -> Option<&ComputeDevice> {
+        self.ctx.device.as_ref()
+    }
+
+    /// The device allocator's statistics ([`Fsdp::new_on`]); `None` on the host (see
+    /// [`memory_stats`](Fsdp::memory_stats)).
+    pub fn device_memory_stats(&self) -> Option<MemoryStats> {
+        self.ctx.device.as_ref().map(ComputeDevice::memory_stats)
+    }
+}
+
+/// What the engine refuses on `device` before anything is built.
+fn check_device(
+    comm: &dyn Communicator,
+    device: &ComputeDevice,
+    config: &FsdpConfig,
+) -> Result<(), FsdpError> {
+    let rank = comm.rank();
+    let refuse = |reason: String| {
+        Err(FsdpError::InvalidFsdpConfig {
+            reason: format!("rank {rank}: {reason}"),
+        })
+    };
+    if comm.device() != device.device() {
+        return refuse(format!(
+            "the communicator moves buffers on {}, the compute device is {}",
+            comm.device(),
+            device.device()
+        ));
+    }
+    if !comm.orders_stream_ordered_buffers() {
+        return refuse(format!(
+            "the communicator does not order stream-ordered buffers, which the engine keeps \
+             on {} (the ring backends and the CUDA ring do; NCCL and MPI not yet)",
+            device.device()
+        ));
+    }
+    if config.gradient_divide == GradientDivide::DataParallelSize && comm.world_size() > 1 {
+        return refuse(format!(
+            "GradientDivide::DataParallelSize is not supported on {} yet (use \
+             GradientDivide::Model: normalise the loss over the global batch)",
+            device.device()
+        ));
+    }
+    Ok(())
+}

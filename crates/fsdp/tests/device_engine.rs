@@ -1,0 +1,416 @@
+//! The engine on a device (`Fsdp::new_on`), run on the host twin of a device: the unsharded
+//! parameters and gradients in stream-ordered memory, every copy, zeroing and cast a task of
+//! the device's streams, the collectives ordered by their events. The tied-weight MLP example,
+//! run on the device's buffers through an adapter, gives the host engine's losses, parameters
+//! and schedule bit for bit: every strategy at worlds 1–4 (every hybrid mesh), mixed
+//! precision, prefetching and gradient accumulation. The device holds the working set: the
+//! host's peak falls. And what the device path refuses is an error naming it.
+
+mod common;
+#[allow(dead_code)]
+#[path = "../examples/tied_mlp.rs"]
+mod tied_mlp;
+
+use std::time::Duration;
+
+use fsdp::engine::{
+    BackwardPrefetch, ComputeDevice, FsdpConfig, FsdpModel, GradScalerConfig, GradientDivide,
+    MixedPrecisionPolicy, ParamInit, ScheduleEvent, ShardingStrategy, Span,
+};
+use fsdp::wrap::plan_units;
+use fsdp::{Fsdp, FsdpError, Grads, Params};
+use fsdp_collectives::{ring, Communicator};
+use fsdp_device::{Buffer, DType, Stream};
+
+use common::{adamw, bits, configs, mesh, ring_options, Bits, Map, GLOBAL};
+use tied_mlp::TiedMlp;
+
+const STEPS: usize = 3;
+
+/// A host model run on a device's buffers: each span copies its parameters to host memory on
+/// the compute stream, computes there, and writes its gradients back (the model's own
+/// additions, on copies of the device's gradients: the host engine's arithmetic exactly).
+struct OnDevice<'m, M>(&'m M);
+
+/// A span's parameters as host `f32` vectors, with the views' policy.
+struct HostCopies {
+    map: Map,
+    policy: Option<MixedPrecisionPolicy>,
+}
+
+impl Params for HostCopies {
+    fn param(&self, name: &str) -> Result<&[f32], FsdpError> {
+        self.map.param(name)
+    }
+    fn mixed_precision(&self) -> Option<MixedPrecisionPolicy> {
+        self.policy
+    }
+}
+
+/// `buf` (f32, bf16 or f16) copied to host memory on `stream` and widened.
+fn download(buf: &Buffer, stream: &Stream) -> Result<Vec<f32>, FsdpError> {
+    let host = Buffer::zeros(buf.dtype(), buf.len())?;
+    buf.copy_to_host_async(&host, stream)?;
+    Ok(match host.dtype() {
+        DType::BF16 => host
+            .to_vec::<half::bf16>()?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        DType::F16 => host
+            .to_vec::<half::f16>()?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        _ => host.to_vec::<f32>()?,
+    })
+}
+
+impl<M: FsdpModel> OnDevice<'_, M> {
+    fn names(&self, s: usize) -> Vec<String> {
+        let mut names = self.0.spans()[s].params.clone();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    fn params(&self, s: usize, p: &dyn Params) -> Result<(HostCopies, Stream), FsdpError> {
+        let stream = p.compute_stream().expect("views on a device").clone();
+        // On the device the parameters are buffers only.
+        let first = &self.names(s)[0];
+        assert!(p
+            .param(first)
+            .unwrap_err()
+            .to_string()
+            .contains("read it as a buffer"));
+        let mut map = Map::new();
+        for n in self.names(s) {
+            map.insert(n.clone(), download(&p.buffer(&n)?, &stream)?);
+        }
+        let policy = p.mixed_precision();
+        Ok((HostCopies { map, policy }, stream))
+    }
+}
+
+impl<M: FsdpModel> FsdpModel for OnDevice<'_, M> {
+    type Batch = M::Batch;
+    type Tape = M::Tape;
+
+    fn spans(&self) -> Vec<Span> {
+        self.0.spans()
+    }
+
+    fn forward(
+        &self,
+        s: usize,
+        p: &dyn Params,
+        b: &M::Batch,
+        t: &mut M::Tape,
+    ) -> Result<(), FsdpError> {
+        let (params, _) = self.params(s, p)?;
+        self.0.forward(s, &params, b, t)
+    }
+
+    fn loss(&self, t: &M::Tape) -> Result<f32, FsdpError> {
+        self.0.loss(t)
+    }
+
+    fn backward(
+        &self,
+        s: usize,
+        p: &dyn Params,
+        g: &mut dyn Grads,
+        b: &M::Batch,
+        t: &mut M::Tape,
+    ) -> Result<(), FsdpError> {
+        let (params, stream) = self.params(s, p)?;
+        let first = &self.names(s)[0];
+        assert!(g
+            .grad_mut(first)
+            .unwrap_err()
+            .to_string()
+            .contains("write it as a buffer"));
+        let mut grads = Map::new();
+        for n in self.names(s) {
+            grads.insert(n.clone(), download(&g.grad_buffer(&n)?, &stream)?);
+        }
+        self.0.backward(s, &params, &mut grads, b, t)?;
+        for n in self.names(s) {
+            let host = Buffer::from_slice(&grads[&n])?;
+            g.grad_buffer(&n)?.copy_from_host_async(&host, &stream)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a run gives: the losses, the final parameters (bits), the schedule, the host pool's
+/// peak allocated bytes and the device's.
+struct Outcome {
+    losses: Vec<u32>,
+    params: Bits,
+    schedule: Vec<ScheduleEvent>,
+    host_peak: u64,
+    device_peak: Option<u64>,
+}
+
+/// `STEPS` steps of `micro` micro-batches each (the first ones under `no_sync`) on the host
+/// engine or on the host twin of a device; rank 0's outcome.
+fn run(world: usize, config: FsdpConfig, micro: usize, on_device: bool) -> Outcome {
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    let model = TiedMlp {
+        global: GLOBAL * micro,
+    };
+    let mut out = ring::run_ranks(world, ring_options(), |comm| {
+        let rank = comm.rank();
+        let init = ParamInit::Full(&init);
+        let mut fsdp = if on_device {
+            // A millisecond before each operation: unordered work would see stale data.
+            let latency = Duration::from_millis(1);
+            let dev = ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency)
+                .unwrap();
+            Fsdp::new_on(Box::new(comm), dev, &plan, init, config, adamw()).unwrap()
+        } else {
+            Fsdp::new(Box::new(comm), &plan, init, config, adamw()).unwrap()
+        };
+        let mut losses = Vec::new();
+        for _ in 0..STEPS {
+            let mut loss = 0.0;
+            for m in 0..micro {
+                let batch = tied_mlp::batch(GLOBAL * micro, rank + m * world, world * micro);
+                fsdp.set_no_sync(m + 1 < micro);
+                loss += if on_device {
+                    fsdp.forward_backward(&OnDevice(&model), &batch).unwrap()
+                } else {
+                    fsdp.forward_backward(&model, &batch).unwrap()
+                };
+            }
+            fsdp.optimizer_step().unwrap();
+            losses.push(loss.to_bits());
+        }
+        let device_peak = fsdp.device_memory_stats().map(|s| {
+            fsdp_device::wait_for_releases(Duration::from_secs(30)).unwrap();
+            let now = fsdp.device_memory_stats().unwrap();
+            assert_eq!(
+                now.allocated_bytes.all.current, 0,
+                "rank {rank}: device memory still allocated after the steps"
+            );
+            s.allocated_bytes.all.peak
+        });
+        Outcome {
+            losses,
+            params: bits(&fsdp.full_state_dict().unwrap()),
+            schedule: fsdp.schedule().to_vec(),
+            host_peak: fsdp.memory_stats().allocated_bytes.all.peak,
+            device_peak,
+        }
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+/// The device run against the host engine's: the same bits, schedule; the working set moved.
+fn same_as_host(world: usize, config: FsdpConfig, micro: usize) {
+    let what = format!("world {world}, {config:?}, {micro} micro-batches");
+    let (host, dev) = (
+        run(world, config, micro, false),
+        run(world, config, micro, true),
+    );
+    assert_eq!(dev.losses, host.losses, "{what}: losses");
+    assert_eq!(dev.params, host.params, "{what}: parameters");
+    assert_eq!(dev.schedule, host.schedule, "{what}: schedule");
+    let device_peak = dev.device_peak.expect("a device");
+    assert!(device_peak > 0, "{what}: nothing on the device");
+    // Sharded units gather into the device's memory, not the host's (unsharded ones work in
+    // place on the host, and in the device's memory beside).
+    let sharded = world > 1
+        && config.strategy != ShardingStrategy::NoShard
+        && config.ranks_per_node.is_none_or(|n| n > 1);
+    assert!(
+        dev.host_peak < host.host_peak || (!sharded && dev.host_peak == host.host_peak),
+        "{what}: host peak {} on a device vs {} without",
+        dev.host_peak,
+        host.host_peak
+    );
+    // The model learns (the losses fall).
+    let l = |b: u32| f32::from_bits(b);
+    assert!(l(host.losses[STEPS - 1]) < l(host.losses[0]), "{what}");
+}
+
+#[test]
+fn every_strategy_and_mesh_gives_the_host_engines_bits() {
+    for (world, config) in configs() {
+        same_as_host(world, config, 1);
+    }
+}
+
+#[test]
+fn mixed_precision_gives_the_host_engines_bits() {
+    let policies = [
+        (DType::BF16, None),
+        (DType::BF16, Some(DType::BF16)),
+        (DType::F16, Some(DType::F16)),
+        (DType::F16, None),
+    ];
+    for (param, reduce) in policies {
+        for (world, strategy, per_node) in [
+            (1, ShardingStrategy::FullShard, None),
+            (2, ShardingStrategy::FullShard, None),
+            (3, ShardingStrategy::NoShard, None),
+            (4, ShardingStrategy::HybridShard, Some(2)),
+        ] {
+            let mut config = mesh(strategy, per_node);
+            config.mixed_precision = MixedPrecisionPolicy::new(param, reduce);
+            same_as_host(world, config, 1);
+        }
+    }
+}
+
+#[test]
+fn prefetching_and_accumulation_give_the_host_engines_bits() {
+    for prefetch in [
+        BackwardPrefetch::Pre,
+        BackwardPrefetch::Post,
+        BackwardPrefetch::None,
+    ] {
+        for (forward_prefetch, limit) in [(true, Some(1)), (true, None), (false, Some(2))] {
+            let config = FsdpConfig {
+                backward_prefetch: prefetch,
+                forward_prefetch,
+                limit_all_gathers: limit,
+                ..FsdpConfig::new(ShardingStrategy::FullShard)
+            };
+            same_as_host(3, config, 1);
+        }
+    }
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
+        same_as_host(2, FsdpConfig::new(strategy), 3);
+    }
+}
+
+/// A ring communicator that does not say it orders stream-ordered buffers (as NCCL).
+struct Unordered(ring::RingCommunicator);
+
+impl Communicator for Unordered {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn stream(&self) -> &Stream {
+        self.0.stream()
+    }
+    fn all_gather_base(
+        &self,
+        i: &Buffer,
+        o: &Buffer,
+    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.all_gather_base(i, o)
+    }
+    fn reduce_scatter_base(
+        &self,
+        i: &Buffer,
+        o: &Buffer,
+        op: fsdp_collectives::ReduceOp,
+    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.reduce_scatter_base(i, o, op)
+    }
+    fn all_reduce(
+        &self,
+        b: &Buffer,
+        op: fsdp_collectives::ReduceOp,
+    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.all_reduce(b, op)
+    }
+    fn broadcast(
+        &self,
+        b: &Buffer,
+        root: usize,
+    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.broadcast(b, root)
+    }
+    fn reduce(
+        &self,
+        b: &Buffer,
+        op: fsdp_collectives::ReduceOp,
+        root: usize,
+    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.reduce(b, op, root)
+    }
+    fn barrier(&self) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.barrier()
+    }
+    fn all_gather(
+        &self,
+        i: &Buffer,
+        o: &[Buffer],
+    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
+        self.0.all_gather(i, o)
+    }
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: usize,
+    ) -> fsdp_collectives::Result<Option<Box<dyn Communicator>>> {
+        self.0.split(color, key)
+    }
+}
+
+#[test]
+fn what_the_device_path_refuses_is_named() {
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    let dev = || ComputeDevice::host_twin(1 << 26, Default::default()).unwrap();
+    let build = |comm: Box<dyn Communicator>, config: FsdpConfig| {
+        Fsdp::new_on(comm, dev(), &plan, ParamInit::Full(&init), config, adamw())
+    };
+    // A communicator that does not order stream-ordered buffers.
+    let e = ring::run_ranks(2, ring_options(), |comm| {
+        let rank = comm.rank();
+        let e = build(Box::new(Unordered(comm)), FsdpConfig::default()).unwrap_err();
+        (rank, e.to_string())
+    })
+    .unwrap();
+    for (rank, e) in e {
+        assert!(e.contains(&format!("rank {rank}:")), "{e}");
+        assert!(e.contains("does not order stream-ordered buffers"), "{e}");
+    }
+    // The division by the data-parallel size (with several ranks), the grad scaler.
+    let e = ring::run_ranks(2, ring_options(), |comm| {
+        let divide = FsdpConfig {
+            gradient_divide: GradientDivide::DataParallelSize,
+            ..FsdpConfig::default()
+        };
+        build(Box::new(comm), divide).unwrap_err().to_string()
+    })
+    .unwrap();
+    assert!(
+        e[1].contains("rank 1: GradientDivide::DataParallelSize"),
+        "{}",
+        e[1]
+    );
+    let e = ring::run_ranks(2, ring_options(), |comm| {
+        let mut fsdp = build(Box::new(comm), FsdpConfig::default()).unwrap();
+        let scaler = GradScalerConfig::default();
+        fsdp.set_grad_scaler(Some(scaler)).unwrap_err().to_string()
+    })
+    .unwrap();
+    assert!(
+        e[0].contains("grad scaler") && e[0].contains("cpu"),
+        "{}",
+        e[0]
+    );
+    // One rank: the division changes nothing there, so it is allowed.
+    let ok = ring::run_ranks(1, ring_options(), |comm| {
+        let divide = FsdpConfig {
+            gradient_divide: GradientDivide::DataParallelSize,
+            ..FsdpConfig::default()
+        };
+        build(Box::new(comm), divide).is_ok()
+    })
+    .unwrap();
+    assert_eq!(ok, vec![true]);
+}
