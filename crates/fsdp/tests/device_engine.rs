@@ -7,6 +7,8 @@
 //! host's peak falls. And what the device path refuses is an error naming it.
 
 mod common;
+#[path = "common/on_device.rs"]
+mod on_device;
 #[allow(dead_code)]
 #[path = "../examples/tied_mlp.rs"]
 mod tied_mlp;
@@ -14,197 +16,27 @@ mod tied_mlp;
 use std::time::Duration;
 
 use fsdp::engine::{
-    BackwardPrefetch, ComputeDevice, FsdpConfig, FsdpModel, GradScalerConfig, GradientDivide,
-    MixedPrecisionPolicy, ParamInit, ScheduleEvent, ShardingStrategy, Span,
+    BackwardPrefetch, ComputeDevice, FsdpConfig, GradScalerConfig, GradientDivide,
+    MixedPrecisionPolicy, ParamInit, ShardingStrategy,
 };
 use fsdp::wrap::plan_units;
-use fsdp::{Fsdp, FsdpError, Grads, Params};
+use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::{Buffer, DType, Stream};
 
-use common::{adamw, bits, configs, mesh, ring_options, Bits, Map, GLOBAL};
-use tied_mlp::TiedMlp;
+use common::{adamw, configs, mesh, ring_options};
+use on_device::{train_rank, Outcome, STEPS};
 
-const STEPS: usize = 3;
-
-/// A host model run on a device's buffers: each span copies its parameters to host memory on
-/// the compute stream, computes there, and writes its gradients back (the model's own
-/// additions, on copies of the device's gradients: the host engine's arithmetic exactly).
-struct OnDevice<'m, M>(&'m M);
-
-/// A span's parameters as host `f32` vectors, with the views' policy.
-struct HostCopies {
-    map: Map,
-    policy: Option<MixedPrecisionPolicy>,
-}
-
-impl Params for HostCopies {
-    fn param(&self, name: &str) -> Result<&[f32], FsdpError> {
-        self.map.param(name)
-    }
-    fn mixed_precision(&self) -> Option<MixedPrecisionPolicy> {
-        self.policy
-    }
-}
-
-/// `buf` (f32, bf16 or f16) copied to host memory on `stream` and widened.
-fn download(buf: &Buffer, stream: &Stream) -> Result<Vec<f32>, FsdpError> {
-    let host = Buffer::zeros(buf.dtype(), buf.len())?;
-    buf.copy_to_host_async(&host, stream)?;
-    Ok(match host.dtype() {
-        DType::BF16 => host
-            .to_vec::<half::bf16>()?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        DType::F16 => host
-            .to_vec::<half::f16>()?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        _ => host.to_vec::<f32>()?,
-    })
-}
-
-impl<M: FsdpModel> OnDevice<'_, M> {
-    fn names(&self, s: usize) -> Vec<String> {
-        let mut names = self.0.spans()[s].params.clone();
-        names.sort();
-        names.dedup();
-        names
-    }
-
-    fn params(&self, s: usize, p: &dyn Params) -> Result<(HostCopies, Stream), FsdpError> {
-        let stream = p.compute_stream().expect("views on a device").clone();
-        // On the device the parameters are buffers only.
-        let first = &self.names(s)[0];
-        assert!(p
-            .param(first)
-            .unwrap_err()
-            .to_string()
-            .contains("read it as a buffer"));
-        let mut map = Map::new();
-        for n in self.names(s) {
-            map.insert(n.clone(), download(&p.buffer(&n)?, &stream)?);
-        }
-        let policy = p.mixed_precision();
-        Ok((HostCopies { map, policy }, stream))
-    }
-}
-
-impl<M: FsdpModel> FsdpModel for OnDevice<'_, M> {
-    type Batch = M::Batch;
-    type Tape = M::Tape;
-
-    fn spans(&self) -> Vec<Span> {
-        self.0.spans()
-    }
-
-    fn forward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        b: &M::Batch,
-        t: &mut M::Tape,
-    ) -> Result<(), FsdpError> {
-        let (params, _) = self.params(s, p)?;
-        self.0.forward(s, &params, b, t)
-    }
-
-    fn loss(&self, t: &M::Tape) -> Result<f32, FsdpError> {
-        self.0.loss(t)
-    }
-
-    fn backward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        g: &mut dyn Grads,
-        b: &M::Batch,
-        t: &mut M::Tape,
-    ) -> Result<(), FsdpError> {
-        let (params, stream) = self.params(s, p)?;
-        let first = &self.names(s)[0];
-        assert!(g
-            .grad_mut(first)
-            .unwrap_err()
-            .to_string()
-            .contains("write it as a buffer"));
-        let mut grads = Map::new();
-        for n in self.names(s) {
-            grads.insert(n.clone(), download(&g.grad_buffer(&n)?, &stream)?);
-        }
-        self.0.backward(s, &params, &mut grads, b, t)?;
-        for n in self.names(s) {
-            let host = Buffer::from_slice(&grads[&n])?;
-            g.grad_buffer(&n)?.copy_from_host_async(&host, &stream)?;
-        }
-        Ok(())
-    }
-}
-
-/// What a run gives: the losses, the final parameters (bits), the schedule, the host pool's
-/// peak allocated bytes and the device's.
-struct Outcome {
-    losses: Vec<u32>,
-    params: Bits,
-    schedule: Vec<ScheduleEvent>,
-    host_peak: u64,
-    device_peak: Option<u64>,
-}
-
-/// `STEPS` steps of `micro` micro-batches each (the first ones under `no_sync`) on the host
-/// engine or on the host twin of a device; rank 0's outcome.
+/// Rank 0's outcome of a run of `world` ranks (threads) on the host engine or on the host
+/// twin of a device with a latency of a millisecond before each operation (unordered work would
+/// see stale data).
 fn run(world: usize, config: FsdpConfig, micro: usize, on_device: bool) -> Outcome {
-    let tree = tied_mlp::tree();
-    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
-    let init = tied_mlp::init_params(&tree);
-    let model = TiedMlp {
-        global: GLOBAL * micro,
-    };
     let mut out = ring::run_ranks(world, ring_options(), |comm| {
-        let rank = comm.rank();
-        let init = ParamInit::Full(&init);
-        let mut fsdp = if on_device {
-            // A millisecond before each operation: unordered work would see stale data.
+        let device = on_device.then(|| {
             let latency = Duration::from_millis(1);
-            let dev = ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency)
-                .unwrap();
-            Fsdp::new_on(Box::new(comm), dev, &plan, init, config, adamw()).unwrap()
-        } else {
-            Fsdp::new(Box::new(comm), &plan, init, config, adamw()).unwrap()
-        };
-        let mut losses = Vec::new();
-        for _ in 0..STEPS {
-            let mut loss = 0.0;
-            for m in 0..micro {
-                let batch = tied_mlp::batch(GLOBAL * micro, rank + m * world, world * micro);
-                fsdp.set_no_sync(m + 1 < micro);
-                loss += if on_device {
-                    fsdp.forward_backward(&OnDevice(&model), &batch).unwrap()
-                } else {
-                    fsdp.forward_backward(&model, &batch).unwrap()
-                };
-            }
-            fsdp.optimizer_step().unwrap();
-            losses.push(loss.to_bits());
-        }
-        let device_peak = fsdp.device_memory_stats().map(|s| {
-            fsdp_device::wait_for_releases(Duration::from_secs(30)).unwrap();
-            let now = fsdp.device_memory_stats().unwrap();
-            assert_eq!(
-                now.allocated_bytes.all.current, 0,
-                "rank {rank}: device memory still allocated after the steps"
-            );
-            s.allocated_bytes.all.peak
+            ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
         });
-        Outcome {
-            losses,
-            params: bits(&fsdp.full_state_dict().unwrap()),
-            schedule: fsdp.schedule().to_vec(),
-            host_peak: fsdp.memory_stats().allocated_bytes.all.peak,
-            device_peak,
-        }
+        train_rank(Box::new(comm), device, world, config, micro)
     })
     .unwrap();
     out.swap_remove(0)

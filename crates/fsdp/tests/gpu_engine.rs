@@ -1,0 +1,89 @@
+//! The engine on CUDA (cargo feature `cuda`): `Fsdp::new_on` with `ComputeDevice::cuda(0)` over
+//! the CUDA ring, ranks as threads on one GPU. The unsharded parameters and gradients live in
+//! the GPU's caching allocator, the shards go there through pinned staging buffers, the
+//! all-gathers and reduce-scatters run on the GPU (bitwise the host ring's arithmetic), the
+//! gradients are cast there by the `fsdp-kernels` cast kernels (round to nearest even, as the
+//! host). So the tied-weight MLP on the GPU's buffers gives the host engine's losses,
+//! parameters and schedule bit for bit: `FULL_SHARD`, `SHARD_GRAD_OP` and `NO_SHARD` at worlds
+//! 1, 2 and 4, in f32 and with bf16 parameters (f32 and bf16 reductions). Every test prints
+//! `skipped: <reason>` and passes where the CUDA driver or a GPU is missing.
+#![cfg(feature = "cuda")]
+
+mod common;
+#[path = "common/on_device.rs"]
+mod on_device;
+#[allow(dead_code)]
+#[path = "../examples/tied_mlp.rs"]
+mod tied_mlp;
+
+use std::time::Duration;
+
+use fsdp::engine::{ComputeDevice, FsdpConfig, MixedPrecisionPolicy, ShardingStrategy};
+use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
+use fsdp_collectives::ring;
+use fsdp_device::DType;
+
+use common::ring_options;
+use on_device::{train_rank, Outcome};
+
+/// Why the GPU tests cannot run here, if they cannot.
+fn skip_reason() -> Option<String> {
+    match fsdp_device::cuda::device_count() {
+        Err(e) => Some(e.to_string()),
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) => ComputeDevice::cuda(0, Default::default())
+            .err()
+            .map(|e| format!("no CUDA device 0: {e}")),
+    }
+}
+
+/// Rank 0's outcome on the host engine (the thread ring) or on GPU 0 (the CUDA ring).
+fn run(world: usize, config: FsdpConfig, on_gpu: bool) -> Outcome {
+    let mut out = if on_gpu {
+        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+        cuda_ring::run_ranks(0, world, opts, |comm| {
+            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+            train_rank(Box::new(comm), Some(dev), world, config, 1)
+        })
+        .unwrap()
+    } else {
+        ring::run_ranks(world, ring_options(), |comm| {
+            train_rank(Box::new(comm), None, world, config, 1)
+        })
+        .unwrap()
+    };
+    out.swap_remove(0)
+}
+
+#[test]
+fn the_engine_on_cuda_gives_the_host_engines_bits() {
+    if let Some(why) = skip_reason() {
+        println!("the_engine_on_cuda_gives_the_host_engines_bits: skipped: no GPU ({why})");
+        return;
+    }
+    let policies = [
+        (DType::F32, None),
+        (DType::BF16, None),
+        (DType::BF16, Some(DType::BF16)),
+    ];
+    for (param, reduce) in policies {
+        for (world, strategy) in [
+            (1, ShardingStrategy::FullShard),
+            (2, ShardingStrategy::FullShard),
+            (2, ShardingStrategy::ShardGradOp),
+            (2, ShardingStrategy::NoShard),
+            (4, ShardingStrategy::FullShard),
+        ] {
+            let mut config = FsdpConfig::new(strategy);
+            config.mixed_precision = MixedPrecisionPolicy::new(param, reduce);
+            let what = format!("world {world}, {strategy:?}, {param} / {reduce:?}");
+            let (host, gpu) = (run(world, config, false), run(world, config, true));
+            assert_eq!(gpu.losses, host.losses, "{what}: losses");
+            assert_eq!(gpu.params, host.params, "{what}: parameters");
+            assert_eq!(gpu.schedule, host.schedule, "{what}: schedule");
+            let peak = gpu.device_peak.expect("a device");
+            println!("{what}: GPU peak {peak} B, host peak {} B", gpu.host_peak);
+            assert!(peak > 0, "{what}");
+        }
+    }
+}
