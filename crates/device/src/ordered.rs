@@ -17,7 +17,11 @@ use std::sync::Arc;
 
 use crate::{reaper, Buffer, DType, Device, DeviceError, Storage, StreamOrder};
 
-/// A [`Storage`] ordered by stream events (see the [module docs](self)).
+/// A [`Storage`] ordered by stream events instead of access tickets: work uses its buffers
+/// through [`Buffer::use_on`], and dropping the last one hands the inner storage to the reaper
+/// thread, which drops it (for an allocator block: returns it to its allocator) once the work
+/// issued on it has completed — FSDP2's held references instead of `record_stream`. Host
+/// access refuses its buffers, even in host memory.
 pub struct OrderedStorage {
     /// `None` only once dropped (handed to the reaper).
     inner: Option<Box<dyn Storage>>,

@@ -1,40 +1,4 @@
-//! The engine on a device ([`ComputeDevice`]): PyTorch FSDP's `device_id` with
-//! `CPUOffload(offload_params=True)`.
-//!
-//! The shards, the gradient shards and the optimizer state stay in host memory, where the
-//! optimizer steps (as FSDP's CPU offload does); the unsharded parameters and gradients — the
-//! working set of a pass — live in the device's memory, and the model computes there:
-//!
-//! - **unshard**: the shard (cast to `param_dtype` on the host) is copied to the device on the
-//!   device's transfer stream, then all-gathered there into a buffer of the device's caching
-//!   allocator; an unsharded (`F = 1`) unit's parameters are copied in the same way, without a
-//!   collective;
-//! - **views**: the model reads the unsharded parameters and writes its gradients as device
-//!   [`Buffer`]s ([`Params::buffer`](super::Params::buffer),
-//!   [`Grads::grad_buffer`](super::Grads::grad_buffer)), in `param_dtype`, and issues its work
-//!   on the device's compute stream ([`Params::compute_stream`](super::Params::compute_stream));
-//! - **reduce**: the `f32` gradient is zeroed on the device, rounded there to `param_dtype`
-//!   and cast to `reduce_dtype` when the policy says so, reduce-scattered (and all-reduced
-//!   over replicas) on the device, and the reduced shard copied to host memory, where it is
-//!   added into the gradient shard.
-//!
-//! Every buffer on the device is stream-ordered ([`Buffer::stream_ordered`]): work on it is
-//! ordered by events across the compute stream, the transfer stream and the communicator's
-//! stream, and its memory returns to the allocator only after the last work on it (held
-//! references, never `record_stream`). The communicator must order such buffers
-//! ([`Communicator::orders_stream_ordered_buffers`](fsdp_collectives::Communicator::orders_stream_ordered_buffers):
-//! the ring backends and the CUDA ring) and live on the same device.
-//!
-//! Two devices: [`ComputeDevice::cuda`] (feature `cuda`: the caching allocator on the GPU,
-//! CUDA streams, `cuMemcpy*Async` through pinned staging buffers, the casts of `fsdp-kernels`),
-//! and [`ComputeDevice::host_twin`], the same engine code on host memory ordered by streams
-//! instead of access tickets, with CPU worker streams and each operation a stream task: the
-//! reference every device run is tested against without a GPU.
-//!
-//! Not on a device yet (refused by name when the engine is built or the unit reduced): the
-//! division of gradients by the data-parallel size ([`GradientDivide::DataParallelSize`](super::GradientDivide)),
-//! the grad scaler's unscale of unsharded gradients (it works on the host shards, as the
-//! optimizer), dry runs.
+//! [`ComputeDevice`]: the engine on a device (its documentation).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,8 +17,45 @@ enum Kind {
     Cuda,
 }
 
-/// Where the engine keeps the unsharded parameters and gradients and where the model computes
-/// (see the [module](self) documentation). Cheap to clone: clones share the memory and streams.
+/// Where the engine keeps the unsharded parameters and gradients and where the model computes:
+/// PyTorch FSDP's `device_id` with `CPUOffload(offload_params=True)` ([`Fsdp::new_on`](super::Fsdp::new_on)).
+/// Cheap to clone: clones share the memory and streams.
+///
+/// The shards, the gradient shards and the optimizer state stay in host memory, where the
+/// optimizer steps (as FSDP's CPU offload does); the unsharded parameters and gradients — the
+/// working set of a pass — live in the device's memory, and the model computes there:
+///
+/// - **unshard**: the shard (cast to `param_dtype` on the host) is copied to the device on the
+///   device's transfer stream, then all-gathered there into a buffer of the device's caching
+///   allocator; an unsharded (`F = 1`) unit's parameters are copied in the same way, without a
+///   collective;
+/// - **views**: the model reads the unsharded parameters and writes its gradients as device
+///   [`Buffer`]s ([`Params::buffer`](super::Params::buffer),
+///   [`Grads::grad_buffer`](super::Grads::grad_buffer)), in `param_dtype`, and issues its work
+///   on the device's compute stream ([`Params::compute_stream`](super::Params::compute_stream));
+/// - **reduce**: the `f32` gradient is zeroed on the device, rounded there to `param_dtype`
+///   and cast to `reduce_dtype` when the policy says so, reduce-scattered (and all-reduced
+///   over replicas) on the device, and the reduced shard copied to host memory, where it is
+///   added into the gradient shard.
+///
+/// Every buffer on the device is stream-ordered ([`Buffer::stream_ordered`]): work on it is
+/// ordered by events across the compute stream, the transfer stream and the communicator's
+/// stream, and its memory returns to the allocator only after the last work on it (held
+/// references, never `record_stream`). The communicator must order such buffers
+/// ([`Communicator::orders_stream_ordered_buffers`](fsdp_collectives::Communicator::orders_stream_ordered_buffers):
+/// the ring backends and the CUDA ring) and live on the same device.
+///
+/// Two devices: `ComputeDevice::cuda` (feature `cuda`: the caching allocator on the GPU,
+/// CUDA streams, `cuMemcpy*Async` through pinned staging buffers, the casts of `fsdp-kernels`),
+/// and [`ComputeDevice::host_twin`], the same engine code on host memory ordered by streams
+/// instead of access tickets, with CPU worker streams and each operation a stream task: the
+/// reference every device run is tested against without a GPU.
+///
+/// Not on a device yet (refused by name when the engine is built, the grad scaler set or the
+/// unit reduced): the division of gradients by the data-parallel size
+/// ([`GradientDivide::DataParallelSize`](super::GradientDivide)) with several ranks, the grad
+/// scaler (it scales the unsharded gradients in host memory), communicators that do not order
+/// stream-ordered buffers (NCCL, MPI), dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {
     kind: Kind,

@@ -31,14 +31,14 @@ impl Fsdp {
     /// use fsdp_collectives::ring;
     ///
     /// let plan = UnitPlan {
-    ///     units: vec![UnitSpec { name: String::new(), params: vec![ParamSpec::new("w", &[4])] }],
+    ///     units: vec![UnitSpec { name: String::new(), params: vec![ParamSpec::new("w", vec![4])] }],
     ///     ignored: vec![],
     /// };
     /// let dims = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
     ///     let device = ComputeDevice::host_twin(1 << 26, Default::default()).unwrap();
     ///     let mut fsdp = Fsdp::new_on(
     ///         Box::new(comm), device, &plan, ParamInit::Zeros, FsdpConfig::default(),
-    ///         SgdConfig::new(0.1),
+    ///         SgdConfig::with_momentum(0.1, 0.0),
     ///     )
     ///     .unwrap();
     ///     fsdp.pre_forward(0).unwrap();
