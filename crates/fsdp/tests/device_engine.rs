@@ -31,12 +31,26 @@ use on_device::{train_rank, Outcome, STEPS};
 /// twin of a device with a latency of a millisecond before each operation (unordered work would
 /// see stale data).
 fn run(world: usize, config: FsdpConfig, micro: usize, on_device: bool) -> Outcome {
+    run_with_latency(
+        world,
+        config,
+        micro,
+        on_device.then_some(Duration::from_millis(1)),
+    )
+}
+
+/// [`run`] on the host engine (`None`) or the host twin with `latency`.
+fn run_with_latency(
+    world: usize,
+    config: FsdpConfig,
+    micro: usize,
+    latency: Option<Duration>,
+) -> Outcome {
     let mut out = ring::run_ranks(world, ring_options(), |comm| {
-        let device = on_device.then(|| {
-            let latency = Duration::from_millis(1);
+        let device = latency.map(|latency| {
             ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
         });
-        train_rank(Box::new(comm), device, world, config, micro)
+        train_rank(Box::new(comm), device, latency, world, config, micro)
     })
     .unwrap();
     out.swap_remove(0)
@@ -119,6 +133,32 @@ fn prefetching_and_accumulation_give_the_host_engines_bits() {
     for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
         same_as_host(2, FsdpConfig::new(strategy), 3);
     }
+}
+
+#[test]
+fn the_limiter_waits_for_freed_units_on_the_device() {
+    // Each device operation 10 ms late: freed units are still in use when the next gathers
+    // come, so the limiter at 1 waits for them (and prefetches wait instead of gathering more).
+    let config = |limit| FsdpConfig {
+        forward_prefetch: true,
+        limit_all_gathers: limit,
+        ..FsdpConfig::new(ShardingStrategy::FullShard)
+    };
+    let latency = Some(Duration::from_millis(10));
+    let limited = run_with_latency(2, config(Some(1)), 1, latency);
+    let unlimited = run_with_latency(2, config(None), 1, latency);
+    let host = run(2, config(Some(1)), 1, false);
+    assert!(limited.limiter_waits > 0, "the limiter never waited");
+    assert_eq!((unlimited.limiter_waits, host.limiter_waits), (0, 0));
+    // Waiting changes no bit, and holds no more memory than not waiting.
+    assert_eq!(limited.params, host.params);
+    assert_eq!(limited.losses, unlimited.losses);
+    let (l, u) = (limited.device_peak.unwrap(), unlimited.device_peak.unwrap());
+    println!(
+        "device peak: limit 1 {l} B, no limit {u} B; {} waits",
+        limited.limiter_waits
+    );
+    assert!(l <= u, "limit 1 peaks at {l} B, no limit at {u} B");
 }
 
 /// A ring communicator that does not say it orders stream-ordered buffers (as NCCL).

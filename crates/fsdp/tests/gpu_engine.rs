@@ -43,12 +43,12 @@ fn run(world: usize, config: FsdpConfig, on_gpu: bool) -> Outcome {
         let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
         cuda_ring::run_ranks(0, world, opts, |comm| {
             let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            train_rank(Box::new(comm), Some(dev), world, config, 1)
+            train_rank(Box::new(comm), Some(dev), None, world, config, 1)
         })
         .unwrap()
     } else {
         ring::run_ranks(world, ring_options(), |comm| {
-            train_rank(Box::new(comm), None, world, config, 1)
+            train_rank(Box::new(comm), None, None, world, config, 1)
         })
         .unwrap()
     };

@@ -3,6 +3,7 @@
 //! all-gather limiter, pending reductions, the recorded schedule, the tracer and the recorded
 //! execution order.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use fsdp_collectives::{mesh_2d, Communicator, HybridMesh, Work};
@@ -161,6 +162,13 @@ pub struct CommContext {
     /// Where the unsharded parameters and gradients live and the model computes, when not in
     /// host memory (see [`ComputeDevice`]).
     pub(crate) device: Option<ComputeDevice>,
+    /// On a device: the gathered buffers of units counted by the limiter that were freed
+    /// (resharded) while the device may still use them, oldest first. Held here, not handed to
+    /// the reaper, so that the limiter can wait for them and return them to the allocator at
+    /// once ([`wait_for_frees`](Self::wait_for_frees)).
+    pub(crate) freeing: VecDeque<Buffer>,
+    /// How many times the limiter waited for a freed unit's work on the device.
+    pub(crate) free_waits: u64,
 }
 
 impl std::fmt::Debug for CommContext {
@@ -196,7 +204,53 @@ impl CommContext {
             peak_sample: (0, 0),
             order: ExecOrder::default(),
             device: None,
+            freeing: VecDeque::new(),
+            free_waits: 0,
         }
+    }
+
+    /// On a device: drop the oldest freed gathered buffers whose work on the device has
+    /// completed (their memory returns to the allocator now).
+    pub(crate) fn reap_freed(&mut self) {
+        while self
+            .freeing
+            .front()
+            .is_some_and(|b| b.stream_order().is_none_or(|o| o.is_idle()))
+        {
+            self.freeing.pop_front();
+        }
+    }
+
+    /// The limiter on a device (FSDP1's rate limiter, which waits on free events): before an
+    /// all-gather that the limiter counts, while the counted units gathered now and those freed
+    /// but still used by the device reach the limit, wait on the host for the work of the
+    /// oldest freed one and release its memory. So at most `limit_all_gathers` counted
+    /// gathered buffers exist on the device, and a prefetch waits instead of gathering beyond
+    /// them. (Units still gathered on the host are not waited for: the limiter skips a
+    /// prefetch for them, as on the host, since only later hooks free them.)
+    ///
+    /// # Errors
+    /// A device's work that does not complete within its compute stream's timeout.
+    pub(crate) fn wait_for_frees(&mut self, counted: bool) -> Result<(), FsdpError> {
+        self.reap_freed();
+        let (Some(limit), Some(dev), true) =
+            (self.config.limit_all_gathers, self.device.as_ref(), counted)
+        else {
+            return Ok(());
+        };
+        let timeout = dev.compute_stream().timeout();
+        while self.in_flight + self.freeing.len() >= limit {
+            let Some(b) = self.freeing.pop_front() else {
+                break;
+            };
+            if let Some(order) = b.stream_order() {
+                for e in order.events() {
+                    e.synchronize_timeout(timeout)?;
+                }
+            }
+            self.free_waits += 1;
+        }
+        Ok(())
     }
 
     /// Whether buffers hold no bytes (a dry run on the meta device): the engine then moves no

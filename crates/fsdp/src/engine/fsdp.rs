@@ -418,6 +418,7 @@ impl Fsdp {
             g.reset_transient(&mut self.ctx);
         }
         self.ctx.in_flight = 0;
+        self.ctx.freeing.clear();
         self.ctx.pending.clear();
         self.pending_grads.clear();
         self.pass_open = false;

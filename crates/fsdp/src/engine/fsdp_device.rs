@@ -80,6 +80,14 @@ impl Fsdp {
         self.ctx.device.as_ref()
     }
 
+    /// How many times the limiter ([`FsdpConfig::limit_all_gathers`]) waited on the host for
+    /// the device's work on a freed unit's gathered parameters before an all-gather (FSDP1's
+    /// rate limiter, which waits on free events): 0 on the host, where a freed unit's memory
+    /// is free at once.
+    pub fn limiter_free_waits(&self) -> u64 {
+        self.ctx.free_waits
+    }
+
     /// The device allocator's statistics ([`Fsdp::new_on`]); `None` on the host (see
     /// [`memory_stats`](Fsdp::memory_stats)).
     pub fn device_memory_stats(&self) -> Option<MemoryStats> {

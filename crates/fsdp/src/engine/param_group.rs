@@ -160,6 +160,9 @@ impl ParamGroup {
         if self.full.is_some() {
             return Ok(());
         }
+        // On a device, the limiter may first wait for freed units' work there.
+        let counted = self.counts(ctx);
+        ctx.wait_for_frees(counted)?;
         let group = ctx
             .groups
             .shard()
@@ -201,7 +204,6 @@ impl ParamGroup {
         )?;
         self.gather_input = staged.then_some(input);
         let issued = ctx.next_issue();
-        let counted = self.counts(ctx);
         ctx.unsharded_bytes += block_bytes(&out);
         self.full = Some(out);
         self.gather = Some((work, issued));
@@ -338,6 +340,10 @@ impl ParamGroup {
         self.gather_input = None;
         if std::mem::take(&mut self.counted) {
             ctx.in_flight -= 1;
+            if ctx.device.is_some() {
+                // Still used by the device's work until it completes: the limiter counts it.
+                ctx.freeing.push_back(full);
+            }
         }
         ctx.record(self.index, ScheduleKind::Free, false);
     }

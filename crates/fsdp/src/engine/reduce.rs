@@ -178,6 +178,8 @@ pub(crate) fn finish_reductions(
             *g = dev.copy_to_host(g, dev.transfer_stream())?;
         }
         dev.synchronize()?;
+        // The device is idle: the freed gathered parameters' memory goes back too.
+        ctx.reap_freed();
     }
     for (u, g, post_divide, copy_in) in grads {
         let group = &mut groups[u];

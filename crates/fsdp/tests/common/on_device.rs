@@ -13,7 +13,7 @@ use fsdp::engine::{
 use fsdp::wrap::plan_units;
 use fsdp::{Fsdp, FsdpError, Grads, Params};
 use fsdp_collectives::Communicator;
-use fsdp_device::{Buffer, DType, Device, Stream};
+use fsdp_device::{AccessMode, Buffer, DType, Device, Stream};
 
 use crate::common::{adamw, bits, Bits, Map, GLOBAL};
 use crate::tied_mlp::{self, TiedMlp};
@@ -21,8 +21,13 @@ use crate::tied_mlp::{self, TiedMlp};
 /// Optimizer steps of a run.
 pub const STEPS: usize = 3;
 
-/// A host model run on a device's buffers (module docs).
-pub struct OnDevice<'m, M>(pub &'m M);
+/// A host model run on a device's buffers (module docs); with a `lag`, each span also leaves
+/// work on the compute stream that reads its parameters for that long after it returned, as a
+/// GPU's kernels still run when the host has moved on.
+pub struct OnDevice<'m, M> {
+    pub model: &'m M,
+    pub lag: Option<Duration>,
+}
 
 /// A span's parameters as host `f32` vectors, with the views' policy.
 struct HostCopies {
@@ -78,7 +83,7 @@ fn upload(buf: &Buffer, values: &[f32], stream: &Stream) -> Result<(), FsdpError
 
 impl<M: FsdpModel> OnDevice<'_, M> {
     fn names(&self, s: usize) -> Vec<String> {
-        let mut names = self.0.spans()[s].params.clone();
+        let mut names = self.model.spans()[s].params.clone();
         names.sort();
         names.dedup();
         names
@@ -97,6 +102,23 @@ impl<M: FsdpModel> OnDevice<'_, M> {
         let policy = p.mixed_precision();
         Ok((HostCopies { map, policy }, stream))
     }
+
+    /// With a lag: work on `stream` that reads the span's parameters for that long.
+    fn linger(&self, s: usize, p: &dyn Params, stream: &Stream) -> Result<(), FsdpError> {
+        let Some(lag) = self.lag else {
+            return Ok(());
+        };
+        let uses = self
+            .names(s)
+            .iter()
+            .map(|n| Ok(p.buffer(n)?.use_on(stream, AccessMode::Shared)?))
+            .collect::<Result<Vec<_>, FsdpError>>()?;
+        stream.enqueue(move || std::thread::sleep(lag))?;
+        for u in uses {
+            u.finish();
+        }
+        Ok(())
+    }
 }
 
 impl<M: FsdpModel> FsdpModel for OnDevice<'_, M> {
@@ -104,7 +126,7 @@ impl<M: FsdpModel> FsdpModel for OnDevice<'_, M> {
     type Tape = M::Tape;
 
     fn spans(&self) -> Vec<Span> {
-        self.0.spans()
+        self.model.spans()
     }
 
     fn forward(
@@ -114,12 +136,13 @@ impl<M: FsdpModel> FsdpModel for OnDevice<'_, M> {
         b: &M::Batch,
         t: &mut M::Tape,
     ) -> Result<(), FsdpError> {
-        let (params, _) = self.params(s, p)?;
-        self.0.forward(s, &params, b, t)
+        let (params, stream) = self.params(s, p)?;
+        self.model.forward(s, &params, b, t)?;
+        self.linger(s, p, &stream)
     }
 
     fn loss(&self, t: &M::Tape) -> Result<f32, FsdpError> {
-        self.0.loss(t)
+        self.model.loss(t)
     }
 
     fn backward(
@@ -138,11 +161,11 @@ impl<M: FsdpModel> FsdpModel for OnDevice<'_, M> {
         for n in self.names(s) {
             grads.insert(n.clone(), download(&g.grad_buffer(&n)?, &stream)?);
         }
-        self.0.backward(s, &params, &mut grads, b, t)?;
+        self.model.backward(s, &params, &mut grads, b, t)?;
         for n in self.names(s) {
             upload(&g.grad_buffer(&n)?, &grads[&n], &stream)?;
         }
-        Ok(())
+        self.linger(s, p, &stream)
     }
 }
 
@@ -154,14 +177,18 @@ pub struct Outcome {
     pub schedule: Vec<ScheduleEvent>,
     pub host_peak: u64,
     pub device_peak: Option<u64>,
+    /// How often the limiter waited for a freed unit's work on the device.
+    pub limiter_waits: u64,
 }
 
 /// One rank's run of `world`: `STEPS` steps of `micro` micro-batches each (the first ones under
-/// `no_sync`) on the host engine (`device` `None`) or on `device`. On a device, its memory is
-/// checked to be all released once the deferred frees ran.
+/// `no_sync`) on the host engine (`device` `None`) or on `device`, the model's spans on it
+/// lingering for `lag` ([`OnDevice`]). On a device, its memory is checked to be all released
+/// once the deferred frees ran.
 pub fn train_rank(
     comm: Box<dyn Communicator>,
     device: Option<ComputeDevice>,
+    lag: Option<Duration>,
     world: usize,
     config: FsdpConfig,
     micro: usize,
@@ -186,7 +213,8 @@ pub fn train_rank(
             let batch = tied_mlp::batch(GLOBAL * micro, rank + m * world, world * micro);
             fsdp.set_no_sync(m + 1 < micro);
             loss += if on_device {
-                fsdp.forward_backward(&OnDevice(&model), &batch).unwrap()
+                let on = OnDevice { model: &model, lag };
+                fsdp.forward_backward(&on, &batch).unwrap()
             } else {
                 fsdp.forward_backward(&model, &batch).unwrap()
             };
@@ -209,5 +237,6 @@ pub fn train_rank(
         schedule: fsdp.schedule().to_vec(),
         host_peak: fsdp.memory_stats().allocated_bytes.all.peak,
         device_peak,
+        limiter_waits: fsdp.limiter_free_waits(),
     }
 }
