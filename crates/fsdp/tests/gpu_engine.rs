@@ -10,6 +10,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[allow(dead_code)]
 #[path = "common/on_device.rs"]
 mod on_device;
 #[allow(dead_code)]
