@@ -67,11 +67,7 @@ where
         stream: &Stream,
         also_on: Option<&Stream>,
     ) -> Result<Buffer, FsdpError> {
-        let bytes = numel.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
-            FsdpError::InvalidFsdpConfig {
-                reason: format!("a buffer of {numel} elements of {dtype} overflows usize"),
-            }
-        })?;
+        let bytes = byte_len(dtype, numel)?;
         let block = CachingAllocator::allocate(self, bytes, stream)?;
         if let Some(other) = also_on {
             block.record_stream(other)?;
@@ -96,8 +92,17 @@ where
     }
 }
 
-/// A caching allocator whose buffers are stream-ordered ([`Block::into_ordered_buffer`]
-/// (fsdp_allocator::Block::into_ordered_buffer)): the memory of a
+/// The bytes of `numel` elements of `dtype`; an overflow is an error naming both.
+fn byte_len(dtype: DType, numel: usize) -> Result<usize, FsdpError> {
+    numel
+        .checked_mul(dtype.size_in_bytes())
+        .ok_or_else(|| FsdpError::InvalidFsdpConfig {
+            reason: format!("a buffer of {numel} elements of {dtype} overflows usize"),
+        })
+}
+
+/// A caching allocator whose buffers are stream-ordered
+/// ([`Block::into_ordered_buffer`](fsdp_allocator::Block::into_ordered_buffer)): the memory of a
 /// [`ComputeDevice`](super::ComputeDevice). A block returns to the allocator only after the last
 /// work issued on it (held references), so `also_on` needs no `record_stream`.
 pub(crate) struct OrderedPool<S: MemorySource>(CachingAllocator<S>);
@@ -149,11 +154,7 @@ impl<S: SourceStream> MemoryPool for OrderedPool<S> {
         also_on: Option<&Stream>,
     ) -> Result<Buffer, FsdpError> {
         let _ = also_on;
-        let bytes = numel.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
-            FsdpError::InvalidFsdpConfig {
-                reason: format!("a buffer of {numel} elements of {dtype} overflows usize"),
-            }
-        })?;
+        let bytes = byte_len(dtype, numel)?;
         let block = self.0.allocate(bytes, &S::source_stream(stream)?)?;
         Ok(block.into_ordered_buffer(dtype)?)
     }

@@ -96,60 +96,19 @@ pub(crate) fn foreach_reduce(
     };
     let direct = group.grad_shard_zero && plain;
     let target = if group.factor > 1 {
-        let shard_group = ctx
-            .groups
-            .shard()
-            .ok_or_else(|| internal("a sharded unit without a shard group"))?;
         let out = if direct {
             group.grad_shard.clone()
         } else {
-            ctx.alloc_typed(
-                group.dtypes.reduce,
-                group.layout.shard_numel(),
-                shard_group.stream(),
-                &ctx.compute,
-            )?
+            let stream = shard_group(ctx)?.stream().clone();
+            let n = group.layout.shard_numel();
+            ctx.alloc_typed(group.dtypes.reduce, n, &stream, &ctx.compute)?
         };
-        let work = ctx.traced(
-            shard_group.stream(),
-            SpanKind::ReduceScatter,
-            vec![u],
-            group.layout.shard_numel() * group.dtypes.reduce.size_in_bytes(),
-            || Ok(shard_group.reduce_scatter_base(&g, &out, ReduceOp::Sum)?),
-        )?;
-        let issued = ctx.next_issue();
-        ctx.sample_peak();
-        ctx.pending.push(PendingReduce {
-            work,
-            issued,
-            holds: Some(g),
-        });
-        ctx.record(u, ScheduleKind::ReduceScatter, false);
+        reduce_scatter(group, ctx, g, &out)?;
         out
     } else {
         g
     };
-    let replicas = if group.replicated_all {
-        ctx.groups.world_multi()
-    } else {
-        ctx.groups.replicate()
-    };
-    if let Some(replicas) = replicas {
-        let work = ctx.traced(
-            replicas.stream(),
-            SpanKind::AllReduce,
-            vec![u],
-            target.len() * group.dtypes.reduce.size_in_bytes(),
-            || Ok(replicas.all_reduce(&target, ReduceOp::Sum)?),
-        )?;
-        let issued = ctx.next_issue();
-        ctx.pending.push(PendingReduce {
-            work,
-            issued,
-            holds: None,
-        });
-        ctx.record(u, ScheduleKind::AllReduce, false);
-    }
+    all_reduce_replicas(group, ctx, &target)?;
     if !(direct && group.factor > 1) {
         pending_grads.push((u, target, factors.post_divide, false));
     }
@@ -241,53 +200,85 @@ fn reduce_on_device(
         send
     };
     let target = if group.factor > 1 {
-        let shard_group = ctx
-            .groups
-            .shard()
-            .ok_or_else(|| internal("a sharded unit without a shard group"))?;
         let out = dev.alloc(reduce, group.layout.shard_numel(), s)?;
-        let work = ctx.traced(
-            shard_group.stream(),
-            SpanKind::ReduceScatter,
-            vec![u],
-            group.layout.shard_numel() * reduce.size_in_bytes(),
-            || Ok(shard_group.reduce_scatter_base(&send, &out, ReduceOp::Sum)?),
-        )?;
-        let issued = ctx.next_issue();
-        ctx.pending.push(PendingReduce {
-            work,
-            issued,
-            holds: Some(send),
-        });
-        ctx.record(u, ScheduleKind::ReduceScatter, false);
+        reduce_scatter(group, ctx, send, &out)?;
         out
     } else {
         send
     };
+    all_reduce_replicas(group, ctx, &target)?;
+    let copy_in = group.grad_shard_zero && reduce == DType::F32;
+    pending_grads.push((u, target, None, copy_in));
+    group.grad_shard_zero = false;
+    group.replace_shard = false;
+    Ok(())
+}
+
+/// The group a sharded unit's parameters are sharded over.
+fn shard_group(ctx: &CommContext) -> Result<&dyn fsdp_collectives::Communicator, FsdpError> {
+    ctx.groups
+        .shard()
+        .ok_or_else(|| internal("a sharded unit without a shard group"))
+}
+
+/// Issue the reduce-scatter of `group`'s reduction input `send` into `out` over the shard
+/// group; `send` is held until the host waits for a collective issued after it.
+fn reduce_scatter(
+    group: &ParamGroup,
+    ctx: &mut CommContext,
+    send: Buffer,
+    out: &Buffer,
+) -> Result<(), FsdpError> {
+    let u = group.index;
+    let bytes = group.layout.shard_numel() * group.dtypes.reduce.size_in_bytes();
+    let shard = shard_group(ctx)?;
+    let work = ctx.traced(
+        shard.stream(),
+        SpanKind::ReduceScatter,
+        vec![u],
+        bytes,
+        || Ok(shard.reduce_scatter_base(&send, out, ReduceOp::Sum)?),
+    )?;
+    let issued = ctx.next_issue();
+    ctx.sample_peak();
+    ctx.pending.push(PendingReduce {
+        work,
+        issued,
+        holds: Some(send),
+    });
+    ctx.record(u, ScheduleKind::ReduceScatter, false);
+    Ok(())
+}
+
+/// Issue the all-reduce of `group`'s reduced `target` over its replicas (the world for
+/// ignored parameters), if it has any.
+fn all_reduce_replicas(
+    group: &ParamGroup,
+    ctx: &mut CommContext,
+    target: &Buffer,
+) -> Result<(), FsdpError> {
     let replicas = if group.replicated_all {
         ctx.groups.world_multi()
     } else {
         ctx.groups.replicate()
     };
-    if let Some(replicas) = replicas {
-        let work = ctx.traced(
-            replicas.stream(),
-            SpanKind::AllReduce,
-            vec![u],
-            target.len() * reduce.size_in_bytes(),
-            || Ok(replicas.all_reduce(&target, ReduceOp::Sum)?),
-        )?;
-        let issued = ctx.next_issue();
-        ctx.pending.push(PendingReduce {
-            work,
-            issued,
-            holds: None,
-        });
-        ctx.record(u, ScheduleKind::AllReduce, false);
-    }
-    let copy_in = group.grad_shard_zero && reduce == DType::F32;
-    pending_grads.push((u, target, None, copy_in));
-    group.grad_shard_zero = false;
-    group.replace_shard = false;
+    let Some(replicas) = replicas else {
+        return Ok(());
+    };
+    let bytes = target.len() * group.dtypes.reduce.size_in_bytes();
+    let work = ctx.traced(
+        replicas.stream(),
+        SpanKind::AllReduce,
+        vec![group.index],
+        bytes,
+        || Ok(replicas.all_reduce(target, ReduceOp::Sum)?),
+    )?;
+    let issued = ctx.next_issue();
+    ctx.pending.push(PendingReduce {
+        work,
+        issued,
+        holds: None,
+    });
+    ctx.record(group.index, ScheduleKind::AllReduce, false);
     Ok(())
 }
