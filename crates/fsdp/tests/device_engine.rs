@@ -7,6 +7,8 @@
 //! host's peak falls. And what the device path refuses is an error naming it.
 
 mod common;
+#[path = "common/faulty.rs"]
+mod faulty;
 #[path = "common/on_device.rs"]
 mod on_device;
 #[allow(dead_code)]
@@ -24,8 +26,11 @@ use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::{Buffer, DType, Stream};
 
-use common::{adamw, configs, mesh, ring_options};
-use on_device::{train_rank, Outcome, STEPS};
+use common::{adamw, bits, configs, mesh, ring_options, GLOBAL};
+use faulty::{is_missing, Fault, Faulty};
+use fsdp::engine::Phase;
+use on_device::{train_rank, OnDevice, Outcome, STEPS};
+use tied_mlp::TiedMlp;
 
 /// Rank 0's outcome of a run of `world` ranks (threads) on the host engine or on the host
 /// twin of a device with a latency of a millisecond before each operation (unordered work would
@@ -159,6 +164,67 @@ fn the_limiter_waits_for_freed_units_on_the_device() {
         limited.limiter_waits
     );
     assert!(l <= u, "limit 1 peaks at {l} B, no limit at {u} B");
+}
+
+#[test]
+fn a_model_failing_on_the_device_leaves_the_engine_usable() {
+    // The model fails in forward (span `dec`, after gathers and prefetches were issued) or in
+    // backward (span `inp`, after the other units' reductions were issued) at steps 0 and 2;
+    // after zero_grad, training goes on as if those passes had not happened.
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    let model = TiedMlp { global: GLOBAL };
+    for (world, strategy) in [
+        (2, ShardingStrategy::FullShard),
+        (3, ShardingStrategy::NoShard),
+    ] {
+        let mut config = FsdpConfig::new(strategy);
+        config.forward_prefetch = true;
+        let host = run(world, config, 1, false);
+        for fault in [
+            Fault::Read(Phase::Forward, 2),
+            Fault::Read(Phase::Backward, 0),
+        ] {
+            let out = ring::run_ranks(world, ring_options(), |comm| {
+                let rank = comm.rank();
+                let latency = Duration::from_millis(1);
+                let dev =
+                    ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency)
+                        .unwrap();
+                let init = ParamInit::Full(&init);
+                let mut fsdp =
+                    Fsdp::new_on(Box::new(comm), dev, &plan, init, config, adamw()).unwrap();
+                let batch = tied_mlp::batch(GLOBAL, rank, world);
+                let good = OnDevice {
+                    model: &model,
+                    lag: Some(latency),
+                };
+                let faulty = Faulty {
+                    inner: &model,
+                    fault,
+                };
+                let bad = OnDevice {
+                    model: &faulty,
+                    lag: Some(latency),
+                };
+                let mut losses = Vec::new();
+                for step in 0..STEPS {
+                    if step != 1 {
+                        let r = fsdp.forward_backward(&bad, &batch);
+                        assert!(is_missing(r), "rank {rank} step {step}");
+                        fsdp.zero_grad().unwrap();
+                    }
+                    losses.push(fsdp.step(&good, &batch).unwrap().to_bits());
+                }
+                (losses, bits(&fsdp.full_state_dict().unwrap()))
+            })
+            .unwrap();
+            let what = format!("world {world}, {strategy:?}, {fault:?}");
+            assert_eq!(out[0].0, host.losses, "{what}: losses");
+            assert_eq!(out[0].1, host.params, "{what}: parameters");
+        }
+    }
 }
 
 /// A ring communicator that does not say it orders stream-ordered buffers (as NCCL).
