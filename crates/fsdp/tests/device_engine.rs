@@ -7,6 +7,7 @@
 //! host's peak falls. And what the device path refuses is an error naming it.
 
 mod common;
+#[allow(dead_code)]
 #[path = "common/faulty.rs"]
 mod faulty;
 #[path = "common/on_device.rs"]
