@@ -74,6 +74,11 @@ fn same_as_host(world: usize, config: FsdpConfig, micro: usize) {
     assert_eq!(dev.schedule, host.schedule, "{what}: schedule");
     let device_peak = dev.device_peak.expect("a device");
     assert!(device_peak > 0, "{what}: nothing on the device");
+    println!(
+        "world {world} {:?}/{:?}: host peak {} B on the host engine, {} B + {device_peak} B on \
+         the device",
+        config.strategy, config.ranks_per_node, host.host_peak, dev.host_peak
+    );
     // Sharded units gather into the device's memory, not the host's (unsharded ones work in
     // place on the host, and in the device's memory beside).
     let sharded = world > 1
