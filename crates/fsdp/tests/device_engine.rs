@@ -23,14 +23,14 @@ use fsdp::engine::{
     MixedPrecisionPolicy, ParamInit, ShardingStrategy,
 };
 use fsdp::wrap::plan_units;
-use fsdp::Fsdp;
+use fsdp::{Fsdp, Params};
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::{Buffer, DType, Stream};
 
 use common::{adamw, bits, configs, mesh, ring_options, GLOBAL};
 use faulty::{is_missing, Fault, Faulty};
-use fsdp::engine::Phase;
-use on_device::{train_rank, OnDevice, Outcome, STEPS};
+use fsdp::engine::{HostCompute, Phase};
+use on_device::{train_rank, Outcome, STEPS};
 use tied_mlp::TiedMlp;
 
 /// Rank 0's outcome of a run of `world` ranks (threads) on the host engine or on the host
@@ -202,18 +202,12 @@ fn a_model_failing_on_the_device_leaves_the_engine_usable() {
                 let mut fsdp =
                     Fsdp::new_on(Box::new(comm), dev, &plan, init, config, adamw()).unwrap();
                 let batch = tied_mlp::batch(GLOBAL, rank, world);
-                let good = OnDevice {
-                    model: &model,
-                    lag: Some(latency),
-                };
+                let good = HostCompute::new(&model).with_lag(latency);
                 let faulty = Faulty {
                     inner: &model,
                     fault,
                 };
-                let bad = OnDevice {
-                    model: &faulty,
-                    lag: Some(latency),
-                };
+                let bad = HostCompute::new(&faulty).with_lag(latency);
                 let mut losses = Vec::new();
                 for step in 0..STEPS {
                     if step != 1 {
@@ -347,6 +341,32 @@ fn what_the_device_path_refuses_is_named() {
         "{}",
         e[0]
     );
+    // On a device the views give buffers, not host slices.
+    let e = ring::run_ranks(2, ring_options(), |comm| {
+        let mut fsdp = build(Box::new(comm), FsdpConfig::default()).unwrap();
+        let id = fsdp.param_id("inp.weight").unwrap();
+        fsdp.pre_forward(0).unwrap();
+        let views = fsdp.param_views(&[0]).unwrap();
+        let read = views.get(id).unwrap_err().to_string();
+        let b = views.buffer_of(id).unwrap();
+        assert!(b.stream_order().is_some() && views.compute_stream().is_some());
+        drop(views);
+        fsdp.post_forward(0).unwrap();
+        fsdp.pre_backward(0).unwrap();
+        let mut grads = fsdp.grad_views(&[0]).unwrap();
+        let write = grads.get_mut(id).unwrap_err().to_string();
+        assert_eq!(grads.grad_buffer_of(id).unwrap().len(), b.len());
+        drop(grads);
+        fsdp.abort_pass();
+        (read, write)
+    })
+    .unwrap();
+    assert!(
+        e[0].0.contains("inp.weight") && e[0].0.contains("read it as a buffer"),
+        "{}",
+        e[0].0
+    );
+    assert!(e[1].1.contains("write it as a buffer"), "{}", e[1].1);
     // One rank: the division changes nothing there, so it is allowed.
     let ok = ring::run_ranks(1, ring_options(), |comm| {
         let divide = FsdpConfig {

@@ -432,6 +432,12 @@ impl FsdpGpt {
             global_tokens,
             ..self.model
         };
+        if self.fsdp.compute_device().is_some() {
+            // An engine on a device: the GPT computes on host copies of its buffers.
+            return self
+                .fsdp
+                .forward_backward(&fsdp::engine::HostCompute::new(&model), batch);
+        }
         self.fsdp.forward_backward(&model, batch)
     }
 

@@ -98,6 +98,7 @@ mod config;
 mod device;
 mod fsdp;
 mod grad_scaler;
+mod host_compute;
 mod materialize;
 pub mod mixed_precision;
 mod model;
@@ -123,6 +124,7 @@ pub use grad_scaler::{
     load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,
     GRAD_SCALER_FILE,
 };
+pub use host_compute::HostCompute;
 pub use materialize::ParamInit;
 pub use mixed_precision::{
     divide_factors, round_slice, round_to, DivideFactors, GradientDivide, MixedPrecisionPolicy,
