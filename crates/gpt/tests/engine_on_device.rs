@@ -3,13 +3,17 @@
 //! operation; the GPT computing on host copies of the device's buffers through `HostCompute`,
 //! which `FsdpGpt` uses when its engine has a device): every loss and every parameter bit for
 //! bit the host engine's — FULL_SHARD at worlds 1–3, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD over
-//! 2×2, bf16 parameters, activation checkpointing, forward prefetch.
+//! 2×2, bf16 parameters, activation checkpointing, forward prefetch. On a GPU, the same over
+//! the CUDA ring with `ComputeDevice::cuda` (bitwise too: the CUDA ring and the cast kernels
+//! are bitwise the host's); without one that test prints why it skipped.
 
 mod common;
 
 use std::time::Duration;
 
 use fsdp::engine::{ComputeDevice, Fsdp, MixedPrecisionPolicy, ParamInit};
+use fsdp::optim::AdamWConfig;
+use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 use fsdp_gpt::data::get_batch;
@@ -22,42 +26,68 @@ const STEPS: u64 = 4;
 const BATCH: usize = 12;
 const SEQ: usize = 16;
 
-/// Rank 0's losses and parameters, as bits, on the host engine or on the host twin.
-fn run(
-    s: &Setup<fsdp::optim::AdamWConfig>,
+/// A run's losses and parameters, as bits.
+type Bits = (Vec<u32>, Vec<(String, Vec<u32>)>);
+
+/// Where a run's unsharded parameters live.
+#[derive(Clone, Copy, PartialEq)]
+enum Place {
+    Host,
+    HostTwin,
+    Gpu,
+}
+
+/// Rank 0's run on the host engine, the host twin or GPU 0.
+fn run(s: &Setup<AdamWConfig>, world: usize, config: FsdpConfig, place: Place) -> Bits {
+    let mut out = if place == Place::Gpu {
+        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+        cuda_ring::run_ranks(0, world, opts, |comm| {
+            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+            train(s, Box::new(comm), Some(dev), world, config)
+        })
+        .unwrap()
+    } else {
+        ring::run_ranks(world, ring_options(), |comm| {
+            let dev = (place == Place::HostTwin).then(|| {
+                let latency = Duration::from_millis(1);
+                ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
+            });
+            train(s, Box::new(comm), dev, world, config)
+        })
+        .unwrap()
+    };
+    out.swap_remove(0)
+}
+
+/// One rank's run of `STEPS` steps.
+fn train(
+    s: &Setup<AdamWConfig>,
+    comm: Box<dyn Communicator>,
+    dev: Option<ComputeDevice>,
     world: usize,
     config: FsdpConfig,
-    on_device: bool,
-) -> (Vec<u32>, Vec<(String, Vec<u32>)>) {
+) -> Bits {
     let plan = gpt_block_plan(&s.cfg);
-    let mut out = ring::run_ranks(world, ring_options(), |comm| {
-        let rank = comm.rank();
-        let mut gpt = if on_device {
-            let latency = Duration::from_millis(1);
-            let dev = ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency)
-                .unwrap();
-            let init = ParamInit::Full(&s.init);
-            let fsdp = Fsdp::new_on(Box::new(comm), dev, &plan, init, config, s.opt).unwrap();
-            FsdpGpt::from_engine(fsdp, s.cfg).unwrap()
-        } else {
-            s.engine(comm, &plan, config)
-        };
-        let mut losses = Vec::new();
-        for k in 0..STEPS {
-            let batch = get_batch(&s.tokens, k, BATCH, SEQ, rank, world).unwrap();
-            losses.push(gpt.step(&batch, BATCH * SEQ).unwrap().to_bits());
-        }
-        let mut params: Vec<(String, Vec<u32>)> = gpt
-            .full_params()
-            .unwrap()
-            .into_iter()
-            .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-            .collect();
-        params.sort();
-        (losses, params)
-    })
-    .unwrap();
-    out.swap_remove(0)
+    let rank = comm.rank();
+    let init = ParamInit::Full(&s.init);
+    let fsdp = match dev {
+        Some(dev) => Fsdp::new_on(comm, dev, &plan, init, config, s.opt).unwrap(),
+        None => Fsdp::new(comm, &plan, init, config, s.opt).unwrap(),
+    };
+    let mut gpt = FsdpGpt::from_engine(fsdp, s.cfg).unwrap();
+    let mut losses = Vec::new();
+    for k in 0..STEPS {
+        let batch = get_batch(&s.tokens, k, BATCH, SEQ, rank, world).unwrap();
+        losses.push(gpt.step(&batch, BATCH * SEQ).unwrap().to_bits());
+    }
+    let mut params: Vec<(String, Vec<u32>)> = gpt
+        .full_params()
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    params.sort();
+    (losses, params)
 }
 
 #[test]
@@ -86,10 +116,42 @@ fn the_gpt_on_a_device_trains_the_host_engines_bits() {
     configs.push((2, checkpointed));
     for (world, config) in configs {
         let what = format!("world {world}, {config:?}");
-        let (host, dev) = (run(&s, world, config, false), run(&s, world, config, true));
+        let host = run(&s, world, config, Place::Host);
+        let dev = run(&s, world, config, Place::HostTwin);
         assert_eq!(dev.0, host.0, "{what}: losses");
         assert_eq!(dev.1, host.1, "{what}: parameters");
         let loss = |b: u32| f32::from_bits(b);
         assert!(loss(host.0[STEPS as usize - 1]) < loss(host.0[0]), "{what}");
+    }
+}
+
+#[test]
+fn the_gpt_on_cuda_trains_the_host_engines_bits() {
+    let skip = match fsdp_device::cuda::device_count() {
+        Err(e) => Some(e.to_string()),
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) => ComputeDevice::cuda(0, Default::default())
+            .err()
+            .map(|e| e.to_string()),
+    };
+    if let Some(why) = skip {
+        println!("the_gpt_on_cuda_trains_the_host_engines_bits: skipped: no GPU ({why})");
+        return;
+    }
+    let s = Setup::new(2, 7, 42, common::adamw());
+    for (param, world, strategy) in [
+        (DType::F32, 1, ShardingStrategy::FullShard),
+        (DType::F32, 2, ShardingStrategy::FullShard),
+        (DType::F32, 2, ShardingStrategy::NoShard),
+        (DType::BF16, 2, ShardingStrategy::FullShard),
+        (DType::F32, 4, ShardingStrategy::ShardGradOp),
+    ] {
+        let mut config = FsdpConfig::new(strategy);
+        config.mixed_precision = MixedPrecisionPolicy::new(param, None);
+        let what = format!("world {world}, {strategy:?}, {param}");
+        let host = run(&s, world, config, Place::Host);
+        let gpu = run(&s, world, config, Place::Gpu);
+        assert_eq!(gpu.0, host.0, "{what}: losses");
+        assert_eq!(gpu.1, host.1, "{what}: parameters");
     }
 }
