@@ -325,7 +325,8 @@ impl ParamGroup {
         Ok(())
     }
 
-    /// Free (reshard) the unsharded parameters; nothing for an unsharded (`F = 1`) unit.
+    /// Free (reshard) the unsharded parameters. An unsharded (`F = 1`) unit keeps its shard:
+    /// nothing on the host; on a device, its copy there is freed.
     pub fn reshard(&mut self, ctx: &mut CommContext) {
         if self.factor == 1 {
             // On a device its copy is freed (copied again when next needed).
