@@ -41,7 +41,7 @@ enum Kind {
 /// Every buffer on the device is stream-ordered ([`Buffer::stream_ordered`]): work on it is
 /// ordered by events across the compute stream, the transfer stream and the communicator's
 /// stream, and its memory returns to the allocator only after the last work on it (held
-/// references, never `record_stream`). The communicator must order such buffers
+/// references, never `record_stream`, whatever [`FsdpConfig::cross_stream`](super::FsdpConfig::cross_stream) says). The communicator must order such buffers
 /// ([`Communicator::orders_stream_ordered_buffers`](fsdp_collectives::Communicator::orders_stream_ordered_buffers):
 /// the ring backends and the CUDA ring) and live on the same device.
 ///
