@@ -120,19 +120,15 @@ impl Buffer {
         src: &Buffer,
         stream: &Stream,
     ) -> Result<Event, DeviceError> {
-        #[cfg(feature = "cuda")]
-        if matches!(self.device(), Device::Cuda(_)) {
-            return self.cuda_copy_from_device_async(src, stream);
-        }
-        check_twin(self, stream, "copy_from_device_async")?;
-        check_twin(src, stream, "copy_from_device_async")?;
-        if src.dtype() != self.dtype() || src.len() != self.len() {
+        if src.dtype() != self.dtype() || src.len() != self.len() || src.device() != self.device() {
             return Err(DeviceError::InvalidArgument(format!(
-                "copy_from_device_async: {} elements of {} into {} elements of {}",
+                "copy_from_device_async: {} elements of {} on {} into {} elements of {} on {}",
                 src.len(),
                 src.dtype(),
+                src.device(),
                 self.len(),
-                self.dtype()
+                self.dtype(),
+                self.device()
             )));
         }
         if self.overlaps(src) && self.byte_len() > 0 {
@@ -140,6 +136,12 @@ impl Buffer {
                 "copy_from_device_async between overlapping views".into(),
             ));
         }
+        #[cfg(feature = "cuda")]
+        if matches!(self.device(), Device::Cuda(_)) {
+            return self.cuda_copy_from_device_async(src, stream);
+        }
+        check_twin(self, stream, "copy_from_device_async")?;
+        check_twin(src, stream, "copy_from_device_async")?;
         let bytes = self.byte_len();
         twin_task(
             stream,
@@ -297,9 +299,9 @@ fn check_twin_copy(
 /// their modes: the stream first waits for their conflicting work, and the task is recorded as
 /// their newest use) and, when given, a host buffer's access ticket (taken by the caller in
 /// program order, acquired by the task within the stream's timeout). `f` gets the buffers'
-/// addresses in order and the host guard (`None` if it could not be acquired: the task then
-/// panics after `f`, so the failure becomes the stream's sticky error). Returns the event of
-/// the last use.
+/// addresses in order and the host guard (`None` when no ticket was given). A ticket that
+/// cannot be acquired makes the task panic before `f`, so the failure becomes the stream's
+/// sticky error. Returns the event of the last use.
 fn twin_task(
     stream: &Stream,
     uses: &[(&Buffer, AccessMode)],
@@ -312,17 +314,10 @@ fn twin_task(
         .collect::<Result<Vec<_>, _>>()?;
     let ptrs: Vec<usize> = used.iter().map(|u| u.device_ptr() as usize).collect();
     let timeout: Duration = stream.timeout();
-    let wants_host = host.is_some();
-    stream.enqueue(move || {
-        let guard = host.map(|t| t.acquire(timeout));
-        match guard {
-            Some(Err(e)) => panic!("the host buffer of a copy stayed busy: {e}"),
-            Some(Ok(g)) => f(&ptrs, Some(&g)),
-            None => {
-                debug_assert!(!wants_host);
-                f(&ptrs, None);
-            }
-        }
+    stream.enqueue(move || match host.map(|t| t.acquire(timeout)) {
+        Some(Err(e)) => panic!("the host buffer of a copy stayed busy: {e}"),
+        Some(Ok(g)) => f(&ptrs, Some(&g)),
+        None => f(&ptrs, None),
     })?;
     let mut last = None;
     for u in used {

@@ -187,19 +187,9 @@ impl Buffer {
         Ok(event)
     }
 
-    /// Zero this stream-ordered device buffer on `stream` (`cuMemsetD8Async`), ordered after
-    /// its earlier uses and recorded as its write. Returns the memset's event.
-    ///
-    /// # Errors
-    /// [`DeviceError::InvalidArgument`] for a buffer that is not a stream-ordered CUDA buffer or
-    /// a stream of another device; [`DeviceError::Cuda`] when the memset fails.
+    /// [`zero_async`](Buffer::zero_async) of a CUDA buffer (`cuMemsetD8Async`), ordered after
+    /// its earlier uses and recorded as its write.
     pub(crate) fn cuda_zero_async(&self, stream: &Stream) -> Result<Event, DeviceError> {
-        if !matches!(self.device(), Device::Cuda(_)) {
-            return Err(DeviceError::InvalidArgument(format!(
-                "zero_async: a buffer on {}, not a CUDA buffer",
-                self.device()
-            )));
-        }
         let usage = self.use_on(stream, AccessMode::Exclusive)?;
         let cu = bound_cuda(stream, "zero_async")?;
         let bytes = self.byte_len();
@@ -212,34 +202,13 @@ impl Buffer {
         Ok(usage.finish())
     }
 
-    /// Copy the device buffer `src` (same element type and length, same device) into this one on
-    /// `stream` (`cuMemcpyDtoDAsync`), ordered by both buffers' stream orders. They may be views
-    /// of one storage only if they do not overlap.
-    ///
-    /// # Errors
-    /// [`DeviceError::InvalidArgument`] for mismatched buffers, overlapping views or a stream of
-    /// another device; [`DeviceError::Cuda`] when the copy fails.
+    /// [`copy_from_device_async`](Buffer::copy_from_device_async) of CUDA buffers
+    /// (`cuMemcpyDtoDAsync`), once it checked them.
     pub(crate) fn cuda_copy_from_device_async(
         &self,
         src: &Buffer,
         stream: &Stream,
     ) -> Result<Event, DeviceError> {
-        if src.dtype() != self.dtype() || src.len() != self.len() || src.device() != self.device() {
-            return Err(DeviceError::InvalidArgument(format!(
-                "copy_from_device_async: {} elements of {} on {} into {} elements of {} on {}",
-                src.len(),
-                src.dtype(),
-                src.device(),
-                self.len(),
-                self.dtype(),
-                self.device()
-            )));
-        }
-        if self.overlaps(src) && self.byte_len() > 0 {
-            return Err(DeviceError::InvalidArgument(
-                "copy_from_device_async between overlapping views".into(),
-            ));
-        }
         let read = src.use_on(stream, AccessMode::Shared)?;
         let write = self.use_on(stream, AccessMode::Exclusive)?;
         let cu = bound_cuda(stream, "copy_from_device_async")?;
