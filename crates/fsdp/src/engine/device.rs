@@ -174,7 +174,6 @@ impl ComputeDevice {
     /// # Errors
     /// A buffer that is not in host memory, out of memory, a failing copy.
     pub fn copy_from_host(&self, host: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
-        check_host(host, "copy_from_host")?;
         let dst = self.alloc(host.dtype(), host.len(), stream)?;
         match self.kind {
             Kind::HostTwin => {
@@ -198,7 +197,6 @@ impl ComputeDevice {
     /// # Errors
     /// A buffer that is not on this device, a failing copy.
     pub fn copy_to_host(&self, dev: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
-        self.check_here(dev, "copy_to_host")?;
         let out = match self.kind {
             Kind::HostTwin => Buffer::zeros(dev.dtype(), dev.len())?,
             #[cfg(feature = "cuda")]
@@ -214,7 +212,6 @@ impl ComputeDevice {
     /// # Errors
     /// A buffer that is not on this device, a failing memset.
     pub fn zero(&self, buf: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
-        self.check_here(buf, "zero")?;
         self.delay(stream)?;
         buf.zero_async(stream)?;
         Ok(())
@@ -230,8 +227,6 @@ impl ComputeDevice {
         param: DType,
         stream: &Stream,
     ) -> Result<(), FsdpError> {
-        self.check_here(src, "round_into")?;
-        self.check_here(dst, "round_into")?;
         if src.dtype() != DType::F32 || src.len() != dst.len() {
             return Err(super::comm_context::internal(
                 "a reduction input of another length or from a gradient that is not f32",
@@ -294,44 +289,6 @@ impl ComputeDevice {
         self.transfer.synchronize()?;
         self.check()
     }
-
-    fn check_here(&self, buf: &Buffer, op: &str) -> Result<(), FsdpError> {
-        if buf.device() != self.device() || buf.stream_order().is_none() {
-            return Err(FsdpError::InvalidFsdpConfig {
-                reason: format!(
-                    "{op}: a buffer on {}{}, not a stream-ordered buffer of the compute device \
-                     {}",
-                    buf.device(),
-                    if buf.stream_order().is_none() {
-                        " (ordered by access tickets)"
-                    } else {
-                        ""
-                    },
-                    self.device()
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// A host buffer ordered by access tickets (the host side of a copy).
-fn check_host(buf: &Buffer, op: &str) -> Result<(), FsdpError> {
-    if buf.device() != Device::Cpu || buf.stream_order().is_some() {
-        return Err(FsdpError::InvalidFsdpConfig {
-            reason: format!(
-                "{op}: the host side is a buffer on {}{}, not host memory ordered by access \
-                 tickets",
-                buf.device(),
-                if buf.stream_order().is_some() {
-                    " (stream-ordered)"
-                } else {
-                    ""
-                }
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// Copy the host buffer `src` into the host buffer `dst` (same type and length) on the host,

@@ -8,8 +8,6 @@ use super::super::config::FsdpConfig;
 use super::super::device::ComputeDevice;
 use super::super::materialize::ParamInit;
 use super::super::mixed_precision::GradientDivide;
-use super::super::pool::host_pool;
-use super::super::ProcessGroups;
 use super::Fsdp;
 use crate::optim::OptimizerConfig;
 use crate::units::UnitPlan;
@@ -66,10 +64,7 @@ impl Fsdp {
         optim: impl Into<OptimizerConfig>,
     ) -> Result<Self, FsdpError> {
         check_device(comm.as_ref(), &device, &config)?;
-        config.mixed_precision.validate()?;
-        let pool = host_pool(comm.as_ref(), &config)?;
-        let groups = ProcessGroups::new(comm, config.strategy, config.ranks_per_node)?;
-        let mut fsdp = Fsdp::with_parts(groups, pool, plan, init, config, optim.into())?;
+        let mut fsdp = Fsdp::new(comm, plan, init, config, optim)?;
         fsdp.ctx.device = Some(device);
         Ok(fsdp)
     }

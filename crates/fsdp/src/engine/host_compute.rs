@@ -95,35 +95,35 @@ fn upload(buf: &Buffer, values: &[f32], stream: &Stream) -> Result<(), FsdpError
 }
 
 impl<M: FsdpModel> HostCompute<'_, M> {
-    /// Span `s`'s parameter names, each once.
-    fn names(&self, s: usize) -> Vec<String> {
-        let mut names = self.model.spans()[s].params.clone();
-        names.sort();
-        names.dedup();
-        names
-    }
-
     /// Span `s`'s parameters copied to the host, and the stream, when `p` is on a device.
     fn params(&self, s: usize, p: &dyn Params) -> Result<Option<(HostCopies, Stream)>, FsdpError> {
         let Some(stream) = p.compute_stream().cloned() else {
             return Ok(None);
         };
         let mut map = std::collections::HashMap::new();
-        for n in self.names(s) {
-            map.insert(n.clone(), download(&p.buffer(&n)?, &stream)?);
+        for n in &self.model.spans()[s].params {
+            if !map.contains_key(n) {
+                map.insert(n.clone(), download(&p.buffer(n)?, &stream)?);
+            }
         }
         let policy = p.mixed_precision();
         Ok(Some((HostCopies { map, policy }, stream)))
     }
 
-    /// With a lag: work on `stream` that reads span `s`'s parameters for that long.
-    fn linger(&self, s: usize, p: &dyn Params, stream: &Stream) -> Result<(), FsdpError> {
+    /// With a lag: work on `stream` that reads the span's parameters (`copies`' names) for that
+    /// long.
+    fn linger(
+        &self,
+        copies: &HostCopies,
+        p: &dyn Params,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
         let Some(lag) = self.lag else {
             return Ok(());
         };
-        let uses = self
-            .names(s)
-            .iter()
+        let uses = copies
+            .map
+            .keys()
             .map(|n| Ok(p.buffer(n)?.use_on(stream, AccessMode::Shared)?))
             .collect::<Result<Vec<_>, FsdpError>>()?;
         stream.enqueue(move || std::thread::sleep(lag))?;
@@ -153,7 +153,7 @@ impl<M: FsdpModel> FsdpModel for HostCompute<'_, M> {
             return self.model.forward(s, p, b, t);
         };
         self.model.forward(s, &params, b, t)?;
-        self.linger(s, p, &stream)
+        self.linger(&params, p, &stream)
     }
 
     fn loss(&self, t: &M::Tape) -> Result<f32, FsdpError> {
@@ -171,15 +171,16 @@ impl<M: FsdpModel> FsdpModel for HostCompute<'_, M> {
         let Some((params, stream)) = self.params(s, p)? else {
             return self.model.backward(s, p, g, b, t);
         };
+        // The gradients of the span's parameters: the copies' names.
         let mut grads = std::collections::HashMap::new();
-        for n in self.names(s) {
-            grads.insert(n.clone(), download(&g.grad_buffer(&n)?, &stream)?);
+        for n in params.map.keys() {
+            grads.insert(n.clone(), download(&g.grad_buffer(n)?, &stream)?);
         }
         self.model.backward(s, &params, &mut grads, b, t)?;
-        for n in self.names(s) {
-            upload(&g.grad_buffer(&n)?, &grads[&n], &stream)?;
+        for (n, values) in &grads {
+            upload(&g.grad_buffer(n)?, values, &stream)?;
         }
-        self.linger(s, p, &stream)
+        self.linger(&params, p, &stream)
     }
 
     fn checkpointable(&self, span: usize) -> bool {
