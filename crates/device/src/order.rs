@@ -115,6 +115,25 @@ impl StreamOrder {
         ev
     }
 
+    /// [`before_read`](Self::before_read) or [`before_write`](Self::before_write), by `mode`.
+    ///
+    /// # Errors
+    /// As [`Stream::wait_event`].
+    pub fn before(&self, stream: &Stream, mode: AccessMode) -> Result<(), DeviceError> {
+        match mode {
+            AccessMode::Shared => self.before_read(stream),
+            AccessMode::Exclusive => self.before_write(stream),
+        }
+    }
+
+    /// [`after_read`](Self::after_read) or [`after_write`](Self::after_write), by `mode`.
+    pub fn after(&self, stream: &Stream, mode: AccessMode) -> Event {
+        match mode {
+            AccessMode::Shared => self.after_read(stream),
+            AccessMode::Exclusive => self.after_write(stream),
+        }
+    }
+
     /// The events of all recorded work not known to be superseded: the last write and the reads
     /// since. Once they have all completed, no issued work uses the storage any more.
     pub fn events(&self) -> Vec<Event> {
@@ -188,10 +207,7 @@ impl StreamUse {
 
     fn record(&mut self) -> Event {
         self.done = true;
-        match self.mode {
-            AccessMode::Shared => self.order.after_read(&self.stream),
-            AccessMode::Exclusive => self.order.after_write(&self.stream),
-        }
+        self.order.after(&self.stream, self.mode)
     }
 }
 
@@ -230,10 +246,7 @@ impl Buffer {
                 stream.device()
             )));
         }
-        match mode {
-            AccessMode::Shared => order.before_read(stream)?,
-            AccessMode::Exclusive => order.before_write(stream)?,
-        }
+        order.before(stream, mode)?;
         Ok(StreamUse {
             buffer: self.clone(),
             order,

@@ -30,7 +30,7 @@ pub(crate) use self::communicator::engine_communicator;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_device::{AccessGuard, AccessMode, DType, Device, Stream};
+use fsdp_device::{AccessGuard, DType, Device, Stream};
 
 use self::recorder::{FlightRecorder, ProgressBoard, RecorderParts};
 use super::check::{enqueue_collective, Access, Placement};
@@ -365,11 +365,9 @@ impl Engine {
             .map(Access::stream_orders)
             .unwrap_or_default();
         for (order, mode) in &orders {
-            match mode {
-                AccessMode::Shared => order.before_read(&self.stream),
-                AccessMode::Exclusive => order.before_write(&self.stream),
-            }
-            .map_err(|source| CollectiveError::Device { rank, source })?;
+            order
+                .before(&self.stream, *mode)
+                .map_err(|source| CollectiveError::Device { rank, source })?;
         }
         let work = enqueue_collective(
             &self.stream,
@@ -380,10 +378,7 @@ impl Engine {
             move |seq| run_collective(&task_core, seq, desc, access, body),
         )?;
         for (order, mode) in orders {
-            match mode {
-                AccessMode::Shared => order.after_read(&self.stream),
-                AccessMode::Exclusive => order.after_write(&self.stream),
-            };
+            order.after(&self.stream, mode);
         }
         match local_error {
             Some(e) => Err(e),
