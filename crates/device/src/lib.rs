@@ -35,6 +35,7 @@ pub mod cuda;
 mod device;
 pub mod dtype;
 mod error;
+mod host_task;
 pub mod order;
 mod ordered;
 mod ordered_ops;
@@ -48,6 +49,7 @@ pub use buffer::{AccessGuard, AccessMode, AccessTicket, Buffer, ReadGuard, Write
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::DeviceError;
+pub use host_task::{host_task, TaskRead, TaskWrite};
 pub use order::{StreamOrder, StreamUse};
 pub use ordered::OrderedStorage;
 pub use reaper::{pending_releases, release_after, wait_for_releases};

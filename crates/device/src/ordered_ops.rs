@@ -239,7 +239,7 @@ unsafe fn cast_raw(s: DType, sp: usize, d: DType, dp: usize, n: usize) {
 }
 
 /// A stream-ordered host buffer used on a CPU stream.
-fn check_twin(buf: &Buffer, stream: &Stream, op: &str) -> Result<(), DeviceError> {
+pub(crate) fn check_twin(buf: &Buffer, stream: &Stream, op: &str) -> Result<(), DeviceError> {
     if buf.device() != Device::Cpu || buf.stream_order().is_none() {
         return Err(DeviceError::InvalidArgument(format!(
             "{op}: a buffer on {}{}, not a stream-ordered buffer (Buffer::stream_ordered, \
@@ -302,7 +302,7 @@ fn check_twin_copy(
 /// addresses in order and the host guard (`None` when no ticket was given). A ticket that
 /// cannot be acquired makes the task panic before `f`, so the failure becomes the stream's
 /// sticky error. Returns the event of the last use.
-fn twin_task(
+pub(crate) fn twin_task(
     stream: &Stream,
     uses: &[(&Buffer, AccessMode)],
     host: Option<AccessTicket>,

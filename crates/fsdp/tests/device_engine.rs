@@ -62,37 +62,50 @@ fn run_with_latency(
     out.swap_remove(0)
 }
 
-/// The device run against the host engine's: the same bits, schedule; the working set moved.
+/// The device runs against the host engine's: with the shards on the device and with them
+/// offloaded to host memory, the same bits and schedule; the working set moved.
 fn same_as_host(world: usize, config: FsdpConfig, micro: usize) {
-    let what = format!("world {world}, {config:?}, {micro} micro-batches");
-    let (host, dev) = (
-        run(world, config, micro, false),
-        run(world, config, micro, true),
-    );
-    assert_eq!(dev.losses, host.losses, "{what}: losses");
-    assert_eq!(dev.params, host.params, "{what}: parameters");
-    assert_eq!(dev.schedule, host.schedule, "{what}: schedule");
-    let device_peak = dev.device_peak.expect("a device");
-    assert!(device_peak > 0, "{what}: nothing on the device");
-    println!(
-        "world {world} {:?}/{:?}: host peak {} B on the host engine, {} B + {device_peak} B on \
-         the device",
-        config.strategy, config.ranks_per_node, host.host_peak, dev.host_peak
-    );
-    // Sharded units gather into the device's memory, not the host's (unsharded ones work in
-    // place on the host, and in the device's memory beside).
-    let sharded = world > 1
-        && config.strategy != ShardingStrategy::NoShard
-        && config.ranks_per_node.is_none_or(|n| n > 1);
-    assert!(
-        dev.host_peak < host.host_peak || (!sharded && dev.host_peak == host.host_peak),
-        "{what}: host peak {} on a device vs {} without",
-        dev.host_peak,
-        host.host_peak
-    );
+    let host = run(world, config, micro, false);
+    for offload_params in [false, true] {
+        let config = FsdpConfig {
+            offload_params,
+            ..config
+        };
+        let what = format!("world {world}, {config:?}, {micro} micro-batches");
+        let dev = run(world, config, micro, true);
+        assert_eq!(dev.losses, host.losses, "{what}: losses");
+        assert_eq!(dev.params, host.params, "{what}: parameters");
+        assert_eq!(dev.schedule, host.schedule, "{what}: schedule");
+        let device_peak = dev.device_peak.expect("a device");
+        assert!(device_peak > 0, "{what}: nothing on the device");
+        println!(
+            "world {world} {:?}/{:?} offload {offload_params}: host peak {} B on the host \
+             engine, {} B + {device_peak} B on the device",
+            config.strategy, config.ranks_per_node, host.host_peak, dev.host_peak
+        );
+        if !offload_params {
+            // Everything is on the device: the host pool holds nothing while training.
+            assert_eq!(dev.host_peak, 0, "{what}: host memory used while training");
+            continue;
+        }
+        // Sharded units gather into the device's memory, not the host's (unsharded ones work
+        // in place on the host, and in the device's memory beside).
+        let sharded = world > 1
+            && config.strategy != ShardingStrategy::NoShard
+            && config.ranks_per_node.is_none_or(|n| n > 1);
+        assert!(
+            dev.host_peak < host.host_peak || (!sharded && dev.host_peak == host.host_peak),
+            "{what}: host peak {} on a device vs {} without",
+            dev.host_peak,
+            host.host_peak
+        );
+    }
     // The model learns (the losses fall).
     let l = |b: u32| f32::from_bits(b);
-    assert!(l(host.losses[STEPS - 1]) < l(host.losses[0]), "{what}");
+    assert!(
+        l(host.losses[STEPS - 1]) < l(host.losses[0]),
+        "world {world}"
+    );
 }
 
 #[test]

@@ -209,6 +209,13 @@ impl CommContext {
         }
     }
 
+    /// The device holding the shards, gradient shards and optimizer state: the compute device
+    /// unless [`FsdpConfig::offload_params`](super::FsdpConfig::offload_params) keeps them in host
+    /// memory.
+    pub(crate) fn shards_on_device(&self) -> Option<&ComputeDevice> {
+        self.device.as_ref().filter(|_| !self.config.offload_params)
+    }
+
     /// On a device: drop the oldest freed gathered buffers whose work on the device has
     /// completed (their memory returns to the allocator now).
     pub(crate) fn reap_freed(&mut self) {

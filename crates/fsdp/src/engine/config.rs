@@ -129,6 +129,12 @@ pub struct FsdpConfig {
     /// built with [`Fsdp::with_parts`](super::Fsdp::with_parts) uses the pool it is given.
     /// Default: the allocator's defaults.
     pub allocator: fsdp_allocator::AllocatorConfig,
+    /// On a device ([`Fsdp::new_on`](super::Fsdp::new_on)): keep the shards, the gradient
+    /// shards and the optimizer state in host memory, where the optimizer steps (PyTorch's
+    /// `CPUOffload(offload_params=True)`, FSDP2's `CPUOffloadPolicy`); the device then holds
+    /// only the working set of a pass. Off (the default): they live on the device and the
+    /// optimizer steps there. Nothing changes on the host engine.
+    pub offload_params: bool,
 }
 
 impl FsdpConfig {
@@ -148,6 +154,7 @@ impl FsdpConfig {
             gradient_divide: GradientDivide::Model,
             use_orig_params: false,
             allocator: fsdp_allocator::AllocatorConfig::default(),
+            offload_params: false,
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::FsdpError;
 
 /// Which implementation of the device's operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     HostTwin,
     #[cfg(feature = "cuda")]
     Cuda,
@@ -58,7 +58,7 @@ enum Kind {
 /// stream-ordered buffers (NCCL, MPI), dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {
-    kind: Kind,
+    pub(super) kind: Kind,
     pool: Arc<dyn MemoryPool>,
     compute: Stream,
     transfer: Stream,
@@ -111,7 +111,7 @@ impl ComputeDevice {
     }
 
     /// The host twin's latency before an operation on `stream`.
-    fn delay(&self, stream: &Stream) -> Result<(), FsdpError> {
+    pub(super) fn delay(&self, stream: &Stream) -> Result<(), FsdpError> {
         if let Some(d) = self.latency {
             stream.enqueue(move || std::thread::sleep(d))?;
         }
@@ -247,7 +247,12 @@ impl ComputeDevice {
     }
 
     /// Cast `src` into `dst` (distinct element types) on `stream`.
-    fn cast(&self, src: &Buffer, dst: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
+    pub(crate) fn cast(
+        &self,
+        src: &Buffer,
+        dst: &Buffer,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
         match self.kind {
             Kind::HostTwin => {
                 self.delay(stream)?;

@@ -221,6 +221,7 @@ impl Fsdp {
                 policy: config.mixed_precision,
                 rounded: None,
                 uploaded: None,
+                device_moments: Vec::new(),
                 layout,
                 factor: f,
                 shard_index,

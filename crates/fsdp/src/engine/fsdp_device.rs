@@ -66,6 +66,7 @@ impl Fsdp {
         check_device(comm.as_ref(), &device, &config)?;
         let mut fsdp = Fsdp::new(comm, plan, init, config, optim)?;
         fsdp.ctx.device = Some(device);
+        fsdp.place_shards()?;
         Ok(fsdp)
     }
 
@@ -120,6 +121,15 @@ fn check_device(
         return refuse(format!(
             "GradientDivide::DataParallelSize is not supported on {} yet (use \
              GradientDivide::Model: normalise the loss over the global batch)",
+            device.device()
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if !config.offload_params && matches!(device.device(), fsdp_device::Device::Cuda(_)) {
+        return refuse(format!(
+            "the shards on {} need the optimizer, accumulation and norm kernels over \
+             stream-ordered buffers, which are not written yet (set \
+             FsdpConfig::offload_params to keep the shards in host memory)",
             device.device()
         ));
     }

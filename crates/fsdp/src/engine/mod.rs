@@ -96,6 +96,8 @@ pub mod checkpointing;
 mod comm_context;
 mod config;
 mod device;
+mod device_kernels;
+mod device_shards;
 mod fsdp;
 mod grad_scaler;
 mod host_compute;

@@ -82,6 +82,10 @@ pub struct ParamGroup {
     /// On a [`ComputeDevice`](super::ComputeDevice), for an unsharded (`F = 1`) unit: its
     /// parameters copied to the device (in `param_dtype`), which the model reads.
     pub(crate) uploaded: Option<Buffer>,
+    /// With the shards on a device ([`FsdpConfig::offload_params`](super::FsdpConfig::offload_params)
+    /// off): the optimizer's state there (AdamW: `exp_avg`, `exp_avg_sq`; SGD: the momentum
+    /// buffer, or none); `optim_state` then keeps only the step count.
+    pub(crate) device_moments: Vec<Buffer>,
 }
 
 impl std::fmt::Debug for ParamGroup {
@@ -123,9 +127,15 @@ impl ParamGroup {
         self.dtypes
     }
 
-    /// Bytes of the optimizer state of the shard (host memory, outside the allocator).
+    /// Bytes of the optimizer state of the shard: host memory, outside the allocator, or with
+    /// the shards on a device, the device's.
     pub fn optimizer_state_bytes(&self) -> usize {
         self.optim_state.size_in_bytes()
+            + self
+                .device_moments
+                .iter()
+                .map(Buffer::byte_len)
+                .sum::<usize>()
     }
 
     /// The sharding factor.
@@ -171,9 +181,16 @@ impl ParamGroup {
         let _frame = fsdp_allocator::memory_context_with(|| {
             format!("unit {} ({}) all-gather", self.index, self.name)
         });
-        // Mixed precision: the shard is cast to `param_dtype` before the all-gather.
+        // Mixed precision: the shard is cast to `param_dtype` before the all-gather (with the
+        // shard on the device, there, on the transfer stream).
+        let resident = ctx.shards_on_device().cloned();
         let input = if self.shard.dtype() == p {
             self.shard.clone()
+        } else if let Some(dev) = &resident {
+            let t = dev.transfer_stream();
+            let b = dev.alloc(p, self.layout.shard_numel(), t)?;
+            dev.cast(&self.shard, &b, t)?;
+            b
         } else {
             let b = ctx.alloc_typed(p, self.layout.shard_numel(), group.stream(), &ctx.compute)?;
             if !ctx.is_meta() {
@@ -191,7 +208,10 @@ impl ParamGroup {
             }
             Some(dev) => {
                 let t = dev.transfer_stream();
-                let input = dev.copy_from_host(&input, t)?;
+                let input = match resident {
+                    Some(_) => input,
+                    None => dev.copy_from_host(&input, t)?,
+                };
                 (input, dev.alloc(p, self.layout.padded_numel(), t)?)
             }
         };
@@ -314,6 +334,18 @@ impl ParamGroup {
             return Ok(());
         }
         let p = self.dtypes.param;
+        if ctx.shards_on_device().is_some() {
+            // The shard is on the device: read as it is, or cast there.
+            self.uploaded = Some(if self.shard.dtype() == p {
+                self.shard.clone()
+            } else {
+                let t = dev.transfer_stream();
+                let b = dev.alloc(p, self.shard.len(), t)?;
+                dev.cast(&self.shard, &b, t)?;
+                b
+            });
+            return Ok(());
+        }
         let host = if self.shard.dtype() == p {
             self.shard.clone()
         } else {

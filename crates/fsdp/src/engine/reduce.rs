@@ -130,6 +130,15 @@ pub(crate) fn finish_reductions(
         p.work.wait()?;
     }
     let mut grads = std::mem::take(pending_grads);
+    if let Some(dev) = ctx.shards_on_device().cloned() {
+        // The shards are on the device too: the reduced shards are added there, on the
+        // compute stream after their collectives; the host does not wait.
+        for (u, g, _, copy_in) in grads {
+            dev.accumulate(&groups[u].grad_shard, &g, copy_in, dev.compute_stream())?;
+        }
+        ctx.reap_freed();
+        return Ok(());
+    }
     if let Some(dev) = &ctx.device {
         // The reduced shards come to host memory now that their reductions ran, then the
         // device's streams are waited for (and their errors reported) before they are read.
@@ -199,16 +208,25 @@ fn reduce_on_device(
         dev.round_into(&g, &send, param, s)?;
         send
     };
+    let copy_in = group.grad_shard_zero && reduce == DType::F32;
+    // With the shard on the device, a gradient shard of zeros receives the reduce-scatter
+    // itself (as on the host).
+    let direct = copy_in && group.factor > 1 && ctx.shards_on_device().is_some();
     let target = if group.factor > 1 {
-        let out = dev.alloc(reduce, group.layout.shard_numel(), s)?;
+        let out = if direct {
+            group.grad_shard.clone()
+        } else {
+            dev.alloc(reduce, group.layout.shard_numel(), s)?
+        };
         reduce_scatter(group, ctx, send, &out)?;
         out
     } else {
         send
     };
     all_reduce_replicas(group, ctx, &target)?;
-    let copy_in = group.grad_shard_zero && reduce == DType::F32;
-    pending_grads.push((u, target, None, copy_in));
+    if !direct {
+        pending_grads.push((u, target, None, copy_in));
+    }
     group.grad_shard_zero = false;
     group.replace_shard = false;
     Ok(())

@@ -107,9 +107,9 @@ impl Fsdp {
                 try_copy(src, &what)
             };
             let mut param = try_filled_vec(unit.shard.len(), 0.0, "a parameter shard")?;
-            load_exact(&unit.shard, &mut param)?;
+            load_exact(&self.host_copy(&unit.shard)?, &mut param)?;
             let mut tensors = vec![("param", param)];
-            match &unit.optim_state {
+            match self.host_optim_state(unit)?.as_ref() {
                 OptimizerState::AdamW(s) => {
                     optimizer = "adamw";
                     optimizer_step = s.step;
@@ -222,7 +222,8 @@ impl Fsdp {
                     "sgd",
                 ) => OptimizerState::Sgd {
                     step: state.step,
-                    momentum_buffer: if momentum_buffer.is_empty() {
+                    momentum_buffer: if momentum_buffer.is_empty() && unit.device_moments.is_empty()
+                    {
                         Vec::new()
                     } else {
                         shard_of("momentum_buffer")?
@@ -254,6 +255,7 @@ impl Fsdp {
         for (unit, s) in self.groups.iter_mut().zip(new_states) {
             unit.optim_state = s;
         }
+        self.place_loaded_moments()?;
         self.optimizer_steps = state.optimizer_steps;
         Ok(())
     }
@@ -270,6 +272,25 @@ impl Fsdp {
         for g in &self.groups {
             let full = if g.factor == 1 {
                 g.shard.clone()
+            } else if let Some(dev) = &self
+                .ctx
+                .device
+                .as_ref()
+                .filter(|_| g.shard.stream_order().is_some())
+            {
+                // The shard is on the device: gathered there.
+                let group = self
+                    .ctx
+                    .groups
+                    .shard()
+                    .ok_or_else(|| internal("a sharded unit without a shard group"))?;
+                let full = dev.alloc(
+                    g.shard.dtype(),
+                    g.layout.padded_numel(),
+                    dev.transfer_stream(),
+                )?;
+                group.all_gather_base(&g.shard, &full)?.wait()?;
+                full
             } else {
                 let group = self
                     .ctx
@@ -281,7 +302,7 @@ impl Fsdp {
                 full
             };
             let mut flat = crate::try_filled_vec(full.len(), 0.0f32, "the full state dict")?;
-            load_exact(&full, &mut flat)?;
+            load_exact(&self.host_copy(&full)?, &mut flat)?;
             for p in g.layout.params() {
                 out.insert(p.name().to_string(), flat[p.range()].to_vec());
             }

@@ -47,7 +47,10 @@ impl Fsdp {
         if self.grad_scaler_skips()? {
             return Ok(());
         }
-        if !self.ctx.is_meta() {
+        if let Some(dev) = self.ctx.shards_on_device().cloned() {
+            let lr = self.lr();
+            self.step_on_device(&dev, lr)?;
+        } else if !self.ctx.is_meta() {
             let lr = self.lr();
             for g in &mut self.groups {
                 if g.shard.dtype() == fsdp_device::DType::BF16 {
@@ -68,8 +71,12 @@ impl Fsdp {
     /// # Errors
     /// A failing buffer access.
     pub fn zero_grad(&mut self) -> Result<(), FsdpError> {
+        let dev = self.ctx.shards_on_device().cloned();
         for g in &mut self.groups {
-            self.ctx.fill(&g.grad_shard, 0.0)?;
+            match &dev {
+                Some(dev) => dev.zero(&g.grad_shard, dev.compute_stream())?,
+                None => self.ctx.fill(&g.grad_shard, 0.0)?,
+            }
             g.grad_shard_zero = true;
             g.full_grad = None;
         }
@@ -114,11 +121,15 @@ impl Fsdp {
                 .sum())
         };
         let (mut sharded, mut replicated) = (0.0, 0.0);
-        for g in &self.groups {
-            if g.factor > 1 {
-                sharded += sq(&g.grad_shard)?;
-            } else {
-                replicated += sq(&g.grad_shard)?;
+        if let Some(dev) = self.ctx.shards_on_device() {
+            (sharded, replicated) = self.squares_on_device(dev)?;
+        } else {
+            for g in &self.groups {
+                if g.factor > 1 {
+                    sharded += sq(&g.grad_shard)?;
+                } else {
+                    replicated += sq(&g.grad_shard)?;
+                }
             }
         }
         if let Some(group) = self.ctx.groups.shard() {
@@ -148,8 +159,13 @@ impl Fsdp {
         let total = self.grad_norm()?;
         if let Some(c) = crate::optim::clip_coefficient(max_norm, total) {
             for g in &self.groups {
-                for x in g.grad_shard.write::<f32>()?.iter_mut() {
-                    *x *= c;
+                match self.ctx.shards_on_device() {
+                    Some(dev) => dev.scale(&g.grad_shard, c, dev.compute_stream())?,
+                    None => g
+                        .grad_shard
+                        .write::<f32>()?
+                        .iter_mut()
+                        .for_each(|x| *x *= c),
                 }
             }
         }

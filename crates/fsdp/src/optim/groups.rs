@@ -470,19 +470,8 @@ fn f32_grouped(
             same_len("exp_avg", param.len(), state.exp_avg.len())?;
             same_len("exp_avg_sq", param.len(), state.exp_avg_sq.len())?;
             let step = state.step + 1;
-            for (range, group) in segments.segments() {
-                let Some(OptimizerConfig::AdamW(c)) = configs.get(*group) else {
-                    continue; // SKIP_GROUP
-                };
-                adamw_step(
-                    c,
-                    step,
-                    &mut param[range.clone()],
-                    &grad[range.clone()],
-                    &mut state.exp_avg[range.clone()],
-                    &mut state.exp_avg_sq[range.clone()],
-                )?;
-            }
+            let moments: &mut [&mut [f32]] = &mut [&mut state.exp_avg, &mut state.exp_avg_sq];
+            f32_runs(configs, segments, step, param, grad, moments)?;
             state.step = step;
             Ok(())
         }
@@ -493,31 +482,90 @@ fn f32_grouped(
             },
             OptimizerConfig::Sgd(sgd),
         ) => {
-            let uses_buffer = sgd.momentum != 0.0;
-            if uses_buffer {
-                same_len("momentum_buffer", param.len(), momentum_buffer.len())?;
-            }
             let next = *step + 1;
-            for (range, group) in segments.segments() {
-                let Some(OptimizerConfig::Sgd(c)) = configs.get(*group) else {
-                    continue; // SKIP_GROUP
-                };
-                let buf: &mut [f32] = if uses_buffer {
-                    &mut momentum_buffer[range.clone()]
-                } else {
-                    &mut []
-                };
-                sgd_step(
-                    c,
-                    next,
-                    &mut param[range.clone()],
-                    &grad[range.clone()],
-                    buf,
-                )?;
+            if sgd.momentum != 0.0 {
+                same_len("momentum_buffer", param.len(), momentum_buffer.len())?;
+                f32_runs(configs, segments, next, param, grad, &mut [momentum_buffer])?;
+            } else {
+                f32_runs(configs, segments, next, param, grad, &mut [])?;
             }
             *step = next;
             Ok(())
         }
         _ => Err(state_mismatch()),
     }
+}
+
+/// AdamW or SGD over the runs of `segments` of an `f32` shard at step number `step` (counted
+/// from 1), each run with its group's learning rate `lr · lr_scale` and weight decay, with the
+/// optimizer's state as slices of the shard's length: AdamW's `exp_avg` and `exp_avg_sq`,
+/// SGD's momentum buffer (none without momentum). The arithmetic of
+/// [`OptimizerState::step_grouped`], for state kept elsewhere (the engine's shards on a
+/// device).
+///
+/// # Errors
+/// As [`OptimizerState::step_grouped`]; state slices that do not fit the optimizer are
+/// [`FsdpError::InvalidHyperparameter`] (`optimizer`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn f32_step_slices(
+    cfg: &OptimizerConfig,
+    lr: f64,
+    groups: &[ParamGroupOptions],
+    segments: &ShardGroups,
+    step: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    moments: &mut [&mut [f32]],
+) -> Result<(), FsdpError> {
+    let configs = group_configs(cfg, lr, groups, segments, param.len(), grad.len())?;
+    for m in moments.iter() {
+        same_len("optimizer state", param.len(), m.len())?;
+    }
+    f32_runs(&configs, segments, step, param, grad, moments)
+}
+
+/// The checks of [`f32_step_slices`], on the host before a device runs it: `cfg` is AdamW or
+/// SGD, the settings, groups and lengths are valid, and `step` counts from 1.
+///
+/// # Errors
+/// As [`f32_step_slices`].
+pub(crate) fn check_f32_step(
+    cfg: &OptimizerConfig,
+    lr: f64,
+    groups: &[ParamGroupOptions],
+    segments: &ShardGroups,
+    step: u64,
+    param_len: usize,
+    grad_len: usize,
+) -> Result<(), FsdpError> {
+    if !matches!(cfg, OptimizerConfig::AdamW(_) | OptimizerConfig::Sgd(_)) || step == 0 {
+        return Err(state_mismatch());
+    }
+    group_configs(cfg, lr, groups, segments, param_len, grad_len).map(|_| ())
+}
+
+/// The runs of [`f32_grouped`] and [`f32_step_slices`]: each run of `segments` updated by its
+/// group's config (`configs`), runs of [`SKIP_GROUP`] left untouched.
+fn f32_runs(
+    configs: &[OptimizerConfig],
+    segments: &ShardGroups,
+    step: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    moments: &mut [&mut [f32]],
+) -> Result<(), FsdpError> {
+    for (range, group) in segments.segments() {
+        let r = range.clone();
+        let (p, g) = (&mut param[r.clone()], &grad[r.clone()]);
+        match (configs.get(*group), &mut *moments) {
+            (None, _) => {} // SKIP_GROUP
+            (Some(OptimizerConfig::AdamW(c)), [m, v]) => {
+                adamw_step(c, step, p, g, &mut m[r.clone()], &mut v[r])?;
+            }
+            (Some(OptimizerConfig::Sgd(c)), [b]) => sgd_step(c, step, p, g, &mut b[r])?,
+            (Some(OptimizerConfig::Sgd(c)), []) => sgd_step(c, step, p, g, &mut [])?,
+            _ => return Err(state_mismatch()),
+        }
+    }
+    Ok(())
 }

@@ -20,6 +20,7 @@ mod sgd;
 
 pub(crate) use any_precision::ParamElement;
 pub use any_precision::{AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, PrecisionVec};
+pub(crate) use groups::{check_f32_step, f32_step_slices};
 pub use groups::{
     decay_2d_only, decay_2d_only_group, ParamGroupOptions, ShardGroups, DECAY_GROUP,
     NO_DECAY_GROUP, SKIP_GROUP,
@@ -407,6 +408,15 @@ impl OptimizerState {
             OptimizerState::AdamW(s) => s.step,
             OptimizerState::Sgd { step, .. } => *step,
             OptimizerState::AnyPrecisionAdamW(s) => s.step,
+        }
+    }
+
+    /// Set the count of steps taken (a state whose buffers are kept elsewhere, stepped there).
+    pub(crate) fn set_steps(&mut self, steps: u64) {
+        match self {
+            OptimizerState::AdamW(s) => s.step = steps,
+            OptimizerState::Sgd { step, .. } => *step = steps,
+            OptimizerState::AnyPrecisionAdamW(s) => s.step = steps,
         }
     }
 

@@ -30,8 +30,10 @@ pub struct Outcome {
 
 /// One rank's run of `world`: `STEPS` steps of `micro` micro-batches each (the first ones under
 /// `no_sync`) on the host engine (`device` `None`) or on `device`, the model's spans on it
-/// lingering for `lag` (`HostCompute::with_lag`). On a device, its memory is checked to be all released
-/// once the deferred frees ran.
+/// lingering for `lag` (`HostCompute::with_lag`). On a device, its memory is checked to hold
+/// after the steps, once the deferred frees ran, what it held before them: nothing with
+/// `offload_params`, else the shards, gradient shards and optimizer state. The host pool's
+/// peak is taken from after the engine was built.
 pub fn train_rank(
     comm: Box<dyn Communicator>,
     device: Option<ComputeDevice>,
@@ -53,6 +55,20 @@ pub fn train_rank(
         Some(dev) => Fsdp::new_on(comm, dev, &plan, init, config, adamw()).unwrap(),
         None => Fsdp::new(comm, &plan, init, config, adamw()).unwrap(),
     };
+    // What the device holds between steps: the shards, gradient shards and optimizer state
+    // (nothing with `offload_params`). The host pool's peak counts from here.
+    let resident = fsdp.device_memory_stats().map(|s| {
+        fsdp_device::wait_for_releases(Duration::from_secs(30)).unwrap();
+        let now = fsdp
+            .device_memory_stats()
+            .unwrap()
+            .allocated_bytes
+            .all
+            .current;
+        assert!(s.allocated_bytes.all.current >= now);
+        now
+    });
+    fsdp.reset_peak_memory_stats();
     let mut losses = Vec::new();
     for _ in 0..STEPS {
         let mut loss = 0.0;
@@ -76,9 +92,11 @@ pub fn train_rank(
         fsdp_device::wait_for_releases(Duration::from_secs(30)).unwrap();
         let now = fsdp.device_memory_stats().unwrap();
         assert_eq!(
-            now.allocated_bytes.all.current, 0,
-            "rank {rank}: device memory still allocated after the steps"
+            Some(now.allocated_bytes.all.current),
+            resident,
+            "rank {rank}: the device holds more than the shards and their state after the steps"
         );
+        assert_eq!(resident == Some(0), config.offload_params);
         s.allocated_bytes.all.peak
     });
     Outcome {

@@ -1,0 +1,184 @@
+//! The shards on a device ([`Fsdp::new_on`] without
+//! [`FsdpConfig::offload_params`](super::FsdpConfig::offload_params)): placing the shards,
+//! gradient shards and optimizer state there, the optimizer side of a step there (the step,
+//! zeroing, the norm and clipping), and the host copies that state dicts and checkpoints read.
+
+use std::borrow::Cow;
+
+use fsdp_device::{Buffer, DType};
+
+use super::device::ComputeDevice;
+use super::fsdp::Fsdp;
+use super::param_group::ParamGroup;
+use crate::optim::{OptimizerConfig, OptimizerState};
+use crate::FsdpError;
+
+/// The buffers of an AdamW or SGD state in host memory, in the order of
+/// `ParamGroup::device_moments` (SGD's momentum buffer when `momentum`).
+fn host_moments(state: &mut OptimizerState, momentum: bool) -> Vec<&mut Vec<f32>> {
+    match state {
+        OptimizerState::AdamW(s) => vec![&mut s.exp_avg, &mut s.exp_avg_sq],
+        OptimizerState::Sgd {
+            momentum_buffer, ..
+        } if momentum => vec![momentum_buffer],
+        _ => Vec::new(),
+    }
+}
+
+/// Whether `cfg` keeps a momentum buffer (SGD with momentum).
+fn has_momentum(cfg: &OptimizerConfig) -> bool {
+    matches!(cfg, OptimizerConfig::Sgd(c) if c.momentum != 0.0)
+}
+
+/// Copy `host` to a new buffer on `dev` (on its transfer stream).
+fn upload(dev: &ComputeDevice, host: &[f32]) -> Result<Buffer, FsdpError> {
+    dev.copy_from_host(&Buffer::from_slice(host)?, dev.transfer_stream())
+}
+
+/// Move `g`'s optimizer state to `dev`: its moments uploaded into `g.device_moments`, the host
+/// state keeping only the step count.
+fn place_moments(
+    g: &mut ParamGroup,
+    dev: &ComputeDevice,
+    cfg: &OptimizerConfig,
+) -> Result<(), FsdpError> {
+    let mut moments = Vec::new();
+    for m in host_moments(&mut g.optim_state, has_momentum(cfg)) {
+        moments.push(upload(dev, m)?);
+        *m = Vec::new();
+    }
+    g.device_moments = moments;
+    Ok(())
+}
+
+impl Fsdp {
+    /// Place every unit's shard, gradient shard and optimizer state on the compute device
+    /// (from the host values [`Fsdp::new`] built).
+    pub(super) fn place_shards(&mut self) -> Result<(), FsdpError> {
+        let Some(dev) = self.ctx.shards_on_device().cloned() else {
+            return Ok(());
+        };
+        if !matches!(
+            self.optim,
+            OptimizerConfig::AdamW(_) | OptimizerConfig::Sgd(_)
+        ) {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "rank {}: AnyPrecisionAdamW with its shards on {} is not supported yet \
+                     (set FsdpConfig::offload_params to step it in host memory)",
+                    self.rank(),
+                    dev.device()
+                ),
+            });
+        }
+        let c = dev.compute_stream();
+        for g in &mut self.groups {
+            g.shard = dev.copy_from_host(&g.shard, dev.transfer_stream())?;
+            if g.factor == 1 {
+                g.full = Some(g.shard.clone());
+            }
+            let grad = dev.alloc(DType::F32, g.grad_shard.len(), c)?;
+            dev.zero(&grad, c)?;
+            g.grad_shard = grad;
+            g.grad_shard_zero = true;
+            place_moments(g, &dev, &self.optim)?;
+        }
+        dev.synchronize()
+    }
+
+    /// The optimizer step on the device: each unit's AdamW or SGD on its shard, issued on the
+    /// compute stream after the gradients' accumulation, the step count kept on the host.
+    pub(super) fn step_on_device(&mut self, dev: &ComputeDevice, lr: f64) -> Result<(), FsdpError> {
+        for g in &mut self.groups {
+            let step = g.optim_state.steps() + 1;
+            dev.optimizer_step(
+                &self.optim,
+                lr,
+                &self.setup.groups,
+                &g.segments,
+                step,
+                &g.shard,
+                &g.grad_shard,
+                &g.device_moments,
+                dev.compute_stream(),
+            )?;
+            g.optim_state.set_steps(step);
+        }
+        Ok(())
+    }
+
+    /// The squared norms of the gradient shards on the device, summed over the sharded and the
+    /// unsharded units (as the host engine sums them): one sum of squares per unit on the
+    /// compute stream, then one wait on the host for all of them.
+    pub(super) fn squares_on_device(&self, dev: &ComputeDevice) -> Result<(f64, f64), FsdpError> {
+        let sums = self
+            .groups
+            .iter()
+            .map(|g| {
+                let s = dev.sum_of_squares(&g.grad_shard, dev.compute_stream())?;
+                Ok((g.factor > 1, dev.copy_to_host(&s, dev.compute_stream())?))
+            })
+            .collect::<Result<Vec<_>, FsdpError>>()?;
+        dev.synchronize()?;
+        let (mut sharded, mut replicated) = (0.0, 0.0);
+        for (is_sharded, s) in sums {
+            let v = s.to_vec::<f64>()?[0];
+            if is_sharded {
+                sharded += v;
+            } else {
+                replicated += v;
+            }
+        }
+        Ok((sharded, replicated))
+    }
+
+    /// `b` in host memory: itself (a handle), or when it is on the device, a copy the host
+    /// waited for.
+    pub(super) fn host_copy(&self, b: &Buffer) -> Result<Buffer, FsdpError> {
+        match self
+            .ctx
+            .device
+            .as_ref()
+            .filter(|_| b.stream_order().is_some())
+        {
+            None => Ok(b.clone()),
+            Some(dev) => {
+                let host = dev.copy_to_host(b, dev.transfer_stream())?;
+                dev.synchronize()?;
+                Ok(host)
+            }
+        }
+    }
+
+    /// Unit `g`'s optimizer state in host memory: its own, or with the shards on a device, a
+    /// copy of the device's moments with the step count.
+    pub(super) fn host_optim_state<'a>(
+        &self,
+        g: &'a ParamGroup,
+    ) -> Result<Cow<'a, OptimizerState>, FsdpError> {
+        if g.device_moments.is_empty() {
+            return Ok(Cow::Borrowed(&g.optim_state));
+        }
+        let mut state = g.optim_state.clone();
+        let momentum = has_momentum(&self.optim);
+        for (m, b) in host_moments(&mut state, momentum)
+            .into_iter()
+            .zip(&g.device_moments)
+        {
+            *m = self.host_copy(b)?.to_vec::<f32>()?;
+        }
+        Ok(Cow::Owned(state))
+    }
+
+    /// With the shards on a device, move the optimizer states just loaded into host memory
+    /// there.
+    pub(super) fn place_loaded_moments(&mut self) -> Result<(), FsdpError> {
+        let Some(dev) = self.ctx.shards_on_device().cloned() else {
+            return Ok(());
+        };
+        for g in &mut self.groups {
+            place_moments(g, &dev, &self.optim)?;
+        }
+        dev.synchronize()
+    }
+}
