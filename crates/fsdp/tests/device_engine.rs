@@ -1,10 +1,13 @@
 //! The engine on a device (`Fsdp::new_on`), run on the host twin of a device: the unsharded
-//! parameters and gradients in stream-ordered memory, every copy, zeroing and cast a task of
-//! the device's streams, the collectives ordered by their events. The tied-weight MLP example,
-//! run on the device's buffers through an adapter, gives the host engine's losses, parameters
-//! and schedule bit for bit: every strategy at worlds 1–4 (every hybrid mesh), mixed
-//! precision, prefetching and gradient accumulation. The device holds the working set: the
-//! host's peak falls. And what the device path refuses is an error naming it.
+//! parameters and gradients in stream-ordered memory — and the shards, gradient shards and
+//! AdamW state too, or offloaded to host memory (`offload_params`) — every copy, zeroing,
+//! cast, accumulation and optimizer step a task of the device's streams, the collectives
+//! ordered by their events. The tied-weight MLP example, run on the device's buffers through an
+//! adapter, gives the host engine's losses, parameters and schedule bit for bit in both
+//! placements: every strategy at worlds 1–4 (every hybrid mesh), mixed precision, prefetching
+//! and gradient accumulation. The device holds the working set (the host's peak falls), and
+//! without offloading everything (the host pool holds nothing while training). And what the
+//! device path refuses is an error naming it.
 
 mod common;
 #[allow(dead_code)]

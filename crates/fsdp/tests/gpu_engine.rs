@@ -1,11 +1,14 @@
 //! The engine on CUDA (cargo feature `cuda`): `Fsdp::new_on` with `ComputeDevice::cuda(0)` over
 //! the CUDA ring, ranks as threads on one GPU. The unsharded parameters and gradients live in
-//! the GPU's caching allocator, the shards go there through pinned staging buffers, the
+//! the GPU's caching allocator; the shards, gradient shards and AdamW state too (the fused
+//! AdamW kernel and the accumulation kernel of `fsdp-kernels` on them), or with
+//! `offload_params` in host memory, copied there through pinned staging buffers. The
 //! all-gathers and reduce-scatters run on the GPU (bitwise the host ring's arithmetic), the
 //! gradients are cast there by the `fsdp-kernels` cast kernels (round to nearest even, as the
-//! host). So the tied-weight MLP on the GPU's buffers gives the host engine's losses,
-//! parameters and schedule bit for bit: `FULL_SHARD`, `SHARD_GRAD_OP` and `NO_SHARD` at worlds
-//! 1, 2 and 4, in f32 and with bf16 parameters (f32 and bf16 reductions). Every test prints
+//! host). So the tied-weight MLP on the GPU's buffers is expected to give the host engine's
+//! losses, parameters and schedule bit for bit, in both placements: `FULL_SHARD`,
+//! `SHARD_GRAD_OP` and `NO_SHARD` at worlds 1, 2 and 4, in f32 and with bf16 parameters (f32
+//! and bf16 reductions). Every test prints
 //! `skipped: <reason>` and passes where the CUDA driver or a GPU is missing.
 #![cfg(feature = "cuda")]
 
@@ -77,14 +80,20 @@ fn the_engine_on_cuda_gives_the_host_engines_bits() {
         ] {
             let mut config = FsdpConfig::new(strategy);
             config.mixed_precision = MixedPrecisionPolicy::new(param, reduce);
-            let what = format!("world {world}, {strategy:?}, {param} / {reduce:?}");
-            let (host, gpu) = (run(world, config, false), run(world, config, true));
-            assert_eq!(gpu.losses, host.losses, "{what}: losses");
-            assert_eq!(gpu.params, host.params, "{what}: parameters");
-            assert_eq!(gpu.schedule, host.schedule, "{what}: schedule");
-            let peak = gpu.device_peak.expect("a device");
-            println!("{what}: GPU peak {peak} B, host peak {} B", gpu.host_peak);
-            assert!(peak > 0, "{what}");
+            let host = run(world, config, false);
+            for offload_params in [false, true] {
+                config.offload_params = offload_params;
+                let what = format!(
+                    "world {world}, {strategy:?}, {param} / {reduce:?}, offload {offload_params}"
+                );
+                let gpu = run(world, config, true);
+                assert_eq!(gpu.losses, host.losses, "{what}: losses");
+                assert_eq!(gpu.params, host.params, "{what}: parameters");
+                assert_eq!(gpu.schedule, host.schedule, "{what}: schedule");
+                let peak = gpu.device_peak.expect("a device");
+                println!("{what}: GPU peak {peak} B, host peak {} B", gpu.host_peak);
+                assert!(peak > 0, "{what}");
+            }
         }
     }
 }

@@ -1,9 +1,10 @@
-//! The reference GPT trained by the engine with its unsharded parameters and gradients on a
-//! device (`Fsdp::new_on`, the host twin of a device with a millisecond of latency per
-//! operation; the GPT computing on host copies of the device's buffers through `HostCompute`,
-//! which `FsdpGpt` uses when its engine has a device): every loss and every parameter bit for
-//! bit the host engine's — FULL_SHARD at worlds 1–3, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD over
-//! 2×2, bf16 parameters, activation checkpointing, forward prefetch. On a GPU, the same over
+//! The reference GPT trained by the engine on a device (`Fsdp::new_on`, the host twin of a
+//! device with a millisecond of latency per operation; the GPT computing on host copies of the
+//! device's buffers through `HostCompute`, which `FsdpGpt` uses when its engine has a device),
+//! its shards and AdamW state on the device or offloaded to host memory: every loss and every
+//! parameter bit for bit the host engine's — FULL_SHARD at worlds 1–3, SHARD_GRAD_OP,
+//! NO_SHARD, HYBRID_SHARD over 2×2 (also offloaded), bf16 parameters, activation
+//! checkpointing, forward prefetch, FULL_SHARD at world 4 offloaded. On a GPU, the same over
 //! the CUDA ring with `ComputeDevice::cuda` (bitwise too: the CUDA ring and the cast kernels
 //! are bitwise the host's); without one that test prints why it skipped.
 
@@ -114,6 +115,13 @@ fn the_gpt_on_a_device_trains_the_host_engines_bits() {
     let mut checkpointed = FsdpConfig::new(ShardingStrategy::FullShard);
     checkpointed.activation_checkpointing = true;
     configs.push((2, checkpointed));
+    // The rest keep the shards on the device; these two offload them to host memory.
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::HybridShard] {
+        let mut offloaded = FsdpConfig::new(strategy);
+        offloaded.offload_params = true;
+        offloaded.ranks_per_node = Some(2);
+        configs.push((4, offloaded));
+    }
     for (world, config) in configs {
         let what = format!("world {world}, {config:?}");
         let host = run(&s, world, config, Place::Host);
@@ -148,10 +156,13 @@ fn the_gpt_on_cuda_trains_the_host_engines_bits() {
     ] {
         let mut config = FsdpConfig::new(strategy);
         config.mixed_precision = MixedPrecisionPolicy::new(param, None);
-        let what = format!("world {world}, {strategy:?}, {param}");
         let host = run(&s, world, config, Place::Host);
-        let gpu = run(&s, world, config, Place::Gpu);
-        assert_eq!(gpu.0, host.0, "{what}: losses");
-        assert_eq!(gpu.1, host.1, "{what}: parameters");
+        for offload_params in [false, true] {
+            config.offload_params = offload_params;
+            let what = format!("world {world}, {strategy:?}, {param}, offload {offload_params}");
+            let gpu = run(&s, world, config, Place::Gpu);
+            assert_eq!(gpu.0, host.0, "{what}: losses");
+            assert_eq!(gpu.1, host.1, "{what}: parameters");
+        }
     }
 }

@@ -2,10 +2,16 @@
 //! entry points for code that keeps its device memory in such buffers (FSDP's engine on a
 //! device) rather than in cudarc slices.
 
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use fsdp_device::{AccessMode, Buffer, DType, Device, Event, Stream};
 use half::{bf16, f16};
 
 use super::cast_raw;
+use crate::host::{AdamWScalars, SgdScalars};
 use crate::KernelError;
 
 /// Cast the stream-ordered CUDA buffer `src` into `dst` (same length, distinct element types
@@ -61,4 +67,234 @@ pub fn cast_buffer(src: &Buffer, dst: &Buffer, stream: &Stream) -> Result<Event,
     read.finish();
     let event = write.finish();
     launched.map(|()| event)
+}
+
+/// A stream-ordered CUDA buffer's memory as a cudarc slice for one launch: its address and
+/// length, ordered by the caller ([`Buffer::use_on`]), so taking its pointer adds no
+/// synchronisation of its own.
+struct Ordered<T> {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _elements: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for Ordered<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Ordered<T> {
+    fn device_ptr<'a>(&'a self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Ordered<T> {
+    fn device_ptr_mut<'a>(&'a mut self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+/// The slices a launch on `stream` gets from stream-ordered CUDA buffers: `reads` (shared) and
+/// `writes` (exclusive, not overlapping any other buffer of the launch), of the element types
+/// `dtypes` (reads then writes); `launch` enqueues the kernel, after which every use is
+/// recorded. Returns the event after it.
+fn launch_on_buffers(
+    kernel: &'static str,
+    stream: &Stream,
+    reads: &[&Buffer],
+    writes: &[&Buffer],
+    dtypes: &[DType],
+    launch: impl FnOnce(&Arc<CudaStream>, &[(u64, usize)]) -> Result<(), KernelError>,
+) -> Result<Event, KernelError> {
+    let invalid = |reason: String| KernelError::InvalidArgument { kernel, reason };
+    let all: Vec<&Buffer> = reads.iter().chain(writes).copied().collect();
+    for (b, &t) in all.iter().zip(dtypes) {
+        if !matches!(b.device(), Device::Cuda(_)) || b.stream_order().is_none() {
+            return Err(invalid(format!(
+                "a buffer on {} that is not a stream-ordered CUDA buffer",
+                b.device()
+            )));
+        }
+        if b.dtype() != t {
+            return Err(invalid(format!(
+                "a buffer of {} where {t} is expected",
+                b.dtype()
+            )));
+        }
+    }
+    for (i, w) in writes.iter().enumerate() {
+        let others = reads.iter().chain(writes.iter().skip(i + 1));
+        if let Some(o) = others
+            .into_iter()
+            .find(|o| o.overlaps(w) && o.byte_len() > 0)
+        {
+            return Err(invalid(format!(
+                "a written buffer of {} elements overlaps another of {}",
+                w.len(),
+                o.len()
+            )));
+        }
+    }
+    let cu = stream
+        .cuda_stream()
+        .ok_or_else(|| invalid(format!("stream `{}` is not a CUDA stream", stream.name())))?
+        .clone();
+    let mut uses = Vec::with_capacity(all.len());
+    for b in reads {
+        uses.push(b.use_on(stream, AccessMode::Shared)?);
+    }
+    for b in writes {
+        uses.push(b.use_on(stream, AccessMode::Exclusive)?);
+    }
+    let ptrs: Vec<(u64, usize)> = uses
+        .iter()
+        .zip(&all)
+        .map(|(u, b)| (u.device_ptr(), b.len()))
+        .collect();
+    let launched = launch(&cu, &ptrs);
+    let mut last = None;
+    for u in uses {
+        last = Some(u.finish());
+    }
+    launched.map(|()| last.unwrap_or_else(|| stream.record_event()))
+}
+
+/// The slice of `p` for a launch on `stream`.
+///
+/// # Safety
+/// `p` must be the address and length of live device memory of `T`s, ordered on the stream
+/// for the launch (see [`launch_on_buffers`]).
+unsafe fn ordered<T>(stream: &Arc<CudaStream>, p: (u64, usize)) -> Ordered<T> {
+    Ordered {
+        ptr: p.0,
+        len: p.1,
+        stream: stream.clone(),
+        _elements: PhantomData,
+    }
+}
+
+/// `y = alpha·x + beta·y` ([`axpby`](super::axpby)) on stream-ordered `f32` CUDA buffers of one
+/// length, on `stream`: with `alpha = beta = 1` the exact sum `x + y`, rounded once (an
+/// accumulation); `x` may be `y` itself (then `alpha·y + beta·y`, a scaling with `alpha = 0`).
+/// Returns the event after it.
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for buffers that are not stream-ordered `f32` CUDA
+/// buffers, or of other lengths; compile, load and launch failures.
+pub fn axpby_buffer(
+    alpha: f32,
+    x: &Buffer,
+    beta: f32,
+    y: &Buffer,
+    stream: &Stream,
+) -> Result<Event, KernelError> {
+    let same = x.same_storage(y) && x.byte_range() == y.byte_range();
+    let reads: &[&Buffer] = if same { &[] } else { &[x] };
+    let dtypes: &[DType] = if same {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::F32]
+    };
+    launch_on_buffers("axpby", stream, reads, &[y], dtypes, |cu, p| {
+        let (xp, yp) = (p[0], p[p.len() - 1]);
+        // SAFETY: addresses and lengths of ordered buffers (`launch_on_buffers`); when `x` is
+        // `y` both views are the same memory, read and written element by element by one
+        // thread each.
+        let (x, mut y) = unsafe { (ordered::<f32>(cu, xp), ordered::<f32>(cu, yp)) };
+        super::axpby::<f32>(cu, alpha, &x, beta, &mut y)
+    })
+}
+
+/// The sum of the squares of the stream-ordered `f32` CUDA buffer `x` in `f64` into the
+/// one-element `f64` buffer `out` ([`sum_of_squares`](super::sum_of_squares): a fixed order,
+/// bitwise [`host::sum_of_squares`](crate::host::sum_of_squares)), on `stream`.
+///
+/// # Errors
+/// As [`axpby_buffer`]; `out` not of one `f64`.
+pub fn sum_of_squares_buffer(
+    x: &Buffer,
+    out: &Buffer,
+    stream: &Stream,
+) -> Result<Event, KernelError> {
+    launch_on_buffers(
+        "sum_squares_f32",
+        stream,
+        &[x],
+        &[out],
+        &[DType::F32, DType::F64],
+        |cu, p| {
+            // SAFETY: addresses and lengths of ordered buffers (`launch_on_buffers`).
+            let (x, mut out) = unsafe { (ordered::<f32>(cu, p[0]), ordered::<f64>(cu, p[1])) };
+            super::sum_of_squares(cu, &x, &mut out)
+        },
+    )
+}
+
+/// One fused AdamW step ([`adamw`](super::adamw), f32 moments) on stream-ordered `f32` CUDA
+/// buffers of one length, on `stream`.
+///
+/// # Errors
+/// As [`axpby_buffer`].
+pub fn adamw_buffers(
+    s: &AdamWScalars,
+    param: &Buffer,
+    grad: &Buffer,
+    exp_avg: &Buffer,
+    exp_avg_sq: &Buffer,
+    stream: &Stream,
+) -> Result<Event, KernelError> {
+    let writes = [param, exp_avg, exp_avg_sq];
+    launch_on_buffers(
+        "adamw",
+        stream,
+        &[grad],
+        &writes,
+        &[DType::F32; 4],
+        |cu, p| {
+            // SAFETY: addresses and lengths of ordered, non-overlapping buffers.
+            let (g, mut param, mut m, mut v) = unsafe {
+                (
+                    ordered::<f32>(cu, p[0]),
+                    ordered(cu, p[1]),
+                    ordered(cu, p[2]),
+                    ordered(cu, p[3]),
+                )
+            };
+            super::adamw::<f32>(cu, s, &mut param, &g, &mut m, &mut v)
+        },
+    )
+}
+
+/// One fused SGD step ([`sgd`](super::sgd)) on stream-ordered `f32` CUDA buffers of one length
+/// (`momentum_buffer` `None` without momentum), on `stream`.
+///
+/// # Errors
+/// As [`axpby_buffer`].
+pub fn sgd_buffers(
+    s: &SgdScalars,
+    param: &Buffer,
+    grad: &Buffer,
+    momentum_buffer: Option<&Buffer>,
+    stream: &Stream,
+) -> Result<Event, KernelError> {
+    let writes: Vec<&Buffer> = std::iter::once(param).chain(momentum_buffer).collect();
+    let dtypes = vec![DType::F32; 1 + writes.len()];
+    launch_on_buffers("sgd", stream, &[grad], &writes, &dtypes, |cu, p| {
+        // SAFETY: addresses and lengths of ordered, non-overlapping buffers; without momentum
+        // the kernel never touches the (empty) buffer.
+        let (g, mut param, mut buf) = unsafe {
+            (
+                ordered::<f32>(cu, p[0]),
+                ordered(cu, p[1]),
+                ordered(cu, p.get(2).copied().unwrap_or((0, 0))),
+            )
+        };
+        super::sgd(cu, s, &mut param, &g, &mut buf)
+    })
 }

@@ -31,7 +31,7 @@ mod nn_heads;
 mod nn_loss;
 mod step;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
-pub use buffers::cast_buffer;
+pub use buffers::{adamw_buffers, axpby_buffer, cast_buffer, sgd_buffers, sum_of_squares_buffer};
 pub use foreach::{
     adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
     AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS,

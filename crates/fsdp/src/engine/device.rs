@@ -17,26 +17,33 @@ pub(super) enum Kind {
     Cuda,
 }
 
-/// Where the engine keeps the unsharded parameters and gradients and where the model computes:
-/// PyTorch FSDP's `device_id` with `CPUOffload(offload_params=True)` ([`Fsdp::new_on`](super::Fsdp::new_on)).
-/// Cheap to clone: clones share the memory and streams.
+/// Where the engine keeps its buffers and where the model computes: PyTorch FSDP's `device_id`
+/// ([`Fsdp::new_on`](super::Fsdp::new_on)). Cheap to clone: clones share the memory and
+/// streams.
 ///
-/// The shards, the gradient shards and the optimizer state stay in host memory, where the
-/// optimizer steps (as FSDP's CPU offload does); the unsharded parameters and gradients — the
-/// working set of a pass — live in the device's memory, and the model computes there:
+/// The working set of a pass — the unsharded parameters and gradients — lives in the device's
+/// memory and the model computes there. The shards, the gradient shards and the optimizer
+/// state live there too, and the optimizer steps there (fused AdamW or SGD, each run of
+/// parameter groups with its options), unless
+/// [`FsdpConfig::offload_params`](super::FsdpConfig::offload_params) keeps them in host memory
+/// (PyTorch's `CPUOffload(offload_params=True)`), where the optimizer steps as on the host:
 ///
-/// - **unshard**: the shard (cast to `param_dtype` on the host) is copied to the device on the
-///   device's transfer stream, then all-gathered there into a buffer of the device's caching
-///   allocator; an unsharded (`F = 1`) unit's parameters are copied in the same way, without a
-///   collective;
+/// - **unshard**: the shard (cast to `param_dtype`: on the device, or offloaded on the host and
+///   copied to the device on its transfer stream) is all-gathered on the device into a buffer
+///   of the device's caching allocator; an unsharded (`F = 1`) unit's parameters are the shard
+///   itself (or its cast), offloaded a copy;
 /// - **views**: the model reads the unsharded parameters and writes its gradients as device
 ///   [`Buffer`]s ([`Params::buffer`](super::Params::buffer),
 ///   [`Grads::grad_buffer`](super::Grads::grad_buffer)), in `param_dtype`, and issues its work
 ///   on the device's compute stream ([`Params::compute_stream`](super::Params::compute_stream));
 /// - **reduce**: the `f32` gradient is zeroed on the device, rounded there to `param_dtype`
 ///   and cast to `reduce_dtype` when the policy says so, reduce-scattered (and all-reduced
-///   over replicas) on the device, and the reduced shard copied to host memory, where it is
-///   added into the gradient shard.
+///   over replicas) on the device, and added into the gradient shard there (offloaded: copied
+///   to host memory at the end of backward and added there);
+/// - **the optimizer side**: the step, zeroing, the gradient norm (one wait on the host for
+///   the sums of squares) and clipping run on the device's compute stream; state dicts and
+///   sharded checkpoints copy the shards and the optimizer state to host memory, and loading
+///   an optimizer state copies it back.
 ///
 /// Every buffer on the device is stream-ordered ([`Buffer::stream_ordered`]): work on it is
 /// ordered by events across the compute stream, the transfer stream and the communicator's
@@ -54,7 +61,8 @@ pub(super) enum Kind {
 /// Not on a device yet (refused by name when the engine is built, the grad scaler set or the
 /// unit reduced): the division of gradients by the data-parallel size
 /// ([`GradientDivide::DataParallelSize`](super::GradientDivide)) with several ranks, the grad
-/// scaler (it scales the unsharded gradients in host memory), communicators that do not order
+/// scaler (it scales the unsharded gradients in host memory), AnyPrecisionAdamW with the shards
+/// on the device (offloaded it steps in host memory), communicators that do not order
 /// stream-ordered buffers (NCCL, MPI), dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {

@@ -41,14 +41,6 @@ fn each_f32(x: &TaskRead<'_>, mut f: impl FnMut(usize, f32)) -> Result<(), Strin
 }
 
 impl ComputeDevice {
-    /// The error for an operation the device does not have yet.
-    #[cfg(feature = "cuda")]
-    fn lacks(&self, op: &str) -> FsdpError {
-        FsdpError::InvalidFsdpConfig {
-            reason: format!("{op} is not implemented on {} yet", self.device()),
-        }
-    }
-
     /// `acc += x` (or `acc = x` with `replace`) on `stream`: `acc` an `f32` gradient shard, `x`
     /// a reduced shard of the same length in the reduce dtype, widened exactly (the host
     /// engine's accumulation of reduced gradients).
@@ -84,7 +76,20 @@ impl ComputeDevice {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Kind::Cuda => Err(self.lacks("accumulating gradient shards")),
+            Kind::Cuda => {
+                // `replace` only comes with an f32 `x` (copied above).
+                let wide;
+                let x = if x.dtype() == DType::F32 {
+                    x
+                } else {
+                    wide = self.alloc(DType::F32, x.len(), stream)?;
+                    self.cast(x, &wide, stream)?;
+                    &wide
+                };
+                fsdp_kernels::launch::axpby_buffer(1.0, x, 1.0, acc, stream)
+                    .map_err(cuda::kernel("accumulate kernel"))?;
+                Ok(())
+            }
         }
     }
 
@@ -103,7 +108,12 @@ impl ComputeDevice {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Kind::Cuda => Err(self.lacks("scaling gradient shards")),
+            Kind::Cuda => {
+                // 0·x + c·x: c·x rounded once.
+                fsdp_kernels::launch::axpby_buffer(0.0, x, c, x, stream)
+                    .map_err(cuda::kernel("scale kernel"))?;
+                Ok(())
+            }
         }
     }
 
@@ -128,7 +138,11 @@ impl ComputeDevice {
                 Ok(out)
             }
             #[cfg(feature = "cuda")]
-            Kind::Cuda => Err(self.lacks("the gradient norm")),
+            Kind::Cuda => {
+                fsdp_kernels::launch::sum_of_squares_buffer(x, &out, stream)
+                    .map_err(cuda::kernel("sum of squares kernel"))?;
+                Ok(out)
+            }
         }
     }
 
@@ -181,7 +195,83 @@ impl ComputeDevice {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Kind::Cuda => Err(self.lacks("the optimizer step on shards")),
+            Kind::Cuda => {
+                let configs: Vec<OptimizerConfig> =
+                    groups.iter().map(|g| g.apply(cfg, lr)).collect();
+                cuda::optimizer_step(&configs, segments, step, param, grad, moments, stream)
+            }
         }
+    }
+}
+
+/// The CUDA side: `fsdp-kernels`' kernels over stream-ordered buffers.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use fsdp_device::{Buffer, Stream};
+    use fsdp_kernels::host::{AdamW, AdamWScalars, Sgd, SgdScalars};
+    use fsdp_kernels::launch::{adamw_buffers, sgd_buffers};
+    use fsdp_kernels::KernelError;
+
+    use crate::optim::{OptimizerConfig, ShardGroups};
+    use crate::FsdpError;
+
+    /// A kernel's error as the engine's, naming the operation.
+    pub(super) fn kernel(op: &'static str) -> impl Fn(KernelError) -> FsdpError {
+        move |e| {
+            FsdpError::Device(fsdp_device::DeviceError::Cuda {
+                op,
+                message: e.to_string(),
+            })
+        }
+    }
+
+    /// The fused AdamW or SGD kernel over each run of `segments`, with its group's config
+    /// (`configs`; runs of no group are skipped), at step number `step`.
+    pub(super) fn optimizer_step(
+        configs: &[OptimizerConfig],
+        segments: &ShardGroups,
+        step: u64,
+        param: &Buffer,
+        grad: &Buffer,
+        moments: &[Buffer],
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        let err = kernel("optimizer kernel");
+        for (range, group) in segments.segments() {
+            let view = |b: &Buffer| b.slice(range.clone());
+            let (p, g) = (view(param)?, view(grad)?);
+            match (configs.get(*group), moments) {
+                (None, _) => {} // SKIP_GROUP
+                (Some(OptimizerConfig::AdamW(c)), [m, v]) => {
+                    let host = AdamW {
+                        lr: c.lr,
+                        beta1: c.beta1,
+                        beta2: c.beta2,
+                        eps: c.eps,
+                        weight_decay: c.weight_decay,
+                    };
+                    let s = AdamWScalars::new(&host, step).map_err(&err)?;
+                    adamw_buffers(&s, &p, &g, &view(m)?, &view(v)?, stream).map_err(&err)?;
+                }
+                (Some(OptimizerConfig::Sgd(c)), buf) => {
+                    let host = Sgd {
+                        lr: c.lr,
+                        momentum: c.momentum,
+                        dampening: c.dampening,
+                        weight_decay: c.weight_decay,
+                        nesterov: c.nesterov,
+                    };
+                    let s = SgdScalars::new(&host, step).map_err(&err)?;
+                    let buf = buf.first().map(view).transpose()?;
+                    sgd_buffers(&s, &p, &g, buf.as_ref(), stream).map_err(&err)?;
+                }
+                _ => {
+                    return Err(FsdpError::InvalidFsdpConfig {
+                        reason: "an optimizer state that does not fit the optimizer".into(),
+                    })
+                }
+            }
+        }
+        Ok(())
     }
 }

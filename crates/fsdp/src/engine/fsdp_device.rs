@@ -1,5 +1,5 @@
-//! [`Fsdp::new_on`]: the engine with its unsharded parameters and gradients on a
-//! [`ComputeDevice`], and what it refuses there.
+//! [`Fsdp::new_on`]: the engine on a [`ComputeDevice`] (its working set there, and its shards
+//! and optimizer state unless offloaded), and what it refuses there.
 
 use fsdp_allocator::MemoryStats;
 use fsdp_collectives::Communicator;
@@ -14,10 +14,11 @@ use crate::units::UnitPlan;
 use crate::FsdpError;
 
 impl Fsdp {
-    /// Build this rank's engine as [`Fsdp::new`] does, with the unsharded parameters and
-    /// gradients on `device` and the model computing there (PyTorch FSDP's `device_id` with
-    /// `CPUOffload(offload_params=True)`): the shards, gradient shards and optimizer stay in
-    /// host memory (see [`ComputeDevice`]). The model reads its parameters with
+    /// Build this rank's engine as [`Fsdp::new`] does, on `device` (PyTorch FSDP's
+    /// `device_id`): the unsharded parameters and gradients are there and the model computes
+    /// there; the shards, gradient shards and optimizer state are moved there and the optimizer
+    /// steps there, unless [`FsdpConfig::offload_params`] keeps them in host memory
+    /// (`CPUOffload(offload_params=True)`; see [`ComputeDevice`]). The model reads its parameters with
     /// [`Params::buffer`](super::super::Params::buffer) and adds its gradients with
     /// [`Grads::grad_buffer`](super::super::Grads::grad_buffer), issuing its work on
     /// [`Params::compute_stream`](super::super::Params::compute_stream).
@@ -53,8 +54,9 @@ impl Fsdp {
     /// # Errors
     /// Those of [`Fsdp::new`]; [`FsdpError::InvalidFsdpConfig`] for a communicator on another
     /// device or one that does not order stream-ordered buffers
-    /// ([`Communicator::orders_stream_ordered_buffers`]: NCCL and MPI do not yet), and for
-    /// [`GradientDivide::DataParallelSize`] with several ranks (not on a device yet).
+    /// ([`Communicator::orders_stream_ordered_buffers`]: NCCL and MPI do not yet), for
+    /// [`GradientDivide::DataParallelSize`] with several ranks and for AnyPrecisionAdamW with
+    /// the shards on the device (not on a device yet); a failing copy or allocation there.
     pub fn new_on(
         comm: Box<dyn Communicator>,
         device: ComputeDevice,
@@ -121,15 +123,6 @@ fn check_device(
         return refuse(format!(
             "GradientDivide::DataParallelSize is not supported on {} yet (use \
              GradientDivide::Model: normalise the loss over the global batch)",
-            device.device()
-        ));
-    }
-    #[cfg(feature = "cuda")]
-    if !config.offload_params && matches!(device.device(), fsdp_device::Device::Cuda(_)) {
-        return refuse(format!(
-            "the shards on {} need the optimizer, accumulation and norm kernels over \
-             stream-ordered buffers, which are not written yet (set \
-             FsdpConfig::offload_params to keep the shards in host memory)",
             device.device()
         ));
     }

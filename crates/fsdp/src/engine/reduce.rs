@@ -180,7 +180,8 @@ pub(crate) fn finish_reductions(
 
 /// [`foreach_reduce`] on a [`ComputeDevice`]: the `f32` gradient rounded to `param_dtype` and
 /// cast to the reduce dtype on the device (unless both are `f32`), reduce-scattered (and
-/// all-reduced over replicas) there; [`finish_reductions`] copies the result to the host.
+/// all-reduced over replicas) there; [`finish_reductions`] adds the result into the gradient
+/// shard there, or offloaded, copies it to the host and adds it there.
 fn reduce_on_device(
     group: &mut ParamGroup,
     ctx: &mut CommContext,

@@ -87,7 +87,7 @@ impl ParamGroupOptions {
 
     /// `cfg` with this group's learning rate (`lr · lr_scale`, `cfg`'s own `lr` ignored) and
     /// weight decay.
-    fn apply(&self, cfg: &OptimizerConfig, lr: f64) -> OptimizerConfig {
+    pub(crate) fn apply(&self, cfg: &OptimizerConfig, lr: f64) -> OptimizerConfig {
         let lr = lr * self.lr_scale;
         match *cfg {
             OptimizerConfig::AdamW(c) => OptimizerConfig::AdamW(AdamWConfig {
