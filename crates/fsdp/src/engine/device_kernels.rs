@@ -168,11 +168,19 @@ impl ComputeDevice {
         moments: &[Buffer],
         stream: &Stream,
     ) -> Result<(), FsdpError> {
-        crate::optim::check_f32_step(cfg, lr, groups, segments, step, param.len(), grad.len())?;
+        let configs = crate::optim::f32_step_configs(
+            cfg,
+            lr,
+            groups,
+            segments,
+            step,
+            param.len(),
+            grad.len(),
+        )?;
         match self.kind {
             Kind::HostTwin => {
                 self.delay(stream)?;
-                let (cfg, groups, segments) = (*cfg, groups.to_vec(), segments.clone());
+                let segments = segments.clone();
                 let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
                 host_task(stream, &[grad], &writes, move |r, w| {
                     let (p, m) = w.split_first_mut().ok_or("no parameter shard")?;
@@ -180,10 +188,8 @@ impl ComputeDevice {
                         .iter_mut()
                         .map(write::<f32>)
                         .collect::<Result<Vec<_>, _>>()?;
-                    crate::optim::f32_step_slices(
-                        &cfg,
-                        lr,
-                        &groups,
+                    crate::optim::f32_step_runs(
+                        &configs,
                         &segments,
                         step,
                         write::<f32>(p)?,
@@ -196,8 +202,6 @@ impl ComputeDevice {
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda => {
-                let configs: Vec<OptimizerConfig> =
-                    groups.iter().map(|g| g.apply(cfg, lr)).collect();
                 cuda::optimizer_step(&configs, segments, step, param, grad, moments, stream)
             }
         }

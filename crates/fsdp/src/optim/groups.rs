@@ -87,7 +87,7 @@ impl ParamGroupOptions {
 
     /// `cfg` with this group's learning rate (`lr · lr_scale`, `cfg`'s own `lr` ignored) and
     /// weight decay.
-    pub(crate) fn apply(&self, cfg: &OptimizerConfig, lr: f64) -> OptimizerConfig {
+    fn apply(&self, cfg: &OptimizerConfig, lr: f64) -> OptimizerConfig {
         let lr = lr * self.lr_scale;
         match *cfg {
             OptimizerConfig::AdamW(c) => OptimizerConfig::AdamW(AdamWConfig {
@@ -497,39 +497,37 @@ fn f32_grouped(
 }
 
 /// AdamW or SGD over the runs of `segments` of an `f32` shard at step number `step` (counted
-/// from 1), each run with its group's learning rate `lr · lr_scale` and weight decay, with the
+/// from 1), each run with its group's config (`configs`, from [`f32_step_configs`]), with the
 /// optimizer's state as slices of the shard's length: AdamW's `exp_avg` and `exp_avg_sq`,
 /// SGD's momentum buffer (none without momentum). The arithmetic of
 /// [`OptimizerState::step_grouped`], for state kept elsewhere (the engine's shards on a
 /// device).
 ///
 /// # Errors
-/// As [`OptimizerState::step_grouped`]; state slices that do not fit the optimizer are
-/// [`FsdpError::InvalidHyperparameter`] (`optimizer`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn f32_step_slices(
-    cfg: &OptimizerConfig,
-    lr: f64,
-    groups: &[ParamGroupOptions],
+/// [`FsdpError::OptimizerLength`] for state slices of another length; state slices that do
+/// not fit the optimizer are [`FsdpError::InvalidHyperparameter`] (`optimizer`).
+pub(crate) fn f32_step_runs(
+    configs: &[OptimizerConfig],
     segments: &ShardGroups,
     step: u64,
     param: &mut [f32],
     grad: &[f32],
     moments: &mut [&mut [f32]],
 ) -> Result<(), FsdpError> {
-    let configs = group_configs(cfg, lr, groups, segments, param.len(), grad.len())?;
+    same_len("grad", param.len(), grad.len())?;
     for m in moments.iter() {
         same_len("optimizer state", param.len(), m.len())?;
     }
-    f32_runs(&configs, segments, step, param, grad, moments)
+    f32_runs(configs, segments, step, param, grad, moments)
 }
 
-/// The checks of [`f32_step_slices`], on the host before a device runs it: `cfg` is AdamW or
-/// SGD, the settings, groups and lengths are valid, and `step` counts from 1.
+/// The checks of [`f32_step_runs`], on the host before a device runs it (`cfg` is AdamW or
+/// SGD, the settings, groups and lengths are valid, and `step` counts from 1), and each
+/// group's config: `cfg` with the group's learning rate and weight decay.
 ///
 /// # Errors
-/// As [`f32_step_slices`].
-pub(crate) fn check_f32_step(
+/// As [`OptimizerState::step_grouped`].
+pub(crate) fn f32_step_configs(
     cfg: &OptimizerConfig,
     lr: f64,
     groups: &[ParamGroupOptions],
@@ -537,14 +535,14 @@ pub(crate) fn check_f32_step(
     step: u64,
     param_len: usize,
     grad_len: usize,
-) -> Result<(), FsdpError> {
+) -> Result<Vec<OptimizerConfig>, FsdpError> {
     if !matches!(cfg, OptimizerConfig::AdamW(_) | OptimizerConfig::Sgd(_)) || step == 0 {
         return Err(state_mismatch());
     }
-    group_configs(cfg, lr, groups, segments, param_len, grad_len).map(|_| ())
+    group_configs(cfg, lr, groups, segments, param_len, grad_len)
 }
 
-/// The runs of [`f32_grouped`] and [`f32_step_slices`]: each run of `segments` updated by its
+/// The runs of [`f32_grouped`] and [`f32_step_runs`]: each run of `segments` updated by its
 /// group's config (`configs`), runs of [`SKIP_GROUP`] left untouched.
 fn f32_runs(
     configs: &[OptimizerConfig],
