@@ -4,7 +4,8 @@
 //! execution order.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use fsdp_collectives::{mesh_2d, Communicator, HybridMesh, Work};
 use fsdp_device::{Buffer, DType, Device, Stream};
@@ -169,6 +170,11 @@ pub struct CommContext {
     pub(crate) freeing: VecDeque<Buffer>,
     /// How many times the limiter waited for a freed unit's work on the device.
     pub(crate) free_waits: u64,
+    /// On a device: issued collectives the host did not wait for (the device's streams are
+    /// ordered after them by events), until they are known to have succeeded.
+    pub(crate) deferred: Mutex<Vec<Work>>,
+    /// How many times the engine blocked the host on a collective or the device.
+    pub(crate) host_waits: AtomicU64,
 }
 
 impl std::fmt::Debug for CommContext {
@@ -206,6 +212,8 @@ impl CommContext {
             device: None,
             freeing: VecDeque::new(),
             free_waits: 0,
+            deferred: Mutex::new(Vec::new()),
+            host_waits: AtomicU64::new(0),
         }
     }
 
@@ -214,6 +222,124 @@ impl CommContext {
     /// memory.
     pub(crate) fn shards_on_device(&self) -> Option<&ComputeDevice> {
         self.device.as_ref().filter(|_| !self.config.offload_params)
+    }
+
+    /// Wait on the host for `work` (counted in `host_waits`).
+    ///
+    /// # Errors
+    /// The work's failure or timeout.
+    pub(crate) fn wait(&self, work: &Work) -> Result<(), FsdpError> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        Ok(work.wait()?)
+    }
+
+    /// On a device, leave `work` to the device's ordering instead of waiting for it on the
+    /// host (the buffers it uses are stream-ordered: what reads its results waits for its
+    /// event there), and report any deferred collective that has failed by now; on the host,
+    /// wait for it.
+    ///
+    /// # Errors
+    /// A failed collective (this one on the host; any deferred one known to have failed on a
+    /// device).
+    pub(crate) fn wait_or_defer(&self, work: Work) -> Result<(), FsdpError> {
+        if self.device.is_none() {
+            return self.wait(&work);
+        }
+        self.deferred_works().push(work);
+        self.check_deferred()
+    }
+
+    /// A collective whose result the host reads: `f(input, output)` over `comm`, the result
+    /// returned in host memory (`output` is `input` when `in_place`, as an all-reduce, else a
+    /// new buffer of `out_len` elements of its type, as an all-gather). With a compute device,
+    /// a stream-ordered `input` (a shard on the device) is used there, and a host `input` is
+    /// copied there first when `comm` moves device buffers (the CUDA ring); the result is
+    /// copied back and the host waits for it.
+    ///
+    /// # Errors
+    /// A failing allocation, copy or collective.
+    pub(crate) fn collective_to_host(
+        &self,
+        comm: &dyn Communicator,
+        input: &Buffer,
+        out_len: usize,
+        in_place: bool,
+        f: impl FnOnce(&Buffer, &Buffer) -> Result<Work, FsdpError>,
+    ) -> Result<Buffer, FsdpError> {
+        let on_device = input.stream_order().is_some() || comm.device() != Device::Cpu;
+        match self.device.as_ref().filter(|_| on_device) {
+            Some(dev) => {
+                let t = dev.transfer_stream();
+                let input = match input.stream_order() {
+                    Some(_) => input.clone(),
+                    None => dev.copy_from_host(input, t)?,
+                };
+                let output = match in_place {
+                    true => input.clone(),
+                    false => dev.alloc(input.dtype(), out_len, t)?,
+                };
+                self.wait_or_defer(f(&input, &output)?)?;
+                let host = dev.copy_to_host(&output, t)?;
+                self.synchronize()?;
+                Ok(host)
+            }
+            None => {
+                let output = match in_place {
+                    true => input.clone(),
+                    false => Buffer::zeros(input.dtype(), out_len)?,
+                };
+                self.wait(&f(input, &output)?)?;
+                Ok(output)
+            }
+        }
+    }
+
+    /// The deferred collectives (a poisoned lock is taken over: the list stays valid).
+    fn deferred_works(&self) -> std::sync::MutexGuard<'_, Vec<Work>> {
+        self.deferred
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drop the deferred collectives that have succeeded; the first failure is an error
+    /// (never blocks).
+    ///
+    /// # Errors
+    /// A deferred collective that failed.
+    pub(crate) fn check_deferred(&self) -> Result<(), FsdpError> {
+        let mut failed = None;
+        self.deferred_works().retain(|w| match w.poll() {
+            None => true,
+            Some(Ok(())) => false,
+            Some(Err(e)) => {
+                failed.get_or_insert(e);
+                false
+            }
+        });
+        failed.map_or(Ok(()), |e| Err(e.into()))
+    }
+
+    /// Wait on the host for the device's streams and every deferred collective, then report
+    /// their errors (a host synchronisation point: reading results on the host).
+    ///
+    /// # Errors
+    /// A failed or timed-out collective; a device stream that failed or timed out.
+    pub(crate) fn synchronize(&self) -> Result<(), FsdpError> {
+        let deferred = std::mem::take(&mut *self.deferred_works());
+        let mut first = None;
+        for w in &deferred {
+            self.host_waits.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = w.synchronize() {
+                first.get_or_insert(FsdpError::from(e));
+            }
+        }
+        if let Some(dev) = &self.device {
+            self.host_waits.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = dev.synchronize() {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 
     /// On a device: drop the oldest freed gathered buffers whose work on the device has
@@ -256,6 +382,7 @@ impl CommContext {
                 }
             }
             self.free_waits += 1;
+            self.host_waits.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }

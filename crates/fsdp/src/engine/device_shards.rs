@@ -89,6 +89,8 @@ impl Fsdp {
     /// The optimizer step on the device: each unit's AdamW or SGD on its shard, issued on the
     /// compute stream after the gradients' accumulation, the step count kept on the host.
     pub(super) fn step_on_device(&mut self, dev: &ComputeDevice, lr: f64) -> Result<(), FsdpError> {
+        // A collective of this step known to have failed stops the step (never blocks).
+        self.ctx.check_deferred()?;
         for g in &mut self.groups {
             let step = g.optim_state.steps() + 1;
             dev.optimizer_step(
@@ -119,7 +121,7 @@ impl Fsdp {
                 Ok((g.factor > 1, dev.copy_to_host(&s, dev.compute_stream())?))
             })
             .collect::<Result<Vec<_>, FsdpError>>()?;
-        dev.synchronize()?;
+        self.ctx.synchronize()?;
         let (mut sharded, mut replicated) = (0.0, 0.0);
         for (is_sharded, s) in sums {
             let v = s.to_vec::<f64>()?[0];
@@ -144,7 +146,7 @@ impl Fsdp {
             None => Ok(b.clone()),
             Some(dev) => {
                 let host = dev.copy_to_host(b, dev.transfer_stream())?;
-                dev.synchronize()?;
+                self.ctx.synchronize()?;
                 Ok(host)
             }
         }

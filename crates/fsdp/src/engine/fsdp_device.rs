@@ -86,6 +86,36 @@ impl Fsdp {
         self.ctx.free_waits
     }
 
+    /// How many times the engine blocked the host on a collective or on the device so far: a
+    /// wait for a collective's [`Work`](fsdp_collectives::Work) (on the host engine, every
+    /// all-gather and reduction), the limiter waiting for freed memory, and on a device every
+    /// host synchronisation (the gradient norm, state dicts, [`synchronize`](Self::synchronize),
+    /// the end of backward with offloaded shards). On a device the all-gathers and reductions
+    /// are not waited for on the host: the model's and the optimizer's work waits for them on
+    /// the device. So a steady-state step with the shards on the device (no limiter reached, no
+    /// norm read) adds nothing here; its loss read-back is the model's.
+    pub fn host_waits(&self) -> u64 {
+        self.ctx
+            .host_waits
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Wait on the host for everything issued on the device and every collective the engine
+    /// did not wait for (PyTorch's `torch.cuda.synchronize()`), and report their errors. On the
+    /// host engine, nothing is pending: it returns at once.
+    ///
+    /// On a device a failed collective is known to the host only when it checks: at the next
+    /// unshard or optimizer step (without blocking), or at a host synchronisation (the norm,
+    /// state dicts and checkpoints, this call), which then fails. Nothing is saved after a
+    /// failure, but parameters stepped after it must not be trusted: restart from the last
+    /// checkpoint, as after NCCL's asynchronous errors.
+    ///
+    /// # Errors
+    /// A failed or timed-out collective; a device stream that failed or timed out.
+    pub fn synchronize(&self) -> Result<(), FsdpError> {
+        self.ctx.synchronize()
+    }
+
     /// The device allocator's statistics ([`Fsdp::new_on`]); `None` on the host (see
     /// [`memory_stats`](Fsdp::memory_stats)).
     pub fn device_memory_stats(&self) -> Option<MemoryStats> {

@@ -200,6 +200,23 @@ impl Fsdp {
         model: &M,
         batch: &M::Batch,
     ) -> Result<f32, FsdpError> {
+        let local = self.forward_backward_local(model, batch)?;
+        self.all_reduce_loss(local)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) without the sum of the loss over the
+    /// ranks: returns this rank's [`loss`](FsdpModel::loss). The sum is an all-reduce the host
+    /// waits for, after the reductions issued before it; without it, a step with the shards on
+    /// a device ([`Fsdp::new_on`]) never blocks the host, and the model may leave its loss on
+    /// the device and read it later (one step late). Every rank must call it.
+    ///
+    /// # Errors
+    /// As [`forward_backward`](Self::forward_backward).
+    pub fn forward_backward_local<M: FsdpModel>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<f32, FsdpError> {
         let r = self.forward_backward_inner(model, batch);
         if r.is_err() {
             self.abort_pass();
@@ -278,9 +295,8 @@ impl Fsdp {
         }
         drop(tape);
         self.note_tape(0);
-        let loss = self.all_reduce_loss(local)?;
         self.finalize_backward()?;
-        Ok(loss)
+        Ok(local)
     }
 
     /// One pass of the hooks over `spans` with no computation (a dry run on the meta device:

@@ -262,7 +262,8 @@ impl ParamGroup {
     /// A failed or timed-out collective.
     pub fn wait_for_unshard(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
         if let Some((w, issued)) = self.gather.take() {
-            w.wait()?;
+            // On a device the model's work waits for the all-gather there, not the host.
+            ctx.wait_or_defer(w)?;
             ctx.release_before(issued);
             self.gather_input = None;
             self.widen(ctx)?;

@@ -127,7 +127,7 @@ pub(crate) fn finish_reductions(
     pending_grads: &mut PendingGrads,
 ) -> Result<(), FsdpError> {
     for p in std::mem::take(&mut ctx.pending) {
-        p.work.wait()?;
+        ctx.wait_or_defer(p.work)?;
     }
     let mut grads = std::mem::take(pending_grads);
     if let Some(dev) = ctx.shards_on_device().cloned() {
@@ -136,16 +136,19 @@ pub(crate) fn finish_reductions(
         for (u, g, _, copy_in) in grads {
             dev.accumulate(&groups[u].grad_shard, &g, copy_in, dev.compute_stream())?;
         }
-        ctx.reap_freed();
+        // The pass is over: the freed gathered parameters go to the reaper, which returns
+        // their memory once the device's work on them completed.
+        ctx.freeing.clear();
         return Ok(());
     }
-    if let Some(dev) = &ctx.device {
-        // The reduced shards come to host memory now that their reductions ran, then the
-        // device's streams are waited for (and their errors reported) before they are read.
+    if let Some(dev) = ctx.device.clone() {
+        // The reduced shards come to host memory after their reductions, then the device's
+        // streams and the collectives are waited for (and their errors reported) before they
+        // are read.
         for (_, g, _, _) in &mut grads {
             *g = dev.copy_to_host(g, dev.transfer_stream())?;
         }
-        dev.synchronize()?;
+        ctx.synchronize()?;
         // The device is idle: the freed gathered parameters' memory goes back too.
         ctx.reap_freed();
     }

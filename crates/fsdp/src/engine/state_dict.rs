@@ -58,13 +58,11 @@ impl Fsdp {
             .write_shards(dir)
             .and_then(|()| self.write_grad_scaler_state(dir));
         // Agree on success, so no rank goes on believing a partial checkpoint was written.
-        let flag = self.ctx.alloc_local(1)?;
-        flag.copy_from_slice(&[if result.is_ok() { 0f32 } else { 1.0 }])?;
-        self.ctx
-            .groups
-            .world()
-            .all_reduce(&flag, ReduceOp::Sum)?
-            .wait()?;
+        let flag = fsdp_device::Buffer::from_slice(&[if result.is_ok() { 0f32 } else { 1.0 }])?;
+        let world = self.ctx.groups.world();
+        let flag = self.ctx.collective_to_host(world, &flag, 1, true, |_, f| {
+            Ok(world.all_reduce(f, ReduceOp::Sum)?)
+        })?;
         let failed = flag.to_vec::<f32>()?[0];
         result?;
         if failed > 0.0 {
@@ -271,38 +269,21 @@ impl Fsdp {
         let mut out = HashMap::new();
         for g in &self.groups {
             let full = if g.factor == 1 {
-                g.shard.clone()
-            } else if let Some(dev) = &self
-                .ctx
-                .device
-                .as_ref()
-                .filter(|_| g.shard.stream_order().is_some())
-            {
-                // The shard is on the device: gathered there.
-                let group = self
-                    .ctx
-                    .groups
-                    .shard()
-                    .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-                let full = dev.alloc(
-                    g.shard.dtype(),
-                    g.layout.padded_numel(),
-                    dev.transfer_stream(),
-                )?;
-                group.all_gather_base(&g.shard, &full)?.wait()?;
-                full
+                self.host_copy(&g.shard)?
             } else {
                 let group = self
                     .ctx
                     .groups
                     .shard()
                     .ok_or_else(|| internal("a sharded unit without a shard group"))?;
-                let full = fsdp_device::Buffer::zeros(g.shard.dtype(), g.layout.padded_numel())?;
-                group.all_gather_base(&g.shard, &full)?.wait()?;
-                full
+                let n = g.layout.padded_numel();
+                self.ctx
+                    .collective_to_host(group, &g.shard, n, false, |s, full| {
+                        Ok(group.all_gather_base(s, full)?)
+                    })?
             };
             let mut flat = crate::try_filled_vec(full.len(), 0.0f32, "the full state dict")?;
-            load_exact(&self.host_copy(&full)?, &mut flat)?;
+            load_exact(&full, &mut flat)?;
             for p in g.layout.params() {
                 out.insert(p.name().to_string(), flat[p.range()].to_vec());
             }

@@ -134,12 +134,13 @@ impl Fsdp {
         }
         if let Some(group) = self.ctx.groups.shard() {
             let b = Buffer::from_slice(&[sharded])?;
-            self.ctx
-                .traced(group.stream(), SpanKind::AllReduce, Vec::new(), 8, || {
-                    Ok(group.all_reduce(&b, ReduceOp::Sum)?)
-                })?
-                .wait()?;
-            sharded = b.to_vec::<f64>()?[0];
+            let sum = self.ctx.collective_to_host(group, &b, 1, true, |_, b| {
+                self.ctx
+                    .traced(group.stream(), SpanKind::AllReduce, Vec::new(), 8, || {
+                        Ok(group.all_reduce(b, ReduceOp::Sum)?)
+                    })
+            })?;
+            sharded = sum.to_vec::<f64>()?[0];
         }
         Ok((sharded + replicated).sqrt())
     }
@@ -200,12 +201,13 @@ impl Fsdp {
             return Ok(local);
         };
         let b = Buffer::from_slice(&[local])?;
-        self.ctx
-            .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
-                Ok(world.all_reduce(&b, ReduceOp::Sum)?)
-            })?
-            .wait()?;
-        Ok(b.to_vec::<f32>()?[0])
+        let sum = self.ctx.collective_to_host(world, &b, 1, true, |_, b| {
+            self.ctx
+                .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
+                    Ok(world.all_reduce(b, ReduceOp::Sum)?)
+                })
+        })?;
+        Ok(sum.to_vec::<f32>()?[0])
     }
 }
 

@@ -88,6 +88,8 @@ pub fn train_rank(
         fsdp.optimizer_step().unwrap();
         losses.push(loss.to_bits());
     }
+    // The collectives the host did not wait for hold their buffers until they are known done.
+    fsdp.synchronize().unwrap();
     let device_peak = fsdp.device_memory_stats().map(|s| {
         fsdp_device::wait_for_releases(Duration::from_secs(30)).unwrap();
         let now = fsdp.device_memory_stats().unwrap();

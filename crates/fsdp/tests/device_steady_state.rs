@@ -1,0 +1,348 @@
+//! A steady-state step of the engine with its shards on a device does not block the host: the
+//! all-gathers and reductions are not waited for on the host (the model's and the optimizer's
+//! work waits for them on the device), the reduced gradients are added and the optimizer steps
+//! there. A model that computes on the device itself — here each span a task of the host twin's
+//! compute stream (`fsdp_device::host_task`), its loss left in device memory and read one step
+//! late, `Fsdp::forward_backward_local` not summing it over the ranks on the host — runs a
+//! whole step while the device is still busy, with no host wait counted (`Fsdp::host_waits`),
+//! and gives the host engine's losses and parameters bit for bit.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fsdp::engine::{ComputeDevice, FsdpConfig, FsdpModel, ParamInit, ShardingStrategy, Span};
+use fsdp::optim::{OptimizerConfig, SgdConfig};
+use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
+use fsdp::{Fsdp, FsdpError, Grads, Params};
+use fsdp_collectives::{ring, Communicator};
+use fsdp_device::{host_task, Buffer, DType, HostStorage, Stream};
+
+use common::{adamw, ring_options};
+
+/// Elements of each parameter.
+const N: usize = 8;
+/// Steps of a run; the first records the execution order.
+const STEPS: usize = 4;
+
+/// `y = w2 ⊙ (w1 ⊙ x)`, loss `½·Σ(y − t)² / global`, over vectors of `N`: two units. On a
+/// device every span is a task of the compute stream, and each loss is a device buffer kept
+/// in `losses`; on the host the same arithmetic on slices.
+struct Chain {
+    global: f32,
+    losses: Arc<Mutex<Vec<Buffer>>>,
+}
+
+/// The activations: host vectors, or device buffers.
+#[derive(Default)]
+struct Tape {
+    h: Vec<f32>,
+    y: Vec<f32>,
+    dh: Vec<f32>,
+    dev: Option<[Buffer; 3]>,
+    loss: f32,
+}
+
+/// (x, t): this rank's input and target.
+type Batch = (Vec<f32>, Vec<f32>);
+
+/// A stream-ordered buffer of the twin: zeroed host memory ordered by streams.
+fn ordered(n: usize) -> Result<Buffer, FsdpError> {
+    let mem = HostStorage::zeroed(n * 4)?;
+    Ok(Buffer::stream_ordered(Box::new(mem), DType::F32)?)
+}
+
+fn y_of(w2: &[f32], h: &[f32]) -> Vec<f32> {
+    w2.iter().zip(h).map(|(w, h)| w * h).collect()
+}
+
+fn dy_of(y: f32, t: f32, global: f32) -> f32 {
+    (y - t) / global
+}
+
+fn loss_of(y: &[f32], t: &[f32], global: f32) -> f32 {
+    y.iter()
+        .zip(t)
+        .map(|(y, t)| 0.5 * (y - t) * (y - t))
+        .sum::<f32>()
+        / global
+}
+
+/// Run `f` on the device's compute stream over `reads` and `writes` (f32 buffers).
+fn on_device(
+    stream: &Stream,
+    reads: &[&Buffer],
+    writes: &[&Buffer],
+    f: impl FnOnce(&[&[f32]], &mut [&mut [f32]]) + Send + 'static,
+) -> Result<(), FsdpError> {
+    host_task(stream, reads, writes, move |r, w| {
+        let r: Vec<&[f32]> = r
+            .iter()
+            .map(|r| r.as_slice::<f32>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        let mut w: Vec<&mut [f32]> = w
+            .iter_mut()
+            .map(|w| w.as_mut_slice::<f32>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        f(&r, &mut w);
+        Ok(())
+    })?;
+    Ok(())
+}
+
+impl FsdpModel for Chain {
+    type Batch = Batch;
+    type Tape = Tape;
+    fn spans(&self) -> Vec<Span> {
+        vec![Span::new("l1", ["w1"]), Span::new("l2", ["w2"])]
+    }
+    fn forward(&self, s: usize, p: &dyn Params, b: &Batch, t: &mut Tape) -> Result<(), FsdpError> {
+        let Some(stream) = p.compute_stream() else {
+            if s == 0 {
+                t.h = p
+                    .param("w1")?
+                    .iter()
+                    .zip(&b.0)
+                    .map(|(w, x)| w * x)
+                    .collect();
+            } else {
+                t.y = y_of(p.param("w2")?, &t.h);
+                t.loss = loss_of(&t.y, &b.1, self.global);
+            }
+            return Ok(());
+        };
+        if s == 0 {
+            t.dev = Some([ordered(N)?, ordered(N)?, ordered(N)?]);
+        }
+        let [h, y, _] = t.dev.as_ref().ok_or_else(|| FsdpError::InvalidFsdpConfig {
+            reason: "no tape".into(),
+        })?;
+        if s == 0 {
+            let x = b.0.clone();
+            on_device(stream, &[&p.buffer("w1")?], &[h], move |r, w| {
+                for ((h, w1), x) in w[0].iter_mut().zip(r[0]).zip(&x) {
+                    *h = w1 * x;
+                }
+            })
+        } else {
+            let (target, global) = (b.1.clone(), self.global);
+            let loss = ordered(1)?;
+            on_device(stream, &[&p.buffer("w2")?, h], &[y, &loss], move |r, w| {
+                let v = y_of(r[0], r[1]);
+                w[1][0] = loss_of(&v, &target, global);
+                w[0].copy_from_slice(&v);
+            })?;
+            self.losses.lock().unwrap().push(loss);
+            Ok(())
+        }
+    }
+    fn loss(&self, t: &Tape) -> Result<f32, FsdpError> {
+        // On the device the loss stays there (read one step late); 0 is returned.
+        Ok(t.loss)
+    }
+    fn backward(
+        &self,
+        s: usize,
+        p: &dyn Params,
+        g: &mut dyn Grads,
+        b: &Batch,
+        t: &mut Tape,
+    ) -> Result<(), FsdpError> {
+        let global = self.global;
+        let Some(stream) = p.compute_stream().cloned() else {
+            if s == 1 {
+                let w2 = p.param("w2")?;
+                let dy: Vec<f32> =
+                    t.y.iter()
+                        .zip(&b.1)
+                        .map(|(y, t)| dy_of(*y, *t, global))
+                        .collect();
+                let gw2 = g.grad_mut("w2")?;
+                for i in 0..N {
+                    gw2[i] += dy[i] * t.h[i];
+                }
+                t.dh = dy.iter().zip(w2).map(|(d, w)| d * w).collect();
+            } else {
+                let gw1 = g.grad_mut("w1")?;
+                for i in 0..N {
+                    gw1[i] += t.dh[i] * b.0[i];
+                }
+            }
+            return Ok(());
+        };
+        let [h, y, dh] = t.dev.as_ref().ok_or_else(|| FsdpError::InvalidFsdpConfig {
+            reason: "no tape".into(),
+        })?;
+        if s == 1 {
+            let target = b.1.clone();
+            let (w2, gw2) = (p.buffer("w2")?, g.grad_buffer("w2")?);
+            on_device(&stream, &[&w2, h, y], &[&gw2, dh], move |r, w| {
+                let dy: Vec<f32> = r[2]
+                    .iter()
+                    .zip(&target)
+                    .map(|(y, t)| dy_of(*y, *t, global))
+                    .collect();
+                for i in 0..N {
+                    w[0][i] += dy[i] * r[1][i];
+                    w[1][i] = dy[i] * r[0][i];
+                }
+            })
+        } else {
+            let x = b.0.clone();
+            let gw1 = g.grad_buffer("w1")?;
+            on_device(&stream, &[dh], &[&gw1], move |r, w| {
+                for i in 0..N {
+                    w[0][i] += r[0][i] * x[i];
+                }
+            })
+        }
+    }
+}
+
+fn plan() -> UnitPlan {
+    let unit = |u: &str, p: &str| UnitSpec {
+        name: u.into(),
+        params: vec![ParamSpec::new(p, vec![N])],
+    };
+    UnitPlan {
+        units: vec![unit("l1", "w1"), unit("l2", "w2")],
+        ignored: vec![],
+    }
+}
+
+/// What a rank's run gives: the losses and final parameters (bits), the host waits of the
+/// steady-state steps, and whether the device was still busy when each of them returned.
+struct Run {
+    losses: Vec<u32>,
+    params: Vec<(String, Vec<u32>)>,
+    steady_waits: u64,
+    ran_ahead: bool,
+}
+
+fn run(world: usize, config: FsdpConfig, optim: OptimizerConfig, on_device: bool) -> Run {
+    let init = std::collections::HashMap::from([
+        (
+            "w1".to_string(),
+            (0..N).map(|i| 0.5 + i as f32 / 16.0).collect::<Vec<f32>>(),
+        ),
+        (
+            "w2".to_string(),
+            (0..N).map(|i| 1.0 - i as f32 / 32.0).collect(),
+        ),
+    ]);
+    let mut out = ring::run_ranks(world, ring_options(), |comm| {
+        let rank = comm.rank();
+        let (plan, init) = (plan(), ParamInit::Full(&init));
+        let mut fsdp = if on_device {
+            // Each device operation 10 ms late: a host that waited for any would see it.
+            let dev = ComputeDevice::host_twin_with_latency(
+                1 << 24,
+                Default::default(),
+                Duration::from_millis(10),
+            )
+            .unwrap();
+            Fsdp::new_on(Box::new(comm), dev, &plan, init, config, optim).unwrap()
+        } else {
+            Fsdp::new(Box::new(comm), &plan, init, config, optim).unwrap()
+        };
+        let model = Chain {
+            global: (N * world) as f32,
+            losses: Arc::default(),
+        };
+        let x: Vec<f32> = (0..N)
+            .map(|i| ((i + rank) % 5) as f32 * 0.25 - 0.5)
+            .collect();
+        let t: Vec<f32> = (0..N).map(|i| ((i * 3 + rank) % 4) as f32 * 0.5).collect();
+        let (mut losses, mut steady_waits, mut ran_ahead) = (Vec::new(), 0, true);
+        for step in 0..STEPS {
+            let before = fsdp.host_waits();
+            let batch = (x.clone(), t.clone());
+            losses.push(fsdp.forward_backward_local(&model, &batch).unwrap());
+            fsdp.optimizer_step().unwrap();
+            if step > 0 {
+                steady_waits += fsdp.host_waits() - before;
+                if let Some(dev) = fsdp.compute_device() {
+                    ran_ahead &= !dev.compute_stream().query();
+                }
+            }
+        }
+        fsdp.synchronize().unwrap();
+        if on_device {
+            // The losses, read once the device is done.
+            losses = model
+                .losses
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|b| {
+                    let host = Buffer::zeros(DType::F32, 1).unwrap();
+                    b.copy_to_host_async(&host, &Stream::cpu("read")).unwrap();
+                    host.to_vec::<f32>().unwrap()[0]
+                })
+                .collect();
+        }
+        let mut params: Vec<_> = fsdp
+            .full_state_dict()
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+            .collect();
+        params.sort();
+        Run {
+            losses: losses.iter().map(|l| l.to_bits()).collect(),
+            params,
+            steady_waits,
+            ran_ahead,
+        }
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+#[test]
+fn a_steady_state_step_on_the_device_does_not_block_the_host() {
+    for (world, strategy) in [
+        (1, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::ShardGradOp),
+        (2, ShardingStrategy::NoShard),
+    ] {
+        for optim in [adamw().into(), SgdConfig::with_momentum(0.05, 0.9).into()] {
+            let what = format!("world {world}, {strategy:?}, {optim:?}");
+            let config = FsdpConfig {
+                // The limiter waits on the host for freed memory by design (FSDP1's rate
+                // limiter): off here.
+                limit_all_gathers: None,
+                forward_prefetch: true,
+                ..FsdpConfig::new(strategy)
+            };
+            let host = run(world, config, optim, false);
+            let dev = run(world, config, optim, true);
+            assert_eq!(dev.losses, host.losses, "{what}: losses");
+            assert_eq!(dev.params, host.params, "{what}: parameters");
+            let l = |b: u32| f32::from_bits(b);
+            assert!(
+                l(host.losses[STEPS - 1]) < l(host.losses[0]),
+                "{what}: no learning"
+            );
+            // The host engine waits for its collectives (when it has any); the device
+            // run's host never waits in a steady-state step, and returns from each while the
+            // device still works.
+            assert!(
+                world == 1 || host.steady_waits > 0,
+                "{what}: the counter counts nothing"
+            );
+            assert_eq!(
+                dev.steady_waits, 0,
+                "{what}: host waits in steady-state steps"
+            );
+            assert!(
+                dev.ran_ahead,
+                "{what}: the device was idle when a step returned"
+            );
+        }
+    }
+}
