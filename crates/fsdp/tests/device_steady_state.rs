@@ -7,6 +7,9 @@
 //! whole step while the device is still busy, with no host wait counted (`Fsdp::host_waits`),
 //! and gives the host engine's losses and parameters bit for bit.
 
+// The model's loops index several vectors alike, on the host and in the device's tasks.
+#![allow(clippy::needless_range_loop)]
+
 mod common;
 
 use std::sync::{Arc, Mutex};
