@@ -63,7 +63,7 @@ pub(super) enum Kind {
 /// ([`GradientDivide::DataParallelSize`](super::GradientDivide)) with several ranks, the grad
 /// scaler (it scales the unsharded gradients in host memory), AnyPrecisionAdamW with the shards
 /// on the device (offloaded it steps in host memory), communicators that do not order
-/// stream-ordered buffers (NCCL, MPI), dry runs.
+/// stream-ordered buffers (MPI), dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {
     pub(super) kind: Kind,

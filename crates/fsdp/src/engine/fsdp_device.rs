@@ -54,7 +54,7 @@ impl Fsdp {
     /// # Errors
     /// Those of [`Fsdp::new`]; [`FsdpError::InvalidFsdpConfig`] for a communicator on another
     /// device or one that does not order stream-ordered buffers
-    /// ([`Communicator::orders_stream_ordered_buffers`]: NCCL and MPI do not yet), for
+    /// ([`Communicator::orders_stream_ordered_buffers`]: MPI does not), for
     /// [`GradientDivide::DataParallelSize`] with several ranks and for AnyPrecisionAdamW with
     /// the shards on the device (not on a device yet); a failing copy or allocation there.
     pub fn new_on(
@@ -145,7 +145,7 @@ fn check_device(
     if !comm.orders_stream_ordered_buffers() {
         return refuse(format!(
             "the communicator does not order stream-ordered buffers, which the engine keeps \
-             on {} (the ring backends and the CUDA ring do; NCCL and MPI not yet)",
+             on {} (the ring backends, the CUDA ring and NCCL do; MPI does not)",
             device.device()
         ));
     }

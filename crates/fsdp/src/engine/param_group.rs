@@ -256,10 +256,14 @@ impl ParamGroup {
 
     /// Wait for the unit's all-gather, if one is pending. The communication stream runs in
     /// issue order, so the reductions issued before it are complete too: their unsharded
-    /// gradients are released.
+    /// gradients are released. On a device the host does not wait: the model's work waits for
+    /// the all-gather there (FSDP2's `wait_for_unshard` makes the compute stream wait on the
+    /// all-gather's event), and the gradients released are stream-ordered, their memory
+    /// returned once the device is done with them.
     ///
     /// # Errors
-    /// A failed or timed-out collective.
+    /// A failed or timed-out collective (on a device, one issued earlier that is known to have
+    /// failed).
     pub fn wait_for_unshard(&mut self, ctx: &mut CommContext) -> Result<(), FsdpError> {
         if let Some((w, issued)) = self.gather.take() {
             // On a device the model's work waits for the all-gather there, not the host.

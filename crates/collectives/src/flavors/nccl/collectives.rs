@@ -1,6 +1,7 @@
 //! The collectives of [`NcclCommunicator`]: checked, (optionally) verified across ranks, then
-//! launched on the calling thread on the NCCL stream after the current stream's work, with an
-//! end event the watchdog watches.
+//! launched on the calling thread on the NCCL stream after the current stream's work (and
+//! after the conflicting work on stream-ordered buffers, on the GPU), with an end event the
+//! watchdog watches (and the stream-ordered buffers' newest use).
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -113,6 +114,17 @@ impl NcclCommunicator {
             e
         };
         self.order_after_current().map_err(abort_all)?;
+        // Stream-ordered buffers: the NCCL stream waits (on the GPU) for the work that
+        // conflicts with the collective, and its end becomes their newest use.
+        let orders: Vec<_> = tickets
+            .iter()
+            .filter_map(|t| t.buffer().stream_order().map(|o| (o, t.mode())))
+            .collect();
+        for (order, mode) in &orders {
+            order
+                .before(&self.stream, *mode)
+                .map_err(|source| abort_all(CollectiveError::Device { rank, source }))?;
+        }
         let deadline = Instant::now() + self.opts.timeout;
         let buffers: Vec<Buffer> = tickets.iter().map(|t| t.buffer().clone()).collect();
         let mut guards = Vec::with_capacity(tickets.len());
@@ -129,6 +141,9 @@ impl NcclCommunicator {
         // the pointers.
         drop(guards);
         let end = self.stream.record_event();
+        for (order, mode) in orders {
+            order.after(&self.stream, mode);
+        }
         let current = self.current_stream();
         let (pending, work) =
             Pending::new(op, rank, seq, end, self.opts.timeout, buffers, &current);
@@ -287,6 +302,10 @@ impl Communicator for NcclCommunicator {
     /// The NCCL stream (a CUDA stream).
     fn stream(&self) -> &fsdp_device::Stream {
         &self.stream
+    }
+
+    fn orders_stream_ordered_buffers(&self) -> bool {
+        true
     }
 
     fn all_gather_base(&self, input: &Buffer, output: &Buffer) -> Result<Work> {
