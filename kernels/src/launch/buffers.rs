@@ -24,49 +24,34 @@ use crate::KernelError;
 /// `stream`'s device, of other lengths, overlapping, or a pair of types without a kernel; the
 /// stream orders' errors; compile, load and launch failures.
 pub fn cast_buffer(src: &Buffer, dst: &Buffer, stream: &Stream) -> Result<Event, KernelError> {
-    let invalid = |reason: String| KernelError::InvalidArgument {
-        kernel: "cast",
-        reason,
-    };
-    for b in [src, dst] {
-        if !matches!(b.device(), Device::Cuda(_)) || b.stream_order().is_none() {
-            return Err(invalid(format!(
-                "a buffer on {} that is not a stream-ordered CUDA buffer",
-                b.device()
-            )));
-        }
+    if src.len() != dst.len() {
+        return Err(KernelError::InvalidArgument {
+            kernel: "cast",
+            reason: format!("{} elements into {}", src.len(), dst.len()),
+        });
     }
-    if src.len() != dst.len() || (src.overlaps(dst) && src.byte_len() > 0) {
-        return Err(invalid(format!(
-            "{} elements into {} (or overlapping views)",
-            src.len(),
-            dst.len()
-        )));
-    }
-    let cu = stream
-        .cuda_stream()
-        .ok_or_else(|| invalid(format!("stream `{}` is not a CUDA stream", stream.name())))?
-        .clone();
-    let read = src.use_on(stream, AccessMode::Shared)?;
-    let write = dst.use_on(stream, AccessMode::Exclusive)?;
-    let (s, d, n) = (read.device_ptr(), write.device_ptr(), src.len());
-    // SAFETY: `s` and `d` are the addresses of `n` elements of the matched types in two live,
-    // non-overlapping stream-ordered buffers of this device, ordered on `stream` (their uses
-    // are recorded after the launch, so the memory outlives the kernel).
-    let launched = unsafe {
-        match (src.dtype(), dst.dtype()) {
-            (DType::F32, DType::BF16) => cast_raw::<f32, bf16>(&cu, s, d, n),
-            (DType::F32, DType::F16) => cast_raw::<f32, f16>(&cu, s, d, n),
-            (DType::BF16, DType::F32) => cast_raw::<bf16, f32>(&cu, s, d, n),
-            (DType::F16, DType::F32) => cast_raw::<f16, f32>(&cu, s, d, n),
-            (DType::BF16, DType::F16) => cast_raw::<bf16, f16>(&cu, s, d, n),
-            (DType::F16, DType::BF16) => cast_raw::<f16, bf16>(&cu, s, d, n),
-            (a, b) => Err(invalid(format!("no cast kernel from {a} to {b}"))),
+    let (s, d) = (src.dtype(), dst.dtype());
+    launch_on_buffers("cast", stream, &[src], &[dst], &[s, d], |cu, p| {
+        let (sp, dp, n) = (p[0].0, p[1].0, p[0].1);
+        // SAFETY: `sp` and `dp` are the addresses of `n` elements of the matched types in two
+        // live, non-overlapping stream-ordered buffers of this device, ordered on `stream`
+        // (`launch_on_buffers` records their uses after the launch, so the memory outlives the
+        // kernel).
+        unsafe {
+            match (s, d) {
+                (DType::F32, DType::BF16) => cast_raw::<f32, bf16>(cu, sp, dp, n),
+                (DType::F32, DType::F16) => cast_raw::<f32, f16>(cu, sp, dp, n),
+                (DType::BF16, DType::F32) => cast_raw::<bf16, f32>(cu, sp, dp, n),
+                (DType::F16, DType::F32) => cast_raw::<f16, f32>(cu, sp, dp, n),
+                (DType::BF16, DType::F16) => cast_raw::<bf16, f16>(cu, sp, dp, n),
+                (DType::F16, DType::BF16) => cast_raw::<f16, bf16>(cu, sp, dp, n),
+                (a, b) => Err(KernelError::InvalidArgument {
+                    kernel: "cast",
+                    reason: format!("no cast kernel from {a} to {b}"),
+                }),
+            }
         }
-    };
-    read.finish();
-    let event = write.finish();
-    launched.map(|()| event)
+    })
 }
 
 /// A stream-ordered CUDA buffer's memory as a cudarc slice for one launch: its address and
@@ -297,4 +282,41 @@ pub fn sgd_buffers(
         };
         super::sgd(cu, s, &mut param, &g, &mut buf)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every entry refuses buffers that are not stream-ordered CUDA buffers, naming them, before
+    /// anything needs a GPU.
+    #[test]
+    fn host_buffers_are_refused_by_name() {
+        let s = Stream::cpu("host");
+        let b = |t| Buffer::zeros(t, 4).unwrap();
+        let (x, y) = (b(DType::F32), b(DType::F32));
+        let cfg = crate::host::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let adamw = AdamWScalars::new(&cfg, 1).unwrap();
+        let errors = [
+            cast_buffer(&x, &b(DType::BF16), &s).unwrap_err(),
+            axpby_buffer(1.0, &x, 1.0, &y, &s).unwrap_err(),
+            axpby_buffer(0.0, &x, 2.0, &x, &s).unwrap_err(),
+            sum_of_squares_buffer(&x, &Buffer::zeros(DType::F64, 1).unwrap(), &s).unwrap_err(),
+            adamw_buffers(&adamw, &x, &y, &b(DType::F32), &b(DType::F32), &s).unwrap_err(),
+        ];
+        for e in errors {
+            assert!(
+                e.to_string().contains("not a stream-ordered CUDA buffer"),
+                "{e}"
+            );
+        }
+        let e = cast_buffer(&x, &b(DType::BF16).slice(0..2).unwrap(), &s).unwrap_err();
+        assert!(e.to_string().contains("4 elements into 2"), "{e}");
+    }
 }
