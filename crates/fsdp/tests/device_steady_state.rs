@@ -331,6 +331,13 @@ fn a_steady_state_step_on_the_device_does_not_block_the_host() {
                 l(host.losses[STEPS - 1]) < l(host.losses[0]),
                 "{what}: no learning"
             );
+            println!(
+                "{what}: host waits in {} steady-state steps: {} on the host engine, {} with the \
+                 shards on the device",
+                STEPS - 1,
+                host.steady_waits,
+                dev.steady_waits
+            );
             // The host engine waits for its collectives (when it has any); the device
             // run's host never waits in a steady-state step, and returns from each while the
             // device still works.
