@@ -1,4 +1,5 @@
-//! Every kernel on the GPU against its host twin: bitwise for casts, axpby, memset (and many
+//! Every kernel on the GPU against its host twin: bitwise for casts, axpby, division by a
+//! scalar, memset (and many
 //! buffers zeroed at once), the ring's reductions, SGD and the sum of squares (NaN results:
 //! both NaN), AdamW within 1 ulp (0 expected: the kernels round every operation as the twin
 //! does). Without a GPU each test prints `skipped: no GPU (<reason>)` and passes; with one,
@@ -171,6 +172,10 @@ fn axpby_memset_type<T: KernelFloat>(s: &Arc<CudaStream>) {
     let (d_x, mut d_y) = (up(s, &x), up(s, &y));
     launch::axpby(s, alpha, &d_x, beta, &mut d_y).unwrap();
     assert_same(&format!("axpby {}", T::NAME), &down(s, &d_y), &want);
+    let d = <T::C as host::Compute>::from_f64(3.0);
+    host::div_scalar(d, &mut want);
+    launch::div_scalar(s, d, &mut d_y).unwrap();
+    assert_same(&format!("div_scalar {}", T::NAME), &down(s, &d_y), &want);
     let v = T::store(<T::C as host::Compute>::from_f64(-2.75));
     launch::memset(s, &mut d_y, v).unwrap();
     assert_same(&format!("memset {}", T::NAME), &down(s, &d_y), &vec![v; n]);

@@ -1,4 +1,4 @@
-// Scale and add (axpby), memset, many copies in one launch (gather_segments) and many buffers
+// Scale and add (axpby), division by a scalar, memset, many copies in one launch (gather_segments) and many buffers
 // zeroed in one (zero_segments).
 
 // y = alpha * x + beta * y, each product and the sum rounded separately (no fused multiply-add).
@@ -15,6 +15,17 @@ AXPBY(f32, float)
 AXPBY(f64, double)
 AXPBY(bf16, float)
 AXPBY(f16, float)
+
+// y = y / d, the quotient rounded (IEEE division, round to nearest even) then stored as T.
+#define DIV_SCALAR(T, C, DIV) \
+    extern "C" __global__ void div_scalar_##T(C d, T* y, u64 n) { \
+        GRID_STRIDE(i, n) { store_c(y, i, DIV(load_c(y, i), d)); } \
+    }
+
+DIV_SCALAR(f32, float, __fdiv_rn)
+DIV_SCALAR(f64, double, __ddiv_rn)
+DIV_SCALAR(bf16, float, __fdiv_rn)
+DIV_SCALAR(f16, float, __fdiv_rn)
 
 // Fill with a bit pattern of 2, 4 or 8 bytes.
 #define MEMSET(W, U) \

@@ -55,6 +55,8 @@ pub trait Compute: Copy + PartialOrd + Debug + DeviceRepr + sealed::Sealed + 'st
     fn mul(self, b: Self) -> Self;
     /// `a / n`.
     fn div_count(self, n: u32) -> Self;
+    /// `a / b`.
+    fn div(self, b: Self) -> Self;
     /// The smaller (`b` only if strictly smaller), NaN if either is NaN.
     fn min_nan(self, b: Self) -> Self;
     /// The larger (`b` only if strictly larger), NaN if either is NaN.
@@ -74,6 +76,9 @@ macro_rules! compute {
             }
             fn div_count(self, n: u32) -> Self {
                 self / n as $t
+            }
+            fn div(self, b: Self) -> Self {
+                self / b
             }
             fn min_nan(self, b: Self) -> Self {
                 if self.is_nan() || b.is_nan() {
@@ -302,6 +307,13 @@ pub fn axpby<T: KernelFloat>(
         *yi = T::store(alpha.mul(xi.load()).add(beta.mul(yi.load())));
     }
     Ok(())
+}
+
+/// Twin of `div_scalar_<T>`: `y = y / d`, the quotient rounded to `T`.
+pub fn div_scalar<T: KernelFloat>(d: T::C, y: &mut [T]) {
+    for yi in y.iter_mut() {
+        *yi = T::store(yi.load().div(d));
+    }
 }
 
 /// Twin of `memset_b<bits>`: every element becomes `value`.

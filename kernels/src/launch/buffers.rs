@@ -164,14 +164,15 @@ unsafe fn ordered<T>(stream: &Arc<CudaStream>, p: (u64, usize)) -> Ordered<T> {
     }
 }
 
-/// `y = alpha·x + beta·y` ([`axpby`](super::axpby)) on stream-ordered `f32` CUDA buffers of one
-/// length, on `stream`: with `alpha = beta = 1` the exact sum `x + y`, rounded once (an
-/// accumulation); `x` may be `y` itself (then `alpha·y + beta·y`, a scaling with `alpha = 0`).
-/// Returns the event after it.
+/// `y = alpha·x + beta·y` ([`axpby`](super::axpby)) on stream-ordered CUDA buffers of one
+/// length and element type (f32, bf16 or f16; the 16-bit types computed in f32 and rounded once
+/// when stored), on `stream`: with `alpha = beta = 1` the exact sum `x + y`, rounded once (an
+/// accumulation); `x` may be `y` itself (then `alpha·y + beta·y`: with `beta = 0`, a scaling
+/// `alpha·y` rounded once). Returns the event after it.
 ///
 /// # Errors
-/// [`KernelError::InvalidArgument`] for buffers that are not stream-ordered `f32` CUDA
-/// buffers, or of other lengths; compile, load and launch failures.
+/// [`KernelError::InvalidArgument`] for buffers that are not stream-ordered CUDA buffers of
+/// one of those types, or of other lengths or types; compile, load and launch failures.
 pub fn axpby_buffer(
     alpha: f32,
     x: &Buffer,
@@ -179,20 +180,65 @@ pub fn axpby_buffer(
     y: &Buffer,
     stream: &Stream,
 ) -> Result<Event, KernelError> {
+    let t = y.dtype();
     let same = x.same_storage(y) && x.byte_range() == y.byte_range();
     let reads: &[&Buffer] = if same { &[] } else { &[x] };
-    let dtypes: &[DType] = if same {
-        &[DType::F32]
-    } else {
-        &[DType::F32, DType::F32]
-    };
+    let dtypes: &[DType] = if same { &[t] } else { &[t, t] };
     launch_on_buffers("axpby", stream, reads, &[y], dtypes, |cu, p| {
         let (xp, yp) = (p[0], p[p.len() - 1]);
-        // SAFETY: addresses and lengths of ordered buffers (`launch_on_buffers`); when `x` is
-        // `y` both views are the same memory, read and written element by element by one
-        // thread each.
-        let (x, mut y) = unsafe { (ordered::<f32>(cu, xp), ordered::<f32>(cu, yp)) };
-        super::axpby::<f32>(cu, alpha, &x, beta, &mut y)
+        /// The launch for elements of `T`.
+        fn run<T: crate::host::KernelFloat<C = f32>>(
+            cu: &Arc<CudaStream>,
+            (alpha, beta): (f32, f32),
+            xp: (u64, usize),
+            yp: (u64, usize),
+        ) -> Result<(), KernelError> {
+            // SAFETY: addresses and lengths of ordered buffers of `T` (`launch_on_buffers`);
+            // when `x` is `y` both views are the same memory, read and written element by
+            // element by one thread each.
+            let (x, mut y) = unsafe { (ordered::<T>(cu, xp), ordered::<T>(cu, yp)) };
+            super::axpby::<T>(cu, alpha, &x, beta, &mut y)
+        }
+        match t {
+            DType::F32 => run::<f32>(cu, (alpha, beta), xp, yp),
+            DType::BF16 => run::<bf16>(cu, (alpha, beta), xp, yp),
+            DType::F16 => run::<f16>(cu, (alpha, beta), xp, yp),
+            DType::F64 => Err(KernelError::InvalidArgument {
+                kernel: "axpby",
+                reason: "f64 buffers (f32, bf16 or f16 expected)".into(),
+            }),
+        }
+    })
+}
+
+/// `y = y / d` ([`div_scalar`](super::div_scalar): the quotient rounded once to the element
+/// type, 16-bit types divided in f32) on a stream-ordered CUDA buffer of f32, bf16 or f16, on
+/// `stream`. Returns the event after it.
+///
+/// # Errors
+/// As [`axpby_buffer`].
+pub fn div_scalar_buffer(d: f32, y: &Buffer, stream: &Stream) -> Result<Event, KernelError> {
+    let t = y.dtype();
+    launch_on_buffers("div_scalar", stream, &[], &[y], &[t], |cu, p| {
+        /// The launch for elements of `T`.
+        fn run<T: crate::host::KernelFloat<C = f32>>(
+            cu: &Arc<CudaStream>,
+            d: f32,
+            yp: (u64, usize),
+        ) -> Result<(), KernelError> {
+            // SAFETY: the address and length of an ordered buffer of `T` (`launch_on_buffers`).
+            let mut y = unsafe { ordered::<T>(cu, yp) };
+            super::div_scalar::<T>(cu, d, &mut y)
+        }
+        match t {
+            DType::F32 => run::<f32>(cu, d, p[0]),
+            DType::BF16 => run::<bf16>(cu, d, p[0]),
+            DType::F16 => run::<f16>(cu, d, p[0]),
+            DType::F64 => Err(KernelError::InvalidArgument {
+                kernel: "div_scalar",
+                reason: "f64 buffers (f32, bf16 or f16 expected)".into(),
+            }),
+        }
     })
 }
 
@@ -307,6 +353,7 @@ mod tests {
             cast_buffer(&x, &b(DType::BF16), &s).unwrap_err(),
             axpby_buffer(1.0, &x, 1.0, &y, &s).unwrap_err(),
             axpby_buffer(0.0, &x, 2.0, &x, &s).unwrap_err(),
+            div_scalar_buffer(2.0, &x, &s).unwrap_err(),
             sum_of_squares_buffer(&x, &Buffer::zeros(DType::F64, 1).unwrap(), &s).unwrap_err(),
             adamw_buffers(&adamw, &x, &y, &b(DType::F32), &b(DType::F32), &s).unwrap_err(),
         ];

@@ -31,7 +31,9 @@ mod nn_heads;
 mod nn_loss;
 mod step;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
-pub use buffers::{adamw_buffers, axpby_buffer, cast_buffer, sgd_buffers, sum_of_squares_buffer};
+pub use buffers::{
+    adamw_buffers, axpby_buffer, cast_buffer, div_scalar_buffer, sgd_buffers, sum_of_squares_buffer,
+};
 pub use foreach::{
     adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
     AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS,
@@ -221,6 +223,31 @@ pub fn axpby<T: KernelFloat>(
     let mut b = stream.launch_builder(&f);
     b.arg(&alpha).arg(&xp).arg(&beta).arg(&yp).arg(&n64);
     // SAFETY: `axpby_<T>(C, const T*, C, T*, u64)` with C = T's compute type, `n` elements.
+    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
+    Ok(())
+}
+
+/// `y = y / d` (the quotient rounded once to `T`; 16-bit types divide in f32): the twin
+/// [`host::div_scalar`](crate::host::div_scalar), bitwise.
+///
+/// # Errors
+/// Compile, load and launch failures.
+pub fn div_scalar<T: KernelFloat>(
+    stream: &CudaStream,
+    d: T::C,
+    y: &mut impl DevicePtrMut<T>,
+) -> Result<(), KernelError> {
+    let n = y.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let kernel = format!("div_scalar_{}", T::NAME);
+    let f = function(stream, Program::Elementwise, &kernel)?;
+    let (yp, _y) = y.device_ptr_mut(stream);
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&d).arg(&yp).arg(&n64);
+    // SAFETY: `div_scalar_<T>(C, T*, u64)` with C = T's compute type, `n` elements.
     unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
     Ok(())
 }

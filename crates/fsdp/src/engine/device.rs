@@ -58,11 +58,14 @@ pub(super) enum Kind {
 /// instead of access tickets, with CPU worker streams and each operation a stream task: the
 /// reference every device run is tested against without a GPU.
 ///
-/// Not on a device yet (refused by name when the engine is built, the grad scaler set or the
-/// unit reduced): the division of gradients by the data-parallel size
-/// ([`GradientDivide::DataParallelSize`](super::GradientDivide)) with several ranks, the grad
-/// scaler (it scales the unsharded gradients in host memory), AnyPrecisionAdamW with the shards
-/// on the device (offloaded it steps in host memory), communicators that do not order
+/// The division of gradients by the data-parallel size
+/// ([`GradientDivide::DataParallelSize`](super::GradientDivide)) runs on the device too: the
+/// pre-multiplication or pre-division of the reduction's input, the post-division of its
+/// result, each rounded to the reduce dtype as on the host.
+///
+/// Not on a device yet (refused by name when the engine is built or the grad scaler set): the
+/// grad scaler (it scales the unsharded gradients in host memory), AnyPrecisionAdamW with the
+/// shards on the device (offloaded it steps in host memory), communicators that do not order
 /// stream-ordered buffers (MPI), dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {

@@ -7,6 +7,7 @@
 use fsdp_device::{host_task, Buffer, DType, Stream, TaskRead, TaskWrite};
 
 use super::device::{ComputeDevice, Kind};
+use super::mixed_precision::round_to;
 use crate::optim::{OptimizerConfig, ParamGroupOptions, ShardGroups};
 use crate::FsdpError;
 
@@ -37,6 +38,26 @@ fn each_f32(x: &TaskRead<'_>, mut f: impl FnMut(usize, f32)) -> Result<(), Strin
         DType::BF16 => run::<half::bf16>(x, &mut f),
         DType::F16 => run::<half::f16>(x, &mut f),
         DType::F64 => Err("an f64 gradient".into()),
+    }
+}
+
+/// `x[i] = f(x[i])` over a task's buffer of f32, bf16 or f16 (widened to `f32` for `f`, its
+/// result rounded back).
+fn map_in_place(x: &mut TaskWrite<'_>, f: impl Fn(f32) -> f32) -> Result<(), String> {
+    fn run<T: fsdp_device::Element>(
+        x: &mut TaskWrite<'_>,
+        f: impl Fn(f32) -> f32,
+    ) -> Result<(), String> {
+        write::<T>(x)?
+            .iter_mut()
+            .for_each(|v| *v = T::from_f32(f(v.to_f32())));
+        Ok(())
+    }
+    match x.dtype() {
+        DType::F32 => run::<f32>(x, f),
+        DType::BF16 => run::<half::bf16>(x, f),
+        DType::F16 => run::<half::f16>(x, f),
+        DType::F64 => Err("an f64 reduction".into()),
     }
 }
 
@@ -88,6 +109,55 @@ impl ComputeDevice {
                 };
                 fsdp_kernels::launch::axpby_buffer(1.0, x, 1.0, acc, stream)
                     .map_err(cuda::kernel("accumulate kernel"))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The division of a reduction by the data-parallel size, in place on `buf` (f32, bf16 or
+    /// f16) on `stream`: each element multiplied by `premul`, then divided by `divide`, each
+    /// result rounded to `buf`'s type (the host engine's `round_to(r, v·s)`, `round_to(r, v/d)`).
+    ///
+    /// # Errors
+    /// A buffer that is not on this device or of another type; the stream's errors.
+    pub(crate) fn scale_divide(
+        &self,
+        buf: &Buffer,
+        premul: Option<f32>,
+        divide: Option<f32>,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        if premul.is_none() && divide.is_none() {
+            return Ok(());
+        }
+        match self.kind {
+            Kind::HostTwin => {
+                self.delay(stream)?;
+                let r = buf.dtype();
+                host_task(stream, &[], &[buf], move |_, w| {
+                    map_in_place(&mut w[0], |mut v| {
+                        if let Some(s) = premul {
+                            v = round_to(r, v * s);
+                        }
+                        if let Some(d) = divide {
+                            v = round_to(r, v / d);
+                        }
+                        v
+                    })
+                })?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => {
+                if let Some(s) = premul {
+                    // s·v + 0·v: s·v rounded once, then to the buffer's type.
+                    fsdp_kernels::launch::axpby_buffer(s, buf, 0.0, buf, stream)
+                        .map_err(cuda::kernel("scale kernel"))?;
+                }
+                if let Some(d) = divide {
+                    fsdp_kernels::launch::div_scalar_buffer(d, buf, stream)
+                        .map_err(cuda::kernel("division kernel"))?;
+                }
                 Ok(())
             }
         }

@@ -7,7 +7,6 @@ use fsdp_collectives::Communicator;
 use super::super::config::FsdpConfig;
 use super::super::device::ComputeDevice;
 use super::super::materialize::ParamInit;
-use super::super::mixed_precision::GradientDivide;
 use super::Fsdp;
 use crate::optim::OptimizerConfig;
 use crate::units::UnitPlan;
@@ -54,9 +53,9 @@ impl Fsdp {
     /// # Errors
     /// Those of [`Fsdp::new`]; [`FsdpError::InvalidFsdpConfig`] for a communicator on another
     /// device or one that does not order stream-ordered buffers
-    /// ([`Communicator::orders_stream_ordered_buffers`]: MPI does not), for
-    /// [`GradientDivide::DataParallelSize`] with several ranks and for AnyPrecisionAdamW with
-    /// the shards on the device (not on a device yet); a failing copy or allocation there.
+    /// ([`Communicator::orders_stream_ordered_buffers`]: MPI does not), and for
+    /// AnyPrecisionAdamW with the shards on the device (not on a device yet); a failing copy or
+    /// allocation there.
     pub fn new_on(
         comm: Box<dyn Communicator>,
         device: ComputeDevice,
@@ -65,7 +64,7 @@ impl Fsdp {
         config: FsdpConfig,
         optim: impl Into<OptimizerConfig>,
     ) -> Result<Self, FsdpError> {
-        check_device(comm.as_ref(), &device, &config)?;
+        check_device(comm.as_ref(), &device)?;
         let mut fsdp = Fsdp::new(comm, plan, init, config, optim)?;
         fsdp.ctx.device = Some(device);
         fsdp.place_shards()?;
@@ -124,11 +123,7 @@ impl Fsdp {
 }
 
 /// What the engine refuses on `device` before anything is built.
-fn check_device(
-    comm: &dyn Communicator,
-    device: &ComputeDevice,
-    config: &FsdpConfig,
-) -> Result<(), FsdpError> {
+fn check_device(comm: &dyn Communicator, device: &ComputeDevice) -> Result<(), FsdpError> {
     let rank = comm.rank();
     let refuse = |reason: String| {
         Err(FsdpError::InvalidFsdpConfig {
@@ -146,13 +141,6 @@ fn check_device(
         return refuse(format!(
             "the communicator does not order stream-ordered buffers, which the engine keeps \
              on {} (the ring backends, the CUDA ring and NCCL do; MPI does not)",
-            device.device()
-        ));
-    }
-    if config.gradient_divide == GradientDivide::DataParallelSize && comm.world_size() > 1 {
-        return refuse(format!(
-            "GradientDivide::DataParallelSize is not supported on {} yet (use \
-             GradientDivide::Model: normalise the loss over the global batch)",
             device.device()
         ));
     }

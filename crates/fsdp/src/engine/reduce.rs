@@ -133,8 +133,10 @@ pub(crate) fn finish_reductions(
     if let Some(dev) = ctx.shards_on_device().cloned() {
         // The shards are on the device too: the reduced shards are added there, on the
         // compute stream after their collectives; the host does not wait.
-        for (u, g, _, copy_in) in grads {
-            dev.accumulate(&groups[u].grad_shard, &g, copy_in, dev.compute_stream())?;
+        for (u, g, post_divide, copy_in) in grads {
+            let s = dev.compute_stream();
+            dev.scale_divide(&g, None, post_divide, s)?;
+            dev.accumulate(&groups[u].grad_shard, &g, copy_in, s)?;
         }
         // The pass is over: the freed gathered parameters go to the reaper, which returns
         // their memory once the device's work on them completed.
@@ -194,25 +196,21 @@ fn reduce_on_device(
     factors: DivideFactors,
 ) -> Result<(), FsdpError> {
     let u = group.index;
-    if factors != DivideFactors::NONE {
-        return Err(FsdpError::InvalidFsdpConfig {
-            reason: format!(
-                "unit {u}: on {} the engine does not divide gradients by the data-parallel \
-                 size (GradientDivide::Model: normalise the loss over the global batch)",
-                dev.device()
-            ),
-        });
-    }
     let (param, reduce) = (group.dtypes.param, group.dtypes.reduce);
     let s = dev.compute_stream();
-    let send = if param == DType::F32 && reduce == DType::F32 {
+    let plain = is_plain(group, factors);
+    let send = if plain {
         g
     } else {
+        // Rounded to `param_dtype`, cast to the reduce dtype, pre-multiplied or pre-divided.
         let send = dev.alloc(reduce, g.len(), s)?;
         dev.round_into(&g, &send, param, s)?;
+        dev.scale_divide(&send, factors.premul, factors.pre_divide, s)?;
         send
     };
-    let copy_in = group.grad_shard_zero && reduce == DType::F32;
+    // As on the host: a gradient shard of zeros takes the reduction as it is only when nothing
+    // is cast or divided (else zeros plus the result, which differ for −0).
+    let copy_in = group.grad_shard_zero && plain;
     // With the shard on the device, a gradient shard of zeros receives the reduce-scatter
     // itself (as on the host).
     let direct = copy_in && group.factor > 1 && ctx.shards_on_device().is_some();
@@ -229,7 +227,7 @@ fn reduce_on_device(
     };
     all_reduce_replicas(group, ctx, &target)?;
     if !direct {
-        pending_grads.push((u, target, None, copy_in));
+        pending_grads.push((u, target, factors.post_divide, copy_in));
     }
     group.grad_shard_zero = false;
     group.replace_shard = false;
