@@ -22,8 +22,8 @@ mod tied_mlp;
 use std::time::Duration;
 
 use fsdp::engine::{
-    BackwardPrefetch, ComputeDevice, FsdpConfig, GradScalerConfig, GradientDivide,
-    MixedPrecisionPolicy, ParamInit, ShardingStrategy,
+    BackwardPrefetch, ComputeDevice, FsdpConfig, GradientDivide, MixedPrecisionPolicy, ParamInit,
+    ShardingStrategy,
 };
 use fsdp::wrap::plan_units;
 use fsdp::{Fsdp, Params};
@@ -358,18 +358,6 @@ fn what_the_device_path_refuses_is_named() {
         assert!(e.contains(&format!("rank {rank}:")), "{e}");
         assert!(e.contains("does not order stream-ordered buffers"), "{e}");
     }
-    // The grad scaler.
-    let e = ring::run_ranks(2, ring_options(), |comm| {
-        let mut fsdp = build(Box::new(comm), FsdpConfig::default()).unwrap();
-        let scaler = GradScalerConfig::default();
-        fsdp.set_grad_scaler(Some(scaler)).unwrap_err().to_string()
-    })
-    .unwrap();
-    assert!(
-        e[0].contains("grad scaler") && e[0].contains("cpu"),
-        "{}",
-        e[0]
-    );
     // On a device the views give buffers, not host slices.
     let e = ring::run_ranks(2, ring_options(), |comm| {
         let mut fsdp = build(Box::new(comm), FsdpConfig::default()).unwrap();

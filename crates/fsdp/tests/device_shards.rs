@@ -16,7 +16,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fsdp::checkpoint::load_sharded_checkpoint;
-use fsdp::engine::{ComputeDevice, FsdpConfig, HostCompute, ParamInit, ShardingStrategy};
+use fsdp::engine::{
+    ComputeDevice, FsdpConfig, GradScalerConfig, HostCompute, MixedPrecisionPolicy, ParamInit,
+    ShardingStrategy,
+};
 use fsdp::optim::{
     decay_2d_only_group, AnyPrecisionAdamWConfig, LrSchedule, OptimizerConfig, ParamGroupOptions,
     SgdConfig,
@@ -25,6 +28,7 @@ use fsdp::units::{ParamSpec, UnitPlan};
 use fsdp::wrap::plan_units;
 use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
+use fsdp_device::DType;
 
 use common::{adamw, bits, ring_options, Bits, GLOBAL};
 use tied_mlp::TiedMlp;
@@ -275,4 +279,80 @@ fn what_the_shards_on_a_device_refuse_is_named() {
         steps(&mut fsdp, 2, 0..1);
     })
     .unwrap();
+}
+
+/// Rank 0's run of `world` ranks with fp16 parameters and reductions and a grad scaler whose
+/// first scale overflows fp16: losses, parameters, skipped steps and the final scale.
+fn scaled_run(
+    world: usize,
+    strategy: ShardingStrategy,
+    place: Option<bool>,
+) -> (Vec<u32>, Bits, u64, u32) {
+    let init = tied_mlp::init_params(&tied_mlp::tree());
+    let mut out = ring::run_ranks(world, ring_options(), |comm| {
+        let config = FsdpConfig {
+            mixed_precision: MixedPrecisionPolicy::new(DType::F16, Some(DType::F16)),
+            offload_params: place == Some(true),
+            ..FsdpConfig::new(strategy)
+        };
+        let mut fsdp = engine(
+            Box::new(comm),
+            place.is_some(),
+            config,
+            adamw().into(),
+            &init,
+        );
+        fsdp.set_grad_scaler(Some(GradScalerConfig {
+            init_scale: 2f32.powi(18),
+            growth_interval: 2,
+            ..GradScalerConfig::default()
+        }))
+        .unwrap();
+        let model = TiedMlp { global: GLOBAL };
+        let batch = tied_mlp::batch(GLOBAL, fsdp.rank(), world);
+        let mut losses = Vec::new();
+        for _ in 0..8 {
+            let loss = match place {
+                Some(_) => fsdp.forward_backward(&HostCompute::new(&model), &batch),
+                None => fsdp.forward_backward(&model, &batch),
+            };
+            losses.push(loss.unwrap().to_bits());
+            fsdp.optimizer_step().unwrap();
+        }
+        let s = fsdp.grad_scaler().unwrap();
+        let (skipped, scale) = (s.skipped_steps(), s.scale().to_bits());
+        (
+            losses,
+            bits(&fsdp.full_state_dict().unwrap()),
+            skipped,
+            scale,
+        )
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+#[test]
+fn the_grad_scaler_on_the_device_gives_the_host_engines_bits() {
+    for (world, strategy) in [
+        (1, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::FullShard),
+        (3, ShardingStrategy::NoShard),
+    ] {
+        let host = scaled_run(world, strategy, None);
+        assert!(host.2 > 0, "world {world}: no step overflowed");
+        assert!(host.2 < 8, "world {world}: every step overflowed");
+        for offload in [false, true] {
+            let dev = scaled_run(world, strategy, Some(offload));
+            let what = format!("world {world}, {strategy:?}, offload {offload}");
+            assert_eq!(dev.0, host.0, "{what}: losses");
+            assert_eq!(dev.1, host.1, "{what}: parameters");
+            assert_eq!((dev.2, dev.3), (host.2, host.3), "{what}: skips and scale");
+        }
+        println!(
+            "world {world} {strategy:?}: {} of 8 steps skipped, final scale {}",
+            host.2,
+            f32::from_bits(host.3)
+        );
+    }
 }

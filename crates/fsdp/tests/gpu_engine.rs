@@ -22,7 +22,9 @@ mod tied_mlp;
 
 use std::time::Duration;
 
-use fsdp::engine::{ComputeDevice, FsdpConfig, MixedPrecisionPolicy, ShardingStrategy};
+use fsdp::engine::{
+    ComputeDevice, FsdpConfig, GradientDivide, MixedPrecisionPolicy, ShardingStrategy,
+};
 use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
 use fsdp_collectives::ring;
 use fsdp_device::DType;
@@ -95,5 +97,16 @@ fn the_engine_on_cuda_gives_the_host_engines_bits() {
                 assert!(peak > 0, "{what}");
             }
         }
+    }
+    // The division by the data-parallel size: f16 reductions pre- and post-divide by 2 at
+    // world 4 (`div_scalar` on the GPU), bf16 ones pre-multiply by 1/4 (`axpby`).
+    for reduce in [DType::F16, DType::BF16] {
+        let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
+        config.mixed_precision = MixedPrecisionPolicy::new(reduce, Some(reduce));
+        config.gradient_divide = GradientDivide::DataParallelSize;
+        let host = run(4, config, false);
+        let gpu = run(4, config, true);
+        assert_eq!(gpu.losses, host.losses, "divide, {reduce}: losses");
+        assert_eq!(gpu.params, host.params, "divide, {reduce}: parameters");
     }
 }

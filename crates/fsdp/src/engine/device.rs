@@ -63,8 +63,11 @@ pub(super) enum Kind {
 /// pre-multiplication or pre-division of the reduction's input, the post-division of its
 /// result, each rounded to the reduce dtype as on the host.
 ///
-/// Not on a device yet (refused by name when the engine is built or the grad scaler set): the
-/// grad scaler (it scales the unsharded gradients in host memory), AnyPrecisionAdamW with the
+/// So does the grad scaler's loss scaling of the unsharded gradients; its unscaling of the
+/// gradient shards and its overflow check run where the shards are (on the device: one wait on
+/// the host for the flag, as PyTorch's `GradScaler` reads `found_inf`).
+///
+/// Not on a device yet (refused by name when the engine is built): AnyPrecisionAdamW with the
 /// shards on the device (offloaded it steps in host memory), communicators that do not order
 /// stream-ordered buffers (MPI), dry runs.
 #[derive(Clone)]

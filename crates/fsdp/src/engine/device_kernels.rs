@@ -179,7 +179,7 @@ impl ComputeDevice {
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda => {
-                // 0·x + c·x: c·x rounded once.
+                // 0·x + c·x: c·x rounded once (an infinite x gives NaN: not finite either).
                 fsdp_kernels::launch::axpby_buffer(0.0, x, c, x, stream)
                     .map_err(cuda::kernel("scale kernel"))?;
                 Ok(())

@@ -134,6 +134,33 @@ impl Fsdp {
         Ok((sharded, replicated))
     }
 
+    /// The grad scaler's unscaling with the shards on the device: every gradient shard times
+    /// `inv` there, then whether any element is NaN or infinite — its sum of squares in `f64`
+    /// is then not finite (a finite `f32`'s square cannot overflow an `f64` sum) — read with
+    /// one wait on the host, as PyTorch's `GradScaler` reads its `found_inf`.
+    pub(super) fn unscale_on_device(
+        &self,
+        dev: &ComputeDevice,
+        inv: f32,
+    ) -> Result<bool, FsdpError> {
+        let s = dev.compute_stream();
+        let sums = self
+            .groups
+            .iter()
+            .map(|g| {
+                dev.scale(&g.grad_shard, inv, s)?;
+                let sum = dev.sum_of_squares(&g.grad_shard, s)?;
+                dev.copy_to_host(&sum, s)
+            })
+            .collect::<Result<Vec<_>, FsdpError>>()?;
+        self.ctx.synchronize()?;
+        let mut found = false;
+        for sum in sums {
+            found |= !sum.to_vec::<f64>()?[0].is_finite();
+        }
+        Ok(found)
+    }
+
     /// `b` in host memory: itself (a handle), or when it is on the device, a copy the host
     /// waited for.
     pub(super) fn host_copy(&self, b: &Buffer) -> Result<Buffer, FsdpError> {

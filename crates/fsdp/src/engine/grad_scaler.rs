@@ -278,6 +278,11 @@ pub(crate) fn apply_loss_scale(
     if scale == 1.0 || ctx.is_meta() {
         return Ok(());
     }
+    if let Some(dev) = &ctx.device {
+        // The unsharded gradient is f32 on a device: x·s rounded once to f32, which is the
+        // f64 product rounded once below.
+        return dev.scale(buffer, scale, dev.compute_stream());
+    }
     fn mul<T: Element>(b: &Buffer, s: f64) -> Result<(), FsdpError> {
         for x in b.write::<T>()?.iter_mut() {
             // Exact in f64 for every element type, then rounded once.
@@ -392,15 +397,6 @@ impl Fsdp {
             Some(c) if c.enabled => Some(GradScaler::new(c)?),
             _ => None,
         };
-        if let (Some(_), Some(dev)) = (&scaler, &self.ctx.device) {
-            return Err(FsdpError::InvalidFsdpConfig {
-                reason: format!(
-                    "the grad scaler scales unsharded gradients in host memory: not supported \
-                     with them on {} yet",
-                    dev.device()
-                ),
-            });
-        }
         if self
             .groups
             .iter()
@@ -481,7 +477,9 @@ impl Fsdp {
             return Ok(false);
         }
         let mut local = false;
-        if !self.ctx.is_meta() {
+        if let Some(dev) = self.ctx.shards_on_device() {
+            local = self.unscale_on_device(dev, scaler.inv_scale())?;
+        } else if !self.ctx.is_meta() {
             let inv = scaler.inv_scale();
             for g in &self.groups {
                 for x in g.grad_shard.write::<f32>()?.iter_mut() {
@@ -496,12 +494,13 @@ impl Fsdp {
         let mut found = local;
         if let Some(world) = self.ctx.groups.world_multi() {
             let b = Buffer::from_slice(&[if local { 1f32 } else { 0.0 }])?;
-            self.ctx
-                .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
-                    Ok(world.all_reduce(&b, ReduceOp::Sum)?)
-                })?
-                .wait()?;
-            found = b.to_vec::<f32>()?[0] != 0.0;
+            let sum = self.ctx.collective_to_host(world, &b, 1, true, |_, b| {
+                self.ctx
+                    .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
+                        Ok(world.all_reduce(b, ReduceOp::Sum)?)
+                    })
+            })?;
+            found = sum.to_vec::<f32>()?[0] != 0.0;
         }
         *unscaled = Some(found);
         Ok(found)
