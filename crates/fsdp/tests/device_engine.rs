@@ -13,6 +13,8 @@ mod common;
 #[allow(dead_code)]
 #[path = "common/faulty.rs"]
 mod faulty;
+#[path = "common/hooked.rs"]
+mod hooked;
 #[path = "common/on_device.rs"]
 mod on_device;
 #[allow(dead_code)]
@@ -28,11 +30,12 @@ use fsdp::engine::{
 use fsdp::wrap::plan_units;
 use fsdp::{Fsdp, Params};
 use fsdp_collectives::{ring, Communicator};
-use fsdp_device::{Buffer, DType, Stream};
+use fsdp_device::DType;
 
 use common::{adamw, bits, configs, mesh, ring_options, GLOBAL};
 use faulty::{is_missing, Fault, Faulty};
 use fsdp::engine::{HostCompute, Phase};
+use hooked::Hooked;
 use on_device::{train_rank, Outcome, STEPS};
 use tied_mlp::TiedMlp;
 
@@ -269,75 +272,6 @@ fn a_model_failing_on_the_device_leaves_the_engine_usable() {
     }
 }
 
-/// A ring communicator that does not say it orders stream-ordered buffers (as NCCL).
-struct Unordered(ring::RingCommunicator);
-
-impl Communicator for Unordered {
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.0.world_size()
-    }
-    fn stream(&self) -> &Stream {
-        self.0.stream()
-    }
-    fn all_gather_base(
-        &self,
-        i: &Buffer,
-        o: &Buffer,
-    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.all_gather_base(i, o)
-    }
-    fn reduce_scatter_base(
-        &self,
-        i: &Buffer,
-        o: &Buffer,
-        op: fsdp_collectives::ReduceOp,
-    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.reduce_scatter_base(i, o, op)
-    }
-    fn all_reduce(
-        &self,
-        b: &Buffer,
-        op: fsdp_collectives::ReduceOp,
-    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.all_reduce(b, op)
-    }
-    fn broadcast(
-        &self,
-        b: &Buffer,
-        root: usize,
-    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.broadcast(b, root)
-    }
-    fn reduce(
-        &self,
-        b: &Buffer,
-        op: fsdp_collectives::ReduceOp,
-        root: usize,
-    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.reduce(b, op, root)
-    }
-    fn barrier(&self) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.barrier()
-    }
-    fn all_gather(
-        &self,
-        i: &Buffer,
-        o: &[Buffer],
-    ) -> fsdp_collectives::Result<fsdp_collectives::Work> {
-        self.0.all_gather(i, o)
-    }
-    fn split(
-        &self,
-        color: Option<u32>,
-        key: usize,
-    ) -> fsdp_collectives::Result<Option<Box<dyn Communicator>>> {
-        self.0.split(color, key)
-    }
-}
-
 #[test]
 fn what_the_device_path_refuses_is_named() {
     let tree = tied_mlp::tree();
@@ -347,10 +281,12 @@ fn what_the_device_path_refuses_is_named() {
     let build = |comm: Box<dyn Communicator>, config: FsdpConfig| {
         Fsdp::new_on(comm, dev(), &plan, ParamInit::Full(&init), config, adamw())
     };
-    // A communicator that does not order stream-ordered buffers.
+    // A communicator that does not order stream-ordered buffers (as MPI).
     let e = ring::run_ranks(2, ring_options(), |comm| {
         let rank = comm.rank();
-        let e = build(Box::new(Unordered(comm)), FsdpConfig::default()).unwrap_err();
+        let mut unordered = Hooked::new(comm);
+        unordered.ordered = false;
+        let e = build(Box::new(unordered), FsdpConfig::default()).unwrap_err();
         (rank, e.to_string())
     })
     .unwrap();

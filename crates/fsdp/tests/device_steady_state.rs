@@ -5,12 +5,15 @@
 //! compute stream (`fsdp_device::host_task`), its loss left in device memory and read one step
 //! late, `Fsdp::forward_backward_local` not summing it over the ranks on the host — runs a
 //! whole step while the device is still busy, with no host wait counted (`Fsdp::host_waits`),
-//! and gives the host engine's losses and parameters bit for bit.
+//! and gives the host engine's losses and parameters bit for bit. A collective that fails
+//! there is reported at the engine's next check, within the timeouts.
 
 // The model's loops index several vectors alike, on the host and in the device's tasks.
 #![allow(clippy::needless_range_loop)]
 
 mod common;
+#[path = "common/hooked.rs"]
+mod hooked;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -355,4 +358,70 @@ fn a_steady_state_step_on_the_device_does_not_block_the_host() {
             );
         }
     }
+}
+
+#[test]
+fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
+    // Rank 1 fails its fifth all-gather (step 1's first: two units, gathered for forward and
+    // again for backward) without taking part, so rank 0's fails too (its peer left, or a
+    // timeout). Rank 1 gets the error at once. Rank 0's host does not wait for its
+    // all-gathers: it gets the error at a later check — an unshard, the optimizer step — or at
+    // `synchronize`, within the timeouts; never a hang, never a silent success.
+    let init = std::collections::HashMap::from([
+        ("w1".to_string(), vec![0.5f32; N]),
+        ("w2".to_string(), vec![1.0f32; N]),
+    ]);
+    let mut options = ring_options();
+    options.timeout = Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    let errors = ring::run_ranks(2, options, |comm| {
+        let rank = comm.rank();
+        let mut hooked = hooked::Hooked::new(comm);
+        if rank == 1 {
+            hooked.fail_all_gather = Some(4);
+        }
+        let dev = ComputeDevice::host_twin_with_latency(
+            1 << 24,
+            Default::default(),
+            Duration::from_millis(1),
+        )
+        .unwrap();
+        let config = FsdpConfig::new(ShardingStrategy::FullShard);
+        let mut fsdp = Fsdp::new_on(
+            Box::new(hooked),
+            dev,
+            &plan(),
+            ParamInit::Full(&init),
+            config,
+            adamw(),
+        )
+        .unwrap();
+        let model = Chain {
+            global: (2 * N) as f32,
+            losses: Arc::default(),
+        };
+        let batch = (vec![1.0f32; N], vec![0.0f32; N]);
+        for step in 0..STEPS {
+            let r = fsdp
+                .forward_backward_local(&model, &batch)
+                .and_then(|_| fsdp.optimizer_step());
+            if let Err(e) = r {
+                return (step, e.to_string());
+            }
+        }
+        let e = fsdp
+            .synchronize()
+            .expect_err("a failed collective went unreported");
+        (STEPS, e.to_string())
+    })
+    .unwrap();
+    println!("{errors:?} after {:?}", start.elapsed());
+    assert_eq!(errors[1].0, 1, "rank 1 fails at step 1");
+    assert!(errors[1].1.contains("failed on purpose"), "{}", errors[1].1);
+    assert!(errors[0].0 >= 1, "rank 0 failed before the fault");
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
 }
