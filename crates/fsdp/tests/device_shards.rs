@@ -240,9 +240,12 @@ fn checkpoints_written_from_the_device_resume_on_the_device_and_on_the_host() {
 fn what_the_shards_on_a_device_refuse_is_named() {
     let init = tied_mlp::init_params(&tied_mlp::tree());
     let any = OptimizerConfig::from(AnyPrecisionAdamWConfig::default());
-    let errors = ring::run_ranks(2, ring_options(), |comm| {
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let e = Fsdp::new_on(
+    let build = |comm: ring::RingCommunicator, offload_params: bool| {
+        let config = FsdpConfig {
+            offload_params,
+            ..FsdpConfig::new(ShardingStrategy::FullShard)
+        };
+        Fsdp::new_on(
             Box::new(comm),
             twin(),
             &plan(),
@@ -250,8 +253,9 @@ fn what_the_shards_on_a_device_refuse_is_named() {
             config,
             any,
         )
-        .unwrap_err();
-        e.to_string()
+    };
+    let errors = ring::run_ranks(2, ring_options(), |comm| {
+        build(comm, false).unwrap_err().to_string()
     })
     .unwrap();
     for (rank, e) in errors.iter().enumerate() {
@@ -263,20 +267,7 @@ fn what_the_shards_on_a_device_refuse_is_named() {
     }
     // With the shards offloaded, AnyPrecisionAdamW steps in host memory.
     ring::run_ranks(2, ring_options(), |comm| {
-        let config = FsdpConfig {
-            offload_params: true,
-            ..FsdpConfig::new(ShardingStrategy::FullShard)
-        };
-        let mut fsdp = Fsdp::new_on(
-            Box::new(comm),
-            twin(),
-            &plan(),
-            ParamInit::Full(&init),
-            config,
-            any,
-        )
-        .unwrap();
-        steps(&mut fsdp, 2, 0..1);
+        steps(&mut build(comm, true).unwrap(), 2, 0..1);
     })
     .unwrap();
 }
