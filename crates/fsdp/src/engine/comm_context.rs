@@ -279,9 +279,7 @@ impl CommContext {
                     false => dev.alloc(input.dtype(), out_len, t)?,
                 };
                 self.wait_or_defer(f(&input, &output)?)?;
-                let host = dev.copy_to_host(&output, t)?;
-                self.synchronize()?;
-                Ok(host)
+                self.host_copy(&output)
             }
             None => {
                 let output = match in_place {
@@ -292,6 +290,41 @@ impl CommContext {
                 Ok(output)
             }
         }
+    }
+
+    /// `bufs` in host memory: each itself (a handle) unless it is on the device, then a copy;
+    /// the host waits once for all the copies (a host synchronisation point).
+    ///
+    /// # Errors
+    /// A failing copy; those of [`synchronize`](Self::synchronize).
+    pub(crate) fn host_copies(&self, bufs: &[&Buffer]) -> Result<Vec<Buffer>, FsdpError> {
+        let mut copied = false;
+        let out = bufs
+            .iter()
+            .map(
+                |b| match self.device.as_ref().filter(|_| b.stream_order().is_some()) {
+                    Some(dev) => {
+                        copied = true;
+                        dev.copy_to_host(b, dev.transfer_stream())
+                    }
+                    None => Ok((*b).clone()),
+                },
+            )
+            .collect::<Result<Vec<_>, _>>()?;
+        if copied {
+            self.synchronize()?;
+        }
+        Ok(out)
+    }
+
+    /// One buffer of [`host_copies`](Self::host_copies).
+    ///
+    /// # Errors
+    /// As [`host_copies`](Self::host_copies).
+    pub(crate) fn host_copy(&self, b: &Buffer) -> Result<Buffer, FsdpError> {
+        let mut one = self.host_copies(&[b])?;
+        one.pop()
+            .ok_or_else(|| internal("a host copy of one buffer gave none"))
     }
 
     /// The deferred collectives (a poisoned lock is taken over: the list stays valid).

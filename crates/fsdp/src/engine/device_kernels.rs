@@ -163,28 +163,14 @@ impl ComputeDevice {
         }
     }
 
-    /// `x *= c` on `stream`, `x` an `f32` gradient shard (clipping).
+    /// `x *= c` on `stream`, `x` an `f32` gradient shard (clipping, loss scaling): the
+    /// multiplication of [`scale_divide`](Self::scale_divide), rounded once (on CUDA an
+    /// infinite `x` gives NaN, not finite either).
     ///
     /// # Errors
     /// A buffer that is not on this device; the stream's errors.
     pub(crate) fn scale(&self, x: &Buffer, c: f32, stream: &Stream) -> Result<(), FsdpError> {
-        match self.kind {
-            Kind::HostTwin => {
-                self.delay(stream)?;
-                host_task(stream, &[], &[x], move |_, w| {
-                    write::<f32>(&mut w[0])?.iter_mut().for_each(|v| *v *= c);
-                    Ok(())
-                })?;
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Kind::Cuda => {
-                // 0·x + c·x: c·x rounded once (an infinite x gives NaN: not finite either).
-                fsdp_kernels::launch::axpby_buffer(0.0, x, c, x, stream)
-                    .map_err(cuda::kernel("scale kernel"))?;
-                Ok(())
-            }
-        }
+        self.scale_divide(x, Some(c), None, stream)
     }
 
     /// The sum of the squares of the `f32` buffer `x`, in `f64` and in the elements' order (the

@@ -109,23 +109,28 @@ impl Fsdp {
         Ok(())
     }
 
-    /// The squared norms of the gradient shards on the device, summed over the sharded and the
-    /// unsharded units (as the host engine sums them): one sum of squares per unit on the
-    /// compute stream, then one wait on the host for all of them.
-    pub(super) fn squares_on_device(&self, dev: &ComputeDevice) -> Result<(f64, f64), FsdpError> {
+    /// Each unit's gradient shard's sum of squares in `f64`, in the elements' order, taken on
+    /// the device's compute stream and read with one wait on the host.
+    fn shard_squares(&self, dev: &ComputeDevice) -> Result<Vec<f64>, FsdpError> {
         let sums = self
             .groups
             .iter()
-            .map(|g| {
-                let s = dev.sum_of_squares(&g.grad_shard, dev.compute_stream())?;
-                Ok((g.factor > 1, dev.copy_to_host(&s, dev.compute_stream())?))
-            })
+            .map(|g| dev.sum_of_squares(&g.grad_shard, dev.compute_stream()))
             .collect::<Result<Vec<_>, FsdpError>>()?;
-        self.ctx.synchronize()?;
+        let sums: Vec<&Buffer> = sums.iter().collect();
+        self.ctx
+            .host_copies(&sums)?
+            .iter()
+            .map(|s| Ok(s.to_vec::<f64>()?[0]))
+            .collect()
+    }
+
+    /// The squared norms of the gradient shards on the device, summed over the sharded and the
+    /// unsharded units (as the host engine sums them), with one wait on the host.
+    pub(super) fn squares_on_device(&self, dev: &ComputeDevice) -> Result<(f64, f64), FsdpError> {
         let (mut sharded, mut replicated) = (0.0, 0.0);
-        for (is_sharded, s) in sums {
-            let v = s.to_vec::<f64>()?[0];
-            if is_sharded {
+        for (g, v) in self.groups.iter().zip(self.shard_squares(dev)?) {
+            if g.factor > 1 {
                 sharded += v;
             } else {
                 replicated += v;
@@ -143,40 +148,10 @@ impl Fsdp {
         dev: &ComputeDevice,
         inv: f32,
     ) -> Result<bool, FsdpError> {
-        let s = dev.compute_stream();
-        let sums = self
-            .groups
-            .iter()
-            .map(|g| {
-                dev.scale(&g.grad_shard, inv, s)?;
-                let sum = dev.sum_of_squares(&g.grad_shard, s)?;
-                dev.copy_to_host(&sum, s)
-            })
-            .collect::<Result<Vec<_>, FsdpError>>()?;
-        self.ctx.synchronize()?;
-        let mut found = false;
-        for sum in sums {
-            found |= !sum.to_vec::<f64>()?[0].is_finite();
+        for g in &self.groups {
+            dev.scale(&g.grad_shard, inv, dev.compute_stream())?;
         }
-        Ok(found)
-    }
-
-    /// `b` in host memory: itself (a handle), or when it is on the device, a copy the host
-    /// waited for.
-    pub(super) fn host_copy(&self, b: &Buffer) -> Result<Buffer, FsdpError> {
-        match self
-            .ctx
-            .device
-            .as_ref()
-            .filter(|_| b.stream_order().is_some())
-        {
-            None => Ok(b.clone()),
-            Some(dev) => {
-                let host = dev.copy_to_host(b, dev.transfer_stream())?;
-                self.ctx.synchronize()?;
-                Ok(host)
-            }
-        }
+        Ok(self.shard_squares(dev)?.iter().any(|v| !v.is_finite()))
     }
 
     /// Unit `g`'s optimizer state in host memory: its own, or with the shards on a device, a
@@ -190,11 +165,10 @@ impl Fsdp {
         }
         let mut state = g.optim_state.clone();
         let momentum = has_momentum(&self.optim);
-        for (m, b) in host_moments(&mut state, momentum)
-            .into_iter()
-            .zip(&g.device_moments)
-        {
-            *m = self.host_copy(b)?.to_vec::<f32>()?;
+        let moments: Vec<&Buffer> = g.device_moments.iter().collect();
+        let copies = self.ctx.host_copies(&moments)?;
+        for (m, b) in host_moments(&mut state, momentum).into_iter().zip(copies) {
+            *m = b.to_vec::<f32>()?;
         }
         Ok(Cow::Owned(state))
     }

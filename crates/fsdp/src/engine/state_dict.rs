@@ -105,7 +105,7 @@ impl Fsdp {
                 try_copy(src, &what)
             };
             let mut param = try_filled_vec(unit.shard.len(), 0.0, "a parameter shard")?;
-            load_exact(&self.host_copy(&unit.shard)?, &mut param)?;
+            load_exact(&self.ctx.host_copy(&unit.shard)?, &mut param)?;
             let mut tensors = vec![("param", param)];
             match self.host_optim_state(unit)?.as_ref() {
                 OptimizerState::AdamW(s) => {
@@ -269,7 +269,7 @@ impl Fsdp {
         let mut out = HashMap::new();
         for g in &self.groups {
             let full = if g.factor == 1 {
-                self.host_copy(&g.shard)?
+                self.ctx.host_copy(&g.shard)?
             } else {
                 let group = self
                     .ctx
