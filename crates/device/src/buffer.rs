@@ -175,6 +175,23 @@ impl Buffer {
         self.same_storage(other) && a.start < b.end && b.start < a.end
     }
 
+    /// Among the buffers of one operation, the first written one that shares a byte with
+    /// another (a later written one, or any read one), with that other: an operation given
+    /// them would write memory it also reads or writes through another view. Reads may
+    /// overlap each other; empty views overlap nothing.
+    pub fn overlapping_write<'a>(
+        reads: &[&'a Buffer],
+        writes: &[&'a Buffer],
+    ) -> Option<(&'a Buffer, &'a Buffer)> {
+        writes.iter().enumerate().find_map(|(i, w)| {
+            let others = reads.iter().chain(writes.iter().skip(i + 1));
+            others
+                .into_iter()
+                .find(|o| o.overlaps(w) && o.byte_len() > 0)
+                .map(|o| (*w, *o))
+        })
+    }
+
     /// A view of `range` (in elements) of this buffer.
     pub fn slice(&self, range: Range<usize>) -> Result<Buffer, DeviceError> {
         if range.start > range.end || range.end > self.len {

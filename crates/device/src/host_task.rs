@@ -122,18 +122,12 @@ pub fn host_task(
     for b in reads.iter().chain(writes) {
         check_twin(b, stream, "host_task")?;
     }
-    for (i, w) in writes.iter().enumerate() {
-        let others = reads.iter().chain(writes.iter().skip(i + 1));
-        if let Some(o) = others
-            .into_iter()
-            .find(|o| o.overlaps(w) && o.byte_len() > 0)
-        {
-            return Err(DeviceError::InvalidArgument(format!(
-                "host_task: a written buffer of {} elements overlaps another of {} elements",
-                w.len(),
-                o.len()
-            )));
-        }
+    if let Some((w, o)) = Buffer::overlapping_write(reads, writes) {
+        return Err(DeviceError::InvalidArgument(format!(
+            "host_task: a written buffer of {} elements overlaps another of {} elements",
+            w.len(),
+            o.len()
+        )));
     }
     let shapes: Vec<(usize, DType)> = reads
         .iter()

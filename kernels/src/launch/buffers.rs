@@ -113,18 +113,12 @@ fn launch_on_buffers(
             )));
         }
     }
-    for (i, w) in writes.iter().enumerate() {
-        let others = reads.iter().chain(writes.iter().skip(i + 1));
-        if let Some(o) = others
-            .into_iter()
-            .find(|o| o.overlaps(w) && o.byte_len() > 0)
-        {
-            return Err(invalid(format!(
-                "a written buffer of {} elements overlaps another of {}",
-                w.len(),
-                o.len()
-            )));
-        }
+    if let Some((w, o)) = Buffer::overlapping_write(reads, writes) {
+        return Err(invalid(format!(
+            "a written buffer of {} elements overlaps another of {}",
+            w.len(),
+            o.len()
+        )));
     }
     let cu = stream
         .cuda_stream()
