@@ -30,6 +30,15 @@ pub(crate) struct Access {
     pub(crate) in_place: bool,
 }
 
+/// The [`StreamOrder`]s of the stream-ordered buffers among `tickets`' buffers, each with the
+/// mode of its use ([`Access::stream_orders`]; NCCL's launch orders them on the GPU).
+pub(crate) fn stream_orders(tickets: &[AccessTicket]) -> Vec<(Arc<StreamOrder>, AccessMode)> {
+    tickets
+        .iter()
+        .filter_map(|t| t.buffer().stream_order().map(|o| (o, t.mode())))
+        .collect()
+}
+
 impl Access {
     fn new(tickets: Vec<AccessTicket>) -> Access {
         Access {
@@ -49,10 +58,7 @@ impl Access {
     /// ([`StreamOrder::before_read`]/[`before_write`](StreamOrder::before_write) on the
     /// stream, before it enqueues the task) and records the use after it.
     pub(crate) fn stream_orders(&self) -> Vec<(Arc<StreamOrder>, AccessMode)> {
-        self.tickets
-            .iter()
-            .filter_map(|t| t.buffer().stream_order().map(|o| (o, t.mode())))
-            .collect()
+        stream_orders(&self.tickets)
     }
 
     /// Wait for every ticket, all within `timeout`.

@@ -116,10 +116,7 @@ impl NcclCommunicator {
         self.order_after_current().map_err(abort_all)?;
         // Stream-ordered buffers: the NCCL stream waits (on the GPU) for the work that
         // conflicts with the collective, and its end becomes their newest use.
-        let orders: Vec<_> = tickets
-            .iter()
-            .filter_map(|t| t.buffer().stream_order().map(|o| (o, t.mode())))
-            .collect();
+        let orders = crate::flavors::check::stream_orders(&tickets);
         for (order, mode) in &orders {
             order
                 .before(&self.stream, *mode)
