@@ -14,7 +14,8 @@ const COMMON: &str = include_str!("cu/common.cuh");
 pub enum Program {
     /// `cast_<src>_<dst>` between f32, bf16 and f16.
     Cast,
-    /// `axpby_<dtype>` and `memset_b{16,32,64}`.
+    /// `axpby_<dtype>`, `div_scalar_<dtype>`, `scale_by_f32`, `memset_b{16,32,64}`,
+    /// `gather_segments` and `zero_segments`.
     Elementwise,
     /// `reduce_{sum,min,max,prod}_<dtype>` (avg is a sum with a final division).
     Reduce,
@@ -24,7 +25,8 @@ pub enum Program {
     /// torchdistx's `AnyPrecisionAdamW` at the end of a step decided on the device:
     /// `anyprecision_decided_f32` and `anyprecision_decided_bf16_state` (f32 or bf16 state).
     AnyPrecision,
-    /// `sum_squares_f32` and `sum_f64_final`, and the step's loss: `loss_accumulate`.
+    /// `sum_squares_f32` and `sum_f64_final` (and their `_many` forms), the step's loss
+    /// (`loss_accumulate`) and the norm's clip coefficient (`clip_coefficient`).
     Norm,
     /// The GPT's layers besides matrix products (f32): layer norm, GELU, causal softmax,
     /// cross-entropy, embeddings, bias gradient and bias add, and the attention heads'
@@ -104,6 +106,7 @@ impl Program {
                 "div_scalar_f64",
                 "div_scalar_bf16",
                 "div_scalar_f16",
+                "scale_by_f32",
                 "memset_b16",
                 "memset_b32",
                 "memset_b64",
@@ -138,6 +141,7 @@ impl Program {
                 "sum_squares_many",
                 "sum_f64_final_many",
                 "loss_accumulate",
+                "clip_coefficient",
             ]),
             Program::Nn => s(&[
                 "layernorm_forward_f32",

@@ -1,5 +1,5 @@
 //! Every kernel on the GPU against its host twin: bitwise for casts, axpby, division by a
-//! scalar, memset (and many
+//! scalar, clipping (its coefficient and the scaling), memset (and many
 //! buffers zeroed at once), the ring's reductions, SGD and the sum of squares (NaN results:
 //! both NaN), AdamW within 1 ulp (0 expected: the kernels round every operation as the twin
 //! does). Without a GPU each test prints `skipped: no GPU (<reason>)` and passes; with one,
@@ -288,6 +288,40 @@ fn sum_of_squares_equals_its_twin() {
         launch::sum_of_squares(&s, &up(&s, &x), &mut out).unwrap();
         let got = down(&s, &out)[0];
         assert_eq!(got.to_bits(), want.to_bits(), "n {n}: {got} vs {want}");
+    }
+}
+
+/// `clip_coefficient` on norms below, at and above `max_norm`, infinite and NaN (and `+∞` as
+/// `max_norm`), then `scale_by_f32` with each coefficient: the norm, the coefficient and every
+/// scaled gradient bitwise their twins'.
+#[test]
+fn clipping_on_the_device_equals_its_twin() {
+    let Some(s) = gpu_stream("clipping_on_the_device_equals_its_twin") else {
+        return;
+    };
+    let x = grads(100_003, 91);
+    let cases = [
+        (0.25, 0.5, 1.0),
+        (3.0, 1.0, 1.0),
+        (0.5, 0.5, 1.0),
+        (1e6, 2.5, 0.05),
+        (f64::INFINITY, 0.0, 1.0),
+        (f64::NAN, 1.0, 1.0),
+        (4.0, 5.0, f64::INFINITY),
+    ];
+    for (sharded, replicated, max_norm) in cases {
+        let want = host::clip_coefficient(sharded, replicated, max_norm);
+        let mut out = s.alloc_zeros::<f64>(2).unwrap();
+        let (d_s, d_r) = (up(&s, &[sharded]), up(&s, &[replicated]));
+        launch::clip_coefficient(&s, &d_s, &d_r, max_norm, &mut out).unwrap();
+        let got = down(&s, &out);
+        let what = format!("clip_coefficient({sharded}, {replicated}, {max_norm})");
+        assert_same(&what, &got, &want);
+        let mut want_x = x.clone();
+        host::scale_by(&mut want_x, want[1]);
+        let mut d_x = up(&s, &x);
+        launch::scale_by(&s, &mut d_x, &out.slice(1..2)).unwrap();
+        assert_same(&format!("scale_by after {what}"), &down(&s, &d_x), &want_x);
     }
 }
 

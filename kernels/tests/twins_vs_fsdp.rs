@@ -1,4 +1,5 @@
 //! The AdamW and SGD twins against the host optimizers of `fsdp::optim` (PyTorch's formulas),
+//! and the clipping twins against its clip coefficient,
 //! bitwise, over several steps and settings.
 
 use fsdp::optim::{adamw_step, sgd_step, AdamWConfig, SgdConfig};
@@ -110,4 +111,39 @@ fn sgd_twin_equals_fsdp_bitwise() {
             assert_eq!(bits(&b), bits(&b_ref));
         }
     }
+}
+
+/// The clipping twins against `fsdp::optim::clip_coefficient` and the host engine's scaling
+/// (`x *= c`): the same norm, the same coefficient (1 where fsdp does not clip) and the same
+/// bits after scaling, over norms below, at and above `max_norm`, and non-finite ones.
+#[test]
+fn clipping_twins_equal_fsdp_bitwise() {
+    let x = data(2001, 7);
+    for (sharded, replicated) in [(0.0, 0.0), (0.3, 0.1), (4.0, 5.0), (1e9, 0.0), (1.0, 1e-7)] {
+        for max_norm in [0.0, 0.05, 1.0, 3.0, 1e12] {
+            let [norm, coef] = host::clip_coefficient(sharded, replicated, max_norm);
+            let total = (sharded + replicated).sqrt();
+            assert_eq!(norm.to_bits(), total.to_bits());
+            let want = fsdp::optim::clip_coefficient(max_norm, total);
+            assert_eq!(
+                coef,
+                want.map_or(1.0, f64::from),
+                "{sharded} {replicated} {max_norm}"
+            );
+            let mut got = x.clone();
+            host::scale_by(&mut got, coef);
+            let mut fsdp_x = x.clone();
+            if let Some(c) = want {
+                fsdp_x.iter_mut().for_each(|v| *v *= c);
+            }
+            assert_eq!(bits(&got), bits(&fsdp_x));
+        }
+    }
+    for bad in [f64::INFINITY, f64::NAN] {
+        let [norm, coef] = host::clip_coefficient(bad, 0.0, 1.0);
+        assert!(!norm.is_finite());
+        assert_eq!(coef, 1.0);
+        assert_eq!(fsdp::optim::clip_coefficient(1.0, norm), None);
+    }
+    assert_eq!(host::clip_coefficient(16.0, 0.0, f64::INFINITY), [4.0, 1.0]);
 }

@@ -23,6 +23,9 @@ impl State {
 /// A collective issued on a communicator's stream (PyTorch's `Work`). It completes when the
 /// stream has run the collective; waiting is bounded by a timeout. Dropping or forgetting a
 /// `Work` is always safe: the stream owns the buffers it touches until it is done with them.
+/// Clones are handles to the same collective (as PyTorch's `Work` is shared): each sees its
+/// completion and its result.
+#[derive(Clone)]
 pub struct Work {
     state: Arc<State>,
     event: Event,

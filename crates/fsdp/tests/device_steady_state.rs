@@ -18,7 +18,9 @@ mod hooked;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fsdp::engine::{ComputeDevice, FsdpConfig, FsdpModel, ParamInit, ShardingStrategy, Span};
+use fsdp::engine::{
+    ComputeDevice, FsdpConfig, FsdpModel, GradNorm, ParamInit, ShardingStrategy, Span,
+};
 use fsdp::optim::{OptimizerConfig, SgdConfig};
 use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
 use fsdp::{Fsdp, FsdpError, Grads, Params};
@@ -219,16 +221,26 @@ fn plan() -> UnitPlan {
     }
 }
 
-/// What a rank's run gives: the losses and final parameters (bits), the host waits of the
-/// steady-state steps, and whether the device was still busy when each of them returned.
+/// What a rank's run gives: the losses, the norms it clipped by and final parameters (bits),
+/// the host waits of the steady-state steps, and whether the device was still busy when each
+/// of them returned (and its norm not ready yet).
 struct Run {
     losses: Vec<u32>,
+    norms: Vec<u64>,
     params: Vec<(String, Vec<u32>)>,
     steady_waits: u64,
     ran_ahead: bool,
 }
 
-fn run(world: usize, config: FsdpConfig, optim: OptimizerConfig, on_device: bool) -> Run {
+/// A run, clipping the gradients by `clip` each step when it is set (on the device without
+/// reading the norm: `clip_grad_norm_async`, the norms read after the last step).
+fn run(
+    world: usize,
+    config: FsdpConfig,
+    optim: OptimizerConfig,
+    clip: Option<f64>,
+    on_device: bool,
+) -> Run {
     let init = std::collections::HashMap::from([
         (
             "w1".to_string(),
@@ -263,18 +275,30 @@ fn run(world: usize, config: FsdpConfig, optim: OptimizerConfig, on_device: bool
             .collect();
         let t: Vec<f32> = (0..N).map(|i| ((i * 3 + rank) % 4) as f32 * 0.5).collect();
         let (mut losses, mut steady_waits, mut ran_ahead) = (Vec::new(), 0, true);
+        let mut norms = Vec::new();
         for step in 0..STEPS {
             let before = fsdp.host_waits();
             let batch = (x.clone(), t.clone());
             losses.push(fsdp.forward_backward_local(&model, &batch).unwrap());
+            let mut ready = false;
+            if let Some(max_norm) = clip {
+                let norm = match on_device {
+                    true => fsdp.clip_grad_norm_async(max_norm).unwrap(),
+                    false => GradNorm::from(fsdp.clip_grad_norm(max_norm).unwrap()),
+                };
+                ready = norm.is_ready();
+                norms.push(norm);
+            }
             fsdp.optimizer_step().unwrap();
             if step > 0 {
                 steady_waits += fsdp.host_waits() - before;
                 if let Some(dev) = fsdp.compute_device() {
-                    ran_ahead &= !dev.compute_stream().query();
+                    ran_ahead &= !dev.compute_stream().query() && !ready;
                 }
             }
         }
+        // The norms, read by the host now (each waits for the device if need be).
+        let norms = norms.iter().map(|n| n.value().unwrap().to_bits()).collect();
         fsdp.synchronize().unwrap();
         if on_device {
             // The losses, read once the device is done.
@@ -299,6 +323,7 @@ fn run(world: usize, config: FsdpConfig, optim: OptimizerConfig, on_device: bool
         params.sort();
         Run {
             losses: losses.iter().map(|l| l.to_bits()).collect(),
+            norms,
             params,
             steady_waits,
             ran_ahead,
@@ -325,8 +350,8 @@ fn a_steady_state_step_on_the_device_does_not_block_the_host() {
                 forward_prefetch: true,
                 ..FsdpConfig::new(strategy)
             };
-            let host = run(world, config, optim, false);
-            let dev = run(world, config, optim, true);
+            let host = run(world, config, optim, None, false);
+            let dev = run(world, config, optim, None, true);
             assert_eq!(dev.losses, host.losses, "{what}: losses");
             assert_eq!(dev.params, host.params, "{what}: parameters");
             let l = |b: u32| f32::from_bits(b);
@@ -355,6 +380,49 @@ fn a_steady_state_step_on_the_device_does_not_block_the_host() {
             assert!(
                 dev.ran_ahead,
                 "{what}: the device was idle when a step returned"
+            );
+        }
+    }
+}
+
+/// Clipping on the device (`clip_grad_norm_async`): the norm and the coefficient computed
+/// there and the gradients scaled there, nothing read on the host; the norms, read after the
+/// last step, the losses and the parameters are the host engine's (`clip_grad_norm`) bit for
+/// bit, with a limit that clips every step and one that never does; still no host wait.
+#[test]
+fn clipping_on_the_device_does_not_block_the_host() {
+    for (world, strategy) in [
+        (1, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::ShardGradOp),
+        (2, ShardingStrategy::NoShard),
+    ] {
+        for max_norm in [0.05, 1e6] {
+            let what = format!("world {world}, {strategy:?}, max_norm {max_norm}");
+            let config = FsdpConfig {
+                limit_all_gathers: None,
+                ..FsdpConfig::new(strategy)
+            };
+            let optim = SgdConfig::with_momentum(0.05, 0.9).into();
+            let host = run(world, config, optim, Some(max_norm), false);
+            let dev = run(world, config, optim, Some(max_norm), true);
+            let norms: Vec<f64> = host.norms.iter().map(|&b| f64::from_bits(b)).collect();
+            println!(
+                "{what}: norms {norms:?}, host waits {} vs {}",
+                host.steady_waits, dev.steady_waits
+            );
+            assert_eq!(dev.norms, host.norms, "{what}: norms");
+            assert_eq!(dev.losses, host.losses, "{what}: losses");
+            assert_eq!(dev.params, host.params, "{what}: parameters");
+            // The limit bites (or not) as meant, so both branches of the coefficient run.
+            assert!(
+                norms.iter().all(|&n| (n > max_norm) == (max_norm < 1.0)),
+                "{what}: {norms:?}"
+            );
+            assert_eq!(dev.steady_waits, 0, "{what}: host waits");
+            assert!(
+                dev.ran_ahead,
+                "{what}: the device was idle, or a norm ready, when a step returned"
             );
         }
     }

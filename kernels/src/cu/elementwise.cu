@@ -1,4 +1,4 @@
-// Scale and add (axpby), division by a scalar, memset, many copies in one launch (gather_segments) and many buffers
+// Scale and add (axpby), division by a scalar, scaling by a scalar on the device, memset, many copies in one launch (gather_segments) and many buffers
 // zeroed in one (zero_segments).
 
 // y = alpha * x + beta * y, each product and the sum rounded separately (no fused multiply-add).
@@ -26,6 +26,14 @@ DIV_SCALAR(f32, float, __fdiv_rn)
 DIV_SCALAR(f64, double, __ddiv_rn)
 DIV_SCALAR(bf16, float, __fdiv_rn)
 DIV_SCALAR(f16, float, __fdiv_rn)
+
+// x = x * c[0] (the coefficient, computed on the device, rounded to f32; each product rounded
+// once), nothing when it is 1: clipping by a coefficient the host never reads.
+extern "C" __global__ void scale_by_f32(float* x, const double* c, u64 n) {
+    float f = __double2float_rn(c[0]);
+    if (f == 1.0f) return;
+    GRID_STRIDE(i, n) { x[i] = __fmul_rn(x[i], f); }
+}
 
 // Fill with a bit pattern of 2, 4 or 8 bytes.
 #define MEMSET(W, U) \

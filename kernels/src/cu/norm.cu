@@ -106,3 +106,16 @@ extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
         scalars[0] = (double)__fadd_rn(before, part);
     }
 }
+
+// The global gradient norm and the clip coefficient from its squared parts, one thread (twin:
+// host::clip_coefficient): out[0] = sqrt(sharded[0] + replicated[0]); out[1] = max_norm /
+// (out[0] + 1e-6) rounded to f32 when the norm is finite and that is below 1, else 1 (no
+// clipping; a max_norm of +inf never clips).
+extern "C" __global__ void clip_coefficient(const double* sharded, const double* replicated,
+                                            double max_norm, double* out) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double total = __dsqrt_rn(__dadd_rn(sharded[0], replicated[0]));
+    double coef = __ddiv_rn(max_norm, __dadd_rn(total, 1e-6));
+    out[0] = total;
+    out[1] = (isfinite(total) && coef < 1.0) ? (double)__double2float_rn(coef) : 1.0;
+}

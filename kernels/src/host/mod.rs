@@ -20,7 +20,7 @@ pub use any_precision::{
     AnyPrecisionScalars,
 };
 pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-pub use norm::{sum_of_squares, NORM_BLOCK, NORM_ITEMS};
+pub use norm::{clip_coefficient, scale_by, sum_of_squares, NORM_BLOCK, NORM_ITEMS};
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
 pub use step::{
     adamw_decided, loss_accumulate, scaled_seed, step_decide, step_scalars, step_scalars_len,

@@ -53,3 +53,27 @@ pub fn sum_of_squares(x: &[f32]) -> f64 {
         .collect();
     tree_sum_f64(sh)
 }
+
+/// Twin of `clip_coefficient`: the global norm `√(sharded + replicated)` of the squared parts
+/// and the coefficient that clips it to `max_norm` (PyTorch's `max_norm / (total + 1e-6)`,
+/// rounded to `f32`, when the norm is finite and that is below 1; else 1, which
+/// [`scale_by`] leaves alone; a `max_norm` of `+∞` never clips): `[norm, coefficient]`.
+pub fn clip_coefficient(sharded: f64, replicated: f64, max_norm: f64) -> [f64; 2] {
+    let total = (sharded + replicated).sqrt();
+    let coef = max_norm / (total + 1e-6);
+    let c = if total.is_finite() && coef < 1.0 {
+        f64::from(coef as f32)
+    } else {
+        1.0
+    };
+    [total, c]
+}
+
+/// Twin of `scale_by_f32`: `x *= c` (rounded to `f32` first), each product rounded once;
+/// nothing when the coefficient is 1.
+pub fn scale_by(x: &mut [f32], c: f64) {
+    let f = c as f32;
+    if f != 1.0 {
+        x.iter_mut().for_each(|v| *v *= f);
+    }
+}

@@ -159,8 +159,8 @@ unsafe fn ordered<T>(stream: &Arc<CudaStream>, p: (u64, usize)) -> Ordered<T> {
 }
 
 /// `y = alpha·x + beta·y` ([`axpby`](super::axpby)) on stream-ordered CUDA buffers of one
-/// length and element type (f32, bf16 or f16; the 16-bit types computed in f32 and rounded once
-/// when stored), on `stream`: with `alpha = beta = 1` the exact sum `x + y`, rounded once (an
+/// length and element type (f32, f64, bf16 or f16; the 16-bit types computed in f32 and rounded
+/// once when stored), on `stream`: with `alpha = beta = 1` the exact sum `x + y`, rounded once (an
 /// accumulation); `x` may be `y` itself (then `alpha·y + beta·y`: with `beta = 0`, a scaling
 /// `alpha·y` rounded once). Returns the event after it.
 ///
@@ -197,12 +197,65 @@ pub fn axpby_buffer(
             DType::F32 => run::<f32>(cu, (alpha, beta), xp, yp),
             DType::BF16 => run::<bf16>(cu, (alpha, beta), xp, yp),
             DType::F16 => run::<f16>(cu, (alpha, beta), xp, yp),
-            DType::F64 => Err(KernelError::InvalidArgument {
-                kernel: "axpby",
-                reason: "f64 buffers (f32, bf16 or f16 expected)".into(),
-            }),
+            DType::F64 => {
+                // SAFETY: as above, for buffers of f64 (computed in f64; `alpha` and `beta`
+                // widened exactly).
+                let (x, mut y) = unsafe { (ordered::<f64>(cu, xp), ordered::<f64>(cu, yp)) };
+                let (a, b) = (f64::from(alpha), f64::from(beta));
+                super::axpby::<f64>(cu, a, &x, b, &mut y)
+            }
         }
     })
+}
+
+/// `x *= c[0]` ([`scale_by`](super::scale_by): the coefficient rounded to f32, nothing when
+/// it is 1) on a stream-ordered `f32` CUDA buffer with the one-element `f64` buffer `c`, on
+/// `stream`: scaling by a coefficient computed on the device (clipping), which the host never
+/// reads. Returns the event after it.
+///
+/// # Errors
+/// As [`axpby_buffer`]; `c` not of one element.
+pub fn scale_by_buffer(x: &Buffer, c: &Buffer, stream: &Stream) -> Result<Event, KernelError> {
+    let dtypes = [DType::F64, DType::F32];
+    launch_on_buffers("scale_by_f32", stream, &[c], &[x], &dtypes, |cu, p| {
+        // SAFETY: addresses and lengths of ordered buffers (`launch_on_buffers`).
+        let (c, mut x) = unsafe { (ordered::<f64>(cu, p[0]), ordered::<f32>(cu, p[1])) };
+        super::scale_by(cu, &mut x, &c)
+    })
+}
+
+/// The global norm and its clip coefficient ([`clip_coefficient`](super::clip_coefficient))
+/// from the one-element `f64` buffers `sharded` and `replicated` into the two-element `f64`
+/// buffer `out` (the norm, then the coefficient), on `stream`. Returns the event after it.
+///
+/// # Errors
+/// As [`axpby_buffer`]; buffers of other lengths.
+pub fn clip_coefficient_buffers(
+    sharded: &Buffer,
+    replicated: &Buffer,
+    max_norm: f64,
+    out: &Buffer,
+    stream: &Stream,
+) -> Result<Event, KernelError> {
+    let reads = [sharded, replicated];
+    launch_on_buffers(
+        "clip_coefficient",
+        stream,
+        &reads,
+        &[out],
+        &[DType::F64; 3],
+        |cu, p| {
+            // SAFETY: addresses and lengths of ordered buffers (`launch_on_buffers`).
+            let (s, r, mut out) = unsafe {
+                (
+                    ordered::<f64>(cu, p[0]),
+                    ordered::<f64>(cu, p[1]),
+                    ordered::<f64>(cu, p[2]),
+                )
+            };
+            super::clip_coefficient(cu, &s, &r, max_norm, &mut out)
+        },
+    )
 }
 
 /// `y = y / d` ([`div_scalar`](super::div_scalar): the quotient rounded once to the element

@@ -32,7 +32,8 @@ mod nn_loss;
 mod step;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
 pub use buffers::{
-    adamw_buffers, axpby_buffer, cast_buffer, div_scalar_buffer, sgd_buffers, sum_of_squares_buffer,
+    adamw_buffers, axpby_buffer, cast_buffer, clip_coefficient_buffers, div_scalar_buffer,
+    scale_by_buffer, sgd_buffers, sum_of_squares_buffer,
 };
 pub use foreach::{
     adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
@@ -249,6 +250,66 @@ pub fn div_scalar<T: KernelFloat>(
     b.arg(&d).arg(&yp).arg(&n64);
     // SAFETY: `div_scalar_<T>(C, T*, u64)` with C = T's compute type, `n` elements.
     unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
+    Ok(())
+}
+
+/// `x *= c[0]` (the coefficient rounded to f32; nothing when it is 1): the twin
+/// [`host::scale_by`](crate::host::scale_by), bitwise.
+///
+/// # Errors
+/// [`KernelError::Length`] unless `c` has one element; compile, load and launch failures.
+pub fn scale_by(
+    stream: &CudaStream,
+    x: &mut impl DevicePtrMut<f32>,
+    c: &impl DevicePtr<f64>,
+) -> Result<(), KernelError> {
+    same_len("scale_by", "c", 1, c.len())?;
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Elementwise, "scale_by_f32")?;
+    let (xp, _x) = x.device_ptr_mut(stream);
+    let (cp, _c) = c.device_ptr(stream);
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp).arg(&cp).arg(&n64);
+    // SAFETY: `scale_by_f32(float*, const double*, u64)`: `n` elements of `x`, one of `c`.
+    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "scale_by_f32", e))?;
+    Ok(())
+}
+
+/// The global norm and its clip coefficient from the squared parts `sharded[0]` and
+/// `replicated[0]` into `out` (two elements: the norm, then the coefficient): the twin
+/// [`host::clip_coefficient`](crate::host::clip_coefficient), bitwise.
+///
+/// # Errors
+/// [`KernelError::Length`] for parts of other than one element or an `out` of other than
+/// two; compile, load and launch failures.
+pub fn clip_coefficient(
+    stream: &CudaStream,
+    sharded: &impl DevicePtr<f64>,
+    replicated: &impl DevicePtr<f64>,
+    max_norm: f64,
+    out: &mut impl DevicePtrMut<f64>,
+) -> Result<(), KernelError> {
+    same_len("clip_coefficient", "sharded", 1, sharded.len())?;
+    same_len("clip_coefficient", "replicated", 1, replicated.len())?;
+    same_len("clip_coefficient", "out", 2, out.len())?;
+    let f = function(stream, Program::Norm, "clip_coefficient")?;
+    let (sp, _s) = sharded.device_ptr(stream);
+    let (rp, _r) = replicated.device_ptr(stream);
+    let (op, _o) = out.device_ptr_mut(stream);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&sp).arg(&rp).arg(&max_norm).arg(&op);
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `clip_coefficient(const double*, const double*, double, double*)`, one thread:
+    // reads one element of each part, writes two of `out` (lengths checked above).
+    unsafe { b.launch(one) }.map_err(|e| driver("cuLaunchKernel", "clip_coefficient", e))?;
     Ok(())
 }
 

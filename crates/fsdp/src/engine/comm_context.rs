@@ -224,6 +224,11 @@ impl CommContext {
         self.device.as_ref().filter(|_| !self.config.offload_params)
     }
 
+    /// Count a wait of the host on the device or a collective.
+    pub(crate) fn count_host_wait(&self) {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Wait on the host for `work` (counted in `host_waits`).
     ///
     /// # Errors

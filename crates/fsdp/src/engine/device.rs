@@ -211,14 +211,23 @@ impl ComputeDevice {
     /// # Errors
     /// A buffer that is not on this device, a failing copy.
     pub fn copy_to_host(&self, dev: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
+        Ok(self.copy_to_host_event(dev, stream)?.0)
+    }
+
+    /// [`copy_to_host`](Self::copy_to_host), with the copy's event.
+    pub(crate) fn copy_to_host_event(
+        &self,
+        dev: &Buffer,
+        stream: &Stream,
+    ) -> Result<(Buffer, fsdp_device::Event), FsdpError> {
         let out = match self.kind {
             Kind::HostTwin => Buffer::zeros(dev.dtype(), dev.len())?,
             #[cfg(feature = "cuda")]
             Kind::Cuda => Buffer::pinned_zeros(dev.dtype(), dev.len())?,
         };
         self.delay(stream)?;
-        dev.copy_to_host_async(&out, stream)?;
-        Ok(out)
+        let copied = dev.copy_to_host_async(&out, stream)?;
+        Ok((out, copied))
     }
 
     /// Zero the device buffer `buf` on `stream`.

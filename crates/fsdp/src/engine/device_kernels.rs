@@ -202,6 +202,109 @@ impl ComputeDevice {
         }
     }
 
+    /// `acc += x` on `stream`, both one-element `f64` buffers (the host engine's sum of the
+    /// units' squared norms, in their order).
+    ///
+    /// # Errors
+    /// Buffers that are not on this device; the stream's errors.
+    pub(crate) fn add_scalar(
+        &self,
+        acc: &Buffer,
+        x: &Buffer,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        match self.kind {
+            Kind::HostTwin => {
+                self.delay(stream)?;
+                host_task(stream, &[x], &[acc], |r, w| {
+                    write::<f64>(&mut w[0])?[0] += read::<f64>(&r[0])?[0];
+                    Ok(())
+                })?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => {
+                fsdp_kernels::launch::axpby_buffer(1.0, x, 1.0, acc, stream)
+                    .map_err(cuda::kernel("norm sum kernel"))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The global norm `√(sharded + replicated)` (each a one-element `f64` buffer of squared
+    /// norms) and the coefficient that clips it to `max_norm` (the host engine's
+    /// [`clip_coefficient`](crate::optim::clip_coefficient), or 1 where it does not clip; a
+    /// `max_norm` of `+∞` never clips) into the two elements of the `f64` buffer `out`, on
+    /// `stream`: nothing is read on the host.
+    ///
+    /// # Errors
+    /// Buffers that are not on this device; the stream's errors.
+    pub(crate) fn clip_coefficient(
+        &self,
+        sharded: &Buffer,
+        replicated: &Buffer,
+        max_norm: f64,
+        out: &Buffer,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        match self.kind {
+            Kind::HostTwin => {
+                self.delay(stream)?;
+                host_task(stream, &[sharded, replicated], &[out], move |r, w| {
+                    let (s, p) = (read::<f64>(&r[0])?[0], read::<f64>(&r[1])?[0]);
+                    let total = (s + p).sqrt();
+                    let coef = crate::optim::clip_coefficient(max_norm, total);
+                    let out = write::<f64>(&mut w[0])?;
+                    out[0] = total;
+                    out[1] = coef.map_or(1.0, f64::from);
+                    Ok(())
+                })?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => {
+                fsdp_kernels::launch::clip_coefficient_buffers(
+                    sharded, replicated, max_norm, out, stream,
+                )
+                .map_err(cuda::kernel("clip coefficient kernel"))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// `x *= c[0]` on `stream`, `x` an `f32` gradient shard and `c` a one-element `f64`
+    /// buffer holding an `f32` coefficient computed on the device (nothing when it is 1): the
+    /// host engine's clipping, `*x *= c`.
+    ///
+    /// # Errors
+    /// Buffers that are not on this device; the stream's errors.
+    pub(crate) fn scale_by(
+        &self,
+        x: &Buffer,
+        c: &Buffer,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        match self.kind {
+            Kind::HostTwin => {
+                self.delay(stream)?;
+                host_task(stream, &[c], &[x], |r, w| {
+                    let c = read::<f64>(&r[0])?[0] as f32;
+                    if c != 1.0 {
+                        write::<f32>(&mut w[0])?.iter_mut().for_each(|v| *v *= c);
+                    }
+                    Ok(())
+                })?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => {
+                fsdp_kernels::launch::scale_by_buffer(x, c, stream)
+                    .map_err(cuda::kernel("clip scaling kernel"))?;
+                Ok(())
+            }
+        }
+    }
+
     /// One optimizer step (AdamW or SGD, step number `step`) on the `f32` shard `param` with
     /// its gradient shard `grad` and its state `moments` on the device (AdamW: `exp_avg`,
     /// `exp_avg_sq`; SGD: the momentum buffer, or none), each run of `segments` with its

@@ -125,20 +125,6 @@ impl Fsdp {
             .collect()
     }
 
-    /// The squared norms of the gradient shards on the device, summed over the sharded and the
-    /// unsharded units (as the host engine sums them), with one wait on the host.
-    pub(super) fn squares_on_device(&self, dev: &ComputeDevice) -> Result<(f64, f64), FsdpError> {
-        let (mut sharded, mut replicated) = (0.0, 0.0);
-        for (g, v) in self.groups.iter().zip(self.shard_squares(dev)?) {
-            if g.factor > 1 {
-                sharded += v;
-            } else {
-                replicated += v;
-            }
-        }
-        Ok((sharded, replicated))
-    }
-
     /// The grad scaler's unscaling with the shards on the device: every gradient shard times
     /// `inv` there, then whether any element is NaN or infinite — its sum of squares in `f64`
     /// is then not finite (a finite `f32`'s square cannot overflow an `f64` sum) — read with

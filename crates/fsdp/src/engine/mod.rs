@@ -99,6 +99,7 @@ mod device;
 mod device_kernels;
 mod device_shards;
 mod fsdp;
+mod grad_norm;
 mod grad_scaler;
 mod host_compute;
 mod materialize;
@@ -122,6 +123,7 @@ pub use config::{
 };
 pub use device::ComputeDevice;
 pub use fsdp::Fsdp;
+pub use grad_norm::GradNorm;
 pub use grad_scaler::{
     load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,
     GRAD_SCALER_FILE,

@@ -112,6 +112,9 @@ impl Fsdp {
     /// Unreduced gradients as in [`optimizer_step`](Self::optimizer_step); a failing
     /// collective.
     pub fn grad_norm(&self) -> Result<f64, FsdpError> {
+        if self.ctx.shards_on_device().is_some() {
+            return self.wait_for(self.grad_norm_async()?);
+        }
         self.check_reduced()?;
         self.unscale_shared()?;
         let sq = |b: &Buffer| -> Result<f64, FsdpError> {
@@ -121,15 +124,11 @@ impl Fsdp {
                 .sum())
         };
         let (mut sharded, mut replicated) = (0.0, 0.0);
-        if let Some(dev) = self.ctx.shards_on_device() {
-            (sharded, replicated) = self.squares_on_device(dev)?;
-        } else {
-            for g in &self.groups {
-                if g.factor > 1 {
-                    sharded += sq(&g.grad_shard)?;
-                } else {
-                    replicated += sq(&g.grad_shard)?;
-                }
+        for g in &self.groups {
+            if g.factor > 1 {
+                sharded += sq(&g.grad_shard)?;
+            } else {
+                replicated += sq(&g.grad_shard)?;
             }
         }
         if let Some(group) = self.ctx.groups.shard() {
@@ -156,21 +155,27 @@ impl Fsdp {
     /// [`FsdpError::InvalidHyperparameter`] for a negative or non-finite `max_norm`; those of
     /// [`grad_norm`](Self::grad_norm).
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
+        if self.ctx.shards_on_device().is_some() {
+            let norm = self.clip_grad_norm_async(max_norm)?;
+            return self.wait_for(norm);
+        }
         crate::optim::check_max_norm(max_norm)?;
         let total = self.grad_norm()?;
         if let Some(c) = crate::optim::clip_coefficient(max_norm, total) {
             for g in &self.groups {
-                match self.ctx.shards_on_device() {
-                    Some(dev) => dev.scale(&g.grad_shard, c, dev.compute_stream())?,
-                    None => g
-                        .grad_shard
-                        .write::<f32>()?
-                        .iter_mut()
-                        .for_each(|x| *x *= c),
-                }
+                g.grad_shard
+                    .write::<f32>()?
+                    .iter_mut()
+                    .for_each(|x| *x *= c);
             }
         }
         Ok(total)
+    }
+
+    /// The norm's value, a wait on the host counted in [`host_waits`](Self::host_waits).
+    fn wait_for(&self, norm: super::GradNorm) -> Result<f64, FsdpError> {
+        self.ctx.count_host_wait();
+        norm.value()
     }
 
     /// Skip this step's optimizer step and discard its gradients, as PyTorch's `GradScaler`
