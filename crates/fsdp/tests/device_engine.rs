@@ -36,7 +36,7 @@ use common::{adamw, bits, configs, mesh, ring_options, GLOBAL};
 use faulty::{is_missing, Fault, Faulty};
 use fsdp::engine::{HostCompute, Phase};
 use hooked::Hooked;
-use on_device::{train_rank, Outcome, STEPS};
+use on_device::{train_rank, train_rank_with, Outcome, STEPS};
 use tied_mlp::TiedMlp;
 
 /// Rank 0's outcome of a run of `world` ranks (threads) on the host engine or on the host
@@ -188,6 +188,57 @@ fn prefetching_and_accumulation_give_the_host_engines_bits() {
     }
     for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
         same_as_host(2, FsdpConfig::new(strategy), 3);
+    }
+}
+
+/// Clipping by `clip_grad_norm_async` (the norm, its coefficient and the scaling on the
+/// device, the norms read after the last step) in both placements: every norm, loss and
+/// parameter the host engine's `clip_grad_norm`, bit for bit, on every kind of mesh.
+#[test]
+fn clipping_on_the_device_gives_the_host_engines_bits() {
+    let max_norm = Some(0.05);
+    for (world, config) in [
+        (1, FsdpConfig::new(ShardingStrategy::FullShard)),
+        (2, FsdpConfig::new(ShardingStrategy::FullShard)),
+        (2, FsdpConfig::new(ShardingStrategy::NoShard)),
+        (4, mesh(ShardingStrategy::HybridShard, Some(2))),
+        (4, mesh(ShardingStrategy::HybridShardZero2, Some(2))),
+    ] {
+        let optim = adamw().into();
+        let host = ring::run_ranks(world, ring_options(), |comm| {
+            train_rank_with(
+                Box::new(comm),
+                None,
+                None,
+                world,
+                config,
+                1,
+                optim,
+                max_norm,
+            )
+        })
+        .unwrap()
+        .swap_remove(0);
+        assert!(host.norms.iter().all(|&n| n > 0.05), "{:?}", host.norms);
+        for offload_params in [false, true] {
+            let config = FsdpConfig {
+                offload_params,
+                ..config
+            };
+            let dev = ring::run_ranks(world, ring_options(), |comm| {
+                let latency = Duration::from_millis(1);
+                let twin =
+                    ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency);
+                let dev = Some(twin.unwrap());
+                train_rank_with(Box::new(comm), dev, None, world, config, 1, optim, max_norm)
+            })
+            .unwrap()
+            .swap_remove(0);
+            let what = format!("world {world}, {config:?}");
+            assert_eq!(dev.norms, host.norms, "{what}: norms");
+            assert_eq!(dev.losses, host.losses, "{what}: losses");
+            assert_eq!(dev.params, host.params, "{what}: parameters");
+        }
     }
 }
 

@@ -3,8 +3,8 @@
 //! step runs on the device — SGD with momentum and AdamW over parameter groups with a
 //! learning-rate schedule, the gradient norm and clipping by it, skipped steps — and sharded
 //! checkpoints are written from the device's shards and resumed on a device or on the host.
-//! Every norm, loss and parameter is the host engine's, bit for bit. And what the shards on a
-//! device refuse is an error naming it.
+//! AnyPrecisionAdamW (pure-bf16 training) steps there too, with its state in its dtypes.
+//! Every norm, loss and parameter is the host engine's, bit for bit.
 
 mod common;
 #[allow(dead_code)]
@@ -236,40 +236,94 @@ fn checkpoints_written_from_the_device_resume_on_the_device_and_on_the_host() {
     }
 }
 
-#[test]
-fn what_the_shards_on_a_device_refuse_is_named() {
-    let init = tied_mlp::init_params(&tied_mlp::tree());
-    let any = OptimizerConfig::from(AnyPrecisionAdamWConfig::default());
-    let build = |comm: ring::RingCommunicator, offload_params: bool| {
-        let config = FsdpConfig {
-            offload_params,
-            ..FsdpConfig::new(ShardingStrategy::FullShard)
-        };
-        Fsdp::new_on(
-            Box::new(comm),
-            twin(),
-            &plan(),
-            ParamInit::Full(&init),
-            config,
-            any,
-        )
+/// AnyPrecisionAdamW's settings on a device: torchdistx's pure-bf16 recipe (bf16 shards, bf16
+/// moments and Kahan compensation), f32 shards and state without compensation, and one state
+/// dtype each (momentum f32, variance bf16, compensation f16; the host twin steps any mix).
+fn any_precision() -> [(OptimizerConfig, DType); 3] {
+    let base = AnyPrecisionAdamWConfig {
+        lr: 1e-2,
+        ..AnyPrecisionAdamWConfig::default()
     };
-    let errors = ring::run_ranks(2, ring_options(), |comm| {
-        build(comm, false).unwrap_err().to_string()
-    })
-    .unwrap();
-    for (rank, e) in errors.iter().enumerate() {
-        assert!(e.contains(&format!("rank {rank}")), "{e}");
-        assert!(
-            e.contains("AnyPrecisionAdamW") && e.contains("offload_params"),
-            "{e}"
-        );
+    let f32_state = AnyPrecisionAdamWConfig {
+        use_kahan_summation: false,
+        momentum_dtype: DType::F32,
+        variance_dtype: DType::F32,
+        ..base
+    };
+    let mixed = AnyPrecisionAdamWConfig {
+        momentum_dtype: DType::F32,
+        variance_dtype: DType::BF16,
+        compensation_buffer_dtype: DType::F16,
+        ..base
+    };
+    [
+        (base.into(), DType::BF16),
+        (f32_state.into(), DType::F32),
+        (mixed.into(), DType::BF16),
+    ]
+}
+
+/// AnyPrecisionAdamW with its shards and state on the device (bf16 shards: pure-bf16
+/// training) steps there, over the parameter groups, schedule, clipping and skipped step of
+/// the other optimizers: every norm, loss and parameter the host engine's; and with the shards
+/// offloaded it steps in host memory, the same again.
+#[test]
+fn any_precision_adamw_on_the_device_gives_the_host_engines_bits() {
+    for (world, config) in configs() {
+        for (optim, param_dtype) in any_precision() {
+            let config = FsdpConfig {
+                mixed_precision: MixedPrecisionPolicy::new(param_dtype, Some(DType::F32)),
+                ..config
+            };
+            let what = format!("world {world}, {:?}, {optim:?}", config.strategy);
+            let host = run(world, config, optim, false);
+            let dev = run(world, config, optim, true);
+            assert_eq!(dev.norms, host.norms, "{what}: gradient norms");
+            assert_eq!(dev.losses, host.losses, "{what}: losses");
+            assert_eq!(dev.params, host.params, "{what}: parameters");
+            let l = |b: u32| f32::from_bits(b);
+            assert!(l(host.losses[STEPS - 1]) < l(host.losses[0]), "{what}");
+            if world == 2 {
+                let offloaded = FsdpConfig {
+                    offload_params: true,
+                    ..config
+                };
+                let off = run(world, offloaded, optim, true);
+                assert_eq!(off.params, host.params, "{what}: offloaded");
+            }
+        }
     }
-    // With the shards offloaded, AnyPrecisionAdamW steps in host memory.
-    ring::run_ranks(2, ring_options(), |comm| {
-        steps(&mut build(comm, true).unwrap(), 2, 0..1);
+}
+
+/// A sharded checkpoint of AnyPrecisionAdamW's state (its moments and compensation in their
+/// dtypes on the device) written at step 2 and resumed on the device and on the host gives an
+/// uninterrupted run's bits.
+#[test]
+fn any_precision_adamw_checkpoints_resume_from_the_device() {
+    let (optim, param_dtype) = any_precision()[0];
+    let config = FsdpConfig {
+        mixed_precision: MixedPrecisionPolicy::new(param_dtype, Some(DType::F32)),
+        ..FsdpConfig::new(ShardingStrategy::FullShard)
+    };
+    let world = 2;
+    let whole = run(world, config, optim, false);
+    let dir = temp_dir("any-precision");
+    let init = tied_mlp::init_params(&tied_mlp::tree());
+    ring::run_ranks(world, ring_options(), |comm| {
+        let mut fsdp = engine(Box::new(comm), true, config, optim, &init);
+        steps(&mut fsdp, world, 0..2);
+        fsdp.save_sharded(&dir).unwrap();
     })
     .unwrap();
+    for on_device in [true, false] {
+        let resumed = resume(world, config, optim, &dir, on_device);
+        assert_eq!(
+            resumed.params, whole.params,
+            "resumed on device {on_device}"
+        );
+        assert_eq!(resumed.losses, whole.losses[2..]);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Rank 0's run of `world` ranks with fp16 parameters and reductions and a grad scaler whose

@@ -8,7 +8,8 @@
 //! host). So the tied-weight MLP on the GPU's buffers is expected to give the host engine's
 //! losses, parameters and schedule bit for bit, in both placements: `FULL_SHARD`,
 //! `SHARD_GRAD_OP` and `NO_SHARD` at worlds 1, 2 and 4, in f32 and with bf16 parameters (f32
-//! and bf16 reductions). Every test prints
+//! and bf16 reductions); AnyPrecisionAdamW on bf16 shards too, and clipping there within
+//! stated bounds. Every test prints
 //! `skipped: <reason>` and passes where the CUDA driver or a GPU is missing.
 #![cfg(feature = "cuda")]
 
@@ -29,8 +30,9 @@ use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
 use fsdp_collectives::ring;
 use fsdp_device::DType;
 
-use common::ring_options;
-use on_device::{train_rank, Outcome};
+use common::{adamw, ring_options};
+use fsdp::optim::{AnyPrecisionAdamWConfig, OptimizerConfig};
+use on_device::{train_rank_with, Outcome};
 
 /// Why the GPU tests cannot run here, if they cannot.
 fn skip_reason() -> Option<String> {
@@ -45,16 +47,45 @@ fn skip_reason() -> Option<String> {
 
 /// Rank 0's outcome on the host engine (the thread ring) or on GPU 0 (the CUDA ring).
 fn run(world: usize, config: FsdpConfig, on_gpu: bool) -> Outcome {
+    run_with(world, config, on_gpu, adamw().into(), None)
+}
+
+/// [`run`] with the optimizer `optim`, clipping to `max_norm` when set.
+fn run_with(
+    world: usize,
+    config: FsdpConfig,
+    on_gpu: bool,
+    optim: OptimizerConfig,
+    max_norm: Option<f64>,
+) -> Outcome {
     let mut out = if on_gpu {
         let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
         cuda_ring::run_ranks(0, world, opts, |comm| {
             let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            train_rank(Box::new(comm), Some(dev), None, world, config, 1)
+            train_rank_with(
+                Box::new(comm),
+                Some(dev),
+                None,
+                world,
+                config,
+                1,
+                optim,
+                max_norm,
+            )
         })
         .unwrap()
     } else {
         ring::run_ranks(world, ring_options(), |comm| {
-            train_rank(Box::new(comm), None, None, world, config, 1)
+            train_rank_with(
+                Box::new(comm),
+                None,
+                None,
+                world,
+                config,
+                1,
+                optim,
+                max_norm,
+            )
         })
         .unwrap()
     };
@@ -108,5 +139,59 @@ fn the_engine_on_cuda_gives_the_host_engines_bits() {
         let gpu = run(4, config, true);
         assert_eq!(gpu.losses, host.losses, "divide, {reduce}: losses");
         assert_eq!(gpu.params, host.params, "divide, {reduce}: parameters");
+    }
+}
+
+/// AnyPrecisionAdamW with its bf16 shards and bf16 state (Kahan summation) on the GPU (the
+/// fused `anyprecision_decided` kernel on an exact f32 copy of each shard) gives the host
+/// engine's bits; and clipping on the GPU (`clip_grad_norm_async`: the norm, its coefficient and
+/// the scaling there) gives the host engine's norms within 1e-12 relative (the GPU sums each
+/// shard's squares in blocks, the host in order) and parameters within 1e-5 relative.
+#[test]
+fn any_precision_and_clipping_on_cuda_track_the_host_engine() {
+    if let Some(why) = skip_reason() {
+        println!(
+            "any_precision_and_clipping_on_cuda_track_the_host_engine: skipped: no GPU ({why})"
+        );
+        return;
+    }
+    let any: OptimizerConfig = AnyPrecisionAdamWConfig {
+        lr: 1e-2,
+        ..AnyPrecisionAdamWConfig::default()
+    }
+    .into();
+    for world in [1, 2, 4] {
+        let mut config = FsdpConfig::new(ShardingStrategy::FullShard);
+        config.mixed_precision = MixedPrecisionPolicy::new(DType::BF16, Some(DType::F32));
+        let host = run_with(world, config, false, any, None);
+        let gpu = run_with(world, config, true, any, None);
+        assert_eq!(
+            gpu.losses, host.losses,
+            "AnyPrecisionAdamW, world {world}: losses"
+        );
+        assert_eq!(
+            gpu.params, host.params,
+            "AnyPrecisionAdamW, world {world}: parameters"
+        );
+        let config = FsdpConfig::new(ShardingStrategy::FullShard);
+        let host = run_with(world, config, false, adamw().into(), Some(0.05));
+        let gpu = run_with(world, config, true, adamw().into(), Some(0.05));
+        println!(
+            "clipping, world {world}: norms {:?} (host {:?})",
+            gpu.norms, host.norms
+        );
+        for (g, h) in gpu.norms.iter().zip(&host.norms) {
+            assert!(*h > 0.05, "world {world}: the clipping does not bite");
+            assert!((g - h).abs() <= 1e-12 * h, "world {world}: norm {g} vs {h}");
+        }
+        for ((name, g), (_, h)) in gpu.params.iter().zip(&host.params) {
+            for (a, b) in g.iter().zip(h) {
+                let (a, b) = (f32::from_bits(*a), f32::from_bits(*b));
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1e-3),
+                    "world {world}: {name}: {a} vs {b}"
+                );
+            }
+        }
     }
 }

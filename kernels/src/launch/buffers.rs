@@ -11,7 +11,7 @@ use fsdp_device::{AccessMode, Buffer, DType, Device, Event, Stream};
 use half::{bf16, f16};
 
 use super::cast_raw;
-use crate::host::{AdamWScalars, SgdScalars};
+use crate::host::{AdamWScalars, AnyPrecision, AnyPrecisionChoice, SgdScalars};
 use crate::KernelError;
 
 /// Cast the stream-ordered CUDA buffer `src` into `dst` (same length, distinct element types
@@ -375,6 +375,82 @@ pub fn sgd_buffers(
         };
         super::sgd(cu, s, &mut param, &g, &mut buf)
     })
+}
+
+/// torchdistx's `AnyPrecisionAdamW` on one run of stream-ordered CUDA buffers
+/// ([`anyprecision_decided`](super::anyprecision_decided), whose twin is
+/// [`host::anyprecision_decided`](crate::host::anyprecision_decided)): the `f32` parameters
+/// (values of `kind.param`), their `f32` gradient, and the momentum, variance and (with
+/// `kind.kahan`) compensation as buffers of `kind.state` elements (f32 or bf16, one each per
+/// parameter), as `scalars` decided (an `f64` buffer of at least
+/// [`STEP_SQUARES`](crate::host::STEP_SQUARES) elements), on `stream`. Returns the event after
+/// it.
+///
+/// # Errors
+/// As [`axpby_buffer`]; buffers of other lengths, a compensation missing with Kahan summation;
+/// a `kind` with other dtypes.
+#[allow(clippy::too_many_arguments)]
+pub fn anyprecision_buffers(
+    choice: &AnyPrecisionChoice,
+    kind: AnyPrecision,
+    scalars: &Buffer,
+    param: &Buffer,
+    grad: &Buffer,
+    exp_avg: &Buffer,
+    exp_avg_sq: &Buffer,
+    compensation: Option<&Buffer>,
+    stream: &Stream,
+) -> Result<Event, KernelError> {
+    kind.validate()?;
+    let n = param.len();
+    let states = [Some(exp_avg), Some(exp_avg_sq), compensation];
+    if states.iter().flatten().any(|b| b.len() != n) || grad.len() != n {
+        return Err(KernelError::InvalidArgument {
+            kernel: "anyprecision_decided",
+            reason: format!("buffers of other lengths than the parameters' {n}"),
+        });
+    }
+    let comp = compensation.filter(|_| kind.kahan);
+    let writes: Vec<&Buffer> = [param, exp_avg, exp_avg_sq]
+        .into_iter()
+        .chain(comp)
+        .collect();
+    let mut dtypes = vec![DType::F64, DType::F32, DType::F32];
+    dtypes.resize(2 + writes.len(), kind.state);
+    let reads = [scalars, grad];
+    launch_on_buffers(
+        "anyprecision_decided",
+        stream,
+        &reads,
+        &writes,
+        &dtypes,
+        |cu, p| {
+            // The kernel reads and writes `n` values of the state's type at each state buffer's
+            // address; its launcher counts state buffers in f32 slots (`state_len`: bf16 two a
+            // slot), a length only checked, never used to address memory.
+            let slots = |q: (u64, usize)| (q.0, crate::host::state_len(q.1, kind.state));
+            // SAFETY: addresses and lengths of ordered, non-overlapping buffers
+            // (`launch_on_buffers`); the state buffers hold `n` elements of `kind.state` each
+            // (checked above), which is what the kernel touches.
+            unsafe {
+                let (s, g) = (ordered::<f64>(cu, p[0]), ordered::<f32>(cu, p[1]));
+                let mut param = ordered::<f32>(cu, p[2]);
+                let (mut m, mut v) = (ordered::<f32>(cu, slots(p[3])), ordered(cu, slots(p[4])));
+                let mut c = p.get(5).map(|&q| ordered::<f32>(cu, slots(q)));
+                super::anyprecision_decided(
+                    cu,
+                    choice,
+                    kind,
+                    &s,
+                    &mut param,
+                    &g,
+                    &mut m,
+                    &mut v,
+                    c.as_mut(),
+                )
+            }
+        },
+    )
 }
 
 #[cfg(test)]

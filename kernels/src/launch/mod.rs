@@ -32,8 +32,8 @@ mod nn_loss;
 mod step;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
 pub use buffers::{
-    adamw_buffers, axpby_buffer, cast_buffer, clip_coefficient_buffers, div_scalar_buffer,
-    scale_by_buffer, sgd_buffers, sum_of_squares_buffer,
+    adamw_buffers, anyprecision_buffers, axpby_buffer, cast_buffer, clip_coefficient_buffers,
+    div_scalar_buffer, scale_by_buffer, sgd_buffers, sum_of_squares_buffer,
 };
 pub use foreach::{
     adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,

@@ -67,9 +67,13 @@ pub(super) enum Kind {
 /// gradient shards and its overflow check run where the shards are (on the device: one wait on
 /// the host for the flag, as PyTorch's `GradScaler` reads `found_inf`).
 ///
-/// Not on a device yet (refused by name when the engine is built): AnyPrecisionAdamW with the
-/// shards on the device (offloaded it steps in host memory), communicators that do not order
-/// stream-ordered buffers (MPI), dry runs.
+/// So does the optimizer side with the shards on the device: AdamW, SGD and AnyPrecisionAdamW
+/// (on CUDA with one state dtype, f32 or bf16: the fused kernel's), the gradient norm and
+/// clipping by it ([`Fsdp::clip_grad_norm_async`](super::Fsdp::clip_grad_norm_async) reads
+/// nothing on the host).
+///
+/// Not on a device yet (refused by name when the engine is built): communicators that do not
+/// order stream-ordered buffers (MPI), dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {
     pub(super) kind: Kind,

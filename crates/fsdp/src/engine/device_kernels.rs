@@ -5,10 +5,14 @@
 //! arithmetic ([`fsdp_device::host_task`]), so a run there gives the host engine's bits.
 
 use fsdp_device::{host_task, Buffer, DType, Stream, TaskRead, TaskWrite};
+use half::bf16;
 
 use super::device::{ComputeDevice, Kind};
 use super::mixed_precision::round_to;
-use crate::optim::{OptimizerConfig, ParamGroupOptions, ShardGroups};
+use crate::optim::{
+    any_precision_grouped, AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, OptimizerConfig,
+    ParamGroupOptions, PrecisionVec, ShardGroups,
+};
 use crate::FsdpError;
 
 /// A task's view as `T`, its error a message (the task's error becomes the stream's).
@@ -327,15 +331,12 @@ impl ComputeDevice {
         moments: &[Buffer],
         stream: &Stream,
     ) -> Result<(), FsdpError> {
-        let configs = crate::optim::f32_step_configs(
-            cfg,
-            lr,
-            groups,
-            segments,
-            step,
-            param.len(),
-            grad.len(),
-        )?;
+        let configs =
+            crate::optim::step_configs(cfg, lr, groups, segments, step, param.len(), grad.len())?;
+        if let OptimizerConfig::AnyPrecisionAdamW(c) = cfg {
+            return self
+                .any_precision_step(c, &configs, segments, step, param, grad, moments, stream);
+        }
         match self.kind {
             Kind::HostTwin => {
                 self.delay(stream)?;
@@ -367,15 +368,134 @@ impl ComputeDevice {
     }
 }
 
+impl ComputeDevice {
+    /// Whether this device steps `cfg` on shards of `shards`: on CUDA, AnyPrecisionAdamW
+    /// keeps its state in one dtype, f32 or bf16 (the kernel's).
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] naming the dtypes.
+    pub(crate) fn check_optimizer(
+        &self,
+        cfg: &OptimizerConfig,
+        shards: DType,
+    ) -> Result<(), FsdpError> {
+        match (&self.kind, cfg) {
+            #[cfg(feature = "cuda")]
+            (Kind::Cuda, OptimizerConfig::AnyPrecisionAdamW(c)) => {
+                cuda::any_precision_kind(c, shards).map(drop)
+            }
+            _ => {
+                let _ = shards;
+                Ok(())
+            }
+        }
+    }
+
+    /// AnyPrecisionAdamW (`cfg`, each group's config in `configs`) at step number `step` on
+    /// the shard `param` (bf16 or f32) with its `f32` gradient shard and its state `moments`
+    /// (momentum, variance and, with Kahan summation, compensation, each of its dtype), on
+    /// `stream`. On the host twin, the host engine's own update; on CUDA, the fused
+    /// `anyprecision_decided` kernel, which needs one state dtype, f32 or bf16.
+    #[allow(clippy::too_many_arguments)]
+    fn any_precision_step(
+        &self,
+        cfg: &AnyPrecisionAdamWConfig,
+        configs: &[OptimizerConfig],
+        segments: &ShardGroups,
+        step: u64,
+        param: &Buffer,
+        grad: &Buffer,
+        moments: &[Buffer],
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        let [_, _, ..] = moments else {
+            return Err(super::comm_context::internal(
+                "AnyPrecisionAdamW without its moments",
+            ));
+        };
+        match self.kind {
+            Kind::HostTwin => {
+                self.delay(stream)?;
+                let (cfg, configs, segments) = (*cfg, configs.to_vec(), segments.clone());
+                let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
+                host_task(stream, &[grad], &writes, move |r, w| {
+                    let (p, st) = w.split_first_mut().ok_or("no parameter shard")?;
+                    let mut state = AnyPrecisionAdamWState {
+                        step: step - 1,
+                        exp_avg: take_state(&mut st[0])?,
+                        exp_avg_sq: take_state(&mut st[1])?,
+                        compensation: st.get_mut(2).map(take_state).transpose()?,
+                    };
+                    let g = read::<f32>(&r[0])?;
+                    let run = match p.dtype() {
+                        DType::BF16 => any_precision_grouped(
+                            &mut state,
+                            &cfg,
+                            &configs,
+                            &segments,
+                            write::<bf16>(p)?,
+                            g,
+                        ),
+                        _ => any_precision_grouped(
+                            &mut state,
+                            &cfg,
+                            &configs,
+                            &segments,
+                            write::<f32>(p)?,
+                            g,
+                        ),
+                    };
+                    run.map_err(|e| e.to_string())?;
+                    put_state(&mut st[0], &state.exp_avg)?;
+                    put_state(&mut st[1], &state.exp_avg_sq)?;
+                    if let (Some(w), Some(c)) = (st.get_mut(2), &state.compensation) {
+                        put_state(w, c)?;
+                    }
+                    Ok(())
+                })?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda => cuda::any_precision_step(
+                self, cfg, configs, segments, step, param, grad, moments, stream,
+            ),
+        }
+    }
+}
+
+/// A task's state buffer as AnyPrecisionAdamW's host state (a copy).
+fn take_state(w: &mut TaskWrite<'_>) -> Result<PrecisionVec, String> {
+    Ok(match w.dtype() {
+        DType::F32 => PrecisionVec::F32(write::<f32>(w)?.to_vec()),
+        DType::BF16 => PrecisionVec::BF16(write::<bf16>(w)?.to_vec()),
+        DType::F16 => PrecisionVec::F16(write::<half::f16>(w)?.to_vec()),
+        DType::F64 => return Err("an f64 optimizer state".into()),
+    })
+}
+
+/// Write AnyPrecisionAdamW's host state `v` back into a task's state buffer of its dtype.
+fn put_state(w: &mut TaskWrite<'_>, v: &PrecisionVec) -> Result<(), String> {
+    match v {
+        PrecisionVec::F32(x) => write::<f32>(w)?.copy_from_slice(x),
+        PrecisionVec::BF16(x) => write::<bf16>(w)?.copy_from_slice(x),
+        PrecisionVec::F16(x) => write::<half::f16>(w)?.copy_from_slice(x),
+    }
+    Ok(())
+}
+
 /// The CUDA side: `fsdp-kernels`' kernels over stream-ordered buffers.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use fsdp_device::{Buffer, Stream};
-    use fsdp_kernels::host::{AdamW, AdamWScalars, Sgd, SgdScalars};
-    use fsdp_kernels::launch::{adamw_buffers, sgd_buffers};
+    use fsdp_device::{Buffer, DType, Stream};
+    use fsdp_kernels::host::{
+        AdamW, AdamWScalars, AnyPrecision, AnyPrecisionChoice, AnyPrecisionScalars, Sgd,
+        SgdScalars, STEP_APPLIED, STEP_SQUARES,
+    };
+    use fsdp_kernels::launch::{adamw_buffers, anyprecision_buffers, sgd_buffers};
     use fsdp_kernels::KernelError;
 
-    use crate::optim::{OptimizerConfig, ShardGroups};
+    use super::ComputeDevice;
+    use crate::optim::{AnyPrecisionAdamWConfig, OptimizerConfig, ShardGroups};
     use crate::FsdpError;
 
     /// A kernel's error as the engine's, naming the operation.
@@ -386,6 +506,99 @@ mod cuda {
                 message: e.to_string(),
             })
         }
+    }
+
+    /// Whether the CUDA kernel runs AnyPrecisionAdamW with `cfg` on shards of `param`: its
+    /// state dtypes, which must be one, f32 or bf16, as the shards'.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidFsdpConfig`] naming the dtypes.
+    pub(crate) fn any_precision_kind(
+        cfg: &AnyPrecisionAdamWConfig,
+        param: DType,
+    ) -> Result<AnyPrecision, FsdpError> {
+        let kahan = cfg.use_kahan_summation;
+        let state = cfg.momentum_dtype;
+        let same =
+            cfg.variance_dtype == state && (!kahan || cfg.compensation_buffer_dtype == state);
+        let kind = AnyPrecision {
+            param,
+            state,
+            kahan,
+        };
+        if !same || kind.validate().is_err() {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "AnyPrecisionAdamW on CUDA keeps its momentum, variance and compensation in \
+                     one dtype, f32 or bf16, and bf16 or f32 shards (momentum {}, variance {}, \
+                     compensation {}, shards {param})",
+                    cfg.momentum_dtype, cfg.variance_dtype, cfg.compensation_buffer_dtype
+                ),
+            });
+        }
+        Ok(kind)
+    }
+
+    /// AnyPrecisionAdamW through the fused `anyprecision_decided` kernel over each run of
+    /// `segments` with its group's config (`configs`), at step number `step`, on an `f32`
+    /// copy of a bf16 shard (exact both ways: the kernel rounds every value it writes to
+    /// bf16), with a step decided as applied and neither clipped nor unscaled.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn any_precision_step(
+        dev: &ComputeDevice,
+        cfg: &AnyPrecisionAdamWConfig,
+        configs: &[OptimizerConfig],
+        segments: &ShardGroups,
+        step: u64,
+        param: &Buffer,
+        grad: &Buffer,
+        moments: &[Buffer],
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        let err = kernel("AnyPrecisionAdamW kernel");
+        let kind = any_precision_kind(cfg, param.dtype())?;
+        let mut decided = vec![0.0f64; STEP_SQUARES];
+        decided[STEP_APPLIED] = 1.0;
+        let scalars = dev.copy_from_host(&Buffer::from_slice(&decided)?, stream)?;
+        let wide;
+        let p32 = if param.dtype() == DType::F32 {
+            param
+        } else {
+            wide = dev.alloc(DType::F32, param.len(), stream)?;
+            dev.cast(param, &wide, stream)?;
+            &wide
+        };
+        for (range, group) in segments.segments() {
+            let Some(OptimizerConfig::AnyPrecisionAdamW(c)) = configs.get(*group) else {
+                continue; // SKIP_GROUP
+            };
+            let hyper = AdamW {
+                lr: c.lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                weight_decay: c.weight_decay,
+            };
+            let s = AnyPrecisionScalars::new(&hyper, step).map_err(&err)?;
+            let view = |b: &Buffer| b.slice(range.clone());
+            let comp = moments.get(2).map(view).transpose()?;
+            anyprecision_buffers(
+                &AnyPrecisionChoice([s, s]),
+                kind,
+                &scalars,
+                &view(p32)?,
+                &view(grad)?,
+                &view(&moments[0])?,
+                &view(&moments[1])?,
+                comp.as_ref(),
+                stream,
+            )
+            .map_err(&err)?;
+        }
+        if !std::ptr::eq(p32, param) {
+            dev.cast(p32, param, stream)?;
+        }
+        Ok(())
     }
 
     /// The fused AdamW or SGD kernel over each run of `segments`, with its group's config

@@ -10,17 +10,70 @@ use fsdp_device::{Buffer, DType};
 use super::device::ComputeDevice;
 use super::fsdp::Fsdp;
 use super::param_group::ParamGroup;
-use crate::optim::{OptimizerConfig, OptimizerState};
+use crate::optim::{OptimizerConfig, OptimizerState, PrecisionVec};
 use crate::FsdpError;
 
-/// The buffers of an AdamW or SGD state in host memory, in the order of
-/// `ParamGroup::device_moments` (SGD's momentum buffer when `momentum`).
-fn host_moments(state: &mut OptimizerState, momentum: bool) -> Vec<&mut Vec<f32>> {
+/// One state buffer of a unit's optimizer state in host memory.
+enum HostMoment<'a> {
+    /// AdamW's or SGD's.
+    F32(&'a mut Vec<f32>),
+    /// AnyPrecisionAdamW's, of its dtype.
+    Typed(&'a mut PrecisionVec),
+}
+
+impl HostMoment<'_> {
+    /// The elements, as a host buffer of their dtype.
+    fn to_buffer(&self) -> Result<Buffer, FsdpError> {
+        Ok(match self {
+            HostMoment::F32(v) => Buffer::from_slice(v)?,
+            HostMoment::Typed(PrecisionVec::F32(v)) => Buffer::from_slice(v)?,
+            HostMoment::Typed(PrecisionVec::BF16(v)) => Buffer::from_slice(v)?,
+            HostMoment::Typed(PrecisionVec::F16(v)) => Buffer::from_slice(v)?,
+        })
+    }
+
+    /// Replace the elements by those of the host buffer `b` (of the same dtype).
+    fn set(&mut self, b: &Buffer) -> Result<(), FsdpError> {
+        match self {
+            HostMoment::F32(v) => **v = b.to_vec()?,
+            HostMoment::Typed(PrecisionVec::F32(v)) => *v = b.to_vec()?,
+            HostMoment::Typed(PrecisionVec::BF16(v)) => *v = b.to_vec()?,
+            HostMoment::Typed(PrecisionVec::F16(v)) => *v = b.to_vec()?,
+        }
+        Ok(())
+    }
+
+    /// Free the elements (the dtype stays).
+    fn clear(&mut self) {
+        match self {
+            HostMoment::F32(v) => **v = Vec::new(),
+            HostMoment::Typed(PrecisionVec::F32(v)) => *v = Vec::new(),
+            HostMoment::Typed(PrecisionVec::BF16(v)) => *v = Vec::new(),
+            HostMoment::Typed(PrecisionVec::F16(v)) => *v = Vec::new(),
+        }
+    }
+}
+
+/// The state buffers of an optimizer state in host memory, in the order of
+/// `ParamGroup::device_moments`: AdamW's moments, SGD's momentum buffer (when `momentum`),
+/// AnyPrecisionAdamW's moments and compensation.
+fn host_moments(state: &mut OptimizerState, momentum: bool) -> Vec<HostMoment<'_>> {
     match state {
-        OptimizerState::AdamW(s) => vec![&mut s.exp_avg, &mut s.exp_avg_sq],
+        OptimizerState::AdamW(s) => vec![
+            HostMoment::F32(&mut s.exp_avg),
+            HostMoment::F32(&mut s.exp_avg_sq),
+        ],
         OptimizerState::Sgd {
             momentum_buffer, ..
-        } if momentum => vec![momentum_buffer],
+        } if momentum => vec![HostMoment::F32(momentum_buffer)],
+        OptimizerState::AnyPrecisionAdamW(s) => {
+            let mut out = vec![
+                HostMoment::Typed(&mut s.exp_avg),
+                HostMoment::Typed(&mut s.exp_avg_sq),
+            ];
+            out.extend(s.compensation.as_mut().map(HostMoment::Typed));
+            out
+        }
         _ => Vec::new(),
     }
 }
@@ -30,22 +83,17 @@ fn has_momentum(cfg: &OptimizerConfig) -> bool {
     matches!(cfg, OptimizerConfig::Sgd(c) if c.momentum != 0.0)
 }
 
-/// Copy `host` to a new buffer on `dev` (on its transfer stream).
-fn upload(dev: &ComputeDevice, host: &[f32]) -> Result<Buffer, FsdpError> {
-    dev.copy_from_host(&Buffer::from_slice(host)?, dev.transfer_stream())
-}
-
 /// Move `g`'s optimizer state to `dev`: its moments uploaded into `g.device_moments`, the host
-/// state keeping only the step count.
+/// state keeping only the step count (and its dtypes).
 fn place_moments(
     g: &mut ParamGroup,
     dev: &ComputeDevice,
     cfg: &OptimizerConfig,
 ) -> Result<(), FsdpError> {
     let mut moments = Vec::new();
-    for m in host_moments(&mut g.optim_state, has_momentum(cfg)) {
-        moments.push(upload(dev, m)?);
-        *m = Vec::new();
+    for mut m in host_moments(&mut g.optim_state, has_momentum(cfg)) {
+        moments.push(dev.copy_from_host(&m.to_buffer()?, dev.transfer_stream())?);
+        m.clear();
     }
     g.device_moments = moments;
     Ok(())
@@ -58,19 +106,14 @@ impl Fsdp {
         let Some(dev) = self.ctx.shards_on_device().cloned() else {
             return Ok(());
         };
-        if !matches!(
-            self.optim,
-            OptimizerConfig::AdamW(_) | OptimizerConfig::Sgd(_)
-        ) {
-            return Err(FsdpError::InvalidFsdpConfig {
-                reason: format!(
-                    "rank {}: AnyPrecisionAdamW with its shards on {} is not supported yet \
-                     (set FsdpConfig::offload_params to step it in host memory)",
-                    self.rank(),
-                    dev.device()
-                ),
-            });
-        }
+        let shards = self.groups.first().map_or(DType::F32, |g| g.shard.dtype());
+        dev.check_optimizer(&self.optim, shards)
+            .map_err(|e| match e {
+                FsdpError::InvalidFsdpConfig { reason } => FsdpError::InvalidFsdpConfig {
+                    reason: format!("rank {}: {reason}", self.rank()),
+                },
+                e => e,
+            })?;
         let c = dev.compute_stream();
         for g in &mut self.groups {
             g.shard = dev.copy_from_host(&g.shard, dev.transfer_stream())?;
@@ -153,8 +196,8 @@ impl Fsdp {
         let momentum = has_momentum(&self.optim);
         let moments: Vec<&Buffer> = g.device_moments.iter().collect();
         let copies = self.ctx.host_copies(&moments)?;
-        for (m, b) in host_moments(&mut state, momentum).into_iter().zip(copies) {
-            *m = b.to_vec::<f32>()?;
+        for (mut m, b) in host_moments(&mut state, momentum).into_iter().zip(copies) {
+            m.set(&b)?;
         }
         Ok(Cow::Owned(state))
     }

@@ -53,9 +53,9 @@ impl Fsdp {
     /// # Errors
     /// Those of [`Fsdp::new`]; [`FsdpError::InvalidFsdpConfig`] for a communicator on another
     /// device or one that does not order stream-ordered buffers
-    /// ([`Communicator::orders_stream_ordered_buffers`]: MPI does not), and for
-    /// AnyPrecisionAdamW with the shards on the device (not on a device yet); a failing copy or
-    /// allocation there.
+    /// ([`Communicator::orders_stream_ordered_buffers`]: MPI does not), and on CUDA for
+    /// AnyPrecisionAdamW with the shards on the device whose momentum, variance and
+    /// compensation dtypes are not one of f32 and bf16; a failing copy or allocation there.
     pub fn new_on(
         comm: Box<dyn Communicator>,
         device: ComputeDevice,

@@ -14,8 +14,9 @@
 //!   [`Fsdp::finalize_backward`], with [`Fsdp::param_views`] / [`Fsdp::grad_views`] to read the
 //!   unsharded parameters and write the gradients; or a model implementing [`FsdpModel`] and
 //!   [`Fsdp::forward_backward`]. Then [`Fsdp::no_sync`], [`Fsdp::grad_norm`],
-//!   [`Fsdp::clip_grad_norm`], [`Fsdp::optimizer_step`] (AdamW, SGD or AnyPrecisionAdamW on
-//!   the shards) or
+//!   [`Fsdp::clip_grad_norm`] (or [`Fsdp::clip_grad_norm_async`], whose [`GradNorm`] a device
+//!   computes without the host waiting), [`Fsdp::optimizer_step`] (AdamW, SGD or
+//!   AnyPrecisionAdamW on the shards) or
 //!   [`Fsdp::skip_step`], [`Fsdp::full_state_dict`] and sharded checkpoints
 //!   ([`Fsdp::save_sharded`]). Dynamic loss scaling for fp16 ([`GradScaler`], PyTorch's
 //!   `ShardedGradScaler`): [`Fsdp::set_grad_scaler`].

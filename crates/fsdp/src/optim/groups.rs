@@ -429,7 +429,7 @@ fn group_configs(
 
 /// AnyPrecisionAdamW over the runs of `segments`, each with its group's config (`configs`, from
 /// [`group_configs`] of the same base config, so every group has the state's dtypes).
-fn any_precision_grouped<P: ParamElement>(
+pub(crate) fn any_precision_grouped<P: ParamElement>(
     state: &mut AnyPrecisionAdamWState,
     cfg: &AnyPrecisionAdamWConfig,
     configs: &[OptimizerConfig],
@@ -521,13 +521,14 @@ pub(crate) fn f32_step_runs(
     f32_runs(configs, segments, step, param, grad, moments)
 }
 
-/// The checks of [`f32_step_runs`], on the host before a device runs it (`cfg` is AdamW or
-/// SGD, the settings, groups and lengths are valid, and `step` counts from 1), and each
-/// group's config: `cfg` with the group's learning rate and weight decay.
+/// The checks of a grouped step on a device ([`f32_step_runs`], [`any_precision_grouped`]),
+/// on the host before the device runs it (the settings, groups and lengths are valid, and
+/// `step` counts from 1), and each group's config: `cfg` with the group's learning rate and
+/// weight decay.
 ///
 /// # Errors
 /// As [`OptimizerState::step_grouped`].
-pub(crate) fn f32_step_configs(
+pub(crate) fn step_configs(
     cfg: &OptimizerConfig,
     lr: f64,
     groups: &[ParamGroupOptions],
@@ -536,7 +537,7 @@ pub(crate) fn f32_step_configs(
     param_len: usize,
     grad_len: usize,
 ) -> Result<Vec<OptimizerConfig>, FsdpError> {
-    if !matches!(cfg, OptimizerConfig::AdamW(_) | OptimizerConfig::Sgd(_)) || step == 0 {
+    if step == 0 {
         return Err(state_mismatch());
     }
     group_configs(cfg, lr, groups, segments, param_len, grad_len)

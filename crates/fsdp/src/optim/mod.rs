@@ -20,11 +20,11 @@ mod sgd;
 
 pub(crate) use any_precision::ParamElement;
 pub use any_precision::{AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, PrecisionVec};
+pub(crate) use groups::{any_precision_grouped, f32_step_runs, step_configs};
 pub use groups::{
     decay_2d_only, decay_2d_only_group, ParamGroupOptions, ShardGroups, DECAY_GROUP,
     NO_DECAY_GROUP, SKIP_GROUP,
 };
-pub(crate) use groups::{f32_step_configs, f32_step_runs};
 pub use schedule::LrSchedule;
 pub use sgd::{sgd_step, SgdConfig};
 

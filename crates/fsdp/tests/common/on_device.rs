@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use fsdp::engine::{ComputeDevice, FsdpConfig, HostCompute, ParamInit, ScheduleEvent};
+use fsdp::optim::OptimizerConfig;
 use fsdp::wrap::plan_units;
 use fsdp::Fsdp;
 use fsdp_collectives::Communicator;
@@ -20,6 +21,8 @@ pub const STEPS: usize = 3;
 /// pool's peak allocated bytes and the device's.
 pub struct Outcome {
     pub losses: Vec<u32>,
+    /// The norms the gradients were clipped by, if they were (read after the last step).
+    pub norms: Vec<f64>,
     pub params: Bits,
     pub schedule: Vec<ScheduleEvent>,
     pub host_peak: u64,
@@ -42,6 +45,23 @@ pub fn train_rank(
     config: FsdpConfig,
     micro: usize,
 ) -> Outcome {
+    let optim = adamw().into();
+    train_rank_with(comm, device, lag, world, config, micro, optim, None)
+}
+
+/// [`train_rank`] with the optimizer `optim`, the gradients clipped to `max_norm` each step
+/// when it is set (on a device by `clip_grad_norm_async`, the norms read after the last step).
+#[allow(clippy::too_many_arguments)]
+pub fn train_rank_with(
+    comm: Box<dyn Communicator>,
+    device: Option<ComputeDevice>,
+    lag: Option<Duration>,
+    world: usize,
+    config: FsdpConfig,
+    micro: usize,
+    optim: OptimizerConfig,
+    max_norm: Option<f64>,
+) -> Outcome {
     let tree = tied_mlp::tree();
     let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
     let init = tied_mlp::init_params(&tree);
@@ -52,8 +72,8 @@ pub fn train_rank(
     let init = ParamInit::Full(&init);
     let on_device = device.is_some();
     let mut fsdp = match device {
-        Some(dev) => Fsdp::new_on(comm, dev, &plan, init, config, adamw()).unwrap(),
-        None => Fsdp::new(comm, &plan, init, config, adamw()).unwrap(),
+        Some(dev) => Fsdp::new_on(comm, dev, &plan, init, config, optim).unwrap(),
+        None => Fsdp::new(comm, &plan, init, config, optim).unwrap(),
     };
     // What the device holds between steps: the shards, gradient shards and optimizer state
     // (nothing with `offload_params`). The host pool's peak counts from here.
@@ -69,7 +89,7 @@ pub fn train_rank(
         now
     });
     fsdp.reset_peak_memory_stats();
-    let mut losses = Vec::new();
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for _ in 0..STEPS {
         let mut loss = 0.0;
         for m in 0..micro {
@@ -85,9 +105,13 @@ pub fn train_rank(
                 fsdp.forward_backward(&model, &batch).unwrap()
             };
         }
+        if let Some(max_norm) = max_norm {
+            norms.push(fsdp.clip_grad_norm_async(max_norm).unwrap());
+        }
         fsdp.optimizer_step().unwrap();
         losses.push(loss.to_bits());
     }
+    let norms = norms.iter().map(|n| n.value().unwrap()).collect();
     // The collectives the host did not wait for hold their buffers until they are known done.
     fsdp.synchronize().unwrap();
     let device_peak = fsdp.device_memory_stats().map(|s| {
@@ -103,6 +127,7 @@ pub fn train_rank(
     });
     Outcome {
         losses,
+        norms,
         params: bits(&fsdp.full_state_dict().unwrap()),
         schedule: fsdp.schedule().to_vec(),
         host_peak: fsdp.memory_stats().allocated_bytes.all.peak,
