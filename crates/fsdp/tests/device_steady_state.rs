@@ -2,11 +2,12 @@
 //! all-gathers and reductions are not waited for on the host (the model's and the optimizer's
 //! work waits for them on the device), the reduced gradients are added and the optimizer steps
 //! there. A model that computes on the device itself — here each span a task of the host twin's
-//! compute stream (`fsdp_device::host_task`), its loss left in device memory and read one step
-//! late, `Fsdp::forward_backward_local` not summing it over the ranks on the host — runs a
-//! whole step while the device is still busy, with no host wait counted (`Fsdp::host_waits`),
-//! and gives the host engine's losses and parameters bit for bit. A collective that fails
-//! there is reported at the engine's next check, within the timeouts.
+//! compute stream (`fsdp_device::host_task`), its loss left in device memory
+//! (`FsdpModel::loss_buffer`), summed over the ranks there by `Fsdp::forward_backward_async`
+//! and read by the host after the last step — runs a whole step while the device is still
+//! busy, with no host wait counted (`Fsdp::host_waits`), and gives the host engine's losses
+//! and parameters bit for bit; so does clipping (`Fsdp::clip_grad_norm_async`). A collective
+//! that fails there is reported at the engine's next check, within the timeouts.
 
 // The model's loops index several vectors alike, on the host and in the device's tasks.
 #![allow(clippy::needless_range_loop)]
@@ -15,11 +16,10 @@ mod common;
 #[path = "common/hooked.rs"]
 mod hooked;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fsdp::engine::{
-    ComputeDevice, FsdpConfig, FsdpModel, GradNorm, ParamInit, ShardingStrategy, Span,
+    ComputeDevice, DeviceScalar, FsdpConfig, FsdpModel, ParamInit, ShardingStrategy, Span,
 };
 use fsdp::optim::{OptimizerConfig, SgdConfig};
 use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
@@ -35,11 +35,12 @@ const N: usize = 8;
 const STEPS: usize = 4;
 
 /// `y = w2 ⊙ (w1 ⊙ x)`, loss `½·Σ(y − t)² / global`, over vectors of `N`: two units. On a
-/// device every span is a task of the compute stream, and each loss is a device buffer kept
-/// in `losses`; on the host the same arithmetic on slices.
+/// device every span is a task of the compute stream, and the loss a device buffer
+/// (`FsdpModel::loss_buffer`); on the host the same arithmetic on slices.
 struct Chain {
     global: f32,
-    losses: Arc<Mutex<Vec<Buffer>>>,
+    /// Hand the engine a host buffer as the loss (refused by name).
+    bad_loss: bool,
 }
 
 /// The activations: host vectors, or device buffers.
@@ -50,6 +51,7 @@ struct Tape {
     dh: Vec<f32>,
     dev: Option<[Buffer; 3]>,
     loss: f32,
+    dev_loss: Option<Buffer>,
 }
 
 /// (x, t): this rank's input and target.
@@ -143,13 +145,20 @@ impl FsdpModel for Chain {
                 w[1][0] = loss_of(&v, &target, global);
                 w[0].copy_from_slice(&v);
             })?;
-            self.losses.lock().unwrap().push(loss);
+            t.dev_loss = Some(loss);
             Ok(())
         }
     }
     fn loss(&self, t: &Tape) -> Result<f32, FsdpError> {
-        // On the device the loss stays there (read one step late); 0 is returned.
+        // On the device the loss stays there (`loss_buffer`); 0 is returned.
         Ok(t.loss)
+    }
+
+    fn loss_buffer(&self, t: &Tape) -> Result<Option<Buffer>, FsdpError> {
+        if self.bad_loss {
+            return Ok(Some(Buffer::zeros(DType::F32, 1)?));
+        }
+        Ok(t.dev_loss.clone())
     }
     fn backward(
         &self,
@@ -268,7 +277,7 @@ fn run(
         };
         let model = Chain {
             global: (N * world) as f32,
-            losses: Arc::default(),
+            bad_loss: false,
         };
         let x: Vec<f32> = (0..N)
             .map(|i| ((i + rank) % 5) as f32 * 0.25 - 0.5)
@@ -279,14 +288,15 @@ fn run(
         for step in 0..STEPS {
             let before = fsdp.host_waits();
             let batch = (x.clone(), t.clone());
-            losses.push(fsdp.forward_backward_local(&model, &batch).unwrap());
-            let mut ready = false;
+            let loss = fsdp.forward_backward_async(&model, &batch).unwrap();
+            let mut ready = loss.is_ready();
+            losses.push(loss);
             if let Some(max_norm) = clip {
                 let norm = match on_device {
                     true => fsdp.clip_grad_norm_async(max_norm).unwrap(),
-                    false => GradNorm::from(fsdp.clip_grad_norm(max_norm).unwrap()),
+                    false => DeviceScalar::from(fsdp.clip_grad_norm(max_norm).unwrap()),
                 };
-                ready = norm.is_ready();
+                ready |= norm.is_ready();
                 norms.push(norm);
             }
             fsdp.optimizer_step().unwrap();
@@ -297,23 +307,11 @@ fn run(
                 }
             }
         }
-        // The norms, read by the host now (each waits for the device if need be).
+        // The losses and norms, read by the host now (each waits for the device if need
+        // be): a loop that never waits reads each one step late.
         let norms = norms.iter().map(|n| n.value().unwrap().to_bits()).collect();
+        let losses: Vec<f32> = losses.iter().map(|l| l.value().unwrap() as f32).collect();
         fsdp.synchronize().unwrap();
-        if on_device {
-            // The losses, read once the device is done.
-            losses = model
-                .losses
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|b| {
-                    let host = Buffer::zeros(DType::F32, 1).unwrap();
-                    b.copy_to_host_async(&host, &Stream::cpu("read")).unwrap();
-                    host.to_vec::<f32>().unwrap()[0]
-                })
-                .collect();
-        }
         let mut params: Vec<_> = fsdp
             .full_state_dict()
             .unwrap()
@@ -466,12 +464,12 @@ fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
         .unwrap();
         let model = Chain {
             global: (2 * N) as f32,
-            losses: Arc::default(),
+            bad_loss: false,
         };
         let batch = (vec![1.0f32; N], vec![0.0f32; N]);
         for step in 0..STEPS {
             let r = fsdp
-                .forward_backward_local(&model, &batch)
+                .forward_backward_async(&model, &batch)
                 .and_then(|_| fsdp.optimizer_step());
             if let Err(e) = r {
                 return (step, e.to_string());
@@ -492,4 +490,44 @@ fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
         "{:?}",
         start.elapsed()
     );
+}
+
+/// A loss buffer that is not one `f32` on the device is refused by name, on every rank, and the
+/// engine trains on after it.
+#[test]
+fn a_loss_buffer_off_the_device_is_refused() {
+    let init = std::collections::HashMap::from([
+        ("w1".to_string(), vec![0.5f32; N]),
+        ("w2".to_string(), vec![1.0f32; N]),
+    ]);
+    let out = ring::run_ranks(2, ring_options(), |comm| {
+        let dev = ComputeDevice::host_twin(1 << 24, Default::default()).unwrap();
+        let config = FsdpConfig::new(ShardingStrategy::FullShard);
+        let init = ParamInit::Full(&init);
+        let mut fsdp = Fsdp::new_on(Box::new(comm), dev, &plan(), init, config, adamw()).unwrap();
+        let batch = (vec![1.0f32; N], vec![0.0f32; N]);
+        let bad = Chain {
+            global: (2 * N) as f32,
+            bad_loss: true,
+        };
+        let e = fsdp
+            .forward_backward_async(&bad, &batch)
+            .unwrap_err()
+            .to_string();
+        fsdp.zero_grad().unwrap();
+        let good = Chain {
+            global: (2 * N) as f32,
+            bad_loss: false,
+        };
+        let loss = fsdp.forward_backward_async(&good, &batch).unwrap();
+        (e, loss.value().unwrap())
+    })
+    .unwrap();
+    for (rank, (e, loss)) in out.iter().enumerate() {
+        assert!(
+            e.contains(&format!("rank {rank}")) && e.contains("not one f32 on the device"),
+            "{e}"
+        );
+        assert!(loss.is_finite() && *loss > 0.0, "{loss}");
+    }
 }

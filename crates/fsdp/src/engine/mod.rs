@@ -13,8 +13,9 @@
 //!   [`Fsdp::post_forward`], [`Fsdp::pre_backward`], [`Fsdp::post_backward`],
 //!   [`Fsdp::finalize_backward`], with [`Fsdp::param_views`] / [`Fsdp::grad_views`] to read the
 //!   unsharded parameters and write the gradients; or a model implementing [`FsdpModel`] and
-//!   [`Fsdp::forward_backward`]. Then [`Fsdp::no_sync`], [`Fsdp::grad_norm`],
-//!   [`Fsdp::clip_grad_norm`] (or [`Fsdp::clip_grad_norm_async`], whose [`GradNorm`] a device
+//!   [`Fsdp::forward_backward`] (or [`Fsdp::forward_backward_async`], whose loss a device sums
+//!   without the host waiting). Then [`Fsdp::no_sync`], [`Fsdp::grad_norm`],
+//!   [`Fsdp::clip_grad_norm`] (or [`Fsdp::clip_grad_norm_async`], whose [`DeviceScalar`] a device
 //!   computes without the host waiting), [`Fsdp::optimizer_step`] (AdamW, SGD or
 //!   AnyPrecisionAdamW on the shards) or
 //!   [`Fsdp::skip_step`], [`Fsdp::full_state_dict`] and sharded checkpoints
@@ -98,6 +99,7 @@ mod comm_context;
 mod config;
 mod device;
 mod device_kernels;
+mod device_scalar;
 mod device_shards;
 mod fsdp;
 mod grad_norm;
@@ -123,8 +125,8 @@ pub use config::{
     ShardingStrategy,
 };
 pub use device::ComputeDevice;
+pub use device_scalar::DeviceScalar;
 pub use fsdp::Fsdp;
-pub use grad_norm::GradNorm;
 pub use grad_scaler::{
     load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,
     GRAD_SCALER_FILE,

@@ -10,10 +10,21 @@
 //! before their backward, and the tape's bytes are counted: see
 //! [`checkpointing`](super::checkpointing).
 
+use fsdp_collectives::ReduceOp;
+use fsdp_device::{Buffer, DType};
+
 use super::checkpointing::SpanRun;
+use super::device::ComputeDevice;
+use super::device_scalar::DeviceScalar;
 use super::fsdp::Fsdp;
 use crate::trace::SpanKind;
 use crate::FsdpError;
+
+/// This rank's loss of a pass: read on the host, or a buffer the model keeps on the device.
+enum LocalLoss {
+    Host(f32),
+    Device(Buffer),
+}
 
 use super::views::{Grads, Params};
 
@@ -71,6 +82,19 @@ pub trait FsdpModel {
     /// # Errors
     /// The model's errors.
     fn loss(&self, tape: &Self::Tape) -> Result<f32, FsdpError>;
+
+    /// A model that computes on a device and keeps its loss there: this rank's share of the
+    /// loss (as [`loss`](Self::loss)) as a one-element `f32` buffer on the device, written by
+    /// the work issued in the last span's forward. [`Fsdp::forward_backward_async`] then sums it
+    /// over the ranks on the device and hands it back without the host reading it. Default
+    /// `None`: the engine reads [`loss`](Self::loss).
+    ///
+    /// # Errors
+    /// The model's errors.
+    fn loss_buffer(&self, tape: &Self::Tape) -> Result<Option<Buffer>, FsdpError> {
+        let _ = tape;
+        Ok(None)
+    }
 
     /// Backward of span `span`: **add** the gradients of its parameters into `grads`, and hand
     /// the gradients of its inputs to the spans before it through the tape.
@@ -217,7 +241,85 @@ impl Fsdp {
         model: &M,
         batch: &M::Batch,
     ) -> Result<f32, FsdpError> {
-        let r = self.forward_backward_inner(model, batch);
+        match self.forward_backward_checked(model, batch, false)? {
+            LocalLoss::Host(l) => Ok(l),
+            LocalLoss::Device(_) => Err(super::comm_context::internal("a loss left on the device")),
+        }
+    }
+
+    /// [`forward_backward`](Self::forward_backward) without the host waiting for the loss:
+    /// with a model that keeps its loss on the device ([`FsdpModel::loss_buffer`]) and an
+    /// engine on that device ([`Fsdp::new_on`]), the loss is summed over the ranks on the
+    /// device and copied to host memory while the host goes on; read it with
+    /// [`DeviceScalar::value`] when needed — one step late, the only read-back of a steady-state
+    /// step. Otherwise the loss is summed on the host at once, as
+    /// [`forward_backward`](Self::forward_backward) does. Every rank must call it.
+    ///
+    /// # Errors
+    /// As [`forward_backward`](Self::forward_backward); a loss buffer that is not one `f32`
+    /// on the device.
+    pub fn forward_backward_async<M: FsdpModel>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<DeviceScalar, FsdpError> {
+        let dev = self.ctx.device.clone();
+        match (
+            self.forward_backward_checked(model, batch, dev.is_some())?,
+            dev,
+        ) {
+            (LocalLoss::Device(b), Some(dev)) => self.sum_loss_on_device(&dev, &b),
+            (LocalLoss::Host(l), _) => Ok(DeviceScalar::from(f64::from(self.all_reduce_loss(l)?))),
+            (LocalLoss::Device(_), None) => Err(super::comm_context::internal(
+                "a device loss without a device",
+            )),
+        }
+    }
+
+    /// The loss `local` (this rank's, on the device) summed over the ranks there, into a new
+    /// buffer (the model's is left alone), and copied to host memory without a wait.
+    fn sum_loss_on_device(
+        &self,
+        dev: &ComputeDevice,
+        local: &Buffer,
+    ) -> Result<DeviceScalar, FsdpError> {
+        if local.dtype() != DType::F32 || local.len() != 1 || local.stream_order().is_none() {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "rank {}: the model's loss buffer is {} elements of {} on {}, not one f32 \
+                     on the device",
+                    self.rank(),
+                    local.len(),
+                    local.dtype(),
+                    local.device()
+                ),
+            });
+        }
+        let c = dev.compute_stream();
+        let sum = dev.alloc(DType::F32, 1, c)?;
+        sum.copy_from_device_async(local, c)?;
+        let mut work = None;
+        if let Some(world) = self.ctx.groups.world_multi() {
+            let w = self
+                .ctx
+                .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
+                    Ok(world.all_reduce(&sum, ReduceOp::Sum)?)
+                })?;
+            work = Some(w.clone());
+            self.ctx.wait_or_defer(w)?;
+        }
+        DeviceScalar::pending(dev, &sum, work)
+    }
+
+    /// The pass, its loss read as `device_loss` asks (a model's loss buffer when it has one),
+    /// the unsharded buffers dropped after a failure.
+    fn forward_backward_checked<M: FsdpModel>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+        device_loss: bool,
+    ) -> Result<LocalLoss, FsdpError> {
+        let r = self.forward_backward_inner(model, batch, device_loss);
         if r.is_err() {
             self.abort_pass();
             // The pass's tape is gone.
@@ -241,7 +343,8 @@ impl Fsdp {
         &mut self,
         model: &M,
         batch: &M::Batch,
-    ) -> Result<f32, FsdpError> {
+        device_loss: bool,
+    ) -> Result<LocalLoss, FsdpError> {
         let spans = model.spans();
         let su = self.span_units(&spans)?;
         let runs = self.span_runs(&su, |s| model.checkpointable(s));
@@ -263,7 +366,10 @@ impl Fsdp {
                 self.post_forward(u)?;
             }
         }
-        let local = model.loss(&tape)?;
+        let local = match device_loss.then(|| model.loss_buffer(&tape)).transpose()? {
+            Some(Some(b)) => LocalLoss::Device(b),
+            _ => LocalLoss::Host(model.loss(&tape)?),
+        };
         for (s, span) in spans.iter().enumerate().rev() {
             for u in su.closes(s) {
                 self.pre_backward(u)?;

@@ -173,7 +173,7 @@ impl Fsdp {
     }
 
     /// The norm's value, a wait on the host counted in [`host_waits`](Self::host_waits).
-    fn wait_for(&self, norm: super::GradNorm) -> Result<f64, FsdpError> {
+    fn wait_for(&self, norm: super::DeviceScalar) -> Result<f64, FsdpError> {
         self.ctx.count_host_wait();
         norm.value()
     }
