@@ -36,7 +36,7 @@ use common::{adamw, bits, configs, mesh, ring_options, GLOBAL};
 use faulty::{is_missing, Fault, Faulty};
 use fsdp::engine::{HostCompute, Phase};
 use hooked::Hooked;
-use on_device::{train_rank, train_rank_with, Outcome, STEPS};
+use on_device::{host_run, train_rank, train_rank_with, Outcome, STEPS};
 use tied_mlp::TiedMlp;
 
 /// Rank 0's outcome of a run of `world` ranks (threads) on the host engine or on the host
@@ -205,20 +205,7 @@ fn clipping_on_the_device_gives_the_host_engines_bits() {
         (4, mesh(ShardingStrategy::HybridShardZero2, Some(2))),
     ] {
         let optim = adamw().into();
-        let host = ring::run_ranks(world, ring_options(), |comm| {
-            train_rank_with(
-                Box::new(comm),
-                None,
-                None,
-                world,
-                config,
-                1,
-                optim,
-                max_norm,
-            )
-        })
-        .unwrap()
-        .swap_remove(0);
+        let host = host_run(world, config, optim, max_norm);
         assert!(host.norms.iter().all(|&n| n > 0.05), "{:?}", host.norms);
         for offload_params in [false, true] {
             let config = FsdpConfig {

@@ -163,15 +163,22 @@ fn the_optimizer_side_on_the_device_gives_the_host_engines_bits() {
     for (world, config) in configs() {
         for optim in optimizers() {
             let what = format!("world {world}, {:?}, {optim:?}", config.strategy);
-            let host = run(world, config, optim, false);
-            let dev = run(world, config, optim, true);
-            assert_eq!(dev.norms, host.norms, "{what}: gradient norms");
-            assert_eq!(dev.losses, host.losses, "{what}: losses");
-            assert_eq!(dev.params, host.params, "{what}: parameters");
-            let l = |b: u32| f32::from_bits(b);
-            assert!(l(host.losses[STEPS - 1]) < l(host.losses[0]), "{what}");
+            same_on_device(world, config, optim, &what);
         }
     }
+}
+
+/// Rank 0's run on the host engine, checked equal bit for bit (norms, losses, parameters) to
+/// the run with the shards on the twin, and learning.
+fn same_on_device(world: usize, config: FsdpConfig, optim: OptimizerConfig, what: &str) -> Run {
+    let host = run(world, config, optim, false);
+    let dev = run(world, config, optim, true);
+    assert_eq!(dev.norms, host.norms, "{what}: gradient norms");
+    assert_eq!(dev.losses, host.losses, "{what}: losses");
+    assert_eq!(dev.params, host.params, "{what}: parameters");
+    let l = |b: u32| f32::from_bits(b);
+    assert!(l(host.losses[STEPS - 1]) < l(host.losses[0]), "{what}");
+    host
 }
 
 /// A fresh directory under the system's temporary one.
@@ -276,13 +283,7 @@ fn any_precision_adamw_on_the_device_gives_the_host_engines_bits() {
                 ..config
             };
             let what = format!("world {world}, {:?}, {optim:?}", config.strategy);
-            let host = run(world, config, optim, false);
-            let dev = run(world, config, optim, true);
-            assert_eq!(dev.norms, host.norms, "{what}: gradient norms");
-            assert_eq!(dev.losses, host.losses, "{what}: losses");
-            assert_eq!(dev.params, host.params, "{what}: parameters");
-            let l = |b: u32| f32::from_bits(b);
-            assert!(l(host.losses[STEPS - 1]) < l(host.losses[0]), "{what}");
+            let host = same_on_device(world, config, optim, &what);
             if world == 2 {
                 let offloaded = FsdpConfig {
                     offload_params: true,

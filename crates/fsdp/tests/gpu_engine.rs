@@ -27,12 +27,11 @@ use fsdp::engine::{
     ComputeDevice, FsdpConfig, GradientDivide, MixedPrecisionPolicy, ShardingStrategy,
 };
 use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
-use fsdp_collectives::ring;
 use fsdp_device::DType;
 
-use common::{adamw, ring_options};
+use common::adamw;
 use fsdp::optim::{AnyPrecisionAdamWConfig, OptimizerConfig};
-use on_device::{train_rank_with, Outcome};
+use on_device::{host_run, train_rank_with, Outcome};
 
 /// Why the GPU tests cannot run here, if they cannot.
 fn skip_reason() -> Option<String> {
@@ -58,38 +57,17 @@ fn run_with(
     optim: OptimizerConfig,
     max_norm: Option<f64>,
 ) -> Outcome {
-    let mut out = if on_gpu {
-        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, world, opts, |comm| {
-            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            train_rank_with(
-                Box::new(comm),
-                Some(dev),
-                None,
-                world,
-                config,
-                1,
-                optim,
-                max_norm,
-            )
-        })
-        .unwrap()
-    } else {
-        ring::run_ranks(world, ring_options(), |comm| {
-            train_rank_with(
-                Box::new(comm),
-                None,
-                None,
-                world,
-                config,
-                1,
-                optim,
-                max_norm,
-            )
-        })
-        .unwrap()
-    };
-    out.swap_remove(0)
+    if !on_gpu {
+        return host_run(world, config, optim, max_norm);
+    }
+    let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+    cuda_ring::run_ranks(0, world, opts, |comm| {
+        let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+        let dev = Some(dev);
+        train_rank_with(Box::new(comm), dev, None, world, config, 1, optim, max_norm)
+    })
+    .unwrap()
+    .swap_remove(0)
 }
 
 #[test]

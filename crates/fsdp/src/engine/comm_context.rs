@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use fsdp_collectives::{mesh_2d, Communicator, HybridMesh, Work};
+use fsdp_collectives::{mesh_2d, Communicator, HybridMesh, ReduceOp, Work};
 use fsdp_device::{Buffer, DType, Device, Stream};
 
 use super::config::{
@@ -295,6 +295,33 @@ impl CommContext {
                 Ok(output)
             }
         }
+    }
+
+    /// The sum over `comm` (if there is one) of the small device buffer `buf`, in place: one
+    /// all-reduce the host does not wait for (deferred, see
+    /// [`wait_or_defer`](Self::wait_or_defer)); returns a handle to it for what reads the
+    /// result on the host later.
+    ///
+    /// # Errors
+    /// A failing collective known when it is issued.
+    pub(crate) fn sum_on_device(
+        &self,
+        comm: Option<&dyn Communicator>,
+        buf: &Buffer,
+    ) -> Result<Option<Work>, FsdpError> {
+        let Some(comm) = comm else {
+            return Ok(None);
+        };
+        let bytes = buf.byte_len();
+        let w = self.traced(
+            comm.stream(),
+            SpanKind::AllReduce,
+            Vec::new(),
+            bytes,
+            || Ok(comm.all_reduce(buf, ReduceOp::Sum)?),
+        )?;
+        self.wait_or_defer(w.clone())?;
+        Ok(Some(w))
     }
 
     /// `bufs` in host memory: each itself (a handle) unless it is on the device, then a copy;

@@ -3,13 +3,11 @@
 //! returns the norm as a tensor and scales the gradients on the GPU by a coefficient computed
 //! there, so that only `.item()` synchronises.
 
-use fsdp_collectives::ReduceOp;
 use fsdp_device::{Buffer, DType};
 
 use super::device::ComputeDevice;
 use super::device_scalar::DeviceScalar;
 use super::fsdp::Fsdp;
-use crate::trace::SpanKind;
 use crate::FsdpError;
 
 impl Fsdp {
@@ -70,16 +68,7 @@ impl Fsdp {
             Ok(acc)
         };
         let (sharded, replicated) = (sum(true)?, sum(false)?);
-        let mut work = None;
-        if let Some(group) = self.ctx.groups.shard() {
-            let w = self
-                .ctx
-                .traced(group.stream(), SpanKind::AllReduce, Vec::new(), 8, || {
-                    Ok(group.all_reduce(&sharded, ReduceOp::Sum)?)
-                })?;
-            work = Some(w.clone());
-            self.ctx.wait_or_defer(w)?;
-        }
+        let work = self.ctx.sum_on_device(self.ctx.groups.shard(), &sharded)?;
         let out = dev.alloc(DType::F64, 2, c)?;
         let limit = max_norm.unwrap_or(f64::INFINITY);
         dev.clip_coefficient(&sharded, &replicated, limit, &out, c)?;

@@ -10,7 +10,6 @@
 //! before their backward, and the tape's bytes are counted: see
 //! [`checkpointing`](super::checkpointing).
 
-use fsdp_collectives::ReduceOp;
 use fsdp_device::{Buffer, DType};
 
 use super::checkpointing::SpanRun;
@@ -298,16 +297,9 @@ impl Fsdp {
         let c = dev.compute_stream();
         let sum = dev.alloc(DType::F32, 1, c)?;
         sum.copy_from_device_async(local, c)?;
-        let mut work = None;
-        if let Some(world) = self.ctx.groups.world_multi() {
-            let w = self
-                .ctx
-                .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
-                    Ok(world.all_reduce(&sum, ReduceOp::Sum)?)
-                })?;
-            work = Some(w.clone());
-            self.ctx.wait_or_defer(w)?;
-        }
+        let work = self
+            .ctx
+            .sum_on_device(self.ctx.groups.world_multi(), &sum)?;
         DeviceScalar::pending(dev, &sum, work)
     }
 

@@ -9,9 +9,9 @@ use fsdp::engine::{ComputeDevice, FsdpConfig, HostCompute, ParamInit, ScheduleEv
 use fsdp::optim::OptimizerConfig;
 use fsdp::wrap::plan_units;
 use fsdp::Fsdp;
-use fsdp_collectives::Communicator;
+use fsdp_collectives::{ring, Communicator};
 
-use crate::common::{adamw, bits, Bits, GLOBAL};
+use crate::common::{adamw, bits, ring_options, Bits, GLOBAL};
 use crate::tied_mlp::{self, TiedMlp};
 
 /// Optimizer steps of a run.
@@ -134,4 +134,28 @@ pub fn train_rank_with(
         device_peak,
         limiter_waits: fsdp.limiter_free_waits(),
     }
+}
+
+/// Rank 0's [`train_rank_with`] of `world` ranks (threads over the ring) on the host engine:
+/// the reference of the device runs.
+pub fn host_run(
+    world: usize,
+    config: FsdpConfig,
+    optim: OptimizerConfig,
+    max_norm: Option<f64>,
+) -> Outcome {
+    ring::run_ranks(world, ring_options(), |comm| {
+        train_rank_with(
+            Box::new(comm),
+            None,
+            None,
+            world,
+            config,
+            1,
+            optim,
+            max_norm,
+        )
+    })
+    .unwrap()
+    .swap_remove(0)
 }
