@@ -531,3 +531,55 @@ fn a_loss_buffer_off_the_device_is_refused() {
         assert!(loss.is_finite() && *loss > 0.0, "{loss}");
     }
 }
+
+/// A norm whose all-reduce failed is an error when it is read, never a value: rank 1 fails the
+/// norm's all-reduce without taking part, so rank 0's times out; rank 0's
+/// `clip_grad_norm_async` returns at once (the host does not wait), and its `value` reports the
+/// failure within the timeouts.
+#[test]
+fn a_norm_whose_all_reduce_failed_is_an_error() {
+    let init = std::collections::HashMap::from([
+        ("w1".to_string(), vec![0.5f32; N]),
+        ("w2".to_string(), vec![1.0f32; N]),
+    ]);
+    let mut options = ring_options();
+    options.timeout = Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    let out = ring::run_ranks(2, options, |comm| {
+        let rank = comm.rank();
+        let mut hooked = hooked::Hooked::new(comm);
+        if rank == 1 {
+            hooked.fail_all_reduce = Some(0);
+        }
+        let dev = ComputeDevice::host_twin(1 << 24, Default::default()).unwrap();
+        let config = FsdpConfig::new(ShardingStrategy::FullShard);
+        let init = ParamInit::Full(&init);
+        let mut fsdp = Fsdp::new_on(Box::new(hooked), dev, &plan(), init, config, adamw()).unwrap();
+        let model = Chain {
+            global: (2 * N) as f32,
+            bad_loss: false,
+        };
+        let batch = (vec![1.0f32; N], vec![0.0f32; N]);
+        fsdp.forward_backward_local(&model, &batch).unwrap();
+        match fsdp.clip_grad_norm_async(0.05) {
+            Err(e) => format!("issue: {e}"),
+            Ok(norm) => match norm.value() {
+                Err(e) => format!("value: {e}"),
+                Ok(v) => format!("a value: {v}"),
+            },
+        }
+    })
+    .unwrap();
+    println!("{out:?} after {:?}", start.elapsed());
+    assert!(
+        out[1].starts_with("issue: ") && out[1].contains("failed on purpose"),
+        "{}",
+        out[1]
+    );
+    assert!(out[0].starts_with("value: "), "{}", out[0]);
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -1,7 +1,7 @@
 //! A ring communicator with hooks, for the engine's error tests on a device (`device_engine`,
 //! `device_steady_state` include this file with `#[path]`): it may say that it does not order
-//! stream-ordered buffers (as MPI), and it may fail one of its all-gathers without taking part,
-//! so that its peers' all-gather times out.
+//! stream-ordered buffers (as MPI), and it may fail one of its all-gathers or all-reduces
+//! without taking part, so that its peers' collective times out.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -16,6 +16,9 @@ pub struct Hooked {
     /// Fail this all-gather (counted from 0) without calling `inner`.
     pub fail_all_gather: Option<usize>,
     pub all_gathers: AtomicUsize,
+    /// Fail this all-reduce (counted from 0) without calling `inner`.
+    pub fail_all_reduce: Option<usize>,
+    pub all_reduces: AtomicUsize,
 }
 
 impl Hooked {
@@ -26,6 +29,20 @@ impl Hooked {
             ordered: true,
             fail_all_gather: None,
             all_gathers: AtomicUsize::new(0),
+            fail_all_reduce: None,
+            all_reduces: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Hooked {
+    /// The error of a collective failed on purpose.
+    fn failed(&self, op: &'static str, what: String) -> CollectiveError {
+        CollectiveError::Backend {
+            rank: self.rank(),
+            backend: "hooked",
+            op,
+            reason: format!("{what} failed on purpose"),
         }
     }
 }
@@ -46,12 +63,7 @@ impl Communicator for Hooked {
     fn all_gather_base(&self, i: &Buffer, o: &Buffer) -> Result<Work> {
         let n = self.all_gathers.fetch_add(1, Ordering::SeqCst);
         if self.fail_all_gather == Some(n) {
-            return Err(CollectiveError::Backend {
-                rank: self.rank(),
-                backend: "hooked",
-                op: "all_gather_base",
-                reason: format!("all-gather {n} failed on purpose"),
-            });
+            return Err(self.failed("all_gather_base", format!("all-gather {n}")));
         }
         self.inner.all_gather_base(i, o)
     }
@@ -59,6 +71,10 @@ impl Communicator for Hooked {
         self.inner.reduce_scatter_base(i, o, op)
     }
     fn all_reduce(&self, b: &Buffer, op: ReduceOp) -> Result<Work> {
+        let n = self.all_reduces.fetch_add(1, Ordering::SeqCst);
+        if self.fail_all_reduce == Some(n) {
+            return Err(self.failed("all_reduce", format!("all-reduce {n}")));
+        }
         self.inner.all_reduce(b, op)
     }
     fn broadcast(&self, b: &Buffer, root: usize) -> Result<Work> {
