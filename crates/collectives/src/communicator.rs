@@ -93,8 +93,9 @@ pub trait Communicator: Send {
     /// device memory used through `Buffer::use_on`) are ordered by their streams' events: the
     /// collective runs after the work that conflicts with it, and its end is recorded as the
     /// buffers' newest use. The ring engine's backends (threads, shared memory, TCP, the CUDA
-    /// ring) and NCCL (waits on the GPU) do; a backend that does not (MPI) may only be given
-    /// such buffers once their work has completed. Default `false`.
+    /// ring), MPI (its CPU stream waits) and NCCL (waits on the GPU) do (the conformance suite
+    /// checks it on the host backends); a backend that does not may only be given such buffers
+    /// once their work has completed. Default `false`.
     fn orders_stream_ordered_buffers(&self) -> bool {
         false
     }

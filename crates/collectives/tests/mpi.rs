@@ -76,7 +76,16 @@ fn mpirun(args: &[&str], limit: Duration) -> Option<Run> {
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
     let mut cmd = Command::new(&mpirun);
+    // A session directory of its own: the tests' mpiruns start in parallel, and two creating
+    // Open MPI's default `/tmp/ompi.<host>.<uid>` at once fail ("File exists").
+    let session = std::env::temp_dir().join(format!(
+        "fsdp-mpi-{}-{}",
+        std::process::id(),
+        args.join("").trim_start_matches('-')
+    ));
     if version.contains("Open MPI") || version.contains("OpenRTE") {
+        std::fs::create_dir_all(&session).expect("an Open MPI session directory");
+        cmd.arg("--mca").arg("orte_tmpdir_base").arg(&session);
         // Root in containers, more ranks than cores, loopback TCP only, no core binding.
         cmd.args([
             "--allow-run-as-root",
@@ -140,6 +149,7 @@ fn mpirun(args: &[&str], limit: Duration) -> Option<Run> {
     let took = t0.elapsed();
     // Kill what is left (the process group) so that the pipes close.
     drop(guard);
+    let _ = std::fs::remove_dir_all(&session);
     let output: String = readers
         .into_iter()
         .map(|h| h.join().unwrap_or_default())

@@ -2,52 +2,11 @@
 //! collective runs after the work that wrote its input on another stream, and work issued after
 //! it on any stream sees its output, with no host wait by the caller in between.
 
-use std::time::Duration;
+mod support;
 
 use fsdp_collectives::{ring, Communicator, ReduceOp};
-use fsdp_device::{AccessMode, Buffer, DType, HostStorage, Stream};
-
-/// A stream-ordered host buffer of `len` f32.
-fn ordered(len: usize) -> Buffer {
-    Buffer::stream_ordered(Box::new(HostStorage::zeroed(len * 4).unwrap()), DType::F32).unwrap()
-}
-
-/// Write `values` into `buf` on `stream`, late (after a sleep), as a GPU kernel would.
-fn write_late(stream: &Stream, buf: &Buffer, values: Vec<f32>) {
-    let u = buf.use_on(stream, AccessMode::Exclusive).unwrap();
-    let p = u.device_ptr() as usize;
-    stream
-        .enqueue(move || {
-            std::thread::sleep(Duration::from_millis(30));
-            // SAFETY: `values.len()` f32 of the buffer, used by this stream's work only, alive
-            // until it completed (held references).
-            let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut f32, values.len()) };
-            dst.copy_from_slice(&values);
-        })
-        .unwrap();
-    u.finish();
-}
-
-/// Copy `buf` out on `stream` (after what it waits for), then wait on the host.
-fn read_on(stream: &Stream, buf: &Buffer) -> Vec<f32> {
-    let out = Buffer::zeros(DType::F32, buf.len()).unwrap();
-    let u = buf.use_on(stream, AccessMode::Shared).unwrap();
-    let (src, n, dst) = (
-        u.device_ptr() as usize,
-        buf.len(),
-        out.access(AccessMode::Exclusive),
-    );
-    stream
-        .enqueue(move || {
-            let dst = dst.acquire(Duration::from_secs(20)).unwrap();
-            // SAFETY: `n` f32 read after the collective that wrote them (the stream waited for
-            // its event), into `n` host f32 under an exclusive guard.
-            unsafe { std::ptr::copy_nonoverlapping(src as *const f32, dst.as_ptr().cast(), n) }
-        })
-        .unwrap();
-    u.finish();
-    out.to_vec::<f32>().unwrap()
-}
+use fsdp_device::Stream;
+use support::{ordered, read_on, write_late};
 
 #[test]
 fn all_gather_and_reduce_scatter_order_themselves_by_stream_events() {

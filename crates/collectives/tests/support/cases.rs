@@ -1,14 +1,15 @@
 //! The conformance cases every backend runs (one list, several instantiations: ring-threads,
 //! ring-shm and ring-tcp in `tests/conformance.rs`, MPI under `mpirun -np 3` through the
 //! `mpi_reference` example's `--conformance` mode): every collective, reduce op and element type
-//! (in place and not), sub-groups, a mismatched call, and a rank that never arrives.
+//! (in place and not), sub-groups, stream-ordered buffers (on the backends that order them), a
+//! mismatched call, and a rank that never arrives.
 
 use std::time::Duration;
 
 use fsdp_collectives::{ring, CollectiveError, Communicator, ReduceOp};
-use fsdp_device::{Buffer, DType};
+use fsdp_device::{Buffer, DType, Device, Stream};
 
-use super::{check_every_collective, reductions, zeros};
+use super::{check_every_collective, ordered, read_on, reductions, write_late, zeros};
 
 /// Ranks of every instantiation.
 pub const WORLD: usize = 3;
@@ -62,6 +63,9 @@ pub fn suite(comm: &dyn Communicator, expect: &Expect) {
     sub.all_reduce(&b, ReduceOp::Sum).unwrap().wait().unwrap();
     let want = if r % 2 == 0 { 4.0 } else { 2.0 };
     assert_eq!(b.to_vec::<f32>().unwrap(), vec![want]);
+    if comm.orders_stream_ordered_buffers() && comm.device() == Device::Cpu {
+        stream_ordered_case(comm);
+    }
     // A mismatch fails every rank, names the odd rank, and leaves the group usable.
     let len = if r == 1 { 5 } else { 4 };
     let m = Buffer::zeros(DType::F32, len).unwrap();
@@ -95,4 +99,41 @@ pub fn timeout_case(comm: &dyn Communicator, short: Duration) {
         comm.barrier(),
         Err(CollectiveError::Aborted { .. })
     ));
+}
+
+/// On a backend that orders stream-ordered host buffers (an engine on a device's host twin
+/// gives it such buffers): an all-gather, a reduce-scatter and an all-reduce of inputs written
+/// late on another stream, issued without a host wait, read on a third stream after them —
+/// each result the exact one.
+fn stream_ordered_case(comm: &dyn Communicator) {
+    let r = comm.rank();
+    let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
+    let input = ordered(4);
+    write_late(
+        &producer,
+        &input,
+        (0..4).map(|i| (10 * r + i) as f32).collect(),
+    );
+    let gathered = ordered(4 * WORLD);
+    comm.all_gather_base(&input, &gathered).unwrap();
+    let full = ordered(2 * WORLD);
+    write_late(
+        &producer,
+        &full,
+        (0..2 * WORLD).map(|i| (r * 100 + i) as f32).collect(),
+    );
+    let shard = ordered(2);
+    comm.reduce_scatter_base(&full, &shard, ReduceOp::Sum)
+        .unwrap();
+    comm.all_reduce(&shard, ReduceOp::Max).unwrap();
+    let want: Vec<f32> = (0..WORLD)
+        .flat_map(|q| (0..4).map(move |i| (10 * q + i) as f32))
+        .collect();
+    assert_eq!(read_on(&consumer, &gathered), want, "rank {r}: gathered");
+    // Every rank's chunk of the sum, then the maximum over the ranks of theirs.
+    let sum = |i: usize| (0..WORLD).map(|q| (q * 100 + i) as f32).sum::<f32>();
+    let max: Vec<f32> = (0..2)
+        .map(|j| (0..WORLD).map(|q| sum(2 * q + j)).fold(f32::MIN, f32::max))
+        .collect();
+    assert_eq!(read_on(&consumer, &shard), max, "rank {r}: reduced shard");
 }

@@ -10,10 +10,11 @@ pub mod cases;
 pub mod procs;
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use fsdp_collectives::{CollectiveError, Communicator, ReduceOp, Work};
 use fsdp_device::shared::SharedHostStorage;
-use fsdp_device::{with_element, Buffer, DType, Element};
+use fsdp_device::{with_element, AccessMode, Buffer, DType, Element, HostStorage, Stream};
 
 /// Element `i` of rank `rank`'s input for `op`: small integers (sums are exact in every element
 /// type) or powers of two (so are products).
@@ -380,4 +381,46 @@ pub fn valid_calls(comm: &dyn Communicator, buf: MakeBuffer<'_>) -> Vec<(String,
     }
     out.push(("barrier".into(), comm.barrier().unwrap()));
     out
+}
+
+/// A stream-ordered host buffer of `len` f32.
+pub fn ordered(len: usize) -> Buffer {
+    Buffer::stream_ordered(Box::new(HostStorage::zeroed(len * 4).unwrap()), DType::F32).unwrap()
+}
+
+/// Write `values` into `buf` on `stream`, late (after a sleep), as a GPU kernel would.
+pub fn write_late(stream: &Stream, buf: &Buffer, values: Vec<f32>) {
+    let u = buf.use_on(stream, AccessMode::Exclusive).unwrap();
+    let p = u.device_ptr() as usize;
+    stream
+        .enqueue(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            // SAFETY: `values.len()` f32 of the buffer, used by this stream's work only, alive
+            // until it completed (held references).
+            let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut f32, values.len()) };
+            dst.copy_from_slice(&values);
+        })
+        .unwrap();
+    u.finish();
+}
+
+/// Copy `buf` out on `stream` (after what it waits for), then wait on the host.
+pub fn read_on(stream: &Stream, buf: &Buffer) -> Vec<f32> {
+    let out = Buffer::zeros(DType::F32, buf.len()).unwrap();
+    let u = buf.use_on(stream, AccessMode::Shared).unwrap();
+    let (src, n, dst) = (
+        u.device_ptr() as usize,
+        buf.len(),
+        out.access(AccessMode::Exclusive),
+    );
+    stream
+        .enqueue(move || {
+            let dst = dst.acquire(Duration::from_secs(20)).unwrap();
+            // SAFETY: `n` f32 read after the collective that wrote them (the stream waited for
+            // its event), into `n` host f32 under an exclusive guard.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const f32, dst.as_ptr().cast(), n) }
+        })
+        .unwrap();
+    u.finish();
+    out.to_vec::<f32>().unwrap()
 }

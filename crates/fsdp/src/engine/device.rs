@@ -72,8 +72,8 @@ pub(super) enum Kind {
 /// clipping by it ([`Fsdp::clip_grad_norm_async`](super::Fsdp::clip_grad_norm_async) reads
 /// nothing on the host).
 ///
-/// Not on a device yet (refused by name when the engine is built): communicators that do not
-/// order stream-ordered buffers (MPI), dry runs.
+/// Not on a device (refused by name when the engine is built): communicators that do not
+/// order stream-ordered buffers, dry runs.
 #[derive(Clone)]
 pub struct ComputeDevice {
     pub(super) kind: Kind,

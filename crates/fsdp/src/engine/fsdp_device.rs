@@ -53,7 +53,7 @@ impl Fsdp {
     /// # Errors
     /// Those of [`Fsdp::new`]; [`FsdpError::InvalidFsdpConfig`] for a communicator on another
     /// device or one that does not order stream-ordered buffers
-    /// ([`Communicator::orders_stream_ordered_buffers`]: MPI does not), and on CUDA for
+    /// ([`Communicator::orders_stream_ordered_buffers`]), and on CUDA for
     /// AnyPrecisionAdamW with the shards on the device whose momentum, variance and
     /// compensation dtypes are not one of f32 and bf16; a failing copy or allocation there.
     pub fn new_on(
@@ -140,7 +140,7 @@ fn check_device(comm: &dyn Communicator, device: &ComputeDevice) -> Result<(), F
     if !comm.orders_stream_ordered_buffers() {
         return refuse(format!(
             "the communicator does not order stream-ordered buffers, which the engine keeps \
-             on {} (the ring backends, the CUDA ring and NCCL do; MPI does not)",
+             on {} (the ring backends, the CUDA ring, MPI and NCCL do)",
             device.device()
         ));
     }

@@ -1,6 +1,6 @@
 //! A ring communicator with hooks, for the engine's error tests on a device (`device_engine`,
 //! `device_steady_state` include this file with `#[path]`): it may say that it does not order
-//! stream-ordered buffers (as MPI), and it may fail one of its all-gathers or all-reduces
+//! stream-ordered buffers (as a backend that does not), and it may fail one of its all-gathers or all-reduces
 //! without taking part, so that its peers' collective times out.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

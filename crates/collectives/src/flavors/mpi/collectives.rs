@@ -484,4 +484,8 @@ impl Communicator for MpiCommunicator {
             .split_mpi(color, key)?
             .map(|c| Box::new(c) as Box<dyn Communicator>))
     }
+
+    fn orders_stream_ordered_buffers(&self) -> bool {
+        true
+    }
 }
