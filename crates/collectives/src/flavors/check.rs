@@ -1,5 +1,6 @@
 //! What every backend does when a collective is issued: the argument checks, and enqueueing the
-//! task under the next sequence number ([`enqueue_collective`]).
+//! task under the next sequence number, ordered by the stream-ordered buffers it uses
+//! ([`enqueue_collective`]).
 //!
 //! The argument checks run on the issuing rank before anything is
 //! enqueued and give either the buffer accesses the collective needs — tickets taken now, in
@@ -278,24 +279,42 @@ impl Placement {
 }
 
 /// Enqueue `task` on `stream` under the next sequence number of `next_seq` (taken, and passed
-/// to the task, only if the enqueue succeeds) and return its [`Work`]. Holding the counter's lock
-/// across the enqueue keeps sequence numbers in stream order when several threads issue.
+/// to the task, only if the enqueue succeeds) with the collective's buffer `access`, and return
+/// its [`Work`]. Holding the counter's lock across the enqueue keeps sequence numbers in stream
+/// order when several threads issue. Stream-ordered buffers among the access's
+/// ([`Access::stream_orders`]): the stream first waits for the work that conflicts with the
+/// task, and the task is recorded as their newest use (module docs of `fsdp_device::order`).
 pub(crate) fn enqueue_collective(
     stream: &Stream,
     next_seq: &Mutex<u64>,
     rank: usize,
     op: &'static str,
     timeout: Duration,
-    task: impl FnOnce(u64) -> crate::Result<()> + Send + 'static,
+    access: Option<Access>,
+    task: impl FnOnce(u64, Option<Access>) -> crate::Result<()> + Send + 'static,
 ) -> crate::Result<Work> {
+    let orders = access
+        .as_ref()
+        .map(Access::stream_orders)
+        .unwrap_or_default();
+    for (order, mode) in &orders {
+        order
+            .before(stream, *mode)
+            .map_err(|source| CollectiveError::Device { rank, source })?;
+    }
     let mut next = next_seq.lock().unwrap_or_else(|e| e.into_inner());
     let seq = *next;
     let (completer, make_work) = Work::pending(op, rank, timeout);
     stream
-        .enqueue(move || completer.complete(task(seq)))
+        .enqueue(move || completer.complete(task(seq, access)))
         .map_err(|source| CollectiveError::Device { rank, source })?;
     *next += 1;
-    Ok(make_work(stream.record_event()))
+    let work = make_work(stream.record_event());
+    drop(next);
+    for (order, mode) in orders {
+        order.after(stream, mode);
+    }
+    Ok(work)
 }
 
 /// A root below the world size.

@@ -358,28 +358,15 @@ impl Engine {
             r.scheduled(seq, &desc);
         }
         let task_core = core.clone();
-        // Stream-ordered buffers: the task runs after the work that conflicts with it, and its
-        // end is their newest use (module docs of `fsdp_device::order`).
-        let orders = access
-            .as_ref()
-            .map(Access::stream_orders)
-            .unwrap_or_default();
-        for (order, mode) in &orders {
-            order
-                .before(&self.stream, *mode)
-                .map_err(|source| CollectiveError::Device { rank, source })?;
-        }
         let work = enqueue_collective(
             &self.stream,
             &core.next_seq,
             rank,
             op,
             core.timeout,
-            move |seq| run_collective(&task_core, seq, desc, access, body),
+            access,
+            move |seq, access| run_collective(&task_core, seq, desc, access, body),
         )?;
-        for (order, mode) in orders {
-            order.after(&self.stream, mode);
-        }
         match local_error {
             Some(e) => Err(e),
             None => Ok(work),

@@ -144,28 +144,15 @@ impl MpiCommunicator {
         }
         let (access, local_error) = desc.take_check(rank, check);
         let task_inner = inner.clone();
-        // Stream-ordered buffers: the task runs after the work that conflicts with it, and its
-        // end is their newest use (as the ring engine's `issue`).
-        let orders = access
-            .as_ref()
-            .map(Access::stream_orders)
-            .unwrap_or_default();
-        for (order, mode) in &orders {
-            order
-                .before(&self.stream, *mode)
-                .map_err(|source| CollectiveError::Device { rank, source })?;
-        }
         let work = enqueue_collective(
             &self.stream,
             &inner.next_seq,
             rank,
             op,
             inner.opts.timeout,
-            move |seq| run_collective(&task_inner, seq, desc, access, body),
+            access,
+            move |seq, access| run_collective(&task_inner, seq, desc, access, body),
         )?;
-        for (order, mode) in orders {
-            order.after(&self.stream, mode);
-        }
         match local_error {
             Some(e) => Err(e),
             None => Ok(work),
