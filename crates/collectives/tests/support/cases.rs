@@ -105,7 +105,7 @@ pub fn timeout_case(comm: &dyn Communicator, short: Duration) {
 /// gives it such buffers): an all-gather, a reduce-scatter and an all-reduce of inputs written
 /// late on another stream, issued without a host wait, read on a third stream after them —
 /// each result the exact one.
-fn stream_ordered_case(comm: &dyn Communicator) {
+pub fn stream_ordered_case(comm: &dyn Communicator) {
     let r = comm.rank();
     let (producer, consumer) = (Stream::cpu("producer"), Stream::cpu("consumer"));
     let input = ordered(4);
