@@ -426,6 +426,35 @@ fn clipping_on_the_device_does_not_block_the_host() {
     }
 }
 
+/// A rank's FULL_SHARD engine of two ranks over `comm`, its shards on the host twin (each
+/// operation `latency` late, if given), from fixed weights: the error tests' engine.
+fn two_rank_engine(comm: Box<dyn Communicator>, latency: Option<Duration>) -> Fsdp {
+    let init = std::collections::HashMap::from([
+        ("w1".to_string(), vec![0.5f32; N]),
+        ("w2".to_string(), vec![1.0f32; N]),
+    ]);
+    let dev = match latency {
+        Some(l) => ComputeDevice::host_twin_with_latency(1 << 24, Default::default(), l),
+        None => ComputeDevice::host_twin(1 << 24, Default::default()),
+    };
+    let config = FsdpConfig::new(ShardingStrategy::FullShard);
+    let init = ParamInit::Full(&init);
+    Fsdp::new_on(comm, dev.unwrap(), &plan(), init, config, adamw()).unwrap()
+}
+
+/// The model of [`two_rank_engine`]'s ranks (its loss buffer a host one when `bad_loss`).
+fn two_rank_chain(bad_loss: bool) -> Chain {
+    Chain {
+        global: (2 * N) as f32,
+        bad_loss,
+    }
+}
+
+/// A rank's batch of [`two_rank_engine`]'s tests.
+fn two_rank_batch() -> Batch {
+    (vec![1.0f32; N], vec![0.0f32; N])
+}
+
 #[test]
 fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
     // Rank 1 fails its fifth all-gather (step 1's first: two units, gathered for forward and
@@ -433,10 +462,6 @@ fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
     // timeout). Rank 1 gets the error at once. Rank 0's host does not wait for its
     // all-gathers: it gets the error at a later check — an unshard, the optimizer step — or at
     // `synchronize`, within the timeouts; never a hang, never a silent success.
-    let init = std::collections::HashMap::from([
-        ("w1".to_string(), vec![0.5f32; N]),
-        ("w2".to_string(), vec![1.0f32; N]),
-    ]);
     let mut options = ring_options();
     options.timeout = Duration::from_secs(2);
     let start = std::time::Instant::now();
@@ -446,27 +471,8 @@ fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
         if rank == 1 {
             hooked.fail_all_gather = Some(4);
         }
-        let dev = ComputeDevice::host_twin_with_latency(
-            1 << 24,
-            Default::default(),
-            Duration::from_millis(1),
-        )
-        .unwrap();
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let mut fsdp = Fsdp::new_on(
-            Box::new(hooked),
-            dev,
-            &plan(),
-            ParamInit::Full(&init),
-            config,
-            adamw(),
-        )
-        .unwrap();
-        let model = Chain {
-            global: (2 * N) as f32,
-            bad_loss: false,
-        };
-        let batch = (vec![1.0f32; N], vec![0.0f32; N]);
+        let mut fsdp = two_rank_engine(Box::new(hooked), Some(Duration::from_millis(1)));
+        let (model, batch) = (two_rank_chain(false), two_rank_batch());
         for step in 0..STEPS {
             let r = fsdp
                 .forward_backward_async(&model, &batch)
@@ -496,29 +502,15 @@ fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
 /// engine trains on after it.
 #[test]
 fn a_loss_buffer_off_the_device_is_refused() {
-    let init = std::collections::HashMap::from([
-        ("w1".to_string(), vec![0.5f32; N]),
-        ("w2".to_string(), vec![1.0f32; N]),
-    ]);
     let out = ring::run_ranks(2, ring_options(), |comm| {
-        let dev = ComputeDevice::host_twin(1 << 24, Default::default()).unwrap();
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let init = ParamInit::Full(&init);
-        let mut fsdp = Fsdp::new_on(Box::new(comm), dev, &plan(), init, config, adamw()).unwrap();
-        let batch = (vec![1.0f32; N], vec![0.0f32; N]);
-        let bad = Chain {
-            global: (2 * N) as f32,
-            bad_loss: true,
-        };
+        let mut fsdp = two_rank_engine(Box::new(comm), None);
+        let (bad, batch) = (two_rank_chain(true), two_rank_batch());
         let e = fsdp
             .forward_backward_async(&bad, &batch)
             .unwrap_err()
             .to_string();
         fsdp.zero_grad().unwrap();
-        let good = Chain {
-            global: (2 * N) as f32,
-            bad_loss: false,
-        };
+        let good = two_rank_chain(false);
         let loss = fsdp.forward_backward_async(&good, &batch).unwrap();
         (e, loss.value().unwrap())
     })
@@ -538,10 +530,6 @@ fn a_loss_buffer_off_the_device_is_refused() {
 /// failure within the timeouts.
 #[test]
 fn a_norm_whose_all_reduce_failed_is_an_error() {
-    let init = std::collections::HashMap::from([
-        ("w1".to_string(), vec![0.5f32; N]),
-        ("w2".to_string(), vec![1.0f32; N]),
-    ]);
     let mut options = ring_options();
     options.timeout = Duration::from_secs(2);
     let start = std::time::Instant::now();
@@ -551,15 +539,8 @@ fn a_norm_whose_all_reduce_failed_is_an_error() {
         if rank == 1 {
             hooked.fail_all_reduce = Some(0);
         }
-        let dev = ComputeDevice::host_twin(1 << 24, Default::default()).unwrap();
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let init = ParamInit::Full(&init);
-        let mut fsdp = Fsdp::new_on(Box::new(hooked), dev, &plan(), init, config, adamw()).unwrap();
-        let model = Chain {
-            global: (2 * N) as f32,
-            bad_loss: false,
-        };
-        let batch = (vec![1.0f32; N], vec![0.0f32; N]);
+        let mut fsdp = two_rank_engine(Box::new(hooked), None);
+        let (model, batch) = (two_rank_chain(false), two_rank_batch());
         fsdp.forward_backward_local(&model, &batch).unwrap();
         match fsdp.clip_grad_norm_async(0.05) {
             Err(e) => format!("issue: {e}"),
