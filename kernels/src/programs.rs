@@ -14,13 +14,14 @@ const COMMON: &str = include_str!("cu/common.cuh");
 pub enum Program {
     /// `cast_<src>_<dst>` between f32, bf16 and f16.
     Cast,
-    /// `axpby_<dtype>`, `div_scalar_<dtype>`, `scale_by_f32`, `memset_b{16,32,64}`,
-    /// `gather_segments` and `zero_segments`.
+    /// `axpby_<dtype>`, `div_scalar_<dtype>`, `scale_by_f32`, `unscale_by_f32`,
+    /// `memset_b{16,32,64}`, `gather_segments` and `zero_segments`.
     Elementwise,
     /// `reduce_{sum,min,max,prod}_<dtype>` (avg is a sum with a final division).
     Reduce,
     /// `adamw_f32`, `adamw_bf16_state`, `sgd_f32`, and the end of a step decided on the
-    /// device: `step_decide` and `adamw_decided_f32`.
+    /// device: `step_decide`, `scaler_decide` (the engine's grad scaler), `adamw_decided_f32`
+    /// (and `_many`) and `sgd_decided_f32`.
     Optim,
     /// torchdistx's `AnyPrecisionAdamW` at the end of a step decided on the device:
     /// `anyprecision_decided_f32` and `anyprecision_decided_bf16_state` (f32 or bf16 state).
@@ -107,6 +108,7 @@ impl Program {
                 "div_scalar_bf16",
                 "div_scalar_f16",
                 "scale_by_f32",
+                "unscale_by_f32",
                 "memset_b16",
                 "memset_b32",
                 "memset_b64",
@@ -128,6 +130,8 @@ impl Program {
                 "step_decide",
                 "adamw_decided_f32",
                 "adamw_decided_many",
+                "scaler_decide",
+                "sgd_decided_f32",
             ]),
             Program::AnyPrecision => s(&[
                 "anyprecision_decided_f32",

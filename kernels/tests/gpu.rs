@@ -1,5 +1,6 @@
 //! Every kernel on the GPU against its host twin: bitwise for casts, axpby, division by a
-//! scalar, clipping (its coefficient and the scaling), memset (and many
+//! scalar, clipping (its coefficient and the scaling), the engine's grad scaler (unscaling,
+//! its decision, SGD as decided), memset (and many
 //! buffers zeroed at once), the ring's reductions, SGD and the sum of squares (NaN results:
 //! both NaN), AdamW within 1 ulp (0 expected: the kernels round every operation as the twin
 //! does). Without a GPU each test prints `skipped: no GPU (<reason>)` and passes; with one,
@@ -393,4 +394,71 @@ fn zeroed_buffers_are_zero() {
     }
     launch::fill_zero_many(&s, &mut []).unwrap();
     assert!(down(&s, &kept).iter().all(|&x| x == 7.5));
+}
+
+/// The engine's grad scaler on the device: `unscale_by_f32` at scales that round, `scaler_decide`
+/// over a run of steps and skips with overflows (every scalar bitwise), and `sgd_decided_f32`
+/// applied or not, with each choice and a decided gradient — bitwise their twins.
+#[test]
+fn grad_scaler_kernels_equal_their_twins() {
+    use host::{ScalerDecision, ScalerRule, SgdChoice, STEP_APPLIED, STEP_CHOICE, STEP_UNSCALE};
+    let Some(s) = gpu_stream("grad_scaler_kernels_equal_their_twins") else {
+        return;
+    };
+    let x = grads(100_003, 93);
+    for scale in [65536.0, 1000.5, 3.0, 1.0, 0.3] {
+        let mut want = x.clone();
+        host::unscale_by(&mut want, scale);
+        let mut d_x = up(&s, &x);
+        launch::unscale_by(&s, &mut d_x, &up(&s, &[scale])).unwrap();
+        assert_same(&format!("unscale_by {scale}"), &down(&s, &d_x), &want);
+    }
+    let rule = ScalerRule {
+        growth_factor: 3.0,
+        backoff_factor: 0.3,
+        growth_interval: 2,
+    };
+    let mut want = host::step_scalars(0, Some((1000.5, 0, 0)));
+    let mut got = up(&s, &want);
+    for i in 0..12u32 {
+        let sharded = if i % 4 == 3 {
+            f64::INFINITY
+        } else {
+            f64::from(i)
+        };
+        let d = ScalerDecision {
+            rule,
+            base_steps: u64::from(i / 2),
+            take: i % 5 != 4,
+        };
+        host::scaler_decide(&d, &mut want, sharded, 0.25).unwrap();
+        let (d_s, d_r) = (up(&s, &[sharded]), up(&s, &[0.25]));
+        launch::scaler_decide(&s, &d, &mut got, &d_s, &d_r).unwrap();
+        assert_same(&format!("scaler_decide step {i}"), &down(&s, &got), &want);
+    }
+    let cfg = Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        weight_decay: 0.01,
+        nesterov: true,
+    };
+    let choice = SgdChoice([
+        SgdScalars::new(&cfg, 1).unwrap(),
+        SgdScalars::new(&cfg, 2).unwrap(),
+    ]);
+    let n = 30_001;
+    let (mut p, mut b) = (grads(n, 95), grads(n, 96));
+    let (mut dp, mut db) = (up(&s, &p), up(&s, &b));
+    for (applied, k, unscale) in [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, 1.0, 0.125)] {
+        let mut sc = host::step_scalars(0, None);
+        sc[STEP_APPLIED] = applied;
+        sc[STEP_CHOICE] = k;
+        sc[STEP_UNSCALE] = unscale;
+        let g = grads(n, 97);
+        host::sgd_decided(&choice, &sc, &mut p, &g, &mut b).unwrap();
+        launch::sgd_decided(&s, &choice, &up(&s, &sc), &mut dp, &up(&s, &g), &mut db).unwrap();
+        assert_same(&format!("sgd_decided {applied} {k}"), &down(&s, &dp), &p);
+        assert_same("momentum", &down(&s, &db), &b);
+    }
 }

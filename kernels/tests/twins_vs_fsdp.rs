@@ -1,6 +1,6 @@
 //! The AdamW and SGD twins against the host optimizers of `fsdp::optim` (PyTorch's formulas),
-//! and the clipping twins against its clip coefficient,
-//! bitwise, over several steps and settings.
+//! the clipping twins against its clip coefficient, and the grad scaler's twins against the
+//! engine's `GradScaler`, bitwise, over several steps and settings.
 
 use fsdp::optim::{adamw_step, sgd_step, AdamWConfig, SgdConfig};
 use fsdp_kernels::host::{self, AdamW, AdamWScalars, Sgd, SgdScalars};
@@ -146,4 +146,92 @@ fn clipping_twins_equal_fsdp_bitwise() {
         assert_eq!(fsdp::optim::clip_coefficient(1.0, norm), None);
     }
     assert_eq!(host::clip_coefficient(16.0, 0.0, f64::INFINITY), [4.0, 1.0]);
+}
+
+/// The engine's grad scaler on the device, as its twins do it (`scaler_decide`, `unscale_by`),
+/// against the host engine's `GradScaler` over a run of optimizer steps and skips, with and
+/// without an overflow: after each, the same scale (bitwise), growth tracker and skips, the
+/// step applied exactly when the host engine takes it, and the unscaled gradients bitwise the
+/// host engine's `x · inv_scale`. Settings that round (growth 3, backoff 0.3, from 1000.5) and
+/// torch's defaults.
+#[test]
+fn grad_scaler_twins_equal_fsdp_bitwise() {
+    use fsdp::engine::{GradScaler, GradScalerConfig};
+    use host::{ScalerDecision, ScalerRule, STEP_APPLIED, STEP_COUNT, STEP_FAULT};
+    use host::{STEP_FOUND_INF, STEP_GROWTH_TRACKER, STEP_SCALE, STEP_SCALER_SKIPPED};
+    let x = data(1001, 11);
+    let configs = [
+        GradScalerConfig {
+            init_scale: 1000.5,
+            growth_factor: 3.0,
+            backoff_factor: 0.3,
+            growth_interval: 3,
+            enabled: true,
+        },
+        GradScalerConfig {
+            growth_interval: 2,
+            ..GradScalerConfig::default()
+        },
+    ];
+    for cfg in configs {
+        let mut want = GradScaler::new(cfg).unwrap();
+        let (mut skipped, mut steps) = (0u64, 0u64);
+        let mut s = host::step_scalars(0, Some((want.scale(), 0, 0)));
+        let rule = ScalerRule {
+            growth_factor: cfg.growth_factor,
+            backoff_factor: cfg.backoff_factor,
+            growth_interval: cfg.growth_interval,
+        };
+        for i in 0..40u32 {
+            // Overflows now and then (an infinity, a NaN); every fifth step a skip asked for.
+            let sharded = match i % 7 {
+                3 => f64::INFINITY,
+                6 if i % 2 == 0 => f64::NAN,
+                _ => f64::from(i) * 0.25,
+            };
+            let found = !sharded.is_finite();
+            let take = i % 5 != 4;
+            let mut got_x = x.clone();
+            host::unscale_by(&mut got_x, s[STEP_SCALE]);
+            let inv = want.inv_scale();
+            let want_x: Vec<f32> = x.iter().map(|v| v * inv).collect();
+            assert_eq!(bits(&got_x), bits(&want_x), "{cfg:?} step {i}: unscaled");
+            let d = ScalerDecision {
+                rule,
+                base_steps: steps,
+                take,
+            };
+            host::scaler_decide(&d, &mut s, sharded, 0.5).unwrap();
+            // The host engine: an overflow is the scaler's skip whether stepped or skipped; a
+            // step without one counts towards growth; a skip without one changes nothing.
+            if found {
+                skipped += 1;
+                want.update(true);
+            } else if take {
+                steps += 1;
+                want.update(false);
+            }
+            let what = format!("{cfg:?} step {i} (found {found}, take {take})");
+            assert_eq!(
+                (s[STEP_SCALE] as f32).to_bits(),
+                want.scale().to_bits(),
+                "{what}"
+            );
+            assert_eq!(
+                s[STEP_GROWTH_TRACKER],
+                f64::from(want.growth_tracker()),
+                "{what}"
+            );
+            assert_eq!(s[STEP_SCALER_SKIPPED], skipped as f64, "{what}");
+            assert_eq!(s[STEP_COUNT], steps as f64, "{what}");
+            assert_eq!(
+                s[STEP_APPLIED],
+                f64::from(u8::from(take && !found)),
+                "{what}"
+            );
+            assert_eq!(s[STEP_FOUND_INF], f64::from(u8::from(found)), "{what}");
+            assert_eq!(s[STEP_FAULT], 0.0, "{what}");
+        }
+        assert!(skipped > 0 && steps > 0);
+    }
 }

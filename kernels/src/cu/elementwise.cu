@@ -35,6 +35,15 @@ extern "C" __global__ void scale_by_f32(float* x, const double* c, u64 n) {
     GRID_STRIDE(i, n) { x[i] = __fmul_rn(x[i], f); }
 }
 
+// x *= 1 / scale[0], the quotient taken in f64 and rounded to f32 (a grad scaler's inv_scale;
+// nothing when it is 1): the unscaling of gradients by a scale kept on the device (twin:
+// host::unscale_by).
+extern "C" __global__ void unscale_by_f32(float* x, const double* scale, u64 n) {
+    float f = __double2float_rn(__ddiv_rn(1.0, scale[0]));
+    if (f == 1.0f) return;
+    GRID_STRIDE(i, n) { x[i] = __fmul_rn(x[i], f); }
+}
+
 // Fill with a bit pattern of 2, 4 or 8 bytes.
 #define MEMSET(W, U) \
     extern "C" __global__ void memset_b##W(U* dst, U value, u64 n) { \

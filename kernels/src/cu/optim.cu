@@ -52,20 +52,24 @@ ADAMW(adamw_bf16_state, bf16)
 #define SGD_NESTEROV 4u
 #define SGD_WEIGHT_DECAY 8u
 
+// One element of SGD with gradient `gi`.
+__device__ __forceinline__ void sgd_one(float* p, float gi, float* buf, u64 i, float neg_lr,
+                                        float wd, float momentum, float damp, u32 flags) {
+    float pi = p[i];
+    float d = (flags & SGD_WEIGHT_DECAY) ? __fadd_rn(gi, __fmul_rn(wd, pi)) : gi;
+    if (flags & SGD_MOMENTUM) {
+        float b = (flags & SGD_FIRST_STEP)
+                      ? d
+                      : __fadd_rn(__fmul_rn(buf[i], momentum), __fmul_rn(damp, d));
+        buf[i] = b;
+        d = (flags & SGD_NESTEROV) ? __fadd_rn(d, __fmul_rn(momentum, b)) : b;
+    }
+    p[i] = __fadd_rn(pi, __fmul_rn(neg_lr, d));
+}
+
 extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n, float neg_lr,
                                    float wd, float momentum, float damp, u32 flags) {
-    GRID_STRIDE(i, n) {
-        float pi = p[i];
-        float d = (flags & SGD_WEIGHT_DECAY) ? __fadd_rn(g[i], __fmul_rn(wd, pi)) : g[i];
-        if (flags & SGD_MOMENTUM) {
-            float b = (flags & SGD_FIRST_STEP)
-                          ? d
-                          : __fadd_rn(__fmul_rn(buf[i], momentum), __fmul_rn(damp, d));
-            buf[i] = b;
-            d = (flags & SGD_NESTEROV) ? __fadd_rn(d, __fmul_rn(momentum, b)) : b;
-        }
-        p[i] = __fadd_rn(pi, __fmul_rn(neg_lr, d));
-    }
+    GRID_STRIDE(i, n) { sgd_one(p, g[i], buf, i, neg_lr, wd, momentum, damp, flags); }
 }
 
 // The end of a training step decided on the device: the scalars' slots (STEP_*) are in
@@ -130,6 +134,70 @@ extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
         } else {
             s[STEP_GROWTH_TRACKER] = successful;
         }
+    }
+}
+
+// The engine's grad scaler on the device, one thread (twin: host::scaler_decide): the step's
+// gradients, unscaled, overflowed when the sum of their squares (sharded[0], all-reduced over
+// the shard group, plus replicated[0]) is not finite; the step applies when it is taken
+// (`take`: an optimizer step, not a skip), did not overflow and its count is among the
+// choices; the scaler backs off on an overflow and counts the skip, and counts an applied
+// step towards its growth interval. The gradients are unscaled and clipped in memory
+// (STEP_UNSCALE and STEP_CLIPPED are 0), so the decided optimizers take them as they are.
+extern "C" __global__ void scaler_decide(double* s, const double* sharded,
+                                         const double* replicated, double base_steps, u32 take,
+                                         double growth_factor, double backoff_factor,
+                                         double growth_interval) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    bool found_inf = !isfinite(__dadd_rn(sharded[0], replicated[0]));
+    double choice = s[STEP_COUNT] - base_steps;
+    bool in_range = choice >= 0.0 && choice < (double)STEP_CHOICES;
+    s[STEP_FAULT] = in_range ? 0.0 : 1.0;
+    s[STEP_CHOICE] = in_range ? choice : 0.0;
+    bool applied = take != 0 && !found_inf && in_range;
+    s[STEP_APPLIED] = applied ? 1.0 : 0.0;
+    if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
+    s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
+    s[STEP_UNSCALE] = 0.0;
+    s[STEP_CLIPPED] = 0.0;
+    if (found_inf) {
+        s[STEP_SCALER_SKIPPED] = s[STEP_SCALER_SKIPPED] + 1.0;
+        s[STEP_SCALE] = (double)__double2float_rn(__dmul_rn(s[STEP_SCALE], backoff_factor));
+        s[STEP_GROWTH_TRACKER] = 0.0;
+    } else if (applied) {
+        double successful = s[STEP_GROWTH_TRACKER] + 1.0;
+        if (successful >= growth_interval) {
+            float grown = __double2float_rn(__dmul_rn(s[STEP_SCALE], growth_factor));
+            if (isfinite(grown)) s[STEP_SCALE] = (double)grown;
+            s[STEP_GROWTH_TRACKER] = 0.0;
+        } else {
+            s[STEP_GROWTH_TRACKER] = successful;
+        }
+    }
+}
+
+// SGD's scalars of one optimizer step (SgdScalars).
+struct SgdArgs {
+    float neg_lr, wd, momentum, damp;
+    u32 flags;
+};
+struct SgdChoice {
+    SgdArgs at[STEP_CHOICES];
+};
+
+// SGD as decided: nothing unless applied; the chosen scalars; the gradient unscaled and
+// clipped as the decision says (decided_grad).
+extern "C" __global__ void sgd_decided_f32(float* p, const float* g, float* buf, u64 n,
+                                           const double* s, SgdChoice choice) {
+    if (s[STEP_APPLIED] != 1.0) return;
+    u32 k = (u32)s[STEP_CHOICE];
+    const SgdArgs a = choice.at[k < STEP_CHOICES ? k : STEP_CHOICES - 1];
+    bool clipped = s[STEP_CLIPPED] == 1.0;
+    float c = __double2float_rn(s[STEP_CLIP_COEF]);
+    float u = __double2float_rn(s[STEP_UNSCALE]);
+    GRID_STRIDE(i, n) {
+        float gi = decided_grad(g[i], u, clipped, c);
+        sgd_one(p, gi, buf, i, a.neg_lr, a.wd, a.momentum, a.damp, a.flags);
     }
 }
 

@@ -16,7 +16,7 @@
 //! trainer without a scaler.
 
 use super::norm::tree_sum_f64;
-use super::{adamw, same_len, AdamWScalars, NORM_BLOCK};
+use super::{adamw, same_len, sgd, AdamWScalars, SgdScalars, NORM_BLOCK};
 use crate::KernelError;
 
 /// The step's loss (an f32 value): the micro-batches' mean losses, each divided by their
@@ -311,6 +311,119 @@ pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelErr
         }
     }
     Ok(())
+}
+
+/// What [`scaler_decide`] decides by: the engine's grad scaler on the device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerDecision {
+    /// The scaler's settings.
+    pub rule: ScalerRule,
+    /// The optimizer steps the host knows were taken; the device's count
+    /// ([`STEP_COUNT`]) is this or up to `STEP_CHOICES − 1` more.
+    pub base_steps: u64,
+    /// An optimizer step (`true`), or a skip the trainer asked for (`false`).
+    pub take: bool,
+}
+
+/// Twin of `scaler_decide` (one thread), the end of a step of the engine's grad scaler on the
+/// device, whose gradients were unscaled (and clipped) in memory: they overflowed
+/// ([`STEP_FOUND_INF`]) when `sharded + replicated`, the sum of their squares (the sharded
+/// part summed over the shard group), is not finite. The step applies ([`STEP_APPLIED`], the
+/// count [`STEP_COUNT`] then grows by one) when it is taken, did not overflow and the count is
+/// among the choices ([`STEP_CHOICE`]; else [`STEP_FAULT`]). On an overflow the scaler counts
+/// the skip ([`STEP_SCALER_SKIPPED`]), backs off the scale and resets the tracker; an applied
+/// step counts towards the growth interval, at whose end the scale grows (if finite) and the
+/// tracker restarts — `GradScaler::update` of the engine, each product in f64 rounded to f32.
+/// A skip without an overflow leaves the scaler as it is. [`STEP_UNSCALE`] and
+/// [`STEP_CLIPPED`] are set to 0: the decided optimizers take the gradients as they are.
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for a scalar buffer shorter than [`STEP_SQUARES`] or
+/// invalid scaler settings.
+pub fn scaler_decide(
+    d: &ScalerDecision,
+    scalars: &mut [f64],
+    sharded: f64,
+    replicated: f64,
+) -> Result<(), KernelError> {
+    check_scalars_len("scaler_decide", scalars.len(), 0)?;
+    let rule = StepRule {
+        tensors: 0,
+        max_norm: None,
+        skip_nonfinite: None,
+        base_steps: d.base_steps,
+        scaler: Some(d.rule),
+    };
+    check_rule("scaler_decide", &rule)?;
+    let s = scalars;
+    let found_inf = !(sharded + replicated).is_finite();
+    let choice = s[STEP_COUNT] - d.base_steps as f64;
+    let in_range = (0.0..STEP_CHOICES as f64).contains(&choice);
+    s[STEP_FAULT] = if in_range { 0.0 } else { 1.0 };
+    s[STEP_CHOICE] = if in_range { choice } else { 0.0 };
+    let applied = d.take && !found_inf && in_range;
+    s[STEP_APPLIED] = if applied { 1.0 } else { 0.0 };
+    if applied {
+        s[STEP_COUNT] += 1.0;
+    }
+    s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
+    s[STEP_UNSCALE] = 0.0;
+    s[STEP_CLIPPED] = 0.0;
+    let r = d.rule;
+    if found_inf {
+        s[STEP_SCALER_SKIPPED] += 1.0;
+        s[STEP_SCALE] = f64::from((s[STEP_SCALE] * r.backoff_factor) as f32);
+        s[STEP_GROWTH_TRACKER] = 0.0;
+    } else if applied {
+        let successful = s[STEP_GROWTH_TRACKER] + 1.0;
+        if successful >= f64::from(r.growth_interval) {
+            let grown = (s[STEP_SCALE] * r.growth_factor) as f32;
+            if grown.is_finite() {
+                s[STEP_SCALE] = f64::from(grown);
+            }
+            s[STEP_GROWTH_TRACKER] = 0.0;
+        } else {
+            s[STEP_GROWTH_TRACKER] = successful;
+        }
+    }
+    Ok(())
+}
+
+/// Twin of `unscale_by_f32`: `x *= 1 / scale`, the quotient taken in f64 and rounded to f32
+/// (a grad scaler's `inv_scale`), each product rounded once; nothing when it is 1.
+pub fn unscale_by(x: &mut [f32], scale: f64) {
+    let f = (1.0 / scale) as f32;
+    if f != 1.0 {
+        x.iter_mut().for_each(|v| *v *= f);
+    }
+}
+
+/// The SGD scalars of the optimizer step numbers `base_steps + 1 ..= base_steps +
+/// STEP_CHOICES`, one of which a decision chooses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdChoice(pub [SgdScalars; STEP_CHOICES]);
+
+/// Twin of `sgd_decided_f32`: nothing unless [`STEP_APPLIED`] is 1; else [`sgd`] with the
+/// chosen scalar set on the gradient as the decision says (unscaled, then clipped, as
+/// [`adamw_decided`]'s).
+///
+/// # Errors
+/// As [`sgd`]; a scalar buffer shorter than [`STEP_SQUARES`].
+pub fn sgd_decided(
+    choice: &SgdChoice,
+    scalars: &[f64],
+    param: &mut [f32],
+    grad: &[f32],
+    momentum_buffer: &mut [f32],
+) -> Result<(), KernelError> {
+    check_scalars_len("sgd_decided", scalars.len(), 0)?;
+    same_len("sgd_decided", "grad", param.len(), grad.len())?;
+    if scalars[STEP_APPLIED] != 1.0 {
+        return Ok(());
+    }
+    let s = &choice.0[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)];
+    let g = decided_grad(scalars, grad);
+    sgd(s, param, &g, momentum_buffer)
 }
 
 /// The factor of a gradient before clipping: [`STEP_UNSCALE`]'s, or `None` (0: no scaler).

@@ -263,3 +263,97 @@ fn a_scalers_gradient_is_unscaled_then_clipped() {
     assert_eq!(scaled_seed("k", 0.125, None).unwrap(), 0.125);
     assert!(scaled_seed("k", 0.125, Some(&[1.0; 3])).is_err());
 }
+
+/// SGD as decided: nothing unless applied; else the chosen step's scalars (the first step's
+/// momentum buffer is the gradient) on the gradient unscaled, then clipped.
+#[test]
+fn sgd_decided_applies_the_chosen_step_to_the_decided_gradient() {
+    let cfg = crate::host::Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        weight_decay: 0.01,
+        nesterov: false,
+    };
+    let choice = SgdChoice([
+        SgdScalars::new(&cfg, 1).unwrap(),
+        SgdScalars::new(&cfg, 2).unwrap(),
+    ]);
+    let g = vec![0.3f32, -2.0, 0.0, 5.5];
+    let start = || (vec![1.0f32, -1.0, 0.5, 2.0], vec![0.5f32; 4]);
+    let mut s = vec![0.0; step_scalars_len(0)];
+    let (mut p, mut b) = start();
+    sgd_decided(&choice, &s, &mut p, &g, &mut b).unwrap();
+    assert_eq!((p.clone(), b.clone()), start(), "not applied");
+    s[STEP_APPLIED] = 1.0;
+    for (k, unscale, clip) in [(0, 0.0, None), (1, 0.5, Some(0.25f32))] {
+        s[STEP_CHOICE] = k as f64;
+        s[STEP_UNSCALE] = unscale;
+        s[STEP_CLIPPED] = if clip.is_some() { 1.0 } else { 0.0 };
+        s[STEP_CLIP_COEF] = clip.map_or(1.0, f64::from);
+        let (mut p, mut b) = start();
+        sgd_decided(&choice, &s, &mut p, &g, &mut b).unwrap();
+        let d: Vec<f32> = g
+            .iter()
+            .map(|&x| {
+                let x = if unscale == 0.0 {
+                    x
+                } else {
+                    x * unscale as f32
+                };
+                clip.map_or(x, |c| c * x + 0.0)
+            })
+            .collect();
+        let (mut wp, mut wb) = start();
+        sgd(&choice.0[k], &mut wp, &d, &mut wb).unwrap();
+        assert_eq!((p, b), (wp, wb), "choice {k}");
+    }
+    assert!(sgd_decided(&choice, &s[..3], &mut p, &g, &mut b).is_err());
+}
+
+/// The grad scaler's decision: a count outside the choices is a fault, never a step (the
+/// scaler still backs off on an overflow); invalid settings and a short buffer are refused.
+#[test]
+fn scaler_decide_faults_and_refuses() {
+    let rule = ScalerRule {
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        growth_interval: 1,
+    };
+    let mut s = step_scalars(0, Some((8.0, 0, 0)));
+    s[STEP_COUNT] = 5.0;
+    let d = ScalerDecision {
+        rule,
+        base_steps: 2,
+        take: true,
+    };
+    scaler_decide(&d, &mut s, 1.0, 0.0).unwrap();
+    assert_eq!(
+        (s[STEP_FAULT], s[STEP_APPLIED], s[STEP_COUNT]),
+        (1.0, 0.0, 5.0)
+    );
+    assert_eq!(s[STEP_SCALE], 8.0, "no growth without a step");
+    scaler_decide(&d, &mut s, f64::NAN, 0.0).unwrap();
+    assert_eq!((s[STEP_SCALE], s[STEP_SCALER_SKIPPED]), (4.0, 1.0));
+    let d = ScalerDecision { base_steps: 4, ..d };
+    scaler_decide(&d, &mut s, 1.0, f64::NEG_INFINITY).unwrap();
+    assert_eq!((s[STEP_FOUND_INF], s[STEP_APPLIED]), (1.0, 0.0));
+    scaler_decide(&d, &mut s, 1.0, 2.0).unwrap();
+    assert_eq!(
+        (s[STEP_CHOICE], s[STEP_APPLIED], s[STEP_COUNT]),
+        (1.0, 1.0, 6.0)
+    );
+    assert_eq!(s[STEP_SCALE], 4.0, "grown after its interval of 1");
+    let bad = ScalerDecision {
+        rule: ScalerRule {
+            backoff_factor: 1.5,
+            ..rule
+        },
+        ..d
+    };
+    assert!(scaler_decide(&bad, &mut s, 1.0, 0.0).is_err());
+    assert!(scaler_decide(&d, &mut s[..STEP_SQUARES - 1], 1.0, 0.0).is_err());
+    let mut x = [4.0f32, -1.0];
+    unscale_by(&mut x, 8.0);
+    assert_eq!(x, [0.5, -0.125]);
+}

@@ -57,7 +57,7 @@ pub fn cast_buffer(src: &Buffer, dst: &Buffer, stream: &Stream) -> Result<Event,
 /// A stream-ordered CUDA buffer's memory as a cudarc slice for one launch: its address and
 /// length, ordered by the caller ([`Buffer::use_on`]), so taking its pointer adds no
 /// synchronisation of its own.
-struct Ordered<T> {
+pub(super) struct Ordered<T> {
     ptr: u64,
     len: usize,
     stream: Arc<CudaStream>,
@@ -89,7 +89,7 @@ impl<T> DevicePtrMut<T> for Ordered<T> {
 /// `writes` (exclusive, not overlapping any other buffer of the launch), of the element types
 /// `dtypes` (reads then writes); `launch` enqueues the kernel, after which every use is
 /// recorded. Returns the event after it.
-fn launch_on_buffers(
+pub(super) fn launch_on_buffers(
     kernel: &'static str,
     stream: &Stream,
     reads: &[&Buffer],
@@ -149,7 +149,7 @@ fn launch_on_buffers(
 /// # Safety
 /// `p` must be the address and length of live device memory of `T`s, ordered on the stream
 /// for the launch (see [`launch_on_buffers`]).
-unsafe fn ordered<T>(stream: &Arc<CudaStream>, p: (u64, usize)) -> Ordered<T> {
+pub(super) unsafe fn ordered<T>(stream: &Arc<CudaStream>, p: (u64, usize)) -> Ordered<T> {
     Ordered {
         ptr: p.0,
         len: p.1,

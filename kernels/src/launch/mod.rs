@@ -30,6 +30,7 @@ mod nn_embed;
 mod nn_heads;
 mod nn_loss;
 mod step;
+mod step_buffers;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
 pub use buffers::{
     adamw_buffers, anyprecision_buffers, axpby_buffer, cast_buffer, clip_coefficient_buffers,
@@ -51,7 +52,13 @@ pub use nn_embed::{
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};
-pub use step::{adamw_decided, anyprecision_decided, loss_accumulate, step_decide};
+pub use step::{
+    adamw_decided, anyprecision_decided, loss_accumulate, scaler_decide, sgd_decided, step_decide,
+    unscale_by,
+};
+pub use step_buffers::{
+    adamw_decided_buffers, scaler_decide_buffers, sgd_decided_buffers, unscale_by_buffer,
+};
 
 /// Threads per block of the element-wise kernels.
 const BLOCK: u32 = 256;

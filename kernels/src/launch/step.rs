@@ -1,6 +1,7 @@
 //! Launchers of the kernels that end a training step on the device (twins and the scalar
 //! buffer's layout in [`host::step`](crate::host)): `loss_accumulate`, `step_decide` and
-//! `adamw_decided_f32`, and `anyprecision_decided_*`.
+//! `adamw_decided_f32`, and `anyprecision_decided_*`; the engine's grad scaler on the device
+//! (`scaler_decide`, `unscale_by_f32`) and SGD as decided (`sgd_decided_f32`).
 
 use cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -9,7 +10,8 @@ use cudarc::driver::{
 use super::{config, driver, function};
 use crate::host::{
     check_anyprecision_call, check_scalars_len, same_len, AdamWChoice, AdamWScalars, AnyPrecision,
-    AnyPrecisionChoice, AnyPrecisionScalars, StepRule, NORM_BLOCK, STEP_CHOICES,
+    AnyPrecisionChoice, AnyPrecisionScalars, ScalerDecision, SgdChoice, SgdScalars, StepRule,
+    NORM_BLOCK, STEP_CHOICES,
 };
 use crate::{KernelError, Program};
 
@@ -310,5 +312,162 @@ pub fn anyprecision_decided(
     // it); the scalars have at least STEP_SQUARES elements; the choice is passed by value as
     // its C layout.
     unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", name, e))?;
+    Ok(())
+}
+
+/// One thread: a launch configuration of one block of one thread.
+const ONE: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
+
+/// The engine's grad scaler's decision in `scalars` from the squared parts `sharded[0]` and
+/// `replicated[0]` of its unscaled gradients
+/// ([`host::scaler_decide`](crate::host::scaler_decide), bitwise).
+///
+/// # Errors
+/// [`KernelError::InvalidArgument`] for a scalar buffer shorter than
+/// [`STEP_SQUARES`](crate::host::STEP_SQUARES) or invalid scaler settings;
+/// [`KernelError::Length`] for parts of other than one element; compile, load and launch
+/// failures.
+pub fn scaler_decide(
+    stream: &CudaStream,
+    decision: &ScalerDecision,
+    scalars: &mut impl DevicePtrMut<f64>,
+    sharded: &impl DevicePtr<f64>,
+    replicated: &impl DevicePtr<f64>,
+) -> Result<(), KernelError> {
+    check_scalars_len("scaler_decide", scalars.len(), 0)?;
+    same_len("scaler_decide", "sharded", 1, sharded.len())?;
+    same_len("scaler_decide", "replicated", 1, replicated.len())?;
+    let rule = StepRule {
+        tensors: 0,
+        max_norm: None,
+        skip_nonfinite: None,
+        base_steps: decision.base_steps,
+        scaler: Some(decision.rule),
+    };
+    crate::host::check_rule("scaler_decide", &rule)?;
+    let f = function(stream, Program::Optim, "scaler_decide")?;
+    let (s, _s) = scalars.device_ptr_mut(stream);
+    let (sh, _sh) = sharded.device_ptr(stream);
+    let (re, _re) = replicated.device_ptr(stream);
+    let base = decision.base_steps as f64;
+    let take = u32::from(decision.take);
+    let r = decision.rule;
+    let interval = f64::from(r.growth_interval);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&s).arg(&sh).arg(&re).arg(&base).arg(&take);
+    b.arg(&r.growth_factor)
+        .arg(&r.backoff_factor)
+        .arg(&interval);
+    // SAFETY: `scaler_decide(double*, const double*, const double*, double, u32, double ×3)`,
+    // one thread: reads and writes the first STEP_SQUARES scalars, reads one element of each
+    // part (lengths checked above).
+    unsafe { b.launch(ONE) }.map_err(|e| driver("cuLaunchKernel", "scaler_decide", e))?;
+    Ok(())
+}
+
+/// `x *= 1 / scale[0]` (the quotient in f64 rounded to f32; nothing when it is 1): the twin
+/// [`host::unscale_by`](crate::host::unscale_by), bitwise.
+///
+/// # Errors
+/// [`KernelError::Length`] unless `scale` has one element; compile, load and launch failures.
+pub fn unscale_by(
+    stream: &CudaStream,
+    x: &mut impl DevicePtrMut<f32>,
+    scale: &impl DevicePtr<f64>,
+) -> Result<(), KernelError> {
+    same_len("unscale_by", "scale", 1, scale.len())?;
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Elementwise, "unscale_by_f32")?;
+    let (xp, _x) = x.device_ptr_mut(stream);
+    let (sp, _s) = scale.device_ptr(stream);
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&xp).arg(&sp).arg(&n64);
+    // SAFETY: `unscale_by_f32(float*, const double*, u64)`: `n` elements of `x`, one of
+    // `scale`.
+    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "unscale_by_f32", e))?;
+    Ok(())
+}
+
+/// `SgdArgs` of `cu/optim.cu`: [`SgdScalars`].
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SgdArgs {
+    neg_lr: f32,
+    wd: f32,
+    momentum: f32,
+    damp: f32,
+    flags: u32,
+}
+
+/// `SgdChoice` of `cu/optim.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SgdChoiceArgs {
+    at: [SgdArgs; STEP_CHOICES],
+}
+
+// SAFETY: plain `repr(C)` structs of 4-byte scalars, laid out as their CUDA C twins (no
+// padding, no pointers); passed by value as a kernel parameter.
+unsafe impl DeviceRepr for SgdChoiceArgs {}
+
+impl From<&SgdScalars> for SgdArgs {
+    fn from(s: &SgdScalars) -> SgdArgs {
+        SgdArgs {
+            neg_lr: s.neg_lr,
+            wd: s.wd,
+            momentum: s.momentum,
+            damp: s.damp,
+            flags: s.flags,
+        }
+    }
+}
+
+/// SGD on one tensor as decided: nothing unless applied, else the chosen scalars and the
+/// gradient as the decision says ([`host::sgd_decided`](crate::host::sgd_decided), bitwise).
+/// `momentum_buffer` may be empty when no choice uses it.
+///
+/// # Errors
+/// [`KernelError::Length`]; a short scalar buffer; compile, load and launch failures.
+pub fn sgd_decided(
+    stream: &CudaStream,
+    choice: &SgdChoice,
+    scalars: &impl DevicePtr<f64>,
+    param: &mut impl DevicePtrMut<f32>,
+    grad: &impl DevicePtr<f32>,
+    momentum_buffer: &mut impl DevicePtrMut<f32>,
+) -> Result<(), KernelError> {
+    check_scalars_len("sgd_decided", scalars.len(), 0)?;
+    let n = param.len();
+    same_len("sgd_decided", "grad", n, grad.len())?;
+    if choice.0.iter().any(SgdScalars::uses_buffer) {
+        same_len("sgd_decided", "momentum_buffer", n, momentum_buffer.len())?;
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let f = function(stream, Program::Optim, "sgd_decided_f32")?;
+    let (p, _p) = param.device_ptr_mut(stream);
+    let (g, _g) = grad.device_ptr(stream);
+    let (m, _m) = momentum_buffer.device_ptr_mut(stream);
+    let (s, _s) = scalars.device_ptr(stream);
+    let args = SgdChoiceArgs {
+        at: choice.0.each_ref().map(SgdArgs::from),
+    };
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&p).arg(&g).arg(&m).arg(&n64).arg(&s).arg(&args);
+    // SAFETY: `sgd_decided_f32(float*, const float*, float*, u64, const double*, SgdChoice)`:
+    // the parameter and gradient have `n` elements, the momentum buffer too whenever a choice
+    // uses it (the kernel touches it only then), the scalars at least STEP_SQUARES; the choice
+    // is passed by value as its C layout.
+    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "sgd_decided_f32", e))?;
     Ok(())
 }
