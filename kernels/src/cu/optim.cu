@@ -75,6 +75,29 @@ extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n, 
 // The end of a training step decided on the device: the scalars' slots (STEP_*) are in
 // common.cuh.
 
+// The grad scaler's update after a decision (twin: host/step.rs `scaler_update`): on an
+// overflow the skip is counted, the scale backed off and the tracker reset; an applied step
+// counts towards the growth interval, at whose end the scale grows (if finite) and the
+// tracker restarts. Each product in f64, rounded to f32.
+__device__ __forceinline__ void scaler_update(double* s, bool found_inf, bool applied,
+                                              double growth_factor, double backoff_factor,
+                                              double growth_interval) {
+    if (found_inf) {
+        s[STEP_SCALER_SKIPPED] = s[STEP_SCALER_SKIPPED] + 1.0;
+        s[STEP_SCALE] = (double)__double2float_rn(__dmul_rn(s[STEP_SCALE], backoff_factor));
+        s[STEP_GROWTH_TRACKER] = 0.0;
+    } else if (applied) {
+        double successful = s[STEP_GROWTH_TRACKER] + 1.0;
+        if (successful >= growth_interval) {
+            float grown = __double2float_rn(__dmul_rn(s[STEP_SCALE], growth_factor));
+            if (isfinite(grown)) s[STEP_SCALE] = (double)grown;
+            s[STEP_GROWTH_TRACKER] = 0.0;
+        } else {
+            s[STEP_GROWTH_TRACKER] = successful;
+        }
+    }
+}
+
 // One thread: the norm from the tensors' sums of squares (in order), clipping, finiteness,
 // the non-finite budget (`skip_nonfinite` < 0: none), the choice of AdamW scalars and the
 // optimizer step count. `max_norm` < 0: no clipping. With a grad scaler (`growth_interval` >
@@ -120,20 +143,8 @@ extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
     s[STEP_APPLIED] = applied ? 1.0 : 0.0;
     if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
     s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
-    if (!scaler) return;
-    if (found_inf) {
-        s[STEP_SCALER_SKIPPED] = s[STEP_SCALER_SKIPPED] + 1.0;
-        s[STEP_SCALE] = (double)__double2float_rn(__dmul_rn(s[STEP_SCALE], backoff_factor));
-        s[STEP_GROWTH_TRACKER] = 0.0;
-    } else if (applied) {
-        double successful = s[STEP_GROWTH_TRACKER] + 1.0;
-        if (successful >= growth_interval) {
-            float grown = __double2float_rn(__dmul_rn(s[STEP_SCALE], growth_factor));
-            if (isfinite(grown)) s[STEP_SCALE] = (double)grown;
-            s[STEP_GROWTH_TRACKER] = 0.0;
-        } else {
-            s[STEP_GROWTH_TRACKER] = successful;
-        }
+    if (scaler) {
+        scaler_update(s, found_inf, applied, growth_factor, backoff_factor, growth_interval);
     }
 }
 
@@ -160,20 +171,7 @@ extern "C" __global__ void scaler_decide(double* s, const double* sharded,
     s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
     s[STEP_UNSCALE] = 0.0;
     s[STEP_CLIPPED] = 0.0;
-    if (found_inf) {
-        s[STEP_SCALER_SKIPPED] = s[STEP_SCALER_SKIPPED] + 1.0;
-        s[STEP_SCALE] = (double)__double2float_rn(__dmul_rn(s[STEP_SCALE], backoff_factor));
-        s[STEP_GROWTH_TRACKER] = 0.0;
-    } else if (applied) {
-        double successful = s[STEP_GROWTH_TRACKER] + 1.0;
-        if (successful >= growth_interval) {
-            float grown = __double2float_rn(__dmul_rn(s[STEP_SCALE], growth_factor));
-            if (isfinite(grown)) s[STEP_SCALE] = (double)grown;
-            s[STEP_GROWTH_TRACKER] = 0.0;
-        } else {
-            s[STEP_GROWTH_TRACKER] = successful;
-        }
-    }
+    scaler_update(s, found_inf, applied, growth_factor, backoff_factor, growth_interval);
 }
 
 // SGD's scalars of one optimizer step (SgdScalars).

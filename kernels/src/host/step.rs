@@ -293,24 +293,32 @@ pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelErr
     }
     s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
     if let Some(r) = rule.scaler {
-        if found_inf {
-            s[STEP_SCALER_SKIPPED] += 1.0;
-            s[STEP_SCALE] = f64::from((s[STEP_SCALE] * r.backoff_factor) as f32);
-            s[STEP_GROWTH_TRACKER] = 0.0;
-        } else if applied {
-            let successful = s[STEP_GROWTH_TRACKER] + 1.0;
-            if successful >= f64::from(r.growth_interval) {
-                let grown = (s[STEP_SCALE] * r.growth_factor) as f32;
-                if grown.is_finite() {
-                    s[STEP_SCALE] = f64::from(grown);
-                }
-                s[STEP_GROWTH_TRACKER] = 0.0;
-            } else {
-                s[STEP_GROWTH_TRACKER] = successful;
-            }
-        }
+        scaler_update(&r, s, found_inf, applied);
     }
     Ok(())
+}
+
+/// The grad scaler's update after a decision: on an overflow the skip is counted, the scale
+/// backed off and the tracker reset; an applied step counts towards the growth interval, at
+/// whose end the scale grows (if finite) and the tracker restarts. Each product in f64,
+/// rounded to f32.
+fn scaler_update(r: &ScalerRule, s: &mut [f64], found_inf: bool, applied: bool) {
+    if found_inf {
+        s[STEP_SCALER_SKIPPED] += 1.0;
+        s[STEP_SCALE] = f64::from((s[STEP_SCALE] * r.backoff_factor) as f32);
+        s[STEP_GROWTH_TRACKER] = 0.0;
+    } else if applied {
+        let successful = s[STEP_GROWTH_TRACKER] + 1.0;
+        if successful >= f64::from(r.growth_interval) {
+            let grown = (s[STEP_SCALE] * r.growth_factor) as f32;
+            if grown.is_finite() {
+                s[STEP_SCALE] = f64::from(grown);
+            }
+            s[STEP_GROWTH_TRACKER] = 0.0;
+        } else {
+            s[STEP_GROWTH_TRACKER] = successful;
+        }
+    }
 }
 
 /// What [`scaler_decide`] decides by: the engine's grad scaler on the device.
@@ -369,23 +377,7 @@ pub fn scaler_decide(
     s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
     s[STEP_UNSCALE] = 0.0;
     s[STEP_CLIPPED] = 0.0;
-    let r = d.rule;
-    if found_inf {
-        s[STEP_SCALER_SKIPPED] += 1.0;
-        s[STEP_SCALE] = f64::from((s[STEP_SCALE] * r.backoff_factor) as f32);
-        s[STEP_GROWTH_TRACKER] = 0.0;
-    } else if applied {
-        let successful = s[STEP_GROWTH_TRACKER] + 1.0;
-        if successful >= f64::from(r.growth_interval) {
-            let grown = (s[STEP_SCALE] * r.growth_factor) as f32;
-            if grown.is_finite() {
-                s[STEP_SCALE] = f64::from(grown);
-            }
-            s[STEP_GROWTH_TRACKER] = 0.0;
-        } else {
-            s[STEP_GROWTH_TRACKER] = successful;
-        }
-    }
+    scaler_update(&d.rule, s, found_inf, applied);
     Ok(())
 }
 
