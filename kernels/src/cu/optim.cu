@@ -75,6 +75,20 @@ extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n, 
 // The end of a training step decided on the device: the scalars' slots (STEP_*) are in
 // common.cuh.
 
+// A decision's choice and count (twin: host/step.rs `count_step`): the scalar set is the
+// steps counted minus `base_steps` (a count outside the choices is a fault); the step applies
+// when `wanted` and no fault, and is then counted. Returns whether it applies.
+__device__ __forceinline__ bool count_step(double* s, double base_steps, bool wanted) {
+    double choice = s[STEP_COUNT] - base_steps;
+    bool in_range = choice >= 0.0 && choice < (double)STEP_CHOICES;
+    s[STEP_FAULT] = in_range ? 0.0 : 1.0;
+    s[STEP_CHOICE] = in_range ? choice : 0.0;
+    bool applied = wanted && in_range;
+    s[STEP_APPLIED] = applied ? 1.0 : 0.0;
+    if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
+    return applied;
+}
+
 // The grad scaler's update after a decision (twin: host/step.rs `scaler_update`): on an
 // overflow the skip is counted, the scale backed off and the tracker reset; an applied step
 // counts towards the growth interval, at whose end the scale grows (if finite) and the
@@ -135,13 +149,7 @@ extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
         s[STEP_NONFINITE] = s[STEP_NONFINITE] + 1.0;
         if (skip_nonfinite >= 0.0 && s[STEP_NONFINITE] > skip_nonfinite) s[STEP_HALTED] = 1.0;
     }
-    double choice = s[STEP_COUNT] - base_steps;
-    bool in_range = choice >= 0.0 && choice < (double)STEP_CHOICES;
-    s[STEP_FAULT] = in_range ? 0.0 : 1.0;
-    s[STEP_CHOICE] = in_range ? choice : 0.0;
-    bool applied = finite && !found_inf && s[STEP_HALTED] == 0.0 && in_range;
-    s[STEP_APPLIED] = applied ? 1.0 : 0.0;
-    if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
+    bool applied = count_step(s, base_steps, finite && !found_inf && s[STEP_HALTED] == 0.0);
     s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
     if (scaler) {
         scaler_update(s, found_inf, applied, growth_factor, backoff_factor, growth_interval);
@@ -161,13 +169,7 @@ extern "C" __global__ void scaler_decide(double* s, const double* sharded,
                                          double growth_interval) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     bool found_inf = !isfinite(__dadd_rn(sharded[0], replicated[0]));
-    double choice = s[STEP_COUNT] - base_steps;
-    bool in_range = choice >= 0.0 && choice < (double)STEP_CHOICES;
-    s[STEP_FAULT] = in_range ? 0.0 : 1.0;
-    s[STEP_CHOICE] = in_range ? choice : 0.0;
-    bool applied = take != 0 && !found_inf && in_range;
-    s[STEP_APPLIED] = applied ? 1.0 : 0.0;
-    if (applied) s[STEP_COUNT] = s[STEP_COUNT] + 1.0;
+    bool applied = count_step(s, base_steps, take != 0 && !found_inf);
     s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
     s[STEP_UNSCALE] = 0.0;
     s[STEP_CLIPPED] = 0.0;

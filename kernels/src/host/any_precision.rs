@@ -15,7 +15,7 @@ use fsdp_device::DType;
 use half::bf16;
 
 use super::optim::AdamW;
-use super::step::{check_scalars_len, STEP_APPLIED, STEP_CHOICE};
+use super::step::check_scalars_len;
 use super::{same_len, STEP_CHOICES};
 use crate::KernelError;
 
@@ -162,8 +162,8 @@ impl State<'_> {
 }
 
 /// Twin of `anyprecision_decided_f32` and `anyprecision_decided_bf16_state`: nothing unless
-/// [`STEP_APPLIED`] is 1; else `AnyPrecisionAdamW` with the chosen scalar set on the gradient,
-/// first unscaled and clipped as the AdamW twin reads it (`decided_grad`).
+/// [`STEP_APPLIED`](super::STEP_APPLIED) is 1; else `AnyPrecisionAdamW` with the chosen scalar
+/// set on the gradient, first unscaled and clipped as the AdamW twin reads it (`decided_grad`).
 /// `exp_avg`, `exp_avg_sq` and `compensation` hold [`state_len`] elements; the compensation is
 /// required with Kahan summation and ignored without.
 ///
@@ -193,10 +193,9 @@ pub fn anyprecision_decided(
     let comp = compensation
         .filter(|_| kahan)
         .map(|c| State::of(c, n, kind.state));
-    if scalars[STEP_APPLIED] != 1.0 {
+    let Some(s) = super::step::chosen(&choice.0, scalars) else {
         return Ok(());
-    }
-    let s = &choice.0[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)];
+    };
     let grad = super::decided_grad(scalars, grad);
     let (pd, sd) = (kind.param, kind.state);
     let mut m = State::of(exp_avg, n, sd);

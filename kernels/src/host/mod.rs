@@ -13,7 +13,7 @@ mod norm;
 mod optim;
 mod step;
 pub(crate) use any_precision::check_call as check_anyprecision_call;
-pub(crate) use step::{check_rule, check_scalars_len, decided_grad};
+pub(crate) use step::{check_rule, check_scalars_len, check_scaler, decided_grad};
 
 pub use any_precision::{
     anyprecision_decided, pack_state, state_len, unpack_state, AnyPrecision, AnyPrecisionChoice,

@@ -142,24 +142,28 @@ pub(crate) fn check_scalars_len(
 /// A rule's scaler settings must be torch's valid ones: a growth factor above 1, a backoff
 /// factor in (0, 1), a growth interval of at least 1 (the kernel's sign of no scaler is 0).
 pub(crate) fn check_rule(kernel: &'static str, rule: &StepRule) -> Result<(), KernelError> {
-    match rule.scaler {
-        Some(r)
-            if !(r.growth_factor.is_finite()
-                && r.growth_factor > 1.0
-                && r.backoff_factor > 0.0
-                && r.backoff_factor < 1.0
-                && r.growth_interval >= 1) =>
-        {
-            Err(KernelError::InvalidArgument {
-                kernel,
-                reason: format!(
-                    "a grad scaler needs a finite growth factor above 1, a backoff factor in \
-                     (0, 1) and a growth interval of at least 1, not {r:?}"
-                ),
-            })
-        }
-        _ => Ok(()),
+    rule.scaler
+        .as_ref()
+        .map_or(Ok(()), |r| check_scaler(kernel, r))
+}
+
+/// A scaler's settings must be torch's valid ones (see [`check_rule`]).
+pub(crate) fn check_scaler(kernel: &'static str, r: &ScalerRule) -> Result<(), KernelError> {
+    if r.growth_factor.is_finite()
+        && r.growth_factor > 1.0
+        && r.backoff_factor > 0.0
+        && r.backoff_factor < 1.0
+        && r.growth_interval >= 1
+    {
+        return Ok(());
     }
+    Err(KernelError::InvalidArgument {
+        kernel,
+        reason: format!(
+            "a grad scaler needs a finite growth factor above 1, a backoff factor in (0, 1) \
+             and a growth interval of at least 1, not {r:?}"
+        ),
+    })
 }
 
 /// The cross-entropy's gradient seed as the kernels take it: `dloss`, times the loss scale of
@@ -282,20 +286,33 @@ pub fn step_decide(rule: &StepRule, scalars: &mut [f64]) -> Result<(), KernelErr
             s[STEP_HALTED] = 1.0;
         }
     }
-    let choice = s[STEP_COUNT] - rule.base_steps as f64;
-    let in_range = (0.0..STEP_CHOICES as f64).contains(&choice);
-    s[STEP_FAULT] = if in_range { 0.0 } else { 1.0 };
-    s[STEP_CHOICE] = if in_range { choice } else { 0.0 };
-    let applied = finite && !found_inf && s[STEP_HALTED] == 0.0 && in_range;
-    s[STEP_APPLIED] = if applied { 1.0 } else { 0.0 };
-    if applied {
-        s[STEP_COUNT] += 1.0;
-    }
+    let applied = count_step(
+        s,
+        rule.base_steps,
+        finite && !found_inf && s[STEP_HALTED] == 0.0,
+    );
     s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
     if let Some(r) = rule.scaler {
         scaler_update(&r, s, found_inf, applied);
     }
     Ok(())
+}
+
+/// A decision's choice and count: which scalar set applies ([`STEP_CHOICE`], the steps
+/// counted before this one minus `base_steps`; a count outside the choices is a fault,
+/// [`STEP_FAULT`]), and whether the step applies ([`STEP_APPLIED`]: `wanted` and no fault),
+/// counted in [`STEP_COUNT`] when it does. Returns whether it applies.
+fn count_step(s: &mut [f64], base_steps: u64, wanted: bool) -> bool {
+    let choice = s[STEP_COUNT] - base_steps as f64;
+    let in_range = (0.0..STEP_CHOICES as f64).contains(&choice);
+    s[STEP_FAULT] = if in_range { 0.0 } else { 1.0 };
+    s[STEP_CHOICE] = if in_range { choice } else { 0.0 };
+    let applied = wanted && in_range;
+    s[STEP_APPLIED] = if applied { 1.0 } else { 0.0 };
+    if applied {
+        s[STEP_COUNT] += 1.0;
+    }
+    applied
 }
 
 /// The grad scaler's update after a decision: on an overflow the skip is counted, the scale
@@ -355,25 +372,10 @@ pub fn scaler_decide(
     replicated: f64,
 ) -> Result<(), KernelError> {
     check_scalars_len("scaler_decide", scalars.len(), 0)?;
-    let rule = StepRule {
-        tensors: 0,
-        max_norm: None,
-        skip_nonfinite: None,
-        base_steps: d.base_steps,
-        scaler: Some(d.rule),
-    };
-    check_rule("scaler_decide", &rule)?;
+    check_scaler("scaler_decide", &d.rule)?;
     let s = scalars;
     let found_inf = !(sharded + replicated).is_finite();
-    let choice = s[STEP_COUNT] - d.base_steps as f64;
-    let in_range = (0.0..STEP_CHOICES as f64).contains(&choice);
-    s[STEP_FAULT] = if in_range { 0.0 } else { 1.0 };
-    s[STEP_CHOICE] = if in_range { choice } else { 0.0 };
-    let applied = d.take && !found_inf && in_range;
-    s[STEP_APPLIED] = if applied { 1.0 } else { 0.0 };
-    if applied {
-        s[STEP_COUNT] += 1.0;
-    }
+    let applied = count_step(s, d.base_steps, d.take && !found_inf);
     s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
     s[STEP_UNSCALE] = 0.0;
     s[STEP_CLIPPED] = 0.0;
@@ -410,12 +412,18 @@ pub fn sgd_decided(
 ) -> Result<(), KernelError> {
     check_scalars_len("sgd_decided", scalars.len(), 0)?;
     same_len("sgd_decided", "grad", param.len(), grad.len())?;
-    if scalars[STEP_APPLIED] != 1.0 {
+    let Some(s) = chosen(&choice.0, scalars) else {
         return Ok(());
-    }
-    let s = &choice.0[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)];
+    };
     let g = decided_grad(scalars, grad);
     sgd(s, param, &g, momentum_buffer)
+}
+
+/// The scalar set of `choices` that a decision in `scalars` chose ([`STEP_CHOICE`], the last
+/// beyond them), or `None` when the step is not applied ([`STEP_APPLIED`]).
+pub(crate) fn chosen<'a, T>(choices: &'a [T; STEP_CHOICES], scalars: &[f64]) -> Option<&'a T> {
+    (scalars[STEP_APPLIED] == 1.0)
+        .then(|| &choices[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)])
 }
 
 /// The factor of a gradient before clipping: [`STEP_UNSCALE`]'s, or `None` (0: no scaler).
@@ -443,10 +451,9 @@ pub fn adamw_decided(
 ) -> Result<(), KernelError> {
     check_scalars_len("adamw_decided", scalars.len(), 0)?;
     same_len("adamw_decided", "grad", param.len(), grad.len())?;
-    if scalars[STEP_APPLIED] != 1.0 {
+    let Some(s) = chosen(&choice.0, scalars) else {
         return Ok(());
-    }
-    let s = &choice.0[(scalars[STEP_CHOICE] as usize).min(STEP_CHOICES - 1)];
+    };
     let g = decided_grad(scalars, grad);
     adamw::<f32>(s, param, &g, exp_avg, exp_avg_sq)
 }

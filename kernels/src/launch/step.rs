@@ -341,14 +341,7 @@ pub fn scaler_decide(
     check_scalars_len("scaler_decide", scalars.len(), 0)?;
     same_len("scaler_decide", "sharded", 1, sharded.len())?;
     same_len("scaler_decide", "replicated", 1, replicated.len())?;
-    let rule = StepRule {
-        tensors: 0,
-        max_norm: None,
-        skip_nonfinite: None,
-        base_steps: decision.base_steps,
-        scaler: Some(decision.rule),
-    };
-    crate::host::check_rule("scaler_decide", &rule)?;
+    crate::host::check_scaler("scaler_decide", &decision.rule)?;
     let f = function(stream, Program::Optim, "scaler_decide")?;
     let (s, _s) = scalars.device_ptr_mut(stream);
     let (sh, _sh) = sharded.device_ptr(stream);
