@@ -1,27 +1,25 @@
 //! The operations of a [`ComputeDevice`] that hold the shards ([`Fsdp::new_on`](super::Fsdp::new_on)
 //! without `offload_params`): accumulating reduced gradients, scaling them, their sum of
-//! squares and the optimizer step, each issued on a stream of the device and ordered by the
-//! buffers' events. On the host twin each is a stream task running the host engine's own
-//! arithmetic ([`fsdp_device::host_task`]), so a run there gives the host engine's bits.
+//! squares and the clipping coefficient (the optimizer step is `device_optim.rs`'s), each
+//! issued on a stream of the device and ordered by the buffers' events. On the host twin each
+//! is a stream task running the host engine's own arithmetic ([`fsdp_device::host_task`]), so
+//! a run there gives the host engine's bits.
 
 use fsdp_device::{host_task, Buffer, DType, Stream, TaskRead, TaskWrite};
-use half::bf16;
 
 use super::device::{ComputeDevice, Kind};
 use super::mixed_precision::round_to;
-use crate::optim::{
-    any_precision_grouped, AnyPrecisionAdamWConfig, AnyPrecisionAdamWState, OptimizerConfig,
-    ParamGroupOptions, PrecisionVec, ShardGroups,
-};
 use crate::FsdpError;
 
 /// A task's view as `T`, its error a message (the task's error becomes the stream's).
-fn read<'a, T: fsdp_device::Element>(r: &'a TaskRead<'_>) -> Result<&'a [T], String> {
+pub(super) fn read<'a, T: fsdp_device::Element>(r: &'a TaskRead<'_>) -> Result<&'a [T], String> {
     r.as_slice::<T>().map_err(|e| e.to_string())
 }
 
 /// A task's mutable view as `T`.
-fn write<'a, T: fsdp_device::Element>(w: &'a mut TaskWrite<'_>) -> Result<&'a mut [T], String> {
+pub(super) fn write<'a, T: fsdp_device::Element>(
+    w: &'a mut TaskWrite<'_>,
+) -> Result<&'a mut [T], String> {
     w.as_mut_slice::<T>().map_err(|e| e.to_string())
 }
 
@@ -308,346 +306,22 @@ impl ComputeDevice {
             }
         }
     }
-
-    /// One optimizer step (AdamW or SGD, step number `step`) on the `f32` shard `param` with
-    /// its gradient shard `grad` and its state `moments` on the device (AdamW: `exp_avg`,
-    /// `exp_avg_sq`; SGD: the momentum buffer, or none), each run of `segments` with its
-    /// group's options, on `stream`. The arguments are checked here, before anything is
-    /// issued.
-    ///
-    /// # Errors
-    /// As [`OptimizerState::step_grouped`](crate::optim::OptimizerState::step_grouped); buffers
-    /// not on this device; the stream's errors.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn optimizer_step(
-        &self,
-        cfg: &OptimizerConfig,
-        lr: f64,
-        groups: &[ParamGroupOptions],
-        segments: &ShardGroups,
-        step: u64,
-        param: &Buffer,
-        grad: &Buffer,
-        moments: &[Buffer],
-        stream: &Stream,
-    ) -> Result<(), FsdpError> {
-        let configs =
-            crate::optim::step_configs(cfg, lr, groups, segments, step, param.len(), grad.len())?;
-        if let OptimizerConfig::AnyPrecisionAdamW(c) = cfg {
-            return self
-                .any_precision_step(c, &configs, segments, step, param, grad, moments, stream);
-        }
-        match self.kind {
-            Kind::HostTwin => {
-                self.delay(stream)?;
-                let segments = segments.clone();
-                let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
-                host_task(stream, &[grad], &writes, move |r, w| {
-                    let (p, m) = w.split_first_mut().ok_or("no parameter shard")?;
-                    let mut m = m
-                        .iter_mut()
-                        .map(write::<f32>)
-                        .collect::<Result<Vec<_>, _>>()?;
-                    crate::optim::f32_step_runs(
-                        &configs,
-                        &segments,
-                        step,
-                        write::<f32>(p)?,
-                        read::<f32>(&r[0])?,
-                        &mut m,
-                    )
-                    .map_err(|e| e.to_string())
-                })?;
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Kind::Cuda => {
-                cuda::optimizer_step(&configs, segments, step, param, grad, moments, stream)
-            }
-        }
-    }
 }
 
-impl ComputeDevice {
-    /// Whether this device steps `cfg` on shards of `shards`: on CUDA, AnyPrecisionAdamW
-    /// keeps its state in one dtype, f32 or bf16 (the kernel's).
-    ///
-    /// # Errors
-    /// [`FsdpError::InvalidFsdpConfig`] naming the dtypes.
-    pub(crate) fn check_optimizer(
-        &self,
-        cfg: &OptimizerConfig,
-        shards: DType,
-    ) -> Result<(), FsdpError> {
-        match (&self.kind, cfg) {
-            #[cfg(feature = "cuda")]
-            (Kind::Cuda, OptimizerConfig::AnyPrecisionAdamW(c)) => {
-                cuda::any_precision_kind(c, shards).map(drop)
-            }
-            _ => {
-                let _ = shards;
-                Ok(())
-            }
-        }
-    }
-
-    /// AnyPrecisionAdamW (`cfg`, each group's config in `configs`) at step number `step` on
-    /// the shard `param` (bf16 or f32) with its `f32` gradient shard and its state `moments`
-    /// (momentum, variance and, with Kahan summation, compensation, each of its dtype), on
-    /// `stream`. On the host twin, the host engine's own update; on CUDA, the fused
-    /// `anyprecision_decided` kernel, which needs one state dtype, f32 or bf16.
-    #[allow(clippy::too_many_arguments)]
-    fn any_precision_step(
-        &self,
-        cfg: &AnyPrecisionAdamWConfig,
-        configs: &[OptimizerConfig],
-        segments: &ShardGroups,
-        step: u64,
-        param: &Buffer,
-        grad: &Buffer,
-        moments: &[Buffer],
-        stream: &Stream,
-    ) -> Result<(), FsdpError> {
-        let [_, _, ..] = moments else {
-            return Err(super::comm_context::internal(
-                "AnyPrecisionAdamW without its moments",
-            ));
-        };
-        match self.kind {
-            Kind::HostTwin => {
-                self.delay(stream)?;
-                let (cfg, configs, segments) = (*cfg, configs.to_vec(), segments.clone());
-                let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
-                host_task(stream, &[grad], &writes, move |r, w| {
-                    let (p, st) = w.split_first_mut().ok_or("no parameter shard")?;
-                    let mut state = AnyPrecisionAdamWState {
-                        step: step - 1,
-                        exp_avg: take_state(&mut st[0])?,
-                        exp_avg_sq: take_state(&mut st[1])?,
-                        compensation: st.get_mut(2).map(take_state).transpose()?,
-                    };
-                    let g = read::<f32>(&r[0])?;
-                    let run = match p.dtype() {
-                        DType::BF16 => any_precision_grouped(
-                            &mut state,
-                            &cfg,
-                            &configs,
-                            &segments,
-                            write::<bf16>(p)?,
-                            g,
-                        ),
-                        _ => any_precision_grouped(
-                            &mut state,
-                            &cfg,
-                            &configs,
-                            &segments,
-                            write::<f32>(p)?,
-                            g,
-                        ),
-                    };
-                    run.map_err(|e| e.to_string())?;
-                    put_state(&mut st[0], &state.exp_avg)?;
-                    put_state(&mut st[1], &state.exp_avg_sq)?;
-                    if let (Some(w), Some(c)) = (st.get_mut(2), &state.compensation) {
-                        put_state(w, c)?;
-                    }
-                    Ok(())
-                })?;
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Kind::Cuda => cuda::any_precision_step(
-                self, cfg, configs, segments, step, param, grad, moments, stream,
-            ),
-        }
-    }
-}
-
-/// A task's state buffer as AnyPrecisionAdamW's host state (a copy).
-fn take_state(w: &mut TaskWrite<'_>) -> Result<PrecisionVec, String> {
-    Ok(match w.dtype() {
-        DType::F32 => PrecisionVec::F32(write::<f32>(w)?.to_vec()),
-        DType::BF16 => PrecisionVec::BF16(write::<bf16>(w)?.to_vec()),
-        DType::F16 => PrecisionVec::F16(write::<half::f16>(w)?.to_vec()),
-        DType::F64 => return Err("an f64 optimizer state".into()),
-    })
-}
-
-/// Write AnyPrecisionAdamW's host state `v` back into a task's state buffer of its dtype.
-fn put_state(w: &mut TaskWrite<'_>, v: &PrecisionVec) -> Result<(), String> {
-    match v {
-        PrecisionVec::F32(x) => write::<f32>(w)?.copy_from_slice(x),
-        PrecisionVec::BF16(x) => write::<bf16>(w)?.copy_from_slice(x),
-        PrecisionVec::F16(x) => write::<half::f16>(w)?.copy_from_slice(x),
-    }
-    Ok(())
-}
-
-/// The CUDA side: `fsdp-kernels`' kernels over stream-ordered buffers.
+/// The CUDA side: the kernels' errors as the engine's.
 #[cfg(feature = "cuda")]
-mod cuda {
-    use fsdp_device::{Buffer, DType, Stream};
-    use fsdp_kernels::host::{
-        AdamW, AdamWScalars, AnyPrecision, AnyPrecisionChoice, AnyPrecisionScalars, Sgd,
-        SgdScalars, STEP_APPLIED, STEP_SQUARES,
-    };
-    use fsdp_kernels::launch::{adamw_buffers, anyprecision_buffers, sgd_buffers};
+pub(super) mod cuda {
     use fsdp_kernels::KernelError;
 
-    use super::ComputeDevice;
-    use crate::optim::{AnyPrecisionAdamWConfig, OptimizerConfig, ShardGroups};
     use crate::FsdpError;
 
     /// A kernel's error as the engine's, naming the operation.
-    pub(super) fn kernel(op: &'static str) -> impl Fn(KernelError) -> FsdpError {
+    pub(in crate::engine) fn kernel(op: &'static str) -> impl Fn(KernelError) -> FsdpError {
         move |e| {
             FsdpError::Device(fsdp_device::DeviceError::Cuda {
                 op,
                 message: e.to_string(),
             })
         }
-    }
-
-    /// Whether the CUDA kernel runs AnyPrecisionAdamW with `cfg` on shards of `param`: its
-    /// state dtypes, which must be one, f32 or bf16, as the shards'.
-    ///
-    /// # Errors
-    /// [`FsdpError::InvalidFsdpConfig`] naming the dtypes.
-    pub(crate) fn any_precision_kind(
-        cfg: &AnyPrecisionAdamWConfig,
-        param: DType,
-    ) -> Result<AnyPrecision, FsdpError> {
-        let kahan = cfg.use_kahan_summation;
-        let state = cfg.momentum_dtype;
-        let same =
-            cfg.variance_dtype == state && (!kahan || cfg.compensation_buffer_dtype == state);
-        let kind = AnyPrecision {
-            param,
-            state,
-            kahan,
-        };
-        if !same || kind.validate().is_err() {
-            return Err(FsdpError::InvalidFsdpConfig {
-                reason: format!(
-                    "AnyPrecisionAdamW on CUDA keeps its momentum, variance and compensation in \
-                     one dtype, f32 or bf16, and bf16 or f32 shards (momentum {}, variance {}, \
-                     compensation {}, shards {param})",
-                    cfg.momentum_dtype, cfg.variance_dtype, cfg.compensation_buffer_dtype
-                ),
-            });
-        }
-        Ok(kind)
-    }
-
-    /// AnyPrecisionAdamW through the fused `anyprecision_decided` kernel over each run of
-    /// `segments` with its group's config (`configs`), at step number `step`, on an `f32`
-    /// copy of a bf16 shard (exact both ways: the kernel rounds every value it writes to
-    /// bf16), with a step decided as applied and neither clipped nor unscaled.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn any_precision_step(
-        dev: &ComputeDevice,
-        cfg: &AnyPrecisionAdamWConfig,
-        configs: &[OptimizerConfig],
-        segments: &ShardGroups,
-        step: u64,
-        param: &Buffer,
-        grad: &Buffer,
-        moments: &[Buffer],
-        stream: &Stream,
-    ) -> Result<(), FsdpError> {
-        let err = kernel("AnyPrecisionAdamW kernel");
-        let kind = any_precision_kind(cfg, param.dtype())?;
-        let mut decided = vec![0.0f64; STEP_SQUARES];
-        decided[STEP_APPLIED] = 1.0;
-        let scalars = dev.copy_from_host(&Buffer::from_slice(&decided)?, stream)?;
-        let wide;
-        let p32 = if param.dtype() == DType::F32 {
-            param
-        } else {
-            wide = dev.alloc(DType::F32, param.len(), stream)?;
-            dev.cast(param, &wide, stream)?;
-            &wide
-        };
-        for (range, group) in segments.segments() {
-            let Some(OptimizerConfig::AnyPrecisionAdamW(c)) = configs.get(*group) else {
-                continue; // SKIP_GROUP
-            };
-            let hyper = AdamW {
-                lr: c.lr,
-                beta1: c.beta1,
-                beta2: c.beta2,
-                eps: c.eps,
-                weight_decay: c.weight_decay,
-            };
-            let s = AnyPrecisionScalars::new(&hyper, step).map_err(&err)?;
-            let view = |b: &Buffer| b.slice(range.clone());
-            let comp = moments.get(2).map(view).transpose()?;
-            anyprecision_buffers(
-                &AnyPrecisionChoice([s, s]),
-                kind,
-                &scalars,
-                &view(p32)?,
-                &view(grad)?,
-                &view(&moments[0])?,
-                &view(&moments[1])?,
-                comp.as_ref(),
-                stream,
-            )
-            .map_err(&err)?;
-        }
-        if !std::ptr::eq(p32, param) {
-            dev.cast(p32, param, stream)?;
-        }
-        Ok(())
-    }
-
-    /// The fused AdamW or SGD kernel over each run of `segments`, with its group's config
-    /// (`configs`; runs of no group are skipped), at step number `step`.
-    pub(super) fn optimizer_step(
-        configs: &[OptimizerConfig],
-        segments: &ShardGroups,
-        step: u64,
-        param: &Buffer,
-        grad: &Buffer,
-        moments: &[Buffer],
-        stream: &Stream,
-    ) -> Result<(), FsdpError> {
-        let err = kernel("optimizer kernel");
-        for (range, group) in segments.segments() {
-            let view = |b: &Buffer| b.slice(range.clone());
-            let (p, g) = (view(param)?, view(grad)?);
-            match (configs.get(*group), moments) {
-                (None, _) => {} // SKIP_GROUP
-                (Some(OptimizerConfig::AdamW(c)), [m, v]) => {
-                    let host = AdamW {
-                        lr: c.lr,
-                        beta1: c.beta1,
-                        beta2: c.beta2,
-                        eps: c.eps,
-                        weight_decay: c.weight_decay,
-                    };
-                    let s = AdamWScalars::new(&host, step).map_err(&err)?;
-                    adamw_buffers(&s, &p, &g, &view(m)?, &view(v)?, stream).map_err(&err)?;
-                }
-                (Some(OptimizerConfig::Sgd(c)), buf) => {
-                    let host = Sgd {
-                        lr: c.lr,
-                        momentum: c.momentum,
-                        dampening: c.dampening,
-                        weight_decay: c.weight_decay,
-                        nesterov: c.nesterov,
-                    };
-                    let s = SgdScalars::new(&host, step).map_err(&err)?;
-                    let buf = buf.first().map(view).transpose()?;
-                    sgd_buffers(&s, &p, &g, buf.as_ref(), stream).map_err(&err)?;
-                }
-                _ => {
-                    return Err(FsdpError::InvalidFsdpConfig {
-                        reason: "an optimizer state that does not fit the optimizer".into(),
-                    })
-                }
-            }
-        }
-        Ok(())
     }
 }

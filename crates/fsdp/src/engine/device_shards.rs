@@ -8,6 +8,7 @@ use std::borrow::Cow;
 use fsdp_device::{Buffer, DType};
 
 use super::device::ComputeDevice;
+use super::device_optim::StepPlan;
 use super::fsdp::Fsdp;
 use super::param_group::ParamGroup;
 use crate::optim::{OptimizerConfig, OptimizerState, PrecisionVec};
@@ -138,10 +139,9 @@ impl Fsdp {
             let step = g.optim_state.steps() + 1;
             dev.optimizer_step(
                 &self.optim,
-                lr,
+                &StepPlan::Known { lr, step },
                 &self.setup.groups,
                 &g.segments,
-                step,
                 &g.shard,
                 &g.grad_shard,
                 &g.device_moments,
@@ -152,47 +152,19 @@ impl Fsdp {
         Ok(())
     }
 
-    /// Each unit's gradient shard's sum of squares in `f64`, in the elements' order, taken on
-    /// the device's compute stream and read with one wait on the host.
-    fn shard_squares(&self, dev: &ComputeDevice) -> Result<Vec<f64>, FsdpError> {
-        let sums = self
-            .groups
-            .iter()
-            .map(|g| dev.sum_of_squares(&g.grad_shard, dev.compute_stream()))
-            .collect::<Result<Vec<_>, FsdpError>>()?;
-        let sums: Vec<&Buffer> = sums.iter().collect();
-        self.ctx
-            .host_copies(&sums)?
-            .iter()
-            .map(|s| Ok(s.to_vec::<f64>()?[0]))
-            .collect()
-    }
-
-    /// The grad scaler's unscaling with the shards on the device: every gradient shard times
-    /// `inv` there, then whether any element is NaN or infinite — its sum of squares in `f64`
-    /// is then not finite (a finite `f32`'s square cannot overflow an `f64` sum) — read with
-    /// one wait on the host, as PyTorch's `GradScaler` reads its `found_inf`.
-    pub(super) fn unscale_on_device(
-        &self,
-        dev: &ComputeDevice,
-        inv: f32,
-    ) -> Result<bool, FsdpError> {
-        for g in &self.groups {
-            dev.scale(&g.grad_shard, inv, dev.compute_stream())?;
-        }
-        Ok(self.shard_squares(dev)?.iter().any(|v| !v.is_finite()))
-    }
-
     /// Unit `g`'s optimizer state in host memory: its own, or with the shards on a device, a
     /// copy of the device's moments with the step count.
     pub(super) fn host_optim_state<'a>(
         &self,
         g: &'a ParamGroup,
     ) -> Result<Cow<'a, OptimizerState>, FsdpError> {
-        if g.device_moments.is_empty() {
+        // The steps a device scaler counted that the host has not folded in yet.
+        let unread = self.unread_steps()?;
+        if g.device_moments.is_empty() && unread == 0 {
             return Ok(Cow::Borrowed(&g.optim_state));
         }
         let mut state = g.optim_state.clone();
+        state.set_steps(state.steps() + unread);
         let momentum = has_momentum(&self.optim);
         let moments: Vec<&Buffer> = g.device_moments.iter().collect();
         let copies = self.ctx.host_copies(&moments)?;

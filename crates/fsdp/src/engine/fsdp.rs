@@ -10,7 +10,7 @@ use fsdp_flatparam::FlatParamLayout;
 use super::checkpointing::Activations;
 use super::comm_context::{internal, CommContext, ProcessGroups};
 use super::config::{BackwardPrefetch, FsdpConfig, Phase};
-use super::grad_scaler::{apply_loss_scale, GradScaler};
+use super::grad_scaler::GradScaler;
 use super::materialize::{init_shard, ParamInit};
 use super::mixed_precision::MixedPrecisionPolicy;
 use super::optim_groups::OptimizerSetup;
@@ -395,10 +395,7 @@ impl Fsdp {
             return Ok(());
         }
         // Loss scaling (grad_scaler.rs): the gradient times the scale, right before reduction.
-        let scale = self.backward_loss_scale()?;
-        if let Some(g) = &self.groups[u].full_grad {
-            apply_loss_scale(&self.ctx, g, scale)?;
-        }
+        self.apply_backward_scale(self.groups[u].full_grad.as_ref())?;
         foreach_reduce(&mut self.groups[u], &mut self.ctx, &mut self.pending_grads)
     }
 

@@ -87,9 +87,10 @@ impl Fsdp {
         self.ctx.step
     }
 
-    /// Number of optimizer steps taken.
+    /// Number of optimizer steps taken. With a grad scaler on a device, which decides there
+    /// whether a step is taken, this waits for the device's decisions so far.
     pub fn optimizer_steps(&self) -> u64 {
-        self.optimizer_steps
+        self.optimizer_steps + self.unread_steps_lossy()
     }
 
     /// The collectives and frees issued so far, in issue order.

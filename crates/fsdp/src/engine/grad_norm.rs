@@ -3,6 +3,7 @@
 //! returns the norm as a tensor and scales the gradients on the GPU by a coefficient computed
 //! there, so that only `.item()` synchronises.
 
+use fsdp_collectives::Work;
 use fsdp_device::{Buffer, DType};
 
 use super::device::ComputeDevice;
@@ -57,7 +58,28 @@ impl Fsdp {
         max_norm: Option<f64>,
     ) -> Result<DeviceScalar, FsdpError> {
         self.check_reduced()?;
-        self.unscale_shared()?;
+        self.unscale_issue()?;
+        let c = dev.compute_stream();
+        let (sharded, replicated, work) = self.squares_on_device(dev)?;
+        let out = dev.alloc(DType::F64, 2, c)?;
+        let limit = max_norm.unwrap_or(f64::INFINITY);
+        dev.clip_coefficient(&sharded, &replicated, limit, &out, c)?;
+        if max_norm.is_some() {
+            let coef = out.slice(1..2)?;
+            for g in &self.groups {
+                dev.scale_by(&g.grad_shard, &coef, c)?;
+            }
+        }
+        DeviceScalar::pending(dev, &out.slice(0..1)?, work)
+    }
+
+    /// The gradient shards' sums of squares on the device, in `f64`: the sharded units' and
+    /// the replicated units' apart, each added in the units' order (as on the host), the
+    /// sharded sum all-reduced over the shard group by the returned work; nothing waited for.
+    pub(crate) fn squares_on_device(
+        &self,
+        dev: &ComputeDevice,
+    ) -> Result<(Buffer, Buffer, Option<Work>), FsdpError> {
         let c = dev.compute_stream();
         let sum = |sharded: bool| -> Result<Buffer, FsdpError> {
             let acc = dev.alloc(DType::F64, 1, c)?;
@@ -69,15 +91,6 @@ impl Fsdp {
         };
         let (sharded, replicated) = (sum(true)?, sum(false)?);
         let work = self.ctx.sum_on_device(self.ctx.groups.shard(), &sharded)?;
-        let out = dev.alloc(DType::F64, 2, c)?;
-        let limit = max_norm.unwrap_or(f64::INFINITY);
-        dev.clip_coefficient(&sharded, &replicated, limit, &out, c)?;
-        if max_norm.is_some() {
-            let coef = out.slice(1..2)?;
-            for g in &self.groups {
-                dev.scale_by(&g.grad_shard, &coef, c)?;
-            }
-        }
-        DeviceScalar::pending(dev, &out.slice(0..1)?, work)
+        Ok((sharded, replicated, work))
     }
 }

@@ -7,11 +7,12 @@
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use fsdp_collectives::ReduceOp;
+use fsdp_collectives::{ReduceOp, Work};
 use fsdp_device::{Buffer, DType, Element};
 
 use super::comm_context::CommContext;
 use super::fsdp::Fsdp;
+use super::scaler_device::DeviceScaler;
 use crate::trace::SpanKind;
 use crate::FsdpError;
 
@@ -139,25 +140,56 @@ pub struct GradScalerState {
 /// The scaler's state (scale, growth tracker, skipped steps) is saved with a sharded checkpoint
 /// ([`Fsdp::save_sharded`] writes [`GRAD_SCALER_FILE`]) and restored with
 /// [`load_grad_scaler_state`] and [`Fsdp::set_grad_scaler_state`].
+///
+/// With the shards on a device ([`Fsdp::new_on`] without `offload_params`) the scaler's state
+/// lives there and no step waits on the host for `found_inf` (`scaler_device.rs`): the
+/// scaler's numbers and the engine's step counts then reach the host one step late, and this
+/// type's readers wait for what the device decided so far.
 #[derive(Debug)]
 pub struct GradScaler {
     config: GradScalerConfig,
+    /// The host's numbers; with a device scaler, as of the last outcome the engine folded in.
     scale: f32,
     growth_tracker: u32,
     skipped_steps: u64,
-    /// `Some(found_inf)` once this step's gradients are unscaled (behind a lock, because
-    /// [`Fsdp::grad_norm`] unscales through a shared reference).
-    unscaled: Mutex<Option<bool>>,
+    /// Whether this step's gradients are unscaled, and what tells their overflow (behind a
+    /// lock, because [`Fsdp::grad_norm`] unscales through a shared reference).
+    unscaled: Mutex<Unscaled>,
+    /// The state on the device, when the shards are there.
+    pub(crate) device: Option<DeviceScaler>,
+}
+
+/// The unscaling of a step's gradients.
+#[derive(Debug, Clone)]
+pub(crate) enum Unscaled {
+    /// Not yet (or no gradient this step).
+    No,
+    /// Done, the overflow known on the host.
+    Host(bool),
+    /// Done on the device: the unscaled gradient shards' sums of squares, the sharded one
+    /// all-reduced over the shard group by `work`. Not finite when they overflowed.
+    Device {
+        sharded: Buffer,
+        replicated: Buffer,
+        work: Option<Work>,
+    },
 }
 
 impl Clone for GradScaler {
+    /// A copy of the scaler's settings and numbers (with a device scaler, as the device
+    /// decided them), held on the host.
     fn clone(&self) -> Self {
+        let numbers = self.state();
         GradScaler {
             config: self.config,
-            scale: self.scale,
-            growth_tracker: self.growth_tracker,
-            skipped_steps: self.skipped_steps,
-            unscaled: Mutex::new(*self.lock()),
+            scale: numbers.scale,
+            growth_tracker: numbers.growth_tracker,
+            skipped_steps: numbers.skipped_steps,
+            unscaled: Mutex::new(match self.found_inf() {
+                Some(f) => Unscaled::Host(f),
+                None => Unscaled::No,
+            }),
+            device: None,
         }
     }
 }
@@ -174,11 +206,12 @@ impl GradScaler {
             scale: config.init_scale,
             growth_tracker: 0,
             skipped_steps: 0,
-            unscaled: Mutex::new(None),
+            unscaled: Mutex::new(Unscaled::No),
+            device: None,
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Option<bool>> {
+    fn lock(&self) -> MutexGuard<'_, Unscaled> {
         self.unscaled.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -190,39 +223,91 @@ impl GradScaler {
     /// The current scale (PyTorch's `get_scale()`): the factor of the gradients of the next
     /// backward passes.
     pub fn scale(&self) -> f32 {
-        self.scale
+        self.state().scale
     }
 
     /// `1 / scale`, computed in `f64` and rounded to `f32` as torch does.
     pub fn inv_scale(&self) -> f32 {
-        (1.0 / f64::from(self.scale)) as f32
+        Self::inv_of(self.scale())
+    }
+
+    /// `1 / scale` in `f64`, rounded to `f32`.
+    pub(crate) fn inv_of(scale: f32) -> f32 {
+        (1.0 / f64::from(scale)) as f32
     }
 
     /// Consecutive steps without overflow since the last growth or backoff (PyTorch's
     /// `_growth_tracker`).
     pub fn growth_tracker(&self) -> u32 {
-        self.growth_tracker
+        self.state().growth_tracker
     }
 
     /// Optimizer steps skipped because of an overflow.
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped_steps
+        self.state().skipped_steps
     }
 
     /// Whether this step's gradients, once unscaled, held a NaN or an infinity on some rank:
     /// `None` while they are still scaled (before [`Fsdp::unscale_grads`], [`Fsdp::grad_norm`]
-    /// or [`Fsdp::clip_grad_norm`] of this step, and after the step).
+    /// or [`Fsdp::clip_grad_norm`] of this step, and after the step). With the scaler on a
+    /// device this waits for the device (and is `None` if reading it failed: the engine's next
+    /// call reports the failure).
     pub fn found_inf(&self) -> Option<bool> {
-        *self.lock()
+        match &*self.lock() {
+            Unscaled::No => None,
+            Unscaled::Host(f) => Some(*f),
+            Unscaled::Device {
+                sharded,
+                replicated,
+                work,
+            } => self
+                .device
+                .as_ref()?
+                .found_inf(sharded, replicated, work.clone())
+                .ok(),
+        }
     }
 
-    /// The state a checkpoint holds.
+    /// Whether this step's gradients are unscaled.
+    pub(crate) fn is_unscaled(&self) -> bool {
+        !matches!(*self.lock(), Unscaled::No)
+    }
+
+    /// The sums of squares of this step's gradients unscaled on the device, if they are.
+    pub(crate) fn device_sums(&self) -> Option<(Buffer, Buffer, Option<Work>)> {
+        match &*self.lock() {
+            Unscaled::Device {
+                sharded,
+                replicated,
+                work,
+            } => Some((sharded.clone(), replicated.clone(), work.clone())),
+            _ => None,
+        }
+    }
+
+    /// The state a checkpoint holds. With the scaler on a device, as the device decided it so
+    /// far (waiting for it).
     pub fn state(&self) -> GradScalerState {
+        match &self.device {
+            Some(d) => d.settled().scaler,
+            None => self.host_state(),
+        }
+    }
+
+    /// The host's numbers.
+    pub(crate) fn host_state(&self) -> GradScalerState {
         GradScalerState {
             scale: self.scale,
             growth_tracker: self.growth_tracker,
             skipped_steps: self.skipped_steps,
         }
+    }
+
+    /// Set the host's numbers.
+    pub(crate) fn set_numbers(&mut self, s: GradScalerState) {
+        self.scale = s.scale;
+        self.growth_tracker = s.growth_tracker;
+        self.skipped_steps = s.skipped_steps;
     }
 
     /// Update the scale after a step, exactly as torch's `_amp_update_scale_`: on an overflow
@@ -232,26 +317,11 @@ impl GradScaler {
     /// Both products are taken in `f64` and rounded to `f32`. (The tracker is compared with `≥`
     /// where torch has `==`: the same, except for a restored tracker above the interval.)
     /// Counts nothing else: the engine counts [`skipped_steps`](Self::skipped_steps).
+    /// Acts on the host's numbers.
     pub fn update(&mut self, found_inf: bool) {
-        if found_inf {
-            self.scale = (f64::from(self.scale) * self.config.backoff_factor) as f32;
-            self.growth_tracker = 0;
-        } else {
-            let successful = self.growth_tracker.saturating_add(1);
-            if successful >= self.config.growth_interval {
-                let grown = (f64::from(self.scale) * self.config.growth_factor) as f32;
-                if grown.is_finite() {
-                    self.scale = grown;
-                }
-                self.growth_tracker = 0;
-            } else {
-                self.growth_tracker = successful;
-            }
-        }
-        *self
-            .unscaled
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+        (self.scale, self.growth_tracker) =
+            next_scale(&self.config, self.scale, self.growth_tracker, found_inf);
+        self.reset_step();
     }
 
     /// Forget this step's unscaling (the gradients were zeroed).
@@ -259,8 +329,27 @@ impl GradScaler {
         *self
             .unscaled
             .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+            .unwrap_or_else(PoisonError::into_inner) = Unscaled::No;
     }
+}
+
+/// The scale and growth tracker after a step ([`GradScaler::update`]'s arithmetic, also the
+/// device scaler's on the host twin).
+pub(crate) fn next_scale(
+    config: &GradScalerConfig,
+    scale: f32,
+    tracker: u32,
+    found_inf: bool,
+) -> (f32, u32) {
+    if found_inf {
+        return ((f64::from(scale) * config.backoff_factor) as f32, 0);
+    }
+    let successful = tracker.saturating_add(1);
+    if successful < config.growth_interval {
+        return (scale, successful);
+    }
+    let grown = (f64::from(scale) * config.growth_factor) as f32;
+    (if grown.is_finite() { grown } else { scale }, 0)
 }
 
 /// Multiply the unsharded gradient `buffer` by `scale` in place, before its reduction: the loss
@@ -408,8 +497,10 @@ impl Fsdp {
                     .into(),
             });
         }
+        // The steps a device scaler counted are the engine's, whatever replaces it.
+        self.absorb_scaler(0)?;
         self.grad_scaler = scaler;
-        Ok(())
+        self.place_scaler()
     }
 
     /// The grad scaler, when one is on ([`set_grad_scaler`](Self::set_grad_scaler)).
@@ -422,13 +513,14 @@ impl Fsdp {
     ///
     /// # Errors
     /// [`FsdpError::InvalidFsdpConfig`] without a scaler; [`FsdpError::InvalidHyperparameter`]
-    /// for a scale that is not finite and positive.
+    /// for a scale that is not finite and positive; with the scaler on a device, a failure
+    /// of its steps so far.
     pub fn set_grad_scaler_state(&mut self, state: GradScalerState) -> Result<(), FsdpError> {
-        let Some(s) = self.grad_scaler.as_mut() else {
+        if self.grad_scaler.is_none() {
             return Err(FsdpError::InvalidFsdpConfig {
                 reason: "no grad scaler to restore: set_grad_scaler first".into(),
             });
-        };
+        }
         if !(state.scale.is_finite() && state.scale > 0.0) {
             return Err(FsdpError::InvalidHyperparameter {
                 name: "scale",
@@ -436,11 +528,13 @@ impl Fsdp {
                 reason: "must be finite and positive",
             });
         }
-        s.scale = state.scale;
-        s.growth_tracker = state.growth_tracker;
-        s.skipped_steps = state.skipped_steps;
+        self.absorb_scaler(0)?;
+        let Some(s) = self.grad_scaler.as_mut() else {
+            return Err(super::comm_context::internal("no grad scaler"));
+        };
+        s.set_numbers(state);
         s.reset_step();
-        Ok(())
+        self.place_scaler()
     }
 
     /// Unscale the gradient shards of this step (PyTorch's `scaler.unscale_(optimizer)`):
@@ -463,23 +557,54 @@ impl Fsdp {
 
     /// [`unscale_grads`](Self::unscale_grads) through a shared reference (the gradient shards
     /// are written through their buffers' access tickets).
+    /// With the scaler on a device, reading the overflow is a wait on the host (counted in
+    /// [`host_waits`](Self::host_waits)).
     pub(crate) fn unscale_shared(&self) -> Result<bool, FsdpError> {
+        self.unscale_issue()?;
         let Some(scaler) = &self.grad_scaler else {
             return Ok(false);
         };
+        let sums = scaler.device_sums();
+        match (sums, &scaler.device) {
+            (Some((sharded, replicated, work)), Some(d)) => {
+                self.ctx.count_host_wait();
+                d.found_inf(&sharded, &replicated, work)
+            }
+            _ => Ok(scaler.found_inf().unwrap_or(false)),
+        }
+    }
+
+    /// Unscale this step's gradient shards unless done: on the host, with the overflow agreed
+    /// over the world; with the scaler on a device, there, the overflow left on the device
+    /// (the unscaled shards' sums of squares), nothing waited for.
+    pub(crate) fn unscale_issue(&self) -> Result<(), FsdpError> {
+        let Some(scaler) = &self.grad_scaler else {
+            return Ok(());
+        };
         let mut unscaled = scaler.lock();
-        if let Some(found) = *unscaled {
-            return Ok(found);
+        if !matches!(*unscaled, Unscaled::No) {
+            return Ok(());
         }
         // No gradient since the last step (every rank alike): nothing to unscale or agree on,
         // and a backward may still follow.
         if self.groups.iter().all(|g| g.grad_shard_zero) {
-            return Ok(false);
+            return Ok(());
+        }
+        if let Some(d) = &scaler.device {
+            let (dev, scale) = (&d.device, d.scale_view()?);
+            for g in &self.groups {
+                dev.unscale_by(&g.grad_shard, &scale, dev.compute_stream())?;
+            }
+            let (sharded, replicated, work) = self.squares_on_device(dev)?;
+            *unscaled = Unscaled::Device {
+                sharded,
+                replicated,
+                work,
+            };
+            return Ok(());
         }
         let mut local = false;
-        if let Some(dev) = self.ctx.shards_on_device() {
-            local = self.unscale_on_device(dev, scaler.inv_scale())?;
-        } else if !self.ctx.is_meta() {
+        if !self.ctx.is_meta() {
             let inv = scaler.inv_scale();
             for g in &self.groups {
                 for x in g.grad_shard.write::<f32>()?.iter_mut() {
@@ -502,24 +627,35 @@ impl Fsdp {
             })?;
             found = sum.to_vec::<f32>()?[0] != 0.0;
         }
-        *unscaled = Some(found);
-        Ok(found)
+        *unscaled = Unscaled::Host(found);
+        Ok(())
     }
 
-    /// The factor of the unsharded gradients before their reduction: the scale, or 1 without
-    /// a scaler.
+    /// Multiply a unit's unsharded gradient `grad` (if any) by the scale before its reduction
+    /// (nothing without a scaler): the host's scale, or on a device the device's.
     ///
     /// # Errors
-    /// [`FsdpError::InvalidFsdpConfig`] when this step's gradients were already unscaled.
-    pub(crate) fn backward_loss_scale(&self) -> Result<f32, FsdpError> {
-        match &self.grad_scaler {
-            None => Ok(1.0),
-            Some(s) if s.found_inf().is_some() => Err(FsdpError::InvalidFsdpConfig {
+    /// [`FsdpError::InvalidFsdpConfig`] when this step's gradients were already unscaled; a
+    /// failing buffer access.
+    pub(crate) fn apply_backward_scale(&self, grad: Option<&Buffer>) -> Result<(), FsdpError> {
+        let Some(s) = &self.grad_scaler else {
+            return Ok(());
+        };
+        if s.is_unscaled() {
+            return Err(FsdpError::InvalidFsdpConfig {
                 reason: "a backward after the gradients were unscaled (by unscale_grads, \
                          grad_norm or clip_grad_norm): step, skip_step or zero_grad first"
                     .into(),
-            }),
-            Some(s) => Ok(s.scale),
+            });
+        }
+        let Some(grad) = grad else {
+            return Ok(());
+        };
+        match &s.device {
+            Some(d) => d
+                .device
+                .scale_by(grad, &d.scale_view()?, d.device.compute_stream()),
+            None => apply_loss_scale(&self.ctx, grad, s.scale),
         }
     }
 
@@ -548,13 +684,17 @@ impl Fsdp {
     /// In [`skip_step`](Self::skip_step), before the gradients are zeroed: a step whose
     /// unscaled gradients overflowed is the scaler's skip (counted, scale backed off); any
     /// other skip leaves the scaler as it is.
-    pub(crate) fn grad_scaler_on_skip(&mut self) {
+    pub(crate) fn grad_scaler_on_skip(&mut self) -> Result<(), FsdpError> {
+        if self.device_scaler().is_some() {
+            return self.skip_with_device_scaler();
+        }
         if let Some(s) = &mut self.grad_scaler {
             if s.found_inf() == Some(true) {
                 s.skipped_steps += 1;
                 s.update(true);
             }
         }
+        Ok(())
     }
 
     /// Rank 0 writes the scaler's state into the sharded checkpoint `dir`
@@ -563,6 +703,7 @@ impl Fsdp {
         if self.rank() != 0 {
             return Ok(());
         }
+        self.unread_steps()?; // a failure of the device scaler's steps, if any
         let scaler = self.grad_scaler.as_ref().map(|s| (s.config(), s.state()));
         save_grad_scaler_state(dir, scaler)
     }

@@ -76,9 +76,12 @@ impl Fsdp {
 
     /// The learning rate of the next optimizer step (before each group's scale).
     pub fn lr(&self) -> f64 {
-        self.setup
-            .lr_schedule
-            .lr_at(self.optim.lr(), self.optimizer_steps)
+        self.lr_at(self.optimizer_steps())
+    }
+
+    /// The learning rate of the step after `steps` optimizer steps.
+    pub(crate) fn lr_at(&self, steps: u64) -> f64 {
+        self.setup.lr_schedule.lr_at(self.optim.lr(), steps)
     }
 
     /// Apply `setup` (validated first; the engine is unchanged on error).

@@ -154,7 +154,7 @@ impl Fsdp {
                 strategy: format!("{:?}", self.ctx.config.strategy),
                 optimizer,
                 optimizer_step,
-                optimizer_steps: self.optimizer_steps,
+                optimizer_steps: self.optimizer_steps + self.unread_steps()?,
                 units,
                 setup: self.setup.clone(),
             },
@@ -170,6 +170,8 @@ impl Fsdp {
     /// [`FsdpError::Checkpoint`] when the state belongs to another optimizer or misses a
     /// parameter's buffer; this rank's state is then unchanged.
     pub fn load_optimizer_state(&mut self, state: &FullOptimizerState) -> Result<(), FsdpError> {
+        // The steps a device scaler counted so far are folded in before they are replaced.
+        self.absorb_scaler(0)?;
         let bad = |reason: String| FsdpError::Checkpoint {
             path: "<optimizer state>".into(),
             reason,
@@ -255,7 +257,8 @@ impl Fsdp {
         }
         self.place_loaded_moments()?;
         self.optimizer_steps = state.optimizer_steps;
-        Ok(())
+        // A device scaler's count starts again from the loaded one.
+        self.place_scaler()
     }
 }
 

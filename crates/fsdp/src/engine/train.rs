@@ -44,6 +44,9 @@ impl Fsdp {
     /// collective.
     pub fn optimizer_step(&mut self) -> Result<(), FsdpError> {
         self.check_reduced()?;
+        if self.device_scaler().is_some() {
+            return self.step_with_device_scaler();
+        }
         if self.grad_scaler_skips()? {
             return Ok(());
         }
@@ -193,7 +196,7 @@ impl Fsdp {
     /// # Errors
     /// A failing buffer access.
     pub fn skip_step(&mut self) -> Result<(), FsdpError> {
-        self.grad_scaler_on_skip();
+        self.grad_scaler_on_skip()?;
         self.zero_grad()
     }
 
