@@ -9,226 +9,24 @@
 //! and parameters bit for bit; so does clipping (`Fsdp::clip_grad_norm_async`). A collective
 //! that fails there is reported at the engine's next check, within the timeouts.
 
-// The model's loops index several vectors alike, on the host and in the device's tasks.
-#![allow(clippy::needless_range_loop)]
-
+#[path = "common/chain.rs"]
+mod chain;
 mod common;
 #[path = "common/hooked.rs"]
 mod hooked;
 
 use std::time::Duration;
 
-use fsdp::engine::{
-    ComputeDevice, DeviceScalar, FsdpConfig, FsdpModel, ParamInit, ShardingStrategy, Span,
-};
+use fsdp::engine::{ComputeDevice, DeviceScalar, FsdpConfig, ParamInit, ShardingStrategy};
 use fsdp::optim::{OptimizerConfig, SgdConfig};
-use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
-use fsdp::{Fsdp, FsdpError, Grads, Params};
+use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
-use fsdp_device::{host_task, Buffer, DType, HostStorage, Stream};
 
+use chain::{plan, Batch, Chain, N};
 use common::{adamw, ring_options};
 
-/// Elements of each parameter.
-const N: usize = 8;
 /// Steps of a run; the first records the execution order.
 const STEPS: usize = 4;
-
-/// `y = w2 ⊙ (w1 ⊙ x)`, loss `½·Σ(y − t)² / global`, over vectors of `N`: two units. On a
-/// device every span is a task of the compute stream, and the loss a device buffer
-/// (`FsdpModel::loss_buffer`); on the host the same arithmetic on slices.
-struct Chain {
-    global: f32,
-    /// Hand the engine a host buffer as the loss (refused by name).
-    bad_loss: bool,
-}
-
-/// The activations: host vectors, or device buffers.
-#[derive(Default)]
-struct Tape {
-    h: Vec<f32>,
-    y: Vec<f32>,
-    dh: Vec<f32>,
-    dev: Option<[Buffer; 3]>,
-    loss: f32,
-    dev_loss: Option<Buffer>,
-}
-
-/// (x, t): this rank's input and target.
-type Batch = (Vec<f32>, Vec<f32>);
-
-/// A stream-ordered buffer of the twin: zeroed host memory ordered by streams.
-fn ordered(n: usize) -> Result<Buffer, FsdpError> {
-    let mem = HostStorage::zeroed(n * 4)?;
-    Ok(Buffer::stream_ordered(Box::new(mem), DType::F32)?)
-}
-
-fn y_of(w2: &[f32], h: &[f32]) -> Vec<f32> {
-    w2.iter().zip(h).map(|(w, h)| w * h).collect()
-}
-
-fn dy_of(y: f32, t: f32, global: f32) -> f32 {
-    (y - t) / global
-}
-
-fn loss_of(y: &[f32], t: &[f32], global: f32) -> f32 {
-    y.iter()
-        .zip(t)
-        .map(|(y, t)| 0.5 * (y - t) * (y - t))
-        .sum::<f32>()
-        / global
-}
-
-/// Run `f` on the device's compute stream over `reads` and `writes` (f32 buffers).
-fn on_device(
-    stream: &Stream,
-    reads: &[&Buffer],
-    writes: &[&Buffer],
-    f: impl FnOnce(&[&[f32]], &mut [&mut [f32]]) + Send + 'static,
-) -> Result<(), FsdpError> {
-    host_task(stream, reads, writes, move |r, w| {
-        let r: Vec<&[f32]> = r
-            .iter()
-            .map(|r| r.as_slice::<f32>())
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string())?;
-        let mut w: Vec<&mut [f32]> = w
-            .iter_mut()
-            .map(|w| w.as_mut_slice::<f32>())
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string())?;
-        f(&r, &mut w);
-        Ok(())
-    })?;
-    Ok(())
-}
-
-impl FsdpModel for Chain {
-    type Batch = Batch;
-    type Tape = Tape;
-    fn spans(&self) -> Vec<Span> {
-        vec![Span::new("l1", ["w1"]), Span::new("l2", ["w2"])]
-    }
-    fn forward(&self, s: usize, p: &dyn Params, b: &Batch, t: &mut Tape) -> Result<(), FsdpError> {
-        let Some(stream) = p.compute_stream() else {
-            if s == 0 {
-                t.h = p
-                    .param("w1")?
-                    .iter()
-                    .zip(&b.0)
-                    .map(|(w, x)| w * x)
-                    .collect();
-            } else {
-                t.y = y_of(p.param("w2")?, &t.h);
-                t.loss = loss_of(&t.y, &b.1, self.global);
-            }
-            return Ok(());
-        };
-        if s == 0 {
-            t.dev = Some([ordered(N)?, ordered(N)?, ordered(N)?]);
-        }
-        let [h, y, _] = t.dev.as_ref().ok_or_else(|| FsdpError::InvalidFsdpConfig {
-            reason: "no tape".into(),
-        })?;
-        if s == 0 {
-            let x = b.0.clone();
-            on_device(stream, &[&p.buffer("w1")?], &[h], move |r, w| {
-                for ((h, w1), x) in w[0].iter_mut().zip(r[0]).zip(&x) {
-                    *h = w1 * x;
-                }
-            })
-        } else {
-            let (target, global) = (b.1.clone(), self.global);
-            let loss = ordered(1)?;
-            on_device(stream, &[&p.buffer("w2")?, h], &[y, &loss], move |r, w| {
-                let v = y_of(r[0], r[1]);
-                w[1][0] = loss_of(&v, &target, global);
-                w[0].copy_from_slice(&v);
-            })?;
-            t.dev_loss = Some(loss);
-            Ok(())
-        }
-    }
-    fn loss(&self, t: &Tape) -> Result<f32, FsdpError> {
-        // On the device the loss stays there (`loss_buffer`); 0 is returned.
-        Ok(t.loss)
-    }
-
-    fn loss_buffer(&self, t: &Tape) -> Result<Option<Buffer>, FsdpError> {
-        if self.bad_loss {
-            return Ok(Some(Buffer::zeros(DType::F32, 1)?));
-        }
-        Ok(t.dev_loss.clone())
-    }
-    fn backward(
-        &self,
-        s: usize,
-        p: &dyn Params,
-        g: &mut dyn Grads,
-        b: &Batch,
-        t: &mut Tape,
-    ) -> Result<(), FsdpError> {
-        let global = self.global;
-        let Some(stream) = p.compute_stream().cloned() else {
-            if s == 1 {
-                let w2 = p.param("w2")?;
-                let dy: Vec<f32> =
-                    t.y.iter()
-                        .zip(&b.1)
-                        .map(|(y, t)| dy_of(*y, *t, global))
-                        .collect();
-                let gw2 = g.grad_mut("w2")?;
-                for i in 0..N {
-                    gw2[i] += dy[i] * t.h[i];
-                }
-                t.dh = dy.iter().zip(w2).map(|(d, w)| d * w).collect();
-            } else {
-                let gw1 = g.grad_mut("w1")?;
-                for i in 0..N {
-                    gw1[i] += t.dh[i] * b.0[i];
-                }
-            }
-            return Ok(());
-        };
-        let [h, y, dh] = t.dev.as_ref().ok_or_else(|| FsdpError::InvalidFsdpConfig {
-            reason: "no tape".into(),
-        })?;
-        if s == 1 {
-            let target = b.1.clone();
-            let (w2, gw2) = (p.buffer("w2")?, g.grad_buffer("w2")?);
-            on_device(&stream, &[&w2, h, y], &[&gw2, dh], move |r, w| {
-                let dy: Vec<f32> = r[2]
-                    .iter()
-                    .zip(&target)
-                    .map(|(y, t)| dy_of(*y, *t, global))
-                    .collect();
-                for i in 0..N {
-                    w[0][i] += dy[i] * r[1][i];
-                    w[1][i] = dy[i] * r[0][i];
-                }
-            })
-        } else {
-            let x = b.0.clone();
-            let gw1 = g.grad_buffer("w1")?;
-            on_device(&stream, &[dh], &[&gw1], move |r, w| {
-                for i in 0..N {
-                    w[0][i] += r[0][i] * x[i];
-                }
-            })
-        }
-    }
-}
-
-fn plan() -> UnitPlan {
-    let unit = |u: &str, p: &str| UnitSpec {
-        name: u.into(),
-        params: vec![ParamSpec::new(p, vec![N])],
-    };
-    UnitPlan {
-        units: vec![unit("l1", "w1"), unit("l2", "w2")],
-        ignored: vec![],
-    }
-}
 
 /// What a rank's run gives: the losses, the norms it clipped by and final parameters (bits),
 /// the host waits of the steady-state steps, and whether the device was still busy when each

@@ -1,0 +1,329 @@
+//! The grad scaler with the shards on a device (`Fsdp::new_on`, `Fsdp::set_grad_scaler`): its
+//! state lives there, the step's overflow is decided there and the optimizer steps as decided,
+//! so no step waits on the host for `found_inf`; the host reads each decision two decisions
+//! later. On the host twin of a device (10 ms per operation), with fp16 reductions that the
+//! first scales overflow, AdamW and a warmup-cosine schedule (so the two step-number and
+//! learning-rate choices differ), and a trainer's skips after unscaling every fourth step:
+//!
+//! - the losses, parameters, skips, scale, growth tracker, optimizer steps and learning rate
+//!   equal the host engine's bit for bit, read after every step (each read waits for the
+//!   device) or only at the end;
+//! - a loop that reads its loss one step late (as a trainer logging it) never makes the
+//!   engine wait on the host, and returns from each step while the device still works;
+//! - a sharded checkpoint saved right after a step whose outcome is unread holds the host
+//!   engine's optimizer steps and scaler state, and resumes (on the device) to the host
+//!   engine's parameters.
+
+#[path = "common/chain.rs"]
+mod chain;
+mod common;
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fsdp::checkpoint::load_sharded_checkpoint;
+use fsdp::engine::{
+    load_grad_scaler_state, ComputeDevice, DeviceScalar, FsdpConfig, GradScalerConfig,
+    GradScalerState, MixedPrecisionPolicy, ParamInit, ShardingStrategy,
+};
+use fsdp::optim::LrSchedule;
+use fsdp::Fsdp;
+use fsdp_collectives::{ring, Communicator};
+use fsdp_device::DType;
+
+use chain::{plan, Batch, Chain, N};
+use common::{adamw, ring_options};
+
+/// Steps of a run.
+const STEPS: usize = 12;
+/// The checkpoint is saved after this many steps.
+const SAVE_AT: usize = 6;
+
+/// The grad scaler's settings: a first scale that overflows the fp16 reductions, grown every
+/// second step without overflow.
+fn scaler() -> GradScalerConfig {
+    GradScalerConfig {
+        init_scale: 2f32.powi(22),
+        growth_interval: 2,
+        ..GradScalerConfig::default()
+    }
+}
+
+/// What the host reads of a scaler and an engine after a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Numbers {
+    optimizer_steps: u64,
+    lr: u64,
+    scaler: GradScalerState,
+    scale_bits: u32,
+}
+
+fn numbers(f: &Fsdp) -> Numbers {
+    let scaler = f.grad_scaler().expect("a grad scaler").state();
+    Numbers {
+        optimizer_steps: f.optimizer_steps(),
+        lr: f.lr().to_bits(),
+        scaler,
+        scale_bits: scaler.scale.to_bits(),
+    }
+}
+
+/// What a rank's steps give.
+#[derive(Debug, Default)]
+struct Run {
+    losses: Vec<u32>,
+    params: Vec<(String, Vec<u32>)>,
+    /// [`Numbers`] after each step, when read after each.
+    per_step: Vec<Numbers>,
+    last: Option<Numbers>,
+    /// Host waits counted in the steps after the first.
+    steady_waits: u64,
+    /// The device was busy whenever a step after the first returned.
+    ran_ahead: bool,
+}
+
+/// A rank's engine over `comm`: on the host, or its shards on the host twin of a device with
+/// 10 ms per operation; fp32 parameters, fp16 reductions, AdamW with a warmup-cosine schedule,
+/// the grad scaler on; from `init`.
+fn engine(
+    comm: Box<dyn Communicator>,
+    strategy: ShardingStrategy,
+    on_device: bool,
+    init: &std::collections::HashMap<String, Vec<f32>>,
+) -> Fsdp {
+    let config = FsdpConfig {
+        mixed_precision: MixedPrecisionPolicy::new(DType::F32, Some(DType::F16)),
+        // The limiter waits on the host for freed memory by design: off here.
+        limit_all_gathers: None,
+        forward_prefetch: true,
+        ..FsdpConfig::new(strategy)
+    };
+    let (plan, init) = (plan(), ParamInit::Full(init));
+    let mut fsdp = if on_device {
+        let dev =
+            ComputeDevice::host_twin_with_latency(1 << 24, Default::default(), latency()).unwrap();
+        Fsdp::new_on(comm, dev, &plan, init, config, adamw()).unwrap()
+    } else {
+        Fsdp::new(comm, &plan, init, config, adamw()).unwrap()
+    };
+    fsdp.set_lr_schedule(LrSchedule::Cosine {
+        warmup_iters: 3,
+        lr_decay_iters: 10,
+        min_lr: 1e-3,
+    })
+    .unwrap();
+    fsdp.set_grad_scaler(Some(scaler())).unwrap();
+    fsdp
+}
+
+fn latency() -> Duration {
+    Duration::from_millis(10)
+}
+
+fn init() -> std::collections::HashMap<String, Vec<f32>> {
+    std::collections::HashMap::from([
+        (
+            "w1".to_string(),
+            (0..N).map(|i| 0.5 + i as f32 / 16.0).collect::<Vec<f32>>(),
+        ),
+        (
+            "w2".to_string(),
+            (0..N).map(|i| 1.0 - i as f32 / 32.0).collect(),
+        ),
+    ])
+}
+
+/// Steps `steps` of training on `fsdp`: every fourth one a trainer's skip after unscaling
+/// (clipping by a limit that never bites, then `skip_step`), the others `optimizer_step`.
+/// With `each_step` the host reads [`Numbers`] after every step; else it reads each loss one
+/// step late, before the next optimizer step. Saves a sharded checkpoint into `save` after
+/// [`SAVE_AT`] steps.
+fn train(fsdp: &mut Fsdp, steps: Range<usize>, each_step: bool, save: Option<&Path>) -> Run {
+    let world = fsdp.world_size();
+    let rank = fsdp.rank();
+    let model = Chain {
+        global: (N * world) as f32,
+        bad_loss: false,
+    };
+    let x: Vec<f32> = (0..N)
+        .map(|i| ((i + rank) % 5) as f32 * 0.25 - 0.5)
+        .collect();
+    let t: Vec<f32> = (0..N).map(|i| ((i * 3 + rank) % 4) as f32 * 0.5).collect();
+    let batch: Batch = (x, t);
+    let mut run = Run {
+        ran_ahead: true,
+        ..Run::default()
+    };
+    let mut losses: Vec<DeviceScalar> = Vec::new();
+    let first = steps.start;
+    for step in steps {
+        let before = fsdp.host_waits();
+        let loss = fsdp.forward_backward_async(&model, &batch).unwrap();
+        if !each_step {
+            if let Some(prev) = losses.last() {
+                prev.value().unwrap();
+            }
+        }
+        losses.push(loss);
+        if step % 4 == 3 {
+            fsdp.clip_grad_norm_async(1e30).unwrap();
+            fsdp.skip_step().unwrap();
+        } else {
+            fsdp.optimizer_step().unwrap();
+        }
+        if step > first {
+            run.steady_waits += fsdp.host_waits() - before;
+            if let Some(dev) = fsdp.compute_device() {
+                run.ran_ahead &= !dev.compute_stream().query();
+            }
+        }
+        if each_step {
+            run.per_step.push(numbers(fsdp));
+        }
+        if step + 1 == SAVE_AT {
+            if let Some(dir) = save {
+                fsdp.save_sharded(dir).unwrap();
+            }
+        }
+    }
+    run.losses = losses
+        .iter()
+        .map(|l| (l.value().unwrap() as f32).to_bits())
+        .collect();
+    run.last = Some(numbers(fsdp));
+    let mut params: Vec<_> = fsdp
+        .full_state_dict()
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    params.sort();
+    run.params = params;
+    run
+}
+
+/// Rank 0's whole run.
+fn run(
+    world: usize,
+    strategy: ShardingStrategy,
+    on_device: bool,
+    each_step: bool,
+    save: Option<&Path>,
+) -> Run {
+    let init = init();
+    let mut out = ring::run_ranks(world, ring_options(), |comm| {
+        let mut fsdp = engine(Box::new(comm), strategy, on_device, &init);
+        train(&mut fsdp, 0..STEPS, each_step, save)
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+/// Rank 0's run resumed on the device from the checkpoint in `dir`.
+fn resume(world: usize, strategy: ShardingStrategy, dir: &Path) -> Run {
+    let specs: Vec<_> = plan().units.into_iter().flat_map(|u| u.params).collect();
+    let ckpt = load_sharded_checkpoint(dir, &specs).unwrap();
+    let state = ckpt.optimizer.expect("an optimizer state");
+    let scaler_state = load_grad_scaler_state(dir)
+        .unwrap()
+        .expect("a scaler state");
+    let mut out = ring::run_ranks(world, ring_options(), |comm| {
+        let mut fsdp = engine(Box::new(comm), strategy, true, &ckpt.params);
+        fsdp.load_optimizer_state(&state).unwrap();
+        fsdp.set_grad_scaler_state(scaler_state).unwrap();
+        train(&mut fsdp, SAVE_AT..STEPS, false, None)
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "fsdp-device-grad-scaler-{}-{name}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_the_host() {
+    for (world, strategy) in [
+        (1, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::ShardGradOp),
+        (2, ShardingStrategy::NoShard),
+    ] {
+        let what = format!("world {world}, {strategy:?}");
+        let host = run(world, strategy, false, true, None);
+        let last = host.last.unwrap();
+        let taken = last.optimizer_steps;
+        let skipped = last.scaler.skipped_steps;
+        println!(
+            "{what}: {taken} steps taken, {skipped} skipped for an overflow, {} by the trainer; \
+             final scale {}",
+            STEPS as u64 - taken - skipped,
+            last.scaler.scale
+        );
+        // Both of the scaler's branches run, and the trainer's skips too.
+        assert!(skipped > 0 && taken > 2, "{what}: {last:?}");
+        assert!(taken + skipped < STEPS as u64, "{what}: no trainer's skip");
+
+        let each = run(world, strategy, true, true, None);
+        assert_eq!(
+            each.per_step, host.per_step,
+            "{what}: numbers after each step"
+        );
+        assert_eq!(each.losses, host.losses, "{what}: losses");
+        assert_eq!(each.params, host.params, "{what}: parameters");
+
+        let late = run(world, strategy, true, false, None);
+        assert_eq!(late.losses, host.losses, "{what}: losses");
+        assert_eq!(late.params, host.params, "{what}: parameters");
+        assert_eq!(late.last, host.last, "{what}: numbers at the end");
+        println!(
+            "{what}: host waits in {} steady-state steps: {}",
+            STEPS - 1,
+            late.steady_waits
+        );
+        assert_eq!(late.steady_waits, 0, "{what}: host waits");
+        assert!(
+            late.ran_ahead,
+            "{what}: the device was idle when a step returned"
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_saved_with_an_unread_decision_resumes_to_the_host_engines_bits() {
+    let (world, strategy) = (2, ShardingStrategy::FullShard);
+    let (host_dir, dev_dir) = (temp_dir("host"), temp_dir("device"));
+    let host = run(world, strategy, false, false, Some(&host_dir));
+    run(world, strategy, true, false, Some(&dev_dir));
+    let specs: Vec<_> = plan().units.into_iter().flat_map(|u| u.params).collect();
+    let steps = |dir: &Path| {
+        let c = load_sharded_checkpoint(dir, &specs).unwrap();
+        let mut params: Vec<_> = c.params.into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        (c.optimizer.unwrap().optimizer_steps, params)
+    };
+    let (host_steps, host_params) = steps(&host_dir);
+    let (dev_steps, dev_params) = steps(&dev_dir);
+    assert_eq!(dev_steps, host_steps, "optimizer steps saved");
+    assert_eq!(dev_params, host_params, "parameters saved");
+    let scaler = |dir: &Path| load_grad_scaler_state(dir).unwrap().unwrap();
+    assert_eq!(scaler(&dev_dir), scaler(&host_dir), "scaler state saved");
+    println!(
+        "saved after {SAVE_AT} steps: {host_steps} taken, scaler {:?}",
+        scaler(&host_dir)
+    );
+    let resumed = resume(world, strategy, &dev_dir);
+    assert_eq!(resumed.params, host.params, "resumed parameters");
+    assert_eq!(resumed.losses, host.losses[SAVE_AT..], "resumed losses");
+    assert_eq!(resumed.last, host.last, "resumed numbers");
+    for dir in [host_dir, dev_dir] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
