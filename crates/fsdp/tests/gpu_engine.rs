@@ -9,7 +9,7 @@
 //! losses, parameters and schedule bit for bit, in both placements: `FULL_SHARD`,
 //! `SHARD_GRAD_OP` and `NO_SHARD` at worlds 1, 2 and 4, in f32 and with bf16 parameters (f32
 //! and bf16 reductions); AnyPrecisionAdamW on bf16 shards too, and clipping there within
-//! stated bounds. Every test prints
+//! stated bounds; and the grad scaler with its state on the GPU, bit for bit. Every test prints
 //! `skipped: <reason>` and passes where the CUDA driver or a GPU is missing.
 #![cfg(feature = "cuda")]
 
@@ -24,12 +24,16 @@ mod tied_mlp;
 use std::time::Duration;
 
 use fsdp::engine::{
-    ComputeDevice, FsdpConfig, GradientDivide, MixedPrecisionPolicy, ShardingStrategy,
+    ComputeDevice, FsdpConfig, GradScalerConfig, GradScalerState, GradientDivide, HostCompute,
+    MixedPrecisionPolicy, ParamInit, ShardingStrategy,
 };
+use fsdp::wrap::plan_units;
+use fsdp::Fsdp;
 use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
+use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 
-use common::adamw;
+use common::{adamw, bits, ring_options, Bits, GLOBAL};
 use fsdp::optim::{AnyPrecisionAdamWConfig, OptimizerConfig};
 use on_device::{host_run, train_rank_with, Outcome};
 
@@ -171,5 +175,86 @@ fn any_precision_and_clipping_on_cuda_track_the_host_engine() {
                 );
             }
         }
+    }
+}
+
+/// Rank 0's 8 steps at `world` with fp16 parameters and reductions and a grad scaler whose
+/// first scale overflows fp16, on the host engine or on GPU 0 (the shards there, so the
+/// scaler's state too): losses, parameters, the scaler's state and the optimizer steps taken.
+fn scaled_run(world: usize, on_gpu: bool) -> (Vec<u32>, Bits, GradScalerState, u64) {
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    let body = |comm: Box<dyn Communicator>, dev: Option<ComputeDevice>| {
+        let config = FsdpConfig {
+            mixed_precision: MixedPrecisionPolicy::new(DType::F16, Some(DType::F16)),
+            ..FsdpConfig::new(ShardingStrategy::FullShard)
+        };
+        let (rank, init) = (comm.rank(), ParamInit::Full(&init));
+        let optim: OptimizerConfig = adamw().into();
+        let mut fsdp = match &dev {
+            Some(d) => Fsdp::new_on(comm, d.clone(), &plan, init, config, optim),
+            None => Fsdp::new(comm, &plan, init, config, optim),
+        }
+        .unwrap();
+        fsdp.set_grad_scaler(Some(GradScalerConfig {
+            init_scale: 2f32.powi(18),
+            growth_interval: 2,
+            ..GradScalerConfig::default()
+        }))
+        .unwrap();
+        let model = tied_mlp::TiedMlp { global: GLOBAL };
+        let batch = tied_mlp::batch(GLOBAL, rank, world);
+        let mut losses = Vec::new();
+        for _ in 0..8 {
+            let loss = match &dev {
+                Some(_) => fsdp.forward_backward(&HostCompute::new(&model), &batch),
+                None => fsdp.forward_backward(&model, &batch),
+            };
+            losses.push(loss.unwrap().to_bits());
+            fsdp.optimizer_step().unwrap();
+        }
+        let state = fsdp.grad_scaler().unwrap().state();
+        let params = bits(&fsdp.full_state_dict().unwrap());
+        (losses, params, state, fsdp.optimizer_steps())
+    };
+    let mut out = if on_gpu {
+        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+        cuda_ring::run_ranks(0, world, opts, |comm| {
+            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+            body(Box::new(comm), Some(dev))
+        })
+        .unwrap()
+    } else {
+        ring::run_ranks(world, ring_options(), |comm| body(Box::new(comm), None)).unwrap()
+    };
+    out.swap_remove(0)
+}
+
+/// The grad scaler with its state on the GPU (the backward scaled by the device's scale, the
+/// gradient shards unscaled there, the overflow decided there and AdamW applied as decided:
+/// `fsdp-kernels`' `unscale_by_f32`, `scaler_decide` and `adamw_decided_f32`) gives the host
+/// engine's losses, parameters, skips, scale and step count bit for bit, at worlds 1, 2 and 4.
+#[test]
+fn the_grad_scaler_on_cuda_gives_the_host_engines_bits() {
+    if let Some(why) = skip_reason() {
+        println!("the_grad_scaler_on_cuda_gives_the_host_engines_bits: skipped: no GPU ({why})");
+        return;
+    }
+    for world in [1, 2, 4] {
+        let host = scaled_run(world, false);
+        let gpu = scaled_run(world, true);
+        println!("grad scaler, world {world}: {:?}, {} steps", gpu.2, gpu.3);
+        assert!(
+            host.2.skipped_steps > 0 && host.3 > 0,
+            "world {world}: {host:?}"
+        );
+        assert_eq!(gpu.0, host.0, "grad scaler, world {world}: losses");
+        assert_eq!(gpu.1, host.1, "grad scaler, world {world}: parameters");
+        assert_eq!(
+            (gpu.2, gpu.3),
+            (host.2, host.3),
+            "grad scaler, world {world}"
+        );
     }
 }
