@@ -33,7 +33,7 @@ use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 
 use chain::{plan, Batch, Chain, N};
-use common::{adamw, ring_options};
+use common::{adamw, mesh, ring_options};
 
 /// Steps of a run.
 const STEPS: usize = 12;
@@ -88,7 +88,7 @@ struct Run {
 /// the grad scaler on; from `init`.
 fn engine(
     comm: Box<dyn Communicator>,
-    strategy: ShardingStrategy,
+    mesh: FsdpConfig,
     on_device: bool,
     init: &std::collections::HashMap<String, Vec<f32>>,
 ) -> Fsdp {
@@ -97,7 +97,7 @@ fn engine(
         // The limiter waits on the host for freed memory by design: off here.
         limit_all_gathers: None,
         forward_prefetch: true,
-        ..FsdpConfig::new(strategy)
+        ..mesh
     };
     let (plan, init) = (plan(), ParamInit::Full(init));
     let mut fsdp = if on_device {
@@ -206,14 +206,14 @@ fn train(fsdp: &mut Fsdp, steps: Range<usize>, each_step: bool, save: Option<&Pa
 /// Rank 0's whole run.
 fn run(
     world: usize,
-    strategy: ShardingStrategy,
+    mesh: FsdpConfig,
     on_device: bool,
     each_step: bool,
     save: Option<&Path>,
 ) -> Run {
     let init = init();
     let mut out = ring::run_ranks(world, ring_options(), |comm| {
-        let mut fsdp = engine(Box::new(comm), strategy, on_device, &init);
+        let mut fsdp = engine(Box::new(comm), mesh, on_device, &init);
         train(&mut fsdp, 0..STEPS, each_step, save)
     })
     .unwrap();
@@ -221,7 +221,7 @@ fn run(
 }
 
 /// Rank 0's run resumed on the device from the checkpoint in `dir`.
-fn resume(world: usize, strategy: ShardingStrategy, dir: &Path) -> Run {
+fn resume(world: usize, mesh: FsdpConfig, dir: &Path) -> Run {
     let specs: Vec<_> = plan().units.into_iter().flat_map(|u| u.params).collect();
     let ckpt = load_sharded_checkpoint(dir, &specs).unwrap();
     let state = ckpt.optimizer.expect("an optimizer state");
@@ -229,7 +229,7 @@ fn resume(world: usize, strategy: ShardingStrategy, dir: &Path) -> Run {
         .unwrap()
         .expect("a scaler state");
     let mut out = ring::run_ranks(world, ring_options(), |comm| {
-        let mut fsdp = engine(Box::new(comm), strategy, true, &ckpt.params);
+        let mut fsdp = engine(Box::new(comm), mesh, true, &ckpt.params);
         fsdp.load_optimizer_state(&state).unwrap();
         fsdp.set_grad_scaler_state(scaler_state).unwrap();
         train(&mut fsdp, SAVE_AT..STEPS, false, None)
@@ -250,14 +250,16 @@ fn temp_dir(name: &str) -> PathBuf {
 
 #[test]
 fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_the_host() {
-    for (world, strategy) in [
-        (1, ShardingStrategy::FullShard),
-        (2, ShardingStrategy::FullShard),
-        (2, ShardingStrategy::ShardGradOp),
-        (2, ShardingStrategy::NoShard),
+    for (world, strategy, ranks_per_node) in [
+        (1, ShardingStrategy::FullShard, None),
+        (2, ShardingStrategy::FullShard, None),
+        (2, ShardingStrategy::ShardGradOp, None),
+        (2, ShardingStrategy::NoShard, None),
+        (4, ShardingStrategy::HybridShard, Some(2)),
     ] {
-        let what = format!("world {world}, {strategy:?}");
-        let host = run(world, strategy, false, true, None);
+        let what = format!("world {world}, {strategy:?}, {ranks_per_node:?} ranks per node");
+        let config = mesh(strategy, ranks_per_node);
+        let host = run(world, config, false, true, None);
         let last = host.last.unwrap();
         let taken = last.optimizer_steps;
         let skipped = last.scaler.skipped_steps;
@@ -271,7 +273,7 @@ fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_th
         assert!(skipped > 0 && taken > 2, "{what}: {last:?}");
         assert!(taken + skipped < STEPS as u64, "{what}: no trainer's skip");
 
-        let each = run(world, strategy, true, true, None);
+        let each = run(world, config, true, true, None);
         assert_eq!(
             each.per_step, host.per_step,
             "{what}: numbers after each step"
@@ -279,7 +281,7 @@ fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_th
         assert_eq!(each.losses, host.losses, "{what}: losses");
         assert_eq!(each.params, host.params, "{what}: parameters");
 
-        let late = run(world, strategy, true, false, None);
+        let late = run(world, config, true, false, None);
         assert_eq!(late.losses, host.losses, "{what}: losses");
         assert_eq!(late.params, host.params, "{what}: parameters");
         assert_eq!(late.last, host.last, "{what}: numbers at the end");
@@ -298,10 +300,10 @@ fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_th
 
 #[test]
 fn a_checkpoint_saved_with_an_unread_decision_resumes_to_the_host_engines_bits() {
-    let (world, strategy) = (2, ShardingStrategy::FullShard);
+    let (world, config) = (2, FsdpConfig::new(ShardingStrategy::FullShard));
     let (host_dir, dev_dir) = (temp_dir("host"), temp_dir("device"));
-    let host = run(world, strategy, false, false, Some(&host_dir));
-    run(world, strategy, true, false, Some(&dev_dir));
+    let host = run(world, config, false, false, Some(&host_dir));
+    run(world, config, true, false, Some(&dev_dir));
     let specs: Vec<_> = plan().units.into_iter().flat_map(|u| u.params).collect();
     let steps = |dir: &Path| {
         let c = load_sharded_checkpoint(dir, &specs).unwrap();
@@ -319,7 +321,7 @@ fn a_checkpoint_saved_with_an_unread_decision_resumes_to_the_host_engines_bits()
         "saved after {SAVE_AT} steps: {host_steps} taken, scaler {:?}",
         scaler(&host_dir)
     );
-    let resumed = resume(world, strategy, &dev_dir);
+    let resumed = resume(world, config, &dev_dir);
     assert_eq!(resumed.params, host.params, "resumed parameters");
     assert_eq!(resumed.losses, host.losses[SAVE_AT..], "resumed losses");
     assert_eq!(resumed.last, host.last, "resumed numbers");
