@@ -32,7 +32,7 @@ use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 
-use chain::{plan, Batch, Chain, N};
+use chain::{batch, init, plan};
 use common::{adamw, mesh, ring_options};
 
 /// Steps of a run.
@@ -121,36 +121,13 @@ fn latency() -> Duration {
     Duration::from_millis(10)
 }
 
-fn init() -> std::collections::HashMap<String, Vec<f32>> {
-    std::collections::HashMap::from([
-        (
-            "w1".to_string(),
-            (0..N).map(|i| 0.5 + i as f32 / 16.0).collect::<Vec<f32>>(),
-        ),
-        (
-            "w2".to_string(),
-            (0..N).map(|i| 1.0 - i as f32 / 32.0).collect(),
-        ),
-    ])
-}
-
 /// Steps `steps` of training on `fsdp`: every fourth one a trainer's skip after unscaling
 /// (clipping by a limit that never bites, then `skip_step`), the others `optimizer_step`.
 /// With `each_step` the host reads [`Numbers`] after every step; else it reads each loss one
 /// step late, before the next optimizer step. Saves a sharded checkpoint into `save` after
 /// [`SAVE_AT`] steps.
 fn train(fsdp: &mut Fsdp, steps: Range<usize>, each_step: bool, save: Option<&Path>) -> Run {
-    let world = fsdp.world_size();
-    let rank = fsdp.rank();
-    let model = Chain {
-        global: (N * world) as f32,
-        bad_loss: false,
-    };
-    let x: Vec<f32> = (0..N)
-        .map(|i| ((i + rank) % 5) as f32 * 0.25 - 0.5)
-        .collect();
-    let t: Vec<f32> = (0..N).map(|i| ((i * 3 + rank) % 4) as f32 * 0.5).collect();
-    let batch: Batch = (x, t);
+    let (batch, model) = batch(fsdp.rank(), fsdp.world_size());
     let mut run = Run {
         ran_ahead: true,
         ..Run::default()

@@ -48,16 +48,7 @@ fn run(
     clip: Option<f64>,
     on_device: bool,
 ) -> Run {
-    let init = std::collections::HashMap::from([
-        (
-            "w1".to_string(),
-            (0..N).map(|i| 0.5 + i as f32 / 16.0).collect::<Vec<f32>>(),
-        ),
-        (
-            "w2".to_string(),
-            (0..N).map(|i| 1.0 - i as f32 / 32.0).collect(),
-        ),
-    ]);
+    let init = chain::init();
     let mut out = ring::run_ranks(world, ring_options(), |comm| {
         let rank = comm.rank();
         let (plan, init) = (plan(), ParamInit::Full(&init));
@@ -73,14 +64,7 @@ fn run(
         } else {
             Fsdp::new(Box::new(comm), &plan, init, config, optim).unwrap()
         };
-        let model = Chain {
-            global: (N * world) as f32,
-            bad_loss: false,
-        };
-        let x: Vec<f32> = (0..N)
-            .map(|i| ((i + rank) % 5) as f32 * 0.25 - 0.5)
-            .collect();
-        let t: Vec<f32> = (0..N).map(|i| ((i * 3 + rank) % 4) as f32 * 0.5).collect();
+        let ((x, t), model) = chain::batch(rank, world);
         let (mut losses, mut steady_waits, mut ran_ahead) = (Vec::new(), 0, true);
         let mut norms = Vec::new();
         for step in 0..STEPS {

@@ -135,11 +135,28 @@ impl Fsdp {
     pub(super) fn step_on_device(&mut self, dev: &ComputeDevice, lr: f64) -> Result<(), FsdpError> {
         // A collective of this step known to have failed stops the step (never blocks).
         self.ctx.check_deferred()?;
+        self.step_units(dev, |steps| StepPlan::Known {
+            lr,
+            step: steps + 1,
+        })?;
         for g in &mut self.groups {
             let step = g.optim_state.steps() + 1;
+            g.optim_state.set_steps(step);
+        }
+        Ok(())
+    }
+
+    /// Issue each unit's optimizer step on the device's compute stream as `plan` (of the
+    /// unit's steps taken so far) says, after the gradients' accumulation.
+    pub(super) fn step_units<'a>(
+        &'a self,
+        dev: &ComputeDevice,
+        plan: impl Fn(u64) -> StepPlan<'a>,
+    ) -> Result<(), FsdpError> {
+        for g in &self.groups {
             dev.optimizer_step(
                 &self.optim,
-                &StepPlan::Known { lr, step },
+                &plan(g.optim_state.steps()),
                 &self.setup.groups,
                 &g.segments,
                 &g.shard,
@@ -147,7 +164,6 @@ impl Fsdp {
                 &g.device_moments,
                 dev.compute_stream(),
             )?;
-            g.optim_state.set_steps(step);
         }
         Ok(())
     }

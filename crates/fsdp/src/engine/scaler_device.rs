@@ -379,6 +379,17 @@ impl Fsdp {
         self.grad_scaler.as_ref().and_then(|s| s.device.as_ref())
     }
 
+    /// The grad scaler and its state on the device.
+    ///
+    /// # Errors
+    /// An internal error when the scaler is not on the device.
+    fn scaler_parts(&self) -> Result<(&GradScaler, &DeviceScaler), FsdpError> {
+        self.grad_scaler
+            .as_ref()
+            .and_then(|s| Some((s, s.device.as_ref()?)))
+            .ok_or_else(|| super::comm_context::internal("no device scaler"))
+    }
+
     /// The optimizer steps the device counted beyond the host's count, waiting for every
     /// outcome not read yet.
     ///
@@ -457,30 +468,12 @@ impl Fsdp {
         let base = self.optimizer_steps;
         let lrs = [self.lr_at(base), self.lr_at(base + 1)];
         let work = self.decide_on_device(true)?;
-        let (Some(s), Some(dev)) = (&self.grad_scaler, self.ctx.shards_on_device()) else {
-            return Err(super::comm_context::internal("no device scaler"));
-        };
-        let d = s
-            .device
-            .as_ref()
-            .ok_or_else(|| super::comm_context::internal("no device scaler"))?;
-        for g in &self.groups {
-            let steps = g.optim_state.steps();
-            dev.optimizer_step(
-                &self.optim,
-                &StepPlan::Decided {
-                    state: &d.state,
-                    lrs,
-                    steps: [steps + 1, steps + 2],
-                },
-                &self.setup.groups,
-                &g.segments,
-                &g.shard,
-                &g.grad_shard,
-                &g.device_moments,
-                dev.compute_stream(),
-            )?;
-        }
+        let (_, d) = self.scaler_parts()?;
+        self.step_units(&d.device, |steps| StepPlan::Decided {
+            state: &d.state,
+            lrs,
+            steps: [steps + 1, steps + 2],
+        })?;
         d.push_readback(work)?;
         self.zero_grad()
     }
@@ -508,14 +501,8 @@ impl Fsdp {
     /// with the host's step count as the base; returns the all-reduce the decision reads.
     fn decide_on_device(&self, take: bool) -> Result<Option<Work>, FsdpError> {
         self.unscale_issue()?;
-        let (Some(s), Some(dev)) = (&self.grad_scaler, self.ctx.shards_on_device()) else {
-            return Err(super::comm_context::internal("no device scaler"));
-        };
-        let d = s
-            .device
-            .as_ref()
-            .ok_or_else(|| super::comm_context::internal("no device scaler"))?;
-        let c = dev.compute_stream();
+        let (s, d) = self.scaler_parts()?;
+        let (dev, c) = (&d.device, d.device.compute_stream());
         let (sharded, replicated, work) = match s.device_sums() {
             Some(sums) => sums,
             None => {

@@ -209,3 +209,30 @@ pub fn plan() -> UnitPlan {
         ignored: vec![],
     }
 }
+
+/// The weights the runs start from.
+pub fn init() -> std::collections::HashMap<String, Vec<f32>> {
+    std::collections::HashMap::from([
+        (
+            "w1".to_string(),
+            (0..N).map(|i| 0.5 + i as f32 / 16.0).collect::<Vec<f32>>(),
+        ),
+        (
+            "w2".to_string(),
+            (0..N).map(|i| 1.0 - i as f32 / 32.0).collect(),
+        ),
+    ])
+}
+
+/// Rank `rank`'s batch (the same every step), and the model of `world` ranks.
+pub fn batch(rank: usize, world: usize) -> (Batch, Chain) {
+    let x: Vec<f32> = (0..N)
+        .map(|i| ((i + rank) % 5) as f32 * 0.25 - 0.5)
+        .collect();
+    let t: Vec<f32> = (0..N).map(|i| ((i * 3 + rank) % 4) as f32 * 0.5).collect();
+    let model = Chain {
+        global: (N * world) as f32,
+        bad_loss: false,
+    };
+    ((x, t), model)
+}
