@@ -29,6 +29,8 @@
 //! assert_eq!(buf.to_vec::<f32>().unwrap(), vec![0.0, 1.0, 2.0]);
 //! ```
 
+#[cfg(any(feature = "cuda", test))]
+mod block_cache;
 pub mod buffer;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -234,3 +234,36 @@ fn dropping_a_buffer_under_queued_work_defers_its_free() {
     b.synchronize().unwrap();
     wait_for_releases(Duration::from_secs(10)).unwrap();
 }
+
+/// Freed pinned memory is kept by size class and reused, zeroed, instead of freed
+/// (`cuMemFreeHost` synchronises the device): a second buffer of the first's class takes its
+/// block (a reuse, no allocation) and reads zeros, a buffer of another class does not take it;
+/// `empty_pinned_cache` frees the cached blocks.
+#[test]
+fn freed_pinned_memory_is_reused_zeroed_by_size_class() {
+    let Some(_serial) = gpu("freed_pinned_memory_is_reused_zeroed_by_size_class") else {
+        return;
+    };
+    use fsdp_device::cuda::{empty_pinned_cache, pinned_cache_stats};
+    // 3 MiB + 4 bytes of f32: class 4 MiB, which no other test of this binary uses.
+    let n = (3 << 18) + 1;
+    drop(pinned(&pattern(n, 1)));
+    let before = pinned_cache_stats();
+    assert!(before.cached_bytes >= 4 << 20, "{before:?}");
+    let second = Buffer::pinned_zeros(DType::F32, n - 100).unwrap();
+    let after = pinned_cache_stats();
+    assert_eq!(after.reuses, before.reuses + 1, "{after:?}");
+    assert_eq!(after.allocations, before.allocations, "{after:?}");
+    assert!(second.to_vec::<f32>().unwrap().iter().all(|&x| x == 0.0));
+    let cached = pinned_cache_stats().cached_bytes;
+    let other = Buffer::pinned_zeros(DType::F32, 2 << 20).unwrap();
+    assert_eq!(
+        pinned_cache_stats().cached_bytes,
+        cached,
+        "another class is not served"
+    );
+    drop((second, other));
+    empty_pinned_cache().unwrap();
+    assert_eq!(pinned_cache_stats().cached_blocks, 0);
+    println!("pinned cache: {:?}", pinned_cache_stats());
+}

@@ -6,6 +6,7 @@ use std::time::Duration;
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
 use super::{context, driver_error};
+use crate::block_cache::{size_class, BlockCache, BlockCacheStats};
 use crate::reaper;
 use crate::{Device, DeviceError, Storage, StreamOrder};
 
@@ -144,11 +145,55 @@ unsafe impl Storage for CudaStorage {
 /// Page-locked host memory (`cuMemHostAlloc`, portable: pinned for every context), zeroed, on
 /// [`Device::Cpu`]: host code reads and writes it through the usual access tickets, and the
 /// async copies of device buffers ([`Buffer::copy_to_host_async`](crate::Buffer::copy_to_host_async))
-/// hold a ticket on it until their event completes.
+/// hold a ticket on it until their event completes. Allocated by size class (the next power
+/// of two, at least 512 bytes) and, once dropped, kept for the next allocation of its class
+/// instead of freed ([`pinned_cache_stats`], [`empty_pinned_cache`]).
 pub struct PinnedStorage {
     ptr: *mut u8,
     len: usize,
+    /// The block's size class (bytes allocated).
+    class: usize,
     ctx: Option<Arc<CudaContext>>,
+}
+
+/// A freed page-locked block, held by [`PINNED`] for reuse.
+struct PinnedBlock {
+    ptr: *mut u8,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a cached block is an owned allocation that nothing else references until the cache
+// hands it to one new `PinnedStorage`.
+unsafe impl Send for PinnedBlock {}
+
+/// Freed page-locked blocks of the process by size class.
+static PINNED: BlockCache<PinnedBlock> = BlockCache::new();
+
+/// What the cache of freed page-locked memory did so far (blocks allocated, requests served by
+/// a freed block) and holds now.
+pub fn pinned_cache_stats() -> BlockCacheStats {
+    PINNED.stats()
+}
+
+/// Free every cached page-locked block (`cuMemFreeHost`, which synchronises the device):
+/// PyTorch's `torch._C._host_emptyCache()`. Buffers in use are not affected.
+///
+/// # Errors
+/// [`DeviceError::Cuda`] for the first block that cannot be freed (the others are freed).
+pub fn empty_pinned_cache() -> Result<(), DeviceError> {
+    let mut first = None;
+    for (_, block) in PINNED.drain() {
+        let freed = bind(&block.ctx).and_then(|()| {
+            // SAFETY: allocated by malloc_host in `PinnedStorage::zeroed`, taken out of the
+            // cache (so referenced by nothing), freed once.
+            unsafe { result::free_host(block.ptr.cast()) }
+                .map_err(|e| driver_error("cuMemFreeHost", e))
+        });
+        if let Err(e) = freed {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 // SAFETY: PinnedStorage owns its allocation; the bytes are only touched through Buffer's access
@@ -168,26 +213,44 @@ impl PinnedStorage {
             return Ok(PinnedStorage {
                 ptr: std::ptr::without_provenance_mut(EMPTY_ADDR),
                 len: 0,
+                class: 0,
                 ctx: None,
             });
         }
-        let ctx = context(0)?;
-        bind(&ctx)?;
-        // SAFETY: a plain page-locked allocation in the bound context, zeroed below before use.
-        let raw = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| driver_error("cuMemHostAlloc", e))?
-            .cast::<u8>();
-        let storage = PinnedStorage {
-            ptr: raw,
-            len: bytes,
-            ctx: Some(ctx),
+        let class = size_class(bytes).ok_or_else(|| {
+            DeviceError::InvalidArgument(format!("{bytes} bytes of page-locked memory"))
+        })?;
+        let (raw, ctx) = match PINNED.take(class) {
+            Some(block) => (block.ptr, block.ctx),
+            None => {
+                let ctx = context(0)?;
+                bind(&ctx)?;
+                // SAFETY: a plain page-locked allocation in the bound context, zeroed below
+                // before use.
+                let raw = unsafe { result::malloc_host(class, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                    .map_err(|e| driver_error("cuMemHostAlloc", e))?
+                    .cast::<u8>();
+                (raw, ctx)
+            }
         };
         if raw.is_null() || raw.addr() % 64 != 0 {
+            if !raw.is_null() {
+                // SAFETY: allocated by malloc_host above (a cached block passed this check
+                // when it was allocated), referenced by nothing, freed once.
+                let _ = unsafe { result::free_host(raw.cast()) };
+            }
             return Err(DeviceError::InvalidArgument(format!(
                 "cuMemHostAlloc returned {raw:p}, not aligned to 64 bytes"
             )));
         }
-        // SAFETY: `bytes` writable bytes just allocated and owned here.
+        let storage = PinnedStorage {
+            ptr: raw,
+            len: bytes,
+            class,
+            ctx: Some(ctx),
+        };
+        // SAFETY: `bytes` (≤ `class`) writable bytes owned here: just allocated, or a cached
+        // block that nothing else references.
         unsafe { std::ptr::write_bytes(raw, 0, bytes) };
         Ok(storage)
     }
@@ -195,13 +258,10 @@ impl PinnedStorage {
 
 impl Drop for PinnedStorage {
     fn drop(&mut self) {
-        if let Some(ctx) = &self.ctx {
-            if bind(ctx).is_ok() {
-                // SAFETY: allocated by malloc_host in `zeroed`, freed once; the storage is
-                // dropped only when no buffer, ticket or guard of it is left, and copies hold a
-                // guard until their event completed.
-                let _ = unsafe { result::free_host(self.ptr.cast()) };
-            }
+        // The storage is dropped only when no buffer, ticket or guard of it is left, and
+        // copies hold a guard until their event completed: the block is free for reuse.
+        if let Some(ctx) = self.ctx.take() {
+            PINNED.put(self.class, PinnedBlock { ptr: self.ptr, ctx });
         }
     }
 }

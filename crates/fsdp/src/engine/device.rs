@@ -63,9 +63,11 @@ pub(super) enum Kind {
 /// pre-multiplication or pre-division of the reduction's input, the post-division of its
 /// result, each rounded to the reduce dtype as on the host.
 ///
-/// So does the grad scaler's loss scaling of the unsharded gradients; its unscaling of the
-/// gradient shards and its overflow check run where the shards are (on the device: one wait on
-/// the host for the flag, as PyTorch's `GradScaler` reads `found_inf`).
+/// So does the grad scaler's loss scaling of the unsharded gradients. With the shards on the
+/// device its state lives there too: the unscaling of the gradient shards, the overflow check
+/// and the decision to step or skip run there without the host waiting (the step count and
+/// the scaler's numbers reach the host one step late, as PyTorch's fused optimizers take
+/// `found_inf` on the GPU); offloaded, the unscaling and the check run on the host.
 ///
 /// So does the optimizer side with the shards on the device: AdamW, SGD and AnyPrecisionAdamW
 /// (on CUDA with one state dtype, f32 or bf16: the fused kernel's), the gradient norm and
