@@ -3,11 +3,12 @@
 //! so no step waits on the host for `found_inf`; the host reads each decision two decisions
 //! later. On the host twin of a device (10 ms per operation), with fp16 reductions that the
 //! first scales overflow, AdamW and a warmup-cosine schedule (so the two step-number and
-//! learning-rate choices differ), and a trainer's skips after unscaling every fourth step:
+//! learning-rate choices differ), and a trainer's skips after unscaling every fourth step
+//! (the first overflows, later ones need not):
 //!
 //! - the losses, parameters, skips, scale, growth tracker, optimizer steps and learning rate
 //!   equal the host engine's bit for bit, read after every step (each read waits for the
-//!   device) or only at the end;
+//!   device) or only at the end, and so do the overflows `unscale_grads` returns;
 //! - a loop that reads its loss one step late (as a trainer logging it) never makes the
 //!   engine wait on the host, and returns from each step while the device still works;
 //! - a sharded checkpoint saved right after a step whose outcome is unread holds the host
@@ -76,6 +77,9 @@ struct Run {
     params: Vec<(String, Vec<u32>)>,
     /// [`Numbers`] after each step, when read after each.
     per_step: Vec<Numbers>,
+    /// Each trainer's skip's overflow, as `unscale_grads` and `found_inf` read it, when read
+    /// after each step.
+    found: Vec<(bool, Option<bool>)>,
     last: Option<Numbers>,
     /// Host waits counted in the steps after the first.
     steady_waits: u64,
@@ -121,7 +125,7 @@ fn latency() -> Duration {
     Duration::from_millis(10)
 }
 
-/// Steps `steps` of training on `fsdp`: every fourth one a trainer's skip after unscaling
+/// Steps `steps` of training on `fsdp`: every fourth one, from the first, a trainer's skip after unscaling
 /// (clipping by a limit that never bites, then `skip_step`), the others `optimizer_step`.
 /// With `each_step` the host reads [`Numbers`] after every step; else it reads each loss one
 /// step late, before the next optimizer step. Saves a sharded checkpoint into `save` after
@@ -143,8 +147,14 @@ fn train(fsdp: &mut Fsdp, steps: Range<usize>, each_step: bool, save: Option<&Pa
             }
         }
         losses.push(loss);
-        if step % 4 == 3 {
+        if step % 4 == 0 {
             fsdp.clip_grad_norm_async(1e30).unwrap();
+            if each_step {
+                // A wait on the host: the overflow, read as a trainer that skips on it would.
+                let found = fsdp.unscale_grads().unwrap();
+                run.found
+                    .push((found, fsdp.grad_scaler().and_then(|s| s.found_inf())));
+            }
             fsdp.skip_step().unwrap();
         } else {
             fsdp.optimizer_step().unwrap();
@@ -246,14 +256,23 @@ fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_th
             STEPS as u64 - taken - skipped,
             last.scaler.scale
         );
-        // Both of the scaler's branches run, and the trainer's skips too.
+        // Both of the scaler's branches run, and the trainer's skips with and without an
+        // overflow.
         assert!(skipped > 0 && taken > 2, "{what}: {last:?}");
-        assert!(taken + skipped < STEPS as u64, "{what}: no trainer's skip");
+        assert!(
+            host.found.iter().any(|f| f.0) && host.found.iter().any(|f| !f.0),
+            "{what}: {:?}",
+            host.found
+        );
 
         let each = run(world, config, true, true, None);
         assert_eq!(
             each.per_step, host.per_step,
             "{what}: numbers after each step"
+        );
+        assert_eq!(
+            each.found, host.found,
+            "{what}: overflows read by unscale_grads"
         );
         assert_eq!(each.losses, host.losses, "{what}: losses");
         assert_eq!(each.params, host.params, "{what}: parameters");
