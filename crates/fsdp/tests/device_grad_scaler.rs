@@ -13,11 +13,15 @@
 //!   engine wait on the host, and returns from each step while the device still works;
 //! - a sharded checkpoint saved right after a step whose outcome is unread holds the host
 //!   engine's optimizer steps and scaler state, and resumes (on the device) to the host
-//!   engine's parameters.
+//!   engine's parameters;
+//! - a failed all-reduce of the overflow's sums is reported on every rank within the
+//!   timeouts, never a hang and never a silent success.
 
 #[path = "common/chain.rs"]
 mod chain;
 mod common;
+#[path = "common/hooked.rs"]
+mod hooked;
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -324,4 +328,49 @@ fn a_checkpoint_saved_with_an_unread_decision_resumes_to_the_host_engines_bits()
     for dir in [host_dir, dev_dir] {
         std::fs::remove_dir_all(dir).unwrap();
     }
+}
+
+#[test]
+fn a_failed_all_reduce_of_the_overflow_is_reported_without_a_hang() {
+    // Each step all-reduces the loss (in `forward_backward_async`) then the unscaled
+    // gradients' squares (in `optimizer_step`): rank 1 fails its fourth all-reduce, step 1's
+    // squares, without taking part. Rank 1 gets the error at once; rank 0's host does not wait
+    // for that all-reduce (the device's decision does), so it gets it when it reads that
+    // decision's outcome (two decisions later), at a check of the deferred collectives, or at
+    // `synchronize` — within the timeouts.
+    let mut options = ring_options();
+    options.timeout = Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    let errors = ring::run_ranks(2, options, |comm| {
+        let rank = comm.rank();
+        let mut hooked = hooked::Hooked::new(comm);
+        if rank == 1 {
+            hooked.fail_all_reduce = Some(3);
+        }
+        let config = FsdpConfig::new(ShardingStrategy::FullShard);
+        let mut fsdp = engine(Box::new(hooked), config, true, &init());
+        let (batch, model) = batch(rank, 2);
+        for step in 0..STEPS {
+            let r = fsdp
+                .forward_backward_async(&model, &batch)
+                .and_then(|_| fsdp.optimizer_step());
+            if let Err(e) = r {
+                return (step, e.to_string());
+            }
+        }
+        let e = fsdp
+            .synchronize()
+            .expect_err("a failed all-reduce went unreported");
+        (STEPS, e.to_string())
+    })
+    .unwrap();
+    println!("{errors:?} after {:?}", start.elapsed());
+    assert_eq!(errors[1].0, 1, "rank 1 fails at step 1");
+    assert!(errors[1].1.contains("failed on purpose"), "{}", errors[1].1);
+    assert!(errors[0].0 >= 1, "rank 0 failed before the fault");
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
 }
