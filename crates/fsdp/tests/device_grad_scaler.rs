@@ -14,6 +14,8 @@
 //! - a sharded checkpoint saved right after a step whose outcome is unread holds the host
 //!   engine's optimizer steps and scaler state, and resumes (on the device) to the host
 //!   engine's parameters;
+//! - turning the scaler off (or on again) right after a step whose outcome is unread keeps
+//!   the steps the device counted;
 //! - a failed all-reduce of the overflow's sums is reported on every rank within the
 //!   timeouts, never a hang and never a silent success.
 
@@ -373,4 +375,49 @@ fn a_failed_all_reduce_of_the_overflow_is_reported_without_a_hang() {
         "{:?}",
         start.elapsed()
     );
+}
+
+/// Turning the scaler off right after a step whose outcome is unread keeps the steps the
+/// device counted (the engine's step count and schedule go on from them), and a scaler set
+/// again starts afresh on the device: the host engine's losses, parameters and numbers.
+#[test]
+fn turning_the_scaler_off_and_on_between_unread_steps_keeps_the_devices_count() {
+    let init = init();
+    let outcome = |on_device: bool| {
+        let mut out = ring::run_ranks(2, ring_options(), |comm| {
+            let config = FsdpConfig::new(ShardingStrategy::FullShard);
+            let mut fsdp = engine(Box::new(comm), config, on_device, &init);
+            let (batch, model) = batch(fsdp.rank(), 2);
+            let mut losses = Vec::new();
+            let mut steps = Vec::new();
+            for phase in 0..3 {
+                for _ in 0..3 {
+                    let loss = fsdp.forward_backward_async(&model, &batch).unwrap();
+                    fsdp.optimizer_step().unwrap();
+                    losses.push((loss.value().unwrap() as f32).to_bits());
+                }
+                // Off after the first phase, on again (a fresh scaler) after the second.
+                fsdp.set_grad_scaler((phase == 1).then(scaler)).unwrap();
+                steps.push((fsdp.optimizer_steps(), fsdp.lr().to_bits()));
+            }
+            let state = fsdp.grad_scaler().map(|s| s.state());
+            let mut params: Vec<_> = fsdp.full_state_dict().unwrap().into_iter().collect();
+            params.sort_by(|a, b| a.0.cmp(&b.0));
+            (losses, steps, state, params)
+        })
+        .unwrap();
+        out.swap_remove(0)
+    };
+    let host = outcome(false);
+    let dev = outcome(true);
+    println!("steps and lr after each phase: {:?}", host.1);
+    assert!(
+        host.1[0].0 < 3,
+        "no step skipped for an overflow: {:?}",
+        host.1
+    );
+    assert_eq!(dev.1, host.1, "steps and learning rates");
+    assert_eq!(dev.0, host.0, "losses");
+    assert_eq!(dev.2, host.2, "scaler state");
+    assert_eq!(dev.3, host.3, "parameters");
 }
