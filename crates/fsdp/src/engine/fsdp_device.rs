@@ -92,7 +92,12 @@ impl Fsdp {
     /// the end of backward with offloaded shards). On a device the all-gathers and reductions
     /// are not waited for on the host: the model's and the optimizer's work waits for them on
     /// the device. So a steady-state step with the shards on the device (no limiter reached, no
-    /// norm read) adds nothing here; its loss read-back is the model's.
+    /// norm read) adds nothing here; its loss read-back is the model's. With a grad scaler
+    /// there, [`unscale_grads`](Self::unscale_grads) reading the overflow counts one, and so
+    /// does a step that finds the decision of two steps before not yet done; the caller's reads
+    /// of the step count and the scaler's numbers ([`optimizer_steps`](Self::optimizer_steps),
+    /// [`GradScaler::scale`](super::GradScaler::scale), …) wait as `DeviceScalar::value` does,
+    /// uncounted.
     pub fn host_waits(&self) -> u64 {
         self.ctx
             .host_waits
