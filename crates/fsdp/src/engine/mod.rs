@@ -106,6 +106,7 @@ mod fsdp;
 mod grad_norm;
 mod grad_scaler;
 mod host_compute;
+mod loss_scaling;
 mod materialize;
 pub mod mixed_precision;
 mod model;
