@@ -120,30 +120,21 @@ impl ComputeDevice {
         }
         match self.kind {
             Kind::HostTwin => {
-                self.delay(stream)?;
                 let segments = segments.clone();
-                let reads: Vec<&Buffer> = std::iter::once(grad).chain(plan.state()).collect();
-                let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
-                host_task(stream, &reads, &writes, move |r, w| {
-                    let Some((configs, step)) = chosen(&choices, r.get(1))? else {
-                        return Ok(());
-                    };
-                    let (p, m) = w.split_first_mut().ok_or("no parameter shard")?;
+                let update = move |configs: &[OptimizerConfig],
+                                   step: u64,
+                                   p: &mut TaskWrite<'_>,
+                                   m: &mut [TaskWrite<'_>],
+                                   g: &[f32]| {
                     let mut m = m
                         .iter_mut()
                         .map(write::<f32>)
                         .collect::<Result<Vec<_>, _>>()?;
-                    crate::optim::f32_step_runs(
-                        configs,
-                        &segments,
-                        *step,
-                        write::<f32>(p)?,
-                        read::<f32>(&r[0])?,
-                        &mut m,
-                    )
-                    .map_err(|e| e.to_string())
-                })?;
-                Ok(())
+                    crate::optim::f32_step_runs(configs, &segments, step, write(p)?, g, &mut m)
+                        .map_err(|e| e.to_string())
+                };
+                let state = plan.state();
+                self.twin_step(choices, state, param, grad, moments, stream, update)
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda => cuda::optimizer_step(
@@ -205,22 +196,18 @@ impl ComputeDevice {
         };
         match self.kind {
             Kind::HostTwin => {
-                self.delay(stream)?;
                 let (cfg, segments) = (*cfg, segments.clone());
-                let reads: Vec<&Buffer> = std::iter::once(grad).chain(state).collect();
-                let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
-                host_task(stream, &reads, &writes, move |r, w| {
-                    let Some((configs, step)) = chosen(&choices, r.get(1))? else {
-                        return Ok(());
-                    };
-                    let (p, st) = w.split_first_mut().ok_or("no parameter shard")?;
+                let update = move |configs: &[OptimizerConfig],
+                                   step: u64,
+                                   p: &mut TaskWrite<'_>,
+                                   st: &mut [TaskWrite<'_>],
+                                   g: &[f32]| {
                     let mut state = AnyPrecisionAdamWState {
                         step: step - 1,
                         exp_avg: take_state(&mut st[0])?,
                         exp_avg_sq: take_state(&mut st[1])?,
                         compensation: st.get_mut(2).map(take_state).transpose()?,
                     };
-                    let g = read::<f32>(&r[0])?;
                     let run = match p.dtype() {
                         DType::BF16 => any_precision_grouped(
                             &mut state,
@@ -246,14 +233,52 @@ impl ComputeDevice {
                         put_state(w, c)?;
                     }
                     Ok(())
-                })?;
-                Ok(())
+                };
+                self.twin_step(choices, state, param, grad, moments, stream, update)
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda => cuda::any_precision_step(
                 self, cfg, &choices, state, segments, param, grad, moments, stream,
             ),
         }
+    }
+}
+
+impl ComputeDevice {
+    /// The host twin's optimizer step: a stream task that takes the choice (`chosen`: the only
+    /// one, or the decision's in `state`; nothing when it does not apply) and runs `update`
+    /// with its per-group configs and step number on the shard `param`, the state `moments`
+    /// and the gradient shard `grad`.
+    #[allow(clippy::too_many_arguments)]
+    fn twin_step(
+        &self,
+        choices: Choices,
+        state: Option<&Buffer>,
+        param: &Buffer,
+        grad: &Buffer,
+        moments: &[Buffer],
+        stream: &Stream,
+        update: impl FnOnce(
+                &[OptimizerConfig],
+                u64,
+                &mut TaskWrite<'_>,
+                &mut [TaskWrite<'_>],
+                &[f32],
+            ) -> Result<(), String>
+            + Send
+            + 'static,
+    ) -> Result<(), FsdpError> {
+        self.delay(stream)?;
+        let reads: Vec<&Buffer> = std::iter::once(grad).chain(state).collect();
+        let writes: Vec<&Buffer> = std::iter::once(param).chain(moments).collect();
+        host_task(stream, &reads, &writes, move |r, w| {
+            let Some((configs, step)) = chosen(&choices, r.get(1))? else {
+                return Ok(());
+            };
+            let (p, m) = w.split_first_mut().ok_or("no parameter shard")?;
+            update(configs, *step, p, m, read::<f32>(&r[0])?)
+        })?;
+        Ok(())
     }
 }
 
