@@ -26,7 +26,7 @@ mod common;
 mod hooked;
 
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use fsdp::checkpoint::load_sharded_checkpoint;
@@ -39,8 +39,8 @@ use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 
-use chain::{batch, init, plan};
-use common::{adamw, mesh, ring_options};
+use chain::{batch, init, plan, specs};
+use common::{adamw, bits, mesh, ring_options, temp_dir, Bits};
 
 /// Steps of a run.
 const STEPS: usize = 12;
@@ -80,7 +80,7 @@ fn numbers(f: &Fsdp) -> Numbers {
 #[derive(Debug, Default)]
 struct Run {
     losses: Vec<u32>,
-    params: Vec<(String, Vec<u32>)>,
+    params: Bits,
     /// [`Numbers`] after each step, when read after each.
     per_step: Vec<Numbers>,
     /// Each trainer's skip's overflow, as `unscale_grads` and `found_inf` read it, when read
@@ -185,14 +185,7 @@ fn train(fsdp: &mut Fsdp, steps: Range<usize>, each_step: bool, save: Option<&Pa
         .map(|l| (l.value().unwrap() as f32).to_bits())
         .collect();
     run.last = Some(numbers(fsdp));
-    let mut params: Vec<_> = fsdp
-        .full_state_dict()
-        .unwrap()
-        .into_iter()
-        .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    params.sort();
-    run.params = params;
+    run.params = bits(&fsdp.full_state_dict().unwrap());
     run
 }
 
@@ -215,8 +208,7 @@ fn run(
 
 /// Rank 0's run resumed on the device from the checkpoint in `dir`.
 fn resume(world: usize, mesh: FsdpConfig, dir: &Path) -> Run {
-    let specs: Vec<_> = plan().units.into_iter().flat_map(|u| u.params).collect();
-    let ckpt = load_sharded_checkpoint(dir, &specs).unwrap();
+    let ckpt = load_sharded_checkpoint(dir, &specs()).unwrap();
     let state = ckpt.optimizer.expect("an optimizer state");
     let scaler_state = load_grad_scaler_state(dir)
         .unwrap()
@@ -229,16 +221,6 @@ fn resume(world: usize, mesh: FsdpConfig, dir: &Path) -> Run {
     })
     .unwrap();
     out.swap_remove(0)
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "fsdp-device-grad-scaler-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 #[test]
@@ -303,15 +285,13 @@ fn the_grad_scaler_on_the_device_gives_the_host_engines_bits_without_blocking_th
 #[test]
 fn a_checkpoint_saved_with_an_unread_decision_resumes_to_the_host_engines_bits() {
     let (world, config) = (2, FsdpConfig::new(ShardingStrategy::FullShard));
-    let (host_dir, dev_dir) = (temp_dir("host"), temp_dir("device"));
+    let dir = |name| temp_dir("device-grad-scaler", name);
+    let (host_dir, dev_dir) = (dir("host"), dir("device"));
     let host = run(world, config, false, false, Some(&host_dir));
     run(world, config, true, false, Some(&dev_dir));
-    let specs: Vec<_> = plan().units.into_iter().flat_map(|u| u.params).collect();
     let steps = |dir: &Path| {
-        let c = load_sharded_checkpoint(dir, &specs).unwrap();
-        let mut params: Vec<_> = c.params.into_iter().collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        (c.optimizer.unwrap().optimizer_steps, params)
+        let c = load_sharded_checkpoint(dir, &specs()).unwrap();
+        (c.optimizer.unwrap().optimizer_steps, bits(&c.params))
     };
     let (host_steps, host_params) = steps(&host_dir);
     let (dev_steps, dev_params) = steps(&dev_dir);
@@ -340,40 +320,22 @@ fn a_failed_all_reduce_of_the_overflow_is_reported_without_a_hang() {
     // for that all-reduce (the device's decision does), so it gets it when it reads that
     // decision's outcome (two decisions later), at a check of the deferred collectives, or at
     // `synchronize` — within the timeouts.
-    let mut options = ring_options();
-    options.timeout = Duration::from_secs(2);
-    let start = std::time::Instant::now();
-    let errors = ring::run_ranks(2, options, |comm| {
-        let rank = comm.rank();
-        let mut hooked = hooked::Hooked::new(comm);
-        if rank == 1 {
-            hooked.fail_all_reduce = Some(3);
-        }
-        let config = FsdpConfig::new(ShardingStrategy::FullShard);
-        let mut fsdp = engine(Box::new(hooked), config, true, &init());
-        let (batch, model) = batch(rank, 2);
-        for step in 0..STEPS {
-            let r = fsdp
-                .forward_backward_async(&model, &batch)
-                .and_then(|_| fsdp.optimizer_step());
-            if let Err(e) = r {
-                return (step, e.to_string());
+    chain::assert_fault_reported(
+        STEPS,
+        |rank, comm| {
+            let mut hooked = hooked::Hooked::new(comm);
+            if rank == 1 {
+                hooked.fail_all_reduce = Some(3);
             }
-        }
-        let e = fsdp
-            .synchronize()
-            .expect_err("a failed all-reduce went unreported");
-        (STEPS, e.to_string())
-    })
-    .unwrap();
-    println!("{errors:?} after {:?}", start.elapsed());
-    assert_eq!(errors[1].0, 1, "rank 1 fails at step 1");
-    assert!(errors[1].1.contains("failed on purpose"), "{}", errors[1].1);
-    assert!(errors[0].0 >= 1, "rank 0 failed before the fault");
-    assert!(
-        start.elapsed() < Duration::from_secs(60),
-        "{:?}",
-        start.elapsed()
+            Box::new(hooked)
+        },
+        |comm| {
+            let rank = comm.rank();
+            let config = FsdpConfig::new(ShardingStrategy::FullShard);
+            let fsdp = engine(comm, config, true, &init());
+            let (batch, model) = batch(rank, 2);
+            (fsdp, batch, model)
+        },
     );
 }
 
@@ -401,9 +363,7 @@ fn turning_the_scaler_off_and_on_between_unread_steps_keeps_the_devices_count() 
                 steps.push((fsdp.optimizer_steps(), fsdp.lr().to_bits()));
             }
             let state = fsdp.grad_scaler().map(|s| s.state());
-            let mut params: Vec<_> = fsdp.full_state_dict().unwrap().into_iter().collect();
-            params.sort_by(|a, b| a.0.cmp(&b.0));
-            (losses, steps, state, params)
+            (losses, steps, state, bits(&fsdp.full_state_dict().unwrap()))
         })
         .unwrap();
         out.swap_remove(0)

@@ -12,7 +12,7 @@ mod common;
 mod tied_mlp;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use fsdp::checkpoint::load_sharded_checkpoint;
@@ -30,7 +30,7 @@ use fsdp::Fsdp;
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 
-use common::{adamw, bits, ring_options, Bits, GLOBAL};
+use common::{adamw, bits, ring_options, temp_dir, Bits, GLOBAL};
 use tied_mlp::TiedMlp;
 
 /// Steps of a run; step 1 is skipped (its gradients discarded).
@@ -181,15 +181,6 @@ fn same_on_device(world: usize, config: FsdpConfig, optim: OptimizerConfig, what
     host
 }
 
-/// A fresh directory under the system's temporary one.
-fn temp_dir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("fsdp-device-shards-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// Rank 0's final run after resuming at step 2 from the checkpoint in `dir`, on the host or
 /// with the shards on the twin.
 fn resume(
@@ -219,10 +210,10 @@ fn checkpoints_written_from_the_device_resume_on_the_device_and_on_the_host() {
         for optim in [adamw().into(), SgdConfig::with_momentum(0.05, 0.9).into()] {
             let what = format!("world {world}, {:?}, {optim:?}", config.strategy);
             let whole = run(world, config, optim, false);
-            let dir = temp_dir(&format!(
-                "{world}-{}",
-                matches!(optim, OptimizerConfig::Sgd(_))
-            ));
+            let dir = temp_dir(
+                "device-shards",
+                &format!("{world}-{}", matches!(optim, OptimizerConfig::Sgd(_))),
+            );
             let init = tied_mlp::init_params(&tied_mlp::tree());
             ring::run_ranks(world, ring_options(), |comm| {
                 let mut fsdp = engine(Box::new(comm), true, config, optim, &init);
@@ -308,7 +299,7 @@ fn any_precision_adamw_checkpoints_resume_from_the_device() {
     };
     let world = 2;
     let whole = run(world, config, optim, false);
-    let dir = temp_dir("any-precision");
+    let dir = temp_dir("device-shards", "any-precision");
     let init = tied_mlp::init_params(&tied_mlp::tree());
     ring::run_ranks(world, ring_options(), |comm| {
         let mut fsdp = engine(Box::new(comm), true, config, optim, &init);

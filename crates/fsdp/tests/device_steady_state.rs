@@ -244,39 +244,19 @@ fn a_failed_collective_on_the_device_is_reported_without_a_hang() {
     // timeout). Rank 1 gets the error at once. Rank 0's host does not wait for its
     // all-gathers: it gets the error at a later check — an unshard, the optimizer step — or at
     // `synchronize`, within the timeouts; never a hang, never a silent success.
-    let mut options = ring_options();
-    options.timeout = Duration::from_secs(2);
-    let start = std::time::Instant::now();
-    let errors = ring::run_ranks(2, options, |comm| {
-        let rank = comm.rank();
-        let mut hooked = hooked::Hooked::new(comm);
-        if rank == 1 {
-            hooked.fail_all_gather = Some(4);
-        }
-        let mut fsdp = two_rank_engine(Box::new(hooked), Some(Duration::from_millis(1)));
-        let (model, batch) = (two_rank_chain(false), two_rank_batch());
-        for step in 0..STEPS {
-            let r = fsdp
-                .forward_backward_async(&model, &batch)
-                .and_then(|_| fsdp.optimizer_step());
-            if let Err(e) = r {
-                return (step, e.to_string());
+    chain::assert_fault_reported(
+        STEPS,
+        |rank, comm| {
+            let mut hooked = hooked::Hooked::new(comm);
+            if rank == 1 {
+                hooked.fail_all_gather = Some(4);
             }
-        }
-        let e = fsdp
-            .synchronize()
-            .expect_err("a failed collective went unreported");
-        (STEPS, e.to_string())
-    })
-    .unwrap();
-    println!("{errors:?} after {:?}", start.elapsed());
-    assert_eq!(errors[1].0, 1, "rank 1 fails at step 1");
-    assert!(errors[1].1.contains("failed on purpose"), "{}", errors[1].1);
-    assert!(errors[0].0 >= 1, "rank 0 failed before the fault");
-    assert!(
-        start.elapsed() < Duration::from_secs(60),
-        "{:?}",
-        start.elapsed()
+            Box::new(hooked)
+        },
+        |comm| {
+            let fsdp = two_rank_engine(comm, Some(Duration::from_millis(1)));
+            (fsdp, two_rank_batch(), two_rank_chain(false))
+        },
     );
 }
 

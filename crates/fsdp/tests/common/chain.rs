@@ -1,14 +1,20 @@
 //! The engine's device tests' model (`device_steady_state`, `device_grad_scaler` include this
 //! file with `#[path]`): `y = w2 ⊙ (w1 ⊙ x)` over two units, whose spans run as tasks of the
 //! host twin's compute stream on a device (its loss left in device memory) and as plain slices
-//! on the host, with the same arithmetic.
+//! on the host, with the same arithmetic; its weights, batches and parameter specs, and the
+//! check that a collective failed on one rank is reported on both.
 
 // The model's loops index several vectors alike, on the host and in the device's tasks.
 #![allow(clippy::needless_range_loop)]
+// Each test uses what it needs.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
 
 use fsdp::engine::{FsdpModel, Span};
 use fsdp::units::{ParamSpec, UnitPlan, UnitSpec};
-use fsdp::{FsdpError, Grads, Params};
+use fsdp::{Fsdp, FsdpError, Grads, Params};
+use fsdp_collectives::{ring, Communicator};
 use fsdp_device::{host_task, Buffer, DType, HostStorage, Stream};
 
 /// Elements of each parameter.
@@ -235,4 +241,50 @@ pub fn batch(rank: usize, world: usize) -> (Batch, Chain) {
         bad_loss: false,
     };
     ((x, t), model)
+}
+
+/// Every parameter of [`plan`].
+pub fn specs() -> Vec<ParamSpec> {
+    plan().units.into_iter().flat_map(|u| u.params).collect()
+}
+
+/// Two ranks train the chain for `steps` steps (`forward_backward_async`, `optimizer_step`)
+/// on the engines `build` makes of their communicators, each rank's first passed through
+/// `wrap` (a hooked communicator that fails one collective of rank 1 "on purpose"), then
+/// `synchronize`, every collective with a 2 s timeout: rank 1 must fail at step 1 by that
+/// fault and rank 0 report an error too (at a later step or at `synchronize`), within 60 s —
+/// never a hang, never a silent success.
+pub fn assert_fault_reported(
+    steps: usize,
+    wrap: impl Fn(usize, ring::RingCommunicator) -> Box<dyn Communicator> + Sync,
+    build: impl Fn(Box<dyn Communicator>) -> (Fsdp, Batch, Chain) + Sync,
+) {
+    let mut options = crate::common::ring_options();
+    options.timeout = Duration::from_secs(2);
+    let start = Instant::now();
+    let errors = ring::run_ranks(2, options, |comm| {
+        let (mut fsdp, batch, model) = build(wrap(comm.rank(), comm));
+        for step in 0..steps {
+            let r = fsdp
+                .forward_backward_async(&model, &batch)
+                .and_then(|_| fsdp.optimizer_step());
+            if let Err(e) = r {
+                return (step, e.to_string());
+            }
+        }
+        let e = fsdp
+            .synchronize()
+            .expect_err("a failed collective went unreported");
+        (steps, e.to_string())
+    })
+    .unwrap();
+    println!("{errors:?} after {:?}", start.elapsed());
+    assert_eq!(errors[1].0, 1, "rank 1 fails at step 1");
+    assert!(errors[1].1.contains("failed on purpose"), "{}", errors[1].1);
+    assert!(errors[0].0 >= 1, "rank 0 failed before the fault");
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
 }

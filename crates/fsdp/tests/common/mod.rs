@@ -98,3 +98,11 @@ pub fn loss_and_grads<M: FsdpModel>(
     }
     Ok((loss, grads))
 }
+
+/// A fresh directory `fsdp-<test>-<process id>-<name>` under the system's temporary one.
+pub fn temp_dir(test: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("fsdp-{test}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
