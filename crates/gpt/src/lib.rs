@@ -68,6 +68,8 @@ mod device_step;
 mod device_trace;
 pub mod device_train;
 pub mod device_units;
+pub mod engine_gpt;
+pub mod engine_views;
 pub mod init;
 pub mod model;
 pub mod plan;

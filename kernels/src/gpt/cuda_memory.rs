@@ -14,7 +14,9 @@ use fsdp_allocator::{
     alloc_conf_from_env, AllocError, AllocatorBackend, AllocatorConfig, MemoryStats,
 };
 
-use super::cuda::{copy_error, CudaOps};
+use fsdp_device::{AccessMode, Buffer, DType};
+
+use super::cuda::{copy_error, CudaBuf, CudaOps};
 use super::memory::{bytes_of, Counted};
 use crate::KernelError;
 
@@ -227,6 +229,53 @@ impl CudaOps {
             .memcpy_htod(data, &mut *b)
             .map_err(|e| copy_error("cuMemcpyHtoDAsync", e))?;
         Ok(b)
+    }
+
+    /// A stream-ordered `f32` CUDA buffer of another owner (an FSDP engine's unsharded
+    /// parameter or gradient, [`fsdp_device::Buffer::use_on`]) as a buffer of these
+    /// operations, without a copy. The operations' stream first waits for the buffer's
+    /// conflicting work (`mode`: [`AccessMode::Shared`] to read it,
+    /// [`AccessMode::Exclusive`] to write it); the use is recorded in the buffer's stream order
+    /// when the view is dropped, after every operation issued on it by then, so the owner
+    /// frees or reuses the memory only after them. The view is not counted in
+    /// [`memory`](super::GptOps::memory): its owner counts it.
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidArgument`] for a buffer that is not a stream-ordered `f32` buffer
+    /// of the operations' device; the stream order's errors.
+    pub fn view(&self, buf: &Buffer, mode: AccessMode) -> Result<CudaBuf, KernelError> {
+        if buf.dtype() != DType::F32
+            || buf.device() != self.stream.device()
+            || buf.stream_order().is_none()
+        {
+            return Err(KernelError::InvalidArgument {
+                kernel: "gpt",
+                reason: format!(
+                    "a view needs a stream-ordered f32 buffer of {}, not a{} {} buffer on {}",
+                    self.stream.device(),
+                    if buf.stream_order().is_some() {
+                        ""
+                    } else {
+                        "n unordered"
+                    },
+                    buf.dtype(),
+                    buf.device()
+                ),
+            });
+        }
+        let used = buf.use_on(&self.stream, mode)?;
+        // SAFETY: `used` holds a clone of the buffer, so its memory — `buf.len()` f32s of this
+        // stream's device (checked above) — lives until the release below has recorded the
+        // use; this stream waited for the buffer's conflicting work. The slice never frees
+        // the address: the release leaks it before recording the use.
+        let slice = unsafe {
+            self.cuda
+                .upgrade_device_ptr::<f32>(used.device_ptr(), buf.len())
+        };
+        Ok(Counted::borrowed(slice, &self.memory, move |slice| {
+            let _ = slice.leak();
+            used.finish();
+        }))
     }
 
     /// Where the operations take their buffers from.

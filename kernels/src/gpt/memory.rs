@@ -178,6 +178,8 @@ pub struct Counted<T> {
     stamp: Stamp,
     /// What ends `inner` in place of its own `Drop` (see [`Counted::with_release`]).
     release: Option<Release<T>>,
+    /// Whether its bytes are in the counter ([`Counted::borrowed`]: not).
+    counted: bool,
 }
 
 /// How a [`Counted`] buffer's value ends when it is dropped.
@@ -220,6 +222,27 @@ impl<T> Counted<T> {
         Counted::make(inner, bytes, counter, false)
     }
 
+    /// `inner` **not** counted (0 bytes, no history, no mirror), handed to `release` when
+    /// dropped: memory the operations borrow from an owner that counts it itself (a view of
+    /// another allocator's buffer, [`CudaOps::view`](super::CudaOps::view)).
+    pub(crate) fn borrowed(
+        inner: T,
+        counter: &Arc<MemoryCounter>,
+        release: impl FnOnce(T) + Send + Sync + 'static,
+    ) -> Counted<T> {
+        Counted {
+            inner: ManuallyDrop::new(inner),
+            bytes: 0,
+            counter: counter.clone(),
+            stamp: Stamp {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                version: 0,
+            },
+            release: Some(Box::new(release)),
+            counted: false,
+        }
+    }
+
     fn make(inner: T, bytes: u64, counter: &Arc<MemoryCounter>, mirrored: bool) -> Counted<T> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         counter.add(id, bytes, mirrored);
@@ -229,6 +252,7 @@ impl<T> Counted<T> {
             counter: counter.clone(),
             stamp: Stamp { id, version: 0 },
             release: None,
+            counted: true,
         }
     }
 
@@ -280,7 +304,9 @@ impl<T> Drop for Counted<T> {
             Some(release) => release(inner),
             None => drop(inner),
         }
-        self.counter.sub(self.stamp.id, self.bytes);
+        if self.counted {
+            self.counter.sub(self.stamp.id, self.bytes);
+        }
     }
 }
 

@@ -66,8 +66,13 @@ fn host_buffer(device: Device, dtype: DType, len: usize) -> Result<Buffer, FsdpE
     Ok(Buffer::zeros(dtype, len)?)
 }
 
-/// `buf` (f32, bf16 or f16) copied to host memory on `stream` and widened to `f32`.
-fn download(buf: &Buffer, stream: &Stream) -> Result<Vec<f32>, FsdpError> {
+/// `buf` (f32, bf16, f16 or f64) copied to host memory on `stream` and widened (or for f64
+/// rounded) to `f32`: the engine's buffers on a [`ComputeDevice`](super::ComputeDevice) read
+/// on the host (the host waits for the copy, and for the work on `buf` it is ordered after).
+///
+/// # Errors
+/// A failing allocation or copy; a wait past the stream's timeout.
+pub fn copy_to_host_f32(buf: &Buffer, stream: &Stream) -> Result<Vec<f32>, FsdpError> {
     let host = host_buffer(buf.device(), buf.dtype(), buf.len())?;
     buf.copy_to_host_async(&host, stream)?;
     Ok(match host.dtype() {
@@ -86,8 +91,12 @@ fn download(buf: &Buffer, stream: &Stream) -> Result<Vec<f32>, FsdpError> {
     })
 }
 
-/// `values` copied into the `f32` device buffer `buf` on `stream`.
-fn upload(buf: &Buffer, values: &[f32], stream: &Stream) -> Result<(), FsdpError> {
+/// `values` copied into the `f32` buffer `buf` of a [`ComputeDevice`](super::ComputeDevice) on
+/// `stream` (staged through host memory that the copy owns: the host does not wait).
+///
+/// # Errors
+/// `values` of another length than `buf`; a failing allocation or copy.
+pub fn copy_from_host_f32(buf: &Buffer, values: &[f32], stream: &Stream) -> Result<(), FsdpError> {
     let host = host_buffer(buf.device(), DType::F32, values.len())?;
     host.copy_from_slice(values)?;
     buf.copy_from_host_async(&host, stream)?;
@@ -103,7 +112,7 @@ impl<M: FsdpModel> HostCompute<'_, M> {
         let mut map = std::collections::HashMap::new();
         for n in &self.model.spans()[s].params {
             if !map.contains_key(n) {
-                map.insert(n.clone(), download(&p.buffer(n)?, &stream)?);
+                map.insert(n.clone(), copy_to_host_f32(&p.buffer(n)?, &stream)?);
             }
         }
         let policy = p.mixed_precision();
@@ -174,11 +183,11 @@ impl<M: FsdpModel> FsdpModel for HostCompute<'_, M> {
         // The gradients of the span's parameters: the copies' names.
         let mut grads = std::collections::HashMap::new();
         for n in params.map.keys() {
-            grads.insert(n.clone(), download(&g.grad_buffer(n)?, &stream)?);
+            grads.insert(n.clone(), copy_to_host_f32(&g.grad_buffer(n)?, &stream)?);
         }
         self.model.backward(s, &params, &mut grads, b, t)?;
         for (n, values) in &grads {
-            upload(&g.grad_buffer(n)?, values, &stream)?;
+            copy_from_host_f32(&g.grad_buffer(n)?, values, &stream)?;
         }
         self.linger(&params, p, &stream)
     }

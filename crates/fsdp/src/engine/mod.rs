@@ -134,7 +134,7 @@ pub use grad_scaler::{
     load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,
     GRAD_SCALER_FILE,
 };
-pub use host_compute::HostCompute;
+pub use host_compute::{copy_from_host_f32, copy_to_host_f32, HostCompute};
 pub use materialize::ParamInit;
 pub use mixed_precision::{
     divide_factors, round_slice, round_to, DivideFactors, GradientDivide, MixedPrecisionPolicy,

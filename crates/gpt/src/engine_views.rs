@@ -1,0 +1,194 @@
+//! How the GPT's device operations ([`GptOps`]) see the [`fsdp`] engine's unsharded parameters
+//! and gradients: [`EngineViews`], implemented by the host twins ([`HostOps`], by copies) and by
+//! CUDA ([`CudaOps`], without copies). [`crate::engine_gpt`] runs the GPT's pass over them.
+
+use fsdp::engine::{copy_from_host_f32, copy_to_host_f32};
+use fsdp::{FsdpError, Grads, Params};
+use fsdp_device::{AccessMode, Stream};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps};
+
+use crate::device_config::DeviceTrainError;
+
+/// A parameter or gradient of another length than the GPT's.
+fn wrong_length(name: &str, got: usize, want: usize) -> DeviceTrainError {
+    DeviceTrainError::Fsdp(FsdpError::InvalidShape {
+        reason: format!("`{name}` has {got} elements in the engine, the GPT's has {want}"),
+    })
+}
+
+/// How one device's GPT operations see the engine's unsharded buffers while a unit is
+/// unsharded ([`fsdp::Fsdp::param_views`], [`fsdp::Fsdp::grad_views`]). `stream` is the
+/// engine's compute stream when it runs on a [`ComputeDevice`](fsdp::engine::ComputeDevice),
+/// `None` on the host.
+pub trait EngineViews: GptOps {
+    /// Parameter `name` (`len` elements) as one of the operations' buffers, to read until it
+    /// is dropped (before the unit is resharded).
+    ///
+    /// # Errors
+    /// A parameter not held in `params` or of another length; a failing copy or view.
+    fn param_view(
+        &self,
+        params: &dyn Params,
+        stream: Option<&Stream>,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError>;
+
+    /// The gradient of parameter `name` as one of the operations' buffers, holding the
+    /// engine's unsharded gradient's values (zeros, or what earlier passes accumulated under
+    /// `no_sync`): the GPT adds its gradient into it.
+    ///
+    /// # Errors
+    /// A gradient not held in `grads` or of another length; a failing copy or view.
+    fn grad_view(
+        &self,
+        grads: &mut dyn Grads,
+        stream: Option<&Stream>,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError>;
+
+    /// After the unit's backward: `buf`, from [`grad_view`](Self::grad_view), becomes the
+    /// engine's unsharded gradient of `name` (copied back, or a view simply dropped).
+    ///
+    /// # Errors
+    /// A failing copy.
+    fn grad_return(
+        &self,
+        grads: &mut dyn Grads,
+        stream: Option<&Stream>,
+        name: &str,
+        buf: Self::Buf,
+    ) -> Result<(), DeviceTrainError>;
+}
+
+/// The host twins see the engine's buffers through copies: on the host, the views' slices;
+/// on a device (the host twin of [`fsdp::engine::ComputeDevice`], or a GPU), copies through
+/// host memory that wait for the device. The twins' arithmetic is unchanged, so this checks
+/// the engine's hooks around the GPT's pass, not speed.
+impl EngineViews for HostOps {
+    fn param_view(
+        &self,
+        params: &dyn Params,
+        stream: Option<&Stream>,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError> {
+        let values = match stream {
+            None => params.param(name)?.to_vec(),
+            Some(s) => copy_to_host_f32(&params.buffer(name)?, s)?,
+        };
+        if values.len() != len {
+            return Err(wrong_length(name, values.len(), len));
+        }
+        Ok(self.upload(&values)?)
+    }
+
+    fn grad_view(
+        &self,
+        grads: &mut dyn Grads,
+        stream: Option<&Stream>,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError> {
+        let values = match stream {
+            None => grads.grad_mut(name)?.to_vec(),
+            Some(s) => copy_to_host_f32(&grads.grad_buffer(name)?, s)?,
+        };
+        if values.len() != len {
+            return Err(wrong_length(name, values.len(), len));
+        }
+        Ok(self.upload(&values)?)
+    }
+
+    fn grad_return(
+        &self,
+        grads: &mut dyn Grads,
+        stream: Option<&Stream>,
+        name: &str,
+        buf: Self::Buf,
+    ) -> Result<(), DeviceTrainError> {
+        match stream {
+            None => {
+                let g = grads.grad_mut(name)?;
+                if g.len() != buf.len() {
+                    return Err(wrong_length(name, g.len(), buf.len()));
+                }
+                g.copy_from_slice(&buf);
+            }
+            Some(s) => copy_from_host_f32(&grads.grad_buffer(name)?, &buf, s)?,
+        }
+        Ok(())
+    }
+}
+
+/// CUDA sees the engine's buffers in place ([`CudaOps::view`]): the operations must run on
+/// the engine's compute stream, and the engine must keep its unsharded parameters in `f32`
+/// (`param_dtype` f32; bf16 products round them as they read them).
+impl EngineViews for CudaOps {
+    fn param_view(
+        &self,
+        params: &dyn Params,
+        stream: Option<&Stream>,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError> {
+        let buf = params.buffer(name)?;
+        check_cuda_view(self, stream, name, buf.len(), len)?;
+        Ok(self.view(&buf, AccessMode::Shared)?)
+    }
+
+    fn grad_view(
+        &self,
+        grads: &mut dyn Grads,
+        stream: Option<&Stream>,
+        name: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError> {
+        let buf = grads.grad_buffer(name)?;
+        check_cuda_view(self, stream, name, buf.len(), len)?;
+        Ok(self.view(&buf, AccessMode::Exclusive)?)
+    }
+
+    fn grad_return(
+        &self,
+        _: &mut dyn Grads,
+        _: Option<&Stream>,
+        _: &str,
+        buf: Self::Buf,
+    ) -> Result<(), DeviceTrainError> {
+        // The view wrote the engine's gradient in place; dropping it records the use.
+        drop(buf);
+        Ok(())
+    }
+}
+
+/// A CUDA view needs the engine on the operations' stream and the GPT's length.
+fn check_cuda_view(
+    ops: &CudaOps,
+    stream: Option<&Stream>,
+    name: &str,
+    got: usize,
+    want: usize,
+) -> Result<(), DeviceTrainError> {
+    let same = stream.is_some_and(|s| {
+        matches!((s.cuda_stream(), ops.stream().cuda_stream()), (Some(a), Some(b)) if std::sync::Arc::ptr_eq(a, b))
+    });
+    if !same {
+        return Err(DeviceTrainError::Fsdp(FsdpError::InvalidFsdpConfig {
+            reason: format!(
+                "`{name}`: the GPT's CUDA operations run on stream `{}`, not on the engine's \
+                 compute stream{}: build them with CudaOps::new(engine's compute stream)",
+                ops.stream().name(),
+                stream.map_or(" (the engine has no device)".to_string(), |s| format!(
+                    " `{}`",
+                    s.name()
+                ))
+            ),
+        }));
+    }
+    if got != want {
+        return Err(wrong_length(name, got, want));
+    }
+    Ok(())
+}
