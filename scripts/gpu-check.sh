@@ -190,6 +190,14 @@ if [ "$have_bench" = 1 ]; then
     [ "$rc" -ne 0 ] && failed=$((failed + 1))
     bench_rows "$log" "$rc" "gpt-device-bench --activation-checkpointing"
     cat "$log"
+    # The same model through the fsdp engine (EngineGpt: the kernels driven by the engine's
+    # hooks, FULL_SHARD at world 1, the buffers on the GPU) against the device trainer's step.
+    log="$report/gpt_device_bench_engine.log"
+    device_bench "$log" --model 124m --engine
+    rc=$?
+    [ "$rc" -ne 0 ] && failed=$((failed + 1))
+    bench_rows "$log" "$rc" "gpt-device-bench --engine"
+    cat "$log"
     # The baseline of the one-late reads: the host waiting for every step's outcome.
     log="$report/gpt_device_bench_wait.log"
     device_bench "$log" --model 124m --wait-each-step

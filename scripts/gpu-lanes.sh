@@ -19,7 +19,7 @@ budget="${3:-540}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 start=$(date +%s)
-lanes="${FSDP_GPU_LANES:-gpu_(nn|gemm|step|attention)$|nvrtc_compile$|kernels--test--gpu$ gpu_gpt$|gpu_golden$ gpu_device_train$ gpu_sharded$|gpu_engine$|engine_on_device$|cuda_ring$|device--test--cuda|allocator--test}"
+lanes="${FSDP_GPU_LANES:-gpu_(nn|gemm|step|attention)$|nvrtc_compile$|kernels--test--gpu$ gpu_gpt$|gpu_golden$ gpu_device_train$ gpu_sharded$|gpu_engine$|engine_on_device$|engine_gpt$|cuda_ring$|device--test--cuda|allocator--test}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 i=0

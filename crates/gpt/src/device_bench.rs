@@ -9,10 +9,13 @@ use std::time::{Duration, Instant};
 
 use fsdp_kernels::gpt::GptOps;
 
+use crate::data::get_batch;
 use crate::device_comm::DeviceComm;
 use crate::device_config::DeviceTrainConfig;
 use crate::device_sharded::ShardedDeviceTrainer;
 use crate::device_train::{DeviceTrainError, DeviceTrainer, Reported, StepOutcome};
+use crate::engine_gpt::EngineGpt;
+use crate::engine_views::EngineViews;
 use crate::model::GptConfig;
 
 /// A trainer [`time_steps`] can time: [`DeviceTrainer`] (one rank) or
@@ -194,6 +197,53 @@ pub fn time_steps<T: TimedTrainer>(
     }
     if let Some(r) = trainer.flush()? {
         arrived(r)?;
+    }
+    Ok(times)
+}
+
+/// Train `gpt` (the GPT's pass driven by the engine's hooks, world 1) for `steps` steps of
+/// `rows` sequences of `block_size` tokens from `tokens`, each step a forward and backward,
+/// the gradients clipped to a norm of `clip` when given (on the device, without the host
+/// waiting), and the engine's optimizer step, timing each: a step's time runs from the
+/// previous step's loss on the host to its own (the host reads each step's loss at the end of
+/// its backward, a wait the device trainer's one-late reads do not have).
+///
+/// # Errors
+/// The engine's and the operations' errors; a step whose loss is not finite, naming it.
+pub fn time_engine_steps<O: EngineViews>(
+    gpt: &mut EngineGpt<O>,
+    tokens: &[u16],
+    rows: usize,
+    steps: usize,
+    warmup: usize,
+    clip: Option<f64>,
+) -> Result<StepTimes, DeviceTrainError> {
+    let t = gpt.pass().dims().block_size;
+    let mut times = StepTimes {
+        steps: Vec::with_capacity(steps),
+        warmup,
+        tokens_per_step: rows * t,
+        losses: Vec::with_capacity(steps),
+    };
+    let mut last = Instant::now();
+    for step in 0..steps {
+        let b = get_batch(tokens, step as u64, rows, t, 0, 1)?;
+        let loss = gpt.forward_backward(&b.inputs, &b.targets, rows, t, rows * t)?;
+        let now = Instant::now();
+        times.steps.push(now - last);
+        last = now;
+        if !loss.is_finite() {
+            return Err(DeviceTrainError::NotFinite {
+                step,
+                loss,
+                grad_norm: f64::NAN,
+            });
+        }
+        times.losses.push(loss);
+        if let Some(max) = clip {
+            gpt.engine_mut().clip_grad_norm_async(max)?;
+        }
+        gpt.engine_mut().optimizer_step()?;
     }
     Ok(times)
 }

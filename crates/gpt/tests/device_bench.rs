@@ -234,3 +234,60 @@ fn the_benchmark_times_two_ranks_against_one() {
     );
     assert_ne!(gathered(&adamw), gathered(&any));
 }
+
+/// `gpt-device-bench --device host-twin --model tiny --engine`: after the device trainer's
+/// run, the same model through the fsdp engine (`EngineGpt` on the host twin of a device):
+/// its median step and its ratio to the device trainer's on a `RESULT` line, and the same
+/// first loss (the same initial parameters and batch) and a last loss within 2e-3 (the
+/// engine's AdamW decays every parameter, the device trainer's only the matrices).
+#[test]
+fn the_benchmark_times_the_engine_against_the_device_trainer() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
+        .args([
+            "--device",
+            "host-twin",
+            "--model",
+            "tiny",
+            "--products",
+            "f32",
+        ])
+        .args(["--steps", "4", "--warmup", "1", "--engine"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let losses = |line: &str| -> (f64, f64) {
+        let l = line.rsplit("loss ").next().unwrap().trim();
+        let (a, b) = l.split_once(" -> ").unwrap();
+        (a.parse().unwrap(), b.parse().unwrap())
+    };
+    let trainer = text
+        .lines()
+        .find(|l| l.starts_with("gpt-device-bench tiny"))
+        .unwrap_or_else(|| panic!("{text}"));
+    let engine = text
+        .lines()
+        .find(|l| l.contains("through the fsdp engine"))
+        .unwrap_or_else(|| panic!("{text}"));
+    let (t, e) = (losses(trainer), losses(engine));
+    assert_eq!(t.0, e.0, "{text}");
+    assert!((t.1 - e.1).abs() <= 2e-3 && e.1 < e.0, "{text}");
+    let result = text
+        .lines()
+        .find(|l| l.starts_with("RESULT gpt-device-bench tiny f32 engine: median step"))
+        .unwrap_or_else(|| panic!("{text}"));
+    let ratio: f64 = result
+        .split(", ")
+        .nth(1)
+        .unwrap()
+        .split('×')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
+}

@@ -10,11 +10,14 @@
 //! With `--ranks N` it then trains the same global batch as N ranks, threads over the one
 //! device (`ShardedDeviceTrainer` over `PeerComm`, `--strategy`), and prints rank 0's median
 //! step and its ratio to the world-1 step measured just before (issue 16's aim: at most 1.1).
+//! With `--engine` it also trains the model through the `fsdp` engine (`EngineGpt`: the same
+//! operations driven by the engine's hooks, its FULL_SHARD buffers on the device, world 1) and
+//! prints that step's ratio to the device trainer's measured just before.
 //!
 //! ```text
 //! gpt-device-bench [--device cuda|cuda:N|host-twin] [--model 124m,350m] [--products bf16|f16|f32]
 //!                  [--batch 8] [--steps 20] [--warmup 3] [--cpu-offload] [--activation-checkpointing] [--peak-tflops T]
-//!                  [--ranks N [--strategy full-shard|shard-grad-op|no-shard]]
+//!                  [--ranks N [--strategy full-shard|shard-grad-op|no-shard]] [--engine]
 //! ```
 
 use std::process::ExitCode;
@@ -22,23 +25,30 @@ use std::time::Instant;
 
 use clap::Parser;
 use fsdp::engine::GradScalerConfig;
+use fsdp::engine::{ComputeDevice, Fsdp, FsdpConfig, ParamInit};
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp::ShardingStrategy;
 use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
+use fsdp_collectives::{cuda_ring, ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
+use fsdp_gpt::device_bench::{
+    model_flops_per_token, time_engine_steps, time_steps, Reads, StepTimes,
+};
 use fsdp_gpt::device_comm::CommVolume;
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::plan_allocator;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
+use fsdp_gpt::engine_gpt::EngineGpt;
+use fsdp_gpt::engine_views::EngineViews;
 use fsdp_gpt::model::GptConfig;
+use fsdp_gpt::tree::gpt_block_plan;
 use fsdp_kernels::gemm::{Blas, MatMul};
 use fsdp_kernels::gpt::{
-    Attention, CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Logits, MemoryUse, PeerOps,
-    Products,
+    Attention, CudaMemory, CudaOps, GptDims, GptOps, GptPass, HostOps, HostProducts, Logits,
+    MemoryUse, PeerOps, Products,
 };
 use fsdp_kernels::host::AnyPrecision;
 
@@ -114,6 +124,10 @@ struct Args {
     /// products pure bf16, whose ranks all-gather in bf16).
     #[arg(long, default_value = "adamw", value_parser = optimizer, action = clap::ArgAction::Set)]
     optimizer: bool,
+    /// Also train through the fsdp engine (`EngineGpt`, world 1, the buffers on the device)
+    /// and print its step's ratio to the device trainer's.
+    #[arg(long)]
+    engine: bool,
     /// Accepted and ignored (`cargo bench` passes it).
     #[arg(long, hide = true)]
     bench: bool,
@@ -279,6 +293,80 @@ fn run<O: GptOps>(
         pool: after(ops),
         memory: ops.memory_source().zip(ops.memory_report()),
     })
+}
+
+/// One rank's `--engine` run: `config`'s model on `fsdp`'s device through the engine.
+fn engine_times<O: EngineViews>(
+    comm: Box<dyn Communicator>,
+    dev: ComputeDevice,
+    ops: O,
+    config: &DeviceTrainConfig,
+    args: &Args,
+) -> Result<StepTimes, String> {
+    let cfg = config.cfg;
+    let params = seeded_params(&cfg, 1337).map_err(|e| e.to_string())?;
+    let tokens = synthetic_corpus(200_000, cfg.vocab_size as u16, 1337);
+    let fsdp_config = FsdpConfig::new(ShardingStrategy::FullShard);
+    let init = ParamInit::Full(&params);
+    let plan = gpt_block_plan(&cfg);
+    let fsdp = Fsdp::new_on(comm, dev, &plan, init, fsdp_config, config.adamw)
+        .map_err(|e| e.to_string())?;
+    let dims = GptDims {
+        n_layer: cfg.n_layer,
+        n_head: cfg.n_head,
+        n_embd: cfg.n_embd,
+        block_size: cfg.block_size,
+        vocab_size: cfg.vocab_size,
+    };
+    let mut pass = GptPass::new(ops, dims).map_err(|e| e.to_string())?;
+    pass.set_attention(args.attention);
+    pass.set_logits(args.logits);
+    pass.set_activation_checkpointing(args.activation_checkpointing);
+    let mut gpt = EngineGpt::new(fsdp, pass).map_err(|e| e.to_string())?;
+    let (rows, clip) = (args.batch, config.grad_clip);
+    time_engine_steps(&mut gpt, &tokens, rows, args.steps, args.warmup, clip)
+        .map_err(|e| e.to_string())
+}
+
+/// `--engine`: the model trained through the engine at world 1 on the device (CUDA `n`, or
+/// the host twin).
+fn run_engine(
+    cuda_ordinal: Option<usize>,
+    ops: (Products, HostProducts),
+    config: &DeviceTrainConfig,
+    args: &Args,
+) -> Result<StepTimes, String> {
+    let timeout = std::time::Duration::from_secs(600);
+    let mut out = match cuda_ordinal {
+        Some(n) => {
+            let opts = cuda_ring::CudaRingOptions::default().with_timeout(timeout);
+            cuda_ring::run_ranks(n, 1, opts, |comm| {
+                let dev = ComputeDevice::cuda(n, AllocatorConfig::default())
+                    .map_err(|e| e.to_string())?;
+                let cuda = CudaOps::new(dev.compute_stream().clone())
+                    .map_err(|e| e.to_string())?
+                    .with_products(ops.0);
+                engine_times(Box::new(comm), dev, cuda, config, args)
+            })
+        }
+        None => ring::run_ranks(
+            1,
+            ring::RingOptions::default().with_timeout(timeout),
+            |comm| {
+                let dev = ComputeDevice::host_twin(1 << 32, AllocatorConfig::default())
+                    .map_err(|e| e.to_string())?;
+                engine_times(
+                    Box::new(comm),
+                    dev,
+                    HostOps::with_products(ops.1),
+                    config,
+                    args,
+                )
+            },
+        ),
+    }
+    .map_err(|e| e.to_string())?;
+    out.pop().ok_or_else(|| "no rank".to_string())?
 }
 
 fn main() -> ExitCode {
@@ -464,6 +552,24 @@ fn bench(args: &Args) -> Result<(), String> {
             t.median().as_secs_f64() * 1e3,
             t.tokens_per_s()
         );
+        if args.engine {
+            let e = run_engine(cuda_ordinal, (products, twin), &config, args)?;
+            let ratio = e.median().as_secs_f64() / t.median().as_secs_f64();
+            println!(
+                "  through the fsdp engine (EngineGpt, FULL_SHARD at world 1, buffers on the \
+                 device): median step {:.2} ms, {:.0} tokens/s; loss {:.4} -> {:.4}",
+                e.median().as_secs_f64() * 1e3,
+                e.tokens_per_s(),
+                e.losses.first().copied().unwrap_or(f32::NAN),
+                e.losses.last().copied().unwrap_or(f32::NAN),
+            );
+            println!(
+                "RESULT gpt-device-bench {name} {} engine: median step {:.2} ms, {ratio:.3}× \
+                 the device trainer's step",
+                args.products,
+                e.median().as_secs_f64() * 1e3,
+            );
+        }
         if args.ranks > 1 {
             let world = args.ranks;
             let (times, volume, memory) = match cuda_ordinal {
