@@ -31,6 +31,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
 
 use fsdp::{Fsdp, FsdpError};
 use fsdp_device::Stream;
@@ -38,12 +39,67 @@ use fsdp_kernels::gpt::{param_shapes, Block, GptDims, GptOps, GptPass, Unit, Uni
 use fsdp_kernels::host::{step_scalars_len, STEP_SCALE};
 use fsdp_kernels::KernelError;
 
+use crate::data::Batch;
 use crate::device_config::DeviceTrainError;
 use crate::engine_views::EngineViews;
+use crate::runtime::FsdpGpt;
+
+/// What a training loop needs of a GPT on the engine, whichever computes it: the reference GPT
+/// on the host ([`FsdpGpt`]) or the kernels' pass ([`EngineGpt`]). Everything else is the
+/// engine's ([`Fsdp`], through `Deref`).
+pub trait GptOnEngine: DerefMut<Target = Fsdp> {
+    /// Forward and backward of this rank's part `batch` of a (micro-)batch of
+    /// `global_tokens` tokens (the loss normaliser); returns this pass's share of the global
+    /// loss, summed over ranks. Every rank must call it.
+    ///
+    /// # Errors
+    /// An invalid batch, a failing collective, allocation or operation.
+    fn forward_backward_batch(
+        &mut self,
+        batch: &Batch,
+        global_tokens: usize,
+    ) -> Result<f32, DeviceTrainError>;
+}
+
+impl GptOnEngine for FsdpGpt {
+    fn forward_backward_batch(
+        &mut self,
+        batch: &Batch,
+        global_tokens: usize,
+    ) -> Result<f32, DeviceTrainError> {
+        Ok(self.forward_backward(batch, global_tokens)?)
+    }
+}
+
+impl<O: EngineViews> GptOnEngine for EngineGpt<O> {
+    fn forward_backward_batch(
+        &mut self,
+        batch: &Batch,
+        global_tokens: usize,
+    ) -> Result<f32, DeviceTrainError> {
+        let (rows, t) = (batch.shape.rows, batch.shape.seq_len);
+        self.forward_backward(&batch.inputs, &batch.targets, rows, t, global_tokens)
+    }
+}
+
+impl<O: EngineViews> Deref for EngineGpt<O> {
+    type Target = Fsdp;
+    fn deref(&self) -> &Fsdp {
+        &self.fsdp
+    }
+}
+
+impl<O: EngineViews> DerefMut for EngineGpt<O> {
+    fn deref_mut(&mut self) -> &mut Fsdp {
+        &mut self.fsdp
+    }
+}
 
 /// The GPT's pass over device operations `O`, its parameters sharded by an [`Fsdp`] engine
 /// whose plan wraps the root (`wte`, `wpe`, `ln_f`) and each block as units of their own (as
 /// [`gpt_block_plan`](crate::tree::gpt_block_plan) does). See the [module](self) documentation.
+/// Dereferences to the engine for everything else (`optimizer_step`, `clip_grad_norm`,
+/// `save_sharded`, ...).
 pub struct EngineGpt<O: EngineViews> {
     fsdp: Fsdp,
     pass: GptPass<O>,

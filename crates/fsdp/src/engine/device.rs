@@ -84,6 +84,9 @@ pub struct ComputeDevice {
     transfer: Stream,
     /// The host twin's latency: each operation first waits this long on its stream.
     latency: Option<Duration>,
+    /// The caching allocator on the GPU (a handle to the pool's).
+    #[cfg(feature = "cuda")]
+    cuda_alloc: Option<fsdp_allocator::cuda::CudaAllocator>,
 }
 
 impl std::fmt::Debug for ComputeDevice {
@@ -111,6 +114,8 @@ impl ComputeDevice {
             compute: Stream::cpu("device compute"),
             transfer: Stream::cpu("device transfer"),
             latency: None,
+            #[cfg(feature = "cuda")]
+            cuda_alloc: None,
         })
     }
 
@@ -151,16 +156,26 @@ impl ComputeDevice {
         let alloc = CudaAllocator::new(CudaSource::new(ordinal)?, config)?;
         Ok(ComputeDevice {
             kind: Kind::Cuda,
-            pool: Arc::new(OrderedPool::new(alloc)),
+            pool: Arc::new(OrderedPool::new(alloc.clone())),
             compute: Stream::cuda(ordinal, "device compute")?,
             transfer: Stream::cuda(ordinal, "device transfer")?,
             latency: None,
+            cuda_alloc: Some(alloc),
         })
     }
 
     /// The device of its memory and streams.
     pub fn device(&self) -> Device {
         self.pool.device()
+    }
+
+    /// On a GPU, the caching allocator the engine's buffers come from (a handle to it), for a
+    /// model that takes its own buffers (activations) from the same memory, so that one
+    /// allocator's statistics count them all: e.g. `fsdp-kernels`' `CudaOps::with_memory`.
+    /// `None` on the host twin.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_allocator(&self) -> Option<&fsdp_allocator::cuda::CudaAllocator> {
+        self.cuda_alloc.as_ref()
     }
 
     /// The stream the model's work is issued on.

@@ -367,6 +367,14 @@ pub(crate) struct TrainArgs {
     /// micro-batch's gradients and the activations. The same training as without it.
     #[arg(long)]
     pub(crate) cpu_offload: bool,
+    /// With --device: train through the fsdp engine instead of the GPT's device trainer: the
+    /// engine's buffers on the device (its sharding: every --strategy, --ranks N as threads on
+    /// the one device over the CUDA ring; clipping, schedules, the grad scaler, sharded
+    /// checkpoints) and the GPT's kernels reading its unsharded parameters in place (gathered
+    /// in f32; --param-dtype chooses the products' operands). Not with ranks as processes or
+    /// --optimizer anyprecision-adamw.
+    #[arg(long)]
+    pub(crate) engine: bool,
     /// Timeout of every collective, in seconds: a peer that does not reach a collective in
     /// time fails it on every rank (default: FSDP_TIMEOUT, else 300); with --device cuda, of
     /// every wait for the GPU (a step's outcome, a copy).

@@ -17,6 +17,7 @@ mod device_plan_cmd;
 mod device_process_cmd;
 mod device_report;
 mod device_sharded_cmd;
+mod engine_cmd;
 mod host_admission;
 mod launch_cmd;
 mod optimizer;

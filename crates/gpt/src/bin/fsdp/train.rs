@@ -10,6 +10,8 @@ use fsdp::optim::{decay_2d_only as decay_2d_only_groups, decay_2d_only_group};
 use fsdp::{human_bytes, ParamInit};
 use fsdp_collectives::{init_from_env, init_with_store, ring, Backend, Communicator, InitOptions};
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
+use fsdp_gpt::device_train::DeviceTrainError;
+use fsdp_gpt::engine_gpt::GptOnEngine;
 use fsdp_gpt::init::gpt2_init;
 use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpGpt, ScheduleKind};
@@ -28,6 +30,14 @@ use crate::train_checks::{
     admit_run, grad_scaler_config, initial_params, lr_schedule, train_mode, Admitted, Mode,
 };
 use crate::{fail, CliError};
+
+/// A rank's error of a pass: the engine's as on every path, the kernels' naming the rank.
+fn on_rank_error(rank: usize) -> impl Fn(DeviceTrainError) -> CliError {
+    move |e| match e {
+        DeviceTrainError::Fsdp(e) => admission::on_rank(rank)(e),
+        e => fail(format!("rank {rank}: {e}")),
+    }
+}
 
 /// Length of the generated corpus used when no `--data` file is given.
 pub(crate) const SYNTHETIC_LEN: usize = 200_000;
@@ -72,17 +82,23 @@ pub(crate) fn load_tokens(args: &TrainArgs, cfg: &GptConfig) -> Result<Vec<u16>,
 }
 
 pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
-    // `--device cuda` (and the host twins' hidden `--device host-twin`): one rank, no engine.
-    if args.device != DeviceArg::Cpu {
+    // `--device cuda` (and the host twins' hidden `--device host-twin`): the GPT's device
+    // trainer, unless `--engine` asks for the engine on the device.
+    let engine_device = crate::engine_cmd::engine_device(args)?;
+    if args.device != DeviceArg::Cpu && engine_device.is_none() {
         return crate::device_cmd::train_on_device(args);
     }
-    if args.cpu_offload {
+    if args.cpu_offload && engine_device.is_none() {
         return Err(fail(
             "--cpu-offload: only with --device cuda (on --device cpu every buffer is in host \
              memory already)",
         ));
     }
-    if let Some(option) = args.model.device_only_option() {
+    if let Some(option) = args
+        .model
+        .device_only_option()
+        .filter(|_| engine_device.is_none())
+    {
         return Err(fail(format!(
             "{option}: only with --device cuda (the CPU reference GPT's layers are its own)"
         )));
@@ -171,6 +187,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let mut config = config;
     config.memory_capacity = capacity;
     config.trace = args.trace.is_some();
+    if engine_device.is_some() {
+        config = crate::engine_cmd::engine_config(config, args);
+    }
     let progress = Progress::new(steps, skip_nonfinite);
     // Under a launcher this process is one rank: meet the others now (validation is done).
     let process_comm = match &mode {
@@ -204,22 +223,25 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let mem_now: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
     if leader {
         say!(
-        "fsdp train: {} ranks, {}, GPT {} layers × {} heads × {} wide ({} parameters, {} units), \
-         batch {} × {} tokens{}",
-        world,
-        strategy_name(config.strategy),
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.n_embd,
-        cfg.num_params(),
-        plan.units.len(),
-        args.batch_size,
-        t,
-        if accum > 1 {
-            format!(" in {accum} micro-batches")
-        } else {
-            String::new()
-        }
+            "fsdp train: {} ranks{}, {}, GPT {} layers × {} heads × {} wide ({} parameters, {} \
+         units), batch {} × {} tokens{}",
+            world,
+            engine_device
+                .map(|d| format!(" {}", crate::engine_cmd::describe(d, args)))
+                .unwrap_or_default(),
+            strategy_name(config.strategy),
+            cfg.n_layer,
+            cfg.n_head,
+            cfg.n_embd,
+            cfg.num_params(),
+            plan.units.len(),
+            args.batch_size,
+            t,
+            if accum > 1 {
+                format!(" in {accum} micro-batches")
+            } else {
+                String::new()
+            }
         );
         say!(
             "optimizer: {}; {}",
@@ -254,12 +276,17 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             Some(p) => ParamInit::Full(p),
             None => ParamInit::Seeded { seed, rule: &rule },
         };
-        let mut model = FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)
-            .map_err(admission::on_rank(rank))?;
+        let mut model: Box<dyn GptOnEngine> = match engine_device {
+            Some(dev) => {
+                crate::engine_cmd::engine_model(dev, comm, cfg, &plan, init, config, opt, args)?
+            }
+            None => Box::new(
+                FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)
+                    .map_err(admission::on_rank(rank))?,
+            ),
+        };
         if rank == 0 && args.memory_snapshot.is_some() {
-            model
-                .engine()
-                .record_memory_history(Some(fsdp_allocator::HistoryConfig::default()));
+            model.record_memory_history(Some(fsdp_allocator::HistoryConfig::default()));
         }
         model.set_lr_schedule(schedule)?;
         model.set_grad_scaler(scaler)?;
@@ -287,16 +314,11 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 let k = (step * accum + m) as u64;
                 let batch = get_batch(&tokens, k, micro, t, rank, world)
                     .map_err(admission::on_rank(rank))?;
-                let l = if m + 1 < accum {
-                    model
-                        .no_sync(|f| f.forward_backward(&batch, global_tokens))
-                        .map_err(admission::on_rank(rank))?
-                } else {
-                    model
-                        .forward_backward(&batch, global_tokens)
-                        .map_err(admission::on_rank(rank))?
-                };
-                loss += l;
+                // Gradients accumulate unreduced (no_sync) but for the last micro-batch.
+                let before = model.set_no_sync(m + 1 < accum);
+                let l = model.forward_backward_batch(&batch, global_tokens);
+                model.set_no_sync(before);
+                loss += l.map_err(on_rank_error(rank))?;
             }
             let norm = match grad_clip {
                 Some(c) => model.clip_grad_norm(c)?,
@@ -374,7 +396,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             }
         }
         let final_params = if want_params {
-            let p = model.full_params()?;
+            let p = model.full_state_dict()?;
             (rank == 0).then_some(p)
         } else {
             None
@@ -385,7 +407,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 model.grad_scaler().map(GradScaler::state);
         }
         if let (0, Some(path)) = (rank, &args.memory_snapshot) {
-            let snapshot = model.engine().memory_snapshot().ok_or_else(|| {
+            let snapshot = model.memory_snapshot().ok_or_else(|| {
                 fail("--memory-snapshot: the rank's memory pool keeps no snapshot")
             })?;
             snapshot
@@ -412,8 +434,10 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let mut shared_line = None;
     match process_comm {
         None => {
-            let results =
-                ring::run_ranks(world, ring::RingOptions::default(), |c| run(Box::new(c)))?;
+            let results = match engine_device {
+                Some(dev) => crate::engine_cmd::run_ranks(dev, world, init_options.timeout, run)?,
+                None => ring::run_ranks(world, ring::RingOptions::default(), |c| run(Box::new(c)))?,
+            };
             elapsed = start.elapsed();
             for r in results {
                 reports.push(r?);
@@ -463,6 +487,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             .finish()?;
     }
     print_summary(&reports, elapsed, global_tokens, steps - start_step);
+    if let Some(dev) = engine_device {
+        say!("{}", crate::engine_cmd::activations_line(dev));
+    }
     if let Some(line) = shared_line {
         say!("{line}");
     }

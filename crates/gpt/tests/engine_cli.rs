@@ -1,0 +1,200 @@
+//! `fsdp train --device host-twin --engine`: the training loop of `--device cpu` with the
+//! engine's buffers on a device (the host twin, ranks as threads on the ring) and the GPT
+//! computed there by the kernels' twins (`EngineGpt`, the path of `--device cuda --engine`),
+//! against the engine's `fsdp train` on the CPU (the reference GPT) with the same options:
+//! every step's loss within 1e-6 relative and `--save`'s weights within 1e-4 of the largest
+//! (measured: 1.2e-7 and 2.0e-5; the twins differ from the reference by their own e^x, ln and
+//! erfc and orders of summation), for every strategy, with clipping, accumulation, the cosine schedule, CPU
+//! offload, activation checkpointing, bf16 reductions; a non-finite step stops (or is
+//! skipped) with the engine's line; a checkpoint resumes to the uninterrupted run's losses,
+//! and on the CPU (the engine's sharded checkpoints are one format) within the same bound.
+//! And its refusals, each one `error:` line naming the option.
+
+mod common;
+
+use common::cli::{
+    assert_runs_agree, checkpointing_args, fsdp, log_losses,
+    nonfinite_stops_and_skips_as_the_engine, ok, one_error_status_1, resume, resume_paths, s,
+    scratch, small_train_args, CLIP_ACCUM_COSINE,
+};
+
+const BOUND: f64 = 1e-6;
+const STEPS: usize = 8;
+
+/// The CPU engine's run against `--device host-twin --engine` (with `twin` added), the final
+/// weights within `weights` of the largest one's magnitude.
+fn compare_within(
+    test: &str,
+    ranks: &str,
+    strategy: &str,
+    (extra, twin_extra): (&[&str], &[&str]),
+    weights: f64,
+) {
+    let dir = scratch("engine_cli", test);
+    let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
+    let (cpu_w, twin_w) = (dir.join("cpu.safetensors"), dir.join("twin.safetensors"));
+    let steps = STEPS.to_string();
+    let base = [
+        "--batch-size",
+        "8",
+        "--steps",
+        &steps,
+        "--ranks",
+        ranks,
+        "--strategy",
+        strategy,
+        "--param-dtype",
+        "f32",
+    ];
+    let mut a = small_train_args(&base, extra);
+    a.extend(["--loss-log", s(&cpu), "--save", s(&cpu_w)]);
+    ok(&fsdp(&a), "fsdp train (the engine on the CPU)");
+    let mut b = small_train_args(&base, extra);
+    b.extend(twin_extra);
+    b.extend([
+        "--device",
+        "host-twin",
+        "--engine",
+        "--loss-log",
+        s(&twin),
+        "--save",
+        s(&twin_w),
+    ]);
+    let out = ok(&fsdp(&b), "fsdp train --device host-twin --engine");
+    assert!(
+        out.contains(&format!(
+            "{ranks} ranks on the host twin of a device through the engine"
+        )),
+        "{out}"
+    );
+    assert!(out.contains(&format!("done: {STEPS} steps")), "{out}");
+    assert_runs_agree(
+        test,
+        (&cpu, &cpu_w),
+        (&twin, &twin_w),
+        STEPS,
+        BOUND,
+        weights,
+    );
+}
+
+fn compare(test: &str, ranks: &str, strategy: &str, extra: &[&str]) {
+    compare_within(test, ranks, strategy, (extra, &[]), 1e-4);
+}
+
+#[test]
+fn every_strategy_matches_the_engine_on_the_cpu() {
+    compare("full_shard_2", "2", "full-shard", &CLIP_ACCUM_COSINE);
+    compare("shard_grad_op_4", "4", "shard-grad-op", &[]);
+    compare("no_shard_2", "2", "no-shard", &CLIP_ACCUM_COSINE);
+    compare(
+        "hybrid_shard_4",
+        "4",
+        "hybrid-shard",
+        &["--ranks-per-node", "2", "--grad-accum", "2"],
+    );
+}
+
+/// One rank with the shards offloaded to host memory and every block checkpointed; two
+/// ranks reducing in bf16 (each gradient rounded to bf16 on both sides, in the same order:
+/// held to the f32 runs' bounds; a gradient a last f32 bit apart may round to a neighbouring
+/// bf16, measured: weights within 2.0e-5).
+#[test]
+fn offload_checkpointing_and_bf16_reductions_match_the_engine() {
+    let twin = ["--cpu-offload", "--activation-checkpointing"];
+    let options = (&["--grad-clip", "1.0"][..], &twin[..]);
+    compare_within("offload_ckpt_1", "1", "full-shard", options, 1e-4);
+    let mut extra = CLIP_ACCUM_COSINE.to_vec();
+    extra.extend(["--reduce-dtype", "bf16"]);
+    compare_within("full_shard_2_bf16", "2", "full-shard", (&extra, &[]), 1e-4);
+}
+
+#[test]
+fn a_nonfinite_step_stops_or_is_skipped_as_on_the_cpu() {
+    nonfinite_stops_and_skips_as_the_engine(&["--ranks", "2"], &["--ranks", "2", "--engine"]);
+}
+
+/// A run checkpointed at step 3 of 6 and resumed (through the engine on the device again)
+/// logs the uninterrupted run's losses bit for bit; resumed on the CPU (the reference GPT on
+/// the engine), within 1e-6.
+#[test]
+fn a_checkpoint_resumes_to_the_uninterrupted_losses() {
+    let dir = scratch("engine_cli", "resume");
+    let (ck, log, reference) = resume_paths(&dir);
+    let _ = std::fs::remove_dir_all(&ck);
+    let base = ["--batch-size", "8", "--ranks", "2", "--param-dtype", "f32"];
+    let device = ["--device", "host-twin", "--engine"];
+    let mut a = small_train_args(&base, &device);
+    a.extend(["--steps", "6", "--loss-log", s(&reference)]);
+    ok(&fsdp(&a), "the uninterrupted run");
+    let mut b = small_train_args(&base, &device);
+    b.extend(["--steps", "3"]);
+    b.extend(checkpointing_args(&log, &ck, "3"));
+    ok(&fsdp(&b), "the first half");
+    let want = log_losses(&reference);
+    // On the CPU first (its checkpoints elsewhere, so that ck's newest stays step 3).
+    let (cpu_log, cpu_ck) = (dir.join("cpu.csv"), dir.join("ck-cpu"));
+    let _ = std::fs::remove_dir_all(&cpu_ck);
+    let cpu = [
+        "--steps",
+        "6",
+        "--loss-log",
+        s(&cpu_log),
+        "--checkpoint-dir",
+        s(&cpu_ck),
+    ];
+    ok(&resume(&ck, &cpu), "resumed on the CPU");
+    // Its log holds steps 3 to 5 only.
+    let cpu_losses: Vec<f64> = std::fs::read_to_string(&cpu_log)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(cpu_losses.len(), 3);
+    for (got, want) in cpu_losses.iter().zip(&want[3..]) {
+        assert!(((got - want) / want).abs() <= BOUND, "{got} vs {want}");
+    }
+    let out = ok(
+        &resume(
+            &ck,
+            &[
+                "--steps",
+                "6",
+                "--device",
+                "host-twin",
+                "--engine",
+                "--loss-log",
+                s(&log),
+            ],
+        ),
+        "the resumed half",
+    );
+    assert!(out.contains("resuming from"), "{out}");
+    assert_eq!(log_losses(&log), want);
+}
+
+#[test]
+fn options_the_engine_on_a_device_does_not_take_are_refused() {
+    let base = ["--batch-size", "8", "--steps", "1"];
+    for (extra, needle) in [
+        (&["--engine"][..], "--engine: only with --device cuda"),
+        (
+            &[
+                "--device",
+                "host-twin",
+                "--engine",
+                "--optimizer",
+                "anyprecision-adamw",
+            ][..],
+            "--engine: --optimizer anyprecision-adamw is not supported",
+        ),
+        (
+            &["--device", "host-twin", "--engine", "--backend", "tcp"][..],
+            "--engine: --backend is not supported",
+        ),
+    ] {
+        let out = fsdp(&small_train_args(&base, extra));
+        one_error_status_1(&out, &[needle]);
+    }
+}
