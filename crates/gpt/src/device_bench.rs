@@ -204,9 +204,10 @@ pub fn time_steps<T: TimedTrainer>(
 /// Train `gpt` (the GPT's pass driven by the engine's hooks, world 1) for `steps` steps of
 /// `rows` sequences of `block_size` tokens from `tokens`, each step a forward and backward,
 /// the gradients clipped to a norm of `clip` when given (on the device, without the host
-/// waiting), and the engine's optimizer step, timing each: a step's time runs from the
-/// previous step's loss on the host to its own (the host reads each step's loss at the end of
-/// its backward, a wait the device trainer's one-late reads do not have).
+/// waiting), and the engine's optimizer step, timing each as [`time_steps`] does with
+/// [`Reads::OneLate`]: each step's loss is read when the next step has been issued
+/// ([`EngineGpt::forward_backward_pending`]), and a step's time runs from the previous loss's
+/// arrival to its own.
 ///
 /// # Errors
 /// The engine's and the operations' errors; a step whose loss is not finite, naming it.
@@ -226,9 +227,7 @@ pub fn time_engine_steps<O: EngineViews>(
         losses: Vec::with_capacity(steps),
     };
     let mut last = Instant::now();
-    for step in 0..steps {
-        let b = get_batch(tokens, step as u64, rows, t, 0, 1)?;
-        let loss = gpt.forward_backward(&b.inputs, &b.targets, rows, t, rows * t)?;
+    let mut arrived = |step: usize, loss: f32| {
         let now = Instant::now();
         times.steps.push(now - last);
         last = now;
@@ -240,10 +239,22 @@ pub fn time_engine_steps<O: EngineViews>(
             });
         }
         times.losses.push(loss);
+        Ok(())
+    };
+    let mut pending = None;
+    for step in 0..steps {
+        let b = get_batch(tokens, step as u64, rows, t, 0, 1)?;
+        let loss = gpt.forward_backward_pending(&b.inputs, &b.targets, rows, t, rows * t)?;
         if let Some(max) = clip {
             gpt.engine_mut().clip_grad_norm_async(max)?;
         }
         gpt.engine_mut().optimizer_step()?;
+        if let Some((s, before)) = pending.replace((step, loss)) {
+            arrived(s, gpt.wait_loss(before)?)?;
+        }
+    }
+    if let Some((s, before)) = pending {
+        arrived(s, gpt.wait_loss(before)?)?;
     }
     Ok(times)
 }

@@ -36,7 +36,7 @@ use std::ops::{Deref, DerefMut};
 use fsdp::{Fsdp, FsdpError};
 use fsdp_device::Stream;
 use fsdp_kernels::gpt::{param_shapes, Block, GptDims, GptOps, GptPass, Unit, Units, Weights};
-use fsdp_kernels::host::{step_scalars_len, STEP_SCALE};
+use fsdp_kernels::host::{step_scalars_len, STEP_LOSS, STEP_SCALE};
 use fsdp_kernels::KernelError;
 
 use crate::data::Batch;
@@ -261,6 +261,67 @@ impl<O: EngineViews> EngineGpt<O> {
         t: usize,
         global_tokens: usize,
     ) -> Result<f32, DeviceTrainError> {
+        let losses = self.pass_losses(inputs, targets, rows, t, global_tokens)?;
+        let ops = self.pass.ops();
+        let sum: f64 = ops.download(&losses)?.iter().map(|&l| f64::from(l)).sum();
+        Ok(self
+            .fsdp
+            .all_reduce_loss((sum / global_tokens as f64) as f32)?)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) without the host waiting for the loss:
+    /// this rank's share of the global loss is computed on the device and copied to host
+    /// memory while the host goes on; read it with [`wait_loss`](Self::wait_loss) (one step
+    /// late, as `fsdp train --device` reads its outcomes). It is this rank's share only: sum
+    /// the ranks' shares ([`Fsdp::all_reduce_loss`]) for the global loss.
+    ///
+    /// # Errors
+    /// As [`forward_backward`](Self::forward_backward).
+    pub fn forward_backward_pending(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+        global_tokens: usize,
+    ) -> Result<PendingLoss<O>, DeviceTrainError> {
+        let r = self
+            .pass_losses(inputs, targets, rows, t, global_tokens)
+            .and_then(|losses| {
+                let ops = self.pass.ops();
+                let mut scalars = ops.scalars(&[0.0; step_scalars_len(0)])?;
+                ops.loss_accumulate(&losses, 1, true, &mut scalars)?;
+                Ok(PendingLoss {
+                    copy: ops.copy_scalars(&scalars)?,
+                    share: (rows * t) as f64 / global_tokens as f64,
+                })
+            });
+        if r.is_err() {
+            self.fsdp.abort_pass();
+        }
+        r
+    }
+
+    /// This rank's share of the loss of a [`forward_backward_pending`]
+    /// (Self::forward_backward_pending), once it has arrived (the host waits for the pass's
+    /// work on the device, not for work issued after it).
+    ///
+    /// # Errors
+    /// A failed copy or an earlier failure on the device; a wait past its timeout.
+    pub fn wait_loss(&self, pending: PendingLoss<O>) -> Result<f32, DeviceTrainError> {
+        let v = self.pass.ops().wait_scalars(pending.copy)?;
+        Ok((v[STEP_LOSS] * pending.share) as f32)
+    }
+
+    /// One pass, the engine's reductions finished: the per-token losses on the device.
+    fn pass_losses(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        rows: usize,
+        t: usize,
+        global_tokens: usize,
+    ) -> Result<O::Buf, DeviceTrainError> {
         if global_tokens == 0 {
             return Err(DeviceTrainError::Fsdp(FsdpError::InvalidShape {
                 reason: "global_tokens of 0: the loss is a mean over them".into(),
@@ -292,10 +353,7 @@ impl<O: EngineViews> EngineGpt<O> {
         )?;
         drop(units);
         self.fsdp.finalize_backward()?;
-        let sum: f64 = ops.download(&losses)?.iter().map(|&l| f64::from(l)).sum();
-        Ok(self
-            .fsdp
-            .all_reduce_loss((sum / global_tokens as f64) as f32)?)
+        Ok(losses)
     }
 
     /// One training step: [`forward_backward`](Self::forward_backward) of this rank's part of
@@ -316,6 +374,14 @@ impl<O: EngineViews> EngineGpt<O> {
         self.fsdp.optimizer_step()?;
         Ok(loss)
     }
+}
+
+/// This rank's share of a pass's loss on its way to the host
+/// ([`EngineGpt::forward_backward_pending`]).
+pub struct PendingLoss<O: GptOps> {
+    copy: O::ScalarsCopy,
+    /// The pass's tokens over the global batch's.
+    share: f64,
 }
 
 /// The engine's hooks around the GPT's units, and the views of the units unsharded now.

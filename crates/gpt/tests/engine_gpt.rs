@@ -388,6 +388,56 @@ fn training_tracks_the_reference_gpt_on_the_engine() {
     }
 }
 
+/// A pass whose loss is read one step late (`forward_backward_pending`, the benchmark's way)
+/// trains exactly as one read at once: the same parameters bit for bit, on the host twin at
+/// world 2, and the losses (each rank's share summed over the ranks) within 1e-6 of
+/// `forward_backward`'s (its mean is rounded to f32 before it is scaled to the share).
+#[test]
+fn a_loss_read_one_step_late_trains_as_one_read_at_once() {
+    let s = Setup::new(2, 7, 3, common::adamw());
+    let config = Options::new(ShardingStrategy::FullShard);
+    let at_once = run(
+        &s,
+        Run {
+            world: 2,
+            config,
+            device: Place::HostTwin,
+        },
+    );
+    let late = ring::run_ranks(2, ring_options(), |comm| {
+        let dev = ComputeDevice::host_twin(1 << 28, Default::default()).unwrap();
+        let fsdp = engine(&s, Box::new(comm), Some(dev), config);
+        let (rank, world) = (fsdp.rank(), fsdp.world_size());
+        let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+        let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
+        let (mut losses, mut norms, mut pending) = (Vec::new(), Vec::new(), None);
+        for k in 0..STEPS {
+            let b = get_batch(&s.tokens, k, BATCH, SEQ, rank, world).unwrap();
+            let (rows, t) = (b.shape.rows, b.shape.seq_len);
+            let p = gpt
+                .forward_backward_pending(&b.inputs, &b.targets, rows, t, BATCH * SEQ)
+                .unwrap();
+            norms.push(gpt.engine().grad_norm().unwrap());
+            gpt.engine_mut().optimizer_step().unwrap();
+            if let Some(before) = pending.replace(p) {
+                let share = gpt.wait_loss(before).unwrap();
+                losses.push(gpt.engine().all_reduce_loss(share).unwrap());
+            }
+        }
+        let share = gpt.wait_loss(pending.unwrap()).unwrap();
+        losses.push(gpt.engine().all_reduce_loss(share).unwrap());
+        bits(&losses, &norms, gpt.engine().full_state_dict().unwrap())
+    })
+    .unwrap()
+    .swap_remove(0);
+    assert_eq!(late.1, at_once.1, "gradient norms");
+    assert!(late.2 == at_once.2, "parameters");
+    for (a, b) in late.0.iter().zip(&at_once.0) {
+        let (a, b) = (f32::from_bits(*a), f32::from_bits(*b));
+        assert!(((a - b) / b).abs() <= 1e-6, "{a} vs {b}");
+    }
+}
+
 /// Plans that split the GPT's units over several of the engine's, or put two in one, are
 /// refused by name; so are batches the pass cannot run, with the engine still usable after.
 #[test]
