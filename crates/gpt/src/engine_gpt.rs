@@ -302,8 +302,8 @@ impl<O: EngineViews> EngineGpt<O> {
         r
     }
 
-    /// This rank's share of the loss of a [`forward_backward_pending`]
-    /// (Self::forward_backward_pending), once it has arrived (the host waits for the pass's
+    /// This rank's share of the loss of a
+    /// [`forward_backward_pending`](Self::forward_backward_pending), once it has arrived (the host waits for the pass's
     /// work on the device, not for work issued after it).
     ///
     /// # Errors
