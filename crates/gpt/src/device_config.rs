@@ -304,18 +304,20 @@ impl DeviceTrainConfig {
 
     /// The model's shape as the kernels' model takes it.
     pub fn dims(&self) -> GptDims {
-        gpt_dims(&self.cfg)
+        self.cfg.dims()
     }
 }
 
-/// The shape of the model `cfg` as the kernels' model takes it.
-pub(crate) fn gpt_dims(cfg: &GptConfig) -> GptDims {
-    GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
+impl GptConfig {
+    /// The model's shape as `fsdp-kernels`' GPT takes it ([`GptDims`]).
+    pub fn dims(&self) -> GptDims {
+        GptDims {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            block_size: self.block_size,
+            vocab_size: self.vocab_size,
+        }
     }
 }
 

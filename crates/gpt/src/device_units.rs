@@ -21,7 +21,6 @@ use fsdp::wrap::{plan_units, WrapOptions, WrapPolicy};
 use fsdp::FsdpError;
 use fsdp_kernels::gpt::{block_product_weights, param_shapes, Unit};
 
-use crate::device_config::gpt_dims;
 use crate::model::GptConfig;
 use crate::runtime::check_plan;
 use crate::tree::gpt_module_tree;
@@ -159,7 +158,7 @@ impl UnitLayout {
         // Every parameter exactly once, with its shape: the engine's checks of a plan.
         plan.validate()?;
         check_plan(cfg, &plan)?;
-        let dims = gpt_dims(cfg);
+        let dims = cfg.dims();
         let shapes = param_shapes(&dims);
         let index: HashMap<&str, usize> = shapes
             .iter()

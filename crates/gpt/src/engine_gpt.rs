@@ -11,17 +11,16 @@
 //! use fsdp_gpt::engine_gpt::EngineGpt;
 //! use fsdp_gpt::model::{init_params, named_params, GptConfig};
 //! use fsdp_gpt::tree::gpt_block_plan;
-//! use fsdp_kernels::gpt::{GptDims, GptPass, HostOps};
+//! use fsdp_kernels::gpt::{GptPass, HostOps};
 //!
 //! let cfg = GptConfig::new(2, 2, 16, 8, 32).unwrap();
-//! let dims = GptDims { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 32 };
 //! let params = named_params(&cfg, init_params(&cfg, 0)).unwrap();
 //! let opt = AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
 //! let losses = ring::run_ranks(2, ring::RingOptions::default(), |comm| {
 //!     let config = FsdpConfig::new(ShardingStrategy::FullShard);
 //!     let plan = gpt_block_plan(&cfg);
 //!     let fsdp = Fsdp::new(Box::new(comm), &plan, ParamInit::Full(&params), config, opt).unwrap();
-//!     let mut gpt = EngineGpt::new(fsdp, GptPass::new(HostOps::new(), dims).unwrap()).unwrap();
+//!     let mut gpt = EngineGpt::new(fsdp, GptPass::new(HostOps::new(), cfg.dims()).unwrap()).unwrap();
 //!     // This rank's 2 sequences of 8 tokens out of a global batch of 4.
 //!     let ids: Vec<u32> = (0..16).map(|i| (i * 7 % 32) as u32).collect();
 //!     gpt.step(&ids, &ids, 2, 8, 4 * 8).unwrap()

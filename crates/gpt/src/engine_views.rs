@@ -5,7 +5,7 @@
 use fsdp::engine::{copy_from_host_f32, copy_to_host_f32};
 use fsdp::{FsdpError, Grads, Params};
 use fsdp_device::{AccessMode, Stream};
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostOps};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostBuf, HostOps};
 
 use crate::device_config::DeviceTrainError;
 
@@ -62,6 +62,19 @@ pub trait EngineViews: GptOps {
     ) -> Result<(), DeviceTrainError>;
 }
 
+/// `values` of `name` as a host twins' buffer, of the GPT's length `len`.
+fn host_buf(
+    ops: &HostOps,
+    name: &str,
+    values: &[f32],
+    len: usize,
+) -> Result<HostBuf, DeviceTrainError> {
+    if values.len() != len {
+        return Err(wrong_length(name, values.len(), len));
+    }
+    Ok(ops.upload(values)?)
+}
+
 /// The host twins see the engine's buffers through copies: on the host, the views' slices;
 /// on a device (the host twin of [`fsdp::engine::ComputeDevice`], or a GPU), copies through
 /// host memory that wait for the device. The twins' arithmetic is unchanged, so this checks
@@ -78,10 +91,7 @@ impl EngineViews for HostOps {
             None => params.param(name)?.to_vec(),
             Some(s) => copy_to_host_f32(&params.buffer(name)?, s)?,
         };
-        if values.len() != len {
-            return Err(wrong_length(name, values.len(), len));
-        }
-        Ok(self.upload(&values)?)
+        host_buf(self, name, &values, len)
     }
 
     fn grad_view(
@@ -95,10 +105,7 @@ impl EngineViews for HostOps {
             None => grads.grad_mut(name)?.to_vec(),
             Some(s) => copy_to_host_f32(&grads.grad_buffer(name)?, s)?,
         };
-        if values.len() != len {
-            return Err(wrong_length(name, values.len(), len));
-        }
-        Ok(self.upload(&values)?)
+        host_buf(self, name, &values, len)
     }
 
     fn grad_return(

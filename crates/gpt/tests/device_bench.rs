@@ -134,6 +134,25 @@ fn a_grad_scalers_skip_is_timed() {
     assert!(s.skipped_steps > 0, "{s:?}");
 }
 
+/// The ratio (`…, R× …`) on the line of `text` that starts with `prefix`: positive and finite.
+fn result_ratio(text: &str, prefix: &str) -> f64 {
+    let result = text
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("{text}"));
+    let ratio: f64 = result
+        .split(", ")
+        .nth(1)
+        .unwrap()
+        .split('×')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
+    ratio
+}
+
 /// `gpt-device-bench --device host-twin --model tiny --ranks 2`: after the world-1 run, the
 /// same global batch as two ranks (each timed by `time_steps` over `ShardedDeviceTrainer`):
 /// the same losses as world 1 within 1e-5 (printed at 4 decimals: equal), its median step and
@@ -174,20 +193,7 @@ fn the_benchmark_times_two_ranks_against_one() {
         .unwrap();
     assert_eq!(losses(one), losses(two), "{text}");
     assert!(two.contains("peak memory per rank"), "{two}");
-    let result = text
-        .lines()
-        .find(|l| l.starts_with("RESULT gpt-device-bench tiny f32 world 2 full-shard"))
-        .unwrap_or_else(|| panic!("{text}"));
-    let ratio: f64 = result
-        .split(", ")
-        .nth(1)
-        .unwrap()
-        .split('×')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
+    result_ratio(&text, "RESULT gpt-device-bench tiny f32 world 2 full-shard");
     // With `--reduce-dtype bf16` the ranks reduce in bf16, and the RESULT line says so.
     let text = bench("2", &["--reduce-dtype", "bf16"]);
     assert!(
@@ -276,18 +282,8 @@ fn the_benchmark_times_the_engine_against_the_device_trainer() {
     let (t, e) = (losses(trainer), losses(engine));
     assert_eq!(t.0, e.0, "{text}");
     assert!((t.1 - e.1).abs() <= 2e-3 && e.1 < e.0, "{text}");
-    let result = text
-        .lines()
-        .find(|l| l.starts_with("RESULT gpt-device-bench tiny f32 engine: median step"))
-        .unwrap_or_else(|| panic!("{text}"));
-    let ratio: f64 = result
-        .split(", ")
-        .nth(1)
-        .unwrap()
-        .split('×')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(ratio > 0.0 && ratio.is_finite(), "{result}");
+    result_ratio(
+        &text,
+        "RESULT gpt-device-bench tiny f32 engine: median step",
+    );
 }

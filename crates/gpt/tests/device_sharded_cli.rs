@@ -16,7 +16,7 @@ mod common;
 use std::path::Path;
 
 use common::cli::{
-    assert_runs_agree, fsdp, log_losses, ok, one_error_status_1, s, scratch, small_train_args,
+    cpu_against_device, fsdp, log_losses, ok, one_error_status_1, s, scratch, small_train_args,
     CLIP_ACCUM_COSINE,
 };
 
@@ -30,8 +30,6 @@ fn compare(test: &str, ranks: &str, strategy: &str, extra: &[&str]) {
 /// [`compare`], the final weights within `weights` of the largest one's magnitude.
 fn compare_within(test: &str, ranks: &str, strategy: &str, extra: &[&str], weights: f64) {
     let dir = scratch("device_sharded_cli", test);
-    let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
-    let (cpu_w, twin_w) = (dir.join("cpu.safetensors"), dir.join("twin.safetensors"));
     let steps = STEPS.to_string();
     let base = [
         "--batch-size",
@@ -45,32 +43,9 @@ fn compare_within(test: &str, ranks: &str, strategy: &str, extra: &[&str], weigh
         "--param-dtype",
         "f32",
     ];
-    let mut a = small_train_args(&base, extra);
-    a.extend(["--loss-log", s(&cpu), "--save", s(&cpu_w)]);
-    ok(&fsdp(&a), "fsdp train (the engine)");
-    let mut b = small_train_args(&base, extra);
-    b.extend([
-        "--device",
-        "host-twin",
-        "--loss-log",
-        s(&twin),
-        "--save",
-        s(&twin_w),
-    ]);
-    let out = ok(&fsdp(&b), "fsdp train --device host-twin");
-    assert!(
-        out.contains(&format!("{ranks} ranks on host-twin")),
-        "{out}"
-    );
-    assert!(out.contains(&format!("done: {STEPS} steps")), "{out}");
-    assert_runs_agree(
-        test,
-        (&cpu, &cpu_w),
-        (&twin, &twin_w),
-        STEPS,
-        BOUND,
-        weights,
-    );
+    let device = (extra, &["--device", "host-twin"][..]);
+    let expect = format!("{ranks} ranks on host-twin");
+    cpu_against_device(&dir, test, &base, device, &expect, STEPS, BOUND, weights);
 }
 
 #[test]

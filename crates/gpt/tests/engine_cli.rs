@@ -13,7 +13,7 @@
 mod common;
 
 use common::cli::{
-    assert_runs_agree, checkpointing_args, fsdp, log_losses,
+    checkpointing_args, cpu_against_device, fsdp, log_losses,
     nonfinite_stops_and_skips_as_the_engine, ok, one_error_status_1, resume, resume_paths, s,
     scratch, small_train_args, CLIP_ACCUM_COSINE,
 };
@@ -27,12 +27,10 @@ fn compare_within(
     test: &str,
     ranks: &str,
     strategy: &str,
-    (extra, twin_extra): (&[&str], &[&str]),
+    (extra, twin): (&[&str], &[&str]),
     weights: f64,
 ) {
     let dir = scratch("engine_cli", test);
-    let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
-    let (cpu_w, twin_w) = (dir.join("cpu.safetensors"), dir.join("twin.safetensors"));
     let steps = STEPS.to_string();
     let base = [
         "--batch-size",
@@ -46,32 +44,15 @@ fn compare_within(
         "--param-dtype",
         "f32",
     ];
-    let mut a = small_train_args(&base, extra);
-    a.extend(["--loss-log", s(&cpu), "--save", s(&cpu_w)]);
-    ok(&fsdp(&a), "fsdp train (the engine on the CPU)");
-    let mut b = small_train_args(&base, extra);
-    b.extend(twin_extra);
-    b.extend([
-        "--device",
-        "host-twin",
-        "--engine",
-        "--loss-log",
-        s(&twin),
-        "--save",
-        s(&twin_w),
-    ]);
-    let out = ok(&fsdp(&b), "fsdp train --device host-twin --engine");
-    assert!(
-        out.contains(&format!(
-            "{ranks} ranks on the host twin of a device through the engine"
-        )),
-        "{out}"
-    );
-    assert!(out.contains(&format!("done: {STEPS} steps")), "{out}");
-    assert_runs_agree(
+    let mut device = vec!["--device", "host-twin", "--engine"];
+    device.extend(twin);
+    let expect = format!("{ranks} ranks on the host twin of a device through the engine");
+    cpu_against_device(
+        &dir,
         test,
-        (&cpu, &cpu_w),
-        (&twin, &twin_w),
+        &base,
+        (extra, &device),
+        &expect,
         STEPS,
         BOUND,
         weights,

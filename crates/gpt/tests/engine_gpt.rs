@@ -30,13 +30,7 @@ const SEQ: usize = 16;
 const STEPS: u64 = 3;
 
 fn dims(cfg: &GptConfig) -> GptDims {
-    GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
-    }
+    cfg.dims()
 }
 
 /// A run's losses, gradient norms (before each optimizer step) and parameters, as bits.

@@ -122,11 +122,21 @@ fn peer_bf16_collectives_on_cuda_give_the_host_twins_bits() {
     }
 }
 
-fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
+/// `fsdp train` of the small GPU model for 20 steps at `ranks` with `strategy`, clipping,
+/// accumulation, the cosine schedule and `extra`, on the CPU engine and with `cuda` added:
+/// every step's loss within `bound` relative. Returns the test's name and the CUDA run's
+/// output.
+fn cpu_and_cuda(
+    name: &str,
+    (ranks, strategy): (&str, &str),
+    extra: &[&str],
+    cuda: &[&str],
+    bound: f64,
+) -> (String, String) {
     let dir = std::env::temp_dir().join(format!("fsdp-gpu-sharded-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let test = format!("{ranks}-{strategy}");
-    let (cpu, cuda) = (
+    let test = format!("{name}{ranks}-{strategy}");
+    let (cpu, cuda_log) = (
         dir.join(format!("{test}-cpu.csv")),
         dir.join(format!("{test}-cuda.csv")),
     );
@@ -143,21 +153,27 @@ fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
     };
     let a = args(&[], &cpu);
     run(&a.iter().map(String::as_str).collect::<Vec<_>>());
-    let b = args(&["--device", "cuda", "--param-dtype", "f32"], &cuda);
+    let b = args(cuda, &cuda_log);
     let out = run(&b.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(out.contains(&format!("{ranks} ranks on cuda")), "{out}");
     let (e, d) = (
         common::cli::log_losses(&cpu),
-        common::cli::log_losses(&cuda),
+        common::cli::log_losses(&cuda_log),
     );
     assert_eq!((e.len(), d.len()), (20, 20));
     let mut max = 0.0f64;
     for (step, (le, ld)) in e.iter().zip(&d).enumerate() {
         let r = (ld - le).abs() / le.abs();
-        assert!(r <= 1e-4, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
+        assert!(r <= bound, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
         max = max.max(r);
     }
     println!("{test}: max relative loss difference {max:.2e} over 20 steps");
+    (test, out)
+}
+
+fn compare(ranks: &str, strategy: &str, extra: &[&str]) {
+    let cuda = ["--device", "cuda", "--param-dtype", "f32"];
+    let (test, out) = cpu_and_cuda("", (ranks, strategy), extra, &cuda, 1e-4);
+    assert!(out.contains(&format!("{ranks} ranks on cuda")), "{out}");
     // Each rank's counted peak is the plan's (fsdp plan --device cuda --ranks N).
     let last = out
         .lines()
@@ -240,8 +256,6 @@ fn the_engine_on_cuda_follows_the_engine_on_the_cpu() {
     if !gpu("the_engine_on_cuda_follows_the_engine_on_the_cpu") {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("fsdp-gpu-engine-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     for (ranks, strategy, extra, dtype, bound) in [
         ("1", "full-shard", &[][..], "f32", 1e-4),
         ("2", "full-shard", &["--cpu-offload"][..], "f32", 1e-4),
@@ -260,43 +274,12 @@ fn the_engine_on_cuda_follows_the_engine_on_the_cpu() {
             2e-2,
         ),
     ] {
-        let test = format!("engine-{ranks}-{strategy}-{dtype}");
-        let (cpu, cuda) = (
-            dir.join(format!("{test}-cpu.csv")),
-            dir.join(format!("{test}-cuda.csv")),
-        );
-        let args = |more: &[&str], log: &Path| -> Vec<String> {
-            let mut a = vec!["train"];
-            a.extend(SMALL_GPU_MODEL);
-            a.extend(["--steps", "20", "--ranks", ranks, "--strategy", strategy]);
-            a.extend(common::cli::CLIP_ACCUM_COSINE);
-            a.extend(more);
-            let mut a: Vec<String> = a.into_iter().map(String::from).collect();
-            a.extend(["--loss-log".to_string(), log.display().to_string()]);
-            a
-        };
-        let a = args(&[], &cpu);
-        run(&a.iter().map(String::as_str).collect::<Vec<_>>());
-        let mut more = vec!["--device", "cuda", "--engine", "--param-dtype", dtype];
-        more.extend(extra);
-        let b = args(&more, &cuda);
-        let out = run(&b.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(
-            out.contains(&format!("{ranks} ranks on cuda through the engine")),
-            "{out}"
-        );
-        let (e, d) = (
-            common::cli::log_losses(&cpu),
-            common::cli::log_losses(&cuda),
-        );
-        assert_eq!((e.len(), d.len()), (20, 20));
-        let mut max = 0.0f64;
-        for (step, (le, ld)) in e.iter().zip(&d).enumerate() {
-            let r = (ld - le).abs() / le.abs();
-            assert!(r <= bound, "{test}: step {step}: {ld} vs {le} ({r:.2e})");
-            max = max.max(r);
-        }
-        println!("{test}: max relative loss difference {max:.2e} over 20 steps");
+        let mut cuda = vec!["--device", "cuda", "--engine", "--param-dtype", dtype];
+        cuda.extend(extra);
+        let name = format!("engine-{dtype}-");
+        let (_, out) = cpu_and_cuda(&name, (ranks, strategy), &[], &cuda, bound);
+        let want = format!("{ranks} ranks on cuda through the engine");
+        assert!(out.contains(&want), "{out}");
     }
 }
 

@@ -47,8 +47,8 @@ use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::tree::gpt_block_plan;
 use fsdp_kernels::gemm::{Blas, MatMul};
 use fsdp_kernels::gpt::{
-    Attention, CudaMemory, CudaOps, GptDims, GptOps, GptPass, HostOps, HostProducts, Logits,
-    MemoryUse, PeerOps, Products,
+    Attention, CudaMemory, CudaOps, GptOps, GptPass, HostOps, HostProducts, Logits, MemoryUse,
+    PeerOps, Products,
 };
 use fsdp_kernels::host::AnyPrecision;
 
@@ -311,14 +311,7 @@ fn engine_times<O: EngineViews>(
     let plan = gpt_block_plan(&cfg);
     let fsdp = Fsdp::new_on(comm, dev, &plan, init, fsdp_config, config.adamw)
         .map_err(|e| e.to_string())?;
-    let dims = GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
-    };
-    let mut pass = GptPass::new(ops, dims).map_err(|e| e.to_string())?;
+    let mut pass = GptPass::new(ops, cfg.dims()).map_err(|e| e.to_string())?;
     pass.set_attention(args.attention);
     pass.set_logits(args.logits);
     pass.set_activation_checkpointing(args.activation_checkpointing);

@@ -419,6 +419,42 @@ pub fn assert_runs_agree(
     max
 }
 
+/// The engine's `fsdp train` of the small model on the CPU (`base`, then `extra`) against the
+/// same run with `device` added, both with `--loss-log` and `--save` in `dir`: the device run
+/// says `expect` and `done: {steps} steps`, and [`assert_runs_agree`] within `bound` and
+/// `weights`.
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_against_device(
+    dir: &Path,
+    test: &str,
+    base: &[&str],
+    (extra, device): (&[&str], &[&str]),
+    expect: &str,
+    steps: usize,
+    bound: f64,
+    weights: f64,
+) {
+    let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
+    let (cpu_w, twin_w) = (dir.join("cpu.safetensors"), dir.join("twin.safetensors"));
+    let mut a = small_train_args(base, extra);
+    a.extend(["--loss-log", s(&cpu), "--save", s(&cpu_w)]);
+    ok(&fsdp(&a), "fsdp train (the engine on the CPU)");
+    let mut b = small_train_args(base, extra);
+    b.extend(device);
+    b.extend(["--loss-log", s(&twin), "--save", s(&twin_w)]);
+    let out = ok(&fsdp(&b), &format!("fsdp train {}", device.join(" ")));
+    assert!(out.contains(expect), "{out}");
+    assert!(out.contains(&format!("done: {steps} steps")), "{out}");
+    assert_runs_agree(
+        test,
+        (&cpu, &cpu_w),
+        (&twin, &twin_w),
+        steps,
+        bound,
+        weights,
+    );
+}
+
 /// `fsdp train` with the learning rate 1e30 (its first update makes the model's next loss
 /// NaN) and `extra`, run as `engine` says (`--ranks N`) and on the host twins (`twin` added to
 /// `--device host-twin`): both must stop with the same one `error:` line about a non-finite

@@ -14,7 +14,7 @@ use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_gpt::engine_gpt::{EngineGpt, GptOnEngine};
 use fsdp_gpt::engine_views::EngineViews;
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptDims, GptPass, HostOps};
+use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptPass, HostOps};
 
 use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
 use crate::device_cmd::{cuda_ordinal, host_products, products};
@@ -118,29 +118,29 @@ pub(crate) fn activations_line(dev: EngineDevice) -> &'static str {
     }
 }
 
+/// What every rank's `--engine` model is built from.
+pub(crate) struct EngineRun<'a> {
+    pub(crate) cfg: GptConfig,
+    pub(crate) plan: &'a UnitPlan,
+    pub(crate) config: FsdpConfig,
+    pub(crate) opt: OptimizerConfig,
+    pub(crate) args: &'a TrainArgs,
+}
+
 /// One rank's engine on `dev` with the GPT's kernels.
 ///
 /// # Errors
 /// The device, the engine or the kernels failing to start, naming the rank.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn engine_model(
     dev: EngineDevice,
     comm: Box<dyn Communicator>,
-    cfg: GptConfig,
-    plan: &UnitPlan,
     init: ParamInit<'_>,
-    config: FsdpConfig,
-    opt: OptimizerConfig,
-    args: &TrainArgs,
+    run: &EngineRun<'_>,
 ) -> Result<Box<dyn GptOnEngine>, CliError> {
     let rank = comm.rank();
-    let on_rank = |e: String| {
-        fail(format!(
-            "--device {} --engine: rank {rank}: {e}",
-            args.device
-        ))
-    };
-    let allocator = config.allocator;
+    let device_arg = run.args.device;
+    let on_rank = |e: String| fail(format!("--device {device_arg} --engine: rank {rank}: {e}"));
+    let (allocator, dtype) = (run.config.allocator, run.args.model.param_dtype);
     match dev {
         EngineDevice::Cuda(n) => {
             let device = ComputeDevice::cuda(n, allocator).map_err(|e| on_rank(e.to_string()))?;
@@ -153,14 +153,19 @@ pub(crate) fn engine_model(
                 .ok_or_else(|| on_rank("no caching allocator".into()))?;
             let ops = CudaOps::with_memory(device.compute_stream().clone(), memory)
                 .map_err(|e| on_rank(e.to_string()))?
-                .with_products(products(args.model.param_dtype));
-            build(device, ops, comm, cfg, plan, init, config, opt, args)
+                .with_products(products(dtype));
+            build(device, ops, comm, init, run)
         }
         EngineDevice::HostTwin => {
-            let device = ComputeDevice::host_twin(config.memory_capacity, allocator)
+            let device = ComputeDevice::host_twin(run.config.memory_capacity, allocator)
                 .map_err(|e| on_rank(e.to_string()))?;
-            let ops = HostOps::with_products(host_products(args.model.param_dtype));
-            build(device, ops, comm, cfg, plan, init, config, opt, args)
+            build(
+                device,
+                HostOps::with_products(host_products(dtype)),
+                comm,
+                init,
+                run,
+            )
         }
     }
     .map_err(|e| match e {
@@ -169,32 +174,21 @@ pub(crate) fn engine_model(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
 fn build<O: EngineViews + 'static>(
     device: ComputeDevice,
     ops: O,
     comm: Box<dyn Communicator>,
-    cfg: GptConfig,
-    plan: &UnitPlan,
     init: ParamInit<'_>,
-    config: FsdpConfig,
-    opt: OptimizerConfig,
-    args: &TrainArgs,
+    run: &EngineRun<'_>,
 ) -> Result<Box<dyn GptOnEngine>, DeviceTrainError> {
-    let fsdp = Fsdp::new_on(comm, device, plan, init, config, opt)?;
-    let dims = GptDims {
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        block_size: cfg.block_size,
-        vocab_size: cfg.vocab_size,
-    };
-    let mut pass = GptPass::new(ops, dims)?;
-    pass.set_activation_checkpointing(args.model.activation_checkpointing);
-    if let Some(a) = args.model.attention {
+    let fsdp = Fsdp::new_on(comm, device, run.plan, init, run.config, run.opt)?;
+    let model = &run.args.model;
+    let mut pass = GptPass::new(ops, run.cfg.dims())?;
+    pass.set_activation_checkpointing(model.activation_checkpointing);
+    if let Some(a) = model.attention {
         pass.set_attention(a);
     }
-    if let Some(l) = args.model.logits {
+    if let Some(l) = model.logits {
         pass.set_logits(l);
     }
     Ok(Box::new(EngineGpt::new(fsdp, pass)?))

@@ -278,7 +278,14 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         };
         let mut model: Box<dyn GptOnEngine> = match engine_device {
             Some(dev) => {
-                crate::engine_cmd::engine_model(dev, comm, cfg, &plan, init, config, opt, args)?
+                let run = crate::engine_cmd::EngineRun {
+                    cfg,
+                    plan: &plan,
+                    config,
+                    opt,
+                    args,
+                };
+                crate::engine_cmd::engine_model(dev, comm, init, &run)?
             }
             None => Box::new(
                 FsdpGpt::with_init(comm, cfg, &plan, init, config, opt)
