@@ -8,7 +8,10 @@
 //! offload, activation checkpointing, bf16 reductions; a non-finite step stops (or is
 //! skipped) with the engine's line; a checkpoint resumes to the uninterrupted run's losses,
 //! and on the CPU (the engine's sharded checkpoints are one format) within the same bound.
-//! And its refusals, each one `error:` line naming the option.
+//! With the device's default bf16 products, `--engine` and the GPT's device trainer train the
+//! same bits (losses and saved weights) wherever they run the same operations (no
+//! accumulation, clipping or grad scaler). And its refusals, each one `error:` line naming the
+//! option.
 
 mod common;
 
@@ -177,5 +180,86 @@ fn options_the_engine_on_a_device_does_not_take_are_refused() {
     ] {
         let out = fsdp(&small_train_args(&base, extra));
         one_error_status_1(&out, &[needle]);
+    }
+}
+
+/// With bf16 products (the device's default) and without accumulation, clipping or the grad
+/// scaler, `--engine` and the GPT's device trainer run the same operations in the same order
+/// on the same twins: the same losses and `--save`d weights bit for bit, at 1 and 2 ranks
+/// (FULL_SHARD, SHARD_GRAD_OP with bf16 reductions, offload with checkpointing); at 4 ranks in
+/// two nodes the weights bit for bit (the global loss is summed over the ranks in another
+/// order). With accumulation the two differ by design: the device trainer reduces each
+/// micro-batch, the engine once a step.
+#[test]
+fn the_engine_and_the_device_trainer_train_the_same_bits() {
+    let base = ["--batch-size", "8", "--steps", "6"];
+    for (test, extra, same_losses) in [
+        ("same_1", &["--ranks", "1"][..], true),
+        ("same_2", &["--ranks", "2"][..], true),
+        (
+            "same_sgo_bf16",
+            &[
+                "--ranks",
+                "2",
+                "--strategy",
+                "shard-grad-op",
+                "--reduce-dtype",
+                "bf16",
+            ][..],
+            true,
+        ),
+        (
+            "same_offload_ckpt",
+            &[
+                "--ranks",
+                "2",
+                "--cpu-offload",
+                "--activation-checkpointing",
+            ][..],
+            true,
+        ),
+        (
+            "same_hybrid_4",
+            &[
+                "--ranks",
+                "4",
+                "--strategy",
+                "hybrid-shard",
+                "--ranks-per-node",
+                "2",
+            ][..],
+            false,
+        ),
+    ] {
+        let dir = scratch("engine_cli", test);
+        let run = |engine: bool| {
+            let (log, w) = (
+                dir.join(format!("{engine}.csv")),
+                dir.join(format!("{engine}.st")),
+            );
+            let mut a = small_train_args(&base, extra);
+            a.extend([
+                "--device",
+                "host-twin",
+                "--loss-log",
+                s(&log),
+                "--save",
+                s(&w),
+            ]);
+            if engine {
+                a.push("--engine");
+            }
+            ok(&fsdp(&a), test);
+            (log_losses(&log), std::fs::read(&w).unwrap())
+        };
+        let (engine, trainer) = (run(true), run(false));
+        assert!(engine.1 == trainer.1, "{test}: the saved weights differ");
+        if same_losses {
+            assert_eq!(engine.0, trainer.0, "{test}");
+        } else {
+            for (a, b) in engine.0.iter().zip(&trainer.0) {
+                assert!(((a - b) / b).abs() <= 1e-7, "{test}: {a} vs {b}");
+            }
+        }
     }
 }

@@ -358,7 +358,8 @@ pub(crate) struct TrainArgs {
     /// cuBLAS on one CUDA stream, AdamW on the device; by default (`--param-dtype bf16`)
     /// products of bf16-rounded operands with f32 sums (every other layer f32, as
     /// `torch.autocast`), with `--param-dtype f32` all in f32; the options of sharding,
-    /// checkpointing, tracing and memory admission are refused).
+    /// checkpointing, tracing and memory admission are refused); with `--engine`, through the
+    /// sharded engine on the device instead.
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N", value_parser = parse_device)]
     pub(crate) device: DeviceArg,
     /// With --device: CPU offload (PyTorch's `CPUOffload(offload_params=True)`): the master
