@@ -1,6 +1,6 @@
 //! [`EngineGpt`]: the GPT's pass over device operations ([`GptPass`], the kernels or their
 //! twins) sharded by the [`fsdp`] engine. The engine's hooks run around each of the GPT's units
-//! ([`Units`]: the root and each block), as PyTorch FSDP's hooks run around each wrapped
+//! ([`Units`](fsdp_kernels::gpt::Units): the root and each block), as PyTorch FSDP's hooks run around each wrapped
 //! module; the pass reads each unit's unsharded parameters and adds its gradients through
 //! [`EngineViews`] (copies for the host twins, the buffers themselves on CUDA).
 //!
@@ -29,17 +29,17 @@
 //! assert_eq!(losses[0], losses[1]); // the global batch's mean loss, on every rank
 //! ```
 
-use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 
+use fsdp::trace::TraceEvent;
 use fsdp::{Fsdp, FsdpError};
-use fsdp_device::Stream;
-use fsdp_kernels::gpt::{param_shapes, Block, GptDims, GptOps, GptPass, Unit, Units, Weights};
+use fsdp_kernels::gpt::{GptOps, GptPass};
 use fsdp_kernels::host::{step_scalars_len, STEP_LOSS, STEP_SCALE};
-use fsdp_kernels::KernelError;
 
 use crate::data::Batch;
 use crate::device_config::DeviceTrainError;
+use crate::device_trace::{StepMarks, Tracing};
+use crate::engine_units::{EngineUnits, UnitMap};
 use crate::engine_views::EngineViews;
 use crate::runtime::FsdpGpt;
 
@@ -58,6 +58,22 @@ pub trait GptOnEngine: DerefMut<Target = Fsdp> {
         batch: &Batch,
         global_tokens: usize,
     ) -> Result<f32, DeviceTrainError>;
+
+    /// Trace the model's own parts from now on (`true`) or not: [`EngineGpt::set_tracing`].
+    /// Default: nothing to trace beyond the engine's spans (the reference GPT's spans are the
+    /// engine's).
+    ///
+    /// # Errors
+    /// Device failures.
+    fn set_model_tracing(&mut self, on: bool) -> Result<(), DeviceTrainError> {
+        let _ = on;
+        Ok(())
+    }
+
+    /// The model's own traced parts ([`EngineGpt::model_trace_events`]); default none.
+    fn model_trace_events(&self) -> Vec<TraceEvent> {
+        Vec::new()
+    }
 }
 
 impl GptOnEngine for FsdpGpt {
@@ -78,6 +94,14 @@ impl<O: EngineViews> GptOnEngine for EngineGpt<O> {
     ) -> Result<f32, DeviceTrainError> {
         let (rows, t) = (batch.shape.rows, batch.shape.seq_len);
         self.forward_backward(&batch.inputs, &batch.targets, rows, t, global_tokens)
+    }
+
+    fn set_model_tracing(&mut self, on: bool) -> Result<(), DeviceTrainError> {
+        EngineGpt::set_tracing(self, on)
+    }
+
+    fn model_trace_events(&self) -> Vec<TraceEvent> {
+        EngineGpt::model_trace_events(self)
     }
 }
 
@@ -103,108 +127,60 @@ pub struct EngineGpt<O: EngineViews> {
     fsdp: Fsdp,
     pass: GptPass<O>,
     units: UnitMap,
-}
-
-/// The engine's unit of the GPT's root and of each block.
-#[derive(Clone, Debug)]
-struct UnitMap {
-    root: usize,
-    blocks: Vec<usize>,
-}
-
-impl UnitMap {
-    fn of(&self, unit: Unit) -> usize {
-        match unit {
-            Unit::Root => self.root,
-            Unit::Block(l) => self.blocks[l],
-        }
-    }
-}
-
-fn invalid_plan(reason: String) -> DeviceTrainError {
-    DeviceTrainError::Fsdp(FsdpError::InvalidPlan { reason })
-}
-
-/// The engine's unit holding every parameter of `names` (all in one unit, else an error).
-fn unit_of_all(fsdp: &Fsdp, what: &str, names: &[String]) -> Result<usize, DeviceTrainError> {
-    let mut unit = None;
-    for n in names {
-        let u = fsdp.unit_of(n)?;
-        match unit {
-            None => unit = Some(u),
-            Some(v) if v != u => {
-                return Err(invalid_plan(format!(
-                    "{what}'s parameters are in units {v} and {u}: the GPT's pass needs each of \
-                     its units (the root, each block) in one unit of the engine"
-                )))
-            }
-            Some(_) => {}
-        }
-    }
-    unit.ok_or_else(|| invalid_plan(format!("{what} has no parameters")))
+    /// The kernels' parts on the device's timeline ([`set_tracing`](Self::set_tracing)).
+    tracing: Option<Tracing<O::Mark>>,
+    /// Passes run (the micro-batch numbers of the trace, from 1).
+    passes: u64,
 }
 
 impl<O: EngineViews> EngineGpt<O> {
     /// The GPT `pass` on the engine `fsdp`, whose parameters must be the GPT's (names and
-    /// shapes of [`param_shapes`]) in units that each hold the root or one block.
+    /// shapes of [`param_shapes`](fsdp_kernels::gpt::param_shapes)) in units that each hold
+    /// the root or one block.
     ///
     /// # Errors
     /// [`FsdpError::InvalidPlan`] (in [`DeviceTrainError::Fsdp`]) naming a parameter missing
     /// or of another shape, or units that split or merge the GPT's units.
     pub fn new(fsdp: Fsdp, pass: GptPass<O>) -> Result<Self, DeviceTrainError> {
-        let d = pass.dims();
-        let want = param_shapes(&d);
-        let have: HashMap<&str, &[usize]> = fsdp.named_shapes().collect();
-        for (name, shape) in &want {
-            match have.get(name.as_str()) {
-                Some(s) if *s == shape.as_slice() => {}
-                Some(s) => {
-                    return Err(invalid_plan(format!(
-                        "`{name}` has shape {s:?} in the engine, {shape:?} in the GPT"
-                    )))
-                }
-                None => return Err(invalid_plan(format!("`{name}` is not in the engine"))),
-            }
-        }
-        if have.len() != want.len() {
-            return Err(invalid_plan(format!(
-                "the engine holds {} parameters, the GPT has {}",
-                have.len(),
-                want.len()
-            )));
-        }
-        let root_names = [
-            "transformer.wte.weight",
-            "transformer.wpe.weight",
-            "transformer.ln_f.weight",
-            "transformer.ln_f.bias",
-        ]
-        .map(String::from);
-        let root = unit_of_all(&fsdp, "the root", &root_names)?;
-        let mut blocks = Vec::with_capacity(d.n_layer);
-        for l in 0..d.n_layer {
-            let names: Vec<String> = want
-                .iter()
-                .filter(|(n, _)| n.starts_with(&format!("transformer.h.{l}.")))
-                .map(|(n, _)| n.clone())
-                .collect();
-            blocks.push(unit_of_all(&fsdp, &format!("block {l}"), &names)?);
-        }
-        let mut seen = vec![root];
-        for (l, &u) in blocks.iter().enumerate() {
-            if seen.contains(&u) {
-                return Err(invalid_plan(format!(
-                    "block {l} shares unit {u} with another of the GPT's units: the GPT's pass \
-                     needs the root and each block in units of their own (gpt_block_plan)"
-                )));
-            }
-            seen.push(u);
-        }
+        let units = UnitMap::new(&fsdp, &pass.dims())?;
         Ok(EngineGpt {
             fsdp,
             pass,
-            units: UnitMap { root, blocks },
+            units,
+            tracing: None,
+            passes: 0,
         })
+    }
+
+    /// Trace the kernels' parts of every pass from now on (`true`) or none (`false`, the
+    /// default): the embeddings, each block's forward and backward, the head, and the hooks'
+    /// work (unsharding a unit, reducing its gradients), each timed on the device's timeline
+    /// and placed on the trace's clock once the pass's loss is read
+    /// ([`model_trace_events`](Self::model_trace_events); the engine's own collectives are in
+    /// [`Fsdp::trace_events`]). Turning it on waits once for the device to be idle.
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn set_tracing(&mut self, on: bool) -> Result<(), DeviceTrainError> {
+        self.pass.set_tracing(on);
+        self.tracing = if on {
+            let ops = self.pass.ops();
+            ops.wait_scalars(ops.copy_scalars(&ops.scalars(&[0.0; step_scalars_len(0)])?)?)?;
+            Some(Tracing::start(ops)?)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The kernels' parts of the traced passes whose losses were read, in order (`step`: the
+    /// pass, from 1): write them with the engine's [`Fsdp::trace_events`] through
+    /// [`fsdp::trace::write_chrome_trace`].
+    pub fn model_trace_events(&self) -> Vec<TraceEvent> {
+        self.tracing
+            .as_ref()
+            .map(Tracing::events)
+            .unwrap_or_default()
     }
 
     /// The engine.
@@ -260,9 +236,10 @@ impl<O: EngineViews> EngineGpt<O> {
         t: usize,
         global_tokens: usize,
     ) -> Result<f32, DeviceTrainError> {
-        let losses = self.pass_losses(inputs, targets, rows, t, global_tokens)?;
+        let (losses, marks) = self.pass_losses(inputs, targets, rows, t, global_tokens)?;
         let ops = self.pass.ops();
         let sum: f64 = ops.download(&losses)?.iter().map(|&l| f64::from(l)).sum();
+        self.trace_record(marks)?;
         Ok(self
             .fsdp
             .all_reduce_loss((sum / global_tokens as f64) as f32)?)
@@ -286,13 +263,14 @@ impl<O: EngineViews> EngineGpt<O> {
     ) -> Result<PendingLoss<O>, DeviceTrainError> {
         let r = self
             .pass_losses(inputs, targets, rows, t, global_tokens)
-            .and_then(|losses| {
+            .and_then(|(losses, marks)| {
                 let ops = self.pass.ops();
                 let mut scalars = ops.scalars(&[0.0; step_scalars_len(0)])?;
                 ops.loss_accumulate(&losses, 1, true, &mut scalars)?;
                 Ok(PendingLoss {
                     copy: ops.copy_scalars(&scalars)?,
                     share: (rows * t) as f64 / global_tokens as f64,
+                    marks,
                 })
             });
         if r.is_err() {
@@ -307,12 +285,23 @@ impl<O: EngineViews> EngineGpt<O> {
     ///
     /// # Errors
     /// A failed copy or an earlier failure on the device; a wait past its timeout.
-    pub fn wait_loss(&self, pending: PendingLoss<O>) -> Result<f32, DeviceTrainError> {
+    pub fn wait_loss(&mut self, pending: PendingLoss<O>) -> Result<f32, DeviceTrainError> {
         let v = self.pass.ops().wait_scalars(pending.copy)?;
+        self.trace_record(pending.marks)?;
         Ok((v[STEP_LOSS] * pending.share) as f32)
     }
 
-    /// One pass, the engine's reductions finished: the per-token losses on the device.
+    /// The spans of a traced pass whose loss was read (its marks are reached).
+    fn trace_record(&mut self, marks: Option<StepMarks<O::Mark>>) -> Result<(), DeviceTrainError> {
+        if let (Some(t), Some(m)) = (&mut self.tracing, marks) {
+            t.record(self.pass.ops(), m)?;
+        }
+        Ok(())
+    }
+
+    /// One pass, the engine's reductions finished: the per-token losses on the device, and
+    /// the pass's marks when tracing.
+    #[allow(clippy::type_complexity)]
     fn pass_losses(
         &mut self,
         inputs: &[u32],
@@ -320,7 +309,7 @@ impl<O: EngineViews> EngineGpt<O> {
         rows: usize,
         t: usize,
         global_tokens: usize,
-    ) -> Result<O::Buf, DeviceTrainError> {
+    ) -> Result<(O::Buf, Option<StepMarks<O::Mark>>), DeviceTrainError> {
         if global_tokens == 0 {
             return Err(DeviceTrainError::Fsdp(FsdpError::InvalidShape {
                 reason: "global_tokens of 0: the loss is a mean over them".into(),
@@ -341,7 +330,12 @@ impl<O: EngineViews> EngineGpt<O> {
             .fsdp
             .compute_device()
             .map(|d| d.compute_stream().clone());
-        let mut units = EngineUnits::new(&mut self.fsdp, &self.units, self.pass.dims(), stream);
+        if let Some(t) = &mut self.tracing {
+            t.begin(ops)?;
+        }
+        let traced = self.tracing.is_some();
+        let dims = self.pass.dims();
+        let mut units = EngineUnits::new(&mut self.fsdp, &self.units, dims, stream, traced);
         let losses = self.pass.forward_backward_scaled(
             &mut units,
             inputs,
@@ -352,7 +346,15 @@ impl<O: EngineViews> EngineGpt<O> {
         )?;
         drop(units);
         self.fsdp.finalize_backward()?;
-        Ok(losses)
+        self.passes += 1;
+        let marks = match &mut self.tracing {
+            Some(t) => {
+                t.model(self.pass.take_marks(), self.passes);
+                t.take()
+            }
+            None => None,
+        };
+        Ok((losses, marks))
     }
 
     /// One training step: [`forward_backward`](Self::forward_backward) of this rank's part of
@@ -381,208 +383,6 @@ pub struct PendingLoss<O: GptOps> {
     copy: O::ScalarsCopy,
     /// The pass's tokens over the global batch's.
     share: f64,
-}
-
-/// The engine's hooks around the GPT's units, and the views of the units unsharded now.
-struct EngineUnits<'a, O: GptOps> {
-    fsdp: &'a mut Fsdp,
-    map: &'a UnitMap,
-    dims: GptDims,
-    stream: Option<Stream>,
-    root: Option<Weights<O::Buf>>,
-    root_grads: Option<Weights<O::Buf>>,
-    blocks: Vec<Option<Block<O::Buf>>>,
-    block_grads: Vec<Option<Block<O::Buf>>>,
-}
-
-/// What is not held now.
-fn not_held(what: String) -> DeviceTrainError {
-    DeviceTrainError::Fsdp(FsdpError::InvalidFsdpConfig {
-        reason: format!("{what} is not unsharded now: the GPT's pass read it outside its hooks"),
-    })
-}
-
-impl<'a, O: EngineViews> EngineUnits<'a, O> {
-    fn new(fsdp: &'a mut Fsdp, map: &'a UnitMap, dims: GptDims, stream: Option<Stream>) -> Self {
-        let n = dims.n_layer;
-        EngineUnits {
-            fsdp,
-            map,
-            dims,
-            stream,
-            root: None,
-            root_grads: None,
-            blocks: (0..n).map(|_| None).collect(),
-            block_grads: (0..n).map(|_| None).collect(),
-        }
-    }
-
-    /// The names and lengths of `unit`'s parameters.
-    fn names(&self, unit: Unit) -> Vec<(String, usize)> {
-        let prefix = match unit {
-            Unit::Root => None,
-            Unit::Block(l) => Some(format!("transformer.h.{l}.")),
-        };
-        param_shapes(&self.dims)
-            .into_iter()
-            .filter(|(n, _)| match &prefix {
-                Some(p) => n.starts_with(p.as_str()),
-                None => !n.starts_with("transformer.h."),
-            })
-            .map(|(n, s)| (n, s.iter().product()))
-            .collect()
-    }
-
-    /// Views of `unit`'s parameters (`grads`: its gradients) by name.
-    fn view(
-        &mut self,
-        ops: &O,
-        unit: Unit,
-        grads: bool,
-    ) -> Result<HashMap<String, O::Buf>, DeviceTrainError> {
-        let u = self.map.of(unit);
-        let names = self.names(unit);
-        let stream = self.stream.as_ref();
-        let mut out = HashMap::with_capacity(names.len());
-        if grads {
-            let mut views = self.fsdp.grad_views(&[u])?;
-            for (n, len) in names {
-                let b = ops.grad_view(&mut views, stream, &n, len)?;
-                out.insert(n, b);
-            }
-        } else {
-            let views = self.fsdp.param_views(&[u])?;
-            for (n, len) in names {
-                let b = ops.param_view(&views, stream, &n, len)?;
-                out.insert(n, b);
-            }
-        }
-        Ok(out)
-    }
-
-    /// Hold views of `unit`'s parameters (`grads`: its gradients).
-    fn hold(&mut self, ops: &O, unit: Unit, grads: bool) -> Result<(), DeviceTrainError> {
-        let mut m = self.view(ops, unit, grads)?;
-        let mut get = |name: &str, _: usize| -> Result<O::Buf, KernelError> {
-            m.remove(name).ok_or_else(|| KernelError::InvalidArgument {
-                kernel: "gpt",
-                reason: format!("`{name}` was not viewed"),
-            })
-        };
-        match unit {
-            Unit::Root => {
-                let w = Weights::try_build_root(&self.dims, &mut get)?;
-                *(if grads {
-                    &mut self.root_grads
-                } else {
-                    &mut self.root
-                }) = Some(w);
-            }
-            Unit::Block(l) => {
-                let prefix = format!("transformer.h.{l}.");
-                let b =
-                    Block::try_build(self.dims.n_embd, |s, len| get(&format!("{prefix}{s}"), len))?;
-                *(if grads {
-                    &mut self.block_grads[l]
-                } else {
-                    &mut self.blocks[l]
-                }) = Some(b);
-            }
-        }
-        Ok(())
-    }
-
-    /// Hand `unit`'s gradients back to the engine and drop its views.
-    fn release(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        let bufs: Vec<O::Buf> = match unit {
-            Unit::Root => {
-                self.root = None;
-                let g = self
-                    .root_grads
-                    .take()
-                    .ok_or_else(|| not_held(unit.to_string()))?;
-                let Weights { wte, wpe, ln_f, .. } = g;
-                vec![wte, wpe, ln_f.weight, ln_f.bias]
-            }
-            Unit::Block(l) => {
-                self.blocks[l] = None;
-                let g = self.block_grads[l]
-                    .take()
-                    .ok_or_else(|| not_held(unit.to_string()))?;
-                let mut v = Vec::with_capacity(12);
-                for p in [g.ln_1, g.c_attn, g.attn_proj, g.ln_2, g.c_fc, g.mlp_proj] {
-                    v.push(p.weight);
-                    v.push(p.bias);
-                }
-                v
-            }
-        };
-        let names = self.names(unit);
-        let mut views = self.fsdp.grad_views(&[self.map.of(unit)])?;
-        for ((n, _), b) in names.iter().zip(bufs) {
-            ops.grad_return(&mut views, self.stream.as_ref(), n, b)?;
-        }
-        Ok(())
-    }
-}
-
-impl<O: EngineViews> Units<O> for EngineUnits<'_, O> {
-    type Error = DeviceTrainError;
-
-    fn pre_forward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        self.fsdp.pre_forward(self.map.of(unit))?;
-        self.hold(ops, unit, false)
-    }
-
-    fn post_forward(&mut self, _: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        match unit {
-            Unit::Root => self.root = None,
-            Unit::Block(l) => self.blocks[l] = None,
-        }
-        Ok(self.fsdp.post_forward(self.map.of(unit))?)
-    }
-
-    fn pre_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        self.fsdp.pre_backward(self.map.of(unit))?;
-        self.hold(ops, unit, false)?;
-        self.hold(ops, unit, true)
-    }
-
-    fn post_backward(&mut self, ops: &O, unit: Unit) -> Result<(), DeviceTrainError> {
-        self.release(ops, unit)?;
-        Ok(self.fsdp.post_backward(self.map.of(unit))?)
-    }
-
-    fn root(&self) -> Result<&Weights<O::Buf>, DeviceTrainError> {
-        self.root
-            .as_ref()
-            .ok_or_else(|| not_held("the root".into()))
-    }
-
-    fn block(&self, layer: usize) -> Result<&Block<O::Buf>, DeviceTrainError> {
-        self.blocks
-            .get(layer)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| not_held(format!("block {layer}")))
-    }
-
-    fn root_grads(&mut self) -> Result<(&Weights<O::Buf>, &mut Weights<O::Buf>), DeviceTrainError> {
-        match (self.root.as_ref(), self.root_grads.as_mut()) {
-            (Some(p), Some(g)) => Ok((p, g)),
-            _ => Err(not_held("the root's gradient".into())),
-        }
-    }
-
-    fn block_grads(
-        &mut self,
-        layer: usize,
-    ) -> Result<(&Block<O::Buf>, &mut Block<O::Buf>), DeviceTrainError> {
-        match (
-            self.blocks.get(layer).and_then(Option::as_ref),
-            self.block_grads.get_mut(layer).and_then(Option::as_mut),
-        ) {
-            (Some(p), Some(g)) => Ok((p, g)),
-            _ => Err(not_held(format!("block {layer}'s gradient"))),
-        }
-    }
+    /// The pass's marks when tracing.
+    marks: Option<StepMarks<O::Mark>>,
 }

@@ -263,3 +263,45 @@ fn the_engine_and_the_device_trainer_train_the_same_bits() {
         }
     }
 }
+
+/// `--trace` with `--engine`: each rank's process holds the engine's collectives and the
+/// kernels' parts (each block's forward and backward, the head, the hooks' unsharding and
+/// reductions), timed on the device's timeline.
+#[test]
+fn a_trace_holds_the_engines_collectives_and_the_kernels_parts() {
+    let dir = scratch("engine_cli", "trace");
+    let trace = dir.join("t.json");
+    let base = ["--batch-size", "8", "--steps", "2", "--ranks", "2"];
+    let device = ["--device", "host-twin", "--engine", "--trace", s(&trace)];
+    ok(&fsdp(&small_train_args(&base, &device)), "--engine --trace");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let spans: Vec<(u64, String)> = json["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            (
+                e["pid"].as_u64().unwrap(),
+                e["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for rank in [0, 1] {
+        for want in [
+            "all_gather unit 1",
+            "reduce_scatter unit 2",
+            "forward block 1",
+            "backward block 0",
+            "head (logits, cross-entropy and their backward)",
+            "unshard block 1 for backward",
+            "reduce block 0's gradients",
+        ] {
+            assert!(
+                spans.iter().any(|(p, n)| *p == rank && n == want),
+                "rank {rank}: {want} in {spans:?}"
+            );
+        }
+    }
+}

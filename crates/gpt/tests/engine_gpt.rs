@@ -432,6 +432,76 @@ fn a_loss_read_one_step_late_trains_as_one_read_at_once() {
     }
 }
 
+/// A traced run's kernel parts: every pass's embeddings, blocks, head and hooks' work, in
+/// order on the device's timeline (each part beginning where the one before ended), for the
+/// passes whose losses were read at once and one step late alike; none before tracing began.
+#[test]
+fn a_traced_pass_times_the_kernels_parts() {
+    let s = Setup::new(2, 7, 3, common::adamw());
+    let parts = ring::run_ranks(1, ring_options(), |comm| {
+        let dev = ComputeDevice::host_twin(1 << 28, Default::default()).unwrap();
+        let config = Options::new(ShardingStrategy::FullShard);
+        let fsdp = engine(&s, Box::new(comm), Some(dev), config);
+        let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+        let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
+        let b = get_batch(&s.tokens, 0, 4, SEQ, 0, 1).unwrap();
+        let (rows, t) = (b.shape.rows, b.shape.seq_len);
+        gpt.step(&b.inputs, &b.targets, rows, t, rows * t).unwrap();
+        gpt.set_tracing(true).unwrap();
+        gpt.step(&b.inputs, &b.targets, rows, t, rows * t).unwrap();
+        let p = gpt
+            .forward_backward_pending(&b.inputs, &b.targets, rows, t, rows * t)
+            .unwrap();
+        gpt.wait_loss(p).unwrap();
+        gpt.model_trace_events()
+    })
+    .unwrap()
+    .swap_remove(0);
+    let spans: Vec<(String, u64, f64, f64)> = parts
+        .into_iter()
+        .filter_map(|e| match e {
+            fsdp::trace::TraceEvent::Span {
+                name,
+                step,
+                begin_us,
+                end_us,
+                ..
+            } => Some((name, step, begin_us, end_us)),
+            _ => None,
+        })
+        .collect();
+    let names = |step: u64| -> Vec<&str> {
+        spans
+            .iter()
+            .filter(|s| s.1 == step)
+            .map(|s| s.0.as_str())
+            .collect()
+    };
+    // The passes are the second and third of the run (the first ran untraced).
+    assert!(names(1).is_empty(), "{spans:?}");
+    for step in [2, 3] {
+        let n = names(step);
+        for want in [
+            "unshard the root",
+            "embedding forward",
+            "forward block 1",
+            "head (logits, cross-entropy and their backward)",
+            "unshard block 0 for backward",
+            "backward block 0",
+            "reduce block 0's gradients",
+            "embedding backward",
+            "reduce the root's gradients",
+        ] {
+            assert!(n.contains(&want), "pass {step}: {want} in {n:?}");
+        }
+        let p: Vec<_> = spans.iter().filter(|s| s.1 == step).collect();
+        for w in p.windows(2) {
+            assert_eq!(w[0].3, w[1].2, "{w:?}");
+        }
+        assert!(p.iter().all(|s| s.3 >= s.2), "{p:?}");
+    }
+}
+
 /// Plans that split the GPT's units over several of the engine's, or put two in one, are
 /// refused by name; so are batches the pass cannot run, with the engine still usable after.
 #[test]

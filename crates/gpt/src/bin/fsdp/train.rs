@@ -295,6 +295,9 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         if rank == 0 && args.memory_snapshot.is_some() {
             model.record_memory_history(Some(fsdp_allocator::HistoryConfig::default()));
         }
+        if args.trace.is_some() {
+            model.set_model_tracing(true).map_err(on_rank_error(rank))?;
+        }
         model.set_lr_schedule(schedule)?;
         model.set_grad_scaler(scaler)?;
         if let Some(state) = scaler_state {
@@ -422,7 +425,8 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .map_err(|e| fail(format!("--memory-snapshot: {e}")))?;
         }
         let stats = model.memory_stats();
-        let trace = model.trace_events();
+        let mut trace = model.trace_events();
+        trace.extend(model.model_trace_events());
         Ok(RankReport {
             trace,
             losses,
