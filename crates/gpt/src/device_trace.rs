@@ -31,9 +31,14 @@ pub(crate) struct StepMarks<M> {
 }
 
 impl<M> Tracing<M> {
-    /// A trace whose timeline starts now on `ops`' device (the caller has waited for it to be
-    /// idle, so that the mark recorded now is reached at once).
-    pub(crate) fn start<O: GptOps<Mark = M>>(ops: &O) -> Result<Tracing<M>, KernelError> {
+    /// A trace of `ops`' device whose timeline starts once the work issued there so far has
+    /// run: the host waits for a copy of `scalars` issued now, so that the mark recorded then
+    /// is reached at once and placed on the trace's clock.
+    pub(crate) fn start_when_idle<O: GptOps<Mark = M>>(
+        ops: &O,
+        scalars: &O::Scalars,
+    ) -> Result<Tracing<M>, KernelError> {
+        ops.wait_scalars(ops.copy_scalars(scalars)?)?;
         Ok(Tracing {
             anchor: ops.mark()?,
             anchor_us: now_us(),
@@ -131,9 +136,7 @@ impl<O: GptOps> DeviceTrainer<O> {
         }
         self.model.set_tracing(on);
         self.tracing = if on {
-            let ops = self.model.ops();
-            ops.wait_scalars(ops.copy_scalars(&self.scalars)?)?;
-            Some(Tracing::start(ops)?)
+            Some(Tracing::start_when_idle(self.model.ops(), &self.scalars)?)
         } else {
             None
         };
@@ -206,9 +209,7 @@ impl<O: GptOps, C: DeviceComm<O>> ShardedDeviceTrainer<O, C> {
         }
         self.pass.set_tracing(on);
         self.tracing = if on {
-            let ops = self.pass.ops();
-            ops.wait_scalars(ops.copy_scalars(&self.scalars)?)?;
-            Some(Tracing::start(ops)?)
+            Some(Tracing::start_when_idle(self.pass.ops(), &self.scalars)?)
         } else {
             None
         };

@@ -165,8 +165,8 @@ impl<O: EngineViews> EngineGpt<O> {
         self.pass.set_tracing(on);
         self.tracing = if on {
             let ops = self.pass.ops();
-            ops.wait_scalars(ops.copy_scalars(&ops.scalars(&[0.0; step_scalars_len(0)])?)?)?;
-            Some(Tracing::start(ops)?)
+            let scalars = ops.scalars(&[0.0; step_scalars_len(0)])?;
+            Some(Tracing::start_when_idle(ops, &scalars)?)
         } else {
             None
         };
@@ -221,28 +221,17 @@ impl<O: EngineViews> EngineGpt<O> {
         t: usize,
         global_tokens: usize,
     ) -> Result<f32, DeviceTrainError> {
-        let r = self.forward_backward_inner(inputs, targets, rows, t, global_tokens);
-        if r.is_err() {
-            self.fsdp.abort_pass();
-        }
-        r
-    }
-
-    fn forward_backward_inner(
-        &mut self,
-        inputs: &[u32],
-        targets: &[u32],
-        rows: usize,
-        t: usize,
-        global_tokens: usize,
-    ) -> Result<f32, DeviceTrainError> {
-        let (losses, marks) = self.pass_losses(inputs, targets, rows, t, global_tokens)?;
-        let ops = self.pass.ops();
-        let sum: f64 = ops.download(&losses)?.iter().map(|&l| f64::from(l)).sum();
-        self.trace_record(marks)?;
-        Ok(self
-            .fsdp
-            .all_reduce_loss((sum / global_tokens as f64) as f32)?)
+        let r = self
+            .pass_losses(inputs, targets, rows, t, global_tokens)
+            .and_then(|(losses, marks)| {
+                let ops = self.pass.ops();
+                let sum: f64 = ops.download(&losses)?.iter().map(|&l| f64::from(l)).sum();
+                self.trace_record(marks)?;
+                Ok(self
+                    .fsdp
+                    .all_reduce_loss((sum / global_tokens as f64) as f32)?)
+            });
+        self.aborted_on_error(r)
     }
 
     /// [`forward_backward`](Self::forward_backward) without the host waiting for the loss:
@@ -273,6 +262,14 @@ impl<O: EngineViews> EngineGpt<O> {
                     marks,
                 })
             });
+        self.aborted_on_error(r)
+    }
+
+    /// `r`, the engine's pass aborted first when it is an error.
+    fn aborted_on_error<R>(
+        &mut self,
+        r: Result<R, DeviceTrainError>,
+    ) -> Result<R, DeviceTrainError> {
         if r.is_err() {
             self.fsdp.abort_pass();
         }
@@ -280,8 +277,8 @@ impl<O: EngineViews> EngineGpt<O> {
     }
 
     /// This rank's share of the loss of a
-    /// [`forward_backward_pending`](Self::forward_backward_pending), once it has arrived (the host waits for the pass's
-    /// work on the device, not for work issued after it).
+    /// [`forward_backward_pending`](Self::forward_backward_pending), once it has arrived (the
+    /// host waits for the pass's work on the device, not for work issued after it).
     ///
     /// # Errors
     /// A failed copy or an earlier failure on the device; a wait past its timeout.
