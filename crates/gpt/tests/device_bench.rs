@@ -134,6 +134,21 @@ fn a_grad_scalers_skip_is_timed() {
     assert!(s.skipped_steps > 0, "{s:?}");
 }
 
+/// `gpt-device-bench --device host-twin --model tiny --products P --warmup 1` with `extra`:
+/// its standard output, once it succeeded.
+fn tiny_bench(products: &str, extra: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
+        .args(["--device", "host-twin", "--model", "tiny"])
+        .args(["--products", products, "--warmup", "1"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}{err}");
+    text
+}
+
 /// The ratio (`…, R× …`) on the line of `text` that starts with `prefix`: positive and finite.
 fn result_ratio(text: &str, prefix: &str) -> f64 {
     let result = text
@@ -162,23 +177,10 @@ fn result_ratio(text: &str, prefix: &str) -> f64 {
 fn the_benchmark_times_two_ranks_against_one() {
     // The tiny model's f32 run on the host twins, then as 2 ranks: its output.
     let bench_with = |steps: &str, products: &str, extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
-            .args([
-                "--device",
-                "host-twin",
-                "--model",
-                "tiny",
-                "--products",
-                products,
-            ])
-            .args(["--steps", steps, "--warmup", "1", "--ranks", "2"])
-            .args(extra)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{text}{err}");
-        text
+        tiny_bench(
+            products,
+            &[&["--steps", steps, "--ranks", "2"], extra].concat(),
+        )
     };
     let bench = |steps: &str, extra: &[&str]| bench_with(steps, "f32", extra);
     let text = bench("4", &[]);
@@ -248,24 +250,7 @@ fn the_benchmark_times_two_ranks_against_one() {
 /// engine's AdamW decays every parameter, the device trainer's only the matrices).
 #[test]
 fn the_benchmark_times_the_engine_against_the_device_trainer() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-device-bench"))
-        .args([
-            "--device",
-            "host-twin",
-            "--model",
-            "tiny",
-            "--products",
-            "f32",
-        ])
-        .args(["--steps", "4", "--warmup", "1", "--engine"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = tiny_bench("f32", &["--steps", "4", "--engine"]);
     let losses = |line: &str| -> (f64, f64) {
         let l = line.rsplit("loss ").next().unwrap().trim();
         let (a, b) = l.split_once(" -> ").unwrap();

@@ -30,22 +30,10 @@ fn compare(test: &str, ranks: &str, strategy: &str, extra: &[&str]) {
 /// [`compare`], the final weights within `weights` of the largest one's magnitude.
 fn compare_within(test: &str, ranks: &str, strategy: &str, extra: &[&str], weights: f64) {
     let dir = scratch("device_sharded_cli", test);
-    let steps = STEPS.to_string();
-    let base = [
-        "--batch-size",
-        "8",
-        "--steps",
-        &steps,
-        "--ranks",
-        ranks,
-        "--strategy",
-        strategy,
-        "--param-dtype",
-        "f32",
-    ];
+    let run = (ranks, strategy, STEPS);
     let device = (extra, &["--device", "host-twin"][..]);
     let expect = format!("{ranks} ranks on host-twin");
-    cpu_against_device(&dir, test, &base, device, &expect, STEPS, BOUND, weights);
+    cpu_against_device(&dir, test, run, device, &expect, (BOUND, weights));
 }
 
 #[test]

@@ -34,32 +34,11 @@ fn compare_within(
     weights: f64,
 ) {
     let dir = scratch("engine_cli", test);
-    let steps = STEPS.to_string();
-    let base = [
-        "--batch-size",
-        "8",
-        "--steps",
-        &steps,
-        "--ranks",
-        ranks,
-        "--strategy",
-        strategy,
-        "--param-dtype",
-        "f32",
-    ];
     let mut device = vec!["--device", "host-twin", "--engine"];
     device.extend(twin);
     let expect = format!("{ranks} ranks on the host twin of a device through the engine");
-    cpu_against_device(
-        &dir,
-        test,
-        &base,
-        (extra, &device),
-        &expect,
-        STEPS,
-        BOUND,
-        weights,
-    );
+    let run = (ranks, strategy, STEPS);
+    cpu_against_device(&dir, test, run, (extra, &device), &expect, (BOUND, weights));
 }
 
 fn compare(test: &str, ranks: &str, strategy: &str, extra: &[&str]) {

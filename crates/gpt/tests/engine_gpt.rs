@@ -18,20 +18,16 @@ use fsdp_device::DType;
 use fsdp_gpt::data::{get_batch, Batch};
 use fsdp_gpt::engine_gpt::EngineGpt;
 use fsdp_gpt::engine_views::EngineViews;
-use fsdp_gpt::model::{BatchShape, GptConfig};
+use fsdp_gpt::model::BatchShape;
 use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
-use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptDims, GptPass, HostOps};
+use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptPass, HostOps};
 
 use common::training::{ring_options, Setup};
 
 const BATCH: usize = 12;
 const SEQ: usize = 16;
 const STEPS: u64 = 3;
-
-fn dims(cfg: &GptConfig) -> GptDims {
-    cfg.dims()
-}
 
 /// A run's losses, gradient norms (before each optimizer step) and parameters, as bits.
 type Bits = (Vec<u32>, Vec<u64>, Vec<(String, Vec<u32>)>);
@@ -69,14 +65,6 @@ fn micro_batches(
             }
         })
         .collect()
-}
-
-/// What a run changes.
-#[derive(Clone, Copy)]
-struct Run {
-    world: usize,
-    config: Options,
-    device: Place,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -131,7 +119,7 @@ fn train<O: EngineViews>(
     o: Options,
 ) -> Bits {
     let (rank, world) = (fsdp.rank(), fsdp.world_size());
-    let mut pass = GptPass::new(ops, dims(&s.cfg)).unwrap();
+    let mut pass = GptPass::new(ops, s.cfg.dims()).unwrap();
     pass.set_activation_checkpointing(o.checkpoint);
     let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -169,29 +157,29 @@ fn engine(
     }
 }
 
-/// Rank 0's run.
-fn run(s: &Setup<impl Copy + Into<OptimizerConfig> + Sync>, r: Run) -> Bits {
-    let mut out = if r.device == Place::Gpu {
+/// Rank 0's run of `world` ranks with `o`, the engine's buffers in `place`.
+fn run(
+    s: &Setup<impl Copy + Into<OptimizerConfig> + Sync>,
+    world: usize,
+    o: Options,
+    place: Place,
+) -> Bits {
+    let mut out = if place == Place::Gpu {
         let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, r.world, opts, |comm| {
+        cuda_ring::run_ranks(0, world, opts, |comm| {
             let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
             let ops = CudaOps::new(dev.compute_stream().clone()).unwrap();
-            train(
-                s,
-                engine(s, Box::new(comm), Some(dev), r.config),
-                ops,
-                r.config,
-            )
+            train(s, engine(s, Box::new(comm), Some(dev), o), ops, o)
         })
         .unwrap()
     } else {
-        ring::run_ranks(r.world, ring_options(), |comm| {
-            let dev = (r.device == Place::HostTwin).then(|| {
+        ring::run_ranks(world, ring_options(), |comm| {
+            let dev = (place == Place::HostTwin).then(|| {
                 let latency = Duration::from_millis(1);
                 ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
             });
-            let fsdp = engine(s, Box::new(comm), dev, r.config);
-            train(s, fsdp, HostOps::new(), r.config)
+            let fsdp = engine(s, Box::new(comm), dev, o);
+            train(s, fsdp, HostOps::new(), o)
         })
         .unwrap()
     };
@@ -212,7 +200,7 @@ fn one_pass_gives_the_kernels_models_gradient_bits() {
     let s = Setup::new(2, 3, 11, sgd);
     let b = get_batch(&s.tokens, 0, 4, SEQ, 0, 1).unwrap();
     let (rows, t) = (b.shape.rows, b.shape.seq_len);
-    let mut model = DeviceGpt::new(HostOps::new(), dims(&s.cfg), &s.init).unwrap();
+    let mut model = DeviceGpt::new(HostOps::new(), s.cfg.dims(), &s.init).unwrap();
     let want_loss = model.step(&b.inputs, &b.targets, rows, t).unwrap();
     let want: HashMap<String, Vec<f32>> = model
         .download_grads()
@@ -227,7 +215,7 @@ fn one_pass_gives_the_kernels_models_gradient_bits() {
     for strategy in [ShardingStrategy::FullShard, ShardingStrategy::NoShard] {
         let got = ring::run_ranks(1, ring_options(), |comm| {
             let fsdp = engine(&s, Box::new(comm), None, Options::new(strategy));
-            let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+            let pass = GptPass::new(HostOps::new(), s.cfg.dims()).unwrap();
             let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
             let loss = gpt.step(&b.inputs, &b.targets, rows, t, rows * t).unwrap();
             bits(&[loss], &[], gpt.engine().full_state_dict().unwrap())
@@ -283,22 +271,8 @@ fn the_engine_on_a_device_gives_the_host_engines_bits() {
         },
     ));
     for (world, config) in configs {
-        let host = run(
-            &s,
-            Run {
-                world,
-                config,
-                device: Place::Host,
-            },
-        );
-        let twin = run(
-            &s,
-            Run {
-                world,
-                config,
-                device: Place::HostTwin,
-            },
-        );
+        let host = run(&s, world, config, Place::Host);
+        let twin = run(&s, world, config, Place::HostTwin);
         let what = format!("world {world}, {:?}", config.strategy);
         assert_eq!(twin.0, host.0, "losses, {what}");
         assert_eq!(twin.1, host.1, "gradient norms, {what}");
@@ -320,14 +294,7 @@ fn training_tracks_the_reference_gpt_on_the_engine() {
             accum,
             ..Options::new(ShardingStrategy::FullShard)
         };
-        let ours = run(
-            &s,
-            Run {
-                world,
-                config,
-                device: Place::Host,
-            },
-        );
+        let ours = run(&s, world, config, Place::Host);
         let reference = ring::run_ranks(world, ring_options(), |comm| {
             let rank = comm.rank();
             let plan = gpt_block_plan(&s.cfg);
@@ -390,19 +357,12 @@ fn training_tracks_the_reference_gpt_on_the_engine() {
 fn a_loss_read_one_step_late_trains_as_one_read_at_once() {
     let s = Setup::new(2, 7, 3, common::adamw());
     let config = Options::new(ShardingStrategy::FullShard);
-    let at_once = run(
-        &s,
-        Run {
-            world: 2,
-            config,
-            device: Place::HostTwin,
-        },
-    );
+    let at_once = run(&s, 2, config, Place::HostTwin);
     let late = ring::run_ranks(2, ring_options(), |comm| {
         let dev = ComputeDevice::host_twin(1 << 28, Default::default()).unwrap();
         let fsdp = engine(&s, Box::new(comm), Some(dev), config);
         let (rank, world) = (fsdp.rank(), fsdp.world_size());
-        let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+        let pass = GptPass::new(HostOps::new(), s.cfg.dims()).unwrap();
         let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
         let (mut losses, mut norms, mut pending) = (Vec::new(), Vec::new(), None);
         for k in 0..STEPS {
@@ -442,7 +402,7 @@ fn a_traced_pass_times_the_kernels_parts() {
         let dev = ComputeDevice::host_twin(1 << 28, Default::default()).unwrap();
         let config = Options::new(ShardingStrategy::FullShard);
         let fsdp = engine(&s, Box::new(comm), Some(dev), config);
-        let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+        let pass = GptPass::new(HostOps::new(), s.cfg.dims()).unwrap();
         let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
         let b = get_batch(&s.tokens, 0, 4, SEQ, 0, 1).unwrap();
         let (rows, t) = (b.shape.rows, b.shape.seq_len);
@@ -533,7 +493,7 @@ fn plans_and_batches_the_pass_cannot_run_are_refused() {
             let init = ParamInit::Full(&s.init);
             let config = FsdpConfig::new(ShardingStrategy::FullShard);
             let fsdp = Fsdp::new(Box::new(comm), &plan, init, config, s.opt).unwrap();
-            let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+            let pass = GptPass::new(HostOps::new(), s.cfg.dims()).unwrap();
             EngineGpt::new(fsdp, pass).err().unwrap().to_string()
         })
         .unwrap()
@@ -547,7 +507,7 @@ fn plans_and_batches_the_pass_cannot_run_are_refused() {
             None,
             Options::new(ShardingStrategy::FullShard),
         );
-        let pass = GptPass::new(HostOps::new(), dims(&s.cfg)).unwrap();
+        let pass = GptPass::new(HostOps::new(), s.cfg.dims()).unwrap();
         let mut gpt = EngineGpt::new(fsdp, pass).unwrap();
         let b = get_batch(&s.tokens, 0, 2, SEQ, 0, 1).unwrap();
         let mut bad = b.inputs.clone();
@@ -583,22 +543,8 @@ fn the_kernels_on_the_engines_cuda_buffers_track_the_host_twins() {
     let s = Setup::new(2, 7, 42, common::adamw());
     for world in [1, 2] {
         let config = Options::new(ShardingStrategy::FullShard);
-        let host = run(
-            &s,
-            Run {
-                world,
-                config,
-                device: Place::Host,
-            },
-        );
-        let gpu = run(
-            &s,
-            Run {
-                world,
-                config,
-                device: Place::Gpu,
-            },
-        );
+        let host = run(&s, world, config, Place::Host);
+        let gpu = run(&s, world, config, Place::Gpu);
         for (a, b) in gpu.0.iter().zip(&host.0) {
             let (a, b) = (f32::from_bits(*a), f32::from_bits(*b));
             assert!(((a - b) / b).abs() <= 1e-4, "world {world}: {a} vs {b}");

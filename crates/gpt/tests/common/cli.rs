@@ -419,23 +419,34 @@ pub fn assert_runs_agree(
     max
 }
 
-/// The engine's `fsdp train` of the small model on the CPU (`base`, then `extra`) against the
-/// same run with `device` added, both with `--loss-log` and `--save` in `dir`: the device run
-/// says `expect` and `done: {steps} steps`, and [`assert_runs_agree`] within `bound` and
-/// `weights`.
-#[allow(clippy::too_many_arguments)]
+/// The engine's `fsdp train` of the small model on the CPU (batch 8, `steps` steps, `ranks`
+/// ranks, `strategy`, f32 parameters, then `extra`) against the same run with `device` added,
+/// both with `--loss-log` and `--save` in `dir`: the device run says `expect` and `done:
+/// {steps} steps`, and [`assert_runs_agree`] within `bound` (losses) and `weights`.
 pub fn cpu_against_device(
     dir: &Path,
     test: &str,
-    base: &[&str],
+    (ranks, strategy, steps): (&str, &str, usize),
     (extra, device): (&[&str], &[&str]),
     expect: &str,
-    steps: usize,
-    bound: f64,
-    weights: f64,
+    (bound, weights): (f64, f64),
 ) {
     let (cpu, twin) = (dir.join("cpu.csv"), dir.join("twin.csv"));
     let (cpu_w, twin_w) = (dir.join("cpu.safetensors"), dir.join("twin.safetensors"));
+    let n = steps.to_string();
+    let base = [
+        "--batch-size",
+        "8",
+        "--steps",
+        &n,
+        "--ranks",
+        ranks,
+        "--strategy",
+        strategy,
+        "--param-dtype",
+        "f32",
+    ];
+    let base = &base[..];
     let mut a = small_train_args(base, extra);
     a.extend(["--loss-log", s(&cpu), "--save", s(&cpu_w)]);
     ok(&fsdp(&a), "fsdp train (the engine on the CPU)");
