@@ -16,8 +16,9 @@ use crate::engine_views::EngineViews;
 /// The engine's unit of the GPT's root and of each block.
 #[derive(Clone, Debug)]
 pub(crate) struct UnitMap {
-    root: usize,
-    blocks: Vec<usize>,
+    /// The engine's unit and the parameters (names, elements, in [`param_shapes`] order) of
+    /// the root, then of each block.
+    units: Vec<(usize, Vec<(String, usize)>)>,
 }
 
 impl UnitMap {
@@ -48,41 +49,47 @@ impl UnitMap {
                 want.len()
             )));
         }
-        let root_names = [
-            "transformer.wte.weight",
-            "transformer.wpe.weight",
-            "transformer.ln_f.weight",
-            "transformer.ln_f.bias",
-        ]
-        .map(String::from);
-        let root = unit_of_all(fsdp, "the root", &root_names)?;
-        let mut blocks = Vec::with_capacity(d.n_layer);
-        for l in 0..d.n_layer {
-            let names: Vec<String> = want
-                .iter()
-                .filter(|(n, _)| n.starts_with(&format!("transformer.h.{l}.")))
-                .map(|(n, _)| n.clone())
-                .collect();
-            blocks.push(unit_of_all(fsdp, &format!("block {l}"), &names)?);
+        let mut names: Vec<Vec<(String, usize)>> = vec![Vec::new(); d.n_layer + 1];
+        for (name, shape) in want {
+            let at = name
+                .strip_prefix("transformer.h.")
+                .and_then(|rest| rest.split('.').next()?.parse::<usize>().ok())
+                .map_or(0, |l| l + 1);
+            names[at].push((name, shape.iter().product()));
         }
-        let mut seen = vec![root];
-        for (l, &u) in blocks.iter().enumerate() {
-            if seen.contains(&u) {
+        let mut units: Vec<(usize, Vec<(String, usize)>)> = Vec::with_capacity(names.len());
+        for (i, names) in names.into_iter().enumerate() {
+            let what = match i {
+                0 => "the root".to_string(),
+                i => format!("block {}", i - 1),
+            };
+            let u = unit_of_all(fsdp, &what, &names)?;
+            if units.iter().any(|(v, _)| *v == u) {
                 return Err(invalid_plan(format!(
-                    "block {l} shares unit {u} with another of the GPT's units: the GPT's pass \
+                    "{what} shares unit {u} with another of the GPT's units: the GPT's pass \
                      needs the root and each block in units of their own (gpt_block_plan)"
                 )));
             }
-            seen.push(u);
+            units.push((u, names));
         }
-        Ok(UnitMap { root, blocks })
+        Ok(UnitMap { units })
     }
 
-    fn of(&self, unit: Unit) -> usize {
+    fn at(&self, unit: Unit) -> &(usize, Vec<(String, usize)>) {
         match unit {
-            Unit::Root => self.root,
-            Unit::Block(l) => self.blocks[l],
+            Unit::Root => &self.units[0],
+            Unit::Block(l) => &self.units[l + 1],
         }
+    }
+
+    /// The engine's unit holding the GPT's `unit`.
+    fn of(&self, unit: Unit) -> usize {
+        self.at(unit).0
+    }
+
+    /// The names and elements of `unit`'s parameters, in [`param_shapes`] order.
+    fn names(&self, unit: Unit) -> &[(String, usize)] {
+        &self.at(unit).1
     }
 }
 
@@ -91,9 +98,13 @@ fn invalid_plan(reason: String) -> DeviceTrainError {
 }
 
 /// The engine's unit holding every parameter of `names` (all in one unit, else an error).
-fn unit_of_all(fsdp: &Fsdp, what: &str, names: &[String]) -> Result<usize, DeviceTrainError> {
+fn unit_of_all(
+    fsdp: &Fsdp,
+    what: &str,
+    names: &[(String, usize)],
+) -> Result<usize, DeviceTrainError> {
     let mut unit = None;
-    for n in names {
+    for (n, _) in names {
         let u = fsdp.unit_of(n)?;
         match unit {
             None => unit = Some(u),
@@ -152,22 +163,6 @@ impl<'a, O: EngineViews> EngineUnits<'a, O> {
         }
     }
 
-    /// The names and lengths of `unit`'s parameters.
-    fn names(&self, unit: Unit) -> Vec<(String, usize)> {
-        let prefix = match unit {
-            Unit::Root => None,
-            Unit::Block(l) => Some(format!("transformer.h.{l}.")),
-        };
-        param_shapes(&self.dims)
-            .into_iter()
-            .filter(|(n, _)| match &prefix {
-                Some(p) => n.starts_with(p.as_str()),
-                None => !n.starts_with("transformer.h."),
-            })
-            .map(|(n, s)| (n, s.iter().product()))
-            .collect()
-    }
-
     /// Views of `unit`'s parameters (`grads`: its gradients) by name.
     fn view(
         &mut self,
@@ -175,21 +170,21 @@ impl<'a, O: EngineViews> EngineUnits<'a, O> {
         unit: Unit,
         grads: bool,
     ) -> Result<HashMap<String, O::Buf>, DeviceTrainError> {
-        let u = self.map.of(unit);
-        let names = self.names(unit);
+        let map = self.map;
+        let (u, names) = (map.of(unit), map.names(unit));
         let stream = self.stream.as_ref();
         let mut out = HashMap::with_capacity(names.len());
         if grads {
             let mut views = self.fsdp.grad_views(&[u])?;
             for (n, len) in names {
-                let b = ops.grad_view(&mut views, stream, &n, len)?;
-                out.insert(n, b);
+                let b = ops.grad_view(&mut views, stream, n, *len)?;
+                out.insert(n.clone(), b);
             }
         } else {
             let views = self.fsdp.param_views(&[u])?;
             for (n, len) in names {
-                let b = ops.param_view(&views, stream, &n, len)?;
-                out.insert(n, b);
+                let b = ops.param_view(&views, stream, n, *len)?;
+                out.insert(n.clone(), b);
             }
         }
         Ok(out)
@@ -252,8 +247,9 @@ impl<'a, O: EngineViews> EngineUnits<'a, O> {
                 v
             }
         };
-        let names = self.names(unit);
-        let mut views = self.fsdp.grad_views(&[self.map.of(unit)])?;
+        let map = self.map;
+        let names = map.names(unit);
+        let mut views = self.fsdp.grad_views(&[map.of(unit)])?;
         for ((n, _), b) in names.iter().zip(bufs) {
             ops.grad_return(&mut views, self.stream.as_ref(), n, b)?;
         }
