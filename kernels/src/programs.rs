@@ -20,7 +20,7 @@ pub enum Program {
     /// `reduce_{sum,min,max,prod}_<dtype>` (avg is a sum with a final division).
     Reduce,
     /// `adamw_f32`, `adamw_bf16_state`, `sgd_f32`, and the end of a step decided on the
-    /// device: `step_decide`, `scaler_decide` (the engine's grad scaler), `adamw_decided_f32`
+    /// device: `step_decide`, `engine_decide` (the engine's grad scaler and non-finite rule), `adamw_decided_f32`
     /// (and `_many`) and `sgd_decided_f32`.
     Optim,
     /// torchdistx's `AnyPrecisionAdamW` at the end of a step decided on the device:
@@ -130,7 +130,7 @@ impl Program {
                 "step_decide",
                 "adamw_decided_f32",
                 "adamw_decided_many",
-                "scaler_decide",
+                "engine_decide",
                 "sgd_decided_f32",
             ]),
             Program::AnyPrecision => s(&[

@@ -396,12 +396,14 @@ fn zeroed_buffers_are_zero() {
     assert!(down(&s, &kept).iter().all(|&x| x == 7.5));
 }
 
-/// The engine's grad scaler on the device: `unscale_by_f32` at scales that round, `scaler_decide`
-/// over a run of steps and skips with overflows (every scalar bitwise), and `sgd_decided_f32`
+/// The engine's grad scaler on the device: `unscale_by_f32` at scales that round,
+/// `engine_decide` over a run of steps and skips with overflows and non-finite losses, with the
+/// scaler, the non-finite rule or both (every scalar bitwise), and `sgd_decided_f32`
 /// applied or not, with each choice and a decided gradient — bitwise their twins.
 #[test]
 fn grad_scaler_kernels_equal_their_twins() {
-    use host::{ScalerDecision, ScalerRule, SgdChoice, STEP_APPLIED, STEP_CHOICE, STEP_UNSCALE};
+    use host::{EngineDecision, NonfiniteRule, ScalerRule, SgdChoice};
+    use host::{STEP_APPLIED, STEP_CHOICE, STEP_UNSCALE};
     let Some(s) = gpu_stream("grad_scaler_kernels_equal_their_twins") else {
         return;
     };
@@ -418,23 +420,37 @@ fn grad_scaler_kernels_equal_their_twins() {
         backoff_factor: 0.3,
         growth_interval: 2,
     };
-    let mut want = host::step_scalars(0, Some((1000.5, 0, 0)));
-    let mut got = up(&s, &want);
-    for i in 0..12u32 {
-        let sharded = if i % 4 == 3 {
-            f64::INFINITY
-        } else {
-            f64::from(i)
-        };
-        let d = ScalerDecision {
-            rule,
-            base_steps: u64::from(i / 2),
-            take: i % 5 != 4,
-        };
-        host::scaler_decide(&d, &mut want, sharded, 0.25).unwrap();
-        let (d_s, d_r) = (up(&s, &[sharded]), up(&s, &[0.25]));
-        launch::scaler_decide(&s, &d, &mut got, &d_s, &d_r).unwrap();
-        assert_same(&format!("scaler_decide step {i}"), &down(&s, &got), &want);
+    // With the scaler alone, the scaler and the non-finite rule, the rule alone (a limit
+    // reached at the third non-finite step, or none).
+    let nonfinite = |limit| Some(NonfiniteRule { skip_limit: limit });
+    for (scaler, guard) in [
+        (Some(rule), None),
+        (Some(rule), nonfinite(Some(2))),
+        (None, nonfinite(Some(2))),
+        (None, nonfinite(None)),
+    ] {
+        let mut want = host::step_scalars(0, Some((1000.5, 0, 0)));
+        let mut got = up(&s, &want);
+        for i in 0..12u32 {
+            let sharded = if i % 4 == 3 {
+                f64::INFINITY
+            } else {
+                f64::from(i)
+            };
+            let loss = if i % 6 == 5 { f64::NAN } else { f64::from(i) * 0.5 };
+            let d = EngineDecision {
+                scaler,
+                nonfinite: guard,
+                base_steps: u64::from(i / 2),
+                take: i % 5 != 4,
+            };
+            host::engine_decide(&d, &mut want, sharded, 0.25, loss).unwrap();
+            let (d_s, d_r, d_l) = (up(&s, &[sharded]), up(&s, &[0.25]), up(&s, &[loss]));
+            let l = guard.map(|_| &d_l);
+            launch::engine_decide(&s, &d, &mut got, &d_s, &d_r, l).unwrap();
+            let what = format!("engine_decide {scaler:?} {guard:?} step {i}");
+            assert_same(&what, &down(&s, &got), &want);
+        }
     }
     let cfg = Sgd {
         lr: 0.1,

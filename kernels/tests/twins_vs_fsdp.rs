@@ -148,7 +148,7 @@ fn clipping_twins_equal_fsdp_bitwise() {
     assert_eq!(host::clip_coefficient(16.0, 0.0, f64::INFINITY), [4.0, 1.0]);
 }
 
-/// The engine's grad scaler on the device, as its twins do it (`scaler_decide`, `unscale_by`),
+/// The engine's grad scaler on the device, as its twins do it (`engine_decide`, `unscale_by`),
 /// against the host engine's `GradScaler` over a run of optimizer steps and skips, with and
 /// without an overflow: after each, the same scale (bitwise), growth tracker and skips, the
 /// step applied exactly when the host engine takes it, and the unscaled gradients bitwise the
@@ -157,7 +157,7 @@ fn clipping_twins_equal_fsdp_bitwise() {
 #[test]
 fn grad_scaler_twins_equal_fsdp_bitwise() {
     use fsdp::engine::{GradScaler, GradScalerConfig};
-    use host::{ScalerDecision, ScalerRule, STEP_APPLIED, STEP_COUNT, STEP_FAULT};
+    use host::{EngineDecision, ScalerRule, STEP_APPLIED, STEP_COUNT, STEP_FAULT};
     use host::{STEP_FOUND_INF, STEP_GROWTH_TRACKER, STEP_SCALE, STEP_SCALER_SKIPPED};
     let x = data(1001, 11);
     let configs = [
@@ -196,12 +196,13 @@ fn grad_scaler_twins_equal_fsdp_bitwise() {
             let inv = want.inv_scale();
             let want_x: Vec<f32> = x.iter().map(|v| v * inv).collect();
             assert_eq!(bits(&got_x), bits(&want_x), "{cfg:?} step {i}: unscaled");
-            let d = ScalerDecision {
-                rule,
+            let d = EngineDecision {
+                scaler: Some(rule),
+                nonfinite: None,
                 base_steps: steps,
                 take,
             };
-            host::scaler_decide(&d, &mut s, sharded, 0.5).unwrap();
+            host::engine_decide(&d, &mut s, sharded, 0.5, 0.0).unwrap();
             // The host engine: an overflow is the scaler's skip whether stepped or skipped; a
             // step without one counts towards growth; a skip without one changes nothing.
             if found {

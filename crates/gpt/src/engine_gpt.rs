@@ -31,6 +31,7 @@
 
 use std::ops::{Deref, DerefMut};
 
+use fsdp::engine::{GradScaler, StepOutcome};
 use fsdp::trace::TraceEvent;
 use fsdp::{Fsdp, FsdpError};
 use fsdp_kernels::gpt::{GptOps, GptPass};
@@ -39,6 +40,7 @@ use fsdp_kernels::host::{step_scalars_len, STEP_LOSS, STEP_SCALE};
 use crate::data::Batch;
 use crate::device_config::DeviceTrainError;
 use crate::device_trace::{StepMarks, Tracing};
+use crate::engine_step::LateMarks;
 use crate::engine_units::{EngineUnits, UnitMap};
 use crate::engine_views::EngineViews;
 use crate::runtime::FsdpGpt;
@@ -58,6 +60,63 @@ pub trait GptOnEngine: DerefMut<Target = Fsdp> {
         batch: &Batch,
         global_tokens: usize,
     ) -> Result<f32, DeviceTrainError>;
+
+    /// One training step of this rank's micro-batches `batches` (gradients accumulated under
+    /// `no_sync` but for the last), each part of a global batch of `global_tokens` tokens,
+    /// clipped to `clip`, whose optimizer step applies only if the step's loss and gradient
+    /// norm are finite (the rule of [`Fsdp::optimizer_step_if_finite`]; an overflow of the
+    /// grad scaler is its own skip). Returns the outcomes known now, oldest first. The
+    /// default, the host's: the passes' losses summed on the host, the norm read, and this
+    /// step's outcome at once ([`StepOutcome::decide`]); [`EngineGpt::train_step`] decides on
+    /// the device and returns the step before's. Every rank must call it.
+    ///
+    /// # Errors
+    /// As [`forward_backward_batch`](Self::forward_backward_batch), the norm and the step;
+    /// no batch.
+    fn train_step(
+        &mut self,
+        batches: &[Batch],
+        global_tokens: usize,
+        clip: Option<f64>,
+    ) -> Result<Vec<StepOutcome>, DeviceTrainError> {
+        let mut loss = 0.0f32;
+        for (m, b) in batches.iter().enumerate() {
+            let before = self.set_no_sync(m + 1 < batches.len());
+            let l = self.forward_backward_batch(b, global_tokens);
+            self.set_no_sync(before);
+            loss += l?;
+        }
+        if batches.is_empty() {
+            return Err(DeviceTrainError::Fsdp(FsdpError::InvalidShape {
+                reason: "a training step needs at least one micro-batch".into(),
+            }));
+        }
+        let norm = match clip {
+            Some(c) => self.clip_grad_norm(c)?,
+            None => self.grad_norm()?,
+        };
+        // Gradients that overflowed under the grad scaler (on any rank: the flag is agreed
+        // over the world) are the scaler's to skip: `optimizer_step` skips the step and backs
+        // the scale off. The global loss and norm are bitwise the same on every rank, so every
+        // rank takes the same branch without further communication.
+        let found_inf = self.grad_scaler().and_then(GradScaler::found_inf) == Some(true);
+        let outcome = StepOutcome::decide(loss, norm, found_inf);
+        if outcome.nonfinite() {
+            self.skip_step()?;
+        } else {
+            self.optimizer_step()?;
+        }
+        Ok(vec![outcome])
+    }
+
+    /// The outcomes of [`train_step`](Self::train_step)'s steps not returned yet (default:
+    /// none; [`EngineGpt::flush_steps`] waits for the device's last).
+    ///
+    /// # Errors
+    /// A failure to read an outcome.
+    fn flush_steps(&mut self) -> Result<Vec<StepOutcome>, DeviceTrainError> {
+        Ok(Vec::new())
+    }
 
     /// Trace the model's own parts from now on (`true`) or not: [`EngineGpt::set_tracing`].
     /// Default: nothing to trace beyond the engine's spans (the reference GPT's spans are the
@@ -96,6 +155,19 @@ impl<O: EngineViews> GptOnEngine for EngineGpt<O> {
         self.forward_backward(&batch.inputs, &batch.targets, rows, t, global_tokens)
     }
 
+    fn train_step(
+        &mut self,
+        batches: &[Batch],
+        global_tokens: usize,
+        clip: Option<f64>,
+    ) -> Result<Vec<StepOutcome>, DeviceTrainError> {
+        EngineGpt::train_step(self, batches, global_tokens, clip)
+    }
+
+    fn flush_steps(&mut self) -> Result<Vec<StepOutcome>, DeviceTrainError> {
+        EngineGpt::flush_steps(self)
+    }
+
     fn set_model_tracing(&mut self, on: bool) -> Result<(), DeviceTrainError> {
         EngineGpt::set_tracing(self, on)
     }
@@ -124,13 +196,15 @@ impl<O: EngineViews> DerefMut for EngineGpt<O> {
 /// Dereferences to the engine for everything else (`optimizer_step`, `clip_grad_norm`,
 /// `save_sharded`, ...).
 pub struct EngineGpt<O: EngineViews> {
-    fsdp: Fsdp,
-    pass: GptPass<O>,
+    pub(crate) fsdp: Fsdp,
+    pub(crate) pass: GptPass<O>,
     units: UnitMap,
     /// The kernels' parts on the device's timeline ([`set_tracing`](Self::set_tracing)).
     tracing: Option<Tracing<O::Mark>>,
     /// Passes run (the micro-batch numbers of the trace, from 1).
     passes: u64,
+    /// The traced marks of [`train_step`](Self::train_step)'s steps not read yet.
+    pub(crate) late_marks: LateMarks<O::Mark>,
 }
 
 impl<O: EngineViews> EngineGpt<O> {
@@ -149,6 +223,7 @@ impl<O: EngineViews> EngineGpt<O> {
             units,
             tracing: None,
             passes: 0,
+            late_marks: LateMarks::new(),
         })
     }
 
@@ -266,7 +341,7 @@ impl<O: EngineViews> EngineGpt<O> {
     }
 
     /// `r`, the engine's pass aborted first when it is an error.
-    fn aborted_on_error<R>(
+    pub(crate) fn aborted_on_error<R>(
         &mut self,
         r: Result<R, DeviceTrainError>,
     ) -> Result<R, DeviceTrainError> {
@@ -289,7 +364,7 @@ impl<O: EngineViews> EngineGpt<O> {
     }
 
     /// The spans of a traced pass whose loss was read (its marks are reached).
-    fn trace_record(&mut self, marks: Option<StepMarks<O::Mark>>) -> Result<(), DeviceTrainError> {
+    pub(crate) fn trace_record(&mut self, marks: Option<StepMarks<O::Mark>>) -> Result<(), DeviceTrainError> {
         if let (Some(t), Some(m)) = (&mut self.tracing, marks) {
             t.record(self.pass.ops(), m)?;
         }
@@ -299,7 +374,7 @@ impl<O: EngineViews> EngineGpt<O> {
     /// One pass, the engine's reductions finished: the per-token losses on the device, and
     /// the pass's marks when tracing.
     #[allow(clippy::type_complexity)]
-    fn pass_losses(
+    pub(crate) fn pass_losses(
         &mut self,
         inputs: &[u32],
         targets: &[u32],

@@ -2,10 +2,11 @@
 //! and gradients: [`EngineViews`], implemented by the host twins ([`HostOps`], by copies) and by
 //! CUDA ([`CudaOps`], without copies). [`crate::engine_gpt`] runs the GPT's pass over them.
 
-use fsdp::engine::{copy_from_host_f32, copy_to_host_f32};
+use fsdp::engine::{copy_from_host_f32, copy_from_host_f64, copy_to_host_f32};
 use fsdp::{FsdpError, Grads, Params};
-use fsdp_device::{AccessMode, Stream};
+use fsdp_device::{AccessMode, Buffer, Stream};
 use fsdp_kernels::gpt::{CudaOps, GptOps, HostBuf, HostOps};
+use fsdp_kernels::host::{step_scalars_len, STEP_LOSS};
 
 use crate::device_config::DeviceTrainError;
 
@@ -59,6 +60,22 @@ pub trait EngineViews: GptOps {
         stream: Option<&Stream>,
         name: &str,
         buf: Self::Buf,
+    ) -> Result<(), DeviceTrainError>;
+
+    /// This pass's per-token `losses`' mean over `accum` parts added into the step's loss
+    /// `step` (an `f64` buffer of the engine, of at least
+    /// [`step_scalars_len`](fsdp_kernels::host::step_scalars_len)`(0)` elements, its first the
+    /// loss: an `f32` value), as the kernels' `loss_accumulate` adds it (into 0 when `first`).
+    ///
+    /// # Errors
+    /// A buffer of another dtype or device; a failing copy, view or operation.
+    fn loss_into(
+        &self,
+        losses: &Self::Buf,
+        accum: u32,
+        first: bool,
+        step: &Buffer,
+        stream: Option<&Stream>,
     ) -> Result<(), DeviceTrainError>;
 }
 
@@ -127,6 +144,31 @@ impl EngineViews for HostOps {
         }
         Ok(())
     }
+
+    fn loss_into(
+        &self,
+        losses: &Self::Buf,
+        accum: u32,
+        first: bool,
+        step: &Buffer,
+        stream: Option<&Stream>,
+    ) -> Result<(), DeviceTrainError> {
+        let before = match stream {
+            _ if first => 0.0,
+            None => step.read::<f64>()?[0],
+            // The loss is an f32 value: its f32 copy is exact.
+            Some(s) => f64::from(copy_to_host_f32(&step.slice(0..1)?, s)?[0]),
+        };
+        let mut scalars = self.scalars(&[0.0; step_scalars_len(0)])?;
+        scalars[STEP_LOSS] = before;
+        self.loss_accumulate(losses, accum, first, &mut scalars)?;
+        let loss = scalars[STEP_LOSS];
+        match stream {
+            None => step.write::<f64>()?[0] = loss,
+            Some(s) => copy_from_host_f64(&step.slice(0..1)?, &[loss], s)?,
+        }
+        Ok(())
+    }
 }
 
 /// CUDA sees the engine's buffers in place ([`CudaOps::view`]): the operations must run on
@@ -166,6 +208,20 @@ impl EngineViews for CudaOps {
     ) -> Result<(), DeviceTrainError> {
         // The view wrote the engine's gradient in place; dropping it records the use.
         drop(buf);
+        Ok(())
+    }
+
+    fn loss_into(
+        &self,
+        losses: &Self::Buf,
+        accum: u32,
+        first: bool,
+        step: &Buffer,
+        stream: Option<&Stream>,
+    ) -> Result<(), DeviceTrainError> {
+        check_cuda_view(self, stream, "the step's loss", step.len(), step.len())?;
+        let mut scalars = self.scalars_view(step)?;
+        self.loss_accumulate(losses, accum, first, &mut scalars)?;
         Ok(())
     }
 }

@@ -156,24 +156,48 @@ extern "C" __global__ void step_decide(double* s, u64 tensors, double max_norm,
     }
 }
 
-// The engine's grad scaler on the device, one thread (twin: host::scaler_decide): the step's
-// gradients, unscaled, overflowed when the sum of their squares (sharded[0], all-reduced over
-// the shard group, plus replicated[0]) is not finite; the step applies when it is taken
-// (`take`: an optimizer step, not a skip), did not overflow and its count is among the
-// choices; the scaler backs off on an overflow and counts the skip, and counts an applied
-// step towards its growth interval. The gradients are unscaled and clipped in memory
-// (STEP_UNSCALE and STEP_CLIPPED are 0), so the decided optimizers take them as they are.
-extern "C" __global__ void scaler_decide(double* s, const double* sharded,
-                                         const double* replicated, double base_steps, u32 take,
-                                         double growth_factor, double backoff_factor,
-                                         double growth_interval) {
+// The end of the engine's step on the device, one thread (twin: host::engine_decide): the
+// norm of the step's gradients (unscaled, under a grad scaler) is √(sharded[0] + replicated[0])
+// (the sharded part all-reduced over the shard group), written to STEP_GRAD_NORM. With a grad
+// scaler (`growth_interval` > 0) a non-finite sum is its overflow. With the non-finite rule
+// (`guard`) the step's loss (`loss[0]`, summed over the world) is written to STEP_LOSS, and a
+// step whose loss or norm is not finite (the norm not checked on an overflow) is counted and
+// not applied; beyond `skip_nonfinite` (< 0: no limit) such steps the engine halts, and no
+// later step applies. The step applies when it is taken (`take`: an optimizer step, not a
+// skip), is finite, did not overflow, the engine is not halted and its count is among the
+// choices; the scaler backs off on an overflow and counts the skip, and counts an applied step
+// towards its growth interval. The gradients are unscaled and clipped in memory (STEP_UNSCALE
+// and STEP_CLIPPED are 0), so the decided optimizers take them as they are.
+extern "C" __global__ void engine_decide(double* s, const double* sharded,
+                                         const double* replicated, const double* loss,
+                                         double base_steps, u32 take, u32 guard,
+                                         double skip_nonfinite, double growth_factor,
+                                         double backoff_factor, double growth_interval) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    bool found_inf = !isfinite(__dadd_rn(sharded[0], replicated[0]));
-    bool applied = count_step(s, base_steps, take != 0 && !found_inf);
+    bool scaler = growth_interval > 0.0;
+    double sum = __dadd_rn(sharded[0], replicated[0]);
+    double norm = __dsqrt_rn(sum);
+    s[STEP_GRAD_NORM] = norm;
+    bool found_inf = scaler && !isfinite(sum);
+    bool finite = true;
+    if (guard != 0) {
+        s[STEP_LOSS] = loss[0];
+        finite = isfinite(__double2float_rn(loss[0])) && (found_inf || isfinite(norm));
+        if (!finite) {
+            s[STEP_NONFINITE] = s[STEP_NONFINITE] + 1.0;
+            if (skip_nonfinite >= 0.0 && s[STEP_NONFINITE] > skip_nonfinite) {
+                s[STEP_HALTED] = 1.0;
+            }
+        }
+    }
+    bool wanted = take != 0 && finite && !found_inf && s[STEP_HALTED] == 0.0;
+    bool applied = count_step(s, base_steps, wanted);
     s[STEP_FOUND_INF] = found_inf ? 1.0 : 0.0;
     s[STEP_UNSCALE] = 0.0;
     s[STEP_CLIPPED] = 0.0;
-    scaler_update(s, found_inf, applied, growth_factor, backoff_factor, growth_interval);
+    if (scaler) {
+        scaler_update(s, found_inf, applied, growth_factor, backoff_factor, growth_interval);
+    }
 }
 
 // SGD's scalars of one optimizer step (SgdScalars).

@@ -244,14 +244,35 @@ impl CudaOps {
     /// [`KernelError::InvalidArgument`] for a buffer that is not a stream-ordered `f32` buffer
     /// of the operations' device; the stream order's errors.
     pub fn view(&self, buf: &Buffer, mode: AccessMode) -> Result<CudaBuf, KernelError> {
-        if buf.dtype() != DType::F32
+        self.view_as::<f32>(buf, DType::F32, mode)
+    }
+
+    /// A stream-ordered `f64` CUDA buffer of another owner (an FSDP engine's step loss) as the
+    /// operations' step scalars, to write (`loss_accumulate`), without a copy, as
+    /// [`view`](Self::view) sees an `f32` one.
+    ///
+    /// # Errors
+    /// [`KernelError::InvalidArgument`] for a buffer that is not a stream-ordered `f64` buffer
+    /// of the operations' device; the stream order's errors.
+    pub fn scalars_view(&self, buf: &Buffer) -> Result<super::CudaScalars, KernelError> {
+        self.view_as::<f64>(buf, DType::F64, AccessMode::Exclusive)
+    }
+
+    /// [`view`](Self::view) of a buffer of `T`, which is `dtype`.
+    fn view_as<T: DeviceRepr>(
+        &self,
+        buf: &Buffer,
+        dtype: DType,
+        mode: AccessMode,
+    ) -> Result<Counted<CudaSlice<T>>, KernelError> {
+        if buf.dtype() != dtype
             || buf.device() != self.stream.device()
             || buf.stream_order().is_none()
         {
             return Err(KernelError::InvalidArgument {
                 kernel: "gpt",
                 reason: format!(
-                    "a view needs a stream-ordered f32 buffer of {}, not a{} {} buffer on {}",
+                    "a view needs a stream-ordered {dtype} buffer of {}, not a{} {} buffer on {}",
                     self.stream.device(),
                     if buf.stream_order().is_some() {
                         ""
@@ -264,13 +285,13 @@ impl CudaOps {
             });
         }
         let used = buf.use_on(&self.stream, mode)?;
-        // SAFETY: `used` holds a clone of the buffer, so its memory — `buf.len()` f32s of this
-        // stream's device (checked above) — lives until the release below has recorded the
-        // use; this stream waited for the buffer's conflicting work. The slice never frees
-        // the address: the release leaks it before recording the use.
+        // SAFETY: `used` holds a clone of the buffer, so its memory — `buf.len()` elements of
+        // `T` (its dtype, checked above) on this stream's device — lives until the release
+        // below has recorded the use; this stream waited for the buffer's conflicting work.
+        // The slice never frees the address: the release leaks it before recording the use.
         let slice = unsafe {
             self.cuda
-                .upgrade_device_ptr::<f32>(used.device_ptr(), buf.len())
+                .upgrade_device_ptr::<T>(used.device_ptr(), buf.len())
         };
         Ok(Counted::borrowed(slice, &self.memory, move |slice| {
             let _ = slice.leak();

@@ -23,8 +23,8 @@ pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use norm::{clip_coefficient, scale_by, sum_of_squares, NORM_BLOCK, NORM_ITEMS};
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
 pub use step::{
-    adamw_decided, loss_accumulate, scaled_seed, scaler_decide, sgd_decided, step_decide,
-    step_scalars, step_scalars_len, unscale_by, AdamWChoice, ScalerDecision, ScalerRule, SgdChoice,
+    adamw_decided, engine_decide, loss_accumulate, scaled_seed, sgd_decided, step_decide,
+    step_scalars, step_scalars_len, unscale_by, AdamWChoice, EngineDecision, NonfiniteRule, ScalerRule, SgdChoice,
     StepRule, STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED, STEP_CLIP_COEF, STEP_COUNT,
     STEP_FAULT, STEP_FOUND_INF, STEP_GRAD_NORM, STEP_GROWTH_TRACKER, STEP_HALTED, STEP_LOSS,
     STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED, STEP_SQUARES, STEP_UNSCALE,

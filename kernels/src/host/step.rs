@@ -338,11 +338,23 @@ fn scaler_update(r: &ScalerRule, s: &mut [f64], found_inf: bool, applied: bool) 
     }
 }
 
-/// What [`scaler_decide`] decides by: the engine's grad scaler on the device.
+/// The engine's rule for non-finite steps on the device ([`EngineDecision::nonfinite`]): a
+/// step whose loss or gradient norm is not finite is not applied, and counted
+/// ([`STEP_NONFINITE`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NonfiniteRule {
+    /// Non-finite steps skipped before the next one halts the engine ([`STEP_HALTED`]: no
+    /// later step applies); `None`: every one is skipped and training goes on.
+    pub skip_limit: Option<u64>,
+}
+
+/// What [`engine_decide`] decides by: the end of the engine's step on the device.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ScalerDecision {
-    /// The scaler's settings.
-    pub rule: ScalerRule,
+pub struct EngineDecision {
+    /// The grad scaler's settings (`None`: no scaler).
+    pub scaler: Option<ScalerRule>,
+    /// The non-finite rule (`None`: the loss and the norm are not checked).
+    pub nonfinite: Option<NonfiniteRule>,
     /// The optimizer steps the host knows were taken; the device's count
     /// ([`STEP_COUNT`]) is this or up to `STEP_CHOICES − 1` more.
     pub base_steps: u64,
@@ -350,36 +362,66 @@ pub struct ScalerDecision {
     pub take: bool,
 }
 
-/// Twin of `scaler_decide` (one thread), the end of a step of the engine's grad scaler on the
-/// device, whose gradients were unscaled (and clipped) in memory: they overflowed
-/// ([`STEP_FOUND_INF`]) when `sharded + replicated`, the sum of their squares (the sharded
-/// part summed over the shard group), is not finite. The step applies ([`STEP_APPLIED`], the
-/// count [`STEP_COUNT`] then grows by one) when it is taken, did not overflow and the count is
-/// among the choices ([`STEP_CHOICE`]; else [`STEP_FAULT`]). On an overflow the scaler counts
-/// the skip ([`STEP_SCALER_SKIPPED`]), backs off the scale and resets the tracker; an applied
-/// step counts towards the growth interval, at whose end the scale grows (if finite) and the
-/// tracker restarts — `GradScaler::update` of the engine, each product in f64 rounded to f32.
-/// A skip without an overflow leaves the scaler as it is. [`STEP_UNSCALE`] and
-/// [`STEP_CLIPPED`] are set to 0: the decided optimizers take the gradients as they are.
+/// Twin of `engine_decide` (one thread), the end of a step of the engine on the device, whose
+/// gradients were unscaled (under a grad scaler) and clipped in memory: their norm
+/// `√(sharded + replicated)`, the sum of their squares (the sharded part summed over the shard
+/// group), goes to [`STEP_GRAD_NORM`]. With a grad scaler they overflowed
+/// ([`STEP_FOUND_INF`]) when that sum is not finite. With the non-finite rule the step's
+/// `loss` (summed over the world, an f32 value) goes to [`STEP_LOSS`], and a step is finite
+/// when its loss is and its norm is too (the norm not checked on an overflow, which is the
+/// scaler's to skip), as `fsdp train`'s loop decides; a step that is not is counted
+/// ([`STEP_NONFINITE`]), and beyond the rule's limit halts the engine ([`STEP_HALTED`], kept:
+/// no later step applies). The step applies ([`STEP_APPLIED`], the count [`STEP_COUNT`] then
+/// grows by one) when it is taken, finite, did not overflow, the engine is not halted and the
+/// count is among the choices ([`STEP_CHOICE`]; else [`STEP_FAULT`]). On an overflow the
+/// scaler counts the skip ([`STEP_SCALER_SKIPPED`]), backs off the scale and resets the
+/// tracker; an applied step counts towards the growth interval, at whose end the scale grows
+/// (if finite) and the tracker restarts — `GradScaler::update` of the engine, each product in
+/// f64 rounded to f32. A skip without an overflow leaves the scaler as it is.
+/// [`STEP_UNSCALE`] and [`STEP_CLIPPED`] are set to 0: the decided optimizers take the
+/// gradients as they are.
 ///
 /// # Errors
 /// [`KernelError::InvalidArgument`] for a scalar buffer shorter than [`STEP_SQUARES`] or
 /// invalid scaler settings.
-pub fn scaler_decide(
-    d: &ScalerDecision,
+pub fn engine_decide(
+    d: &EngineDecision,
     scalars: &mut [f64],
     sharded: f64,
     replicated: f64,
+    loss: f64,
 ) -> Result<(), KernelError> {
-    check_scalars_len("scaler_decide", scalars.len(), 0)?;
-    check_scaler("scaler_decide", &d.rule)?;
+    check_scalars_len("engine_decide", scalars.len(), 0)?;
+    if let Some(r) = &d.scaler {
+        check_scaler("engine_decide", r)?;
+    }
     let s = scalars;
-    let found_inf = !(sharded + replicated).is_finite();
-    let applied = count_step(s, d.base_steps, d.take && !found_inf);
+    let sum = sharded + replicated;
+    let norm = sum.sqrt();
+    s[STEP_GRAD_NORM] = norm;
+    let found_inf = d.scaler.is_some() && !sum.is_finite();
+    let mut finite = true;
+    if let Some(rule) = d.nonfinite {
+        s[STEP_LOSS] = loss;
+        finite = (loss as f32).is_finite() && (found_inf || norm.is_finite());
+        if !finite {
+            s[STEP_NONFINITE] += 1.0;
+            if rule
+                .skip_limit
+                .is_some_and(|k| s[STEP_NONFINITE] > k as f64)
+            {
+                s[STEP_HALTED] = 1.0;
+            }
+        }
+    }
+    let wanted = d.take && finite && !found_inf && s[STEP_HALTED] == 0.0;
+    let applied = count_step(s, d.base_steps, wanted);
     s[STEP_FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
     s[STEP_UNSCALE] = 0.0;
     s[STEP_CLIPPED] = 0.0;
-    scaler_update(&d.rule, s, found_inf, applied);
+    if let Some(r) = d.scaler {
+        scaler_update(&r, s, found_inf, applied);
+    }
     Ok(())
 }
 

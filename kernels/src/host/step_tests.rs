@@ -311,10 +311,11 @@ fn sgd_decided_applies_the_chosen_step_to_the_decided_gradient() {
     assert!(sgd_decided(&choice, &s[..3], &mut p, &g, &mut b).is_err());
 }
 
-/// The grad scaler's decision: a count outside the choices is a fault, never a step (the
-/// scaler still backs off on an overflow); invalid settings and a short buffer are refused.
+/// The engine's decision with the grad scaler: a count outside the choices is a fault, never
+/// a step (the scaler still backs off on an overflow); invalid settings and a short buffer
+/// are refused.
 #[test]
-fn scaler_decide_faults_and_refuses() {
+fn engine_decide_faults_and_refuses() {
     let rule = ScalerRule {
         growth_factor: 2.0,
         backoff_factor: 0.5,
@@ -322,38 +323,95 @@ fn scaler_decide_faults_and_refuses() {
     };
     let mut s = step_scalars(0, Some((8.0, 0, 0)));
     s[STEP_COUNT] = 5.0;
-    let d = ScalerDecision {
-        rule,
+    let d = EngineDecision {
+        scaler: Some(rule),
+        nonfinite: None,
         base_steps: 2,
         take: true,
     };
-    scaler_decide(&d, &mut s, 1.0, 0.0).unwrap();
+    engine_decide(&d, &mut s, 1.0, 0.0, 0.0).unwrap();
     assert_eq!(
         (s[STEP_FAULT], s[STEP_APPLIED], s[STEP_COUNT]),
         (1.0, 0.0, 5.0)
     );
     assert_eq!(s[STEP_SCALE], 8.0, "no growth without a step");
-    scaler_decide(&d, &mut s, f64::NAN, 0.0).unwrap();
+    engine_decide(&d, &mut s, f64::NAN, 0.0, 0.0).unwrap();
     assert_eq!((s[STEP_SCALE], s[STEP_SCALER_SKIPPED]), (4.0, 1.0));
-    let d = ScalerDecision { base_steps: 4, ..d };
-    scaler_decide(&d, &mut s, 1.0, f64::NEG_INFINITY).unwrap();
+    let d = EngineDecision { base_steps: 4, ..d };
+    engine_decide(&d, &mut s, 1.0, f64::NEG_INFINITY, 0.0).unwrap();
     assert_eq!((s[STEP_FOUND_INF], s[STEP_APPLIED]), (1.0, 0.0));
-    scaler_decide(&d, &mut s, 1.0, 2.0).unwrap();
+    engine_decide(&d, &mut s, 1.0, 3.0, 0.0).unwrap();
     assert_eq!(
         (s[STEP_CHOICE], s[STEP_APPLIED], s[STEP_COUNT]),
         (1.0, 1.0, 6.0)
     );
+    assert_eq!(s[STEP_GRAD_NORM], 2.0, "√(1 + 3)");
     assert_eq!(s[STEP_SCALE], 4.0, "grown after its interval of 1");
-    let bad = ScalerDecision {
-        rule: ScalerRule {
+    let bad = EngineDecision {
+        scaler: Some(ScalerRule {
             backoff_factor: 1.5,
             ..rule
-        },
+        }),
         ..d
     };
-    assert!(scaler_decide(&bad, &mut s, 1.0, 0.0).is_err());
-    assert!(scaler_decide(&d, &mut s[..STEP_SQUARES - 1], 1.0, 0.0).is_err());
+    assert!(engine_decide(&bad, &mut s, 1.0, 0.0, 0.0).is_err());
+    assert!(engine_decide(&d, &mut s[..STEP_SQUARES - 1], 1.0, 0.0, 0.0).is_err());
     let mut x = [4.0f32, -1.0];
     unscale_by(&mut x, 8.0);
     assert_eq!(x, [0.5, -0.125]);
+}
+
+/// The engine's non-finite rule, against the closed form of `fsdp train`'s loop: a step is
+/// skipped when its loss is not finite, or its norm is not and the scaler found no overflow
+/// (an overflow is the scaler's skip, not counted); beyond the limit the engine halts and no
+/// later step applies, finite or not. Without the rule a NaN loss is stepped on.
+#[test]
+fn engine_decide_skips_nonfinite_steps_and_halts_past_the_limit() {
+    let scaler = ScalerRule {
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        growth_interval: 100,
+    };
+    for (with_scaler, limit) in [(false, Some(2)), (true, Some(2)), (false, None)] {
+        let mut s = step_scalars(0, Some((8.0, 0, 0)));
+        let (mut steps, mut nonfinite, mut halted) = (0u64, 0u64, false);
+        for i in 0..16u32 {
+            let loss = if i % 5 == 2 { f64::NAN } else { 3.0 };
+            let sharded = if i % 4 == 3 { f64::INFINITY } else { 1.0 };
+            let d = EngineDecision {
+                scaler: with_scaler.then_some(scaler),
+                nonfinite: Some(NonfiniteRule { skip_limit: limit }),
+                base_steps: steps,
+                take: true,
+            };
+            engine_decide(&d, &mut s, sharded, 3.0, loss).unwrap();
+            let overflow = with_scaler && !sharded.is_finite();
+            let finite = loss.is_finite() && (overflow || sharded.is_finite());
+            if !finite {
+                nonfinite += 1;
+                halted |= limit.is_some_and(|k| nonfinite > k);
+            }
+            let applied = finite && !overflow && !halted;
+            steps += u64::from(applied);
+            let what = format!("scaler {with_scaler} limit {limit:?} step {i}");
+            assert_eq!(s[STEP_APPLIED], f64::from(u8::from(applied)), "{what}");
+            assert_eq!(s[STEP_COUNT], steps as f64, "{what}");
+            assert_eq!(s[STEP_NONFINITE], nonfinite as f64, "{what}");
+            assert_eq!(s[STEP_HALTED], f64::from(u8::from(halted)), "{what}");
+            assert_eq!(s[STEP_FOUND_INF], f64::from(u8::from(overflow)), "{what}");
+            assert_eq!(s[STEP_LOSS].to_bits(), loss.to_bits(), "{what}");
+            assert_eq!(s[STEP_GRAD_NORM], (sharded + 3.0).sqrt(), "{what}");
+        }
+        assert_eq!(halted, limit.is_some(), "the limit of 2 is passed in 16 steps");
+    }
+    // Without the rule: a NaN loss is not looked at.
+    let mut s = step_scalars(0, None);
+    let d = EngineDecision {
+        scaler: None,
+        nonfinite: None,
+        base_steps: 0,
+        take: true,
+    };
+    engine_decide(&d, &mut s, 1.0, 0.0, f64::NAN).unwrap();
+    assert_eq!((s[STEP_APPLIED], s[STEP_NONFINITE]), (1.0, 0.0));
 }

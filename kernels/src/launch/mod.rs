@@ -53,11 +53,11 @@ pub use nn_embed::{
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};
 pub use step::{
-    adamw_decided, anyprecision_decided, loss_accumulate, scaler_decide, sgd_decided, step_decide,
+    adamw_decided, anyprecision_decided, engine_decide, loss_accumulate, sgd_decided, step_decide,
     unscale_by,
 };
 pub use step_buffers::{
-    adamw_decided_buffers, scaler_decide_buffers, sgd_decided_buffers, unscale_by_buffer,
+    adamw_decided_buffers, engine_decide_buffers, sgd_decided_buffers, unscale_by_buffer,
 };
 
 /// Threads per block of the element-wise kernels.

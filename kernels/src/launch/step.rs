@@ -1,7 +1,7 @@
 //! Launchers of the kernels that end a training step on the device (twins and the scalar
 //! buffer's layout in [`host::step`](crate::host)): `loss_accumulate`, `step_decide` and
 //! `adamw_decided_f32`, and `anyprecision_decided_*`; the engine's grad scaler on the device
-//! (`scaler_decide`, `unscale_by_f32`) and SGD as decided (`sgd_decided_f32`).
+//! (`engine_decide`, `unscale_by_f32`) and SGD as decided (`sgd_decided_f32`).
 
 use cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -10,7 +10,7 @@ use cudarc::driver::{
 use super::{config, driver, function};
 use crate::host::{
     check_anyprecision_call, check_scalars_len, same_len, AdamWChoice, AdamWScalars, AnyPrecision,
-    AnyPrecisionChoice, AnyPrecisionScalars, ScalerDecision, SgdChoice, SgdScalars, StepRule,
+    AnyPrecisionChoice, AnyPrecisionScalars, EngineDecision, SgdChoice, SgdScalars, StepRule,
     NORM_BLOCK, STEP_CHOICES,
 };
 use crate::{KernelError, Program};
@@ -322,43 +322,74 @@ const ONE: LaunchConfig = LaunchConfig {
     shared_mem_bytes: 0,
 };
 
-/// The engine's grad scaler's decision in `scalars` from the squared parts `sharded[0]` and
-/// `replicated[0]` of its unscaled gradients
-/// ([`host::scaler_decide`](crate::host::scaler_decide), bitwise).
+/// The end of the engine's step in `scalars` from the squared parts `sharded[0]` and
+/// `replicated[0]` of its (unscaled) gradients and, with the non-finite rule, the step's
+/// `loss[0]` ([`host::engine_decide`](crate::host::engine_decide), bitwise).
 ///
 /// # Errors
 /// [`KernelError::InvalidArgument`] for a scalar buffer shorter than
-/// [`STEP_SQUARES`](crate::host::STEP_SQUARES) or invalid scaler settings;
-/// [`KernelError::Length`] for parts of other than one element; compile, load and launch
-/// failures.
-pub fn scaler_decide(
+/// [`STEP_SQUARES`](crate::host::STEP_SQUARES), invalid scaler settings, or a non-finite rule
+/// without a loss; [`KernelError::Length`] for parts or a loss of other than one element;
+/// compile, load and launch failures.
+pub fn engine_decide<L: DevicePtr<f64>>(
     stream: &CudaStream,
-    decision: &ScalerDecision,
+    decision: &EngineDecision,
     scalars: &mut impl DevicePtrMut<f64>,
     sharded: &impl DevicePtr<f64>,
     replicated: &impl DevicePtr<f64>,
+    loss: Option<&L>,
 ) -> Result<(), KernelError> {
-    check_scalars_len("scaler_decide", scalars.len(), 0)?;
-    same_len("scaler_decide", "sharded", 1, sharded.len())?;
-    same_len("scaler_decide", "replicated", 1, replicated.len())?;
-    crate::host::check_scaler("scaler_decide", &decision.rule)?;
-    let f = function(stream, Program::Optim, "scaler_decide")?;
+    check_scalars_len("engine_decide", scalars.len(), 0)?;
+    same_len("engine_decide", "sharded", 1, sharded.len())?;
+    same_len("engine_decide", "replicated", 1, replicated.len())?;
+    if let Some(l) = loss {
+        same_len("engine_decide", "loss", 1, l.len())?;
+    }
+    if let Some(r) = &decision.scaler {
+        crate::host::check_scaler("engine_decide", r)?;
+    }
+    if decision.nonfinite.is_some() && loss.is_none() {
+        return Err(KernelError::InvalidArgument {
+            kernel: "engine_decide",
+            reason: "the non-finite rule reads the step's loss: none was given".into(),
+        });
+    }
+    let f = function(stream, Program::Optim, "engine_decide")?;
     let (s, _s) = scalars.device_ptr_mut(stream);
     let (sh, _sh) = sharded.device_ptr(stream);
     let (re, _re) = replicated.device_ptr(stream);
+    // Without the rule the kernel reads no loss: the sharded part stands in for its address.
+    let (l, _l) = match loss {
+        Some(l) => {
+            let (p, g) = l.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (sh, None),
+    };
     let base = decision.base_steps as f64;
     let take = u32::from(decision.take);
-    let r = decision.rule;
-    let interval = f64::from(r.growth_interval);
+    let guard = u32::from(decision.nonfinite.is_some());
+    let skip = decision
+        .nonfinite
+        .and_then(|r| r.skip_limit)
+        .map_or(-1.0, |k| k as f64);
+    // No scaler: a growth interval of 0 (the kernel's sign of none).
+    let (growth, backoff, interval) = decision.scaler.map_or((0.0, 0.0, 0.0), |r| {
+        (
+            r.growth_factor,
+            r.backoff_factor,
+            f64::from(r.growth_interval),
+        )
+    });
     let mut b = stream.launch_builder(&f);
-    b.arg(&s).arg(&sh).arg(&re).arg(&base).arg(&take);
-    b.arg(&r.growth_factor)
-        .arg(&r.backoff_factor)
-        .arg(&interval);
-    // SAFETY: `scaler_decide(double*, const double*, const double*, double, u32, double ×3)`,
-    // one thread: reads and writes the first STEP_SQUARES scalars, reads one element of each
-    // part (lengths checked above).
-    unsafe { b.launch(ONE) }.map_err(|e| driver("cuLaunchKernel", "scaler_decide", e))?;
+    b.arg(&s).arg(&sh).arg(&re).arg(&l).arg(&base).arg(&take);
+    b.arg(&guard).arg(&skip);
+    b.arg(&growth).arg(&backoff).arg(&interval);
+    // SAFETY: `engine_decide(double*, const double* ×3, double, u32, u32, double ×4)`, one
+    // thread: reads and writes the first STEP_SQUARES scalars, reads one element of each part
+    // and, with the rule, of the loss (lengths checked above; without the rule the loss's
+    // address is not read).
+    unsafe { b.launch(ONE) }.map_err(|e| driver("cuLaunchKernel", "engine_decide", e))?;
     Ok(())
 }
 

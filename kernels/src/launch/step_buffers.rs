@@ -1,14 +1,14 @@
 //! Launchers over stream-ordered CUDA buffers ([`fsdp_device::Buffer`]) of the kernels that
-//! end a step decided on the device, for the engine's grad scaler there: the gradients
-//! unscaled by the scale on the device (`unscale_by_f32`), the scaler's decision
-//! (`scaler_decide`), and AdamW and SGD as decided (`adamw_decided_f32`, `sgd_decided_f32`).
+//! end a step decided on the device, for the engine's grad scaler and non-finite rule there:
+//! the gradients unscaled by the scale on the device (`unscale_by_f32`), the engine's decision
+//! (`engine_decide`), and AdamW and SGD as decided (`adamw_decided_f32`, `sgd_decided_f32`).
 //! Each checks its buffers as [`axpby_buffer`](super::axpby_buffer) does and returns the
 //! event after its launch.
 
 use fsdp_device::{Buffer, DType, Event, Stream};
 
 use super::buffers::{launch_on_buffers, ordered};
-use crate::host::{AdamWChoice, ScalerDecision, SgdChoice};
+use crate::host::{AdamWChoice, EngineDecision, SgdChoice};
 use crate::KernelError;
 
 /// `x *= 1 / scale[0]` ([`unscale_by`](super::unscale_by)) on a stream-ordered `f32` CUDA
@@ -36,37 +36,45 @@ pub fn unscale_by_buffer(
     )
 }
 
-/// The grad scaler's decision ([`scaler_decide`](super::scaler_decide)) into the step's `f64`
-/// `scalars` on the device, from the one-element `f64` buffers `sharded` and `replicated`,
-/// on `stream`.
+/// The end of the engine's step ([`engine_decide`](super::engine_decide)) into its `f64`
+/// `scalars` on the device, from the one-element `f64` buffers `sharded` and `replicated`
+/// and, with the non-finite rule, `loss`, on `stream`.
 ///
 /// # Errors
-/// As [`axpby_buffer`](super::axpby_buffer); as [`scaler_decide`](super::scaler_decide).
-pub fn scaler_decide_buffers(
-    decision: &ScalerDecision,
+/// As [`axpby_buffer`](super::axpby_buffer); as [`engine_decide`](super::engine_decide).
+pub fn engine_decide_buffers(
+    decision: &EngineDecision,
     scalars: &Buffer,
     sharded: &Buffer,
     replicated: &Buffer,
+    loss: Option<&Buffer>,
     stream: &Stream,
 ) -> Result<Event, KernelError> {
-    let reads = [sharded, replicated];
+    let mut reads = vec![sharded, replicated];
+    reads.extend(loss);
+    let dtypes = vec![DType::F64; reads.len() + 1];
     launch_on_buffers(
-        "scaler_decide",
+        "engine_decide",
         stream,
         &reads,
         &[scalars],
-        &[DType::F64; 3],
+        &dtypes,
         |cu, p| {
             // SAFETY: addresses and lengths of ordered, non-overlapping buffers
-            // (`launch_on_buffers`).
+            // (`launch_on_buffers`): the parts, the loss when given, then the scalars.
             let (sh, re, mut s) = unsafe {
                 (
                     ordered::<f64>(cu, p[0]),
                     ordered::<f64>(cu, p[1]),
-                    ordered::<f64>(cu, p[2]),
+                    ordered::<f64>(cu, p[p.len() - 1]),
                 )
             };
-            super::scaler_decide(cu, decision, &mut s, &sh, &re)
+            let l = match loss {
+                // SAFETY: as above, the loss's address and length.
+                Some(_) => Some(unsafe { ordered::<f64>(cu, p[2]) }),
+                None => None,
+            };
+            super::engine_decide(cu, decision, &mut s, &sh, &re, l.as_ref())
         },
     )
 }

@@ -48,6 +48,10 @@ pub struct Fsdp {
     pub(crate) grad_scaler: Option<GradScaler>,
     /// Activation checkpointing and the activation meter (checkpointing.rs).
     pub(crate) activations: Activations,
+    /// The non-finite rule of [`Fsdp::optimizer_step_if_finite`] (decided_step.rs).
+    pub(crate) guard: super::decided_step::Guard,
+    /// The squares this step's gradient norm was computed from, for its decision.
+    pub(crate) step_squares: std::sync::Mutex<Option<super::decided_step::StepSquares>>,
 }
 
 impl std::fmt::Debug for Fsdp {
@@ -250,6 +254,8 @@ impl Fsdp {
             setup: OptimizerSetup::default(),
             grad_scaler: None,
             activations,
+            guard: Default::default(),
+            step_squares: Default::default(),
         })
     }
 
@@ -406,6 +412,8 @@ impl Fsdp {
     /// A failed collective.
     pub fn finalize_backward(&mut self) -> Result<(), FsdpError> {
         self.pass_open = false;
+        // The gradients change: a norm computed before is not theirs.
+        self.keep_step_squares(None);
         finish_reductions(&mut self.groups, &mut self.ctx, &mut self.pending_grads)
     }
 

@@ -8,6 +8,7 @@ use fsdp_device::{Buffer, DType};
 
 use super::device::ComputeDevice;
 use super::device_scalar::DeviceScalar;
+use super::decided_step::StepSquares;
 use super::fsdp::Fsdp;
 use crate::FsdpError;
 
@@ -61,6 +62,11 @@ impl Fsdp {
         self.unscale_issue()?;
         let c = dev.compute_stream();
         let (sharded, replicated, work) = self.squares_on_device(dev)?;
+        self.keep_step_squares(Some(StepSquares::Device(
+            sharded.clone(),
+            replicated.clone(),
+            work.clone(),
+        )));
         let out = dev.alloc(DType::F64, 2, c)?;
         let limit = max_norm.unwrap_or(f64::INFINITY);
         dev.clip_coefficient(&sharded, &replicated, limit, &out, c)?;

@@ -95,9 +95,31 @@ pub fn copy_to_host_f32(buf: &Buffer, stream: &Stream) -> Result<Vec<f32>, FsdpE
 /// `stream` (staged through host memory that the copy owns: the host does not wait).
 ///
 /// # Errors
-/// `values` of another length than `buf`; a failing allocation or copy.
+/// `values` of another length than `buf`, a buffer of another dtype; a failing allocation or
+/// copy.
 pub fn copy_from_host_f32(buf: &Buffer, values: &[f32], stream: &Stream) -> Result<(), FsdpError> {
-    let host = host_buffer(buf.device(), DType::F32, values.len())?;
+    copy_from_host(buf, values, stream)
+}
+
+/// [`copy_from_host_f32`] into an `f64` buffer (e.g. a step's scalars).
+///
+/// # Errors
+/// As [`copy_from_host_f32`].
+pub fn copy_from_host_f64(buf: &Buffer, values: &[f64], stream: &Stream) -> Result<(), FsdpError> {
+    copy_from_host(buf, values, stream)
+}
+
+fn copy_from_host<T: fsdp_device::Element>(
+    buf: &Buffer,
+    values: &[T],
+    stream: &Stream,
+) -> Result<(), FsdpError> {
+    if buf.dtype() != T::DTYPE {
+        return Err(FsdpError::InvalidShape {
+            reason: format!("a copy of {} values into a {} buffer", T::DTYPE, buf.dtype()),
+        });
+    }
+    let host = host_buffer(buf.device(), T::DTYPE, values.len())?;
     host.copy_from_slice(values)?;
     buf.copy_from_host_async(&host, stream)?;
     Ok(())

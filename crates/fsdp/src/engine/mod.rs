@@ -97,6 +97,7 @@
 pub mod checkpointing;
 mod comm_context;
 mod config;
+mod decided_step;
 mod device;
 mod device_kernels;
 mod device_optim;
@@ -127,6 +128,7 @@ pub use config::{
     BackwardPrefetch, CrossStreamSafety, FsdpConfig, Phase, ScheduleEvent, ScheduleKind,
     ShardingStrategy,
 };
+pub use decided_step::StepOutcome;
 pub use device::ComputeDevice;
 pub use device_scalar::DeviceScalar;
 pub use fsdp::Fsdp;
@@ -134,7 +136,7 @@ pub use grad_scaler::{
     load_grad_scaler_state, save_grad_scaler_state, GradScaler, GradScalerConfig, GradScalerState,
     GRAD_SCALER_FILE,
 };
-pub use host_compute::{copy_from_host_f32, copy_to_host_f32, HostCompute};
+pub use host_compute::{copy_from_host_f32, copy_from_host_f64, copy_to_host_f32, HostCompute};
 pub use materialize::ParamInit;
 pub use mixed_precision::{
     divide_factors, round_slice, round_to, DivideFactors, GradientDivide, MixedPrecisionPolicy,

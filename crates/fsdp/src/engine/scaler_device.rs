@@ -1,18 +1,20 @@
-//! The grad scaler with the shards on a device ([`Fsdp::new_on`] without `offload_params`):
-//! its state lives in device memory, so a step never waits on the host for `found_inf`, as
-//! PyTorch's fused optimizers take `found_inf` and `grad_scale` as tensors and skip on the
-//! GPU.
+//! The state of steps decided on the device ([`Fsdp::new_on`](crate::Fsdp::new_on) without `offload_params`): with a
+//! grad scaler, or with the non-finite rule of [`Fsdp::optimizer_step_if_finite`](crate::Fsdp::optimizer_step_if_finite), the end of a
+//! step is decided in device memory, so a step never waits on the host for `found_inf` or for
+//! the loss and the norm, as PyTorch's fused optimizers take `found_inf` and `grad_scale` as
+//! tensors and skip on the GPU.
 //!
 //! The backward scales by the device's scale, the unscaling multiplies by its reciprocal there
 //! and sums the squares of the unscaled gradient shards (the sharded part all-reduced over the
-//! shard group on the device), and [`Fsdp::optimizer_step`] issues the decision (overflow,
-//! skip or step, the scale's update: [`ComputeDevice::scaler_decide`]) and an optimizer step
-//! that applies as it says ([`StepPlan::Decided`]). The host does not know whether the step
-//! applied, so it offers the optimizer the scalars of two step numbers and learning rates: the
-//! device counts the steps taken, and the host reads each decision's outcome (a copy of the
-//! state) one step late — at most one outcome is unread when a decision is issued — and folds
-//! it into its step counts. Readers of those counts and of the scaler's numbers
-//! ([`Fsdp::optimizer_steps`], [`Fsdp::lr`], [`GradScaler::scale`], checkpoints) wait for the
+//! shard group on the device), and the optimizer step issues the decision (overflow,
+//! non-finite loss or norm, skip or step, the scale's update:
+//! [`ComputeDevice::engine_decide`]) and an optimizer step that applies as it says
+//! (`StepPlan::Decided`, `decided_step.rs`). The host does not know whether the step applied,
+//! so it offers the optimizer the scalars of two step numbers and learning rates: the device
+//! counts the steps taken, and the host reads each decision's outcome (a copy of the state)
+//! one step late — at most one outcome is unread when a decision is issued — and folds it into
+//! its step counts. Readers of those counts and of the scaler's numbers
+//! ([`Fsdp::optimizer_steps`](crate::Fsdp::optimizer_steps), [`Fsdp::lr`](crate::Fsdp::lr), [`GradScaler::scale`], checkpoints) wait for the
 //! outcomes not read yet, as PyTorch's `.item()` does.
 
 use std::collections::VecDeque;
@@ -24,15 +26,18 @@ use fsdp_device::{host_task, Buffer, DType, Event, Stream};
 
 use super::device::{ComputeDevice, Kind};
 use super::device_kernels::{read, write};
-use super::device_optim::StepPlan;
 use super::device_scalar::DeviceScalar;
-use super::fsdp::Fsdp;
+use super::decided_step::StepOutcome;
 use super::grad_scaler::{next_scale, GradScaler, GradScalerConfig, GradScalerState};
 use crate::FsdpError;
 
 /// The slots of the scaler's `f64` state buffer: `fsdp-kernels`' step scalars (its `STEP_*`
 /// constants, checked equal at compile time with the feature `cuda`).
 pub(crate) mod slot {
+    /// The step's loss summed over the world (an `f32` value; with the non-finite rule).
+    pub(crate) const LOSS: usize = 0;
+    /// The gradients' global norm.
+    pub(crate) const GRAD_NORM: usize = 1;
     /// 1 when the gradients are clipped by the decision (always 0 here).
     pub(crate) const CLIPPED: usize = 2;
     /// 1 when the optimizer step applies.
@@ -41,6 +46,10 @@ pub(crate) mod slot {
     pub(crate) const CHOICE: usize = 5;
     /// Optimizer steps taken.
     pub(crate) const COUNT: usize = 6;
+    /// Non-finite steps seen by the non-finite rule.
+    pub(crate) const NONFINITE: usize = 7;
+    /// 1 once the non-finite rule's limit was passed: no later step applies.
+    pub(crate) const HALTED: usize = 8;
     /// 1 when the steps counted were not among the host's choices (nothing applied).
     pub(crate) const FAULT: usize = 9;
     /// The scale (an `f32` value).
@@ -61,7 +70,11 @@ pub(crate) mod slot {
 const _: () = {
     use fsdp_kernels::host as k;
     assert!(
-        slot::CLIPPED == k::STEP_CLIPPED
+        slot::LOSS == k::STEP_LOSS
+            && slot::GRAD_NORM == k::STEP_GRAD_NORM
+            && slot::NONFINITE == k::STEP_NONFINITE
+            && slot::HALTED == k::STEP_HALTED
+            && slot::CLIPPED == k::STEP_CLIPPED
             && slot::APPLIED == k::STEP_APPLIED
             && slot::CHOICE == k::STEP_CHOICE
             && slot::COUNT == k::STEP_COUNT
@@ -76,14 +89,32 @@ const _: () = {
     );
 };
 
-/// The scaler's numbers and the optimizer steps counted, as a decision left them.
+/// The scaler's numbers, the optimizer steps counted and the non-finite rule's count, as a
+/// decision left them, and what it decided.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Outcome {
     pub(crate) scaler: GradScalerState,
     pub(crate) count: u64,
+    /// Non-finite steps the rule saw so far.
+    pub(crate) nonfinite: u64,
+    /// The rule's limit was passed.
+    pub(crate) halted: bool,
+    /// The decision's step.
+    pub(crate) step: StepOutcome,
 }
 
 impl Outcome {
+    /// The outcome before any decision, with these numbers carried over.
+    pub(crate) fn start(scaler: GradScalerState, count: u64, nonfinite: u64, halted: bool) -> Self {
+        Outcome {
+            scaler,
+            count,
+            nonfinite,
+            halted,
+            step: StepOutcome::default(),
+        }
+    }
+
     /// The state buffer's initial elements for these numbers.
     fn to_state(self) -> Vec<f64> {
         let mut s = vec![0.0; slot::LEN];
@@ -91,6 +122,8 @@ impl Outcome {
         s[slot::GROWTH_TRACKER] = f64::from(self.scaler.growth_tracker);
         s[slot::SCALER_SKIPPED] = self.scaler.skipped_steps as f64;
         s[slot::COUNT] = self.count as f64;
+        s[slot::NONFINITE] = self.nonfinite as f64;
+        s[slot::HALTED] = f64::from(u8::from(self.halted));
         s
     }
 
@@ -111,6 +144,15 @@ impl Outcome {
                 skipped_steps: s[slot::SCALER_SKIPPED] as u64,
             },
             count: s[slot::COUNT] as u64,
+            nonfinite: s[slot::NONFINITE] as u64,
+            halted: s[slot::HALTED] != 0.0,
+            step: StepOutcome {
+                loss: s[slot::LOSS] as f32,
+                grad_norm: s[slot::GRAD_NORM],
+                applied: s[slot::APPLIED] != 0.0,
+                found_inf: s[slot::FOUND_INF] != 0.0,
+                halted: s[slot::HALTED] != 0.0,
+            },
         })
     }
 }
@@ -120,8 +162,10 @@ impl Outcome {
 struct Readback {
     host: Buffer,
     copied: Event,
-    /// The all-reduce of the squares the decision read.
-    work: Option<Work>,
+    /// The all-reduces the decision read (the squares', the loss's).
+    work: Vec<Work>,
+    /// A decision of [`Fsdp::optimizer_step_if_finite`](crate::Fsdp::optimizer_step_if_finite), whose outcome is reported.
+    report: bool,
 }
 
 /// The outcomes not read yet, the last one read, and a failure to read one.
@@ -130,9 +174,12 @@ struct Readbacks {
     pending: VecDeque<Readback>,
     latest: Outcome,
     failed: Option<FsdpError>,
+    /// The outcomes of reported decisions read and not taken yet, oldest first.
+    reported: Vec<StepOutcome>,
 }
 
-/// A grad scaler's state on a device.
+/// The state of decided steps on a device: a grad scaler's (its numbers in it), or the
+/// non-finite rule's without one.
 #[derive(Debug)]
 pub(crate) struct DeviceScaler {
     /// `slot::LEN` `f64` elements on the device.
@@ -153,6 +200,7 @@ impl DeviceScaler {
                 pending: VecDeque::new(),
                 latest: at,
                 failed: None,
+                reported: Vec::new(),
             }),
         })
     }
@@ -168,15 +216,23 @@ impl DeviceScaler {
         Ok(self.state.slice(slot::SCALE..slot::SCALE + 1)?)
     }
 
-    /// Copy the state to host memory after the decision just issued (which read the squares
-    /// of `work`), without waiting.
-    fn push_readback(&self, work: Option<Work>) -> Result<(), FsdpError> {
+    /// Copy the state to host memory after the decision just issued (which read what `work`
+    /// all-reduced), without waiting; its outcome is `report`ed when read.
+    pub(crate) fn push_readback(&self, work: Vec<Work>, report: bool) -> Result<(), FsdpError> {
         let dev = &self.device;
         let (host, copied) = dev.copy_to_host_event(&self.state, dev.transfer_stream())?;
-        self.lock()
-            .pending
-            .push_back(Readback { host, copied, work });
+        self.lock().pending.push_back(Readback {
+            host,
+            copied,
+            work,
+            report,
+        });
         Ok(())
+    }
+
+    /// The reported outcomes read so far and not taken yet, oldest first.
+    pub(crate) fn take_reported(&self) -> Vec<StepOutcome> {
+        std::mem::take(&mut self.lock().reported)
     }
 
     /// Read the outcomes not read yet until at most `keep` remain; returns the latest read
@@ -195,8 +251,12 @@ impl DeviceScaler {
             let Some(b) = r.pending.pop_front() else {
                 break;
             };
-            waited |= !(b.copied.query() && b.work.as_ref().is_none_or(Work::is_completed));
+            waited |= !(b.copied.query() && b.work.iter().all(Work::is_completed));
             r.latest = self.read(&b)?;
+            if b.report {
+                let step = r.latest.step;
+                r.reported.push(step);
+            }
         }
         Ok((r.latest, waited))
     }
@@ -236,7 +296,7 @@ impl DeviceScaler {
 
     /// One outcome, waited for.
     fn read(&self, b: &Readback) -> Result<Outcome, FsdpError> {
-        if let Some(w) = &b.work {
+        for w in &b.work {
             w.synchronize()?;
         }
         let dev = &self.device;
@@ -282,75 +342,103 @@ impl ComputeDevice {
         }
     }
 
-    /// The grad scaler's decision into its `state` on `stream`: the step's unscaled
-    /// gradients overflowed when `sharded + replicated` (one-element `f64` buffers, their
-    /// squares' sums) is not finite; the optimizer step applies when it is `take`n, did not
-    /// overflow and the steps counted are `base` or `base + 1` (the choice; else a fault),
-    /// and is counted; an overflow is counted as a skip and backs the scale off, an applied
-    /// step counts towards growth ([`GradScaler::update`]'s arithmetic).
+    /// The end of a step decided on the device, into the decisions' `state` on `stream`
+    /// (`fsdp-kernels`' `engine_decide`): the gradients' norm from `sharded + replicated`
+    /// (one-element `f64` buffers, their squares' sums); with a grad scaler they overflowed
+    /// when that sum is not finite; with the non-finite rule the step's `loss` (one `f64`
+    /// element, summed over the world) and norm are checked, a non-finite step counted and
+    /// not applied, and past the rule's limit no step applies any more; the optimizer step
+    /// applies when it is `take`n, finite, did not overflow and the steps counted are `base`
+    /// or `base + 1` (the choice; else a fault), and is counted; an overflow is counted as a
+    /// skip and backs the scale off, an applied step counts towards growth
+    /// ([`GradScaler::update`]'s arithmetic).
     ///
     /// # Errors
     /// Buffers that are not on this device; the stream's errors.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn scaler_decide(
+    pub(crate) fn engine_decide(
         &self,
-        config: &GradScalerConfig,
-        base: u64,
-        take: bool,
+        d: &Decision,
         state: &Buffer,
-        sharded: &Buffer,
-        replicated: &Buffer,
+        sums: [&Buffer; 2],
+        loss: Option<&Buffer>,
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
             Kind::HostTwin => {
                 self.delay(stream)?;
-                let config = *config;
-                host_task(stream, &[sharded, replicated], &[state], move |r, w| {
+                let d = *d;
+                let mut reads = vec![sums[0], sums[1]];
+                reads.extend(loss);
+                host_task(stream, &reads, &[state], move |r, w| {
                     let (sh, re) = (read::<f64>(&r[0])?[0], read::<f64>(&r[1])?[0]);
-                    decide(
-                        &config,
-                        base,
-                        take,
-                        !(sh + re).is_finite(),
-                        write(&mut w[0])?,
-                    );
+                    let loss = match r.get(2) {
+                        Some(l) => read::<f64>(l)?[0],
+                        None => 0.0,
+                    };
+                    decide(&d, sh, re, loss, write(&mut w[0])?);
                     Ok(())
                 })?;
                 Ok(())
             }
             #[cfg(feature = "cuda")]
             Kind::Cuda => {
-                use fsdp_kernels::host::{ScalerDecision, ScalerRule};
-                let decision = ScalerDecision {
-                    rule: ScalerRule {
-                        growth_factor: config.growth_factor,
-                        backoff_factor: config.backoff_factor,
-                        growth_interval: config.growth_interval,
-                    },
-                    base_steps: base,
-                    take,
+                use fsdp_kernels::host::{EngineDecision, NonfiniteRule, ScalerRule};
+                let decision = EngineDecision {
+                    scaler: d.scaler.map(|c| ScalerRule {
+                        growth_factor: c.growth_factor,
+                        backoff_factor: c.backoff_factor,
+                        growth_interval: c.growth_interval,
+                    }),
+                    nonfinite: d.nonfinite.map(|skip_limit| NonfiniteRule { skip_limit }),
+                    base_steps: d.base,
+                    take: d.take,
                 };
-                fsdp_kernels::launch::scaler_decide_buffers(
-                    &decision, state, sharded, replicated, stream,
+                fsdp_kernels::launch::engine_decide_buffers(
+                    &decision, state, sums[0], sums[1], loss, stream,
                 )
-                .map_err(super::device_kernels::cuda::kernel(
-                    "grad scaler decision kernel",
-                ))?;
+                .map_err(super::device_kernels::cuda::kernel("the engine's decision kernel"))?;
                 Ok(())
             }
         }
     }
 }
 
-/// The decision on the host twin, on the state `s`: what `scaler_decide` computes, with the
+/// What a decision on the device decides by (`fsdp-kernels`' `EngineDecision`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Decision {
+    /// The grad scaler's settings, with one.
+    pub(crate) scaler: Option<GradScalerConfig>,
+    /// The non-finite rule, with its limit (`Some(None)`: none).
+    pub(crate) nonfinite: Option<Option<u64>>,
+    /// The optimizer steps the host knows were taken.
+    pub(crate) base: u64,
+    /// An optimizer step, or a skip.
+    pub(crate) take: bool,
+}
+
+/// The decision on the host twin, on the state `s`: what `engine_decide` computes, with the
 /// engine's own scale update ([`next_scale`]).
-fn decide(config: &GradScalerConfig, base: u64, take: bool, found_inf: bool, s: &mut [f64]) {
-    let choice = s[slot::COUNT] - base as f64;
+fn decide(d: &Decision, sharded: f64, replicated: f64, loss: f64, s: &mut [f64]) {
+    let sum = sharded + replicated;
+    let norm = sum.sqrt();
+    s[slot::GRAD_NORM] = norm;
+    let found_inf = d.scaler.is_some() && !sum.is_finite();
+    let mut finite = true;
+    if let Some(limit) = d.nonfinite {
+        s[slot::LOSS] = loss;
+        finite = (loss as f32).is_finite() && (found_inf || norm.is_finite());
+        if !finite {
+            s[slot::NONFINITE] += 1.0;
+            if limit.is_some_and(|k| s[slot::NONFINITE] > k as f64) {
+                s[slot::HALTED] = 1.0;
+            }
+        }
+    }
+    let choice = s[slot::COUNT] - d.base as f64;
     let in_range = choice == 0.0 || choice == 1.0;
     s[slot::FAULT] = if in_range { 0.0 } else { 1.0 };
     s[slot::CHOICE] = if in_range { choice } else { 0.0 };
-    let applied = take && !found_inf && in_range;
+    let applied = d.take && finite && !found_inf && s[slot::HALTED] == 0.0 && in_range;
     s[slot::APPLIED] = if applied { 1.0 } else { 0.0 };
     if applied {
         s[slot::COUNT] += 1.0;
@@ -358,162 +446,17 @@ fn decide(config: &GradScalerConfig, base: u64, take: bool, found_inf: bool, s: 
     s[slot::FOUND_INF] = if found_inf { 1.0 } else { 0.0 };
     s[slot::UNSCALE] = 0.0;
     s[slot::CLIPPED] = 0.0;
-    if found_inf || applied {
+    if let Some(config) = d.scaler.filter(|_| found_inf || applied) {
         if found_inf {
             s[slot::SCALER_SKIPPED] += 1.0;
         }
         let (scale, tracker) = next_scale(
-            config,
+            &config,
             s[slot::SCALE] as f32,
             s[slot::GROWTH_TRACKER] as u32,
             found_inf,
         );
         s[slot::SCALE] = f64::from(scale);
         s[slot::GROWTH_TRACKER] = f64::from(tracker);
-    }
-}
-
-impl Fsdp {
-    /// The grad scaler's state on the device, when it lives there.
-    pub(crate) fn device_scaler(&self) -> Option<&DeviceScaler> {
-        self.grad_scaler.as_ref().and_then(|s| s.device.as_ref())
-    }
-
-    /// The grad scaler and its state on the device.
-    ///
-    /// # Errors
-    /// An internal error when the scaler is not on the device.
-    fn scaler_parts(&self) -> Result<(&GradScaler, &DeviceScaler), FsdpError> {
-        self.grad_scaler
-            .as_ref()
-            .and_then(|s| Some((s, s.device.as_ref()?)))
-            .ok_or_else(|| super::comm_context::internal("no device scaler"))
-    }
-
-    /// The optimizer steps the device counted beyond the host's count, waiting for every
-    /// outcome not read yet.
-    ///
-    /// # Errors
-    /// As [`DeviceScaler::settle`].
-    pub(crate) fn unread_steps(&self) -> Result<u64, FsdpError> {
-        match self.device_scaler() {
-            None => Ok(0),
-            Some(d) => Ok(d.settle(0)?.0.count.saturating_sub(self.optimizer_steps)),
-        }
-    }
-
-    /// [`unread_steps`](Self::unread_steps) for infallible readers (a failure is kept for the
-    /// next fallible call).
-    pub(crate) fn unread_steps_lossy(&self) -> u64 {
-        self.device_scaler().map_or(0, |d| {
-            d.settled().count.saturating_sub(self.optimizer_steps)
-        })
-    }
-
-    /// Read the device scaler's outcomes until at most `keep` are unread, and fold the
-    /// optimizer steps they counted into the host's counts (the engine's and every unit's)
-    /// and their numbers into the scaler's. A wait on the host is counted.
-    ///
-    /// # Errors
-    /// As [`DeviceScaler::settle`].
-    pub(crate) fn absorb_scaler(&mut self, keep: usize) -> Result<(), FsdpError> {
-        let Some(s) = self.grad_scaler.as_mut() else {
-            return Ok(());
-        };
-        let Some(d) = &s.device else {
-            return Ok(());
-        };
-        let (outcome, waited) = d.settle(keep)?;
-        if waited {
-            self.ctx.count_host_wait();
-        }
-        s.set_numbers(outcome.scaler);
-        let delta = outcome.count.saturating_sub(self.optimizer_steps);
-        self.optimizer_steps += delta;
-        for g in &mut self.groups {
-            let steps = g.optim_state.steps();
-            g.optim_state.set_steps(steps + delta);
-        }
-        Ok(())
-    }
-
-    /// With the shards on a device, put the scaler's state there (from the host's numbers and
-    /// step count, after [`absorb_scaler`](Self::absorb_scaler)); else none.
-    pub(crate) fn place_scaler(&mut self) -> Result<(), FsdpError> {
-        let dev = self.ctx.shards_on_device().cloned();
-        let count = self.optimizer_steps;
-        if let Some(s) = self.grad_scaler.as_mut() {
-            s.device = match dev {
-                Some(dev) => Some(DeviceScaler::new(
-                    &dev,
-                    Outcome {
-                        scaler: s.host_state(),
-                        count,
-                    },
-                )?),
-                None => None,
-            };
-        }
-        Ok(())
-    }
-
-    /// [`optimizer_step`](Self::optimizer_step) with the scaler on the device: unscale (unless
-    /// done), decide, the optimizer step as decided with the choices of the two step numbers
-    /// the device may have counted, the outcome's copy to host memory, and
-    /// [`zero_grad`](Self::zero_grad) — nothing waited for on the host but an outcome two
-    /// decisions old.
-    pub(crate) fn step_with_device_scaler(&mut self) -> Result<(), FsdpError> {
-        self.ctx.check_deferred()?;
-        self.absorb_scaler(1)?;
-        let base = self.optimizer_steps;
-        let lrs = [self.lr_at(base), self.lr_at(base + 1)];
-        let work = self.decide_on_device(true)?;
-        let (_, d) = self.scaler_parts()?;
-        self.step_units(&d.device, |steps| StepPlan::Decided {
-            state: &d.state,
-            lrs,
-            steps: [steps + 1, steps + 2],
-        })?;
-        d.push_readback(work)?;
-        self.zero_grad()
-    }
-
-    /// [`skip_step`](Self::skip_step)'s part with the scaler on the device: when this step's
-    /// gradients were unscaled, a decision not to take the step (an overflow is then the
-    /// scaler's skip: counted, the scale backed off), its outcome copied to host memory.
-    pub(crate) fn skip_with_device_scaler(&mut self) -> Result<(), FsdpError> {
-        if !self
-            .grad_scaler
-            .as_ref()
-            .is_some_and(GradScaler::is_unscaled)
-        {
-            return Ok(());
-        }
-        self.absorb_scaler(1)?;
-        let work = self.decide_on_device(false)?;
-        if let Some(d) = self.device_scaler() {
-            d.push_readback(work)?;
-        }
-        Ok(())
-    }
-
-    /// Unscale (unless done) and issue the decision (`take`: an optimizer step, or a skip),
-    /// with the host's step count as the base; returns the all-reduce the decision reads.
-    fn decide_on_device(&self, take: bool) -> Result<Option<Work>, FsdpError> {
-        self.unscale_issue()?;
-        let (s, d) = self.scaler_parts()?;
-        let (dev, c) = (&d.device, d.device.compute_stream());
-        let (sharded, replicated, work) = match s.device_sums() {
-            Some(sums) => sums,
-            None => {
-                // No gradient this step: nothing overflowed.
-                let zeros = dev.alloc(DType::F64, 2, c)?;
-                dev.zero(&zeros, c)?;
-                (zeros.slice(0..1)?, zeros.slice(1..2)?, None)
-            }
-        };
-        let base = self.optimizer_steps;
-        dev.scaler_decide(s.config(), base, take, &d.state, &sharded, &replicated, c)?;
-        Ok(work)
     }
 }

@@ -44,8 +44,8 @@ impl Fsdp {
     /// collective.
     pub fn optimizer_step(&mut self) -> Result<(), FsdpError> {
         self.check_reduced()?;
-        if self.device_scaler().is_some() {
-            return self.step_with_device_scaler();
+        if let Some(dev) = self.decisions().map(|d| d.device.clone()) {
+            return self.step_decided(&dev, None);
         }
         if self.grad_scaler_skips()? {
             return Ok(());
@@ -83,6 +83,7 @@ impl Fsdp {
             g.grad_shard_zero = true;
             g.full_grad = None;
         }
+        self.keep_step_squares(None);
         if let Some(s) = &mut self.grad_scaler {
             s.reset_step();
         }
@@ -144,7 +145,9 @@ impl Fsdp {
             })?;
             sharded = sum.to_vec::<f64>()?[0];
         }
-        Ok((sharded + replicated).sqrt())
+        let norm = (sharded + replicated).sqrt();
+        self.keep_step_squares(Some(super::decided_step::StepSquares::Host(norm)));
+        Ok(norm)
     }
 
     /// Clip the gradients by their global L2 norm (PyTorch's `FSDP.clip_grad_norm_`): the

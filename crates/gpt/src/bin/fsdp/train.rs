@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use fsdp::engine::{GradScaler, GradScalerState};
+use fsdp::engine::{GradScaler, GradScalerState, StepOutcome};
 use fsdp::optim::{decay_2d_only as decay_2d_only_groups, decay_2d_only_group};
 use fsdp::{human_bytes, ParamInit};
 use fsdp_collectives::{init_from_env, init_with_store, ring, Backend, Communicator, InitOptions};
@@ -313,46 +313,74 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .load_optimizer_state(state)
                 .map_err(admission::on_rank(rank))?;
         }
+        // A run resumed after skipped steps may skip only what is left of --skip-nonfinite:
+        // past it the engine halts on the device, so that no step issued after the one the
+        // host stops at applies (the host reads each outcome one step late there).
+        model.set_skip_nonfinite(Some(
+            args.skip_nonfinite.saturating_sub(start_skipped) as u64,
+        ));
         // Grown step by step: --steps is the user's number, not a size to reserve.
         let mut losses = Vec::new();
         let (mut ag, mut rs, mut ar) = (0u64, 0u64, 0u64);
         let mut skipped = start_skipped;
-        for step in start_step..steps {
-            let t0 = Instant::now();
-            let mut loss = 0.0f32;
-            for m in 0..accum {
-                let k = (step * accum + m) as u64;
-                let batch = get_batch(&tokens, k, micro, t, rank, world)
-                    .map_err(admission::on_rank(rank))?;
-                // Gradients accumulate unreduced (no_sync) but for the last micro-batch.
-                let before = model.set_no_sync(m + 1 < accum);
-                let l = model.forward_backward_batch(&batch, global_tokens);
-                model.set_no_sync(before);
-                loss += l.map_err(on_rank_error(rank))?;
-            }
-            let norm = match grad_clip {
-                Some(c) => model.clip_grad_norm(c)?,
-                None => model.grad_norm()?,
-            };
-            // Gradients that overflowed under the grad scaler (on any rank: the flag is agreed
-            // over the world) are the scaler's to skip: `optimizer_step` skips the step and
-            // backs the scale off. The non-finite rule then applies to the loss and the
-            // unscaled gradients.
-            let overflow = model.grad_scaler().and_then(GradScaler::found_inf) == Some(true);
-            // The global loss and gradient norm are bitwise the same on every rank, so every
-            // rank takes the same branch without further communication.
-            match nonfinite(loss, norm, overflow) {
-                None => model.optimizer_step()?,
-                Some(what) => {
-                    // Recorded below like any step (its loss as it is).
-                    progress.count_skip(step, &what, &mut skipped)?;
-                    model.skip_step()?;
-                    if rank == 0 {
-                        progress.skipped(step, &what, skipped);
-                    }
+        // The step whose outcome comes next, and when the one before it arrived.
+        let mut reported = start_step;
+        let mut arrived = Instant::now();
+        let mut report = |outcome: StepOutcome,
+                          model: &mut Box<dyn GptOnEngine>,
+                          skipped: &mut usize|
+         -> Result<(), CliError> {
+            let step = reported;
+            reported += 1;
+            let loss = outcome.loss;
+            // The non-finite rule's step was skipped (its loss recorded below as it is).
+            if let Some(what) = nonfinite(loss, outcome.grad_norm, outcome.found_inf) {
+                progress.count_skip(step, &what, skipped)?;
+                if rank == 0 {
+                    progress.skipped(step, &what, *skipped);
                 }
             }
-            let dt = t0.elapsed().as_secs_f64();
+            let dt = arrived.elapsed().as_secs_f64();
+            arrived = Instant::now();
+            let stats = model.memory_stats();
+            mem_now[rank].store(stats.allocated_bytes.all.peak, Ordering::Relaxed);
+            losses.push((loss, dt, stats.allocated_bytes.all.peak));
+            if let (0, Some(log)) = (rank, &loss_log) {
+                let peak = stats.allocated_bytes.all.peak;
+                let mut log = log.lock().unwrap_or_else(PoisonError::into_inner);
+                log.step(step, loss, global_tokens as f64 / dt, peak);
+            }
+            if rank == 0 {
+                let mem: Vec<String> = mem_now
+                    .iter()
+                    .map(|a| match a.load(Ordering::Relaxed) {
+                        0 => "-".to_string(),
+                        b => human_bytes(b),
+                    })
+                    .collect();
+                let tps = global_tokens as f64 / dt;
+                let msg = format!(
+                    "step {step} loss {loss:.4} {tps:.0} tok/s peak alloc/rank [{}]",
+                    mem.join(", ")
+                );
+                progress.status(step, msg);
+            }
+            Ok(())
+        };
+        for step in start_step..steps {
+            let batches = (0..accum)
+                .map(|m| get_batch(&tokens, (step * accum + m) as u64, micro, t, rank, world))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(admission::on_rank(rank))?;
+            // Gradients accumulate unreduced (no_sync) but for the last micro-batch; the
+            // optimizer step applies only if the step is finite. The engine on a device
+            // decides that there and tells the step's outcome one step late.
+            let outcomes = model
+                .train_step(&batches, global_tokens, grad_clip)
+                .map_err(on_rank_error(rank))?;
+            for o in outcomes {
+                report(o, &mut model, &mut skipped)?;
+            }
             // Communication volume from the recorded schedule and the units' layouts and
             // dtypes (mixed precision: parameters gathered in `param_dtype`, gradients reduced
             // in `reduce_dtype`).
@@ -378,32 +406,16 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 }
             }
             model.clear_schedule();
-            let stats = model.memory_stats();
-            mem_now[rank].store(stats.allocated_bytes.all.peak, Ordering::Relaxed);
-            losses.push((loss, dt, stats.allocated_bytes.all.peak));
-            if let (0, Some(log)) = (rank, &loss_log) {
-                let peak = stats.allocated_bytes.all.peak;
-                let mut log = log.lock().unwrap_or_else(PoisonError::into_inner);
-                log.step(step, loss, global_tokens as f64 / dt, peak);
-            }
-            if rank == 0 {
-                let mem: Vec<String> = mem_now
-                    .iter()
-                    .map(|a| match a.load(Ordering::Relaxed) {
-                        0 => "-".to_string(),
-                        b => human_bytes(b),
-                    })
-                    .collect();
-                let tps = global_tokens as f64 / dt;
-                let msg = format!(
-                    "step {step} loss {loss:.4} {tps:.0} tok/s peak alloc/rank [{}]",
-                    mem.join(", ")
-                );
-                progress.status(step, msg);
-            }
             if let Some(c) = checkpointer.as_ref().filter(|c| c.due(step + 1)) {
+                // The checkpoint holds the step's outcome: read it first.
+                for o in model.flush_steps().map_err(on_rank_error(rank))? {
+                    report(o, &mut model, &mut skipped)?;
+                }
                 c.save(&model, step + 1, skipped)?;
             }
+        }
+        for o in model.flush_steps().map_err(on_rank_error(rank))? {
+            report(o, &mut model, &mut skipped)?;
         }
         let final_params = if want_params {
             let p = model.full_state_dict()?;
