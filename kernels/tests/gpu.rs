@@ -437,7 +437,11 @@ fn grad_scaler_kernels_equal_their_twins() {
             } else {
                 f64::from(i)
             };
-            let loss = if i % 6 == 5 { f64::NAN } else { f64::from(i) * 0.5 };
+            let loss = if i % 6 == 5 {
+                f64::NAN
+            } else {
+                f64::from(i) * 0.5
+            };
             let d = EngineDecision {
                 scaler,
                 nonfinite: guard,

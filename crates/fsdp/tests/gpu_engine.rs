@@ -233,7 +233,7 @@ fn scaled_run(world: usize, on_gpu: bool) -> (Vec<u32>, Bits, GradScalerState, u
 
 /// The grad scaler with its state on the GPU (the backward scaled by the device's scale, the
 /// gradient shards unscaled there, the overflow decided there and AdamW applied as decided:
-/// `fsdp-kernels`' `unscale_by_f32`, `scaler_decide` and `adamw_decided_f32`) gives the host
+/// `fsdp-kernels`' `unscale_by_f32`, `engine_decide` and `adamw_decided_f32`) gives the host
 /// engine's losses, parameters, skips, scale and step count bit for bit, at worlds 1, 2 and 4.
 #[test]
 fn the_grad_scaler_on_cuda_gives_the_host_engines_bits() {

@@ -364,7 +364,10 @@ impl<O: EngineViews> EngineGpt<O> {
     }
 
     /// The spans of a traced pass whose loss was read (its marks are reached).
-    pub(crate) fn trace_record(&mut self, marks: Option<StepMarks<O::Mark>>) -> Result<(), DeviceTrainError> {
+    pub(crate) fn trace_record(
+        &mut self,
+        marks: Option<StepMarks<O::Mark>>,
+    ) -> Result<(), DeviceTrainError> {
         if let (Some(t), Some(m)) = (&mut self.tracing, marks) {
             t.record(self.pass.ops(), m)?;
         }

@@ -8,9 +8,9 @@
 use std::collections::VecDeque;
 
 use fsdp::engine::StepOutcome;
-use fsdp::FsdpError;
 #[cfg(doc)]
 use fsdp::Fsdp;
+use fsdp::FsdpError;
 use fsdp_device::{Buffer, DType};
 use fsdp_kernels::host::step_scalars_len;
 
@@ -146,7 +146,14 @@ impl<O: EngineViews> EngineGpt<O> {
         for (m, b) in batches.iter().enumerate() {
             let before = self.fsdp.set_no_sync(m + 1 < batches.len());
             let (rows, t) = (b.shape.rows, b.shape.seq_len);
-            let r = self.forward_backward_into(&b.inputs, &b.targets, rows, t, global_tokens, &mut loss);
+            let r = self.forward_backward_into(
+                &b.inputs,
+                &b.targets,
+                rows,
+                t,
+                global_tokens,
+                &mut loss,
+            );
             self.fsdp.set_no_sync(before);
             r?;
         }

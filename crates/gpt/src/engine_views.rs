@@ -64,7 +64,7 @@ pub trait EngineViews: GptOps {
 
     /// This pass's per-token `losses`' mean over `accum` parts added into the step's loss
     /// `step` (an `f64` buffer of the engine, of at least
-    /// [`step_scalars_len`](fsdp_kernels::host::step_scalars_len)`(0)` elements, its first the
+    /// [`step_scalars_len`]`(0)` elements, its first the
     /// loss: an `f32` value), as the kernels' `loss_accumulate` adds it (into 0 when `first`).
     ///
     /// # Errors

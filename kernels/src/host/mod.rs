@@ -24,10 +24,11 @@ pub use norm::{clip_coefficient, scale_by, sum_of_squares, NORM_BLOCK, NORM_ITEM
 pub use optim::{adamw, sgd, AdamW, AdamWScalars, MomentFloat, Sgd, SgdScalars};
 pub use step::{
     adamw_decided, engine_decide, loss_accumulate, scaled_seed, sgd_decided, step_decide,
-    step_scalars, step_scalars_len, unscale_by, AdamWChoice, EngineDecision, NonfiniteRule, ScalerRule, SgdChoice,
-    StepRule, STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED, STEP_CLIP_COEF, STEP_COUNT,
-    STEP_FAULT, STEP_FOUND_INF, STEP_GRAD_NORM, STEP_GROWTH_TRACKER, STEP_HALTED, STEP_LOSS,
-    STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED, STEP_SQUARES, STEP_UNSCALE,
+    step_scalars, step_scalars_len, unscale_by, AdamWChoice, EngineDecision, NonfiniteRule,
+    ScalerRule, SgdChoice, StepRule, STEP_APPLIED, STEP_CHOICE, STEP_CHOICES, STEP_CLIPPED,
+    STEP_CLIP_COEF, STEP_COUNT, STEP_FAULT, STEP_FOUND_INF, STEP_GRAD_NORM, STEP_GROWTH_TRACKER,
+    STEP_HALTED, STEP_LOSS, STEP_NONFINITE, STEP_SCALE, STEP_SCALER_SKIPPED, STEP_SQUARES,
+    STEP_UNSCALE,
 };
 
 use std::fmt::Debug;

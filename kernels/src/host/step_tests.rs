@@ -402,7 +402,11 @@ fn engine_decide_skips_nonfinite_steps_and_halts_past_the_limit() {
             assert_eq!(s[STEP_LOSS].to_bits(), loss.to_bits(), "{what}");
             assert_eq!(s[STEP_GRAD_NORM], (sharded + 3.0).sqrt(), "{what}");
         }
-        assert_eq!(halted, limit.is_some(), "the limit of 2 is passed in 16 steps");
+        assert_eq!(
+            halted,
+            limit.is_some(),
+            "the limit of 2 is passed in 16 steps"
+        );
     }
     // Without the rule: a NaN loss is not looked at.
     let mut s = step_scalars(0, None);

@@ -69,11 +69,8 @@ pub fn engine_decide_buffers(
                     ordered::<f64>(cu, p[p.len() - 1]),
                 )
             };
-            let l = match loss {
-                // SAFETY: as above, the loss's address and length.
-                Some(_) => Some(unsafe { ordered::<f64>(cu, p[2]) }),
-                None => None,
-            };
+            // SAFETY: as above, the loss's address and length (the third buffer when given).
+            let l = loss.map(|_| unsafe { ordered::<f64>(cu, p[2]) });
             super::engine_decide(cu, decision, &mut s, &sh, &re, l.as_ref())
         },
     )

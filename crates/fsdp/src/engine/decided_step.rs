@@ -214,8 +214,9 @@ impl Fsdp {
     /// [`unread_steps`](Self::unread_steps) for infallible readers (a failure is kept for the
     /// next fallible call).
     pub(crate) fn unread_steps_lossy(&self) -> u64 {
-        self.decisions()
-            .map_or(0, |d| d.settled().count.saturating_sub(self.optimizer_steps))
+        self.decisions().map_or(0, |d| {
+            d.settled().count.saturating_sub(self.optimizer_steps)
+        })
     }
 
     /// Read the decisions' outcomes until at most `keep` are unread, and fold the optimizer
@@ -256,7 +257,13 @@ impl Fsdp {
         self.guard.state = None;
         if let Some(s) = self.grad_scaler.as_mut() {
             s.device = match dev {
-                Some(dev) => Some(DeviceScaler::new(&dev, Outcome { scaler: s.host_state(), ..at })?),
+                Some(dev) => Some(DeviceScaler::new(
+                    &dev,
+                    Outcome {
+                        scaler: s.host_state(),
+                        ..at
+                    },
+                )?),
                 None => None,
             };
         }
@@ -358,7 +365,10 @@ impl Fsdp {
                 let sum = dev.alloc(DType::F64, 1, c)?;
                 dev.zero(&sum, c)?;
                 dev.add_scalar(&sum, l, c)?;
-                works.extend(self.ctx.sum_on_device(self.ctx.groups.world_multi(), &sum)?);
+                works.extend(
+                    self.ctx
+                        .sum_on_device(self.ctx.groups.world_multi(), &sum)?,
+                );
                 Some(sum)
             }
             None => None,
@@ -369,7 +379,13 @@ impl Fsdp {
             base: self.optimizer_steps,
             take,
         };
-        dev.engine_decide(&decision, &d.state, [&sharded, &replicated], loss.as_ref(), c)?;
+        dev.engine_decide(
+            &decision,
+            &d.state,
+            [&sharded, &replicated],
+            loss.as_ref(),
+            c,
+        )?;
         Ok(works)
     }
 

@@ -6,9 +6,9 @@
 use fsdp_collectives::Work;
 use fsdp_device::{Buffer, DType};
 
+use super::decided_step::StepSquares;
 use super::device::ComputeDevice;
 use super::device_scalar::DeviceScalar;
-use super::decided_step::StepSquares;
 use super::fsdp::Fsdp;
 use crate::FsdpError;
 

@@ -116,7 +116,11 @@ fn copy_from_host<T: fsdp_device::Element>(
 ) -> Result<(), FsdpError> {
     if buf.dtype() != T::DTYPE {
         return Err(FsdpError::InvalidShape {
-            reason: format!("a copy of {} values into a {} buffer", T::DTYPE, buf.dtype()),
+            reason: format!(
+                "a copy of {} values into a {} buffer",
+                T::DTYPE,
+                buf.dtype()
+            ),
         });
     }
     let host = host_buffer(buf.device(), T::DTYPE, values.len())?;

@@ -18,7 +18,9 @@
 //!   [`Fsdp::clip_grad_norm`] (or [`Fsdp::clip_grad_norm_async`], whose [`DeviceScalar`] a device
 //!   computes without the host waiting), [`Fsdp::optimizer_step`] (AdamW, SGD or
 //!   AnyPrecisionAdamW on the shards) or
-//!   [`Fsdp::skip_step`], [`Fsdp::full_state_dict`] and sharded checkpoints
+//!   [`Fsdp::skip_step`] — or [`Fsdp::optimizer_step_if_finite`], which skips a step whose loss
+//!   or norm is not finite (decided on a device without the host waiting, each
+//!   [`StepOutcome`] read one step late), [`Fsdp::full_state_dict`] and sharded checkpoints
 //!   ([`Fsdp::save_sharded`]). Dynamic loss scaling for fp16 ([`GradScaler`], PyTorch's
 //!   `ShardedGradScaler`): [`Fsdp::set_grad_scaler`].
 //!

@@ -24,10 +24,10 @@ use std::time::Duration;
 use fsdp_collectives::Work;
 use fsdp_device::{host_task, Buffer, DType, Event, Stream};
 
+use super::decided_step::StepOutcome;
 use super::device::{ComputeDevice, Kind};
 use super::device_kernels::{read, write};
 use super::device_scalar::DeviceScalar;
-use super::decided_step::StepOutcome;
 use super::grad_scaler::{next_scale, GradScaler, GradScalerConfig, GradScalerState};
 use crate::FsdpError;
 
@@ -396,7 +396,9 @@ impl ComputeDevice {
                 fsdp_kernels::launch::engine_decide_buffers(
                     &decision, state, sums[0], sums[1], loss, stream,
                 )
-                .map_err(super::device_kernels::cuda::kernel("the engine's decision kernel"))?;
+                .map_err(super::device_kernels::cuda::kernel(
+                    "the engine's decision kernel",
+                ))?;
                 Ok(())
             }
         }

@@ -317,7 +317,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         // past it the engine halts on the device, so that no step issued after the one the
         // host stops at applies (the host reads each outcome one step late there).
         model.set_skip_nonfinite(Some(
-            args.skip_nonfinite.saturating_sub(start_skipped) as u64,
+            args.skip_nonfinite.saturating_sub(start_skipped) as u64
         ));
         // Grown step by step: --steps is the user's number, not a size to reserve.
         let mut losses = Vec::new();

@@ -4,7 +4,9 @@
 //! reference GPT trained by the engine (`FsdpGpt`). On a GPU, `EngineGpt<CudaOps>` on the
 //! engine's CUDA buffers against the host twins; without one that test prints why it skipped.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod train_step;
 
 use std::collections::HashMap;
 use std::time::Duration;
