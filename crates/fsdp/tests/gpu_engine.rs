@@ -9,7 +9,8 @@
 //! losses, parameters and schedule bit for bit, in both placements: `FULL_SHARD`,
 //! `SHARD_GRAD_OP` and `NO_SHARD` at worlds 1, 2 and 4, in f32 and with bf16 parameters (f32
 //! and bf16 reductions); AnyPrecisionAdamW on bf16 shards too, and clipping there within
-//! stated bounds; and the grad scaler with its state on the GPU, bit for bit. Every test prints
+//! stated bounds; the grad scaler with its state on the GPU, bit for bit; and the non-finite rule
+//! decided there (`optimizer_step_if_finite`), bit for bit. Every test prints
 //! `skipped: <reason>` and passes where the CUDA driver or a GPU is missing.
 #![cfg(feature = "cuda")]
 
@@ -256,5 +257,106 @@ fn the_grad_scaler_on_cuda_gives_the_host_engines_bits() {
             (host.2, host.3),
             "grad scaler, world {world}"
         );
+    }
+}
+
+/// Each step's outcome (loss and norm bits, applied, overflow, halted), the parameters and the
+/// optimizer steps taken.
+type Guarded = (Vec<(u32, u64, bool, bool, bool)>, Bits, u64);
+
+/// Rank 0's 8 steps of `optimizer_step_if_finite` at `world` (clipped to 0.5, with or without
+/// the grad scaler, a limit of 1 non-finite step): rank 0's loss share is NaN at steps 2 and
+/// 5, so step 5 halts the engine. Each outcome (loss and norm bits, applied, overflow, halted),
+/// the parameters and the steps taken.
+fn guarded_run(world: usize, on_gpu: bool, scaler: bool) -> Guarded {
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    let body = |comm: Box<dyn Communicator>, dev: Option<ComputeDevice>| {
+        let config = FsdpConfig::new(ShardingStrategy::FullShard);
+        let (rank, init) = (comm.rank(), ParamInit::Full(&init));
+        let optim: OptimizerConfig = adamw().into();
+        let mut fsdp = match &dev {
+            Some(d) => Fsdp::new_on(comm, d.clone(), &plan, init, config, optim),
+            None => Fsdp::new(comm, &plan, init, config, optim),
+        }
+        .unwrap();
+        if scaler {
+            fsdp.set_grad_scaler(Some(GradScalerConfig::default()))
+                .unwrap();
+        }
+        fsdp.set_skip_nonfinite(Some(1));
+        let model = tied_mlp::TiedMlp { global: GLOBAL };
+        let batch = tied_mlp::batch(GLOBAL, rank, world);
+        let mut outcomes = Vec::new();
+        for step in 0..8 {
+            match &dev {
+                Some(_) => fsdp.forward_backward(&HostCompute::new(&model), &batch),
+                None => fsdp.forward_backward(&model, &batch),
+            }
+            .unwrap();
+            let share = if rank == 0 && (step == 2 || step == 5) {
+                f64::NAN
+            } else {
+                0.25 * (step + rank) as f64
+            };
+            let host = fsdp_device::Buffer::from_slice(&[share]).unwrap();
+            let loss = match &dev {
+                Some(d) => d.copy_from_host(&host, d.compute_stream()).unwrap(),
+                None => host,
+            };
+            drop(fsdp.clip_grad_norm_async(0.5).unwrap());
+            fsdp.optimizer_step_if_finite(&loss).unwrap();
+            outcomes.extend(fsdp.step_outcomes().unwrap());
+        }
+        outcomes.extend(fsdp.flush_step_outcomes().unwrap());
+        let outcomes = outcomes
+            .iter()
+            .map(|o| {
+                let n = o.grad_norm.to_bits();
+                (o.loss.to_bits(), n, o.applied, o.found_inf, o.halted)
+            })
+            .collect();
+        let params = bits(&fsdp.full_state_dict().unwrap());
+        (outcomes, params, fsdp.optimizer_steps())
+    };
+    let mut out = if on_gpu {
+        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+        cuda_ring::run_ranks(0, world, opts, |comm| {
+            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+            body(Box::new(comm), Some(dev))
+        })
+        .unwrap()
+    } else {
+        ring::run_ranks(world, ring_options(), |comm| body(Box::new(comm), None)).unwrap()
+    };
+    out.swap_remove(0)
+}
+
+/// The non-finite rule on the GPU (`engine_decide` with and without the grad scaler, AdamW as
+/// decided) gives the host engine's outcomes, parameters and steps bit for bit at worlds 1
+/// and 2: steps 0, 1, 3 and 4 applied, step 2 skipped, step 5 halts and nothing after applies.
+#[test]
+fn the_nonfinite_rule_on_cuda_gives_the_host_engines_bits() {
+    let want = [true, true, false, true, true, false, false, false];
+    let host: Vec<Guarded> = [(1, false), (1, true), (2, false), (2, true)]
+        .into_iter()
+        .map(|(world, scaler)| {
+            let run = guarded_run(world, false, scaler);
+            let applied: Vec<bool> = run.0.iter().map(|o| o.2).collect();
+            assert_eq!(applied, want, "host, world {world}, scaler {scaler}");
+            run
+        })
+        .collect();
+    if let Some(why) = skip_reason() {
+        println!("the_nonfinite_rule_on_cuda_gives_the_host_engines_bits: skipped: no GPU ({why})");
+        return;
+    }
+    for (i, (world, scaler)) in [(1, false), (1, true), (2, false), (2, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let gpu = guarded_run(world, true, scaler);
+        assert_eq!(gpu, host[i], "world {world}, scaler {scaler}");
     }
 }

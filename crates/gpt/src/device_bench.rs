@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+use fsdp::engine::StepOutcome as EngineOutcome;
 use fsdp_kernels::gpt::GptOps;
 
 use crate::data::get_batch;
@@ -202,12 +203,12 @@ pub fn time_steps<T: TimedTrainer>(
 }
 
 /// Train `gpt` (the GPT's pass driven by the engine's hooks, world 1) for `steps` steps of
-/// `rows` sequences of `block_size` tokens from `tokens`, each step a forward and backward,
-/// the gradients clipped to a norm of `clip` when given (on the device, without the host
-/// waiting), and the engine's optimizer step, timing each as [`time_steps`] does with
-/// [`Reads::OneLate`]: each step's loss is read when the next step has been issued
-/// ([`EngineGpt::forward_backward_pending`]), and a step's time runs from the previous loss's
-/// arrival to its own.
+/// `rows` sequences of `block_size` tokens from `tokens`, each step
+/// [`EngineGpt::train_step`]: a forward and backward, the gradients clipped to a norm of
+/// `clip` when given, and the engine's optimizer step if the step is finite, all decided on
+/// the device without the host waiting. Each is timed as [`time_steps`] does with
+/// [`Reads::OneLate`]: a step's outcome arrives when the next step has been issued, and a
+/// step's time runs from the previous outcome's arrival to its own.
 ///
 /// # Errors
 /// The engine's and the operations' errors; a step whose loss is not finite, naming it.
@@ -227,34 +228,30 @@ pub fn time_engine_steps<O: EngineViews>(
         losses: Vec::with_capacity(steps),
     };
     let mut last = Instant::now();
-    let mut arrived = |step: usize, loss: f32| {
+    let mut step = 0;
+    let mut arrived = |o: EngineOutcome| {
         let now = Instant::now();
         times.steps.push(now - last);
         last = now;
-        if !loss.is_finite() {
+        step += 1;
+        if o.nonfinite() {
             return Err(DeviceTrainError::NotFinite {
-                step,
-                loss,
-                grad_norm: f64::NAN,
+                step: step - 1,
+                loss: o.loss,
+                grad_norm: o.grad_norm,
             });
         }
-        times.losses.push(loss);
+        times.losses.push(o.loss);
         Ok(())
     };
-    let mut pending = None;
-    for step in 0..steps {
-        let b = get_batch(tokens, step as u64, rows, t, 0, 1)?;
-        let loss = gpt.forward_backward_pending(&b.inputs, &b.targets, rows, t, rows * t)?;
-        if let Some(max) = clip {
-            gpt.engine_mut().clip_grad_norm_async(max)?;
-        }
-        gpt.engine_mut().optimizer_step()?;
-        if let Some((s, before)) = pending.replace((step, loss)) {
-            arrived(s, gpt.wait_loss(before)?)?;
+    for k in 0..steps {
+        let b = get_batch(tokens, k as u64, rows, t, 0, 1)?;
+        for o in gpt.train_step(std::slice::from_ref(&b), rows * t, clip)? {
+            arrived(o)?;
         }
     }
-    if let Some((s, before)) = pending {
-        arrived(s, gpt.wait_loss(before)?)?;
+    for o in gpt.flush_steps()? {
+        arrived(o)?;
     }
     Ok(times)
 }
