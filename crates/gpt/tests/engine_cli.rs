@@ -16,10 +16,12 @@
 mod common;
 
 use common::cli::{
-    checkpointing_args, cpu_against_device, fsdp, log_losses,
+    checkpointing_args, cpu_against_device, fsdp, log_losses, loss_column,
     nonfinite_stops_and_skips_as_the_engine, ok, one_error_status_1, resume, resume_paths, s,
     scratch, small_train_args, CLIP_ACCUM_COSINE,
 };
+
+use std::path::Path;
 
 const BOUND: f64 = 1e-6;
 const STEPS: usize = 8;
@@ -154,11 +156,78 @@ fn options_the_engine_on_a_device_does_not_take_are_refused() {
         ),
         (
             &["--device", "host-twin", "--engine", "--backend", "tcp"][..],
-            "--engine: --backend is not supported",
+            "--engine: ranks as processes run under fsdp launch",
         ),
     ] {
         let out = fsdp(&small_train_args(&base, extra));
         one_error_status_1(&out, &[needle]);
+    }
+}
+
+/// `fsdp launch` of 2 processes over TCP trains as 2 threads on the ring, with clipping and
+/// accumulation: the same losses and saved weights, bit for bit (the TCP ring's results are
+/// the ring's). Under the launcher `--backend nccl` (CUDA buffers) and `ring` are refused on
+/// the host twin, every rank stopping before it trains.
+#[test]
+fn ranks_as_processes_train_as_threads() {
+    let dir = scratch("engine_cli", "processes");
+    let (threads_log, procs_log) = (dir.join("threads.csv"), dir.join("procs.csv"));
+    let (threads_w, procs_w) = (
+        dir.join("threads.safetensors"),
+        dir.join("procs.safetensors"),
+    );
+    let config = [
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--grad-accum",
+        "2",
+        "--grad-clip",
+        "0.5",
+        "--param-dtype",
+        "f32",
+    ];
+    let run = |launched: bool, log: &Path, save: &Path| {
+        let mut a = Vec::new();
+        if launched {
+            a.extend(["launch", "--nproc-per-node", "2", "--master-port", "0"]);
+        }
+        a.extend(small_train_args(
+            &config,
+            &["--device", "host-twin", "--engine"],
+        ));
+        if !launched {
+            a.extend(["--ranks", "2"]);
+        }
+        a.extend(["--loss-log", s(log), "--save", s(save)]);
+        fsdp(&a)
+    };
+    ok(&run(false, &threads_log, &threads_w), "threads");
+    ok(&run(true, &procs_log, &procs_w), "processes");
+    assert_eq!(loss_column(&procs_log), loss_column(&threads_log));
+    assert_eq!(
+        std::fs::read(&procs_w).unwrap(),
+        std::fs::read(&threads_w).unwrap(),
+        "the saved weights"
+    );
+    for (backend, needle) in [
+        ("nccl", "--backend nccl is not supported (tcp)"),
+        ("ring", "--backend ring"),
+    ] {
+        let log = dir.join(format!("{backend}.csv"));
+        let mut a = vec!["launch", "--nproc-per-node", "2", "--master-port", "0"];
+        a.extend(small_train_args(
+            &["--steps", "1", "--batch-size", "4"],
+            &["--device", "host-twin", "--engine", "--backend", backend],
+        ));
+        a.extend(["--loss-log", s(&log)]);
+        let out = fsdp(&a);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{backend}: {stderr}");
+        assert!(stderr.contains(needle), "{backend}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!log.exists(), "{backend}: nothing written");
     }
 }
 

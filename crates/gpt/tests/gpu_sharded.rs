@@ -419,3 +419,48 @@ fn launched_nccl_process_follows_the_engine() {
     }
     launched_vs_engine("1", "nccl, staged on the GPU");
 }
+
+/// `fsdp launch --nproc-per-node 1 train --device cuda --engine` (one process, NCCL on the
+/// GPU, the engine's buffers there) against `fsdp train --device cuda --engine --ranks 1` (a
+/// thread on the CUDA ring): the same losses and saved weights, bit for bit (one rank's
+/// collectives are copies on both).
+#[test]
+fn the_engine_launched_over_nccl_trains_as_a_thread() {
+    if !gpu("the_engine_launched_over_nccl_trains_as_a_thread") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdp-gpu-engine-nccl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (thread_log, nccl_log) = (dir.join("thread.csv"), dir.join("nccl.csv"));
+    let (thread_w, nccl_w) = (dir.join("thread.safetensors"), dir.join("nccl.safetensors"));
+    let mut train = vec!["train"];
+    train.extend(SMALL_GPU_MODEL);
+    train.extend([
+        "--steps",
+        "10",
+        "--param-dtype",
+        "f32",
+        "--device",
+        "cuda",
+        "--engine",
+    ]);
+    let mut a = train.clone();
+    a.extend(["--ranks", "1", "--loss-log", thread_log.to_str().unwrap()]);
+    a.extend(["--save", thread_w.to_str().unwrap()]);
+    run(&a);
+    let mut b = vec!["launch", "--nproc-per-node", "1", "--master-port", "0"];
+    b.extend(train);
+    b.extend(["--loss-log", nccl_log.to_str().unwrap()]);
+    b.extend(["--save", nccl_w.to_str().unwrap()]);
+    let out = run(&b);
+    assert!(out.contains("through the engine"), "{out}");
+    assert_eq!(
+        common::cli::loss_column(&nccl_log),
+        common::cli::loss_column(&thread_log)
+    );
+    assert_eq!(
+        std::fs::read(&nccl_w).unwrap(),
+        std::fs::read(&thread_w).unwrap()
+    );
+    println!("the engine over NCCL (1 process): {out}");
+}

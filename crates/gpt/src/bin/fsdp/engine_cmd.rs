@@ -2,13 +2,15 @@
 //! the training loop of `--device cpu` (`train.rs`: the engine's sharding, clipping,
 //! schedules, grad scaler, non-finite rule, checkpoints), with the engine's buffers on the
 //! device and the GPT computed there by its kernels (`EngineGpt` over `CudaOps`, or the host
-//! twins' `HostOps`), ranks as threads on the one device.
+//! twins' `HostOps`): ranks as threads on the one device (the CUDA ring, or the ring on the host
+//! twin), or as processes under `fsdp launch`, one GPU each over NCCL (the host twin over
+//! TCP).
 
 use fsdp::engine::{ComputeDevice, Fsdp, FsdpConfig, MixedPrecisionPolicy};
 use fsdp::optim::OptimizerConfig;
 use fsdp::units::UnitPlan;
 use fsdp::ParamInit;
-use fsdp_collectives::{cuda_ring, ring, Communicator, LaunchEnv};
+use fsdp_collectives::{cuda_ring, ring, Backend, Communicator, LaunchEnv};
 use fsdp_device::DType;
 use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_gpt::engine_gpt::{EngineGpt, GptOnEngine};
@@ -16,8 +18,10 @@ use fsdp_gpt::engine_views::EngineViews;
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptPass, HostOps};
 
-use crate::args::{DeviceArg, OptimizerKind, TrainArgs};
+use crate::args::{DeviceArg, OptimizerKind, TrainArgs, TrainBackend};
 use crate::device_cmd::{cuda_ordinal, host_products, products};
+use crate::setup::DEFAULT_RANKS;
+use crate::train_checks::{check_ranks_given, mpi_world_from_env, Mode, RING_UNDER_LAUNCHER};
 use crate::{admission, fail, CliError};
 
 /// Where `--engine` runs the engine.
@@ -27,10 +31,12 @@ pub(crate) enum EngineDevice {
     HostTwin,
 }
 
-/// `--engine`'s device, after checking the options it does not take; `None` without it.
+/// `--engine`'s device, after checking the options it does not take; `None` without it. Under
+/// a launcher `--device cuda` is the GPU of the rank's local rank (torchrun's convention).
 ///
 /// # Errors
-/// `--engine` on the CPU, under a launcher, or with an option it does not support.
+/// `--engine` on the CPU, ranks of a host sharing a GPU under a launcher, or an option it does
+/// not support.
 pub(crate) fn engine_device(args: &TrainArgs) -> Result<Option<EngineDevice>, CliError> {
     if !args.engine {
         return Ok(None);
@@ -41,24 +47,16 @@ pub(crate) fn engine_device(args: &TrainArgs) -> Result<Option<EngineDevice>, Cl
                 "--engine: only with --device cuda|cuda:N (on --device cpu the engine trains the \
                  reference GPT already)",
             )),
-            DeviceArg::Cuda { ordinal, .. } => {
-                cuda_ordinal(args.device, ordinal)?;
-                EngineDevice::Cuda(ordinal)
+            DeviceArg::Cuda { ordinal, indexed } => {
+                let n = match LaunchEnv::from_env()? {
+                    Some(env) => launched_gpu(args.device, &env, ordinal, indexed)?,
+                    None => ordinal,
+                };
+                cuda_ordinal(args.device, n)?;
+                EngineDevice::Cuda(n)
             }
             DeviceArg::HostTwin => EngineDevice::HostTwin,
         };
-    if LaunchEnv::from_env()?.is_some() {
-        return Err(fail(
-            "--engine: ranks as processes are not supported (the engine on a device needs a \
-             communicator that orders its stream-ordered buffers: the CUDA ring of --ranks N \
-             threads)",
-        ));
-    }
-    if args.backend.is_some() {
-        return Err(fail(
-            "--engine: --backend is not supported (its ranks are threads on the CUDA ring)",
-        ));
-    }
     if args.optim.optimizer == OptimizerKind::AnyPrecisionAdamW {
         return Err(fail(
             "--engine: --optimizer anyprecision-adamw is not supported (the engine would keep \
@@ -69,6 +67,77 @@ pub(crate) fn engine_device(args: &TrainArgs) -> Result<Option<EngineDevice>, Cl
         return Err(fail("--device host-twin: --alloc-conf is not supported"));
     }
     Ok(Some(dev))
+}
+
+/// The GPU of a rank under a launcher: `cuda:N`'s, or the local rank's with `cuda`; NCCL takes
+/// one GPU per rank, so the ranks of a host must not share one.
+///
+/// # Errors
+/// Ranks of this host sharing a GPU; no CUDA device.
+fn launched_gpu(
+    dev: DeviceArg,
+    env: &LaunchEnv,
+    ordinal: usize,
+    indexed: bool,
+) -> Result<usize, CliError> {
+    let count = fsdp_device::cuda::device_count()
+        .map_err(|e| fail(format!("--device {dev}: no CUDA device ({e})")))?;
+    let local = env.local_world_size;
+    if local > 1 && (indexed || local > count) {
+        return Err(fail(format!(
+            "--device {dev} --engine: the {local} ranks of this host would share {} GPU{}, and \
+             NCCL takes one GPU per rank: run them as threads (--ranks {local}, the CUDA ring) \
+             or give each rank a GPU",
+            if indexed { 1 } else { count },
+            if indexed || count == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(if indexed { ordinal } else { env.local_rank })
+}
+
+/// How `--engine`'s ranks run: as threads on the one device (no launcher; `--backend` ring or
+/// none), or this process as one rank of a launch — over NCCL on a GPU, over TCP on the host
+/// twin (the backends that order the engine's stream-ordered buffers there).
+///
+/// # Errors
+/// A backend the engine's device does not run with; `--ranks` other than the launcher's
+/// world; `mpirun`.
+pub(crate) fn engine_mode(dev: EngineDevice, args: &TrainArgs) -> Result<Mode, CliError> {
+    let backend = match args.backend {
+        None | Some(TrainBackend::Ring) => None,
+        Some(TrainBackend::Process(b)) => Some(b),
+    };
+    let Some(env) = LaunchEnv::from_env()? else {
+        if mpi_world_from_env().is_some() || backend.is_some() {
+            return Err(fail(
+                "--engine: ranks as processes run under fsdp launch (nccl on --device cuda, tcp \
+                 on the host twin); without it the ranks are threads (--backend ring)",
+            ));
+        }
+        return Ok(Mode::Threads(args.model.ranks.unwrap_or(DEFAULT_RANKS)));
+    };
+    if args.backend == Some(TrainBackend::Ring) {
+        return Err(fail(RING_UNDER_LAUNCHER));
+    }
+    let backend = match (dev, backend) {
+        (EngineDevice::Cuda(_), None | Some(Backend::Nccl)) => Backend::Nccl,
+        (EngineDevice::HostTwin, None | Some(Backend::Tcp)) => Backend::Tcp,
+        (_, Some(b)) => {
+            return Err(fail(format!(
+                "--device {} --engine under a launcher: --backend {b} is not supported ({})",
+                args.device,
+                match dev {
+                    EngineDevice::Cuda(_) => "nccl: the engine's buffers are on the GPU",
+                    EngineDevice::HostTwin => "tcp",
+                }
+            )))
+        }
+    };
+    check_ranks_given(args.model.ranks, env.world_size)?;
+    Ok(Mode::Process {
+        backend,
+        world: env.world_size,
+    })
 }
 
 /// The engine's configuration on a device: the parameters gathered in f32, which the kernels

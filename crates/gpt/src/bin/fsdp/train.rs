@@ -111,7 +111,10 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         checkpoints,
     } = resume::resolve(args)?;
     let args = &args;
-    let mode = train_mode(args)?;
+    let mode = match engine_device {
+        Some(dev) => crate::engine_cmd::engine_mode(dev, args)?,
+        None => train_mode(args)?,
+    };
     let world = match &mode {
         Mode::Threads(n) => *n,
         Mode::Process { world, .. } => *world,
@@ -474,7 +477,8 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .ok_or_else(|| fail("splitting the statistics group returned no group"))?;
             let rank = comm.rank();
             // The engine allocates in shared host memory when the peers read it in place.
-            let shared = comm.prefers_shared_host_memory();
+            // (On a device the engine's buffers are the device's, in no shared memory.)
+            let shared = comm.prefers_shared_host_memory() && engine_device.is_none();
             let mut own = run(comm)?;
             elapsed = start.elapsed();
             if shared {

@@ -147,7 +147,7 @@ pub(crate) enum Mode {
 
 /// The world size under mpirun, from the variables that Open MPI (`OMPI_COMM_WORLD_SIZE`) and
 /// PMI-based launchers such as MPICH's (`PMI_SIZE`) set.
-fn mpi_world_from_env() -> Option<usize> {
+pub(crate) fn mpi_world_from_env() -> Option<usize> {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
         .iter()
         .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
@@ -192,14 +192,18 @@ pub(crate) fn train_mode(args: &TrainArgs) -> Result<Mode, CliError> {
                 }
             },
         };
-    if let Some(n) = given {
-        if n != world {
-            return Err(fail(format!(
-                "--ranks {n} disagrees with the launcher's world size {world}"
-            )));
-        }
-    }
+    check_ranks_given(given, world)?;
     Ok(Mode::Process { backend, world })
+}
+
+/// `--ranks`, when given under a launcher, must be the launcher's world size.
+pub(crate) fn check_ranks_given(given: Option<usize>, world: usize) -> Result<(), CliError> {
+    match given {
+        Some(n) if n != world => Err(fail(format!(
+            "--ranks {n} disagrees with the launcher's world size {world}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Whether the grad scaler is on: `--grad-scaler`, by default on with `--param-dtype f16`.
