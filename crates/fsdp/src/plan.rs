@@ -259,42 +259,11 @@ pub fn plan_with_optimizer(
     optim: &OptimizerConfig,
 ) -> Result<MemoryPlan, FsdpError> {
     let bad = |reason: String| FsdpError::InvalidFsdpConfig { reason };
-    if world == 0 {
-        return Err(bad("the world size must be at least 1".into()));
-    }
     if micro_batches == 0 {
         return Err(bad("a step needs at least one micro-batch".into()));
     }
     let strategy = config.strategy;
-    let per_node = match strategy {
-        ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
-            let per_node = config.ranks_per_node.unwrap_or(world);
-            if per_node == 0 || world % per_node != 0 {
-                return Err(bad(format!(
-                    "ranks_per_node {per_node} does not divide the world size {world}"
-                )));
-            }
-            Some(per_node)
-        }
-        _ => None,
-    };
-    // Rank 0 stands for every rank (see the module documentation).
-    let rank = 0;
-    let comm = DryRunCommunicator::new(rank, world)?;
-    let mesh = match per_node {
-        Some(n) => Some(dry_run_mesh(rank, world / n, n)?),
-        None => None,
-    };
-    let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
-    let pool = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
-    let mut fsdp = Fsdp::with_parts(
-        groups,
-        Arc::new(pool),
-        units,
-        ParamInit::Meta,
-        *config,
-        *optim,
-    )?;
+    let (mut fsdp, _) = dry_run_engine(units, world, config, optim)?;
     let sharded_state = fsdp.memory_stats().allocated_bytes.all.current;
     let passes = micro_batches.min(3);
     for _ in 0..2 {
@@ -357,6 +326,59 @@ pub fn plan_with_optimizer(
         per_rank: try_filled_vec(world, memory, "the plan's per-rank memory")?,
         recomputed_spans,
     })
+}
+
+/// The engine of rank 0 of `world` ranks over a dry-run communicator, its buffers from a
+/// caching allocator over the meta device (sizes and addresses, no bytes) — the engine
+/// [`plan_with_optimizer`] runs — and a handle to that allocator: a model that drives the
+/// engine's hooks itself (`pre_forward`, `param_views`, …) runs its passes on it at no cost
+/// and, by taking its own buffers from the same allocator (e.g. on a stream of its own), gets
+/// the peak of the engine's buffers and its own together. The parameters are
+/// [`ParamInit::Meta`]: views of them hold no values.
+///
+/// # Errors
+/// As [`plan_with_optimizer`].
+pub fn dry_run_engine(
+    units: &UnitPlan,
+    world: usize,
+    config: &FsdpConfig,
+    optim: &OptimizerConfig,
+) -> Result<(Fsdp, MetaAllocator), FsdpError> {
+    let bad = |reason: String| FsdpError::InvalidFsdpConfig { reason };
+    if world == 0 {
+        return Err(bad("the world size must be at least 1".into()));
+    }
+    let strategy = config.strategy;
+    let per_node = match strategy {
+        ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => {
+            let per_node = config.ranks_per_node.unwrap_or(world);
+            if per_node == 0 || world % per_node != 0 {
+                return Err(bad(format!(
+                    "ranks_per_node {per_node} does not divide the world size {world}"
+                )));
+            }
+            Some(per_node)
+        }
+        _ => None,
+    };
+    // Rank 0 stands for every rank (see the module documentation).
+    let rank = 0;
+    let comm = DryRunCommunicator::new(rank, world)?;
+    let mesh = match per_node {
+        Some(n) => Some(dry_run_mesh(rank, world / n, n)?),
+        None => None,
+    };
+    let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
+    let pool = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
+    let fsdp = Fsdp::with_parts(
+        groups,
+        Arc::new(pool.clone()),
+        units,
+        ParamInit::Meta,
+        *config,
+        *optim,
+    )?;
+    Ok((fsdp, pool))
 }
 
 /// Per-unit rows from the engine's layouts and the schedule of its last step.

@@ -1,11 +1,12 @@
 //! How the GPT's device operations ([`GptOps`]) see the [`fsdp`] engine's unsharded parameters
-//! and gradients: [`EngineViews`], implemented by the host twins ([`HostOps`], by copies) and by
-//! CUDA ([`CudaOps`], without copies). [`crate::engine_gpt`] runs the GPT's pass over them.
+//! and gradients: [`EngineViews`], implemented by the host twins ([`HostOps`], by copies), by
+//! CUDA ([`CudaOps`], without copies) and by a plan's meta operations ([`MetaOps`], lengths
+//! only). [`crate::engine_gpt`] runs the GPT's pass over them.
 
 use fsdp::engine::{copy_from_host_f32, copy_from_host_f64, copy_to_host_f32};
 use fsdp::{FsdpError, Grads, Params};
 use fsdp_device::{AccessMode, Buffer, Stream};
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostBuf, HostOps};
+use fsdp_kernels::gpt::{CudaOps, GptOps, HostBuf, HostOps, MetaOps};
 use fsdp_kernels::host::{step_scalars_len, STEP_LOSS};
 
 use crate::device_config::DeviceTrainError;
@@ -222,6 +223,51 @@ impl EngineViews for CudaOps {
         check_cuda_view(self, stream, "the step's loss", step.len(), step.len())?;
         let mut scalars = self.scalars_view(step)?;
         self.loss_accumulate(losses, accum, first, &mut scalars)?;
+        Ok(())
+    }
+}
+
+/// The meta operations see the engine's buffers by their lengths only (a plan's dry run of the
+/// engine, whose parameters hold no values): views of the GPT's lengths, nothing copied back.
+impl EngineViews for MetaOps {
+    fn param_view(
+        &self,
+        _: &dyn Params,
+        _: Option<&Stream>,
+        _: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError> {
+        Ok(self.view(len))
+    }
+
+    fn grad_view(
+        &self,
+        _: &mut dyn Grads,
+        _: Option<&Stream>,
+        _: &str,
+        len: usize,
+    ) -> Result<Self::Buf, DeviceTrainError> {
+        Ok(self.view(len))
+    }
+
+    fn grad_return(
+        &self,
+        _: &mut dyn Grads,
+        _: Option<&Stream>,
+        _: &str,
+        _: Self::Buf,
+    ) -> Result<(), DeviceTrainError> {
+        Ok(())
+    }
+
+    fn loss_into(
+        &self,
+        _: &Self::Buf,
+        _: u32,
+        _: bool,
+        _: &Buffer,
+        _: Option<&Stream>,
+    ) -> Result<(), DeviceTrainError> {
         Ok(())
     }
 }

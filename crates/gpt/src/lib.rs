@@ -69,6 +69,7 @@ mod device_trace;
 pub mod device_train;
 pub mod device_units;
 pub mod engine_gpt;
+pub mod engine_plan;
 pub mod engine_step;
 mod engine_units;
 pub mod engine_views;

@@ -43,6 +43,8 @@ pub struct MetaOps {
     products: HostProducts,
     pub(super) memory: Arc<MemoryCounter>,
     operands: Mutex<[Kept<MetaBuf>; 2]>,
+    /// [`view`](MetaOps::view)s are counted copies (the host twins'), not uncounted views.
+    copied_views: bool,
 }
 
 impl MetaOps {
@@ -53,13 +55,33 @@ impl MetaOps {
             products,
             memory: MemoryCounter::new(),
             operands: Mutex::new([Kept::default(), Kept::default()]),
+            copied_views: false,
         }
+    }
+
+    /// These operations with [`view`](MetaOps::view)s counted as copies (`true`: the host
+    /// twins see an engine's buffers through counted copies) or not (`false`, the default:
+    /// `CudaOps` sees them in place).
+    pub fn with_copied_views(mut self, copied: bool) -> MetaOps {
+        self.copied_views = copied;
+        self
     }
 
     /// The counter of the buffers these operations make (e.g. to
     /// [mirror](MemoryCounter::mirror_into) them into a caching allocator).
     pub fn memory_counter(&self) -> &Arc<MemoryCounter> {
         &self.memory
+    }
+
+    /// A buffer of `len` f32 elements of another owner (an FSDP engine's unsharded parameter
+    /// or gradient) as these operations' buffer: not counted in [`memory`](GptOps::memory), its
+    /// owner counts it (as `CudaOps::view`) — or, [`with_copied_views`](Self::with_copied_views),
+    /// a counted copy (as the host twins').
+    pub fn view(&self, len: usize) -> MetaCounted {
+        if self.copied_views {
+            return self.buf(len);
+        }
+        Counted::borrowed(MetaBuf { len }, &self.memory, |_| {})
     }
 
     pub(super) fn counted(&self, len: usize, elem_bytes: fn(usize) -> u64) -> MetaCounted {

@@ -449,8 +449,9 @@ impl Fsdp {
                             "unit {u} is sharded: its pre-forward/pre-backward hook did not run"
                         ),
                     })?;
-            // On a device the model reads the buffers on its stream; on the host, slices.
-            if self.ctx.device.is_none() {
+            // On a device the model reads the buffers on its stream; on the host, slices (a
+            // dry run's meta buffers have none: its model reads lengths only).
+            if self.ctx.device.is_none() && !self.ctx.is_meta() {
                 guards[u] = Some(full.read::<f32>()?);
             }
             buffers[u] = Some(full.clone());
@@ -480,8 +481,9 @@ impl Fsdp {
                 internal("a unit's gradients are not allocated: run pre_backward")
             })?;
             // On a device the model adds into the buffers on its stream; on the host, into
-            // slices under a write guard (a buffer would wait for that guard).
-            if self.ctx.device.is_none() {
+            // slices under a write guard (a buffer would wait for that guard); a dry run's
+            // meta buffers are handed as buffers (its model writes nothing).
+            if self.ctx.device.is_none() && !self.ctx.is_meta() {
                 guards[u] = Some(g.write::<f32>()?);
             } else {
                 buffers[u] = Some(g.clone());

@@ -396,16 +396,23 @@ impl ParamGroup {
         if self.full_grad.is_some() {
             return Ok(());
         }
+        // An unsharded unit whose gradient needs no cast or division accumulates straight
+        // into its gradient shard of zeros (on the host, or with the shard on the device).
+        let in_place = ctx.device.is_none() || ctx.shards_on_device().is_some();
+        if in_place
+            && self.factor == 1
+            && self.grad_shard_zero
+            && super::reduce::reduces_in_place(self, ctx)
+        {
+            self.full_grad = Some(self.grad_shard.clone());
+            return Ok(());
+        }
         if let Some(dev) = &ctx.device {
             // On the device, zeroed on the compute stream (before the model's backward).
             let s = dev.compute_stream();
             let g = dev.alloc(DType::F32, self.layout.padded_numel(), s)?;
             dev.zero(&g, s)?;
             self.full_grad = Some(g);
-            return Ok(());
-        }
-        if self.factor == 1 && self.grad_shard_zero && super::reduce::reduces_in_place(self, ctx) {
-            self.full_grad = Some(self.grad_shard.clone());
             return Ok(());
         }
         let comm = ctx

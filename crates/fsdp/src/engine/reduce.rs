@@ -212,8 +212,11 @@ fn reduce_on_device(
     // is cast or divided (else zeros plus the result, which differ for −0).
     let copy_in = group.grad_shard_zero && plain;
     // With the shard on the device, a gradient shard of zeros receives the reduce-scatter
-    // itself (as on the host).
-    let direct = copy_in && group.factor > 1 && ctx.shards_on_device().is_some();
+    // itself (as on the host); an unsharded unit's gradient is the shard itself then
+    // (`ParamGroup::ensure_grad`), all-reduced over replicas in place.
+    let on_device = ctx.shards_on_device().is_some();
+    let in_shard = group.factor == 1 && send.overlaps(&group.grad_shard);
+    let direct = copy_in && on_device && (group.factor > 1 || in_shard);
     let target = if group.factor > 1 {
         let out = if direct {
             group.grad_shard.clone()
