@@ -129,6 +129,13 @@ pub trait GptOnEngine: DerefMut<Target = Fsdp> {
         Ok(())
     }
 
+    /// The peak of the bytes the model's kernels held (their operations' count:
+    /// [`GptOps::memory`]); default `None` (the reference GPT's activations are the engine's
+    /// tape, [`Fsdp::activation_stats`]).
+    fn kernel_memory_peak(&self) -> Option<u64> {
+        None
+    }
+
     /// The model's own traced parts ([`EngineGpt::model_trace_events`]); default none.
     fn model_trace_events(&self) -> Vec<TraceEvent> {
         Vec::new()
@@ -166,6 +173,10 @@ impl<O: EngineViews> GptOnEngine for EngineGpt<O> {
 
     fn flush_steps(&mut self) -> Result<Vec<StepOutcome>, DeviceTrainError> {
         EngineGpt::flush_steps(self)
+    }
+
+    fn kernel_memory_peak(&self) -> Option<u64> {
+        Some(self.pass.ops().memory().peak)
     }
 
     fn set_model_tracing(&mut self, on: bool) -> Result<(), DeviceTrainError> {

@@ -353,3 +353,43 @@ fn a_trace_holds_the_engines_collectives_and_the_kernels_parts() {
         }
     }
 }
+
+/// `fsdp train --engine` prints rank 0's device memory beside `fsdp plan --device --engine`'s
+/// prediction: on the host twin the engine's buffers within the plan's range (the plan to one
+/// unit's gradient more, as the device keeps up with the host or runs behind it) and the
+/// kernels' buffers exactly; `fsdp plan` prints the same figures, and refuses --cpu-offload.
+#[test]
+fn the_plan_predicts_the_devices_memory() {
+    let config = ["--batch-size", "8", "--param-dtype", "f32", "--ranks", "2"];
+    let twin = ["--device", "host-twin", "--engine", "--steps", "3"];
+    let out = ok(&fsdp(&small_train_args(&config, &twin)), "train");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("device memory (rank 0):"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // "rank 0", the engine's peak, its predicted range, the kernels' count and its prediction.
+    let [_, engine, low, high, kernels, planned] = numbers[..] else {
+        panic!("{line}");
+    };
+    assert!(low <= engine && engine <= high && low < high, "{line}");
+    assert_eq!(kernels, planned, "{line}");
+    let mut plan = vec!["plan"];
+    plan.extend(small_train_args(&config, &["--device", "host-twin", "--engine"])[1..].iter());
+    let p = ok(&fsdp(&plan), "plan");
+    assert!(p.contains("2 ranks on host-twin through the engine"), "{p}");
+    let kb = |b: u64| format!("{:.1} KiB", b as f64 / 1024.0);
+    assert!(
+        p.contains(&format!("the engine's buffers {} at their peak", kb(low))),
+        "{p}"
+    );
+    assert!(
+        p.contains(&format!("kernels' buffers {} at theirs", kb(planned))),
+        "{p}"
+    );
+    plan.push("--cpu-offload");
+    one_error_status_1(&fsdp(&plan), &["does not cover offloaded shards"]);
+}

@@ -251,6 +251,7 @@ fn sharded_cuda_follows_the_engine() {
 /// buffers on the GPU, the GPT's kernels reading them in place, the CUDA ring) against the
 /// engine's `fsdp train --ranks N` on the CPU: every step's loss within 1e-4 relative over 20
 /// steps; then the default bf16 products, within 2e-2 (bf16 operands against f32 products).
+/// Rank 0's peak device memory within 5% of `fsdp plan --device cuda --engine`'s.
 #[test]
 fn the_engine_on_cuda_follows_the_engine_on_the_cpu() {
     if !gpu("the_engine_on_cuda_follows_the_engine_on_the_cpu") {
@@ -280,6 +281,24 @@ fn the_engine_on_cuda_follows_the_engine_on_the_cpu() {
         let (_, out) = cpu_and_cuda(&name, (ranks, strategy), &[], &cuda, bound);
         let want = format!("{ranks} ranks on cuda through the engine");
         assert!(out.contains(&want), "{out}");
+        // Rank 0's peak allocated beside `fsdp plan --device cuda --engine`'s range: within
+        // 5% (the CUDA kernels' scratch and the pool's rounding are not planned); the
+        // kernels' own count exactly. Offloaded runs print no plan.
+        if let Some(line) = out
+            .lines()
+            .find(|l| l.starts_with("device memory (rank 0):"))
+        {
+            let n: Vec<f64> = line
+                .split(|c: char| !c.is_ascii_digit())
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            let (peak, low, high) = (n[1], n[2], n[3]);
+            assert!(peak >= 0.95 * low && peak <= 1.05 * high, "{line}");
+            assert_eq!(n[4], n[5], "{line}");
+            println!("{ranks} ranks, {strategy}, {dtype}: {line}");
+        } else {
+            assert!(extra.contains(&"--cpu-offload"), "{out}");
+        }
     }
 }
 

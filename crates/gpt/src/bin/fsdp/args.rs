@@ -106,6 +106,11 @@ pub(crate) struct PlanArgs {
     /// clipping copies on the device).
     #[arg(long)]
     pub(crate) cpu_offload: bool,
+    /// With --device: the device memory of `fsdp train --device … --engine` (the engine's
+    /// buffers and the GPT's kernels' in one caching allocator, per rank, for --ranks N as
+    /// threads or processes alike; not with --cpu-offload).
+    #[arg(long)]
+    pub(crate) engine: bool,
     /// The ids of the options given on the command line (not defaults), filled in after
     /// parsing: with --device, the sharded engine's options given are refused.
     #[arg(skip)]

@@ -18,7 +18,7 @@ use fsdp_gpt::engine_views::EngineViews;
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptPass, HostOps};
 
-use crate::args::{DeviceArg, OptimizerKind, TrainArgs, TrainBackend};
+use crate::args::{DeviceArg, ModelArgs, OptimizerKind, TrainArgs, TrainBackend};
 use crate::device_cmd::{cuda_ordinal, host_products, products};
 use crate::setup::DEFAULT_RANKS;
 use crate::train_checks::{check_ranks_given, mpi_world_from_env, Mode, RING_UNDER_LAUNCHER};
@@ -143,10 +143,14 @@ pub(crate) fn engine_mode(dev: EngineDevice, args: &TrainArgs) -> Result<Mode, C
 /// The engine's configuration on a device: the parameters gathered in f32, which the kernels
 /// read in place (`--param-dtype` chooses the products' operands), reduced in
 /// `--reduce-dtype` (default f32), the shards offloaded with `--cpu-offload`.
-pub(crate) fn engine_config(mut config: FsdpConfig, args: &TrainArgs) -> FsdpConfig {
-    let reduce = args.model.reduce_dtype.unwrap_or(DType::F32);
+pub(crate) fn engine_config(
+    mut config: FsdpConfig,
+    model: &ModelArgs,
+    cpu_offload: bool,
+) -> FsdpConfig {
+    let reduce = model.reduce_dtype.unwrap_or(DType::F32);
     config.mixed_precision = MixedPrecisionPolicy::new(DType::F32, Some(reduce));
-    config.offload_params = args.cpu_offload;
+    config.offload_params = cpu_offload;
     config
 }
 
@@ -181,8 +185,8 @@ pub(crate) fn activations_line(dev: EngineDevice) -> &'static str {
              engine's caching allocator: counted in peak allocated, not in activations)"
         }
         EngineDevice::HostTwin => {
-            "(with --engine the activations are the host twins' buffers: counted in neither \
-             column)"
+            "(with --engine the activations are the host twins' buffers, counted apart: the \
+             device memory line)"
         }
     }
 }

@@ -18,6 +18,7 @@ mod device_process_cmd;
 mod device_report;
 mod device_sharded_cmd;
 mod engine_cmd;
+mod engine_plan_cmd;
 mod host_admission;
 mod launch_cmd;
 mod optimizer;

@@ -16,6 +16,9 @@ use crate::train::SYNTHETIC_LEN;
 use crate::{fail, CliError};
 
 pub(crate) fn print_plan(args: &PlanArgs) -> Result<(), CliError> {
+    if args.engine {
+        return crate::engine_plan_cmd::print_engine_plan(args);
+    }
     if args.device != DeviceArg::Cpu {
         return crate::device_plan_cmd::print_device_plan(args);
     }

@@ -191,8 +191,23 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     config.memory_capacity = capacity;
     config.trace = args.trace.is_some();
     if engine_device.is_some() {
-        config = crate::engine_cmd::engine_config(config, args);
+        config = crate::engine_cmd::engine_config(config, &args.model, args.cpu_offload);
     }
+    // The plan of the engine on a device, for the summary (not with offloaded shards).
+    let engine_plan = match engine_device.filter(|_| !args.cpu_offload) {
+        Some(dev) => Some(crate::engine_plan_cmd::engine_memory(
+            &crate::engine_plan_cmd::EnginePlanArgs {
+                dev,
+                model: &args.model,
+                optim: &args.optim,
+                batch_size: args.batch_size,
+                grad_accum: accum,
+                cpu_offload: false,
+                world,
+            },
+        )?),
+        None => None,
+    };
     let progress = Progress::new(steps, skip_nonfinite);
     // Under a launcher this process is one rank: meet the others now (validation is done).
     let process_comm = match &mode {
@@ -271,6 +286,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     let start = Instant::now();
     let skipped_steps = AtomicUsize::new(0);
     let final_scaler: Mutex<Option<GradScalerState>> = Mutex::new(None);
+    let kernel_peak: Mutex<Option<u64>> = Mutex::new(None);
     let run = |comm: Box<dyn Communicator>| -> Result<RankReport, CliError> {
         let rank = comm.rank();
         crate::signals::abort_on_signal(comm.as_ref());
@@ -345,7 +361,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             }
             let dt = arrived.elapsed().as_secs_f64();
             arrived = Instant::now();
-            let stats = model.memory_stats();
+            let stats = rank_memory(model.as_ref());
             mem_now[rank].store(stats.allocated_bytes.all.peak, Ordering::Relaxed);
             losses.push((loss, dt, stats.allocated_bytes.all.peak));
             if let (0, Some(log)) = (rank, &loss_log) {
@@ -430,6 +446,8 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             skipped_steps.store(skipped, Ordering::Relaxed);
             *final_scaler.lock().unwrap_or_else(PoisonError::into_inner) =
                 model.grad_scaler().map(GradScaler::state);
+            *kernel_peak.lock().unwrap_or_else(PoisonError::into_inner) =
+                model.kernel_memory_peak();
         }
         if let (0, Some(path)) = (rank, &args.memory_snapshot) {
             let snapshot = model.memory_snapshot().ok_or_else(|| {
@@ -439,7 +457,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .write_pickle(path)
                 .map_err(|e| fail(format!("--memory-snapshot: {e}")))?;
         }
-        let stats = model.memory_stats();
+        let stats = rank_memory(model.as_ref());
         let mut trace = model.trace_events();
         trace.extend(model.model_trace_events());
         Ok(RankReport {
@@ -516,6 +534,15 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     print_summary(&reports, elapsed, global_tokens, steps - start_step);
     if let Some(dev) = engine_device {
         say!("{}", crate::engine_cmd::activations_line(dev));
+        if let (Some(plan), Some(r)) = (&engine_plan, reports.first()) {
+            let kernels = kernel_peak
+                .into_inner()
+                .unwrap_or_else(PoisonError::into_inner);
+            say!(
+                "{}",
+                crate::engine_plan_cmd::measured_line(dev, plan, r.peak_allocated, kernels)
+            );
+        }
     }
     if let Some(line) = shared_line {
         say!("{line}");
@@ -527,6 +554,15 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             .unwrap_or_else(PoisonError::into_inner),
     );
     Ok(())
+}
+
+/// A rank's memory statistics: its device's caching allocator with the engine on a device
+/// (the engine's buffers, and on CUDA the kernels' too), else the engine's host allocator.
+fn rank_memory(model: &dyn GptOnEngine) -> fsdp_allocator::MemoryStats {
+    match model.compute_device() {
+        Some(d) => d.memory_stats(),
+        None => model.memory_stats(),
+    }
 }
 
 /// The summary's line on the grad scaler's final state, if a scaler ran.

@@ -1,0 +1,157 @@
+//! `fsdp plan --device cuda|cuda:N|host-twin --engine [--ranks N]`: the device memory of
+//! `fsdp train --device … --engine` with the same options, per rank ([`plan_engine_memory`]:
+//! the engine's dry run driven by the GPT's meta operations), and the line `fsdp train`
+//! prints of its measured peaks beside the plan's.
+
+use fsdp::human_bytes;
+use fsdp_gpt::engine_plan::{plan_engine_memory, EngineMemoryPlan, EnginePlanRun};
+
+use crate::args::{ModelArgs, OptimizerArgs, PlanArgs};
+use crate::device_cmd::host_products;
+use crate::engine_cmd::{engine_config, EngineDevice};
+use crate::optimizer::plan_optimizer;
+use crate::say;
+use crate::setup::{micro_batch, setup, DEFAULT_RANKS};
+use crate::{fail, CliError};
+
+/// What the plan of `--engine` is made of: the run's options as `fsdp train` takes them.
+pub(crate) struct EnginePlanArgs<'a> {
+    pub(crate) dev: EngineDevice,
+    pub(crate) model: &'a ModelArgs,
+    pub(crate) optim: &'a OptimizerArgs,
+    pub(crate) batch_size: usize,
+    pub(crate) grad_accum: usize,
+    pub(crate) cpu_offload: bool,
+    pub(crate) world: usize,
+}
+
+/// The plan of one rank of `fsdp train --engine` with `a`'s options.
+///
+/// # Errors
+/// Invalid options (as `fsdp train` refuses them); offloaded shards (not planned).
+pub(crate) fn engine_memory(a: &EnginePlanArgs<'_>) -> Result<EngineMemoryPlan, CliError> {
+    let s = setup(a.model, a.world, false)?;
+    let micro = micro_batch(a.batch_size, a.grad_accum, a.world)?;
+    let mut config = engine_config(s.config, a.model, a.cpu_offload);
+    // The peak a run reaches when nothing limits it (the run admits it against its device).
+    config.memory_capacity = usize::MAX;
+    let dtype = a.model.param_dtype;
+    let run = EnginePlanRun {
+        cfg: s.cfg,
+        units: &s.plan,
+        world: a.world,
+        config,
+        optim: plan_optimizer(a.optim, dtype)?,
+        rows: micro / a.world,
+        micro_batches: a.grad_accum,
+        products: host_products(dtype),
+        activation_checkpointing: a.model.activation_checkpointing,
+        attention: a.model.attention.unwrap_or_default(),
+        logits: a.model.logits.unwrap_or_default(),
+        copied_views: a.dev == EngineDevice::HostTwin,
+    };
+    plan_engine_memory(&run).map_err(|e| fail(format!("--engine: {e}")))
+}
+
+/// `fsdp plan --device … --engine`.
+///
+/// # Errors
+/// As [`engine_memory`]; `--engine` on the CPU.
+pub(crate) fn print_engine_plan(args: &PlanArgs) -> Result<(), CliError> {
+    let dev = match args.device {
+        crate::args::DeviceArg::Cpu => {
+            return Err(fail(
+                "--engine: only with --device cuda|cuda:N (on --device cpu the plan is the \
+                 engine's already)",
+            ))
+        }
+        crate::args::DeviceArg::Cuda { ordinal, .. } => EngineDevice::Cuda(ordinal),
+        crate::args::DeviceArg::HostTwin => EngineDevice::HostTwin,
+    };
+    let world = args.model.ranks.unwrap_or(DEFAULT_RANKS);
+    let a = EnginePlanArgs {
+        dev,
+        model: &args.model,
+        optim: &args.optim,
+        batch_size: args.batch_size,
+        grad_accum: args.grad_accum,
+        cpu_offload: args.cpu_offload,
+        world,
+    };
+    let p = engine_memory(&a)?;
+    let cfg = setup(&args.model, world, false)?.cfg;
+    say!(
+        "fsdp plan: {world} ranks on {} through the engine, {}, GPT {} layers × {} heads × {} \
+         wide, batch {} × {} tokens{}",
+        args.device,
+        crate::args::strategy_name(args.model.strategy),
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        args.batch_size,
+        cfg.block_size,
+        if args.grad_accum > 1 {
+            format!(" in {} micro-batches", args.grad_accum)
+        } else {
+            String::new()
+        }
+    );
+    say!(
+        "device memory per rank: peak allocated {} ({} bytes): the engine's buffers {} at their \
+         peak (shards and gradient shards {}, optimizer state {}), the GPT's kernels' buffers \
+         {} at theirs, in one caching allocator",
+        human_bytes(p.peak_allocated),
+        p.peak_allocated,
+        human_bytes(p.engine_peak),
+        human_bytes(p.sharded_state),
+        human_bytes(p.optimizer_state),
+        human_bytes(p.activations_peak)
+    );
+    say!(
+        "(a device that runs behind the host returns a reduction's input later: up to {} more, \
+         the largest unit's gradient)",
+        human_bytes(p.lag_margin)
+    );
+    if dev == EngineDevice::HostTwin {
+        say!("(on the host twin the kernels' buffers are the twins' own, counted apart)");
+    }
+    if let Some(limit) = args.memory_limit {
+        let top = p.peak_allocated + p.lag_margin;
+        let verdict = if top <= limit {
+            "fits within"
+        } else {
+            "exceeds"
+        };
+        say!(
+            "peak {} (with the margin) {verdict} --memory-limit {}",
+            human_bytes(top),
+            human_bytes(limit)
+        );
+    }
+    Ok(())
+}
+
+/// `fsdp train --engine`'s line on rank 0's device memory beside the plan's: the allocator's
+/// peak (on the host twin the engine's buffers alone) and the kernels' count.
+pub(crate) fn measured_line(
+    dev: EngineDevice,
+    plan: &EngineMemoryPlan,
+    peak: u64,
+    kernels: Option<u64>,
+) -> String {
+    let (what, want) = match dev {
+        EngineDevice::Cuda(_) => ("peak allocated", plan.peak_allocated),
+        EngineDevice::HostTwin => ("the engine's buffers at their peak", plan.engine_peak),
+    };
+    let kernels = kernels.map_or(String::new(), |k| {
+        format!(
+            "; the GPT's kernels' buffers {k} bytes (predicted {})",
+            plan.activations_peak
+        )
+    });
+    format!(
+        "device memory (rank 0): {what} {peak} bytes (predicted {want} to {}: fsdp plan \
+         --device … --engine){kernels}",
+        want + plan.lag_margin
+    )
+}
