@@ -179,6 +179,26 @@ fn any_precision_and_clipping_on_cuda_track_the_host_engine() {
     }
 }
 
+/// Rank 0's `body` at `world`: on GPU 0 over the CUDA ring (its `ComputeDevice` given), or on
+/// the host engine over the thread ring.
+fn rank0<R: Send>(
+    world: usize,
+    on_gpu: bool,
+    body: impl Fn(Box<dyn Communicator>, Option<ComputeDevice>) -> R + Sync,
+) -> R {
+    let mut out = if on_gpu {
+        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+        cuda_ring::run_ranks(0, world, opts, |comm| {
+            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+            body(Box::new(comm), Some(dev))
+        })
+        .unwrap()
+    } else {
+        ring::run_ranks(world, ring_options(), |comm| body(Box::new(comm), None)).unwrap()
+    };
+    out.swap_remove(0)
+}
+
 /// Rank 0's 8 steps at `world` with fp16 parameters and reductions and a grad scaler whose
 /// first scale overflows fp16, on the host engine or on GPU 0 (the shards there, so the
 /// scaler's state too): losses, parameters, the scaler's state and the optimizer steps taken.
@@ -219,17 +239,7 @@ fn scaled_run(world: usize, on_gpu: bool) -> (Vec<u32>, Bits, GradScalerState, u
         let params = bits(&fsdp.full_state_dict().unwrap());
         (losses, params, state, fsdp.optimizer_steps())
     };
-    let mut out = if on_gpu {
-        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, world, opts, |comm| {
-            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            body(Box::new(comm), Some(dev))
-        })
-        .unwrap()
-    } else {
-        ring::run_ranks(world, ring_options(), |comm| body(Box::new(comm), None)).unwrap()
-    };
-    out.swap_remove(0)
+    rank0(world, on_gpu, body)
 }
 
 /// The grad scaler with its state on the GPU (the backward scaled by the device's scale, the
@@ -320,17 +330,7 @@ fn guarded_run(world: usize, on_gpu: bool, scaler: bool) -> Guarded {
         let params = bits(&fsdp.full_state_dict().unwrap());
         (outcomes, params, fsdp.optimizer_steps())
     };
-    let mut out = if on_gpu {
-        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, world, opts, |comm| {
-            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            body(Box::new(comm), Some(dev))
-        })
-        .unwrap()
-    } else {
-        ring::run_ranks(world, ring_options(), |comm| body(Box::new(comm), None)).unwrap()
-    };
-    out.swap_remove(0)
+    rank0(world, on_gpu, body)
 }
 
 /// The non-finite rule on the GPU (`engine_decide` with and without the grad scaler, AdamW as

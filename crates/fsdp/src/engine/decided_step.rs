@@ -12,7 +12,7 @@
 
 use std::sync::PoisonError;
 
-use fsdp_collectives::{ReduceOp, Work};
+use fsdp_collectives::Work;
 use fsdp_device::{Buffer, DType};
 
 use super::device::ComputeDevice;
@@ -20,7 +20,6 @@ use super::device_optim::StepPlan;
 use super::fsdp::Fsdp;
 use super::grad_scaler::{GradScaler, GradScalerState};
 use super::scaler_device::{Decision, DeviceScaler, Outcome};
-use crate::trace::SpanKind;
 use crate::FsdpError;
 
 /// What the end of a step decided ([`Fsdp::optimizer_step_if_finite`]), as the host reads it.
@@ -394,19 +393,7 @@ impl Fsdp {
     /// or skipped at once.
     fn step_if_finite_on_host(&mut self, loss: &Buffer) -> Result<(), FsdpError> {
         let local = self.ctx.host_copies(&[loss])?[0].to_vec::<f64>()?[0];
-        let loss = match self.ctx.groups.world_multi() {
-            None => local,
-            Some(world) => {
-                let b = Buffer::from_slice(&[local])?;
-                let sum = self.ctx.collective_to_host(world, &b, 1, true, |_, b| {
-                    self.ctx
-                        .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 8, || {
-                            Ok(world.all_reduce(b, ReduceOp::Sum)?)
-                        })
-                })?;
-                sum.to_vec::<f64>()?[0]
-            }
-        };
+        let loss = self.all_reduce_sum(self.ctx.groups.world_multi(), local)?;
         let kept = self.kept_step_squares();
         let grad_norm = match kept {
             Some(StepSquares::Host(norm)) => norm,

@@ -135,16 +135,7 @@ impl Fsdp {
                 replicated += sq(&g.grad_shard)?;
             }
         }
-        if let Some(group) = self.ctx.groups.shard() {
-            let b = Buffer::from_slice(&[sharded])?;
-            let sum = self.ctx.collective_to_host(group, &b, 1, true, |_, b| {
-                self.ctx
-                    .traced(group.stream(), SpanKind::AllReduce, Vec::new(), 8, || {
-                        Ok(group.all_reduce(b, ReduceOp::Sum)?)
-                    })
-            })?;
-            sharded = sum.to_vec::<f64>()?[0];
-        }
+        sharded = self.all_reduce_sum(self.ctx.groups.shard(), sharded)?;
         let norm = (sharded + replicated).sqrt();
         self.keep_step_squares(Some(super::decided_step::StepSquares::Host(norm)));
         Ok(norm)
@@ -208,17 +199,31 @@ impl Fsdp {
     /// # Errors
     /// A failing collective.
     pub fn all_reduce_loss(&self, local: f32) -> Result<f32, FsdpError> {
-        let Some(world) = self.ctx.groups.world_multi() else {
+        self.all_reduce_sum(self.ctx.groups.world_multi(), local)
+    }
+
+    /// The sum of `local` over the ranks of `group` (`None`: this rank alone): one all-reduce
+    /// of one element, the host waiting for it.
+    pub(crate) fn all_reduce_sum<T: fsdp_device::Element>(
+        &self,
+        group: Option<&dyn fsdp_collectives::Communicator>,
+        local: T,
+    ) -> Result<T, FsdpError> {
+        let Some(world) = group else {
             return Ok(local);
         };
         let b = Buffer::from_slice(&[local])?;
+        let bytes = std::mem::size_of::<T>();
         let sum = self.ctx.collective_to_host(world, &b, 1, true, |_, b| {
-            self.ctx
-                .traced(world.stream(), SpanKind::AllReduce, Vec::new(), 4, || {
-                    Ok(world.all_reduce(b, ReduceOp::Sum)?)
-                })
+            self.ctx.traced(
+                world.stream(),
+                SpanKind::AllReduce,
+                Vec::new(),
+                bytes,
+                || Ok(world.all_reduce(b, ReduceOp::Sum)?),
+            )
         })?;
-        Ok(sum.to_vec::<f32>()?[0])
+        Ok(sum.to_vec::<T>()?[0])
     }
 }
 

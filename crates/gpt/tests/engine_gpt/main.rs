@@ -159,19 +159,28 @@ fn engine(
     }
 }
 
-/// Rank 0's run of `world` ranks with `o`, the engine's buffers in `place`.
-fn run(
+/// What a rank does with its engine and the GPT's operations, whichever they are.
+trait RankBody: Sync {
+    type Out: Send;
+    fn run<O: EngineViews>(&self, fsdp: Fsdp, ops: O) -> Self::Out;
+}
+
+/// Rank 0's `body` of `world` ranks with `o`, the engine's buffers in `place`: on GPU 0 over
+/// the CUDA ring with `CudaOps`, else over the ring with the host twins (on the host twin of a
+/// device with 1 ms of latency per operation, or on the host).
+fn on_place<B: RankBody>(
     s: &Setup<impl Copy + Into<OptimizerConfig> + Sync>,
     world: usize,
     o: Options,
     place: Place,
-) -> Bits {
+    body: &B,
+) -> B::Out {
     let mut out = if place == Place::Gpu {
         let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
         cuda_ring::run_ranks(0, world, opts, |comm| {
             let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
             let ops = CudaOps::new(dev.compute_stream().clone()).unwrap();
-            train(s, engine(s, Box::new(comm), Some(dev), o), ops, o)
+            body.run(engine(s, Box::new(comm), Some(dev), o), ops)
         })
         .unwrap()
     } else {
@@ -180,12 +189,28 @@ fn run(
                 let latency = Duration::from_millis(1);
                 ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
             });
-            let fsdp = engine(s, Box::new(comm), dev, o);
-            train(s, fsdp, HostOps::new(), o)
+            body.run(engine(s, Box::new(comm), dev, o), HostOps::new())
         })
         .unwrap()
     };
     out.swap_remove(0)
+}
+
+/// Rank 0's run of `world` ranks with `o`, the engine's buffers in `place`.
+fn run<S: Copy + Into<OptimizerConfig> + Sync>(
+    s: &Setup<S>,
+    world: usize,
+    o: Options,
+    place: Place,
+) -> Bits {
+    struct Train<'a, S>(&'a Setup<S>, Options);
+    impl<S: Copy + Into<OptimizerConfig> + Sync> RankBody for Train<'_, S> {
+        type Out = Bits;
+        fn run<O: EngineViews>(&self, fsdp: Fsdp, ops: O) -> Bits {
+            train(self.0, fsdp, ops, self.1)
+        }
+    }
+    on_place(s, world, o, place, &Train(s, o))
 }
 
 /// One pass on the engine at world 1 gives `DeviceGpt`'s gradient bit for bit: SGD with a

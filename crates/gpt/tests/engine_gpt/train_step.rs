@@ -2,55 +2,39 @@
 //! optimizer step only if the step is finite (`Fsdp::optimizer_step_if_finite`), decided on
 //! the device (the host twin) and read one step late, as on the host at once.
 
-use std::time::Duration;
-
-use fsdp::engine::{ComputeDevice, Fsdp, StepOutcome};
-use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
-use fsdp_collectives::ring;
+use fsdp::engine::{Fsdp, StepOutcome};
 use fsdp_gpt::engine_gpt::EngineGpt;
 use fsdp_gpt::engine_views::EngineViews;
 use fsdp_gpt::runtime::ShardingStrategy;
-use fsdp_kernels::gpt::{CudaOps, GptPass, HostOps};
+use fsdp_kernels::gpt::GptPass;
 
-use super::common::training::{ring_options, Setup};
-use super::{bits, engine, micro_batches, run, Bits, Options, Place, BATCH, SEQ, STEPS};
+use super::common::training::Setup;
+use super::{
+    bits, micro_batches, on_place, run, Bits, Options, Place, RankBody, BATCH, SEQ, STEPS,
+};
 
 /// Each step's outcome as (loss, norm bits, applied, halted), and how many arrived at each
 /// step (then at the flush).
 type Outcomes = (Vec<(f32, u64, bool, bool)>, Vec<usize>);
 
 /// Rank 0's `STEPS` steps of `train_step` clipped to `clip`, skipping up to `limit`
-/// non-finite steps, the engine's buffers in `place` (the host twin's with 1 ms of latency);
-/// the outcomes and final parameters.
-fn steps(
-    s: &Setup<impl Copy + Into<fsdp::optim::OptimizerConfig> + Sync>,
+/// non-finite steps, the engine's buffers in `place`; the outcomes and final parameters.
+fn steps<S: Copy + Into<fsdp::optim::OptimizerConfig> + Sync>(
+    s: &Setup<S>,
     world: usize,
     o: Options,
     place: Place,
     clip: Option<f64>,
     limit: Option<u64>,
 ) -> (Outcomes, Bits) {
-    let mut out = if place == Place::Gpu {
-        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, world, opts, |comm| {
-            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            let ops = CudaOps::new(dev.compute_stream().clone()).unwrap();
-            let fsdp = engine(s, Box::new(comm), Some(dev), o);
-            drive(s, fsdp, ops, o, clip, limit)
-        })
-        .unwrap()
-    } else {
-        ring::run_ranks(world, ring_options(), |comm| {
-            let dev = (place == Place::HostTwin).then(|| {
-                let latency = Duration::from_millis(1);
-                ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
-            });
-            let fsdp = engine(s, Box::new(comm), dev, o);
-            drive(s, fsdp, HostOps::new(), o, clip, limit)
-        })
-        .unwrap()
-    };
-    out.swap_remove(0)
+    struct Steps<'a, S>(&'a Setup<S>, Options, Option<f64>, Option<u64>);
+    impl<S: Copy + Into<fsdp::optim::OptimizerConfig> + Sync> RankBody for Steps<'_, S> {
+        type Out = (Outcomes, Bits);
+        fn run<O: EngineViews>(&self, fsdp: Fsdp, ops: O) -> (Outcomes, Bits) {
+            drive(self.0, fsdp, ops, self.1, self.2, self.3)
+        }
+    }
+    on_place(s, world, o, place, &Steps(s, o, clip, limit))
 }
 
 /// One rank's steps of [`steps`] over `ops` on `fsdp`.
