@@ -357,7 +357,8 @@ fn a_trace_holds_the_engines_collectives_and_the_kernels_parts() {
 /// `fsdp train --engine` prints rank 0's device memory beside `fsdp plan --device --engine`'s
 /// prediction: on the host twin the engine's buffers within the plan's range (the plan to one
 /// unit's gradient more, as the device keeps up with the host or runs behind it) and the
-/// kernels' buffers exactly; `fsdp plan` prints the same figures, and refuses --cpu-offload.
+/// kernels' buffers exactly; `fsdp plan` prints the same figures, and refuses --cpu-offload;
+/// a run whose planned peak does not fit `--memory-limit` is refused before it starts.
 #[test]
 fn the_plan_predicts_the_devices_memory() {
     let config = ["--batch-size", "8", "--param-dtype", "f32", "--ranks", "2"];
@@ -392,4 +393,15 @@ fn the_plan_predicts_the_devices_memory() {
     );
     plan.push("--cpu-offload");
     one_error_status_1(&fsdp(&plan), &["does not cover offloaded shards"]);
+    // Admission on the plan: two ranks of the plan's peak with its margin do not fit in 1 MiB.
+    let mut small = small_train_args(&config, &twin);
+    small.extend(["--memory-limit", "1MiB"]);
+    one_error_status_1(
+        &fsdp(&small),
+        &[
+            "--engine: the run needs",
+            "2 ranks of",
+            "1.0 MiB is --memory-limit",
+        ],
+    );
 }

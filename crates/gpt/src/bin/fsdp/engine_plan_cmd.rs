@@ -1,17 +1,18 @@
 //! `fsdp plan --device cuda|cuda:N|host-twin --engine [--ranks N]`: the device memory of
 //! `fsdp train --device … --engine` with the same options, per rank ([`plan_engine_memory`]:
-//! the engine's dry run driven by the GPT's meta operations), and the line `fsdp train`
-//! prints of its measured peaks beside the plan's.
+//! the engine's dry run driven by the GPT's meta operations); `fsdp train --engine`'s admission
+//! on it, and the line it prints of its measured peaks beside the plan's.
 
 use fsdp::human_bytes;
 use fsdp_gpt::engine_plan::{plan_engine_memory, EngineMemoryPlan, EnginePlanRun};
 
-use crate::args::{ModelArgs, OptimizerArgs, PlanArgs};
-use crate::device_cmd::host_products;
+use crate::args::{ModelArgs, OptimizerArgs, PlanArgs, TrainArgs};
+use crate::device_cmd::{cuda_stream, free_memory, host_products};
 use crate::engine_cmd::{engine_config, EngineDevice};
 use crate::optimizer::plan_optimizer;
 use crate::say;
 use crate::setup::{micro_batch, setup, DEFAULT_RANKS};
+use crate::train_checks::Mode;
 use crate::{fail, CliError};
 
 /// What the plan of `--engine` is made of: the run's options as `fsdp train` takes them.
@@ -135,6 +136,7 @@ pub(crate) fn print_engine_plan(args: &PlanArgs) -> Result<(), CliError> {
 /// peak (on the host twin the engine's buffers alone) and the kernels' count.
 pub(crate) fn measured_line(
     dev: EngineDevice,
+    name: crate::args::DeviceArg,
     plan: &EngineMemoryPlan,
     peak: u64,
     kernels: Option<u64>,
@@ -151,7 +153,65 @@ pub(crate) fn measured_line(
     });
     format!(
         "device memory (rank 0): {what} {peak} bytes (predicted {want} to {}: fsdp plan \
-         --device … --engine){kernels}",
+         --device {name} --engine){kernels}",
         want + plan.lag_margin
     )
+}
+
+/// Admission of `fsdp train --engine` on its device: the plan's peak with its margin, times
+/// the ranks sharing the device (threads on one GPU; a process has its own), against
+/// `--memory-limit`, else the GPU's free memory (the host twin: none to check). Returns the
+/// plan for the run's summary; `None` with offloaded shards (not planned).
+///
+/// # Errors
+/// A run that does not fit, with both figures; invalid options.
+pub(crate) fn admit(
+    args: &TrainArgs,
+    dev: EngineDevice,
+    world: usize,
+    mode: &Mode,
+) -> Result<Option<EngineMemoryPlan>, CliError> {
+    if args.cpu_offload {
+        return Ok(None);
+    }
+    let plan = engine_memory(&EnginePlanArgs {
+        dev,
+        model: &args.model,
+        optim: &args.optim,
+        batch_size: args.batch_size,
+        grad_accum: args.grad_accum,
+        cpu_offload: false,
+        world,
+    })?;
+    let ranks = match mode {
+        Mode::Threads(n) => *n,
+        Mode::Process { .. } => 1,
+    };
+    let (available, what) = match (args.memory_limit, dev) {
+        (Some(limit), _) => (limit, "--memory-limit"),
+        (None, EngineDevice::Cuda(n)) => {
+            let stream = cuda_stream(args, n, "admission", "--engine")?;
+            match free_memory(&stream) {
+                Some(free) => (free, "free on the device"),
+                None => return Ok(Some(plan)),
+            }
+        }
+        (None, EngineDevice::HostTwin) => return Ok(Some(plan)),
+    };
+    let each = plan.peak_allocated.saturating_add(plan.lag_margin);
+    let needed = each.saturating_mul(ranks as u64);
+    if needed > available {
+        let d = args.device;
+        return Err(fail(format!(
+            "--device {d} --engine: the run needs {} of device memory at its peak ({ranks} \
+             rank{} of {}: the plan's peak and its margin, fsdp plan --device {d} --engine), {} \
+             is {what}; --activation-checkpointing, a smaller --batch-size (with --grad-accum) \
+             or ranks as processes on GPUs of their own need less",
+            human_bytes(needed),
+            if ranks == 1 { "" } else { "s" },
+            human_bytes(each),
+            human_bytes(available)
+        )));
+    }
+    Ok(Some(plan))
 }

@@ -12,6 +12,7 @@ use fsdp_collectives::{init_from_env, init_with_store, ring, Backend, Communicat
 use fsdp_gpt::data::{check_stream_len, get_batch, read_token_file, synthetic_corpus};
 use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_gpt::engine_gpt::GptOnEngine;
+use fsdp_gpt::engine_plan::EngineMemoryPlan;
 use fsdp_gpt::init::gpt2_init;
 use fsdp_gpt::model::GptConfig;
 use fsdp_gpt::runtime::{FsdpGpt, ScheduleKind};
@@ -139,18 +140,37 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         (Mode::Process { .. }, Some(h)) => Sharing::Host(h),
         (Mode::Process { .. }, None) => Sharing::Launched,
     };
-    let admitted = admit_run(args, world, sharing, resume.is_some());
+    // The engine on a device is admitted on its device plan (the host holds little of it); the
+    // others on the host engine's plan against the host's memory.
+    let on_device_plan = |a: Admitted| -> Result<(Admitted, Option<EngineMemoryPlan>), CliError> {
+        let plan = match engine_device {
+            Some(dev) => crate::engine_plan_cmd::admit(args, dev, world, &mode)?,
+            None => None,
+        };
+        Ok((a, plan))
+    };
+    let admitted = admit_run(
+        args,
+        world,
+        sharing,
+        resume.is_some(),
+        engine_device.is_some(),
+    )
+    .and_then(on_device_plan);
     // A rank that stops here tells the other ranks of its host, which would wait for it.
     if let (Err(e), Some(h)) = (&admitted, &host) {
         h.abandon(e);
     }
-    let Admitted {
-        setup: Setup { cfg, config, plan },
-        optim: opt,
-        micro,
-        global_tokens,
-        capacity,
-    } = admitted?;
+    let (
+        Admitted {
+            setup: Setup { cfg, config, plan },
+            optim: opt,
+            micro,
+            global_tokens,
+            capacity,
+        },
+        engine_plan,
+    ) = admitted?;
     let t = cfg.block_size;
     let grad_clip = grad_clip(args)?;
     let skip_nonfinite = args.skip_nonfinite;
@@ -193,21 +213,6 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     if engine_device.is_some() {
         config = crate::engine_cmd::engine_config(config, &args.model, args.cpu_offload);
     }
-    // The plan of the engine on a device, for the summary (not with offloaded shards).
-    let engine_plan = match engine_device.filter(|_| !args.cpu_offload) {
-        Some(dev) => Some(crate::engine_plan_cmd::engine_memory(
-            &crate::engine_plan_cmd::EnginePlanArgs {
-                dev,
-                model: &args.model,
-                optim: &args.optim,
-                batch_size: args.batch_size,
-                grad_accum: accum,
-                cpu_offload: false,
-                world,
-            },
-        )?),
-        None => None,
-    };
     let progress = Progress::new(steps, skip_nonfinite);
     // Under a launcher this process is one rank: meet the others now (validation is done).
     let process_comm = match &mode {
@@ -540,7 +545,13 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                 .unwrap_or_else(PoisonError::into_inner);
             say!(
                 "{}",
-                crate::engine_plan_cmd::measured_line(dev, plan, r.peak_allocated, kernels)
+                crate::engine_plan_cmd::measured_line(
+                    dev,
+                    args.device,
+                    plan,
+                    r.peak_allocated,
+                    kernels
+                )
             );
         }
     }

@@ -82,12 +82,16 @@ pub(crate) fn admit_run(
     world: usize,
     sharing: Sharing<'_>,
     resumed: bool,
+    on_device: bool,
 ) -> Result<Admitted, CliError> {
     // The optimizer decides what a shard element holds (AnyPrecisionAdamW: the shards in
     // --param-dtype), so it is checked first.
     let optim = crate::optimizer::train_optimizer(args)?;
-    // A cheap lower bound of the memory, before the module tree and the plan are built.
-    admission::precheck(&args.model, &optim, world, sharing, args.memory_limit)?;
+    // A cheap lower bound of the memory, before the module tree and the plan are built (not
+    // for the engine on a device: its plan is the device's, `engine_plan_cmd::admit`).
+    if !on_device {
+        admission::precheck(&args.model, &optim, world, sharing, args.memory_limit)?;
+    }
     let setup = setup(&args.model, world, false)?;
     let t = setup.cfg.block_size;
     let micro = micro_batch(args.batch_size, args.grad_accum, world)?;
@@ -116,18 +120,24 @@ pub(crate) fn admit_run(
         resumed.then_some(&optim),
         args.save.is_some(),
     )?;
-    let capacity = admission::admit(
-        &setup.cfg,
-        &setup.config,
-        &setup.plan,
-        world,
-        micro,
-        args.grad_accum,
-        &optim,
-        sharing,
-        &data,
-        args.memory_limit,
-    )?;
+    // The engine on a device keeps its shards in host memory only until they are placed
+    // there (and offloaded ones): its host allocator is not bounded by a share.
+    let capacity = if on_device {
+        usize::MAX
+    } else {
+        admission::admit(
+            &setup.cfg,
+            &setup.config,
+            &setup.plan,
+            world,
+            micro,
+            args.grad_accum,
+            &optim,
+            sharing,
+            &data,
+            args.memory_limit,
+        )?
+    };
     Ok(Admitted {
         setup,
         optim,
