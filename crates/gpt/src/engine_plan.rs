@@ -107,7 +107,10 @@ pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, D
     let lag_margin = fsdp
         .param_groups()
         .iter()
-        .map(|g| fsdp_allocator::round_size(g.layout().padded_numel() * 4).unwrap_or(usize::MAX))
+        .map(|g| {
+            let bytes = g.layout().padded_numel() * 4;
+            run.config.allocator.round_size(bytes).unwrap_or(usize::MAX)
+        })
         .max()
         .unwrap_or(0) as u64;
     Ok(EngineMemoryPlan {

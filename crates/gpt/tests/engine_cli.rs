@@ -364,20 +364,9 @@ fn the_plan_predicts_the_devices_memory() {
     let config = ["--batch-size", "8", "--param-dtype", "f32", "--ranks", "2"];
     let twin = ["--device", "host-twin", "--engine", "--steps", "3"];
     let out = ok(&fsdp(&small_train_args(&config, &twin)), "train");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("device memory (rank 0):"))
-        .unwrap_or_else(|| panic!("{out}"));
-    let numbers: Vec<u64> = line
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    // "rank 0", the engine's peak, its predicted range, the kernels' count and its prediction.
-    let [_, engine, low, high, kernels, planned] = numbers[..] else {
-        panic!("{line}");
-    };
-    assert!(low <= engine && engine <= high && low < high, "{line}");
-    assert_eq!(kernels, planned, "{line}");
+    let [engine, low, high, kernels, planned] = memory_line(&out);
+    assert!(low <= engine && engine <= high && low < high, "{out}");
+    assert_eq!(kernels, planned, "{out}");
     let mut plan = vec!["plan"];
     plan.extend(small_train_args(&config, &["--device", "host-twin", "--engine"])[1..].iter());
     let p = ok(&fsdp(&plan), "plan");
@@ -393,6 +382,22 @@ fn the_plan_predicts_the_devices_memory() {
     );
     plan.push("--cpu-offload");
     one_error_status_1(&fsdp(&plan), &["does not cover offloaded shards"]);
+    // The device's caching allocator takes --alloc-conf (the host twin's too): the same
+    // losses, bit for bit, and the plan of the same allocator (its rounding) brackets the run.
+    let conf = "expandable_segments:True,roundup_power2_divisions:4";
+    let mut with_conf = small_train_args(&config, &twin);
+    with_conf.extend(["--alloc-conf", conf]);
+    let out_conf = ok(&fsdp(&with_conf), "--alloc-conf");
+    assert!(out_conf.contains("allocator: roundup_power2_divisions:4,expandable_segments:True"));
+    let done = |o: &str| {
+        o.lines()
+            .find(|l| l.starts_with("done:"))
+            .map(|l| l.rsplit("; ").next().map(String::from))
+    };
+    assert_eq!(done(&out_conf), done(&out), "{out_conf}");
+    let [engine, low, high, kernels, planned] = memory_line(&out_conf);
+    assert!(low <= engine && engine <= high, "{out_conf}");
+    assert_eq!(kernels, planned, "{out_conf}");
     // Admission on the plan: two ranks of the plan's peak with its margin do not fit in 1 MiB.
     let mut small = small_train_args(&config, &twin);
     small.extend(["--memory-limit", "1MiB"]);
@@ -404,4 +409,19 @@ fn the_plan_predicts_the_devices_memory() {
             "1.0 MiB is --memory-limit",
         ],
     );
+}
+
+/// The figures of `fsdp train --engine`'s line on rank 0's device memory: the engine's peak,
+/// its predicted range, the kernels' count and its prediction.
+fn memory_line(out: &str) -> [u64; 5] {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("device memory (rank 0):"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let n: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // After "rank 0".
+    n[1..].try_into().unwrap_or_else(|_| panic!("{line}"))
 }

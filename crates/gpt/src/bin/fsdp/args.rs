@@ -375,10 +375,11 @@ pub(crate) struct TrainArgs {
     pub(crate) cpu_offload: bool,
     /// With --device: train through the fsdp engine instead of the GPT's device trainer: the
     /// engine's buffers on the device (its sharding: every --strategy, --ranks N as threads on
-    /// the one device over the CUDA ring; clipping, schedules, the grad scaler, sharded
+    /// the one device over the CUDA ring, or under fsdp launch a process per GPU over NCCL;
+    /// clipping, schedules, the grad scaler, the non-finite rule decided on the device, sharded
     /// checkpoints) and the GPT's kernels reading its unsharded parameters in place (gathered
-    /// in f32; --param-dtype chooses the products' operands). Not with ranks as processes or
-    /// --optimizer anyprecision-adamw.
+    /// in f32; --param-dtype chooses the products' operands); admitted on `fsdp plan --device
+    /// … --engine`. Not with --optimizer anyprecision-adamw.
     #[arg(long)]
     pub(crate) engine: bool,
     /// Timeout of every collective, in seconds: a peer that does not reach a collective in

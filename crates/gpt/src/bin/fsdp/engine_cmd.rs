@@ -63,9 +63,6 @@ pub(crate) fn engine_device(args: &TrainArgs) -> Result<Option<EngineDevice>, Cl
              its shards in --param-dtype, and the GPT's kernels read f32 parameters)",
         ));
     }
-    if args.model.alloc_conf.is_some() && dev == EngineDevice::HostTwin {
-        return Err(fail("--device host-twin: --alloc-conf is not supported"));
-    }
     Ok(Some(dev))
 }
 

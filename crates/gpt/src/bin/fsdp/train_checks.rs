@@ -13,7 +13,7 @@ use fsdp_device::DType;
 use fsdp_gpt::init::gpt2_init;
 use fsdp_gpt::model::{param_specs, GptConfig};
 
-use crate::admission::{self, ProcessData, Sharing};
+use crate::admission::{self, available, ProcessData, Sharing};
 use crate::args::{ScheduleKindArg, TrainArgs, TrainBackend};
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::train::SYNTHETIC_LEN;
@@ -120,10 +120,17 @@ pub(crate) fn admit_run(
         resumed.then_some(&optim),
         args.save.is_some(),
     )?;
-    // The engine on a device keeps its shards in host memory only until they are placed
-    // there (and offloaded ones): its host allocator is not bounded by a share.
+    // The engine on a device is admitted on its device plan (`engine_plan_cmd::admit`): each
+    // rank's allocators (its host one, which holds the shards until they are placed and
+    // offloaded ones; the host twin's device) take an equal share of the memory available.
     let capacity = if on_device {
-        usize::MAX
+        let ranks = match sharing {
+            Sharing::Threads => world as u64,
+            _ => 1,
+        };
+        available(args.memory_limit).map_or(usize::MAX, |a| {
+            usize::try_from(a.bytes / ranks.max(1)).unwrap_or(usize::MAX)
+        })
     } else {
         admission::admit(
             &setup.cfg,
