@@ -28,6 +28,7 @@ use fsdp::engine::{
     ComputeDevice, FsdpConfig, GradScalerConfig, GradScalerState, GradientDivide, HostCompute,
     MixedPrecisionPolicy, ParamInit, ShardingStrategy,
 };
+use fsdp::units::UnitPlan;
 use fsdp::wrap::plan_units;
 use fsdp::Fsdp;
 use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
@@ -199,6 +200,22 @@ fn rank0<R: Send>(
     out.swap_remove(0)
 }
 
+/// The engine with AdamW on `dev` (the host engine without one).
+fn engine_on(
+    comm: Box<dyn Communicator>,
+    dev: &Option<ComputeDevice>,
+    plan: &UnitPlan,
+    init: ParamInit<'_>,
+    config: FsdpConfig,
+) -> Fsdp {
+    let optim: OptimizerConfig = adamw().into();
+    match dev {
+        Some(d) => Fsdp::new_on(comm, d.clone(), plan, init, config, optim),
+        None => Fsdp::new(comm, plan, init, config, optim),
+    }
+    .unwrap()
+}
+
 /// Rank 0's 8 steps at `world` with fp16 parameters and reductions and a grad scaler whose
 /// first scale overflows fp16, on the host engine or on GPU 0 (the shards there, so the
 /// scaler's state too): losses, parameters, the scaler's state and the optimizer steps taken.
@@ -212,12 +229,7 @@ fn scaled_run(world: usize, on_gpu: bool) -> (Vec<u32>, Bits, GradScalerState, u
             ..FsdpConfig::new(ShardingStrategy::FullShard)
         };
         let (rank, init) = (comm.rank(), ParamInit::Full(&init));
-        let optim: OptimizerConfig = adamw().into();
-        let mut fsdp = match &dev {
-            Some(d) => Fsdp::new_on(comm, d.clone(), &plan, init, config, optim),
-            None => Fsdp::new(comm, &plan, init, config, optim),
-        }
-        .unwrap();
+        let mut fsdp = engine_on(comm, &dev, &plan, init, config);
         fsdp.set_grad_scaler(Some(GradScalerConfig {
             init_scale: 2f32.powi(18),
             growth_interval: 2,
@@ -285,12 +297,7 @@ fn guarded_run(world: usize, on_gpu: bool, scaler: bool) -> Guarded {
     let body = |comm: Box<dyn Communicator>, dev: Option<ComputeDevice>| {
         let config = FsdpConfig::new(ShardingStrategy::FullShard);
         let (rank, init) = (comm.rank(), ParamInit::Full(&init));
-        let optim: OptimizerConfig = adamw().into();
-        let mut fsdp = match &dev {
-            Some(d) => Fsdp::new_on(comm, d.clone(), &plan, init, config, optim),
-            None => Fsdp::new(comm, &plan, init, config, optim),
-        }
-        .unwrap();
+        let mut fsdp = engine_on(comm, &dev, &plan, init, config);
         if scaler {
             fsdp.set_grad_scaler(Some(GradScalerConfig::default()))
                 .unwrap();

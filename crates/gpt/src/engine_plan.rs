@@ -83,9 +83,19 @@ pub struct EngineMemoryPlan {
     pub lag_margin: u64,
 }
 
-/// The peaks of one dry run: the allocator's, the kernels' count, the sharded state and the
-/// optimizer state.
-type Peaks = (u64, u64, u64, u64);
+/// What one dry run measured.
+struct DryRun {
+    /// The allocator's peak.
+    peak: u64,
+    /// The kernels' count's peak.
+    activations: u64,
+    /// The shards and gradient shards.
+    sharded: u64,
+    /// The optimizer state.
+    optimizer_state: u64,
+    /// The largest unit's unsharded gradient, as the allocator rounds it.
+    largest_gradient: u64,
+}
 
 /// Plan `run`'s device memory.
 ///
@@ -101,10 +111,24 @@ pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, D
                 .into(),
         }));
     }
-    let (peak_allocated, activations_peak, sharded_state, optimizer_state) = dry_run(run, true)?;
-    let (engine_peak, ..) = dry_run(run, false)?;
-    let (fsdp, _) = fsdp::plan::dry_run_engine(run.units, run.world, &run.config, &run.optim)?;
-    let lag_margin = fsdp
+    let together = dry_run(run, true)?;
+    let engine_alone = dry_run(run, false)?;
+    Ok(EngineMemoryPlan {
+        peak_allocated: together.peak,
+        engine_peak: engine_alone.peak,
+        activations_peak: together.activations,
+        sharded_state: together.sharded,
+        optimizer_state: together.optimizer_state,
+        lag_margin: together.largest_gradient,
+    })
+}
+
+/// Two steps of the GPT on the dry-run engine, the kernels' buffers in its allocator when
+/// `together`.
+fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrainError> {
+    let (fsdp, alloc) = fsdp::plan::dry_run_engine(run.units, run.world, &run.config, &run.optim)?;
+    let sharded = alloc.memory_stats().allocated_bytes.all.current;
+    let largest_gradient = fsdp
         .param_groups()
         .iter()
         .map(|g| {
@@ -113,21 +137,6 @@ pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, D
         })
         .max()
         .unwrap_or(0) as u64;
-    Ok(EngineMemoryPlan {
-        peak_allocated,
-        engine_peak,
-        activations_peak,
-        sharded_state,
-        optimizer_state,
-        lag_margin,
-    })
-}
-
-/// Two steps of the GPT on the dry-run engine, the kernels' buffers in its allocator when
-/// `together`.
-fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<Peaks, DeviceTrainError> {
-    let (fsdp, alloc) = fsdp::plan::dry_run_engine(run.units, run.world, &run.config, &run.optim)?;
-    let sharded = alloc.memory_stats().allocated_bytes.all.current;
     let stream = Stream::inline("plan");
     let meta = |e: fsdp_allocator::AllocError| DeviceTrainError::Fsdp(e.into());
     // On the device the optimizer's moments, per unit, as the engine places them.
@@ -186,5 +195,11 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<Peaks, DeviceTrain
     let peak = alloc.memory_stats().allocated_bytes.all.peak;
     let activations = gpt.pass().ops().memory().peak;
     drop(held);
-    Ok((peak, activations, sharded, optimizer_state))
+    Ok(DryRun {
+        peak,
+        activations,
+        sharded,
+        optimizer_state,
+        largest_gradient,
+    })
 }

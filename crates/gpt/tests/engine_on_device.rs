@@ -10,18 +10,15 @@
 
 mod common;
 
-use std::time::Duration;
-
 use fsdp::engine::{ComputeDevice, Fsdp, MixedPrecisionPolicy, ParamInit};
 use fsdp::optim::AdamWConfig;
-use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
-use fsdp_collectives::{ring, Communicator};
+use fsdp_collectives::Communicator;
 use fsdp_device::DType;
 use fsdp_gpt::data::get_batch;
 use fsdp_gpt::runtime::{FsdpConfig, FsdpGpt, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
 
-use common::training::{ring_options, Setup};
+use common::training::{rank0_on, Place, Setup};
 
 const STEPS: u64 = 4;
 const BATCH: usize = 12;
@@ -30,34 +27,9 @@ const SEQ: usize = 16;
 /// A run's losses and parameters, as bits.
 type Bits = (Vec<u32>, Vec<(String, Vec<u32>)>);
 
-/// Where a run's unsharded parameters live.
-#[derive(Clone, Copy, PartialEq)]
-enum Place {
-    Host,
-    HostTwin,
-    Gpu,
-}
-
 /// Rank 0's run on the host engine, the host twin or GPU 0.
 fn run(s: &Setup<AdamWConfig>, world: usize, config: FsdpConfig, place: Place) -> Bits {
-    let mut out = if place == Place::Gpu {
-        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, world, opts, |comm| {
-            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            train(s, Box::new(comm), Some(dev), world, config)
-        })
-        .unwrap()
-    } else {
-        ring::run_ranks(world, ring_options(), |comm| {
-            let dev = (place == Place::HostTwin).then(|| {
-                let latency = Duration::from_millis(1);
-                ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
-            });
-            train(s, Box::new(comm), dev, world, config)
-        })
-        .unwrap()
-    };
-    out.swap_remove(0)
+    rank0_on(place, world, |comm, dev| train(s, comm, dev, world, config))
 }
 
 /// One rank's run of `STEPS` steps.

@@ -187,10 +187,7 @@ impl Fsdp {
 
     /// The decisions' state on the device: the grad scaler's, else the non-finite rule's.
     pub(crate) fn decisions(&self) -> Option<&DeviceScaler> {
-        self.grad_scaler
-            .as_ref()
-            .and_then(|s| s.device.as_ref())
-            .or(self.guard.state.as_ref())
+        self.device_scaler().or(self.guard.state.as_ref())
     }
 
     /// The grad scaler's state on the device, when it lives there.

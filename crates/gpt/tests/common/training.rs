@@ -1,13 +1,15 @@
 //! Helpers shared by the tests that train the tiny GPT with FSDP against a reference
 //! (`equivalence.rs`, `accumulation.rs`, `activation_checkpointing.rs`): the set-up (model,
-//! corpus, initial parameters), the ring options, one rank's engine, the reference's optimizer
+//! corpus, initial parameters), the ring options, rank 0's run on a [`Place`], one rank's engine, the reference's optimizer
 //! step on whole tensors, and the comparison of final parameters with the key-bias rule.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
+use fsdp::engine::ComputeDevice;
 use fsdp::optim::OptimizerConfig;
 use fsdp::units::UnitPlan;
+use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
 use fsdp_collectives::{ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::model::{init_params, named_params, GptConfig};
@@ -48,6 +50,46 @@ impl<O: Copy + Into<OptimizerConfig>> Setup<O> {
 /// The ring engine's options with a 60 s timeout (generous for a loaded machine).
 pub fn ring_options() -> ring::RingOptions {
     ring::RingOptions::default().with_timeout(Duration::from_secs(60))
+}
+
+/// Where a run's unsharded parameters live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// The host engine: host memory, no device.
+    Host,
+    /// The host twin of a device, a millisecond of latency per operation.
+    HostTwin,
+    /// GPU 0, the ranks over the CUDA ring.
+    Gpu,
+}
+
+/// Rank 0's result of `world` ranks as threads, each running `body` with its communicator
+/// and its device in `place`: the ring's threads without a device (`Host`) or each on its
+/// own host twin (`HostTwin`), or the CUDA ring's threads each on `ComputeDevice::cuda(0)`
+/// (`Gpu`).
+pub fn rank0_on<R: Send>(
+    place: Place,
+    world: usize,
+    body: impl Fn(Box<dyn Communicator>, Option<ComputeDevice>) -> R + Sync,
+) -> R {
+    let mut out = if place == Place::Gpu {
+        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
+        cuda_ring::run_ranks(0, world, opts, |comm| {
+            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
+            body(Box::new(comm), Some(dev))
+        })
+        .unwrap()
+    } else {
+        ring::run_ranks(world, ring_options(), |comm| {
+            let dev = (place == Place::HostTwin).then(|| {
+                let latency = Duration::from_millis(1);
+                ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
+            });
+            body(Box::new(comm), dev)
+        })
+        .unwrap()
+    };
+    out.swap_remove(0)
 }
 
 /// One optimizer step of every parameter on whole tensors, each with its own state in `states`:

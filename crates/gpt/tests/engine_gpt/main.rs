@@ -9,12 +9,10 @@ mod common;
 mod train_step;
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use fsdp::engine::{ComputeDevice, Fsdp, MixedPrecisionPolicy, ParamInit};
 use fsdp::optim::{OptimizerConfig, SgdConfig};
 use fsdp::units::{UnitPlan, UnitSpec};
-use fsdp_collectives::cuda_ring::{self, CudaRingOptions};
 use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 use fsdp_gpt::data::{get_batch, Batch};
@@ -25,7 +23,7 @@ use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
 use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptPass, HostOps};
 
-use common::training::{ring_options, Setup};
+use common::training::{rank0_on, ring_options, Place, Setup};
 
 const BATCH: usize = 12;
 const SEQ: usize = 16;
@@ -67,13 +65,6 @@ fn micro_batches(
             }
         })
         .collect()
-}
-
-#[derive(Clone, Copy, PartialEq)]
-enum Place {
-    Host,
-    HostTwin,
-    Gpu,
 }
 
 #[derive(Clone, Copy)]
@@ -175,25 +166,19 @@ fn on_place<B: RankBody>(
     place: Place,
     body: &B,
 ) -> B::Out {
-    let mut out = if place == Place::Gpu {
-        let opts = CudaRingOptions::default().with_timeout(Duration::from_secs(120));
-        cuda_ring::run_ranks(0, world, opts, |comm| {
-            let dev = ComputeDevice::cuda(0, Default::default()).unwrap();
-            let ops = CudaOps::new(dev.compute_stream().clone()).unwrap();
-            body.run(engine(s, Box::new(comm), Some(dev), o), ops)
-        })
-        .unwrap()
-    } else {
-        ring::run_ranks(world, ring_options(), |comm| {
-            let dev = (place == Place::HostTwin).then(|| {
-                let latency = Duration::from_millis(1);
-                ComputeDevice::host_twin_with_latency(1 << 28, Default::default(), latency).unwrap()
-            });
-            body.run(engine(s, Box::new(comm), dev, o), HostOps::new())
-        })
-        .unwrap()
-    };
-    out.swap_remove(0)
+    rank0_on(place, world, |comm, dev| {
+        let engine = engine(s, comm, dev, o);
+        if place == Place::Gpu {
+            let stream = engine
+                .compute_device()
+                .expect("on GPU 0")
+                .compute_stream()
+                .clone();
+            body.run(engine, CudaOps::new(stream).unwrap())
+        } else {
+            body.run(engine, HostOps::new())
+        }
+    })
 }
 
 /// Rank 0's run of `world` ranks with `o`, the engine's buffers in `place`.
