@@ -1,35 +1,33 @@
 //! The device memory of the GPT trained through the engine on a device (`fsdp train --device
 //! cuda --engine`, [`EngineGpt`]), predicted by a dry run of the two together: the engine of
-//! rank 0 over a dry-run communicator with its buffers in a caching allocator over the meta
-//! device ([`fsdp::plan::dry_run_engine`]), driven by the GPT's pass over the meta operations
-//! ([`MetaOps`]: the buffers the kernels make and free, in order, without computing), whose
-//! buffers are mirrored into the same allocator — as on CUDA, where the kernels take their
-//! buffers from the engine's caching allocator. Two steps of `micro_batches` passes each (the
-//! second with the execution order recorded in the first), then the optimizer step.
+//! rank 0 on the device path run dry ([`fsdp::plan::dry_run_engine_on_device`]: a dry-run
+//! communicator, the device's buffers in a caching allocator over the meta device, operations
+//! that only allocate), driven by the GPT's pass over the meta operations ([`MetaOps`]: the
+//! buffers the kernels make and free, in order, without computing), whose buffers are mirrored
+//! into the same allocator — as on CUDA, where the kernels take their buffers from the
+//! engine's caching allocator. Two steps of [`EngineGpt::train_step`] (the second with the
+//! execution order recorded in the first), as `fsdp train` runs them.
 //!
-//! On the device the shards, the gradient shards and the optimizer state (AdamW's two moments
-//! per shard element, SGD's momentum) are held throughout (offloaded shards are not planned);
-//! so is the step's
-//! loss ([`EngineGpt::step_loss`]) during a step. The end of a step (the norm, the decision,
-//! the optimizer) allocates a few scalars while the unsharded buffers are gone, below the
-//! peak. The kernels' buffers are predicted exactly, and so are the engine's when the device
-//! keeps up with the host; the engine's buffers return to the allocator when the device has
-//! run their work (held references, never `record_stream`), so a device that runs behind the
-//! host holds a reduction's input beyond the moment the plan frees it: at most the largest
-//! unit's unsharded gradient more ([`EngineMemoryPlan::lag_margin`]). The host twins show
-//! both (`tests/engine_plan.rs`).
+//! The engine's code decides what the device holds, so the plan cannot drift from it: the
+//! shards, the gradient shards and the optimizer state (AdamW's two moments per shard element,
+//! SGD's momentum) throughout, unless offloaded (CPU offload: then the shards' staging copies
+//! while gathered, and the reduced gradients until the end of backward); the step's loss
+//! during a step; the decisions' state; the norm's scalars. The kernels' buffers are predicted
+//! exactly, and so are the engine's when the device keeps up with the host; the engine's
+//! buffers return to the allocator when the device has run their work (held references, never
+//! `record_stream`), so a device that runs behind the host holds a reduction's input beyond
+//! the moment the plan frees it: at most the largest unit's unsharded gradient more
+//! ([`EngineMemoryPlan::lag_margin`]). The host twins show both (`tests/engine_plan.rs`).
 
 use fsdp::engine::FsdpConfig;
 use fsdp::optim::OptimizerConfig;
 use fsdp::units::UnitPlan;
-use fsdp::FsdpError;
-use fsdp_device::Stream;
 use fsdp_kernels::gpt::{Attention, GptOps, GptPass, HostProducts, Logits, MetaOps};
-use fsdp_kernels::host::step_scalars_len;
 
+use crate::data::Batch;
 use crate::device_config::DeviceTrainError;
 use crate::engine_gpt::EngineGpt;
-use crate::model::GptConfig;
+use crate::model::{BatchShape, GptConfig};
 
 /// What the plan runs: the model, its units, the engine's world and configuration, and the
 /// pass's options.
@@ -41,7 +39,7 @@ pub struct EnginePlanRun<'a> {
     pub units: &'a UnitPlan,
     /// Ranks.
     pub world: usize,
-    /// The engine's configuration (not offloaded).
+    /// The engine's configuration (offloaded shards too).
     pub config: FsdpConfig,
     /// The optimizer (its state's bytes per shard element).
     pub optim: OptimizerConfig,
@@ -57,6 +55,8 @@ pub struct EnginePlanRun<'a> {
     pub attention: Attention,
     /// The head's logits.
     pub logits: Logits,
+    /// Clipping of the gradients' norm (`--grad-clip`).
+    pub grad_clip: Option<f64>,
     /// The kernels see the engine's buffers through counted copies (the host twins), not in
     /// place (CUDA).
     pub copied_views: bool,
@@ -100,17 +100,8 @@ struct DryRun {
 /// Plan `run`'s device memory.
 ///
 /// # Errors
-/// An invalid configuration or plan (the engine's errors), a batch the pass refuses;
-/// [`FsdpError::InvalidFsdpConfig`] for offloaded shards (not planned: the device then holds
-/// the shards' staging copies, which the dry run on the host does not make).
+/// An invalid configuration or plan (the engine's errors), a batch the pass refuses.
 pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, DeviceTrainError> {
-    if run.config.offload_params {
-        return Err(DeviceTrainError::Fsdp(FsdpError::InvalidFsdpConfig {
-            reason: "the plan of the engine on a device does not cover offloaded shards (CPU \
-                     offload): the device holds their staging copies instead"
-                .into(),
-        }));
-    }
     let together = dry_run(run, true)?;
     let engine_alone = dry_run(run, false)?;
     Ok(EngineMemoryPlan {
@@ -123,11 +114,22 @@ pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, D
     })
 }
 
-/// Two steps of the GPT on the dry-run engine, the kernels' buffers in its allocator when
-/// `together`.
+/// Two steps of the GPT on the engine's device path run dry (`train_step`, as `fsdp train`
+/// runs them), the kernels' buffers in the device's allocator when `together`.
 fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrainError> {
-    let (fsdp, alloc) = fsdp::plan::dry_run_engine(run.units, run.world, &run.config, &run.optim)?;
-    let sharded = alloc.memory_stats().allocated_bytes.all.current;
+    let (fsdp, alloc) =
+        fsdp::plan::dry_run_engine_on_device(run.units, run.world, &run.config, &run.optim)?;
+    // The optimizer's state, on the device unless offloaded (placed by the engine).
+    let optimizer_state = if run.config.offload_params {
+        0
+    } else {
+        fsdp.param_groups()
+            .iter()
+            .map(|g| (g.layout().shard_numel() * run.optim.state_bytes_per_element()) as u64)
+            .sum()
+    };
+    // The shards and gradient shards on the device (none offloaded).
+    let sharded = alloc.memory_stats().allocated_bytes.all.current - optimizer_state;
     let largest_gradient = fsdp
         .param_groups()
         .iter()
@@ -137,19 +139,7 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
         })
         .max()
         .unwrap_or(0) as u64;
-    let stream = Stream::inline("plan");
     let meta = |e: fsdp_allocator::AllocError| DeviceTrainError::Fsdp(e.into());
-    // On the device the optimizer's moments, per unit, as the engine places them.
-    let mut held = Vec::new();
-    let mut optimizer_state = 0u64;
-    let moments = run.optim.state_bytes_per_element() / 4;
-    for g in fsdp.param_groups() {
-        let bytes = g.layout().shard_numel() * 4;
-        for _ in 0..moments {
-            held.push(alloc.allocate(bytes, &stream).map_err(meta)?);
-            optimizer_state += bytes as u64;
-        }
-    }
     let ops = MetaOps::new(run.products).with_copied_views(run.copied_views);
     if together {
         ops.memory_counter().mirror_into(alloc.clone());
@@ -158,43 +148,27 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
     pass.set_activation_checkpointing(run.activation_checkpointing);
     pass.set_attention(run.attention);
     pass.set_logits(run.logits);
-    let units = fsdp.param_groups().len();
     let mut gpt = EngineGpt::new(fsdp, pass)?;
-    // The state of the steps decided on the device (the non-finite rule's), held throughout.
-    let scalars = step_scalars_len(0) * 8;
-    held.push(alloc.allocate(scalars, &stream).map_err(meta)?);
     let t = run.cfg.block_size;
-    let ids = vec![0u32; run.rows * t];
+    let batch = Batch {
+        inputs: vec![0; run.rows * t],
+        targets: vec![0; run.rows * t],
+        shape: BatchShape {
+            rows: run.rows,
+            seq_len: t,
+        },
+    };
+    let batches = vec![batch; run.micro_batches];
     let global = run.rows * t * run.world * run.micro_batches;
     for _ in 0..2 {
-        // The step's loss, held through the step.
-        let loss = alloc
-            .allocate(step_scalars_len(0) * 8, &stream)
-            .map_err(meta)?;
-        for m in 0..run.micro_batches {
-            let before = gpt.set_no_sync(m + 1 < run.micro_batches);
-            let r = gpt.forward_backward(&ids, &ids, run.rows, t, global);
-            gpt.set_no_sync(before);
-            r?;
-        }
-        // The end of the step on the device: the sums of squares (two accumulators and one
-        // per unit), the norm and clipping coefficient, the loss summed over the world and
-        // the decision's zeros — all at once, as when the device lags the host (an upper
-        // bound: their frees wait for their work).
-        let end: Vec<_> = (0..units + 5)
-            .map(|_| alloc.allocate(8, &stream))
-            .collect::<Result<_, _>>()
-            .map_err(meta)?;
-        drop(end);
-        gpt.optimizer_step()?;
-        drop(loss);
+        gpt.train_step(&batches, global, run.grad_clip)?;
     }
+    gpt.flush_steps()?;
     if let Some(Err(e)) = gpt.pass().ops().memory_counter().mirror_stats() {
         return Err(meta(e));
     }
     let peak = alloc.memory_stats().allocated_bytes.all.peak;
     let activations = gpt.pass().ops().memory().peak;
-    drop(held);
     Ok(DryRun {
         peak,
         activations,

@@ -357,8 +357,9 @@ fn a_trace_holds_the_engines_collectives_and_the_kernels_parts() {
 /// `fsdp train --engine` prints rank 0's device memory beside `fsdp plan --device --engine`'s
 /// prediction: on the host twin the engine's buffers within the plan's range (the plan to one
 /// unit's gradient more, as the device keeps up with the host or runs behind it) and the
-/// kernels' buffers exactly; `fsdp plan` prints the same figures, and refuses --cpu-offload;
-/// a run whose planned peak does not fit `--memory-limit` is refused before it starts.
+/// kernels' buffers exactly; `fsdp plan` prints the same figures; with --cpu-offload too (the
+/// device then holds less: no shards, gradient shards or optimizer state); a run whose planned
+/// peak does not fit `--memory-limit` is refused before it starts.
 #[test]
 fn the_plan_predicts_the_devices_memory() {
     let config = ["--batch-size", "8", "--param-dtype", "f32", "--ranks", "2"];
@@ -380,8 +381,23 @@ fn the_plan_predicts_the_devices_memory() {
         p.contains(&format!("kernels' buffers {} at theirs", kb(planned))),
         "{p}"
     );
+    // Offloaded: the run within its plan's range, below the resident run's.
+    let mut offloaded = small_train_args(&config, &twin);
+    offloaded.push("--cpu-offload");
+    let out_off = ok(&fsdp(&offloaded), "--cpu-offload");
+    let [engine_off, low_off, high_off, kernels_off, planned_off] = memory_line(&out_off);
+    assert!(low_off <= engine_off && engine_off <= high_off, "{out_off}");
+    assert_eq!(kernels_off, planned_off, "{out_off}");
+    assert!(high_off < low, "offloaded {high_off}, resident {low}");
     plan.push("--cpu-offload");
-    one_error_status_1(&fsdp(&plan), &["does not cover offloaded shards"]);
+    let p_off = ok(&fsdp(&plan), "plan --cpu-offload");
+    assert!(
+        p_off.contains(&format!(
+            "the engine's buffers {} at their peak",
+            kb(low_off)
+        )) && p_off.contains("(shards and gradient shards 0 B, optimizer state 0 B)"),
+        "{p_off}"
+    );
     // The device's caching allocator takes --alloc-conf (the host twin's too): the same
     // losses, bit for bit, and the plan of the same allocator (its rounding) brackets the run.
     let conf = "expandable_segments:True,roundup_power2_divisions:4";

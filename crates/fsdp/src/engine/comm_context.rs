@@ -333,15 +333,13 @@ impl CommContext {
         let mut copied = false;
         let out = bufs
             .iter()
-            .map(
-                |b| match self.device.as_ref().filter(|_| b.stream_order().is_some()) {
-                    Some(dev) => {
-                        copied = true;
-                        dev.copy_to_host(b, dev.transfer_stream())
-                    }
-                    None => Ok((*b).clone()),
-                },
-            )
+            .map(|b| match self.device.as_ref().filter(|d| d.holds(b)) {
+                Some(dev) => {
+                    copied = true;
+                    dev.copy_to_host(b, dev.transfer_stream())
+                }
+                None => Ok((*b).clone()),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         if copied {
             self.synchronize()?;

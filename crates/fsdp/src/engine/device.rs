@@ -13,6 +13,9 @@ use crate::FsdpError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     HostTwin,
+    /// A dry run's ([`ComputeDevice::dry_run`]): buffers of the meta device, operations that
+    /// only allocate what CUDA's allocate.
+    Meta,
     #[cfg(feature = "cuda")]
     Cuda,
 }
@@ -135,6 +138,34 @@ impl ComputeDevice {
         Ok(dev)
     }
 
+    /// The device of a dry run (`fsdp::plan`'s plans of the engine on a device): the memory of
+    /// `pool` (meta buffers: sizes, no bytes) and inline streams; its operations move no data
+    /// and allocate the temporaries the CUDA device's allocate, so that the engine's buffers
+    /// on it are those on a GPU whose work keeps up with the host. What it copies to the host
+    /// reads as zeros.
+    pub(crate) fn dry_run(pool: Arc<dyn MemoryPool>) -> Self {
+        ComputeDevice {
+            kind: Kind::Meta,
+            pool,
+            compute: Stream::inline("dry-run compute"),
+            transfer: Stream::inline("dry-run transfer"),
+            latency: None,
+            #[cfg(feature = "cuda")]
+            cuda_alloc: None,
+        }
+    }
+
+    /// Whether this is a dry run's device ([`dry_run`](Self::dry_run)).
+    pub(crate) fn is_dry_run(&self) -> bool {
+        self.kind == Kind::Meta
+    }
+
+    /// Whether `b` is one of this device's buffers (stream-ordered; a dry run's are on the
+    /// meta device) rather than host memory.
+    pub(crate) fn holds(&self, b: &Buffer) -> bool {
+        b.stream_order().is_some() || (self.kind == Kind::Meta && b.device() == Device::Meta)
+    }
+
     /// The host twin's latency before an operation on `stream`.
     pub(super) fn delay(&self, stream: &Stream) -> Result<(), FsdpError> {
         if let Some(d) = self.latency {
@@ -211,6 +242,7 @@ impl ComputeDevice {
     pub fn copy_from_host(&self, host: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
         let dst = self.alloc(host.dtype(), host.len(), stream)?;
         match self.kind {
+            Kind::Meta => {}
             Kind::HostTwin => {
                 self.delay(stream)?;
                 dst.copy_from_host_async(host, stream)?;
@@ -242,6 +274,10 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(Buffer, fsdp_device::Event), FsdpError> {
         let out = match self.kind {
+            Kind::Meta => {
+                let out = Buffer::zeros(dev.dtype(), dev.len())?;
+                return Ok((out, stream.record_event()));
+            }
             Kind::HostTwin => Buffer::zeros(dev.dtype(), dev.len())?,
             #[cfg(feature = "cuda")]
             Kind::Cuda => Buffer::pinned_zeros(dev.dtype(), dev.len())?,
@@ -256,6 +292,9 @@ impl ComputeDevice {
     /// # Errors
     /// A buffer that is not on this device, a failing memset.
     pub fn zero(&self, buf: &Buffer, stream: &Stream) -> Result<(), FsdpError> {
+        if self.kind == Kind::Meta {
+            return Ok(());
+        }
         self.delay(stream)?;
         buf.zero_async(stream)?;
         Ok(())
@@ -283,8 +322,10 @@ impl ComputeDevice {
             return self.cast(&tmp, dst, stream);
         }
         if r == DType::F32 {
-            self.delay(stream)?;
-            dst.copy_from_device_async(src, stream)?;
+            if self.kind != Kind::Meta {
+                self.delay(stream)?;
+                dst.copy_from_device_async(src, stream)?;
+            }
             return Ok(());
         }
         self.cast(src, dst, stream)
@@ -298,6 +339,7 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
+            Kind::Meta => {}
             Kind::HostTwin => {
                 self.delay(stream)?;
                 dst.cast_from_async(src, stream)?;

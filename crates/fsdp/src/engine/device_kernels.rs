@@ -83,11 +83,19 @@ impl ComputeDevice {
             ));
         }
         if replace && x.dtype() == DType::F32 {
-            self.delay(stream)?;
-            acc.copy_from_device_async(x, stream)?;
+            if self.kind != Kind::Meta {
+                self.delay(stream)?;
+                acc.copy_from_device_async(x, stream)?;
+            }
             return Ok(());
         }
         match self.kind {
+            // CUDA's widening copy of a reduced shard that is not f32.
+            Kind::Meta if x.dtype() != DType::F32 => {
+                self.alloc(DType::F32, x.len(), stream)?;
+                Ok(())
+            }
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 host_task(stream, &[x], &[acc], move |r, w| {
@@ -133,6 +141,7 @@ impl ComputeDevice {
             return Ok(());
         }
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 let r = buf.dtype();
@@ -175,14 +184,17 @@ impl ComputeDevice {
         self.scale_divide(x, Some(c), None, stream)
     }
 
-    /// The sum of the squares of the `f32` buffer `x`, in `f64` and in the elements' order (the
-    /// host engine's), into a new one-element `f64` buffer on the device, on `stream`.
+    /// The sum of the squares of the `f32` buffer `x`, in `f64`, into a new one-element `f64`
+    /// buffer on the device, on `stream`: on the host twin in the elements' order (the host
+    /// engine's, bit for bit), on CUDA in the norm kernels' blocked order (within rounding of
+    /// it: the last bits may differ).
     ///
     /// # Errors
     /// A buffer that is not on this device, out of memory; the stream's errors.
     pub(crate) fn sum_of_squares(&self, x: &Buffer, stream: &Stream) -> Result<Buffer, FsdpError> {
         let out = self.alloc(DType::F64, 1, stream)?;
         match self.kind {
+            Kind::Meta => Ok(out),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 host_task(stream, &[x], &[&out], |r, w| {
@@ -216,6 +228,7 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 host_task(stream, &[x], &[acc], |r, w| {
@@ -250,6 +263,7 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 host_task(stream, &[sharded, replicated], &[out], move |r, w| {
@@ -287,6 +301,7 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 host_task(stream, &[c], &[x], |r, w| {

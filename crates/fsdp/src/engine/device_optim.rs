@@ -119,6 +119,7 @@ impl ComputeDevice {
             );
         }
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 let segments = segments.clone();
                 let update = move |configs: &[OptimizerConfig],
@@ -195,6 +196,7 @@ impl ComputeDevice {
             ));
         };
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 let (cfg, segments) = (*cfg, segments.clone());
                 let update = move |configs: &[OptimizerConfig],

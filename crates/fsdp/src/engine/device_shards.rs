@@ -92,8 +92,15 @@ fn place_moments(
     cfg: &OptimizerConfig,
 ) -> Result<(), FsdpError> {
     let mut moments = Vec::new();
+    let numel = g.layout.shard_numel();
     for mut m in host_moments(&mut g.optim_state, has_momentum(cfg)) {
-        moments.push(dev.copy_from_host(&m.to_buffer()?, dev.transfer_stream())?);
+        let host = m.to_buffer()?;
+        moments.push(if dev.is_dry_run() {
+            // A dry run's state is empty (no bytes anywhere): its moments take their size.
+            dev.alloc(host.dtype(), numel, dev.transfer_stream())?
+        } else {
+            dev.copy_from_host(&host, dev.transfer_stream())?
+        });
         m.clear();
     }
     g.device_moments = moments;

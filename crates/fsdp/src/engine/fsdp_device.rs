@@ -65,10 +65,15 @@ impl Fsdp {
         optim: impl Into<OptimizerConfig>,
     ) -> Result<Self, FsdpError> {
         check_device(comm.as_ref(), &device)?;
-        let mut fsdp = Fsdp::new(comm, plan, init, config, optim)?;
-        fsdp.ctx.device = Some(device);
-        fsdp.place_shards()?;
-        Ok(fsdp)
+        Fsdp::new(comm, plan, init, config, optim)?.placed_on(device)
+    }
+
+    /// This engine, just built on the host, moved onto `device`: its working set there, its
+    /// shards, gradient shards and optimizer state too unless offloaded.
+    pub(crate) fn placed_on(mut self, device: ComputeDevice) -> Result<Self, FsdpError> {
+        self.ctx.device = Some(device);
+        self.place_shards()?;
+        Ok(self)
     }
 
     /// The device of the unsharded parameters and gradients ([`Fsdp::new_on`]), if not the

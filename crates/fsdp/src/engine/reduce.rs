@@ -157,8 +157,10 @@ pub(crate) fn finish_reductions(
     for (u, g, post_divide, copy_in) in grads {
         let group = &mut groups[u];
         if copy_in {
-            let mut acc = group.grad_shard.write::<f32>()?;
-            accumulate_reduced(&g, &mut acc, post_divide, true)?;
+            if !ctx.is_meta() {
+                let mut acc = group.grad_shard.write::<f32>()?;
+                accumulate_reduced(&g, &mut acc, post_divide, true)?;
+            }
             continue;
         }
         if std::mem::take(&mut group.replace_shard) {

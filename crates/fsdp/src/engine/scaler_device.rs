@@ -324,6 +324,7 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 host_task(stream, &[scale], &[x], |r, w| {
@@ -364,6 +365,7 @@ impl ComputeDevice {
         stream: &Stream,
     ) -> Result<(), FsdpError> {
         match self.kind {
+            Kind::Meta => Ok(()),
             Kind::HostTwin => {
                 self.delay(stream)?;
                 let d = *d;

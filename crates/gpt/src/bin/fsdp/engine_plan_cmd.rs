@@ -12,6 +12,7 @@ use crate::engine_cmd::{engine_config, EngineDevice};
 use crate::optimizer::plan_optimizer;
 use crate::say;
 use crate::setup::{micro_batch, setup, DEFAULT_RANKS};
+use crate::train::clip_option;
 use crate::train_checks::Mode;
 use crate::{fail, CliError};
 
@@ -23,13 +24,14 @@ pub(crate) struct EnginePlanArgs<'a> {
     pub(crate) batch_size: usize,
     pub(crate) grad_accum: usize,
     pub(crate) cpu_offload: bool,
+    pub(crate) grad_clip: Option<f64>,
     pub(crate) world: usize,
 }
 
 /// The plan of one rank of `fsdp train --engine` with `a`'s options.
 ///
 /// # Errors
-/// Invalid options (as `fsdp train` refuses them); offloaded shards (not planned).
+/// Invalid options (as `fsdp train` refuses them).
 pub(crate) fn engine_memory(a: &EnginePlanArgs<'_>) -> Result<EngineMemoryPlan, CliError> {
     let s = setup(a.model, a.world, false)?;
     let micro = micro_batch(a.batch_size, a.grad_accum, a.world)?;
@@ -50,6 +52,7 @@ pub(crate) fn engine_memory(a: &EnginePlanArgs<'_>) -> Result<EngineMemoryPlan, 
         attention: a.model.attention.unwrap_or_default(),
         logits: a.model.logits.unwrap_or_default(),
         copied_views: a.dev == EngineDevice::HostTwin,
+        grad_clip: a.grad_clip,
     };
     plan_engine_memory(&run).map_err(|e| fail(format!("--engine: {e}")))
 }
@@ -77,6 +80,7 @@ pub(crate) fn print_engine_plan(args: &PlanArgs) -> Result<(), CliError> {
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
         cpu_offload: args.cpu_offload,
+        grad_clip: clip_option(args.grad_clip)?,
         world,
     };
     let p = engine_memory(&a)?;
@@ -161,7 +165,7 @@ pub(crate) fn measured_line(
 /// Admission of `fsdp train --engine` on its device: the plan's peak with its margin, times
 /// the ranks sharing the device (threads on one GPU; a process has its own), against
 /// `--memory-limit`, else the GPU's free memory (the host twin: none to check). Returns the
-/// plan for the run's summary; `None` with offloaded shards (not planned).
+/// plan for the run's summary.
 ///
 /// # Errors
 /// A run that does not fit, with both figures; invalid options.
@@ -170,17 +174,15 @@ pub(crate) fn admit(
     dev: EngineDevice,
     world: usize,
     mode: &Mode,
-) -> Result<Option<EngineMemoryPlan>, CliError> {
-    if args.cpu_offload {
-        return Ok(None);
-    }
+) -> Result<EngineMemoryPlan, CliError> {
     let plan = engine_memory(&EnginePlanArgs {
         dev,
         model: &args.model,
         optim: &args.optim,
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
-        cpu_offload: false,
+        cpu_offload: args.cpu_offload,
+        grad_clip: crate::train::grad_clip(args)?,
         world,
     })?;
     let ranks = match mode {
@@ -193,10 +195,10 @@ pub(crate) fn admit(
             let stream = cuda_stream(args, n, "admission", "--engine")?;
             match free_memory(&stream) {
                 Some(free) => (free, "free on the device"),
-                None => return Ok(Some(plan)),
+                None => return Ok(plan),
             }
         }
-        (None, EngineDevice::HostTwin) => return Ok(Some(plan)),
+        (None, EngineDevice::HostTwin) => return Ok(plan),
     };
     let each = plan.peak_allocated.saturating_add(plan.lag_margin);
     let needed = each.saturating_mul(ranks as u64);
@@ -205,13 +207,13 @@ pub(crate) fn admit(
         return Err(fail(format!(
             "--device {d} --engine: the run needs {} of device memory at its peak ({ranks} \
              rank{} of {}: the plan's peak and its margin, fsdp plan --device {d} --engine), {} \
-             is {what}; --activation-checkpointing, a smaller --batch-size (with --grad-accum) \
-             or ranks as processes on GPUs of their own need less",
+             is {what}; --activation-checkpointing, a smaller --batch-size (with --grad-accum), \
+             --cpu-offload or ranks as processes on GPUs of their own need less",
             human_bytes(needed),
             if ranks == 1 { "" } else { "s" },
             human_bytes(each),
             human_bytes(available)
         )));
     }
-    Ok(Some(plan))
+    Ok(plan)
 }
