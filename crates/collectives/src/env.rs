@@ -84,6 +84,9 @@ pub struct InitOptions {
     /// operations) and of the communicator's set-up (connecting to its peers). Default: `None`,
     /// [`timeout`](Self::timeout).
     pub init_timeout: Option<Duration>,
+    /// The GPU of the NCCL backend's communicator. Default: `None`, the launcher's
+    /// `LOCAL_RANK` (torchrun's convention).
+    pub cuda_device: Option<usize>,
 }
 
 impl Default for InitOptions {
@@ -91,6 +94,7 @@ impl Default for InitOptions {
         InitOptions {
             timeout: DEFAULT_TIMEOUT,
             init_timeout: None,
+            cuda_device: None,
         }
     }
 }
@@ -106,6 +110,13 @@ impl InitOptions {
     /// These options with another bound of the rendezvous and the communicator's set-up.
     pub fn with_init_timeout(mut self, timeout: Duration) -> Self {
         self.init_timeout = Some(timeout);
+        self
+    }
+
+    /// These options with the NCCL backend's communicator on GPU `ordinal` (e.g. a program's
+    /// `--device cuda:N`) rather than the one of the launcher's `LOCAL_RANK`.
+    pub fn with_cuda_device(mut self, ordinal: usize) -> Self {
+        self.cuda_device = Some(ordinal);
         self
     }
 
@@ -465,8 +476,10 @@ fn init_nccl(
     use crate::nccl::{NcclCommunicator, NcclOptions};
     let comm = NcclCommunicator::new(
         store,
-        env.local_rank,
-        NcclOptions::default().with_timeout(opts.timeout),
+        opts.cuda_device.unwrap_or(env.local_rank),
+        NcclOptions::default()
+            .with_timeout(opts.timeout)
+            .with_init_timeout(opts.effective_init_timeout()),
     )?;
     Ok(Box::new(comm))
 }

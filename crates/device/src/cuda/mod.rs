@@ -85,6 +85,22 @@ pub fn device_count() -> Result<usize, DeviceError> {
     Ok(n as usize)
 }
 
+/// The context bound to the calling thread when it is one of [`context`]'s, else device 0's:
+/// where page-locked host memory is allocated (portable, so any device copies through it),
+/// without creating a context on device 0 in a process whose work is on another device.
+///
+/// # Errors
+/// As [`context`].
+pub(crate) fn current_context() -> Result<Arc<CudaContext>, DeviceError> {
+    if let Ok(Some(cur)) = cudarc::driver::result::ctx::get_current() {
+        let all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(ctx) = all.iter().flatten().find(|c| c.cu_ctx() == cur) {
+            return Ok(ctx.clone());
+        }
+    }
+    context(0)
+}
+
 /// The process's context on device `ordinal` (its primary context), created on first use with
 /// event tracking disabled. Every caller gets the same `Arc`.
 ///

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
-use super::{context, driver_error};
+use super::{context, current_context, driver_error};
 use crate::block_cache::{size_class, BlockCache, BlockCacheStats};
 use crate::reaper;
 use crate::{Device, DeviceError, Storage, StreamOrder};
@@ -223,7 +223,9 @@ impl PinnedStorage {
         let (raw, ctx) = match PINNED.take(class) {
             Some(block) => (block.ptr, block.ctx),
             None => {
-                let ctx = context(0)?;
+                // The thread's context (the device it works on), not device 0's: a process on
+                // another GPU would otherwise create a context on GPU 0 for its pinned memory.
+                let ctx = current_context()?;
                 bind(&ctx)?;
                 // SAFETY: a plain page-locked allocation in the bound context, zeroed below
                 // before use.

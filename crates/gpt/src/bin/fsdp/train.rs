@@ -127,6 +127,10 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(t) = args.init_timeout {
         init_options.init_timeout = Some(t);
     }
+    if let Some(crate::engine_cmd::EngineDevice::Cuda(n)) = engine_device {
+        // NCCL on the engine's GPU (`cuda:N`'s, not necessarily the local rank's).
+        init_options = init_options.with_cuda_device(n);
+    }
     // Under a launcher (not mpirun) the ranks meet at the rendezvous store now, before anything
     // is allocated: the ranks of this host add up their predicted memory there.
     let host = match &mode {
@@ -144,7 +148,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     // others on the host engine's plan against the host's memory.
     let on_device_plan = |a: Admitted| -> Result<(Admitted, Option<EngineMemoryPlan>), CliError> {
         let plan = match engine_device {
-            Some(dev) => crate::engine_plan_cmd::admit(args, dev, world, &mode)?,
+            Some(dev) => Some(crate::engine_plan_cmd::admit(args, dev, world, &mode)?),
             None => None,
         };
         Ok((a, plan))
