@@ -359,3 +359,59 @@ fn what_the_device_path_refuses_is_named() {
     );
     assert!(e[1].1.contains("write it as a buffer"), "{}", e[1].1);
 }
+
+/// A pass that fails after a unit's gradient was accumulated in its gradient shard (world 1:
+/// each unit's gradient is its shard itself, `F = 1`) leaves that shard marked as holding a
+/// partial gradient, not zeros: a step decided on the device without `zero_grad` sees the
+/// partial gradients' norm, as the host engine does (it reads the shards), and after
+/// `zero_grad` a norm of 0. The model fails in the backward of span `dec`, after the head's
+/// gradient went into the root unit's shard and before any unit's post-backward.
+#[test]
+fn an_aborted_pass_leaves_no_gradient_shard_marked_zero() {
+    let tree = tied_mlp::tree();
+    let plan = plan_units(&tree, &tied_mlp::wrap()).unwrap();
+    let init = tied_mlp::init_params(&tree);
+    let model = TiedMlp { global: GLOBAL };
+    let faulty = Faulty {
+        inner: &model,
+        fault: Fault::Read(Phase::Backward, 2),
+    };
+    let norms = |on_device: bool| -> (f64, f64) {
+        let mut out = ring::run_ranks(1, ring_options(), |comm| {
+            let init = ParamInit::Full(&init);
+            let config = FsdpConfig::new(ShardingStrategy::FullShard);
+            let mut fsdp = if on_device {
+                let dev = ComputeDevice::host_twin(1 << 26, Default::default()).unwrap();
+                Fsdp::new_on(Box::new(comm), dev, &plan, init, config, adamw()).unwrap()
+            } else {
+                Fsdp::new(Box::new(comm), &plan, init, config, adamw()).unwrap()
+            };
+            let batch = tied_mlp::batch(GLOBAL, 0, 1);
+            let r = if on_device {
+                fsdp.forward_backward(&HostCompute::new(&faulty), &batch)
+            } else {
+                fsdp.forward_backward(&faulty, &batch)
+            };
+            assert!(is_missing(r), "on the device: {on_device}");
+            let host = fsdp_device::Buffer::from_slice(&[1.0f64]).unwrap();
+            let loss = match fsdp.compute_device() {
+                Some(d) => d.copy_from_host(&host, d.compute_stream()).unwrap(),
+                None => host,
+            };
+            let norm = |fsdp: &mut Fsdp| {
+                fsdp.optimizer_step_if_finite(&loss).unwrap();
+                fsdp.flush_step_outcomes().unwrap()[0].grad_norm
+            };
+            let aborted = norm(&mut fsdp);
+            fsdp.zero_grad().unwrap();
+            (aborted, norm(&mut fsdp))
+        })
+        .unwrap();
+        out.swap_remove(0)
+    };
+    let host = norms(false);
+    let dev = norms(true);
+    assert!(host.0 > 0.0 && host.1 == 0.0, "host engine: {host:?}");
+    assert_eq!(dev.0.to_bits(), host.0.to_bits(), "after the aborted pass");
+    assert_eq!(dev.1, 0.0, "after zero_grad");
+}

@@ -49,9 +49,10 @@ impl std::fmt::Display for Unit {
 /// `pre_backward(Block(i))`, its backward (its forward again first under activation
 /// checkpointing), `post_backward(Block(i))`; the embeddings' backward and
 /// `post_backward(Root)`. Parameters are read only between a unit's `pre_forward` and
-/// `post_forward`, or its `pre_backward` and `post_backward`; gradients are written (added
-/// to) only between its `pre_backward` and `post_backward`, and must be zero at its
-/// `pre_backward`.
+/// `post_forward`, or its `pre_backward` and `post_backward`; gradients are written only
+/// between its `pre_backward` and `post_backward`, and every backward operation adds to them
+/// (never overwrites): a trainer hands zeros at a step's first `pre_backward`, and under
+/// gradient accumulation the sum so far.
 pub trait Units<O: GptOps> {
     /// The error of the hooks (a collective's, say); the operations' errors convert into it.
     type Error: From<KernelError>;

@@ -439,7 +439,13 @@ impl ParamGroup {
         self.gather = None;
         self.gather_input = None;
         self.counted = false;
-        self.full_grad = None;
+        if let Some(g) = self.full_grad.take() {
+            // A gradient accumulated in the gradient shard itself (`ensure_grad`): the shard
+            // holds the aborted pass's part, no longer zeros (until `zero_grad`).
+            if g.overlaps(&self.grad_shard) {
+                self.grad_shard_zero = false;
+            }
+        }
         self.replace_shard = false;
         self.rounded = None;
         self.uploaded = None;
