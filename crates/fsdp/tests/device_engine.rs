@@ -6,8 +6,9 @@
 //! adapter, gives the host engine's losses, parameters and schedule bit for bit in both
 //! placements: every strategy at worlds 1–4 (every hybrid mesh), mixed precision, prefetching
 //! and gradient accumulation. The device holds the working set (the host's peak falls), and
-//! without offloading everything (the host pool holds nothing while training). And what the
-//! device path refuses is an error naming it.
+//! without offloading everything (the host pool holds nothing while training). A failed pass
+//! leaves the engine usable, and no gradient shard that took part of it marked as zeros. And
+//! what the device path refuses is an error naming it.
 
 mod common;
 #[allow(dead_code)]
