@@ -25,32 +25,28 @@ use std::time::Instant;
 
 use clap::Parser;
 use fsdp::engine::GradScalerConfig;
-use fsdp::engine::{ComputeDevice, Fsdp, FsdpConfig, ParamInit};
 use fsdp::human_bytes;
 use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp::ShardingStrategy;
 use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
-use fsdp_collectives::{cuda_ring, ring, Communicator};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_bench::{
-    model_flops_per_token, time_engine_steps, time_steps, Reads, StepTimes,
-};
+use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
 use fsdp_gpt::device_comm::CommVolume;
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::plan_allocator;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
-use fsdp_gpt::engine_gpt::EngineGpt;
-use fsdp_gpt::engine_views::EngineViews;
 use fsdp_gpt::model::GptConfig;
-use fsdp_gpt::tree::gpt_block_plan;
 use fsdp_kernels::gemm::{Blas, MatMul};
 use fsdp_kernels::gpt::{
-    Attention, CudaMemory, CudaOps, GptOps, GptPass, HostOps, HostProducts, Logits, MemoryUse,
-    PeerOps, Products,
+    Attention, CudaMemory, CudaOps, GptOps, HostOps, HostProducts, Logits, MemoryUse, PeerOps,
+    Products,
 };
 use fsdp_kernels::host::AnyPrecision;
+
+mod engine;
+use engine::run_engine;
 
 /// Dense bf16 peaks (TFLOP/s, without sparsity) by device name, as `torch_fsdp2_gpt.py`.
 const BF16_PEAK_TFLOPS: [(&str, f64); 6] = [
@@ -124,8 +120,10 @@ struct Args {
     /// products pure bf16, whose ranks all-gather in bf16).
     #[arg(long, default_value = "adamw", value_parser = optimizer, action = clap::ArgAction::Set)]
     optimizer: bool,
-    /// Also train through the fsdp engine (`EngineGpt`, world 1, the buffers on the device)
-    /// and print its step's ratio to the device trainer's.
+    /// Also train through the fsdp engine (`EngineGpt`, world 1, the buffers on the device,
+    /// the shards too unless --cpu-offload; nanoGPT's decay groups) and print its step's ratio
+    /// to the device trainer's. Not with --optimizer anyprecision-adamw, --products f16 or
+    /// --wait-each-step.
     #[arg(long)]
     engine: bool,
     /// Accepted and ignored (`cargo bench` passes it).
@@ -295,73 +293,6 @@ fn run<O: GptOps>(
     })
 }
 
-/// One rank's `--engine` run: `config`'s model on `fsdp`'s device through the engine.
-fn engine_times<O: EngineViews>(
-    comm: Box<dyn Communicator>,
-    dev: ComputeDevice,
-    ops: O,
-    config: &DeviceTrainConfig,
-    args: &Args,
-) -> Result<StepTimes, String> {
-    let cfg = config.cfg;
-    let params = seeded_params(&cfg, 1337).map_err(|e| e.to_string())?;
-    let tokens = synthetic_corpus(200_000, cfg.vocab_size as u16, 1337);
-    let fsdp_config = FsdpConfig::new(ShardingStrategy::FullShard);
-    let init = ParamInit::Full(&params);
-    let plan = gpt_block_plan(&cfg);
-    let fsdp = Fsdp::new_on(comm, dev, &plan, init, fsdp_config, config.adamw)
-        .map_err(|e| e.to_string())?;
-    let mut pass = GptPass::new(ops, cfg.dims()).map_err(|e| e.to_string())?;
-    pass.set_attention(args.attention);
-    pass.set_logits(args.logits);
-    pass.set_activation_checkpointing(args.activation_checkpointing);
-    let mut gpt = EngineGpt::new(fsdp, pass).map_err(|e| e.to_string())?;
-    let (rows, clip) = (args.batch, config.grad_clip);
-    time_engine_steps(&mut gpt, &tokens, rows, args.steps, args.warmup, clip)
-        .map_err(|e| e.to_string())
-}
-
-/// `--engine`: the model trained through the engine at world 1 on the device (CUDA `n`, or
-/// the host twin).
-fn run_engine(
-    cuda_ordinal: Option<usize>,
-    ops: (Products, HostProducts),
-    config: &DeviceTrainConfig,
-    args: &Args,
-) -> Result<StepTimes, String> {
-    let timeout = std::time::Duration::from_secs(600);
-    let mut out = match cuda_ordinal {
-        Some(n) => {
-            let opts = cuda_ring::CudaRingOptions::default().with_timeout(timeout);
-            cuda_ring::run_ranks(n, 1, opts, |comm| {
-                let dev = ComputeDevice::cuda(n, AllocatorConfig::default())
-                    .map_err(|e| e.to_string())?;
-                let cuda = CudaOps::new(dev.compute_stream().clone())
-                    .map_err(|e| e.to_string())?
-                    .with_products(ops.0);
-                engine_times(Box::new(comm), dev, cuda, config, args)
-            })
-        }
-        None => ring::run_ranks(
-            1,
-            ring::RingOptions::default().with_timeout(timeout),
-            |comm| {
-                let dev = ComputeDevice::host_twin(1 << 32, AllocatorConfig::default())
-                    .map_err(|e| e.to_string())?;
-                engine_times(
-                    Box::new(comm),
-                    dev,
-                    HostOps::with_products(ops.1),
-                    config,
-                    args,
-                )
-            },
-        ),
-    }
-    .map_err(|e| e.to_string())?;
-    out.pop().ok_or_else(|| "no rank".to_string())?
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
     match bench(&args) {
@@ -386,6 +317,31 @@ fn bench(args: &Args) -> Result<(), String> {
     }
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
+    }
+    // What the engine's run does not do as the device trainer's: refused rather than timed
+    // as something else.
+    if args.engine {
+        if args.optimizer {
+            return Err(
+                "--engine: --optimizer (AnyPrecisionAdamW) is not supported: the \
+                        engine's run trains f32 AdamW, as fsdp train --engine"
+                    .into(),
+            );
+        }
+        if products == Products::F16 {
+            return Err(
+                "--engine: --products f16 is not supported: the engine's run has no \
+                        grad scaler"
+                    .into(),
+            );
+        }
+        if args.wait_each_step {
+            return Err(
+                "--engine: --wait-each-step is not supported: the engine's run reads \
+                        each step's outcome one step late"
+                    .into(),
+            );
+        }
     }
     let cuda_ordinal = match args.device.as_str() {
         "host-twin" => None,
@@ -550,7 +506,12 @@ fn bench(args: &Args) -> Result<(), String> {
             let ratio = e.median().as_secs_f64() / t.median().as_secs_f64();
             println!(
                 "  through the fsdp engine (EngineGpt, FULL_SHARD at world 1, buffers on the \
-                 device): median step {:.2} ms, {:.0} tokens/s; loss {:.4} -> {:.4}",
+                 device{}): median step {:.2} ms, {:.0} tokens/s; loss {:.4} -> {:.4}",
+                if args.cpu_offload {
+                    ", shards offloaded"
+                } else {
+                    ""
+                },
                 e.median().as_secs_f64() * 1e3,
                 e.tokens_per_s(),
                 e.losses.first().copied().unwrap_or(f32::NAN),
