@@ -159,32 +159,35 @@ fn a_nonfinite_run_halts_past_the_limit() {
 /// On a GPU: `train_step` with the kernels on the engine's CUDA buffers (the step's loss in a
 /// view of the engine's buffer, the decision by `engine_decide`) tracks the host twins on the
 /// host engine within 1e-4 relative (cuBLAS's f32 products against the host's), one step
-/// late, at worlds 1 and 2 over the CUDA ring, every step applied; a NaN weight halts it
-/// past the limit as on the host.
+/// late, at worlds 1 and 2 over the CUDA ring, in one and in two micro-batches, every step
+/// applied; a NaN weight halts it past the limit as on the host.
 #[test]
 fn train_step_on_the_gpu_tracks_the_host_twins() {
     if !super::common::gpu::gpu("train_step_on_the_gpu_tracks_the_host_twins") {
         return;
     }
     let s = Setup::new(2, 7, 42, super::common::adamw());
-    for world in [1, 2] {
-        let o = Options::new(ShardingStrategy::FullShard);
+    // Two micro-batches: at world 1 every unit's gradient accumulates in its gradient shard
+    // on the GPU itself, across the micro-batches.
+    for (world, accum) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let o = Options {
+            accum,
+            ..Options::new(ShardingStrategy::FullShard)
+        };
+        let what = format!("world {world}, {accum} micro-batches");
         let (host, _) = steps(&s, world, o, Place::Host, Some(1.0), None);
         let (gpu, _) = steps(&s, world, o, Place::Gpu, Some(1.0), None);
         let n = STEPS as usize;
         assert_eq!(
             gpu.1,
             [vec![0], vec![1; n]].concat(),
-            "world {world}: one step late"
+            "{what}: one step late"
         );
         for (g, h) in gpu.0.iter().zip(&host.0) {
-            assert!(
-                ((g.0 - h.0) / h.0).abs() <= 1e-4,
-                "world {world}: {g:?} vs {h:?}"
-            );
-            assert!(g.2 && !g.3, "world {world}: {g:?}");
+            assert!(((g.0 - h.0) / h.0).abs() <= 1e-4, "{what}: {g:?} vs {h:?}");
+            assert!(g.2 && !g.3, "{what}: {g:?}");
         }
-        println!("world {world}: train_step outcomes {:?}", gpu.0);
+        println!("{what}: train_step outcomes {:?}", gpu.0);
     }
     let mut s = s;
     if let Some(w) = s.init.get_mut("transformer.h.0.mlp.c_fc.weight") {
