@@ -183,13 +183,27 @@ impl ComputeDevice {
     /// configuration, a stream that cannot be created.
     #[cfg(feature = "cuda")]
     pub fn cuda(ordinal: usize, config: AllocatorConfig) -> Result<Self, FsdpError> {
+        ComputeDevice::cuda_with_timeout(ordinal, config, fsdp_device::DEFAULT_TIMEOUT)
+    }
+
+    /// [`cuda`](Self::cuda) whose streams bound their host waits by `timeout` (a program's
+    /// `--timeout`) instead of [`DEFAULT_TIMEOUT`](fsdp_device::DEFAULT_TIMEOUT).
+    ///
+    /// # Errors
+    /// As [`cuda`](Self::cuda).
+    #[cfg(feature = "cuda")]
+    pub fn cuda_with_timeout(
+        ordinal: usize,
+        config: AllocatorConfig,
+        timeout: Duration,
+    ) -> Result<Self, FsdpError> {
         use fsdp_allocator::cuda::{CudaAllocator, CudaSource};
         let alloc = CudaAllocator::new(CudaSource::new(ordinal)?, config)?;
         Ok(ComputeDevice {
             kind: Kind::Cuda,
             pool: Arc::new(OrderedPool::new(alloc.clone())),
-            compute: Stream::cuda(ordinal, "device compute")?,
-            transfer: Stream::cuda(ordinal, "device transfer")?,
+            compute: Stream::cuda_with_timeout(ordinal, "device compute", timeout)?,
+            transfer: Stream::cuda_with_timeout(ordinal, "device transfer", timeout)?,
             latency: None,
             cuda_alloc: Some(alloc),
         })

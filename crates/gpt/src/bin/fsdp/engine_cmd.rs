@@ -195,6 +195,8 @@ pub(crate) struct EngineRun<'a> {
     pub(crate) config: FsdpConfig,
     pub(crate) opt: OptimizerConfig,
     pub(crate) args: &'a TrainArgs,
+    /// The bound of every wait (`--timeout`): the device's streams' too.
+    pub(crate) timeout: std::time::Duration,
 }
 
 /// One rank's engine on `dev` with the GPT's kernels.
@@ -213,7 +215,8 @@ pub(crate) fn engine_model(
     let (allocator, dtype) = (run.config.allocator, run.args.model.param_dtype);
     match dev {
         EngineDevice::Cuda(n) => {
-            let device = ComputeDevice::cuda(n, allocator).map_err(|e| on_rank(e.to_string()))?;
+            let device = ComputeDevice::cuda_with_timeout(n, allocator, run.timeout)
+                .map_err(|e| on_rank(e.to_string()))?;
             // The activations from the engine's own caching allocator: one pool, one set of
             // statistics.
             let memory = device

@@ -312,6 +312,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
                     config,
                     opt,
                     args,
+                    timeout: init_options.timeout,
                 };
                 crate::engine_cmd::engine_model(dev, comm, init, &run)?
             }
