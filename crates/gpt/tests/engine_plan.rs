@@ -95,6 +95,18 @@ fn plan(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> EngineMemoryPlan {
     .unwrap()
 }
 
+/// The kernels' measured buffers exactly the plan's; the engine's from the plan (the device
+/// keeping up with the host) to one unit's gradient more (the device behind it).
+fn assert_within_plan(p: &EngineMemoryPlan, (engine, activations): (u64, u64), what: &str) {
+    assert_eq!(activations, p.activations_peak, "{what}");
+    assert!(
+        engine >= p.engine_peak && engine <= p.engine_peak + p.lag_margin,
+        "{what}: measured {engine}, planned {} + {}",
+        p.engine_peak,
+        p.lag_margin
+    );
+}
+
 /// The host twins' peaks are the plan's, byte for byte: the engine's buffers (its caching
 /// allocator on the device) and the kernels' buffers apart (on the host twins each counts its
 /// own; on CUDA one allocator holds both, `peak_allocated`).
@@ -120,15 +132,7 @@ fn the_plan_is_the_host_twins_count() {
         let p = plan(&s, c);
         let (engine, activations) = measured(&s, c);
         println!("{c:?}: {p:?}; measured {engine}, {activations}");
-        // The kernels' buffers exactly; the engine's from the plan (the device keeping up
-        // with the host) to one unit's gradient more (the device behind it).
-        assert_eq!(activations, p.activations_peak, "{c:?}");
-        assert!(
-            engine >= p.engine_peak && engine <= p.engine_peak + p.lag_margin,
-            "{c:?}: measured {engine}, planned {} + {}",
-            p.engine_peak,
-            p.lag_margin
-        );
+        assert_within_plan(&p, (engine, activations), &format!("{c:?}"));
         exact += usize::from(engine == p.engine_peak);
         // Together in one allocator (the kernels' buffers rounded to its blocks): above each.
         assert!(
@@ -156,13 +160,7 @@ fn the_plan_of_offloaded_shards_is_the_host_twins_count() {
             (0, 0),
             "world {world}"
         );
-        assert_eq!(activations, p.activations_peak, "world {world}");
-        assert!(
-            engine >= p.engine_peak && engine <= p.engine_peak + p.lag_margin,
-            "world {world}: measured {engine}, planned {} + {}",
-            p.engine_peak,
-            p.lag_margin
-        );
+        assert_within_plan(&p, (engine, activations), &format!("world {world}"));
         // Below the plan of the same run with the shards on the device.
         let mut resident = c;
         resident.config.offload_params = false;
