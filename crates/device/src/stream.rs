@@ -329,6 +329,16 @@ impl Stream {
         matches!(self.inner.kind, Kind::Inline)
     }
 
+    /// Whether [`enqueue`](Self::enqueue) takes host closures: CPU worker and inline streams
+    /// do, CUDA streams do not.
+    pub fn runs_host_tasks(&self) -> bool {
+        match self.inner.kind {
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => false,
+            _ => true,
+        }
+    }
+
     /// Append `work` to the stream. On a worker stream it runs later, after everything enqueued
     /// before it; on an inline stream it runs now. A panic inside `work` is caught and becomes
     /// the stream's sticky error. CUDA streams run no host closures

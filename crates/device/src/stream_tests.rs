@@ -113,3 +113,9 @@ fn inline_wait_event_times_out() {
     ));
     drop(tx);
 }
+
+#[test]
+fn cpu_and_inline_streams_run_host_tasks() {
+    assert!(Stream::cpu("worker").runs_host_tasks());
+    assert!(Stream::inline("inline").runs_host_tasks());
+}

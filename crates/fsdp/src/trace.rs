@@ -12,7 +12,8 @@
 //!   stream (its thread).
 //! - Communication spans: every all-gather, reduce-scatter and all-reduce, with its per-rank
 //!   payload in bytes, measured when the communication stream runs it (timestamp-recording
-//!   tasks enqueued right before and after the collective on the same in-order stream).
+//!   tasks enqueued right before and after the collective on the same in-order stream); not
+//!   on a communicator whose stream is a CUDA stream (NCCL's), which runs no host tasks.
 //! - Counters: the allocator's allocated and reserved bytes at every compute span boundary.
 
 use std::fmt::Write as _;
@@ -138,7 +139,8 @@ impl Tracer {
 
     /// Issue a collective through `issue` with a span measured on `stream`: a task recording
     /// the begin time is enqueued right before it, one recording the end right after (the
-    /// stream runs its tasks in order).
+    /// stream runs its tasks in order). A communicator whose stream runs no host tasks (NCCL's
+    /// CUDA stream) issues it without a span.
     pub(crate) fn comm<T>(
         &self,
         stream: &Stream,
@@ -148,6 +150,9 @@ impl Tracer {
         bytes: u64,
         issue: impl FnOnce() -> Result<T, FsdpError>,
     ) -> Result<T, FsdpError> {
+        if !stream.runs_host_tasks() {
+            return issue();
+        }
         let begin = Arc::new(AtomicU64::new(0));
         let b = Arc::clone(&begin);
         stream.enqueue(move || b.store(now_us().to_bits(), Ordering::Release))?;

@@ -95,12 +95,15 @@ impl CudaPoint {
         self.timeout
     }
 
-    /// Whether the work before the event has completed (true after an error, which
-    /// `synchronize` reports).
+    /// Whether the work before the event has completed. Never when no event could be
+    /// recorded (its creation or recording failed): that work, a copy say, may still run, so
+    /// what waits for the point to release memory keeps it (leaked rather than freed under the
+    /// device) and `synchronize` reports the error. A failing query of a recorded event (a
+    /// broken context, which runs nothing more) counts as completed.
     pub(crate) fn query(&self) -> bool {
         match &self.event {
             Ok(ev) => ev.event().try_is_complete().unwrap_or(true),
-            Err(_) => true,
+            Err(_) => false,
         }
     }
 

@@ -196,7 +196,18 @@ impl ComputeDevice {
             ));
         };
         match self.kind {
-            Kind::Meta => Ok(()),
+            Kind::Meta => {
+                // CUDA's temporaries: the decision's scalars when none is given, an f32 copy
+                // of a shard that is not f32.
+                let _scalars = state
+                    .is_none()
+                    .then(|| self.alloc(DType::F64, super::scaler_device::slot::LEN, stream))
+                    .transpose()?;
+                let _wide = (param.dtype() != DType::F32)
+                    .then(|| self.alloc(DType::F32, param.len(), stream))
+                    .transpose()?;
+                Ok(())
+            }
             Kind::HostTwin => {
                 let (cfg, segments) = (*cfg, segments.clone());
                 let update = move |configs: &[OptimizerConfig],

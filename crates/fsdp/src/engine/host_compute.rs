@@ -33,7 +33,9 @@ impl<'m, M> HostCompute<'m, M> {
         HostCompute { model, lag: None }
     }
 
-    /// With work reading each span's parameters for `lag` after the span returned.
+    /// With work reading each span's parameters for `lag` after the span returned (a test
+    /// aid of the host twin, whose streams run host tasks: on CUDA each span then fails with
+    /// an error naming it).
     #[must_use]
     pub fn with_lag(mut self, lag: Duration) -> Self {
         self.lag = Some(lag);
@@ -156,6 +158,16 @@ impl<M: FsdpModel> HostCompute<'_, M> {
         let Some(lag) = self.lag else {
             return Ok(());
         };
+        if !stream.runs_host_tasks() {
+            return Err(FsdpError::InvalidFsdpConfig {
+                reason: format!(
+                    "HostCompute::with_lag: the stream `{}` on {} runs no host tasks to lag \
+                     with (the host twin's do)",
+                    stream.name(),
+                    stream.device()
+                ),
+            });
+        }
         let uses = copies
             .map
             .keys()
