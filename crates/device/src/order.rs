@@ -17,8 +17,10 @@
 //! streams exactly as CUDA streams (the tests run it on CPU streams).
 //!
 //! Granularity is the whole storage: every slice of a storage shares one `StreamOrder`, so two
-//! writers of disjoint slices on different streams are serialised. That is coarser than needed,
-//! never wrong.
+//! writers of disjoint slices on different streams are serialised. That is coarser than needed
+//! and never reorders work, but it can deadlock work that must run concurrently: two ranks of
+//! one process whose collectives write disjoint slices of one storage wait for each other's
+//! collective (each needs the other) until their timeout. Give each rank storage of its own.
 //!
 //! The issue order is the order of the calls: several host threads that issue work on the same
 //! storage at once must order their issuing themselves, as with CUDA.

@@ -305,8 +305,17 @@ pub(crate) fn enqueue_collective(
     let mut next = next_seq.lock().unwrap_or_else(|e| e.into_inner());
     let seq = *next;
     let (completer, make_work) = Work::pending(op, rank, timeout);
+    let on = stream.clone();
     stream
-        .enqueue(move || completer.complete(task(seq, access)))
+        .enqueue(move || {
+            // A wait before it failed (a writer's event not reached within the timeout, say):
+            // the buffers are not known to be ready, so the collective does not run.
+            let r = match on.error() {
+                Some(source) => Err(CollectiveError::Device { rank, source }),
+                None => task(seq, access),
+            };
+            completer.complete(r);
+        })
         .map_err(|source| CollectiveError::Device { rank, source })?;
     *next += 1;
     let work = make_work(stream.record_event());

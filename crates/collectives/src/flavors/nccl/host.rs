@@ -95,8 +95,9 @@ impl NcclCommunicator {
     }
 
     /// Enqueue a copy between `buf` and `staging` on the NCCL stream (after the current stream's
-    /// work and the collectives issued before), then wait for it on the host, bounded by the
-    /// timeout; on success the current stream is ordered after it too.
+    /// work, the collectives issued before and, for a stream-ordered buffer, the work on it
+    /// that conflicts), then wait for it on the host, bounded by the timeout; on success the
+    /// current stream is ordered after it too.
     fn staged_copy(
         &self,
         op: &'static str,
@@ -112,6 +113,13 @@ impl NcclCommunicator {
         } else {
             AccessMode::Shared
         };
+        // A stream-ordered buffer: the NCCL stream waits (on the GPU) for the work on it that
+        // conflicts with the copy, and the copy becomes its newest use (as a collective).
+        let order = buf.stream_order();
+        if let Some(o) = &order {
+            o.before(&self.stream, mode)
+                .map_err(|source| CollectiveError::Device { rank, source })?;
+        }
         let g = buf
             .access(mode)
             .acquire(self.opts.timeout)
@@ -127,6 +135,9 @@ impl NcclCommunicator {
             unsafe { cu::memcpy_dtoh_async(staging.bytes(len), dptr, s) }
         };
         drop(g);
+        if let Some(o) = order {
+            o.after(&self.stream, mode);
+        }
         copied.map_err(self.driver(if upload {
             "cuMemcpyHtoDAsync"
         } else {

@@ -124,7 +124,12 @@ fn run(s: &Shared) {
             let mut q = lock(&s.queue);
             while q.front().is_some_and(Pending::done) {
                 if let Some(p) = q.pop_front() {
-                    p.finish(Ok(()));
+                    // Done, or its stream failed: the end event's query says which.
+                    let r = p.end.synchronize_timeout(Duration::ZERO);
+                    p.finish(r.map_err(|source| CollectiveError::Device {
+                        rank: s.comm.rank,
+                        source,
+                    }));
                     polls = 0;
                 }
             }
