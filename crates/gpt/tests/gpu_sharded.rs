@@ -471,8 +471,15 @@ fn the_engine_launched_over_nccl_trains_as_a_thread() {
     b.extend(train);
     b.extend(["--loss-log", nccl_log.to_str().unwrap()]);
     b.extend(["--save", nccl_w.to_str().unwrap()]);
+    // Traced: the engine's collectives on NCCL's CUDA stream go untraced, the kernels' parts
+    // are in the trace (the end-of-run statistics and the saved weights follow the gather
+    // through the GPU).
+    let trace = dir.join("nccl-trace.json");
+    b.extend(["--trace", trace.to_str().unwrap()]);
     let out = run(&b);
     assert!(out.contains("through the engine"), "{out}");
+    let traced = std::fs::read_to_string(&trace).unwrap();
+    assert!(traced.contains("backward block"), "{traced}");
     assert_eq!(
         common::cli::loss_column(&nccl_log),
         common::cli::loss_column(&thread_log)
