@@ -61,6 +61,9 @@ pub(crate) struct Rank {
     next_slot: usize,
     /// For each published, unanswered segment: the slot it occupies.
     outstanding: VecDeque<Option<usize>>,
+    /// The successor said it gave up on the collective under way (it says so once: whoever
+    /// receives it, `answer` or `release`, records it here).
+    next_released: bool,
     seq: u64,
     deadline: Instant,
 }
@@ -114,6 +117,7 @@ impl Rank {
             free_slots: slots,
             next_slot: 0,
             outstanding: VecDeque::new(),
+            next_released: false,
             seq: 0,
             deadline: Instant::now(),
         })
@@ -138,6 +142,7 @@ impl Rank {
         self.seq = seq;
         self.deadline = deadline;
         self.outstanding.clear();
+        self.next_released = false;
     }
 
     /// Enqueue `steps` on this rank's stream, then the wait for the successor's consumption and
@@ -301,6 +306,18 @@ impl Rank {
         )?;
         let event = match ack {
             Ack::Consumed(s, e) if s == seq => e,
+            Ack::Released(s) if s == seq => {
+                // Its stream no longer reads this rank's memory; `release` must not wait for
+                // this message again.
+                self.next_released = true;
+                let gave_up = format!("rank {next} gave up on collective #{seq}");
+                return Err(DataError::Aborted {
+                    reason: match self.control.aborted() {
+                        Some(reason) => format!("{gave_up}: {reason}"),
+                        None => gave_up,
+                    },
+                });
+            }
             Ack::Consumed(s, _) | Ack::Released(s) => {
                 return Err(DataError::Protocol {
                     reason: format!(
@@ -417,10 +434,11 @@ impl Rank {
         if ok {
             let _ = self.links.ack_to_prev.send(Ack::Released(self.seq));
         }
-        while !self.outstanding.is_empty() {
+        // A release the successor sent already (received by `answer`) is not sent again.
+        while !self.outstanding.is_empty() && !self.next_released {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.links.acks_from_next.recv_timeout(left) {
-                Ok(Ack::Released(s)) if s == self.seq => break,
+                Ok(Ack::Released(s)) if s == self.seq => self.next_released = true,
                 Ok(Ack::Consumed(s, e)) if s == self.seq => {
                     self.outstanding.pop_front();
                     ok &= e.synchronize_timeout(left).is_ok();
@@ -435,3 +453,7 @@ impl Rank {
         ok
     }
 }
+
+#[cfg(test)]
+#[path = "rank_tests.rs"]
+mod tests;

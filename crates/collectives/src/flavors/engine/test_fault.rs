@@ -1,5 +1,6 @@
-//! A test helper shared by the transports' unit tests: an all-gather whose body runs an injected
-//! fault on one rank before its data phase, issued straight to the engine.
+//! Test helpers shared by the transports' unit tests: an all-gather whose body runs an injected
+//! fault on one rank before its data phase, or any body in place of the ring algorithm, issued
+//! straight to the engine.
 
 use std::time::Duration;
 
@@ -25,12 +26,6 @@ pub(crate) fn faulty_all_gather(
 ) -> Result<()> {
     let input = Buffer::from_slice(&[1.0f32; 64]).unwrap();
     let output = Buffer::zeros(DType::F32, 64 * world).unwrap();
-    let mut desc = OpDesc::new("all_gather_base");
-    desc.dtype = Some(DType::F32);
-    desc.count = 64;
-    let access = Placement::on(backend, Device::Cpu)
-        .all_gather_base(rank, world, &input, &output)
-        .unwrap();
     let body: Body = Box::new(move |t, guards, ctx, _| {
         if rank == faulty {
             fault()?;
@@ -40,6 +35,33 @@ pub(crate) fn faulty_all_gather(
         // (as in `all_gather_base`); the chunks cover exactly the 64 elements of each rank.
         unsafe { algo::all_gather::<f32>(t, ctx, guards[0].as_ptr(), guards[1].as_ptr(), &chunks) }
     });
+    all_gather_with_body(
+        engine,
+        backend,
+        (rank, world),
+        (&input, &output),
+        body,
+        wait,
+    )
+}
+
+/// Issue an f32 all-gather of `world` ranks from `input` into `output` (`world` times as long)
+/// on `engine` (backend `backend`), with `body` as its data phase (`guards[0]` is the input's,
+/// `guards[1]` the output's). The result of waiting up to `wait` for it.
+pub(crate) fn all_gather_with_body(
+    engine: &Engine,
+    backend: &'static str,
+    (rank, world): (usize, usize),
+    (input, output): (&Buffer, &Buffer),
+    body: Body,
+    wait: Duration,
+) -> Result<()> {
+    let mut desc = OpDesc::new("all_gather_base");
+    desc.dtype = Some(DType::F32);
+    desc.count = input.len();
+    let access = Placement::on(backend, Device::Cpu)
+        .all_gather_base(rank, world, input, output)
+        .unwrap();
     engine
         .issue(desc, Ok(access), body)
         .and_then(|w| w.wait_timeout(wait))

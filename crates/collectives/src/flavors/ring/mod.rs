@@ -250,9 +250,10 @@ engine_communicator!(RingCommunicator, split_ring);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flavors::engine::test_fault::faulty_all_gather;
-    use crate::flavors::engine::DataError;
+    use crate::flavors::engine::test_fault::{all_gather_with_body, faulty_all_gather};
+    use crate::flavors::engine::{Body, DataError};
     use crate::Communicator;
+    use fsdp_device::{Buffer, DType};
     use std::time::Instant;
 
     /// A rank that fails in the middle of the data phase (after its peers published addresses
@@ -303,5 +304,87 @@ mod tests {
             );
             assert!(*took < Duration::from_secs(3), "rank {rank} took {took:?}");
         }
+    }
+
+    /// A rank that fails while its predecessor waits for it to read a segment (in `drain`) tells
+    /// the predecessor with its release message. The predecessor returns at once with the
+    /// failure and frees its buffers, rather than wait out its timeout for a second release
+    /// message. The failing rank's communicator stays alive until both ranks are done, so no
+    /// closed channel cuts the wait short.
+    #[test]
+    fn failure_while_predecessor_waits_for_ack_releases_at_once() {
+        let timeout = Duration::from_secs(5);
+        let opts = RingOptions::default()
+            .with_timeout(timeout)
+            .with_segment_bytes(16);
+        let comms = new_group(2, opts).unwrap();
+        let done = std::sync::Barrier::new(2);
+        let results: Vec<(Result<()>, Duration, bool)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let done = &done;
+                    s.spawn(move || {
+                        let rank = comm.rank();
+                        let input = Buffer::from_slice(&[1.0f32; 64]).unwrap();
+                        let output = Buffer::zeros(DType::F32, 128).unwrap();
+                        let body: Body = if rank == 0 {
+                            // Publish 4 elements of the input, then wait for rank 1 to read them.
+                            Box::new(|t, guards, _, _| {
+                                // SAFETY: the input's guard is held for the whole collective and
+                                // the input is never written.
+                                unsafe { t.send(guards[0].as_ptr(), 16)? };
+                                t.drain()
+                            })
+                        } else {
+                            // Fail once rank 0 waits for the acknowledgement.
+                            Box::new(|_, _, _, _| {
+                                std::thread::sleep(Duration::from_millis(300));
+                                Err(DataError::Protocol {
+                                    reason: "injected failure".into(),
+                                })
+                            })
+                        };
+                        let t0 = Instant::now();
+                        let r = all_gather_with_body(
+                            &comm.engine,
+                            "ring",
+                            (rank, 2),
+                            (&input, &output),
+                            body,
+                            Duration::from_secs(40),
+                        );
+                        let took = t0.elapsed();
+                        // Leaked guards would keep both buffers from being written.
+                        let short = Duration::from_millis(100);
+                        let freed = input.write_timeout::<f32>(short).is_ok()
+                            && output.write_timeout::<f32>(short).is_ok();
+                        // Keep this communicator (and its channels) until both ranks are done.
+                        done.wait();
+                        drop(comm);
+                        (r, took, freed)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (r, took, freed)) in results.iter().enumerate() {
+            let err = r.as_ref().unwrap_err();
+            assert!(
+                *took < Duration::from_secs(2),
+                "rank {rank} took {took:?}: {err}"
+            );
+            assert!(freed, "rank {rank} leaked its buffers: {err}");
+            assert!(
+                matches!(err, CollectiveError::Aborted { .. }),
+                "rank {rank}: {err:?}"
+            );
+            assert!(
+                err.to_string().contains("injected failure"),
+                "rank {rank}: {err}"
+            );
+        }
+        let waiter = results[0].0.as_ref().unwrap_err().to_string();
+        assert!(waiter.contains("rank 1"), "{waiter}");
     }
 }

@@ -53,7 +53,7 @@ pub(crate) enum Ack {
     /// The oldest unacknowledged segment of collective `.0` has been read.
     Done(#[allow(dead_code)] u64),
     /// The sender gave up on collective `.0` and will not read anything more.
-    Released(#[allow(dead_code)] u64),
+    Released(u64),
 }
 
 /// A rank's channel endpoints in its ring.
@@ -105,6 +105,9 @@ pub(crate) struct Threads {
     deadline: Instant,
     /// For each published, unacknowledged message: whether it occupies a slot.
     outstanding: VecDeque<bool>,
+    /// The successor said it gave up on the collective under way (it sends that once: whoever
+    /// receives it, `recv_ack` or `release`, records it here).
+    next_released: bool,
     free_slots: usize,
     next_slot: usize,
 }
@@ -139,6 +142,7 @@ impl Threads {
             seq: 0,
             deadline: Instant::now(),
             outstanding: VecDeque::new(),
+            next_released: false,
             free_slots: slots,
             next_slot: 0,
         })
@@ -237,17 +241,35 @@ impl Threads {
                     }
                     return Ok(());
                 }
-                Ok(Ack::Released(_)) => {
-                    return Err(DataError::Aborted {
-                        reason: format!("rank {} gave up on collective #{}", self.next(), self.seq),
-                    })
-                }
+                Ok(Ack::Released(s)) => return Err(self.next_gave_up(s)),
                 Err(RecvTimeoutError::Disconnected) => return Err(self.departed(self.next())),
                 Err(RecvTimeoutError::Timeout) => {
                     let next = self.next();
                     self.check_abort(|| format!("rank {next} to read this rank's data"))?
                 }
             }
+        }
+    }
+
+    /// The successor's release of collective `seq` arrived while this rank waited for an
+    /// acknowledgement: remember it (`release` must not wait for it again) and report the
+    /// failure, with the reason the group was aborted for when there is one.
+    fn next_gave_up(&mut self, seq: u64) -> DataError {
+        let (next, current) = (self.next(), self.seq);
+        if seq != current {
+            return DataError::Protocol {
+                reason: format!(
+                    "rank {next} released collective #{seq} during collective #{current}"
+                ),
+            };
+        }
+        self.next_released = true;
+        let gave_up = format!("rank {next} gave up on collective #{seq}");
+        DataError::Aborted {
+            reason: match self.board.aborted() {
+                Some(reason) => format!("{gave_up}: {reason}"),
+                None => gave_up,
+            },
         }
     }
 
@@ -280,6 +302,7 @@ impl Transport for Threads {
         self.seq = seq;
         self.deadline = deadline;
         self.outstanding.clear();
+        self.next_released = false;
         self.free_slots = self.num_slots;
     }
 
@@ -316,7 +339,9 @@ impl Transport for Threads {
     fn release(&mut self, grace: Duration) -> bool {
         let _ = self.links.ack_to_prev.send(Ack::Released(self.seq));
         let deadline = Instant::now() + grace;
-        while !self.outstanding.is_empty() {
+        // Once the successor said it released this collective (received by `recv_ack`), it
+        // reads nothing of ours any more and sends nothing else.
+        while !self.outstanding.is_empty() && !self.next_released {
             let wait = deadline.saturating_duration_since(Instant::now());
             if wait.is_zero() {
                 return false;
@@ -325,7 +350,10 @@ impl Transport for Threads {
                 Ok(Ack::Done(_)) => {
                     self.outstanding.pop_front();
                 }
-                Ok(Ack::Released(_)) | Err(RecvTimeoutError::Disconnected) => return true,
+                Ok(Ack::Released(s)) if s == self.seq => self.next_released = true,
+                // A release of an earlier collective: not an answer for this one.
+                Ok(Ack::Released(_)) => {}
+                Err(RecvTimeoutError::Disconnected) => return true,
                 Err(RecvTimeoutError::Timeout) => return false,
             }
         }
