@@ -9,6 +9,10 @@ use fsdp_device::{Buffer, DType, Device, Stream};
 use super::pool::{MemoryPool, OrderedPool};
 use crate::FsdpError;
 
+/// The longest buffer a dry run's device copies back to the host as values (zeros): the
+/// decisions' scalars and shorter.
+const DRY_RUN_READ_BACK: usize = 64;
+
 /// Which implementation of the device's operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -289,7 +293,14 @@ impl ComputeDevice {
     ) -> Result<(Buffer, fsdp_device::Event), FsdpError> {
         let out = match self.kind {
             Kind::Meta => {
-                let out = Buffer::zeros(dev.dtype(), dev.len())?;
+                // Scalars, which the engine reads (a norm, a loss, a decision), as host zeros;
+                // anything larger (reduced gradients, which a dry run never reads) as a meta
+                // buffer: a plan allocates nothing in proportion to the model.
+                let out = if dev.len() <= DRY_RUN_READ_BACK {
+                    Buffer::zeros(dev.dtype(), dev.len())?
+                } else {
+                    Buffer::meta(dev.dtype(), dev.len())?
+                };
                 return Ok((out, stream.record_event()));
             }
             Kind::HostTwin => Buffer::zeros(dev.dtype(), dev.len())?,
