@@ -33,12 +33,17 @@ fn execute(
         (end, r.rank, r.seq(), r.deadline())
     };
     let left = deadline.saturating_duration_since(Instant::now());
-    end.synchronize_timeout(left)
-        .map_err(|e| DataError::Timeout {
+    end.synchronize_timeout(left).map_err(|e| match e {
+        fsdp_device::DeviceError::Timeout { .. } => DataError::Timeout {
             waiting_for: format!(
                 "the GPU to finish collective #{seq} on rank {rank}'s CUDA stream ({e})"
             ),
-        })
+        },
+        // A fault of the GPU (a kernel's, the context's) is not a timeout.
+        e => DataError::Protocol {
+            reason: format!("collective #{seq} failed on rank {rank}'s CUDA stream: {e}"),
+        },
+    })
 }
 
 /// Run `steps` with `layout` on the rank.
