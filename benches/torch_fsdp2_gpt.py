@@ -101,7 +101,7 @@ class GPT(nn.Module):
         for block in tr.h:
             x = block(x)
         logits = F.linear(tr.ln_f(x), tr.wte.weight)  # the head is tied to wte
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def read_safetensors(path):

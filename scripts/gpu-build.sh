@@ -96,11 +96,19 @@ cp scripts/gpu-check.sh scripts/gpu-lanes.sh scripts/gpu-env.sh scripts/gpu-prof
 # The golden fixtures gpu_golden reads beside itself.
 mkdir -p "$out/golden"
 cp crates/gpt/tests/fixtures/{gpt_tiny_init.safetensors,tokens.bin,expected_losses.csv} "$out/golden/"
-# The device tool carries at most 64 MiB: past 60 MiB, the symbol tables go too (a panic's
-# backtrace then names addresses, not functions).
-if [ "$(du -sb "$out" | cut -f1)" -gt $((60 << 20)) ]; then
-    echo "== over 60 MiB: stripping the symbol tables too" >&2
+# The device tool carries at most 64 MiB with the working tree's files: past what they leave
+# (less 2 MiB), the symbol tables go too (a panic's backtrace then names addresses, not
+# functions), and a folder still too large is an error here rather than a failed carry there.
+tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+room=$(((64 << 20) - ${tracked:-0} - (2 << 20)))
+if [ "$(du -sb "$out" | cut -f1)" -gt "$room" ]; then
+    echo "== over $((room >> 20)) MiB: stripping the symbol tables too" >&2
     for f in "$out"/*--*; do strip --strip-all "$f"; done
+fi
+if [ "$(du -sb "$out" | cut -f1)" -gt "$room" ]; then
+    echo "error: $out is $(du -sh "$out" | cut -f1) with everything stripped: more than the \
+$((room >> 20)) MiB the device tool carries beside the working tree" >&2
+    exit 1
 fi
 (cd "$out" && sha256sum -- *--* >SHA256SUMS)
 echo "built into $out/ ($(du -sh "$out" | cut -f1)):" >&2

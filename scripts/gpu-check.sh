@@ -14,13 +14,30 @@
 # (fsdp-gpt--bin--fsdp: `fsdp train --device cuda` vs `--ranks 1`), with this script's
 # FSDP_NVRTC_LIB and LD_LIBRARY_PATH. FSDP_GPU_ONLY (an extended regular expression) runs only
 # the MANIFEST's binaries whose file names match it, e.g. FSDP_GPU_ONLY='gpu_(step|nn)$'.
+# FSDP_GPU_DEADLINE (seconds since the epoch, gpu-lanes.sh sets it) shortens every timeout to
+# end by then, and skips what would start with under 5 s left (a row says so).
 set -uo pipefail
 bin_dir="$(cd "${1:-gpu-bin}" && pwd)"
+if [ ! -f "$bin_dir/MANIFEST" ]; then
+    echo "gpu-check.sh: no MANIFEST in $bin_dir: pass the folder scripts/gpu-build.sh made" >&2
+    exit 2
+fi
 report="${2:-${OUT:-gpu-report}}"
 mkdir -p "$report"
 report="$(cd "$report" && pwd)"
 limit="${FSDP_GPU_TIMEOUT:-240}"
 only="${FSDP_GPU_ONLY:-}"
+deadline="${FSDP_GPU_DEADLINE:-0}"
+# The timeout of the next run: FSDP_GPU_TIMEOUT, or less to end by the deadline (0: no time).
+budget() {
+    local t=$limit
+    if [ "$deadline" -gt 0 ]; then
+        local left=$((deadline - $(date +%s)))
+        [ "$left" -lt "$t" ] && t=$left
+        [ "$t" -lt 5 ] && t=0
+    fi
+    echo "$t"
+}
 
 # NVRTC and NCCL on the loader path: sets nvrtc, nccl, FSDP_NVRTC_LIB and LD_LIBRARY_PATH.
 # shellcheck source=scripts/gpu-env.sh
@@ -46,8 +63,13 @@ while read -r file kind what; do
     args=()
     if [ "$kind" = test ]; then args=(--nocapture --test-threads=1); else args=(--bench); fi
     echo "== $file ($what)"
+    t=$(budget)
+    if [ "$t" = 0 ]; then
+        echo "| $file | - | 0 | not run: out of time | |" >>"$report/report.md"
+        continue
+    fi
     start=$(date +%s%N)
-    (cd "$bin_dir" && timeout "$limit" "./$file" "${args[@]}") >"$report/$file.log" 2>&1
+    (cd "$bin_dir" && timeout "$t" "./$file" "${args[@]}") >"$report/$file.log" 2>&1
     rc=$?
     ms=$((($(date +%s%N) - start) / 1000000))
     secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
@@ -79,7 +101,9 @@ if [ "$gpt" = 1 ] && [ -x "$bin_dir/fsdp-gpt--release--fsdp" ]; then
         log="$report/fsdp_gpt124m_$dtype.log"
         csv="$report/fsdp_gpt124m_$dtype.csv"
         trace="$report/fsdp_gpt124m_$dtype.trace.json"
-        timeout "$limit" "$bin_dir/fsdp-gpt--release--fsdp" train --device cuda --n-layer 12 \
+        t=$(budget)
+        [ "$t" = 0 ] && { echo "| fsdp_gpt124m_$dtype | - | | not run: out of time | |" >>"$report/report.md"; continue; }
+        timeout "$t" "$bin_dir/fsdp-gpt--release--fsdp" train --device cuda --n-layer 12 \
             --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --batch-size 8 \
             --param-dtype "$dtype" --steps "$gpt_steps" --loss-log "$csv" --trace "$trace" \
             >"$log" 2>&1
@@ -111,14 +135,20 @@ device_bench() {
     local log=$1
     shift
     picked "$(basename "$log" .log)" || { : >"$log"; return 0; }
-    timeout "$limit" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --steps "$gpt_steps" \
+    local t
+    t=$(budget)
+    [ "$t" = 0 ] && { echo "not run: out of time" >"$log"; return 124; }
+    timeout "$t" "$bin_dir/fsdp-gpt--release--gpt-device-bench" --steps "$gpt_steps" \
         --warmup 3 "$@" >"$log" 2>&1
 }
 torch_bench() {
     local log=$1
     shift
     picked "$(basename "$log" .log)" || { : >"$log"; return 0; }
-    timeout "$limit" python3 "$bin_dir/torch_fsdp2_gpt.py" --device cuda --batch 8 \
+    local t
+    t=$(budget)
+    [ "$t" = 0 ] && { echo "not run: out of time" >"$log"; return 124; }
+    timeout "$t" python3 "$bin_dir/torch_fsdp2_gpt.py" --device cuda --batch 8 \
         --steps "$gpt_steps" --warmup 3 "$@" >"$log" 2>&1
 }
 bench_rows() { # log, exit status, label

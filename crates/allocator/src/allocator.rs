@@ -299,13 +299,15 @@ impl<S: MemorySource> CachingAllocator<S> {
     pub fn allocate(&self, size: usize, stream: &S::Stream) -> Result<Block<S>, AllocError> {
         let location = std::panic::Location::caller();
         let sh = &*self.shared;
-        sh.source.validate_stream(stream)?;
         let key = S::stream_key(stream);
         let sizes = sh
             .config
             .round_size(size)
             .and_then(|r| Some((r, allocation_size(r)?)));
         let mut st = sh.lock();
+        // Under the state lock, which a release of cached memory holds while it lets go of the
+        // streams that own none: a new stream is seen owning this allocation's memory.
+        sh.source.validate_stream(stream)?;
         let Some((rounded, seg_size)) = sizes else {
             // Larger than any address space: no amount of freeing helps.
             return Err(st.oom(&sh.source, size, size, key));

@@ -127,7 +127,8 @@ impl CudaSource {
 // `streams`, from `validate_stream`, which the allocator calls before using a stream's key) so
 // its key is not reused; CUDA events complete only after the work recorded before them. Expandable segments: cuMemAddressReserve ranges
 // (granularity-aligned) that overlap nothing else, whose chunks are device memory once
-// cuMemMap and cuMemSetAccess succeeded.
+// cuMemMap and cuMemSetAccess succeeded, and are unmapped only once every stream that owns
+// memory finished the work queued before (`quiesce`: a freed block's stream may still run it).
 unsafe impl MemorySource for CudaSource {
     type Stream = Arc<CudaStream>;
     type Event = PooledEvent;
@@ -215,7 +216,14 @@ unsafe impl MemorySource for CudaSource {
             tracing::error!("cuMemUnmap: could not bind the context: {e:?}; leaking pages");
             return;
         }
-        // SAFETY: forwarded from the caller.
+        // A free block's stream may still run work queued on it before it was freed (unlike
+        // cuMemFree, cuMemUnmap does not wait for the device): wait for every stream that owns
+        // memory first, as PyTorch's expandable segments synchronise their stream.
+        if let Err(e) = self.quiesce(fsdp_device::DEFAULT_TIMEOUT) {
+            tracing::error!("cuMemUnmap: the streams did not finish ({e}); leaking pages");
+            return;
+        }
+        // SAFETY: forwarded from the caller; no work queued before this call still runs.
         unsafe { self.pages.unmap(base, offset, bytes) }
     }
 
@@ -280,6 +288,31 @@ unsafe impl MemorySource for CudaSource {
     }
 
     fn synchronize_event(&self, event: &PooledEvent, timeout: Duration) -> Result<(), AllocError> {
+        self.wait_event(event, timeout)
+    }
+}
+
+impl CudaSource {
+    /// Wait, up to `timeout` in all, for the work queued so far on every stream the source
+    /// holds (each stream that owns memory): an event recorded on each, polled.
+    fn quiesce(&self, timeout: Duration) -> Result<(), AllocError> {
+        let streams: Vec<Arc<CudaStream>> = self
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        let deadline = Instant::now() + timeout;
+        for s in &streams {
+            let event = self.record_event(s)?;
+            self.wait_event(&event, deadline.saturating_duration_since(Instant::now()))?;
+        }
+        Ok(())
+    }
+
+    /// Poll `event` until it completes or `timeout` passes.
+    fn wait_event(&self, event: &PooledEvent, timeout: Duration) -> Result<(), AllocError> {
         // cuEventSynchronize has no timeout: poll, backing off from spinning to short sleeps.
         let start = Instant::now();
         let mut pause = Duration::from_micros(1);

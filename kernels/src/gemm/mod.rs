@@ -58,6 +58,7 @@ unsafe impl Send for Blas {}
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
         // SAFETY: the handle was created in `new` and is destroyed once, here.
         let _ = unsafe { result::destroy_handle(self.handle) };
     }
@@ -148,6 +149,12 @@ impl Blas {
         if g.batch == 0 || g.m == 0 || g.n == 0 {
             return Ok(());
         }
+        // cuBLAS runs in the thread's current context: the stream's (a thread that last
+        // worked on another GPU would launch there).
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| blas_error("cuCtxSetCurrent", e))?;
         let call = g.cublas();
         let int = |v: usize, what: &str| {
             i32::try_from(v).map_err(|_| invalid(format!("{what} = {v} exceeds cuBLAS's 32 bits")))

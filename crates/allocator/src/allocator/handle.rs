@@ -75,8 +75,9 @@ impl<S: MemorySource> Block<S> {
         if key == self.stream {
             return Ok(());
         }
-        self.shared.source.validate_stream(stream)?;
         let mut st = self.shared.lock();
+        // Under the state lock, as in `allocate`.
+        self.shared.source.validate_stream(stream)?;
         let uses = &mut st.blk_mut(self.id).uses;
         if !uses.iter().flat_map(|u| u.iter()).any(|(k, _)| *k == key) {
             let mut v = uses.take().map(Vec::from).unwrap_or_default();

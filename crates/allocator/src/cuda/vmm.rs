@@ -26,6 +26,15 @@ fn check(op: &'static str, r: CUresult) -> Result<(), AllocError> {
     }
 }
 
+/// [`check`], with the device out of memory as [`AllocError::SourceOutOfMemory`] for `bytes`
+/// (which the allocator answers by freeing its cache and retrying).
+fn check_mem(op: &'static str, r: CUresult, bytes: usize) -> Result<(), AllocError> {
+    match r {
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(AllocError::SourceOutOfMemory { bytes }),
+        r => check(op, r),
+    }
+}
+
 fn location(ordinal: usize) -> CUmemLocation {
     CUmemLocation {
         type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -134,10 +143,16 @@ impl Pages {
             // SAFETY: `at` is a granularity-aligned, unmapped chunk of our reserved range (the
             // caller's contract); the handle is a fresh allocation of that size.
             let mapped = unsafe {
-                check("cuMemMap", sys::cuMemMap(at, g as usize, 0, handle, 0)).and_then(|_| {
-                    check(
+                check_mem(
+                    "cuMemMap",
+                    sys::cuMemMap(at, g as usize, 0, handle, 0),
+                    bytes,
+                )
+                .and_then(|_| {
+                    check_mem(
                         "cuMemSetAccess",
                         sys::cuMemSetAccess(at, g as usize, &access, 1),
+                        bytes,
                     )
                 })
             };
