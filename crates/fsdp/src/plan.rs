@@ -344,54 +344,6 @@ pub fn dry_run_engine(
     config: &FsdpConfig,
     optim: &OptimizerConfig,
 ) -> Result<(Fsdp, MetaAllocator), FsdpError> {
-    let (groups, pool) = dry_run_parts(world, config)?;
-    let fsdp = Fsdp::with_parts(
-        groups,
-        Arc::new(pool.clone()),
-        units,
-        ParamInit::Meta,
-        *config,
-        *optim,
-    )?;
-    Ok((fsdp, pool))
-}
-
-/// [`dry_run_engine`] on a device ([`Fsdp::new_on`]): the engine's device path run dry — its
-/// buffers on the device from the returned caching allocator over the meta device, its host
-/// buffers (offloaded shards, host copies) from another — as on a GPU whose work keeps up
-/// with the host. What the device path copies to the host reads as zeros (a norm of 0, finite
-/// losses), and its operations allocate the temporaries the CUDA device's allocate. The
-/// optimizer state is empty, as in every dry run: with the shards on the device, a model's
-/// plan adds it from the layouts.
-///
-/// # Errors
-/// As [`dry_run_engine`].
-pub fn dry_run_engine_on_device(
-    units: &UnitPlan,
-    world: usize,
-    config: &FsdpConfig,
-    optim: &OptimizerConfig,
-) -> Result<(Fsdp, MetaAllocator), FsdpError> {
-    let (groups, host) = dry_run_parts(world, config)?;
-    let device = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
-    let fsdp = Fsdp::with_parts(
-        groups,
-        Arc::new(host),
-        units,
-        ParamInit::Meta,
-        *config,
-        *optim,
-    )?
-    .placed_on(ComputeDevice::dry_run(Arc::new(device.clone())))?;
-    Ok((fsdp, device))
-}
-
-/// Rank 0's process groups of `world` ranks over dry-run communicators (`config`'s mesh) and
-/// a caching allocator over the meta device.
-fn dry_run_parts(
-    world: usize,
-    config: &FsdpConfig,
-) -> Result<(ProcessGroups, MetaAllocator), FsdpError> {
     let bad = |reason: String| FsdpError::InvalidFsdpConfig { reason };
     if world == 0 {
         return Err(bad("the world size must be at least 1".into()));
@@ -418,7 +370,37 @@ fn dry_run_parts(
     };
     let groups = ProcessGroups::with_mesh(Box::new(comm), strategy, mesh);
     let pool = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
-    Ok((groups, pool))
+    let fsdp = Fsdp::with_parts(
+        groups,
+        Arc::new(pool.clone()),
+        units,
+        ParamInit::Meta,
+        *config,
+        *optim,
+    )?;
+    Ok((fsdp, pool))
+}
+
+/// [`dry_run_engine`] on a device ([`Fsdp::new_on`]): the engine's device path run dry — its
+/// buffers on the device from the returned caching allocator over the meta device, its host
+/// buffers (offloaded shards, host copies) from [`dry_run_engine`]'s — as on a GPU whose work
+/// keeps up with the host. What the device path copies to the host reads as zeros (a norm of
+/// 0, finite losses), and its operations allocate the temporaries the CUDA device's allocate.
+/// With the shards on the device the optimizer's moments are placed there at their sizes (the
+/// host state of a dry run stays empty).
+///
+/// # Errors
+/// As [`dry_run_engine`].
+pub fn dry_run_engine_on_device(
+    units: &UnitPlan,
+    world: usize,
+    config: &FsdpConfig,
+    optim: &OptimizerConfig,
+) -> Result<(Fsdp, MetaAllocator), FsdpError> {
+    let (fsdp, _host) = dry_run_engine(units, world, config, optim)?;
+    let device = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
+    let fsdp = fsdp.placed_on(ComputeDevice::dry_run(Arc::new(device.clone())))?;
+    Ok((fsdp, device))
 }
 
 /// Per-unit rows from the engine's layouts and the schedule of its last step.

@@ -347,13 +347,23 @@ impl ComputeDevice {
             return self.cast(&tmp, dst, stream);
         }
         if r == DType::F32 {
-            if self.kind != Kind::Meta {
-                self.delay(stream)?;
-                dst.copy_from_device_async(src, stream)?;
-            }
-            return Ok(());
+            return self.copy(src, dst, stream);
         }
         self.cast(src, dst, stream)
+    }
+
+    /// Copy the device buffer `src` into `dst` (same type and length) on `stream`.
+    pub(crate) fn copy(
+        &self,
+        src: &Buffer,
+        dst: &Buffer,
+        stream: &Stream,
+    ) -> Result<(), FsdpError> {
+        if self.kind != Kind::Meta {
+            self.delay(stream)?;
+            dst.copy_from_device_async(src, stream)?;
+        }
+        Ok(())
     }
 
     /// Cast `src` into `dst` (distinct element types) on `stream`.

@@ -83,11 +83,7 @@ impl ComputeDevice {
             ));
         }
         if replace && x.dtype() == DType::F32 {
-            if self.kind != Kind::Meta {
-                self.delay(stream)?;
-                acc.copy_from_device_async(x, stream)?;
-            }
-            return Ok(());
+            return self.copy(x, acc, stream);
         }
         match self.kind {
             // CUDA's widening copy of a reduced shard that is not f32.

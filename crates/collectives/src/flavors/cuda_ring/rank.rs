@@ -310,13 +310,7 @@ impl Rank {
                 // Its stream no longer reads this rank's memory; `release` must not wait for
                 // this message again.
                 self.next_released = true;
-                let gave_up = format!("rank {next} gave up on collective #{seq}");
-                return Err(DataError::Aborted {
-                    reason: match self.control.aborted() {
-                        Some(reason) => format!("{gave_up}: {reason}"),
-                        None => gave_up,
-                    },
-                });
+                return Err(DataError::gave_up(next, seq, self.control.aborted()));
             }
             Ack::Consumed(s, _) | Ack::Released(s) => {
                 return Err(DataError::Protocol {

@@ -46,6 +46,20 @@ pub(crate) enum DataError {
     Protocol { reason: String },
 }
 
+impl DataError {
+    /// Rank `next` gave up on collective `seq` (its release message came), with the reason the
+    /// group was `aborted` for when there is one.
+    pub(crate) fn gave_up(next: usize, seq: u64, aborted: Option<String>) -> DataError {
+        let gave_up = format!("rank {next} gave up on collective #{seq}");
+        DataError::Aborted {
+            reason: match aborted {
+                Some(reason) => format!("{gave_up}: {reason}"),
+                None => gave_up,
+            },
+        }
+    }
+}
+
 /// How the ranks of a group learn that it was aborted. Shared between the communicator (which
 /// checks it before issuing) and its transport.
 pub(crate) trait Control: Send + Sync {

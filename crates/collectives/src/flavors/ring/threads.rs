@@ -264,13 +264,7 @@ impl Threads {
             };
         }
         self.next_released = true;
-        let gave_up = format!("rank {next} gave up on collective #{seq}");
-        DataError::Aborted {
-            reason: match self.board.aborted() {
-                Some(reason) => format!("{gave_up}: {reason}"),
-                None => gave_up,
-            },
-        }
+        DataError::gave_up(next, seq, self.board.aborted())
     }
 
     /// A free scratch slot (waiting for the successor to release one if needed).

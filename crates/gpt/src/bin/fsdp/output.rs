@@ -223,10 +223,7 @@ pub(crate) fn gather_rank_stats(
         own.activations.recomputations,
     ]
     .map(|v| v as f64);
-    let all = all_gather_f64(comm, &mine).map_err(|e| match e {
-        StatsError::Device(e) => fail(format!("gathering the ranks' statistics: {e}")),
-        StatsError::Collective(e) => e.into(),
-    })?;
+    let all = all_gather_f64(comm, &mine)?;
     Ok(all
         .chunks(mine.len())
         .map(|v| RankReport {
@@ -249,45 +246,28 @@ pub(crate) fn gather_rank_stats(
         .collect())
 }
 
-/// Why the statistics could not be gathered.
-enum StatsError {
-    Device(fsdp_device::DeviceError),
-    Collective(fsdp_collectives::CollectiveError),
-}
-
-impl From<fsdp_device::DeviceError> for StatsError {
-    fn from(e: fsdp_device::DeviceError) -> Self {
-        StatsError::Device(e)
-    }
-}
-
-impl From<fsdp_collectives::CollectiveError> for StatsError {
-    fn from(e: fsdp_collectives::CollectiveError) -> Self {
-        StatsError::Collective(e)
-    }
-}
-
 /// Every rank's `mine`, in rank order, over `comm`: in host memory, or staged through its GPU
 /// when the backend moves buffers on one (NCCL).
-fn all_gather_f64(comm: &dyn Communicator, mine: &[f64]) -> Result<Vec<f64>, StatsError> {
+fn all_gather_f64(comm: &dyn Communicator, mine: &[f64]) -> Result<Vec<f64>, CliError> {
+    let dev = |e: fsdp_device::DeviceError| fail(format!("gathering the ranks' statistics: {e}"));
     let world = comm.world_size();
     let fsdp_device::Device::Cuda(n) = comm.device() else {
-        let host = Buffer::from_slice(mine)?;
-        let output = Buffer::zeros(DType::F64, mine.len() * world)?;
+        let host = Buffer::from_slice(mine).map_err(dev)?;
+        let output = Buffer::zeros(DType::F64, mine.len() * world).map_err(dev)?;
         comm.all_gather_base(&host, &output)?.wait()?;
-        return Ok(output.to_vec::<f64>()?);
+        return output.to_vec::<f64>().map_err(dev);
     };
-    let stream = fsdp_device::Stream::cuda(n, "statistics")?;
-    let pinned = Buffer::pinned_zeros(DType::F64, mine.len())?;
-    pinned.write::<f64>()?.copy_from_slice(mine);
-    let input = Buffer::cuda_zeros(DType::F64, mine.len(), &stream)?;
-    input.copy_from_host_async(&pinned, &stream)?;
-    let output = Buffer::cuda_zeros(DType::F64, mine.len() * world, &stream)?;
+    let stream = fsdp_device::Stream::cuda(n, "statistics").map_err(dev)?;
+    let pinned = Buffer::pinned_zeros(DType::F64, mine.len()).map_err(dev)?;
+    pinned.write::<f64>().map_err(dev)?.copy_from_slice(mine);
+    let input = Buffer::cuda_zeros(DType::F64, mine.len(), &stream).map_err(dev)?;
+    input.copy_from_host_async(&pinned, &stream).map_err(dev)?;
+    let output = Buffer::cuda_zeros(DType::F64, mine.len() * world, &stream).map_err(dev)?;
     comm.all_gather_base(&input, &output)?.wait()?;
-    let back = Buffer::pinned_zeros(DType::F64, mine.len() * world)?;
-    output.copy_to_host_async(&back, &stream)?;
+    let back = Buffer::pinned_zeros(DType::F64, mine.len() * world).map_err(dev)?;
+    output.copy_to_host_async(&back, &stream).map_err(dev)?;
     // The read waits for the copy (the pinned buffer's ticket).
-    Ok(back.to_vec::<f64>()?)
+    back.to_vec::<f64>().map_err(dev)
 }
 
 pub(crate) fn print_summary(
