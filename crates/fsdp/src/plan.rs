@@ -381,13 +381,38 @@ pub fn dry_run_engine(
     Ok((fsdp, pool))
 }
 
+/// What [`dry_run_engine_on_device`] builds: the engine on a dry-run device and its two
+/// caching allocators over the meta device.
+pub struct DeviceDryRun {
+    /// The engine, placed on the dry-run device.
+    pub fsdp: Fsdp,
+    /// The device's allocator: the engine's working set, and its shards, gradient shards and
+    /// optimizer state unless offloaded.
+    pub device: MetaAllocator,
+    /// The host's allocator ([`dry_run_engine`]'s): the shards and gradient shards as the
+    /// engine builds them before it places them (freed to its cache then), and offloaded ones
+    /// throughout. The optimizer state of offloaded shards is plain host memory, outside it
+    /// (and empty in a dry run: [`ParamGroup::optimizer_state_bytes`] of a real run).
+    ///
+    /// [`ParamGroup::optimizer_state_bytes`]: crate::engine::ParamGroup::optimizer_state_bytes
+    pub host: MetaAllocator,
+}
+
+impl fmt::Debug for DeviceDryRun {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceDryRun")
+            .field("units", &self.fsdp.num_units())
+            .finish_non_exhaustive()
+    }
+}
+
 /// [`dry_run_engine`] on a device ([`Fsdp::new_on`]): the engine's device path run dry — its
-/// buffers on the device from the returned caching allocator over the meta device, its host
-/// buffers (offloaded shards, host copies) from [`dry_run_engine`]'s — as on a GPU whose work
-/// keeps up with the host. What the device path copies to the host reads as zeros (a norm of
-/// 0, finite losses), and its operations allocate the temporaries the CUDA device's allocate.
-/// With the shards on the device the optimizer's moments are placed there at their sizes (the
-/// host state of a dry run stays empty).
+/// buffers on the device from a caching allocator over the meta device, its host buffers
+/// (shards before they are placed, offloaded shards, host copies) from [`dry_run_engine`]'s —
+/// as on a GPU whose work keeps up with the host. What the device path copies to the host
+/// reads as zeros (a norm of 0, finite losses), and its operations allocate the temporaries
+/// the CUDA device's allocate. With the shards on the device the optimizer's moments are
+/// placed there at their sizes (the host state of a dry run stays empty).
 ///
 /// # Errors
 /// As [`dry_run_engine`].
@@ -396,11 +421,11 @@ pub fn dry_run_engine_on_device(
     world: usize,
     config: &FsdpConfig,
     optim: &OptimizerConfig,
-) -> Result<(Fsdp, MetaAllocator), FsdpError> {
-    let (fsdp, _host) = dry_run_engine(units, world, config, optim)?;
+) -> Result<DeviceDryRun, FsdpError> {
+    let (fsdp, host) = dry_run_engine(units, world, config, optim)?;
     let device = MetaAllocator::new(MetaSource::new(config.memory_capacity), config.allocator)?;
     let fsdp = fsdp.placed_on(ComputeDevice::dry_run(Arc::new(device.clone())))?;
-    Ok((fsdp, device))
+    Ok(DeviceDryRun { fsdp, device, host })
 }
 
 /// Per-unit rows from the engine's layouts and the schedule of its last step.

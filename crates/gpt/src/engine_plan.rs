@@ -18,6 +18,11 @@
 //! `record_stream`), so a device that runs behind the host holds a reduction's input beyond
 //! the moment the plan frees it: at most the largest unit's unsharded gradient more
 //! ([`EngineMemoryPlan::lag_margin`]). The host twins show both (`tests/engine_plan.rs`).
+//!
+//! The same dry run gives the rank's host memory ([`EngineMemoryPlan::host_peak`]): the
+//! engine's host caching allocator's reserved peak and the optimizer state, which the engine
+//! builds on the host before it places them, exactly the host twins' (`fsdp train --engine`
+//! admits the host on it).
 
 use fsdp::engine::FsdpConfig;
 use fsdp::optim::OptimizerConfig;
@@ -71,6 +76,9 @@ pub struct EngineMemoryPlan {
     pub peak_allocated: u64,
     /// The peak of the engine's buffers alone (the host twin's allocator).
     pub engine_peak: u64,
+    /// The peak of the segments of the engine's buffers alone: the bytes the host twin's
+    /// caching allocator reserves (one pool per stream, segments rounded up).
+    pub engine_reserved: u64,
     /// The peak of the kernels' buffers alone (their operations' count).
     pub activations_peak: u64,
     /// The shards and gradient shards, held throughout.
@@ -81,12 +89,21 @@ pub struct EngineMemoryPlan {
     /// unsharded gradient (a reduction's input is returned to the allocator once the device
     /// has run the reduction, not when the host lets it go; the plan frees it then).
     pub lag_margin: u64,
+    /// The host memory of the rank's engine at its peak: its host caching allocator's reserved
+    /// peak (the shards and gradient shards as built before they are placed, kept in its
+    /// cache; offloaded ones throughout) and the optimizer state, built in host memory (then
+    /// placed on the device and freed there, unless offloaded). Not counted: the pinned
+    /// staging of the device's copies, and on the host twin its device's memory and the
+    /// kernels' buffers (the other figures).
+    pub host_peak: u64,
 }
 
 /// What one dry run measured.
 struct DryRun {
     /// The allocator's peak.
     peak: u64,
+    /// The allocator's reserved peak.
+    reserved: u64,
     /// The kernels' count's peak.
     activations: u64,
     /// The shards and gradient shards.
@@ -95,6 +112,8 @@ struct DryRun {
     optimizer_state: u64,
     /// The largest unit's unsharded gradient, as the allocator rounds it.
     largest_gradient: u64,
+    /// The host's peak (see [`EngineMemoryPlan::host_peak`]).
+    host: u64,
 }
 
 /// Plan `run`'s device memory.
@@ -107,26 +126,34 @@ pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, D
     Ok(EngineMemoryPlan {
         peak_allocated: together.peak,
         engine_peak: engine_alone.peak,
+        engine_reserved: engine_alone.reserved,
         activations_peak: together.activations,
         sharded_state: together.sharded,
         optimizer_state: together.optimizer_state,
         lag_margin: together.largest_gradient,
+        host_peak: together.host,
     })
 }
 
 /// Two steps of the GPT on the engine's device path run dry (`train_step`, as `fsdp train`
 /// runs them), the kernels' buffers in the device's allocator when `together`.
 fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrainError> {
-    let (fsdp, alloc) =
-        fsdp::plan::dry_run_engine_on_device(run.units, run.world, &run.config, &run.optim)?;
-    // The optimizer's state, on the device unless offloaded (placed by the engine).
+    let fsdp::plan::DeviceDryRun {
+        fsdp,
+        device: alloc,
+        host,
+    } = fsdp::plan::dry_run_engine_on_device(run.units, run.world, &run.config, &run.optim)?;
+    // The optimizer's state, built in host memory: then on the device (placed by the engine),
+    // or still in host memory with offloaded shards.
+    let host_state: u64 = fsdp
+        .param_groups()
+        .iter()
+        .map(|g| (g.layout().shard_numel() * run.optim.state_bytes_per_element()) as u64)
+        .sum();
     let optimizer_state = if run.config.offload_params {
         0
     } else {
-        fsdp.param_groups()
-            .iter()
-            .map(|g| (g.layout().shard_numel() * run.optim.state_bytes_per_element()) as u64)
-            .sum()
+        host_state
     };
     // The shards and gradient shards on the device (none offloaded).
     let sharded = alloc.memory_stats().allocated_bytes.all.current - optimizer_state;
@@ -167,13 +194,20 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
     if let Some(Err(e)) = gpt.pass().ops().memory_counter().mirror_stats() {
         return Err(meta(e));
     }
-    let peak = alloc.memory_stats().allocated_bytes.all.peak;
+    let stats = alloc.memory_stats();
+    let (peak, reserved) = (
+        stats.allocated_bytes.all.peak,
+        stats.reserved_bytes.all.peak,
+    );
     let activations = gpt.pass().ops().memory().peak;
+    let host = host.memory_stats().reserved_bytes.all.peak + host_state;
     Ok(DryRun {
         peak,
+        reserved,
         activations,
         sharded,
         optimizer_state,
         largest_gradient,
+        host,
     })
 }

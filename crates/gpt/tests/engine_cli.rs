@@ -427,6 +427,74 @@ fn the_plan_predicts_the_devices_memory() {
     );
 }
 
+/// The host is admitted on the plan's host figures: `fsdp plan --engine` prints each rank's
+/// host memory (its figure checked against the host twins' by `tests/engine_plan.rs`); on the
+/// host twin, whose device memory is the host's, `--memory-limit` bounds both. A limit of one
+/// rank's host memory admits the device (two ranks' device peaks fit) but not the host; the
+/// refusal names what it needs, in bytes, at least both ranks' host memory and the corpus; a
+/// run with exactly that limit is admitted, and one byte less is refused.
+#[test]
+fn the_host_is_admitted_on_the_plans_host_figures() {
+    let config = ["--batch-size", "8", "--param-dtype", "f32", "--ranks", "2"];
+    let mut plan = vec!["plan"];
+    plan.extend(small_train_args(&config, &["--device", "host-twin", "--engine"])[1..].iter());
+    plan.push("--cpu-offload");
+    let p = ok(&fsdp(&plan), "plan");
+    let line = p
+        .lines()
+        .find(|l| l.starts_with("host memory per rank:"))
+        .unwrap_or_else(|| panic!("{p}"));
+    let host_peak = number_before(line, " bytes)");
+    let twin = [
+        "--device",
+        "host-twin",
+        "--engine",
+        "--cpu-offload",
+        "--steps",
+        "1",
+    ];
+    let with_limit = |limit: u64| {
+        let limit = limit.to_string();
+        let mut a: Vec<String> = small_train_args(&config, &twin)
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        a.extend(["--memory-limit".to_string(), limit]);
+        fsdp(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let refused = one_error_status_1(
+        &with_limit(host_peak),
+        &[
+            "--engine: not enough host memory",
+            "2 ranks as threads of this process",
+            "offloaded ones throughout",
+            "--memory-limit",
+        ],
+    );
+    let needed = number_before(&refused, " bytes) for");
+    // The synthetic corpus: 200 000 tokens of 2 bytes.
+    assert!(needed >= 2 * host_peak + 400_000, "{refused}");
+    ok(&with_limit(needed), "the limit of the host's need");
+    one_error_status_1(
+        &with_limit(needed - 1),
+        &["--engine: not enough host memory"],
+    );
+}
+
+/// The number that ends right before `end` in `text`.
+fn number_before(text: &str, end: &str) -> u64 {
+    let at = text
+        .find(end)
+        .unwrap_or_else(|| panic!("{end:?} in {text}"));
+    let digits = text[..at]
+        .rsplit(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap_or_default();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("{end:?} in {text}"))
+}
+
 /// The figures of `fsdp train --engine`'s line on rank 0's device memory: the engine's peak,
 /// its predicted range, the kernels' count and its prediction.
 fn memory_line(out: &str) -> [u64; 5] {

@@ -43,8 +43,10 @@ fn case(world: usize, strategy: ShardingStrategy) -> Case {
     }
 }
 
-/// Rank 0's measured peaks over 3 clipped steps: the engine's allocator, the kernels' count.
-fn measured(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> (u64, u64) {
+/// Rank 0's measured peaks over 3 clipped steps: the engine's allocator (allocated and
+/// reserved), the kernels' count, the host's (the engine's host allocator's reserved peak and
+/// the optimizer state).
+fn measured(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> Measured {
     let units = gpt_block_plan(&s.cfg);
     let world = c.world;
     let mut out = ring::run_ranks(world, ring_options(), |comm| {
@@ -69,7 +71,18 @@ fn measured(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> (u64, u64) {
         gpt.flush_steps().unwrap();
         gpt.synchronize().unwrap();
         let dev = gpt.compute_device().unwrap().memory_stats();
-        (dev.allocated_bytes.all.peak, gpt.pass().ops().memory().peak)
+        let state: usize = gpt
+            .param_groups()
+            .iter()
+            .map(|g| g.optimizer_state_bytes())
+            .sum();
+        let host = gpt.memory_stats().reserved_bytes.all.peak + state as u64;
+        Measured {
+            engine: dev.allocated_bytes.all.peak,
+            reserved: dev.reserved_bytes.all.peak,
+            activations: gpt.pass().ops().memory().peak,
+            host,
+        }
     })
     .unwrap();
     out.swap_remove(0)
@@ -95,10 +108,32 @@ fn plan(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> EngineMemoryPlan {
     .unwrap()
 }
 
-/// The kernels' measured buffers exactly the plan's; the engine's from the plan (the device
-/// keeping up with the host) to one unit's gradient more (the device behind it).
-fn assert_within_plan(p: &EngineMemoryPlan, (engine, activations): (u64, u64), what: &str) {
+/// What [`measured`] measures.
+#[derive(Clone, Copy, Debug)]
+struct Measured {
+    engine: u64,
+    reserved: u64,
+    activations: u64,
+    host: u64,
+}
+
+/// The kernels' measured buffers and the host's exactly the plan's; the engine's from the plan
+/// (the device keeping up with the host) to one unit's gradient more (the device behind it).
+fn assert_within_plan(p: &EngineMemoryPlan, m: Measured, what: &str) {
+    let Measured {
+        engine,
+        reserved,
+        activations,
+        host,
+    } = m;
     assert_eq!(activations, p.activations_peak, "{what}");
+    assert_eq!(host, p.host_peak, "{what}: the host's peak");
+    assert!(
+        reserved >= p.engine_reserved && reserved <= p.engine_reserved + p.lag_margin,
+        "{what}: reserved {reserved}, planned {} + {}",
+        p.engine_reserved,
+        p.lag_margin
+    );
     assert!(
         engine >= p.engine_peak && engine <= p.engine_peak + p.lag_margin,
         "{what}: measured {engine}, planned {} + {}",
@@ -130,10 +165,10 @@ fn the_plan_is_the_host_twins_count() {
         bf16,
     ] {
         let p = plan(&s, c);
-        let (engine, activations) = measured(&s, c);
-        println!("{c:?}: {p:?}; measured {engine}, {activations}");
-        assert_within_plan(&p, (engine, activations), &format!("{c:?}"));
-        exact += usize::from(engine == p.engine_peak);
+        let m = measured(&s, c);
+        println!("{c:?}: {p:?}; measured {m:?}");
+        assert_within_plan(&p, m, &format!("{c:?}"));
+        exact += usize::from(m.engine == p.engine_peak && m.reserved == p.engine_reserved);
         // Together in one allocator (the kernels' buffers rounded to its blocks): above each.
         assert!(
             p.peak_allocated > p.engine_peak.max(p.activations_peak),
@@ -153,14 +188,14 @@ fn the_plan_of_offloaded_shards_is_the_host_twins_count() {
         let mut c = case(world, ShardingStrategy::FullShard);
         c.config.offload_params = true;
         let p = plan(&s, c);
-        let (engine, activations) = measured(&s, c);
-        println!("offloaded, world {world}: {p:?}; measured {engine}, {activations}");
+        let m = measured(&s, c);
+        println!("offloaded, world {world}: {p:?}; measured {m:?}");
         assert_eq!(
             (p.sharded_state, p.optimizer_state),
             (0, 0),
             "world {world}"
         );
-        assert_within_plan(&p, (engine, activations), &format!("world {world}"));
+        assert_within_plan(&p, m, &format!("world {world}"));
         // Below the plan of the same run with the shards on the device.
         let mut resident = c;
         resident.config.offload_params = false;

@@ -97,7 +97,7 @@ pub(crate) enum Sharing<'a> {
 impl Sharing<'_> {
     /// A refusal: under [`Sharing::Host`] the line names the rank (each rank of the host says
     /// it).
-    fn refuse(self, msg: String) -> CliError {
+    pub(crate) fn refuse(self, msg: String) -> CliError {
         match self {
             Sharing::Host(h) => fail(format!("rank {}: {msg}", h.env().rank)),
             _ => fail(msg),
@@ -106,7 +106,7 @@ impl Sharing<'_> {
 
     /// The ranks whose memory this process predicts, and how to name them (under
     /// [`Sharing::Host`], this rank alone: the host's sum comes from the store).
-    fn ranks(self, world: usize) -> (usize, String) {
+    pub(crate) fn ranks(self, world: usize) -> (usize, String) {
         match self {
             Sharing::Host(h) => (1, format!("rank {}", h.env().rank)),
             Sharing::Threads => (
@@ -220,7 +220,7 @@ impl ProcessData {
     }
 
     /// The bytes of one process holding `ranks` ranks.
-    fn bytes(&self, ranks: usize) -> Option<u64> {
+    pub(crate) fn bytes(&self, ranks: usize) -> Option<u64> {
         self.corpus
             .checked_add(self.checkpoint)?
             .checked_add(self.save_per_rank.checked_mul(ranks as u64)?)

@@ -6,9 +6,11 @@
 use fsdp::human_bytes;
 use fsdp_gpt::engine_plan::{plan_engine_memory, EngineMemoryPlan, EnginePlanRun};
 
+use crate::admission::{self, overflow, ProcessData, Sharing};
 use crate::args::{ModelArgs, OptimizerArgs, PlanArgs, TrainArgs};
 use crate::device_cmd::{cuda_stream, free_memory, host_products};
 use crate::engine_cmd::{engine_config, EngineDevice};
+use crate::host_admission::PLAN;
 use crate::optimizer::plan_optimizer;
 use crate::say;
 use crate::setup::{micro_batch, setup, DEFAULT_RANKS};
@@ -86,8 +88,9 @@ pub(crate) fn print_engine_plan(args: &PlanArgs) -> Result<(), CliError> {
     let p = engine_memory(&a)?;
     let cfg = setup(&args.model, world, false)?.cfg;
     say!(
-        "fsdp plan: {world} ranks on {} through the engine, {}, GPT {} layers × {} heads × {} \
+        "fsdp plan: {world} rank{} on {} through the engine, {}, GPT {} layers × {} heads × {} \
          wide, batch {} × {} tokens{}",
+        if world == 1 { "" } else { "s" },
         args.device,
         crate::args::strategy_name(args.model.strategy),
         cfg.n_layer,
@@ -120,6 +123,28 @@ pub(crate) fn print_engine_plan(args: &PlanArgs) -> Result<(), CliError> {
     if dev == EngineDevice::HostTwin {
         say!("(on the host twin the kernels' buffers are the twins' own, counted apart)");
     }
+    say!(
+        "host memory per rank: {} ({} bytes) at its peak: the engine's host caching allocator \
+         (the shards and gradient shards as built before they are placed, {}) and the optimizer \
+         state {}{}",
+        human_bytes(p.host_peak),
+        p.host_peak,
+        if args.cpu_offload {
+            "offloaded ones throughout"
+        } else {
+            "kept in its cache"
+        },
+        if args.cpu_offload {
+            "(offloaded)"
+        } else {
+            "(built there, then placed on the device)"
+        },
+        if dev == EngineDevice::HostTwin {
+            "; the host twin's device memory besides"
+        } else {
+            ""
+        }
+    );
     if let Some(limit) = args.memory_limit {
         let top = p.peak_allocated + p.lag_margin;
         let verdict = if top <= limit {
@@ -164,8 +189,9 @@ pub(crate) fn measured_line(
 
 /// Admission of `fsdp train --engine` on its device: the plan's peak with its margin, times
 /// the ranks sharing the device (threads on one GPU; a process has its own), against
-/// `--memory-limit`, else the GPU's free memory (the host twin: none to check). Returns the
-/// plan for the run's summary.
+/// `--memory-limit`, else the GPU's free memory (the host twin: its memory is the host's, which
+/// [`admit_host`] checks); then on the host ([`admit_host`]). Returns the plan for the run's
+/// summary.
 ///
 /// # Errors
 /// A run that does not fit, with both figures; invalid options.
@@ -174,6 +200,8 @@ pub(crate) fn admit(
     dev: EngineDevice,
     world: usize,
     mode: &Mode,
+    sharing: Sharing<'_>,
+    data: &ProcessData,
 ) -> Result<EngineMemoryPlan, CliError> {
     let plan = engine_memory(&EnginePlanArgs {
         dev,
@@ -189,20 +217,17 @@ pub(crate) fn admit(
         Mode::Threads(n) => *n,
         Mode::Process { .. } => 1,
     };
-    let (available, what) = match (args.memory_limit, dev) {
-        (Some(limit), _) => (limit, "--memory-limit"),
+    let device = match (args.memory_limit, dev) {
+        (Some(limit), _) => Some((limit, "--memory-limit")),
         (None, EngineDevice::Cuda(n)) => {
             let stream = cuda_stream(args, n, "admission", "--engine")?;
-            match free_memory(&stream) {
-                Some(free) => (free, "free on the device"),
-                None => return Ok(plan),
-            }
+            free_memory(&stream).map(|free| (free, "free on the device"))
         }
-        (None, EngineDevice::HostTwin) => return Ok(plan),
+        (None, EngineDevice::HostTwin) => None,
     };
     let each = plan.peak_allocated.saturating_add(plan.lag_margin);
     let needed = each.saturating_mul(ranks as u64);
-    if needed > available {
+    if let Some((available, what)) = device.filter(|&(a, _)| needed > a) {
         let d = args.device;
         return Err(fail(format!(
             "--device {d} --engine: the run needs {} of device memory at its peak ({ranks} \
@@ -215,5 +240,79 @@ pub(crate) fn admit(
             human_bytes(available)
         )));
     }
+    admit_host(args, dev, &plan, world, sharing, data)?;
     Ok(plan)
+}
+
+/// Admission of `fsdp train --engine` on the host: each rank's engine's host memory
+/// ([`EngineMemoryPlan::host_peak`]; on the host twin its device's memory too: the segments
+/// of the engine's buffers at their peak with the margin, and the kernels' buffers, counted
+/// apart), times the ranks sharing the host (under a
+/// launcher added up through the store), and the process's data (`data`: the corpus,
+/// checkpoints, `--save`'s gathered parameters), against the host's memory: `--memory-limit`
+/// on the host twin, whose device memory is the host's; on CUDA, where `--memory-limit` bounds
+/// the device, the host's available memory.
+///
+/// # Errors
+/// A run that does not fit, with the figures; an overflow.
+fn admit_host(
+    args: &TrainArgs,
+    dev: EngineDevice,
+    plan: &EngineMemoryPlan,
+    world: usize,
+    sharing: Sharing<'_>,
+    data: &ProcessData,
+) -> Result<(), CliError> {
+    let twin = match dev {
+        EngineDevice::HostTwin => plan
+            .engine_reserved
+            .checked_add(plan.lag_margin)
+            .and_then(|b| b.checked_add(plan.activations_peak)),
+        EngineDevice::Cuda(_) => Some(0),
+    };
+    let each = twin
+        .and_then(|t| t.checked_add(plan.host_peak))
+        .ok_or_else(|| overflow("the engine's host memory"))?;
+    let (ranks, who) = sharing.ranks(world);
+    let own = each
+        .checked_mul(ranks as u64)
+        .and_then(|b| b.checked_add(data.bytes(ranks)?))
+        .ok_or_else(|| overflow("the ranks' host memory"))?;
+    let limit = match dev {
+        EngineDevice::HostTwin => args.memory_limit,
+        EngineDevice::Cuda(_) => None,
+    };
+    let (total, available, who) = match sharing {
+        Sharing::Host(h) => {
+            let shares = h.exchange(PLAN, own, admission::available(limit))?;
+            let (total, available) = h.add_up(&shares)?;
+            (total, available, h.who())
+        }
+        _ => (own, admission::available(limit), who),
+    };
+    let Some(available) = available.filter(|a| total > a.bytes) else {
+        return Ok(());
+    };
+    let d = args.device;
+    let twin = match dev {
+        EngineDevice::HostTwin => format!(
+            "; the host twin's device memory {} (the segments of the engine's buffers at their \
+             peak with the margin, and the kernels' buffers)",
+            human_bytes(each - plan.host_peak)
+        ),
+        EngineDevice::Cuda(_) => String::new(),
+    };
+    Err(sharing.refuse(format!(
+        "--device {d} --engine: not enough host memory: the run needs {} ({total} bytes) for \
+         {who}, available {} ({} bytes, {}). Each rank: its engine's host memory {} (the shards \
+         and gradient shards as built before they are placed, offloaded ones throughout, and the \
+         optimizer state: fsdp plan --device {d} --engine){twin}. The process: the data {}. \
+         Fewer ranks on this host or a smaller model need less",
+        human_bytes(total),
+        human_bytes(available.bytes),
+        available.bytes,
+        available.source,
+        human_bytes(plan.host_peak),
+        human_bytes(data.bytes(ranks).unwrap_or(u64::MAX)),
+    )))
 }

@@ -144,11 +144,13 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
         (Mode::Process { .. }, Some(h)) => Sharing::Host(h),
         (Mode::Process { .. }, None) => Sharing::Launched,
     };
-    // The engine on a device is admitted on its device plan (the host holds little of it); the
-    // others on the host engine's plan against the host's memory.
+    // The engine on a device is admitted on its device plan, and on the host on the same
+    // plan's host figures; the others on the host engine's plan against the host's memory.
     let on_device_plan = |a: Admitted| -> Result<(Admitted, Option<EngineMemoryPlan>), CliError> {
         let plan = match engine_device {
-            Some(dev) => Some(crate::engine_plan_cmd::admit(args, dev, world, &mode)?),
+            Some(dev) => Some(crate::engine_plan_cmd::admit(
+                args, dev, world, &mode, sharing, &a.data,
+            )?),
             None => None,
         };
         Ok((a, plan))
@@ -172,6 +174,7 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
             micro,
             global_tokens,
             capacity,
+            ..
         },
         engine_plan,
     ) = admitted?;

@@ -64,14 +64,15 @@ fn load_checkpoint(path: &Path, cfg: &GptConfig) -> Result<HashMap<String, Vec<f
 }
 
 /// What [`admit_run`] gives: the model, FSDP configuration and unit plan, the optimizer, the
-/// rows of a micro-batch (all ranks), the tokens of a step (all ranks) and each rank's
-/// allocator capacity.
+/// rows of a micro-batch (all ranks), the tokens of a step (all ranks), each rank's
+/// allocator capacity and the data the process holds besides the ranks' memory.
 pub(crate) struct Admitted {
     pub(crate) setup: Setup,
     pub(crate) optim: OptimizerConfig,
     pub(crate) micro: usize,
     pub(crate) global_tokens: usize,
     pub(crate) capacity: usize,
+    pub(crate) data: ProcessData,
 }
 
 /// The checks of the sizes that come before any allocation, ending with the memory admission
@@ -120,8 +121,8 @@ pub(crate) fn admit_run(
         resumed.then_some(&optim),
         args.save.is_some(),
     )?;
-    // The engine on a device is admitted on its device plan (`engine_plan_cmd::admit`): each
-    // rank's allocators (its host one, which holds the shards until they are placed and
+    // The engine on a device is admitted on its device plan and the host on its host figures
+    // (`engine_plan_cmd::admit`, with this data): each rank's allocators (its host one, which holds the shards until they are placed and
     // offloaded ones; the host twin's device) take an equal share of the memory available.
     let capacity = if on_device {
         let ranks = match sharing {
@@ -151,6 +152,7 @@ pub(crate) fn admit_run(
         micro,
         global_tokens,
         capacity,
+        data,
     })
 }
 
