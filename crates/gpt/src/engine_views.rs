@@ -3,11 +3,12 @@
 //! CUDA ([`CudaOps`], without copies) and by a plan's meta operations ([`MetaOps`], lengths
 //! only). [`crate::engine_gpt`] runs the GPT's pass over them.
 
-use fsdp::engine::{copy_from_host_f32, copy_from_host_f64, copy_to_host_f32};
+use fsdp::engine::{copy_from_host_f32, copy_from_host_f64, copy_to_host_f32, ComputeDevice};
 use fsdp::{FsdpError, Grads, Params};
 use fsdp_device::{AccessMode, Buffer, Stream};
-use fsdp_kernels::gpt::{CudaOps, GptOps, HostBuf, HostOps, MetaOps};
+use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptOps, HostBuf, HostOps, MetaOps, Products};
 use fsdp_kernels::host::{step_scalars_len, STEP_LOSS};
+use fsdp_kernels::KernelError;
 
 use crate::device_config::DeviceTrainError;
 
@@ -172,6 +173,30 @@ impl EngineViews for HostOps {
     }
 }
 
+/// The GPT's CUDA operations for the engine on `device` (a CUDA [`ComputeDevice`]): on its
+/// compute stream, where CUDA's [`EngineViews`] read the engine's buffers in place, with
+/// `products`, their buffers from the engine's caching allocator — one pool and one set of
+/// statistics for the engine's buffers and the kernels' (what `fsdp train --engine` and
+/// `gpt-device-bench --engine` run).
+///
+/// # Errors
+/// A device without a CUDA caching allocator (the host twin, a dry run); the kernels failing
+/// to load.
+pub fn cuda_ops_on(
+    device: &ComputeDevice,
+    products: Products,
+) -> Result<CudaOps, DeviceTrainError> {
+    let memory = device
+        .cuda_allocator()
+        .cloned()
+        .map(CudaMemory::Caching)
+        .ok_or_else(|| KernelError::InvalidArgument {
+            kernel: "gpt",
+            reason: format!("{} has no CUDA caching allocator", device.device()),
+        })?;
+    Ok(CudaOps::with_memory(device.compute_stream().clone(), memory)?.with_products(products))
+}
+
 /// CUDA sees the engine's buffers in place ([`CudaOps::view`]): the operations must run on
 /// the engine's compute stream, and the engine must keep its unsharded parameters in `f32`
 /// (`param_dtype` f32; bf16 products round them as they read them).
@@ -300,4 +325,21 @@ fn check_cuda_view(
         return Err(wrong_length(name, got, want));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engine's CUDA operations need the engine's CUDA caching allocator: on the host twin
+    /// of a device, a named refusal (before any CUDA library is loaded).
+    #[test]
+    fn cuda_ops_on_a_device_without_a_cuda_allocator_is_refused() {
+        let twin = ComputeDevice::host_twin(1 << 20, Default::default()).unwrap();
+        let Err(e) = cuda_ops_on(&twin, Products::F32) else {
+            panic!("CUDA operations on the host twin");
+        };
+        let e = e.to_string();
+        assert!(e.contains("has no CUDA caching allocator"), "{e}");
+    }
 }

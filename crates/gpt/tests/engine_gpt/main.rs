@@ -17,11 +17,11 @@ use fsdp_collectives::{ring, Communicator};
 use fsdp_device::DType;
 use fsdp_gpt::data::{get_batch, Batch};
 use fsdp_gpt::engine_gpt::EngineGpt;
-use fsdp_gpt::engine_views::EngineViews;
+use fsdp_gpt::engine_views::{cuda_ops_on, EngineViews};
 use fsdp_gpt::model::BatchShape;
 use fsdp_gpt::runtime::{FsdpConfig, ShardingStrategy};
 use fsdp_gpt::tree::gpt_block_plan;
-use fsdp_kernels::gpt::{CudaOps, DeviceGpt, GptPass, HostOps};
+use fsdp_kernels::gpt::{DeviceGpt, GptPass, HostOps, Products};
 
 use common::training::{rank0_on, ring_options, Place, Setup};
 
@@ -157,8 +157,8 @@ trait RankBody: Sync {
 }
 
 /// Rank 0's `body` of `world` ranks with `o`, the engine's buffers in `place`: on GPU 0 over
-/// the CUDA ring with `CudaOps`, else over the ring with the host twins (on the host twin of a
-/// device with 1 ms of latency per operation, or on the host).
+/// the CUDA ring with `CudaOps` (`cuda_ops_on`), else over the ring with the host twins (on
+/// the host twin of a device with 1 ms of latency per operation, or on the host).
 fn on_place<B: RankBody>(
     s: &Setup<impl Copy + Into<OptimizerConfig> + Sync>,
     world: usize,
@@ -169,12 +169,10 @@ fn on_place<B: RankBody>(
     rank0_on(place, world, |comm, dev| {
         let engine = engine(s, comm, dev, o);
         if place == Place::Gpu {
-            let stream = engine
-                .compute_device()
-                .expect("on GPU 0")
-                .compute_stream()
-                .clone();
-            body.run(engine, CudaOps::new(stream).unwrap())
+            // As `fsdp train --engine`: the kernels' buffers from the engine's allocator.
+            let dev = engine.compute_device().expect("on GPU 0");
+            let ops = cuda_ops_on(dev, Products::F32).unwrap();
+            body.run(engine, ops)
         } else {
             body.run(engine, HostOps::new())
         }

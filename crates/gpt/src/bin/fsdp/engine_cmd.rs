@@ -14,9 +14,9 @@ use fsdp_collectives::{cuda_ring, ring, Backend, Communicator, LaunchEnv};
 use fsdp_device::DType;
 use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_gpt::engine_gpt::{EngineGpt, GptOnEngine};
-use fsdp_gpt::engine_views::EngineViews;
+use fsdp_gpt::engine_views::{cuda_ops_on, EngineViews};
 use fsdp_gpt::model::GptConfig;
-use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptPass, HostOps};
+use fsdp_kernels::gpt::{GptPass, HostOps};
 
 use crate::args::{DeviceArg, ModelArgs, OptimizerKind, TrainArgs, TrainBackend};
 use crate::device_cmd::{cuda_ordinal, host_products, products};
@@ -219,14 +219,7 @@ pub(crate) fn engine_model(
                 .map_err(|e| on_rank(e.to_string()))?;
             // The activations from the engine's own caching allocator: one pool, one set of
             // statistics.
-            let memory = device
-                .cuda_allocator()
-                .cloned()
-                .map(CudaMemory::Caching)
-                .ok_or_else(|| on_rank("no caching allocator".into()))?;
-            let ops = CudaOps::with_memory(device.compute_stream().clone(), memory)
-                .map_err(|e| on_rank(e.to_string()))?
-                .with_products(products(dtype));
+            let ops = cuda_ops_on(&device, products(dtype)).map_err(|e| on_rank(e.to_string()))?;
             build(device, ops, comm, init, run)
         }
         EngineDevice::HostTwin => {

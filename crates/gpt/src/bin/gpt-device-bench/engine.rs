@@ -11,9 +11,9 @@ use fsdp_gpt::data::synthetic_corpus;
 use fsdp_gpt::device_bench::{time_engine_steps, StepTimes};
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig};
 use fsdp_gpt::engine_gpt::EngineGpt;
-use fsdp_gpt::engine_views::EngineViews;
+use fsdp_gpt::engine_views::{cuda_ops_on, EngineViews};
 use fsdp_gpt::tree::gpt_block_plan;
-use fsdp_kernels::gpt::{CudaMemory, CudaOps, GptPass, HostOps, HostProducts, Products};
+use fsdp_kernels::gpt::{GptPass, HostOps, HostProducts, Products};
 
 use crate::Args;
 
@@ -71,14 +71,7 @@ pub(crate) fn run_engine(
                     .map_err(|e| e.to_string())?
                     .0;
                 let dev = ComputeDevice::cuda(n, alloc).map_err(|e| e.to_string())?;
-                let memory = dev
-                    .cuda_allocator()
-                    .cloned()
-                    .map(CudaMemory::Caching)
-                    .ok_or("no caching allocator on the device")?;
-                let cuda = CudaOps::with_memory(dev.compute_stream().clone(), memory)
-                    .map_err(|e| e.to_string())?
-                    .with_products(ops.0);
+                let cuda = cuda_ops_on(&dev, ops.0).map_err(|e| e.to_string())?;
                 let times = engine_times(Box::new(comm), dev.clone(), cuda, config, args);
                 // The next model starts from an empty cache.
                 if let Some(a) = dev.cuda_allocator() {
