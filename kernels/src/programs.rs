@@ -12,7 +12,8 @@ const COMMON: &str = include_str!("cu/common.cuh");
 /// [`Program::Nn`], `nn.cu` followed by `nn_softmax.cu` and `nn_embed_heads.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Program {
-    /// `cast_<src>_<dst>` between f32, bf16 and f16.
+    /// `cast_<src>_<dst>` between f32, bf16 and f16 (and `cast_f32_bf16_x4`, four elements a
+    /// thread).
     Cast,
     /// `axpby_<dtype>`, `div_scalar_<dtype>`, `scale_by_f32`, `unscale_by_f32`,
     /// `memset_b{16,32,64}`, `gather_segments` and `zero_segments`.
@@ -97,6 +98,7 @@ impl Program {
                 "cast_f16_f32",
                 "cast_bf16_f16",
                 "cast_f16_bf16",
+                "cast_f32_bf16_x4",
             ]),
             Program::Elementwise => s(&[
                 "axpby_f32",
@@ -173,6 +175,7 @@ impl Program {
                 "embedding_backward_tokens_grouped_f32",
                 "embedding_backward_positions_f32",
                 "bias_grad_f32",
+                "column_chunks_add_f32",
                 "bias_add_f32",
                 "heads_split_f32",
                 "heads_split_bf16",

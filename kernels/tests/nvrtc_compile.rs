@@ -26,10 +26,20 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             let ptx = compile_ptx(program, arch).unwrap_or_else(|e| panic!("{e}"));
             let target = format!(".target sm_{}", &arch["compute_".len()..]);
             assert!(ptx.contains(&target), "{}: no `{target}`", program.name());
-            for kernel in program.kernels() {
+            let kernels = program.kernels();
+            for kernel in &kernels {
                 assert!(
                     ptx.contains(&format!(".entry {kernel}(")),
                     "{} for {arch}: no kernel `{kernel}`",
+                    program.name()
+                );
+            }
+            // And the list is whole: the emulator's registry (`tests/common/emulator.rs`) is it.
+            for entry in ptx.split(".entry ").skip(1) {
+                let name = entry.split('(').next().unwrap_or_default().trim();
+                assert!(
+                    kernels.iter().any(|k| k == name),
+                    "{} for {arch}: kernel `{name}` missing from Program::kernels",
                     program.name()
                 );
             }

@@ -6,6 +6,7 @@
 //! `gpu_attention.rs` and `attention_emulated.rs`. Each test uses what it needs.
 #![allow(dead_code)]
 
+pub mod emulator;
 pub mod flash;
 
 use std::collections::HashMap;

@@ -1,8 +1,9 @@
-// Just enough of CUDA to compile fsdp-kernels' fused attention (src/cu/attention.cu, with
-// src/cu/common.cuh) as C++ and run a kernel's block as host threads: one std::thread per CUDA
-// thread, __syncthreads a barrier of the block, a warp's shuffles and mma.sync exchanges
-// through memory between two barriers of the warp. Blocks run one after another, so a kernel's
-// __shared__ arrays (function statics here) belong to the block that runs.
+// Just enough of CUDA to compile fsdp-kernels' programs (src/cu/*.cu after src/cu/common.cuh)
+// as C++ and run a kernel's block as host threads: one std::thread per CUDA thread,
+// __syncthreads a barrier of the block, a warp's shuffles and mma.sync exchanges through memory
+// between two barriers of the warp. Blocks run one after another, so a kernel's __shared__
+// arrays (function statics here) belong to the block that runs. The `_rn` intrinsics are the
+// host's IEEE operations (compiled with -ffp-contract=off: nothing fused but __fmaf_rn).
 //
 // mma.sync.m16n8k16 (f32 accumulators, bf16 or f16 operands) is computed from the fragment
 // layouts of the PTX ISA, written here once (fa_emu_a, fa_emu_b, fa_emu_c) independently of
@@ -49,16 +50,21 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return std::sqrt(a); }
+inline float __double2float_rn(double a) { return (float)a; }
+using std::isfinite;
 
 // The block's threads and their barriers.
 struct EmuBlock {
     int threads;
     std::barrier<> block;
     std::vector<std::barrier<>*> warps;
-    std::vector<float> shfl;
+    std::vector<double> shfl;
     // A warp's mma operands, posted by each lane: a[4], b[2], c[4].
     std::vector<unsigned> mma_a, mma_b;
     std::vector<float> mma_c;
@@ -75,14 +81,23 @@ inline EmuBlock* emu_block = nullptr;
 inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
 inline void emu_warp_sync() { emu_block->warps[threadIdx.x / 32]->arrive_and_wait(); }
 
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
+// A warp's exchange: every lane posts `v` and reads lane `from(lane)`'s (every lane of the
+// warp must take part, as `0xffffffff` promises; one that does not deadlocks the emulator,
+// which its caller's timeout reports). Values travel as double: exact for f32 and u32.
+template <typename T, typename F> inline T emu_shuffle(T v, F from) {
     int t = (int)threadIdx.x;
-    emu_block->shfl[t] = v;
+    emu_block->shfl[t] = (double)v;
     emu_warp_sync();
     int base = t & ~31, lane = t & 31;
-    float r = emu_block->shfl[base + (lane ^ mask)];
+    T r = (T)emu_block->shfl[base + (from(lane) & 31)];
     emu_warp_sync();
     return r;
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    return emu_shuffle(v, [mask](int lane) { return lane ^ mask; });
+}
+template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
+    return emu_shuffle(v, [src](int) { return src; });
 }
 
 // Runs `kernel` (a lambda over the kernel's arguments) on a grid of blocks of `threads`.

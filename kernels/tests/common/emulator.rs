@@ -1,0 +1,305 @@
+//! Any kernel of a program run on the host: `tests/emulate/generic.cpp` compiled as C++ with the
+//! program's very source (`Program::source`, what NVRTC compiles) and a registry of its kernels
+//! (`Program::kernels`), through `tests/emulate/cuda_shim.h` (a block's threads as host threads,
+//! `__syncthreads` and the warps' shuffles through barriers, blocks one after another). A test
+//! gives the buffers and the launches — each kernel's grid, block and parameters as its launcher
+//! in `src/launch/` passes them — and reads the buffers back, to hold the kernel to its twin.
+//!
+//! It needs a C++20 compiler (`CXX`, else `c++`, `g++` or `clang++`); without one
+//! [`Emulator::build`] says `skipped: …` and returns `None` (CI has one). A run that does not end
+//! within [`RUN_TIMEOUT`] (a barrier that not every thread reaches) is killed and fails.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use fsdp_kernels::Program;
+
+/// The longest a run may take.
+pub const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One kernel parameter, as a launcher passes it.
+#[derive(Clone, Debug)]
+pub enum Arg {
+    /// A pointer: buffer `.0`'s address plus `.1` bytes.
+    Ptr(usize, usize),
+    /// A value's bytes (little-endian), its size the parameter's.
+    Value(Vec<u8>),
+    /// A struct passed by value (its bytes as the launcher lays it out), with the 8-byte
+    /// fields at `at` holding buffer `buf`'s address plus `offset` bytes: `(at, buf, offset)`.
+    Struct(Vec<u8>, Vec<(usize, usize, usize)>),
+}
+
+impl Arg {
+    /// Buffer `buf`'s address.
+    pub fn buf(buf: usize) -> Arg {
+        Arg::Ptr(buf, 0)
+    }
+    pub fn u64(v: u64) -> Arg {
+        Arg::Value(v.to_le_bytes().to_vec())
+    }
+    pub fn u32(v: u32) -> Arg {
+        Arg::Value(v.to_le_bytes().to_vec())
+    }
+    pub fn i32(v: i32) -> Arg {
+        Arg::Value(v.to_le_bytes().to_vec())
+    }
+    pub fn u16(v: u16) -> Arg {
+        Arg::Value(v.to_le_bytes().to_vec())
+    }
+    pub fn f32(v: f32) -> Arg {
+        Arg::Value(v.to_le_bytes().to_vec())
+    }
+    pub fn f64(v: f64) -> Arg {
+        Arg::Value(v.to_le_bytes().to_vec())
+    }
+}
+
+/// One launch: `kernel` on a grid of `grid.0 × grid.1` blocks of `threads` threads.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub kernel: String,
+    pub grid: (u32, u32),
+    pub threads: u32,
+    pub args: Vec<Arg>,
+}
+
+impl Launch {
+    pub fn new(kernel: &str, grid: (u32, u32), threads: u32, args: Vec<Arg>) -> Launch {
+        Launch {
+            kernel: kernel.to_string(),
+            grid,
+            threads,
+            args,
+        }
+    }
+
+    /// A launch on the element-wise launchers' grid for `n` elements (`launch::config`: blocks
+    /// of 256 threads, at most 2^20 blocks).
+    pub fn elementwise(kernel: &str, n: usize, args: Vec<Arg>) -> Launch {
+        let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+        Launch::new(kernel, (blocks, 1), 256, args)
+    }
+}
+
+/// A program's kernels built for the host.
+pub struct Emulator {
+    exe: PathBuf,
+    dir: PathBuf,
+    runs: Mutex<u64>,
+}
+
+fn compiler() -> Option<String> {
+    std::env::var("CXX")
+        .ok()
+        .into_iter()
+        .chain(["c++", "g++", "clang++"].map(String::from))
+        .find(|c| {
+            Command::new(c)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+}
+
+impl Emulator {
+    /// `program`'s kernels built once per test process (and reused across processes while the
+    /// sources are unchanged), or `None`, printing `<test>: skipped: …`, without a C++
+    /// compiler.
+    pub fn build(program: Program, test: &str) -> Option<&'static Emulator> {
+        static BUILT: OnceLock<Mutex<Vec<(Program, &'static Emulator)>>> = OnceLock::new();
+        let Some(cxx) = compiler() else {
+            println!("{test}: skipped: no C++ compiler (CXX, c++, g++ or clang++)");
+            return None;
+        };
+        let built = BUILT.get_or_init(|| Mutex::new(Vec::new()));
+        let mut built = built.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, e)) = built.iter().find(|(p, _)| *p == program) {
+            return Some(e);
+        }
+        let e: &'static Emulator = Box::leak(Box::new(build(&cxx, program)));
+        built.push((program, e));
+        Some(e)
+    }
+
+    /// Run `launches` in order over `buffers` (each kernel's outputs written in place).
+    pub fn run(&self, buffers: &mut [Vec<u8>], launches: &[Launch]) {
+        let n = {
+            let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+            *runs += 1;
+            *runs
+        };
+        let dir = self.dir.join(format!("run-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut req = format!("buffers {}\n", buffers.len());
+        for b in buffers.iter() {
+            req += &format!("{}\n", b.len());
+        }
+        for l in launches {
+            req += &format!(
+                "launch {} {} {} {} {}\n",
+                l.kernel,
+                l.grid.0,
+                l.grid.1,
+                l.threads,
+                l.args.len()
+            );
+            for a in &l.args {
+                req += &match a {
+                    Arg::Ptr(b, o) => format!("p {b} {o}\n"),
+                    Arg::Value(v) => format!("v {} 0\n", hex(v)),
+                    Arg::Struct(v, relocs) => {
+                        let r: String = relocs
+                            .iter()
+                            .map(|(at, b, o)| format!(" {at} {b} {o}"))
+                            .collect();
+                        format!("v {} {}{r}\n", hex(v), relocs.len())
+                    }
+                };
+            }
+        }
+        std::fs::write(dir.join("request.txt"), req).unwrap();
+        std::fs::write(dir.join("in.bin"), buffers.concat()).unwrap();
+        let mut child = Command::new(&self.exe).arg(&dir).spawn().unwrap();
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t0.elapsed() > RUN_TIMEOUT {
+                let _ = child.kill();
+                let _ = child.wait();
+                let names: Vec<&str> = launches.iter().map(|l| l.kernel.as_str()).collect();
+                panic!("the emulator ran past {RUN_TIMEOUT:?} on {names:?}: a barrier not every thread reached?");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(
+            status.success(),
+            "the emulator failed ({status}) on {launches:?}"
+        );
+        let out = std::fs::read(dir.join("out.bin")).unwrap();
+        let mut at = 0;
+        for b in buffers.iter_mut() {
+            let n = b.len();
+            b.copy_from_slice(&out[at..at + n]);
+            at += n;
+        }
+        assert_eq!(at, out.len(), "out.bin's length");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+fn hex(v: &[u8]) -> String {
+    if v.is_empty() {
+        return "00".into();
+    }
+    v.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Compile the emulator of `program` with `cxx` into the tests' scratch directory, unless the
+/// same inputs were compiled there before.
+fn build(cxx: &str, program: Program) -> Emulator {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let shim = manifest.join("tests/emulate");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("emulate")
+        .join(program.name().trim_end_matches(".cu"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = program.source();
+    let registry: String = program
+        .kernels()
+        .iter()
+        .map(|k| format!("EMU_KERNEL({k})\n"))
+        .collect();
+    let read = |f: &str| std::fs::read_to_string(shim.join(f)).unwrap();
+    let key = format!(
+        "{cxx}\n{}\n{}\n{source}\n{registry}",
+        read("cuda_shim.h"),
+        read("generic.cpp")
+    );
+    let exe = dir.join("emu");
+    let key_path = dir.join("key.txt");
+    if exe.exists() && std::fs::read_to_string(&key_path).ok().as_deref() == Some(key.as_str()) {
+        return Emulator {
+            exe,
+            dir,
+            runs: Mutex::new(0),
+        };
+    }
+    std::fs::write(dir.join("program.cu"), &source).unwrap();
+    std::fs::write(dir.join("registry.inc"), &registry).unwrap();
+    let out = Command::new(cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-ffp-contract=off"])
+        .args([
+            "-Wall",
+            "-Wno-unknown-pragmas",
+            "-Wno-unused-function",
+            "-Werror",
+        ])
+        .arg("-I")
+        .arg(&dir)
+        .arg("-I")
+        .arg(&shim)
+        .arg("-o")
+        .arg(&exe)
+        .arg(shim.join("generic.cpp"))
+        .output()
+        .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cxx} could not build the emulator of {}:\n{}",
+        program.name(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&key_path, &key).unwrap();
+    Emulator {
+        exe,
+        dir,
+        runs: Mutex::new(0),
+    }
+}
+
+/// Little-endian bytes of plain values, and back.
+pub trait Plain: Copy {
+    const SIZE: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(b: &[u8]) -> Self;
+}
+
+macro_rules! plain {
+    ($($t:ty),*) => {$(
+        impl Plain for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().unwrap())
+            }
+        }
+    )*};
+}
+plain!(f32, f64, u16, u32, u64, i32);
+
+/// `v`'s bytes (little-endian).
+pub fn bytes_of<T: Plain>(v: &[T]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * T::SIZE);
+    for &x in v {
+        x.put(&mut out);
+    }
+    out
+}
+
+/// The values of `b` (little-endian `T`s).
+pub fn values_of<T: Plain>(b: &[u8]) -> Vec<T> {
+    assert_eq!(
+        b.len() % T::SIZE,
+        0,
+        "{} bytes of {}-byte values",
+        b.len(),
+        T::SIZE
+    );
+    b.chunks_exact(T::SIZE).map(T::get).collect()
+}

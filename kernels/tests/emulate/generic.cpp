@@ -1,0 +1,164 @@
+// Runs any kernel of one fsdp-kernels program on the host through cuda_shim.h, for
+// kernels/tests/common/emulator.rs:
+//   emu DIR
+// DIR/program.cu is the program's very source (Program::source: common.cuh and its .cu files,
+// what NVRTC compiles) and DIR/registry.inc one `EMU_KERNEL(name)` line per kernel
+// (Program::kernels), both written by the test before it compiles this file. A run reads
+// DIR/request.txt and DIR/in.bin (the buffers, concatenated), runs the launches in order and
+// writes every buffer back to DIR/out.bin. request.txt:
+//   buffers COUNT            then COUNT lines: BYTES
+//   launch NAME GX GY THREADS ARGS   then ARGS lines, one per kernel parameter:
+//     p BUF OFFSET           a pointer: buffer BUF's address plus OFFSET bytes
+//     v HEX RELOCS           a value of the parameter's type, its bytes in hex (a struct passed
+//                            by value, as the launcher builds it), then RELOCS times
+//                            `AT BUF OFFSET`: the 8 bytes at AT become that buffer's address
+// A value's size must be the parameter's (a struct the launcher lays out otherwise fails).
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "cuda_shim.h"
+#include "program.cu"
+
+[[noreturn]] static void emu_fail(const std::string& why) {
+    std::fprintf(stderr, "emulator: %s\n", why.c_str());
+    std::exit(2);
+}
+
+struct EmuArg {
+    char kind = 0;
+    std::vector<unsigned char> bytes;
+    size_t buf = 0, offset = 0;
+};
+
+struct EmuBuffers {
+    std::vector<std::vector<unsigned char>> storage;
+    // Each buffer's first byte, 64-byte aligned within its storage (vector loads).
+    std::vector<unsigned char*> base;
+    std::vector<size_t> sizes;
+    unsigned char* at(size_t buf, size_t offset) const {
+        if (buf >= base.size() || offset > sizes[buf]) emu_fail("a pointer past its buffer");
+        return base[buf] + offset;
+    }
+};
+
+template <typename T> static T emu_get(const EmuBuffers& b, const EmuArg& a, size_t i) {
+    if constexpr (std::is_pointer_v<T>) {
+        if (a.kind != 'p') emu_fail("parameter " + std::to_string(i) + " is a pointer");
+        return reinterpret_cast<T>(b.at(a.buf, a.offset));
+    } else {
+        if (a.kind != 'v' || a.bytes.size() != sizeof(T))
+            emu_fail("parameter " + std::to_string(i) + " is a value of " +
+                     std::to_string(sizeof(T)) + " bytes, given " + std::to_string(a.bytes.size()));
+        T v;
+        std::memcpy(&v, a.bytes.data(), sizeof(T));
+        return v;
+    }
+}
+
+using EmuEntry = std::function<void(const EmuBuffers&, const std::vector<EmuArg>&, emu_dim3, int)>;
+
+template <typename... A, size_t... I>
+static void emu_call(void (*f)(A...), const EmuBuffers& b, const std::vector<EmuArg>& a,
+                     emu_dim3 grid, int threads, std::index_sequence<I...>) {
+    // The arguments are unpacked once; every thread calls the kernel with the same values.
+    auto args = std::make_tuple(emu_get<A>(b, a[I], I)...);
+    emu_launch(grid, threads, [&] { std::apply(f, args); });
+}
+
+template <typename... A> static EmuEntry emu_entry(void (*f)(A...)) {
+    return [f](const EmuBuffers& b, const std::vector<EmuArg>& a, emu_dim3 grid, int threads) {
+        if (a.size() != sizeof...(A))
+            emu_fail("the kernel takes " + std::to_string(sizeof...(A)) + " parameters, given " +
+                     std::to_string(a.size()));
+        emu_call(f, b, a, grid, threads, std::index_sequence_for<A...>{});
+    };
+}
+
+static const std::map<std::string, EmuEntry>& emu_kernels() {
+#define EMU_KERNEL(name) {#name, emu_entry(&name)},
+    static const std::map<std::string, EmuEntry> k = {
+#include "registry.inc"
+    };
+#undef EMU_KERNEL
+    return k;
+}
+
+static std::vector<unsigned char> emu_hex(const std::string& h) {
+    if (h.size() % 2) emu_fail("odd hex value " + h);
+    std::vector<unsigned char> v;
+    for (size_t i = 0; i < h.size(); i += 2) v.push_back((unsigned char)std::stoul(h.substr(i, 2), nullptr, 16));
+    return v;
+}
+
+int main(int argc, char** argv) {
+    if (argc != 2) emu_fail("usage: emu DIR");
+    std::string dir = argv[1];
+    std::ifstream req(dir + "/request.txt");
+    std::ifstream in(dir + "/in.bin", std::ios::binary);
+    if (!req || !in) emu_fail("cannot open " + dir + "/request.txt and in.bin");
+    EmuBuffers b;
+    std::string word;
+    size_t count = 0;
+    if (!(req >> word >> count) || word != "buffers") emu_fail("request: no buffers line");
+    for (size_t i = 0; i < count; ++i) {
+        size_t n = 0;
+        if (!(req >> n)) emu_fail("request: a buffer's size");
+        // At least one byte, so that every buffer's address is distinct.
+        b.storage.emplace_back(n + 128, (unsigned char)0);
+        unsigned char* p = b.storage.back().data();
+        b.base.push_back(p + (64 - (uintptr_t)p % 64));
+        b.sizes.push_back(n);
+        if (!in.read(reinterpret_cast<char*>(b.base.back()), (std::streamsize)n))
+            emu_fail("in.bin is shorter than the buffers");
+    }
+    const auto& kernels = emu_kernels();
+    while (req >> word) {
+        if (word != "launch") emu_fail("request: expected launch, got " + word);
+        std::string name;
+        emu_dim3 grid;
+        int threads = 0;
+        size_t nargs = 0;
+        if (!(req >> name >> grid.x >> grid.y >> threads >> nargs)) emu_fail("request: a launch");
+        grid.z = 1;
+        auto k = kernels.find(name);
+        if (k == kernels.end()) emu_fail("no kernel " + name);
+        std::vector<EmuArg> args(nargs);
+        for (auto& a : args) {
+            std::string kind;
+            req >> kind;
+            if (kind == "p") {
+                a.kind = 'p';
+                req >> a.buf >> a.offset;
+            } else if (kind == "v") {
+                a.kind = 'v';
+                std::string hex;
+                size_t relocs = 0;
+                req >> hex >> relocs;
+                a.bytes = emu_hex(hex);
+                for (size_t r = 0; r < relocs; ++r) {
+                    size_t at = 0, buf = 0, offset = 0;
+                    req >> at >> buf >> offset;
+                    if (at + 8 > a.bytes.size()) emu_fail("a relocation past its value");
+                    unsigned long long addr = (unsigned long long)(uintptr_t)b.at(buf, offset);
+                    std::memcpy(a.bytes.data() + at, &addr, 8);
+                }
+            } else {
+                emu_fail("request: an argument of kind " + kind);
+            }
+            if (!req) emu_fail("request: the arguments of " + name);
+        }
+        k->second(b, args, grid, threads);
+    }
+    std::ofstream out(dir + "/out.bin", std::ios::binary);
+    for (size_t i = 0; i < b.base.size(); ++i)
+        out.write(reinterpret_cast<const char*>(b.base[i]), (std::streamsize)b.sizes[i]);
+    if (!out) emu_fail("cannot write out.bin");
+    return 0;
+}

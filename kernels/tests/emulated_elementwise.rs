@@ -1,0 +1,395 @@
+//! The casts', element-wise kernels' and ring reductions' CUDA source run on the host
+//! (`common::emulator`: the programs as NVRTC compiles them, a block's threads as host
+//! threads), each launched with its launcher's grid and parameters (`src/launch/mod.rs`,
+//! `gather.rs`, `foreach.rs`), against its twin bitwise: every cast (and the four-a-thread
+//! f32 → bf16 one), axpby, div_scalar, scale_by, unscale_by and memset of every type, the
+//! reductions of every operation and type (an average's last step too), gather_segments and
+//! zero_segments with their segments passed by value. The inputs hold what rounding gets
+//! wrong: NaN, infinities, zeros of both signs, subnormals and values halfway between 16-bit
+//! neighbours. What this cannot check is the hardware itself: `tests/gpu.rs` does, on a GPU.
+
+mod common;
+
+use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
+use fsdp_kernels::host::{self, KernelFloat, ReduceKind};
+use fsdp_kernels::Program;
+use half::{bf16, f16};
+
+/// The element types the kernels take, to and from their bits.
+trait Elem: KernelFloat {
+    fn from_bits(b: u64) -> Self;
+    /// An input value near `v` (any rounding: inputs only).
+    fn near(v: f32) -> Self;
+    const SIZE: usize;
+}
+impl Elem for f32 {
+    fn from_bits(b: u64) -> Self {
+        f32::from_bits(b as u32)
+    }
+    fn near(v: f32) -> Self {
+        v
+    }
+    const SIZE: usize = 4;
+}
+impl Elem for f64 {
+    fn from_bits(b: u64) -> Self {
+        f64::from_bits(b)
+    }
+    fn near(v: f32) -> Self {
+        // Below f32's last bits too, so that f64's own rounding is exercised.
+        f64::from(v) * (1.0 + f64::EPSILON * 3.0)
+    }
+    const SIZE: usize = 8;
+}
+impl Elem for bf16 {
+    fn from_bits(b: u64) -> Self {
+        bf16::from_bits(b as u16)
+    }
+    fn near(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    const SIZE: usize = 2;
+}
+impl Elem for f16 {
+    fn from_bits(b: u64) -> Self {
+        f16::from_bits(b as u16)
+    }
+    fn near(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    const SIZE: usize = 2;
+}
+
+fn to_bytes<T: Elem>(v: &[T]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| x.bits().to_le_bytes()[..T::SIZE].to_vec())
+        .collect()
+}
+
+fn from_bytes<T: Elem>(b: &[u8]) -> Vec<T> {
+    b.chunks_exact(T::SIZE)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..T::SIZE].copy_from_slice(c);
+            T::from_bits(u64::from_le_bytes(w))
+        })
+        .collect()
+}
+
+/// Bitwise equality (NaNs' payloads too).
+fn assert_bits<T: Elem>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.bits(), w.bits(), "{what}[{i}]: {g:?}, the twin {w:?}");
+    }
+}
+
+/// `n` f32 values: random magnitudes across the exponent range and the hard cases.
+fn hard_f32(n: usize, seed: u64) -> Vec<f32> {
+    let special = [
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        1.0e-40,
+        -3.0e-39,
+        f32::MIN_POSITIVE,
+        65504.0,
+        65520.0,
+        f32::MAX,
+        // Halfway between two bf16 values (ties to even both ways) and just past.
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0x3f80_8001),
+        // Halfway between two f16 values, and an f16 subnormal's halfway.
+        f32::from_bits(0x3f80_1000),
+        f32::from_bits(0x3380_0000),
+        6.0e-8,
+    ];
+    let mut s = seed;
+    (0..n)
+        .map(|i| match special.get(i) {
+            Some(&v) => v,
+            None => {
+                let r = common::splitmix64(&mut s);
+                let mag = f32::from_bits(0x2000_0000 + (r as u32 % 0x3e00_0000));
+                if r >> 63 == 1 {
+                    -mag
+                } else {
+                    mag
+                }
+            }
+        })
+        .collect()
+}
+
+/// `n` values of `T` near [`hard_f32`]'s (the 16-bit types' own specials among them).
+fn hard<T: Elem>(n: usize, seed: u64) -> Vec<T> {
+    hard_f32(n, seed).into_iter().map(T::near).collect()
+}
+
+fn emulator(test: &str, p: Program) -> Option<&'static Emulator> {
+    Emulator::build(p, test)
+}
+
+/// Every cast through its kernel, and f32 → bf16 four a thread (from a 16-byte-aligned
+/// source, as the launcher takes it) with the rest by the scalar kernel.
+#[test]
+fn casts_are_their_twins() {
+    let Some(emu) = emulator("casts_are_their_twins", Program::Cast) else {
+        return;
+    };
+    let n = 1003;
+    fn case<S: Elem + host::CastFloat, D: Elem + host::CastFloat>(emu: &Emulator, n: usize) {
+        let src: Vec<S> = hard(n, 7);
+        let mut want = vec![D::default(); n];
+        host::cast(&src, &mut want).unwrap();
+        let kernel = format!("cast_{}_{}", S::NAME, D::NAME);
+        let mut bufs = vec![to_bytes(&src), vec![0xAB; n * D::SIZE]];
+        let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
+        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
+        assert_bits(&from_bytes::<D>(&bufs[1]), &want, &kernel);
+    }
+    case::<f32, bf16>(emu, n);
+    case::<f32, f16>(emu, n);
+    case::<bf16, f32>(emu, n);
+    case::<f16, f32>(emu, n);
+    case::<bf16, f16>(emu, n);
+    case::<f16, bf16>(emu, n);
+    // The launcher's split: n / 4 groups by the x4 kernel, the last n % 4 by the scalar one.
+    let src = hard_f32(n, 11);
+    let mut want = vec![bf16::default(); n];
+    host::cast(&src, &mut want).unwrap();
+    let groups = n / 4;
+    let mut bufs = vec![bytes_of(&src), vec![0xAB; n * 2]];
+    let x4 = vec![Arg::buf(0), Arg::buf(1), Arg::u64(groups as u64)];
+    let rest = vec![
+        Arg::Ptr(0, 4 * groups * 4),
+        Arg::Ptr(1, 4 * groups * 2),
+        Arg::u64((n - 4 * groups) as u64),
+    ];
+    emu.run(
+        &mut bufs,
+        &[
+            Launch::elementwise("cast_f32_bf16_x4", groups, x4),
+            Launch::elementwise("cast_f32_bf16", n - 4 * groups, rest),
+        ],
+    );
+    assert_bits(&from_bytes::<bf16>(&bufs[1]), &want, "cast_f32_bf16_x4");
+}
+
+fn compute_arg<T: Elem>(c: T::C) -> Arg
+where
+    T::C: Elem,
+{
+    Arg::Value(to_bytes(&[c]))
+}
+
+/// axpby, div_scalar and memset of every type; scale_by and unscale_by (a factor of 1 leaves
+/// the values alone).
+#[test]
+fn elementwise_kernels_are_their_twins() {
+    let Some(emu) = emulator("elementwise_kernels_are_their_twins", Program::Elementwise) else {
+        return;
+    };
+    let n = 777;
+    fn case<T: Elem>(emu: &Emulator, n: usize, alpha: T::C, beta: T::C, d: T::C, fill: T)
+    where
+        T::C: Elem,
+    {
+        let (x, y): (Vec<T>, Vec<T>) = (hard(n, 3), hard(n, 4));
+        let mut want = y.clone();
+        host::axpby(alpha, &x, beta, &mut want).unwrap();
+        let kernel = format!("axpby_{}", T::NAME);
+        let mut bufs = vec![to_bytes(&x), to_bytes(&y)];
+        let args = vec![
+            compute_arg::<T>(alpha),
+            Arg::buf(0),
+            compute_arg::<T>(beta),
+            Arg::buf(1),
+            Arg::u64(n as u64),
+        ];
+        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
+        assert_bits(&from_bytes::<T>(&bufs[1]), &want, &kernel);
+
+        let mut want = y.clone();
+        host::div_scalar(d, &mut want);
+        let kernel = format!("div_scalar_{}", T::NAME);
+        let mut bufs = vec![to_bytes(&y)];
+        let args = vec![compute_arg::<T>(d), Arg::buf(0), Arg::u64(n as u64)];
+        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
+        assert_bits(&from_bytes::<T>(&bufs[0]), &want, &kernel);
+
+        let mut want = y.clone();
+        host::memset(&mut want, fill);
+        let kernel = format!("memset_b{}", T::SIZE * 8);
+        let mut bufs = vec![to_bytes(&y)];
+        let value = Arg::Value(fill.bits().to_le_bytes()[..T::SIZE].to_vec());
+        let args = vec![Arg::buf(0), value, Arg::u64(n as u64)];
+        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
+        assert_bits(&from_bytes::<T>(&bufs[0]), &want, &kernel);
+    }
+    case::<f32>(emu, n, 0.3, -1.7, 3.0, -0.0);
+    case::<f64>(emu, n, 0.3, -1.7, 3.0, f64::MIN_POSITIVE);
+    case::<bf16>(emu, n, 0.3, -1.7, 3.0, bf16::from_f32(-2.5));
+    case::<f16>(emu, n, 0.3, -1.7, 7.0, f16::from_f32(1e-7));
+
+    for (kernel, c) in [
+        ("scale_by_f32", 0.123_456_789_f64),
+        ("scale_by_f32", 1.0),
+        ("unscale_by_f32", 65536.0 * 3.0),
+        ("unscale_by_f32", 1.0),
+    ] {
+        let x = hard_f32(n, 5);
+        let mut want = x.clone();
+        if kernel == "scale_by_f32" {
+            host::scale_by(&mut want, c);
+        } else {
+            host::unscale_by(&mut want, c);
+        }
+        let mut bufs = vec![bytes_of(&x), bytes_of(&[c])];
+        let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
+        emu.run(&mut bufs, &[Launch::elementwise(kernel, n, args)]);
+        assert_bits(&values_of::<f32>(&bufs[0]), &want, kernel);
+    }
+}
+
+/// The ring's reductions: every operation of every type, and an average's last step divided
+/// by the ranks, rounded as the twin rounds.
+#[test]
+fn reductions_are_their_twins() {
+    let Some(emu) = emulator("reductions_are_their_twins", Program::Reduce) else {
+        return;
+    };
+    let n = 515;
+    fn case<T: Elem>(emu: &Emulator, n: usize) {
+        let (acc, x): (Vec<T>, Vec<T>) = (hard(n, 21), hard(n, 22));
+        for (op, name, finish) in [
+            (ReduceKind::Sum, "sum", None),
+            (ReduceKind::Avg, "sum", Some(3u32)),
+            (ReduceKind::Min, "min", None),
+            (ReduceKind::Max, "max", None),
+            (ReduceKind::Product, "prod", None),
+        ] {
+            let mut want = vec![T::default(); n];
+            host::reduce(op, &mut want, &acc, &x, finish).unwrap();
+            let kernel = format!("reduce_{name}_{}", T::NAME);
+            let mut bufs = vec![vec![0xCD; n * T::SIZE], to_bytes(&acc), to_bytes(&x)];
+            let args = vec![
+                Arg::buf(0),
+                Arg::buf(1),
+                Arg::buf(2),
+                Arg::u64(n as u64),
+                Arg::u32(finish.unwrap_or(0)),
+            ];
+            emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
+            assert_bits(
+                &from_bytes::<T>(&bufs[0]),
+                &want,
+                &format!("{kernel} {op:?}"),
+            );
+        }
+    }
+    case::<f32>(emu, n);
+    case::<f64>(emu, n);
+    case::<bf16>(emu, n);
+    case::<f16>(emu, n);
+}
+
+/// gather_segments copies (or widens from bf16) each segment, with its segments passed by
+/// value as the launcher lays them out (`launch::gather`: 96 sources, destinations and
+/// lengths as u64, then 96 u32 flags), on its grid (one row of blocks per segment);
+/// zero_segments likewise (96 destinations, 96 lengths). Elements outside the segments stay.
+#[test]
+fn segment_kernels_copy_and_zero_their_segments() {
+    let Some(emu) = emulator(
+        "segment_kernels_copy_and_zero_their_segments",
+        Program::Elementwise,
+    ) else {
+        return;
+    };
+    const SEGS: usize = 96;
+    // (length, widen): a long one (several blocks), short ones, an empty one.
+    let segs = [
+        (5000usize, false),
+        (17, true),
+        (0, false),
+        (2049, true),
+        (1, false),
+    ];
+    let srcs: Vec<Vec<u8>> = segs
+        .iter()
+        .enumerate()
+        .map(|(k, &(n, widen))| {
+            let v = hard_f32(n, 40 + k as u64);
+            if widen {
+                let mut h = vec![bf16::default(); n];
+                host::cast(&v, &mut h).unwrap();
+                to_bytes(&h)
+            } else {
+                bytes_of(&v)
+            }
+        })
+        .collect();
+    let sentinel = -7.25f32;
+    // Buffers: the sources, then the destinations (one element of sentinel past each end).
+    let mut bufs: Vec<Vec<u8>> = srcs.clone();
+    for &(n, _) in &segs {
+        bufs.push(bytes_of(&vec![sentinel; n + 1]));
+    }
+    let count = segs.len();
+    let mut value = vec![0u8; SEGS * 8 * 3 + SEGS * 4];
+    let mut relocs = Vec::new();
+    for (k, &(n, widen)) in segs.iter().enumerate() {
+        relocs.push((k * 8, k, 0));
+        relocs.push((SEGS * 8 + k * 8, count + k, 0));
+        value[2 * SEGS * 8 + k * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
+        value[3 * SEGS * 8 + k * 4..][..4].copy_from_slice(&u32::from(widen).to_le_bytes());
+    }
+    // `per_segment`: blocks of 256 threads for 8 elements each, at most 512 along x (1024 for
+    // zero_segments: the same here).
+    let longest = segs.iter().map(|s| s.0).max().unwrap() as u64;
+    let blocks = longest.div_ceil(256 * 8).clamp(1, 512) as u32;
+    let gather = Launch::new(
+        "gather_segments",
+        (blocks, count as u32),
+        256,
+        vec![Arg::Struct(value, relocs), Arg::u32(count as u32)],
+    );
+    emu.run(&mut bufs, &[gather]);
+    for (k, &(_, widen)) in segs.iter().enumerate() {
+        let got: Vec<f32> = values_of(&bufs[count + k]);
+        let mut want = if widen {
+            from_bytes::<bf16>(&srcs[k])
+                .iter()
+                .map(|h| h.to_f32())
+                .collect::<Vec<f32>>()
+        } else {
+            values_of(&srcs[k])
+        };
+        want.push(sentinel);
+        assert_bits(&got, &want, &format!("gather_segments, segment {k}"));
+    }
+    // zero_segments over the destinations: zeros (+0), the sentinel past each end kept.
+    let mut value = vec![0u8; SEGS * 8 * 2];
+    let mut relocs = Vec::new();
+    for (k, &(n, _)) in segs.iter().enumerate() {
+        relocs.push((k * 8, count + k, 0));
+        value[SEGS * 8 + k * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
+    }
+    let zero = Launch::new(
+        "zero_segments",
+        (blocks, count as u32),
+        256,
+        vec![Arg::Struct(value, relocs), Arg::u32(count as u32)],
+    );
+    emu.run(&mut bufs, &[zero]);
+    for (k, &(n, _)) in segs.iter().enumerate() {
+        let got: Vec<f32> = values_of(&bufs[count + k]);
+        let mut want = vec![0.0f32; n];
+        want.push(sentinel);
+        assert_bits(&got, &want, &format!("zero_segments, segment {k}"));
+    }
+}
