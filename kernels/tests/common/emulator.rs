@@ -228,22 +228,26 @@ fn build(cxx: &str, program: Program) -> Emulator {
             runs: Mutex::new(0),
         };
     }
-    std::fs::write(dir.join("program.cu"), &source).unwrap();
-    std::fs::write(dir.join("registry.inc"), &registry).unwrap();
+    // Built apart and moved into place, so that test processes building the same program at
+    // once never read each other's half-written files.
+    let tmp = dir.join(format!(
+        "build-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("program.cu"), &source).unwrap();
+    std::fs::write(tmp.join("registry.inc"), &registry).unwrap();
+    let built = tmp.join("emu");
     let out = Command::new(cxx)
         .args(["-std=c++20", "-O1", "-pthread", "-ffp-contract=off"])
-        .args([
-            "-Wall",
-            "-Wno-unknown-pragmas",
-            "-Wno-unused-function",
-            "-Werror",
-        ])
+        .args(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Werror"])
         .arg("-I")
-        .arg(&dir)
+        .arg(&tmp)
         .arg("-I")
         .arg(&shim)
         .arg("-o")
-        .arg(&exe)
+        .arg(&built)
         .arg(shim.join("generic.cpp"))
         .output()
         .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
@@ -253,7 +257,10 @@ fn build(cxx: &str, program: Program) -> Emulator {
         program.name(),
         String::from_utf8_lossy(&out.stderr)
     );
-    std::fs::write(&key_path, &key).unwrap();
+    std::fs::rename(&built, &exe).unwrap();
+    std::fs::write(tmp.join("key.txt"), &key).unwrap();
+    std::fs::rename(tmp.join("key.txt"), &key_path).unwrap();
+    let _ = std::fs::remove_dir_all(&tmp);
     Emulator {
         exe,
         dir,
