@@ -6,7 +6,8 @@
 //! buffers the kernels make and free, in order, without computing), whose buffers are mirrored
 //! into the same allocator — as on CUDA, where the kernels take their buffers from the
 //! engine's caching allocator. Two steps of [`EngineGpt::train_step`] (the second with the
-//! execution order recorded in the first), as `fsdp train` runs them.
+//! execution order recorded in the first), as `fsdp train` runs them (one for a run of one
+//! step).
 //!
 //! The engine's code decides what the device holds, so the plan cannot drift from it: the
 //! shards, the gradient shards and the optimizer state (AdamW's two moments per shard element,
@@ -62,6 +63,9 @@ pub struct EnginePlanRun<'a> {
     pub logits: Logits,
     /// Clipping of the gradients' norm (`--grad-clip`).
     pub grad_clip: Option<f64>,
+    /// The steps run dry: 2 (a run's peak: the second step prefetches in the order the first
+    /// recorded), or 1 for a run of one step, whose peak is the first step's.
+    pub steps: usize,
     /// The kernels see the engine's buffers through counted copies (the host twins), not in
     /// place (CUDA).
     pub copied_views: bool,
@@ -187,7 +191,7 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
     };
     let batches = vec![batch; run.micro_batches];
     let global = run.rows * t * run.world * run.micro_batches;
-    for _ in 0..2 {
+    for _ in 0..run.steps.clamp(1, 2) {
         gpt.train_step(&batches, global, run.grad_clip)?;
     }
     gpt.flush_steps()?;

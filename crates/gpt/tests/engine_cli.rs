@@ -432,7 +432,8 @@ fn the_plan_predicts_the_devices_memory() {
 /// host twin, whose device memory is the host's, `--memory-limit` bounds both. A limit of one
 /// rank's host memory admits the device (two ranks' device peaks fit) but not the host; the
 /// refusal names what it needs, in bytes, at least both ranks' host memory and the corpus; a
-/// run with exactly that limit is admitted, and one byte less is refused.
+/// run with exactly that limit is admitted (its one step within the plan of one step), and
+/// one byte less is refused.
 #[test]
 fn the_host_is_admitted_on_the_plans_host_figures() {
     let config = ["--batch-size", "8", "--param-dtype", "f32", "--ranks", "2"];
@@ -474,7 +475,11 @@ fn the_host_is_admitted_on_the_plans_host_figures() {
     let needed = number_before(&refused, " bytes) for");
     // The synthetic corpus: 200 000 tokens of 2 bytes.
     assert!(needed >= 2 * host_peak + 400_000, "{refused}");
-    ok(&with_limit(needed), "the limit of the host's need");
+    let out = ok(&with_limit(needed), "the limit of the host's need");
+    // A run of one step within the plan of one step (its first step prefetches nothing).
+    let [engine, low, high, kernels, planned] = memory_line(&out);
+    assert!(low <= engine && engine <= high, "{out}");
+    assert_eq!(kernels, planned, "{out}");
     one_error_status_1(
         &with_limit(needed - 1),
         &["--engine: not enough host memory"],

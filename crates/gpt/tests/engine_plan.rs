@@ -104,6 +104,7 @@ fn plan(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> EngineMemoryPlan {
         logits: Default::default(),
         copied_views: true,
         grad_clip: Some(1.0),
+        steps: 2,
     })
     .unwrap()
 }

@@ -28,6 +28,8 @@ pub(crate) struct EnginePlanArgs<'a> {
     pub(crate) cpu_offload: bool,
     pub(crate) grad_clip: Option<f64>,
     pub(crate) world: usize,
+    /// The run's steps (`fsdp plan`: 2, a run's peak).
+    pub(crate) steps: usize,
 }
 
 /// The plan of one rank of `fsdp train --engine` with `a`'s options.
@@ -55,6 +57,7 @@ pub(crate) fn engine_memory(a: &EnginePlanArgs<'_>) -> Result<EngineMemoryPlan, 
         logits: a.model.logits.unwrap_or_default(),
         copied_views: a.dev == EngineDevice::HostTwin,
         grad_clip: a.grad_clip,
+        steps: a.steps,
     };
     plan_engine_memory(&run).map_err(|e| fail(format!("--engine: {e}")))
 }
@@ -84,6 +87,7 @@ pub(crate) fn print_engine_plan(args: &PlanArgs) -> Result<(), CliError> {
         cpu_offload: args.cpu_offload,
         grad_clip: clip_option(args.grad_clip)?,
         world,
+        steps: 2,
     };
     let p = engine_memory(&a)?;
     let cfg = setup(&args.model, world, false)?.cfg;
@@ -212,6 +216,7 @@ pub(crate) fn admit(
         cpu_offload: args.cpu_offload,
         grad_clip: crate::train::grad_clip(args)?,
         world,
+        steps: args.steps,
     })?;
     let ranks = match mode {
         Mode::Threads(n) => *n,
