@@ -56,21 +56,30 @@ impl Arg {
     }
 }
 
-/// One launch: `kernel` on a grid of `grid.0 × grid.1` blocks of `threads` threads.
+/// One launch: `kernel` on a grid of `grid.0 × grid.1` blocks of `threads × block_y` threads
+/// (`threadIdx.x` below `threads`, `threadIdx.y` below `block_y`).
 #[derive(Clone, Debug)]
 pub struct Launch {
     pub kernel: String,
     pub grid: (u32, u32),
     pub threads: u32,
+    pub block_y: u32,
     pub args: Vec<Arg>,
 }
 
 impl Launch {
+    /// On one-dimensional blocks of `threads`.
     pub fn new(kernel: &str, grid: (u32, u32), threads: u32, args: Vec<Arg>) -> Launch {
+        Launch::new_2d(kernel, grid, (threads, 1), args)
+    }
+
+    /// On blocks of `block.0 × block.1` threads.
+    pub fn new_2d(kernel: &str, grid: (u32, u32), block: (u32, u32), args: Vec<Arg>) -> Launch {
         Launch {
             kernel: kernel.to_string(),
             grid,
-            threads,
+            threads: block.0,
+            block_y: block.1,
             args,
         }
     }
@@ -138,11 +147,12 @@ impl Emulator {
         }
         for l in launches {
             req += &format!(
-                "launch {} {} {} {} {}\n",
+                "launch {} {} {} {} {} {}\n",
                 l.kernel,
                 l.grid.0,
                 l.grid.1,
                 l.threads,
+                l.block_y,
                 l.args.len()
             );
             for a in &l.args {
@@ -241,7 +251,12 @@ fn build(cxx: &str, program: Program) -> Emulator {
     let built = tmp.join("emu");
     let out = Command::new(cxx)
         .args(["-std=c++20", "-O1", "-pthread", "-ffp-contract=off"])
-        .args(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Werror"])
+        .args([
+            "-Wall",
+            "-Wno-unknown-pragmas",
+            "-Wno-unused-function",
+            "-Werror",
+        ])
         .arg("-I")
         .arg(&tmp)
         .arg("-I")

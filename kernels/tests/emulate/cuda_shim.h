@@ -30,6 +30,8 @@ struct emu_dim3 {
 };
 inline thread_local emu_dim3 threadIdx, blockIdx;
 inline emu_dim3 blockDim, gridDim;
+// The thread's index in its block (x fastest): warps are 32 consecutive ones, as on a GPU.
+inline thread_local int emu_tid;
 
 inline float __uint_as_float(unsigned u) {
     float f;
@@ -79,13 +81,13 @@ struct EmuBlock {
 inline EmuBlock* emu_block = nullptr;
 
 inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
-inline void emu_warp_sync() { emu_block->warps[threadIdx.x / 32]->arrive_and_wait(); }
+inline void emu_warp_sync() { emu_block->warps[emu_tid / 32]->arrive_and_wait(); }
 
 // A warp's exchange: every lane posts `v` and reads lane `from(lane)`'s (every lane of the
 // warp must take part, as `0xffffffff` promises; one that does not deadlocks the emulator,
 // which its caller's timeout reports). Values travel as double: exact for f32 and u32.
 template <typename T, typename F> inline T emu_shuffle(T v, F from) {
-    int t = (int)threadIdx.x;
+    int t = emu_tid;
     emu_block->shfl[t] = (double)v;
     emu_warp_sync();
     int base = t & ~31, lane = t & 31;
@@ -100,10 +102,12 @@ template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
     return emu_shuffle(v, [src](int) { return src; });
 }
 
-// Runs `kernel` (a lambda over the kernel's arguments) on a grid of blocks of `threads`.
-inline void emu_launch(emu_dim3 grid, int threads, const std::function<void()>& kernel) {
+// Runs `kernel` (a lambda over the kernel's arguments) on a grid of blocks of `block.x` ×
+// `block.y` threads.
+inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()>& kernel) {
     gridDim = grid;
-    blockDim = {(unsigned)threads, 1, 1};
+    blockDim = {block.x, block.y, 1};
+    int threads = (int)(block.x * block.y);
     for (unsigned y = 0; y < grid.y; ++y)
         for (unsigned x = 0; x < grid.x; ++x) {
             EmuBlock b(threads);
@@ -111,11 +115,17 @@ inline void emu_launch(emu_dim3 grid, int threads, const std::function<void()>& 
             std::vector<std::thread> ts;
             for (int t = 0; t < threads; ++t)
                 ts.emplace_back([&, t, x, y] {
-                    threadIdx = {(unsigned)t, 0, 0};
+                    emu_tid = t;
+                    threadIdx = {(unsigned)t % block.x, (unsigned)t / block.x, 0};
                     blockIdx = {x, y, 0};
                     kernel();
                 });
             for (auto& t : ts) t.join();
             emu_block = nullptr;
         }
+}
+
+// The same on one-dimensional blocks of `threads`.
+inline void emu_launch(emu_dim3 grid, int threads, const std::function<void()>& kernel) {
+    emu_launch(grid, emu_dim3{(unsigned)threads, 1, 1}, kernel);
 }

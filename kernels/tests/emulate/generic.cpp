@@ -7,7 +7,8 @@
 // DIR/request.txt and DIR/in.bin (the buffers, concatenated), runs the launches in order and
 // writes every buffer back to DIR/out.bin. request.txt:
 //   buffers COUNT            then COUNT lines: BYTES
-//   launch NAME GX GY THREADS ARGS   then ARGS lines, one per kernel parameter:
+//   launch NAME GX GY BX BY ARGS     a grid of GX × GY blocks of BX × BY threads, then ARGS
+//                                    lines, one per kernel parameter:
 //     p BUF OFFSET           a pointer: buffer BUF's address plus OFFSET bytes
 //     v HEX RELOCS           a value of the parameter's type, its bytes in hex (a struct passed
 //                            by value, as the launcher builds it), then RELOCS times
@@ -62,22 +63,23 @@ template <typename T> static T emu_get(const EmuBuffers& b, const EmuArg& a, siz
     }
 }
 
-using EmuEntry = std::function<void(const EmuBuffers&, const std::vector<EmuArg>&, emu_dim3, int)>;
+using EmuEntry =
+    std::function<void(const EmuBuffers&, const std::vector<EmuArg>&, emu_dim3, emu_dim3)>;
 
 template <typename... A, size_t... I>
 static void emu_call(void (*f)(A...), const EmuBuffers& b, const std::vector<EmuArg>& a,
-                     emu_dim3 grid, int threads, std::index_sequence<I...>) {
+                     emu_dim3 grid, emu_dim3 block, std::index_sequence<I...>) {
     // The arguments are unpacked once; every thread calls the kernel with the same values.
     auto args = std::make_tuple(emu_get<A>(b, a[I], I)...);
-    emu_launch(grid, threads, [&] { std::apply(f, args); });
+    emu_launch(grid, block, [&] { std::apply(f, args); });
 }
 
 template <typename... A> static EmuEntry emu_entry(void (*f)(A...)) {
-    return [f](const EmuBuffers& b, const std::vector<EmuArg>& a, emu_dim3 grid, int threads) {
+    return [f](const EmuBuffers& b, const std::vector<EmuArg>& a, emu_dim3 grid, emu_dim3 block) {
         if (a.size() != sizeof...(A))
             emu_fail("the kernel takes " + std::to_string(sizeof...(A)) + " parameters, given " +
                      std::to_string(a.size()));
-        emu_call(f, b, a, grid, threads, std::index_sequence_for<A...>{});
+        emu_call(f, b, a, grid, block, std::index_sequence_for<A...>{});
     };
 }
 
@@ -122,11 +124,14 @@ int main(int argc, char** argv) {
     while (req >> word) {
         if (word != "launch") emu_fail("request: expected launch, got " + word);
         std::string name;
-        emu_dim3 grid;
-        int threads = 0;
+        emu_dim3 grid, block;
         size_t nargs = 0;
-        if (!(req >> name >> grid.x >> grid.y >> threads >> nargs)) emu_fail("request: a launch");
-        grid.z = 1;
+        if (!(req >> name >> grid.x >> grid.y >> block.x >> block.y >> nargs))
+            emu_fail("request: a launch");
+        grid.z = block.z = 1;
+        if (block.x * block.y == 0 || block.x * block.y > 1024 || (block.x * block.y) % 32)
+            emu_fail(name + ": a block of " + std::to_string(block.x * block.y) +
+                     " threads (whole warps, at most 1024)");
         auto k = kernels.find(name);
         if (k == kernels.end()) emu_fail("no kernel " + name);
         std::vector<EmuArg> args(nargs);
@@ -154,7 +159,7 @@ int main(int argc, char** argv) {
             }
             if (!req) emu_fail("request: the arguments of " + name);
         }
-        k->second(b, args, grid, threads);
+        k->second(b, args, grid, block);
     }
     std::ofstream out(dir + "/out.bin", std::ios::binary);
     for (size_t i = 0; i < b.base.size(); ++i)
