@@ -1,24 +1,24 @@
-//! The layer norm's, GELU's and the bias add's CUDA source (`cu/nn.cu`, `bias_add_f32` of
-//! `cu/nn_embed_heads.cu`; `Program::Nn`) run on the host (`common::emulator`: the program as
-//! NVRTC compiles it, a block's threads as host threads), each launched with its launcher's
-//! grid, block and parameters (`src/launch/nn.rs`, `nn_heads.rs`), against its twin
-//! (`host::nn`, `host::nn_math`) **bitwise**, as `tests/gpu_nn.rs` holds them on a GPU:
-//! layernorm_forward in f32 and its bf16 and f16 roundings (the statistics too), the input
-//! part of its backward (accumulating), gelu_forward in f32, bf16 and f16, gelu_backward,
-//! bias_add, and column_chunks_add_f32, the last step of the column reductions, over several
-//! chunks. Rows are shorter and longer than a block of 256 threads and not multiples of it or
-//! of a warp; a constant row (zero variance) too; GELU's inputs hold zeros of both signs,
-//! infinities, NaN, a subnormal and the tails; outputs start as NaN so that an element left
-//! unwritten shows.
+//! The layer norm's, GELU's and the bias's CUDA source (`cu/nn.cu`; `bias_add_f32` and
+//! `bias_grad_f32` of `cu/nn_embed_heads.cu`; `Program::Nn`) run on the host
+//! (`common::emulator`: the program as NVRTC compiles it, a block's threads as host threads),
+//! each launched with its launcher's grid, block and parameters (`src/launch/nn.rs`,
+//! `nn_heads.rs`), against its twin (`host::nn`, `host::nn_math`) **bitwise**, as
+//! `tests/gpu_nn.rs` holds them on a GPU: layernorm_forward in f32 and its bf16 and f16
+//! roundings (the statistics too), the input part of its backward (accumulating), gelu_forward
+//! in f32, bf16 and f16, gelu_backward, bias_add, and the two column reductions,
+//! layernorm_backward_params_f32 and bias_grad_f32 (two-dimensional blocks of 32 columns ×
+//! `NN_COL_GROUPS` row groups, one per tile of 32 columns and chunk of `NN_COL_CHUNK` rows),
+//! each chained with column_chunks_add_f32 as its launcher chains them: the chunk sums the
+//! first kernel writes are what the second adds to the gradients' current values. Rows are
+//! shorter and longer than a block of 256 threads and not multiples of it or of a warp; a
+//! constant row (zero variance) too; the column reductions run over one row, one partial chunk
+//! and several chunks (the last partial), on columns that are not a multiple of 32; GELU's
+//! inputs hold zeros of both signs, infinities, NaN, a subnormal and the tails; outputs and
+//! scratch start as NaN so that an element left unwritten shows.
 //!
-//! What this cannot check: the hardware itself (`tests/gpu_nn.rs` does, on a GPU); and the
-//! column reductions' first pass, `layernorm_backward_params_f32` and `bias_grad_f32`, whose
-//! blocks are two-dimensional (32 columns × `NN_COL_GROUPS` row groups, `threadIdx.y` the
-//! group): the emulator's launches have one-dimensional blocks (`Launch::threads`,
-//! `threadIdx.y` always 0), so they cannot be launched as their launcher launches them. Their
-//! chunk sums are formed here in the order `cu/nn.cu` documents, and column_chunks_add_f32
-//! adds them as the launchers chain it, against the twins' `bias_grad` and
-//! `layernorm_backward_params`.
+//! What this cannot check: the hardware itself (`tests/gpu_nn.rs` does, on a GPU): the
+//! emulator runs a block's threads as host threads and the blocks one after another, so
+//! neither races between blocks, nor the memory model, nor the launch limits are exercised.
 
 mod common;
 
@@ -189,8 +189,11 @@ fn layernorm_backward_input_is_its_twin() {
 /// the first pass (`bias_grad_f32`, `layernorm_backward_params_f32`): for chunk `q` of
 /// NN_COL_CHUNK rows and column `j`, row group `g` of NN_COL_GROUPS folds the chunk's rows
 /// `g, g + NN_COL_GROUPS, …` from zero in order, then the group partials are folded in group
-/// order from zero into `part[q, j]`.
-fn chunk_sums(n: usize, c: usize, term: impl Fn(usize, usize) -> f32) -> (Vec<f32>, usize) {
+/// order from zero into `part[q, j]`. Not what the chains below are held to (the twins are):
+/// the scratch the first kernel writes is compared with it as well, so that a failure says
+/// which of the two kernels is at fault, and so that the chunk sums themselves are pinned (a
+/// wrong split between the chunks could still round to the twin's total).
+fn chunk_sums(n: usize, c: usize, term: impl Fn(usize, usize) -> f32) -> Vec<f32> {
     let chunks = n.div_ceil(NN_COL_CHUNK);
     let mut part = vec![0.0f32; chunks * c];
     for q in 0..chunks {
@@ -207,55 +210,103 @@ fn chunk_sums(n: usize, c: usize, term: impl Fn(usize, usize) -> f32) -> (Vec<f3
             part[q * c + j] = t;
         }
     }
-    (part, chunks)
+    part
 }
 
-/// column_chunks_add_f32 on the element-wise grid for `c` columns (`launch::nn::add_chunks`:
-/// `config(c)`), parameters (part, acc, u32 chunks, u32 c): `acc` updated in place.
-fn add_chunks(emu: &Emulator, part: &[f32], chunks: usize, acc: &[f32]) -> Vec<f32> {
-    let c = acc.len();
-    let mut bufs = vec![bytes_of(part), bytes_of(acc)];
+/// The block of a column reduction's first kernel, `launch::nn::per_column_tile`'s: 32
+/// columns × NN_COL_GROUPS row groups (`threadIdx.y` the group).
+const COL_BLOCK: (u32, u32) = (32, NN_COL_GROUPS as u32);
+
+/// The grid of a column reduction's first kernel over `n` rows of `c` columns, as
+/// `launch::nn::per_column_tile(c, n)` makes it: one block per tile of 32 columns (at most
+/// 2^16) and chunk of NN_COL_CHUNK rows (at most 65535).
+fn per_column_tile(c: usize, n: usize) -> (u32, u32) {
+    let tiles = c.div_ceil(32).clamp(1, 1 << 16) as u32;
+    let chunks = n.div_ceil(NN_COL_CHUNK).clamp(1, u16::MAX as usize) as u32;
+    (tiles, chunks)
+}
+
+/// The grids the first kernels run on here: the launcher's (`per_column_tile`), and one of a
+/// single tile column and two chunk rows of blocks, smaller than the work, so that the
+/// kernels' grid-stride loops over tiles and chunks run (and a block past the last chunk
+/// writes nothing): on the launcher's grid they run only past 2^16 tiles or 65535 chunks,
+/// sizes the emulator cannot afford. The second is not a grid a launcher uses; the kernels
+/// document both loops, and the twin's bits must not depend on the grid.
+fn column_grids(c: usize, n: usize) -> [((u32, u32), &'static str); 2] {
+    [
+        (per_column_tile(c, n), "the launcher's grid"),
+        ((1, 2), "grid (1, 2), grid-stride"),
+    ]
+}
+
+/// column_chunks_add_f32 as `launch::nn::add_chunks` launches it: the element-wise grid for
+/// `c` columns (`config(c)`), parameters (part, acc, u32 chunks, u32 c) with `part` and `acc`
+/// buffers `part` and `acc` (updated in place) and `chunks` = ⌈n / NN_COL_CHUNK⌉, unclamped
+/// (`launch::nn::chunk_sums`).
+fn add_chunks(part: usize, acc: usize, chunks: usize, c: usize) -> Launch {
     let args = vec![
-        Arg::buf(0),
-        Arg::buf(1),
+        Arg::buf(part),
+        Arg::buf(acc),
         Arg::u32(chunks as u32),
         Arg::u32(c as u32),
     ];
-    emu.run(
-        &mut bufs,
-        &[Launch::elementwise("column_chunks_add_f32", c, args)],
-    );
-    values_of(&bufs[1])
+    Launch::elementwise("column_chunks_add_f32", c, args)
 }
 
-/// The column reductions' last step, column_chunks_add_f32, adding the chunk sums in chunk
-/// order to the gradients' current values: the bias gradient's (the shapes of
-/// `tests/gpu_nn.rs`: one row; a partial chunk; several chunks, the last partial, with a
-/// partial tile of 32 columns) and the layer norm's weight and bias gradients (600 rows: three
-/// chunks, the last of 88 rows), against the twins `bias_grad` and
-/// `layernorm_backward_params`. The chunk sums come from [`chunk_sums`], not from the kernels
-/// that write them on a GPU (their two-dimensional blocks are beyond the emulator).
+/// bias_grad_f32 chained with column_chunks_add_f32 as `launch::bias_grad` chains them (one
+/// run over the same buffers: dy; the scratch of ⌈n / NN_COL_CHUNK⌉ × c chunk sums the first
+/// writes and the second reads; db, accumulated): bias_grad_f32 on `per_column_tile(c, n)`'s
+/// grid and block (32, NN_COL_GROUPS), parameters (dy, part, u32 n, u32 c); db against the
+/// twin `bias_grad` bitwise. Shapes of `tests/gpu_nn.rs` (its 1025 × 1000 narrowed to 300
+/// columns, ten tiles, for time): one row; one partial chunk; three chunks (the last of 88
+/// rows) on two tiles, the second partial; five chunks (the last of one row) on ten tiles,
+/// the last partial. This chain replaces the earlier test of column_chunks_add_f32 over chunk
+/// sums formed here ([`chunk_sums`] now only checks the scratch in between).
 #[test]
-fn column_chunks_add_completes_the_twins_column_sums() {
-    let Some(emu) = Emulator::build(
-        Program::Nn,
-        "column_chunks_add_completes_the_twins_column_sums",
-    ) else {
+fn bias_grad_chain_is_its_twin() {
+    let Some(emu) = Emulator::build(Program::Nn, "bias_grad_chain_is_its_twin") else {
         return;
     };
     for (n, c) in [(1usize, 33usize), (200, 64), (600, 40), (1025, 300)] {
         let (dy, db0) = (data(n * c, 51, 1.0), data(c, 52, 0.1));
         let mut db = db0.clone();
         nn::bias_grad(&dy, &mut db).unwrap();
-        let (part, chunks) = chunk_sums(n, c, |r, j| dy[r * c + j]);
-        assert_eq!(chunks, n.div_ceil(NN_COL_CHUNK));
-        let got = add_chunks(emu, &part, chunks, &db0);
-        same(
-            &got,
-            &db,
-            &format!("bias grad {n}×{c} (column_chunks_add_f32)"),
-        );
+        let part = chunk_sums(n, c, |r, j| dy[r * c + j]);
+        let chunks = n.div_ceil(NN_COL_CHUNK);
+        for (grid, how) in column_grids(c, n) {
+            let mut bufs = vec![bytes_of(&dy), nans(chunks * c), bytes_of(&db0)];
+            let args = vec![
+                Arg::buf(0),
+                Arg::buf(1),
+                Arg::u32(n as u32),
+                Arg::u32(c as u32),
+            ];
+            let first = Launch::new_2d("bias_grad_f32", grid, COL_BLOCK, args);
+            emu.run(&mut bufs, &[first, add_chunks(1, 2, chunks, c)]);
+            let what = |p: &str| format!("bias_grad_f32 {p} {n}×{c} ({how})");
+            same(&values_of(&bufs[1]), &part, &what("chunk sums"));
+            same(&values_of(&bufs[2]), &db, &what("db"));
+        }
     }
+}
+
+/// layernorm_backward_params_f32 chained with column_chunks_add_f32 as
+/// `launch::layernorm_backward_params` chains them (one run over the same buffers: dy, x,
+/// mean, rstd; the two scratches of chunk sums, pw and pb; dw and db, accumulated):
+/// layernorm_backward_params_f32 on `per_column_tile(c, n)`'s grid and block
+/// (32, NN_COL_GROUPS), parameters (dy, x, mean, rstd, pw, pb, u32 n, u32 c), then
+/// column_chunks_add_f32 (pw, dw) and (pb, db); dw and db against the twin
+/// `layernorm_backward_params` bitwise, the statistics the twin's forward (the emulated
+/// forward's bits, `layernorm_forward_is_its_twin`). Shapes of `tests/gpu_nn.rs`: 33 × 48 (one
+/// partial chunk, two tiles, the second partial) and 600 × 40 (three chunks, the last of 88
+/// rows). This chain replaces the earlier test of column_chunks_add_f32 over chunk sums formed
+/// here ([`chunk_sums`] now only checks the scratches in between).
+#[test]
+fn layernorm_backward_params_chain_is_its_twin() {
+    let Some(emu) = Emulator::build(Program::Nn, "layernorm_backward_params_chain_is_its_twin")
+    else {
+        return;
+    };
     for (n, c) in [(33usize, 48usize), (600, 40)] {
         let x = data(n * c, 1, 4.0);
         let (w, b, dy) = (data(c, 2, 1.0), data(c, 3, 1.0), data(n * c, 4, 1.0));
@@ -265,11 +316,43 @@ fn column_chunks_add_completes_the_twins_column_sums() {
         let (mut dw, mut db) = (dw0.clone(), db0.clone());
         nn::layernorm_backward_params(&dy, &x, &m, &r, &mut dw, &mut db).unwrap();
         // The kernel's terms: fm(fm(d, fs(x, mean)), rstd) for the weight, d for the bias.
-        let (pw, chunks) = chunk_sums(n, c, |i, j| (dy[i * c + j] * (x[i * c + j] - m[i])) * r[i]);
-        let (pb, _) = chunk_sums(n, c, |i, j| dy[i * c + j]);
-        let what = |p: &str| format!("layernorm {p} {n}×{c} (column_chunks_add_f32)");
-        same(&add_chunks(emu, &pw, chunks, &dw0), &dw, &what("dweight"));
-        same(&add_chunks(emu, &pb, chunks, &db0), &db, &what("dbias"));
+        let pw = chunk_sums(n, c, |i, j| (dy[i * c + j] * (x[i * c + j] - m[i])) * r[i]);
+        let pb = chunk_sums(n, c, |i, j| dy[i * c + j]);
+        let chunks = n.div_ceil(NN_COL_CHUNK);
+        for (grid, how) in column_grids(c, n) {
+            let mut bufs = vec![
+                bytes_of(&dy),
+                bytes_of(&x),
+                bytes_of(&m),
+                bytes_of(&r),
+                nans(chunks * c),
+                nans(chunks * c),
+                bytes_of(&dw0),
+                bytes_of(&db0),
+            ];
+            let args = vec![
+                Arg::buf(0),
+                Arg::buf(1),
+                Arg::buf(2),
+                Arg::buf(3),
+                Arg::buf(4),
+                Arg::buf(5),
+                Arg::u32(n as u32),
+                Arg::u32(c as u32),
+            ];
+            let first = Launch::new_2d("layernorm_backward_params_f32", grid, COL_BLOCK, args);
+            let chain = [
+                first,
+                add_chunks(4, 6, chunks, c),
+                add_chunks(5, 7, chunks, c),
+            ];
+            emu.run(&mut bufs, &chain);
+            let what = |p: &str| format!("layernorm_backward_params_f32 {p} {n}×{c} ({how})");
+            same(&values_of(&bufs[4]), &pw, &what("dweight chunk sums"));
+            same(&values_of(&bufs[5]), &pb, &what("dbias chunk sums"));
+            same(&values_of(&bufs[6]), &dw, &what("dweight"));
+            same(&values_of(&bufs[7]), &db, &what("dbias"));
+        }
     }
 }
 
