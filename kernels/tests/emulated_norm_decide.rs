@@ -28,10 +28,7 @@
 //!   part's without it, as the launcher passes it), both and neither, taken and skipped steps
 //!   (`take`), sharded and replicated parts each infinite or NaN, and faults.
 //!
-//! The last three are launched as their launchers launch them, one block of one thread, which
-//! the emulator refuses since it takes only blocks of whole warps (`generic.cpp`, commit
-//! 8d0ed4f): they are `#[ignore]`d until it takes one thread again (they passed before; run
-//! them with `--ignored`).
+//! The last three are launched as their launchers launch them: one block of one thread.
 //!
 //! What this cannot check is the hardware itself (its f64 rounding, its scheduling of blocks):
 //! `tests/gpu.rs` and `tests/gpu_step.rs` do, on a GPU.
@@ -304,7 +301,6 @@ fn loss_accumulate_is_its_twin() {
 /// above `max_norm`, zero, infinite and NaN (a negative sum too), and limits of 0, `+∞` and
 /// NaN: both outputs bitwise the twin's.
 #[test]
-#[ignore = "the emulator refuses a block of one thread (generic.cpp: whole warps only, since 8d0ed4f); the launcher launches one"]
 fn clip_coefficient_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Norm, "clip_coefficient_is_its_twin") else {
         return;
@@ -390,7 +386,6 @@ type Run = (Option<ScalerRule>, Option<(f32, u32, u64)>, Option<u64>);
 /// `step_decide` over runs of 16 steps whose scalars carry over, every rule and scaler: each
 /// step's scalars bitwise the twin's.
 #[test]
-#[ignore = "the emulator refuses a block of one thread (generic.cpp: whole warps only, since 8d0ed4f); the launcher launches one"]
 fn step_decide_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Optim, "step_decide_is_its_twin") else {
         return;
@@ -512,7 +507,6 @@ fn engine_launch(d: &EngineDecision) -> Launch {
 /// the non-finite rule (limits of 2, 0 and none), both and neither: each step's scalars
 /// bitwise the twin's.
 #[test]
-#[ignore = "the emulator refuses a block of one thread (generic.cpp: whole warps only, since 8d0ed4f); the launcher launches one"]
 fn engine_decide_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Optim, "engine_decide_is_its_twin") else {
         return;

@@ -13,9 +13,8 @@
 //!   nothing changes), either choice (and a choice past them: the last), clipped, unscaled;
 //! - `anyprecision_decided_f32` and `anyprecision_decided_bf16_state` with parameters of f32 or
 //!   bf16 values, state of f32 or bf16 packed two to an f32 element (odd lengths: the unused
-//!   half stays), with Kahan summation (without it the launcher passes a null compensation,
-//!   which the emulator cannot pass: the `_many` kernels cover that path, a 0 in their list),
-//!   a set with and one without weight decay;
+//!   half stays), with Kahan summation and without (the launcher's null compensation), a set
+//!   with and one without weight decay;
 //! - `adamw_decided_many`, `anyprecision_decided_many_f32` and
 //!   `anyprecision_decided_many_bf16_state` over tensors of different lengths (empty, one
 //!   element, around a block, longer than the blocks along x take in one pass), every other
@@ -585,10 +584,9 @@ fn anyprecision_state(kind: AnyPrecision, n: usize, seed: u64) -> ApState {
 
 /// `anyprecision_decided_f32` / `_bf16_state` (`launch::anyprecision_decided`: `config(n)`,
 /// parameters p, g, m, v, comp, n, the scalars, the choice by value, param_bf16) over
-/// [`decisions`] with state carried over, every kind with Kahan summation (the launcher's null
-/// compensation without it cannot be passed to the emulator: the `_many` test covers that
-/// path), a set with weight decay and one without, [`N`] elements, against
-/// `host::anyprecision_decided`.
+/// [`decisions`] with state carried over, every kind with Kahan summation and without (the
+/// launcher's null compensation: the compensation buffer is not touched), a set with weight
+/// decay and one without, [`N`] elements, against `host::anyprecision_decided`.
 #[test]
 fn anyprecision_decided_is_its_twin() {
     let Some(emu) = Emulator::build(Program::AnyPrecision, "anyprecision_decided_is_its_twin")
@@ -608,7 +606,7 @@ fn anyprecision_decided_is_its_twin() {
         AnyPrecisionScalars::new(&cfg(9e-4, 0.0), 4).unwrap(),
     ]);
     assert!(choice.0[0].decay.is_some() && choice.0[1].decay.is_none());
-    for kind in kinds(&[true]) {
+    for kind in kinds(&[true, false]) {
         let kernel = if kind.state == DType::BF16 {
             "anyprecision_decided_bf16_state"
         } else {
@@ -637,7 +635,7 @@ fn anyprecision_decided_is_its_twin() {
                 &g,
                 &mut m,
                 &mut v,
-                Some(&mut c),
+                kind.kahan.then_some(&mut c),
             )
             .unwrap();
             bufs[1] = guarded(&g);
@@ -647,7 +645,7 @@ fn anyprecision_decided_is_its_twin() {
                 Arg::buf(1),
                 Arg::buf(2),
                 Arg::buf(3),
-                Arg::buf(4),
+                if kind.kahan { Arg::buf(4) } else { Arg::Null },
                 Arg::u64(n as u64),
                 Arg::buf(5),
                 anyprecision_choice_arg(&choice),

@@ -8,7 +8,7 @@
 //! causal_softmax_backward in f32, bf16 and f16; cross_entropy_fused writing an f32, bf16 or
 //! f16 gradient, and the f32 kernel given one buffer for the logits and their gradient
 //! (`launch::cross_entropy_fused_in_place`), each under a grad scaler's seed read from a
-//! step's scalars.
+//! step's scalars, and without one (the launcher's null `const double* s`).
 //!
 //! Shapes: sequences shorter than a warp and longer than one or two (5, 33, 70: none a
 //! multiple of 32), row counts that leave the last block's warps partly idle; vocabularies
@@ -21,9 +21,7 @@
 //! (the last two: a NaN loss and a NaN row of the gradient), a target whose logit is -inf;
 //! outputs start as a sentinel so that an element left unwritten shows.
 //!
-//! What this cannot check: the hardware itself (`tests/gpu_nn.rs` does, on a GPU); and the
-//! cross-entropy without a grad scaler, whose launcher passes a null `const double* s`: the
-//! emulator's pointer arguments are buffers (`Arg::Ptr`), it has no null pointer to pass.
+//! What this cannot check: the hardware itself (`tests/gpu_nn.rs` does, on a GPU).
 
 mod common;
 
@@ -273,17 +271,25 @@ fn logits_and_targets(n: usize, v: usize) -> (Vec<f32>, Vec<u32>) {
 /// Every cross-entropy kernel over the rows `first..first + r` of `n` rows of `v`, as
 /// `gpt/cuda.rs` launches a chunk of the head's rows: the chunk's own logits, the targets and
 /// losses as views from row `first`; under a grad scaler at each of `scales` (the seed `1/n`
-/// times the scale read from the step's scalars). The f32 kernel runs apart and in place
+/// times the scale read from the step's scalars), or without one (`None`: the launcher passes
+/// a null pointer for the scalars and the seed is `1/n`). The f32 kernel runs apart and in place
 /// (`launch::cross_entropy_fused_in_place`: one buffer for the logits and their gradient).
-fn cross_entropy_case(emu: &Emulator, n: usize, v: usize, first: usize, r: usize, scales: &[f32]) {
+fn cross_entropy_case(
+    emu: &Emulator,
+    n: usize,
+    v: usize,
+    first: usize,
+    r: usize,
+    scales: &[Option<f32>],
+) {
     let what = format!("{n}x{v}, rows {first}..{}", first + r);
     let (all, targets) = logits_and_targets(n, v);
     let logits = &all[first * v..(first + r) * v];
     let tc = &targets[first..first + r];
     let dloss = 1.0 / n as f32;
     for &scale in scales {
-        let scalars = host::step_scalars(0, Some((scale, 0, 0)));
-        let seed = host::scaled_seed("cross_entropy", dloss, Some(&scalars)).unwrap();
+        let scalars = host::step_scalars(0, scale.map(|s| (s, 0, 0)));
+        let seed = host::scaled_seed("cross_entropy", dloss, scale.map(|_| &scalars[..])).unwrap();
         let (mut loss, mut d) = (vec![0.0; r], vec![0.0; r * v]);
         nn::cross_entropy_fused(logits, tc, v, seed, &mut loss, &mut d).unwrap();
         let (mut in_place, mut loss_ip) = (logits.to_vec(), vec![0.0; r]);
@@ -315,7 +321,11 @@ fn cross_entropy_case(emu: &Emulator, n: usize, v: usize, first: usize, r: usize
                 Arg::buf(dl),
                 Arg::u32(v as u32),
                 Arg::f32(dloss),
-                Arg::buf(2),
+                if scale.is_some() {
+                    Arg::buf(2)
+                } else {
+                    Arg::Null
+                },
             ]
         };
         let launches = [
@@ -327,7 +337,7 @@ fn cross_entropy_case(emu: &Emulator, n: usize, v: usize, first: usize, r: usize
         .map(|(k, a)| per_row(k, r, a));
         emu.run(&mut bufs, &launches);
 
-        let what = format!("{what}, loss scale {scale}");
+        let what = format!("{what}, loss scale {scale:?}");
         let loss_want = |l: &[f32]| bits(&framed(n, first..first + r, l, SENTINEL));
         let got = |b: usize| bits(&values_of::<f32>(&bufs[b]));
         for (k, buf, want) in [
@@ -365,15 +375,15 @@ fn cross_entropy_case(emu: &Emulator, n: usize, v: usize, first: usize, r: usize
 }
 
 /// Every cross-entropy kernel over all rows: a vocabulary below a block (100: threads past it
-/// idle in the reductions) under a grad scaler at 2^16 and at 1, and past two blocks'
-/// strides (700 = 2·256 + 188) at 1000 (not a power of two).
+/// idle in the reductions) under a grad scaler at 2^16 and at 1 and without one, and past two
+/// blocks' strides (700 = 2·256 + 188) at 1000 (not a power of two) and without one.
 #[test]
 fn cross_entropy_kernels_are_their_twins() {
     let Some(emu) = Emulator::build(Program::Nn, "cross_entropy_kernels_are_their_twins") else {
         return;
     };
-    cross_entropy_case(emu, 7, 100, 0, 7, &[65536.0, 1.0]);
-    cross_entropy_case(emu, 8, 700, 0, 8, &[1000.0]);
+    cross_entropy_case(emu, 7, 100, 0, 7, &[Some(65536.0), Some(1.0), None]);
+    cross_entropy_case(emu, 8, 700, 0, 8, &[Some(1000.0), None]);
 }
 
 /// The head's chunk of rows (`Logits::Chunked`): rows 3..7 of 9 (the target `v` among them,
@@ -386,6 +396,6 @@ fn cross_entropy_kernels_on_a_chunk_of_rows_are_their_twins() {
     ) else {
         return;
     };
-    cross_entropy_case(emu, 9, 300, 3, 4, &[1000.0]);
-    cross_entropy_case(emu, 9, 300, 7, 2, &[65536.0]);
+    cross_entropy_case(emu, 9, 300, 3, 4, &[Some(1000.0)]);
+    cross_entropy_case(emu, 9, 300, 7, 2, &[Some(65536.0), None]);
 }

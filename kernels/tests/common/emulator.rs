@@ -24,6 +24,8 @@ pub const RUN_TIMEOUT: Duration = Duration::from_secs(300);
 pub enum Arg {
     /// A pointer: buffer `.0`'s address plus `.1` bytes.
     Ptr(usize, usize),
+    /// A null pointer (a launcher's 0 for "none").
+    Null,
     /// A value's bytes (little-endian), its size the parameter's.
     Value(Vec<u8>),
     /// A struct passed by value (its bytes as the launcher lays it out), with the 8-byte
@@ -158,6 +160,7 @@ impl Emulator {
             for a in &l.args {
                 req += &match a {
                     Arg::Ptr(b, o) => format!("p {b} {o}\n"),
+                    Arg::Null => "n\n".to_string(),
                     Arg::Value(v) => format!("v {} 0\n", hex(v)),
                     Arg::Struct(v, relocs) => {
                         let r: String = relocs

@@ -10,6 +10,7 @@
 // how the kernels index their fragments.
 #pragma once
 
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -70,9 +71,12 @@ struct EmuBlock {
     // A warp's mma operands, posted by each lane: a[4], b[2], c[4].
     std::vector<unsigned> mma_a, mma_b;
     std::vector<float> mma_c;
+    // A block of `n` threads: its last warp has the remaining `n % 32` when that is not 0 (a
+    // shuffle there reads the posted values of lanes that exist; past them, zeros).
     explicit EmuBlock(int n)
-        : threads(n), block(n), shfl(n), mma_a(4 * n), mma_b(2 * n), mma_c(4 * n) {
-        for (int w = 0; w < n / 32; ++w) warps.push_back(new std::barrier<>(32));
+        : threads(n), block(n), shfl((n + 31) / 32 * 32), mma_a(4 * shfl.size()),
+          mma_b(2 * shfl.size()), mma_c(4 * shfl.size()) {
+        for (int w = 0; w * 32 < n; ++w) warps.push_back(new std::barrier<>(std::min(32, n - 32 * w)));
     }
     ~EmuBlock() {
         for (auto* w : warps) delete w;

@@ -10,6 +10,7 @@
 //   launch NAME GX GY BX BY ARGS     a grid of GX × GY blocks of BX × BY threads, then ARGS
 //                                    lines, one per kernel parameter:
 //     p BUF OFFSET           a pointer: buffer BUF's address plus OFFSET bytes
+//     n                      a null pointer (what a launcher passes as 0 for "none")
 //     v HEX RELOCS           a value of the parameter's type, its bytes in hex (a struct passed
 //                            by value, as the launcher builds it), then RELOCS times
 //                            `AT BUF OFFSET`: the 8 bytes at AT become that buffer's address
@@ -51,6 +52,7 @@ struct EmuBuffers {
 
 template <typename T> static T emu_get(const EmuBuffers& b, const EmuArg& a, size_t i) {
     if constexpr (std::is_pointer_v<T>) {
+        if (a.kind == 'n') return nullptr;
         if (a.kind != 'p') emu_fail("parameter " + std::to_string(i) + " is a pointer");
         return reinterpret_cast<T>(b.at(a.buf, a.offset));
     } else {
@@ -129,16 +131,18 @@ int main(int argc, char** argv) {
         if (!(req >> name >> grid.x >> grid.y >> block.x >> block.y >> nargs))
             emu_fail("request: a launch");
         grid.z = block.z = 1;
-        if (block.x * block.y == 0 || block.x * block.y > 1024 || (block.x * block.y) % 32)
+        if (block.x * block.y == 0 || block.x * block.y > 1024)
             emu_fail(name + ": a block of " + std::to_string(block.x * block.y) +
-                     " threads (whole warps, at most 1024)");
+                     " threads (1 to 1024)");
         auto k = kernels.find(name);
         if (k == kernels.end()) emu_fail("no kernel " + name);
         std::vector<EmuArg> args(nargs);
         for (auto& a : args) {
             std::string kind;
             req >> kind;
-            if (kind == "p") {
+            if (kind == "n") {
+                a.kind = 'n';
+            } else if (kind == "p") {
                 a.kind = 'p';
                 req >> a.buf >> a.offset;
             } else if (kind == "v") {
