@@ -5,10 +5,10 @@
 //! parameters in the same order), against its twin in `host::nn` **bitwise** (a NaN row of an
 //! id out of range: any NaN, as `tests/gpu_nn.rs` holds it): embedding_forward_f32 (ids out of
 //! range among them), embedding_backward_tokens_f32, embedding_backward_tokens_grouped_f32 on
-//! the tokens grouped by id exactly as `launch::embedding_backward_tokens_host_ids` groups
-//! them, embedding_backward_positions_f32, and heads_split / heads_merge into f32, bf16 and f16
-//! for every layout `HeadsLayout::check` accepts (q, k and v of qkv, the heads' own rows, heads
-//! from a column inside a wider row). The inputs repeat ids with gradients of mixed magnitudes,
+//! the tokens grouped by id by the launcher's own `host::nn::group_by_id` (as
+//! `launch::embedding_backward_tokens_host_ids` groups them), embedding_backward_positions_f32,
+//! and heads_split / heads_merge into f32, bf16 and f16 for every layout `HeadsLayout::check`
+//! accepts (q, k and v of qkv, the heads' own rows, heads from a column inside a wider row). The inputs repeat ids with gradients of mixed magnitudes,
 //! so that an order of the additions other than the tokens' changes the bits (checked here:
 //! the grouped kernel fed its tokens reversed differs from the twin); vocabularies and widths
 //! are no multiples of the block (256) or the warp, rows are longer than a block, and the
@@ -322,33 +322,6 @@ fn embedding_backward_tokens_is_its_twin() {
     }
 }
 
-/// The tokens grouped by id as `launch::embedding_backward_tokens_host_ids` groups them
-/// (`host::nn::group_by_id`, crate-private, copied here line for line): the distinct ids
-/// ascending, CSR offsets (`distinct + 1`), each id's token indices in order (a stable
-/// counting sort).
-fn group_by_id(ids: &[u32], vocab: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
-    let mut count = vec![0u32; vocab];
-    for &id in ids {
-        count[id as usize] += 1;
-    }
-    let (mut distinct, mut offsets) = (Vec::new(), vec![0u32]);
-    let mut start = vec![0u32; vocab];
-    for (id, &n) in count.iter().enumerate() {
-        if n > 0 {
-            let at = offsets[offsets.len() - 1];
-            start[id] = at;
-            distinct.push(id as u32);
-            offsets.push(at + n);
-        }
-    }
-    let mut tokens = vec![0u32; ids.len()];
-    for (r, &id) in ids.iter().enumerate() {
-        tokens[start[id as usize] as usize] = r as u32;
-        start[id as usize] += 1;
-    }
-    (distinct, offsets, tokens)
-}
-
 /// The grouped kernel's launch as `launch::embedding_backward_tokens_host_ids` makes it:
 /// config(distinct·c), (ids, offsets, tokens, dx, dwte, u32 distinct, u32 c); `dwte` read back.
 fn run_grouped(
@@ -407,7 +380,7 @@ fn embedding_backward_tokens_grouped_is_its_twin() {
         let dwte0 = common::data(vocab * c, seed + 2, 0.1);
         let mut want = dwte0.clone();
         nn::embedding_backward_tokens(&ids, &dx, c, &mut want).unwrap();
-        let (distinct, offsets, tokens) = group_by_id(&ids, vocab);
+        let (distinct, offsets, tokens) = nn::group_by_id(&ids, vocab);
         let what = format!("embedding_backward_tokens_grouped_f32 {sh:?}");
         let got = run_grouped(emu, (&distinct, &offsets, &tokens), &dx, c, &dwte0, &what);
         same(&what, &got, &want);

@@ -442,9 +442,13 @@ pub fn embedding_backward_tokens(
 }
 
 /// The tokens grouped by id (ids `< vocab`), as `embedding_backward_tokens_grouped_f32` reads
-/// them: the distinct ids ascending, CSR offsets (`distinct + 1`), and each id's token indices
-/// in order (a stable counting sort).
-pub(crate) fn group_by_id(ids: &[u32], vocab: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+/// them and `launch::embedding_backward_tokens_host_ids` prepares them: the distinct ids
+/// ascending, CSR offsets (`distinct + 1`), and each id's token indices in order (a stable
+/// counting sort).
+///
+/// # Panics
+/// An id of at least `vocab` (the launcher checks them first).
+pub fn group_by_id(ids: &[u32], vocab: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let mut count = vec![0u32; vocab];
     for &id in ids {
         count[id as usize] += 1;

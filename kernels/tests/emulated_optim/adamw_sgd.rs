@@ -139,13 +139,7 @@ fn adamw_decided_f32_is_its_twin() {
     };
     let n = N;
     for wd in [0.1, 0.0] {
-        let cfg = |lr: f64| AdamW {
-            lr,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: wd,
-        };
+        let cfg = |lr: f64| adamw_cfg(lr, wd);
         let choice = AdamWChoice([
             AdamWScalars::new(&cfg(1e-3), 3).unwrap(),
             AdamWScalars::new(&cfg(9e-4), 4).unwrap(),
@@ -270,13 +264,7 @@ fn adamw_decided_many_is_each_tensors_twin() {
     else {
         return;
     };
-    let cfg = |lr: f64, wd: f64| AdamW {
-        lr,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: wd,
-    };
+    let cfg = adamw_cfg;
     let choices = [0.0, 0.1].map(|wd| {
         AdamWChoice([
             AdamWScalars::new(&cfg(1e-3, wd), 3).unwrap(),

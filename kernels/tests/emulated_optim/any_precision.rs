@@ -3,7 +3,7 @@
 use crate::common::emulator::{bytes_of, Arg, Emulator, Launch};
 use fsdp_device::DType;
 use fsdp_kernels::host::{
-    self, pack_state, state_len, AdamW, AnyPrecision, AnyPrecisionChoice, AnyPrecisionScalars,
+    self, pack_state, state_len, AnyPrecision, AnyPrecisionChoice, AnyPrecisionScalars,
 };
 use fsdp_kernels::launch::ANYPRECISION_TENSORS;
 use fsdp_kernels::Program;
@@ -78,13 +78,7 @@ fn anyprecision_decided_is_its_twin() {
         return;
     };
     let n = N;
-    let cfg = |lr: f64, weight_decay: f64| AdamW {
-        lr,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay,
-    };
+    let cfg = adamw_cfg;
     let choice = AnyPrecisionChoice([
         AnyPrecisionScalars::new(&cfg(1e-3, 0.1), 3).unwrap(),
         AnyPrecisionScalars::new(&cfg(9e-4, 0.0), 4).unwrap(),
@@ -171,13 +165,7 @@ fn anyprecision_decided_many_is_each_tensors_twin() {
     ) else {
         return;
     };
-    let cfg = |lr: f64, wd: f64| AdamW {
-        lr,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: wd,
-    };
+    let cfg = adamw_cfg;
     let choices = [0.0, 0.1].map(|wd| {
         AnyPrecisionChoice([
             AnyPrecisionScalars::new(&cfg(1e-3, wd), 3).unwrap(),

@@ -4,10 +4,21 @@
 use crate::common::data;
 use crate::common::emulator::{bytes_of, values_of, Arg, Launch};
 use fsdp_kernels::host::{
-    self, AdamWChoice, AnyPrecisionChoice, SgdChoice, STEP_APPLIED, STEP_CHOICE, STEP_CLIPPED,
-    STEP_CLIP_COEF, STEP_UNSCALE,
+    self, AdamW, AdamWChoice, AnyPrecisionChoice, SgdChoice, STEP_APPLIED, STEP_CHOICE,
+    STEP_CLIPPED, STEP_CLIP_COEF, STEP_UNSCALE,
 };
 use half::bf16;
+
+/// AdamW at `lr` and `weight_decay` with the GPU tests' betas (0.9, 0.95) and eps (1e-8).
+pub(crate) fn adamw_cfg(lr: f64, weight_decay: f64) -> AdamW {
+    AdamW {
+        lr,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay,
+    }
+}
 
 /// The guard past each buffer's end (and in a packed bf16 state's unused half).
 pub(crate) const GUARD: f32 = -1234.5;
