@@ -12,7 +12,7 @@ mod common;
 
 use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
 use fsdp_kernels::host::{self, KernelFloat, ReduceKind};
-use fsdp_kernels::Program;
+use fsdp_kernels::{launch, Program};
 use half::{bf16, f16};
 
 /// The element types the kernels take, to and from their bits.
@@ -348,14 +348,11 @@ fn segment_kernels_copy_and_zero_their_segments() {
         value[2 * SEGS * 8 + k * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
         value[3 * SEGS * 8 + k * 4..][..4].copy_from_slice(&u32::from(widen).to_le_bytes());
     }
-    // `per_segment`: blocks of 256 threads for 8 elements each, at most 512 along x (1024 for
-    // zero_segments: the same here).
+    // The launchers' grids: a row of blocks per segment.
     let longest = segs.iter().map(|s| s.0).max().unwrap() as u64;
-    let blocks = longest.div_ceil(256 * 8).clamp(1, 512) as u32;
-    let gather = Launch::new(
+    let gather = Launch::from_config(
         "gather_segments",
-        (blocks, count as u32),
-        256,
+        &launch::gather_grid(longest, count as u32),
         vec![Arg::Struct(value, relocs), Arg::u32(count as u32)],
     );
     emu.run(&mut bufs, &[gather]);
@@ -379,10 +376,9 @@ fn segment_kernels_copy_and_zero_their_segments() {
         relocs.push((k * 8, count + k, 0));
         value[SEGS * 8 + k * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
     }
-    let zero = Launch::new(
+    let zero = Launch::from_config(
         "zero_segments",
-        (blocks, count as u32),
-        256,
+        &launch::foreach_grid(longest, count as u32),
         vec![Arg::Struct(value, relocs), Arg::u32(count as u32)],
     );
     emu.run(&mut bufs, &[zero]);

@@ -26,7 +26,7 @@ use common::data;
 use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
 use fsdp_kernels::host::nn::{self, NN_BLOCK, NN_COL_CHUNK, NN_COL_GROUPS};
 use fsdp_kernels::host::{f32_to_bf16, f32_to_f16};
-use fsdp_kernels::Program;
+use fsdp_kernels::{launch, Program};
 
 /// The layer norm's epsilon in `tests/gpu_nn.rs`.
 const EPS: f32 = 1e-5;
@@ -123,9 +123,9 @@ fn layernorm_forward_is_its_twin() {
                 Arg::u32(c as u32),
                 Arg::f32(EPS),
             ];
-            // `per_row`: grid (n), block (NN_BLOCK).
-            let launch = Launch::new(kernel, (n as u32, 1), NN_BLOCK as u32, args);
-            emu.run(&mut bufs, &[launch]);
+            // The launcher's `per_row`: grid (n), block (NN_BLOCK).
+            let cfg = launch::per_row("layernorm_forward", n).unwrap();
+            emu.run(&mut bufs, &[Launch::from_config(kernel, &cfg, args)]);
             match kernel {
                 "layernorm_forward_f32" => same(&values_of(&bufs[3]), &y, &what(kernel)),
                 "layernorm_forward_bf16" => same_half(&bufs[3], &y, f32_to_bf16, &what(kernel)),
@@ -170,12 +170,8 @@ fn layernorm_backward_input_is_its_twin() {
             Arg::buf(5),
             Arg::u32(c as u32),
         ];
-        let launch = Launch::new(
-            "layernorm_backward_input_f32",
-            (n as u32, 1),
-            NN_BLOCK as u32,
-            args,
-        );
+        let cfg = launch::per_row("layernorm_backward_input", n).unwrap();
+        let launch = Launch::from_config("layernorm_backward_input_f32", &cfg, args);
         emu.run(&mut bufs, &[launch]);
         same(
             &values_of(&bufs[5]),
@@ -213,17 +209,20 @@ fn chunk_sums(n: usize, c: usize, term: impl Fn(usize, usize) -> f32) -> Vec<f32
     part
 }
 
-/// The block of a column reduction's first kernel, `launch::nn::per_column_tile`'s: 32
-/// columns × NN_COL_GROUPS row groups (`threadIdx.y` the group).
-const COL_BLOCK: (u32, u32) = (32, NN_COL_GROUPS as u32);
+/// The block of a column reduction's first kernel, the launcher's (`launch::per_column_tile`):
+/// 32 columns × NN_COL_GROUPS row groups (`threadIdx.y` the group).
+fn col_block() -> (u32, u32) {
+    let b = launch::per_column_tile(1, 1).block_dim;
+    assert_eq!(b, (32, NN_COL_GROUPS as u32, 1));
+    (b.0, b.1)
+}
 
-/// The grid of a column reduction's first kernel over `n` rows of `c` columns, as
-/// `launch::nn::per_column_tile(c, n)` makes it: one block per tile of 32 columns (at most
+/// The grid of a column reduction's first kernel over `n` rows of `c` columns, the
+/// launcher's (`launch::per_column_tile(c, n)`): one block per tile of 32 columns (at most
 /// 2^16) and chunk of NN_COL_CHUNK rows (at most 65535).
 fn per_column_tile(c: usize, n: usize) -> (u32, u32) {
-    let tiles = c.div_ceil(32).clamp(1, 1 << 16) as u32;
-    let chunks = n.div_ceil(NN_COL_CHUNK).clamp(1, u16::MAX as usize) as u32;
-    (tiles, chunks)
+    let g = launch::per_column_tile(c, n).grid_dim;
+    (g.0, g.1)
 }
 
 /// The grids the first kernels run on here: the launcher's (`per_column_tile`), and one of a
@@ -281,7 +280,7 @@ fn bias_grad_chain_is_its_twin() {
                 Arg::u32(n as u32),
                 Arg::u32(c as u32),
             ];
-            let first = Launch::new_2d("bias_grad_f32", grid, COL_BLOCK, args);
+            let first = Launch::new_2d("bias_grad_f32", grid, col_block(), args);
             emu.run(&mut bufs, &[first, add_chunks(1, 2, chunks, c)]);
             let what = |p: &str| format!("bias_grad_f32 {p} {n}×{c} ({how})");
             same(&values_of(&bufs[1]), &part, &what("chunk sums"));
@@ -340,7 +339,7 @@ fn layernorm_backward_params_chain_is_its_twin() {
                 Arg::u32(n as u32),
                 Arg::u32(c as u32),
             ];
-            let first = Launch::new_2d("layernorm_backward_params_f32", grid, COL_BLOCK, args);
+            let first = Launch::new_2d("layernorm_backward_params_f32", grid, col_block(), args);
             let chain = [
                 first,
                 add_chunks(4, 6, chunks, c),

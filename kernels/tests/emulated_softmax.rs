@@ -27,9 +27,9 @@ mod common;
 
 use common::data;
 use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
-use fsdp_kernels::host::nn::{self, NN_BLOCK, NN_WARP};
+use fsdp_kernels::host::nn::{self};
 use fsdp_kernels::host::{self, f32_to_bf16, f32_to_f16};
-use fsdp_kernels::Program;
+use fsdp_kernels::{launch, Program};
 
 /// What outputs start as (f32, and its bf16 and f16 bits): an element a kernel leaves
 /// unwritten keeps it, a value no twin gives here.
@@ -66,14 +66,14 @@ fn framed<T: Copy>(whole: usize, range: std::ops::Range<usize>, inner: &[T], out
 /// The softmaxes' launch (`launch::nn`'s `per_warp_row`): one warp of `NN_WARP` lanes per row,
 /// `NN_BLOCK / NN_WARP` rows a block of `NN_BLOCK` threads.
 fn per_warp_row(kernel: &str, rows: usize, args: Vec<Arg>) -> Launch {
-    let blocks = rows.div_ceil(NN_BLOCK / NN_WARP) as u32;
-    Launch::new(kernel, (blocks, 1), NN_BLOCK as u32, args)
+    let cfg = launch::per_warp_row("causal_softmax", rows).unwrap();
+    Launch::from_config(kernel, &cfg, args)
 }
 
-/// The cross-entropy's launch (`launch::nn`'s `per_row`): one block of `NN_BLOCK` threads per
-/// row.
+/// The cross-entropy's launch (`launch::per_row`): one block of `NN_BLOCK` threads per row.
 fn per_row(kernel: &str, rows: usize, args: Vec<Arg>) -> Launch {
-    Launch::new(kernel, (rows as u32, 1), NN_BLOCK as u32, args)
+    let cfg = launch::per_row("cross_entropy_fused", rows).unwrap();
+    Launch::from_config(kernel, &cfg, args)
 }
 
 /// Scores of `pairs` `t × t` matrices (`tests/gpu_nn.rs`'s), with what a causal softmax must

@@ -218,6 +218,13 @@ pub(super) fn per_segment(longest: u64, count: u32, max_blocks_x: u64) -> Launch
     }
 }
 
+/// The grid of one launch of this file's many-tensor kernels (`adamw_decided_many`,
+/// `anyprecision_decided_many_*`, `zero_segments`) over `count` tensors whose longest has
+/// `longest` elements: 256-thread blocks, one along x per 2048 elements (at most 1024).
+pub fn foreach_grid(longest: u64, count: u32) -> LaunchConfig {
+    per_segment(longest, count, MAX_BLOCKS_X)
+}
+
 /// [`adamw_decided`](super::adamw_decided) on each of `tensors` with `choices[decay]`, in one
 /// launch per [`ADAMW_TENSORS`] tensors; bitwise the one-tensor launches.
 ///
@@ -268,7 +275,7 @@ pub fn adamw_decided_many(
             l.decay[i] = u32::from(t.decay);
         }
         let longest = l.n.iter().copied().max().unwrap_or(0);
-        let cfg = per_segment(longest, count, MAX_BLOCKS_X);
+        let cfg = foreach_grid(longest, count);
         let mut b = stream.launch_builder(&f);
         b.arg(&l).arg(&count).arg(&s).arg(&plain).arg(&decayed);
         // SAFETY: (AdamWList l, u32 count, const double* s, AdamWChoice plain, AdamWChoice
@@ -346,7 +353,7 @@ pub fn anyprecision_decided_many(
             }
         }
         let longest = l.n.iter().copied().max().unwrap_or(0);
-        let cfg = per_segment(longest, count, MAX_BLOCKS_X);
+        let cfg = foreach_grid(longest, count);
         let mut b = stream.launch_builder(&f);
         b.arg(&l)
             .arg(&count)
@@ -393,7 +400,7 @@ pub fn fill_zero_many(
             guards.push(g);
         }
         let longest = z.n.iter().copied().max().unwrap_or(0);
-        let cfg = per_segment(longest, count, MAX_BLOCKS_X);
+        let cfg = foreach_grid(longest, count);
         let mut b = stream.launch_builder(&f);
         b.arg(&z).arg(&count);
         // SAFETY: (ZeroSegments z, u32 count): `count` buffers of `z.n` f32 at `z.dst`,

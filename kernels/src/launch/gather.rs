@@ -2,7 +2,7 @@
 //! a gather of peers' shards enqueues one kernel for a unit's tensors and ranks instead of one
 //! `cuMemcpyDtoDAsync` each.
 
-use cudarc::driver::{CudaStream, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::driver;
 use super::function;
@@ -42,6 +42,12 @@ unsafe impl DeviceRepr for Segments {}
 /// At most this many blocks per segment (they stride over the rest).
 const MAX_BLOCKS_X: u64 = 512;
 
+/// The grid of one launch of `gather_segments` over `count` segments whose longest has
+/// `longest` elements (as [`foreach_grid`](super::foreach_grid), at most 512 blocks along x).
+pub fn gather_grid(longest: u64, count: u32) -> LaunchConfig {
+    super::foreach::per_segment(longest, count, MAX_BLOCKS_X)
+}
+
 /// Enqueues `copies` on `stream` in launches of at most [`GATHER_SEGMENTS`] copies each.
 /// Copies of no elements are left out.
 ///
@@ -73,7 +79,7 @@ pub unsafe fn gather_copies(stream: &CudaStream, copies: &[GatherCopy]) -> Resul
         }
         let longest = batch.iter().map(|c| c.len as u64).max().unwrap_or(1);
         let count = batch.len() as u32;
-        let cfg = super::foreach::per_segment(longest, count, MAX_BLOCKS_X);
+        let cfg = gather_grid(longest, count);
         let mut b = stream.launch_builder(&f);
         b.arg(&s).arg(&count);
         // SAFETY: (GatherSegments g, u32 count) with `count` ≤ GATHER_SEGMENTS segments filled;

@@ -37,14 +37,15 @@ pub use buffers::{
     div_scalar_buffer, scale_by_buffer, sgd_buffers, sum_of_squares_buffer,
 };
 pub use foreach::{
-    adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
-    AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS,
+    adamw_decided_many, anyprecision_decided_many, fill_zero_many, foreach_grid,
+    sum_of_squares_many, AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS,
+    ZERO_SEGMENTS,
 };
-pub use gather::{gather_copies, GatherCopy, GATHER_SEGMENTS};
+pub use gather::{gather_copies, gather_grid, GatherCopy, GATHER_SEGMENTS};
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, causal_softmax_forward_both,
     gelu_backward, gelu_forward, layernorm_backward_input, layernorm_backward_params,
-    layernorm_forward,
+    layernorm_forward, per_column_tile, per_row, per_warp_row,
 };
 pub use nn_embed::{
     embedding_backward_positions, embedding_backward_tokens, embedding_backward_tokens_host_ids,
@@ -121,7 +122,10 @@ fn function(
         .map_err(|e| driver("cuModuleGetFunction", kernel, e))
 }
 
-fn config(n: usize) -> LaunchConfig {
+/// The grid of the element-wise kernels over `n` elements: blocks of 256 threads, at most 2^20
+/// of them (the kernels stride over the rest). Public so that the kernels' host emulation
+/// (`tests/emulated_*`) launches them on the launchers' own grids.
+pub fn config(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),

@@ -16,8 +16,11 @@ use crate::host::nn::{
 use crate::host::{same_len, CastFloat};
 use crate::{KernelError, Program};
 
-/// One block of [`NN_BLOCK`] threads per row.
-pub(super) fn per_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
+/// One block of [`NN_BLOCK`] threads per row (the layer norms, the cross-entropy).
+///
+/// # Errors
+/// More rows than the grid's 2^31 − 1 blocks.
+pub fn per_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
     let grid = u32::try_from(rows)
         .ok()
         .filter(|&g| g <= i32::MAX as u32)
@@ -32,8 +35,12 @@ pub(super) fn per_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig,
     })
 }
 
-/// One warp of [`NN_WARP`] lanes per row, `NN_BLOCK / NN_WARP` rows a block.
-fn per_warp_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
+/// One warp of [`NN_WARP`] lanes per row, `NN_BLOCK / NN_WARP` rows a block (the causal
+/// softmaxes).
+///
+/// # Errors
+/// As [`per_row`].
+pub fn per_warp_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
     let mut cfg = per_row(kernel, rows.div_ceil(NN_BLOCK / NN_WARP))?;
     cfg.block_dim = (NN_BLOCK as u32, 1, 1);
     Ok(cfg)
@@ -42,7 +49,7 @@ fn per_warp_row(kernel: &'static str, rows: usize) -> Result<LaunchConfig, Kerne
 /// A column reduction's blocks: 32 columns × [`NN_COL_GROUPS`] row groups each, one block per
 /// 32 columns and chunk of [`NN_COL_CHUNK`] rows (the kernels loop over tiles and chunks past
 /// the grid's limits).
-fn per_column_tile(columns: usize, rows: usize) -> LaunchConfig {
+pub fn per_column_tile(columns: usize, rows: usize) -> LaunchConfig {
     let tiles = columns.div_ceil(32).clamp(1, 1 << 16) as u32;
     let chunks = rows.div_ceil(NN_COL_CHUNK).clamp(1, u16::MAX as usize) as u32;
     LaunchConfig {

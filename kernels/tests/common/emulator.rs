@@ -14,6 +14,7 @@ use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::LaunchConfig;
 use fsdp_kernels::Program;
 
 /// The longest a run may take.
@@ -86,11 +87,24 @@ impl Launch {
         }
     }
 
-    /// A launch on the element-wise launchers' grid for `n` elements (`launch::config`: blocks
-    /// of 256 threads, at most 2^20 blocks).
+    /// A launch on a launcher's own grid (`fsdp_kernels::launch::config`, `per_row`, …).
+    pub fn from_config(kernel: &str, cfg: &LaunchConfig, args: Vec<Arg>) -> Launch {
+        assert_eq!(
+            (cfg.grid_dim.2, cfg.block_dim.2, cfg.shared_mem_bytes),
+            (1, 1, 0),
+            "{kernel}: a grid or block in z, or dynamic shared memory"
+        );
+        Launch::new_2d(
+            kernel,
+            (cfg.grid_dim.0, cfg.grid_dim.1),
+            (cfg.block_dim.0, cfg.block_dim.1),
+            args,
+        )
+    }
+
+    /// A launch on the element-wise launchers' grid for `n` elements (`launch::config`).
     pub fn elementwise(kernel: &str, n: usize, args: Vec<Arg>) -> Launch {
-        let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
-        Launch::new(kernel, (blocks, 1), 256, args)
+        Launch::from_config(kernel, &fsdp_kernels::launch::config(n), args)
     }
 }
 

@@ -246,16 +246,13 @@ pub(crate) fn list_arg(
     Arg::Struct(b, relocs)
 }
 
-/// The launch shape of the `_many` kernels (`launch/foreach.rs` `per_segment`): blocks of 256
-/// threads, one along x per 2048 elements of the longest tensor (at most `MAX_BLOCKS_X` =
-/// 1024), one row per tensor.
+/// The launch shape of the `_many` kernels, the launchers' (`launch::foreach_grid`): blocks of
+/// 256 threads, one along x per 2048 elements of the longest tensor (at most 1024), one row per
+/// tensor.
 pub(crate) fn per_segment(kernel: &str, lens: &[usize], args: Vec<Arg>) -> Launch {
-    const BLOCK: u64 = 256;
-    const PER_THREAD: u64 = 8;
-    const MAX_BLOCKS_X: u64 = 1024;
     let longest = lens.iter().copied().max().unwrap_or(0) as u64;
-    let blocks = longest.div_ceil(BLOCK * PER_THREAD).clamp(1, MAX_BLOCKS_X) as u32;
-    Launch::new(kernel, (blocks, lens.len() as u32), BLOCK as u32, args)
+    let cfg = fsdp_kernels::launch::foreach_grid(longest, lens.len() as u32);
+    Launch::from_config(kernel, &cfg, args)
 }
 
 /// The one-tensor kernels' length: 3 blocks of 256, the last partial, odd (a packed bf16
