@@ -21,8 +21,7 @@ fn wrong_length(name: &str, got: usize, want: usize) -> DeviceTrainError {
 
 /// How one device's GPT operations see the engine's unsharded buffers while a unit is
 /// unsharded ([`fsdp::Fsdp::param_views`], [`fsdp::Fsdp::grad_views`]). `stream` is the
-/// engine's compute stream when it runs on a [`ComputeDevice`](fsdp::engine::ComputeDevice),
-/// `None` on the host.
+/// engine's compute stream when it runs on a [`ComputeDevice`], `None` on the host.
 pub trait EngineViews: GptOps {
     /// Parameter `name` (`len` elements) as one of the operations' buffers, to read until it
     /// is dropped (before the unit is resharded).
