@@ -21,9 +21,9 @@
 //! ([`EngineMemoryPlan::lag_margin`]). The host twins show both (`tests/engine_plan.rs`).
 //!
 //! The same dry run gives the rank's host memory ([`EngineMemoryPlan::host_peak`]): the
-//! engine's host caching allocator's reserved peak and the optimizer state, which the engine
-//! builds on the host before it places them, exactly the host twins' (`fsdp train --engine`
-//! admits the host on it).
+//! engine's host caching allocator's reserved peak (exactly the host twins') and the optimizer
+//! state, which the engine builds on the host before it places it (with one moment's copy while
+//! it places them; `fsdp train --engine` admits the host on it).
 
 use fsdp::engine::FsdpConfig;
 use fsdp::optim::OptimizerConfig;
@@ -96,10 +96,14 @@ pub struct EngineMemoryPlan {
     /// The host memory of the rank's engine at its peak: its host caching allocator's reserved
     /// peak (the shards and gradient shards as built before they are placed, kept in its
     /// cache; offloaded ones throughout) and the optimizer state, built in host memory (then
-    /// placed on the device and freed there, unless offloaded). Not counted: the pinned
+    /// placed on the device and freed there, unless offloaded) — while it is placed, with one
+    /// moment's copy more (the largest unit's shard in f32, a bound). Not counted: the pinned
     /// staging of the device's copies, and on the host twin its device's memory and the
     /// kernels' buffers (the other figures).
     pub host_peak: u64,
+    /// The optimizer state as the engine builds it in host memory (part of `host_peak`; with
+    /// the shards on the device it moves there, into `optimizer_state`).
+    pub host_state: u64,
 }
 
 /// What one dry run measured.
@@ -118,6 +122,8 @@ struct DryRun {
     largest_gradient: u64,
     /// The host's peak (see [`EngineMemoryPlan::host_peak`]).
     host: u64,
+    /// The optimizer state built in host memory.
+    host_state: u64,
 }
 
 /// Plan `run`'s device memory.
@@ -136,6 +142,7 @@ pub fn plan_engine_memory(run: &EnginePlanRun<'_>) -> Result<EngineMemoryPlan, D
         optimizer_state: together.optimizer_state,
         lag_margin: together.largest_gradient,
         host_peak: together.host,
+        host_state: together.host_state,
     })
 }
 
@@ -154,6 +161,17 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
         .iter()
         .map(|g| (g.layout().shard_numel() * run.optim.state_bytes_per_element()) as u64)
         .sum();
+    // Placing the state on the device copies each moment into a host buffer first, one at a
+    // time, while the moments not yet placed are held: at most the largest unit's shard in f32.
+    let placement_copy = match (run.config.offload_params, host_state) {
+        (true, _) | (_, 0) => 0,
+        _ => fsdp
+            .param_groups()
+            .iter()
+            .map(|g| (g.layout().shard_numel() * 4) as u64)
+            .max()
+            .unwrap_or(0),
+    };
     let optimizer_state = if run.config.offload_params {
         0
     } else {
@@ -204,7 +222,7 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
         stats.reserved_bytes.all.peak,
     );
     let activations = gpt.pass().ops().memory().peak;
-    let host = host.memory_stats().reserved_bytes.all.peak + host_state;
+    let host = host.memory_stats().reserved_bytes.all.peak + host_state + placement_copy;
     Ok(DryRun {
         peak,
         reserved,
@@ -213,5 +231,6 @@ fn dry_run(run: &EnginePlanRun<'_>, together: bool) -> Result<DryRun, DeviceTrai
         optimizer_state,
         largest_gradient,
         host,
+        host_state,
     })
 }

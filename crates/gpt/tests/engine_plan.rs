@@ -44,8 +44,8 @@ fn case(world: usize, strategy: ShardingStrategy) -> Case {
 }
 
 /// Rank 0's measured peaks over 3 clipped steps: the engine's allocator (allocated and
-/// reserved), the kernels' count, the host's (the engine's host allocator's reserved peak and
-/// the optimizer state).
+/// reserved), the kernels' count, the host's (the engine's host allocator's reserved peak, the
+/// optimizer state and, with the state placed on the device, one moment's copy).
 fn measured(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> Measured {
     let units = gpt_block_plan(&s.cfg);
     let world = c.world;
@@ -76,12 +76,24 @@ fn measured(s: &Setup<fsdp::optim::AdamWConfig>, c: Case) -> Measured {
             .iter()
             .map(|g| g.optimizer_state_bytes())
             .sum();
-        let host = gpt.memory_stats().reserved_bytes.all.peak + state as u64;
+        // Placing the state copies one moment at a time through a host buffer: the largest
+        // unit's shard in f32 (none offloaded: the state stays).
+        let copy = match c.config.offload_params {
+            true => 0,
+            false => gpt
+                .param_groups()
+                .iter()
+                .map(|g| g.layout().shard_numel() * 4)
+                .max()
+                .unwrap_or(0),
+        };
+        let host = gpt.memory_stats().reserved_bytes.all.peak + (state + copy) as u64;
         Measured {
             engine: dev.allocated_bytes.all.peak,
             reserved: dev.reserved_bytes.all.peak,
             activations: gpt.pass().ops().memory().peak,
             host,
+            state: state as u64,
         }
     })
     .unwrap();
@@ -116,6 +128,7 @@ struct Measured {
     reserved: u64,
     activations: u64,
     host: u64,
+    state: u64,
 }
 
 /// The kernels' measured buffers and the host's exactly the plan's; the engine's from the plan
@@ -126,9 +139,11 @@ fn assert_within_plan(p: &EngineMemoryPlan, m: Measured, what: &str) {
         reserved,
         activations,
         host,
+        state,
     } = m;
     assert_eq!(activations, p.activations_peak, "{what}");
     assert_eq!(host, p.host_peak, "{what}: the host's peak");
+    assert_eq!(state, p.host_state, "{what}: the optimizer state");
     assert!(
         reserved >= p.engine_reserved && reserved <= p.engine_reserved + p.lag_margin,
         "{what}: reserved {reserved}, planned {} + {}",

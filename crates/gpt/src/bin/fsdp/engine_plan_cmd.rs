@@ -205,7 +205,7 @@ pub(crate) fn admit(
     world: usize,
     mode: &Mode,
     sharing: Sharing<'_>,
-    data: &ProcessData,
+    (data, start_step): (&ProcessData, usize),
 ) -> Result<EngineMemoryPlan, CliError> {
     let plan = engine_memory(&EnginePlanArgs {
         dev,
@@ -216,7 +216,8 @@ pub(crate) fn admit(
         cpu_offload: args.cpu_offload,
         grad_clip: crate::train::grad_clip(args)?,
         world,
-        steps: args.steps,
+        // The steps this run takes (a resumed one from its checkpoint's).
+        steps: args.steps.saturating_sub(start_step),
     })?;
     let ranks = match mode {
         Mode::Threads(n) => *n,
@@ -252,7 +253,7 @@ pub(crate) fn admit(
 /// Admission of `fsdp train --engine` on the host: each rank's engine's host memory
 /// ([`EngineMemoryPlan::host_peak`]; on the host twin its device's memory too: the segments
 /// of the engine's buffers at their peak with the margin, and the kernels' buffers, counted
-/// apart), times the ranks sharing the host (under a
+/// apart; the optimizer state placed on it counted once), times the ranks sharing the host (under a
 /// launcher added up through the store), and the process's data (`data`: the corpus,
 /// checkpoints, `--save`'s gathered parameters), against the host's memory: `--memory-limit`
 /// on the host twin, whose device memory is the host's; on CUDA, where `--memory-limit` bounds
@@ -268,6 +269,8 @@ fn admit_host(
     sharing: Sharing<'_>,
     data: &ProcessData,
 ) -> Result<(), CliError> {
+    // On the host twin its device's memory is the host's too; the optimizer state placed there
+    // leaves the host (its device's segments hold it), so it is counted once.
     let twin = match dev {
         EngineDevice::HostTwin => plan
             .engine_reserved
@@ -275,8 +278,12 @@ fn admit_host(
             .and_then(|b| b.checked_add(plan.activations_peak)),
         EngineDevice::Cuda(_) => Some(0),
     };
+    let placed = match (dev, args.cpu_offload) {
+        (EngineDevice::HostTwin, false) => plan.host_state,
+        _ => 0,
+    };
     let each = twin
-        .and_then(|t| t.checked_add(plan.host_peak))
+        .and_then(|t| t.checked_add(plan.host_peak - placed))
         .ok_or_else(|| overflow("the engine's host memory"))?;
     let (ranks, who) = sharing.ranks(world);
     let own = each
@@ -302,8 +309,13 @@ fn admit_host(
     let twin = match dev {
         EngineDevice::HostTwin => format!(
             "; the host twin's device memory {} (the segments of the engine's buffers at their \
-             peak with the margin, and the kernels' buffers)",
-            human_bytes(each - plan.host_peak)
+             peak with the margin, and the kernels' buffers{})",
+            human_bytes(each - (plan.host_peak - placed)),
+            if placed > 0 {
+                ", the optimizer state counted there once"
+            } else {
+                ""
+            }
         ),
         EngineDevice::Cuda(_) => String::new(),
     };

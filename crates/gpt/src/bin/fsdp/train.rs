@@ -148,21 +148,23 @@ pub(crate) fn train(args: &TrainArgs) -> Result<(), CliError> {
     // plan's host figures; the others on the host engine's plan against the host's memory.
     let on_device_plan = |a: Admitted| -> Result<(Admitted, Option<EngineMemoryPlan>), CliError> {
         let plan = match engine_device {
-            Some(dev) => Some(crate::engine_plan_cmd::admit(
-                args, dev, world, &mode, sharing, &a.data,
-            )?),
+            Some(dev) => {
+                let start = resume.as_ref().map_or(0, |r| r.step);
+                Some(crate::engine_plan_cmd::admit(
+                    args,
+                    dev,
+                    world,
+                    &mode,
+                    sharing,
+                    (&a.data, start),
+                )?)
+            }
             None => None,
         };
         Ok((a, plan))
     };
-    let admitted = admit_run(
-        args,
-        world,
-        sharing,
-        resume.is_some(),
-        engine_device.is_some(),
-    )
-    .and_then(on_device_plan);
+    let admitted =
+        admit_run(args, world, sharing, resume.is_some(), engine_device).and_then(on_device_plan);
     // A rank that stops here tells the other ranks of its host, which would wait for it.
     if let (Err(e), Some(h)) = (&admitted, &host) {
         h.abandon(e);

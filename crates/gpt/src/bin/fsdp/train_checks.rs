@@ -15,6 +15,7 @@ use fsdp_gpt::model::{param_specs, GptConfig};
 
 use crate::admission::{self, available, ProcessData, Sharing};
 use crate::args::{ScheduleKindArg, TrainArgs, TrainBackend};
+use crate::engine_cmd::EngineDevice;
 use crate::setup::{micro_batch, setup, Setup, DEFAULT_RANKS};
 use crate::train::SYNTHETIC_LEN;
 use crate::{fail, CliError};
@@ -83,8 +84,9 @@ pub(crate) fn admit_run(
     world: usize,
     sharing: Sharing<'_>,
     resumed: bool,
-    on_device: bool,
+    engine_device: Option<EngineDevice>,
 ) -> Result<Admitted, CliError> {
+    let on_device = engine_device.is_some();
     // The optimizer decides what a shard element holds (AnyPrecisionAdamW: the shards in
     // --param-dtype), so it is checked first.
     let optim = crate::optimizer::train_optimizer(args)?;
@@ -122,15 +124,22 @@ pub(crate) fn admit_run(
         args.save.is_some(),
     )?;
     // The engine on a device is admitted on its device plan and the host on its host figures
-    // (`engine_plan_cmd::admit`, with this data): each rank's allocators (its host one, which holds the shards until they are placed and
-    // offloaded ones; the host twin's device) take an equal share of the memory available.
-    let capacity = if on_device {
+    // (`engine_plan_cmd::admit`, with this data): each rank's allocators (its host one, which
+    // holds the shards until they are placed and offloaded ones; the host twin's device) take an
+    // equal share of the host's memory among the ranks of this host (`--memory-limit` on the
+    // host twin, whose device memory is the host's; on CUDA it bounds the device alone).
+    let capacity = if let Some(dev) = engine_device {
         let ranks = match sharing {
-            Sharing::Threads => world as u64,
-            _ => 1,
+            Sharing::Threads => world,
+            Sharing::Host(h) => h.env().local_world_size,
+            Sharing::Launched => admission::local_ranks().unwrap_or(1),
         };
-        available(args.memory_limit).map_or(usize::MAX, |a| {
-            usize::try_from(a.bytes / ranks.max(1)).unwrap_or(usize::MAX)
+        let limit = match dev {
+            EngineDevice::HostTwin => args.memory_limit,
+            EngineDevice::Cuda(_) => None,
+        };
+        available(limit).map_or(usize::MAX, |a| {
+            usize::try_from(a.bytes / ranks.max(1) as u64).unwrap_or(usize::MAX)
         })
     } else {
         admission::admit(
