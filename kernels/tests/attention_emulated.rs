@@ -40,7 +40,13 @@ fn build(dir: &Path) -> Option<PathBuf> {
     })?;
     let exe = dir.join("emu");
     let out = Command::new(&cxx)
-        .args(["-std=c++20", "-O2", "-pthread", "-ffp-contract=off"])
+        .args([
+            "-std=c++20",
+            "-O2",
+            "-pthread",
+            "-ffp-contract=off",
+            "-fno-strict-aliasing",
+        ])
         .args(["-Wall", "-Wno-unknown-pragmas", "-Werror"])
         .arg("-I")
         .arg(manifest.join("src/cu"))
@@ -87,13 +93,12 @@ fn compare<H: CastFloat>(emu: &Path, dir: &Path, a: FusedAttention, sharp: f32) 
     ] {
         write_half::<H>(&dir.join(format!("{name}.bin")), x);
     }
-    let out = Command::new(emu)
-        .arg(dir)
+    let mut cmd = Command::new(emu);
+    cmd.arg(dir)
         .arg(H::NAME)
         .args([a.d, a.pairs, a.t].map(|x| x.to_string()))
-        .arg(format!("{:e}", a.scale))
-        .output()
-        .unwrap();
+        .arg(format!("{:e}", a.scale));
+    let out = common::emulator::output_within(cmd, common::emulator::RUN_TIMEOUT, "attention");
     assert!(
         out.status.success(),
         "the emulator failed: {}",

@@ -9,8 +9,9 @@
 //! [`Emulator::build`] says `skipped: …` and returns `None` (CI has one). A run that does not end
 //! within [`RUN_TIMEOUT`] (a barrier that not every thread reaches) is killed and fails.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -188,23 +189,15 @@ impl Emulator {
         }
         std::fs::write(dir.join("request.txt"), req).unwrap();
         std::fs::write(dir.join("in.bin"), buffers.concat()).unwrap();
-        let mut child = Command::new(&self.exe).arg(&dir).spawn().unwrap();
-        let t0 = Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if t0.elapsed() > RUN_TIMEOUT {
-                let _ = child.kill();
-                let _ = child.wait();
-                let names: Vec<&str> = launches.iter().map(|l| l.kernel.as_str()).collect();
-                panic!("the emulator ran past {RUN_TIMEOUT:?} on {names:?}: a barrier not every thread reached?");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg(&dir);
+        let names: Vec<&str> = launches.iter().map(|l| l.kernel.as_str()).collect();
+        let run = output_within(cmd, RUN_TIMEOUT, &format!("{names:?}"));
         assert!(
-            status.success(),
-            "the emulator failed ({status}) on {launches:?}"
+            run.status.success(),
+            "the emulator failed ({}) on {launches:?}: {}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
         );
         let out = std::fs::read(dir.join("out.bin")).unwrap();
         let mut at = 0;
@@ -218,12 +211,65 @@ impl Emulator {
     }
 }
 
+/// `cmd`'s output, killed (and the test failed) past `timeout`: an emulated barrier that not
+/// every thread reaches never returns. Its output is read while it runs, so no pipe fills up.
+pub fn output_within(mut cmd: Command, timeout: Duration, what: &str) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    fn drain(mut p: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = p.read_to_end(&mut v);
+            v
+        })
+    }
+    let out = drain(child.stdout.take().unwrap());
+    let err = drain(child.stderr.take().unwrap());
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the emulator ran past {timeout:?} on {what}: a barrier not every thread reached?"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    Output {
+        status,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    }
+}
+
 fn hex(v: &[u8]) -> String {
     if v.is_empty() {
         return "00".into();
     }
     v.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// The compiler's flags: IEEE arithmetic as NVRTC's `--fmad=false` (nothing fused but
+/// `__fmaf_rn`), no type-based alias analysis (the kernels read 16-bit storage through wider
+/// types, as CUDA allows), and every warning an error.
+const FLAGS: [&str; 9] = [
+    "-std=c++20",
+    "-O1",
+    "-pthread",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-Wall",
+    "-Wno-unknown-pragmas",
+    "-Wno-unused-function",
+    "-Werror",
+];
 
 /// Compile the emulator of `program` with `cxx` into the tests' scratch directory, unless the
 /// same inputs were compiled there before.
@@ -242,7 +288,8 @@ fn build(cxx: &str, program: Program) -> Emulator {
         .collect();
     let read = |f: &str| std::fs::read_to_string(shim.join(f)).unwrap();
     let key = format!(
-        "{cxx}\n{}\n{}\n{source}\n{registry}",
+        "{cxx} {}\n{}\n{}\n{source}\n{registry}",
+        FLAGS.join(" "),
         read("cuda_shim.h"),
         read("generic.cpp")
     );
@@ -267,13 +314,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
     std::fs::write(tmp.join("registry.inc"), &registry).unwrap();
     let built = tmp.join("emu");
     let out = Command::new(cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-ffp-contract=off"])
-        .args([
-            "-Wall",
-            "-Wno-unknown-pragmas",
-            "-Wno-unused-function",
-            "-Werror",
-        ])
+        .args(FLAGS)
         .arg("-I")
         .arg(&tmp)
         .arg("-I")

@@ -22,6 +22,10 @@
 #define __device__
 #define __forceinline__ inline
 #define __global__
+// A block's __shared__ arrays are function statics: zero for the first block, then what the
+// blocks before left (a GPU's start with garbage). A kernel that reads a slot no thread of its
+// block wrote is not caught here; every kernel of this project writes before it reads (checked
+// by review). Statics of inline functions and of kernels cannot share one poisoned section.
 #define __shared__ static
 #define __launch_bounds__(n)
 #define __align__(n) __attribute__((aligned(n)))
@@ -67,14 +71,14 @@ struct EmuBlock {
     int threads;
     std::barrier<> block;
     std::vector<std::barrier<>*> warps;
-    std::vector<double> shfl;
+    std::vector<unsigned long long> shfl;
     // A warp's mma operands, posted by each lane: a[4], b[2], c[4].
     std::vector<unsigned> mma_a, mma_b;
     std::vector<float> mma_c;
     // A block of `n` threads: its last warp has the remaining `n % 32` when that is not 0 (a
-    // shuffle there reads the posted values of lanes that exist; past them, zeros).
+    // shuffle there reads the posted values of lanes that exist; past them, all ones).
     explicit EmuBlock(int n)
-        : threads(n), block(n), shfl((n + 31) / 32 * 32), mma_a(4 * shfl.size()),
+        : threads(n), block(n), shfl((n + 31) / 32 * 32, ~0ull), mma_a(4 * shfl.size()),
           mma_b(2 * shfl.size()), mma_c(4 * shfl.size()) {
         for (int w = 0; w * 32 < n; ++w) warps.push_back(new std::barrier<>(std::min(32, n - 32 * w)));
     }
@@ -89,13 +93,18 @@ inline void emu_warp_sync() { emu_block->warps[emu_tid / 32]->arrive_and_wait();
 
 // A warp's exchange: every lane posts `v` and reads lane `from(lane)`'s (every lane of the
 // warp must take part, as `0xffffffff` promises; one that does not deadlocks the emulator,
-// which its caller's timeout reports). Values travel as double: exact for f32 and u32.
+// which its caller's timeout reports). Values travel as their bits (NaN payloads too); a lane
+// past a partial last warp reads all ones (NaN), as undefined on a GPU.
 template <typename T, typename F> inline T emu_shuffle(T v, F from) {
+    static_assert(sizeof(T) <= 8, "a shuffle of at most 8 bytes");
     int t = emu_tid;
-    emu_block->shfl[t] = (double)v;
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    emu_block->shfl[t] = bits;
     emu_warp_sync();
     int base = t & ~31, lane = t & 31;
-    T r = (T)emu_block->shfl[base + (from(lane) & 31)];
+    T r;
+    std::memcpy(&r, &emu_block->shfl[base + (from(lane) & 31)], sizeof(T));
     emu_warp_sync();
     return r;
 }

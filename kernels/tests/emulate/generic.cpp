@@ -39,6 +39,10 @@ struct EmuArg {
     size_t buf = 0, offset = 0;
 };
 
+// The bytes around every buffer (64 to 127 before, 64 to 127 after), checked after the run: a
+// kernel that writes past its buffer fails, and one that reads past it reads these, not zeros.
+constexpr unsigned char EMU_CANARY = 0xa5;
+
 struct EmuBuffers {
     std::vector<std::vector<unsigned char>> storage;
     // Each buffer's first byte, 64-byte aligned within its storage (vector loads).
@@ -114,10 +118,9 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < count; ++i) {
         size_t n = 0;
         if (!(req >> n)) emu_fail("request: a buffer's size");
-        // At least one byte, so that every buffer's address is distinct.
-        b.storage.emplace_back(n + 128, (unsigned char)0);
+        b.storage.emplace_back(n + 192, EMU_CANARY);
         unsigned char* p = b.storage.back().data();
-        b.base.push_back(p + (64 - (uintptr_t)p % 64));
+        b.base.push_back(p + (128 - (uintptr_t)p % 64));
         b.sizes.push_back(n);
         if (!in.read(reinterpret_cast<char*>(b.base.back()), (std::streamsize)n))
             emu_fail("in.bin is shorter than the buffers");
@@ -134,6 +137,7 @@ int main(int argc, char** argv) {
         if (block.x * block.y == 0 || block.x * block.y > 1024)
             emu_fail(name + ": a block of " + std::to_string(block.x * block.y) +
                      " threads (1 to 1024)");
+        if (grid.x == 0 || grid.y == 0) emu_fail(name + ": an empty grid (a launch error on a GPU)");
         auto k = kernels.find(name);
         if (k == kernels.end()) emu_fail("no kernel " + name);
         std::vector<EmuArg> args(nargs);
@@ -164,6 +168,15 @@ int main(int argc, char** argv) {
             if (!req) emu_fail("request: the arguments of " + name);
         }
         k->second(b, args, grid, block);
+    }
+    for (size_t i = 0; i < b.base.size(); ++i) {
+        const auto& st = b.storage[i];
+        size_t first = (size_t)(b.base[i] - st.data()), last = first + b.sizes[i];
+        for (size_t k = 0; k < st.size(); ++k)
+            if ((k < first || k >= last) && st[k] != EMU_CANARY)
+                emu_fail("buffer " + std::to_string(i) + " was written " +
+                         (k < first ? std::to_string(first - k) + " bytes before its start"
+                                    : std::to_string(k - last) + " bytes past its end"));
     }
     std::ofstream out(dir + "/out.bin", std::ios::binary);
     for (size_t i = 0; i < b.base.size(); ++i)

@@ -25,7 +25,7 @@ template <typename H> inline float fa_emu_b(int base, int k, int n) {
 }
 
 template <typename H> inline void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    int t = (int)threadIdx.x, base = t & ~31, lane = t & 31;
+    int t = emu_tid, base = t & ~31, lane = t & 31;
     for (int i = 0; i < 4; ++i) emu_block->mma_a[4 * t + i] = a[i];
     emu_block->mma_b[2 * t] = b0;
     emu_block->mma_b[2 * t + 1] = b1;
