@@ -20,13 +20,15 @@
 #include <vector>
 
 #define __device__
-#define __forceinline__ inline
+// Not `inline`: a static of an inline function lives in a COMDAT group, and the poisoned
+// section below must hold every __shared__ array alike (one translation unit: no ODR issue).
+#define __forceinline__
 #define __global__
-// A block's __shared__ arrays are function statics: zero for the first block, then what the
-// blocks before left (a GPU's start with garbage). A kernel that reads a slot no thread of its
-// block wrote is not caught here; every kernel of this project writes before it reads (checked
-// by review). Statics of inline functions and of kernels cannot share one poisoned section.
-#define __shared__ static
+// A block's __shared__ arrays are function statics in one section of their own, which every
+// block starts with filled with 0xff bytes (NaN for floats, all ones for integers), as a GPU's
+// shared memory starts with garbage: a kernel that reads a slot no thread of its block wrote
+// sees NaN, not zero or the previous block's value.
+#define __shared__ static __attribute__((section("emu_shared")))
 #define __launch_bounds__(n)
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -88,6 +90,13 @@ struct EmuBlock {
 };
 inline EmuBlock* emu_block = nullptr;
 
+// The section's bounds (the linker's), and one byte in it so that it exists in every program.
+extern "C" unsigned char __start_emu_shared[], __stop_emu_shared[];
+static unsigned char emu_shared_anchor __attribute__((section("emu_shared"), used));
+inline void emu_poison_shared() {
+    std::memset(__start_emu_shared, 0xff, (size_t)(__stop_emu_shared - __start_emu_shared));
+}
+
 inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
 inline void emu_warp_sync() { emu_block->warps[emu_tid / 32]->arrive_and_wait(); }
 
@@ -125,6 +134,7 @@ inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
         for (unsigned x = 0; x < grid.x; ++x) {
             EmuBlock b(threads);
             emu_block = &b;
+            emu_poison_shared();
             std::vector<std::thread> ts;
             for (int t = 0; t < threads; ++t)
                 ts.emplace_back([&, t, x, y] {
