@@ -31,6 +31,18 @@ pub(crate) enum EngineDevice {
     HostTwin,
 }
 
+impl EngineDevice {
+    /// The bound of the host's memory for a run on this device: `--memory-limit` (`limit`) on
+    /// the host twin, whose device memory is the host's; on CUDA, where it bounds the device,
+    /// none (the host's available memory).
+    pub(crate) fn host_memory_limit(self, limit: Option<u64>) -> Option<u64> {
+        match self {
+            EngineDevice::HostTwin => limit,
+            EngineDevice::Cuda(_) => None,
+        }
+    }
+}
+
 /// `--engine`'s device, after checking the options it does not take; `None` without it. Under
 /// a launcher `--device cuda` is the GPU of the rank's local rank (torchrun's convention).
 ///

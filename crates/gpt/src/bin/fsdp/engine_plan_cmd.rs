@@ -271,29 +271,25 @@ fn admit_host(
 ) -> Result<(), CliError> {
     // On the host twin its device's memory is the host's too; the optimizer state placed there
     // leaves the host (its device's segments hold it), so it is counted once.
-    let twin = match dev {
-        EngineDevice::HostTwin => plan
-            .engine_reserved
-            .checked_add(plan.lag_margin)
-            .and_then(|b| b.checked_add(plan.activations_peak)),
-        EngineDevice::Cuda(_) => Some(0),
-    };
-    let placed = match (dev, args.cpu_offload) {
-        (EngineDevice::HostTwin, false) => plan.host_state,
-        _ => 0,
+    let (twin, placed) = match (dev, args.cpu_offload) {
+        (EngineDevice::HostTwin, offload) => (
+            plan.engine_reserved
+                .checked_add(plan.lag_margin)
+                .and_then(|b| b.checked_add(plan.activations_peak))
+                .ok_or_else(|| overflow("the host twin's device memory"))?,
+            if offload { 0 } else { plan.host_state },
+        ),
+        (EngineDevice::Cuda(_), _) => (0, 0),
     };
     let each = twin
-        .and_then(|t| t.checked_add(plan.host_peak - placed))
+        .checked_add(plan.host_peak - placed)
         .ok_or_else(|| overflow("the engine's host memory"))?;
     let (ranks, who) = sharing.ranks(world);
     let own = each
         .checked_mul(ranks as u64)
         .and_then(|b| b.checked_add(data.bytes(ranks)?))
         .ok_or_else(|| overflow("the ranks' host memory"))?;
-    let limit = match dev {
-        EngineDevice::HostTwin => args.memory_limit,
-        EngineDevice::Cuda(_) => None,
-    };
+    let limit = dev.host_memory_limit(args.memory_limit);
     let (total, available, who) = match sharing {
         Sharing::Host(h) => {
             let shares = h.exchange(PLAN, own, admission::available(limit))?;
@@ -310,7 +306,7 @@ fn admit_host(
         EngineDevice::HostTwin => format!(
             "; the host twin's device memory {} (the segments of the engine's buffers at their \
              peak with the margin, and the kernels' buffers{})",
-            human_bytes(each - (plan.host_peak - placed)),
+            human_bytes(twin),
             if placed > 0 {
                 ", the optimizer state counted there once"
             } else {

@@ -134,11 +134,7 @@ pub(crate) fn admit_run(
             Sharing::Host(h) => h.env().local_world_size,
             Sharing::Launched => admission::local_ranks().unwrap_or(1),
         };
-        let limit = match dev {
-            EngineDevice::HostTwin => args.memory_limit,
-            EngineDevice::Cuda(_) => None,
-        };
-        available(limit).map_or(usize::MAX, |a| {
+        available(dev.host_memory_limit(args.memory_limit)).map_or(usize::MAX, |a| {
             usize::try_from(a.bytes / ranks.max(1) as u64).unwrap_or(usize::MAX)
         })
     } else {
