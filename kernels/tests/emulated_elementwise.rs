@@ -1,7 +1,7 @@
 //! The casts', element-wise kernels' and ring reductions' CUDA source run on the host
 //! (`common::emulator`: the programs as NVRTC compiles them, a block's threads as host
-//! threads), each launched with its launcher's grid and parameters (`src/launch/mod.rs`,
-//! `gather.rs`, `foreach.rs`), against its twin bitwise: every cast (and the four-a-thread
+//! threads), each launched as its launcher launches it (`launch::plan`: the same kernels,
+//! grids, parameters and offsets), against its twin bitwise: every cast (and the four-a-thread
 //! f32 → bf16 one), axpby, div_scalar, scale_by, unscale_by and memset of every type, the
 //! reductions of every operation and type (an average's last step too), gather_segments and
 //! zero_segments with their segments passed by value. The inputs hold what rounding gets
@@ -10,9 +10,10 @@
 
 mod common;
 
-use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
+use common::emulator::{addr, bytes_of, values_of, Arg, Emulator, Launch};
 use fsdp_kernels::host::{self, KernelFloat, ReduceKind};
-use fsdp_kernels::{launch, Program};
+use fsdp_kernels::launch::{self, plan};
+use fsdp_kernels::Program;
 use half::{bf16, f16};
 
 /// The element types the kernels take, to and from their bits.
@@ -146,11 +147,10 @@ fn casts_are_their_twins() {
         let src: Vec<S> = hard(n, 7);
         let mut want = vec![D::default(); n];
         host::cast(&src, &mut want).unwrap();
-        let kernel = format!("cast_{}_{}", S::NAME, D::NAME);
         let mut bufs = vec![to_bytes(&src), vec![0xAB; n * D::SIZE]];
-        let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
-        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
-        assert_bits(&from_bytes::<D>(&bufs[1]), &want, &kernel);
+        let launches = plan::cast::<S, D>(addr(0), addr(1), n).unwrap();
+        emu.run_plan(&mut bufs, &launches);
+        assert_bits(&from_bytes::<D>(&bufs[1]), &want, &launches[0].kernel);
     }
     case::<f32, bf16>(emu, n);
     case::<f32, f16>(emu, n);
@@ -158,33 +158,20 @@ fn casts_are_their_twins() {
     case::<f16, f32>(emu, n);
     case::<bf16, f16>(emu, n);
     case::<f16, bf16>(emu, n);
-    // The launcher's split: n / 4 groups by the x4 kernel, the last n % 4 by the scalar one.
-    let src = hard_f32(n, 11);
-    let mut want = vec![bf16::default(); n];
-    host::cast(&src, &mut want).unwrap();
-    let groups = n / 4;
-    let mut bufs = vec![bytes_of(&src), vec![0xAB; n * 2]];
-    let x4 = vec![Arg::buf(0), Arg::buf(1), Arg::u64(groups as u64)];
-    let rest = vec![
-        Arg::Ptr(0, 4 * groups * 4),
-        Arg::Ptr(1, 4 * groups * 2),
-        Arg::u64((n - 4 * groups) as u64),
-    ];
-    emu.run(
-        &mut bufs,
-        &[
-            Launch::elementwise("cast_f32_bf16_x4", groups, x4),
-            Launch::elementwise("cast_f32_bf16", n - 4 * groups, rest),
-        ],
-    );
-    assert_bits(&from_bytes::<bf16>(&bufs[1]), &want, "cast_f32_bf16_x4");
-}
-
-fn compute_arg<T: Elem>(c: T::C) -> Arg
-where
-    T::C: Elem,
-{
-    Arg::Value(to_bytes(&[c]))
+    assert!(plan::cast::<bf16, bf16>(addr(0), addr(1), n).is_err());
+    // f32 → bf16 from aligned addresses: n / 4 groups by the x4 kernel, the last n % 4 by
+    // the scalar one. From a source only 4-byte aligned: the scalar kernel alone.
+    let src = hard_f32(n + 1, 11);
+    for (offset, launches) in [(0, 2), (1, 1)] {
+        let mut want = vec![bf16::default(); n];
+        host::cast(&src[offset..offset + n], &mut want).unwrap();
+        let mut bufs = vec![bytes_of(&src), vec![0xAB; n * 2]];
+        let plan = plan::cast::<f32, bf16>(addr(0) + 4 * offset as u64, addr(1), n).unwrap();
+        assert_eq!(plan.len(), launches, "{plan:?}");
+        assert_eq!(plan[0].kernel, ["cast_f32_bf16_x4", "cast_f32_bf16"][offset]);
+        emu.run_plan(&mut bufs, &plan);
+        assert_bits(&from_bytes::<bf16>(&bufs[1]), &want, "cast_f32_bf16 (x4)");
+    }
 }
 
 /// axpby, div_scalar and memset of every type; scale_by and unscale_by (a factor of 1 leaves
@@ -195,41 +182,25 @@ fn elementwise_kernels_are_their_twins() {
         return;
     };
     let n = 777;
-    fn case<T: Elem>(emu: &Emulator, n: usize, alpha: T::C, beta: T::C, d: T::C, fill: T)
-    where
-        T::C: Elem,
-    {
+    fn case<T: Elem>(emu: &Emulator, n: usize, alpha: T::C, beta: T::C, d: T::C, fill: T) {
         let (x, y): (Vec<T>, Vec<T>) = (hard(n, 3), hard(n, 4));
         let mut want = y.clone();
         host::axpby(alpha, &x, beta, &mut want).unwrap();
-        let kernel = format!("axpby_{}", T::NAME);
         let mut bufs = vec![to_bytes(&x), to_bytes(&y)];
-        let args = vec![
-            compute_arg::<T>(alpha),
-            Arg::buf(0),
-            compute_arg::<T>(beta),
-            Arg::buf(1),
-            Arg::u64(n as u64),
-        ];
-        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
-        assert_bits(&from_bytes::<T>(&bufs[1]), &want, &kernel);
+        emu.run_plan(&mut bufs, &plan::axpby::<T>(alpha, addr(0), beta, addr(1), n));
+        assert_bits(&from_bytes::<T>(&bufs[1]), &want, "axpby");
 
         let mut want = y.clone();
         host::div_scalar(d, &mut want);
-        let kernel = format!("div_scalar_{}", T::NAME);
         let mut bufs = vec![to_bytes(&y)];
-        let args = vec![compute_arg::<T>(d), Arg::buf(0), Arg::u64(n as u64)];
-        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
-        assert_bits(&from_bytes::<T>(&bufs[0]), &want, &kernel);
+        emu.run_plan(&mut bufs, &plan::div_scalar::<T>(d, addr(0), n));
+        assert_bits(&from_bytes::<T>(&bufs[0]), &want, "div_scalar");
 
         let mut want = y.clone();
         host::memset(&mut want, fill);
-        let kernel = format!("memset_b{}", T::SIZE * 8);
         let mut bufs = vec![to_bytes(&y)];
-        let value = Arg::Value(fill.bits().to_le_bytes()[..T::SIZE].to_vec());
-        let args = vec![Arg::buf(0), value, Arg::u64(n as u64)];
-        emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
-        assert_bits(&from_bytes::<T>(&bufs[0]), &want, &kernel);
+        emu.run_plan(&mut bufs, &plan::memset(addr(0), fill, n));
+        assert_bits(&from_bytes::<T>(&bufs[0]), &want, "memset");
     }
     case::<f32>(emu, n, 0.3, -1.7, 3.0, -0.0);
     case::<f64>(emu, n, 0.3, -1.7, 3.0, f64::MIN_POSITIVE);
@@ -250,8 +221,12 @@ fn elementwise_kernels_are_their_twins() {
             host::unscale_by(&mut want, c);
         }
         let mut bufs = vec![bytes_of(&x), bytes_of(&[c])];
-        let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
-        emu.run(&mut bufs, &[Launch::elementwise(kernel, n, args)]);
+        if kernel == "scale_by_f32" {
+            emu.run_plan(&mut bufs, &plan::scale_by(addr(0), addr(1), n));
+        } else {
+            let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
+            emu.run(&mut bufs, &[Launch::elementwise(kernel, n, args)]);
+        }
         assert_bits(&values_of::<f32>(&bufs[0]), &want, kernel);
     }
 }
@@ -277,14 +252,9 @@ fn reductions_are_their_twins() {
             host::reduce(op, &mut want, &acc, &x, finish).unwrap();
             let kernel = format!("reduce_{name}_{}", T::NAME);
             let mut bufs = vec![vec![0xCD; n * T::SIZE], to_bytes(&acc), to_bytes(&x)];
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::u64(n as u64),
-                Arg::u32(finish.unwrap_or(0)),
-            ];
-            emu.run(&mut bufs, &[Launch::elementwise(&kernel, n, args)]);
+            let launches = plan::reduce::<T>(op, addr(0), addr(1), addr(2), n, finish).unwrap();
+            assert_eq!(launches[0].kernel, kernel);
+            emu.run_plan(&mut bufs, &launches);
             assert_bits(
                 &from_bytes::<T>(&bufs[0]),
                 &want,
@@ -298,9 +268,8 @@ fn reductions_are_their_twins() {
     case::<f16>(emu, n);
 }
 
-/// gather_segments copies (or widens from bf16) each segment, with its segments passed by
-/// value as the launcher lays them out (`launch::gather`: 96 sources, destinations and
-/// lengths as u64, then 96 u32 flags), on its grid (one row of blocks per segment);
+/// gather_segments copies (or widens from bf16) each segment, as `launch::gather_copies`
+/// plans it (its segments by value, an empty copy left out, a row of blocks per segment);
 /// zero_segments likewise (96 destinations, 96 lengths). Elements outside the segments stay.
 #[test]
 fn segment_kernels_copy_and_zero_their_segments() {
@@ -340,22 +309,20 @@ fn segment_kernels_copy_and_zero_their_segments() {
         bufs.push(bytes_of(&vec![sentinel; n + 1]));
     }
     let count = segs.len();
-    let mut value = vec![0u8; SEGS * 8 * 3 + SEGS * 4];
-    let mut relocs = Vec::new();
-    for (k, &(n, widen)) in segs.iter().enumerate() {
-        relocs.push((k * 8, k, 0));
-        relocs.push((SEGS * 8 + k * 8, count + k, 0));
-        value[2 * SEGS * 8 + k * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
-        value[3 * SEGS * 8 + k * 4..][..4].copy_from_slice(&u32::from(widen).to_le_bytes());
-    }
-    // The launchers' grids: a row of blocks per segment.
-    let longest = segs.iter().map(|s| s.0).max().unwrap() as u64;
-    let gather = Launch::from_config(
-        "gather_segments",
-        &launch::gather_grid(longest, count as u32),
-        vec![Arg::Struct(value, relocs), Arg::u32(count as u32)],
-    );
-    emu.run(&mut bufs, &[gather]);
+    let copies: Vec<launch::GatherCopy> = segs
+        .iter()
+        .enumerate()
+        .map(|(k, &(len, widen))| launch::GatherCopy {
+            src: addr(k),
+            dst: addr(count + k),
+            len,
+            widen,
+        })
+        .collect();
+    // The empty copy is left out of the struct.
+    let gather = plan::gather_copies(&copies);
+    assert_eq!(gather.len(), 1);
+    emu.run_plan(&mut bufs, &gather);
     for (k, &(_, widen)) in segs.iter().enumerate() {
         let got: Vec<f32> = values_of(&bufs[count + k]);
         let mut want = if widen {
@@ -370,6 +337,7 @@ fn segment_kernels_copy_and_zero_their_segments() {
         assert_bits(&got, &want, &format!("gather_segments, segment {k}"));
     }
     // zero_segments over the destinations: zeros (+0), the sentinel past each end kept.
+    let longest = segs.iter().map(|s| s.0).max().unwrap() as u64;
     let mut value = vec![0u8; SEGS * 8 * 2];
     let mut relocs = Vec::new();
     for (k, &(n, _)) in segs.iter().enumerate() {

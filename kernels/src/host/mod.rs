@@ -64,10 +64,12 @@ pub trait Compute: Copy + PartialOrd + Debug + DeviceRepr + sealed::Sealed + 'st
     fn max_nan(self, b: Self) -> Self;
     /// An `f64` scalar rounded to this type.
     fn from_f64(v: f64) -> Self;
+    /// The value as a kernel parameter (a float or a double).
+    fn param(self) -> crate::launch::plan::Param;
 }
 
 macro_rules! compute {
-    ($t:ty) => {
+    ($t:ty, $p:ident) => {
         impl Compute for $t {
             fn add(self, b: Self) -> Self {
                 self + b
@@ -102,11 +104,14 @@ macro_rules! compute {
             fn from_f64(v: f64) -> Self {
                 v as $t
             }
+            fn param(self) -> crate::launch::plan::Param {
+                crate::launch::plan::Param::$p(self)
+            }
         }
     };
 }
-compute!(f32);
-compute!(f64);
+compute!(f32, F32);
+compute!(f64, F64);
 
 /// An element type of the kernels: f32, f64, bf16, f16.
 pub trait KernelFloat:

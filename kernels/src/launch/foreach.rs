@@ -15,6 +15,7 @@ use cudarc::driver::{
 };
 
 use super::step::{AdamWChoiceArgs, AnyPrecisionChoiceArgs};
+use super::plan::foreach_grid;
 use super::{driver, function};
 use crate::host::{
     check_anyprecision_call, check_scalars_len, same_len, AdamWChoice, AnyPrecision,
@@ -194,35 +195,6 @@ pub struct AdamWTensor<'a> {
     pub compensation: Option<&'a mut CudaSlice<f32>>,
     /// `choices[1]` (with weight decay) when true, else `choices[0]`.
     pub decay: bool,
-}
-
-/// Threads per block of the launches over segments (a tensor or copy each, `blockIdx.y`),
-/// and the elements a thread takes at least before another block is added along x.
-const BLOCK: u32 = 256;
-const PER_THREAD: u64 = 8;
-/// The most blocks a tensor of this file's launches gets (they stride over the rest).
-const MAX_BLOCKS_X: u64 = 1024;
-
-/// The launch shape of `count` segments (`blockIdx.y`) whose longest has `longest` elements:
-/// 256-thread blocks along x, one per 2048 elements of the longest, between 1 and
-/// `max_blocks_x` (the blocks stride over the rest). Shared by this file's launches and
-/// `gather_segments`.
-pub(super) fn per_segment(longest: u64, count: u32, max_blocks_x: u64) -> LaunchConfig {
-    let blocks = longest
-        .div_ceil(u64::from(BLOCK) * PER_THREAD)
-        .clamp(1, max_blocks_x) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, count, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// The grid of one launch of this file's many-tensor kernels (`adamw_decided_many`,
-/// `anyprecision_decided_many_*`, `zero_segments`) over `count` tensors whose longest has
-/// `longest` elements: 256-thread blocks, one along x per 2048 elements (at most 1024).
-pub fn foreach_grid(longest: u64, count: u32) -> LaunchConfig {
-    per_segment(longest, count, MAX_BLOCKS_X)
 }
 
 /// [`adamw_decided`](super::adamw_decided) on each of `tensors` with `choices[decay]`, in one
@@ -444,7 +416,15 @@ mod tests {
             Program::Elementwise,
             &[
                 layout::<ZeroSegments>("ZeroSegments"),
-                layout::<crate::launch::gather::Segments>("GatherSegments"),
+                crate::launch::plan::struct_layout(
+                    "GatherSegments",
+                    &crate::launch::plan::gather_copies(&[crate::launch::GatherCopy {
+                        src: 0,
+                        dst: 0,
+                        len: 1,
+                        widen: false,
+                    }])[0],
+                ),
             ],
         );
         // A wrong size is refused: the check can fail.

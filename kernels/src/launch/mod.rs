@@ -11,13 +11,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
 use crate::host::{
     check_reduce, same_len, AdamWScalars, CastFloat, KernelFloat, MomentFloat, ReduceKind,
-    SgdScalars, NORM_BLOCK, NORM_ITEMS,
+    SgdScalars,
 };
 use crate::{compile, KernelError, Program};
 
@@ -29,6 +29,7 @@ mod nn;
 mod nn_embed;
 mod nn_heads;
 mod nn_loss;
+pub mod plan;
 mod step;
 mod step_buffers;
 pub use attention::{flash_backward, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE};
@@ -37,11 +38,10 @@ pub use buffers::{
     div_scalar_buffer, scale_by_buffer, sgd_buffers, sum_of_squares_buffer,
 };
 pub use foreach::{
-    adamw_decided_many, anyprecision_decided_many, fill_zero_many, foreach_grid,
-    sum_of_squares_many, AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS,
-    ZERO_SEGMENTS,
+    adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
+    AdamWTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS,
 };
-pub use gather::{gather_copies, gather_grid, GatherCopy, GATHER_SEGMENTS};
+pub use gather::gather_copies;
 pub use nn::{
     bias_grad, causal_softmax_backward, causal_softmax_forward, causal_softmax_forward_both,
     gelu_backward, gelu_forward, layernorm_backward_input, layernorm_backward_params,
@@ -53,6 +53,9 @@ pub use nn_embed::{
 };
 pub use nn_heads::{bias_add, heads_merge, heads_split};
 pub use nn_loss::{cross_entropy_fused, cross_entropy_fused_in_place};
+pub use plan::{
+    config, foreach_grid, gather_grid, GatherCopy, KernelLaunch, Param, GATHER_SEGMENTS,
+};
 pub use step::{
     adamw_decided, anyprecision_decided, engine_decide, loss_accumulate, sgd_decided, step_decide,
     unscale_by,
@@ -60,11 +63,6 @@ pub use step::{
 pub use step_buffers::{
     adamw_decided_buffers, engine_decide_buffers, sgd_decided_buffers, unscale_by_buffer,
 };
-
-/// Threads per block of the element-wise kernels.
-const BLOCK: u32 = 256;
-/// At most this many blocks; the kernels loop over the rest (grid-stride).
-const MAX_BLOCKS: usize = 1 << 20;
 
 type PtxKey = (Program, (i32, i32));
 static PTX: Mutex<Option<HashMap<PtxKey, String>>> = Mutex::new(None);
@@ -122,16 +120,37 @@ fn function(
         .map_err(|e| driver("cuModuleGetFunction", kernel, e))
 }
 
-/// The grid of the element-wise kernels over `n` elements: blocks of 256 threads, at most 2^20
-/// of them (the kernels stride over the rest). Public so that the kernels' host emulation
-/// (`tests/emulated_*`) launches them on the launchers' own grids.
-pub fn config(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
+/// Enqueues `launches` on `stream` in order.
+///
+/// # Safety
+/// Every pointer parameter must be device memory of `stream`'s context valid for what its
+/// kernel reads and writes there (the plan's documentation says what), ordered by the caller
+/// after its writers and before its next writers, and held until the kernels have run.
+///
+/// # Errors
+/// Compile, load and launch failures.
+pub unsafe fn enqueue(stream: &CudaStream, launches: &[KernelLaunch]) -> Result<(), KernelError> {
+    for l in launches {
+        let f = function(stream, l.program, &l.kernel)?;
+        let mut b = stream.launch_builder(&f);
+        for p in &l.params {
+            match p {
+                Param::Ptr(v) | Param::U64(v) => b.arg(v),
+                Param::U32(v) => b.arg(v),
+                Param::U16(v) => b.arg(v),
+                Param::I32(v) => b.arg(v),
+                Param::F32(v) => b.arg(v),
+                Param::F64(v) => b.arg(v),
+                Param::Struct(s) => b.arg(s.storage()),
+            };
+        }
+        // SAFETY: the parameters are the kernel's, in its order and of its types (each plan
+        // builds them so, and the host emulation checks them against the C signatures); a
+        // struct's storage holds its `sizeof` bytes and more. The memory behind the pointers
+        // is the caller's contract.
+        unsafe { b.launch(l.config) }.map_err(|e| driver("cuLaunchKernel", &l.kernel, e))?;
     }
+    Ok(())
 }
 
 /// Cast `src` into `dst` (round to nearest even), e.g. f32 master weights to bf16.
@@ -170,45 +189,10 @@ pub unsafe fn cast_raw<S: CastFloat, D: CastFloat>(
     d: u64,
     n: usize,
 ) -> Result<(), KernelError> {
-    if S::NAME == D::NAME {
-        return Err(KernelError::InvalidArgument {
-            kernel: "cast",
-            reason: format!("a cast of {} to itself (copy instead)", S::NAME),
-        });
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    // f32 → bf16 (every bf16 product's operands) four elements a thread where the addresses
-    // allow 16-byte loads and 8-byte stores; the scalar kernel casts the rest.
-    let mut done = 0usize;
-    if S::NAME == "f32" && D::NAME == "bf16" && s % 16 == 0 && d % 8 == 0 && n >= 4 {
-        let groups = (n / 4) as u64;
-        let f = function(stream, Program::Cast, "cast_f32_bf16_x4")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&s).arg(&d).arg(&groups);
-        // SAFETY: `cast_f32_bf16_x4(const f32x4*, u32x2*, u64 groups)` reads `4·groups ≤ n`
-        // f32 of `src` (16-byte aligned, checked above) and writes as many bf16 of `dst`
-        // (8-byte aligned), both `n` long.
-        unsafe { b.launch(config(groups as usize)) }
-            .map_err(|e| driver("cuLaunchKernel", "cast_f32_bf16_x4", e))?;
-        done = 4 * (n / 4);
-    }
-    if done < n {
-        let kernel = format!("cast_{}_{}", S::NAME, D::NAME);
-        let f = function(stream, Program::Cast, &kernel)?;
-        let (s_rest, d_rest) = (
-            s + (done * std::mem::size_of::<S>()) as u64,
-            d + (done * std::mem::size_of::<D>()) as u64,
-        );
-        let rest = (n - done) as u64;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&s_rest).arg(&d_rest).arg(&rest);
-        // SAFETY: `cast_<S>_<D>(const S*, D*, u64)` reads the last `n − done` elements of
-        // `src` and writes as many of `dst`, both `n` elements of those types.
-        unsafe { b.launch(config(n - done)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
-    }
-    Ok(())
+    let launches = plan::cast::<S, D>(s, d, n)?;
+    // SAFETY: the casts read `n` elements at `s` and write as many at `d` (the vector kernel
+    // only where they are aligned for it); the caller's contract covers both.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// `y = alpha·x + beta·y` (each product and the sum rounded; 16-bit types in f32).
@@ -224,19 +208,10 @@ pub fn axpby<T: KernelFloat>(
 ) -> Result<(), KernelError> {
     let n = x.len();
     same_len("axpby", "y", n, y.len())?;
-    if n == 0 {
-        return Ok(());
-    }
-    let kernel = format!("axpby_{}", T::NAME);
-    let f = function(stream, Program::Elementwise, &kernel)?;
     let (xp, _x) = x.device_ptr(stream);
     let (yp, _y) = y.device_ptr_mut(stream);
-    let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&alpha).arg(&xp).arg(&beta).arg(&yp).arg(&n64);
-    // SAFETY: `axpby_<T>(C, const T*, C, T*, u64)` with C = T's compute type, `n` elements.
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
-    Ok(())
+    // SAFETY: `n` elements of `x` read and of `y` written, both slices held (`_x`, `_y`).
+    unsafe { enqueue(stream, &plan::axpby::<T>(alpha, xp, beta, yp, n)) }
 }
 
 /// `y = y / d` (the quotient rounded once to `T`; 16-bit types divide in f32): the twin
@@ -250,18 +225,9 @@ pub fn div_scalar<T: KernelFloat>(
     y: &mut impl DevicePtrMut<T>,
 ) -> Result<(), KernelError> {
     let n = y.len();
-    if n == 0 {
-        return Ok(());
-    }
-    let kernel = format!("div_scalar_{}", T::NAME);
-    let f = function(stream, Program::Elementwise, &kernel)?;
     let (yp, _y) = y.device_ptr_mut(stream);
-    let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&d).arg(&yp).arg(&n64);
-    // SAFETY: `div_scalar_<T>(C, T*, u64)` with C = T's compute type, `n` elements.
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
-    Ok(())
+    // SAFETY: `n` elements of `y`, held (`_y`).
+    unsafe { enqueue(stream, &plan::div_scalar::<T>(d, yp, n)) }
 }
 
 /// `x *= c[0]` (the coefficient rounded to f32; nothing when it is 1): the twin
@@ -276,18 +242,10 @@ pub fn scale_by(
 ) -> Result<(), KernelError> {
     same_len("scale_by", "c", 1, c.len())?;
     let n = x.len();
-    if n == 0 {
-        return Ok(());
-    }
-    let f = function(stream, Program::Elementwise, "scale_by_f32")?;
     let (xp, _x) = x.device_ptr_mut(stream);
     let (cp, _c) = c.device_ptr(stream);
-    let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&xp).arg(&cp).arg(&n64);
-    // SAFETY: `scale_by_f32(float*, const double*, u64)`: `n` elements of `x`, one of `c`.
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "scale_by_f32", e))?;
-    Ok(())
+    // SAFETY: `n` elements of `x`, one of `c`, both held.
+    unsafe { enqueue(stream, &plan::scale_by(xp, cp, n)) }
 }
 
 /// The global norm and its clip coefficient from the squared parts `sharded[0]` and
@@ -307,21 +265,11 @@ pub fn clip_coefficient(
     same_len("clip_coefficient", "sharded", 1, sharded.len())?;
     same_len("clip_coefficient", "replicated", 1, replicated.len())?;
     same_len("clip_coefficient", "out", 2, out.len())?;
-    let f = function(stream, Program::Norm, "clip_coefficient")?;
     let (sp, _s) = sharded.device_ptr(stream);
     let (rp, _r) = replicated.device_ptr(stream);
     let (op, _o) = out.device_ptr_mut(stream);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&sp).arg(&rp).arg(&max_norm).arg(&op);
-    let one = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: `clip_coefficient(const double*, const double*, double, double*)`, one thread:
-    // reads one element of each part, writes two of `out` (lengths checked above).
-    unsafe { b.launch(one) }.map_err(|e| driver("cuLaunchKernel", "clip_coefficient", e))?;
-    Ok(())
+    // SAFETY: one element of each part read, two of `out` written (lengths checked above).
+    unsafe { enqueue(stream, &plan::clip_coefficient(sp, rp, max_norm, op)) }
 }
 
 /// Fill `dst` with `value`.
@@ -334,27 +282,9 @@ pub fn memset<T: KernelFloat>(
     value: T,
 ) -> Result<(), KernelError> {
     let n = dst.len();
-    if n == 0 {
-        return Ok(());
-    }
-    let width = std::mem::size_of::<T>() * 8;
-    let kernel = format!("memset_b{width}");
-    let f = function(stream, Program::Elementwise, &kernel)?;
     let (d, _d) = dst.device_ptr_mut(stream);
-    let (n64, bits) = (n as u64, value.bits());
-    let (v16, v32) = (bits as u16, bits as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&d);
-    match width {
-        16 => b.arg(&v16),
-        32 => b.arg(&v32),
-        _ => b.arg(&bits),
-    };
-    b.arg(&n64);
-    // SAFETY: `memset_b<W>(uW*, uW, u64)` writes `n` elements of `size_of::<T>()` bytes, the
-    // value passed with that width.
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
-    Ok(())
+    // SAFETY: `n` elements of `dst` written, held (`_d`).
+    unsafe { enqueue(stream, &plan::memset(d, value, n)) }
 }
 
 fn launch_reduce<T: KernelFloat>(
@@ -366,19 +296,10 @@ fn launch_reduce<T: KernelFloat>(
     n: usize,
     finish: Option<u32>,
 ) -> Result<(), KernelError> {
-    let kernel = format!("reduce_{}_{}", op.kernel_op(), T::NAME);
-    let f = function(stream, Program::Reduce, &kernel)?;
-    let finish_n: u32 = match (op, finish) {
-        (ReduceKind::Avg, Some(k)) => k,
-        _ => 0,
-    };
-    let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&dst).arg(&acc).arg(&x).arg(&n64).arg(&finish_n);
-    // SAFETY: `reduce_<op>_<T>(T*, const T*, const T*, u64, u32)` over `n` elements of each
-    // pointer (checked by the callers); `dst` may equal `x` (element-wise, no restrict).
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", &kernel, e))?;
-    Ok(())
+    let launches = plan::reduce::<T>(op, dst, acc, x, n, finish)?;
+    // SAFETY: `n` elements at each address, checked or promised by the callers; `dst` may
+    // equal `x` or `acc` (element-wise).
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// `dst = acc ⊕ x` with the ring's arithmetic; with `finish = Some(n)` an average is divided
@@ -471,29 +392,12 @@ pub fn adamw<S: MomentFloat>(
     same_len("adamw", "grad", n, grad.len())?;
     same_len("adamw", "exp_avg", n, exp_avg.len())?;
     same_len("adamw", "exp_avg_sq", n, exp_avg_sq.len())?;
-    if n == 0 {
-        return Ok(());
-    }
-    let f = function(stream, Program::Optim, S::ADAMW_KERNEL)?;
     let (p, _p) = param.device_ptr_mut(stream);
     let (g, _g) = grad.device_ptr(stream);
     let (m, _m) = exp_avg.device_ptr_mut(stream);
     let (v, _v) = exp_avg_sq.device_ptr_mut(stream);
-    let (n64, lerp_small) = (n as u64, u32::from(s.lerp_small));
-    let mut b = stream.launch_builder(&f);
-    b.arg(&p).arg(&g).arg(&m).arg(&v).arg(&n64);
-    b.arg(&s.decay)
-        .arg(&s.w1)
-        .arg(&s.one_minus_w1)
-        .arg(&lerp_small);
-    b.arg(&s.beta2)
-        .arg(&s.one_minus_beta2)
-        .arg(&s.neg_step_size);
-    b.arg(&s.bc2_sqrt).arg(&s.eps);
-    // SAFETY: the kernel's signature (float*, const float*, S*, S*, u64, 4 floats, u32,
-    // 5 floats) in that order; every slice has `n` elements.
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", S::ADAMW_KERNEL, e))?;
-    Ok(())
+    // SAFETY: every slice has `n` elements (checked above) and is held.
+    unsafe { enqueue(stream, &plan::adamw::<S>(s, p, g, m, v, n)) }
 }
 
 /// One fused SGD step on a flat f32 shard; `momentum_buffer` may be empty when the momentum
@@ -513,25 +417,12 @@ pub fn sgd(
     if s.uses_buffer() {
         same_len("sgd", "momentum_buffer", n, momentum_buffer.len())?;
     }
-    if n == 0 {
-        return Ok(());
-    }
-    let f = function(stream, Program::Optim, "sgd_f32")?;
     let (p, _p) = param.device_ptr_mut(stream);
     let (g, _g) = grad.device_ptr(stream);
     let (m, _m) = momentum_buffer.device_ptr_mut(stream);
-    let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&p).arg(&g).arg(&m).arg(&n64);
-    b.arg(&s.neg_lr)
-        .arg(&s.wd)
-        .arg(&s.momentum)
-        .arg(&s.damp)
-        .arg(&s.flags);
-    // SAFETY: `sgd_f32(float*, const float*, float*, u64, 4 floats, u32)`; the buffer is only
-    // touched when the flags say momentum, and then it has `n` elements.
-    unsafe { b.launch(config(n)) }.map_err(|e| driver("cuLaunchKernel", "sgd_f32", e))?;
-    Ok(())
+    // SAFETY: `n` elements of each slice; the buffer is only touched when the flags say
+    // momentum, and then it has `n` elements (checked above).
+    unsafe { enqueue(stream, &plan::sgd(s, p, g, m, n)) }
 }
 
 /// The sum of squares of `x` in f64 into `out[0]` (one element), in a fixed order: bitwise
@@ -547,46 +438,20 @@ pub fn sum_of_squares(
 ) -> Result<(), KernelError> {
     same_len("sum_of_squares", "out", 1, out.len())?;
     let n = x.len();
-    if n == 0 {
-        return memset(stream, out, 0.0f64);
-    }
-    let blocks = n.div_ceil(NORM_BLOCK * NORM_ITEMS);
-    let grid = u32::try_from(blocks).map_err(|_| KernelError::InvalidArgument {
-        kernel: "sum_squares_f32",
-        reason: format!("{n} elements need more than 2^32 blocks"),
-    })?;
+    let blocks = plan::sum_of_squares_blocks(n)?;
     // Freed in stream order when dropped (cuMemFreeAsync where the device has memory pools).
     // SAFETY: uninitialised device memory, never read before written: each of the `blocks`
     // blocks of `sum_squares_f32` writes its sum before `sum_f64_final`, later on the same
     // stream, reads them (one fill fewer a call: the trainer takes one sum a tensor).
-    let mut sums = unsafe { stream.alloc::<f64>(blocks) }
+    let mut sums = unsafe { stream.alloc::<f64>(blocks.max(1)) }
         .map_err(|e| driver("cuMemAlloc", "sum_squares_f32", e))?;
-    let first = function(stream, Program::Norm, "sum_squares_f32")?;
-    let last = function(stream, Program::Norm, "sum_f64_final")?;
-    let block = |grid: u32| LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (NORM_BLOCK as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (n64, count) = (n as u64, blocks as u64);
-    {
-        let (xp, _x) = x.device_ptr(stream);
-        let (sp, _s) = sums.device_ptr_mut(stream);
-        let mut b = stream.launch_builder(&first);
-        b.arg(&xp).arg(&n64).arg(&sp);
-        // SAFETY: `sum_squares_f32(const float*, u64, double*)`: `grid` blocks each write one
-        // of the `blocks` sums and read their chunk of the `n` elements.
-        unsafe { b.launch(block(grid)) }
-            .map_err(|e| driver("cuLaunchKernel", "sum_squares_f32", e))?;
-    }
-    let (sp, _s) = sums.device_ptr(stream);
+    let (xp, _x) = x.device_ptr(stream);
+    let (sp, _s) = sums.device_ptr_mut(stream);
     let (o, _o) = out.device_ptr_mut(stream);
-    let mut b = stream.launch_builder(&last);
-    b.arg(&sp).arg(&count).arg(&o);
-    // SAFETY: `sum_f64_final(const double*, u64, double*)`, one block: reads the `blocks`
-    // sums, writes `out[0]`.
-    unsafe { b.launch(block(1)) }.map_err(|e| driver("cuLaunchKernel", "sum_f64_final", e))?;
-    Ok(())
+    let launches = plan::sum_of_squares(xp, n, sp, o)?;
+    // SAFETY: `n` elements of `x` read, the `blocks` sums written then read, `out[0]` written;
+    // all held until enqueued, `sums` freed in stream order after the kernels.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// The C layouts of the structs the launchers pass by value, held to their Rust twins by

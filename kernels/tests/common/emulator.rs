@@ -16,10 +16,23 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::LaunchConfig;
+use fsdp_kernels::launch::plan::{KernelLaunch, Param};
 use fsdp_kernels::Program;
 
 /// The longest a run may take.
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The address [`Emulator::run_plan`] gives buffer `buf` (its offsets below 2^40), for the
+/// launchers' plans (`fsdp_kernels::launch::plan`).
+pub fn addr(buf: usize) -> u64 {
+    (buf as u64 + 1) << 40
+}
+
+/// Buffer and offset of an address made by [`addr`].
+fn buffer_at(a: u64) -> (usize, usize) {
+    assert!(a >= 1 << 40, "{a:#x} is no buffer's address (emulator::addr)");
+    ((a >> 40) as usize - 1, (a & ((1 << 40) - 1)) as usize)
+}
 
 /// One kernel parameter, as a launcher passes it.
 #[derive(Clone, Debug)]
@@ -103,6 +116,46 @@ impl Launch {
         )
     }
 
+    /// A launcher's planned launch (`fsdp_kernels::launch::plan`) on buffers addressed by
+    /// [`addr`]: pointers become buffers and offsets (0 a null pointer), structs their bytes
+    /// with their pointer fields relocated (zero ones left null).
+    pub fn from_plan(l: &KernelLaunch) -> Launch {
+        let args = l
+            .params
+            .iter()
+            .map(|p| match p {
+                Param::Ptr(0) => Arg::Null,
+                Param::Ptr(a) => {
+                    let (b, o) = buffer_at(*a);
+                    Arg::Ptr(b, o)
+                }
+                Param::U64(v) => Arg::u64(*v),
+                Param::U32(v) => Arg::u32(*v),
+                Param::U16(v) => Arg::u16(*v),
+                Param::I32(v) => Arg::i32(*v),
+                Param::F32(v) => Arg::f32(*v),
+                Param::F64(v) => Arg::f64(*v),
+                Param::Struct(s) => {
+                    let bytes = s.bytes();
+                    let relocs = s
+                        .pointer_offsets()
+                        .iter()
+                        .filter_map(|&at| {
+                            let a = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+                            (a != 0).then(|| {
+                                let (b, o) = buffer_at(a);
+                                (at, b, o)
+                            })
+                        })
+                        .collect();
+                    Arg::Struct(bytes, relocs)
+                }
+                other => panic!("{}: a parameter the emulator does not know: {other:?}", l.kernel),
+            })
+            .collect();
+        Launch::from_config(&l.kernel, &l.config, args)
+    }
+
     /// A launch on the element-wise launchers' grid for `n` elements (`launch::config`).
     pub fn elementwise(kernel: &str, n: usize, args: Vec<Arg>) -> Launch {
         Launch::from_config(kernel, &fsdp_kernels::launch::config(n), args)
@@ -111,6 +164,7 @@ impl Launch {
 
 /// A program's kernels built for the host.
 pub struct Emulator {
+    program: Program,
     exe: PathBuf,
     dir: PathBuf,
     runs: Mutex<u64>,
@@ -147,6 +201,16 @@ impl Emulator {
         let e: &'static Emulator = Box::leak(Box::new(build(&cxx, program)));
         built.push((program, e));
         Some(e)
+    }
+
+    /// Run a launcher's planned `launches` (`fsdp_kernels::launch::plan`, on addresses from
+    /// [`addr`]) in order over `buffers`; every launch must be of this emulator's program.
+    pub fn run_plan(&self, buffers: &mut [Vec<u8>], launches: &[KernelLaunch]) {
+        for l in launches {
+            assert_eq!(l.program, self.program, "{} is not of {:?}", l.kernel, self.program);
+        }
+        let launches: Vec<Launch> = launches.iter().map(Launch::from_plan).collect();
+        self.run(buffers, &launches);
     }
 
     /// Run `launches` in order over `buffers` (each kernel's outputs written in place).
@@ -297,6 +361,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
     let key_path = dir.join("key.txt");
     if exe.exists() && std::fs::read_to_string(&key_path).ok().as_deref() == Some(key.as_str()) {
         return Emulator {
+            program,
             exe,
             dir,
             runs: Mutex::new(0),
@@ -335,6 +400,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
     std::fs::rename(tmp.join("key.txt"), &key_path).unwrap();
     let _ = std::fs::remove_dir_all(&tmp);
     Emulator {
+        program,
         exe,
         dir,
         runs: Mutex::new(0),

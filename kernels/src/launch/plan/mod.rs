@@ -1,0 +1,278 @@
+//! What each launcher enqueues, as data: the kernels, their grids and their parameters in
+//! order ([`KernelLaunch`]), computed from device addresses and lengths by pure functions.
+//!
+//! Every launcher of [`launch`](crate::launch) checks its slices, takes their addresses,
+//! calls its namesake here and enqueues what it returns, nothing else. So the parameter
+//! lists, their offsets into buffers, the grids and the order of a launcher's kernels exist
+//! once, and the kernels' host emulation (`tests/emulated_*`) runs them as the GPU would: it
+//! gives each buffer an address, calls these functions and runs their launches, each
+//! parameter checked against its kernel's C signature.
+//!
+//! A null pointer is `Param::Ptr(0)`. The functions check what does not depend on memory
+//! (grid limits, a cast of a type to itself); lengths of slices are the launchers' checks.
+//!
+//! ```
+//! use fsdp_kernels::launch::plan::{self, Param};
+//!
+//! // y = 2·x + y over 1000 f32 at two device addresses: one launch of `axpby_f32`.
+//! let launches = plan::axpby::<f32>(2.0, 0x7f00_0000_0000, 1.0, 0x7f00_0001_0000, 1000);
+//! assert_eq!(launches.len(), 1);
+//! assert_eq!(launches[0].kernel, "axpby_f32");
+//! assert_eq!(launches[0].config.grid_dim, (4, 1, 1));
+//! assert_eq!(launches[0].params[1], Param::Ptr(0x7f00_0000_0000));
+//! ```
+
+use cudarc::driver::LaunchConfig;
+
+use crate::Program;
+
+mod elementwise;
+mod optim;
+mod segments;
+pub use elementwise::{axpby, cast, div_scalar, memset, reduce, scale_by};
+pub use optim::{adamw, clip_coefficient, sgd, sum_of_squares, sum_of_squares_blocks};
+pub use segments::{foreach_grid, gather_copies, gather_grid, GatherCopy, GATHER_SEGMENTS};
+
+/// Threads per block of the element-wise kernels.
+pub(crate) const BLOCK: u32 = 256;
+/// At most this many blocks; the kernels loop over the rest (grid-stride).
+pub(crate) const MAX_BLOCKS: usize = 1 << 20;
+
+/// The grid of the element-wise kernels over `n` elements: blocks of 256 threads, at most 2^20
+/// of them (the kernels stride over the rest).
+pub fn config(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `grid` blocks of `threads` threads, one-dimensional.
+pub(crate) fn blocks(grid: u32, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One kernel launch: what `cuLaunchKernel` is given.
+#[derive(Clone, Debug)]
+pub struct KernelLaunch {
+    /// The program holding the kernel.
+    pub program: Program,
+    /// The kernel's name (its `extern "C"` symbol).
+    pub kernel: String,
+    /// Grid, block and dynamic shared memory.
+    pub config: LaunchConfig,
+    /// The parameters, in the kernel's order.
+    pub params: Vec<Param>,
+}
+
+impl KernelLaunch {
+    /// `kernel` of `program` on `config` with `params`.
+    pub fn new(
+        program: Program,
+        kernel: impl Into<String>,
+        config: LaunchConfig,
+        params: Vec<Param>,
+    ) -> KernelLaunch {
+        KernelLaunch {
+            program,
+            kernel: kernel.into(),
+            config,
+            params,
+        }
+    }
+}
+
+/// One kernel parameter, by value.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Param {
+    /// A device address (0: a null pointer).
+    Ptr(u64),
+    /// A 64-bit unsigned integer.
+    U64(u64),
+    /// A 32-bit unsigned integer.
+    U32(u32),
+    /// A 16-bit unsigned integer.
+    U16(u16),
+    /// A 32-bit signed integer.
+    I32(i32),
+    /// A float.
+    F32(f32),
+    /// A double.
+    F64(f64),
+    /// A struct passed by value.
+    Struct(CStruct),
+}
+
+/// The largest struct a parameter may be (CUDA's classic limit on a launch's parameters).
+pub const STRUCT_BYTES: usize = 4096;
+
+/// A C struct's bytes, written field by field in C's layout (each field at its natural
+/// alignment, the size rounded up to the largest), with the offsets of its pointer fields.
+#[derive(Clone, PartialEq)]
+pub struct CStruct {
+    words: Box<[u64; STRUCT_BYTES / 8]>,
+    len: usize,
+    align: usize,
+    pointers: Vec<usize>,
+}
+
+impl std::fmt::Debug for CStruct {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CStruct")
+            .field("len", &self.len)
+            .field("align", &self.align)
+            .field("pointers", &self.pointers.len())
+            .finish()
+    }
+}
+
+impl Default for CStruct {
+    fn default() -> Self {
+        CStruct::new()
+    }
+}
+
+impl CStruct {
+    /// An empty struct.
+    pub fn new() -> CStruct {
+        CStruct {
+            words: Box::new([0; STRUCT_BYTES / 8]),
+            len: 0,
+            align: 1,
+            pointers: Vec::new(),
+        }
+    }
+
+    fn put(&mut self, bytes: &[u8], align: usize) -> usize {
+        let at = self.len.next_multiple_of(align);
+        assert!(
+            at + bytes.len() <= STRUCT_BYTES,
+            "a kernel's struct parameter past {STRUCT_BYTES} bytes"
+        );
+        for (i, b) in bytes.iter().enumerate() {
+            let k = at + i;
+            let w = &mut self.words[k / 8];
+            *w = (*w & !(0xff << (8 * (k % 8)))) | (u64::from(*b) << (8 * (k % 8)));
+        }
+        self.len = at + bytes.len();
+        self.align = self.align.max(align);
+        at
+    }
+
+    /// Appends device addresses (`T*` fields; 0 for unused slots).
+    pub fn pointers(&mut self, v: &[u64]) -> &mut CStruct {
+        for p in v {
+            let at = self.put(&p.to_le_bytes(), 8);
+            self.pointers.push(at);
+        }
+        self
+    }
+
+    /// Appends `u64` fields.
+    pub fn u64s(&mut self, v: &[u64]) -> &mut CStruct {
+        for x in v {
+            self.put(&x.to_le_bytes(), 8);
+        }
+        self
+    }
+
+    /// Appends `u32` fields.
+    pub fn u32s(&mut self, v: &[u32]) -> &mut CStruct {
+        for x in v {
+            self.put(&x.to_le_bytes(), 4);
+        }
+        self
+    }
+
+    /// Appends `float` fields.
+    pub fn f32s(&mut self, v: &[f32]) -> &mut CStruct {
+        for x in v {
+            self.put(&x.to_le_bytes(), 4);
+        }
+        self
+    }
+
+    /// The struct's size: its fields' end rounded up to its alignment, as C's `sizeof`.
+    pub fn size(&self) -> usize {
+        self.len.next_multiple_of(self.align)
+    }
+
+    /// Its alignment, as C's `alignof`.
+    pub fn align(&self) -> usize {
+        self.align
+    }
+
+    /// Its bytes ([`size`](Self::size) of them; padding is zero).
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut out: Vec<u8> = self.words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        out.truncate(self.size());
+        out
+    }
+
+    /// The byte offsets of its pointer fields.
+    pub fn pointer_offsets(&self) -> &[usize] {
+        &self.pointers
+    }
+
+    /// The storage handed to `cuLaunchKernel` (which copies the kernel's parameter size from
+    /// it): [`STRUCT_BYTES`], 8-byte aligned.
+    pub(crate) fn storage(&self) -> &[u64; STRUCT_BYTES / 8] {
+        &self.words
+    }
+}
+
+/// `(name, sizeof, alignof)` of the first struct parameter of `launch`, for
+/// [`assert_c_layouts`](crate::launch::assert_c_layouts).
+#[cfg(test)]
+pub(crate) fn struct_layout<'a>(name: &'a str, launch: &KernelLaunch) -> (&'a str, usize, usize) {
+    let s = launch
+        .params
+        .iter()
+        .find_map(|p| match p {
+            Param::Struct(s) => Some(s),
+            _ => None,
+        })
+        .expect("a struct parameter");
+    (name, s.size(), s.align())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_struct_is_laid_out_as_c_lays_it_out() {
+        let mut s = CStruct::new();
+        s.pointers(&[0x1122_3344_5566_7788, 0]).u32s(&[1, 2, 3]);
+        // Two 8-byte pointers, three u32 (12 bytes), tail padding to 8: sizeof is 32.
+        assert_eq!((s.size(), s.align()), (32, 8));
+        assert_eq!(s.pointer_offsets(), &[0, 8]);
+        let b = s.bytes();
+        assert_eq!(b.len(), 32);
+        assert_eq!(&b[..8], &0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(&b[16..28], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
+        assert_eq!(&b[28..], &[0; 4]);
+        let mut t = CStruct::new();
+        t.u32s(&[7]).u64s(&[9]).f32s(&[1.5]);
+        // A u32, padding to 8, a u64, a float, padding: 24.
+        assert_eq!((t.size(), t.align()), (24, 8));
+        assert_eq!(&t.bytes()[8..16], &9u64.to_le_bytes());
+        assert_eq!(&t.bytes()[16..20], &1.5f32.to_le_bytes());
+        let mut f = CStruct::new();
+        f.f32s(&[1.0, 2.0, 3.0]);
+        assert_eq!((f.size(), f.align()), (12, 4));
+    }
+
+    #[test]
+    #[should_panic(expected = "past 4096 bytes")]
+    fn a_struct_past_the_parameter_limit_is_refused() {
+        CStruct::new().u64s(&[0; 513]);
+    }
+}
