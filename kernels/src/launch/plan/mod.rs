@@ -29,6 +29,22 @@ use crate::Program;
 mod elementwise;
 mod optim;
 mod segments;
+// The layers' launches (`launch/nn.rs`, `nn_loss.rs`).
+mod nn;
+mod nn_softmax;
+pub use nn::*;
+pub use nn_softmax::*;
+// Embeddings, heads and the fused attention (`launch/nn_embed.rs`, `nn_heads.rs`,
+// `attention.rs`).
+mod attention;
+mod embed_heads;
+pub use attention::*;
+pub use embed_heads::*;
+// The step's decisions and the many-tensor launches (`launch/step.rs`, `foreach.rs`).
+mod foreach;
+mod step;
+pub use foreach::*;
+pub use step::*;
 pub use elementwise::{axpby, cast, div_scalar, memset, reduce, scale_by};
 pub use optim::{adamw, clip_coefficient, sgd, sum_of_squares, sum_of_squares_blocks};
 pub use segments::{foreach_grid, gather_copies, gather_grid, GatherCopy, GATHER_SEGMENTS};
