@@ -2,123 +2,92 @@
 //! twins (`fsdp_kernels::host::attention`), so that their tiling, masks, shared-memory
 //! transposes, online softmax and fragment indexing are checked without a GPU.
 //!
-//! `tests/emulate/` compiles the kernels' very source as C++ (`cuda_shim.h`: a block's threads
-//! as host threads, `__syncthreads` and the warps' shuffles through barriers) with `mma.sync`
-//! computed from the PTX ISA's fragment layouts, written there once and independently of the
-//! kernels' indexing (`mma_emulated.h`); `driver.cpp` launches the four kernels on the grids
-//! their launchers use. The emulated products sum in order in f32, so the bounds are those of
-//! `tests/gpu_attention.rs` (four 16-bit units of each output's largest value, `lse` within
-//! 1e-5). What this cannot check is the layouts themselves and the hardware's own behaviour:
-//! `gpu_attention` does, on a GPU.
+//! `common::emulator` compiles the program's very source as C++ (`cuda_shim.h`: a block's
+//! threads as host threads, `__syncthreads` and the warps' shuffles through barriers) with
+//! `mma.sync` computed from the PTX ISA's fragment layouts, written there once and
+//! independently of the kernels' indexing (`tests/emulate/mma_emulated.h`), and runs the four
+//! kernels as their launchers launch them (`launch::plan::flash_forward` then
+//! `flash_backward`, its row sums in a scratch buffer as the launcher allocates it): the same
+//! kernels, grids and parameters. The emulated products sum in order in f32, so the bounds are
+//! those of `tests/gpu_attention.rs` (four 16-bit units of each output's largest value, `lse`
+//! within 1e-5). Every buffer is guarded: a kernel writing past one fails. What this cannot
+//! check is the layouts themselves and the hardware's own behaviour: `gpu_attention` does, on a
+//! GPU.
 //!
 //! It needs a C++20 compiler (`CXX`, else `c++`, `g++` or `clang++`); without one it prints
 //! `skipped: …` and passes (CI has one).
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
+use common::emulator::{addr, bytes_of, values_of, Emulator};
 use common::flash::{check_lse, rel, twin};
 use fsdp_kernels::host::attention::FusedAttention;
 use fsdp_kernels::host::CastFloat;
+use fsdp_kernels::launch::plan;
+use fsdp_kernels::Program;
 use half::{bf16, f16};
 
-/// The emulator, built once into `dir`; `None` without a C++ compiler.
-fn build(dir: &Path) -> Option<PathBuf> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let compilers: Vec<String> = std::env::var("CXX")
-        .ok()
-        .into_iter()
-        .chain(["c++", "g++", "clang++"].map(String::from))
-        .collect();
-    let cxx = compilers.into_iter().find(|c| {
-        Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })?;
-    let exe = dir.join("emu");
-    let out = Command::new(&cxx)
-        .args([
-            "-std=c++20",
-            "-O2",
-            "-pthread",
-            "-ffp-contract=off",
-            "-fno-strict-aliasing",
-        ])
-        .args(["-Wall", "-Wno-unknown-pragmas", "-Werror"])
-        .arg("-I")
-        .arg(manifest.join("src/cu"))
-        .arg("-I")
-        .arg(manifest.join("tests/emulate"))
-        .arg("-o")
-        .arg(&exe)
-        .arg(manifest.join("tests/emulate/driver.cpp"))
-        .output()
-        .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cxx} could not build the emulator:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(exe)
+/// `v` rounded to `H`, as bytes.
+fn half_bytes<H: CastFloat>(v: &[f32]) -> Vec<u8> {
+    let bits: Vec<u16> = v.iter().map(|&x| H::store(x).bits() as u16).collect();
+    bytes_of(&bits)
 }
 
-fn write_half<H: CastFloat>(path: &Path, v: &[f32]) {
-    let bytes: Vec<u8> = v
-        .iter()
-        .flat_map(|&x| (H::store(x).bits() as u16).to_le_bytes())
-        .collect();
-    std::fs::write(path, bytes).unwrap();
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    std::fs::read(path)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+/// `n` f32 NaN, as bytes: outputs and scratch start as garbage that every read would show.
+fn nans(n: usize) -> Vec<u8> {
+    bytes_of(&vec![f32::NAN; n])
 }
 
 /// One case on the emulator and the twins: the errors of `[y, dq, dk, dv]`.
-fn compare<H: CastFloat>(emu: &Path, dir: &Path, a: FusedAttention, sharp: f32) -> [f64; 4] {
+fn compare<H: CastFloat>(emu: &Emulator, a: FusedAttention, sharp: f32) -> [f64; 4] {
     let w = twin::<H>(&a, sharp);
-    for (name, x) in [
-        ("q", &w.q),
-        ("k", &w.k),
-        ("v", &w.v),
-        ("dout", &w.dout),
-        ("rows", &w.rows),
-    ] {
-        write_half::<H>(&dir.join(format!("{name}.bin")), x);
-    }
-    let mut cmd = Command::new(emu);
-    cmd.arg(dir)
-        .arg(H::NAME)
-        .args([a.d, a.pairs, a.t].map(|x| x.to_string()))
-        .arg(format!("{:e}", a.scale));
-    let out = common::emulator::output_within(cmd, common::emulator::RUN_TIMEOUT, "attention");
-    assert!(
-        out.status.success(),
-        "the emulator failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let (n, rows) = (a.len(), a.rows());
+    // q, k, v, y, lse, forward's output as token rows, dout, dsum (scratch), dq, dk, dv.
+    let mut bufs = vec![
+        half_bytes::<H>(&w.q),
+        half_bytes::<H>(&w.k),
+        half_bytes::<H>(&w.v),
+        nans(n),
+        nans(rows),
+        half_bytes::<H>(&w.rows),
+        half_bytes::<H>(&w.dout),
+        nans(plan::flash_backward_scratch(&a)),
+        nans(n),
+        nans(n),
+        nans(n),
+    ];
+    let mut launches =
+        plan::flash_forward::<H>(&a, addr(0), addr(1), addr(2), addr(3), addr(4)).unwrap();
+    launches.extend(
+        plan::flash_backward::<H>(
+            &a,
+            &w.layout,
+            addr(0),
+            addr(1),
+            addr(2),
+            addr(5),
+            addr(6),
+            addr(4),
+            addr(7),
+            addr(8),
+            addr(9),
+            addr(10),
+        )
+        .unwrap(),
     );
-    let got = |name: &str| read_f32(&dir.join(format!("{name}.bin")));
-    check_lse(&a, &got("lse"), &w.lse);
+    emu.run_plan(&mut bufs, &launches);
+    let got = |i: usize| values_of::<f32>(&bufs[i]);
+    check_lse(&a, &got(4), &w.lse);
     [
-        rel(&got("y"), &w.y),
-        rel(&got("dq"), &w.grads[0]),
-        rel(&got("dk"), &w.grads[1]),
-        rel(&got("dv"), &w.grads[2]),
+        rel(&got(3), &w.y),
+        rel(&got(8), &w.grads[0]),
+        rel(&got(9), &w.grads[1]),
+        rel(&got(10), &w.grads[2]),
     ]
 }
 
 fn each<H: CastFloat>(test: &str, unit: f64) {
-    let dir = std::env::temp_dir().join(format!("fsdp-emu-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let Some(emu) = build(&dir) else {
-        println!("{test}: skipped: no C++ compiler (CXX, c++, g++, clang++)");
+    let Some(emu) = Emulator::build(Program::Attention, test) else {
         return;
     };
     let case = |pairs, t, d: usize| FusedAttention {
@@ -138,7 +107,7 @@ fn each<H: CastFloat>(test: &str, unit: f64) {
         (case(1, 130, 64), 8.0),
         (case(2, 70, 32), 8.0),
     ] {
-        let e = compare::<H>(&emu, &dir, a, sharp);
+        let e = compare::<H>(emu, a, sharp);
         println!(
             "{test}: pairs {} t {} d {} sharp {sharp}: y {:.2e} dq {:.2e} dk {:.2e} dv {:.2e}",
             a.pairs, a.t, a.d, e[0], e[1], e[2], e[3]
@@ -147,7 +116,6 @@ fn each<H: CastFloat>(test: &str, unit: f64) {
             assert!(e <= 4.0 * unit, "{a:?}, sharp {sharp}: {what} {e:e}");
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::emulator::{addr, bytes_of, values_of, Arg, Emulator, Launch};
+use common::emulator::{addr, bytes_of, values_of, Emulator};
 use fsdp_kernels::host::{self, KernelFloat, ReduceKind};
 use fsdp_kernels::launch::{self, plan};
 use fsdp_kernels::Program;
@@ -168,7 +168,10 @@ fn casts_are_their_twins() {
         let mut bufs = vec![bytes_of(&src), vec![0xAB; n * 2]];
         let plan = plan::cast::<f32, bf16>(addr(0) + 4 * offset as u64, addr(1), n).unwrap();
         assert_eq!(plan.len(), launches, "{plan:?}");
-        assert_eq!(plan[0].kernel, ["cast_f32_bf16_x4", "cast_f32_bf16"][offset]);
+        assert_eq!(
+            plan[0].kernel,
+            ["cast_f32_bf16_x4", "cast_f32_bf16"][offset]
+        );
         emu.run_plan(&mut bufs, &plan);
         assert_bits(&from_bytes::<bf16>(&bufs[1]), &want, "cast_f32_bf16 (x4)");
     }
@@ -187,7 +190,10 @@ fn elementwise_kernels_are_their_twins() {
         let mut want = y.clone();
         host::axpby(alpha, &x, beta, &mut want).unwrap();
         let mut bufs = vec![to_bytes(&x), to_bytes(&y)];
-        emu.run_plan(&mut bufs, &plan::axpby::<T>(alpha, addr(0), beta, addr(1), n));
+        emu.run_plan(
+            &mut bufs,
+            &plan::axpby::<T>(alpha, addr(0), beta, addr(1), n),
+        );
         assert_bits(&from_bytes::<T>(&bufs[1]), &want, "axpby");
 
         let mut want = y.clone();
@@ -221,12 +227,13 @@ fn elementwise_kernels_are_their_twins() {
             host::unscale_by(&mut want, c);
         }
         let mut bufs = vec![bytes_of(&x), bytes_of(&[c])];
-        if kernel == "scale_by_f32" {
-            emu.run_plan(&mut bufs, &plan::scale_by(addr(0), addr(1), n));
+        let launches = if kernel == "scale_by_f32" {
+            plan::scale_by(addr(0), addr(1), n)
         } else {
-            let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
-            emu.run(&mut bufs, &[Launch::elementwise(kernel, n, args)]);
-        }
+            plan::unscale_by(addr(0), addr(1), n)
+        };
+        assert_eq!(launches[0].kernel, kernel);
+        emu.run_plan(&mut bufs, &launches);
         assert_bits(&values_of::<f32>(&bufs[0]), &want, kernel);
     }
 }
@@ -279,7 +286,6 @@ fn segment_kernels_copy_and_zero_their_segments() {
     ) else {
         return;
     };
-    const SEGS: usize = 96;
     // (length, widen): a long one (several blocks), short ones, an empty one.
     let segs = [
         (5000usize, false),
@@ -336,20 +342,16 @@ fn segment_kernels_copy_and_zero_their_segments() {
         want.push(sentinel);
         assert_bits(&got, &want, &format!("gather_segments, segment {k}"));
     }
-    // zero_segments over the destinations: zeros (+0), the sentinel past each end kept.
-    let longest = segs.iter().map(|s| s.0).max().unwrap() as u64;
-    let mut value = vec![0u8; SEGS * 8 * 2];
-    let mut relocs = Vec::new();
-    for (k, &(n, _)) in segs.iter().enumerate() {
-        relocs.push((k * 8, count + k, 0));
-        value[SEGS * 8 + k * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
-    }
-    let zero = Launch::from_config(
-        "zero_segments",
-        &launch::foreach_grid(longest, count as u32),
-        vec![Arg::Struct(value, relocs), Arg::u32(count as u32)],
-    );
-    emu.run(&mut bufs, &[zero]);
+    // zero_segments over the destinations (`launch::fill_zero_many`): zeros (+0), the
+    // sentinel past each end kept.
+    let dsts: Vec<(u64, usize)> = segs
+        .iter()
+        .enumerate()
+        .map(|(k, &(n, _))| (addr(count + k), n))
+        .collect();
+    let zero = plan::fill_zero_many(&dsts);
+    assert_eq!(zero.len(), 1);
+    emu.run_plan(&mut bufs, &zero);
     for (k, &(n, _)) in segs.iter().enumerate() {
         let got: Vec<f32> = values_of(&bufs[count + k]);
         let mut want = vec![0.0f32; n];

@@ -1,8 +1,8 @@
 //! The embeddings' and the attention heads' kernels (`cu/nn_embed_heads.cu` of the nn program;
 //! the bias kernels are held elsewhere) run on the host (`common::emulator`: the program as
 //! NVRTC compiles it, a block's threads as host threads), each launched as its launcher
-//! launches it (`src/launch/nn_embed.rs`, `nn_heads.rs`: `launch::config`'s grid, the same
-//! parameters in the same order), against its twin in `host::nn` **bitwise** (a NaN row of an
+//! launches it (`launch::plan`: the launchers' own kernels, grids and parameters, on the
+//! emulator's buffers), against its twin in `host::nn` **bitwise** (a NaN row of an
 //! id out of range: any NaN, as `tests/gpu_nn.rs` holds it): embedding_forward_f32 (ids out of
 //! range among them), embedding_backward_tokens_f32, embedding_backward_tokens_grouped_f32 on
 //! the tokens grouped by id by the launcher's own `host::nn::group_by_id` (as
@@ -19,9 +19,11 @@
 
 mod common;
 
-use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
+use common::emulator::{addr, bytes_of, values_of, Emulator};
 use fsdp_kernels::host::{f32_to_bf16, f32_to_f16, nn};
+use fsdp_kernels::launch::plan::{self, KernelLaunch};
 use fsdp_kernels::Program;
+use half::{bf16, f16};
 
 /// Elements past each output buffer's end (the launcher's length) that must stay as they were.
 const GUARD: usize = 19;
@@ -221,7 +223,7 @@ fn ids_with_out_of_range(n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// x[r] = wte[ids[r]] + wpe[r mod t], a NaN row for an id out of range; launched as
-/// `launch::embedding_forward`: config(n·c), (ids, wte, wpe, x, u64 n, u32 c, u32 t, u32 vocab).
+/// `launch::embedding_forward` launches it (`plan::embedding_forward`).
 #[test]
 fn embedding_forward_is_its_twin() {
     let Some(emu) = emulator("embedding_forward_is_its_twin") else {
@@ -248,20 +250,8 @@ fn embedding_forward_is_its_twin() {
             bytes_of(&wpe),
             guarded(&vec![f32::from_bits(0x7fab_cdef); n * c]),
         ];
-        let args = vec![
-            Arg::buf(0),
-            Arg::buf(1),
-            Arg::buf(2),
-            Arg::buf(3),
-            Arg::u64(n as u64),
-            Arg::u32(c as u32),
-            Arg::u32(t as u32),
-            Arg::u32(vocab as u32),
-        ];
-        emu.run(
-            &mut bufs,
-            &[Launch::elementwise("embedding_forward_f32", n * c, args)],
-        );
+        let launches = plan::embedding_forward(addr(0), addr(1), addr(2), addr(3), n, c, t, vocab);
+        emu.run_plan(&mut bufs, &launches);
         let what = format!("embedding_forward_f32 {sh:?}");
         let got = unguarded(&what, &bufs[3], n * c);
         same(&what, &got, &want);
@@ -281,8 +271,8 @@ fn embedding_forward_is_its_twin() {
 }
 
 /// dwte[v] += dx[r] for each token r of id v, tokens in order, ids out of range adding nowhere;
-/// launched as `launch::embedding_backward_tokens`: config(vocab·c), (ids, dx, dwte, u32 n,
-/// u32 c, u32 vocab).
+/// launched as `launch::embedding_backward_tokens` launches it
+/// (`plan::embedding_backward_tokens`).
 #[test]
 fn embedding_backward_tokens_is_its_twin() {
     let Some(emu) = emulator("embedding_backward_tokens_is_its_twin") else {
@@ -300,30 +290,16 @@ fn embedding_backward_tokens_is_its_twin() {
             let mut want = dwte0.clone();
             nn::embedding_backward_tokens(&ids, &dx, c, &mut want).unwrap();
             let mut bufs = vec![bytes_of(&ids), bytes_of(&dx), guarded(&dwte0)];
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::u32(n as u32),
-                Arg::u32(c as u32),
-                Arg::u32(vocab as u32),
-            ];
-            emu.run(
-                &mut bufs,
-                &[Launch::elementwise(
-                    "embedding_backward_tokens_f32",
-                    vocab * c,
-                    args,
-                )],
-            );
+            let launches = plan::embedding_backward_tokens(addr(0), addr(1), addr(2), n, c, vocab);
+            emu.run_plan(&mut bufs, &launches);
             let what = format!("embedding_backward_tokens_f32 {sh:?}");
             same(&what, &unguarded(&what, &bufs[2], vocab * c), &want);
         }
     }
 }
 
-/// The grouped kernel's launch as `launch::embedding_backward_tokens_host_ids` makes it:
-/// config(distinct·c), (ids, offsets, tokens, dx, dwte, u32 distinct, u32 c); `dwte` read back.
+/// The grouped kernel's launch as `launch::embedding_backward_tokens_host_ids` makes it on the
+/// uploaded groups (`plan::embedding_backward_tokens_host_ids`); `dwte` read back.
 fn run_grouped(
     emu: &Emulator,
     (distinct, offsets, tokens): (&[u32], &[u32], &[u32]),
@@ -339,23 +315,16 @@ fn run_grouped(
         bytes_of(dx),
         guarded(dwte0),
     ];
-    let args = vec![
-        Arg::buf(0),
-        Arg::buf(1),
-        Arg::buf(2),
-        Arg::buf(3),
-        Arg::buf(4),
-        Arg::u32(distinct.len() as u32),
-        Arg::u32(c as u32),
-    ];
-    emu.run(
-        &mut bufs,
-        &[Launch::elementwise(
-            "embedding_backward_tokens_grouped_f32",
-            distinct.len() * c,
-            args,
-        )],
+    let launches = plan::embedding_backward_tokens_host_ids(
+        addr(0),
+        addr(1),
+        addr(2),
+        addr(3),
+        addr(4),
+        distinct.len(),
+        c,
     );
+    emu.run_plan(&mut bufs, &launches);
     unguarded(what, &bufs[4], dwte0.len())
 }
 
@@ -402,7 +371,7 @@ fn embedding_backward_tokens_grouped_is_its_twin() {
 }
 
 /// dwpe[p] += dx[r] for r = p, p + t, …, in order, rows of `dwpe` past `t` untouched; launched
-/// as `launch::embedding_backward_positions`: config(t·c), (dx, dwpe, u32 n, u32 c, u32 t).
+/// as `launch::embedding_backward_positions` launches it (`plan::embedding_backward_positions`).
 #[test]
 fn embedding_backward_positions_is_its_twin() {
     let Some(emu) = emulator("embedding_backward_positions_is_its_twin") else {
@@ -431,20 +400,9 @@ fn embedding_backward_positions_is_its_twin() {
         let mut want = dwpe0.clone();
         nn::embedding_backward_positions(&dx, t, c, &mut want).unwrap();
         let mut bufs = vec![bytes_of(&dx), guarded(&dwpe0)];
-        let args = vec![
-            Arg::buf(0),
-            Arg::buf(1),
-            Arg::u32(n as u32),
-            Arg::u32(c as u32),
-            Arg::u32(t as u32),
-        ];
-        emu.run(
+        emu.run_plan(
             &mut bufs,
-            &[Launch::elementwise(
-                "embedding_backward_positions_f32",
-                t * c,
-                args,
-            )],
+            &plan::embedding_backward_positions(addr(0), addr(1), n, c, t),
         );
         let what = format!("embedding_backward_positions_f32 {sh:?}");
         same(&what, &unguarded(&what, &bufs[1], positions * c), &want);
@@ -488,12 +446,24 @@ const KINDS: [(&str, Rounding); 3] = [
     ("f16", Some(f32_to_f16)),
 ];
 
-/// The launch of a heads kernel as `launch::nn_heads`'s `heads` makes it: config(b·h·t·d),
-/// (src, dst, u32 b, t, h, d, row, offset).
-fn heads_launch(kernel: &str, l: nn::HeadsLayout) -> Launch {
-    let mut args = vec![Arg::buf(0), Arg::buf(1)];
-    args.extend([l.b, l.t, l.h, l.d, l.row, l.offset].map(|v| Arg::u32(v as u32)));
-    Launch::elementwise(kernel, l.heads_len(), args)
+/// The launch of `kernel` (`heads_split_<suffix>` or `heads_merge_<suffix>`) from buffer 0 to
+/// buffer 1 as `launch::heads_split` and `launch::heads_merge` make it (`plan::heads_split`,
+/// `plan::heads_merge` for the suffix's type), its kernel checked to be `kernel`.
+fn heads_launch(kernel: &str, l: nn::HeadsLayout) -> Vec<KernelLaunch> {
+    let (src, dst) = (addr(0), addr(1));
+    let launches = match kernel {
+        "heads_split_f32" => plan::heads_split::<f32>(src, dst, l),
+        "heads_split_bf16" => plan::heads_split::<bf16>(src, dst, l),
+        "heads_split_f16" => plan::heads_split::<f16>(src, dst, l),
+        "heads_merge_f32" => plan::heads_merge::<f32>(src, dst, l),
+        "heads_merge_bf16" => plan::heads_merge::<bf16>(src, dst, l),
+        "heads_merge_f16" => plan::heads_merge::<f16>(src, dst, l),
+        other => panic!("no heads kernel {other}"),
+    }
+    .unwrap();
+    assert_eq!(launches.len(), 1, "{kernel}: one launch");
+    assert_eq!(launches[0].kernel, kernel);
+    launches
 }
 
 /// Heads out of token rows into dense `[b, h, t, d]` of f32, bf16 and f16: the twin's copy
@@ -517,7 +487,7 @@ fn heads_split_is_its_twin() {
                 Some(_) => bytes_of(&vec![0x7fabu16; n + GUARD]),
             };
             let mut bufs = vec![bytes_of(&rows), out];
-            emu.run(&mut bufs, &[heads_launch(&kernel, l)]);
+            emu.run_plan(&mut bufs, &heads_launch(&kernel, l));
             match round {
                 None => same(&what, &unguarded(&what, &bufs[1], n), &want),
                 Some(round) => {
@@ -550,16 +520,16 @@ fn heads_merge_is_its_twin() {
                     let mut want = rows0.clone();
                     nn::heads_merge(&heads, l, &mut want).unwrap();
                     let mut bufs = vec![bytes_of(&heads), guarded(&rows0)];
-                    emu.run(&mut bufs, &[heads_launch(&kernel, l)]);
+                    emu.run_plan(&mut bufs, &heads_launch(&kernel, l));
                     same(&what, &unguarded(&what, &bufs[1], n), &want);
                 }
                 Some(round) => {
                     let rows16: Vec<u16> = rows0.iter().map(|&x| round(x)).collect();
                     let widen = |h: u16| {
                         if suffix == "bf16" {
-                            half::bf16::from_bits(h).to_f32()
+                            bf16::from_bits(h).to_f32()
                         } else {
-                            half::f16::from_bits(h).to_f32()
+                            f16::from_bits(h).to_f32()
                         }
                     };
                     let mut want: Vec<f32> = rows16.iter().map(|&h| widen(h)).collect();
@@ -568,7 +538,7 @@ fn heads_merge_is_its_twin() {
                     let mut out = rows16.clone();
                     out.extend([0x7fabu16; GUARD]);
                     let mut bufs = vec![bytes_of(&heads), bytes_of(&out)];
-                    emu.run(&mut bufs, &[heads_launch(&kernel, l)]);
+                    emu.run_plan(&mut bufs, &heads_launch(&kernel, l));
                     same_u16(&what, &unguarded_u16(&what, &bufs[1], n, 0x7fab), &want);
                     // The columns no head covers are the rows' own values.
                     let got = values_of::<u16>(&bufs[1]);

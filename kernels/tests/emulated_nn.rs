@@ -1,15 +1,15 @@
 //! The layer norm's, GELU's and the bias's CUDA source (`cu/nn.cu`; `bias_add_f32` and
 //! `bias_grad_f32` of `cu/nn_embed_heads.cu`; `Program::Nn`) run on the host
 //! (`common::emulator`: the program as NVRTC compiles it, a block's threads as host threads),
-//! each launched with its launcher's grid, block and parameters (`src/launch/nn.rs`,
-//! `nn_heads.rs`), against its twin (`host::nn`, `host::nn_math`) **bitwise**, as
+//! each launched as its launcher launches it (`launch::plan`: the same kernels, grids,
+//! parameters and offsets), against its twin (`host::nn`, `host::nn_math`) **bitwise**, as
 //! `tests/gpu_nn.rs` holds them on a GPU: layernorm_forward in f32 and its bf16 and f16
 //! roundings (the statistics too), the input part of its backward (accumulating), gelu_forward
 //! in f32, bf16 and f16, gelu_backward, bias_add, and the two column reductions,
 //! layernorm_backward_params_f32 and bias_grad_f32 (two-dimensional blocks of 32 columns ×
 //! `NN_COL_GROUPS` row groups, one per tile of 32 columns and chunk of `NN_COL_CHUNK` rows),
-//! each chained with column_chunks_add_f32 as its launcher chains them: the chunk sums the
-//! first kernel writes are what the second adds to the gradients' current values. Rows are
+//! each chained with column_chunks_add_f32 as its launcher's plan chains them: the chunk sums
+//! the first kernel writes are what the second adds to the gradients' current values. Rows are
 //! shorter and longer than a block of 256 threads and not multiples of it or of a warp; a
 //! constant row (zero variance) too; the column reductions run over one row, one partial chunk
 //! and several chunks (the last partial), on columns that are not a multiple of 32; GELU's
@@ -23,10 +23,12 @@
 mod common;
 
 use common::data;
-use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
+use common::emulator::{addr, bytes_of, values_of, Emulator};
 use fsdp_kernels::host::nn::{self, NN_BLOCK, NN_COL_CHUNK, NN_COL_GROUPS};
 use fsdp_kernels::host::{f32_to_bf16, f32_to_f16};
-use fsdp_kernels::{launch, Program};
+use fsdp_kernels::launch::plan::{self, KernelLaunch};
+use fsdp_kernels::Program;
+use half::{bf16, f16};
 
 /// The layer norm's epsilon in `tests/gpu_nn.rs`.
 const EPS: f32 = 1e-5;
@@ -72,6 +74,15 @@ fn half_nans(n: usize) -> Vec<u8> {
 /// variance: rstd = 1/sqrt(eps)).
 const LN_SHAPES: [(usize, usize); 3] = [(33, 48), (5, 1000), (3, NN_BLOCK + 1)];
 
+/// `plan::layernorm_forward` writing `y` as `Y` over buffers 0..6: x, w, b, y, mean, rstd.
+fn layernorm_forward_plan<Y: fsdp_kernels::host::CastFloat>(
+    n: usize,
+    c: usize,
+) -> Vec<KernelLaunch> {
+    let a = |i| addr(i);
+    plan::layernorm_forward::<Y>(a(0), a(1), a(2), EPS, a(3), a(4), a(5), n, c).unwrap()
+}
+
 fn ln_input(n: usize, c: usize) -> Vec<f32> {
     let mut x = data(n * c, 1, 4.0);
     if c == NN_BLOCK + 1 {
@@ -80,10 +91,9 @@ fn ln_input(n: usize, c: usize) -> Vec<f32> {
     x
 }
 
-/// layernorm_forward_f32, _bf16 and _f16: one block of NN_BLOCK threads per row
-/// (`launch::nn::per_row`), parameters (x, w, b, y, mean, rstd, u32 c, f32 eps)
-/// (`launch::layernorm_forward`); y, mean and rstd the twin's bits (y rounded as the cast
-/// kernel rounds for the 16-bit kernels).
+/// layernorm_forward_f32, _bf16 and _f16 as `launch::layernorm_forward` launches them
+/// (`plan::layernorm_forward`: one block of NN_BLOCK threads per row); y, mean and rstd the
+/// twin's bits (y rounded as the cast kernel rounds for the 16-bit kernels).
 #[test]
 fn layernorm_forward_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Nn, "layernorm_forward_is_its_twin") else {
@@ -95,12 +105,18 @@ fn layernorm_forward_is_its_twin() {
         let (mut y, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
         nn::layernorm_forward(&x, &w, &b, EPS, &mut y, &mut m, &mut r).unwrap();
         let what = |k: &str| format!("{k} {n}×{c}");
-        for (kernel, y_bytes) in [
-            ("layernorm_forward_f32", 4),
-            ("layernorm_forward_bf16", 2),
-            ("layernorm_forward_f16", 2),
-        ] {
-            let y0 = if y_bytes == 4 {
+        let plans = [
+            (layernorm_forward_plan::<f32>(n, c), "layernorm_forward_f32"),
+            (
+                layernorm_forward_plan::<bf16>(n, c),
+                "layernorm_forward_bf16",
+            ),
+            (layernorm_forward_plan::<f16>(n, c), "layernorm_forward_f16"),
+        ];
+        for (launches, kernel) in plans {
+            assert_eq!(launches.len(), 1);
+            assert_eq!(launches[0].kernel, kernel, "the kernel writing y");
+            let y0 = if kernel == "layernorm_forward_f32" {
                 nans(n * c)
             } else {
                 half_nans(n * c)
@@ -113,19 +129,7 @@ fn layernorm_forward_is_its_twin() {
                 nans(n),
                 nans(n),
             ];
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::buf(3),
-                Arg::buf(4),
-                Arg::buf(5),
-                Arg::u32(c as u32),
-                Arg::f32(EPS),
-            ];
-            // The launcher's `per_row`: grid (n), block (NN_BLOCK).
-            let cfg = launch::per_row("layernorm_forward", n).unwrap();
-            emu.run(&mut bufs, &[Launch::from_config(kernel, &cfg, args)]);
+            emu.run_plan(&mut bufs, &launches);
             match kernel {
                 "layernorm_forward_f32" => same(&values_of(&bufs[3]), &y, &what(kernel)),
                 "layernorm_forward_bf16" => same_half(&bufs[3], &y, f32_to_bf16, &what(kernel)),
@@ -138,8 +142,8 @@ fn layernorm_forward_is_its_twin() {
 }
 
 /// layernorm_backward_input_f32 (accumulating into dx, which starts as x / 10 as in
-/// `tests/gpu_nn.rs`): one block per row, parameters (dy, x, w, mean, rstd, dx, u32 c)
-/// (`launch::layernorm_backward_input`).
+/// `tests/gpu_nn.rs`) as `launch::layernorm_backward_input` launches it
+/// (`plan::layernorm_backward_input`: one block per row).
 #[test]
 fn layernorm_backward_input_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Nn, "layernorm_backward_input_is_its_twin") else {
@@ -161,18 +165,10 @@ fn layernorm_backward_input_is_its_twin() {
             bytes_of(&r),
             bytes_of(&dx0),
         ];
-        let args = vec![
-            Arg::buf(0),
-            Arg::buf(1),
-            Arg::buf(2),
-            Arg::buf(3),
-            Arg::buf(4),
-            Arg::buf(5),
-            Arg::u32(c as u32),
-        ];
-        let cfg = launch::per_row("layernorm_backward_input", n).unwrap();
-        let launch = Launch::from_config("layernorm_backward_input_f32", &cfg, args);
-        emu.run(&mut bufs, &[launch]);
+        let a = |i| addr(i);
+        let launches =
+            plan::layernorm_backward_input(a(0), a(1), a(2), a(3), a(4), a(5), n, c).unwrap();
+        emu.run_plan(&mut bufs, &launches);
         same(
             &values_of(&bufs[5]),
             &dx,
@@ -209,58 +205,40 @@ fn chunk_sums(n: usize, c: usize, term: impl Fn(usize, usize) -> f32) -> Vec<f32
     part
 }
 
-/// The block of a column reduction's first kernel, the launcher's (`launch::per_column_tile`):
-/// 32 columns × NN_COL_GROUPS row groups (`threadIdx.y` the group).
-fn col_block() -> (u32, u32) {
-    let b = launch::per_column_tile(1, 1).block_dim;
-    assert_eq!(b, (32, NN_COL_GROUPS as u32, 1));
-    (b.0, b.1)
-}
-
-/// The grid of a column reduction's first kernel over `n` rows of `c` columns, the
-/// launcher's (`launch::per_column_tile(c, n)`): one block per tile of 32 columns (at most
-/// 2^16) and chunk of NN_COL_CHUNK rows (at most 65535).
-fn per_column_tile(c: usize, n: usize) -> (u32, u32) {
-    let g = launch::per_column_tile(c, n).grid_dim;
-    (g.0, g.1)
-}
-
-/// The grids the first kernels run on here: the launcher's (`per_column_tile`), and one of a
-/// single tile column and two chunk rows of blocks, smaller than the work, so that the
-/// kernels' grid-stride loops over tiles and chunks run (and a block past the last chunk
-/// writes nothing): on the launcher's grid they run only past 2^16 tiles or 65535 chunks,
-/// sizes the emulator cannot afford. The second is not a grid a launcher uses; the kernels
-/// document both loops, and the twin's bits must not depend on the grid.
-fn column_grids(c: usize, n: usize) -> [((u32, u32), &'static str); 2] {
+/// A column reduction's plan (its chunk kernel, then column_chunks_add_f32 for each
+/// gradient) as planned, on the launcher's grid (`plan::per_column_tile(c, n)`: one block of
+/// 32 columns × NN_COL_GROUPS row groups per tile of 32 columns, at most 2^16, and chunk of
+/// NN_COL_CHUNK rows, at most 65535), and with the chunk kernel on a grid of a single tile
+/// column and two chunk rows of blocks, smaller than the work, so that the kernels'
+/// grid-stride loops over tiles and chunks run (and a block past the last chunk writes
+/// nothing): on the launcher's grid they run only past 2^16 tiles or 65535 chunks, sizes the
+/// emulator cannot afford. The second is not a grid a launcher uses; the kernels document both
+/// loops, and the twin's bits must not depend on the grid.
+fn column_grids(
+    launches: Vec<KernelLaunch>,
+    c: usize,
+    n: usize,
+) -> [(Vec<KernelLaunch>, &'static str); 2] {
+    let first = &launches[0].config;
+    assert_eq!(first.block_dim, (32, NN_COL_GROUPS as u32, 1));
+    assert_eq!(first.grid_dim, plan::per_column_tile(c, n).grid_dim);
+    let mut strided = launches.clone();
+    strided[0].config.grid_dim = (1, 2, 1);
     [
-        (per_column_tile(c, n), "the launcher's grid"),
-        ((1, 2), "grid (1, 2), grid-stride"),
+        (launches, "the launcher's grid"),
+        (strided, "grid (1, 2), grid-stride"),
     ]
 }
 
-/// column_chunks_add_f32 as `launch::nn::add_chunks` launches it: the element-wise grid for
-/// `c` columns (`config(c)`), parameters (part, acc, u32 chunks, u32 c) with `part` and `acc`
-/// buffers `part` and `acc` (updated in place) and `chunks` = ⌈n / NN_COL_CHUNK⌉, unclamped
-/// (`launch::nn::chunk_sums`).
-fn add_chunks(part: usize, acc: usize, chunks: usize, c: usize) -> Launch {
-    let args = vec![
-        Arg::buf(part),
-        Arg::buf(acc),
-        Arg::u32(chunks as u32),
-        Arg::u32(c as u32),
-    ];
-    Launch::elementwise("column_chunks_add_f32", c, args)
-}
-
-/// bias_grad_f32 chained with column_chunks_add_f32 as `launch::bias_grad` chains them (one
-/// run over the same buffers: dy; the scratch of ⌈n / NN_COL_CHUNK⌉ × c chunk sums the first
-/// writes and the second reads; db, accumulated): bias_grad_f32 on `per_column_tile(c, n)`'s
-/// grid and block (32, NN_COL_GROUPS), parameters (dy, part, u32 n, u32 c); db against the
-/// twin `bias_grad` bitwise. Shapes of `tests/gpu_nn.rs` (its 1025 × 1000 narrowed to 300
-/// columns, ten tiles, for time): one row; one partial chunk; three chunks (the last of 88
-/// rows) on two tiles, the second partial; five chunks (the last of one row) on ten tiles,
-/// the last partial. This chain replaces the earlier test of column_chunks_add_f32 over chunk
-/// sums formed here ([`chunk_sums`] now only checks the scratch in between).
+/// bias_grad_f32 chained with column_chunks_add_f32 as `launch::bias_grad` chains them
+/// (`plan::bias_grad`, one run over the same buffers: dy; the scratch of ⌈n / NN_COL_CHUNK⌉ ×
+/// c chunk sums the first writes and the second reads, `plan::bias_grad_scratch` long; db,
+/// accumulated); db against the twin `bias_grad` bitwise. Shapes of `tests/gpu_nn.rs` (its
+/// 1025 × 1000 narrowed to 300 columns, ten tiles, for time): one row; one partial chunk;
+/// three chunks (the last of 88 rows) on two tiles, the second partial; five chunks (the last
+/// of one row) on ten tiles, the last partial. This chain replaces the earlier test of
+/// column_chunks_add_f32 over chunk sums formed here ([`chunk_sums`] now only checks the
+/// scratch in between).
 #[test]
 fn bias_grad_chain_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Nn, "bias_grad_chain_is_its_twin") else {
@@ -271,17 +249,11 @@ fn bias_grad_chain_is_its_twin() {
         let mut db = db0.clone();
         nn::bias_grad(&dy, &mut db).unwrap();
         let part = chunk_sums(n, c, |r, j| dy[r * c + j]);
-        let chunks = n.div_ceil(NN_COL_CHUNK);
-        for (grid, how) in column_grids(c, n) {
-            let mut bufs = vec![bytes_of(&dy), nans(chunks * c), bytes_of(&db0)];
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::u32(n as u32),
-                Arg::u32(c as u32),
-            ];
-            let first = Launch::new_2d("bias_grad_f32", grid, col_block(), args);
-            emu.run(&mut bufs, &[first, add_chunks(1, 2, chunks, c)]);
+        let scratch = plan::bias_grad_scratch(n, c).unwrap();
+        let launches = plan::bias_grad(addr(0), addr(1), addr(2), n, c).unwrap();
+        for (launches, how) in column_grids(launches, c, n) {
+            let mut bufs = vec![bytes_of(&dy), nans(scratch), bytes_of(&db0)];
+            emu.run_plan(&mut bufs, &launches);
             let what = |p: &str| format!("bias_grad_f32 {p} {n}×{c} ({how})");
             same(&values_of(&bufs[1]), &part, &what("chunk sums"));
             same(&values_of(&bufs[2]), &db, &what("db"));
@@ -290,11 +262,10 @@ fn bias_grad_chain_is_its_twin() {
 }
 
 /// layernorm_backward_params_f32 chained with column_chunks_add_f32 as
-/// `launch::layernorm_backward_params` chains them (one run over the same buffers: dy, x,
-/// mean, rstd; the two scratches of chunk sums, pw and pb; dw and db, accumulated):
-/// layernorm_backward_params_f32 on `per_column_tile(c, n)`'s grid and block
-/// (32, NN_COL_GROUPS), parameters (dy, x, mean, rstd, pw, pb, u32 n, u32 c), then
-/// column_chunks_add_f32 (pw, dw) and (pb, db); dw and db against the twin
+/// `launch::layernorm_backward_params` chains them (`plan::layernorm_backward_params`, one run
+/// over the same buffers: dy, x, mean, rstd; the two scratches of chunk sums, pw and pb, each
+/// `plan::layernorm_backward_params_scratch` long; dw and db, accumulated): the chunk kernel,
+/// then column_chunks_add_f32 (pw, dw) and (pb, db); dw and db against the twin
 /// `layernorm_backward_params` bitwise, the statistics the twin's forward (the emulated
 /// forward's bits, `layernorm_forward_is_its_twin`). Shapes of `tests/gpu_nn.rs`: 33 × 48 (one
 /// partial chunk, two tiles, the second partial) and 600 × 40 (three chunks, the last of 88
@@ -317,35 +288,23 @@ fn layernorm_backward_params_chain_is_its_twin() {
         // The kernel's terms: fm(fm(d, fs(x, mean)), rstd) for the weight, d for the bias.
         let pw = chunk_sums(n, c, |i, j| (dy[i * c + j] * (x[i * c + j] - m[i])) * r[i]);
         let pb = chunk_sums(n, c, |i, j| dy[i * c + j]);
-        let chunks = n.div_ceil(NN_COL_CHUNK);
-        for (grid, how) in column_grids(c, n) {
+        let scratch = plan::layernorm_backward_params_scratch(n, c).unwrap();
+        let a = |i| addr(i);
+        let launches =
+            plan::layernorm_backward_params(a(0), a(1), a(2), a(3), a(4), a(5), a(6), a(7), n, c)
+                .unwrap();
+        for (launches, how) in column_grids(launches, c, n) {
             let mut bufs = vec![
                 bytes_of(&dy),
                 bytes_of(&x),
                 bytes_of(&m),
                 bytes_of(&r),
-                nans(chunks * c),
-                nans(chunks * c),
+                nans(scratch),
+                nans(scratch),
                 bytes_of(&dw0),
                 bytes_of(&db0),
             ];
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::buf(3),
-                Arg::buf(4),
-                Arg::buf(5),
-                Arg::u32(n as u32),
-                Arg::u32(c as u32),
-            ];
-            let first = Launch::new_2d("layernorm_backward_params_f32", grid, col_block(), args);
-            let chain = [
-                first,
-                add_chunks(4, 6, chunks, c),
-                add_chunks(5, 7, chunks, c),
-            ];
-            emu.run(&mut bufs, &chain);
+            emu.run_plan(&mut bufs, &launches);
             let what = |p: &str| format!("layernorm_backward_params_f32 {p} {n}×{c} ({how})");
             same(&values_of(&bufs[4]), &pw, &what("dweight chunk sums"));
             same(&values_of(&bufs[5]), &pb, &what("dbias chunk sums"));
@@ -355,9 +314,9 @@ fn layernorm_backward_params_chain_is_its_twin() {
     }
 }
 
-/// gelu_forward_f32, _bf16 and _f16 and gelu_backward_f32 (writing) on the element-wise grid
-/// (`launch::config(n)`), parameters (x, y, u64 n) and (x, dy, dx, u64 n)
-/// (`launch::gelu_forward`, `launch::gelu_backward`): random values in [-12, 12) (both tails)
+/// gelu_forward_f32, _bf16 and _f16 and gelu_backward_f32 (writing) as `launch::gelu_forward`
+/// and `launch::gelu_backward` launch them (`plan::gelu_forward`, `plan::gelu_backward`: the
+/// element-wise grid): random values in [-12, 12) (both tails)
 /// and the special values of `tests/gpu_nn.rs`, 2 ^ 11 + 13 of them (not a multiple of 256).
 #[test]
 fn gelu_kernels_are_their_twins() {
@@ -380,15 +339,31 @@ fn gelu_kernels_are_their_twins() {
     let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
     nn::gelu_forward(&x, &mut y).unwrap();
     nn::gelu_backward(&x, &dy, &mut dx).unwrap();
-    for kernel in ["gelu_forward_f32", "gelu_forward_bf16", "gelu_forward_f16"] {
+    let plans = [
+        (
+            plan::gelu_forward::<f32>(addr(0), addr(1), n),
+            "gelu_forward_f32",
+        ),
+        (
+            plan::gelu_forward::<bf16>(addr(0), addr(1), n),
+            "gelu_forward_bf16",
+        ),
+        (
+            plan::gelu_forward::<f16>(addr(0), addr(1), n),
+            "gelu_forward_f16",
+        ),
+    ];
+    for (launches, kernel) in plans {
+        let launches = launches.unwrap();
+        assert_eq!(launches.len(), 1);
+        assert_eq!(launches[0].kernel, kernel, "the kernel writing y");
         let y0 = if kernel == "gelu_forward_f32" {
             nans(n)
         } else {
             half_nans(n)
         };
         let mut bufs = vec![bytes_of(&x), y0];
-        let args = vec![Arg::buf(0), Arg::buf(1), Arg::u64(n as u64)];
-        emu.run(&mut bufs, &[Launch::elementwise(kernel, n, args)]);
+        emu.run_plan(&mut bufs, &launches);
         match kernel {
             "gelu_forward_f32" => same(&values_of(&bufs[1]), &y, kernel),
             "gelu_forward_bf16" => same_half(&bufs[1], &y, f32_to_bf16, kernel),
@@ -396,17 +371,15 @@ fn gelu_kernels_are_their_twins() {
         }
     }
     let mut bufs = vec![bytes_of(&x), bytes_of(&dy), nans(n)];
-    let args = vec![Arg::buf(0), Arg::buf(1), Arg::buf(2), Arg::u64(n as u64)];
-    emu.run(
+    emu.run_plan(
         &mut bufs,
-        &[Launch::elementwise("gelu_backward_f32", n, args)],
+        &plan::gelu_backward(addr(0), addr(1), addr(2), n),
     );
     same(&values_of(&bufs[2]), &dx, "gelu_backward_f32");
 }
 
-/// bias_add_f32 (in place) on the element-wise grid for the `n·c` elements
-/// (`launch::nn_heads::bias_add`: `config(n·c)`), parameters (y, b, u64 n·c, u32 c): the
-/// shapes of `tests/gpu_nn.rs` (a row longer than a block too) and rows of a column.
+/// bias_add_f32 (in place) as `launch::bias_add` launches it (`plan::bias_add`: the
+/// element-wise grid for the `n·c` elements): the shapes of `tests/gpu_nn.rs` (a row longer than a block too) and rows of a column.
 #[test]
 fn bias_add_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Nn, "bias_add_is_its_twin") else {
@@ -417,16 +390,7 @@ fn bias_add_is_its_twin() {
         let mut y = y0.clone();
         nn::bias_add(&mut y, &b).unwrap();
         let mut bufs = vec![bytes_of(&y0), bytes_of(&b)];
-        let args = vec![
-            Arg::buf(0),
-            Arg::buf(1),
-            Arg::u64((n * c) as u64),
-            Arg::u32(c as u32),
-        ];
-        emu.run(
-            &mut bufs,
-            &[Launch::elementwise("bias_add_f32", n * c, args)],
-        );
+        emu.run_plan(&mut bufs, &plan::bias_add(addr(0), addr(1), n * c, c));
         same(&values_of(&bufs[0]), &y, &format!("bias_add_f32 {n}×{c}"));
     }
 }

@@ -9,8 +9,8 @@
 //! - `sum_squares_many` then `sum_f64_final_many` (`launch::sum_of_squares_many`,
 //!   `src/launch/foreach.rs`) on 100 tensors of different lengths, empty ones among them (at a
 //!   batch's start and end and in runs), in two batches (96, then 4) that reuse the block
-//!   sums, with the `SquaresList` passed by value as the launcher's `#[repr(C)]` struct lays it
-//!   out; and a batch of empty tensors alone (the first launch left out); each tensor's slot
+//!   sums, with the `SquaresList` passed by value as the plan lays it out; and a batch of
+//!   empty tensors alone (the first launch left out); each tensor's slot
 //!   `host::sum_of_squares` of it, the slots around untouched.
 //! - `loss_accumulate` (`launch::loss_accumulate`, `src/launch/step.rs`) over micro-batches of
 //!   1 … 100 003 losses, first or not, with the scalars fed back; `host::loss_accumulate`.
@@ -28,19 +28,20 @@
 //!   part's without it, as the launcher passes it), both and neither, taken and skipped steps
 //!   (`take`), sharded and replicated parts each infinite or NaN, and faults.
 //!
-//! The last three are launched as their launchers launch them: one block of one thread.
+//! Each is launched as its launcher launches it (`launch::plan`: the same kernels, grids,
+//! parameters and offsets); the last three on one block of one thread.
 //!
 //! What this cannot check is the hardware itself (its f64 rounding, its scheduling of blocks):
 //! `tests/gpu.rs` and `tests/gpu_step.rs` do, on a GPU.
 
 mod common;
 
-use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
+use common::emulator::{addr, bytes_of, values_of, Emulator};
 use fsdp_kernels::host::{
     self, EngineDecision, NonfiniteRule, ScalerRule, StepRule, NORM_BLOCK, NORM_ITEMS, STEP_COUNT,
     STEP_LOSS, STEP_SQUARES,
 };
-use fsdp_kernels::launch::SQUARES_TENSORS;
+use fsdp_kernels::launch::{plan, SQUARES_TENSORS};
 use fsdp_kernels::Program;
 
 /// Bitwise equality of f64 values (NaNs' payloads too).
@@ -79,9 +80,10 @@ fn garbage(len_f64: usize) -> Vec<u8> {
     vec![0xAB; len_f64 * 8]
 }
 
-/// `launch::sum_of_squares`: `sum_squares_f32` on `n.div_ceil(CHUNK)` blocks of `NORM_BLOCK`
-/// threads into the block sums, then `sum_f64_final` on one block into `out[0]` (no launch
-/// for n = 0: the launcher fills `out` with 0 instead).
+/// `launch::sum_of_squares` (`plan::sum_of_squares`): `sum_squares_f32` on
+/// `n.div_ceil(CHUNK)` blocks of `NORM_BLOCK` threads into the block sums, then
+/// `sum_f64_final` on one block into `out[0]`; for no elements a fill of `out` with 0 (an
+/// element-wise kernel, not run here).
 #[test]
 fn sum_of_squares_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Norm, "sum_of_squares_is_its_twin") else {
@@ -112,82 +114,54 @@ fn sum_of_squares_is_its_twin() {
             .iter()
             .fold(0.0f64, |a, &v| a + f64::from(v) * f64::from(v));
         order_matters |= naive.to_bits() != want.to_bits();
-        let blocks = n.div_ceil(CHUNK);
+        let blocks = plan::sum_of_squares_blocks(n).unwrap();
+        assert_eq!(blocks, n.div_ceil(CHUNK));
         let mut bufs = vec![bytes_of(&x), garbage(blocks), garbage(1)];
-        let first = Launch::new(
-            "sum_squares_f32",
-            (blocks as u32, 1),
-            NORM_BLOCK as u32,
-            vec![Arg::buf(0), Arg::u64(n as u64), Arg::buf(1)],
-        );
-        let last = Launch::new(
-            "sum_f64_final",
-            (1, 1),
-            NORM_BLOCK as u32,
-            vec![Arg::buf(1), Arg::u64(blocks as u64), Arg::buf(2)],
-        );
-        emu.run(&mut bufs, &[first, last]);
+        let launches = plan::sum_of_squares(addr(0), n, addr(1), addr(2)).unwrap();
+        assert_eq!(launches.len(), 2);
+        emu.run_plan(&mut bufs, &launches);
         assert_bits(
             &values_of(&bufs[2]),
             &[want],
             &format!("sum of squares of {n}"),
         );
     }
+    let empty = plan::sum_of_squares(addr(0), 0, addr(1), addr(2)).unwrap();
+    let kernels: Vec<&str> = empty.iter().map(|l| l.kernel.as_str()).collect();
+    assert_eq!(kernels, ["memset_b64"]);
     assert!(
         order_matters,
         "the inputs sum to the same bits in any order: they would not tell the orders apart"
     );
 }
 
-/// `launch::sum_of_squares_many` of `lens`' tensors into `scalars[first..]`: per batch of
-/// `SQUARES_TENSORS`, `sum_squares_many` on the batch's blocks (left out when it has none)
-/// and `sum_f64_final_many` on one block per tensor, both of `NORM_BLOCK` threads, the block
-/// sums reused from their start by every batch. Returns the scalars.
+/// `launch::sum_of_squares_many` (`plan::sum_of_squares_many`) of `xs` into
+/// `scalars[first..]`: per batch of `SQUARES_TENSORS`, `sum_squares_many` on the batch's
+/// blocks (left out when it has none) and `sum_f64_final_many` on one block per tensor, both
+/// of `NORM_BLOCK` threads, the block sums reused from their start by every batch. Returns
+/// the scalars.
 fn squares_many(emu: &Emulator, xs: &[Vec<f32>], first: usize, scalars: Vec<f64>) -> Vec<f64> {
-    // `SquaresList` of `cu/norm.cu` as `foreach.rs` lays it out (`#[repr(C)]`): the tensors'
-    // addresses (u64), their lengths (u64), then SQUARES_TENSORS + 1 block starts (u32),
-    // padded to the struct's 8-byte alignment.
-    const X_AT: usize = 0;
-    const N_AT: usize = SQUARES_TENSORS * 8;
-    const START_AT: usize = 2 * SQUARES_TENSORS * 8;
-    const SIZE: usize = (START_AT + (SQUARES_TENSORS + 1) * 4).next_multiple_of(8);
-    let blocks: usize = xs.iter().map(|x| x.len().div_ceil(CHUNK)).sum();
+    let blocks = plan::sum_of_squares_many_blocks(xs.iter().map(Vec::len)).unwrap();
+    assert_eq!(
+        blocks,
+        xs.iter().map(|x| x.len().div_ceil(CHUNK)).sum::<usize>()
+    );
     // Buffers: the scalars, the block sums (at least one element, uninitialised), the tensors.
     let mut bufs = vec![bytes_of(&scalars), garbage(blocks.max(1))];
     bufs.extend(xs.iter().map(|x| bytes_of(x)));
-    let mut launches = Vec::new();
-    let mut done = 0usize;
-    for batch in (0..xs.len()).collect::<Vec<_>>().chunks(SQUARES_TENSORS) {
-        let mut value = vec![0u8; SIZE];
-        let mut relocs = Vec::new();
-        let mut total = 0u32;
-        for (i, &t) in batch.iter().enumerate() {
-            let n = xs[t].len();
-            relocs.push((X_AT + i * 8, 2 + t, 0));
-            value[N_AT + i * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
-            value[START_AT + i * 4..][..4].copy_from_slice(&total.to_le_bytes());
-            total += n.div_ceil(CHUNK) as u32;
-        }
-        value[START_AT + batch.len() * 4..][..4].copy_from_slice(&total.to_le_bytes());
-        let count = batch.len() as u32;
-        let list = Arg::Struct(value, relocs);
-        if total > 0 {
-            launches.push(Launch::new(
-                "sum_squares_many",
-                (total, 1),
-                NORM_BLOCK as u32,
-                vec![list.clone(), Arg::u32(count), Arg::buf(1)],
-            ));
-        }
-        launches.push(Launch::new(
-            "sum_f64_final_many",
-            (count, 1),
-            NORM_BLOCK as u32,
-            vec![list, Arg::buf(1), Arg::Ptr(0, (first + done) * 8)],
-        ));
-        done += batch.len();
-    }
-    emu.run(&mut bufs, &launches);
+    let tensors: Vec<(u64, usize)> = xs
+        .iter()
+        .enumerate()
+        .map(|(t, x)| (addr(2 + t), x.len()))
+        .collect();
+    let launches = plan::sum_of_squares_many(&tensors, addr(1), addr(0), first).unwrap();
+    let batches = xs.len().div_ceil(SQUARES_TENSORS);
+    let firsts = launches
+        .iter()
+        .filter(|l| l.kernel == "sum_squares_many")
+        .count();
+    assert_eq!(launches.len() - firsts, batches, "a final launch a batch");
+    emu.run_plan(&mut bufs, &launches);
     values_of(&bufs[0])
 }
 
@@ -231,6 +205,12 @@ fn sum_of_squares_many_is_its_twin() {
 
     // One batch of empty tensors: no first launch; every slot 0.
     let empty = vec![Vec::new(); 3];
+    let none = plan::sum_of_squares_many(&[(addr(2), 0); 3], addr(1), addr(0), 1).unwrap();
+    let kernels: Vec<&str> = none.iter().map(|l| l.kernel.as_str()).collect();
+    assert_eq!(kernels, ["sum_f64_final_many"]);
+    assert!(plan::sum_of_squares_many(&[], addr(1), addr(0), 0)
+        .unwrap()
+        .is_empty());
     let got = squares_many(emu, &empty, 1, vec![sentinel; 5]);
     assert_bits(
         &got,
@@ -239,22 +219,11 @@ fn sum_of_squares_many_is_its_twin() {
     );
 }
 
-/// The launch of `launch::loss_accumulate`: one block of `NORM_BLOCK` threads over buffers
-/// [losses, scalars].
-fn loss_launch(n: usize, accum: u32, first: bool) -> Launch {
-    let args = vec![
-        Arg::buf(0),
-        Arg::u64(n as u64),
-        Arg::u32(accum),
-        Arg::u32(u32::from(first)),
-        Arg::buf(1),
-    ];
-    Launch::new("loss_accumulate", (1, 1), NORM_BLOCK as u32, args)
-}
-
 /// Micro-batches of 1 to 100 003 losses (below, at and past a block; many a thread), of
 /// accumulations of 1, 3, 7…, first or not, with the kernel's scalars fed back; an infinite
-/// loss, then a NaN one, each ending with a new step.
+/// loss, then a NaN one, each ending with a new step (`plan::loss_accumulate` over buffers
+/// [losses, scalars]: one block of `NORM_BLOCK` threads). No losses, or none accumulated,
+/// are refused.
 #[test]
 fn loss_accumulate_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Norm, "loss_accumulate_is_its_twin") else {
@@ -286,7 +255,9 @@ fn loss_accumulate_is_its_twin() {
         }
         host::loss_accumulate(&losses, accum, first, &mut want).unwrap();
         let mut bufs = vec![bytes_of(&losses), bytes_of(&got)];
-        emu.run(&mut bufs, &[loss_launch(n, accum, first)]);
+        let launches = plan::loss_accumulate(addr(0), n, accum, first, addr(1)).unwrap();
+        assert_eq!(launches[0].config.block_dim.0, NORM_BLOCK as u32);
+        emu.run_plan(&mut bufs, &launches);
         got = values_of(&bufs[1]);
         assert_bits(
             &got,
@@ -295,6 +266,8 @@ fn loss_accumulate_is_its_twin() {
         );
     }
     assert!(want[STEP_LOSS].is_finite(), "the last step starts anew");
+    assert!(plan::loss_accumulate(addr(0), 0, 3, true, addr(1)).is_err());
+    assert!(plan::loss_accumulate(addr(0), 5, 0, true, addr(1)).is_err());
 }
 
 /// `clip_coefficient` (one thread, as `launch::clip_coefficient`) on norms below, at and
@@ -328,37 +301,11 @@ fn clip_coefficient_is_its_twin() {
     for (sharded, replicated, max_norm) in cases {
         let want = host::clip_coefficient(sharded, replicated, max_norm);
         let mut bufs = vec![bytes_of(&[sharded]), bytes_of(&[replicated]), garbage(2)];
-        let args = vec![Arg::buf(0), Arg::buf(1), Arg::f64(max_norm), Arg::buf(2)];
-        emu.run(
-            &mut bufs,
-            &[Launch::new("clip_coefficient", (1, 1), 1, args)],
-        );
+        let launches = plan::clip_coefficient(addr(0), addr(1), max_norm, addr(2));
+        emu.run_plan(&mut bufs, &launches);
         let what = format!("clip_coefficient({sharded}, {replicated}, {max_norm})");
         assert_bits(&values_of(&bufs[2]), &want, &what);
     }
-}
-
-/// The launch of `launch::step_decide`: one block of one thread, the rule's `None`s as the
-/// launcher passes them (no clipping or no skip limit: -1; no scaler: all three 0).
-fn decide_launch(rule: &StepRule) -> Launch {
-    let (growth, backoff, interval) = rule.scaler.map_or((0.0, 0.0, 0.0), |r| {
-        (
-            r.growth_factor,
-            r.backoff_factor,
-            f64::from(r.growth_interval),
-        )
-    });
-    let args = vec![
-        Arg::buf(0),
-        Arg::u64(rule.tensors as u64),
-        Arg::f64(rule.max_norm.unwrap_or(-1.0)),
-        Arg::f64(rule.skip_nonfinite.map_or(-1.0, |k| k as f64)),
-        Arg::f64(rule.base_steps as f64),
-        Arg::f64(growth),
-        Arg::f64(backoff),
-        Arg::f64(interval),
-    ];
-    Launch::new("step_decide", (1, 1), 1, args)
 }
 
 /// The base steps of a decision with the count `count`: `count - back` (the choice `back`
@@ -384,7 +331,8 @@ type Step = (f64, Option<f64>, f64, Option<f64>, i64);
 type Run = (Option<ScalerRule>, Option<(f32, u32, u64)>, Option<u64>);
 
 /// `step_decide` over runs of 16 steps whose scalars carry over, every rule and scaler: each
-/// step's scalars bitwise the twin's.
+/// step's scalars bitwise the twin's (`plan::step_decide`: one thread, the rule's `None`s as
+/// -1 — no clipping, no skip limit — or, without a scaler, its three settings 0).
 #[test]
 fn step_decide_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Optim, "step_decide_is_its_twin") else {
@@ -460,52 +408,19 @@ fn step_decide_is_its_twin() {
             }
             host::step_decide(&rule, &mut want).unwrap();
             let mut bufs = vec![bytes_of(&got)];
-            emu.run(&mut bufs, &[decide_launch(&rule)]);
+            emu.run_plan(&mut bufs, &plan::step_decide(&rule, addr(0)).unwrap());
             got = values_of(&bufs[0]);
             assert_bits(&got, &want, &format!("config {c}, step {k}: {rule:?}"));
         }
     }
 }
 
-/// The launch of `launch::engine_decide` over buffers [scalars, sharded, replicated, loss]:
-/// one thread; without the non-finite rule the loss's address is the sharded part's, as the
-/// launcher passes it.
-fn engine_launch(d: &EngineDecision) -> Launch {
-    let (growth, backoff, interval) = d.scaler.map_or((0.0, 0.0, 0.0), |r| {
-        (
-            r.growth_factor,
-            r.backoff_factor,
-            f64::from(r.growth_interval),
-        )
-    });
-    let loss = if d.nonfinite.is_some() {
-        Arg::buf(3)
-    } else {
-        Arg::buf(1)
-    };
-    let skip = d
-        .nonfinite
-        .and_then(|r| r.skip_limit)
-        .map_or(-1.0, |k| k as f64);
-    let args = vec![
-        Arg::buf(0),
-        Arg::buf(1),
-        Arg::buf(2),
-        loss,
-        Arg::f64(d.base_steps as f64),
-        Arg::u32(u32::from(d.take)),
-        Arg::u32(u32::from(d.nonfinite.is_some())),
-        Arg::f64(skip),
-        Arg::f64(growth),
-        Arg::f64(backoff),
-        Arg::f64(interval),
-    ];
-    Launch::new("engine_decide", (1, 1), 1, args)
-}
-
 /// `engine_decide` over runs of 18 steps and skips whose scalars carry over, with the scaler,
 /// the non-finite rule (limits of 2, 0 and none), both and neither: each step's scalars
-/// bitwise the twin's.
+/// bitwise the twin's (`plan::engine_decide` over buffers [scalars, sharded, replicated,
+/// loss], one thread; without the rule no loss is given, and the plan passes the sharded
+/// part's address for it, as the launcher does). Invalid scalers, and the rule without a
+/// loss, are refused.
 #[test]
 fn engine_decide_is_its_twin() {
     let Some(emu) = Emulator::build(Program::Optim, "engine_decide_is_its_twin") else {
@@ -567,9 +482,24 @@ fn engine_decide_is_its_twin() {
                 bytes_of(&[replicated]),
                 bytes_of(&[loss]),
             ];
-            emu.run(&mut bufs, &[engine_launch(&d)]);
+            let loss_at = d.nonfinite.map(|_| addr(3));
+            let launches = plan::engine_decide(&d, addr(0), addr(1), addr(2), loss_at).unwrap();
+            emu.run_plan(&mut bufs, &launches);
             got = values_of(&bufs[0]);
             assert_bits(&got, &want, &format!("config {c}, step {i}: {d:?}"));
         }
     }
+    let d = EngineDecision {
+        scaler: None,
+        nonfinite: nonfinite(None),
+        base_steps: 0,
+        take: true,
+    };
+    assert!(plan::engine_decide(&d, addr(0), addr(1), addr(2), None).is_err());
+    let d = EngineDecision {
+        scaler: Some(scaler(1.0, 0.5, 1)),
+        nonfinite: None,
+        ..d
+    };
+    assert!(plan::engine_decide(&d, addr(0), addr(1), addr(2), None).is_err());
 }

@@ -1,8 +1,8 @@
 //! The softmaxes' CUDA source (`cu/nn_softmax.cu` of `Program::Nn`) run on the host
 //! (`common::emulator`: the program as NVRTC compiles it, a block's threads as host threads,
-//! a warp's shuffles through barriers), each launched with its launcher's grid, block and
-//! parameters (`src/launch/nn.rs`, `nn_loss.rs`), against its twin (`host::nn`,
-//! `host::nn_loss`) **bitwise**, as `tests/gpu_nn.rs` holds them on a GPU:
+//! a warp's shuffles through barriers), each launched as its launcher launches it
+//! (`launch::plan`: the same kernels, grids, parameters and offsets), against its twin
+//! (`host::nn`, `host::nn_loss`) **bitwise**, as `tests/gpu_nn.rs` holds them on a GPU:
 //! causal_softmax_forward in f32 and written as its bf16 and f16 roundings,
 //! causal_softmax_forward_both (f32 and its bf16 or f16 rounding in one pass),
 //! causal_softmax_backward in f32, bf16 and f16; cross_entropy_fused writing an f32, bf16 or
@@ -26,10 +26,12 @@
 mod common;
 
 use common::data;
-use common::emulator::{bytes_of, values_of, Arg, Emulator, Launch};
+use common::emulator::{addr, bytes_of, values_of, Emulator};
 use fsdp_kernels::host::nn::{self};
 use fsdp_kernels::host::{self, f32_to_bf16, f32_to_f16};
-use fsdp_kernels::{launch, Program};
+use fsdp_kernels::launch::plan;
+use fsdp_kernels::Program;
+use half::{bf16, f16};
 
 /// What outputs start as (f32, and its bf16 and f16 bits): an element a kernel leaves
 /// unwritten keeps it, a value no twin gives here.
@@ -61,19 +63,6 @@ fn framed<T: Copy>(whole: usize, range: std::ops::Range<usize>, inner: &[T], out
     let mut v = vec![outside; whole];
     v[range].copy_from_slice(inner);
     v
-}
-
-/// The softmaxes' launch (`launch::nn`'s `per_warp_row`): one warp of `NN_WARP` lanes per row,
-/// `NN_BLOCK / NN_WARP` rows a block of `NN_BLOCK` threads.
-fn per_warp_row(kernel: &str, rows: usize, args: Vec<Arg>) -> Launch {
-    let cfg = launch::per_warp_row("causal_softmax", rows).unwrap();
-    Launch::from_config(kernel, &cfg, args)
-}
-
-/// The cross-entropy's launch (`launch::per_row`): one block of `NN_BLOCK` threads per row.
-fn per_row(kernel: &str, rows: usize, args: Vec<Arg>) -> Launch {
-    let cfg = launch::per_row("cross_entropy_fused", rows).unwrap();
-    Launch::from_config(kernel, &cfg, args)
 }
 
 /// Scores of `pairs` `t × t` matrices (`tests/gpu_nn.rs`'s), with what a causal softmax must
@@ -144,44 +133,21 @@ fn softmax_case(emu: &Emulator, pairs: usize, t: usize, first: usize, count: usi
         bytes_of(&vec![SENTINEL_F16; whole]),  // 12 ds, f16
     ];
     // A view from pair `first`: the buffer's address plus the chunk's offset in its elements.
-    let at = |buf: usize, elem: usize| Arg::Ptr(buf, range.start * elem);
-    // Each launcher's parameters in its order (`launch::nn`): scalars `u32 t, float scale,
-    // u64 rows`.
-    let tail = || vec![Arg::u32(t as u32), Arg::f32(scale), Arg::u64(rows as u64)];
-    let with = |mut head: Vec<Arg>| {
-        head.extend(tail());
-        head
-    };
+    let at = |buf: usize, elem: usize| addr(buf) + (range.start * elem) as u64;
     let launches = [
-        ("causal_softmax_forward_f32", with(vec![at(0, 4), at(3, 4)])),
-        (
-            "causal_softmax_forward_bf16",
-            with(vec![at(0, 4), at(4, 2)]),
-        ),
-        ("causal_softmax_forward_f16", with(vec![at(0, 4), at(5, 2)])),
-        (
-            "causal_softmax_forward_both_bf16",
-            with(vec![at(0, 4), at(6, 4), at(7, 2)]),
-        ),
-        (
-            "causal_softmax_forward_both_f16",
-            with(vec![at(0, 4), at(8, 4), at(9, 2)]),
-        ),
-        (
-            "causal_softmax_backward_f32",
-            with(vec![at(1, 4), at(2, 4), at(10, 4)]),
-        ),
-        (
-            "causal_softmax_backward_bf16",
-            with(vec![at(1, 4), at(2, 4), at(11, 2)]),
-        ),
-        (
-            "causal_softmax_backward_f16",
-            with(vec![at(1, 4), at(2, 4), at(12, 2)]),
-        ),
+        plan::causal_softmax_forward::<f32>(at(0, 4), t, scale, at(3, 4), rows),
+        plan::causal_softmax_forward::<bf16>(at(0, 4), t, scale, at(4, 2), rows),
+        plan::causal_softmax_forward::<f16>(at(0, 4), t, scale, at(5, 2), rows),
+        plan::causal_softmax_forward_both::<bf16>(at(0, 4), t, scale, at(6, 4), at(7, 2), rows),
+        plan::causal_softmax_forward_both::<f16>(at(0, 4), t, scale, at(8, 4), at(9, 2), rows),
+        plan::causal_softmax_backward::<f32>(at(1, 4), at(2, 4), t, scale, at(10, 4), rows),
+        plan::causal_softmax_backward::<bf16>(at(1, 4), at(2, 4), t, scale, at(11, 2), rows),
+        plan::causal_softmax_backward::<f16>(at(1, 4), at(2, 4), t, scale, at(12, 2), rows),
     ]
-    .map(|(k, args)| per_warp_row(k, rows, args));
-    emu.run(&mut bufs, &launches);
+    .map(Result::unwrap)
+    .concat();
+    assert_eq!(launches.len(), 8, "one launch a kernel");
+    emu.run_plan(&mut bufs, &launches);
 
     let (p_bf16, p_f16): (Vec<u16>, Vec<u16>) = (
         p.iter().map(|&x| f32_to_bf16(x)).collect(),
@@ -311,31 +277,19 @@ fn cross_entropy_case(
             losses(),                              // 9 losses (f16 gradient)
             bytes_of(&vec![SENTINEL_F16; r * v]),  // 10 gradient, f16
         ];
-        // `launch_cross_entropy`'s parameters: logits, targets, losses, dlogits, u32 v,
-        // float dloss, const double* s; targets and losses from row `first`.
-        let args = |l: usize, o: usize, dl: usize| {
-            vec![
-                Arg::buf(l),
-                Arg::Ptr(1, first * 4),
-                Arg::Ptr(o, first * 4),
-                Arg::buf(dl),
-                Arg::u32(v as u32),
-                Arg::f32(dloss),
-                if scale.is_some() {
-                    Arg::buf(2)
-                } else {
-                    Arg::Null
-                },
-            ]
-        };
+        // Targets and losses from row `first`; the step's scalars, or a null pointer.
+        let row = |buf: usize| addr(buf) + (first * 4) as u64;
+        let s = if scale.is_some() { addr(2) } else { 0 };
         let launches = [
-            ("cross_entropy_fused_f32", args(0, 3, 4)),
-            ("cross_entropy_fused_f32", args(5, 6, 5)),
-            ("cross_entropy_fused_bf16", args(0, 7, 8)),
-            ("cross_entropy_fused_f16", args(0, 9, 10)),
+            plan::cross_entropy_fused::<f32>(addr(0), row(1), v, dloss, s, row(3), addr(4), r),
+            plan::cross_entropy_fused_in_place(addr(5), row(1), v, dloss, s, row(6), r),
+            plan::cross_entropy_fused::<bf16>(addr(0), row(1), v, dloss, s, row(7), addr(8), r),
+            plan::cross_entropy_fused::<f16>(addr(0), row(1), v, dloss, s, row(9), addr(10), r),
         ]
-        .map(|(k, a)| per_row(k, r, a));
-        emu.run(&mut bufs, &launches);
+        .map(Result::unwrap)
+        .concat();
+        assert_eq!(launches.len(), 4, "one launch a kernel");
+        emu.run_plan(&mut bufs, &launches);
 
         let what = format!("{what}, loss scale {scale:?}");
         let loss_want = |l: &[f32]| bits(&framed(n, first..first + r, l, SENTINEL));

@@ -10,81 +10,16 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::step::{AdamWChoiceArgs, AnyPrecisionChoiceArgs};
-use super::plan::foreach_grid;
-use super::{driver, function};
+use super::plan::{self, DecidedTensor};
+pub use super::plan::{ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS};
+use super::{driver, enqueue};
 use crate::host::{
     check_anyprecision_call, check_scalars_len, same_len, AdamWChoice, AnyPrecision,
-    AnyPrecisionChoice, NORM_BLOCK, NORM_ITEMS,
+    AnyPrecisionChoice,
 };
-use crate::{KernelError, Program};
-
-/// The buffers one launch of `zero_segments` carries.
-pub const ZERO_SEGMENTS: usize = 96;
-/// The tensors one launch of `sum_squares_many` carries.
-pub const SQUARES_TENSORS: usize = 96;
-/// The tensors one launch of `adamw_decided_many` carries.
-pub const ADAMW_TENSORS: usize = 64;
-/// The tensors one launch of `anyprecision_decided_many_*` carries.
-pub const ANYPRECISION_TENSORS: usize = 48;
-
-/// `SquaresList` of `cu/norm.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SquaresList {
-    x: [u64; SQUARES_TENSORS],
-    n: [u64; SQUARES_TENSORS],
-    start: [u32; SQUARES_TENSORS + 1],
-}
-
-/// `AdamWList` of `cu/optim.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AdamWList {
-    p: [u64; ADAMW_TENSORS],
-    g: [u64; ADAMW_TENSORS],
-    m: [u64; ADAMW_TENSORS],
-    v: [u64; ADAMW_TENSORS],
-    n: [u64; ADAMW_TENSORS],
-    decay: [u32; ADAMW_TENSORS],
-}
-
-// SAFETY: plain integers in C layout, the CUDA structs' fields in their order (u64 arrays,
-// then a u32 array, whose tail padding C adds too), passed by value as kernel parameters.
-unsafe impl DeviceRepr for SquaresList {}
-// SAFETY: as `SquaresList`.
-unsafe impl DeviceRepr for AdamWList {}
-
-/// `ZeroSegments` of `cu/elementwise.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct ZeroSegments {
-    dst: [u64; ZERO_SEGMENTS],
-    n: [u64; ZERO_SEGMENTS],
-}
-
-// SAFETY: as `SquaresList`.
-unsafe impl DeviceRepr for ZeroSegments {}
-
-/// `AnyPrecisionList` of `cu/any_precision.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AnyPrecisionList {
-    p: [u64; ANYPRECISION_TENSORS],
-    g: [u64; ANYPRECISION_TENSORS],
-    m: [u64; ANYPRECISION_TENSORS],
-    v: [u64; ANYPRECISION_TENSORS],
-    c: [u64; ANYPRECISION_TENSORS],
-    n: [u64; ANYPRECISION_TENSORS],
-    decay: [u32; ANYPRECISION_TENSORS],
-}
-
-// SAFETY: as `SquaresList`.
-unsafe impl DeviceRepr for AnyPrecisionList {}
+use crate::KernelError;
 
 /// The sum of squares of each of `xs` (f64, in `sum_squares_f32`'s fixed order) into
 /// `scalars[first + i]`, in two launches per [`SQUARES_TENSORS`] tensors; bitwise
@@ -101,7 +36,7 @@ pub fn sum_of_squares_many(
 ) -> Result<(), KernelError> {
     let k = "sum_squares_many";
     let end = first.checked_add(xs.len()).filter(|&e| e <= scalars.len());
-    let Some(end) = end else {
+    if end.is_none() {
         return Err(KernelError::InvalidArgument {
             kernel: k,
             reason: format!(
@@ -110,72 +45,30 @@ pub fn sum_of_squares_many(
                 scalars.len()
             ),
         });
-    };
+    }
     if xs.is_empty() {
         return Ok(());
     }
-    let chunk = NORM_BLOCK * NORM_ITEMS;
-    let blocks: usize = xs.iter().map(|x| x.len().div_ceil(chunk)).sum();
-    let too_many = || KernelError::InvalidArgument {
-        kernel: k,
-        reason: format!("{blocks} blocks of sums do not fit in 32 bits"),
-    };
-    u32::try_from(blocks).map_err(|_| too_many())?;
+    let blocks = plan::sum_of_squares_many_blocks(xs.iter().map(|x| x.len()))?;
     // SAFETY: uninitialised device memory (at least one element), never read before written:
     // every block of `sum_squares_many` writes its sum before `sum_f64_final_many`, later on
     // the same stream, reads the sums of its tensor's blocks.
     let mut sums =
         unsafe { stream.alloc::<f64>(blocks.max(1)) }.map_err(|e| driver("cuMemAlloc", k, e))?;
-    let many = function(stream, Program::Norm, k)?;
-    let last = function(stream, Program::Norm, "sum_f64_final_many")?;
-    let mut out = scalars.slice_mut(first..end);
-    let mut done = 0usize;
-    for batch in xs.chunks(SQUARES_TENSORS) {
-        let mut l = SquaresList {
-            x: [0; SQUARES_TENSORS],
-            n: [0; SQUARES_TENSORS],
-            start: [0; SQUARES_TENSORS + 1],
-        };
-        let mut guards = Vec::with_capacity(batch.len());
-        let mut total = 0u32;
-        for (i, x) in batch.iter().enumerate() {
-            let (p, g) = x.device_ptr(stream);
-            guards.push(g);
-            l.x[i] = p;
-            l.n[i] = x.len() as u64;
-            l.start[i] = total;
-            total += x.len().div_ceil(chunk) as u32;
-        }
-        l.start[batch.len()] = total;
-        let count = batch.len() as u32;
-        let grid = |g: u32| LaunchConfig {
-            grid_dim: (g, 1, 1),
-            block_dim: (NORM_BLOCK as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut sums_here = sums.slice_mut(..);
-        let (sp, _s) = sums_here.device_ptr_mut(stream);
-        if total > 0 {
-            let mut b = stream.launch_builder(&many);
-            b.arg(&l).arg(&count).arg(&sp);
-            // SAFETY: (SquaresList l, u32 count, double* block_sums): `count` tensors of
-            // `l.n` f32 at `l.x`, their blocks `l.start[k]..l.start[k + 1]` of `total`, each
-            // writing one of the `blocks` ≥ `total` sums.
-            unsafe { b.launch(grid(total)) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
-        }
-        let mut here = out.slice_mut(done..done + batch.len());
-        let (op, _o) = here.device_ptr_mut(stream);
-        let mut b = stream.launch_builder(&last);
-        b.arg(&l).arg(&sp).arg(&op);
-        // SAFETY: (SquaresList l, const double* block_sums, double* out): block k reads the
-        // sums `l.start[k]..l.start[k + 1]` written above and writes `out[k]`, one of the
-        // `batch.len()` slots of `here`.
-        unsafe { b.launch(grid(count)) }
-            .map_err(|e| driver("cuLaunchKernel", "sum_f64_final_many", e))?;
-        drop(guards);
-        done += batch.len();
+    let mut guards = Vec::with_capacity(xs.len());
+    let mut addrs = Vec::with_capacity(xs.len());
+    for x in xs {
+        let (p, g) = x.device_ptr(stream);
+        guards.push(g);
+        addrs.push((p, x.len()));
     }
-    Ok(())
+    let (sp, _s) = sums.device_ptr_mut(stream);
+    let (op, _o) = scalars.device_ptr_mut(stream);
+    let launches = plan::sum_of_squares_many(&addrs, sp, op, first)?;
+    // SAFETY: each tensor's `len` f32 read; the block sums, `blocks` ≥ any batch's, written
+    // then read; `scalars[first..first + xs.len()]` (checked inside `scalars`) written; all
+    // held until enqueued, `sums` freed in stream order after the kernels.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// One tensor of [`adamw_decided_many`] and [`anyprecision_decided_many`]: the parameter, its
@@ -220,43 +113,32 @@ pub fn adamw_decided_many(
     if tensors.iter().all(|t| t.param.is_empty()) {
         return Ok(());
     }
-    let f = function(stream, Program::Optim, k)?;
-    let [plain, decayed] = choices.each_ref().map(AdamWChoiceArgs::from);
     let (s, _s) = scalars.device_ptr(stream);
-    for batch in tensors.chunks_mut(ADAMW_TENSORS) {
-        let mut l = AdamWList {
-            p: [0; ADAMW_TENSORS],
-            g: [0; ADAMW_TENSORS],
-            m: [0; ADAMW_TENSORS],
-            v: [0; ADAMW_TENSORS],
-            n: [0; ADAMW_TENSORS],
-            decay: [0; ADAMW_TENSORS],
-        };
-        let mut reads = Vec::with_capacity(batch.len());
-        let mut writes = Vec::with_capacity(3 * batch.len());
-        let count = batch.len() as u32;
-        for (i, t) in batch.iter_mut().enumerate() {
-            l.n[i] = t.param.len() as u64;
-            let (p, gp) = t.param.device_ptr_mut(stream);
-            let (m, gm) = t.exp_avg.device_ptr_mut(stream);
-            let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
-            let (g, gg) = t.grad.device_ptr(stream);
-            writes.extend([gp, gm, gv]);
-            reads.push(gg);
-            (l.p[i], l.g[i], l.m[i], l.v[i]) = (p, g, m, v);
-            l.decay[i] = u32::from(t.decay);
-        }
-        let longest = l.n.iter().copied().max().unwrap_or(0);
-        let cfg = foreach_grid(longest, count);
-        let mut b = stream.launch_builder(&f);
-        b.arg(&l).arg(&count).arg(&s).arg(&plain).arg(&decayed);
-        // SAFETY: (AdamWList l, u32 count, const double* s, AdamWChoice plain, AdamWChoice
-        // decayed): `count` tensors whose four buffers hold `l.n` f32 each (checked above),
-        // borrowed until the launch is enqueued; the scalars hold at least STEP_SQUARES.
-        unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
-        drop((reads, writes));
+    let mut reads = Vec::with_capacity(tensors.len());
+    let mut writes = Vec::with_capacity(3 * tensors.len());
+    let mut addrs = Vec::with_capacity(tensors.len());
+    for t in tensors.iter_mut() {
+        let n = t.param.len();
+        let (p, gp) = t.param.device_ptr_mut(stream);
+        let (m, gm) = t.exp_avg.device_ptr_mut(stream);
+        let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
+        let (g, gg) = t.grad.device_ptr(stream);
+        writes.extend([gp, gm, gv]);
+        reads.push(gg);
+        addrs.push(DecidedTensor {
+            param: p,
+            grad: g,
+            exp_avg: m,
+            exp_avg_sq: v,
+            compensation: None,
+            n,
+            decay: t.decay,
+        });
     }
-    Ok(())
+    let launches = plan::adamw_decided_many(choices, s, &addrs);
+    // SAFETY: every tensor's four buffers hold `n` f32 (checked above), the scalars at least
+    // STEP_SQUARES; all held until enqueued.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// [`anyprecision_decided`](super::anyprecision_decided) of `kind` on each of `tensors` with
@@ -287,61 +169,38 @@ pub fn anyprecision_decided_many(
     if tensors.iter().all(|t| t.param.is_empty()) {
         return Ok(());
     }
-    let k = if kind.state == fsdp_device::DType::BF16 {
-        "anyprecision_decided_many_bf16_state"
-    } else {
-        "anyprecision_decided_many_f32"
-    };
-    let f = function(stream, Program::AnyPrecision, k)?;
-    let [plain, decayed] = choices.each_ref().map(AnyPrecisionChoiceArgs::from);
-    let param_bf16 = u32::from(kind.param == fsdp_device::DType::BF16);
     let (s, _s) = scalars.device_ptr(stream);
-    for batch in tensors.chunks_mut(ANYPRECISION_TENSORS) {
-        let z = [0u64; ANYPRECISION_TENSORS];
-        let mut l = AnyPrecisionList {
-            p: z,
-            g: z,
-            m: z,
-            v: z,
-            c: z,
-            n: z,
-            decay: [0; ANYPRECISION_TENSORS],
-        };
-        let count = batch.len() as u32;
-        let mut guards = Vec::with_capacity(5 * batch.len());
-        for (i, t) in batch.iter_mut().enumerate() {
-            l.n[i] = t.param.len() as u64;
-            l.decay[i] = u32::from(t.decay);
-            let (p, gp) = t.param.device_ptr_mut(stream);
-            let (m, gm) = t.exp_avg.device_ptr_mut(stream);
-            let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
-            let (g, gg) = t.grad.device_ptr(stream);
-            (l.p[i], l.g[i], l.m[i], l.v[i]) = (p, g, m, v);
-            guards.extend([gp, gm, gv, gg]);
-            if let Some(c) = t.compensation.as_mut().filter(|_| kahan) {
-                let (cp, gc) = c.device_ptr_mut(stream);
-                l.c[i] = cp;
-                guards.push(gc);
-            }
+    let mut guards = Vec::with_capacity(5 * tensors.len());
+    let mut addrs = Vec::with_capacity(tensors.len());
+    for t in tensors.iter_mut() {
+        let n = t.param.len();
+        let (p, gp) = t.param.device_ptr_mut(stream);
+        let (m, gm) = t.exp_avg.device_ptr_mut(stream);
+        let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
+        let (g, gg) = t.grad.device_ptr(stream);
+        guards.extend([gp, gm, gv, gg]);
+        let mut compensation = None;
+        if let Some(c) = t.compensation.as_mut().filter(|_| kahan) {
+            let (cp, gc) = c.device_ptr_mut(stream);
+            compensation = Some(cp);
+            guards.push(gc);
         }
-        let longest = l.n.iter().copied().max().unwrap_or(0);
-        let cfg = foreach_grid(longest, count);
-        let mut b = stream.launch_builder(&f);
-        b.arg(&l)
-            .arg(&count)
-            .arg(&s)
-            .arg(&plain)
-            .arg(&decayed)
-            .arg(&param_bf16);
-        // SAFETY: (AnyPrecisionList l, u32 count, const double* s, AnyPrecisionChoice plain,
-        // AnyPrecisionChoice decayed, u32 param_bf16): `count` tensors whose parameter and
-        // gradient hold `l.n` f32 and whose state buffers `state_len(n)` f32 (checked above),
-        // the compensation 0 exactly without Kahan summation, borrowed until the launch is
-        // enqueued; the scalars hold at least STEP_SQUARES.
-        unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
-        drop(guards);
+        addrs.push(DecidedTensor {
+            param: p,
+            grad: g,
+            exp_avg: m,
+            exp_avg_sq: v,
+            compensation,
+            n,
+            decay: t.decay,
+        });
     }
-    Ok(())
+    let launches = plan::anyprecision_decided_many(choices, kind, s, &addrs)?;
+    // SAFETY: every tensor's parameter and gradient hold `n` f32 and its state buffers
+    // `state_len(n)` f32 (checked above), the compensation given exactly with Kahan summation
+    // (else 0 in the list: never read), the scalars at least STEP_SQUARES; all held until
+    // enqueued.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// Every element of each of `bufs` set to +0 (as [`memset`](super::memset) of 0), in one
@@ -353,86 +212,118 @@ pub fn fill_zero_many(
     stream: &CudaStream,
     bufs: &mut [&mut CudaSlice<f32>],
 ) -> Result<(), KernelError> {
-    let k = "zero_segments";
     if bufs.iter().all(|b| b.is_empty()) {
         return Ok(());
     }
-    let f = function(stream, Program::Elementwise, k)?;
-    for batch in bufs.chunks_mut(ZERO_SEGMENTS) {
-        let mut z = ZeroSegments {
-            dst: [0; ZERO_SEGMENTS],
-            n: [0; ZERO_SEGMENTS],
-        };
-        let count = batch.len() as u32;
-        let mut guards = Vec::with_capacity(batch.len());
-        for (i, b) in batch.iter_mut().enumerate() {
-            z.n[i] = b.len() as u64;
-            let (p, g) = b.device_ptr_mut(stream);
-            z.dst[i] = p;
-            guards.push(g);
-        }
-        let longest = z.n.iter().copied().max().unwrap_or(0);
-        let cfg = foreach_grid(longest, count);
-        let mut b = stream.launch_builder(&f);
-        b.arg(&z).arg(&count);
-        // SAFETY: (ZeroSegments z, u32 count): `count` buffers of `z.n` f32 at `z.dst`,
-        // borrowed mutably until the launch is enqueued.
-        unsafe { b.launch(cfg) }.map_err(|e| driver("cuLaunchKernel", k, e))?;
-        drop(guards);
+    let mut guards = Vec::with_capacity(bufs.len());
+    let mut addrs = Vec::with_capacity(bufs.len());
+    for b in bufs.iter_mut() {
+        let n = b.len();
+        let (p, g) = b.device_ptr_mut(stream);
+        guards.push(g);
+        addrs.push((p, n));
     }
-    Ok(())
+    // SAFETY: `n` f32 written at each address, every buffer borrowed mutably and held until
+    // enqueued.
+    unsafe { enqueue(stream, &plan::fill_zero_many(&addrs)) }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::mem::{align_of, size_of};
-
     use super::*;
+    use crate::host::{AdamW, AdamWScalars, AnyPrecisionScalars, Sgd, SgdChoice, SgdScalars};
+    use crate::launch::assert_c_layouts;
+    use crate::launch::plan::{struct_layout, GatherCopy, KernelLaunch};
+    use crate::Program;
+    use fsdp_device::DType;
 
-    fn layout<T>(name: &'static str) -> (&'static str, usize, usize) {
-        (name, size_of::<T>(), align_of::<T>())
+    fn first(launches: Vec<KernelLaunch>) -> KernelLaunch {
+        launches.into_iter().next().expect("a launch")
     }
 
-    /// The lists passed by value are laid out as their CUDA C twins (checked by NVRTC).
+    /// The structs passed by value are laid out as their CUDA C twins (checked by NVRTC),
+    /// each as its plan builds it.
     #[test]
     fn parameter_lists_are_laid_out_as_in_c() {
-        use crate::launch::assert_c_layouts;
-        assert_c_layouts(Program::Norm, &[layout::<SquaresList>("SquaresList")]);
+        let squares = first(plan::sum_of_squares_many(&[(8, 1)], 16, 24, 0).unwrap());
+        let cfg = AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let adamw = AdamWChoice([AdamWScalars::new(&cfg, 1).unwrap(); 2]);
+        let tensor = DecidedTensor {
+            param: 8,
+            grad: 8,
+            exp_avg: 8,
+            exp_avg_sq: 8,
+            compensation: Some(8),
+            n: 1,
+            decay: false,
+        };
+        let ap = AnyPrecisionChoice([AnyPrecisionScalars::new(&cfg, 1).unwrap(); 2]);
+        let kind = AnyPrecision {
+            param: DType::F32,
+            state: DType::F32,
+            kahan: true,
+        };
+        let sgd = Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        let sgd = SgdChoice([SgdScalars::new(&sgd, 1).unwrap(); 2]);
+        assert_c_layouts(Program::Norm, &[struct_layout("SquaresList", &squares)]);
         assert_c_layouts(
             Program::Optim,
             &[
-                layout::<AdamWList>("AdamWList"),
-                layout::<AdamWChoiceArgs>("AdamWChoice"),
+                struct_layout(
+                    "AdamWList",
+                    &first(plan::adamw_decided_many(&[adamw; 2], 8, &[tensor])),
+                ),
+                struct_layout(
+                    "AdamWChoice",
+                    &first(plan::adamw_decided(&adamw, 8, 8, 8, 8, 8, 1)),
+                ),
+                struct_layout("SgdChoice", &first(plan::sgd_decided(&sgd, 8, 8, 8, 8, 1))),
             ],
         );
         assert_c_layouts(
             Program::AnyPrecision,
             &[
-                layout::<AnyPrecisionList>("AnyPrecisionList"),
-                layout::<AnyPrecisionChoiceArgs>("AnyPrecisionChoice"),
-            ],
-        );
-        assert_c_layouts(
-            Program::Elementwise,
-            &[
-                layout::<ZeroSegments>("ZeroSegments"),
-                crate::launch::plan::struct_layout(
-                    "GatherSegments",
-                    &crate::launch::plan::gather_copies(&[crate::launch::GatherCopy {
-                        src: 0,
-                        dst: 0,
-                        len: 1,
-                        widen: false,
-                    }])[0],
+                struct_layout(
+                    "AnyPrecisionList",
+                    &first(plan::anyprecision_decided_many(&[ap; 2], kind, 8, &[tensor]).unwrap()),
+                ),
+                struct_layout(
+                    "AnyPrecisionChoice",
+                    &first(
+                        plan::anyprecision_decided(&ap, kind, 8, 8, 8, 8, 8, Some(8), 1).unwrap(),
+                    ),
                 ),
             ],
         );
+        let copy = GatherCopy {
+            src: 8,
+            dst: 8,
+            len: 1,
+            widen: false,
+        };
+        assert_c_layouts(
+            Program::Elementwise,
+            &[
+                struct_layout("ZeroSegments", &first(plan::fill_zero_many(&[(8, 1)]))),
+                struct_layout("GatherSegments", &first(plan::gather_copies(&[copy]))),
+            ],
+        );
         // A wrong size is refused: the check can fail.
+        let (_, size, align) = struct_layout("SquaresList", &squares);
         let wrong = std::panic::catch_unwind(|| {
-            assert_c_layouts(
-                Program::Norm,
-                &[("SquaresList", size_of::<SquaresList>() + 8, 8)],
-            )
+            assert_c_layouts(Program::Norm, &[("SquaresList", size + 8, align)])
         });
         let nvrtc = fsdp_device::cuda::libs::load_nvrtc().is_ok();
         assert_eq!(wrong.is_err(), nvrtc, "a wrong size passed NVRTC's check");

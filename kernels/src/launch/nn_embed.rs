@@ -5,13 +5,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use super::nn::launched;
-use super::{config, driver, function};
+use super::{driver, enqueue, plan};
 use crate::host::nn::{check_embedding, group_by_id, rows_of};
 use crate::host::same_len;
-use crate::{KernelError, Program};
+use crate::KernelError;
 
 /// Embedding forward, token plus position (see
 /// [`host::nn::embedding_forward`](crate::host::nn::embedding_forward)).
@@ -35,24 +34,14 @@ pub fn embedding_forward(
     if n == 0 {
         return Ok(());
     }
-    let f = function(stream, Program::Nn, k)?;
     let (ip, _i) = ids.device_ptr(stream);
     let (ep, _e) = wte.device_ptr(stream);
     let (pp, _p) = wpe.device_ptr(stream);
     let (xp, _x) = x.device_ptr_mut(stream);
-    let (n64, c32, t32, v32) = (n as u64, c as u32, t as u32, vocab as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&ip)
-        .arg(&ep)
-        .arg(&pp)
-        .arg(&xp)
-        .arg(&n64)
-        .arg(&c32)
-        .arg(&t32)
-        .arg(&v32);
-    // SAFETY: (const u32* ids [n], const float* wte [vocab·c], wpe [≥ t·c], float* x [n·c],
-    // u64 n, u32 c, u32 t > 0, u32 vocab); ids are compared with `vocab` before the read.
-    launched(k, unsafe { b.launch(config(n * c)) })
+    let launches = plan::embedding_forward(ip, ep, pp, xp, n, c, t, vocab);
+    // SAFETY: `n` ids, `vocab·c` of wte, at least `t·c` of wpe (t > 0) and `n·c` of x, as
+    // checked above, all held (`_i` … `_x`); ids are compared with `vocab` before the read.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// Token embedding backward, accumulated into `dwte` in token order (see
@@ -75,16 +64,12 @@ pub fn embedding_backward_tokens(
     if n == 0 || vocab == 0 {
         return Ok(());
     }
-    let f = function(stream, Program::Nn, k)?;
     let (ip, _i) = ids.device_ptr(stream);
     let (gp, _g) = dx.device_ptr(stream);
     let (wp, _w) = dwte.device_ptr_mut(stream);
-    let (n32, c32, v32) = (n as u32, c as u32, vocab as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&ip).arg(&gp).arg(&wp).arg(&n32).arg(&c32).arg(&v32);
-    // SAFETY: (const u32* ids [n], const float* dx [n·c], float* dwte [vocab·c], u32 n, u32 c,
-    // u32 vocab), one thread per element of dwte (grid-stride).
-    launched(k, unsafe { b.launch(config(vocab * c)) })
+    let launches = plan::embedding_backward_tokens(ip, gp, wp, n, c, vocab);
+    // SAFETY: `n` ids, `n·c` of dx and `vocab·c` of dwte (checked above), all held.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// [`embedding_backward_tokens`] with the ids on the host (the data loader has them): the
@@ -123,25 +108,16 @@ pub fn embedding_backward_tokens_host_ids(
             .map_err(|e| driver("cuMemcpyHtoDAsync", k, e))
     };
     let (d_ids, d_off, d_tok) = (up(&distinct)?, up(&offsets)?, up(&tokens)?);
-    let f = function(stream, Program::Nn, k)?;
     let (ip, _i) = d_ids.device_ptr(stream);
     let (op, _o) = d_off.device_ptr(stream);
     let (tp, _t) = d_tok.device_ptr(stream);
     let (gp, _g) = dx.device_ptr(stream);
     let (wp, _w) = dwte.device_ptr_mut(stream);
-    let (u32n, c32) = (distinct.len() as u32, c as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&ip)
-        .arg(&op)
-        .arg(&tp)
-        .arg(&gp)
-        .arg(&wp)
-        .arg(&u32n)
-        .arg(&c32);
-    // SAFETY: (const u32* ids [distinct], offsets [distinct + 1], tokens [n] (each < n),
-    // const float* dx [n·c], float* dwte [vocab·c] (ids < vocab), u32 distinct, u32 c), one
-    // thread per (distinct id, column); the uploads are ordered before it on `stream`.
-    launched(k, unsafe { b.launch(config(distinct.len() * c)) })
+    let launches = plan::embedding_backward_tokens_host_ids(ip, op, tp, gp, wp, distinct.len(), c);
+    // SAFETY: the `distinct` ids (each below `vocab`), their `distinct + 1` offsets and the `n`
+    // tokens (each below `n`) uploaded above, ordered before the kernel on `stream` and freed
+    // in stream order after it; `n·c` of dx and `vocab·c` of dwte (checked above); all held.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// Position embedding backward, accumulated into `dwpe`'s first `t` rows in row order (see
@@ -162,13 +138,9 @@ pub fn embedding_backward_positions(
     if n == 0 {
         return Ok(());
     }
-    let f = function(stream, Program::Nn, k)?;
     let (gp, _g) = dx.device_ptr(stream);
     let (wp, _w) = dwpe.device_ptr_mut(stream);
-    let (n32, c32, t32) = (n as u32, c as u32, t as u32);
-    let mut b = stream.launch_builder(&f);
-    b.arg(&gp).arg(&wp).arg(&n32).arg(&c32).arg(&t32);
-    // SAFETY: (const float* dx [n·c], float* dwpe [≥ t·c], u32 n, u32 c, u32 t > 0), one
-    // thread per element of the first `t` rows (grid-stride).
-    launched(k, unsafe { b.launch(config(t * c)) })
+    let launches = plan::embedding_backward_positions(gp, wp, n, c, t);
+    // SAFETY: `n·c` of dx and at least `t·c` of dwpe (t > 0), checked above, both held.
+    unsafe { enqueue(stream, &launches) }
 }

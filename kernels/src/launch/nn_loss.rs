@@ -3,13 +3,13 @@
 //! and [`host::nn::cross_entropy_fused_in_place`](crate::host::nn::cross_entropy_fused_in_place).
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::function;
-use super::nn::{launched, per_row, writing};
+use super::enqueue;
+use super::plan::{self, cross_entropy_fused_kernel};
 use crate::host::nn::check_cross_entropy;
 use crate::host::{check_scalars_len, CastFloat};
-use crate::{KernelError, Program};
+use crate::KernelError;
 
 /// Cross-entropy fused with its backward: per-row losses (the mean is the caller's) and
 /// `dlogits` (written as `D`: f32, or its bf16 or f16 rounding); see
@@ -31,11 +31,7 @@ pub fn cross_entropy_fused<D: CastFloat>(
     losses: &mut impl DevicePtrMut<f32>,
     dlogits: &mut impl DevicePtrMut<D>,
 ) -> Result<(), KernelError> {
-    let k = writing::<D>([
-        "cross_entropy_fused_f32",
-        "cross_entropy_fused_bf16",
-        "cross_entropy_fused_f16",
-    ])?;
+    let k = cross_entropy_fused_kernel::<D>()?;
     let n = check_cross_entropy(
         k,
         logits.len(),
@@ -52,10 +48,11 @@ pub fn cross_entropy_fused<D: CastFloat>(
     let (op, _o) = losses.device_ptr_mut(stream);
     let (dp, _d) = dlogits.device_ptr_mut(stream);
     let (sp, _s) = scale_ptr(stream, k, scale)?;
-    // SAFETY: `logits` holds `n·v` f32 and `dlogits` `n·v` of the kernel's `D`, `targets` and
-    // `losses` `n` (checked above), the scalars past STEP_SCALE or none (null), borrowed for
-    // the launch.
-    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, dp, sp], v, dloss) }
+    let launches = plan::cross_entropy_fused::<D>(lp, tp, v, dloss, sp, op, dp, n)?;
+    // SAFETY: `logits` holds `n·v` f32 and `dlogits` `n·v` of `D`, `targets` and `losses` `n`
+    // (checked above), the scalars past STEP_SCALE or none (null), all held; targets are
+    // compared with `v` before any indexed read.
+    unsafe { enqueue(stream, &launches) }
 }
 
 /// The address of a step's scalars for the cross-entropy's seed (null: none), checked to
@@ -73,41 +70,6 @@ fn scale_ptr<'a>(
             Ok((p, Some(guard)))
         }
     }
-}
-
-/// The cross-entropy kernel `k` over `n` rows of `v` from the device addresses of the logits,
-/// the targets, the losses, the logits' gradient and the step's scalars (0: none).
-///
-/// # Safety
-/// The addresses hold `n·v` f32 (logits), `n·v` of `k`'s gradient type (the logits' memory
-/// itself, or apart), `n` u32 and `n` f32, and the scalars at least `STEP_SQUARES` f64 (or
-/// are 0), alive and unused by others until the stream reaches the kernel.
-unsafe fn launch_cross_entropy(
-    stream: &CudaStream,
-    k: &'static str,
-    n: usize,
-    [lp, tp, op, dp, sp]: [CUdeviceptr; 5],
-    v: usize,
-    dloss: f32,
-) -> Result<(), KernelError> {
-    let cfg = per_row(k, n)?;
-    let f = function(stream, Program::Nn, k)?;
-    let v32 = v as u32;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&lp)
-        .arg(&tp)
-        .arg(&op)
-        .arg(&dp)
-        .arg(&v32)
-        .arg(&dloss)
-        .arg(&sp);
-    // SAFETY: (const float* logits [n·v], const u32* targets [n], float* losses [n],
-    // D* dlogits [n·v], u32 v, float dloss, const double* s [≥ STEP_SQUARES, or null]) with D
-    // the kernel's, as the caller promises; one block per row;
-    // targets are compared with `v` before any indexed read; dlogits may be logits (the
-    // kernel reads each element before the one thread that writes it does, after the row's
-    // reductions: cu/nn_softmax.cu).
-    launched(k, unsafe { b.launch(cfg) })
 }
 
 /// [`cross_entropy_fused`] with `dlogits` written over `logits` (see
@@ -135,7 +97,10 @@ pub fn cross_entropy_fused_in_place(
     let (tp, _t) = targets.device_ptr(stream);
     let (op, _o) = losses.device_ptr_mut(stream);
     let (sp, _s) = scale_ptr(stream, k, scale)?;
+    let launches = plan::cross_entropy_fused_in_place(lp, tp, v, dloss, sp, op, n)?;
     // SAFETY: `logits` (also the f32 gradient) holds `n·v` f32, `targets` and `losses` `n`
-    // (checked above), the scalars past STEP_SCALE or none (null), borrowed for the launch.
-    unsafe { launch_cross_entropy(stream, k, n, [lp, tp, op, lp, sp], v, dloss) }
+    // (checked above), the scalars past STEP_SCALE or none (null), all held; the kernel reads
+    // each logit before the one thread that writes its gradient does, after the row's
+    // reductions (cu/nn_softmax.cu).
+    unsafe { enqueue(stream, &launches) }
 }

@@ -1,9 +1,10 @@
 //! Any kernel of a program run on the host: `tests/emulate/generic.cpp` compiled as C++ with the
 //! program's very source (`Program::source`, what NVRTC compiles) and a registry of its kernels
 //! (`Program::kernels`), through `tests/emulate/cuda_shim.h` (a block's threads as host threads,
-//! `__syncthreads` and the warps' shuffles through barriers, blocks one after another). A test
-//! gives the buffers and the launches — each kernel's grid, block and parameters as its launcher
-//! in `src/launch/` passes them — and reads the buffers back, to hold the kernel to its twin.
+//! `__syncthreads` and the warps' shuffles through barriers, blocks one after another; the
+//! attention's `mma.sync` from `mma_emulated.h`). A test gives the buffers and the launches —
+//! each kernel's grid, block and parameters as its launcher in `src/launch/` passes them — and
+//! reads the buffers back, to hold the kernel to its twin.
 //!
 //! It needs a C++20 compiler (`CXX`, else `c++`, `g++` or `clang++`); without one
 //! [`Emulator::build`] says `skipped: …` and returns `None` (CI has one). A run that does not end
@@ -30,7 +31,10 @@ pub fn addr(buf: usize) -> u64 {
 
 /// Buffer and offset of an address made by [`addr`].
 fn buffer_at(a: u64) -> (usize, usize) {
-    assert!(a >= 1 << 40, "{a:#x} is no buffer's address (emulator::addr)");
+    assert!(
+        a >= 1 << 40,
+        "{a:#x} is no buffer's address (emulator::addr)"
+    );
     ((a >> 40) as usize - 1, (a & ((1 << 40) - 1)) as usize)
 }
 
@@ -150,7 +154,10 @@ impl Launch {
                         .collect();
                     Arg::Struct(bytes, relocs)
                 }
-                other => panic!("{}: a parameter the emulator does not know: {other:?}", l.kernel),
+                other => panic!(
+                    "{}: a parameter the emulator does not know: {other:?}",
+                    l.kernel
+                ),
             })
             .collect();
         Launch::from_config(&l.kernel, &l.config, args)
@@ -207,7 +214,11 @@ impl Emulator {
     /// [`addr`]) in order over `buffers`; every launch must be of this emulator's program.
     pub fn run_plan(&self, buffers: &mut [Vec<u8>], launches: &[KernelLaunch]) {
         for l in launches {
-            assert_eq!(l.program, self.program, "{} is not of {:?}", l.kernel, self.program);
+            assert_eq!(
+                l.program, self.program,
+                "{} is not of {:?}",
+                l.kernel, self.program
+            );
         }
         let launches: Vec<Launch> = launches.iter().map(Launch::from_plan).collect();
         self.run(buffers, &launches);
@@ -335,6 +346,17 @@ const FLAGS: [&str; 9] = [
     "-Werror",
 ];
 
+/// What `program` needs emulated besides `cuda_shim.h`, included before its source
+/// (`generic.cpp`'s `EMU_PRELUDE`): [`Program::Attention`]'s `mma.sync` (`mma_emulated.h`,
+/// the PTX ISA's fragment layouts, which its kernels leave to the emulator where
+/// `FA_MMA_EMULATED` is defined).
+fn prelude(program: Program) -> Option<&'static str> {
+    match program {
+        Program::Attention => Some("mma_emulated.h"),
+        _ => None,
+    }
+}
+
 /// Compile the emulator of `program` with `cxx` into the tests' scratch directory, unless the
 /// same inputs were compiled there before.
 fn build(cxx: &str, program: Program) -> Emulator {
@@ -351,12 +373,19 @@ fn build(cxx: &str, program: Program) -> Emulator {
         .map(|k| format!("EMU_KERNEL({k})\n"))
         .collect();
     let read = |f: &str| std::fs::read_to_string(shim.join(f)).unwrap();
-    let key = format!(
+    let prelude_flag: Vec<String> = prelude(program)
+        .map(|h| format!("-DEMU_PRELUDE=\"{h}\""))
+        .into_iter()
+        .collect();
+    let mut key = format!(
         "{cxx} {}\n{}\n{}\n{source}\n{registry}",
         FLAGS.join(" "),
         read("cuda_shim.h"),
         read("generic.cpp")
     );
+    if let Some(h) = prelude(program) {
+        key += &format!("{}\n{}\n", prelude_flag.join(" "), read(h));
+    }
     let exe = dir.join("emu");
     let key_path = dir.join("key.txt");
     if exe.exists() && std::fs::read_to_string(&key_path).ok().as_deref() == Some(key.as_str()) {
@@ -380,6 +409,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
     let built = tmp.join("emu");
     let out = Command::new(cxx)
         .args(FLAGS)
+        .args(&prelude_flag)
         .arg("-I")
         .arg(&tmp)
         .arg("-I")

@@ -2,10 +2,10 @@
 // kernels/tests/common/emulator.rs:
 //   emu DIR
 // DIR/program.cu is the program's very source (Program::source: common.cuh and its .cu files,
-// what NVRTC compiles) and DIR/registry.inc one `EMU_KERNEL(name)` line per kernel
-// (Program::kernels), both written by the test before it compiles this file. A run reads
-// DIR/request.txt and DIR/in.bin (the buffers, concatenated), runs the launches in order and
-// writes every buffer back to DIR/out.bin. request.txt:
+// what NVRTC compiles; after EMU_PRELUDE where the build names one) and DIR/registry.inc one
+// `EMU_KERNEL(name)` line per kernel (Program::kernels), both written by the test before it
+// compiles this file. A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
+// runs the launches in order and writes every buffer back to DIR/out.bin. request.txt:
 //   buffers COUNT            then COUNT lines: BYTES
 //   launch NAME GX GY BX BY ARGS     a grid of GX × GY blocks of BX × BY threads, then ARGS
 //                                    lines, one per kernel parameter:
@@ -26,6 +26,11 @@
 #include <utility>
 
 #include "cuda_shim.h"
+// What a program needs emulated besides the shim, before its source, named by the build
+// (-DEMU_PRELUDE="file.h"; Program::Attention: mma.sync, mma_emulated.h).
+#ifdef EMU_PRELUDE
+#include EMU_PRELUDE
+#endif
 #include "program.cu"
 
 [[noreturn]] static void emu_fail(const std::string& why) {

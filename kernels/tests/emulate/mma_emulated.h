@@ -1,5 +1,6 @@
-// mma.sync.aligned.m16n8k16.row.col.f32.<H>.<H>.f32 for one warp, after common.cuh (for H's
-// to_f32). The PTX ISA's fragment layouts, lane = 4 g + c (g = lane / 4, c = lane % 4), each
+// mma.sync.aligned.m16n8k16.row.col.f32.<H>.<H>.f32 for one warp, after cuda_shim.h and before
+// the program's source (common.cuh's u16 and u32 spelled out here; H's to_f32 is found where
+// the kernels instantiate it). The PTX ISA's fragment layouts, lane = 4 g + c (g = lane / 4, c = lane % 4), each
 // 32-bit register two 16-bit values, the lower index in the low half:
 //   A (16 x 16): row r, column k in lane (r % 8) * 4 + (k % 8) / 2, register
 //                (r >= 8) + 2 (k >= 8), half k % 2
@@ -10,7 +11,7 @@
 
 template <typename H> inline float fa_emu_half(unsigned reg, int half) {
     H h;
-    h.bits = (u16)(half ? (reg >> 16) : (reg & 0xffffu));
+    h.bits = (unsigned short)(half ? (reg >> 16) : (reg & 0xffffu));
     return to_f32(h);
 }
 
@@ -24,7 +25,7 @@ template <typename H> inline float fa_emu_b(int base, int k, int n) {
     return fa_emu_half<H>(emu_block->mma_b[2 * (base + lane) + reg], k % 2);
 }
 
-template <typename H> inline void fa_mma(float* c, const u32* a, u32 b0, u32 b1) {
+template <typename H> inline void fa_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     int t = emu_tid, base = t & ~31, lane = t & 31;
     for (int i = 0; i < 4; ++i) emu_block->mma_a[4 * t + i] = a[i];
     emu_block->mma_b[2 * t] = b0;

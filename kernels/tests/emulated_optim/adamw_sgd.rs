@@ -1,14 +1,14 @@
 //! AdamW and SGD: one tensor, decided, and many tensors in one launch.
 
-use crate::common::emulator::{bytes_of, Arg, Emulator, Launch};
+use crate::common::emulator::{addr, bytes_of, Emulator};
 use fsdp_kernels::host::{self, AdamW, AdamWChoice, AdamWScalars, Sgd, SgdChoice, SgdScalars};
-use fsdp_kernels::launch::ADAMW_TENSORS;
+use fsdp_kernels::launch::{plan, ADAMW_TENSORS};
 use fsdp_kernels::Program;
 use half::bf16;
 
 use super::helpers::*;
 
-/// `adamw_f32` / `adamw_bf16_state` (`launch::adamw`: `config(n)`, parameters p, g, m, v, n,
+/// `adamw_f32` / `adamw_bf16_state` (`plan::adamw`: `config(n)`, parameters p, g, m, v, n,
 /// then the scalars one by one) over steps 1..=4 from zero moments, against `host::adamw`.
 fn adamw_steps<S: Moment>(emu: &Emulator, cfg: &AdamW, n: usize) {
     let mut p = mixed(n, 1, 0.5);
@@ -19,23 +19,9 @@ fn adamw_steps<S: Moment>(emu: &Emulator, cfg: &AdamW, n: usize) {
         let sc = AdamWScalars::new(cfg, step).unwrap();
         host::adamw(&sc, &mut p, &g, &mut m, &mut v).unwrap();
         bufs[1] = guarded(&g);
-        let args = vec![
-            Arg::buf(0),
-            Arg::buf(1),
-            Arg::buf(2),
-            Arg::buf(3),
-            Arg::u64(n as u64),
-            Arg::f32(sc.decay),
-            Arg::f32(sc.w1),
-            Arg::f32(sc.one_minus_w1),
-            Arg::u32(u32::from(sc.lerp_small)),
-            Arg::f32(sc.beta2),
-            Arg::f32(sc.one_minus_beta2),
-            Arg::f32(sc.neg_step_size),
-            Arg::f32(sc.bc2_sqrt),
-            Arg::f32(sc.eps),
-        ];
-        emu.run(&mut bufs, &[Launch::elementwise(S::ADAMW_KERNEL, n, args)]);
+        let launches = plan::adamw::<S>(&sc, addr(0), addr(1), addr(2), addr(3), n);
+        assert_eq!(launches[0].kernel, S::ADAMW_KERNEL);
+        emu.run_plan(&mut bufs, &launches);
         let what = format!("{} {cfg:?} step {step}", S::ADAMW_KERNEL);
         assert_bits(&unguard(&bufs[0], n, &what), &p, &format!("{what}: param"));
         let (gm, gv) = (
@@ -69,7 +55,7 @@ fn adamw_kernels_are_their_twins() {
     }
 }
 
-/// `sgd_f32` (`launch::sgd`: `config(n)`, parameters p, g, buf, n, neg_lr, wd, momentum, damp,
+/// `sgd_f32` (`plan::sgd`: `config(n)`, parameters p, g, buf, n, neg_lr, wd, momentum, damp,
 /// flags) over steps 1..=3 of configurations that set every flag and dampening, against
 /// `host::sgd`; without momentum the buffer is left alone.
 #[test]
@@ -105,18 +91,7 @@ fn sgd_f32_is_its_twin() {
             flags_seen |= sc.flags;
             host::sgd(&sc, &mut p, &g, &mut b).unwrap();
             bufs[1] = guarded(&g);
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::u64(n as u64),
-                Arg::f32(sc.neg_lr),
-                Arg::f32(sc.wd),
-                Arg::f32(sc.momentum),
-                Arg::f32(sc.damp),
-                Arg::u32(sc.flags),
-            ];
-            emu.run(&mut bufs, &[Launch::elementwise("sgd_f32", n, args)]);
+            emu.run_plan(&mut bufs, &plan::sgd(&sc, addr(0), addr(1), addr(2), n));
             let what = format!("sgd_f32 {cfg:?} step {step} (flags {:#x})", sc.flags);
             assert_bits(&unguard(&bufs[0], n, &what), &p, &format!("{what}: param"));
             let buf = unguard(&bufs[2], n, &what);
@@ -129,7 +104,7 @@ fn sgd_f32_is_its_twin() {
     assert_eq!(flags_seen, 1 | 2 | 4 | 8, "every SGD flag exercised");
 }
 
-/// `adamw_decided_f32` (`launch::adamw_decided`: `config(n)`, parameters p, g, m, v, n, the
+/// `adamw_decided_f32` (`plan::adamw_decided`: `config(n)`, parameters p, g, m, v, n, the
 /// scalars, the choice by value) over [`decisions`] with state carried over, with and without
 /// weight decay, against `host::adamw_decided`; a step not applied changes nothing.
 #[test]
@@ -155,19 +130,9 @@ fn adamw_decided_f32_is_its_twin() {
             host::adamw_decided(&choice, &sc, &mut p, &g, &mut m, &mut v).unwrap();
             bufs[1] = guarded(&g);
             bufs[4] = bytes_of(&sc);
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::buf(3),
-                Arg::u64(n as u64),
-                Arg::buf(4),
-                adamw_choice_arg(&choice),
-            ];
-            emu.run(
-                &mut bufs,
-                &[Launch::elementwise("adamw_decided_f32", n, args)],
-            );
+            let launches =
+                plan::adamw_decided(&choice, addr(4), addr(0), addr(1), addr(2), addr(3), n);
+            emu.run_plan(&mut bufs, &launches);
             let what = format!("adamw_decided_f32 wd {wd} case {k}");
             let got = [
                 unguard(&bufs[0], n, &what),
@@ -193,7 +158,7 @@ fn adamw_decided_f32_is_its_twin() {
     }
 }
 
-/// `sgd_decided_f32` (`launch::sgd_decided`: `config(n)`, parameters p, g, buf, n, the scalars,
+/// `sgd_decided_f32` (`plan::sgd_decided`: `config(n)`, parameters p, g, buf, n, the scalars,
 /// the choice by value) over [`decisions`] with a choice of SGD with momentum (its first step
 /// and the next: the first-step flag in one set only), Nesterov, dampening and weight decay,
 /// and with a choice without momentum (the buffer left alone), against `host::sgd_decided`.
@@ -226,18 +191,8 @@ fn sgd_decided_f32_is_its_twin() {
             host::sgd_decided(&choice, &sc, &mut p, &g, &mut b).unwrap();
             bufs[1] = guarded(&g);
             bufs[3] = bytes_of(&sc);
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::u64(n as u64),
-                Arg::buf(3),
-                sgd_choice_arg(&choice),
-            ];
-            emu.run(
-                &mut bufs,
-                &[Launch::elementwise("sgd_decided_f32", n, args)],
-            );
+            let launches = plan::sgd_decided(&choice, addr(3), addr(0), addr(1), addr(2), n);
+            emu.run_plan(&mut bufs, &launches);
             let what = format!("sgd_decided_f32 {cfg:?} case {k}");
             let (gp, gb) = (unguard(&bufs[0], n, &what), unguard(&bufs[2], n, &what));
             assert_bits(&gp, &p, &format!("{what}: param"));
@@ -254,7 +209,7 @@ fn sgd_decided_f32_is_its_twin() {
     }
 }
 
-/// `adamw_decided_many` (`launch::adamw_decided_many`: `per_segment`, parameters the list by
+/// `adamw_decided_many` (`plan::adamw_decided_many`: `foreach_grid`, parameters the list by
 /// value, count, the scalars, the choices without and with weight decay by value) on
 /// [`MANY_LENS`] tensors, every other one with weight decay, over [`decisions`] with state
 /// carried over: each tensor bitwise `host::adamw_decided` with its choice.
@@ -289,14 +244,8 @@ fn adamw_decided_many_is_each_tensors_twin() {
         .flat_map(|(p, m, v)| [guarded(p), vec![], guarded(m), guarded(v)])
         .collect();
     bufs.push(vec![]);
-    let field = |f: usize| (0..count).map(|i| Some(4 * i + f)).collect::<Vec<_>>();
-    // `AdamWList` (launch/foreach.rs): p, g, m, v, n, decay for ADAMW_TENSORS tensors.
-    let list = list_arg(
-        ADAMW_TENSORS,
-        &[field(0), field(1), field(2), field(3)],
-        &lens,
-        &decay,
-    );
+    let tensors = decided_tensors(&lens, &decay, 4, false);
+    assert!(count <= ADAMW_TENSORS, "one launch");
     for (k, (applied, pick, clipped, coef, unscale)) in decisions().into_iter().enumerate() {
         let sc = decision(applied, pick, clipped, coef, unscale);
         for (i, (p, m, v)) in host.iter_mut().enumerate() {
@@ -305,14 +254,9 @@ fn adamw_decided_many_is_each_tensors_twin() {
             bufs[4 * i + 1] = guarded(&g);
         }
         bufs[4 * count] = bytes_of(&sc);
-        let args = vec![
-            list.clone(),
-            Arg::u32(count as u32),
-            Arg::buf(4 * count),
-            adamw_choice_arg(&choices[0]),
-            adamw_choice_arg(&choices[1]),
-        ];
-        emu.run(&mut bufs, &[per_segment("adamw_decided_many", &lens, args)]);
+        let launches = plan::adamw_decided_many(&choices, addr(4 * count), &tensors);
+        assert_eq!(launches.len(), 1);
+        emu.run_plan(&mut bufs, &launches);
         for (i, (p, m, v)) in host.iter().enumerate() {
             let (n, what) = (lens[i], format!("adamw_decided_many case {k} tensor {i}"));
             let got = |f: usize| unguard(&bufs[4 * i + f], n, &what);

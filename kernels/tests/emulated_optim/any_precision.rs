@@ -1,11 +1,11 @@
 //! torchdistx's AnyPrecisionAdamW, decided: one tensor and many in one launch.
 
-use crate::common::emulator::{bytes_of, Arg, Emulator, Launch};
+use crate::common::emulator::{addr, bytes_of, Emulator};
 use fsdp_device::DType;
 use fsdp_kernels::host::{
     self, pack_state, state_len, AnyPrecision, AnyPrecisionChoice, AnyPrecisionScalars,
 };
-use fsdp_kernels::launch::ANYPRECISION_TENSORS;
+use fsdp_kernels::launch::{plan, ANYPRECISION_TENSORS};
 use fsdp_kernels::Program;
 use half::bf16;
 
@@ -66,7 +66,7 @@ pub(crate) fn anyprecision_state(kind: AnyPrecision, n: usize, seed: u64) -> ApS
     )
 }
 
-/// `anyprecision_decided_f32` / `_bf16_state` (`launch::anyprecision_decided`: `config(n)`,
+/// `anyprecision_decided_f32` / `_bf16_state` (`plan::anyprecision_decided`: `config(n)`,
 /// parameters p, g, m, v, comp, n, the scalars, the choice by value, param_bf16) over
 /// [`decisions`] with state carried over, every kind with Kahan summation and without (the
 /// launcher's null compensation: the compensation buffer is not touched), a set with weight
@@ -118,18 +118,23 @@ fn anyprecision_decided_is_its_twin() {
             .unwrap();
             bufs[1] = guarded(&g);
             bufs[5] = bytes_of(&sc);
-            let args = vec![
-                Arg::buf(0),
-                Arg::buf(1),
-                Arg::buf(2),
-                Arg::buf(3),
-                if kind.kahan { Arg::buf(4) } else { Arg::Null },
-                Arg::u64(n as u64),
-                Arg::buf(5),
-                anyprecision_choice_arg(&choice),
-                Arg::u32(u32::from(kind.param == DType::BF16)),
-            ];
-            emu.run(&mut bufs, &[Launch::elementwise(kernel, n, args)]);
+            // The compensation given either way: the plan passes null without Kahan.
+            let at: [u64; 6] = std::array::from_fn(addr);
+            let [p_at, g_at, m_at, v_at, c_at, s_at] = at;
+            let launches = plan::anyprecision_decided(
+                &choice,
+                kind,
+                s_at,
+                p_at,
+                g_at,
+                m_at,
+                v_at,
+                Some(c_at),
+                n,
+            )
+            .unwrap();
+            assert_eq!(launches[0].kernel, kernel);
+            emu.run_plan(&mut bufs, &launches);
             let what = format!("{kernel} {kind:?} case {k}");
             let got = [
                 unguard(&bufs[0], n, &what),
@@ -151,8 +156,8 @@ fn anyprecision_decided_is_its_twin() {
     }
 }
 
-/// `anyprecision_decided_many_f32` / `_bf16_state` (`launch::anyprecision_decided_many`:
-/// `per_segment`, parameters the list by value, count, the scalars, the choices without and
+/// `anyprecision_decided_many_f32` / `_bf16_state` (`plan::anyprecision_decided_many`:
+/// `foreach_grid`, parameters the list by value, count, the scalars, the choices without and
 /// with weight decay by value, param_bf16) on [`MANY_LENS`] tensors, every kind (Kahan off: a
 /// compensation address of 0 in the list), every other tensor with weight decay, over
 /// applied, clipped, unscaled and skipped steps of both choices with state carried over: each
@@ -199,20 +204,9 @@ fn anyprecision_decided_many_is_each_tensors_twin() {
             .flat_map(|(p, m, v, c)| [guarded(p), vec![], guarded(m), guarded(v), guarded(c)])
             .collect();
         bufs.push(vec![]);
-        let field = |f: usize| (0..count).map(|i| Some(5 * i + f)).collect::<Vec<_>>();
-        let comp = if kind.kahan {
-            field(4)
-        } else {
-            vec![None; count]
-        };
-        // `AnyPrecisionList` (launch/foreach.rs): p, g, m, v, c, n, decay for
-        // ANYPRECISION_TENSORS tensors.
-        let list = list_arg(
-            ANYPRECISION_TENSORS,
-            &[field(0), field(1), field(2), field(3), comp],
-            &lens,
-            &decay,
-        );
+        // Every tensor's compensation given: without Kahan the plan lists address 0.
+        let tensors = decided_tensors(&lens, &decay, 5, true);
+        assert!(count <= ANYPRECISION_TENSORS, "one launch");
         for (k, &(applied, pick, clipped, coef, unscale)) in steps.iter().enumerate() {
             let sc = decision(applied, pick, clipped, coef, unscale);
             for (i, (p, m, v, c)) in host.iter_mut().enumerate() {
@@ -222,15 +216,11 @@ fn anyprecision_decided_many_is_each_tensors_twin() {
                 bufs[5 * i + 1] = guarded(&g);
             }
             bufs[5 * count] = bytes_of(&sc);
-            let args = vec![
-                list.clone(),
-                Arg::u32(count as u32),
-                Arg::buf(5 * count),
-                anyprecision_choice_arg(&choices[0]),
-                anyprecision_choice_arg(&choices[1]),
-                Arg::u32(u32::from(kind.param == DType::BF16)),
-            ];
-            emu.run(&mut bufs, &[per_segment(kernel, &lens, args)]);
+            let launches =
+                plan::anyprecision_decided_many(&choices, kind, addr(5 * count), &tensors).unwrap();
+            assert_eq!(launches.len(), 1);
+            assert_eq!(launches[0].kernel, kernel);
+            emu.run_plan(&mut bufs, &launches);
             for (i, (p, m, v, c)) in host.iter().enumerate() {
                 let n = lens[i];
                 let sn = state_len(n, kind.state);

@@ -1,12 +1,12 @@
 //! What the optimizers' emulated tests share: guarded buffers, the decisions they run over,
-//! the choices and lists passed by value as the launchers lay them out.
+//! the many-tensor tests' tensors.
 
 use crate::common::data;
-use crate::common::emulator::{bytes_of, values_of, Arg, Launch};
+use crate::common::emulator::{addr, bytes_of, values_of};
 use fsdp_kernels::host::{
-    self, AdamW, AdamWChoice, AnyPrecisionChoice, SgdChoice, STEP_APPLIED, STEP_CHOICE,
-    STEP_CLIPPED, STEP_CLIP_COEF, STEP_UNSCALE,
+    self, AdamW, STEP_APPLIED, STEP_CHOICE, STEP_CLIPPED, STEP_CLIP_COEF, STEP_UNSCALE,
 };
+use fsdp_kernels::launch::plan::DecidedTensor;
 use half::bf16;
 
 /// AdamW at `lr` and `weight_decay` with the GPU tests' betas (0.9, 0.95) and eps (1e-8).
@@ -160,99 +160,31 @@ pub(crate) fn assert_scalars_kept(b: &[u8], sc: &[f64], what: &str) {
     assert!(same && got.len() == sc.len(), "{what}: the scalars changed");
 }
 
-pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    bytes_of(v)
-}
-
-/// `AdamWChoice` of `cu/optim.cu` as `launch/step.rs` lays it out (`AdamWChoiceArgs`): per
-/// choice decay, w1, one_minus_w1, lerp_small (u32), beta2, one_minus_beta2, neg_step_size,
-/// bc2_sqrt, eps — 4-byte fields, no padding.
-pub(crate) fn adamw_choice_arg(c: &AdamWChoice) -> Arg {
-    let mut b = Vec::new();
-    for s in &c.0 {
-        b.extend(f32_bytes(&[s.decay, s.w1, s.one_minus_w1]));
-        b.extend(u32::from(s.lerp_small).to_le_bytes());
-        b.extend(f32_bytes(&[
-            s.beta2,
-            s.one_minus_beta2,
-            s.neg_step_size,
-            s.bc2_sqrt,
-            s.eps,
-        ]));
-    }
-    Arg::Struct(b, vec![])
-}
-
-/// `SgdChoice` of `cu/optim.cu` as `launch/step.rs` lays it out (`SgdChoiceArgs`): per choice
-/// neg_lr, wd, momentum, damp, flags (u32).
-pub(crate) fn sgd_choice_arg(c: &SgdChoice) -> Arg {
-    let mut b = Vec::new();
-    for s in &c.0 {
-        b.extend(f32_bytes(&[s.neg_lr, s.wd, s.momentum, s.damp]));
-        b.extend(s.flags.to_le_bytes());
-    }
-    Arg::Struct(b, vec![])
-}
-
-/// `AnyPrecisionChoice` of `cu/any_precision.cu` as `launch/step.rs` lays it out
-/// (`AnyPrecisionChoiceArgs`): per choice has_decay (u32), decay (1 without), beta1,
-/// one_minus_beta1, beta2, one_minus_beta2, denom_correction, eps, neg_step_size.
-pub(crate) fn anyprecision_choice_arg(c: &AnyPrecisionChoice) -> Arg {
-    let mut b = Vec::new();
-    for s in &c.0 {
-        b.extend(u32::from(s.decay.is_some()).to_le_bytes());
-        b.extend(f32_bytes(&[
-            s.decay.unwrap_or(1.0),
-            s.beta1,
-            s.one_minus_beta1,
-            s.beta2,
-            s.one_minus_beta2,
-            s.denom_correction,
-            s.eps,
-            s.neg_step_size,
-        ]));
-    }
-    Arg::Struct(b, vec![])
-}
-
-/// A tensor list of `launch/foreach.rs` (`AdamWList`: p, g, m, v; `AnyPrecisionList`: p, g, m,
-/// v, c) for `slots` tensors: one array of `slots` u64 addresses per field of `fields`
-/// (`fields[f][t]`: tensor `t`'s buffer, relocated, or `None`: address 0), the lengths
-/// (`slots` u64), the decay flags (`slots` u32), tail-padded to 8 bytes as `#[repr(C)]` does.
-pub(crate) fn list_arg(
-    slots: usize,
-    fields: &[Vec<Option<usize>>],
+/// The tensors of the `_many` tests: tensor `t` of `lens[t]` elements (with weight decay
+/// where `decay[t]`) on buffers `stride·t ..`: its parameter, gradient, moments and, where
+/// `compensation`, its Kahan compensation (`plan::DecidedTensor`).
+pub(crate) fn decided_tensors(
     lens: &[usize],
     decay: &[bool],
-) -> Arg {
-    let words = fields.len() + 1;
-    let size = (words * slots * 8 + slots * 4).next_multiple_of(8);
-    let mut b = vec![0u8; size];
-    let mut relocs = Vec::new();
-    for (f, field) in fields.iter().enumerate() {
-        assert!(field.len() <= slots);
-        for (t, buf) in field.iter().enumerate() {
-            if let Some(buf) = buf {
-                relocs.push((f * slots * 8 + t * 8, *buf, 0));
+    stride: usize,
+    compensation: bool,
+) -> Vec<DecidedTensor> {
+    lens.iter()
+        .zip(decay)
+        .enumerate()
+        .map(|(t, (&n, &decay))| {
+            let at = |f: usize| addr(stride * t + f);
+            DecidedTensor {
+                param: at(0),
+                grad: at(1),
+                exp_avg: at(2),
+                exp_avg_sq: at(3),
+                compensation: compensation.then(|| at(4)),
+                n,
+                decay,
             }
-        }
-    }
-    for (t, &n) in lens.iter().enumerate() {
-        b[fields.len() * slots * 8 + t * 8..][..8].copy_from_slice(&(n as u64).to_le_bytes());
-    }
-    for (t, &d) in decay.iter().enumerate() {
-        b[words * slots * 8 + t * 4..][..4].copy_from_slice(&u32::from(d).to_le_bytes());
-    }
-    Arg::Struct(b, relocs)
-}
-
-/// The launch shape of the `_many` kernels, the launchers' (`launch::foreach_grid`): blocks of
-/// 256 threads, one along x per 2048 elements of the longest tensor (at most 1024), one row per
-/// tensor.
-pub(crate) fn per_segment(kernel: &str, lens: &[usize], args: Vec<Arg>) -> Launch {
-    let longest = lens.iter().copied().max().unwrap_or(0) as u64;
-    let cfg = fsdp_kernels::launch::foreach_grid(longest, lens.len() as u32);
-    Launch::from_config(kernel, &cfg, args)
+        })
+        .collect()
 }
 
 /// The one-tensor kernels' length: 3 blocks of 256, the last partial, odd (a packed bf16

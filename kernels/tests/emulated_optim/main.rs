@@ -1,7 +1,8 @@
 //! The optimizers' CUDA source run on the host (`common::emulator`: `cu/optim.cu` and
 //! `cu/any_precision.cu` as NVRTC compiles them, a block's threads as host threads), each kernel
-//! launched with its launcher's grid, block and parameters (`src/launch/mod.rs`, `step.rs`,
-//! `foreach.rs`; `buffers.rs` and `step_buffers.rs` reach the same launches), against its twin
+//! launched as its launcher launches it — the launcher's plan (`launch::plan`: `optim.rs`,
+//! `step.rs`, `foreach.rs`) on the buffers' emulated addresses, the same kernels, grids and
+//! parameters (`buffers.rs` and `step_buffers.rs` reach the same launchers) — against its twin
 //! bitwise (`host/optim.rs`, `host/step.rs`, `host/any_precision.rs`):
 //!
 //! - `adamw_f32` and `adamw_bf16_state` over several steps (the moments carried over), with and
@@ -18,8 +19,8 @@
 //! - `adamw_decided_many`, `anyprecision_decided_many_f32` and
 //!   `anyprecision_decided_many_bf16_state` over tensors of different lengths (empty, one
 //!   element, around a block, longer than the blocks along x take in one pass), every other
-//!   one with weight decay, their lists and choices passed by value as `launch/foreach.rs` and
-//!   `launch/step.rs` lay them out — each tensor bitwise its one-tensor twin.
+//!   one with weight decay, their lists and choices passed by value as the plans lay them out
+//!   — each tensor bitwise its one-tensor twin.
 //!
 //! Every buffer has a guard element past its end that must stay, and the step's scalars are only
 //! read. What this cannot check is the hardware itself: `tests/gpu.rs` and `tests/gpu_step.rs`

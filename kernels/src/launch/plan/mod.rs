@@ -43,11 +43,11 @@ pub use embed_heads::*;
 // The step's decisions and the many-tensor launches (`launch/step.rs`, `foreach.rs`).
 mod foreach;
 mod step;
-pub use foreach::*;
-pub use step::*;
 pub use elementwise::{axpby, cast, div_scalar, memset, reduce, scale_by};
+pub use foreach::*;
 pub use optim::{adamw, clip_coefficient, sgd, sum_of_squares, sum_of_squares_blocks};
 pub use segments::{foreach_grid, gather_copies, gather_grid, GatherCopy, GATHER_SEGMENTS};
+pub use step::*;
 
 /// Threads per block of the element-wise kernels.
 pub(crate) const BLOCK: u32 = 256;
@@ -129,11 +129,20 @@ pub enum Param {
 /// The largest struct a parameter may be (CUDA's classic limit on a launch's parameters).
 pub const STRUCT_BYTES: usize = 4096;
 
+/// A struct parameter's storage: [`STRUCT_BYTES`], 8-byte aligned (its fields' largest).
+#[repr(C, align(8))]
+#[derive(Clone, PartialEq)]
+pub(crate) struct StructStorage([u8; STRUCT_BYTES]);
+
+// SAFETY: plain bytes, every one initialised (zero where no field was written);
+// `cuLaunchKernel` copies the kernel's parameter size from its start.
+unsafe impl cudarc::driver::DeviceRepr for StructStorage {}
+
 /// A C struct's bytes, written field by field in C's layout (each field at its natural
 /// alignment, the size rounded up to the largest), with the offsets of its pointer fields.
 #[derive(Clone, PartialEq)]
 pub struct CStruct {
-    words: Box<[u64; STRUCT_BYTES / 8]>,
+    storage: Box<StructStorage>,
     len: usize,
     align: usize,
     pointers: Vec<usize>,
@@ -159,7 +168,7 @@ impl CStruct {
     /// An empty struct.
     pub fn new() -> CStruct {
         CStruct {
-            words: Box::new([0; STRUCT_BYTES / 8]),
+            storage: Box::new(StructStorage([0; STRUCT_BYTES])),
             len: 0,
             align: 1,
             pointers: Vec::new(),
@@ -172,11 +181,7 @@ impl CStruct {
             at + bytes.len() <= STRUCT_BYTES,
             "a kernel's struct parameter past {STRUCT_BYTES} bytes"
         );
-        for (i, b) in bytes.iter().enumerate() {
-            let k = at + i;
-            let w = &mut self.words[k / 8];
-            *w = (*w & !(0xff << (8 * (k % 8)))) | (u64::from(*b) << (8 * (k % 8)));
-        }
+        self.storage.0[at..at + bytes.len()].copy_from_slice(bytes);
         self.len = at + bytes.len();
         self.align = self.align.max(align);
         at
@@ -227,9 +232,7 @@ impl CStruct {
 
     /// Its bytes ([`size`](Self::size) of them; padding is zero).
     pub fn bytes(&self) -> Vec<u8> {
-        let mut out: Vec<u8> = self.words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        out.truncate(self.size());
-        out
+        self.storage.0[..self.size()].to_vec()
     }
 
     /// The byte offsets of its pointer fields.
@@ -238,9 +241,9 @@ impl CStruct {
     }
 
     /// The storage handed to `cuLaunchKernel` (which copies the kernel's parameter size from
-    /// it): [`STRUCT_BYTES`], 8-byte aligned.
-    pub(crate) fn storage(&self) -> &[u64; STRUCT_BYTES / 8] {
-        &self.words
+    /// it).
+    pub(crate) fn storage(&self) -> &StructStorage {
+        &self.storage
     }
 }
 
