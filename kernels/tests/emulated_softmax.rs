@@ -353,3 +353,38 @@ fn cross_entropy_kernels_on_a_chunk_of_rows_are_their_twins() {
     cross_entropy_case(emu, 9, 300, 3, 4, &[Some(1000.0)]);
     cross_entropy_case(emu, 9, 300, 7, 2, &[Some(65536.0), None]);
 }
+
+/// The emulator refuses a launch as a GPU does: a block past the kernel's
+/// `__launch_bounds__` (the softmaxes declare `NN_BLOCK`), a grid past 65,535 in y, and an
+/// empty grid — so a launcher planning such a launch fails here rather than on a GPU.
+#[test]
+fn launches_a_gpu_refuses_are_refused() {
+    let Some(emu) = Emulator::build(Program::Nn, "launches_a_gpu_refuses_are_refused") else {
+        return;
+    };
+    let (pairs, t) = (1usize, 8usize);
+    let good = plan::causal_softmax_forward::<f32>(addr(0), t, 0.5, addr(1), pairs * t).unwrap();
+    let refused = |mutate: &dyn Fn(&mut cudarc::driver::LaunchConfig), why: &str| {
+        let mut launches = good.clone();
+        mutate(&mut launches[0].config);
+        let mut bufs = vec![bytes_of(&scores(pairs, t)), vec![0; 4 * pairs * t * t]];
+        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            emu.run_plan(&mut bufs, &launches)
+        }))
+        .expect_err(why);
+        let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(why), "{why}: {msg}");
+    };
+    let block = nn::NN_BLOCK as u32;
+    refused(
+        &|c| c.block_dim.0 = 2 * block,
+        &format!("past its __launch_bounds__({block})"),
+    );
+    refused(&|c| c.grid_dim.1 = 65536, "at most 2^31 - 1 x 65535");
+    refused(&|c| c.grid_dim.0 = 0, "an empty grid");
+    // The plan itself runs.
+    let mut bufs = vec![bytes_of(&scores(pairs, t)), vec![0; 4 * pairs * t * t]];
+    emu.run_plan(&mut bufs, &good);
+    let probs: Vec<f32> = values_of(&bufs[1]);
+    assert!(probs.iter().all(|p| p.is_finite()));
+}

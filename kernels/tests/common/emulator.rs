@@ -357,6 +357,38 @@ fn prelude(program: Program) -> Option<&'static str> {
     }
 }
 
+/// Each `__launch_bounds__(B) name(` of `source`: the kernel and its bound's expression (the
+/// program's macros evaluate it where the emulator is compiled, which refuses larger blocks).
+fn launch_bounds(source: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find("__launch_bounds__(") {
+        rest = &rest[at + "__launch_bounds__(".len()..];
+        let mut depth = 1;
+        let Some(end) = rest.char_indices().find_map(|(i, c)| {
+            depth += match c {
+                '(' => 1,
+                ')' => -1,
+                _ => 0,
+            };
+            (depth == 0).then_some(i)
+        }) else {
+            break;
+        };
+        let bound = rest[..end].to_string();
+        let after = rest[end + 1..].trim_start();
+        let name: String = after
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() && after[name.len()..].trim_start().starts_with('(') {
+            out.push((name, bound));
+        }
+        rest = &rest[end..];
+    }
+    out
+}
+
 /// Compile the emulator of `program` with `cxx` into the tests' scratch directory, unless the
 /// same inputs were compiled there before.
 fn build(cxx: &str, program: Program) -> Emulator {
@@ -367,11 +399,16 @@ fn build(cxx: &str, program: Program) -> Emulator {
         .join(program.name().trim_end_matches(".cu"));
     std::fs::create_dir_all(&dir).unwrap();
     let source = program.source();
-    let registry: String = program
+    let mut registry: String = program
         .kernels()
         .iter()
         .map(|k| format!("EMU_KERNEL({k})\n"))
         .collect();
+    for (kernel, bound) in launch_bounds(&source) {
+        if program.kernels().contains(&kernel) {
+            registry += &format!("EMU_BOUNDS({kernel}, {bound})\n");
+        }
+    }
     let read = |f: &str| std::fs::read_to_string(shim.join(f)).unwrap();
     let prelude_flag: Vec<String> = prelude(program)
         .map(|h| format!("-DEMU_PRELUDE=\"{h}\""))

@@ -1,8 +1,8 @@
 // Just enough of CUDA to compile fsdp-kernels' programs (src/cu/*.cu after src/cu/common.cuh)
 // as C++ and run a kernel's block as host threads: one std::thread per CUDA thread,
 // __syncthreads a barrier of the block, a warp's shuffles and mma.sync exchanges through memory
-// between two barriers of the warp. Blocks run one after another, so a kernel's __shared__
-// arrays (function statics here) belong to the block that runs. The `_rn` intrinsics are the
+// between two barriers of the warp. Blocks run one after another (in a shuffled order), so a
+// kernel's __shared__ arrays (function statics here) belong to the block that runs. The `_rn` intrinsics are the
 // host's IEEE operations (compiled with -ffp-contract=off: nothing fused but __fmaf_rn).
 //
 // mma.sync.m16n8k16 (f32 accumulators, bf16 or f16 operands) is computed from the fragment
@@ -124,14 +124,27 @@ template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
     return emu_shuffle(v, [src](int) { return src; });
 }
 
+// The launches run so far (each one's blocks in an order of its own).
+inline unsigned long long emu_launches = 0;
+
 // Runs `kernel` (a lambda over the kernel's arguments) on a grid of blocks of `block.x` ×
-// `block.y` threads.
+// `block.y` threads. The blocks run one after another in a shuffled order (fixed by the
+// launch's number, so a run is repeatable), as a GPU promises no order: a kernel whose
+// blocks read what other blocks of the same launch write fails, whichever comes first.
 inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()>& kernel) {
     gridDim = grid;
     blockDim = {block.x, block.y, 1};
     int threads = (int)(block.x * block.y);
-    for (unsigned y = 0; y < grid.y; ++y)
-        for (unsigned x = 0; x < grid.x; ++x) {
+    std::vector<unsigned long long> order((unsigned long long)grid.x * grid.y);
+    for (unsigned long long i = 0; i < order.size(); ++i) order[i] = i;
+    unsigned long long state = 0x9e3779b97f4a7c15ull * ++emu_launches;
+    for (unsigned long long i = order.size(); i > 1; --i) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(order[i - 1], order[(state >> 33) % i]);
+    }
+    for (unsigned long long o : order) {
+        unsigned x = (unsigned)(o % grid.x), y = (unsigned)(o / grid.x);
+        {
             EmuBlock b(threads);
             emu_block = &b;
             emu_poison_shared();
@@ -146,6 +159,7 @@ inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
             for (auto& t : ts) t.join();
             emu_block = nullptr;
         }
+    }
 }
 
 // The same on one-dimensional blocks of `threads`.

@@ -3,8 +3,10 @@
 //   emu DIR
 // DIR/program.cu is the program's very source (Program::source: common.cuh and its .cu files,
 // what NVRTC compiles; after EMU_PRELUDE where the build names one) and DIR/registry.inc one
-// `EMU_KERNEL(name)` line per kernel (Program::kernels), both written by the test before it
-// compiles this file. A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
+// `EMU_KERNEL(name)` line per kernel (Program::kernels) and one `EMU_BOUNDS(name, bound)` per
+// `__launch_bounds__` of the source, both written by the test before it compiles this file.
+// A launch is refused as a GPU refuses it: an empty grid, one past the grid's limits, a block
+// past 1024 threads or past the kernel's __launch_bounds__. A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
 // runs the launches in order and writes every buffer back to DIR/out.bin. request.txt:
 //   buffers COUNT            then COUNT lines: BYTES
 //   launch NAME GX GY BX BY ARGS     a grid of GX × GY blocks of BX × BY threads, then ARGS
@@ -96,10 +98,25 @@ template <typename... A> static EmuEntry emu_entry(void (*f)(A...)) {
 
 static const std::map<std::string, EmuEntry>& emu_kernels() {
 #define EMU_KERNEL(name) {#name, emu_entry(&name)},
+#define EMU_BOUNDS(name, ...)
     static const std::map<std::string, EmuEntry> k = {
 #include "registry.inc"
     };
 #undef EMU_KERNEL
+#undef EMU_BOUNDS
+    return k;
+}
+
+// The kernels' __launch_bounds__ (their most threads a block), where they declare one.
+static unsigned emu_first(unsigned b, ...) { return b; }
+static const std::map<std::string, unsigned>& emu_bounds() {
+#define EMU_KERNEL(name)
+#define EMU_BOUNDS(name, ...) {#name, emu_first(__VA_ARGS__)},
+    static const std::map<std::string, unsigned> k = {
+#include "registry.inc"
+    };
+#undef EMU_KERNEL
+#undef EMU_BOUNDS
     return k;
 }
 
@@ -143,6 +160,13 @@ int main(int argc, char** argv) {
             emu_fail(name + ": a block of " + std::to_string(block.x * block.y) +
                      " threads (1 to 1024)");
         if (grid.x == 0 || grid.y == 0) emu_fail(name + ": an empty grid (a launch error on a GPU)");
+        if (grid.x > 2147483647u || grid.y > 65535u)
+            emu_fail(name + ": a grid of " + std::to_string(grid.x) + " x " + std::to_string(grid.y) +
+                     " blocks (at most 2^31 - 1 x 65535)");
+        if (auto bound = emu_bounds().find(name);
+            bound != emu_bounds().end() && block.x * block.y > bound->second)
+            emu_fail(name + ": a block of " + std::to_string(block.x * block.y) +
+                     " threads past its __launch_bounds__(" + std::to_string(bound->second) + ")");
         auto k = kernels.find(name);
         if (k == kernels.end()) emu_fail("no kernel " + name);
         std::vector<EmuArg> args(nargs);
