@@ -208,6 +208,9 @@ pub fn axpby<T: KernelFloat>(
 ) -> Result<(), KernelError> {
     let n = x.len();
     same_len("axpby", "y", n, y.len())?;
+    if n == 0 {
+        return Ok(());
+    }
     let (xp, _x) = x.device_ptr(stream);
     let (yp, _y) = y.device_ptr_mut(stream);
     // SAFETY: `n` elements of `x` read and of `y` written, both slices held (`_x`, `_y`).
@@ -225,6 +228,9 @@ pub fn div_scalar<T: KernelFloat>(
     y: &mut impl DevicePtrMut<T>,
 ) -> Result<(), KernelError> {
     let n = y.len();
+    if n == 0 {
+        return Ok(());
+    }
     let (yp, _y) = y.device_ptr_mut(stream);
     // SAFETY: `n` elements of `y`, held (`_y`).
     unsafe { enqueue(stream, &plan::div_scalar::<T>(d, yp, n)) }
@@ -242,6 +248,9 @@ pub fn scale_by(
 ) -> Result<(), KernelError> {
     same_len("scale_by", "c", 1, c.len())?;
     let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
     let (xp, _x) = x.device_ptr_mut(stream);
     let (cp, _c) = c.device_ptr(stream);
     // SAFETY: `n` elements of `x`, one of `c`, both held.
@@ -282,6 +291,9 @@ pub fn memset<T: KernelFloat>(
     value: T,
 ) -> Result<(), KernelError> {
     let n = dst.len();
+    if n == 0 {
+        return Ok(());
+    }
     let (d, _d) = dst.device_ptr_mut(stream);
     // SAFETY: `n` elements of `dst` written, held (`_d`).
     unsafe { enqueue(stream, &plan::memset(d, value, n)) }
@@ -392,6 +404,9 @@ pub fn adamw<S: MomentFloat>(
     same_len("adamw", "grad", n, grad.len())?;
     same_len("adamw", "exp_avg", n, exp_avg.len())?;
     same_len("adamw", "exp_avg_sq", n, exp_avg_sq.len())?;
+    if n == 0 {
+        return Ok(());
+    }
     let (p, _p) = param.device_ptr_mut(stream);
     let (g, _g) = grad.device_ptr(stream);
     let (m, _m) = exp_avg.device_ptr_mut(stream);
@@ -417,6 +432,9 @@ pub fn sgd(
     if s.uses_buffer() {
         same_len("sgd", "momentum_buffer", n, momentum_buffer.len())?;
     }
+    if n == 0 {
+        return Ok(());
+    }
     let (p, _p) = param.device_ptr_mut(stream);
     let (g, _g) = grad.device_ptr(stream);
     let (m, _m) = momentum_buffer.device_ptr_mut(stream);
@@ -438,12 +456,15 @@ pub fn sum_of_squares(
 ) -> Result<(), KernelError> {
     same_len("sum_of_squares", "out", 1, out.len())?;
     let n = x.len();
+    if n == 0 {
+        return memset(stream, out, 0.0f64);
+    }
     let blocks = plan::sum_of_squares_blocks(n)?;
     // Freed in stream order when dropped (cuMemFreeAsync where the device has memory pools).
     // SAFETY: uninitialised device memory, never read before written: each of the `blocks`
     // blocks of `sum_squares_f32` writes its sum before `sum_f64_final`, later on the same
     // stream, reads them (one fill fewer a call: the trainer takes one sum a tensor).
-    let mut sums = unsafe { stream.alloc::<f64>(blocks.max(1)) }
+    let mut sums = unsafe { stream.alloc::<f64>(blocks) }
         .map_err(|e| driver("cuMemAlloc", "sum_squares_f32", e))?;
     let (xp, _x) = x.device_ptr(stream);
     let (sp, _s) = sums.device_ptr_mut(stream);

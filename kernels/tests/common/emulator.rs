@@ -346,6 +346,22 @@ const FLAGS: [&str; 9] = [
     "-Werror",
 ];
 
+/// `FSDP_EMU_SANITIZE=thread` (or `address`, `undefined`) builds the emulators with that
+/// sanitizer: ThreadSanitizer reports a kernel's threads racing on shared or global memory
+/// (a missing `__syncthreads`), as the GPU's `compute-sanitizer --tool racecheck` would; the
+/// others out-of-bounds accesses and undefined behaviour. Slow (minutes): not part of CI's
+/// test run; `scripts/emulate-sanitized.sh` runs every emulated test so.
+fn sanitizer() -> Vec<String> {
+    match std::env::var("FSDP_EMU_SANITIZE") {
+        Ok(s) if !s.is_empty() => vec![
+            format!("-fsanitize={s}"),
+            "-fno-sanitize-recover=all".into(),
+            "-g".into(),
+        ],
+        _ => Vec::new(),
+    }
+}
+
 /// What `program` needs emulated besides `cuda_shim.h`, included before its source
 /// (`generic.cpp`'s `EMU_PRELUDE`): [`Program::Attention`]'s `mma.sync` (`mma_emulated.h`,
 /// the PTX ISA's fragment layouts, which its kernels leave to the emulator where
@@ -396,7 +412,13 @@ fn build(cxx: &str, program: Program) -> Emulator {
     let shim = manifest.join("tests/emulate");
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("emulate")
-        .join(program.name().trim_end_matches(".cu"));
+        .join(format!(
+            "{}{}",
+            program.name().trim_end_matches(".cu"),
+            std::env::var("FSDP_EMU_SANITIZE")
+                .map(|k| format!("-{k}"))
+                .unwrap_or_default()
+        ));
     std::fs::create_dir_all(&dir).unwrap();
     let source = program.source();
     let mut registry: String = program
@@ -410,18 +432,20 @@ fn build(cxx: &str, program: Program) -> Emulator {
         }
     }
     let read = |f: &str| std::fs::read_to_string(shim.join(f)).unwrap();
-    let prelude_flag: Vec<String> = prelude(program)
+    let mut prelude_flag: Vec<String> = prelude(program)
         .map(|h| format!("-DEMU_PRELUDE=\"{h}\""))
         .into_iter()
         .collect();
+    prelude_flag.extend(sanitizer());
     let mut key = format!(
         "{cxx} {}\n{}\n{}\n{source}\n{registry}",
         FLAGS.join(" "),
         read("cuda_shim.h"),
         read("generic.cpp")
     );
+    key += &format!("{}\n", prelude_flag.join(" "));
     if let Some(h) = prelude(program) {
-        key += &format!("{}\n{}\n", prelude_flag.join(" "), read(h));
+        key += &format!("{}\n", read(h));
     }
     let exe = dir.join("emu");
     let key_path = dir.join("key.txt");
