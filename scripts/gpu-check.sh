@@ -25,6 +25,9 @@ fi
 report="${2:-${OUT:-gpu-report}}"
 mkdir -p "$report"
 report="$(cd "$report" && pwd)"
+# The emulated kernel tests (fsdp-kernels--test--emulated_*, attention_emulated) run their
+# launchers' plans on the GPU rather than on the host emulator.
+export FSDP_EMULATED_ON=cuda
 limit="${FSDP_GPU_TIMEOUT:-240}"
 only="${FSDP_GPU_ONLY:-}"
 deadline="${FSDP_GPU_DEADLINE:-0}"

@@ -41,7 +41,7 @@ export FSDP_GPU_DEADLINE=$((start + budget - 10))
 # NVRTC, NCCL and ptxas once, exported to every lane.
 # shellcheck source=scripts/gpu-env.sh
 . "$here/gpu-env.sh"
-lanes="${FSDP_GPU_LANES:-gpu_(nn|gemm|step|attention)$|nvrtc_compile$|kernels--test--gpu$ gpu_gpt$|gpu_golden$ gpu_device_train$ gpu_sharded$|gpu_engine$|engine_on_device$|engine_gpt$|cuda_ring$|device--test--cuda|allocator--test collectives--test--nccl}"
+lanes="${FSDP_GPU_LANES:-gpu_(nn|gemm|step|attention)$|nvrtc_compile$|kernels--test--gpu$ emulated_|attention_emulated$ gpu_gpt$|gpu_golden$ gpu_device_train$ gpu_sharded$|gpu_engine$|engine_on_device$|engine_gpt$|cuda_ring$|device--test--cuda|allocator--test collectives--test--nccl}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work" "$links"' EXIT
 pack() { tar -C "$work" -czf "$out/reports.tar.gz.part" . && mv "$out/reports.tar.gz.part" "$out/reports.tar.gz"; }

@@ -13,10 +13,10 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaStream, LaunchConfig};
 use fsdp_kernels::launch::plan::{KernelLaunch, Param};
 use fsdp_kernels::Program;
 
@@ -30,7 +30,7 @@ pub fn addr(buf: usize) -> u64 {
 }
 
 /// Buffer and offset of an address made by [`addr`].
-fn buffer_at(a: u64) -> (usize, usize) {
+pub fn buffer_at(a: u64) -> (usize, usize) {
     assert!(
         a >= 1 << 40,
         "{a:#x} is no buffer's address (emulator::addr)"
@@ -169,12 +169,14 @@ impl Launch {
     }
 }
 
-/// A program's kernels built for the host.
+/// A program's kernels built for the host (or, under `FSDP_EMULATED_ON=cuda`, a GPU that runs
+/// the plans instead: `common::on_device`).
 pub struct Emulator {
     program: Program,
     exe: PathBuf,
     dir: PathBuf,
     runs: Mutex<u64>,
+    cuda: Option<Arc<CudaStream>>,
 }
 
 fn compiler() -> Option<String> {
@@ -196,6 +198,23 @@ impl Emulator {
     /// compiler.
     pub fn build(program: Program, test: &str) -> Option<&'static Emulator> {
         static BUILT: OnceLock<Mutex<Vec<(Program, &'static Emulator)>>> = OnceLock::new();
+        match std::env::var("FSDP_EMULATED_ON").as_deref() {
+            Ok("cuda") => {
+                let Some(cuda) = super::gpu_stream(test) else {
+                    panic!("{test}: FSDP_EMULATED_ON=cuda, but no GPU");
+                };
+                println!("{test}: on the GPU (FSDP_EMULATED_ON=cuda), not the host emulator");
+                return Some(Box::leak(Box::new(Emulator {
+                    program,
+                    exe: PathBuf::new(),
+                    dir: PathBuf::new(),
+                    runs: Mutex::new(0),
+                    cuda: Some(cuda),
+                })));
+            }
+            Ok("") | Ok("host") | Err(_) => {}
+            Ok(other) => panic!("FSDP_EMULATED_ON={other}: host or cuda"),
+        }
         let Some(cxx) = compiler() else {
             println!("{test}: skipped: no C++ compiler (CXX, c++, g++ or clang++)");
             return None;
@@ -220,12 +239,20 @@ impl Emulator {
                 l.kernel, self.program
             );
         }
+        if let Some(cuda) = &self.cuda {
+            return super::on_device::run(cuda, buffers, launches);
+        }
         let launches: Vec<Launch> = launches.iter().map(Launch::from_plan).collect();
         self.run(buffers, &launches);
     }
 
-    /// Run `launches` in order over `buffers` (each kernel's outputs written in place).
+    /// Run `launches` in order over `buffers` (each kernel's outputs written in place), on the
+    /// host emulator.
     pub fn run(&self, buffers: &mut [Vec<u8>], launches: &[Launch]) {
+        assert!(
+            self.cuda.is_none(),
+            "hand-built launches run on the host emulator only"
+        );
         let n = {
             let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
             *runs += 1;
@@ -455,6 +482,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
             exe,
             dir,
             runs: Mutex::new(0),
+            cuda: None,
         };
     }
     // Built apart and moved into place, so that test processes building the same program at
@@ -495,6 +523,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
         exe,
         dir,
         runs: Mutex::new(0),
+        cuda: None,
     }
 }
 

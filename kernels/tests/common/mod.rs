@@ -8,6 +8,7 @@
 
 pub mod emulator;
 pub mod flash;
+pub mod on_device;
 
 use std::collections::HashMap;
 use std::sync::Arc;

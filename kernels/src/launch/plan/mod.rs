@@ -235,6 +235,17 @@ impl CStruct {
         self.storage.0[..self.size()].to_vec()
     }
 
+    /// Rewrites each non-null pointer field `p` to `f(p)` (memory moved: a test's buffers
+    /// placed on a device).
+    pub fn relocate(&mut self, f: impl Fn(u64) -> u64) {
+        for &at in &self.pointers {
+            let old = u64::from_le_bytes(self.storage.0[at..at + 8].try_into().expect("8 bytes"));
+            if old != 0 {
+                self.storage.0[at..at + 8].copy_from_slice(&f(old).to_le_bytes());
+            }
+        }
+    }
+
     /// The byte offsets of its pointer fields.
     pub fn pointer_offsets(&self) -> &[usize] {
         &self.pointers
@@ -278,6 +289,10 @@ mod tests {
         assert_eq!(&b[..8], &0x1122_3344_5566_7788u64.to_le_bytes());
         assert_eq!(&b[16..28], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]);
         assert_eq!(&b[28..], &[0; 4]);
+        let mut r = s.clone();
+        r.relocate(|p| p + 16);
+        assert_eq!(&r.bytes()[..8], &0x1122_3344_5566_7798u64.to_le_bytes());
+        assert_eq!(&r.bytes()[8..], &b[8..], "a null pointer stays null");
         let mut t = CStruct::new();
         t.u32s(&[7]).u64s(&[9]).f32s(&[1.5]);
         // A u32, padding to 8, a u64, a float, padding: 24.
