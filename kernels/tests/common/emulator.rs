@@ -229,6 +229,11 @@ impl Emulator {
         Some(e)
     }
 
+    /// Whether the plans run on a GPU (`FSDP_EMULATED_ON=cuda`) rather than the emulator.
+    pub fn on_cuda(&self) -> bool {
+        self.cuda.is_some()
+    }
+
     /// Run a launcher's planned `launches` (`fsdp_kernels::launch::plan`, on addresses from
     /// [`addr`]) in order over `buffers`; every launch must be of this emulator's program.
     pub fn run_plan(&self, buffers: &mut [Vec<u8>], launches: &[KernelLaunch]) {
