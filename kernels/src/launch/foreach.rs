@@ -26,7 +26,7 @@ use crate::KernelError;
 /// [`host::sum_of_squares`](crate::host::sum_of_squares) of each.
 ///
 /// # Errors
-/// [`KernelError::InvalidArgument`] for slots past `scalars` or more than 2^32 blocks;
+/// [`KernelError::InvalidArgument`] for slots past `scalars` or a batch of more than 2^31 − 1 blocks;
 /// allocation, compile, load and launch failures.
 pub fn sum_of_squares_many(
     stream: &Arc<CudaStream>,

@@ -27,21 +27,29 @@ fn column<T, V: Copy + Default>(slots: usize, batch: &[T], f: impl Fn(&T) -> V) 
 }
 
 /// The block sums [`sum_of_squares_many`] needs over tensors of `lens` elements (its
-/// scratch's f64 length before the launcher's minimum of one; 0 for none): every tensor's
-/// blocks of `NORM_BLOCK · NORM_ITEMS` elements.
+/// scratch's f64 length before the launcher's minimum of one; 0 for none): the largest
+/// batch's blocks of `NORM_BLOCK · NORM_ITEMS` elements (every batch reuses the scratch from
+/// its start).
 ///
 /// # Errors
-/// [`KernelError::InvalidArgument`] for more than 2^32 blocks.
+/// [`KernelError::InvalidArgument`] for a batch of more blocks than a grid's 2^31 − 1.
 pub fn sum_of_squares_many_blocks(
     lens: impl IntoIterator<Item = usize>,
 ) -> Result<usize, KernelError> {
     let chunk = NORM_BLOCK * NORM_ITEMS;
-    let blocks: usize = lens.into_iter().map(|n| n.div_ceil(chunk)).sum();
-    u32::try_from(blocks).map_err(|_| KernelError::InvalidArgument {
-        kernel: "sum_squares_many",
-        reason: format!("{blocks} blocks of sums do not fit in 32 bits"),
-    })?;
-    Ok(blocks)
+    let lens: Vec<usize> = lens.into_iter().collect();
+    let mut most = 0;
+    for batch in lens.chunks(SQUARES_TENSORS) {
+        let blocks: usize = batch.iter().map(|n| n.div_ceil(chunk)).sum();
+        if blocks > i32::MAX as usize {
+            return Err(KernelError::InvalidArgument {
+                kernel: "sum_squares_many",
+                reason: format!("{blocks} blocks of one launch exceed the grid's 2^31 - 1"),
+            });
+        }
+        most = most.max(blocks);
+    }
+    Ok(most)
 }
 
 /// [`launch::sum_of_squares_many`](crate::launch::sum_of_squares_many): the sum of squares of

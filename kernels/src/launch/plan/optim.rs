@@ -71,13 +71,15 @@ pub fn sgd(s: &SgdScalars, p: u64, g: u64, m: u64, n: usize) -> Vec<KernelLaunch
 /// 0 for none).
 ///
 /// # Errors
-/// [`KernelError::InvalidArgument`] for more than 2^32 blocks.
+/// [`KernelError::InvalidArgument`] for more blocks than a grid's 2^31 − 1.
 pub fn sum_of_squares_blocks(n: usize) -> Result<usize, KernelError> {
     let blocks = n.div_ceil(NORM_BLOCK * NORM_ITEMS);
-    u32::try_from(blocks).map_err(|_| KernelError::InvalidArgument {
-        kernel: "sum_squares_f32",
-        reason: format!("{n} elements need more than 2^32 blocks"),
-    })?;
+    if blocks > i32::MAX as usize {
+        return Err(KernelError::InvalidArgument {
+            kernel: "sum_squares_f32",
+            reason: format!("{n} elements need more than the grid's 2^31 - 1 blocks"),
+        });
+    }
     Ok(blocks)
 }
 
