@@ -67,7 +67,13 @@ pub use step_buffers::{
 type PtxKey = (Program, (i32, i32));
 static PTX: Mutex<Option<HashMap<PtxKey, String>>> = Mutex::new(None);
 type ModuleKey = (usize, Program);
-static MODULES: Mutex<Option<HashMap<ModuleKey, Arc<CudaModule>>>> = Mutex::new(None);
+/// A program's module loaded into one context, with the functions looked up so far (one
+/// `cuModuleGetFunction` per kernel and context, not per launch).
+struct Loaded {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+static MODULES: Mutex<Option<HashMap<ModuleKey, Loaded>>> = Mutex::new(None);
 
 fn driver(op: &'static str, kernel: &str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::Driver {
@@ -89,7 +95,8 @@ pub fn ptx_for(program: Program, cc: (i32, i32)) -> Result<String, KernelError> 
     Ok(ptx)
 }
 
-/// `kernel` of `program`, in the module loaded into `stream`'s context.
+/// `kernel` of `program`, in the module loaded into `stream`'s context (loaded, and the
+/// function looked up, on first use).
 fn function(
     stream: &CudaStream,
     program: Program,
@@ -97,27 +104,33 @@ fn function(
 ) -> Result<CudaFunction, KernelError> {
     let ctx = stream.context();
     let key = (ctx.cu_ctx() as usize, program);
-    let module = {
-        let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
-        let modules = modules.get_or_insert_with(HashMap::new);
-        match modules.get(&key) {
-            Some(m) => m.clone(),
-            None => {
-                let cc = ctx
-                    .compute_capability()
-                    .map_err(|e| driver("cuDeviceGetAttribute", kernel, e))?;
-                let ptx = ptx_for(program, cc)?;
-                let m = ctx
-                    .load_module(Ptx::from_src(ptx))
-                    .map_err(|e| driver("cuModuleLoadData", program.name(), e))?;
-                modules.insert(key, m.clone());
-                m
-            }
+    let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
+    let modules = modules.get_or_insert_with(HashMap::new);
+    let loaded = match modules.entry(key) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let cc = ctx
+                .compute_capability()
+                .map_err(|e| driver("cuDeviceGetAttribute", kernel, e))?;
+            let ptx = ptx_for(program, cc)?;
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| driver("cuModuleLoadData", program.name(), e))?;
+            v.insert(Loaded {
+                module,
+                functions: HashMap::new(),
+            })
         }
     };
-    module
+    if let Some(f) = loaded.functions.get(kernel) {
+        return Ok(f.clone());
+    }
+    let f = loaded
+        .module
         .load_function(kernel)
-        .map_err(|e| driver("cuModuleGetFunction", kernel, e))
+        .map_err(|e| driver("cuModuleGetFunction", kernel, e))?;
+    loaded.functions.insert(kernel.to_string(), f.clone());
+    Ok(f)
 }
 
 /// Enqueues `launches` on `stream` in order.
@@ -148,7 +161,18 @@ pub unsafe fn enqueue(stream: &CudaStream, launches: &[KernelLaunch]) -> Result<
         // builds them so, and the host emulation checks them against the C signatures); a
         // struct's storage holds its `sizeof` bytes and more. The memory behind the pointers
         // is the caller's contract.
-        unsafe { b.launch(l.config) }.map_err(|e| driver("cuLaunchKernel", &l.kernel, e))?;
+        unsafe { b.launch(l.config) }.map_err(|e| KernelError::Driver {
+            op: "cuLaunchKernel",
+            kernel: l.kernel.clone(),
+            // The launch's shape too: a driver's "invalid value" is most often a grid or
+            // block out of range or a parameter list of the wrong size.
+            message: format!(
+                "{e:?} (grid {:?}, block {:?}, {} parameters)",
+                l.config.grid_dim,
+                l.config.block_dim,
+                l.params.len()
+            ),
+        })?;
     }
     Ok(())
 }
