@@ -26,28 +26,57 @@ use cudarc::driver::LaunchConfig;
 
 use crate::Program;
 
+// One file per group of launchers: `launch/mod.rs`'s element-wise kernels and reductions,
+// its optimizers and norm; the segment launches (`foreach.rs`'s grid, `gather.rs`); the
+// layers (`nn.rs`), softmaxes and loss (`nn.rs`, `nn_loss.rs`); embeddings and heads
+// (`nn_embed.rs`, `nn_heads.rs`); the fused attention; the step's decisions (`step.rs`) and
+// the many-tensor launches (`foreach.rs`).
+mod attention;
 mod elementwise;
-mod optim;
-mod segments;
-// The layers' launches (`launch/nn.rs`, `nn_loss.rs`).
+mod embed_heads;
+mod foreach;
 mod nn;
 mod nn_softmax;
-pub use nn::*;
-pub use nn_softmax::*;
-// Embeddings, heads and the fused attention (`launch/nn_embed.rs`, `nn_heads.rs`,
-// `attention.rs`).
-mod attention;
-mod embed_heads;
-pub use attention::*;
-pub use embed_heads::*;
-// The step's decisions and the many-tensor launches (`launch/step.rs`, `foreach.rs`).
-mod foreach;
+mod optim;
+mod segments;
 mod step;
+
+pub use attention::{
+    flash_backward, flash_backward_scratch, flash_forward, FLASH_HEAD_DIMS, FLASH_TILE,
+};
 pub use elementwise::{axpby, cast, div_scalar, memset, reduce, scale_by};
-pub use foreach::*;
+pub use embed_heads::{
+    bias_add, embedding_backward_positions, embedding_backward_tokens,
+    embedding_backward_tokens_host_ids, embedding_forward, heads_merge, heads_split,
+};
+pub use foreach::{
+    adamw_decided_many, anyprecision_decided_many, fill_zero_many, sum_of_squares_many,
+    sum_of_squares_many_blocks, DecidedTensor, ADAMW_TENSORS, ANYPRECISION_TENSORS,
+    SQUARES_TENSORS, ZERO_SEGMENTS,
+};
+pub use nn::{
+    bias_grad, bias_grad_scratch, gelu_backward, gelu_forward, layernorm_backward_input,
+    layernorm_backward_params, layernorm_backward_params_scratch, layernorm_forward,
+    per_column_tile, per_row, per_warp_row,
+};
+pub use nn_softmax::{
+    causal_softmax_backward, causal_softmax_forward, causal_softmax_forward_both,
+    cross_entropy_fused, cross_entropy_fused_in_place,
+};
 pub use optim::{adamw, clip_coefficient, sgd, sum_of_squares, sum_of_squares_blocks};
 pub use segments::{foreach_grid, gather_copies, gather_grid, GatherCopy, GATHER_SEGMENTS};
-pub use step::*;
+// What the launchers check or name before taking addresses (the same words as the plans).
+pub(crate) use attention::{flash_check, flash_layout_check};
+pub(crate) use embed_heads::{heads_merge_kernel, heads_split_kernel};
+pub(crate) use nn::{gelu_forward_kernel, layernorm_forward_kernel, writing};
+pub(crate) use nn_softmax::{
+    causal_softmax_backward_kernel, causal_softmax_forward_both_kernel,
+    causal_softmax_forward_kernel, cross_entropy_fused_kernel,
+};
+pub use step::{
+    adamw_decided, anyprecision_decided, engine_decide, loss_accumulate, sgd_decided, step_decide,
+    unscale_by,
+};
 
 /// Threads per block of the element-wise kernels.
 pub(crate) const BLOCK: u32 = 256;
