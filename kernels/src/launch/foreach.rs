@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::plan::{self, DecidedTensor};
 pub use super::plan::{ADAMW_TENSORS, ANYPRECISION_TENSORS, SQUARES_TENSORS, ZERO_SEGMENTS};
@@ -90,6 +90,42 @@ pub struct AdamWTensor<'a> {
     pub decay: bool,
 }
 
+/// The addresses of `tensors` for [`plan::adamw_decided_many`] and
+/// [`plan::anyprecision_decided_many`] (each compensation only with `kahan`; else none, as
+/// AdamW takes none), with the guards that hold them until the launches are enqueued.
+fn decided_addresses<'a>(
+    stream: &'a CudaStream,
+    tensors: &'a mut [AdamWTensor<'_>],
+    kahan: bool,
+) -> (Vec<SyncOnDrop<'a>>, Vec<DecidedTensor>) {
+    let mut held = Vec::with_capacity(5 * tensors.len());
+    let mut addrs = Vec::with_capacity(tensors.len());
+    for t in tensors.iter_mut() {
+        let n = t.param.len();
+        let (p, gp) = t.param.device_ptr_mut(stream);
+        let (m, gm) = t.exp_avg.device_ptr_mut(stream);
+        let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
+        let (g, gg) = t.grad.device_ptr(stream);
+        held.extend([gp, gm, gv, gg]);
+        let mut compensation = None;
+        if let Some(c) = t.compensation.as_mut().filter(|_| kahan) {
+            let (cp, gc) = c.device_ptr_mut(stream);
+            compensation = Some(cp);
+            held.push(gc);
+        }
+        addrs.push(DecidedTensor {
+            param: p,
+            grad: g,
+            exp_avg: m,
+            exp_avg_sq: v,
+            compensation,
+            n,
+            decay: t.decay,
+        });
+    }
+    (held, addrs)
+}
+
 /// [`adamw_decided`](super::adamw_decided) on each of `tensors` with `choices[decay]`, in one
 /// launch per [`ADAMW_TENSORS`] tensors; bitwise the one-tensor launches.
 ///
@@ -114,27 +150,7 @@ pub fn adamw_decided_many(
         return Ok(());
     }
     let (s, _s) = scalars.device_ptr(stream);
-    let mut reads = Vec::with_capacity(tensors.len());
-    let mut writes = Vec::with_capacity(3 * tensors.len());
-    let mut addrs = Vec::with_capacity(tensors.len());
-    for t in tensors.iter_mut() {
-        let n = t.param.len();
-        let (p, gp) = t.param.device_ptr_mut(stream);
-        let (m, gm) = t.exp_avg.device_ptr_mut(stream);
-        let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
-        let (g, gg) = t.grad.device_ptr(stream);
-        writes.extend([gp, gm, gv]);
-        reads.push(gg);
-        addrs.push(DecidedTensor {
-            param: p,
-            grad: g,
-            exp_avg: m,
-            exp_avg_sq: v,
-            compensation: None,
-            n,
-            decay: t.decay,
-        });
-    }
+    let (_held, addrs) = decided_addresses(stream, tensors, false);
     let launches = plan::adamw_decided_many(choices, s, &addrs);
     // SAFETY: every tensor's four buffers hold `n` f32 (checked above), the scalars at least
     // STEP_SQUARES; all held until enqueued.
@@ -170,31 +186,7 @@ pub fn anyprecision_decided_many(
         return Ok(());
     }
     let (s, _s) = scalars.device_ptr(stream);
-    let mut guards = Vec::with_capacity(5 * tensors.len());
-    let mut addrs = Vec::with_capacity(tensors.len());
-    for t in tensors.iter_mut() {
-        let n = t.param.len();
-        let (p, gp) = t.param.device_ptr_mut(stream);
-        let (m, gm) = t.exp_avg.device_ptr_mut(stream);
-        let (v, gv) = t.exp_avg_sq.device_ptr_mut(stream);
-        let (g, gg) = t.grad.device_ptr(stream);
-        guards.extend([gp, gm, gv, gg]);
-        let mut compensation = None;
-        if let Some(c) = t.compensation.as_mut().filter(|_| kahan) {
-            let (cp, gc) = c.device_ptr_mut(stream);
-            compensation = Some(cp);
-            guards.push(gc);
-        }
-        addrs.push(DecidedTensor {
-            param: p,
-            grad: g,
-            exp_avg: m,
-            exp_avg_sq: v,
-            compensation,
-            n,
-            decay: t.decay,
-        });
-    }
+    let (_held, addrs) = decided_addresses(stream, tensors, kahan);
     let launches = plan::anyprecision_decided_many(choices, kind, s, &addrs)?;
     // SAFETY: every tensor's parameter and gradient hold `n` f32 and its state buffers
     // `state_len(n)` f32 (checked above), the compensation given exactly with Kahan summation

@@ -378,20 +378,16 @@ const FLAGS: [&str; 9] = [
     "-Werror",
 ];
 
-/// `FSDP_EMU_SANITIZE=thread` (or `address`, `undefined`) builds the emulators with that
-/// sanitizer: ThreadSanitizer reports a kernel's threads racing on shared or global memory
-/// (a missing `__syncthreads`), as the GPU's `compute-sanitizer --tool racecheck` would; the
-/// others out-of-bounds accesses and undefined behaviour. Slow (minutes): not part of CI's
-/// test run; `scripts/emulate-sanitized.sh` runs every emulated test so.
-fn sanitizer() -> Vec<String> {
-    match std::env::var("FSDP_EMU_SANITIZE") {
-        Ok(s) if !s.is_empty() => vec![
-            format!("-fsanitize={s}"),
-            "-fno-sanitize-recover=all".into(),
-            "-g".into(),
-        ],
-        _ => Vec::new(),
-    }
+/// The sanitizer `FSDP_EMU_SANITIZE` names (`thread`, `address` or `undefined`), if any: the
+/// emulators are built with it, in a directory of their own. ThreadSanitizer reports a
+/// kernel's threads racing on shared or global memory (a missing `__syncthreads`), as the
+/// GPU's `compute-sanitizer --tool racecheck` would; the others out-of-bounds accesses and
+/// undefined behaviour. Slow (minutes): not part of CI's test run;
+/// `scripts/emulate-sanitized.sh` runs every emulated test so.
+fn sanitizer() -> Option<String> {
+    std::env::var("FSDP_EMU_SANITIZE")
+        .ok()
+        .filter(|s| !s.is_empty())
 }
 
 /// What `program` needs emulated besides `cuda_shim.h`, included before its source
@@ -447,9 +443,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
         .join(format!(
             "{}{}",
             program.name().trim_end_matches(".cu"),
-            std::env::var("FSDP_EMU_SANITIZE")
-                .map(|k| format!("-{k}"))
-                .unwrap_or_default()
+            sanitizer().map(|k| format!("-{k}")).unwrap_or_default()
         ));
     std::fs::create_dir_all(&dir).unwrap();
     let source = program.source();
@@ -464,18 +458,25 @@ fn build(cxx: &str, program: Program) -> Emulator {
         }
     }
     let read = |f: &str| std::fs::read_to_string(shim.join(f)).unwrap();
-    let mut prelude_flag: Vec<String> = prelude(program)
+    // The program's prelude and the sanitizer, beside the common FLAGS.
+    let mut extra_flags: Vec<String> = prelude(program)
         .map(|h| format!("-DEMU_PRELUDE=\"{h}\""))
         .into_iter()
         .collect();
-    prelude_flag.extend(sanitizer());
+    if let Some(kind) = sanitizer() {
+        extra_flags.extend([
+            format!("-fsanitize={kind}"),
+            "-fno-sanitize-recover=all".into(),
+            "-g".into(),
+        ]);
+    }
     let mut key = format!(
         "{cxx} {}\n{}\n{}\n{source}\n{registry}",
         FLAGS.join(" "),
         read("cuda_shim.h"),
         read("generic.cpp")
     );
-    key += &format!("{}\n", prelude_flag.join(" "));
+    key += &format!("{}\n", extra_flags.join(" "));
     if let Some(h) = prelude(program) {
         key += &format!("{}\n", read(h));
     }
@@ -503,7 +504,7 @@ fn build(cxx: &str, program: Program) -> Emulator {
     let built = tmp.join("emu");
     let out = Command::new(cxx)
         .args(FLAGS)
-        .args(&prelude_flag)
+        .args(&extra_flags)
         .arg("-I")
         .arg(&tmp)
         .arg("-I")

@@ -3,7 +3,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{KernelLaunch, Param};
+use super::{blocks, KernelLaunch, Param};
 use crate::host::attention::FusedAttention;
 use crate::host::nn::HeadsLayout;
 use crate::host::CastFloat;
@@ -205,11 +205,7 @@ pub fn flash_backward<H: CastFloat>(
         KernelLaunch::new(
             Program::Attention,
             name::<H>("flash_backward_dot", a),
-            LaunchConfig {
-                grid_dim: (a.rows().div_ceil(warps) as u32, 1, 1),
-                block_dim: (FLASH_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            },
+            blocks(a.rows().div_ceil(warps) as u32, FLASH_THREADS),
             vec![
                 Param::Ptr(dout),
                 Param::Ptr(y),

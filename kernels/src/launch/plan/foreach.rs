@@ -4,7 +4,7 @@
 //! addresses by value in a struct parameter, a batch of tensors a launch.
 
 use super::step::{adamw_choice, anyprecision_choice, anyprecision_kernel};
-use super::{blocks, foreach_grid, CStruct, KernelLaunch, Param};
+use super::{blocks, column, foreach_grid, CStruct, KernelLaunch, Param};
 use crate::host::{AdamWChoice, AnyPrecision, AnyPrecisionChoice, NORM_BLOCK, NORM_ITEMS};
 use crate::{KernelError, Program};
 
@@ -16,15 +16,6 @@ pub const SQUARES_TENSORS: usize = 96;
 pub const ADAMW_TENSORS: usize = 64;
 /// The tensors one launch of `anyprecision_decided_many_*` carries.
 pub const ANYPRECISION_TENSORS: usize = 48;
-
-/// `slots` values, `f` of each of `batch` then zeros.
-fn column<T, V: Copy + Default>(slots: usize, batch: &[T], f: impl Fn(&T) -> V) -> Vec<V> {
-    let mut a = vec![V::default(); slots];
-    for (slot, t) in a.iter_mut().zip(batch) {
-        *slot = f(t);
-    }
-    a
-}
 
 /// The block sums [`sum_of_squares_many`] needs over tensors of `lens` elements (its
 /// scratch's f64 length before the launcher's minimum of one; 0 for none): the largest

@@ -103,6 +103,20 @@ pub(crate) fn blocks(grid: u32, threads: u32) -> LaunchConfig {
     }
 }
 
+/// A struct's array of `slots` fields for a batch: `f` of each of `batch`, then zeros (the
+/// unused slots of the many-tensor lists and the gather's segments).
+pub(crate) fn column<T, V: Copy + Default>(
+    slots: usize,
+    batch: &[T],
+    f: impl Fn(&T) -> V,
+) -> Vec<V> {
+    let mut a = vec![V::default(); slots];
+    for (slot, t) in a.iter_mut().zip(batch) {
+        *slot = f(t);
+    }
+    a
+}
+
 /// One kernel launch: what `cuLaunchKernel` is given.
 #[derive(Clone, Debug)]
 pub struct KernelLaunch {
@@ -214,6 +228,42 @@ impl CStruct {
         self.len = at + bytes.len();
         self.align = self.align.max(align);
         at
+    }
+
+    /// Appends `params` as fields, each as the kernel parameter of its type is laid out (an
+    /// address as a pointer field): a struct whose fields are a kernel's parameters in the same
+    /// order (`AdamWArgs` and `adamw_f32`'s scalars).
+    ///
+    /// # Panics
+    /// For a struct among `params` (none is nested).
+    pub fn fields(&mut self, params: &[Param]) -> &mut CStruct {
+        for p in params {
+            match p {
+                Param::Ptr(v) => {
+                    self.pointers(&[*v]);
+                }
+                Param::U64(v) => {
+                    self.u64s(&[*v]);
+                }
+                Param::U32(v) => {
+                    self.u32s(&[*v]);
+                }
+                Param::F32(v) => {
+                    self.f32s(&[*v]);
+                }
+                Param::U16(v) => {
+                    self.put(&v.to_le_bytes(), 2);
+                }
+                Param::I32(v) => {
+                    self.put(&v.to_le_bytes(), 4);
+                }
+                Param::F64(v) => {
+                    self.put(&v.to_le_bytes(), 8);
+                }
+                Param::Struct(_) => panic!("a struct field of a struct parameter"),
+            }
+        }
+        self
     }
 
     /// Appends device addresses (`T*` fields; 0 for unused slots).
@@ -331,6 +381,25 @@ mod tests {
         let mut f = CStruct::new();
         f.f32s(&[1.0, 2.0, 3.0]);
         assert_eq!((f.size(), f.align()), (12, 4));
+        // Parameters as fields: as the typed writers lay them out.
+        let mut g = CStruct::new();
+        g.fields(&[
+            Param::U16(3),
+            Param::Ptr(0x10),
+            Param::I32(-1),
+            Param::F64(2.5),
+            Param::U32(7),
+            Param::F32(1.5),
+            Param::U64(9),
+        ]);
+        let mut h = CStruct::new();
+        h.put(&3u16.to_le_bytes(), 2);
+        h.pointers(&[0x10]);
+        h.put(&(-1i32).to_le_bytes(), 4);
+        h.put(&2.5f64.to_le_bytes(), 8);
+        h.u32s(&[7]).f32s(&[1.5]).u64s(&[9]);
+        assert_eq!((g.bytes(), g.size(), g.align()), (h.bytes(), 48, 8));
+        assert_eq!(g.pointer_offsets(), &[8]);
     }
 
     #[test]

@@ -97,8 +97,7 @@ fn column_chunks(kernel: &'static str, rows: usize) -> Result<u32, KernelError> 
 /// The f32 length of a column reduction's scratch over `rows` rows of `columns`: one sum per
 /// chunk of [`NN_COL_CHUNK`] rows and column.
 fn chunk_scratch(kernel: &'static str, rows: usize, columns: usize) -> Result<usize, KernelError> {
-    column_chunks(kernel, rows)?;
-    Ok(rows.div_ceil(NN_COL_CHUNK).saturating_mul(columns))
+    Ok((column_chunks(kernel, rows)? as usize).saturating_mul(columns))
 }
 
 /// The f32 length of [`bias_grad`]'s scratch over `rows` rows of `columns` (the chunk sums).

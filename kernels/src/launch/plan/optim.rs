@@ -5,6 +5,34 @@ use super::{blocks, config, KernelLaunch, Param};
 use crate::host::{AdamWScalars, MomentFloat, SgdScalars, NORM_BLOCK, NORM_ITEMS};
 use crate::{KernelError, Program};
 
+/// AdamW's scalars in the kernels' order: `adamw_f32`'s and `adamw_bf16_state`'s parameters
+/// after `n`, and the fields of `AdamWArgs` (each choice of `adamw_decided_*`).
+pub(super) fn adamw_scalars(s: &AdamWScalars) -> [Param; 9] {
+    [
+        Param::F32(s.decay),
+        Param::F32(s.w1),
+        Param::F32(s.one_minus_w1),
+        Param::U32(u32::from(s.lerp_small)),
+        Param::F32(s.beta2),
+        Param::F32(s.one_minus_beta2),
+        Param::F32(s.neg_step_size),
+        Param::F32(s.bc2_sqrt),
+        Param::F32(s.eps),
+    ]
+}
+
+/// SGD's scalars in the kernels' order: `sgd_f32`'s parameters after `n`, and the fields of
+/// `SgdArgs` (each choice of `sgd_decided_f32`).
+pub(super) fn sgd_scalars(s: &SgdScalars) -> [Param; 5] {
+    [
+        Param::F32(s.neg_lr),
+        Param::F32(s.wd),
+        Param::F32(s.momentum),
+        Param::F32(s.damp),
+        Param::U32(s.flags),
+    ]
+}
+
 /// [`launch::adamw`](crate::launch::adamw): one AdamW step on `n` f32 parameters `p`, their
 /// gradients `g` and moments `m`, `v` in `S`.
 pub fn adamw<S: MomentFloat>(
@@ -18,27 +46,20 @@ pub fn adamw<S: MomentFloat>(
     if n == 0 {
         return Vec::new();
     }
-    // (float*, const float*, S*, S*, u64, 4 floats with a u32 last, 5 floats).
+    // (float*, const float*, S*, S*, u64, 3 floats, u32, 5 floats).
+    let mut params = vec![
+        Param::Ptr(p),
+        Param::Ptr(g),
+        Param::Ptr(m),
+        Param::Ptr(v),
+        Param::U64(n as u64),
+    ];
+    params.extend(adamw_scalars(s));
     vec![KernelLaunch::new(
         Program::Optim,
         S::ADAMW_KERNEL,
         config(n),
-        vec![
-            Param::Ptr(p),
-            Param::Ptr(g),
-            Param::Ptr(m),
-            Param::Ptr(v),
-            Param::U64(n as u64),
-            Param::F32(s.decay),
-            Param::F32(s.w1),
-            Param::F32(s.one_minus_w1),
-            Param::U32(u32::from(s.lerp_small)),
-            Param::F32(s.beta2),
-            Param::F32(s.one_minus_beta2),
-            Param::F32(s.neg_step_size),
-            Param::F32(s.bc2_sqrt),
-            Param::F32(s.eps),
-        ],
+        params,
     )]
 }
 
@@ -49,21 +70,18 @@ pub fn sgd(s: &SgdScalars, p: u64, g: u64, m: u64, n: usize) -> Vec<KernelLaunch
         return Vec::new();
     }
     // `sgd_f32(float*, const float*, float*, u64, 4 floats, u32)`.
+    let mut params = vec![
+        Param::Ptr(p),
+        Param::Ptr(g),
+        Param::Ptr(m),
+        Param::U64(n as u64),
+    ];
+    params.extend(sgd_scalars(s));
     vec![KernelLaunch::new(
         Program::Optim,
         "sgd_f32",
         config(n),
-        vec![
-            Param::Ptr(p),
-            Param::Ptr(g),
-            Param::Ptr(m),
-            Param::U64(n as u64),
-            Param::F32(s.neg_lr),
-            Param::F32(s.wd),
-            Param::F32(s.momentum),
-            Param::F32(s.damp),
-            Param::U32(s.flags),
-        ],
+        params,
     )]
 }
 

@@ -3,7 +3,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{CStruct, KernelLaunch, Param};
+use super::{column, CStruct, KernelLaunch, Param};
 use crate::Program;
 
 /// Threads per block of the launches over segments.
@@ -67,22 +67,12 @@ pub fn gather_copies(copies: &[GatherCopy]) -> Vec<KernelLaunch> {
     let copies: Vec<&GatherCopy> = copies.iter().filter(|c| c.len > 0).collect();
     let mut out = Vec::new();
     for batch in copies.chunks(GATHER_SEGMENTS) {
-        let column = |f: &dyn Fn(&GatherCopy) -> u64| {
-            let mut a = [0u64; GATHER_SEGMENTS];
-            for (slot, c) in a.iter_mut().zip(batch) {
-                *slot = f(c);
-            }
-            a
-        };
-        let mut widen = [0u32; GATHER_SEGMENTS];
-        for (slot, c) in widen.iter_mut().zip(batch) {
-            *slot = u32::from(c.widen);
-        }
+        let at = |f: fn(&&GatherCopy) -> u64| column(GATHER_SEGMENTS, batch, f);
         let mut s = CStruct::new();
-        s.pointers(&column(&|c| c.src))
-            .pointers(&column(&|c| c.dst))
-            .u64s(&column(&|c| c.len as u64))
-            .u32s(&widen);
+        s.pointers(&at(|c| c.src))
+            .pointers(&at(|c| c.dst))
+            .u64s(&at(|c| c.len as u64))
+            .u32s(&column(GATHER_SEGMENTS, batch, |c| u32::from(c.widen)));
         let longest = batch.iter().map(|c| c.len as u64).max().unwrap_or(1);
         let count = batch.len() as u32;
         // `gather_segments(GatherSegments g, u32 count)`.

@@ -5,6 +5,7 @@
 
 use fsdp_device::DType;
 
+use super::optim::{adamw_scalars, sgd_scalars};
 use super::{blocks, config, CStruct, KernelLaunch, Param};
 use crate::host::{
     check_rule, check_scaler, AdamWChoice, AnyPrecision, AnyPrecisionChoice, EngineDecision,
@@ -12,20 +13,12 @@ use crate::host::{
 };
 use crate::{KernelError, Program};
 
-/// `AdamWChoice` of `cu/optim.cu`: per choice `AdamWArgs` — decay, w1, one_minus_w1,
-/// lerp_small (u32), beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps.
+/// `AdamWChoice` of `cu/optim.cu`: per choice `AdamWArgs`, the one-tensor kernel's scalars
+/// ([`adamw_scalars`]).
 pub(super) fn adamw_choice(choice: &AdamWChoice) -> CStruct {
     let mut c = CStruct::new();
     for s in &choice.0 {
-        c.f32s(&[s.decay, s.w1, s.one_minus_w1])
-            .u32s(&[u32::from(s.lerp_small)])
-            .f32s(&[
-                s.beta2,
-                s.one_minus_beta2,
-                s.neg_step_size,
-                s.bc2_sqrt,
-                s.eps,
-            ]);
+        c.fields(&adamw_scalars(s));
     }
     c
 }
@@ -50,13 +43,12 @@ pub(super) fn anyprecision_choice(choice: &AnyPrecisionChoice) -> CStruct {
     c
 }
 
-/// `SgdChoice` of `cu/optim.cu`: per choice `SgdArgs` — neg_lr, wd, momentum, damp, flags
-/// (u32).
+/// `SgdChoice` of `cu/optim.cu`: per choice `SgdArgs`, the one-tensor kernel's scalars
+/// ([`sgd_scalars`]).
 fn sgd_choice(choice: &SgdChoice) -> CStruct {
     let mut c = CStruct::new();
     for s in &choice.0 {
-        c.f32s(&[s.neg_lr, s.wd, s.momentum, s.damp])
-            .u32s(&[s.flags]);
+        c.fields(&sgd_scalars(s));
     }
     c
 }
