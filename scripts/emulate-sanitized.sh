@@ -2,7 +2,8 @@
 # Every emulated kernel test (kernels/tests/emulated_*, attention_emulated) with the emulators
 # built under a sanitizer: thread (default: races between a block's threads, a missing
 # __syncthreads), address (out-of-bounds reads and writes past the canaries' reach) or
-# undefined. A sanitizer's report fails the run, naming the kernel's source line.
+# undefined (CI runs this one: an access misaligned for its type, a signed overflow, a shift past
+# a width). A sanitizer's report fails the run, naming the kernel's source line.
 #   scripts/emulate-sanitized.sh [thread|address|undefined]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -12,6 +12,7 @@ mod common;
 
 use common::emulator::{addr, bytes_of, values_of, Emulator};
 use fsdp_kernels::host::{self, KernelFloat, ReduceKind};
+use fsdp_kernels::launch::plan::Param;
 use fsdp_kernels::launch::{self, plan};
 use fsdp_kernels::Program;
 use half::{bf16, f16};
@@ -174,6 +175,25 @@ fn casts_are_their_twins() {
         );
         emu.run_plan(&mut bufs, &plan);
         assert_bits(&from_bytes::<bf16>(&bufs[1]), &want, "cast_f32_bf16 (x4)");
+    }
+    // The x4 kernel given that 4-byte-aligned source is refused, as a GPU faults on it. Not on
+    // a GPU itself: a misaligned address there poisons the context for every later test.
+    if !emu.on_cuda() {
+        let mut bad = plan::cast::<f32, bf16>(addr(0), addr(1), n).unwrap();
+        let Param::Ptr(src) = &mut bad[0].params[0] else {
+            panic!("{bad:?}")
+        };
+        *src += 4;
+        let mut bufs = vec![bytes_of(&hard_f32(n + 1, 11)), vec![0xAB; n * 2]];
+        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            emu.run_plan(&mut bufs, &bad)
+        }))
+        .expect_err("a misaligned f32x4 pointer");
+        let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(
+            msg.contains("parameter 0 is misaligned: buffer 0 + 4 bytes, where its type needs 16"),
+            "{msg}"
+        );
     }
 }
 

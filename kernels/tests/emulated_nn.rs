@@ -91,6 +91,70 @@ fn ln_input(n: usize, c: usize) -> Vec<f32> {
     x
 }
 
+/// Two blocks of one launch writing one byte are refused: a plan whose `mean` points into
+/// `y`'s second row has each block write its row's mean where block 1 writes that row. On a GPU the
+/// blocks run concurrently, so whichever is written last is a race; the emulator runs them
+/// one at a time and finds each byte a block changed. Not run on a GPU, which has no such
+/// check (the result there is one of the two writes).
+#[test]
+fn two_blocks_writing_one_byte_are_refused() {
+    let Some(emu) = Emulator::build(Program::Nn, "two_blocks_writing_one_byte_are_refused") else {
+        return;
+    };
+    if emu.on_cuda() {
+        println!("skipped: a GPU does not check this");
+        return;
+    }
+    let (n, c) = (4, 48);
+    let (x, w, b) = (ln_input(n, c), data(c, 2, 1.0), data(c, 3, 1.0));
+    let bufs = || {
+        vec![
+            bytes_of(&x),
+            bytes_of(&w),
+            bytes_of(&b),
+            nans(n * c),
+            nans(n),
+            nans(n),
+        ]
+    };
+    let a = |i| addr(i);
+    let overlapping = plan::layernorm_forward::<f32>(
+        a(0),
+        a(1),
+        a(2),
+        EPS,
+        a(3),
+        a(3) + 4 * c as u64,
+        a(5),
+        n,
+        c,
+    )
+    .unwrap();
+    let mut racy = bufs();
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        emu.run_plan(&mut racy, &overlapping)
+    }))
+    .expect_err("blocks 0 and 1 both write y's second row's first element");
+    let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    // Block r writes mean[r], y's element c + r, which block 1 writes too (the blocks run in
+    // a shuffled order, so the pair found first is any of them).
+    let byte: usize = msg
+        .split("both wrote byte ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("{msg}"));
+    assert!(
+        msg.contains("layernorm_forward_f32: blocks (")
+            && msg.contains(&format!("byte {byte} of buffer 3"))
+            && (4 * c..4 * (c + n)).contains(&byte),
+        "{msg}"
+    );
+    // The same launch with `mean` in its own buffer runs.
+    let mut fine = bufs();
+    emu.run_plan(&mut fine, &layernorm_forward_plan::<f32>(n, c));
+}
+
 /// layernorm_forward_f32, _bf16 and _f16 as `launch::layernorm_forward` launches them
 /// (`plan::layernorm_forward`: one block of NN_BLOCK threads per row); y, mean and rstd the
 /// twin's bits (y rounded as the cast kernel rounds for the 16-bit kernels).

@@ -2,7 +2,8 @@
 // as C++ and run a kernel's block as host threads: one std::thread per CUDA thread,
 // __syncthreads a barrier of the block, a warp's shuffles and mma.sync exchanges through memory
 // between two barriers of the warp. Blocks run one after another (in a shuffled order), so a
-// kernel's __shared__ arrays (function statics here) belong to the block that runs. The `_rn` intrinsics are the
+// kernel's __shared__ arrays (function statics here) belong to the block that runs; a byte of
+// global memory changed by two blocks of one launch is refused (EmuWrites). The `_rn` intrinsics are the
 // host's IEEE operations (compiled with -ffp-contract=off: nothing fused but __fmaf_rn).
 //
 // mma.sync.m16n8k16 (f32 accumulators, bf16 or f16 operands) is computed from the fragment
@@ -127,6 +128,59 @@ template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
 // The launches run so far (each one's blocks in an order of its own).
 inline unsigned long long emu_launches = 0;
 
+// The memory a launch may write (the buffers its non-const pointers and its structs' pointers
+// reach), set by the emulator's driver for each launch, and the kernel's name. After each
+// block the emulator finds the bytes it changed; a byte changed by two blocks of one launch
+// is refused, because no kernel here uses atomics: on a GPU, whose blocks run concurrently,
+// that is a lost update or a race whatever order the blocks run in (which the shuffle alone
+// cannot show when the result does not depend on the order, as for two additions).
+struct EmuRegion {
+    size_t buffer;
+    unsigned char* base;
+    size_t size;
+};
+inline std::vector<EmuRegion> emu_regions;
+inline const char* emu_kernel = "";
+
+// Each watched byte's value before the block and the block that last changed it (0: none).
+struct EmuWrites {
+    std::vector<std::vector<unsigned char>> before;
+    std::vector<std::vector<unsigned long long>> writer;
+    EmuWrites() {
+        for (const auto& r : emu_regions) {
+            before.emplace_back(r.base, r.base + r.size);
+            writer.emplace_back(r.size, 0ull);
+        }
+    }
+    // After block `o` (x + y · gridDim.x) of the launch: claims the bytes it changed.
+    void after_block(unsigned long long o) {
+        constexpr size_t CHUNK = 64;
+        for (size_t i = 0; i < emu_regions.size(); ++i) {
+            const auto& r = emu_regions[i];
+            unsigned char* old = before[i].data();
+            for (size_t at = 0; at < r.size; at += CHUNK) {
+                size_t n = std::min(CHUNK, r.size - at);
+                if (std::memcmp(old + at, r.base + at, n) == 0) continue;
+                for (size_t k = at; k < at + n; ++k) {
+                    if (old[k] == r.base[k]) continue;
+                    unsigned long long w = writer[i][k];
+                    if (w != 0 && w != o + 1) {
+                        std::fprintf(stderr,
+                                     "emulator: %s: blocks (%llu, %llu) and (%llu, %llu) both "
+                                     "wrote byte %zu of buffer %zu (on a GPU a lost update or a "
+                                     "race: no kernel here uses atomics)\n",
+                                     emu_kernel, (w - 1) % gridDim.x, (w - 1) / gridDim.x,
+                                     o % gridDim.x, o / gridDim.x, k, r.buffer);
+                        std::exit(2);
+                    }
+                    writer[i][k] = o + 1;
+                    old[k] = r.base[k];
+                }
+            }
+        }
+    }
+};
+
 // Runs `kernel` (a lambda over the kernel's arguments) on a grid of blocks of `block.x` ×
 // `block.y` threads. The blocks run one after another in a shuffled order (fixed by the
 // launch's number, so a run is repeatable), as a GPU promises no order: a kernel whose
@@ -142,6 +196,7 @@ inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
         state = state * 6364136223846793005ull + 1442695040888963407ull;
         std::swap(order[i - 1], order[(state >> 33) % i]);
     }
+    EmuWrites writes;
     for (unsigned long long o : order) {
         unsigned x = (unsigned)(o % grid.x), y = (unsigned)(o / grid.x);
         {
@@ -159,6 +214,7 @@ inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
             for (auto& t : ts) t.join();
             emu_block = nullptr;
         }
+        writes.after_block(o);
     }
 }
 

@@ -6,7 +6,9 @@
 // `EMU_KERNEL(name)` line per kernel (Program::kernels) and one `EMU_BOUNDS(name, bound)` per
 // `__launch_bounds__` of the source, both written by the test before it compiles this file.
 // A launch is refused as a GPU refuses it: an empty grid, one past the grid's limits, a block
-// past 1024 threads or past the kernel's __launch_bounds__. A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
+// past 1024 threads or past the kernel's __launch_bounds__; a pointer parameter not aligned for its
+// type is refused as a GPU faults on it, and a byte that two blocks of one launch change as a
+// race (cuda_shim.h's EmuWrites). A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
 // runs the launches in order and writes every buffer back to DIR/out.bin. request.txt:
 //   buffers COUNT            then COUNT lines: BYTES
 //   launch NAME GX GY BX BY ARGS     a grid of GX × GY blocks of BX × BY threads, then ARGS
@@ -44,6 +46,8 @@ struct EmuArg {
     char kind = 0;
     std::vector<unsigned char> bytes;
     size_t buf = 0, offset = 0;
+    // A value's relocations: the buffers its pointer fields reach.
+    std::vector<size_t> reaches;
 };
 
 // The bytes around every buffer (64 to 127 before, 64 to 127 after), checked after the run: a
@@ -65,7 +69,18 @@ template <typename T> static T emu_get(const EmuBuffers& b, const EmuArg& a, siz
     if constexpr (std::is_pointer_v<T>) {
         if (a.kind == 'n') return nullptr;
         if (a.kind != 'p') emu_fail("parameter " + std::to_string(i) + " is a pointer");
-        return reinterpret_cast<T>(b.at(a.buf, a.offset));
+        unsigned char* p = b.at(a.buf, a.offset);
+        // A pointer must be aligned for what it points to (an f32x4 to 16 bytes): a GPU faults
+        // with "misaligned address" at its first access, and the error poisons the context.
+        using P = std::remove_cv_t<std::remove_pointer_t<T>>;
+        if constexpr (!std::is_void_v<P>) {
+            if ((uintptr_t)p % alignof(P))
+                emu_fail("parameter " + std::to_string(i) + " is misaligned: buffer " +
+                         std::to_string(a.buf) + " + " + std::to_string(a.offset) +
+                         " bytes, where its type needs " + std::to_string(alignof(P)) +
+                         " (a misaligned address on a GPU)");
+        }
+        return reinterpret_cast<T>(p);
     } else {
         if (a.kind != 'v' || a.bytes.size() != sizeof(T))
             emu_fail("parameter " + std::to_string(i) + " is a value of " +
@@ -84,7 +99,23 @@ static void emu_call(void (*f)(A...), const EmuBuffers& b, const std::vector<Emu
                      emu_dim3 grid, emu_dim3 block, std::index_sequence<I...>) {
     // The arguments are unpacked once; every thread calls the kernel with the same values.
     auto args = std::make_tuple(emu_get<A>(b, a[I], I)...);
+    // The buffers the launch may write: those of its pointers to non-const and those a struct
+    // passed by value points into (their fields' constness is not known here).
+    std::vector<bool> written(b.base.size(), false);
+    auto mark = [&](auto type, const EmuArg& arg) {
+        using T = typename decltype(type)::type;
+        if constexpr (std::is_pointer_v<T>) {
+            if (!std::is_const_v<std::remove_pointer_t<T>> && arg.kind == 'p') written[arg.buf] = true;
+        } else {
+            for (size_t r : arg.reaches) written[r] = true;
+        }
+    };
+    (mark(std::type_identity<A>{}, a[I]), ...);
+    emu_regions.clear();
+    for (size_t i = 0; i < written.size(); ++i)
+        if (written[i]) emu_regions.push_back({i, b.base[i], b.sizes[i]});
     emu_launch(grid, block, [&] { std::apply(f, args); });
+    emu_regions.clear();
 }
 
 template <typename... A> static EmuEntry emu_entry(void (*f)(A...)) {
@@ -190,12 +221,14 @@ int main(int argc, char** argv) {
                     if (at + 8 > a.bytes.size()) emu_fail("a relocation past its value");
                     unsigned long long addr = (unsigned long long)(uintptr_t)b.at(buf, offset);
                     std::memcpy(a.bytes.data() + at, &addr, 8);
+                    a.reaches.push_back(buf);
                 }
             } else {
                 emu_fail("request: an argument of kind " + kind);
             }
             if (!req) emu_fail("request: the arguments of " + name);
         }
+        emu_kernel = name.c_str();
         k->second(b, args, grid, block);
     }
     for (size_t i = 0; i < b.base.size(); ++i) {
