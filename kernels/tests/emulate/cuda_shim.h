@@ -15,6 +15,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -118,10 +120,21 @@ template <typename T, typename F> inline T emu_shuffle(T v, F from) {
     emu_warp_sync();
     return r;
 }
-template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
+// The emulator exchanges whole warps: a shuffle naming fewer lanes is refused rather than left
+// to deadlock (every kernel here names all 32).
+inline void emu_whole_warp(unsigned lanes) {
+    if (lanes != 0xffffffffu) {
+        std::fprintf(stderr, "emulator: a shuffle of lanes 0x%08x (the emulator takes 0xffffffff)\n",
+                     lanes);
+        std::exit(2);
+    }
+}
+template <typename T> inline T __shfl_xor_sync(unsigned lanes, T v, int mask) {
+    emu_whole_warp(lanes);
     return emu_shuffle(v, [mask](int lane) { return lane ^ mask; });
 }
-template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
+template <typename T> inline T __shfl_sync(unsigned lanes, T v, int src) {
+    emu_whole_warp(lanes);
     return emu_shuffle(v, [src](int) { return src; });
 }
 
