@@ -197,6 +197,49 @@ fn casts_are_their_twins() {
     }
 }
 
+/// A block that reads what another block of its launch writes is refused: `axpby` with `x`
+/// one block's span ahead of `y` in the same buffer has block b read the elements block b + 1
+/// writes, which on a GPU it may read before or after that write. The emulator runs the launch
+/// with every block seeing the launch's start and again one block after another, and the two
+/// differ. Not run on a GPU, which has no such check.
+#[test]
+fn a_block_reading_another_blocks_writes_is_refused() {
+    let Some(emu) = emulator(
+        "a_block_reading_another_blocks_writes_is_refused",
+        Program::Elementwise,
+    ) else {
+        return;
+    };
+    if emu.on_cuda() {
+        println!("skipped: a GPU does not check this");
+        return;
+    }
+    let (n, span) = (8 * 256, 256usize);
+    let bufs = || vec![bytes_of(&hard_f32(n + span, 5))];
+    let ahead = plan::axpby::<f32>(0.5, addr(0) + 4 * span as u64, 2.0, addr(0), n);
+    assert!(ahead[0].config.grid_dim.0 > 1, "{ahead:?}");
+    let mut racy = bufs();
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        emu.run_plan(&mut racy, &ahead)
+    }))
+    .expect_err("block b reads what block b + 1 writes");
+    let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("axpby_f32: a block read what another block of the launch wrote"),
+        "{msg}"
+    );
+    // `x` where `y` is (each element read and written by one thread) runs, and is the twin's.
+    let mut in_place = bufs();
+    let x = values_of::<f32>(&in_place[0]);
+    let mut want = x.clone();
+    host::axpby(0.5, &x, 2.0, &mut want).unwrap();
+    emu.run_plan(
+        &mut in_place,
+        &plan::axpby::<f32>(0.5, addr(0), 2.0, addr(0), n + span),
+    );
+    assert_bits(&values_of::<f32>(&in_place[0]), &want, "axpby_f32 in place");
+}
+
 /// axpby, div_scalar and memset of every type; scale_by and unscale_by (a factor of 1 leaves
 /// the values alone).
 #[test]

@@ -2,8 +2,8 @@
 // as C++ and run a kernel's block as host threads: one std::thread per CUDA thread,
 // __syncthreads a barrier of the block, a warp's shuffles and mma.sync exchanges through memory
 // between two barriers of the warp. Blocks run one after another (in a shuffled order), so a
-// kernel's __shared__ arrays (function statics here) belong to the block that runs; a byte of
-// global memory changed by two blocks of one launch is refused (EmuWrites). The `_rn` intrinsics are the
+// kernel's __shared__ arrays (function statics here) belong to the block that runs; a launch
+// runs twice to find blocks that race on global memory (EmuWrites). The `_rn` intrinsics are the
 // host's IEEE operations (compiled with -ffp-contract=off: nothing fused but __fmaf_rn).
 //
 // mma.sync.m16n8k16 (f32 accumulators, bf16 or f16 operands) is computed from the fragment
@@ -142,11 +142,7 @@ template <typename T> inline T __shfl_sync(unsigned lanes, T v, int src) {
 inline unsigned long long emu_launches = 0;
 
 // The memory a launch may write (the buffers its non-const pointers and its structs' pointers
-// reach), set by the emulator's driver for each launch, and the kernel's name. After each
-// block the emulator finds the bytes it changed; a byte changed by two blocks of one launch
-// is refused, because no kernel here uses atomics: on a GPU, whose blocks run concurrently,
-// that is a lost update or a race whatever order the blocks run in (which the shuffle alone
-// cannot show when the result does not depend on the order, as for two additions).
+// reach), set by the emulator's driver for each launch, and the kernel's name.
 struct EmuRegion {
     size_t buffer;
     unsigned char* base;
@@ -155,41 +151,74 @@ struct EmuRegion {
 inline std::vector<EmuRegion> emu_regions;
 inline const char* emu_kernel = "";
 
-// Each watched byte's value before the block and the block that last changed it (0: none).
+[[noreturn]] inline void emu_race(const char* what, size_t byte, size_t buffer) {
+    std::fprintf(stderr,
+                 "emulator: %s: %s byte %zu of buffer %zu (a race on a GPU, whose blocks run "
+                 "concurrently: no kernel here uses atomics or orders its blocks)\n",
+                 emu_kernel, what, byte, buffer);
+    std::exit(2);
+}
+
+// A launch's blocks against the memory they may write. GPU blocks run concurrently, and no
+// kernel here uses atomics, so two things are races whatever order the blocks run in:
+// - a byte that two blocks set to different values (a lost update: two additions give the
+//   same sum in either order, so the shuffle alone cannot show it);
+// - a block reading what another block of the launch wrote.
+// So a launch runs twice. First every block sees memory as it was at the launch's start (its
+// own writes aside): after each block the bytes it changed are claimed — a byte another block
+// set to another value is the first race — kept aside and restored. Then the blocks run again
+// from the launch's start, in the same order, each seeing the writes of those before it, as a
+// sequential run would: memory that then differs from the first run's is the second race.
 struct EmuWrites {
-    std::vector<std::vector<unsigned char>> before;
+    // The watched memory at the launch's start; the first run's result; who set each byte
+    // there (1 + the block's index, 0: none).
+    std::vector<std::vector<unsigned char>> start, result;
     std::vector<std::vector<unsigned long long>> writer;
     EmuWrites() {
         for (const auto& r : emu_regions) {
-            before.emplace_back(r.base, r.base + r.size);
+            start.emplace_back(r.base, r.base + r.size);
             writer.emplace_back(r.size, 0ull);
         }
+        result = start;
     }
-    // After block `o` (x + y · gridDim.x) of the launch: claims the bytes it changed.
+    // After block `o` (x + y · gridDim.x) of the first run: claims the bytes it changed and
+    // restores them for the next block.
     void after_block(unsigned long long o) {
         constexpr size_t CHUNK = 64;
         for (size_t i = 0; i < emu_regions.size(); ++i) {
             const auto& r = emu_regions[i];
-            unsigned char* old = before[i].data();
+            const unsigned char* old = start[i].data();
             for (size_t at = 0; at < r.size; at += CHUNK) {
                 size_t n = std::min(CHUNK, r.size - at);
                 if (std::memcmp(old + at, r.base + at, n) == 0) continue;
                 for (size_t k = at; k < at + n; ++k) {
                     if (old[k] == r.base[k]) continue;
                     unsigned long long w = writer[i][k];
-                    if (w != 0 && w != o + 1) {
-                        std::fprintf(stderr,
-                                     "emulator: %s: blocks (%llu, %llu) and (%llu, %llu) both "
-                                     "wrote byte %zu of buffer %zu (on a GPU a lost update or a "
-                                     "race: no kernel here uses atomics)\n",
-                                     emu_kernel, (w - 1) % gridDim.x, (w - 1) / gridDim.x,
-                                     o % gridDim.x, o / gridDim.x, k, r.buffer);
-                        std::exit(2);
+                    if (w != 0 && w != o + 1 && result[i][k] != r.base[k]) {
+                        char what[160];
+                        std::snprintf(what, sizeof what,
+                                      "blocks (%llu, %llu) and (%llu, %llu) both wrote",
+                                      (w - 1) % gridDim.x, (w - 1) / gridDim.x, o % gridDim.x,
+                                      o / gridDim.x);
+                        emu_race(what, k, r.buffer);
                     }
                     writer[i][k] = o + 1;
-                    old[k] = r.base[k];
+                    result[i][k] = r.base[k];
+                    r.base[k] = old[k];
                 }
             }
+        }
+    }
+    // After the second run: its memory must be the first run's.
+    void compare() const {
+        for (size_t i = 0; i < emu_regions.size(); ++i) {
+            const auto& r = emu_regions[i];
+            if (std::memcmp(result[i].data(), r.base, r.size) == 0) continue;
+            size_t k = 0;
+            while (result[i][k] == r.base[k]) ++k;
+            emu_race("a block read what another block of the launch wrote: run one after another, "
+                     "the blocks leave another value than when each sees the launch's start at",
+                     k, r.buffer);
         }
     }
 };
@@ -197,7 +226,8 @@ struct EmuWrites {
 // Runs `kernel` (a lambda over the kernel's arguments) on a grid of blocks of `block.x` ×
 // `block.y` threads. The blocks run one after another in a shuffled order (fixed by the
 // launch's number, so a run is repeatable), as a GPU promises no order: a kernel whose
-// blocks read what other blocks of the same launch write fails, whichever comes first.
+// blocks read what other blocks of the same launch write fails, whichever comes first; where
+// the driver names the memory the launch may write (emu_regions), twice, as EmuWrites says.
 inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()>& kernel) {
     gridDim = grid;
     blockDim = {block.x, block.y, 1};
@@ -209,26 +239,33 @@ inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
         state = state * 6364136223846793005ull + 1442695040888963407ull;
         std::swap(order[i - 1], order[(state >> 33) % i]);
     }
+    auto run_block = [&](unsigned long long o) {
+        unsigned x = (unsigned)(o % grid.x), y = (unsigned)(o / grid.x);
+        EmuBlock b(threads);
+        emu_block = &b;
+        emu_poison_shared();
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t)
+            ts.emplace_back([&, t, x, y] {
+                emu_tid = t;
+                threadIdx = {(unsigned)t % block.x, (unsigned)t / block.x, 0};
+                blockIdx = {x, y, 0};
+                kernel();
+            });
+        for (auto& t : ts) t.join();
+        emu_block = nullptr;
+    };
+    if (emu_regions.empty()) {
+        for (unsigned long long o : order) run_block(o);
+        return;
+    }
     EmuWrites writes;
     for (unsigned long long o : order) {
-        unsigned x = (unsigned)(o % grid.x), y = (unsigned)(o / grid.x);
-        {
-            EmuBlock b(threads);
-            emu_block = &b;
-            emu_poison_shared();
-            std::vector<std::thread> ts;
-            for (int t = 0; t < threads; ++t)
-                ts.emplace_back([&, t, x, y] {
-                    emu_tid = t;
-                    threadIdx = {(unsigned)t % block.x, (unsigned)t / block.x, 0};
-                    blockIdx = {x, y, 0};
-                    kernel();
-                });
-            for (auto& t : ts) t.join();
-            emu_block = nullptr;
-        }
+        run_block(o);
         writes.after_block(o);
     }
+    for (unsigned long long o : order) run_block(o);
+    writes.compare();
 }
 
 // The same on one-dimensional blocks of `threads`.
