@@ -104,21 +104,49 @@ pub struct StepTimes {
     pub tokens_per_step: usize,
     /// Every step's loss.
     pub losses: Vec<f32>,
+    /// With [`Reads::AtOnce`], each step's two parts: the host's time enqueuing it (until
+    /// `enqueue_step` returns), and the time it then waited for the step's outcome — the
+    /// device's work still queued. Empty with [`Reads::OneLate`], whose enqueuing overlaps
+    /// the step before.
+    ///
+    /// The second tells who sets the pace: a host that runs behind the device leaves it a
+    /// kernel or two to finish (well under a millisecond); a device that runs behind leaves
+    /// much of the step queued, the host having been held back only by the driver's launch
+    /// queue filling up.
+    pub enqueue: Vec<Duration>,
+    /// See [`enqueue`](Self::enqueue).
+    pub drain: Vec<Duration>,
+}
+
+/// The median of `t` after its first `warmup` (all of them when there are no more).
+fn median_after(t: &[Duration], warmup: usize) -> Duration {
+    let mut t: Vec<Duration> = match t.get(warmup..) {
+        Some(rest) if !rest.is_empty() => rest.to_vec(),
+        _ => t.to_vec(),
+    };
+    t.sort();
+    match t.len() {
+        0 => Duration::ZERO,
+        n if n % 2 == 1 => t[n / 2],
+        n => (t[n / 2 - 1] + t[n / 2]) / 2,
+    }
 }
 
 impl StepTimes {
     /// The median of the steps after warm-up (all of them when there are no more).
     pub fn median(&self) -> Duration {
-        let mut t: Vec<Duration> = match self.steps.get(self.warmup..) {
-            Some(rest) if !rest.is_empty() => rest.to_vec(),
-            _ => self.steps.clone(),
-        };
-        t.sort();
-        match t.len() {
-            0 => Duration::ZERO,
-            n if n % 2 == 1 => t[n / 2],
-            n => (t[n / 2 - 1] + t[n / 2]) / 2,
-        }
+        median_after(&self.steps, self.warmup)
+    }
+
+    /// With [`Reads::AtOnce`], the medians after warm-up of the host's enqueuing and of the
+    /// wait that followed it ([`enqueue`](Self::enqueue)); `None` otherwise.
+    pub fn split_medians(&self) -> Option<(Duration, Duration)> {
+        (!self.enqueue.is_empty()).then(|| {
+            (
+                median_after(&self.enqueue, self.warmup),
+                median_after(&self.drain, self.warmup),
+            )
+        })
     }
 
     /// Tokens per second at the median step.
@@ -165,7 +193,10 @@ pub fn time_steps<T: TimedTrainer>(
         warmup,
         tokens_per_step,
         losses: Vec::with_capacity(steps),
+        enqueue: Vec::new(),
+        drain: Vec::new(),
     };
+    let mut split = Vec::new();
     let mut last = Instant::now();
     let mut arrived = |r: Reported| {
         let now = Instant::now();
@@ -191,14 +222,23 @@ pub fn time_steps<T: TimedTrainer>(
                 }
             }
             Reads::AtOnce => {
-                let outcome = trainer.step(tokens, step)?;
-                arrived(Reported { step, outcome })?;
+                // `step` in its two parts, each timed.
+                let t0 = Instant::now();
+                if let Some(r) = trainer.enqueue_step(tokens, step)? {
+                    // A step enqueued before this call, read now.
+                    arrived(r)?;
+                }
+                let t1 = Instant::now();
+                let r = trainer.flush()?.ok_or(DeviceTrainError::Unread { step })?;
+                split.push((t1 - t0, t1.elapsed()));
+                arrived(r)?;
             }
         }
     }
     if let Some(r) = trainer.flush()? {
         arrived(r)?;
     }
+    (times.enqueue, times.drain) = split.into_iter().unzip();
     Ok(times)
 }
 
@@ -226,6 +266,8 @@ pub fn time_engine_steps<O: EngineViews>(
         warmup,
         tokens_per_step: rows * t,
         losses: Vec::with_capacity(steps),
+        enqueue: Vec::new(),
+        drain: Vec::new(),
     };
     let mut last = Instant::now();
     let mut step = 0;

@@ -75,6 +75,21 @@ fn timed_steps_train_exactly_as_untimed_steps() {
         assert!(times.tokens_per_s() > 0.0);
         assert!(times.median() >= *times.steps[1..].iter().min().unwrap());
         assert!(times.median() <= *times.steps[1..].iter().max().unwrap());
+        // Read at once, each step's time is its enqueuing and the wait after it.
+        match reads {
+            Reads::OneLate => assert_eq!(times.split_medians(), None),
+            Reads::AtOnce => {
+                assert_eq!((times.enqueue.len(), times.drain.len()), (4, 4));
+                for k in 0..4 {
+                    assert!(
+                        times.enqueue[k] + times.drain[k] <= times.steps[k],
+                        "step {k}"
+                    );
+                }
+                let (e, d) = times.split_medians().unwrap();
+                assert!(e + d <= times.steps[1..].iter().sum::<Duration>());
+            }
+        }
     }
 }
 
@@ -86,6 +101,8 @@ fn the_median_leaves_out_the_warm_up() {
         warmup,
         tokens_per_step: 1000,
         losses: Vec::new(),
+        enqueue: Vec::new(),
+        drain: Vec::new(),
     };
     assert_eq!(t(vec![ms(90), ms(3), ms(1), ms(2)], 1).median(), ms(2));
     assert_eq!(
@@ -96,6 +113,10 @@ fn the_median_leaves_out_the_warm_up() {
     assert_eq!(t(vec![ms(9), ms(1), ms(5)], 3).median(), ms(5));
     let x = t(vec![ms(10), ms(2)], 1);
     assert_eq!(x.tokens_per_s(), 500_000.0);
+    // The split medians leave out the same warm-up.
+    let mut y = t(vec![ms(90), ms(5), ms(7)], 1);
+    (y.enqueue, y.drain) = (vec![ms(80), ms(4), ms(6)], vec![ms(9), ms(1), ms(0)]);
+    assert_eq!(y.split_medians(), Some((ms(5), ms(1) / 2)));
 }
 
 #[test]

@@ -30,12 +30,13 @@ use fsdp::optim::{AdamWConfig, LrSchedule};
 use fsdp::ShardingStrategy;
 use fsdp_allocator::{AllocatorBackend, AllocatorConfig};
 use fsdp_gpt::data::synthetic_corpus;
-use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes};
+use fsdp_gpt::device_bench::{model_flops_per_token, time_steps, Reads, StepTimes, TimedTrainer};
 use fsdp_gpt::device_comm::CommVolume;
 use fsdp_gpt::device_peer::PeerComm;
 use fsdp_gpt::device_plan::plan_memory;
 use fsdp_gpt::device_plan_alloc::plan_allocator;
 use fsdp_gpt::device_sharded::ShardedDeviceTrainer;
+use fsdp_gpt::device_train::DeviceTrainError;
 use fsdp_gpt::device_train::{seeded_params, DeviceTrainConfig, DeviceTrainer};
 use fsdp_gpt::model::GptConfig;
 use fsdp_kernels::gemm::{Blas, MatMul};
@@ -103,6 +104,11 @@ struct Args {
     /// one-late reads.
     #[arg(long)]
     wait_each_step: bool,
+    /// After the timed steps, this many more read at once, each timed in its two parts: the
+    /// host's enqueuing, and its wait for the device after it (`StepTimes::enqueue`), at world
+    /// 1 and for rank 0 of `--ranks` — which of the two sets the pace. 0: none.
+    #[arg(long, default_value_t = 5)]
+    split_steps: usize,
     /// Dense bf16 peak of the GPU in TFLOP/s (default: by its name).
     #[arg(long)]
     peak_tflops: Option<f64>,
@@ -169,7 +175,7 @@ fn run_sharded<O: PeerOps>(
     config: DeviceTrainConfig,
     args: &Args,
     world: usize,
-) -> Result<(StepTimes, CommVolume, Vec<MemoryUse>), String>
+) -> Result<(StepTimes, Option<StepTimes>, CommVolume, Vec<MemoryUse>), String>
 where
     O::Event: 'static,
 {
@@ -177,14 +183,15 @@ where
     let params = seeded_params(&config.cfg, 1337).map_err(|e| e.to_string())?;
     let tokens = synthetic_corpus(200_000, config.cfg.vocab_size as u16, 1337);
     let comms = PeerComm::<O>::group(world, std::time::Duration::from_secs(600));
-    type End = (StepTimes, CommVolume, MemoryUse);
+    type End = (StepTimes, Option<StepTimes>, CommVolume, MemoryUse);
     let rank = |r: usize, comm: PeerComm<O>| -> Result<End, String> {
         let mut t = ShardedDeviceTrainer::new(ops(r)?, comm, config, strategy, &params)
             .map_err(|e| format!("rank {r}: {e}"))?;
         let times = time_steps(&mut t, &tokens, args.steps, args.warmup, Reads::OneLate)
             .map_err(|e| format!("rank {r}: {e}"))?;
         let per_step = t.comm_volume().per_step(args.steps as u64);
-        Ok((times, per_step, t.memory()))
+        let split = split_steps(&mut t, &tokens, args).map_err(|e| format!("rank {r}: {e}"))?;
+        Ok((times, split, per_step, t.memory()))
     };
     let ends: Vec<Result<End, String>> = std::thread::scope(|s| {
         let rank = &rank;
@@ -204,12 +211,12 @@ where
     let mut first = None;
     let mut memory = Vec::with_capacity(world);
     for end in ends {
-        let (t, v, m) = end?;
-        first.get_or_insert((t, v));
+        let (t, split, v, m) = end?;
+        first.get_or_insert((t, split, v));
         memory.push(m);
     }
-    let (times, volume) = first.ok_or("no rank")?;
-    Ok((times, volume, memory))
+    let (times, split, volume) = first.ok_or("no rank")?;
+    Ok((times, split, volume, memory))
 }
 
 /// (n_layer, n_head, n_embd, block_size, vocab_size) as `torch_fsdp2_gpt.py`'s MODELS.
@@ -262,6 +269,8 @@ fn gemm_tflops(ops: &CudaOps, n: usize, reps: usize) -> Result<f64, String> {
 
 struct Outcome {
     times: StepTimes,
+    /// The steps read at once (`--split-steps`).
+    split: Option<StepTimes>,
     counted: MemoryUse,
     pool: Option<MemoryUse>,
     /// Where the buffers came from and what that memory reports.
@@ -284,13 +293,49 @@ fn run<O: GptOps>(
     };
     let times = time_steps(&mut trainer, &tokens, args.steps, args.warmup, reads)
         .map_err(|e| e.to_string())?;
+    let split = match reads {
+        Reads::AtOnce => Some(times.clone()),
+        Reads::OneLate => split_steps(&mut trainer, &tokens, args).map_err(|e| e.to_string())?,
+    };
     let ops = trainer.ops();
     Ok(Outcome {
         times,
+        split,
         counted: trainer.memory(),
         pool: after(ops),
         memory: ops.memory_source().zip(ops.memory_report()),
     })
+}
+
+/// `--split-steps` more steps of `trainer`, each read at once and timed in its two parts.
+fn split_steps<T: TimedTrainer>(
+    trainer: &mut T,
+    tokens: &[u16],
+    args: &Args,
+) -> Result<Option<StepTimes>, DeviceTrainError> {
+    if args.split_steps == 0 {
+        return Ok(None);
+    }
+    // One step of warm-up: the first after the one-late steps finds the queue empty.
+    let n = args.split_steps + 1;
+    time_steps(trainer, tokens, n, 1, Reads::AtOnce).map(Some)
+}
+
+/// The line saying who set the pace of `split`'s steps (read at once: the host enqueued each,
+/// then waited for the device's queued work).
+fn split_line(split: &StepTimes) -> Option<String> {
+    let (enqueue, drain) = split.split_medians()?;
+    let (e, d) = (enqueue.as_secs_f64() * 1e3, drain.as_secs_f64() * 1e3);
+    let pace = if d < 0.05 * (e + d) {
+        "the host sets the pace: the device ends right after the last launch"
+    } else {
+        "the device sets the pace: its queued work outlasts the enqueuing"
+    };
+    Some(format!(
+        "read at once ({} steps): the host enqueues a step in {e:.2} ms, then waits {d:.2} ms \
+         for the device ({pace})",
+        split.steps.len().saturating_sub(split.warmup)
+    ))
 }
 
 fn main() -> ExitCode {
@@ -450,6 +495,10 @@ fn bench(args: &Args) -> Result<(), String> {
             t.losses.first().copied().unwrap_or(f32::NAN),
             t.losses.last().copied().unwrap_or(f32::NAN),
         );
+        if let Some(line) = outcome.split.as_ref().and_then(split_line) {
+            println!("  {line}");
+            println!("RESULT gpt-device-bench {name} pace world 1: {line}");
+        }
         println!(
             "  peak memory: {} counted, {} planned{}",
             human_bytes(outcome.counted.peak),
@@ -526,7 +575,7 @@ fn bench(args: &Args) -> Result<(), String> {
         }
         if args.ranks > 1 {
             let world = args.ranks;
-            let (times, volume, memory) = match cuda_ordinal {
+            let (times, split, volume, memory) = match cuda_ordinal {
                 Some(n) => run_sharded(
                     |r| {
                         let stream = fsdp_device::Stream::cuda(n, format!("rank {r}"))
@@ -556,6 +605,10 @@ fn bench(args: &Args) -> Result<(), String> {
                 times.losses.first().copied().unwrap_or(f32::NAN),
                 times.losses.last().copied().unwrap_or(f32::NAN),
             );
+            if let Some(line) = split.as_ref().and_then(split_line) {
+                println!("  rank 0, {line}");
+                println!("RESULT gpt-device-bench {name} pace world {world} rank 0: {line}");
+            }
             println!(
                 "  rank 0's collectives a step: all-gathered {}, reduce-scattered {}, \
                  all-reduced {}",
