@@ -185,11 +185,7 @@ fn casts_are_their_twins() {
         };
         *src += 4;
         let mut bufs = vec![bytes_of(&hard_f32(n + 1, 11)), vec![0xAB; n * 2]];
-        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            emu.run_plan(&mut bufs, &bad)
-        }))
-        .expect_err("a misaligned f32x4 pointer");
-        let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+        let msg = emu.run_plan_refused(&mut bufs, &bad, "a misaligned f32x4 pointer");
         assert!(
             msg.contains("parameter 0 is misaligned: buffer 0 + 4 bytes, where its type needs 16"),
             "{msg}"
@@ -219,11 +215,7 @@ fn a_block_reading_another_blocks_writes_is_refused() {
     let ahead = plan::axpby::<f32>(0.5, addr(0) + 4 * span as u64, 2.0, addr(0), n);
     assert!(ahead[0].config.grid_dim.0 > 1, "{ahead:?}");
     let mut racy = bufs();
-    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        emu.run_plan(&mut racy, &ahead)
-    }))
-    .expect_err("block b reads what block b + 1 writes");
-    let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    let msg = emu.run_plan_refused(&mut racy, &ahead, "block b reads what block b + 1 writes");
     assert!(
         msg.contains("axpby_f32: a block read what another block of the launch wrote"),
         "{msg}"

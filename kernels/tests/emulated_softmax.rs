@@ -369,11 +369,7 @@ fn launches_a_gpu_refuses_are_refused() {
         let mut launches = good.clone();
         mutate(&mut launches[0].config);
         let mut bufs = vec![bytes_of(&scores(pairs, t)), vec![0; 4 * pairs * t * t]];
-        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            emu.run_plan(&mut bufs, &launches)
-        }))
-        .expect_err(why);
-        let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+        let msg = emu.run_plan_refused(&mut bufs, &launches, why);
         // On a GPU (FSDP_EMULATED_ON=cuda) the driver refuses the launch in its own words.
         let why = if emu.on_cuda() { "enqueueing" } else { why };
         assert!(msg.contains(why), "{why}: {msg}");

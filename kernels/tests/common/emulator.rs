@@ -251,6 +251,21 @@ impl Emulator {
         self.run(buffers, &launches);
     }
 
+    /// Run a plan that must be refused (`why` says why it must), and return the refusal's
+    /// message: the emulator's (or, on a GPU, the driver's) words.
+    pub fn run_plan_refused(
+        &self,
+        buffers: &mut [Vec<u8>],
+        launches: &[KernelLaunch],
+        why: &str,
+    ) -> String {
+        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.run_plan(buffers, launches)
+        }))
+        .expect_err(why);
+        e.downcast_ref::<String>().cloned().unwrap_or_default()
+    }
+
     /// Run `launches` in order over `buffers` (each kernel's outputs written in place), on the
     /// host emulator.
     pub fn run(&self, buffers: &mut [Vec<u8>], launches: &[Launch]) {
