@@ -6,9 +6,10 @@
 // `EMU_KERNEL(name)` line per kernel (Program::kernels) and one `EMU_BOUNDS(name, bound)` per
 // `__launch_bounds__` of the source, both written by the test before it compiles this file.
 // A launch is refused as a GPU refuses it: an empty grid, one past the grid's limits, a block
-// past 1024 threads or past the kernel's __launch_bounds__; a pointer parameter not aligned for its
-// type is refused as a GPU faults on it, and a byte that two blocks of one launch change as a
-// race (cuda_shim.h's EmuWrites). A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
+// past 1024 threads or past the kernel's __launch_bounds__; a pointer parameter not aligned for
+// its type is refused as a GPU faults on it, and a launch whose blocks race (two setting one
+// byte to different values, or one reading another's writes: cuda_shim.h's EmuWrites) as the
+// race it is on a GPU. A run reads DIR/request.txt and DIR/in.bin (the buffers, concatenated),
 // runs the launches in order and writes every buffer back to DIR/out.bin. request.txt:
 //   buffers COUNT            then COUNT lines: BYTES
 //   launch NAME GX GY BX BY ARGS     a grid of GX × GY blocks of BX × BY threads, then ARGS
