@@ -16,4 +16,4 @@ for f in kernels/tests/emulated_*.rs kernels/tests/emulated_*/ kernels/tests/att
 done
 # The sanitized executables are built apart from the plain ones (a directory per sanitizer).
 FSDP_EMU_SANITIZE="$kind" TSAN_OPTIONS="halt_on_error=1" ASAN_OPTIONS="halt_on_error=1" \
-    cargo test -p fsdp-kernels "${tests[@]}" -- --test-threads 1
+    cargo test --no-fail-fast -p fsdp-kernels "${tests[@]}" -- --test-threads 1

@@ -91,11 +91,13 @@ fn ln_input(n: usize, c: usize) -> Vec<f32> {
     x
 }
 
-/// Two blocks of one launch writing one byte are refused: a plan whose `mean` points into
-/// `y`'s second row has each block write its row's mean where block 1 writes that row. On a GPU the
-/// blocks run concurrently, so whichever is written last is a race; the emulator runs them
-/// one at a time and finds each byte a block changed. Not run on a GPU, which has no such
-/// check (the result there is one of the two writes).
+/// Two blocks of one launch writing one byte are refused: a plan whose `mean` points at the
+/// end of `y`'s last row has blocks 0 to n − 2 write their means where block n − 1 writes that
+/// row (and block n − 1 its own just past it, so that no two threads of one block write one
+/// place: ThreadSanitizer, under `scripts/emulate-sanitized.sh thread`, would report that
+/// first). On a GPU the blocks run concurrently, so whichever is written last is a race; the
+/// emulator runs them one at a time and finds each byte a block changed. Not run on a GPU,
+/// which has no such check (the result there is one of the two writes).
 #[test]
 fn two_blocks_writing_one_byte_are_refused() {
     let Some(emu) = Emulator::build(Program::Nn, "two_blocks_writing_one_byte_are_refused") else {
@@ -112,11 +114,13 @@ fn two_blocks_writing_one_byte_are_refused() {
             bytes_of(&x),
             bytes_of(&w),
             bytes_of(&b),
-            nans(n * c),
+            nans(n * c + n),
             nans(n),
             nans(n),
         ]
     };
+    // mean[r] is y's element n·c − (n − 1) + r.
+    let at = n * c - (n - 1);
     let a = |i| addr(i);
     let overlapping = plan::layernorm_forward::<f32>(
         a(0),
@@ -124,7 +128,7 @@ fn two_blocks_writing_one_byte_are_refused() {
         a(2),
         EPS,
         a(3),
-        a(3) + 4 * c as u64,
+        a(3) + 4 * at as u64,
         a(5),
         n,
         c,
@@ -134,10 +138,10 @@ fn two_blocks_writing_one_byte_are_refused() {
     let msg = emu.run_plan_refused(
         &mut racy,
         &overlapping,
-        "every block's mean lands in the row block 1 writes",
+        "the means of blocks 0 to n − 2 land in the row block n − 1 writes",
     );
-    // Block r writes mean[r], y's element c + r, which block 1 writes too (the blocks run in
-    // a shuffled order, so the pair found first is any of them).
+    // Blocks 0 to n − 2 write y's elements n·c − (n − 1) … n·c − 1, which block n − 1 writes
+    // too (the blocks run in a shuffled order, so the pair found first is any of them).
     let byte: usize = msg
         .split("both wrote byte ")
         .nth(1)
@@ -147,7 +151,7 @@ fn two_blocks_writing_one_byte_are_refused() {
     assert!(
         msg.contains("layernorm_forward_f32: blocks (")
             && msg.contains(&format!("byte {byte} of buffer 3"))
-            && (4 * c..4 * (c + n)).contains(&byte),
+            && (4 * at..4 * n * c).contains(&byte),
         "{msg}"
     );
     // The same launch with `mean` in its own buffer runs.
