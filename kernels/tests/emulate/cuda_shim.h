@@ -142,7 +142,8 @@ template <typename T> inline T __shfl_sync(unsigned lanes, T v, int src) {
 inline unsigned long long emu_launches = 0;
 
 // The memory a launch may write (the buffers its non-const pointers and its structs' pointers
-// reach), set by the emulator's driver for each launch, and the kernel's name.
+// reach, empty ones left out), set by the emulator's driver for each launch, and the kernel's
+// name.
 struct EmuRegion {
     size_t buffer;
     unsigned char* base;

@@ -114,7 +114,7 @@ static void emu_call(void (*f)(A...), const EmuBuffers& b, const std::vector<Emu
     (mark(std::type_identity<A>{}, a[I]), ...);
     emu_regions.clear();
     for (size_t i = 0; i < written.size(); ++i)
-        if (written[i]) emu_regions.push_back({i, b.base[i], b.sizes[i]});
+        if (written[i] && b.sizes[i] > 0) emu_regions.push_back({i, b.base[i], b.sizes[i]});
     emu_launch(grid, block, [&] { std::apply(f, args); });
     emu_regions.clear();
 }
